@@ -1,0 +1,71 @@
+# Kascade: developer and operator targets. `make help` lists them.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+KASCADE := $(VENV)/bin/kascade
+QUICK ?=
+BENCHES ?= planner transfer live operator sim
+NAMESPACE ?= kascade-system
+KUBECONFIG ?= $(HOME)/.cache/kascade/cluster/kubeconfig
+IMAGE ?= ghcr.io/kascade/kascade:dev
+export KUBECONFIG
+
+.PHONY: help install test check lint typecheck bench e2e e2e-kind manifests chart-lint \
+        cluster-up cluster-down deploy undeploy images demo clean
+
+help: ## List targets
+	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
+
+install: ## Fresh machine: system tools, venv with every extra, test model, local control plane
+	bash hack/install.sh
+
+test: ## Run the test suite (real control plane, real engines; skips with reasons where absent)
+	bash hack/pytest.sh
+
+check: lint typecheck test ## Everything CI runs after install
+
+lint: ## ruff, import contracts, CRDs in the chart equal crds/
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
+	$(PY) hack/sync_manifests.py --check
+
+typecheck: ## mypy (strict on kascade_planner)
+	$(VENV)/bin/mypy -p kascade_planner -p kascade_cli
+
+bench: ## Benchmarks that print ratios (QUICK=1 for the short versions)
+	@for b in $(BENCHES); do \
+	  if [ -f bench/$$b.py ]; then echo "== bench $$b"; $(PY) bench/$$b.py $(if $(QUICK),--quick,) || exit 1; fi; \
+	done
+
+e2e: ## End-to-end tests only (real control plane + real engine processes)
+	bash hack/pytest.sh tests/e2e -m "cluster"
+
+e2e-kind: ## e2e on kind for Docker users (cannot run on the dev machines)
+	bash e2e/kind/run.sh
+
+manifests: ## Copy crds/ into the Helm chart
+	$(PY) hack/sync_manifests.py
+
+chart-lint: ## helm lint the chart
+	$$(readlink -f $(HOME)/.cache/kascade/bin/current)/helm lint charts/kascade
+
+cluster-up: ## Start the local control plane (etcd, apiserver, kcm, scheduler, kwok) with fake GPU nodes
+	$(KASCADE) cluster up
+
+cluster-down: ## Stop the local control plane
+	$(KASCADE) cluster down
+
+deploy: ## Install Kascade (CRDs, RBAC, operator, pool) into $$KUBECONFIG with Helm
+	$$(readlink -f $(HOME)/.cache/kascade/bin/current)/helm upgrade --install kascade charts/kascade -n $(NAMESPACE) --create-namespace
+
+undeploy: ## Remove the Helm release
+	$$(readlink -f $(HOME)/.cache/kascade/bin/current)/helm uninstall kascade -n $(NAMESPACE)
+
+images: ## Build the operator/engine image (needs Docker; not available on the dev machines)
+	docker build -t $(IMAGE) .
+
+demo: ## The main job: local control plane, Kascade, real engines, a burst, scale up and down
+	$(KASCADE) demo
+
+clean:
+	rm -rf .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info

@@ -1,0 +1,21 @@
+"""What a test does when something it needs is absent: skip locally with the reason, fail in CI.
+
+CI (CI=true) installs every requirement, so a skip there would hide a broken install step.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in {"1", "true", "yes"}
+
+
+def unavailable(reason: str) -> None:
+    """Skip the calling test (locally) or fail it (in CI), naming what is missing."""
+    if in_ci():
+        pytest.fail(f"required in CI but unavailable: {reason}")
+    pytest.skip(reason)

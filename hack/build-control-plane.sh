@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# Build a real Kubernetes control plane (kube-apiserver, kube-controller-manager, kube-scheduler,
+# etcd, KWOK, Helm) from the Go module proxy, cached by version under $KASCADE_CACHE so that only
+# the first build is slow. Prints the bin directory on success.
+#
+# Why Go modules: no Docker here, and the distro packages are too old (etcd 3.4 lacks /readyz and
+# RequestWatchProgress). Go 1.27 breaks kube-openapi, so this refuses anything but Go 1.26.x.
+set -euo pipefail
+
+K8S_VERSION=${K8S_VERSION:-v1.36.3}
+ETCD_VERSION=${ETCD_VERSION:-v3.6.16}
+KWOK_VERSION=${KWOK_VERSION:-v0.8.0}
+HELM_VERSION=${HELM_VERSION:-v3.21.4}
+CACHE=${KASCADE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kascade}
+BIN=$CACHE/bin/k8s-$K8S_VERSION-etcd-$ETCD_VERSION-kwok-$KWOK_VERSION-helm-$HELM_VERSION
+WORK=$CACHE/build
+export GOTOOLCHAIN=${GOTOOLCHAIN:-local}
+export GOFLAGS=${GOFLAGS:--mod=mod}
+export CGO_ENABLED=0
+
+log() { echo "[build-control-plane] $(date +%H:%M:%S) $*" >&2; }
+
+gov=$(go env GOVERSION)
+case "$gov" in
+  go1.26*) ;;
+  *) log "need Go 1.26.x (Go 1.27 serves a broken OpenAPI), found $gov"; exit 2 ;;
+esac
+
+mkdir -p "$BIN" "$WORK"
+have() { [ -x "$BIN/$1" ]; }
+
+if ! have kube-apiserver || ! have kube-controller-manager || ! have kube-scheduler; then
+  log "building kube-apiserver, kube-controller-manager, kube-scheduler $K8S_VERSION (cold: ~10 min on 2 cores)"
+  d=$WORK/k8s-$K8S_VERSION; rm -rf "$d"; mkdir -p "$d"; cd "$d"
+  minor=$(echo "$K8S_VERSION" | cut -d. -f2)
+  gomod_go="1.$((minor - 10)).0"
+  cat > go.mod <<GOMOD
+module local/kascade-k8s-builder
+
+go $gomod_go
+godebug default=go1.$((minor - 10))
+GOMOD
+  # k8s.io/kubernetes requires its staging modules at v0.0.0 and replaces them locally; replaces in a
+  # dependency are ignored, so pin every staging module to the matching v0.Y.Z ourselves.
+  gomodfile=$(go mod download -json "k8s.io/kubernetes@$K8S_VERSION" | python3 -c 'import json,sys;print(json.load(sys.stdin)["GoMod"])')
+  for m in $(sed -n 's#^[[:space:]]*\(k8s.io/[a-z0-9-]*\) => \./staging/.*#\1#p' "$gomodfile"); do
+    go mod edit -replace="$m=$m@v0.${K8S_VERSION#v1.}"
+  done
+  go mod edit -require="k8s.io/kubernetes@$K8S_VERSION"
+  go get -tool "k8s.io/kubernetes/cmd/kube-apiserver@$K8S_VERSION" \
+               "k8s.io/kubernetes/cmd/kube-controller-manager@$K8S_VERSION" \
+               "k8s.io/kubernetes/cmd/kube-scheduler@$K8S_VERSION"
+  V=k8s.io/component-base/version
+  ldf="-s -w -X $V.gitVersion=$K8S_VERSION -X $V.gitMajor=1 -X $V.gitMinor=$minor -X $V.gitTreeState=clean"
+  for c in kube-apiserver kube-controller-manager kube-scheduler; do
+    have $c && continue
+    log "go build $c"
+    go build -trimpath -ldflags "$ldf" -o "$BIN/$c.tmp" "k8s.io/kubernetes/cmd/$c" && mv "$BIN/$c.tmp" "$BIN/$c"
+  done
+fi
+
+if ! have etcd; then
+  log "building etcd $ETCD_VERSION"
+  d=$WORK/etcd-$ETCD_VERSION; rm -rf "$d"; mkdir -p "$d"; cd "$d"
+  go mod init local/kascade-etcd-builder >/dev/null 2>&1
+  go get -tool "go.etcd.io/etcd/server/v3@$ETCD_VERSION"
+  go build -trimpath -ldflags "-s -w" -o "$BIN/etcd.tmp" go.etcd.io/etcd/server/v3 && mv "$BIN/etcd.tmp" "$BIN/etcd"
+fi
+
+if ! have kwok; then
+  log "building kwok $KWOK_VERSION"
+  GOBIN=$BIN go install "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
+fi
+# kwok's stage definitions ship in its module zip; standalone kwok needs them via --config.
+if [ ! -f "$BIN/kwok-stages.yaml" ]; then
+  moddir=$(GOFLAGS= go mod download -json "sigs.k8s.io/kwok@$KWOK_VERSION" | python3 -c 'import json,sys;print(json.load(sys.stdin)["Dir"])')
+  : > "$BIN/kwok-stages.yaml.tmp"
+  for f in node-initialize.yaml node-heartbeat-with-lease.yaml pod-ready.yaml pod-complete.yaml pod-delete.yaml; do
+    p=$(find "$moddir/kustomize/stage" -name "$f" | head -1)
+    [ -n "$p" ] || { log "kwok stage $f not found in $moddir"; exit 3; }
+    { echo "---"; cat "$p"; } >> "$BIN/kwok-stages.yaml.tmp"
+  done
+  mv "$BIN/kwok-stages.yaml.tmp" "$BIN/kwok-stages.yaml"
+fi
+
+if ! have helm; then
+  log "building helm $HELM_VERSION"
+  GOBIN=$BIN go install "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
+fi
+
+if ! have kubectl; then
+  log "building kubectl $K8S_VERSION"
+  d=$WORK/kubectl-$K8S_VERSION; rm -rf "$d"; mkdir -p "$d"; cd "$d"
+  go mod init local/kascade-kubectl-builder >/dev/null 2>&1
+  go get -tool "k8s.io/kubectl@v0.${K8S_VERSION#v1.}" 2>/dev/null || true
+  minor=$(echo "$K8S_VERSION" | cut -d. -f2)
+  V=k8s.io/component-base/version
+  GOBIN=$BIN go install -trimpath -ldflags "-s -w -X $V.gitVersion=$K8S_VERSION -X $V.gitMajor=1 -X $V.gitMinor=$minor" \
+    "k8s.io/kubernetes/cmd/kubectl@$K8S_VERSION" 2>/dev/null \
+  || (cd "$WORK/k8s-$K8S_VERSION" && go get -tool "k8s.io/kubernetes/cmd/kubectl@$K8S_VERSION" && \
+      go build -trimpath -ldflags "-s -w -X $V.gitVersion=$K8S_VERSION -X $V.gitMajor=1 -X $V.gitMinor=$minor" -o "$BIN/kubectl" k8s.io/kubernetes/cmd/kubectl)
+fi
+
+ln -sfn "$BIN" "$CACHE/bin/current"   # what the test fixtures and `kascade cluster` use
+log "ready in $BIN (linked as $CACHE/bin/current)"
+echo "$BIN"
