@@ -1,0 +1,1 @@
+"""kascade_engine package."""
