@@ -75,10 +75,12 @@ fi
 if [ ! -f "$BIN/kwok-stages.yaml" ]; then
   moddir=$(GOFLAGS= go mod download -json "sigs.k8s.io/kwok@$KWOK_VERSION" | python3 -c 'import json,sys;print(json.load(sys.stdin)["Dir"])')
   : > "$BIN/kwok-stages.yaml.tmp"
-  for f in node-initialize.yaml node-heartbeat-with-lease.yaml pod-ready.yaml pod-complete.yaml pod-delete.yaml; do
-    p=$(find "$moddir/kustomize/stage" -name "$f" | head -1)
-    [ -n "$p" ] || { log "kwok stage $f not found in $moddir"; exit 3; }
-    { echo "---"; cat "$p"; } >> "$BIN/kwok-stages.yaml.tmp"
+  # The "fast" stages: nodes Ready and pods Running without artificial delays.
+  for f in node/fast/node-initialize.yaml node/heartbeat-with-lease/node-heartbeat-with-lease.yaml \
+           pod/fast/pod-ready.yaml pod/fast/pod-complete.yaml pod/fast/pod-delete.yaml; do
+    p=$moddir/kustomize/stage/$f
+    [ -f "$p" ] || { log "kwok stage $f not found in $moddir"; exit 3; }
+    { echo "---"; cat "$p"; echo; } >> "$BIN/kwok-stages.yaml.tmp"
   done
   mv "$BIN/kwok-stages.yaml.tmp" "$BIN/kwok-stages.yaml"
 fi

@@ -1,0 +1,85 @@
+"""The real local control plane: versions, fake GPU nodes, scheduling, controllers, clean teardown."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kascade_devcluster import processes
+from kascade_devcluster.binaries import MissingBinaries, bin_dir
+from kascade_devcluster.controlplane import ControlPlane
+from kascade_devcluster.nodes import KWOK_TOLERATION
+from kascade_devcluster.requirement import unavailable
+
+pytestmark = pytest.mark.cluster
+
+
+def test_apiserver_reports_pinned_version(control_plane: ControlPlane) -> None:
+    out = json.loads(control_plane.kubectl("version", "-o", "json").stdout)
+    assert out["serverVersion"]["gitVersion"].startswith("v1.3")
+    assert out["serverVersion"]["gitVersion"] != "v0.0.0-master+$Format:%H$"
+    assert out["serverVersion"]["gitVersion"] == out["clientVersion"]["gitVersion"]
+
+
+def test_kwok_nodes_ready_with_topology(control_plane: ControlPlane, kwok_nodes: Callable[..., list[str]]) -> None:
+    names = kwok_nodes(3, gpus=4, leaves=2)
+    items = json.loads(control_plane.kubectl("get", "nodes", *names, "-o", "json").stdout)["items"]
+    assert sorted(i["metadata"]["name"] for i in items) == sorted(names)
+    for node in items:
+        ready = {c["type"]: c["status"] for c in node["status"]["conditions"]}["Ready"]
+        assert ready == "True"
+        assert node["status"]["allocatable"]["nvidia.com/gpu"] == "4"
+        assert node["metadata"]["labels"]["kascade.io/leaf"] in {"leaf-0", "leaf-1"}
+
+
+def _pod(name: str, ns: str, gpus: int) -> dict[str, object]:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns},
+            "spec": {"tolerations": [KWOK_TOLERATION],
+                     "containers": [{"name": "engine", "image": "kascade/engine:dev",
+                                     "resources": {"limits": {"nvidia.com/gpu": str(gpus)}}}]}}
+
+
+def test_scheduler_places_gpu_pod_and_it_runs(control_plane: ControlPlane, kwok_nodes: Callable[..., list[str]],
+                                              namespace: str) -> None:
+    names = kwok_nodes(2, gpus=2)
+    control_plane.kubectl("apply", "-f", "-", input=json.dumps(_pod("fits", namespace, 2)))
+    control_plane.kubectl("apply", "-f", "-", input=json.dumps(_pod("too-big", namespace, 3)))
+    control_plane.kubectl("-n", namespace, "wait", "--for=jsonpath={.status.phase}=Running", "pod/fits", "--timeout=60s")
+    pod = json.loads(control_plane.kubectl("-n", namespace, "get", "pod", "fits", "-o", "json").stdout)
+    assert pod["spec"]["nodeName"] in names
+    # A pod asking for more GPUs than any node has stays Pending: the scheduler really counts GPUs.
+    time.sleep(1.0)
+    big = json.loads(control_plane.kubectl("-n", namespace, "get", "pod", "too-big", "-o", "json").stdout)
+    assert big["status"]["phase"] == "Pending"
+    assert "nodeName" not in big["spec"]
+
+
+def test_deployment_creates_pods_through_controller_manager(control_plane: ControlPlane,
+                                                            kwok_nodes: Callable[..., list[str]], namespace: str) -> None:
+    kwok_nodes(1, gpus=8)
+    dep = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "pool", "namespace": namespace},
+           "spec": {"replicas": 3, "selector": {"matchLabels": {"app": "pool"}},
+                    "template": {"metadata": {"labels": {"app": "pool"}}, "spec": _pod("x", namespace, 1)["spec"]}}}
+    control_plane.kubectl("apply", "-f", "-", input=json.dumps(dep))
+    control_plane.kubectl("-n", namespace, "rollout", "status", "deployment/pool", "--timeout=60s")
+    pods = json.loads(control_plane.kubectl("-n", namespace, "get", "pods", "-l", "app=pool", "-o", "json").stdout)["items"]
+    assert len(pods) == 3
+    assert {p["status"]["phase"] for p in pods} == {"Running"}
+
+
+def test_stop_leaves_no_processes(tmp_path: Path) -> None:
+    try:
+        bins = bin_dir()
+    except MissingBinaries as e:
+        unavailable(str(e))
+    cp = ControlPlane(tmp_path, bins).start(scheduling=False, kwok=False)
+    pids = dict(cp.pids)
+    assert set(pids) == {"etcd", "kube-apiserver"}
+    assert all(processes.alive(p) for p in pids.values())
+    cp.stop()
+    assert not any(processes.alive(p) for p in pids.values())
+    assert not (tmp_path / "state.json").exists()

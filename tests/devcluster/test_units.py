@@ -1,0 +1,77 @@
+"""Pure parts of the local control plane: ports, kubeconfig, node manifests, state file errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kascade_devcluster.controlplane import ControlPlane, StateError
+from kascade_devcluster.kubeconfig import kubeconfig_text
+from kascade_devcluster.nodes import KWOK_KEY, node_manifest, topology_specs
+from kascade_devcluster.ports import free_ports
+
+
+def test_free_ports_are_distinct_and_unprivileged() -> None:
+    ports = free_ports(8)
+    assert len(set(ports)) == 8
+    assert all(1024 < p < 65536 for p in ports)
+    with pytest.raises(ValueError, match="n must be"):
+        free_ports(-1)
+
+
+def test_kubeconfig_uses_token_and_ca(tmp_path: Path) -> None:
+    cfg = yaml.safe_load(kubeconfig_text("https://127.0.0.1:6443", tmp_path / "ca.crt", "tok"))
+    assert cfg["clusters"][0]["cluster"] == {"server": "https://127.0.0.1:6443", "certificate-authority": str(tmp_path / "ca.crt")}
+    assert cfg["users"][0]["user"] == {"token": "tok"}
+    assert cfg["current-context"] == cfg["contexts"][0]["name"]
+
+
+def test_topology_specs_spread_over_leaves() -> None:
+    specs = topology_specs(5, gpus=4, leaves=2)
+    assert [s.leaf for s in specs] == ["leaf-0", "leaf-1", "leaf-0", "leaf-1", "leaf-0"]
+    assert {s.gpus for s in specs} == {4}
+    with pytest.raises(ValueError, match="leaves >= 1"):
+        topology_specs(2, leaves=0)
+
+
+def test_node_manifest_is_kwok_managed_with_topology() -> None:
+    m = node_manifest(topology_specs(1, gpus=8)[0], "s")
+    meta = m["metadata"]
+    assert isinstance(meta, dict)
+    assert meta["annotations"][KWOK_KEY] == "fake"
+    assert meta["labels"]["kascade.io/leaf"] == "leaf-0"
+    assert meta["labels"]["kascade.io/nic-gbps"] == "100"
+    status = m["status"]
+    assert isinstance(status, dict)
+    assert status["capacity"]["nvidia.com/gpu"] == "8"
+    spec = m["spec"]
+    assert isinstance(spec, dict)
+    assert spec["taints"][0]["effect"] == "NoSchedule"
+
+
+def test_state_round_trip(tmp_path: Path) -> None:
+    cp = ControlPlane(tmp_path, tmp_path / "bin", 1234, "tok", {"etcd": 11, "kube-apiserver": 12})
+    cp.save()
+    back = ControlPlane.load(tmp_path)
+    assert (back.api_port, back.token, back.pids, back.bin_dir) == (1234, "tok", cp.pids, tmp_path / "bin")
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [(None, "no control plane state"), ("{not json", "not valid JSON"), (json.dumps({"pids": {}}), "malformed state")],
+)
+def test_bad_state_file_is_a_clear_error(tmp_path: Path, content: str | None, message: str) -> None:
+    if content is not None:
+        (tmp_path / "state.json").write_text(content)
+    with pytest.raises(StateError, match=message) as e:
+        ControlPlane.load(tmp_path)
+    assert "state.json" in str(e.value)
+
+
+def test_start_refuses_when_state_exists(tmp_path: Path) -> None:
+    (tmp_path / "state.json").write_text("{}")
+    with pytest.raises(StateError, match="may be running"):
+        ControlPlane(tmp_path, tmp_path).start()
