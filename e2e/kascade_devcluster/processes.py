@@ -7,6 +7,7 @@ in this interpreter are also stopped at interpreter exit as a safety net.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import signal
@@ -84,7 +85,5 @@ def tail(path: Path, lines: int = 20) -> str:
 @atexit.register
 def _stop_all() -> None:
     for pid in list(_started):
-        try:
+        with contextlib.suppress(Exception):
             stop(pid, timeout=3.0)
-        except Exception:  # noqa: BLE001 - best effort at exit
-            pass
