@@ -28,6 +28,7 @@ def up(n_nodes: int, gpus_per_node: int, leaves: int, crds: bool, state_dir: Pat
     t0 = time.monotonic()
     click.echo("starting etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok ...")
     cp = ControlPlane.create(state_dir).start()
+    cp.detach()
     click.echo(f"  api server ready at {cp.api_url} ({time.monotonic() - t0:.1f} s)")
     names = nodes.create_nodes(cp, nodes.topology_specs(n_nodes, gpus_per_node, leaves), "cluster-up")
     click.echo(f"  {len(names)} fake GPU nodes Ready ({gpus_per_node} GPUs each, {leaves} leaves)")

@@ -66,8 +66,7 @@ class ControlPlane:
     def start(self, scheduling: bool = True, kwok: bool = True, timeout: float = 60.0) -> ControlPlane:
         t0 = time.monotonic()
         if (self.state_dir / STATE_FILE).exists():
-            raise StateError(f"{self.state_dir / STATE_FILE} exists: a control plane may be running "
-                             "(stop it with `kascade cluster down`)")
+            self._clear_stale_state()
         for sub in ("etcd", "logs"):
             shutil.rmtree(self.state_dir / sub, ignore_errors=True)
         pki = make_pki(self.state_dir / "pki")
@@ -138,6 +137,22 @@ class ControlPlane:
             if pid is not None:
                 processes.stop(pid)
         (self.state_dir / STATE_FILE).unlink(missing_ok=True)
+
+    def detach(self) -> None:
+        """Keep the components running after this process exits (`kascade cluster up`)."""
+        for pid in self.pids.values():
+            processes.detach(pid)
+
+    def _clear_stale_state(self) -> None:
+        try:
+            old = ControlPlane.load(self.state_dir)
+        except StateError as e:
+            raise StateError(f"{e}; remove it to start afresh") from None
+        if any(old.running().values()):
+            raise StateError(f"{self.state_dir / STATE_FILE}: a control plane is running "
+                             "(stop it with `kascade cluster down`)")
+        log.info("removing stale state of a stopped control plane")
+        (self.state_dir / STATE_FILE).unlink()
 
     # -- state file ------------------------------------------------------------------------
     def save(self) -> None:

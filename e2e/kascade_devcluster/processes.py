@@ -75,6 +75,11 @@ def stop(pid: int, timeout: float = 10.0) -> None:
     raise RuntimeError(f"process {pid} survived SIGKILL")
 
 
+def detach(pid: int) -> None:
+    """Let `pid` outlive this interpreter (e.g. `kascade cluster up`); stop it later by PID."""
+    _started.discard(pid)
+
+
 def tail(path: Path, lines: int = 20) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])

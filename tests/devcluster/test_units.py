@@ -71,7 +71,15 @@ def test_bad_state_file_is_a_clear_error(tmp_path: Path, content: str | None, me
     assert "state.json" in str(e.value)
 
 
-def test_start_refuses_when_state_exists(tmp_path: Path) -> None:
+def test_start_refuses_when_a_live_control_plane_owns_the_state(tmp_path: Path) -> None:
+    import os
+
+    ControlPlane(tmp_path, tmp_path, 1, "t", {"etcd": os.getpid()}).save()  # a live pid
+    with pytest.raises(StateError, match="is running"):
+        ControlPlane(tmp_path, tmp_path).start()
+
+
+def test_start_refuses_on_corrupt_state(tmp_path: Path) -> None:
     (tmp_path / "state.json").write_text("{}")
-    with pytest.raises(StateError, match="may be running"):
+    with pytest.raises(StateError, match="remove it to start afresh"):
         ControlPlane(tmp_path, tmp_path).start()
