@@ -1,0 +1,122 @@
+"""BlitzScale multi-chain multicast (§5.1): serial forwarding chains S -> T1 -> ... -> Tn.
+
+Data flow: (topology, sources, targets, KV flows) -> prune sources whose egress already carries a
+flow (direction-aware interference) -> allot sources to leaves (leaf-local first) -> group each leaf's
+targets by scale-up domain and deal the groups to that leaf's chains, longest group first onto the
+shortest chain -> order each chain by decreasing bandwidth -> flows (sharded g-wide when both ends
+have g GPUs). A chain costs about |M|/B_min + (n-1)·chunk/B_min, nearly independent of n; the tail of
+every chain is the next scaling round's source (the parameter pool grows with finished targets).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kascade_planner.plan import Flow, Instance, ModelLayout, Plan, PlanError
+from kascade_planner.topology import Topology
+
+
+@dataclass(frozen=True)
+class ChainOptions:
+    shard: bool = True  # NVLink-group sharded transfer between equal-TP instances
+    max_fallbacks: int = 2
+
+
+def hop_flows(src: Instance, dst: Instance, blocks: tuple[str, ...], shard: bool) -> list[Flow]:
+    g = src.gpus
+    if shard and g > 1 and dst.gpus == g and src.kind == "gpu":
+        return [Flow(src.id, dst.id, blocks, (i, g)) for i in range(g)]
+    return [Flow(src.id, dst.id, blocks)]
+
+
+def prune_sources(sources: Sequence[Instance], kv_flows: Sequence[tuple[str, str]]) -> tuple[list[Instance], list[str]]:
+    """Drop sources whose egress already carries a flow (e.g. prefill instances sending KV to decode):
+    a link carries at most one flow per direction. Their ingress side stays usable for other work."""
+    busy = {src for src, _ in kv_flows}
+    kept = [s for s in sources if s.id not in busy]
+    notes = [f"pruned source {s.id}: its egress carries a KV flow" for s in sources if s.id in busy]
+    if not kept and sources:
+        raise PlanError("every source's egress carries a KV flow: no interference-free source "
+                        f"(sources: {', '.join(s.id for s in sources)})")
+    return kept, notes
+
+
+def _bw(topo: Topology, inst: Instance) -> float:
+    return topo.node(inst.node).nic_gbps * inst.gpus
+
+
+def build_chains(topo: Topology, model: ModelLayout, sources: Sequence[Instance], targets: Sequence[Instance],
+                 kv_flows: Sequence[tuple[str, str]] = (), overloaded: Sequence[str] = (),
+                 options: ChainOptions = ChainOptions()) -> Plan:
+    if not targets:
+        raise PlanError("no targets to load")
+    usable, notes = prune_sources(sorted(sources, key=lambda s: s.id), kv_flows)
+    leaf_of = {n.name: n.leaf for n in topo.nodes}
+    for i in (*usable, *targets):
+        topo.node(i.node)  # unknown nodes are an error naming the node
+
+    # Targets by leaf, then by scale-up domain (a domain's targets stay adjacent in one chain).
+    by_leaf: dict[str, dict[str, list[Instance]]] = defaultdict(lambda: defaultdict(list))
+    for t in sorted(targets, key=lambda t: (-_bw(topo, t), t.id)):
+        by_leaf[leaf_of[t.node]][topo.node(t.node).domain].append(t)
+    src_by_leaf: dict[str, list[Instance]] = defaultdict(list)
+    for s in sorted(usable, key=lambda s: (-_bw(topo, s), s.id)):
+        src_by_leaf[leaf_of[s.node]].append(s)
+
+    # Allot sources: each leaf with targets keeps its own sources; leaves without any borrow spare
+    # sources from leaves with the most sources per target (one cross-leaf hop per chain at most).
+    demand = {leaf: sum(len(g) for g in doms.values()) for leaf, doms in by_leaf.items()}
+    allot: dict[str, list[Instance]] = {leaf: list(src_by_leaf.get(leaf, [])) for leaf in demand}
+    spare = [s for leaf, ss in sorted(src_by_leaf.items()) if leaf not in demand for s in ss]
+    for leaf in sorted(demand, key=lambda lf: (-demand[lf], lf)):
+        if allot[leaf]:
+            continue
+        if not spare:
+            donor = max((lf for lf in demand if len(allot[lf]) > 1), default=None,
+                        key=lambda lf: (len(allot[lf]) / demand[lf], lf))
+            if donor is not None:
+                spare.append(allot[donor].pop())
+        if spare:
+            allot[leaf].append(spare.pop(0))
+            notes.append(f"leaf {leaf} has no source: borrowing {allot[leaf][0].id} across leaves")
+
+    chains: list[list[Instance]] = []
+    orphans: list[list[Instance]] = []
+    for leaf in sorted(demand):
+        groups = sorted(by_leaf[leaf].values(), key=lambda g: (-len(g), g[0].id))
+        if not allot[leaf]:
+            orphans.extend(groups)
+            continue
+        leaf_chains: list[list[Instance]] = [[s] for s in allot[leaf]]
+        for g in groups:  # longest group onto the shortest chain
+            min(leaf_chains, key=lambda c: (len(c), c[0].id)).extend(g)
+        chains.extend(c for c in leaf_chains if len(c) > 1)
+    for g in orphans:  # no source could be spared: extend the shortest chain across leaves
+        if not chains:
+            raise PlanError("no usable source for any chain")
+        min(chains, key=lambda c: (len(c), c[0].id)).extend(g)
+        notes.append(f"targets {', '.join(t.id for t in g)} appended across leaves")
+
+    # Decreasing bandwidth along each chain (keeping domain groups adjacent), then flows.
+    flows: list[Flow] = []
+    ordered: list[tuple[str, ...]] = []
+    fallbacks: list[tuple[str, tuple[str, ...]]] = []
+    for c in sorted(chains, key=lambda c: c[0].id):
+        head, rest = c[0], c[1:]
+        groups: dict[str, list[Instance]] = defaultdict(list)
+        for t in rest:
+            groups[topo.node(t.node).domain].append(t)
+        rest = [t for g in sorted(groups.values(), key=lambda g: (-max(_bw(topo, t) for t in g), g[0].id)) for t in g]
+        path = [head, *rest]
+        ordered.append(tuple(i.id for i in path))
+        for a, b in zip(path, path[1:], strict=False):
+            flows.extend(hop_flows(a, b, model.block_ids, options.shard))
+        others = [s.id for s in sorted(usable, key=lambda s: (leaf_of[s.node] != leaf_of[head.node], s.id))]
+        for t in rest:
+            fallbacks.append((t.id, tuple(x for x in [head.id, *others] if x != t.id)[: options.max_fallbacks]))
+    firsts = [ch[1] for ch in ordered]
+    live = tuple(zip(sorted(overloaded), firsts, strict=False))
+    return Plan("chain", model, tuple(sorted(sources, key=lambda s: s.id)), tuple(sorted(targets, key=lambda t: t.id)),
+                tuple(flows), tuple(ordered), tuple(sorted(fallbacks)), live, notes=tuple(notes))

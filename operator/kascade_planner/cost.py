@@ -1,0 +1,152 @@
+"""Cost model: when does every block arrive at every target under a plan?
+
+Data flow: (Plan, Topology, CostParams) -> list scheduling of (flow, block) transmissions -> per-target
+per-block arrival times -> `Prediction`. Each GPU of an instance has one egress and one ingress queue
+(a link carries one transmission per direction at a time, so a sender feeding several receivers
+shares its NIC). Forwarding is cut-through per chunk: a hop may start once its sender holds the first
+chunk of a block and cannot finish before the sender holds the whole block plus one chunk time.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, replace
+
+from kascade_planner.plan import Flow, Instance, Plan, PlanError
+from kascade_planner.topology import Topology
+
+
+@dataclass(frozen=True)
+class CostParams:
+    chunk_bytes: int = 16 << 20
+    hop_latency_s: float = 20e-6
+
+
+@dataclass(frozen=True)
+class Prediction:
+    arrival: tuple[tuple[str, tuple[tuple[str, float], ...]], ...]  # target -> ((block, seconds), ...)
+    completion: tuple[tuple[str, float], ...]  # target -> seconds
+
+    @property
+    def makespan(self) -> float:
+        return max((t for _, t in self.completion), default=0.0)
+
+
+def pair_gbps(topo: Topology, src: Instance, dst: Instance) -> float:
+    """Per-GPU bandwidth of one hop; host and SSD copies load over PCIe / the disk on their node."""
+    if src.kind == "ssd":
+        if src.node != dst.node:
+            raise PlanError(f"{src.id!r}: an SSD copy can only load its own node {src.node!r}")
+        return topo.ssd_gbps
+    if src.kind == "host" and src.node == dst.node:
+        return topo.pcie_gbps
+    bw = topo.bandwidth_gbps(src.node, dst.node)
+    return min(bw, topo.pcie_gbps) if src.kind == "host" else bw
+
+
+def predict(plan: Plan, topo: Topology, params: CostParams = CostParams()) -> Prediction:
+    sizes = dict(zip(plan.model.block_ids, plan.model.block_bytes, strict=True))
+    inst = {i.id: i for i in (*plan.sources, *plan.targets)}
+    source_ids = {s.id for s in plan.sources}
+    # (instance, block) -> per-slot (first-chunk, full) times; slot None = whole block.
+    have: dict[tuple[str, str], dict[int | None, tuple[float, float]]] = {}
+    shards_needed: dict[tuple[str, str], int] = {}
+    for f in plan.flows:
+        for b in f.blocks:
+            shards_needed[(f.dst, b)] = f.shard[1] if f.shard else 1
+    egress: dict[tuple[str, int], float] = {}
+    ingress: dict[tuple[str, int], float] = {}
+    rates = [pair_gbps(topo, inst[f.src], inst[f.dst]) * 1e9 / 8 for f in plan.flows]
+    pos = [0] * len(plan.flows)
+    waiting: dict[tuple[str, str], list[int]] = {}
+
+    def available(f: Flow, b: str) -> tuple[float, float] | None:
+        if f.src in source_ids:
+            return (0.0, 0.0)
+        slots = have.get((f.src, b), {})
+        if f.shard and f.shard[0] in slots and shards_needed.get((f.src, b)) == f.shard[1]:
+            return slots[f.shard[0]]
+        return slots.get(None)
+
+    def start_time(k: int) -> float | None:
+        f = plan.flows[k]
+        av = available(f, f.blocks[pos[k]])
+        if av is None:
+            return None
+        slot = f.shard[0] if f.shard else 0
+        return max(av[0], egress.get((f.src, slot), 0.0), ingress.get((f.dst, slot), 0.0))
+
+    heap: list[tuple[float, int]] = []
+
+    def schedule(k: int) -> None:
+        if pos[k] >= len(plan.flows[k].blocks):
+            return
+        t = start_time(k)
+        if t is None:
+            waiting.setdefault((plan.flows[k].src, plan.flows[k].blocks[pos[k]]), []).append(k)
+        else:
+            heapq.heappush(heap, (t, k))
+
+    for k in range(len(plan.flows)):
+        schedule(k)
+    while heap:
+        t, k = heapq.heappop(heap)
+        now = start_time(k)
+        if now is None or now > t + 1e-12:
+            schedule(k)  # stale key: another transmission took the link meanwhile
+            continue
+        f, b = plan.flows[k], plan.flows[k].blocks[pos[k]]
+        count = f.shard[1] if f.shard else 1
+        nbytes = math.ceil(sizes[b] / count)
+        src_first, src_full = available(f, b) or (0.0, 0.0)
+        chunk_t = min(params.chunk_bytes, nbytes) / rates[k]
+        finish = max(now + nbytes / rates[k], src_full + chunk_t)
+        slot = f.shard[0] if f.shard else 0
+        egress[(f.src, slot)] = ingress[(f.dst, slot)] = finish
+        got = have.setdefault((f.dst, b), {})
+        got[f.shard[0] if f.shard else None] = (now + chunk_t + params.hop_latency_s, finish + params.hop_latency_s)
+        if f.shard and len([s for s in got if s is not None]) == count:
+            parts = [v for s, v in got.items() if s is not None]
+            # Shards are all-gathered over NVLink inside the instance.
+            gather = sizes[b] * (count - 1) / count / (topo.nvlink_gbps * 1e9 / 8)
+            got[None] = (max(p[0] for p in parts), max(p[1] for p in parts) + gather)
+        pos[k] += 1
+        schedule(k)
+        for w in waiting.pop((f.dst, b), []):
+            schedule(w)
+    stuck = [k for k in range(len(plan.flows)) if pos[k] < len(plan.flows[k].blocks)]
+    if stuck:
+        f = plan.flows[stuck[0]]
+        raise PlanError(f"{f.src!r} must forward block {f.blocks[pos[stuck[0]]]!r} it never receives")
+    arrival = []
+    completion = []
+    for tgt in plan.targets:
+        per = tuple((b, have[(tgt.id, b)][None][1]) for b in plan.model.block_ids if None in have.get((tgt.id, b), {}))
+        if len(per) != len(plan.model.block_ids):
+            raise PlanError(f"target {tgt.id!r} does not receive every block")
+        arrival.append((tgt.id, per))
+        completion.append((tgt.id, max(t for _, t in per)))
+    return Prediction(tuple(arrival), tuple(completion))
+
+
+def with_prediction(plan: Plan, topo: Topology, params: CostParams = CostParams()) -> Plan:
+    return replace(plan, predicted=predict(plan, topo, params).completion)
+
+
+def _reachable_gbps(topo: Topology, src: Instance, dst: Instance) -> float:
+    try:
+        return pair_gbps(topo, src, dst)
+    except PlanError:  # e.g. another node's SSD: cannot feed this target at all
+        return 0.0
+
+
+def lower_bound(plan: Plan, topo: Topology, params: CostParams = CostParams()) -> float:
+    """No target can finish before the whole model crossed its own GPUs' links at the best bandwidth
+    any other holder could offer it (instance-granular transfers), plus one hop latency."""
+    others = [*plan.sources, *plan.targets]
+    worst = 0.0
+    for t in plan.targets:
+        bw = max(_reachable_gbps(topo, o, t) for o in others if o.id != t.id)
+        worst = max(worst, plan.model.total_bytes / (t.gpus * bw * 1e9 / 8))
+    return worst + params.hop_latency_s

@@ -1,0 +1,144 @@
+"""Cluster topology: nodes, their GPUs, scale-up (NVLink) domains, leaf switches and bandwidths.
+
+Data flow: Kubernetes Node dicts (labels + `nvidia.com/gpu` capacity) or a YAML/dict topology file ->
+`Topology` (frozen) -> `bandwidth_gbps(a, b)` used by every plan builder and the cost model.
+Inside a leaf, bandwidth between two GPUs is min of their NICs; across leaves it is scaled by
+`inter_leaf_ratio`; inside one scale-up domain it is the NVLink bandwidth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class TopologyError(ValueError):
+    """Bad topology input; the message names the node and the label or field."""
+
+
+@dataclass(frozen=True)
+class LabelKeys:
+    leaf: str = "kascade.io/leaf"
+    domain: str = "kascade.io/scaleup-domain"
+    nic_gbps: str = "kascade.io/nic-gbps"
+    gpu_resource: str = "nvidia.com/gpu"
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    leaf: str
+    domain: str
+    gpus: int
+    nic_gbps: float  # scale-out bandwidth per GPU
+
+
+@dataclass(frozen=True)
+class Topology:
+    nodes: tuple[Node, ...]
+    inter_leaf_ratio: float = 1.0
+    nvlink_gbps: float = 1600.0
+    pcie_gbps: float = 128.0  # host memory -> GPU, per GPU
+    ssd_gbps: float = 10.0  # local SSD -> GPU, per GPU
+    _by_name: Mapping[str, Node] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.inter_leaf_ratio <= 1:
+            raise TopologyError(f"interLeafBandwidthRatio must be in (0, 1], got {self.inter_leaf_ratio}")
+        by_name: dict[str, Node] = {}
+        for n in self.nodes:
+            if n.name in by_name:
+                raise TopologyError(f"node {n.name!r} appears twice")
+            by_name[n.name] = n
+        object.__setattr__(self, "_by_name", by_name)
+
+    def node(self, name: str) -> Node:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise TopologyError(f"unknown node {name!r}") from None
+
+    def bandwidth_gbps(self, a: str, b: str) -> float:
+        """Per-GPU bandwidth between nodes `a` and `b` (Gbit/s)."""
+        na, nb = self.node(a), self.node(b)
+        if na.domain == nb.domain:
+            return self.nvlink_gbps
+        bw = min(na.nic_gbps, nb.nic_gbps)
+        return bw if na.leaf == nb.leaf else bw * self.inter_leaf_ratio
+
+    @property
+    def total_gpus(self) -> int:
+        return sum(n.gpus for n in self.nodes)
+
+
+def _label(node: str, labels: Mapping[str, str], key: str) -> str:
+    value = labels.get(key)
+    if value is None or value == "":
+        raise TopologyError(f"node {node!r}: missing label {key!r}")
+    return value
+
+
+def _number(node: str, what: str, raw: object, minimum: float = 0.0) -> float:
+    try:
+        value = float(str(raw))
+    except ValueError:
+        raise TopologyError(f"node {node!r}: {what} must be a number, got {raw!r}") from None
+    if value < minimum or value != value:
+        raise TopologyError(f"node {node!r}: {what} must be >= {minimum}, got {raw!r}")
+    return value
+
+
+def topology_from_nodes(nodes: Iterable[Mapping[str, Any]], keys: LabelKeys = LabelKeys(),
+                        inter_leaf_ratio: float = 1.0, nvlink_gbps: float = 1600.0) -> Topology:
+    """Parse Kubernetes Node objects (as dicts). Nodes without GPUs are skipped."""
+    out = []
+    for obj in nodes:
+        meta = obj.get("metadata") or {}
+        name = str(meta.get("name") or "")
+        if not name:
+            raise TopologyError("a node has no metadata.name")
+        status = obj.get("status") or {}
+        cap = (status.get("allocatable") or status.get("capacity") or {})
+        gpus = int(_number(name, keys.gpu_resource, cap.get(keys.gpu_resource, 0)))
+        if gpus == 0:
+            continue
+        labels = meta.get("labels") or {}
+        nic = _number(name, f"label {keys.nic_gbps!r}", _label(name, labels, keys.nic_gbps), minimum=1e-9)
+        out.append(Node(name, _label(name, labels, keys.leaf), _label(name, labels, keys.domain), gpus, nic))
+    return Topology(tuple(sorted(out, key=lambda n: n.name)), inter_leaf_ratio, nvlink_gbps)
+
+
+def topology_from_dict(doc: Mapping[str, Any]) -> Topology:
+    """Parse a topology document: explicit `nodes:` and/or a `generate:` leaf-spine spec."""
+    if not isinstance(doc, Mapping):
+        raise TopologyError("topology must be a mapping")
+    nodes: list[Node] = []
+    for i, raw in enumerate(doc.get("nodes") or []):
+        if not isinstance(raw, Mapping) or "name" not in raw:
+            raise TopologyError(f"nodes[{i}]: needs a name")
+        name = str(raw["name"])
+        for req in ("leaf", "gpus", "nicGbps"):
+            if req not in raw:
+                raise TopologyError(f"node {name!r}: missing field {req!r}")
+        nodes.append(Node(name, str(raw["leaf"]), str(raw.get("domain", name)),
+                          int(_number(name, "gpus", raw["gpus"], 1)), _number(name, "nicGbps", raw["nicGbps"], 1e-9)))
+    gen = doc.get("generate")
+    if gen:
+        nodes.extend(leaf_spine(int(gen.get("leaves", 1)), int(gen.get("nodesPerLeaf", 1)),
+                                int(gen.get("gpusPerNode", 8)), float(gen.get("nicGbps", 100)),
+                                str(gen.get("prefix", "node"))).nodes)
+    if not nodes:
+        raise TopologyError("topology has no nodes (give `nodes:` or `generate:`)")
+    return Topology(tuple(nodes), float(doc.get("interLeafBandwidthRatio", 1.0)), float(doc.get("nvlinkGbps", 1600.0)),
+                    float(doc.get("pcieGbps", 128.0)), float(doc.get("ssdGbps", 10.0)))
+
+
+def leaf_spine(leaves: int, nodes_per_leaf: int, gpus_per_node: int = 8, nic_gbps: float = 100.0,
+               prefix: str = "node", inter_leaf_ratio: float = 1.0) -> Topology:
+    """A regular leaf-spine cluster: one NVLink domain per node."""
+    if leaves < 1 or nodes_per_leaf < 1 or gpus_per_node < 1:
+        raise TopologyError("leaf_spine needs leaves, nodes_per_leaf, gpus_per_node >= 1")
+    nodes = tuple(Node(f"{prefix}-{leaf}-{i}", f"leaf-{leaf}", f"{prefix}-{leaf}-{i}", gpus_per_node, nic_gbps)
+                  for leaf in range(leaves) for i in range(nodes_per_leaf))
+    return Topology(nodes, inter_leaf_ratio)
