@@ -4,6 +4,7 @@ and local loading from a host-memory cache or SSD on the target's own node (Serv
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from typing import Literal
 
 from kascade_planner.plan import Flow, Instance, ModelLayout, Plan, PlanError
 
@@ -38,7 +39,7 @@ def build_local(model: ModelLayout, targets: Sequence[Instance], host_cached_nod
     srcs: dict[str, Instance] = {}
     flows = []
     for t in tgts:
-        kind = "host" if t.node in host_cached_nodes else "ssd"
+        kind: Literal["host", "ssd"] = "host" if t.node in host_cached_nodes else "ssd"
         src = srcs.setdefault(f"{kind}:{t.node}", Instance(f"{kind}:{t.node}", t.node, 1, kind))
         flows.append(Flow(src.id, t.id, model.block_ids))
     return Plan("local", model, tuple(sorted(srcs.values(), key=lambda s: s.id)), tuple(tgts), tuple(flows))

@@ -47,7 +47,8 @@ def binomial_schedule(order: Sequence[str], n_receivers: int) -> tuple[list[tupl
         sent: set[int] = set()
         recv: set[int] = set()
 
-        def give(x: int, y: int) -> bool:
+        def give(x: int, y: int, snap: list[frozenset[str]] = snap, sent: set[int] = sent,
+                 recv: set[int] = recv) -> bool:
             missing = [b for b in order if b in snap[x] and b not in snap[y]]
             if x == 0:
                 fresh = [b for b in missing if not any(b in h for h in snap[1:])]

@@ -11,6 +11,7 @@ every chain is the next scaling round's source (the parameter pool grows with fi
 from __future__ import annotations
 
 from collections import defaultdict
+from itertools import pairwise
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -105,13 +106,13 @@ def build_chains(topo: Topology, model: ModelLayout, sources: Sequence[Instance]
     fallbacks: list[tuple[str, tuple[str, ...]]] = []
     for c in sorted(chains, key=lambda c: c[0].id):
         head, rest = c[0], c[1:]
-        groups: dict[str, list[Instance]] = defaultdict(list)
+        by_domain: dict[str, list[Instance]] = defaultdict(list)
         for t in rest:
-            groups[topo.node(t.node).domain].append(t)
-        rest = [t for g in sorted(groups.values(), key=lambda g: (-max(_bw(topo, t) for t in g), g[0].id)) for t in g]
+            by_domain[topo.node(t.node).domain].append(t)
+        rest = [t for g in sorted(by_domain.values(), key=lambda g: (-max(_bw(topo, t) for t in g), g[0].id)) for t in g]
         path = [head, *rest]
         ordered.append(tuple(i.id for i in path))
-        for a, b in zip(path, path[1:], strict=False):
+        for a, b in pairwise(path):
             flows.extend(hop_flows(a, b, model.block_ids, options.shard))
         others = [s.id for s in sorted(usable, key=lambda s: (leaf_of[s.node] != leaf_of[head.node], s.id))]
         for t in rest:

@@ -139,7 +139,9 @@ class Plan:
 
     # -- wire format ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        inst = lambda i: {"id": i.id, "node": i.node, "gpus": i.gpus, "kind": i.kind}  # noqa: E731
+        def inst(i: Instance) -> dict[str, Any]:
+            return {"id": i.id, "node": i.node, "gpus": i.gpus, "kind": i.kind}
+
         return {
             "algorithm": self.algorithm,
             "model": {"name": self.model.name, "blockIds": list(self.model.block_ids),
@@ -160,7 +162,12 @@ class Plan:
     def from_dict(doc: Mapping[str, Any]) -> Plan:
         try:
             m = doc["model"]
-            inst = lambda d: Instance(str(d["id"]), str(d["node"]), int(d.get("gpus", 1)), d.get("kind", "gpu"))  # noqa: E731
+            def inst(d: Mapping[str, Any]) -> Instance:
+                kind = d.get("kind", "gpu")
+                if kind not in ("gpu", "host", "ssd"):
+                    raise ValueError(f"instance kind {kind!r}")
+                return Instance(str(d["id"]), str(d["node"]), int(d.get("gpus", 1)), kind)
+
             plan = Plan(
                 algorithm=str(doc["algorithm"]),
                 model=ModelLayout(str(m["name"]), tuple(m["blockIds"]), tuple(int(x) for x in m["blockBytes"])),
