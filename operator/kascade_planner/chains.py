@@ -11,9 +11,9 @@ every chain is the next scaling round's source (the parameter pool grows with fi
 from __future__ import annotations
 
 from collections import defaultdict
-from itertools import pairwise
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 from kascade_planner.plan import Flow, Instance, ModelLayout, Plan, PlanError
 from kascade_planner.topology import Topology
