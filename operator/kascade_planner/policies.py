@@ -1,0 +1,162 @@
+"""Autoscaling policies: pure functions from a metrics snapshot and the current state to a decision.
+
+Data flow: `MetricsSnapshot` (rates and per-instance load, collected by the operator or the simulator)
++ `ScaleState` (current counts, bounds, the scale-down timer) -> policy -> `Decision` (desired count per
+role, the reason with the numbers behind it, and the next state). Policies:
+- `token_velocity` (TokenScale): prefillers = ceil(input-token rate / min(prefill, network velocity));
+  decoders = Σ over (input, output)-length buckets of request rate / bucket velocity; convertible
+  decoders absorb a prefill burst before new prefillers arrive.
+- `threshold` (BlitzScale): scale up when load per instance passes `upper`; scale down only after it
+  stayed below `lower` for `scale_down_delay_s` (sub-second allowed).
+- `concurrency` (AIBrix/Knative-like baseline): ceil(in-flight requests / target per instance).
+Bounds always hold: min <= desired <= max, and at least one copy of the model stays somewhere.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+ROLES = ("prefill", "decode", "colocated")
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Requests in one (input, output)-length bucket: arrival rate and what one decoder sustains."""
+
+    requests_per_s: float
+    decoder_velocity_rps: float
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    time_s: float
+    input_tokens_per_s: float = 0.0
+    output_tokens_per_s: float = 0.0
+    in_flight: int = 0
+    kv_usage: float = 0.0  # mean fraction of KV cache used across instances
+    buckets: tuple[Bucket, ...] = ()
+
+
+@dataclass(frozen=True)
+class Bounds:
+    min: int
+    max: int
+
+    def __post_init__(self) -> None:
+        if self.min < 0 or self.max < max(1, self.min):
+            raise ValueError(f"bounds need 0 <= min <= max and max >= 1, got min={self.min} max={self.max}")
+
+    def clamp(self, n: int) -> int:
+        return max(self.min, min(self.max, n))
+
+
+@dataclass(frozen=True)
+class ScaleState:
+    role: str
+    current: int
+    bounds: Bounds
+    host_cached: bool = False  # a complete host-memory copy exists (the parameter pool)
+    below_since_s: float | None = None  # when load first dropped below the lower bound
+
+
+@dataclass(frozen=True)
+class Decision:
+    role: str
+    current: int
+    desired: int
+    reason: str
+    metrics: tuple[tuple[str, float], ...]
+    state: ScaleState
+    extra: tuple[tuple[str, int], ...] = field(default=())  # e.g. convertible decoders to switch
+
+    @property
+    def change(self) -> int:
+        return self.desired - self.current
+
+
+def _keep_a_copy(state: ScaleState, n: int) -> tuple[int, str]:
+    n = state.bounds.clamp(n)
+    if n == 0 and not state.host_cached:
+        return 1, " (kept 1: the last copy of the model is never released)"
+    return n, ""
+
+
+@dataclass(frozen=True)
+class TokenVelocity:
+    prefill_tokens_per_s: float  # one prefiller's prefill velocity
+    network_tokens_per_s: float  # KV transfer velocity out of one prefiller
+    headroom: float = 1.0  # > 1 provisions spare capacity
+
+    def __post_init__(self) -> None:
+        if self.prefill_tokens_per_s <= 0 or self.network_tokens_per_s <= 0 or self.headroom <= 0:
+            raise ValueError("velocities and headroom must be > 0")
+
+
+def token_velocity(m: MetricsSnapshot, state: ScaleState, v: TokenVelocity, idle_decoders: int = 0) -> Decision:
+    """For role prefill: prefillers from the input-token rate. For decode/colocated: decoders from the
+    bucketed request rates. `idle_decoders` convertible decoders can absorb a prefill deficit now."""
+    if state.role == "prefill":
+        velocity = min(v.prefill_tokens_per_s, v.network_tokens_per_s)
+        need = math.ceil(m.input_tokens_per_s * v.headroom / velocity - 1e-9)
+        desired, note = _keep_a_copy(state, need)
+        convert = min(idle_decoders, max(0, desired - state.current))
+        reason = (f"tokenVelocity: {m.input_tokens_per_s:.0f} input tok/s / min(prefill {v.prefill_tokens_per_s:.0f}, "
+                  f"network {v.network_tokens_per_s:.0f}) -> {need} prefillers{note}")
+        if convert:
+            reason += f"; {convert} convertible decoder(s) prefill until new prefillers are ready"
+        metrics = (("inputTokensPerSecond", m.input_tokens_per_s), ("velocity", velocity))
+        return Decision(state.role, state.current, desired, reason, metrics, state, (("convertDecoders", convert),))
+    need_f = sum(b.requests_per_s / b.decoder_velocity_rps for b in m.buckets if b.decoder_velocity_rps > 0)
+    need = math.ceil(need_f * v.headroom - 1e-9)
+    desired, note = _keep_a_copy(state, need)
+    reason = f"tokenVelocity: Σ bucket rate/velocity = {need_f:.2f} -> {need} decoders{note}"
+    return Decision(state.role, state.current, desired, reason, (("decoderDemand", need_f),), state)
+
+
+@dataclass(frozen=True)
+class Threshold:
+    upper: float
+    lower: float
+    scale_down_delay_s: float = 0.5
+    metric: str = "tokensPerSecond"  # or kvCacheUsage
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.lower < self.upper:
+            raise ValueError(f"need 0 <= lower < upper, got lower={self.lower} upper={self.upper}")
+        if self.scale_down_delay_s < 0:
+            raise ValueError("scale_down_delay_s must be >= 0")
+
+
+def threshold(m: MetricsSnapshot, state: ScaleState, p: Threshold) -> Decision:
+    total = m.input_tokens_per_s + m.output_tokens_per_s if p.metric == "tokensPerSecond" else m.kv_usage
+    per = total / max(state.current, 1) if p.metric == "tokensPerSecond" else total
+    metrics = ((p.metric + "PerInstance", per), ("upper", p.upper), ("lower", p.lower))
+    if per > p.upper:
+        # Enough instances to bring the load per instance back under the upper bound.
+        need = math.ceil(total / p.upper) if p.metric == "tokensPerSecond" else state.current + 1
+        desired, note = _keep_a_copy(state, max(need, state.current + 1))
+        reason = f"threshold: {per:.1f} per instance > upper {p.upper:g}{note}"
+        return Decision(state.role, state.current, desired, reason, metrics, replace(state, below_since_s=None))
+    if per < p.lower and state.current > 0:
+        since = state.below_since_s if state.below_since_s is not None else m.time_s
+        waited = m.time_s - since
+        if waited >= p.scale_down_delay_s:
+            desired, note = _keep_a_copy(state, state.current - 1)
+            reason = f"threshold: {per:.1f} per instance < lower {p.lower:g} for {waited:.2f}s{note}"
+            return Decision(state.role, state.current, desired, reason, metrics, replace(state, below_since_s=None))
+        reason = f"threshold: below lower for {waited:.2f}s of {p.scale_down_delay_s:g}s"
+        desired, _ = _keep_a_copy(state, state.current)
+        return Decision(state.role, state.current, desired, reason, metrics, replace(state, below_since_s=since))
+    desired, note = _keep_a_copy(state, state.current)
+    return Decision(state.role, state.current, desired, f"threshold: {per:.1f} per instance within bounds{note}",
+                    metrics, replace(state, below_since_s=None))
+
+
+def concurrency(m: MetricsSnapshot, state: ScaleState, target_per_instance: int) -> Decision:
+    if target_per_instance < 1:
+        raise ValueError("target_per_instance must be >= 1")
+    need = math.ceil(m.in_flight / target_per_instance)
+    desired, note = _keep_a_copy(state, need)
+    reason = f"concurrency: {m.in_flight} in flight / {target_per_instance} per instance -> {need}{note}"
+    return Decision(state.role, state.current, desired, reason, (("inFlight", float(m.in_flight)),), state)
