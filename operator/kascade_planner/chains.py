@@ -10,10 +10,11 @@ every chain is the next scaling round's source (the parameter pool grows with fi
 
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import pairwise
+from itertools import islice, pairwise
 
 from kascade_planner.plan import Flow, Instance, ModelLayout, Plan, PlanError
 from kascade_planner.topology import Topology
@@ -44,27 +45,27 @@ def prune_sources(sources: Sequence[Instance], kv_flows: Sequence[tuple[str, str
     return kept, notes
 
 
-def _bw(topo: Topology, inst: Instance) -> float:
-    return topo.node(inst.node).nic_gbps * inst.gpus
-
-
 def build_chains(topo: Topology, model: ModelLayout, sources: Sequence[Instance], targets: Sequence[Instance],
                  kv_flows: Sequence[tuple[str, str]] = (), overloaded: Sequence[str] = (),
                  options: ChainOptions = ChainOptions()) -> Plan:
     if not targets:
         raise PlanError("no targets to load")
     usable, notes = prune_sources(sorted(sources, key=lambda s: s.id), kv_flows)
-    leaf_of = {n.name: n.leaf for n in topo.nodes}
+    info = {n.name: (n.leaf, n.domain, n.nic_gbps) for n in topo.nodes}
     for i in (*usable, *targets):
-        topo.node(i.node)  # unknown nodes are an error naming the node
+        if i.node not in info:
+            topo.node(i.node)  # raises, naming the unknown node
+
+    def bw(i: Instance) -> float:
+        return info[i.node][2] * i.gpus
 
     # Targets by leaf, then by scale-up domain (a domain's targets stay adjacent in one chain).
     by_leaf: dict[str, dict[str, list[Instance]]] = defaultdict(lambda: defaultdict(list))
-    for t in sorted(targets, key=lambda t: (-_bw(topo, t), t.id)):
-        by_leaf[leaf_of[t.node]][topo.node(t.node).domain].append(t)
+    for t in sorted(targets, key=lambda t: (-bw(t), t.id)):
+        by_leaf[info[t.node][0]][info[t.node][1]].append(t)
     src_by_leaf: dict[str, list[Instance]] = defaultdict(list)
-    for s in sorted(usable, key=lambda s: (-_bw(topo, s), s.id)):
-        src_by_leaf[leaf_of[s.node]].append(s)
+    for s in sorted(usable, key=lambda s: (-bw(s), s.id)):
+        src_by_leaf[info[s.node][0]].append(s)
 
     # Allot sources: each leaf with targets keeps its own sources; leaves without any borrow spare
     # sources from leaves with the most sources per target (one cross-leaf hop per chain at most).
@@ -83,40 +84,60 @@ def build_chains(topo: Topology, model: ModelLayout, sources: Sequence[Instance]
             allot[leaf].append(spare.pop(0))
             notes.append(f"leaf {leaf} has no source: borrowing {allot[leaf][0].id} across leaves")
 
-    chains: list[list[Instance]] = []
+    # Each chain: its head and its domain groups. Longest group onto the shortest chain (a heap).
+    heads: list[Instance] = []
+    members: list[list[list[Instance]]] = []
+    sizes: list[int] = []
     orphans: list[list[Instance]] = []
     for leaf in sorted(demand):
         groups = sorted(by_leaf[leaf].values(), key=lambda g: (-len(g), g[0].id))
         if not allot[leaf]:
             orphans.extend(groups)
             continue
-        leaf_chains: list[list[Instance]] = [[s] for s in allot[leaf]]
-        for g in groups:  # longest group onto the shortest chain
-            min(leaf_chains, key=lambda c: (len(c), c[0].id)).extend(g)
-        chains.extend(c for c in leaf_chains if len(c) > 1)
-    for g in orphans:  # no source could be spared: extend the shortest chain across leaves
-        if not chains:
+        heap = []
+        for s in allot[leaf]:
+            heads.append(s)
+            members.append([])
+            sizes.append(0)
+            heap.append((0, s.id, len(heads) - 1))
+        heapq.heapify(heap)
+        for g in groups:
+            _, sid, k = heapq.heappop(heap)
+            members[k].append(g)
+            sizes[k] += len(g)
+            heapq.heappush(heap, (sizes[k], sid, k))
+    live_chains = [k for k in range(len(heads)) if sizes[k]]
+    if orphans:  # no source could be spared: extend the shortest chains across leaves
+        if not live_chains:
             raise PlanError("no usable source for any chain")
-        min(chains, key=lambda c: (len(c), c[0].id)).extend(g)
-        notes.append(f"targets {', '.join(t.id for t in g)} appended across leaves")
+        heap = [(sizes[k], heads[k].id, k) for k in live_chains]
+        heapq.heapify(heap)
+        for g in orphans:
+            _, sid, k = heapq.heappop(heap)
+            members[k].append(g)
+            sizes[k] += len(g)
+            heapq.heappush(heap, (sizes[k], sid, k))
+            notes.append(f"targets {', '.join(t.id for t in g)} appended across leaves")
 
-    # Decreasing bandwidth along each chain (keeping domain groups adjacent), then flows.
+    by_id = sorted(usable, key=lambda s: s.id)
+    local_first = {leaf: [s.id for s in by_id if info[s.node][0] == leaf] + [s.id for s in by_id if info[s.node][0] != leaf]
+                   for leaf in {info[s.node][0] for s in usable}}
     flows: list[Flow] = []
     ordered: list[tuple[str, ...]] = []
     fallbacks: list[tuple[str, tuple[str, ...]]] = []
-    for c in sorted(chains, key=lambda c: c[0].id):
-        head, rest = c[0], c[1:]
-        by_domain: dict[str, list[Instance]] = defaultdict(list)
-        for t in rest:
-            by_domain[topo.node(t.node).domain].append(t)
-        rest = [t for g in sorted(by_domain.values(), key=lambda g: (-max(_bw(topo, t) for t in g), g[0].id)) for t in g]
-        path = [head, *rest]
+    for k in sorted(live_chains, key=lambda k: heads[k].id):
+        head = heads[k]
+        home = info[head.node][0]
+        # The head's own leaf first (at most one cross-leaf hop per leaf), then by decreasing bandwidth
+        # (a group's first member has its highest bandwidth), domain groups kept adjacent.
+        groups = sorted(members[k], key=lambda g: (info[g[0].node][0] != home, info[g[0].node][0], -bw(g[0]), g[0].id))
+        path = [head, *(t for g in groups for t in g)]
         ordered.append(tuple(i.id for i in path))
         for a, b in pairwise(path):
             flows.extend(hop_flows(a, b, model.block_ids, options.shard))
-        others = [s.id for s in sorted(usable, key=lambda s: (leaf_of[s.node] != leaf_of[head.node], s.id))]
-        for t in rest:
-            fallbacks.append((t.id, tuple(x for x in [head.id, *others] if x != t.id)[: options.max_fallbacks]))
+        # Fallbacks: the chain's own source, then sources in the head's leaf, then any.
+        backup = tuple(islice(dict.fromkeys((head.id, *local_first[home])), options.max_fallbacks))
+        fallbacks.extend((t.id, backup) for t in path[1:])
     firsts = [ch[1] for ch in ordered]
     live = tuple(zip(sorted(overloaded), firsts, strict=False))
     return Plan("chain", model, tuple(sorted(sources, key=lambda s: s.id)), tuple(sorted(targets, key=lambda t: t.id)),

@@ -109,31 +109,49 @@ class Plan:
         if len(ids) != len(self.sources) + len(self.targets):
             raise PlanError("instance ids must be unique across sources and targets")
         blocks = set(self.model.block_ids)
-        got: dict[str, dict[str, set[int]]] = {t.id: {} for t in self.targets}
-        counts: dict[tuple[str, str], int] = {}
+        whole = self.model.block_ids
+        # Per target: shards received as whole-model flows (the common case, checked in O(1)), and
+        # per-block shards for partial flows.
+        full: dict[str, dict[int, set[int]]] = {t.id: {} for t in self.targets}
+        part: dict[str, dict[str, dict[int, set[int]]]] = {t.id: {} for t in self.targets}
         for k, f in enumerate(self.flows):
             if f.src not in ids or f.dst not in ids:
                 raise PlanError(f"flows[{k}]: unknown endpoint {f.src!r} -> {f.dst!r}")
-            if f.dst not in got:
+            if f.dst not in full:
                 raise PlanError(f"flows[{k}]: destination {f.dst!r} is not a target")
             index, count = f.shard or (0, 1)
             if not 0 <= index < count:
                 raise PlanError(f"flows[{k}]: shard {f.shard} out of range")
+            if f.blocks == whole:
+                got = full[f.dst].setdefault(count, set())
+                if index in got:
+                    raise PlanError(f"flows[{k}]: {f.dst!r} receives the model (shard {index}) twice")
+                got.add(index)
+                continue
             for b in f.blocks:
                 if b not in blocks:
                     raise PlanError(f"flows[{k}]: unknown block {b!r}")
-                parts = got[f.dst].setdefault(b, set())
-                if index in parts or counts.setdefault((f.dst, b), count) != count:
-                    raise PlanError(f"flows[{k}]: {f.dst!r} receives block {b!r} (shard {index}) twice "
-                                    "or in shards of different counts")
-                parts.add(index)
-        for t, have in got.items():
+                got = part[f.dst].setdefault(b, {}).setdefault(count, set())
+                if index in got:
+                    raise PlanError(f"flows[{k}]: {f.dst!r} receives block {b!r} (shard {index}) twice")
+                got.add(index)
+        for t in self.targets:
+            if not part[t.id] and len(full[t.id]) == 1:
+                ((count, got),) = full[t.id].items()
+                if len(got) == count:
+                    continue
             for b in self.model.block_ids:
-                if len(have.get(b, ())) != counts.get((t, b), 1):
-                    raise PlanError(f"target {t!r} never receives all of block {b!r}")
+                merged: dict[int, set[int]] = {c: set(v) for c, v in full[t.id].items()}
+                for c, v in part[t.id].get(b, {}).items():
+                    if merged.setdefault(c, set()) & v:
+                        raise PlanError(f"{t.id!r} receives block {b!r} twice")
+                    merged[c] |= v
+                if len(merged) != 1 or len(next(iter(merged.values()))) != next(iter(merged)):
+                    raise PlanError(f"target {t.id!r} never receives all of block {b!r} "
+                                    "(or receives it in shards of different counts)")
         src_ids = {s.id for s in self.sources}
         for k, f in enumerate(self.flows):
-            if f.src not in src_ids and f.src not in got:
+            if f.src not in src_ids and f.src not in full:
                 raise PlanError(f"flows[{k}]: {f.src!r} forwards blocks it never receives")
         return self
 

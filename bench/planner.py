@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""Planner benchmark: planning speed at cluster scale, plan quality against the lower bound, ZigZag.
+
+Writes bench/results/planner.json and prints a table. `--quick` runs fewer repetitions (< 1 minute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from kascade_planner.builder import make_plan
+from kascade_planner.cost import lower_bound, predict
+from kascade_planner.plan import Instance, ModelLayout
+from kascade_planner.topology import Topology, leaf_spine
+from kascade_planner.zigzag import PairSetting, best_effort, ilp_config, ilp_free, run_config, stop_the_world, zigzag_ilp
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MODEL = ModelLayout.uniform("llama-3-8b", 32, 16 * 10**9)
+
+
+def spread(topo: Topology, n_sources: int, n_targets: int) -> tuple[list[Instance], list[Instance]]:
+    """Sources evenly over leaves (one per node); targets one GPU each on the remaining nodes, round robin."""
+    leaves: dict[str, list[str]] = {}
+    for node in topo.nodes:
+        leaves.setdefault(node.leaf, []).append(node.name)
+    per_leaf = max(1, n_sources // len(leaves))
+    src_nodes = [names[i] for names in leaves.values() for i in range(per_leaf)][:n_sources]
+    free = [n for group in zip(*[[x for x in names if x not in src_nodes] for names in leaves.values()], strict=False)
+            for n in group]
+    sources = [Instance(f"s{i}", n) for i, n in enumerate(src_nodes)]
+    targets = [Instance(f"t{i}", free[i % len(free)]) for i in range(n_targets)]
+    return sources, targets
+
+
+def median_ms(fn: object, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()  # type: ignore[operator]
+        times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    reps = 5 if args.quick else 21
+    out: dict[str, float] = {}
+
+    big = leaf_spine(8, 64, 8)  # 4,096 GPUs
+    src, tgt = spread(big, 64, 1024)
+    out["plan_ms_1024_of_4096"] = median_ms(lambda: make_plan(big, MODEL, src, tgt, "chain", predict=False), reps)
+    plan_big = make_plan(big, MODEL, src, tgt, "chain", predict=False)
+    out["predict_ms_1024_of_4096"] = median_ms(lambda: predict(plan_big, big), max(3, reps // 4))
+
+    for name, ratio in (("uniform", 1.0), ("oversubscribed", 0.25)):
+        topo = leaf_spine(4, 17, 8, inter_leaf_ratio=ratio)
+        s, t = spread(topo, 16, 64)
+        chain = make_plan(topo, MODEL, s, t, "chain")
+        out[f"chain_over_lower_bound_{name}"] = chain.completion / lower_bound(chain, topo)
+        if name == "uniform":
+            binom = make_plan(topo, MODEL, s, t, "binomial")
+            out["binomial_over_lower_bound_uniform"] = binom.completion / lower_bound(binom, topo)
+    topo = leaf_spine(1, 9, 8)
+    s, t = spread(topo, 1, 8)
+    out["star_over_chain_8"] = make_plan(topo, MODEL, s, t, "star").completion / make_plan(topo, MODEL, s, t, "chain").completion
+
+    big_pair = PairSetting(layers=32, load_ratio=6, batches=12)
+    out["ilp_ms_32x12"] = median_ms(lambda: ilp_config(big_pair), reps)
+    cfg = ilp_config(big_pair)
+    out["ilpfree_over_ilp_avg_latency"] = ilp_free(big_pair).average / run_config(big_pair, cfg).average
+    fig15 = PairSetting(layers=7, load_ratio=6, batches=5)
+    out["zigzag_last_finish_fig15"] = zigzag_ilp(fig15).last
+    out["zigzag_ilpfree_last_finish_fig15"] = ilp_free(fig15).last
+    out["besteffort_last_finish_fig15"] = best_effort(fig15).last
+    out["stop_last_finish_fig15"] = stop_the_world(fig15).last
+
+    targets = {"plan_ms_1024_of_4096": ("<=", 5), "chain_over_lower_bound_uniform": ("<=", 1.05),
+               "ilp_ms_32x12": ("<=", 10), "ilpfree_over_ilp_avg_latency": ("<=", 1.10)}
+    print(f"{'metric':<36} {'value':>10}  target")
+    for k, v in out.items():
+        tgt_s = ""
+        if k in targets:
+            op, bound = targets[k]
+            tgt_s = f"{op} {bound}  {'ok' if v <= bound else 'MISSED'}"
+        print(f"{k:<36} {v:>10.3f}  {tgt_s}")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "planner.json").write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {RESULTS / 'planner.json'}")
+
+
+if __name__ == "__main__":
+    main()

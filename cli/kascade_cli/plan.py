@@ -1,0 +1,69 @@
+"""`kascade plan FILE`: plan a scale-up on a topology with every algorithm and compare predictions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+import yaml
+
+
+@click.command()
+@click.argument("topology_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("-a", "--algorithm", "algorithms", multiple=True,
+              type=click.Choice(["chain", "binomial", "star", "tree", "local"]), help="Default: all.")
+@click.option("--targets", "n_targets", type=click.IntRange(1, 100_000), help="Override scenario.targets with N placed targets.")
+@click.option("--json", "as_json", is_flag=True, help="Print plans and predictions as JSON.")
+@click.option("--detail", is_flag=True, help="Per-target predicted completion for each plan.")
+def plan(topology_file: Path, algorithms: tuple[str, ...], n_targets: int | None, as_json: bool, detail: bool) -> None:
+    """Plan loading a model onto new instances described by TOPOLOGY_FILE (see examples/topologies)."""
+    from dataclasses import replace
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from kascade_planner.builder import make_plan
+    from kascade_planner.cost import lower_bound
+    from kascade_planner.plan import PlanError
+    from kascade_planner.scenario import place_targets, scenario_from_dict
+    from kascade_planner.topology import TopologyError
+
+    try:
+        doc = yaml.safe_load(topology_file.read_text())
+        sc = scenario_from_dict(doc if isinstance(doc, dict) else {})
+        if n_targets:
+            sc = replace(sc, targets=tuple(place_targets(sc.topology, n_targets, 1, {s.node for s in sc.sources})))
+        plans = [make_plan(sc.topology, sc.model, sc.sources, sc.targets, alg, kv_flows=sc.kv_flows,
+                           host_cached_nodes=sc.host_cached_nodes)
+                 for alg in (algorithms or ("chain", "binomial", "star", "tree", "local"))]
+    except (PlanError, TopologyError, yaml.YAMLError) as e:
+        raise click.ClickException(f"{topology_file}: {e}") from None
+    if as_json:
+        click.echo(json.dumps([{**p.to_dict(), "lowerBound": lower_bound(p, sc.topology)} for p in plans], indent=2))
+        return
+    console = Console()
+    lb = lower_bound(plans[0], sc.topology)
+    table = Table(title=f"{sc.model.name}: {sc.model.total_bytes / 1e9:.1f} GB in {len(sc.model.block_ids)} blocks, "
+                        f"{len(sc.sources)} source(s) -> {len(sc.targets)} target(s); lower bound {lb:.3f} s")
+    for col in ("algorithm", "completion (s)", "x lower bound", "flows", "structure"):
+        table.add_column(col, justify="right" if col[0] in "cxf" else "left")
+    for p in plans:
+        shape = "; ".join(" -> ".join(c) for c in p.chains[:2]) if p.algorithm == "chain" else (
+            f"pipelines: {', '.join('+'.join(x) for x in p.pipelines[:2])}" if p.pipelines else "")
+        if len(p.chains) > 2 and p.algorithm == "chain":
+            shape += f"; ... ({len(p.chains)} chains)"
+        table.add_row(p.algorithm, f"{p.completion:.3f}", f"{p.completion / lb:.2f}", str(len(p.flows)), shape)
+    console.print(table)
+    for p in plans:
+        for n in p.notes:
+            console.print(f"[dim]{p.algorithm}: {n}[/dim]")
+    if detail:
+        for p in plans:
+            t = Table(title=f"{p.algorithm}: predicted completion per target")
+            t.add_column("target")
+            t.add_column("node")
+            t.add_column("seconds", justify="right")
+            for tid, sec in sorted(p.predicted, key=lambda x: x[1]):
+                t.add_row(tid, p.instance(tid).node, f"{sec:.3f}")
+            console.print(t)
