@@ -16,7 +16,15 @@ from kascade_planner.builder import make_plan
 from kascade_planner.cost import lower_bound, predict
 from kascade_planner.plan import Instance, ModelLayout
 from kascade_planner.topology import Topology, leaf_spine
-from kascade_planner.zigzag import PairSetting, best_effort, ilp_config, ilp_free, run_config, stop_the_world, zigzag_ilp
+from kascade_planner.zigzag import (
+    PairSetting,
+    best_effort,
+    ilp_config,
+    ilp_free,
+    run_config,
+    stop_the_world,
+    zigzag_ilp,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = ModelLayout.uniform("llama-3-8b", 32, 16 * 10**9)

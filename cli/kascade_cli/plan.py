@@ -42,7 +42,9 @@ def plan(topology_file: Path, algorithms: tuple[str, ...], n_targets: int | None
     if as_json:
         click.echo(json.dumps([{**p.to_dict(), "lowerBound": lower_bound(p, sc.topology)} for p in plans], indent=2))
         return
-    console = Console()
+    import sys
+
+    console = Console(width=None if sys.stdout.isatty() else 160)
     lb = lower_bound(plans[0], sc.topology)
     table = Table(title=f"{sc.model.name}: {sc.model.total_bytes / 1e9:.1f} GB in {len(sc.model.block_ids)} blocks, "
                         f"{len(sc.sources)} source(s) -> {len(sc.targets)} target(s); lower bound {lb:.3f} s")

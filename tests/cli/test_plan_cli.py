@@ -30,7 +30,7 @@ def test_json_is_a_list_of_plans_that_round_trip(tmp_path: Path) -> None:
     assert [d["algorithm"] for d in docs] == ["chain", "star"]
     plans = [Plan.from_dict(d) for d in docs]
     assert all(len(p.targets) == 4 for p in plans)
-    assert docs[1]["predicted"]["t0"] > docs[0]["predicted"]["t0"]  # star is slower than chains
+    assert max(docs[1]["predicted"].values()) > 3 * max(docs[0]["predicted"].values())  # star: ~4x chains
 
 
 def test_every_example_topology_plans() -> None:
