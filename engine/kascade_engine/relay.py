@@ -1,0 +1,354 @@
+"""One participant of a weight transfer: receive, verify, forward (cut-through), serve, recover.
+
+Data flow (per node, one asyncio loop):
+  upstream push / fallback pull --chunk--> block buffer --same chunk--> every downstream flow wanting it
+  on upstream `commit`: when all shards of the block are in, sha256 against the manifest; good ->
+  resident, `commit` downstream; bad -> `abort` downstream and re-fetch from a fallback source.
+Downstream therefore may see a block's chunks early but only ever marks resident what it saw
+committed: corrupt bytes never become resident anywhere. When an upstream dies (connection lost,
+silent past the timeout, or never connects), whatever it had not committed is pulled from the
+plan's fallback sources and forwarded on as usual, so the rest of the chain completes.
+Protocol ops: hello/welcome/error, chunk, commit, abort, end, pull.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kascade_engine.blocks import Block, BlockSet, digest_of, index_from_manifest
+from kascade_engine.transfer_spec import TransferSpec, shard_range
+from kascade_engine.transport import Connection, Header, Listener, Transport, TransportError
+from kascade_planner.plan import Flow
+
+log = logging.getLogger(__name__)
+Slot = tuple[str, int | None]  # (block, shard index or None for the whole block)
+
+
+class TransferFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class _Downstream:
+    flow: Flow
+    queue: asyncio.Queue[tuple[Header, bytes | memoryview] | None] = field(default_factory=lambda: asyncio.Queue(256))
+    alive: bool = True
+
+
+class TransferNode:
+    def __init__(self, spec: TransferSpec, me: str, transport: Transport, blocks: BlockSet | None = None,
+                 on_progress: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.spec, self.me, self.transport = spec, me, transport
+        self.plan = spec.plan
+        self.is_source = any(s.id == me for s in self.plan.sources)
+        if self.is_source and blocks is None:
+            raise ValueError(f"{me} is a source and needs its blocks")
+        self.on_progress = on_progress or (lambda e: None)
+        self.faults = dict(spec.faults.get(me, {}))
+        self.inbound = self.plan.inbound(me)
+        self.outbound = self.plan.outbound(me)
+        self.buffers: dict[str, bytearray] = {}
+        self.resident: dict[str, Block] = {}
+        if blocks is not None:
+            self.resident = dict(blocks.blocks)
+        # Which slots each block arrives in (shard count), and which slots are complete.
+        self.slot_count: dict[str, int] = {}
+        for f in self.inbound:
+            for b in f.blocks:
+                self.slot_count[b] = f.shard[1] if f.shard else 1
+        self.done_slots: dict[str, set[int | None]] = {}
+        self.downstream = [_Downstream(f) for f in self.outbound]
+        self.all_resident = asyncio.Event()
+        self.error: Exception | None = None
+        self.listener: Listener | None = None
+        self.bytes_in = 0
+        self.refetches = 0
+        self.corrupt_detected = 0
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._connected: set[str] = set()
+        self._refetching: set[Slot] = set()
+        self.started = time.monotonic()
+        if self.is_source or not self.inbound:
+            self.all_resident.set()
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    async def start(self) -> int:
+        host, port = self.spec.peers.get(self.me, ("127.0.0.1", 0))
+        self.listener = await self.transport.listen(host, port, self._serve)
+        return self.listener.port
+
+    async def run(self) -> dict[str, Any]:
+        """Push outbound flows, receive inbound ones; returns once everything here is resident and
+        every downstream flow got every block committed (or its peer died)."""
+        for d in self.downstream:
+            self._tasks.append(asyncio.create_task(self._writer(d)))
+        feeders = [asyncio.create_task(self._feed_from_resident(d)) for d in self.downstream] if self.is_source else []
+        self._tasks.extend(feeders)
+        if not self.is_source and self.inbound:
+            self._tasks.append(asyncio.create_task(self._watchdog()))
+        await self.all_resident.wait()
+        if self.error is not None:
+            raise TransferFailed(str(self.error))
+        await asyncio.gather(*feeders)
+        for d in self.downstream:
+            await d.queue.put(None)  # end marker after everything queued
+        writers = self._tasks[: len(self.downstream)]
+        await asyncio.gather(*writers, return_exceptions=True)
+        return self.summary()
+
+    def summary(self) -> dict[str, Any]:
+        return {"instance": self.me, "resident": len(self.resident), "blocks": len(self.plan.model.block_ids),
+                "bytesReceived": self.bytes_in, "refetches": self.refetches, "corruptDetected": self.corrupt_detected,
+                "seconds": round(time.monotonic() - self.started, 4)}
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.listener:
+            await self.listener.close()
+
+    # -- serving connections -----------------------------------------------------------------------
+    async def _serve(self, conn: Connection) -> None:
+        try:
+            hello, _ = await conn.recv(timeout=self.spec.timeout_s)
+            peer = str(hello.get("from", ""))
+            if hello.get("op") != "hello" or not hmac.compare_digest(str(hello.get("token", "")), self.spec.token):
+                await conn.send({"op": "error", "message": "authentication failed"})
+                log.warning("%s: rejected connection from %s: bad hello or token", self.me, conn.peer)
+                return
+            role = hello.get("role")
+            if role == "push" and any(f.src == peer for f in self.inbound):
+                await conn.send({"op": "welcome"})
+                self._connected.add(peer)
+                await self._consume(conn, peer)
+            elif role == "pull" and peer in {i.id for i in (*self.plan.sources, *self.plan.targets)}:
+                await conn.send({"op": "welcome"})
+                await self._serve_pull(conn)
+            else:
+                await conn.send({"op": "error", "message": f"{peer or '?'} is not a {role} peer of {self.me} in this plan"})
+                log.warning("%s: rejected %s from %r: not in the plan", self.me, role, peer)
+        except TransportError as e:
+            log.warning("%s: connection %s failed: %s", self.me, conn.peer, e)
+
+    async def _consume(self, conn: Connection, peer: str) -> bool:
+        """Apply a stream of chunk/commit/abort/end from `peer`. Returns True on a clean end."""
+        try:
+            while True:
+                header, payload = await conn.recv(timeout=self.spec.timeout_s)
+                op = header["op"]
+                if op == "end":
+                    if self._missing_from(peer) - self._refetching and peer in {f.src for f in self.inbound}:
+                        raise TransportError(f"{peer} ended its stream before sending every block")
+                    return True
+                block = str(header.get("block"))
+                if block not in self.slot_count:
+                    raise TransportError(f"{peer} sent block {block!r} that {self.me} does not receive")
+                shard = tuple(header["shard"]) if header.get("shard") else None
+                if op == "chunk":
+                    self._on_chunk(block, shard, int(header["offset"]), payload)
+                elif op == "commit":
+                    await self._on_commit(block, shard)
+                elif op == "abort":
+                    await self._forward({"op": "abort", "block": block}, b"", block, shard)
+                else:
+                    raise TransportError(f"unexpected op {op!r}")
+        except (TransportError, KeyError, ValueError, TypeError) as e:
+            log.warning("%s: upstream %s failed: %s", self.me, peer, e)
+            self._upstream_lost(peer)
+            return False
+
+    def _on_chunk(self, block: str, shard: tuple[int, int] | None, offset: int, payload: bytearray) -> None:
+        if block in self.resident:
+            return  # a duplicate after a re-fetch: already have it
+        size = int(self.spec.manifest[block]["bytes"])
+        begin, end = shard_range(size, shard)
+        if not begin <= offset <= offset + len(payload) <= end:
+            raise TransportError(f"chunk of {block!r} at {offset}+{len(payload)} outside [{begin}, {end})")
+        buf = self.buffers.setdefault(block, bytearray(size))
+        buf[offset:offset + len(payload)] = payload
+        self.bytes_in += len(payload)
+        if self.faults.get("corruptBlock") == block and not self.faults.get("_corrupted"):
+            buf[offset] ^= 0xFF  # test-only: this node corrupts what it received (once)
+            payload = bytearray(payload)
+            payload[0] ^= 0xFF
+            self.faults["_corrupted"] = True
+        self._forward_nowait({"op": "chunk", "block": block, "offset": offset}, payload, block, shard)
+
+    async def _on_commit(self, block: str, shard: tuple[int, int] | None) -> None:
+        if block in self.resident:
+            return
+        slots = self.done_slots.setdefault(block, set())
+        slots.add(shard[0] if shard else None)
+        self._refetching.discard((block, shard[0] if shard else None))
+        if len(slots) < self.slot_count[block]:
+            return
+        buf = self.buffers[block]
+        entry = self.spec.manifest[block]
+        if digest_of(buf) != entry["digest"]:
+            self.corrupt_detected += 1
+            log.warning("%s: block %s failed its digest; aborting downstream and re-fetching", self.me, block)
+            self.done_slots.pop(block, None)
+            await self._forward({"op": "abort", "block": block}, b"", block, None, all_shards=True)
+            await self._refetch({(block, None)})
+            return
+        self.resident[block] = Block(block, memoryview(buf), index_from_manifest(entry), entry["digest"])
+        await self._forward({"op": "commit", "block": block}, b"", block, None, all_shards=True)
+        self.on_progress({"event": "block", "instance": self.me, "block": block, "resident": len(self.resident),
+                          "total": len(self.plan.model.block_ids), "bytes": self.bytes_in})
+        if all(b in self.resident for b in self.plan.model.block_ids):
+            self.all_resident.set()
+
+    # -- forwarding --------------------------------------------------------------------------------
+    def _wanted(self, d: _Downstream, block: str, shard: tuple[int, int] | None, all_shards: bool) -> bool:
+        if not d.alive or block not in d.flow.blocks:
+            return False
+        return all_shards or d.flow.shard is None or shard is None or d.flow.shard == shard
+
+    def _forward_nowait(self, header: Header, payload: bytes | bytearray | memoryview, block: str,
+                        shard: tuple[int, int] | None) -> None:
+        for d in self.downstream:
+            if self._wanted(d, block, shard, False):
+                lo, hi = shard_range(int(self.spec.manifest[block]["bytes"]), d.flow.shard)
+                off = int(header.get("offset", 0))
+                a, b = max(lo, off), min(hi, off + len(payload))
+                if a < b:  # only the part of this chunk inside the downstream's shard
+                    d.queue.put_nowait(({**header, "offset": a, "shard": list(d.flow.shard) if d.flow.shard else None},
+                                        memoryview(payload)[a - off:b - off]))
+
+    async def _forward(self, header: Header, payload: bytes, block: str, shard: tuple[int, int] | None,
+                       all_shards: bool = False) -> None:
+        for d in self.downstream:
+            if self._wanted(d, block, shard, all_shards):
+                await d.queue.put(({**header, "shard": list(d.flow.shard) if d.flow.shard else None}, payload))
+
+    async def _feed_from_resident(self, d: _Downstream) -> None:
+        """A source sends its blocks in the flow's order, chunk by chunk, each followed by a commit."""
+        for block in d.flow.blocks:
+            data = self.resident[block].data
+            lo, hi = shard_range(len(data), d.flow.shard)
+            shard = list(d.flow.shard) if d.flow.shard else None
+            for off in range(lo, hi, self.spec.chunk_bytes):
+                chunk = data[off:min(hi, off + self.spec.chunk_bytes)]
+                if self.faults.get("corruptBlock") == block and not self.faults.get("_corrupted"):
+                    chunk = bytearray(chunk)
+                    chunk[0] ^= 0xFF
+                    self.faults["_corrupted"] = True
+                await d.queue.put(({"op": "chunk", "block": block, "shard": shard, "offset": off}, chunk))
+            await d.queue.put(({"op": "commit", "block": block, "shard": shard}, b""))
+
+    async def _writer(self, d: _Downstream) -> None:
+        host, port = self.spec.peers[d.flow.dst]
+        rate = float(self.faults.get("rateMBps", 0)) * 1e6
+        try:
+            conn = await self._connect_retrying(host, port)
+            await conn.send({"op": "hello", "from": self.me, "token": self.spec.token, "role": "push"})
+            reply, _ = await conn.recv(timeout=self.spec.timeout_s)
+            if reply.get("op") != "welcome":
+                raise TransportError(f"{d.flow.dst} refused: {reply.get('message')}")
+            while (item := await d.queue.get()) is not None:
+                header, payload = item
+                t0 = time.monotonic()
+                await conn.send(header, payload)
+                if rate and len(payload):  # test-only throttle to make transfers observable
+                    await asyncio.sleep(max(0.0, len(payload) / rate - (time.monotonic() - t0)))
+            await conn.send({"op": "end"})
+            await conn.close()
+        except TransportError as e:
+            d.alive = False
+            log.warning("%s: downstream %s lost: %s", self.me, d.flow.dst, e)
+            while not d.queue.empty():  # drop what it can no longer take; it recovers from its fallbacks
+                d.queue.get_nowait()
+
+    async def _connect_retrying(self, host: str, port: int) -> Connection:
+        """Peers start concurrently: retry until the timeout before declaring the peer dead."""
+        deadline = time.monotonic() + self.spec.timeout_s
+        while True:
+            try:
+                return await self.transport.connect(host, port, timeout=self.spec.timeout_s)
+            except TransportError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.05)
+
+    # -- recovery ----------------------------------------------------------------------------------
+    def _missing_from(self, peer: str) -> set[Slot]:
+        out: set[Slot] = set()
+        for f in self.inbound:
+            if f.src == peer:
+                for b in f.blocks:
+                    if b not in self.resident:
+                        out.add((b, f.shard[0] if f.shard else None))
+        return out
+
+    def _upstream_lost(self, peer: str) -> None:
+        missing = self._missing_from(peer) - self._refetching
+        if missing:
+            self._tasks.append(asyncio.create_task(self._refetch(missing)))
+
+    async def _watchdog(self) -> None:
+        await asyncio.sleep(self.spec.timeout_s)
+        for f in self.inbound:
+            if f.src not in self._connected:
+                log.warning("%s: upstream %s never connected; re-fetching its blocks", self.me, f.src)
+                self._upstream_lost(f.src)
+
+    async def _refetch(self, slots: set[Slot]) -> None:
+        try:
+            await self._refetch_from_fallbacks(slots)
+        except TransferFailed as e:
+            self.error = e
+            self.all_resident.set()  # wake run(), which raises
+
+    async def _refetch_from_fallbacks(self, slots: set[Slot]) -> None:
+        """Pull `slots` (whole blocks: simpler and always correct) from the plan's fallback sources."""
+        blocks = sorted({b for b, _ in slots if b not in self.resident}, key=self.plan.model.block_ids.index)
+        if not blocks:
+            return
+        self._refetching |= slots
+        self.refetches += 1
+        for b in blocks:  # re-fetched blocks arrive whole
+            self.slot_count[b] = 1
+            self.done_slots.pop(b, None)
+        for source in self.plan.fallbacks_for(self.me) or tuple(s.id for s in self.plan.sources):
+            if source not in self.spec.peers or source == self.me:
+                continue
+            host, port = self.spec.peers[source]
+            try:
+                conn = await self.transport.connect(host, port, timeout=self.spec.timeout_s)
+                await conn.send({"op": "hello", "from": self.me, "token": self.spec.token, "role": "pull"})
+                reply, _ = await conn.recv(timeout=self.spec.timeout_s)
+                if reply.get("op") != "welcome":
+                    raise TransportError(f"{source} refused: {reply.get('message')}")
+                await conn.send({"op": "pull", "blocks": blocks})
+                ok = await self._consume(conn, source)
+                with contextlib.suppress(TransportError):
+                    await conn.close()
+                if ok and all(b in self.resident for b in blocks):
+                    log.info("%s: re-fetched %d block(s) from %s", self.me, len(blocks), source)
+                    return
+            except TransportError as e:
+                log.warning("%s: fallback %s failed: %s", self.me, source, e)
+        raise TransferFailed(f"{self.me}: no fallback could provide {blocks}")
+
+    async def _serve_pull(self, conn: Connection) -> None:
+        req, _ = await conn.recv(timeout=self.spec.timeout_s)
+        if req.get("op") != "pull" or not isinstance(req.get("blocks"), list):
+            raise TransportError("expected a pull request")
+        for block in req["blocks"]:
+            have = self.resident.get(str(block))
+            if have is None:
+                await conn.send({"op": "error", "message": f"{self.me} does not hold {block!r}"})
+                return
+            for off in range(0, have.nbytes, self.spec.chunk_bytes):
+                await conn.send({"op": "chunk", "block": have.id, "shard": None, "offset": off},
+                                have.data[off:off + self.spec.chunk_bytes])
+            await conn.send({"op": "commit", "block": have.id, "shard": None})
+        await conn.send({"op": "end"})

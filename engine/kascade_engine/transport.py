@@ -1,0 +1,93 @@
+"""The transport interface: framed messages (a JSON header plus a raw payload) between two peers.
+
+Data flow: `Transport.listen(host, port, handler)` / `Transport.connect(host, port)` -> `Connection`
+-> `send(header, payload)` / `recv() -> (header, payload)`. Framing is explicit and length-prefixed
+(never pickle): b"KSC1" | u32 header length | u64 payload length | JSON header | payload.
+Two implementations: asyncio TCP (`transport_tcp`) and UCX through ucxx (`transport_ucx`).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+MAGIC = b"KSC1"
+PREFIX = struct.Struct("<4sIQ")
+MAX_HEADER = 64 * 1024
+MAX_PAYLOAD = 256 * 1024 * 1024
+
+
+class TransportError(Exception):
+    """Any failure of a connection: closed, reset, timed out, or a malformed frame."""
+
+
+Header = dict[str, Any]
+
+
+def encode_prefix(header: Header, payload_len: int) -> tuple[bytes, bytes]:
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    if len(raw) > MAX_HEADER:
+        raise TransportError(f"header of {len(raw)} bytes exceeds {MAX_HEADER}")
+    if payload_len > MAX_PAYLOAD:
+        raise TransportError(f"payload of {payload_len} bytes exceeds {MAX_PAYLOAD}")
+    return PREFIX.pack(MAGIC, len(raw), payload_len), raw
+
+
+def decode_prefix(prefix: bytes) -> tuple[int, int]:
+    magic, hlen, plen = PREFIX.unpack(prefix)
+    if magic != MAGIC:
+        raise TransportError(f"bad frame magic {magic!r}")
+    if hlen > MAX_HEADER or plen > MAX_PAYLOAD:
+        raise TransportError(f"frame too large (header {hlen}, payload {plen})")
+    return hlen, plen
+
+
+def decode_header(raw: bytes) -> Header:
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TransportError(f"malformed header: {e}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("op"), str):
+        raise TransportError("malformed header: needs an object with a string 'op'")
+    return header
+
+
+class Connection(Protocol):
+    peer: str
+
+    async def send(self, header: Header, payload: bytes | bytearray | memoryview = b"") -> None: ...
+
+    async def recv(self, timeout: float | None = None) -> tuple[Header, bytearray]: ...
+
+    async def close(self) -> None: ...
+
+
+class Listener(Protocol):
+    port: int
+
+    async def close(self) -> None: ...
+
+
+Handler = Callable[[Connection], Awaitable[None]]
+
+
+class Transport(Protocol):
+    name: str
+
+    async def listen(self, host: str, port: int, handler: Handler) -> Listener: ...
+
+    async def connect(self, host: str, port: int, timeout: float = 10.0) -> Connection: ...
+
+
+def make_transport(name: str) -> Transport:
+    if name == "tcp":
+        from kascade_engine.transport_tcp import TcpTransport
+
+        return TcpTransport()
+    if name == "ucx":
+        from kascade_engine.transport_ucx import UcxTransport
+
+        return UcxTransport()
+    raise ValueError(f"unknown transport {name!r} (choose tcp or ucx)")
