@@ -125,10 +125,11 @@ class TransferNode:
                 log.warning("%s: rejected connection from %s: bad hello or token", self.me, conn.peer)
                 return
             role = hello.get("role")
-            if role == "push" and any(f.src == peer for f in self.inbound):
+            shard = tuple(hello["shard"]) if hello.get("shard") else None
+            if role == "push" and any(f.src == peer and f.shard == shard for f in self.inbound):
                 await conn.send({"op": "welcome"})
                 self._connected.add(peer)
-                await self._consume(conn, peer)
+                await self._consume(conn, peer, shard)
             elif role == "pull" and peer in {i.id for i in (*self.plan.sources, *self.plan.targets)}:
                 await conn.send({"op": "welcome"})
                 await self._serve_pull(conn)
@@ -138,14 +139,16 @@ class TransferNode:
         except TransportError as e:
             log.warning("%s: connection %s failed: %s", self.me, conn.peer, e)
 
-    async def _consume(self, conn: Connection, peer: str) -> bool:
-        """Apply a stream of chunk/commit/abort/end from `peer`. Returns True on a clean end."""
+    async def _consume(self, conn: Connection, peer: str, flow_shard: tuple[int, int] | None = None,
+                       pull: bool = False) -> bool:
+        """Apply a stream of chunk/commit/abort/end from `peer` (its flow `flow_shard`, for pushes).
+        Returns True on a clean end."""
         try:
             while True:
                 header, payload = await conn.recv(timeout=self.spec.timeout_s)
                 op = header["op"]
                 if op == "end":
-                    if self._missing_from(peer) - self._refetching and peer in {f.src for f in self.inbound}:
+                    if not pull and self._missing_from(peer, flow_shard) - self._refetching:
                         raise TransportError(f"{peer} ended its stream before sending every block")
                     return True
                 block = str(header.get("block"))
@@ -161,8 +164,9 @@ class TransferNode:
                 else:
                     raise TransportError(f"unexpected op {op!r}")
         except (TransportError, KeyError, ValueError, TypeError) as e:
-            log.warning("%s: upstream %s failed: %s", self.me, peer, e)
-            self._upstream_lost(peer)
+            log.warning("%s: %s %s failed: %s", self.me, "fallback" if pull else "upstream", peer, e)
+            if not pull:
+                self._upstream_lost(peer, flow_shard)
             return False
 
     def _on_chunk(self, block: str, shard: tuple[int, int] | None, offset: int, payload: bytearray) -> None:
@@ -249,7 +253,8 @@ class TransferNode:
         rate = float(self.faults.get("rateMBps", 0)) * 1e6
         try:
             conn = await self._connect_retrying(host, port)
-            await conn.send({"op": "hello", "from": self.me, "token": self.spec.token, "role": "push"})
+            await conn.send({"op": "hello", "from": self.me, "token": self.spec.token, "role": "push",
+                             "shard": list(d.flow.shard) if d.flow.shard else None})
             reply, _ = await conn.recv(timeout=self.spec.timeout_s)
             if reply.get("op") != "welcome":
                 raise TransportError(f"{d.flow.dst} refused: {reply.get('message')}")
@@ -279,17 +284,18 @@ class TransferNode:
                 await asyncio.sleep(0.05)
 
     # -- recovery ----------------------------------------------------------------------------------
-    def _missing_from(self, peer: str) -> set[Slot]:
+    def _missing_from(self, peer: str, shard: tuple[int, int] | None = None, any_shard: bool = False) -> set[Slot]:
         out: set[Slot] = set()
         for f in self.inbound:
-            if f.src == peer:
+            if f.src == peer and (any_shard or f.shard == shard):
+                slot = f.shard[0] if f.shard else None
                 for b in f.blocks:
-                    if b not in self.resident:
-                        out.add((b, f.shard[0] if f.shard else None))
+                    if b not in self.resident and slot not in self.done_slots.get(b, ()):
+                        out.add((b, slot))
         return out
 
-    def _upstream_lost(self, peer: str) -> None:
-        missing = self._missing_from(peer) - self._refetching
+    def _upstream_lost(self, peer: str, shard: tuple[int, int] | None = None, any_shard: bool = False) -> None:
+        missing = self._missing_from(peer, shard, any_shard) - self._refetching
         if missing:
             self._tasks.append(asyncio.create_task(self._refetch(missing)))
 
@@ -298,7 +304,7 @@ class TransferNode:
         for f in self.inbound:
             if f.src not in self._connected:
                 log.warning("%s: upstream %s never connected; re-fetching its blocks", self.me, f.src)
-                self._upstream_lost(f.src)
+                self._upstream_lost(f.src, any_shard=True)
 
     async def _refetch(self, slots: set[Slot]) -> None:
         try:
@@ -328,7 +334,7 @@ class TransferNode:
                 if reply.get("op") != "welcome":
                     raise TransportError(f"{source} refused: {reply.get('message')}")
                 await conn.send({"op": "pull", "blocks": blocks})
-                ok = await self._consume(conn, source)
+                ok = await self._consume(conn, source, pull=True)
                 with contextlib.suppress(TransportError):
                     await conn.close()
                 if ok and all(b in self.resident for b in blocks):

@@ -6,8 +6,16 @@ import asyncio
 import contextlib
 import socket
 
-from kascade_engine.transport import (PREFIX, Connection, Handler, Header, TransportError, decode_header,
-                                      decode_prefix, encode_prefix)
+from kascade_engine.transport import (
+    PREFIX,
+    Connection,
+    Handler,
+    Header,
+    TransportError,
+    decode_header,
+    decode_prefix,
+    encode_prefix,
+)
 
 BUF = 4 * 1024 * 1024
 

@@ -1,0 +1,81 @@
+"""The control API under /kascade/v1/ (bind, load-plan, status, cooperate, drain, release), used by
+the operator; every route needs `Authorization: Bearer <token>` (compared in constant time).
+
+Data flow: operator (httpx) -> bearer check -> pydantic body (400 naming the field) -> ServerState
+fields that the serving path and /metrics read.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+
+
+def add_control_routes(app: FastAPI, st: Any, BindBody: Any, LoadPlanBody: Any, CooperateBody: Any, ApiError: Any) -> None:
+    def auth(request: Request) -> None:
+        got = request.headers.get("authorization", "")
+        if not got.startswith("Bearer "):
+            raise ApiError(401, "missing bearer token (Authorization: Bearer <token>)", None, "authentication_error")
+        if not hmac.compare_digest(got[7:].encode(), st.token.encode()):
+            raise ApiError(403, "bearer token rejected", None, "authentication_error")
+
+    guard = [Depends(auth)]
+
+    def status() -> dict[str, Any]:
+        m = st.engine.model
+        ids = ["embed", *(f"layer.{i}" for i in range(m.shape.layers)), "head"]
+        return {"instance": st.instance, "model": st.model_name, "role": st.role, "modelService": st.model_service,
+                "phase": st.phase, "blocks": {b: m.resident(b) for b in ids}, "bytesReceived": st.bytes_received,
+                "ready": st.phase == "ready" and m.complete, "cooperate": st.cooperate or None}
+
+    @app.get("/kascade/v1/status", dependencies=guard)
+    async def get_status() -> dict[str, Any]:
+        return status()
+
+    @app.post("/kascade/v1/bind", dependencies=guard)
+    async def bind(body: BindBody) -> dict[str, Any]:  # type: ignore[valid-type]
+        if body.model != st.model_name:
+            raise ApiError(409, f"cannot bind model '{body.model}': this engine holds '{st.model_name}'", "model")
+        st.model_service, st.role = body.modelService, body.role
+        if st.phase == "idle":
+            st.phase = "ready" if st.engine.model.complete else "loading"
+        return status()
+
+    @app.post("/kascade/v1/load-plan", dependencies=guard)
+    async def load_plan(body: LoadPlanBody) -> dict[str, Any]:  # type: ignore[valid-type]
+        from kascade_planner.plan import Plan
+
+        try:
+            plan = Plan.from_dict(body.plan)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ApiError(400, f"invalid field 'plan': {e}", "plan") from None
+        if plan.model != st.model_name:
+            raise ApiError(409, f"plan is for model '{plan.model}', this engine serves '{st.model_name}'", "plan.model")
+        involved = {f.src for f in plan.flows} | {f.dst for f in plan.flows}
+        if body.self_ not in involved:
+            raise ApiError(400, f"instance '{body.self_}' is not a source or target of this plan", "self")
+        missing = sorted(involved - {body.self_} - set(body.peers))
+        if missing:
+            raise ApiError(400, f"peers lacks an address for {missing[0]}", "peers")
+        st.plan = {"plan": body.plan, "self": body.self_, "peers": body.peers}
+        st.instance = body.self_
+        return status()
+
+    @app.post("/kascade/v1/cooperate", dependencies=guard)
+    async def cooperate(body: CooperateBody) -> dict[str, Any]:  # type: ignore[valid-type]
+        st.cooperate = {} if body.mode == "off" else {"peer": body.peer, "mode": body.mode}
+        return status()
+
+    @app.post("/kascade/v1/drain", dependencies=guard)
+    async def drain() -> dict[str, Any]:
+        st.phase = "draining"  # new requests get 503; in-flight ones finish
+        return status()
+
+    @app.post("/kascade/v1/release", dependencies=guard)
+    async def release() -> dict[str, Any]:
+        if not st.engine.scheduler.idle:
+            raise ApiError(409, "requests still in flight; drain first and wait", None)
+        st.phase, st.model_service, st.plan, st.cooperate = "idle", None, None, {}
+        return status()

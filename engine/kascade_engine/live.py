@@ -1,0 +1,151 @@
+"""Live cooperative execution: a loading engine B runs the resident prefix of layers for a request and
+ships the activations to the full engine A over the data-plane `Transport`; A runs the rest, samples,
+and returns the token.
+
+Wire format (explicit, no pickle), one transport frame per step:
+  B -> A  header {"op": "act", "req", "start" (position of the first token), "layer" (k: first layer
+          A runs), "shape" [T, H], "dtype", "params" {temperature, top_p, seed}} + raw tensor bytes
+          (row-major, little endian);  {"op": "end", "req"} frees A's state.
+  A -> B  {"op": "token", "req", "token"}  or  {"op": "error", "req", "message"}.
+Where the KV cache lives: layers 0..k-1 on B (`SplitClient`), layers k..L-1 on A (`Finisher`), keyed by
+request id. Decode continues with the same split: each new token is embedded on B, runs B's layers,
+and its activation row goes to A, so neither cache ever moves. A request keeps its split k until it
+finishes; only new requests see a longer prefix as more blocks arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from kascade_engine.kvcache import SequenceKV
+from kascade_engine.model import LlamaModel
+from kascade_engine.sampling import SamplingParams, sample
+from kascade_engine.transport import Connection, Header, TransportError
+
+log = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def encode_activation(req: str, start: int, layer: int, hidden: torch.Tensor, params: SamplingParams) -> tuple[Header, bytes]:
+    name = str(hidden.dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(f"activation dtype {name} not supported")
+    raw = hidden.contiguous().view(torch.uint8).numpy().tobytes() if hidden.numel() else b""
+    p = {k: v for k, v in asdict(params).items() if k in ("temperature", "top_p", "seed")}
+    return {"op": "act", "req": req, "start": start, "layer": layer, "shape": list(hidden.shape),
+            "dtype": name, "params": p}, raw
+
+
+def decode_activation(header: Header, payload: bytes | bytearray, hidden_size: int) -> torch.Tensor:
+    shape, dtype = header.get("shape"), header.get("dtype")
+    if dtype not in DTYPES:
+        raise ValueError(f"activation dtype {dtype!r} not supported")
+    if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(x, int) and x > 0 for x in shape)):
+        raise ValueError(f"activation shape {shape!r} must be [tokens, hidden]")
+    if shape[1] != hidden_size:
+        raise ValueError(f"activation hidden size {shape[1]} != model hidden size {hidden_size}")
+    t = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
+    want = shape[0] * shape[1] * torch.empty(0, dtype=DTYPES[dtype]).element_size()
+    if t.numel() != want:
+        raise ValueError(f"activation payload has {t.numel()} bytes, shape {shape} {dtype} needs {want}")
+    return t.view(DTYPES[dtype]).view(shape[0], shape[1])
+
+
+@dataclass
+class _Remote:
+    kv: SequenceKV = field(default_factory=SequenceKV)
+    gen: torch.Generator | None = None
+
+
+class Finisher:
+    """A's side: finishes requests whose prefix ran elsewhere. `handle` is a transport handler."""
+
+    def __init__(self, model: LlamaModel, max_requests: int = 256) -> None:
+        self.model = model
+        self.max_requests = max_requests
+        self.state: dict[str, _Remote] = {}
+        self.layers_finished = 0  # metric: layers executed here for remote prefixes
+
+    def step(self, header: Header, payload: bytes | bytearray) -> Header:
+        req = str(header.get("req", ""))
+        try:
+            if header["op"] == "end":
+                self.state.pop(req, None)
+                return {"op": "ended", "req": req}
+            if header["op"] != "act":
+                raise ValueError(f"unknown op {header['op']!r}")
+            layer, start = header.get("layer"), header.get("start")
+            if not isinstance(layer, int) or not 0 <= layer <= self.model.shape.layers:
+                raise ValueError(f"layer {layer!r} outside 0..{self.model.shape.layers}")
+            if not isinstance(start, int) or start < 0:
+                raise ValueError(f"start {start!r} must be a non-negative int")
+            hidden = decode_activation(header, payload, self.model.shape.hidden).to(self.model.dtype)
+            st = self.state.get(req)
+            if st is None:
+                if len(self.state) >= self.max_requests:
+                    raise ValueError(f"too many split requests in flight ({self.max_requests})")
+                p = header.get("params") or {}
+                seed = p.get("seed")
+                st = self.state[req] = _Remote(gen=torch.Generator().manual_seed(int(seed)) if seed is not None else None)
+            p = header.get("params") or {}
+            params = SamplingParams(temperature=float(p.get("temperature", 0.0)), top_p=float(p.get("top_p", 1.0)))
+            L = self.model.shape.layers
+            out = self.model.run_layers(layer, L, hidden, st.kv, start)
+            self.layers_finished += L - layer
+            tok = sample(self.model.logits(out[-1:])[0], params, st.gen)
+            return {"op": "token", "req": req, "token": tok}
+        except (ValueError, RuntimeError, KeyError) as e:
+            self.state.pop(req, None)
+            return {"op": "error", "req": req, "message": str(e)}
+
+    async def handle(self, conn: Connection) -> None:
+        while True:
+            try:
+                header, payload = await conn.recv()
+            except TransportError:
+                return
+            reply = await asyncio.to_thread(self.step, header, payload)
+            try:
+                await conn.send(reply)
+            except TransportError:
+                return
+
+
+class SplitClient:
+    """B's side: run layers 0..k-1 locally, the rest on A through `conn`."""
+
+    def __init__(self, model: LlamaModel, conn: Connection) -> None:
+        self.model, self.conn = model, conn
+
+    async def _remote(self, req: str, start: int, k: int, hidden: torch.Tensor, params: SamplingParams) -> int:
+        header, raw = encode_activation(req, start, k, hidden, params)
+        await self.conn.send(header, raw)
+        reply, _ = await self.conn.recv(timeout=60)
+        if reply.get("op") != "token":
+            raise RuntimeError(f"peer refused the activation: {reply.get('message', reply)}")
+        return int(reply["token"])
+
+    async def generate(self, req: str, prompt: list[int], params: SamplingParams, k: int,
+                       eos: int | None = None) -> list[int]:
+        if k > self.model.resident_prefix():
+            raise ValueError(f"split at {k} layers but only {self.model.resident_prefix()} are resident")
+        kv, out, ids, start = SequenceKV(), [], list(prompt), 0
+        try:
+            while len(out) < params.max_tokens:
+                h = self.model.run_layers(0, k, self.model.embed(torch.tensor(ids)), kv, start)
+                tok = await self._remote(req, start, k, h, params)
+                out.append(tok)
+                if tok == eos or tok in params.stop_token_ids:
+                    break
+                start += len(ids)
+                ids = [tok]
+        finally:
+            await self.conn.send({"op": "end", "req": req})
+            await self.conn.recv(timeout=60)
+        return out
+
+

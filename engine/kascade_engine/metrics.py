@@ -1,0 +1,42 @@
+"""Engine metrics (prometheus-client, prefix `kascade_`, names per DESIGN.md §6), in a registry owned
+by the server instance (no module globals)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class EngineMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.queue_length = Gauge("kascade_queue_length", "Requests waiting for prefill", registry=r)
+        self.running = Gauge("kascade_running_requests", "Requests being decoded", registry=r)
+        self.input_tokens = Counter("kascade_input_tokens", "Prompt tokens accepted", registry=r)
+        self.output_tokens = Counter("kascade_output_tokens", "Tokens generated", registry=r)
+        self.kv_usage = Gauge("kascade_kv_cache_usage", "Fraction of the KV token budget reserved", registry=r)
+        self.ttft = Histogram("kascade_ttft_seconds", "Time to first token", registry=r,
+                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        self.tbt = Histogram("kascade_tbt_seconds", "Time between tokens", registry=r,
+                             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
+        self.blocks_resident = Gauge("kascade_blocks_resident", "Weight blocks resident", registry=r)
+        self.transfer_bytes = Gauge("kascade_transfer_bytes", "Weight bytes received by the data plane", registry=r)
+        self.live_layers = Gauge("kascade_live_layers", "Layers executed for a cooperating peer", registry=r)
+
+    def observe_token(self, prev: float | None, now: float, engine: Any) -> None:
+        self.output_tokens.inc()
+        if prev is not None:
+            self.tbt.observe(now - prev)
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def update(self, st: Any) -> None:
+        s = st.engine.scheduler
+        self.queue_length.set(len(s.waiting))
+        self.running.set(len(s.running))
+        self.kv_usage.set(s.kv_reserved() / s.limits.kv_tokens)
+        self.blocks_resident.set(len(st.engine.model.weights))
+        self.transfer_bytes.set(st.bytes_received)
+        self.live_layers.set(st.finisher.layers_finished if st.finisher else 0)

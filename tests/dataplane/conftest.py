@@ -1,0 +1,32 @@
+"""Fixtures: a tiny random Llama packed into blocks, shared by the data-plane tests."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from kascade_engine.blocks import BlockSet
+
+
+def _harness() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("dp_harness", Path(__file__).with_name("harness.py"))
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses need their module registered
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="session")
+def harness() -> ModuleType:
+    return _harness()
+
+
+@pytest.fixture(scope="session")
+def tiny_blocks(tmp_path_factory: pytest.TempPathFactory, harness: ModuleType) -> BlockSet:
+    path = harness.tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", layers=6, hidden=128)
+    return harness.packed(path)  # type: ignore[no-any-return]

@@ -1,0 +1,115 @@
+"""The wire protocol's bad paths: malformed frames, wrong tokens, strangers; the server survives all."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import struct
+
+import pytest
+
+from kascade_engine.blocks import BlockSet
+from kascade_engine.relay import TransferNode
+from kascade_engine.transfer_spec import SpecError, TransferSpec, shard_range
+from kascade_engine.transport import (
+    MAGIC,
+    PREFIX,
+    TransportError,
+    decode_header,
+    decode_prefix,
+    encode_prefix,
+)
+from kascade_engine.transport_tcp import TcpTransport
+from kascade_planner.builder import make_plan
+from kascade_planner.plan import Instance, ModelLayout
+from kascade_planner.topology import leaf_spine
+
+
+def test_frame_codec_limits() -> None:
+    prefix, raw = encode_prefix({"op": "x"}, 10)
+    assert decode_prefix(prefix) == (len(raw), 10)
+    with pytest.raises(TransportError, match="bad frame magic"):
+        decode_prefix(PREFIX.pack(b"HTTP", 1, 1))
+    with pytest.raises(TransportError, match="too large"):
+        decode_prefix(PREFIX.pack(MAGIC, 1 << 30, 0))
+    with pytest.raises(TransportError, match="malformed header"):
+        decode_header(b"[1, 2]")
+    with pytest.raises(TransportError, match="malformed header"):
+        decode_header(b"\xff\xfe")
+
+
+def test_shard_ranges_tile_the_block() -> None:
+    for size in (1, 7, 4096, 10**6 + 3):
+        for g in (1, 2, 3, 8):
+            ranges = [shard_range(size, (i, g)) for i in range(g)]
+            assert ranges[0][0] == 0 and ranges[-1][1] == size
+            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+
+
+def _spec(blocks: BlockSet, ports: dict[str, int]) -> TransferSpec:
+    topo = leaf_spine(1, 3, 8)
+    nodes = [n.name for n in topo.nodes]
+    model = ModelLayout("tiny", blocks.ids, tuple(b.nbytes for b in blocks.blocks.values()))
+    plan = make_plan(topo, model, [Instance("s0", nodes[0])], [Instance("t0", nodes[1])], "chain")
+    return TransferSpec(plan, blocks.manifest(), {k: ("127.0.0.1", v) for k, v in ports.items()}, secrets.token_hex(8),
+                        64 << 10, 3.0)
+
+
+def test_spec_errors_name_the_field(tiny_blocks: BlockSet) -> None:
+    spec = _spec(tiny_blocks, {"s0": 1, "t0": 2})
+    doc = spec.to_dict()
+    with pytest.raises(SpecError, match="missing field 'token'"):
+        TransferSpec.from_dict({k: v for k, v in doc.items() if k != "token"})
+    with pytest.raises(SpecError, match="peers.t0: expected host:port"):
+        TransferSpec.from_dict({**doc, "peers": {**doc["peers"], "t0": "nowhere"}})
+    with pytest.raises(SpecError, match="manifest lacks block 'head'"):
+        TransferSpec.from_dict({**doc, "manifest": {k: v for k, v in doc["manifest"].items() if k != "head"}})
+    with pytest.raises(SpecError, match="chunkBytes"):
+        TransferSpec.from_dict({**doc, "chunkBytes": 12})
+    assert TransferSpec.from_dict(doc) == spec
+
+
+async def test_bad_clients_are_rejected_and_server_keeps_serving(tiny_blocks: BlockSet) -> None:
+    from kascade_devcluster.ports import free_ports
+
+    sp, tp = free_ports(2)
+    spec = _spec(tiny_blocks, {"s0": sp, "t0": tp})
+    transport = TcpTransport()
+    source = TransferNode(spec, "s0", transport, tiny_blocks)
+    await source.start()
+    try:
+        # 1. garbage bytes; 2. a frame with a bad header; 3. wrong token; 4. a stranger; 5. a push
+        #    from a non-upstream peer -- each closes its own connection, nothing else.
+        r, w = await asyncio.open_connection("127.0.0.1", sp)
+        w.write(b"GET / HTTP/1.1\r\n\r\n" + b"x" * 100)
+        await w.drain()
+        assert await asyncio.wait_for(r.read(), 5) == b""
+        r, w = await asyncio.open_connection("127.0.0.1", sp)
+        w.write(PREFIX.pack(MAGIC, 5, 0) + b"{oops")
+        await w.drain()
+        assert await asyncio.wait_for(r.read(), 5) == b""
+        replies = []
+        for hello in ({"op": "hello", "from": "t0", "token": "wrong", "role": "pull"},
+                      {"op": "hello", "from": "mallory", "token": spec.token, "role": "pull"},
+                      {"op": "hello", "from": "t0", "token": spec.token, "role": "push"}):
+            conn = await transport.connect("127.0.0.1", sp)
+            await conn.send(hello)
+            replies.append((await conn.recv(timeout=5))[0])
+            await conn.close()
+        assert replies[0] == {"op": "error", "message": "authentication failed"}
+        assert "mallory is not a pull peer" in replies[1]["message"]
+        assert "t0 is not a push peer" in replies[2]["message"]
+        # 6. an oversized length prefix is refused before any allocation.
+        r, w = await asyncio.open_connection("127.0.0.1", sp)
+        w.write(struct.pack("<4sIQ", MAGIC, 10, 1 << 40))
+        await w.drain()
+        assert await asyncio.wait_for(r.read(), 5) == b""
+        # After all that, a legitimate pull still gets every block, verified.
+        target = TransferNode(spec, "t0", transport)
+        await target.start()
+        await target._refetch({(b, None) for b in tiny_blocks.ids})
+        assert set(target.resident) == set(tiny_blocks.ids)
+        assert all(target.resident[b].verify() for b in tiny_blocks.ids)
+        await target.close()
+    finally:
+        await source.close()
