@@ -51,8 +51,8 @@ class Cluster:
         else:
             args += ["--out", str(self.workdir / f"{me}.kcache"), "--linger", "3"]
         env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"}
-        p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=open(self.workdir / f"{me}.log", "w"), text=True,
-                             env=env, start_new_session=True)
+        with open(self.workdir / f"{me}.log", "w") as log:  # the child keeps its own copy of the fd
+            p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True)
         self.procs[me] = p
         return p
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import secrets
 import struct
 
@@ -43,7 +44,7 @@ def test_shard_ranges_tile_the_block() -> None:
         for g in (1, 2, 3, 8):
             ranges = [shard_range(size, (i, g)) for i in range(g)]
             assert ranges[0][0] == 0 and ranges[-1][1] == size
-            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
 
 
 def _spec(blocks: BlockSet, ports: dict[str, int]) -> TransferSpec:
@@ -60,7 +61,7 @@ def test_spec_errors_name_the_field(tiny_blocks: BlockSet) -> None:
     doc = spec.to_dict()
     with pytest.raises(SpecError, match="missing field 'token'"):
         TransferSpec.from_dict({k: v for k, v in doc.items() if k != "token"})
-    with pytest.raises(SpecError, match="peers.t0: expected host:port"):
+    with pytest.raises(SpecError, match=r"peers\.t0: expected host:port"):
         TransferSpec.from_dict({**doc, "peers": {**doc["peers"], "t0": "nowhere"}})
     with pytest.raises(SpecError, match="manifest lacks block 'head'"):
         TransferSpec.from_dict({**doc, "manifest": {k: v for k, v in doc["manifest"].items() if k != "head"}})
