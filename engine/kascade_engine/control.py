@@ -8,12 +8,34 @@ fields that the serving path and /metrics read.
 from __future__ import annotations
 
 import hmac
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import Depends, FastAPI, Request
+from pydantic import BaseModel, ConfigDict, Field
 
 
-def add_control_routes(app: FastAPI, st: Any, BindBody: Any, LoadPlanBody: Any, CooperateBody: Any, ApiError: Any) -> None:
+class BindBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    modelService: str
+    role: Literal["prefill", "decode", "colocated"]
+
+
+class LoadPlanBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    plan: dict[str, Any]
+    self_: str = Field(alias="self")
+    peers: dict[str, str]
+    planToken: str
+
+
+class CooperateBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    peer: str
+    mode: Literal["zigzag", "besteffort", "off"]
+
+
+def add_control_routes(app: FastAPI, st: Any, ApiError: Any) -> None:
     def auth(request: Request) -> None:
         got = request.headers.get("authorization", "")
         if not got.startswith("Bearer "):
@@ -35,7 +57,7 @@ def add_control_routes(app: FastAPI, st: Any, BindBody: Any, LoadPlanBody: Any, 
         return status()
 
     @app.post("/kascade/v1/bind", dependencies=guard)
-    async def bind(body: BindBody) -> dict[str, Any]:  # type: ignore[valid-type]
+    async def bind(body: BindBody) -> dict[str, Any]:
         if body.model != st.model_name:
             raise ApiError(409, f"cannot bind model '{body.model}': this engine holds '{st.model_name}'", "model")
         st.model_service, st.role = body.modelService, body.role
@@ -44,7 +66,7 @@ def add_control_routes(app: FastAPI, st: Any, BindBody: Any, LoadPlanBody: Any, 
         return status()
 
     @app.post("/kascade/v1/load-plan", dependencies=guard)
-    async def load_plan(body: LoadPlanBody) -> dict[str, Any]:  # type: ignore[valid-type]
+    async def load_plan(body: LoadPlanBody) -> dict[str, Any]:
         from kascade_planner.plan import Plan
 
         try:
@@ -64,7 +86,7 @@ def add_control_routes(app: FastAPI, st: Any, BindBody: Any, LoadPlanBody: Any, 
         return status()
 
     @app.post("/kascade/v1/cooperate", dependencies=guard)
-    async def cooperate(body: CooperateBody) -> dict[str, Any]:  # type: ignore[valid-type]
+    async def cooperate(body: CooperateBody) -> dict[str, Any]:
         st.cooperate = {} if body.mode == "off" else {"peer": body.peer, "mode": body.mode}
         return status()
 

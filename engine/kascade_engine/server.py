@@ -66,27 +66,6 @@ class ChatBody(_Common):
     messages: list[Message] = Field(min_length=1)
 
 
-class BindBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    model: str
-    modelService: str
-    role: Literal["prefill", "decode", "colocated"]
-
-
-class LoadPlanBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    plan: dict[str, Any]
-    self_: str = Field(alias="self")
-    peers: dict[str, str]
-    planToken: str
-
-
-class CooperateBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    peer: str
-    mode: Literal["zigzag", "besteffort", "off"]
-
-
 @dataclass
 class ServerState:
     engine: Engine
@@ -270,7 +249,7 @@ def create_app(st: ServerState) -> FastAPI:
 
     from kascade_engine.control import add_control_routes
 
-    add_control_routes(app, st, BindBody, LoadPlanBody, CooperateBody, ApiError)
+    add_control_routes(app, st, ApiError)
     return app
 
 

@@ -80,3 +80,8 @@ def engine_a(tiny_ckpt: Path) -> Iterator[EngineProc]:
                       "--kv-tokens", "4096"])
     yield e
     e.stop()
+
+
+@pytest.fixture(scope="session")
+def engine_starter():  # type: ignore[no-untyped-def]
+    return start_engine

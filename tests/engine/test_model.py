@@ -51,7 +51,7 @@ def test_missing_block_is_named(tiny_blocks) -> None:  # type: ignore[no-untyped
     m.add_block("embed", tiny_blocks.blocks["embed"].tensors())
     m.add_block("layer.0", tiny_blocks.blocks["layer.0"].tensors())
     assert m.resident_prefix() == 1 and not m.complete
-    with pytest.raises(RuntimeError, match="layer.1 is not resident"):
+    with pytest.raises(RuntimeError, match=r"layer\.1 is not resident"):
         m.run_layers(0, 2, m.embed(torch.tensor([1])), SequenceKV(), 0)
 
 

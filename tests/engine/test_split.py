@@ -77,7 +77,7 @@ def test_split_beyond_resident_prefix_refused(tiny_blocks) -> None:  # type: ign
 
 
 @pytest.mark.smollm
-async def test_split_smollm_matches_single(smollm_ckpt: Path) -> None:
+async def test_split_smollm_matches_single(smollm_ckpt: Path, engine_starter) -> None:  # type: ignore[no-untyped-def]
     from kascade_engine.tokenizer import load_tokenizer
 
     blocks = pack_checkpoint(smollm_ckpt, model="smollm2-135m")
@@ -86,9 +86,7 @@ async def test_split_smollm_matches_single(smollm_ckpt: Path) -> None:
     params = SamplingParams(max_tokens=5)
     want = _single(blocks, prompt, params)
     assert "Paris" in tok.decode(want)
-    from conftest import start_engine  # type: ignore[import-not-found]
-
-    a = start_engine(["--smollm", "--model-name", "smollm2-135m"])
+    a = engine_starter(["--smollm", "--model-name", "smollm2-135m"])
     conn = await TcpTransport().connect("127.0.0.1", a.act)
     try:
         got = await SplitClient(_partial(blocks, 13), conn).generate("s", prompt, params, 13)

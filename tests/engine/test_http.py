@@ -1,0 +1,92 @@
+"""The HTTP API of a real engine process: OpenAI client (streaming and not), 4xx on bad input naming
+the problem, control API token, and a burst of bad input that leaves the engine serving."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+
+def _client(engine_a) -> openai.OpenAI:  # type: ignore[no-untyped-def]
+    return openai.OpenAI(base_url=engine_a.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_openai_completions_stream_and_not(engine_a) -> None:  # type: ignore[no-untyped-def]
+    c = _client(engine_a)
+    r = c.completions.create(model="tiny-llama", prompt="hello", max_tokens=6)
+    assert r.usage.completion_tokens == 6 and r.usage.prompt_tokens == 5
+    assert r.choices[0].finish_reason == "length"
+    chunks = list(c.completions.create(model="tiny-llama", prompt="hello", max_tokens=6, stream=True))
+    assert len(chunks) == 6
+    assert "".join(ch.choices[0].text for ch in chunks) == r.choices[0].text  # greedy: same text
+    ids = c.completions.create(model="tiny-llama", prompt=[104, 101], max_tokens=2)
+    assert ids.usage.prompt_tokens == 2
+
+
+def test_openai_chat_stream_and_not(engine_a) -> None:  # type: ignore[no-untyped-def]
+    c = _client(engine_a)
+    msgs = [{"role": "user", "content": "hi"}]
+    r = c.chat.completions.create(model="tiny-llama", messages=msgs, max_tokens=4)
+    assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens == 4
+    text = "".join(ch.choices[0].delta.content or "" for ch in
+                   c.chat.completions.create(model="tiny-llama", messages=msgs, max_tokens=4, stream=True))
+    assert text == r.choices[0].message.content
+
+
+@pytest.mark.parametrize(("body", "status", "needle"), [
+    ({"model": "nope", "prompt": "x"}, 404, "model 'nope' is not served"),
+    ({"model": "tiny-llama", "prompt": "x" * 65}, 400, "prompt has 65 tokens, the limit is 64"),
+    ({"model": "tiny-llama"}, 400, "'prompt'"),
+    ({"model": "tiny-llama", "prompt": "x", "max_tokens": 0}, 400, "'max_tokens'"),
+    ({"model": "tiny-llama", "prompt": "x", "temperature": "hot"}, 400, "'temperature'"),
+    ({"model": "tiny-llama", "prompt": [1, 99999]}, 400, "token ids must be in 0..511"),
+    ({"model": "tiny-llama", "prompt": ""}, 400, "prompt is empty"),
+])
+def test_bad_completion_bodies(engine_a, body, status: int, needle: str) -> None:  # type: ignore[no-untyped-def]
+    r = httpx.post(engine_a.url + "/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    assert needle in r.json()["error"]["message"]
+
+
+def test_bad_chat_and_not_json(engine_a) -> None:  # type: ignore[no-untyped-def]
+    r = httpx.post(engine_a.url + "/v1/chat/completions", json={"model": "tiny-llama", "messages": [{"role": "robot", "content": "x"}]})
+    assert r.status_code == 400 and "messages.0.role" in r.json()["error"]["message"]
+    r = httpx.post(engine_a.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400
+
+
+def test_control_api_needs_token(engine_a) -> None:  # type: ignore[no-untyped-def]
+    u = engine_a.url + "/kascade/v1/"
+    assert httpx.get(u + "status").status_code == 401
+    assert httpx.get(u + "status", headers={"Authorization": "Bearer wrong"}).status_code == 403
+    assert httpx.post(u + "drain").status_code == 401
+    ok = httpx.get(u + "status", headers={"Authorization": f"Bearer {engine_a.token}"})
+    assert ok.status_code == 200
+    st = ok.json()
+    assert st["phase"] == "ready" and st["ready"] and all(st["blocks"].values()) and len(st["blocks"]) == 6
+    h = {"Authorization": f"Bearer {engine_a.token}"}
+    r = httpx.post(u + "cooperate", json={"peer": "b", "mode": "sideways"}, headers=h)
+    assert r.status_code == 400 and "mode" in r.json()["error"]["message"]
+    r = httpx.post(u + "bind", json={"model": "other", "modelService": "m", "role": "prefill"}, headers=h)
+    assert r.status_code == 409 and "other" in r.json()["error"]["message"]
+
+
+def test_burst_of_bad_input_keeps_engine_up(engine_a) -> None:  # type: ignore[no-untyped-def]
+    bad = [b"\x00\xff", b"[]", b'{"model": 5}', b'{"model": "tiny-llama", "prompt": {"a": 1}}', b"x" * 100000]
+
+    async def burst() -> list[int]:
+        async with httpx.AsyncClient(base_url=engine_a.url) as c:
+            rs = await asyncio.gather(*[c.post("/v1/completions", content=bad[i % len(bad)],
+                                               headers={"content-type": "application/json"}) for i in range(200)])
+            return [r.status_code for r in rs]
+
+    codes = asyncio.run(burst())
+    assert all(400 <= c < 500 for c in codes), set(codes)
+    assert httpx.get(engine_a.url + "/healthz").status_code == 200
+    r = _client(engine_a).completions.create(model="tiny-llama", prompt="ok", max_tokens=2)
+    assert r.usage.completion_tokens == 2
+    m = httpx.get(engine_a.url + "/metrics").text
+    assert "kascade_ttft_seconds_count" in m and "kascade_blocks_resident 6.0" in m
