@@ -20,7 +20,10 @@ IntOrString = int | str
 
 
 class Model(BaseModel):
-    model_config = ConfigDict(alias_generator=AliasGenerator(alias=to_camel), populate_by_name=True, extra="forbid")
+    # strict: the API server rejects "1" for an integer and "yes" for a boolean, so the mirror must too
+    # (lax coercion would let a document through here that the CRD refuses).
+    model_config = ConfigDict(alias_generator=AliasGenerator(alias=to_camel), populate_by_name=True,
+                              extra="forbid", strict=True)
 
 
 # --- ModelService -------------------------------------------------------------------------------

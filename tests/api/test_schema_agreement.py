@@ -96,3 +96,30 @@ def test_invalid_rejected_by_pydantic_naming_field(path: Path) -> None:
     messages = _pydantic_paths(e.value)
     # Either the error location is the field, or (cross-field rules) the message names it.
     assert any(m.startswith(field) or field in m for m in messages), messages
+
+
+def _set(doc: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
+    node = doc
+    *parents, leaf = dotted.split(".")
+    for p in parents:
+        node = node[p]
+    node[leaf] = value
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("spec.replicas.colocated.min", "1"), ("spec.replicas.desired", 1.5), ("spec.engine.tp", 2.0),
+     ("spec.engine.port", "8000"), ("spec.scaling.live", "true"), ("spec.scaling.convertibleDecoders", 1),
+     ("spec.slo.ttftMs", "500"), ("spec.scaling.threshold.upper", None), ("spec.model.layers", True),
+     ("spec.scaling.multicast", "Chain")],
+)
+def test_wrong_types_rejected_by_both(field: str, value: Any) -> None:
+    """Differential check on the sample: a wrongly typed value the CRD refuses, pydantic refuses too
+    (no lax coercion of "1" -> 1 or "true" -> True), naming the same field."""
+    doc = _set(_load(REPO / "manifests" / "samples" / "modelservice.yaml"), field, value)
+    errors = list(jsonschema.Draft4Validator(crd_schema("ModelService")).iter_errors(doc))
+    assert errors and any(".".join(map(str, e.absolute_path)) == field for e in errors), errors
+    with pytest.raises(ValidationError) as e:
+        ModelService.model_validate(doc)
+    assert any(m.startswith(field + " ") for m in _pydantic_paths(e.value)), _pydantic_paths(e.value)
