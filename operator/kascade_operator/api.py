@@ -154,6 +154,11 @@ class ModelServiceSpec(Model):
                              "disaggregated mode")
         if self.scaling and self.scaling.convertible_decoders and self.mode != "disaggregated":
             raise ValueError("spec.scaling.convertibleDecoders needs spec.mode disaggregated")
+        roles = [r.colocated] if self.mode == "colocated" else [r.prefill, r.decode]
+        lo, hi = sum(x.min for x in roles if x), sum(x.max for x in roles if x)
+        if r.desired is not None and not lo <= r.desired <= hi:
+            raise ValueError(f"spec.replicas.desired must lie within min..max of the role (of prefill plus decode in "
+                             f"disaggregated mode): desired={r.desired}, min={lo}, max={hi}")
         return self
 
 

@@ -64,6 +64,11 @@ def test_printer_columns_and_scale_subresource(control_plane: ControlPlane, crds
     # The CRD's default and the scale subresource's lower bound hold on the server.
     with pytest.raises(ToolError, match="replicas"):
         control_plane.kubectl("-n", namespace, "scale", "msvc/smollm2", "--replicas=-1")
+    # Out of the role's bounds (sample: colocated min 1, max 8): refused, naming the field, spec unchanged.
+    with pytest.raises(ToolError, match=r"spec\.replicas\.desired"):
+        control_plane.kubectl("-n", namespace, "scale", "msvc/smollm2", "--replicas=9")
+    spec = json.loads(control_plane.kubectl("-n", namespace, "get", "msvc", "smollm2", "-o", "json").stdout)["spec"]
+    assert spec["replicas"]["desired"] == 3
 
 
 def test_scaleplan_spec_is_immutable(control_plane: ControlPlane, crds: list[str], namespace: str) -> None:
