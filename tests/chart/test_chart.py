@@ -31,6 +31,10 @@ def test_template_renders_every_deployable(helm: Helm) -> None:
     op = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-operator")
     assert op["spec"]["strategy"] == {"type": "Recreate"}
     assert op["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    container = op["spec"]["template"]["spec"]["containers"][0]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
+    assert {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}} in op["spec"]["template"]["spec"]["volumes"]
     pool = next(d for d in docs if d["metadata"]["name"] == "rel-pool")
     assert pool["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
     role = next(d for d in docs if d["kind"] == "Role")
