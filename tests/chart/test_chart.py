@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -77,3 +78,19 @@ def test_chart_crds_equal_source_and_manifests_current(helm: Helm) -> None:
     assert sorted(p.name for p in (CHART / "crds").glob("*.yaml")) == sorted(p.name for p in (REPO / "crds").glob("*.yaml"))
     proc = subprocess.run([sys.executable, str(REPO / "hack" / "sync_manifests.py"), "--check"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_sync_check_names_the_stale_file(tmp_path: Path) -> None:
+    """`--check` can fail: on a copy of the repo with one chart CRD edited, it exits 1 naming that file,
+    and a plain run restores it."""
+    for d in ("crds", "charts", "manifests", "hack"):
+        shutil.copytree(REPO / d, tmp_path / d)
+    stale = tmp_path / "charts" / "kascade" / "crds" / "kascade.io_scaleplans.yaml"
+    stale.write_text(stale.read_text().replace("shortNames: [splan]", "shortNames: [sp]"))
+    script = tmp_path / "hack" / "sync_manifests.py"
+    proc = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert "charts/kascade/crds/kascade.io_scaleplans.yaml" in proc.stderr
+    assert "modelservices" not in proc.stderr
+    subprocess.run([sys.executable, str(script)], check=True, capture_output=True)
+    assert stale.read_text() == (REPO / "crds" / "kascade.io_scaleplans.yaml").read_text()
