@@ -37,10 +37,11 @@ def engine() -> None:
 @click.option("--max-batch-tokens", default=2048, show_default=True, type=click.IntRange(1))
 @click.option("--max-seqs", default=16, show_default=True, type=click.IntRange(1))
 @click.option("--kv-tokens", default=65536, show_default=True, type=click.IntRange(1))
+@click.option("--empty", is_flag=True, help="start with no weights (config + tokenizer only); load them with load-plan")
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(1), help="torch CPU threads")
 def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: str, port: int, act_port: int | None,
           token_file: Path | None, max_prompt_tokens: int, max_batch_tokens: int, max_seqs: int, kv_tokens: int,
-          threads: int) -> None:
+          empty: bool, threads: int) -> None:
     """Serve a model over HTTP (OpenAI-compatible) with the Kascade control API."""
     import torch
     import uvicorn
@@ -67,15 +68,23 @@ def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: s
         raise click.UsageError("no control token: pass --token-file or set KASCADE_ENGINE_TOKEN")
     torch.set_num_threads(threads)
     try:
-        blocks = pack_checkpoint(checkpoint, model=model_name or checkpoint.name)
-        model = LlamaModel(blocks.config)
-    except (CheckpointError, ValueError) as e:
+        if empty:  # a warm-pool pod: only the architecture; weights arrive through load-plan
+            import json
+
+            blocks, name = None, model_name or checkpoint.name
+            model = LlamaModel(json.loads((checkpoint / "config.json").read_text()))
+        else:
+            blocks = pack_checkpoint(checkpoint, model=model_name or checkpoint.name)
+            name = blocks.model
+            model = LlamaModel(blocks.config)
+    except (CheckpointError, ValueError, OSError) as e:
         raise click.UsageError(f"--checkpoint {checkpoint}: {e}") from None
     tok = load_tokenizer(checkpoint)
     eng = Engine(model, Limits(max_batch_tokens, max_seqs, kv_tokens), eos=tok.eos_token_id)
-    eng.load_blocks(blocks.blocks.values())
-    st = ServerState(eng, tok, blocks.model, token, max_prompt_tokens=max_prompt_tokens, finisher=Finisher(model),
-                     bytes_received=0)
+    if blocks is not None:
+        eng.load_blocks(blocks.blocks.values())
+    st = ServerState(eng, tok, name, token, max_prompt_tokens=max_prompt_tokens, finisher=Finisher(model),
+                     blockset=blocks, phase="idle" if blocks is None else "ready")
 
     async def main() -> None:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -26,7 +26,10 @@ class LoadPlanBody(BaseModel):
     plan: dict[str, Any]
     self_: str = Field(alias="self")
     peers: dict[str, str]
-    planToken: str
+    planToken: str = Field(min_length=1)
+    manifest: dict[str, Any] | None = None  # targets need it (sizes, digests, index); sources use their own
+    chunkBytes: int = 1 << 20
+    timeoutSeconds: float = 10.0
 
 
 class CooperateBody(BaseModel):
@@ -50,7 +53,8 @@ def add_control_routes(app: FastAPI, st: Any, ApiError: Any) -> None:
         ids = ["embed", *(f"layer.{i}" for i in range(m.shape.layers)), "head"]
         return {"instance": st.instance, "model": st.model_name, "role": st.role, "modelService": st.model_service,
                 "phase": st.phase, "blocks": {b: m.resident(b) for b in ids}, "bytesReceived": st.bytes_received,
-                "ready": st.phase == "ready" and m.complete, "cooperate": st.cooperate or None}
+                "ready": st.phase == "ready" and m.complete, "cooperate": st.cooperate or None,
+                "loadError": st.load_error}
 
     @app.get("/kascade/v1/status", dependencies=guard)
     async def get_status() -> dict[str, Any]:
@@ -67,22 +71,12 @@ def add_control_routes(app: FastAPI, st: Any, ApiError: Any) -> None:
 
     @app.post("/kascade/v1/load-plan", dependencies=guard)
     async def load_plan(body: LoadPlanBody) -> dict[str, Any]:
-        from kascade_planner.plan import Plan
+        from kascade_engine.loader import PlanLoadError, start_loading
 
         try:
-            plan = Plan.from_dict(body.plan)
-        except (ValueError, KeyError, TypeError) as e:
-            raise ApiError(400, f"invalid field 'plan': {e}", "plan") from None
-        if plan.model != st.model_name:
-            raise ApiError(409, f"plan is for model '{plan.model}', this engine serves '{st.model_name}'", "plan.model")
-        involved = {f.src for f in plan.flows} | {f.dst for f in plan.flows}
-        if body.self_ not in involved:
-            raise ApiError(400, f"instance '{body.self_}' is not a source or target of this plan", "self")
-        missing = sorted(involved - {body.self_} - set(body.peers))
-        if missing:
-            raise ApiError(400, f"peers lacks an address for {missing[0]}", "peers")
-        st.plan = {"plan": body.plan, "self": body.self_, "peers": body.peers}
-        st.instance = body.self_
+            await start_loading(st, body.model_dump(by_alias=True))
+        except PlanLoadError as e:
+            raise ApiError(e.status, str(e), e.field) from None
         return status()
 
     @app.post("/kascade/v1/cooperate", dependencies=guard)

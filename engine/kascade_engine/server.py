@@ -81,6 +81,9 @@ class ServerState:
     cooperate: dict[str, str] = field(default_factory=dict)
     plan: dict[str, Any] | None = None
     bytes_received: int = 0
+    blockset: Any = None  # the BlockSet this engine started with (sources send from it)
+    loading: asyncio.Task[None] | None = None
+    load_error: str | None = None
     metrics: EngineMetrics = field(default_factory=EngineMetrics)
     queues: dict[str, asyncio.Queue[Event | Exception]] = field(default_factory=dict)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -145,6 +148,9 @@ def create_app(st: ServerState) -> FastAPI:
             raise ApiError(404, f"model '{name}' is not served here (serving '{st.model_name}')", "model", "model_not_found")
         if st.phase in ("draining", "idle"):
             raise ApiError(503, f"engine is {st.phase}; not accepting requests", None, "unavailable")
+        m = st.engine.model
+        if not m.complete:
+            raise ApiError(503, f"engine is loading ({m.resident_prefix()}/{m.shape.layers} layers resident)", None, "unavailable")
 
     def submit(body: _Common, prompt: list[int]) -> tuple[str, asyncio.Queue[Event | Exception]]:
         if len(prompt) > st.max_prompt_tokens:

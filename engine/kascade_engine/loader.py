@@ -1,0 +1,81 @@
+"""Loading weights by plan: the control API's `load-plan` turned into a data-plane `TransferNode`
+whose committed (hash-verified) blocks become runnable model blocks the moment they land.
+
+Data flow: load-plan body {plan, self, peers, planToken, manifest?} -> `TransferSpec` (the data
+plane's wire type; a source uses its own manifest) -> `TransferNode.start()` listens on this
+instance's data address -> `run()` receives/forwards -> on each committed block: `model.add_block`
+(zero-copy views of the verified buffer), bytesReceived updated -> all resident: phase ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from kascade_engine.relay import TransferNode
+from kascade_engine.transfer_spec import SpecError, TransferSpec
+from kascade_engine.transport import TransportError, make_transport
+
+log = logging.getLogger(__name__)
+
+
+class PlanLoadError(ValueError):
+    def __init__(self, status: int, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.field = status, field
+
+
+async def start_loading(st: Any, body: dict[str, Any]) -> None:
+    me = str(body["self"])
+    blocks = st.blockset
+    manifest = body.get("manifest") or (blocks.manifest() if blocks is not None else None)
+    if manifest is None:
+        raise PlanLoadError(400, "invalid field 'manifest': a loading target needs the block manifest", "manifest")
+    if st.loading is not None and not st.loading.done():
+        raise PlanLoadError(409, "a load plan is already running on this engine", "plan")
+    doc = {"plan": body["plan"], "manifest": manifest, "peers": body["peers"], "token": body["planToken"],
+           "chunkBytes": body["chunkBytes"], "timeoutSeconds": body["timeoutSeconds"]}
+    try:
+        spec = TransferSpec.from_dict(doc)
+    except (SpecError, ValueError, TypeError) as e:
+        raise PlanLoadError(400, f"invalid load plan: {e}", "plan") from None
+    if spec.plan.model.name != st.model_name:
+        raise PlanLoadError(409, f"plan is for model '{spec.plan.model.name}', this engine serves '{st.model_name}'", "plan.model")
+    involved = {i.id for i in (*spec.plan.sources, *spec.plan.targets)}
+    if me not in involved:
+        raise PlanLoadError(400, f"invalid field 'self': '{me}' is not a source or target of this plan", "self")
+    model = st.engine.model
+
+    def on_progress(event: dict[str, Any]) -> None:
+        if event.get("event") != "block":
+            return
+        blk = node.resident[event["block"]]
+        model.add_block(blk.id, blk.tensors())
+        st.bytes_received = int(event.get("bytes", st.bytes_received))
+        if model.complete and st.phase == "loading":
+            st.phase = "ready"
+            log.info("%s: all %d blocks resident; ready", me, event.get("total"))
+
+    try:
+        node = TransferNode(spec, me, make_transport("tcp"), blocks=blocks if blocks is not None and model.complete else None,
+                            on_progress=on_progress)
+        await node.start()
+    except (ValueError, TransportError) as e:
+        raise PlanLoadError(400, f"cannot start the transfer: {e}", "peers") from None
+    st.instance = me
+    st.plan = doc
+    if not model.complete:
+        st.phase = "loading"
+
+    async def run() -> None:
+        try:
+            summary = await node.run()
+            log.info("transfer done: %s", summary)
+        except Exception as e:  # a failed transfer leaves the engine loading, visible in status
+            log.error("transfer failed on %s: %s", me, e)
+            st.load_error = str(e)
+        finally:
+            await node.close()
+
+    st.loading = asyncio.create_task(run())

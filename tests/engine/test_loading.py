@@ -1,0 +1,55 @@
+"""load-plan end to end: a serving engine (source) streams its blocks to an empty engine process over
+the data plane; the target turns ready and answers exactly like the source."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from kascade_devcluster.ports import free_ports
+from kascade_planner.baselines import build_star
+from kascade_planner.plan import Instance, ModelLayout
+
+
+def _h(e) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    return {"Authorization": f"Bearer {e.token}"}
+
+
+def test_empty_engine_loads_by_plan_and_matches(tiny_ckpt, tiny_blocks, engine_starter) -> None:  # type: ignore[no-untyped-def]
+    src = engine_starter(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama"])
+    dst = engine_starter(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--empty"])
+    try:
+        body = {"model": "tiny-llama", "prompt": [7, 8, 9], "max_tokens": 6}
+        r = httpx.post(dst.url + "/v1/completions", json=body)
+        assert r.status_code == 503 and "engine is idle" in r.json()["error"]["message"]
+        assert httpx.get(dst.url + "/kascade/v1/status", headers=_h(dst)).json()["phase"] == "idle"
+        layout = ModelLayout("tiny-llama", tiny_blocks.ids, tuple(b.nbytes for b in tiny_blocks.blocks.values()))
+        plan = build_star(layout, [Instance("a", "n0")], [Instance("b", "n1")]).to_dict()
+        pa, pb = free_ports(2)
+        doc = {"plan": plan, "peers": {"a": f"127.0.0.1:{pa}", "b": f"127.0.0.1:{pb}"}, "planToken": "pt"}
+        bad = httpx.post(dst.url + "/kascade/v1/load-plan", json={**doc, "self": "b"}, headers=_h(dst))
+        assert bad.status_code == 400 and "manifest" in bad.json()["error"]["message"]
+        bad = httpx.post(src.url + "/kascade/v1/load-plan", json={**doc, "self": "zz"}, headers=_h(src))
+        assert bad.status_code == 400 and "'zz'" in bad.json()["error"]["message"]
+        ok = httpx.post(dst.url + "/kascade/v1/load-plan", json={**doc, "self": "b", "manifest": tiny_blocks.manifest()},
+                        headers=_h(dst))
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["phase"] == "loading"
+        ok = httpx.post(src.url + "/kascade/v1/load-plan", json={**doc, "self": "a"}, headers=_h(src))
+        assert ok.status_code == 200, ok.text
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            st = httpx.get(dst.url + "/kascade/v1/status", headers=_h(dst)).json()
+            if st["ready"]:
+                break
+            time.sleep(0.2)
+        assert st["ready"] and all(st["blocks"].values()), st
+        assert st["bytesReceived"] == tiny_blocks.total_bytes
+        assert httpx.get(dst.url + "/readyz").status_code == 200
+        want = httpx.post(src.url + "/v1/completions", json=body).json()["choices"][0]["text"]
+        got = httpx.post(dst.url + "/v1/completions", json=body).json()["choices"][0]["text"]
+        assert got == want
+    finally:
+        src.stop()
+        dst.stop()
