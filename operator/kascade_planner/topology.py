@@ -59,6 +59,10 @@ class Topology:
         except KeyError:
             raise TopologyError(f"unknown node {name!r}") from None
 
+    @property
+    def by_name(self) -> Mapping[str, Node]:
+        return self._by_name
+
     def bandwidth_gbps(self, a: str, b: str) -> float:
         """Per-GPU bandwidth between nodes `a` and `b` (Gbit/s)."""
         na, nb = self.node(a), self.node(b)
