@@ -75,6 +75,8 @@ class TransferNode:
         self._connected: set[str] = set()
         self._refetching: set[Slot] = set()
         self.started = time.monotonic()
+        self.first_byte_at: float | None = None  # wall clock, comparable across processes
+        self.done_at: float | None = None
         if self.is_source or not self.inbound:
             self.all_resident.set()
 
@@ -89,6 +91,8 @@ class TransferNode:
         every downstream flow got every block committed (or its peer died)."""
         for d in self.downstream:
             self._tasks.append(asyncio.create_task(self._writer(d)))
+        if self.is_source and self.spec.not_before is not None:
+            await asyncio.sleep(max(0.0, self.spec.not_before - time.time()))
         feeders = [asyncio.create_task(self._feed_from_resident(d)) for d in self.downstream] if self.is_source else []
         self._tasks.extend(feeders)
         if not self.is_source and self.inbound:
@@ -106,7 +110,8 @@ class TransferNode:
     def summary(self) -> dict[str, Any]:
         return {"instance": self.me, "resident": len(self.resident), "blocks": len(self.plan.model.block_ids),
                 "bytesReceived": self.bytes_in, "refetches": self.refetches, "corruptDetected": self.corrupt_detected,
-                "seconds": round(time.monotonic() - self.started, 4)}
+                "seconds": round(time.monotonic() - self.started, 4), "firstByteAt": self.first_byte_at,
+                "doneAt": self.done_at}
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -143,11 +148,21 @@ class TransferNode:
                        pull: bool = False) -> bool:
         """Apply a stream of chunk/commit/abort/end from `peer` (its flow `flow_shard`, for pushes).
         Returns True on a clean end."""
+        verifying: list[asyncio.Task[None]] = []
         try:
             while True:
-                header, payload = await conn.recv(timeout=self.spec.timeout_s)
+                header, plen = await conn.recv_header(timeout=self.spec.timeout_s)
                 op = header["op"]
+                if op == "chunk" and plen:
+                    view = self._chunk_target(str(header.get("block")), header, plen)
+                    await conn.recv_into(view, timeout=self.spec.timeout_s)
+                    self._on_chunk(str(header["block"]), tuple(header["shard"]) if header.get("shard") else None,
+                                   int(header["offset"]), view)
+                    continue
+                if plen:
+                    raise TransportError(f"unexpected {plen}-byte payload on {op!r}")
                 if op == "end":
+                    await asyncio.gather(*verifying)
                     if not pull and self._missing_from(peer, flow_shard) - self._refetching:
                         raise TransportError(f"{peer} ended its stream before sending every block")
                     return True
@@ -155,10 +170,11 @@ class TransferNode:
                 if block not in self.slot_count:
                     raise TransportError(f"{peer} sent block {block!r} that {self.me} does not receive")
                 shard = tuple(header["shard"]) if header.get("shard") else None
-                if op == "chunk":
-                    self._on_chunk(block, shard, int(header["offset"]), payload)
-                elif op == "commit":
-                    await self._on_commit(block, shard)
+                if op == "commit":
+                    if self._mark_committed(block, shard):
+                        # Verify off the receive path: the next block streams in while this one hashes.
+                        verifying.append(asyncio.create_task(self._verify(block)))
+                        self._tasks.append(verifying[-1])
                 elif op == "abort":
                     await self._forward({"op": "abort", "block": block}, b"", block, shard)
                 else:
@@ -169,34 +185,50 @@ class TransferNode:
                 self._upstream_lost(peer, flow_shard)
             return False
 
-    def _on_chunk(self, block: str, shard: tuple[int, int] | None, offset: int, payload: bytearray) -> None:
+    def _chunk_target(self, block: str, header: Header, plen: int) -> memoryview:
+        """Where a chunk's payload lands: its place in the block buffer (checked first), or a scratch
+        buffer for a block that is already resident (a duplicate after a re-fetch)."""
+        if block not in self.slot_count:
+            raise TransportError(f"chunk of block {block!r} that {self.me} does not receive")
         if block in self.resident:
-            return  # a duplicate after a re-fetch: already have it
+            return memoryview(bytearray(plen))
         size = int(self.spec.manifest[block]["bytes"])
-        begin, end = shard_range(size, shard)
-        if not begin <= offset <= offset + len(payload) <= end:
-            raise TransportError(f"chunk of {block!r} at {offset}+{len(payload)} outside [{begin}, {end})")
+        shard = tuple(header["shard"]) if header.get("shard") else None
+        begin, end = shard_range(size, shard)  # type: ignore[arg-type]
+        offset = int(header["offset"])
+        if not begin <= offset <= offset + plen <= end:
+            raise TransportError(f"chunk of {block!r} at {offset}+{plen} outside [{begin}, {end})")
         buf = self.buffers.setdefault(block, bytearray(size))
-        buf[offset:offset + len(payload)] = payload
+        return memoryview(buf)[offset:offset + plen]
+
+    def _on_chunk(self, block: str, shard: tuple[int, int] | None, offset: int, payload: memoryview) -> None:
+        """The chunk is already in the block buffer: forward it downstream at once (cut-through)."""
+        if block in self.resident:
+            return
+        if self.first_byte_at is None:
+            self.first_byte_at = time.time()
         self.bytes_in += len(payload)
         if self.faults.get("corruptBlock") == block and not self.faults.get("_corrupted"):
-            buf[offset] ^= 0xFF  # test-only: this node corrupts what it received (once)
-            payload = bytearray(payload)
-            payload[0] ^= 0xFF
+            payload[0] ^= 0xFF  # test-only: this node corrupts what it received (once)
             self.faults["_corrupted"] = True
         self._forward_nowait({"op": "chunk", "block": block, "offset": offset}, payload, block, shard)
 
-    async def _on_commit(self, block: str, shard: tuple[int, int] | None) -> None:
+    def _mark_committed(self, block: str, shard: tuple[int, int] | None) -> bool:
+        """Record an upstream commit; True when every shard of the block is in (verify it next)."""
         if block in self.resident:
-            return
+            return False
         slots = self.done_slots.setdefault(block, set())
         slots.add(shard[0] if shard else None)
         self._refetching.discard((block, shard[0] if shard else None))
-        if len(slots) < self.slot_count[block]:
+        return len(slots) >= self.slot_count[block]
+
+    async def _verify(self, block: str) -> None:
+        if block in self.resident:
             return
         buf = self.buffers[block]
         entry = self.spec.manifest[block]
-        if digest_of(buf) != entry["digest"]:
+        # hashlib releases the GIL: hash on another core while this loop keeps receiving.
+        if await asyncio.to_thread(digest_of, buf) != entry["digest"]:
             self.corrupt_detected += 1
             log.warning("%s: block %s failed its digest; aborting downstream and re-fetching", self.me, block)
             self.done_slots.pop(block, None)
@@ -208,6 +240,7 @@ class TransferNode:
         self.on_progress({"event": "block", "instance": self.me, "block": block, "resident": len(self.resident),
                           "total": len(self.plan.model.block_ids), "bytes": self.bytes_in})
         if all(b in self.resident for b in self.plan.model.block_ids):
+            self.done_at = time.time()
             self.all_resident.set()
 
     # -- forwarding --------------------------------------------------------------------------------
@@ -241,10 +274,6 @@ class TransferNode:
             shard = list(d.flow.shard) if d.flow.shard else None
             for off in range(lo, hi, self.spec.chunk_bytes):
                 chunk = data[off:min(hi, off + self.spec.chunk_bytes)]
-                if self.faults.get("corruptBlock") == block and not self.faults.get("_corrupted"):
-                    chunk = bytearray(chunk)
-                    chunk[0] ^= 0xFF
-                    self.faults["_corrupted"] = True
                 await d.queue.put(({"op": "chunk", "block": block, "shard": shard, "offset": off}, chunk))
             await d.queue.put(({"op": "commit", "block": block, "shard": shard}, b""))
 

@@ -27,6 +27,7 @@ class TransferSpec:
     chunk_bytes: int = 1 << 20
     timeout_s: float = 10.0
     faults: Mapping[str, Any] = field(default_factory=dict)  # test-only fault injection, per instance
+    not_before: float | None = None  # wall clock: sources wait until then, so every peer is listening
 
     def __post_init__(self) -> None:
         if not self.token:
@@ -43,7 +44,8 @@ class TransferSpec:
     def to_dict(self) -> dict[str, Any]:
         return {"plan": self.plan.to_dict(), "manifest": dict(self.manifest),
                 "peers": {k: f"{h}:{p}" for k, (h, p) in self.peers.items()}, "token": self.token,
-                "chunkBytes": self.chunk_bytes, "timeoutSeconds": self.timeout_s, "faults": dict(self.faults)}
+                "chunkBytes": self.chunk_bytes, "timeoutSeconds": self.timeout_s, "faults": dict(self.faults),
+                **({"notBefore": self.not_before} if self.not_before is not None else {})}
 
     @staticmethod
     def from_dict(doc: Mapping[str, Any]) -> TransferSpec:
@@ -56,7 +58,8 @@ class TransferSpec:
                 peers[str(k)] = (host, int(port))
             return TransferSpec(Plan.from_dict(doc["plan"]), dict(doc["manifest"]), peers, str(doc["token"]),
                                 int(doc.get("chunkBytes", 1 << 20)), float(doc.get("timeoutSeconds", 10.0)),
-                                dict(doc.get("faults", {})))
+                                dict(doc.get("faults", {})),
+                                float(doc["notBefore"]) if doc.get("notBefore") is not None else None)
         except KeyError as e:
             raise SpecError(f"transfer spec: missing field {e.args[0]!r}") from None
         except PlanError as e:

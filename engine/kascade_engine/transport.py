@@ -61,6 +61,14 @@ class Connection(Protocol):
 
     async def recv(self, timeout: float | None = None) -> tuple[Header, bytearray]: ...
 
+    async def recv_header(self, timeout: float | None = None) -> tuple[Header, int]:
+        """The next frame's header and its payload length; the payload must be read next."""
+        ...
+
+    async def recv_into(self, view: memoryview, timeout: float | None = None) -> None:
+        """Read exactly len(view) payload bytes into `view` (no intermediate copy)."""
+        ...
+
     async def close(self) -> None: ...
 
 

@@ -1,4 +1,8 @@
-"""Plain asyncio TCP transport (TCP_NODELAY, large socket buffers)."""
+"""Plain asyncio TCP transport on raw non-blocking sockets (TCP_NODELAY, large buffers).
+
+Payloads can be received straight into a caller's buffer (`recv_into`), so a relay writes each chunk
+exactly once: from the socket into the block buffer.
+"""
 
 from __future__ import annotations
 
@@ -6,98 +10,136 @@ import asyncio
 import contextlib
 import socket
 
-from kascade_engine.transport import (
-    PREFIX,
-    Connection,
-    Handler,
-    Header,
-    TransportError,
-    decode_header,
-    decode_prefix,
-    encode_prefix,
-)
+from kascade_engine.transport import (PREFIX, Handler, Header, TransportError, decode_header, decode_prefix,
+                                      encode_prefix)
 
 BUF = 4 * 1024 * 1024
 
 
-def _tune(writer: asyncio.StreamWriter) -> None:
-    sock = writer.get_extra_info("socket")
-    if sock is not None:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, BUF)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, BUF)
+def _tune(sock: socket.socket) -> None:
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, BUF)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, BUF)
 
 
 class TcpConnection:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
-        peer = writer.get_extra_info("peername")
-        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
-        _tune(writer)
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        _tune(sock)
+        try:
+            host, port = sock.getpeername()[:2]
+            self.peer = f"{host}:{port}"
+        except OSError:
+            self.peer = "?"
+        self.loop = asyncio.get_running_loop()
 
     async def send(self, header: Header, payload: bytes | bytearray | memoryview = b"") -> None:
         prefix, raw = encode_prefix(header, len(payload))
         try:
-            self.writer.write(prefix + raw)
+            await self.loop.sock_sendall(self.sock, prefix + raw)
             if len(payload):
-                self.writer.write(payload)
-            await self.writer.drain()
-        except (ConnectionError, OSError, RuntimeError) as e:
+                await self.loop.sock_sendall(self.sock, payload)
+        except (ConnectionError, OSError) as e:
             raise TransportError(f"send to {self.peer}: {e}") from None
 
-    async def recv(self, timeout: float | None = None) -> tuple[Header, bytearray]:
+    async def _fill(self, view: memoryview) -> None:
+        got = 0
+        while got < len(view):
+            n = await self.loop.sock_recv_into(self.sock, view[got:])
+            if n == 0:
+                raise TransportError(f"connection from {self.peer} closed")
+            got += n
+
+    async def recv_header(self, timeout: float | None = None) -> tuple[Header, int]:
         try:
             async with asyncio.timeout(timeout):
-                prefix = await self.reader.readexactly(PREFIX.size)
-                hlen, plen = decode_prefix(prefix)
-                header = decode_header(await self.reader.readexactly(hlen))
-                payload = bytearray(await self.reader.readexactly(plen)) if plen else bytearray()
-        except asyncio.IncompleteReadError:
-            raise TransportError(f"connection from {self.peer} closed") from None
+                prefix = bytearray(PREFIX.size)
+                await self._fill(memoryview(prefix))
+                hlen, plen = decode_prefix(bytes(prefix))
+                raw = bytearray(hlen)
+                await self._fill(memoryview(raw))
         except TimeoutError:
             raise TransportError(f"no data from {self.peer} for {timeout} s") from None
         except (ConnectionError, OSError) as e:
             raise TransportError(f"recv from {self.peer}: {e}") from None
+        return decode_header(bytes(raw)), plen
+
+    async def recv_into(self, view: memoryview, timeout: float | None = None) -> None:
+        try:
+            async with asyncio.timeout(timeout):
+                await self._fill(view)
+        except TimeoutError:
+            raise TransportError(f"no data from {self.peer} for {timeout} s") from None
+        except (ConnectionError, OSError) as e:
+            raise TransportError(f"recv from {self.peer}: {e}") from None
+
+    async def recv(self, timeout: float | None = None) -> tuple[Header, bytearray]:
+        header, plen = await self.recv_header(timeout)
+        payload = bytearray(plen)
+        if plen:
+            await self.recv_into(memoryview(payload), timeout)
         return header, payload
 
     async def close(self) -> None:
-        self.writer.close()
-        with contextlib.suppress(Exception):
-            await self.writer.wait_closed()
+        with contextlib.suppress(OSError):
+            self.sock.close()
 
 
 class TcpListener:
-    def __init__(self, server: asyncio.Server) -> None:
-        self.server = server
-        self.port = int(server.sockets[0].getsockname()[1])
+    def __init__(self, sock: socket.socket, task: asyncio.Task[None]) -> None:
+        self.sock, self.task = sock, task
+        self.port = int(sock.getsockname()[1])
 
     async def close(self) -> None:
-        self.server.close()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.server.wait_closed(), 2)
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self.task
+        self.sock.close()
 
 
 class TcpTransport:
     name = "tcp"
 
     async def listen(self, host: str, port: int, handler: Handler) -> TcpListener:
-        async def on_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            conn = TcpConnection(reader, writer)
+        loop = asyncio.get_running_loop()
+        lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            lsock.bind((host, port))
+        except OSError as e:
+            lsock.close()
+            raise TransportError(f"listen on {host}:{port}: {e}") from None
+        lsock.listen(128)
+        lsock.setblocking(False)
+        conns: set[asyncio.Task[None]] = set()
+
+        async def serve_one(sock: socket.socket) -> None:
+            conn = TcpConnection(sock)
             try:
                 await handler(conn)
+            except Exception:  # noqa: BLE001 - one bad peer must never take the listener down
+                pass
             finally:
                 await conn.close()
 
-        try:
-            server = await asyncio.start_server(on_conn, host, port, limit=BUF, reuse_address=True)
-        except OSError as e:
-            raise TransportError(f"listen on {host}:{port}: {e}") from None
-        return TcpListener(server)
+        async def accept_loop() -> None:
+            while True:
+                sock, _ = await loop.sock_accept(lsock)
+                t = asyncio.create_task(serve_one(sock))
+                conns.add(t)
+                t.add_done_callback(conns.discard)
 
-    async def connect(self, host: str, port: int, timeout: float = 10.0) -> Connection:
+        return TcpListener(lsock, asyncio.create_task(accept_loop()))
+
+    async def connect(self, host: str, port: int, timeout: float = 10.0) -> TcpConnection:
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=BUF), timeout)
+            await asyncio.wait_for(loop.sock_connect(sock, (host, port)), timeout)
         except (OSError, TimeoutError) as e:
+            sock.close()
             raise TransportError(f"connect to {host}:{port}: {e}") from None
-        return TcpConnection(reader, writer)
+        return TcpConnection(sock)

@@ -52,7 +52,7 @@ class UcxConnection:
         except Exception as e:  # ucxx raises its own exception types
             raise TransportError(f"ucx send to {self.peer}: {e}") from None
 
-    async def recv(self, timeout: float | None = None) -> tuple[Header, bytearray]:
+    async def recv_header(self, timeout: float | None = None) -> tuple[Header, int]:
         try:
             async with asyncio.timeout(timeout):
                 prefix = np.empty(PREFIX.size, dtype=np.uint8)
@@ -60,16 +60,28 @@ class UcxConnection:
                 hlen, plen = decode_prefix(prefix.tobytes())
                 raw = np.empty(hlen, dtype=np.uint8)
                 await self.ep.recv(raw)
-                header = decode_header(raw.tobytes())
-                payload = bytearray(plen)
-                if plen:
-                    await self.ep.recv(_as_array(payload))
         except TimeoutError:
             raise TransportError(f"no data from {self.peer} for {timeout} s") from None
         except TransportError:
             raise
         except Exception as e:
             raise TransportError(f"ucx recv from {self.peer}: {e}") from None
+        return decode_header(raw.tobytes()), plen
+
+    async def recv_into(self, view: memoryview, timeout: float | None = None) -> None:
+        try:
+            async with asyncio.timeout(timeout):
+                await self.ep.recv(np.frombuffer(view, dtype=np.uint8))
+        except TimeoutError:
+            raise TransportError(f"no data from {self.peer} for {timeout} s") from None
+        except Exception as e:
+            raise TransportError(f"ucx recv from {self.peer}: {e}") from None
+
+    async def recv(self, timeout: float | None = None) -> tuple[Header, bytearray]:
+        header, plen = await self.recv_header(timeout)
+        payload = bytearray(plen)
+        if plen:
+            await self.recv_into(memoryview(payload), timeout)
         return header, payload
 
     async def close(self) -> None:
