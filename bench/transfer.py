@@ -13,7 +13,6 @@ Writes bench/results/transfer.json. `--quick` uses less data (< 1 minute).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import hashlib
 import json
 import os
@@ -25,16 +24,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import netlab  # noqa: E402
+import netlab
 
-from kascade_devcluster.ports import free_ports  # noqa: E402
-from kascade_engine.blocks import Block, BlockSet  # noqa: E402
-from kascade_engine.hostcache import write_cache  # noqa: E402
-from kascade_engine.transfer_spec import TransferSpec  # noqa: E402
-from kascade_planner.builder import make_plan  # noqa: E402
-from kascade_planner.cost import CostParams  # noqa: E402
-from kascade_planner.plan import Instance, ModelLayout, Plan  # noqa: E402
-from kascade_planner.topology import Node, Topology  # noqa: E402
+from kascade_devcluster.ports import free_ports
+from kascade_engine.blocks import Block, BlockSet
+from kascade_engine.hostcache import write_cache
+from kascade_engine.transfer_spec import TransferSpec
+from kascade_planner.builder import make_plan
+from kascade_planner.cost import CostParams
+from kascade_planner.plan import Instance, ModelLayout, Plan
+from kascade_planner.topology import Node, Topology
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ENV = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"}
