@@ -38,10 +38,12 @@ def engine() -> None:
 @click.option("--max-seqs", default=16, show_default=True, type=click.IntRange(1))
 @click.option("--kv-tokens", default=65536, show_default=True, type=click.IntRange(1))
 @click.option("--empty", is_flag=True, help="start with no weights (config + tokenizer only); load them with load-plan")
+@click.option("--resident-layers", type=click.IntRange(0),
+              help="load only embed + this many leading layers (a load in progress: demos and tests of live cooperation)")
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(1), help="torch CPU threads")
 def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: str, port: int, act_port: int | None,
           token_file: Path | None, max_prompt_tokens: int, max_batch_tokens: int, max_seqs: int, kv_tokens: int,
-          empty: bool, threads: int) -> None:
+          empty: bool, resident_layers: int | None, threads: int) -> None:
     """Serve a model over HTTP (OpenAI-compatible) with the Kascade control API."""
     import torch
     import uvicorn
@@ -81,10 +83,15 @@ def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: s
         raise click.UsageError(f"--checkpoint {checkpoint}: {e}") from None
     tok = load_tokenizer(checkpoint)
     eng = Engine(model, Limits(max_batch_tokens, max_seqs, kv_tokens), eos=tok.eos_token_id)
-    if blocks is not None:
+    if blocks is not None and resident_layers is not None:
+        if resident_layers > model.shape.layers:
+            raise click.UsageError(f"--resident-layers {resident_layers} exceeds the model's {model.shape.layers} layers")
+        eng.load_blocks(blocks.blocks[b] for b in ("embed", *(f"layer.{i}" for i in range(resident_layers))))
+        blocks = None  # not a complete copy: never a source
+    elif blocks is not None:
         eng.load_blocks(blocks.blocks.values())
     st = ServerState(eng, tok, name, token, max_prompt_tokens=max_prompt_tokens, finisher=Finisher(model),
-                     blockset=blocks, phase="idle" if blocks is None else "ready")
+                     blockset=blocks, phase="ready" if model.complete else "idle" if empty else "loading")
 
     async def main() -> None:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -121,6 +122,9 @@ class SplitClient:
     def __init__(self, model: LlamaModel, conn: Connection) -> None:
         self.model, self.conn = model, conn
 
+    def _prefix(self, ids: list[int], kv: SequenceKV, start: int, k: int) -> torch.Tensor:
+        return self.model.run_layers(0, k, self.model.embed(torch.tensor(ids)), kv, start)
+
     async def _remote(self, req: str, start: int, k: int, hidden: torch.Tensor, params: SamplingParams) -> int:
         header, raw = encode_activation(req, start, k, hidden, params)
         await self.conn.send(header, raw)
@@ -130,16 +134,19 @@ class SplitClient:
         return int(reply["token"])
 
     async def generate(self, req: str, prompt: list[int], params: SamplingParams, k: int,
-                       eos: int | None = None) -> list[int]:
+                       eos: int | None = None, on_token: Callable[[int, bool], None] | None = None) -> list[int]:
         if k > self.model.resident_prefix():
             raise ValueError(f"split at {k} layers but only {self.model.resident_prefix()} are resident")
         kv, out, ids, start = SequenceKV(), [], list(prompt), 0
         try:
             while len(out) < params.max_tokens:
-                h = self.model.run_layers(0, k, self.model.embed(torch.tensor(ids)), kv, start)
+                h = await asyncio.to_thread(self._prefix, ids, kv, start, k)
                 tok = await self._remote(req, start, k, h, params)
                 out.append(tok)
-                if tok == eos or tok in params.stop_token_ids:
+                stop = tok == eos or tok in params.stop_token_ids
+                if on_token is not None:
+                    on_token(tok, stop or len(out) >= params.max_tokens)
+                if stop:
                     break
                 start += len(ids)
                 ids = [tok]

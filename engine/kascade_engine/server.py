@@ -84,6 +84,7 @@ class ServerState:
     blockset: Any = None  # the BlockSet this engine started with (sources send from it)
     loading: asyncio.Task[None] | None = None
     load_error: str | None = None
+    split_tasks: set[asyncio.Task[None]] = field(default_factory=set)
     metrics: EngineMetrics = field(default_factory=EngineMetrics)
     queues: dict[str, asyncio.Queue[Event | Exception]] = field(default_factory=dict)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -149,10 +150,12 @@ def create_app(st: ServerState) -> FastAPI:
         if st.phase in ("draining", "idle"):
             raise ApiError(503, f"engine is {st.phase}; not accepting requests", None, "unavailable")
         m = st.engine.model
-        if not m.complete:
+        if not m.complete and not (st.cooperate and m.resident("embed")):
             raise ApiError(503, f"engine is loading ({m.resident_prefix()}/{m.shape.layers} layers resident)", None, "unavailable")
 
     def submit(body: _Common, prompt: list[int]) -> tuple[str, asyncio.Queue[Event | Exception]]:
+        if not st.engine.model.complete:
+            return submit_split(body, prompt)
         if len(prompt) > st.max_prompt_tokens:
             raise ApiError(400, f"prompt has {len(prompt)} tokens, the limit is {st.max_prompt_tokens}", "prompt")
         if not prompt:
@@ -169,6 +172,39 @@ def create_app(st: ServerState) -> FastAPI:
         st.queues[rid] = q
         st.metrics.input_tokens.inc(len(prompt))
         st.wake.set()
+        return rid, q
+
+    def submit_split(body: _Common, prompt: list[int]) -> tuple[str, asyncio.Queue[Event | Exception]]:
+        """Live cooperation while loading: our resident prefix here, the rest on the peer (see live.py)."""
+        from kascade_engine.live import SplitClient
+        from kascade_engine.transport_tcp import TcpTransport
+
+        if len(prompt) > st.max_prompt_tokens:
+            raise ApiError(400, f"prompt has {len(prompt)} tokens, the limit is {st.max_prompt_tokens}", "prompt")
+        rid = f"cmpl-{uuid.uuid4().hex[:16]}"
+        q: asyncio.Queue[Event | Exception] = asyncio.Queue()
+        st.queues[rid] = q
+        k = st.engine.model.resident_prefix()
+        host, _, port = st.cooperate["peer"].rpartition(":")
+        params = SamplingParams(body.max_tokens, body.temperature, body.top_p, body.seed)
+
+        async def run() -> None:
+            try:
+                conn = await TcpTransport().connect(host, int(port))
+                try:
+                    def emit(tok: int, last: bool) -> None:
+                        reason = ("stop" if tok == st.tokenizer.eos_token_id else "length") if last else None
+                        q.put_nowait(Event(rid, tok, last, reason))
+
+                    st.metrics.live_split.inc()
+                    await SplitClient(st.engine.model, conn).generate(rid, prompt, params, k, st.tokenizer.eos_token_id, emit)
+                finally:
+                    await conn.close()
+            except Exception as e:
+                q.put_nowait(e)
+
+        st.split_tasks.add(t := asyncio.create_task(run()))
+        t.add_done_callback(st.split_tasks.discard)
         return rid, q
 
     async def tokens(rid: str, q: asyncio.Queue[Event | Exception]) -> AsyncIterator[Event]:
