@@ -1,0 +1,32 @@
+"""Live cooperation over HTTP: a loading engine B (2 of 4 layers resident, a real process) told to
+cooperate with A serves requests by running its prefix and shipping activations to A's data port;
+the tokens equal A's own."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+
+
+def test_loading_engine_serves_split_with_peer(engine_a, tiny_ckpt, engine_starter) -> None:  # type: ignore[no-untyped-def]
+    b = engine_starter(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--resident-layers", "2"])
+    try:
+        h = {"Authorization": f"Bearer {b.token}"}
+        body = {"model": "tiny-llama", "prompt": "split me", "max_tokens": 7}
+        r = httpx.post(b.url + "/v1/completions", json=body)
+        assert r.status_code == 503 and "2/4 layers resident" in r.json()["error"]["message"]
+        st = httpx.get(b.url + "/kascade/v1/status", headers=h).json()
+        assert st["phase"] == "loading" and st["blocks"]["layer.1"] and not st["blocks"]["layer.2"]
+        r = httpx.post(b.url + "/kascade/v1/cooperate", json={"peer": f"127.0.0.1:{engine_a.act}", "mode": "besteffort"},
+                       headers=h)
+        assert r.status_code == 200 and r.json()["cooperate"]["mode"] == "besteffort"
+        want = httpx.post(engine_a.url + "/v1/completions", json=body).json()["choices"][0]["text"]
+        got = httpx.post(b.url + "/v1/completions", json=body).json()
+        assert got["choices"][0]["text"] == want and got["usage"]["completion_tokens"] == 7
+        c = openai.OpenAI(base_url=b.url + "/v1", api_key="x", max_retries=0)
+        streamed = "".join(ch.choices[0].text for ch in c.completions.create(stream=True, **body))
+        assert streamed == want
+        assert "kascade_live_split_requests_total 2.0" in httpx.get(b.url + "/metrics").text
+        assert httpx.get(b.url + "/readyz").status_code == 503
+    finally:
+        b.stop()
