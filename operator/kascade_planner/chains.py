@@ -14,8 +14,8 @@ import heapq
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import islice, pairwise
-from operator import attrgetter
+from itertools import chain, pairwise, repeat
+from operator import attrgetter, itemgetter
 
 from kascade_planner.plan import Flow, Instance, ModelLayout, Plan, PlanError, new_flow
 from kascade_planner.topology import Topology
@@ -107,26 +107,33 @@ def build_chains(topo: Topology, model: ModelLayout, sources: Sequence[Instance]
             notes.append(f"leaf {leaf} has no source: borrowing {allot[leaf][0].id} across leaves")
 
     # Each chain: its head and its domain groups. Longest group onto the shortest chain (a heap).
+    # A member is (crosses leaves, leaf, -bandwidth, first id, group): its order in the chain.
     heads: list[Instance] = []
-    members: list[list[list[Instance]]] = []
+    homes: list[str] = []
+    members: list[list[tuple[bool, str, float, str, list[Instance]]]] = []
     sizes: list[int] = []
-    orphans: list[list[Instance]] = []
+    orphans: list[tuple[str, list[Instance]]] = []
+
+    def join(k: int, leaf: str, g: list[Instance]) -> None:
+        members[k].append((leaf != homes[k], leaf, -tbw[g[0].id], g[0].id, g))
+        sizes[k] += len(g)
+
     for leaf in sorted(demand):
         groups = sorted(by_leaf[leaf].values(), key=lambda g: (-len(g), g[0].id))
         if not allot[leaf]:
-            orphans.extend(groups)
+            orphans.extend((leaf, g) for g in groups)
             continue
         heap = []
         for s in allot[leaf]:
             heads.append(s)
+            homes.append(by_name[s.node].leaf)
             members.append([])
             sizes.append(0)
             heap.append((0, s.id, len(heads) - 1))
         heapq.heapify(heap)
         for g in groups:
             _, sid, k = heapq.heappop(heap)
-            members[k].append(g)
-            sizes[k] += len(g)
+            join(k, leaf, g)
             heapq.heappush(heap, (sizes[k], sid, k))
     live_chains = [k for k in range(len(heads)) if sizes[k]]
     if orphans:  # no source could be spared: extend the shortest chains across leaves
@@ -134,38 +141,44 @@ def build_chains(topo: Topology, model: ModelLayout, sources: Sequence[Instance]
             raise PlanError("no usable source for any chain")
         heap = [(sizes[k], heads[k].id, k) for k in live_chains]
         heapq.heapify(heap)
-        for g in orphans:
+        for leaf, g in orphans:
             _, sid, k = heapq.heappop(heap)
-            members[k].append(g)
-            sizes[k] += len(g)
+            join(k, leaf, g)
             heapq.heappush(heap, (sizes[k], sid, k))
             notes.append(f"targets {', '.join(t.id for t in g)} appended across leaves")
 
-    by_id = sorted(usable, key=lambda s: s.id)
-    local_first = {leaf: [s.id for s in by_id if by_name[s.node].leaf == leaf]
-                   + [s.id for s in by_id if by_name[s.node].leaf != leaf]
-                   for leaf in {by_name[s.node].leaf for s in usable}}
+    usable_ids = [s.id for s in usable]  # sorted by id
+    leaf_ids: dict[str, list[str]] = {}
+    for s in usable:
+        leaf_ids.setdefault(by_name[s.node].leaf, []).append(s.id)
+
+    def backups_for(head: str, home: str) -> tuple[str, ...]:
+        """The chain's own source, then sources in the head's leaf, then any (by id)."""
+        out = [head][:options.max_fallbacks]
+        for sid in chain(leaf_ids.get(home, ()), usable_ids):
+            if len(out) >= options.max_fallbacks:
+                break
+            if sid not in out:
+                out.append(sid)
+        return tuple(out)
+
     blocks = model.block_ids
     flows: list[Flow] = []
     ordered: list[tuple[str, ...]] = []
     backups: dict[str, tuple[str, ...]] = {}
     for k in sorted(live_chains, key=lambda k: heads[k].id):
         head = heads[k]
-        home = by_name[head.node].leaf
         # The head's own leaf first (at most one cross-leaf hop per leaf), then by decreasing bandwidth
         # (a group's first member has its highest bandwidth), domain groups kept adjacent.
-        groups = sorted(members[k], key=lambda g: ((lf := by_name[g[0].node].leaf) != home, lf, -tbw[g[0].id], g[0].id))
-        path = [head, *(t for g in groups for t in g)]
+        path = [head, *(t for m in sorted(members[k], key=itemgetter(0, 1, 2, 3)) for t in m[4])]
         ids = tuple([i.id for i in path])
         ordered.append(ids)
         if options.shard and any(i.gpus > 1 for i in path):
             for a, b in pairwise(path):
                 flows.extend(hop_flows(a, b, blocks, True))
         else:
-            flows.extend([new_flow(a, b, blocks) for a, b in pairwise(ids)])
-        # Fallbacks: the chain's own source, then sources in the head's leaf, then any.
-        backup = tuple(islice(dict.fromkeys((head.id, *local_first[home])), options.max_fallbacks))
-        backups.update(dict.fromkeys(ids[1:], backup))
+            flows.extend(map(new_flow, ids[:-1], ids[1:], repeat(blocks)))
+        backups.update(dict.fromkeys(ids[1:], backups_for(head.id, homes[k])))
     firsts = [ch[1] for ch in ordered]
     live = tuple(zip(sorted(overloaded), firsts, strict=False))
     fallbacks = tuple((t.id, backups[t.id]) for t in tgts_by_id)

@@ -165,6 +165,10 @@ class Plan:
     def _check_whole_coverage(self) -> None:
         """Every flow carries the whole model (the common case): per target, one unsharded flow or
         shards 0..g-1 of one count g, each once."""
+        if all(f.shard is None for f in self.flows):  # fast path: one flow per target?
+            dsts = [f.dst for f in self.flows]
+            if len(dsts) == len(set(dsts)) == len(self.targets):  # dsts are targets (checked)
+                return
         got: dict[str, list[tuple[int, int] | None]] = {t.id: [] for t in self.targets}
         for f in self.flows:
             got[f.dst].append(f.shard)
