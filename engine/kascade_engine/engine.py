@@ -43,7 +43,7 @@ class Event:
     request: str
     token: int
     finished: bool
-    reason: str | None = None  # "stop" | "length"
+    reason: str | None = None  # "stop" | "length" | "error: <message>" (token -1)
 
 
 class Engine:
@@ -53,6 +53,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.eos = eos
         self._ids = itertools.count()
+        self._aborts: set[str] = set()
 
     def load_blocks(self, blocks: Iterable[Any]) -> None:
         for b in blocks:
@@ -68,8 +69,8 @@ class Engine:
         return rid
 
     def abort(self, rid: str) -> None:
-        self.scheduler.finish(rid)
-        self.requests.pop(rid, None)
+        """Safe from another thread while `step` runs: applied at the start of the next step."""
+        self._aborts.add(rid)
 
     def _forward(self, r: Request, ids: list[int], start: int) -> int:
         m = self.model
@@ -77,17 +78,28 @@ class Engine:
         return sample(m.logits(h[-1:])[0], r.params, r.gen)
 
     def step(self) -> list[Event]:
+        while self._aborts:
+            rid = self._aborts.pop()
+            self.scheduler.finish(rid)
+            self.requests.pop(rid, None)
         batch = self.scheduler.schedule()
         events: list[Event] = []
         for rid in (*batch.decode, *batch.prefill):
             r = self.requests.get(rid)
             if r is None:
                 continue
-            if r.out:
-                tok = self._forward(r, [r.out[-1]], len(r.prompt) + len(r.out) - 1)
-            else:
-                tok = self._forward(r, r.prompt, 0)
-                r.first_token_at = time.monotonic()
+            try:
+                if r.out:
+                    tok = self._forward(r, [r.out[-1]], len(r.prompt) + len(r.out) - 1)
+                else:
+                    tok = self._forward(r, r.prompt, 0)
+                    r.first_token_at = time.monotonic()
+            except (RuntimeError, ValueError, IndexError) as e:  # fails this request only
+                log.warning("request %s failed: %s", rid, e)
+                self.scheduler.finish(rid)
+                self.requests.pop(rid, None)
+                events.append(Event(rid, -1, True, f"error: {e}"))
+                continue
             r.out.append(tok)
             self.scheduler.token(rid)
             reason = None
@@ -98,7 +110,7 @@ class Engine:
             events.append(Event(rid, tok, reason is not None, reason))
             if reason:
                 self.scheduler.finish(rid)
-                del self.requests[rid]
+                self.requests.pop(rid, None)
         return events
 
     def generate(self, prompt: list[int], params: SamplingParams) -> list[int]:
@@ -108,6 +120,8 @@ class Engine:
         while True:
             for e in self.step():
                 if e.request == rid:
+                    if e.token < 0:
+                        raise RuntimeError(f"generation failed: {e.reason}")
                     out.append(e.token)
                     if e.finished:
                         return out

@@ -217,12 +217,16 @@ def create_app(st: ServerState) -> FastAPI:
                     first = False
                 if isinstance(ev, Exception):
                     raise ApiError(500, f"engine failed on this request: {ev}", None, "server_error")
+                if ev.token < 0:
+                    raise ApiError(500, f"engine failed on this request: {ev.reason}", None, "server_error")
                 yield ev
                 if ev.finished:
                     return
         finally:
             st.queues.pop(rid, None)
-            st.engine.abort(rid)  # no-op when finished; frees the slot when the client went away
+            if rid in st.engine.requests:  # the client went away mid-generation: free its slot
+                st.engine.abort(rid)
+                st.wake.set()
 
     async def respond(body: _Common, prompt: list[int], chat: bool) -> Response:
         check_model(body.model)

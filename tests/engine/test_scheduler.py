@@ -43,3 +43,24 @@ def test_max_seqs_and_bad_inputs() -> None:
         Scheduler(Limits(max_batch_tokens=5, kv_tokens=100)).add(Seq("x", 6, 1))
     with pytest.raises(ValueError, match="max_seqs"):
         Limits(max_seqs=0)
+
+
+def test_engine_abort_and_failure_isolated(tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    """A failing request (here: a missing block) fails alone; an aborted one frees its slot."""
+    from kascade_engine.engine import Engine
+    from kascade_engine.model import LlamaModel
+    from kascade_engine.sampling import SamplingParams
+
+    m = LlamaModel(tiny_blocks.config)
+    for b in tiny_blocks.blocks.values():
+        m.add_block(b.id, b.tensors())
+    eng = Engine(m, Limits(max_batch_tokens=64, max_seqs=4, kv_tokens=256))
+    good = eng.submit([1, 2, 3], SamplingParams(max_tokens=3))
+    gone = eng.submit([4, 5], SamplingParams(max_tokens=3))
+    eng.abort(gone)
+    events = eng.step()
+    assert [e.request for e in events] == [good]
+    del m.weights["layer.2"]
+    events = eng.step()
+    assert events[0].token == -1 and "layer.2 is not resident" in (events[0].reason or "")
+    assert eng.scheduler.idle and not eng.requests
