@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from kascade_planner.zigzag import (
     PairSetting,
     best_effort,
+    config_cost,
     ilp_config,
     ilp_free,
     run_config,
@@ -64,3 +65,17 @@ def test_bad_inputs() -> None:
     with pytest.raises(ValueError, match="prefix must give"):
         run_config(FIG15, (0, 1))
     assert len(ilp_config(FIG15)) == 5
+
+
+def test_ilp_config_is_within_its_gap_of_the_exact_ilp() -> None:
+    for layers, ratio, batches in [(32, 6, 12), (16, 4, 8), (32, 3, 12), (7, 6, 5)]:
+        s = PairSetting(layers, ratio, batches)
+        exact = ilp_config(s, gap=0.0)
+        fast = ilp_config(s)
+        assert config_cost(s, exact) <= config_cost(s, fast) <= 1.01 * config_cost(s, exact) + 1e-9, s
+        # Nothing on T is the source serving alone: Σ_i i·L, which the optimum beats.
+        assert config_cost(s, (0,) * batches) == sum(range(layers, layers * batches + 1, layers))
+        assert config_cost(s, exact) < config_cost(s, (0,) * batches)
+        assert len(fast) == batches and all(0 <= t <= layers for t in fast)
+    with pytest.raises(ValueError, match="gap must be >= 0"):
+        ilp_config(FIG15, gap=-0.1)
