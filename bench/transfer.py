@@ -157,7 +157,9 @@ def emulated(blocks: BlockSet, chunk: int, rate_mbit: int, work: Path) -> dict[s
             d.mkdir()
             res = run_transfer(plan, blocks, d, "tcp", chunk, where)
             measured = max(r["doneAt"] for r in res.values()) - next(iter(res.values()))["notBefore"]
-            print(f"  {alg:<9} 1->{n}: measured {measured:7.3f} s   predicted {plan.completion:7.3f} s", flush=True)
+            refetches = sum(int(r["refetches"]) for r in res.values())
+            print(f"  {alg:<9} 1->{n}: measured {measured:7.3f} s   predicted {plan.completion:7.3f} s"
+                  + (f"   ({refetches} re-fetches: a participant stalled)" if refetches else ""), flush=True)
             return measured, plan.completion, res
 
         chain = {}
