@@ -90,3 +90,17 @@ def test_burst_of_bad_input_keeps_engine_up(engine_a) -> None:  # type: ignore[n
     assert r.usage.completion_tokens == 2
     m = httpx.get(engine_a.url + "/metrics").text
     assert "kascade_ttft_seconds_count" in m and "kascade_blocks_resident 6.0" in m
+
+
+@pytest.mark.smollm
+def test_smollm_chat_over_http(smollm_ckpt, engine_starter) -> None:  # type: ignore[no-untyped-def]
+    e = engine_starter(["--smollm", "--model-name", "smollm2-135m", "--threads", "2"])
+    try:
+        c = openai.OpenAI(base_url=e.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        r = c.chat.completions.create(model="smollm2-135m", max_tokens=12,
+                                      messages=[{"role": "user", "content": "What is the capital of France?"}])
+        assert "Paris" in (r.choices[0].message.content or ""), r.choices[0].message.content
+        r2 = c.completions.create(model="smollm2-135m", prompt="The capital of France is", max_tokens=4)
+        assert "Paris" in r2.choices[0].text
+    finally:
+        e.stop()
