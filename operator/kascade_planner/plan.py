@@ -138,8 +138,15 @@ class Plan:
             raise PlanError("instance ids must be unique across sources and targets")
         target_ids = {t.id for t in self.targets}
         flows = self.flows
-        # Cheap set-level checks first (plans carry thousands of flows); the loop names the culprit.
-        if not ({f.src for f in flows} <= ids and {f.dst for f in flows} <= target_ids
+        whole = self.model.block_ids
+        # Plans carry thousands of flows: bulk checks first; the detailed loops name the culprit.
+        srcs, dsts = [f.src for f in flows], [f.dst for f in flows]
+        blocks = {id(f.blocks): f.blocks for f in flows}
+        if (not any(f.shard for f in flows) and set(srcs) <= ids and len(set(dsts)) == len(dsts) == len(target_ids)
+                and set(dsts) == target_ids and all(b == whole for b in blocks.values())
+                and _feeders_reach_sources(dict(zip(dsts, srcs, strict=True)), ids - target_ids)):
+            return self  # each target receives the whole model once, along chains rooted at sources
+        if not (set(srcs) <= ids and set(dsts) <= target_ids
                 and all(f.shard is None or 0 <= f.shard[0] < f.shard[1] for f in flows)):
             for k, f in enumerate(flows):
                 if f.src not in ids or f.dst not in ids:
@@ -148,8 +155,7 @@ class Plan:
                     raise PlanError(f"flows[{k}]: destination {f.dst!r} is not a target")
                 if f.shard is not None and not 0 <= f.shard[0] < f.shard[1]:
                     raise PlanError(f"flows[{k}]: shard {f.shard} out of range")
-        whole = self.model.block_ids
-        if all(f.blocks is whole or f.blocks == whole for f in flows):
+        if all(b == whole for b in blocks.values()):
             self._check_whole_coverage()
             self._check_causal(whole, None)
             return self
