@@ -148,6 +148,11 @@ def threshold(m: MetricsSnapshot, state: ScaleState, p: Threshold) -> Decision:
         reason = f"threshold: below lower for {waited:.2f}s of {p.scale_down_delay_s:g}s"
         desired, _ = _keep_a_copy(state, state.current)
         return Decision(state.role, state.current, desired, reason, metrics, replace(state, below_since_s=since))
+    if state.current == 0 and (total > 0 or m.in_flight > 0):
+        # Scaled to zero and traffic arrived: no instance can carry it, whatever the per-instance load.
+        desired, note = _keep_a_copy(state, max(1, math.ceil(total / p.upper) if p.metric == "tokensPerSecond" else 1))
+        return Decision(state.role, state.current, desired, f"threshold: traffic with no instance -> {desired}{note}",
+                        metrics, replace(state, below_since_s=None))
     desired, note = _keep_a_copy(state, state.current)
     return Decision(state.role, state.current, desired, f"threshold: {per:.1f} per instance within bounds{note}",
                     metrics, replace(state, below_since_s=None))

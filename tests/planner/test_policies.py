@@ -54,6 +54,15 @@ def test_threshold_up_and_delayed_down() -> None:
     assert mid.state.below_since_s is None
 
 
+def test_threshold_scales_up_from_zero_when_traffic_arrives() -> None:
+    p = Threshold(upper=1000, lower=200)
+    zero = ScaleState("colocated", 0, Bounds(0, 8), host_cached=True)
+    assert threshold(MetricsSnapshot(0, input_tokens_per_s=300), zero, p).desired == 1  # below upper, yet needed
+    assert threshold(MetricsSnapshot(0, input_tokens_per_s=2500), zero, p).desired == 3
+    assert threshold(MetricsSnapshot(0, in_flight=2), zero, Threshold(0.9, 0.2, metric="kvCacheUsage")).desired == 1
+    assert threshold(MetricsSnapshot(0), zero, p).desired == 0  # idle and cached: stays at zero
+
+
 def test_concurrency_and_bad_parameters() -> None:
     assert concurrency(MetricsSnapshot(0, in_flight=17), ScaleState("colocated", 1, Bounds(1, 9)), 4).desired == 5
     with pytest.raises(ValueError, match="lower < upper"):
