@@ -6,7 +6,8 @@ Data flow: tiny random Llama (offline) -> blocks -> A holds all, B receives bloc
 times) -> a burst arrives at 1.6x A's capacity -> executors A and B run real torch layer
 computations, one layer at a time, picking work by the mode's policy (the same rules as
 kascade_planner.zigzag). Default clock: one unit per layer computation (deterministic, immune to
-other processes on a shared 2-core box; converted to seconds with the measured layer time τ);
+other processes on a shared 2-core box; converted to seconds with the measured layer time τ; every
+B -> A switch is charged the measured time to ship the activations over the real TCP transport);
 `--realtime`: two wall-clock threads instead (noisy here) -> TTFT per request, prefill tokens/s over time -> bench/results/live.json and
 live.png. `split_exact` checks every first token against a single engine, plus a split over the real
 TCP transport (B's prefix here, A's suffix behind a TCP listener) against a single engine.
@@ -49,6 +50,7 @@ class Job:
     kv: SequenceKV = field(default_factory=SequenceKV)
     done: int = 0
     on_b: int = 0
+    last: str = ""  # executor of the previous layer: a B -> A switch pays the activation transfer
     owner: str = ""
     running: bool = False
     finish: float | None = None
@@ -105,7 +107,7 @@ def choose(mode: str, ex: str, now: float, jobs: list[Job], b: LlamaModel, prefi
 
 
 def run_virtual(mode: str, bs: BlockSet, a: LlamaModel, prompts: list[torch.Tensor], gap: float, load: float,
-                prefix: tuple[int, ...]) -> list[Job]:
+                prefix: tuple[int, ...], migrate: float = 0.0) -> list[Job]:
     """Same policies and the same real torch computations, on a clock that advances one unit per layer
     computation (arrivals and block landings on that clock too): immune to other processes on the box."""
     L = a.shape.layers
@@ -137,7 +139,8 @@ def run_virtual(mode: str, bs: BlockSet, a: LlamaModel, prompts: list[torch.Tens
                         j.hidden = m.embed(j.ids)
                     j.hidden = m.run_layers(j.done, j.done + 1, j.hidden, j.kv, 0)
                     tok = int(m.logits(j.hidden[-1:])[0].argmax()) if j.done + 1 == L else None
-                    busy[ex] = (j, t + 1.0, tok)
+                    busy[ex] = (j, t + 1.0 + (migrate if j.last not in ("", ex) else 0.0), tok)
+                    j.last = ex
         events = [r[1] for r in busy.values() if r is not None] + [j.arrival for j in jobs if j.arrival > t + 1e-9]
         if nxt < len(order):
             events.append(nxt * load)
@@ -203,6 +206,33 @@ def run_mode(mode: str, bs: BlockSet, a: LlamaModel, prompts: list[torch.Tensor]
     return jobs
 
 
+async def activation_time(a: LlamaModel, tokens: int) -> float:
+    """Median time to ship one request's activations [tokens, hidden] over the real TCP transport and
+    get the reply frame back (what a B -> A hand-off costs); charged on every switch in the layer clock."""
+    from kascade_engine.live import encode_activation
+
+    async def echo(conn) -> None:  # type: ignore[no-untyped-def]
+        try:
+            while True:
+                h, _ = await conn.recv()
+                await conn.send({"op": "token", "req": h["req"], "token": 0})
+        except Exception:
+            return
+
+    listener = await TcpTransport().listen("127.0.0.1", 0, echo)
+    conn = await TcpTransport().connect("127.0.0.1", listener.port)
+    header, raw = encode_activation("m", 0, 1, torch.zeros(tokens, a.shape.hidden), SamplingParams())
+    ts = []
+    for _ in range(30):
+        t0 = time.perf_counter()
+        await conn.send(header, raw)
+        await conn.recv(timeout=10)
+        ts.append(time.perf_counter() - t0)
+    await conn.close()
+    await listener.close()
+    return statistics.median(ts)
+
+
 async def split_over_tcp(bs: BlockSet, prompts: list[list[int]], k: int) -> bool:
     a = full_model(bs)
     single = Engine(full_model(bs))
@@ -248,7 +278,9 @@ def main() -> None:
     load = args.load_ratio * tau
     prompts = [torch.randint(0, 512, (args.prompt,)) for _ in range(n)]
     ref = [int(a.logits(a.run_layers(0, L, a.embed(p), SequenceKV(), 0)[-1:])[0].argmax()) for p in prompts]
-    prefix = ilp_config(PairSetting(L, args.load_ratio, n))
+    migrate = asyncio.run(activation_time(a, args.prompt))
+    prefix = ilp_config(PairSetting(L, args.load_ratio, n, migrate / tau))
+    print(f"activation hand-off over TCP: {migrate * 1e3:.2f} ms ({migrate / tau:.2f} layer times)")
     print(f"layer time {tau * 1e3:.2f} ms, {L} layers, load {load * 1e3:.1f} ms/layer, {n} requests every {gap * 1e3:.1f} ms")
     rounds = args.rounds or (1 if not args.realtime else 3 if args.quick else 5)
     ratios: dict[str, list[float]] = {m: [] for m in MODES}
@@ -259,7 +291,7 @@ def main() -> None:
             if args.realtime:
                 res[mode] = run_mode(mode, bs, a, prompts, gap, load, prefix)
             else:
-                res[mode] = run_virtual(mode, bs, a, prompts, L / args.overload, args.load_ratio, prefix)
+                res[mode] = run_virtual(mode, bs, a, prompts, L / args.overload, args.load_ratio, prefix, migrate / tau)
                 for j in res[mode]:  # clock units -> seconds
                     j.arrival, j.finish = j.arrival * tau, (j.finish or 0.0) * tau
         p99r = {m: float(np.percentile([(j.finish or 0) - j.arrival for j in js], 99)) for m, js in res.items()}
@@ -281,7 +313,7 @@ def main() -> None:
               "p99_ttft_zigzag_ilp_over_stop": med["zigzag-ilp"], "ratios_per_round": ratios, "rounds": rounds,
               "split_exact": bool(exact_modes and exact_tcp), "split_exact_modes": exact_modes, "split_exact_tcp": exact_tcp,
               "tokens_per_s_single": tps, "p99_ttft_s": p99, "layer_time_s": tau, "layers": L, "requests": n,
-              "load_ratio": args.load_ratio, "clock": "wall" if args.realtime else "layer (1 unit = measured layer time)", "overload": args.overload, "quick": args.quick,
+              "load_ratio": args.load_ratio, "migrate_s": migrate, "clock": "wall" if args.realtime else "layer (1 unit = measured layer time)", "overload": args.overload, "quick": args.quick,
               "link": "emulated by block arrival times (l+1)*load_ratio*layer_time; activations handed over in-process "
                       "here, over TCP in split_exact_tcp and tests/engine/test_split.py"}
     args.out.mkdir(parents=True, exist_ok=True)
