@@ -4,7 +4,7 @@ Data flow: `SequenceKV.append(layer, start, k, v)` stores new positions and retu
 that layer. Only layers an engine executes get entries, which is how a split run keeps its KV cache
 split: the loading engine B holds the KV of layers 0..k-1, the full engine A the KV of layers k..L-1,
 and each decode step runs the same split again (B first, activations to A), so neither side ever
-needs the other's cache. `KVPool` tracks usage against a token budget for admission and metrics.
+needs the other's cache. The token budget for admission lives in the scheduler (`Limits.kv_tokens`).
 """
 
 from __future__ import annotations
@@ -33,25 +33,3 @@ class SequenceKV:
     def tokens(self) -> int:
         return max((kv[0].shape[1] for kv in self.layers.values()), default=0)
 
-
-class KVPool:
-    """Token budget of the KV cache: admission control and the `kv_cache_usage` metric."""
-
-    def __init__(self, capacity_tokens: int) -> None:
-        if capacity_tokens < 1:
-            raise ValueError(f"KV capacity must be >= 1 token, got {capacity_tokens}")
-        self.capacity = capacity_tokens
-        self.used: dict[str, int] = {}
-
-    def reserve(self, seq: str, tokens: int) -> bool:
-        if sum(self.used.values()) - self.used.get(seq, 0) + tokens > self.capacity:
-            return False
-        self.used[seq] = tokens
-        return True
-
-    def free(self, seq: str) -> None:
-        self.used.pop(seq, None)
-
-    @property
-    def usage(self) -> float:
-        return sum(self.used.values()) / self.capacity

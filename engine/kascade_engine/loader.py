@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from kascade_engine.relay import TransferNode
@@ -46,6 +47,7 @@ async def start_loading(st: Any, body: dict[str, Any]) -> None:
     if me not in involved:
         raise PlanLoadError(400, f"invalid field 'self': '{me}' is not a source or target of this plan", "self")
     model = st.engine.model
+    started = time.monotonic()
 
     def on_progress(event: dict[str, Any]) -> None:
         if event.get("event") != "block":
@@ -53,6 +55,7 @@ async def start_loading(st: Any, body: dict[str, Any]) -> None:
         blk = node.resident[event["block"]]
         model.add_block(blk.id, blk.tensors())
         st.bytes_received = int(event.get("bytes", st.bytes_received))
+        st.transfer_bw = st.bytes_received / max(1e-6, time.monotonic() - started)
         if model.complete and st.phase == "loading":
             st.phase = "ready"
             log.info("%s: all %d blocks resident; ready", me, event.get("total"))

@@ -22,6 +22,8 @@ class EngineMetrics:
                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
         self.blocks_resident = Gauge("kascade_blocks_resident", "Weight blocks resident", registry=r)
         self.transfer_bytes = Gauge("kascade_transfer_bytes", "Weight bytes received by the data plane", registry=r)
+        self.transfer_bw = Gauge("kascade_transfer_bandwidth_bytes_per_second",
+                                 "Weight bytes received / seconds since the first byte of the current load", registry=r)
         self.live_split = Counter("kascade_live_split_requests", "Requests served split with a peer while loading",
                                   registry=r)
         self.live_layers = Gauge("kascade_live_layers", "Layers executed for a cooperating peer", registry=r)
@@ -41,4 +43,5 @@ class EngineMetrics:
         self.kv_usage.set(s.kv_reserved() / s.limits.kv_tokens)
         self.blocks_resident.set(len(st.engine.model.weights))
         self.transfer_bytes.set(st.bytes_received)
+        self.transfer_bw.set(st.transfer_bw)
         self.live_layers.set(st.finisher.layers_finished if st.finisher else 0)

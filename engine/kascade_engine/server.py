@@ -81,6 +81,7 @@ class ServerState:
     cooperate: dict[str, str] = field(default_factory=dict)
     plan: dict[str, Any] | None = None
     bytes_received: int = 0
+    transfer_bw: float = 0.0
     blockset: Any = None  # the BlockSet this engine started with (sources send from it)
     loading: asyncio.Task[None] | None = None
     load_error: str | None = None

@@ -47,6 +47,9 @@ def test_empty_engine_loads_by_plan_and_matches(tiny_ckpt, tiny_blocks, engine_s
         assert st["ready"] and all(st["blocks"].values()), st
         assert st["bytesReceived"] == tiny_blocks.total_bytes
         assert httpx.get(dst.url + "/readyz").status_code == 200
+        m = httpx.get(dst.url + "/metrics").text
+        assert f"kascade_transfer_bytes {float(tiny_blocks.total_bytes)}" in m
+        assert "kascade_transfer_bandwidth_bytes_per_second 0.0" not in m
         want = httpx.post(src.url + "/v1/completions", json=body).json()["choices"][0]["text"]
         got = httpx.post(dst.url + "/v1/completions", json=body).json()["choices"][0]["text"]
         assert got == want
