@@ -57,34 +57,35 @@ def build_chains(topo: Topology, model: ModelLayout, sources: Sequence[Instance]
     tgts_by_id = sorted(targets, key=attrgetter("id"))
     usable, notes = prune_sources(srcs_by_id, kv_flows)
     by_name = topo.by_name
-    for i in (*usable, *targets):
-        if i.node not in by_name:
-            topo.node(i.node)  # raises, naming the unknown node
+    for nodes in ({s.node for s in usable}, {t.node for t in targets}):
+        if not nodes <= by_name.keys():
+            topo.node(min(nodes - by_name.keys()))  # raises, naming the unknown node
 
     def bw(i: Instance) -> float:
         return by_name[i.node].nic_gbps * i.gpus
 
-    # Targets by leaf, then by scale-up domain (a domain's targets stay adjacent in one chain).
-    by_leaf: dict[str, dict[str, list[Instance]]] = {}
-    tbw = {t.id: by_name[t.node].nic_gbps * t.gpus for t in tgts_by_id}
-    # Stable sort: decreasing bandwidth, then id (skipped when every target has the same bandwidth).
-    uniform = len(set(tbw.values())) == 1
+    # Targets by leaf, then by scale-up domain (a domain's targets stay adjacent in one chain), each
+    # in decreasing bandwidth, then id. On one node bandwidth differs only by GPU count.
     by_node: dict[str, list[Instance]] = {}
-    for t in tgts_by_id if uniform else sorted(tgts_by_id, key=lambda t: -tbw[t.id]):
+    for t in tgts_by_id:
         on_node = by_node.get(t.node)
         if on_node is None:
             by_node[t.node] = [t]
         else:
             on_node.append(t)
+    if len({t.gpus for t in tgts_by_id}) > 1:
+        for on_node in by_node.values():
+            on_node.sort(key=lambda t: -t.gpus)  # stable: ties stay in id order
+    by_leaf: dict[str, dict[str, list[Instance]]] = {}
     spans: set[tuple[str, str]] = set()  # domains spanning several nodes: re-sort their members
-    for name, on_node in sorted(by_node.items(), key=lambda kv: (-tbw[kv[1][0].id], kv[1][0].id)):
+    for name, on_node in sorted(by_node.items(), key=lambda kv: (-bw(kv[1][0]), kv[1][0].id)):
         node = by_name[name]
         group = by_leaf.setdefault(node.leaf, {}).setdefault(node.domain, [])
         if group:
             spans.add((node.leaf, node.domain))
         group.extend(on_node)
     for leaf, dom in spans:
-        by_leaf[leaf][dom].sort(key=lambda t: (-tbw[t.id], t.id))
+        by_leaf[leaf][dom].sort(key=lambda t: (-bw(t), t.id))
     src_by_leaf: dict[str, list[Instance]] = defaultdict(list)
     for s in sorted(usable, key=lambda s: (-bw(s), s.id)):
         src_by_leaf[by_name[s.node].leaf].append(s)
@@ -115,7 +116,7 @@ def build_chains(topo: Topology, model: ModelLayout, sources: Sequence[Instance]
     orphans: list[tuple[str, list[Instance]]] = []
 
     def join(k: int, leaf: str, g: list[Instance]) -> None:
-        members[k].append((leaf != homes[k], leaf, -tbw[g[0].id], g[0].id, g))
+        members[k].append((leaf != homes[k], leaf, -bw(g[0]), g[0].id, g))
         sizes[k] += len(g)
 
     for leaf in sorted(demand):
