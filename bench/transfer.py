@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import netlab
+from report import report
 
 from kascade_devcluster.ports import free_ports
 from kascade_engine.blocks import Block, BlockSet
@@ -35,7 +36,6 @@ from kascade_planner.cost import CostParams
 from kascade_planner.plan import Instance, ModelLayout, Plan
 from kascade_planner.topology import Node, Topology
 
-RESULTS = Path(__file__).resolve().parent / "results"
 ENV = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"}
 
 
@@ -210,21 +210,8 @@ def main() -> None:
             print(f"emulated hosts: 9 namespaces, tbf {args.rate_mbit} Mbit/s per direction, {net_total >> 20} MiB model")
             (work / "net").mkdir()
             out.update(emulated(synthetic_blocks(net_total, 16), 128 << 10, args.rate_mbit, work / "net"))
-    targets = {"chain8_over_chain1": ("<=", 1.15), "min_link_utilization": (">=", 0.90), "loopback_hop_over_raw": (">=", 0.80)}
-    print(f"\n{'metric':<36} {'value':>10}  target")
-    for k, v in out.items():
-        if isinstance(v, str):
-            continue
-        t = ""
-        if k in targets:
-            op, bound = targets[k]
-            ok = v <= bound if op == "<=" else v >= bound
-            t = f"{op} {bound}  {'ok' if ok else 'MISSED'}"
-        print(f"{k:<36} {v:>10.3f}  {t}")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "transfer.json").write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {RESULTS / 'transfer.json'}")
-
+    report("transfer", out, {"chain8_over_chain1": ("<=", 1.15), "min_link_utilization": (">=", 0.90),
+                             "loopback_hop_over_raw": (">=", 0.80)})
 
 if __name__ == "__main__":
     main()

@@ -89,6 +89,15 @@ class Transport(Protocol):
     async def connect(self, host: str, port: int, timeout: float = 10.0) -> Connection: ...
 
 
+async def read_frame(conn: Connection, timeout: float | None) -> tuple[Header, bytearray]:
+    """A whole frame into a fresh buffer (for control messages; chunks go through `recv_into`)."""
+    header, plen = await conn.recv_header(timeout)
+    payload = bytearray(plen)
+    if plen:
+        await conn.recv_into(memoryview(payload), timeout)
+    return header, payload
+
+
 def make_transport(name: str) -> Transport:
     if name == "tcp":
         from kascade_engine.transport_tcp import TcpTransport

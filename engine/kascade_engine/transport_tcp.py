@@ -10,8 +10,16 @@ import asyncio
 import contextlib
 import socket
 
-from kascade_engine.transport import (PREFIX, Handler, Header, TransportError, decode_header, decode_prefix,
-                                      encode_prefix)
+from kascade_engine.transport import (
+    PREFIX,
+    Handler,
+    Header,
+    TransportError,
+    decode_header,
+    decode_prefix,
+    encode_prefix,
+    read_frame,
+)
 
 BUF = 4 * 1024 * 1024
 
@@ -76,11 +84,7 @@ class TcpConnection:
             raise TransportError(f"recv from {self.peer}: {e}") from None
 
     async def recv(self, timeout: float | None = None) -> tuple[Header, bytearray]:
-        header, plen = await self.recv_header(timeout)
-        payload = bytearray(plen)
-        if plen:
-            await self.recv_into(memoryview(payload), timeout)
-        return header, payload
+        return await read_frame(self, timeout)
 
     async def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -119,7 +123,7 @@ class TcpTransport:
             conn = TcpConnection(sock)
             try:
                 await handler(conn)
-            except Exception:  # noqa: BLE001 - one bad peer must never take the listener down
+            except Exception:
                 pass
             finally:
                 await conn.close()

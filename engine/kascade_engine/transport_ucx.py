@@ -23,6 +23,7 @@ from kascade_engine.transport import (
     decode_header,
     decode_prefix,
     encode_prefix,
+    read_frame,
 )
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets a variable UCX 1.21 no longer knows
@@ -78,11 +79,7 @@ class UcxConnection:
             raise TransportError(f"ucx recv from {self.peer}: {e}") from None
 
     async def recv(self, timeout: float | None = None) -> tuple[Header, bytearray]:
-        header, plen = await self.recv_header(timeout)
-        payload = bytearray(plen)
-        if plen:
-            await self.recv_into(memoryview(payload), timeout)
-        return header, payload
+        return await read_frame(self, timeout)
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):
