@@ -73,7 +73,8 @@ def build_chains(topo: Topology, model: ModelLayout, sources: Sequence[Instance]
             by_node[t.node] = [t]
         else:
             on_node.append(t)
-    if len({t.gpus for t in tgts_by_id}) > 1:
+    tgt_gpus = {t.gpus for t in tgts_by_id}
+    if len(tgt_gpus) > 1:
         for on_node in by_node.values():
             on_node.sort(key=lambda t: -t.gpus)  # stable: ties stay in id order
     by_leaf: dict[str, dict[str, list[Instance]]] = {}
@@ -164,6 +165,7 @@ def build_chains(topo: Topology, model: ModelLayout, sources: Sequence[Instance]
         return tuple(out)
 
     blocks = model.block_ids
+    may_shard = options.shard and max(tgt_gpus) > 1  # a sharded hop needs a multi-GPU receiver
     flows: list[Flow] = []
     ordered: list[tuple[str, ...]] = []
     backups: dict[str, tuple[str, ...]] = {}
@@ -174,7 +176,7 @@ def build_chains(topo: Topology, model: ModelLayout, sources: Sequence[Instance]
         path = [head, *(t for m in sorted(members[k], key=itemgetter(0, 1, 2, 3)) for t in m[4])]
         ids = tuple([i.id for i in path])
         ordered.append(ids)
-        if options.shard and any(i.gpus > 1 for i in path):
+        if may_shard and any(i.gpus > 1 for i in path):
             for a, b in pairwise(path):
                 flows.extend(hop_flows(a, b, blocks, True))
         else:
@@ -182,6 +184,7 @@ def build_chains(topo: Topology, model: ModelLayout, sources: Sequence[Instance]
         backups.update(dict.fromkeys(ids[1:], backups_for(head.id, homes[k])))
     firsts = [ch[1] for ch in ordered]
     live = tuple(zip(sorted(overloaded), firsts, strict=False))
-    fallbacks = tuple((t.id, backups[t.id]) for t in tgts_by_id)
+    tgt_ids = [t.id for t in tgts_by_id]
+    fallbacks = tuple(zip(tgt_ids, map(backups.__getitem__, tgt_ids), strict=True))
     return Plan("chain", model, tuple(srcs_by_id), tuple(tgts_by_id), tuple(flows), tuple(ordered), fallbacks, live,
                 notes=tuple(notes))

@@ -76,6 +76,14 @@ def new_flow(src: str, dst: str, blocks: tuple[str, ...], shard: tuple[int, int]
     return f
 
 
+def _in_forwarding_order(srcs: Sequence[str], dsts: Sequence[str]) -> bool:
+    """Is every sender a source or the receiver of an earlier flow? (Builders list flows this way;
+    then there is no cycle.) Needs each receiver once and the senders to be known instances."""
+    first = {d: k for k, d in enumerate(dsts)}
+    get = first.get
+    return all(get(s, -1) < k for k, s in enumerate(srcs))
+
+
 def _feeders_reach_sources(feeder: Mapping[str, str], sources: set[str]) -> bool:
     """Does following `feeder` (receiver -> its sender) from every receiver reach a source?"""
     held = set(sources)
@@ -144,7 +152,8 @@ class Plan:
         blocks = {id(f.blocks): f.blocks for f in flows}
         if (not any(f.shard for f in flows) and set(srcs) <= ids and len(set(dsts)) == len(dsts) == len(target_ids)
                 and set(dsts) == target_ids and all(b == whole for b in blocks.values())
-                and _feeders_reach_sources(dict(zip(dsts, srcs, strict=True)), ids - target_ids)):
+                and (_in_forwarding_order(srcs, dsts)
+                     or _feeders_reach_sources(dict(zip(dsts, srcs, strict=True)), ids - target_ids))):
             return self  # each target receives the whole model once, along chains rooted at sources
         if not (set(srcs) <= ids and set(dsts) <= target_ids
                 and all(f.shard is None or 0 <= f.shard[0] < f.shard[1] for f in flows)):
