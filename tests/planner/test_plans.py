@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kascade_planner.builder import make_plan
-from kascade_planner.cost import lower_bound, predict
+from kascade_planner.cost import CostParams, _predict_events, _predict_pipelined, lower_bound, predict
 from kascade_planner.plan import Flow, Instance, Plan, PlanError
 
 _spec = importlib.util.spec_from_file_location("planner_conftest", Path(__file__).with_name("conftest.py"))
@@ -209,3 +209,21 @@ def test_chain_plans_are_interference_free(problem: tuple[Scenario, list[Instanc
     # One flow per GPU link per direction, KV flows included.
     assert max(out.values()) == 1, out
     assert max(inn.values()) == 1, inn
+
+
+@settings(max_examples=30, deadline=None)
+@given(problems())
+def test_closed_form_cost_matches_the_event_simulation(problem: tuple[Scenario, list[Instance], list[Instance], str, int]) -> None:
+    sc, src, tgt, _, _ = problem
+    for alg in ("chain", "local"):
+        plan = make_plan(sc.topo, sc.model, src, tgt, alg, predict=False, host_cached_nodes={src[0].node})
+        fast = _predict_pipelined(plan, sc.topo, CostParams())
+        assert fast is not None, alg  # interference-free whole-model plans take the closed form
+        slow = _predict_events(plan, sc.topo)
+        for (t1, per1), (t2, per2) in zip(fast.arrival, slow.arrival, strict=True):
+            assert t1 == t2
+            assert [b for b, _ in per1] == [b for b, _ in per2]
+            assert [x for _, x in per1] == pytest.approx([y for _, y in per2], rel=1e-9)
+    # Shared links (a star's source feeds every target) go through the event simulation.
+    assert _predict_pipelined(make_plan(sc.topo, sc.model, src, [*tgt, Instance("extra", tgt[0].node)], "star",
+                                        predict=False), sc.topo, CostParams()) is None
