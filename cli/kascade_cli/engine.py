@@ -90,7 +90,7 @@ def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: s
         blocks = None  # not a complete copy: never a source
     elif blocks is not None:
         eng.load_blocks(blocks.blocks.values())
-    st = ServerState(eng, tok, name, token, max_prompt_tokens=max_prompt_tokens, finisher=Finisher(model),
+    st = ServerState(eng, tok, name, token, max_prompt_tokens=max_prompt_tokens, finisher=Finisher(model, busy=lambda: not eng.scheduler.idle),
                      blockset=blocks, phase="ready" if model.complete else "idle" if empty else "loading")
 
     async def main() -> None:

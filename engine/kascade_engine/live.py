@@ -5,12 +5,16 @@ and returns the token.
 Wire format (explicit, no pickle), one transport frame per step:
   B -> A  header {"op": "act", "req", "start" (position of the first token), "layer" (k: first layer
           A runs), "shape" [T, H], "dtype", "params" {temperature, top_p, seed}} + raw tensor bytes
-          (row-major, little endian);  {"op": "end", "req"} frees A's state.
-  A -> B  {"op": "token", "req", "token"}  or  {"op": "error", "req", "message"}.
+          (row-major, little endian);  {"op": "end", "req"} frees A's state;  {"op": "poll"} asks
+          whether A is idle (ZigZag: A takes a request over only when idle).
+  A -> B  {"op": "token", "req", "token"}, {"op": "load", "idle"}  or  {"op": "error", "req", "message"}.
 Where the KV cache lives: layers 0..k-1 on B (`SplitClient`), layers k..L-1 on A (`Finisher`), keyed by
 request id. Decode continues with the same split: each new token is embedded on B, runs B's layers,
 and its activation row goes to A, so neither cache ever moves. A request keeps its split k until it
 finishes; only new requests see a longer prefix as more blocks arrive.
+Split point: best-effort fixes k = the resident prefix at admission; ZigZag (`zigzag=True`) keeps
+advancing the prompt through layers as they land and hands over only when A reports idle (or B holds
+every layer), as in the ILP-free ZigZag policy of kascade_planner.zigzag.
 """
 
 from __future__ import annotations
@@ -65,8 +69,9 @@ class _Remote:
 class Finisher:
     """A's side: finishes requests whose prefix ran elsewhere. `handle` is a transport handler."""
 
-    def __init__(self, model: LlamaModel, max_requests: int = 256) -> None:
+    def __init__(self, model: LlamaModel, max_requests: int = 256, busy: Callable[[], bool] = lambda: False) -> None:
         self.model = model
+        self.busy = busy  # is this engine's own work queue non-empty (ZigZag: the peer pulls only when idle)
         self.max_requests = max_requests
         self.state: dict[str, _Remote] = {}
         self.layers_finished = 0  # metric: layers executed here for remote prefixes
@@ -77,6 +82,8 @@ class Finisher:
             if header["op"] == "end":
                 self.state.pop(req, None)
                 return {"op": "ended", "req": req}
+            if header["op"] == "poll":
+                return {"op": "load", "idle": not self.busy()}
             if header["op"] != "act":
                 raise ValueError(f"unknown op {header['op']!r}")
             layer, start = header.get("layer"), header.get("start")
@@ -125,6 +132,23 @@ class SplitClient:
     def _prefix(self, ids: list[int], kv: SequenceKV, start: int, k: int) -> torch.Tensor:
         return self.model.run_layers(0, k, self.model.embed(torch.tensor(ids)), kv, start)
 
+    async def _zig(self, ids: list[int], kv: SequenceKV) -> tuple[torch.Tensor, int]:
+        """Run the prompt through layers as they become resident until the peer is idle."""
+        m = self.model
+        h, done = m.embed(torch.tensor(ids)), 0
+        while True:
+            now = m.resident_prefix()
+            if now > done:
+                h = await asyncio.to_thread(m.run_layers, done, now, h, kv, 0)
+                done = now
+            if done == m.shape.layers:
+                return h, done
+            await self.conn.send({"op": "poll"})
+            reply, _ = await self.conn.recv(timeout=60)
+            if reply.get("idle"):
+                return h, done
+            await asyncio.sleep(0.002)
+
     async def _remote(self, req: str, start: int, k: int, hidden: torch.Tensor, params: SamplingParams) -> int:
         header, raw = encode_activation(req, start, k, hidden, params)
         await self.conn.send(header, raw)
@@ -134,13 +158,17 @@ class SplitClient:
         return int(reply["token"])
 
     async def generate(self, req: str, prompt: list[int], params: SamplingParams, k: int,
-                       eos: int | None = None, on_token: Callable[[int, bool], None] | None = None) -> list[int]:
+                       eos: int | None = None, on_token: Callable[[int, bool], None] | None = None,
+                       zigzag: bool = False) -> list[int]:
         if k > self.model.resident_prefix():
             raise ValueError(f"split at {k} layers but only {self.model.resident_prefix()} are resident")
         kv, out, ids, start = SequenceKV(), [], list(prompt), 0
         try:
             while len(out) < params.max_tokens:
-                h = await asyncio.to_thread(self._prefix, ids, kv, start, k)
+                if zigzag and not out:
+                    h, k = await self._zig(ids, kv)
+                else:
+                    h = await asyncio.to_thread(self._prefix, ids, kv, start, k)
                 tok = await self._remote(req, start, k, h, params)
                 out.append(tok)
                 stop = tok == eos or tok in params.stop_token_ids

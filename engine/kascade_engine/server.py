@@ -198,7 +198,8 @@ def create_app(st: ServerState) -> FastAPI:
                         q.put_nowait(Event(rid, tok, last, reason))
 
                     st.metrics.live_split.inc()
-                    await SplitClient(st.engine.model, conn).generate(rid, prompt, params, k, st.tokenizer.eos_token_id, emit)
+                    await SplitClient(st.engine.model, conn).generate(rid, prompt, params, k, st.tokenizer.eos_token_id, emit,
+                                                                      zigzag=st.cooperate.get("mode") == "zigzag")
                 finally:
                     await conn.close()
             except Exception as e:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import httpx
 import openai
+import pytest
 
 
-def test_loading_engine_serves_split_with_peer(engine_a, tiny_ckpt, engine_starter) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("mode", ["besteffort", "zigzag"])
+def test_loading_engine_serves_split_with_peer(engine_a, tiny_ckpt, engine_starter, mode: str) -> None:  # type: ignore[no-untyped-def]
     b = engine_starter(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--resident-layers", "2"])
     try:
         h = {"Authorization": f"Bearer {b.token}"}
@@ -17,9 +19,9 @@ def test_loading_engine_serves_split_with_peer(engine_a, tiny_ckpt, engine_start
         assert r.status_code == 503 and "2/4 layers resident" in r.json()["error"]["message"]
         st = httpx.get(b.url + "/kascade/v1/status", headers=h).json()
         assert st["phase"] == "loading" and st["blocks"]["layer.1"] and not st["blocks"]["layer.2"]
-        r = httpx.post(b.url + "/kascade/v1/cooperate", json={"peer": f"127.0.0.1:{engine_a.act}", "mode": "besteffort"},
+        r = httpx.post(b.url + "/kascade/v1/cooperate", json={"peer": f"127.0.0.1:{engine_a.act}", "mode": mode},
                        headers=h)
-        assert r.status_code == 200 and r.json()["cooperate"]["mode"] == "besteffort"
+        assert r.status_code == 200 and r.json()["cooperate"]["mode"] == mode
         want = httpx.post(engine_a.url + "/v1/completions", json=body).json()["choices"][0]["text"]
         got = httpx.post(b.url + "/v1/completions", json=body).json()
         assert got["choices"][0]["text"] == want and got["usage"]["completion_tokens"] == 7

@@ -94,3 +94,34 @@ async def test_split_smollm_matches_single(smollm_ckpt: Path, engine_starter) ->
         await conn.close()
         a.stop()
     assert got == want
+
+
+async def test_zigzag_holds_until_peer_idle_and_uses_new_layers(tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    """B holds the prompt while A is busy, runs layers as they land, and hands over once A is idle."""
+    import asyncio
+
+    a = _partial(tiny_blocks, 4)
+    a.add_block("head", tiny_blocks.blocks["head"].tensors())
+    busy = {"v": True}
+    finisher = Finisher(a, busy=lambda: busy["v"])
+    listener = await TcpTransport().listen("127.0.0.1", 0, finisher.handle)
+    conn = await TcpTransport().connect("127.0.0.1", listener.port)
+    b = _partial(tiny_blocks, 1)
+    prompt, params = [9, 8, 7, 6], SamplingParams(max_tokens=5)
+
+    async def land() -> None:  # layers 1 and 2 arrive while A is busy; then A goes idle
+        for i in (1, 2):
+            await asyncio.sleep(0.05)
+            b.add_block(f"layer.{i}", tiny_blocks.blocks[f"layer.{i}"].tensors())
+        await asyncio.sleep(0.05)
+        busy["v"] = False
+
+    try:
+        landing = asyncio.create_task(land())
+        got = await SplitClient(b, conn).generate("z", prompt, params, 1, zigzag=True)
+        await landing
+    finally:
+        await conn.close()
+        await listener.close()
+    assert got == _single(tiny_blocks, prompt, params)
+    assert finisher.layers_finished == 1 * len(got)  # split at k=3 for every step: A ran only layer 3
