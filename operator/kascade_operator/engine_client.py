@@ -1,0 +1,94 @@
+"""Client of the engine control API (`/kascade/v1/...`, bearer token) used by the operator.
+
+Data flow: scaleplan/pool logic -> `EngineClient.<verb>(endpoint, ...)` -> httpx POST/GET with a
+timeout -> JSON status dict, or `EngineError` naming the endpoint, the call and the engine's message.
+One shared `httpx.AsyncClient` (connection pooling keeps instruct latency low).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+PREFIX = "/kascade/v1/"
+
+
+class EngineError(RuntimeError):
+    """An engine control call failed; `status` is the HTTP status (None for network errors/timeouts)."""
+
+    def __init__(self, endpoint: str, call: str, message: str, status: int | None = None) -> None:
+        super().__init__(f"engine {endpoint} {call}: {message}")
+        self.endpoint, self.call, self.status = endpoint, call, status
+
+
+def _message(r: httpx.Response) -> str:
+    """The engine's error message ({"error": {"message"}} or FastAPI's {"detail"}), else the raw text."""
+    try:
+        doc = r.json()
+    except ValueError:
+        return r.text[:500]
+    if isinstance(doc, dict):
+        err = doc.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        if doc.get("detail"):
+            return str(doc["detail"])
+    return r.text[:500]
+
+
+class EngineClient:
+    def __init__(self, token: str, timeout_s: float = 2.0, client: httpx.AsyncClient | None = None) -> None:
+        if not token:
+            raise ValueError("engine token must not be empty")
+        self._token = token
+        self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s),
+                                                   limits=httpx.Limits(max_connections=256))
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def _call(self, endpoint: str, method: Literal["GET", "POST"], verb: str,
+                    body: dict[str, Any] | None = None) -> dict[str, Any]:
+        url = f"http://{endpoint}{PREFIX}{verb}"
+        try:
+            r = await self._client.request(method, url, json=body,
+                                           headers={"Authorization": f"Bearer {self._token}"})
+        except httpx.TimeoutException:
+            raise EngineError(endpoint, verb, "timed out") from None
+        except httpx.HTTPError as e:
+            raise EngineError(endpoint, verb, f"{type(e).__name__}: {e}") from None
+        if r.status_code >= 400:
+            raise EngineError(endpoint, verb, f"HTTP {r.status_code}: {_message(r)}", r.status_code)
+        try:
+            out = r.json()
+        except ValueError:
+            raise EngineError(endpoint, verb, f"response is not JSON: {r.text[:200]!r}", r.status_code) from None
+        if not isinstance(out, dict):
+            raise EngineError(endpoint, verb, "response is not a JSON object", r.status_code)
+        return out
+
+    async def status(self, endpoint: str) -> dict[str, Any]:
+        return await self._call(endpoint, "GET", "status")
+
+    async def bind(self, endpoint: str, model: str, model_service: str, role: str) -> dict[str, Any]:
+        return await self._call(endpoint, "POST", "bind", {"model": model, "modelService": model_service, "role": role})
+
+    async def load_plan(self, endpoint: str, plan: dict[str, Any], self_id: str, peers: dict[str, str],
+                        plan_token: str, manifest: dict[str, Any] | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"plan": plan, "self": self_id, "peers": peers, "planToken": plan_token}
+        if manifest is not None:
+            body["manifest"] = manifest
+        return await self._call(endpoint, "POST", "load-plan", body)
+
+    async def cooperate(self, endpoint: str, peer: str, mode: Literal["zigzag", "besteffort", "off"]) -> dict[str, Any]:
+        return await self._call(endpoint, "POST", "cooperate", {"peer": peer, "mode": mode})
+
+    async def drain(self, endpoint: str) -> dict[str, Any]:
+        return await self._call(endpoint, "POST", "drain")
+
+    async def release(self, endpoint: str) -> dict[str, Any]:
+        return await self._call(endpoint, "POST", "release")

@@ -1,0 +1,21 @@
+"""Label and annotation keys the operator writes on pods and reads back: the binding record.
+
+A pool pod is idle when it carries `kascade.io/pool=warm` and no `kascade.io/model-service` label.
+Binding patches both the label and an annotation with the binding generation, guarded by the pod's
+resourceVersion, so two operators (or one restarted) can never bind the same pod twice.
+"""
+
+from __future__ import annotations
+
+POOL = "kascade.io/pool"
+POOL_WARM = "warm"
+MODEL_SERVICE = "kascade.io/model-service"
+ROLE = "kascade.io/role"
+PLAN = "kascade.io/plan"  # annotation: the ScalePlan that bound the pod
+ENDPOINT = "kascade.io/endpoint"  # annotation: "host:port" of the engine HTTP server (the harness sets it)
+DATA_ENDPOINT = "kascade.io/data-endpoint"  # annotation: "host:port" of the engine data port
+INSTANCE = "kascade.io/instance"  # annotation: engine instance id (defaults to the pod name)
+LOADED = "kascade.io/loaded"  # annotation "true": the engine reported every block resident
+DRAINING = "kascade.io/draining"  # annotation: time a drain started (scale-down in progress)
+MANAGED_BY = "app.kubernetes.io/managed-by"
+FINALIZER = "kascade.io/finalizer"

@@ -1,0 +1,177 @@
+"""Per-instance load collection: scrape engine `/metrics` directly or query Prometheus' HTTP API.
+
+Data flow: engine endpoints -> Prometheus text (`kascade_*`, DESIGN §6) -> `parse_engine_metrics` ->
+`InstanceSample` (cumulative counters + gauges) -> `RateTracker` turns two samples into per-second
+rates -> `snapshot()` -> the planner's `MetricsSnapshot`, which the policies consume. With
+`metrics_source=prometheus` the same `InstanceLoad` values come from PromQL (rates computed there).
+Parsing and rate math are pure; only `Scraper`/`PrometheusSource` do I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from kascade_planner.policies import MetricsSnapshot
+
+log = logging.getLogger(__name__)
+
+
+class MetricsError(RuntimeError):
+    """A metrics source failed or returned something unusable; the message names source and metric."""
+
+
+@dataclass(frozen=True)
+class InstanceSample:
+    """Raw values from one scrape: counters are cumulative."""
+
+    time_s: float
+    input_tokens: float = 0.0
+    output_tokens: float = 0.0
+    queue_length: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0
+
+
+@dataclass(frozen=True)
+class InstanceLoad:
+    instance: str
+    input_tokens_per_s: float
+    output_tokens_per_s: float
+    in_flight: int
+    kv_usage: float
+
+
+_GAUGES = {"kascade_queue_length": "queue_length", "kascade_running_requests": "running",
+           "kascade_kv_cache_usage": "kv_usage"}
+_COUNTERS = {"kascade_input_tokens": "input_tokens", "kascade_output_tokens": "output_tokens"}
+
+
+def parse_engine_metrics(text: str, time_s: float) -> InstanceSample:
+    """Prometheus exposition text -> one sample (missing metrics read as 0; malformed text raises)."""
+    values: dict[str, float] = {}
+    try:
+        for fam in text_string_to_metric_families(text):
+            field = _GAUGES.get(fam.name) or _COUNTERS.get(fam.name)
+            if field is None:
+                continue
+            for s in fam.samples:
+                # counters expose `<name>_total` (and `_created`, which is not a value)
+                if s.name in (fam.name, fam.name + "_total"):
+                    values[field] = values.get(field, 0.0) + float(s.value)
+    except ValueError as e:
+        raise MetricsError(f"malformed Prometheus text: {e}") from None
+    return InstanceSample(time_s, **values)
+
+
+class RateTracker:
+    """Keeps the previous sample per instance; a counter reset (engine restart) counts as a new start."""
+
+    def __init__(self) -> None:
+        self._prev: dict[str, InstanceSample] = {}
+
+    def update(self, instance: str, cur: InstanceSample) -> InstanceLoad:
+        prev = self._prev.get(instance)
+        self._prev[instance] = cur
+        in_flight = int(cur.queue_length + cur.running)
+        if prev is None or cur.time_s <= prev.time_s:
+            return InstanceLoad(instance, 0.0, 0.0, in_flight, cur.kv_usage)
+        dt = cur.time_s - prev.time_s
+        # a counter that went down was reset (engine restart): count from zero
+        d_in = cur.input_tokens - prev.input_tokens if cur.input_tokens >= prev.input_tokens else cur.input_tokens
+        d_out = cur.output_tokens - prev.output_tokens if cur.output_tokens >= prev.output_tokens else cur.output_tokens
+        return InstanceLoad(instance, d_in / dt, d_out / dt, in_flight, cur.kv_usage)
+
+    def forget(self, keep: Iterable[str]) -> None:
+        keep_set = set(keep)
+        for k in [k for k in self._prev if k not in keep_set]:
+            del self._prev[k]
+
+
+def snapshot(loads: Sequence[InstanceLoad], time_s: float) -> MetricsSnapshot:
+    """Aggregate one model service's instances into the planner's snapshot (rates summed, KV averaged)."""
+    if not loads:
+        return MetricsSnapshot(time_s)
+    return MetricsSnapshot(time_s, input_tokens_per_s=sum(x.input_tokens_per_s for x in loads),
+                           output_tokens_per_s=sum(x.output_tokens_per_s for x in loads),
+                           in_flight=sum(x.in_flight for x in loads),
+                           kv_usage=sum(x.kv_usage for x in loads) / len(loads))
+
+
+class Scraper:
+    """Direct scrape of engine `/metrics` (instance -> "host:port"), concurrently, with a timeout."""
+
+    def __init__(self, timeout_s: float = 0.5, client: httpx.AsyncClient | None = None) -> None:
+        self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s))
+        self.rates = RateTracker()
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def _one(self, instance: str, endpoint: str) -> InstanceLoad | None:
+        try:
+            r = await self._client.get(f"http://{endpoint}/metrics")
+            r.raise_for_status()
+            return self.rates.update(instance, parse_engine_metrics(r.text, time.monotonic()))
+        except (httpx.HTTPError, MetricsError) as e:
+            log.warning("scrape of %s (%s) failed: %s", instance, endpoint, e)
+            return None
+
+    async def collect(self, endpoints: Mapping[str, str]) -> list[InstanceLoad]:
+        """Loads of the instances that answered (a failed scrape is logged and left out)."""
+        got = await asyncio.gather(*(self._one(i, ep) for i, ep in endpoints.items()))
+        self.rates.forget(endpoints)
+        return [x for x in got if x is not None]
+
+
+class PrometheusSource:
+    """Per-instance load through PromQL on Prometheus' HTTP API (`/api/v1/query`).
+
+    Engines are expected to be scraped by Prometheus with a `pod` label (the pod name)."""
+
+    QUERIES: ClassVar[dict[str, str]] = {"input": "sum by (pod) (rate(kascade_input_tokens_total{{pod=~\"{pods}\"}}[{window}]))",
+               "output": "sum by (pod) (rate(kascade_output_tokens_total{{pod=~\"{pods}\"}}[{window}]))",
+               "queue": "sum by (pod) (kascade_queue_length{{pod=~\"{pods}\"}})",
+               "running": "sum by (pod) (kascade_running_requests{{pod=~\"{pods}\"}})",
+               "kv": "avg by (pod) (kascade_kv_cache_usage{{pod=~\"{pods}\"}})"}
+
+    def __init__(self, url: str, timeout_s: float = 1.0, window: str = "10s",
+                 client: httpx.AsyncClient | None = None) -> None:
+        self._url, self._window = url.rstrip("/"), window
+        self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s))
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def _query(self, q: str) -> dict[str, float]:
+        try:
+            r = await self._client.get(f"{self._url}/api/v1/query", params={"query": q})
+            doc = r.json()
+        except (httpx.HTTPError, ValueError) as e:
+            raise MetricsError(f"prometheus {self._url}: {e}") from None
+        if r.status_code != 200 or doc.get("status") != "success":
+            raise MetricsError(f"prometheus {self._url}: query {q!r} failed: {doc.get('error', r.text[:200])}")
+        out: dict[str, float] = {}
+        for row in doc.get("data", {}).get("result", []):
+            pod = row.get("metric", {}).get("pod")
+            if pod:
+                out[pod] = float(row["value"][1])
+        return out
+
+    async def collect(self, pods: Sequence[str]) -> list[InstanceLoad]:
+        if not pods:
+            return []
+        sel = "|".join(pods)
+        keys = list(self.QUERIES)
+        res = await asyncio.gather(*(self._query(self.QUERIES[k].format(pods=sel, window=self._window)) for k in keys))
+        by = dict(zip(keys, res, strict=True))
+        return [InstanceLoad(p, by["input"].get(p, 0.0), by["output"].get(p, 0.0),
+                             int(by["queue"].get(p, 0.0) + by["running"].get(p, 0.0)), by["kv"].get(p, 0.0))
+                for p in pods]

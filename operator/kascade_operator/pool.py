@@ -1,0 +1,102 @@
+"""The warm pool: idle engine pods, which ones to bind on scale-up, which to drain on scale-down, and
+the label/annotation patches that record a binding.
+
+Data flow: Pod dicts (kube.py) -> `PodView` -> `choose_targets` / `choose_drain` (pure, deterministic)
+-> `bind_patch` / `unbind_patch` -> kube.py applies them. Every patch carries the pod's
+`metadata.resourceVersion`: the API server rejects it with 409 if anything changed the pod since it
+was read, so two operators (or an operator restarted mid-plan that reads stale state) can never bind
+one pod twice; the loser re-reads and re-plans.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kascade_operator import labels as L
+
+
+@dataclass(frozen=True)
+class PodView:
+    pod_name: str
+    node: str | None
+    resource_version: str
+    pool: bool  # a warm-pool engine pod
+    model_service: str | None
+    role: str | None
+    ready: bool  # pod Ready and the engine reported the model loaded (annotation kascade.io/loaded)
+    draining: bool = False
+    drained: bool = False  # the engine reported no requests in flight since the drain
+    endpoint: str | None = None
+    data_endpoint: str | None = None
+    instance: str = ""
+    plan: str | None = None
+    leaf: str | None = None  # the node's leaf label (filled in when the node is known)
+
+
+def pod_view(pod: Mapping[str, Any], node_leaf: Mapping[str, str] | None = None) -> PodView:
+    meta = pod.get("metadata") or {}
+    lab, ann = meta.get("labels") or {}, meta.get("annotations") or {}
+    conds = (pod.get("status") or {}).get("conditions") or []
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+    node = (pod.get("spec") or {}).get("nodeName")
+    return PodView(
+        pod_name=str(meta.get("name")), node=node, resource_version=str(meta.get("resourceVersion", "")),
+        pool=lab.get(L.POOL) == L.POOL_WARM, model_service=lab.get(L.MODEL_SERVICE), role=lab.get(L.ROLE),
+        ready=ready and ann.get(L.LOADED) == "true", draining=L.DRAINING in ann,
+        drained=ann.get(L.DRAINING + "-done") == "true", endpoint=ann.get(L.ENDPOINT),
+        data_endpoint=ann.get(L.DATA_ENDPOINT), instance=ann.get(L.INSTANCE) or str(meta.get("name")),
+        plan=ann.get(L.PLAN), leaf=(node_leaf or {}).get(node or ""))
+
+
+def choose_targets(idle: Sequence[PodView], k: int, source_leaves: Collection[str | None]) -> list[PodView]:
+    """Pick `k` idle pods with a node and an engine endpoint: first those on a source's leaf (fast,
+    leaf-local chains), then by leaf and node so a node's pods stay adjacent (one NVLink domain per
+    chain hop), then by name (deterministic)."""
+    if k <= 0:
+        return []
+    leaves = set(source_leaves) - {None}
+    usable = [p for p in idle if p.node and p.endpoint]
+    usable.sort(key=lambda p: (p.leaf not in leaves, p.leaf or "", p.node or "", p.pod_name))
+    return usable[:k]
+
+
+def choose_drain(serving: Sequence[PodView], k: int) -> list[PodView]:
+    """Pick up to `k` pods to drain: not-ready ones first, then newest names; never the last ready pod."""
+    order = sorted(serving, key=lambda p: (p.ready, [-ord(c) for c in p.pod_name]))
+    ready_left = sum(p.ready for p in serving)
+    out: list[PodView] = []
+    for p in order:
+        if len(out) == k:
+            break
+        if p.ready:
+            if ready_left <= 1:
+                continue  # the last copy of the model is never released
+            ready_left -= 1
+        out.append(p)
+    return out
+
+
+def bind_patch(p: PodView, model_service: str, role: str, plan: str) -> dict[str, Any]:
+    """Merge patch binding an idle pod; the resourceVersion makes it fail (409) if the pod changed."""
+    if p.model_service is not None:
+        raise ValueError(f"pod {p.pod_name} is already bound to {p.model_service}")
+    return {"metadata": {"resourceVersion": p.resource_version,
+                         "labels": {L.MODEL_SERVICE: model_service, L.ROLE: role},
+                         "annotations": {L.PLAN: plan}}}
+
+
+def drain_patch(p: PodView, now_iso: str) -> dict[str, Any]:
+    return {"metadata": {"resourceVersion": p.resource_version, "annotations": {L.DRAINING: now_iso}}}
+
+
+def drained_patch(p: PodView) -> dict[str, Any]:
+    return {"metadata": {"resourceVersion": p.resource_version, "annotations": {L.DRAINING + "-done": "true"}}}
+
+
+def unbind_patch(p: PodView) -> dict[str, Any]:
+    """Return a drained pod to the pool (merge patch: null deletes the key)."""
+    return {"metadata": {"resourceVersion": p.resource_version,
+                         "labels": {L.MODEL_SERVICE: None, L.ROLE: None},
+                         "annotations": {L.PLAN: None, L.LOADED: None, L.DRAINING: None, L.DRAINING + "-done": None}}}

@@ -1,0 +1,147 @@
+"""ScalePlans: from a reconcile `CreatePlan` action to a planner `Plan`, to the ScalePlan CR, and back
+from engine statuses to the ScalePlan status.
+
+Data flow: CreatePlan + pods (PodView) + Node dicts -> `build()` (planner: topology from live node
+labels, chains/binomial/star, or `local` for the first copy) -> `spec_dict()` (ScalePlan spec, owned
+by the ModelService) -> handlers create it, bind targets, instruct engines -> engine `status` dicts ->
+`progress()` -> status dict; `Throttle` keeps status writes at most one per interval (phase changes
+always go through). Resume after a restart: the status lists which targets were already instructed;
+`to_instruct()` returns only the others, so each engine is told exactly once per plan.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kascade_operator.pool import PodView
+from kascade_operator.reconcile import CreatePlan
+from kascade_planner.builder import make_plan
+from kascade_planner.plan import Instance, ModelLayout, Plan
+from kascade_planner.topology import LabelKeys, topology_from_nodes
+
+DEFAULT_LAYERS = 32
+DEFAULT_BLOCK_BYTES = 64 << 20  # a planning estimate when the model size is unknown
+
+
+@dataclass(frozen=True)
+class Built:
+    plan: Plan
+    pods: Mapping[str, PodView]  # instance id -> pod (sources and targets)
+
+
+def layout(model: str, layers: int | None, total_bytes: int | None = None) -> ModelLayout:
+    n = layers or DEFAULT_LAYERS
+    return ModelLayout.uniform(model, n, total_bytes or DEFAULT_BLOCK_BYTES * (n + 2))
+
+
+def build(action: CreatePlan, pods: Mapping[str, PodView], nodes: Sequence[Mapping[str, Any]], model: ModelLayout,
+          algorithm: str, tp: int, keys: LabelKeys = LabelKeys(), inter_leaf_ratio: float = 1.0) -> Built:
+    """Plan `action` on the live topology. No sources -> each target loads from its own node (`local`)."""
+    topo = topology_from_nodes(nodes, keys, inter_leaf_ratio)
+
+    def inst(name: str) -> Instance:
+        p = pods[name]
+        if not p.node:
+            raise ValueError(f"pod {name} has no node (spec.nodeName) yet")
+        return Instance(p.instance, p.node, tp)
+
+    srcs, tgts = [inst(s) for s in action.sources], [inst(t) for t in action.targets]
+    plan = make_plan(topo, model, srcs, tgts, algorithm if srcs else "local")
+    by_id = {pods[n].instance: pods[n] for n in (*action.sources, *action.targets)}
+    return Built(plan, by_id)
+
+
+def spec_dict(b: Built, model_service: str, role: str, reason: str) -> dict[str, Any]:
+    """The ScalePlan spec (camelCase, as the CRD declares it)."""
+    p, pods = b.plan, b.pods
+    pred = dict(p.predicted)
+
+    def src(i: Instance) -> dict[str, Any]:
+        d: dict[str, Any] = {"instance": i.id, "node": i.node, "kind": "gpu" if i.kind == "gpu" else "host"}
+        if i.id in pods:
+            d["pod"] = pods[i.id].pod_name
+        return d
+
+    spec: dict[str, Any] = {
+        "modelServiceRef": {"name": model_service}, "role": role, "algorithm": p.algorithm,
+        "reason": reason[:4096],
+        "sources": [src(s) for s in p.sources],
+        "targets": [{"instance": t.id, "pod": pods[t.id].pod_name, "node": t.node,
+                     **({"predictedSeconds": round(pred[t.id], 6)} if t.id in pred else {})} for t in p.targets],
+        "blockOrder": list(p.model.block_ids),
+        "plan": p.to_dict(),
+    }
+    chains = [list(c) for c in p.chains if len(c) >= 2]
+    if chains:
+        spec["chains"] = chains
+    shards = [{"source": f.src, "target": f.dst, "index": f.shard[0], "count": f.shard[1]}
+              for f in p.flows if f.shard is not None]
+    if shards:
+        spec["shards"] = shards
+    if p.live_pairs:
+        spec["livePairs"] = [{"overloaded": a, "loading": b} for a, b in p.live_pairs]
+    if pred:
+        spec["predictedSeconds"] = round(p.completion, 6)
+    return spec
+
+
+def to_instruct(spec: Mapping[str, Any], status: Mapping[str, Any] | None) -> list[str]:
+    """Target instance ids not yet instructed according to the ScalePlan status (resume exactly once)."""
+    done = {t["instance"] for t in ((status or {}).get("targets") or []) if t.get("instructed")}
+    return [t["instance"] for t in spec["targets"] if t["instance"] not in done]
+
+
+def progress(spec: Mapping[str, Any], statuses: Mapping[str, Mapping[str, Any] | None], instructed: set[str],
+             failed: Mapping[str, str], started: float, now: float) -> dict[str, Any]:
+    """ScalePlan status from the targets' engine statuses (None = not reachable this round)."""
+    rows, ready, nbytes = [], 0, 0
+    for t in spec["targets"]:
+        iid = t["instance"]
+        st = statuses.get(iid) or {}
+        blocks = st.get("blocks") or {}
+        row: dict[str, Any] = {"instance": iid, "instructed": iid in instructed,
+                               "blocksReceived": sum(1 for v in blocks.values() if v),
+                               "blocksTotal": len(spec.get("blockOrder") or blocks), "ready": bool(st.get("ready"))}
+        if st.get("bytesReceived") is not None:
+            row["bytesReceived"] = int(st["bytesReceived"])
+            nbytes += int(st["bytesReceived"])
+        ready += row["ready"]
+        rows.append(row)
+    n = len(rows)
+    if failed:
+        phase = "Failed"
+    elif ready == n:
+        phase = "Succeeded"
+    elif instructed:
+        phase = "Live" if spec.get("livePairs") else "Transferring"
+    else:
+        phase = "Pending"
+    out: dict[str, Any] = {"phase": phase, "targets": rows, "targetsReady": f"{ready}/{n}",
+                           "progress": f"{sum(r['blocksReceived'] for r in rows)}/{sum(r['blocksTotal'] for r in rows)}"}
+    if failed:
+        out["message"] = "; ".join(f"{k}: {v}" for k, v in sorted(failed.items()))[:2000]
+    if phase in ("Succeeded", "Failed"):
+        dur = max(now - started, 0.0)
+        out["durationSeconds"] = round(dur, 6)
+        if phase == "Succeeded" and dur > 0 and nbytes:
+            out["bandwidthGbps"] = round(nbytes * 8 / dur / 1e9, 6)
+    return out
+
+
+class Throttle:
+    """At most one status write per `interval_s`, except when the phase changes."""
+
+    def __init__(self, interval_s: float, clock: Any = time.monotonic) -> None:
+        self._interval, self._clock = interval_s, clock
+        self._last_t: float | None = None
+        self._last_phase: str | None = None
+
+    def should_write(self, phase: str) -> bool:
+        now = self._clock()
+        if phase != self._last_phase or self._last_t is None or now - self._last_t >= self._interval:
+            self._last_t, self._last_phase = now, phase
+            return True
+        return False

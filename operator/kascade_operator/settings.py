@@ -1,0 +1,48 @@
+"""Operator settings: one pydantic-settings object read from `KASCADE_OPERATOR_*` environment variables
+(and CLI flags that override them).
+
+Data flow: env / CLI -> `OperatorSettings` (validated, errors name the variable) -> handlers, metrics
+collector, engine client, pool. Nothing reads the environment anywhere else.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from kascade_planner.topology import LabelKeys
+
+
+class OperatorSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KASCADE_OPERATOR_", extra="forbid")
+
+    namespaces: list[str] = Field(default_factory=list, description="watched namespaces; empty = cluster-wide")
+    pool_size: int = Field(default=0, ge=0, le=10_000, description="idle warm-pool pods to keep per namespace")
+    pool_label: str = "kascade.io/pool"
+    metrics_source: Literal["scrape", "prometheus"] = "scrape"
+    prometheus_url: str | None = Field(default=None, pattern=r"^https?://")
+    interval_seconds: float = Field(default=1.0, ge=0.05, le=3600, description="metric loop period (sub-second ok)")
+    scrape_timeout_seconds: float = Field(default=0.5, gt=0, le=60)
+    engine_timeout_seconds: float = Field(default=2.0, gt=0, le=300)
+    engine_token: str | None = Field(default=None, min_length=1, description="bearer token for the engine control API")
+    engine_token_secret: str = "kascade-engine-token"  # Secret (key `token`) in each namespace when no token is set
+    status_write_interval_seconds: float = Field(default=0.5, ge=0, description="throttle for ScalePlan progress")
+    leaf_label: str = "kascade.io/leaf"
+    domain_label: str = "kascade.io/scaleup-domain"
+    nic_label: str = "kascade.io/nic-gbps"
+    gpu_resource: str = "nvidia.com/gpu"
+    inter_leaf_ratio: float = Field(default=1.0, gt=0, le=1)
+    metrics_port: int = Field(default=0, ge=0, le=65535, description="operator's own /metrics; 0 = off")
+
+    @model_validator(mode="after")
+    def _prometheus_needs_url(self) -> OperatorSettings:
+        if self.metrics_source == "prometheus" and not self.prometheus_url:
+            raise ValueError("KASCADE_OPERATOR_PROMETHEUS_URL is required when KASCADE_OPERATOR_METRICS_SOURCE "
+                             "is prometheus")
+        return self
+
+    @property
+    def label_keys(self) -> LabelKeys:
+        return LabelKeys(self.leaf_label, self.domain_label, self.nic_label, self.gpu_resource)
