@@ -51,7 +51,7 @@ def test_rates_and_counter_reset() -> None:
 
 def test_snapshot_sums_rates_and_averages_kv() -> None:
     r = RateTracker()
-    for i, kv in (("a", 0.2), ("b", 0.6)):
+    for i in ("a", "b"):
         r.update(i, InstanceSample(0.0))
     loads = [r.update("a", InstanceSample(1.0, 100, 10, 1, 1, 0.2)), r.update("b", InstanceSample(1.0, 300, 30, 0, 2, 0.6))]
     s = snapshot(loads, 5.0)
