@@ -1,0 +1,52 @@
+"""The compared systems, each a configuration of the same simulator.
+
+Data flow: a system name -> `System` (how weights reach a new instance, when it may serve, what host
+memory it keeps) -> read by `simulator.Simulation`. All dynamic systems share one autoscaling policy,
+so differences come only from the scale-up data path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    transfer: Literal["chain", "binomial", "local"] = "chain"
+    # "live": serve requests layer by layer while loading, paired with an overloaded source (ZigZag);
+    # "pipeline": λScale execute-while-load across the receivers of one multicast;
+    # "stop": serve only once every block arrived.
+    serving: Literal["live", "pipeline", "stop"] = "stop"
+    host_cache: Literal["one", "ttl", "all", "none"] = "none"
+    keep_alive_s: float = 0.0  # ServerlessLLM host-cache keep-alive after the last instance on a host
+    static: Literal["peak", "average"] | None = None
+    pipeline_overhead: float = 0.2  # λScale: extra iteration time while the pipeline spans several GPUs
+
+    def __post_init__(self) -> None:
+        if self.keep_alive_s < 0 or self.pipeline_overhead < 0:
+            raise ValueError(f"system {self.name}: keep_alive_s and pipeline_overhead must be >= 0")
+
+
+def system_presets() -> dict[str, System]:
+    return {
+        # Network multicast chains (GPU sources + one host copy: O(1) host cache) + live ZigZag.
+        "kascade": System("kascade", "chain", "live", "one"),
+        # ServerlessLLM: per-host memory cache with keep-alive, SSD on a miss, stop-the-world.
+        "serverlessllm": System("serverlessllm", "local", "stop", "ttl", keep_alive_s=60.0),
+        # AllCache: every host keeps the model in host memory (PCIe load), stop-the-world.
+        "allcache": System("allcache", "local", "stop", "all"),
+        # λScale-style: binomial-pipeline multicast from GPUs + execute-while-load pipelines.
+        "lambdascale": System("lambdascale", "binomial", "pipeline", "one"),
+        # DistServe/vLLM-style full provisioning (no scaling) at the peak and at the average demand.
+        "static-peak": System("static-peak", static="peak"),
+        "static-average": System("static-average", static="average"),
+    }
+
+
+def system(name: str, **overrides: object) -> System:
+    presets = system_presets()
+    if name not in presets:
+        raise ValueError(f"unknown system {name!r} (choose {', '.join(presets)})")
+    return replace(presets[name], **overrides) if overrides else presets[name]  # type: ignore[arg-type]
