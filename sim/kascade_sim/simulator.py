@@ -13,9 +13,8 @@ from __future__ import annotations
 import heapq
 import logging
 import math
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kascade_planner.builder import make_plan
 from kascade_planner.cost import predict
@@ -34,7 +33,7 @@ ITER, ACCEPT, READY, TICK = 0, 1, 2, 3
 
 @dataclass(frozen=True)
 class SimConfig:
-    policy: Threshold = Threshold(upper=6000.0, lower=2000.0, scale_down_delay_s=5.0)
+    policy: Threshold = field(default_factory=lambda: Threshold(upper=6000.0, lower=2000.0, scale_down_delay_s=5.0))
     tick_s: float = 0.5  # policy evaluation period
     window_s: float = 2.0  # demand measured over this window
     min_instances: int = 1
@@ -204,7 +203,7 @@ class Simulation:
         self._kick(best, now)
 
     def _kick(self, inst: Instance, now: float) -> None:
-        if inst.busy or not inst.accepting and inst.state != "draining":
+        if inst.busy or (not inst.accepting and inst.state != "draining"):
             return
         dur = inst.next_iteration(now, self.inp, self.out, self.spec.cost.prefill_s, self.spec.cost.decode_s,
                                   self.spec.max_prefill_tokens, self.spec.max_batch)

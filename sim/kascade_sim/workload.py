@@ -12,7 +12,7 @@ import csv
 import math
 import random
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 
@@ -114,7 +114,7 @@ def read_azure(path: str | Path) -> Workload:
             try:
                 # 7 fractional digits: datetime takes at most 6.
                 base, _, frac = ts.partition(".")
-                t = datetime.strptime(base, "%Y-%m-%d %H:%M:%S").replace(tzinfo=timezone.utc).timestamp() + (float("0." + frac) if frac else 0.0)
+                t = datetime.strptime(base, "%Y-%m-%d %H:%M:%S").replace(tzinfo=UTC).timestamp() + (float("0." + frac) if frac else 0.0)
             except ValueError:
                 raise TraceError(f"{p}:{line}: field 'TIMESTAMP' is not 'YYYY-MM-DD HH:MM:SS.fff', got {ts!r}") from None
             rows.append((t, _int_field(p, line, "ContextTokens", row[1]), _int_field(p, line, "GeneratedTokens", row[2])))
