@@ -134,9 +134,10 @@ def build_chains(topo: Topology, model: ModelLayout, sources: Sequence[Instance]
             heap.append((0, s.id, len(heads) - 1))
         heapq.heapify(heap)
         for g in groups:
-            _, sid, k = heapq.heappop(heap)
-            join(k, leaf, g)
-            heapq.heappush(heap, (sizes[k], sid, k))
+            _, sid, k = heap[0]
+            members[k].append((leaf != homes[k], leaf, -bw(g[0]), g[0].id, g))
+            sizes[k] += len(g)
+            heapq.heapreplace(heap, (sizes[k], sid, k))
     live_chains = [k for k in range(len(heads)) if sizes[k]]
     if orphans:  # no source could be spared: extend the shortest chains across leaves
         if not live_chains:
