@@ -1,0 +1,38 @@
+"""`kascade sim`: writes a JSON comparison and a PNG; bad traces and flags give clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from kascade_cli.sim import sim
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_sim_writes_json_and_plot(tmp_path: Path) -> None:
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    res = CliRunner().invoke(sim, [f"azure:{DATA / 'azure_code_head300.csv'}", "-s", "kascade", "-s", "serverlessllm",
+                                   "--rate-scale", "4", "--hosts", "4", "--gpus-per-host", "4",
+                                   "-o", str(out), "--plot", str(png)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    assert set(doc["systems"]) == {"kascade", "serverlessllm"}
+    assert doc["systems"]["kascade"]["requests"] == 1200
+    assert doc["ttft_mean_reduction_vs_sllm"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sim_bad_trace_names_file_and_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.csv"
+    bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.9799600,4808,ten\n")
+    res = CliRunner().invoke(sim, [f"azure:{bad}", "-o", str(tmp_path / "r.json")])
+    assert res.exit_code != 0
+    assert f"{bad}:2" in res.output and "GeneratedTokens" in res.output
+
+
+def test_sim_bad_hardware_preset(tmp_path: Path) -> None:
+    res = CliRunner().invoke(sim, [str(DATA / "burstgpt_small.csv"), "--hardware", "h900"])
+    assert res.exit_code != 0 and "h900" in res.output
