@@ -92,3 +92,13 @@ class EngineClient:
 
     async def release(self, endpoint: str) -> dict[str, Any]:
         return await self._call(endpoint, "POST", "release")
+
+    async def manifest(self, endpoint: str) -> dict[str, Any] | None:
+        """The block manifest (sizes, digests, index) a source holds, for loading targets; None when the
+        engine does not offer `GET manifest` (then targets must already know it)."""
+        try:
+            return await self._call(endpoint, "GET", "manifest")
+        except EngineError as e:
+            if e.status in (404, 405):
+                return None
+            raise

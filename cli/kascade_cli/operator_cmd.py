@@ -1,0 +1,48 @@
+"""`kascade operator run`: the Kubernetes operator (kopf) as a foreground process.
+
+Data flow: flags + KASCADE_OPERATOR_* env -> OperatorSettings (errors name the flag/variable) ->
+kascade_operator.handlers.build_registry -> kopf.run against the cluster of KUBECONFIG (or in-cluster).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import click
+
+
+@click.group("operator")
+def operator() -> None:
+    """Run the Kascade Kubernetes operator."""
+
+
+@operator.command("run")
+@click.option("--namespace", "namespaces", multiple=True, help="watch only this namespace (repeatable; default: all)")
+@click.option("--interval", type=float, help="metric loop period in seconds (sub-second allowed)")
+@click.option("--pool-size", type=click.IntRange(0), help="idle warm-pool pods to keep")
+@click.option("--metrics-source", type=click.Choice(["scrape", "prometheus"]), help="engine /metrics or Prometheus")
+@click.option("--prometheus-url", help="Prometheus base URL (with --metrics-source prometheus)")
+@click.option("--engine-token", envvar="KASCADE_ENGINE_TOKEN", help="bearer token for the engine control API")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), help="serve the operator's /metrics here (0 = off)")
+@click.option("-v", "--verbose", is_flag=True)
+def run(namespaces: tuple[str, ...], interval: float | None, pool_size: int | None, metrics_source: str | None,
+        prometheus_url: str | None, engine_token: str | None, metrics_port: int | None, verbose: bool) -> None:
+    """Reconcile ModelServices and ScalePlans until interrupted."""
+    import kopf
+    from pydantic import ValidationError
+
+    from kascade_operator.handlers import build_registry
+    from kascade_operator.settings import OperatorSettings
+
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides = {k: v for k, v in {"namespaces": list(namespaces) or None, "interval_seconds": interval,
+                                   "pool_size": pool_size, "metrics_source": metrics_source,
+                                   "prometheus_url": prometheus_url, "engine_token": engine_token,
+                                   "metrics_port": metrics_port}.items() if v is not None}
+    try:
+        settings = OperatorSettings(**overrides)
+    except ValidationError as e:
+        raise click.UsageError("; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())) from None
+    kopf.run(registry=build_registry(settings), standalone=True, namespaces=settings.namespaces,
+             clusterwide=not settings.namespaces)

@@ -1,0 +1,254 @@
+"""Thin kopf handlers: observe -> pure decision -> apply through kube.py and the engine client.
+
+Data flow:
+- ModelService create/update/resume and a periodic timer -> `reconcile_service`: parse the spec
+  (invalid -> Degraded condition + Event naming the field), list pool pods and ScalePlans, scrape the
+  bound engines, run the policy (`decide`) and the reconciler, apply the actions, patch the status.
+- ScalePlan daemon (`drive_plan`, one per non-terminal ScalePlan; kopf restarts it after an operator
+  restart) -> `plandriver.drive`: bind targets, instruct engines once, write throttled progress.
+- ModelService delete (finalizer) -> drain and release every bound pod, so the pool gets them back.
+Handlers keep no state of their own; everything lives in `Runtime` (kopf memo) or in the API server.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import kopf
+from pydantic import ValidationError
+
+from kascade_operator import labels as L
+from kascade_operator import plandriver
+from kascade_operator.api import ModelServiceSpec
+from kascade_operator.decide import decide
+from kascade_operator.engine_client import EngineClient, EngineError
+from kascade_operator.kube import GROUP, VERSION, Conflict, Kube, NotFound, now_iso
+from kascade_operator.metrics import PrometheusSource, Scraper, snapshot
+from kascade_operator.operator_metrics import OperatorMetrics
+from kascade_operator.pool import PodView, drain_patch, pod_view, unbind_patch
+from kascade_operator.reconcile import (
+    TERMINAL,
+    CreatePlan,
+    CreatePods,
+    Drain,
+    PlanView,
+    Release,
+    Result,
+    reconcile,
+    role_bounds,
+)
+from kascade_operator.runtime import Runtime
+from kascade_operator.settings import OperatorSettings
+from kascade_operator.validation import semantic_errors
+
+log = logging.getLogger(__name__)
+
+
+def field_errors(e: ValidationError) -> str:
+    """'spec.replicas.colocated.min: Input should be ...; ...' — the field path the user must fix."""
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in ("spec", *err["loc"]))
+        parts.append(f"{loc}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def condition(ctype: str, ok: bool, reason: str, message: str, gen: int | None) -> dict[str, Any]:
+    return {"type": ctype, "status": "True" if ok else "False", "reason": reason, "message": message[:1024],
+            "lastTransitionTime": now_iso(), "observedGeneration": gen}
+
+
+def plan_view(sp: dict[str, Any]) -> PlanView:
+    spec, st = sp.get("spec") or {}, sp.get("status") or {}
+    return PlanView(sp["metadata"]["name"], spec.get("role", ""), st.get("phase") or "",
+                    tuple(t.get("pod") or t["instance"] for t in spec.get("targets") or []))
+
+
+async def observe(rt: Runtime, ns: str) -> tuple[list[PodView], list[dict[str, Any]]]:
+    nodes = await rt.nodes()
+    leaf = {n["metadata"]["name"]: (n["metadata"].get("labels") or {}).get(rt.settings.leaf_label, "")
+            for n in nodes}
+    raw = await rt.kube.list_pods(ns, f"{L.POOL}={L.POOL_WARM}")
+    pods = [pod_view(p, leaf) for p in raw if not (p.get("metadata") or {}).get("deletionTimestamp")]
+    # a draining pod is "drained" when release succeeds; try it every round (409 = still in flight)
+    pods = [p.__class__(**{**p.__dict__, "drained": p.draining}) if p.draining else p for p in pods]
+    return pods, await rt.kube.list_scaleplans(ns)
+
+
+async def reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) -> Result | None:
+    t0 = time.perf_counter()
+    meta = body["metadata"]
+    ns, name, gen = meta["namespace"], meta["name"], meta.get("generation")
+    try:
+        spec = ModelServiceSpec.model_validate(body.get("spec") or {})
+        problems = semantic_errors(spec, await rt.nodes(), rt.settings.gpu_resource)
+    except ValidationError as e:
+        problems = [field_errors(e)]
+    if problems:
+        msg = "; ".join(problems)
+        if rt.invalid_seen.get((ns, name)) != gen:
+            rt.invalid_seen[(ns, name)] = gen or 0
+            await rt.kube.event(ns, body, "ModelService", "Warning", "InvalidSpec", msg)
+            await rt.kube.patch_modelservice_status(ns, name, {"observedGeneration": gen, "conditions": [
+                condition("Degraded", True, "InvalidSpec", msg, gen),
+                condition("Available", False, "InvalidSpec", "spec rejected", gen),
+                condition("Progressing", False, "InvalidSpec", "spec rejected", gen)]})
+        return None
+    rt.invalid_seen.pop((ns, name), None)
+    pods, raw_plans = await observe(rt, ns)
+    plans = [plan_view(p) for p in raw_plans if (p.get("spec") or {}).get("modelServiceRef", {}).get("name") == name]
+    rt.metrics.pool_size.labels(ns).set(sum(1 for p in pods if p.model_service is None))
+
+    desired: dict[str, int] = {}
+    reasons, last = [], None
+    for role, b in role_bounds(spec).items():
+        serving = [p for p in pods if p.model_service == name and p.role == role and not p.draining]
+        ready = {p.instance: p.endpoint for p in serving if p.ready and p.endpoint}
+        loads = await (rt.prometheus.collect(list(ready)) if rt.prometheus else rt.scraper.collect(ready))  # type: ignore[union-attr]
+        snap = snapshot(loads, time.monotonic())
+        key = (ns, name, role)
+        d = decide(spec, role, len(serving), b.min, b.max, snap, rt.below_since.get(key))
+        rt.below_since[key] = d.state.below_since_s
+        if trigger == "timer" or d.desired != d.current:
+            desired[role] = d.desired
+        if d.desired != d.current:
+            rt.metrics.decisions.labels(d.policy, "up" if d.desired > d.current else "down").inc()
+            reasons.append(d.reason)
+            last = {"time": now_iso(), "policy": d.policy, "role": role, "from": d.current, "to": d.desired,
+                    "reason": d.reason[:1024], "metrics": {k: float(v) for k, v in d.metrics.items()}}
+    res = reconcile(name, spec, pods, plans, desired or None, "; ".join(reasons))
+    decided_at = time.perf_counter()
+    for action in res.actions:
+        await apply(rt, body, spec, pods, action, decided_at)
+    status: dict[str, Any] = {
+        "observedGeneration": gen,
+        "readyReplicas": sum(r.ready for r in res.roles.values()),
+        "loadingReplicas": sum(r.loading for r in res.roles.values()),
+        "selector": f"{L.MODEL_SERVICE}={name}",
+        "replicas": {role: {"desired": r.desired, "ready": r.ready, "loading": r.loading} for role, r in res.roles.items()},
+        "sources": [{"kind": "gpu", "location": p.pod_name, "node": p.node} for p in pods
+                    if p.model_service == name and p.ready],
+        "activePlan": next((p.name for p in plans if p.phase not in TERMINAL), None),
+        "conditions": [condition("Available", res.available, "ReplicasReady" if res.available else "NoReadyReplica",
+                                 ", ".join(f"{k} {v.ready}/{v.desired}" for k, v in res.roles.items()), gen),
+                       condition("Progressing", res.progressing, "Scaling" if res.progressing else "Stable",
+                                 "; ".join(res.notes) or ("scaling" if res.progressing else "at desired replicas"), gen),
+                       condition("Degraded", bool(res.notes), "PoolShort" if res.notes else "AsExpected",
+                                 "; ".join(res.notes) or "spec accepted", gen)],
+    }
+    if last:
+        status["lastDecision"] = last
+    await rt.kube.patch_modelservice_status(ns, name, status)
+    rt.metrics.reconcile.labels(trigger).observe(time.perf_counter() - t0)
+    return res
+
+
+async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods: list[PodView], action: Any,
+                decided_at: float) -> None:
+    meta = body["metadata"]
+    ns, name = meta["namespace"], meta["name"]
+    by_name = {p.pod_name: p for p in pods}
+    if isinstance(action, CreatePlan):
+        t0 = time.perf_counter()
+        try:
+            sp = plandriver.new_scaleplan(rt, body, spec, action, by_name, await rt.nodes())
+        except ValueError as e:
+            await rt.kube.event(ns, body, "ModelService", "Warning", "PlanFailed", str(e))
+            return
+        rt.metrics.plan_generation.observe(time.perf_counter() - t0)
+        created = await rt.kube.create_scaleplan(ns, sp)
+        await rt.kube.event(ns, body, "ModelService", "Normal", "ScaleUp",
+                            f"{action.role}: ScalePlan {created['metadata']['name']} binds "
+                            f"{', '.join(action.targets)} ({action.reason})")
+        # the fast path: instruct now instead of waiting for the ScalePlan daemon to start
+        await plandriver.start(rt, created, decided_at)
+    elif isinstance(action, CreatePods):
+        await rt.kube.event(ns, body, "ModelService", "Warning", "PoolEmpty",
+                            f"{action.role}: warm pool short by {action.count}; creating pods (slow path)")
+        for _ in range(action.count):
+            await rt.kube.create_pod(ns, plandriver.fallback_pod(spec, name, action.role))
+    elif isinstance(action, Drain):
+        p = by_name[action.pod]
+        if p.endpoint:
+            try:
+                await rt.engines.drain(p.endpoint)
+            except EngineError as e:
+                log.warning("%s", e)
+        try:
+            await rt.kube.patch_pod(ns, p.pod_name, drain_patch(p, now_iso()))
+        except Conflict:
+            return  # re-read next round
+        await rt.kube.event(ns, body, "ModelService", "Normal", "ScaleDown", f"draining {p.pod_name}")
+    elif isinstance(action, Release):
+        p = by_name[action.pod]
+        if p.endpoint:
+            try:
+                await rt.engines.release(p.endpoint)
+            except EngineError as e:
+                if e.status == 409:
+                    return  # requests still in flight: try again next round
+                log.warning("%s", e)
+        try:
+            await rt.kube.patch_pod(ns, p.pod_name, unbind_patch(p))
+        except (Conflict, NotFound):
+            return
+        await rt.kube.event(ns, body, "ModelService", "Normal", "Released", f"{p.pod_name} returned to the pool")
+
+
+def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
+    reg = kopf.OperatorRegistry()
+    op_settings = settings  # kopf passes its own `settings` to the startup handler
+    ms = dict(group=GROUP, version=VERSION, plural="modelservices", registry=reg)
+    splan = dict(group=GROUP, version=VERSION, plural="scaleplans", registry=reg)
+
+    @kopf.on.startup(registry=reg)
+    async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+        settings.persistence.finalizer = L.FINALIZER
+        settings.posting.level = logging.WARNING
+        settings.watching.server_timeout = 60
+        s = op_settings
+        kube = await Kube.connect()
+        token = s.engine_token or "unset"
+        if not s.engine_token:
+            for ns in s.namespaces or ["default"]:
+                token = await kube.secret_value(ns, s.engine_token_secret) or token
+        om = OperatorMetrics()
+        if s.metrics_port:
+            om.serve(s.metrics_port)
+        memo.rt = Runtime(s, kube, EngineClient(token, s.engine_timeout_seconds),
+                          None if s.metrics_source == "prometheus" else Scraper(s.scrape_timeout_seconds),
+                          PrometheusSource(s.prometheus_url) if s.metrics_source == "prometheus" and s.prometheus_url
+                          else None, om)
+
+    @kopf.on.login(registry=reg)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        # a custom registry has no default login handlers: in-cluster service account, else KUBECONFIG
+        return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+    @kopf.on.cleanup(registry=reg)
+    async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+        if getattr(memo, "rt", None):
+            await memo.rt.close()
+
+    @kopf.on.resume(**ms)
+    @kopf.on.create(**ms)
+    @kopf.on.update(**ms)
+    async def on_service(body: kopf.Body, memo: kopf.Memo, reason: str, **_: Any) -> None:
+        await reconcile_service(memo.rt, dict(body), str(reason))
+
+    @kopf.timer(**ms, interval=settings.interval_seconds, sharp=True)
+    async def on_tick(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+        await reconcile_service(memo.rt, dict(body), "timer")
+
+    @kopf.on.delete(**ms)
+    async def on_delete(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+        await plandriver.release_all(memo.rt, dict(body))
+
+    @kopf.daemon(**splan, cancellation_timeout=2.0,
+                 when=lambda status, **_: (status or {}).get("phase") not in TERMINAL)
+    async def drive_plan(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_: Any) -> None:
+        await plandriver.drive(memo.rt, dict(body), stopped)
+
+    return reg

@@ -1,0 +1,147 @@
+"""The only module that talks to the Kubernetes API (kubernetes_asyncio).
+
+Data flow: handlers / scaleplan driver -> `Kube` methods -> API server. Reads return plain dicts
+(raw JSON, no model objects: cheap at 2,000 nodes); writes use JSON merge patches. A 409 on a guarded
+patch (stale resourceVersion) becomes `Conflict`, so callers can re-read instead of double-binding.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+from kubernetes_asyncio import client, config
+from kubernetes_asyncio.client.exceptions import ApiException
+
+log = logging.getLogger(__name__)
+
+GROUP, VERSION = "kascade.io", "v1alpha1"
+MERGE = "application/merge-patch+json"
+
+
+class Conflict(RuntimeError):
+    """The object changed since it was read (HTTP 409): re-read and decide again."""
+
+
+class NotFound(RuntimeError):
+    pass
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _raise(e: ApiException, what: str) -> None:
+    if e.status == 409:
+        raise Conflict(f"{what}: {e.reason}") from None
+    if e.status == 404:
+        raise NotFound(f"{what}: not found") from None
+    raise e
+
+
+class Kube:
+    def __init__(self, api: client.ApiClient) -> None:
+        self.api = api
+        self.core = client.CoreV1Api(api)
+        self.custom = client.CustomObjectsApi(api)
+
+    @classmethod
+    async def connect(cls, kubeconfig: str | None = None) -> Kube:
+        try:
+            config.load_incluster_config()
+            cfg = None
+        except config.ConfigException:
+            cfg = client.Configuration()
+            await config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+        return cls(client.ApiClient(configuration=cfg))
+
+    async def close(self) -> None:
+        await self.api.close()
+
+    @staticmethod
+    async def _json(resp: Any) -> Any:
+        return json.loads(await resp.read())
+
+    # -- reads -----------------------------------------------------------------------------------
+    async def list_nodes(self) -> list[dict[str, Any]]:
+        doc = await self._json(await self.core.list_node(_preload_content=False))
+        return list(doc.get("items") or [])
+
+    async def list_pods(self, ns: str, selector: str = "") -> list[dict[str, Any]]:
+        resp = await self.core.list_namespaced_pod(ns, label_selector=selector, _preload_content=False)
+        return list((await self._json(resp)).get("items") or [])
+
+    async def list_scaleplans(self, ns: str) -> list[dict[str, Any]]:
+        doc = await self.custom.list_namespaced_custom_object(GROUP, VERSION, ns, "scaleplans")
+        return list(doc.get("items") or [])
+
+    async def get_scaleplan(self, ns: str, name: str) -> dict[str, Any]:
+        try:
+            return dict(await self.custom.get_namespaced_custom_object(GROUP, VERSION, ns, "scaleplans", name))
+        except ApiException as e:
+            _raise(e, f"scaleplan {ns}/{name}")
+            raise
+
+    async def secret_value(self, ns: str, name: str, key: str = "token") -> str | None:
+        try:
+            s = await self.core.read_namespaced_secret(name, ns)
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+        raw = (s.data or {}).get(key)
+        return base64.b64decode(raw).decode() if raw else None
+
+    # -- writes ----------------------------------------------------------------------------------
+    async def patch_pod(self, ns: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        try:
+            resp = await self.core.patch_namespaced_pod(name, ns, patch, _content_type=MERGE, _preload_content=False)
+        except ApiException as e:
+            _raise(e, f"pod {ns}/{name}")
+            raise
+        return dict(await self._json(resp))
+
+    async def create_pod(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
+        resp = await self.core.create_namespaced_pod(ns, body, _preload_content=False)
+        return dict(await self._json(resp))
+
+    async def create_scaleplan(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return dict(await self.custom.create_namespaced_custom_object(GROUP, VERSION, ns, "scaleplans", body))
+        except ApiException as e:
+            _raise(e, f"scaleplan {ns}/{body['metadata'].get('name')}")
+            raise
+
+    async def patch_scaleplan_status(self, ns: str, name: str, status: dict[str, Any]) -> None:
+        try:
+            await self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, ns, "scaleplans", name,
+                                                                    {"status": status}, _content_type=MERGE)
+        except ApiException as e:
+            _raise(e, f"scaleplan {ns}/{name} status")
+
+    async def patch_modelservice_status(self, ns: str, name: str, status: dict[str, Any]) -> None:
+        try:
+            await self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, ns, "modelservices", name,
+                                                                    {"status": status}, _content_type=MERGE)
+        except ApiException as e:
+            _raise(e, f"modelservice {ns}/{name} status")
+
+    async def event(self, ns: str, obj: dict[str, Any], kind: str, etype: str, reason: str, message: str) -> None:
+        """A core/v1 Event on `obj` (ModelService or ScalePlan); failures are logged, never raised."""
+        meta = obj.get("metadata") or {}
+        t = now_iso()
+        body = {"metadata": {"name": f"{meta.get('name')}.{uuid.uuid4().hex[:12]}", "namespace": ns},
+                "involvedObject": {"apiVersion": f"{GROUP}/{VERSION}", "kind": kind, "name": meta.get("name"),
+                                   "namespace": ns, "uid": meta.get("uid")},
+                "type": etype, "reason": reason, "message": message[:1024], "firstTimestamp": t, "lastTimestamp": t,
+                "eventTime": t, "count": 1, "reportingComponent": "kascade-operator",
+                "reportingInstance": "kascade-operator", "action": reason,
+                "source": {"component": "kascade-operator"}}
+        try:
+            await self.core.create_namespaced_event(ns, body, _preload_content=False)
+        except ApiException as e:
+            log.warning("event %s on %s/%s not posted: %s", reason, ns, meta.get("name"), e.reason)

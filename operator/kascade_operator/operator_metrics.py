@@ -1,0 +1,28 @@
+"""The operator's own Prometheus metrics (prometheus-client, one registry per operator instance).
+
+Data flow: handlers observe durations and counts here -> `/metrics` on `settings.metrics_port`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_FAST = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class OperatorMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.reconcile = Histogram("kascade_operator_reconcile_seconds", "ModelService reconcile latency",
+                                   ["trigger"], registry=r, buckets=_FAST)
+        self.plan_generation = Histogram("kascade_operator_plan_generation_seconds", "Planner time per ScalePlan",
+                                         registry=r, buckets=_FAST)
+        self.decisions = Counter("kascade_operator_decisions", "Scale decisions", ["policy", "direction"], registry=r)
+        self.plan_duration = Histogram("kascade_operator_plan_duration_seconds", "ScalePlan start to finish",
+                                       ["phase"], registry=r, buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300))
+        self.pool_size = Gauge("kascade_operator_pool_idle_pods", "Idle warm-pool pods", ["namespace"], registry=r)
+        self.instruct = Histogram("kascade_operator_reaction_seconds", "Decision to all targets instructed",
+                                  registry=r, buckets=_FAST)
+
+    def serve(self, port: int) -> None:
+        start_http_server(port, addr="0.0.0.0", registry=self.registry)

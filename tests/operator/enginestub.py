@@ -1,0 +1,95 @@
+"""A stand-in engine for operator tests on loopback: a real HTTP server speaking the engine control
+API (bearer token, /kascade/v1/...) and Prometheus text on /metrics, recording every control call.
+
+It is an edge input for the operator (the component under test): calls travel over real HTTP, and the
+test controls when "loading" finishes and how much load the metrics report.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+class EngineStub:
+    def __init__(self, instance: str, model: str, token: str, auto_ready: bool = True) -> None:
+        self.instance, self.model, self.token = instance, model, token
+        self.auto_ready = auto_ready  # bind/load-plan -> ready at once
+        self.phase, self.model_service, self.role = "idle", None, None
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.tokens_per_s = 0.0
+        self._t0 = time.monotonic()
+        self._lock = threading.Lock()
+        stub = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a: Any) -> None:
+                pass
+
+            def _send(self, code: int, doc: Any, ctype: str = "application/json") -> None:
+                data = doc.encode() if isinstance(doc, str) else json.dumps(doc).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                if self.path == "/metrics":
+                    self._send(200, stub.metrics_text(), "text/plain; version=0.0.4")
+                elif self._auth():
+                    if self.path.endswith("/status"):
+                        self._send(200, stub.status())
+                    else:
+                        self._send(404, {"error": {"message": "not found"}})
+
+            def do_POST(self) -> None:
+                if not self._auth():
+                    return
+                n = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(n) or b"{}")
+                verb = self.path.rsplit("/", 1)[-1]
+                with stub._lock:
+                    stub.calls.append((verb, body))
+                    if verb == "bind":
+                        stub.model_service, stub.role = body["modelService"], body["role"]
+                        stub.phase = "ready" if stub.auto_ready else "loading"
+                    elif verb == "load-plan":
+                        stub.phase = "ready" if stub.auto_ready else "loading"
+                    elif verb == "drain":
+                        stub.phase = "draining"
+                    elif verb == "release":
+                        stub.phase, stub.model_service = "idle", None
+                self._send(200, stub.status())
+
+            def _auth(self) -> bool:
+                if self.headers.get("Authorization") != f"Bearer {stub.token}":
+                    self._send(403, {"error": {"message": "bearer token rejected"}})
+                    return False
+                return True
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.endpoint = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def status(self) -> dict[str, Any]:
+        ready = self.phase == "ready"
+        return {"instance": self.instance, "model": self.model, "role": self.role, "modelService": self.model_service,
+                "phase": self.phase, "blocks": {"embed": ready, "head": ready}, "bytesReceived": 0, "ready": ready}
+
+    def metrics_text(self) -> str:
+        total = self.tokens_per_s * (time.monotonic() - self._t0)
+        return ("# TYPE kascade_input_tokens counter\n"
+                f"kascade_input_tokens_total {total}\n"
+                "# TYPE kascade_queue_length gauge\nkascade_queue_length 0\n")
+
+    def count(self, verb: str) -> int:
+        with self._lock:
+            return sum(1 for v, _ in self.calls if v == verb)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

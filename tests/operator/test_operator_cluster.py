@@ -1,0 +1,196 @@
+"""The operator as a real process (`kascade operator run`, kopf) against the real kube-apiserver, with
+KWOK GPU nodes and warm-pool pods whose engines are loopback HTTP stand-ins (enginestub)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from enginestub import EngineStub  # type: ignore[import-not-found]
+
+from kascade_devcluster.api import install_crds
+from kascade_devcluster.controlplane import ControlPlane
+
+pytestmark = pytest.mark.cluster
+TOKEN = "op-test-token"
+KASCADE = str(Path(sys.executable).with_name("kascade"))
+
+
+@pytest.fixture(scope="session")
+def crds(control_plane: ControlPlane) -> list[str]:
+    return install_crds(control_plane)
+
+
+class Op:
+    def __init__(self, cp: ControlPlane, ns: str, log: Path) -> None:
+        self.cp, self.ns, self.log = cp, ns, log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Op:
+        env = {**os.environ, "KUBECONFIG": str(self.cp.kubeconfig)}
+        out = self.log.open("ab")
+        self.proc = subprocess.Popen([KASCADE, "operator", "run", "--namespace", self.ns, "--interval", "0.2",
+                                      "--engine-token", TOKEN], env=env, stdout=out, stderr=subprocess.STDOUT)
+        return self
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@pytest.fixture
+def op(control_plane: ControlPlane, crds: list[str], namespace: str, tmp_path: Path) -> Iterator[Op]:
+    o = Op(control_plane, namespace, tmp_path / "operator.log")
+    yield o
+    o.stop()
+    print(o.log.read_text()[-4000:])
+
+
+def get(cp: ControlPlane, ns: str, *what: str) -> Any:
+    return json.loads(cp.kubectl("-n", ns, "get", *what, "-o", "json").stdout)
+
+
+def wait_for(pred: Callable[[], Any], timeout: float = 30.0, what: str = "") -> Any:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def msvc(name: str, lo: int, hi: int, upper: float = 2000, lower: float = 500) -> dict[str, Any]:
+    return {"apiVersion": "kascade.io/v1alpha1", "kind": "ModelService", "metadata": {"name": name},
+            "spec": {"model": {"name": "tiny", "source": {"path": "/models/tiny"}, "layers": 4},
+                     "engine": {"image": "kascade:dev"}, "mode": "colocated",
+                     "replicas": {"colocated": {"min": lo, "max": hi}},
+                     "scaling": {"policy": "threshold", "intervalSeconds": 0.2, "scaleDownDelaySeconds": 0.5,
+                                 "threshold": {"metric": "tokensPerSecond", "upper": upper, "lower": lower}}}}
+
+
+def pool(cp: ControlPlane, ns: str, nodes: list[str], auto_ready: bool = True) -> list[EngineStub]:
+    stubs = []
+    for i, node in enumerate(nodes):
+        s = EngineStub(f"e{i}", "tiny", TOKEN, auto_ready)
+        stubs.append(s)
+        pod = {"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": f"e{i}", "labels": {"kascade.io/pool": "warm"},
+                            "annotations": {"kascade.io/endpoint": s.endpoint,
+                                            "kascade.io/data-endpoint": f"127.0.0.1:{20000 + i}"}},
+               "spec": {"nodeName": node, "containers": [{"name": "engine", "image": "kascade:dev"}],
+                        "tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}]}}
+        cp.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(pod))
+    return stubs
+
+
+def bound(cp: ControlPlane, ns: str, svc: str) -> list[dict[str, Any]]:
+    return get(cp, ns, "pods", "-l", f"kascade.io/model-service={svc}")["items"]
+
+
+def plans(cp: ControlPlane, ns: str) -> list[dict[str, Any]]:
+    return get(cp, ns, "scaleplans")["items"]
+
+
+def events(cp: ControlPlane, ns: str) -> list[dict[str, Any]]:
+    return get(cp, ns, "events")["items"]
+
+
+def test_invalid_modelservice_degraded_with_event_naming_field(control_plane: ControlPlane, namespace: str,
+                                                               op: Op, kwok_nodes: Callable[..., list[str]]) -> None:
+    kwok_nodes(1, gpus=8)
+    op.start()
+    doc = msvc("bad", 1, 2)
+    doc["spec"]["scaling"]["policy"] = "concurrency"  # the schema allows it without the concurrency block;
+    doc["spec"]["engine"]["tp"] = 64  # and any tp up to 64: the operator must reject both
+    control_plane.kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(doc))
+
+    def degraded() -> Any:
+        st = get(control_plane, namespace, "msvc", "bad").get("status") or {}
+        return next((c for c in st.get("conditions") or [] if c["type"] == "Degraded" and c["status"] == "True"), None)
+
+    cond = wait_for(degraded, what="Degraded condition")
+    assert "spec.scaling.concurrency: required" in cond["message"], cond
+    assert "spec.engine.tp: 64 exceeds" in cond["message"], cond
+    ev = wait_for(lambda: [e for e in events(control_plane, namespace) if e["reason"] == "InvalidSpec"], what="event")
+    assert ev[0]["involvedObject"]["name"] == "bad" and "spec.scaling" in ev[0]["message"]
+
+
+def test_warm_pool_binds_min_then_scales_up_along_topology_and_back(
+        control_plane: ControlPlane, namespace: str, op: Op, kwok_nodes: Callable[..., list[str]]) -> None:
+    nodes = kwok_nodes(4, leaves=2)
+    stubs = pool(control_plane, namespace, nodes)
+    op.start()
+    control_plane.kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(msvc("svc", 1, 3)))
+    first = wait_for(lambda: [p for p in bound(control_plane, namespace, "svc")
+                              if p["metadata"]["annotations"].get("kascade.io/loaded") == "true"], what="min bound")
+    assert len(first) == 1
+    sp = wait_for(lambda: plans(control_plane, namespace), what="first plan")
+    assert sp[0]["spec"]["algorithm"] == "local"
+    assert sp[0]["metadata"]["ownerReferences"][0]["name"] == "svc"
+    src = next(s for s in stubs if s.instance == first[0]["metadata"]["name"])
+    assert src.count("bind") == 1
+
+    src.tokens_per_s = 5000.0  # 5000 tok/s on one instance > upper 2000 -> 3 instances (max)
+    up = wait_for(lambda: [p for p in plans(control_plane, namespace) if p["spec"]["algorithm"] == "chain"],
+                  what="scale-up plan")[0]
+    assert "threshold" in up["spec"]["reason"]
+    assert len(up["spec"]["targets"]) == 2
+    leaf = {n: f"leaf-{i % 2}" for i, n in enumerate(nodes)}
+    src_leaf = leaf[first[0]["spec"]["nodeName"]]
+    # the first target chosen is on the source's leaf, and every chain starts at the source
+    assert leaf[up["spec"]["targets"][0]["node"]] == src_leaf
+    assert all(c[0] == src.instance for c in up["spec"]["chains"])
+    wait_for(lambda: len([p for p in bound(control_plane, namespace, "svc")
+                          if p["metadata"]["annotations"].get("kascade.io/loaded") == "true"]) == 3, what="3 ready")
+    for t in up["spec"]["targets"]:
+        stub = next(s for s in stubs if s.instance == t["instance"])
+        assert (stub.count("bind"), stub.count("load-plan")) == (1, 1)
+    done = wait_for(lambda: get(control_plane, namespace, "splan", up["metadata"]["name"])["status"]["phase"]
+                    == "Succeeded", what="plan succeeded")
+    assert done
+    status = get(control_plane, namespace, "msvc", "svc")["status"]
+    assert status["lastDecision"]["to"] == 3
+    assert any(e["reason"] == "ScaleUp" for e in events(control_plane, namespace))
+
+    src.tokens_per_s = 0.0  # load drops: drain and release down to min, never the last copy
+    wait_for(lambda: len(bound(control_plane, namespace, "svc")) == 1, timeout=40, what="scale down to min")
+    assert sum(s.count("release") for s in stubs) == 2
+
+
+def test_operator_sigkill_mid_plan_completes_exactly_once(
+        control_plane: ControlPlane, namespace: str, op: Op, kwok_nodes: Callable[..., list[str]]) -> None:
+    nodes = kwok_nodes(3, leaves=1)
+    stubs = pool(control_plane, namespace, nodes, auto_ready=False)
+    op.start()
+    control_plane.kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(msvc("svc", 2, 3)))
+    sp = wait_for(lambda: [p for p in plans(control_plane, namespace)
+                           if (p.get("status") or {}).get("phase") == "Transferring"], what="plan transferring")[0]
+    op.kill()  # mid-plan: engines are still loading
+    for s in stubs:
+        s.auto_ready = True
+        if s.phase == "loading":
+            s.phase = "ready"
+    op.start()
+    wait_for(lambda: get(control_plane, namespace, "splan", sp["metadata"]["name"])["status"]["phase"] == "Succeeded",
+             what="plan succeeded after restart")
+    pods = bound(control_plane, namespace, "svc")
+    assert len(pods) == 2 and len(plans(control_plane, namespace)) == 1
+    assert sorted(s.count("bind") for s in stubs) == [0, 1, 1]  # each target instructed exactly once
