@@ -70,6 +70,8 @@ class TransferNode:
         self.listener: Listener | None = None
         self.bytes_in = 0
         self.refetches = 0
+        self.max_refetch_per_block = 3  # a fallback serving a bad copy must not loop forever
+        self._refetched: dict[str, int] = {}
         self.corrupt_detected = 0
         self._tasks: list[asyncio.Task[Any]] = []
         self._connected: set[str] = set()
@@ -347,6 +349,11 @@ class TransferNode:
         blocks = sorted({b for b, _ in slots if b not in self.resident}, key=self.plan.model.block_ids.index)
         if not blocks:
             return
+        for b in blocks:
+            self._refetched[b] = self._refetched.get(b, 0) + 1
+            if self._refetched[b] > self.max_refetch_per_block:
+                raise TransferFailed(f"{self.me}: block {b!r} still fails after {self.max_refetch_per_block} "
+                                     "re-fetches (every fallback serves a bad copy?)")
         self._refetching |= slots
         self.refetches += 1
         for b in blocks:  # re-fetched blocks arrive whole

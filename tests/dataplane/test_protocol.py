@@ -122,3 +122,29 @@ async def test_bad_clients_are_rejected_and_server_keeps_serving(tiny_blocks: Bl
         await target.close()
     finally:
         await source.close()
+
+
+async def test_a_fallback_with_a_bad_copy_fails_cleanly_instead_of_looping(tiny_blocks: BlockSet) -> None:
+    from dataclasses import replace
+
+    from kascade_devcluster.ports import free_ports
+    from kascade_engine.relay import TransferFailed
+
+    sp, tp = free_ports(2)
+    spec = _spec(tiny_blocks, {"s0": sp, "t0": tp})
+    bad = dict(spec.manifest)
+    bad["layer.1"] = {**bad["layer.1"], "digest": "0" * 64}  # no holder can ever match this
+    spec = replace(spec, manifest=bad)
+    transport = TcpTransport()
+    source = TransferNode(spec, "s0", transport, tiny_blocks)
+    target = TransferNode(spec, "t0", transport)
+    await source.start()
+    await target.start()
+    try:
+        with pytest.raises(TransferFailed, match="'layer.1' still fails after 3 re-fetches"):
+            await asyncio.wait_for(asyncio.gather(source.run(), target.run()), 30)
+        assert target.corrupt_detected == 4  # the push, then three re-fetches
+        assert "layer.1" not in target.resident and "layer.0" in target.resident
+    finally:
+        await target.close()
+        await source.close()
