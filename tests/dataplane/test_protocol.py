@@ -141,7 +141,7 @@ async def test_a_fallback_with_a_bad_copy_fails_cleanly_instead_of_looping(tiny_
     await source.start()
     await target.start()
     try:
-        with pytest.raises(TransferFailed, match="'layer.1' still fails after 3 re-fetches"):
+        with pytest.raises(TransferFailed, match=r"'layer\.1' still fails after 3 re-fetches"):
             await asyncio.wait_for(asyncio.gather(source.run(), target.run()), 30)
         assert target.corrupt_detected == 4  # the push, then three re-fetches
         assert "layer.1" not in target.resident and "layer.0" in target.resident
