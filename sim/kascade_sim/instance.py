@@ -38,6 +38,7 @@ class Instance:
     busy: bool = False
     batch: list[int] = field(default_factory=list)  # the prefill batch in flight ([] for decode)
     released_s: float | None = None
+    role: str = "colocated"  # colocated | prefill | decode
 
     @property
     def accepting(self) -> bool:
@@ -61,7 +62,7 @@ class Instance:
         """Pick the next iteration; return its duration (None when there is nothing to run)."""
         batch: list[int] = []
         tokens = 0
-        while self.waiting and self.n_running + len(batch) < max_batch:
+        while self.waiting and self.n_running + len(batch) < max_batch and self.role != "decode":
             r = self.waiting[0]
             need = min(inp[r] + out[r], self.kv_cap)
             if batch and (tokens + inp[r] > max_tokens):

@@ -23,6 +23,7 @@ class ScaleEvent:
     count: int
     reason: str
     predicted_load_s: float
+    role: str = "colocated"
 
 
 def percentile(sorted_vals: list[float], q: float) -> float:

@@ -24,11 +24,11 @@ from kascade_sim.hardware import Hardware, ModelSpec
 from kascade_sim.instance import Instance
 from kascade_sim.result import Result, ScaleEvent
 from kascade_sim.systems import System
-from kascade_sim.workload import Workload
+from kascade_sim.workload import Request, Workload
 
 log = logging.getLogger(__name__)
 
-ITER, ACCEPT, READY, TICK = 0, 1, 2, 3
+ITER, ACCEPT, READY, TICK, KV = 0, 1, 2, 3, 4
 
 
 @dataclass(frozen=True)
@@ -41,9 +41,17 @@ class SimConfig:
     seed: int = 0
     ttft_slo_s: float = 1.0
     tbt_slo_s: float = 0.1
+    # "disaggregated": prefill and decode instances scale separately (prefill on input tokens/s, decode
+    # on output tokens/s); KV moves prefill -> decode over the scale-out network after each prefill.
+    mode: str = "colocated"
+    decode_policy: Threshold = field(default_factory=lambda: Threshold(upper=1500.0, lower=300.0, scale_down_delay_s=5.0))
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("colocated", "disaggregated"):
+            raise ValueError(f"mode must be colocated or disaggregated, got {self.mode!r}")
 
 
-def demand_series(wl: Workload, window_s: float, tick_s: float) -> list[float]:
+def demand_series(wl: Workload, window_s: float, tick_s: float, what: str = "colocated") -> list[float]:
     """Tokens per second demanded over a sliding window, sampled every tick (policy input)."""
     out = []
     reqs = wl.requests
@@ -53,14 +61,22 @@ def demand_series(wl: Workload, window_s: float, tick_s: float) -> list[float]:
     end = wl.duration_s + tick_s
     while t <= end:
         while hi < len(reqs) and reqs[hi].arrival_s <= t:
-            acc += reqs[hi].input_tokens + reqs[hi].output_tokens
+            acc += _tokens(reqs[hi], what)
             hi += 1
         while lo < hi and reqs[lo].arrival_s <= t - window_s:
-            acc -= reqs[lo].input_tokens + reqs[lo].output_tokens
+            acc -= _tokens(reqs[lo], what)
             lo += 1
         out.append(acc / window_s)
         t += tick_s
     return out
+
+
+def _tokens(r: Request, what: str) -> int:
+    if what == "prefill":
+        return r.input_tokens
+    if what == "decode":
+        return r.output_tokens
+    return r.input_tokens + r.output_tokens
 
 
 class Simulation:
@@ -91,7 +107,10 @@ class Simulation:
         self.cache_peak = 0
         self.samples: list[tuple[float, int, int, float]] = []  # (t, gpus, host-cached copies, demand)
         self.max_instances = cfg.max_instances or hw.total_gpus // spec.tp
-        self.state = ScaleState("colocated", 0, Bounds(cfg.min_instances, self.max_instances), host_cached=True)
+        self.roles = ("colocated",) if cfg.mode == "colocated" else ("prefill", "decode")
+        self.states = {role: ScaleState(role, 0, Bounds(cfg.min_instances, self.max_instances), host_cached=True)
+                       for role in self.roles}
+        self.kv_bytes_per_s = hw.rdma_gbps * spec.tp * 1e9 / 8
 
     # ---- event plumbing
     def push(self, t: float, kind: int, obj: object) -> None:
@@ -117,14 +136,14 @@ class Simulation:
             return sum(1 for e in self.cache_expiry.values() if e > now)
         return 0
 
-    def _scale_up(self, now: float, count: int, reason: str) -> None:
+    def _scale_up(self, now: float, count: int, reason: str, role: str = "colocated") -> None:
         targets: list[Instance] = []
         for _ in range(count):
             node = self._pick_node()
             if node is None:
                 break
             self.free[node] -= self.spec.tp
-            inst = Instance(f"i{self.next_id}", node, self.spec.tp, now, self.kv_cap)
+            inst = Instance(f"i{self.next_id}", node, self.spec.tp, now, self.kv_cap, role=role)
             self.next_id += 1
             targets.append(inst)
         if not targets:
@@ -141,12 +160,14 @@ class Simulation:
             if self.sys.host_cache == "one" or not sources:
                 sources.append(PlanInstance("host:pool", self.topo.nodes[0].name, self.spec.tp, "host"))
             algo = self.sys.transfer if len(sources) > 0 else "chain"
-            plan = make_plan(self.topo, self.layout, sources, ptargets, algo, predict=False)
+            # KV flows prefill -> decode must not share links with weight transfers (source pruning).
+            kv = [(p.id, d.id) for p in serving if p.role == "prefill" for d in serving if d.role == "decode"]
+            plan = make_plan(self.topo, self.layout, sources, ptargets, algo, kv_flows=kv, predict=False)
         pred = predict(plan, self.topo)
         arrival = dict(pred.arrival)
         joint = max(min(dict(arrival[t.id])[b] for t in targets) for b in self.layout.block_ids)
         # The most loaded serving instances are the live partners (they are the overloaded ones).
-        partners = sorted(serving, key=lambda i: (-i.load, i.id))
+        partners = sorted((i for i in serving if i.role == role), key=lambda i: (-i.load, i.id))
         for k, t in enumerate(targets):
             times = sorted(now + s for _, s in arrival[t.id])
             t.block_times = times
@@ -167,18 +188,18 @@ class Simulation:
             self.push(t.accept_from_s, ACCEPT, t)
             self.push(t.ready_s, READY, t)
         self.cache_peak = max(self.cache_peak, self._host_copies(now))
-        self.events.append(ScaleEvent(now, "up", len(targets), reason, round(pred.makespan, 6)))
+        self.events.append(ScaleEvent(now, "up", len(targets), reason, round(pred.makespan, 6), role))
 
-    def _scale_down(self, now: float, count: int, reason: str) -> None:
+    def _scale_down(self, now: float, count: int, reason: str, role: str = "colocated") -> None:
         partners = {id(i.partner) for i in self.instances if i.partner is not None and i.state in ("loading", "live")}
-        cands = sorted((i for i in self.instances if i.state == "serving" and id(i) not in partners),
+        cands = sorted((i for i in self.instances if i.state == "serving" and i.role == role and id(i) not in partners),
                        key=lambda i: (i.load, -i.alloc_s, i.id))
         victims = cands[:count]
         for v in victims:
             v.state = "draining"
             self._maybe_release(v, now)
         if victims:
-            self.events.append(ScaleEvent(now, "down", len(victims), reason, 0.0))
+            self.events.append(ScaleEvent(now, "down", len(victims), reason, 0.0, role))
 
     def _maybe_release(self, inst: Instance, now: float) -> None:
         if inst.state != "draining" or not inst.idle:
@@ -191,16 +212,27 @@ class Simulation:
             self.cache_expiry[inst.node] = now + self.sys.keep_alive_s
 
     # ---- serving
-    def _route(self, r: int, now: float) -> None:
+    def _route(self, r: int, now: float, role: str = "") -> Instance:
+        role = role or self.roles[0]
         best = None
         for i in self.instances:
-            if i.accepting and (best is None or (i.load, i.state != "serving") < (best.load, best.state != "serving")):
+            if i.accepting and i.role == role and (best is None or (i.load, i.state != "serving") < (best.load, best.state != "serving")):
                 best = i
         if best is None:  # every instance is still loading: queue on the one ready first
-            best = min((i for i in self.instances if i.state == "loading"), key=lambda i: (i.accept_from_s, i.id))
+            best = min((i for i in self.instances if i.state == "loading" and i.role == role),
+                       key=lambda i: (i.accept_from_s, i.id))
+        if role == "decode":
+            return best
         best.waiting.append(r)
         self.served_by[r] = best.id
         self._kick(best, now)
+        return best
+
+    def _kv_arrived(self, r: int, now: float) -> None:
+        inst = self._route(r, now, "decode")
+        inst.kv_reserved += min(self.inp[r] + self.out[r], inst.kv_cap)
+        inst.add_running(r, self.inp[r], self.out[r])
+        self._kick(inst, now)
 
     def _kick(self, inst: Instance, now: float) -> None:
         if inst.busy or (not inst.accepting and inst.state != "draining"):
@@ -223,6 +255,10 @@ class Simulation:
                 if self.out[r] <= 1:
                     self.last[r] = now
                     inst.kv_reserved -= min(self.inp[r] + self.out[r], inst.kv_cap)
+                elif inst.role == "prefill":
+                    # The KV cache moves to a decoder; the prefiller's memory is free again.
+                    inst.kv_reserved -= min(self.inp[r] + self.out[r], inst.kv_cap)
+                    self.push(now + self.inp[r] * self.spec.kv_bytes_per_token / self.kv_bytes_per_s, KV, r)
                 else:
                     inst.add_running(r, self.inp[r], self.out[r])
             inst.batch = []
@@ -234,47 +270,55 @@ class Simulation:
         self._kick(inst, now)
 
     # ---- policy
-    def _tick(self, now: float, demand: float) -> None:
-        if self.sys.static is not None:  # fixed provisioning: only sample
-            self.samples.append((now, sum(i.gpus for i in self.instances), self._host_copies(now), demand))
-            return
-        active = [i for i in self.instances if i.state in ("loading", "live", "serving")]
-        in_flight = sum(i.load for i in self.instances)
-        self.state = ScaleState("colocated", len(active), self.state.bounds, True, self.state.below_since_s)
-        d = threshold(MetricsSnapshot(now, demand, 0.0, in_flight), self.state, self.cfg.policy)
-        self.state = d.state
-        if d.change > 0:
-            self._scale_up(now, d.change, d.reason)
-        elif d.change < 0:
-            self._scale_down(now, -d.change, d.reason)
-        gpus = sum(i.gpus for i in self.instances if i.state != "released")
-        self.samples.append((now, gpus, self._host_copies(now), demand))
+    def _policy(self, role: str) -> Threshold:
+        return self.cfg.decode_policy if role == "decode" else self.cfg.policy
 
-    def _initial(self, demand: list[float]) -> int:
+    def _tick(self, now: float, demand: dict[str, float]) -> None:
+        total = sum(demand.values())
+        if self.sys.static is None:
+            for role in self.roles:
+                active = [i for i in self.instances if i.role == role and i.state in ("loading", "live", "serving")]
+                in_flight = sum(i.load for i in self.instances if i.role == role)
+                st = self.states[role]
+                st = ScaleState(role, len(active), st.bounds, True, st.below_since_s)
+                d = threshold(MetricsSnapshot(now, demand[role], 0.0, in_flight), st, self._policy(role))
+                self.states[role] = d.state
+                if d.change > 0:
+                    self._scale_up(now, d.change, d.reason, role)
+                elif d.change < 0:
+                    self._scale_down(now, -d.change, d.reason, role)
+        gpus = sum(i.gpus for i in self.instances if i.state != "released")
+        self.samples.append((now, gpus, self._host_copies(now), total))
+
+    def _initial(self, demand: list[float], role: str) -> int:
         if self.sys.static == "peak":
             need = max(demand)
         elif self.sys.static == "average":
             need = sum(demand) / len(demand)
         else:
             need = demand[0] if demand else 0.0
-        return max(self.cfg.min_instances, min(self.max_instances, math.ceil(need / self.cfg.policy.upper - 1e-9)))
+        upper = self._policy(role).upper
+        return max(self.cfg.min_instances, min(self.max_instances, math.ceil(need / upper - 1e-9)))
 
     def run(self) -> Result:
         cfg = self.cfg
-        demand = demand_series(self.wl, cfg.window_s, cfg.tick_s)
+        demand = {role: demand_series(self.wl, cfg.window_s, cfg.tick_s, role) for role in self.roles}
         self._now = 0.0
-        for _ in range(self._initial(demand)):  # instances present before the trace starts
-            node = self._pick_node()
-            assert node is not None
-            self.free[node] -= self.spec.tp
-            inst = Instance(f"i{self.next_id}", node, self.spec.tp, 0.0, self.kv_cap, "serving", 0.0, 0.0)
-            self.next_id += 1
-            self.instances.append(inst)
-            if self.sys.host_cache == "ttl":
-                self.cache_expiry[node] = math.inf
-                self.cache_touched.add(node)
+        for role in self.roles:
+            for _ in range(self._initial(demand[role], role)):  # instances present before the trace starts
+                node = self._pick_node()
+                if node is None:
+                    raise ValueError(f"the cluster has too few GPUs for the initial {role} instances")
+                self.free[node] -= self.spec.tp
+                inst = Instance(f"i{self.next_id}", node, self.spec.tp, 0.0, self.kv_cap, "serving", 0.0, 0.0, role=role)
+                self.next_id += 1
+                self.instances.append(inst)
+                if self.sys.host_cache == "ttl":
+                    self.cache_expiry[node] = math.inf
+                    self.cache_touched.add(node)
         self.cache_peak = self._host_copies(0.0)
-        for k in range(len(demand)):
+        ticks = len(demand[self.roles[0]])
+        for k in range(ticks):
             self.push((k + 1) * cfg.tick_s, TICK, k)
         n, nxt = len(self.arr), 0
         done_ticks = 0
@@ -290,10 +334,12 @@ class Simulation:
                 self._iteration_done(obj, now)  # type: ignore[arg-type]
             elif kind == TICK:
                 k = int(obj)  # type: ignore[call-overload]
-                self._tick(now, demand[k])
+                self._tick(now, {role: demand[role][k] for role in self.roles})
                 done_ticks += 1
                 if self.progress is not None and done_ticks % 200 == 0:
                     self.progress(now)
+            elif kind == KV:
+                self._kv_arrived(int(obj), now)  # type: ignore[call-overload]
             elif kind == ACCEPT:
                 inst: Instance = obj  # type: ignore[assignment]
                 if inst.state == "loading":
