@@ -25,12 +25,13 @@ SYSTEMS = ("kascade", "serverlessllm", "allcache", "lambdascale", "static-peak",
               help="Threshold policy: tokens/s per instance that triggers a scale-up.")
 @click.option("--lower", type=click.FloatRange(0), default=2000.0, show_default=True)
 @click.option("--scale-down-delay", type=click.FloatRange(0), default=5.0, show_default=True)
+@click.option("--mode", type=click.Choice(["colocated", "disaggregated"]), default="colocated", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=Path("sim-result.json"), show_default=True)
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="Write a PNG plot here.")
 def sim(trace: str, systems: tuple[str, ...], hw_name: str, hosts: int, gpus_per_host: int, model_name: str,
         start: float, duration: float | None, rate_scale: float, upper: float, lower: float,
-        scale_down_delay: float, seed: int, out: Path, plot_path: Path | None) -> None:
+        scale_down_delay: float, mode: str, seed: int, out: Path, plot_path: Path | None) -> None:
     """Simulate TRACE (`azure:PATH`, `burstgpt:PATH` or a CSV path) on a cluster."""
     from rich.console import Console
     from rich.progress import Progress
@@ -51,7 +52,7 @@ def sim(trace: str, systems: tuple[str, ...], hw_name: str, hosts: int, gpus_per
             wl = wl.scale_rate(rate_scale)
         hw = hardware(hw_name, hosts=hosts, gpus_per_host=gpus_per_host)
         spec = model(model_name)
-        cfg = SimConfig(policy=Threshold(upper, lower, scale_down_delay), seed=seed)
+        cfg = SimConfig(policy=Threshold(upper, lower, scale_down_delay), seed=seed, mode=mode)
     except (TraceError, ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
     if not wl.requests:
