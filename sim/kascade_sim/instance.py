@@ -28,6 +28,7 @@ class Instance:
     block_times: list[float] = field(default_factory=list)  # sorted absolute arrival times
     slow: float = 1.0  # iteration-time factor while serving through a pipeline
     partner: Instance | None = None  # live: the overloaded source running the unloaded layers
+    live_share: float = 0.0  # live target: share of layer work it executes itself (ZigZag)
     debt_s: float = 0.0  # live-source: extra time owed for a partner's layers
     waiting: deque[int] = field(default_factory=deque)
     running: list[tuple[int, int]] = field(default_factory=list)  # (finish step, request)

@@ -20,6 +20,7 @@ from kascade_planner.builder import make_plan
 from kascade_planner.cost import predict
 from kascade_planner.plan import Instance as PlanInstance
 from kascade_planner.policies import Bounds, MetricsSnapshot, ScaleState, Threshold, threshold
+from kascade_planner.zigzag import PairSetting, ilp_free
 from kascade_sim.hardware import Hardware, ModelSpec
 from kascade_sim.instance import Instance
 from kascade_sim.result import Result, ScaleEvent
@@ -111,6 +112,7 @@ class Simulation:
         self.states = {role: ScaleState(role, 0, Bounds(cfg.min_instances, self.max_instances), host_cached=True)
                        for role in self.roles}
         self.kv_bytes_per_s = hw.rdma_gbps * spec.tp * 1e9 / 8
+        self._zigzag: dict[tuple[float, int], float] = {}
 
     # ---- event plumbing
     def push(self, t: float, kind: int, obj: object) -> None:
@@ -179,6 +181,7 @@ class Simulation:
             if self.sys.serving == "live" and partners:
                 t.accept_from_s = max(first_layer, now + dict(arrival[t.id])["embed"])
                 t.partner = partners[k % len(partners)]
+                t.live_share = self._live_share(t.partner, t.ready_s - now)
             elif self.sys.serving == "pipeline" and len(targets) > 1:
                 t.accept_from_s = now + joint
                 t.slow = 1.0 + self.sys.pipeline_overhead
@@ -189,6 +192,23 @@ class Simulation:
             self.push(t.ready_s, READY, t)
         self.cache_peak = max(self.cache_peak, self._host_copies(now))
         self.events.append(ScaleEvent(now, "up", len(targets), reason, round(pred.makespan, 6), role))
+
+    def _live_share(self, partner: Instance, load_s: float) -> float:
+        """Share of the layer work a loading target takes over from its partner, from the planner's
+        ILP-free ZigZag schedule of the partner's queue (load time per layer in layer computations)."""
+        c = self.spec.cost
+        batch_s = c.decode_s(max(1, partner.n_running), partner.kv_running)
+        if partner.waiting:
+            batch_s = max(batch_s, c.prefill_s(min(self.spec.max_prefill_tokens,
+                                                   sum(self.inp[r] for r in list(partner.waiting)[:16]))))
+        layers = self.spec.layers
+        ratio = (load_s / layers) / (batch_s / layers)
+        # Log-bucketed so a run reuses a handful of schedules (each costs tens of ms).
+        key = (round(math.log2(max(ratio, 1e-3)) * 4) / 4, max(1, min(12, partner.load)))
+        if key not in self._zigzag:
+            sched = ilp_free(PairSetting(layers, 2 ** key[0], key[1]))
+            self._zigzag[key] = sum(sched.target_layers) / (key[1] * layers)
+        return self._zigzag[key]
 
     def _scale_down(self, now: float, count: int, reason: str, role: str = "colocated") -> None:
         partners = {id(i.partner) for i in self.instances if i.partner is not None and i.state in ("loading", "live")}
@@ -242,7 +262,7 @@ class Simulation:
         if dur is not None:
             if inst.state == "live" and inst.partner is not None:
                 # ZigZag: the layers not yet resident run on the partner, which pays for them.
-                inst.partner.debt_s += (1.0 - inst.loaded_fraction(now)) * dur
+                inst.partner.debt_s += (1.0 - inst.live_share) * dur
             self.push(now + dur, ITER, inst)
         else:
             self._maybe_release(inst, now)
