@@ -55,12 +55,13 @@ def open_cache(path: Path | str, verify: bool = False) -> BlockSet:
         # Copy-on-write: writable views (torch.frombuffer needs them) that never modify the file.
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
     blocks = []
-    for e in header["blocks"]:
-        begin = data_start + int(e["offset"])
-        if mm is None or begin + int(e["bytes"]) > size:
-            raise CheckpointError(f"{p}: block {e['id']!r} extends past the end of the file (truncated?)")
-        block = Block(e["id"], memoryview(mm)[begin:begin + int(e["bytes"])], index_from_manifest(e), e["digest"])
+    for entry in header["blocks"]:
+        begin = data_start + int(entry["offset"])
+        if mm is None or begin + int(entry["bytes"]) > size:
+            raise CheckpointError(f"{p}: block {entry['id']!r} extends past the end of the file (truncated?)")
+        block = Block(entry["id"], memoryview(mm)[begin:begin + int(entry["bytes"])], index_from_manifest(entry),
+                      entry["digest"])
         if verify and not block.verify():
-            raise CheckpointError(f"{p}: block {e['id']!r} fails its digest")
+            raise CheckpointError(f"{p}: block {entry['id']!r} fails its digest")
         blocks.append(block)
     return BlockSet(header["model"], header.get("config", {}), blocks)

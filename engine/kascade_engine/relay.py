@@ -196,7 +196,7 @@ class TransferNode:
             return memoryview(bytearray(plen))
         size = int(self.spec.manifest[block]["bytes"])
         shard = tuple(header["shard"]) if header.get("shard") else None
-        begin, end = shard_range(size, shard)  # type: ignore[arg-type]
+        begin, end = shard_range(size, shard)
         offset = int(header["offset"])
         if not begin <= offset <= offset + plen <= end:
             raise TransportError(f"chunk of {block!r} at {offset}+{plen} outside [{begin}, {end})")
