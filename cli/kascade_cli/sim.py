@@ -28,10 +28,11 @@ SYSTEMS = ("kascade", "serverlessllm", "allcache", "lambdascale", "static-peak",
 @click.option("--mode", type=click.Choice(["colocated", "disaggregated"]), default="colocated", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=Path("sim-result.json"), show_default=True)
+@click.option("--per-request", is_flag=True, help="Include every request's arrival, TTFT and TBT in the JSON.")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="Write a PNG plot here.")
 def sim(trace: str, systems: tuple[str, ...], hw_name: str, hosts: int, gpus_per_host: int, model_name: str,
         start: float, duration: float | None, rate_scale: float, upper: float, lower: float,
-        scale_down_delay: float, mode: str, seed: int, out: Path, plot_path: Path | None) -> None:
+        scale_down_delay: float, mode: str, seed: int, out: Path, per_request: bool, plot_path: Path | None) -> None:
     """Simulate TRACE (`azure:PATH`, `burstgpt:PATH` or a CSV path) on a cluster."""
     from rich.console import Console
     from rich.progress import Progress
@@ -69,7 +70,7 @@ def sim(trace: str, systems: tuple[str, ...], hw_name: str, hosts: int, gpus_per
             bar.update(task, completed=wl.duration_s)
     doc = comparison(results, time.perf_counter() - t0)
     doc["workload"] = wl.name
-    doc["results"] = {r.system: r.to_dict() for r in results}
+    doc["results"] = {r.system: r.to_dict(per_request) for r in results}
     out.write_text(json.dumps(doc, indent=1, default=float))
     table = Table(title=f"{wl.name}: {len(wl.requests)} requests on {hw.hosts}x{hw.gpus_per_host} {hw.name}")
     for col in ("system", "TTFT mean", "p50", "p99", "TBT p99", "SLO 5x", "GPU-s", "host cache GB", "scale-ups"):

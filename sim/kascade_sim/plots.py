@@ -18,7 +18,7 @@ def plot(results: Sequence[Result], path: str | Path, bucket_s: float = 10.0) ->
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(5, 1, figsize=(9, 16))
+    fig, ax = plt.subplots(6, 1, figsize=(9, 19))
     first = results[0]
     n = int(max(first.arrival_s) // bucket_s) + 1
     rate = [0] * n
@@ -35,6 +35,14 @@ def plot(results: Sequence[Result], path: str | Path, bucket_s: float = 10.0) ->
             cnt[int(a // bucket_s)] += 1
         ax[1].plot([i * bucket_s for i in range(n) if cnt[i]], [sums[i] / cnt[i] for i in range(n) if cnt[i]],
                    label=r.system)
+        bsum = [0.0] * n
+        bcnt = [0] * n
+        for a, b in zip(r.arrival_s, r.tbt_s, strict=True):
+            if b == b:
+                bsum[int(a // bucket_s)] += b
+                bcnt[int(a // bucket_s)] += 1
+        ax[5].plot([i * bucket_s for i in range(n) if bcnt[i]], [bsum[i] / bcnt[i] for i in range(n) if bcnt[i]],
+                   label=r.system)
         tt = sorted(r.ttft_s)
         ax[2].plot(tt, [(i + 1) / len(tt) for i in range(len(tt))], label=r.system)
         tb = sorted(x for x in r.tbt_s if x == x)
@@ -49,6 +57,9 @@ def plot(results: Sequence[Result], path: str | Path, bucket_s: float = 10.0) ->
     ax[3].set_xscale("log")
     ax[4].set_ylabel("GPUs allocated")
     ax[4].set_xlabel("time (s)")
+    ax[5].set_ylabel("mean TBT (s)")
+    ax[5].set_yscale("log")
+    ax[5].set_xlabel("time of arrival (s)")
     for a in ax[1:]:
         a.legend(fontsize=7)
     fig.tight_layout()

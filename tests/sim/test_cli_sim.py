@@ -16,12 +16,15 @@ def test_sim_writes_json_and_plot(tmp_path: Path) -> None:
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     res = CliRunner().invoke(sim, [f"azure:{DATA / 'azure_code_head300.csv'}", "-s", "kascade", "-s", "serverlessllm",
                                    "--rate-scale", "4", "--hosts", "4", "--gpus-per-host", "4",
-                                   "-o", str(out), "--plot", str(png)])
+                                   "-o", str(out), "--plot", str(png), "--per-request"])
     assert res.exit_code == 0, res.output
     doc = json.loads(out.read_text())
     assert set(doc["systems"]) == {"kascade", "serverlessllm"}
     assert doc["systems"]["kascade"]["requests"] == 1200
     assert doc["ttft_mean_reduction_vs_sllm"] > 0
+    reqs = doc["results"]["kascade"]["requests"]
+    assert len(reqs) == 1200 and all(r["ttft_s"] > 0 for r in reqs)
+    assert doc["results"]["kascade"]["ttft_cdf"][-1][1] == 1.0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
