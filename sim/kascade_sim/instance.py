@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_right
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -54,12 +55,13 @@ class Instance:
         return not self.busy and not self.waiting and self.n_running == 0
 
     def loaded_fraction(self, now: float) -> float:
+        """Share of blocks resident at `now` (reported; live execution uses the ZigZag share)."""
         if not self.block_times:
             return 1.0
         return bisect_right(self.block_times, now) / len(self.block_times)
 
-    def next_iteration(self, now: float, inp: list[int], out: list[int], prefill_s: object, decode_s: object,
-                       max_tokens: int, max_batch: int) -> float | None:
+    def next_iteration(self, now: float, inp: list[int], out: list[int], prefill_s: Callable[[int], float],
+                       decode_s: Callable[[int, int], float], max_tokens: int, max_batch: int) -> float | None:
         """Pick the next iteration; return its duration (None when there is nothing to run)."""
         batch: list[int] = []
         tokens = 0
@@ -75,9 +77,9 @@ class Instance:
             batch.append(r)
             tokens += inp[r]
         if batch:
-            dur = prefill_s(tokens)  # type: ignore[operator]
+            dur = prefill_s(tokens)
         elif self.n_running:
-            dur = decode_s(self.n_running, self.kv_running)  # type: ignore[operator]
+            dur = decode_s(self.n_running, self.kv_running)
         else:
             return None
         self.batch = batch

@@ -330,9 +330,9 @@ class Simulation:
                 if node is None:
                     raise ValueError(f"the cluster has too few GPUs for the initial {role} instances")
                 self.free[node] -= self.spec.tp
-                inst = Instance(f"i{self.next_id}", node, self.spec.tp, 0.0, self.kv_cap, "serving", 0.0, 0.0, role=role)
+                first = Instance(f"i{self.next_id}", node, self.spec.tp, 0.0, self.kv_cap, "serving", 0.0, 0.0, role=role)
                 self.next_id += 1
-                self.instances.append(inst)
+                self.instances.append(first)
                 if self.sys.host_cache == "ttl":
                     self.cache_expiry[node] = math.inf
                     self.cache_touched.add(node)
