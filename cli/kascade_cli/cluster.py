@@ -22,19 +22,32 @@ def cluster() -> None:
 def up(n_nodes: int, gpus_per_node: int, leaves: int, crds: bool, state_dir: Path | None) -> None:
     """Start the control plane, create fake GPU nodes with topology labels, install the API."""
     from kascade_devcluster import nodes
-    from kascade_devcluster.api import install_crds
-    from kascade_devcluster.controlplane import ControlPlane
+    from kascade_devcluster.api import CRD_DIR, install_crds
+    from kascade_devcluster.binaries import MissingBinaries
+    from kascade_devcluster.controlplane import ControlPlane, StateError, ToolError
 
     t0 = time.monotonic()
     click.echo("starting etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok ...")
-    cp = ControlPlane.create(state_dir).start()
+    try:
+        cp = ControlPlane.create(state_dir).start()
+    except (MissingBinaries, StateError, RuntimeError, TimeoutError) as e:
+        # start() has already stopped whatever it started.
+        raise click.ClickException(str(e)) from None
     cp.detach()
-    click.echo(f"  api server ready at {cp.api_url} ({time.monotonic() - t0:.1f} s)")
-    names = nodes.create_nodes(cp, nodes.topology_specs(n_nodes, gpus_per_node, leaves), "cluster-up")
-    click.echo(f"  {len(names)} fake GPU nodes Ready ({gpus_per_node} GPUs each, {leaves} leaves)")
-    if crds:
-        installed = install_crds(cp)
-        click.echo(f"  CRDs established: {', '.join(installed)}")
+    click.echo(f"  api server ready at {cp.api_url} ({time.monotonic() - t0:.1f} s); logs in {cp.state_dir / 'logs'}")
+    try:
+        click.echo(f"  creating {n_nodes} fake GPU nodes ...")
+        names = nodes.create_nodes(cp, nodes.topology_specs(n_nodes, gpus_per_node, leaves), "cluster-up")
+        click.echo(f"  {len(names)} fake GPU nodes Ready ({gpus_per_node} GPUs each, {leaves} leaves) "
+                   f"({time.monotonic() - t0:.1f} s)")
+        if crds and any(CRD_DIR.glob("*.yaml")):
+            installed = install_crds(cp)
+            click.echo(f"  CRDs established: {', '.join(installed)} ({time.monotonic() - t0:.1f} s)")
+        elif crds:
+            click.echo(f"  no CRDs in {CRD_DIR}: skipped")
+    except ToolError as e:
+        # The control plane keeps running so the failure can be inspected; say how to stop it.
+        raise click.ClickException(f"{e}\n(the control plane is still running: `kascade cluster down`)") from None
     click.echo(f"done in {time.monotonic() - t0:.1f} s.\n  export KUBECONFIG={cp.kubeconfig}\n"
                f"  {cp.bin_dir / 'kubectl'} get nodes -L kascade.io/leaf")
 

@@ -45,6 +45,8 @@ class ControlPlane:
     api_port: int = 0
     token: str = ""
     pids: dict[str, int] = field(default_factory=dict)
+    # Kernel start time per component: with the PID it identifies the process (PIDs get reused).
+    starts: dict[str, int] = field(default_factory=dict)
 
     @property
     def api_url(self) -> str:
@@ -135,7 +137,7 @@ class ControlPlane:
         for name in ("kwok", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd"):
             pid = self.pids.pop(name, None)
             if pid is not None:
-                processes.stop(pid)
+                processes.stop(pid, started=self.starts.pop(name, None))
         (self.state_dir / STATE_FILE).unlink(missing_ok=True)
 
     def detach(self) -> None:
@@ -170,7 +172,9 @@ class ControlPlane:
             raise StateError(f"{path}: not valid JSON ({e}); remove it after stopping stray processes") from None
         try:
             pids = {str(k): int(v) for k, v in data["pids"].items()}
-            return cls(Path(data["state_dir"]), Path(data["bin_dir"]), int(data["api_port"]), str(data["token"]), pids)
+            starts = {str(k): int(v) for k, v in data.get("starts", {}).items()}
+            return cls(Path(data["state_dir"]), Path(data["bin_dir"]), int(data["api_port"]), str(data["token"]),
+                       pids, starts)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise StateError(f"{path}: malformed state, field {e!s}") from None
 
@@ -182,7 +186,7 @@ class ControlPlane:
         return self._tool("helm", args, check, None)
 
     def running(self) -> dict[str, bool]:
-        return {n: processes.alive(p) for n, p in self.pids.items()}
+        return {n: processes.alive(p, self.starts.get(n)) for n, p in self.pids.items()}
 
     def _tool(self, tool: str, args: tuple[str, ...], check: bool, input: str | None) -> subprocess.CompletedProcess[str]:
         proc = subprocess.run([str(self.bin_dir / tool), f"--kubeconfig={self.kubeconfig}", *args],
@@ -192,7 +196,10 @@ class ControlPlane:
         return proc
 
     def _spawn(self, name: str, argv: list[str], logs: Path) -> None:
-        self.pids[name] = processes.start(name, argv, logs).pid
+        proc = processes.start(name, argv, logs)
+        self.pids[name] = proc.pid
+        if proc.started is not None:
+            self.starts[name] = proc.started
 
     def _wait(self, name: str, ready: object, timeout: float) -> None:
         deadline = time.monotonic() + timeout

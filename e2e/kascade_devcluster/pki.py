@@ -2,6 +2,8 @@
 
 Data flow: a directory -> CA, apiserver serving cert (SANs 127.0.0.1, localhost), service-account
 key pair, and a static token file whose admin token is in system:masters. Nothing leaves the directory.
+The CA and serving keys are ECDSA P-256 (instant to generate; RSA-2048 cost ~0.7 s each, a third of
+start-up on 2 busy cores); the service-account key stays RSA, the algorithm every client expects.
 """
 
 from __future__ import annotations
@@ -37,16 +39,17 @@ def make_pki(directory: Path, extra_tokens: dict[str, str] | None = None) -> Pki
     d.mkdir(parents=True, exist_ok=True)
     p = Pki(d, d / "ca.crt", d / "ca.key", d / "apiserver.crt", d / "apiserver.key",
             d / "sa.key", d / "sa.pub", d / "tokens.csv", admin_token="")
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1")
     if not p.ca_cert.exists():
-        _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
+        _openssl("req", "-x509", *ec, "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
                  "-days", "3650", "-subj", "/CN=kascade-local-ca", cwd=d)
     if not p.server_cert.exists():
         (d / "san.cnf").write_text(
             "[req]\ndistinguished_name=dn\n[dn]\n[ext]\n"
             "subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default\n"
-            "keyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n"
+            "keyUsage=digitalSignature\nextendedKeyUsage=serverAuth\n"
         )
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "apiserver.key", "-out", "apiserver.csr",
+        _openssl("req", *ec, "-nodes", "-keyout", "apiserver.key", "-out", "apiserver.csr",
                  "-subj", "/CN=kube-apiserver", cwd=d)
         _openssl("x509", "-req", "-in", "apiserver.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
                  "-CAcreateserial", "-out", "apiserver.crt", "-days", "3650", "-extfile", "san.cnf",

@@ -2,6 +2,11 @@
 
 Each component runs in its own session so a stop reaches any children it spawned. Processes started
 in this interpreter are also stopped at interpreter exit as a safety net.
+
+A PID alone is not an identity: a state file can outlive a reboot and its PIDs be reused by unrelated
+processes. Callers that reattach by PID also pass the kernel start time (`start_time`), and a PID whose
+start time differs counts as gone, so it is never signalled. Zombies count as gone too (an orphan is
+reaped by init, which may be slow or, in some containers, never happen).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ class Proc:
     name: str
     pid: int
     log: Path
+    started: int | None  # kernel start time (clock ticks since boot), None off Linux
 
 
 def start(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None) -> Proc:
@@ -35,10 +41,25 @@ def start(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None 
                              start_new_session=True, env={**os.environ, **(env or {})})
     _started.add(p.pid)
     log.info("started %s pid=%d (log %s)", name, p.pid, log_path)
-    return Proc(name, p.pid, log_path)
+    return Proc(name, p.pid, log_path, start_time(p.pid))
 
 
-def alive(pid: int) -> bool:
+def _stat(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name (which may hold spaces), or None."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return raw[raw.rindex(")") + 2:].split()
+
+
+def start_time(pid: int) -> int | None:
+    fields = _stat(pid)
+    return int(fields[19]) if fields else None  # field 22 of stat(5); index 0 here is field 3
+
+
+def alive(pid: int, started: int | None = None) -> bool:
+    """True if `pid` runs (not a zombie) and, when `started` is given, is the process started then."""
     try:
         # Reap if it is our child and already exited, so a zombie does not look alive.
         done, _ = os.waitpid(pid, os.WNOHANG)
@@ -52,13 +73,21 @@ def alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    fields = _stat(pid)
+    if fields is None:
+        return True  # no /proc (not Linux): kill(0) is all we know
+    if fields[0] in ("Z", "X"):
+        return False
+    return started is None or int(fields[19]) == started
 
 
-def stop(pid: int, timeout: float = 10.0) -> None:
-    """SIGTERM the process group, SIGKILL after `timeout`; returns once the process is gone."""
+def stop(pid: int, timeout: float = 10.0, started: int | None = None) -> None:
+    """SIGTERM the process group, SIGKILL after `timeout`; returns once the process is gone.
+
+    With `started`, a PID that now belongs to another process is left alone.
+    """
     _started.discard(pid)
-    if not alive(pid):
+    if not alive(pid, started):
         return
     for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
         try:
@@ -69,7 +98,7 @@ def stop(pid: int, timeout: float = 10.0) -> None:
             os.kill(pid, sig)
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
-            if not alive(pid):
+            if not alive(pid, started):
                 return
             time.sleep(0.05)
     raise RuntimeError(f"process {pid} survived SIGKILL")

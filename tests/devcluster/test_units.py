@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
+from kascade_devcluster import processes
 from kascade_devcluster.controlplane import ControlPlane, StateError
 from kascade_devcluster.kubeconfig import kubeconfig_text
 from kascade_devcluster.nodes import KWOK_KEY, node_manifest, topology_specs
+from kascade_devcluster.pki import make_pki
 from kascade_devcluster.ports import free_ports
 
 
@@ -83,3 +87,70 @@ def test_start_refuses_on_corrupt_state(tmp_path: Path) -> None:
     (tmp_path / "state.json").write_text("{}")
     with pytest.raises(StateError, match="remove it to start afresh"):
         ControlPlane(tmp_path, tmp_path).start()
+
+
+def _sleeper() -> subprocess.Popen[bytes]:
+    return subprocess.Popen(["sleep", "30"], start_new_session=True)
+
+
+def test_reused_pid_is_not_ours_and_never_signalled(tmp_path: Path) -> None:
+    """A state file whose PID now belongs to another process (reboot, PID reuse) must not kill it."""
+    other = _sleeper()
+    try:
+        real = processes.start_time(other.pid)
+        assert real is not None
+        assert processes.alive(other.pid, real)
+        assert not processes.alive(other.pid, real + 1)
+        ControlPlane(tmp_path, tmp_path, 1, "t", {"etcd": other.pid}, {"etcd": real + 1}).save()
+        stale = ControlPlane.load(tmp_path)
+        assert stale.running() == {"etcd": False}
+        stale.stop()
+        assert other.poll() is None  # still running: stop() left the stranger alone
+        assert not (tmp_path / "state.json").exists()
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_state_with_matching_start_time_stops_the_process(tmp_path: Path) -> None:
+    ours = _sleeper()
+    started = processes.start_time(ours.pid)
+    assert started is not None
+    ControlPlane(tmp_path, tmp_path, 1, "t", {"etcd": ours.pid}, {"etcd": started}).save()
+    cp = ControlPlane.load(tmp_path)
+    assert cp.running() == {"etcd": True}
+    cp.stop()  # stop() reaps its own child, so only absence can be checked, not the signal
+    assert not Path(f"/proc/{ours.pid}").exists()
+    ours.wait(timeout=5)
+
+
+def test_zombie_counts_as_dead() -> None:
+    # `sleep 0` becomes a child of `sleep 30` (after exec), which never reaps it: a zombie we cannot reap.
+    parent = subprocess.Popen(["sh", "-c", "sleep 0 & echo $!; exec sleep 30"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        zombie = int(parent.stdout.readline())
+        deadline = time.monotonic() + 5
+        while Path(f"/proc/{zombie}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline, "child never became a zombie"
+            time.sleep(0.02)
+        assert not processes.alive(zombie)
+        assert processes.alive(parent.pid)
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+def test_pki_server_cert_chains_to_ca_with_loopback_sans(tmp_path: Path) -> None:
+    pki = make_pki(tmp_path / "pki", extra_tokens={"operator": "op-tok"})
+    verify = subprocess.run(["openssl", "verify", "-CAfile", str(pki.ca_cert), str(pki.server_cert)],
+                            capture_output=True, text=True)
+    assert verify.returncode == 0, verify.stderr
+    text = subprocess.run(["openssl", "x509", "-in", str(pki.server_cert), "-noout", "-ext", "subjectAltName"],
+                          capture_output=True, text=True, check=True).stdout
+    assert "IP Address:127.0.0.1" in text and "DNS:localhost" in text
+    lines = pki.tokens_csv.read_text().splitlines()
+    assert lines[0] == f'{pki.admin_token},admin,admin-uid,"system:masters"'
+    assert lines[1] == "op-tok,operator,uid-0"  # no group: RBAC decides what it may do
+    assert len(pki.admin_token) == 32
+    assert make_pki(tmp_path / "pki").admin_token == pki.admin_token  # reused, not regenerated
