@@ -6,8 +6,6 @@ kascade_operator.handlers.build_registry -> kopf.run against the cluster of KUBE
 
 from __future__ import annotations
 
-import logging
-
 import click
 
 
@@ -24,18 +22,15 @@ def operator() -> None:
 @click.option("--prometheus-url", help="Prometheus base URL (with --metrics-source prometheus)")
 @click.option("--engine-token", envvar="KASCADE_ENGINE_TOKEN", help="bearer token for the engine control API")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), help="serve the operator's /metrics here (0 = off)")
-@click.option("-v", "--verbose", is_flag=True)
 def run(namespaces: tuple[str, ...], interval: float | None, pool_size: int | None, metrics_source: str | None,
-        prometheus_url: str | None, engine_token: str | None, metrics_port: int | None, verbose: bool) -> None:
-    """Reconcile ModelServices and ScalePlans until interrupted."""
+        prometheus_url: str | None, engine_token: str | None, metrics_port: int | None) -> None:
+    """Reconcile ModelServices and ScalePlans until interrupted (`kascade -v operator run` logs decisions)."""
     import kopf
     from pydantic import ValidationError
 
     from kascade_operator.handlers import build_registry
     from kascade_operator.settings import OperatorSettings
 
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = {k: v for k, v in {"namespaces": list(namespaces) or None, "interval_seconds": interval,
                                    "pool_size": pool_size, "metrics_source": metrics_source,
                                    "prometheus_url": prometheus_url, "engine_token": engine_token,

@@ -78,6 +78,14 @@ async def observe(rt: Runtime, ns: str) -> tuple[list[PodView], list[dict[str, A
 
 
 async def reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) -> Result | None:
+    # kopf runs timers and change handlers of one object concurrently: one reconcile at a time per
+    # ModelService, or two rounds would both see "no plan yet" and create two ScalePlans.
+    meta = body["metadata"]
+    async with rt.lock(meta["namespace"], "modelservice/" + meta["name"]):
+        return await _reconcile_service(rt, body, trigger)
+
+
+async def _reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) -> Result | None:
     t0 = time.perf_counter()
     meta = body["metadata"]
     ns, name, gen = meta["namespace"], meta["name"], meta.get("generation")
@@ -108,6 +116,7 @@ async def reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) -> 
         ready = {p.instance: p.endpoint for p in serving if p.ready and p.endpoint}
         loads = await (rt.prometheus.collect(list(ready)) if rt.prometheus else rt.scraper.collect(ready))  # type: ignore[union-attr]
         snap = snapshot(loads, time.monotonic())
+        log.info("%s/%s %s: %d ready scraped, %.0f in tok/s", ns, name, role, len(loads), snap.input_tokens_per_s)
         key = (ns, name, role)
         d = decide(spec, role, len(serving), b.min, b.max, snap, rt.below_since.get(key))
         rt.below_since[key] = d.state.below_since_s
@@ -116,6 +125,7 @@ async def reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) -> 
         if d.desired != d.current:
             rt.metrics.decisions.labels(d.policy, "up" if d.desired > d.current else "down").inc()
             reasons.append(d.reason)
+            log.info("%s/%s decision %s %d -> %d: %s", ns, name, role, d.current, d.desired, d.reason)
             last = {"time": now_iso(), "policy": d.policy, "role": role, "from": d.current, "to": d.desired,
                     "reason": d.reason[:1024], "metrics": {k: float(v) for k, v in d.metrics.items()}}
     res = reconcile(name, spec, pods, plans, desired or None, "; ".join(reasons))

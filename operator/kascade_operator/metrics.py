@@ -59,13 +59,13 @@ def parse_engine_metrics(text: str, time_s: float) -> InstanceSample:
     values: dict[str, float] = {}
     try:
         for fam in text_string_to_metric_families(text):
-            field = _GAUGES.get(fam.name) or _COUNTERS.get(fam.name)
-            if field is None:
-                continue
-            for s in fam.samples:
-                # counters expose `<name>_total` (and `_created`, which is not a value)
-                if s.name in (fam.name, fam.name + "_total"):
-                    values[field] = values.get(field, 0.0) + float(s.value)
+            for smp in fam.samples:
+                # counters appear as `<name>_total` (typed or, when the TYPE line names another family,
+                # untyped); `_created` is a timestamp, not a value
+                base = smp.name[:-6] if smp.name.endswith("_total") else smp.name
+                field = _GAUGES.get(base) or _COUNTERS.get(base)
+                if field is not None:
+                    values[field] = values.get(field, 0.0) + float(smp.value)
     except ValueError as e:
         raise MetricsError(f"malformed Prometheus text: {e}") from None
     return InstanceSample(time_s, **values)

@@ -20,8 +20,7 @@ class EngineStub:
         self.auto_ready = auto_ready  # bind/load-plan -> ready at once
         self.phase, self.model_service, self.role = "idle", None, None
         self.calls: list[tuple[str, dict[str, Any]]] = []
-        self.tokens_per_s = 0.0
-        self._t0 = time.monotonic()
+        self._rate, self._total, self._t = 0.0, 0.0, time.monotonic()
         self._lock = threading.Lock()
         stub = self
 
@@ -80,8 +79,26 @@ class EngineStub:
         return {"instance": self.instance, "model": self.model, "role": self.role, "modelService": self.model_service,
                 "phase": self.phase, "blocks": {"embed": ready, "head": ready}, "bytesReceived": 0, "ready": ready}
 
+    def _advance(self) -> float:
+        now = time.monotonic()
+        self._total += self._rate * (now - self._t)
+        self._t = now
+        return self._total
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self._rate
+
+    @tokens_per_s.setter
+    def tokens_per_s(self, rate: float) -> None:
+        """Load from now on (the counter keeps what it counted so far)."""
+        with self._lock:
+            self._advance()
+            self._rate = rate
+
     def metrics_text(self) -> str:
-        total = self.tokens_per_s * (time.monotonic() - self._t0)
+        with self._lock:
+            total = self._advance()
         return ("# TYPE kascade_input_tokens counter\n"
                 f"kascade_input_tokens_total {total}\n"
                 "# TYPE kascade_queue_length gauge\nkascade_queue_length 0\n")

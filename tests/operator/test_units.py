@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from builders import pod  # type: ignore[import-not-found]
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from pydantic import ValidationError
 
 from kascade_operator import labels as L
@@ -34,6 +35,17 @@ other_metric 99
 def test_parse_engine_metrics_reads_counters_and_gauges() -> None:
     s = parse_engine_metrics(TEXT, 10.0)
     assert (s.input_tokens, s.output_tokens, s.queue_length, s.running, s.kv_usage) == (1200, 300, 3, 2, 0.25)
+
+
+def test_parse_what_prometheus_client_generates() -> None:
+    r = CollectorRegistry()
+    Counter("kascade_input_tokens", "x", registry=r).inc(42)
+    Gauge("kascade_queue_length", "x", ["shard"], registry=r).labels("a").set(2)
+    Gauge("kascade_queue_length_other", "x", registry=r).set(7)  # a different metric: ignored
+    s = parse_engine_metrics(generate_latest(r).decode(), 1.0)
+    assert (s.input_tokens, s.queue_length) == (42, 2)
+    untyped = parse_engine_metrics("# TYPE kascade_input_tokens counter\nkascade_input_tokens_total 5\n", 1.0)
+    assert untyped.input_tokens == 5
 
 
 def test_parse_rejects_malformed_text() -> None:
