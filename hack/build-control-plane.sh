@@ -29,35 +29,39 @@ esac
 mkdir -p "$BIN" "$WORK"
 have() { [ -x "$BIN/$1" ]; }
 
-if ! have kube-apiserver || ! have kube-controller-manager || ! have kube-scheduler; then
-  log "building kube-apiserver, kube-controller-manager, kube-scheduler $K8S_VERSION (cold: ~10 min on 2 cores)"
-  d=$WORK/k8s-$K8S_VERSION; rm -rf "$d"; mkdir -p "$d"; cd "$d"
-  minor=$(echo "$K8S_VERSION" | cut -d. -f2)
-  gomod_go="1.$((minor - 10)).0"
-  cat > go.mod <<GOMOD
-module local/kascade-k8s-builder
+# A builder module that depends on k8s.io/kubernetes. Its published go.mod requires the staging modules
+# at v0.0.0 and replaces them locally; replaces in a dependency are ignored, so pin every staging
+# module to the matching v0.Y.Z ourselves. Idempotent: kubectl reuses it after a partial cache.
+minor=$(echo "$K8S_VERSION" | cut -d. -f2)
+V=k8s.io/component-base/version
+k8s_ldflags="-s -w -X $V.gitVersion=$K8S_VERSION -X $V.gitMajor=1 -X $V.gitMinor=$minor -X $V.gitTreeState=clean"
+K8S_BUILDER=$WORK/k8s-$K8S_VERSION
+k8s_builder() {  # not via $(...): errexit does not reach into command substitutions
+  local d=$K8S_BUILDER
+  if [ ! -f "$d/.ready" ]; then
+    rm -rf "$d"; mkdir -p "$d"
+    (cd "$d"
+     printf 'module local/kascade-k8s-builder\n\ngo 1.%d.0\ngodebug default=go1.%d\n' $((minor - 10)) $((minor - 10)) > go.mod
+     gomodfile=$(go mod download -json "k8s.io/kubernetes@$K8S_VERSION" | python3 -c 'import json,sys;print(json.load(sys.stdin)["GoMod"])')
+     for m in $(sed -n 's#^[[:space:]]*\(k8s.io/[a-z0-9-]*\) => \./staging/.*#\1#p' "$gomodfile"); do
+       go mod edit -replace="$m=$m@v0.${K8S_VERSION#v1.}"
+     done
+     go mod edit -require="k8s.io/kubernetes@$K8S_VERSION"
+     go get -tool "k8s.io/kubernetes/cmd/kube-apiserver@$K8S_VERSION" \
+                  "k8s.io/kubernetes/cmd/kube-controller-manager@$K8S_VERSION" \
+                  "k8s.io/kubernetes/cmd/kube-scheduler@$K8S_VERSION" \
+                  "k8s.io/kubernetes/cmd/kubectl@$K8S_VERSION"
+     touch .ready)
+  fi
+}
 
-go $gomod_go
-godebug default=go1.$((minor - 10))
-GOMOD
-  # k8s.io/kubernetes requires its staging modules at v0.0.0 and replaces them locally; replaces in a
-  # dependency are ignored, so pin every staging module to the matching v0.Y.Z ourselves.
-  gomodfile=$(go mod download -json "k8s.io/kubernetes@$K8S_VERSION" | python3 -c 'import json,sys;print(json.load(sys.stdin)["GoMod"])')
-  for m in $(sed -n 's#^[[:space:]]*\(k8s.io/[a-z0-9-]*\) => \./staging/.*#\1#p' "$gomodfile"); do
-    go mod edit -replace="$m=$m@v0.${K8S_VERSION#v1.}"
-  done
-  go mod edit -require="k8s.io/kubernetes@$K8S_VERSION"
-  go get -tool "k8s.io/kubernetes/cmd/kube-apiserver@$K8S_VERSION" \
-               "k8s.io/kubernetes/cmd/kube-controller-manager@$K8S_VERSION" \
-               "k8s.io/kubernetes/cmd/kube-scheduler@$K8S_VERSION"
-  V=k8s.io/component-base/version
-  ldf="-s -w -X $V.gitVersion=$K8S_VERSION -X $V.gitMajor=1 -X $V.gitMinor=$minor -X $V.gitTreeState=clean"
-  for c in kube-apiserver kube-controller-manager kube-scheduler; do
-    have $c && continue
-    log "go build $c"
-    go build -trimpath -ldflags "$ldf" -o "$BIN/$c.tmp" "k8s.io/kubernetes/cmd/$c" && mv "$BIN/$c.tmp" "$BIN/$c"
-  done
-fi
+for c in kube-apiserver kube-controller-manager kube-scheduler kubectl; do
+  have $c && continue
+  k8s_builder
+  log "go build $c $K8S_VERSION (cold kube-apiserver: ~8 min on 2 cores)"
+  (cd "$K8S_BUILDER" && go build -trimpath -ldflags "$k8s_ldflags" -o "$BIN/$c.tmp" "k8s.io/kubernetes/cmd/$c")
+  mv "$BIN/$c.tmp" "$BIN/$c"
+done
 
 if ! have etcd; then
   log "building etcd $ETCD_VERSION"
@@ -88,19 +92,6 @@ fi
 if ! have helm; then
   log "building helm $HELM_VERSION"
   GOBIN=$BIN go install "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
-fi
-
-if ! have kubectl; then
-  log "building kubectl $K8S_VERSION"
-  d=$WORK/kubectl-$K8S_VERSION; rm -rf "$d"; mkdir -p "$d"; cd "$d"
-  go mod init local/kascade-kubectl-builder >/dev/null 2>&1
-  go get -tool "k8s.io/kubectl@v0.${K8S_VERSION#v1.}" 2>/dev/null || true
-  minor=$(echo "$K8S_VERSION" | cut -d. -f2)
-  V=k8s.io/component-base/version
-  GOBIN=$BIN go install -trimpath -ldflags "-s -w -X $V.gitVersion=$K8S_VERSION -X $V.gitMajor=1 -X $V.gitMinor=$minor" \
-    "k8s.io/kubernetes/cmd/kubectl@$K8S_VERSION" 2>/dev/null \
-  || (cd "$WORK/k8s-$K8S_VERSION" && go get -tool "k8s.io/kubernetes/cmd/kubectl@$K8S_VERSION" && \
-      go build -trimpath -ldflags "-s -w -X $V.gitVersion=$K8S_VERSION -X $V.gitMajor=1 -X $V.gitMinor=$minor" -o "$BIN/kubectl" k8s.io/kubernetes/cmd/kubectl)
 fi
 
 ln -sfn "$BIN" "$CACHE/bin/current"   # what the test fixtures and `kascade cluster` use

@@ -124,6 +124,11 @@ class ControlPlane:
                     "--node-lease-duration-seconds=40", f"--server-address=127.0.0.1:{kwok_port}",
                     "--cidr=10.0.0.1/16", "--node-ip=10.0.0.1",
                 ], logs)
+                self._wait("kwok", lambda: _http_ok(f"http://127.0.0.1:{kwok_port}/healthz"), timeout)
+            # kcm and the scheduler serve no health port here (--secure-port=0): at least catch a crash
+            # at start (bad flag, apiserver refused) instead of hanging the first test that needs them.
+            for name in self.pids:
+                self._wait(name, lambda: True, timeout)
             self.save()
         except BaseException:
             self.stop()

@@ -83,3 +83,31 @@ def test_stop_leaves_no_processes(tmp_path: Path) -> None:
     cp.stop()
     assert not any(processes.alive(p) for p in pids.values())
     assert not (tmp_path / "state.json").exists()
+
+
+def test_component_crash_at_start_is_reported_and_nothing_leaks(tmp_path: Path) -> None:
+    try:
+        real = bin_dir()
+    except MissingBinaries as e:
+        unavailable(str(e))
+    bins = tmp_path / "bin"
+    bins.mkdir()
+    (bins / "etcd").symlink_to(real / "etcd")
+    (bins / "kube-apiserver").write_text("#!/bin/sh\necho 'E0101 bad flag --etcd-servers' >&2\nexit 1\n")
+    (bins / "kube-apiserver").chmod(0o755)
+    cp = ControlPlane(tmp_path / "state", bins)
+    with pytest.raises(RuntimeError, match="kube-apiserver exited during start-up") as e:
+        cp.start(scheduling=False, kwok=False, timeout=20)
+    assert "bad flag --etcd-servers" in str(e.value)  # the log tail travels with the error
+    assert cp.pids == {}
+    etcd_procs = [p for p in Path("/proc").glob("[0-9]*")
+                  if _cmdline(p).startswith(str(bins / "etcd")) or str(tmp_path) in _cmdline(p)]
+    assert etcd_procs == []
+    assert not (tmp_path / "state" / "state.json").exists()
+
+
+def _cmdline(proc_dir: Path) -> str:
+    try:
+        return (proc_dir / "cmdline").read_text().replace("\0", " ")
+    except OSError:
+        return ""
