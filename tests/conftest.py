@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import pytest
 
@@ -31,13 +32,19 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlP
 
 @pytest.fixture
 def kwok_nodes(control_plane: ControlPlane) -> Iterator[Callable[..., list[str]]]:
-    """Factory: make_nodes(n, gpus=8, leaves=2) -> names of Ready fake GPU nodes (deleted after the test)."""
+    """Factory: make_nodes(n, gpus=8, leaves=2) -> names of Ready fake GPU nodes (deleted after the test).
+
+    Nodes spread round-robin over `leaves` leaf switches, one scale-up domain each; `leaf=` puts them
+    all under one named leaf, `domain=` puts them all in one scale-up (NVLink) domain.
+    """
     sets: list[str] = []
 
-    def make_nodes(n: int, gpus: int = 8, leaves: int = 2, nic_gbps: int = 100) -> list[str]:
+    def make_nodes(n: int, gpus: int = 8, leaves: int = 2, nic_gbps: int = 100, *,
+                   leaf: str | None = None, domain: str | None = None) -> list[str]:
         fake_set = f"t{next(_counter)}"
         sets.append(fake_set)
         specs = nodes.topology_specs(n, gpus, leaves, prefix=f"gpu-{fake_set}", nic_gbps=nic_gbps)
+        specs = [replace(s, leaf=leaf or s.leaf, domain=domain or s.domain) for s in specs]
         return nodes.create_nodes(control_plane, specs, fake_set)
 
     yield make_nodes

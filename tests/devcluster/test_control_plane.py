@@ -33,7 +33,19 @@ def test_kwok_nodes_ready_with_topology(control_plane: ControlPlane, kwok_nodes:
         ready = {c["type"]: c["status"] for c in node["status"]["conditions"]}["Ready"]
         assert ready == "True"
         assert node["status"]["allocatable"]["nvidia.com/gpu"] == "4"
-        assert node["metadata"]["labels"]["kascade.io/leaf"] in {"leaf-0", "leaf-1"}
+    labels = {i["metadata"]["name"]: i["metadata"]["labels"] for i in items}
+    assert sorted(v["kascade.io/leaf"] for v in labels.values()) == ["leaf-0", "leaf-0", "leaf-1"]
+    assert len({v["kascade.io/scaleup-domain"] for v in labels.values()}) == 3  # one NVLink domain per node
+    assert {v["kascade.io/nic-gbps"] for v in labels.values()} == {"100"}
+
+
+def test_kwok_nodes_in_one_named_leaf_and_domain(control_plane: ControlPlane,
+                                                 kwok_nodes: Callable[..., list[str]]) -> None:
+    names = kwok_nodes(2, gpus=4, leaf="leaf-7", domain="nvl-0")
+    got = control_plane.kubectl("get", "nodes", *names, "-o",
+                                "jsonpath={range .items[*]}{.metadata.labels.kascade\\.io/leaf} "
+                                "{.metadata.labels.kascade\\.io/scaleup-domain}{'\\n'}{end}").stdout
+    assert got.split("\n")[:2] == ["leaf-7 nvl-0"] * 2
 
 
 def _pod(name: str, ns: str, gpus: int) -> dict[str, object]:
