@@ -29,7 +29,7 @@ def up(n_nodes: int, gpus_per_node: int, leaves: int, crds: bool, state_dir: Pat
     t0 = time.monotonic()
     click.echo("starting etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok ...")
     try:
-        cp = ControlPlane.create(state_dir).start()
+        cp = ControlPlane.create(state_dir).start(detachable=True)
     except (MissingBinaries, StateError, RuntimeError, TimeoutError) as e:
         # start() has already stopped whatever it started.
         raise click.ClickException(str(e)) from None

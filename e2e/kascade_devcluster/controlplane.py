@@ -47,6 +47,7 @@ class ControlPlane:
     pids: dict[str, int] = field(default_factory=dict)
     # Kernel start time per component: with the PID it identifies the process (PIDs get reused).
     starts: dict[str, int] = field(default_factory=dict)
+    _detachable: bool = field(default=False, repr=False, compare=False)
 
     @property
     def api_url(self) -> str:
@@ -65,8 +66,12 @@ class ControlPlane:
     def create(cls, state_dir: Path | None = None, bin_dir: Path | None = None) -> ControlPlane:
         return cls(state_dir or default_state_dir(), bin_dir or find_bin_dir())
 
-    def start(self, scheduling: bool = True, kwok: bool = True, timeout: float = 60.0) -> ControlPlane:
+    def start(self, scheduling: bool = True, kwok: bool = True, timeout: float = 60.0,
+              detachable: bool = False) -> ControlPlane:
+        """Start and wait until ready. Unless `detachable`, the components die with this interpreter
+        even when it is killed (tests); `kascade cluster up` passes True and then calls detach()."""
         t0 = time.monotonic()
+        self._detachable = detachable
         if (self.state_dir / STATE_FILE).exists():
             self._clear_stale_state()
         for sub in ("etcd", "logs"):
@@ -147,6 +152,8 @@ class ControlPlane:
 
     def detach(self) -> None:
         """Keep the components running after this process exits (`kascade cluster up`)."""
+        if not self._detachable:
+            raise RuntimeError("started with detachable=False: the components die with this process")
         for pid in self.pids.values():
             processes.detach(pid)
 
@@ -164,6 +171,7 @@ class ControlPlane:
     # -- state file ------------------------------------------------------------------------
     def save(self) -> None:
         data = {**asdict(self), "state_dir": str(self.state_dir), "bin_dir": str(self.bin_dir)}
+        data.pop("_detachable")
         (self.state_dir / STATE_FILE).write_text(json.dumps(data, indent=2))
 
     @classmethod
@@ -201,7 +209,7 @@ class ControlPlane:
         return proc
 
     def _spawn(self, name: str, argv: list[str], logs: Path) -> None:
-        proc = processes.start(name, argv, logs)
+        proc = processes.start(name, argv, logs, die_with_parent=not self._detachable)
         self.pids[name] = proc.pid
         if proc.started is not None:
             self.starts[name] = proc.started

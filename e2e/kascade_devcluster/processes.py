@@ -7,16 +7,21 @@ A PID alone is not an identity: a state file can outlive a reboot and its PIDs b
 processes. Callers that reattach by PID also pass the kernel start time (`start_time`), and a PID whose
 start time differs counts as gone, so it is never signalled. Zombies count as gone too (an orphan is
 reaped by init, which may be slow or, in some containers, never happen).
+
+atexit does not run when the interpreter is killed (SIGKILL, or SIGTERM from `timeout`), so children
+that must not outlive it are started with `die_with_parent` (Linux PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import logging
 import os
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,12 +38,23 @@ class Proc:
     started: int | None  # kernel start time (clock ticks since boot), None off Linux
 
 
-def start(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None) -> Proc:
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def start(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None,
+          die_with_parent: bool = False) -> Proc:
+    """Start `argv` in its own session, output to `log_dir/name.log`.
+
+    `die_with_parent`: the kernel sends SIGTERM when this interpreter dies, however it dies.
+    """
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
+    pre = _die_with_parent if die_with_parent and sys.platform == "linux" else None
     with open(log_path, "ab") as out:
         p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             start_new_session=True, env={**os.environ, **(env or {})})
+                             start_new_session=True, env={**os.environ, **(env or {})}, preexec_fn=pre)
     _started.add(p.pid)
     log.info("started %s pid=%d (log %s)", name, p.pid, log_path)
     return Proc(name, p.pid, log_path, start_time(p.pid))

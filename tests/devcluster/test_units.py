@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -154,3 +155,24 @@ def test_pki_server_cert_chains_to_ca_with_loopback_sans(tmp_path: Path) -> None
     assert lines[1] == "op-tok,operator,uid-0"  # no group: RBAC decides what it may do
     assert len(pki.admin_token) == 32
     assert make_pki(tmp_path / "pki").admin_token == pki.admin_token  # reused, not regenerated
+
+
+@pytest.mark.parametrize("die_with_parent", [True, False])
+def test_children_die_with_a_killed_interpreter(tmp_path: Path, die_with_parent: bool) -> None:
+    """SIGKILL skips atexit; die_with_parent still takes the children down (and only then)."""
+    code = ("import sys, time; from pathlib import Path; from kascade_devcluster import processes; "
+            f"p = processes.start('sleeper', ['sleep', '30'], Path(sys.argv[1]), die_with_parent={die_with_parent}); "
+            "print(p.pid, p.started, flush=True); time.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    pid, started = (int(x) for x in parent.stdout.readline().split())
+    try:
+        assert processes.alive(pid, started)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 5
+        while processes.alive(pid, started) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert processes.alive(pid, started) is (not die_with_parent)
+    finally:
+        processes.stop(pid, timeout=2, started=started)
