@@ -148,3 +148,36 @@ async def test_a_fallback_with_a_bad_copy_fails_cleanly_instead_of_looping(tiny_
     finally:
         await target.close()
         await source.close()
+
+
+async def test_ucx_same_host_uses_worker_address_fast_path() -> None:
+    try:
+        from kascade_engine.transport_ucx import FAST_MIN, UcxTransport
+    except ImportError as e:
+        from kascade_devcluster.requirement import unavailable
+
+        unavailable(f"ucxx not importable: {e}")
+    got: asyncio.Queue[tuple[dict[str, object], bytes, bool]] = asyncio.Queue()
+
+    async def handler(conn: object) -> None:
+        for _ in range(2):
+            header, plen = await conn.recv_header(timeout=10)  # type: ignore[attr-defined]
+            buf = bytearray(plen)
+            await conn.recv_into(memoryview(buf), timeout=10)  # type: ignore[attr-defined]
+            await got.put((header, bytes(buf), conn.fast_ep is not None))  # type: ignore[attr-defined]
+
+    transport = UcxTransport(fast_path=True)
+    listener = await transport.listen("127.0.0.1", 0, handler)
+    conn = await transport.connect("127.0.0.1", listener.port)
+    try:
+        assert conn.fast_ep is not None  # type: ignore[attr-defined]  # same kernel, same netns
+        big = secrets.token_bytes(FAST_MIN * 4)
+        await conn.send({"op": "chunk", "n": 1}, big)  # over the worker-address endpoint
+        await conn.send({"op": "chunk", "n": 2}, b"small")  # small payloads stay on the listener endpoint
+        h1, p1, fast1 = await asyncio.wait_for(got.get(), 10)
+        h2, p2, _ = await asyncio.wait_for(got.get(), 10)
+        assert (h1, p1, fast1) == ({"op": "chunk", "n": 1}, big, True)  # the tag never leaks into headers
+        assert (h2, p2) == ({"op": "chunk", "n": 2}, b"small")
+    finally:
+        await conn.close()
+        await listener.close()
