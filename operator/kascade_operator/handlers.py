@@ -60,6 +60,18 @@ def condition(ctype: str, ok: bool, reason: str, message: str, gen: int | None) 
             "lastTransitionTime": now_iso(), "observedGeneration": gen}
 
 
+def keep_transition_times(new: list[dict[str, Any]], old: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A condition whose status did not change keeps its lastTransitionTime (and so compares equal)."""
+    prev = {c.get("type"): c for c in old}
+    out = []
+    for c in new:
+        p = prev.get(c["type"])
+        if p and p.get("status") == c["status"]:
+            c = {**c, "lastTransitionTime": p.get("lastTransitionTime", c["lastTransitionTime"])}
+        out.append(c)
+    return out
+
+
 def plan_view(sp: dict[str, Any]) -> PlanView:
     spec, st = sp.get("spec") or {}, sp.get("status") or {}
     return PlanView(sp["metadata"]["name"], spec.get("role", ""), st.get("phase") or "",
@@ -150,7 +162,12 @@ async def _reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) ->
     }
     if last:
         status["lastDecision"] = last
-    await rt.kube.patch_modelservice_status(ns, name, status)
+    old = body.get("status") or {}
+    status["conditions"] = keep_transition_times(status["conditions"], old.get("conditions") or [])
+    if any(old.get(k) != v for k, v in status.items()):
+        # unchanged status is not written: at a sub-second interval every write is a watch event for
+        # every ModelService watcher, and the API server is the record, not the fast path
+        await rt.kube.patch_modelservice_status(ns, name, status)
     rt.metrics.reconcile.labels(trigger).observe(time.perf_counter() - t0)
     return res
 

@@ -19,7 +19,7 @@ class EngineStub:
         self.instance, self.model, self.token = instance, model, token
         self.auto_ready = auto_ready  # bind/load-plan -> ready at once
         self.phase, self.model_service, self.role = "idle", None, None
-        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.calls: list[tuple[str, dict[str, Any], float]] = []  # (verb, body, monotonic time)
         self._rate, self._total, self._t = 0.0, 0.0, time.monotonic()
         self._lock = threading.Lock()
         stub = self
@@ -52,7 +52,7 @@ class EngineStub:
                 body = json.loads(self.rfile.read(n) or b"{}")
                 verb = self.path.rsplit("/", 1)[-1]
                 with stub._lock:
-                    stub.calls.append((verb, body))
+                    stub.calls.append((verb, body, time.monotonic()))
                     if verb == "bind":
                         stub.model_service, stub.role = body["modelService"], body["role"]
                         stub.phase = "ready" if stub.auto_ready else "loading"
@@ -105,7 +105,7 @@ class EngineStub:
 
     def count(self, verb: str) -> int:
         with self._lock:
-            return sum(1 for v, _ in self.calls if v == verb)
+            return sum(1 for v, _, _ in self.calls if v == verb)
 
     def close(self) -> None:
         self.server.shutdown()

@@ -149,23 +149,30 @@ def test_warm_pool_binds_min_then_scales_up_along_topology_and_back(
     assert src.count("bind") == 1
 
     src.tokens_per_s = 5000.0  # 5000 tok/s on one instance > upper 2000 -> 3 instances (max)
-    up = wait_for(lambda: [p for p in plans(control_plane, namespace) if p["spec"]["algorithm"] == "chain"],
-                  what="scale-up plan")[0]
-    assert "threshold" in up["spec"]["reason"]
-    assert len(up["spec"]["targets"]) == 2
-    leaf = {n: f"leaf-{i % 2}" for i, n in enumerate(nodes)}
-    src_leaf = leaf[first[0]["spec"]["nodeName"]]
-    # the leaf-local idle pod is among the targets, and every chain starts at the source
-    assert src_leaf in {leaf[t["node"]] for t in up["spec"]["targets"]}
-    assert all(c[0] == src.instance for c in up["spec"]["chains"])
+    # the measured rate may ramp through 2 first (threshold scales in steps): one or two chain plans
     wait_for(lambda: len([p for p in bound(control_plane, namespace, "svc")
                           if p["metadata"]["annotations"].get("kascade.io/loaded") == "true"]) == 3, what="3 ready")
-    for t in up["spec"]["targets"]:
+    # the first chain plan is the one whose only source is the min replica (timestamps have 1 s resolution)
+    ups = sorted((p for p in plans(control_plane, namespace) if p["spec"]["algorithm"] == "chain"),
+                 key=lambda p: len(p["spec"]["sources"]))
+    assert 1 <= len(ups) <= 2 and all("threshold" in p["spec"]["reason"] for p in ups)
+    targets = [t for p in ups for t in p["spec"]["targets"]]
+    assert len(targets) == 2 and len({t["pod"] for t in targets}) == 2  # no pod bound twice
+    leaf = {n: f"leaf-{i % 2}" for i, n in enumerate(nodes)}
+    src_leaf = leaf[first[0]["spec"]["nodeName"]]
+    # the leaf-local idle pod is picked first, and every chain starts at a ready source
+    assert src_leaf in {leaf[t["node"]] for t in ups[0]["spec"]["targets"]}
+    for p in ups:
+        assert all(c[0] in {s["instance"] for s in p["spec"]["sources"]} for c in p["spec"]["chains"])
+    assert ups[0]["spec"]["chains"][0][0] == src.instance
+    for t in targets:
         stub = next(s for s in stubs if s.instance == t["instance"])
-        assert (stub.count("bind"), stub.count("load-plan")) == (1, 1)
-    done = wait_for(lambda: get(control_plane, namespace, "splan", up["metadata"]["name"])["status"]["phase"]
-                    == "Succeeded", what="plan succeeded")
-    assert done
+        as_source = sum(t["instance"] in {s["instance"] for s in p["spec"]["sources"]} for p in ups)
+        # bound once; told each plan once: as a target, then as a source of a later plan
+        assert (stub.count("bind"), stub.count("load-plan")) == (1, 1 + as_source)
+    for p in ups:
+        wait_for(lambda p=p: get(control_plane, namespace, "splan", p["metadata"]["name"])["status"]["phase"]
+                 == "Succeeded", what="plan succeeded")
     status = get(control_plane, namespace, "msvc", "svc")["status"]
     assert status["lastDecision"]["to"] == 3
     assert any(e["reason"] == "ScaleUp" for e in events(control_plane, namespace))

@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""Operator benchmark on the real API server: reaction time from a metric crossing the policy's upper
+bound to every scale-up target instructed over the engine control API.
+
+Set-up: a private local control plane (kube-apiserver + etcd + KWOK), fake GPU nodes with topology
+labels, warm-pool pods whose engines are loopback HTTP stand-ins (tests/operator/enginestub.py, real
+HTTP), and `kascade operator run` as a separate process. Per round, one ModelService at min=1 gets a
+load burst on its bound engine; reaction = last target's `bind` call time - time the load was raised
+(both on this host's monotonic clock). Writes bench/results/operator.json. `--quick`: < 1 minute.
+The scale run (2,000 nodes, 200 ModelServices) is not implemented yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from report import report
+
+from kascade_devcluster import nodes as devnodes
+from kascade_devcluster.api import install_crds
+from kascade_devcluster.controlplane import ControlPlane
+
+REPO = Path(__file__).resolve().parents[1]
+TOKEN = "bench-token"
+
+
+def _stub_module() -> Any:
+    spec = importlib.util.spec_from_file_location("enginestub", REPO / "tests/operator/enginestub.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _kubectl_json(cp: ControlPlane, *args: str) -> Any:
+    return json.loads(cp.kubectl(*args, "-o", "json").stdout)
+
+
+def _wait(pred: Any, timeout: float, what: str) -> Any:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.01)
+    raise SystemExit(f"timed out waiting for {what}")
+
+
+def run(rounds: int, interval: float) -> dict[str, float | str]:
+    stub_mod = _stub_module()
+    with tempfile.TemporaryDirectory(prefix="kascade-bench-op-") as tmp:
+        cp = ControlPlane.create(Path(tmp) / "cp").start()
+        proc = None
+        stubs: list[Any] = []
+        try:
+            install_crds(cp)
+            ns = "bench"
+            cp.kubectl("create", "namespace", ns)
+            names = devnodes.create_nodes(cp, devnodes.topology_specs(8, 8, 2, prefix="bench-gpu"), "bench")
+            by_pod = {}
+            for i in range(2 * rounds):
+                s = stub_mod.EngineStub(f"e{i}", "tiny", TOKEN)
+                stubs.append(s)
+                by_pod[f"e{i}"] = s
+                pod = {"apiVersion": "v1", "kind": "Pod",
+                       "metadata": {"name": f"e{i}", "labels": {"kascade.io/pool": "warm"},
+                                    "annotations": {"kascade.io/endpoint": s.endpoint,
+                                                    "kascade.io/data-endpoint": f"127.0.0.1:{21000 + i}"}},
+                       "spec": {"nodeName": names[i % len(names)], "containers": [{"name": "e", "image": "x"}],
+                                "tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists"}]}}
+                cp.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(pod))
+            env = {**os.environ, "KUBECONFIG": str(cp.kubeconfig)}
+            log = open("/tmp/kascade-bench-operator.log", "wb")  # noqa: SIM115 - lives as long as the run
+            proc = subprocess.Popen([str(Path(sys.executable).with_name("kascade")), "operator", "run",
+                                     "--namespace", ns, "--interval", str(interval), "--engine-token", TOKEN],
+                                    env=env, stdout=log, stderr=subprocess.STDOUT)
+            reactions = []
+            for r in range(rounds):
+                name = f"svc{r}"
+                doc = {"apiVersion": "kascade.io/v1alpha1", "kind": "ModelService", "metadata": {"name": name},
+                       "spec": {"model": {"name": "tiny", "source": {"path": "/m"}, "layers": 4},
+                                "engine": {"image": "x"}, "replicas": {"colocated": {"min": 1, "max": 2}},
+                                "scaling": {"policy": "threshold", "intervalSeconds": interval,
+                                            "threshold": {"upper": 1000, "lower": 10}}}}
+                cp.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(doc))
+                first = _wait(lambda n=name: [p for p in _kubectl_json(cp, "-n", ns, "get", "pods", "-l",
+                                                                       f"kascade.io/model-service={n}")["items"]
+                                              if (p["metadata"].get("annotations") or {}).get("kascade.io/loaded")],
+                              60, f"{name} min replica")
+                src = by_pod[first[0]["metadata"]["name"]]
+                time.sleep(2 * interval)  # one scrape at zero load first, so the rate starts from a baseline
+                t_cross = time.monotonic()
+                src.tokens_per_s = 5000.0
+
+                def new_binds(t0: float = t_cross) -> list[float]:
+                    return [t for s in stubs for v, _, t in list(s.calls) if v == "bind" and t >= t0]
+
+                t_done = max(_wait(new_binds, 30, f"{name} scale-up"))  # 1 -> 2: one target
+                reactions.append((t_done - t_cross) * 1000)
+                src.tokens_per_s = 100.0  # within bounds: stays at 2
+                print(f"round {r}: reaction {reactions[-1]:.1f} ms", flush=True)
+            rs = sorted(reactions)
+            return {"reaction_ms_p50": statistics.median(rs),
+                    "reaction_ms_p99": rs[min(len(rs) - 1, int(0.99 * len(rs)))],
+                    "reaction_rounds": float(len(rs)), "metric_interval_ms": interval * 1000,
+                    "note": "reaction includes up to one metric interval of scrape delay"}
+        finally:
+            if proc:
+                proc.terminate()
+                proc.wait(15)
+            for s in stubs:
+                s.close()
+            cp.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="few rounds (< 1 minute)")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--interval", type=float, default=0.1, help="operator metric interval (s)")
+    a = ap.parse_args()
+    out = run(4 if a.quick else a.rounds, a.interval)
+    report("operator", out, {"reaction_ms_p99": ("<=", 300.0)})
+
+
+if __name__ == "__main__":
+    main()
