@@ -81,7 +81,7 @@ def run(rounds: int, interval: float) -> dict[str, float | str]:
                 cp.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(pod))
             env = {**os.environ, "KUBECONFIG": str(cp.kubeconfig)}
             log = open("/tmp/kascade-bench-operator.log", "wb")  # noqa: SIM115 - lives as long as the run
-            proc = subprocess.Popen([str(Path(sys.executable).with_name("kascade")), "operator", "run",
+            proc = subprocess.Popen([str(Path(sys.executable).with_name("kascade")), "-v", "operator", "run",
                                      "--namespace", ns, "--interval", str(interval), "--engine-token", TOKEN],
                                     env=env, stdout=log, stderr=subprocess.STDOUT)
             reactions = []

@@ -126,10 +126,14 @@ async def _reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) ->
     for role, b in role_bounds(spec).items():
         serving = [p for p in pods if p.model_service == name and p.role == role and not p.draining]
         ready = {p.instance: p.endpoint for p in serving if p.ready and p.endpoint}
-        loads = await (rt.prometheus.collect(list(ready)) if rt.prometheus else rt.scraper.collect(ready))  # type: ignore[union-attr]
-        snap = snapshot(loads, time.monotonic())
-        log.info("%s/%s %s: %d ready scraped, %.0f in tok/s", ns, name, role, len(loads), snap.input_tokens_per_s)
         key = (ns, name, role)
+        if rt.prometheus is not None:
+            loads = await rt.prometheus.collect([p.pod_name for p in serving if p.ready])
+        else:
+            assert rt.scraper is not None
+            loads = await rt.scraper.collect(ready, key)
+        snap = snapshot(loads, time.monotonic())
+        log.debug("%s/%s %s: %d ready scraped, %.0f in tok/s", ns, name, role, len(loads), snap.input_tokens_per_s)
         d = decide(spec, role, len(serving), b.min, b.max, snap, rt.below_since.get(key))
         rt.below_since[key] = d.state.below_since_s
         if trigger == "timer" or d.desired != d.current:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -110,24 +110,27 @@ class Scraper:
 
     def __init__(self, timeout_s: float = 0.5, client: httpx.AsyncClient | None = None) -> None:
         self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s))
-        self.rates = RateTracker()
+        # one tracker per group (a ModelService role): forgetting the instances a group no longer has
+        # must not wipe another group's previous samples
+        self.rates: dict[Hashable, RateTracker] = {}
 
     async def aclose(self) -> None:
         await self._client.aclose()
 
-    async def _one(self, instance: str, endpoint: str) -> InstanceLoad | None:
+    async def _one(self, rates: RateTracker, instance: str, endpoint: str) -> InstanceLoad | None:
         try:
             r = await self._client.get(f"http://{endpoint}/metrics")
             r.raise_for_status()
-            return self.rates.update(instance, parse_engine_metrics(r.text, time.monotonic()))
+            return rates.update(instance, parse_engine_metrics(r.text, time.monotonic()))
         except (httpx.HTTPError, MetricsError) as e:
             log.warning("scrape of %s (%s) failed: %s", instance, endpoint, e)
             return None
 
-    async def collect(self, endpoints: Mapping[str, str]) -> list[InstanceLoad]:
-        """Loads of the instances that answered (a failed scrape is logged and left out)."""
-        got = await asyncio.gather(*(self._one(i, ep) for i, ep in endpoints.items()))
-        self.rates.forget(endpoints)
+    async def collect(self, endpoints: Mapping[str, str], group: Hashable = None) -> list[InstanceLoad]:
+        """Loads of the group's instances that answered (a failed scrape is logged and left out)."""
+        rates = self.rates.setdefault(group, RateTracker())
+        got = await asyncio.gather(*(self._one(rates, i, ep) for i, ep in endpoints.items()))
+        rates.forget(endpoints)
         return [x for x in got if x is not None]
 
 
