@@ -3,6 +3,8 @@ progress, settings validation."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from builders import pod  # type: ignore[import-not-found]
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -149,3 +151,24 @@ def test_settings_errors_name_the_variable(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("KASCADE_OPERATOR_INTERVAL_SECONDS", "0.001")
     with pytest.raises(ValidationError, match="interval_seconds"):
         OperatorSettings()
+
+
+async def test_scraper_keeps_rates_per_group() -> None:
+    """Scraping service B between two scrapes of service A must not reset A's rate (a real bug)."""
+    from enginestub import EngineStub  # type: ignore[import-not-found]
+
+    from kascade_operator.metrics import Scraper
+
+    a, b = EngineStub("a", "m", "t"), EngineStub("b", "m", "t")
+    a.tokens_per_s = 1000.0
+    scraper = Scraper(timeout_s=2.0)
+    try:
+        await scraper.collect({"a": a.endpoint}, "A")
+        await scraper.collect({"b": b.endpoint}, "B")
+        await asyncio.sleep(0.2)
+        (load,) = await scraper.collect({"a": a.endpoint}, "A")
+        assert 500 < load.input_tokens_per_s < 2000
+    finally:
+        await scraper.aclose()
+        a.close()
+        b.close()
