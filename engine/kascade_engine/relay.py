@@ -167,6 +167,7 @@ class TransferNode:
                     await asyncio.gather(*verifying)
                     if not pull and self._missing_from(peer, flow_shard) - self._refetching:
                         raise TransportError(f"{peer} ended its stream before sending every block")
+                    await _close_handshake(conn, self.spec.timeout_s, sent_end=False)
                     return True
                 block = str(header.get("block"))
                 if block not in self.slot_count:
@@ -296,6 +297,7 @@ class TransferNode:
                 if rate and len(payload):  # test-only throttle to make transfers observable
                     await asyncio.sleep(max(0.0, len(payload) / rate - (time.monotonic() - t0)))
             await conn.send({"op": "end"})
+            await _close_handshake(conn, self.spec.timeout_s, sent_end=True)
             await conn.close()
         except TransportError as e:
             d.alive = False
@@ -394,3 +396,17 @@ class TransferNode:
                                 have.data[off:off + self.spec.chunk_bytes])
             await conn.send({"op": "commit", "block": have.id, "shard": None})
         await conn.send({"op": "end"})
+        await _close_handshake(conn, self.spec.timeout_s, sent_end=True)
+
+
+async def _close_handshake(conn: Connection, timeout: float, sent_end: bool) -> None:
+    """Close a stream without losing its tail: UCX may drop messages still in flight when an endpoint
+    closes, so the side that sent `end` waits for the reader's `bye` before closing, and the reader,
+    after its `bye`, waits (briefly) for the sender to close first. Failures here change nothing: every
+    block was already committed or will be re-fetched."""
+    with contextlib.suppress(TransportError, TimeoutError):
+        if sent_end:
+            await conn.recv_header(timeout=timeout)  # the reader's bye (or its close)
+        else:
+            await conn.send({"op": "bye"})
+            await conn.recv_header(timeout=min(timeout, 2.0))  # returns once the sender has closed

