@@ -201,7 +201,9 @@ class TransferNode:
         offset = int(header["offset"])
         if not begin <= offset <= offset + plen <= end:
             raise TransportError(f"chunk of {block!r} at {offset}+{plen} outside [{begin}, {end})")
-        buf = self.buffers.setdefault(block, bytearray(size))
+        buf = self.buffers.get(block)
+        if buf is None:  # (not setdefault: that would allocate a whole block per chunk)
+            buf = self.buffers[block] = bytearray(size)
         return memoryview(buf)[offset:offset + plen]
 
     def _on_chunk(self, block: str, shard: tuple[int, int] | None, offset: int, payload: memoryview) -> None:
