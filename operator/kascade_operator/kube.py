@@ -117,18 +117,17 @@ class Kube:
             raise
 
     async def patch_scaleplan_status(self, ns: str, name: str, status: dict[str, Any]) -> None:
-        try:
-            await self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, ns, "scaleplans", name,
-                                                                    {"status": status}, _content_type=MERGE)
-        except ApiException as e:
-            _raise(e, f"scaleplan {ns}/{name} status")
+        await self._patch_status("scaleplans", ns, name, status)
 
     async def patch_modelservice_status(self, ns: str, name: str, status: dict[str, Any]) -> None:
+        await self._patch_status("modelservices", ns, name, status)
+
+    async def _patch_status(self, plural: str, ns: str, name: str, status: dict[str, Any]) -> None:
         try:
-            await self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, ns, "modelservices", name,
+            await self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, ns, plural, name,
                                                                     {"status": status}, _content_type=MERGE)
         except ApiException as e:
-            _raise(e, f"modelservice {ns}/{name} status")
+            _raise(e, f"{plural[:-1]} {ns}/{name} status")
 
     async def event(self, ns: str, obj: dict[str, Any], kind: str, etype: str, reason: str, message: str) -> None:
         """A core/v1 Event on `obj` (ModelService or ScalePlan); failures are logged, never raised."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import math
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -87,6 +88,23 @@ def _int_field(path: Path, line: int, name: str, raw: str) -> int:
     return v
 
 
+def _csv_rows(path: Path, header: list[str], exact: bool) -> Iterator[tuple[int, list[str]]]:
+    """Non-empty data rows with their line numbers, after checking the header (all of it, or its first
+    columns when `exact` is False); a row of another width is an error naming the line."""
+    with path.open(newline="") as fh:
+        reader = csv.reader(fh)
+        got = next(reader, None)
+        seen = [h.strip() for h in (got or [])]
+        if got is None or (seen if exact else seen[: len(header)]) != header:
+            raise TraceError(f"{path}:1: expected header {','.join(header)}, got {got!r}")
+        for row in reader:
+            if not row:
+                continue
+            if len(row) != len(header):
+                raise TraceError(f"{path}:{reader.line_num}: expected {len(header)} fields, got {len(row)}")
+            yield reader.line_num, row
+
+
 def _finish(name: str, rows: list[tuple[float, int, int]], path: Path) -> Workload:
     if not rows:
         raise TraceError(f"{path}: no requests")
@@ -99,25 +117,15 @@ def read_azure(path: str | Path) -> Workload:
     """Azure LLM inference trace 2023 (code or conv)."""
     p = Path(path)
     rows: list[tuple[float, int, int]] = []
-    with p.open(newline="") as fh:
-        reader = csv.reader(fh)
-        header = next(reader, None)
-        if header is None or [h.strip() for h in header[:3]] != ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]:
-            raise TraceError(f"{p}:1: expected header TIMESTAMP,ContextTokens,GeneratedTokens, got {header!r}")
-        for row in reader:
-            line = reader.line_num
-            if not row:
-                continue
-            if len(row) != 3:
-                raise TraceError(f"{p}:{line}: expected 3 fields, got {len(row)}")
-            ts = row[0].strip()
-            try:
-                # 7 fractional digits: datetime takes at most 6.
-                base, _, frac = ts.partition(".")
-                t = datetime.strptime(base, "%Y-%m-%d %H:%M:%S").replace(tzinfo=UTC).timestamp() + (float("0." + frac) if frac else 0.0)
-            except ValueError:
-                raise TraceError(f"{p}:{line}: field 'TIMESTAMP' is not 'YYYY-MM-DD HH:MM:SS.fff', got {ts!r}") from None
-            rows.append((t, _int_field(p, line, "ContextTokens", row[1]), _int_field(p, line, "GeneratedTokens", row[2])))
+    for line, row in _csv_rows(p, ["TIMESTAMP", "ContextTokens", "GeneratedTokens"], exact=False):
+        ts = row[0].strip()
+        try:
+            # 7 fractional digits: datetime takes at most 6.
+            base, _, frac = ts.partition(".")
+            t = datetime.strptime(base, "%Y-%m-%d %H:%M:%S").replace(tzinfo=UTC).timestamp() + (float("0." + frac) if frac else 0.0)
+        except ValueError:
+            raise TraceError(f"{p}:{line}: field 'TIMESTAMP' is not 'YYYY-MM-DD HH:MM:SS.fff', got {ts!r}") from None
+        rows.append((t, _int_field(p, line, "ContextTokens", row[1]), _int_field(p, line, "GeneratedTokens", row[2])))
     return _finish(p.stem.replace("AzureLLMInferenceTrace_", "azure-"), rows, p)
 
 
@@ -128,27 +136,17 @@ def read_burstgpt(path: str | Path, model: str | None = None) -> Workload:
     """BurstGPT CSV (timestamps in seconds); optionally only one `Model` (e.g. ChatGPT, GPT-4)."""
     p = Path(path)
     rows: list[tuple[float, int, int]] = []
-    with p.open(newline="") as fh:
-        reader = csv.reader(fh)
-        header = next(reader, None)
-        if header is None or [h.strip() for h in header] != BURSTGPT_HEADER:
-            raise TraceError(f"{p}:1: expected header {','.join(BURSTGPT_HEADER)}, got {header!r}")
-        for row in reader:
-            line = reader.line_num
-            if not row:
-                continue
-            if len(row) != 6:
-                raise TraceError(f"{p}:{line}: expected 6 fields, got {len(row)}")
-            try:
-                t = float(row[0])
-            except ValueError:
-                raise TraceError(f"{p}:{line}: field 'Timestamp' must be a number, got {row[0]!r}") from None
-            if not math.isfinite(t):
-                raise TraceError(f"{p}:{line}: field 'Timestamp' must be finite, got {row[0]!r}")
-            i = _int_field(p, line, "Request tokens", row[2])
-            o = _int_field(p, line, "Response tokens", row[3])
-            if model is None or row[1].strip() == model:
-                rows.append((t, i, o))
+    for line, row in _csv_rows(p, BURSTGPT_HEADER, exact=True):
+        try:
+            t = float(row[0])
+        except ValueError:
+            raise TraceError(f"{p}:{line}: field 'Timestamp' must be a number, got {row[0]!r}") from None
+        if not math.isfinite(t):
+            raise TraceError(f"{p}:{line}: field 'Timestamp' must be finite, got {row[0]!r}")
+        i = _int_field(p, line, "Request tokens", row[2])
+        o = _int_field(p, line, "Response tokens", row[3])
+        if model is None or row[1].strip() == model:
+            rows.append((t, i, o))
     return _finish(p.stem, rows, p)
 
 
