@@ -1,5 +1,7 @@
-"""The control API under /kascade/v1/ (bind, load-plan, status, cooperate, drain, release), used by
-the operator; every route needs `Authorization: Bearer <token>` (compared in constant time).
+"""The control API under /kascade/v1/ (bind, load-plan, status, manifest, cooperate, drain, release),
+used by the operator; every route needs `Authorization: Bearer <token>` (compared in constant time).
+`bind` with a `source.path` loads the first copy from disk; `manifest` tells loading targets what a
+complete copy here holds (sizes, digests, tensor index); `release` drops the weights.
 
 Data flow: operator (httpx) -> bearer check -> pydantic body (400 naming the field) -> ServerState
 fields that the serving path and /metrics read.
@@ -14,11 +16,17 @@ from fastapi import Depends, FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 
+class SourceRef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    path: str = Field(min_length=1)
+
+
 class BindBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str
     modelService: str
     role: Literal["prefill", "decode", "colocated"]
+    source: SourceRef | None = None  # the first copy: load it from this checkpoint directory
 
 
 class LoadPlanBody(BaseModel):
@@ -64,10 +72,25 @@ def add_control_routes(app: FastAPI, st: Any, ApiError: Any) -> None:
     async def bind(body: BindBody) -> dict[str, Any]:
         if body.model != st.model_name:
             raise ApiError(409, f"cannot bind model '{body.model}': this engine holds '{st.model_name}'", "model")
+        if st.model_service not in (None, body.modelService):
+            raise ApiError(409, f"engine is bound to '{st.model_service}'; release it first", "modelService")
         st.model_service, st.role = body.modelService, body.role
         if st.phase == "idle":
             st.phase = "ready" if st.engine.model.complete else "loading"
+        if body.source is not None and not st.engine.model.complete and (st.loading is None or st.loading.done()):
+            from kascade_engine.loader import PlanLoadError, start_source_load
+
+            try:
+                await start_source_load(st, body.source.path)
+            except PlanLoadError as e:
+                raise ApiError(e.status, str(e), e.field) from None
         return status()
+
+    @app.get("/kascade/v1/manifest", dependencies=guard)
+    async def manifest() -> dict[str, Any]:
+        if st.blockset is None or not st.engine.model.complete:
+            raise ApiError(404, "this engine holds no complete copy of the model", None)
+        return dict(st.blockset.manifest())
 
     @app.post("/kascade/v1/load-plan", dependencies=guard)
     async def load_plan(body: LoadPlanBody) -> dict[str, Any]:
@@ -93,5 +116,10 @@ def add_control_routes(app: FastAPI, st: Any, ApiError: Any) -> None:
     async def release() -> dict[str, Any]:
         if not st.engine.scheduler.idle:
             raise ApiError(409, "requests still in flight; drain first and wait", None)
-        st.phase, st.model_service, st.plan, st.cooperate = "idle", None, None, {}
+        from kascade_engine.loader import drop_weights
+
+        if st.loading is not None and not st.loading.done():
+            st.loading.cancel()
+        st.phase, st.model_service, st.role, st.cooperate = "idle", None, "colocated", {}
+        drop_weights(st)
         return status()

@@ -53,6 +53,46 @@ def test_empty_engine_loads_by_plan_and_matches(tiny_ckpt, tiny_blocks, engine_s
         want = httpx.post(src.url + "/v1/completions", json=body).json()["choices"][0]["text"]
         got = httpx.post(dst.url + "/v1/completions", json=body).json()["choices"][0]["text"]
         assert got == want
+        # what it received is a complete copy: it can be the source of the next plan
+        assert httpx.get(dst.url + "/kascade/v1/manifest", headers=_h(dst)).json() == tiny_blocks.manifest()
     finally:
         src.stop()
         dst.stop()
+
+
+def _wait_phase(e, phase: str, timeout: float = 60) -> dict:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = httpx.get(e.url + "/kascade/v1/status", headers=_h(e)).json()
+        if st["phase"] == phase or st.get("loadError"):
+            return st  # type: ignore[no-any-return]
+        time.sleep(0.1)
+    raise AssertionError(f"engine never reached phase {phase}: {st}")
+
+
+def test_bind_with_source_loads_first_copy_and_release_drops_it(tiny_ckpt, tiny_blocks, engine_starter) -> None:  # type: ignore[no-untyped-def]
+    e = engine_starter(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--empty"])
+    try:
+        h = _h(e)
+        assert httpx.get(e.url + "/kascade/v1/manifest", headers=h).status_code == 404
+        bind = {"model": "tiny-llama", "modelService": "svc", "role": "colocated"}
+        bad = httpx.post(e.url + "/kascade/v1/bind", json={**bind, "source": {"path": "/nonexistent/ckpt"}}, headers=h)
+        assert bad.status_code == 400 and "source.path" in bad.json()["error"]["message"]
+        bad = httpx.post(e.url + "/kascade/v1/bind", json={**bind, "source": {"path": ""}}, headers=h)
+        assert bad.status_code == 400 and "source.path" in bad.json()["error"]["message"]
+        ok = httpx.post(e.url + "/kascade/v1/bind", json={**bind, "source": {"path": str(tiny_ckpt)}}, headers=h)
+        assert ok.status_code == 200 and ok.json()["modelService"] == "svc"
+        st = _wait_phase(e, "ready")
+        assert st["ready"] and st["loadError"] is None and st["bytesReceived"] == tiny_blocks.total_bytes
+        assert httpx.get(e.url + "/kascade/v1/manifest", headers=h).json() == tiny_blocks.manifest()
+        r = httpx.post(e.url + "/v1/completions", json={"model": "tiny-llama", "prompt": [1, 2], "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        other = httpx.post(e.url + "/kascade/v1/bind", json={**bind, "modelService": "other"}, headers=h)
+        assert other.status_code == 409 and "bound to 'svc'" in other.json()["error"]["message"]
+        st = httpx.post(e.url + "/kascade/v1/release", headers=h).json()
+        assert st["phase"] == "idle" and st["modelService"] is None and not any(st["blocks"].values())
+        assert httpx.get(e.url + "/kascade/v1/manifest", headers=h).status_code == 404
+        r = httpx.post(e.url + "/v1/completions", json={"model": "tiny-llama", "prompt": [1, 2], "max_tokens": 3})
+        assert r.status_code == 503
+    finally:
+        e.stop()
