@@ -231,6 +231,7 @@ class PlanSource(Model):
     node: str | None = None
     gpus: list[NonNegInt] | None = None
     kind: Literal["gpu", "host"] | None = None
+    path: str | None = Field(default=None, min_length=1)
 
 
 class PlanTarget(Model):

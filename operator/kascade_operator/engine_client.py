@@ -74,8 +74,13 @@ class EngineClient:
     async def status(self, endpoint: str) -> dict[str, Any]:
         return await self._call(endpoint, "GET", "status")
 
-    async def bind(self, endpoint: str, model: str, model_service: str, role: str) -> dict[str, Any]:
-        return await self._call(endpoint, "POST", "bind", {"model": model, "modelService": model_service, "role": role})
+    async def bind(self, endpoint: str, model: str, model_service: str, role: str,
+                   source_path: str | None = None) -> dict[str, Any]:
+        """Bind the engine to a service; with `source_path` it also loads the first copy from that directory."""
+        body: dict[str, Any] = {"model": model, "modelService": model_service, "role": role}
+        if source_path:
+            body["source"] = {"path": source_path}
+        return await self._call(endpoint, "POST", "bind", body)
 
     async def load_plan(self, endpoint: str, plan: dict[str, Any], self_id: str, peers: dict[str, str],
                         plan_token: str, manifest: dict[str, Any] | None = None) -> dict[str, Any]:

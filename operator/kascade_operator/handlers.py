@@ -184,7 +184,7 @@ async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods:
     if isinstance(action, CreatePlan):
         t0 = time.perf_counter()
         try:
-            sp = plandriver.new_scaleplan(rt, body, spec, action, by_name, await rt.nodes())
+            sp = await plandriver.new_scaleplan(rt, body, spec, action, by_name, await rt.nodes())
         except ValueError as e:
             await rt.kube.event(ns, body, "ModelService", "Warning", "PlanFailed", str(e))
             return

@@ -31,19 +31,37 @@ POLL_S = 0.2
 UNREACHABLE_LIMIT_S = 5.0  # an instructed target whose engine stays unreachable this long fails the plan
 
 
-def new_scaleplan(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, action: CreatePlan,
-                  pods: dict[str, PodView], nodes: list[dict[str, Any]]) -> dict[str, Any]:
+async def source_manifest(rt: Runtime, sources: list[PodView]) -> dict[str, Any] | None:
+    """The block manifest of the first source engine that offers one (real block ids and sizes)."""
+    for p in sources:
+        if p.endpoint:
+            try:
+                m = await rt.engines.manifest(p.endpoint)
+            except EngineError as e:
+                log.warning("manifest of %s: %s", p.pod_name, e)
+                continue
+            if m:
+                return m
+    return None
+
+
+async def new_scaleplan(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, action: CreatePlan,
+                        pods: dict[str, PodView], nodes: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ScalePlan for `action`: planned on live node labels, over the real blocks of a source engine
+    when there is one (raises ValueError when the plan cannot be built)."""
     meta = body["metadata"]
     algorithm = spec.scaling.multicast if spec.scaling else "chain"
-    built = SP.build(action, pods, nodes, SP.layout(spec.model.name, spec.model.layers), algorithm, spec.engine.tp,
-                     rt.settings.label_keys, rt.settings.inter_leaf_ratio)
+    manifest = await source_manifest(rt, [pods[s] for s in action.sources if s in pods]) if action.sources else None
+    model = SP.layout(spec.model.name, spec.model.layers, manifest=manifest)
+    built = SP.build(action, pods, nodes, model, algorithm, spec.engine.tp, rt.settings.label_keys,
+                     rt.settings.inter_leaf_ratio)
     return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ScalePlan",
             "metadata": {"generateName": f"{meta['name']}-{action.role}-", "namespace": meta["namespace"],
                          "labels": {L.MODEL_SERVICE: meta["name"], L.ROLE: action.role},
                          "ownerReferences": [{"apiVersion": f"{GROUP}/{VERSION}", "kind": "ModelService",
                                               "name": meta["name"], "uid": meta["uid"], "controller": True,
                                               "blockOwnerDeletion": True}]},
-            "spec": SP.spec_dict(built, meta["name"], action.role, action.reason)}
+            "spec": SP.spec_dict(built, meta["name"], action.role, action.reason, spec.model.source.path)}
 
 
 def fallback_pod(spec: ModelServiceSpec, service: str, role: str) -> dict[str, Any]:
@@ -125,16 +143,23 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any]) -> dict[str, str]:
                         failed[s["instance"]] = str(e)
                 done.add(s["instance"])
 
+    host_path = {src.get("node"): src.get("path") for src in spec["sources"] if src.get("kind") == "host"}
+
     async def one(iid: str) -> None:
         p = by_inst.get(iid)
         if p is None or not p.endpoint:
             failed[iid] = f"target {iid} has no engine endpoint (annotation {L.ENDPOINT})"
             return
+        path = host_path.get(p.node) if local else None
+        if local and not path:
+            failed[iid] = ("the first copy loads only from spec.model.source.path (a directory every engine pod "
+                           "mounts); pvc and uri sources are not loadable by the engine yet")
+            return
         try:
             st = await rt.engines.status(p.endpoint)
             if st.get("modelService") == svc and st.get("phase") in ("loading", "ready"):
                 return  # already instructed by an earlier incarnation of the operator
-            await rt.engines.bind(p.endpoint, model, svc, role)
+            await rt.engines.bind(p.endpoint, model, svc, role, path)
             if not local:
                 await rt.engines.load_plan(p.endpoint, plan, iid, peers, token, manifest)
         except EngineError as e:

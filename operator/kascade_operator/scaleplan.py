@@ -32,7 +32,15 @@ class Built:
     pods: Mapping[str, PodView]  # instance id -> pod (sources and targets)
 
 
-def layout(model: str, layers: int | None, total_bytes: int | None = None) -> ModelLayout:
+def layout(model: str, layers: int | None, total_bytes: int | None = None,
+           manifest: Mapping[str, Mapping[str, Any]] | None = None) -> ModelLayout:
+    """The model's blocks as the planner sees them: the real ids and sizes from a source engine's
+    manifest when one is known, else a uniform estimate from `spec.model.layers`."""
+    if manifest:
+        ids = tuple(manifest)
+        if ids[:1] != ("embed",) or ids[-1:] != ("head",):
+            raise ValueError(f"manifest of {model}: blocks must run embed, layer.0.., head; got {ids[:1]}..{ids[-1:]}")
+        return ModelLayout(model, ids, tuple(int(manifest[b]["bytes"]) for b in ids))
     n = layers or DEFAULT_LAYERS
     return ModelLayout.uniform(model, n, total_bytes or DEFAULT_BLOCK_BYTES * (n + 2))
 
@@ -54,8 +62,9 @@ def build(action: CreatePlan, pods: Mapping[str, PodView], nodes: Sequence[Mappi
     return Built(plan, by_id)
 
 
-def spec_dict(b: Built, model_service: str, role: str, reason: str) -> dict[str, Any]:
-    """The ScalePlan spec (camelCase, as the CRD declares it)."""
+def spec_dict(b: Built, model_service: str, role: str, reason: str, source_path: str | None = None) -> dict[str, Any]:
+    """The ScalePlan spec (camelCase, as the CRD declares it). Host sources (the first copy, read on the
+    target's own node) carry `source_path`, the ModelService's `spec.model.source.path`."""
     p, pods = b.plan, b.pods
     pred = dict(p.predicted)
 
@@ -63,6 +72,8 @@ def spec_dict(b: Built, model_service: str, role: str, reason: str) -> dict[str,
         d: dict[str, Any] = {"instance": i.id, "node": i.node, "kind": "gpu" if i.kind == "gpu" else "host"}
         if i.id in pods:
             d["pod"] = pods[i.id].pod_name
+        if d["kind"] == "host" and source_path:
+            d["path"] = source_path
         return d
 
     spec: dict[str, Any] = {
