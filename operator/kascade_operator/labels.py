@@ -17,5 +17,6 @@ DATA_ENDPOINT = "kascade.io/data-endpoint"  # annotation: "host:port" of the eng
 INSTANCE = "kascade.io/instance"  # annotation: engine instance id (defaults to the pod name)
 LOADED = "kascade.io/loaded"  # annotation "true": the engine reported every block resident
 DRAINING = "kascade.io/draining"  # annotation: time a drain started (scale-down in progress)
+UNHEALTHY = "kascade.io/unhealthy"  # annotation: why the engine was dropped (never a scale-up target again)
 MANAGED_BY = "app.kubernetes.io/managed-by"
 FINALIZER = "kascade.io/finalizer"

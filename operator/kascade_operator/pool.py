@@ -33,6 +33,7 @@ class PodView:
     instance: str = ""
     plan: str | None = None
     leaf: str | None = None  # the node's leaf label (filled in when the node is known)
+    unhealthy: str | None = None  # why the operator dropped this engine from a plan (unreachable)
 
 
 def pod_view(pod: Mapping[str, Any], node_leaf: Mapping[str, str] | None = None) -> PodView:
@@ -47,17 +48,17 @@ def pod_view(pod: Mapping[str, Any], node_leaf: Mapping[str, str] | None = None)
         ready=ready and ann.get(L.LOADED) == "true", draining=L.DRAINING in ann,
         drained=ann.get(L.DRAINING + "-done") == "true", endpoint=ann.get(L.ENDPOINT),
         data_endpoint=ann.get(L.DATA_ENDPOINT), instance=ann.get(L.INSTANCE) or str(meta.get("name")),
-        plan=ann.get(L.PLAN), leaf=(node_leaf or {}).get(node or ""))
+        plan=ann.get(L.PLAN), leaf=(node_leaf or {}).get(node or ""), unhealthy=ann.get(L.UNHEALTHY))
 
 
 def choose_targets(idle: Sequence[PodView], k: int, source_leaves: Collection[str | None]) -> list[PodView]:
-    """Pick `k` idle pods with a node and an engine endpoint: first those on a source's leaf (fast,
+    """Pick `k` idle, healthy pods with a node and an engine endpoint: first those on a source's leaf (fast,
     leaf-local chains), then by leaf and node so a node's pods stay adjacent (one NVLink domain per
     chain hop), then by name (deterministic)."""
     if k <= 0:
         return []
     leaves = set(source_leaves) - {None}
-    usable = [p for p in idle if p.node and p.endpoint]
+    usable = [p for p in idle if p.node and p.endpoint and not p.unhealthy]
     usable.sort(key=lambda p: (p.leaf not in leaves, p.leaf or "", p.node or "", p.pod_name))
     return usable[:k]
 
@@ -95,8 +96,10 @@ def drained_patch(p: PodView) -> dict[str, Any]:
     return {"metadata": {"resourceVersion": p.resource_version, "annotations": {L.DRAINING + "-done": "true"}}}
 
 
-def unbind_patch(p: PodView) -> dict[str, Any]:
-    """Return a drained pod to the pool (merge patch: null deletes the key)."""
+def unbind_patch(p: PodView, unhealthy: str | None = None) -> dict[str, Any]:
+    """Return a drained pod to the pool (merge patch: null deletes the key); with `unhealthy`, a dead
+    engine's pod leaves its service and is marked so it is never chosen as a target again."""
     return {"metadata": {"resourceVersion": p.resource_version,
                          "labels": {L.MODEL_SERVICE: None, L.ROLE: None},
-                         "annotations": {L.PLAN: None, L.LOADED: None, L.DRAINING: None, L.DRAINING + "-done": None}}}
+                         "annotations": {L.PLAN: None, L.LOADED: None, L.DRAINING: None, L.DRAINING + "-done": None,
+                                         **({L.UNHEALTHY: unhealthy[:200]} if unhealthy else {})}}}
