@@ -282,6 +282,7 @@ class TargetProgress(Model):
     bytes_received: NonNegInt | None = None
     ready: bool | None = None
     instructed: bool | None = None
+    failed: str | None = None
 
 
 class ScalePlanStatus(Model):

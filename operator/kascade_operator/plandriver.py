@@ -185,7 +185,7 @@ async def start(rt: Runtime, sp: dict[str, Any], decided_at: float) -> None:
 async def drive(rt: Runtime, sp: dict[str, Any], stopped: Any) -> None:
     ns, name = sp["metadata"]["namespace"], sp["metadata"]["name"]
     throttle = SP.Throttle(rt.settings.status_write_interval_seconds)
-    started, unreachable_since = time.monotonic(), dict[str, float]()
+    started, unreachable_since, dropped = time.monotonic(), dict[str, float](), dict[str, str]()
     while not stopped:
         try:
             sp = await rt.kube.get_scaleplan(ns, name)
@@ -210,16 +210,43 @@ async def drive(rt: Runtime, sp: dict[str, Any], stopped: Any) -> None:
             except EngineError:
                 statuses[t["instance"]] = None
                 unreachable_since.setdefault(t["instance"], time.monotonic())
-        dead = {i: "engine unreachable" for i, t0 in unreachable_since.items() if time.monotonic() - t0 > UNREACHABLE_LIMIT_S}
+        dead = {i: f"engine unreachable for {UNREACHABLE_LIMIT_S:.0f} s" for i, t0 in unreachable_since.items()
+                if time.monotonic() - t0 > UNREACHABLE_LIMIT_S}
         dead.update({i: f"load error: {s['loadError']}" for i, s in statuses.items() if s and s.get("loadError")})
+        for iid in sorted(dead.keys() - dropped.keys()):
+            dropped[iid] = dead[iid]
+            await _drop(rt, sp, pods.get(iid), dead[iid], unreachable=iid in unreachable_since)
         done = rt.instructed.get((ns, name), set())
-        st = SP.progress(spec, statuses, done, dead, started, time.monotonic())
+        st = SP.progress(spec, statuses, done, dropped, started, time.monotonic())
         if st["phase"] in ("Succeeded", "Failed"):
-            await _finish(rt, sp, st["phase"], dead, started, st, pods)
+            await _finish(rt, sp, st["phase"], dropped, started, st, pods)
             return
         if throttle.should_write(st["phase"]):
             await rt.kube.patch_scaleplan_status(ns, name, st)
         await asyncio.sleep(POLL_S)
+
+
+async def _drop(rt: Runtime, sp: dict[str, Any], p: PodView | None, reason: str, unreachable: bool) -> None:
+    """Take a dead or failed target out of its plan: the others go on (their chains re-fetch from a
+    fallback source); its pod leaves the service, marked unhealthy if its engine is gone, so the
+    reconciler plans a replacement on another pod."""
+    ns, name = sp["metadata"]["namespace"], sp["metadata"]["name"]
+    if p is None:
+        return
+    log.warning("ScalePlan %s/%s: dropping target %s (%s)", ns, name, p.pod_name, reason)
+    if not unreachable and p.endpoint:
+        try:
+            await rt.engines.release(p.endpoint)  # reachable but failed: it can go back to the pool
+        except EngineError as e:
+            log.warning("%s", e)
+    try:
+        await rt.kube.patch_pod(ns, p.pod_name, unbind_patch(p, reason if unreachable else None))
+    except (Conflict, NotFound) as e:
+        log.warning("unbinding %s: %s", p.pod_name, e)
+    owner = {"metadata": {"name": sp["spec"]["modelServiceRef"]["name"],
+                          "uid": next((o["uid"] for o in sp["metadata"].get("ownerReferences") or []), None)}}
+    await rt.kube.event(ns, owner, "ModelService", "Warning", "TargetDropped",
+                        f"ScalePlan {name}: target {p.pod_name} dropped ({reason}); a new plan will replace it")
 
 
 async def _finish(rt: Runtime, sp: dict[str, Any], phase: str, failed: dict[str, str], started: float,
@@ -234,6 +261,14 @@ async def _finish(rt: Runtime, sp: dict[str, Any], phase: str, failed: dict[str,
                     await rt.kube.patch_pod(ns, p.pod_name, {"metadata": {"annotations": {L.LOADED: "true"}}})
                 except (Conflict, NotFound) as e:
                     log.warning("marking %s loaded: %s", p.pod_name, e)
+    if phase == "Failed":
+        # fail cleanly: targets this plan bound and that are not serving go back to the pool
+        if pods is None:
+            svc = sp["spec"]["modelServiceRef"]["name"]
+            pods = {p.instance: p for p in (pod_view(x) for x in await rt.kube.list_pods(ns, f"{L.MODEL_SERVICE}={svc}"))}
+        for p in pods.values():
+            if p.plan == name and not p.ready and p.instance not in failed:
+                await _drop(rt, sp, p, "its ScalePlan failed", unreachable=False)
     await rt.kube.patch_scaleplan_status(ns, name, status)
     rt.metrics.plan_duration.labels(phase).observe(time.monotonic() - started)
     owner = {"metadata": {"name": sp["spec"]["modelServiceRef"]["name"],

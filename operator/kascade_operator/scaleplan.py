@@ -107,7 +107,12 @@ def to_instruct(spec: Mapping[str, Any], status: Mapping[str, Any] | None) -> li
 
 def progress(spec: Mapping[str, Any], statuses: Mapping[str, Mapping[str, Any] | None], instructed: set[str],
              failed: Mapping[str, str], started: float, now: float) -> dict[str, Any]:
-    """ScalePlan status from the targets' engine statuses (None = not reachable this round)."""
+    """ScalePlan status from the targets' engine statuses (None = not reachable this round).
+
+    `failed`: targets dropped from the plan (engine dead, load error). The plan goes on for the others
+    (their chains re-fetch from a fallback source) and succeeds when every surviving target is ready;
+    it fails only when no target survives. The reconciler then sees fewer replicas than desired and
+    plans the missing ones anew."""
     rows, ready, nbytes = [], 0, 0
     for t in spec["targets"]:
         iid = t["instance"]
@@ -115,16 +120,19 @@ def progress(spec: Mapping[str, Any], statuses: Mapping[str, Mapping[str, Any] |
         blocks = st.get("blocks") or {}
         row: dict[str, Any] = {"instance": iid, "instructed": iid in instructed,
                                "blocksReceived": sum(1 for v in blocks.values() if v),
-                               "blocksTotal": len(spec.get("blockOrder") or blocks), "ready": bool(st.get("ready"))}
+                               "blocksTotal": len(spec.get("blockOrder") or blocks),
+                               "ready": bool(st.get("ready")) and iid not in failed}
         if st.get("bytesReceived") is not None:
             row["bytesReceived"] = int(st["bytesReceived"])
             nbytes += int(st["bytesReceived"])
+        if iid in failed:
+            row["failed"] = failed[iid][:500]
         ready += row["ready"]
         rows.append(row)
-    n = len(rows)
-    if failed:
+    n, alive = len(rows), len(rows) - sum(1 for r in rows if "failed" in r)
+    if alive == 0:
         phase = "Failed"
-    elif ready == n:
+    elif ready == alive:
         phase = "Succeeded"
     elif instructed:
         phase = "Live" if spec.get("livePairs") else "Transferring"

@@ -120,8 +120,15 @@ def test_scaleplan_spec_follows_topology_and_resumes() -> None:
     done = progress(spec, {t: {"ready": True, "bytesReceived": 10} for t in ("t1", "t2", "t3")},
                     {"t1", "t2", "t3"}, {}, 0.0, 2.0)
     assert done["phase"] == "Succeeded" and done["durationSeconds"] == 2.0 and done["targetsReady"] == "3/3"
-    failed = progress(spec, {}, {"t1"}, {"t2": "connection refused"}, 0.0, 1.0)
-    assert failed["phase"] == "Failed" and "t2: connection refused" in failed["message"]
+    # a dead target is dropped; the plan goes on for the others and succeeds once they are all ready
+    going = progress(spec, {}, {"t1"}, {"t2": "connection refused"}, 0.0, 1.0)
+    assert going["phase"] == "Transferring" and "t2: connection refused" in going["message"]
+    row = {r["instance"]: r for r in going["targets"]}["t2"]
+    assert row["failed"] == "connection refused" and row["ready"] is False
+    rest = progress(spec, {t: {"ready": True} for t in ("t1", "t2", "t3")}, {"t1", "t2", "t3"}, {"t2": "dead"}, 0.0, 2.0)
+    assert rest["phase"] == "Succeeded" and rest["targetsReady"] == "2/3" and "t2: dead" in rest["message"]
+    none = progress(spec, {}, {"t1"}, {t: "dead" for t in ("t1", "t2", "t3")}, 0.0, 1.0)
+    assert none["phase"] == "Failed"
 
 
 def test_first_copy_plans_local_load() -> None:
