@@ -41,9 +41,13 @@ def engine() -> None:
 @click.option("--resident-layers", type=click.IntRange(0),
               help="load only embed + this many leading layers (a load in progress: demos and tests of live cooperation)")
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(1), help="torch CPU threads")
+@click.option("--transport", type=click.Choice(["tcp", "ucx"]), default="tcp", show_default=True,
+              help="weight data plane transport for load plans")
+@click.option("--transfer-max-mbps", type=click.FloatRange(0, min_open=True),
+              help="cap on weight data this engine sends, in Mbit/s (default: line rate)")
 def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: str, port: int, act_port: int | None,
           token_file: Path | None, max_prompt_tokens: int, max_batch_tokens: int, max_seqs: int, kv_tokens: int,
-          empty: bool, resident_layers: int | None, threads: int) -> None:
+          empty: bool, resident_layers: int | None, threads: int, transport: str, transfer_max_mbps: float | None) -> None:
     """Serve a model over HTTP (OpenAI-compatible) with the Kascade control API."""
     import torch
     import uvicorn
@@ -91,7 +95,8 @@ def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: s
     elif blocks is not None:
         eng.load_blocks(blocks.blocks.values())
     st = ServerState(eng, tok, name, token, max_prompt_tokens=max_prompt_tokens, finisher=Finisher(model, busy=lambda: not eng.scheduler.idle),
-                     blockset=blocks, phase="ready" if model.complete else "idle" if empty else "loading")
+                     blockset=blocks, phase="ready" if model.complete else "idle" if empty else "loading",
+                     transport=transport, transfer_bytes_per_s=transfer_max_mbps * 1e6 / 8 if transfer_max_mbps else None)
 
     async def main() -> None:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kascade_engine.blocks import BlockSet, CheckpointError, pack_checkpoint
+from kascade_engine.pacing import paced
 from kascade_engine.relay import TransferNode
 from kascade_engine.transfer_spec import SpecError, TransferSpec
 from kascade_engine.transport import TransportError, make_transport
@@ -69,7 +70,7 @@ async def start_loading(st: Any, body: dict[str, Any]) -> None:
             log.info("%s: all %d blocks resident; ready", me, event.get("total"))
 
     try:
-        node = TransferNode(spec, me, make_transport("tcp"), blocks=blocks if blocks is not None and model.complete else None,
+        node = TransferNode(spec, me, paced(make_transport(st.transport), st.transfer_bytes_per_s), blocks=blocks if blocks is not None and model.complete else None,
                             on_progress=on_progress)
         await node.start()
     except (ValueError, TransportError) as e:

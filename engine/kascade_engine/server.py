@@ -83,6 +83,8 @@ class ServerState:
     bytes_received: int = 0
     transfer_bw: float = 0.0
     blockset: Any = None  # the BlockSet this engine started with (sources send from it)
+    transport: str = "tcp"  # weight data plane: tcp or ucx
+    transfer_bytes_per_s: float | None = None  # cap on weight data sent (None: line rate)
     loading: asyncio.Task[None] | None = None
     load_error: str | None = None
     split_tasks: set[asyncio.Task[None]] = field(default_factory=set)

@@ -1,0 +1,88 @@
+"""Pacing: a cap on how fast this engine SENDS weight data, so background weight transfers leave
+room on a shared NIC for serving traffic (KV caches, activations, client responses).
+
+Data flow: `paced(transport, bytes_per_s)` wraps any `Transport`; every `Connection` it hands out
+(connected or accepted) passes payloads through one token bucket shared by the whole engine before
+the inner `send`. Receiving is never slowed here: the sender upstream paces its own link. Also what
+the end-to-end tests use to make a loopback transfer last long enough to kill a peer in the middle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from kascade_engine.transport import Connection, Handler, Header, Listener, Transport
+
+
+class TokenBucket:
+    """`rate` bytes per second with a burst of `burst` bytes; `take(n)` waits until n bytes are allowed."""
+
+    def __init__(self, rate: float, burst: int, clock: object = time.monotonic) -> None:
+        if rate <= 0:
+            raise ValueError(f"rate must be > 0 bytes/s, got {rate}")
+        self.rate, self.burst = float(rate), max(1, burst)
+        self._clock = clock
+        self._tokens, self._t = float(self.burst), self._now()
+        self._lock = asyncio.Lock()
+
+    def _now(self) -> float:
+        return self._clock()  # type: ignore[operator,no-any-return]
+
+    def delay(self, n: int) -> float:
+        """Seconds to wait before `n` more bytes may go (and reserve them)."""
+        now = self._now()
+        self._tokens = min(float(self.burst), self._tokens + (now - self._t) * self.rate)
+        self._t = now
+        self._tokens -= n
+        return max(0.0, -self._tokens / self.rate)
+
+    async def take(self, n: int) -> None:
+        async with self._lock:  # FIFO among senders: one long chunk cannot be overtaken forever
+            wait = self.delay(n)
+            if wait > 0:
+                await asyncio.sleep(wait)
+
+
+class PacedConnection:
+    def __init__(self, inner: Connection, bucket: TokenBucket) -> None:
+        self.inner, self.bucket = inner, bucket
+        self.peer = inner.peer
+
+    async def send(self, header: Header, payload: bytes | bytearray | memoryview = b"") -> None:
+        if len(payload):
+            await self.bucket.take(len(payload))
+        await self.inner.send(header, payload)
+
+    async def recv(self, timeout: float | None = None) -> tuple[Header, bytearray]:
+        return await self.inner.recv(timeout)
+
+    async def recv_header(self, timeout: float | None = None) -> tuple[Header, int]:
+        return await self.inner.recv_header(timeout)
+
+    async def recv_into(self, view: memoryview, timeout: float | None = None) -> None:
+        await self.inner.recv_into(view, timeout)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+class PacedTransport:
+    def __init__(self, inner: Transport, bytes_per_s: float) -> None:
+        self.inner = inner
+        self.name = f"{inner.name}(paced {bytes_per_s * 8 / 1e6:.0f} Mbit/s)"
+        self.bucket = TokenBucket(bytes_per_s, burst=max(1 << 20, int(bytes_per_s / 20)))
+
+    async def listen(self, host: str, port: int, handler: Handler) -> Listener:
+        async def wrapped(conn: Connection) -> None:
+            await handler(PacedConnection(conn, self.bucket))
+
+        return await self.inner.listen(host, port, wrapped)
+
+    async def connect(self, host: str, port: int, timeout: float = 10.0) -> Connection:
+        return PacedConnection(await self.inner.connect(host, port, timeout), self.bucket)
+
+
+def paced(transport: Transport, bytes_per_s: float | None) -> Transport:
+    """`transport` itself when there is no cap (None or 0), else a paced wrapper."""
+    return PacedTransport(transport, bytes_per_s) if bytes_per_s else transport
