@@ -38,7 +38,7 @@ class Proc:
     started: int | None  # kernel start time (clock ticks since boot), None off Linux
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent_preexec() -> None:  # runs in the child between fork and exec
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
@@ -51,7 +51,7 @@ def start(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None 
     """
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
-    pre = _die_with_parent if die_with_parent and sys.platform == "linux" else None
+    pre = die_with_parent_preexec if die_with_parent and sys.platform == "linux" else None
     with open(log_path, "ab") as out:
         p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                              start_new_session=True, env={**os.environ, **(env or {})}, preexec_fn=pre)

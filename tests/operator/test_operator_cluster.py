@@ -4,10 +4,6 @@ KWOK GPU nodes and warm-pool pods whose engines are loopback HTTP stand-ins (eng
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,10 +14,10 @@ from enginestub import EngineStub  # type: ignore[import-not-found]
 
 from kascade_devcluster.api import install_crds
 from kascade_devcluster.controlplane import ControlPlane
+from kascade_devcluster.operatorproc import OperatorProcess
 
 pytestmark = pytest.mark.cluster
 TOKEN = "op-test-token"
-KASCADE = str(Path(sys.executable).with_name("kascade"))
 
 
 @pytest.fixture(scope="session")
@@ -29,38 +25,12 @@ def crds(control_plane: ControlPlane) -> list[str]:
     return install_crds(control_plane)
 
 
-class Op:
-    def __init__(self, cp: ControlPlane, ns: str, log: Path) -> None:
-        self.cp, self.ns, self.log = cp, ns, log
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> Op:
-        env = {**os.environ, "KUBECONFIG": str(self.cp.kubeconfig)}
-        out = self.log.open("ab")
-        self.proc = subprocess.Popen([KASCADE, "-v", "operator", "run", "--namespace", self.ns, "--interval", "0.2",
-                                      "--engine-token", TOKEN], env=env, stdout=out, stderr=subprocess.STDOUT)
-        return self
-
-    def kill(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-
 @pytest.fixture
-def op(control_plane: ControlPlane, crds: list[str], namespace: str, tmp_path: Path) -> Iterator[Op]:
-    o = Op(control_plane, namespace, tmp_path / "operator.log")
+def op(control_plane: ControlPlane, crds: list[str], namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
+    o = OperatorProcess(control_plane, namespace, TOKEN, tmp_path / "operator.log")
     yield o
     o.stop()
-    print(o.log.read_text()[-20000:])
+    print(o.tail())
 
 
 def get(cp: ControlPlane, ns: str, *what: str) -> Any:
@@ -114,7 +84,7 @@ def events(cp: ControlPlane, ns: str) -> list[dict[str, Any]]:
 
 
 def test_invalid_modelservice_degraded_with_event_naming_field(control_plane: ControlPlane, namespace: str,
-                                                               op: Op, kwok_nodes: Callable[..., list[str]]) -> None:
+                                                               op: OperatorProcess, kwok_nodes: Callable[..., list[str]]) -> None:
     kwok_nodes(1, gpus=8)
     op.start()
     doc = msvc("bad", 1, 2)
@@ -134,7 +104,7 @@ def test_invalid_modelservice_degraded_with_event_naming_field(control_plane: Co
 
 
 def test_warm_pool_binds_min_then_scales_up_along_topology_and_back(
-        control_plane: ControlPlane, namespace: str, op: Op, kwok_nodes: Callable[..., list[str]]) -> None:
+        control_plane: ControlPlane, namespace: str, op: OperatorProcess, kwok_nodes: Callable[..., list[str]]) -> None:
     nodes = kwok_nodes(4, leaves=2)
     stubs = pool(control_plane, namespace, nodes)
     op.start()
@@ -183,7 +153,7 @@ def test_warm_pool_binds_min_then_scales_up_along_topology_and_back(
 
 
 def test_operator_sigkill_mid_plan_completes_exactly_once(
-        control_plane: ControlPlane, namespace: str, op: Op, kwok_nodes: Callable[..., list[str]]) -> None:
+        control_plane: ControlPlane, namespace: str, op: OperatorProcess, kwok_nodes: Callable[..., list[str]]) -> None:
     nodes = kwok_nodes(3, leaves=1)
     stubs = pool(control_plane, namespace, nodes, auto_ready=False)
     op.start()
