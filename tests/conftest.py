@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from kascade_devcluster import nodes
+from kascade_devcluster.api import install_crds
 from kascade_devcluster.binaries import MissingBinaries, bin_dir
 from kascade_devcluster.controlplane import ControlPlane
 from kascade_devcluster.requirement import unavailable
@@ -28,6 +29,12 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlP
         yield cp
     finally:
         cp.stop()
+
+
+@pytest.fixture(scope="session")
+def crds(control_plane: ControlPlane) -> list[str]:
+    """Kascade's CRDs installed (and Established) on the session's control plane."""
+    return install_crds(control_plane)
 
 
 @pytest.fixture

@@ -12,17 +12,11 @@ from typing import Any
 import pytest
 from enginestub import EngineStub  # type: ignore[import-not-found]
 
-from kascade_devcluster.api import install_crds
 from kascade_devcluster.controlplane import ControlPlane
 from kascade_devcluster.operatorproc import OperatorProcess
 
 pytestmark = pytest.mark.cluster
 TOKEN = "op-test-token"
-
-
-@pytest.fixture(scope="session")
-def crds(control_plane: ControlPlane) -> list[str]:
-    return install_crds(control_plane)
 
 
 @pytest.fixture

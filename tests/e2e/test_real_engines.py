@@ -1,0 +1,195 @@
+"""End to end on the real control plane with REAL engines: KWOK fake GPU nodes with topology labels,
+each warm-pool pod backed by a `kascade engine serve --empty` process on loopback, the operator as a
+real process, a burst of real completion requests.
+
+Shown here: the first copy loads from the ModelService's source path; a burst makes the operator
+create a ScalePlan whose chains start at the serving replica and follow the topology; weights flow
+engine to engine over the data plane (paced, so the transfer is observable) and the targets answer
+exactly like the source; requests succeed throughout; after the burst the replicas return to the
+minimum and released engines drop their weights. And the fault: a target engine SIGKILLed in the
+middle of its transfer is dropped (its pod marked unhealthy), the rest of its chain completes from
+the fallback source, and a new plan brings the service to the desired count on another pod.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kascade_devcluster.controlplane import ControlPlane
+from kascade_devcluster.enginepool import EnginePool
+from kascade_devcluster.loadgen import LoadGen
+from kascade_devcluster.operatorproc import OperatorProcess
+from kascade_engine.checkpoint import tiny_llama
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+TOKEN = "e2e-engine-token"
+MODEL = "tiny-e2e"
+PROMPT = list(range(3, 35))  # 32 prompt tokens
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # ~23 MB of fp32 weights: big enough that a paced transfer takes seconds, small enough for CPU
+    return tiny_llama(tmp_path_factory.mktemp("ckpt") / MODEL, layers=8, hidden=256, vocab=2048)
+
+
+@pytest.fixture
+def world(control_plane: ControlPlane, crds: list[str], namespace: str, kwok_nodes: Callable[..., list[str]],
+          ckpt: Path, tmp_path: Path) -> Iterator[tuple[EnginePool, OperatorProcess, list[str]]]:
+    nodes = kwok_nodes(4, leaves=2)
+    pool = EnginePool(control_plane, namespace, ckpt, MODEL, TOKEN, tmp_path / "engines",
+                      extra_args=("--transfer-max-mbps", "40", "--kv-tokens", "8192"))
+    op = OperatorProcess(control_plane, namespace, TOKEN, tmp_path / "operator.log")
+    try:
+        pool.start(nodes)
+        op.start()
+        yield pool, op, nodes
+    finally:
+        op.stop()
+        print(op.tail())
+        pool.stop()
+
+
+def msvc(ckpt: Path, lo: int, hi: int, upper: float, lower: float) -> dict[str, Any]:
+    return {"apiVersion": "kascade.io/v1alpha1", "kind": "ModelService", "metadata": {"name": "svc"},
+            "spec": {"model": {"name": MODEL, "source": {"path": str(ckpt)}, "layers": 8},
+                     "engine": {"image": "kascade:dev"}, "mode": "colocated",
+                     "replicas": {"colocated": {"min": lo, "max": hi}},
+                     "scaling": {"policy": "threshold", "intervalSeconds": 0.2, "scaleDownDelaySeconds": 1.0,
+                                 "multicast": "chain",
+                                 "threshold": {"metric": "tokensPerSecond", "upper": upper, "lower": lower}}}}
+
+
+def get(cp: ControlPlane, ns: str, *what: str) -> Any:
+    return json.loads(cp.kubectl("-n", ns, "get", *what, "-o", "json").stdout)
+
+
+def wait_for(pred: Callable[[], Any], timeout: float, what: str) -> Any:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def loaded(cp: ControlPlane, ns: str) -> list[dict[str, Any]]:
+    return [p for p in get(cp, ns, "pods", "-l", "kascade.io/model-service=svc")["items"]
+            if p["metadata"]["annotations"].get("kascade.io/loaded") == "true"
+            and "kascade.io/draining" not in p["metadata"]["annotations"]]
+
+
+def endpoints(cp: ControlPlane, ns: str) -> Callable[[], list[str]]:
+    return lambda: [p["metadata"]["annotations"]["kascade.io/endpoint"] for p in loaded(cp, ns)]
+
+
+def engine_status(pool: EnginePool, name: str) -> dict[str, Any]:
+    e = pool.engines[name]
+    r = httpx.get(f"{e.url}/kascade/v1/status", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5)
+    return r.json()  # type: ignore[no-any-return]
+
+
+def complete(url: str) -> str:
+    r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8}, timeout=30)
+    assert r.status_code == 200, r.text
+    return str(r.json()["choices"][0]["text"])
+
+
+def test_burst_scales_up_by_chain_from_the_serving_replica_and_back(
+        control_plane: ControlPlane, namespace: str, world: tuple[EnginePool, OperatorProcess, list[str]],
+        ckpt: Path) -> None:
+    cp, ns = control_plane, namespace
+    pool, _, nodes = world
+    cp.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(msvc(ckpt, 1, 3, upper=300, lower=100)))
+    first = wait_for(lambda: loaded(cp, ns), 90, "the first copy loaded from spec.model.source.path")
+    assert len(first) == 1
+    src = first[0]["metadata"]["name"]
+    local = [p for p in get(cp, ns, "splan")["items"] if p["spec"]["algorithm"] == "local"]
+    assert local and local[0]["spec"]["sources"][0]["path"] == str(ckpt)
+    want = complete(pool.engines[src].url)
+
+    gen = LoadGen(endpoints(cp, ns), MODEL, PROMPT, max_tokens=8).start()
+    try:
+        gen.set_load(workers=6)  # the burst: far above 300 tok/s per instance
+        t_burst = time.monotonic()
+        plan = wait_for(lambda: [p for p in get(cp, ns, "splan")["items"] if p["spec"]["algorithm"] == "chain"],
+                        60, "a chain ScalePlan")[0]
+        spec = plan["spec"]
+        assert "threshold" in spec["reason"] and spec["sources"][0]["instance"] == src
+        assert all(c[0] == src for c in spec["chains"]), spec["chains"]
+        leaf = {n: f"leaf-{i % 2}" for i, n in enumerate(nodes)}
+        src_leaf = leaf[first[0]["spec"]["nodeName"]]
+        node_of = {t["instance"]: t["node"] for t in spec["targets"]}
+        assert leaf[node_of[spec["chains"][0][1]]] == src_leaf  # the first hop stays under the source's leaf
+        # weights are observably in flight: a target reports some blocks but not all (paced at 40 Mbit/s)
+        wait_for(lambda: any(0 < t.get("blocksReceived", 0) < t["blocksTotal"]
+                             for t in (get(cp, ns, "splan", plan["metadata"]["name"]).get("status") or {})
+                             .get("targets", [])), 30, "partial progress in the ScalePlan status")
+        wait_for(lambda: len(loaded(cp, ns)) == 3, 90, "3 ready replicas")
+        t_up = time.monotonic()
+        done = get(cp, ns, "splan", plan["metadata"]["name"])["status"]
+        assert done["phase"] == "Succeeded" and done.get("bandwidthGbps", 0) > 0, done
+        for p in loaded(cp, ns):  # every replica answers exactly like the first copy: identical weights
+            name = p["metadata"]["name"]
+            assert complete(pool.engines[name].url) == want, name
+            assert engine_status(pool, name)["bytesReceived"] > 20_000_000
+        during = gen.summary(since=t_burst)
+        assert during["failed"] == 0 and during["ok"] > 20, during
+
+        gen.set_load(workers=1, think_s=0.5)  # calm: ~80 tok/s in total, under lower=100 per instance
+        wait_for(lambda: len(get(cp, ns, "pods", "-l", "kascade.io/model-service=svc")["items"]) == 1, 90,
+                 "scale down to min 1")
+        t_down = time.monotonic()
+        time.sleep(1.0)
+        after = gen.summary(since=t_up)
+        assert after["failed"] == 0 and after["ok"] > 0, after
+    finally:
+        gen.stop()
+    idle = [n for n in pool.engines if engine_status(pool, n)["phase"] == "idle"]
+    assert len(idle) == 3 and all(not any(engine_status(pool, n)["blocks"].values()) for n in idle)
+    story = cp.kubectl("-n", ns, "get", "msvc,splan").stdout
+    print(story, f"\nscale-up {t_up - t_burst:.1f} s, scale-down {t_down - t_up:.1f} s, requests {gen.summary()}")
+    assert "Succeeded" in story
+    ms = get(cp, ns, "msvc", "svc")["status"]
+    assert ms["readyReplicas"] == 1 and ms["lastDecision"]["to"] < ms["lastDecision"]["from"]
+
+
+def test_target_killed_mid_transfer_is_replaced(
+        control_plane: ControlPlane, namespace: str, world: tuple[EnginePool, OperatorProcess, list[str]],
+        ckpt: Path) -> None:
+    cp, ns = control_plane, namespace
+    pool, _, _ = world
+    # one serving copy, then a GitOps-style change of the minimum to 3: one chain source -> middle -> tail
+    cp.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(msvc(ckpt, 1, 3, upper=1e9, lower=0)))
+    src = wait_for(lambda: loaded(cp, ns), 90, "the first copy")[0]["metadata"]["name"]
+    want = complete(pool.engines[src].url)
+    cp.kubectl("-n", ns, "patch", "msvc", "svc", "--type=merge", "-p",
+               json.dumps({"spec": {"replicas": {"colocated": {"min": 3}}}}))
+    plan = wait_for(lambda: [p for p in get(cp, ns, "splan")["items"] if p["spec"]["algorithm"] == "chain"],
+                    60, "a chain ScalePlan")[0]
+    chain = max(plan["spec"]["chains"], key=len)
+    assert len(chain) == 3, plan["spec"]["chains"]  # source -> middle -> tail
+    middle, tail = chain[1], chain[2]
+    # kill the middle of the chain once it holds some blocks but not all
+    wait_for(lambda: 0 < sum(engine_status(pool, middle)["blocks"].values()) < 10, 30, "middle target loading")
+    pool.kill(middle)
+    wait_for(lambda: len(loaded(cp, ns)) == 3, 120, "3 ready replicas again")
+    st = get(cp, ns, "splan", plan["metadata"]["name"])["status"]
+    rows = {r["instance"]: r for r in st["targets"]}
+    assert st["phase"] == "Succeeded" and "unreachable" in rows[middle]["failed"] and rows[tail]["ready"], st
+    dead = get(cp, ns, "pod", middle)["metadata"]
+    assert "kascade.io/model-service" not in dead.get("labels", {}) and "kascade.io/unhealthy" in dead["annotations"]
+    names = {p["metadata"]["name"] for p in loaded(cp, ns)}
+    assert middle not in names and tail in names and len(names) == 3
+    for n in names:  # the tail got its blocks from the fallback: still identical
+        assert complete(pool.engines[n].url) == want
+    reasons = {e["reason"] for e in get(cp, ns, "events")["items"]}
+    assert "TargetDropped" in reasons
