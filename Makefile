@@ -31,9 +31,11 @@ lint: ## ruff, import contracts, CRDs in the chart equal crds/
 
 TYPED_MODULES := -p kascade_devcluster -m kascade_engine.blocks -m kascade_engine.hostcache \
 	-m kascade_engine.transport -m kascade_engine.transport_tcp -m kascade_engine.transport_ucx \
-	-m kascade_engine.transfer_spec -m kascade_engine.relay -m kascade_operator.api
+	-m kascade_engine.transfer_spec -m kascade_engine.relay -m kascade_engine.pacing -m kascade_engine.loader \
+	-m kascade_operator.api -m kascade_operator.scaleplan -m kascade_operator.plandriver -m kascade_operator.engine_client \
+	-m kascade_operator.pool -m kascade_operator.reconcile
 
-typecheck: ## mypy: strict on the pure planner; the data plane, devcluster and API models checked too
+typecheck: ## mypy: strict on the pure planner; data plane, loader, devcluster, API models and plan driver checked too
 	$(VENV)/bin/mypy -p kascade_planner
 	$(VENV)/bin/mypy --follow-imports=silent $(TYPED_MODULES)
 

@@ -127,7 +127,7 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any]) -> dict[str, str]:
     svc, role, plan = spec["modelServiceRef"]["name"], spec["role"], spec.get("plan") or {}
     model = (plan.get("model") or {}).get("name", "")
     by_inst = {p.instance: p for p in pods.values()}
-    peers = {i: by_inst[i].data_endpoint for i in by_inst if by_inst[i].data_endpoint}
+    peers = {i: ep for i, p in by_inst.items() if (ep := p.data_endpoint)}
     token = f"{name}-{sp['metadata'].get('uid', '')}"
     local = spec["algorithm"] == "local"
     manifest = None
