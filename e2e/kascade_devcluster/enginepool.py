@@ -5,7 +5,8 @@ KWOK pods run nothing, so each pool pod is backed by a local `kascade engine ser
 (the model's config and tokenizer only; weights arrive by `bind` with a source path or by a load
 plan). The pod carries the engine's addresses as the annotations the operator honours
 (`kascade.io/endpoint` for the control/HTTP API, `kascade.io/data-endpoint` for the weight data
-plane) and the label `kascade.io/pool=warm`.
+plane, `kascade.io/act-endpoint` where it finishes split requests of a live-paired loading engine)
+and the label `kascade.io/pool=warm`.
 
 Data flow: `EnginePool.start(nodes)` -> one engine process per node (own session, dies with this
 interpreter, log under `log_dir`) -> its `KASCADE_ENGINE_READY http=<port>` line -> a pool pod pinned
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 
 READY = re.compile(r"KASCADE_ENGINE_READY http=(\d+)")
 POOL_LABEL, ENDPOINT, DATA_ENDPOINT = "kascade.io/pool", "kascade.io/endpoint", "kascade.io/data-endpoint"
+ACT_ENDPOINT = "kascade.io/act-endpoint"
 
 
 @dataclass
@@ -42,6 +44,7 @@ class PoolEngine:
     proc: processes.Proc
     http_port: int
     data_port: int
+    act_port: int
 
     @property
     def endpoint(self) -> str:
@@ -65,16 +68,18 @@ class EnginePool:
         """Start one engine per node (in parallel), then create their pool pods."""
         first = len(self.engines)
         started = []
+        ports = free_ports(2 * len(nodes))
         for i, node in enumerate(nodes, start=first):
             name = f"{prefix}-{i}"
             argv = [sys.executable, "-m", "kascade_cli.main", "engine", "serve", "--checkpoint", str(self.checkpoint),
-                    "--model-name", self.model, "--empty", "--port", "0", *self.extra_args]
+                    "--model-name", self.model, "--empty", "--port", "0", "--act-port", str(ports[2 * (i - first)]),
+                    *self.extra_args]
             proc = processes.start(name, argv, self.log_dir, env={"KASCADE_ENGINE_TOKEN": self.token},
                                    die_with_parent=True)
             started.append((name, node, proc))
         out = []
-        for (name, node, proc), data_port in zip(started, free_ports(len(started)), strict=True):
-            e = PoolEngine(name, node, proc, self._wait_ready(proc, timeout), data_port)
+        for k, (name, node, proc) in enumerate(started):
+            e = PoolEngine(name, node, proc, self._wait_ready(proc, timeout), ports[2 * k + 1], ports[2 * k])
             self.engines[name] = e
             self._create_pod(e)
             out.append(e)
@@ -96,7 +101,8 @@ class EnginePool:
     def _create_pod(self, e: PoolEngine) -> None:
         pod = {"apiVersion": "v1", "kind": "Pod",
                "metadata": {"name": e.name, "labels": {POOL_LABEL: "warm", "app.kubernetes.io/name": "kascade-engine"},
-                            "annotations": {ENDPOINT: e.endpoint, DATA_ENDPOINT: f"127.0.0.1:{e.data_port}"}},
+                            "annotations": {ENDPOINT: e.endpoint, DATA_ENDPOINT: f"127.0.0.1:{e.data_port}",
+                                            ACT_ENDPOINT: f"127.0.0.1:{e.act_port}"}},
                "spec": {"nodeName": e.node,
                         "containers": [{"name": "engine", "image": "kascade:dev",
                                         "resources": {"limits": {"nvidia.com/gpu": "1"}}}],

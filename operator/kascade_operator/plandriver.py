@@ -54,7 +54,7 @@ async def new_scaleplan(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpe
     manifest = await source_manifest(rt, [pods[s] for s in action.sources if s in pods]) if action.sources else None
     model = SP.layout(spec.model.name, spec.model.layers, manifest=manifest)
     built = SP.build(action, pods, nodes, model, algorithm, spec.engine.tp, rt.settings.label_keys,
-                     rt.settings.inter_leaf_ratio)
+                     rt.settings.inter_leaf_ratio, live=spec.scaling.live if spec.scaling else False)
     return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ScalePlan",
             "metadata": {"generateName": f"{meta['name']}-{action.role}-", "namespace": meta["namespace"],
                          "labels": {L.MODEL_SERVICE: meta["name"], L.ROLE: action.role},
@@ -144,6 +144,7 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any]) -> dict[str, str]:
                 done.add(s["instance"])
 
     host_path = {src.get("node"): src.get("path") for src in spec["sources"] if src.get("kind") == "host"}
+    live_with = {t: s for s, t in plan.get("livePairs") or []}
 
     async def one(iid: str) -> None:
         p = by_inst.get(iid)
@@ -164,6 +165,10 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any]) -> dict[str, str]:
                 await rt.engines.load_plan(p.endpoint, plan, iid, peers, token, manifest)
         except EngineError as e:
             failed[iid] = str(e)
+            return
+        pair = by_inst.get(live_with.get(iid, ""))
+        if pair is not None and pair.act_endpoint:
+            await _go_live(rt, ns, p, pair)
 
     await asyncio.gather(*(one(i) for i in pending if i not in failed))
     done.update(i for i in pending if i not in failed)
@@ -173,6 +178,18 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any]) -> dict[str, str]:
                                                     "targets": rows, **({"message": "; ".join(
                                                         f"{k}: {v}" for k, v in failed.items())[:2000]} if failed else {})})
     return failed
+
+
+async def _go_live(rt: Runtime, ns: str, target: PodView, pair: PodView) -> None:
+    """Live execution while loading: the target runs the layers it holds and ships activations to its
+    overloaded pair, which finishes them (ZigZag); the annotation tells routers to send it requests.
+    Best effort: if either step fails the target still loads, it just serves later."""
+    assert pair.act_endpoint is not None and target.endpoint is not None
+    try:
+        await rt.engines.cooperate(target.endpoint, pair.act_endpoint, "zigzag")
+        await rt.kube.patch_pod(ns, target.pod_name, {"metadata": {"annotations": {L.LIVE: "true"}}})
+    except (EngineError, Conflict, NotFound) as e:
+        log.warning("live pairing %s with %s: %s", target.pod_name, pair.pod_name, e)
 
 
 async def start(rt: Runtime, sp: dict[str, Any], decided_at: float) -> None:
@@ -258,7 +275,8 @@ async def _finish(rt: Runtime, sp: dict[str, Any], phase: str, failed: dict[str,
         for p in (pods or {}).values():
             if p.plan == name:
                 try:
-                    await rt.kube.patch_pod(ns, p.pod_name, {"metadata": {"annotations": {L.LOADED: "true"}}})
+                    await rt.kube.patch_pod(ns, p.pod_name, {"metadata": {"annotations": {L.LOADED: "true",
+                                                                                          L.LIVE: None}}})
                 except (Conflict, NotFound) as e:
                     log.warning("marking %s loaded: %s", p.pod_name, e)
     if phase == "Failed":

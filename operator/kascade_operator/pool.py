@@ -34,6 +34,7 @@ class PodView:
     plan: str | None = None
     leaf: str | None = None  # the node's leaf label (filled in when the node is known)
     unhealthy: str | None = None  # why the operator dropped this engine from a plan (unreachable)
+    act_endpoint: str | None = None  # where the engine finishes split requests of a live-paired target
 
 
 def pod_view(pod: Mapping[str, Any], node_leaf: Mapping[str, str] | None = None) -> PodView:
@@ -48,7 +49,8 @@ def pod_view(pod: Mapping[str, Any], node_leaf: Mapping[str, str] | None = None)
         ready=ready and ann.get(L.LOADED) == "true", draining=L.DRAINING in ann,
         drained=ann.get(L.DRAINING + "-done") == "true", endpoint=ann.get(L.ENDPOINT),
         data_endpoint=ann.get(L.DATA_ENDPOINT), instance=ann.get(L.INSTANCE) or str(meta.get("name")),
-        plan=ann.get(L.PLAN), leaf=(node_leaf or {}).get(node or ""), unhealthy=ann.get(L.UNHEALTHY))
+        plan=ann.get(L.PLAN), leaf=(node_leaf or {}).get(node or ""), unhealthy=ann.get(L.UNHEALTHY),
+        act_endpoint=ann.get(L.ACT_ENDPOINT))
 
 
 def choose_targets(idle: Sequence[PodView], k: int, source_leaves: Collection[str | None]) -> list[PodView]:
@@ -101,5 +103,6 @@ def unbind_patch(p: PodView, unhealthy: str | None = None) -> dict[str, Any]:
     engine's pod leaves its service and is marked so it is never chosen as a target again."""
     return {"metadata": {"resourceVersion": p.resource_version,
                          "labels": {L.MODEL_SERVICE: None, L.ROLE: None},
-                         "annotations": {L.PLAN: None, L.LOADED: None, L.DRAINING: None, L.DRAINING + "-done": None,
+                         "annotations": {L.PLAN: None, L.LOADED: None, L.LIVE: None, L.DRAINING: None,
+                                         L.DRAINING + "-done": None,
                                          **({L.UNHEALTHY: unhealthy[:200]} if unhealthy else {})}}}

@@ -46,8 +46,10 @@ def layout(model: str, layers: int | None, total_bytes: int | None = None,
 
 
 def build(action: CreatePlan, pods: Mapping[str, PodView], nodes: Sequence[Mapping[str, Any]], model: ModelLayout,
-          algorithm: str, tp: int, keys: LabelKeys = LabelKeys(), inter_leaf_ratio: float = 1.0) -> Built:
-    """Plan `action` on the live topology. No sources -> each target loads from its own node (`local`)."""
+          algorithm: str, tp: int, keys: LabelKeys = LabelKeys(), inter_leaf_ratio: float = 1.0,
+          live: bool = False) -> Built:
+    """Plan `action` on the live topology. No sources -> each target loads from its own node (`local`).
+    `live`: pair each target with a serving source to execute its loaded layers while it loads."""
     topo = topology_from_nodes(nodes, keys, inter_leaf_ratio)
 
     def inst(name: str) -> Instance:
@@ -57,7 +59,8 @@ def build(action: CreatePlan, pods: Mapping[str, PodView], nodes: Sequence[Mappi
         return Instance(p.instance, p.node, tp)
 
     srcs, tgts = [inst(s) for s in action.sources], [inst(t) for t in action.targets]
-    plan = make_plan(topo, model, srcs, tgts, algorithm if srcs else "local")
+    plan = make_plan(topo, model, srcs, tgts, algorithm if srcs else "local", overloaded=[s.id for s in srcs],
+                     live=live)
     by_id = {pods[n].instance: pods[n] for n in (*action.sources, *action.targets)}
     return Built(plan, by_id)
 

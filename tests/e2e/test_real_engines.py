@@ -88,13 +88,26 @@ def loaded(cp: ControlPlane, ns: str) -> list[dict[str, Any]]:
 
 
 def endpoints(cp: ControlPlane, ns: str) -> Callable[[], list[str]]:
-    return lambda: [p["metadata"]["annotations"]["kascade.io/endpoint"] for p in loaded(cp, ns)]
+    """What a router sends to: loaded replicas, and loading ones serving live with their pair."""
+    def serving() -> list[str]:
+        return [p["metadata"]["annotations"]["kascade.io/endpoint"]
+                for p in get(cp, ns, "pods", "-l", "kascade.io/model-service=svc")["items"]
+                if (p["metadata"]["annotations"].get("kascade.io/loaded") == "true"
+                    or p["metadata"]["annotations"].get("kascade.io/live") == "true")
+                and "kascade.io/draining" not in p["metadata"]["annotations"]]
+    return serving
 
 
 def engine_status(pool: EnginePool, name: str) -> dict[str, Any]:
     e = pool.engines[name]
     r = httpx.get(f"{e.url}/kascade/v1/status", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5)
     return r.json()  # type: ignore[no-any-return]
+
+
+def live_split(pool: EnginePool, name: str) -> float:
+    text = httpx.get(f"{pool.engines[name].url}/metrics", timeout=5).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("kascade_live_split_requests_total"))
 
 
 def complete(url: str) -> str:
@@ -125,6 +138,8 @@ def test_burst_scales_up_by_chain_from_the_serving_replica_and_back(
         spec = plan["spec"]
         assert "threshold" in spec["reason"] and spec["sources"][0]["instance"] == src
         assert all(c[0] == src for c in spec["chains"]), spec["chains"]
+        # one live pair: the overloaded replica and the first target of its chain (it holds layers first)
+        assert [(lp["overloaded"], lp["loading"]) for lp in spec["livePairs"]] == [(src, spec["chains"][0][1])]
         leaf = {n: f"leaf-{i % 2}" for i, n in enumerate(nodes)}
         src_leaf = leaf[first[0]["spec"]["nodeName"]]
         node_of = {t["instance"]: t["node"] for t in spec["targets"]}
@@ -141,6 +156,8 @@ def test_burst_scales_up_by_chain_from_the_serving_replica_and_back(
             name = p["metadata"]["name"]
             assert complete(pool.engines[name].url) == want, name
             assert engine_status(pool, name)["bytesReceived"] > 20_000_000
+        split = sum(live_split(pool, t["instance"]) for t in spec["targets"])
+        assert split > 0, "no request was served live by a loading target"
         during = gen.summary(since=t_burst)
         assert during["failed"] == 0 and during["ok"] > 20, during
 
