@@ -22,8 +22,9 @@ def operator() -> None:
 @click.option("--prometheus-url", help="Prometheus base URL (with --metrics-source prometheus)")
 @click.option("--engine-token", envvar="KASCADE_ENGINE_TOKEN", help="bearer token for the engine control API")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), help="serve the operator's /metrics here (0 = off)")
+@click.option("--liveness", metavar="URL", help="serve a liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
 def run(namespaces: tuple[str, ...], interval: float | None, pool_size: int | None, metrics_source: str | None,
-        prometheus_url: str | None, engine_token: str | None, metrics_port: int | None) -> None:
+        prometheus_url: str | None, engine_token: str | None, metrics_port: int | None, liveness: str | None) -> None:
     """Reconcile ModelServices and ScalePlans until interrupted (`kascade -v operator run` logs decisions)."""
     import kopf
     from pydantic import ValidationError
@@ -39,5 +40,7 @@ def run(namespaces: tuple[str, ...], interval: float | None, pool_size: int | No
         settings = OperatorSettings(**overrides)
     except ValidationError as e:
         raise click.UsageError("; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())) from None
+    if liveness is not None and not liveness.startswith("http://"):
+        raise click.UsageError(f"--liveness {liveness!r}: expected http://HOST:PORT/PATH")
     kopf.run(registry=build_registry(settings), standalone=True, namespaces=settings.namespaces,
-             clusterwide=not settings.namespaces)
+             clusterwide=not settings.namespaces, liveness_endpoint=liveness)

@@ -198,8 +198,13 @@ async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods:
     elif isinstance(action, CreatePods):
         await rt.kube.event(ns, body, "ModelService", "Warning", "PoolEmpty",
                             f"{action.role}: warm pool short by {action.count}; creating pods (slow path)")
+        try:
+            pod = plandriver.fallback_pod(spec, name, action.role, rt.settings.engine_token_secret)
+        except ValueError as e:
+            await rt.kube.event(ns, body, "ModelService", "Warning", "PoolEmpty", f"{action.role}: {e}")
+            return
         for _ in range(action.count):
-            await rt.kube.create_pod(ns, plandriver.fallback_pod(spec, name, action.role))
+            await rt.kube.create_pod(ns, pod)
     elif isinstance(action, Drain):
         p = by_name[action.pod]
         if p.endpoint:

@@ -64,19 +64,29 @@ async def new_scaleplan(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpe
             "spec": SP.spec_dict(built, meta["name"], action.role, action.reason, spec.model.source.path)}
 
 
-def fallback_pod(spec: ModelServiceSpec, service: str, role: str) -> dict[str, Any]:
-    """The slow path: a new warm-pool engine pod (the binding happens in a later round, like any pool pod)."""
-    e = spec.engine
-    container: dict[str, Any] = {"name": "engine", "image": e.image,
-                                 "args": ["engine", "serve", "--empty", "--port", str(e.port)],
-                                 "ports": [{"containerPort": e.port, "name": "http"},
-                                           {"containerPort": e.data_port, "name": "data"}]}
+def fallback_pod(spec: ModelServiceSpec, service: str, role: str, token_secret: str = "kascade-engine-token",
+                 act_port: int = 18516) -> dict[str, Any]:
+    """The slow path: a new warm-pool engine pod, started like the chart's pool pods for this model
+    (config and tokenizer from the source directory, mounted from the node); it joins the pool and is
+    bound in a later round like any pool pod. Only `path` sources can be mounted this way."""
+    e, src = spec.engine, spec.model.source
+    if not src.path:
+        raise ValueError("spec.model.source: a new engine pod can only mount a `path` source (pvc/uri: use the pool)")
+    container: dict[str, Any] = {
+        "name": "engine", "image": e.image,
+        "args": ["kascade", "engine", "serve", "--empty", "--host=0.0.0.0", f"--port={e.port}", f"--act-port={act_port}",
+                 f"--checkpoint={src.path}", f"--model-name={spec.model.name}"],
+        "env": [{"name": "KASCADE_ENGINE_TOKEN", "valueFrom": {"secretKeyRef": {"name": token_secret, "key": "token"}}}],
+        "ports": [{"containerPort": e.port, "name": "http"}, {"containerPort": e.data_port, "name": "data"},
+                  {"containerPort": act_port, "name": "act"}],
+        "volumeMounts": [{"name": "model", "mountPath": src.path, "readOnly": True}]}
     if e.resources:
         container["resources"] = e.resources.model_dump(exclude_none=True)
     pod: dict[str, Any] = {"apiVersion": "v1", "kind": "Pod",
                            "metadata": {"generateName": f"kascade-pool-{service}-",
                                         "labels": {L.POOL: L.POOL_WARM, L.MANAGED_BY: "kascade"}},
-                           "spec": {"containers": [container]}}
+                           "spec": {"containers": [container], "automountServiceAccountToken": False,
+                                    "volumes": [{"name": "model", "hostPath": {"path": src.path, "type": "Directory"}}]}}
     if e.node_selector:
         pod["spec"]["nodeSelector"] = dict(e.node_selector)
     if e.tolerations:

@@ -37,9 +37,21 @@ class PodView:
     act_endpoint: str | None = None  # where the engine finishes split requests of a live-paired target
 
 
+def _addresses(pod: Mapping[str, Any]) -> dict[str, str]:
+    """In a cluster the engine listens on the pod IP at its named container ports (http, data, act);
+    annotations (set by the local harness, or by hand) take precedence."""
+    ip = (pod.get("status") or {}).get("podIP")
+    if not ip:
+        return {}
+    named = {p.get("name"): p.get("containerPort") for c in (pod.get("spec") or {}).get("containers") or []
+             for p in c.get("ports") or [] if p.get("name")}
+    return {key: f"{ip}:{named[port]}" for key, port in ((L.ENDPOINT, "http"), (L.DATA_ENDPOINT, "data"),
+                                                          (L.ACT_ENDPOINT, "act")) if named.get(port)}
+
+
 def pod_view(pod: Mapping[str, Any], node_leaf: Mapping[str, str] | None = None) -> PodView:
     meta = pod.get("metadata") or {}
-    lab, ann = meta.get("labels") or {}, meta.get("annotations") or {}
+    lab, ann = meta.get("labels") or {}, {**_addresses(pod), **(meta.get("annotations") or {})}
     conds = (pod.get("status") or {}).get("conditions") or []
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
     node = (pod.get("spec") or {}).get("nodeName")

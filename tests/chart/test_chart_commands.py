@@ -1,0 +1,93 @@
+"""What the chart runs is what the code accepts: the rendered containers' args are parsed by the real
+`kascade` CLI (without running anything), and the operator's environment builds its real settings."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+import yaml
+
+from kascade_cli.main import cli
+from kascade_operator.settings import OperatorSettings
+
+CHART = Path(__file__).resolve().parents[2] / "charts" / "kascade"
+pytestmark = pytest.mark.filterwarnings("ignore:'protected_args' is deprecated")
+Helm = Callable[..., subprocess.CompletedProcess[str]]
+
+
+def containers(helm: Helm, tmp: Path, values: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    (tmp / "values.yaml").write_text(yaml.safe_dump(values))
+    docs = [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), "-f", str(tmp / "values.yaml")).stdout) if d]
+    return {d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0] for d in docs
+            if d["kind"] == "Deployment"}
+
+
+def parse(args: list[str]) -> dict[str, Any]:
+    """Resolve `kascade ...` down to the leaf command and parse its options, as click would at start-up."""
+    assert args[0] == "kascade", args
+    ctx = cli.make_context("kascade", list(args[1:]), resilient_parsing=False)
+    group, rest = cli, ctx.protected_args + ctx.args
+    while isinstance(group, click.Group):
+        name, cmd, rest = group.resolve_command(ctx, rest)
+        assert cmd is not None, f"unknown command {name}"
+        ctx = cmd.make_context(name or "", rest, parent=ctx)
+        group, rest = cmd, ctx.protected_args + ctx.args if isinstance(cmd, click.Group) else []
+    return dict(ctx.params)
+
+
+def test_operator_args_and_env_are_real_settings(helm: Helm, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    c = containers(helm, tmp_path, {"operator": {"logLevel": "debug", "watchNamespaces": ["a", "b"],
+                                                 "metrics": {"intervalSeconds": 0.25}}})["rel-operator"]
+    params = parse(c["args"])
+    assert params["liveness"] == "http://0.0.0.0:8080/healthz" and params["metrics_port"] == 9090
+    assert c["args"][1] == "-vv"
+    env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
+    assert all(k.startswith("KASCADE_OPERATOR_") for k in env), env
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    s = OperatorSettings()
+    assert s.namespaces == ["a", "b"] and s.interval_seconds == 0.25 and s.inter_leaf_ratio == 0.5
+    assert s.leaf_label == "kascade.io/leaf" and s.metrics_source == "scrape"
+    token = next(e for e in c["env"] if e["name"] == "KASCADE_ENGINE_TOKEN")
+    assert token["valueFrom"]["secretKeyRef"] == {"name": "rel-engine-token", "key": "token"}
+
+
+def test_pool_engine_args_parse_and_name_the_model(helm: Helm, tmp_path: Path) -> None:
+    (tmp_path / "m1").mkdir()  # click checks the checkpoint directory exists, as it would in the pod
+    c = containers(helm, tmp_path, {"pool": {"model": {"name": "m1", "path": str(tmp_path / "m1")}}})["rel-pool"]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    params = parse(c["args"])
+    assert params["empty"] and params["model_name"] == "m1" and params["host"] == "0.0.0.0"
+    assert params["port"] == ports["http"] and params["act_port"] == ports["act"] and "data" in ports
+    assert params["checkpoint"] == tmp_path / "m1"
+
+
+def test_pool_without_a_model_is_refused(helm: Helm) -> None:
+    out = helm("template", "rel", str(CHART), "--set", "pool.model.name=", check=False)
+    assert out.returncode != 0 and "/pool/model/name" in out.stderr
+
+
+def test_fallback_pod_runs_a_real_engine_command(tmp_path: Path) -> None:
+    from kascade_operator.api import ModelServiceSpec
+    from kascade_operator.plandriver import fallback_pod
+
+    ckpt = tmp_path / "m"
+    ckpt.mkdir()
+    spec = ModelServiceSpec.model_validate({"model": {"name": "m", "source": {"path": str(ckpt)}},
+                                            "engine": {"image": "img:1", "port": 8100}, "mode": "colocated",
+                                            "replicas": {"colocated": {"min": 1, "max": 2}}})
+    pod = fallback_pod(spec, "svc", "colocated", "tok")
+    c = pod["spec"]["containers"][0]
+    params = parse(c["args"])
+    assert params["checkpoint"] == ckpt and params["model_name"] == "m" and params["port"] == 8100 and params["empty"]
+    assert pod["spec"]["volumes"][0]["hostPath"]["path"] == str(ckpt) == c["volumeMounts"][0]["mountPath"]
+    assert c["env"][0]["valueFrom"]["secretKeyRef"]["name"] == "tok"
+    uri = spec.model_copy(update={"model": spec.model.model_copy(update={"source": spec.model.source.model_copy(
+        update={"path": None, "uri": "s3://bucket/m"})})})
+    with pytest.raises(ValueError, match="spec.model.source"):
+        fallback_pod(uri, "svc", "colocated")
