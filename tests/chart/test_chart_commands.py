@@ -89,5 +89,21 @@ def test_fallback_pod_runs_a_real_engine_command(tmp_path: Path) -> None:
     assert c["env"][0]["valueFrom"]["secretKeyRef"]["name"] == "tok"
     uri = spec.model_copy(update={"model": spec.model.model_copy(update={"source": spec.model.source.model_copy(
         update={"path": None, "uri": "s3://bucket/m"})})})
-    with pytest.raises(ValueError, match="spec.model.source"):
+    with pytest.raises(ValueError, match=r"spec\.model\.source"):
         fallback_pod(uri, "svc", "colocated")
+
+
+def test_kind_e2e_values_and_modelservice_agree(helm: Helm) -> None:
+    """e2e/kind/run.sh cannot run here (no Docker): at least its chart values render, and the pool it
+    installs is started for exactly the model its ModelService asks for, from the same directory."""
+    from kascade_operator.api import ModelServiceSpec
+
+    kind = CHART.parents[1] / "e2e" / "kind"
+    docs = [d for d in yaml.safe_load_all(helm("template", "kascade", str(CHART), "-f", str(kind / "values.yaml")).stdout)
+            if d]
+    pool = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "kascade-pool")
+    c = pool["spec"]["template"]["spec"]["containers"][0]
+    msvc = yaml.safe_load((kind / "modelservice.yaml").read_text())
+    spec = ModelServiceSpec.model_validate(msvc["spec"])
+    assert f"--model-name={spec.model.name}" in c["args"] and f"--checkpoint={spec.model.source.path}" in c["args"]
+    assert c["image"] == spec.engine.image == "kascade:e2e" and c["imagePullPolicy"] == "Never"
