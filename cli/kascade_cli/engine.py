@@ -94,7 +94,7 @@ def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: s
         blocks = None  # not a complete copy: never a source
     elif blocks is not None:
         eng.load_blocks(blocks.blocks.values())
-    st = ServerState(eng, tok, name, token, max_prompt_tokens=max_prompt_tokens, finisher=Finisher(model, busy=lambda: not eng.scheduler.idle),
+    st = ServerState(eng, tok, name, token, max_prompt_tokens=max_prompt_tokens, finisher=Finisher(model, busy=lambda: not eng.scheduler.idle, token=token),
                      blockset=blocks, phase="ready" if model.complete else "idle" if empty else "loading",
                      transport=transport, transfer_bytes_per_s=transfer_max_mbps * 1e6 / 8 if transfer_max_mbps else None)
 

@@ -8,6 +8,9 @@ Wire format (explicit, no pickle), one transport frame per step:
           (row-major, little endian);  {"op": "end", "req"} frees A's state;  {"op": "poll"} asks
           whether A is idle (ZigZag: A takes a request over only when idle).
   A -> B  {"op": "token", "req", "token"}, {"op": "load", "idle"}  or  {"op": "error", "req", "message"}.
+A Finisher built with a token (every engine's: the control API token from the same Secret) first needs
+  B -> A  {"op": "hello", "token"}  ->  {"op": "welcome"}; anything else closes the connection, so only
+engines of the same installation can make A run layers.
 Where the KV cache lives: layers 0..k-1 on B (`SplitClient`), layers k..L-1 on A (`Finisher`), keyed by
 request id. Decode continues with the same split: each new token is embedded on B, runs B's layers,
 and its activation row goes to A, so neither cache ever moves. A request keeps its split k until it
@@ -20,6 +23,7 @@ every layer), as in the ILP-free ZigZag policy of kascade_planner.zigzag.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -69,8 +73,10 @@ class _Remote:
 class Finisher:
     """A's side: finishes requests whose prefix ran elsewhere. `handle` is a transport handler."""
 
-    def __init__(self, model: LlamaModel, max_requests: int = 256, busy: Callable[[], bool] = lambda: False) -> None:
+    def __init__(self, model: LlamaModel, max_requests: int = 256, busy: Callable[[], bool] = lambda: False,
+                 token: str | None = None) -> None:
         self.model = model
+        self.token = token
         self.busy = busy  # is this engine's own work queue non-empty (ZigZag: the peer pulls only when idle)
         self.max_requests = max_requests
         self.state: dict[str, _Remote] = {}
@@ -111,6 +117,17 @@ class Finisher:
             return {"op": "error", "req": req, "message": str(e)}
 
     async def handle(self, conn: Connection) -> None:
+        if self.token is not None:
+            try:
+                hello, _ = await conn.recv(timeout=10)
+            except TransportError:
+                return
+            if hello.get("op") != "hello" or not hmac.compare_digest(str(hello.get("token", "")).encode(),
+                                                                      self.token.encode()):
+                log.warning("activation connection from %s rejected: bad hello or token", conn.peer)
+                await conn.close()
+                return
+            await conn.send({"op": "welcome"})
         while True:
             try:
                 header, payload = await conn.recv()
@@ -128,6 +145,13 @@ class SplitClient:
 
     def __init__(self, model: LlamaModel, conn: Connection) -> None:
         self.model, self.conn = model, conn
+
+    async def hello(self, token: str) -> None:
+        """Authenticate to a Finisher that requires a token."""
+        await self.conn.send({"op": "hello", "token": token})
+        reply, _ = await self.conn.recv(timeout=10)
+        if reply.get("op") != "welcome":
+            raise RuntimeError(f"peer refused the hello: {reply}")
 
     def _prefix(self, ids: list[int], kv: SequenceKV, start: int, k: int) -> torch.Tensor:
         return self.model.run_layers(0, k, self.model.embed(torch.tensor(ids)), kv, start)

@@ -200,8 +200,10 @@ def create_app(st: ServerState) -> FastAPI:
                         q.put_nowait(Event(rid, tok, last, reason))
 
                     st.metrics.live_split.inc()
-                    await SplitClient(st.engine.model, conn).generate(rid, prompt, params, k, st.tokenizer.eos_token_id, emit,
-                                                                      zigzag=st.cooperate.get("mode") == "zigzag")
+                    client = SplitClient(st.engine.model, conn)
+                    await client.hello(st.token)  # peers are engines of this installation (same token)
+                    await client.generate(rid, prompt, params, k, st.tokenizer.eos_token_id, emit,
+                                          zigzag=st.cooperate.get("mode") == "zigzag")
                 finally:
                     await conn.close()
             except Exception as e:

@@ -32,3 +32,25 @@ def test_loading_engine_serves_split_with_peer(engine_a, tiny_ckpt, engine_start
         assert httpx.get(b.url + "/readyz").status_code == 503
     finally:
         b.stop()
+
+
+def test_activation_port_needs_the_installation_token(engine_a) -> None:  # type: ignore[no-untyped-def]
+    """Only an engine holding the same token may make A run layers: a wrong hello is cut off."""
+    import asyncio
+
+    from kascade_engine.transport import TransportError
+    from kascade_engine.transport_tcp import TcpTransport
+
+    async def hello(token: str) -> str:
+        conn = await TcpTransport().connect("127.0.0.1", engine_a.act)
+        try:
+            await conn.send({"op": "hello", "token": token})
+            reply, _ = await conn.recv(timeout=10)
+            return str(reply.get("op"))
+        except TransportError as e:
+            return f"closed: {e}"
+        finally:
+            await conn.close()
+
+    assert asyncio.run(hello(engine_a.token)) == "welcome"
+    assert asyncio.run(hello("not-the-token")).startswith("closed")

@@ -39,7 +39,9 @@ async def test_split_over_tcp_between_processes(engine_a, tiny_blocks, k: int) -
     try:
         b = _partial(tiny_blocks, k)
         assert b.resident_prefix() == k and not b.complete
-        got = await SplitClient(b, conn).generate(f"r{k}", prompt, params, k)
+        client = SplitClient(b, conn)
+        await client.hello(engine_a.token)  # the engine's activation port needs the installation token
+        got = await client.generate(f"r{k}", prompt, params, k)
     finally:
         await conn.close()
     assert got == want
@@ -50,7 +52,9 @@ async def test_split_with_sampling_seed_matches(engine_a, tiny_blocks) -> None: 
     want = _single(tiny_blocks, prompt, params)
     conn = await TcpTransport().connect("127.0.0.1", engine_a.act)
     try:
-        got = await SplitClient(_partial(tiny_blocks, 2), conn).generate("seeded", prompt, params, 2)
+        client = SplitClient(_partial(tiny_blocks, 2), conn)
+        await client.hello(engine_a.token)
+        got = await client.generate("seeded", prompt, params, 2)
     finally:
         await conn.close()
     assert got == want
@@ -89,7 +93,9 @@ async def test_split_smollm_matches_single(smollm_ckpt: Path, engine_starter) ->
     a = engine_starter(["--smollm", "--model-name", "smollm2-135m"])
     conn = await TcpTransport().connect("127.0.0.1", a.act)
     try:
-        got = await SplitClient(_partial(blocks, 13), conn).generate("s", prompt, params, 13)
+        client = SplitClient(_partial(blocks, 13), conn)
+        await client.hello(a.token)
+        got = await client.generate("s", prompt, params, 13)
     finally:
         await conn.close()
         a.stop()
