@@ -127,6 +127,17 @@ async def _reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) ->
         serving = [p for p in pods if p.model_service == name and p.role == role and not p.draining]
         ready = {p.instance: p.endpoint for p in serving if p.ready and p.endpoint}
         key = (ns, name, role)
+        if role == "colocated" and spec.replicas.desired is not None:
+            # one writer at a time: while the scale subresource (kubectl scale, HPA, KEDA, GitOps) sets
+            # replicas.desired, it is the decision and the policy stays off; reconcile() reads it
+            want = max(b.min, min(b.max, spec.replicas.desired))
+            if want != len(serving):
+                why = f"spec.replicas.desired={spec.replicas.desired} (scale subresource; the policy is off while it is set)"
+                rt.metrics.decisions.labels("scaleSubresource", "up" if want > len(serving) else "down").inc()
+                reasons.append(why)
+                last = {"time": now_iso(), "policy": "scaleSubresource", "role": role, "from": len(serving),
+                        "to": want, "reason": why, "metrics": {}}
+            continue
         if rt.prometheus is not None:
             loads = await rt.prometheus.collect([p.pod_name for p in serving if p.ready])
         else:

@@ -165,3 +165,22 @@ def test_operator_sigkill_mid_plan_completes_exactly_once(
     pods = bound(control_plane, namespace, "svc")
     assert len(pods) == 2 and len(plans(control_plane, namespace)) == 1
     assert sorted(s.count("bind") for s in stubs) == [0, 1, 1]  # each target instructed exactly once
+
+
+def test_scale_subresource_is_the_one_writer_while_set(
+        control_plane: ControlPlane, namespace: str, op: OperatorProcess, kwok_nodes: Callable[..., list[str]]) -> None:
+    nodes = kwok_nodes(4, leaves=2)
+    stubs = pool(control_plane, namespace, nodes)
+    op.start()
+    control_plane.kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(msvc("svc", 1, 3, upper=2000)))
+    wait_for(lambda: len(bound(control_plane, namespace, "svc")) == 1, what="min bound")
+    control_plane.kubectl("-n", namespace, "scale", "msvc", "svc", "--replicas=3")  # no load at all: still 3
+    wait_for(lambda: len(bound(control_plane, namespace, "svc")) == 3, what="3 by the scale subresource")
+    st = get(control_plane, namespace, "msvc", "svc")["status"]
+    assert st["lastDecision"]["policy"] == "scaleSubresource" and st["lastDecision"]["to"] == 3
+    time.sleep(2.0)  # the policy (load 0 < lower 500, delay 0.5 s) would have scaled down by now
+    assert len(bound(control_plane, namespace, "svc")) == 3
+    control_plane.kubectl("-n", namespace, "patch", "msvc", "svc", "--type=json",
+                          "-p", json.dumps([{"op": "remove", "path": "/spec/replicas/desired"}]))
+    wait_for(lambda: len(bound(control_plane, namespace, "svc")) == 1, timeout=40, what="policy back: down to min")
+    assert sum(s.count("release") for s in stubs) == 2
