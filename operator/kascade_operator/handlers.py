@@ -82,7 +82,7 @@ async def observe(rt: Runtime, ns: str) -> tuple[list[PodView], list[dict[str, A
     nodes = await rt.nodes()
     leaf = {n["metadata"]["name"]: (n["metadata"].get("labels") or {}).get(rt.settings.leaf_label, "")
             for n in nodes}
-    raw = await rt.kube.list_pods(ns, f"{L.POOL}={L.POOL_WARM}")
+    raw = await rt.kube.list_pods(ns, L.POOL)
     pods = [pod_view(p, leaf) for p in raw if not (p.get("metadata") or {}).get("deletionTimestamp")]
     # a draining pod is "drained" when release succeeds; try it every round (409 = still in flight)
     pods = [p.__class__(**{**p.__dict__, "drained": p.draining}) if p.draining else p for p in pods]

@@ -1,14 +1,17 @@
 """Label and annotation keys the operator writes on pods and reads back: the binding record.
 
-A pool pod is idle when it carries `kascade.io/pool=warm` and no `kascade.io/model-service` label.
+A pool pod is idle when it carries `kascade.io/pool=warm` and no `kascade.io/model-service` label;
+binding sets `kascade.io/pool=bound`, which takes it out of the pool Deployment's selector (the
+ReplicaSet orphans it and starts a fresh idle pod), and unbinding sets `warm` again.
 Binding patches both the label and an annotation with the binding generation, guarded by the pod's
 resourceVersion, so two operators (or one restarted) can never bind the same pod twice.
 """
 
 from __future__ import annotations
 
-POOL = "kascade.io/pool"
-POOL_WARM = "warm"
+POOL = "kascade.io/pool"  # as a selector: every pool pod, idle or bound
+POOL_WARM = "warm"  # idle: what the pool Deployment's selector matches, so it refills when one is bound
+POOL_BOUND = "bound"
 MODEL_SERVICE = "kascade.io/model-service"
 ROLE = "kascade.io/role"
 PLAN = "kascade.io/plan"  # annotation: the ScalePlan that bound the pod

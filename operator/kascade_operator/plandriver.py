@@ -115,7 +115,7 @@ async def _bind_targets(rt: Runtime, sp: dict[str, Any], pods: dict[str, PodView
                 await rt.kube.patch_pod(ns, p.pod_name, bind_patch(p, svc, role, name))
                 break
             except Conflict:
-                fresh = await rt.kube.list_pods(ns, f"{L.POOL}={L.POOL_WARM}")
+                fresh = await rt.kube.list_pods(ns, L.POOL)
                 p = next((pod_view(x) for x in fresh if x["metadata"]["name"] == pod_of[iid]), None)
             except NotFound:
                 p = None
@@ -132,7 +132,7 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any]) -> dict[str, str]:
     pending = [i for i in SP.to_instruct(spec, status) if i not in done]
     if not pending:
         return {}
-    pods = {p.pod_name: p for p in (pod_view(x) for x in await rt.kube.list_pods(ns, f"{L.POOL}={L.POOL_WARM}"))}
+    pods = {p.pod_name: p for p in (pod_view(x) for x in await rt.kube.list_pods(ns, L.POOL))}
     failed = await _bind_targets(rt, sp, pods, pending)
     svc, role, plan = spec["modelServiceRef"]["name"], spec["role"], spec.get("plan") or {}
     model = (plan.get("model") or {}).get("name", "")

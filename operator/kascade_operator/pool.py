@@ -57,7 +57,7 @@ def pod_view(pod: Mapping[str, Any], node_leaf: Mapping[str, str] | None = None)
     node = (pod.get("spec") or {}).get("nodeName")
     return PodView(
         pod_name=str(meta.get("name")), node=node, resource_version=str(meta.get("resourceVersion", "")),
-        pool=lab.get(L.POOL) == L.POOL_WARM, model_service=lab.get(L.MODEL_SERVICE), role=lab.get(L.ROLE),
+        pool=lab.get(L.POOL) in (L.POOL_WARM, L.POOL_BOUND), model_service=lab.get(L.MODEL_SERVICE), role=lab.get(L.ROLE),
         ready=ready and ann.get(L.LOADED) == "true", draining=L.DRAINING in ann,
         drained=ann.get(L.DRAINING + "-done") == "true", endpoint=ann.get(L.ENDPOINT),
         data_endpoint=ann.get(L.DATA_ENDPOINT), instance=ann.get(L.INSTANCE) or str(meta.get("name")),
@@ -98,7 +98,7 @@ def bind_patch(p: PodView, model_service: str, role: str, plan: str) -> dict[str
     if p.model_service is not None:
         raise ValueError(f"pod {p.pod_name} is already bound to {p.model_service}")
     return {"metadata": {"resourceVersion": p.resource_version,
-                         "labels": {L.MODEL_SERVICE: model_service, L.ROLE: role},
+                         "labels": {L.MODEL_SERVICE: model_service, L.ROLE: role, L.POOL: L.POOL_BOUND},
                          "annotations": {L.PLAN: plan}}}
 
 
@@ -114,7 +114,7 @@ def unbind_patch(p: PodView, unhealthy: str | None = None) -> dict[str, Any]:
     """Return a drained pod to the pool (merge patch: null deletes the key); with `unhealthy`, a dead
     engine's pod leaves its service and is marked so it is never chosen as a target again."""
     return {"metadata": {"resourceVersion": p.resource_version,
-                         "labels": {L.MODEL_SERVICE: None, L.ROLE: None},
+                         "labels": {L.MODEL_SERVICE: None, L.ROLE: None, L.POOL: L.POOL_WARM},
                          "annotations": {L.PLAN: None, L.LOADED: None, L.LIVE: None, L.DRAINING: None,
                                          L.DRAINING + "-done": None,
                                          **({L.UNHEALTHY: unhealthy[:200]} if unhealthy else {})}}}

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -45,6 +47,21 @@ def test_helm_install_creates_and_uninstall_removes(control_plane: ControlPlane,
     pool = json.loads(control_plane.kubectl("-n", namespace, "get", "pods", "-l", "kascade.io/pool=warm",
                                             "-o", "json").stdout)["items"]
     assert len(pool) == 3 and {p["status"]["phase"] for p in pool} == {"Running"}
+    # Binding relabels a pod kascade.io/pool=bound (what the operator's bind patch does): the ReplicaSet
+    # lets it go and starts a fresh idle pod, so the warm pool refills on its own.
+    first = pool[0]["metadata"]["name"]
+    control_plane.kubectl("-n", namespace, "label", "pod", first, "kascade.io/pool=bound",
+                          "kascade.io/model-service=svc", "--overwrite")
+
+    def pods(sel: str) -> list[dict[str, Any]]:
+        return json.loads(control_plane.kubectl("-n", namespace, "get", "pods", "-l", sel, "-o", "json").stdout)["items"]
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and len(pods("kascade.io/pool=warm")) < 3:
+        time.sleep(0.2)
+    warm, bound = pods("kascade.io/pool=warm"), pods("kascade.io/pool=bound")
+    assert len(warm) == 3 and first not in {p["metadata"]["name"] for p in warm}
+    assert [p["metadata"]["name"] for p in bound] == [first] and not bound[0]["metadata"].get("ownerReferences")
     # The operator's service account can read its token Secret but not list Secrets.
     sa = f"system:serviceaccount:{namespace}:kc-operator"
     can = lambda *a: control_plane.kubectl("auth", "can-i", *a, "--as", sa, "-n", namespace, check=False).stdout.strip()  # noqa: E731

@@ -80,11 +80,11 @@ def test_pod_view_and_patches() -> None:
     assert (p.pool, p.model_service, p.ready, p.leaf, p.endpoint) == (True, None, False, "leaf-0", "127.0.0.1:8001")
     patch = bind_patch(p, "svc", "colocated", "svc-up-1")
     assert patch["metadata"]["resourceVersion"] == "42"  # optimistic concurrency guard
-    assert patch["metadata"]["labels"] == {L.MODEL_SERVICE: "svc", L.ROLE: "colocated"}
+    assert patch["metadata"]["labels"] == {L.MODEL_SERVICE: "svc", L.ROLE: "colocated", L.POOL: L.POOL_BOUND}
     bound = pod(p.pod_name, ms="svc", role="colocated")
     with pytest.raises(ValueError, match="already bound to svc"):
         bind_patch(bound, "other", "colocated", "x")
-    assert unbind_patch(bound)["metadata"]["labels"] == {L.MODEL_SERVICE: None, L.ROLE: None}
+    assert unbind_patch(bound)["metadata"]["labels"] == {L.MODEL_SERVICE: None, L.ROLE: None, L.POOL: L.POOL_WARM}
 
 
 def test_choose_targets_skips_pods_without_endpoint_or_node() -> None:
