@@ -17,15 +17,17 @@ def operator() -> None:
 @operator.command("run")
 @click.option("--namespace", "namespaces", multiple=True, help="watch only this namespace (repeatable; default: all)")
 @click.option("--interval", type=float, help="metric loop period in seconds (sub-second allowed)")
-@click.option("--pool-size", type=click.IntRange(0), help="idle warm-pool pods to keep")
 @click.option("--metrics-source", type=click.Choice(["scrape", "prometheus"]), help="engine /metrics or Prometheus")
 @click.option("--prometheus-url", help="Prometheus base URL (with --metrics-source prometheus)")
 @click.option("--engine-token", envvar="KASCADE_ENGINE_TOKEN", help="bearer token for the engine control API")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), help="serve the operator's /metrics here (0 = off)")
 @click.option("--liveness", metavar="URL", help="serve a liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
-def run(namespaces: tuple[str, ...], interval: float | None, pool_size: int | None, metrics_source: str | None,
+def run(namespaces: tuple[str, ...], interval: float | None, metrics_source: str | None,
         prometheus_url: str | None, engine_token: str | None, metrics_port: int | None, liveness: str | None) -> None:
-    """Reconcile ModelServices and ScalePlans until interrupted (`kascade -v operator run` logs decisions)."""
+    """Reconcile ModelServices and ScalePlans until interrupted (`kascade -v operator run` logs decisions).
+
+    The warm pool's size is its Deployment's (the chart's `pool.replicas`): it refills itself when the
+    operator binds a pod; when it is empty the operator creates pods as the slow fallback."""
     import kopf
     from pydantic import ValidationError
 
@@ -33,7 +35,7 @@ def run(namespaces: tuple[str, ...], interval: float | None, pool_size: int | No
     from kascade_operator.settings import OperatorSettings
 
     overrides = {k: v for k, v in {"namespaces": list(namespaces) or None, "interval_seconds": interval,
-                                   "pool_size": pool_size, "metrics_source": metrics_source,
+                                   "metrics_source": metrics_source,
                                    "prometheus_url": prometheus_url, "engine_token": engine_token,
                                    "metrics_port": metrics_port}.items() if v is not None}
     try:

@@ -19,7 +19,6 @@ class OperatorSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KASCADE_OPERATOR_", extra="forbid")
 
     namespaces: list[str] = Field(default_factory=list, description="watched namespaces; empty = cluster-wide")
-    pool_size: int = Field(default=0, ge=0, le=10_000, description="idle warm-pool pods to keep per namespace")
     pool_label: str = "kascade.io/pool"
     metrics_source: Literal["scrape", "prometheus"] = "scrape"
     prometheus_url: str | None = Field(default=None, pattern=r"^https?://")
