@@ -26,6 +26,7 @@ from kascade_devcluster.controlplane import ControlPlane
 from kascade_devcluster.enginepool import EnginePool
 from kascade_devcluster.loadgen import LoadGen
 from kascade_devcluster.operatorproc import OperatorProcess
+from kascade_devcluster.waiting import wait_for
 from kascade_engine.checkpoint import tiny_llama
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -71,16 +72,6 @@ def get(cp: ControlPlane, ns: str, *what: str) -> Any:
     return json.loads(cp.kubectl("-n", ns, "get", *what, "-o", "json").stdout)
 
 
-def wait_for(pred: Callable[[], Any], timeout: float, what: str) -> Any:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
 def loaded(cp: ControlPlane, ns: str) -> list[dict[str, Any]]:
     return [p for p in get(cp, ns, "pods", "-l", "kascade.io/model-service=svc")["items"]
             if p["metadata"]["annotations"].get("kascade.io/loaded") == "true"
@@ -110,6 +101,14 @@ def live_split(pool: EnginePool, name: str) -> float:
                if line.startswith("kascade_live_split_requests_total"))
 
 
+def serve_first_copy(cp: ControlPlane, ns: str, doc: dict[str, Any]) -> str:
+    """Apply the ModelService and wait until its first copy (loaded from the source path) serves."""
+    cp.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(doc))
+    first = wait_for(lambda: loaded(cp, ns), 90, "the first copy loaded from spec.model.source.path")
+    assert len(first) == 1
+    return str(first[0]["metadata"]["name"])
+
+
 def complete(url: str) -> str:
     r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8}, timeout=30)
     assert r.status_code == 200, r.text
@@ -121,10 +120,7 @@ def test_burst_scales_up_by_chain_from_the_serving_replica_and_back(
         ckpt: Path) -> None:
     cp, ns = control_plane, namespace
     pool, _, nodes = world
-    cp.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(msvc(ckpt, 1, 3, upper=300, lower=100)))
-    first = wait_for(lambda: loaded(cp, ns), 90, "the first copy loaded from spec.model.source.path")
-    assert len(first) == 1
-    src = first[0]["metadata"]["name"]
+    src = serve_first_copy(cp, ns, msvc(ckpt, 1, 3, upper=300, lower=100))
     local = [p for p in get(cp, ns, "splan")["items"] if p["spec"]["algorithm"] == "local"]
     assert local and local[0]["spec"]["sources"][0]["path"] == str(ckpt)
     want = complete(pool.engines[src].url)
@@ -141,7 +137,7 @@ def test_burst_scales_up_by_chain_from_the_serving_replica_and_back(
         # one live pair: the overloaded replica and the first target of its chain (it holds layers first)
         assert [(lp["overloaded"], lp["loading"]) for lp in spec["livePairs"]] == [(src, spec["chains"][0][1])]
         leaf = {n: f"leaf-{i % 2}" for i, n in enumerate(nodes)}
-        src_leaf = leaf[first[0]["spec"]["nodeName"]]
+        src_leaf = leaf[pool.engines[src].node]
         node_of = {t["instance"]: t["node"] for t in spec["targets"]}
         assert leaf[node_of[spec["chains"][0][1]]] == src_leaf  # the first hop stays under the source's leaf
         # weights are observably in flight: a target reports some blocks but not all (paced at 40 Mbit/s)
@@ -185,8 +181,7 @@ def test_target_killed_mid_transfer_is_replaced(
     cp, ns = control_plane, namespace
     pool, _, _ = world
     # one serving copy, then a GitOps-style change of the minimum to 3: one chain source -> middle -> tail
-    cp.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(msvc(ckpt, 1, 3, upper=1e9, lower=0)))
-    src = wait_for(lambda: loaded(cp, ns), 90, "the first copy")[0]["metadata"]["name"]
+    src = serve_first_copy(cp, ns, msvc(ckpt, 1, 3, upper=1e9, lower=0))
     want = complete(pool.engines[src].url)
     cp.kubectl("-n", ns, "patch", "msvc", "svc", "--type=merge", "-p",
                json.dumps({"spec": {"replicas": {"colocated": {"min": 3}}}}))

@@ -14,6 +14,7 @@ from enginestub import EngineStub  # type: ignore[import-not-found]
 
 from kascade_devcluster.controlplane import ControlPlane
 from kascade_devcluster.operatorproc import OperatorProcess
+from kascade_devcluster.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
 TOKEN = "op-test-token"
@@ -29,16 +30,6 @@ def op(control_plane: ControlPlane, crds: list[str], namespace: str, tmp_path: P
 
 def get(cp: ControlPlane, ns: str, *what: str) -> Any:
     return json.loads(cp.kubectl("-n", ns, "get", *what, "-o", "json").stdout)
-
-
-def wait_for(pred: Callable[[], Any], timeout: float = 30.0, what: str = "") -> Any:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def msvc(name: str, lo: int, hi: int, upper: float = 2000, lower: float = 500) -> dict[str, Any]:

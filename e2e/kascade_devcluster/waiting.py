@@ -1,0 +1,26 @@
+"""Waiting for a condition on a live system (control plane, engines): poll a predicate until it
+returns something truthy, or fail naming what was awaited."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+class Timeout(AssertionError):
+    """What was awaited did not happen in time (an AssertionError, so tests report it as a failure)."""
+
+
+def wait_for(pred: Callable[[], T], timeout: float = 30.0, what: str = "a condition", poll: float = 0.1) -> T:
+    """The first truthy value of `pred()` within `timeout` seconds."""
+    end = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() >= end:
+            raise Timeout(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(poll)
