@@ -205,3 +205,34 @@ def test_target_killed_mid_transfer_is_replaced(
         assert complete(pool.engines[n].url) == want
     reasons = {e["reason"] for e in get(cp, ns, "events")["items"]}
     assert "TargetDropped" in reasons
+
+
+def test_operator_sigkilled_mid_transfer_resumes_the_plan_once(
+        control_plane: ControlPlane, namespace: str, world: tuple[EnginePool, OperatorProcess, list[str]],
+        ckpt: Path) -> None:
+    cp, ns = control_plane, namespace
+    pool, op, _ = world
+    src = serve_first_copy(cp, ns, msvc(ckpt, 1, 3, upper=1e9, lower=0))
+    want = complete(pool.engines[src].url)
+    cp.kubectl("-n", ns, "patch", "msvc", "svc", "--type=merge", "-p",
+               json.dumps({"spec": {"replicas": {"colocated": {"min": 3}}}}))
+    plan = wait_for(lambda: [p for p in get(cp, ns, "splan")["items"] if p["spec"]["algorithm"] == "chain"],
+                    60, "a chain ScalePlan")[0]
+    targets = [t["instance"] for t in plan["spec"]["targets"]]
+    wait_for(lambda: any(0 < sum(engine_status(pool, t)["blocks"].values()) < 10 for t in targets), 30,
+             "weights in flight")
+    op.kill()  # SIGKILL while the engines are loading; they go on without the operator
+    time.sleep(1.0)
+    op.start()
+    wait_for(lambda: len(loaded(cp, ns)) == 3, 90, "3 ready replicas after the restart")
+    time.sleep(2.0)  # a second plan or a double binding would show up by now
+    chains = [p for p in get(cp, ns, "splan")["items"] if p["spec"]["algorithm"] == "chain"]
+    assert len(chains) == 1 and chains[0]["status"]["phase"] == "Succeeded", chains
+    bound = get(cp, ns, "pods", "-l", "kascade.io/model-service=svc")["items"]
+    assert sorted(p["metadata"]["name"] for p in bound) == sorted([src, *targets])
+    manifest = httpx.get(f"{pool.engines[src].url}/kascade/v1/manifest", headers={"Authorization": f"Bearer {TOKEN}"},
+                         timeout=5).json()
+    total = sum(b["bytes"] for b in manifest.values())
+    for t in targets:  # each target received the model exactly once (no second transfer), intact
+        st = engine_status(pool, t)
+        assert st["ready"] and st["bytesReceived"] == total and complete(pool.engines[t].url) == want
