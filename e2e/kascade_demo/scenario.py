@@ -47,10 +47,12 @@ class ModelChoice:
     lower: float
     transfer_mbps: float | None  # pace weight transfers so they are visible on loopback
     prompt_tokens: int = 32
+    scale_down_s: float = 3.0  # slow models give noisy rates: a longer hysteresis keeps them from flapping
 
 
 MODELS = {"tiny": ModelChoice("tiny-demo", 8, upper=300, lower=100, transfer_mbps=60),
-          "smollm": ModelChoice("smollm2-135m", 30, upper=60, lower=15, transfer_mbps=800, prompt_tokens=16)}
+          "smollm": ModelChoice("smollm2-135m", 30, upper=60, lower=15, transfer_mbps=800, prompt_tokens=16,
+                                 scale_down_s=8.0)}
 
 
 @dataclass
@@ -76,6 +78,7 @@ class DemoResult:
     plot: Path | None = None
     seconds: float = 0.0
     events: list[Event] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # distinct reasons of failed requests (first few)
 
 
 class Demo:
@@ -181,7 +184,7 @@ class Demo:
                 "spec": {"model": {"name": m.name, "source": {"path": path}, "layers": m.layers},
                          "engine": {"image": "kascade:dev"}, "mode": "colocated",
                          "replicas": {"colocated": {"min": 1, "max": self.cfg.nodes - 1}},
-                         "scaling": {"policy": "threshold", "intervalSeconds": 0.25, "scaleDownDelaySeconds": 3.0,
+                         "scaling": {"policy": "threshold", "intervalSeconds": 0.25, "scaleDownDelaySeconds": m.scale_down_s,
                                      "multicast": "chain", "live": True,
                                      "threshold": {"metric": "tokensPerSecond", "upper": m.upper, "lower": m.lower}}}}
 
@@ -253,6 +256,9 @@ class Demo:
                          ttft_p50_ms=s["ttft_p50_ms"], plans=self.kget("splan")["items"], seconds=self.now(),
                          events=list(self.timeline.events))
         res.plot = plot(self.timeline, out / "kascade-demo.png", f"Kascade demo: {self.m.name}")
+        res.errors = sorted({r.error for r in self.gen.results if not r.ok})[:5]
+        for e in res.errors:
+            self.console.print(f"[red]failed request: {e}[/red]")
         self.console.print(f"[bold]requests[/bold] ok {res.requests_ok}, failed {res.requests_failed}, TTFT p50 "
                            f"{res.ttft_p50_ms:.0f} ms; replicas 1 -> {res.max_ready} -> {res.final_ready}; "
                            f"{len(res.plans)} ScalePlans; {res.seconds:.0f} s")
