@@ -17,12 +17,14 @@ def operator() -> None:
 @operator.command("run")
 @click.option("--namespace", "namespaces", multiple=True, help="watch only this namespace (repeatable; default: all)")
 @click.option("--interval", type=float, help="metric loop period in seconds (sub-second allowed)")
+@click.option("--rate-window", type=click.FloatRange(0, 60),
+              help="seconds of scrapes behind each tokens/s rate (default 1; 0: the last two scrapes)")
 @click.option("--metrics-source", type=click.Choice(["scrape", "prometheus"]), help="engine /metrics or Prometheus")
 @click.option("--prometheus-url", help="Prometheus base URL (with --metrics-source prometheus)")
 @click.option("--engine-token", envvar="KASCADE_ENGINE_TOKEN", help="bearer token for the engine control API")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), help="serve the operator's /metrics here (0 = off)")
 @click.option("--liveness", metavar="URL", help="serve a liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
-def run(namespaces: tuple[str, ...], interval: float | None, metrics_source: str | None,
+def run(namespaces: tuple[str, ...], interval: float | None, rate_window: float | None, metrics_source: str | None,
         prometheus_url: str | None, engine_token: str | None, metrics_port: int | None, liveness: str | None) -> None:
     """Reconcile ModelServices and ScalePlans until interrupted (`kascade -v operator run` logs decisions).
 
@@ -35,7 +37,7 @@ def run(namespaces: tuple[str, ...], interval: float | None, metrics_source: str
     from kascade_operator.settings import OperatorSettings
 
     overrides = {k: v for k, v in {"namespaces": list(namespaces) or None, "interval_seconds": interval,
-                                   "metrics_source": metrics_source,
+                                   "rate_window_seconds": rate_window, "metrics_source": metrics_source,
                                    "prometheus_url": prometheus_url, "engine_token": engine_token,
                                    "metrics_port": metrics_port}.items() if v is not None}
     try:

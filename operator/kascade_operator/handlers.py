@@ -265,7 +265,8 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         if s.metrics_port:
             om.serve(s.metrics_port)
         memo.rt = Runtime(s, kube, EngineClient(token, s.engine_timeout_seconds),
-                          None if s.metrics_source == "prometheus" else Scraper(s.scrape_timeout_seconds),
+                          None if s.metrics_source == "prometheus" else Scraper(s.scrape_timeout_seconds,
+                                                                             window_s=s.rate_window_seconds),
                           PrometheusSource(s.prometheus_url) if s.metrics_source == "prometheus" and s.prometheus_url
                           else None, om)
 

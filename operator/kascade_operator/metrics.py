@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -72,27 +73,46 @@ def parse_engine_metrics(text: str, time_s: float) -> InstanceSample:
 
 
 class RateTracker:
-    """Keeps the previous sample per instance; a counter reset (engine restart) counts as a new start."""
+    """Per-second rates from cumulative counters over a short sliding window per instance.
 
-    def __init__(self) -> None:
-        self._prev: dict[str, InstanceSample] = {}
+    `window_s` = 0 compares each sample with the previous one (fastest, noisiest); a window of about a
+    second smooths the bursts a slow model produces (a request's prompt tokens all count at admission)
+    so the policy neither scales down in the middle of a burst nor misses a calm. The base sample is
+    the newest one at least `window_s` old (or the oldest kept). A counter that went down was reset
+    (engine restart): history is dropped and counting starts from zero.
+    """
+
+    def __init__(self, window_s: float = 0.0) -> None:
+        if window_s < 0:
+            raise ValueError(f"window_s must be >= 0, got {window_s}")
+        self.window_s = window_s
+        self._hist: dict[str, deque[InstanceSample]] = {}
 
     def update(self, instance: str, cur: InstanceSample) -> InstanceLoad:
-        prev = self._prev.get(instance)
-        self._prev[instance] = cur
+        h = self._hist.setdefault(instance, deque())
         in_flight = int(cur.queue_length + cur.running)
-        if prev is None or cur.time_s <= prev.time_s:
+        if h and (cur.input_tokens < h[-1].input_tokens or cur.output_tokens < h[-1].output_tokens):
+            prev = h[-1]
+            h.clear()
+            h.append(cur)
+            dt = cur.time_s - prev.time_s
+            if dt <= 0:
+                return InstanceLoad(instance, 0.0, 0.0, in_flight, cur.kv_usage)
+            return InstanceLoad(instance, cur.input_tokens / dt, cur.output_tokens / dt, in_flight, cur.kv_usage)
+        while len(h) >= 2 and h[1].time_s <= cur.time_s - self.window_s:
+            h.popleft()
+        base = h[0] if h else None
+        h.append(cur)
+        if base is None or cur.time_s <= base.time_s:
             return InstanceLoad(instance, 0.0, 0.0, in_flight, cur.kv_usage)
-        dt = cur.time_s - prev.time_s
-        # a counter that went down was reset (engine restart): count from zero
-        d_in = cur.input_tokens - prev.input_tokens if cur.input_tokens >= prev.input_tokens else cur.input_tokens
-        d_out = cur.output_tokens - prev.output_tokens if cur.output_tokens >= prev.output_tokens else cur.output_tokens
-        return InstanceLoad(instance, d_in / dt, d_out / dt, in_flight, cur.kv_usage)
+        dt = cur.time_s - base.time_s
+        return InstanceLoad(instance, (cur.input_tokens - base.input_tokens) / dt,
+                            (cur.output_tokens - base.output_tokens) / dt, in_flight, cur.kv_usage)
 
     def forget(self, keep: Iterable[str]) -> None:
         keep_set = set(keep)
-        for k in [k for k in self._prev if k not in keep_set]:
-            del self._prev[k]
+        for k in [k for k in self._hist if k not in keep_set]:
+            del self._hist[k]
 
 
 def snapshot(loads: Sequence[InstanceLoad], time_s: float) -> MetricsSnapshot:
@@ -108,8 +128,9 @@ def snapshot(loads: Sequence[InstanceLoad], time_s: float) -> MetricsSnapshot:
 class Scraper:
     """Direct scrape of engine `/metrics` (instance -> "host:port"), concurrently, with a timeout."""
 
-    def __init__(self, timeout_s: float = 0.5, client: httpx.AsyncClient | None = None) -> None:
+    def __init__(self, timeout_s: float = 0.5, client: httpx.AsyncClient | None = None, window_s: float = 0.0) -> None:
         self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s))
+        self.window_s = window_s
         # one tracker per group (a ModelService role): forgetting the instances a group no longer has
         # must not wipe another group's previous samples
         self.rates: dict[Hashable, RateTracker] = {}
@@ -128,7 +149,7 @@ class Scraper:
 
     async def collect(self, endpoints: Mapping[str, str], group: Hashable = None) -> list[InstanceLoad]:
         """Loads of the group's instances that answered (a failed scrape is logged and left out)."""
-        rates = self.rates.setdefault(group, RateTracker())
+        rates = self.rates.setdefault(group, RateTracker(self.window_s))
         got = await asyncio.gather(*(self._one(rates, i, ep) for i, ep in endpoints.items()))
         rates.forget(endpoints)
         return [x for x in got if x is not None]

@@ -24,6 +24,8 @@ class OperatorSettings(BaseSettings):
     prometheus_url: str | None = Field(default=None, pattern=r"^https?://")
     interval_seconds: float = Field(default=1.0, ge=0.05, le=3600, description="metric loop period (sub-second ok)")
     scrape_timeout_seconds: float = Field(default=0.5, gt=0, le=60)
+    rate_window_seconds: float = Field(default=1.0, ge=0, le=60,
+                                       description="tokens/s over this sliding window of scrapes (0: last two)")
     engine_timeout_seconds: float = Field(default=2.0, gt=0, le=300)
     engine_token: str | None = Field(default=None, min_length=1, description="bearer token for the engine control API")
     engine_token_secret: str = "kascade-engine-token"  # Secret (key `token`) in each namespace when no token is set

@@ -1,0 +1,32 @@
+"""Windowed rates: a burst of tokens spread over the window instead of spiking one scrape interval."""
+
+from __future__ import annotations
+
+import pytest
+
+from kascade_operator.metrics import InstanceSample, RateTracker
+
+
+def feed(r: RateTracker, points: list[tuple[float, float]]) -> list[float]:
+    return [r.update("a", InstanceSample(t, input_tokens=v)).input_tokens_per_s for t, v in points]
+
+
+def test_window_smooths_a_spike_that_the_last_two_scrapes_exaggerate() -> None:
+    # 16 prompt tokens admitted at t=1.0, nothing else; scrapes every 0.25 s
+    pts = [(0.0, 0), (0.25, 0), (0.5, 0), (0.75, 0), (1.0, 16), (1.25, 16), (1.5, 16), (1.75, 16), (2.0, 16), (2.25, 16)]
+    fast = feed(RateTracker(0.0), pts)
+    slow = feed(RateTracker(1.0), pts)
+    assert fast[4] == 64.0 and fast[5] == 0.0  # one interval sees 64 tok/s, the next 0
+    assert slow[4] == 16.0 and slow[5] == 16.0 and slow[7] == 16.0  # the same 16 tokens over one second
+    assert slow[-1] == 0.0  # the admission has left the window
+
+
+def test_window_keeps_a_steady_rate_exact_and_survives_a_reset() -> None:
+    r = RateTracker(1.0)
+    rates = feed(r, [(t / 4, 100 * t / 4) for t in range(12)])  # 100 tok/s steadily
+    assert rates[0] == 0.0 and all(x == pytest.approx(100.0) for x in rates[1:])
+    reset = r.update("a", InstanceSample(3.0, input_tokens=10))  # the engine restarted
+    assert reset.input_tokens_per_s == pytest.approx(40.0)  # counted from zero since the last sample
+    assert r.update("a", InstanceSample(3.25, input_tokens=35)).input_tokens_per_s == pytest.approx(100.0)
+    with pytest.raises(ValueError, match="window_s"):
+        RateTracker(-1)
