@@ -27,7 +27,7 @@ from kascade_operator.engine_client import EngineClient, EngineError
 from kascade_operator.kube import GROUP, VERSION, Conflict, Kube, NotFound, now_iso
 from kascade_operator.metrics import PrometheusSource, Scraper, snapshot
 from kascade_operator.operator_metrics import OperatorMetrics
-from kascade_operator.pool import PodView, drain_patch, pod_view, unbind_patch
+from kascade_operator.pool import PodView, drain_patch, unbind_patch
 from kascade_operator.reconcile import (
     TERMINAL,
     CreatePlan,
@@ -39,7 +39,7 @@ from kascade_operator.reconcile import (
     reconcile,
     role_bounds,
 )
-from kascade_operator.runtime import Runtime
+from kascade_operator.runtime import ALL, Runtime
 from kascade_operator.settings import OperatorSettings
 from kascade_operator.validation import semantic_errors
 
@@ -79,14 +79,11 @@ def plan_view(sp: dict[str, Any]) -> PlanView:
 
 
 async def observe(rt: Runtime, ns: str) -> tuple[list[PodView], list[dict[str, Any]]]:
-    nodes = await rt.nodes()
-    leaf = {n["metadata"]["name"]: (n["metadata"].get("labels") or {}).get(rt.settings.leaf_label, "")
-            for n in nodes}
-    raw = await rt.kube.list_pods(ns, L.POOL)
-    pods = [pod_view(p, leaf) for p in raw if not (p.get("metadata") or {}).get("deletionTimestamp")]
+    leaf, _ = await rt.node_facts()
+    pods = rt.pod_views(await rt.pool_pods(ns), leaf)
     # a draining pod is "drained" when release succeeds; try it every round (409 = still in flight)
     pods = [p.__class__(**{**p.__dict__, "drained": p.draining}) if p.draining else p for p in pods]
-    return pods, await rt.kube.list_scaleplans(ns)
+    return pods, await rt.scaleplans(ns)
 
 
 async def reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) -> Result | None:
@@ -103,7 +100,7 @@ async def _reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) ->
     ns, name, gen = meta["namespace"], meta["name"], meta.get("generation")
     try:
         spec = ModelServiceSpec.model_validate(body.get("spec") or {})
-        problems = semantic_errors(spec, await rt.nodes(), rt.settings.gpu_resource)
+        problems = semantic_errors(spec, (await rt.node_facts())[1], rt.settings.gpu_resource)
     except ValidationError as e:
         problems = [field_errors(e)]
     if problems:
@@ -137,6 +134,7 @@ async def _reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) ->
                 reasons.append(why)
                 last = {"time": now_iso(), "policy": "scaleSubresource", "role": role, "from": len(serving),
                         "to": want, "reason": why, "metrics": {}}
+                log.info("%s/%s decision %s %d -> %d: %s", ns, name, role, len(serving), want, why)
             continue
         if rt.prometheus is not None:
             loads = await rt.prometheus.collect([p.pod_name for p in serving if p.ready])
@@ -201,6 +199,8 @@ async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods:
             return
         rt.metrics.plan_generation.observe(time.perf_counter() - t0)
         created = await rt.kube.create_scaleplan(ns, sp)
+        if not await rt.seen_plan(ns, created["metadata"]["name"]):
+            log.warning("ScalePlan %s/%s not in the watch after 2 s", ns, created["metadata"]["name"])
         await rt.kube.event(ns, body, "ModelService", "Normal", "ScaleUp",
                             f"{action.role}: ScalePlan {created['metadata']['name']} binds "
                             f"{', '.join(action.targets)} ({action.reason})")
@@ -244,6 +244,17 @@ async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods:
         await rt.kube.event(ns, body, "ModelService", "Normal", "Released", f"{p.pod_name} returned to the pool")
 
 
+def _slim_pod(body: Any) -> dict[str, Any]:
+    """What the operator reads of a pool pod (the index holds hundreds of them)."""
+    meta, spec, status = body["metadata"], body.get("spec") or {}, body.get("status") or {}
+    return {"metadata": {k: meta[k] for k in ("name", "namespace", "labels", "annotations", "resourceVersion",
+                                               "deletionTimestamp", "uid") if k in meta},
+            "spec": {"nodeName": spec.get("nodeName"),
+                     "containers": [{"name": c.get("name"), "ports": list(c.get("ports") or [])}
+                                    for c in spec.get("containers") or []]},
+            "status": {"podIP": status.get("podIP"), "conditions": list(status.get("conditions") or [])}}
+
+
 def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
     reg = kopf.OperatorRegistry()
     op_settings = settings  # kopf passes its own `settings` to the startup handler
@@ -280,23 +291,50 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         if getattr(memo, "rt", None):
             await memo.rt.close()
 
+    # Watch-fed state (kopf indexes): reconcile rounds read pods, plans and nodes from memory, not from
+    # the API server; kopf fills the indexes before any other handler runs.
+    # (explicit ids: kopf passes each index to handlers as a kwarg named by its id)
+    @kopf.index("pods", labels={L.POOL: kopf.PRESENT}, registry=reg, id="pool_pods")
+    def pool_pods(namespace: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
+        return {namespace: _slim_pod(body)}
+
+    @kopf.index(**splan, id="scaleplans")
+    def scaleplans(namespace: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
+        return {namespace: {"metadata": dict(body["metadata"]), "spec": dict(body.get("spec") or {}),
+                            "status": dict(body.get("status") or {})}}
+
+    @kopf.index("nodes", registry=reg, id="gpu_nodes")
+    def gpu_nodes(body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
+        meta, status = body["metadata"], body.get("status") or {}
+        return {ALL: {"metadata": {"name": meta["name"], "labels": dict(meta.get("labels") or {})},
+                      "status": {"allocatable": dict(status.get("allocatable") or {}),
+                                 "capacity": dict(status.get("capacity") or {})}}}
+
+    def rt_of(memo: kopf.Memo, kw: dict[str, Any]) -> Runtime:
+        rt: Runtime = memo.rt
+        if rt.pod_index is None:
+            if "pool_pods" not in kw:
+                raise kopf.PermanentError("kopf did not pass the pool_pods index; handlers cannot read state")
+            rt.attach(kw["pool_pods"], kw["scaleplans"], kw["gpu_nodes"])
+        return rt
+
     @kopf.on.resume(**ms)
     @kopf.on.create(**ms)
     @kopf.on.update(**ms)
-    async def on_service(body: kopf.Body, memo: kopf.Memo, reason: str, **_: Any) -> None:
-        await reconcile_service(memo.rt, dict(body), str(reason))
+    async def on_service(body: kopf.Body, memo: kopf.Memo, reason: str, **kw: Any) -> None:
+        await reconcile_service(rt_of(memo, kw), dict(body), str(reason))
 
     @kopf.timer(**ms, interval=settings.interval_seconds, sharp=True)
-    async def on_tick(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-        await reconcile_service(memo.rt, dict(body), "timer")
+    async def on_tick(body: kopf.Body, memo: kopf.Memo, **kw: Any) -> None:
+        await reconcile_service(rt_of(memo, kw), dict(body), "timer")
 
     @kopf.on.delete(**ms)
-    async def on_delete(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-        await plandriver.release_all(memo.rt, dict(body))
+    async def on_delete(body: kopf.Body, memo: kopf.Memo, **kw: Any) -> None:
+        await plandriver.release_all(rt_of(memo, kw), dict(body))
 
     @kopf.daemon(**splan, cancellation_timeout=2.0,
                  when=lambda status, **_: (status or {}).get("phase") not in TERMINAL)
-    async def drive_plan(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_: Any) -> None:
-        await plandriver.drive(memo.rt, dict(body), stopped)
+    async def drive_plan(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **kw: Any) -> None:
+        await plandriver.drive(rt_of(memo, kw), dict(body), stopped)
 
     return reg

@@ -1,23 +1,33 @@
 """Everything the handlers share at run time: API client, engine client, metrics source, settings,
-per-ModelService memory (scale-down timers), a short-lived node cache, and operator metrics.
+per-ModelService memory (scale-down timers), the cluster state kept current by watches, and operator
+metrics.
 
-Data flow: created once in the kopf startup handler, stored in kopf's memo, closed at cleanup.
+Data flow: created once in the kopf startup handler, stored in kopf's memo, closed at cleanup. Reads
+of pool pods, ScalePlans and Nodes come from kopf indexes (watch-fed, in memory) once `attach()` got
+them from the first handler call; before that (and in tests that call handlers directly) they are
+listed from the API server. Writes always go to the API server, guarded by resourceVersion, so a
+stale read costs a 409 and a re-read, never a double binding.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kascade_operator import labels as L
 from kascade_operator.engine_client import EngineClient
 from kascade_operator.kube import Kube
 from kascade_operator.metrics import PrometheusSource, Scraper
 from kascade_operator.operator_metrics import OperatorMetrics
+from kascade_operator.pool import PodView, pod_view
 from kascade_operator.settings import OperatorSettings
+from kascade_operator.validation import max_gpus
 
-NODE_CACHE_S = 2.0  # node labels change rarely; re-listing 2,000 nodes per decision would dominate
+ALL = "*"  # the node index's one key
+NODE_CACHE_S = 2.0  # without the node index: node labels change rarely; listing 2,000 nodes each time would dominate
 
 
 @dataclass
@@ -34,12 +44,78 @@ class Runtime:
     instructed: dict[tuple[str, str], set[str]] = field(default_factory=dict)  # this process's record
     _nodes: list[dict[str, Any]] = field(default_factory=list)
     _nodes_t: float = -1e9
+    _facts: tuple[dict[str, str], int] | None = None
+    _facts_t: float = -1e9
+    _views: dict[tuple[str, str, str | None], PodView] = field(default_factory=dict)
+    # kopf indexes (Mapping[key, Store]): pool pods and ScalePlans by namespace, nodes under ALL
+    pod_index: Mapping[Any, Any] | None = None
+    plan_index: Mapping[Any, Any] | None = None
+    node_index: Mapping[Any, Any] | None = None
+
+    def attach(self, pods: Mapping[Any, Any] | None, plans: Mapping[Any, Any] | None,
+               nodes: Mapping[Any, Any] | None) -> None:
+        """Adopt kopf's indexes (the same objects for the operator's lifetime)."""
+        if self.pod_index is None:
+            self.pod_index, self.plan_index, self.node_index = pods, plans, nodes
 
     async def nodes(self) -> list[dict[str, Any]]:
+        if self.node_index is not None:
+            return list(self.node_index.get(ALL, ()))
         now = time.monotonic()
         if now - self._nodes_t > NODE_CACHE_S:
             self._nodes, self._nodes_t = await self.kube.list_nodes(), now
         return self._nodes
+
+    async def node_facts(self) -> tuple[dict[str, str], int]:
+        """(node -> leaf label, most GPUs on a node), recomputed at most every NODE_CACHE_S: every round
+        needs them, and walking 2,000 nodes per round would dominate."""
+        now = time.monotonic()
+        if self._facts is None or now - self._facts_t > NODE_CACHE_S:
+            nodes = await self.nodes()
+            leaf = {n["metadata"]["name"]: (n["metadata"].get("labels") or {}).get(self.settings.leaf_label, "")
+                    for n in nodes}
+            self._facts, self._facts_t = (leaf, max_gpus(nodes, self.settings.gpu_resource)), now
+        return self._facts
+
+    def pod_views(self, raw: list[dict[str, Any]], leaf: Mapping[str, str]) -> list[PodView]:
+        """PodViews of live pods, parsed once per pod version (each round sees every pool pod)."""
+        out, seen = [], set()
+        for p in raw:
+            meta = p.get("metadata") or {}
+            if meta.get("deletionTimestamp"):
+                continue
+            key = (str(meta.get("name")), str(meta.get("resourceVersion", "")), leaf.get((p.get("spec") or {}).get("nodeName") or ""))
+            seen.add(key)
+            v = self._views.get(key)
+            if v is None:
+                v = self._views[key] = pod_view(p, leaf)
+            out.append(v)
+        if len(self._views) > 4 * len(seen) + 64:  # drop versions no longer seen
+            self._views = {k: v for k, v in self._views.items() if k in seen}
+        return out
+
+    async def pool_pods(self, ns: str) -> list[dict[str, Any]]:
+        """Every warm-pool pod of the namespace, idle or bound."""
+        if self.pod_index is not None:
+            return list(self.pod_index.get(ns, ()))
+        return await self.kube.list_pods(ns, L.POOL)
+
+    async def scaleplans(self, ns: str) -> list[dict[str, Any]]:
+        if self.plan_index is not None:
+            return list(self.plan_index.get(ns, ()))
+        return await self.kube.list_scaleplans(ns)
+
+    async def seen_plan(self, ns: str, name: str, timeout_s: float = 2.0) -> bool:
+        """Wait until a ScalePlan this process created is in the index (read your own write), so the
+        next round does not plan the same scale-up again from a view that predates it."""
+        if self.plan_index is None:
+            return True
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if any(p["metadata"]["name"] == name for p in self.plan_index.get(ns, ())):
+                return True
+            await asyncio.sleep(0.005)
+        return False
 
     def lock(self, ns: str, name: str) -> asyncio.Lock:
         return self.plan_locks.setdefault((ns, name), asyncio.Lock())

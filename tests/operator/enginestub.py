@@ -25,6 +25,8 @@ class EngineStub:
         stub = self
 
         class H(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, like the real engine (uvicorn): no connect per scrape
+
             def log_message(self, *a: Any) -> None:
                 pass
 

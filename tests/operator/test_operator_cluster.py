@@ -167,8 +167,11 @@ def test_scale_subresource_is_the_one_writer_while_set(
     wait_for(lambda: len(bound(control_plane, namespace, "svc")) == 1, what="min bound")
     control_plane.kubectl("-n", namespace, "scale", "msvc", "svc", "--replicas=3")  # no load at all: still 3
     wait_for(lambda: len(bound(control_plane, namespace, "svc")) == 3, what="3 by the scale subresource")
-    st = get(control_plane, namespace, "msvc", "svc")["status"]
-    assert st["lastDecision"]["policy"] == "scaleSubresource" and st["lastDecision"]["to"] == 3
+    def decision() -> dict[str, Any] | None:  # the status is written just after the targets are told
+        d = (get(control_plane, namespace, "msvc", "svc").get("status") or {}).get("lastDecision") or {}
+        return d if d.get("policy") == "scaleSubresource" else None
+
+    assert wait_for(decision, what="the scale-subresource decision in the status")["to"] == 3
     time.sleep(2.0)  # the policy (load 0 < lower 500, delay 0.5 s) would have scaled down by now
     assert len(bound(control_plane, namespace, "svc")) == 3
     control_plane.kubectl("-n", namespace, "patch", "msvc", "svc", "--type=json",
