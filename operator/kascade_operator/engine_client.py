@@ -2,7 +2,7 @@
 
 Data flow: scaleplan/pool logic -> `EngineClient.<verb>(endpoint, ...)` -> httpx POST/GET with a
 timeout -> JSON status dict, or `EngineError` naming the endpoint, the call and the engine's message.
-One shared `httpx.AsyncClient` (connection pooling keeps instruct latency low).
+Keep-alive clients per engine (httppool.py) keep instruct latency low at any number of engines.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import logging
 from typing import Any, Literal
 
 import httpx
+
+from kascade_operator.httppool import HttpPool
 
 log = logging.getLogger(__name__)
 
@@ -45,17 +47,16 @@ class EngineClient:
         if not token:
             raise ValueError("engine token must not be empty")
         self._token = token
-        self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s),
-                                                   limits=httpx.Limits(max_connections=256))
+        self._http = HttpPool(timeout_s, client)
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        await self._http.aclose()
 
     async def _call(self, endpoint: str, method: Literal["GET", "POST"], verb: str,
                     body: dict[str, Any] | None = None) -> dict[str, Any]:
         url = f"http://{endpoint}{PREFIX}{verb}"
         try:
-            r = await self._client.request(method, url, json=body,
+            r = await self._http.get(endpoint).request(method, url, json=body,
                                            headers={"Authorization": f"Bearer {self._token}"})
         except httpx.TimeoutException:
             raise EngineError(endpoint, verb, "timed out") from None

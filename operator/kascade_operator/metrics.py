@@ -20,6 +20,7 @@ from typing import ClassVar
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from kascade_operator.httppool import HttpPool
 from kascade_planner.policies import MetricsSnapshot
 
 log = logging.getLogger(__name__)
@@ -129,18 +130,18 @@ class Scraper:
     """Direct scrape of engine `/metrics` (instance -> "host:port"), concurrently, with a timeout."""
 
     def __init__(self, timeout_s: float = 0.5, client: httpx.AsyncClient | None = None, window_s: float = 0.0) -> None:
-        self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s))
+        self._http = HttpPool(timeout_s, client)
         self.window_s = window_s
         # one tracker per group (a ModelService role): forgetting the instances a group no longer has
         # must not wipe another group's previous samples
         self.rates: dict[Hashable, RateTracker] = {}
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        await self._http.aclose()
 
     async def _one(self, rates: RateTracker, instance: str, endpoint: str) -> InstanceLoad | None:
         try:
-            r = await self._client.get(f"http://{endpoint}/metrics")
+            r = await self._http.get(endpoint).get(f"http://{endpoint}/metrics")
             r.raise_for_status()
             return rates.update(instance, parse_engine_metrics(r.text, time.monotonic()))
         except (httpx.HTTPError, MetricsError) as e:
