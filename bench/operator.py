@@ -8,7 +8,8 @@ HTTP), and `kascade operator run` as a separate process. Per round, one ModelSer
 load burst on its bound engine; reaction = last target's `bind` call time - the crossing time
 (both on this host's monotonic clock), reported from the moment the operator's windowed tokens/s
 metric crosses the bound (raise + window * upper / load) and, beside it, from the load raise itself.
-Writes bench/results/operator.json. `--quick`: < 1 minute.
+Then the scale run (bench/operator_scale.py: 2,000 fake GPU nodes, 200 ModelServices; `--quick`: 200
+and 20). Writes bench/results/operator.json. `--quick`: about a minute.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from operator_scale import run_scale
 from report import report
 
 from kascade_devcluster import nodes as devnodes
@@ -143,8 +145,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--interval", type=float, default=0.1, help="operator metric interval (s)")
     ap.add_argument("--rate-window", type=float, default=1.0, help="operator tokens/s window (s)")
+    ap.add_argument("--scale-nodes", type=int, default=2000)
+    ap.add_argument("--scale-services", type=int, default=200)
+    ap.add_argument("--scale-interval", type=float, default=1.0, help="operator interval in the scale run (s)")
+    ap.add_argument("--no-scale", action="store_true", help="skip the scale run")
     a = ap.parse_args()
     out = run(4 if a.quick else a.rounds, a.interval, a.rate_window)
+    if not a.no_scale:
+        with tempfile.TemporaryDirectory(prefix="kascade-bench-scale-") as tmp:
+            out.update(run_scale(Path(tmp), _stub_module(), TOKEN, 200 if a.quick else a.scale_nodes,
+                                 20 if a.quick else a.scale_services, a.scale_interval, 10.0 if a.quick else 30.0))
     report("operator", out, {"reaction_ms_p99": ("<=", 300.0)})
 
 

@@ -153,7 +153,14 @@ async def _reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) ->
             log.info("%s/%s decision %s %d -> %d: %s", ns, name, role, d.current, d.desired, d.reason)
             last = {"time": now_iso(), "policy": d.policy, "role": role, "from": d.current, "to": d.desired,
                     "reason": d.reason[:1024], "metrics": {k: float(v) for k, v in d.metrics.items()}}
-    res = reconcile(name, spec, pods, plans, desired or None, "; ".join(reasons))
+    # targets other services' plans hold (their binds may not be in the pod index yet), claimed pods
+    # included; choosing and claiming happen with no await in between, so two services never pick one pod
+    others = {t.get("pod") or t["instance"] for p in raw_plans
+              if (p.get("status") or {}).get("phase") not in TERMINAL for t in (p.get("spec") or {}).get("targets") or []}
+    res = reconcile(name, spec, pods, plans, desired or None, "; ".join(reasons), others | rt.reserved(ns, pods))
+    for action in res.actions:
+        if isinstance(action, CreatePlan):
+            rt.reserve(ns, action.targets)
     decided_at = time.perf_counter()
     for action in res.actions:
         await apply(rt, body, spec, pods, action, decided_at)

@@ -9,7 +9,7 @@ service is not finished, no new plan is made for that role (one writer per role 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kascade_operator.api import ModelServiceSpec, RoleReplicas
@@ -79,15 +79,17 @@ def role_bounds(spec: ModelServiceSpec) -> dict[str, RoleReplicas]:
 
 
 def reconcile(name: str, spec: ModelServiceSpec, pods: Sequence[PodView], plans: Sequence[PlanView],
-              desired: Mapping[str, int] | None = None, reason: str = "") -> Result:
+              desired: Mapping[str, int] | None = None, reason: str = "", unavailable: Collection[str] = ()) -> Result:
     """`desired`: the policy's wish per role (missing role -> spec min, or replicas.desired in colocated
-    mode); it is clamped to the role's min..max here, so a bad policy output can never break bounds."""
+    mode); it is clamped to the role's min..max here, so a bad policy output can never break bounds.
+    `unavailable`: idle-looking pods that other services' plans have already taken (their bindings may
+    not be visible yet); never chosen as targets."""
     actions: list[Action] = []
     roles: dict[str, RoleCount] = {}
     notes: list[str] = []
     active = [p for p in plans if p.phase not in TERMINAL]
     idle = [p for p in pods if p.model_service is None and p.pool and not p.draining]
-    taken: set[str] = {t for p in active for t in p.targets}
+    taken: set[str] = {t for p in active for t in p.targets} | set(unavailable)
     progressing = bool(active)
     for role, bounds in role_bounds(spec).items():
         mine = [p for p in pods if p.model_service == name and p.role == role]

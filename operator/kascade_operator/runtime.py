@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +27,7 @@ from kascade_operator.settings import OperatorSettings
 from kascade_operator.validation import max_gpus
 
 ALL = "*"  # the node index's one key
+RESERVE_S = 30.0  # a claim outlives any bind that is going to happen
 NODE_CACHE_S = 2.0  # without the node index: node labels change rarely; listing 2,000 nodes each time would dominate
 
 
@@ -47,6 +48,7 @@ class Runtime:
     _facts: tuple[dict[str, str], int] | None = None
     _facts_t: float = -1e9
     _views: dict[tuple[str, str, str | None], PodView] = field(default_factory=dict)
+    _reserved: dict[tuple[str, str], float] = field(default_factory=dict)  # (ns, pod) -> when claimed
     # kopf indexes (Mapping[key, Store]): pool pods and ScalePlans by namespace, nodes under ALL
     pod_index: Mapping[Any, Any] | None = None
     plan_index: Mapping[Any, Any] | None = None
@@ -93,6 +95,21 @@ class Runtime:
         if len(self._views) > 4 * len(seen) + 64:  # drop versions no longer seen
             self._views = {k: v for k, v in self._views.items() if k in seen}
         return out
+
+    def reserve(self, ns: str, pods: Iterable[str]) -> None:
+        """Claim pods for a plan about to be created (synchronously after the choice, before any await):
+        every other service's round in this process skips them until their binding is visible."""
+        now = time.monotonic()
+        for p in pods:
+            self._reserved[(ns, p)] = now
+
+    def reserved(self, ns: str, views: Iterable[PodView]) -> set[str]:
+        """Pods still claimed: not yet seen bound, and claimed less than RESERVE_S ago."""
+        bound = {v.pod_name for v in views if v.model_service is not None}
+        now = time.monotonic()
+        for key in [k for k, t in self._reserved.items() if k[0] == ns and (k[1] in bound or now - t > RESERVE_S)]:
+            del self._reserved[key]
+        return {p for (n, p) in self._reserved if n == ns}
 
     async def pool_pods(self, ns: str) -> list[dict[str, Any]]:
         """Every warm-pool pod of the namespace, idle or bound."""

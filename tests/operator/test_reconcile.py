@@ -63,3 +63,11 @@ def test_status_counts() -> None:
     pods = [pod("r", ms="svc", role="colocated", ready=True), pod("l", ms="svc", role="colocated")]
     res = reconcile("svc", spec(lo=2, hi=4), pods, [], None)
     assert (res.roles["colocated"].ready, res.roles["colocated"].loading, res.available) == (1, 1, True)
+
+
+def test_pods_other_services_took_are_never_targets() -> None:
+    pods = [pod("s", "n0", "svc", "colocated", ready=True, leaf="l1"), *IDLE]
+    res = reconcile("svc", spec(lo=1, hi=4), pods, [], {"colocated": 3}, reason="up", unavailable={"p-b"})
+    assert list(res.actions) == [CreatePlan("colocated", ("s",), ("p-a", "p-c"), "up")]
+    res = reconcile("svc", spec(lo=1, hi=4), pods, [], {"colocated": 3}, reason="up", unavailable={"p-a", "p-b", "p-c"})
+    assert list(res.actions) == [CreatePods("colocated", 2)]  # nothing left: the slow path, never a shared pod

@@ -1,0 +1,139 @@
+"""The operator at scale on the real API server: many fake GPU nodes and many ModelServices, each with a
+bound replica whose engine is a loopback HTTP stand-in, the operator at its normal interval.
+
+Measured: `scale_nodes`, `scale_modelservices`, `operator_rss_mb` (VmRSS at the end) and
+`operator_peak_rss_mb` (VmHWM), `reconcile_ms_p50/p90/p99` (from the operator's own histogram
+kascade_operator_reconcile_seconds over the steady window: the upper bound of the bucket holding the
+99th percentile), `rounds_per_service_per_s` against 1/interval (does it keep up?), and one scale-up
+under that load (`scale_reaction_ms`: the windowed metric crossing -> the target told to bind).
+Used by bench/operator.py, which puts these beside the reaction numbers in bench/results/operator.json.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kascade_devcluster import nodes as devnodes
+from kascade_devcluster.api import install_crds
+from kascade_devcluster.controlplane import ControlPlane
+from kascade_devcluster.operatorproc import OperatorProcess
+from kascade_devcluster.ports import free_ports
+from kascade_devcluster.waiting import wait_for
+
+NS = "scale"
+BUCKET = re.compile(r'^kascade_operator_reconcile_seconds_bucket\{le="([^"]+)",trigger="timer"\} (\S+)$')
+COUNT = re.compile(r'^kascade_operator_reconcile_seconds_count\{trigger="timer"\} (\S+)$')
+
+
+def _histogram(port: int) -> tuple[dict[float, float], float]:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    buckets, count = {}, 0.0
+    for line in text.splitlines():
+        if m := BUCKET.match(line):
+            buckets[float(m.group(1))] = float(m.group(2))
+        elif m := COUNT.match(line):
+            count = float(m.group(1))
+    return buckets, count
+
+
+def _quantile_ms(before: dict[float, float], after: dict[float, float], q: float) -> float:
+    """The upper bound (ms) of the histogram bucket holding quantile `q` of the observations in between."""
+    delta = {le: after.get(le, 0.0) - before.get(le, 0.0) for le in after}
+    total = delta.get(float("inf"), 0.0)
+    if total <= 0:
+        return float("nan")
+    for le in sorted(delta):
+        if delta[le] >= q * total:
+            return le * 1000
+    return float("inf")
+
+
+def _rss_mb(pid: int) -> tuple[float, float]:
+    status = Path(f"/proc/{pid}/status").read_text()
+    kb = {k: float(v.split()[0]) for k, v in (ln.split(":", 1) for ln in status.splitlines()) if k in ("VmRSS", "VmHWM")}
+    return kb["VmRSS"] / 1024, kb["VmHWM"] / 1024
+
+
+def run_scale(tmp: Path, stub_mod: Any, token: str, n_nodes: int, n_services: int, interval: float,
+              steady_s: float) -> dict[str, float | str]:
+    t0 = time.monotonic()
+    cp = ControlPlane.create(tmp / "cp-scale").start()
+    op: OperatorProcess | None = None
+    stubs: list[Any] = []
+    try:
+        install_crds(cp)
+        cp.kubectl("create", "namespace", NS)
+        specs = devnodes.topology_specs(n_nodes, 8, max(2, n_nodes // 32), prefix="scale-gpu")
+        for i in range(0, len(specs), 500):  # a few big applies, then one wait
+            doc = {"apiVersion": "v1", "kind": "List",
+                   "items": [devnodes.node_manifest(s, "scale") for s in specs[i:i + 500]]}
+            cp.kubectl("create", "-f", "-", input=json.dumps(doc))
+        cp.kubectl("wait", "--for=condition=Ready", "node", "-l", f"{devnodes.FAKE_SET_LABEL}=scale", "--timeout=600s")
+        t_nodes = time.monotonic() - t0
+        print(f"scale: {n_nodes} nodes Ready in {t_nodes:.0f} s", flush=True)
+        pods = []
+        data_ports = free_ports(n_services + 4)
+        for i in range(n_services + 4):  # one engine per service, plus a few idle for a scale-up
+            s = stub_mod.EngineStub(f"e{i}", "tiny", token)
+            stubs.append(s)
+            pods.append({"apiVersion": "v1", "kind": "Pod",
+                         "metadata": {"name": f"e{i}", "labels": {"kascade.io/pool": "warm"},
+                                      "annotations": {"kascade.io/endpoint": s.endpoint,
+                                                      "kascade.io/data-endpoint": f"127.0.0.1:{data_ports[i]}"}},
+                         "spec": {"nodeName": specs[i % len(specs)].name, "containers": [{"name": "e", "image": "x"}],
+                                  "tolerations": [devnodes.KWOK_TOLERATION]}})
+        cp.kubectl("-n", NS, "apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": pods}))
+        (metrics_port,) = free_ports(1)
+        op = OperatorProcess(cp, NS, token, tmp / "operator-scale.log", interval=interval,
+                             extra_args=("--metrics-port", str(metrics_port))).start()
+        services = [{"apiVersion": "kascade.io/v1alpha1", "kind": "ModelService", "metadata": {"name": f"svc{i}"},
+                     "spec": {"model": {"name": "tiny", "source": {"path": "/m"}, "layers": 4},
+                              "engine": {"image": "x"}, "replicas": {"colocated": {"min": 1, "max": 2}},
+                              "scaling": {"policy": "threshold", "threshold": {"upper": 1000, "lower": 10}}}}
+                    for i in range(n_services)]
+        cp.kubectl("-n", NS, "apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List",
+                                                                      "items": services}))
+
+        def bound() -> int:
+            items = json.loads(cp.kubectl("-n", NS, "get", "pods", "-l", "kascade.io/model-service",
+                                          "-o", "json").stdout)["items"]
+            return sum((p["metadata"].get("annotations") or {}).get("kascade.io/loaded") == "true" for p in items)
+
+        wait_for(lambda: bound() >= n_services, 900, f"{n_services} services serving", poll=2.0)
+        t_ready = time.monotonic() - t0
+        print(f"scale: {n_services} services each bound and loaded after {t_ready:.0f} s", flush=True)
+        assert op.proc is not None
+        before, c0 = _histogram(metrics_port)
+        w0 = time.monotonic()
+        time.sleep(steady_s)
+        after, c1 = _histogram(metrics_port)
+        rounds = (c1 - c0) / (time.monotonic() - w0) / n_services
+        rss, hwm = _rss_mb(op.proc.pid)
+        # one scale-up under that load: 5000 tok/s on svc0's replica (upper 1000, window 1 s)
+        src_name = json.loads(cp.kubectl("-n", NS, "get", "pods", "-l", "kascade.io/model-service=svc0",
+                                         "-o", "json").stdout)["items"][0]["metadata"]["name"]
+        src = next(s for s in stubs if s.instance == src_name)
+        t_load = time.monotonic()
+        src.tokens_per_s = 5000.0
+        t_bind = wait_for(lambda: [t for s in stubs for v, _, t in list(s.calls) if v == "bind" and t >= t_load],
+                          60, "the scale-up under load")[0]
+        return {"scale_nodes": float(n_nodes), "scale_modelservices": float(n_services),
+                "operator_rss_mb": round(rss, 1), "operator_peak_rss_mb": round(hwm, 1),
+                "reconcile_ms_p50": _quantile_ms(before, after, 0.5),
+                "reconcile_ms_p90": _quantile_ms(before, after, 0.9),
+                "reconcile_ms_p99": _quantile_ms(before, after, 0.99),
+                "rounds_per_service_per_s": round(rounds, 3), "rounds_wanted_per_service_per_s": round(1 / interval, 3),
+                "scale_reaction_ms": round((t_bind - (t_load + 1.0 * 1000 / 5000)) * 1000, 1),
+                "scale_setup_s": round(t_ready, 1)}
+    finally:
+        if op is not None:
+            op.stop()
+        for s in stubs:
+            s.close()
+        cp.stop()
