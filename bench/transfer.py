@@ -13,7 +13,6 @@ Writes bench/results/transfer.json. `--quick` uses less data (< 1 minute).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import secrets
@@ -28,7 +27,7 @@ import netlab
 from report import report
 
 from kascade_devcluster.ports import free_ports
-from kascade_engine.blocks import Block, BlockSet
+from kascade_engine.blocks import Block, BlockSet, digest_of
 from kascade_engine.hostcache import write_cache
 from kascade_engine.transfer_spec import TransferSpec
 from kascade_planner.builder import make_plan
@@ -44,7 +43,7 @@ def synthetic_blocks(total: int, n: int) -> BlockSet:
     blocks = []
     for i in range(n):
         data = memoryview(bytearray(rng(total // n)))
-        blocks.append(Block(f"b{i}", data, (), hashlib.sha256(data).hexdigest()))
+        blocks.append(Block(f"b{i}", data, (), digest_of(data)))
     return BlockSet("synthetic", {}, blocks)
 
 

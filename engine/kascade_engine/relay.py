@@ -2,7 +2,7 @@
 
 Data flow (per node, one asyncio loop):
   upstream push / fallback pull --chunk--> block buffer --same chunk--> every downstream flow wanting it
-  on upstream `commit`: when all shards of the block are in, sha256 against the manifest; good ->
+  on upstream `commit`: when all shards of the block are in, its digest against the manifest; good ->
   resident, `commit` downstream; bad -> `abort` downstream and re-fetch from a fallback source.
 Downstream therefore may see a block's chunks early but only ever marks resident what it saw
 committed: corrupt bytes never become resident anywhere. When an upstream dies (connection lost,
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kascade_engine.blocks import Block, BlockSet, digest_of, index_from_manifest
+from kascade_engine.blocks import Block, BlockSet, digest_matches, index_from_manifest
 from kascade_engine.transfer_spec import TransferSpec, shard_range
 from kascade_engine.transport import Connection, Header, Listener, Transport, TransportError
 from kascade_planner.plan import Flow
@@ -233,7 +233,7 @@ class TransferNode:
         buf = self.buffers[block]
         entry = self.spec.manifest[block]
         # hashlib releases the GIL: hash on another core while this loop keeps receiving.
-        if await asyncio.to_thread(digest_of, buf) != entry["digest"]:
+        if not await asyncio.to_thread(digest_matches, buf, entry["digest"]):
             self.corrupt_detected += 1
             log.warning("%s: block %s failed its digest; aborting downstream and re-fetching", self.me, block)
             self.done_slots.pop(block, None)

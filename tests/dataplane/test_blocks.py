@@ -80,3 +80,17 @@ def test_host_cache_round_trip_is_mapped_and_checked(tmp_path: Path, tiny_blocks
     (tmp_path / "x.kcache").write_bytes(b"NOTKASCADE")
     with pytest.raises(CheckpointError, match="bad magic"):
         open_cache(tmp_path / "x.kcache")
+
+
+def test_digests_name_their_algorithm_and_legacy_sha256_still_verifies() -> None:
+    import hashlib
+
+    from kascade_engine.blocks import digest_matches, digest_of
+
+    data = bytes(range(256)) * 1000
+    d = digest_of(data)
+    assert d.startswith("xxh3-128:") and len(d) == len("xxh3-128:") + 32
+    assert digest_matches(data, d) and not digest_matches(data[:-1] + b"\x00", d)
+    legacy = hashlib.sha256(data).hexdigest()  # a host cache written with sha256 digests
+    assert digest_matches(data, legacy) and not digest_matches(b"x" + data[1:], legacy)
+    assert not digest_matches(data, "md5:" + "0" * 32)  # an unknown algorithm never matches
