@@ -74,7 +74,13 @@ def run_scale(tmp: Path, stub_mod: Any, token: str, n_nodes: int, n_services: in
             doc = {"apiVersion": "v1", "kind": "List",
                    "items": [devnodes.node_manifest(s, "scale") for s in specs[i:i + 500]]}
             cp.kubectl("create", "-f", "-", input=json.dumps(doc))
-        cp.kubectl("wait", "--for=condition=Ready", "node", "-l", f"{devnodes.FAKE_SET_LABEL}=scale", "--timeout=600s")
+        def ready_nodes() -> bool:  # (kubectl wait on 2,000 nodes outlasts the tool timeout: poll instead)
+            out = cp.kubectl("get", "node", "-l", f"{devnodes.FAKE_SET_LABEL}=scale", "-o",
+                             'jsonpath={range .items[*]}{.status.conditions[?(@.type=="Ready")].status}{"\\n"}{end}').stdout
+            print(f"scale: {out.split().count('True')}/{n_nodes} nodes Ready", flush=True)
+            return out.split().count("True") >= n_nodes
+
+        wait_for(ready_nodes, 900, f"{n_nodes} nodes Ready", poll=5.0)
         t_nodes = time.monotonic() - t0
         print(f"scale: {n_nodes} nodes Ready in {t_nodes:.0f} s", flush=True)
         pods = []
