@@ -157,7 +157,7 @@ async def _reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) ->
     # included; choosing and claiming happen with no await in between, so two services never pick one pod
     others = {t.get("pod") or t["instance"] for p in raw_plans
               if (p.get("status") or {}).get("phase") not in TERMINAL for t in (p.get("spec") or {}).get("targets") or []}
-    res = reconcile(name, spec, pods, plans, desired or None, "; ".join(reasons), others | rt.reserved(ns, pods))
+    res = reconcile(name, spec, pods, plans, desired or None, "; ".join(reasons), others | rt.reserved(ns))
     for action in res.actions:
         if isinstance(action, CreatePlan):
             rt.reserve(ns, action.targets)

@@ -214,10 +214,15 @@ async def drive(rt: Runtime, sp: dict[str, Any], stopped: Any) -> None:
     throttle = SP.Throttle(rt.settings.status_write_interval_seconds)
     started, unreachable_since, dropped = time.monotonic(), dict[str, float](), dict[str, str]()
     while not stopped:
-        try:
-            sp = await rt.kube.get_scaleplan(ns, name)
-        except NotFound:
-            return
+        # the plan and its pods come from the watch-fed indexes: hundreds of plans in flight must not
+        # each GET and LIST on the API server five times a second
+        cur = next((p for p in await rt.scaleplans(ns) if p["metadata"]["name"] == name), None)
+        if cur is None:  # not (or no longer) in the index: ask the API server once
+            try:
+                cur = await rt.kube.get_scaleplan(ns, name)
+            except NotFound:
+                return
+        sp = cur
         if (sp.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
             return
         async with rt.lock(ns, name):
@@ -226,8 +231,9 @@ async def drive(rt: Runtime, sp: dict[str, Any], stopped: Any) -> None:
             await _finish(rt, sp, "Failed", failed, started)
             return
         spec = sp["spec"]
-        pods = {p.instance: p for p in (pod_view(x) for x in await rt.kube.list_pods(ns, f"{L.MODEL_SERVICE}="
-                                                                                     f"{spec['modelServiceRef']['name']}"))}
+        svc = spec["modelServiceRef"]["name"]
+        pods = {p.instance: p for p in (pod_view(x) for x in await rt.pool_pods(ns))
+                if p.model_service == svc}
         statuses: dict[str, dict[str, Any] | None] = {}
         for t in spec["targets"]:
             p = pods.get(t["instance"])

@@ -103,11 +103,11 @@ class Runtime:
         for p in pods:
             self._reserved[(ns, p)] = now
 
-    def reserved(self, ns: str, views: Iterable[PodView]) -> set[str]:
-        """Pods still claimed: not yet seen bound, and claimed less than RESERVE_S ago."""
-        bound = {v.pod_name for v in views if v.model_service is not None}
+    def reserved(self, ns: str) -> set[str]:
+        """Pods claimed less than RESERVE_S ago. Claims expire by age only: a round that saw the pod bound
+        must not free it for a round still holding an older view."""
         now = time.monotonic()
-        for key in [k for k, t in self._reserved.items() if k[0] == ns and (k[1] in bound or now - t > RESERVE_S)]:
+        for key in [k for k, t in self._reserved.items() if now - t > RESERVE_S]:
             del self._reserved[key]
         return {p for (n, p) in self._reserved if n == ns}
 
