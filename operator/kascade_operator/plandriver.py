@@ -124,12 +124,14 @@ async def _bind_targets(rt: Runtime, sp: dict[str, Any], pods: dict[str, PodView
     return failed
 
 
-async def instruct_pending(rt: Runtime, sp: dict[str, Any]) -> dict[str, str]:
-    """Instruct every not-yet-instructed target (and, for transfer plans, the sources) exactly once."""
+async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | frozenset[str] = frozenset()
+                           ) -> dict[str, str]:
+    """Instruct every not-yet-instructed target (and, for transfer plans, the sources) exactly once;
+    `skip`: targets dropped from the plan (never bound again by it)."""
     ns, name = sp["metadata"]["namespace"], sp["metadata"]["name"]
     spec, status = sp["spec"], sp.get("status") or {}
     done = rt.instructed.setdefault((ns, name), set())
-    pending = [i for i in SP.to_instruct(spec, status) if i not in done]
+    pending = [i for i in SP.to_instruct(spec, status) if i not in done and i not in skip]
     if not pending:
         return {}
     pods = {p.pod_name: p for p in (pod_view(x) for x in await rt.kube.list_pods(ns, L.POOL))}
@@ -174,14 +176,19 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any]) -> dict[str, str]:
             if not local:
                 await rt.engines.load_plan(p.endpoint, plan, iid, peers, token, manifest)
         except EngineError as e:
-            failed[iid] = str(e)
+            if e.status is None:  # timed out or unreachable: retried next round; the driver drops the
+                retry.add(iid)    # target if its engine stays unreachable (UNREACHABLE_LIMIT_S)
+                log.warning("%s (will retry)", e)
+            else:
+                failed[iid] = str(e)
             return
         pair = by_inst.get(live_with.get(iid, ""))
         if pair is not None and pair.act_endpoint:
             await _go_live(rt, ns, p, pair)
 
+    retry: set[str] = set()
     await asyncio.gather(*(one(i) for i in pending if i not in failed))
-    done.update(i for i in pending if i not in failed)
+    done.update(i for i in pending if i not in failed and i not in retry)
     rows = [{"instance": t["instance"], "instructed": t["instance"] in done} for t in spec["targets"]]
     await rt.kube.patch_scaleplan_status(ns, name, {"phase": "Failed" if failed else "Transferring",
                                                     "startTime": status.get("startTime") or now_iso(),
@@ -226,7 +233,7 @@ async def drive(rt: Runtime, sp: dict[str, Any], stopped: Any) -> None:
         if (sp.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
             return
         async with rt.lock(ns, name):
-            failed = await instruct_pending(rt, sp)
+            failed = await instruct_pending(rt, sp, set(dropped))
         if failed:
             await _finish(rt, sp, "Failed", failed, started)
             return
