@@ -109,6 +109,18 @@ def serve_first_copy(cp: ControlPlane, ns: str, doc: dict[str, Any]) -> str:
     return str(first[0]["metadata"]["name"])
 
 
+def one_to_three(cp: ControlPlane, ns: str, pool: EnginePool, ckpt: Path) -> tuple[str, str, dict[str, Any]]:
+    """One serving copy, then a GitOps-style change of the minimum to 3: a chain source -> middle -> tail.
+    Returns the source, its completion of PROMPT, and the chain ScalePlan."""
+    src = serve_first_copy(cp, ns, msvc(ckpt, 1, 3, upper=1e9, lower=0))
+    want = complete(pool.engines[src].url)
+    cp.kubectl("-n", ns, "patch", "msvc", "svc", "--type=merge", "-p",
+               json.dumps({"spec": {"replicas": {"colocated": {"min": 3}}}}))
+    plan = wait_for(lambda: [p for p in get(cp, ns, "splan")["items"] if p["spec"]["algorithm"] == "chain"],
+                    60, "a chain ScalePlan")[0]
+    return src, want, plan
+
+
 def complete(url: str) -> str:
     r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8}, timeout=30)
     assert r.status_code == 200, r.text
@@ -180,13 +192,7 @@ def test_target_killed_mid_transfer_is_replaced(
         ckpt: Path) -> None:
     cp, ns = control_plane, namespace
     pool, _, _ = world
-    # one serving copy, then a GitOps-style change of the minimum to 3: one chain source -> middle -> tail
-    src = serve_first_copy(cp, ns, msvc(ckpt, 1, 3, upper=1e9, lower=0))
-    want = complete(pool.engines[src].url)
-    cp.kubectl("-n", ns, "patch", "msvc", "svc", "--type=merge", "-p",
-               json.dumps({"spec": {"replicas": {"colocated": {"min": 3}}}}))
-    plan = wait_for(lambda: [p for p in get(cp, ns, "splan")["items"] if p["spec"]["algorithm"] == "chain"],
-                    60, "a chain ScalePlan")[0]
+    _, want, plan = one_to_three(cp, ns, pool, ckpt)
     chain = max(plan["spec"]["chains"], key=len)
     assert len(chain) == 3, plan["spec"]["chains"]  # source -> middle -> tail
     middle, tail = chain[1], chain[2]
@@ -212,12 +218,7 @@ def test_operator_sigkilled_mid_transfer_resumes_the_plan_once(
         ckpt: Path) -> None:
     cp, ns = control_plane, namespace
     pool, op, _ = world
-    src = serve_first_copy(cp, ns, msvc(ckpt, 1, 3, upper=1e9, lower=0))
-    want = complete(pool.engines[src].url)
-    cp.kubectl("-n", ns, "patch", "msvc", "svc", "--type=merge", "-p",
-               json.dumps({"spec": {"replicas": {"colocated": {"min": 3}}}}))
-    plan = wait_for(lambda: [p for p in get(cp, ns, "splan")["items"] if p["spec"]["algorithm"] == "chain"],
-                    60, "a chain ScalePlan")[0]
+    src, want, plan = one_to_three(cp, ns, pool, ckpt)
     targets = [t["instance"] for t in plan["spec"]["targets"]]
     wait_for(lambda: any(0 < sum(engine_status(pool, t)["blocks"].values()) < 10 for t in targets), 30,
              "weights in flight")
