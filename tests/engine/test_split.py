@@ -30,34 +30,31 @@ def _single(blocks, prompt: list[int], params: SamplingParams) -> list[int]:  # 
     return Engine(m).generate(prompt, params)
 
 
+async def _split_with(engine, model, req: str, prompt: list[int], params: SamplingParams, k: int) -> list[int]:  # type: ignore[no-untyped-def]
+    """Run a request split with a real engine process: our first k layers here, the rest there."""
+    conn = await TcpTransport().connect("127.0.0.1", engine.act)
+    try:
+        client = SplitClient(model, conn)
+        await client.hello(engine.token)  # the engine's activation port needs the installation token
+        return await client.generate(req, prompt, params, k)
+    finally:
+        await conn.close()
+
+
 @pytest.mark.parametrize("k", [0, 1, 2, 4])
 async def test_split_over_tcp_between_processes(engine_a, tiny_blocks, k: int) -> None:  # type: ignore[no-untyped-def]
     prompt, params = [11, 42, 7, 300, 5], SamplingParams(max_tokens=8)
     want = _single(tiny_blocks, prompt, params)
     assert len(set(want)) > 1  # a degenerate model would make the comparison meaningless
-    conn = await TcpTransport().connect("127.0.0.1", engine_a.act)
-    try:
-        b = _partial(tiny_blocks, k)
-        assert b.resident_prefix() == k and not b.complete
-        client = SplitClient(b, conn)
-        await client.hello(engine_a.token)  # the engine's activation port needs the installation token
-        got = await client.generate(f"r{k}", prompt, params, k)
-    finally:
-        await conn.close()
-    assert got == want
+    b = _partial(tiny_blocks, k)
+    assert b.resident_prefix() == k and not b.complete
+    assert await _split_with(engine_a, b, f"r{k}", prompt, params, k) == want
 
 
 async def test_split_with_sampling_seed_matches(engine_a, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
     prompt, params = [1, 2, 3], SamplingParams(max_tokens=6, temperature=0.9, seed=1234)
     want = _single(tiny_blocks, prompt, params)
-    conn = await TcpTransport().connect("127.0.0.1", engine_a.act)
-    try:
-        client = SplitClient(_partial(tiny_blocks, 2), conn)
-        await client.hello(engine_a.token)
-        got = await client.generate("seeded", prompt, params, 2)
-    finally:
-        await conn.close()
-    assert got == want
+    assert await _split_with(engine_a, _partial(tiny_blocks, 2), "seeded", prompt, params, 2) == want
 
 
 def test_finisher_rejects_bad_activations(tiny_blocks) -> None:  # type: ignore[no-untyped-def]
@@ -91,13 +88,9 @@ async def test_split_smollm_matches_single(smollm_ckpt: Path, engine_starter) ->
     want = _single(blocks, prompt, params)
     assert "Paris" in tok.decode(want)
     a = engine_starter(["--smollm", "--model-name", "smollm2-135m"])
-    conn = await TcpTransport().connect("127.0.0.1", a.act)
     try:
-        client = SplitClient(_partial(blocks, 13), conn)
-        await client.hello(a.token)
-        got = await client.generate("s", prompt, params, 13)
+        got = await _split_with(a, _partial(blocks, 13), "s", prompt, params, 13)
     finally:
-        await conn.close()
         a.stop()
     assert got == want
 
