@@ -3,6 +3,8 @@
 
 1. Loopback: one relay hop (the transfer protocol: framing, cut-through, digest, commit) against the
    raw transport streaming the same bytes between two processes -> `loopback_hop_over_raw_{tcp,ucx}`.
+   Both receivers write into memory faulted in before the first byte (raw: a zero-filled buffer;
+   relay: its receive arena, populated ahead of the stream), runs interleaved, medians compared.
 2. Emulated hosts (network namespaces, veth, tbf at 200 Mbit/s up and down per host): a 1->N chain for
    N = 1, 2, 4, 8 and, for N = 8, star and binomial plans from the planner; the planner's predicted
    time beside each measurement -> `chain8_over_chain1`, `star8_over_chain8`, `min_link_utilization`,
@@ -16,6 +18,7 @@ import argparse
 import json
 import os
 import secrets
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,28 +52,51 @@ def synthetic_blocks(total: int, n: int) -> BlockSet:
 
 def run_transfer(plan: Plan, blocks: BlockSet, work: Path, transport: str, chunk: int,
                  hosts: dict[str, tuple[list[str], str]]) -> dict[str, dict[str, float]]:
-    """Run every participant as a process (inside its namespace prefix) and return target summaries."""
-    ids = [i.id for i in (*plan.sources, *plan.targets)]
+    """Run every participant as a process (inside its namespace prefix) and return target summaries.
+
+    Targets start first; once every one of them says it is listening, the sources start with a
+    `notBefore` just ahead of their own start-up, so the timed part never includes an importing peer.
+    """
+    source_ids = [s.id for s in plan.sources]
+    ids = [*source_ids, *(t.id for t in plan.targets)]
     ports = free_ports(len(ids))
     peers = {i: (hosts[i][1], p) for i, p in zip(ids, ports, strict=True)}
-    not_before = time.time() + 3.0 + 0.15 * len(ids)  # every process imported and listening by then
-    spec = TransferSpec(plan, blocks.manifest(), peers, secrets.token_hex(8), chunk, 30.0, {}, not_before)
-    (work / "spec.json").write_text(json.dumps(spec.to_dict()))
+    token = secrets.token_hex(8)
     cache = work / "src.kcache"
     if not cache.exists():
         write_cache(cache, blocks)
-    procs = {}
-    for i in ids:
-        args = [*hosts[i][0], sys.executable, "-m", "kascade_cli.main", "transfer", "run", "--spec",
-                str(work / "spec.json"), "--me", i, "--transport", transport]
-        args += ["--cache", str(cache), "--linger", "60"] if i in {s.id for s in plan.sources} else ["--linger", "2"]
-        procs[i] = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ENV)
-    out = {}
+
+    def spec_file(name: str, not_before: float | None) -> Path:
+        spec = TransferSpec(plan, blocks.manifest(), peers, token, chunk, 30.0, {}, not_before)
+        (work / name).write_text(json.dumps(spec.to_dict()))
+        return work / name
+
+    def start(i: str, spec: Path, extra: list[str]) -> subprocess.Popen[str]:
+        args = [*hosts[i][0], sys.executable, "-m", "kascade_cli.main", "transfer", "run", "--spec", str(spec),
+                "--me", i, "--transport", transport, *extra]
+        with open(work / f"{i}.log", "w") as log:  # the child keeps its own copy of the descriptor
+            return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True, env=ENV)
+
+    procs: dict[str, subprocess.Popen[str]] = {}
     try:
+        targets_spec = spec_file("targets.json", None)
+        for t in plan.targets:
+            procs[t.id] = start(t.id, targets_spec, ["--linger", "0.3"])  # (pulls only after a failure)
+        deadline = time.monotonic() + 60
+        for t in plan.targets:
+            while '"listening"' not in (work / f"{t.id}.log").read_text():
+                if procs[t.id].poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"{t.id} never listened: {(work / f'{t.id}.log').read_text()[-1000:]}")
+                time.sleep(0.02)
+        not_before = time.time() + 0.6 + 0.3 * len(source_ids)  # a source imports and maps its cache in ~0.3 s
+        sources_spec = spec_file("sources.json", not_before)
+        for i in source_ids:
+            procs[i] = start(i, sources_spec, ["--cache", str(cache), "--linger", "60"])
+        out = {}
         for t in plan.targets:
             stdout, _ = procs[t.id].communicate(timeout=300)
             if procs[t.id].returncode != 0:
-                raise RuntimeError(f"{t.id} failed")
+                raise RuntimeError(f"{t.id} failed: {(work / f'{t.id}.log').read_text()[-1000:]}")
             out[t.id] = {**json.loads(stdout.strip().splitlines()[-1]), "notBefore": not_before}
     finally:
         for p in procs.values():
@@ -91,7 +117,7 @@ async def main():
     t = make_transport(name)
     if mode == "recv":
         done = asyncio.get_running_loop().create_future()
-        dest = memoryview(bytearray(total))  # fresh memory, as a relay target fills fresh block buffers
+        dest = memoryview(bytearray(total))  # faulted in before the first byte, as the relay's arena is
         async def handler(conn):
             n, first = 0, None
             while True:
@@ -128,7 +154,7 @@ def raw_throughput(transport: str, cache: Path, chunk: int) -> float:
     (port,) = free_ports(1)
     args = [transport, "127.0.0.1", str(port), str(cache), str(chunk)]
     recv = subprocess.Popen([sys.executable, "-c", RAW, "recv", *args], stdout=subprocess.PIPE, text=True, env=ENV)
-    time.sleep(1.0 if transport == "tcp" else 2.5)
+    time.sleep(0.5 if transport == "tcp" else 1.0)  # the sender retries its connect meanwhile
     send = subprocess.Popen([sys.executable, "-c", RAW, "send", *args], env=ENV)
     out, _ = recv.communicate(timeout=300)
     send.wait(timeout=60)
@@ -190,18 +216,29 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rate-mbit", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=3, help="loopback runs per transport (the median is reported)")
     args = ap.parse_args()
     out: dict[str, float | str] = {}
-    loop_total = (128 if args.quick else 512) << 20
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    loop_total = (256 if args.quick else 512) << 20
     net_total = (12 if args.quick else 48) << 20
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         loop_blocks = synthetic_blocks(loop_total, 16)
+        print(f"loopback: {loop_total >> 20} MiB in 16 blocks, 4 MiB chunks; relay hop and raw transport "
+              f"interleaved, median of {args.repeats}", flush=True)
         for transport in ("tcp", "ucx"):
             chunk = 4 << 20
-            (work / f"loop-{transport}").mkdir()
-            hop = hop_throughput(transport, loop_blocks, chunk, work / f"loop-{transport}")
-            raw = raw_throughput(transport, work / f"loop-{transport}" / "src.kcache", chunk)
+            hops, raws = [], []
+            for r in range(args.repeats):  # interleaved, so a noisy moment hurts both sides alike
+                d = work / f"loop-{transport}-{r}"
+                d.mkdir()
+                hops.append(hop_throughput(transport, loop_blocks, chunk, d))
+                raws.append(raw_throughput(transport, d / "src.kcache", chunk))
+                print(f"  {transport} #{r + 1}: raw {raws[-1] / 1e6:8.1f} MB/s   relay hop {hops[-1] / 1e6:8.1f} MB/s",
+                      flush=True)
+            hop, raw = statistics.median(hops), statistics.median(raws)
             out[f"loopback_raw_MBps_{transport}"] = raw / 1e6
             out[f"loopback_hop_MBps_{transport}"] = hop / 1e6
             out[f"loopback_hop_over_raw_{transport}"] = hop / raw

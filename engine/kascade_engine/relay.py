@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kascade_engine.arena import ReceiveArena
 from kascade_engine.blocks import Block, BlockSet, digest_matches, index_from_manifest
 from kascade_engine.transfer_spec import TransferSpec, shard_range
 from kascade_engine.transport import Connection, Header, Listener, Transport, TransportError
@@ -54,7 +55,7 @@ class TransferNode:
         self.faults = dict(spec.faults.get(me, {}))
         self.inbound = self.plan.inbound(me)
         self.outbound = self.plan.outbound(me)
-        self.buffers: dict[str, bytearray] = {}
+        self.buffers: dict[str, memoryview] = {}
         self.resident: dict[str, Block] = {}
         if blocks is not None:
             self.resident = dict(blocks.blocks)
@@ -64,6 +65,9 @@ class TransferNode:
             for b in f.blocks:
                 self.slot_count[b] = f.shard[1] if f.shard else 1
         self.done_slots: dict[str, set[int | None]] = {}
+        # Receive memory, reserved in the order blocks will arrive (the first inbound flow's order).
+        order = list(dict.fromkeys(b for f in self.inbound for b in f.blocks))
+        self.arena = ReceiveArena([] if self.is_source else [(b, int(spec.manifest[b]["bytes"])) for b in order])
         self.downstream = [_Downstream(f) for f in self.outbound]
         self.all_resident = asyncio.Event()
         self.error: Exception | None = None
@@ -85,6 +89,7 @@ class TransferNode:
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> int:
         host, port = self.spec.peers.get(self.me, ("127.0.0.1", 0))
+        self.arena.start()
         self.listener = await self.transport.listen(host, port, self._serve)
         return self.listener.port
 
@@ -112,6 +117,7 @@ class TransferNode:
     def summary(self) -> dict[str, Any]:
         return {"instance": self.me, "resident": len(self.resident), "blocks": len(self.plan.model.block_ids),
                 "bytesReceived": self.bytes_in, "refetches": self.refetches, "corruptDetected": self.corrupt_detected,
+                "blocksReservedAhead": self.arena.populated,
                 "seconds": round(time.monotonic() - self.started, 4), "firstByteAt": self.first_byte_at,
                 "doneAt": self.done_at}
 
@@ -121,6 +127,7 @@ class TransferNode:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.listener:
             await self.listener.close()
+        await asyncio.to_thread(self.arena.close)
 
     # -- serving connections -----------------------------------------------------------------------
     async def _serve(self, conn: Connection) -> None:
@@ -157,6 +164,8 @@ class TransferNode:
                 op = header["op"]
                 if op == "chunk" and plen:
                     view = self._chunk_target(str(header.get("block")), header, plen)
+                    if self.first_byte_at is None:
+                        self.first_byte_at = time.time()
                     await conn.recv_into(view, timeout=self.spec.timeout_s)
                     self._on_chunk(str(header["block"]), tuple(header["shard"]) if header.get("shard") else None,
                                    int(header["offset"]), view)
@@ -202,16 +211,14 @@ class TransferNode:
         if not begin <= offset <= offset + plen <= end:
             raise TransportError(f"chunk of {block!r} at {offset}+{plen} outside [{begin}, {end})")
         buf = self.buffers.get(block)
-        if buf is None:  # (not setdefault: that would allocate a whole block per chunk)
-            buf = self.buffers[block] = bytearray(size)
-        return memoryview(buf)[offset:offset + plen]
+        if buf is None:
+            buf = self.buffers[block] = self.arena.take(block, size)
+        return buf[offset:offset + plen]
 
     def _on_chunk(self, block: str, shard: tuple[int, int] | None, offset: int, payload: memoryview) -> None:
         """The chunk is already in the block buffer: forward it downstream at once (cut-through)."""
         if block in self.resident:
             return
-        if self.first_byte_at is None:
-            self.first_byte_at = time.time()
         self.bytes_in += len(payload)
         if self.faults.get("corruptBlock") == block and not self.faults.get("_corrupted"):
             payload[0] ^= 0xFF  # test-only: this node corrupts what it received (once)
@@ -232,7 +239,7 @@ class TransferNode:
             return
         buf = self.buffers[block]
         entry = self.spec.manifest[block]
-        # hashlib releases the GIL: hash on another core while this loop keeps receiving.
+        # xxhash (and hashlib) release the GIL: hash on another core while this loop keeps receiving.
         if not await asyncio.to_thread(digest_matches, buf, entry["digest"]):
             self.corrupt_detected += 1
             log.warning("%s: block %s failed its digest; aborting downstream and re-fetching", self.me, block)
@@ -240,7 +247,7 @@ class TransferNode:
             await self._forward({"op": "abort", "block": block}, b"", block, None, all_shards=True)
             await self._refetch({(block, None)})
             return
-        self.resident[block] = Block(block, memoryview(buf), index_from_manifest(entry), entry["digest"])
+        self.resident[block] = Block(block, buf, index_from_manifest(entry), entry["digest"])
         await self._forward({"op": "commit", "block": block}, b"", block, None, all_shards=True)
         self.on_progress({"event": "block", "instance": self.me, "block": block, "resident": len(self.resident),
                           "total": len(self.plan.model.block_ids), "bytes": self.bytes_in})
