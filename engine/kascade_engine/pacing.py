@@ -49,10 +49,11 @@ class PacedConnection:
         self.inner, self.bucket = inner, bucket
         self.peer = inner.peer
 
-    async def send(self, header: Header, payload: bytes | bytearray | memoryview = b"") -> None:
+    async def send(self, header: Header, payload: bytes | bytearray | memoryview = b"",
+                   timeout: float | None = None) -> None:
         if len(payload):
-            await self.bucket.take(len(payload))
-        await self.inner.send(header, payload)
+            await self.bucket.take(len(payload))  # (waiting for our own cap is not the peer's stall)
+        await self.inner.send(header, payload, timeout)
 
     async def recv(self, timeout: float | None = None) -> tuple[Header, bytearray]:
         return await self.inner.recv(timeout)

@@ -135,20 +135,21 @@ class TransferNode:
             hello, _ = await conn.recv(timeout=self.spec.timeout_s)
             peer = str(hello.get("from", ""))
             if hello.get("op") != "hello" or not hmac.compare_digest(str(hello.get("token", "")), self.spec.token):
-                await conn.send({"op": "error", "message": "authentication failed"})
+                await conn.send({"op": "error", "message": "authentication failed"}, timeout=self.spec.timeout_s)
                 log.warning("%s: rejected connection from %s: bad hello or token", self.me, conn.peer)
                 return
             role = hello.get("role")
             shard = tuple(hello["shard"]) if hello.get("shard") else None
             if role == "push" and any(f.src == peer and f.shard == shard for f in self.inbound):
-                await conn.send({"op": "welcome"})
+                await conn.send({"op": "welcome"}, timeout=self.spec.timeout_s)
                 self._connected.add(peer)
                 await self._consume(conn, peer, shard)
             elif role == "pull" and peer in {i.id for i in (*self.plan.sources, *self.plan.targets)}:
-                await conn.send({"op": "welcome"})
+                await conn.send({"op": "welcome"}, timeout=self.spec.timeout_s)
                 await self._serve_pull(conn)
             else:
-                await conn.send({"op": "error", "message": f"{peer or '?'} is not a {role} peer of {self.me} in this plan"})
+                await conn.send({"op": "error", "message": f"{peer or '?'} is not a {role} peer of {self.me} in this plan"},
+                                timeout=self.spec.timeout_s)
                 log.warning("%s: rejected %s from %r: not in the plan", self.me, role, peer)
         except TransportError as e:
             log.warning("%s: connection %s failed: %s", self.me, conn.peer, e)
@@ -295,17 +296,17 @@ class TransferNode:
         try:
             conn = await self._connect_retrying(host, port)
             await conn.send({"op": "hello", "from": self.me, "token": self.spec.token, "role": "push",
-                             "shard": list(d.flow.shard) if d.flow.shard else None})
+                             "shard": list(d.flow.shard) if d.flow.shard else None}, timeout=self.spec.timeout_s)
             reply, _ = await conn.recv(timeout=self.spec.timeout_s)
             if reply.get("op") != "welcome":
                 raise TransportError(f"{d.flow.dst} refused: {reply.get('message')}")
             while (item := await d.queue.get()) is not None:
                 header, payload = item
                 t0 = time.monotonic()
-                await conn.send(header, payload)
+                await conn.send(header, payload, timeout=self.spec.timeout_s)
                 if rate and len(payload):  # test-only throttle to make transfers observable
                     await asyncio.sleep(max(0.0, len(payload) / rate - (time.monotonic() - t0)))
-            await conn.send({"op": "end"})
+            await conn.send({"op": "end"}, timeout=self.spec.timeout_s)
             await _close_handshake(conn, self.spec.timeout_s, sent_end=True)
             await conn.close()
         except TransportError as e:
@@ -376,11 +377,11 @@ class TransferNode:
             host, port = self.spec.peers[source]
             try:
                 conn = await self.transport.connect(host, port, timeout=self.spec.timeout_s)
-                await conn.send({"op": "hello", "from": self.me, "token": self.spec.token, "role": "pull"})
+                await conn.send({"op": "hello", "from": self.me, "token": self.spec.token, "role": "pull"}, timeout=self.spec.timeout_s)
                 reply, _ = await conn.recv(timeout=self.spec.timeout_s)
                 if reply.get("op") != "welcome":
                     raise TransportError(f"{source} refused: {reply.get('message')}")
-                await conn.send({"op": "pull", "blocks": blocks})
+                await conn.send({"op": "pull", "blocks": blocks}, timeout=self.spec.timeout_s)
                 ok = await self._consume(conn, source, pull=True)
                 with contextlib.suppress(TransportError):
                     await conn.close()
@@ -398,13 +399,13 @@ class TransferNode:
         for block in req["blocks"]:
             have = self.resident.get(str(block))
             if have is None:
-                await conn.send({"op": "error", "message": f"{self.me} does not hold {block!r}"})
+                await conn.send({"op": "error", "message": f"{self.me} does not hold {block!r}"}, timeout=self.spec.timeout_s)
                 return
             for off in range(0, have.nbytes, self.spec.chunk_bytes):
                 await conn.send({"op": "chunk", "block": have.id, "shard": None, "offset": off},
-                                have.data[off:off + self.spec.chunk_bytes])
-            await conn.send({"op": "commit", "block": have.id, "shard": None})
-        await conn.send({"op": "end"})
+                                have.data[off:off + self.spec.chunk_bytes], timeout=self.spec.timeout_s)
+            await conn.send({"op": "commit", "block": have.id, "shard": None}, timeout=self.spec.timeout_s)
+        await conn.send({"op": "end"}, timeout=self.spec.timeout_s)
         await _close_handshake(conn, self.spec.timeout_s, sent_end=True)
 
 
@@ -417,5 +418,5 @@ async def _close_handshake(conn: Connection, timeout: float, sent_end: bool) -> 
         if sent_end:
             await conn.recv_header(timeout=timeout)  # the reader's bye (or its close)
         else:
-            await conn.send({"op": "bye"})
+            await conn.send({"op": "bye"}, timeout=timeout)
             await conn.recv_header(timeout=min(timeout, 2.0))  # returns once the sender has closed

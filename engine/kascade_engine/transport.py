@@ -57,7 +57,11 @@ def decode_header(raw: bytes) -> Header:
 class Connection(Protocol):
     peer: str
 
-    async def send(self, header: Header, payload: bytes | bytearray | memoryview = b"") -> None: ...
+    async def send(self, header: Header, payload: bytes | bytearray | memoryview = b"",
+                   timeout: float | None = None) -> None:
+        """Send one frame; a peer that takes none of it for `timeout` s is a TransportError (a dead
+        peer behind an endpoint without failure detection, or a live one that stopped reading)."""
+        ...
 
     async def recv(self, timeout: float | None = None) -> tuple[Header, bytearray]: ...
 

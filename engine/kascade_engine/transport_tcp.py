@@ -43,12 +43,16 @@ class TcpConnection:
             self.peer = "?"
         self.loop = asyncio.get_running_loop()
 
-    async def send(self, header: Header, payload: bytes | bytearray | memoryview = b"") -> None:
+    async def send(self, header: Header, payload: bytes | bytearray | memoryview = b"",
+                   timeout: float | None = None) -> None:
         prefix, raw = encode_prefix(header, len(payload))
         try:
-            await self.loop.sock_sendall(self.sock, prefix + raw)
-            if len(payload):
-                await self.loop.sock_sendall(self.sock, payload)
+            async with asyncio.timeout(timeout):
+                await self.loop.sock_sendall(self.sock, prefix + raw)
+                if len(payload):
+                    await self.loop.sock_sendall(self.sock, payload)
+        except TimeoutError:
+            raise TransportError(f"{self.peer} took nothing for {timeout} s") from None
         except (ConnectionError, OSError) as e:
             raise TransportError(f"send to {self.peer}: {e}") from None
 

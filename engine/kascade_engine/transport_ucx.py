@@ -6,11 +6,17 @@ TCP here). A frame is three messages in order: the fixed prefix, the JSON header
 
 Same-host fast path: listener endpoints cannot use shared memory (they force error handling), so when
 both ends share a kernel and a network namespace the connect handshake also exchanges UCX worker
-addresses, and payloads of `FAST_MIN` bytes or more travel over worker-address endpoints (zero-copy
-cma) under a tag the header names. Headers stay on the listener endpoint, which still detects a dead
-peer; a payload the peer never sends times out like any other receive. The fast path is opt-in
-(`KASCADE_UCX_FAST_PATH=1`, or `UcxTransport(fast_path=True)`): with several concurrent connections
-between the same two processes it has shown cancelled receives under heavy load, not yet explained.
+addresses, and payloads of `FAST_MIN` bytes or more are sent over a worker-address endpoint (zero-copy
+cma) under a tag the header names. One such endpoint per peer worker, shared by every connection to it
+and kept for the transport's life: closing one while another connection's payload was in flight
+cancelled that receive. The receive of a tagged payload is posted on the connection's own listener
+endpoint (UCP matches tags per worker, whichever endpoint sent them), so a dead peer or a closed
+connection cancels it as it does any other receive, and a send to a dead peer ends at the caller's
+timeout (worker-address endpoints detect no failures). Opt-in (`KASCADE_UCX_FAST_PATH=1`, or
+`UcxTransport(fast_path=True)`): with error handling off, UCX treats a sender that dies while the
+receiver reads its memory (cma) as fatal and aborts the receiving process (seen here when the middle
+of a chain was killed), which would turn one lost peer into two. Loopback here: listener endpoints
+~1.0-1.5 GB/s, fast path ~1.7-2.1 GB/s.
 """
 
 from __future__ import annotations
@@ -36,10 +42,14 @@ from kascade_engine.transport import (
     read_frame,
 )
 
-os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets a variable UCX 1.21 no longer knows
-
 
 def _ucxx() -> Any:
+    """ucxx, imported on first use with this transport's UCX defaults (a user's own settings win)."""
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets a variable UCX 1.21 no longer knows
+    # TCP (the only inter-host transport without RDMA): 1 MiB segments instead of 8 KiB/64 KiB roughly
+    # doubled a stream here (~0.6 -> ~1.3 GB/s on loopback) at the cost of larger receive descriptors.
+    os.environ.setdefault("UCX_TCP_TX_SEG_SIZE", "1m")
+    os.environ.setdefault("UCX_TCP_RX_SEG_SIZE", "1m")
     import ucxx
 
     return ucxx
@@ -80,19 +90,6 @@ async def _recv_blob(ep: Any, limit: int = 1 << 16) -> bytes:
     return buf.tobytes()
 
 
-async def _handshake(ep: Any, fast_path: bool) -> Any:
-    """Both ends send (locality, worker address); returns a worker-address endpoint to the peer when
-    both want the fast path and are on the same host and network namespace, else None."""
-    ucxx = _ucxx()
-    mine = _locality() if fast_path else b""
-    await _send_blob(ep, mine)
-    await _send_blob(ep, bytes(ucxx.get_worker_address()) if mine else b"")
-    theirs = await _recv_blob(ep)
-    address = await _recv_blob(ep)
-    if not mine or theirs != mine or not address:
-        return None
-    peer = ucxx.get_ucx_address_from_buffer(address)
-    return await ucxx.create_endpoint_from_worker_address(peer, endpoint_error_handling=False)
 
 
 class UcxConnection:
@@ -102,19 +99,25 @@ class UcxConnection:
         self._seq = 0
         self._pending_tag: int | None = None
 
-    async def send(self, header: Header, payload: bytes | bytearray | memoryview = b"") -> None:
+    async def send(self, header: Header, payload: bytes | bytearray | memoryview = b"",
+                   timeout: float | None = None) -> None:
         fast = self.fast_ep is not None and len(payload) >= FAST_MIN
         if fast:
             self._seq += 1
             header = {**header, "_fastTag": self._tag_base | (self._seq & 0xFFFFFF)}
         prefix, raw = encode_prefix(header, len(payload))
         try:
-            await self.ep.send(_as_array(prefix))
-            await self.ep.send(_as_array(raw))
-            if fast:
-                await self.fast_ep.send(_as_array(payload), tag=header["_fastTag"], force_tag=True)
-            elif len(payload):
-                await self.ep.send(_as_array(payload))
+            # The worker-address endpoint has no peer-failure detection: a send to a dead peer would
+            # wait forever, so the timeout is what notices it.
+            async with asyncio.timeout(timeout):
+                await self.ep.send(_as_array(prefix))
+                await self.ep.send(_as_array(raw))
+                if fast:
+                    await self.fast_ep.send(_as_array(payload), tag=header["_fastTag"], force_tag=True)
+                elif len(payload):
+                    await self.ep.send(_as_array(payload))
+        except TimeoutError:
+            raise TransportError(f"{self.peer} took nothing for {timeout} s") from None
         except Exception as e:  # ucxx raises its own exception types
             raise TransportError(f"ucx send to {self.peer}: {e}") from None
 
@@ -143,8 +146,8 @@ class UcxConnection:
         tag, self._pending_tag = self._pending_tag, None
         try:
             async with asyncio.timeout(timeout):
-                if tag is not None:
-                    await self.fast_ep.recv(np.frombuffer(view, dtype=np.uint8), tag=tag, force_tag=True)
+                if tag is not None:  # sent over the peer's worker-address endpoint; posted on ours
+                    await self.ep.recv(np.frombuffer(view, dtype=np.uint8), tag=tag, force_tag=True)
                 else:
                     await self.ep.recv(np.frombuffer(view, dtype=np.uint8))
         except TimeoutError:
@@ -158,10 +161,7 @@ class UcxConnection:
     async def close(self) -> None:
         with contextlib.suppress(Exception):
             await self.ep.close()
-        # The worker-address endpoint is not closed here: closing one cancels tag receives that other
-        # connections between the same two workers have posted (seen with sharded flows). It is a
-        # small object released with the connection.
-        self.fast_ep = None
+        self.fast_ep = None  # shared with other connections to the same worker: the transport keeps it
 
 
 class UcxListener:
@@ -179,13 +179,31 @@ class UcxTransport:
 
     def __init__(self, fast_path: bool | None = None) -> None:
         self.fast_path = os.environ.get("KASCADE_UCX_FAST_PATH") == "1" if fast_path is None else fast_path
+        self._fast_eps: dict[bytes, Any] = {}  # peer worker address -> its worker-address endpoint
+
+    async def _handshake(self, ep: Any) -> Any:
+        """Both ends send (locality, worker address); returns the worker-address endpoint to the peer
+        when both want the fast path and share a host and network namespace, else None."""
+        ucxx = _ucxx()
+        mine = _locality() if self.fast_path else b""
+        await _send_blob(ep, mine)
+        await _send_blob(ep, bytes(ucxx.get_worker_address()) if mine else b"")
+        theirs = await _recv_blob(ep)
+        address = await _recv_blob(ep)
+        if not mine or theirs != mine or not address:
+            return None
+        if address not in self._fast_eps:
+            peer = ucxx.get_ucx_address_from_buffer(address)
+            fast = await ucxx.create_endpoint_from_worker_address(peer, endpoint_error_handling=False)
+            self._fast_eps.setdefault(address, fast)  # a concurrent handshake may have made one first
+        return self._fast_eps[address]
 
     async def listen(self, host: str, port: int, handler: Handler) -> UcxListener:
         ucxx = _ucxx()
 
         async def on_ep(ep: Any) -> None:
             try:
-                fast = await asyncio.wait_for(_handshake(ep, self.fast_path), 10)
+                fast = await asyncio.wait_for(self._handshake(ep), 10)
             except Exception:
                 with contextlib.suppress(Exception):
                     await ep.close()
@@ -205,7 +223,7 @@ class UcxTransport:
         ucxx = _ucxx()
         try:
             ep = await asyncio.wait_for(ucxx.create_endpoint(host, port), timeout)
-            fast = await asyncio.wait_for(_handshake(ep, self.fast_path), timeout)
+            fast = await asyncio.wait_for(self._handshake(ep), timeout)
         except Exception as e:
             raise TransportError(f"ucx connect to {host}:{port}: {e}") from None
         return UcxConnection(ep, f"{host}:{port}", fast)
