@@ -11,8 +11,11 @@ background thread maps one anonymous region per block and populates it
 (`madvise(MADV_POPULATE_WRITE)` through ctypes, which releases the GIL, so the event loop keeps
 receiving meanwhile) -> `take(block)` hands the region out as a writable memoryview (torch views it
 without copying). A block the stream reaches before the thread does is mapped at once and faults
-lazily as it fills: correct either way, only slower. Memory is released when the last view of a block
-is dropped (the arena keeps no reference once `close()`d).
+lazily as it fills: correct either way, only slower (~1.5 GB/s here). A block the thread is populating
+right then is waited for: faulting it again in the receiving thread would cost as long and double the
+work. `ready` is set once every block is reserved (the node reports it; the benchmark starts its
+sources after it, so relay and raw transport both write into faulted-in memory). Memory is released
+when the last view of a block is dropped (the arena keeps no reference once `close()`d).
 """
 
 from __future__ import annotations
@@ -34,20 +37,27 @@ class ReceiveArena:
     def __init__(self, order: Sequence[tuple[str, int]]) -> None:
         self.order = [(b, n) for b, n in order if n > 0]
         self._regions: dict[str, mmap.mmap] = {}
-        self._lock = threading.Lock()  # the thread publishes, the loop may map first: one region per block
+        # The thread publishes, the loop may map first: one region per block.
+        self._lock = threading.Condition()
+        self._populating: str | None = None
         self._closed = threading.Event()
+        self.ready = threading.Event()
         self._thread: threading.Thread | None = None
         self.populated = 0  # blocks populated by the thread before the stream needed them
         self.populate_s = 0.0
 
     def start(self) -> None:
-        if self.order and self._thread is None:
+        if not self.order:
+            self.ready.set()
+        elif self._thread is None:
             self._thread = threading.Thread(target=self._reserve_all, name="kascade-arena", daemon=True)
             self._thread.start()
 
     def take(self, block: str, nbytes: int) -> memoryview:
         """The block's region (reserved ahead if the thread got there first)."""
         with self._lock:
+            while self._populating == block:
+                self._lock.wait(timeout=1.0)
             region = self._regions.get(block)
             if region is None:
                 region = self._regions[block] = _anonymous(nbytes)
@@ -65,20 +75,35 @@ class ReceiveArena:
 
     def _reserve_all(self) -> None:
         t0 = time.monotonic()
+        try:
+            self._reserve_blocks()
+        finally:
+            self.populate_s = time.monotonic() - t0
+            self.ready.set()  # done, whether every block was populated or the rest will fault lazily
+            log.debug("arena: %d of %d blocks populated ahead in %.3f s", self.populated, len(self.order),
+                      self.populate_s)
+
+    def _reserve_blocks(self) -> None:
         for block, nbytes in self.order:
             if self._closed.is_set():
                 return
-            if block in self._regions:  # the stream got there first: it faults that block itself
-                continue
-            # Populated before it is published, so nothing else ever writes a region being populated.
-            region = _anonymous(nbytes)
-            if not _populate(region):
-                return  # out of memory or not supported: the rest faults lazily
             with self._lock:
-                if self._regions.setdefault(block, region) is region:
-                    self.populated += 1
-        self.populate_s = time.monotonic() - t0
-        log.debug("arena: %d of %d blocks populated ahead in %.3f s", self.populated, len(self.order), self.populate_s)
+                if block in self._regions:  # the stream got there first: it faults that block itself
+                    continue
+                self._populating = block
+            # Populated before it is published, so nothing else ever writes a region being populated.
+            ok = False
+            try:
+                region = _anonymous(nbytes)
+                ok = _populate(region)
+            finally:
+                with self._lock:
+                    self._populating = None
+                    if ok and self._regions.setdefault(block, region) is region:
+                        self.populated += 1
+                    self._lock.notify_all()
+            if not ok:
+                return  # out of memory or not supported: the rest faults lazily
 
 
 def _anonymous(nbytes: int) -> mmap.mmap:

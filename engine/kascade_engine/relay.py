@@ -91,7 +91,14 @@ class TransferNode:
         host, port = self.spec.peers.get(self.me, ("127.0.0.1", 0))
         self.arena.start()
         self.listener = await self.transport.listen(host, port, self._serve)
+        if self.arena.order:
+            self._tasks.append(asyncio.create_task(self._report_reserved()))
         return self.listener.port
+
+    async def _report_reserved(self) -> None:
+        await asyncio.to_thread(self.arena.ready.wait)
+        self.on_progress({"event": "reserved", "instance": self.me, "blocks": self.arena.populated,
+                          "of": len(self.arena.order), "seconds": round(self.arena.populate_s, 4)})
 
     async def run(self) -> dict[str, Any]:
         """Push outbound flows, receive inbound ones; returns once everything here is resident and
