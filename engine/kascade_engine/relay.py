@@ -103,8 +103,8 @@ class TransferNode:
     async def run(self) -> dict[str, Any]:
         """Push outbound flows, receive inbound ones; returns once everything here is resident and
         every downstream flow got every block committed (or its peer died)."""
-        for d in self.downstream:
-            self._tasks.append(asyncio.create_task(self._writer(d)))
+        writers = [asyncio.create_task(self._writer(d)) for d in self.downstream]
+        self._tasks.extend(writers)
         if self.is_source and self.spec.not_before is not None:
             await asyncio.sleep(max(0.0, self.spec.not_before - time.time()))
         feeders = [asyncio.create_task(self._feed_from_resident(d)) for d in self.downstream] if self.is_source else []
@@ -117,7 +117,6 @@ class TransferNode:
         await asyncio.gather(*feeders)
         for d in self.downstream:
             await d.queue.put(None)  # end marker after everything queued
-        writers = self._tasks[: len(self.downstream)]
         await asyncio.gather(*writers, return_exceptions=True)
         return self.summary()
 

@@ -181,3 +181,37 @@ async def test_ucx_same_host_uses_worker_address_fast_path() -> None:
     finally:
         await conn.close()
         await listener.close()
+
+
+async def test_a_relay_closed_as_soon_as_run_returns_has_delivered_everything_downstream(tiny_blocks: BlockSet) -> None:
+    """The engine closes its node right after `run()`; the tail of the chain must still get every block
+    (run() waits for its writers, whatever other tasks the node keeps)."""
+    from kascade_devcluster.ports import free_ports
+
+    topo = leaf_spine(1, 3, 8)
+    nodes = [n.name for n in topo.nodes]
+    model = ModelLayout("tiny", tiny_blocks.ids, tuple(b.nbytes for b in tiny_blocks.blocks.values()))
+    plan = make_plan(topo, model, [Instance("s0", nodes[0])], [Instance("t0", nodes[1]), Instance("t1", nodes[2])],
+                     "chain")
+    assert plan.chains == (("s0", "t0", "t1"),)
+    ports = dict(zip(("s0", "t0", "t1"), free_ports(3), strict=True))
+    # t0 forwards slowly (test-only throttle): it has everything long before its writer has sent it.
+    rate = tiny_blocks.total_bytes / 1.0 / 1e6
+    spec = TransferSpec(plan, tiny_blocks.manifest(), {k: ("127.0.0.1", v) for k, v in ports.items()},
+                        secrets.token_hex(8), 64 << 10, 5.0, {"t0": {"rateMBps": rate}})
+    transport = TcpTransport()
+    nodes_ = {"s0": TransferNode(spec, "s0", transport, tiny_blocks), "t0": TransferNode(spec, "t0", transport),
+              "t1": TransferNode(spec, "t1", transport)}
+    for n in nodes_.values():
+        await n.start()
+
+    async def run_then_close(node: TransferNode) -> dict[str, object]:
+        try:
+            return await node.run()
+        finally:
+            await node.close()
+
+    results = await asyncio.wait_for(asyncio.gather(*(run_then_close(n) for n in nodes_.values())), 30)
+    tail = results[2]
+    assert tail["resident"] == len(tiny_blocks.ids) and tail["refetches"] == 0
+    assert all(nodes_["t1"].resident[b].verify() for b in tiny_blocks.ids)

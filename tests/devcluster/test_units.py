@@ -23,9 +23,6 @@ def test_free_ports_are_distinct_and_unprivileged() -> None:
     ports = free_ports(8)
     assert len(set(ports)) == 8
     assert all(1024 < p < 65536 for p in ports)
-    # Below the ephemeral range: no outgoing connection can take one before its listener binds it.
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    assert all(p < low for p in ports)
     with pytest.raises(ValueError, match="n must be"):
         free_ports(-1)
 
