@@ -231,12 +231,12 @@ def main() -> None:
         loop_blocks = synthetic_blocks(loop_total, 16)
         print(f"loopback: {loop_total >> 20} MiB in 16 blocks, 4 MiB chunks; relay hop and raw transport "
               f"interleaved, median of {args.repeats}", flush=True)
+        chunk = 4 << 20
+        d = work / "loop"  # one host-cache file for every run (written once, then in the page cache)
+        d.mkdir()
         for transport in ("tcp", "ucx"):
-            chunk = 4 << 20
             hops, raws = [], []
             for r in range(args.repeats):  # interleaved, so a noisy moment hurts both sides alike
-                d = work / "loop"  # one host-cache file for every run (written once, then in the page cache)
-                d.mkdir(exist_ok=True)
                 hops.append(hop_throughput(transport, loop_blocks, chunk, d))
                 raws.append(raw_throughput(transport, d / "src.kcache", chunk))
                 print(f"  {transport} #{r + 1}: raw {raws[-1] / 1e6:8.1f} MB/s   relay hop {hops[-1] / 1e6:8.1f} MB/s",

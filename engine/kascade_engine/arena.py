@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import logging
 import mmap
 import sys
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 log = logging.getLogger(__name__)
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable without writing them
@@ -110,15 +112,21 @@ def _anonymous(nbytes: int) -> mmap.mmap:
     return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
+@functools.cache
+def _madvise() -> Any:
+    """libc's madvise, declared once (ctypes calls it without the GIL)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise
+
+
 def _populate(region: mmap.mmap) -> bool:
     """Fault every page of `region` in, without holding the GIL. False when the rest should not try."""
     anchor = ctypes.c_char.from_buffer(region)  # an export: the region cannot be unmapped meanwhile
     try:
         addr, size = ctypes.addressof(anchor), len(region)
         if sys.platform == "linux":
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            if libc.madvise(addr, size, MADV_POPULATE_WRITE) == 0:
+            if _madvise()(addr, size, MADV_POPULATE_WRITE) == 0:
                 return True
             err = ctypes.get_errno()
             if err != errno.EINVAL:  # ENOMEM and the like: leave the rest to fault lazily

@@ -90,8 +90,6 @@ async def _recv_blob(ep: Any, limit: int = 1 << 16) -> bytes:
     return buf.tobytes()
 
 
-
-
 class UcxConnection:
     def __init__(self, ep: Any, peer: str, fast_ep: Any = None) -> None:
         self.ep, self.peer, self.fast_ep = ep, peer, fast_ep
