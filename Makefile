@@ -32,6 +32,7 @@ lint: ## ruff, import contracts, CRDs in the chart equal crds/
 TYPED_MODULES := -p kascade_devcluster -p kascade_demo -m kascade_engine.arena -m kascade_engine.blocks -m kascade_engine.hostcache \
 	-m kascade_engine.transport -m kascade_engine.transport_tcp -m kascade_engine.transport_ucx \
 	-m kascade_engine.transfer_spec -m kascade_engine.relay -m kascade_engine.pacing -m kascade_engine.loader \
+	-m kascade_engine.config -m kascade_engine.instance -m kascade_engine.serving -m kascade_engine.control \
 	-m kascade_operator.api -m kascade_operator.scaleplan -m kascade_operator.plandriver -m kascade_operator.engine_client \
 	-m kascade_operator.pool -m kascade_operator.reconcile
 

@@ -1,8 +1,8 @@
 """`kascade engine serve`: load a checkpoint, serve the OpenAI-compatible and control APIs, and
 (optionally) accept activations from a cooperating loading engine on a data port.
 
-Data flow: flags -> checkpoint dir (or the converted SmolLM2) -> blocks -> model -> Engine ->
-ServerState -> uvicorn on a pre-bound socket (port 0 works) + activation listener; prints one line
+Data flow: flags -> `EngineConfig` -> checkpoint dir (or the converted SmolLM2) -> blocks ->
+`EngineInstance` -> uvicorn on a pre-bound socket (port 0 works) + activation listener; prints one line
 `KASCADE_ENGINE_READY http=<port> act=<port>` once both listen.
 """
 
@@ -34,9 +34,17 @@ def engine() -> None:
 @click.option("--token-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="control API bearer token (default: $KASCADE_ENGINE_TOKEN)")
 @click.option("--max-prompt-tokens", default=2048, show_default=True, type=click.IntRange(1))
-@click.option("--max-batch-tokens", default=2048, show_default=True, type=click.IntRange(1))
-@click.option("--max-seqs", default=16, show_default=True, type=click.IntRange(1))
-@click.option("--kv-tokens", default=65536, show_default=True, type=click.IntRange(1))
+@click.option("--max-batch-tokens", default=512, show_default=True, type=click.IntRange(1),
+              help="per-step token budget (decodes + chunked prefill)")
+@click.option("--max-seqs", default=64, show_default=True, type=click.IntRange(1), help="sequences per step")
+@click.option("--kv-tokens", default=65536, show_default=True, type=click.IntRange(1),
+              help="paged KV cache capacity in tokens (preallocated)")
+@click.option("--page-size", default=16, show_default=True, type=click.IntRange(1), help="KV page size in tokens")
+@click.option("--device", default=lambda: os.environ.get("KASCADE_DEVICE", "auto"), show_default="auto",
+              help="auto | cpu | cuda | cuda:N (env KASCADE_DEVICE)")
+@click.option("--dtype", default=lambda: os.environ.get("KASCADE_DTYPE", "auto"), show_default="auto",
+              type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
+              help="compute dtype (auto: float32 on CPU, the checkpoint's 16-bit type on CUDA; bind may set it)")
 @click.option("--empty", is_flag=True, help="start with no weights (config + tokenizer only); load them with load-plan")
 @click.option("--resident-layers", type=click.IntRange(0),
               help="load only embed + this many leading layers (a load in progress: demos and tests of live cooperation)")
@@ -47,18 +55,19 @@ def engine() -> None:
               help="cap on weight data this engine sends, in Mbit/s (default: line rate)")
 def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: str, port: int, act_port: int | None,
           token_file: Path | None, max_prompt_tokens: int, max_batch_tokens: int, max_seqs: int, kv_tokens: int,
-          empty: bool, resident_layers: int | None, threads: int, transport: str, transfer_max_mbps: float | None) -> None:
+          page_size: int, device: str, dtype: str, empty: bool, resident_layers: int | None, threads: int,
+          transport: str, transfer_max_mbps: float | None) -> None:
     """Serve a model over HTTP (OpenAI-compatible) with the Kascade control API."""
+    import json
+
     import torch
     import uvicorn
 
     from kascade_engine.blocks import CheckpointError, pack_checkpoint
     from kascade_engine.checkpoint import smollm_checkpoint
-    from kascade_engine.engine import Engine
-    from kascade_engine.live import Finisher
-    from kascade_engine.model import LlamaModel
-    from kascade_engine.scheduler import Limits
-    from kascade_engine.server import ServerState, create_app
+    from kascade_engine.config import ConfigError, EngineConfig
+    from kascade_engine.instance import EngineInstance
+    from kascade_engine.server import create_app
     from kascade_engine.tokenizer import load_tokenizer
     from kascade_engine.transport_tcp import TcpTransport
 
@@ -74,29 +83,25 @@ def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: s
         raise click.UsageError("no control token: pass --token-file or set KASCADE_ENGINE_TOKEN")
     torch.set_num_threads(threads)
     try:
-        if empty:  # a warm-pool pod: only the architecture; weights arrive through load-plan
-            import json
-
-            blocks, name = None, model_name or checkpoint.name
-            model = LlamaModel(json.loads((checkpoint / "config.json").read_text()))
+        cfg = EngineConfig(checkpoint, model_name or checkpoint.name, token, device=device, dtype=dtype,
+                           max_prompt_tokens=max_prompt_tokens, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
+                           kv_tokens=kv_tokens, page_size=page_size, threads=threads, transport=transport,
+                           transfer_bytes_per_s=transfer_max_mbps * 1e6 / 8 if transfer_max_mbps else None,
+                           empty=empty, resident_layers=resident_layers)
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None
+    try:
+        if empty:  # a warm-pool pod: only the architecture; weights arrive through load-plan or bind
+            blocks, model_cfg = None, json.loads((checkpoint / "config.json").read_text())
         else:
-            blocks = pack_checkpoint(checkpoint, model=model_name or checkpoint.name)
-            name = blocks.model
-            model = LlamaModel(blocks.config)
-    except (CheckpointError, ValueError, OSError) as e:
+            blocks = pack_checkpoint(checkpoint, model=cfg.model_name)
+            model_cfg = blocks.config
+        n_layers = int(model_cfg.get("num_hidden_layers", 0))
+        if blocks is not None and resident_layers is not None and resident_layers > n_layers:
+            raise click.UsageError(f"--resident-layers {resident_layers} exceeds the model's {n_layers} layers")
+        inst = EngineInstance(cfg, model_cfg, load_tokenizer(checkpoint), blocks)
+    except (CheckpointError, ConfigError, ValueError, OSError) as e:
         raise click.UsageError(f"--checkpoint {checkpoint}: {e}") from None
-    tok = load_tokenizer(checkpoint)
-    eng = Engine(model, Limits(max_batch_tokens, max_seqs, kv_tokens), eos=tok.eos_token_id)
-    if blocks is not None and resident_layers is not None:
-        if resident_layers > model.shape.layers:
-            raise click.UsageError(f"--resident-layers {resident_layers} exceeds the model's {model.shape.layers} layers")
-        eng.load_blocks(blocks.blocks[b] for b in ("embed", *(f"layer.{i}" for i in range(resident_layers))))
-        blocks = None  # not a complete copy: never a source
-    elif blocks is not None:
-        eng.load_blocks(blocks.blocks.values())
-    st = ServerState(eng, tok, name, token, max_prompt_tokens=max_prompt_tokens, finisher=Finisher(model, busy=lambda: not eng.scheduler.idle, token=token),
-                     blockset=blocks, phase="ready" if model.complete else "idle" if empty else "loading",
-                     transport=transport, transfer_bytes_per_s=transfer_max_mbps * 1e6 / 8 if transfer_max_mbps else None)
 
     async def main() -> None:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -104,9 +109,8 @@ def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: s
         sock.bind((host, port))
         listener = None
         if act_port is not None:
-            assert st.finisher is not None
-            listener = await TcpTransport().listen(host, act_port, st.finisher.handle)
-        server = uvicorn.Server(uvicorn.Config(create_app(st), log_level="warning", lifespan="on"))
+            listener = await TcpTransport().listen(host, act_port, inst.finisher.handle)
+        server = uvicorn.Server(uvicorn.Config(create_app(inst), log_level="warning", lifespan="on"))
         print(f"KASCADE_ENGINE_READY http={sock.getsockname()[1]} act={listener.port if listener else '-'}", flush=True)
         try:
             await server.serve(sockets=[sock])

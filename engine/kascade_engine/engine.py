@@ -55,6 +55,12 @@ class Engine:
         self._ids = itertools.count()
         self._aborts: set[str] = set()
 
+    def reset(self) -> None:
+        """Forget every request (release: the instance holds nothing afterwards)."""
+        for rid in list(self.requests):
+            self.scheduler.finish(rid)
+        self.requests.clear()
+
     def load_blocks(self, blocks: Iterable[Any]) -> None:
         for b in blocks:
             self.model.add_block(b.id, b.tensors())
@@ -74,7 +80,7 @@ class Engine:
 
     def _forward(self, r: Request, ids: list[int], start: int) -> int:
         m = self.model
-        h = m.run_layers(0, m.shape.layers, m.embed(torch.tensor(ids)), r.kv, start)
+        h = m.run_layers(0, m.shape.layers, m.embed(torch.tensor(ids, device=m.device)), r.kv, start)
         return sample(m.logits(h[-1:])[0], r.params, r.gen)
 
     def step(self) -> list[Event]:

@@ -43,7 +43,7 @@ def encode_activation(req: str, start: int, layer: int, hidden: torch.Tensor, pa
     name = str(hidden.dtype).removeprefix("torch.")
     if name not in DTYPES:
         raise ValueError(f"activation dtype {name} not supported")
-    raw = hidden.contiguous().view(torch.uint8).numpy().tobytes() if hidden.numel() else b""
+    raw = hidden.contiguous().cpu().view(torch.uint8).numpy().tobytes() if hidden.numel() else b""
     p = {k: v for k, v in asdict(params).items() if k in ("temperature", "top_p", "seed")}
     return {"op": "act", "req": req, "start": start, "layer": layer, "shape": list(hidden.shape),
             "dtype": name, "params": p}, raw
@@ -97,7 +97,7 @@ class Finisher:
                 raise ValueError(f"layer {layer!r} outside 0..{self.model.shape.layers}")
             if not isinstance(start, int) or start < 0:
                 raise ValueError(f"start {start!r} must be a non-negative int")
-            hidden = decode_activation(header, payload, self.model.shape.hidden).to(self.model.dtype)
+            hidden = decode_activation(header, payload, self.model.shape.hidden).to(self.model.device, self.model.dtype)
             st = self.state.get(req)
             if st is None:
                 if len(self.state) >= self.max_requests:
@@ -154,12 +154,12 @@ class SplitClient:
             raise RuntimeError(f"peer refused the hello: {reply}")
 
     def _prefix(self, ids: list[int], kv: SequenceKV, start: int, k: int) -> torch.Tensor:
-        return self.model.run_layers(0, k, self.model.embed(torch.tensor(ids)), kv, start)
+        return self.model.run_layers(0, k, self.model.embed(torch.tensor(ids, device=self.model.device)), kv, start)
 
     async def _zig(self, ids: list[int], kv: SequenceKV) -> tuple[torch.Tensor, int]:
         """Run the prompt through layers as they become resident until the peer is idle."""
         m = self.model
-        h, done = m.embed(torch.tensor(ids)), 0
+        h, done = m.embed(torch.tensor(ids, device=m.device)), 0
         while True:
             now = m.resident_prefix()
             if now > done:

@@ -1,5 +1,9 @@
 """Engine metrics (prometheus-client, prefix `kascade_`, names per DESIGN.md §6), in a registry owned
-by the server instance (no module globals)."""
+by the engine instance (no module globals).
+
+Data flow: Serving calls `on_request` (prompt admitted), `observe_event` (every token), `observe_ttft`;
+`update(instance)` samples the gauges (queue, running, KV use, residency, transfer) before a scrape.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
 class EngineMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
+        self.model_name = model_name
         r = self.registry = CollectorRegistry()
         self.queue_length = Gauge("kascade_queue_length", "Requests waiting for prefill", registry=r)
         self.running = Gauge("kascade_running_requests", "Requests being decoded", registry=r)
@@ -27,21 +32,33 @@ class EngineMetrics:
         self.live_split = Counter("kascade_live_split_requests", "Requests served split with a peer while loading",
                                   registry=r)
         self.live_layers = Gauge("kascade_live_layers", "Layers executed for a cooperating peer", registry=r)
+        self._last_token: dict[str, float] = {}
 
-    def observe_token(self, prev: float | None, now: float, engine: Any) -> None:
+    def on_request(self, prompt_tokens: int) -> None:
+        self.input_tokens.inc(prompt_tokens)
+
+    def observe_event(self, ev: Any, now: float) -> None:
+        if ev.token < 0:
+            self._last_token.pop(ev.request, None)
+            return
         self.output_tokens.inc()
+        prev = self._last_token.get(ev.request)
         if prev is not None:
             self.tbt.observe(now - prev)
+        if ev.finished:
+            self._last_token.pop(ev.request, None)
+        else:
+            self._last_token[ev.request] = now
 
     def observe_ttft(self, seconds: float) -> None:
         self.ttft.observe(seconds)
 
-    def update(self, st: Any) -> None:
-        s = st.engine.scheduler
+    def update(self, inst: Any) -> None:
+        s = inst.engine.scheduler
         self.queue_length.set(len(s.waiting))
         self.running.set(len(s.running))
         self.kv_usage.set(s.kv_reserved() / s.limits.kv_tokens)
-        self.blocks_resident.set(len(st.engine.model.weights))
-        self.transfer_bytes.set(st.bytes_received)
-        self.transfer_bw.set(st.transfer_bw)
-        self.live_layers.set(st.finisher.layers_finished if st.finisher else 0)
+        self.blocks_resident.set(len(inst.model.weights))
+        self.transfer_bytes.set(inst.bytes_received)
+        self.transfer_bw.set(inst.transfer_bw)
+        self.live_layers.set(inst.finisher.layers_finished)

@@ -59,20 +59,22 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class LlamaModel:
     """Weights held per block; layers run only when their block is resident."""
 
-    def __init__(self, cfg: Mapping[str, Any], dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, cfg: Mapping[str, Any], dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
         self.cfg = dict(cfg)
         self.shape = LlamaShape.from_config(cfg)
         self.dtype = dtype
+        self.device = torch.device(device)
         self.weights: dict[str, dict[str, torch.Tensor]] = {}
         s = self.shape
-        self.inv_freq = 1.0 / (s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.int64).float() / s.head_dim))
+        self.inv_freq = 1.0 / (s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.int64, device=self.device).float() / s.head_dim))
 
     # -- residency -------------------------------------------------------------------------
     def add_block(self, block_id: str, tensors: Mapping[str, torch.Tensor]) -> None:
         prefix = {"embed": "model.embed_tokens.", "head": ""}.get(block_id)
         if prefix is None:
             prefix = f"model.layers.{int(block_id.split('.')[1])}."
-        self.weights[block_id] = {k[len(prefix):] if k.startswith(prefix) else k: v.to(self.dtype) for k, v in tensors.items()}
+        self.weights[block_id] = {k[len(prefix):] if k.startswith(prefix) else k: v.to(device=self.device, dtype=self.dtype) for k, v in tensors.items()}
 
     def resident(self, block_id: str) -> bool:
         return block_id in self.weights
@@ -120,7 +122,7 @@ class LlamaModel:
             raise ValueError(f"layer range {a}..{b} outside 0..{self.shape.layers}")
         s = self.shape
         T = hidden.shape[0]
-        cos, sin = self._rope(torch.arange(start, start + T))
+        cos, sin = self._rope(torch.arange(start, start + T, device=self.device))
         x = hidden
         for i in range(a, b):
             w = self._need(f"layer.{i}")
@@ -136,7 +138,7 @@ class LlamaModel:
             total = k.shape[1]
             scores = (q @ k.transpose(1, 2)) / math.sqrt(s.head_dim)
             # causal mask: query t (absolute start+t) sees keys 0..start+t
-            mask = torch.arange(total)[None, :] > (torch.arange(T)[:, None] + start)
+            mask = torch.arange(total, device=self.device)[None, :] > (torch.arange(T, device=self.device)[:, None] + start)
             scores = scores.masked_fill(mask, float("-inf"))
             attn = torch.softmax(scores.float(), dim=-1).to(self.dtype) @ v
             x = x + attn.transpose(0, 1).reshape(T, s.heads * s.head_dim) @ w["self_attn.o_proj.weight"].T

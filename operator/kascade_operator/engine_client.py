@@ -1,6 +1,7 @@
 """Client of the engine control API (`/kascade/v1/...`, bearer token) used by the operator.
 
-Data flow: scaleplan/pool logic -> `EngineClient.<verb>(endpoint, ...)` -> httpx POST/GET with a
+Data flow: scaleplan/pool logic -> `EngineClient.<verb>(endpoint, ...)` -> the request type shared
+with the engine (`kascade_planner.engine_api`, one definition for both ends) -> httpx POST/GET with a
 timeout -> JSON status dict, or `EngineError` naming the endpoint, the call and the engine's message.
 Keep-alive clients per engine (httppool.py) keep instruct latency low at any number of engines.
 """
@@ -8,11 +9,12 @@ Keep-alive clients per engine (httppool.py) keep instruct latency low at any num
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import httpx
 
 from kascade_operator.httppool import HttpPool
+from kascade_planner.engine_api import BindRequest, CooperateRequest, LoadPlanRequest, Role
 
 log = logging.getLogger(__name__)
 
@@ -76,22 +78,18 @@ class EngineClient:
         return await self._call(endpoint, "GET", "status")
 
     async def bind(self, endpoint: str, model: str, model_service: str, role: str,
-                   source_path: str | None = None) -> dict[str, Any]:
+                   source_path: str | None = None, dtype: str | None = None) -> dict[str, Any]:
         """Bind the engine to a service; with `source_path` it also loads the first copy from that directory."""
-        body: dict[str, Any] = {"model": model, "modelService": model_service, "role": role}
-        if source_path:
-            body["source"] = {"path": source_path}
-        return await self._call(endpoint, "POST", "bind", body)
+        req = BindRequest(model, model_service, cast(Role, role), source_path or None, dtype)
+        return await self._call(endpoint, "POST", "bind", req.to_dict())
 
     async def load_plan(self, endpoint: str, plan: dict[str, Any], self_id: str, peers: dict[str, str],
                         plan_token: str, manifest: dict[str, Any] | None = None) -> dict[str, Any]:
-        body: dict[str, Any] = {"plan": plan, "self": self_id, "peers": peers, "planToken": plan_token}
-        if manifest is not None:
-            body["manifest"] = manifest
-        return await self._call(endpoint, "POST", "load-plan", body)
+        req = LoadPlanRequest(plan, self_id, peers, plan_token, manifest)
+        return await self._call(endpoint, "POST", "load-plan", req.to_dict())
 
     async def cooperate(self, endpoint: str, peer: str, mode: Literal["zigzag", "besteffort", "off"]) -> dict[str, Any]:
-        return await self._call(endpoint, "POST", "cooperate", {"peer": peer, "mode": mode})
+        return await self._call(endpoint, "POST", "cooperate", CooperateRequest(peer, mode).to_dict())
 
     async def drain(self, endpoint: str) -> dict[str, Any]:
         return await self._call(endpoint, "POST", "drain")

@@ -170,7 +170,7 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
             return
         try:
             st = await rt.engines.status(p.endpoint)
-            if st.get("modelService") == svc and st.get("phase") in ("loading", "ready"):
+            if st.get("modelService") == svc and st.get("phase") in ("loading", "live", "serving", "ready"):
                 return  # already instructed by an earlier incarnation of the operator
             await rt.engines.bind(p.endpoint, model, svc, role, path)
             if not local:

@@ -66,7 +66,7 @@ def test_control_api_needs_token(engine_a) -> None:  # type: ignore[no-untyped-d
     ok = httpx.get(u + "status", headers={"Authorization": f"Bearer {engine_a.token}"})
     assert ok.status_code == 200
     st = ok.json()
-    assert st["phase"] == "ready" and st["ready"] and all(st["blocks"].values()) and len(st["blocks"]) == 6
+    assert st["phase"] == "serving" and st["ready"] and all(st["blocks"].values()) and len(st["blocks"]) == 6
     h = {"Authorization": f"Bearer {engine_a.token}"}
     r = httpx.post(u + "cooperate", json={"peer": "b", "mode": "sideways"}, headers=h)
     assert r.status_code == 400 and "mode" in r.json()["error"]["message"]

@@ -22,8 +22,8 @@ def test_empty_engine_loads_by_plan_and_matches(tiny_ckpt, tiny_blocks, engine_s
     try:
         body = {"model": "tiny-llama", "prompt": [7, 8, 9], "max_tokens": 6}
         r = httpx.post(dst.url + "/v1/completions", json=body)
-        assert r.status_code == 503 and "engine is idle" in r.json()["error"]["message"]
-        assert httpx.get(dst.url + "/kascade/v1/status", headers=_h(dst)).json()["phase"] == "idle"
+        assert r.status_code == 503 and "engine is empty" in r.json()["error"]["message"]
+        assert httpx.get(dst.url + "/kascade/v1/status", headers=_h(dst)).json()["phase"] == "empty"
         layout = ModelLayout("tiny-llama", tiny_blocks.ids, tuple(b.nbytes for b in tiny_blocks.blocks.values()))
         plan = build_star(layout, [Instance("a", "n0")], [Instance("b", "n1")]).to_dict()
         pa, pb = free_ports(2)
@@ -82,7 +82,7 @@ def test_bind_with_source_loads_first_copy_and_release_drops_it(tiny_ckpt, tiny_
         assert bad.status_code == 400 and "source.path" in bad.json()["error"]["message"]
         ok = httpx.post(e.url + "/kascade/v1/bind", json={**bind, "source": {"path": str(tiny_ckpt)}}, headers=h)
         assert ok.status_code == 200 and ok.json()["modelService"] == "svc"
-        st = _wait_phase(e, "ready")
+        st = _wait_phase(e, "serving")
         assert st["ready"] and st["loadError"] is None and st["bytesReceived"] == tiny_blocks.total_bytes
         assert httpx.get(e.url + "/kascade/v1/manifest", headers=h).json() == tiny_blocks.manifest()
         r = httpx.post(e.url + "/v1/completions", json={"model": "tiny-llama", "prompt": [1, 2], "max_tokens": 3})
@@ -90,7 +90,7 @@ def test_bind_with_source_loads_first_copy_and_release_drops_it(tiny_ckpt, tiny_
         other = httpx.post(e.url + "/kascade/v1/bind", json={**bind, "modelService": "other"}, headers=h)
         assert other.status_code == 409 and "bound to 'svc'" in other.json()["error"]["message"]
         st = httpx.post(e.url + "/kascade/v1/release", headers=h).json()
-        assert st["phase"] == "idle" and st["modelService"] is None and not any(st["blocks"].values())
+        assert st["phase"] == "released" and st["modelService"] is None and not any(st["blocks"].values())
         assert httpx.get(e.url + "/kascade/v1/manifest", headers=h).status_code == 404
         r = httpx.post(e.url + "/v1/completions", json={"model": "tiny-llama", "prompt": [1, 2], "max_tokens": 3})
         assert r.status_code == 503

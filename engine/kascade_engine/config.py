@@ -1,0 +1,79 @@
+"""EngineConfig: everything an engine instance is started with, frozen, built once from CLI flags / env
+(`kascade engine serve`) or directly by tests; `bind` may only narrow it (`with_dtype`).
+
+Data flow: flags -> `EngineConfig(...)` (validated: a bad value names its flag) -> `EngineInstance`
+reads it; the device string resolves once (`auto` -> `cuda` when torch sees a GPU, else `cpu`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+DTYPES = ("bfloat16", "float16", "float32")
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+class ConfigError(ValueError):
+    """A bad engine setting; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    checkpoint: Path
+    model_name: str
+    token: str
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto (float32 on CPU, the checkpoint's 16-bit type on CUDA) | bfloat16 | float16 | float32
+    max_prompt_tokens: int = 2048
+    max_batch_tokens: int = 512  # per-step token budget: decodes + prefill chunks
+    max_seqs: int = 64
+    kv_tokens: int = 65536  # paged KV capacity in tokens (rounded up to whole pages)
+    page_size: int = 16
+    max_n: int = 8  # OpenAI `n` limit
+    threads: int = 1
+    transport: str = "tcp"
+    transfer_bytes_per_s: float | None = None
+    empty: bool = False
+    resident_layers: int | None = None
+    instance: str = "engine-0"
+
+    def __post_init__(self) -> None:
+        if not _DEVICE.match(self.device):
+            raise ConfigError(f"--device {self.device!r}: use auto, cpu, cuda or cuda:N")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype {self.dtype!r}: use auto, {', '.join(DTYPES)}")
+        for name in ("max_prompt_tokens", "max_batch_tokens", "max_seqs", "kv_tokens", "page_size", "max_n", "threads"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.transport not in ("tcp", "ucx"):
+            raise ConfigError(f"--transport {self.transport!r}: use tcp or ucx")
+        if not self.token:
+            raise ConfigError("no control token: pass --token-file or set KASCADE_ENGINE_TOKEN")
+
+    def with_dtype(self, dtype: str) -> EngineConfig:
+        return replace(self, dtype=dtype)
+
+    def torch_device(self) -> Any:
+        """The torch.device this engine computes on (resolved once per call; cheap)."""
+        import torch
+
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"--device {self.device}: torch sees no CUDA device")
+        return torch.device(self.device)
+
+    def torch_dtype(self, model_cfg: dict[str, Any] | None = None) -> Any:
+        import torch
+
+        name = self.dtype
+        if name == "auto":
+            if self.torch_device().type == "cpu":
+                name = "float32"  # CPUs here have no fast 16-bit matmul; fp32 is also the exact reference
+            else:
+                name = str((model_cfg or {}).get("torch_dtype") or (model_cfg or {}).get("dtype") or "bfloat16")
+                name = name if name in ("bfloat16", "float16") else "bfloat16"
+        return getattr(torch, name)

@@ -1,0 +1,220 @@
+"""EngineInstance: the one owner of an engine's long-lived state, with an explicit `Phase`.
+
+It owns the model (weights per block, on the configured device and dtype), the batching engine and its
+scheduler, the loader task (a plan's `TransferNode` or a checkpoint read), the live-split `Finisher`,
+the request streams (`Serving`) and the metrics. The HTTP layer (server.py, control.py) only parses
+and calls: bind / load_plan / load_source / cooperate / drain / release / status.
+
+Phases (empty -> bound -> loading -> live -> serving -> draining -> released):
+  empty     no service, no weights (a warm-pool engine)       bound    bound to a service, no weights yet
+  loading   blocks arriving, nothing runnable here yet         live     partial prefix resident and a
+  serving   every block resident: serves requests                       cooperating peer: serves split
+  draining  finishing in-flight requests, refusing new ones    released weights dropped (bind again)
+An engine started with a full checkpoint is `serving` at once (unbound); one started with
+`--resident-layers` is `loading`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from typing import Any
+
+from kascade_engine.config import EngineConfig
+from kascade_engine.engine import Engine
+from kascade_engine.live import Finisher
+from kascade_engine.metrics import EngineMetrics
+from kascade_engine.model import LlamaModel
+from kascade_engine.scheduler import Limits
+from kascade_engine.tokenizer import Tokenizer
+from kascade_planner.engine_api import BindRequest, CooperateRequest, EngineStatus, LoadPlanRequest
+
+log = logging.getLogger(__name__)
+
+
+class Phase(enum.Enum):
+    EMPTY = "empty"
+    BOUND = "bound"
+    LOADING = "loading"
+    LIVE = "live"
+    SERVING = "serving"
+    DRAINING = "draining"
+    RELEASED = "released"
+
+
+class InstanceError(Exception):
+    """A control call this instance refuses: HTTP status, message, and the field it is about."""
+
+    def __init__(self, status: int, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.field = status, message, field
+
+
+class EngineInstance:
+    def __init__(self, config: EngineConfig, model_cfg: dict[str, Any], tokenizer: Tokenizer,
+                 blockset: Any = None) -> None:
+        self.config = config
+        self.model_cfg = dict(model_cfg)
+        self.tokenizer = tokenizer
+        self.device = config.torch_device()
+        self.metrics = EngineMetrics(config.model_name)
+        self.model_service: str | None = None
+        self.role = "colocated"
+        self.cooperate: dict[str, str] = {}
+        self.blockset: Any = None  # a complete copy held here (sources send from it)
+        self.bytes_received = 0
+        self.transfer_bw = 0.0
+        self.load_error: str | None = None
+        self.loading: asyncio.Task[None] | None = None
+        self.plan: dict[str, Any] | None = None
+        self.instance_id = config.instance
+        self._build(config)
+        self.phase = Phase.EMPTY
+        if blockset is not None:
+            self.add_blockset(blockset, config.resident_layers)
+        if self.model.complete:
+            self.phase = Phase.SERVING
+        elif self.model.weights:
+            self.phase = Phase.LOADING
+
+    def _build(self, config: EngineConfig) -> None:
+        from kascade_engine.serving import Serving
+
+        self.config = config
+        self.dtype = config.torch_dtype(self.model_cfg)
+        self.model = LlamaModel(self.model_cfg, dtype=self.dtype, device=self.device)
+        c = config
+        self.engine = Engine(self.model, Limits(c.max_batch_tokens, c.max_seqs, c.kv_tokens),
+                             eos=self.tokenizer.eos_token_id)
+        self.finisher = Finisher(self.model, busy=lambda: not self.engine.scheduler.idle, token=config.token)
+        self.serving = Serving(self)
+
+    # -- phase ---------------------------------------------------------------------------------
+    def _to(self, phase: Phase) -> None:
+        if phase is not self.phase:
+            log.info("%s: %s -> %s", self.instance_id, self.phase.value, phase.value)
+            self.phase = phase
+
+    def _settle(self) -> None:
+        """After blocks arrive or cooperation changes: loading / live / serving follow residency."""
+        if self.phase is Phase.DRAINING:
+            return
+        if self.phase in (Phase.EMPTY, Phase.RELEASED) and not (self.busy_loading or self.model.weights):
+            return
+        m = self.model
+        if m.complete:
+            self._to(Phase.SERVING)
+        elif self.cooperate and m.resident("embed"):
+            self._to(Phase.LIVE)
+        elif m.weights or self.busy_loading:
+            self._to(Phase.LOADING)
+
+    @property
+    def busy_loading(self) -> bool:
+        return self.loading is not None and not self.loading.done()
+
+    def begin_loading(self) -> None:
+        if not self.model.complete and self.phase is not Phase.DRAINING:
+            self._to(Phase.LOADING)
+        self._settle()
+
+    @property
+    def ready(self) -> bool:
+        return self.phase is Phase.SERVING and self.model.complete
+
+    def accepting(self) -> None:
+        """Raise unless new requests may be served now (locally or split with a peer)."""
+        if self.phase is Phase.SERVING:
+            return
+        if self.phase is Phase.LIVE and self.cooperate and self.model.resident("embed"):
+            return
+        m = self.model
+        if self.phase in (Phase.LOADING, Phase.LIVE, Phase.BOUND):
+            raise InstanceError(503, f"engine is loading ({m.resident_prefix()}/{m.shape.layers} layers resident)")
+        raise InstanceError(503, f"engine is {self.phase.value}; not accepting requests")
+
+    # -- weights -------------------------------------------------------------------------------
+    def add_block(self, block: Any) -> None:
+        self.model.add_block(block.id, block.tensors())
+        self._settle()
+
+    def add_blockset(self, blocks: Any, resident_layers: int | None = None) -> None:
+        if resident_layers is None:
+            for b in blocks.blocks.values():
+                self.model.add_block(b.id, b.tensors())
+            self.blockset = blocks
+        else:  # a load in progress (demos, tests): embed + the first layers; never a source
+            for bid in ("embed", *(f"layer.{i}" for i in range(resident_layers))):
+                self.model.add_block(bid, blocks.blocks[bid].tensors())
+        self._settle()
+
+    # -- control calls -------------------------------------------------------------------------
+    async def bind(self, req: BindRequest) -> EngineStatus:
+        if req.model != self.config.model_name:
+            raise InstanceError(409, f"cannot bind model '{req.model}': this engine holds '{self.config.model_name}'",
+                                "model")
+        if self.model_service not in (None, req.model_service):
+            raise InstanceError(409, f"engine is bound to '{self.model_service}'; release it first", "modelService")
+        if req.dtype is not None and str(self.dtype).removeprefix("torch.") != req.dtype:
+            if self.model.weights or not self.serving.idle:
+                raise InstanceError(409, f"engine holds {self.dtype} weights; cannot switch to {req.dtype} "
+                                    "(release it first)", "dtype")
+            self._build(self.config.with_dtype(req.dtype))
+        self.model_service, self.role = req.model_service, req.role
+        if self.phase in (Phase.EMPTY, Phase.RELEASED):
+            self._to(Phase.BOUND)
+        self._settle()
+        if req.source_path is not None and not self.model.complete and (self.loading is None or self.loading.done()):
+            await self.load_source(req.source_path)
+        return self.status()
+
+    async def load_plan(self, req: LoadPlanRequest) -> EngineStatus:
+        from kascade_engine.loader import start_plan_load
+
+        await start_plan_load(self, req)
+        self._settle()
+        return self.status()
+
+    async def load_source(self, path: str) -> EngineStatus:
+        from kascade_engine.loader import start_source_load
+
+        await start_source_load(self, path)
+        self._settle()
+        return self.status()
+
+    def set_cooperate(self, req: CooperateRequest) -> EngineStatus:
+        self.cooperate = {} if req.mode == "off" else {"peer": req.peer, "mode": req.mode}
+        if not self.cooperate and self.phase is Phase.LIVE:
+            self._to(Phase.LOADING)
+        self._settle()
+        return self.status()
+
+    def drain(self) -> EngineStatus:
+        self._to(Phase.DRAINING)  # new requests get 503; in-flight ones finish
+        return self.status()
+
+    def release(self) -> EngineStatus:
+        if not self.serving.idle:
+            raise InstanceError(409, "requests still in flight; drain first and wait")
+        if self.loading is not None and not self.loading.done():
+            self.loading.cancel()
+        self.model_service, self.role, self.cooperate = None, "colocated", {}
+        self.model.weights.clear()  # the device memory is for the next model
+        self.engine.reset()
+        self.blockset, self.plan, self.load_error, self.bytes_received, self.transfer_bw = None, None, None, 0, 0.0
+        self._to(Phase.RELEASED)
+        return self.status()
+
+    def status(self) -> EngineStatus:
+        m = self.model
+        ids = ["embed", *(f"layer.{i}" for i in range(m.shape.layers)), "head"]
+        return EngineStatus(self.instance_id, self.config.model_name, self.phase.value, self.role, self.model_service,
+                            {b: m.resident(b) for b in ids}, self.bytes_received, self.ready,
+                            self.cooperate or None, self.load_error, str(self.device),
+                            str(self.dtype).removeprefix("torch."))
+
+    async def close(self) -> None:
+        if self.loading is not None and not self.loading.done():
+            self.loading.cancel()
+        await self.serving.close()

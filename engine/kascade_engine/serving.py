@@ -1,0 +1,164 @@
+"""Serving: the request side of an engine instance — submit, stream tokens, abort — and the loop that
+drives the batching engine.
+
+Data flow: `submit(prompt, params)` -> `Engine.submit` (local, every block resident) or a split task
+(live: our resident prefix here, the rest on the cooperating peer, see live.py) -> an asyncio queue per
+request -> `tokens(rid)` yields `Event`s; leaving the iterator early (client gone) aborts the request,
+which frees its KV pages before the next step. The loop runs `Engine.step` in a worker thread whenever
+work exists and routes the step's events to the queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from kascade_engine.engine import Event
+from kascade_engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from kascade_engine.instance import EngineInstance
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(Exception):
+    """A request refused before it runs (400/503), or failed while running (500)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+
+class Serving:
+    def __init__(self, inst: EngineInstance) -> None:
+        self.inst = inst
+        self.queues: dict[str, asyncio.Queue[Event | Exception]] = {}
+        self.split_tasks: set[asyncio.Task[None]] = set()
+        self.wake = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+
+    @property
+    def idle(self) -> bool:
+        return self.inst.engine.scheduler.idle and not self.split_tasks
+
+    def start(self) -> None:
+        if self._loop_task is None:
+            self._loop_task = asyncio.create_task(self._run())
+
+    async def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            self._loop_task = None
+        for t in list(self.split_tasks):
+            t.cancel()
+
+    async def _run(self) -> None:
+        eng, metrics = self.inst.engine, self.inst.metrics
+        while True:
+            if eng.scheduler.idle:
+                self.wake.clear()
+                await self.wake.wait()
+            try:
+                events = await asyncio.to_thread(eng.step)
+            except Exception as e:  # one failing step fails its requests, never the loop
+                log.exception("engine step failed")
+                for rid, q in list(self.queues.items()):
+                    eng.abort(rid)
+                    q.put_nowait(e)
+                continue
+            now = time.monotonic()
+            for ev in events:
+                metrics.observe_event(ev, now)
+                waiting = self.queues.get(ev.request)
+                if waiting is not None:
+                    waiting.put_nowait(ev)
+            metrics.update(self.inst)
+
+    # -- requests ------------------------------------------------------------------------------
+    def check_prompt(self, prompt: list[int]) -> None:
+        limit = self.inst.config.max_prompt_tokens
+        if not prompt:
+            raise RequestError(400, "prompt is empty", "prompt")
+        if len(prompt) > limit:
+            raise RequestError(400, f"prompt has {len(prompt)} tokens, the limit is {limit}", "prompt")
+        vocab = self.inst.model.shape.vocab
+        if any(not 0 <= t < vocab for t in prompt):
+            raise RequestError(400, f"prompt token ids must be in 0..{vocab - 1}", "prompt")
+
+    def submit(self, prompt: list[int], params: SamplingParams) -> str:
+        self.check_prompt(prompt)
+        rid = f"cmpl-{uuid.uuid4().hex[:16]}"
+        self.queues[rid] = asyncio.Queue()
+        if not self.inst.model.complete:
+            self._submit_split(rid, prompt, params)
+            return rid
+        try:
+            self.inst.engine.submit(prompt, params, rid)
+        except ValueError as e:
+            self.queues.pop(rid, None)
+            raise RequestError(400, str(e), "max_tokens") from None
+        self.inst.metrics.on_request(len(prompt))
+        self.wake.set()
+        return rid
+
+    def _submit_split(self, rid: str, prompt: list[int], params: SamplingParams) -> None:
+        from kascade_engine.live import SplitClient
+        from kascade_engine.transport_tcp import TcpTransport
+
+        inst, q = self.inst, self.queues[rid]
+        k = inst.model.resident_prefix()
+        host, _, port = inst.cooperate["peer"].rpartition(":")
+        eos = inst.tokenizer.eos_token_id
+
+        async def run() -> None:
+            try:
+                conn = await TcpTransport().connect(host, int(port))
+                try:
+                    def emit(tok: int, last: bool) -> None:
+                        reason = ("stop" if tok == eos or tok in params.stop_token_ids else "length") if last else None
+                        q.put_nowait(Event(rid, tok, last, reason))
+
+                    inst.metrics.live_split.inc()
+                    client = SplitClient(inst.model, conn)
+                    await client.hello(inst.config.token)  # peers are engines of this installation (same token)
+                    await client.generate(rid, prompt, params, k, eos, emit,
+                                          zigzag=inst.cooperate.get("mode") == "zigzag")
+                finally:
+                    await conn.close()
+            except Exception as e:
+                q.put_nowait(e)
+
+        self.inst.metrics.on_request(len(prompt))
+        self.split_tasks.add(t := asyncio.create_task(run()))
+        t.add_done_callback(self.split_tasks.discard)
+
+    async def tokens(self, rid: str) -> AsyncIterator[Event]:
+        """The request's events until it finishes; closing early (client gone) aborts it at once."""
+        q = self.queues[rid]
+        t0, first = time.monotonic(), True
+        try:
+            while True:
+                ev = await q.get()
+                if isinstance(ev, Exception):
+                    raise RequestError(500, f"engine failed on this request: {ev}", None, "server_error")
+                if ev.token < 0:
+                    raise RequestError(500, f"engine failed on this request: {ev.reason}", None, "server_error")
+                if first:
+                    self.inst.metrics.observe_ttft(time.monotonic() - t0)
+                    first = False
+                yield ev
+                if ev.finished:
+                    return
+        finally:
+            self.queues.pop(rid, None)
+            if rid in self.inst.engine.requests:  # the client went away mid-generation: free its pages
+                self.abort(rid)
+
+    def abort(self, rid: str) -> None:
+        self.inst.engine.abort(rid)
+        self.wake.set()

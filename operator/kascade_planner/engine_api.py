@@ -1,0 +1,193 @@
+"""The engine control API's messages (`/kascade/v1/...`), typed once for both ends: the operator's
+`EngineClient` builds them with `to_dict()`, the engine's control routes parse them with `from_dict()`
+(an error names the field), and the engine's `status` answer is an `EngineStatus`.
+
+Pure stdlib (the planner package stays free of pydantic/fastapi): frozen dataclasses and explicit
+checks. Field names on the wire are camelCase as the operator has always sent them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, cast
+
+ROLES = ("prefill", "decode", "colocated")
+MODES = ("zigzag", "besteffort", "off")
+DTYPES = ("bfloat16", "float16", "float32")
+# Engine phases, in lifecycle order (see kascade_engine.instance.Phase).
+PHASES = ("empty", "bound", "loading", "live", "serving", "draining", "released")
+
+Role = Literal["prefill", "decode", "colocated"]
+Mode = Literal["zigzag", "besteffort", "off"]
+
+
+class WireError(ValueError):
+    """A control message that does not parse; `field` names the offending field (dotted path)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"invalid field '{field}': {message}")
+        self.field = field
+
+
+def _obj(doc: object, where: str = "body") -> Mapping[str, Any]:
+    if not isinstance(doc, Mapping):
+        raise WireError(where, f"must be a JSON object, got {type(doc).__name__}")
+    return doc
+
+
+def _only(doc: Mapping[str, Any], allowed: tuple[str, ...], prefix: str = "") -> None:
+    for k in doc:
+        if k not in allowed:
+            raise WireError(prefix + str(k), f"unknown field (allowed: {', '.join(allowed)})")
+
+
+def _str(doc: Mapping[str, Any], key: str, prefix: str = "", required: bool = True, nonempty: bool = True) -> str | None:
+    v = doc.get(key)
+    if v is None:
+        if required:
+            raise WireError(prefix + key, "field required")
+        return None
+    if not isinstance(v, str) or (nonempty and not v):
+        raise WireError(prefix + key, f"must be a non-empty string, got {v!r}")
+    return v
+
+
+def _choice(doc: Mapping[str, Any], key: str, choices: tuple[str, ...], required: bool = True) -> str | None:
+    v = _str(doc, key, required=required)
+    if v is not None and v not in choices:
+        raise WireError(key, f"must be one of {', '.join(choices)}, got {v!r}")
+    return v
+
+
+def _num(doc: Mapping[str, Any], key: str, default: float, lo: float) -> float:
+    v = doc.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < lo:
+        raise WireError(key, f"must be a number >= {lo}, got {v!r}")
+    return float(v)
+
+
+@dataclass(frozen=True)
+class BindRequest:
+    """Bind an engine to a ModelService; with `source_path` it also loads the first copy from disk.
+    `dtype` is spec.model.dtype: the precision the engine computes in (None: the engine's own)."""
+
+    model: str
+    model_service: str
+    role: Role = "colocated"
+    source_path: str | None = None
+    dtype: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"model": self.model, "modelService": self.model_service, "role": self.role}
+        if self.source_path is not None:
+            d["source"] = {"path": self.source_path}
+        if self.dtype is not None:
+            d["dtype"] = self.dtype
+        return d
+
+    @staticmethod
+    def from_dict(doc: object) -> BindRequest:
+        d = _obj(doc)
+        _only(d, ("model", "modelService", "role", "source", "dtype"))
+        src = d.get("source")
+        path = None
+        if src is not None:
+            s = _obj(src, "source")
+            _only(s, ("path",), "source.")
+            path = _str(s, "path", "source.")
+        return BindRequest(cast(str, _str(d, "model")), cast(str, _str(d, "modelService")),
+                           cast(Role, _choice(d, "role", ROLES)), path, _choice(d, "dtype", DTYPES, required=False))
+
+
+@dataclass(frozen=True)
+class LoadPlanRequest:
+    """Take part in a transfer plan as `self_id` (a source sends from its copy, a target receives)."""
+
+    plan: Mapping[str, Any]
+    self_id: str
+    peers: Mapping[str, str]
+    plan_token: str
+    manifest: Mapping[str, Any] | None = None  # targets need it; sources use their own
+    chunk_bytes: int = 1 << 20
+    timeout_seconds: float = 10.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"plan": dict(self.plan), "self": self.self_id, "peers": dict(self.peers),
+                             "planToken": self.plan_token, "chunkBytes": self.chunk_bytes,
+                             "timeoutSeconds": self.timeout_seconds}
+        if self.manifest is not None:
+            d["manifest"] = dict(self.manifest)
+        return d
+
+    @staticmethod
+    def from_dict(doc: object) -> LoadPlanRequest:
+        d = _obj(doc)
+        _only(d, ("plan", "self", "peers", "planToken", "manifest", "chunkBytes", "timeoutSeconds"))
+        if "plan" not in d:
+            raise WireError("plan", "field required")
+        plan = _obj(d["plan"], "plan")
+        peers = _obj(d.get("peers"), "peers")
+        for k, v in peers.items():
+            if not isinstance(v, str) or not v:
+                raise WireError(f"peers.{k}", f"must be a 'host:port' string, got {v!r}")
+        manifest = None if d.get("manifest") is None else _obj(d["manifest"], "manifest")
+        chunk = d.get("chunkBytes", 1 << 20)
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise WireError("chunkBytes", f"must be an integer >= 1, got {chunk!r}")
+        return LoadPlanRequest(plan, cast(str, _str(d, "self")), dict(peers), cast(str, _str(d, "planToken")),
+                               manifest, chunk, _num(d, "timeoutSeconds", 10.0, 0.001))
+
+
+@dataclass(frozen=True)
+class CooperateRequest:
+    """Serve split with `peer` (its activation port) while loading; mode `off` stops."""
+
+    peer: str
+    mode: Mode
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"peer": self.peer, "mode": self.mode}
+
+    @staticmethod
+    def from_dict(doc: object) -> CooperateRequest:
+        d = _obj(doc)
+        _only(d, ("peer", "mode"))
+        return CooperateRequest(cast(str, _str(d, "peer", nonempty=False)), cast(Mode, _choice(d, "mode", MODES)))
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """What `GET status` (and every control call) answers."""
+
+    instance: str
+    model: str
+    phase: str
+    role: str
+    model_service: str | None
+    blocks: Mapping[str, bool]
+    bytes_received: int
+    ready: bool
+    cooperate: Mapping[str, str] | None = None
+    load_error: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    extra: Mapping[str, Any] = field(default_factory=dict)  # counters a newer engine adds; kept, not read
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"instance": self.instance, "model": self.model, "role": self.role, "modelService": self.model_service,
+                "phase": self.phase, "blocks": dict(self.blocks), "bytesReceived": self.bytes_received,
+                "ready": self.ready, "cooperate": dict(self.cooperate) if self.cooperate else None,
+                "loadError": self.load_error, "device": self.device, "dtype": self.dtype, **self.extra}
+
+    @staticmethod
+    def from_dict(doc: object) -> EngineStatus:
+        d = dict(_obj(doc))
+        known = ("instance", "model", "role", "modelService", "phase", "blocks", "bytesReceived", "ready",
+                 "cooperate", "loadError", "device", "dtype")
+        blocks = _obj(d.get("blocks") or {}, "blocks")
+        return EngineStatus(str(d.get("instance", "")), str(d.get("model", "")), str(d.get("phase", "")),
+                            str(d.get("role", "")), d.get("modelService"), {str(k): bool(v) for k, v in blocks.items()},
+                            int(d.get("bytesReceived") or 0), bool(d.get("ready")), d.get("cooperate"),
+                            d.get("loadError"), str(d.get("device", "cpu")), str(d.get("dtype", "float32")),
+                            {k: v for k, v in d.items() if k not in known})

@@ -1,0 +1,112 @@
+"""EngineInstance in-process: the phase walk of a warm-pool engine (empty -> bound -> loading -> serving
+-> draining -> released -> bound again), dtype from bind, and the shared control-API wire types
+refusing bad bodies by field name."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from kascade_engine.config import ConfigError, EngineConfig
+from kascade_engine.instance import EngineInstance, InstanceError, Phase
+from kascade_engine.sampling import SamplingParams
+from kascade_engine.tokenizer import ByteTokenizer
+from kascade_planner.engine_api import BindRequest, CooperateRequest, EngineStatus, LoadPlanRequest, WireError
+
+
+def _empty(ckpt: Path, blocks, **kw) -> EngineInstance:  # type: ignore[no-untyped-def]
+    cfg = EngineConfig(ckpt, "tiny-llama", "tok", device="cpu", empty=True, **kw)
+    return EngineInstance(cfg, blocks.config, ByteTokenizer())
+
+
+async def _wait(inst: EngineInstance, phase: Phase) -> None:
+    for _ in range(500):
+        if inst.phase is phase or inst.load_error:
+            break
+        await asyncio.sleep(0.01)
+    assert inst.phase is phase, (inst.phase, inst.load_error)
+
+
+async def test_phase_walk_bind_source_serve_drain_release(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    inst = _empty(tiny_ckpt, tiny_blocks)
+    inst.serving.start()
+    try:
+        assert inst.phase is Phase.EMPTY and not inst.ready
+        with pytest.raises(InstanceError, match="engine is empty"):
+            inst.accepting()
+        st = await inst.bind(BindRequest("tiny-llama", "svc", "colocated"))
+        assert st.phase == "bound" and st.model_service == "svc"
+        with pytest.raises(InstanceError, match="bound to 'svc'"):
+            await inst.bind(BindRequest("tiny-llama", "other"))
+        with pytest.raises(InstanceError, match="holds 'tiny-llama'"):
+            await inst.bind(BindRequest("nope", "svc"))
+        st = await inst.load_source(str(tiny_ckpt))
+        assert st.phase in ("loading", "serving")
+        await _wait(inst, Phase.SERVING)
+        assert inst.status().ready and inst.status().bytes_received == tiny_blocks.total_bytes
+        rid = inst.serving.submit([1, 2, 3], SamplingParams(max_tokens=3))
+        toks = [ev.token async for ev in inst.serving.tokens(rid)]
+        assert len(toks) == 3
+        assert inst.drain().phase == "draining"
+        with pytest.raises(InstanceError, match="draining"):
+            inst.accepting()
+        st = inst.release()
+        assert st.phase == "released" and not any(st.blocks.values()) and inst.blockset is None
+        assert (await inst.bind(BindRequest("tiny-llama", "svc2"))).phase == "bound"
+    finally:
+        await inst.close()
+
+
+async def test_bind_sets_dtype_before_weights_and_refuses_after(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    inst = _empty(tiny_ckpt, tiny_blocks)
+    st = await inst.bind(BindRequest("tiny-llama", "svc", dtype="bfloat16"))
+    assert st.dtype == "bfloat16" and inst.model.dtype is not None and str(inst.model.dtype) == "torch.bfloat16"
+    inst.add_blockset(tiny_blocks)
+    assert inst.model.weights["layer.0"]["self_attn.q_proj.weight"].dtype == inst.model.dtype
+    with pytest.raises(InstanceError, match="cannot switch to float32"):
+        await inst.bind(BindRequest("tiny-llama", "svc", dtype="float32"))
+    await inst.close()
+
+
+def test_config_refuses_bad_values(tiny_ckpt) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ConfigError, match="--device 'gpu'"):
+        EngineConfig(tiny_ckpt, "m", "t", device="gpu")
+    with pytest.raises(ConfigError, match="--dtype 'fp8'"):
+        EngineConfig(tiny_ckpt, "m", "t", dtype="fp8")
+    with pytest.raises(ConfigError, match="--page-size must be >= 1"):
+        EngineConfig(tiny_ckpt, "m", "t", page_size=0)
+    with pytest.raises(ConfigError, match="no control token"):
+        EngineConfig(tiny_ckpt, "m", "")
+
+
+@pytest.mark.parametrize(("kind", "doc", "field"), [
+    (BindRequest, {"model": "m", "modelService": "s"}, "role"),
+    (BindRequest, {"model": "m", "modelService": "s", "role": "boss"}, "role"),
+    (BindRequest, {"model": "m", "modelService": "s", "role": "decode", "source": {"path": ""}}, "source.path"),
+    (BindRequest, {"model": "m", "modelService": "s", "role": "decode", "source": {"uri": "x"}}, "source.uri"),
+    (BindRequest, {"model": "m", "modelService": "s", "role": "decode", "dtype": "int4"}, "dtype"),
+    (BindRequest, [1, 2], "body"),
+    (LoadPlanRequest, {"self": "a", "peers": {}, "planToken": "t"}, "plan"),
+    (LoadPlanRequest, {"plan": {}, "self": "a", "peers": {"a": 5}, "planToken": "t"}, "peers.a"),
+    (LoadPlanRequest, {"plan": {}, "self": "a", "peers": {}, "planToken": "t", "chunkBytes": 0}, "chunkBytes"),
+    (LoadPlanRequest, {"plan": {}, "self": "a", "peers": {}, "planToken": ""}, "planToken"),
+    (CooperateRequest, {"peer": "h:1", "mode": "sideways"}, "mode"),
+    (CooperateRequest, {"peer": "h:1", "mode": "off", "extra": 1}, "extra"),
+])
+def test_wire_types_name_the_bad_field(kind, doc, field: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(WireError) as e:
+        kind.from_dict(doc)
+    assert e.value.field == field and f"'{field}'" in str(e.value)
+
+
+def test_wire_types_round_trip() -> None:
+    b = BindRequest("m", "s", "decode", "/ckpt", "float16")
+    assert BindRequest.from_dict(b.to_dict()) == b
+    lp = LoadPlanRequest({"algorithm": "star"}, "a", {"a": "h:1"}, "tok", {"embed": {}}, 4096, 3.0)
+    assert LoadPlanRequest.from_dict(lp.to_dict()) == lp
+    c = CooperateRequest("h:2", "zigzag")
+    assert CooperateRequest.from_dict(c.to_dict()) == c
+    s = EngineStatus("e", "m", "serving", "colocated", "svc", {"embed": True}, 10, True, None, None, "cpu", "float32")
+    assert EngineStatus.from_dict(s.to_dict()) == s
