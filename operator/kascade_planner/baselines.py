@@ -32,14 +32,20 @@ def build_tree(model: ModelLayout, sources: Sequence[Instance], targets: Sequenc
 
 
 def build_local(model: ModelLayout, targets: Sequence[Instance], host_cached_nodes: Collection[str] = ()) -> Plan:
-    """Each target loads from its own node: host memory where cached, else the local SSD."""
+    """Each target loads from its own node: host memory where cached, else the local SSD. Every GPU
+    loads over its own PCIe / SSD link, in parallel: a tp=g target reads g shards (one per GPU, then
+    all-gathered over NVLink), and targets sharing a node do not queue behind each other (the cost
+    model gives a local read the receiving GPU's link, not one queue per source)."""
     if not targets:
         raise PlanError("a plan needs at least one target")
     tgts = sorted(targets, key=lambda t: t.id)
     srcs: dict[str, Instance] = {}
-    flows = []
+    flows: list[Flow] = []
     for t in tgts:
         kind: Literal["host", "ssd"] = "host" if t.node in host_cached_nodes else "ssd"
         src = srcs.setdefault(f"{kind}:{t.node}", Instance(f"{kind}:{t.node}", t.node, 1, kind))
-        flows.append(Flow(src.id, t.id, model.block_ids))
+        if t.gpus > 1:
+            flows.extend(Flow(src.id, t.id, model.block_ids, (i, t.gpus)) for i in range(t.gpus))
+        else:
+            flows.append(Flow(src.id, t.id, model.block_ids))
     return Plan("local", model, tuple(sorted(srcs.values(), key=lambda s: s.id)), tuple(tgts), tuple(flows))

@@ -27,9 +27,23 @@ class ChainOptions:
     max_fallbacks: int = 2
 
 
-def hop_flows(src: Instance, dst: Instance, blocks: tuple[str, ...], shard: bool) -> list[Flow]:
-    g = src.gpus
-    if shard and g > 1 and dst.gpus == g and src.kind == "gpu":
+def source_links(src: Instance, topo: Topology) -> int:
+    """How many scale-out links an instance can send over at once: a GPU instance one per GPU; a
+    host-memory copy every NIC of its node (host memory reaches each GPU's NIC), at least its `gpus`."""
+    if src.kind == "host":
+        node = topo.by_name.get(src.node)
+        return max(src.gpus, node.gpus if node is not None else 1)
+    return src.gpus
+
+
+def hop_flows(src: Instance, dst: Instance, blocks: tuple[str, ...], shard: bool, links: int | None = None) -> list[Flow]:
+    """One hop src -> dst: g shard flows over g links when dst has g > 1 GPUs and src can drive g links
+    (a GPU instance of the same width, so every relay forwards the shards it receives; or a host copy
+    with at least g links), else one whole-model flow. `links`: src's link count (default its GPUs)."""
+    g = dst.gpus
+    have = src.gpus if links is None else links
+    fits = have == g if src.kind == "gpu" else src.kind == "host" and have >= g
+    if shard and g > 1 and fits:
         return [new_flow(src.id, dst.id, blocks, (i, g)) for i in range(g)]
     return [new_flow(src.id, dst.id, blocks)]
 
@@ -179,7 +193,7 @@ def build_chains(topo: Topology, model: ModelLayout, sources: Sequence[Instance]
         ordered.append(ids)
         if may_shard and any(i.gpus > 1 for i in path):
             for a, b in pairwise(path):
-                flows.extend(hop_flows(a, b, blocks, True))
+                flows.extend(hop_flows(a, b, blocks, True, source_links(a, topo)))
         else:
             flows.extend(map(new_flow, ids[:-1], ids[1:], repeat(blocks)))
         backups.update(dict.fromkeys(ids[1:], backups_for(head.id, homes[k])))

@@ -47,6 +47,18 @@ def pair_gbps(topo: Topology, src: Instance, dst: Instance) -> float:
     return min(bw, topo.pcie_gbps) if src.kind == "host" else bw
 
 
+def is_local_read(src: Instance, dst: Instance) -> bool:
+    """A host-memory or SSD copy read by a GPU on its own node: over that GPU's own PCIe / SSD link."""
+    return src.kind != "gpu" and src.node == dst.node
+
+
+def egress_key(f: Flow, src: Instance, dst: Instance) -> tuple[str, int]:
+    """The sending link's queue: (sender, GPU slot); for a local read the receiving GPU's own link
+    (each GPU reads host memory or its SSD in parallel with the others on the node)."""
+    slot = f.shard[0] if f.shard else 0
+    return (f"{f.src}>{f.dst}", slot) if is_local_read(src, dst) else (f.src, slot)
+
+
 def predict(plan: Plan, topo: Topology, params: CostParams = CostParams()) -> Prediction:
     fast = _predict_pipelined(plan, topo, params)
     return fast if fast is not None else _predict_events(plan, topo, params)
@@ -62,16 +74,17 @@ def _predict_pipelined(plan: Plan, topo: Topology, params: CostParams) -> Predic
     whole = plan.model.block_ids
     outs: set[tuple[str, int]] = set()
     ins: set[tuple[str, int]] = set()
+    inst = {i.id: i for i in (*plan.sources, *plan.targets)}
     for f in plan.flows:
         if not (f.blocks is whole or f.blocks == whole):
             return None
         slot = f.shard[0] if f.shard else 0
-        if (f.src, slot) in outs or (f.dst, slot) in ins:
+        out = egress_key(f, inst[f.src], inst[f.dst])
+        if out in outs or (f.dst, slot) in ins:
             return None
-        outs.add((f.src, slot))
+        outs.add(out)
         ins.add((f.dst, slot))
     sizes = np.asarray(plan.model.block_bytes, dtype=np.float64)
-    inst = {i.id: i for i in (*plan.sources, *plan.targets)}
     source_ids = {s.id for s in plan.sources}
     zero = np.zeros(len(whole))
     # instance -> whole-block (first chunk, full) arrival arrays; instance -> shard count, slot -> arrays
@@ -133,6 +146,7 @@ def _predict_events(plan: Plan, topo: Topology, params: CostParams = CostParams(
     egress: dict[tuple[str, int], float] = {}
     ingress: dict[tuple[str, int], float] = {}
     rates = [pair_gbps(topo, inst[f.src], inst[f.dst]) * 1e9 / 8 for f in plan.flows]
+    out_keys = [egress_key(f, inst[f.src], inst[f.dst]) for f in plan.flows]
     pos = [0] * len(plan.flows)
     waiting: dict[tuple[str, str], list[int]] = {}
 
@@ -150,7 +164,7 @@ def _predict_events(plan: Plan, topo: Topology, params: CostParams = CostParams(
         if av is None:
             return None
         slot = f.shard[0] if f.shard else 0
-        return max(av[0], egress.get((f.src, slot), 0.0), ingress.get((f.dst, slot), 0.0))
+        return max(av[0], egress.get(out_keys[k], 0.0), ingress.get((f.dst, slot), 0.0))
 
     heap: list[tuple[float, int]] = []
 
@@ -178,7 +192,7 @@ def _predict_events(plan: Plan, topo: Topology, params: CostParams = CostParams(
         chunk_t = min(params.chunk_bytes, nbytes) / rates[k]
         finish = max(now + nbytes / rates[k], src_full + chunk_t)
         slot = f.shard[0] if f.shard else 0
-        egress[(f.src, slot)] = ingress[(f.dst, slot)] = finish
+        egress[out_keys[k]] = ingress[(f.dst, slot)] = finish
         got = have.setdefault((f.dst, b), {})
         got[f.shard[0] if f.shard else None] = (now + chunk_t + params.hop_latency_s, finish + params.hop_latency_s)
         if f.shard and len([s for s in got if s is not None]) == count:
