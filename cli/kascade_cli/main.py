@@ -24,6 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "cluster": ("kascade_cli.cluster", "cluster", "Start or stop the local test control plane."),
     "demo": ("kascade_cli.demo", "demo", "Run the end-to-end demo on a local control plane."),
     "sim": ("kascade_cli.sim", "sim", "Simulate a cluster on a workload trace."),
+    "router": ("kascade_cli.router", "router", "Run the OpenAI-compatible front door (routes by model)."),
 }
 
 

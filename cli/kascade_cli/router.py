@@ -1,0 +1,59 @@
+"""`kascade router`: the OpenAI-compatible front door (see router/kascade_router).
+
+Data flow: flags -> `RouterSettings` -> `Router` watching the cluster (or `--backend` static routes)
+-> aiohttp on host:port; prints `KASCADE_ROUTER_READY http=<port>` once listening and synced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import click
+
+
+@click.command("router")
+@click.option("--host", default="0.0.0.0", show_default=True)
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--namespace", help="watch ModelServices and engine pods in this namespace (default: all)")
+@click.option("--kubeconfig", help="outside a cluster (default: $KUBECONFIG)")
+@click.option("--backend", "backends", multiple=True,
+              help="no Kubernetes: MODEL=HOST:PORT[,HOST:PORT...] (repeatable; benchmarks, single machines)")
+@click.option("--max-body-bytes", default=1 << 20, show_default=True, type=click.IntRange(1))
+@click.option("--hold-timeout", default=120.0, show_default=True, type=click.FloatRange(0),
+              help="seconds a request waits for a model with no serving replica (scale from zero), then 503")
+@click.option("--max-queued", default=256, show_default=True, type=click.IntRange(0),
+              help="requests held per model beyond this get 429")
+@click.option("--connect-timeout", default=2.0, show_default=True, type=click.FloatRange(0, min_open=True))
+@click.option("--read-timeout", default=300.0, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="longest silence from an engine before the request fails")
+@click.option("--attempts", default=4, show_default=True, type=click.IntRange(1),
+              help="replicas tried per request (only failures before any byte reached the client)")
+def router(host: str, port: int, namespace: str | None, kubeconfig: str | None, backends: tuple[str, ...],
+           max_body_bytes: int, hold_timeout: float, max_queued: int, connect_timeout: float, read_timeout: float,
+           attempts: int) -> None:
+    """Route OpenAI requests by `model` to the serving replicas of each ModelService."""
+    from kascade_router.server import Router, static_routes
+    from kascade_router.settings import RouterSettings
+
+    settings = RouterSettings(max_body_bytes=max_body_bytes, hold_timeout_s=hold_timeout, max_queued=max_queued,
+                              connect_timeout_s=connect_timeout, read_timeout_s=read_timeout, attempts=attempts)
+    try:
+        routes = static_routes(list(backends)) if backends else None
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--backend") from None
+
+    async def main() -> None:
+        r = await Router(settings, routes, namespace, kubeconfig).start(host, port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await r.wait_synced(60.0)
+            print(f"KASCADE_ROUTER_READY http={r.port}", flush=True)
+            await stop.wait()
+        finally:
+            await r.close()
+
+    asyncio.run(main())

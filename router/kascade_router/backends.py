@@ -1,0 +1,167 @@
+"""Which pods may serve which model: the routing table, fed by watch events, read per request.
+
+Data flow: ModelService and Pod dicts from the API watch (watch.py) -> `service_model()` /
+`pod_backend()` (pure: a pod is a backend only while Ready, bound to a ModelService, loaded or live,
+not draining, not marked unhealthy, with an address) -> `Routes` (model name -> its ModelService ->
+its `Backend`s) -> the balancer picks one per request; `Routes.changed()` wakes requests held while a
+model has no serving backend (scale from zero).
+
+The label and annotation keys are the operator's binding record (kascade_operator.labels); they are
+repeated here because the router imports nothing of the operator (a test keeps both equal).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+MODEL_SERVICE = "kascade.io/model-service"
+ENDPOINT = "kascade.io/endpoint"
+LOADED = "kascade.io/loaded"
+LIVE = "kascade.io/live"
+DRAINING = "kascade.io/draining"
+UNHEALTHY = "kascade.io/unhealthy"
+# a loading replica serving live runs only its resident prefix and hands the rest to its pair: give it
+# a smaller share of new requests than a complete copy
+LIVE_WEIGHT = 0.5
+
+
+@dataclass(frozen=True)
+class PodRoute:
+    service: tuple[str, str]  # (namespace, ModelService name)
+    pod: str
+    address: str  # host:port of the engine's HTTP server
+    weight: float
+
+
+def service_model(msvc: Mapping[str, Any]) -> str | None:
+    """The `model` name clients send for this ModelService (spec.model.name)."""
+    name = ((msvc.get("spec") or {}).get("model") or {}).get("name")
+    return str(name) if name else None
+
+
+def _address(pod: Mapping[str, Any], ann: Mapping[str, str]) -> str | None:
+    if ann.get(ENDPOINT):
+        return ann[ENDPOINT]  # set by the local harness (engines on loopback) or by hand
+    ip = (pod.get("status") or {}).get("podIP")
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        for p in c.get("ports") or []:
+            if p.get("name") == "http" and ip:
+                return f"{ip}:{p['containerPort']}"
+    return None
+
+
+def pod_backend(pod: Mapping[str, Any]) -> PodRoute | None:
+    """The route to this pod if it can serve its model now, else None."""
+    meta = pod.get("metadata") or {}
+    labels, ann = meta.get("labels") or {}, meta.get("annotations") or {}
+    svc = labels.get(MODEL_SERVICE)
+    if not svc or meta.get("deletionTimestamp") or DRAINING in ann or ann.get(UNHEALTHY):
+        return None
+    conds = (pod.get("status") or {}).get("conditions") or []
+    if not any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds):
+        return None  # the engine's /readyz (readinessProbe) says it cannot serve
+    if ann.get(LOADED) == "true":
+        weight = 1.0
+    elif ann.get(LIVE) == "true":
+        weight = LIVE_WEIGHT
+    else:
+        return None  # bound but loading without a live pair
+    addr = _address(pod, ann)
+    if not addr:
+        return None
+    return PodRoute((str(meta.get("namespace", "")), svc), str(meta.get("name")), addr, weight)
+
+
+@dataclass(eq=False)
+class Backend:
+    """One serving engine as the balancer sees it; `in_flight` is this router's outstanding requests."""
+    pod: str
+    address: str
+    weight: float = 1.0
+    in_flight: int = 0
+    ejected_until: float = 0.0  # a connection to it failed: skip it until then (or until its pod changes)
+
+    def usable(self, now: float) -> bool:
+        return self.ejected_until <= now
+
+
+@dataclass
+class Routes:
+    """model name -> ModelService -> backends; mutated only by watch events, read by every request."""
+    models: dict[str, tuple[str, str]] = field(default_factory=dict)
+    backends: dict[tuple[str, str], dict[str, Backend]] = field(default_factory=dict)
+    _service_models: dict[tuple[str, str], str] = field(default_factory=dict)
+    _pod_services: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)
+    _changed: asyncio.Event | None = None
+
+    def set_service(self, ns: str, name: str, model: str | None) -> None:
+        key = (ns, name)
+        old = self._service_models.pop(key, None)
+        if old is not None and self.models.get(old) == key:
+            del self.models[old]
+        if model is None:
+            return
+        taken = self.models.get(model)
+        if taken is not None and taken != key:
+            log.warning("model %r is served by ModelService %s/%s already; %s/%s ignored",
+                        model, *taken, ns, name)
+            return
+        self._service_models[key] = model
+        self.models[model] = key
+        self._notify()
+
+    def remove_service(self, ns: str, name: str) -> None:
+        self.set_service(ns, name, None)
+
+    def set_pod(self, pod: Mapping[str, Any]) -> None:
+        meta = pod.get("metadata") or {}
+        pkey = (str(meta.get("namespace", "")), str(meta.get("name")))
+        route = pod_backend(pod)
+        old_svc = self._pod_services.pop(pkey, None)
+        if route is None:
+            if old_svc is not None:
+                self.backends.get(old_svc, {}).pop(pkey[1], None)
+            return
+        if old_svc is not None and old_svc != route.service:
+            self.backends.get(old_svc, {}).pop(pkey[1], None)
+        self._pod_services[pkey] = route.service
+        mine = self.backends.setdefault(route.service, {})
+        b = mine.get(route.pod)
+        if b is None or b.address != route.address:
+            mine[route.pod] = Backend(route.pod, route.address, route.weight)
+        else:
+            b.weight, b.ejected_until = route.weight, 0.0  # the pod changed: give it another chance
+        self._notify()
+
+    def remove_pod(self, ns: str, name: str) -> None:
+        svc = self._pod_services.pop((ns, name), None)
+        if svc is not None:
+            self.backends.get(svc, {}).pop(name, None)
+
+    def pod_keys(self) -> list[tuple[str, str]]:
+        return list(self._pod_services)
+
+    def lookup(self, model: str) -> tuple[str, str] | None:
+        return self.models.get(model)
+
+    def serving(self, svc: tuple[str, str], now: float | None = None) -> list[Backend]:
+        t = time.monotonic() if now is None else now
+        return [b for b in self.backends.get(svc, {}).values() if b.usable(t)]
+
+    def changed(self) -> asyncio.Event:
+        """An event set at the next change of the table (held requests wait on it)."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        return self._changed
+
+    def _notify(self) -> None:
+        ev, self._changed = self._changed, None
+        if ev is not None:
+            ev.set()

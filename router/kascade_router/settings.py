@@ -1,0 +1,18 @@
+"""Router settings: limits and timeouts, one frozen dataclass filled from CLI flags or tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    max_body_bytes: int = 1 << 20  # larger request bodies get 413
+    hold_timeout_s: float = 120.0  # a request for a model with no serving replica waits this long (scale from 0)
+    max_queued: int = 256  # held requests per model beyond this get 429
+    retry_after_s: int = 5  # Retry-After on 429/503
+    connect_timeout_s: float = 2.0  # to an engine; a failure here is retried on another replica
+    read_timeout_s: float = 300.0  # longest silence from an engine (headers or between stream chunks)
+    attempts: int = 4  # replicas tried per request (only failures before any byte reached the client)
+    eject_s: float = 5.0  # an engine that refused a connection is skipped this long (or until its pod changes)
+    window_s: float = 10.0  # demand rates are over this window
