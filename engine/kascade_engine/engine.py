@@ -1,10 +1,11 @@
-"""The engine core: one model, its scheduler, and the per-request state (tokens, KV cache).
+"""The engine core: one model, its paged KV cache, the scheduler, and the per-request state.
 
-Data flow: `submit(prompt_ids, params)` -> scheduler queue -> `step()` runs one continuous-batching
-step (decode of every running sequence, prefill of newly admitted ones; each sequence is executed on
-its own because sequences differ in length, the batch boundary is the scheduler's) -> `Event`s
-(request id, token, finished) -> the server streams them. `load_blocks` makes blocks resident one by
-one, so the engine knows at each instant which prefix of layers it can run live.
+Data flow: `submit(prompt_ids, params)` -> scheduler queue -> `step()`: the scheduler picks this step's
+chunks (decodes, prefill chunks, newly admitted prompts; see scheduler.py) -> one flat [N] token batch
+-> embed -> every layer once for all N tokens (model.run_layers; attention per group on the paged
+cache) -> logits only for sequences whose chunk reached their last known token -> sampled tokens ->
+`Event`s (request id, token, finished) -> the server streams them. `abort(id)` (client gone) frees the
+sequence's pages before the next step's schedule.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from typing import Any
 
 import torch
 
-from kascade_engine.kvcache import SequenceKV
+from kascade_engine.kvcache import KVCache, build_batch
 from kascade_engine.model import LlamaModel
 from kascade_engine.sampling import SamplingParams, sample
-from kascade_engine.scheduler import Limits, Scheduler, Seq
+from kascade_engine.scheduler import Limits, Scheduler, Seq, Work
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +34,12 @@ class Request:
     params: SamplingParams
     arrival: float = field(default_factory=time.monotonic)
     out: list[int] = field(default_factory=list)
-    kv: SequenceKV = field(default_factory=SequenceKV)
     first_token_at: float | None = None
     gen: torch.Generator | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.out
 
 
 @dataclass(frozen=True)
@@ -49,11 +53,16 @@ class Event:
 class Engine:
     def __init__(self, model: LlamaModel, limits: Limits | None = None, eos: int | None = None) -> None:
         self.model = model
-        self.scheduler = Scheduler(limits or Limits())
+        self.limits = limits or Limits()
+        self.scheduler = Scheduler(self.limits)
+        s = model.shape
+        self.cache = KVCache(s.layers, self.limits.pages, self.limits.page_size, s.kv_heads, s.head_dim,
+                             model.dtype, model.device)
         self.requests: dict[str, Request] = {}
         self.eos = eos
         self._ids = itertools.count()
         self._aborts: set[str] = set()
+        self.steps = 0
 
     def reset(self) -> None:
         """Forget every request (release: the instance holds nothing afterwards)."""
@@ -70,7 +79,9 @@ class Engine:
             raise ValueError("prompt is empty")
         rid = rid or f"req-{next(self._ids)}"
         self.scheduler.add(Seq(rid, len(prompt), params.max_tokens))
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        gen = None
+        if params.seed is not None:  # sampling draws on the CPU generator: same tokens on any device
+            gen = torch.Generator(device="cpu").manual_seed(params.seed)
         self.requests[rid] = Request(rid, list(prompt), params, gen=gen)
         return rid
 
@@ -78,56 +89,89 @@ class Engine:
         """Safe from another thread while `step` runs: applied at the start of the next step."""
         self._aborts.add(rid)
 
-    def _forward(self, r: Request, ids: list[int], start: int) -> int:
-        m = self.model
-        h = m.run_layers(0, m.shape.layers, m.embed(torch.tensor(ids, device=m.device)), r.kv, start)
-        return sample(m.logits(h[-1:])[0], r.params, r.gen)
-
-    def step(self) -> list[Event]:
+    def _apply_aborts(self) -> None:
         while self._aborts:
             rid = self._aborts.pop()
             self.scheduler.finish(rid)
             self.requests.pop(rid, None)
+
+    def _forward(self, work: list[Work]) -> list[int]:
+        """One forward for the whole step; returns the sampled token per sampling chunk, in order."""
+        m, pool = self.model, self.scheduler.pool
+        ids: list[int] = []
+        rows: list[int] = []
+        for w in work:
+            ids.extend(self.requests[w.id].tokens[w.start:w.end])
+            if w.end == len(self.requests[w.id].tokens):
+                rows.append(len(ids) - 1)
+        batch = build_batch(self.cache, [(pool.tables[w.id], w.start, w.n) for w in work])
+        h = m.run_layers(0, m.shape.layers, m.embed(torch.tensor(ids, dtype=torch.long, device=m.device)), batch)
+        logits = m.logits(h[torch.tensor(rows, dtype=torch.long, device=m.device)])
+        greedy = logits.argmax(dim=-1).tolist()
+        out = []
+        sampled = [w for w in work if w.end == len(self.requests[w.id].tokens)]
+        for j, w in enumerate(sampled):
+            r = self.requests[w.id]
+            out.append(greedy[j] if r.params.temperature <= 0 else sample(logits[j].cpu(), r.params, r.gen))
+        return out
+
+    def step(self) -> list[Event]:
+        self._apply_aborts()
         batch = self.scheduler.schedule()
+        work = sorted((w for w in batch.work if w.id in self.requests), key=lambda w: w.n > 1)  # decodes first
+        if not work:
+            return []
+        self.steps += 1
+        try:
+            toks = self._forward(work)
+        except (RuntimeError, ValueError, IndexError) as e:  # fails this step's requests, never the engine
+            log.warning("step failed for %d requests: %s", len(work), e)
+            for w in work:
+                self.scheduler.finish(w.id)
+                self.requests.pop(w.id, None)
+            return [Event(w.id, -1, True, f"error: {e}") for w in work]
         events: list[Event] = []
-        for rid in (*batch.decode, *batch.prefill):
-            r = self.requests.get(rid)
-            if r is None:
+        it = iter(toks)
+        now = time.monotonic()
+        for w in work:
+            r = self.requests[w.id]
+            if w.end < len(r.tokens):  # a prefill chunk that did not reach the end yet
+                self.scheduler.advance(w.id, w.n, False)
                 continue
-            try:
-                if r.out:
-                    tok = self._forward(r, [r.out[-1]], len(r.prompt) + len(r.out) - 1)
-                else:
-                    tok = self._forward(r, r.prompt, 0)
-                    r.first_token_at = time.monotonic()
-            except (RuntimeError, ValueError, IndexError) as e:  # fails this request only
-                log.warning("request %s failed: %s", rid, e)
-                self.scheduler.finish(rid)
-                self.requests.pop(rid, None)
-                events.append(Event(rid, -1, True, f"error: {e}"))
-                continue
+            tok = next(it)
             r.out.append(tok)
-            self.scheduler.token(rid)
+            r.first_token_at = r.first_token_at or now
+            self.scheduler.advance(w.id, w.n, True)
             reason = None
             if tok == self.eos or tok in r.params.stop_token_ids:
                 reason = "stop"
             elif len(r.out) >= r.params.max_tokens:
                 reason = "length"
-            events.append(Event(rid, tok, reason is not None, reason))
+            events.append(Event(w.id, tok, reason is not None, reason))
             if reason:
-                self.scheduler.finish(rid)
-                self.requests.pop(rid, None)
+                self.scheduler.finish(w.id)
+                self.requests.pop(w.id, None)
         return events
 
     def generate(self, prompt: list[int], params: SamplingParams) -> list[int]:
         """Run one request to completion (tests, benchmarks)."""
-        rid = self.submit(prompt, params)
-        out: list[int] = []
-        while True:
-            for e in self.step():
-                if e.request == rid:
+        return self.generate_many([prompt], params)[0]
+
+    def generate_many(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """Run requests together to completion (tests, benchmarks): batched like the server does."""
+        rids = [self.submit(p, params) for p in prompts]
+        out: dict[str, list[int]] = {r: [] for r in rids}
+        done: set[str] = set()
+        while len(done) < len(rids):
+            before = self.steps
+            events = self.step()
+            if self.steps == before:
+                raise RuntimeError("nothing schedulable: the requests do not fit the KV cache")
+            for e in events:
+                if e.request in out:
                     if e.token < 0:
                         raise RuntimeError(f"generation failed: {e.reason}")
-                    out.append(e.token)
+                    out[e.request].append(e.token)
                     if e.finished:
-                        return out
+                        done.add(e.request)
+        return [out[r] for r in rids]

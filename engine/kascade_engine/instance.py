@@ -85,7 +85,7 @@ class EngineInstance:
         self.dtype = config.torch_dtype(self.model_cfg)
         self.model = LlamaModel(self.model_cfg, dtype=self.dtype, device=self.device)
         c = config
-        self.engine = Engine(self.model, Limits(c.max_batch_tokens, c.max_seqs, c.kv_tokens),
+        self.engine = Engine(self.model, Limits(c.max_batch_tokens, c.max_seqs, c.kv_tokens, c.page_size),
                              eos=self.tokenizer.eos_token_id)
         self.finisher = Finisher(self.model, busy=lambda: not self.engine.scheduler.idle, token=config.token)
         self.serving = Serving(self)

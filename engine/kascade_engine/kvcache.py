@@ -1,35 +1,155 @@
-"""KV cache: per sequence, per layer, the keys and values of every token seen so far.
+"""KV cache: paged, preallocated on the engine's device, plus the per-step `ForwardBatch` that tells the
+model where each token's K/V goes and which slots each query attends to.
 
-Data flow: `SequenceKV.append(layer, start, k, v)` stores new positions and returns the full K/V of
-that layer. Only layers an engine executes get entries, which is how a split run keeps its KV cache
-split: the loading engine B holds the KV of layers 0..k-1, the full engine A the KV of layers k..L-1,
-and each decode step runs the same split again (B first, activations to A), so neither side ever
-needs the other's cache. The token budget for admission lives in the scheduler (`Limits.kv_tokens`).
+Storage: `k`, `v` of shape [layers, pages * page_size, kv_heads, head_dim] (slot = page * page_size +
+offset; page tables come from pages.PagePool). Memory is `torch.empty` (the OS maps it as it is used)
+except slot 0, which stays zero: gathers pad with it, so padded keys are finite and masked out.
+
+Data flow per step: block tables + (start, n) per sequence -> `build_batch` -> positions, write slots,
+attention groups (all decodes in one group: one SDPA call for the batch; each prefill chunk its own)
+-> `LlamaModel.run_layers` writes each layer's new K/V with `write` and reads the group's context with
+`gather`. A live split (live.py) keeps each side's KV in a private growable cache (`SequenceKV`): the
+loading engine B holds layers 0..k-1, the full engine A layers k..L-1, and neither cache ever moves.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
+
+from kascade_engine.pages import PagePool
+
+
+class KVCache:
+    def __init__(self, layers: int, pages: int, page_size: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.layers, self.page_size, self.kv_heads, self.head_dim = layers, page_size, kv_heads, head_dim
+        self.dtype, self.device = dtype, device
+        shape = (layers, pages * page_size, kv_heads, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.k[:, 0].zero_()
+        self.v[:, 0].zero_()
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.k.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.k.nbytes + self.v.nbytes)
+
+    def grow(self, pages: int) -> None:
+        """Append `pages` pages (private split caches only; the engine's cache never grows)."""
+        extra = (self.layers, pages * self.page_size, self.kv_heads, self.head_dim)
+        self.k = torch.cat((self.k, torch.empty(extra, dtype=self.dtype, device=self.device)), dim=1)
+        self.v = torch.cat((self.v, torch.empty(extra, dtype=self.dtype, device=self.device)), dim=1)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer].index_copy_(0, slots, k)
+        self.v[layer].index_copy_(0, slots, v)
+
+    def gather(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`index` [B, C] slot ids -> K, V [B, kv_heads, C, head_dim]."""
+        B, C = index.shape
+        flat = index.reshape(-1)
+        k = self.k[layer].index_select(0, flat).view(B, C, self.kv_heads, self.head_dim)
+        v = self.v[layer].index_select(0, flat).view(B, C, self.kv_heads, self.head_dim)
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+
+@dataclass
+class AttnGroup:
+    """Queries rows[0]..rows[1] (B sequences x q_len tokens each) attend to `index` under `mask`."""
+
+    rows: tuple[int, int]
+    batch: int
+    q_len: int
+    index: torch.Tensor  # [B, C] slot ids
+    mask: torch.Tensor  # [B, 1, q_len, C] True = attend
+
+
+@dataclass
+class ForwardBatch:
+    cache: KVCache
+    positions: torch.Tensor  # [N]
+    slots: torch.Tensor  # [N] where each token's K/V is written
+    groups: list[AttnGroup] = field(default_factory=list)
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [N, head_dim], filled by the model
+
+
+def _slots(table: list[int], start: int, n: int, page_size: int) -> list[int]:
+    return [table[p // page_size] * page_size + p % page_size for p in range(start, start + n)]
+
+
+def build_batch(cache: KVCache, items: list[tuple[list[int], int, int]]) -> ForwardBatch:
+    """`items`: (block table, start position, new tokens) per sequence, decodes (n == 1) first."""
+    dev, ps = cache.device, cache.page_size
+    positions: list[int] = []
+    slots: list[int] = []
+    for table, start, n in items:
+        positions.extend(range(start, start + n))
+        slots.extend(_slots(table, start, n, ps))
+    batch = ForwardBatch(cache, torch.tensor(positions, dtype=torch.long, device=dev),
+                         torch.tensor(slots, dtype=torch.long, device=dev))
+    decodes = [it for it in items if it[2] == 1]
+    row = 0
+    if decodes:
+        B = len(decodes)
+        lens = torch.tensor([start + 1 for _, start, _ in decodes], dtype=torch.long, device=dev)
+        P = max(len(t) for t, _, _ in decodes)
+        tables = torch.tensor([t + [0] * (P - len(t)) for t, _, _ in decodes], dtype=torch.long, device=dev)
+        C = int(lens.max())
+        keys = torch.arange(C, dtype=torch.long, device=dev)
+        valid = keys[None, :] < lens[:, None]
+        index = torch.where(valid, tables[:, keys // ps] * ps + keys % ps, 0)  # padding -> the zero slot
+        batch.groups.append(AttnGroup((0, B), B, 1, index, valid.view(B, 1, 1, C)))
+        row = B
+    for table, start, n in items:
+        if n == 1:
+            continue
+        C = start + n
+        index = torch.tensor(_slots(table, 0, C, ps), dtype=torch.long, device=dev).view(1, C)
+        q_pos = torch.arange(start, C, device=dev)
+        mask = (torch.arange(C, device=dev)[None, :] <= q_pos[:, None]).view(1, 1, n, C)
+        batch.groups.append(AttnGroup((row, row + n), 1, n, index, mask))
+        row += n
+    return batch
 
 
 class SequenceKV:
+    """One sequence's KV in its own small growable paged cache, per layer range (live split)."""
+
     def __init__(self) -> None:
-        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.cache: KVCache | None = None
+        self.pool: PagePool | None = None
+        self.lengths: dict[int, int] = {}  # positions held, per layer written here
 
-    def length(self, layer: int) -> int:
-        kv = self.layers.get(layer)
-        return 0 if kv is None else int(kv[0].shape[1])
-
-    def append(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        have = self.length(layer)
-        if start != have:
-            raise RuntimeError(f"layer {layer}: KV holds {have} positions, new tokens start at {start}")
-        old = self.layers.get(layer)
-        if old is not None:
-            k, v = torch.cat((old[0], k), dim=1), torch.cat((old[1], v), dim=1)
-        self.layers[layer] = (k, v)
-        return k, v
+    @property
+    def layers(self) -> set[int]:
+        return set(self.lengths)
 
     def tokens(self) -> int:
-        return max((kv[0].shape[1] for kv in self.layers.values()), default=0)
+        return max(self.lengths.values(), default=0)
 
+    def batch(self, shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
+              a: int, b: int, start: int, n: int) -> ForwardBatch:
+        """A one-sequence batch writing positions start..start+n of layers a..b-1 (checked contiguous)."""
+        layers, kv_heads, head_dim = shape
+        for i in range(a, b):
+            have = self.lengths.get(i, 0)
+            if start != have:
+                raise RuntimeError(f"layer {i}: KV holds {have} positions, new tokens start at {start}")
+        if self.cache is None or self.pool is None:
+            self.pool = PagePool(2, 16)
+            self.cache = KVCache(layers, 2, 16, kv_heads, head_dim, dtype, device)
+        while not self.pool.grow("seq", start + n):
+            more = max(self.pool.pages, self.pool.missing("seq", start + n))
+            self.pool.add_pages(more)
+            self.cache.grow(more)
+        return build_batch(self.cache, [(self.pool.tables["seq"], start, n)])
+
+    def commit(self, a: int, b: int, end: int) -> None:
+        for i in range(a, b):
+            self.lengths[i] = end

@@ -104,13 +104,13 @@ class Finisher:
                     raise ValueError(f"too many split requests in flight ({self.max_requests})")
                 p = header.get("params") or {}
                 seed = p.get("seed")
-                st = self.state[req] = _Remote(gen=torch.Generator().manual_seed(int(seed)) if seed is not None else None)
+                st = self.state[req] = _Remote(gen=torch.Generator(device="cpu").manual_seed(int(seed)) if seed is not None else None)
             p = header.get("params") or {}
             params = SamplingParams(temperature=float(p.get("temperature", 0.0)), top_p=float(p.get("top_p", 1.0)))
             L = self.model.shape.layers
             out = self.model.run_layers(layer, L, hidden, st.kv, start)
             self.layers_finished += L - layer
-            tok = sample(self.model.logits(out[-1:])[0], params, st.gen)
+            tok = sample(self.model.logits(out[-1:])[0].cpu(), params, st.gen)
             return {"op": "token", "req": req, "token": tok}
         except (ValueError, RuntimeError, KeyError) as e:
             self.state.pop(req, None)

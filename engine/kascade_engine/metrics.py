@@ -1,8 +1,15 @@
-"""Engine metrics (prometheus-client, prefix `kascade_`, names per DESIGN.md §6), in a registry owned
-by the engine instance (no module globals).
+"""Engine metrics (prometheus-client) in a registry owned by the engine instance (no module globals).
 
-Data flow: Serving calls `on_request` (prompt admitted), `observe_event` (every token), `observe_ttft`;
-`update(instance)` samples the gauges (queue, running, KV use, residency, transfer) before a scrape.
+Names and labels follow vLLM's where the meaning is the same, with the `kascade_` prefix (so dashboards
+built for vLLM port by changing the prefix): every serving metric carries `model_name`.
+  kascade_num_requests_running / _waiting        gauges       kascade_kv_cache_usage_perc  gauge (0..1, pages)
+  kascade_prompt_tokens_total / generation_tokens_total       kascade_num_preemptions_total
+  kascade_request_success_total{finished_reason=stop|length|abort|error}
+  kascade_time_to_first_token_seconds, kascade_inter_token_latency_seconds, kascade_e2e_request_latency_seconds
+Kascade's own: blocks resident, weight transfer bytes and bandwidth, live-split requests and layers.
+
+Data flow: Serving calls `on_request` (prompt admitted), `observe_event` (every token), `observe_ttft`,
+`on_finish`; `update(instance)` samples the gauges before a scrape and after every step.
 """
 
 from __future__ import annotations
@@ -11,20 +18,35 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
 
 class EngineMetrics:
     def __init__(self, model_name: str = "") -> None:
         self.model_name = model_name
         r = self.registry = CollectorRegistry()
-        self.queue_length = Gauge("kascade_queue_length", "Requests waiting for prefill", registry=r)
-        self.running = Gauge("kascade_running_requests", "Requests being decoded", registry=r)
-        self.input_tokens = Counter("kascade_input_tokens", "Prompt tokens accepted", registry=r)
-        self.output_tokens = Counter("kascade_output_tokens", "Tokens generated", registry=r)
-        self.kv_usage = Gauge("kascade_kv_cache_usage", "Fraction of the KV token budget reserved", registry=r)
-        self.ttft = Histogram("kascade_ttft_seconds", "Time to first token", registry=r,
-                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
-        self.tbt = Histogram("kascade_tbt_seconds", "Time between tokens", registry=r,
-                             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
+        lbl = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(name, doc, lbl, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, lbl, registry=r).labels(model_name)
+
+        def hist(name: str, doc: str) -> Any:
+            return Histogram(name, doc, lbl, registry=r, buckets=LATENCY).labels(model_name)
+
+        self.waiting = gauge("kascade_num_requests_waiting", "Requests waiting to be admitted")
+        self.running = gauge("kascade_num_requests_running", "Requests in the running batch")
+        self.kv_usage = gauge("kascade_kv_cache_usage_perc", "Fraction of KV cache pages in use (1 = full)")
+        self.prompt_tokens = counter("kascade_prompt_tokens", "Prompt tokens accepted")
+        self.generation_tokens = counter("kascade_generation_tokens", "Tokens generated")
+        self.preemptions = counter("kascade_num_preemptions", "Sequences preempted (pages ran out)")
+        self._success = Counter("kascade_request_success", "Finished requests by finish reason",
+                                ["model_name", "finished_reason"], registry=r)
+        self.ttft = hist("kascade_time_to_first_token_seconds", "Time to first token")
+        self.itl = hist("kascade_inter_token_latency_seconds", "Time between consecutive tokens of a request")
+        self.e2e = hist("kascade_e2e_request_latency_seconds", "Arrival to last token")
         self.blocks_resident = Gauge("kascade_blocks_resident", "Weight blocks resident", registry=r)
         self.transfer_bytes = Gauge("kascade_transfer_bytes", "Weight bytes received by the data plane", registry=r)
         self.transfer_bw = Gauge("kascade_transfer_bandwidth_bytes_per_second",
@@ -33,18 +55,19 @@ class EngineMetrics:
                                   registry=r)
         self.live_layers = Gauge("kascade_live_layers", "Layers executed for a cooperating peer", registry=r)
         self._last_token: dict[str, float] = {}
+        self._preemptions_seen = 0
 
     def on_request(self, prompt_tokens: int) -> None:
-        self.input_tokens.inc(prompt_tokens)
+        self.prompt_tokens.inc(prompt_tokens)
 
     def observe_event(self, ev: Any, now: float) -> None:
         if ev.token < 0:
             self._last_token.pop(ev.request, None)
             return
-        self.output_tokens.inc()
+        self.generation_tokens.inc()
         prev = self._last_token.get(ev.request)
         if prev is not None:
-            self.tbt.observe(now - prev)
+            self.itl.observe(now - prev)
         if ev.finished:
             self._last_token.pop(ev.request, None)
         else:
@@ -53,11 +76,18 @@ class EngineMetrics:
     def observe_ttft(self, seconds: float) -> None:
         self.ttft.observe(seconds)
 
+    def on_finish(self, reason: str, seconds: float) -> None:
+        self._success.labels(self.model_name, reason).inc()
+        self.e2e.observe(seconds)
+
     def update(self, inst: Any) -> None:
         s = inst.engine.scheduler
-        self.queue_length.set(len(s.waiting))
+        self.waiting.set(len(s.waiting))
         self.running.set(len(s.running))
-        self.kv_usage.set(s.kv_reserved() / s.limits.kv_tokens)
+        self.kv_usage.set(s.kv_usage())
+        if s.preemptions > self._preemptions_seen:
+            self.preemptions.inc(s.preemptions - self._preemptions_seen)
+            self._preemptions_seen = s.preemptions
         self.blocks_resident.set(len(inst.model.weights))
         self.transfer_bytes.set(inst.bytes_received)
         self.transfer_bw.set(inst.transfer_bw)

@@ -1,23 +1,27 @@
-"""The model: a Llama-architecture transformer (RMSNorm, rotary embeddings, grouped-query attention,
-SwiGLU) that runs any contiguous range of layers on given hidden states.
+"""The model: a Llama-shaped decoder (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU; the
+per-family switches of families.py: q/k/v bias, q/k norm, rope scaling, tied head) that runs any
+contiguous range of layers for a whole batch of sequences at once.
 
-Data flow: config.json dict + per-block tensor dicts (HF Llama names, from `Block.tensors()`) ->
-`LlamaModel.add_block(id, tensors)` makes that block runnable at once (live loading) ->
-`embed(ids)` -> `run_layers(a, b, hidden, kv, pos)` (layers a..b-1, KV cache updated in place) ->
-`logits(hidden)`. A split run is `run_layers(0, k)` on one engine and `run_layers(k, L)` on another;
-because every op is the same, the result is bit-identical to a single run.
+Data flow: config.json + per-block tensor dicts (HF names, from `Block.tensors()`) ->
+`add_block(id, tensors)` puts that block on the model's device/dtype and makes it runnable at once
+(live loading) -> `embed(ids)` -> `run_layers(a, b, hidden [N, H], batch)`: every linear layer runs once
+on all N tokens of the step; attention writes the new K/V into the paged cache and reads each group's
+context through `scaled_dot_product_attention` (kvcache.py builds the groups) -> `logits(hidden)`.
+A split run is `run_layers(0, k)` on one engine and `run_layers(k, L)` on another with the same ops.
+Every tensor made here names the model's device.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from kascade_engine.kvcache import SequenceKV
+from kascade_engine.families import Family, family_of, head_dim, rope_params
+from kascade_engine.kvcache import ForwardBatch, SequenceKV
 
 
 @dataclass(frozen=True)
@@ -29,17 +33,16 @@ class LlamaShape:
     layers: int
     vocab: int
     eps: float
-    rope_theta: float
     tie: bool
+    max_positions: int
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> LlamaShape:
         try:
             h, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-            theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0
-            return cls(h, heads, int(cfg.get("num_key_value_heads") or heads), int(cfg.get("head_dim") or h // heads),
+            return cls(h, heads, int(cfg.get("num_key_value_heads") or heads), head_dim(cfg),
                        int(cfg["num_hidden_layers"]), int(cfg["vocab_size"]), float(cfg.get("rms_norm_eps", 1e-6)),
-                       float(theta), bool(cfg.get("tie_word_embeddings", False)))
+                       bool(cfg.get("tie_word_embeddings", False)), int(cfg.get("max_position_embeddings") or 4096))
         except KeyError as e:
             raise ValueError(f"model config lacks field {e.args[0]!r}") from None
 
@@ -56,6 +59,29 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-b, a), dim=-1)
 
 
+def _linear(x: torch.Tensor, w: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    bias = w.get(name + ".bias")
+    return F.linear(x, w[name + ".weight"], bias)
+
+
+def rope_inv_freq(cfg: Mapping[str, Any], device: torch.device) -> torch.Tensor:
+    """Rotary inverse frequencies in float32, computed as transformers does (scaling applied)."""
+    p, d = rope_params(cfg), head_dim(cfg)
+    inv = 1.0 / (float(p["rope_theta"]) ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+    if p["rope_type"] == "linear":
+        return inv / float(p["factor"])
+    if p["rope_type"] == "llama3":
+        factor, lo, hi = float(p["factor"]), float(p["low_freq_factor"]), float(p["high_freq_factor"])
+        old = float(p["original_max_position_embeddings"])
+        wave = 2 * torch.pi / inv
+        scaled = torch.where(wave > old / lo, inv / factor, inv)  # low frequencies: divided by factor
+        smooth = (old / wave - lo) / (hi - lo)
+        mixed = (1 - smooth) * scaled / factor + smooth * scaled  # in between: interpolated
+        medium = ~(wave < old / hi) & ~(wave > old / lo)
+        return torch.where(medium, mixed, scaled)
+    return inv
+
+
 class LlamaModel:
     """Weights held per block; layers run only when their block is resident."""
 
@@ -63,18 +89,21 @@ class LlamaModel:
                  device: torch.device | str = "cpu") -> None:
         self.cfg = dict(cfg)
         self.shape = LlamaShape.from_config(cfg)
+        self.family: Family = family_of(cfg)
         self.dtype = dtype
         self.device = torch.device(device)
         self.weights: dict[str, dict[str, torch.Tensor]] = {}
-        s = self.shape
-        self.inv_freq = 1.0 / (s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.int64, device=self.device).float() / s.head_dim))
+        self.inv_freq = rope_inv_freq(cfg, self.device)
 
     # -- residency -------------------------------------------------------------------------
     def add_block(self, block_id: str, tensors: Mapping[str, torch.Tensor]) -> None:
         prefix = {"embed": "model.embed_tokens.", "head": ""}.get(block_id)
         if prefix is None:
             prefix = f"model.layers.{int(block_id.split('.')[1])}."
-        self.weights[block_id] = {k[len(prefix):] if k.startswith(prefix) else k: v.to(device=self.device, dtype=self.dtype) for k, v in tensors.items()}
+        # non_blocking: a pinned staging buffer (CUDA) copies asynchronously; same-device same-dtype is a no-op view
+        self.weights[block_id] = {k[len(prefix):] if k.startswith(prefix) else k:
+                                  v.to(device=self.device, dtype=self.dtype, non_blocking=v.is_pinned())
+                                  for k, v in tensors.items()}
 
     def resident(self, block_id: str) -> bool:
         return block_id in self.weights
@@ -99,7 +128,7 @@ class LlamaModel:
     # -- compute ---------------------------------------------------------------------------
     @torch.inference_mode()
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self._need("embed")["weight"][ids]
+        return self._need("embed")["weight"][ids.to(self.device)]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -108,41 +137,63 @@ class LlamaModel:
         w = head.get("lm_head.weight")
         if w is None:
             w = self._need("embed")["weight"]
-        return (x @ w.T).float()
+        return F.linear(x, w).float()
 
-    def _rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = pos.float()[:, None] * self.inv_freq[None, :]
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
 
     @torch.inference_mode()
-    def run_layers(self, a: int, b: int, hidden: torch.Tensor, kv: SequenceKV, start: int) -> torch.Tensor:
-        """Layers a..b-1 on `hidden` [T, H] of one sequence whose first token is at position `start`."""
+    def run_layers(self, a: int, b: int, hidden: torch.Tensor, kv: ForwardBatch | SequenceKV,
+                   start: int = 0) -> torch.Tensor:
+        """Layers a..b-1 on `hidden` [N, H]: a step's `ForwardBatch`, or one sequence's `SequenceKV`
+        whose new tokens start at position `start` (live split)."""
         if not 0 <= a <= b <= self.shape.layers:
             raise ValueError(f"layer range {a}..{b} outside 0..{self.shape.layers}")
-        s = self.shape
-        T = hidden.shape[0]
-        cos, sin = self._rope(torch.arange(start, start + T, device=self.device))
-        x = hidden
+        if isinstance(kv, SequenceKV):
+            s = self.shape
+            batch = kv.batch((s.layers, s.kv_heads, s.head_dim), self.dtype, self.device, a, b, start,
+                             hidden.shape[0])
+            out = self._layers(a, b, hidden, batch)
+            kv.commit(a, b, start + hidden.shape[0])
+            return out
+        return self._layers(a, b, hidden, kv)
+
+    def _layers(self, a: int, b: int, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        s, fam = self.shape, self.family
+        N = x.shape[0]
+        if batch.rope is None:
+            batch.rope = self._rope(batch.positions)
+        cos, sin = batch.rope
         for i in range(a, b):
             w = self._need(f"layer.{i}")
             h = _rms(x, w["input_layernorm.weight"], s.eps)
-            q = (h @ w["self_attn.q_proj.weight"].T).view(T, s.heads, s.head_dim).transpose(0, 1)
-            k = (h @ w["self_attn.k_proj.weight"].T).view(T, s.kv_heads, s.head_dim).transpose(0, 1)
-            v = (h @ w["self_attn.v_proj.weight"].T).view(T, s.kv_heads, s.head_dim).transpose(0, 1)
+            q = _linear(h, w, "self_attn.q_proj").view(N, s.heads, s.head_dim)
+            k = _linear(h, w, "self_attn.k_proj").view(N, s.kv_heads, s.head_dim)
+            v = _linear(h, w, "self_attn.v_proj").view(N, s.kv_heads, s.head_dim)
+            if fam.qk_norm:
+                q = _rms(q, w["self_attn.q_norm.weight"], s.eps)
+                k = _rms(k, w["self_attn.k_norm.weight"], s.eps)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            k, v = kv.append(i, start, k, v)
-            rep = s.heads // s.kv_heads
-            k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)
-            total = k.shape[1]
-            scores = (q @ k.transpose(1, 2)) / math.sqrt(s.head_dim)
-            # causal mask: query t (absolute start+t) sees keys 0..start+t
-            mask = torch.arange(total, device=self.device)[None, :] > (torch.arange(T, device=self.device)[:, None] + start)
-            scores = scores.masked_fill(mask, float("-inf"))
-            attn = torch.softmax(scores.float(), dim=-1).to(self.dtype) @ v
-            x = x + attn.transpose(0, 1).reshape(T, s.heads * s.head_dim) @ w["self_attn.o_proj.weight"].T
+            batch.cache.write(i, batch.slots, k, v)
+            attn = self._attend(i, q, batch)
+            x = x + _linear(attn, w, "self_attn.o_proj")
             h = _rms(x, w["post_attention_layernorm.weight"], s.eps)
-            gate = torch.nn.functional.silu(h @ w["mlp.gate_proj.weight"].T)
-            x = x + (gate * (h @ w["mlp.up_proj.weight"].T)) @ w["mlp.down_proj.weight"].T
+            x = x + F.linear(F.silu(F.linear(h, w["mlp.gate_proj.weight"])) * F.linear(h, w["mlp.up_proj.weight"]),
+                             w["mlp.down_proj.weight"])
         return x
+
+    def _attend(self, layer: int, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        s = self.shape
+        N = q.shape[0]
+        gqa = s.heads != s.kv_heads
+        outs = []
+        for g in batch.groups:
+            r0, r1 = g.rows
+            k, v = batch.cache.gather(layer, g.index)
+            qg = q[r0:r1].view(g.batch, g.q_len, s.heads, s.head_dim).transpose(1, 2)
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, enable_gqa=gqa)
+            outs.append(o.transpose(1, 2).reshape(r1 - r0, s.heads * s.head_dim))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0).view(N, s.heads * s.head_dim)

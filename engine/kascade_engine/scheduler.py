@@ -1,9 +1,13 @@
-"""Scheduler: continuous batching of prefill and decode, pure python (no torch).
+"""Scheduler: continuous batching with chunked prefill over a paged KV cache, pure python (no torch).
 
-Data flow: `add(seq)` queues a request -> `schedule()` picks the next step's batch: every running
-sequence decodes one token (decode first: it keeps TBT low), then waiting sequences are admitted FCFS
-for prefill while the batch stays within `max_batch_tokens` and `max_seqs` and the KV budget holds
-their prompt plus output -> the executor runs the batch -> `finished(id)` retires a sequence.
+Each sequence has `total` known tokens (prompt + generated) of which `computed` have K/V cached. A step
+gives every scheduled sequence a chunk `Work(start=computed, n)`: running decodes first (n = 1: keeps
+inter-token latency low), then unfinished prefills, then waiting sequences admitted FCFS, all within
+`max_batch_tokens` (chunked prefill: a long prompt takes several steps, mixed with decodes) and
+`max_seqs`. Admission needs free pages for the sequence's known tokens; a running sequence that needs a
+page when none is free preempts the most recently admitted sequence not yet in this step (its pages
+are freed and it is recomputed from its known tokens when re-admitted, so its output is unchanged).
+`finish(id)` (done, aborted, failed) frees the pages at once.
 """
 
 from __future__ import annotations
@@ -11,78 +15,134 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from kascade_engine.pages import PagePool
+
 
 @dataclass
 class Seq:
     id: str
     prompt_len: int
     max_tokens: int
+    total: int = 0  # known tokens: prompt + generated
+    computed: int = 0  # tokens whose K/V is in the cache
     generated: int = 0
+
+    def __post_init__(self) -> None:
+        self.total = self.total or self.prompt_len
+
+
+@dataclass(frozen=True)
+class Work:
+    id: str
+    start: int
+    n: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.n
 
 
 @dataclass(frozen=True)
 class Batch:
-    prefill: tuple[str, ...] = ()
-    decode: tuple[str, ...] = ()
+    work: tuple[Work, ...] = ()
+    preempted: tuple[str, ...] = ()
 
     @property
     def empty(self) -> bool:
-        return not self.prefill and not self.decode
+        return not self.work
 
 
 @dataclass
 class Limits:
     max_batch_tokens: int = 512
-    max_seqs: int = 16
+    max_seqs: int = 64
     kv_tokens: int = 16384
+    page_size: int = 16
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_tokens", "max_seqs", "kv_tokens"):
+        for name in ("max_batch_tokens", "max_seqs", "kv_tokens", "page_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"scheduler limit {name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def pages(self) -> int:
+        """Pages in the pool: enough for kv_tokens, plus the reserved zero page."""
+        return -(-self.kv_tokens // self.page_size) + 1
 
 
 @dataclass
 class Scheduler:
     limits: Limits = field(default_factory=Limits)
     waiting: deque[Seq] = field(default_factory=deque)
-    running: dict[str, Seq] = field(default_factory=dict)
+    running: dict[str, Seq] = field(default_factory=dict)  # admission order
+    preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.pool = PagePool(self.limits.pages, self.limits.page_size)
 
     def add(self, seq: Seq) -> None:
         need = seq.prompt_len + seq.max_tokens
-        if need > self.limits.kv_tokens:
-            raise ValueError(f"prompt_len + max_tokens = {need} exceeds the KV capacity of {self.limits.kv_tokens} tokens")
-        if seq.prompt_len > self.limits.max_batch_tokens:
-            raise ValueError(f"prompt of {seq.prompt_len} tokens exceeds max_batch_tokens {self.limits.max_batch_tokens}")
+        if need > self.pool.capacity_tokens:
+            raise ValueError(f"prompt_len + max_tokens = {need} exceeds the KV capacity of "
+                             f"{self.pool.capacity_tokens} tokens")
         self.waiting.append(seq)
 
-    def kv_reserved(self) -> int:
-        return sum(s.prompt_len + s.max_tokens for s in self.running.values())
+    def kv_usage(self) -> float:
+        return self.pool.usage
+
+    def _preempt(self, s: Seq) -> None:
+        self.pool.free(s.id)
+        s.computed = 0
+        del self.running[s.id]
+        self.waiting.appendleft(s)
+        self.preemptions += 1
 
     def schedule(self) -> Batch:
-        decode = tuple(self.running)[: self.limits.max_seqs]
-        budget = self.limits.max_batch_tokens - len(decode)
-        seqs = len(decode)
-        kv = self.kv_reserved()
-        prefill: list[str] = []
-        while self.waiting and seqs < self.limits.max_seqs:
+        budget = self.limits.max_batch_tokens
+        work: list[Work] = []
+        scheduled: set[str] = set()
+        preempted: list[str] = []
+        for s in sorted(self.running.values(), key=lambda s: s.total - s.computed > 1):  # decodes first
+            if budget <= 0 or len(scheduled) >= self.limits.max_seqs:
+                break
+            if s.id not in self.running:
+                continue  # preempted earlier in this loop
+            n = min(s.total - s.computed, budget)
+            while not self.pool.grow(s.id, s.computed + n):
+                victims = [v for v in self.running.values() if v.id not in scheduled and v is not s]
+                victim = victims[-1] if victims else s
+                self._preempt(victim)
+                preempted.append(victim.id)
+                if victim is s:
+                    break
+            if s.id not in self.running:
+                continue
+            work.append(Work(s.id, s.computed, n))
+            scheduled.add(s.id)
+            budget -= n
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.limits.max_seqs:
             s = self.waiting[0]
-            if s.prompt_len > budget or kv + s.prompt_len + s.max_tokens > self.limits.kv_tokens:
+            if self.pool.pages_for(s.total) > self.pool.free_pages:
                 break  # FCFS: never let a later, smaller request overtake the head
             self.waiting.popleft()
-            prefill.append(s.id)
+            n = min(s.total, budget)
+            self.pool.grow(s.id, n)
             self.running[s.id] = s
-            budget -= s.prompt_len
-            kv += s.prompt_len + s.max_tokens
-            seqs += 1
-        return Batch(tuple(prefill), decode)
+            work.append(Work(s.id, 0, n))
+            budget -= n
+        return Batch(tuple(work), tuple(preempted))
 
-    def token(self, seq_id: str) -> None:
+    def advance(self, seq_id: str, n: int, sampled: bool) -> None:
+        """`n` more tokens of `seq_id` are cached; `sampled`: a new token was generated."""
         s = self.running.get(seq_id)
         if s is not None:
-            s.generated += 1
+            s.computed += n
+            if sampled:
+                s.total += 1
+                s.generated += 1
 
     def finish(self, seq_id: str) -> None:
+        self.pool.free(seq_id)
         self.running.pop(seq_id, None)
         self.waiting = deque(s for s in self.waiting if s.id != seq_id)
 

@@ -140,22 +140,25 @@ class Serving:
     async def tokens(self, rid: str) -> AsyncIterator[Event]:
         """The request's events until it finishes; closing early (client gone) aborts it at once."""
         q = self.queues[rid]
-        t0, first = time.monotonic(), True
+        t0, first, reason = time.monotonic(), True, "abort"
         try:
             while True:
                 ev = await q.get()
-                if isinstance(ev, Exception):
-                    raise RequestError(500, f"engine failed on this request: {ev}", None, "server_error")
-                if ev.token < 0:
-                    raise RequestError(500, f"engine failed on this request: {ev.reason}", None, "server_error")
+                if isinstance(ev, Exception) or ev.token < 0:
+                    reason = "error"
+                    why = ev if isinstance(ev, Exception) else ev.reason
+                    raise RequestError(500, f"engine failed on this request: {why}", None, "server_error")
                 if first:
                     self.inst.metrics.observe_ttft(time.monotonic() - t0)
                     first = False
+                if ev.finished:
+                    reason = ev.reason or "stop"
                 yield ev
                 if ev.finished:
                     return
         finally:
             self.queues.pop(rid, None)
+            self.inst.metrics.on_finish(reason, time.monotonic() - t0)
             if rid in self.inst.engine.requests:  # the client went away mid-generation: free its pages
                 self.abort(rid)
 

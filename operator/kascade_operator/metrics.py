@@ -51,9 +51,10 @@ class InstanceLoad:
     kv_usage: float
 
 
-_GAUGES = {"kascade_queue_length": "queue_length", "kascade_running_requests": "running",
-           "kascade_kv_cache_usage": "kv_usage"}
-_COUNTERS = {"kascade_input_tokens": "input_tokens", "kascade_output_tokens": "output_tokens"}
+# vLLM-aligned engine metric names (kascade_ prefix; a `model_name` label, summed over here)
+_GAUGES = {"kascade_num_requests_waiting": "queue_length", "kascade_num_requests_running": "running",
+           "kascade_kv_cache_usage_perc": "kv_usage"}
+_COUNTERS = {"kascade_prompt_tokens": "input_tokens", "kascade_generation_tokens": "output_tokens"}
 
 
 def parse_engine_metrics(text: str, time_s: float) -> InstanceSample:
@@ -161,11 +162,11 @@ class PrometheusSource:
 
     Engines are expected to be scraped by Prometheus with a `pod` label (the pod name)."""
 
-    QUERIES: ClassVar[dict[str, str]] = {"input": "sum by (pod) (rate(kascade_input_tokens_total{{pod=~\"{pods}\"}}[{window}]))",
-               "output": "sum by (pod) (rate(kascade_output_tokens_total{{pod=~\"{pods}\"}}[{window}]))",
-               "queue": "sum by (pod) (kascade_queue_length{{pod=~\"{pods}\"}})",
-               "running": "sum by (pod) (kascade_running_requests{{pod=~\"{pods}\"}})",
-               "kv": "avg by (pod) (kascade_kv_cache_usage{{pod=~\"{pods}\"}})"}
+    QUERIES: ClassVar[dict[str, str]] = {"input": "sum by (pod) (rate(kascade_prompt_tokens_total{{pod=~\"{pods}\"}}[{window}]))",
+               "output": "sum by (pod) (rate(kascade_generation_tokens_total{{pod=~\"{pods}\"}}[{window}]))",
+               "queue": "sum by (pod) (kascade_num_requests_waiting{{pod=~\"{pods}\"}})",
+               "running": "sum by (pod) (kascade_num_requests_running{{pod=~\"{pods}\"}})",
+               "kv": "avg by (pod) (kascade_kv_cache_usage_perc{{pod=~\"{pods}\"}})"}
 
     def __init__(self, url: str, timeout_s: float = 1.0, window: str = "10s",
                  client: httpx.AsyncClient | None = None) -> None:

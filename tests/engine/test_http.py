@@ -89,7 +89,37 @@ def test_burst_of_bad_input_keeps_engine_up(engine_a) -> None:  # type: ignore[n
     r = _client(engine_a).completions.create(model="tiny-llama", prompt="ok", max_tokens=2)
     assert r.usage.completion_tokens == 2
     m = httpx.get(engine_a.url + "/metrics").text
-    assert "kascade_ttft_seconds_count" in m and "kascade_blocks_resident 6.0" in m
+    assert 'kascade_time_to_first_token_seconds_count{model_name="tiny-llama"}' in m
+    assert "kascade_blocks_resident 6.0" in m and 'kascade_request_success_total{finished_reason="length",model_name="tiny-llama"}' in m
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_client_disconnect_frees_pages_at_once(engine_a) -> None:  # type: ignore[no-untyped-def]
+    """A streaming client that goes away mid-generation: the request is aborted and its KV pages freed
+    long before its max_tokens would have run out (observed through the engine's own metrics)."""
+    import time
+
+    aborts = _metric(engine_a.url, 'kascade_request_success_total{finished_reason="abort",model_name="tiny-llama"}')
+    body = {"model": "tiny-llama", "prompt": "go on and on", "max_tokens": 3000, "stream": True}
+    with httpx.stream("POST", engine_a.url + "/v1/completions", json=body, timeout=30) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i == 4:
+                assert _metric(engine_a.url, "kascade_kv_cache_usage_perc") > 0
+                assert _metric(engine_a.url, "kascade_num_requests_running") == 1
+                break
+    deadline = time.monotonic() + 5
+    while _metric(engine_a.url, "kascade_kv_cache_usage_perc") > 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _metric(engine_a.url, "kascade_kv_cache_usage_perc") == 0
+    assert _metric(engine_a.url, "kascade_num_requests_running") == 0
+    got = _metric(engine_a.url, 'kascade_request_success_total{finished_reason="abort",model_name="tiny-llama"}')
+    assert got == aborts + 1
 
 
 @pytest.mark.smollm

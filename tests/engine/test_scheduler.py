@@ -1,66 +1,133 @@
-"""Continuous batching rules (pure python, no torch)."""
+"""Continuous batching over paged KV: the pure scheduler's rules (decodes first, chunked prefill within
+the token budget, admission by free pages, preemption, freeing), and the torch engine running them:
+batched, chunked and preempted runs give exactly the tokens of one-at-a-time runs."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
+from kascade_engine.engine import Engine
+from kascade_engine.model import LlamaModel
+from kascade_engine.sampling import SamplingParams
 from kascade_engine.scheduler import Limits, Scheduler, Seq
 
 
-def test_decode_first_then_fcfs_prefill_within_token_budget() -> None:
-    s = Scheduler(Limits(max_batch_tokens=10, max_seqs=4, kv_tokens=1000))
-    for i, n in enumerate([4, 5, 2]):
-        s.add(Seq(f"r{i}", n, 3))
-    b1 = s.schedule()
-    assert b1.prefill == ("r0", "r1") and b1.decode == ()  # 4+5 fit, 2 more would exceed 10
-    b2 = s.schedule()
-    assert b2.decode == ("r0", "r1") and b2.prefill == ("r2",)
-    s.finish("r0")
-    assert s.schedule().decode == ("r1", "r2")
+def _run(s: Scheduler) -> list[tuple[str, int, int]]:
+    """One step as the engine would do it: every chunk cached, a token sampled where a chunk ends."""
+    b = s.schedule()
+    for w in b.work:
+        seq = s.running[w.id]
+        s.advance(w.id, w.n, w.end == seq.total)
+    return [(w.id, w.start, w.n) for w in b.work]
 
 
-def test_head_of_line_blocks_and_kv_budget() -> None:
-    s = Scheduler(Limits(max_batch_tokens=100, max_seqs=8, kv_tokens=20))
-    s.add(Seq("a", 8, 4))
-    s.add(Seq("b", 8, 4))  # 12 + 12 > 20: must wait for a
-    assert s.schedule().prefill == ("a",)
-    assert s.schedule().prefill == ()
+def test_decodes_first_then_chunked_prefill_within_budget() -> None:
+    s = Scheduler(Limits(max_batch_tokens=10, max_seqs=4, kv_tokens=1000, page_size=4))
+    s.add(Seq("a", 4, 3))
+    s.add(Seq("b", 9, 3))
+    assert _run(s) == [("a", 0, 4), ("b", 0, 6)]  # b's prompt is chunked: 6 now, 3 next step
+    assert _run(s) == [("a", 4, 1), ("b", 6, 3)]  # a decodes first, b's prefill finishes
+    s.add(Seq("c", 2, 3))
+    assert _run(s) == [("a", 5, 1), ("b", 9, 1), ("c", 0, 2)]
     s.finish("a")
-    assert s.schedule().prefill == ("b",)
-    assert not s.idle
-    s.finish("b")
-    assert s.idle
+    assert [w[0] for w in _run(s)] == ["b", "c"]
 
 
-def test_max_seqs_and_bad_inputs() -> None:
-    s = Scheduler(Limits(max_batch_tokens=100, max_seqs=2, kv_tokens=100))
-    for i in range(3):
-        s.add(Seq(f"r{i}", 1, 1))
-    assert len(s.schedule().prefill) == 2
-    with pytest.raises(ValueError, match="KV capacity"):
-        s.add(Seq("big", 90, 20))
-    with pytest.raises(ValueError, match="max_batch_tokens"):
-        Scheduler(Limits(max_batch_tokens=5, kv_tokens=100)).add(Seq("x", 6, 1))
+def test_admission_by_free_pages_and_finish_frees_them() -> None:
+    s = Scheduler(Limits(max_batch_tokens=100, max_seqs=8, kv_tokens=16, page_size=4))  # 4 pages
+    s.add(Seq("a", 8, 4))
+    s.add(Seq("b", 9, 4))  # needs 3 pages, 2 are free after a: waits (FCFS)
+    s.add(Seq("c", 1, 1))
+    assert [w[0] for w in _run(s)] == ["a"] and s.pool.free_pages == 2
+    assert [w[0] for w in _run(s)] == ["a"]
+    s.finish("a")
+    assert s.pool.free_pages == 4
+    assert [w[0] for w in _run(s)] == ["b", "c"]
+
+
+def test_preemption_when_pages_run_out() -> None:
+    s = Scheduler(Limits(max_batch_tokens=100, max_seqs=8, kv_tokens=8, page_size=2))  # 4 pages
+    s.add(Seq("old", 4, 4))
+    s.add(Seq("new", 4, 4))
+    assert _run(s) == [("old", 0, 4), ("new", 0, 4)] and s.pool.free_pages == 0
+    assert _run(s) == [("old", 4, 1)]  # position 4 needs a third page: new is preempted, its pages go to old
+    assert s.preemptions == 1 and [q.id for q in s.waiting] == ["new"]
+    assert s.waiting[0].computed == 0 and s.waiting[0].total == 5  # recomputed with its generated token
+
+
+def test_bad_inputs() -> None:
+    with pytest.raises(ValueError, match="KV capacity of 96 tokens"):
+        Scheduler(Limits(kv_tokens=96, page_size=16)).add(Seq("big", 90, 20))
     with pytest.raises(ValueError, match="max_seqs"):
         Limits(max_seqs=0)
 
 
-def test_engine_abort_and_failure_isolated(tiny_blocks) -> None:  # type: ignore[no-untyped-def]
-    """A failing request (here: a missing block) fails alone; an aborted one frees its slot."""
-    from kascade_engine.engine import Engine
-    from kascade_engine.model import LlamaModel
-    from kascade_engine.sampling import SamplingParams
-
-    m = LlamaModel(tiny_blocks.config)
-    for b in tiny_blocks.blocks.values():
+def _model(blocks) -> LlamaModel:  # type: ignore[no-untyped-def]
+    m = LlamaModel(blocks.config)
+    for b in blocks.blocks.values():
         m.add_block(b.id, b.tensors())
-    eng = Engine(m, Limits(max_batch_tokens=64, max_seqs=4, kv_tokens=256))
+    return m
+
+
+PROMPTS = [[1, 2, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [7], [300, 200, 100, 5, 6]]
+
+
+def test_batched_chunked_and_preempted_equal_one_at_a_time(tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    m = _model(tiny_blocks)
+    params = SamplingParams(max_tokens=12)
+    alone = [Engine(m, Limits(kv_tokens=256)).generate(p, params) for p in PROMPTS]
+    assert len({tuple(a) for a in alone}) == len(PROMPTS)
+    batched = Engine(m, Limits(max_batch_tokens=64, kv_tokens=256))
+    assert batched.generate_many(PROMPTS, params) == alone
+    chunked = Engine(m, Limits(max_batch_tokens=4, kv_tokens=256, page_size=2))  # prompts take several steps
+    assert chunked.generate_many(PROMPTS, params) == alone
+    tight = Engine(m, Limits(max_batch_tokens=64, kv_tokens=40, page_size=4))  # 10 pages for 4 x ~20 tokens
+    assert tight.generate_many(PROMPTS, params) == alone
+    assert tight.scheduler.preemptions > 0
+    assert tight.scheduler.pool.used_pages == 0 and tight.scheduler.idle
+
+
+def test_greedy_batch_equals_transformers(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
+    want = []
+    for p in PROMPTS:
+        out = ref.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, pad_token_id=0)
+        want.append(out[0, len(p):].tolist())
+    got = Engine(_model(tiny_blocks), Limits(max_batch_tokens=8, kv_tokens=256, page_size=4)).generate_many(
+        PROMPTS, SamplingParams(max_tokens=10))
+    assert got == want
+
+
+def test_abort_frees_pages_and_failure_is_isolated(tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    m = _model(tiny_blocks)
+    eng = Engine(m, Limits(max_batch_tokens=64, max_seqs=4, kv_tokens=256, page_size=4))
     good = eng.submit([1, 2, 3], SamplingParams(max_tokens=3))
-    gone = eng.submit([4, 5], SamplingParams(max_tokens=3))
+    gone = eng.submit([4, 5, 6, 7, 8, 9], SamplingParams(max_tokens=30))
+    eng.step()
+    assert eng.scheduler.pool.tables[gone] and eng.scheduler.pool.used_pages == 3
     eng.abort(gone)
     events = eng.step()
-    assert [e.request for e in events] == [good]
+    assert [e.request for e in events] == [good] and gone not in eng.scheduler.pool.tables
+    assert eng.scheduler.pool.used_pages == 1
     del m.weights["layer.2"]
     events = eng.step()
     assert events[0].token == -1 and "layer.2 is not resident" in (events[0].reason or "")
-    assert eng.scheduler.idle and not eng.requests
+    assert eng.scheduler.idle and not eng.requests and eng.scheduler.pool.used_pages == 0
+
+
+def test_no_tensor_lands_on_a_default_device(tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    """Every allocation in the engine names its device: with the default device set to `meta`, a step
+    still computes real tokens (a tensor made without a device would be a meta tensor and fail)."""
+    m = _model(tiny_blocks)
+    want = Engine(m, Limits(kv_tokens=256)).generate_many(PROMPTS[:2], SamplingParams(max_tokens=4))
+    torch.set_default_device("meta")
+    try:
+        eng = Engine(m, Limits(kv_tokens=256, max_batch_tokens=4))
+        got = eng.generate_many(PROMPTS[:2], SamplingParams(max_tokens=4))
+        assert eng.cache.k.device.type == "cpu"
+    finally:
+        torch.set_default_device(None)
+    assert got == want

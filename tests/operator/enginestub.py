@@ -101,9 +101,9 @@ class EngineStub:
     def metrics_text(self) -> str:
         with self._lock:
             total = self._advance()
-        return ("# TYPE kascade_input_tokens counter\n"
-                f"kascade_input_tokens_total {total}\n"
-                "# TYPE kascade_queue_length gauge\nkascade_queue_length 0\n")
+        return ("# TYPE kascade_prompt_tokens counter\n"
+                f"kascade_prompt_tokens_total {total}\n"
+                "# TYPE kascade_num_requests_waiting gauge\nkascade_num_requests_waiting 0\n")
 
     def count(self, verb: str) -> int:
         with self._lock:

@@ -17,18 +17,18 @@ from kascade_operator.reconcile import CreatePlan
 from kascade_operator.scaleplan import Throttle, build, layout, progress, spec_dict, to_instruct
 from kascade_operator.settings import OperatorSettings
 
-TEXT = """# HELP kascade_input_tokens_total Prompt tokens accepted
-# TYPE kascade_input_tokens_total counter
-kascade_input_tokens_total 1200.0
-kascade_input_tokens_created 1.7e9
-# TYPE kascade_output_tokens_total counter
-kascade_output_tokens_total 300.0
-# TYPE kascade_queue_length gauge
-kascade_queue_length 3.0
-# TYPE kascade_running_requests gauge
-kascade_running_requests 2.0
-# TYPE kascade_kv_cache_usage gauge
-kascade_kv_cache_usage 0.25
+TEXT = """# HELP kascade_prompt_tokens_total Prompt tokens accepted
+# TYPE kascade_prompt_tokens_total counter
+kascade_prompt_tokens_total 1200.0
+kascade_prompt_tokens_created 1.7e9
+# TYPE kascade_generation_tokens_total counter
+kascade_generation_tokens_total 300.0
+# TYPE kascade_num_requests_waiting gauge
+kascade_num_requests_waiting 3.0
+# TYPE kascade_num_requests_running gauge
+kascade_num_requests_running 2.0
+# TYPE kascade_kv_cache_usage_perc gauge
+kascade_kv_cache_usage_perc 0.25
 # TYPE other_metric gauge
 other_metric 99
 """
@@ -41,18 +41,18 @@ def test_parse_engine_metrics_reads_counters_and_gauges() -> None:
 
 def test_parse_what_prometheus_client_generates() -> None:
     r = CollectorRegistry()
-    Counter("kascade_input_tokens", "x", registry=r).inc(42)
-    Gauge("kascade_queue_length", "x", ["shard"], registry=r).labels("a").set(2)
-    Gauge("kascade_queue_length_other", "x", registry=r).set(7)  # a different metric: ignored
+    Counter("kascade_prompt_tokens", "x", registry=r).inc(42)
+    Gauge("kascade_num_requests_waiting", "x", ["shard"], registry=r).labels("a").set(2)
+    Gauge("kascade_num_requests_waiting_other", "x", registry=r).set(7)  # a different metric: ignored
     s = parse_engine_metrics(generate_latest(r).decode(), 1.0)
     assert (s.input_tokens, s.queue_length) == (42, 2)
-    untyped = parse_engine_metrics("# TYPE kascade_input_tokens counter\nkascade_input_tokens_total 5\n", 1.0)
+    untyped = parse_engine_metrics("# TYPE kascade_prompt_tokens counter\nkascade_prompt_tokens_total 5\n", 1.0)
     assert untyped.input_tokens == 5
 
 
 def test_parse_rejects_malformed_text() -> None:
     with pytest.raises(MetricsError, match="malformed"):
-        parse_engine_metrics("kascade_queue_length not-a-number\n", 0.0)
+        parse_engine_metrics("kascade_num_requests_waiting not-a-number\n", 0.0)
 
 
 def test_rates_and_counter_reset() -> None:
