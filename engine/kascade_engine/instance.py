@@ -123,11 +123,16 @@ class EngineInstance:
     def ready(self) -> bool:
         return self.phase is Phase.SERVING and self.model.complete
 
+    @property
+    def servable(self) -> bool:
+        """Readiness (/readyz): new requests may be served now, locally or split with a live peer. Never
+        while empty, bound, loading alone, draining or released."""
+        return self.phase is Phase.SERVING or (
+            self.phase is Phase.LIVE and bool(self.cooperate) and self.model.resident("embed"))
+
     def accepting(self) -> None:
         """Raise unless new requests may be served now (locally or split with a peer)."""
-        if self.phase is Phase.SERVING:
-            return
-        if self.phase is Phase.LIVE and self.cooperate and self.model.resident("embed"):
+        if self.servable:
             return
         m = self.model
         if self.phase in (Phase.LOADING, Phase.LIVE, Phase.BOUND):

@@ -30,6 +30,7 @@ from kascade_engine.sampling import SamplingParams
 from kascade_engine.serving import RequestError
 
 log = logging.getLogger(__name__)
+reqlog = logging.getLogger("kascade_engine.requests")  # one line per request: accepted (in which phase) or rejected
 
 
 class _Common(BaseModel):
@@ -94,7 +95,14 @@ def create_app(inst: EngineInstance) -> FastAPI:
     def check_model(model: str) -> None:
         if model != name:
             raise RequestError(404, f"model '{model}' is not served here (serving '{name}')", "model", "model_not_found")
-        inst.accepting()
+        try:
+            inst.accepting()
+        except InstanceError as e:
+            # a router or Service sent a request to an engine that is not Ready: the request log shows it
+            reqlog.warning("request rejected: phase=%s: %s", inst.phase.value, e.message)
+            raise
+        m = inst.model
+        reqlog.info("request accepted: phase=%s resident=%d/%d", inst.phase.value, m.resident_prefix(), m.shape.layers)
 
     async def respond(body: _Common, prompt: list[int], chat: bool) -> Response:
         check_model(body.model)
@@ -155,7 +163,8 @@ def create_app(inst: EngineInstance) -> FastAPI:
 
     @app.get("/readyz")
     async def readyz() -> PlainTextResponse:
-        return PlainTextResponse("ready" if inst.ready else inst.phase.value, status_code=200 if inst.ready else 503)
+        ok = inst.servable  # serving, or loading while live-paired: what Services and routers may send to
+        return PlainTextResponse("ready" if ok else inst.phase.value, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -19,6 +19,7 @@ def test_loading_engine_serves_split_with_peer(engine_a, tiny_ckpt, engine_start
         assert r.status_code == 503 and "2/4 layers resident" in r.json()["error"]["message"]
         st = httpx.get(b.url + "/kascade/v1/status", headers=h).json()
         assert st["phase"] == "loading" and st["blocks"]["layer.1"] and not st["blocks"]["layer.2"]
+        assert httpx.get(b.url + "/readyz").status_code == 503  # loading alone: not Ready
         r = httpx.post(b.url + "/kascade/v1/cooperate", json={"peer": f"127.0.0.1:{engine_a.act}", "mode": mode},
                        headers=h)
         assert r.status_code == 200 and r.json()["cooperate"]["mode"] == mode
@@ -29,6 +30,8 @@ def test_loading_engine_serves_split_with_peer(engine_a, tiny_ckpt, engine_start
         streamed = "".join(ch.choices[0].text for ch in c.completions.create(stream=True, **body))
         assert streamed == want
         assert "kascade_live_split_requests_total 2.0" in httpx.get(b.url + "/metrics").text
+        assert httpx.get(b.url + "/readyz").status_code == 200  # live: Ready, routers may send to it
+        httpx.post(b.url + "/kascade/v1/cooperate", json={"peer": "", "mode": "off"}, headers=h)
         assert httpx.get(b.url + "/readyz").status_code == 503
     finally:
         b.stop()
