@@ -20,7 +20,7 @@ from kascade_planner.policies import Threshold
 from kascade_sim.compare import comparison, run_systems
 from kascade_sim.hardware import hardware, model
 from kascade_sim.simulator import SimConfig
-from kascade_sim.workload import read_azure
+from kascade_sim.traces import read_azure
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_2023"
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -43,7 +43,8 @@ def sim(trace: str, systems: tuple[str, ...], hw_name: str, hosts: int, gpus_per
     from kascade_sim.hardware import hardware, model
     from kascade_sim.simulator import SimConfig, Simulation
     from kascade_sim.systems import system
-    from kascade_sim.workload import TraceError, load
+    from kascade_sim.traces import load
+    from kascade_sim.workload import TraceError
 
     try:
         wl = load(trace)

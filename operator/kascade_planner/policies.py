@@ -119,22 +119,26 @@ class Threshold:
     upper: float
     lower: float
     scale_down_delay_s: float = 0.5
-    metric: str = "tokensPerSecond"  # or kvCacheUsage
+    metric: str = "tokensPerSecond"  # or kvCacheUsage, or queueLength (requests waiting or in prefill per instance)
 
     def __post_init__(self) -> None:
         if not 0 <= self.lower < self.upper:
             raise ValueError(f"need 0 <= lower < upper, got lower={self.lower} upper={self.upper}")
         if self.scale_down_delay_s < 0:
             raise ValueError("scale_down_delay_s must be >= 0")
+        if self.metric not in ("tokensPerSecond", "kvCacheUsage", "queueLength"):
+            raise ValueError(f"metric must be tokensPerSecond, kvCacheUsage or queueLength, got {self.metric!r}")
 
 
 def threshold(m: MetricsSnapshot, state: ScaleState, p: Threshold) -> Decision:
-    total = m.input_tokens_per_s + m.output_tokens_per_s if p.metric == "tokensPerSecond" else m.kv_usage
-    per = total / max(state.current, 1) if p.metric == "tokensPerSecond" else total
+    per_instance = p.metric != "kvCacheUsage"  # tokens/s and queue length are totals to divide
+    total = (m.input_tokens_per_s + m.output_tokens_per_s if p.metric == "tokensPerSecond"
+             else float(m.in_flight) if p.metric == "queueLength" else m.kv_usage)
+    per = total / max(state.current, 1) if per_instance else total
     metrics = ((p.metric + "PerInstance", per), ("upper", p.upper), ("lower", p.lower))
     if per > p.upper:
         # Enough instances to bring the load per instance back under the upper bound.
-        need = math.ceil(total / p.upper) if p.metric == "tokensPerSecond" else state.current + 1
+        need = math.ceil(total / p.upper) if per_instance else state.current + 1
         desired, note = _keep_a_copy(state, max(need, state.current + 1))
         reason = f"threshold: {per:.1f} per instance > upper {p.upper:g}{note}"
         return Decision(state.role, state.current, desired, reason, metrics, replace(state, below_since_s=None))
@@ -150,12 +154,28 @@ def threshold(m: MetricsSnapshot, state: ScaleState, p: Threshold) -> Decision:
         return Decision(state.role, state.current, desired, reason, metrics, replace(state, below_since_s=since))
     if state.current == 0 and (total > 0 or m.in_flight > 0):
         # Scaled to zero and traffic arrived: no instance can carry it, whatever the per-instance load.
-        desired, note = _keep_a_copy(state, max(1, math.ceil(total / p.upper) if p.metric == "tokensPerSecond" else 1))
+        desired, note = _keep_a_copy(state, max(1, math.ceil(total / p.upper) if per_instance else 1))
         return Decision(state.role, state.current, desired, f"threshold: traffic with no instance -> {desired}{note}",
                         metrics, replace(state, below_since_s=None))
     desired, note = _keep_a_copy(state, state.current)
     return Decision(state.role, state.current, desired, f"threshold: {per:.1f} per instance within bounds{note}",
                     metrics, replace(state, below_since_s=None))
+
+
+def prescale_decode(prefill: Decision, decode: Decision, decoders_per_prefiller: float) -> Decision:
+    """BlitzScale §5: a prefill burst becomes a decode burst one prefill later, so when prefill scales
+    up, decode scales with it (`decoders_per_prefiller` new decoders per new prefiller) instead of
+    waiting for its KV usage to cross the bound. Never lowers what the decode policy wanted."""
+    if decoders_per_prefiller < 0:
+        raise ValueError(f"decoders_per_prefiller must be >= 0, got {decoders_per_prefiller}")
+    if prefill.change <= 0:
+        return decode
+    extra = math.ceil(prefill.change * decoders_per_prefiller - 1e-9)
+    want = decode.state.bounds.clamp(max(decode.desired, decode.current + extra))
+    if want <= decode.desired:
+        return decode
+    reason = f"{decode.reason}; pre-scaled with prefill (+{prefill.change} prefill -> +{want - decode.current} decode)"
+    return replace(decode, desired=want, reason=reason, state=replace(decode.state, below_since_s=None))
 
 
 def concurrency(m: MetricsSnapshot, state: ScaleState, target_per_instance: int) -> Decision:

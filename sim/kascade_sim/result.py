@@ -24,6 +24,7 @@ class ScaleEvent:
     reason: str
     predicted_load_s: float
     role: str = "colocated"
+    model: int = 0
 
 
 def percentile(sorted_vals: list[float], q: float) -> float:
@@ -60,6 +61,12 @@ class Result:
     host_cache_hosts_touched: int
     events: tuple[ScaleEvent, ...]
     samples: tuple[tuple[float, int, int, float], ...]
+    models: int = 1
+    host_cache_miss_rate: float = 0.0  # ServerlessLLM: share of loads that found no warm host copy
+    host_cache_evictions: int = 0
+    kv_peak_fraction: float = 0.0  # highest KV reservation of any instance / its capacity
+    clipped_requests: int = 0  # requests longer than the context, clipped
+    loads: int = 0  # instances loaded by scale-ups
 
     @staticmethod
     def build(sim: Simulation, end: float) -> Result:
@@ -67,13 +74,18 @@ class Result:
         tbt = tuple((la - f) / (o - 1) if o > 1 else math.nan
                     for f, la, o in zip(sim.first, sim.last, sim.out, strict=True))
         c = sim.spec.cost
-        gpu_s = sum(((i.released_s if i.released_s is not None else end) - i.alloc_s) * i.gpus for i in sim.instances)
-        size = int(sim.spec.params_gb * 1e9)
-        touched = len(sim.cache_touched) if sim.sys.host_cache == "ttl" else sim.cache_peak
+        gpu_s = sum(max(0.0, (i.released_s if i.released_s is not None else end) - i.alloc_s) * i.gpus for i in sim.instances)
+        size = sim.spec.bytes
+        hm = sim.hostmem
+        touched = len(hm.touched) if sim.sys.host_cache == "ttl" else sim.cache_peak
+        peak = max(sim.cache_peak, hm.peak_copies) if sim.sys.host_cache == "ttl" else sim.cache_peak
+        kv_peak = max((i.kv_peak / i.kv_cap for i in sim.instances), default=0.0)
         return Result(sim.sys.name, sim.wl.name, len(ttft), tuple(sim.arr), ttft, tbt,
                       tuple(5 * c.prefill_s(i) for i in sim.inp), tuple(5 * c.decode_s(1, i) for i in sim.inp),
-                      sim.cfg.ttft_slo_s, sim.cfg.tbt_slo_s, gpu_s, end, sim.cache_peak * size, touched,
-                      tuple(sim.events), tuple(sim.samples))
+                      sim.cfg.ttft_slo_s, sim.cfg.tbt_slo_s, gpu_s, end, peak * size, touched,
+                      tuple(sim.events), tuple(sim.samples), sim.models,
+                      hm.miss_rate if sim.sys.host_cache == "ttl" else 0.0, hm.evictions, kv_peak, sim.clipped,
+                      sim.loads)
 
     def summary(self) -> dict[str, Any]:
         tt = sorted(self.ttft_s)
@@ -94,6 +106,9 @@ class Result:
             "host_cache_hosts_touched": self.host_cache_hosts_touched,
             "scale_ups": sum(e.count for e in self.events if e.direction == "up"),
             "scale_downs": sum(e.count for e in self.events if e.direction == "down"),
+            "models": self.models, "host_cache_miss_rate": self.host_cache_miss_rate,
+            "host_cache_evictions": self.host_cache_evictions, "kv_peak_fraction": self.kv_peak_fraction,
+            "clipped_requests": self.clipped_requests, "loads": self.loads,
             "mean_predicted_load_s": (sum(e.predicted_load_s for e in self.events if e.direction == "up")
                                       / max(1, sum(1 for e in self.events if e.direction == "up"))),
         }

@@ -15,11 +15,13 @@ from typing import Any
 
 import pytest
 
+from kascade_sim.generators import synthetic_bursts
 from kascade_sim.hardware import EngineCost, hardware, model
 from kascade_sim.result import Result
 from kascade_sim.simulator import SimConfig, Simulation
 from kascade_sim.systems import system
-from kascade_sim.workload import Workload, read_azure, synthetic_bursts
+from kascade_sim.traces import read_azure
+from kascade_sim.workload import Workload
 
 DATA = Path(__file__).parent / "data"
 GOLDEN = DATA / "golden.json"
@@ -74,7 +76,7 @@ def test_one_instance_always_enough_no_scale_events() -> None:
 
 
 def test_host_cache_is_o1_for_kascade_but_grows_for_serverlessllm() -> None:
-    wl = synthetic_bursts(240, base_rps=0.5, burst_rps=30.0, burst_every_s=60, burst_len_s=10, seed=2)
+    wl = synthetic_bursts(240, base_rps=0.5, burst_rps=90.0, burst_every_s=60, burst_len_s=10, seed=2)
     size = int(model("llama3-8b").params_gb * 1e9)
     touched = {}
     for hosts in (4, 8):
