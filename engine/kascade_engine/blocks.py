@@ -1,8 +1,11 @@
-"""Blocks: a Llama checkpoint packed as one contiguous buffer per transformer layer, plus `embed` and
-`head`. Blocks are the unit of transfer, residency and live execution.
+"""Blocks: a checkpoint (any family of families.py) packed as one contiguous buffer per transformer
+layer, plus `embed` and `head`. Blocks are the unit of transfer, residency and live execution.
 
-Data flow: safetensors files (HF Llama names) + config.json -> `pack_checkpoint` checks every tensor
-(missing, duplicated, unexpected or mis-shaped ones are refused, naming the tensor) -> `Block`s with
+Data flow: a Hugging Face directory (config.json + one or more *.safetensors, sharded with
+model.safetensors.index.json or not) -> `pack_checkpoint` validates every header against its file
+(tensorfile.py) and every tensor against the family's names and shapes (missing, duplicated,
+unexpected or mis-shaped ones are refused, naming the tensor), then copies tensors from memory maps
+block by block -> `Block`s with
 an index (tensor name -> offset, shape, dtype) and an xxh3-128 digest -> `Block.tensors()` gives torch
 views into the buffer without copying.
 """
@@ -21,10 +24,10 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from kascade_engine.families import FamilyError, expected_shapes
+from kascade_engine.tensorfile import TensorEntry, TensorFile, TensorFileError, read_header
+
 ALIGN = 64
-LAYER_TENSORS = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
-                 "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": "bfloat16", "I64": np.int64, "I32": np.int32}
 ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -108,42 +111,6 @@ def block_of(name: str) -> str | None:
     return f"layer.{m.group(1)}" if m else None
 
 
-def expected_shapes(cfg: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Llama checkpoint must hold, with its shape, from config.json."""
-    h, inter, vocab = int(cfg["hidden_size"]), int(cfg["intermediate_size"]), int(cfg["vocab_size"])
-    heads = int(cfg["num_attention_heads"])
-    kv = int(cfg.get("num_key_value_heads", heads))
-    hd = int(cfg.get("head_dim") or h // heads)
-    per_layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-                 "self_attn.q_proj.weight": (heads * hd, h), "self_attn.k_proj.weight": (kv * hd, h),
-                 "self_attn.v_proj.weight": (kv * hd, h), "self_attn.o_proj.weight": (h, heads * hd),
-                 "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h), "mlp.down_proj.weight": (h, inter)}
-    out = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
-    if not cfg.get("tie_word_embeddings", False):
-        out["lm_head.weight"] = (vocab, h)
-    for i in range(int(cfg["num_hidden_layers"])):
-        out.update({f"model.layers.{i}.{k}": v for k, v in per_layer.items()})
-    return out
-
-
-def _read_safetensors(path: Path) -> Iterable[tuple[str, str, tuple[int, ...], memoryview]]:
-    raw = path.read_bytes()
-    try:
-        n = int.from_bytes(raw[:8], "little")
-        header = json.loads(raw[8:8 + n])
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path.name}: not a safetensors file ({e})") from None
-    base = 8 + n
-    view = memoryview(raw)
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = meta["data_offsets"]
-        if meta["dtype"] not in ITEMSIZE:
-            raise CheckpointError(f"{path.name}: tensor {name!r} has unsupported dtype {meta['dtype']}")
-        yield name, meta["dtype"], tuple(meta["shape"]), view[base + begin:base + end]
-
-
 class BlockSet:
     """All blocks of one model, by id, in model order."""
 
@@ -171,48 +138,99 @@ def index_from_manifest(entry: Mapping[str, Any]) -> tuple[TensorMeta, ...]:
     return tuple(TensorMeta(str(n), int(o), tuple(int(x) for x in s), str(d)) for n, o, s, d in entry["index"])
 
 
+WEIGHT_DTYPES = ("F32", "F16", "BF16")
+INDEX = "model.safetensors.index.json"
+
+
+def _entries(d: Path) -> dict[str, TensorEntry]:
+    """Every tensor of the checkpoint (single file, several files, or sharded with an index), headers
+    validated against their files."""
+    weight_map: dict[str, str] | None = None
+    if (d / INDEX).is_file():
+        try:
+            doc = json.loads((d / INDEX).read_text())
+            weight_map = {str(k): str(v) for k, v in dict(doc["weight_map"]).items()}
+        except (ValueError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{INDEX}: malformed ({type(err).__name__}: {err})") from None
+        files = sorted(set(weight_map.values()))
+        for f in files:
+            if not (d / f).is_file():
+                first = next(n for n, v in weight_map.items() if v == f)
+                raise CheckpointError(f"{INDEX}: shard {f} is missing (it holds tensor {first!r})")
+    else:
+        files = sorted(p.name for p in d.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{d}: no *.safetensors files")
+    found: dict[str, TensorEntry] = {}
+    for f in files:
+        try:
+            header = read_header(d / f)
+        except TensorFileError as err:
+            raise CheckpointError(str(err)) from None
+        for name, e in header.items():
+            if name in found:
+                raise CheckpointError(f"tensor {name!r} is duplicated ({found[name].file.name} and {f})")
+            if weight_map is not None and weight_map.get(name) != f:
+                raise CheckpointError(f"tensor {name!r} is in {f}, {INDEX} places it in {weight_map.get(name)}")
+            found[name] = e
+    for name, f in (weight_map or {}).items():
+        if name not in found:
+            raise CheckpointError(f"missing tensor {name!r} ({INDEX} places it in {f})")
+    return found
+
+
 def pack_checkpoint(directory: Path | str, model: str | None = None) -> BlockSet:
+    """A Hugging Face checkpoint directory -> blocks. Every header is checked (offsets vs shape x dtype
+    vs file size), every tensor against the family's expected names and shapes, before any byte is
+    copied or hashed; tensors are then copied block by block from memory maps (peak extra memory: the
+    block being packed), so a checkpoint larger than RAM's free share still packs."""
     d = Path(directory)
     cfg_path = d / "config.json"
     if not cfg_path.exists():
         raise CheckpointError(f"{d}: no config.json")
-    cfg = json.loads(cfg_path.read_text())
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except ValueError as err:
+        raise CheckpointError(f"{cfg_path}: not JSON ({err})") from None
     try:
         want = expected_shapes(cfg)
-    except KeyError as e:
-        raise CheckpointError(f"{cfg_path}: missing field {e.args[0]!r}") from None
-    files = sorted(d.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{d}: no *.safetensors files")
-    found: dict[str, tuple[str, tuple[int, ...], memoryview]] = {}
-    for f in files:
-        for name, dtype, shape, data in _read_safetensors(f):
-            if name in found:
-                raise CheckpointError(f"tensor {name!r} is duplicated ({f.name})")
-            if name.endswith("rotary_emb.inv_freq"):
-                continue  # a derived buffer some exporters include
-            if name not in want:
-                raise CheckpointError(f"unexpected tensor {name!r} in {f.name}")
-            if shape != want[name]:
-                raise CheckpointError(f"tensor {name!r} has shape {list(shape)}, expected {list(want[name])}")
-            found[name] = (dtype, shape, data)
+    except (FamilyError, ValueError, TypeError) as err:
+        raise CheckpointError(f"{cfg_path}: {err}") from None
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    found: dict[str, TensorEntry] = {}
+    for name, e in _entries(d).items():
+        if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+            continue  # derived buffers some exporters include; a tied head is the embedding
+        if name not in want:
+            raise CheckpointError(f"unexpected tensor {name!r} in {e.file.name}")
+        if e.shape != want[name]:
+            raise CheckpointError(f"tensor {name!r} has shape {list(e.shape)}, expected {list(want[name])}")
+        if e.dtype not in WEIGHT_DTYPES:
+            raise CheckpointError(f"tensor {name!r} has dtype {e.dtype}, expected one of {', '.join(WEIGHT_DTYPES)}")
+        found[name] = e
     missing = [n for n in want if n not in found]
     if missing:
         raise CheckpointError(f"missing tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     groups: dict[str, list[str]] = {b: [] for b in block_ids(int(cfg["num_hidden_layers"]))}
     for name in want:
         groups[block_of(name) or "head"].append(name)
+    maps: dict[Path, TensorFile] = {}
     blocks = []
-    for bid, names in groups.items():
-        metas, offset = [], 0
-        for name in names:
-            dtype, shape, _ = found[name]
-            offset = (offset + ALIGN - 1) // ALIGN * ALIGN
-            metas.append(TensorMeta(name, offset, shape, dtype))
-            offset += metas[-1].nbytes
-        buf = bytearray(offset)
-        for m in metas:
-            buf[m.offset:m.offset + m.nbytes] = found[m.name][2]
-        view = memoryview(buf)
-        blocks.append(Block(bid, view, tuple(metas), digest_of(view)))
+    try:
+        for bid, names in groups.items():
+            metas, offset = [], 0
+            for name in names:
+                offset = (offset + ALIGN - 1) // ALIGN * ALIGN
+                metas.append(TensorMeta(name, offset, found[name].shape, found[name].dtype))
+                offset += metas[-1].nbytes
+            buf = bytearray(offset)
+            for m in metas:
+                e = found[m.name]
+                tf = maps.get(e.file) or maps.setdefault(e.file, TensorFile(e.file))
+                buf[m.offset:m.offset + m.nbytes] = tf.view(e)
+            view = memoryview(buf)
+            blocks.append(Block(bid, view, tuple(metas), digest_of(view)))
+    finally:
+        for tf in maps.values():
+            tf.close()
     return BlockSet(model or str(cfg.get("_name_or_path") or d.name), cfg, blocks)

@@ -50,7 +50,14 @@ def convert_gguf(gguf: Path, out: Path, dtype: str = "float32") -> Path:
     plain.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp.rename(out)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process converted it meanwhile: keep theirs
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "config.json").exists():
+            raise
     return out
 
 
@@ -62,20 +69,47 @@ def smollm_checkpoint() -> Path | None:
     return convert_gguf(gguf, cache_dir() / "smollm2-135m")
 
 
+FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+
+
+def tiny_model(out: Path, family: str = "llama", layers: int = 4, hidden: int = 64, vocab: int = 512, seed: int = 0,
+               kv_heads: int = 2, tie: bool = False, shard_bytes: int | None = None) -> Path:
+    """A random model of one family (transformers builds it offline in milliseconds) saved as a real
+    Hugging Face checkpoint; `shard_bytes` splits it into shards with model.safetensors.index.json."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    common: dict[str, object] = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2,
+                                     num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=kv_heads,
+                                     max_position_embeddings=512, tie_word_embeddings=tie, rms_norm_eps=1e-5)
+    if family == "llama":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**common))
+    elif family == "llama3":  # llama3 rope scaling with a short original context, so scaling matters
+        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+        cfg = tf.LlamaConfig(**common, rope_parameters=rope)
+        model = tf.LlamaForCausalLM(cfg)
+    elif family == "mistral":
+        model = tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=None))
+    elif family == "qwen2":
+        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common))
+    elif family == "qwen3":  # head_dim independent of hidden / heads, as in real Qwen3
+        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=32))
+    else:
+        raise ValueError(f"unknown family {family!r} (one of {', '.join(FAMILIES)})")
+    with torch.no_grad():  # random init is tiny (std 0.02); widen it so greedy tokens actually vary
+        for name, p in model.named_parameters():
+            if p.dim() == 2 or name.endswith(".bias"):
+                p.normal_(0, 0.2)
+            elif family != "llama":  # norms near 1 but not 1, so a missing norm would show
+                p.normal_(1.0, 0.1)
+    kw = {"max_shard_size": shard_bytes} if shard_bytes else {}
+    model.save_pretrained(out, **kw)
+    return out
+
+
 def tiny_llama(out: Path, layers: int = 4, hidden: int = 64, vocab: int = 512, seed: int = 0,
                kv_heads: int = 2, tie: bool = False) -> Path:
     """A random Llama with real safetensors weights, built offline in milliseconds."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=512,
-                      tie_word_embeddings=tie, rms_norm_eps=1e-5)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():  # random init is tiny (std 0.02); widen it so greedy tokens actually vary
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.2)
-    model.save_pretrained(out)
-    return out
+    return tiny_model(out, "llama", layers, hidden, vocab, seed, kv_heads, tie)

@@ -56,7 +56,7 @@ def _int(cfg: Mapping[str, Any], key: str) -> int:
     try:
         return int(cfg[key])
     except KeyError:
-        raise FamilyError(f"model config lacks field {key!r}") from None
+        raise FamilyError(f"missing field {key!r}") from None
 
 
 def head_dim(cfg: Mapping[str, Any]) -> int:
