@@ -270,11 +270,13 @@ class Simulation:
         q = self.queue[(partner.model, partner.role)]
         if q and partner.role != "decode":
             batch_s = max(batch_s, c.prefill_s(min(self.spec.max_prefill_tokens, sum(self.inp[r] for r in list(q)[:16]))))
-        layers = self.spec.layers
-        ratio = (load_s / layers) / (batch_s / layers)
+        # The schedule's share depends on the load time per layer in layer computations, not on the
+        # layer count: solved on at most 16 layers and 6 batches, log-bucketed so a run reuses a
+        # handful of schedules (each costs milliseconds).
+        layers = min(16, self.spec.layers)
+        ratio = load_s / batch_s
         waiting = len(q) + partner.load
-        # Log-bucketed so a run reuses a handful of schedules (each costs tens of ms).
-        key = (round(math.log2(max(ratio, 1e-3)) * 4) / 4, max(1, min(12, waiting)))
+        key = (round(math.log2(max(ratio, 1e-3)) * 2) / 2, max(1, min(6, waiting)))
         if key not in self._zigzag:
             sched = ilp_free(PairSetting(layers, 2 ** key[0], key[1]))
             self._zigzag[key] = sum(sched.target_layers) / (key[1] * layers)
