@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from kascade_cli.sim import sim
@@ -39,3 +40,31 @@ def test_sim_bad_trace_names_file_and_line(tmp_path: Path) -> None:
 def test_sim_bad_hardware_preset(tmp_path: Path) -> None:
     res = CliRunner().invoke(sim, [str(DATA / "burstgpt_small.csv"), "--hardware", "h900"])
     assert res.exit_code != 0 and "h900" in res.output
+
+
+def test_sim_burstgpt_like_with_paper_flags(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    res = CliRunner().invoke(sim, ["burstgpt-like", "--rate", "2", "--duration", "60", "--models", "2", "--seed", "3",
+                                   "-s", "kascade", "-s", "serverlessllm", "--rdma-gbps", "200", "--host-mem-gb", "40",
+                                   "--keep-alive", "10", "--scale-down-delay", "0.5", "--tick", "0.25",
+                                   "--hosts", "2", "--gpus-per-host", "4", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    assert doc["systems"]["kascade"]["models"] == 2 and doc["workload"].startswith("burstgpt-like")
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--rdma-gbps", "0"], "--rdma-gbps"),
+    (["--ssd-gbps", "-1"], "--ssd-gbps"),
+    (["--tp", "0"], "--tp"),
+    (["--models", "0"], "--models"),
+    (["--keep-alive", "-5"], "--keep-alive"),
+    (["--rate-scale", "1e9"], "--rate-scale"),
+    (["--upper", "1", "--lower", "2"], "lower"),
+    (["--model", "qwen-72b", "--tp", "1"], "does not fit"),
+    (["--model", "gpt-9"], "gpt-9"),
+    (["--max-instances", "0"], "--max-instances"),
+])
+def test_sim_bad_flags_are_clear_errors(tmp_path: Path, flags: list[str], named: str) -> None:
+    res = CliRunner().invoke(sim, [str(DATA / "burstgpt_small.csv"), "-o", str(tmp_path / "r.json"), *flags])
+    assert res.exit_code != 0 and named in res.output and "Traceback" not in res.output
