@@ -37,6 +37,7 @@ from kascade_engine.transport import Connection, Header, TransportError
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+MAX_ACT_TOKENS = 8192  # rows of one activation frame (a prompt's tokens); bounds what a frame may announce
 
 
 def encode_activation(req: str, start: int, layer: int, hidden: torch.Tensor, params: SamplingParams) -> tuple[Header, bytes]:
@@ -118,9 +119,10 @@ class Finisher:
 
     async def handle(self, conn: Connection) -> None:
         if self.token is not None:
-            try:
-                hello, _ = await conn.recv(timeout=10)
-            except TransportError:
+            try:  # a hello carries no payload: nothing is allocated before the token is checked
+                hello, _ = await conn.recv(timeout=10, max_payload=0)
+            except TransportError as e:
+                log.warning("activation connection from %s rejected: %s", conn.peer, e)
                 return
             if hello.get("op") != "hello" or not hmac.compare_digest(str(hello.get("token", "")).encode(),
                                                                       self.token.encode()):
@@ -128,9 +130,10 @@ class Finisher:
                 await conn.close()
                 return
             await conn.send({"op": "welcome"})
+        limit = MAX_ACT_TOKENS * self.model.shape.hidden * 4  # the largest activation a peer may send
         while True:
             try:
-                header, payload = await conn.recv()
+                header, payload = await conn.recv(max_payload=limit)
             except TransportError:
                 return
             reply = await asyncio.to_thread(self.step, header, payload)

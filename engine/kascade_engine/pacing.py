@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kascade_engine.transport import Connection, Handler, Header, Listener, Transport
+from kascade_engine.transport import MAX_PAYLOAD, Connection, Handler, Header, Listener, Transport
 
 
 class TokenBucket:
@@ -55,8 +55,8 @@ class PacedConnection:
             await self.bucket.take(len(payload))  # (waiting for our own cap is not the peer's stall)
         await self.inner.send(header, payload, timeout)
 
-    async def recv(self, timeout: float | None = None) -> tuple[Header, bytearray]:
-        return await self.inner.recv(timeout)
+    async def recv(self, timeout: float | None = None, max_payload: int = MAX_PAYLOAD) -> tuple[Header, bytearray]:
+        return await self.inner.recv(timeout, max_payload)
 
     async def recv_header(self, timeout: float | None = None) -> tuple[Header, int]:
         return await self.inner.recv_header(timeout)

@@ -8,6 +8,14 @@ Downstream therefore may see a block's chunks early but only ever marks resident
 committed: corrupt bytes never become resident anywhere. When an upstream dies (connection lost,
 silent past the timeout, or never connects), whatever it had not committed is pulled from the
 plan's fallback sources and forwarded on as usual, so the rest of the chain completes.
+Backpressure is bounded: each downstream has a queue of `QUEUE_DEPTH` frames; when it is full the
+node waits for a slot, but a downstream that keeps it waiting `timeoutSeconds` in all (or takes nothing
+for half of it) is dropped, with its reason logged, reported as a `downstream-lost` event and listed in
+the summary; it recovers from its fallbacks like any node whose upstream died, and this node keeps going.
+Every task a node starts reports its failure: an unexpected error in a re-fetch, a verification or a
+feeder ends `run()` with `TransferFailed` naming it (the engine shows it as the load error).
+Before a hello is authenticated nothing is allocated for a payload: a hello carries none, and a frame
+announcing one is refused unread.
 Protocol ops: hello/welcome/error, chunk, commit, abort, end, pull.
 """
 
@@ -25,11 +33,12 @@ from typing import Any
 from kascade_engine.arena import ReceiveArena
 from kascade_engine.blocks import Block, BlockSet, digest_matches, index_from_manifest
 from kascade_engine.transfer_spec import TransferSpec, shard_range
-from kascade_engine.transport import Connection, Header, Listener, Transport, TransportError
+from kascade_engine.transport import PREFIX, Connection, Header, Listener, Transport, TransportError
 from kascade_planner.plan import Flow
 
 log = logging.getLogger(__name__)
 Slot = tuple[str, int | None]  # (block, shard index or None for the whole block)
+QUEUE_DEPTH = 256  # frames queued per downstream (chunks are <= chunkBytes each)
 
 
 class TransferFailed(RuntimeError):
@@ -39,8 +48,11 @@ class TransferFailed(RuntimeError):
 @dataclass
 class _Downstream:
     flow: Flow
-    queue: asyncio.Queue[tuple[Header, bytes | memoryview] | None] = field(default_factory=lambda: asyncio.Queue(256))
+    queue: asyncio.Queue[tuple[Header, bytes | memoryview] | None] = field(
+        default_factory=lambda: asyncio.Queue(QUEUE_DEPTH))
     alive: bool = True
+    waited_s: float = 0.0  # how long this node has waited, in all, for room in the queue
+    writer: asyncio.Task[None] | None = None
 
 
 class TransferNode:
@@ -78,6 +90,7 @@ class TransferNode:
         self._refetched: dict[str, int] = {}
         self.corrupt_detected = 0
         self._tasks: list[asyncio.Task[Any]] = []
+        self.downstream_lost: dict[str, str] = {}  # peer -> why it was dropped
         self._connected: set[str] = set()
         self._refetching: set[Slot] = set()
         self.started = time.monotonic()
@@ -92,8 +105,30 @@ class TransferNode:
         self.arena.start()
         self.listener = await self.transport.listen(host, port, self._serve)
         if self.arena.order:
-            self._tasks.append(asyncio.create_task(self._report_reserved()))
+            self._spawn(self._report_reserved(), "arena report")
         return self.listener.port
+
+    def _spawn(self, coro: Any, what: str) -> asyncio.Task[Any]:
+        """A task of this node whose unexpected failure fails the transfer (never dies silently)."""
+        task = asyncio.create_task(coro)
+        self._tasks.append(task)
+
+        def done(t: asyncio.Task[Any]) -> None:
+            if t.cancelled() or t.exception() is None:
+                return
+            e = t.exception()
+            if not isinstance(e, TransferFailed):
+                log.error("%s: %s failed: %r", self.me, what, e)
+                e = TransferFailed(f"{self.me}: {what} failed: {type(e).__name__}: {e}")
+            self._fail(e)
+
+        task.add_done_callback(done)
+        return task
+
+    def _fail(self, e: Exception) -> None:
+        if self.error is None:
+            self.error = e
+        self.all_resident.set()  # wake run(), which raises
 
     async def _report_reserved(self) -> None:
         await asyncio.to_thread(self.arena.ready.wait)
@@ -103,27 +138,31 @@ class TransferNode:
     async def run(self) -> dict[str, Any]:
         """Push outbound flows, receive inbound ones; returns once everything here is resident and
         every downstream flow got every block committed (or its peer died)."""
-        writers = [asyncio.create_task(self._writer(d)) for d in self.downstream]
-        self._tasks.extend(writers)
+        for d in self.downstream:
+            d.writer = self._spawn(self._writer(d), f"writer to {d.flow.dst}")
+        writers = [d.writer for d in self.downstream if d.writer is not None]
         if self.is_source and self.spec.not_before is not None:
             await asyncio.sleep(max(0.0, self.spec.not_before - time.time()))
-        feeders = [asyncio.create_task(self._feed_from_resident(d)) for d in self.downstream] if self.is_source else []
-        self._tasks.extend(feeders)
+        feeders = [self._spawn(self._feed_from_resident(d), f"feeder of {d.flow.dst}")
+                   for d in self.downstream] if self.is_source else []
         if not self.is_source and self.inbound:
-            self._tasks.append(asyncio.create_task(self._watchdog()))
+            self._spawn(self._watchdog(), "watchdog")
         await self.all_resident.wait()
+        if self.error is None and feeders:
+            await asyncio.wait(feeders)  # each ends: its downstream took everything or was dropped
+        if self.error is None:
+            for d in self.downstream:
+                await self._put(d, None)  # end marker after everything queued
+            if writers:
+                await asyncio.wait(writers)
         if self.error is not None:
             raise TransferFailed(str(self.error))
-        await asyncio.gather(*feeders)
-        for d in self.downstream:
-            await d.queue.put(None)  # end marker after everything queued
-        await asyncio.gather(*writers, return_exceptions=True)
         return self.summary()
 
     def summary(self) -> dict[str, Any]:
         return {"instance": self.me, "resident": len(self.resident), "blocks": len(self.plan.model.block_ids),
                 "bytesReceived": self.bytes_in, "refetches": self.refetches, "corruptDetected": self.corrupt_detected,
-                "blocksReservedAhead": self.arena.populated,
+                "blocksReservedAhead": self.arena.populated, "downstreamLost": dict(self.downstream_lost),
                 "seconds": round(time.monotonic() - self.started, 4), "firstByteAt": self.first_byte_at,
                 "doneAt": self.done_at}
 
@@ -138,9 +177,11 @@ class TransferNode:
     # -- serving connections -----------------------------------------------------------------------
     async def _serve(self, conn: Connection) -> None:
         try:
-            hello, _ = await conn.recv(timeout=self.spec.timeout_s)
+            # The hello carries no payload: one that announces any is refused before a byte of it is read.
+            hello, plen = await conn.recv_header(timeout=self.spec.timeout_s)
             peer = str(hello.get("from", ""))
-            if hello.get("op") != "hello" or not hmac.compare_digest(str(hello.get("token", "")), self.spec.token):
+            if plen or hello.get("op") != "hello" or \
+                    not hmac.compare_digest(str(hello.get("token", "")).encode(), self.spec.token.encode()):
                 await conn.send({"op": "error", "message": "authentication failed"}, timeout=self.spec.timeout_s)
                 log.warning("%s: rejected connection from %s: bad hello or token", self.me, conn.peer)
                 return
@@ -157,7 +198,7 @@ class TransferNode:
                 await conn.send({"op": "error", "message": f"{peer or '?'} is not a {role} peer of {self.me} in this plan"},
                                 timeout=self.spec.timeout_s)
                 log.warning("%s: rejected %s from %r: not in the plan", self.me, role, peer)
-        except TransportError as e:
+        except (TransportError, KeyError, ValueError, TypeError) as e:
             log.warning("%s: connection %s failed: %s", self.me, conn.peer, e)
 
     async def _consume(self, conn: Connection, peer: str, flow_shard: tuple[int, int] | None = None,
@@ -173,14 +214,14 @@ class TransferNode:
                     view = self._chunk_target(str(header.get("block")), header, plen)
                     if self.first_byte_at is None:
                         self.first_byte_at = time.time()
-                    await conn.recv_into(view, timeout=self.spec.timeout_s)
-                    self._on_chunk(str(header["block"]), tuple(header["shard"]) if header.get("shard") else None,
+                    await self._recv_payload(conn, view, pull)
+                    await self._on_chunk(str(header["block"]), tuple(header["shard"]) if header.get("shard") else None,
                                    int(header["offset"]), view)
                     continue
                 if plen:
                     raise TransportError(f"unexpected {plen}-byte payload on {op!r}")
                 if op == "end":
-                    await asyncio.gather(*verifying)
+                    await asyncio.gather(*verifying, return_exceptions=True)  # their failures fail the node
                     if not pull and self._missing_from(peer, flow_shard) - self._refetching:
                         raise TransportError(f"{peer} ended its stream before sending every block")
                     await _close_handshake(conn, self.spec.timeout_s, sent_end=False)
@@ -192,17 +233,36 @@ class TransferNode:
                 if op == "commit":
                     if self._mark_committed(block, shard):
                         # Verify off the receive path: the next block streams in while this one hashes.
-                        verifying.append(asyncio.create_task(self._verify(block)))
-                        self._tasks.append(verifying[-1])
+                        verifying.append(self._spawn(self._verify(block), f"verification of {block}"))
                 elif op == "abort":
                     await self._forward({"op": "abort", "block": block}, b"", block, shard)
                 else:
                     raise TransportError(f"unexpected op {op!r}")
-        except (TransportError, KeyError, ValueError, TypeError) as e:
-            log.warning("%s: %s %s failed: %s", self.me, "fallback" if pull else "upstream", peer, e)
+        except Exception as e:  # whatever went wrong, this stream is over: recover what it still owed
+            kind = "" if isinstance(e, TransportError) else f"{type(e).__name__}: "
+            log.warning("%s: %s %s failed: %s%s", self.me, "fallback" if pull else "upstream", peer, kind, e)
             if not pull:
+                with contextlib.suppress(Exception):
+                    await conn.close()  # a stream we stopped reading must not stall its sender until timeout
                 self._upstream_lost(peer, flow_shard)
             return False
+
+    async def _recv_payload(self, conn: Connection, view: memoryview, pull: bool) -> None:
+        """A chunk's payload into its place; test-only faults cut, desync or slow an inbound push."""
+        f = self.faults
+        if not pull and f:
+            seen = self.bytes_in + len(view)
+            if "cutInboundAfterBytes" in f and seen > int(f["cutInboundAfterBytes"]) and not f.get("_cut"):
+                f["_cut"] = True
+                await conn.close()
+                raise TransportError("fault injection: inbound connection cut")
+            if "desyncInboundAfterBytes" in f and seen > int(f["desyncInboundAfterBytes"]) and not f.get("_desync") \
+                    and len(view) > PREFIX.size:
+                f["_desync"] = True  # read less than the frame holds: the rest is parsed as the next frame
+                view = view[:len(view) - PREFIX.size]
+            if float(f.get("recvRateMBps", 0)):
+                await asyncio.sleep(len(view) / (float(f["recvRateMBps"]) * 1e6))
+        await conn.recv_into(view, timeout=self.spec.timeout_s)
 
     def _chunk_target(self, block: str, header: Header, plen: int) -> memoryview:
         """Where a chunk's payload lands: its place in the block buffer (checked first), or a scratch
@@ -222,7 +282,7 @@ class TransferNode:
             buf = self.buffers[block] = self.arena.take(block, size)
         return buf[offset:offset + plen]
 
-    def _on_chunk(self, block: str, shard: tuple[int, int] | None, offset: int, payload: memoryview) -> None:
+    async def _on_chunk(self, block: str, shard: tuple[int, int] | None, offset: int, payload: memoryview) -> None:
         """The chunk is already in the block buffer: forward it downstream at once (cut-through)."""
         if block in self.resident:
             return
@@ -230,7 +290,7 @@ class TransferNode:
         if self.faults.get("corruptBlock") == block and not self.faults.get("_corrupted"):
             payload[0] ^= 0xFF  # test-only: this node corrupts what it received (once)
             self.faults["_corrupted"] = True
-        self._forward_nowait({"op": "chunk", "block": block, "offset": offset}, payload, block, shard)
+        await self._forward_chunk({"op": "chunk", "block": block, "offset": offset}, payload, block, shard)
 
     def _mark_committed(self, block: str, shard: tuple[int, int] | None) -> bool:
         """Record an upstream commit; True when every shard of the block is in (verify it next)."""
@@ -252,7 +312,7 @@ class TransferNode:
             log.warning("%s: block %s failed its digest; aborting downstream and re-fetching", self.me, block)
             self.done_slots.pop(block, None)
             await self._forward({"op": "abort", "block": block}, b"", block, None, all_shards=True)
-            await self._refetch({(block, None)})
+            await self._refetch_from_fallbacks({(block, None)})  # TransferFailed fails the node (see _spawn)
             return
         self.resident[block] = Block(block, buf, index_from_manifest(entry), entry["digest"])
         await self._forward({"op": "commit", "block": block}, b"", block, None, all_shards=True)
@@ -268,22 +328,55 @@ class TransferNode:
             return False
         return all_shards or d.flow.shard is None or shard is None or d.flow.shard == shard
 
-    def _forward_nowait(self, header: Header, payload: bytes | bytearray | memoryview, block: str,
-                        shard: tuple[int, int] | None) -> None:
+    async def _put(self, d: _Downstream, item: tuple[Header, bytes | memoryview] | None) -> None:
+        """Queue `item` for `d`, waiting for room; a downstream that stalls this node too long is dropped."""
+        if not d.alive:
+            return
+        if not d.queue.full():
+            d.queue.put_nowait(item)
+            return
+        budget = self.spec.timeout_s - d.waited_s
+        t0 = time.monotonic()
+        try:
+            async with asyncio.timeout(max(0.0, min(budget, self.spec.timeout_s / 2))):
+                await d.queue.put(item)
+        except TimeoutError:
+            stalled = time.monotonic() - t0
+            why = (f"took nothing for {stalled:.1f} s" if budget > self.spec.timeout_s / 2 else
+                   f"kept this node waiting {d.waited_s + stalled:.1f} s in all")
+            self._drop(d, f"lagging: {why} with {QUEUE_DEPTH} frames queued")
+        finally:
+            d.waited_s += time.monotonic() - t0
+
+    def _drop(self, d: _Downstream, reason: str) -> None:
+        """Stop sending to `d` (it re-fetches what it lacks from its fallbacks); this node goes on."""
+        if not d.alive:
+            return
+        d.alive = False
+        self.downstream_lost[d.flow.dst] = reason
+        log.warning("%s: downstream %s dropped: %s", self.me, d.flow.dst, reason)
+        self.on_progress({"event": "downstream-lost", "instance": self.me, "peer": d.flow.dst, "reason": reason})
+        while not d.queue.empty():  # drop what it can no longer take
+            d.queue.get_nowait()
+        if d.writer is not None and d.writer is not asyncio.current_task():
+            d.writer.cancel()
+
+    async def _forward_chunk(self, header: Header, payload: bytes | bytearray | memoryview, block: str,
+                             shard: tuple[int, int] | None) -> None:
         for d in self.downstream:
             if self._wanted(d, block, shard, False):
                 lo, hi = shard_range(int(self.spec.manifest[block]["bytes"]), d.flow.shard)
                 off = int(header.get("offset", 0))
                 a, b = max(lo, off), min(hi, off + len(payload))
                 if a < b:  # only the part of this chunk inside the downstream's shard
-                    d.queue.put_nowait(({**header, "offset": a, "shard": list(d.flow.shard) if d.flow.shard else None},
+                    await self._put(d, ({**header, "offset": a, "shard": list(d.flow.shard) if d.flow.shard else None},
                                         memoryview(payload)[a - off:b - off]))
 
     async def _forward(self, header: Header, payload: bytes, block: str, shard: tuple[int, int] | None,
                        all_shards: bool = False) -> None:
         for d in self.downstream:
             if self._wanted(d, block, shard, all_shards):
-                await d.queue.put(({**header, "shard": list(d.flow.shard) if d.flow.shard else None}, payload))
+                await self._put(d, ({**header, "shard": list(d.flow.shard) if d.flow.shard else None}, payload))
 
     async def _feed_from_resident(self, d: _Downstream) -> None:
         """A source sends its blocks in the flow's order, chunk by chunk, each followed by a commit."""
@@ -293,33 +386,51 @@ class TransferNode:
             shard = list(d.flow.shard) if d.flow.shard else None
             for off in range(lo, hi, self.spec.chunk_bytes):
                 chunk = data[off:min(hi, off + self.spec.chunk_bytes)]
-                await d.queue.put(({"op": "chunk", "block": block, "shard": shard, "offset": off}, chunk))
-            await d.queue.put(({"op": "commit", "block": block, "shard": shard}, b""))
+                await self._put(d, ({"op": "chunk", "block": block, "shard": shard, "offset": off}, chunk))
+                if not d.alive:
+                    return  # dropped: it re-fetches from its fallbacks
+            await self._put(d, ({"op": "commit", "block": block, "shard": shard}, b""))
 
     async def _writer(self, d: _Downstream) -> None:
         host, port = self.spec.peers[d.flow.dst]
         rate = float(self.faults.get("rateMBps", 0)) * 1e6
+        conn: Connection | None = None
+        sent = 0
         try:
             conn = await self._connect_retrying(host, port)
             await conn.send({"op": "hello", "from": self.me, "token": self.spec.token, "role": "push",
                              "shard": list(d.flow.shard) if d.flow.shard else None}, timeout=self.spec.timeout_s)
-            reply, _ = await conn.recv(timeout=self.spec.timeout_s)
+            reply, _ = await conn.recv(timeout=self.spec.timeout_s, max_payload=0)
             if reply.get("op") != "welcome":
                 raise TransportError(f"{d.flow.dst} refused: {reply.get('message')}")
             while (item := await d.queue.get()) is not None:
                 header, payload = item
                 t0 = time.monotonic()
-                await conn.send(header, payload, timeout=self.spec.timeout_s)
+                sent += len(payload)
+                await self._send_faulty(conn, header, payload, sent)
                 if rate and len(payload):  # test-only throttle to make transfers observable
                     await asyncio.sleep(max(0.0, len(payload) / rate - (time.monotonic() - t0)))
             await conn.send({"op": "end"}, timeout=self.spec.timeout_s)
             await _close_handshake(conn, self.spec.timeout_s, sent_end=True)
+        except (TransportError, ValueError, TypeError) as e:
+            self._drop(d, f"lost: {e}")
+        finally:
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    await conn.close()
+
+    async def _send_faulty(self, conn: Connection, header: Header, payload: bytes | memoryview, sent: int) -> None:
+        """`conn.send`, except for test-only faults of this (source) node: cut or desync its stream."""
+        f = self.faults
+        if f and "cutAfterBytes" in f and sent > int(f["cutAfterBytes"]) and not f.get("_cut"):
+            f["_cut"] = True
             await conn.close()
-        except TransportError as e:
-            d.alive = False
-            log.warning("%s: downstream %s lost: %s", self.me, d.flow.dst, e)
-            while not d.queue.empty():  # drop what it can no longer take; it recovers from its fallbacks
-                d.queue.get_nowait()
+            raise TransportError("fault injection: outbound connection cut")
+        if f and "desyncAfterBytes" in f and sent > int(f["desyncAfterBytes"]) and not f.get("_desync") \
+                and header.get("op") == "chunk" and int(header.get("offset", 0)) >= PREFIX.size:
+            f["_desync"] = True  # a chunk shifted from its place: the receiver's digest must catch it
+            header = {**header, "offset": int(header["offset"]) - PREFIX.size}
+        await conn.send(header, payload, timeout=self.spec.timeout_s)
 
     async def _connect_retrying(self, host: str, port: int) -> Connection:
         """Peers start concurrently: retry until the timeout before declaring the peer dead."""
@@ -346,7 +457,7 @@ class TransferNode:
     def _upstream_lost(self, peer: str, shard: tuple[int, int] | None = None, any_shard: bool = False) -> None:
         missing = self._missing_from(peer, shard, any_shard) - self._refetching
         if missing:
-            self._tasks.append(asyncio.create_task(self._refetch(missing)))
+            self._spawn(self._refetch_from_fallbacks(missing), f"re-fetch of {len(missing)} block(s)")
 
     async def _watchdog(self) -> None:
         await asyncio.sleep(self.spec.timeout_s)
@@ -359,8 +470,7 @@ class TransferNode:
         try:
             await self._refetch_from_fallbacks(slots)
         except TransferFailed as e:
-            self.error = e
-            self.all_resident.set()  # wake run(), which raises
+            self._fail(e)
 
     async def _refetch_from_fallbacks(self, slots: set[Slot]) -> None:
         """Pull `slots` (whole blocks: simpler and always correct) from the plan's fallback sources."""
@@ -384,7 +494,7 @@ class TransferNode:
             try:
                 conn = await self.transport.connect(host, port, timeout=self.spec.timeout_s)
                 await conn.send({"op": "hello", "from": self.me, "token": self.spec.token, "role": "pull"}, timeout=self.spec.timeout_s)
-                reply, _ = await conn.recv(timeout=self.spec.timeout_s)
+                reply, _ = await conn.recv(timeout=self.spec.timeout_s, max_payload=0)
                 if reply.get("op") != "welcome":
                     raise TransportError(f"{source} refused: {reply.get('message')}")
                 await conn.send({"op": "pull", "blocks": blocks}, timeout=self.spec.timeout_s)
@@ -399,7 +509,7 @@ class TransferNode:
         raise TransferFailed(f"{self.me}: no fallback could provide {blocks}")
 
     async def _serve_pull(self, conn: Connection) -> None:
-        req, _ = await conn.recv(timeout=self.spec.timeout_s)
+        req, _ = await conn.recv(timeout=self.spec.timeout_s, max_payload=0)
         if req.get("op") != "pull" or not isinstance(req.get("blocks"), list):
             raise TransportError("expected a pull request")
         for block in req["blocks"]:

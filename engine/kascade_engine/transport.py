@@ -63,7 +63,10 @@ class Connection(Protocol):
         peer behind an endpoint without failure detection, or a live one that stopped reading)."""
         ...
 
-    async def recv(self, timeout: float | None = None) -> tuple[Header, bytearray]: ...
+    async def recv(self, timeout: float | None = None, max_payload: int = MAX_PAYLOAD) -> tuple[Header, bytearray]:
+        """A whole frame; one announcing more than `max_payload` bytes is refused before any is read
+        (0 for frames that carry none, such as a hello: nothing is allocated before authentication)."""
+        ...
 
     async def recv_header(self, timeout: float | None = None) -> tuple[Header, int]:
         """The next frame's header and its payload length; the payload must be read next."""
@@ -93,9 +96,12 @@ class Transport(Protocol):
     async def connect(self, host: str, port: int, timeout: float = 10.0) -> Connection: ...
 
 
-async def read_frame(conn: Connection, timeout: float | None) -> tuple[Header, bytearray]:
+async def read_frame(conn: Connection, timeout: float | None, max_payload: int = MAX_PAYLOAD) -> tuple[Header, bytearray]:
     """A whole frame into a fresh buffer (for control messages; chunks go through `recv_into`)."""
     header, plen = await conn.recv_header(timeout)
+    if plen > max_payload:
+        raise TransportError(f"{header.get('op')!r} frame from {conn.peer} announces {plen} payload bytes; "
+                             f"at most {max_payload} allowed here")
     payload = bytearray(plen)
     if plen:
         await conn.recv_into(memoryview(payload), timeout)

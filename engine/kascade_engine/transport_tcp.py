@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 
 from kascade_engine.transport import (
+    MAX_PAYLOAD,
     PREFIX,
     Handler,
     Header,
@@ -22,6 +24,8 @@ from kascade_engine.transport import (
 )
 
 BUF = 4 * 1024 * 1024
+MAX_CONNECTIONS = 256  # served at once per listener; more are closed on accept (a flood costs no tasks)
+log = logging.getLogger(__name__)
 
 
 def _tune(sock: socket.socket) -> None:
@@ -87,8 +91,8 @@ class TcpConnection:
         except (ConnectionError, OSError) as e:
             raise TransportError(f"recv from {self.peer}: {e}") from None
 
-    async def recv(self, timeout: float | None = None) -> tuple[Header, bytearray]:
-        return await read_frame(self, timeout)
+    async def recv(self, timeout: float | None = None, max_payload: int = MAX_PAYLOAD) -> tuple[Header, bytearray]:
+        return await read_frame(self, timeout, max_payload)
 
     async def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -127,14 +131,18 @@ class TcpTransport:
             conn = TcpConnection(sock)
             try:
                 await handler(conn)
-            except Exception:
-                pass
+            except Exception as e:  # one connection's failure never ends the listener, and is not silent
+                log.warning("connection from %s failed: %s: %s", conn.peer, type(e).__name__, e)
             finally:
                 await conn.close()
 
         async def accept_loop() -> None:
             while True:
-                sock, _ = await loop.sock_accept(lsock)
+                sock, addr = await loop.sock_accept(lsock)
+                if len(conns) >= MAX_CONNECTIONS:
+                    log.warning("listener %s:%s: %d connections open; refusing %s", host, port, len(conns), addr)
+                    sock.close()
+                    continue
                 t = asyncio.create_task(serve_one(sock))
                 conns.add(t)
                 t.add_done_callback(conns.discard)

@@ -17,20 +17,30 @@ timeout (worker-address endpoints detect no failures). Opt-in (`KASCADE_UCX_FAST
 receiver reads its memory (cma) as fatal and aborts the receiving process (seen here when the middle
 of a chain was killed), which would turn one lost peer into two. Loopback here: listener endpoints
 ~1.0-1.5 GB/s, fast path ~1.7-2.1 GB/s.
+
+Listening on one address: ucxx's Python listener always binds every interface (its C++ builder can
+take a host; the binding does not pass one), so when the spec names an address the listener closes any
+endpoint that reached it on another local address (asked of UCP with `ucp_ep_query`) before a byte of
+the handshake is exchanged. If UCP cannot say, the endpoint is closed too: fail closed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import functools
+import logging
 import os
 import secrets
+import socket
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kascade_engine.transport import (
+    MAX_PAYLOAD,
     PREFIX,
     Connection,
     Handler,
@@ -56,6 +66,42 @@ def _ucxx() -> Any:
 
 
 FAST_MIN = 64 * 1024
+WILDCARD = ("", "0.0.0.0", "::")
+log = logging.getLogger(__name__)
+
+
+class _EpAttr(ctypes.Structure):
+    """ucp_ep_attr_t up to the fields queried (sockaddrs are sockaddr_storage, 128 bytes), plus room."""
+    _fields_ = [("field_mask", ctypes.c_uint64), ("name", ctypes.c_char * 32),
+                ("local", ctypes.c_ubyte * 128), ("remote", ctypes.c_ubyte * 128), ("_rest", ctypes.c_ubyte * 128)]
+
+
+@functools.cache
+def _ucp_ep_query() -> Any:
+    lib = ctypes.CDLL("libucp.so.0")  # already loaded by ucxx: this finds the same copy
+    lib.ucp_ep_query.argtypes = [ctypes.c_void_p, ctypes.POINTER(_EpAttr)]
+    lib.ucp_ep_query.restype = ctypes.c_int
+    return lib.ucp_ep_query
+
+
+def _sockaddr_ip(raw: bytes) -> str | None:
+    family = int.from_bytes(raw[:2], "little")
+    if family == socket.AF_INET:
+        return socket.inet_ntop(socket.AF_INET, raw[4:8])
+    if family == socket.AF_INET6:
+        return socket.inet_ntop(socket.AF_INET6, raw[8:24])
+    return None
+
+
+def local_address(ep: Any) -> str | None:
+    """The local IP address a UCX endpoint uses (None when UCP cannot tell)."""
+    try:
+        attr = _EpAttr(field_mask=1 << 1)  # UCP_EP_ATTR_FIELD_LOCAL_SOCKADDR
+        if _ucp_ep_query()(int(ep.ucp_endpoint), ctypes.byref(attr)) != 0:
+            return None
+        return _sockaddr_ip(bytes(attr.local))
+    except (OSError, AttributeError, TypeError, ValueError):
+        return None
 
 
 def _as_array(buf: bytes | bytearray | memoryview) -> np.ndarray:
@@ -153,8 +199,8 @@ class UcxConnection:
         except Exception as e:
             raise TransportError(f"ucx recv from {self.peer}: {e}") from None
 
-    async def recv(self, timeout: float | None = None) -> tuple[Header, bytearray]:
-        return await read_frame(self, timeout)
+    async def recv(self, timeout: float | None = None, max_payload: int = MAX_PAYLOAD) -> tuple[Header, bytearray]:
+        return await read_frame(self, timeout, max_payload)
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -198,8 +244,17 @@ class UcxTransport:
 
     async def listen(self, host: str, port: int, handler: Handler) -> UcxListener:
         ucxx = _ucxx()
+        try:
+            only = None if host in WILDCARD else {a[4][0] for a in socket.getaddrinfo(host, None)}
+        except OSError as e:
+            raise TransportError(f"ucx listen on {host}:{port}: {e}") from None
 
         async def on_ep(ep: Any) -> None:
+            if only is not None and (addr := local_address(ep)) not in only:
+                log.warning("ucx listener on %s:%s: refused a connection that reached %s", host, port, addr)
+                with contextlib.suppress(Exception):
+                    await ep.close()
+                return
             try:
                 fast = await asyncio.wait_for(self._handshake(ep), 10)
             except Exception:
