@@ -67,6 +67,9 @@ class PacedConnection:
     async def close(self) -> None:
         await self.inner.close()
 
+    async def abort(self) -> None:
+        await self.inner.abort()
+
 
 class PacedTransport:
     def __init__(self, inner: Transport, bytes_per_s: float) -> None:

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,7 +52,9 @@ class _Downstream:
     queue: asyncio.Queue[tuple[Header, bytes | memoryview] | None] = field(
         default_factory=lambda: asyncio.Queue(QUEUE_DEPTH))
     alive: bool = True
-    waited_s: float = 0.0  # how long this node has waited, in all, for room in the queue
+    waited_s: float = 0.0  # recent time this node waited for room in the queue (decays, see _put)
+    decay_at: float = 0.0
+    abort: bool = False  # reset the connection when dropped: what it has buffered is not worth reading
     writer: asyncio.Task[None] | None = None
 
 
@@ -216,7 +219,7 @@ class TransferNode:
                         self.first_byte_at = time.time()
                     await self._recv_payload(conn, view, pull)
                     await self._on_chunk(str(header["block"]), tuple(header["shard"]) if header.get("shard") else None,
-                                   int(header["offset"]), view)
+                                   int(header["offset"]), view, pull)
                     continue
                 if plen:
                     raise TransportError(f"unexpected {plen}-byte payload on {op!r}")
@@ -282,7 +285,8 @@ class TransferNode:
             buf = self.buffers[block] = self.arena.take(block, size)
         return buf[offset:offset + plen]
 
-    async def _on_chunk(self, block: str, shard: tuple[int, int] | None, offset: int, payload: memoryview) -> None:
+    async def _on_chunk(self, block: str, shard: tuple[int, int] | None, offset: int, payload: memoryview,
+                        pull: bool = False) -> None:
         """The chunk is already in the block buffer: forward it downstream at once (cut-through)."""
         if block in self.resident:
             return
@@ -290,7 +294,7 @@ class TransferNode:
         if self.faults.get("corruptBlock") == block and not self.faults.get("_corrupted"):
             payload[0] ^= 0xFF  # test-only: this node corrupts what it received (once)
             self.faults["_corrupted"] = True
-        await self._forward_chunk({"op": "chunk", "block": block, "offset": offset}, payload, block, shard)
+        await self._forward_chunk({"op": "chunk", "block": block, "offset": offset}, payload, block, shard, lag=not pull)
 
     def _mark_committed(self, block: str, shard: tuple[int, int] | None) -> bool:
         """Record an upstream commit; True when every shard of the block is in (verify it next)."""
@@ -328,31 +332,42 @@ class TransferNode:
             return False
         return all_shards or d.flow.shard is None or shard is None or d.flow.shard == shard
 
-    async def _put(self, d: _Downstream, item: tuple[Header, bytes | memoryview] | None) -> None:
-        """Queue `item` for `d`, waiting for room; a downstream that stalls this node too long is dropped."""
+    async def _put(self, d: _Downstream, item: tuple[Header, bytes | memoryview] | None, lag: bool = True) -> None:
+        """Queue `item` for `d`, waiting for room. A downstream that takes nothing for `timeoutSeconds` (half
+        that at a relay) is dropped; so is one that keeps a relay waiting more than half the time over the last
+        `timeoutSeconds` (the relay's push upstream would otherwise be slowed to the laggard's pace). A
+        source waits as long as its downstream makes progress: it always outruns its link; so does a
+        relay forwarding a re-fetch (`lag=False`): a fallback pull is a burst, and slows no chain."""
         if not d.alive:
             return
         if not d.queue.full():
             d.queue.put_nowait(item)
             return
-        budget = self.spec.timeout_s - d.waited_s
-        t0 = time.monotonic()
+        t_out = self.spec.timeout_s
+        relay = lag and not self.is_source
+        now = time.monotonic()
+        d.waited_s *= math.exp(-(now - d.decay_at) / t_out)  # recent waiting counts, old waiting fades
+        d.decay_at = now
+        stall = t_out if self.is_source else t_out / 2  # a relay must give up before its upstream does
+        limit = min(stall, t_out / 2 - d.waited_s) if relay else stall
         try:
-            async with asyncio.timeout(max(0.0, min(budget, self.spec.timeout_s / 2))):
+            async with asyncio.timeout(max(0.0, limit)):
                 await d.queue.put(item)
         except TimeoutError:
-            stalled = time.monotonic() - t0
-            why = (f"took nothing for {stalled:.1f} s" if budget > self.spec.timeout_s / 2 else
-                   f"kept this node waiting {d.waited_s + stalled:.1f} s in all")
-            self._drop(d, f"lagging: {why} with {QUEUE_DEPTH} frames queued")
+            stalled = time.monotonic() - now
+            why = (f"kept this relay waiting {d.waited_s + stalled:.1f} s of its last ~{t_out:.0f} s"
+                   if relay and d.waited_s > 0.05 else f"took nothing for {stalled:.1f} s")
+            self._drop(d, f"lagging: {why} with {QUEUE_DEPTH} frames queued", abort=True)
         finally:
-            d.waited_s += time.monotonic() - t0
+            if relay:
+                d.waited_s += time.monotonic() - now
+            d.decay_at = time.monotonic()
 
-    def _drop(self, d: _Downstream, reason: str) -> None:
+    def _drop(self, d: _Downstream, reason: str, abort: bool = False) -> None:
         """Stop sending to `d` (it re-fetches what it lacks from its fallbacks); this node goes on."""
         if not d.alive:
             return
-        d.alive = False
+        d.alive, d.abort = False, abort
         self.downstream_lost[d.flow.dst] = reason
         log.warning("%s: downstream %s dropped: %s", self.me, d.flow.dst, reason)
         self.on_progress({"event": "downstream-lost", "instance": self.me, "peer": d.flow.dst, "reason": reason})
@@ -362,7 +377,7 @@ class TransferNode:
             d.writer.cancel()
 
     async def _forward_chunk(self, header: Header, payload: bytes | bytearray | memoryview, block: str,
-                             shard: tuple[int, int] | None) -> None:
+                             shard: tuple[int, int] | None, lag: bool = True) -> None:
         for d in self.downstream:
             if self._wanted(d, block, shard, False):
                 lo, hi = shard_range(int(self.spec.manifest[block]["bytes"]), d.flow.shard)
@@ -370,7 +385,7 @@ class TransferNode:
                 a, b = max(lo, off), min(hi, off + len(payload))
                 if a < b:  # only the part of this chunk inside the downstream's shard
                     await self._put(d, ({**header, "offset": a, "shard": list(d.flow.shard) if d.flow.shard else None},
-                                        memoryview(payload)[a - off:b - off]))
+                                        memoryview(payload)[a - off:b - off]), lag)
 
     async def _forward(self, header: Header, payload: bytes, block: str, shard: tuple[int, int] | None,
                        all_shards: bool = False) -> None:
@@ -417,7 +432,7 @@ class TransferNode:
         finally:
             if conn is not None:
                 with contextlib.suppress(Exception):
-                    await conn.close()
+                    await (conn.abort() if d.abort else conn.close())
 
     async def _send_faulty(self, conn: Connection, header: Header, payload: bytes | memoryview, sent: int) -> None:
         """`conn.send`, except for test-only faults of this (source) node: cut or desync its stream."""
@@ -487,9 +502,14 @@ class TransferNode:
         for b in blocks:  # re-fetched blocks arrive whole
             self.slot_count[b] = 1
             self.done_slots.pop(b, None)
-        for source in self.plan.fallbacks_for(self.me) or tuple(s.id for s in self.plan.sources):
-            if source not in self.spec.peers or source == self.me:
-                continue
+        fallbacks = [s for s in self.plan.fallbacks_for(self.me) or tuple(s.id for s in self.plan.sources)
+                     if s in self.spec.peers and s != self.me]
+        # Two rounds: a fallback that was only paused (or busy) past one timeout gets a second chance.
+        for attempt, source in enumerate(fallbacks * 2):
+            if self.error is not None:  # the node failed meanwhile (e.g. a block that never verifies)
+                raise TransferFailed(str(self.error))
+            if attempt == len(fallbacks):
+                await asyncio.sleep(min(1.0, self.spec.timeout_s / 2))
             host, port = self.spec.peers[source]
             try:
                 conn = await self.transport.connect(host, port, timeout=self.spec.timeout_s)

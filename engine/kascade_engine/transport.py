@@ -78,6 +78,10 @@ class Connection(Protocol):
 
     async def close(self) -> None: ...
 
+    async def abort(self) -> None:
+        """Close at once, discarding what is still buffered either way (the peer sees a reset)."""
+        ...
+
 
 class Listener(Protocol):
     port: int

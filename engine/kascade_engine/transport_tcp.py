@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import struct
 
 from kascade_engine.transport import (
     MAX_PAYLOAD,
@@ -97,6 +98,11 @@ class TcpConnection:
     async def close(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.close()
+
+    async def abort(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
+        await self.close()
 
 
 class TcpListener:

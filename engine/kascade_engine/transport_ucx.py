@@ -207,6 +207,11 @@ class UcxConnection:
             await self.ep.close()
         self.fast_ep = None  # shared with other connections to the same worker: the transport keeps it
 
+    async def abort(self) -> None:
+        with contextlib.suppress(Exception):
+            self.ep.abort()
+        self.fast_ep = None
+
 
 class UcxListener:
     def __init__(self, listener: Any) -> None:

@@ -41,6 +41,8 @@ class Cluster:
     transport: str = "tcp"
     procs: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
 
+    target_linger: float = 3.0
+
     def start(self, me: str) -> subprocess.Popen[str]:
         spec_file = self.workdir / "spec.json"
         spec_file.write_text(json.dumps(self.spec.to_dict()))
@@ -49,7 +51,7 @@ class Cluster:
         if any(s.id == me for s in self.spec.plan.sources):
             args += ["--cache", str(self.cache), "--linger", "30"]
         else:
-            args += ["--out", str(self.workdir / f"{me}.kcache"), "--linger", "3"]
+            args += ["--out", str(self.workdir / f"{me}.kcache"), "--linger", str(self.target_linger)]
         env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"}
         with open(self.workdir / f"{me}.log", "w") as log:  # the child keeps its own copy of the fd
             p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True)
@@ -65,6 +67,9 @@ class Cluster:
         out, _ = p.communicate(timeout=timeout)
         assert p.returncode == 0, f"{me} exited {p.returncode}: {(self.workdir / f'{me}.log').read_text()[-2000:]}"
         return json.loads(out.strip().splitlines()[-1])
+
+    def signal(self, me: str, sig: int) -> None:
+        os.killpg(self.procs[me].pid, sig)
 
     def kill(self, me: str) -> None:
         os.killpg(self.procs[me].pid, signal.SIGKILL)
