@@ -459,7 +459,9 @@ class Simulation:
                 cap = capacity_rps(self.spec, self.kv_cap, role, *mean_lengths(self.wl, m)) * cfg.target_utilization
                 need = pick(self.rps[m], how, first_full) / cap
             wanted[(m, role)] = max(cfg.min_instances, min(self.max_instances, math.ceil(need - 1e-9)))
-        return fit_counts(wanted, min(cfg.min_instances, 1) if self.sys.static else cfg.min_instances,
+        # A static system never scales: every model and role keeps at least one instance.
+        return fit_counts({g: max(1, w) for g, w in wanted.items()} if self.sys.static else wanted,
+                          1 if self.sys.static else cfg.min_instances,
                           self.hw.hosts * (self.hw.gpus_per_host // self.spec.tp))
 
     def run(self) -> Result:

@@ -50,3 +50,6 @@ def system(name: str, **overrides: object) -> System:
     if name not in presets:
         raise ValueError(f"unknown system {name!r} (choose {', '.join(presets)})")
     return replace(presets[name], **overrides) if overrides else presets[name]  # type: ignore[arg-type]
+
+
+SYSTEM_NAMES = tuple(system_presets())
