@@ -7,11 +7,12 @@ QUICK ?=
 BENCHES ?= planner transfer live operator sim
 NAMESPACE ?= kascade-system
 KUBECONFIG ?= $(HOME)/.cache/kascade/cluster/kubeconfig
-IMAGE ?= ghcr.io/kascade/kascade:dev
+IMAGE ?= ghcr.io/kascade/kascade-engine:dev
+OPERATOR_IMAGE ?= ghcr.io/kascade/kascade-operator:dev
 export KUBECONFIG
 
 .PHONY: help install test check lint typecheck bench e2e e2e-kind manifests chart-lint \
-        cluster-up cluster-down deploy undeploy images demo clean
+        cluster-up cluster-down deploy undeploy images lock demo clean
 
 help: ## List targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -28,6 +29,7 @@ lint: ## ruff, import contracts, CRDs in the chart equal crds/
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 	$(PY) hack/sync_manifests.py --check
+	$(PY) hack/observability.py --check
 
 TYPED_MODULES := -p kascade_devcluster -p kascade_demo -p kascade_router -m kascade_engine.arena -m kascade_engine.blocks -m kascade_engine.hostcache \
 	-m kascade_engine.transport -m kascade_engine.transport_tcp -m kascade_engine.transport_ucx \
@@ -36,7 +38,8 @@ TYPED_MODULES := -p kascade_devcluster -p kascade_demo -p kascade_router -m kasc
 	-m kascade_engine.pages -m kascade_engine.scheduler -m kascade_engine.families -m kascade_engine.kvcache \
 	-m kascade_engine.engine -m kascade_engine.model -m kascade_engine.metrics -m kascade_engine.tensorfile \
 	-m kascade_operator.api -m kascade_operator.scaleplan -m kascade_operator.plandriver -m kascade_operator.engine_client \
-	-m kascade_operator.pool -m kascade_operator.reconcile
+	-m kascade_operator.pool -m kascade_operator.reconcile -m kascade_operator.operator_metrics \
+	-m kascade_cli.logsetup -m kascade_cli.probe -m kascade_cli.model_cmd
 
 typecheck: ## mypy: strict on the pure planner; data plane, loader, devcluster, API models and plan driver checked too
 	$(VENV)/bin/mypy -p kascade_planner
@@ -53,8 +56,9 @@ e2e: ## End-to-end tests only (real control plane + real engine processes)
 e2e-kind: ## e2e on kind for Docker users (cannot run on the dev machines)
 	bash e2e/kind/run.sh
 
-manifests: ## Copy crds/ into the Helm chart
+manifests: ## Copy crds/ into the Helm chart, render manifests/, generate the dashboard and alert rules
 	$(PY) hack/sync_manifests.py
+	$(PY) hack/observability.py
 
 chart-lint: ## helm lint the chart
 	$$(readlink -f $(HOME)/.cache/kascade/bin/current)/helm lint charts/kascade
@@ -65,14 +69,19 @@ cluster-up: ## Start the local control plane (etcd, apiserver, kcm, scheduler, k
 cluster-down: ## Stop the local control plane
 	$(KASCADE) cluster down
 
-deploy: ## Install Kascade (CRDs, RBAC, operator, pool) into $$KUBECONFIG with Helm
+deploy: ## Install or upgrade Kascade (CRDs first: Helm never upgrades them) into $$KUBECONFIG with Helm
+	$$(readlink -f $(HOME)/.cache/kascade/bin/current)/kubectl apply --server-side --force-conflicts -f charts/kascade/crds/
 	$$(readlink -f $(HOME)/.cache/kascade/bin/current)/helm upgrade --install kascade charts/kascade -n $(NAMESPACE) --create-namespace
 
 undeploy: ## Remove the Helm release
 	$$(readlink -f $(HOME)/.cache/kascade/bin/current)/helm uninstall kascade -n $(NAMESPACE)
 
-images: ## Build the operator/engine image (needs Docker; not available on the dev machines)
+images: ## Build the engine (CUDA) and operator images (needs Docker; not available on the dev machines)
 	docker build -t $(IMAGE) .
+	docker build -f Dockerfile.operator -t $(OPERATOR_IMAGE) .
+
+lock: ## Regenerate requirements/*.lock (the images' pinned dependencies) with uv
+	bash hack/lock.sh
 
 demo: ## The main job: local control plane, Kascade, real engines, a burst, scale up and down
 	$(KASCADE) demo

@@ -89,9 +89,19 @@ if [ ! -f "$BIN/kwok-stages.yaml" ]; then
   mv "$BIN/kwok-stages.yaml.tmp" "$BIN/kwok-stages.yaml"
 fi
 
-if ! have helm; then
+# Helm's own release ldflags: its version, and the Kubernetes version `helm template` / `helm lint`
+# assume without a cluster (else v1.20, and a chart's kubeVersion >=1.29 refuses to render). A helm
+# cached without them is rebuilt (the Go build cache makes that a link step).
+helm_ok() { have helm && [ "$("$BIN/helm" version --template '{{.Version}}' 2>/dev/null)" = "$HELM_VERSION" ]; }
+if ! helm_ok; then
   log "building helm $HELM_VERSION"
-  GOBIN=$BIN go install "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
+  H=helm.sh/helm/v3
+  helm_k8s_minor=$(GOFLAGS= go mod download -json "helm.sh/helm/v3@$HELM_VERSION" | python3 -c 'import json,sys;print(json.load(sys.stdin)["GoMod"])' \
+    | xargs sed -n 's#^[[:space:]]*k8s.io/client-go v0\.\([0-9]*\)\..*#\1#p')
+  GOBIN=$BIN go install -ldflags "-s -w -X $H/internal/version.version=$HELM_VERSION -X $H/internal/version.gitTreeState=clean \
+    -X $H/pkg/chartutil.k8sVersionMajor=1 -X $H/pkg/chartutil.k8sVersionMinor=$helm_k8s_minor \
+    -X $H/pkg/lint/rules.k8sVersionMajor=1 -X $H/pkg/lint/rules.k8sVersionMinor=$helm_k8s_minor" \
+    "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
 fi
 
 ln -sfn "$BIN" "$CACHE/bin/current"   # what the test fixtures and `kascade cluster` use

@@ -110,7 +110,8 @@ def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: s
         listener = None
         if act_port is not None:
             listener = await TcpTransport().listen(host, act_port, inst.finisher.handle)
-        server = uvicorn.Server(uvicorn.Config(create_app(inst), log_level="warning", lifespan="on"))
+        # log_config=None: uvicorn's loggers go through the root handler `kascade --log-format` set up
+        server = uvicorn.Server(uvicorn.Config(create_app(inst), log_level="warning", lifespan="on", log_config=None))
         print(f"KASCADE_ENGINE_READY http={sock.getsockname()[1]} act={listener.port if listener else '-'}", flush=True)
         try:
             await server.serve(sockets=[sock])

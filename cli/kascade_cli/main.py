@@ -12,7 +12,7 @@ import logging
 
 import click
 
-from kascade_cli import kascade_version
+from kascade_cli import kascade_version, logsetup
 
 # name -> ("module", "attribute", one-line help). A module that is not present yet is simply not
 # listed, so components can land independently.
@@ -25,6 +25,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("kascade_cli.demo", "demo", "Run the end-to-end demo on a local control plane."),
     "sim": ("kascade_cli.sim", "sim", "Simulate a cluster on a workload trace."),
     "router": ("kascade_cli.router", "router", "Run the OpenAI-compatible front door (routes by model)."),
+    "probe": ("kascade_cli.probe", "probe", "Check a running endpoint (helm test)."),
+    "model": ("kascade_cli.model_cmd", "model", "Fetch model checkpoints (pool init container)."),
 }
 
 
@@ -61,10 +63,12 @@ class LazyGroup(click.Group):
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
-def cli(verbose: int) -> None:
+@click.option("--log-format", type=click.Choice(logsetup.FORMATS), default="text", show_default=True,
+              envvar="KASCADE_LOG_FORMAT", help="text, or one JSON object per line (operator, engine, router).")
+def cli(verbose: int, log_format: logsetup.LogFormat) -> None:
     """Kascade: fast, live LLM autoscaling on Kubernetes."""
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logsetup.configure(level, log_format)
 
 
 @cli.command()

@@ -21,7 +21,8 @@ mkdir -p "$MODELS"
 "$PY" -c "from pathlib import Path; from kascade_engine.checkpoint import tiny_llama; \
 tiny_llama(Path('$MODELS/tiny-kind'), layers=8, hidden=256, vocab=2048)"
 echo "== image kascade:e2e"
-docker build -t kascade:e2e "$REPO"
+# the engine image (it carries the operator too), CPU variant: kind nodes have no GPUs
+docker build -t kascade:e2e --build-arg BASE=ubuntu:24.04 "$REPO"
 echo "== cluster $CLUSTER"
 kind create cluster --name "$CLUSTER" --config "$REPO/e2e/kind/kind-config.yaml" --wait 120s
 kind load docker-image kascade:e2e --name "$CLUSTER"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from datetime import UTC, datetime
 from typing import Any
 
 import kopf
@@ -70,6 +71,14 @@ def keep_transition_times(new: list[dict[str, Any]], old: list[dict[str, Any]]) 
             c = {**c, "lastTransitionTime": p.get("lastTransitionTime", c["lastTransitionTime"])}
         out.append(c)
     return out
+
+
+def _active_plan_ages(raw_plans: list[dict[str, Any]], service: str) -> list[float]:
+    """Seconds since creation of the service's unfinished ScalePlans (for the scale-up-stuck alert)."""
+    now = datetime.now(UTC)
+    return [(now - datetime.fromisoformat(p["metadata"]["creationTimestamp"].replace("Z", "+00:00"))).total_seconds()
+            for p in raw_plans if (p.get("spec") or {}).get("modelServiceRef", {}).get("name") == service
+            and (p.get("status") or {}).get("phase") not in TERMINAL and p["metadata"].get("creationTimestamp")]
 
 
 def plan_view(sp: dict[str, Any]) -> PlanView:
@@ -158,6 +167,7 @@ async def _reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) ->
     others = {t.get("pod") or t["instance"] for p in raw_plans
               if (p.get("status") or {}).get("phase") not in TERMINAL for t in (p.get("spec") or {}).get("targets") or []}
     res = reconcile(name, spec, pods, plans, desired or None, "; ".join(reasons), others | rt.reserved(ns))
+    rt.metrics.observe_service(ns, name, res.roles, _active_plan_ages(raw_plans, name))
     for action in res.actions:
         if isinstance(action, CreatePlan):
             rt.reserve(ns, action.targets)

@@ -5,6 +5,9 @@ Data flow: handlers observe durations and counts here -> `/metrics` on `settings
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 _FAST = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -23,6 +26,24 @@ class OperatorMetrics:
         self.pool_size = Gauge("kascade_operator_pool_idle_pods", "Idle warm-pool pods", ["namespace"], registry=r)
         self.instruct = Histogram("kascade_operator_reaction_seconds", "Decision to all targets instructed",
                                   registry=r, buckets=_FAST)
+        # per ModelService, set every reconcile (the dashboard's replicas panel, the scale-up-stuck alert)
+        self.replicas = Gauge("kascade_operator_replicas", "Replicas of a ModelService role by state "
+                              "(desired, ready, loading)", ["namespace", "model_service", "role", "state"], registry=r)
+        self.plans_active = Gauge("kascade_operator_scaleplans_active", "Unfinished ScalePlans of a ModelService",
+                                  ["namespace", "model_service"], registry=r)
+        self.plan_age = Gauge("kascade_operator_scaleplan_oldest_active_seconds",
+                              "Age of a ModelService's oldest unfinished ScalePlan (0: none)",
+                              ["namespace", "model_service"], registry=r)
+
+    def observe_service(self, namespace: str, service: str, roles: Mapping[str, Any],
+                        active_plan_ages_s: Iterable[float]) -> None:
+        """Record one reconcile's view: `roles` maps role -> object with desired/ready/loading counts."""
+        for role, r in roles.items():
+            for state in ("desired", "ready", "loading"):
+                self.replicas.labels(namespace, service, role, state).set(getattr(r, state))
+        ages = list(active_plan_ages_s)
+        self.plans_active.labels(namespace, service).set(len(ages))
+        self.plan_age.labels(namespace, service).set(max(ages, default=0.0))
 
     def serve(self, port: int) -> None:
         start_http_server(port, addr="0.0.0.0", registry=self.registry)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -21,26 +23,185 @@ def test_lint_passes(helm: Helm) -> None:
     assert "1 chart(s) linted, 0 chart(s) failed" in out.stdout
 
 
+def render(helm: Helm, *args: str, release: str = "rel", ns: str = "ns") -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(helm("template", release, str(CHART), "-n", ns, *args).stdout) if d]
+
+
+def by(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    return next(d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name)
+
+
 def test_template_renders_every_deployable(helm: Helm) -> None:
-    docs = [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), "-n", "ns").stdout) if d]
+    docs = render(helm)
     kinds = sorted((d["kind"], d["metadata"]["name"]) for d in docs)
     assert kinds == sorted([
         ("ServiceAccount", "rel-operator"), ("ClusterRole", "rel-operator"), ("ClusterRoleBinding", "rel-operator"),
         ("Role", "rel-operator-token"), ("RoleBinding", "rel-operator-token"), ("Secret", "rel-engine-token"),
-        ("Deployment", "rel-operator"), ("Deployment", "rel-pool"),
+        ("Deployment", "rel-operator"), ("Deployment", "rel-pool"), ("Service", "rel-operator-metrics"),
+        ("Service", "rel-engines"), ("NetworkPolicy", "rel-engines"), ("NetworkPolicy", "rel-operator"),
+        ("PodDisruptionBudget", "rel-pool"), ("Pod", "rel-test-models"),
     ])
-    op = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-operator")
+    op = by(docs, "Deployment", "rel-operator")
     assert op["spec"]["strategy"] == {"type": "Recreate"}
     assert op["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
     container = op["spec"]["template"]["spec"]["containers"][0]
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
     assert {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}} in op["spec"]["template"]["spec"]["volumes"]
-    pool = next(d for d in docs if d["metadata"]["name"] == "rel-pool")
+    assert container["image"] == "ghcr.io/kascade/kascade-operator:0.1.0"
+    pool = by(docs, "Deployment", "rel-pool")
     assert pool["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
-    role = next(d for d in docs if d["kind"] == "Role")
+    assert pool["spec"]["template"]["spec"]["containers"][0]["image"] == "ghcr.io/kascade/kascade-engine:0.1.0"
+    role = by(docs, "Role", "rel-operator-token")
     assert role["rules"] == [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["rel-engine-token"],
                               "verbs": ["get", "watch"]}]
+
+
+def test_every_object_and_pod_carries_the_standard_labels(helm: Helm) -> None:
+    docs = render(helm, "--set", "commonLabels.team=ml", "--set", "podLabels.cost=gpu")
+    for d in docs:
+        labels = d["metadata"]["labels"]
+        assert labels["app.kubernetes.io/name"] == "kascade", d["metadata"]["name"]
+        assert labels["app.kubernetes.io/instance"] == "rel" and labels["app.kubernetes.io/version"] == "0.1.0"
+        assert labels["team"] == "ml"
+        if d["kind"] == "Deployment":
+            pod = d["spec"]["template"]["metadata"]["labels"]
+            assert pod["app.kubernetes.io/name"] == "kascade" and pod["cost"] == "gpu"
+            # selectors are immutable: exactly what chart 0.1.0 had, so `helm upgrade` can patch them
+            assert set(d["spec"]["selector"]["matchLabels"]) <= {"app.kubernetes.io/instance",
+                                                                 "app.kubernetes.io/component", "kascade.io/pool"}
+            assert d["spec"]["selector"]["matchLabels"].items() <= pod.items()
+
+
+def test_pool_passes_pod_security_restricted_by_construction(helm: Helm) -> None:
+    """No hostPath by default (emptyDir + download), non-root, no privilege escalation, seccomp, no
+    capabilities: what Pod Security `restricted` (hence `baseline`) requires of each container."""
+    docs = render(helm)
+    pods = [d["spec"]["template"]["spec"] for d in docs if d["kind"] == "Deployment"]
+    pods.append(by(docs, "Pod", "rel-test-models")["spec"])
+    for spec in pods:
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert not [v for v in spec.get("volumes", []) if "hostPath" in v], spec.get("volumes")
+        for c in spec["containers"] + spec.get("initContainers", []):
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
+            assert not c.get("ports") or all("hostPort" not in p for p in c["ports"])
+    pool = by(docs, "Deployment", "rel-pool")["spec"]["template"]["spec"]
+    assert {"name": "models", "emptyDir": {"sizeLimit": "2Gi"}} in pool["volumes"]
+    init = pool["initContainers"][0]
+    assert init["args"][:5] == ["kascade", "--log-format=text", "model", "download", "HuggingFaceTB/SmolLM2-135M-Instruct"]
+    assert "--dest=/models/smollm2-135m" in init["args"]
+    assert {"name": "models", "mountPath": "/models"} in init["volumeMounts"]  # writable for the download
+
+
+def test_model_path_outside_the_mount_is_refused(helm: Helm) -> None:
+    out = helm("template", "rel", str(CHART), "--set", "pool.model.path=/data/m", check=False)
+    assert out.returncode != 0 and "pool.model.path" in out.stderr and "/models" in out.stderr
+
+
+def test_common_values_are_accepted_and_used(helm: Helm, tmp_path: Path) -> None:
+    values = {"global": {"imageRegistry": "reg.example:5000", "imagePullSecrets": ["g-pull"], "storageClass": "x"},
+              "imagePullSecrets": [{"name": "pull"}], "podAnnotations": {"a": "1"},
+              "operator": {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                  "nodeSelectorTerms": [{"matchExpressions": [{"key": "cpu", "operator": "Exists"}]}]}}},
+                           "priorityClassName": "system-cluster-critical", "podAnnotations": {"b": "2"}},
+              "pool": {"priorityClassName": "gpu-high", "affinity": {"podAntiAffinity": {}},
+                       "image": {"digest": "sha256:" + "a" * 64}},
+              "logFormat": "json"}
+    (tmp_path / "v.yaml").write_text(yaml.safe_dump(values))
+    docs = render(helm, "-f", str(tmp_path / "v.yaml"))
+    op = by(docs, "Deployment", "rel-operator")["spec"]["template"]
+    pool = by(docs, "Deployment", "rel-pool")["spec"]["template"]
+    assert op["metadata"]["annotations"] == {"a": "1", "b": "2"} and pool["metadata"]["annotations"] == {"a": "1"}
+    assert op["spec"]["imagePullSecrets"] == [{"name": "g-pull"}, {"name": "pull"}] == pool["spec"]["imagePullSecrets"]
+    assert op["spec"]["priorityClassName"] == "system-cluster-critical" and pool["spec"]["priorityClassName"] == "gpu-high"
+    assert "nodeAffinity" in op["spec"]["affinity"] and pool["spec"]["affinity"] == {"podAntiAffinity": {}}
+    assert op["spec"]["containers"][0]["image"] == "reg.example:5000/ghcr.io/kascade/kascade-operator:0.1.0"
+    assert pool["spec"]["containers"][0]["image"] == f"reg.example:5000/ghcr.io/kascade/kascade-engine@sha256:{'a' * 64}"
+    assert "--log-format=json" in op["spec"]["containers"][0]["args"]
+    assert "--log-format=json" in pool["spec"]["containers"][0]["args"]
+
+
+def test_watch_namespaces_gets_roles_not_cluster_wide_pod_writes(helm: Helm) -> None:
+    docs = render(helm, "--set", "operator.watchNamespaces={team-a,team-b}")
+    cluster = by(docs, "ClusterRole", "rel-operator")
+    assert not [r for r in cluster["rules"] if "pods" in r["resources"] or "kascade.io" in r["apiGroups"]], cluster
+    roles = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "rel-operator"}
+    assert sorted(roles) == ["ns", "team-a", "team-b"]  # the watched ones and the pool's (release) namespace
+    for role in roles.values():
+        pods = next(r for r in role["rules"] if "pods" in r["resources"])
+        assert {"create", "patch", "delete"} <= set(pods["verbs"])
+    bindings = [d for d in docs if d["kind"] == "RoleBinding" and d["metadata"]["name"] == "rel-operator"]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["ns", "team-a", "team-b"]
+    assert all(b["subjects"] == [{"kind": "ServiceAccount", "name": "rel-operator", "namespace": "ns"}] for b in bindings)
+    # all namespaces: one ClusterRole with pod writes, no per-namespace Role
+    docs = render(helm)
+    assert any("pods" in r["resources"] and "create" in r["verbs"] for r in by(docs, "ClusterRole", "rel-operator")["rules"])
+    assert not [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "rel-operator"]
+
+
+def test_one_token_secret_name_everywhere(helm: Helm) -> None:
+    """The operator, the pool, its RBAC and the fallback pods it creates all name one Secret."""
+    for args, name in (((), "rel-engine-token"), (("--set", "engineToken.existingSecret=mine"), "mine"),
+                       (("--set", "fullnameOverride=kc"), "kc-engine-token")):
+        docs = render(helm, *args)
+        full = "kc" if "fullnameOverride=kc" in args else "rel"
+        op = by(docs, "Deployment", f"{full}-operator")["spec"]["template"]["spec"]["containers"][0]
+        env = {e["name"]: e for e in op["env"]}
+        assert env["KASCADE_OPERATOR_ENGINE_TOKEN_SECRET"]["value"] == name
+        assert env["KASCADE_ENGINE_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == name
+        pool = by(docs, "Deployment", f"{full}-pool")["spec"]["template"]["spec"]["containers"][0]
+        assert next(e for e in pool["env"] if e["name"] == "KASCADE_ENGINE_TOKEN")["valueFrom"]["secretKeyRef"]["name"] == name
+        assert by(docs, "Role", f"{full}-operator-token")["rules"][0]["resourceNames"] == [name]
+        secrets = [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"]
+        assert secrets == ([] if name == "mine" else [name])
+
+
+def test_network_policy_opens_engine_ports_only_to_kascade_pods(helm: Helm) -> None:
+    docs = render(helm, "--set", "pool.dataPort=19000")
+    eng = by(docs, "NetworkPolicy", "rel-engines")
+    assert eng["spec"]["podSelector"] == {"matchExpressions": [{"key": "kascade.io/pool", "operator": "Exists"}]}
+    rules = eng["spec"]["ingress"]
+    peer_rule = next(r for r in rules if any(p["port"] == 19000 for p in r["ports"]))
+    assert peer_rule["from"] == [{"podSelector": {"matchExpressions": [{"key": "kascade.io/pool", "operator": "Exists"}]}}]
+    assert all(r.get("from") for r in rules), "an ingress rule without `from` would open a port to everyone"
+    http_only = [r for r in rules if r is not peer_rule]
+    assert all([p["port"] for p in r["ports"]] == [8000] for r in http_only)
+    op = by(docs, "NetworkPolicy", "rel-operator")
+    assert [p["port"] for r in op["spec"]["ingress"] for p in r["ports"]] == [9090, 8080]
+    assert not [d for d in render(helm, "--set", "networkPolicy.enabled=false") if d["kind"] == "NetworkPolicy"]
+
+
+def test_monitoring_pack_renders_when_enabled(helm: Helm) -> None:
+    assert not [d for d in render(helm) if d["kind"] in {"ServiceMonitor", "PodMonitor", "PrometheusRule"}]
+    docs = render(helm, "--set", "monitoring.serviceMonitor.enabled=true", "--set", "monitoring.podMonitor.enabled=true",
+                  "--set", "monitoring.prometheusRule.enabled=true", "--set", "monitoring.grafanaDashboard.enabled=true",
+                  "--set", "monitoring.prometheusRule.scaleUpStuckMinutes=7")
+    sm = by(docs, "ServiceMonitor", "rel-operator")
+    svc = by(docs, "Service", "rel-operator-metrics")
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert sm["spec"]["endpoints"][0]["port"] == svc["spec"]["ports"][0]["name"] == "metrics"
+    pm = by(docs, "PodMonitor", "rel-engines")
+    relabels = {r["targetLabel"]: r["sourceLabels"][0] for r in pm["spec"]["podMetricsEndpoints"][0]["relabelings"]}
+    assert relabels == {"model_service": "__meta_kubernetes_pod_label_kascade_io_model_service",
+                        "role": "__meta_kubernetes_pod_label_kascade_io_role",
+                        "pool": "__meta_kubernetes_pod_label_kascade_io_pool"}
+    rule = by(docs, "PrometheusRule", "rel")
+    alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert set(alerts) == {"KascadeScaleUpStuck", "KascadeWarmPoolExhausted", "KascadeTransferFailures",
+                           "KascadeTTFTSLOBurn"}
+    assert alerts["KascadeScaleUpStuck"]["expr"].endswith("> 420")
+    assert "{{ $labels.model_service }}" in alerts["KascadeTTFTSLOBurn"]["annotations"]["summary"]
+    assert r'le=~"0.5(\\.0)?"' in alerts["KascadeTTFTSLOBurn"]["expr"]  # PromQL unescapes to the regex 0.5(\.0)?
+    cm = by(docs, "ConfigMap", "rel-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(cm["data"]["kascade.json"]) == json.loads((CHART / "files/dashboards/kascade.json").read_text())
+
+
+def test_observability_files_are_generated_from_their_source() -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "hack" / "observability.py"), "--check"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_rbac_grants_no_wildcards_or_secret_listing(helm: Helm) -> None:
@@ -55,7 +216,10 @@ def test_rbac_grants_no_wildcards_or_secret_listing(helm: Helm) -> None:
 @pytest.mark.parametrize(
     ("setting", "field"),
     [("pool.replicas=-1", "replicas"), ("pool.gpuCount=2", "gpuCount"), ("operator.metrics.source=push", "source"),
-     ("topology.interLeafBandwidthRatio=0", "interLeafBandwidthRatio")],
+     ("topology.interLeafBandwidthRatio=0", "interLeafBandwidthRatio"), ("podAnotations.a=b", "podAnotations"),
+     ("operator.affinty.x=y", "affinty"), ("imagePullSecret[0]=x", "imagePullSecret"), ("logFormat=xml", "logFormat"),
+     ("pool.model.download.repo=not a repo", "repo"), ("monitoring.podMonitor.interval=5", "interval"),
+     ("networkPolicy.enable=true", "enable"), ("global=1", "global")],
 )
 def test_values_schema_rejects_bad_values_naming_them(helm: Helm, setting: str, field: str) -> None:
     out = helm("template", "rel", str(CHART), "--set", setting, check=False)

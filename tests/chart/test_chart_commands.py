@@ -53,18 +53,38 @@ def test_operator_args_and_env_are_real_settings(helm: Helm, monkeypatch: pytest
     s = OperatorSettings()
     assert s.namespaces == ["a", "b"] and s.interval_seconds == 0.25 and s.inter_leaf_ratio == 0.5
     assert s.leaf_label == "kascade.io/leaf" and s.metrics_source == "scrape"
+    assert s.engine_token_secret == "rel-engine-token"  # what fallback pods reference
     token = next(e for e in c["env"] if e["name"] == "KASCADE_ENGINE_TOKEN")
     assert token["valueFrom"]["secretKeyRef"] == {"name": "rel-engine-token", "key": "token"}
 
 
 def test_pool_engine_args_parse_and_name_the_model(helm: Helm, tmp_path: Path) -> None:
     (tmp_path / "m1").mkdir()  # click checks the checkpoint directory exists, as it would in the pod
-    c = containers(helm, tmp_path, {"pool": {"model": {"name": "m1", "path": str(tmp_path / "m1")}}})["rel-pool"]
+    c = containers(helm, tmp_path, {"pool": {"model": {"name": "m1", "path": str(tmp_path / "m1"),
+                                                       "mountPath": str(tmp_path)}}})["rel-pool"]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     params = parse(c["args"])
     assert params["empty"] and params["model_name"] == "m1" and params["host"] == "0.0.0.0"
     assert params["port"] == ports["http"] and params["act_port"] == ports["act"] and "data" in ports
     assert params["checkpoint"] == tmp_path / "m1"
+
+
+def test_pool_download_and_helm_test_commands_parse(helm: Helm, tmp_path: Path) -> None:
+    """The pool's init container and the `helm test` pod run real `kascade` commands with these options."""
+    (tmp_path / "values.yaml").write_text(yaml.safe_dump({"pool": {"model": {"download": {"revision": "v1"}}},
+                                                          "logFormat": "json"}))
+    docs = [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), "-n", "ns", "-f",
+                                                str(tmp_path / "values.yaml")).stdout) if d]
+    pool = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-pool")
+    init = pool["spec"]["template"]["spec"]["initContainers"][0]
+    params = parse(init["args"])
+    assert params == {"repo": "HuggingFaceTB/SmolLM2-135M-Instruct", "dest": Path("/models/smollm2-135m"), "revision": "v1"}
+    test = next(d for d in docs if d["kind"] == "Pod")
+    params = parse(test["spec"]["containers"][0]["args"])
+    assert params["url"] == "http://rel-engines.ns.svc:8000"
+    assert params["expect_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and params["timeout"] == 60
+    root = cli.make_context("kascade", list(test["spec"]["containers"][0]["args"][1:]))
+    assert root.params["log_format"] == "json"
 
 
 def test_pool_without_a_model_is_refused(helm: Helm) -> None:

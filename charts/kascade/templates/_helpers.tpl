@@ -1,14 +1,92 @@
+{{/*
+Names, labels and images: every template takes these from here, so a release name, a
+fullnameOverride or a subchart's parent never makes two templates disagree.
+*/}}
+
+{{- define "kascade.name" -}}
+{{ .Values.nameOverride | default .Chart.Name | trunc 63 | trimSuffix "-" }}
+{{- end -}}
+
+{{/* Prefix of every object name: the release name unless fullnameOverride is set. */}}
+{{- define "kascade.fullname" -}}
+{{ .Values.fullnameOverride | default .Release.Name | trunc 45 | trimSuffix "-" }}
+{{- end -}}
+
 {{- define "kascade.labels" -}}
+app.kubernetes.io/name: {{ include "kascade.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/part-of: kascade
 app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ .Chart.Name }}-{{ .Chart.Version | replace "+" "_" }}
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Labels of every pod the chart starts (selectors are a subset and never change across versions). */}}
+{{- define "kascade.podLabels" -}}
+app.kubernetes.io/name: {{ include "kascade.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
-helm.sh/chart: {{ .Chart.Name }}-{{ .Chart.Version }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: kascade
+{{- with .Values.podLabels }}
+{{ toYaml . }}
+{{- end }}
 {{- end -}}
 
+{{- define "kascade.imageRef" -}}
+{{- $img := index . 0 -}}{{- $root := index . 1 -}}
+{{- $registry := ($root.Values.global).imageRegistry | default "" -}}
+{{ if $registry }}{{ $registry }}/{{ end }}{{ $img.repository }}{{ if $img.digest }}@{{ $img.digest }}{{ else }}:{{ $img.tag | default $root.Chart.AppVersion }}{{ end }}
+{{- end -}}
+
+{{/* The operator (and router) image: slim, no torch. */}}
 {{- define "kascade.image" -}}
-{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{ include "kascade.imageRef" (list .Values.image .) }}
 {{- end -}}
 
+{{/* The engine image (warm pool, fallback pods, the model download init container). */}}
+{{- define "kascade.engineImage" -}}
+{{ include "kascade.imageRef" (list .Values.pool.image .) }}
+{{- end -}}
+
+{{- define "kascade.imagePullSecrets" -}}
+{{- $secrets := concat (($.Values.global).imagePullSecrets | default list) (.Values.imagePullSecrets | default list) -}}
+{{- with $secrets }}
+imagePullSecrets:
+{{- range . }}
+  - name: {{ if kindIs "string" . }}{{ . }}{{ else }}{{ .name }}{{ end }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* The engine control token Secret: the one name the operator, the pool and fallback pods all use. */}}
 {{- define "kascade.tokenSecret" -}}
-{{ .Values.engineToken.existingSecret | default (printf "%s-engine-token" .Release.Name) }}
+{{ .Values.engineToken.existingSecret | default (printf "%s-engine-token" (include "kascade.fullname" .)) }}
+{{- end -}}
+
+{{/* Log format flag for every `kascade` entry point. */}}
+{{- define "kascade.logFormatArg" -}}
+--log-format={{ .Values.logFormat }}
+{{- end -}}
+
+{{/*
+The front door: the Service `helm test` asks for /v1/models. The router (when the chart has one and it
+is enabled), else the engines Service of this chart.
+*/}}
+{{- define "kascade.frontDoorUrl" -}}
+{{- $router := .Values.router | default dict -}}
+{{- if $router.enabled -}}
+http://{{ include "kascade.fullname" . }}-router.{{ .Release.Namespace }}.svc:{{ $router.port | default 8080 }}
+{{- else -}}
+http://{{ include "kascade.fullname" . }}-engines.{{ .Release.Namespace }}.svc:{{ .Values.pool.port }}
+{{- end -}}
+{{- end -}}
+
+{{/* Restricted-profile container security context (Pod Security `restricted` admits it). */}}
+{{- define "kascade.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities: {drop: [ALL]}
 {{- end -}}

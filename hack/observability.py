@@ -1,0 +1,208 @@
+#!/usr/bin/env python3
+"""The observability pack's one source: every metric name and PromQL query of the Grafana dashboard and
+the alert rules is written here, once.
+
+Generates (and with `--check` only compares, exiting 1 naming stale files):
+- charts/kascade/files/dashboards/kascade.json: the Grafana dashboard (the chart ships it in a ConfigMap
+  for Grafana's sidecar; import it by hand otherwise);
+- charts/kascade/files/prometheus-rules.yaml: the alert rules; the PrometheusRule template renders it
+  with `tpl`, so thresholds come from values (monitoring.prometheusRule.*).
+
+Label conventions the queries rely on: engine series carry `namespace`, `pod` and, through the chart's
+PodMonitor relabelings, `model_service`, `role` and `pool` (warm/bound) from the pod's kascade.io/*
+labels; operator series carry `namespace` and `model_service` themselves. tests/e2e/test_prometheus.py
+runs every query against a real Prometheus scraping real engines and the operator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+DASHBOARD = REPO / "charts" / "kascade" / "files" / "dashboards" / "kascade.json"
+RULES = REPO / "charts" / "kascade" / "files" / "prometheus-rules.yaml"
+
+# Metric names: rename here when the engine or operator renames a metric.
+M = {
+    "waiting": "kascade_queue_length",
+    "running": "kascade_running_requests",
+    "prompt_tokens": "kascade_input_tokens_total",
+    "generation_tokens": "kascade_output_tokens_total",
+    "kv_usage": "kascade_kv_cache_usage",
+    "ttft": "kascade_ttft_seconds",
+    "itl": "kascade_tbt_seconds",
+    "blocks": "kascade_blocks_resident",
+    "transfer_bw": "kascade_transfer_bandwidth_bytes_per_second",
+    "live_split": "kascade_live_split_requests_total",
+    "op_replicas": "kascade_operator_replicas",
+    "op_pool_idle": "kascade_operator_pool_idle_pods",
+    "op_decisions": "kascade_operator_decisions_total",
+    "op_plans_active": "kascade_operator_scaleplans_active",
+    "op_plan_age": "kascade_operator_scaleplan_oldest_active_seconds",
+    "op_plan_duration": "kascade_operator_plan_duration_seconds",
+    "op_reaction": "kascade_operator_reaction_seconds",
+}
+SEL = 'namespace=~"$namespace", model_service=~"$model_service"'
+NS = 'namespace=~"$namespace"'
+RATE = "$__rate_interval"
+
+
+def q(expr: str, legend: str) -> tuple[str, str]:
+    return expr, legend
+
+
+def quantiles(metric: str, by: str = "model_service") -> list[tuple[str, str]]:
+    return [q(f"histogram_quantile({p}, sum by (le, {by}) (rate({metric}_bucket{{{SEL}}}[{RATE}])))",
+              f"p{int(p * 100)} {{{{{by}}}}}") for p in (0.5, 0.9, 0.99)]
+
+
+# (title, unit, queries): one panel each, laid out two per row in this order
+PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
+    ("Replicas by role and state", "short", [
+        q(f"sum by (model_service, role, state) ({M['op_replicas']}{{{SEL}}})", "{{model_service}} {{role}} {{state}}")]),
+    ("Engines by pool state", "short", [
+        q(f"count by (pool) ({M['blocks']}{{{NS}}})", "{{pool}}"),
+        q(f"sum by (namespace) ({M['op_pool_idle']}{{{NS}}})", "idle in pool {{namespace}}")]),
+    ("Generation tokens/s", "short", [
+        q(f"sum by (model_service) (rate({M['generation_tokens']}{{{SEL}}}[{RATE}]))", "{{model_service}}")]),
+    ("Prompt tokens/s", "short", [
+        q(f"sum by (model_service) (rate({M['prompt_tokens']}{{{SEL}}}[{RATE}]))", "{{model_service}}")]),
+    ("Time to first token", "s", quantiles(M["ttft"])),
+    ("Inter-token latency", "s", quantiles(M["itl"])),
+    ("Requests waiting and running", "short", [
+        q(f"sum by (model_service) ({M['waiting']}{{{SEL}}})", "waiting {{model_service}}"),
+        q(f"sum by (model_service) ({M['running']}{{{SEL}}})", "running {{model_service}}")]),
+    ("KV cache usage", "percentunit", [
+        q(f"avg by (model_service) ({M['kv_usage']}{{{SEL}}})", "{{model_service}}")]),
+    ("Scale decisions", "short", [
+        q(f"sum by (policy, direction) (increase({M['op_decisions']}[{RATE}]))", "{{policy}} {{direction}}")]),
+    ("ScalePlans in flight", "short", [
+        q(f"sum by (model_service) ({M['op_plans_active']}{{{SEL}}})", "active {{model_service}}"),
+        q(f"max by (model_service) ({M['op_plan_age']}{{{SEL}}})", "oldest age (s) {{model_service}}")]),
+    ("ScalePlan duration by outcome", "s", [
+        q(f"histogram_quantile(0.9, sum by (le, phase) (rate({M['op_plan_duration']}_bucket[{RATE}])))",
+          "p90 {{phase}}"),
+        q(f"sum by (phase) (increase({M['op_plan_duration']}_count[{RATE}]))", "plans {{phase}}")]),
+    ("Weight transfer throughput", "Bps", [
+        q(f"sum by (model_service) ({M['transfer_bw']}{{{SEL}}})", "{{model_service}}")]),
+    ("Decision to engines instructed", "s", [
+        q(f"histogram_quantile(0.9, sum by (le) (rate({M['op_reaction']}_bucket[{RATE}])))", "p90")]),
+    ("Live split requests/s (loading engines serving with a peer)", "short", [
+        q(f"sum by (model_service) (rate({M['live_split']}{{{SEL}}}[{RATE}]))", "{{model_service}}")]),
+]
+
+
+def dashboard() -> dict[str, Any]:
+    panels = []
+    for i, (title, unit, queries) in enumerate(PANELS):
+        panels.append({
+            "id": i + 1, "type": "timeseries", "title": title,
+            "datasource": {"type": "prometheus", "uid": "${datasource}"},
+            "gridPos": {"h": 8, "w": 12, "x": 12 * (i % 2), "y": 8 * (i // 2)},
+            "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+            "options": {"legend": {"displayMode": "list", "placement": "bottom"}, "tooltip": {"mode": "multi"}},
+            "targets": [{"refId": chr(ord("A") + j), "expr": e, "legendFormat": legend,
+                         "datasource": {"type": "prometheus", "uid": "${datasource}"}}
+                        for j, (e, legend) in enumerate(queries)],
+        })
+
+    def var(name: str, query: str) -> dict[str, Any]:
+        return {"name": name, "type": "query", "label": name, "includeAll": True, "multi": True, "allValue": ".*",
+                "current": {"selected": True, "text": "All", "value": "$__all"}, "refresh": 2,
+                "datasource": {"type": "prometheus", "uid": "${datasource}"},
+                "definition": query, "query": {"query": query, "refId": name}}
+
+    return {
+        "uid": "kascade-overview", "title": "Kascade", "tags": ["kascade", "llm", "autoscaling"],
+        "schemaVersion": 39, "version": 1, "editable": True, "graphTooltip": 1,
+        "time": {"from": "now-1h", "to": "now"}, "refresh": "10s",
+        "templating": {"list": [
+            {"name": "datasource", "type": "datasource", "query": "prometheus", "label": "Prometheus",
+             "current": {}, "hide": 0},
+            var("namespace", f"label_values({M['op_replicas']}, namespace)"),
+            var("model_service", f'label_values({M["op_replicas"]}{{namespace=~"$namespace"}}, model_service)'),
+        ]},
+        "panels": panels,
+    }
+
+
+# Alerts. `{{ ... }}` inside `expr` is Helm (rendered by the PrometheusRule template with `tpl`);
+# `{{ "{{" }} $labels.x {{ "}}" }}` survives Helm as Prometheus' own template syntax.
+def _lbl(name: str) -> str:
+    return '{{ "{{" }} $labels.' + name + ' {{ "}}" }}'
+
+
+V = ".Values.monitoring.prometheusRule"
+ALERTS: list[dict[str, Any]] = [
+    {"alert": "KascadeScaleUpStuck",
+     "expr": f"max by (namespace, model_service) ({M['op_plan_age']}) > {{{{ mul 60 {V}.scaleUpStuckMinutes }}}}",
+     "for": "1m", "severity": "warning",
+     "summary": f"ScalePlan of {_lbl('namespace')}/{_lbl('model_service')} unfinished for too long",
+     "description": "A ScalePlan has been running longer than expected: check `kubectl describe splan` for "
+                    "the stuck target and the operator log."},
+    {"alert": "KascadeWarmPoolExhausted",
+     "expr": f"(sum by (namespace) ({M['op_pool_idle']}) == 0) and on (namespace) "
+             f"(sum by (namespace) ({M['op_replicas']}{{state=\"desired\"}}) > "
+             f"sum by (namespace) ({M['op_replicas']}{{state=~\"ready|loading\"}}))",
+     "for": "2m", "severity": "warning",
+     "summary": f"warm pool of {_lbl('namespace')} is empty while replicas are wanted",
+     "description": "Scale-ups fall back to creating pods (slow, cold). Raise pool.replicas or add GPU nodes."},
+    {"alert": "KascadeTransferFailures",
+     "expr": f"sum by (namespace) (increase({M['op_plan_duration']}_count{{phase=\"Failed\"}}[15m])) > 0",
+     "for": "0m", "severity": "warning",
+     "summary": "ScalePlans failed in the last 15 minutes",
+     "description": "Weight transfers or binds failed: see the ScalePlans' status.targets[].error and Events."},
+    {"alert": "KascadeTTFTSLOBurn",
+     "expr": f"(1 - sum by (namespace, model_service) (rate({M['ttft']}_bucket{{le=~\"{{{{ {V}.ttftSloSeconds }}}}(\\\\.0)?\"}}[5m])) "
+             f"/ sum by (namespace, model_service) (rate({M['ttft']}_count[5m]))) > {{{{ {V}.ttftBurnRatio }}}}",
+     "for": "5m", "severity": "critical",
+     "summary": f"{_lbl('model_service')}: too many requests over the TTFT SLO",
+     "description": "More than the allowed share of requests waited longer than the TTFT SLO for their first "
+                    "token: scale-up is not keeping up (see the ScalePlans and the warm pool)."},
+]
+
+
+def rules_yaml() -> str:
+    lines = ["# GENERATED by hack/observability.py; edit that file, then run `make manifests`.",
+             "# Rendered by templates/monitoring.yaml with `tpl`: thresholds are Helm expressions on .Values.",
+             "groups:", "  - name: kascade", "    rules:"]
+    for a in ALERTS:
+        # block scalars: no YAML escaping, so Helm sees its {{ }} and PromQL its quotes exactly as written
+        lines += [f"      - alert: {a['alert']}",
+                  "        expr: |-", f"          {a['expr']}",
+                  f"        for: {a['for']}",
+                  "        labels:",
+                  f"          severity: {a['severity']}",
+                  "        annotations:",
+                  "          summary: |-", f"            {a['summary']}",
+                  "          description: |-", f"            {a['description']}"]
+    return "\n".join(lines) + "\n"
+
+
+def expected() -> dict[Path, str]:
+    return {DASHBOARD: json.dumps(dashboard(), indent=2) + "\n", RULES: rules_yaml()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="only report stale files")
+    args = ap.parse_args()
+    stale = [p for p, text in expected().items() if not p.exists() or p.read_text() != text]
+    if args.check:
+        if stale:
+            print("out of date (run `make manifests`): " + ", ".join(str(p.relative_to(REPO)) for p in stale),
+                  file=sys.stderr)
+            return 1
+        return 0
+    for p, text in expected().items():
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

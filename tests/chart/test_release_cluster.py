@@ -1,0 +1,214 @@
+"""The chart as a new user meets it, on the real control plane: install with a non-default release name
+and an existing token Secret, apply the sample exactly as NOTES says, and the operator (a real process,
+authenticated as the chart's ServiceAccount, configured by the Deployment's own environment) creates a
+fallback pod that references that Secret; Pod Security `baseline` enforced on the namespace admits the
+pool and `helm test` passes against a real engine; `helm upgrade` from chart 0.1.0 keeps the generated
+engine token and upgrades the CRDs by the documented step.
+
+No kubelet runs here (KWOK marks scheduled pods Running). `helm test`'s pod is run by a stand-in
+kubelet: its `kascade ...` args run as a local process, its Service URL resolved to the engine process
+behind the Service's pods (their `kascade.io/endpoint` annotation), and the exit code becomes the
+pod's phase, which is all `helm test` reads.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+import yaml
+
+from kascade_devcluster.controlplane import ControlPlane
+from kascade_devcluster.enginepool import EnginePool
+from kascade_devcluster.kubeconfig import kubeconfig_text
+from kascade_devcluster.nodes import KWOK_TOLERATION
+from kascade_devcluster.operatorproc import OperatorProcess
+from kascade_devcluster.waiting import wait_for
+
+pytestmark = pytest.mark.cluster
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "kascade"
+PREVIOUS = Path(__file__).with_name("data") / "kascade-0.1.0.tgz"  # `helm package` of the chart at 0.1.0
+
+
+def get(cp: ControlPlane, ns: str, *what: str) -> Any:
+    return json.loads(cp.kubectl("-n", ns, "get", *what, "-o", "json").stdout)
+
+
+def values_file(tmp: Path, values: dict[str, Any]) -> str:
+    path = tmp / f"values-{time.monotonic_ns()}.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return str(path)
+
+
+def test_notes_sample_and_fallback_pod_use_the_release_secret(
+        control_plane: ControlPlane, kwok_nodes: Callable[..., list[str]], crds: list[str], namespace: str,
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    kwok_nodes(2, gpus=2)
+    cp = control_plane
+    cp.kubectl("-n", namespace, "create", "secret", "generic", "team-token", "--from-literal=token=t0k3n")
+    values = {"engineToken": {"existingSecret": "team-token"}, "tests": {"enabled": False},
+              "operator": {"watchNamespaces": [namespace], "tolerations": [KWOK_TOLERATION]},
+              "pool": {"replicas": 0}}  # an empty pool: the operator must take the slow path
+    out = cp.helm("install", "prod-llm", str(CHART), "-n", namespace, "-f", values_file(tmp_path, values))
+    assert not get(cp, namespace, "secrets", "-l", "app.kubernetes.io/instance=prod-llm")["items"]  # existingSecret used
+
+    # NOTES' own command, with the sample URL pointing at this checkout's copy of the same file
+    line = next(raw for raw in out.stdout.splitlines() if "kubectl apply" in raw)
+    args = shlex.split(line.strip())
+    assert args[:4] == ["kubectl", "apply", "-n", namespace], line
+    url = args[args.index("-f") + 1]
+    assert url.startswith("https://raw.githubusercontent.com/kascade/kascade/main/"), url
+    cp.kubectl(*[str(REPO / url.split("/main/", 1)[1]) if a == url else a for a in args[1:]])
+
+    # the operator as the chart runs it: the Deployment's env, the chart's ServiceAccount and RBAC
+    dep = get(cp, namespace, "deployment", "prod-llm-operator")
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    for e in container["env"]:
+        if "value" in e:
+            monkeypatch.setenv(e["name"], e["value"])
+    assert container["env"][-1]["valueFrom"]["secretKeyRef"]["name"] == "team-token"
+    sa_token = cp.kubectl("-n", namespace, "create", "token", "prod-llm-operator", "--duration=1h").stdout.strip()
+    kubeconfig = tmp_path / "operator.kubeconfig"
+    kubeconfig.write_text(kubeconfig_text(cp.api_url, cp.ca_cert, sa_token, user="prod-llm-operator"))
+    op = OperatorProcess(cast(ControlPlane, SimpleNamespace(kubeconfig=kubeconfig)), namespace, "t0k3n",
+                         tmp_path / "operator.log")
+    op.start()
+    try:
+        pods = wait_for(lambda: get(cp, namespace, "pods", "-l", "kascade.io/pool=warm")["items"], timeout=60,
+                        what=f"a fallback pod (operator log: {tmp_path / 'operator.log'})")
+    finally:
+        op.stop()
+    assert "Forbidden" not in op.tail(), op.tail()
+    pod = pods[0]
+    env = pod["spec"]["containers"][0]["env"]
+    ref = next(e for e in env if e["name"] == "KASCADE_ENGINE_TOKEN")["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "team-token", "key": "token"}
+    # what a kubelet needs to start it: the Secret it references exists in the pod's namespace
+    assert pod["metadata"]["namespace"] == namespace
+    cp.kubectl("-n", namespace, "get", "secret", ref["name"])
+    events = get(cp, namespace, "events")["items"]
+    assert any(e["reason"] == "PoolEmpty" for e in events), [e["reason"] for e in events]
+    cp.kubectl("-n", namespace, "delete", "msvc", "--all", "--wait=false")
+    cp.helm("uninstall", "prod-llm", "-n", namespace)
+
+
+def _serve_test_pod(cp: ControlPlane, ns: str, pod_name: str, stop: threading.Event, log: list[str]) -> None:
+    """Stand-in kubelet for one `helm test` pod: run its args locally, report the exit code as its phase."""
+    while not stop.is_set():
+        got = cp.kubectl("-n", ns, "get", "pod", pod_name, "-o", "json", check=False)
+        if got.returncode != 0:
+            time.sleep(0.2)
+            continue
+        pod = json.loads(got.stdout)
+        if pod.get("status", {}).get("phase") in ("Succeeded", "Failed"):
+            time.sleep(0.2)
+            continue
+        args = list(pod["spec"]["containers"][0]["args"])
+        assert args[0] == "kascade", args
+        for i, a in enumerate(args):  # http://<service>.<ns>.svc:<port> -> the engine behind the Service
+            if a.startswith("http://") and ".svc:" in a:
+                host = a.split("//", 1)[1].split(".", 1)[0]
+                svc = get(cp, ns, "service", host)
+                sel = ",".join(f"{k}={v}" for k, v in svc["spec"]["selector"].items())
+                backends = [p["metadata"]["annotations"]["kascade.io/endpoint"]
+                            for p in get(cp, ns, "pods", "-l", sel)["items"]
+                            if "kascade.io/endpoint" in (p["metadata"].get("annotations") or {})]
+                args[i] = f"http://{backends[0]}" if backends else "http://127.0.0.1:9"
+        proc = subprocess.run([sys.executable, "-m", "kascade_cli.main", *args[1:]], capture_output=True, text=True,
+                              timeout=90)
+        log.append(proc.stdout + proc.stderr)
+        phase = "Succeeded" if proc.returncode == 0 else "Failed"
+        cp.kubectl("-n", ns, "patch", "pod", pod_name, "--subresource=status", "--type=merge",
+                   "-p", json.dumps({"status": {"phase": phase}}))
+
+
+def test_pod_security_baseline_admits_the_pool_and_helm_test_passes(
+        control_plane: ControlPlane, kwok_nodes: Callable[..., list[str]], crds: list[str], namespace: str,
+        tmp_path: Path) -> None:
+    from kascade_engine.checkpoint import tiny_llama
+
+    cp = control_plane
+    nodes = kwok_nodes(2, gpus=2)
+    cp.kubectl("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=baseline",
+               "pod-security.kubernetes.io/warn=restricted")
+    values = {"pool": {"replicas": 2, "tolerations": [KWOK_TOLERATION], "model": {"name": "tiny-chart"}},
+              "operator": {"tolerations": [KWOK_TOLERATION]}}
+    out = cp.helm("install", "edge", str(CHART), "-n", namespace, "-f", values_file(tmp_path, values),
+                  "--wait", "--timeout=90s")
+    assert "would violate PodSecurity" not in out.stderr, out.stderr  # restricted, not only baseline
+    pool = get(cp, namespace, "pods", "-l", "kascade.io/pool=warm,app.kubernetes.io/instance=edge")["items"]
+    assert len(pool) == 2 and {p["status"]["phase"] for p in pool} == {"Running"}
+    # a pod that baseline forbids is refused here: the enforcement is real
+    bad = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "hostpath"},
+           "spec": {"containers": [{"name": "c", "image": "x"}],
+                    "volumes": [{"name": "h", "hostPath": {"path": "/models"}}]}}
+    refused = cp.kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(bad), check=False)
+    assert refused.returncode != 0 and "violates PodSecurity" in refused.stderr, refused.stderr
+
+    # a real engine behind the chart's engines Service, then `helm test`
+    ckpt = tiny_llama(tmp_path / "tiny-chart", layers=2, hidden=64, vocab=256)
+    engines = EnginePool(cp, namespace, ckpt, "tiny-chart", "tok", tmp_path / "engines")
+    stop, log = threading.Event(), []
+    try:
+        (e,) = engines.start(nodes[:1])
+        cp.kubectl("-n", namespace, "label", "pod", e.name, "app.kubernetes.io/instance=edge",
+                   "app.kubernetes.io/component=engine")
+        runner = threading.Thread(target=_serve_test_pod, args=(cp, namespace, "edge-test-models", stop, log),
+                                  daemon=True)
+        runner.start()
+        result = cp.helm("test", "edge", "-n", namespace, "--timeout=90s", check=False)
+        assert result.returncode == 0, (result.stdout, result.stderr, log)
+        assert "Phase:          Succeeded" in result.stdout and "ok:" in log[-1] and "tiny-chart" in log[-1]
+        # and it can fail: the engine gone, the same test pod reports Failed
+        engines.stop(delete_pods=False)
+        result = cp.helm("test", "edge", "-n", namespace, "--timeout=90s", check=False)
+        assert result.returncode != 0 and "failed" in (result.stdout + result.stderr).lower(), result
+    finally:
+        stop.set()
+        engines.stop()
+    cp.helm("uninstall", "edge", "-n", namespace)
+
+
+def test_upgrade_from_previous_chart_keeps_token_and_upgrades_crds(
+        control_plane: ControlPlane, kwok_nodes: Callable[..., list[str]], namespace: str, tmp_path: Path) -> None:
+    cp = control_plane
+    kwok_nodes(1, gpus=1)
+    with tarfile.open(PREVIOUS) as tar:
+        old = yaml.safe_load(tar.extractfile("kascade/Chart.yaml").read())  # type: ignore[union-attr]
+    assert old["version"] == "0.1.0"
+    new_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["version"]
+    assert new_version != old["version"]
+    values = values_file(tmp_path, {"pool": {"replicas": 1, "tolerations": [KWOK_TOLERATION]},
+                                    "operator": {"tolerations": [KWOK_TOLERATION]}})
+    cp.helm("install", "up", str(PREVIOUS), "-n", namespace, "-f", values, "--wait", "--timeout=90s")
+    token = get(cp, namespace, "secret", "up-engine-token")["data"]["token"]
+
+    # the documented step (docs/upgrade.md, NOTES): the new chart's CRDs, server-side applied
+    crds = cp.helm("show", "crds", str(CHART)).stdout
+    cp.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=crds)
+    cp.helm("upgrade", "up", str(CHART), "-n", namespace, "-f", values, "--wait", "--timeout=90s")
+
+    assert get(cp, namespace, "secret", "up-engine-token")["data"]["token"] == token
+    rel = json.loads(cp.helm("list", "-n", namespace, "-o", "json").stdout)
+    assert [(r["name"], r["chart"], r["revision"]) for r in rel] == [("up", f"kascade-{new_version}", "2")]
+    for doc in (d for d in yaml.safe_load_all(crds) if d):
+        live = json.loads(cp.kubectl("get", "crd", doc["metadata"]["name"], "-o", "json").stdout)
+        for want, got in zip(doc["spec"]["versions"], live["spec"]["versions"], strict=True):
+            assert got["schema"]["openAPIV3Schema"] == want["schema"]["openAPIV3Schema"], doc["metadata"]["name"]
+    # the upgraded objects: new labels, the operator told the Secret name
+    dep = get(cp, namespace, "deployment", "up-operator")
+    assert dep["metadata"]["labels"]["app.kubernetes.io/version"]
+    env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["KASCADE_OPERATOR_ENGINE_TOKEN_SECRET"] == "up-engine-token"
+    cp.helm("uninstall", "up", "-n", namespace)

@@ -1,0 +1,123 @@
+"""`kascade --log-format json`: one logging setup for every entry point. Unit: the JSON formatter and
+the root option. Real: an engine process (uvicorn inside) started with `--log-format json` writes only
+JSON lines to stderr, and `kascade probe models` (what `helm test` runs) passes and fails against it."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from kascade_cli import logsetup
+from kascade_cli.main import cli
+
+pytestmark = pytest.mark.filterwarnings("ignore:'protected_args' is deprecated")
+
+
+@pytest.fixture
+def restore_root() -> Iterator[None]:
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for h in list(root.handlers):
+        if h not in handlers:
+            root.removeHandler(h)
+    root.setLevel(level)
+
+
+def test_json_lines_carry_level_logger_message_extras_and_exceptions(restore_root: None) -> None:
+    buf = io.StringIO()
+    logsetup.configure(logging.INFO, "json", stream=buf)
+    log = logging.getLogger("kascade_test.json")
+    log.info("bound %s to %s\nsecond line", "pod-1", "svc", extra={"plan": "svc-up-1"})
+    log.debug("not at INFO")
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        log.exception("failed")
+    lines = buf.getvalue().splitlines()
+    assert len(lines) == 2, lines  # one line per record, the newline in the message escaped
+    first, second = (json.loads(x) for x in lines)
+    assert first["msg"] == "bound pod-1 to svc\nsecond line" and first["level"] == "info"
+    assert first["logger"] == "kascade_test.json" and first["plan"] == "svc-up-1" and first["ts"].endswith("+00:00")
+    assert second["level"] == "error" and "ValueError: boom" in second["exc"]
+
+
+def test_configure_replaces_only_its_own_handler_and_rejects_unknown_formats(restore_root: None) -> None:
+    root = logging.getLogger()
+    foreign = logging.NullHandler()
+    root.addHandler(foreign)
+    logsetup.configure(logging.INFO, "text")
+    logsetup.configure(logging.DEBUG, "json")
+    ours = [h for h in root.handlers if isinstance(h.formatter, logsetup.JsonFormatter | logging.Formatter)
+            and h is not foreign and type(h).__name__ == "_StderrHandler"]
+    assert len(ours) == 1 and isinstance(ours[0].formatter, logsetup.JsonFormatter) and foreign in root.handlers
+    with pytest.raises(ValueError, match="xml"):
+        logsetup.configure(logging.INFO, "xml")  # type: ignore[arg-type]
+
+
+def test_root_option_and_environment_select_the_format(restore_root: None) -> None:
+    r = CliRunner().invoke(cli, ["--log-format", "json", "version"])
+    assert r.exit_code == 0
+    handler = next(h for h in logging.getLogger().handlers if type(h).__name__ == "_StderrHandler")
+    assert isinstance(handler.formatter, logsetup.JsonFormatter)
+    r = CliRunner().invoke(cli, ["version"], env={"KASCADE_LOG_FORMAT": "yaml"})
+    assert r.exit_code != 0 and "yaml" in r.output and "--log-format" in r.output
+
+
+@pytest.fixture(scope="module")
+def json_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    from kascade_engine.checkpoint import tiny_llama
+
+    d = tmp_path_factory.mktemp("logjson")
+    ckpt = tiny_llama(d / "tiny-log", layers=1, hidden=32, vocab=128)
+    err = d / "engine.stderr"
+    with err.open("w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "kascade_cli.main", "--log-format", "json", "-vv", "engine",
+                                 "serve", "--checkpoint", str(ckpt), "--empty", "--port", "0"],
+                                stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                env={**os.environ, "KASCADE_ENGINE_TOKEN": "t"})
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 120
+    port = None
+    while time.monotonic() < deadline and port is None:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"engine exited {proc.wait()}: {err.read_text()[-2000:]}")
+        if line.startswith("KASCADE_ENGINE_READY"):
+            port = int(dict(p.split("=") for p in line.split()[1:])["http"])
+    try:
+        yield f"http://127.0.0.1:{port}", err
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def probe(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kascade_cli.main", "probe", "models", *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_probe_passes_and_fails_against_a_real_engine_that_logs_json(json_engine: tuple[str, Path]) -> None:
+    url, err = json_engine
+    ok = probe(url, "--expect-model", "tiny-log")
+    assert ok.returncode == 0 and "tiny-log" in ok.stdout, ok
+    wrong = probe(url, "--expect-model", "other", "--timeout", "0.3", "--interval", "0.1")
+    assert wrong.returncode == 1 and "tiny-log" in wrong.stderr and "other" in wrong.stderr, wrong
+    down = probe("http://127.0.0.1:9", "--timeout", "0")
+    assert down.returncode == 1 and "ConnectError" in down.stderr, down
+    bad = probe("127.0.0.1:9")
+    assert bad.returncode == 2 and "URL" in bad.stderr, bad
+    lines = [x for x in err.read_text().splitlines() if x.strip()]
+    assert lines, "the engine logged nothing at -vv"
+    docs = [json.loads(x) for x in lines]  # every line is one JSON object
+    assert {"ts", "level", "logger", "msg"} <= set(docs[0])

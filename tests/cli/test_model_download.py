@@ -1,0 +1,42 @@
+"""`kascade model download` (the chart pool's init container). The Hub is not reachable from the test
+machines: the download itself is replaced by a function writing files, so what is tested is the
+command's own behaviour (argument checks, the pattern list, the summary, the no-weights error)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from kascade_cli.main import cli
+
+
+def test_downloads_config_tokenizer_and_weights_into_dest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub
+
+    calls: list[dict[str, Any]] = []
+
+    def fake(**kw: Any) -> str:
+        calls.append(kw)
+        Path(kw["local_dir"], "config.json").write_text("{}")
+        Path(kw["local_dir"], "model.safetensors").write_bytes(b"\0" * 2048)
+        return str(kw["local_dir"])
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+    r = CliRunner().invoke(cli, ["model", "download", "org/m", "--dest", str(tmp_path / "m"), "--revision", "abc"])
+    assert r.exit_code == 0, r.output
+    assert calls[0]["repo_id"] == "org/m" and calls[0]["revision"] == "abc"
+    assert "*.safetensors" in calls[0]["allow_patterns"] and "*.bin" not in calls[0]["allow_patterns"]
+    assert "org/m@abc: 2 files" in r.output
+
+
+def test_no_weights_and_bad_repo_are_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda **kw: str(kw["local_dir"]))
+    r = CliRunner().invoke(cli, ["model", "download", "org/m", "--dest", str(tmp_path / "m")])
+    assert r.exit_code == 1 and "no .safetensors" in r.output
+    r = CliRunner().invoke(cli, ["model", "download", "just-a-name", "--dest", str(tmp_path / "m")])
+    assert r.exit_code == 2 and "OWNER/NAME" in r.output
