@@ -27,6 +27,7 @@ COPY operator operator
 COPY engine engine
 COPY sim sim
 COPY e2e e2e
+COPY router router
 RUN pip install --no-cache-dir --no-deps .
 
 FROM ${BASE}

@@ -28,13 +28,16 @@ RULES = REPO / "charts" / "kascade" / "files" / "prometheus-rules.yaml"
 
 # Metric names: rename here when the engine or operator renames a metric.
 M = {
-    "waiting": "kascade_queue_length",
-    "running": "kascade_running_requests",
-    "prompt_tokens": "kascade_input_tokens_total",
-    "generation_tokens": "kascade_output_tokens_total",
-    "kv_usage": "kascade_kv_cache_usage",
-    "ttft": "kascade_ttft_seconds",
-    "itl": "kascade_tbt_seconds",
+    "waiting": "kascade_num_requests_waiting",
+    "running": "kascade_num_requests_running",
+    "prompt_tokens": "kascade_prompt_tokens_total",
+    "generation_tokens": "kascade_generation_tokens_total",
+    "kv_usage": "kascade_kv_cache_usage_perc",
+    "ttft": "kascade_time_to_first_token_seconds",
+    "itl": "kascade_inter_token_latency_seconds",
+    "e2e": "kascade_e2e_request_latency_seconds",
+    "success": "kascade_request_success_total",
+    "preemptions": "kascade_num_preemptions_total",
     "blocks": "kascade_blocks_resident",
     "transfer_bw": "kascade_transfer_bandwidth_bytes_per_second",
     "live_split": "kascade_live_split_requests_total",
@@ -73,11 +76,16 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         q(f"sum by (model_service) (rate({M['prompt_tokens']}{{{SEL}}}[{RATE}]))", "{{model_service}}")]),
     ("Time to first token", "s", quantiles(M["ttft"])),
     ("Inter-token latency", "s", quantiles(M["itl"])),
+    ("End-to-end request latency", "s", quantiles(M["e2e"])),
+    ("Finished requests/s by model and reason", "reqps", [
+        q(f"sum by (model_name, finished_reason) (rate({M['success']}{{{SEL}}}[{RATE}]))",
+          "{{model_name}} {{finished_reason}}")]),
     ("Requests waiting and running", "short", [
         q(f"sum by (model_service) ({M['waiting']}{{{SEL}}})", "waiting {{model_service}}"),
         q(f"sum by (model_service) ({M['running']}{{{SEL}}})", "running {{model_service}}")]),
-    ("KV cache usage", "percentunit", [
-        q(f"avg by (model_service) ({M['kv_usage']}{{{SEL}}})", "{{model_service}}")]),
+    ("KV cache usage and preemptions", "percentunit", [
+        q(f"avg by (model_service) ({M['kv_usage']}{{{SEL}}})", "{{model_service}}"),
+        q(f"sum by (model_service) (increase({M['preemptions']}{{{SEL}}}[{RATE}]))", "preempted {{model_service}}")]),
     ("Scale decisions", "short", [
         q(f"sum by (policy, direction) (increase({M['op_decisions']}[{RATE}]))", "{{policy}} {{direction}}")]),
     ("ScalePlans in flight", "short", [

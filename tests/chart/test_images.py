@@ -81,7 +81,7 @@ def test_image_is_multi_stage_non_root_and_copies_what_exists(image: str) -> Non
 @pytest.mark.parametrize("image", sorted(LOCKS))
 def test_lock_pins_every_dependency_with_hashes(image: str) -> None:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    extras = ["operator"] + (["engine"] if image == "engine" else [])
+    extras = ["operator", "router"] + (["engine"] if image == "engine" else [])
     wanted = {dep_name(d) for d in project["dependencies"]}
     for e in extras:
         wanted |= {dep_name(d) for d in project["optional-dependencies"][e]}

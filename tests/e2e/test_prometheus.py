@@ -128,7 +128,7 @@ def test_promql_source_scales_up_and_dashboard_queries_return_data(
     first = wait_for(lambda: loaded(cp, ns), 90, "the first copy loaded")
     endpoint = first[0]["metadata"]["annotations"]["kascade.io/endpoint"]
     # Prometheus sees the bound engine under its pod name, with the PodMonitor's labels
-    wait_for(lambda: prom.query(f'kascade_running_requests{{pod="{first[0]["metadata"]["name"]}", model_service="svc"}}'),
+    wait_for(lambda: prom.query(f'kascade_num_requests_running{{pod="{first[0]["metadata"]["name"]}", model_service="svc"}}'),
              30, "the bound engine's series in Prometheus")
 
     gen = LoadGen(lambda: [p["metadata"]["annotations"]["kascade.io/endpoint"] for p in loaded(cp, ns)] or [endpoint],
@@ -145,7 +145,7 @@ def test_promql_source_scales_up_and_dashboard_queries_return_data(
         assert decision["policy"] == "threshold" and decision["to"] == 2, decision
         # the decision's tokens/s is what PromQL computed: above the threshold, like Prometheus' own rate
         assert max(decision["metrics"].values()) > 150, decision
-        rate = prom.query('sum(rate(kascade_output_tokens_total{model_service="svc"}[10s]))')
+        rate = prom.query('sum(rate(kascade_generation_tokens_total{model_service="svc"}[10s]))')
         assert rate and float(rate[0]["value"][1]) > 0, rate
         time.sleep(3)  # a few scrapes of the operator after the plan finished (its duration histogram)
 
