@@ -51,6 +51,8 @@ def test_template_renders_every_deployable(helm: Helm) -> None:
     assert container["image"] == "ghcr.io/kascade/kascade-operator:0.1.0"
     pool = by(docs, "Deployment", "rel-pool")
     assert pool["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # an upgrade rolls the pool without a spare GPU (a surge pod would wait for one forever)
+    assert pool["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
     assert pool["spec"]["template"]["spec"]["containers"][0]["image"] == "ghcr.io/kascade/kascade-engine:0.1.0"
     role = by(docs, "Role", "rel-operator-token")
     assert role["rules"] == [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["rel-engine-token"],
