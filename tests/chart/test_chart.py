@@ -39,7 +39,7 @@ def test_template_renders_every_deployable(helm: Helm) -> None:
         ("Role", "rel-operator-token"), ("RoleBinding", "rel-operator-token"), ("Secret", "rel-engine-token"),
         ("Deployment", "rel-operator"), ("Deployment", "rel-pool"), ("Service", "rel-operator-metrics"),
         ("Service", "rel-engines"), ("NetworkPolicy", "rel-engines"), ("NetworkPolicy", "rel-operator"),
-        ("PodDisruptionBudget", "rel-pool"), ("Pod", "rel-test-models"),
+        ("Pod", "rel-test-models"),
     ])
     op = by(docs, "Deployment", "rel-operator")
     assert op["spec"]["strategy"] == {"type": "Recreate"}

@@ -143,7 +143,7 @@ def test_pod_security_baseline_admits_the_pool_and_helm_test_passes(
     cp.kubectl("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=baseline",
                "pod-security.kubernetes.io/warn=restricted")
     values = {"pool": {"replicas": 2, "tolerations": [KWOK_TOLERATION], "model": {"name": "tiny-chart"}},
-              "operator": {"tolerations": [KWOK_TOLERATION]}}
+              "operator": {"tolerations": [KWOK_TOLERATION]}, "tests": {"timeoutSeconds": 5}}
     out = cp.helm("install", "edge", str(CHART), "-n", namespace, "-f", values_file(tmp_path, values),
                   "--wait", "--timeout=90s")
     assert "would violate PodSecurity" not in out.stderr, out.stderr  # restricted, not only baseline
