@@ -62,7 +62,7 @@ def add_control_routes(app: FastAPI, inst: EngineInstance) -> None:
 
     @app.post("/kascade/v1/cooperate", dependencies=guard)
     async def cooperate(request: Request) -> dict[str, Any]:
-        return inst.set_cooperate(parse(CooperateRequest.from_dict, await body(request))).to_dict()
+        return (await inst.set_cooperate(parse(CooperateRequest.from_dict, await body(request)))).to_dict()
 
     @app.post("/kascade/v1/drain", dependencies=guard)
     async def drain() -> dict[str, Any]:

@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,9 @@ from kascade_engine.kvcache import KVCache, build_batch
 from kascade_engine.model import LlamaModel
 from kascade_engine.sampling import SamplingParams, sample
 from kascade_engine.scheduler import Limits, Scheduler, Seq, Work
+
+if TYPE_CHECKING:
+    from kascade_engine.cooperation import Cooperation
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,12 @@ class Engine:
         self._ids = itertools.count()
         self._aborts: set[str] = set()
         self.steps = 0
+        self.coop: Cooperation | None = None  # live split hook (cooperation.py): hosts or sends pair rows
+
+    @property
+    def idle(self) -> bool:
+        """Nothing to step: no sequences and no pair rows waiting."""
+        return self.scheduler.idle and not (self.coop is not None and self.coop.pending())
 
     def reset(self) -> None:
         """Forget every request (release: the instance holds nothing afterwards)."""
@@ -119,11 +128,11 @@ class Engine:
         self._apply_aborts()
         batch = self.scheduler.schedule()
         work = sorted((w for w in batch.work if w.id in self.requests), key=lambda w: w.n > 1)  # decodes first
-        if not work:
+        if not work and not (self.coop is not None and self.coop.pending()):
             return []
         self.steps += 1
         try:
-            toks = self._forward(work)
+            toks = self._forward(work) if self.coop is None else self.coop.forward(self, work)
         except (RuntimeError, ValueError, IndexError) as e:  # fails this step's requests, never the engine
             log.warning("step failed for %d requests: %s", len(work), e)
             for w in work:

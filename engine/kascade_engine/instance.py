@@ -22,12 +22,14 @@ import logging
 from typing import Any
 
 from kascade_engine.config import EngineConfig
+from kascade_engine.cooperation import HostRows, PairClient
 from kascade_engine.engine import Engine
 from kascade_engine.live import Finisher
 from kascade_engine.metrics import EngineMetrics
 from kascade_engine.model import LlamaModel
 from kascade_engine.scheduler import Limits
 from kascade_engine.tokenizer import Tokenizer
+from kascade_engine.transport import TransportError
 from kascade_planner.engine_api import BindRequest, CooperateRequest, EngineStatus, LoadPlanRequest
 
 log = logging.getLogger(__name__)
@@ -87,7 +89,11 @@ class EngineInstance:
         c = config
         self.engine = Engine(self.model, Limits(c.max_batch_tokens, c.max_seqs, c.kv_tokens, c.page_size),
                              eos=self.tokenizer.eos_token_id)
-        self.finisher = Finisher(self.model, busy=lambda: not self.engine.scheduler.idle, token=config.token)
+        self.host = HostRows()  # pair sessions (a loading peer's rows) join this engine's batch
+        self.engine.coop = self.host
+        self.pair: PairClient | None = None  # while loading with a peer: our rows finish there
+        self.finisher = Finisher(self.model, busy=lambda: not self.engine.scheduler.idle, token=config.token,
+                                 host=self.host, wake=lambda: self.serving.wake.set())
         self.serving = Serving(self)
 
     # -- phase ---------------------------------------------------------------------------------
@@ -188,7 +194,24 @@ class EngineInstance:
         self._settle()
         return self.status()
 
-    def set_cooperate(self, req: CooperateRequest) -> EngineStatus:
+    async def set_cooperate(self, req: CooperateRequest) -> EngineStatus:
+        """Form (or end) the pair: one authenticated connection to the peer, opened now, reused by every
+        step of every request until the pair ends (cooperation.py)."""
+        from kascade_engine.cooperation import form_pair
+
+        if req.mode != "off" and self.pair is not None and self.cooperate.get("peer") == req.peer:
+            pair: PairClient | None = self.pair  # same peer: keep the pair (and its split sequences)
+        elif req.mode != "off" and not self.model.complete:
+            try:
+                pair = await form_pair(self, req.peer)
+            except (OSError, RuntimeError, ValueError, TransportError, TimeoutError) as e:
+                raise InstanceError(502, f"cannot pair with peer {req.peer}: {e}", "peer") from None
+        else:
+            pair = None
+        old, self.pair = self.pair, pair
+        self.engine.coop = pair if pair is not None else self.host
+        if old is not None and old is not pair:
+            await old.close()
         self.cooperate = {} if req.mode == "off" else {"peer": req.peer, "mode": req.mode}
         if not self.cooperate and self.phase is Phase.LIVE:
             self._to(Phase.LOADING)
@@ -205,6 +228,9 @@ class EngineInstance:
         if self.loading is not None and not self.loading.done():
             self.loading.cancel()
         self.model_service, self.role, self.cooperate = None, "colocated", {}
+        if self.pair is not None:
+            asyncio.get_running_loop().create_task(self.pair.close())
+            self.pair, self.engine.coop = None, self.host
         self.model.weights.clear()  # the device memory is for the next model
         self.engine.reset()
         self.blockset, self.plan, self.load_error, self.bytes_received, self.transfer_bw = None, None, None, 0, 0.0
@@ -220,6 +246,8 @@ class EngineInstance:
                             str(self.dtype).removeprefix("torch."))
 
     async def close(self) -> None:
+        if self.pair is not None:
+            await self.pair.close()
         if self.loading is not None and not self.loading.done():
             self.loading.cancel()
         await self.serving.close()

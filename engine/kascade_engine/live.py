@@ -1,6 +1,9 @@
-"""Live cooperative execution: a loading engine B runs the resident prefix of layers for a request and
-ships the activations to the full engine A over the data-plane `Transport`; A runs the rest, samples,
-and returns the token.
+"""Live cooperative execution, per request: a loading engine B runs the resident prefix of layers for a
+request and ships the activations to the full engine A over the data-plane `Transport`; A runs the rest,
+samples, and returns the token. The serving engine no longer uses this per-request path: a live engine
+runs the split per step inside both batches over one pair connection (cooperation.py; its session
+starts on the same activation port, after the same hello, with {"op": "pair"}). The per-request
+protocol below stays for tools and tests that drive a single sequence.
 
 Wire format (explicit, no pickle), one transport frame per step:
   B -> A  header {"op": "act", "req", "start" (position of the first token), "layer" (k: first layer
@@ -27,6 +30,7 @@ import hmac
 import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -75,9 +79,13 @@ class Finisher:
     """A's side: finishes requests whose prefix ran elsewhere. `handle` is a transport handler."""
 
     def __init__(self, model: LlamaModel, max_requests: int = 256, busy: Callable[[], bool] = lambda: False,
-                 token: str | None = None) -> None:
+                 token: str | None = None, host: Any = None, wake: Callable[[], None] = lambda: None) -> None:
         self.model = model
         self.token = token
+        self.host = host  # cooperation.HostRows of this engine: pair sessions join its batch
+        self.wake = wake  # wakes this engine's step loop when a pair step arrives
+        self.connections = 0  # metric: activation connections accepted (pairs reuse theirs)
+        self.pairs = 0
         self.busy = busy  # is this engine's own work queue non-empty (ZigZag: the peer pulls only when idle)
         self.max_requests = max_requests
         self.state: dict[str, _Remote] = {}
@@ -118,6 +126,7 @@ class Finisher:
             return {"op": "error", "req": req, "message": str(e)}
 
     async def handle(self, conn: Connection) -> None:
+        self.connections += 1
         if self.token is not None:
             try:  # a hello carries no payload: nothing is allocated before the token is checked
                 hello, _ = await conn.recv(timeout=10, max_payload=0)
@@ -131,11 +140,19 @@ class Finisher:
                 return
             await conn.send({"op": "welcome"})
         limit = MAX_ACT_TOKENS * self.model.shape.hidden * 4  # the largest activation a peer may send
+        first = True
         while True:
             try:
                 header, payload = await conn.recv(max_payload=limit)
             except TransportError:
                 return
+            if first and header.get("op") == "pair" and self.host is not None:
+                from kascade_engine.cooperation import host_pair
+
+                self.pairs += 1
+                await host_pair(self.host, self.model, conn, header, self.pairs, self.wake, limit)
+                return
+            first = False
             reply = await asyncio.to_thread(self.step, header, payload)
             try:
                 await conn.send(reply)

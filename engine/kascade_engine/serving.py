@@ -1,8 +1,8 @@
 """Serving: the request side of an engine instance — submit, stream tokens, abort — and the loop that
 drives the batching engine.
 
-Data flow: `submit(prompt, params)` -> `Engine.submit` (local, every block resident) or a split task
-(live: our resident prefix here, the rest on the cooperating peer, see live.py) -> an asyncio queue per
+Data flow: `submit(prompt, params)` -> `Engine.submit` (every block resident, or live: the same batch,
+whose steps run our resident prefix here and finish on the paired peer, see cooperation.py) -> an asyncio queue per
 request -> `tokens(rid)` yields `Event`s; leaving the iterator early (client gone) aborts the request,
 which frees its KV pages before the next step. The loop runs `Engine.step` in a worker thread whenever
 work exists and routes the step's events to the queues.
@@ -38,13 +38,12 @@ class Serving:
     def __init__(self, inst: EngineInstance) -> None:
         self.inst = inst
         self.queues: dict[str, asyncio.Queue[Event | Exception]] = {}
-        self.split_tasks: set[asyncio.Task[None]] = set()
         self.wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
 
     @property
     def idle(self) -> bool:
-        return self.inst.engine.scheduler.idle and not self.split_tasks
+        return self.inst.engine.scheduler.idle
 
     def start(self) -> None:
         if self._loop_task is None:
@@ -54,15 +53,14 @@ class Serving:
         if self._loop_task is not None:
             self._loop_task.cancel()
             self._loop_task = None
-        for t in list(self.split_tasks):
-            t.cancel()
 
     async def _run(self) -> None:
         eng, metrics = self.inst.engine, self.inst.metrics
         while True:
-            if eng.scheduler.idle:
+            if eng.idle:
                 self.wake.clear()
-                await self.wake.wait()
+                if eng.idle:  # a pair step may have arrived between the check and the clear
+                    await self.wake.wait()
             try:
                 events = await asyncio.to_thread(eng.step)
             except Exception as e:  # one failing step fails its requests, never the loop
@@ -95,8 +93,10 @@ class Serving:
         rid = f"cmpl-{uuid.uuid4().hex[:16]}"
         self.queues[rid] = asyncio.Queue()
         if not self.inst.model.complete:
-            self._submit_split(rid, prompt, params)
-            return rid
+            if self.inst.pair is None:
+                self.queues.pop(rid, None)
+                raise RequestError(503, "engine is loading and has no cooperating peer")
+            self.inst.metrics.live_split.inc()  # batched here, finished in the pair's batch (cooperation.py)
         try:
             self.inst.engine.submit(prompt, params, rid)
         except ValueError as e:
@@ -105,37 +105,6 @@ class Serving:
         self.inst.metrics.on_request(len(prompt))
         self.wake.set()
         return rid
-
-    def _submit_split(self, rid: str, prompt: list[int], params: SamplingParams) -> None:
-        from kascade_engine.live import SplitClient
-        from kascade_engine.transport_tcp import TcpTransport
-
-        inst, q = self.inst, self.queues[rid]
-        k = inst.model.resident_prefix()
-        host, _, port = inst.cooperate["peer"].rpartition(":")
-        eos = inst.tokenizer.eos_token_id
-
-        async def run() -> None:
-            try:
-                conn = await TcpTransport().connect(host, int(port))
-                try:
-                    def emit(tok: int, last: bool) -> None:
-                        reason = ("stop" if tok == eos or tok in params.stop_token_ids else "length") if last else None
-                        q.put_nowait(Event(rid, tok, last, reason))
-
-                    inst.metrics.live_split.inc()
-                    client = SplitClient(inst.model, conn)
-                    await client.hello(inst.config.token)  # peers are engines of this installation (same token)
-                    await client.generate(rid, prompt, params, k, eos, emit,
-                                          zigzag=inst.cooperate.get("mode") == "zigzag")
-                finally:
-                    await conn.close()
-            except Exception as e:
-                q.put_nowait(e)
-
-        self.inst.metrics.on_request(len(prompt))
-        self.split_tasks.add(t := asyncio.create_task(run()))
-        t.add_done_callback(self.split_tasks.discard)
 
     async def tokens(self, rid: str) -> AsyncIterator[Event]:
         """The request's events until it finishes; closing early (client gone) aborts it at once."""

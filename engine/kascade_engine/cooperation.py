@@ -1,0 +1,373 @@
+"""Cooperation: a loading engine B and its full pair A run the live split per STEP, inside both batches.
+
+Pair session: one long-lived authenticated connection per pair, opened when the pair forms (the
+cooperate call), never per request. The hello/token check stays the first exchange:
+  B -> A  {"op": "hello", "token"}  ->  {"op": "welcome"}
+  B -> A  {"op": "pair", "layers": L, "hidden": H}  ->  {"op": "paired", "pair": id}
+then one frame per B step (every row of B's batch that A finishes, in one activation tensor):
+  B -> A  {"op": "step", "rows": [[req, start, n, layer, sample, temperature, top_p, seed], ...],
+          "end": [req, ...], "shape": [N, H], "dtype"} + raw activations (row-major, little endian;
+          the rows' tokens in row order, each after B's layers 0..layer-1)
+  A -> B  {"op": "tokens", "tokens": [one per sampling row, in order]}  or  {"op": "error", "message"}.
+
+Data flow on B (`PairClient`, B's Engine hook): its scheduler batches its own requests as usual; the
+step embeds every row, runs each sequence's resident prefix 0..k-1 (`staggered`), and sends the whole
+step to A in one frame; A's sampled tokens come back as the step's tokens.
+On A (`HostRows`, A's Engine hook): a pair step is queued and wakes A's loop; A's next step runs its own
+sequences through embed and layers 0..k-1, then B's rows whose split is k join the same tensor for
+layers k..L-1 — B's rows and A's own traffic share one forward per layer — and the tokens go back.
+KV stays split: B's paged cache holds layers 0..k-1 of its sequences, A's paged cache (pages under
+"pair<id>/<req>") layers k..L-1. A sequence keeps the k it started with (its KV below k lives on B);
+sequences B admits later get the resident prefix of that moment, so the split moves forward as blocks
+arrive; once B holds every block, new sequences run entirely on B (k = L, sampled locally).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from kascade_engine.kvcache import KVCache, build_batch
+from kascade_engine.live import DTYPES, decode_activation
+from kascade_engine.model import LlamaModel
+from kascade_engine.sampling import SamplingParams, sample
+from kascade_engine.transport import Connection
+
+if TYPE_CHECKING:
+    from kascade_engine.engine import Engine
+    from kascade_engine.scheduler import Work
+
+log = logging.getLogger(__name__)
+
+
+class Cooperation(Protocol):
+    """An Engine hook: `forward` replaces the step's forward; `pending` keeps the loop stepping."""
+
+    def pending(self) -> bool: ...
+
+    def forward(self, engine: Engine, work: list[Work]) -> list[int]: ...
+
+
+@dataclass
+class Row:
+    """One sequence's chunk in a step: positions start..start+n, layers a..b-1 to run on `x` [n, H]."""
+
+    table: list[int]
+    start: int
+    n: int
+    a: int
+    b: int
+    x: torch.Tensor
+
+
+def staggered(model: LlamaModel, cache: KVCache, rows: list[Row]) -> None:
+    """Run every row through its own layer range in one tensor per layer segment: rows join at their
+    first layer and leave after their last, so all rows present at a layer share its forward."""
+    bounds = sorted({r.a for r in rows} | {r.b for r in rows})
+    for u, v in itertools.pairwise(bounds):
+        present = sorted((r for r in rows if r.a <= u and r.b >= v), key=lambda r: r.n > 1)  # decodes first
+        if not present:
+            continue
+        batch = build_batch(cache, [(r.table, r.start, r.n) for r in present])
+        x = model.run_layers(u, v, torch.cat([r.x for r in present]), batch)
+        at = 0
+        for r in present:
+            r.x, at = x[at:at + r.n], at + r.n
+
+
+def _pick(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
+    return int(logits.argmax()) if params.temperature <= 0 else sample(logits.cpu(), params, gen)
+
+
+def _own_rows(engine: Engine, work: list[Work], end: Callable[[str], int]) -> tuple[list[Row], list[int]]:
+    """Rows of this engine's own requests (embedded; layers 0..end(id)-1) and which ones sample."""
+    m, pool = engine.model, engine.scheduler.pool
+    rows, sampling = [], []
+    for i, w in enumerate(work):
+        toks = engine.requests[w.id].tokens
+        x = m.embed(torch.tensor(toks[w.start:w.end], dtype=torch.long, device=m.device))
+        rows.append(Row(pool.tables[w.id], w.start, w.n, 0, end(w.id), x))
+        if w.end == len(toks):
+            sampling.append(i)
+    return rows, sampling
+
+
+# -- A: host B's rows inside A's own batch -------------------------------------------------------
+@dataclass
+class PairStep:
+    pair: int
+    rows: list[list[Any]]  # [req, start, n, layer, sample, temperature, top_p, seed]
+    hidden: torch.Tensor
+    done: Callable[[list[int] | Exception], None]
+
+
+@dataclass
+class HostRows:
+    """A's hook: pair steps queue here (event loop) and join A's next step (worker thread)."""
+
+    inbox: deque[PairStep] = field(default_factory=deque)
+    ends: deque[str] = field(default_factory=deque)  # page keys to free at the next step
+    gens: dict[str, torch.Generator | None] = field(default_factory=dict)
+    lengths: dict[str, int] = field(default_factory=dict)
+    rows_hosted: int = 0  # metric: B rows finished here
+    steps_hosted: int = 0
+    shared_steps: int = 0  # metric: steps where pair rows and this engine's own rows shared the forward
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def pending(self) -> bool:
+        return bool(self.inbox or self.ends)
+
+    def submit(self, step: PairStep, ends: list[str]) -> None:
+        with self._lock:
+            self.ends.extend(f"pair{step.pair}/{r}" for r in ends)
+            self.inbox.append(step)
+
+    def close_pair(self, pair: int) -> None:
+        with self._lock:
+            self.ends.extend(k for k in list(self.lengths) if k.startswith(f"pair{pair}/"))
+
+    def forward(self, engine: Engine, work: list[Work]) -> list[int]:
+        m, pool, L = engine.model, engine.scheduler.pool, engine.model.shape.layers
+        with self._lock:
+            steps, ends = list(self.inbox), list(self.ends)
+            self.inbox.clear()
+            self.ends.clear()
+        for key in ends:
+            pool.free(key)
+            self.gens.pop(key, None)
+            self.lengths.pop(key, None)
+        try:
+            rows, sampling = _own_rows(engine, work, lambda _: L)
+            picks: list[tuple[torch.Generator | None, SamplingParams]] = [
+                (engine.requests[work[i].id].gen, engine.requests[work[i].id].params) for i in sampling]
+            owners: list[tuple[PairStep, int]] = []  # (step, -1) per own sampling row is implicit
+            accepted: list[PairStep] = []
+            for st in steps:
+                try:
+                    mine = self._rows(engine, st)
+                except ValueError as e:
+                    st.done(e)
+                    continue
+                accepted.append(st)
+                for (row, meta) in mine:
+                    rows.append(row)
+                    if meta[4]:
+                        sampling.append(len(rows) - 1)
+                        key = f"pair{st.pair}/{meta[0]}"
+                        picks.append((self.gens[key], SamplingParams(temperature=float(meta[5]),
+                                                                     top_p=float(meta[6]))))
+                        owners.append((st, 0))
+            staggered(m, engine.cache, rows)
+            toks: list[int] = []
+            if sampling:
+                logits = m.logits(torch.cat([rows[i].x[-1:] for i in sampling]))
+                toks = [_pick(logits[j], p, g) for j, (g, p) in enumerate(picks)]
+        except Exception as e:
+            for st in steps:
+                st.done(e)
+            raise
+        self.shared_steps += bool(work and accepted)
+        n_own = len(toks) - len(owners)
+        per_step: dict[int, list[int]] = {id(st): [] for st in accepted}
+        for (st, _), tok in zip(owners, toks[n_own:], strict=True):
+            per_step[id(st)].append(tok)
+        for st in accepted:
+            st.done(per_step[id(st)])
+            self.rows_hosted += len(st.rows)
+            self.steps_hosted += 1
+        return toks[:n_own]
+
+    def _rows(self, engine: Engine, st: PairStep) -> list[tuple[Row, list[Any]]]:
+        m, pool, L = engine.model, engine.scheduler.pool, engine.model.shape.layers
+        out, at = [], 0
+        for meta in st.rows:
+            if not (isinstance(meta, list) and len(meta) == 8):
+                raise ValueError(f"pair row {meta!r} must be [req, start, n, layer, sample, temperature, top_p, seed]")
+            req, start, n, layer = meta[0], meta[1], meta[2], meta[3]
+            if not (isinstance(start, int) and isinstance(n, int) and isinstance(layer, int)) or start < 0 or n < 1:
+                raise ValueError(f"pair row {req!r}: start {start!r} / n {n!r} must be ints >= 0 / >= 1")
+            if not 0 <= layer <= L:
+                raise ValueError(f"pair row {req!r}: layer {layer} outside 0..{L}")
+            key = f"pair{st.pair}/{req}"
+            if start > self.lengths.get(key, 0):
+                raise ValueError(f"pair row {req!r}: KV here holds {self.lengths.get(key, 0)} positions, "
+                                 f"new tokens start at {start}")
+            if not pool.grow(key, start + n):
+                raise ValueError(f"pair row {req!r}: no free KV pages for {start + n} positions")
+            if key not in self.gens:
+                seed = meta[7]
+                self.gens[key] = torch.Generator(device="cpu").manual_seed(int(seed)) if seed is not None else None
+            self.lengths[key] = max(self.lengths.get(key, 0), start + n)
+            x = st.hidden[at:at + n].to(m.device, m.dtype)
+            at += n
+            out.append((Row(pool.tables[key], start, n, layer, L, x), meta))
+        if at != st.hidden.shape[0]:
+            raise ValueError(f"pair step rows cover {at} tokens, the activation has {st.hidden.shape[0]}")
+        return out
+
+
+# -- B: run the resident prefix for the whole batch, one activation frame per step ---------------
+class PairClient:
+    """B's hook: the pair's one connection, and each of B's sequences' split point."""
+
+    def __init__(self, model: LlamaModel, conn: Connection, loop: asyncio.AbstractEventLoop,
+                 timeout: float = 120.0) -> None:
+        self.model, self.conn, self.loop, self.timeout = model, conn, loop, timeout
+        self.split: dict[str, int] = {}  # request -> k (its layers on B)
+        self.remote: set[str] = set()  # requests A holds KV for
+        self.fallback: Cooperation | None = None  # the engine's hook once nothing runs split any more
+        self.steps_sent = 0
+        self.bytes_sent = 0
+        self.tokens_sent = 0
+
+    def pending(self) -> bool:
+        return False  # ends ride on the next step; A frees everything when the pair closes
+
+    async def _exchange(self, header: dict[str, Any], raw: bytes) -> dict[str, Any]:
+        await self.conn.send(header, raw)
+        reply, _ = await self.conn.recv(timeout=self.timeout)
+        return reply
+
+    def forward(self, engine: Engine, work: list[Work]) -> list[int]:
+        m, L = self.model, self.model.shape.layers
+        for rid in [r for r in self.split if r not in engine.requests]:  # finished or aborted
+            self.split.pop(rid)
+        ends = [r for r in self.remote if r not in self.split]
+        self.remote.difference_update(ends)
+        for w in work:
+            if w.id not in self.split:
+                self.split[w.id] = L if m.complete else m.resident_prefix()
+        rows, sampling = _own_rows(engine, work, lambda rid: self.split[rid])
+        staggered(m, engine.cache, rows)
+        local = [i for i in sampling if self.split[work[i].id] == L and m.complete]
+        far = [i for i, w in enumerate(work) if not (self.split[w.id] == L and m.complete)]
+        toks: dict[int, int] = {}
+        if local:
+            logits = m.logits(torch.cat([rows[i].x[-1:] for i in local]))
+            for j, i in enumerate(local):
+                r = engine.requests[work[i].id]
+                toks[i] = _pick(logits[j], r.params, r.gen)
+        if far or ends:
+            remote = self._send(engine, work, rows, far, set(sampling), ends)
+            for i, tok in zip([i for i in far if i in set(sampling)], remote, strict=True):
+                toks[i] = tok
+        if m.complete and not self.remote and all(k == L for k in self.split.values()):
+            engine.coop = self.fallback  # fully loaded, no split sequence left: a plain engine again
+        return [toks[i] for i in sampling]
+
+    def _send(self, engine: Engine, work: list[Work], rows: list[Row], far: list[int], sampling: set[int],
+              ends: list[str]) -> list[int]:
+        meta = []
+        for i in far:
+            w, p = work[i], engine.requests[work[i].id].params
+            meta.append([w.id, w.start, w.n, self.split[w.id], i in sampling, p.temperature, p.top_p, p.seed])
+            self.remote.add(w.id)
+        hidden = torch.cat([rows[i].x for i in far]) if far else torch.empty(0, self.model.shape.hidden)
+        name = str(hidden.dtype).removeprefix("torch.")
+        raw = hidden.contiguous().cpu().view(torch.uint8).numpy().tobytes() if hidden.numel() else b""
+        header = {"op": "step", "rows": meta, "end": ends, "shape": list(hidden.shape), "dtype": name}
+        fut = asyncio.run_coroutine_threadsafe(self._exchange(header, raw), self.loop)
+        reply = fut.result(self.timeout + 5)
+        self.steps_sent += 1
+        self.bytes_sent += len(raw)
+        self.tokens_sent += int(hidden.shape[0])
+        if reply.get("op") != "tokens":
+            raise RuntimeError(f"pair refused the step: {reply.get('message', reply)}")
+        return [int(t) for t in reply["tokens"]]
+
+    async def close(self) -> None:
+        await self.conn.close()
+
+
+async def open_pair(model: LlamaModel, conn: Connection, token: str | None) -> PairClient:
+    """Authenticate and form the pair on an open connection (at cooperate time, not per request)."""
+    if token is not None:
+        await conn.send({"op": "hello", "token": token})
+        reply, _ = await conn.recv(timeout=10)
+        if reply.get("op") != "welcome":
+            raise RuntimeError(f"peer refused the hello: {reply}")
+    s = model.shape
+    await conn.send({"op": "pair", "layers": s.layers, "hidden": s.hidden})
+    reply, _ = await conn.recv(timeout=10)
+    if reply.get("op") != "paired":
+        raise RuntimeError(f"peer refused the pair: {reply.get('message', reply)}")
+    return PairClient(model, conn, asyncio.get_running_loop())
+
+
+async def form_pair(inst: Any, peer: str) -> PairClient:
+    """B forms its pair with the engine whose activation port is `peer` ("host:port")."""
+    from kascade_engine.transport_tcp import TcpTransport
+
+    host, _, port = peer.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"peer {peer!r} must be host:port")
+    conn = await TcpTransport().connect(host, int(port))
+    try:
+        pair = await open_pair(inst.model, conn, inst.config.token)
+    except BaseException:
+        await conn.close()
+        raise
+    pair.fallback = inst.host
+    log.info("%s: paired with %s (one connection for every step)", inst.instance_id, peer)
+    return pair
+
+
+async def host_pair(host: HostRows, model: LlamaModel, conn: Connection, first: dict[str, Any], pair: int,
+                    wake: Callable[[], None], max_payload: int) -> None:
+    """A's side of one pair session: every B step joins A's next batch; tokens go back."""
+    from kascade_engine.transport import TransportError
+
+    s = model.shape
+    if first.get("layers") != s.layers or first.get("hidden") != s.hidden:
+        await conn.send({"op": "error", "message": f"pair shape {first.get('layers')}x{first.get('hidden')} "
+                                                  f"!= this model's {s.layers}x{s.hidden}"})
+        return
+    await conn.send({"op": "paired", "pair": pair})
+    loop = asyncio.get_running_loop()
+    try:
+        while True:
+            try:
+                header, payload = await conn.recv(max_payload=max_payload)
+            except TransportError:
+                return
+            if header.get("op") != "step":
+                await conn.send({"op": "error", "message": f"unknown op {header.get('op')!r} in a pair session"})
+                continue
+            try:
+                rows, ends = header.get("rows"), header.get("end") or []
+                if not isinstance(rows, list) or not isinstance(ends, list):
+                    raise ValueError("a pair step needs lists 'rows' and 'end'")
+                if header.get("dtype") not in DTYPES:
+                    raise ValueError(f"activation dtype {header.get('dtype')!r} not supported")
+                hidden = (decode_activation(header, payload, s.hidden) if rows
+                          else torch.empty(0, s.hidden, dtype=model.dtype, device=model.device))
+            except ValueError as e:
+                await conn.send({"op": "error", "message": str(e)})
+                continue
+            fut: asyncio.Future[list[int] | Exception] = loop.create_future()
+
+            def done(v: list[int] | Exception, fut: asyncio.Future[list[int] | Exception] = fut) -> None:
+                def put() -> None:
+                    if not fut.done():
+                        fut.set_result(v)
+
+                loop.call_soon_threadsafe(put)
+
+            host.submit(PairStep(pair, rows, hidden, done), [str(r) for r in ends])
+            wake()
+            got = await fut
+            if isinstance(got, Exception):
+                await conn.send({"op": "error", "message": str(got)})
+            else:
+                await conn.send({"op": "tokens", "tokens": got})
+    finally:
+        host.close_pair(pair)
+        wake()
