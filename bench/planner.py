@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Planner benchmark: planning speed at cluster scale, plan quality against the lower bound, ZigZag.
 
+Plan quality is the cost model's prediction over the spine-aware lower bound (emulated: no network).
 Writes bench/results/planner.json and prints a table. `--quick` runs fewer repetitions (< 1 minute).
 """
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from kascade_planner.builder import make_plan
 from kascade_planner.cost import lower_bound, predict
+from kascade_planner.hybrid import _tree
 from kascade_planner.plan import Instance, ModelLayout
 from kascade_planner.topology import Topology, leaf_spine
 from kascade_planner.zigzag import (
@@ -47,9 +49,16 @@ def spread(topo: Topology, n_sources: int, n_targets: int) -> tuple[list[Instanc
     return sources, targets
 
 
-def median_ms(fn: object, reps: int, clock: Callable[[], float] = time.perf_counter) -> float:
+def clear_caches() -> None:
+    """Planning time is measured cold: the hybrid builder memoises its (pure) tree shapes."""
+    _tree.cache_clear()
+
+
+def median_ms(fn: object, reps: int, clock: Callable[[], float] = time.perf_counter,
+              clear: Callable[[], None] = lambda: None) -> float:
     times = []
     for _ in range(reps):
+        clear()
         t0 = clock()
         fn()  # type: ignore[operator]
         times.append((clock() - t0) * 1000)
@@ -80,6 +89,26 @@ def main() -> None:
         if name == "uniform":
             binom = make_plan(topo, MODEL, s, t, "binomial")
             out["binomial_over_lower_bound_uniform"] = binom.completion / lower_bound(binom, topo)
+    # Multicast mode auto at scale: leaf-spine with 1:1 and 2:1 spines, a few sources; ratios against
+    # the spine-aware lower bound (a source-less leaf imports the model over its uplink share).
+    scale = {8: (2, 8, 2), 64: (4, 17, 4), 512: (16, 64, 4), 2048: (64, 64, 4)}
+    for n, (leaves, per_leaf, n_src) in scale.items():
+        for spine, ratio in (("1to1", 1.0), ("2to1", 0.5)):
+            topo = leaf_spine(leaves, per_leaf, 8, inter_leaf_ratio=ratio)
+            s, t = spread(topo, n_src, n)
+            auto = make_plan(topo, MODEL, s, t, "auto")
+            out[f"auto_over_lower_bound_{n}_{spine}"] = auto.completion / lower_bound(auto, topo)
+            if n == 2048:
+                chain = make_plan(topo, MODEL, s, t, "chain")
+                out[f"chain_over_lower_bound_2048_{spine}"] = chain.completion / lower_bound(chain, topo)
+            print(f"  auto {n:>5} targets, {spine} spine: {auto.algorithm:<8} {auto.notes[-1][:110]}", flush=True)
+    huge = leaf_spine(64, 64, 8)  # 32,768 GPUs
+    s, t = spread(huge, 4, 2048)
+    out["plan_ms_2048_of_32768"] = median_ms(lambda: make_plan(huge, MODEL, s, t, "auto", predict=False), reps,
+                                             clear=clear_caches)
+    out["plan_cpu_ms_2048_of_32768"] = median_ms(lambda: make_plan(huge, MODEL, s, t, "auto", predict=False), reps,
+                                                 time.thread_time, clear=clear_caches)
+
     topo = leaf_spine(1, 9, 8)
     s, t = spread(topo, 1, 8)
     out["star_over_chain_8"] = make_plan(topo, MODEL, s, t, "star").completion / make_plan(topo, MODEL, s, t, "chain").completion
@@ -98,7 +127,10 @@ def main() -> None:
     out["besteffort_last_finish_fig15"] = best_effort(fig15).last
     out["stop_last_finish_fig15"] = stop_the_world(fig15).last
 
-    targets = {"plan_ms_1024_of_4096": ("<=", 5), "chain_over_lower_bound_uniform": ("<=", 1.05),
+    targets: dict[str, tuple[str, float]] = {
+               "plan_ms_1024_of_4096": ("<=", 5), "chain_over_lower_bound_uniform": ("<=", 1.05),
+               "binomial_over_lower_bound_uniform": ("<=", 1.10), "plan_ms_2048_of_32768": ("<=", 20),
+               **{k: ("<=", 1.15) for k in out if k.startswith("auto_over_lower_bound")},
                "ilp_ms_32x12": ("<=", 10), "ilpfree_over_ilp_avg_latency": ("<=", 1.10)}
     print(f"{'metric':<40} {'value':>10}  target")
     for k, v in out.items():

@@ -12,7 +12,8 @@ import yaml
 @click.command()
 @click.argument("topology_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("-a", "--algorithm", "algorithms", multiple=True,
-              type=click.Choice(["chain", "binomial", "star", "tree", "local"]), help="Default: all.")
+              type=click.Choice(["auto", "chain", "binomial", "hybrid", "star", "tree", "local"]),
+              help="Default: all. auto builds the candidates and keeps the fastest predicted.")
 @click.option("--targets", "n_targets", type=click.IntRange(1, 100_000), help="Override scenario.targets with N placed targets.")
 @click.option("--json", "as_json", is_flag=True, help="Print plans and predictions as JSON.")
 @click.option("--detail", is_flag=True, help="Per-target predicted completion for each plan.")
@@ -36,7 +37,10 @@ def plan(topology_file: Path, algorithms: tuple[str, ...], n_targets: int | None
             sc = replace(sc, targets=tuple(place_targets(sc.topology, n_targets, 1, {s.node for s in sc.sources})))
         plans = [make_plan(sc.topology, sc.model, sc.sources, sc.targets, alg, kv_flows=sc.kv_flows,
                            host_cached_nodes=sc.host_cached_nodes)
-                 for alg in (algorithms or ("chain", "binomial", "star", "tree", "local"))]
+                 for alg in (algorithms or ("auto", "chain", "binomial", "hybrid", "star", "tree", "local"))]
+        names = [f"auto: {p.algorithm}" if alg == "auto" else alg
+                 for alg, p in zip(algorithms or ("auto", "chain", "binomial", "hybrid", "star", "tree", "local"),
+                                   plans, strict=True)]
     except (PlanError, TopologyError, yaml.YAMLError) as e:
         raise click.ClickException(f"{topology_file}: {e}") from None
     if as_json:
@@ -50,12 +54,12 @@ def plan(topology_file: Path, algorithms: tuple[str, ...], n_targets: int | None
                         f"{len(sc.sources)} source(s) -> {len(sc.targets)} target(s); lower bound {lb:.3f} s")
     for col in ("algorithm", "completion (s)", "x lower bound", "flows", "structure"):
         table.add_column(col, justify="right" if col[0] in "cxf" else "left")
-    for p in plans:
+    for name, p in zip(names, plans, strict=True):
         shape = "; ".join(" -> ".join(c) for c in p.chains[:2]) if p.algorithm == "chain" else (
             f"pipelines: {', '.join('+'.join(x) for x in p.pipelines[:2])}" if p.pipelines else "")
         if len(p.chains) > 2 and p.algorithm == "chain":
             shape += f"; ... ({len(p.chains)} chains)"
-        table.add_row(p.algorithm, f"{p.completion:.3f}", f"{p.completion / lb:.2f}", str(len(p.flows)), shape)
+        table.add_row(name, f"{p.completion:.3f}", f"{p.completion / lb:.2f}", str(len(p.flows)), shape)
     console.print(table)
     for p in plans:
         for n in p.notes:

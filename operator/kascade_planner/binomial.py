@@ -12,9 +12,12 @@ soonest and can serve cooperatively while loading.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 
+from kascade_planner.cost import CostParams, predict
 from kascade_planner.plan import Flow, Instance, ModelLayout, Plan, PlanError
+from kascade_planner.topology import Topology
 
 
 def shifted_orders(block_ids: Sequence[str], k: int) -> list[tuple[str, ...]]:
@@ -25,13 +28,13 @@ def shifted_orders(block_ids: Sequence[str], k: int) -> list[tuple[str, ...]]:
     return [tuple(b for c in chunks[j:] + chunks[:j] for b in c) for j in range(k)]
 
 
-def binomial_schedule(order: Sequence[str], n_receivers: int) -> tuple[list[tuple[int, int, str]], int]:
+def binomial_schedule(order: Sequence[str], n_receivers: int) -> tuple[list[tuple[int, int, int, str]], int]:
     """Pipelined broadcast from node 0 to nodes 1..n, one block per link direction per step.
 
     Hypercube pairs first (partner across dimension step mod d), then idle links are filled greedily
     (neediest receiver, richest idle sender), which handles N + 1 that is not a power of two. The source
-    injects a block nobody holds yet whenever one is left. Returns the (src, dst, block) sends in step
-    order and the number of steps (b + ceil(log2 N) - 1 on full hypercubes, a few more otherwise).
+    injects a block nobody holds yet whenever one is left. Returns the (step, src, dst, block) sends in
+    step order and the number of steps (b + ceil(log2 N) - 1 on full hypercubes, a few more otherwise).
     """
     if n_receivers <= 0:
         return [], 0
@@ -40,7 +43,7 @@ def binomial_schedule(order: Sequence[str], n_receivers: int) -> tuple[list[tupl
     total = len(order)
     rank = {b: i for i, b in enumerate(order)}
     held: list[set[str]] = [set(order)] + [set() for _ in range(n_receivers)]
-    sends: list[tuple[int, int, str]] = []
+    sends: list[tuple[int, int, int, str]] = []
     step = 0
     while any(len(h) < total for h in held):
         snap = [frozenset(h) for h in held]
@@ -48,7 +51,7 @@ def binomial_schedule(order: Sequence[str], n_receivers: int) -> tuple[list[tupl
         recv: set[int] = set()
 
         def give(x: int, y: int, snap: list[frozenset[str]] = snap, sent: set[int] = sent,
-                 recv: set[int] = recv) -> bool:
+                 recv: set[int] = recv, step: int = step) -> bool:
             missing = [b for b in order if b in snap[x] and b not in snap[y]]
             if x == 0:
                 fresh = [b for b in missing if not any(b in h for h in snap[1:])]
@@ -59,7 +62,7 @@ def binomial_schedule(order: Sequence[str], n_receivers: int) -> tuple[list[tupl
             held[y].add(b)
             sent.add(x)
             recv.add(y)
-            sends.append((x, y, b))
+            sends.append((step, x, y, b))
             return True
 
         dim = step % d
@@ -79,28 +82,63 @@ def binomial_schedule(order: Sequence[str], n_receivers: int) -> tuple[list[tupl
     return sends, step
 
 
+def _groups(srcs: Sequence[Instance], tgts: Sequence[Instance], k: int,
+            leaf_of: Callable[[Instance], str]) -> list[list[Instance]]:
+    """k sub-groups of near-equal size, each a contiguous run of the targets in (leaf, id) order, so
+    a sub-group's hypercube pairs (low dimensions: neighbours) mostly stay inside a leaf; sources in
+    the same (leaf, id) order head them."""
+    ordered = sorted(tgts, key=lambda t: (leaf_of(t), t.id))
+    bounds = [round(i * len(ordered) / k) for i in range(k + 1)]
+    return [ordered[bounds[j]:bounds[j + 1]] for j in range(k)]
+
+
+def _binomial_plan(model: ModelLayout, srcs: Sequence[Instance], tgts: Sequence[Instance], k: int,
+                   leaf_of: Callable[[Instance], str]) -> Plan:
+    heads = sorted(srcs, key=lambda s: (leaf_of(s), s.id))[:k]
+    groups = _groups(srcs, tgts, k, leaf_of)
+    orders = shifted_orders(model.block_ids, k)
+    flows: list[Flow] = []
+    steps: list[tuple[int, ...]] = []
+    steps_max = 0
+    for j, group in enumerate(groups):
+        members = [heads[j], *group]
+        sends, n_steps = binomial_schedule(orders[j], len(group))
+        steps_max = max(steps_max, n_steps)
+        per_edge: dict[tuple[int, int], tuple[list[str], list[int]]] = {}
+        for st, x, y, b in sends:
+            blocks, at = per_edge.setdefault((x, y), ([], []))
+            blocks.append(b)
+            at.append(st)
+        for (x, y), (blocks, at) in sorted(per_edge.items(), key=lambda e: (e[1][1][0], e[0])):
+            flows.append(Flow(members[x].id, members[y].id, tuple(blocks)))
+            steps.append(tuple(at))
+    pipelines = tuple(tuple(g[r].id for g in groups if r < len(g)) for r in range(max(len(g) for g in groups)))
+    by_id = sorted(tgts, key=lambda t: t.id)
+    fallbacks = tuple((t.id, tuple(s.id for s in sorted(srcs, key=lambda s: s.id)[:2])) for t in by_id)
+    notes = (f"k={k} sub-groups, {steps_max} steps for {len(model.block_ids)} blocks",)
+    return Plan("binomial", model, tuple(sorted(srcs, key=lambda s: s.id)), tuple(by_id), tuple(flows), (),
+                fallbacks, pipelines=pipelines, notes=notes, steps=tuple(steps))
+
+
 def build_binomial(model: ModelLayout, sources: Sequence[Instance], targets: Sequence[Instance],
-                   k: int | None = None) -> Plan:
+                   k: int | None = None, topo: Topology | None = None, cost: CostParams = CostParams()) -> Plan:
+    """λScale's k-way binomial pipeline. `k` None: with a topology, the cost model picks k among
+    1, 2, 4, ... and the number of sources (fewer, larger sub-groups pipeline more blocks per step;
+    more sub-groups use more sources); without one, k = the number of sources."""
     if not sources or not targets:
         raise PlanError("binomial needs at least one source and one target")
     srcs = sorted(sources, key=lambda s: s.id)
-    k = min(k or len(srcs), len(srcs), len(targets))
-    tgts = sorted(targets, key=lambda t: t.id)
-    groups = [tgts[j::k] for j in range(k)]
-    orders = shifted_orders(model.block_ids, k)
-    flows: list[Flow] = []
-    steps_max = 0
-    for j, group in enumerate(groups):
-        members = [srcs[j], *group]
-        sends, steps = binomial_schedule(orders[j], len(group))
-        steps_max = max(steps_max, steps)
-        per_edge: dict[tuple[int, int], list[str]] = {}
-        for x, y, b in sends:
-            per_edge.setdefault((x, y), []).append(b)
-        for (x, y), blocks in sorted(per_edge.items()):
-            flows.append(Flow(members[x].id, members[y].id, tuple(blocks)))
-    pipelines = tuple(tuple(g[r].id for g in groups if r < len(g)) for r in range(max(len(g) for g in groups)))
-    fallbacks = tuple((t.id, tuple(s.id for s in srcs[:2])) for t in tgts)
-    notes = (f"k={k} sub-groups, {steps_max} steps for {len(model.block_ids)} blocks",)
-    return Plan("binomial", model, tuple(srcs), tuple(tgts), tuple(flows), (), fallbacks,
-                pipelines=pipelines, notes=notes)
+    limit = min(len(srcs), len(targets))
+    leaf: Callable[[Instance], str] = (lambda i: topo.node(i.node).leaf) if topo is not None else (lambda i: "")
+    if k is not None or topo is None:
+        return _binomial_plan(model, srcs, targets, min(k or limit, limit), leaf)
+    options = sorted({*(2 ** e for e in range(limit.bit_length()) if 2 ** e <= limit), limit})
+    best: tuple[float, int, Plan] | None = None
+    for kk in options:
+        plan = _binomial_plan(model, srcs, targets, kk, leaf)
+        t = predict(plan, topo, cost).makespan
+        if best is None or t < best[0] * (1 - 1e-9):
+            best = (t, kk, plan)
+    assert best is not None
+    t, kk, plan = best
+    return replace(plan, notes=(*plan.notes, f"k={kk} chosen by the cost model among {options}: {t:.3f} s"))

@@ -7,10 +7,12 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import replace
 
+from kascade_planner.auto import choose
 from kascade_planner.baselines import build_local, build_star, build_tree
 from kascade_planner.binomial import build_binomial
 from kascade_planner.chains import ChainOptions, build_chains
 from kascade_planner.cost import CostParams, with_prediction
+from kascade_planner.hybrid import build_hybrid
 from kascade_planner.plan import ALGORITHMS, Instance, ModelLayout, Plan, PlanError
 from kascade_planner.topology import Topology
 
@@ -18,13 +20,18 @@ from kascade_planner.topology import Topology
 def make_plan(topo: Topology, model: ModelLayout, sources: Sequence[Instance], targets: Sequence[Instance],
               algorithm: str = "chain", *, kv_flows: Sequence[tuple[str, str]] = (), overloaded: Sequence[str] = (),
               host_cached_nodes: Collection[str] = (), shard: bool = True, predict: bool = True,
-              cost: CostParams = CostParams(), live: bool | None = None) -> Plan:
-    """`live`: True pairs targets with serving sources (`pair_live`), False drops pairs, None keeps what
-    the algorithm chose."""
-    if algorithm == "chain":
+              cost: CostParams = CostParams(), live: bool | None = None, stripes: int = 2) -> Plan:
+    """`algorithm` "auto" builds the candidates and keeps the fastest predicted (`auto.choose`; its
+    note says why). `live`: True pairs targets with serving sources (`pair_live`), False drops pairs,
+    None keeps what the algorithm chose. `stripes`: the hybrid plan's stripe count."""
+    if algorithm == "auto":
+        plan = choose(topo, model, sources, targets, kv_flows, overloaded, shard, cost)
+    elif algorithm == "hybrid":
+        plan = build_hybrid(topo, model, sources, targets, stripes, kv_flows)
+    elif algorithm == "chain":
         plan = build_chains(topo, model, sources, targets, kv_flows, overloaded, ChainOptions(shard=shard))
     elif algorithm == "binomial":
-        plan = build_binomial(model, sources, targets)
+        plan = build_binomial(model, sources, targets, topo=topo, cost=cost)
     elif algorithm == "star":
         plan = build_star(model, sources, targets)
     elif algorithm == "tree":
@@ -32,7 +39,7 @@ def make_plan(topo: Topology, model: ModelLayout, sources: Sequence[Instance], t
     elif algorithm == "local":
         plan = build_local(model, targets, host_cached_nodes)
     else:
-        raise PlanError(f"unknown algorithm {algorithm!r} (choose one of {', '.join(ALGORITHMS)})")
+        raise PlanError(f"unknown algorithm {algorithm!r} (choose one of auto, {', '.join(ALGORITHMS)})")
     plan.validate()
     if live is not None:
         plan = replace(plan, live_pairs=pair_live(plan, overloaded) if live else ())

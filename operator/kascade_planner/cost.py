@@ -60,8 +60,147 @@ def egress_key(f: Flow, src: Instance, dst: Instance) -> tuple[str, int]:
 
 
 def predict(plan: Plan, topo: Topology, params: CostParams = CostParams()) -> Prediction:
+    if plan.steps and not any(f.shard for f in plan.flows):
+        return _predict_steps(plan, topo, params)
+    if plan.algorithm == "hybrid":
+        shared = _predict_shared(plan, topo, params)
+        if shared is not None:
+            return shared
     fast = _predict_pipelined(plan, topo, params)
     return fast if fast is not None else _predict_events(plan, topo, params)
+
+
+def _finish(plan: Plan, have: dict[tuple[str, str], tuple[float, float]]) -> Prediction:
+    arrival = []
+    completion = []
+    for tgt in plan.targets:
+        per = tuple((b, have[(tgt.id, b)][1]) for b in plan.model.block_ids if (tgt.id, b) in have)
+        if len(per) != len(plan.model.block_ids):
+            raise PlanError(f"target {tgt.id!r} does not receive every block")
+        arrival.append((tgt.id, per))
+        completion.append((tgt.id, max(t for _, t in per)))
+    return Prediction(tuple(arrival), tuple(completion))
+
+
+def _predict_steps(plan: Plan, topo: Topology, params: CostParams) -> Prediction:
+    """Step-scheduled plans (binomial): every link sends its blocks in step order (a list schedule:
+    one block per link direction at a time, cut-through per chunk as everywhere). The sends are
+    taken in step order, so a relay's block is always known before it is forwarded."""
+    sizes = dict(zip(plan.model.block_ids, plan.model.block_bytes, strict=True))
+    inst = {i.id: i for i in (*plan.sources, *plan.targets)}
+    source_ids = {s.id for s in plan.sources}
+    flows = plan.flows
+    rates = [pair_gbps(topo, inst[f.src], inst[f.dst]) * 1e9 / 8 for f in flows]
+    out_keys = [egress_key(f, inst[f.src], inst[f.dst]) for f in flows]
+    sends = sorted((st, k, i) for k, steps in enumerate(plan.steps) for i, st in enumerate(steps))
+    have: dict[tuple[str, str], tuple[float, float]] = {}
+    egress: dict[tuple[str, int], float] = {}
+    ingress: dict[str, float] = {}
+    lat = params.hop_latency_s
+    for _, k, i in sends:
+        f = flows[k]
+        b = f.blocks[i]
+        first, full = (0.0, 0.0) if f.src in source_ids else have[(f.src, b)]
+        nbytes = sizes[b]
+        c = min(params.chunk_bytes, nbytes) / rates[k]
+        start = max(first, egress.get(out_keys[k], 0.0), ingress.get(f.dst, 0.0))
+        end = max(start + nbytes / rates[k], full + c)
+        egress[out_keys[k]] = ingress[f.dst] = end
+        have[(f.dst, b)] = (start + c + lat, end + lat)
+    return _finish(plan, have)
+
+
+def link_shares(plan: Plan, topo: Topology | None = None) -> list[tuple[int, int]]:
+    """Per flow, (how many flows share its busier end, how many cross-leaf flows share its busier
+    end; 0 for a flow inside a leaf). Flows that stream concurrently split a link evenly (TCP does;
+    so does the cost model for such plans), and a GPU link's cross-leaf traffic together gets at most
+    its share of the leaf's uplink (the inter-leaf ratio of the link), per direction."""
+    inst = {i.id: i for i in (*plan.sources, *plan.targets)}
+    by_name = topo.by_name if topo is not None else {}
+    outs: dict[tuple[str, int], int] = {}
+    ins: dict[tuple[str, int], int] = {}
+    cross_out: dict[tuple[str, int], int] = {}
+    cross_in: dict[tuple[str, int], int] = {}
+    keys = []
+    for f in plan.flows:
+        a, b = inst[f.src], inst[f.dst]
+        o, i = egress_key(f, a, b), (f.dst, f.shard[0] if f.shard else 0)
+        outs[o] = outs.get(o, 0) + 1
+        ins[i] = ins.get(i, 0) + 1
+        cross = bool(by_name) and by_name[a.node].leaf != by_name[b.node].leaf
+        if cross:
+            cross_out[o] = cross_out.get(o, 0) + 1
+            cross_in[i] = cross_in.get(i, 0) + 1
+        keys.append((o, i, cross))
+    return [(max(outs[o], ins[i]), max(cross_out[o], cross_in[i]) if cross else 0) for o, i, cross in keys]
+
+
+def _predict_shared(plan: Plan, topo: Topology, params: CostParams) -> Prediction | None:
+    """Plans whose flows stream concurrently and share links evenly (hybrid striped trees: a node
+    forwards its stripe to its children at once, each at 1/n of its link): every flow is a FIFO of
+    its blocks at rate min(pair bandwidth, link / sharers), pipelined per chunk (the same recurrence
+    as `_predict_pipelined`). Flows are evaluated level by level (a flow's level: one more than the
+    flow that brought its blocks to its sender), each level's flows of one block set as one matrix.
+    None when the plan does not qualify (shards, a sender fed by several flows of one block set)."""
+    if any(f.shard for f in plan.flows):
+        return None
+    index = {b: i for i, b in enumerate(plan.model.block_ids)}
+    sizes = np.asarray(plan.model.block_bytes, dtype=np.float64)
+    everyone = (*plan.sources, *plan.targets)
+    inst = {i.id: i for i in everyone}
+    row = {i.id: r for r, i in enumerate(everyone)}
+    source_ids = {s.id for s in plan.sources}
+    ratio = topo.inter_leaf_ratio
+    level: dict[tuple[str, int], int] = {}
+    batches: dict[tuple[int, int], list[tuple[int, int, float]]] = {}
+    block_sets: dict[int, np.ndarray] = {}
+    for f, (share, spine_share) in zip(plan.flows, link_shares(plan, topo), strict=True):
+        key = id(f.blocks)
+        if key not in block_sets:
+            block_sets[key] = np.fromiter((index[b] for b in f.blocks), dtype=np.int64, count=len(f.blocks))
+        if f.src in source_ids:
+            lv = 0
+        else:
+            got = level.get((f.src, key))
+            if got is None:
+                return None
+            lv = got + 1
+        if (f.dst, key) in level:
+            return None
+        level[(f.dst, key)] = lv
+        a, b = inst[f.src], inst[f.dst]
+        pair = pair_gbps(topo, a, b)
+        link = pair / ratio if spine_share else pair  # the GPU links' own rate
+        gbps = min(link / share, pair / spine_share) if spine_share else link / share
+        batches.setdefault((lv, key), []).append((row[f.src], row[f.dst], gbps * 1e9 / 8))
+    nb = len(sizes)
+    first_at = np.full((len(everyone), nb), np.inf)
+    full_at = np.full((len(everyone), nb), np.inf)
+    for sid in source_ids:
+        first_at[row[sid]] = full_at[row[sid]] = 0.0
+    lat, chunk = params.hop_latency_s, float(params.chunk_bytes)
+    for (_, key), items in sorted(batches.items(), key=lambda kv: kv[0][0]):
+        idx = block_sets[key]
+        src = np.fromiter((x[0] for x in items), dtype=np.int64, count=len(items))
+        dst = np.fromiter((x[1] for x in items), dtype=np.int64, count=len(items))
+        rate = np.fromiter((x[2] for x in items), dtype=np.float64, count=len(items))[:, None]
+        nbytes = sizes[idx][None, :]
+        first, full = first_at[src][:, idx], full_at[src][:, idx]
+        d = nbytes / rate
+        c = np.minimum(chunk, nbytes) / rate
+        a = np.maximum(first + d, full + c)
+        cum = np.cumsum(d, axis=1)
+        finish = cum + np.maximum.accumulate(a - cum, axis=1)
+        start = np.maximum(first, np.concatenate((np.zeros((len(items), 1)), finish[:, :-1]), axis=1))
+        first_at[dst[:, None], idx[None, :]] = start + c + lat
+        full_at[dst[:, None], idx[None, :]] = finish + lat
+    rows = [row[t.id] for t in plan.targets]
+    if not np.isfinite(full_at[rows]).all():
+        return None
+    whole = plan.model.block_ids
+    arrival = tuple((t.id, tuple(zip(whole, full_at[r].tolist(), strict=True))) for t, r in zip(plan.targets, rows, strict=True))
+    completion = tuple((t.id, float(full_at[r].max())) for t, r in zip(plan.targets, rows, strict=True))
+    return Prediction(arrival, completion)
 
 
 def _predict_pipelined(plan: Plan, topo: Topology, params: CostParams) -> Prediction | None:
@@ -232,10 +371,26 @@ def _reachable_gbps(topo: Topology, src: Instance, dst: Instance) -> float:
 
 def lower_bound(plan: Plan, topo: Topology, params: CostParams = CostParams()) -> float:
     """No target can finish before the whole model crossed its own GPUs' links at the best bandwidth
-    any other holder could offer it (instance-granular transfers), plus one hop latency."""
+    any other holder could offer it (instance-granular transfers), plus one hop latency. Spine-aware:
+    a leaf holding no source imports the whole model over the spine, at most at the inter-leaf rate
+    on each of its targets' GPU links at once (its per-leaf uplink share), so none of its targets can
+    finish before that either."""
     others = [*plan.sources, *plan.targets]
     worst = 0.0
     for t in plan.targets:
         bw = max(_reachable_gbps(topo, o, t) for o in others if o.id != t.id)
         worst = max(worst, plan.model.total_bytes / (t.gpus * bw * 1e9 / 8))
-    return worst + params.hop_latency_s
+    return max(worst, spine_bound(plan, topo)) + params.hop_latency_s
+
+
+def spine_bound(plan: Plan, topo: Topology) -> float:
+    """The slowest source-less leaf's import of one copy over its uplink: the model's bytes over the
+    sum of its targets' GPU links at the inter-leaf rate (0 when every leaf with targets has a source)."""
+    by_name = topo.by_name
+    held = {by_name[s.node].leaf for s in plan.sources if s.node in by_name}
+    uplink: dict[str, float] = {}
+    for t in plan.targets:
+        node = by_name[t.node]
+        if node.leaf not in held:
+            uplink[node.leaf] = uplink.get(node.leaf, 0.0) + t.gpus * node.nic_gbps * topo.inter_leaf_ratio
+    return max((plan.model.total_bytes / (cap * 1e9 / 8) for cap in uplink.values()), default=0.0)

@@ -12,8 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-Algorithm = Literal["chain", "binomial", "star", "tree", "local"]
-ALGORITHMS: tuple[str, ...] = ("chain", "binomial", "star", "tree", "local")
+Algorithm = Literal["chain", "binomial", "hybrid", "star", "tree", "local"]
+ALGORITHMS: tuple[str, ...] = ("chain", "binomial", "hybrid", "star", "tree", "local")
 
 
 class PlanError(ValueError):
@@ -115,6 +115,9 @@ class Plan:
     pipelines: tuple[tuple[str, ...], ...] = ()  # λScale execution pipelines (one member per sub-group)
     predicted: tuple[tuple[str, float], ...] = ()
     notes: tuple[str, ...] = field(default=())
+    # Step-scheduled plans (binomial): per flow, the step at which each of its blocks is sent. A link
+    # sends its blocks in step order; empty for plans whose flows simply stream.
+    steps: tuple[tuple[int, ...], ...] = ()
 
     # -- queries -------------------------------------------------------------------------------
     def instance(self, iid: str) -> Instance:
@@ -144,6 +147,8 @@ class Plan:
         ids = {i.id for i in (*self.sources, *self.targets)}
         if len(ids) != len(self.sources) + len(self.targets):
             raise PlanError("instance ids must be unique across sources and targets")
+        if self.steps:
+            self._check_steps()
         target_ids = {t.id for t in self.targets}
         flows = self.flows
         whole = self.model.block_ids
@@ -155,6 +160,8 @@ class Plan:
                 and (_in_forwarding_order(srcs, dsts)
                      or _feeders_reach_sources(dict(zip(dsts, srcs, strict=True)), ids - target_ids))):
             return self  # each target receives the whole model once, along chains rooted at sources
+        if not any(f.shard for f in flows) and set(srcs) <= ids and self._stripes_cover(blocks, target_ids, ids):
+            return self  # stripes: each target receives each disjoint block set once, along trees from sources
         if not (set(srcs) <= ids and set(dsts) <= target_ids
                 and all(f.shard is None or 0 <= f.shard[0] < f.shard[1] for f in flows)):
             for k, f in enumerate(flows):
@@ -176,6 +183,43 @@ class Plan:
         for b, ks in per_block.items():
             self._check_causal((b,), ks)
         return self
+
+    def _stripes_cover(self, sets: Mapping[int, tuple[str, ...]], target_ids: set[str], ids: set[str]) -> bool:
+        """Fast sufficient check for striped plans (few distinct block sets, shared by identity): the
+        sets partition the model, and per set every target is fed exactly once along a tree that
+        reaches a source. False sends the plan to the detailed checks."""
+        if len(sets) > 64 or sum(len(b) for b in sets.values()) != len(self.model.block_ids):
+            return False
+        if set().union(*sets.values()) != set(self.model.block_ids):
+            return False
+        feeders: dict[int, dict[str, str]] = {k: {} for k in sets}
+        for f in self.flows:
+            tree = feeders[id(f.blocks)]
+            if f.dst in tree:
+                return False
+            tree[f.dst] = f.src
+        sources = ids - target_ids
+        return all(tree.keys() == target_ids and _feeders_reach_sources(tree, sources) for tree in feeders.values())
+
+    def _check_steps(self) -> None:
+        """One step per block of every flow, and a relay sends a block only at a later step than the
+        one it receives it at (the step order is an execution order, not just a label)."""
+        if len(self.steps) != len(self.flows):
+            raise PlanError(f"steps: {len(self.steps)} entries for {len(self.flows)} flows")
+        got: dict[tuple[str, str], int] = {}
+        for k, (f, st) in enumerate(zip(self.flows, self.steps, strict=True)):
+            if len(st) != len(f.blocks) or any(s < 0 for s in st):
+                raise PlanError(f"steps[{k}]: needs one step >= 0 per block of flows[{k}]")
+            for b, s in zip(f.blocks, st, strict=True):
+                key = (f.dst, b)
+                got[key] = max(got.get(key, -1), s)
+        sources = {s.id for s in self.sources}
+        for k, (f, st) in enumerate(zip(self.flows, self.steps, strict=True)):
+            if f.src in sources:
+                continue
+            for b, s in zip(f.blocks, st, strict=True):
+                if got.get((f.src, b), s) >= s:
+                    raise PlanError(f"steps[{k}]: {f.src!r} sends block {b!r} at step {s}, before it holds it")
 
     def _check_whole_coverage(self) -> None:
         """Every flow carries the whole model (the common case): per target, one unsharded flow or
@@ -289,6 +333,7 @@ class Plan:
             "pipelines": [list(p) for p in self.pipelines],
             "predicted": dict(self.predicted),
             "notes": list(self.notes),
+            **({"steps": [list(x) for x in self.steps]} if self.steps else {}),
         }
 
     @staticmethod
@@ -315,6 +360,7 @@ class Plan:
                 pipelines=tuple(tuple(p) for p in doc.get("pipelines", [])),
                 predicted=tuple((str(t), float(v)) for t, v in dict(doc.get("predicted", {})).items()),
                 notes=tuple(str(n) for n in doc.get("notes", [])),
+                steps=tuple(tuple(int(s) for s in x) for x in doc.get("steps", [])),
             )
         except KeyError as e:
             raise PlanError(f"plan document: missing field {e.args[0]!r}") from None

@@ -1,0 +1,134 @@
+"""Multicast mode `auto`: build the candidate plans, keep the fastest predicted, and say why.
+
+Data flow: (topology, model, sources, targets) -> candidates: chains (always), hybrid striped trees
+with f in {2, 4} stripes (f >= the spine's oversubscription, so a cross-leaf stripe is never slower
+than a stripe's share of a link), the λScale binomial pipeline (up to `BINOMIAL_MAX` targets: its
+schedule is built step by step) -> a predicted completion for each -> the minimum, ties to the
+simpler plan (chain, then hybrid, then binomial) -> that plan, with a note listing every score.
+Up to `EXACT_MAX` targets every candidate is built and predicted by the cost model itself. Beyond,
+candidates are scored by closed forms of the same model (`estimate_*`, checked against it by tests;
+the cost model itself where a plan breaks the closed form's premise), and a chain plan is not even
+built when its pipeline fill alone is longer than the best hybrid: planning 2,048 targets stays
+within milliseconds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from itertools import pairwise
+
+from kascade_planner.binomial import build_binomial
+from kascade_planner.chains import ChainOptions, build_chains
+from kascade_planner.cost import CostParams, pair_gbps, predict
+from kascade_planner.hybrid import build_hybrid
+from kascade_planner.plan import Instance, ModelLayout, Plan, PlanError
+from kascade_planner.topology import Topology
+
+EXACT_MAX = 256
+BINOMIAL_MAX = 32
+
+
+def stripe_options(topo: Topology, exact: bool = True) -> tuple[int, ...]:
+    """Stripe counts worth trying: 2, and enough that one cross-leaf stripe fits a link's uplink
+    share (ceil(1 / inter-leaf ratio)); with exact scoring also 4."""
+    need = math.ceil(1 / topo.inter_leaf_ratio - 1e-9)
+    return tuple(sorted({2, max(2, need), *((4,) if exact else ())}))
+
+
+def estimate_chain(plan: Plan, topo: Topology, cost: CostParams) -> float:
+    """Each chain: the model at its slowest hop's rate, plus one chunk time per further hop."""
+    inst = {i.id: i for i in (*plan.sources, *plan.targets)}
+    sharded = {f.dst for f in plan.flows if f.shard}
+    total = plan.model.total_bytes
+    worst = 0.0
+    for chain in plan.chains:
+        rates = []
+        for a, b in pairwise(chain):
+            src, dst = inst[a], inst[b]
+            g = dst.gpus if b in sharded else 1
+            rates.append(pair_gbps(topo, src, dst) * g * 1e9 / 8)
+        if rates:
+            slow = min(rates)
+            worst = max(worst, total / slow + sum(min(cost.chunk_bytes, total) / r for r in rates[1:])
+                        + cost.hop_latency_s * len(rates))
+    return worst
+
+
+def chain_floor(topo: Topology, model: ModelLayout, sources: Sequence[Instance], targets: Sequence[Instance],
+                cost: CostParams) -> float:
+    """No chain plan finishes sooner: at most one chain per source, so some chain has at least
+    ceil(targets / sources) targets, each hop one chunk time behind the previous at the best link rate."""
+    by_name = topo.by_name
+    n = math.ceil(len(targets) / max(1, len(sources)))
+    bw = max(by_name[i.node].nic_gbps * i.gpus for i in targets) * 1e9 / 8
+    return model.total_bytes / bw + (n - 1) * min(cost.chunk_bytes, max(model.block_bytes)) / bw
+
+
+def estimate_hybrid(plan: Plan, topo: Topology, cost: CostParams) -> float | None:
+    """When every link carries its even share (no target forwards more than f flows, no link more
+    cross-leaf flows than its uplink share), every stripe flow runs at link/f: the last target
+    finishes one stripe's bytes plus one chunk per hop of its deepest stripe after the start, at
+    that rate. None when the plan breaks the promise (the caller then runs the cost model)."""
+    stripes = {id(f.blocks): f.blocks for f in plan.flows}
+    f_count = len(stripes)
+    sources = {s.id for s in plan.sources}
+    inst = {i.id: i for i in (*plan.sources, *plan.targets)}
+    by_name = topo.by_name
+    depth: dict[tuple[str, int], int] = {}
+    outs: dict[str, int] = {}
+    cross: dict[str, int] = {}
+    cross_in: dict[str, int] = {}
+    cap = max(1, int(topo.inter_leaf_ratio * f_count + 1e-9))
+    for f in plan.flows:
+        key = id(f.blocks)
+        depth[(f.dst, key)] = (0 if f.src in sources else depth[(f.src, key)]) + 1
+        outs[f.src] = outs.get(f.src, 0) + 1
+        if by_name[inst[f.src].node].leaf != by_name[inst[f.dst].node].leaf:
+            cross[f.src] = cross.get(f.src, 0) + 1
+            cross_in[f.dst] = cross_in.get(f.dst, 0) + 1
+    if (max(outs.values()) > f_count or max(cross.values(), default=0) > cap
+            or max(cross_in.values(), default=0) > cap):
+        return None
+    bw = min(by_name[i.node].nic_gbps for i in inst.values())
+    rate = min(bw / f_count, bw * topo.inter_leaf_ratio if cross else bw) * 1e9 / 8
+    sizes = dict(zip(plan.model.block_ids, plan.model.block_bytes, strict=True))
+    stripe_bytes = max(sum(sizes[b] for b in blocks) for blocks in stripes.values())
+    chunk = min(cost.chunk_bytes, max(plan.model.block_bytes))
+    hops = max(depth.values())
+    return (stripe_bytes + (hops - 1) * chunk) / rate + chunk / rate + hops * cost.hop_latency_s
+
+
+def choose(topo: Topology, model: ModelLayout, sources: Sequence[Instance], targets: Sequence[Instance],
+           kv_flows: Sequence[tuple[str, str]] = (), overloaded: Sequence[str] = (), shard: bool = True,
+           cost: CostParams = CostParams()) -> Plan:
+    if not targets:
+        raise PlanError("no targets to load")
+    exact = len(targets) <= EXACT_MAX
+    scored: list[tuple[float, int, str, Plan | None]] = []
+    hybrid_ok = not any(t.gpus > 1 for t in targets)  # tp>1 targets: chains shard over every GPU link
+    hybrids: list[tuple[float, int, str, Plan | None]] = []
+    if hybrid_ok:
+        for f in stripe_options(topo, exact):
+            p = build_hybrid(topo, model, sources, targets, f, kv_flows)
+            t = None if exact else estimate_hybrid(p, topo, cost)
+            hybrids.append((predict(p, topo, cost).makespan if t is None else t, 1, f"hybrid (f={f})", p))
+    scored.extend(hybrids)
+    floor = chain_floor(topo, model, sources, targets, cost)
+    if exact or floor < min((h[0] for h in hybrids), default=math.inf):
+        chain = build_chains(topo, model, sources, targets, kv_flows, overloaded, ChainOptions(shard=shard))
+        scored.append((predict(chain, topo, cost).makespan if exact else estimate_chain(chain, topo, cost), 0,
+                       "chain", chain))
+    else:  # no chain plan can beat the best hybrid: its pipeline fill alone is longer (not built)
+        scored.append((floor, 0, "chain (at least; not built)", None))
+    if len(targets) <= BINOMIAL_MAX and not kv_flows and hybrid_ok:
+        b = build_binomial(model, sources, targets, topo=topo, cost=cost)
+        scored.append((predict(b, topo, cost).makespan, 2, "binomial", b))
+    best = min((x for x in scored if x[3] is not None), key=lambda x: (x[0] * (1 + 1e-6 * x[1]), x[1]))
+    plan = best[3]
+    assert plan is not None
+    how = "predicted" if exact else "estimated (closed form)"
+    others = "; ".join(f"{name} {t:.3f} s" for t, _, name, _ in sorted(scored, key=lambda x: x[0]) if name != best[2])
+    why = f"auto: {best[2]} {how} {best[0]:.3f} s, the fastest" + (f" (others: {others})" if others else "")
+    return Plan(plan.algorithm, plan.model, plan.sources, plan.targets, plan.flows, plan.chains, plan.fallbacks,
+                plan.live_pairs, plan.pipelines, plan.predicted, (*plan.notes, why), plan.steps)
