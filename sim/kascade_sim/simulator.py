@@ -231,13 +231,15 @@ class Simulation:
             # KV flows prefill -> decode must not share links with weight transfers (source pruning).
             kv = [(p.id, d.id) for p in serving if p.role == "prefill" for d in serving if d.role == "decode"]
             live = self.sys.serving == "live"
-            free_partners = sorted((i for i in serving if i.role == role and i.live_target is None),
-                                   key=lambda i: (-i.load - len(self.queue[(m, role)]), i.id))
+            # Any serving instance of the model without a live target may partner (it holds every
+            # layer); the overloaded ones of the scaled role first.
+            free_partners = [i for i in serving if i.live_target is None]
+            hot = sorted((i for i in free_partners if i.role == role), key=lambda i: (-i.load, i.id))
             plan = make_plan(self.topo, self.layout, sources, ptargets, self.sys.transfer, kv_flows=kv,
-                             overloaded=[i.id for i in free_partners], predict=False, live=True if live else None)
+                             overloaded=[i.id for i in hot], predict=False, live=True if live else None)
             if live:
                 by_id = {i.id: i for i in free_partners}
-                pairs = {t: by_id[s] for s, t in plan.live_pairs if s in by_id}  # one to one, same role
+                pairs = {t: by_id[s] for s, t in plan.live_pairs if s in by_id}  # one to one
         arrival = dict(predict(plan, self.topo).arrival)
         joint = max(min(dict(arrival[t.id])[b] for t in targets) for b in self.layout.block_ids)
         for t in targets:
