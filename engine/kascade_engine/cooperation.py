@@ -303,20 +303,26 @@ async def open_pair(model: LlamaModel, conn: Connection, token: str | None) -> P
 
 
 async def form_pair(inst: Any, peer: str) -> PairClient:
-    """B forms its pair with the engine whose activation port is `peer` ("host:port")."""
-    from kascade_engine.transport_tcp import TcpTransport
+    """B forms its pair with the engine whose activation port is `peer` ("host:port"), on a connection
+    the instance's PeerPool warmed ahead when there is one (no handshake now), else a fresh one."""
+    from kascade_engine.transport import TransportError
 
-    host, _, port = peer.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"peer {peer!r} must be host:port")
-    conn = await TcpTransport().connect(host, int(port))
+    conn, warmed = await inst.peers.take(peer)
     try:
-        pair = await open_pair(inst.model, conn, inst.config.token)
-    except BaseException:
+        pair = await open_pair(inst.model, conn, None)
+    except (OSError, RuntimeError, TransportError):
         await conn.close()
-        raise
+        if not warmed:
+            raise
+        conn, _ = await inst.peers.take(peer)  # the warmed one went stale: one fresh try
+        try:
+            pair = await open_pair(inst.model, conn, None)
+        except BaseException:
+            await conn.close()
+            raise
     pair.fallback = inst.host
-    log.info("%s: paired with %s (one connection for every step)", inst.instance_id, peer)
+    log.info("%s: paired with %s (%s connection, used by every step)", inst.instance_id, peer,
+             "warmed" if warmed else "new")
     return pair
 
 

@@ -27,9 +27,10 @@ from kascade_engine.engine import Engine
 from kascade_engine.live import Finisher
 from kascade_engine.metrics import EngineMetrics
 from kascade_engine.model import LlamaModel
+from kascade_engine.peerpool import PeerPool
 from kascade_engine.scheduler import Limits
 from kascade_engine.tokenizer import Tokenizer
-from kascade_engine.transport import TransportError
+from kascade_engine.transport import TransportError, make_transport
 from kascade_planner.engine_api import BindRequest, CooperateRequest, EngineStatus, LoadPlanRequest
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class EngineInstance:
         c = config
         self.engine = Engine(self.model, Limits(c.max_batch_tokens, c.max_seqs, c.kv_tokens, c.page_size),
                              eos=self.tokenizer.eos_token_id)
+        self.peers = PeerPool(make_transport("tcp"), config.token)  # activation connections opened ahead
         self.host = HostRows()  # pair sessions (a loading peer's rows) join this engine's batch
         self.engine.coop = self.host
         self.pair: PairClient | None = None  # while loading with a peer: our rows finish there
@@ -199,6 +201,12 @@ class EngineInstance:
         step of every request until the pair ends (cooperation.py)."""
         from kascade_engine.cooperation import form_pair
 
+        if req.mode == "standby":
+            try:
+                await self.peers.warm(req.peer)
+            except (OSError, RuntimeError, ValueError, TransportError, TimeoutError) as e:
+                raise InstanceError(502, f"cannot reach peer {req.peer}: {e}", "peer") from None
+            return self.status()
         if req.mode != "off" and self.pair is not None and self.cooperate.get("peer") == req.peer:
             pair: PairClient | None = self.pair  # same peer: keep the pair (and its split sequences)
         elif req.mode != "off" and not self.model.complete:
@@ -246,6 +254,7 @@ class EngineInstance:
                             str(self.dtype).removeprefix("torch."))
 
     async def close(self) -> None:
+        await self.peers.close()
         if self.pair is not None:
             await self.pair.close()
         if self.loading is not None and not self.loading.done():

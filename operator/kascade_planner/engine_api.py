@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 ROLES = ("prefill", "decode", "colocated")
-MODES = ("zigzag", "besteffort", "off")
+MODES = ("zigzag", "besteffort", "standby", "off")
 DTYPES = ("bfloat16", "float16", "float32")
 # Engine phases, in lifecycle order (see kascade_engine.instance.Phase).
 PHASES = ("empty", "bound", "loading", "live", "serving", "draining", "released")
 
 Role = Literal["prefill", "decode", "colocated"]
-Mode = Literal["zigzag", "besteffort", "off"]
+Mode = Literal["zigzag", "besteffort", "standby", "off"]
 
 
 class WireError(ValueError):
@@ -141,7 +141,9 @@ class LoadPlanRequest:
 
 @dataclass(frozen=True)
 class CooperateRequest:
-    """Serve split with `peer` (its activation port) while loading; mode `off` stops."""
+    """Serve split with `peer` (its activation port) while loading; mode `off` stops; `standby` only opens
+    and authenticates the connection to `peer` ahead (at bind or pool join), so a later pairing pays no
+    handshake."""
 
     peer: str
     mode: Mode

@@ -141,3 +141,27 @@ async def test_pair_refused_with_wrong_token_or_dead_peer(tiny_ckpt, tiny_blocks
         assert p.b.pair is None and p.a.host.rows_hosted == 0
     finally:
         await p.close()
+
+
+async def test_standby_warms_the_pair_connection_so_pairing_pays_no_handshake(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    params = SamplingParams(max_tokens=4)
+    p = await _pair(tiny_ckpt, tiny_blocks, resident=3)
+    c = _instance(tiny_ckpt, tiny_blocks, 1, "c")  # a second loading engine, never warmed
+    c.serving.start()
+    try:
+        a, b = p.a, p.b
+        await b.set_cooperate(CooperateRequest(p.peer, "standby"))  # at bind / pool join
+        assert b.peers.handshakes == 1 and a.finisher.connections == 1
+        assert b.phase is Phase.LOADING and b.pair is None  # standby serves nothing yet
+        await b.set_cooperate(CooperateRequest(p.peer, "zigzag"))  # the scale-up: no handshake now
+        assert b.peers.handshakes == 1 and b.peers.reused == 1 and a.finisher.connections == 1
+        await c.set_cooperate(CooperateRequest(p.peer, "zigzag"))  # baseline: pays its handshake now
+        assert c.peers.handshakes == 1 and c.peers.reused == 0 and a.finisher.connections == 2
+        want = _unsplit(tiny_blocks, PROMPTS[:3], params)
+        outs = await asyncio.gather(*(_collect(e, e.serving.submit(pr, params)) for e in (b, c) for pr in PROMPTS[:3]))
+        assert outs == want + want and a.finisher.connections == 2 and a.finisher.pairs == 2
+        with pytest.raises(InstanceError, match="cannot reach peer"):
+            await c.set_cooperate(CooperateRequest("127.0.0.1:1", "standby"))
+    finally:
+        await c.close()
+        await p.close()
