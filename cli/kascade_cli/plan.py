@@ -8,6 +8,45 @@ from pathlib import Path
 import click
 import yaml
 
+MAX_BYTES = 4 << 20  # a topology/scenario file; a 100,000-node `nodes:` list fits
+MAX_ALIASES = 100  # YAML aliases in one document (an alias bomb expands each one again)
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """safe_load that refuses documents with many aliases or deep nesting: an alias bomb shares
+    nodes, so it loads small but explodes when walked; deep nesting overflows the parser's stack."""
+
+    aliases = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: object) -> yaml.Node | None:  # type: ignore[override]
+        if self.check_event(yaml.AliasEvent):
+            self.aliases += 1
+            if self.aliases > MAX_ALIASES:
+                mark = self.peek_event().start_mark
+                raise yaml.YAMLError(f"more than {MAX_ALIASES} YAML aliases (line {mark.line + 1}): "
+                                     "refusing a possible alias bomb")
+        return super().compose_node(parent, index)  # type: ignore[arg-type]
+
+
+def read_document(path: Path) -> object:
+    """The file's single YAML document, bounded in size, aliases and nesting; errors are one line."""
+    size = path.stat().st_size
+    if size > MAX_BYTES:
+        raise click.ClickException(f"{path}: {size} bytes, larger than {MAX_BYTES} (not a topology file?)")
+    raw = path.read_bytes()
+    if b"\0" in raw:
+        raise click.ClickException(f"{path}: binary data (NUL bytes), not a YAML text file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise click.ClickException(f"{path}: not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 1]!r})") from None
+    try:
+        return yaml.load(text, Loader=_BoundedLoader)
+    except yaml.YAMLError as e:
+        raise click.ClickException(f"{path}: invalid YAML: {' '.join(str(e).split())[:300]}") from None
+    except RecursionError:
+        raise click.ClickException(f"{path}: YAML nested too deeply") from None
+
 
 @click.command()
 @click.argument("topology_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
@@ -30,9 +69,12 @@ def plan(topology_file: Path, algorithms: tuple[str, ...], n_targets: int | None
     from kascade_planner.scenario import place_targets, scenario_from_dict
     from kascade_planner.topology import TopologyError
 
+    doc = read_document(topology_file)
+    if not isinstance(doc, dict):
+        raise click.ClickException(f"{topology_file}: the document must be a mapping (topology and scenario), "
+                                   f"got {type(doc).__name__}")
     try:
-        doc = yaml.safe_load(topology_file.read_text())
-        sc = scenario_from_dict(doc if isinstance(doc, dict) else {})
+        sc = scenario_from_dict(doc)
         if n_targets:
             sc = replace(sc, targets=tuple(place_targets(sc.topology, n_targets, 1, {s.node for s in sc.sources})))
         plans = [make_plan(sc.topology, sc.model, sc.sources, sc.targets, alg, kv_flows=sc.kv_flows,
@@ -41,8 +83,10 @@ def plan(topology_file: Path, algorithms: tuple[str, ...], n_targets: int | None
         names = [f"auto: {p.algorithm}" if alg == "auto" else alg
                  for alg, p in zip(algorithms or ("auto", "chain", "binomial", "hybrid", "star", "tree", "local"),
                                    plans, strict=True)]
-    except (PlanError, TopologyError, yaml.YAMLError) as e:
+    except (PlanError, TopologyError) as e:
         raise click.ClickException(f"{topology_file}: {e}") from None
+    except (RecursionError, MemoryError):
+        raise click.ClickException(f"{topology_file}: the document is too large or too deeply nested to plan") from None
     if as_json:
         click.echo(json.dumps([{**p.to_dict(), "lowerBound": lower_bound(p, sc.topology)} for p in plans], indent=2))
         return

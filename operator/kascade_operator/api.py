@@ -125,7 +125,7 @@ class Scaling(Model):
     scale_down_delay_seconds: float = Field(default=0.5, ge=0, le=86400)
     convertible_decoders: bool = False
     live: bool = True
-    multicast: Literal["chain", "binomial", "star"] = "chain"
+    multicast: Literal["chain", "binomial", "star", "hybrid", "auto"] = "chain"
     token_velocity: TokenVelocity | None = None
     threshold: Threshold | None = None
     concurrency: Concurrency | None = None
@@ -263,7 +263,7 @@ class LivePair(Model):
 class ScalePlanSpec(Model):
     model_service_ref: ModelServiceRef
     role: Role
-    algorithm: Literal["chain", "binomial", "star", "tree", "local"]
+    algorithm: Literal["chain", "binomial", "hybrid", "star", "tree", "local"]
     reason: str | None = Field(default=None, max_length=4096)
     sources: list[PlanSource] = Field(min_length=1)
     targets: list[PlanTarget] = Field(min_length=1)

@@ -18,7 +18,7 @@ from kascade_planner.topology import Topology
 
 
 def make_plan(topo: Topology, model: ModelLayout, sources: Sequence[Instance], targets: Sequence[Instance],
-              algorithm: str = "chain", *, kv_flows: Sequence[tuple[str, str]] = (), overloaded: Sequence[str] = (),
+              algorithm: str = "auto", *, kv_flows: Sequence[tuple[str, str]] = (), overloaded: Sequence[str] = (),
               host_cached_nodes: Collection[str] = (), shard: bool = True, predict: bool = True,
               cost: CostParams = CostParams(), live: bool | None = None, stripes: int = 2) -> Plan:
     """`algorithm` "auto" builds the candidates and keeps the fastest predicted (`auto.choose`; its

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kascade_planner.plan import Instance, ModelLayout, PlanError
-from kascade_planner.topology import Topology, TopologyError, topology_from_dict
+from kascade_planner.topology import MAX_NODES, Topology, TopologyError, field_number, topology_from_dict
+
+MAX_LAYERS = 10_000
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,11 @@ def _instances(raw: object, field: str, topo: Topology) -> list[Instance]:
             topo.node(str(d["node"]))
         except TopologyError:
             raise PlanError(f"scenario.{field}[{i}]: unknown node {d['node']!r}") from None
-        out.append(Instance(str(d["id"]), str(d["node"]), int(d.get("gpus", 1))))
+        try:
+            gpus = int(field_number(d, "gpus", f"scenario.{field}[{i}].", 1, 1, 1024, integer=True))
+        except TopologyError as e:
+            raise PlanError(str(e)) from None
+        out.append(Instance(str(d["id"]), str(d["node"]), gpus))
     return out
 
 
@@ -57,18 +63,30 @@ def scenario_from_dict(doc: Mapping[str, Any]) -> Scenario:
     if not isinstance(sc, Mapping):
         raise PlanError("missing `scenario:` section (model, sources, targets)")
     m = sc.get("model") or {}
+    if not isinstance(m, Mapping):
+        raise PlanError("scenario.model must be a mapping")
     try:
-        layers, size_gb = int(m.get("layers", 32)), float(m.get("sizeGB", 16))
-    except (TypeError, ValueError):
-        raise PlanError("scenario.model: layers and sizeGB must be numbers") from None
-    if layers < 1 or size_gb <= 0:
-        raise PlanError("scenario.model: layers must be >= 1 and sizeGB > 0")
-    model = ModelLayout.uniform(str(m.get("name", "model")), layers, int(size_gb * 1e9))
+        layers = int(field_number(m, "layers", "scenario.model.", 32, 1, MAX_LAYERS, integer=True))
+        size_gb = field_number(m, "sizeGB", "scenario.model.", 16, 0, 1e6, lo_open=True)
+    except TopologyError as e:
+        raise PlanError(str(e)) from None
+    model = ModelLayout.uniform(str(m.get("name", "model")), layers, max(1, int(size_gb * 1e9)))
     sources = _instances(sc.get("sources"), "sources", topo)
     raw_t = sc.get("targets")
     if isinstance(raw_t, Mapping):
-        targets = place_targets(topo, int(raw_t.get("count", 1)), int(raw_t.get("gpus", 1)), {s.node for s in sources})
+        try:
+            count = int(field_number(raw_t, "count", "scenario.targets.", 1, 1, MAX_NODES, integer=True))
+            gpus = int(field_number(raw_t, "gpus", "scenario.targets.", 1, 1, 1024, integer=True))
+        except TopologyError as e:
+            raise PlanError(str(e)) from None
+        targets = place_targets(topo, count, gpus, {s.node for s in sources})
     else:
         targets = _instances(raw_t, "targets", topo)
-    kv = tuple((str(a), str(b)) for a, b in sc.get("kvFlows", []))
-    return Scenario(topo, model, tuple(sources), tuple(targets), kv, tuple(str(n) for n in sc.get("hostCachedNodes", [])))
+    raw_kv = sc.get("kvFlows") or []
+    if not isinstance(raw_kv, list) or not all(isinstance(x, list) and len(x) == 2 for x in raw_kv):
+        raise PlanError("scenario.kvFlows must be a list of [prefill, decode] pairs")
+    kv = tuple((str(a), str(b)) for a, b in raw_kv)
+    cached = sc.get("hostCachedNodes") or []
+    if not isinstance(cached, list):
+        raise PlanError("scenario.hostCachedNodes must be a list of node names")
+    return Scenario(topo, model, tuple(sources), tuple(targets), kv, tuple(str(n) for n in cached))

@@ -8,6 +8,7 @@ Inside a leaf, bandwidth between two GPUs is min of their NICs; across leaves it
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,12 +86,38 @@ def _label(node: str, labels: Mapping[str, str], key: str) -> str:
 
 def _number(node: str, what: str, raw: object, minimum: float = 0.0) -> float:
     try:
-        value = float(str(raw))
+        value = float(str(raw)[:64])
     except ValueError:
-        raise TopologyError(f"node {node!r}: {what} must be a number, got {raw!r}") from None
-    if value < minimum or value != value:
-        raise TopologyError(f"node {node!r}: {what} must be >= {minimum}, got {raw!r}")
+        raise TopologyError(f"node {node!r}: {what} must be a number, got {_short(raw)}") from None
+    if value < minimum or not math.isfinite(value):
+        raise TopologyError(f"node {node!r}: {what} must be a finite number >= {minimum}, got {_short(raw)}")
     return value
+
+
+def _short(raw: object) -> str:
+    text = repr(raw)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def field_number(doc: Mapping[str, Any], key: str, where: str, default: float, lo: float, hi: float,
+                 integer: bool = False, lo_open: bool = False) -> float:
+    """`doc[key]` as a finite number in [lo, hi] ((lo, hi] with `lo_open`); the error names the field."""
+    raw = doc.get(key, default)
+    try:
+        if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
+            raise ValueError
+        value = float(str(raw)[:64])
+    except ValueError:
+        raise TopologyError(f"{where}{key} must be a number, got {_short(raw)}") from None
+    if not math.isfinite(value) or value > hi or value < lo or (lo_open and value == lo) \
+            or (integer and value != int(value)):
+        kind = "an integer" if integer else "a number"
+        span = f"in ({lo:g}, {hi:g}]" if lo_open else f"in [{lo:g}, {hi:g}]"
+        raise TopologyError(f"{where}{key} must be {kind} {span}, got {_short(raw)}")
+    return value
+
+
+MAX_NODES = 100_000
 
 
 def topology_from_nodes(nodes: Iterable[Mapping[str, Any]], keys: LabelKeys = LabelKeys(),
@@ -118,24 +145,40 @@ def topology_from_dict(doc: Mapping[str, Any]) -> Topology:
     if not isinstance(doc, Mapping):
         raise TopologyError("topology must be a mapping")
     nodes: list[Node] = []
-    for i, raw in enumerate(doc.get("nodes") or []):
+    raw_nodes = doc.get("nodes") or []
+    if not isinstance(raw_nodes, list):
+        raise TopologyError(f"nodes must be a list, got {type(raw_nodes).__name__}")
+    if len(raw_nodes) > MAX_NODES:
+        raise TopologyError(f"nodes: {len(raw_nodes)} entries, at most {MAX_NODES}")
+    for i, raw in enumerate(raw_nodes):
         if not isinstance(raw, Mapping) or "name" not in raw:
             raise TopologyError(f"nodes[{i}]: needs a name")
         name = str(raw["name"])
         for req in ("leaf", "gpus", "nicGbps"):
             if req not in raw:
                 raise TopologyError(f"node {name!r}: missing field {req!r}")
-        nodes.append(Node(name, str(raw["leaf"]), str(raw.get("domain", name)),
-                          int(_number(name, "gpus", raw["gpus"], 1)), _number(name, "nicGbps", raw["nicGbps"], 1e-9)))
+        gpus = _number(name, "gpus", raw["gpus"], 1)
+        if gpus != int(gpus) or gpus > 1024:
+            raise TopologyError(f"node {name!r}: gpus must be an integer in [1, 1024], got {_short(raw['gpus'])}")
+        nodes.append(Node(name, str(raw["leaf"]), str(raw.get("domain", name)), int(gpus),
+                          _number(name, "nicGbps", raw["nicGbps"], 1e-9)))
     gen = doc.get("generate")
     if gen:
-        nodes.extend(leaf_spine(int(gen.get("leaves", 1)), int(gen.get("nodesPerLeaf", 1)),
-                                int(gen.get("gpusPerNode", 8)), float(gen.get("nicGbps", 100)),
+        if not isinstance(gen, Mapping):
+            raise TopologyError(f"generate must be a mapping, got {_short(gen)}")
+        leaves = int(field_number(gen, "leaves", "generate.", 1, 1, MAX_NODES, integer=True))
+        per = int(field_number(gen, "nodesPerLeaf", "generate.", 1, 1, MAX_NODES, integer=True))
+        if leaves * per > MAX_NODES:
+            raise TopologyError(f"generate: leaves x nodesPerLeaf = {leaves * per} nodes, at most {MAX_NODES}")
+        nodes.extend(leaf_spine(leaves, per, int(field_number(gen, "gpusPerNode", "generate.", 8, 1, 1024, integer=True)),
+                                field_number(gen, "nicGbps", "generate.", 100, 0, 1e6, lo_open=True),
                                 str(gen.get("prefix", "node"))).nodes)
     if not nodes:
         raise TopologyError("topology has no nodes (give `nodes:` or `generate:`)")
-    return Topology(tuple(nodes), float(doc.get("interLeafBandwidthRatio", 1.0)), float(doc.get("nvlinkGbps", 1600.0)),
-                    float(doc.get("pcieGbps", 128.0)), float(doc.get("ssdGbps", 10.0)))
+    return Topology(tuple(nodes), field_number(doc, "interLeafBandwidthRatio", "", 1.0, 0, 1, lo_open=True),
+                    field_number(doc, "nvlinkGbps", "", 1600.0, 0, 1e7, lo_open=True),
+                    field_number(doc, "pcieGbps", "", 128.0, 0, 1e7, lo_open=True),
+                    field_number(doc, "ssdGbps", "", 10.0, 0, 1e7, lo_open=True))
 
 
 def leaf_spine(leaves: int, nodes_per_leaf: int, gpus_per_node: int = 8, nic_gbps: float = 100.0,

@@ -41,7 +41,7 @@ def test_custom_label_keys() -> None:
     ("node", "message"),
     [(k8s_node("n1", **{"kascade.io/leaf": ""}), "node 'n1': missing label 'kascade.io/leaf'"),
      (k8s_node("n2", **{"kascade.io/nic-gbps": "fast"}), "node 'n2': label 'kascade.io/nic-gbps' must be a number"),
-     (k8s_node("n3", **{"kascade.io/nic-gbps": "-5"}), "node 'n3': label 'kascade.io/nic-gbps' must be >= "),
+     (k8s_node("n3", **{"kascade.io/nic-gbps": "-5"}), "node 'n3': label 'kascade.io/nic-gbps' must be a finite number >= "),
      (k8s_node("n4", gpus="many"), "node 'n4': nvidia.com/gpu must be a number")],
 )
 def test_bad_labels_name_node_and_label(node: dict[str, Any], message: str) -> None:
@@ -65,7 +65,7 @@ def test_bandwidth_rules() -> None:
     ("doc", "message"),
     [({}, "no nodes"), ({"nodes": [{"name": "x", "leaf": "l"}]}, "node 'x': missing field 'gpus'"),
      ({"nodes": [{"leaf": "l"}]}, "nodes[0]: needs a name"),
-     ({"interLeafBandwidthRatio": 2, "generate": {"leaves": 1}}, "interLeafBandwidthRatio must be in (0, 1]"),
+     ({"interLeafBandwidthRatio": 2, "generate": {"leaves": 1}}, "interLeafBandwidthRatio must be a number in (0, 1]"),
      ({"nodes": [{"name": "x", "leaf": "l", "gpus": 1, "nicGbps": 1}] * 2}, "node 'x' appears twice")],
 )
 def test_bad_topology_documents(doc: dict[str, Any], message: str) -> None:
