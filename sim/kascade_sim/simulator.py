@@ -57,7 +57,7 @@ class SimConfig:
     policy: Threshold = field(default_factory=lambda: Threshold(4.0, 0.3, 5.0, "queueLength"))
     # Decode instances scale on KV usage (the larger of the KV and batch-slot fractions).
     decode_policy: Threshold = field(default_factory=lambda: Threshold(0.8, 0.3, 5.0, "kvCacheUsage"))
-    decoders_per_prefiller: float = 0.5  # BlitzScale §5: decode pre-scaled with prefill (0: off)
+    decoders_per_prefiller: float = 0.5  # BlitzScale §5: decode pre-scaled with prefill, whole decoders (0: off)
     tick_s: float = 0.5  # policy evaluation period
     window_s: float = 2.0  # metrics averaged over this window
     min_instances: int = 1  # per model and role

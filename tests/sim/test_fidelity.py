@@ -122,3 +122,20 @@ def test_models_share_host_memory_and_serverlessllm_misses_under_a_budget() -> N
     assert tight.host_cache_bytes_peak <= 2 * 16e9 < roomy.host_cache_bytes_peak  # one 16 GB copy per host fits
     k = sim(wl, "kascade", hardware("a800", hosts=2, gpus_per_host=4, host_mem_gb=20)).run()
     assert k.host_cache_bytes_peak == 4 * 16e9  # one pool copy per model, whatever the hosts
+
+
+def test_policy_queue_length_and_decode_prescaled_with_prefill() -> None:
+    from kascade_planner.policies import Bounds, MetricsSnapshot, ScaleState, prescale_decode, threshold
+
+    q = Threshold(4.0, 0.3, 0.5, "queueLength")
+    st = ScaleState("prefill", 2, Bounds(0, 8), True)
+    up = threshold(MetricsSnapshot(1.0, in_flight=17), st, q)
+    assert up.desired == 5  # ceil(17 / 4)
+    assert threshold(MetricsSnapshot(1.0, in_flight=2), st, q).change == 0
+    dec = threshold(MetricsSnapshot(1.0, kv_usage=0.5), ScaleState("decode", 1, Bounds(0, 8), True),
+                    Threshold(0.8, 0.3, 0.5, "kvCacheUsage"))
+    assert prescale_decode(up, dec, 0.5).desired == 2  # +3 prefillers at 0.5 -> one more decoder
+    one = threshold(MetricsSnapshot(1.0, in_flight=9), ScaleState("prefill", 2, Bounds(0, 8), True), q)
+    assert one.change == 1 and prescale_decode(one, dec, 0.5) == dec  # half a decoder is none
+    with pytest.raises(ValueError, match="metric"):
+        Threshold(1.0, 0.5, 1.0, "queue")
