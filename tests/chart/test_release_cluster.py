@@ -2,18 +2,20 @@
 and an existing token Secret, apply the sample exactly as NOTES says, and the operator (a real process,
 authenticated as the chart's ServiceAccount, configured by the Deployment's own environment) creates a
 fallback pod that references that Secret; Pod Security `baseline` enforced on the namespace admits the
-pool and `helm test` passes against a real engine; `helm upgrade` from chart 0.1.0 keeps the generated
+pool and `helm test` passes through a real router; `helm upgrade` from chart 0.1.0 keeps the generated
 engine token and upgrades the CRDs by the documented step.
 
 No kubelet runs here (KWOK marks scheduled pods Running). `helm test`'s pod is run by a stand-in
-kubelet: its `kascade ...` args run as a local process, its Service URL resolved to the engine process
-behind the Service's pods (their `kascade.io/endpoint` annotation), and the exit code becomes the
-pod's phase, which is all `helm test` reads.
+kubelet: its `kascade ...` args run as a local process, the front door Service's URL replaced by a real
+`kascade router` process watching the namespace (or, while the chart has no router, the engine process
+behind the engines Service), and the exit code becomes the pod's phase, which is
+all `helm test` reads.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -28,6 +30,7 @@ from typing import Any, cast
 import pytest
 import yaml
 
+from kascade_devcluster import processes
 from kascade_devcluster.controlplane import ControlPlane
 from kascade_devcluster.enginepool import EnginePool
 from kascade_devcluster.kubeconfig import kubeconfig_text
@@ -103,8 +106,10 @@ def test_notes_sample_and_fallback_pod_use_the_release_secret(
     cp.helm("uninstall", "prod-llm", "-n", namespace)
 
 
-def _serve_test_pod(cp: ControlPlane, ns: str, pod_name: str, stop: threading.Event, log: list[str]) -> None:
-    """Stand-in kubelet for one `helm test` pod: run its args locally, report the exit code as its phase."""
+def _serve_test_pod(cp: ControlPlane, ns: str, pod_name: str, services: dict[str, str], stop: threading.Event,
+                    log: list[str]) -> None:
+    """Stand-in kubelet for one `helm test` pod: run its args locally (a Service URL replaced by the local
+    process standing behind that Service), report the exit code as the pod's phase."""
     while not stop.is_set():
         got = cp.kubectl("-n", ns, "get", "pod", pod_name, "-o", "json", check=False)
         if got.returncode != 0:
@@ -116,15 +121,11 @@ def _serve_test_pod(cp: ControlPlane, ns: str, pod_name: str, stop: threading.Ev
             continue
         args = list(pod["spec"]["containers"][0]["args"])
         assert args[0] == "kascade", args
-        for i, a in enumerate(args):  # http://<service>.<ns>.svc:<port> -> the engine behind the Service
+        for i, a in enumerate(args):  # http://<service>.<ns>.svc:<port> -> the process behind the Service
             if a.startswith("http://") and ".svc:" in a:
                 host = a.split("//", 1)[1].split(".", 1)[0]
-                svc = get(cp, ns, "service", host)
-                sel = ",".join(f"{k}={v}" for k, v in svc["spec"]["selector"].items())
-                backends = [p["metadata"]["annotations"]["kascade.io/endpoint"]
-                            for p in get(cp, ns, "pods", "-l", sel)["items"]
-                            if "kascade.io/endpoint" in (p["metadata"].get("annotations") or {})]
-                args[i] = f"http://{backends[0]}" if backends else "http://127.0.0.1:9"
+                cp.kubectl("-n", ns, "get", "service", host)  # the chart created the Service it names
+                args[i] = f"http://{services.get(host, '127.0.0.1:9')}"
         proc = subprocess.run([sys.executable, "-m", "kascade_cli.main", *args[1:]], capture_output=True, text=True,
                               timeout=90)
         log.append(proc.stdout + proc.stderr)
@@ -133,17 +134,25 @@ def _serve_test_pod(cp: ControlPlane, ns: str, pod_name: str, stop: threading.Ev
                    "-p", json.dumps({"status": {"phase": phase}}))
 
 
+def _start_router(cp: ControlPlane, ns: str, log_dir: Path) -> tuple[processes.Proc, str]:
+    """`kascade router` watching the namespace, as the chart's router Deployment runs it."""
+    proc = processes.start("router", [sys.executable, "-m", "kascade_cli.main", "router", "--namespace", ns,
+                                      "--host", "127.0.0.1", "--port", "0"], log_dir,
+                           env={"KUBECONFIG": str(cp.kubeconfig)}, die_with_parent=True)
+    m = wait_for(lambda: re.search(r"KASCADE_ROUTER_READY http=(\d+)", proc.log.read_text(errors="replace")), 60,
+                 f"the router ready (log {proc.log})")
+    return proc, f"127.0.0.1:{m.group(1)}"
+
+
 def test_pod_security_baseline_admits_the_pool_and_helm_test_passes(
         control_plane: ControlPlane, kwok_nodes: Callable[..., list[str]], crds: list[str], namespace: str,
         tmp_path: Path) -> None:
-    from kascade_engine.checkpoint import tiny_llama
-
     cp = control_plane
     nodes = kwok_nodes(2, gpus=2)
     cp.kubectl("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=baseline",
                "pod-security.kubernetes.io/warn=restricted")
     values = {"pool": {"replicas": 2, "tolerations": [KWOK_TOLERATION], "model": {"name": "tiny-chart"}},
-              "operator": {"tolerations": [KWOK_TOLERATION]}, "tests": {"timeoutSeconds": 5}}
+              "operator": {"tolerations": [KWOK_TOLERATION]}, "tests": {"timeoutSeconds": 3}}
     out = cp.helm("install", "edge", str(CHART), "-n", namespace, "-f", values_file(tmp_path, values),
                   "--wait", "--timeout=90s")
     assert "would violate PodSecurity" not in out.stderr, out.stderr  # restricted, not only baseline
@@ -156,27 +165,47 @@ def test_pod_security_baseline_admits_the_pool_and_helm_test_passes(
     refused = cp.kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(bad), check=False)
     assert refused.returncode != 0 and "violates PodSecurity" in refused.stderr, refused.stderr
 
-    # a real engine behind the chart's engines Service, then `helm test`
-    ckpt = tiny_llama(tmp_path / "tiny-chart", layers=2, hidden=64, vocab=256)
-    engines = EnginePool(cp, namespace, ckpt, "tiny-chart", "tok", tmp_path / "engines")
+    # `helm test` through the front door: the router when the chart has one (on by default; it lists the
+    # models of the namespace's ModelServices), else the engines Service (a real engine process behind it)
+    has_router = (CHART / "templates" / "router-service.yaml").exists()
     stop, log = threading.Event(), []
-    try:
+    engines = None
+    if has_router:
+        router, address = _start_router(cp, namespace, tmp_path / "router")
+        services = {"edge-router": address}
+    else:
+        from kascade_engine.checkpoint import tiny_llama
+
+        engines = EnginePool(cp, namespace, tiny_llama(tmp_path / "tiny-chart", layers=1, hidden=32, vocab=128),
+                             "tiny-chart", "tok", tmp_path / "engines")
         (e,) = engines.start(nodes[:1])
         cp.kubectl("-n", namespace, "label", "pod", e.name, "app.kubernetes.io/instance=edge",
                    "app.kubernetes.io/component=engine")
-        runner = threading.Thread(target=_serve_test_pod, args=(cp, namespace, "edge-test-models", stop, log),
-                                  daemon=True)
-        runner.start()
+        services = {"edge-engines": e.endpoint}
+    runner = threading.Thread(target=_serve_test_pod, args=(cp, namespace, "edge-test-models", services, stop, log),
+                              daemon=True)
+    runner.start()
+    try:
+        cp.kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(
+            {"apiVersion": "kascade.io/v1alpha1", "kind": "ModelService", "metadata": {"name": "chat"},
+             "spec": {"model": {"name": "tiny-chart", "source": {"path": "/models/smollm2-135m"}},
+                      "engine": {"image": "ghcr.io/kascade/kascade-engine:0.1.0"}, "mode": "colocated",
+                      "replicas": {"colocated": {"min": 1, "max": 2}}}}))
         result = cp.helm("test", "edge", "-n", namespace, "--timeout=90s", check=False)
         assert result.returncode == 0, (result.stdout, result.stderr, log)
         assert "Phase:          Succeeded" in result.stdout and "ok:" in log[-1] and "tiny-chart" in log[-1]
-        # and it can fail: the engine gone, the same test pod reports Failed
-        engines.stop(delete_pods=False)
+        # and it can fail: the model gone from the front door, the same test pod reports Failed
+        if engines is not None:
+            engines.stop(delete_pods=False)
+        cp.kubectl("-n", namespace, "delete", "msvc", "chat")
         result = cp.helm("test", "edge", "-n", namespace, "--timeout=90s", check=False)
         assert result.returncode != 0 and "failed" in (result.stdout + result.stderr).lower(), result
     finally:
         stop.set()
-        engines.stop()
+        if engines is not None:
+            engines.stop()
+        else:
+            processes.stop(router.pid, started=router.started)
     cp.helm("uninstall", "edge", "-n", namespace)
 
 
