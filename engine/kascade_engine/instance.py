@@ -128,6 +128,11 @@ class EngineInstance:
         self._settle()
 
     @property
+    def context_len(self) -> int:
+        """Longest sequence (prompt + completion) one request may reach here."""
+        return min(self.model.shape.max_positions, self.engine.scheduler.pool.capacity_tokens)
+
+    @property
     def ready(self) -> bool:
         return self.phase is Phase.SERVING and self.model.complete
 

@@ -1,60 +1,35 @@
 """The HTTP server: OpenAI-compatible completions (streaming SSE), the control API under /kascade/v1/
 (bearer token), /metrics, /healthz, /readyz.
 
-Data flow: HTTP body -> pydantic request model (400 naming the field on failure) -> tokenizer ->
-`EngineInstance.serving.submit` (serving.py: the engine loop, per-request queues, split requests) ->
-JSON or SSE chunks. Routes are thin: the instance owns all state. Nothing a client sends reaches the
+Data flow: HTTP body -> pydantic request model (openai_api.py; 400 naming the field on failure, and
+for fields this engine does not implement) -> tokenizer -> context check -> `responder.Call` (one
+engine request per prompt x n via `EngineInstance.serving`) -> JSON or SSE chunks. Routes are thin: the instance owns all state. Nothing a client sends reaches the
 loop unchecked, and an exception while serving one request fails only that request.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kascade_engine.control import add_control_routes
 from kascade_engine.instance import EngineInstance, InstanceError
-from kascade_engine.sampling import SamplingParams
+from kascade_engine.openai_api import ChatBody, CompletionBody, _Common, chat_messages, refused
+from kascade_engine.responder import Call
 from kascade_engine.serving import RequestError
 
 log = logging.getLogger(__name__)
 reqlog = logging.getLogger("kascade_engine.requests")  # one line per request: accepted (in which phase) or rejected
-
-
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str
-    max_tokens: int = Field(16, ge=1, le=4096)
-    temperature: float = Field(0.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
-    stream: bool = False
-    n: int = Field(1, ge=1, le=1)
-
-
-class CompletionBody(_Common):
-    prompt: str | list[int]
-
-
-class Message(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str
-
-
-class ChatBody(_Common):
-    messages: list[Message] = Field(min_length=1)
 
 
 def _err(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
@@ -104,44 +79,29 @@ def create_app(inst: EngineInstance) -> FastAPI:
         m = inst.model
         reqlog.info("request accepted: phase=%s resident=%d/%d", inst.phase.value, m.resident_prefix(), m.shape.layers)
 
-    async def respond(body: _Common, prompt: list[int], chat: bool) -> Response:
+    async def respond(body: _Common, prompts: list[list[int]]) -> Response:
         check_model(body.model)
-        params = SamplingParams(body.max_tokens, body.temperature, body.top_p, body.seed)
-        rid = inst.serving.submit(prompt, params)
-        created, obj = int(time.time()), "chat.completion" if chat else "text_completion"
-        tok = inst.tokenizer
-
-        def choice(text: str, reason: str | None, delta: bool) -> dict[str, Any]:
-            if not chat:
-                return {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
-            key = "delta" if delta else "message"
-            return {"index": 0, key: {"role": "assistant", "content": text}, "finish_reason": reason}
-
+        bad = refused(body, inst.config.max_n)
+        if bad is not None:
+            raise RequestError(400, f"invalid field '{bad[0]}': {bad[1]}", bad[0])
+        ctx = inst.context_len
+        longest = max(len(p) for p in prompts)
+        if longest >= ctx:
+            raise RequestError(400, f"prompt has {longest} tokens, the context holds {ctx}", "prompt")
+        field = "max_tokens"
+        if isinstance(body, ChatBody):
+            if body.max_completion_tokens is not None:
+                field = "max_completion_tokens"
+            want = body.max_completion_tokens or body.max_tokens or ctx - longest  # default: what fits
+        else:
+            want = body.max_tokens or 16  # OpenAI's completions default
+        if longest + want > ctx:
+            raise RequestError(400, f"prompt ({longest} tokens) + {field} ({want}) exceeds the context of {ctx} "
+                               "tokens", field)
+        call = Call(inst, body, prompts, want)
         if not body.stream:
-            out, reason = [], None
-            async for ev in inst.serving.tokens(rid):
-                out.append(ev.token)
-                reason = ev.reason
-            usage = {"prompt_tokens": len(prompt), "completion_tokens": len(out), "total_tokens": len(prompt) + len(out)}
-            return JSONResponse({"id": rid, "object": obj, "created": created, "model": name,
-                                 "choices": [choice(tok.decode(out), reason, False)], "usage": usage})
-
-        async def sse() -> AsyncIterator[bytes]:
-            out: list[int] = []
-            sent = ""
-            try:
-                async for ev in inst.serving.tokens(rid):
-                    out.append(ev.token)
-                    text = tok.decode(out)
-                    piece, sent = text[len(sent):], text
-                    chunk = {"id": rid, "object": obj + (".chunk" if chat else ""), "created": created,
-                             "model": name, "choices": [choice(piece, ev.reason, True)]}
-                    yield f"data: {json.dumps(chunk)}\n\n".encode()
-            except RequestError as e:
-                yield f"data: {json.dumps({'error': {'message': e.message, 'type': e.kind}})}\n\n".encode()
-            yield b"data: [DONE]\n\n"
-
-        return StreamingResponse(sse(), media_type="text/event-stream")
+            return JSONResponse(await call.json())
+        return StreamingResponse(call.sse(), media_type="text/event-stream")
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -149,13 +109,23 @@ def create_app(inst: EngineInstance) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody) -> Response:
-        prompt = body.prompt if isinstance(body.prompt, list) else inst.tokenizer.encode(body.prompt)
-        return await respond(body, prompt, chat=False)
+        p = body.prompt
+        if isinstance(p, str):
+            prompts = [inst.tokenizer.encode(p)]
+        elif p and isinstance(p[0], str):
+            prompts = [inst.tokenizer.encode(str(x)) for x in p]
+        elif p and isinstance(p[0], list):
+            prompts = [list(x) for x in p]
+        else:
+            prompts = [list(p)]  # type: ignore[arg-type]
+        return await respond(body, prompts)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody) -> Response:
-        prompt = inst.tokenizer.chat_prompt([m.model_dump() for m in body.messages])
-        return await respond(body, prompt, chat=True)
+        bad = refused(body, inst.config.max_n)  # before the template sees unsupported content
+        if bad is not None:
+            raise RequestError(400, f"invalid field '{bad[0]}': {bad[1]}", bad[0])
+        return await respond(body, [inst.tokenizer.chat_prompt(chat_messages(body))])
 
     @app.get("/healthz")
     async def healthz() -> PlainTextResponse:

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
 from kascade_engine.engine import Event
@@ -38,6 +38,7 @@ class Serving:
     def __init__(self, inst: EngineInstance) -> None:
         self.inst = inst
         self.queues: dict[str, asyncio.Queue[Event | Exception]] = {}
+        self._ended: dict[str, str] = {}  # finish reasons set by the caller (a stop string matched)
         self.wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
 
@@ -106,7 +107,7 @@ class Serving:
         self.wake.set()
         return rid
 
-    async def tokens(self, rid: str) -> AsyncIterator[Event]:
+    async def tokens(self, rid: str) -> AsyncGenerator[Event, None]:
         """The request's events until it finishes; closing early (client gone) aborts it at once."""
         q = self.queues[rid]
         t0, first, reason = time.monotonic(), True, "abort"
@@ -127,10 +128,15 @@ class Serving:
                     return
         finally:
             self.queues.pop(rid, None)
-            self.inst.metrics.on_finish(reason, time.monotonic() - t0)
+            self.inst.metrics.on_finish(self._ended.pop(rid, reason), time.monotonic() - t0)
             if rid in self.inst.engine.requests:  # the client went away mid-generation: free its pages
                 self.abort(rid)
 
     def abort(self, rid: str) -> None:
         self.inst.engine.abort(rid)
         self.wake.set()
+
+    def stop(self, rid: str) -> None:
+        """The caller ends the request early on purpose (a stop string matched): counted as `stop`."""
+        self._ended[rid] = "stop"
+        self.abort(rid)

@@ -106,10 +106,12 @@ def test_client_disconnect_frees_pages_at_once(engine_a) -> None:  # type: ignor
     import time
 
     aborts = _metric(engine_a.url, 'kascade_request_success_total{finished_reason="abort",model_name="tiny-llama"}')
-    body = {"model": "tiny-llama", "prompt": "go on and on", "max_tokens": 3000, "stream": True}
+    gen_before = _metric(engine_a.url, 'kascade_generation_tokens_total{model_name="tiny-llama"}')
+    body = {"model": "tiny-llama", "prompt": "go on and on", "max_tokens": 480, "stream": True}  # context 512
     with httpx.stream("POST", engine_a.url + "/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
         for i, _ in enumerate(r.iter_lines()):
-            if i == 4:
+            if i == 8:  # data line, blank line, ...: four tokens in
                 assert _metric(engine_a.url, "kascade_kv_cache_usage_perc") > 0
                 assert _metric(engine_a.url, "kascade_num_requests_running") == 1
                 break
@@ -120,6 +122,7 @@ def test_client_disconnect_frees_pages_at_once(engine_a) -> None:  # type: ignor
     assert _metric(engine_a.url, "kascade_num_requests_running") == 0
     got = _metric(engine_a.url, 'kascade_request_success_total{finished_reason="abort",model_name="tiny-llama"}')
     assert got == aborts + 1
+    assert _metric(engine_a.url, 'kascade_generation_tokens_total{model_name="tiny-llama"}') < gen_before + 480
 
 
 @pytest.mark.smollm
