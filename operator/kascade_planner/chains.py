@@ -4,21 +4,22 @@ Data flow: (topology, sources, targets, KV flows) -> prune sources whose egress 
 flow (direction-aware interference) -> allot sources to leaves (leaf-local first) -> group each leaf's
 targets by scale-up domain and deal the groups to that leaf's chains, longest group first onto the
 shortest chain -> order each chain by decreasing bandwidth -> flows (sharded g-wide when both ends
-have g GPUs). A chain costs about |M|/B_min + (n-1)·chunk/B_min, nearly independent of n; the tail of
-every chain is the next scaling round's source (the parameter pool grows with finished targets).
+have g GPUs). Phases: `_targets_by_leaf`, `_allot_sources`, `_deal_groups` (into `Chain`s), then
+flows and fallbacks in `build_chains`. A chain costs about |M|/B_min + (n-1)·chunk/B_min, nearly
+independent of n; the tail of every chain is the next scaling round's source (the parameter pool grows with finished targets).
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import defaultdict
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from itertools import chain, pairwise, repeat
 from operator import attrgetter, itemgetter
 
 from kascade_planner.plan import Flow, Instance, ModelLayout, Plan, PlanError, new_flow
-from kascade_planner.topology import Topology
+from kascade_planner.topology import Node, Topology
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,107 @@ def prune_sources(sources: Sequence[Instance], kv_flows: Sequence[tuple[str, str
     return kept, notes
 
 
+@dataclass
+class Chain:
+    """One chain under construction: its head (a source), the head's leaf, and the domain groups
+    dealt to it. A member is (crosses leaves, leaf, -bandwidth, first id, group): its sort key."""
+
+    head: Instance
+    home: str
+    members: list[tuple[bool, str, float, str, list[Instance]]] = field(default_factory=list)
+    size: int = 0
+
+    def join(self, leaf: str, group: list[Instance], bandwidth: float) -> None:
+        self.members.append((leaf != self.home, leaf, -bandwidth, group[0].id, group))
+        self.size += len(group)
+
+    def path(self) -> list[Instance]:
+        """The head's own leaf first (at most one cross-leaf hop per leaf), then by decreasing
+        bandwidth (a group's first member has its highest), domain groups kept adjacent."""
+        return [self.head, *(t for m in sorted(self.members, key=itemgetter(0, 1, 2, 3)) for t in m[4])]
+
+
+def _targets_by_leaf(tgts_by_id: list[Instance], by_name: Mapping[str, Node],
+                     bw: Callable[[Instance], float]) -> dict[str, dict[str, list[Instance]]]:
+    """Phase 1: targets by leaf, then by scale-up domain (a domain's targets stay adjacent in one
+    chain), each in decreasing bandwidth, then id. On one node bandwidth differs only by GPU count."""
+    by_node: dict[str, list[Instance]] = {}
+    for t in tgts_by_id:
+        on_node = by_node.get(t.node)
+        if on_node is None:
+            by_node[t.node] = [t]
+        else:
+            on_node.append(t)
+    if len({t.gpus for t in tgts_by_id}) > 1:
+        for on_node in by_node.values():
+            on_node.sort(key=lambda t: -t.gpus)  # stable: ties stay in id order
+    by_leaf: dict[str, dict[str, list[Instance]]] = {}
+    spans: set[tuple[str, str]] = set()  # domains spanning several nodes: re-sort their members
+    for name, on_node in sorted(by_node.items(), key=lambda kv: (-bw(kv[1][0]), kv[1][0].id)):
+        node = by_name[name]
+        group = by_leaf.setdefault(node.leaf, {}).setdefault(node.domain, [])
+        if group:
+            spans.add((node.leaf, node.domain))
+        group.extend(on_node)
+    for leaf, dom in spans:
+        by_leaf[leaf][dom].sort(key=lambda t: (-bw(t), t.id))
+    return by_leaf
+
+
+def _allot_sources(demand: Mapping[str, int], src_by_leaf: Mapping[str, list[Instance]],
+                   notes: list[str]) -> dict[str, list[Instance]]:
+    """Phase 2: each leaf with targets keeps its own sources; leaves without any borrow spare sources
+    from leaves with the most sources per target (one cross-leaf hop per chain at most)."""
+    allot: dict[str, list[Instance]] = {leaf: list(src_by_leaf.get(leaf, [])) for leaf in demand}
+    spare = [s for leaf, ss in sorted(src_by_leaf.items()) if leaf not in demand for s in ss]
+    for leaf in sorted(demand, key=lambda lf: (-demand[lf], lf)):
+        if allot[leaf]:
+            continue
+        if not spare:
+            donor = max((lf for lf in demand if len(allot[lf]) > 1), default=None,
+                        key=lambda lf: (len(allot[lf]) / demand[lf], lf))
+            if donor is not None:
+                spare.append(allot[donor].pop())
+        if spare:
+            allot[leaf].append(spare.pop(0))
+            notes.append(f"leaf {leaf} has no source: borrowing {allot[leaf][0].id} across leaves")
+    return allot
+
+
+def _deal_groups(by_leaf: Mapping[str, Mapping[str, list[Instance]]], allot: Mapping[str, list[Instance]],
+                 by_name: Mapping[str, Node], bw: Callable[[Instance], float], notes: list[str]) -> list[Chain]:
+    """Phase 3: one chain per allotted source; each leaf's domain groups go longest first onto its
+    shortest chain (a heap); groups of leaves no source could serve extend the shortest chains."""
+    chains: list[Chain] = []
+    orphans: list[tuple[str, list[Instance]]] = []
+    for leaf in sorted(by_leaf):
+        groups = sorted(by_leaf[leaf].values(), key=lambda g: (-len(g), g[0].id))
+        if not allot[leaf]:
+            orphans.extend((leaf, g) for g in groups)
+            continue
+        heap = []
+        for s in allot[leaf]:
+            chains.append(Chain(s, by_name[s.node].leaf))
+            heap.append((0, s.id, len(chains) - 1))
+        heapq.heapify(heap)
+        for g in groups:
+            _, sid, k = heap[0]
+            chains[k].join(leaf, g, bw(g[0]))
+            heapq.heapreplace(heap, (chains[k].size, sid, k))
+    live = [k for k, c in enumerate(chains) if c.size]
+    if orphans:
+        if not live:
+            raise PlanError("no usable source for any chain")
+        heap = [(chains[k].size, chains[k].head.id, k) for k in live]
+        heapq.heapify(heap)
+        for leaf, g in orphans:
+            _, sid, k = heapq.heappop(heap)
+            chains[k].join(leaf, g, bw(g[0]))
+            heapq.heappush(heap, (chains[k].size, sid, k))
+            notes.append(f"targets {', '.join(t.id for t in g)} appended across leaves")
+    return sorted((c for c in chains if c.size), key=lambda c: c.head.id)
+
+
 def build_chains(topo: Topology, model: ModelLayout, sources: Sequence[Instance], targets: Sequence[Instance],
                  kv_flows: Sequence[tuple[str, str]] = (), overloaded: Sequence[str] = (),
                  options: ChainOptions = ChainOptions()) -> Plan:
@@ -78,92 +180,15 @@ def build_chains(topo: Topology, model: ModelLayout, sources: Sequence[Instance]
     def bw(i: Instance) -> float:
         return by_name[i.node].nic_gbps * i.gpus
 
-    # Targets by leaf, then by scale-up domain (a domain's targets stay adjacent in one chain), each
-    # in decreasing bandwidth, then id. On one node bandwidth differs only by GPU count.
-    by_node: dict[str, list[Instance]] = {}
-    for t in tgts_by_id:
-        on_node = by_node.get(t.node)
-        if on_node is None:
-            by_node[t.node] = [t]
-        else:
-            on_node.append(t)
-    tgt_gpus = {t.gpus for t in tgts_by_id}
-    if len(tgt_gpus) > 1:
-        for on_node in by_node.values():
-            on_node.sort(key=lambda t: -t.gpus)  # stable: ties stay in id order
-    by_leaf: dict[str, dict[str, list[Instance]]] = {}
-    spans: set[tuple[str, str]] = set()  # domains spanning several nodes: re-sort their members
-    for name, on_node in sorted(by_node.items(), key=lambda kv: (-bw(kv[1][0]), kv[1][0].id)):
-        node = by_name[name]
-        group = by_leaf.setdefault(node.leaf, {}).setdefault(node.domain, [])
-        if group:
-            spans.add((node.leaf, node.domain))
-        group.extend(on_node)
-    for leaf, dom in spans:
-        by_leaf[leaf][dom].sort(key=lambda t: (-bw(t), t.id))
+    by_leaf = _targets_by_leaf(tgts_by_id, by_name, bw)
     src_by_leaf: dict[str, list[Instance]] = defaultdict(list)
     for s in sorted(usable, key=lambda s: (-bw(s), s.id)):
         src_by_leaf[by_name[s.node].leaf].append(s)
+    allot = _allot_sources({leaf: sum(len(g) for g in doms.values()) for leaf, doms in by_leaf.items()},
+                           src_by_leaf, notes)
+    chains = _deal_groups(by_leaf, allot, by_name, bw, notes)
 
-    # Allot sources: each leaf with targets keeps its own sources; leaves without any borrow spare
-    # sources from leaves with the most sources per target (one cross-leaf hop per chain at most).
-    demand = {leaf: sum(len(g) for g in doms.values()) for leaf, doms in by_leaf.items()}
-    allot: dict[str, list[Instance]] = {leaf: list(src_by_leaf.get(leaf, [])) for leaf in demand}
-    spare = [s for leaf, ss in sorted(src_by_leaf.items()) if leaf not in demand for s in ss]
-    for leaf in sorted(demand, key=lambda lf: (-demand[lf], lf)):
-        if allot[leaf]:
-            continue
-        if not spare:
-            donor = max((lf for lf in demand if len(allot[lf]) > 1), default=None,
-                        key=lambda lf: (len(allot[lf]) / demand[lf], lf))
-            if donor is not None:
-                spare.append(allot[donor].pop())
-        if spare:
-            allot[leaf].append(spare.pop(0))
-            notes.append(f"leaf {leaf} has no source: borrowing {allot[leaf][0].id} across leaves")
-
-    # Each chain: its head and its domain groups. Longest group onto the shortest chain (a heap).
-    # A member is (crosses leaves, leaf, -bandwidth, first id, group): its order in the chain.
-    heads: list[Instance] = []
-    homes: list[str] = []
-    members: list[list[tuple[bool, str, float, str, list[Instance]]]] = []
-    sizes: list[int] = []
-    orphans: list[tuple[str, list[Instance]]] = []
-
-    def join(k: int, leaf: str, g: list[Instance]) -> None:
-        members[k].append((leaf != homes[k], leaf, -bw(g[0]), g[0].id, g))
-        sizes[k] += len(g)
-
-    for leaf in sorted(demand):
-        groups = sorted(by_leaf[leaf].values(), key=lambda g: (-len(g), g[0].id))
-        if not allot[leaf]:
-            orphans.extend((leaf, g) for g in groups)
-            continue
-        heap = []
-        for s in allot[leaf]:
-            heads.append(s)
-            homes.append(by_name[s.node].leaf)
-            members.append([])
-            sizes.append(0)
-            heap.append((0, s.id, len(heads) - 1))
-        heapq.heapify(heap)
-        for g in groups:
-            _, sid, k = heap[0]
-            members[k].append((leaf != homes[k], leaf, -bw(g[0]), g[0].id, g))
-            sizes[k] += len(g)
-            heapq.heapreplace(heap, (sizes[k], sid, k))
-    live_chains = [k for k in range(len(heads)) if sizes[k]]
-    if orphans:  # no source could be spared: extend the shortest chains across leaves
-        if not live_chains:
-            raise PlanError("no usable source for any chain")
-        heap = [(sizes[k], heads[k].id, k) for k in live_chains]
-        heapq.heapify(heap)
-        for leaf, g in orphans:
-            _, sid, k = heapq.heappop(heap)
-            join(k, leaf, g)
-            heapq.heappush(heap, (sizes[k], sid, k))
-            notes.append(f"targets {', '.join(t.id for t in g)} appended across leaves")
-
+    # Phase 4: flows along each chain (sharded g-wide where both ends allow), fallbacks per target.
     usable_ids = [s.id for s in usable]  # sorted by id
     leaf_ids: dict[str, list[str]] = {}
     for s in usable:
@@ -180,15 +205,12 @@ def build_chains(topo: Topology, model: ModelLayout, sources: Sequence[Instance]
         return tuple(out)
 
     blocks = model.block_ids
-    may_shard = options.shard and max(tgt_gpus) > 1  # a sharded hop needs a multi-GPU receiver
+    may_shard = options.shard and max(t.gpus for t in tgts_by_id) > 1  # a sharded hop needs a multi-GPU receiver
     flows: list[Flow] = []
     ordered: list[tuple[str, ...]] = []
     backups: dict[str, tuple[str, ...]] = {}
-    for k in sorted(live_chains, key=lambda k: heads[k].id):
-        head = heads[k]
-        # The head's own leaf first (at most one cross-leaf hop per leaf), then by decreasing bandwidth
-        # (a group's first member has its highest bandwidth), domain groups kept adjacent.
-        path = [head, *(t for m in sorted(members[k], key=itemgetter(0, 1, 2, 3)) for t in m[4])]
+    for c in chains:
+        path = c.path()
         ids = tuple([i.id for i in path])
         ordered.append(ids)
         if may_shard and any(i.gpus > 1 for i in path):
@@ -196,7 +218,7 @@ def build_chains(topo: Topology, model: ModelLayout, sources: Sequence[Instance]
                 flows.extend(hop_flows(a, b, blocks, True, source_links(a, topo)))
         else:
             flows.extend(map(new_flow, ids[:-1], ids[1:], repeat(blocks)))
-        backups.update(dict.fromkeys(ids[1:], backups_for(head.id, homes[k])))
+        backups.update(dict.fromkeys(ids[1:], backups_for(c.head.id, c.home)))
     firsts = [ch[1] for ch in ordered]
     live = tuple(zip(sorted(overloaded), firsts, strict=False))
     tgt_ids = [t.id for t in tgts_by_id]
