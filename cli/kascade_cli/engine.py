@@ -107,6 +107,7 @@ def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: s
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+        sock.listen(2048)  # connections queue from now on: the READY line below is true when printed
         listener = None
         if act_port is not None:
             listener = await TcpTransport().listen(host, act_port, inst.finisher.handle)

@@ -4,7 +4,8 @@ ModelService, a burst of real completion requests, and the scale-up and scale-do
 
 Data flow: `Demo.run()` -> control plane (e2e/kascade_devcluster) -> `helm install` (CRDs, RBAC,
 engine token) -> `EnginePool` (one `kascade engine serve --empty` per node behind a KWOK pod) ->
-`OperatorProcess` -> ModelService applied -> `LoadGen` phases (steady, burst, calm) while the main
+`OperatorProcess` -> `RouterProcess` -> ModelService applied -> `LoadGen` (the openai client, through the
+router) phases (steady, burst, calm) while the main
 thread observes the cluster every half second into a `Timeline` (events printed as they happen) ->
 `kubectl get msvc,splan`, a summary and a plot -> everything stopped (unless `keep`).
 """
@@ -29,6 +30,7 @@ from kascade_devcluster.controlplane import ControlPlane
 from kascade_devcluster.enginepool import EnginePool
 from kascade_devcluster.loadgen import LoadGen
 from kascade_devcluster.operatorproc import OperatorProcess
+from kascade_devcluster.routerproc import RouterProcess
 from kascade_devcluster.waiting import wait_for
 
 log = logging.getLogger(__name__)
@@ -94,6 +96,7 @@ class Demo:
         self.cp: ControlPlane | None = None
         self.pool: EnginePool | None = None
         self.op: OperatorProcess | None = None
+        self.router: RouterProcess | None = None
         self.gen: LoadGen | None = None
 
     # -- helpers -------------------------------------------------------------------------------------
@@ -128,10 +131,13 @@ class Demo:
             self.pool.start(names)
             self.step("5/7 operator (kascade operator run, sub-second metric loop)")
             self.op = OperatorProcess(self.cp, NS, token, out / "logs" / "operator.log", interval=0.25).start()
+            self.router = RouterProcess(self.cp, NS, out / "logs" / "router.log").start()
+            self.step(f"    router (kascade router): OpenAI endpoint {self.router.url}/v1, routes by model to "
+                      "Ready replicas it learns by watching the API")
             self.step(f"6/7 kubectl apply ModelService '{SERVICE}' (min 1, max {cfg.nodes - 1}, threshold "
                       f"{m.lower:g}..{m.upper:g} tokens/s per replica, chain multicast, live)")
             self.cp.kubectl("-n", NS, "apply", "-f", "-", input=json.dumps(self.modelservice(str(ckpt))))
-            self.gen = LoadGen(self.serving, m.name, list(range(3, 3 + m.prompt_tokens)), max_tokens=8).start(
+            self.gen = LoadGen(self.router.url, m.name, list(range(3, 3 + m.prompt_tokens)), max_tokens=8).start(
                 cfg.burst_workers)
             self.watch_until(lambda: self.ready_count() >= 1, 180, leaf_of, "the first copy")
             self.step("7/7 load: steady, then a burst, then calm")
@@ -187,16 +193,6 @@ class Demo:
                          "scaling": {"policy": "threshold", "intervalSeconds": 0.25, "scaleDownDelaySeconds": m.scale_down_s,
                                      "multicast": "chain", "live": True,
                                      "threshold": {"metric": "tokensPerSecond", "upper": m.upper, "lower": m.lower}}}}
-
-    def serving(self) -> list[str]:
-        """The router's view: loaded replicas and loading ones that serve live, not draining."""
-        eps = []
-        for p in self.kget("pods", "-l", f"kascade.io/model-service={SERVICE}")["items"]:
-            ann = p["metadata"].get("annotations") or {}
-            if (ann.get("kascade.io/loaded") == "true" or ann.get("kascade.io/live") == "true") \
-                    and "kascade.io/draining" not in ann:
-                eps.append(ann["kascade.io/endpoint"])
-        return eps
 
     def ready_count(self) -> int:
         return int((self.kget("msvc", SERVICE).get("status") or {}).get("readyReplicas") or 0)
@@ -272,6 +268,8 @@ class Demo:
         steps: list[Callable[[], None]] = []
         if self.gen is not None:
             steps.append(self.gen.stop)
+        if self.router is not None:
+            steps.append(self.router.stop)
         if self.op is not None:
             steps.append(self.op.stop)
         if self.pool is not None:

@@ -11,6 +11,7 @@ and the label `kascade.io/pool=warm`.
 Data flow: `EnginePool.start(nodes)` -> one engine process per node (own session, dies with this
 interpreter, log under `log_dir`) -> its `KASCADE_ENGINE_READY http=<port>` line -> a pool pod pinned
 to the node (`spec.nodeName`) with the annotations -> the operator binds and instructs the engine.
+A `ReadinessProber` plays the kubelet's readinessProbe (GET /readyz -> the pod's Ready condition).
 `kill(name)` SIGKILLs one engine (fault tests); `stop()` ends them all and deletes their pods.
 """
 
@@ -29,6 +30,7 @@ from pathlib import Path
 from kascade_devcluster import processes
 from kascade_devcluster.controlplane import ControlPlane
 from kascade_devcluster.ports import free_ports
+from kascade_devcluster.prober import ReadinessProber
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,8 @@ class EnginePool:
         self.cp, self.ns, self.checkpoint, self.model, self.token = cp, namespace, checkpoint, model_name, token
         self.log_dir, self.extra_args = log_dir, extra_args
         self.engines: dict[str, PoolEngine] = {}
+        # what a kubelet does with the pool pods' readinessProbe (GET /readyz), which KWOK does not run
+        self.prober = ReadinessProber(cp, namespace, lambda: {n: e.endpoint for n, e in list(self.engines.items())})
 
     def start(self, nodes: list[str], prefix: str = "engine", timeout: float = 120.0) -> list[PoolEngine]:
         """Start one engine per node (in parallel), then create their pool pods."""
@@ -83,6 +87,8 @@ class EnginePool:
             self.engines[name] = e
             self._create_pod(e)
             out.append(e)
+        if not self.prober.running:
+            self.prober.start()
         log.info("warm pool: %d engine processes for %s on %d nodes", len(out), self.model, len(set(nodes)))
         return out
 
@@ -119,6 +125,7 @@ class EnginePool:
             time.sleep(0.02)
 
     def stop(self, delete_pods: bool = True) -> None:
+        self.prober.stop()
         for e in self.engines.values():
             processes.stop(e.proc.pid, started=e.proc.started)
         if delete_pods and self.engines:

@@ -106,3 +106,24 @@ class StubEngine:
         finally:
             self._open.discard(request.transport)
         return resp
+
+
+def main() -> None:  # pragma: no cover - a process for bench/router.py
+    import argparse
+
+    ap = argparse.ArgumentParser(description="an engine stub speaking the OpenAI wire format (no model)")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--tokens", type=int, default=4)
+    ap.add_argument("--delay", type=float, default=0.0, help="seconds between streamed chunks")
+    args = ap.parse_args()
+
+    async def run() -> None:
+        stub = await StubEngine(tokens=args.tokens, delay_s=args.delay).start(args.port)
+        print(f"KASCADE_STUB_READY http={stub.port}", flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -234,12 +234,9 @@ async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods:
         for _ in range(action.count):
             await rt.kube.create_pod(ns, pod)
     elif isinstance(action, Drain):
+        # routers stop sending to the pod first (they watch this annotation); the engine itself is drained
+        # a round later, with its release, so no request ever arrives at a draining engine
         p = by_name[action.pod]
-        if p.endpoint:
-            try:
-                await rt.engines.drain(p.endpoint)
-            except EngineError as e:
-                log.warning("%s", e)
         try:
             await rt.kube.patch_pod(ns, p.pod_name, drain_patch(p, now_iso()))
         except Conflict:
@@ -249,6 +246,7 @@ async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods:
         p = by_name[action.pod]
         if p.endpoint:
             try:
+                await rt.engines.drain(p.endpoint)  # readiness drops; requests in flight finish
                 await rt.engines.release(p.endpoint)
             except EngineError as e:
                 if e.status == 409:

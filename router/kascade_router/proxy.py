@@ -32,6 +32,7 @@ from kascade_router.settings import RouterSettings
 
 log = logging.getLogger(__name__)
 REQUEST_ID = "X-Request-Id"
+REPLICA = "X-Kascade-Replica"  # which pod answered (clients, tests and logs can tell)
 _RID_OK = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _SSE = "text/event-stream"
 
@@ -118,8 +119,8 @@ class Proxy:
                      rid: str, t0: float) -> tuple[web.StreamResponse, int, int]:
         tried: set[str] = set()
         deadline = t0 + self.s.hold_timeout_s
-        held = False
-        while len(tried) < self.s.attempts:
+        held, tries = False, 0
+        while tries < self.s.attempts:
             b = pick(self.routes.serving(svc), self.rng, tried)
             if b is None:
                 if not held and d.queued >= self.s.max_queued:
@@ -129,16 +130,17 @@ class Proxy:
                 b = await self._hold(svc, d, tried, deadline)
                 held = True
                 if b is None:
-                    why = (f"replicas of model '{d.model}' failed before answering ({len(tried)} tried)" if tried
+                    why = (f"replicas of model '{d.model}' failed before answering ({tries} tries)" if tries
                            else f"no serving replica of model '{d.model}' (ModelService {svc[0]}/{svc[1]}) "
                                 f"within {self.s.hold_timeout_s:g} s; it may be scaling from zero")
                     return error(503, why, None, "unavailable", rid, self.s.retry_after_s), 503, 0
             tried.add(b.pod)
+            tries += 1
             try:
                 return await self._forward(request, body, b, stream, rid)
             except _Retry as e:
                 log.info("request %s: %s; retrying on another replica", rid, e)
-        return error(502, f"{len(tried)} replicas of model '{d.model}' failed before answering", None,
+        return error(502, f"{tries} tries on replicas of model '{d.model}' failed before answering", None,
                      "server_error", rid), 502, 0
 
     async def _hold(self, svc: tuple[str, str], d: ModelDemand, tried: set[str], deadline: float) -> Backend | None:
@@ -152,9 +154,11 @@ class Proxy:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
-                # a change of the table, or an ejection running out, may free a backend
+                # a change of the table, or an ejection running out, may free a backend; replicas this
+                # request already tried get another chance then (a lone replica that was still starting)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.routes.changed().wait(), min(left, 1.0))
+                tried.clear()
         finally:
             d.queued -= 1
 
@@ -173,7 +177,7 @@ class Proxy:
             if up.status == 503:
                 text = (await up.read())[:200].decode(errors="replace")
                 raise _Retry(f"{b.pod} answered 503: {text}")
-            headers = {REQUEST_ID: rid}
+            headers = {REQUEST_ID: rid, REPLICA: b.pod}
             ctype = up.headers.get("Content-Type", "application/json")
             if not (stream and ctype.startswith(_SSE)):
                 try:

@@ -102,8 +102,10 @@ class Watcher:
             try:
                 resp = await call(_preload_content=False)
                 doc = json.loads(await resp.read())
+                rv = (doc.get("metadata") or {}).get("resourceVersion")
+                if doc.get("kind") == "Status" or not rv:  # e.g. 404 while the CRD is not established yet
+                    raise RuntimeError(f"list {what}: {doc.get('message') or doc.get('reason') or 'no resourceVersion'}")
                 reset(list(doc.get("items") or []))
-                rv = doc["metadata"]["resourceVersion"]
                 self._listed.add(what)
                 if self._listed >= {"pods", "modelservices"}:
                     self.synced.set()

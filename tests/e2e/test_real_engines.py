@@ -26,6 +26,7 @@ from kascade_devcluster.controlplane import ControlPlane
 from kascade_devcluster.enginepool import EnginePool
 from kascade_devcluster.loadgen import LoadGen
 from kascade_devcluster.operatorproc import OperatorProcess
+from kascade_devcluster.routerproc import RouterProcess
 from kascade_devcluster.waiting import wait_for
 from kascade_engine.checkpoint import tiny_llama
 
@@ -58,6 +59,22 @@ def world(control_plane: ControlPlane, crds: list[str], namespace: str, kwok_nod
         pool.stop()
 
 
+@pytest.fixture
+def router(control_plane: ControlPlane, namespace: str, tmp_path: Path) -> Iterator[RouterProcess]:
+    r = RouterProcess(control_plane, namespace, tmp_path / "router.log").start()
+    try:
+        yield r
+    finally:
+        r.stop()
+
+
+def rejected(pool: EnginePool) -> list[str]:
+    """From the engines' own request logs: requests that reached an engine that could not serve them
+    (empty, loading without a live pair, draining, released)."""
+    return [f"{name}: {line}" for name, e in pool.engines.items() if e.proc.log.exists()
+            for line in e.proc.log.read_text(errors="replace").splitlines() if "request rejected" in line]
+
+
 def msvc(ckpt: Path, lo: int, hi: int, upper: float, lower: float) -> dict[str, Any]:
     return {"apiVersion": "kascade.io/v1alpha1", "kind": "ModelService", "metadata": {"name": "svc"},
             "spec": {"model": {"name": MODEL, "source": {"path": str(ckpt)}, "layers": 8},
@@ -76,17 +93,6 @@ def loaded(cp: ControlPlane, ns: str) -> list[dict[str, Any]]:
     return [p for p in get(cp, ns, "pods", "-l", "kascade.io/model-service=svc")["items"]
             if p["metadata"]["annotations"].get("kascade.io/loaded") == "true"
             and "kascade.io/draining" not in p["metadata"]["annotations"]]
-
-
-def endpoints(cp: ControlPlane, ns: str) -> Callable[[], list[str]]:
-    """What a router sends to: loaded replicas, and loading ones serving live with their pair."""
-    def serving() -> list[str]:
-        return [p["metadata"]["annotations"]["kascade.io/endpoint"]
-                for p in get(cp, ns, "pods", "-l", "kascade.io/model-service=svc")["items"]
-                if (p["metadata"]["annotations"].get("kascade.io/loaded") == "true"
-                    or p["metadata"]["annotations"].get("kascade.io/live") == "true")
-                and "kascade.io/draining" not in p["metadata"]["annotations"]]
-    return serving
 
 
 def engine_status(pool: EnginePool, name: str) -> dict[str, Any]:
@@ -129,7 +135,9 @@ def complete(url: str) -> str:
 
 def test_burst_scales_up_by_chain_from_the_serving_replica_and_back(
         control_plane: ControlPlane, namespace: str, world: tuple[EnginePool, OperatorProcess, list[str]],
-        ckpt: Path) -> None:
+        ckpt: Path, router: RouterProcess) -> None:
+    """Every request goes through the router (openai client); none fails, and no engine ever receives
+    one it cannot serve (its own request log says so)."""
     cp, ns = control_plane, namespace
     pool, _, nodes = world
     src = serve_first_copy(cp, ns, msvc(ckpt, 1, 3, upper=300, lower=100))
@@ -137,7 +145,7 @@ def test_burst_scales_up_by_chain_from_the_serving_replica_and_back(
     assert local and local[0]["spec"]["sources"][0]["path"] == str(ckpt)
     want = complete(pool.engines[src].url)
 
-    gen = LoadGen(endpoints(cp, ns), MODEL, PROMPT, max_tokens=8).start()
+    gen = LoadGen(router.url, MODEL, PROMPT, max_tokens=8).start()
     try:
         gen.set_load(workers=6)  # the burst: far above 300 tok/s per instance
         t_burst = time.monotonic()
@@ -166,6 +174,8 @@ def test_burst_scales_up_by_chain_from_the_serving_replica_and_back(
             assert engine_status(pool, name)["bytesReceived"] > 20_000_000
         split = sum(live_split(pool, t["instance"]) for t in spec["targets"])
         assert split > 0, "no request was served live by a loading target"
+        served = {r.endpoint for r in gen.results if r.ok}
+        assert spec["chains"][0][1] in served  # the router sent requests to the live replica while it loaded
         during = gen.summary(since=t_burst)
         assert during["failed"] == 0 and during["ok"] > 20, during
 
@@ -183,6 +193,7 @@ def test_burst_scales_up_by_chain_from_the_serving_replica_and_back(
     story = cp.kubectl("-n", ns, "get", "msvc,splan").stdout
     print(story, f"\nscale-up {t_up - t_burst:.1f} s, scale-down {t_down - t_up:.1f} s, requests {gen.summary()}")
     assert "Succeeded" in story
+    assert rejected(pool) == []  # no loading, draining or released engine ever got a request
     ms = get(cp, ns, "msvc", "svc")["status"]
     assert ms["readyReplicas"] == 1 and ms["lastDecision"]["to"] < ms["lastDecision"]["from"]
 
@@ -237,3 +248,30 @@ def test_operator_sigkilled_mid_transfer_resumes_the_plan_once(
     for t in targets:  # each target received the model exactly once (no second transfer), intact
         st = engine_status(pool, t)
         assert st["ready"] and st["bytesReceived"] == total and complete(pool.engines[t].url) == want
+
+
+def test_replica_killed_mid_stream_fails_only_its_requests(
+        control_plane: ControlPlane, namespace: str, world: tuple[EnginePool, OperatorProcess, list[str]],
+        ckpt: Path, router: RouterProcess) -> None:
+    cp, ns = control_plane, namespace
+    pool, _, _ = world
+    serve_first_copy(cp, ns, msvc(ckpt, 1, 2, upper=1e9, lower=0))
+    cp.kubectl("-n", ns, "patch", "msvc", "svc", "--type=merge", "-p",
+               json.dumps({"spec": {"replicas": {"colocated": {"min": 2}}}}))
+    wait_for(lambda: len(loaded(cp, ns)) == 2, 90, "2 ready replicas")
+    gen = LoadGen(router.url, MODEL, PROMPT, max_tokens=48).start()
+    try:
+        gen.set_load(workers=6)
+        wait_for(lambda: len({r.endpoint for r in gen.results if r.ok}) == 2, 60, "requests on both replicas")
+        victim = sorted({r.endpoint for r in gen.results if r.ok})[0]
+        t_kill = time.monotonic()
+        pool.kill(victim)
+        time.sleep(4.0)
+    finally:
+        gen.stop()
+    failed = [r for r in gen.results if not r.ok]
+    after = [r for r in gen.results if r.start > t_kill]
+    assert all(r.endpoint == victim and r.start < t_kill for r in failed), [r.error for r in failed]
+    assert len(failed) <= 6  # at most the streams that were on it
+    assert after and all(r.ok and r.endpoint != victim for r in after), [r.error for r in after if not r.ok]
+    print(f"killed {victim} mid-stream: {len(failed)} requests on it failed, {len(after)} after it all ok")

@@ -133,7 +133,7 @@ async def test_routes_by_model_and_relays_the_answer(world: Callable[..., Any]) 
     r, engines, url = await world(2)
     st, h, body = await post(url, {"model": "m", "prompt": "hi"}, headers={"X-Request-Id": "abc-1"})
     assert st == 200 and json.loads(body)["choices"][0]["text"] == " t0 t1 t2 t3"
-    assert h["X-Request-Id"] == "abc-1"
+    assert h["X-Request-Id"] == "abc-1" and h["X-Kascade-Replica"] in ("m-0", "m-1")
     assert [s.request_id for e in engines for s in e.seen] == ["abc-1"]
     st, h, _ = await post(url, {"model": "m", "prompt": "hi"})
     assert len(h["X-Request-Id"]) == 32  # generated when the client sends none
