@@ -40,7 +40,7 @@ TYPED_MODULES := -p kascade_devcluster -p kascade_demo -p kascade_router -m kasc
 	-m kascade_engine.openai_api -m kascade_engine.responder -m kascade_engine.server \
 	-m kascade_operator.api -m kascade_operator.scaleplan -m kascade_operator.plandriver -m kascade_operator.engine_client \
 	-m kascade_operator.pool -m kascade_operator.reconcile -m kascade_operator.operator_metrics \
-	-m kascade_cli.logsetup -m kascade_cli.probe -m kascade_cli.model_cmd
+	-m kascade_cli.logsetup -m kascade_cli.probe -m kascade_cli.model_cmd -m kascade_operator.demand
 
 typecheck: ## mypy: strict on the pure planner; data plane, loader, devcluster, API models and plan driver checked too
 	$(VENV)/bin/mypy -p kascade_planner

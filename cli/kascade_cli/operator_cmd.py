@@ -24,8 +24,11 @@ def operator() -> None:
 @click.option("--engine-token", envvar="KASCADE_ENGINE_TOKEN", help="bearer token for the engine control API")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), help="serve the operator's /metrics here (0 = off)")
 @click.option("--liveness", metavar="URL", help="serve a liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+@click.option("--router-url", metavar="URL", help="the router's base URL: ModelService status.url and router demand "
+              "(scale from zero)")
 def run(namespaces: tuple[str, ...], interval: float | None, rate_window: float | None, metrics_source: str | None,
-        prometheus_url: str | None, engine_token: str | None, metrics_port: int | None, liveness: str | None) -> None:
+        prometheus_url: str | None, engine_token: str | None, metrics_port: int | None, liveness: str | None,
+        router_url: str | None) -> None:
     """Reconcile ModelServices and ScalePlans until interrupted (`kascade -v operator run` logs decisions).
 
     The warm pool's size is its Deployment's (the chart's `pool.replicas`): it refills itself when the
@@ -39,7 +42,7 @@ def run(namespaces: tuple[str, ...], interval: float | None, rate_window: float 
     overrides = {k: v for k, v in {"namespaces": list(namespaces) or None, "interval_seconds": interval,
                                    "rate_window_seconds": rate_window, "metrics_source": metrics_source,
                                    "prometheus_url": prometheus_url, "engine_token": engine_token,
-                                   "metrics_port": metrics_port}.items() if v is not None}
+                                   "metrics_port": metrics_port, "router_url": router_url}.items() if v is not None}
     try:
         settings = OperatorSettings(**overrides)
     except ValidationError as e:

@@ -123,6 +123,7 @@ class Scaling(Model):
     policy: Literal["tokenVelocity", "threshold", "concurrency"] = "tokenVelocity"
     interval_seconds: float = Field(default=1.0, ge=0.05, le=3600)
     scale_down_delay_seconds: float = Field(default=0.5, ge=0, le=86400)
+    idle_release_seconds: float = Field(default=300.0, ge=0, le=604800)
     convertible_decoders: bool = False
     live: bool = True
     multicast: Literal["chain", "binomial", "star", "hybrid", "auto"] = "chain"
@@ -204,6 +205,7 @@ class ModelServiceStatus(Model):
     observed_generation: int | None = None
     ready_replicas: NonNegInt | None = None
     loading_replicas: NonNegInt | None = None
+    url: str | None = None
     selector: str | None = None
     active_plan: str | None = None
     replicas: ReplicasStatus | None = None

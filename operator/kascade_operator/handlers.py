@@ -12,6 +12,7 @@ Handlers keep no state of their own; everything lives in `Runtime` (kopf memo) o
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from datetime import UTC, datetime
@@ -23,7 +24,8 @@ from pydantic import ValidationError
 from kascade_operator import labels as L
 from kascade_operator import plandriver
 from kascade_operator.api import ModelServiceSpec
-from kascade_operator.decide import decide
+from kascade_operator.decide import RoleDecision, decide
+from kascade_operator.demand import RouterDemand, zero_rule
 from kascade_operator.engine_client import EngineClient, EngineError
 from kascade_operator.kube import GROUP, VERSION, Conflict, Kube, NotFound, now_iso
 from kascade_operator.metrics import PrometheusSource, Scraper, snapshot
@@ -128,6 +130,7 @@ async def _reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) ->
     rt.metrics.pool_size.labels(ns).set(sum(1 for p in pods if p.model_service is None))
 
     desired: dict[str, int] = {}
+    release_last: set[str] = set()
     reasons, last = [], None
     for role, b in role_bounds(spec).items():
         serving = [p for p in pods if p.model_service == name and p.role == role and not p.draining]
@@ -154,6 +157,9 @@ async def _reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) ->
         log.debug("%s/%s %s: %d ready scraped, %.0f in tok/s", ns, name, role, len(loads), snap.input_tokens_per_s)
         d = decide(spec, role, len(serving), b.min, b.max, snap, rt.below_since.get(key))
         rt.below_since[key] = d.state.below_since_s
+        d, may_release_last = await _zero(rt, spec, key, len(serving), b.min, snap, d)
+        if may_release_last:
+            release_last.add(role)
         if trigger == "timer" or d.desired != d.current:
             desired[role] = d.desired
         if d.desired != d.current:
@@ -166,7 +172,8 @@ async def _reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) ->
     # included; choosing and claiming happen with no await in between, so two services never pick one pod
     others = {t.get("pod") or t["instance"] for p in raw_plans
               if (p.get("status") or {}).get("phase") not in TERMINAL for t in (p.get("spec") or {}).get("targets") or []}
-    res = reconcile(name, spec, pods, plans, desired or None, "; ".join(reasons), others | rt.reserved(ns))
+    res = reconcile(name, spec, pods, plans, desired or None, "; ".join(reasons), others | rt.reserved(ns),
+                    release_last)
     rt.metrics.observe_service(ns, name, res.roles, _active_plan_ages(raw_plans, name))
     for action in res.actions:
         if isinstance(action, CreatePlan):
@@ -179,6 +186,7 @@ async def _reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) ->
         "readyReplicas": sum(r.ready for r in res.roles.values()),
         "loadingReplicas": sum(r.loading for r in res.roles.values()),
         "selector": f"{L.MODEL_SERVICE}={name}",
+        **({"url": rt.settings.router_url.rstrip("/") + "/v1"} if rt.settings.router_url else {}),
         "replicas": {role: {"desired": r.desired, "ready": r.ready, "loading": r.loading} for role, r in res.roles.items()},
         "sources": [{"kind": "gpu", "location": p.pod_name, "node": p.node} for p in pods
                     if p.model_service == name and p.ready],
@@ -200,6 +208,25 @@ async def _reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) ->
         await rt.kube.patch_modelservice_status(ns, name, status)
     rt.metrics.reconcile.labels(trigger).observe(time.perf_counter() - t0)
     return res
+
+
+async def _zero(rt: Runtime, spec: ModelServiceSpec, key: tuple[str, str, str], current: int, lo: int,
+                snap: Any, d: RoleDecision) -> tuple[RoleDecision, bool]:
+    """Scale from zero on the router's demand (no engine exists to be scraped) and to zero after an idle
+    time with min 0; otherwise the policy's decision stands."""
+    now = time.monotonic()
+    dem = await rt.router.get(key[0], key[1]) if rt.router is not None else None
+    if snap.in_flight > 0 or snap.output_tokens_per_s > 0 or (dem is not None and (dem.active or dem.requests_per_s > 0)) \
+            or key not in rt.last_busy:
+        rt.last_busy[key] = now
+    idle = now - rt.last_busy[key]
+    if dem is not None and dem.idle_s is not None:
+        idle = min(idle, dem.idle_s)
+    after = spec.scaling.idle_release_seconds if spec.scaling else 300.0
+    want, why, release_last = zero_rule(current, lo, d.desired, dem, idle, after)
+    if want != d.desired or why:
+        d = dataclasses.replace(d, desired=want, reason=why or d.reason)
+    return d, release_last
 
 
 async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods: list[PodView], action: Any,
@@ -295,6 +322,8 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
                                                                              window_s=s.rate_window_seconds),
                           PrometheusSource(s.prometheus_url) if s.metrics_source == "prometheus" and s.prometheus_url
                           else None, om)
+        if s.router_url:  # demand when no engine exists (scale from zero), and status.url
+            memo.rt.router = RouterDemand(s.router_url, s.scrape_timeout_seconds, max_age_s=s.interval_seconds / 2)
 
     @kopf.on.login(registry=reg)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:

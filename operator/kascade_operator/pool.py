@@ -77,10 +77,11 @@ def choose_targets(idle: Sequence[PodView], k: int, source_leaves: Collection[st
     return usable[:k]
 
 
-def choose_drain(serving: Sequence[PodView], k: int) -> list[PodView]:
-    """Pick up to `k` pods to drain: not-ready ones first, then newest names; never the last ready pod."""
+def choose_drain(serving: Sequence[PodView], k: int, keep_last: bool = True) -> list[PodView]:
+    """Pick up to `k` pods to drain: not-ready ones first, then newest names; never the last ready pod
+    (unless `keep_last` is off: scale to zero after an idle time, replicas.min 0)."""
     order = sorted(serving, key=lambda p: (p.ready, [-ord(c) for c in p.pod_name]))
-    ready_left = sum(p.ready for p in serving)
+    ready_left = sum(p.ready for p in serving) + (0 if keep_last else 1)
     out: list[PodView] = []
     for p in order:
         if len(out) == k:

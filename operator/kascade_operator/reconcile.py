@@ -79,11 +79,13 @@ def role_bounds(spec: ModelServiceSpec) -> dict[str, RoleReplicas]:
 
 
 def reconcile(name: str, spec: ModelServiceSpec, pods: Sequence[PodView], plans: Sequence[PlanView],
-              desired: Mapping[str, int] | None = None, reason: str = "", unavailable: Collection[str] = ()) -> Result:
+              desired: Mapping[str, int] | None = None, reason: str = "", unavailable: Collection[str] = (),
+              release_last: Collection[str] = ()) -> Result:
     """`desired`: the policy's wish per role (missing role -> spec min, or replicas.desired in colocated
     mode); it is clamped to the role's min..max here, so a bad policy output can never break bounds.
     `unavailable`: idle-looking pods that other services' plans have already taken (their bindings may
-    not be visible yet); never chosen as targets."""
+    not be visible yet); never chosen as targets. `release_last`: roles whose last ready copy may be drained
+    (min 0 and idle: scale to zero)."""
     actions: list[Action] = []
     roles: dict[str, RoleCount] = {}
     notes: list[str] = []
@@ -121,7 +123,7 @@ def reconcile(name: str, spec: ModelServiceSpec, pods: Sequence[PodView], plans:
                 progressing = True
         elif len(serving) > want:
             # never drain the last ready copy: choose_drain keeps at least one ready pod
-            for p in choose_drain(serving, len(serving) - want):
+            for p in choose_drain(serving, len(serving) - want, keep_last=role not in release_last):
                 actions.append(Drain(p.pod_name))
                 progressing = True
     available = all(r.desired == 0 or r.ready >= 1 for r in roles.values())

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kascade_operator import labels as L
+from kascade_operator.demand import RouterDemand
 from kascade_operator.engine_client import EngineClient
 from kascade_operator.kube import Kube
 from kascade_operator.metrics import PrometheusSource, Scraper
@@ -53,6 +54,8 @@ class Runtime:
     pod_index: Mapping[Any, Any] | None = None
     plan_index: Mapping[Any, Any] | None = None
     node_index: Mapping[Any, Any] | None = None
+    router: RouterDemand | None = None  # the router's demand per ModelService (settings.router_url)
+    last_busy: dict[tuple[str, str, str], float] = field(default_factory=dict)  # last request/token seen
 
     def attach(self, pods: Mapping[Any, Any] | None, plans: Mapping[Any, Any] | None,
                nodes: Mapping[Any, Any] | None) -> None:
@@ -143,4 +146,6 @@ class Runtime:
             await self.scraper.aclose()
         if self.prometheus:
             await self.prometheus.aclose()
+        if self.router:
+            await self.router.aclose()
         await self.kube.close()

@@ -36,6 +36,9 @@ class OperatorSettings(BaseSettings):
     gpu_resource: str = "nvidia.com/gpu"
     inter_leaf_ratio: float = Field(default=1.0, gt=0, le=1)
     metrics_port: int = Field(default=0, ge=0, le=65535, description="operator's own /metrics; 0 = off")
+    router_url: str | None = Field(default=None, pattern=r"^https?://",
+                                   description="the router's base URL (in-cluster Service): ModelService status.url "
+                                               "and demand per model when no engine exists (scale from zero)")
 
     @model_validator(mode="after")
     def _prometheus_needs_url(self) -> OperatorSettings:

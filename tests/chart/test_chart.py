@@ -40,6 +40,8 @@ def test_template_renders_every_deployable(helm: Helm) -> None:
         ("Deployment", "rel-operator"), ("Deployment", "rel-pool"), ("Service", "rel-operator-metrics"),
         ("Service", "rel-engines"), ("NetworkPolicy", "rel-engines"), ("NetworkPolicy", "rel-operator"),
         ("Pod", "rel-test-models"),
+        ("ServiceAccount", "rel-router"), ("ClusterRole", "rel-router"), ("ClusterRoleBinding", "rel-router"),
+        ("Deployment", "rel-router"), ("Service", "rel-router"),
     ])
     op = by(docs, "Deployment", "rel-operator")
     assert op["spec"]["strategy"] == {"type": "Recreate"}
@@ -204,6 +206,29 @@ def test_monitoring_pack_renders_when_enabled(helm: Helm) -> None:
 def test_observability_files_are_generated_from_their_source() -> None:
     proc = subprocess.run([sys.executable, str(REPO / "hack" / "observability.py"), "--check"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_router_is_a_read_only_watcher_behind_a_service(helm: Helm) -> None:
+    docs = [d for d in yaml.safe_load_all(helm(
+        "template", "rel", str(CHART), "-n", "ns", "--set", "router.replicas=3",
+        "--set", "router.inferencePool.pools[0].modelService=chat",
+        "--set", "router.inferencePool.pools[0].endpointPicker.name=chat-epp").stdout) if d]
+    by = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    role = by[("ClusterRole", "rel-router")]
+    assert {v for r in role["rules"] for v in r["verbs"]} == {"get", "list", "watch"}
+    assert sorted(x for r in role["rules"] for x in r["resources"]) == ["modelservices", "pods"]
+    dep = by[("Deployment", "rel-router")]
+    assert dep["spec"]["replicas"] == 3 and dep["spec"]["template"]["spec"]["serviceAccountName"] == "rel-router"
+    svc = by[("Service", "rel-router")]
+    assert svc["spec"]["ports"][0]["port"] == 8080
+    env = {e["name"]: e.get("value") for e in
+           by[("Deployment", "rel-operator")]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["KASCADE_OPERATOR_ROUTER_URL"] == "http://rel-router.ns.svc:8080"  # -> ModelService status.url
+    pool = by[("InferencePool", "chat")]
+    assert pool["spec"]["selector"] == {"matchLabels": {"kascade.io/model-service": "chat"}}
+    assert pool["spec"]["endpointPickerRef"]["name"] == "chat-epp"
+    pod = by[("Deployment", "rel-pool")]["spec"]["template"]["spec"]["containers"][0]
+    assert pod["readinessProbe"]["httpGet"]["path"] == "/readyz"  # Ready only while it can serve
 
 
 def test_rbac_grants_no_wildcards_or_secret_listing(helm: Helm) -> None:

@@ -1,0 +1,40 @@
+"""Scale to and from zero (replicas.min 0): the router's demand brings the first replica back, an idle
+time releases the last one, and nothing else ever drains the last copy."""
+
+from __future__ import annotations
+
+import pytest
+from builders import pod, spec
+
+from kascade_operator.demand import Demand, zero_rule
+from kascade_operator.reconcile import CreatePlan, Drain, reconcile
+
+
+@pytest.mark.parametrize(("current", "lo", "wish", "demand", "idle", "want", "why", "last"), [
+    (0, 0, 0, Demand(queued=2), None, 1, "scaling from zero", False),  # held requests, no replica: one
+    (0, 0, 3, Demand(in_flight=1), None, 3, "scaling from zero", False),  # the policy may want more
+    (0, 0, 0, Demand(), None, 0, None, False),  # no demand: stay at zero
+    (0, 0, 0, None, None, 0, None, False),  # router unreadable: nothing decided on it
+    (1, 0, 0, Demand(), 301.0, 0, "idle for 301 s", True),  # idle long enough: the last copy goes
+    (1, 0, 0, Demand(), 10.0, 1, None, False),  # below the policy's bound, not idle long: keep one
+    (1, 0, 0, Demand(queued=1), 999.0, 1, None, False),  # a held request is never idle
+    (1, 1, 0, Demand(), 999.0, 0, None, False),  # min 1: the policy's wish, the reconciler keeps the copy
+    (2, 0, 2, Demand(), 0.0, 2, None, False),
+])
+def test_zero_rule(current: int, lo: int, wish: int, demand: Demand | None, idle: float | None, want: int,
+                   why: str | None, last: bool) -> None:
+    got, reason, release_last = zero_rule(current, lo, wish, demand, idle, 300.0)
+    assert got == want and release_last == last
+    assert (reason is None) if why is None else (reason is not None and why in reason)
+
+
+def test_from_zero_loads_the_first_copy_from_the_source() -> None:
+    res = reconcile("svc", spec(lo=0, hi=2), [pod("p-a")], [], {"colocated": 1}, "router demand")
+    assert res.actions == (CreatePlan("colocated", (), ("p-a",), "router demand"),)  # no source pod: spec.model.source
+
+
+def test_last_copy_drains_only_when_released() -> None:
+    one = [pod("r1", ms="svc", role="colocated", ready=True)]
+    assert reconcile("svc", spec(lo=0, hi=2), one, [], {"colocated": 0}).actions == ()
+    res = reconcile("svc", spec(lo=0, hi=2), one, [], {"colocated": 0}, release_last={"colocated"})
+    assert res.actions == (Drain("r1"),) and res.available  # desired 0: nothing is missing
