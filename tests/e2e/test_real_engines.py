@@ -306,7 +306,7 @@ def test_scale_from_zero_through_the_router(control_plane: ControlPlane, crds: l
             t0 = time.monotonic()
             stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, stream=True)
             ttft = None
-            for chunk in stream:
+            for _chunk in stream:
                 ttft = ttft if ttft is not None else time.monotonic() - t0
             assert ttft is not None
             return ttft
