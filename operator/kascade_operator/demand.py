@@ -75,14 +75,19 @@ def zero_rule(current: int, lo: int, wish: int, demand: Demand | None, idle_s: f
               idle_release_s: float) -> tuple[int, str | None, bool]:
     """(desired, reason when it overrides the policy, may the last copy go).
 
-    From zero: requests held or in flight at the router make one replica (or the policy's wish).
-    To zero: only with min 0, nothing held or in flight, and no request for `idle_release_s`."""
-    if current == 0 and demand is not None and (demand.active or demand.requests_per_s > 0):
-        want = max(1, wish)
-        return want, (f"router: {demand.queued} request(s) held and {demand.in_flight} in flight with no serving "
-                      f"replica: scaling from zero; the first copy loads from spec.model.source (no host memory "
-                      f"tier yet)"), False
-    if lo == 0 and current >= 1 and not (demand is not None and demand.active) and idle_s is not None \
+    From zero: requests held or in flight at the router make one replica (or the policy's wish); with
+    min 0 and no demand it stays at zero. To zero: only with min 0, a readable router (the way back),
+    nothing held or in flight, and no request for `idle_release_s`."""
+    if current == 0 and demand is not None:
+        if demand.active or demand.requests_per_s > 0:
+            want = max(1, wish)
+            return want, (f"router: {demand.queued} request(s) held and {demand.in_flight} in flight with no "
+                          f"serving replica: scaling from zero; the first copy loads from spec.model.source (no "
+                          f"host memory tier yet)"), False
+        if lo == 0:
+            return 0, None, False  # nothing asks for it: stay at zero (policies alone would keep a copy)
+    # without a router nothing could bring it back: min 0 then keeps one copy, as the policies do
+    if lo == 0 and current >= 1 and demand is not None and not demand.active and idle_s is not None \
             and idle_s >= idle_release_s:
         return 0, f"idle for {idle_s:.0f} s (>= idleReleaseSeconds {idle_release_s:g}, min 0): releasing every replica", True
     if lo == 0 and current >= 1 and wish == 0:

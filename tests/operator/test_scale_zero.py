@@ -13,8 +13,9 @@ from kascade_operator.reconcile import CreatePlan, Drain, reconcile
 @pytest.mark.parametrize(("current", "lo", "wish", "demand", "idle", "want", "why", "last"), [
     (0, 0, 0, Demand(queued=2), None, 1, "scaling from zero", False),  # held requests, no replica: one
     (0, 0, 3, Demand(in_flight=1), None, 3, "scaling from zero", False),  # the policy may want more
-    (0, 0, 0, Demand(), None, 0, None, False),  # no demand: stay at zero
-    (0, 0, 0, None, None, 0, None, False),  # router unreadable: nothing decided on it
+    (0, 0, 1, Demand(), None, 0, None, False),  # no demand: stay at zero (the policy would keep a copy)
+    (0, 0, 1, None, None, 1, None, False),  # no router: nothing could scale it back up, keep a copy
+    (1, 0, 0, None, 999.0, 1, None, False),  # no router: never released
     (1, 0, 0, Demand(), 301.0, 0, "idle for 301 s", True),  # idle long enough: the last copy goes
     (1, 0, 0, Demand(), 10.0, 1, None, False),  # below the policy's bound, not idle long: keep one
     (1, 0, 0, Demand(queued=1), 999.0, 1, None, False),  # a held request is never idle
