@@ -54,7 +54,7 @@ def expected_files() -> dict[Path, str]:
         return out
     rendered = subprocess.run(
         [str(helm), "template", "kascade", str(CHART), "--namespace", "kascade-system",
-         "--set", "engineToken.existingSecret=kascade-engine-token"],
+         "--set", "engineToken.existingSecret=kascade-engine-token", "--set", "router.enabled=true"],
         check=True, capture_output=True, text=True).stdout
     docs: dict[str, list[str]] = {}
     for chunk in rendered.split("\n---\n"):

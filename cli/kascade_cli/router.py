@@ -56,7 +56,7 @@ def router(host: str, port: int, namespace: str | None, kubeconfig: str | None, 
         finally:
             await r.close()
 
-    try:  # libuv's event loop when installed (the router extra has it): less CPU per proxied request
+    try:  # libuv's event loop when installed (`pip install uvloop`): less CPU per proxied request
         import uvloop
     except ImportError:
         asyncio.run(main())

@@ -40,8 +40,6 @@ def test_template_renders_every_deployable(helm: Helm) -> None:
         ("Deployment", "rel-operator"), ("Deployment", "rel-pool"), ("Service", "rel-operator-metrics"),
         ("Service", "rel-engines"), ("NetworkPolicy", "rel-engines"), ("NetworkPolicy", "rel-operator"),
         ("Pod", "rel-test-models"),
-        ("ServiceAccount", "rel-router"), ("ClusterRole", "rel-router"), ("ClusterRoleBinding", "rel-router"),
-        ("Deployment", "rel-router"), ("Service", "rel-router"),
     ])
     op = by(docs, "Deployment", "rel-operator")
     assert op["spec"]["strategy"] == {"type": "Recreate"}
@@ -210,7 +208,7 @@ def test_observability_files_are_generated_from_their_source() -> None:
 
 def test_router_is_a_read_only_watcher_behind_a_service(helm: Helm) -> None:
     docs = [d for d in yaml.safe_load_all(helm(
-        "template", "rel", str(CHART), "-n", "ns", "--set", "router.replicas=3",
+        "template", "rel", str(CHART), "-n", "ns", "--set", "router.enabled=true", "--set", "router.replicas=3",
         "--set", "router.inferencePool.pools[0].modelService=chat",
         "--set", "router.inferencePool.pools[0].endpointPicker.name=chat-epp").stdout) if d]
     by = {(d["kind"], d["metadata"]["name"]): d for d in docs}
@@ -229,6 +227,10 @@ def test_router_is_a_read_only_watcher_behind_a_service(helm: Helm) -> None:
     assert pool["spec"]["endpointPickerRef"]["name"] == "chat-epp"
     pod = by[("Deployment", "rel-pool")]["spec"]["template"]["spec"]["containers"][0]
     assert pod["readinessProbe"]["httpGet"]["path"] == "/readyz"  # Ready only while it can serve
+    assert {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service"} == {
+        k for k, n in by if n == "rel-router"}
+    assert not [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART)).stdout)
+                if d and d["metadata"]["name"].endswith("-router")]  # off by default
 
 
 def test_rbac_grants_no_wildcards_or_secret_listing(helm: Helm) -> None:
