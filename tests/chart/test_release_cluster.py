@@ -153,6 +153,11 @@ def test_pod_security_baseline_admits_the_pool_and_helm_test_passes(
                "pod-security.kubernetes.io/warn=restricted")
     values = {"pool": {"replicas": 2, "tolerations": [KWOK_TOLERATION], "model": {"name": "tiny-chart"}},
               "operator": {"tolerations": [KWOK_TOLERATION]}, "tests": {"timeoutSeconds": 3}}
+    # the front door: the router when the chart has one (it lists the models of the namespace's
+    # ModelServices), else the engines Service (a real engine process behind it)
+    has_router = (CHART / "templates" / "router-service.yaml").exists()
+    if has_router:
+        values["router"] = {"enabled": True, "tolerations": [KWOK_TOLERATION]}
     out = cp.helm("install", "edge", str(CHART), "-n", namespace, "-f", values_file(tmp_path, values),
                   "--wait", "--timeout=90s")
     assert "would violate PodSecurity" not in out.stderr, out.stderr  # restricted, not only baseline
@@ -165,9 +170,6 @@ def test_pod_security_baseline_admits_the_pool_and_helm_test_passes(
     refused = cp.kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(bad), check=False)
     assert refused.returncode != 0 and "violates PodSecurity" in refused.stderr, refused.stderr
 
-    # `helm test` through the front door: the router when the chart has one (on by default; it lists the
-    # models of the namespace's ModelServices), else the engines Service (a real engine process behind it)
-    has_router = (CHART / "templates" / "router-service.yaml").exists()
     stop, log = threading.Event(), []
     engines = None
     if has_router:
