@@ -46,7 +46,7 @@ PAPER_SEEDS = (1, 2, 3)
 RATIOS = ("ttft_mean_reduction_vs_sllm", "ttft_mean_reduction_vs_allcache", "gpu_time_vs_full")
 
 
-def _paper_run(quick: bool, seed: int, cfg: SimConfig) -> tuple[dict[str, Any], int, float, float, float]:
+def _paper_run(quick: bool, seed: int, cfg: SimConfig, plot_to: Path | None) -> tuple[dict[str, Any], int, float, float, float]:
     from statistics import mean
 
     spec = model("qwen-72b")
@@ -61,10 +61,14 @@ def _paper_run(quick: bool, seed: int, cfg: SimConfig) -> tuple[dict[str, Any], 
     cpu = time.process_time() - cpu0  # the machine is shared: CPU time says what the simulator costs
     cmp = comparison(results, wall)
     cmp["gpu_time_vs_full"] = cmp["gpu_time_vs_static_peak"]
+    if plot_to is not None:
+        from kascade_sim.plots import plot
+
+        print(f"  wrote {plot(results, plot_to)}")
     return cmp, len(wl.requests), wall, cpu, peak
 
 
-def paper_setting(quick: bool) -> dict[str, object]:
+def paper_setting(quick: bool, plots: bool = False) -> dict[str, object]:
     """BlitzScale's headline setting, emulated: Qwen2-72B at tp=4, prefill/decode disaggregated, cluster A
     (4x8 A800), 4 models sharing each host's DRAM (300 GB per host: two 145 GB copies), BurstGPT-like
     arrivals (Gamma inter-arrivals, minute-scale bursts, Zipf lengths), three seeds (the ratios are
@@ -92,7 +96,8 @@ def paper_setting(quick: bool) -> dict[str, object]:
     for point, cfg in points.items():
         per_seed = []
         for seed in PAPER_SEEDS if point == "default" else PAPER_SEEDS[:1]:
-            cmp, n, w, c, peak = _paper_run(quick, seed, cfg)
+            first = point == "default" and seed == PAPER_SEEDS[0]
+            cmp, n, w, c, peak = _paper_run(quick, seed, cfg, RESULTS / "sim-paper.png" if plots and first else None)
             requests, wall, cpu = requests + n * len(PAPER_SYSTEMS), wall + w, cpu + c
             per_seed.append({"seed": seed, "requests": n, "peak_minute_vs_static_capacity": peak,
                              **{k: cmp[k] for k in RATIOS},
@@ -131,7 +136,7 @@ def main() -> int:
     args = ap.parse_args()
     print("Emulated: a discrete-event simulator on a virtual clock (no GPUs); engine costs are a roofline.")
     t_all = time.perf_counter()
-    out: dict[str, object] = {"quick": args.quick, "paper_setting": paper_setting(args.quick), "traces": {}}
+    out: dict[str, object] = {"quick": args.quick, "paper_setting": paper_setting(args.quick, args.plots), "traces": {}}
     if args.paper_only or not TRACES.is_dir():
         if not TRACES.is_dir():
             print(f"SKIP the Azure traces: not found at {TRACES}")
