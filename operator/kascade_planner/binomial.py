@@ -20,6 +20,9 @@ from kascade_planner.plan import Flow, Instance, ModelLayout, Plan, PlanError
 from kascade_planner.topology import Topology
 
 
+GROUP_MAX = 64
+
+
 def shifted_orders(block_ids: Sequence[str], k: int) -> list[tuple[str, ...]]:
     """Alg. 1: k contiguous chunks; sub-group j gets chunks j, j+1, ..., j-1 (mod k)."""
     n = len(block_ids)
@@ -132,7 +135,10 @@ def build_binomial(model: ModelLayout, sources: Sequence[Instance], targets: Seq
     leaf: Callable[[Instance], str] = (lambda i: topo.node(i.node).leaf) if topo is not None else (lambda i: "")
     if k is not None or topo is None:
         return _binomial_plan(model, srcs, targets, min(k or limit, limit), leaf)
-    options = sorted({*(2 ** e for e in range(limit.bit_length()) if 2 ** e <= limit), limit})
+    # Sub-groups of more than GROUP_MAX targets are not tried (the schedule is built step by step,
+    # quadratic in a sub-group's size); the largest k is always a candidate.
+    options = sorted({*(2 ** e for e in range(limit.bit_length())
+                        if 2 ** e <= limit and math.ceil(len(targets) / 2 ** e) <= GROUP_MAX), limit})
     best: tuple[float, int, Plan] | None = None
     for kk in options:
         plan = _binomial_plan(model, srcs, targets, kk, leaf)
