@@ -19,7 +19,6 @@ from kascade_planner.cost import CostParams, predict
 from kascade_planner.plan import Flow, Instance, ModelLayout, Plan, PlanError
 from kascade_planner.topology import Topology
 
-
 GROUP_MAX = 64
 
 
