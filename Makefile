@@ -35,7 +35,7 @@ TYPED_MODULES := -p kascade_devcluster -p kascade_demo -p kascade_router -m kasc
 	-m kascade_engine.transport -m kascade_engine.transport_tcp -m kascade_engine.transport_ucx \
 	-m kascade_engine.transfer_spec -m kascade_engine.relay -m kascade_engine.pacing -m kascade_engine.loader \
 	-m kascade_engine.config -m kascade_engine.instance -m kascade_engine.serving -m kascade_engine.control \
-	-m kascade_engine.pages -m kascade_engine.cooperation -m kascade_engine.peerpool -m kascade_engine.scheduler -m kascade_engine.families -m kascade_engine.kvcache \
+	-m kascade_engine.pages -m kascade_engine.cooperation -m kascade_engine.peerpool -m kascade_engine.livepolicy -m kascade_engine.scheduler -m kascade_engine.families -m kascade_engine.kvcache \
 	-m kascade_engine.engine -m kascade_engine.model -m kascade_engine.metrics -m kascade_engine.tensorfile \
 	-m kascade_engine.openai_api -m kascade_engine.responder -m kascade_engine.server \
 	-m kascade_operator.api -m kascade_operator.scaleplan -m kascade_operator.plandriver -m kascade_operator.engine_client \

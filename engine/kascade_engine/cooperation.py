@@ -37,6 +37,7 @@ import torch
 
 from kascade_engine.kvcache import KVCache, build_batch
 from kascade_engine.live import DTYPES, decode_activation
+from kascade_engine.livepolicy import ZigZagPolicy, hold_until
 from kascade_engine.model import LlamaModel
 from kascade_engine.sampling import SamplingParams, sample
 from kascade_engine.transport import Connection
@@ -222,8 +223,13 @@ class PairClient:
                  timeout: float = 120.0) -> None:
         self.model, self.conn, self.loop, self.timeout = model, conn, loop, timeout
         self.split: dict[str, int] = {}  # request -> k (its layers on B)
+        self.want: dict[str, int] = {}  # request -> k chosen by the ZigZag policy at admission
+        self.policy: ZigZagPolicy | None = None  # None: best effort (k = the resident prefix)
         self.remote: set[str] = set()  # requests A holds KV for
+        self.held: set[asyncio.Task[None]] = set()  # requests waiting for their scheduled prefix
         self.fallback: Cooperation | None = None  # the engine's hook once nothing runs split any more
+        self.history: list[tuple[str, int]] = []  # (request, k) as each sequence started: the split point
+        self.admitted_ids: list[str] = []  # admission order while loading
         self.steps_sent = 0
         self.bytes_sent = 0
         self.tokens_sent = 0
@@ -244,7 +250,9 @@ class PairClient:
         self.remote.difference_update(ends)
         for w in work:
             if w.id not in self.split:
-                self.split[w.id] = L if m.complete else m.resident_prefix()
+                want = self.want.pop(w.id, None)
+                self.split[w.id] = L if m.complete else want if want is not None else m.resident_prefix()
+                self.history.append((w.id, self.split[w.id]))
         rows, sampling = _own_rows(engine, work, lambda rid: self.split[rid])
         staggered(m, engine.cache, rows)
         local = [i for i in sampling if self.split[work[i].id] == L and m.complete]
@@ -283,7 +291,31 @@ class PairClient:
             raise RuntimeError(f"pair refused the step: {reply.get('message', reply)}")
         return [int(t) for t in reply["tokens"]]
 
+    def admit(self, rid: str, submit: Callable[[], None], fail: Callable[[Exception], None]) -> None:
+        """Submit `rid` to this engine's batch now, or (ZigZag) once its scheduled prefix is resident."""
+        self.admitted_ids.append(rid)
+        if self.policy is None or self.model.complete:
+            submit()
+            return
+        k = self.policy.next_target(self.model.resident_prefix())
+        self.want[rid] = k
+        if self.model.resident_prefix() >= k:
+            submit()
+            return
+
+        async def later() -> None:
+            await hold_until(self.model.resident_prefix, k)
+            try:
+                submit()
+            except Exception as e:
+                fail(e)
+
+        self.held.add(t := self.loop.create_task(later()))
+        t.add_done_callback(self.held.discard)
+
     async def close(self) -> None:
+        for t in list(self.held):
+            t.cancel()
         await self.conn.close()
 
 

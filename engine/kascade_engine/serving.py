@@ -98,13 +98,25 @@ class Serving:
                 self.queues.pop(rid, None)
                 raise RequestError(503, "engine is loading and has no cooperating peer")
             self.inst.metrics.live_split.inc()  # batched here, finished in the pair's batch (cooperation.py)
-        try:
+        if params.max_tokens + len(prompt) > self.inst.engine.scheduler.pool.capacity_tokens:
+            self.queues.pop(rid, None)
+            raise RequestError(400, f"prompt_len + max_tokens = {params.max_tokens + len(prompt)} exceeds the KV "
+                               f"capacity of {self.inst.engine.scheduler.pool.capacity_tokens} tokens", "max_tokens")
+
+        def go() -> None:
             self.inst.engine.submit(prompt, params, rid)
+            self.wake.set()
+
+        pair = self.inst.pair if not self.inst.model.complete else None
+        try:
+            if pair is not None:  # live: now, or once the ZigZag schedule's prefix is resident
+                pair.admit(rid, go, self.queues[rid].put_nowait)
+            else:
+                go()
         except ValueError as e:
             self.queues.pop(rid, None)
             raise RequestError(400, str(e), "max_tokens") from None
         self.inst.metrics.on_request(len(prompt))
-        self.wake.set()
         return rid
 
     async def tokens(self, rid: str) -> AsyncGenerator[Event, None]:
