@@ -75,18 +75,20 @@ def estimate_hybrid(plan: Plan, topo: Topology, cost: CostParams) -> float | Non
     sources = {s.id for s in plan.sources}
     inst = {i.id: i for i in (*plan.sources, *plan.targets)}
     by_name = topo.by_name
-    depth: dict[tuple[str, int], int] = {}
+    leaf = {i.id: by_name[i.node].leaf for i in inst.values()}
+    depth: dict[int, dict[str, int]] = {k: dict.fromkeys(sources, 0) for k in stripes}
     outs: dict[str, int] = {}
     cross: dict[str, int] = {}
     cross_in: dict[str, int] = {}
     cap = max(1, int(topo.inter_leaf_ratio * f_count + 1e-9))
     for f in plan.flows:
-        key = id(f.blocks)
-        depth[(f.dst, key)] = (0 if f.src in sources else depth[(f.src, key)]) + 1
-        outs[f.src] = outs.get(f.src, 0) + 1
-        if by_name[inst[f.src].node].leaf != by_name[inst[f.dst].node].leaf:
-            cross[f.src] = cross.get(f.src, 0) + 1
-            cross_in[f.dst] = cross_in.get(f.dst, 0) + 1
+        d = depth[id(f.blocks)]
+        src, dst = f.src, f.dst
+        d[dst] = d[src] + 1
+        outs[src] = outs.get(src, 0) + 1
+        if leaf[src] != leaf[dst]:
+            cross[src] = cross.get(src, 0) + 1
+            cross_in[dst] = cross_in.get(dst, 0) + 1
     if (max(outs.values()) > f_count or max(cross.values(), default=0) > cap
             or max(cross_in.values(), default=0) > cap):
         return None
@@ -95,7 +97,7 @@ def estimate_hybrid(plan: Plan, topo: Topology, cost: CostParams) -> float | Non
     sizes = dict(zip(plan.model.block_ids, plan.model.block_bytes, strict=True))
     stripe_bytes = max(sum(sizes[b] for b in blocks) for blocks in stripes.values())
     chunk = min(cost.chunk_bytes, max(plan.model.block_bytes))
-    hops = max(depth.values())
+    hops = max(max(d.values()) for d in depth.values())
     return (stripe_bytes + (hops - 1) * chunk) / rate + chunk / rate + hops * cost.hop_latency_s
 
 
