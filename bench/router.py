@@ -4,6 +4,7 @@ Data flow: an engine STUB process (the engine's OpenAI wire format, no model: he
 measured) and a `kascade router --backend m=<stub>` process -> one aiohttp client, 200 concurrent
 streams, rounds alternating direct-to-stub and through-the-router -> per request: time to first chunk
 and to the end of the stream -> added latency = router percentile - direct percentile (p50, p99).
+The same one stream at a time (`serial_*`): the hop's own cost without queueing behind 200 others.
 `router_rps_one_core`: non-streaming tiny requests at concurrency 32 through the router, divided by the
 CPU seconds the router process used (/proc/<pid>/stat): what one core sustains.
 `scale_from_zero_first_token_s`: a router (in this process) knows the model but no replica; a request
@@ -163,6 +164,10 @@ def main() -> None:
                 res[mode]["total"] += tot
                 print(f"round {i + 1}/{rounds} {mode:6s}: {len(t)} streams, TTFT p50 {1000 * pct(t, .5):.2f} ms "
                       f"p99 {1000 * pct(t, .99):.2f} ms", flush=True)
+        serial: dict[str, list[float]] = {"direct": [], "router": []}
+        for i in range(2 * rounds):  # one stream at a time: the hop's own cost, no queueing behind others
+            mode, url = (("direct", direct_url), ("router", router_url))[i % 2]
+            serial[mode] += asyncio.run(streams(url, 1, 50 if args.quick else 100))[0]
         cpu0 = cpu_seconds(router.pid)
         n = asyncio.run(rps(router_url, 32, 2.0 if args.quick else 4.0))
         cpu = cpu_seconds(router.pid) - cpu0
@@ -182,6 +187,8 @@ def main() -> None:
         "added_latency_p50_ms": 1000 * (pct(r["ttft"], .5) - pct(d["ttft"], .5)),
         "added_latency_p99_ms": 1000 * (pct(r["ttft"], .99) - pct(d["ttft"], .99)),
         "added_total_p50_ms": 1000 * (statistics.median(r["total"]) - statistics.median(d["total"])),
+        "serial_added_latency_p50_ms": 1000 * (pct(serial["router"], .5) - pct(serial["direct"], .5)),
+        "serial_added_latency_p99_ms": 1000 * (pct(serial["router"], .99) - pct(serial["direct"], .99)),
         "router_rps_one_core": n / cpu if cpu > 0 else 0.0, "rps_requests": n, "rps_router_cpu_s": cpu,
         "scale_from_zero_first_token_s": s0,
         "scale_from_zero_note": "router hold + a scaler polling demand every 0.2 s + a real engine process "
