@@ -32,6 +32,7 @@ from kascade_devcluster.operatorproc import OperatorProcess
 from kascade_devcluster.ports import free_ports
 from kascade_devcluster.prometheus import MissingPrometheus, PodTargets, PrometheusServer, prometheus_binary
 from kascade_devcluster.requirement import unavailable
+from kascade_devcluster.routerproc import RouterProcess
 from kascade_devcluster.waiting import wait_for
 from kascade_engine.checkpoint import tiny_llama
 
@@ -126,13 +127,12 @@ def test_promql_source_scales_up_and_dashboard_queries_return_data(
     prom, op = world
     cp.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(msvc(str(tmp_path / MODEL))))
     first = wait_for(lambda: loaded(cp, ns), 90, "the first copy loaded")
-    endpoint = first[0]["metadata"]["annotations"]["kascade.io/endpoint"]
     # Prometheus sees the bound engine under its pod name, with the PodMonitor's labels
     wait_for(lambda: prom.query(f'kascade_num_requests_running{{pod="{first[0]["metadata"]["name"]}", model_service="svc"}}'),
              30, "the bound engine's series in Prometheus")
 
-    gen = LoadGen(lambda: [p["metadata"]["annotations"]["kascade.io/endpoint"] for p in loaded(cp, ns)] or [endpoint],
-                  MODEL, PROMPT, max_tokens=8).start()
+    router = RouterProcess(cp, ns, tmp_path / "router.log").start()  # requests go through the front door
+    gen = LoadGen(router.url, MODEL, PROMPT, max_tokens=8).start()
     try:
         gen.set_load(workers=6)
         plan = wait_for(lambda: [p for p in get(cp, ns, "splan")["items"] if p["spec"]["algorithm"] == "chain"],
@@ -163,6 +163,7 @@ def test_promql_source_scales_up_and_dashboard_queries_return_data(
         assert [float(r["value"][1]) for r in ready] == [2.0], ready
     finally:
         gen.stop()
+        router.stop()
     assert gen.summary()["failed"] == 0, gen.summary()
     log = op.tail(200000)
     assert not re.search(r"scrape of \S+ .* failed", log), "the operator scraped engines directly"
