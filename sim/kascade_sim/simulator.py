@@ -117,6 +117,7 @@ class Simulation:
         self.seq = 0
         self.free = {node.name: node.gpus for node in self.topo.nodes}
         self.instances: list[Instance] = []
+        self.gpus_allocated = 0
         self.next_id = 0
         self.events: list[ScaleEvent] = []
         self.samples: list[tuple[float, int, int, float]] = []  # (t, gpus, host-cached copies, in flight)
@@ -171,6 +172,7 @@ class Simulation:
 
     def _new_instance(self, node: str, m: int, role: str, now: float, state: str = "loading") -> Instance:
         self.free[node] -= self.spec.tp
+        self.gpus_allocated += self.spec.tp
         inst = Instance(f"i{self.next_id}", node, self.spec.tp, now, self.kv_cap, m, role, state)
         self.next_id += 1
         self.instances.append(inst)
@@ -300,6 +302,7 @@ class Simulation:
         inst.state = "released"
         inst.released_s = now
         self.free[inst.node] += inst.gpus
+        self.gpus_allocated -= inst.gpus
         self.group[(inst.model, inst.role)].remove(inst)
         if self.sys.host_cache == "ttl":
             self.hostmem.released(inst.node, inst.model, now)
@@ -438,12 +441,13 @@ class Simulation:
                                                           self.cfg.decoders_per_prefiller)
                 for role in reversed(self.roles):  # decode first: prefilled KV needs somewhere to go
                     d = decisions[role]
-                    self.states[(m, role)] = replace(d.state, bounds=self.states[(m, role)].bounds)
+                    keep = self.states[(m, role)].bounds  # the raised decode floor holds for this tick only
+                    self.states[(m, role)] = d.state if d.state.bounds is keep else replace(d.state, bounds=keep)
                     if d.change > 0:
                         self._scale_up(now, m, role, d.change, d.reason)
                     elif d.change < 0:
                         self._scale_down(now, m, role, -d.change, d.reason)
-        gpus = sum(i.gpus for i in self.instances if i.state != "released")
+        gpus = self.gpus_allocated
         copies = self._host_copies(now)
         self.cache_peak = max(self.cache_peak, copies)
         self.samples.append((now, gpus, copies, float(sum(len(q) for q in self.queue.values()))))
