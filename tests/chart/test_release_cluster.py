@@ -63,6 +63,8 @@ def test_notes_sample_and_fallback_pod_use_the_release_secret(
     values = {"engineToken": {"existingSecret": "team-token"}, "tests": {"enabled": False},
               "operator": {"watchNamespaces": [namespace], "tolerations": [KWOK_TOLERATION]},
               "pool": {"replicas": 0}}  # an empty pool: the operator must take the slow path
+    if "allowedHostPathRoots" in yaml.safe_load((CHART / "values.yaml").read_text())["operator"]:
+        values["operator"]["allowedHostPathRoots"] = ["/models"]  # fallback pods mount the sample's path
     out = cp.helm("install", "prod-llm", str(CHART), "-n", namespace, "-f", values_file(tmp_path, values))
     assert not get(cp, namespace, "secrets", "-l", "app.kubernetes.io/instance=prod-llm")["items"]  # existingSecret used
 
@@ -77,9 +79,12 @@ def test_notes_sample_and_fallback_pod_use_the_release_secret(
     # the operator as the chart runs it: the Deployment's env, the chart's ServiceAccount and RBAC
     dep = get(cp, namespace, "deployment", "prod-llm-operator")
     container = dep["spec"]["template"]["spec"]["containers"][0]
+    downward = {"metadata.namespace": namespace, "metadata.name": "prod-llm-operator-0"}  # what the kubelet fills in
     for e in container["env"]:
         if "value" in e:
             monkeypatch.setenv(e["name"], e["value"])
+        elif "fieldRef" in e.get("valueFrom", {}):
+            monkeypatch.setenv(e["name"], downward[e["valueFrom"]["fieldRef"]["fieldPath"]])
     assert container["env"][-1]["valueFrom"]["secretKeyRef"]["name"] == "team-token"
     sa_token = cp.kubectl("-n", namespace, "create", "token", "prod-llm-operator", "--duration=1h").stdout.strip()
     kubeconfig = tmp_path / "operator.kubeconfig"
@@ -101,7 +106,9 @@ def test_notes_sample_and_fallback_pod_use_the_release_secret(
     assert pod["metadata"]["namespace"] == namespace
     cp.kubectl("-n", namespace, "get", "secret", ref["name"])
     events = get(cp, namespace, "events")["items"]
-    assert any(e["reason"] == "PoolEmpty" for e in events), [e["reason"] for e in events]
+    # the operator said why it took the slow path (an Event on the ModelService)
+    assert any(e["involvedObject"]["kind"] == "ModelService" and e["type"] == "Warning" for e in events), \
+        [(e["involvedObject"]["kind"], e["reason"]) for e in events]
     cp.kubectl("-n", namespace, "delete", "msvc", "--all", "--wait=false")
     cp.helm("uninstall", "prod-llm", "-n", namespace)
 
