@@ -8,6 +8,8 @@ Keep-alive clients per engine (httppool.py) keep instruct latency low at any num
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 from typing import Any, Literal, cast
 
@@ -53,6 +55,18 @@ class EngineClient:
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+    def plan_secret(self, namespace: str, plan: str, uid: str) -> str:
+        """The secret the participants of one ScalePlan authenticate each other with on the data plane.
+
+        A keyed hash (HMAC-SHA256) of the plan's identity under this installation's engine token: as
+        unpredictable as a random value to anyone without that token (reading the ScalePlan gives only
+        its name and uid, which are the message, not the key), different for every plan, never stored
+        (not in the CR, not in a Secret) and the same after an operator restart, so targets instructed
+        before and after a restart still agree. It reaches the engines only in `load-plan` bodies,
+        over the bearer-authenticated control API."""
+        msg = f"kascade-plan/v1\0{namespace}\0{plan}\0{uid}".encode()
+        return hmac.new(self._token.encode(), msg, hashlib.sha256).hexdigest()
 
     async def _call(self, endpoint: str, method: Literal["GET", "POST"], verb: str,
                     body: dict[str, Any] | None = None) -> dict[str, Any]:

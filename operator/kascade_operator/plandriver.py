@@ -140,7 +140,7 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
     model = (plan.get("model") or {}).get("name", "")
     by_inst = {p.instance: p for p in pods.values()}
     peers = {i: ep for i, p in by_inst.items() if (ep := p.data_endpoint)}
-    token = f"{name}-{sp['metadata'].get('uid', '')}"
+    token = rt.engines.plan_secret(ns, name, str(sp["metadata"].get("uid", "")))  # never derivable from the CR
     local = spec["algorithm"] == "local"
     manifest = None
     if not local:

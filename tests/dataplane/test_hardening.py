@@ -259,3 +259,29 @@ async def test_ucx_listens_only_on_the_named_host() -> None:
         assert served == ["hello"]  # the connection on the other address never reached the handler
     finally:
         await listener.close()
+
+
+async def test_a_plan_token_derived_from_the_scaleplan_is_refused(tiny_blocks: BlockSet) -> None:
+    """The operator gives each plan a secret keyed by the installation's engine token; the old token
+    (`<ScalePlan name>-<uid>`, readable by anyone who can read ScalePlans) no longer authenticates."""
+    from kascade_operator.engine_client import EngineClient
+
+    name, uid = "svc-decode-x7k2p", "5b0c8f7e-3f6e-4c2a-9d1e-0a4b6c8d2e1f"
+    secret = EngineClient("installation-token").plan_secret("default", name, uid)
+    assert secret != EngineClient("another-installation").plan_secret("default", name, uid)
+    assert name not in secret and uid not in secret and len(secret) == 64
+    from dataclasses import replace
+
+    spec = replace(_spec(tiny_blocks, 1), token=secret)
+    s0 = TransferNode(spec, "s0", TcpTransport(), tiny_blocks)
+    port = await s0.start()
+    try:
+        replies = []
+        for token in (f"{name}-{uid}", name, uid, secret):
+            conn = await TcpTransport().connect("127.0.0.1", port)
+            await conn.send({"op": "hello", "from": "t0", "token": token, "role": "pull"})
+            replies.append((await conn.recv(timeout=5, max_payload=0))[0]["op"])
+            await conn.close()
+        assert replies == ["error", "error", "error", "welcome"]
+    finally:
+        await s0.close()

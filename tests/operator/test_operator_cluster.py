@@ -125,6 +125,13 @@ def test_warm_pool_binds_min_then_scales_up_along_topology_and_back(
         as_source = sum(t["instance"] in {s["instance"] for s in p["spec"]["sources"]} for p in ups)
         # bound once; told each plan once: as a target, then as a source of a later plan
         assert (stub.count("bind"), stub.count("load-plan")) == (1, 1 + as_source)
+    # the plan token reaches engines only over the control API, and nothing in the ScalePlan yields it
+    for p in ups:
+        sent = {b["planToken"] for s in stubs for verb, b, _ in s.calls
+                if verb == "load-plan" and b["plan"]["model"] == p["spec"]["plan"]["model"] and
+                b["self"] in {t["instance"] for t in p["spec"]["targets"]}}
+        assert len(sent) == 1 and len(next(iter(sent))) == 64, sent
+        assert next(iter(sent)) not in json.dumps(p) and p["metadata"]["uid"] not in next(iter(sent))
     for p in ups:
         wait_for(lambda p=p: get(control_plane, namespace, "splan", p["metadata"]["name"])["status"]["phase"]
                  == "Succeeded", what="plan succeeded")
