@@ -11,7 +11,7 @@ IMAGE ?= ghcr.io/kascade/kascade-engine:dev
 OPERATOR_IMAGE ?= ghcr.io/kascade/kascade-operator:dev
 export KUBECONFIG
 
-.PHONY: help install test check lint typecheck bench e2e e2e-kind manifests chart-lint \
+.PHONY: help install test chaos check lint typecheck bench e2e e2e-kind manifests chart-lint \
         cluster-up cluster-down deploy undeploy images lock demo clean
 
 help: ## List targets
@@ -21,9 +21,12 @@ install: ## Fresh machine: system tools, venv with every extra, test model, loca
 	bash hack/install.sh
 
 test: ## Run the test suite (real control plane, real engines; skips with reasons where absent)
-	bash hack/pytest.sh
+	bash hack/pytest.sh -m "not chaos"
 
-check: lint typecheck test ## Everything CI runs after install
+chaos: ## Data-plane fault matrix: kill/stop/cut/desync/throttle x source/first/middle/last x tcp/ucx
+	bash hack/pytest.sh tests/dataplane -m chaos
+
+check: lint typecheck test chaos ## Everything CI runs after install
 
 lint: ## ruff, import contracts, CRDs in the chart equal crds/
 	$(VENV)/bin/ruff check .
@@ -33,7 +36,7 @@ lint: ## ruff, import contracts, CRDs in the chart equal crds/
 
 TYPED_MODULES := -p kascade_devcluster -p kascade_demo -p kascade_router -m kascade_engine.arena -m kascade_engine.blocks -m kascade_engine.hostcache \
 	-m kascade_engine.transport -m kascade_engine.transport_tcp -m kascade_engine.transport_ucx \
-	-m kascade_engine.transfer_spec -m kascade_engine.relay -m kascade_engine.pacing -m kascade_engine.loader \
+	-m kascade_engine.transfer_spec -m kascade_engine.httpguard -m kascade_engine.relay -m kascade_engine.pacing -m kascade_engine.loader \
 	-m kascade_engine.config -m kascade_engine.instance -m kascade_engine.serving -m kascade_engine.control \
 	-m kascade_engine.pages -m kascade_engine.cooperation -m kascade_engine.peerpool -m kascade_engine.livepolicy -m kascade_engine.scheduler -m kascade_engine.families -m kascade_engine.kvcache \
 	-m kascade_engine.engine -m kascade_engine.model -m kascade_engine.metrics -m kascade_engine.tensorfile \

@@ -53,10 +53,15 @@ def engine() -> None:
               help="weight data plane transport for load plans")
 @click.option("--transfer-max-mbps", type=click.FloatRange(0, min_open=True),
               help="cap on weight data this engine sends, in Mbit/s (default: line rate)")
+@click.option("--header-timeout", default=10.0, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="seconds a connection may take to send a request's headers (slowloris guard)")
+@click.option("--max-connections", default=1024, show_default=True, type=click.IntRange(1),
+              help="open HTTP connections; more are closed on accept")
 def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: str, port: int, act_port: int | None,
           token_file: Path | None, max_prompt_tokens: int, max_batch_tokens: int, max_seqs: int, kv_tokens: int,
           page_size: int, device: str, dtype: str, empty: bool, resident_layers: int | None, threads: int,
-          transport: str, transfer_max_mbps: float | None) -> None:
+          transport: str, transfer_max_mbps: float | None, header_timeout: float = 10.0,
+          max_connections: int = 1024) -> None:
     """Serve a model over HTTP (OpenAI-compatible) with the Kascade control API."""
     import json
 
@@ -66,6 +71,7 @@ def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: s
     from kascade_engine.blocks import CheckpointError, pack_checkpoint
     from kascade_engine.checkpoint import smollm_checkpoint
     from kascade_engine.config import ConfigError, EngineConfig
+    from kascade_engine.httpguard import guarded
     from kascade_engine.instance import EngineInstance
     from kascade_engine.server import create_app
     from kascade_engine.tokenizer import load_tokenizer
@@ -104,15 +110,20 @@ def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: s
         raise click.UsageError(f"--checkpoint {checkpoint}: {e}") from None
 
     async def main() -> None:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # proto IPPROTO_TCP (not 0): asyncio sets TCP_NODELAY only on sockets that say they are TCP;
+        # without it every keep-alive request waited ~40 ms on Nagle + delayed ACK
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((host, port))
         sock.listen(2048)  # connections queue from now on: the READY line below is true when printed
         listener = None
         if act_port is not None:
             listener = await TcpTransport().listen(host, act_port, inst.finisher.handle)
         # log_config=None: uvicorn's loggers go through the root handler `kascade --log-format` set up
-        server = uvicorn.Server(uvicorn.Config(create_app(inst), log_level="warning", lifespan="on", log_config=None))
+        server = uvicorn.Server(uvicorn.Config(create_app(inst), log_level="warning", lifespan="on", log_config=None,
+                                               http=guarded(header_timeout, max_connections),
+                                               timeout_keep_alive=30))
         print(f"KASCADE_ENGINE_READY http={sock.getsockname()[1]} act={listener.port if listener else '-'}", flush=True)
         try:
             await server.serve(sockets=[sock])

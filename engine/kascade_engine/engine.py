@@ -87,10 +87,13 @@ class Engine:
         if not prompt:
             raise ValueError("prompt is empty")
         rid = rid or f"req-{next(self._ids)}"
-        self.scheduler.add(Seq(rid, len(prompt), params.max_tokens))
         gen = None
         if params.seed is not None:  # sampling draws on the CPU generator: same tokens on any device
-            gen = torch.Generator(device="cpu").manual_seed(params.seed)
+            try:  # before the scheduler sees the request: a bad seed must leave no sequence behind
+                gen = torch.Generator(device="cpu").manual_seed(params.seed)
+            except (RuntimeError, OverflowError, TypeError) as e:
+                raise ValueError(f"seed {params.seed!r} is not usable: {e}") from None
+        self.scheduler.add(Seq(rid, len(prompt), params.max_tokens))
         self.requests[rid] = Request(rid, list(prompt), params, gen=gen)
         return rid
 

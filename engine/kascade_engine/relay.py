@@ -246,7 +246,7 @@ class TransferNode:
             log.warning("%s: %s %s failed: %s%s", self.me, "fallback" if pull else "upstream", peer, kind, e)
             if not pull:
                 with contextlib.suppress(Exception):
-                    await conn.close()  # a stream we stopped reading must not stall its sender until timeout
+                    await conn.abort()  # a stream we stopped reading must not stall its sender until timeout
                 self._upstream_lost(peer, flow_shard)
             return False
 

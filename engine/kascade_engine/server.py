@@ -9,6 +9,7 @@ loop unchecked, and an exception while serving one request fails only that reque
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -23,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kascade_engine.control import add_control_routes
+from kascade_engine.httpguard import BodyLimit
 from kascade_engine.instance import EngineInstance, InstanceError
 from kascade_engine.openai_api import ChatBody, CompletionBody, _Common, chat_messages, refused
 from kascade_engine.responder import Call
@@ -43,7 +45,9 @@ def create_app(inst: EngineInstance) -> FastAPI:
         yield
         await inst.close()
 
-    app = FastAPI(title="kascade engine", lifespan=lifespan)
+    # No /docs, /redoc or /openapi.json: they would publish the control API's schema without a token.
+    app = FastAPI(title="kascade engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit)  # body size and time bounds before any route (httpguard.py)
     name = inst.config.model_name
     created_at = int(time.time())
 
@@ -79,9 +83,9 @@ def create_app(inst: EngineInstance) -> FastAPI:
         m = inst.model
         reqlog.info("request accepted: phase=%s resident=%d/%d", inst.phase.value, m.resident_prefix(), m.shape.layers)
 
-    async def respond(body: _Common, prompts: list[list[int]]) -> Response:
+    async def respond(request: Request, body: _Common, prompts: list[list[int]]) -> Response:
         check_model(body.model)
-        bad = refused(body, inst.config.max_n)
+        bad = refused(body, inst.config.max_n) or unusable_sampling(body)
         if bad is not None:
             raise RequestError(400, f"invalid field '{bad[0]}': {bad[1]}", bad[0])
         ctx = inst.context_len
@@ -100,32 +104,37 @@ def create_app(inst: EngineInstance) -> FastAPI:
                                "tokens", field)
         call = Call(inst, body, prompts, want)
         if not body.stream:
-            return JSONResponse(await call.json())
+            return JSONResponse(await until_client_leaves(request, call.json()))
         return StreamingResponse(call.sse(), media_type="text/event-stream")
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": name, "object": "model", "created": created_at, "owned_by": "kascade"}]}
 
+    # Tokenizing runs in a worker thread: a large prompt must not stall /healthz and every stream.
     @app.post("/v1/completions")
-    async def completions(body: CompletionBody) -> Response:
+    async def completions(request: Request, body: CompletionBody) -> Response:
         p = body.prompt
         if isinstance(p, str):
-            prompts = [inst.tokenizer.encode(p)]
+            prompts = [await asyncio.to_thread(inst.tokenizer.encode, text_field(p, "prompt"))]
         elif p and isinstance(p[0], str):
-            prompts = [inst.tokenizer.encode(str(x)) for x in p]
+            texts = [text_field(str(x), "prompt") for x in p]
+            prompts = await asyncio.to_thread(lambda: [inst.tokenizer.encode(x) for x in texts])
         elif p and isinstance(p[0], list):
             prompts = [list(x) for x in p]
         else:
             prompts = [list(p)]  # type: ignore[arg-type]
-        return await respond(body, prompts)
+        return await respond(request, body, prompts)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatBody) -> Response:
+    async def chat(request: Request, body: ChatBody) -> Response:
         bad = refused(body, inst.config.max_n)  # before the template sees unsupported content
         if bad is not None:
             raise RequestError(400, f"invalid field '{bad[0]}': {bad[1]}", bad[0])
-        return await respond(body, [inst.tokenizer.chat_prompt(chat_messages(body))])
+        messages = chat_messages(body)
+        for m in messages:
+            text_field(str(m.get("content") or ""), "messages")
+        return await respond(request, body, [await asyncio.to_thread(inst.tokenizer.chat_prompt, messages)])
 
     @app.get("/healthz")
     async def healthz() -> PlainTextResponse:
@@ -143,6 +152,51 @@ def create_app(inst: EngineInstance) -> FastAPI:
 
     add_control_routes(app, inst)
     return app
+
+
+MIN_SAMPLING = 1e-3  # temperature/top_p above 0 but below this overflow or vanish in float32 logits
+
+
+def unusable_sampling(body: _Common) -> tuple[str, str] | None:
+    """(field, message) for sampling values torch cannot honour (a 500, or a ghost request, before)."""
+    if body.seed is not None and not 0 <= body.seed < 2**64:
+        return "seed", f"seed must be within [0, 2^64), got {body.seed}"
+    if body.temperature is not None and 0 < body.temperature < MIN_SAMPLING:
+        return "temperature", f"must be 0 (greedy) or at least {MIN_SAMPLING}, got {body.temperature}"
+    if body.top_p is not None and body.top_p < MIN_SAMPLING:
+        return "top_p", f"must be at least {MIN_SAMPLING}, got {body.top_p}"
+    return None
+
+
+def text_field(text: str, field: str) -> str:
+    """`text` if it is valid Unicode (a lone surrogate such as \\ud800 is valid JSON but no text)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(400, f"invalid field '{field}': not valid Unicode text at character {e.start} "
+                                f"({e.reason})", field) from None
+    return text
+
+
+async def until_client_leaves(request: Request, work: Any) -> Any:
+    """Await `work` (a non-streaming response body); if the client disconnects first, cancel it (which
+    aborts its engine requests) instead of generating for nobody."""
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise RequestError(499, "client closed the request", None)
+    return task.result()
 
 
 def new_token() -> str:

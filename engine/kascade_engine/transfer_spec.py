@@ -13,6 +13,8 @@ from typing import Any
 
 from kascade_planner.plan import Plan, PlanError
 
+MAX_TIMEOUT_S = 3600.0  # a peer silent this long is lost; larger values only hide a hang
+
 
 class SpecError(ValueError):
     """A transfer spec that cannot be used; the message names the field."""
@@ -34,6 +36,11 @@ class TransferSpec:
             raise SpecError("token must not be empty")
         if not 4096 <= self.chunk_bytes <= 64 << 20:
             raise SpecError(f"chunkBytes must be within [4096, 64 MiB], got {self.chunk_bytes}")
+        if not (math.isfinite(self.timeout_s) and 0 < self.timeout_s <= MAX_TIMEOUT_S):
+            raise SpecError(f"timeoutSeconds must be within (0, {MAX_TIMEOUT_S:.0f}], got {self.timeout_s}")
+        for k, (_, port) in self.peers.items():
+            if not 1 <= port <= 65535:
+                raise SpecError(f"peers.{k}: port {port} outside 1..65535")
         for b in self.plan.model.block_ids:
             if b not in self.manifest:
                 raise SpecError(f"manifest lacks block {b!r}")

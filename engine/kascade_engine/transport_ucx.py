@@ -66,6 +66,7 @@ def _ucxx() -> Any:
 
 
 FAST_MIN = 64 * 1024
+CLOSE_TIMEOUT_S = 2.0
 WILDCARD = ("", "0.0.0.0", "::")
 log = logging.getLogger(__name__)
 
@@ -203,14 +204,14 @@ class UcxConnection:
         return await read_frame(self, timeout, max_payload)
 
     async def close(self) -> None:
-        with contextlib.suppress(Exception):
-            await self.ep.close()
+        with contextlib.suppress(Exception):  # ucxx's close can wait forever on an endpoint in error
+            await asyncio.wait_for(self.ep.close(), CLOSE_TIMEOUT_S)
         self.fast_ep = None  # shared with other connections to the same worker: the transport keeps it
 
     async def abort(self) -> None:
-        with contextlib.suppress(Exception):
-            self.ep.abort()
-        self.fast_ep = None
+        # Not ucxx's Endpoint.abort(): it blocks the event loop (close_blocking, up to 2 x 10 s) and can
+        # deadlock with the progress thread over the GIL. A bounded close resets the peer as well.
+        await self.close()
 
 
 class UcxListener:

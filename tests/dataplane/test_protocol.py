@@ -67,6 +67,11 @@ def test_spec_errors_name_the_field(tiny_blocks: BlockSet) -> None:
         TransferSpec.from_dict({**doc, "manifest": {k: v for k, v in doc["manifest"].items() if k != "head"}})
     with pytest.raises(SpecError, match="chunkBytes"):
         TransferSpec.from_dict({**doc, "chunkBytes": 12})
+    with pytest.raises(SpecError, match=r"peers\.t0: port 99999 outside 1\.\.65535"):
+        TransferSpec.from_dict({**doc, "peers": {**doc["peers"], "t0": "127.0.0.1:99999"}})
+    for bad in (0, -1, 1e308, float("nan")):
+        with pytest.raises(SpecError, match="timeoutSeconds must be within"):
+            TransferSpec.from_dict({**doc, "timeoutSeconds": bad})
     assert TransferSpec.from_dict(doc) == spec
 
 
