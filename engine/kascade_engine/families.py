@@ -52,11 +52,23 @@ def family_of(cfg: Mapping[str, Any]) -> Family:
     return Family(arch, qkv_bias=bias, o_bias=bias)
 
 
+# Bounds on config.json integers: an absurd value (1e9 layers) must be a clear error, not an attempt to
+# allocate; the largest public models stay far below these.
+LIMITS = {"num_hidden_layers": 1024, "hidden_size": 1 << 17, "intermediate_size": 1 << 20,
+          "num_attention_heads": 4096, "num_key_value_heads": 4096, "vocab_size": 1 << 22}
+
+
 def _int(cfg: Mapping[str, Any], key: str) -> int:
     try:
-        return int(cfg[key])
+        v = cfg[key]
     except KeyError:
         raise FamilyError(f"missing field {key!r}") from None
+    if isinstance(v, bool) or not isinstance(v, int | float) or v != int(v):
+        raise FamilyError(f"field {key!r} must be an integer, got {v!r}")
+    n = int(v)
+    if not 1 <= n <= LIMITS.get(key, 1 << 31):
+        raise FamilyError(f"field {key!r} = {n} outside 1..{LIMITS.get(key, 1 << 31)}")
+    return n
 
 
 def head_dim(cfg: Mapping[str, Any]) -> int:

@@ -46,22 +46,33 @@ def open_cache(path: Path | str, verify: bool = False) -> BlockSet:
         if head[: len(MAGIC)] != MAGIC:
             raise CheckpointError(f"{p}: not a Kascade host-cache file (bad magic)")
         n = int.from_bytes(head[len(MAGIC):], "little")
+        size = os.fstat(f.fileno()).st_size
+        if n > size:  # a damaged length must not become a huge read
+            raise CheckpointError(f"{p}: corrupt header (announces {n} bytes, the file has {size})")
         try:
             header = json.loads(f.read(n))
-        except json.JSONDecodeError as e:
+            if not isinstance(header, dict) or not isinstance(header.get("blocks"), list):
+                raise ValueError("expected an object with a 'blocks' list")
+        except (ValueError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{p}: corrupt header ({e})") from None
         data_start = (len(MAGIC) + 8 + n + PAGE - 1) // PAGE * PAGE
-        size = os.fstat(f.fileno()).st_size
         # Copy-on-write: writable views (torch.frombuffer needs them) that never modify the file.
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
     blocks = []
-    for entry in header["blocks"]:
-        begin = data_start + int(entry["offset"])
-        if mm is None or begin + int(entry["bytes"]) > size:
-            raise CheckpointError(f"{p}: block {entry['id']!r} extends past the end of the file (truncated?)")
-        block = Block(entry["id"], memoryview(mm)[begin:begin + int(entry["bytes"])], index_from_manifest(entry),
-                      entry["digest"])
+    for i, entry in enumerate(header["blocks"]):
+        try:
+            begin, nbytes = data_start + int(entry["offset"]), int(entry["bytes"])
+            if begin < data_start or nbytes < 0:
+                raise ValueError(f"offset {entry['offset']} / bytes {nbytes} out of range")
+            if mm is None or begin + nbytes > size:
+                raise CheckpointError(f"{p}: block {entry['id']!r} extends past the end of the file (truncated?)")
+            block = Block(str(entry["id"]), memoryview(mm)[begin:begin + nbytes], index_from_manifest(entry),
+                          str(entry["digest"]))
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(f"{p}: block entry {i} is damaged ({type(e).__name__}: {e})") from None
         if verify and not block.verify():
             raise CheckpointError(f"{p}: block {entry['id']!r} fails its digest")
         blocks.append(block)
-    return BlockSet(header["model"], header.get("config", {}), blocks)
+    return BlockSet(str(header.get("model", "")), header.get("config", {}), blocks)

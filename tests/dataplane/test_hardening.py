@@ -285,3 +285,41 @@ async def test_a_plan_token_derived_from_the_scaleplan_is_refused(tiny_blocks: B
         assert replies == ["error", "error", "error", "welcome"]
     finally:
         await s0.close()
+
+
+def test_a_damaged_host_cache_is_a_clear_error(tmp_path: Any, tiny_blocks: BlockSet) -> None:
+    import json as _json
+
+    from kascade_engine.blocks import CheckpointError
+    from kascade_engine.hostcache import MAGIC as CACHE_MAGIC
+    from kascade_engine.hostcache import open_cache, write_cache
+
+    good = tmp_path / "good.kcache"
+    write_cache(good, tiny_blocks)
+    raw = good.read_bytes()
+    n = int.from_bytes(raw[8:16], "little")
+    header = _json.loads(raw[16:16 + n])
+    cases = {
+        "length": CACHE_MAGIC + (1 << 62).to_bytes(8, "little") + raw[16:],  # a huge read before the fix
+        "not-json": raw[:16] + b"\xff" * n + raw[16 + n:],
+        "no-blocks": raw[:16] + _json.dumps({"model": "m"}).encode().ljust(n) + raw[16 + n:],
+        "entry": raw[:16] + _json.dumps({**header, "blocks": [{"id": "embed"}]}).encode().ljust(n) + raw[16 + n:],
+        "negative": raw[:16] + _json.dumps({**header, "blocks": [{**header["blocks"][0], "offset": -4096}]}
+                                           ).encode().ljust(n) + raw[16 + n:],
+    }
+    for name, data in cases.items():
+        bad = tmp_path / f"{name}.kcache"
+        bad.write_bytes(data)
+        with pytest.raises(CheckpointError, match=rf"{name}\.kcache: (corrupt header|block entry 0 is damaged)"):
+            open_cache(bad)
+
+
+def test_absurd_config_integers_are_refused_before_any_allocation() -> None:
+    from kascade_engine.families import FamilyError, expected_shapes
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+           "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}
+    for layers, msg in ((10**9, "outside 1..1024"), (0, "outside"), (2.5, "must be an integer"), ("4", "integer")):
+        with pytest.raises(FamilyError, match=rf"num_hidden_layers.*{msg}"):
+            expected_shapes({**cfg, "num_hidden_layers": layers})
+    assert len(expected_shapes({**cfg, "num_hidden_layers": 2})) > 2
