@@ -93,6 +93,7 @@ class LlamaModel:
         self.dtype = dtype
         self.device = torch.device(device)
         self.weights: dict[str, dict[str, torch.Tensor]] = {}
+        self._staging: torch.Tensor | None = None  # pinned host buffer for CUDA uploads
         self.inv_freq = rope_inv_freq(cfg, self.device)
 
     # -- residency -------------------------------------------------------------------------
@@ -100,10 +101,30 @@ class LlamaModel:
         prefix = {"embed": "model.embed_tokens.", "head": ""}.get(block_id)
         if prefix is None:
             prefix = f"model.layers.{int(block_id.split('.')[1])}."
-        # non_blocking: a pinned staging buffer (CUDA) copies asynchronously; same-device same-dtype is a no-op view
-        self.weights[block_id] = {k[len(prefix):] if k.startswith(prefix) else k:
-                                  v.to(device=self.device, dtype=self.dtype, non_blocking=v.is_pinned())
-                                  for k, v in tensors.items()}
+        names = {k: k[len(prefix):] if k.startswith(prefix) else k for k in tensors}
+        if self.device.type == "cuda":
+            self.weights[block_id] = self._to_cuda({names[k]: v for k, v in tensors.items()})
+        else:  # same device and dtype: a zero-copy view of the block's buffer
+            self.weights[block_id] = {names[k]: v.to(device=self.device, dtype=self.dtype) for k, v in tensors.items()}
+
+    def _to_cuda(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Host block -> one pinned staging buffer (reused, grown to the largest block) -> device, copied
+        asynchronously and synchronized once per block; the host block can be dropped afterwards.
+        UNVERIFIED on a GPU (no GPU in development): written so every tensor names its device."""
+        total = sum(-(-v.numel() * v.element_size() // 64) * 64 for v in tensors.values())  # 64-byte aligned
+        if self._staging is None or self._staging.numel() < total:
+            self._staging = torch.empty(total, dtype=torch.uint8, device="cpu", pin_memory=True)
+        out: dict[str, torch.Tensor] = {}
+        off = 0
+        for name, v in tensors.items():
+            n = v.numel() * v.element_size()
+            host = self._staging[off:off + n]
+            host.copy_(v.contiguous().view(-1).view(torch.uint8))
+            dev = host.to(device=self.device, non_blocking=True).view(v.dtype).view(v.shape)
+            out[name] = dev.to(self.dtype)
+            off += -(-n // 64) * 64
+        torch.cuda.synchronize(self.device)  # the staging buffer is reused by the next block
+        return out
 
     def resident(self, block_id: str) -> bool:
         return block_id in self.weights
