@@ -39,6 +39,7 @@ def engine() -> None:
 @click.option("--max-seqs", default=64, show_default=True, type=click.IntRange(1), help="sequences per step")
 @click.option("--kv-tokens", default=65536, show_default=True, type=click.IntRange(1),
               help="paged KV cache capacity in tokens (preallocated)")
+@click.option("--max-n", default=8, show_default=True, type=click.IntRange(1), help="largest OpenAI `n` per request")
 @click.option("--page-size", default=16, show_default=True, type=click.IntRange(1), help="KV page size in tokens")
 @click.option("--device", default=lambda: os.environ.get("KASCADE_DEVICE", "auto"), show_default="auto",
               help="auto | cpu | cuda | cuda:N (env KASCADE_DEVICE)")
@@ -59,7 +60,7 @@ def engine() -> None:
               help="open HTTP connections; more are closed on accept")
 def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: str, port: int, act_port: int | None,
           token_file: Path | None, max_prompt_tokens: int, max_batch_tokens: int, max_seqs: int, kv_tokens: int,
-          page_size: int, device: str, dtype: str, empty: bool, resident_layers: int | None, threads: int,
+          max_n: int, page_size: int, device: str, dtype: str, empty: bool, resident_layers: int | None, threads: int,
           transport: str, transfer_max_mbps: float | None, header_timeout: float = 10.0,
           max_connections: int = 1024) -> None:
     """Serve a model over HTTP (OpenAI-compatible) with the Kascade control API."""
@@ -91,7 +92,7 @@ def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: s
     try:
         cfg = EngineConfig(checkpoint, model_name or checkpoint.name, token, device=device, dtype=dtype,
                            max_prompt_tokens=max_prompt_tokens, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
-                           kv_tokens=kv_tokens, page_size=page_size, threads=threads, transport=transport,
+                           kv_tokens=kv_tokens, page_size=page_size, max_n=max_n, threads=threads, transport=transport,
                            transfer_bytes_per_s=transfer_max_mbps * 1e6 / 8 if transfer_max_mbps else None,
                            empty=empty, resident_layers=resident_layers)
     except ConfigError as e:
