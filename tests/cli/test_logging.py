@@ -121,3 +121,26 @@ def test_probe_passes_and_fails_against_a_real_engine_that_logs_json(json_engine
     assert lines, "the engine logged nothing at -vv"
     docs = [json.loads(x) for x in lines]  # every line is one JSON object
     assert {"ts", "level", "logger", "msg"} <= set(docs[0])
+
+
+@pytest.mark.parametrize("argv", [
+    ["operator", "run", "--engine-token", "t"],  # no cluster: kopf logs the failed login and retries
+    ["router", "--backend", "m=127.0.0.1:9", "--host", "127.0.0.1", "--port", "0"],  # static backends, no cluster
+], ids=["operator", "router"])
+def test_operator_and_router_log_json_lines(argv: list[str], tmp_path: Path) -> None:
+    err = tmp_path / "stderr"
+    with err.open("w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "kascade_cli.main", "--log-format", "json", "-v", *argv],
+                                stdout=subprocess.DEVNULL, stderr=stderr, text=True,
+                                env={**os.environ, "KUBECONFIG": str(tmp_path / "missing")})
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not err.read_text().strip():
+            time.sleep(0.2)
+    finally:
+        proc.terminate()
+        proc.wait(15)
+    lines = [x for x in err.read_text().splitlines() if x.strip()]
+    assert lines, f"{argv[0]} logged nothing"
+    docs = [json.loads(x) for x in lines]
+    assert all({"ts", "level", "logger", "msg"} <= set(d) for d in docs), docs
