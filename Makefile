@@ -33,6 +33,7 @@ lint: ## ruff, import contracts, CRDs in the chart equal crds/
 	$(VENV)/bin/lint-imports
 	$(PY) hack/sync_manifests.py --check
 	$(PY) hack/observability.py --check
+	$(PY) hack/gen_api_reference.py --check
 
 TYPED_MODULES := -p kascade_devcluster -p kascade_demo -p kascade_router -m kascade_engine.arena -m kascade_engine.blocks -m kascade_engine.hostcache \
 	-m kascade_engine.transport -m kascade_engine.transport_tcp -m kascade_engine.transport_ucx \
@@ -42,7 +43,8 @@ TYPED_MODULES := -p kascade_devcluster -p kascade_demo -p kascade_router -m kasc
 	-m kascade_engine.engine -m kascade_engine.model -m kascade_engine.metrics -m kascade_engine.tensorfile \
 	-m kascade_engine.openai_api -m kascade_engine.responder -m kascade_engine.server \
 	-m kascade_operator.api -m kascade_operator.scaleplan -m kascade_operator.plandriver -m kascade_operator.engine_client \
-	-m kascade_operator.pool -m kascade_operator.reconcile -m kascade_operator.operator_metrics \
+	-m kascade_operator.pool -m kascade_operator.reconcile -m kascade_operator.operator_metrics -m kascade_operator.status \
+	-m kascade_operator.podtemplate -m kascade_operator.decide -m kascade_operator.leader \
 	-m kascade_cli.logsetup -m kascade_cli.probe -m kascade_cli.model_cmd -m kascade_operator.demand
 
 typecheck: ## mypy: strict on the pure planner; data plane, loader, devcluster, API models and plan driver checked too
@@ -60,9 +62,10 @@ e2e: ## End-to-end tests only (real control plane + real engine processes)
 e2e-kind: ## e2e on kind for Docker users (cannot run on the dev machines)
 	bash e2e/kind/run.sh
 
-manifests: ## Copy crds/ into the Helm chart, render manifests/, generate the dashboard and alert rules
+manifests: ## Copy crds/ into the Helm chart, render manifests/, generate the dashboard, alert rules and docs/api-reference.md
 	$(PY) hack/sync_manifests.py
 	$(PY) hack/observability.py
+	$(PY) hack/gen_api_reference.py
 
 chart-lint: ## helm lint the chart
 	$$(readlink -f $(HOME)/.cache/kascade/bin/current)/helm lint charts/kascade

@@ -24,6 +24,7 @@ RENDER_TARGETS = {
     "serviceaccount.yaml": "rbac/serviceaccount.yaml",
     "rbac.yaml": "rbac/rbac.yaml",
     "operator-deployment.yaml": "operator/deployment.yaml",
+    "operator-pdb.yaml": "operator/pdb.yaml",
     "pool-deployment.yaml": "pool/deployment.yaml",
     "operator-service.yaml": "operator/service.yaml",
     "engines-service.yaml": "pool/service.yaml",

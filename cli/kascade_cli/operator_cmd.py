@@ -26,9 +26,25 @@ def operator() -> None:
 @click.option("--liveness", metavar="URL", help="serve a liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
 @click.option("--router-url", metavar="URL", help="the router's base URL: ModelService status.url and router demand "
               "(scale from zero)")
+@click.option("--pool-namespace", help="namespace of the warm pool for every ModelService (default: the service's)")
+@click.option("--engine-image", help="the installation's engine image (fallback pods may always use it)")
+@click.option("--allowed-image", "allowed_images", multiple=True,
+              help="another image fallback pods may use (repeatable; a trailing * is a prefix)")
+@click.option("--allowed-host-path-root", "allowed_host_path_roots", multiple=True,
+              help="a directory under which spec.model.source.path may be mounted as hostPath (repeatable)")
+@click.option("--leader-elect/--no-leader-elect", default=None,
+              help="elect one active replica on a Lease (HA); standbys wait")
+@click.option("--lease-namespace", help="namespace of the Lease (default: $POD_NAMESPACE, else default)")
+@click.option("--lease-duration", type=float, help="seconds a leader's Lease lasts without renewal")
+@click.option("--lease-renew-deadline", type=float, help="seconds a leader tries to renew before it steps down")
+@click.option("--lease-retry", type=float, help="seconds between Lease attempts")
+@click.option("--identity", help="this replica's name in the Lease (default: hostname-pid)")
 def run(namespaces: tuple[str, ...], interval: float | None, rate_window: float | None, metrics_source: str | None,
         prometheus_url: str | None, engine_token: str | None, metrics_port: int | None, liveness: str | None,
-        router_url: str | None) -> None:
+        pool_namespace: str | None, engine_image: str | None, allowed_images: tuple[str, ...],
+        allowed_host_path_roots: tuple[str, ...], leader_elect: bool | None, lease_namespace: str | None,
+        lease_duration: float | None,
+        lease_renew_deadline: float | None, lease_retry: float | None, identity: str | None, router_url: str | None) -> None:
     """Reconcile ModelServices and ScalePlans until interrupted (`kascade -v operator run` logs decisions).
 
     The warm pool's size is its Deployment's (the chart's `pool.replicas`): it refills itself when the
@@ -42,12 +58,34 @@ def run(namespaces: tuple[str, ...], interval: float | None, rate_window: float 
     overrides = {k: v for k, v in {"namespaces": list(namespaces) or None, "interval_seconds": interval,
                                    "rate_window_seconds": rate_window, "metrics_source": metrics_source,
                                    "prometheus_url": prometheus_url, "engine_token": engine_token,
-                                   "metrics_port": metrics_port, "router_url": router_url}.items() if v is not None}
+                                   "metrics_port": metrics_port, "router_url": router_url, "pool_namespace": pool_namespace,
+                                   "engine_image": engine_image, "allowed_images": list(allowed_images) or None,
+                                   "allowed_host_path_roots": list(allowed_host_path_roots) or None,
+                                   "leader_election": leader_elect, "lease_namespace": lease_namespace,
+                                   "lease_duration_seconds": lease_duration,
+                                   "lease_renew_deadline_seconds": lease_renew_deadline,
+                                   "lease_retry_seconds": lease_retry, "identity": identity}.items() if v is not None}
     try:
         settings = OperatorSettings(**overrides)
     except ValidationError as e:
         raise click.UsageError("; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())) from None
     if liveness is not None and not liveness.startswith("http://"):
         raise click.UsageError(f"--liveness {liveness!r}: expected http://HOST:PORT/PATH")
-    kopf.run(registry=build_registry(settings), standalone=True, namespaces=settings.namespaces,
-             clusterwide=not settings.namespaces, liveness_endpoint=liveness)
+    namespaces_watched = list(settings.namespaces)
+    if namespaces_watched and settings.pool_namespace and settings.pool_namespace not in namespaces_watched:
+        namespaces_watched.append(settings.pool_namespace)  # the pool's pods are read from a watch
+    kw = dict(registry=build_registry(settings), standalone=True, namespaces=namespaces_watched,
+              clusterwide=not namespaces_watched, liveness_endpoint=liveness)
+    if not settings.leader_election:
+        kopf.run(**kw)  # type: ignore[arg-type]
+        return
+    import asyncio
+    import sys
+
+    from kascade_operator.leader import LeadershipLost, lead_then_run
+
+    try:
+        asyncio.run(lead_then_run(settings, lambda: kopf.operator(**kw), liveness))  # type: ignore[arg-type]
+    except LeadershipLost as e:
+        click.echo(f"kascade operator: {e}; exiting so a standby can lead", err=True)
+        sys.exit(3)

@@ -35,7 +35,7 @@ class PvcSource(Model):
 class ModelSource(Model):
     path: str | None = Field(default=None, min_length=1)
     pvc: PvcSource | None = None
-    uri: str | None = Field(default=None, min_length=1, pattern=r"^[a-z][a-z0-9+.-]*://.+")
+    uri: str | None = Field(default=None, min_length=1, pattern=r"^file:///.*")
 
     @model_validator(mode="after")
     def _exactly_one(self) -> ModelSource:
@@ -48,7 +48,7 @@ class ModelRef(Model):
     name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")
     source: ModelSource
     layers: int | None = Field(default=None, ge=1, le=1024)
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    dtype: Literal["bfloat16", "float16", "float32"] | None = None
 
 
 class Resources(Model):
@@ -77,11 +77,15 @@ class EngineSpec(Model):
 class RoleReplicas(Model):
     min: int = Field(ge=0)
     max: int = Field(ge=1, le=4096)
+    desired: NonNegInt | None = None
 
     @model_validator(mode="after")
     def _min_le_max(self) -> RoleReplicas:
         if self.min > self.max:
             raise ValueError(f"min must be <= max (min={self.min}, max={self.max})")
+        if self.desired is not None and not self.min <= self.desired <= self.max:
+            raise ValueError(f"desired must lie within min..max (desired={self.desired}, min={self.min}, "
+                             f"max={self.max})")
         return self
 
 
@@ -124,7 +128,6 @@ class Scaling(Model):
     interval_seconds: float = Field(default=1.0, ge=0.05, le=3600)
     scale_down_delay_seconds: float = Field(default=0.5, ge=0, le=86400)
     idle_release_seconds: float = Field(default=300.0, ge=0, le=604800)
-    convertible_decoders: bool = False
     live: bool = True
     multicast: Literal["chain", "binomial", "star", "hybrid", "auto"] = "chain"
     token_velocity: TokenVelocity | None = None
@@ -145,6 +148,7 @@ class ModelServiceSpec(Model):
     replicas: Replicas
     slo: Slo | None = None
     scaling: Scaling | None = None
+    scale_plan_history_limit: int = Field(default=10, ge=0, le=1000)
 
     @model_validator(mode="after")
     def _roles_match_mode(self) -> ModelServiceSpec:
@@ -153,8 +157,6 @@ class ModelServiceSpec(Model):
         if not ok:
             raise ValueError("spec.replicas must set colocated in colocated mode, and prefill and decode in "
                              "disaggregated mode")
-        if self.scaling and self.scaling.convertible_decoders and self.mode != "disaggregated":
-            raise ValueError("spec.scaling.convertibleDecoders needs spec.mode disaggregated")
         roles = [r.colocated] if self.mode == "colocated" else [r.prefill, r.decode]
         lo, hi = sum(x.min for x in roles if x), sum(x.max for x in roles if x)
         if r.desired is not None and not lo <= r.desired <= hi:
@@ -274,6 +276,7 @@ class ScalePlanSpec(Model):
     live_pairs: list[LivePair] | None = None
     block_order: list[str] | None = None
     predicted_seconds: float | None = Field(default=None, ge=0)
+    dtype: Literal["bfloat16", "float16", "float32"] | None = None
     plan: dict[str, Any] | None = None
 
 

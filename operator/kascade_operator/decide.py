@@ -24,6 +24,13 @@ class RoleDecision:
     state: P.ScaleState
 
 
+def slo_of(spec: ModelServiceSpec) -> P.Slo | None:
+    if spec.slo is None or (spec.slo.ttft_ms is None and spec.slo.tbt_ms is None):
+        return None
+    return P.Slo(spec.slo.ttft_ms / 1000 if spec.slo.ttft_ms else None,
+                 spec.slo.tbt_ms / 1000 if spec.slo.tbt_ms else None)
+
+
 def decide(spec: ModelServiceSpec, role: str, current: int, lo: int, hi: int, snap: P.MetricsSnapshot,
            below_since_s: float | None = None) -> RoleDecision:
     sc = spec.scaling
@@ -31,17 +38,18 @@ def decide(spec: ModelServiceSpec, role: str, current: int, lo: int, hi: int, sn
     policy = sc.policy if sc else "tokenVelocity"
     if sc is not None and sc.policy == "threshold" and sc.threshold is not None:
         t = sc.threshold
-        metric = "kvCacheUsage" if t.metric == "kvCacheUsage" else "tokensPerSecond"
-        d = P.threshold(snap, state, P.Threshold(t.upper, t.lower, sc.scale_down_delay_seconds, metric))
+        d = P.threshold(snap, state, P.Threshold(t.upper, t.lower, sc.scale_down_delay_seconds, t.metric))
     elif sc is not None and sc.policy == "concurrency" and sc.concurrency is not None:
         d = P.concurrency(snap, state, sc.concurrency.target_per_instance)
     else:
         tv = sc.token_velocity if sc and sc.token_velocity else None
+        slo = slo_of(spec)
         if tv is None or (role == "prefill" and not tv.prefill_tokens_per_second) or \
                 (role != "prefill" and not tv.decode_tokens_per_second):
-            # no velocities configured: hold the current count within bounds
+            # no velocities configured: hold the current count within bounds (the SLO may still ask for more)
             keep = state.bounds.clamp(current)
-            return RoleDecision(role, current, keep, policy, "tokenVelocity: no velocities configured; holding",
+            want, why = P.slo_bump(snap, state, keep, slo)
+            return RoleDecision(role, current, want, policy, "tokenVelocity: no velocities configured; holding" + why,
                                 {}, state)
         if role == "prefill":
             v = P.TokenVelocity(tv.prefill_tokens_per_second or 1.0,
@@ -53,4 +61,54 @@ def decide(spec: ModelServiceSpec, role: str, current: int, lo: int, hi: int, sn
             d = P.token_velocity(P.MetricsSnapshot(snap.time_s, snap.input_tokens_per_s, snap.output_tokens_per_s,
                                                    snap.in_flight, snap.kv_usage, (bucket,)),
                                  state, P.TokenVelocity(1.0, 1.0))
+        want, why = P.slo_bump(snap, state, d.desired, slo)
+        metrics = dict(d.metrics)
+        if snap.ttft_s is not None:
+            metrics["ttftSeconds"] = snap.ttft_s
+        if snap.tbt_s is not None:
+            metrics["tbtSeconds"] = snap.tbt_s
+        return RoleDecision(role, current, want, policy, d.reason + why, metrics, d.state)
     return RoleDecision(role, current, d.desired, policy, d.reason, dict(d.metrics), d.state)
+
+
+@dataclass(frozen=True)
+class RoleInput:
+    """What one role looks like this round: serving count, bounds, its metrics, its scale-down timer."""
+
+    role: str
+    serving: int
+    lo: int
+    hi: int
+    snap: P.MetricsSnapshot
+    below_since_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Round:
+    desired: Mapping[str, int]  # roles whose count the reconciler should move (others: keep/min)
+    decisions: tuple[RoleDecision, ...]  # every role's decision (changes and holds)
+    changes: tuple[RoleDecision, ...]  # the roles whose desired differs from their serving count
+
+
+def decide_roles(spec: ModelServiceSpec, roles: list[RoleInput], trigger: str, now: str = "") -> Round:
+    """The per-role policy loop, pure: a role with a set desired count (scale subresource or per-role
+    `desired`) is that count and the policy stays off for it; otherwise the policy decides."""
+    from kascade_operator.reconcile import role_bounds, role_want  # reconcile imports nothing from here
+
+    bounds = role_bounds(spec)
+    desired: dict[str, int] = {}
+    decisions: list[RoleDecision] = []
+    for r in roles:
+        fixed = role_want(spec, r.role, bounds[r.role])
+        if fixed is not None:
+            want = max(r.lo, min(r.hi, fixed))
+            where = f"spec.replicas.{r.role}.desired" if bounds[r.role].desired is not None else "spec.replicas.desired"
+            d = RoleDecision(r.role, r.serving, want, "scaleSubresource",
+                             f"{where}={fixed} (set: the policy is off for this role while it is)", {},
+                             P.ScaleState(r.role, r.serving, P.Bounds(r.lo, max(r.hi, 1)), below_since_s=None))
+        else:
+            d = decide(spec, r.role, r.serving, r.lo, r.hi, r.snap, r.below_since_s)
+        decisions.append(d)
+        if fixed is None and (trigger == "timer" or d.desired != d.current):
+            desired[r.role] = d.desired
+    return Round(desired, tuple(decisions), tuple(d for d in decisions if d.desired != d.current))

@@ -12,9 +12,11 @@ Handlers keep no state of their own; everything lives in `Runtime` (kopf memo) o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -24,13 +26,14 @@ from pydantic import ValidationError
 from kascade_operator import labels as L
 from kascade_operator import plandriver
 from kascade_operator.api import ModelServiceSpec
-from kascade_operator.decide import RoleDecision, decide
+from kascade_operator.decide import RoleDecision, RoleInput, decide_roles
 from kascade_operator.demand import RouterDemand, zero_rule
 from kascade_operator.engine_client import EngineClient, EngineError
 from kascade_operator.kube import GROUP, VERSION, Conflict, Kube, NotFound, now_iso
 from kascade_operator.metrics import PrometheusSource, Scraper, snapshot
 from kascade_operator.operator_metrics import OperatorMetrics
-from kascade_operator.pool import PodView, drain_patch, unbind_patch
+from kascade_operator.podtemplate import fallback_pod, refusals
+from kascade_operator.pool import PodView, drain_patch, owner_ref, service_key, unbind_patch
 from kascade_operator.reconcile import (
     TERMINAL,
     CreatePlan,
@@ -41,10 +44,13 @@ from kascade_operator.reconcile import (
     Result,
     reconcile,
     role_bounds,
+    role_want,
 )
 from kascade_operator.runtime import ALL, Runtime
 from kascade_operator.settings import OperatorSettings
+from kascade_operator.status import Blocker, invalid_status, keep_transition_times, service_status
 from kascade_operator.validation import semantic_errors
+from kascade_planner import policies as P
 
 log = logging.getLogger(__name__)
 
@@ -58,21 +64,7 @@ def field_errors(e: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def condition(ctype: str, ok: bool, reason: str, message: str, gen: int | None) -> dict[str, Any]:
-    return {"type": ctype, "status": "True" if ok else "False", "reason": reason, "message": message[:1024],
-            "lastTransitionTime": now_iso(), "observedGeneration": gen}
-
-
-def keep_transition_times(new: list[dict[str, Any]], old: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A condition whose status did not change keeps its lastTransitionTime (and so compares equal)."""
-    prev = {c.get("type"): c for c in old}
-    out = []
-    for c in new:
-        p = prev.get(c["type"])
-        if p and p.get("status") == c["status"]:
-            c = {**c, "lastTransitionTime": p.get("lastTransitionTime", c["lastTransitionTime"])}
-        out.append(c)
-    return out
+MAX_NAME = 63  # the name is a label value on pods and ScalePlans (kascade.io/model-service)
 
 
 def _active_plan_ages(raw_plans: list[dict[str, Any]], service: str) -> list[float]:
@@ -89,11 +81,11 @@ def plan_view(sp: dict[str, Any]) -> PlanView:
                     tuple(t.get("pod") or t["instance"] for t in spec.get("targets") or []))
 
 
-async def observe(rt: Runtime, ns: str) -> tuple[list[PodView], list[dict[str, Any]]]:
+async def observe(rt: Runtime, pool_ns: str, ns: str) -> tuple[list[PodView], list[dict[str, Any]]]:
     leaf, _ = await rt.node_facts()
-    pods = rt.pod_views(await rt.pool_pods(ns), leaf)
+    pods = rt.pod_views(await rt.pool_pods(pool_ns), leaf)
     # a draining pod is "drained" when release succeeds; try it every round (409 = still in flight)
-    pods = [p.__class__(**{**p.__dict__, "drained": p.draining}) if p.draining else p for p in pods]
+    pods = [replace(p, drained=True) if p.draining else p for p in pods]
     return pods, await rt.scaleplans(ns)
 
 
@@ -105,99 +97,103 @@ async def reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) -> 
         return await _reconcile_service(rt, body, trigger)
 
 
+async def _refuse(rt: Runtime, body: dict[str, Any], problems: list[str]) -> None:
+    meta = body["metadata"]
+    ns, name, gen = meta["namespace"], meta["name"], meta.get("generation")
+    msg = "; ".join(problems)
+    if rt.invalid_seen.get((ns, name)) != gen:
+        rt.invalid_seen[(ns, name)] = gen or 0
+        await rt.event(ns, body, "ModelService", "Warning", "InvalidSpec", msg)
+        await rt.kube.patch_modelservice_status(ns, name, invalid_status(msg, gen))
+
+
 async def _reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) -> Result | None:
     t0 = time.perf_counter()
     meta = body["metadata"]
     ns, name, gen = meta["namespace"], meta["name"], meta.get("generation")
+    if meta.get("deletionTimestamp"):
+        return None  # being deleted: the delete handler releases everything; nothing new is started
+    problems: list[str] = []
+    if len(name) > MAX_NAME:
+        problems.append(f"metadata.name: {len(name)} characters; at most {MAX_NAME} (it is a label value on the "
+                        f"service's pods and ScalePlans)")
     try:
         spec = ModelServiceSpec.model_validate(body.get("spec") or {})
-        problems = semantic_errors(spec, (await rt.node_facts())[1], rt.settings.gpu_resource)
+        problems += semantic_errors(spec, (await rt.node_facts())[1], rt.settings.gpu_resource)
     except ValidationError as e:
-        problems = [field_errors(e)]
+        problems.append(field_errors(e))
     if problems:
-        msg = "; ".join(problems)
-        if rt.invalid_seen.get((ns, name)) != gen:
-            rt.invalid_seen[(ns, name)] = gen or 0
-            await rt.kube.event(ns, body, "ModelService", "Warning", "InvalidSpec", msg)
-            await rt.kube.patch_modelservice_status(ns, name, {"observedGeneration": gen, "conditions": [
-                condition("Degraded", True, "InvalidSpec", msg, gen),
-                condition("Available", False, "InvalidSpec", "spec rejected", gen),
-                condition("Progressing", False, "InvalidSpec", "spec rejected", gen)]})
+        await _refuse(rt, body, problems)
         return None
     rt.invalid_seen.pop((ns, name), None)
-    pods, raw_plans = await observe(rt, ns)
+    interval = spec.scaling.interval_seconds if spec.scaling else 1.0
+    now = time.monotonic()
+    if trigger == "timer" and now - rt.last_round.get((ns, name), -1e9) < interval * 0.95:
+        return None  # this service's own spec.scaling.intervalSeconds: the timer ticks at the operator's
+    rt.last_round[(ns, name)] = now
+    pool_ns = rt.pool_namespace(ns)
+    key = service_key(ns, name, pool_ns)
+    pods, raw_plans = await observe(rt, pool_ns, ns)
     plans = [plan_view(p) for p in raw_plans if (p.get("spec") or {}).get("modelServiceRef", {}).get("name") == name]
-    rt.metrics.pool_size.labels(ns).set(sum(1 for p in pods if p.model_service is None))
+    rt.metrics.pool_size.labels(pool_ns).set(sum(1 for p in pods if p.model_service is None))
 
-    desired: dict[str, int] = {}
-    release_last: set[str] = set()
-    reasons, last = [], None
+    inputs: list[RoleInput] = []
     for role, b in role_bounds(spec).items():
-        serving = [p for p in pods if p.model_service == name and p.role == role and not p.draining]
-        ready = {p.instance: p.endpoint for p in serving if p.ready and p.endpoint}
-        key = (ns, name, role)
-        if role == "colocated" and spec.replicas.desired is not None:
-            # one writer at a time: while the scale subresource (kubectl scale, HPA, KEDA, GitOps) sets
-            # replicas.desired, it is the decision and the policy stays off; reconcile() reads it
-            want = max(b.min, min(b.max, spec.replicas.desired))
-            if want != len(serving):
-                why = f"spec.replicas.desired={spec.replicas.desired} (scale subresource; the policy is off while it is set)"
-                rt.metrics.decisions.labels("scaleSubresource", "up" if want > len(serving) else "down").inc()
-                reasons.append(why)
-                last = {"time": now_iso(), "policy": "scaleSubresource", "role": role, "from": len(serving),
-                        "to": want, "reason": why, "metrics": {}}
-                log.info("%s/%s decision %s %d -> %d: %s", ns, name, role, len(serving), want, why)
-            continue
-        if rt.prometheus is not None:
-            loads = await rt.prometheus.collect([p.pod_name for p in serving if p.ready])
+        serving = [p for p in pods if p.model_service == key and p.role == role and not p.draining]
+        rkey = (ns, name, role)
+        if role_want(spec, role, b) is not None:
+            snap = P.MetricsSnapshot(now)  # the policy is off for this role: no scrape
+        elif rt.prometheus is not None:
+            snap = snapshot(await rt.prometheus.collect([p.pod_name for p in serving if p.ready]), now)
         else:
             assert rt.scraper is not None
-            loads = await rt.scraper.collect(ready, key)
-        snap = snapshot(loads, time.monotonic())
-        log.debug("%s/%s %s: %d ready scraped, %.0f in tok/s", ns, name, role, len(loads), snap.input_tokens_per_s)
-        d = decide(spec, role, len(serving), b.min, b.max, snap, rt.below_since.get(key))
-        rt.below_since[key] = d.state.below_since_s
-        d, may_release_last = await _zero(rt, spec, key, len(serving), b.min, snap, d)
-        if may_release_last:
-            release_last.add(role)
-        if trigger == "timer" or d.desired != d.current:
-            desired[role] = d.desired
-        if d.desired != d.current:
-            rt.metrics.decisions.labels(d.policy, "up" if d.desired > d.current else "down").inc()
-            reasons.append(d.reason)
-            log.info("%s/%s decision %s %d -> %d: %s", ns, name, role, d.current, d.desired, d.reason)
-            last = {"time": now_iso(), "policy": d.policy, "role": role, "from": d.current, "to": d.desired,
-                    "reason": d.reason[:1024], "metrics": {k: float(v) for k, v in d.metrics.items()}}
+            ready = {p.instance: p.endpoint for p in serving if p.ready and p.endpoint}
+            snap = snapshot(await rt.scraper.collect(ready, rkey), now)
+        inputs.append(RoleInput(role, len(serving), b.min, b.max, snap, rt.below_since.get(rkey)))
+    rnd = decide_roles(spec, inputs, trigger)
+    bounds = role_bounds(spec)
+    desired = dict(rnd.desired)
+    release_last: set[str] = set()
+    decisions: list[RoleDecision] = []
+    for d, inp in zip(rnd.decisions, inputs, strict=True):
+        rt.below_since[(ns, name, d.role)] = d.state.below_since_s
+        if role_want(spec, d.role, bounds[d.role]) is None:
+            # scale from zero on the router's demand, to zero after an idle time (min 0)
+            d, may_release_last = await _zero(rt, spec, (ns, name, d.role), inp.serving, inp.lo, inp.snap, d)
+            if may_release_last:
+                release_last.add(d.role)
+            if trigger == "timer" or d.desired != d.current:
+                desired[d.role] = d.desired
+        decisions.append(d)
+    last = None
+    changes = [d for d in decisions if d.desired != d.current]
+    for d in changes:
+        rt.metrics.decisions.labels(d.policy, "up" if d.desired > d.current else "down").inc()
+        log.info("%s/%s decision %s %d -> %d: %s", ns, name, d.role, d.current, d.desired, d.reason)
+        last = {"time": now_iso(), "policy": d.policy, "role": d.role, "from": d.current, "to": d.desired,
+                "reason": d.reason[:1024], "metrics": {k: float(v) for k, v in d.metrics.items()}}
     # targets other services' plans hold (their binds may not be in the pod index yet), claimed pods
     # included; choosing and claiming happen with no await in between, so two services never pick one pod
     others = {t.get("pod") or t["instance"] for p in raw_plans
               if (p.get("status") or {}).get("phase") not in TERMINAL for t in (p.get("spec") or {}).get("targets") or []}
-    res = reconcile(name, spec, pods, plans, desired or None, "; ".join(reasons), others | rt.reserved(ns),
-                    release_last)
+    if pool_ns != ns:  # the pool is shared across namespaces: plans elsewhere hold targets too
+        others |= {t.get("pod") or t["instance"] for n2 in rt.plan_namespaces() if n2 != ns
+                   for p in await rt.scaleplans(n2) if (p.get("status") or {}).get("phase") not in TERMINAL
+                   for t in (p.get("spec") or {}).get("targets") or []}
+    expected = rt.expected(pool_ns, key, (p.pod_name for p in pods))
+    res = reconcile(key, spec, pods, plans, desired or None, "; ".join(d.reason for d in changes),
+                    others | rt.reserved(pool_ns), expected, release_last)
     rt.metrics.observe_service(ns, name, res.roles, _active_plan_ages(raw_plans, name))
     for action in res.actions:
         if isinstance(action, CreatePlan):
-            rt.reserve(ns, action.targets)
+            rt.reserve(pool_ns, action.targets)
     decided_at = time.perf_counter()
+    blocker: Blocker | None = None
     for action in res.actions:
-        await apply(rt, body, spec, pods, action, decided_at)
-    status: dict[str, Any] = {
-        "observedGeneration": gen,
-        "readyReplicas": sum(r.ready for r in res.roles.values()),
-        "loadingReplicas": sum(r.loading for r in res.roles.values()),
-        "selector": f"{L.MODEL_SERVICE}={name}",
-        **({"url": rt.settings.router_url.rstrip("/") + "/v1"} if rt.settings.router_url else {}),
-        "replicas": {role: {"desired": r.desired, "ready": r.ready, "loading": r.loading} for role, r in res.roles.items()},
-        "sources": [{"kind": "gpu", "location": p.pod_name, "node": p.node} for p in pods
-                    if p.model_service == name and p.ready],
-        "activePlan": next((p.name for p in plans if p.phase not in TERMINAL), None),
-        "conditions": [condition("Available", res.available, "ReplicasReady" if res.available else "NoReadyReplica",
-                                 ", ".join(f"{k} {v.ready}/{v.desired}" for k, v in res.roles.items()), gen),
-                       condition("Progressing", res.progressing, "Scaling" if res.progressing else "Stable",
-                                 "; ".join(res.notes) or ("scaling" if res.progressing else "at desired replicas"), gen),
-                       condition("Degraded", bool(res.notes), "PoolShort" if res.notes else "AsExpected",
-                                 "; ".join(res.notes) or "spec accepted", gen)],
-    }
+        blocker = await apply(rt, body, spec, pods, action, decided_at) or blocker
+    status = service_status(key, name, res, pods, plans, gen, blocker)
+    if rt.settings.router_url:
+        status["url"] = rt.settings.router_url.rstrip("/") + "/v1"
     if last:
         status["lastDecision"] = last
     old = body.get("status") or {}
@@ -206,6 +202,7 @@ async def _reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) ->
         # unchanged status is not written: at a sub-second interval every write is a watch event for
         # every ModelService watcher, and the API server is the record, not the fast path
         await rt.kube.patch_modelservice_status(ns, name, status)
+    await prune_history(rt, ns, name, raw_plans, spec.scale_plan_history_limit)
     rt.metrics.reconcile.labels(trigger).observe(time.perf_counter() - t0)
     return res
 
@@ -229,46 +226,67 @@ async def _zero(rt: Runtime, spec: ModelServiceSpec, key: tuple[str, str, str], 
     return d, release_last
 
 
+async def prune_history(rt: Runtime, ns: str, name: str, raw_plans: list[dict[str, Any]], limit: int) -> None:
+    """Keep at most `limit` finished ScalePlans per service (spec.scalePlanHistoryLimit), oldest deleted."""
+    done = [p for p in raw_plans if (p.get("spec") or {}).get("modelServiceRef", {}).get("name") == name
+            and (p.get("status") or {}).get("phase") in TERMINAL]
+    if len(done) <= limit:
+        return
+    done.sort(key=lambda p: ((p.get("status") or {}).get("completionTime") or "",
+                             p["metadata"].get("creationTimestamp") or "", p["metadata"]["name"]))
+    for p in done[:len(done) - limit]:
+        with contextlib.suppress(NotFound):
+            await rt.kube.delete_scaleplan(ns, p["metadata"]["name"])
+
+
 async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods: list[PodView], action: Any,
-                decided_at: float) -> None:
+                decided_at: float) -> Blocker | None:
+    """Carry out one action; returns a Blocker when the operator refuses to (it then says why in Stalled)."""
     meta = body["metadata"]
     ns, name = meta["namespace"], meta["name"]
+    pool_ns = rt.pool_namespace(ns)
     by_name = {p.pod_name: p for p in pods}
     if isinstance(action, CreatePlan):
         t0 = time.perf_counter()
         try:
             sp = await plandriver.new_scaleplan(rt, body, spec, action, by_name, await rt.nodes())
         except ValueError as e:
-            await rt.kube.event(ns, body, "ModelService", "Warning", "PlanFailed", str(e))
-            return
+            rt.unreserve(pool_ns, action.targets)
+            await rt.event(ns, body, "ModelService", "Warning", "PlanFailed", str(e))
+            return None
         rt.metrics.plan_generation.observe(time.perf_counter() - t0)
         created = await rt.kube.create_scaleplan(ns, sp)
         if not await rt.seen_plan(ns, created["metadata"]["name"]):
             log.warning("ScalePlan %s/%s not in the watch after 2 s", ns, created["metadata"]["name"])
-        await rt.kube.event(ns, body, "ModelService", "Normal", "ScaleUp",
-                            f"{action.role}: ScalePlan {created['metadata']['name']} binds "
-                            f"{', '.join(action.targets)} ({action.reason})")
+        await rt.event(ns, body, "ModelService", "Normal", "ScaleUp",
+                       f"{action.role}: ScalePlan {created['metadata']['name']} binds "
+                       f"{', '.join(action.targets)} ({action.reason})")
         # the fast path: instruct now instead of waiting for the ScalePlan daemon to start
         await plandriver.start(rt, created, decided_at)
     elif isinstance(action, CreatePods):
-        await rt.kube.event(ns, body, "ModelService", "Warning", "PoolEmpty",
-                            f"{action.role}: warm pool short by {action.count}; creating pods (slow path)")
-        try:
-            pod = plandriver.fallback_pod(spec, name, action.role, rt.settings.engine_token_secret)
-        except ValueError as e:
-            await rt.kube.event(ns, body, "ModelService", "Warning", "PoolEmpty", f"{action.role}: {e}")
-            return
+        refused = refusals(spec, rt.settings)
+        if refused:
+            msg = f"{action.role}: warm pool short by {action.count}; not creating pods: " + "; ".join(refused)
+            await rt.event(ns, body, "ModelService", "Warning", "Forbidden", msg)
+            return Blocker("Forbidden", msg)
+        key = service_key(ns, name, pool_ns)
+        owner = owner_ref(meta) if pool_ns == ns else None
+        pod = fallback_pod(spec, key, rt.settings.engine_token_secret, owner)
+        made = []
         for _ in range(action.count):
-            await rt.kube.create_pod(ns, pod)
+            made.append((await rt.kube.create_pod(pool_ns, pod))["metadata"]["name"])
+        rt.expect(pool_ns, key, made)
+        await rt.event(ns, body, "ModelService", "Warning", "PoolEmpty",
+                       f"{action.role}: warm pool short by {action.count}; created {', '.join(made)} (slow path)")
     elif isinstance(action, Drain):
         # routers stop sending to the pod first (they watch this annotation); the engine itself is drained
         # a round later, with its release, so no request ever arrives at a draining engine
         p = by_name[action.pod]
         try:
-            await rt.kube.patch_pod(ns, p.pod_name, drain_patch(p, now_iso()))
-        except Conflict:
-            return  # re-read next round
-        await rt.kube.event(ns, body, "ModelService", "Normal", "ScaleDown", f"draining {p.pod_name}")
+            await rt.kube.patch_pod(pool_ns, p.pod_name, drain_patch(p, now_iso()))
+        except (Conflict, NotFound):
+            return None  # re-read next round
+        await rt.event(ns, body, "ModelService", "Normal", "ScaleDown", f"draining {p.pod_name}")
     elif isinstance(action, Release):
         p = by_name[action.pod]
         if p.endpoint:
@@ -277,13 +295,14 @@ async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods:
                 await rt.engines.release(p.endpoint)
             except EngineError as e:
                 if e.status == 409:
-                    return  # requests still in flight: try again next round
+                    return None  # requests still in flight: try again next round
                 log.warning("%s", e)
         try:
-            await rt.kube.patch_pod(ns, p.pod_name, unbind_patch(p))
+            await rt.kube.patch_pod(pool_ns, p.pod_name, unbind_patch(p))
         except (Conflict, NotFound):
-            return
-        await rt.kube.event(ns, body, "ModelService", "Normal", "Released", f"{p.pod_name} returned to the pool")
+            return None
+        await rt.event(ns, body, "ModelService", "Normal", "Released", f"{p.pod_name} returned to the pool")
+    return None
 
 
 def _slim_pod(body: Any) -> dict[str, Any]:
@@ -374,7 +393,9 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
 
     @kopf.on.delete(**ms)
     async def on_delete(body: kopf.Body, memo: kopf.Memo, **kw: Any) -> None:
-        await plandriver.release_all(rt_of(memo, kw), dict(body))
+        rt = rt_of(memo, kw)
+        async with rt.lock(body["metadata"]["namespace"], "modelservice/" + body["metadata"]["name"]):
+            await plandriver.release_all(rt, dict(body))
 
     @kopf.daemon(**splan, cancellation_timeout=2.0,
                  when=lambda status, **_: (status or {}).get("phase") not in TERMINAL)

@@ -75,6 +75,14 @@ class Kube:
         resp = await self.core.list_namespaced_pod(ns, label_selector=selector, _preload_content=False)
         return list((await self._json(resp)).get("items") or [])
 
+    async def get_pod(self, ns: str, name: str) -> dict[str, Any]:
+        try:
+            resp = await self.core.read_namespaced_pod(name, ns, _preload_content=False)
+        except ApiException as e:
+            _raise(e, f"pod {ns}/{name}")
+            raise
+        return dict(await self._json(resp))
+
     async def list_scaleplans(self, ns: str) -> list[dict[str, Any]]:
         doc = await self.custom.list_namespaced_custom_object(GROUP, VERSION, ns, "scaleplans")
         return list(doc.get("items") or [])
@@ -115,6 +123,18 @@ class Kube:
         except ApiException as e:
             _raise(e, f"scaleplan {ns}/{body['metadata'].get('name')}")
             raise
+
+    async def delete_scaleplan(self, ns: str, name: str) -> None:
+        try:
+            await self.custom.delete_namespaced_custom_object(GROUP, VERSION, ns, "scaleplans", name)
+        except ApiException as e:
+            _raise(e, f"scaleplan {ns}/{name}")
+
+    async def delete_pod(self, ns: str, name: str) -> None:
+        try:
+            await self.core.delete_namespaced_pod(name, ns, _preload_content=False)
+        except ApiException as e:
+            _raise(e, f"pod {ns}/{name}")
 
     async def patch_scaleplan_status(self, ns: str, name: str, status: dict[str, Any]) -> None:
         await self._patch_status("scaleplans", ns, name, status)

@@ -3,8 +3,18 @@
 A pool pod is idle when it carries `kascade.io/pool=warm` and no `kascade.io/model-service` label;
 binding sets `kascade.io/pool=bound`, which takes it out of the pool Deployment's selector (the
 ReplicaSet orphans it and starts a fresh idle pod), and unbinding sets `warm` again.
-Binding patches both the label and an annotation with the binding generation, guarded by the pod's
-resourceVersion, so two operators (or one restarted) can never bind the same pod twice.
+The engine is the arbiter of a binding: the operator labels a pod bound only after its engine accepted
+the bind (an engine bound to one service refuses every other), and the label patch is guarded by the
+pod's resourceVersion. A bound pod carries a controller ownerReference to its ModelService when both
+live in one namespace (the pool may live in another namespace: `pool_namespace` setting; then the
+annotation `kascade.io/model-service-namespace` names the service's namespace and the operator's
+finalizer, not the garbage collector, returns the pod).
+
+Many models, one pool: a pool pod's engine is started for one model architecture, so pool pods carry
+the annotation `kascade.io/model` (the `spec.model.name` they can serve); a ModelService only ever
+picks pool pods whose annotation equals its model name. A pool pod without the annotation is
+model-agnostic (any model may bind it; its engine refuses a model it cannot load, and the operator
+drops that target).
 """
 
 from __future__ import annotations
@@ -23,5 +33,8 @@ INSTANCE = "kascade.io/instance"  # annotation: engine instance id (defaults to 
 LOADED = "kascade.io/loaded"  # annotation "true": the engine reported every block resident
 DRAINING = "kascade.io/draining"  # annotation: time a drain started (scale-down in progress)
 UNHEALTHY = "kascade.io/unhealthy"  # annotation: why the engine was dropped (never a scale-up target again)
+MODEL = "kascade.io/model"  # annotation on pool pods: the spec.model.name their engine serves (absent: any)
+SERVICE_NS = "kascade.io/model-service-namespace"  # annotation: the bound service's namespace (pool elsewhere)
+CREATED_FOR = "kascade.io/created-for"  # annotation: "ns/name" of the service a fallback pod was created for
 MANAGED_BY = "app.kubernetes.io/managed-by"
 FINALIZER = "kascade.io/finalizer"

@@ -40,6 +40,10 @@ class InstanceSample:
     queue_length: float = 0.0
     running: float = 0.0
     kv_usage: float = 0.0
+    ttft_sum: float = 0.0  # histogram sums and counts (cumulative)
+    ttft_count: float = 0.0
+    tbt_sum: float = 0.0
+    tbt_count: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -49,12 +53,21 @@ class InstanceLoad:
     output_tokens_per_s: float
     in_flight: int
     kv_usage: float
+    queue_length: float = 0.0
+    ttft_sum: float = 0.0  # over the window: latency seconds observed, and how many observations
+    ttft_count: float = 0.0
+    tbt_sum: float = 0.0
+    tbt_count: float = 0.0
 
 
 # vLLM-aligned engine metric names (kascade_ prefix; a `model_name` label, summed over here)
 _GAUGES = {"kascade_num_requests_waiting": "queue_length", "kascade_num_requests_running": "running",
            "kascade_kv_cache_usage_perc": "kv_usage"}
-_COUNTERS = {"kascade_prompt_tokens": "input_tokens", "kascade_generation_tokens": "output_tokens"}
+_COUNTERS = {"kascade_prompt_tokens": "input_tokens", "kascade_generation_tokens": "output_tokens",
+             "kascade_time_to_first_token_seconds_sum": "ttft_sum",
+             "kascade_time_to_first_token_seconds_count": "ttft_count",
+             "kascade_inter_token_latency_seconds_sum": "tbt_sum",
+             "kascade_inter_token_latency_seconds_count": "tbt_count"}
 
 
 def parse_engine_metrics(text: str, time_s: float) -> InstanceSample:
@@ -93,23 +106,31 @@ class RateTracker:
     def update(self, instance: str, cur: InstanceSample) -> InstanceLoad:
         h = self._hist.setdefault(instance, deque())
         in_flight = int(cur.queue_length + cur.running)
-        if h and (cur.input_tokens < h[-1].input_tokens or cur.output_tokens < h[-1].output_tokens):
+
+        def load(base: InstanceSample | None, dt: float) -> InstanceLoad:
+            """Rates and latency sums between `base` (None: from zero, after a reset) and `cur`."""
+            zero = InstanceSample(cur.time_s)
+            b = base or zero
+            if dt <= 0:
+                return InstanceLoad(instance, 0.0, 0.0, in_flight, cur.kv_usage, cur.queue_length)
+            return InstanceLoad(instance, (cur.input_tokens - b.input_tokens) / dt,
+                                (cur.output_tokens - b.output_tokens) / dt, in_flight, cur.kv_usage,
+                                cur.queue_length, cur.ttft_sum - b.ttft_sum, cur.ttft_count - b.ttft_count,
+                                cur.tbt_sum - b.tbt_sum, cur.tbt_count - b.tbt_count)
+
+        if h and (cur.input_tokens < h[-1].input_tokens or cur.output_tokens < h[-1].output_tokens
+                  or cur.ttft_count < h[-1].ttft_count):
             prev = h[-1]
             h.clear()
             h.append(cur)
-            dt = cur.time_s - prev.time_s
-            if dt <= 0:
-                return InstanceLoad(instance, 0.0, 0.0, in_flight, cur.kv_usage)
-            return InstanceLoad(instance, cur.input_tokens / dt, cur.output_tokens / dt, in_flight, cur.kv_usage)
+            return load(None, cur.time_s - prev.time_s)
         while len(h) >= 2 and h[1].time_s <= cur.time_s - self.window_s:
             h.popleft()
         base = h[0] if h else None
         h.append(cur)
         if base is None or cur.time_s <= base.time_s:
-            return InstanceLoad(instance, 0.0, 0.0, in_flight, cur.kv_usage)
-        dt = cur.time_s - base.time_s
-        return InstanceLoad(instance, (cur.input_tokens - base.input_tokens) / dt,
-                            (cur.output_tokens - base.output_tokens) / dt, in_flight, cur.kv_usage)
+            return load(None, 0.0)
+        return load(base, cur.time_s - base.time_s)
 
     def forget(self, keep: Iterable[str]) -> None:
         keep_set = set(keep)
@@ -121,8 +142,12 @@ def snapshot(loads: Sequence[InstanceLoad], time_s: float) -> MetricsSnapshot:
     """Aggregate one model service's instances into the planner's snapshot (rates summed, KV averaged)."""
     if not loads:
         return MetricsSnapshot(time_s)
+    ttft_n, tbt_n = sum(x.ttft_count for x in loads), sum(x.tbt_count for x in loads)
     return MetricsSnapshot(time_s, input_tokens_per_s=sum(x.input_tokens_per_s for x in loads),
                            output_tokens_per_s=sum(x.output_tokens_per_s for x in loads),
+                           queue_length=sum(x.queue_length for x in loads),
+                           ttft_s=sum(x.ttft_sum for x in loads) / ttft_n if ttft_n > 0 else None,
+                           tbt_s=sum(x.tbt_sum for x in loads) / tbt_n if tbt_n > 0 else None,
                            in_flight=sum(x.in_flight for x in loads),
                            kv_usage=sum(x.kv_usage for x in loads) / len(loads))
 
@@ -166,7 +191,11 @@ class PrometheusSource:
                "output": "sum by (pod) (rate(kascade_generation_tokens_total{{pod=~\"{pods}\"}}[{window}]))",
                "queue": "sum by (pod) (kascade_num_requests_waiting{{pod=~\"{pods}\"}})",
                "running": "sum by (pod) (kascade_num_requests_running{{pod=~\"{pods}\"}})",
-               "kv": "avg by (pod) (kascade_kv_cache_usage_perc{{pod=~\"{pods}\"}})"}
+               "kv": "avg by (pod) (kascade_kv_cache_usage_perc{{pod=~\"{pods}\"}})",
+               "ttft_sum": "sum by (pod) (increase(kascade_time_to_first_token_seconds_sum{{pod=~\"{pods}\"}}[{window}]))",
+               "ttft_count": "sum by (pod) (increase(kascade_time_to_first_token_seconds_count{{pod=~\"{pods}\"}}[{window}]))",
+               "tbt_sum": "sum by (pod) (increase(kascade_inter_token_latency_seconds_sum{{pod=~\"{pods}\"}}[{window}]))",
+               "tbt_count": "sum by (pod) (increase(kascade_inter_token_latency_seconds_count{{pod=~\"{pods}\"}}[{window}]))"}
 
     def __init__(self, url: str, timeout_s: float = 1.0, window: str = "10s",
                  client: httpx.AsyncClient | None = None) -> None:
@@ -199,5 +228,7 @@ class PrometheusSource:
         res = await asyncio.gather(*(self._query(self.QUERIES[k].format(pods=sel, window=self._window)) for k in keys))
         by = dict(zip(keys, res, strict=True))
         return [InstanceLoad(p, by["input"].get(p, 0.0), by["output"].get(p, 0.0),
-                             int(by["queue"].get(p, 0.0) + by["running"].get(p, 0.0)), by["kv"].get(p, 0.0))
+                             int(by["queue"].get(p, 0.0) + by["running"].get(p, 0.0)), by["kv"].get(p, 0.0),
+                             by["queue"].get(p, 0.0), by["ttft_sum"].get(p, 0.0), by["ttft_count"].get(p, 0.0),
+                             by["tbt_sum"].get(p, 0.0), by["tbt_count"].get(p, 0.0))
                 for p in pods]

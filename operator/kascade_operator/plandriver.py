@@ -12,6 +12,7 @@ or ready (the operator may have died between the engine call and the status writ
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Any
@@ -21,9 +22,11 @@ from kascade_operator import scaleplan as SP
 from kascade_operator.api import ModelServiceSpec
 from kascade_operator.engine_client import EngineError
 from kascade_operator.kube import GROUP, VERSION, Conflict, NotFound, now_iso
-from kascade_operator.pool import PodView, bind_patch, pod_view, unbind_patch
+from kascade_operator.podtemplate import checkpoint_path
+from kascade_operator.pool import PodView, bind_patch, pod_view, service_key, unbind_patch
 from kascade_operator.reconcile import CreatePlan
 from kascade_operator.runtime import Runtime
+from kascade_operator.status import keep_transition_times, plan_conditions
 
 log = logging.getLogger(__name__)
 
@@ -61,87 +64,76 @@ async def new_scaleplan(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpe
                          "ownerReferences": [{"apiVersion": f"{GROUP}/{VERSION}", "kind": "ModelService",
                                               "name": meta["name"], "uid": meta["uid"], "controller": True,
                                               "blockOwnerDeletion": True}]},
-            "spec": SP.spec_dict(built, meta["name"], action.role, action.reason, spec.model.source.path)}
+            "spec": SP.spec_dict(built, meta["name"], action.role, action.reason, checkpoint_path(spec),
+                                  spec.model.dtype)}
 
 
-def fallback_pod(spec: ModelServiceSpec, service: str, role: str, token_secret: str = "kascade-engine-token",
-                 act_port: int = 18516) -> dict[str, Any]:
-    """The slow path: a new warm-pool engine pod, started like the chart's pool pods for this model
-    (config and tokenizer from the source directory, mounted from the node); it joins the pool and is
-    bound in a later round like any pool pod. Only `path` sources can be mounted this way."""
-    e, src = spec.engine, spec.model.source
-    if not src.path:
-        raise ValueError("spec.model.source: a new engine pod can only mount a `path` source (pvc/uri: use the pool)")
-    container: dict[str, Any] = {
-        "name": "engine", "image": e.image,
-        "args": ["kascade", "engine", "serve", "--empty", "--host=0.0.0.0", f"--port={e.port}", f"--act-port={act_port}",
-                 f"--checkpoint={src.path}", f"--model-name={spec.model.name}"],
-        "env": [{"name": "KASCADE_ENGINE_TOKEN", "valueFrom": {"secretKeyRef": {"name": token_secret, "key": "token"}}}],
-        "ports": [{"containerPort": e.port, "name": "http"}, {"containerPort": e.data_port, "name": "data"},
-                  {"containerPort": act_port, "name": "act"}],
-        "volumeMounts": [{"name": "model", "mountPath": src.path, "readOnly": True}]}
-    if e.resources:
-        container["resources"] = e.resources.model_dump(exclude_none=True)
-    pod: dict[str, Any] = {"apiVersion": "v1", "kind": "Pod",
-                           "metadata": {"generateName": f"kascade-pool-{service}-",
-                                        "labels": {L.POOL: L.POOL_WARM, L.MANAGED_BY: "kascade"}},
-                           "spec": {"containers": [container], "automountServiceAccountToken": False,
-                                    "volumes": [{"name": "model", "hostPath": {"path": src.path, "type": "Directory"}}]}}
-    if e.node_selector:
-        pod["spec"]["nodeSelector"] = dict(e.node_selector)
-    if e.tolerations:
-        pod["spec"]["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in e.tolerations]
-    return pod
+def _pool(rt: Runtime, sp: dict[str, Any]) -> tuple[str, str, str]:
+    """(pool namespace, service name, service key) of a ScalePlan."""
+    ns, svc = sp["metadata"]["namespace"], sp["spec"]["modelServiceRef"]["name"]
+    pool_ns = rt.pool_namespace(ns)
+    return pool_ns, svc, service_key(ns, svc, pool_ns)
 
 
-async def _bind_targets(rt: Runtime, sp: dict[str, Any], pods: dict[str, PodView], ids: list[str]) -> dict[str, str]:
-    """Bind each target pod to the service (guarded). Returns failures: instance -> reason."""
+def _owner(sp: dict[str, Any], pool_ns: str) -> dict[str, Any] | None:
+    """The ModelService's controller reference for pods of this plan (same namespace only)."""
+    if pool_ns != sp["metadata"]["namespace"]:
+        return None
+    return next((dict(o) for o in sp["metadata"].get("ownerReferences") or [] if o.get("kind") == "ModelService"),
+                None)
+
+
+async def _label_bound(rt: Runtime, sp: dict[str, Any], p: PodView, role: str) -> bool:
+    """Record a binding the engine accepted: label the pod bound (guarded by resourceVersion; on a
+    conflict re-read and retry). False when the pod is gone or taken meanwhile."""
     ns, name = sp["metadata"]["namespace"], sp["metadata"]["name"]
-    svc, role = sp["spec"]["modelServiceRef"]["name"], sp["spec"]["role"]
-    failed: dict[str, str] = {}
-    pod_of = {t["instance"]: t["pod"] for t in sp["spec"]["targets"]}
-    for iid in ids:
-        p = pods.get(pod_of[iid])
-        for _ in range(2):
-            if p is None:
-                failed[iid] = f"pod {pod_of[iid]} is gone"
-                break
-            if p.model_service == svc and p.plan == name:
-                break  # bound by this plan already (e.g. before a restart)
-            if p.model_service is not None:
-                failed[iid] = f"pod {p.pod_name} is bound to {p.model_service}"
-                break
+    pool_ns, svc, key = _pool(rt, sp)
+    cur: PodView | None = p
+    for _ in range(3):
+        if cur is None:
+            return False
+        if cur.model_service == key and cur.plan == name:
+            return True
+        if cur.model_service is not None:
+            return False
+        try:
+            await rt.kube.patch_pod(pool_ns, cur.pod_name, bind_patch(cur, svc, role, name, _owner(sp, pool_ns),
+                                                                      ns if pool_ns != ns else None))
+            return True
+        except Conflict:
             try:
-                await rt.kube.patch_pod(ns, p.pod_name, bind_patch(p, svc, role, name))
-                break
-            except Conflict:
-                fresh = await rt.kube.list_pods(ns, L.POOL)
-                p = next((pod_view(x) for x in fresh if x["metadata"]["name"] == pod_of[iid]), None)
+                cur = pod_view(await rt.kube.get_pod(pool_ns, cur.pod_name))
             except NotFound:
-                p = None
-        else:
-            failed[iid] = f"pod {pod_of[iid]} kept changing while binding"
-    return failed
+                cur = None
+        except NotFound:
+            cur = None
+    return False
 
 
 async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | frozenset[str] = frozenset()
                            ) -> dict[str, str]:
     """Instruct every not-yet-instructed target (and, for transfer plans, the sources) exactly once;
-    `skip`: targets dropped from the plan (never bound again by it)."""
+    `skip`: targets dropped from the plan (never bound again by it). Returns the targets to drop now
+    (instance -> why: pod gone, bind refused, ...). A pod is labelled bound only after its engine
+    accepted the bind."""
     ns, name = sp["metadata"]["namespace"], sp["metadata"]["name"]
     spec, status = sp["spec"], sp.get("status") or {}
     done = rt.instructed.setdefault((ns, name), set())
     pending = [i for i in SP.to_instruct(spec, status) if i not in done and i not in skip]
     if not pending:
         return {}
-    pods = {p.pod_name: p for p in (pod_view(x) for x in await rt.kube.list_pods(ns, L.POOL))}
-    failed = await _bind_targets(rt, sp, pods, pending)
-    svc, role, plan = spec["modelServiceRef"]["name"], spec["role"], spec.get("plan") or {}
+    pool_ns, _, key = _pool(rt, sp)
+    pods = {p.pod_name: p for p in (pod_view(x) for x in await rt.kube.list_pods(pool_ns, L.POOL)
+                                    if not (x.get("metadata") or {}).get("deletionTimestamp"))}
+    role, plan = spec["role"], spec.get("plan") or {}
     model = (plan.get("model") or {}).get("name", "")
+    dtype = spec.get("dtype")
     by_inst = {p.instance: p for p in pods.values()}
+    pod_of = {t["instance"]: t.get("pod") or t["instance"] for t in spec["targets"]}
     peers = {i: ep for i, p in by_inst.items() if (ep := p.data_endpoint)}
     token = rt.engines.plan_secret(ns, name, str(sp["metadata"].get("uid", "")))  # never derivable from the CR
     local = spec["algorithm"] == "local"
+    drops: dict[str, str] = {}
     manifest = None
     if not local:
         for s in spec["sources"]:
@@ -152,49 +144,73 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
                     await rt.engines.load_plan(src.endpoint, plan, s["instance"], peers, token)
                 except EngineError as e:
                     if e.status != 409:  # 409: this source already runs the plan
-                        failed[s["instance"]] = str(e)
+                        log.warning("ScalePlan %s/%s: source %s: %s", ns, name, s["instance"], e)
                 done.add(s["instance"])
 
     host_path = {src.get("node"): src.get("path") for src in spec["sources"] if src.get("kind") == "host"}
     live_with = {t: s for s, t in plan.get("livePairs") or []}
+    retry: set[str] = set()
 
     async def one(iid: str) -> None:
-        p = by_inst.get(iid)
-        if p is None or not p.endpoint:
-            failed[iid] = f"target {iid} has no engine endpoint (annotation {L.ENDPOINT})"
+        p = pods.get(pod_of[iid])
+        if p is None:
+            drops[iid] = f"pod {pod_of[iid]} is gone"
+            return
+        if not p.endpoint:
+            drops[iid] = f"target {iid} has no engine endpoint (annotation {L.ENDPOINT})"
+            return
+        if p.model_service not in (None, key):
+            drops[iid] = f"pod {p.pod_name} is bound to {p.model_service}"
             return
         path = host_path.get(p.node) if local else None
         if local and not path:
-            failed[iid] = ("the first copy loads only from spec.model.source.path (a directory every engine pod "
-                           "mounts); pvc and uri sources are not loadable by the engine yet")
+            drops[iid] = "the first copy loads from spec.model.source (path, pvc or file:// uri); this plan names none"
             return
         try:
             st = await rt.engines.status(p.endpoint)
-            if st.get("modelService") == svc and st.get("phase") in ("loading", "live", "serving", "ready"):
-                return  # already instructed by an earlier incarnation of the operator
-            await rt.engines.bind(p.endpoint, model, svc, role, path)
-            if not local:
-                await rt.engines.load_plan(p.endpoint, plan, iid, peers, token, manifest)
+            again = st.get("modelService") == key and st.get("phase") in ("loading", "live", "serving", "ready")
+            if not again:  # else: instructed by an earlier incarnation of the operator
+                await rt.engines.bind(p.endpoint, model, key, role, path, dtype)
         except EngineError as e:
             if e.status is None:  # timed out or unreachable: retried next round; the driver drops the
                 retry.add(iid)    # target if its engine stays unreachable (UNREACHABLE_LIMIT_S)
                 log.warning("%s (will retry)", e)
             else:
-                failed[iid] = str(e)
+                drops[iid] = f"bind refused: {e}"
             return
+        if not await _label_bound(rt, sp, p, role):
+            drops[iid] = f"pod {p.pod_name} changed or went away while binding"
+            try:
+                await rt.engines.release(p.endpoint)
+            except EngineError as e:
+                log.warning("%s", e)
+            return
+        if not local and not again:
+            try:
+                await rt.engines.load_plan(p.endpoint, plan, iid, peers, token, manifest)
+            except EngineError as e:
+                if e.status is None:
+                    retry.add(iid)
+                    log.warning("%s (will retry)", e)
+                elif e.status != 409:
+                    drops[iid] = f"load plan refused: {e}"
+                if e.status != 409:
+                    return
         pair = by_inst.get(live_with.get(iid, ""))
         if pair is not None and pair.act_endpoint:
-            await _go_live(rt, ns, p, pair)
+            await _go_live(rt, pool_ns, p, pair)
 
-    retry: set[str] = set()
-    await asyncio.gather(*(one(i) for i in pending if i not in failed))
-    done.update(i for i in pending if i not in failed and i not in retry)
-    rows = [{"instance": t["instance"], "instructed": t["instance"] in done} for t in spec["targets"]]
-    await rt.kube.patch_scaleplan_status(ns, name, {"phase": "Failed" if failed else "Transferring",
+    await asyncio.gather(*(one(i) for i in pending))
+    done.update(i for i in pending if i not in drops and i not in retry)
+    failed = {t["instance"]: t["failed"] for t in status.get("targets") or [] if t.get("failed")}
+    failed.update({i: why for i, why in drops.items() if i not in skip})
+    rows = [{"instance": t["instance"], "instructed": t["instance"] in done,
+             **({"failed": failed[t["instance"]][:500]} if t["instance"] in failed else {})} for t in spec["targets"]]
+    await rt.kube.patch_scaleplan_status(ns, name, {"phase": status.get("phase") or "Transferring",
+                                                    "observedGeneration": sp["metadata"].get("generation"),
                                                     "startTime": status.get("startTime") or now_iso(),
-                                                    "targets": rows, **({"message": "; ".join(
-                                                        f"{k}: {v}" for k, v in failed.items())[:2000]} if failed else {})})
-    return failed
+                                                    "targets": rows})
+    return drops
 
 
 async def _go_live(rt: Runtime, ns: str, target: PodView, pair: PodView) -> None:
@@ -212,14 +228,22 @@ async def _go_live(rt: Runtime, ns: str, target: PodView, pair: PodView) -> None
 async def start(rt: Runtime, sp: dict[str, Any], decided_at: float) -> None:
     ns, name = sp["metadata"]["namespace"], sp["metadata"]["name"]
     async with rt.lock(ns, name):
-        await instruct_pending(rt, sp)
+        drops = await instruct_pending(rt, sp)
     rt.metrics.instruct.observe(time.perf_counter() - decided_at)
+    for iid, why in drops.items():  # nothing was labelled for these; the driver sees them in the status
+        await _drop(rt, sp, None, f"{iid}: {why}", unreachable=False)
 
 
 async def drive(rt: Runtime, sp: dict[str, Any], stopped: Any) -> None:
+    """Follow one plan to its end. Every target loss drops the target and unbinds it: its pod deleted,
+    its engine unreachable for UNREACHABLE_LIMIT_S or reporting a load error, its bind refused. The
+    others go on; the plan fails only when no target is left, and the reconciler plans replacements."""
     ns, name = sp["metadata"]["namespace"], sp["metadata"]["name"]
+    pool_ns, _, key = _pool(rt, sp)
     throttle = SP.Throttle(rt.settings.status_write_interval_seconds)
-    started, unreachable_since, dropped = time.monotonic(), dict[str, float](), dict[str, str]()
+    started, unreachable_since = time.monotonic(), dict[str, float]()
+    # drops survive a restart: they are in the status
+    dropped = {t["instance"]: t["failed"] for t in (sp.get("status") or {}).get("targets") or [] if t.get("failed")}
     while not stopped:
         # the plan and its pods come from the watch-fed indexes: hundreds of plans in flight must not
         # each GET and LIST on the API server five times a second
@@ -232,105 +256,138 @@ async def drive(rt: Runtime, sp: dict[str, Any], stopped: Any) -> None:
         sp = cur
         if (sp.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
             return
-        async with rt.lock(ns, name):
-            failed = await instruct_pending(rt, sp, set(dropped))
-        if failed:
-            await _finish(rt, sp, "Failed", failed, started)
-            return
         spec = sp["spec"]
-        svc = spec["modelServiceRef"]["name"]
-        pods = {p.instance: p for p in (pod_view(x) for x in await rt.pool_pods(ns))
-                if p.model_service == svc}
+        for t in (sp.get("status") or {}).get("targets") or []:  # e.g. dropped by the fast path (start)
+            if t.get("failed"):
+                dropped.setdefault(t["instance"], t["failed"])
+        by_inst = {p.instance: p for p in (pod_view(x) for x in await rt.pool_pods(pool_ns)
+                                           if not (x.get("metadata") or {}).get("deletionTimestamp"))}
+        async with rt.lock(ns, name):
+            newly = await instruct_pending(rt, sp, set(dropped))
+        done = rt.instructed.get((ns, name), set())
+        lost = dict(newly)
+        for t in spec["targets"]:
+            iid = t["instance"]
+            if iid not in by_inst and iid not in dropped and iid not in lost and iid in done:
+                lost[iid] = f"pod {t.get('pod') or iid} was deleted"
         statuses: dict[str, dict[str, Any] | None] = {}
         for t in spec["targets"]:
-            p = pods.get(t["instance"])
+            iid = t["instance"]
+            p = by_inst.get(iid)
+            if iid in dropped or iid in lost or p is None or p.model_service != key:
+                statuses[iid] = None
+                continue
             try:
-                statuses[t["instance"]] = await rt.engines.status(p.endpoint) if p and p.endpoint else None
-                unreachable_since.pop(t["instance"], None)
+                statuses[iid] = await rt.engines.status(p.endpoint) if p.endpoint else None
+                unreachable_since.pop(iid, None)
             except EngineError:
-                statuses[t["instance"]] = None
-                unreachable_since.setdefault(t["instance"], time.monotonic())
-        dead = {i: f"engine unreachable for {UNREACHABLE_LIMIT_S:.0f} s" for i, t0 in unreachable_since.items()
-                if time.monotonic() - t0 > UNREACHABLE_LIMIT_S}
-        dead.update({i: f"load error: {s['loadError']}" for i, s in statuses.items() if s and s.get("loadError")})
-        for iid in sorted(dead.keys() - dropped.keys()):
-            dropped[iid] = dead[iid]
-            await _drop(rt, sp, pods.get(iid), dead[iid], unreachable=iid in unreachable_since)
-        done = rt.instructed.get((ns, name), set())
+                statuses[iid] = None
+                unreachable_since.setdefault(iid, time.monotonic())
+        for iid, t0 in unreachable_since.items():
+            if time.monotonic() - t0 > UNREACHABLE_LIMIT_S and iid not in dropped:
+                lost.setdefault(iid, f"engine unreachable for {UNREACHABLE_LIMIT_S:.0f} s")
+        for iid, st in statuses.items():
+            if st and st.get("loadError") and iid not in dropped:
+                lost.setdefault(iid, f"load error: {st['loadError']}")
+            elif st and st.get("modelService") not in (None, key) and iid not in dropped:
+                lost.setdefault(iid, f"engine is bound to {st.get('modelService')}")
+        for iid in sorted(lost.keys() - dropped.keys()):
+            dropped[iid] = lost[iid]
+            await _drop(rt, sp, by_inst.get(iid), lost[iid], unreachable=iid in unreachable_since)
         st = SP.progress(spec, statuses, done, dropped, started, time.monotonic())
+        st["observedGeneration"] = sp["metadata"].get("generation")
+        st["conditions"] = keep_transition_times(plan_conditions(st["phase"], st.get("message", ""),
+                                                                 st["observedGeneration"]),
+                                                 (sp.get("status") or {}).get("conditions") or [])
         if st["phase"] in ("Succeeded", "Failed"):
-            await _finish(rt, sp, st["phase"], dropped, started, st, pods)
+            await _finish(rt, sp, st["phase"], dropped, started, st, by_inst)
             return
-        if throttle.should_write(st["phase"]):
+        if throttle.should_write(st["phase"]) or lost:
             await rt.kube.patch_scaleplan_status(ns, name, st)
         await asyncio.sleep(POLL_S)
 
 
 async def _drop(rt: Runtime, sp: dict[str, Any], p: PodView | None, reason: str, unreachable: bool) -> None:
-    """Take a dead or failed target out of its plan: the others go on (their chains re-fetch from a
-    fallback source); its pod leaves the service, marked unhealthy if its engine is gone, so the
-    reconciler plans a replacement on another pod."""
+    """Take a lost target out of its plan: the others go on (their chains re-fetch from a fallback
+    source). Its engine is released when reachable; its pod, if this plan labelled it, leaves the
+    service (marked unhealthy when its engine is gone, so it is never chosen again); the reconciler
+    plans a replacement."""
     ns, name = sp["metadata"]["namespace"], sp["metadata"]["name"]
-    if p is None:
-        return
-    log.warning("ScalePlan %s/%s: dropping target %s (%s)", ns, name, p.pod_name, reason)
-    if not unreachable and p.endpoint:
-        try:
-            await rt.engines.release(p.endpoint)  # reachable but failed: it can go back to the pool
-        except EngineError as e:
-            log.warning("%s", e)
-    try:
-        await rt.kube.patch_pod(ns, p.pod_name, unbind_patch(p, reason if unreachable else None))
-    except (Conflict, NotFound) as e:
-        log.warning("unbinding %s: %s", p.pod_name, e)
-    owner = {"metadata": {"name": sp["spec"]["modelServiceRef"]["name"],
+    pool_ns, svc, key = _pool(rt, sp)
+    log.warning("ScalePlan %s/%s: dropping target %s (%s)", ns, name, p.pod_name if p else "?", reason)
+    if p is not None:
+        if not unreachable and p.endpoint:
+            try:
+                st = await rt.engines.status(p.endpoint)
+                if st.get("modelService") == key:
+                    await rt.engines.release(p.endpoint)  # reachable but failed: it can go back to the pool
+            except EngineError as e:
+                log.warning("%s", e)
+        if p.model_service == key and p.plan == name:
+            try:
+                await rt.kube.patch_pod(pool_ns, p.pod_name, unbind_patch(p, reason if unreachable else None))
+            except (Conflict, NotFound) as e:
+                log.warning("unbinding %s: %s", p.pod_name, e)
+    owner = {"metadata": {"name": svc,
                           "uid": next((o["uid"] for o in sp["metadata"].get("ownerReferences") or []), None)}}
-    await rt.kube.event(ns, owner, "ModelService", "Warning", "TargetDropped",
-                        f"ScalePlan {name}: target {p.pod_name} dropped ({reason}); a new plan will replace it")
+    await rt.event(ns, owner, "ModelService", "Warning", "TargetDropped",
+                   f"ScalePlan {name}: target {p.pod_name if p else '?'} dropped ({reason}); a new plan will replace it")
 
 
 async def _finish(rt: Runtime, sp: dict[str, Any], phase: str, failed: dict[str, str], started: float,
-                  st: dict[str, Any] | None = None, pods: dict[str, PodView] | None = None) -> None:
+                  st: dict[str, Any], pods: dict[str, PodView]) -> None:
     ns, name = sp["metadata"]["namespace"], sp["metadata"]["name"]
-    status = dict(st or {"phase": phase, "message": "; ".join(f"{k}: {v}" for k, v in failed.items())[:2000]})
+    pool_ns, svc, key = _pool(rt, sp)
+    status = dict(st)
     status["completionTime"] = now_iso()
     if phase == "Succeeded":
-        for p in (pods or {}).values():
-            if p.plan == name:
+        for p in pods.values():
+            if p.plan == name and p.model_service == key:
                 try:
-                    await rt.kube.patch_pod(ns, p.pod_name, {"metadata": {"annotations": {L.LOADED: "true",
-                                                                                          L.LIVE: None}}})
+                    await rt.kube.patch_pod(pool_ns, p.pod_name, {"metadata": {"annotations": {L.LOADED: "true",
+                                                                                               L.LIVE: None}}})
                 except (Conflict, NotFound) as e:
                     log.warning("marking %s loaded: %s", p.pod_name, e)
     if phase == "Failed":
         # fail cleanly: targets this plan bound and that are not serving go back to the pool
-        if pods is None:
-            svc = sp["spec"]["modelServiceRef"]["name"]
-            pods = {p.instance: p for p in (pod_view(x) for x in await rt.kube.list_pods(ns, f"{L.MODEL_SERVICE}={svc}"))}
         for p in pods.values():
-            if p.plan == name and not p.ready and p.instance not in failed:
+            if p.plan == name and p.model_service == key and not p.ready and p.instance not in failed:
                 await _drop(rt, sp, p, "its ScalePlan failed", unreachable=False)
     await rt.kube.patch_scaleplan_status(ns, name, status)
     rt.metrics.plan_duration.labels(phase).observe(time.monotonic() - started)
-    owner = {"metadata": {"name": sp["spec"]["modelServiceRef"]["name"],
+    owner = {"metadata": {"name": svc,
                           "uid": next((o["uid"] for o in sp["metadata"].get("ownerReferences") or []), None)}}
-    await rt.kube.event(ns, owner, "ModelService", "Normal" if phase == "Succeeded" else "Warning",
-                        f"ScalePlan{phase}", f"ScalePlan {name}: {status.get('targetsReady', '')} "
-                        f"{status.get('message', '')}".strip())
+    await rt.event(ns, owner, "ModelService", "Normal" if phase == "Succeeded" else "Warning",
+                   f"ScalePlan{phase}", f"ScalePlan {name}: {status.get('targetsReady', '')} "
+                   f"{status.get('message', '')}".strip())
 
 
 async def release_all(rt: Runtime, body: dict[str, Any]) -> None:
-    """On ModelService deletion: drain, release and unbind every bound pod (best effort per pod)."""
+    """On ModelService deletion: drain, release and unbind every bound pool pod (it goes back to the
+    pool, without the service's ownerReference); delete the fallback pods created for the service and
+    its ScalePlans (the garbage collector would too, through their ownerReferences, but only within one
+    namespace and only where kube-controller-manager runs)."""
     ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
-    for raw in await rt.kube.list_pods(ns, f"{L.MODEL_SERVICE}={name}"):
+    pool_ns = rt.pool_namespace(ns)
+    key = service_key(ns, name, pool_ns)
+    for raw in await rt.kube.list_pods(pool_ns, L.POOL):
         p = pod_view(raw)
-        if p.endpoint:
-            for call in (rt.engines.drain, rt.engines.release):
+        if p.model_service == key:
+            if p.endpoint:
+                for call in (rt.engines.drain, rt.engines.release):
+                    try:
+                        await call(p.endpoint)
+                    except EngineError as e:
+                        log.warning("%s", e)
+            if p.created_for != key:
                 try:
-                    await call(p.endpoint)
-                except EngineError as e:
-                    log.warning("%s", e)
-        try:
-            await rt.kube.patch_pod(ns, p.pod_name, unbind_patch(p))
-        except (Conflict, NotFound) as e:
-            log.warning("unbinding %s: %s", p.pod_name, e)
+                    await rt.kube.patch_pod(pool_ns, p.pod_name, unbind_patch(p))
+                except (Conflict, NotFound) as e:
+                    log.warning("unbinding %s: %s", p.pod_name, e)
+        if p.created_for == key:
+            with contextlib.suppress(NotFound):
+                await rt.kube.delete_pod(pool_ns, p.pod_name)
+    for sp in await rt.kube.list_scaleplans(ns):
+        if (sp.get("spec") or {}).get("modelServiceRef", {}).get("name") == name:
+            with contextlib.suppress(NotFound):
+                await rt.kube.delete_scaleplan(ns, sp["metadata"]["name"])

@@ -35,6 +35,17 @@ class PodView:
     leaf: str | None = None  # the node's leaf label (filled in when the node is known)
     unhealthy: str | None = None  # why the operator dropped this engine from a plan (unreachable)
     act_endpoint: str | None = None  # where the engine finishes split requests of a live-paired target
+    model: str | None = None  # the model its engine serves (annotation kascade.io/model); None: any model
+    created_for: str | None = None  # service key a fallback pod was created for (only that service binds it)
+    pod_ready: bool = True  # the pod's Ready condition (its engine answers /healthz)
+    unschedulable: bool = False  # the scheduler found no node for it (PodScheduled False, Unschedulable)
+    namespace: str = ""
+
+
+def service_key(namespace: str, name: str, pool_namespace: str) -> str:
+    """How pods name the service they serve: its name when the pool lives in the service's namespace,
+    "namespace/name" when the pool lives elsewhere (two namespaces may both have a service `chat`)."""
+    return name if namespace == pool_namespace else f"{namespace}/{name}"
 
 
 def _addresses(pod: Mapping[str, Any]) -> dict[str, str]:
@@ -54,15 +65,28 @@ def pod_view(pod: Mapping[str, Any], node_leaf: Mapping[str, str] | None = None)
     lab, ann = meta.get("labels") or {}, {**_addresses(pod), **(meta.get("annotations") or {})}
     conds = (pod.get("status") or {}).get("conditions") or []
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+    unschedulable = any(c.get("type") == "PodScheduled" and c.get("status") == "False"
+                        and c.get("reason") == "Unschedulable" for c in conds)
     node = (pod.get("spec") or {}).get("nodeName")
+    ns = str(meta.get("namespace") or "")
+    svc, svc_ns = lab.get(L.MODEL_SERVICE), ann.get(L.SERVICE_NS)
+    if svc is not None and svc_ns and svc_ns != ns:
+        svc = f"{svc_ns}/{svc}"
     return PodView(
         pod_name=str(meta.get("name")), node=node, resource_version=str(meta.get("resourceVersion", "")),
-        pool=lab.get(L.POOL) in (L.POOL_WARM, L.POOL_BOUND), model_service=lab.get(L.MODEL_SERVICE), role=lab.get(L.ROLE),
+        pool=lab.get(L.POOL) in (L.POOL_WARM, L.POOL_BOUND), model_service=svc, role=lab.get(L.ROLE),
         ready=ready and ann.get(L.LOADED) == "true", draining=L.DRAINING in ann,
         drained=ann.get(L.DRAINING + "-done") == "true", endpoint=ann.get(L.ENDPOINT),
         data_endpoint=ann.get(L.DATA_ENDPOINT), instance=ann.get(L.INSTANCE) or str(meta.get("name")),
         plan=ann.get(L.PLAN), leaf=(node_leaf or {}).get(node or ""), unhealthy=ann.get(L.UNHEALTHY),
-        act_endpoint=ann.get(L.ACT_ENDPOINT))
+        act_endpoint=ann.get(L.ACT_ENDPOINT), model=ann.get(L.MODEL), created_for=ann.get(L.CREATED_FOR),
+        pod_ready=ready, unschedulable=unschedulable, namespace=ns)
+
+
+def can_serve(p: PodView, model: str, service: str) -> bool:
+    """An idle pool pod this service may bind: its engine serves this model (or any), and it was not
+    created as a fallback for another service."""
+    return (p.model is None or p.model == model) and (p.created_for is None or p.created_for == service)
 
 
 def choose_targets(idle: Sequence[PodView], k: int, source_leaves: Collection[str | None]) -> list[PodView]:
@@ -72,9 +96,14 @@ def choose_targets(idle: Sequence[PodView], k: int, source_leaves: Collection[st
     if k <= 0:
         return []
     leaves = set(source_leaves) - {None}
-    usable = [p for p in idle if p.node and p.endpoint and not p.unhealthy]
+    usable = [p for p in idle if usable_target(p)]
     usable.sort(key=lambda p: (p.leaf not in leaves, p.leaf or "", p.node or "", p.pod_name))
     return usable[:k]
+
+
+def usable_target(p: PodView) -> bool:
+    """Scheduled, Ready, reachable and never dropped as unhealthy."""
+    return bool(p.node and p.endpoint and p.pod_ready and not p.unhealthy)
 
 
 def choose_drain(serving: Sequence[PodView], k: int, keep_last: bool = True) -> list[PodView]:
@@ -94,13 +123,28 @@ def choose_drain(serving: Sequence[PodView], k: int, keep_last: bool = True) -> 
     return out
 
 
-def bind_patch(p: PodView, model_service: str, role: str, plan: str) -> dict[str, Any]:
-    """Merge patch binding an idle pod; the resourceVersion makes it fail (409) if the pod changed."""
+def bind_patch(p: PodView, model_service: str, role: str, plan: str, owner: Mapping[str, Any] | None = None,
+               service_namespace: str | None = None) -> dict[str, Any]:
+    """Merge patch binding an idle pod (written once its engine accepted the bind); the resourceVersion
+    makes it fail (409) if the pod changed. `owner`: the ModelService's controller ownerReference (same
+    namespace only); it replaces the pool ReplicaSet's, which lets go of the pod anyway once the
+    `kascade.io/pool` label no longer matches its selector. `model_service` is the plain name (a label
+    value); `service_namespace` is set when the pool lives in another namespace."""
     if p.model_service is not None:
         raise ValueError(f"pod {p.pod_name} is already bound to {p.model_service}")
-    return {"metadata": {"resourceVersion": p.resource_version,
-                         "labels": {L.MODEL_SERVICE: model_service, L.ROLE: role, L.POOL: L.POOL_BOUND},
-                         "annotations": {L.PLAN: plan}}}
+    meta: dict[str, Any] = {"resourceVersion": p.resource_version,
+                            "labels": {L.MODEL_SERVICE: model_service, L.ROLE: role, L.POOL: L.POOL_BOUND},
+                            "annotations": {L.PLAN: plan, **({L.SERVICE_NS: service_namespace}
+                                                             if service_namespace else {})}}
+    if owner is not None:
+        meta["ownerReferences"] = [dict(owner)]
+    return {"metadata": meta}
+
+
+def owner_ref(service: Mapping[str, Any]) -> dict[str, Any]:
+    """A controller ownerReference to a ModelService (its metadata: name, uid)."""
+    return {"apiVersion": "kascade.io/v1alpha1", "kind": "ModelService", "name": service["name"],
+            "uid": service["uid"], "controller": True, "blockOwnerDeletion": True}
 
 
 def drain_patch(p: PodView, now_iso: str) -> dict[str, Any]:
@@ -113,9 +157,14 @@ def drained_patch(p: PodView) -> dict[str, Any]:
 
 def unbind_patch(p: PodView, unhealthy: str | None = None) -> dict[str, Any]:
     """Return a drained pod to the pool (merge patch: null deletes the key); with `unhealthy`, a dead
-    engine's pod leaves its service and is marked so it is never chosen as a target again."""
-    return {"metadata": {"resourceVersion": p.resource_version,
-                         "labels": {L.MODEL_SERVICE: None, L.ROLE: None, L.POOL: L.POOL_WARM},
-                         "annotations": {L.PLAN: None, L.LOADED: None, L.LIVE: None, L.DRAINING: None,
-                                         L.DRAINING + "-done": None,
-                                         **({L.UNHEALTHY: unhealthy[:200]} if unhealthy else {})}}}
+    engine's pod leaves its service and is marked so it is never chosen as a target again. A pool pod
+    loses the service's ownerReference (the pool ReplicaSet may adopt it again); a fallback pod created
+    for the service keeps it (it is the service's, and goes with it)."""
+    meta: dict[str, Any] = {"resourceVersion": p.resource_version,
+                            "labels": {L.MODEL_SERVICE: None, L.ROLE: None, L.POOL: L.POOL_WARM},
+                            "annotations": {L.PLAN: None, L.LOADED: None, L.LIVE: None, L.DRAINING: None,
+                                            L.DRAINING + "-done": None, L.SERVICE_NS: None,
+                                            **({L.UNHEALTHY: unhealthy[:200]} if unhealthy else {})}}
+    if p.created_for is None:
+        meta["ownerReferences"] = None
+    return {"metadata": meta}

@@ -5,6 +5,11 @@ status) -> handlers apply the actions through kube.py / the engine client. Level
 idempotent: the same observation always yields the same actions, and applying them moves the
 observation toward a fixed point where `reconcile()` returns no actions. While a ScalePlan of the
 service is not finished, no new plan is made for that role (one writer per role at a time).
+
+Expectations: when the warm pool is short, fallback pods are created once. Pods created for this
+service and not yet usable (not scheduled, not Ready) and pods created but not yet seen by the watch
+(`expected`) count against the deficit, so a pool with no free GPU gets exactly the missing pods once,
+not a storm; when the scheduler reports them Unschedulable the result says `exhausted`.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kascade_operator.api import ModelServiceSpec, RoleReplicas
-from kascade_operator.pool import PodView, choose_drain, choose_targets
+from kascade_operator.pool import PodView, can_serve, choose_drain, choose_targets, usable_target
 
 TERMINAL = ("Succeeded", "Failed")
 
@@ -67,6 +72,31 @@ class Result:
     progressing: bool
     available: bool
     notes: tuple[str, ...] = field(default=())
+    short: int = 0  # replicas the warm pool could not cover this round
+    coming: int = 0  # fallback pods created for this service and not usable yet (incl. `expected`)
+    exhausted: bool = False  # some of them the scheduler cannot place (no free GPU)
+
+
+def role_want(spec: ModelServiceSpec, role: str, bounds: RoleReplicas) -> int | None:
+    """The scale subresource's (or a per-role) desired count, when one is set: while it is set it is
+    the one writer of that role's count and the policy stays off for the role."""
+    if bounds.desired is not None:
+        return bounds.desired
+    total = spec.replicas.desired
+    if total is None:
+        return None
+    if role == "colocated":
+        return total
+    # disaggregated: the scale subresource sets the total; a role without its own desired count gets
+    # the total minus the other role's set count, else a share proportional to the roles' max
+    r = spec.replicas
+    assert r.prefill is not None and r.decode is not None
+    other = r.decode if role == "prefill" else r.prefill
+    if other.desired is not None:
+        return max(bounds.min, min(bounds.max, total - other.desired))
+    share = round(total * bounds.max / (r.prefill.max + r.decode.max)) if role == "prefill" else \
+        total - round(total * r.prefill.max / (r.prefill.max + r.decode.max))
+    return max(bounds.min, min(bounds.max, share))
 
 
 def role_bounds(spec: ModelServiceSpec) -> dict[str, RoleReplicas]:
@@ -80,17 +110,24 @@ def role_bounds(spec: ModelServiceSpec) -> dict[str, RoleReplicas]:
 
 def reconcile(name: str, spec: ModelServiceSpec, pods: Sequence[PodView], plans: Sequence[PlanView],
               desired: Mapping[str, int] | None = None, reason: str = "", unavailable: Collection[str] = (),
-              release_last: Collection[str] = ()) -> Result:
-    """`desired`: the policy's wish per role (missing role -> spec min, or replicas.desired in colocated
-    mode); it is clamped to the role's min..max here, so a bad policy output can never break bounds.
-    `unavailable`: idle-looking pods that other services' plans have already taken (their bindings may
-    not be visible yet); never chosen as targets. `release_last`: roles whose last ready copy may be drained
-    (min 0 and idle: scale to zero)."""
+              expected: int = 0, release_last: Collection[str] = ()) -> Result:
+    """`name`: the service key pods carry (pool.service_key). `desired`: the policy's wish per role
+    (missing role -> the role's set desired count, else its min); it is clamped to the role's min..max
+    here, so a bad policy output can never break bounds. `unavailable`: idle-looking pods that other
+    services' plans have already taken (their bindings may not be visible yet); never chosen as
+    targets. `expected`: fallback pods created for this service that the watch has not shown yet.
+    `release_last`: roles whose last ready copy may be drained (min 0 and idle: scale to zero)."""
     actions: list[Action] = []
     roles: dict[str, RoleCount] = {}
     notes: list[str] = []
     active = [p for p in plans if p.phase not in TERMINAL]
-    idle = [p for p in pods if p.model_service is None and p.pool and not p.draining]
+    idle = [p for p in pods if p.model_service is None and p.pool and not p.draining
+            and can_serve(p, spec.model.name, name)]
+    # created for us, not usable yet: they will be, and count against the deficit (expectations)
+    pending = [p for p in idle if p.created_for == name and not usable_target(p) and not p.unhealthy]
+    coming = len(pending) + max(0, expected)
+    exhausted = any(p.unschedulable for p in pending)
+    short_total = 0
     taken: set[str] = {t for p in active for t in p.targets} | set(unavailable)
     progressing = bool(active)
     for role, bounds in role_bounds(spec).items():
@@ -99,7 +136,8 @@ def reconcile(name: str, spec: ModelServiceSpec, pods: Sequence[PodView], plans:
         ready = [p for p in serving if p.ready]
         want = (desired or {}).get(role)
         if want is None:
-            want = spec.replicas.desired if (role == "colocated" and spec.replicas.desired is not None) else bounds.min
+            fixed = role_want(spec, role, bounds)
+            want = fixed if fixed is not None else bounds.min
         want = max(bounds.min, min(bounds.max, want))
         roles[role] = RoleCount(want, len(ready), len(serving) - len(ready))
         for p in mine:
@@ -110,6 +148,9 @@ def reconcile(name: str, spec: ModelServiceSpec, pods: Sequence[PodView], plans:
         if len(serving) < want:
             need = want - len(serving)
             free = [p for p in idle if p.pod_name not in taken]
+            if not ready and spec.model.source.pvc is not None:
+                # the first copy of a pvc source loads where the claim is mounted: a pod created for it
+                free = [p for p in free if p.created_for == name]
             targets = choose_targets(free, need, {p.leaf for p in ready})
             taken.update(t.pod_name for t in targets)
             if targets:
@@ -118,8 +159,14 @@ def reconcile(name: str, spec: ModelServiceSpec, pods: Sequence[PodView], plans:
                                           reason or f"{role}: {len(serving)} -> {want} replicas"))
                 progressing = True
             if len(targets) < need:
-                actions.append(CreatePods(role, need - len(targets)))
-                notes.append(f"warm pool short by {need - len(targets)} pod(s) for {role}")
+                short = need - len(targets)
+                short_total += short
+                create = max(0, short - coming)
+                coming = max(0, coming - short)
+                if create:
+                    actions.append(CreatePods(role, create))
+                notes.append(f"warm pool short by {short} pod(s) for {role}"
+                             + (f"; creating {create}" if create else "; waiting for the pods created for it"))
                 progressing = True
         elif len(serving) > want:
             # never drain the last ready copy: choose_drain keeps at least one ready pod
@@ -127,4 +174,5 @@ def reconcile(name: str, spec: ModelServiceSpec, pods: Sequence[PodView], plans:
                 actions.append(Drain(p.pod_name))
                 progressing = True
     available = all(r.desired == 0 or r.ready >= 1 for r in roles.values())
-    return Result(tuple(actions), roles, progressing, available, tuple(notes))
+    return Result(tuple(actions), roles, progressing, available, tuple(notes), short_total,
+                  len(pending) + max(0, expected), exhausted)

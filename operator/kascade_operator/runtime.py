@@ -29,6 +29,8 @@ from kascade_operator.validation import max_gpus
 
 ALL = "*"  # the node index's one key
 RESERVE_S = 30.0  # a claim outlives any bind that is going to happen
+EXPECT_S = 60.0  # a created pod the watch has not shown after this long is no longer expected
+EVENT_BURST, EVENT_REFILL_S = 3, 30.0  # Events per (object, reason): a burst of 3, then one per 30 s
 NODE_CACHE_S = 2.0  # without the node index: node labels change rarely; listing 2,000 nodes each time would dominate
 
 
@@ -42,6 +44,7 @@ class Runtime:
     metrics: OperatorMetrics
     below_since: dict[tuple[str, str, str], float | None] = field(default_factory=dict)
     invalid_seen: dict[tuple[str, str], int] = field(default_factory=dict)  # (ns, name) -> generation reported
+    last_round: dict[tuple[str, str], float] = field(default_factory=dict)  # (ns, name) -> monotonic time
     plan_locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
     instructed: dict[tuple[str, str], set[str]] = field(default_factory=dict)  # this process's record
     _nodes: list[dict[str, Any]] = field(default_factory=list)
@@ -50,6 +53,9 @@ class Runtime:
     _facts_t: float = -1e9
     _views: dict[tuple[str, str, str | None], PodView] = field(default_factory=dict)
     _reserved: dict[tuple[str, str], float] = field(default_factory=dict)  # (ns, pod) -> when claimed
+    _expected: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)  # (pool ns, key) -> pod -> t
+    _event_tokens: dict[tuple[str, str, str, str], tuple[float, float]] = field(default_factory=dict)
+    events_suppressed: int = 0
     # kopf indexes (Mapping[key, Store]): pool pods and ScalePlans by namespace, nodes under ALL
     pod_index: Mapping[Any, Any] | None = None
     plan_index: Mapping[Any, Any] | None = None
@@ -106,6 +112,11 @@ class Runtime:
         for p in pods:
             self._reserved[(ns, p)] = now
 
+    def unreserve(self, ns: str, pods: Iterable[str]) -> None:
+        """Give back claims of a plan that was never created."""
+        for p in pods:
+            self._reserved.pop((ns, p), None)
+
     def reserved(self, ns: str) -> set[str]:
         """Pods claimed less than RESERVE_S ago. Claims expire by age only: a round that saw the pod bound
         must not free it for a round still holding an older view."""
@@ -113,6 +124,41 @@ class Runtime:
         for key in [k for k, t in self._reserved.items() if now - t > RESERVE_S]:
             del self._reserved[key]
         return {p for (n, p) in self._reserved if n == ns}
+
+    def pool_namespace(self, ns: str) -> str:
+        """Where the warm pool of a service in `ns` lives (setting; default: the service's namespace)."""
+        return self.settings.pool_namespace or ns
+
+    def expect(self, pool_ns: str, key: str, pods: Iterable[str]) -> None:
+        """Fallback pods just created for service `key`: counted until the watch shows them."""
+        now = time.monotonic()
+        self._expected.setdefault((pool_ns, key), {}).update({p: now for p in pods})
+
+    def expected(self, pool_ns: str, key: str, seen: Iterable[str]) -> int:
+        """Pods created for `key` that the pod index does not hold yet (a created pod is counted once:
+        here until seen, then as a pending pod of the pool)."""
+        exp = self._expected.get((pool_ns, key))
+        if not exp:
+            return 0
+        now, seen_set = time.monotonic(), set(seen)
+        for pod in [p for p, t in exp.items() if p in seen_set or now - t > EXPECT_S]:
+            del exp[pod]
+        return len(exp)
+
+    async def event(self, ns: str, obj: dict[str, Any], kind: str, etype: str, reason: str, message: str) -> bool:
+        """Post an Event unless (object, reason) used up its budget (a burst, then one per refill
+        period): a condition that holds for minutes must not write an Event every round."""
+        key = (ns, kind, str((obj.get("metadata") or {}).get("name")), reason)
+        now = time.monotonic()
+        tokens, t = self._event_tokens.get(key, (float(EVENT_BURST), now))
+        tokens = min(float(EVENT_BURST), tokens + (now - t) / EVENT_REFILL_S)
+        if tokens < 1.0:
+            self._event_tokens[key] = (tokens, now)
+            self.events_suppressed += 1
+            return False
+        self._event_tokens[key] = (tokens - 1.0, now)
+        await self.kube.event(ns, obj, kind, etype, reason, message)
+        return True
 
     async def pool_pods(self, ns: str) -> list[dict[str, Any]]:
         """Every warm-pool pod of the namespace, idle or bound."""
@@ -124,6 +170,10 @@ class Runtime:
         if self.plan_index is not None:
             return list(self.plan_index.get(ns, ()))
         return await self.kube.list_scaleplans(ns)
+
+    def plan_namespaces(self) -> list[str]:
+        """Namespaces holding ScalePlans (from the index; empty without it)."""
+        return [k for k in (self.plan_index or {}) if isinstance(k, str)]
 
     async def seen_plan(self, ns: str, name: str, timeout_s: float = 2.0) -> bool:
         """Wait until a ScalePlan this process created is in the index (read your own write), so the

@@ -65,9 +65,11 @@ def build(action: CreatePlan, pods: Mapping[str, PodView], nodes: Sequence[Mappi
     return Built(plan, by_id)
 
 
-def spec_dict(b: Built, model_service: str, role: str, reason: str, source_path: str | None = None) -> dict[str, Any]:
+def spec_dict(b: Built, model_service: str, role: str, reason: str, source_path: str | None = None,
+              dtype: str | None = None) -> dict[str, Any]:
     """The ScalePlan spec (camelCase, as the CRD declares it). Host sources (the first copy, read on the
-    target's own node) carry `source_path`, the ModelService's `spec.model.source.path`."""
+    target's own node) carry `source_path`, the directory the ModelService's source names; `dtype` (the
+    service's spec.model.dtype) goes to every target with its bind."""
     p, pods = b.plan, b.pods
     pred = dict(p.predicted)
 
@@ -88,6 +90,8 @@ def spec_dict(b: Built, model_service: str, role: str, reason: str, source_path:
         "blockOrder": list(p.model.block_ids),
         "plan": p.to_dict(),
     }
+    if dtype:
+        spec["dtype"] = dtype
     chains = [list(c) for c in p.chains if len(c) >= 2]
     if chains:
         spec["chains"] = chains

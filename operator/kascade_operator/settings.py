@@ -39,12 +39,38 @@ class OperatorSettings(BaseSettings):
     router_url: str | None = Field(default=None, pattern=r"^https?://",
                                    description="the router's base URL (in-cluster Service): ModelService status.url "
                                                "and demand per model when no engine exists (scale from zero)")
+    pool_namespace: str = Field(default="", description="namespace of the warm pool (and fallback pods) for "
+                                "every ModelService; empty = each service's own namespace")
+    allowed_host_path_roots: list[str] = Field(default_factory=list, description="directories under which a "
+                                               "ModelService's spec.model.source.path may be mounted as a hostPath "
+                                               "into a fallback pod; empty = none")
+    engine_image: str = Field(default="", description="the installation's engine image (always allowed)")
+    allowed_images: list[str] = Field(default_factory=list, description="more images a ModelService's "
+                                      "spec.engine.image may name; an entry ending in '*' is a prefix")
+    leader_election: bool = Field(default=False, description="take part in leader election on a Lease; only the "
+                                  "leader reconciles")
+    lease_name: str = "kascade-operator"
+    lease_namespace: str = Field(default="", description="namespace of the Lease (default: the pod's namespace "
+                                 "from POD_NAMESPACE, else 'default')")
+    lease_duration_seconds: float = Field(default=15.0, ge=2, le=300, description="whole seconds (the Lease's unit)")
+    lease_renew_deadline_seconds: float = Field(default=10.0, gt=1, le=300)
+    lease_retry_seconds: float = Field(default=2.0, ge=1, le=60)
+    identity: str = Field(default="", description="this replica's name in the Lease (default: hostname + pid)")
 
     @model_validator(mode="after")
     def _prometheus_needs_url(self) -> OperatorSettings:
         if self.metrics_source == "prometheus" and not self.prometheus_url:
             raise ValueError("KASCADE_OPERATOR_PROMETHEUS_URL is required when KASCADE_OPERATOR_METRICS_SOURCE "
                              "is prometheus")
+        return self
+
+    @model_validator(mode="after")
+    def _lease_timing(self) -> OperatorSettings:
+        # the client's leader election needs lease > renew deadline > 1.2 x retry period
+        if not self.lease_duration_seconds > self.lease_renew_deadline_seconds > 1.2 * self.lease_retry_seconds:
+            raise ValueError("KASCADE_OPERATOR_LEASE_*: need lease duration > renew deadline > 1.2 x retry period "
+                             f"(got {self.lease_duration_seconds}, {self.lease_renew_deadline_seconds}, "
+                             f"{self.lease_retry_seconds})")
         return self
 
     @property

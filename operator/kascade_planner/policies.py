@@ -36,6 +36,9 @@ class MetricsSnapshot:
     in_flight: int = 0
     kv_usage: float = 0.0  # mean fraction of KV cache used across instances
     buckets: tuple[Bucket, ...] = ()
+    queue_length: float | None = None  # requests waiting (not yet admitted), summed; None: not measured
+    ttft_s: float | None = None  # mean time to first token over the window (None: no request finished one)
+    tbt_s: float | None = None  # mean time between tokens over the window
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,31 @@ def _keep_a_copy(state: ScaleState, n: int) -> tuple[int, str]:
     if n == 0 and not state.host_cached:
         return 1, " (kept 1: the last copy of the model is never released)"
     return n, ""
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Latency objectives (seconds). The token-velocity rule sizes for throughput; when the measured
+    mean TTFT (prefill, colocated) or TBT (decode, colocated) over the window exceeds its objective,
+    one more instance is asked for than the rule gives, until the latency is back within it."""
+
+    ttft_s: float | None = None
+    tbt_s: float | None = None
+
+
+def slo_bump(m: MetricsSnapshot, state: ScaleState, desired: int, slo: Slo | None) -> tuple[int, str]:
+    """`desired` raised to current + 1 when a measured latency misses its objective (within bounds)."""
+    if slo is None:
+        return desired, ""
+    missed = []
+    if slo.ttft_s is not None and m.ttft_s is not None and state.role != "decode" and m.ttft_s > slo.ttft_s:
+        missed.append(f"TTFT {m.ttft_s * 1000:.0f} ms > SLO {slo.ttft_s * 1000:.0f} ms")
+    if slo.tbt_s is not None and m.tbt_s is not None and state.role != "prefill" and m.tbt_s > slo.tbt_s:
+        missed.append(f"TBT {m.tbt_s * 1000:.0f} ms > SLO {slo.tbt_s * 1000:.0f} ms")
+    if not missed or state.current + 1 <= desired:
+        return desired, ("; " + ", ".join(missed)) if missed else ""
+    bumped = state.bounds.clamp(state.current + 1)
+    return max(desired, bumped), "; " + ", ".join(missed) + f" -> {max(desired, bumped)}"
 
 
 @dataclass(frozen=True)
@@ -131,9 +159,16 @@ class Threshold:
 
 
 def threshold(m: MetricsSnapshot, state: ScaleState, p: Threshold) -> Decision:
+    """`metric`: tokensPerSecond (input + output tokens/s per instance), queueLength (waiting requests
+    per instance: `queue_length`, or `in_flight` where no waiting gauge exists, as in the simulator)
+    or kvCacheUsage (mean fraction; one instance more or less per step)."""
     per_instance = p.metric != "kvCacheUsage"  # tokens/s and queue length are totals to divide
-    total = (m.input_tokens_per_s + m.output_tokens_per_s if p.metric == "tokensPerSecond"
-             else float(m.in_flight) if p.metric == "queueLength" else m.kv_usage)
+    if p.metric == "tokensPerSecond":
+        total = m.input_tokens_per_s + m.output_tokens_per_s
+    elif p.metric == "queueLength":
+        total = m.queue_length if m.queue_length is not None else float(m.in_flight)
+    else:
+        total = m.kv_usage
     per = total / max(state.current, 1) if per_instance else total
     metrics = ((p.metric + "PerInstance", per), ("upper", p.upper), ("lower", p.lower))
     if per > p.upper:

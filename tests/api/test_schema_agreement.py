@@ -110,7 +110,7 @@ def _set(doc: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("field", "value"),
     [("spec.replicas.colocated.min", "1"), ("spec.replicas.desired", 1.5), ("spec.engine.tp", 2.0),
-     ("spec.engine.port", "8000"), ("spec.scaling.live", "true"), ("spec.scaling.convertibleDecoders", 1),
+     ("spec.engine.port", "8000"), ("spec.scaling.live", "true"), ("spec.scalePlanHistoryLimit", "3"),
      ("spec.slo.ttftMs", "500"), ("spec.scaling.threshold.upper", None), ("spec.model.layers", True),
      ("spec.scaling.multicast", "Chain")],
 )

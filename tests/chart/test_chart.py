@@ -39,10 +39,10 @@ def test_template_renders_every_deployable(helm: Helm) -> None:
         ("Role", "rel-operator-token"), ("RoleBinding", "rel-operator-token"), ("Secret", "rel-engine-token"),
         ("Deployment", "rel-operator"), ("Deployment", "rel-pool"), ("Service", "rel-operator-metrics"),
         ("Service", "rel-engines"), ("NetworkPolicy", "rel-engines"), ("NetworkPolicy", "rel-operator"),
-        ("Pod", "rel-test-models"),
+        ("Pod", "rel-test-models"), ("PodDisruptionBudget", "rel-operator"),
     ])
     op = by(docs, "Deployment", "rel-operator")
-    assert op["spec"]["strategy"] == {"type": "Recreate"}
+    assert op["spec"]["replicas"] == 2 and "strategy" not in op["spec"]  # HA: leader election, rolling updates
     assert op["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
     container = op["spec"]["template"]["spec"]["containers"][0]
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
@@ -56,7 +56,10 @@ def test_template_renders_every_deployable(helm: Helm) -> None:
     assert pool["spec"]["template"]["spec"]["containers"][0]["image"] == "ghcr.io/kascade/kascade-engine:0.1.0"
     role = by(docs, "Role", "rel-operator-token")
     assert role["rules"] == [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["rel-engine-token"],
-                              "verbs": ["get", "watch"]}]
+                              "verbs": ["get", "watch"]},
+                             {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+                             {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                              "resourceNames": ["rel-operator"], "verbs": ["get", "update", "patch"]}]
 
 
 def test_every_object_and_pod_carries_the_standard_labels(helm: Helm) -> None:
@@ -115,7 +118,9 @@ def test_common_values_are_accepted_and_used(helm: Helm, tmp_path: Path) -> None
     docs = render(helm, "-f", str(tmp_path / "v.yaml"))
     op = by(docs, "Deployment", "rel-operator")["spec"]["template"]
     pool = by(docs, "Deployment", "rel-pool")["spec"]["template"]
-    assert op["metadata"]["annotations"] == {"a": "1", "b": "2"} and pool["metadata"]["annotations"] == {"a": "1"}
+    assert op["metadata"]["annotations"] == {"a": "1", "b": "2"}
+    # the pool's own: which model its engines serve (ModelServices of other models never bind them)
+    assert pool["metadata"]["annotations"] == {"a": "1", "kascade.io/model": "HuggingFaceTB/SmolLM2-135M-Instruct"}
     assert op["spec"]["imagePullSecrets"] == [{"name": "g-pull"}, {"name": "pull"}] == pool["spec"]["imagePullSecrets"]
     assert op["spec"]["priorityClassName"] == "system-cluster-critical" and pool["spec"]["priorityClassName"] == "gpu-high"
     assert "nodeAffinity" in op["spec"]["affinity"] and pool["spec"]["affinity"] == {"podAntiAffinity": {}}

@@ -94,23 +94,22 @@ def test_pool_without_a_model_is_refused(helm: Helm) -> None:
 
 def test_fallback_pod_runs_a_real_engine_command(tmp_path: Path) -> None:
     from kascade_operator.api import ModelServiceSpec
-    from kascade_operator.plandriver import fallback_pod
+    from kascade_operator.podtemplate import fallback_pod
 
     ckpt = tmp_path / "m"
     ckpt.mkdir()
     spec = ModelServiceSpec.model_validate({"model": {"name": "m", "source": {"path": str(ckpt)}},
                                             "engine": {"image": "img:1", "port": 8100}, "mode": "colocated",
                                             "replicas": {"colocated": {"min": 1, "max": 2}}})
-    pod = fallback_pod(spec, "svc", "colocated", "tok")
+    pod = fallback_pod(spec, "svc", "tok", None)
     c = pod["spec"]["containers"][0]
     params = parse(c["args"])
     assert params["checkpoint"] == ckpt and params["model_name"] == "m" and params["port"] == 8100 and params["empty"]
     assert pod["spec"]["volumes"][0]["hostPath"]["path"] == str(ckpt) == c["volumeMounts"][0]["mountPath"]
     assert c["env"][0]["valueFrom"]["secretKeyRef"]["name"] == "tok"
     uri = spec.model_copy(update={"model": spec.model.model_copy(update={"source": spec.model.source.model_copy(
-        update={"path": None, "uri": "s3://bucket/m"})})})
-    with pytest.raises(ValueError, match=r"spec\.model\.source"):
-        fallback_pod(uri, "svc", "colocated")
+        update={"path": None, "uri": f"file://{ckpt}"})})})
+    assert parse(fallback_pod(uri, "svc", "tok", None)["spec"]["containers"][0]["args"])["checkpoint"] == ckpt
 
 
 def test_kind_e2e_values_and_modelservice_agree(helm: Helm) -> None:

@@ -20,6 +20,7 @@ class EngineStub:
         self.auto_ready = auto_ready  # bind/load-plan -> ready at once
         self.phase, self.model_service, self.role = "idle", None, None
         self.calls: list[tuple[str, dict[str, Any], float]] = []  # (verb, body, monotonic time)
+        self.refused = 0  # binds answered 409 (wrong model, or bound to another service)
         self._rate, self._total, self._t = 0.0, 0.0, time.monotonic()
         self._lock = threading.Lock()
         stub = self
@@ -55,6 +56,15 @@ class EngineStub:
                 verb = self.path.rsplit("/", 1)[-1]
                 with stub._lock:
                     stub.calls.append((verb, body, time.monotonic()))
+                    if verb == "bind" and body.get("model") != stub.model:  # as the real engine: 409
+                        stub.refused += 1
+                        self._send(409, {"error": {"message": f"cannot bind model '{body.get('model')}': this "
+                                                              f"engine holds '{stub.model}'"}})
+                        return
+                    if verb == "bind" and stub.model_service not in (None, body["modelService"]):
+                        stub.refused += 1
+                        self._send(409, {"error": {"message": f"engine is bound to '{stub.model_service}'"}})
+                        return
                     if verb == "bind":
                         stub.model_service, stub.role = body["modelService"], body["role"]
                         stub.phase = "ready" if stub.auto_ready else "loading"

@@ -1,0 +1,114 @@
+"""High availability: replicas elect one leader on a coordination.k8s.io Lease; only the leader runs the
+operator (kopf). A standby waits, serving only its liveness endpoint; when the leader dies it takes
+the Lease after `lease_duration_seconds` and starts kopf, which resumes every in-flight ScalePlan from
+its status (each engine is told exactly once: plandriver). A leader that cannot renew the Lease within
+`lease_renew_deadline_seconds` exits at once (crash-only: it stops acting before anyone else may
+start; the Deployment restarts it as a standby).
+
+Uses the election of the official client (kubernetes_asyncio.leaderelection, the Go client's
+algorithm: resourceVersion-guarded Lease updates). kopf's own peering was not used: it is
+priority-based presence rather than a lease, and a dead peer is only noticed after its peering
+lifetime (60 s by default).
+
+Data flow: OperatorSettings (lease name/namespace/timings, identity) -> `lead_then_run(run)` ->
+waits for the Lease -> `run()` (kopf.operator) until the Lease is lost -> `LeadershipLost`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+from urllib.parse import urlparse
+
+from kubernetes_asyncio.leaderelection import electionconfig, leaderelection
+from kubernetes_asyncio.leaderelection.resourcelock.leaselock import LeaseLock
+
+from kascade_operator.kube import Kube
+from kascade_operator.settings import OperatorSettings
+
+log = logging.getLogger(__name__)
+
+
+class LeadershipLost(RuntimeError):
+    """The Lease could not be renewed in time: this replica must stop acting."""
+
+
+def identity(settings: OperatorSettings) -> str:
+    return settings.identity or f"{socket.gethostname()}-{os.getpid()}"
+
+
+def lease_namespace(settings: OperatorSettings) -> str:
+    return settings.lease_namespace or os.environ.get("POD_NAMESPACE") or "default"
+
+
+async def _standby_liveness(url: str | None) -> asyncio.AbstractServer | None:
+    """A standby is alive while it waits: answer the liveness probe (kopf serves it once leading)."""
+    if not url:
+        return None
+    u = urlparse(url)
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(Exception):
+            await reader.readline()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 8\r\n"
+                         b"Connection: close\r\n\r\nstandby\n")
+            await writer.drain()
+        writer.close()
+
+    return await asyncio.start_server(handle, u.hostname or "0.0.0.0", u.port or 8080)
+
+
+async def lead_then_run(settings: OperatorSettings, run: Callable[[], Coroutine[Any, Any, None]],
+                        liveness: str | None = None) -> None:
+    """Wait for the Lease, then `run()` while holding it; raises LeadershipLost when it is lost (or
+    returns when `run()` returns)."""
+    kube = await Kube.connect()
+    me, ns = identity(settings), lease_namespace(settings)
+    lock = LeaseLock(settings.lease_name, ns, me, kube.api)
+    standby = await _standby_liveness(liveness)
+    done = asyncio.Event()
+    lost: list[bool] = []
+
+    async def started() -> None:
+        log.warning("%s leads (Lease %s/%s) at %.3f: starting the operator", me, ns, settings.lease_name, time.time())
+        if standby is not None:
+            standby.close()
+            await standby.wait_closed()
+        try:
+            await run()
+        finally:
+            done.set()
+
+    async def stopped() -> None:
+        lost.append(True)
+        done.set()
+
+    # the Lease stores whole seconds (the client writes str(duration) and reads it back with int())
+    cfg = electionconfig.Config(lock, max(2, round(settings.lease_duration_seconds)),
+                                settings.lease_renew_deadline_seconds, settings.lease_retry_seconds, started, stopped)
+    log.warning("%s: standby, waiting for Lease %s/%s", me, ns, settings.lease_name)
+    election = asyncio.create_task(leaderelection.LeaderElection(cfg).run())
+    election.add_done_callback(lambda _: done.set())  # an election that dies must not leave us waiting
+    try:
+        await done.wait()
+    finally:
+        election.cancel()
+        failure: BaseException | None = None
+        try:
+            await election
+        except asyncio.CancelledError:
+            pass
+        except Exception as e:  # re-raised below as what it means to the caller
+            failure = e
+        await kube.close()
+    if failure is not None:
+        raise LeadershipLost(f"{me}: leader election failed: {failure!r}") from failure
+    if lost:
+        raise LeadershipLost(f"{me} could not renew Lease {ns}/{settings.lease_name} within "
+                             f"{settings.lease_renew_deadline_seconds} s")

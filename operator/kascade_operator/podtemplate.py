@@ -1,0 +1,119 @@
+"""The engine pod the operator creates when the warm pool is short (the slow path), and the policy that
+decides whether it may create it at all.
+
+Least privilege for ModelService authors: whoever may create a ModelService must not get, through the
+operator, a pod the installation would not run. So a fallback pod is created only when
+- its image is the installation's engine image (`engine_image`) or on the allowlist (`allowed_images`;
+  an entry ending in `*` is a prefix), and
+- a `path` / `file://` source lies under a host-path root the installation allows
+  (`allowed_host_path_roots`; none by default, so no hostPath at all unless the chart says so).
+Only such pods get the engine token (from the installation's Secret). Otherwise the operator refuses,
+and the service's `Stalled` condition names the field. A `pvc` source mounts the claim read-only
+(claims are namespaced: it must live in the pool's namespace).
+
+Data flow: ModelServiceSpec + OperatorSettings -> `refusals()` (field: problem) -> `fallback_pod()`
+(a warm-pool pod annotated for the model and for this service, owned by it when in its namespace).
+`checkpoint_path()` is the directory the engine loads the first copy from (sent with `bind`).
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Mapping
+from typing import Any
+
+from kascade_operator import labels as L
+from kascade_operator.api import ModelServiceSpec
+from kascade_operator.settings import OperatorSettings
+
+PVC_MOUNT = "/kascade/model"  # where a fallback pod mounts a pvc source
+ACT_PORT = 18516
+
+
+def host_path(spec: ModelServiceSpec) -> str | None:
+    """The host directory a path or file:// source names (None for pvc)."""
+    src = spec.model.source
+    if src.path:
+        return src.path
+    if src.uri and src.uri.startswith("file://"):
+        return src.uri[len("file://"):] or "/"
+    return None
+
+
+def checkpoint_path(spec: ModelServiceSpec) -> str:
+    """The directory an engine reads the first copy from: the host path, or the claim's mount point."""
+    hp = host_path(spec)
+    if hp is not None:
+        return hp
+    return PVC_MOUNT
+
+
+def _under(path: str, root: str) -> bool:
+    p, r = posixpath.normpath(path), posixpath.normpath(root)
+    return r == "/" or p == r or p.startswith(r.rstrip("/") + "/")
+
+
+def image_allowed(image: str, settings: OperatorSettings) -> bool:
+    allowed = [x for x in (settings.engine_image, *settings.allowed_images) if x]
+    return any(image.startswith(a[:-1]) if a.endswith("*") else image == a for a in allowed)
+
+
+def refusals(spec: ModelServiceSpec, settings: OperatorSettings) -> list[str]:
+    """Why the operator must not create an engine pod for this spec ("field: problem"), empty if it may."""
+    out: list[str] = []
+    if not image_allowed(spec.engine.image, settings):
+        allowed = [x for x in (settings.engine_image, *settings.allowed_images) if x]
+        out.append(f"spec.engine.image: {spec.engine.image!r} is not the installation's engine image nor on its "
+                   f"allowlist ({', '.join(allowed) or 'none configured'}); the operator creates no pod with it")
+    hp = host_path(spec)
+    field = "spec.model.source.path" if spec.model.source.path else "spec.model.source.uri"
+    if hp is not None:
+        if ".." in hp.split("/"):
+            out.append(f"{field}: {hp!r} must not contain '..'")
+        elif not any(_under(hp, r) for r in settings.allowed_host_path_roots):
+            roots = ", ".join(settings.allowed_host_path_roots) or "none"
+            out.append(f"{field}: hostPath {hp!r} is not under a root the installation allows ({roots}); "
+                       f"the operator mounts no such hostPath")
+    return out
+
+
+def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Mapping[str, Any] | None,
+                 act_port: int = ACT_PORT) -> dict[str, Any]:
+    """A new warm-pool engine pod for this model, reserved for service `key` (annotation created-for):
+    it joins the pool and is bound in a later round like any pool pod. Call only when `refusals()` is
+    empty."""
+    e, src = spec.engine, spec.model.source
+    ckpt = checkpoint_path(spec)
+    if src.pvc is not None:
+        volume: dict[str, Any] = {"name": "model", "persistentVolumeClaim": {"claimName": src.pvc.claim_name,
+                                                                            "readOnly": True}}
+        mount: dict[str, Any] = {"name": "model", "mountPath": PVC_MOUNT, "readOnly": True}
+        if src.pvc.sub_path:
+            mount["subPath"] = src.pvc.sub_path
+    else:
+        volume = {"name": "model", "hostPath": {"path": ckpt, "type": "Directory"}}
+        mount = {"name": "model", "mountPath": ckpt, "readOnly": True}
+    container: dict[str, Any] = {
+        "name": "engine", "image": e.image,
+        "args": ["kascade", "engine", "serve", "--empty", "--host=0.0.0.0", f"--port={e.port}", f"--act-port={act_port}",
+                 f"--checkpoint={ckpt}", f"--model-name={spec.model.name}"],
+        "env": [{"name": "KASCADE_ENGINE_TOKEN", "valueFrom": {"secretKeyRef": {"name": token_secret, "key": "token"}}}],
+        "ports": [{"containerPort": e.port, "name": "http"}, {"containerPort": e.data_port, "name": "data"},
+                  {"containerPort": act_port, "name": "act"}],
+        "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 2},
+        "volumeMounts": [mount]}
+    if e.resources:
+        container["resources"] = e.resources.model_dump(exclude_none=True)
+    meta: dict[str, Any] = {"generateName": "kascade-fallback-",
+                            "labels": {L.POOL: L.POOL_WARM, L.MANAGED_BY: "kascade"},
+                            "annotations": {L.MODEL: spec.model.name, L.CREATED_FOR: key}}
+    if owner is not None:
+        meta["ownerReferences"] = [dict(owner)]
+    pod: dict[str, Any] = {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
+                           "spec": {"containers": [container], "automountServiceAccountToken": False,
+                                    "volumes": [volume]}}
+    if e.node_selector:
+        pod["spec"]["nodeSelector"] = dict(e.node_selector)
+    if e.tolerations:
+        pod["spec"]["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in e.tolerations]
+    return pod

@@ -1,0 +1,174 @@
+"""The apply side in process: reconcile rounds and the ScalePlan driver against the in-memory kube layer
+(fakekube.py) and real-HTTP engine stubs (enginestub.py), without an operator process."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from enginestub import EngineStub  # type: ignore[import-not-found]
+from fakekube import FakeKube  # type: ignore[import-not-found]
+
+from kascade_operator import labels as L
+from kascade_operator import plandriver
+from kascade_operator.engine_client import EngineClient
+from kascade_operator.handlers import reconcile_service
+from kascade_operator.metrics import Scraper
+from kascade_operator.operator_metrics import OperatorMetrics
+from kascade_operator.runtime import Runtime
+from kascade_operator.settings import OperatorSettings
+
+NS, TOKEN = "ns", "seam-token"
+
+
+def service(name: str = "svc", model: str = "tiny", lo: int = 1, hi: int = 3, **spec: Any) -> dict[str, Any]:
+    return {"metadata": {"name": name, "namespace": NS, "uid": f"uid-{name}", "generation": 1},
+            "spec": {"model": {"name": model, "source": {"path": "/models/tiny"}, "layers": 2},
+                     "engine": {"image": "kascade:dev"}, "replicas": {"colocated": {"min": lo, "max": hi}},
+                     **spec}}
+
+
+class Stopped:
+    def __bool__(self) -> bool:
+        return False
+
+
+@pytest.fixture
+async def world() -> AsyncIterator[tuple[Runtime, FakeKube, list[EngineStub]]]:
+    kube = FakeKube()
+    kube.nodes = [{"metadata": {"name": f"n{i}", "labels": {"kascade.io/leaf": "l0", "kascade.io/nic-gbps": "100", "kascade.io/scaleup-domain": f"d{i}"}},
+                   "status": {"allocatable": {"nvidia.com/gpu": "8"}, "capacity": {"nvidia.com/gpu": "8"}}}
+                  for i in range(3)]
+    stubs = [EngineStub(f"e{i}", "tiny", TOKEN, auto_ready=False) for i in range(3)]
+    for i, s in enumerate(stubs):
+        kube.add_pool_pod(NS, s.instance, f"n{i}", s.endpoint, model="tiny")
+    rt = Runtime(OperatorSettings(engine_token=TOKEN), kube, EngineClient(TOKEN), Scraper(), None,  # type: ignore[arg-type]
+                 OperatorMetrics())
+    yield rt, kube, stubs
+    await rt.engines.aclose()
+    for s in stubs:
+        s.close()
+
+
+def bound_pods(kube: FakeKube, svc: str = "svc") -> list[dict[str, Any]]:
+    return [p for p in kube.pods.values() if (p["metadata"].get("labels") or {}).get(L.MODEL_SERVICE) == svc]
+
+
+async def test_bind_labels_only_after_the_engine_accepted_and_owns_the_pod(world: Any) -> None:
+    rt, kube, stubs = world
+    await reconcile_service(rt, service(), "create")
+    (pod,) = bound_pods(kube)
+    stub = next(s for s in stubs if s.instance == pod["metadata"]["name"])
+    assert stub.count("bind") == 1 and stub.model_service == "svc"
+    assert pod["metadata"]["ownerReferences"] == [{"apiVersion": "kascade.io/v1alpha1", "kind": "ModelService",
+                                                   "name": "svc", "uid": "uid-svc", "controller": True,
+                                                   "blockOwnerDeletion": True}]
+    (sp,) = kube.plans.values()
+    assert sp["metadata"]["ownerReferences"][0]["uid"] == "uid-svc"
+
+
+async def test_bind_refused_drops_the_target_and_leaves_the_pod_unlabelled(world: Any) -> None:
+    rt, kube, stubs = world
+    for s in stubs:  # every engine already belongs to another service (e.g. a second operator's)
+        s.model_service, s.phase = "other", "ready"
+    await reconcile_service(rt, service(), "create")
+    assert bound_pods(kube) == []
+    (sp,) = kube.plans.values()
+    (row,) = sp["status"]["targets"]
+    assert "bind refused" in row["failed"] and "other" in row["failed"]
+    await asyncio.wait_for(plandriver.drive(rt, sp, Stopped()), 10)
+    assert kube.plans[(NS, sp["metadata"]["name"])]["status"]["phase"] == "Failed"
+    assert any(e["reason"] == "TargetDropped" for e in kube.events)
+
+
+async def test_target_pod_deleted_mid_plan_is_dropped_and_replaced(world: Any) -> None:
+    rt, kube, _stubs = world
+    await reconcile_service(rt, service(), "create")
+    (pod,) = bound_pods(kube)
+    (sp,) = kube.plans.values()
+    del kube.pods[(NS, pod["metadata"]["name"])]  # deleted while its engine is still loading
+    await asyncio.wait_for(plandriver.drive(rt, sp, Stopped()), 10)  # used to poll forever
+    st = kube.plans[(NS, sp["metadata"]["name"])]["status"]
+    assert st["phase"] == "Failed" and "was deleted" in st["targets"][0]["failed"]
+    assert {c["type"]: c["status"] for c in st["conditions"]}["Stalled"] == "True"
+    await reconcile_service(rt, service(), "update")
+    plans = sorted(kube.plans.values(), key=lambda p: p["metadata"]["name"])
+    assert len(plans) == 2 and plans[1]["spec"]["targets"][0]["pod"] != pod["metadata"]["name"]
+
+
+async def test_two_models_in_one_pool_never_take_each_others_pods(world: Any) -> None:
+    rt, kube, _stubs = world
+    other = EngineStub("q0", "qwen", TOKEN, auto_ready=True)
+    try:
+        kube.add_pool_pod(NS, "q0", "n0", other.endpoint, model="qwen")
+        await reconcile_service(rt, service("a", "tiny", lo=1), "create")
+        await reconcile_service(rt, service("b", "qwen", lo=1), "create")
+        assert [p["metadata"]["name"] for p in bound_pods(kube, "b")] == ["q0"]
+        assert bound_pods(kube, "a")[0]["metadata"]["name"] != "q0"
+        assert all(e["reason"] != "TargetDropped" for e in kube.events)  # zero refused binds
+    finally:
+        other.close()
+
+
+async def test_exhausted_pool_creates_the_missing_pods_once(world: Any) -> None:
+    rt, kube, _stubs = world
+    rt.settings = OperatorSettings(engine_token=TOKEN, engine_image="kascade:dev", allowed_host_path_roots=["/models"])
+    svc = service(lo=5, hi=6)  # 3 pool pods, 5 wanted
+    for _ in range(5):
+        await reconcile_service(rt, svc, "timer")
+        rt.last_round.clear()
+    created = [p for p in kube.pods.values() if L.CREATED_FOR in p["metadata"].get("annotations", {})]
+    assert len(created) == 2
+    assert created[0]["metadata"]["ownerReferences"][0]["name"] == "svc"
+
+
+async def test_forbidden_fallback_names_the_field(world: Any) -> None:
+    rt, kube, _stubs = world
+    svc = service(lo=5, hi=6)
+    svc["spec"]["model"]["source"] = {"path": "/"}
+    await reconcile_service(rt, svc, "create")
+    assert not [p for p in kube.pods.values() if L.CREATED_FOR in p["metadata"].get("annotations", {})]
+    stalled = next(c for c in kube.service_status["conditions"] if c["type"] == "Stalled")
+    assert stalled["status"] == "True" and stalled["reason"] == "Forbidden"
+    assert "spec.engine.image" in stalled["message"] and "spec.model.source.path" in stalled["message"]
+
+
+async def test_events_are_rate_limited_per_object_and_reason(world: Any) -> None:
+    rt, kube, _ = world
+    body = service()
+    for _ in range(10):
+        await rt.event(NS, body, "ModelService", "Warning", "PoolShort", "short")
+    await rt.event(NS, body, "ModelService", "Normal", "ScaleUp", "up")
+    reasons = [e["reason"] for e in kube.events]
+    assert reasons.count("PoolShort") == 3 and reasons.count("ScaleUp") == 1 and rt.events_suppressed == 7
+
+
+async def test_history_limit_keeps_the_newest_finished_plans(world: Any) -> None:
+    rt, kube, _ = world
+    for i in range(4):
+        await kube.create_scaleplan(NS, {"metadata": {"name": f"svc-old-{i}"},
+                                         "spec": {"modelServiceRef": {"name": "svc"}, "role": "colocated"},
+                                         "status": {"phase": "Succeeded", "completionTime": f"2026-01-0{i + 1}T00:00:00Z"}})
+    await reconcile_service(rt, service(scalePlanHistoryLimit=2), "create")
+    names = sorted(n for (_, n) in kube.plans)
+    assert "svc-old-0" not in names and "svc-old-1" not in names and {"svc-old-2", "svc-old-3"} <= set(names)
+
+
+async def test_pool_in_another_namespace_serves_services_of_every_namespace(world: Any) -> None:
+    rt, kube, stubs = world
+    rt.settings = OperatorSettings(engine_token=TOKEN, pool_namespace="pool")
+    for (ns, name), p in list(kube.pods.items()):  # move the pool to its own namespace
+        del kube.pods[(ns, name)]
+        p["metadata"]["namespace"] = "pool"
+        kube.pods[("pool", name)] = p
+    a, b = service("chat"), service("chat")
+    b["metadata"].update(namespace="other", uid="uid-other-chat")
+    await reconcile_service(rt, a, "create")
+    await reconcile_service(rt, b, "create")
+    bound = [p for p in kube.pods.values() if (p["metadata"].get("labels") or {}).get(L.MODEL_SERVICE) == "chat"]
+    assert len(bound) == 2  # same name, two namespaces: two different pods
+    assert sorted(p["metadata"]["annotations"][L.SERVICE_NS] for p in bound) == ["ns", "other"]
+    assert all(not p["metadata"].get("ownerReferences") for p in bound)  # no owner across namespaces
+    assert sorted(s.model_service for s in stubs if s.model_service) == ["ns/chat", "other/chat"]
