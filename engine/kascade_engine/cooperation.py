@@ -118,6 +118,8 @@ class HostRows:
     ends: deque[str] = field(default_factory=deque)  # page keys to free at the next step
     gens: dict[str, torch.Generator | None] = field(default_factory=dict)
     lengths: dict[str, int] = field(default_factory=dict)
+    downstream: PairClient | None = None  # pipeline: rows this engine cannot finish go on to the next receiver
+    forwarded: set[str] = field(default_factory=set)  # page keys whose later layers live downstream
     rows_hosted: int = 0  # metric: B rows finished here
     steps_hosted: int = 0
     shared_steps: int = 0  # metric: steps where pair rows and this engine's own rows shared the forward
@@ -145,46 +147,66 @@ class HostRows:
             pool.free(key)
             self.gens.pop(key, None)
             self.lengths.pop(key, None)
+        down_ends = [k for k in ends if k in self.forwarded]
+        self.forwarded.difference_update(down_ends)
         try:
             rows, sampling = _own_rows(engine, work, lambda _: L)
             picks: list[tuple[torch.Generator | None, SamplingParams]] = [
                 (engine.requests[work[i].id].gen, engine.requests[work[i].id].params) for i in sampling]
-            owners: list[tuple[PairStep, int]] = []  # (step, -1) per own sampling row is implicit
-            accepted: list[PairStep] = []
+            accepted: list[tuple[PairStep, list[tuple[Row, list[Any]]]]] = []
             for st in steps:
                 try:
                     mine = self._rows(engine, st)
                 except ValueError as e:
                     st.done(e)
                     continue
-                accepted.append(st)
-                for (row, meta) in mine:
-                    rows.append(row)
-                    if meta[4]:
-                        sampling.append(len(rows) - 1)
-                        key = f"pair{st.pair}/{meta[0]}"
+                accepted.append((st, mine))
+                rows.extend(r for r, _ in mine)
+            staggered(m, engine.cache, rows)
+            here: list[torch.Tensor] = [rows[i].x[-1:] for i in sampling]  # rows sampled on this engine
+            slots: list[tuple[PairStep, int]] = []  # (step, index of its token) per pair row sampled here
+            relay: list[tuple[PairStep, int, Row, list[Any]]] = []  # pair rows that go on down the pipeline
+            step_toks: dict[int, list[int]] = {}
+            for st, mine in accepted:
+                n_tok = 0
+                for row, meta in mine:
+                    key = f"pair{st.pair}/{meta[0]}"
+                    if row.b < L or not m.resident("head"):
+                        relay.append((st, n_tok if meta[4] else -1, row, meta))
+                    elif meta[4]:
+                        here.append(row.x[-1:])
+                        slots.append((st, n_tok))
                         picks.append((self.gens[key], SamplingParams(temperature=float(meta[5]),
                                                                      top_p=float(meta[6]))))
-                        owners.append((st, 0))
-            staggered(m, engine.cache, rows)
+                    n_tok += bool(meta[4])
+                step_toks[id(st)] = [-1] * n_tok
             toks: list[int] = []
-            if sampling:
-                logits = m.logits(torch.cat([rows[i].x[-1:] for i in sampling]))
+            if here:
+                logits = m.logits(torch.cat(here))
                 toks = [_pick(logits[j], p, g) for j, (g, p) in enumerate(picks)]
+            for (st, j), tok in zip(slots, toks[len(sampling):], strict=True):
+                step_toks[id(st)][j] = tok
+            if relay or down_ends:
+                if self.downstream is None:
+                    raise RuntimeError("pair rows need layers this engine does not hold and it has no downstream")
+                meta = [[f"pair{st.pair}/{mt[0]}", row.start, row.n, row.b, *mt[4:]] for st, _, row, mt in relay]
+                self.forwarded.update(str(x[0]) for x in meta)
+                hidden = (torch.cat([row.x for _, _, row, _ in relay]) if relay
+                          else torch.empty(0, m.shape.hidden, dtype=m.dtype, device=m.device))
+                down = iter(self.downstream.relay(meta, hidden, down_ends))
+                for st, j, _, _ in relay:
+                    if j >= 0:
+                        step_toks[id(st)][j] = next(down)
         except Exception as e:
             for st in steps:
                 st.done(e)
             raise
         self.shared_steps += bool(work and accepted)
-        n_own = len(toks) - len(owners)
-        per_step: dict[int, list[int]] = {id(st): [] for st in accepted}
-        for (st, _), tok in zip(owners, toks[n_own:], strict=True):
-            per_step[id(st)].append(tok)
-        for st in accepted:
-            st.done(per_step[id(st)])
+        for st, _ in accepted:
+            st.done(step_toks[id(st)])
             self.rows_hosted += len(st.rows)
             self.steps_hosted += 1
-        return toks[:n_own]
+        return toks[:len(sampling)]
 
     def _rows(self, engine: Engine, st: PairStep) -> list[tuple[Row, list[Any]]]:
         m, pool, L = engine.model, engine.scheduler.pool, engine.model.shape.layers
@@ -209,7 +231,12 @@ class HostRows:
             self.lengths[key] = max(self.lengths.get(key, 0), start + n)
             x = st.hidden[at:at + n].to(m.device, m.dtype)
             at += n
-            out.append((Row(pool.tables[key], start, n, layer, L, x), meta))
+            end = layer  # this engine runs the layers it holds from `layer` on; a pipeline sends the rest on
+            while end < L and m.resident(f"layer.{end}"):
+                end += 1
+            if end < L and self.downstream is None:
+                raise ValueError(f"pair row {req!r}: layer {end} is not resident here and no pipeline follows")
+            out.append((Row(pool.tables[key], start, n, layer, end, x), meta))
         if at != st.hidden.shape[0]:
             raise ValueError(f"pair step rows cover {at} tokens, the activation has {st.hidden.shape[0]}")
         return out
@@ -273,12 +300,16 @@ class PairClient:
 
     def _send(self, engine: Engine, work: list[Work], rows: list[Row], far: list[int], sampling: set[int],
               ends: list[str]) -> list[int]:
-        meta = []
+        meta: list[list[Any]] = []
         for i in far:
             w, p = work[i], engine.requests[work[i].id].params
             meta.append([w.id, w.start, w.n, self.split[w.id], i in sampling, p.temperature, p.top_p, p.seed])
             self.remote.add(w.id)
         hidden = torch.cat([rows[i].x for i in far]) if far else torch.empty(0, self.model.shape.hidden)
+        return self.relay(meta, hidden, ends)
+
+    def relay(self, meta: list[list[Any]], hidden: torch.Tensor, ends: list[str]) -> list[int]:
+        """One step frame to the peer (from the engine's worker thread); its sampled tokens."""
         name = str(hidden.dtype).removeprefix("torch.")
         raw = hidden.contiguous().cpu().view(torch.uint8).numpy().tobytes() if hidden.numel() else b""
         header = {"op": "step", "rows": meta, "end": ends, "shape": list(hidden.shape), "dtype": name}

@@ -212,6 +212,15 @@ class EngineInstance:
             except (OSError, RuntimeError, ValueError, TransportError, TimeoutError) as e:
                 raise InstanceError(502, f"cannot reach peer {req.peer}: {e}", "peer") from None
             return self.status()
+        if req.mode == "pipeline":  # rows hosted here continue to `peer` after the layers held here
+            try:
+                down = await form_pair(self, req.peer)
+            except (OSError, RuntimeError, ValueError, TransportError, TimeoutError) as e:
+                raise InstanceError(502, f"cannot pair with peer {req.peer}: {e}", "peer") from None
+            old_down, self.host.downstream = self.host.downstream, down
+            if old_down is not None:
+                await old_down.close()
+            return self.status()
         if req.mode != "off" and self.pair is not None and self.cooperate.get("peer") == req.peer:
             pair: PairClient | None = self.pair  # same peer: keep the pair (and its split sequences)
         elif req.mode != "off" and not self.model.complete:

@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 ROLES = ("prefill", "decode", "colocated")
-MODES = ("zigzag", "besteffort", "standby", "off")
+MODES = ("zigzag", "besteffort", "standby", "pipeline", "off")
 DTYPES = ("bfloat16", "float16", "float32")
 # Engine phases, in lifecycle order (see kascade_engine.instance.Phase).
 PHASES = ("empty", "bound", "loading", "live", "serving", "draining", "released")
 
 Role = Literal["prefill", "decode", "colocated"]
-Mode = Literal["zigzag", "besteffort", "standby", "off"]
+Mode = Literal["zigzag", "besteffort", "standby", "pipeline", "off"]
 
 
 class WireError(ValueError):
@@ -143,7 +143,8 @@ class LoadPlanRequest:
 class CooperateRequest:
     """Serve split with `peer` (its activation port) while loading; mode `off` stops; `standby` only opens
     and authenticates the connection to `peer` ahead (at bind or pool join), so a later pairing pays no
-    handshake."""
+    handshake; `pipeline` makes this engine a middle receiver of an execution pipeline (λScale): rows it
+    hosts run the layers it holds and go on to `peer` for the rest."""
 
     peer: str
     mode: Mode

@@ -1,0 +1,111 @@
+"""Execute-while-load pipelines (λScale Alg. 2) in the engine: three receivers holding different layer
+ranges serve together before any holds the whole model — receiver 1 (embed, layers 0-1) batches the
+requests and runs its layers, receiver 2 (layer 2) runs its layer inside its own step and passes the
+rows on, receiver 3 (layer 3, head) finishes and samples; outputs equal the unsplit engine's. A
+receiver dying mid-pipeline fails only the in-flight requests; the pipeline re-forms around a
+replacement and serves exactly again; as blocks complete, receiver 1 dissolves into a plain replica."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from kascade_engine.config import EngineConfig
+from kascade_engine.engine import Engine
+from kascade_engine.instance import EngineInstance, Phase
+from kascade_engine.model import LlamaModel
+from kascade_engine.sampling import SamplingParams
+from kascade_engine.tokenizer import ByteTokenizer
+from kascade_engine.transport_tcp import TcpTransport
+from kascade_planner.engine_api import CooperateRequest
+
+PROMPTS = [[11, 42, 7, 300, 5], [1, 2, 3], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 17]]
+
+
+def _receiver(tiny_ckpt: Any, blocks: Any, ids: list[str], name: str) -> EngineInstance:
+    cfg = EngineConfig(checkpoint=tiny_ckpt, model_name="tiny-llama", token="pipe-token", kv_tokens=2048,
+                       max_batch_tokens=64, instance=name)
+    inst = EngineInstance(cfg, blocks.config, ByteTokenizer(), None)
+    for bid in ids:
+        inst.add_block(blocks.blocks[bid])
+    inst.serving.start()
+    return inst
+
+
+def _unsplit(blocks: Any, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    m = LlamaModel(blocks.config)
+    for b in blocks.blocks.values():
+        m.add_block(b.id, b.tensors())
+    return Engine(m).generate_many(prompts, params)
+
+
+async def _collect(inst: EngineInstance, rid: str) -> list[int]:
+    return [ev.token async for ev in inst.serving.tokens(rid)]
+
+
+async def test_pipeline_of_three_receivers_serves_exactly_and_survives_a_death(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    params = SamplingParams(max_tokens=6)
+    want = _unsplit(tiny_blocks, PROMPTS, params)
+    r1 = _receiver(tiny_ckpt, tiny_blocks, ["embed", "layer.0", "layer.1"], "r1")
+    r2 = _receiver(tiny_ckpt, tiny_blocks, ["layer.2"], "r2")
+    r3 = _receiver(tiny_ckpt, tiny_blocks, ["layer.3", "head"], "r3")
+    spare = _receiver(tiny_ckpt, tiny_blocks, ["layer.3", "head"], "r3-spare")
+    insts = (r1, r2, r3, spare)
+    listeners = [await TcpTransport().listen("127.0.0.1", 0, i.finisher.handle) for i in insts]
+    port = {i.instance_id: lst.port for i, lst in zip(insts, listeners, strict=True)}
+    try:
+        assert not any(i.model.complete for i in insts)  # no receiver holds the whole model
+        await r2.set_cooperate(CooperateRequest(f"127.0.0.1:{port['r3']}", "pipeline"))
+        await r1.set_cooperate(CooperateRequest(f"127.0.0.1:{port['r2']}", "besteffort"))
+        assert r1.phase is Phase.LIVE
+        got = await asyncio.gather(*(_collect(r1, r1.serving.submit(p, params)) for p in PROMPTS))
+        assert got == want
+        assert r2.host.rows_hosted > 0 and r3.host.rows_hosted == r2.host.rows_hosted  # every row went r1->r2->r3
+        assert r2.finisher.connections == 1 and r3.finisher.connections == 1  # one per hop, none per request
+
+        # receiver 3 dies mid-pipeline: the in-flight requests fail, nothing else does
+        long = SamplingParams(max_tokens=40)
+        before = r3.host.steps_hosted
+        inflight = [r1.serving.submit(p, long) for p in PROMPTS[:2]]
+        runs = [asyncio.create_task(_collect(r1, r)) for r in inflight]
+        while r3.host.steps_hosted < before + 2:  # they are mid-generation
+            await asyncio.sleep(0.005)
+        await listeners[2].close()
+        assert r2.host.downstream is not None
+        await r2.host.downstream.conn.close()  # its connection goes down with it
+        results = await asyncio.gather(*runs, return_exceptions=True)
+        assert all(isinstance(r, Exception) for r in results)
+        # the pipeline re-forms around a replacement receiver and serves exactly again
+        await r2.set_cooperate(CooperateRequest(f"127.0.0.1:{port['r3-spare']}", "pipeline"))
+        got = await asyncio.gather(*(_collect(r1, r1.serving.submit(p, params)) for p in PROMPTS))
+        assert got == want and spare.host.rows_hosted > 0
+
+        # blocks complete: receiver 1 dissolves into an independent replica (no pipeline rows for new requests)
+        for bid in ("layer.2", "layer.3", "head"):
+            r1.add_block(tiny_blocks.blocks[bid])
+        assert r1.phase is Phase.SERVING
+        hosted = r2.host.rows_hosted
+        assert await _collect(r1, r1.serving.submit(PROMPTS[0], params)) == want[0]
+        assert r2.host.rows_hosted == hosted
+    finally:
+        for i in insts:
+            await i.close()
+        for lst in listeners:
+            await lst.close()
+
+
+@pytest.mark.parametrize("held", [["layer.2"]])
+async def test_middle_receiver_without_a_downstream_refuses_rows(tiny_ckpt, tiny_blocks, held) -> None:  # type: ignore[no-untyped-def]
+    r1 = _receiver(tiny_ckpt, tiny_blocks, ["embed", "layer.0", "layer.1"], "r1")
+    r2 = _receiver(tiny_ckpt, tiny_blocks, held, "r2")
+    lst = await TcpTransport().listen("127.0.0.1", 0, r2.finisher.handle)
+    try:
+        await r1.set_cooperate(CooperateRequest(f"127.0.0.1:{lst.port}", "besteffort"))
+        with pytest.raises(Exception, match="layer 3 is not resident here and no pipeline follows"):
+            await _collect(r1, r1.serving.submit(PROMPTS[0], SamplingParams(max_tokens=2)))
+    finally:
+        await r1.close()
+        await r2.close()
+        await lst.close()
