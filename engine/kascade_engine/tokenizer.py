@@ -56,7 +56,7 @@ class HFTokenizer:
 
 
 def load_tokenizer(checkpoint: Path | None) -> Tokenizer:
-    if checkpoint is not None and any((checkpoint / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+    if checkpoint is not None and any((checkpoint / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         from transformers import AutoTokenizer
 
         return HFTokenizer(AutoTokenizer.from_pretrained(checkpoint))
