@@ -39,6 +39,7 @@ class Instance:
     live_share: float = 0.0  # live target: share of layer work it executes itself (ZigZag)
     debt_s: float = 0.0  # partner: time owed for its live target's layers
     from_ssd: bool = False  # loading from the local SSD (its host copy is warm only once loaded)
+    solo: bool = False  # no other target's load passes through this one: its load may be cancelled
     running: list[tuple[int, int]] = field(default_factory=list)  # (finish step, request)
     n_running: int = 0
     kv_reserved: int = 0
@@ -66,6 +67,12 @@ class Instance:
     @property
     def idle(self) -> bool:
         return not self.busy and self.n_running == 0
+
+    @property
+    def cancellable(self) -> bool:
+        """Still loading, holding no work, and relaying nothing: releasing it only stops its own load."""
+        return (self.state in ("loading", "live") and self.solo and not self.busy and not self.n_running
+                and not self.kv_reserved and not self.incoming)
 
     def loaded_fraction(self, now: float) -> float:
         """Share of blocks resident at `now` (reported; live execution uses the ZigZag share)."""

@@ -130,8 +130,13 @@ class Simulation:
             raise ValueError(f"model {spec.name} needs {spec.tp} GPUs per instance; the cluster has {hw.total_gpus}")
         bounds = Bounds(min(cfg.min_instances, self.max_instances), self.max_instances)
         self.states = {g: ScaleState(g[1], 0, bounds, host_cached=True) for g in groups}
-        self.history: dict[tuple[int, str], deque[float]] = {g: deque(maxlen=max(1, round(cfg.window_s / cfg.tick_s)))
-                                                             for g in groups}
+        # Metrics are averaged over the window, but never over longer than the role's scale-down
+        # delay (at least one tick): an idle instance would otherwise wait for the window to forget
+        # its last batch before the delay even starts (window + delay: 2.5 s for a 0.5 s delay).
+        self.history: dict[tuple[int, str], deque[float]] = {
+            g: deque(maxlen=max(1, round(min(cfg.window_s, max(cfg.tick_s, self._policy(g[1]).scale_down_delay_s))
+                                         / cfg.tick_s)))
+            for g in groups}
         self.busy_time = dict.fromkeys(groups, 0.0)  # instance-seconds of iterations started, per group
         self.busy_seen = dict.fromkeys(groups, 0.0)
         self.holder: dict[int, Instance] = {}  # request -> prefill instance holding its KV until a decoder takes it
@@ -141,6 +146,9 @@ class Simulation:
         self.cache_peak = 0
         self.loads = 0
         self._now = 0.0
+
+    def _policy(self, role: str) -> Threshold:
+        return self.cfg.decode_policy if role == "decode" else self.cfg.policy
 
     # ---- event plumbing
     def push(self, t: float, kind: int, obj: object) -> None:
@@ -245,6 +253,7 @@ class Simulation:
         arrival = dict(predict(plan, self.topo).arrival)
         joint = max(min(dict(arrival[t.id])[b] for t in targets) for b in self.layout.block_ids)
         for t in targets:
+            t.solo = len(targets) == 1 or self.sys.transfer == "local"
             blocks = dict(arrival[t.id])
             t.block_times = sorted(now + s for s in blocks.values())
             t.ready_s = t.block_times[-1]
@@ -287,8 +296,14 @@ class Simulation:
         return self._zigzag[key]
 
     def _scale_down(self, now: float, m: int, role: str, count: int, reason: str) -> None:
-        cands = sorted((i for i in self.group[(m, role)] if i.state == "serving" and i.live_target is None),
-                       key=lambda i: (i.load, -i.alloc_s, i.id))
+        # The policy counts loading instances, so it may release them too: an idle one still loading
+        # has its load cancelled (only when no other target's blocks pass through it). Otherwise a
+        # scale-down decided while the only candidate loads would be dropped, its delay restarted,
+        # and an idle instance kept until its load ends plus another delay. Loading ones go first
+        # (they are furthest from useful), then the least loaded.
+        cands = sorted((i for i in self.group[(m, role)]
+                        if (i.state == "serving" and i.live_target is None) or i.cancellable),
+                       key=lambda i: (i.load, i.state == "serving", -i.alloc_s, i.id))
         victims = cands[:count]
         for v in victims:
             v.state = "draining"
@@ -301,6 +316,9 @@ class Simulation:
             return
         inst.state = "released"
         inst.released_s = now
+        if inst.partner is not None:  # a cancelled live target frees its partner for another pair
+            inst.partner.live_target = None
+            inst.partner = None
         self.free[inst.node] += inst.gpus
         self.gpus_allocated -= inst.gpus
         self.group[(inst.model, inst.role)].remove(inst)
@@ -517,6 +535,8 @@ class Simulation:
                     self.progress(now)
             else:
                 inst = cast(Instance, obj)
+                if inst.state == "released":  # its load was cancelled
+                    continue
                 if kind == ACCEPT and inst.state == "loading":
                     inst.state = "live" if inst.accept_from_s < inst.ready_s else "serving"
                 elif kind == READY:
