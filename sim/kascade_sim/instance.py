@@ -39,6 +39,7 @@ class Instance:
     live_share: float = 0.0  # live target: share of layer work it executes itself (ZigZag)
     debt_s: float = 0.0  # partner: time owed for its live target's layers
     from_ssd: bool = False  # loading from the local SSD (its host copy is warm only once loaded)
+    preempted: bool = False  # draining to free its GPUs for another model: never taken back
     solo: bool = False  # no other target's load passes through this one: its load may be cancelled
     running: list[tuple[int, int]] = field(default_factory=list)  # (finish step, request)
     n_running: int = 0

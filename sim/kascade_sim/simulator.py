@@ -196,6 +196,20 @@ class Simulation:
                 for i in grp if i.state == "serving" and not i.busy and not i.n_running and not i.kv_reserved
                 and not i.incoming and i.live_target is None and (gr != "decode" or not self.queue[(gm, gr)])]
         if not idle:
+            # Nothing idle: drain the least loaded prefiller of a group that has several (it finishes
+            # its batch, then frees its GPUs), so a model is not starved while others keep growing.
+            # One at a time: a prefiller already draining will free GPUs soon.
+            if any(i.state == "draining" for (_, gr), grp in self.group.items() if gr != "decode" for i in grp):
+                return False
+            spare = [i for (gm, gr), grp in self.group.items() if (gm, gr) != (m, role) and gr != "decode"
+                     and sum(1 for j in grp if j.active) > max(floor, 1)
+                     for i in grp if i.state == "serving" and i.live_target is None]
+            if spare:
+                v = min(spare, key=lambda i: (i.load, i.alloc_s, i.id))
+                v.state, v.preempted = "draining", True
+                self._maybe_release(v, now)
+                self.events.append(ScaleEvent(now, "down", 1, f"preempted (draining): model {m} {role} has no "
+                                              "instance and no free GPU", 0.0, v.role, v.model))
             return False
         v = min(idle, key=lambda i: (i.alloc_s, i.id))
         v.state = "draining"
@@ -206,7 +220,7 @@ class Simulation:
 
     def _scale_up(self, now: float, m: int, role: str, count: int, reason: str) -> None:
         # Instances still draining are loaded already: take them back first.
-        for d in [i for i in self.group[(m, role)] if i.state == "draining"][:count]:
+        for d in [i for i in self.group[(m, role)] if i.state == "draining" and not i.preempted][:count]:
             d.state = "serving"
             count -= 1
             self._kick(d, now)
@@ -443,7 +457,9 @@ class Simulation:
 
     def _tick(self, now: float, k: int) -> None:
         if self.sys.static is None:
-            for m in range(self.models):
+            # Models with no instance decide first: a GPU freed for them is not taken back by a model
+            # that is merely growing.
+            for m in sorted(range(self.models), key=lambda m: any(i.active for i in self.group[(m, self.roles[0])])):
                 decisions = {}
                 for role in self.roles:
                     g = (m, role)

@@ -1,7 +1,8 @@
 """GPU time under sub-second scale-down (issue 19b): an idle instance is released once its scale-down
 delay has passed, not later. Each test fails on the simulator before its fix: a scale-down decided
 while the only candidate was still loading was dropped (idle targets kept until their load ended),
-and the metrics window (2 s) was added to a shorter scale-down delay."""
+the metrics window (2 s) was added to a shorter scale-down delay, and a model with no instance on a
+full cluster waited until another model's backlog was gone."""
 
 from __future__ import annotations
 
@@ -52,3 +53,18 @@ def test_metrics_window_does_not_extend_a_shorter_scale_down_delay() -> None:
     slow = Simulation(wl, hw, model("llama3-8b"), system("kascade"),
                       SimConfig(window_s=2.0, **{**FAST, "policy": Threshold(4.0, 0.3, 5.0, "queueLength")}))  # type: ignore[arg-type]
     assert all(h.maxlen == 8 for g, h in slow.history.items() if g[1] != "decode")  # a 5 s delay keeps the 2 s window
+
+
+def test_a_model_with_no_instance_is_not_starved_by_another_models_backlog() -> None:
+    # Two GPUs, two models. Model 0's backlog (about 60 s of prefill) holds both GPUs when model 1's
+    # first request arrives: one of model 0's instances is drained for it (it finishes its batch, then
+    # frees its GPU), instead of model 1 waiting until model 0 runs out of work.
+    hog = [Request(0.01 * k, 4096, 2, 0) for k in range(150)]
+    late = [Request(10.0, 256, 2, 1)]
+    wl = Workload("hog", tuple(hog + late))
+    hw = hardware("a800", hosts=1, gpus_per_host=2)
+    s = Simulation(wl, hw, model("llama3-8b"), system("kascade"), SimConfig(**FAST))  # type: ignore[arg-type]
+    r = s.run()
+    assert max(r.ttft_s[:150]) > 20  # model 0 really is backlogged for a long time
+    assert r.ttft_s[150] < 5.0, r.ttft_s[150]
+    assert any("preempted (draining)" in e.reason and e.model == 0 for e in r.events)
