@@ -54,6 +54,7 @@ def test_operator_args_and_env_are_real_settings(helm: Helm, monkeypatch: pytest
     assert s.namespaces == ["a", "b"] and s.interval_seconds == 0.25 and s.inter_leaf_ratio == 0.5
     assert s.leaf_label == "kascade.io/leaf" and s.metrics_source == "scrape"
     assert s.engine_token_secret == "rel-engine-token"  # what fallback pods reference
+    assert s.pool_namespace == "default"  # the release's namespace: its pool and its Secret live there
     token = next(e for e in c["env"] if e["name"] == "KASCADE_ENGINE_TOKEN")
     assert token["valueFrom"]["secretKeyRef"] == {"name": "rel-engine-token", "key": "token"}
 
