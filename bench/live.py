@@ -11,6 +11,11 @@ B -> A switch is charged the measured time to ship the activations over the real
 `--realtime`: two wall-clock threads instead (noisy here) -> TTFT per request, prefill tokens/s over time -> bench/results/live.json and
 live.png. `split_exact` checks every first token against a single engine, plus a split over the real
 TCP transport (B's prefix here, A's suffix behind a TCP listener) against a single engine.
+Engine pair section (`engine_pair`, not emulated): two real EngineInstances, B loading with half the
+layers paired with A over one TCP connection, B's requests batched per step (cooperation.py):
+`split_exact_batched`, `activation_bytes_per_token` beside its theory (hidden x dtype bytes), frames
+and connections counted. NOT done here: the policy comparison on real engines with real transfers
+over tbf-linked namespaces, and pipelines k=2/4 (their keys are not reported).
 """
 
 from __future__ import annotations
@@ -252,6 +257,46 @@ async def split_over_tcp(bs: BlockSet, prompts: list[list[int]], k: int) -> bool
         await listener.close()
 
 
+async def engine_pair(bs: BlockSet, prompts: list[list[int]], k: int) -> dict[str, object]:
+    """The product path, measured: a loading EngineInstance B (k layers) paired with a full one A over
+    one TCP connection (cooperation.py), B's requests batched per step; exactness against the unsplit
+    engine, activation bytes per token beside hidden x dtype bytes, frames and connections counted."""
+    from kascade_engine.config import EngineConfig
+    from kascade_engine.instance import EngineInstance
+    from kascade_engine.tokenizer import ByteTokenizer
+    from kascade_planner.engine_api import CooperateRequest
+
+    def inst(name: str, resident: int | None) -> EngineInstance:
+        cfg = EngineConfig(checkpoint=Path("."), model_name="bench-llama", token="bench", kv_tokens=8192,
+                           instance=name, resident_layers=resident)
+        i = EngineInstance(cfg, bs.config, ByteTokenizer(), bs)
+        i.serving.start()
+        return i
+
+    params = SamplingParams(max_tokens=8)
+    want = Engine(full_model(bs)).generate_many(prompts, params)
+    a, b = inst("a", None), inst("b", k)
+    lst = await TcpTransport().listen("127.0.0.1", 0, a.finisher.handle)
+    try:
+        await b.set_cooperate(CooperateRequest(f"127.0.0.1:{lst.port}", "besteffort"))
+
+        async def one(p: list[int]) -> list[int]:
+            return [ev.token async for ev in b.serving.tokens(b.serving.submit(p, params))]
+
+        got = await asyncio.gather(*(one(p) for p in prompts))
+        pc = b.pair
+        assert pc is not None
+        hidden, elt = b.model.shape.hidden, torch.empty(0, dtype=b.model.dtype).element_size()
+        return {"split_exact_batched": got == want, "activation_bytes_per_token": pc.bytes_sent / max(1, pc.tokens_sent),
+                "activation_bytes_per_token_theory": hidden * elt, "pair_frames": pc.steps_sent,
+                "pair_requests": len(prompts), "pair_tokens_generated": sum(len(g) for g in got),
+                "pair_connections_accepted": a.finisher.connections, "pair_split_k": k}
+    finally:
+        await b.close()
+        await a.close()
+        await lst.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small burst, < 1 minute")
@@ -305,13 +350,16 @@ def main() -> None:
     p99 = {m: float(np.percentile([(j.finish or 0) - j.arrival for j in js], 99)) for m, js in res.items()}
     exact_modes = all(j.token == ref[j.i] for rr in all_jobs for js in rr.values() for j in js)
     exact_tcp = asyncio.run(split_over_tcp(bs, [p.tolist()[:12] for p in prompts[:3]], L // 2))
+    pair = asyncio.run(engine_pair(bs, [p.tolist()[:12] for p in prompts[:6]], L // 2))
+    print(f"engine pair (real batched engines, one TCP connection): {pair}")
     eng = Engine(full_model(bs))
     t0 = time.perf_counter()
     out = eng.generate(prompts[0].tolist()[:16], SamplingParams(max_tokens=32))
     tps = len(out) / (time.perf_counter() - t0)
     result = {"p99_ttft_zigzag_over_stop": med["zigzag"], "p99_ttft_besteffort_over_stop": med["best-effort"],
               "p99_ttft_zigzag_ilp_over_stop": med["zigzag-ilp"], "ratios_per_round": ratios, "rounds": rounds,
-              "split_exact": bool(exact_modes and exact_tcp), "split_exact_modes": exact_modes, "split_exact_tcp": exact_tcp,
+              **pair,
+              "split_exact": bool(exact_modes and exact_tcp and pair["split_exact_batched"]), "split_exact_modes": exact_modes, "split_exact_tcp": exact_tcp,
               "tokens_per_s_single": tps, "p99_ttft_s": p99, "layer_time_s": tau, "layers": L, "requests": n,
               "load_ratio": args.load_ratio, "migrate_s": migrate, "clock": "wall" if args.realtime else "layer (1 unit = measured layer time)", "overload": args.overload, "quick": args.quick,
               "link": "emulated by block arrival times (l+1)*load_ratio*layer_time; activations handed over in-process "
