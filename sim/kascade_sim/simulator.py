@@ -361,7 +361,10 @@ class Simulation:
             fit = [i for i in decoders if i.kv_reserved + need <= i.kv_cap and i.n_running + i.incoming < self.spec.max_batch]
             if not fit:
                 return
-            d = min(fit, key=lambda i: (i.state != "serving", i.n_running + i.incoming, i.id))
+            # Packed, not spread: a decode step is memory-bound (nearly as long for 1 request as
+            # for 30) and a decoder with any request is busy, so spreading keeps every decoder
+            # busy with a few requests; packing lets the extra ones empty and be scaled down.
+            d = min(fit, key=lambda i: (i.state != "serving", -(i.n_running + i.incoming), i.id))
             q.popleft()
             d.reserve(need)
             d.incoming += 1

@@ -2,7 +2,8 @@
 delay has passed, not later. Each test fails on the simulator before its fix: a scale-down decided
 while the only candidate was still loading was dropped (idle targets kept until their load ended),
 the metrics window (2 s) was added to a shorter scale-down delay, and a model with no instance on a
-full cluster waited until another model's backlog was gone."""
+full cluster waited until another model's backlog was gone; prefilled requests were spread over every
+decoder (each then busy with a few requests) instead of packed."""
 
 from __future__ import annotations
 
@@ -68,3 +69,21 @@ def test_a_model_with_no_instance_is_not_starved_by_another_models_backlog() -> 
     assert max(r.ttft_s[:150]) > 20  # model 0 really is backlogged for a long time
     assert r.ttft_s[150] < 5.0, r.ttft_s[150]
     assert any("preempted (draining)" in e.reason and e.model == 0 for e in r.events)
+
+
+def test_prefilled_requests_are_packed_onto_the_busiest_decoder_with_room() -> None:
+    wl = Workload("pack", tuple(Request(0.0, 100, 10) for _ in range(4)))
+    s = Simulation(wl, hardware("a800", hosts=1, gpus_per_host=4), model("llama3-8b"), system("kascade"),
+                   SimConfig(mode="disaggregated", **FAST))  # type: ignore[arg-type]
+    p = s._new_instance("host-0", 0, "prefill", 0.0, "serving")
+    busy = s._new_instance("host-0", 0, "decode", 0.0, "serving")
+    spare = s._new_instance("host-0", 0, "decode", 0.0, "serving")
+    busy.reserve(110)
+    busy.add_running(3, 100, 10)
+    for r in range(3):
+        s.holder[r] = p
+        p.reserve(110)
+        s.queue[(0, "decode")].append(r)
+    s._dispatch(0, 0.0)
+    assert (busy.incoming, spare.incoming) == (3, 0)  # the spare decoder stays empty: it can go
+    assert p.kv_reserved == 0 and not s.queue[(0, "decode")]
