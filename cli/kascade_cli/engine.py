@@ -120,7 +120,7 @@ def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: s
         sock.listen(2048)  # connections queue from now on: the READY line below is true when printed
         listener = None
         if act_port is not None:
-            listener = await TcpTransport().listen(host, act_port, inst.finisher.handle)
+            listener = await TcpTransport().listen(host, act_port, lambda conn: inst.finisher.handle(conn))  # the current finisher: bind may rebuild it (dtype)
         # log_config=None: uvicorn's loggers go through the root handler `kascade --log-format` set up
         server = uvicorn.Server(uvicorn.Config(create_app(inst), log_level="warning", lifespan="on", log_config=None,
                                                http=guarded(header_timeout, max_connections),
