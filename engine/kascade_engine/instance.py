@@ -96,7 +96,8 @@ class EngineInstance:
         self.pair: PairClient | None = None  # while loading with a peer: our rows finish there
         self.finisher = Finisher(self.model, busy=lambda: not self.engine.scheduler.idle, token=config.token,
                                  host=self.host, wake=lambda: self.serving.wake.set())
-        self.serving = Serving(self)
+        if not hasattr(self, "serving"):  # a dtype rebuild keeps the request side and its running loop
+            self.serving = Serving(self)
 
     # -- phase ---------------------------------------------------------------------------------
     def _to(self, phase: Phase) -> None:

@@ -56,8 +56,9 @@ class Serving:
             self._loop_task = None
 
     async def _run(self) -> None:
-        eng, metrics = self.inst.engine, self.inst.metrics
+        metrics = self.inst.metrics
         while True:
+            eng = self.inst.engine  # read each step: bind may rebuild it for another dtype
             if eng.idle:
                 self.wake.clear()
                 if eng.idle:  # a pair step may have arrived between the check and the clear

@@ -61,10 +61,14 @@ async def test_phase_walk_bind_source_serve_drain_release(tiny_ckpt, tiny_blocks
 
 async def test_bind_sets_dtype_before_weights_and_refuses_after(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
     inst = _empty(tiny_ckpt, tiny_blocks)
+    inst.serving.start()
     st = await inst.bind(BindRequest("tiny-llama", "svc", dtype="bfloat16"))
     assert st.dtype == "bfloat16" and inst.model.dtype is not None and str(inst.model.dtype) == "torch.bfloat16"
     inst.add_blockset(tiny_blocks)
     assert inst.model.weights["layer.0"]["self_attn.q_proj.weight"].dtype == inst.model.dtype
+    rid = inst.serving.submit([1, 2, 3], SamplingParams(max_tokens=3))  # the running loop steps the new engine
+    assert len([ev async for ev in inst.serving.tokens(rid)]) == 3
+    assert inst.engine.cache.k.dtype == inst.model.dtype
     with pytest.raises(InstanceError, match="cannot switch to float32"):
         await inst.bind(BindRequest("tiny-llama", "svc", dtype="float32"))
     await inst.close()
