@@ -231,6 +231,12 @@ class EngineInstance:
                 raise InstanceError(502, f"cannot pair with peer {req.peer}: {e}", "peer") from None
         else:
             pair = None
+        if pair is not None and req.zigzag is not None:  # the operator's ZigZag setting: planner's schedule
+            from kascade_engine.livepolicy import ZigZagPolicy
+            from kascade_planner.zigzag import PairSetting
+
+            z = req.zigzag
+            pair.policy = ZigZagPolicy(PairSetting(self.model.shape.layers, z.load_ratio, z.batches), ilp=z.ilp)
         old, self.pair = self.pair, pair
         self.engine.coop = pair if pair is not None else self.host
         if old is not None and old is not pair:

@@ -140,6 +140,33 @@ class LoadPlanRequest:
 
 
 @dataclass(frozen=True)
+class ZigZagSpec:
+    """The pair's ZigZag setting (kascade_planner.zigzag.PairSetting; the engine knows the layers):
+    `loadRatio` = loading one layer / computing one layer, `batches` scheduled, `ilp` = use the
+    pipeline-configuration ILP's prefixes instead of the ILP-free schedule's."""
+
+    load_ratio: float
+    batches: int
+    ilp: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"loadRatio": self.load_ratio, "batches": self.batches, "ilp": self.ilp}
+
+    @staticmethod
+    def from_dict(doc: object) -> ZigZagSpec:
+        d = _obj(doc, "zigzag")
+        _only(d, ("loadRatio", "batches", "ilp"), "zigzag.")
+        lr, n, ilp = d.get("loadRatio"), d.get("batches"), d.get("ilp", False)
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 <= lr <= 1e6:
+            raise WireError("zigzag.loadRatio", f"must be a number in [0, 1e6], got {lr!r}")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 1024:
+            raise WireError("zigzag.batches", f"must be an integer in 1..1024, got {n!r}")
+        if not isinstance(ilp, bool):
+            raise WireError("zigzag.ilp", f"must be a boolean, got {ilp!r}")
+        return ZigZagSpec(float(lr), n, ilp)
+
+
+@dataclass(frozen=True)
 class CooperateRequest:
     """Serve split with `peer` (its activation port) while loading; mode `off` stops; `standby` only opens
     and authenticates the connection to `peer` ahead (at bind or pool join), so a later pairing pays no
@@ -148,15 +175,20 @@ class CooperateRequest:
 
     peer: str
     mode: Mode
+    zigzag: ZigZagSpec | None = None  # mode zigzag: follow this schedule (else best effort)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"peer": self.peer, "mode": self.mode}
+        return {"peer": self.peer, "mode": self.mode, **({"zigzag": self.zigzag.to_dict()} if self.zigzag else {})}
 
     @staticmethod
     def from_dict(doc: object) -> CooperateRequest:
         d = _obj(doc)
-        _only(d, ("peer", "mode"))
-        return CooperateRequest(cast(str, _str(d, "peer", nonempty=False)), cast(Mode, _choice(d, "mode", MODES)))
+        _only(d, ("peer", "mode", "zigzag"))
+        mode = cast(Mode, _choice(d, "mode", MODES))
+        zz = ZigZagSpec.from_dict(d["zigzag"]) if d.get("zigzag") is not None else None
+        if zz is not None and mode != "zigzag":
+            raise WireError("zigzag", f"only with mode zigzag, not {mode}")
+        return CooperateRequest(cast(str, _str(d, "peer", nonempty=False)), mode, zz)
 
 
 @dataclass(frozen=True)

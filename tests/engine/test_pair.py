@@ -224,3 +224,28 @@ async def test_fig15_engine_follows_the_planners_zigzag(fig15_blocks, ilp: bool)
               f"{[round(d[1], 1) for d in sorted(done)]}), predicted {expected} {predicted}")
     finally:
         await p.close()
+
+
+async def test_cooperate_carries_the_operators_zigzag_setting(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    from kascade_planner.engine_api import WireError
+    from kascade_planner.zigzag import PairSetting, ilp_config, ilp_free
+
+    req = CooperateRequest.from_dict({"peer": "h:1", "mode": "zigzag", "zigzag": {"loadRatio": 6, "batches": 5, "ilp": True}})
+    assert CooperateRequest.from_dict(req.to_dict()) == req
+    for bad, name in (({"loadRatio": -1, "batches": 2}, "zigzag.loadRatio"), ({"loadRatio": 1, "batches": 0}, "zigzag.batches"),
+                      ({"loadRatio": 1, "batches": 2, "ilp": "yes"}, "zigzag.ilp"), ({"loadRatio": 1, "batches": 2, "x": 1}, "zigzag.x")):
+        with pytest.raises(WireError) as e:
+            CooperateRequest.from_dict({"peer": "h:1", "mode": "zigzag", "zigzag": bad})
+        assert e.value.field == name
+    with pytest.raises(WireError, match="only with mode zigzag"):
+        CooperateRequest.from_dict({"peer": "h:1", "mode": "besteffort", "zigzag": {"loadRatio": 1, "batches": 2}})
+    p = await _pair(tiny_ckpt, tiny_blocks, resident=1)
+    try:
+        for ilp in (False, True):
+            z = {"loadRatio": 6, "batches": 5, "ilp": ilp}
+            await p.b.set_cooperate(CooperateRequest.from_dict({"peer": p.peer, "mode": "zigzag", "zigzag": z}))
+            assert p.b.pair is not None and p.b.pair.policy is not None
+            s = PairSetting(4, 6.0, 5)
+            assert p.b.pair.policy.targets == (ilp_config(s) if ilp else ilp_free(s).target_layers)
+    finally:
+        await p.close()
