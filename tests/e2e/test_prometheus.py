@@ -126,7 +126,13 @@ def test_promql_source_scales_up_and_dashboard_queries_return_data(
     cp, ns = control_plane, namespace
     prom, op = world
     cp.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(msvc(str(tmp_path / MODEL))))
-    first = wait_for(lambda: loaded(cp, ns), 90, "the first copy loaded")
+    try:
+        first = wait_for(lambda: loaded(cp, ns), 90, "the first copy loaded")
+    except AssertionError:
+        print(json.dumps(get(cp, ns, "msvc", "svc").get("status"), indent=1))
+        print([(e["reason"], e["message"]) for e in get(cp, ns, "events")["items"]][-10:])
+        print(cp.kubectl("-n", ns, "get", "pods", "-o", "wide", "--show-labels").stdout)
+        raise
     # Prometheus sees the bound engine under its pod name, with the PodMonitor's labels
     wait_for(lambda: prom.query(f'kascade_num_requests_running{{pod="{first[0]["metadata"]["name"]}", model_service="svc"}}'),
              30, "the bound engine's series in Prometheus")
