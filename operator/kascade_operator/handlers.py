@@ -313,7 +313,8 @@ def _slim_pod(body: Any) -> dict[str, Any]:
             "spec": {"nodeName": spec.get("nodeName"),
                      "containers": [{"name": c.get("name"), "ports": list(c.get("ports") or [])}
                                     for c in spec.get("containers") or []]},
-            "status": {"podIP": status.get("podIP"), "conditions": list(status.get("conditions") or [])}}
+            "status": {"podIP": status.get("podIP"), "phase": status.get("phase"),
+                       "conditions": list(status.get("conditions") or [])}}
 
 
 def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:

@@ -37,7 +37,8 @@ class PodView:
     act_endpoint: str | None = None  # where the engine finishes split requests of a live-paired target
     model: str | None = None  # the model its engine serves (annotation kascade.io/model); None: any model
     created_for: str | None = None  # service key a fallback pod was created for (only that service binds it)
-    pod_ready: bool = True  # the pod's Ready condition (its engine answers /healthz)
+    pod_ready: bool = True  # the pod's Ready condition (the engine's /readyz: serving)
+    running: bool = True  # pod phase Running (containers started); a Pending fallback pod is not a target
     unschedulable: bool = False  # the scheduler found no node for it (PodScheduled False, Unschedulable)
     namespace: str = ""
 
@@ -65,6 +66,7 @@ def pod_view(pod: Mapping[str, Any], node_leaf: Mapping[str, str] | None = None)
     lab, ann = meta.get("labels") or {}, {**_addresses(pod), **(meta.get("annotations") or {})}
     conds = (pod.get("status") or {}).get("conditions") or []
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+    phase = (pod.get("status") or {}).get("phase")
     unschedulable = any(c.get("type") == "PodScheduled" and c.get("status") == "False"
                         and c.get("reason") == "Unschedulable" for c in conds)
     node = (pod.get("spec") or {}).get("nodeName")
@@ -80,7 +82,7 @@ def pod_view(pod: Mapping[str, Any], node_leaf: Mapping[str, str] | None = None)
         data_endpoint=ann.get(L.DATA_ENDPOINT), instance=ann.get(L.INSTANCE) or str(meta.get("name")),
         plan=ann.get(L.PLAN), leaf=(node_leaf or {}).get(node or ""), unhealthy=ann.get(L.UNHEALTHY),
         act_endpoint=ann.get(L.ACT_ENDPOINT), model=ann.get(L.MODEL), created_for=ann.get(L.CREATED_FOR),
-        pod_ready=ready, unschedulable=unschedulable, namespace=ns)
+        pod_ready=ready, unschedulable=unschedulable, namespace=ns, running=phase in (None, "Running"))
 
 
 def can_serve(p: PodView, model: str, service: str) -> bool:
@@ -102,8 +104,11 @@ def choose_targets(idle: Sequence[PodView], k: int, source_leaves: Collection[st
 
 
 def usable_target(p: PodView) -> bool:
-    """Scheduled, Ready, reachable and never dropped as unhealthy."""
-    return bool(p.node and p.endpoint and p.pod_ready and not p.unhealthy)
+    """Scheduled, reachable (an engine address) and never dropped as unhealthy. Not the pod's Ready
+    condition: the pool's readinessProbe is the engine's /readyz, which an idle (unbound) engine fails
+    by design (routers send it nothing); the pod must be Running (its containers started), and an engine
+    that does not answer is dropped at bind time."""
+    return bool(p.node and p.endpoint and p.running and not p.unhealthy)
 
 
 def choose_drain(serving: Sequence[PodView], k: int, keep_last: bool = True) -> list[PodView]:
