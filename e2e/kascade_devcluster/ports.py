@@ -1,17 +1,50 @@
-"""Free loopback TCP ports, picked by binding port 0 (the kernel chooses)."""
+"""Free loopback TCP ports for test engines, control planes and routers.
+
+Ports are picked BELOW the kernel's ephemeral range and never handed out twice by one process. A port
+picked by binding port 0 lies inside the ephemeral range; engines bind their data port only when a plan
+arrives, and by then any outgoing connection (the readiness prober's, the router's, the load
+generator's) may have taken it as its source port: `load-plan` then failed with "Address already in use".
+"""
 
 from __future__ import annotations
 
+import os
+import random
 import socket
-from contextlib import ExitStack
+
+_LOW = 10000
+_handed_out: set[int] = set()  # ports this process gave out (bound later, maybe much later)
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def free_ports(n: int) -> list[int]:
-    """Return `n` distinct free ports on 127.0.0.1 (held open together so they are distinct)."""
+    """Return `n` distinct ports on 127.0.0.1 that are free now, outside the ephemeral range, and not
+    returned before by this process."""
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
-    with ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
+    high = _ephemeral_low()
+    rng = random.Random(os.getpid() ^ len(_handed_out))
+    out: list[int] = []
+    for _ in range(50 * max(n, 1)):
+        if len(out) == n:
+            break
+        port = rng.randrange(_LOW, high)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        out.append(port)
+    if len(out) < n:
+        raise RuntimeError(f"found only {len(out)} of {n} free ports in [{_LOW}, {high})")
+    return out

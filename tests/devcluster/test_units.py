@@ -23,6 +23,11 @@ def test_free_ports_are_distinct_and_unprivileged() -> None:
     ports = free_ports(8)
     assert len(set(ports)) == 8
     assert all(1024 < p < 65536 for p in ports)
+    # below the ephemeral range (an outgoing connection cannot hold one before the engine binds it),
+    # and never handed out twice by this process
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert all(p < low for p in ports)
+    assert not set(ports) & set(free_ports(8))
     with pytest.raises(ValueError, match="n must be"):
         free_ports(-1)
 
