@@ -30,7 +30,7 @@ from kascade_devcluster.routerproc import RouterProcess
 from kascade_devcluster.waiting import wait_for
 from kascade_engine.checkpoint import tiny_llama
 
-PLAN_DRIVER_STALL = pytest.mark.xfail(strict=False, reason="known bug, open in issue 14: a plan whose target engine accepted bind sometimes never proceeds (plandriver follows only pods already labelled for the plan; the e2e ReadinessProber rewrites pod status every second); seen in CI runs on 2026-11-23 as first-copy, 2-ready and scale-down timeouts")
+PLAN_DRIVER_STALL = pytest.mark.xfail(strict=False, reason="known flake, open in issue 14: a plan whose target accepted bind is sometimes not driven further within the test timeout (first copy or second replica not ready in 90 s); passed and failed on the same code on 2026-11-23")
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 TOKEN = "e2e-engine-token"
@@ -135,7 +135,6 @@ def complete(url: str) -> str:
     return str(r.json()["choices"][0]["text"])
 
 
-@PLAN_DRIVER_STALL
 def test_burst_scales_up_by_chain_from_the_serving_replica_and_back(
         control_plane: ControlPlane, namespace: str, world: tuple[EnginePool, OperatorProcess, list[str]],
         ckpt: Path, router: RouterProcess) -> None:
@@ -143,8 +142,8 @@ def test_burst_scales_up_by_chain_from_the_serving_replica_and_back(
     one it cannot serve (its own request log says so)."""
     cp, ns = control_plane, namespace
     pool, _, nodes = world
-    # thresholds low enough for a loaded 2-core machine: the burst is ~300+ tok/s, calm ~60 in total
-    src = serve_first_copy(cp, ns, msvc(ckpt, 1, 3, upper=100, lower=30))
+    # thresholds for a loaded 2-core machine: the burst is ~300+ tok/s, calm ~60 in total (lower 45: two replicas at calm, 30 each, must be below it)
+    src = serve_first_copy(cp, ns, msvc(ckpt, 1, 3, upper=100, lower=45))
     local = [p for p in get(cp, ns, "splan")["items"] if p["spec"]["algorithm"] == "local"]
     assert local and local[0]["spec"]["sources"][0]["path"] == str(ckpt)
     want = complete(pool.engines[src].url)
@@ -282,7 +281,9 @@ def test_replica_killed_mid_stream_fails_only_its_requests(
     print(f"killed {victim} mid-stream: {len(failed)} requests on it failed, {len(after)} after it all ok")
 
 
-@PLAN_DRIVER_STALL
+@pytest.mark.xfail(strict=False, reason="known bug, open in issues 13/14: after the idle release to zero one pool "
+                   "pod stays bound to the service (the assertion that no pod is bound fails); seen on 2026-11-23 "
+                   "on an idle machine after the issue-14 merge")
 def test_scale_from_zero_through_the_router(control_plane: ControlPlane, crds: list[str], namespace: str,
                                             kwok_nodes: Callable[..., list[str]], ckpt: Path, tmp_path: Path) -> None:
     """replicas.min 0: nothing runs until a request arrives; the router holds it, the operator sees the
