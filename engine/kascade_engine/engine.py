@@ -13,7 +13,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -65,13 +66,16 @@ class Engine:
         self.eos = eos
         self._ids = itertools.count()
         self._aborts: set[str] = set()
+        # work handed over by the event loop, run at the start of the next step in the step thread (a
+        # remotely prefilled sequence joining the batch: remote_prefill.py); returns that step's events
+        self._inbox: deque[Callable[[Engine], list[Event]]] = deque()
         self.steps = 0
         self.coop: Cooperation | None = None  # live split hook (cooperation.py): hosts or sends pair rows
 
     @property
     def idle(self) -> bool:
         """Nothing to step: no sequences and no pair rows waiting."""
-        return self.scheduler.idle and not (self.coop is not None and self.coop.pending())
+        return self.scheduler.idle and not self._inbox and not (self.coop is not None and self.coop.pending())
 
     def reset(self) -> None:
         """Forget every request (release: the instance holds nothing afterwards)."""
@@ -101,6 +105,10 @@ class Engine:
         """Safe from another thread while `step` runs: applied at the start of the next step."""
         self._aborts.add(rid)
 
+    def call_in_step(self, fn: Callable[[Engine], list[Event]]) -> None:
+        """Run `fn(self)` in the step thread before the next schedule (safe from the event loop)."""
+        self._inbox.append(fn)
+
     def _apply_aborts(self) -> None:
         while self._aborts:
             rid = self._aborts.pop()
@@ -129,10 +137,13 @@ class Engine:
 
     def step(self) -> list[Event]:
         self._apply_aborts()
+        events: list[Event] = []
+        while self._inbox:
+            events.extend(self._inbox.popleft()(self))
         batch = self.scheduler.schedule()
         work = sorted((w for w in batch.work if w.id in self.requests), key=lambda w: w.n > 1)  # decodes first
         if not work and not (self.coop is not None and self.coop.pending()):
-            return []
+            return events
         self.steps += 1
         try:
             toks = self._forward(work) if self.coop is None else self.coop.forward(self, work)
@@ -141,8 +152,7 @@ class Engine:
             for w in work:
                 self.scheduler.finish(w.id)
                 self.requests.pop(w.id, None)
-            return [Event(w.id, -1, True, f"error: {e}") for w in work]
-        events: list[Event] = []
+            return events + [Event(w.id, -1, True, f"error: {e}") for w in work]
         it = iter(toks)
         now = time.monotonic()
         for w in work:

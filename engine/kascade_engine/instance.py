@@ -28,6 +28,8 @@ from kascade_engine.live import Finisher
 from kascade_engine.metrics import EngineMetrics
 from kascade_engine.model import LlamaModel
 from kascade_engine.peerpool import PeerPool
+from kascade_engine.prefill_server import PrefillServer
+from kascade_engine.remote_prefill import RemotePrefill
 from kascade_engine.scheduler import Limits
 from kascade_engine.tokenizer import Tokenizer
 from kascade_engine.transport import TransportError, make_transport
@@ -94,10 +96,12 @@ class EngineInstance:
         self.host = HostRows()  # pair sessions (a loading peer's rows) join this engine's batch
         self.engine.coop = self.host
         self.pair: PairClient | None = None  # while loading with a peer: our rows finish there
-        self.finisher = Finisher(self.model, busy=lambda: not self.engine.scheduler.idle, token=config.token,
-                                 host=self.host, wake=lambda: self.serving.wake.set())
         if not hasattr(self, "serving"):  # a dtype rebuild keeps the request side and its running loop
             self.serving = Serving(self)
+            self.prefill_server = PrefillServer(self)  # PD: prefill for decode engines, KV out on the data port
+            self.remote_prefill = RemotePrefill(self)  # PD: our requests' prefill on a peer, KV in
+        self.finisher = Finisher(self.model, busy=lambda: not self.engine.scheduler.idle, token=config.token,
+                                 host=self.host, wake=lambda: self.serving.wake.set(), prefill=self.prefill_server)
 
     # -- phase ---------------------------------------------------------------------------------
     def _to(self, phase: Phase) -> None:
@@ -276,6 +280,7 @@ class EngineInstance:
 
     async def close(self) -> None:
         await self.peers.close()
+        await self.remote_prefill.close()
         if self.pair is not None:
             await self.pair.close()
         if self.loading is not None and not self.loading.done():

@@ -79,8 +79,10 @@ class Finisher:
     """A's side: finishes requests whose prefix ran elsewhere. `handle` is a transport handler."""
 
     def __init__(self, model: LlamaModel, max_requests: int = 256, busy: Callable[[], bool] = lambda: False,
-                 token: str | None = None, host: Any = None, wake: Callable[[], None] = lambda: None) -> None:
+                 token: str | None = None, host: Any = None, wake: Callable[[], None] = lambda: None,
+                 prefill: Any = None) -> None:
         self.model = model
+        self.prefill = prefill  # prefill_server.PrefillServer: serves decode engines' {"op": "prefill"} (PD)
         self.token = token
         self.host = host  # cooperation.HostRows of this engine: pair sessions join its batch
         self.wake = wake  # wakes this engine's step loop when a pair step arrives
@@ -151,6 +153,9 @@ class Finisher:
 
                 self.pairs += 1
                 await host_pair(self.host, self.model, conn, header, self.pairs, self.wake, limit)
+                return
+            if first and header.get("op") == "prefill" and self.prefill is not None:
+                await self.prefill.handle(conn, header)  # disaggregated serving: KV goes back on this connection
                 return
             first = False
             reply = await asyncio.to_thread(self.step, header, payload)

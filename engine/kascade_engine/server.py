@@ -102,7 +102,7 @@ def create_app(inst: EngineInstance) -> FastAPI:
         if longest + want > ctx:
             raise RequestError(400, f"prompt ({longest} tokens) + {field} ({want}) exceeds the context of {ctx} "
                                "tokens", field)
-        call = Call(inst, body, prompts, want)
+        call = Call(inst, body, prompts, want, prefill_peer(request))
         if not body.stream:
             return JSONResponse(await until_client_leaves(request, call.json()))
         return StreamingResponse(call.sse(), media_type="text/event-stream")
@@ -197,6 +197,21 @@ async def until_client_leaves(request: Request, work: Any) -> Any:
         await asyncio.gather(task, return_exceptions=True)
         raise RequestError(499, "client closed the request", None)
     return task.result()
+
+
+PREFILL_HEADER = "x-kascade-prefill"  # the router's PD choice: host:port of a prefill engine's data port
+
+
+def prefill_peer(request: Request) -> str | None:
+    """The prefill engine the router chose for this request (disaggregated serving), if any. Only the
+    router sets it (it never forwards clients' headers); the peer must still pass the data-port hello."""
+    peer = request.headers.get(PREFILL_HEADER)
+    if not peer:
+        return None
+    host, _, port = peer.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise RequestError(400, f"header '{PREFILL_HEADER}' = {peer!r}: expected host:port", PREFILL_HEADER)
+    return peer
 
 
 def new_token() -> str:

@@ -90,7 +90,9 @@ class Serving:
         if any(not 0 <= t < vocab for t in prompt):
             raise RequestError(400, f"prompt token ids must be in 0..{vocab - 1}", "prompt")
 
-    def submit(self, prompt: list[int], params: SamplingParams) -> str:
+    def submit(self, prompt: list[int], params: SamplingParams, prefill: str | None = None) -> str:
+        """`prefill`: a prefill engine's data address (disaggregated serving): the prompt is prefilled there
+        and its KV moves here (remote_prefill.py); without one, or when that fails, it is prefilled here."""
         self.check_prompt(prompt)
         rid = f"cmpl-{uuid.uuid4().hex[:16]}"
         self.queues[rid] = asyncio.Queue()
@@ -110,7 +112,9 @@ class Serving:
 
         pair = self.inst.pair if not self.inst.model.complete else None
         try:
-            if pair is not None:  # live: now, or once the ZigZag schedule's prefix is resident
+            if prefill is not None and pair is None:
+                self.inst.remote_prefill.start(rid, prompt, params, prefill, go)
+            elif pair is not None:  # live: now, or once the ZigZag schedule's prefix is resident
                 pair.admit(rid, go, self.queues[rid].put_nowait)
             else:
                 go()

@@ -1,0 +1,111 @@
+"""KV wire: the frames a prefill engine P and a decode engine D exchange to move one request's KV cache
+(disaggregated serving), their checks, and the running digest both ends keep.
+
+Session (one authenticated data-plane connection D -> P, opened through the same hello as activation
+connections and reused for the next request once this one is done):
+  D -> P  {"op": "prefill", "req", "tokens": [...], "params": {temperature, top_p, seed},
+           "layers", "kv_heads", "head_dim", "dtype"}         (D's model shape: P refuses a mismatch)
+  P -> D  {"op": "kv", "req", "layer", "start", "n", "part": "k"|"v", "shape": [n, kv_heads, head_dim],
+           "dtype"} + raw bytes (row-major, little endian)    one pair of frames per layer per prefill
+                                                              chunk, sent while P computes the next layer
+  P -> D  {"op": "kv_done", "req", "token" (the first sampled token), "frames", "bytes", "digest"}
+     or   {"op": "error", "req", "message"}
+D accepts the KV only if every (layer, position) of the prompt arrived exactly once and the byte count
+and blake2b digest over the payloads (in send order) match; otherwise it prefills locally instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+Header = dict[str, Any]
+PARTS = ("k", "v")
+
+
+class KVWireError(ValueError):
+    """A malformed or inconsistent KV frame; the message names the field."""
+
+
+def digest() -> Any:
+    return hashlib.blake2b(digest_size=16)
+
+
+@dataclass(frozen=True)
+class KVShape:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str  # torch dtype name without the prefix ("float32", "bfloat16", ...)
+    itemsize: int
+
+    def frame_bytes(self, n: int) -> int:
+        """Bytes of one part (K or V) of `n` positions of one layer."""
+        return n * self.kv_heads * self.head_dim * self.itemsize
+
+    def to_header(self) -> Header:
+        return {"layers": self.layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim, "dtype": self.dtype}
+
+    def mismatch(self, h: Header) -> str | None:
+        """Why a peer's announced shape cannot use our KV (None when it can)."""
+        for name, mine in self.to_header().items():
+            if h.get(name) != mine:
+                return f"field '{name}': peer has {h.get(name)!r}, this engine has {mine!r}"
+        return None
+
+
+def kv_header(req: str, layer: int, start: int, n: int, part: str, shape: KVShape) -> Header:
+    return {"op": "kv", "req": req, "layer": layer, "start": start, "n": n, "part": part,
+            "shape": [n, shape.kv_heads, shape.head_dim], "dtype": shape.dtype}
+
+
+def _int(h: Header, name: str, lo: int, hi: int) -> int:
+    v = h.get(name)
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise KVWireError(f"kv frame field '{name}' = {v!r}: must be an int in {lo}..{hi}")
+    return v
+
+
+def check_kv(h: Header, shape: KVShape, prompt_len: int, payload: int) -> tuple[int, int, int, str]:
+    """(layer, start, n, part) of a KV frame, after checking it against the request and our model."""
+    layer = _int(h, "layer", 0, shape.layers - 1)
+    start = _int(h, "start", 0, prompt_len - 1)
+    n = _int(h, "n", 1, prompt_len - start)
+    part = h.get("part")
+    if part not in PARTS:
+        raise KVWireError(f"kv frame field 'part' = {part!r}: must be 'k' or 'v'")
+    if h.get("dtype") != shape.dtype:
+        raise KVWireError(f"kv frame field 'dtype' = {h.get('dtype')!r}: this engine's KV is {shape.dtype}")
+    if h.get("shape") != [n, shape.kv_heads, shape.head_dim]:
+        raise KVWireError(f"kv frame field 'shape' = {h.get('shape')!r}: expected {[n, shape.kv_heads, shape.head_dim]}")
+    if payload != shape.frame_bytes(n):
+        raise KVWireError(f"kv frame payload is {payload} bytes; {n} positions need {shape.frame_bytes(n)}")
+    return layer, start, n, str(part)
+
+
+@dataclass
+class Coverage:
+    """Which (part, layer, position) of a prompt's KV arrived; each exactly once."""
+
+    layers: int
+    positions: int
+    seen: dict[tuple[str, int], list[bool]] = field(default_factory=dict)
+    frames: int = 0
+
+    def add(self, part: str, layer: int, start: int, n: int) -> None:
+        row = self.seen.setdefault((part, layer), [False] * self.positions)
+        if any(row[start:start + n]):
+            raise KVWireError(f"kv frame for layer {layer} part {part} positions {start}..{start + n - 1} "
+                              "overlaps KV already received")
+        row[start:start + n] = [True] * n
+        self.frames += 1
+
+    def missing(self) -> str | None:
+        for part in PARTS:
+            for layer in range(self.layers):
+                row = self.seen.get((part, layer))
+                if row is None or not all(row):
+                    got = 0 if row is None else sum(row)
+                    return f"layer {layer} part {part}: {got}/{self.positions} positions received"
+        return None

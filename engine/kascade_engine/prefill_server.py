@@ -1,0 +1,227 @@
+"""Prefill server: the prefill engine's side of disaggregated serving. A decode engine asks it to prefill a
+prompt; it runs the prompt in its own batch (chunked prefill, next to its other requests) and ships the
+prompt's KV to the decode engine layer by layer, while the next layer computes.
+
+Data flow: the data port's hello (live.Finisher.handle) -> a first frame {"op": "prefill"} ->
+`PrefillServer.handle` (checks tokens and the peer's model shape; kv_wire.py) -> `Engine.submit(tokens,
+max_tokens=1)` with a request queue in `Serving.queues` -> the step loop runs `KVShipper.forward`: one layer
+at a time for the whole batch; after each layer the K and V of the remote sequences' new positions are
+copied to host memory and handed to the event loop -> `handle` sends them as kv frames as they come ->
+the step's sampled first token arrives as the request's `Event` -> {"op": "kv_done"} with the digest.
+A failed step, an unknown shape, or a decode engine that goes away ends only that request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kascade_engine.engine import Event
+from kascade_engine.kv_wire import Header, KVShape, KVWireError, digest, kv_header
+from kascade_engine.kvcache import build_batch
+from kascade_engine.sampling import SamplingParams, sample
+from kascade_engine.transport import Connection, TransportError
+
+if TYPE_CHECKING:
+    from kascade_engine.cooperation import Cooperation
+    from kascade_engine.engine import Engine
+    from kascade_engine.instance import EngineInstance
+    from kascade_engine.scheduler import Work
+
+log = logging.getLogger(__name__)
+
+
+def kv_shape(inst: EngineInstance) -> KVShape:
+    s, cache = inst.model.shape, inst.engine.cache
+    return KVShape(s.layers, s.kv_heads, s.head_dim, str(inst.dtype).removeprefix("torch."), cache.k.element_size())
+
+
+def host_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous host tensor, without a copy (any dtype, bfloat16 included)."""
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class KVPiece:
+    """K and V of positions start..start+n-1 of one layer of one remote sequence, in host memory."""
+
+    layer: int
+    start: int
+    n: int
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+@dataclass
+class KVShipper:
+    """The prefill engine's step hook (Engine.coop): runs the batch layer by layer and hands each layer's
+    new KV of remote sequences to their sinks. Wraps the hook it replaced (live pair rows)."""
+
+    inner: Cooperation | None
+    sinks: dict[str, Callable[[KVPiece], None]] = field(default_factory=dict)
+
+    def pending(self) -> bool:
+        return self.inner is not None and self.inner.pending()
+
+    def _ship(self, engine: Engine, remote: list[Work], layer: int) -> None:
+        cache, pool, ps = engine.cache, engine.scheduler.pool, engine.cache.page_size
+        for w in remote:
+            table = pool.tables[w.id]
+            slots = torch.tensor([table[p // ps] * ps + p % ps for p in range(w.start, w.end)], dtype=torch.long,
+                                 device=cache.device)
+            k = cache.k[layer].index_select(0, slots).to("cpu").contiguous()  # a new host tensor: pages get reused
+            v = cache.v[layer].index_select(0, slots).to("cpu").contiguous()
+            self.sinks[w.id](KVPiece(layer, w.start, w.n, k, v))
+
+    def forward(self, engine: Engine, work: list[Work]) -> list[int]:
+        remote = [w for w in work if w.id in self.sinks]
+        L = engine.model.shape.layers
+        if not remote or self.pending():  # pair rows share this step: run it whole, then ship every layer
+            toks = self.inner.forward(engine, work) if self.inner is not None else engine._forward(work)
+            for layer in range(L) if remote else ():
+                self._ship(engine, remote, layer)
+            return toks
+        m, pool = engine.model, engine.scheduler.pool
+        ids: list[int] = []
+        rows: list[int] = []
+        for w in work:
+            ids.extend(engine.requests[w.id].tokens[w.start:w.end])
+            if w.end == len(engine.requests[w.id].tokens):
+                rows.append(len(ids) - 1)
+        batch = build_batch(engine.cache, [(pool.tables[w.id], w.start, w.n) for w in work])
+        h = m.embed(torch.tensor(ids, dtype=torch.long, device=m.device))
+        for layer in range(L):  # one layer for the whole batch, then its KV leaves while the next computes
+            h = m.run_layers(layer, layer + 1, h, batch)
+            self._ship(engine, remote, layer)
+        logits = m.logits(h[torch.tensor(rows, dtype=torch.long, device=m.device)])
+        out = []
+        for j, w in enumerate(w for w in work if w.end == len(engine.requests[w.id].tokens)):
+            r = engine.requests[w.id]
+            out.append(int(logits[j].argmax()) if r.params.temperature <= 0 else sample(logits[j].cpu(), r.params, r.gen))
+        return out
+
+
+def _tokens(h: Header, vocab: int, limit: int) -> list[int]:
+    toks = h.get("tokens")
+    if not isinstance(toks, list) or not toks or len(toks) > limit:
+        raise KVWireError(f"field 'tokens': a non-empty list of at most {limit} token ids is required")
+    if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in toks):
+        raise KVWireError(f"field 'tokens': token ids must be ints in 0..{vocab - 1}")
+    return toks
+
+
+def _params(h: Header) -> SamplingParams:
+    p = h.get("params") or {}
+    try:
+        seed = p.get("seed")
+        return SamplingParams(max_tokens=1, temperature=float(p.get("temperature", 0.0)),
+                              top_p=float(p.get("top_p", 1.0)), seed=None if seed is None else int(seed))
+    except (TypeError, ValueError, AttributeError) as e:
+        raise KVWireError(f"field 'params': {e}") from None
+
+
+class PrefillServer:
+    """Serves prefill requests of decode engines on this engine's data port (one per connection at a time)."""
+
+    def __init__(self, inst: EngineInstance) -> None:
+        self.inst = inst
+        self.requests = 0  # metrics: prefills served for decode engines
+        self.bytes_sent = 0
+        self.refused = 0
+
+    def _shipper(self) -> KVShipper:
+        eng = self.inst.engine
+        if not isinstance(eng.coop, KVShipper):  # installed on first use; set_cooperate may replace it
+            eng.coop = KVShipper(eng.coop)
+        return eng.coop
+
+    async def handle(self, conn: Connection, first: Header) -> None:
+        header: Header | None = first
+        while header is not None:
+            if header.get("op") != "prefill":
+                await conn.send({"op": "error", "message": f"unexpected op {header.get('op')!r} (want 'prefill')"})
+                return
+            if not await self._one(conn, header):
+                return
+            try:
+                header, _ = await conn.recv(max_payload=0)
+            except TransportError:
+                return
+
+    async def _one(self, conn: Connection, h: Header) -> bool:
+        """Serve one prefill; False when the connection is gone."""
+        inst, req = self.inst, str(h.get("req", ""))
+        try:
+            if not inst.model.complete or inst.phase.value in ("draining", "released"):
+                raise KVWireError(f"engine is {inst.phase.value}; it prefills only while serving")
+            shape = kv_shape(inst)
+            bad = shape.mismatch(h)
+            if bad is not None:
+                raise KVWireError(bad)
+            toks = _tokens(h, inst.model.shape.vocab, inst.config.max_prompt_tokens)
+            params = _params(h)
+        except KVWireError as e:
+            self.refused += 1
+            log.warning("prefill %s from %s refused: %s", req, conn.peer, e)
+            try:
+                await conn.send({"op": "error", "req": req, "message": str(e)})
+            except TransportError:
+                return False
+            return True
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[Any] = asyncio.Queue()
+        rid = f"pd-{uuid.uuid4().hex[:12]}"
+        shipper = self._shipper()
+
+        def sink(piece: KVPiece) -> None:  # called in the step thread
+            loop.call_soon_threadsafe(q.put_nowait, piece)
+
+        shipper.sinks[rid] = sink
+        inst.serving.queues[rid] = q  # the step loop routes this request's Event (first token or error) here
+        try:
+            inst.engine.submit(toks, params, rid)
+        except ValueError as e:
+            shipper.sinks.pop(rid, None)
+            inst.serving.queues.pop(rid, None)
+            await conn.send({"op": "error", "req": req, "message": str(e)})
+            return True
+        inst.metrics.on_request(len(toks))
+        inst.serving.wake.set()
+        t0, hasher, sent, frames = time.monotonic(), digest(), 0, 0
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, KVPiece):
+                    for part, t in (("k", item.k), ("v", item.v)):
+                        raw = host_bytes(t)
+                        hasher.update(raw)
+                        await conn.send(kv_header(req, item.layer, item.start, item.n, part, shape), raw)
+                        sent += len(raw)
+                        frames += 1
+                    continue
+                if isinstance(item, Exception) or (isinstance(item, Event) and item.token < 0):
+                    why = item if isinstance(item, Exception) else item.reason
+                    await conn.send({"op": "error", "req": req, "message": f"prefill failed: {why}"})
+                    return True
+                assert isinstance(item, Event)
+                await conn.send({"op": "kv_done", "req": req, "token": item.token, "frames": frames, "bytes": sent,
+                                 "digest": hasher.hexdigest()})
+                self.requests += 1
+                self.bytes_sent += sent
+                log.info("prefill %s for %s: %d tokens, %d KV bytes in %d frames, %.3f s", req, conn.peer,
+                         len(toks), sent, frames, time.monotonic() - t0)
+                return True
+        except TransportError as e:
+            log.warning("prefill %s: decode engine %s went away: %s", req, conn.peer, e)
+            inst.serving.abort(rid)
+            return False
+        finally:
+            shipper.sinks.pop(rid, None)
+            inst.serving.queues.pop(rid, None)

@@ -1,0 +1,162 @@
+"""Remote prefill: the decode engine's side of disaggregated serving. A request that arrives with a prefill
+peer (the router's `X-Kascade-Prefill: host:port`, the prefill engine's data port) is prefilled there; its
+KV lands here layer by layer, and the sequence joins this engine's batch as a running decode.
+
+Data flow: `Serving.submit(..., prefill=peer)` -> `RemotePrefill.start` (a task) -> an authenticated
+data-plane connection from `PeerPool` (hello; reused across requests) -> {"op": "prefill"} -> every kv
+frame is checked (kv_wire.py) and received straight into a host staging tensor [layers, prompt, kv_heads,
+head_dim] (K and V) -> kv_done: coverage, byte count and digest verified -> `Engine.call_in_step(adopt)`:
+in the step thread, pages are allocated, the staged KV is copied into them, and the sequence enters the
+scheduler with its prompt computed and its first token known; that token is the request's first Event.
+Anything that goes wrong before adoption (peer unreachable, refused, a bad frame, a digest mismatch)
+falls back to a local prefill of the same request: PD never fails a request, it only moves work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from kascade_engine.engine import Event, Request
+from kascade_engine.kv_wire import Coverage, KVWireError, check_kv, digest
+from kascade_engine.peerpool import PeerPool
+from kascade_engine.prefill_server import host_bytes, kv_shape
+from kascade_engine.sampling import SamplingParams
+from kascade_engine.scheduler import Seq
+from kascade_engine.transport import Connection, TransportError, make_transport
+
+if TYPE_CHECKING:
+    from kascade_engine.engine import Engine
+    from kascade_engine.instance import EngineInstance
+
+log = logging.getLogger(__name__)
+FRAME_TIMEOUT_S = 300.0  # the prefill engine may queue the prompt behind its own batch
+
+
+class RemotePrefillError(Exception):
+    pass
+
+
+class RemotePrefill:
+    def __init__(self, inst: EngineInstance) -> None:
+        self.inst = inst
+        self.pool = PeerPool(make_transport("tcp"), inst.config.token)
+        self.adopted = 0  # metrics: requests whose prefill ran on a peer
+        self.fallbacks = 0  # requests prefilled here after a remote prefill failed
+        self.bytes_received = 0
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.link: dict[str, float] = {}  # peer -> KV bytes/s of its last transfer (network velocity)
+
+    def start(self, rid: str, prompt: list[int], params: SamplingParams, peer: str,
+              local: Callable[[], None]) -> None:
+        """Prefill `rid` on `peer`; `local()` submits it here instead (called on the event loop)."""
+        task = asyncio.get_running_loop().create_task(self._run(rid, prompt, params, peer, local))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _run(self, rid: str, prompt: list[int], params: SamplingParams, peer: str,
+                   local: Callable[[], None]) -> None:
+        try:
+            token, k, v = await self._fetch(rid, prompt, params, peer)
+        except (RemotePrefillError, KVWireError, TransportError, OSError, RuntimeError, ValueError, TimeoutError) as e:
+            self.fallbacks += 1
+            log.warning("request %s: remote prefill on %s failed (%s); prefilling locally", rid, peer, e)
+            if rid in self.inst.serving.queues:
+                local()
+            return
+        if rid not in self.inst.serving.queues:  # the client went away while the KV moved
+            return
+        self.inst.engine.call_in_step(lambda eng: self._adopt(eng, rid, prompt, params, token, k, v))
+        self.inst.serving.wake.set()
+
+    async def _fetch(self, rid: str, prompt: list[int], params: SamplingParams,
+                     peer: str) -> tuple[int, torch.Tensor, torch.Tensor]:
+        shape = kv_shape(self.inst)
+        conn, _ = await self.pool.take(peer)
+        ok = False
+        try:
+            p = {"temperature": params.temperature, "top_p": params.top_p, "seed": params.seed}
+            await conn.send({"op": "prefill", "req": rid, "tokens": prompt, "params": p, **shape.to_header()})
+            n = len(prompt)
+            dt = self.inst.dtype
+            staged = {part: torch.empty((shape.layers, n, shape.kv_heads, shape.head_dim), dtype=dt)
+                      for part in ("k", "v")}  # host memory; copied into the device cache on adoption
+            cover, hasher, got, t0 = Coverage(shape.layers, n), digest(), 0, time.monotonic()
+            while True:
+                header, plen = await conn.recv_header(timeout=FRAME_TIMEOUT_S)
+                op = header.get("op")
+                if op == "kv":
+                    layer, start, cnt, part = check_kv(header, shape, n, plen)
+                    cover.add(part, layer, start, cnt)
+                    view = host_bytes(staged[part][layer, start:start + cnt])
+                    await conn.recv_into(view, timeout=FRAME_TIMEOUT_S)
+                    hasher.update(view)
+                    got += plen
+                    continue
+                if plen:
+                    raise RemotePrefillError(f"{op!r} frame carries {plen} unexpected payload bytes")
+                if op == "error":
+                    ok = True  # the session is still in step: the connection can be reused
+                    raise RemotePrefillError(f"peer refused: {header.get('message')}")
+                if op != "kv_done":
+                    raise RemotePrefillError(f"unexpected op {op!r} from the prefill engine")
+                gap = cover.missing()
+                if gap is not None:
+                    raise RemotePrefillError(f"incomplete KV: {gap}")
+                if header.get("bytes") != got or header.get("digest") != hasher.hexdigest():
+                    raise RemotePrefillError(f"KV digest/length mismatch: got {got} bytes {hasher.hexdigest()}, "
+                                             f"peer sent {header.get('bytes')} bytes {header.get('digest')}")
+                token = header.get("token")
+                if not isinstance(token, int) or not 0 <= token < self.inst.model.shape.vocab:
+                    raise RemotePrefillError(f"kv_done field 'token' = {token!r} is not a token id")
+                ok = True
+                secs = max(time.monotonic() - t0, 1e-9)
+                self.bytes_received += got
+                self.link[peer] = got / secs
+                return token, staged["k"], staged["v"]
+        finally:
+            self._give_back(peer, conn, ok)
+
+    def _give_back(self, peer: str, conn: Connection, ok: bool) -> None:
+        if ok:
+            self.pool.idle.setdefault(peer, []).append(conn)
+        else:
+            asyncio.get_running_loop().create_task(conn.close())
+
+    def _adopt(self, eng: Engine, rid: str, prompt: list[int], params: SamplingParams, token: int,
+               k: torch.Tensor, v: torch.Tensor) -> list[Event]:
+        """In the step thread: the prefilled sequence joins the batch as a decode; its first token is out."""
+        if rid not in self.inst.serving.queues:
+            return []
+        n = len(prompt)
+        done = "stop" if token == eng.eos or token in params.stop_token_ids else (
+            "length" if params.max_tokens <= 1 else None)
+        self.adopted += 1
+        if done is not None:
+            return [Event(rid, token, True, done)]
+        sched = eng.scheduler
+        if len(sched.running) >= eng.limits.max_seqs or not sched.pool.grow(rid, n + 1):
+            sched.pool.free(rid)  # no room now: the request queues FCFS and prefills here when admitted
+            self.adopted -= 1
+            self.fallbacks += 1
+            eng.submit(prompt, params, rid)
+            return []
+        ps, table, cache = sched.pool.page_size, sched.pool.tables[rid], eng.cache
+        slots = torch.tensor([table[p // ps] * ps + p % ps for p in range(n)], dtype=torch.long, device=cache.device)
+        for layer in range(cache.layers):
+            cache.k[layer].index_copy_(0, slots, k[layer].to(cache.device))
+            cache.v[layer].index_copy_(0, slots, v[layer].to(cache.device))
+        gen = None if params.seed is None else torch.Generator(device="cpu").manual_seed(params.seed)
+        eng.requests[rid] = Request(rid, list(prompt), params, out=[token], first_token_at=time.monotonic(), gen=gen)
+        sched.running[rid] = Seq(rid, n, params.max_tokens, total=n + 1, computed=n, generated=1)
+        return [Event(rid, token, False)]
+
+    async def close(self) -> None:
+        for t in list(self.tasks):
+            t.cancel()
+        await self.pool.close()

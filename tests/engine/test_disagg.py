@@ -1,0 +1,210 @@
+"""Disaggregated serving between real engines: a decode engine D asks a prefill engine P (over P's data
+port, after the token hello, plain TCP) to prefill; P ships the prompt's KV layer by layer while it
+computes; D checks coverage + digest, adopts the sequence into its batch and decodes. Greedy output
+equals the colocated engine's; anything that goes wrong falls back to a local prefill on D."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kascade_engine.config import EngineConfig
+from kascade_engine.engine import Engine
+from kascade_engine.instance import EngineInstance
+from kascade_engine.kv_wire import KVShape, kv_header
+from kascade_engine.model import LlamaModel
+from kascade_engine.sampling import SamplingParams
+from kascade_engine.tokenizer import ByteTokenizer
+from kascade_engine.transport import Connection
+from kascade_engine.transport_tcp import TcpTransport
+
+PROMPTS = [[11, 42, 7, 300, 5, 9, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [1, 2, 3],
+           [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 17], [100], list(range(40, 77))]
+TOKEN = "pd-token"
+
+
+def _instance(ckpt: Path, blocks: Any, name: str, batch: int = 64, token: str = TOKEN) -> EngineInstance:
+    cfg = EngineConfig(checkpoint=ckpt, model_name="tiny-llama", token=token, kv_tokens=2048,
+                       max_batch_tokens=batch, instance=name)
+    return EngineInstance(cfg, blocks.config, ByteTokenizer(), blocks)
+
+
+def _colocated(blocks: Any, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    m = LlamaModel(blocks.config)
+    for b in blocks.blocks.values():
+        m.add_block(b.id, b.tensors())
+    return [Engine(m).generate(p, params) for p in prompts]
+
+
+async def _collect(inst: EngineInstance, rid: str) -> list[int]:
+    return [ev.token async for ev in inst.serving.tokens(rid)]
+
+
+class PD:
+    """P serving its data port (the same Finisher.handle the CLI listens with) and D."""
+
+    def __init__(self, p: EngineInstance, d: EngineInstance, listener: Any) -> None:
+        self.p, self.d, self.listener = p, d, listener
+
+    @property
+    def peer(self) -> str:
+        return f"127.0.0.1:{self.listener.port}"
+
+    async def close(self) -> None:
+        await self.d.close()
+        await self.p.close()
+        await self.listener.close()
+
+
+async def _pd(ckpt: Path, blocks: Any, p_batch: int = 64, d_token: str = TOKEN) -> PD:
+    p = _instance(ckpt, blocks, "p", batch=p_batch)
+    d = _instance(ckpt, blocks, "d", token=d_token)
+    p.serving.start()
+    d.serving.start()
+    listener = await TcpTransport().listen("127.0.0.1", 0, lambda c: p.finisher.handle(c))
+    return PD(p, d, listener)
+
+
+async def test_prefill_on_p_decode_on_d_equals_colocated(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    params = SamplingParams(max_tokens=8)
+    want = _colocated(tiny_blocks, PROMPTS, params)
+    pd = await _pd(tiny_ckpt, tiny_blocks, p_batch=16)  # chunked on P: the long prompts take several steps
+    chunks: list[int] = []
+    schedule = pd.d.engine.scheduler.schedule
+
+    def spy():  # type: ignore[no-untyped-def]
+        batch = schedule()
+        chunks.extend(w.n for w in batch.work)
+        return batch
+
+    pd.d.engine.scheduler.schedule = spy  # type: ignore[method-assign]
+    try:
+        rids = [pd.d.serving.submit(p, params, prefill=pd.peer) for p in PROMPTS]
+        got = await asyncio.wait_for(asyncio.gather(*(_collect(pd.d, r) for r in rids)), 120)
+        assert got == want
+        rp, ps = pd.d.remote_prefill, pd.p.prefill_server
+        assert (rp.adopted, rp.fallbacks, ps.requests, ps.refused) == (len(PROMPTS), 0, len(PROMPTS), 0)
+        s = pd.d.model.shape
+        kv_bytes = sum(len(p) for p in PROMPTS) * 2 * s.layers * s.kv_heads * s.head_dim * 4  # float32 K and V
+        assert rp.bytes_received == ps.bytes_sent == kv_bytes
+        assert rp.link[pd.peer] > 0
+        assert chunks and set(chunks) == {1}  # D never ran a prompt chunk: only decodes
+        assert pd.p.engine.scheduler.idle and pd.d.engine.scheduler.idle
+        assert pd.d.remote_prefill.pool.handshakes <= len(PROMPTS)  # connections are reused per peer
+        # again: every connection is warm now, and the second round is as exact
+        rids = [pd.d.serving.submit(p, params, prefill=pd.peer) for p in PROMPTS[:2]]
+        got = await asyncio.wait_for(asyncio.gather(*(_collect(pd.d, r) for r in rids)), 120)
+        assert got == want[:2]
+    finally:
+        await pd.close()
+
+
+async def test_kv_leaves_layer_by_layer_per_chunk(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    """P's chunked prefill of a 37-token prompt in 16-token chunks sends K and V of every layer per chunk."""
+    pd = await _pd(tiny_ckpt, tiny_blocks, p_batch=16)
+    frames: list[tuple[int, int, str]] = []
+    try:
+        conn = await TcpTransport().connect("127.0.0.1", pd.listener.port)
+        await conn.send({"op": "hello", "token": TOKEN})
+        assert (await conn.recv(timeout=10))[0]["op"] == "welcome"
+        from kascade_engine.prefill_server import kv_shape
+
+        shape = kv_shape(pd.d)
+        prompt = PROMPTS[4]
+        await conn.send({"op": "prefill", "req": "r1", "tokens": prompt, "params": {}, **shape.to_header()})
+        while True:
+            h, payload = await conn.recv(timeout=60)
+            if h["op"] != "kv":
+                break
+            assert len(payload) == shape.frame_bytes(h["n"])
+            frames.append((h["start"], h["layer"], h["part"]))
+        assert h["op"] == "kv_done" and h["frames"] == len(frames)
+        L = shape.layers
+        want = [(start, layer, part) for start in (0, 16, 32) for layer in range(L) for part in ("k", "v")]
+        assert frames == want  # chunk by chunk, and inside each chunk layer by layer in compute order
+        assert h["token"] == _colocated(tiny_blocks, [prompt], SamplingParams(max_tokens=1))[0][0]
+        await conn.close()
+    finally:
+        await pd.close()
+
+
+async def test_bad_prefill_requests_are_refused_naming_the_field(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    pd = await _pd(tiny_ckpt, tiny_blocks)
+    try:
+        from kascade_engine.prefill_server import kv_shape
+
+        shape = kv_shape(pd.d).to_header()
+        conn = await TcpTransport().connect("127.0.0.1", pd.listener.port)
+        await conn.send({"op": "hello", "token": TOKEN})
+        await conn.recv(timeout=10)
+        cases = [({"tokens": [1, 99999]}, "'tokens'"), ({"tokens": []}, "'tokens'"),
+                 ({"tokens": [1], "kv_heads": 99}, "'kv_heads'"), ({"tokens": [1], "dtype": "float16"}, "'dtype'"),
+                 ({"tokens": [1], "params": {"temperature": "hot"}}, "'params'")]
+        for extra, field in cases:
+            await conn.send({"op": "prefill", "req": "x", "params": {}, **shape, **extra})
+            h, _ = await conn.recv(timeout=30)
+            assert h["op"] == "error" and field in h["message"], (extra, h)
+        assert pd.p.prefill_server.refused == len(cases)
+        # the same connection still serves a good request after the refusals
+        await conn.send({"op": "prefill", "req": "ok", "tokens": [1, 2, 3], "params": {}, **shape})
+        while (h := (await conn.recv(timeout=60))[0])["op"] == "kv":
+            pass
+        assert h["op"] == "kv_done"
+        await conn.close()
+    finally:
+        await pd.close()
+
+
+async def test_failures_fall_back_to_local_prefill_with_the_same_output(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    """A dead peer, a peer that refuses the hello, and a peer whose KV does not match its digest: every
+    request still completes on D with the colocated output, counted as a fallback."""
+    params = SamplingParams(max_tokens=6)
+    want = _colocated(tiny_blocks, PROMPTS[:2], params)
+    pd = await _pd(tiny_ckpt, tiny_blocks, d_token="wrong-token")  # P refuses D's hello
+    shape: KVShape | None = None
+
+    async def liar(conn: Connection) -> None:  # answers the hello, then sends KV whose digest is wrong
+        await conn.recv(timeout=10)
+        await conn.send({"op": "welcome"})
+        h, _ = await conn.recv(timeout=10)
+        assert shape is not None
+        n = len(h["tokens"])
+        for layer in range(shape.layers):
+            for part in ("k", "v"):
+                await conn.send(kv_header(h["req"], layer, 0, n, part, shape), bytes(shape.frame_bytes(n)))
+        await conn.send({"op": "kv_done", "req": h["req"], "token": 1, "frames": 0, "bytes": 0, "digest": "00"})
+        await conn.recv(timeout=30)
+
+    from kascade_engine.prefill_server import kv_shape
+
+    shape = kv_shape(pd.d)
+    bad = await TcpTransport().listen("127.0.0.1", 0, liar)
+    dead = await TcpTransport().listen("127.0.0.1", 0, lambda c: c.close())
+    dead_port = dead.port
+    await dead.close()
+    try:
+        for peer in (pd.peer, f"127.0.0.1:{bad.port}", f"127.0.0.1:{dead_port}"):
+            rids = [pd.d.serving.submit(p, params, prefill=peer) for p in PROMPTS[:2]]
+            got = await asyncio.wait_for(asyncio.gather(*(_collect(pd.d, r) for r in rids)), 120)
+            assert got == want, peer
+        assert (pd.d.remote_prefill.adopted, pd.d.remote_prefill.fallbacks) == (0, 6)
+        assert pd.p.prefill_server.requests == 0
+    finally:
+        await bad.close()
+        await pd.close()
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2])
+async def test_short_requests_finish_at_the_first_token(tiny_ckpt, tiny_blocks, max_tokens: int) -> None:  # type: ignore[no-untyped-def]
+    params = SamplingParams(max_tokens=max_tokens)
+    want = _colocated(tiny_blocks, PROMPTS[:1], params)
+    pd = await _pd(tiny_ckpt, tiny_blocks)
+    try:
+        rid = pd.d.serving.submit(PROMPTS[0], params, prefill=pd.peer)
+        assert await asyncio.wait_for(_collect(pd.d, rid), 60) == want[0]
+        assert pd.d.engine.scheduler.idle and not pd.d.engine.requests
+    finally:
+        await pd.close()
