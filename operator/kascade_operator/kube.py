@@ -43,9 +43,13 @@ def _raise(e: ApiException, what: str) -> None:
     raise e
 
 
+REQUEST_TIMEOUT_S = 30.0  # aiohttp's default is no timeout: one stuck call would wedge a plan's driver forever
+
+
 class Kube:
-    def __init__(self, api: client.ApiClient) -> None:
+    def __init__(self, api: client.ApiClient, timeout_s: float = REQUEST_TIMEOUT_S) -> None:
         self.api = api
+        self.t = timeout_s  # every call passes it as _request_timeout
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
 
@@ -63,40 +67,54 @@ class Kube:
         await self.api.close()
 
     @staticmethod
-    async def _json(resp: Any) -> Any:
-        return json.loads(await resp.read())
+    async def _json(resp: Any, what: str = "request") -> Any:
+        """The body of a raw (`_preload_content=False`) response. kubernetes_asyncio raises on an HTTP
+        error only when it preloads the body: without this check a 409 on a guarded patch read as
+        success (a bind that never happened, and a plan that waited for it forever)."""
+        body = await resp.read()
+        if not 200 <= resp.status <= 299:
+            _raise(ApiException(status=resp.status, reason=resp.reason), what)
+        return json.loads(body)
+
+    @classmethod
+    async def _done(cls, resp: Any, what: str) -> None:
+        """Check and release a raw response whose body is not needed."""
+        try:
+            await cls._json(resp, what)
+        finally:
+            resp.release()
 
     # -- reads -----------------------------------------------------------------------------------
     async def list_nodes(self) -> list[dict[str, Any]]:
-        doc = await self._json(await self.core.list_node(_preload_content=False))
+        doc = await self._json(await self.core.list_node(_preload_content=False, _request_timeout=self.t), "list nodes")
         return list(doc.get("items") or [])
 
     async def list_pods(self, ns: str, selector: str = "") -> list[dict[str, Any]]:
-        resp = await self.core.list_namespaced_pod(ns, label_selector=selector, _preload_content=False)
-        return list((await self._json(resp)).get("items") or [])
+        resp = await self.core.list_namespaced_pod(ns, label_selector=selector, _preload_content=False, _request_timeout=self.t)
+        return list((await self._json(resp, f"list pods in {ns}")).get("items") or [])
 
     async def get_pod(self, ns: str, name: str) -> dict[str, Any]:
         try:
-            resp = await self.core.read_namespaced_pod(name, ns, _preload_content=False)
+            resp = await self.core.read_namespaced_pod(name, ns, _preload_content=False, _request_timeout=self.t)
         except ApiException as e:
             _raise(e, f"pod {ns}/{name}")
             raise
-        return dict(await self._json(resp))
+        return dict(await self._json(resp, f"pod {ns}/{name}"))
 
     async def list_scaleplans(self, ns: str) -> list[dict[str, Any]]:
-        doc = await self.custom.list_namespaced_custom_object(GROUP, VERSION, ns, "scaleplans")
+        doc = await self.custom.list_namespaced_custom_object(GROUP, VERSION, ns, "scaleplans", _request_timeout=self.t)
         return list(doc.get("items") or [])
 
     async def get_scaleplan(self, ns: str, name: str) -> dict[str, Any]:
         try:
-            return dict(await self.custom.get_namespaced_custom_object(GROUP, VERSION, ns, "scaleplans", name))
+            return dict(await self.custom.get_namespaced_custom_object(GROUP, VERSION, ns, "scaleplans", name, _request_timeout=self.t))
         except ApiException as e:
             _raise(e, f"scaleplan {ns}/{name}")
             raise
 
     async def secret_value(self, ns: str, name: str, key: str = "token") -> str | None:
         try:
-            s = await self.core.read_namespaced_secret(name, ns)
+            s = await self.core.read_namespaced_secret(name, ns, _request_timeout=self.t)
         except ApiException as e:
             if e.status == 404:
                 return None
@@ -107,32 +125,33 @@ class Kube:
     # -- writes ----------------------------------------------------------------------------------
     async def patch_pod(self, ns: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
         try:
-            resp = await self.core.patch_namespaced_pod(name, ns, patch, _content_type=MERGE, _preload_content=False)
+            resp = await self.core.patch_namespaced_pod(name, ns, patch, _content_type=MERGE, _preload_content=False, _request_timeout=self.t)
         except ApiException as e:
             _raise(e, f"pod {ns}/{name}")
             raise
-        return dict(await self._json(resp))
+        return dict(await self._json(resp, f"pod {ns}/{name}"))
 
     async def create_pod(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
-        resp = await self.core.create_namespaced_pod(ns, body, _preload_content=False)
-        return dict(await self._json(resp))
+        resp = await self.core.create_namespaced_pod(ns, body, _preload_content=False, _request_timeout=self.t)
+        return dict(await self._json(resp, f"create pod in {ns}"))
 
     async def create_scaleplan(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
         try:
-            return dict(await self.custom.create_namespaced_custom_object(GROUP, VERSION, ns, "scaleplans", body))
+            return dict(await self.custom.create_namespaced_custom_object(GROUP, VERSION, ns, "scaleplans", body, _request_timeout=self.t))
         except ApiException as e:
             _raise(e, f"scaleplan {ns}/{body['metadata'].get('name')}")
             raise
 
     async def delete_scaleplan(self, ns: str, name: str) -> None:
         try:
-            await self.custom.delete_namespaced_custom_object(GROUP, VERSION, ns, "scaleplans", name)
+            await self.custom.delete_namespaced_custom_object(GROUP, VERSION, ns, "scaleplans", name, _request_timeout=self.t)
         except ApiException as e:
             _raise(e, f"scaleplan {ns}/{name}")
 
     async def delete_pod(self, ns: str, name: str) -> None:
         try:
-            await self.core.delete_namespaced_pod(name, ns, _preload_content=False)
+            await self._done(await self.core.delete_namespaced_pod(name, ns, _preload_content=False,
+                                                                   _request_timeout=self.t), f"pod {ns}/{name}")
         except ApiException as e:
             _raise(e, f"pod {ns}/{name}")
 
@@ -145,7 +164,8 @@ class Kube:
     async def _patch_status(self, plural: str, ns: str, name: str, status: dict[str, Any]) -> None:
         try:
             await self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, ns, plural, name,
-                                                                    {"status": status}, _content_type=MERGE)
+                                                                    {"status": status}, _content_type=MERGE,
+                                                                    _request_timeout=self.t)
         except ApiException as e:
             _raise(e, f"{plural[:-1]} {ns}/{name} status")
 
@@ -161,6 +181,7 @@ class Kube:
                 "reportingInstance": "kascade-operator", "action": reason,
                 "source": {"component": "kascade-operator"}}
         try:
-            await self.core.create_namespaced_event(ns, body, _preload_content=False)
-        except ApiException as e:
-            log.warning("event %s on %s/%s not posted: %s", reason, ns, meta.get("name"), e.reason)
+            await self._done(await self.core.create_namespaced_event(ns, body, _preload_content=False,
+                                                                     _request_timeout=self.t), f"event in {ns}")
+        except (ApiException, Conflict, NotFound, TimeoutError) as e:
+            log.warning("event %s on %s/%s not posted: %s", reason, ns, meta.get("name"), getattr(e, "reason", None) or repr(e))

@@ -89,7 +89,9 @@ async def _label_bound(rt: Runtime, sp: dict[str, Any], p: PodView, role: str) -
     ns, name = sp["metadata"]["namespace"], sp["metadata"]["name"]
     pool_ns, svc, key = _pool(rt, sp)
     cur: PodView | None = p
-    for _ in range(3):
+    # the guard is the resourceVersion, and pod status writes (readiness) bump it every few seconds:
+    # a conflict is normal, re-read and try again a few times before giving the target up
+    for _ in range(8):
         if cur is None:
             return False
         if cur.model_service == key and cur.plan == name:
@@ -180,11 +182,14 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
             return
         if not await _label_bound(rt, sp, p, role):
             drops[iid] = f"pod {p.pod_name} changed or went away while binding"
+            log.warning("ScalePlan %s/%s: %s", ns, name, drops[iid])
             try:
                 await rt.engines.release(p.endpoint)
             except EngineError as e:
                 log.warning("%s", e)
             return
+        log.info("ScalePlan %s/%s: target %s (pod %s) bound%s", ns, name, iid, p.pod_name,
+                 " (already, by an earlier operator)" if again else "")
         if not local and not again:
             try:
                 await rt.engines.load_plan(p.endpoint, plan, iid, peers, token, manifest)
@@ -242,6 +247,7 @@ async def drive(rt: Runtime, sp: dict[str, Any], stopped: Any) -> None:
     pool_ns, _, key = _pool(rt, sp)
     throttle = SP.Throttle(rt.settings.status_write_interval_seconds)
     started, unreachable_since = time.monotonic(), dict[str, float]()
+    seen: dict[str, tuple[bool, str | None]] = {}  # per target: bound in the pod index, engine phase (logged on change)
     # drops survive a restart: they are in the status
     dropped = {t["instance"]: t["failed"] for t in (sp.get("status") or {}).get("targets") or [] if t.get("failed")}
     while not stopped:
@@ -283,6 +289,12 @@ async def drive(rt: Runtime, sp: dict[str, Any], stopped: Any) -> None:
             except EngineError:
                 statuses[iid] = None
                 unreachable_since.setdefault(iid, time.monotonic())
+        view = {iid: (by_inst.get(iid) is not None and by_inst[iid].model_service == key, (st or {}).get("phase"))
+                for iid, st in statuses.items()}
+        if view != seen:
+            seen = view
+            log.info("ScalePlan %s/%s: targets (bound in index, engine phase): %s", ns, name,
+                     ", ".join(f"{i}={b}/{ph}" for i, (b, ph) in sorted(view.items())))
         for iid, t0 in unreachable_since.items():
             if time.monotonic() - t0 > UNREACHABLE_LIMIT_S and iid not in dropped:
                 lost.setdefault(iid, f"engine unreachable for {UNREACHABLE_LIMIT_S:.0f} s")
