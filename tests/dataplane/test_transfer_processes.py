@@ -4,6 +4,7 @@ detected and re-fetched without reaching any downstream block."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -60,6 +61,28 @@ def test_byte_identical(tmp_path: Path, harness: ModuleType, tiny_blocks: BlockS
             assert summary["refetches"] == 0
             assert summary["bytesReceived"] == tiny_blocks.total_bytes
             assert_identical(tmp_path, t.id, tiny_blocks)
+    finally:
+        c.stop()
+
+
+def test_target_listening_after_the_source_first_connects_costs_no_refetch(
+        tmp_path: Path, harness: ModuleType, tiny_blocks: BlockSet, transport: str) -> None:
+    """Peers start concurrently, so a source may try its downstream before that one listens. Over UCX such a
+    refused connect used to take ucxx's whole 5 s peer-info timeout: the source's single attempt used up its
+    retry budget, it dropped the target, and the target's watchdog re-fetched everything (the CI failure of
+    test_byte_identical[ucx-1to1], `refetches == 1` on a clean run)."""
+    plan = plan_for(tiny_blocks, 1)
+    c = harness.make_cluster(tmp_path, tiny_blocks, plan, transport=transport)
+    c.start("s0")
+    try:
+        harness.wait_for(lambda: '"listening"' in c.log("s0"), timeout=120)
+        time.sleep(1.0)  # the fault itself: the target comes up after the source's first connect attempt
+        c.start("t0")
+        summary = c.wait("t0", timeout=120)
+        assert summary["refetches"] == 0, c.log("t0")[-2000:]
+        assert summary["resident"] == len(tiny_blocks.ids)
+        assert "downstream-lost" not in c.log("s0"), c.log("s0")[-2000:]
+        assert_identical(tmp_path, "t0", tiny_blocks)
     finally:
         c.stop()
 
