@@ -118,6 +118,7 @@ class HostRows:
     ends: deque[str] = field(default_factory=deque)  # page keys to free at the next step
     gens: dict[str, torch.Generator | None] = field(default_factory=dict)
     lengths: dict[str, int] = field(default_factory=dict)
+    stops: dict[str, int] = field(default_factory=dict)  # page key -> the layer its rows leave here (sticky)
     downstream: PairClient | None = None  # pipeline: rows this engine cannot finish go on to the next receiver
     forwarded: set[str] = field(default_factory=set)  # page keys whose later layers live downstream
     rows_hosted: int = 0  # metric: B rows finished here
@@ -147,6 +148,7 @@ class HostRows:
             pool.free(key)
             self.gens.pop(key, None)
             self.lengths.pop(key, None)
+            self.stops.pop(key, None)
         down_ends = [k for k in ends if k in self.forwarded]
         self.forwarded.difference_update(down_ends)
         try:
@@ -231,9 +233,11 @@ class HostRows:
             self.lengths[key] = max(self.lengths.get(key, 0), start + n)
             x = st.hidden[at:at + n].to(m.device, m.dtype)
             at += n
-            end = layer  # this engine runs the layers it holds from `layer` on; a pipeline sends the rest on
-            while end < L and m.resident(f"layer.{end}"):
-                end += 1
+            end = self.stops.get(key, layer)  # a sequence keeps its range: its KV for later layers lives downstream
+            if key not in self.stops:  # first rows: the layers held here from `layer` on; a pipeline sends the rest on
+                while end < L and m.resident(f"layer.{end}"):
+                    end += 1
+                self.stops[key] = end
             if end < L and self.downstream is None:
                 raise ValueError(f"pair row {req!r}: layer {end} is not resident here and no pipeline follows")
             out.append((Row(pool.tables[key], start, n, layer, end, x), meta))

@@ -211,7 +211,8 @@ class SplitClient:
                        zigzag: bool = False) -> list[int]:
         if k > self.model.resident_prefix():
             raise ValueError(f"split at {k} layers but only {self.model.resident_prefix()} are resident")
-        kv, out, ids, start = SequenceKV(), [], list(prompt), 0
+        kv, ids, start = SequenceKV(), list(prompt), 0
+        out: list[int] = []
         try:
             while len(out) < params.max_tokens:
                 if zigzag and not out:

@@ -109,3 +109,34 @@ async def test_middle_receiver_without_a_downstream_refuses_rows(tiny_ckpt, tiny
         await r1.close()
         await r2.close()
         await lst.close()
+
+
+async def test_middle_receiver_gaining_layers_keeps_each_sequences_range(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    """Blocks keep landing on a middle receiver while sequences decode through it: a sequence that began
+    with layer 3 downstream keeps it there (its KV for layer 3 lives there), a sequence admitted after
+    the block landed runs layer 3 in the middle; both are exact."""
+    params = SamplingParams(max_tokens=16)
+    want = _unsplit(tiny_blocks, PROMPTS[:2], params)
+    r1 = _receiver(tiny_ckpt, tiny_blocks, ["embed", "layer.0", "layer.1"], "r1")
+    r2 = _receiver(tiny_ckpt, tiny_blocks, ["layer.2"], "r2")
+    r3 = _receiver(tiny_ckpt, tiny_blocks, ["layer.3", "head"], "r3")
+    insts = (r1, r2, r3)
+    listeners = [await TcpTransport().listen("127.0.0.1", 0, i.finisher.handle) for i in insts]
+    try:
+        await r2.set_cooperate(CooperateRequest(f"127.0.0.1:{listeners[2].port}", "pipeline"))
+        await r1.set_cooperate(CooperateRequest(f"127.0.0.1:{listeners[1].port}", "besteffort"))
+        first = asyncio.create_task(_collect(r1, r1.serving.submit(PROMPTS[0], params)))
+        while r3.host.steps_hosted < 3:  # the first sequence is decoding through r1 -> r2 -> r3
+            await asyncio.sleep(0.005)
+        r2.add_block(tiny_blocks.blocks["layer.3"])  # r2 now holds layers 2-3, not the head
+        second = asyncio.create_task(_collect(r1, r1.serving.submit(PROMPTS[1], params)))
+        while len(r2.host.stops) < 2 and not first.done():  # both sequences have rows on r2
+            await asyncio.sleep(0.002)
+        stops = sorted(r2.host.stops.values())
+        assert [await first, await second] == want
+        assert stops == [3, 4]  # the first keeps its range (layer 2 only), the second runs layers 2-3 here
+    finally:
+        for i in insts:
+            await i.close()
+        for lst in listeners:
+            await lst.close()
