@@ -96,6 +96,7 @@ class EngineInstance:
         self.host = HostRows()  # pair sessions (a loading peer's rows) join this engine's batch
         self.engine.coop = self.host
         self.pair: PairClient | None = None  # while loading with a peer: our rows finish there
+        self.downstream_peer: str | None = None  # pipeline: where hosted rows go on (status `pipelineDownstream`)
         if not hasattr(self, "serving"):  # a dtype rebuild keeps the request side and its running loop
             self.serving = Serving(self)
             self.prefill_server = PrefillServer(self)  # PD: prefill for decode engines, KV out on the data port
@@ -223,6 +224,7 @@ class EngineInstance:
             except (OSError, RuntimeError, ValueError, TransportError, TimeoutError) as e:
                 raise InstanceError(502, f"cannot pair with peer {req.peer}: {e}", "peer") from None
             old_down, self.host.downstream = self.host.downstream, down
+            self.downstream_peer = req.peer
             if old_down is not None:
                 await old_down.close()
             return self.status()
@@ -241,6 +243,8 @@ class EngineInstance:
 
             z = req.zigzag
             pair.policy = ZigZagPolicy(PairSetting(self.model.shape.layers, z.load_ratio, z.batches), ilp=z.ilp)
+        if req.mode == "off":  # off ends every cooperation, a pipeline hop included
+            await self._drop_downstream()
         old, self.pair = self.pair, pair
         self.engine.coop = pair if pair is not None else self.host
         if old is not None and old is not pair:
@@ -250,6 +254,11 @@ class EngineInstance:
             self._to(Phase.LOADING)
         self._settle()
         return self.status()
+
+    async def _drop_downstream(self) -> None:
+        down, self.host.downstream, self.downstream_peer = self.host.downstream, None, None
+        if down is not None:
+            await down.close()
 
     def drain(self) -> EngineStatus:
         self._to(Phase.DRAINING)  # new requests get 503; in-flight ones finish
@@ -264,6 +273,9 @@ class EngineInstance:
         if self.pair is not None:
             asyncio.get_running_loop().create_task(self.pair.close())
             self.pair, self.engine.coop = None, self.host
+        down, self.host.downstream, self.downstream_peer = self.host.downstream, None, None
+        if down is not None:
+            asyncio.get_running_loop().create_task(down.close())
         self.model.weights.clear()  # the device memory is for the next model
         self.engine.reset()
         self.blockset, self.plan, self.load_error, self.bytes_received, self.transfer_bw = None, None, None, 0, 0.0
@@ -276,7 +288,8 @@ class EngineInstance:
         return EngineStatus(self.instance_id, self.config.model_name, self.phase.value, self.role, self.model_service,
                             {b: m.resident(b) for b in ids}, self.bytes_received, self.ready,
                             self.cooperate or None, self.load_error, str(self.device),
-                            str(self.dtype).removeprefix("torch."))
+                            str(self.dtype).removeprefix("torch."),
+                            {"pipelineDownstream": self.downstream_peer} if self.downstream_peer else {})
 
     async def close(self) -> None:
         await self.peers.close()

@@ -16,7 +16,7 @@ from typing import Any, Literal, cast
 import httpx
 
 from kascade_operator.httppool import HttpPool
-from kascade_planner.engine_api import BindRequest, CooperateRequest, LoadPlanRequest, Role
+from kascade_planner.engine_api import BindRequest, CooperateRequest, LoadPlanRequest, Mode, Role, ZigZagSpec
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +102,10 @@ class EngineClient:
         req = LoadPlanRequest(plan, self_id, peers, plan_token, manifest)
         return await self._call(endpoint, "POST", "load-plan", req.to_dict())
 
-    async def cooperate(self, endpoint: str, peer: str, mode: Literal["zigzag", "besteffort", "off"]) -> dict[str, Any]:
-        return await self._call(endpoint, "POST", "cooperate", CooperateRequest(peer, mode).to_dict())
+    async def cooperate(self, endpoint: str, peer: str, mode: Mode, zigzag: ZigZagSpec | None = None) -> dict[str, Any]:
+        """Live execution (livewiring.py): pair with `peer`'s activation port (zigzag / besteffort), warm
+        that connection ahead (standby), be a pipeline hop towards it (pipeline), or stop (off)."""
+        return await self._call(endpoint, "POST", "cooperate", CooperateRequest(peer, mode, zigzag).to_dict())
 
     async def drain(self, endpoint: str) -> dict[str, Any]:
         return await self._call(endpoint, "POST", "drain")

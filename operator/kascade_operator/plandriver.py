@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from kascade_operator import labels as L
+from kascade_operator import livewiring
 from kascade_operator import scaleplan as SP
 from kascade_operator.api import ModelServiceSpec
 from kascade_operator.engine_client import EngineError
@@ -150,7 +151,6 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
                 done.add(s["instance"])
 
     host_path = {src.get("node"): src.get("path") for src in spec["sources"] if src.get("kind") == "host"}
-    live_with = {t: s for s, t in plan.get("livePairs") or []}
     retry: set[str] = set()
 
     async def one(iid: str) -> None:
@@ -201,9 +201,7 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
                     drops[iid] = f"load plan refused: {e}"
                 if e.status != 409:
                     return
-        pair = by_inst.get(live_with.get(iid, ""))
-        if pair is not None and pair.act_endpoint:
-            await _go_live(rt, pool_ns, p, pair)
+        await livewiring.instructed(rt, pool_ns, spec, iid, p, by_inst)  # live pair or pipeline hop
 
     await asyncio.gather(*(one(i) for i in pending))
     done.update(i for i in pending if i not in drops and i not in retry)
@@ -216,18 +214,6 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
                                                     "startTime": status.get("startTime") or now_iso(),
                                                     "targets": rows})
     return drops
-
-
-async def _go_live(rt: Runtime, ns: str, target: PodView, pair: PodView) -> None:
-    """Live execution while loading: the target runs the layers it holds and ships activations to its
-    overloaded pair, which finishes them (ZigZag); the annotation tells routers to send it requests.
-    Best effort: if either step fails the target still loads, it just serves later."""
-    assert pair.act_endpoint is not None and target.endpoint is not None
-    try:
-        await rt.engines.cooperate(target.endpoint, pair.act_endpoint, "zigzag")
-        await rt.kube.patch_pod(ns, target.pod_name, {"metadata": {"annotations": {L.LIVE: "true"}}})
-    except (EngineError, Conflict, NotFound) as e:
-        log.warning("live pairing %s with %s: %s", target.pod_name, pair.pod_name, e)
 
 
 async def start(rt: Runtime, sp: dict[str, Any], decided_at: float) -> None:
@@ -306,6 +292,7 @@ async def drive(rt: Runtime, sp: dict[str, Any], stopped: Any) -> None:
         for iid in sorted(lost.keys() - dropped.keys()):
             dropped[iid] = lost[iid]
             await _drop(rt, sp, by_inst.get(iid), lost[iid], unreachable=iid in unreachable_since)
+        await livewiring.advance(rt, pool_ns, spec, statuses, by_inst, dropped)  # λScale pipelines as blocks land
         st = SP.progress(spec, statuses, done, dropped, started, time.monotonic())
         st["observedGeneration"] = sp["metadata"].get("generation")
         st["conditions"] = keep_transition_times(plan_conditions(st["phase"], st.get("message", ""),

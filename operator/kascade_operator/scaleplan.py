@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kascade_operator.pool import PodView
@@ -61,6 +61,8 @@ def build(action: CreatePlan, pods: Mapping[str, PodView], nodes: Sequence[Mappi
     srcs, tgts = [inst(s) for s in action.sources], [inst(t) for t in action.targets]
     plan = make_plan(topo, model, srcs, tgts, algorithm if srcs else "local", overloaded=[s.id for s in srcs],
                      live=live)
+    if not live:  # execution pipelines are live execution too (livewiring.py runs them only when asked)
+        plan = replace(plan, pipelines=())
     by_id = {pods[n].instance: pods[n] for n in (*action.sources, *action.targets)}
     return Built(plan, by_id)
 

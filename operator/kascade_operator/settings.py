@@ -47,6 +47,13 @@ class OperatorSettings(BaseSettings):
     engine_image: str = Field(default="", description="the installation's engine image (always allowed)")
     allowed_images: list[str] = Field(default_factory=list, description="more images a ModelService's "
                                       "spec.engine.image may name; an entry ending in '*' is a prefix")
+    live_layer_seconds: float = Field(default=0.002, gt=0, le=10, description="a serving engine's time for one "
+                                      "layer of one batch; with the plan's predicted seconds per block it gives a "
+                                      "live pair's ZigZag loadRatio")
+    live_zigzag_batches: int = Field(default=8, ge=1, le=1024, description="batches a live pair's ZigZag schedule "
+                                     "plans ahead (the loading engine's first admissions follow it)")
+    live_zigzag_ilp: bool = Field(default=False, description="live pairs follow the ZigZag ILP's prefixes instead "
+                                  "of the ILP-free schedule's")
     leader_election: bool = Field(default=False, description="take part in leader election on a Lease; only the "
                                   "leader reconciles")
     lease_name: str = "kascade-operator"
