@@ -235,7 +235,7 @@ async def test_operator_forms_reforms_and_stops_a_pipeline_of_real_engines(rt: R
         assert not r1.cooperate and r1.pair is None and not r1.servable and r1.phase is Phase.LOADING
         assert _live_annotation(kube, "r1") is None
     finally:
-        for n in ("r1", "r4") + tuple(n for n in ("r2", "r3") if not engines[n].task.done()):
+        for n in [n for n in engines if not engines[n].task.done()]:
             await engines[n].close()
 
 
