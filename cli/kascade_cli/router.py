@@ -18,7 +18,8 @@ import click
 @click.option("--namespace", help="watch ModelServices and engine pods in this namespace (default: all)")
 @click.option("--kubeconfig", help="outside a cluster (default: $KUBECONFIG)")
 @click.option("--backend", "backends", multiple=True,
-              help="no Kubernetes: MODEL=HOST:PORT[,HOST:PORT...] (repeatable; benchmarks, single machines)")
+              help="no Kubernetes: MODEL=[ROLE@]HOST:PORT[+DATA_HOST:PORT][,...] (repeatable; benchmarks, single "
+                   "machines); ROLE prefill|decode|colocated, a prefill engine needs its data port")
 @click.option("--max-body-bytes", default=1 << 20, show_default=True, type=click.IntRange(1))
 @click.option("--hold-timeout", default=120.0, show_default=True, type=click.FloatRange(0),
               help="seconds a request waits for a model with no serving replica (scale from zero), then 503")

@@ -27,6 +27,7 @@ from kascade_engine.engine import Engine
 from kascade_engine.live import Finisher
 from kascade_engine.metrics import EngineMetrics
 from kascade_engine.model import LlamaModel
+from kascade_engine.pd_metrics import PDMetrics
 from kascade_engine.peerpool import PeerPool
 from kascade_engine.prefill_server import PrefillServer
 from kascade_engine.remote_prefill import RemotePrefill
@@ -99,6 +100,7 @@ class EngineInstance:
         self.downstream_peer: str | None = None  # pipeline: where hosted rows go on (status `pipelineDownstream`)
         if not hasattr(self, "serving"):  # a dtype rebuild keeps the request side and its running loop
             self.serving = Serving(self)
+            self.pd_metrics = PDMetrics(self.metrics.registry, config.model_name)
             self.prefill_server = PrefillServer(self)  # PD: prefill for decode engines, KV out on the data port
             self.remote_prefill = RemotePrefill(self)  # PD: our requests' prefill on a peer, KV in
         self.finisher = Finisher(self.model, busy=lambda: not self.engine.scheduler.idle, token=config.token,

@@ -169,6 +169,7 @@ class PrefillServer:
             params = _params(h)
         except KVWireError as e:
             self.refused += 1
+            inst.pd_metrics.refused.inc()
             log.warning("prefill %s from %s refused: %s", req, conn.peer, e)
             try:
                 await conn.send({"op": "error", "req": req, "message": str(e)})
@@ -215,6 +216,8 @@ class PrefillServer:
                                  "digest": hasher.hexdigest()})
                 self.requests += 1
                 self.bytes_sent += sent
+                inst.pd_metrics.served.inc()
+                inst.pd_metrics.sent.inc(sent)
                 log.info("prefill %s for %s: %d tokens, %d KV bytes in %d frames, %.3f s", req, conn.peer,
                          len(toks), sent, frames, time.monotonic() - t0)
                 return True

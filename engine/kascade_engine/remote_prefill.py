@@ -65,6 +65,7 @@ class RemotePrefill:
             token, k, v = await self._fetch(rid, prompt, params, peer)
         except (RemotePrefillError, KVWireError, TransportError, OSError, RuntimeError, ValueError, TimeoutError) as e:
             self.fallbacks += 1
+            self.inst.pd_metrics.fallbacks.inc()
             log.warning("request %s: remote prefill on %s failed (%s); prefilling locally", rid, peer, e)
             if rid in self.inst.serving.queues:
                 local()
@@ -118,6 +119,8 @@ class RemotePrefill:
                 secs = max(time.monotonic() - t0, 1e-9)
                 self.bytes_received += got
                 self.link[peer] = got / secs
+                self.inst.pd_metrics.received.inc(got)
+                self.inst.pd_metrics.link(peer, got / secs)
                 return token, staged["k"], staged["v"]
         finally:
             self._give_back(peer, conn, ok)
@@ -136,16 +139,17 @@ class RemotePrefill:
         n = len(prompt)
         done = "stop" if token == eng.eos or token in params.stop_token_ids else (
             "length" if params.max_tokens <= 1 else None)
-        self.adopted += 1
-        if done is not None:
-            return [Event(rid, token, True, done)]
         sched = eng.scheduler
-        if len(sched.running) >= eng.limits.max_seqs or not sched.pool.grow(rid, n + 1):
+        if done is None and (len(sched.running) >= eng.limits.max_seqs or not sched.pool.grow(rid, n + 1)):
             sched.pool.free(rid)  # no room now: the request queues FCFS and prefills here when admitted
-            self.adopted -= 1
             self.fallbacks += 1
+            self.inst.pd_metrics.fallbacks.inc()
             eng.submit(prompt, params, rid)
             return []
+        self.adopted += 1
+        self.inst.pd_metrics.remote.inc()
+        if done is not None:
+            return [Event(rid, token, True, done)]
         ps, table, cache = sched.pool.page_size, sched.pool.tables[rid], eng.cache
         slots = torch.tensor([table[p // ps] * ps + p % ps for p in range(n)], dtype=torch.long, device=cache.device)
         for layer in range(cache.layers):

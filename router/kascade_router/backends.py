@@ -27,6 +27,8 @@ LOADED = "kascade.io/loaded"
 LIVE = "kascade.io/live"
 DRAINING = "kascade.io/draining"
 UNHEALTHY = "kascade.io/unhealthy"
+ROLE = "kascade.io/role"  # label: prefill | decode | colocated (disaggregated serving)
+ACT_ENDPOINT = "kascade.io/act-endpoint"  # annotation: host:port of the engine's data port (PD: KV leaves there)
 # a loading replica serving live runs only its resident prefix and hands the rest to its pair: give it
 # a smaller share of new requests than a complete copy
 LIVE_WEIGHT = 0.5
@@ -38,6 +40,8 @@ class PodRoute:
     pod: str
     address: str  # host:port of the engine's HTTP server
     weight: float
+    role: str = "colocated"
+    data: str | None = None  # host:port of the engine's data port (a prefill engine's KV leaves there)
 
 
 def service_model(msvc: Mapping[str, Any]) -> str | None:
@@ -53,6 +57,17 @@ def _address(pod: Mapping[str, Any], ann: Mapping[str, str]) -> str | None:
     for c in (pod.get("spec") or {}).get("containers") or []:
         for p in c.get("ports") or []:
             if p.get("name") == "http" and ip:
+                return f"{ip}:{p['containerPort']}"
+    return None
+
+
+def _data_address(pod: Mapping[str, Any], ann: Mapping[str, str]) -> str | None:
+    if ann.get(ACT_ENDPOINT):
+        return ann[ACT_ENDPOINT]
+    ip = (pod.get("status") or {}).get("podIP")
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        for p in c.get("ports") or []:
+            if p.get("name") == "act" and ip:
                 return f"{ip}:{p['containerPort']}"
     return None
 
@@ -76,7 +91,9 @@ def pod_backend(pod: Mapping[str, Any]) -> PodRoute | None:
     addr = _address(pod, ann)
     if not addr:
         return None
-    return PodRoute((str(meta.get("namespace", "")), svc), str(meta.get("name")), addr, weight)
+    role = str(labels.get(ROLE) or "colocated")
+    return PodRoute((str(meta.get("namespace", "")), svc), str(meta.get("name")), addr, weight, role,
+                    _data_address(pod, ann))
 
 
 @dataclass(eq=False)
@@ -85,6 +102,8 @@ class Backend:
     pod: str
     address: str
     weight: float = 1.0
+    role: str = "colocated"
+    data: str | None = None
     in_flight: int = 0
     ejected_until: float = 0.0  # a connection to it failed: skip it until then (or until its pod changes)
 
@@ -135,9 +154,9 @@ class Routes:
         mine = self.backends.setdefault(route.service, {})
         b = mine.get(route.pod)
         if b is None or b.address != route.address:
-            mine[route.pod] = Backend(route.pod, route.address, route.weight)
-        else:
-            b.weight, b.ejected_until = route.weight, 0.0  # the pod changed: give it another chance
+            mine[route.pod] = Backend(route.pod, route.address, route.weight, route.role, route.data)
+        else:  # the pod changed: give it another chance
+            b.weight, b.ejected_until, b.role, b.data = route.weight, 0.0, route.role, route.data
         self._notify()
 
     def remove_pod(self, ns: str, name: str) -> None:

@@ -22,3 +22,18 @@ def pick(backends: Sequence[Backend], rng: random.Random, exclude: Collection[st
         return pool[0]
     a, b = rng.sample(pool, 2)
     return a if (a.in_flight + 1) / a.weight <= (b.in_flight + 1) / b.weight else b
+
+
+def pick_pd(backends: Sequence[Backend], rng: random.Random,
+            exclude: Collection[str] = ()) -> tuple[Backend | None, Backend | None]:
+    """Disaggregated serving: (decode instance, prefill instance for it). The decode instance is chosen
+    first (the response streams from it), then a prefill engine with a data address by the same rule. A
+    service without prefill engines routes as before (prefill None); when every non-prefill replica is
+    gone, a prefill engine serves the whole request alone (it can: every engine runs both phases)."""
+    prefill = [b for b in backends if b.role == "prefill" and b.data]
+    d = pick([b for b in backends if b.role != "prefill"], rng, exclude)
+    if d is None:
+        return pick(backends, rng, exclude), None
+    if d.role != "decode" or not prefill:
+        return d, None
+    return d, pick(prefill, rng)

@@ -26,13 +26,15 @@ import aiohttp
 from aiohttp import web
 
 from kascade_router.backends import Backend, Routes
-from kascade_router.balancer import pick
+from kascade_router.balancer import pick, pick_pd
 from kascade_router.demand import Demand, ModelDemand
 from kascade_router.settings import RouterSettings
 
 log = logging.getLogger(__name__)
 REQUEST_ID = "X-Request-Id"
 REPLICA = "X-Kascade-Replica"  # which pod answered (clients, tests and logs can tell)
+PREFILL = "X-Kascade-Prefill"  # to a decode engine: host:port of the prefill engine's data port (PD)
+PREFILLED_BY = "X-Kascade-Prefilled-By"  # to the client: which prefill pod the router chose
 _RID_OK = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _SSE = "text/event-stream"
 
@@ -121,7 +123,7 @@ class Proxy:
         deadline = t0 + self.s.hold_timeout_s
         held, tries = False, 0
         while tries < self.s.attempts:
-            b = pick(self.routes.serving(svc), self.rng, tried)
+            b, pre = pick_pd(self.routes.serving(svc), self.rng, tried)
             if b is None:
                 if not held and d.queued >= self.s.max_queued:
                     return error(429, f"{d.queued} requests for model '{d.model}' are already waiting for a "
@@ -129,6 +131,8 @@ class Proxy:
                                  rid, self.s.retry_after_s), 429, 0
                 b = await self._hold(svc, d, tried, deadline)
                 held = True
+                if b is not None:
+                    b, pre = pick_pd(self.routes.serving(svc), self.rng, tried)
                 if b is None:
                     why = (f"replicas of model '{d.model}' failed before answering ({tries} tries)" if tries
                            else f"no serving replica of model '{d.model}' (ModelService {svc[0]}/{svc[1]}) "
@@ -137,7 +141,7 @@ class Proxy:
             tried.add(b.pod)
             tries += 1
             try:
-                return await self._forward(request, body, b, stream, rid)
+                return await self._forward(request, body, b, stream, rid, pre)
             except _Retry as e:
                 log.info("request %s: %s; retrying on another replica", rid, e)
         return error(502, f"{tries} tries on replicas of model '{d.model}' failed before answering", None,
@@ -163,14 +167,17 @@ class Proxy:
             d.queued -= 1
 
     async def _forward(self, request: web.Request, body: bytes, b: Backend, stream: bool,
-                       rid: str) -> tuple[web.StreamResponse, int, int]:
+                       rid: str, pre: Backend | None = None) -> tuple[web.StreamResponse, int, int]:
         url = f"http://{b.address}{request.path}"
         b.in_flight += 1
         up: aiohttp.ClientResponse | None = None
+        send = {"Content-Type": "application/json", REQUEST_ID: rid}  # never a client's header (PREFILL)
+        if pre is not None and pre.data:
+            send[PREFILL] = pre.data
+            pre.in_flight += 1  # a prefill engine is busy with this request until its first token
         try:
             try:
-                up = await self.session.post(url, data=body, headers={"Content-Type": "application/json",
-                                                                      REQUEST_ID: rid})
+                up = await self.session.post(url, data=body, headers=send)
             except (aiohttp.ClientError, OSError, TimeoutError) as e:
                 b.ejected_until = time.monotonic() + self.s.eject_s
                 raise _Retry(f"{b.pod} ({b.address}) unreachable: {type(e).__name__}: {e}") from None
@@ -178,6 +185,8 @@ class Proxy:
                 text = (await up.read())[:200].decode(errors="replace")
                 raise _Retry(f"{b.pod} answered 503: {text}")
             headers = {REQUEST_ID: rid, REPLICA: b.pod}
+            if pre is not None:
+                headers[PREFILLED_BY] = pre.pod
             ctype = up.headers.get("Content-Type", "application/json")
             if not (stream and ctype.startswith(_SSE)):
                 try:
@@ -192,6 +201,9 @@ class Proxy:
                 raise _Retry(f"{b.pod} failed before its first chunk: {type(e).__name__}") from None
             if not first:
                 raise _Retry(f"{b.pod} closed the stream before its first chunk")
+            if pre is not None:
+                pre.in_flight -= 1
+                pre = None
             resp = web.StreamResponse(status=up.status, headers={**headers, "Content-Type": ctype,
                                                                  "Cache-Control": "no-cache"})
             await resp.prepare(request)
@@ -214,6 +226,8 @@ class Proxy:
             return resp, up.status, n
         finally:
             b.in_flight -= 1
+            if pre is not None:
+                pre.in_flight -= 1
             if up is not None:
                 up.close()  # no-op after a complete read; otherwise drops the connection: the engine aborts
 

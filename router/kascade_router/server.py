@@ -27,21 +27,40 @@ from kascade_router.watch import Watcher
 log = logging.getLogger(__name__)
 
 
+ROLES = ("colocated", "prefill", "decode")
+
+
+def _hostport(spec: str, addr: str) -> str:
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--backend {spec!r}: {addr!r} is not HOST:PORT")
+    return addr
+
+
 def static_routes(specs: list[str]) -> Routes:
-    """`model=host:port[,host:port...]` per spec: a fixed table (no Kubernetes)."""
+    """`model=[role@]host:port[+data_host:data_port][,...]` per spec: a fixed table (no Kubernetes). A role
+    (prefill | decode | colocated, default colocated) and a data address (a prefill engine's data port,
+    where its KV leaves) make a disaggregated service."""
     routes = Routes()
     for spec in specs:
         model, sep, addrs = spec.partition("=")
         if not sep or not model or not addrs:
-            raise ValueError(f"--backend {spec!r}: expected MODEL=HOST:PORT[,HOST:PORT...]")
+            raise ValueError(f"--backend {spec!r}: expected MODEL=HOST:PORT[,...] (each [ROLE@]HOST:PORT[+DATA_HOST:PORT])")
         routes.set_service("static", model, model)
-        for i, addr in enumerate(a for a in addrs.split(",") if a):
-            host, _, port = addr.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"--backend {spec!r}: {addr!r} is not HOST:PORT")
+        for i, item in enumerate(a for a in addrs.split(",") if a):
+            role, at, rest = item.rpartition("@")
+            role = role if at else "colocated"
+            if role not in ROLES:
+                raise ValueError(f"--backend {spec!r}: role {role!r} in {item!r}: use {', '.join(ROLES)}")
+            addr, plus, data = rest.partition("+")
+            ann = {"kascade.io/endpoint": _hostport(spec, addr), "kascade.io/loaded": "true"}
+            if plus:
+                ann["kascade.io/act-endpoint"] = _hostport(spec, data)
+            elif role == "prefill":
+                raise ValueError(f"--backend {spec!r}: prefill engine {item!r} needs +DATA_HOST:PORT (its data port)")
             routes.set_pod({"metadata": {"namespace": "static", "name": f"{model}-{i}",
-                                         "labels": {"kascade.io/model-service": model},
-                                         "annotations": {"kascade.io/endpoint": addr, "kascade.io/loaded": "true"}},
+                                         "labels": {"kascade.io/model-service": model, "kascade.io/role": role},
+                                         "annotations": ann},
                             "status": {"conditions": [{"type": "Ready", "status": "True"}]}})
     return routes
 
@@ -133,7 +152,8 @@ class Router:
     async def _table(self, _: web.Request) -> web.Response:
         now = time.monotonic()
         out = {m: {"modelService": f"{svc[0]}/{svc[1]}",
-                   "backends": [{"pod": b.pod, "address": b.address, "weight": b.weight, "inFlight": b.in_flight,
+                   "backends": [{"pod": b.pod, "address": b.address, "role": b.role, "data": b.data,
+                                 "weight": b.weight, "inFlight": b.in_flight,
                                  "ejected": not b.usable(now)} for b in self.routes.backends.get(svc, {}).values()]}
                for m, svc in self.routes.models.items()}
         return web.json_response(out)

@@ -1,0 +1,38 @@
+"""PD metrics: what disaggregated serving moved, in the engine's own registry (prefix `kascade_`).
+
+  kascade_pd_prefills_served_total      prefill engine: prompts prefilled for decode engines
+  kascade_pd_prefills_refused_total     prefill engine: prefill requests refused (bad input, not serving)
+  kascade_pd_remote_prefills_total      decode engine: requests whose KV arrived from a prefill engine
+  kascade_pd_local_fallbacks_total      decode engine: requests prefilled here after a remote prefill failed
+  kascade_kv_transfer_bytes_total{direction=sent|received}
+  kascade_kv_link_bytes_per_second{peer}  decode engine: KV bytes / seconds of the last transfer from each
+                                        prefill peer (first frame to kv_done): the pair's network velocity
+Data flow: PrefillServer and RemotePrefill count as they go; Prometheus (or the operator) scrapes /metrics.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+
+class PDMetrics:
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        lbl = ["model_name"]
+        self.served = Counter("kascade_pd_prefills_served", "Prompts prefilled for decode engines", lbl,
+                              registry=registry).labels(model_name)
+        self.refused = Counter("kascade_pd_prefills_refused", "Prefill requests from decode engines refused", lbl,
+                               registry=registry).labels(model_name)
+        self.remote = Counter("kascade_pd_remote_prefills", "Requests whose KV arrived from a prefill engine", lbl,
+                              registry=registry).labels(model_name)
+        self.fallbacks = Counter("kascade_pd_local_fallbacks", "Requests prefilled locally after a remote prefill "
+                                 "failed", lbl, registry=registry).labels(model_name)
+        self._bytes = Counter("kascade_kv_transfer_bytes", "KV bytes moved between prefill and decode engines",
+                              ["model_name", "direction"], registry=registry)
+        self.sent = self._bytes.labels(model_name, "sent")
+        self.received = self._bytes.labels(model_name, "received")
+        self._link = Gauge("kascade_kv_link_bytes_per_second", "KV bytes/s of the last transfer from a prefill peer",
+                           ["model_name", "peer"], registry=registry)
+        self.model_name = model_name
+
+    def link(self, peer: str, bytes_per_s: float) -> None:
+        self._link.labels(self.model_name, peer).set(bytes_per_s)

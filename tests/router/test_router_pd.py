@@ -1,0 +1,148 @@
+"""PD routing through the router to real engine processes: the router picks a decode engine, then a
+prefill engine for it, and sends the request to the decode engine naming the prefill engine's data port;
+the prefill engine's KV moves to the decode engine over TCP and the answer streams from the decode engine.
+Outputs equal the same decode engine's colocated answers; both engines' /metrics show the KV that moved."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kascade_engine.checkpoint import tiny_llama
+from kascade_router.backends import Backend
+from kascade_router.balancer import pick_pd
+from kascade_router.server import Router, static_routes
+
+TOKEN = "router-pd-token"
+
+
+def _engine(ckpt: Path, name: str) -> tuple[subprocess.Popen[str], int, int]:
+    env = {**os.environ, "KASCADE_ENGINE_TOKEN": TOKEN}
+    cmd = [sys.executable, "-m", "kascade_cli.main", "engine", "serve", "--port", "0", "--act-port", "0",
+           "--checkpoint", str(ckpt), "--model-name", "tiny-llama", "--kv-tokens", "4096",
+           "--max-batch-tokens", "32"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    for line in proc.stdout:  # the engine prints one READY line once both ports listen
+        if line.startswith("KASCADE_ENGINE_READY"):
+            parts = dict(p.split("=") for p in line.split()[1:])
+            return proc, int(parts["http"]), int(parts["act"])
+    raise RuntimeError(f"engine {name} exited with {proc.wait()}")
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[int, int]]]:
+    ckpt = tiny_llama(tmp_path_factory.mktemp("pd") / "tiny-llama", layers=4, hidden=64, vocab=512)
+    procs: list[subprocess.Popen[str]] = []
+    out: dict[str, tuple[int, int]] = {}
+    try:
+        for name in ("prefill", "decode"):
+            proc, http, act = _engine(ckpt, name)
+            procs.append(proc)
+            out[name] = (http, act)
+        yield out
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+@pytest.fixture
+async def router(engines: dict[str, tuple[int, int]]) -> AsyncIterator[Router]:
+    (ph, pa), (dh, _) = engines["prefill"], engines["decode"]
+    spec = f"tiny-llama=decode@127.0.0.1:{dh},prefill@127.0.0.1:{ph}+127.0.0.1:{pa}"
+    r = await Router(routes=static_routes([spec])).start()
+    try:
+        yield r
+    finally:
+        await r.close()
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples called `name` whose labels include `labels`."""
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == name and labels.items() <= s.labels.items())
+
+
+async def _complete(s: aiohttp.ClientSession, url: str, prompt: list[int], stream: bool) -> tuple[str, Any]:
+    body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": stream}
+    async with s.post(f"{url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=120)) as r:
+        assert r.status == 200, await r.text()
+        if not stream:
+            return (await r.json())["choices"][0]["text"], r.headers
+        text = ""
+        async for line in r.content:
+            if line.startswith(b"data: {"):
+                import json
+
+                text += json.loads(line[6:])["choices"][0]["text"]
+        return text, r.headers
+
+
+async def test_router_routes_pd_and_output_equals_colocated(engines: dict[str, tuple[int, int]],
+                                                             router: Router) -> None:
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30,
+                31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41], [1, 2, 3], [300, 200, 100, 50]]
+    d_url, p_url = f"http://127.0.0.1:{engines['decode'][0]}", f"http://127.0.0.1:{engines['prefill'][0]}"
+    async with aiohttp.ClientSession() as s:
+        before = {u: await (await s.get(f"{u}/metrics")).text() for u in (d_url, p_url)}
+        want = [(await _complete(s, d_url, p, False))[0] for p in prompts]  # colocated: D alone, no header
+        got = await asyncio.gather(*(_complete(s, f"http://127.0.0.1:{router.port}", p, st)
+                                     for p in prompts for st in (False, True)))
+        after = {u: await (await s.get(f"{u}/metrics")).text() for u in (d_url, p_url)}
+    assert [t for t, _ in got] == [w for w in want for _ in (0, 1)]
+    assert all(h["X-Kascade-Replica"] == "tiny-llama-0" and h["X-Kascade-Prefilled-By"] == "tiny-llama-1"
+               for _, h in got)
+
+    def delta(u: str, name: str, **labels: str) -> float:
+        return _metric(after[u], name, **labels) - _metric(before[u], name, **labels)
+
+    n = 2 * len(prompts)
+    assert delta(p_url, "kascade_pd_prefills_served_total") == n
+    assert delta(d_url, "kascade_pd_remote_prefills_total") == n
+    assert delta(d_url, "kascade_pd_local_fallbacks_total") == 0
+    kv = 2 * sum(len(p) for p in prompts) * 2 * 4 * 2 * 16 * 4  # twice each; K+V, 4 layers, 2 kv heads x 16, fp32
+    assert delta(p_url, "kascade_kv_transfer_bytes_total", direction="sent") == kv
+    assert delta(d_url, "kascade_kv_transfer_bytes_total", direction="received") == kv
+    assert _metric(after[d_url], "kascade_kv_link_bytes_per_second") > 0
+
+
+def test_pick_pd_chooses_decode_then_prefill() -> None:
+    rng = random.Random(1)
+    d1, d2 = Backend("d1", "h:1", role="decode"), Backend("d2", "h:2", role="decode")
+    p1 = Backend("p1", "h:3", role="prefill", data="h:30")
+    p2 = Backend("p2", "h:4", role="prefill", data="h:40", in_flight=5)
+    picks = [pick_pd([d1, d2, p1, p2], rng) for _ in range(50)]
+    assert {d.pod for d, _ in picks if d} == {"d1", "d2"}  # the response always streams from a decoder
+    assert {p.pod for _, p in picks if p} == {"p1"}  # of two prefill engines, the less busy one
+    assert pick_pd([d1, p1], rng, exclude={"d1"}) == (p1, None)  # no decoder left: the prefill engine serves alone
+    c = Backend("c", "h:5")
+    assert pick_pd([c, p1], rng) == (c, None)  # a colocated replica prefills itself
+    assert pick_pd([d1], rng) == (d1, None)  # no prefill engine: the decoder prefills itself
+
+
+def test_static_pd_backends_parse_and_name_bad_values() -> None:
+    routes = static_routes(["m=decode@127.0.0.1:1,prefill@127.0.0.1:2+127.0.0.1:3"])
+    bs = sorted(routes.backends[("static", "m")].values(), key=lambda b: b.pod)
+    assert [(b.role, b.address, b.data) for b in bs] == [("decode", "127.0.0.1:1", None),
+                                                        ("prefill", "127.0.0.1:2", "127.0.0.1:3")]
+    with pytest.raises(ValueError, match="role 'boss'"):
+        static_routes(["m=boss@127.0.0.1:1"])
+    with pytest.raises(ValueError, match=r"needs \+DATA_HOST:PORT"):
+        static_routes(["m=prefill@127.0.0.1:1"])
+    with pytest.raises(ValueError, match="'nope' is not HOST:PORT"):
+        static_routes(["m=prefill@127.0.0.1:1+nope"])
