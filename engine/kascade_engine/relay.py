@@ -193,7 +193,7 @@ class TransferNode:
             if role == "push" and any(f.src == peer and f.shard == shard for f in self.inbound):
                 await conn.send({"op": "welcome"}, timeout=self.spec.timeout_s)
                 self._connected.add(peer)
-                await self._consume(conn, peer, shard)
+                await self._consume(conn, peer, shard, flow=self._pushed_flow(hello, peer, shard))
             elif role == "pull" and peer in {i.id for i in (*self.plan.sources, *self.plan.targets)}:
                 await conn.send({"op": "welcome"}, timeout=self.spec.timeout_s)
                 await self._serve_pull(conn)
@@ -204,10 +204,20 @@ class TransferNode:
         except (TransportError, KeyError, ValueError, TypeError) as e:
             log.warning("%s: connection %s failed: %s", self.me, conn.peer, e)
 
+    def _pushed_flow(self, hello: Header, peer: str, shard: tuple[int, int] | None) -> Flow | None:
+        """The plan flow a push stream carries (its hello names the index): a peer may send this node
+        several flows with the same shard (striped plans: one per stripe), and each stream answers
+        only for its own blocks. None for a hello without a valid index (then: all of them)."""
+        k = hello.get("flow")
+        flows = self.plan.flows
+        if isinstance(k, int) and 0 <= k < len(flows) and (flows[k].src, flows[k].dst, flows[k].shard) == (peer, self.me, shard):
+            return flows[k]
+        return None
+
     async def _consume(self, conn: Connection, peer: str, flow_shard: tuple[int, int] | None = None,
-                       pull: bool = False) -> bool:
-        """Apply a stream of chunk/commit/abort/end from `peer` (its flow `flow_shard`, for pushes).
-        Returns True on a clean end."""
+                       pull: bool = False, flow: Flow | None = None) -> bool:
+        """Apply a stream of chunk/commit/abort/end from `peer` (its flow `flow_shard`, for pushes;
+        `flow`: the one flow it carries, when known). Returns True on a clean end."""
         verifying: list[asyncio.Task[None]] = []
         try:
             while True:
@@ -225,7 +235,7 @@ class TransferNode:
                     raise TransportError(f"unexpected {plen}-byte payload on {op!r}")
                 if op == "end":
                     await asyncio.gather(*verifying, return_exceptions=True)  # their failures fail the node
-                    if not pull and self._missing_from(peer, flow_shard) - self._refetching:
+                    if not pull and self._missing_from(peer, flow_shard, flow=flow) - self._refetching:
                         raise TransportError(f"{peer} ended its stream before sending every block")
                     await _close_handshake(conn, self.spec.timeout_s, sent_end=False)
                     return True
@@ -247,7 +257,7 @@ class TransferNode:
             if not pull:
                 with contextlib.suppress(Exception):
                     await conn.abort()  # a stream we stopped reading must not stall its sender until timeout
-                self._upstream_lost(peer, flow_shard)
+                self._upstream_lost(peer, flow_shard, flow=flow)
             return False
 
     async def _recv_payload(self, conn: Connection, view: memoryview, pull: bool) -> None:
@@ -414,7 +424,8 @@ class TransferNode:
         try:
             conn = await self._connect_retrying(host, port)
             await conn.send({"op": "hello", "from": self.me, "token": self.spec.token, "role": "push",
-                             "shard": list(d.flow.shard) if d.flow.shard else None}, timeout=self.spec.timeout_s)
+                             "shard": list(d.flow.shard) if d.flow.shard else None,
+                             "flow": self.plan.flows.index(d.flow)}, timeout=self.spec.timeout_s)
             reply, _ = await conn.recv(timeout=self.spec.timeout_s, max_payload=0)
             if reply.get("op") != "welcome":
                 raise TransportError(f"{d.flow.dst} refused: {reply.get('message')}")
@@ -459,9 +470,10 @@ class TransferNode:
                 await asyncio.sleep(0.05)
 
     # -- recovery ----------------------------------------------------------------------------------
-    def _missing_from(self, peer: str, shard: tuple[int, int] | None = None, any_shard: bool = False) -> set[Slot]:
+    def _missing_from(self, peer: str, shard: tuple[int, int] | None = None, any_shard: bool = False,
+                      flow: Flow | None = None) -> set[Slot]:
         out: set[Slot] = set()
-        for f in self.inbound:
+        for f in self.inbound if flow is None else (flow,):
             if f.src == peer and (any_shard or f.shard == shard):
                 slot = f.shard[0] if f.shard else None
                 for b in f.blocks:
@@ -469,8 +481,9 @@ class TransferNode:
                         out.add((b, slot))
         return out
 
-    def _upstream_lost(self, peer: str, shard: tuple[int, int] | None = None, any_shard: bool = False) -> None:
-        missing = self._missing_from(peer, shard, any_shard) - self._refetching
+    def _upstream_lost(self, peer: str, shard: tuple[int, int] | None = None, any_shard: bool = False,
+                       flow: Flow | None = None) -> None:
+        missing = self._missing_from(peer, shard, any_shard, flow) - self._refetching
         if missing:
             self._spawn(self._refetch_from_fallbacks(missing), f"re-fetch of {len(missing)} block(s)")
 

@@ -23,6 +23,7 @@ from kascade_planner.chains import ChainOptions, build_chains
 from kascade_planner.cost import CostParams, pair_gbps, predict
 from kascade_planner.hybrid import build_hybrid
 from kascade_planner.plan import Instance, ModelLayout, Plan, PlanError
+from kascade_planner.sharding import plane_width, shard_plan
 from kascade_planner.topology import Topology
 
 EXACT_MAX = 256
@@ -69,8 +70,12 @@ def estimate_hybrid(plan: Plan, topo: Topology, cost: CostParams) -> float | Non
     """When every link carries its even share (no target forwards more than f flows, no link more
     cross-leaf flows than its uplink share), every stripe flow runs at link/f: the last target
     finishes one stripe's bytes plus one chunk per hop of its deepest stripe after the start, at
-    that rate. None when the plan breaks the promise (the caller then runs the cost model)."""
-    stripes = {id(f.blocks): f.blocks for f in plan.flows}
+    that rate. Shard planes (g-way sharded flows) are identical copies over each GPU's own link: one
+    plane is scored with 1/g of the bytes, plus the NVLink all-gather. None when the plan breaks the
+    promise (the caller then runs the cost model)."""
+    g = plan.flows[0].shard[1] if plan.flows and plan.flows[0].shard else 1
+    flows = [f for f in plan.flows if not f.shard or f.shard[0] == 0]
+    stripes = {id(f.blocks): f.blocks for f in flows}
     f_count = len(stripes)
     sources = {s.id for s in plan.sources}
     inst = {i.id: i for i in (*plan.sources, *plan.targets)}
@@ -81,7 +86,7 @@ def estimate_hybrid(plan: Plan, topo: Topology, cost: CostParams) -> float | Non
     cross: dict[str, int] = {}
     cross_in: dict[str, int] = {}
     cap = max(1, int(topo.inter_leaf_ratio * f_count + 1e-9))
-    for f in plan.flows:
+    for f in flows:
         d = depth[id(f.blocks)]
         src, dst = f.src, f.dst
         d[dst] = d[src] + 1
@@ -95,10 +100,11 @@ def estimate_hybrid(plan: Plan, topo: Topology, cost: CostParams) -> float | Non
     bw = min(by_name[i.node].nic_gbps for i in inst.values())
     rate = min(bw / f_count, bw * topo.inter_leaf_ratio if cross else bw) * 1e9 / 8
     sizes = dict(zip(plan.model.block_ids, plan.model.block_bytes, strict=True))
-    stripe_bytes = max(sum(sizes[b] for b in blocks) for blocks in stripes.values())
-    chunk = min(cost.chunk_bytes, max(plan.model.block_bytes))
+    stripe_bytes = max(sum(math.ceil(sizes[b] / g) for b in blocks) for blocks in stripes.values())
+    chunk = min(cost.chunk_bytes, math.ceil(max(plan.model.block_bytes) / g))
     hops = max(max(d.values()) for d in depth.values())
-    return (stripe_bytes + (hops - 1) * chunk) / rate + chunk / rate + hops * cost.hop_latency_s
+    gather = max(plan.model.block_bytes) * (g - 1) / g / (topo.nvlink_gbps * 1e9 / 8)
+    return (stripe_bytes + (hops - 1) * chunk) / rate + chunk / rate + hops * cost.hop_latency_s + gather
 
 
 def choose(topo: Topology, model: ModelLayout, sources: Sequence[Instance], targets: Sequence[Instance],
@@ -108,11 +114,14 @@ def choose(topo: Topology, model: ModelLayout, sources: Sequence[Instance], targ
         raise PlanError("no targets to load")
     exact = len(targets) <= EXACT_MAX
     scored: list[tuple[float, int, str, Plan | None]] = []
-    hybrid_ok = not any(t.gpus > 1 for t in targets)  # tp>1 targets: chains shard over every GPU link
+    # tp>1 targets: hybrid and binomial plans run over g shard planes (one per GPU link) when every
+    # target has the same g and every source can drive g links; otherwise only chains shard.
+    planes = plane_width(sources, targets, topo)[0] if shard else 1
+    hybrid_ok = all(t.gpus == 1 for t in targets) or planes > 1
     hybrids: list[tuple[float, int, str, Plan | None]] = []
     if hybrid_ok:
         for f in stripe_options(topo, exact):
-            p = build_hybrid(topo, model, sources, targets, f, kv_flows)
+            p = shard_plan(build_hybrid(topo, model, sources, targets, f, kv_flows), topo)
             t = None if exact else estimate_hybrid(p, topo, cost)
             hybrids.append((predict(p, topo, cost).makespan if t is None else t, 1, f"hybrid (f={f})", p))
     scored.extend(hybrids)
@@ -124,7 +133,7 @@ def choose(topo: Topology, model: ModelLayout, sources: Sequence[Instance], targ
     else:  # no chain plan can beat the best hybrid: its pipeline fill alone is longer (not built)
         scored.append((floor, 0, "chain (at least; not built)", None))
     if len(targets) <= BINOMIAL_MAX and not kv_flows and hybrid_ok:
-        b = build_binomial(model, sources, targets, topo=topo, cost=cost)
+        b = shard_plan(build_binomial(model, sources, targets, topo=topo, cost=cost), topo)
         scored.append((predict(b, topo, cost).makespan, 2, "binomial", b))
     best = min((x for x in scored if x[3] is not None), key=lambda x: (x[0] * (1 + 1e-6 * x[1]), x[1]))
     plan = best[3]

@@ -14,6 +14,7 @@ from kascade_planner.chains import ChainOptions, build_chains
 from kascade_planner.cost import CostParams, with_prediction
 from kascade_planner.hybrid import build_hybrid
 from kascade_planner.plan import ALGORITHMS, Instance, ModelLayout, Plan, PlanError
+from kascade_planner.sharding import shard_plan
 from kascade_planner.topology import Topology
 
 
@@ -23,15 +24,18 @@ def make_plan(topo: Topology, model: ModelLayout, sources: Sequence[Instance], t
               cost: CostParams = CostParams(), live: bool | None = None, stripes: int = 2) -> Plan:
     """`algorithm` "auto" builds the candidates and keeps the fastest predicted (`auto.choose`; its
     note says why). `live`: True pairs targets with serving sources (`pair_live`), False drops pairs,
-    None keeps what the algorithm chose. `stripes`: the hybrid plan's stripe count."""
+    None keeps what the algorithm chose. `stripes`: the hybrid plan's stripe count. `shard`: chain,
+    hybrid and binomial hops to tp=g targets use all g GPU links (`sharding.shard_plan`)."""
     if algorithm == "auto":
         plan = choose(topo, model, sources, targets, kv_flows, overloaded, shard, cost)
     elif algorithm == "hybrid":
         plan = build_hybrid(topo, model, sources, targets, stripes, kv_flows)
+        plan = shard_plan(plan, topo) if shard else plan
     elif algorithm == "chain":
         plan = build_chains(topo, model, sources, targets, kv_flows, overloaded, ChainOptions(shard=shard))
     elif algorithm == "binomial":
         plan = build_binomial(model, sources, targets, topo=topo, cost=cost)
+        plan = shard_plan(plan, topo) if shard else plan
     elif algorithm == "star":
         plan = build_star(model, sources, targets)
     elif algorithm == "tree":

@@ -60,7 +60,7 @@ def egress_key(f: Flow, src: Instance, dst: Instance) -> tuple[str, int]:
 
 
 def predict(plan: Plan, topo: Topology, params: CostParams = CostParams()) -> Prediction:
-    if plan.steps and not any(f.shard for f in plan.flows):
+    if plan.steps:
         return _predict_steps(plan, topo, params)
     if plan.algorithm == "hybrid":
         shared = _predict_shared(plan, topo, params)
@@ -85,7 +85,9 @@ def _finish(plan: Plan, have: dict[tuple[str, str], tuple[float, float]]) -> Pre
 def _predict_steps(plan: Plan, topo: Topology, params: CostParams) -> Prediction:
     """Step-scheduled plans (binomial): every link sends its blocks in step order (a list schedule:
     one block per link direction at a time, cut-through per chunk as everywhere). The sends are
-    taken in step order, so a relay's block is always known before it is forwarded."""
+    taken in step order, so a relay's block is always known before it is forwarded. Shard planes
+    (`sharding.shard_plan`): each (instance, GPU) link is its own queue, a relay forwards the shard
+    it holds, and a target holds a block once all its shards arrived plus the NVLink all-gather."""
     sizes = dict(zip(plan.model.block_ids, plan.model.block_bytes, strict=True))
     inst = {i.id: i for i in (*plan.sources, *plan.targets)}
     source_ids = {s.id for s in plan.sources}
@@ -93,20 +95,38 @@ def _predict_steps(plan: Plan, topo: Topology, params: CostParams) -> Prediction
     rates = [pair_gbps(topo, inst[f.src], inst[f.dst]) * 1e9 / 8 for f in flows]
     out_keys = [egress_key(f, inst[f.src], inst[f.dst]) for f in flows]
     sends = sorted((st, k, i) for k, steps in enumerate(plan.steps) for i, st in enumerate(steps))
-    have: dict[tuple[str, str], tuple[float, float]] = {}
+    have: dict[tuple[str, str], tuple[float, float]] = {}  # (instance, block) -> (first chunk, full)
+    parts: dict[tuple[str, str], dict[int, tuple[float, float]]] = {}  # shards held so far
     egress: dict[tuple[str, int], float] = {}
-    ingress: dict[str, float] = {}
+    ingress: dict[tuple[str, int], float] = {}
     lat = params.hop_latency_s
+    nvlink = topo.nvlink_gbps * 1e9 / 8
     for _, k, i in sends:
         f = flows[k]
         b = f.blocks[i]
-        first, full = (0.0, 0.0) if f.src in source_ids else have[(f.src, b)]
-        nbytes = sizes[b]
+        slot, count = f.shard if f.shard else (0, 1)
+        if f.src in source_ids:
+            first, full = 0.0, 0.0
+        elif f.shard and slot in parts.get((f.src, b), {}):
+            first, full = parts[(f.src, b)][slot]
+        elif (f.src, b) in have:
+            first, full = have[(f.src, b)]
+        else:
+            raise PlanError(f"{f.src!r} must forward block {b!r} at step {plan.steps[k][i]} before it holds it")
+        nbytes = math.ceil(sizes[b] / count)
         c = min(params.chunk_bytes, nbytes) / rates[k]
-        start = max(first, egress.get(out_keys[k], 0.0), ingress.get(f.dst, 0.0))
+        start = max(first, egress.get(out_keys[k], 0.0), ingress.get((f.dst, slot), 0.0))
         end = max(start + nbytes / rates[k], full + c)
-        egress[out_keys[k]] = ingress[f.dst] = end
-        have[(f.dst, b)] = (start + c + lat, end + lat)
+        egress[out_keys[k]] = ingress[(f.dst, slot)] = end
+        got = (start + c + lat, end + lat)
+        if not f.shard:
+            have[(f.dst, b)] = got
+            continue
+        held = parts.setdefault((f.dst, b), {})
+        held[slot] = got
+        if len(held) == count:
+            gather = sizes[b] * (count - 1) / count / nvlink
+            have[(f.dst, b)] = (max(p[0] for p in held.values()), max(p[1] for p in held.values()) + gather)
     return _finish(plan, have)
 
 
@@ -141,43 +161,50 @@ def _predict_shared(plan: Plan, topo: Topology, params: CostParams) -> Predictio
     its blocks at rate min(pair bandwidth, link / sharers), pipelined per chunk (the same recurrence
     as `_predict_pipelined`). Flows are evaluated level by level (a flow's level: one more than the
     flow that brought its blocks to its sender), each level's flows of one block set as one matrix.
-    None when the plan does not qualify (shards, a sender fed by several flows of one block set)."""
-    if any(f.shard for f in plan.flows):
+    Shard planes (every flow sharded g ways): one row per (instance, GPU), each plane on its own
+    links, and a target holds a block once every shard arrived plus the NVLink all-gather.
+    None when the plan does not qualify (mixed shard counts, a sender fed by several flows of one
+    block set)."""
+    counts = {f.shard[1] if f.shard else 1 for f in plan.flows}
+    if len(counts) != 1:
         return None
+    g = counts.pop()
     index = {b: i for i, b in enumerate(plan.model.block_ids)}
-    sizes = np.asarray(plan.model.block_bytes, dtype=np.float64)
+    sizes = np.ceil(np.asarray(plan.model.block_bytes, dtype=np.float64) / g)
     everyone = (*plan.sources, *plan.targets)
     inst = {i.id: i for i in everyone}
-    row = {i.id: r for r, i in enumerate(everyone)}
+    row = {(i.id, s): r for r, (i, s) in enumerate((i, s) for i in everyone for s in range(g))}
     source_ids = {s.id for s in plan.sources}
     ratio = topo.inter_leaf_ratio
-    level: dict[tuple[str, int], int] = {}
+    level: dict[tuple[str, int, int], int] = {}
     batches: dict[tuple[int, int], list[tuple[int, int, float]]] = {}
     block_sets: dict[int, np.ndarray] = {}
     for f, (share, spine_share) in zip(plan.flows, link_shares(plan, topo), strict=True):
         key = id(f.blocks)
         if key not in block_sets:
             block_sets[key] = np.fromiter((index[b] for b in f.blocks), dtype=np.int64, count=len(f.blocks))
+        slot = f.shard[0] if f.shard else 0
         if f.src in source_ids:
             lv = 0
         else:
-            got = level.get((f.src, key))
+            got = level.get((f.src, key, slot))
             if got is None:
                 return None
             lv = got + 1
-        if (f.dst, key) in level:
+        if (f.dst, key, slot) in level:
             return None
-        level[(f.dst, key)] = lv
+        level[(f.dst, key, slot)] = lv
         a, b = inst[f.src], inst[f.dst]
         pair = pair_gbps(topo, a, b)
         link = pair / ratio if spine_share else pair  # the GPU links' own rate
         gbps = min(link / share, pair / spine_share) if spine_share else link / share
-        batches.setdefault((lv, key), []).append((row[f.src], row[f.dst], gbps * 1e9 / 8))
+        batches.setdefault((lv, key), []).append((row[(f.src, slot)], row[(f.dst, slot)], gbps * 1e9 / 8))
     nb = len(sizes)
-    first_at = np.full((len(everyone), nb), np.inf)
-    full_at = np.full((len(everyone), nb), np.inf)
+    first_at = np.full((len(row), nb), np.inf)
+    full_at = np.full((len(row), nb), np.inf)
     for sid in source_ids:
-        first_at[row[sid]] = full_at[row[sid]] = 0.0
+        for s in range(g):
+            first_at[row[(sid, s)]] = full_at[row[(sid, s)]] = 0.0
     lat, chunk = params.hop_latency_s, float(params.chunk_bytes)
     for (_, key), items in sorted(batches.items(), key=lambda kv: kv[0][0]):
         idx = block_sets[key]
@@ -194,12 +221,15 @@ def _predict_shared(plan: Plan, topo: Topology, params: CostParams) -> Predictio
         start = np.maximum(first, np.concatenate((np.zeros((len(items), 1)), finish[:, :-1]), axis=1))
         first_at[dst[:, None], idx[None, :]] = start + c + lat
         full_at[dst[:, None], idx[None, :]] = finish + lat
-    rows = [row[t.id] for t in plan.targets]
-    if not np.isfinite(full_at[rows]).all():
+    rows = np.asarray([[row[(t.id, s)] for s in range(g)] for t in plan.targets], dtype=np.int64)
+    held = full_at[rows].max(axis=1)  # (targets, blocks): every shard arrived
+    if not np.isfinite(held).all():
         return None
+    if g > 1:  # all-gather of the other shards over NVLink
+        held = held + np.asarray(plan.model.block_bytes, dtype=np.float64) * (g - 1) / g / (topo.nvlink_gbps * 1e9 / 8)
     whole = plan.model.block_ids
-    arrival = tuple((t.id, tuple(zip(whole, full_at[r].tolist(), strict=True))) for t, r in zip(plan.targets, rows, strict=True))
-    completion = tuple((t.id, float(full_at[r].max())) for t, r in zip(plan.targets, rows, strict=True))
+    arrival = tuple((t.id, tuple(zip(whole, held[r].tolist(), strict=True))) for r, t in enumerate(plan.targets))
+    completion = tuple((t.id, float(held[r].max())) for r, t in enumerate(plan.targets))
     return Prediction(arrival, completion)
 
 

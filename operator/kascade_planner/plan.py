@@ -206,19 +206,22 @@ class Plan:
         one it receives it at (the step order is an execution order, not just a label)."""
         if len(self.steps) != len(self.flows):
             raise PlanError(f"steps: {len(self.steps)} entries for {len(self.flows)} flows")
-        got: dict[tuple[str, str], int] = {}
+        # (receiver, block, shard slot; -1 the whole block) -> the step it arrives at
+        got: dict[tuple[str, str, int], int] = {}
         for k, (f, st) in enumerate(zip(self.flows, self.steps, strict=True)):
             if len(st) != len(f.blocks) or any(s < 0 for s in st):
                 raise PlanError(f"steps[{k}]: needs one step >= 0 per block of flows[{k}]")
+            slot = f.shard[0] if f.shard else -1
             for b, s in zip(f.blocks, st, strict=True):
-                key = (f.dst, b)
+                key = (f.dst, b, slot)
                 got[key] = max(got.get(key, -1), s)
         sources = {s.id for s in self.sources}
         for k, (f, st) in enumerate(zip(self.flows, self.steps, strict=True)):
             if f.src in sources:
                 continue
+            slot = f.shard[0] if f.shard else -1
             for b, s in zip(f.blocks, st, strict=True):
-                if got.get((f.src, b), s) >= s:
+                if got.get((f.src, b, slot), got.get((f.src, b, -1), s)) >= s:
                     raise PlanError(f"steps[{k}]: {f.src!r} sends block {b!r} at step {s}, before it holds it")
 
     def _check_whole_coverage(self) -> None:

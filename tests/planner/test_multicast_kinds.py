@@ -96,8 +96,57 @@ def test_auto_picks_the_fastest_candidate_and_says_why() -> None:
     others = {a: make_plan(topo, MODEL, src, tgt, a).completion for a in ("chain", "hybrid")}
     assert auto.completion <= min(others.values()) * (1 + 1e-9)
     assert auto.notes[-1].startswith(f"auto: {auto.algorithm}") and "others:" in auto.notes[-1]
-    # tp>1 targets: chains shard a hop over every GPU link; auto keeps them.
+    # tp>1 targets: every candidate shards over the GPU links; auto is no slower than sharded chains.
     wide = [Instance(t.id, t.node, 4) for t in tgt[:8]]
-    assert make_plan(topo, MODEL, [Instance("s0", src[0].node, 4)], wide, "auto").algorithm == "chain"
+    wide_src = [Instance("s0", src[0].node, 4)]
+    wide_auto = make_plan(topo, MODEL, wide_src, wide, "auto")
+    assert {f.shard for f in wide_auto.flows} == {(i, 4) for i in range(4)}
+    assert wide_auto.completion <= make_plan(topo, MODEL, wide_src, wide, "chain").completion * (1 + 1e-9)
     with pytest.raises(PlanError, match="choose one of auto, chain"):
         make_plan(topo, MODEL, src, tgt, "teleport")
+
+
+@pytest.mark.parametrize("kind", ["binomial", "hybrid"])
+@pytest.mark.parametrize("source", ["gpu", "host"])
+def test_tp_targets_get_shards_fanned_in_over_every_gpu_link(kind: str, source: str) -> None:
+    """A tp=4 target is fed over its 4 GPU links: 4 shard planes on the same schedule, each link
+    carrying 1/4 of every block, then an NVLink all-gather. The prediction is the one-GPU plan's
+    on a quarter of the bytes, plus the gather; about 4x faster than the unsharded plan."""
+    topo = leaf_spine(2, 9, 8)
+    nodes = [n.name for n in topo.nodes]
+    src = [Instance("s0", nodes[0], 4)] if source == "gpu" else [Instance("h0", nodes[0], 1, "host")]
+    tgt = [Instance(f"t{i}", nodes[i + 1], 4) for i in range(12)]
+    plan = make_plan(topo, MODEL, src, tgt, kind)
+    whole = make_plan(topo, MODEL, src, tgt, kind, shard=False)
+    assert {f.shard for f in plan.flows} == {(i, 4) for i in range(4)} and all(f.shard is None for f in whole.flows)
+    assert len(plan.flows) == 4 * len(whole.flows) and "sharded over 4 GPU planes" in plan.notes[-1]
+    planes = [[(f.src, f.dst, f.blocks) for f in plan.flows if f.shard and f.shard[0] == i] for i in range(4)]
+    assert planes[0] == planes[1] == planes[2] == planes[3] == [(f.src, f.dst, f.blocks) for f in whole.flows]
+    if kind == "binomial":
+        assert plan.steps == tuple(st for st in whole.steps for _ in range(4))
+    assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+    # Arithmetic: one plane on one-GPU instances with a quarter of every block, plus the gather.
+    quarter = ModelLayout("q", MODEL.block_ids, tuple(-(-b // 4) for b in MODEL.block_bytes))
+    one = [Instance(i.id, i.node, 1, i.kind) for i in src], [Instance(t.id, t.node, 1) for t in tgt]
+    small = make_plan(topo, quarter, *one, kind)
+    gather = max(MODEL.block_bytes) * 3 / 4 / (topo.nvlink_gbps * 1e9 / 8)
+    assert plan.completion == pytest.approx(small.completion + gather, rel=1e-6)
+    assert 3.5 < whole.completion / plan.completion < 4.0
+    assert plan.completion <= 1.25 * lower_bound(plan, topo)
+
+
+def test_tp_sharding_needs_equal_widths_and_capable_sources() -> None:
+    topo = leaf_spine(1, 9, 8)
+    nodes = [n.name for n in topo.nodes]
+    mixed = [Instance("t0", nodes[1], 4), Instance("t1", nodes[2], 2)]
+    plan = make_plan(topo, MODEL, [Instance("s0", nodes[0], 4)], mixed, "hybrid")
+    assert all(f.shard is None for f in plan.flows) and "mixed widths [2, 4]" in plan.notes[-1]
+    narrow = make_plan(topo, MODEL, [Instance("s0", nodes[0], 2)], [Instance("t0", nodes[1], 4)], "binomial")
+    assert all(f.shard is None for f in narrow.flows) and "cannot drive 4 shard links" in narrow.notes[-1]
+    # A relay must hold its own shard before forwarding it: a step too early is rejected.
+    good = make_plan(topo, MODEL, [Instance("s0", nodes[0], 2)],
+                     [Instance(f"t{i}", nodes[i + 1], 2) for i in range(3)], "binomial")
+    k = next(k for k, f in enumerate(good.flows) if f.src != "s0")
+    bad_steps = (*good.steps[:k], tuple(0 for _ in good.steps[k]), *good.steps[k + 1:])
+    with pytest.raises(PlanError, match="before it holds it"):
+        Plan(**{**good.__dict__, "steps": bad_steps}).validate()

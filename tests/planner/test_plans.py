@@ -204,28 +204,36 @@ def check_link_promise(plan: Plan) -> None:
         out = Counter((f.src, f.shard[0] if f.shard else 0) for f in plan.flows)
         inn = Counter((f.dst, f.shard[0] if f.shard else 0) for f in plan.flows)
         assert max(out.values()) == 1 and max(inn.values()) == 1
-    elif plan.algorithm == "binomial":
+    elif plan.algorithm == "binomial":  # per GPU link (shard plane) when sharded
         assert len(plan.steps) == len(plan.flows)
-        sends = Counter((f.src, st) for f, steps in zip(plan.flows, plan.steps, strict=True) for st in steps)
-        recvs = Counter((f.dst, st) for f, steps in zip(plan.flows, plan.steps, strict=True) for st in steps)
+        pairs = list(zip(plan.flows, plan.steps, strict=True))
+        sends = Counter((f.src, slot(f), st) for f, steps in pairs for st in steps)
+        recvs = Counter((f.dst, slot(f), st) for f, steps in pairs for st in steps)
         assert max(sends.values()) == 1 and max(recvs.values()) == 1
         # No forwarding before holding: a relay sends a block only at a later step than it got it.
-        got = {(f.dst, b): st for f, steps in zip(plan.flows, plan.steps, strict=True) for b, st in zip(f.blocks, steps, strict=True)}
-        for f, steps in zip(plan.flows, plan.steps, strict=True):
+        got = {(f.dst, b, slot(f)): st for f, steps in pairs for b, st in zip(f.blocks, steps, strict=True)}
+        for f, steps in pairs:
             for b, st in zip(f.blocks, steps, strict=True):
-                assert f.src not in {t.id for t in plan.targets} or got[(f.src, b)] < st
+                assert f.src not in {t.id for t in plan.targets} or got[(f.src, b, slot(f))] < st
     elif plan.algorithm == "hybrid":
         f_count = len({f.blocks for f in plan.flows})
-        inn = Counter(f.dst for f in plan.flows)
-        assert set(inn.values()) == {f_count}  # each stripe once
-        out = Counter(f.src for f in plan.flows if f.src in {t.id for t in plan.targets})
+        inn = Counter((f.dst, slot(f)) for f in plan.flows)
+        assert set(inn.values()) == {f_count}  # each stripe once (per shard plane)
+        out = Counter((f.src, slot(f)) for f in plan.flows if f.src in {t.id for t in plan.targets})
         assert max(out.values(), default=0) <= f_count + 1  # f slots (f+1 on a few relays: n mod f not 0, 1)
         node = {i.id: i.node for i in (*plan.sources, *plan.targets)}
         leaf = {n: n.split("-")[1] for n in node.values()}  # leaf_spine names nodes node-<leaf>-<i>
         cross = [f for f in plan.flows if leaf[node[f.src]] != leaf[node[f.dst]] and f.src not in
                  {s.id for s in plan.sources}]
         cap = max(1, int(0.5 * f_count)) if len(set(leaf.values())) > 1 else f_count
-        assert max(Counter(f.src for f in cross).values(), default=0) <= max(cap, f_count)
+        assert max(Counter((f.src, slot(f)) for f in cross).values(), default=0) <= max(cap, f_count)
+    if plan.algorithm in ("binomial", "hybrid") and all(t.gpus == 2 for t in plan.targets) \
+            and all(s.gpus == 2 for s in plan.sources):
+        assert {f.shard for f in plan.flows} == {(0, 2), (1, 2)}  # tp=2: both GPU links of every hop
+
+
+def slot(f: Flow) -> int:
+    return f.shard[0] if f.shard else 0
 
 
 @settings(max_examples=40, deadline=None)
