@@ -1,0 +1,106 @@
+"""The autoscaler inside the simulator: metrics per model and role, the planner's policies, and the
+initial (or static) instance counts.
+
+Data flow: every tick, per model and role, a `MetricsSnapshot` (queue length and busy share, KV
+usage, or tokens/s, averaged over the window) -> the planner's `threshold` (+ `prescale_decode`) ->
+`Scaling._scale_up` / `_scale_down`. Before the trace starts, `_initial_counts` sizes each group
+from the first window (or statically from the peak / average demand). Mixed into
+`simulator.Simulation`, whose state it reads and writes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from kascade_planner.policies import (
+    Bounds,
+    MetricsSnapshot,
+    ScaleState,
+    Threshold,
+    prescale_decode,
+    threshold,
+)
+from kascade_sim.provisioning import capacity_rps, fit_counts, mean_lengths, pick
+
+
+class Autoscaler:
+    def _policy(self, role: str) -> Threshold:
+        return self.cfg.decode_policy if role == "decode" else self.cfg.policy
+
+    def _metric(self, m: int, role: str, k: int) -> MetricsSnapshot:
+        now = self._now
+        pol = self.cfg.decode_policy if role == "decode" else self.cfg.policy
+        if pol.metric == "tokensPerSecond":
+            series = self.demand[(m, role)]
+            return MetricsSnapshot(now, series[k] if k < len(series) else 0.0)
+        grp = self.group[(m, role)]
+        if pol.metric == "queueLength":
+            # Waiting requests plus busy instances (instance-seconds busy per second since the last
+            # tick): above `upper` per instance there is a backlog; below `lower`, instances idle.
+            busy = self.busy_time[(m, role)] - self.busy_seen[(m, role)]
+            self.busy_seen[(m, role)] = self.busy_time[(m, role)]
+            value = len(self.queue[(m, role)]) + min(busy / self.cfg.tick_s, float(sum(1 for i in grp if i.accepting)))
+        else:  # KV usage of the decoders, counting the KV of requests waiting for one
+            active = [i for i in grp if i.active]
+            waiting = sum(self.inp[r] + self.out[r] for r in self.queue[(m, role)])
+            kv = (sum(i.kv_reserved for i in active) + waiting) / (self.kv_cap * max(1, len(active)))
+            slots = (sum(i.n_running + i.incoming for i in active) + len(self.queue[(m, role)])) / (
+                self.spec.max_batch * max(1, len(active)))
+            value = max(kv, slots)
+        hist = self.history[(m, role)]
+        hist.append(value)
+        mean = sum(hist) / len(hist)
+        if pol.metric == "queueLength":
+            return MetricsSnapshot(now, in_flight=round(mean))
+        return MetricsSnapshot(now, kv_usage=mean, in_flight=len(self.queue[(m, role)]))
+
+    def _tick(self, now: float, k: int) -> None:
+        if self.sys.static is None:
+            # Models with no instance decide first: a GPU freed for them is not taken back by a model
+            # that is merely growing.
+            for m in sorted(range(self.models), key=lambda m: any(i.active for i in self.group[(m, self.roles[0])])):
+                decisions = {}
+                for role in self.roles:
+                    g = (m, role)
+                    st = self.states[g]
+                    bounds = st.bounds
+                    if role == "decode" and (self.queue[g] or any(i.active for i in self.group[(m, "prefill")])):
+                        bounds = Bounds(max(1, bounds.min), bounds.max)  # prefillers need a decoder to finish
+                    st = ScaleState(role, sum(1 for i in self.group[g] if i.active), bounds, True, st.below_since_s)
+                    pol = self.cfg.decode_policy if role == "decode" else self.cfg.policy
+                    decisions[role] = threshold(self._metric(m, role, k), st, pol)
+                if "decode" in decisions and self.cfg.decoders_per_prefiller > 0:
+                    decisions["decode"] = prescale_decode(decisions["prefill"], decisions["decode"],
+                                                          self.cfg.decoders_per_prefiller)
+                for role in reversed(self.roles):  # decode first: prefilled KV needs somewhere to go
+                    d = decisions[role]
+                    keep = self.states[(m, role)].bounds  # the raised decode floor holds for this tick only
+                    self.states[(m, role)] = d.state if d.state.bounds is keep else replace(d.state, bounds=keep)
+                    if d.change > 0:
+                        self._scale_up(now, m, role, d.change, d.reason)
+                    elif d.change < 0:
+                        self._scale_down(now, m, role, -d.change, d.reason)
+        gpus = self.gpus_allocated
+        copies = self._host_copies(now)
+        self.cache_peak = max(self.cache_peak, copies)
+        self.samples.append((now, gpus, copies, float(sum(len(q) for q in self.queue.values()))))
+
+    def _initial_counts(self) -> dict[tuple[int, str], int]:
+        cfg = self.cfg
+        how = self.sys.static or "first"
+        first_full = max(0, math.ceil(cfg.window_s / cfg.tick_s) - 1)
+        wanted = {}
+        for (m, role) in self.group:
+            pol = cfg.decode_policy if role == "decode" else cfg.policy
+            if pol.metric == "tokensPerSecond":
+                need = pick(self.demand[(m, role)], how, first_full) / pol.upper
+            else:
+                cap = capacity_rps(self.spec, self.kv_cap, role, *mean_lengths(self.wl, m)) * cfg.target_utilization
+                need = pick(self.rps[m], how, first_full) / cap
+            wanted[(m, role)] = max(cfg.min_instances, min(self.max_instances, math.ceil(need - 1e-9)))
+        # A static system never scales: every model and role keeps at least one instance.
+        return fit_counts({g: max(1, w) for g, w in wanted.items()} if self.sys.static else wanted,
+                          1 if self.sys.static else cfg.min_instances,
+                          self.hw.hosts * (self.hw.gpus_per_host // self.spec.tp))
+

@@ -1,0 +1,106 @@
+"""Serving inside the simulator: global queues offered to instances, iterations, KV hand-off.
+
+Data flow: a request in its model's global queue (`_wake`) -> an accepting instance's next iteration
+(`_kick`: prefill batch or decode step, a live target sharing work with its partner) -> ITER event ->
+`_iteration_done` (first tokens; in disaggregated mode the KV waits on its prefiller until
+`_dispatch` finds a decoder with room, then a KV event after the transfer) -> decode steps until the
+last token. Mixed into `simulator.Simulation`, whose state it reads and writes.
+"""
+
+from __future__ import annotations
+
+from kascade_sim.events import ITER, KV
+from kascade_sim.instance import Instance
+
+
+class Serving:
+    def _wake(self, m: int, role: str, now: float) -> None:
+        """Offer the queue to idle instances: serving before live, least loaded first."""
+        q = self.queue[(m, role)]
+        if not q:
+            return
+        for i in sorted((i for i in self.group[(m, role)] if i.accepting and not i.busy),
+                        key=lambda i: (i.state != "serving", i.load, i.id)):
+            self._kick(i, now)
+            if not q:
+                return
+
+    def _dispatch(self, m: int, now: float) -> None:
+        """Prefilled requests to decoders with room for their whole KV (never past capacity)."""
+        q = self.queue[(m, "decode")]
+        decoders = [i for i in self.group[(m, "decode")] if i.accepting]
+        while q and decoders:
+            r = q[0]
+            need = self.inp[r] + self.out[r]
+            fit = [i for i in decoders if i.kv_reserved + need <= i.kv_cap and i.n_running + i.incoming < self.spec.max_batch]
+            if not fit:
+                return
+            # Packed, not spread: a decode step is memory-bound (nearly as long for 1 request as
+            # for 30) and a decoder with any request is busy, so spreading keeps every decoder
+            # busy with a few requests; packing lets the extra ones empty and be scaled down.
+            d = min(fit, key=lambda i: (i.state != "serving", -(i.n_running + i.incoming), i.id))
+            q.popleft()
+            d.reserve(need)
+            d.incoming += 1
+            h = self.holder.pop(r)
+            h.kv_reserved -= need
+            self.push(now + self.inp[r] * self.spec.kv_bytes_per_token / self.kv_bytes_per_s, KV, (r, d))
+            if h.state == "draining":
+                self._maybe_release(h, now)
+            elif not h.busy:
+                self._kick(h, now)
+
+    def _kv_arrived(self, r: int, d: Instance, now: float) -> None:
+        d.incoming -= 1
+        d.add_running(r, self.inp[r], self.out[r])
+        self._kick(d, now)
+
+    def _kick(self, inst: Instance, now: float) -> None:
+        if inst.busy or not (inst.accepting or inst.state == "draining"):
+            return
+        partner = inst.partner if inst.state == "live" else None
+        take = inst.accepting and inst.role != "decode" and (partner is None or partner.debt_s == 0)
+        dur = inst.next_iteration(now, self.queue[(inst.model, inst.role)], self.inp, self.out, self.spec.cost.prefill_s,
+                                  self.spec.cost.decode_s, self.spec.max_prefill_tokens, self.spec.max_batch, take)
+        if dur is None:
+            self._maybe_release(inst, now)
+            return
+        if partner is not None:
+            # ZigZag: the layers not yet resident run on the partner, which pays for them next.
+            # Only the part of the iteration before the target holds every layer is shared.
+            partner.debt_s += (1.0 - inst.live_share) * min(dur, max(0.0, inst.ready_s - now))
+            self.max_debt_s = max(self.max_debt_s, partner.debt_s)
+            if not partner.busy:
+                self._kick(partner, now)
+        self.busy_time[(inst.model, inst.role)] += dur
+        self.push(now + dur, ITER, inst)
+
+    def _iteration_done(self, inst: Instance, now: float) -> None:
+        inst.busy = False
+        m = inst.model
+        if inst.batch:
+            for r in inst.batch:
+                self.first[r] = now
+                self.served_by[r] = inst.id
+                if self.out[r] <= 1:
+                    self.last[r] = now
+                    self.unfinished -= 1
+                    inst.kv_reserved -= self.inp[r] + self.out[r]
+                elif inst.role == "prefill":
+                    self.holder[r] = inst  # its KV stays here until a decoder has room
+                    self.queue[(m, "decode")].append(r)
+                else:
+                    inst.add_running(r, self.inp[r], self.out[r])
+            inst.batch = []
+        elif inst.decoding:
+            for r in inst.decode_done():
+                self.last[r] = now
+                self.unfinished -= 1
+                inst.kv_reserved -= self.inp[r] + self.out[r]
+                inst.kv_running -= self.inp[r] + self.out[r]
+        if inst.live_target is not None and not inst.live_target.busy:
+            self._kick(inst.live_target, now)
+        self._kick(inst, now)
+        if self.cfg.mode == "disaggregated":
+            self._dispatch(m, now)
+
