@@ -28,6 +28,20 @@ class Autoscaler:
     def _policy(self, role: str) -> Threshold:
         return self.cfg.decode_policy if role == "decode" else self.cfg.policy
 
+    def _convertible(self, m: int, role: str) -> int:
+        """Serving decoders that may prefill this model's requests (convertible decoders): they count
+        as prefill instances, so a lone request scales no prefiller up; a backlog beyond what they
+        absorb still does."""
+        if role != "prefill" or not self.sys.convertible:
+            return 0
+        q = self.queue[(m, "prefill")]
+        if q and self.inp[q[0]] > self.sys.convert_max_tokens:
+            return 0  # a long prompt waits at the head: only a prefiller can take it
+        return sum(1 for d in self.group[(m, "decode")] if d.state == "serving")
+
+    def _instances_for(self, m: int, role: str) -> int:
+        return sum(1 for i in self.group[(m, role)] if i.active) + self._convertible(m, role)
+
     def _metric(self, m: int, role: str, k: int) -> MetricsSnapshot:
         now = self._now
         pol = self.cfg.decode_policy if role == "decode" else self.cfg.policy
@@ -40,7 +54,8 @@ class Autoscaler:
             # tick): above `upper` per instance there is a backlog; below `lower`, instances idle.
             busy = self.busy_time[(m, role)] - self.busy_seen[(m, role)]
             self.busy_seen[(m, role)] = self.busy_time[(m, role)]
-            value = len(self.queue[(m, role)]) + min(busy / self.cfg.tick_s, float(sum(1 for i in grp if i.accepting)))
+            capable = sum(1 for i in grp if i.accepting) + self._convertible(m, role)
+            value = len(self.queue[(m, role)]) + min(busy / self.cfg.tick_s, float(capable))
         else:  # KV usage of the decoders, counting the KV of requests waiting for one
             active = [i for i in grp if i.active]
             waiting = sum(self.inp[r] + self.out[r] for r in self.queue[(m, role)])
@@ -67,7 +82,7 @@ class Autoscaler:
                     bounds = st.bounds
                     if role == "decode" and (self.queue[g] or any(i.active for i in self.group[(m, "prefill")])):
                         bounds = Bounds(max(1, bounds.min), bounds.max)  # prefillers need a decoder to finish
-                    st = ScaleState(role, sum(1 for i in self.group[g] if i.active), bounds, True, st.below_since_s)
+                    st = ScaleState(role, self._instances_for(m, role), bounds, True, st.below_since_s)
                     pol = self.cfg.decode_policy if role == "decode" else self.cfg.policy
                     decisions[role] = threshold(self._metric(m, role, k), st, pol)
                 if "decode" in decisions and self.cfg.decoders_per_prefiller > 0:

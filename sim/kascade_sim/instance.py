@@ -41,6 +41,7 @@ class Instance:
     from_ssd: bool = False  # loading from the local SSD (its host copy is warm only once loaded)
     preempted: bool = False  # draining to free its GPUs for another model: never taken back
     solo: bool = False  # no other target's load passes through this one: its load may be cancelled
+    converted: bool = False  # decoder: the iteration in flight (or last) is a prefill batch (convertible)
     running: list[tuple[int, int]] = field(default_factory=list)  # (finish step, request)
     n_running: int = 0
     kv_reserved: int = 0

@@ -15,7 +15,9 @@ from kascade_sim.instance import Instance
 
 class Serving:
     def _wake(self, m: int, role: str, now: float) -> None:
-        """Offer the queue to idle instances: serving before live, least loaded first."""
+        """Offer the queue to idle instances: serving before live, least loaded first; prefill
+        backlog that no prefiller takes goes to idle convertible decoders (busy ones take it after
+        their current step)."""
         q = self.queue[(m, role)]
         if not q:
             return
@@ -24,6 +26,26 @@ class Serving:
             self._kick(i, now)
             if not q:
                 return
+        if role == "prefill" and self.sys.convertible:
+            for d in sorted((d for d in self.group[(m, "decode")] if not d.busy), key=lambda d: (d.load, d.id)):
+                self._kick(d, now)
+                if not q:
+                    return
+
+    def _converts(self, inst: Instance) -> bool:
+        """A convertible decoder (TokenScale) runs a prefill batch for its own model when prefill
+        backlog waits that no idle prefiller takes: the KV is then already where it decodes, and a
+        lone request needs no prefiller loaded for it. Prefill and decode steps alternate while it
+        has running requests (a prefill stalls their next token: TBT is charged honestly), and it
+        never converts while prefilled requests wait for a decoder's room; only short prompts (`System.convert_max_tokens`)."""
+        if not self.sys.convertible or inst.role != "decode" or inst.state != "serving":
+            return False
+        m = inst.model
+        q = self.queue[(m, "prefill")]
+        if not q or self.inp[q[0]] > self.sys.convert_max_tokens or self.queue[(m, "decode")] \
+                or (inst.converted and inst.n_running):
+            return False
+        return not any(p.accepting and not p.busy for p in self.group[(m, "prefill")])
 
     def _dispatch(self, m: int, now: float) -> None:
         """Prefilled requests to decoders with room for their whole KV (never past capacity)."""
@@ -60,8 +82,15 @@ class Serving:
             return
         partner = inst.partner if inst.state == "live" else None
         take = inst.accepting and inst.role != "decode" and (partner is None or partner.debt_s == 0)
-        dur = inst.next_iteration(now, self.queue[(inst.model, inst.role)], self.inp, self.out, self.spec.cost.prefill_s,
-                                  self.spec.cost.decode_s, self.spec.max_prefill_tokens, self.spec.max_batch, take)
+        queue_role = inst.role
+        if not take and self._converts(inst):
+            take, queue_role = True, "prefill"
+        budget = self.sys.convert_max_tokens if queue_role != inst.role else self.spec.max_prefill_tokens
+        dur = inst.next_iteration(now, self.queue[(inst.model, queue_role)], self.inp, self.out, self.spec.cost.prefill_s,
+                                  self.spec.cost.decode_s, budget, self.spec.max_batch, take)
+        inst.converted = queue_role != inst.role and bool(inst.batch)
+        if inst.converted:
+            self.converted_prefills += len(inst.batch)
         if dur is None:
             self._maybe_release(inst, now)
             return
@@ -72,7 +101,8 @@ class Serving:
             self.max_debt_s = max(self.max_debt_s, partner.debt_s)
             if not partner.busy:
                 self._kick(partner, now)
-        self.busy_time[(inst.model, inst.role)] += dur
+        # A converted decoder's prefill counts as prefill work (the prefill policy sees it).
+        self.busy_time[(inst.model, "prefill" if inst.converted else inst.role)] += dur
         self.push(now + dur, ITER, inst)
 
     def _iteration_done(self, inst: Instance, now: float) -> None:

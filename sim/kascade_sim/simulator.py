@@ -70,6 +70,7 @@ class Simulation(Scaling, Serving, Autoscaler):
         self.served_by: list[str] = [""] * n  # the instance that ran each request's prefill
         self.pairings: list[tuple[float, str, str, float]] = []  # (time, partner, live target, target ready)
         self.max_debt_s = 0.0  # the most work any partner ever owed its live target
+        self.converted_prefills = 0  # requests prefilled by convertible decoders
         self.last = [math.nan] * n
         self.heap: list[tuple[float, int, int, object]] = []
         self.seq = 0

@@ -23,16 +23,25 @@ class System:
     keep_alive_s: float = 0.0  # ServerlessLLM host-cache keep-alive after the last instance on a host
     static: Literal["peak", "average"] | None = None
     pipeline_overhead: float = 0.2  # λScale: extra iteration time while the pipeline spans several GPUs
+    # TokenScale's convertible decoders (disaggregated mode): a decoder prefills its own model's
+    # requests when no prefiller is idle, and counts toward the prefill instances the policy sees.
+    convertible: bool = False
+    # A converted prefill stalls the decoder's running requests for its duration: only prompts up to
+    # this many tokens (a batch of at most this many), so the stall stays near one short prefill.
+    convert_max_tokens: int = 512
 
     def __post_init__(self) -> None:
+        if self.convert_max_tokens < 1:
+            raise ValueError(f"system {self.name}: convert_max_tokens must be >= 1, got {self.convert_max_tokens}")
         if self.keep_alive_s < 0 or self.pipeline_overhead < 0:
             raise ValueError(f"system {self.name}: keep_alive_s and pipeline_overhead must be >= 0")
 
 
 def system_presets() -> dict[str, System]:
     return {
-        # Network multicast chains (GPU sources + one host copy: O(1) host cache) + live ZigZag.
-        "kascade": System("kascade", "chain", "live", "one"),
+        # Network multicast chains (GPU sources + one host copy: O(1) host cache) + live ZigZag, and
+        # convertible decoders (Kascade is BlitzScale + λScale + TokenScale as one product).
+        "kascade": System("kascade", "chain", "live", "one", convertible=True),
         # ServerlessLLM: per-host memory cache with keep-alive, SSD on a miss, stop-the-world.
         "serverlessllm": System("serverlessllm", "local", "stop", "ttl", keep_alive_s=60.0),
         # AllCache: every host keeps the model in host memory (PCIe load), stop-the-world.
