@@ -72,12 +72,17 @@ class RouterDemand:
 
 
 def zero_rule(current: int, lo: int, wish: int, demand: Demand | None, idle_s: float | None,
-              idle_release_s: float) -> tuple[int, str | None, bool]:
+              idle_release_s: float, router: bool = False) -> tuple[int, str | None, bool]:
     """(desired, reason when it overrides the policy, may the last copy go).
 
     From zero: requests held or in flight at the router make one replica (or the policy's wish); with
     min 0 and no demand it stays at zero. To zero: only with min 0, a readable router (the way back),
-    nothing held or in flight, and no request for `idle_release_s`."""
+    nothing held or in flight, and no request for `idle_release_s`. `router`: a router is configured;
+    `demand` None then means it cannot be read right now (starting, restarting), not that none exists."""
+    if current == 0 and lo == 0 and demand is None and router:
+        # at zero with a router that cannot be read yet: nothing is known to ask for a copy, and a
+        # guess here would load a replica nobody asked for on every operator or router restart
+        return 0, None, False
     if current == 0 and demand is not None:
         if demand.active or demand.requests_per_s > 0:
             want = max(1, wish)

@@ -162,8 +162,8 @@ async def _reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) ->
             d, may_release_last = await _zero(rt, spec, (ns, name, d.role), inp.serving, inp.lo, inp.snap, d)
             if may_release_last:
                 release_last.add(d.role)
-            if trigger == "timer" or d.desired != d.current:
-                desired[d.role] = d.desired
+            if trigger == "timer" or d.desired != d.current or d.role in desired:
+                desired[d.role] = d.desired  # the zero rule overrides the policy's wish, also back to current
         decisions.append(d)
     last = None
     changes = [d for d in decisions if d.desired != d.current]
@@ -220,7 +220,7 @@ async def _zero(rt: Runtime, spec: ModelServiceSpec, key: tuple[str, str, str], 
     if dem is not None and dem.idle_s is not None:
         idle = min(idle, dem.idle_s)
     after = spec.scaling.idle_release_seconds if spec.scaling else 300.0
-    want, why, release_last = zero_rule(current, lo, d.desired, dem, idle, after)
+    want, why, release_last = zero_rule(current, lo, d.desired, dem, idle, after, router=rt.router is not None)
     if want != d.desired or why:
         d = dataclasses.replace(d, desired=want, reason=why or d.reason)
     return d, release_last

@@ -172,3 +172,20 @@ async def test_pool_in_another_namespace_serves_services_of_every_namespace(worl
     assert sorted(p["metadata"]["annotations"][L.SERVICE_NS] for p in bound) == ["ns", "other"]
     assert all(not p["metadata"].get("ownerReferences") for p in bound)  # no owner across namespaces
     assert sorted(s.model_service for s in stubs if s.model_service) == ["ns/chat", "other/chat"]
+
+
+class NoRouter:
+    """A configured router that cannot be read yet (starting, restarting)."""
+    async def get(self, ns: str, name: str) -> None:
+        return None
+
+
+@pytest.mark.parametrize("trigger", ["create", "update", "timer"])
+async def test_min_zero_stays_at_zero_on_every_trigger_while_nothing_asks(world: Any, trigger: str) -> None:
+    """The policy alone would keep one copy; with min 0 and a router the zero rule's 0 must win on a create
+    or update round too (it once did only on timer rounds, and every new min-0 service loaded a copy)."""
+    rt, kube, _ = world
+    rt.router = NoRouter()
+    threshold = {"policy": "threshold", "threshold": {"metric": "tokensPerSecond", "upper": 100, "lower": 0}}
+    await reconcile_service(rt, service(lo=0, hi=2, scaling=threshold), trigger)
+    assert bound_pods(kube) == [] and kube.plans == {}
