@@ -19,6 +19,8 @@ from typing import Any
 
 from aiohttp import web
 
+from kascade_planner.engine_api import SERVING_SHARE_HEADER
+
 
 @dataclass
 class Seen:
@@ -36,6 +38,7 @@ class StubEngine:
     delay_s: float = 0.0
     status: int = 200
     hold: asyncio.Event | None = None  # set: streams continue after their first chunk
+    share: str | None = None  # sent as the engine's serving-share header (a live replica's layer share)
     seen: list[Seen] = field(default_factory=list)
     port: int = 0
     _runner: web.AppRunner | None = None
@@ -65,6 +68,9 @@ class StubEngine:
         for t in list(self._open):
             t.abort()
 
+    def _share(self) -> dict[str, str]:
+        return {SERVING_SHARE_HEADER: self.share} if self.share is not None else {}
+
     def _chunk(self, i: int, done: bool) -> bytes:
         c = {"id": "cmpl-stub", "object": "text_completion", "created": 0, "model": "m",
              "choices": [{"index": 0, "text": f" t{i}", "finish_reason": "length" if done else None,
@@ -87,8 +93,10 @@ class StubEngine:
                                       "choices": [{"index": 0, "text": "".join(f" t{i}" for i in range(self.tokens)),
                                                    "finish_reason": "length"}],
                                       "usage": {"prompt_tokens": 1, "completion_tokens": self.tokens,
-                                                "total_tokens": 1 + self.tokens}, "served_by": self.name})
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Served-By": self.name})
+                                                "total_tokens": 1 + self.tokens}, "served_by": self.name},
+                                     headers=self._share())
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Served-By": self.name,
+                                           **self._share()})
         try:
             await resp.prepare(request)
             for i in range(self.tokens):

@@ -151,6 +151,16 @@ class EngineInstance:
         return self.phase is Phase.SERVING or (
             self.phase is Phase.LIVE and bool(self.cooperate) and self.model.resident("embed"))
 
+    @property
+    def serving_share(self) -> float:
+        """The share of a request's layers this engine runs itself: 1 serving alone, its resident prefix
+        over all layers while live (the pair runs the rest), 0 when it cannot serve. Routers weight by it."""
+        if self.phase is Phase.SERVING:
+            return 1.0
+        if not self.servable:
+            return 0.0
+        return self.model.resident_prefix() / max(1, self.model.shape.layers)
+
     def accepting(self) -> None:
         """Raise unless new requests may be served now (locally or split with a peer)."""
         if self.servable:

@@ -29,6 +29,7 @@ from kascade_engine.instance import EngineInstance, InstanceError
 from kascade_engine.openai_api import ChatBody, CompletionBody, _Common, chat_messages, refused
 from kascade_engine.responder import Call
 from kascade_engine.serving import RequestError
+from kascade_planner.engine_api import SERVING_SHARE_HEADER
 
 log = logging.getLogger(__name__)
 reqlog = logging.getLogger("kascade_engine.requests")  # one line per request: accepted (in which phase) or rejected
@@ -103,9 +104,10 @@ def create_app(inst: EngineInstance) -> FastAPI:
             raise RequestError(400, f"prompt ({longest} tokens) + {field} ({want}) exceeds the context of {ctx} "
                                "tokens", field)
         call = Call(inst, body, prompts, want, prefill_peer(request))
+        share = {SERVING_SHARE_HEADER: f"{inst.serving_share:.4f}"}  # routers weight a live replica by it
         if not body.stream:
-            return JSONResponse(await until_client_leaves(request, call.json()))
-        return StreamingResponse(call.sse(), media_type="text/event-stream")
+            return JSONResponse(await until_client_leaves(request, call.json()), headers=share)
+        return StreamingResponse(call.sse(), media_type="text/event-stream", headers=share)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

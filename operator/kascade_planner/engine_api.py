@@ -18,6 +18,10 @@ DTYPES = ("bfloat16", "float16", "float32")
 # Engine phases, in lifecycle order (see kascade_engine.instance.Phase).
 PHASES = ("empty", "bound", "loading", "live", "serving", "draining", "released")
 
+# Response header on every OpenAI answer of an engine: the share of a request's layers it runs itself
+# (1 serving alone; resident prefix / layers while live, its pair runs the rest). Routers weight by it.
+SERVING_SHARE_HEADER = "X-Kascade-Serving-Share"
+
 Role = Literal["prefill", "decode", "colocated"]
 Mode = Literal["zigzag", "besteffort", "standby", "pipeline", "off"]
 

@@ -29,9 +29,14 @@ DRAINING = "kascade.io/draining"
 UNHEALTHY = "kascade.io/unhealthy"
 ROLE = "kascade.io/role"  # label: prefill | decode | colocated (disaggregated serving)
 ACT_ENDPOINT = "kascade.io/act-endpoint"  # annotation: host:port of the engine's data port (PD: KV leaves there)
-# a loading replica serving live runs only its resident prefix and hands the rest to its pair: give it
-# a smaller share of new requests than a complete copy
-LIVE_WEIGHT = 0.5
+# A loading replica serving live runs only its resident prefix and hands the rest to its pair: its weight
+# is the share of layers it runs, which the engine reports on every answer (SERVING_SHARE_HEADER). Until
+# its first answer the router has no report: it starts at this prior.
+LIVE_PRIOR_WEIGHT = 0.5
+MIN_WEIGHT = 0.05  # a live replica with one layer of many still gets an occasional request (and reports again)
+# The operator's readiness gate on pool pods: True only while bound and loaded or live, not draining.
+# Kubelets fold it into Ready; the router checks it too, so a stale Ready never routes to an idle pod.
+SERVING_GATE = "kascade.io/serving"
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,7 @@ class PodRoute:
     weight: float
     role: str = "colocated"
     data: str | None = None  # host:port of the engine's data port (a prefill engine's KV leaves there)
+    live: bool = False  # loading and serving live with its pair (weight from the engine's reports)
 
 
 def service_model(msvc: Mapping[str, Any]) -> str | None:
@@ -79,21 +85,24 @@ def pod_backend(pod: Mapping[str, Any]) -> PodRoute | None:
     svc = labels.get(MODEL_SERVICE)
     if not svc or meta.get("deletionTimestamp") or DRAINING in ann or ann.get(UNHEALTHY):
         return None
-    conds = (pod.get("status") or {}).get("conditions") or []
-    if not any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds):
+    conds = {c.get("type"): c.get("status") for c in (pod.get("status") or {}).get("conditions") or []}
+    if conds.get("Ready") != "True":
         return None  # the engine's /readyz (readinessProbe) says it cannot serve
+    gates = {g.get("conditionType") for g in (pod.get("spec") or {}).get("readinessGates") or []}
+    if SERVING_GATE in gates and conds.get(SERVING_GATE) != "True":
+        return None  # the operator has not opened (or has closed) the pod's serving gate
     if ann.get(LOADED) == "true":
-        weight = 1.0
+        live = False
     elif ann.get(LIVE) == "true":
-        weight = LIVE_WEIGHT
+        live = True
     else:
         return None  # bound but loading without a live pair
     addr = _address(pod, ann)
     if not addr:
         return None
     role = str(labels.get(ROLE) or "colocated")
-    return PodRoute((str(meta.get("namespace", "")), svc), str(meta.get("name")), addr, weight, role,
-                    _data_address(pod, ann))
+    return PodRoute((str(meta.get("namespace", "")), svc), str(meta.get("name")), addr,
+                    LIVE_PRIOR_WEIGHT if live else 1.0, role, _data_address(pod, ann), live)
 
 
 @dataclass(eq=False)
@@ -106,9 +115,22 @@ class Backend:
     data: str | None = None
     in_flight: int = 0
     ejected_until: float = 0.0  # a connection to it failed: skip it until then (or until its pod changes)
+    live: bool = False
 
     def usable(self, now: float) -> bool:
         return self.ejected_until <= now
+
+    def reported(self, share: str | None) -> None:
+        """The engine's own serving share (its answer's SERVING_SHARE_HEADER) becomes a live replica's
+        weight; a complete copy keeps 1. Garbage is ignored (the weight stays)."""
+        if share is None or not self.live:
+            return
+        try:
+            v = float(share)
+        except ValueError:
+            return
+        if 0.0 <= v <= 1.0:
+            self.weight = max(MIN_WEIGHT, v)
 
 
 @dataclass
@@ -154,9 +176,11 @@ class Routes:
         mine = self.backends.setdefault(route.service, {})
         b = mine.get(route.pod)
         if b is None or b.address != route.address:
-            mine[route.pod] = Backend(route.pod, route.address, route.weight, route.role, route.data)
+            mine[route.pod] = Backend(route.pod, route.address, route.weight, route.role, route.data, live=route.live)
         else:  # the pod changed: give it another chance
-            b.weight, b.ejected_until, b.role, b.data = route.weight, 0.0, route.role, route.data
+            if not (b.live and route.live):  # still live: keep the weight its engine reported
+                b.weight = route.weight
+            b.ejected_until, b.role, b.data, b.live = 0.0, route.role, route.data, route.live
         self._notify()
 
     def remove_pod(self, ns: str, name: str) -> None:

@@ -3,7 +3,8 @@
 Two distinct usable backends are sampled at random and the one with the lower (in-flight + 1) / weight
 wins: near-least-loaded without scanning or herding (every router replica alone sees only its own
 in-flight counts, and random sampling keeps several replicas from piling onto one engine). A live
-(loading) replica has a smaller weight, so it takes a smaller share until it holds every layer.
+(loading) replica weighs the share of layers its engine reports running, so it takes a smaller share
+of requests until it holds every layer.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kascade_planner.engine_api import SERVING_SHARE_HEADER
 from kascade_router.backends import Backend, Routes
 from kascade_router.balancer import pick, pick_pd
 from kascade_router.demand import Demand, ModelDemand
@@ -184,6 +185,7 @@ class Proxy:
             if up.status == 503:
                 text = (await up.read())[:200].decode(errors="replace")
                 raise _Retry(f"{b.pod} answered 503: {text}")
+            b.reported(up.headers.get(SERVING_SHARE_HEADER))
             headers = {REQUEST_ID: rid, REPLICA: b.pod}
             if pre is not None:
                 headers[PREFILLED_BY] = pre.pod

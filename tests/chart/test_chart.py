@@ -40,6 +40,9 @@ def test_template_renders_every_deployable(helm: Helm) -> None:
         ("Deployment", "rel-operator"), ("Deployment", "rel-pool"), ("Service", "rel-operator-metrics"),
         ("Service", "rel-engines"), ("NetworkPolicy", "rel-engines"), ("NetworkPolicy", "rel-operator"),
         ("Pod", "rel-test-models"), ("PodDisruptionBudget", "rel-operator"),
+        # the front door is on by default
+        ("ServiceAccount", "rel-router"), ("ClusterRole", "rel-router"), ("ClusterRoleBinding", "rel-router"),
+        ("Deployment", "rel-router"), ("Service", "rel-router"),
     ])
     op = by(docs, "Deployment", "rel-operator")
     assert op["spec"]["replicas"] == 2 and "strategy" not in op["spec"]  # HA: leader election, rolling updates
@@ -234,8 +237,15 @@ def test_router_is_a_read_only_watcher_behind_a_service(helm: Helm) -> None:
     assert pod["readinessProbe"]["httpGet"]["path"] == "/readyz"  # Ready only while it can serve
     assert {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service"} == {
         k for k, n in by if n == "rel-router"}
-    assert not [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART)).stdout)
-                if d and d["metadata"]["name"].endswith("-router")]  # off by default
+    off = [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), "-n", "ns",
+                                              "--set", "router.enabled=false").stdout) if d]
+    assert not [d for d in off if d["metadata"]["name"].endswith("-router")]
+    # without the router, helm test's front door is the engines Service and the operator has no router URL
+    test_args = next(d for d in off if d["kind"] == "Pod")["spec"]["containers"][0]["args"]
+    assert "http://rel-engines.ns.svc:8000" in test_args
+    op_env = {e["name"] for e in next(d for d in off if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-operator")
+              ["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert "KASCADE_OPERATOR_ROUTER_URL" not in op_env
 
 
 def test_rbac_grants_no_wildcards_or_secret_listing(helm: Helm) -> None:

@@ -82,7 +82,7 @@ def test_pool_download_and_helm_test_commands_parse(helm: Helm, tmp_path: Path) 
     assert params == {"repo": "HuggingFaceTB/SmolLM2-135M-Instruct", "dest": Path("/models/smollm2-135m"), "revision": "v1"}
     test = next(d for d in docs if d["kind"] == "Pod")
     params = parse(test["spec"]["containers"][0]["args"])
-    assert params["url"] == "http://rel-engines.ns.svc:8000"
+    assert params["url"] == "http://rel-router.ns.svc:8080"  # the front door: the router (on by default)
     assert params["expect_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and params["timeout"] == 60
     root = cli.make_context("kascade", list(test["spec"]["containers"][0]["args"][1:]))
     assert root.params["log_format"] == "json"

@@ -122,18 +122,19 @@ def test_every_chart_port_is_exposed_by_the_image_that_serves_it(helm: Helm) -> 
 
 
 def test_operator_image_commands_run_without_torch(helm: Helm) -> None:
-    """What the slim image runs (operator, `helm test`'s probe) imports and parses with torch absent."""
+    """What the slim image runs (operator, router, `helm test`'s probe) imports and parses with torch absent."""
     docs = rendered(helm)
     argvs = [c["args"] for d in docs if d["kind"] in ("Deployment", "Pod")
              for c in (d["spec"]["template"]["spec"] if d["kind"] == "Deployment" else d["spec"])["containers"]
              if "kascade-operator" in c["image"]]
-    assert len(argvs) == 2
+    assert len(argvs) == 3 and any("router" in a for a in argvs)  # the router is on by default
     code = (
         "import sys, json\n"
         "for m in ('torch', 'ucxx', 'transformers', 'safetensors'): sys.modules[m] = None  # absent\n"
         "import click\n"
         "from kascade_cli.main import cli\n"
         "import kascade_operator.handlers  # what `operator run` imports\n"
+        "import kascade_router.server  # what `router` imports\n"
         "for argv in json.loads(sys.argv[1]):\n"
         "    ctx = cli.make_context('kascade', argv[1:])\n"
         "    group, rest = cli, ctx.protected_args + ctx.args\n"

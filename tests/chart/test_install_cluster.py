@@ -35,13 +35,19 @@ def test_helm_install_creates_and_uninstall_removes(control_plane: ControlPlane,
     kwok_nodes(2, gpus=2)
     values = tmp_path / "values.yaml"
     values.write_text(yaml.safe_dump({"pool": {"replicas": 3, "tolerations": [KWOK_TOLERATION]},
-                                      "operator": {"tolerations": [KWOK_TOLERATION]}}))
+                                      "operator": {"tolerations": [KWOK_TOLERATION]},
+                                      "router": {"tolerations": [KWOK_TOLERATION]}}))
     control_plane.helm("install", "kc", str(REPO / "charts/kascade"), "-n", namespace, "-f", str(values), "--wait",
                        "--timeout=90s")
     objs = _objects(control_plane, namespace, "kc")
-    assert objs["deployments"] == ["kc-operator", "kc-pool"]
-    assert objs["clusterroles"] == ["kc-operator"] and objs["clusterrolebindings"] == ["kc-operator"]
+    # the router (the front door) is on by default, and --wait saw its replicas available
+    assert objs["deployments"] == ["kc-operator", "kc-pool", "kc-router"]
+    assert objs["clusterroles"] == ["kc-operator", "kc-router"]
+    assert objs["clusterrolebindings"] == ["kc-operator", "kc-router"]
+    router = json.loads(control_plane.kubectl("-n", namespace, "get", "deployment", "kc-router", "-o", "json").stdout)
+    assert router["status"].get("availableReplicas") == router["spec"]["replicas"] == 2, router["status"]
     assert objs["roles"] == ["kc-operator-token"] and objs["secrets"] == ["kc-engine-token"]
+    assert objs["serviceaccounts"] == ["kc-operator", "kc-router"]
     crds = control_plane.kubectl("get", "crd", "modelservices.kascade.io", "scaleplans.kascade.io", "-o", "name").stdout
     assert len(crds.split()) == 2
     pool = json.loads(control_plane.kubectl("-n", namespace, "get", "pods", "-l", "kascade.io/pool=warm",

@@ -227,8 +227,10 @@ def test_upgrade_from_previous_chart_keeps_token_and_upgrades_crds(
     assert old["version"] == "0.1.0"
     new_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["version"]
     assert new_version != old["version"]
-    values = values_file(tmp_path, {"pool": {"replicas": 1, "tolerations": [KWOK_TOLERATION]},
-                                    "operator": {"tolerations": [KWOK_TOLERATION]}})
+    base = {"pool": {"replicas": 1, "tolerations": [KWOK_TOLERATION]}, "operator": {"tolerations": [KWOK_TOLERATION]}}
+    values = values_file(tmp_path, base)
+    # 0.1.0's schema knows no router; today's chart runs it by default (it must tolerate the KWOK nodes)
+    new_values = values_file(tmp_path, {**base, "router": {"tolerations": [KWOK_TOLERATION]}})
     # the cluster as 0.1.0 left it: its CRDs (the session may have installed today's), then its release
     cp.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-",
                input=cp.helm("show", "crds", str(PREVIOUS)).stdout)
@@ -249,7 +251,7 @@ def test_upgrade_from_previous_chart_keeps_token_and_upgrades_crds(
     # 0.1.0's CRDs are on the server, and they are not the new ones (the API grew since): a real upgrade
     assert live() != want
     cp.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=crds)
-    cp.helm("upgrade", "up", str(CHART), "-n", namespace, "-f", values, "--wait", "--timeout=90s")
+    cp.helm("upgrade", "up", str(CHART), "-n", namespace, "-f", new_values, "--wait", "--timeout=90s")
 
     assert get(cp, namespace, "secret", "up-engine-token")["data"]["token"] == token
     rel = json.loads(cp.helm("list", "-n", namespace, "-o", "json").stdout)
@@ -260,4 +262,5 @@ def test_upgrade_from_previous_chart_keeps_token_and_upgrades_crds(
     assert dep["metadata"]["labels"]["app.kubernetes.io/version"]
     env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["KASCADE_OPERATOR_ENGINE_TOKEN_SECRET"] == "up-engine-token"
+    assert env["KASCADE_OPERATOR_ROUTER_URL"] == f"http://up-router.{namespace}.svc:8080"  # the upgrade added the front door
     cp.helm("uninstall", "up", "-n", namespace)

@@ -24,8 +24,12 @@ def test_loading_engine_serves_split_with_peer(engine_a, tiny_ckpt, engine_start
                        headers=h)
         assert r.status_code == 200 and r.json()["cooperate"]["mode"] == mode
         want = httpx.post(engine_a.url + "/v1/completions", json=body).json()["choices"][0]["text"]
-        got = httpx.post(b.url + "/v1/completions", json=body).json()
+        r = httpx.post(b.url + "/v1/completions", json=body)
+        got = r.json()
         assert got["choices"][0]["text"] == want and got["usage"]["completion_tokens"] == 7
+        # it runs 2 of the 4 layers itself: the share routers weight it by
+        assert r.headers["X-Kascade-Serving-Share"] == "0.5000"
+        assert httpx.post(engine_a.url + "/v1/completions", json=body).headers["X-Kascade-Serving-Share"] == "1.0000"
         c = openai.OpenAI(base_url=b.url + "/v1", api_key="x", max_retries=0)
         streamed = "".join(ch.choices[0].text for ch in c.completions.create(stream=True, **body))
         assert streamed == want

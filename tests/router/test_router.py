@@ -41,7 +41,7 @@ def test_label_keys_match_the_operator() -> None:
 
 @pytest.mark.parametrize(("ann", "ready", "weight"), [
     ({"kascade.io_loaded": "true"}, True, 1.0),
-    ({"kascade.io_live": "true"}, True, B.LIVE_WEIGHT),
+    ({"kascade.io_live": "true"}, True, B.LIVE_PRIOR_WEIGHT),  # until its engine reports its share
     ({}, True, None),  # bound, loading, no live pair
     ({"kascade.io_loaded": "true"}, False, None),  # readinessProbe failing
     ({"kascade.io_loaded": "true", "kascade.io_draining": "2026-01-01T00:00:00Z"}, True, None),
@@ -50,6 +50,40 @@ def test_label_keys_match_the_operator() -> None:
 def test_only_ready_loaded_or_live_undrained_pods_serve(ann: dict[str, str], ready: bool, weight: float | None) -> None:
     r = pod_backend(pod("p", "10.0.0.1:8000", ready=ready, **ann))
     assert (r.weight if r else None) == weight
+
+
+@pytest.mark.parametrize(("gate", "routed"), [(None, False), ("False", False), ("True", True)])
+def test_the_operators_serving_gate_must_be_open(gate: str | None, routed: bool) -> None:
+    p = pod("p", "10.0.0.1:8000", **LOADED)
+    p["spec"] = {"readinessGates": [{"conditionType": B.SERVING_GATE}]}
+    if gate is not None:
+        p["status"]["conditions"].append({"type": B.SERVING_GATE, "status": gate})
+    assert (pod_backend(p) is not None) is routed
+    p["spec"] = {}  # a pod that declares no gate (e.g. made by hand): Ready alone decides
+    assert pod_backend(p) is not None
+
+
+def test_live_weight_is_the_share_the_engine_reports() -> None:
+    r = Routes()
+    r.set_service("ns", "svc", "m")
+    r.set_pod(pod("a", "h:1", **{"kascade.io_live": "true"}))
+    (b,) = r.serving(("ns", "svc"))
+    assert b.live and b.weight == B.LIVE_PRIOR_WEIGHT
+    b.reported("0.25")
+    assert b.weight == 0.25
+    for junk in ("x", "1.5", "-1", None):
+        b.reported(junk)
+    assert b.weight == 0.25
+    b.reported("0")
+    assert b.weight == B.MIN_WEIGHT  # one layer of many: still an occasional request
+    b.reported("0.75")
+    r.set_pod(pod("a", "h:1", **{"kascade.io_live": "true", "other": "x"}))  # another change of the pod
+    assert r.serving(("ns", "svc"))[0].weight == 0.75  # the report is kept while it stays live
+    r.set_pod(pod("a", "h:1", **LOADED))
+    (b,) = r.serving(("ns", "svc"))
+    assert b.weight == 1.0 and not b.live
+    b.reported("0.3")  # a complete copy's weight is 1 whatever it says
+    assert b.weight == 1.0
 
 
 def test_address_from_pod_ip_and_named_port() -> None:
@@ -205,6 +239,24 @@ async def test_client_disconnect_cancels_the_engine_request(world: Callable[...,
         await asyncio.sleep(0.02)
     assert engines[0].seen[0].disconnected and not engines[0].seen[0].finished
     assert r.demand.models[("static", "m")].in_flight == 0
+
+
+async def test_a_live_replica_is_weighted_by_its_engines_report(world: Callable[..., Any]) -> None:
+    r, _, url = await world(0)
+    eng = await StubEngine(name="live", share="0.3750").start()
+    try:
+        r.routes.set_pod(pod("live", eng.address, svc="m", ns="static", **{"kascade.io_live": "true"}))
+        assert r.routes.serving(("static", "m"))[0].weight == B.LIVE_PRIOR_WEIGHT
+        for stream, share in ((False, "0.3750"), (True, "0.8750")):  # more layers resident: a larger share
+            eng.share = share
+            st, h, _ = await post(url, {"model": "m", "prompt": "x", "stream": stream})
+            assert st == 200 and h["X-Kascade-Replica"] == "live"
+            assert r.routes.serving(("static", "m"))[0].weight == float(share)
+        async with aiohttp.ClientSession() as s, s.get(f"{url}/router/v1/routes") as resp:
+            table = await resp.json()
+        assert table["m"]["backends"][0]["weight"] == 0.875
+    finally:
+        await eng.close()
 
 
 async def test_holds_requests_until_a_replica_serves(world: Callable[..., Any]) -> None:
