@@ -5,13 +5,17 @@ the alert rules is written here, once.
 Generates (and with `--check` only compares, exiting 1 naming stale files):
 - charts/kascade/files/dashboards/kascade.json: the Grafana dashboard (the chart ships it in a ConfigMap
   for Grafana's sidecar; import it by hand otherwise);
+- charts/kascade/files/dashboards/kascade-router.json: the front door's dashboard (requests held while
+  scaling from zero, in flight, by status, tokens, the demand the operator reads), linked both ways;
 - charts/kascade/files/prometheus-rules.yaml: the alert rules; the PrometheusRule template renders it
   with `tpl`, so thresholds come from values (monitoring.prometheusRule.*).
 
 Label conventions the queries rely on: engine series carry `namespace`, `pod` and, through the chart's
 PodMonitor relabelings, `model_service`, `role` and `pool` (warm/bound) from the pod's kascade.io/*
-labels; operator series carry `namespace` and `model_service` themselves. tests/e2e/test_prometheus.py
-runs every query against a real Prometheus scraping real engines and the operator.
+labels; operator and router series carry `namespace` and `model_service` themselves (their
+ServiceMonitors honour labels). tests/e2e/test_prometheus.py runs every query of the main dashboard
+against a real Prometheus scraping real engines and the operator; tests/router/test_router_prometheus.py
+runs the front door's against a real Prometheus scraping a real router.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 DASHBOARD = REPO / "charts" / "kascade" / "files" / "dashboards" / "kascade.json"
+ROUTER_DASHBOARD = DASHBOARD.with_name("kascade-router.json")
 RULES = REPO / "charts" / "kascade" / "files" / "prometheus-rules.yaml"
 
 # Metric names: rename here when the engine or operator renames a metric.
@@ -48,6 +53,12 @@ M = {
     "op_plan_age": "kascade_operator_scaleplan_oldest_active_seconds",
     "op_plan_duration": "kascade_operator_plan_duration_seconds",
     "op_reaction": "kascade_operator_reaction_seconds",
+    "rt_queued": "kascade_router_queued_requests",
+    "rt_in_flight": "kascade_router_in_flight_requests",
+    "rt_request_rate": "kascade_router_request_rate",
+    "rt_token_rate": "kascade_router_token_rate",
+    "rt_requests": "kascade_router_requests_total",
+    "rt_tokens": "kascade_router_tokens_total",
 }
 SEL = 'namespace=~"$namespace", model_service=~"$model_service"'
 NS = 'namespace=~"$namespace"'
@@ -104,11 +115,35 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
 ]
 
 
+# The front door (kascade router), per model: summed over router replicas (each sees its own requests).
+ROUTER_PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
+    ("Requests held (no serving replica: scaling from zero) and in flight", "short", [
+        q(f"sum by (model_service) ({M['rt_queued']}{{{SEL}}})", "held {{model_service}}"),
+        q(f"sum by (model_service) ({M['rt_in_flight']}{{{SEL}}})", "in flight {{model_service}}")]),
+    ("Router requests/s by status", "reqps", [
+        q(f"sum by (model_service, code) (rate({M['rt_requests']}{{{SEL}}}[{RATE}]))", "{{model_service}} {{code}}")]),
+    ("Router tokens/s (prompt estimated for text)", "short", [
+        q(f"sum by (model_service, kind) (rate({M['rt_tokens']}{{{SEL}}}[{RATE}]))", "{{model_service}} {{kind}}")]),
+    ("Demand the operator reads (router window)", "short", [
+        q(f"sum by (model_service) ({M['rt_request_rate']}{{{SEL}}})", "requests/s {{model_service}}"),
+        q(f"sum by (model_service) ({M['rt_token_rate']}{{{SEL}}})", "tokens/s {{model_service}}")]),
+]
+
+
 def dashboard() -> dict[str, Any]:
+    return _dashboard("kascade-overview", "Kascade", PANELS, M["op_replicas"], "Kascade front door")
+
+
+def router_dashboard() -> dict[str, Any]:
+    return _dashboard("kascade-router", "Kascade front door", ROUTER_PANELS, M["rt_in_flight"], "Kascade")
+
+
+def _dashboard(uid: str, title: str, spec: list[tuple[str, str, list[tuple[str, str]]]], var_metric: str,
+               other: str) -> dict[str, Any]:
     panels = []
-    for i, (title, unit, queries) in enumerate(PANELS):
+    for i, (title_, unit, queries) in enumerate(spec):
         panels.append({
-            "id": i + 1, "type": "timeseries", "title": title,
+            "id": i + 1, "type": "timeseries", "title": title_,
             "datasource": {"type": "prometheus", "uid": "${datasource}"},
             "gridPos": {"h": 8, "w": 12, "x": 12 * (i % 2), "y": 8 * (i // 2)},
             "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
@@ -125,14 +160,17 @@ def dashboard() -> dict[str, Any]:
                 "definition": query, "query": {"query": query, "refId": name}}
 
     return {
-        "uid": "kascade-overview", "title": "Kascade", "tags": ["kascade", "llm", "autoscaling"],
+        "uid": uid, "title": title, "tags": ["kascade", "llm", "autoscaling"],
         "schemaVersion": 39, "version": 1, "editable": True, "graphTooltip": 1,
         "time": {"from": "now-1h", "to": "now"}, "refresh": "10s",
+        # the other Kascade dashboard, keeping the time range and variables
+        "links": [{"type": "dashboards", "tags": ["kascade"], "asDropdown": False, "title": other,
+                   "includeVars": True, "keepTime": True}],
         "templating": {"list": [
             {"name": "datasource", "type": "datasource", "query": "prometheus", "label": "Prometheus",
              "current": {}, "hide": 0},
-            var("namespace", f"label_values({M['op_replicas']}, namespace)"),
-            var("model_service", f'label_values({M["op_replicas"]}{{namespace=~"$namespace"}}, model_service)'),
+            var("namespace", f"label_values({var_metric}, namespace)"),
+            var("model_service", f'label_values({var_metric}{{namespace=~"$namespace"}}, model_service)'),
         ]},
         "panels": panels,
     }
@@ -192,7 +230,8 @@ def rules_yaml() -> str:
 
 
 def expected() -> dict[Path, str]:
-    return {DASHBOARD: json.dumps(dashboard(), indent=2) + "\n", RULES: rules_yaml()}
+    return {DASHBOARD: json.dumps(dashboard(), indent=2) + "\n",
+            ROUTER_DASHBOARD: json.dumps(router_dashboard(), indent=2) + "\n", RULES: rules_yaml()}
 
 
 def main() -> int:

@@ -1,8 +1,10 @@
 """Router demand: requests the front door holds and forwards per ModelService, the metric source that
 exists when no engine does (scale from zero), and the rule that scales to and from zero.
 
-Data flow: `RouterDemand.get(ns, name)` -> GET <router>/router/v1/demand (at most once per `max_age_s`,
-shared by every ModelService's round) -> `Demand` -> `zero_rule()` (pure) together with the policy's
+Data flow: `RouterDemand.get(ns, name)` -> the router URL's host resolved to every address (the chart
+points it at a headless Service: one address per router pod) -> GET <replica>/router/v1/demand on each
+(at most once per `max_age_s`, shared by every ModelService's round) -> `aggregate()` (pure: sums over
+replicas) -> `Demand` -> `zero_rule()` (pure) together with the policy's
 wish, the role's minimum and how long the service has been idle -> (desired, reason, release the last
 copy?). Only `replicas.min: 0` ever releases the last copy, and only after `idleReleaseSeconds`
 without a request.
@@ -10,10 +12,14 @@ without a request.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import socket
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -33,26 +39,85 @@ class Demand:
         return self.queued > 0 or self.in_flight > 0
 
 
+def aggregate(replicas: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every router replica's `models` answer merged into one: held, in-flight and rates add up (each
+    replica sees only the requests it proxies); idle is the shortest (a request at any replica counts)."""
+    out: dict[str, dict[str, Any]] = {}
+    for models in replicas:
+        for key, d in models.items():
+            if not isinstance(d, dict):
+                continue
+            m = out.setdefault(key, {"queued": 0, "inFlight": 0, "requestsPerSecond": 0.0, "tokensPerSecond": 0.0,
+                                     "idleSeconds": None})
+            m["queued"] += int(d.get("queued") or 0)
+            m["inFlight"] += int(d.get("inFlight") or 0)
+            m["requestsPerSecond"] += float(d.get("requestsPerSecond") or 0)
+            m["tokensPerSecond"] += float(d.get("tokensPerSecond") or 0)
+            idle = d.get("idleSeconds")
+            if isinstance(idle, int | float) and (m["idleSeconds"] is None or idle < m["idleSeconds"]):
+                m["idleSeconds"] = float(idle)
+    return out
+
+
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+
+
+async def resolve_all(host: str, port: int) -> list[str]:
+    """Every address the name has (`host:port` each): a headless Service's DNS name lists each router
+    pod, so the operator reads all of them, not the one a ClusterIP would pick."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    seen: list[str] = []
+    for family, *_, addr in infos:
+        ip = str(addr[0])
+        hostport = f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}"
+        if hostport not in seen:
+            seen.append(hostport)
+    return seen
+
+
 class RouterDemand:
-    def __init__(self, url: str, timeout_s: float = 0.5, max_age_s: float = 0.1) -> None:
-        self.url = url.rstrip("/") + "/router/v1/demand"
+    """Demand per ModelService summed over every router replica behind `url` (its host resolved to all
+    addresses each read: replicas come and go)."""
+
+    def __init__(self, url: str, timeout_s: float = 0.5, max_age_s: float = 0.1,
+                 resolve: Resolver = resolve_all) -> None:
+        u = urlsplit(url.rstrip("/"))
+        self.scheme, self.host, self.port = u.scheme or "http", u.hostname or "", u.port or (443 if u.scheme == "https" else 80)
+        self.path = u.path + "/router/v1/demand"
+        self.netloc = u.netloc
+        self.url = f"{self.scheme}://{u.netloc}{self.path}"
         self.max_age_s = max_age_s
+        self.resolve = resolve
+        self.replicas = 0  # how many answered at the last read
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s))
         self._models: dict[str, Any] | None = None
         self._t = -1e9
 
+    async def _one(self, hostport: str) -> dict[str, Any] | None:
+        try:
+            r = await self._client.get(f"{self.scheme}://{hostport}{self.path}", headers={"Host": self.host})
+            r.raise_for_status()
+            return dict(r.json().get("models") or {})
+        except (httpx.HTTPError, ValueError, AttributeError) as e:
+            log.warning("router demand from %s (%s) unavailable: %s", hostport, self.url, e)
+            return None
+
+    async def _read(self) -> dict[str, Any] | None:
+        try:  # TLS names a host, not an address: https reads the one replica the name reaches
+            addrs = [self.netloc] if self.scheme == "https" else await self.resolve(self.host, self.port)
+        except OSError as e:
+            log.warning("router demand: %s does not resolve: %s", self.host, e)
+            return None
+        got = [m for m in await asyncio.gather(*(self._one(a) for a in addrs)) if m is not None]
+        self.replicas = len(got)
+        return aggregate(got) if got else None  # none answered: nothing is decided on router demand
+
     async def get(self, ns: str, name: str) -> Demand | None:
-        """This ModelService's demand, or None when the router cannot be read (nothing is decided on it)."""
+        """This ModelService's demand, or None when no router can be read (nothing is decided on it)."""
         now = time.monotonic()
         if now - self._t > self.max_age_s:
             self._t = now
-            try:
-                r = await self._client.get(self.url)
-                r.raise_for_status()
-                self._models = dict(r.json().get("models") or {})
-            except (httpx.HTTPError, ValueError) as e:
-                log.warning("router demand from %s unavailable: %s", self.url, e)
-                self._models = None
+            self._models = await self._read()
         if self._models is None:
             return None
         d = self._models.get(f"{ns}/{name}")

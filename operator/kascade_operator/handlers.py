@@ -24,7 +24,7 @@ import kopf
 from pydantic import ValidationError
 
 from kascade_operator import labels as L
-from kascade_operator import plandriver
+from kascade_operator import plandriver, serving_gate
 from kascade_operator.api import ModelServiceSpec
 from kascade_operator.decide import RoleDecision, RoleInput, decide_roles
 from kascade_operator.demand import RouterDemand, zero_rule
@@ -191,6 +191,7 @@ async def _reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) ->
     blocker: Blocker | None = None
     for action in res.actions:
         blocker = await apply(rt, body, spec, pods, action, decided_at) or blocker
+    await serving_gate.sync(rt.kube, pool_ns, await rt.pool_pods(pool_ns))  # readiness gate follows the binding
     status = service_status(key, name, res, pods, plans, gen, blocker)
     if rt.settings.router_url:
         status["url"] = rt.settings.router_url.rstrip("/") + "/v1"
@@ -286,6 +287,7 @@ async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods:
             await rt.kube.patch_pod(pool_ns, p.pod_name, drain_patch(p, now_iso()))
         except (Conflict, NotFound):
             return None  # re-read next round
+        await serving_gate.close(rt.kube, pool_ns, await rt.pool_pods(pool_ns), p.pod_name)  # Services too
         await rt.event(ns, body, "ModelService", "Normal", "ScaleDown", f"draining {p.pod_name}")
     elif isinstance(action, Release):
         p = by_name[action.pod]
@@ -310,7 +312,7 @@ def _slim_pod(body: Any) -> dict[str, Any]:
     meta, spec, status = body["metadata"], body.get("spec") or {}, body.get("status") or {}
     return {"metadata": {k: meta[k] for k in ("name", "namespace", "labels", "annotations", "resourceVersion",
                                                "deletionTimestamp", "uid") if k in meta},
-            "spec": {"nodeName": spec.get("nodeName"),
+            "spec": {"nodeName": spec.get("nodeName"), "readinessGates": list(spec.get("readinessGates") or []),
                      "containers": [{"name": c.get("name"), "ports": list(c.get("ports") or [])}
                                     for c in spec.get("containers") or []]},
             "status": {"podIP": status.get("podIP"), "phase": status.get("phase"),
@@ -343,7 +345,8 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
                           PrometheusSource(s.prometheus_url) if s.metrics_source == "prometheus" and s.prometheus_url
                           else None, om)
         if s.router_url:  # demand when no engine exists (scale from zero), and status.url
-            memo.rt.router = RouterDemand(s.router_url, s.scrape_timeout_seconds, max_age_s=s.interval_seconds / 2)
+            memo.rt.router = RouterDemand(s.router_demand_url or s.router_url, s.scrape_timeout_seconds,
+                                          max_age_s=s.interval_seconds / 2)  # summed over every router replica
 
     @kopf.on.login(registry=reg)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:

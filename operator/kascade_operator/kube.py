@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 
 GROUP, VERSION = "kascade.io", "v1alpha1"
 MERGE = "application/merge-patch+json"
+STRATEGIC = "application/strategic-merge-patch+json"
 
 
 class Conflict(RuntimeError):
@@ -130,6 +131,16 @@ class Kube:
             _raise(e, f"pod {ns}/{name}")
             raise
         return dict(await self._json(resp, f"pod {ns}/{name}"))
+
+    async def patch_pod_status(self, ns: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        """Strategic merge on the status subresource: conditions merge by type (the serving gate)."""
+        try:
+            resp = await self.core.patch_namespaced_pod_status(name, ns, patch, _content_type=STRATEGIC,
+                                                               _preload_content=False)
+        except ApiException as e:
+            _raise(e, f"pod {ns}/{name} status")
+            raise
+        return dict(await self._json(resp))
 
     async def create_pod(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
         resp = await self.core.create_namespaced_pod(ns, body, _preload_content=False, _request_timeout=self.t)

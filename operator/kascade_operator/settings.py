@@ -39,6 +39,10 @@ class OperatorSettings(BaseSettings):
     router_url: str | None = Field(default=None, pattern=r"^https?://",
                                    description="the router's base URL (in-cluster Service): ModelService status.url "
                                                "and demand per model when no engine exists (scale from zero)")
+    router_demand_url: str | None = Field(default=None, pattern=r"^https?://",
+                                          description="where to read demand from every router replica: a name that "
+                                                      "resolves to each router pod (a headless Service); empty = "
+                                                      "router_url")
     pool_namespace: str = Field(default="", description="namespace of the warm pool (and fallback pods) for "
                                 "every ModelService; empty = each service's own namespace")
     allowed_host_path_roots: list[str] = Field(default_factory=list, description="directories under which a "

@@ -42,7 +42,7 @@ def test_template_renders_every_deployable(helm: Helm) -> None:
         ("Pod", "rel-test-models"), ("PodDisruptionBudget", "rel-operator"),
         # the front door is on by default
         ("ServiceAccount", "rel-router"), ("ClusterRole", "rel-router"), ("ClusterRoleBinding", "rel-router"),
-        ("Deployment", "rel-router"), ("Service", "rel-router"),
+        ("Deployment", "rel-router"), ("Service", "rel-router"), ("Service", "rel-router-pods"),
     ])
     op = by(docs, "Deployment", "rel-operator")
     assert op["spec"]["replicas"] == 2 and "strategy" not in op["spec"]  # HA: leader election, rolling updates
@@ -230,13 +230,24 @@ def test_router_is_a_read_only_watcher_behind_a_service(helm: Helm) -> None:
     env = {e["name"]: e.get("value") for e in
            by[("Deployment", "rel-operator")]["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["KASCADE_OPERATOR_ROUTER_URL"] == "http://rel-router.ns.svc:8080"  # -> ModelService status.url
+    # demand is read from every router pod: a headless Service selecting exactly the router pods
+    assert env["KASCADE_OPERATOR_ROUTER_DEMAND_URL"] == "http://rel-router-pods.ns.svc:8080"
+    pods_svc = by[("Service", "rel-router-pods")]
+    assert pods_svc["spec"]["clusterIP"] == "None" and pods_svc["spec"]["selector"] == svc["spec"]["selector"]
+    assert pods_svc["metadata"]["labels"]["app.kubernetes.io/component"] != "router"  # not scraped twice
     pool = by[("InferencePool", "chat")]
     assert pool["spec"]["selector"] == {"matchLabels": {"kascade.io/model-service": "chat"}}
     assert pool["spec"]["endpointPickerRef"]["name"] == "chat-epp"
-    pod = by[("Deployment", "rel-pool")]["spec"]["template"]["spec"]["containers"][0]
+    pool_spec = by[("Deployment", "rel-pool")]["spec"]["template"]["spec"]
+    pod = pool_spec["containers"][0]
     assert pod["readinessProbe"]["httpGet"]["path"] == "/readyz"  # Ready only while it can serve
+    # ... and while the operator's gate is open (bound and loaded or live, not draining)
+    assert pool_spec["readinessGates"] == [{"conditionType": "kascade.io/serving"}]
+    op_rules = by[("ClusterRole", "rel-operator")]["rules"]
+    assert {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]} in op_rules
     assert {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service"} == {
         k for k, n in by if n == "rel-router"}
+    assert {k for k, n in by if n == "rel-router-pods"} == {"Service"}
     off = [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), "-n", "ns",
                                               "--set", "router.enabled=false").stdout) if d]
     assert not [d for d in off if d["metadata"]["name"].endswith("-router")]
@@ -245,7 +256,7 @@ def test_router_is_a_read_only_watcher_behind_a_service(helm: Helm) -> None:
     assert "http://rel-engines.ns.svc:8000" in test_args
     op_env = {e["name"] for e in next(d for d in off if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-operator")
               ["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert "KASCADE_OPERATOR_ROUTER_URL" not in op_env
+    assert "KASCADE_OPERATOR_ROUTER_URL" not in op_env and "KASCADE_OPERATOR_ROUTER_DEMAND_URL" not in op_env
 
 
 def test_rbac_grants_no_wildcards_or_secret_listing(helm: Helm) -> None:

@@ -74,6 +74,7 @@ def test_helm_install_creates_and_uninstall_removes(control_plane: ControlPlane,
     assert can("get", "secret/kc-engine-token") == "yes"
     assert can("list", "secrets") == "no"
     assert can("patch", "modelservices.kascade.io/status") == "yes"
+    assert can("patch", "pods", "--subresource=status") == "yes"  # the serving readiness gate
     assert can("delete", "nodes") == "no"
 
     control_plane.helm("uninstall", "kc", "-n", namespace, "--wait", "--timeout=60s")

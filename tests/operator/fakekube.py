@@ -91,6 +91,15 @@ class FakeKube:
         pod["metadata"]["resourceVersion"] = str(next(self._rv))
         return copy.deepcopy(pod)
 
+    async def patch_pod_status(self, ns: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        pod = self.pods.get((ns, name))
+        if pod is None:
+            raise NotFound(f"pod {ns}/{name}")
+        conds = {c["type"]: c for c in pod.setdefault("status", {}).get("conditions") or []}
+        conds.update({c["type"]: c for c in patch["status"].get("conditions") or []})  # strategic: merge by type
+        pod["status"]["conditions"] = list(conds.values())
+        return pod
+
     async def create_pod(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
         pod = self._stamp(copy.deepcopy(body), ns)
         self.pods[(ns, pod["metadata"]["name"])] = pod

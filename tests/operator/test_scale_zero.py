@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from builders import pod, spec
 
-from kascade_operator.demand import Demand, zero_rule
+from kascade_operator.demand import Demand, RouterDemand, aggregate, resolve_all, zero_rule
 from kascade_operator.reconcile import CreatePlan, Drain, reconcile
 
 
@@ -41,3 +41,75 @@ def test_last_copy_drains_only_when_released() -> None:
     assert reconcile("svc", spec(lo=0, hi=2), one, [], {"colocated": 0}).actions == ()
     res = reconcile("svc", spec(lo=0, hi=2), one, [], {"colocated": 0}, release_last={"colocated"})
     assert res.actions == (Drain("r1"),) and res.available  # desired 0: nothing is missing
+
+
+# -- demand from every router replica -----------------------------------------------------------------
+def test_aggregate_sums_replicas_and_keeps_the_shortest_idle() -> None:
+    a = {"ns/svc": {"queued": 2, "inFlight": 1, "requestsPerSecond": 1.5, "tokensPerSecond": 10.0, "idleSeconds": 30.0}}
+    b = {"ns/svc": {"queued": 1, "inFlight": 0, "requestsPerSecond": 0.5, "tokensPerSecond": 5.0, "idleSeconds": 4.0},
+         "ns/other": {"queued": 0, "inFlight": 3, "idleSeconds": None}, "junk": 7}
+    got = aggregate([a, b])
+    assert got["ns/svc"] == {"queued": 3, "inFlight": 1, "requestsPerSecond": 2.0, "tokensPerSecond": 15.0,
+                             "idleSeconds": 4.0}
+    assert got["ns/other"]["inFlight"] == 3 and got["ns/other"]["idleSeconds"] is None and "junk" not in got
+
+
+async def test_router_demand_is_summed_over_every_replica() -> None:
+    """Two real router replicas, each holding one request for a model with no serving replica: the
+    operator's reader sees both (a ClusterIP would show it one replica's share); a replica that is gone
+    leaves the other's share, and none answering means no decision on router demand."""
+    import asyncio
+
+    import aiohttp
+
+    from kascade_router.server import Router, static_routes
+    from kascade_router.settings import RouterSettings
+
+    routers = []
+    for _ in range(2):
+        routes = static_routes([])
+        routes.set_service("static", "m", "m")
+        routers.append(await Router(RouterSettings(hold_timeout_s=30.0), routes).start())
+    addrs = [f"127.0.0.1:{r.port}" for r in routers]
+
+    async def both(host: str, port: int) -> list[str]:
+        assert (host, port) == ("router-pods.ns.svc", 8080)
+        return list(addrs)
+
+    reader = RouterDemand("http://router-pods.ns.svc:8080", timeout_s=5.0, max_age_s=0.0, resolve=both)
+    async with aiohttp.ClientSession() as s:
+        held = [asyncio.create_task(s.post(f"http://{a}/v1/completions", json={"model": "m", "prompt": "x"}))
+                for a in addrs]
+        try:
+            for _ in range(200):
+                d = await reader.get("static", "m")
+                if d is not None and d.queued == 2:
+                    break
+                await asyncio.sleep(0.02)
+            assert d is not None and d.queued == 2 and d.active and reader.replicas == 2
+            assert await reader.get("static", "absent") == Demand()
+            held[1].cancel()  # that client gives up; then its replica goes away: the other's share remains
+            await asyncio.gather(held[1], return_exceptions=True)
+            await routers[1].close()
+            for _ in range(200):
+                d = await reader.get("static", "m")
+                if d is not None and d.queued == 1:
+                    break
+                await asyncio.sleep(0.02)
+            assert d is not None and d.queued == 1 and reader.replicas == 1
+            held[0].cancel()
+            await asyncio.gather(held[0], return_exceptions=True)
+            await routers[0].close()
+            assert await reader.get("static", "m") is None  # no router answers: nothing decided on it
+        finally:
+            for t in held:
+                t.cancel()
+            await asyncio.gather(*held, return_exceptions=True)
+            for r in routers:
+                await r.close()
+            await reader.aclose()
+
+
+async def test_resolve_all_lists_every_address() -> None:
+    got = await resolve_all("localhost", 8080)
+    assert "127.0.0.1:8080" in got and len(got) == len(set(got))
