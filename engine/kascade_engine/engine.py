@@ -24,6 +24,7 @@ from kascade_engine.kvcache import KVCache, build_batch
 from kascade_engine.model import LlamaModel
 from kascade_engine.sampling import SamplingParams, sample
 from kascade_engine.scheduler import Limits, Scheduler, Seq, Work
+from kascade_engine.velocity import VelocityMeter
 
 if TYPE_CHECKING:
     from kascade_engine.cooperation import Cooperation
@@ -70,6 +71,7 @@ class Engine:
         # remotely prefilled sequence joining the batch: remote_prefill.py); returns that step's events
         self._inbox: deque[Callable[[Engine], list[Event]]] = deque()
         self.steps = 0
+        self.meter = VelocityMeter()  # prefill/decode tokens/s measured from this engine's step timings
         self.coop: Cooperation | None = None  # live split hook (cooperation.py): hosts or sends pair rows
 
     @property
@@ -145,6 +147,7 @@ class Engine:
         if not work and not (self.coop is not None and self.coop.pending()):
             return events
         self.steps += 1
+        t0 = time.perf_counter()
         try:
             toks = self._forward(work) if self.coop is None else self.coop.forward(self, work)
         except (RuntimeError, ValueError, IndexError) as e:  # fails this step's requests, never the engine
@@ -153,6 +156,8 @@ class Engine:
                 self.scheduler.finish(w.id)
                 self.requests.pop(w.id, None)
             return events + [Event(w.id, -1, True, f"error: {e}") for w in work]
+        prefill = [(w.n, len(self.requests[w.id].prompt)) for w in work if w.start < len(self.requests[w.id].prompt)]
+        self.meter.observe(prefill, len(work) - len(prefill), time.perf_counter() - t0)
         it = iter(toks)
         now = time.monotonic()
         for w in work:

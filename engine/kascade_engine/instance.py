@@ -101,6 +101,7 @@ class EngineInstance:
         if not hasattr(self, "serving"):  # a dtype rebuild keeps the request side and its running loop
             self.serving = Serving(self)
             self.pd_metrics = PDMetrics(self.metrics.registry, config.model_name)
+            self.pd_metrics.export_velocity(self.metrics.registry, lambda: self.engine.meter)
             self.prefill_server = PrefillServer(self)  # PD: prefill for decode engines, KV out on the data port
             self.remote_prefill = RemotePrefill(self)  # PD: our requests' prefill on a peer, KV in
         self.finisher = Finisher(self.model, busy=lambda: not self.engine.scheduler.idle, token=config.token,

@@ -5,6 +5,8 @@
   kascade_pd_remote_prefills_total      decode engine: requests whose KV arrived from a prefill engine
   kascade_pd_local_fallbacks_total      decode engine: requests prefilled here after a remote prefill failed
   kascade_kv_transfer_bytes_total{direction=sent|received}
+  kascade_prefill_velocity_tokens_per_second{bucket}, kascade_decode_velocity_tokens_per_second{batch}
+                                        measured prefill / decode velocities (velocity.py; 0 = not yet measured)
   kascade_kv_link_bytes_per_second{peer}  decode engine: KV bytes / seconds of the last transfer from each
                                         prefill peer (first frame to kv_done): the pair's network velocity
 Data flow: PrefillServer and RemotePrefill count as they go; Prometheus (or the operator) scrapes /metrics.
@@ -12,7 +14,11 @@ Data flow: PrefillServer and RemotePrefill count as they go; Prometheus (or the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from kascade_engine.velocity import BATCH_BUCKETS, PROMPT_BUCKETS, VelocityMeter
 
 
 class PDMetrics:
@@ -33,6 +39,17 @@ class PDMetrics:
         self._link = Gauge("kascade_kv_link_bytes_per_second", "KV bytes/s of the last transfer from a prefill peer",
                            ["model_name", "peer"], registry=registry)
         self.model_name = model_name
+
+    def export_velocity(self, registry: CollectorRegistry, meter: Callable[[], VelocityMeter]) -> None:
+        """Gauges read at scrape time from the current engine's meter (`meter()`: bind may rebuild it)."""
+        pre = Gauge("kascade_prefill_velocity_tokens_per_second", "Prompt tokens/s this engine prefills, measured "
+                    "from its step timings, by prompt length bucket (le)", ["model_name", "bucket"], registry=registry)
+        dec = Gauge("kascade_decode_velocity_tokens_per_second", "Tokens/s this engine decodes, measured from its "
+                    "step timings, by batch size bucket (le)", ["model_name", "batch"], registry=registry)
+        for b in [*map(str, PROMPT_BUCKETS), "inf"]:
+            pre.labels(self.model_name, b).set_function(lambda b=b: meter().prefill.get(b, 0.0))  # type: ignore[misc]
+        for b in [*map(str, BATCH_BUCKETS), "inf"]:
+            dec.labels(self.model_name, b).set_function(lambda b=b: meter().decode.get(b, 0.0))  # type: ignore[misc]
 
     def link(self, peer: str, bytes_per_s: float) -> None:
         self._link.labels(self.model_name, peer).set(bytes_per_s)

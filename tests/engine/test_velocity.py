@@ -1,0 +1,58 @@
+"""Measured velocities: the meter's arithmetic on known step timings, and a real engine's /metrics after
+it served prompts of two lengths (values > 0 in the buckets it saw, 0 elsewhere)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kascade_engine.config import EngineConfig
+from kascade_engine.instance import EngineInstance
+from kascade_engine.sampling import SamplingParams
+from kascade_engine.tokenizer import ByteTokenizer
+from kascade_engine.velocity import VelocityMeter, bucket
+
+
+def test_meter_buckets_and_splits_mixed_steps() -> None:
+    m = VelocityMeter()
+    assert m.prefill_velocity(100) is None and m.decode_capacity() is None
+    m.observe([(100, 100)], 0, 0.5)  # prefill only: 200 tok/s in bucket 128
+    assert m.prefill == {"128": 200.0}
+    m.observe([], 4, 0.1)  # decode only: 40 tok/s at batch <= 4
+    assert m.decode == {"4": 40.0}
+    m.observe([(300, 300)], 4, 1.1)  # mixed: 4 decodes cost 0.1 s (40 tok/s) -> 300 tokens in 1.0 s
+    assert m.prefill["512"] == pytest.approx(300.0)
+    m.observe([(10, 10)], 10, 0.2)  # decodes of an unmeasured batch bucket (16): the step cannot be split
+    assert "128" in m.prefill and m.prefill["128"] == 200.0
+    m.observe([(100, 100)], 0, 0.25)  # EWMA: 0.8 * 200 + 0.2 * 400
+    assert m.prefill["128"] == pytest.approx(240.0)
+    assert m.prefill_velocity(1000) == m.prefill["512"]  # nearest measured bucket
+    assert m.decode_capacity() == 40.0
+    assert (bucket(128, (128, 512)), bucket(129, (128, 512)), bucket(9999, (128, 512))) == ("128", "512", "inf")
+
+
+async def test_engine_reports_measured_velocities(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    cfg = EngineConfig(checkpoint=tiny_ckpt, model_name="tiny-llama", token="t", kv_tokens=2048, instance="v")
+    inst = EngineInstance(cfg, tiny_blocks.config, ByteTokenizer(), tiny_blocks)
+    inst.serving.start()
+    try:
+        async def run(prompt: list[int]) -> None:
+            rid = inst.serving.submit(prompt, SamplingParams(max_tokens=4))
+            async for _ in inst.serving.tokens(rid):
+                pass
+
+        for p in ([1, 2, 3] * 10, list(range(300))):
+            await asyncio.wait_for(run(p), 60)
+        text = generate_latest(inst.metrics.registry).decode()
+    finally:
+        await inst.close()
+    got = {(s.name, s.labels.get("bucket") or s.labels.get("batch")): s.value
+           for f in text_string_to_metric_families(text) for s in f.samples if "velocity" in s.name}
+    assert got[("kascade_prefill_velocity_tokens_per_second", "128")] > 0  # the 30-token prompt
+    assert got[("kascade_prefill_velocity_tokens_per_second", "512")] > 0  # the 300-token prompt
+    assert got[("kascade_prefill_velocity_tokens_per_second", "2048")] == 0  # never seen
+    assert got[("kascade_decode_velocity_tokens_per_second", "1")] > 0  # one sequence decoding at a time
+    assert got[("kascade_decode_velocity_tokens_per_second", "64")] == 0
