@@ -34,13 +34,16 @@ class Autoscaler:
         absorb still does."""
         if role != "prefill" or not self.sys.convertible:
             return 0
-        q = self.queue[(m, "prefill")]
-        if q and self.inp[q[0]] > self.sys.convert_max_tokens:
-            return 0  # a long prompt waits at the head: only a prefiller can take it
         return sum(1 for d in self.group[(m, "decode")] if d.state == "serving")
 
     def _instances_for(self, m: int, role: str) -> int:
-        return sum(1 for i in self.group[(m, role)] if i.active) + self._convertible(m, role)
+        """Instances the policy sees for a group: its active ones; for prefill with convertible
+        decoders also every decoder of the model not yet released (a draining one is taken back
+        when the decode floor rises for waiting prefill work)."""
+        n = sum(1 for i in self.group[(m, role)] if i.active)
+        if role == "prefill" and self.sys.convertible:
+            n += sum(1 for d in self.group[(m, "decode")] if d.state != "released")
+        return n
 
     def _metric(self, m: int, role: str, k: int) -> MetricsSnapshot:
         now = self._now
@@ -76,13 +79,19 @@ class Autoscaler:
             # that is merely growing.
             for m in sorted(range(self.models), key=lambda m: any(i.active for i in self.group[(m, self.roles[0])])):
                 decisions = {}
-                for role in self.roles:
+                for role in reversed(self.roles):  # decode first: convertible decoders count for prefill
                     g = (m, role)
                     st = self.states[g]
                     bounds = st.bounds
-                    if role == "decode" and (self.queue[g] or any(i.active for i in self.group[(m, "prefill")])):
-                        bounds = Bounds(max(1, bounds.min), bounds.max)  # prefillers need a decoder to finish
-                    st = ScaleState(role, self._instances_for(m, role), bounds, True, st.below_since_s)
+                    if role == "decode" and (self.queue[g] or any(i.active for i in self.group[(m, "prefill")])
+                                             or (self.sys.convertible and self.queue[(m, "prefill")])):
+                        # Prefillers need a decoder to finish; with convertible decoders, a decoder is
+                        # also what prefills a waiting request when the model has no prefiller.
+                        bounds = Bounds(max(1, bounds.min), bounds.max)
+                    current = self._instances_for(m, role)
+                    if role == "prefill" and "decode" in decisions:
+                        current += max(0, decisions["decode"].change) if self.sys.convertible else 0
+                    st = ScaleState(role, current, bounds, True, st.below_since_s)
                     pol = self.cfg.decode_policy if role == "decode" else self.cfg.policy
                     decisions[role] = threshold(self._metric(m, role, k), st, pol)
                 if "decode" in decisions and self.cfg.decoders_per_prefiller > 0:

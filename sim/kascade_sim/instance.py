@@ -42,6 +42,8 @@ class Instance:
     preempted: bool = False  # draining to free its GPUs for another model: never taken back
     solo: bool = False  # no other target's load passes through this one: its load may be cancelled
     converted: bool = False  # decoder: the iteration in flight (or last) is a prefill batch (convertible)
+    chunk_req: int = -1  # converted decoder: the long prompt being prefilled chunk by chunk
+    chunk_left: int = 0  # ... and its tokens not yet prefilled
     running: list[tuple[int, int]] = field(default_factory=list)  # (finish step, request)
     n_running: int = 0
     kv_reserved: int = 0

@@ -33,19 +33,40 @@ class Serving:
                     return
 
     def _converts(self, inst: Instance) -> bool:
-        """A convertible decoder (TokenScale) runs a prefill batch for its own model when prefill
-        backlog waits that no idle prefiller takes: the KV is then already where it decodes, and a
-        lone request needs no prefiller loaded for it. Prefill and decode steps alternate while it
-        has running requests (a prefill stalls their next token: TBT is charged honestly), and it
-        never converts while prefilled requests wait for a decoder's room; only short prompts (`System.convert_max_tokens`)."""
-        if not self.sys.convertible or inst.role != "decode" or inst.state != "serving":
+        """A convertible decoder (TokenScale) prefills for its own model when prefill backlog waits
+        that no idle prefiller takes: the KV is then already where it decodes, and a lone request
+        needs no prefiller loaded for it. Short prompts are batched up to `System.convert_chunk_tokens`;
+        a longer one is prefilled in chunks of that size (chunked prefill). Prefill and decode steps
+        alternate while it has running requests (each prefill step stalls their next token: charged
+        to their TBT), and it never converts while prefilled requests wait for a decoder's room."""
+        if not self.sys.convertible or inst.role != "decode" or inst.state != "serving" or inst.chunk_left:
             return False
         m = inst.model
         q = self.queue[(m, "prefill")]
-        if not q or self.inp[q[0]] > self.sys.convert_max_tokens or self.queue[(m, "decode")] \
-                or (inst.converted and inst.n_running):
+        if not q or self.queue[(m, "decode")] or (inst.converted and inst.n_running):
+            return False
+        r = q[0]
+        if inst.kv_reserved + self.inp[r] + self.out[r] > inst.kv_cap or inst.n_running + inst.incoming >= self.spec.max_batch:
             return False
         return not any(p.accepting and not p.busy for p in self.group[(m, "prefill")])
+
+    def _chunk_tokens(self, inst: Instance) -> int:
+        """Prompt tokens per converted prefill step: `System.convert_chunk_tokens` while the decoder
+        has running requests (their next token waits for the step), a full prefill batch when not."""
+        return self.sys.convert_chunk_tokens if inst.n_running else self.spec.max_prefill_tokens
+
+    def _prefill_chunk(self, inst: Instance, now: float) -> None:
+        """One chunk of a long prompt on a converted decoder (its KV was reserved at the first chunk);
+        the last chunk yields the first token. Charged as a prefill of the chunk's tokens (the
+        roofline has no attention term, so later chunks cost the same as the first)."""
+        n = min(self._chunk_tokens(inst), inst.chunk_left)
+        inst.chunk_left -= n
+        dur = self.spec.cost.prefill_s(n) + inst.debt_s
+        inst.debt_s = 0.0
+        inst.batch = [inst.chunk_req] if inst.chunk_left == 0 else []
+        inst.decoding, inst.busy, inst.converted = False, True, True
+        self.busy_time[(inst.model, "prefill")] += dur
+        self.push(now + dur, ITER, inst)
 
     def _dispatch(self, m: int, now: float) -> None:
         """Prefilled requests to decoders with room for their whole KV (never past capacity)."""
@@ -80,12 +101,23 @@ class Serving:
     def _kick(self, inst: Instance, now: float) -> None:
         if inst.busy or not (inst.accepting or inst.state == "draining"):
             return
+        if inst.chunk_left and not (inst.converted and inst.n_running):
+            self._prefill_chunk(inst, now)  # a long prompt's next chunk (decode steps in between)
+            return
         partner = inst.partner if inst.state == "live" else None
         take = inst.accepting and inst.role != "decode" and (partner is None or partner.debt_s == 0)
         queue_role = inst.role
         if not take and self._converts(inst):
+            q = self.queue[(inst.model, "prefill")]
+            if self.inp[q[0]] > self._chunk_tokens(inst):
+                r = q.popleft()
+                inst.reserve(self.inp[r] + self.out[r])
+                inst.chunk_req, inst.chunk_left = r, self.inp[r]
+                self.converted_prefills += 1
+                self._prefill_chunk(inst, now)
+                return
             take, queue_role = True, "prefill"
-        budget = self.sys.convert_max_tokens if queue_role != inst.role else self.spec.max_prefill_tokens
+        budget = self._chunk_tokens(inst) if queue_role != inst.role else self.spec.max_prefill_tokens
         dur = inst.next_iteration(now, self.queue[(inst.model, queue_role)], self.inp, self.out, self.spec.cost.prefill_s,
                                   self.spec.cost.decode_s, budget, self.spec.max_batch, take)
         inst.converted = queue_role != inst.role and bool(inst.batch)

@@ -26,13 +26,14 @@ class System:
     # TokenScale's convertible decoders (disaggregated mode): a decoder prefills its own model's
     # requests when no prefiller is idle, and counts toward the prefill instances the policy sees.
     convertible: bool = False
-    # A converted prefill stalls the decoder's running requests for its duration: only prompts up to
-    # this many tokens (a batch of at most this many), so the stall stays near one short prefill.
-    convert_max_tokens: int = 512
+    # A converted prefill step stalls the decoder's running requests for its duration: while it has
+    # any, at most this many prompt tokens per step (short prompts batched, longer ones chunked). 256
+    # tokens of the 72B preset take 0.10 s, the default TBT SLO: one stall costs about one SLO.
+    convert_chunk_tokens: int = 256
 
     def __post_init__(self) -> None:
-        if self.convert_max_tokens < 1:
-            raise ValueError(f"system {self.name}: convert_max_tokens must be >= 1, got {self.convert_max_tokens}")
+        if self.convert_chunk_tokens < 1:
+            raise ValueError(f"system {self.name}: convert_chunk_tokens must be >= 1, got {self.convert_chunk_tokens}")
         if self.keep_alive_s < 0 or self.pipeline_overhead < 0:
             raise ValueError(f"system {self.name}: keep_alive_s and pipeline_overhead must be >= 0")
 
