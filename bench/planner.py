@@ -109,6 +109,18 @@ def main() -> None:
     out["plan_cpu_ms_2048_of_32768"] = median_ms(lambda: make_plan(huge, MODEL, s, t, "auto", predict=False), reps,
                                                  time.thread_time, clear=clear_caches)
 
+    # tp=4 instances (64 targets, 4 sources, 4 leaves): binomial and hybrid plans run over 4 shard
+    # planes, one per GPU link (`sharding.shard_plan`); auto among sharded candidates.
+    topo = leaf_spine(4, 17, 8)
+    s, t = spread(topo, 4, 64)
+    s4, t4 = [Instance(i.id, i.node, 4) for i in s], [Instance(i.id, i.node, 4) for i in t]
+    for kind in ("binomial", "hybrid"):
+        whole = make_plan(topo, MODEL, s4, t4, kind, shard=False)
+        out[f"{kind}_tp4_unsharded_over_sharded"] = whole.completion / make_plan(topo, MODEL, s4, t4, kind).completion
+    auto = make_plan(topo, MODEL, s4, t4, "auto")
+    out["auto_over_lower_bound_tp4_64"] = auto.completion / lower_bound(auto, topo)
+    print(f"  auto 64 tp=4 targets: {auto.algorithm:<8} {auto.notes[-1][:110]}", flush=True)
+
     topo = leaf_spine(1, 9, 8)
     s, t = spread(topo, 1, 8)
     out["star_over_chain_8"] = make_plan(topo, MODEL, s, t, "star").completion / make_plan(topo, MODEL, s, t, "chain").completion
