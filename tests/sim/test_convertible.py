@@ -41,7 +41,7 @@ def stall_bound() -> float:
 
 def test_a_decoder_prefills_a_trickle_instead_of_loading_prefillers() -> None:
     wl = trickle(128)
-    s, conv = run(wl, True)
+    _, conv = run(wl, True)
     _, plain = run(wl, False)
     assert ups(plain, "prefill") >= 20, ups(plain, "prefill")  # without: a prefiller loaded for most requests
     assert ups(conv, "prefill") <= 2 and conv.converted_prefills >= 35, (ups(conv, "prefill"), conv.converted_prefills)
