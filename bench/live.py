@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 import threading
@@ -41,6 +42,7 @@ from kascade_engine.live import Finisher, SplitClient
 from kascade_engine.model import LlamaModel
 from kascade_engine.sampling import SamplingParams
 from kascade_engine.transport_tcp import TcpTransport
+from kascade_planner.plan import ModelLayout
 from kascade_planner.zigzag import PairSetting, ilp_config
 
 MODES = ("stop-the-world", "best-effort", "zigzag", "zigzag-ilp")
@@ -310,7 +312,17 @@ def main() -> None:
     ap.add_argument("--realtime", action="store_true",
                     help="wall-clock threads for A and B (noisy on a shared box) instead of the layer clock")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--no-real", action="store_true",
+                    help="skip the real-engine section (engine processes in tbf-linked namespaces; needs root)")
+    ap.add_argument("--rate-mbit", type=int, default=None, help="real section: link rate (default: the model in --load-s)")
+    ap.add_argument("--load-s", type=float, default=8.0, help="real section: seconds to send the whole model over a link")
+    ap.add_argument("--layer-ms", type=float, default=40.0, help="real section: emulated time of one layer forward per step")
+    ap.add_argument("--real-only", action="store_true", help="only the real-engine section (-> live_real.json)")
     args = ap.parse_args()
+    if args.real_only:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "live_real.json").write_text(json.dumps(real_section(args), indent=2))
+        return
     n = args.requests or (24 if args.quick else 64)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -364,10 +376,65 @@ def main() -> None:
               "load_ratio": args.load_ratio, "migrate_s": migrate, "clock": "wall" if args.realtime else "layer (1 unit = measured layer time)", "overload": args.overload, "quick": args.quick,
               "link": "emulated by block arrival times (l+1)*load_ratio*layer_time; activations handed over in-process "
                       "here, over TCP in split_exact_tcp and tests/engine/test_split.py"}
+    if not args.no_real:
+        result.update(real_section(args))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "live.json").write_text(json.dumps(result, indent=2))
     plot(res, args.prompt, args.out / "live.png")
     print(json.dumps({k: v for k, v in result.items() if not isinstance(v, (dict, str, list))}, indent=2))
+
+
+def real_section(args: argparse.Namespace) -> dict[str, object]:
+    """Stop-the-world vs live modes on real engine processes and real weight transfers (livelab.py)."""
+    import livelab
+    import netlab
+
+    why = netlab.available() if os.geteuid() == 0 else "needs root (ip netns, tc)"
+    if why is not None:
+        print(f"real-engine section SKIPPED: {why}")
+        return {"real": f"skipped: {why}"}
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = tiny_llama(Path(tmp) / "m", layers=args.layers, hidden=128, vocab=512)
+        bs = pack_checkpoint(ckpt, "bench-llama")
+        manifest = dict(bs.manifest())
+        ids = tuple(manifest)
+        layout = ModelLayout("bench-llama", ids, tuple(int(manifest[b]["bytes"]) for b in ids))
+        total = sum(layout.block_bytes)
+        rate = args.rate_mbit or max(1, round(total * 8 / args.load_s / 1e6))
+        setup = livelab.Setup(rate, args.layer_ms, 128, 32, 4, args.overload, total * 8 / (rate * 1e6),
+                              96 if args.quick else 240)
+        print(f"real engines: {args.layers} layers, {total / 1e6:.1f} MB over {rate} Mbit/s tbf links "
+              f"({setup.load_s:.1f} s per copy); compute emulated at {args.layer_ms} ms per layer forward per step")
+        res: dict[str, dict[str, list[tuple[float, str, str]]]] = {}
+        res["pair"] = livelab.fleet("pair", 1, ("stop-the-world", "best-effort", "zigzag", "zigzag-ilp"), ckpt,
+                                    manifest, layout, setup, "k17a")
+        for k in (2, 4):
+            res[f"pipe{k}"] = livelab.fleet("pipe", k, ("stop-the-world", "pipeline"), ckpt, manifest, layout, setup,
+                                            f"k17p{k}")
+
+    def p99(xs: list[tuple[float, str, str]]) -> float:
+        return float(np.percentile([x[0] for x in xs], 99))
+
+    def mean(xs: list[tuple[float, str, str]]) -> float:
+        return float(np.mean([x[0] for x in xs]))
+
+    pair = res["pair"]
+    exact = all(len({x[1] for x in col}) == 1 for f in res.values() for col in zip(*f.values(), strict=True))
+    out: dict[str, object] = {
+        "real_p99_ttft_zigzag_over_stop": p99(pair["zigzag"]) / p99(pair["stop-the-world"]),
+        "real_p99_ttft_besteffort_over_stop": p99(pair["best-effort"]) / p99(pair["stop-the-world"]),
+        "real_p99_ttft_zigzag_ilp_over_stop": p99(pair["zigzag-ilp"]) / p99(pair["stop-the-world"]),
+        "mean_ttft_pipeline2_over_stop": mean(res["pipe2"]["pipeline"]) / mean(res["pipe2"]["stop-the-world"]),
+        "mean_ttft_pipeline4_over_stop": mean(res["pipe4"]["pipeline"]) / mean(res["pipe4"]["stop-the-world"]),
+        "real_split_exact": exact,
+        "real_ttft_s": {f: {m: {"mean": mean(v), "p99": p99(v), "on_targets": sum(1 for x in v if x[2].startswith("t")),
+                                "requests": len(v)} for m, v in modes.items()} for f, modes in res.items()},
+        "real_setup": {"rate_mbit": setup.rate_mbit, "load_s": setup.load_s, "layer_ms": setup.layer_ms,
+                       "compute": "emulated per step (--emulate-layer-ms); transfers, activations and HTTP real",
+                       "stop_baseline_of_pipelines": "stop-the-world on the same fleet (k sources, k targets)"},
+    }
+    print("real engines, side by side: " + json.dumps({k: v for k, v in out.items() if isinstance(v, (float, bool))}))
+    return out
 
 
 def plot(res: dict[str, list[Job]], tokens: int, path: Path) -> None:

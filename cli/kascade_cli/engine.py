@@ -58,11 +58,14 @@ def engine() -> None:
               help="seconds a connection may take to send a request's headers (slowloris guard)")
 @click.option("--max-connections", default=1024, show_default=True, type=click.IntRange(1),
               help="open HTTP connections; more are closed on accept")
+@click.option("--emulate-layer-ms", default=0.0, show_default=True, type=click.FloatRange(0, 10_000),
+              help="benchmarks on shared CPUs: each step's layer work takes at least this long per layer executed, "
+                   "like an accelerator whose step time does not depend on the other processes (0: off)")
 def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: str, port: int, act_port: int | None,
           token_file: Path | None, max_prompt_tokens: int, max_batch_tokens: int, max_seqs: int, kv_tokens: int,
           max_n: int, page_size: int, device: str, dtype: str, empty: bool, resident_layers: int | None, threads: int,
           transport: str, transfer_max_mbps: float | None, header_timeout: float = 10.0,
-          max_connections: int = 1024) -> None:
+          max_connections: int = 1024, emulate_layer_ms: float = 0.0) -> None:
     """Serve a model over HTTP (OpenAI-compatible) with the Kascade control API."""
     import json
 
@@ -94,7 +97,7 @@ def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: s
                            max_prompt_tokens=max_prompt_tokens, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
                            kv_tokens=kv_tokens, page_size=page_size, max_n=max_n, threads=threads, transport=transport,
                            transfer_bytes_per_s=transfer_max_mbps * 1e6 / 8 if transfer_max_mbps else None,
-                           empty=empty, resident_layers=resident_layers)
+                           empty=empty, resident_layers=resident_layers, emulate_layer_ms=emulate_layer_ms)
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
     try:

@@ -39,6 +39,7 @@ class EngineConfig:
     empty: bool = False
     resident_layers: int | None = None
     instance: str = "engine-0"
+    emulate_layer_ms: float = 0.0  # benchmarks: a step's layer work takes at least this per layer (an accelerator)
 
     def __post_init__(self) -> None:
         if not _DEVICE.match(self.device):
@@ -48,6 +49,8 @@ class EngineConfig:
         for name in ("max_prompt_tokens", "max_batch_tokens", "max_seqs", "kv_tokens", "page_size", "max_n", "threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.emulate_layer_ms <= 10_000:
+            raise ConfigError(f"--emulate-layer-ms must be in [0, 10000], got {self.emulate_layer_ms}")
         if self.transport not in ("tcp", "ucx"):
             raise ConfigError(f"--transport {self.transport!r}: use tcp or ucx")
         if not self.token:

@@ -28,6 +28,7 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -69,19 +70,31 @@ class Row:
     x: torch.Tensor
 
 
-def staggered(model: LlamaModel, cache: KVCache, rows: list[Row]) -> None:
+def staggered(model: LlamaModel, cache: KVCache, rows: list[Row]) -> int:
     """Run every row through its own layer range in one tensor per layer segment: rows join at their
-    first layer and leave after their last, so all rows present at a layer share its forward."""
+    first layer and leave after their last, so all rows present at a layer share its forward. Returns
+    the number of layer forwards run (what a step costs on an accelerator)."""
     bounds = sorted({r.a for r in rows} | {r.b for r in rows})
+    ran = 0
     for u, v in itertools.pairwise(bounds):
         present = sorted((r for r in rows if r.a <= u and r.b >= v), key=lambda r: r.n > 1)  # decodes first
         if not present:
             continue
+        ran += v - u
         batch = build_batch(cache, [(r.table, r.start, r.n) for r in present])
         x = model.run_layers(u, v, torch.cat([r.x for r in present]), batch)
         at = 0
         for r in present:
             r.x, at = x[at:at + r.n], at + r.n
+    return ran
+
+
+def pace(t0: float, layers: int, layer_s: float) -> None:
+    """Emulated accelerator (benchmarks, `--emulate-layer-ms`): the step's layer work ends no earlier
+    than t0 + layers x layer_s, so its time does not depend on what else shares the CPU."""
+    left = t0 + layers * layer_s - time.perf_counter()
+    if layer_s > 0 and left > 0:
+        time.sleep(left)
 
 
 def _pick(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
@@ -124,6 +137,7 @@ class HostRows:
     rows_hosted: int = 0  # metric: B rows finished here
     steps_hosted: int = 0
     shared_steps: int = 0  # metric: steps where pair rows and this engine's own rows shared the forward
+    layer_s: float = 0.0  # emulated seconds per layer forward (benchmarks; 0: off)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def pending(self) -> bool:
@@ -164,7 +178,8 @@ class HostRows:
                     continue
                 accepted.append((st, mine))
                 rows.extend(r for r, _ in mine)
-            staggered(m, engine.cache, rows)
+            t0 = time.perf_counter()
+            pace(t0, staggered(m, engine.cache, rows), self.layer_s)
             here: list[torch.Tensor] = [rows[i].x[-1:] for i in sampling]  # rows sampled on this engine
             slots: list[tuple[PairStep, int]] = []  # (step, index of its token) per pair row sampled here
             relay: list[tuple[PairStep, int, Row, list[Any]]] = []  # pair rows that go on down the pipeline
@@ -262,6 +277,7 @@ class PairClient:
         self.history: list[tuple[str, int]] = []  # (request, k) as each sequence started: the split point
         self.admitted_ids: list[str] = []  # admission order while loading
         self.steps_sent = 0
+        self.layer_s = 0.0  # emulated seconds per layer forward (benchmarks; 0: off)
         self.bytes_sent = 0
         self.tokens_sent = 0
 
@@ -285,7 +301,8 @@ class PairClient:
                 self.split[w.id] = L if m.complete else want if want is not None else m.resident_prefix()
                 self.history.append((w.id, self.split[w.id]))
         rows, sampling = _own_rows(engine, work, lambda rid: self.split[rid])
-        staggered(m, engine.cache, rows)
+        t0 = time.perf_counter()
+        pace(t0, staggered(m, engine.cache, rows), self.layer_s)
         local = [i for i in sampling if self.split[work[i].id] == L and m.complete]
         far = [i for i, w in enumerate(work) if not (self.split[w.id] == L and m.complete)]
         toks: dict[int, int] = {}
@@ -387,7 +404,7 @@ async def form_pair(inst: Any, peer: str) -> PairClient:
         except BaseException:
             await conn.close()
             raise
-    pair.fallback = inst.host
+    pair.fallback, pair.layer_s = inst.host, inst.host.layer_s
     log.info("%s: paired with %s (%s connection, used by every step)", inst.instance_id, peer,
              "warmed" if warmed else "new")
     return pair

@@ -1,0 +1,293 @@
+"""Live scaling on real engines over real weight transfers: engine processes in network namespaces joined
+by tbf-limited links (netlab.py), weights streamed by the data plane (`load-plan`), requests sent over
+HTTP by a trace driver in a namespace of its own, TTFT taken from the streamed responses.
+
+Fleets (each one lab; modes run one after another on the same engines, same trace):
+  pair   source A (host 0) + loading target B (host 1), chain plan:
+         stop-the-world (B takes requests once complete) | best-effort | zigzag | zigzag-ilp
+         (B pairs with A at once: `cooperate`, B serves its requests split with A as blocks land)
+  pipeK  K sources + K targets, λScale binomial plan with K sub-groups (each target gets a different
+         chunk first): stop-the-world | pipeline (the targets form one execution pipeline as soon as
+         together they hold every layer: kascade_operator.livewiring's rule and calls)
+The driver routes each request like the router does ((in flight + 1) / weight, a live loading target
+weighing kascade_router's LIVE_WEIGHT), to the best of all servable engines (sources always; a loading
+target when live, a complete one always). Compute is emulated per step
+(`--emulate-layer-ms` on every engine: a step's layer work takes at least that long per layer forward),
+so the engines' speed does not depend on the other processes of a shared 2-core box; the transfers,
+the activations and HTTP are real.
+
+Data flow: NetLab -> engine processes (`kascade engine serve`, one per namespace) -> the driver enters
+the client namespace (setns) -> per mode: release+bind targets, load-plan everyone, cooperate (live
+modes), trace of requests at a fixed rate (an overload of the sources' measured capacity) -> TTFT per
+request, texts (equal across modes: `split_exact`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import itertools
+import json
+import os
+import random
+import secrets
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import netlab
+
+from kascade_operator.livewiring import chain_to_form
+from kascade_planner.binomial import build_binomial
+from kascade_planner.builder import make_plan
+from kascade_planner.engine_api import BindRequest, CooperateRequest, LoadPlanRequest, ZigZagSpec
+from kascade_planner.plan import Instance, ModelLayout
+from kascade_planner.topology import Node, Topology
+from kascade_router.backends import LIVE_WEIGHT
+
+TOKEN = "live-bench-" + secrets.token_hex(4)
+MODEL = "bench-llama"
+CLONE_NEWNET = 0x40000000
+
+
+@dataclass
+class Eng:
+    iid: str
+    host: int
+    addr: str
+    proc: subprocess.Popen[str]
+    http: str = ""
+    act: str = ""
+    status: dict[str, Any] = field(default_factory=dict)
+    in_flight: int = 0
+
+
+def enter_netns(name: str) -> None:
+    """Move this thread (the main thread, before the driver starts any other) into namespace `name`."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns {name}")
+    finally:
+        os.close(fd)
+
+
+def start_engine(lab: netlab.NetLab, host: int, iid: str, ckpt: Path, empty: bool, layer_ms: float,
+                 batch_tokens: int) -> Eng:
+    addr = lab.addr(host)
+    cmd = [*lab.prefix(host), sys.executable, "-m", "kascade_cli.main", "engine", "serve", "--checkpoint", str(ckpt),
+           "--model-name", MODEL, "--host", addr, "--port", "8000", "--act-port", "8001", "--threads", "1",
+           "--max-batch-tokens", str(batch_tokens), "--emulate-layer-ms", str(layer_ms), *(["--empty"] if empty else [])]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "KASCADE_ENGINE_TOKEN": TOKEN})
+    return Eng(iid, host, addr, proc)
+
+
+def wait_ready(e: Eng, timeout: float = 300) -> None:
+    assert e.proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = e.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"engine {e.iid} exited with {e.proc.wait()}")
+        if line.startswith("KASCADE_ENGINE_READY"):
+            e.http, e.act = f"{e.addr}:8000", f"{e.addr}:8001"
+            return
+    raise RuntimeError(f"engine {e.iid} did not start in {timeout} s")
+
+
+class Driver:
+    """Control calls, status polling and the trace, from the client namespace."""
+
+    def __init__(self, sources: list[Eng], targets: list[Eng]) -> None:
+        self.sources, self.targets = sources, targets
+        self.t0 = time.monotonic()
+        self.http = httpx.AsyncClient(timeout=120, headers={"Authorization": f"Bearer {TOKEN}"},
+                                      limits=httpx.Limits(max_connections=512))
+
+    async def ctl(self, e: Eng, verb: str, body: dict[str, Any] | None = None, get: bool = False) -> dict[str, Any]:
+        url = f"http://{e.http}/kascade/v1/{verb}"
+        r = await (self.http.get(url) if get else self.http.post(url, json=body or {}))
+        if r.status_code >= 400:
+            raise RuntimeError(f"{e.iid} {verb}: HTTP {r.status_code} {r.text[:300]}")
+        out: dict[str, Any] = r.json()
+        return out
+
+    async def poll(self, stop: asyncio.Event, pipeline: list[Eng] | None) -> None:
+        """Engine statuses every 50 ms; with `pipeline`, form it once its members cover every layer."""
+        formed = False
+        while not stop.is_set():
+            for e in (*self.sources, *self.targets):
+                e.status = await self.ctl(e, "status", get=True)
+            if pipeline and not formed:
+                chain = chain_to_form([e.iid for e in pipeline], {e.iid: e.status for e in pipeline})
+                if chain:
+                    by = {e.iid: e for e in pipeline}
+                    for a, b in reversed(list(itertools.pairwise(chain[1:]))):
+                        await self.ctl(by[a], "cooperate", CooperateRequest(by[b].act, "pipeline").to_dict())
+                    await self.ctl(by[chain[0]], "cooperate", CooperateRequest(by[chain[1]].act, "besteffort").to_dict())
+                    formed = True
+                    print(f"    pipeline {'->'.join(chain)} formed at {time.monotonic() - self.t0:.2f} s", flush=True)
+            await asyncio.sleep(0.05)
+
+    def servable(self, e: Eng, live: bool) -> bool:
+        ph = e.status.get("phase")
+        return e in self.sources or ph == "serving" or (live and ph == "live" and bool(e.status.get("cooperate")))
+
+    def weight(self, e: Eng) -> float:
+        """The router's weights (kascade_router.backends): a live, still loading replica takes a smaller share."""
+        return 1.0 if e in self.sources or e.status.get("phase") == "serving" else LIVE_WEIGHT
+
+    async def one(self, prompt: str, at: float, live: bool, max_tokens: int) -> tuple[float, str, str]:
+        await asyncio.sleep(max(0.0, self.t0 + at - time.monotonic()))
+        cands = [e for e in (*self.sources, *self.targets) if self.servable(e, live)]
+        e = min(cands, key=lambda x: (x.in_flight + 1) / self.weight(x))  # the router's rule, over all backends
+        e.in_flight += 1
+        first, text = None, ""
+        try:
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+            async with self.http.stream("POST", f"http://{e.http}/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    raise RuntimeError(f"{e.iid}: HTTP {r.status_code} {(await r.aread())[:200]!r}")
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        if first is None:
+                            first = time.monotonic()
+                        text += json.loads(line[6:])["choices"][0].get("text", "")
+        finally:
+            e.in_flight -= 1
+        return (first or time.monotonic()) - (self.t0 + at), text, e.iid
+
+    async def capacity(self, n: int, prompt: str, max_tokens: int) -> float:
+        """Requests per second one source completes under a burst of n."""
+        self.t0 = time.monotonic()
+        saved, self.targets = self.targets, []
+        src = self.sources[:1]
+        self.sources, keep = src, self.sources
+        try:
+            await asyncio.gather(*(self.one(prompt, 0.0, False, max_tokens) for _ in range(n)))
+        finally:
+            self.sources, self.targets = keep, saved
+        return n / (time.monotonic() - self.t0)
+
+
+def pair_plan(layout: ModelLayout, srcs: list[Eng], tgts: list[Eng], k: int, rate_mbit: int) -> dict[str, Any]:
+    topo = Topology(tuple(Node(f"h{e.host}", "leaf", f"h{e.host}", 1, rate_mbit / 1000) for e in (*srcs, *tgts)))
+    si = [Instance(e.iid, f"h{e.host}") for e in srcs]
+    ti = [Instance(e.iid, f"h{e.host}") for e in tgts]
+    if k <= 1:
+        return make_plan(topo, layout, si, ti, "chain", predict=False, shard=False).to_dict()
+    plan = build_binomial(layout, si, ti, k=k)
+    plan.validate()
+    return plan.to_dict()
+
+
+async def run_mode(d: Driver, mode: str, plan: dict[str, Any], manifest: dict[str, Any], port: int,
+                   prompts: list[str], gap: float, max_tokens: int, zz: ZigZagSpec | None) -> list[tuple[float, str, str]]:
+    for t in d.targets:  # a fresh target: no weights, bound, then loading by the plan
+        if t.status.get("phase") not in (None, "empty", "released"):
+            await d.ctl(t, "release")
+        await d.ctl(t, "bind", BindRequest(MODEL, "bench", "colocated").to_dict())
+        t.status = await d.ctl(t, "status", get=True)
+    peers = {e.iid: f"{e.addr}:{port}" for e in (*d.sources, *d.targets)}
+    tok = secrets.token_hex(8)
+    d.t0 = time.monotonic()
+    for e in (*d.sources, *d.targets):
+        await d.ctl(e, "load-plan", LoadPlanRequest(plan, e.iid, peers, tok, manifest, timeout_seconds=60).to_dict())
+    live = mode != "stop-the-world"
+    if mode in ("best-effort", "zigzag", "zigzag-ilp"):
+        m = "besteffort" if mode == "best-effort" else "zigzag"
+        for t in d.targets:
+            await d.ctl(t, "cooperate", CooperateRequest(d.sources[0].act, m, zz if m == "zigzag" else None).to_dict())
+    stop = asyncio.Event()
+    poller = asyncio.create_task(d.poll(stop, d.targets if mode == "pipeline" else None))
+    try:
+        out = await asyncio.gather(*(d.one(p, i * gap, live, max_tokens) for i, p in enumerate(prompts)))
+        while any(t.status.get("phase") != "serving" for t in d.targets):  # the next mode starts from scratch
+            await asyncio.sleep(0.1)
+    finally:
+        stop.set()
+        await poller
+    for t in d.targets:  # stop cooperating before the release
+        await d.ctl(t, "cooperate", CooperateRequest("", "off").to_dict())
+    return list(out)
+
+
+@dataclass(frozen=True)
+class Setup:
+    rate_mbit: int
+    layer_ms: float
+    batch_tokens: int
+    prompt_chars: int
+    max_tokens: int
+    overload: float
+    load_s: float  # the whole model over one link, by construction of rate_mbit
+    max_requests: int
+
+
+def fleet(kind: str, k: int, modes: tuple[str, ...], ckpt: Path, manifest: dict[str, Any], layout: ModelLayout,
+          setup: Setup, tag: str) -> dict[str, list[tuple[float, str, str]]]:
+    """One lab of k sources + k targets (+ the client), every mode on the same trace. TTFT per request."""
+    hosts = 2 * k + 1
+    with netlab.NetLab(hosts, setup.rate_mbit, prefix=tag) as lab:
+        srcs = [start_engine(lab, i, f"s{i}", ckpt, False, setup.layer_ms, setup.batch_tokens) for i in range(k)]
+        tgts = [start_engine(lab, k + j, f"t{j}", ckpt, True, setup.layer_ms, setup.batch_tokens) for j in range(k)]
+        try:
+            for e in (*srcs, *tgts):
+                wait_ready(e)
+            plan = pair_plan(layout, srcs, tgts, k if kind == "pipe" else 1, setup.rate_mbit)
+            if kind == "pipe":
+                print(f"  {kind}{k}: plan pipelines {plan.get('pipelines')}", flush=True)
+            return asyncio.run(_drive(lab, tag, hosts - 1, srcs, tgts, modes, plan, manifest, layout, setup))
+        finally:
+            for e in (*srcs, *tgts):
+                e.proc.terminate()
+            for e in (*srcs, *tgts):
+                try:
+                    e.proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    e.proc.kill()
+
+
+async def _drive(lab: netlab.NetLab, tag: str, client: int, srcs: list[Eng], tgts: list[Eng], modes: tuple[str, ...],
+                 plan: dict[str, Any], manifest: dict[str, Any], layout: ModelLayout,
+                 setup: Setup) -> dict[str, list[tuple[float, str, str]]]:
+    origin = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    enter_netns(f"{tag}-h{client}")
+    d = Driver(srcs, tgts)
+    try:
+        for e in (*srcs, *tgts):
+            e.status = await d.ctl(e, "status", get=True)
+        prompt = "x" * setup.prompt_chars
+        cap = await d.capacity(16, prompt, setup.max_tokens)
+        gap = 1.0 / (setup.overload * cap * len(srcs))
+        n = min(setup.max_requests, max(16, round(2 * setup.load_s / gap)))
+        rng = random.Random(0)
+        prompts = ["".join(rng.choice("abcdefghijklmnop ") for _ in range(setup.prompt_chars)) for _ in range(n)]
+        per_block = setup.load_s / len(layout.block_ids)
+        zz = ZigZagSpec(per_block / (setup.layer_ms / 1e3), min(1024, n))
+        print(f"  source capacity {cap:.1f} req/s (burst of 16); {n} requests every {gap * 1e3:.1f} ms "
+              f"({setup.overload}x the sources); ZigZag loadRatio {zz.load_ratio:.0f}", flush=True)
+        out: dict[str, list[tuple[float, str, str]]] = {}
+        for i, mode in enumerate(modes):
+            spec = zz if mode != "zigzag-ilp" else ZigZagSpec(zz.load_ratio, zz.batches, True)
+            t = time.monotonic()
+            out[mode] = await run_mode(d, mode, plan, manifest, 7100 + i, prompts, gap, setup.max_tokens, spec)
+            ttft = sorted(x[0] for x in out[mode])
+            on_t = sum(1 for x in out[mode] if x[2].startswith("t"))
+            by = {w: [x[0] for x in out[mode] if x[2].startswith(w)] for w in ("s", "t")}
+            print("      mean TTFT on sources / targets: " + " / ".join(
+                f"{1e3 * sum(v) / len(v):.0f} ms" if v else "-" for v in by.values()), flush=True)
+            print(f"    {mode:15s} mean TTFT {1e3 * sum(ttft) / n:7.1f} ms, p99 {1e3 * ttft[int(0.99 * (n - 1))]:7.1f} ms; "
+                  f"{on_t}/{n} served by targets; {time.monotonic() - t:.1f} s", flush=True)
+        return out
+    finally:
+        await d.http.aclose()
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.setns(origin, CLONE_NEWNET)
+        os.close(origin)

@@ -1,0 +1,27 @@
+"""`--emulate-layer-ms` (benchmarks): a step's layer work takes at least that long per layer forward, so
+engines sharing a CPU keep an accelerator-like step time; the flag's bad values are named."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from kascade_engine.config import ConfigError, EngineConfig
+from kascade_engine.cooperation import pace
+
+
+def test_pace_holds_the_step_to_layers_times_the_emulated_layer_time() -> None:
+    t0 = time.perf_counter()
+    pace(t0, 3, 0.02)
+    assert time.perf_counter() - t0 >= 0.06  # a lower bound: sleeping never ends early
+    t1 = time.perf_counter()
+    pace(t1, 2, 0.05)
+    assert time.perf_counter() - t1 >= 0.1
+
+
+def test_bad_emulate_layer_ms_is_named() -> None:
+    with pytest.raises(ConfigError, match="--emulate-layer-ms must be in"):
+        EngineConfig(Path("."), "m", "t", emulate_layer_ms=-1)
+    assert EngineConfig(Path("."), "m", "t", emulate_layer_ms=2.5).emulate_layer_ms == 2.5
