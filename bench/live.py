@@ -315,8 +315,10 @@ def main() -> None:
     ap.add_argument("--no-real", action="store_true",
                     help="skip the real-engine section (engine processes in tbf-linked namespaces; needs root)")
     ap.add_argument("--rate-mbit", type=int, default=None, help="real section: link rate (default: the model in --load-s)")
-    ap.add_argument("--load-s", type=float, default=8.0, help="real section: seconds to send the whole model over a link")
+    ap.add_argument("--load-s", type=float, default=4.0, help="real section: seconds to send the whole model over a link")
     ap.add_argument("--layer-ms", type=float, default=40.0, help="real section: emulated time of one layer forward per step")
+    ap.add_argument("--real-overload", type=float, default=2.0,
+                    help="real section: arrival rate / the sources' measured capacity")
     ap.add_argument("--real-only", action="store_true", help="only the real-engine section (-> live_real.json)")
     args = ap.parse_args()
     if args.real_only:
@@ -401,8 +403,8 @@ def real_section(args: argparse.Namespace) -> dict[str, object]:
         layout = ModelLayout("bench-llama", ids, tuple(int(manifest[b]["bytes"]) for b in ids))
         total = sum(layout.block_bytes)
         rate = args.rate_mbit or max(1, round(total * 8 / args.load_s / 1e6))
-        setup = livelab.Setup(rate, args.layer_ms, 128, 32, 4, args.overload, total * 8 / (rate * 1e6),
-                              96 if args.quick else 240)
+        setup = livelab.Setup(rate, args.layer_ms, 128, 32, 4, args.real_overload, total * 8 / (rate * 1e6),
+                              320 if args.quick else 480)
         print(f"real engines: {args.layers} layers, {total / 1e6:.1f} MB over {rate} Mbit/s tbf links "
               f"({setup.load_s:.1f} s per copy); compute emulated at {args.layer_ms} ms per layer forward per step")
         res: dict[str, dict[str, list[tuple[float, str, str]]]] = {}

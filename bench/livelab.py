@@ -264,14 +264,14 @@ async def _drive(lab: netlab.NetLab, tag: str, client: int, srcs: list[Eng], tgt
         for e in (*srcs, *tgts):
             e.status = await d.ctl(e, "status", get=True)
         prompt = "x" * setup.prompt_chars
-        cap = await d.capacity(16, prompt, setup.max_tokens)
+        cap = await d.capacity(48, prompt, setup.max_tokens)  # long enough for steady continuous batching
         gap = 1.0 / (setup.overload * cap * len(srcs))
-        n = min(setup.max_requests, max(16, round(2 * setup.load_s / gap)))
+        n = min(setup.max_requests, max(16, round(1.5 * setup.load_s / gap)))  # the trace outlasts the load
         rng = random.Random(0)
         prompts = ["".join(rng.choice("abcdefghijklmnop ") for _ in range(setup.prompt_chars)) for _ in range(n)]
         per_block = setup.load_s / len(layout.block_ids)
-        zz = ZigZagSpec(per_block / (setup.layer_ms / 1e3), min(1024, n))
-        print(f"  source capacity {cap:.1f} req/s (burst of 16); {n} requests every {gap * 1e3:.1f} ms "
+        zz = ZigZagSpec(per_block / (setup.layer_ms / 1e3), 12)  # the planner's setting: 12 batches planned
+        print(f"  source capacity {cap:.1f} req/s (burst of 48); {n} requests every {gap * 1e3:.1f} ms "
               f"({setup.overload}x the sources); ZigZag loadRatio {zz.load_ratio:.0f}", flush=True)
         out: dict[str, list[tuple[float, str, str]]] = {}
         for i, mode in enumerate(modes):

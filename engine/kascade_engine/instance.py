@@ -255,7 +255,9 @@ class EngineInstance:
             from kascade_planner.zigzag import PairSetting
 
             z = req.zigzag
-            pair.policy = ZigZagPolicy(PairSetting(self.model.shape.layers, z.load_ratio, z.batches), ilp=z.ilp)
+            setting = PairSetting(self.model.shape.layers, z.load_ratio, z.batches)
+            # the ILP can take a while for many batches: solve it off the event loop (requests keep flowing)
+            pair.policy = await asyncio.to_thread(ZigZagPolicy, setting, z.ilp)
         if req.mode == "off":  # off ends every cooperation, a pipeline hop included
             await self._drop_downstream()
         old, self.pair = self.pair, pair
