@@ -8,7 +8,8 @@
   kascade_prefill_velocity_tokens_per_second{bucket}, kascade_decode_velocity_tokens_per_second{batch}
                                         measured prefill / decode velocities (velocity.py; 0 = not yet measured)
   kascade_kv_link_bytes_per_second{peer}  decode engine: KV bytes / seconds of the last transfer from each
-                                        prefill peer (first frame to kv_done): the pair's network velocity
+                                        prefill peer (first frame to kv_done); kascade_kv_link_tokens_per_second{peer}
+                                        the same in prompt tokens/s: the pair's network velocity
 Data flow: PrefillServer and RemotePrefill count as they go; Prometheus (or the operator) scrapes /metrics.
 """
 
@@ -38,6 +39,9 @@ class PDMetrics:
         self.received = self._bytes.labels(model_name, "received")
         self._link = Gauge("kascade_kv_link_bytes_per_second", "KV bytes/s of the last transfer from a prefill peer",
                            ["model_name", "peer"], registry=registry)
+        self._link_tokens = Gauge("kascade_kv_link_tokens_per_second", "Prompt tokens/s whose KV the last transfer "
+                                  "from a prefill peer moved (TokenScale's network velocity)", ["model_name", "peer"],
+                                  registry=registry)
         self.model_name = model_name
 
     def export_velocity(self, registry: CollectorRegistry, meter: Callable[[], VelocityMeter]) -> None:
@@ -51,5 +55,6 @@ class PDMetrics:
         for b in [*map(str, BATCH_BUCKETS), "inf"]:
             dec.labels(self.model_name, b).set_function(lambda b=b: meter().decode.get(b, 0.0))  # type: ignore[misc]
 
-    def link(self, peer: str, bytes_per_s: float) -> None:
+    def link(self, peer: str, bytes_per_s: float, tokens_per_s: float) -> None:
         self._link.labels(self.model_name, peer).set(bytes_per_s)
+        self._link_tokens.labels(self.model_name, peer).set(tokens_per_s)

@@ -121,7 +121,7 @@ class RemotePrefill:
                 self.bytes_received += got
                 self.link[peer] = got / secs
                 self.inst.pd_metrics.received.inc(got)
-                self.inst.pd_metrics.link(peer, got / secs)
+                self.inst.pd_metrics.link(peer, got / secs, n / secs)
                 return token, staged["k"], staged["v"]
         finally:
             self._give_back(peer, conn, ok)

@@ -7,7 +7,7 @@ timer -> kascade_planner.policies -> `RoleDecision` (desired, reason, numbers) +
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kascade_operator.api import ModelServiceSpec
 from kascade_planner import policies as P
@@ -44,23 +44,32 @@ def decide(spec: ModelServiceSpec, role: str, current: int, lo: int, hi: int, sn
     else:
         tv = sc.token_velocity if sc and sc.token_velocity else None
         slo = slo_of(spec)
-        if tv is None or (role == "prefill" and not tv.prefill_tokens_per_second) or \
-                (role != "prefill" and not tv.decode_tokens_per_second):
-            # no velocities configured: hold the current count within bounds (the SLO may still ask for more)
+        # typed velocities win; a velocity left out is the engines' own measurement (kascade_engine.velocity)
+        meas = snap.measured or P.MeasuredVelocity()
+        pre = (tv.prefill_tokens_per_second if tv else None) or meas.prefill_tokens_per_s
+        net = (tv.network_tokens_per_second if tv else None) or meas.network_tokens_per_s or pre
+        dec = (tv.decode_tokens_per_second if tv else None) or meas.decode_tokens_per_s
+        if (role == "prefill" and not pre) or (role != "prefill" and not dec):
+            # no velocities configured or measured yet: hold the current count within bounds (the SLO may
+            # still ask for more)
             keep = state.bounds.clamp(current)
             want, why = P.slo_bump(snap, state, keep, slo)
-            return RoleDecision(role, current, want, policy, "tokenVelocity: no velocities configured; holding" + why,
-                                {}, state)
+            return RoleDecision(role, current, want, policy, "tokenVelocity: no velocities configured or measured; "
+                                "holding" + why, {}, state)
+        typed = tv is not None and bool(tv.prefill_tokens_per_second if role == "prefill" else
+                                        tv.decode_tokens_per_second)
         if role == "prefill":
-            v = P.TokenVelocity(tv.prefill_tokens_per_second or 1.0,
-                                tv.network_tokens_per_second or tv.prefill_tokens_per_second or 1.0)
-            d = P.token_velocity(snap, state, v)
+            assert pre is not None and net is not None
+            d = P.token_velocity(snap, state, P.TokenVelocity(pre, net))
         else:
+            assert dec is not None
             # one bucket: output tokens/s over what one decoder sustains (tokens as the unit of demand)
-            bucket = P.Bucket(snap.output_tokens_per_s, tv.decode_tokens_per_second or 1.0)
+            bucket = P.Bucket(snap.output_tokens_per_s, dec)
             d = P.token_velocity(P.MetricsSnapshot(snap.time_s, snap.input_tokens_per_s, snap.output_tokens_per_s,
                                                    snap.in_flight, snap.kv_usage, (bucket,)),
                                  state, P.TokenVelocity(1.0, 1.0))
+        if not typed:
+            d = replace(d, reason=d.reason.replace("tokenVelocity:", "tokenVelocity (measured velocities):", 1))
         want, why = P.slo_bump(snap, state, d.desired, slo)
         metrics = dict(d.metrics)
         if snap.ttft_s is not None:

@@ -21,7 +21,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kascade_operator.httppool import HttpPool
-from kascade_planner.policies import MetricsSnapshot
+from kascade_planner.policies import MeasuredVelocity, MetricsSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,7 @@ class InstanceSample:
     ttft_count: float = 0.0
     tbt_sum: float = 0.0
     tbt_count: float = 0.0
+    velocity: MeasuredVelocity | None = None  # the engine's measured velocities (gauges, not rates)
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class InstanceLoad:
     ttft_count: float = 0.0
     tbt_sum: float = 0.0
     tbt_count: float = 0.0
+    velocity: MeasuredVelocity | None = None
 
 
 # vLLM-aligned engine metric names (kascade_ prefix; a `model_name` label, summed over here)
@@ -70,12 +72,29 @@ _COUNTERS = {"kascade_prompt_tokens": "input_tokens", "kascade_generation_tokens
              "kascade_inter_token_latency_seconds_count": "tbt_count"}
 
 
+# the engine's own velocities (kascade_engine.velocity / remote_prefill): 0 or absent = not measured yet
+_PREFILL_V, _DECODE_V, _LINK_V = ("kascade_prefill_velocity_tokens_per_second",
+                                  "kascade_decode_velocity_tokens_per_second", "kascade_kv_link_tokens_per_second")
+
+
+def _velocity(v: dict[str, list[float]]) -> MeasuredVelocity | None:
+    pre, dec, net = ([x for x in v.get(k, []) if x > 0] for k in (_PREFILL_V, _DECODE_V, _LINK_V))
+    if not (pre or dec or net):
+        return None
+    return MeasuredVelocity(min(pre) if pre else None, max(dec) if dec else None,
+                            sum(net) / len(net) if net else None)
+
+
 def parse_engine_metrics(text: str, time_s: float) -> InstanceSample:
     """Prometheus exposition text -> one sample (missing metrics read as 0; malformed text raises)."""
     values: dict[str, float] = {}
+    vel: dict[str, list[float]] = {}
     try:
         for fam in text_string_to_metric_families(text):
             for smp in fam.samples:
+                if smp.name in (_PREFILL_V, _DECODE_V, _LINK_V):
+                    vel.setdefault(smp.name, []).append(float(smp.value))
+                    continue
                 # counters appear as `<name>_total` (typed or, when the TYPE line names another family,
                 # untyped); `_created` is a timestamp, not a value
                 base = smp.name[:-6] if smp.name.endswith("_total") else smp.name
@@ -84,7 +103,7 @@ def parse_engine_metrics(text: str, time_s: float) -> InstanceSample:
                     values[field] = values.get(field, 0.0) + float(smp.value)
     except ValueError as e:
         raise MetricsError(f"malformed Prometheus text: {e}") from None
-    return InstanceSample(time_s, **values)
+    return InstanceSample(time_s, **values, velocity=_velocity(vel))
 
 
 class RateTracker:
@@ -112,11 +131,12 @@ class RateTracker:
             zero = InstanceSample(cur.time_s)
             b = base or zero
             if dt <= 0:
-                return InstanceLoad(instance, 0.0, 0.0, in_flight, cur.kv_usage, cur.queue_length)
+                return InstanceLoad(instance, 0.0, 0.0, in_flight, cur.kv_usage, cur.queue_length,
+                                    velocity=cur.velocity)
             return InstanceLoad(instance, (cur.input_tokens - b.input_tokens) / dt,
                                 (cur.output_tokens - b.output_tokens) / dt, in_flight, cur.kv_usage,
                                 cur.queue_length, cur.ttft_sum - b.ttft_sum, cur.ttft_count - b.ttft_count,
-                                cur.tbt_sum - b.tbt_sum, cur.tbt_count - b.tbt_count)
+                                cur.tbt_sum - b.tbt_sum, cur.tbt_count - b.tbt_count, cur.velocity)
 
         if h and (cur.input_tokens < h[-1].input_tokens or cur.output_tokens < h[-1].output_tokens
                   or cur.ttft_count < h[-1].ttft_count):
@@ -138,6 +158,20 @@ class RateTracker:
             del self._hist[k]
 
 
+def _mean(xs: Iterable[float | None]) -> float | None:
+    got = [x for x in xs if x is not None]
+    return sum(got) / len(got) if got else None
+
+
+def measured(loads: Sequence[InstanceLoad]) -> MeasuredVelocity | None:
+    """One instance's velocities, averaged over the instances that measured them."""
+    vs = [x.velocity for x in loads if x.velocity is not None]
+    if not vs:
+        return None
+    return MeasuredVelocity(_mean(v.prefill_tokens_per_s for v in vs), _mean(v.decode_tokens_per_s for v in vs),
+                            _mean(v.network_tokens_per_s for v in vs))
+
+
 def snapshot(loads: Sequence[InstanceLoad], time_s: float) -> MetricsSnapshot:
     """Aggregate one model service's instances into the planner's snapshot (rates summed, KV averaged)."""
     if not loads:
@@ -149,7 +183,7 @@ def snapshot(loads: Sequence[InstanceLoad], time_s: float) -> MetricsSnapshot:
                            ttft_s=sum(x.ttft_sum for x in loads) / ttft_n if ttft_n > 0 else None,
                            tbt_s=sum(x.tbt_sum for x in loads) / tbt_n if tbt_n > 0 else None,
                            in_flight=sum(x.in_flight for x in loads),
-                           kv_usage=sum(x.kv_usage for x in loads) / len(loads))
+                           kv_usage=sum(x.kv_usage for x in loads) / len(loads), measured=measured(loads))
 
 
 class Scraper:

@@ -29,6 +29,17 @@ class Bucket:
 
 
 @dataclass(frozen=True)
+class MeasuredVelocity:
+    """Velocities the engines measured from their own step timings (one instance's, averaged over a role):
+    prefill prompt tokens/s (the slowest measured prompt-length bucket: long prompts prefill slowest),
+    decode tokens/s one decoder sustains, and the KV link's tokens/s out of a prefiller. None: not measured."""
+
+    prefill_tokens_per_s: float | None = None
+    decode_tokens_per_s: float | None = None
+    network_tokens_per_s: float | None = None
+
+
+@dataclass(frozen=True)
 class MetricsSnapshot:
     time_s: float
     input_tokens_per_s: float = 0.0
@@ -39,6 +50,7 @@ class MetricsSnapshot:
     queue_length: float | None = None  # requests waiting (not yet admitted), summed; None: not measured
     ttft_s: float | None = None  # mean time to first token over the window (None: no request finished one)
     tbt_s: float | None = None  # mean time between tokens over the window
+    measured: MeasuredVelocity | None = None  # the engines' own velocities (tokenVelocity without typed ones)
 
 
 @dataclass(frozen=True)
