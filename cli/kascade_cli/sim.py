@@ -48,6 +48,10 @@ POS = click.FloatRange(0, min_open=True, max=1e12)
 @click.option("--min-instances", type=click.IntRange(0, 4096), default=1, show_default=True, help="Per model and role.")
 @click.option("--max-instances", type=click.IntRange(1, 4096), help="Per model and role.")
 @click.option("--mode", type=click.Choice(["colocated", "disaggregated"]), default="colocated", show_default=True)
+@click.option("--convertible/--no-convertible", default=True, show_default=True,
+              help="Kascade's convertible decoders (disaggregated mode): a decoder prefills when no prefiller is idle.")
+@click.option("--convert-chunk-tokens", type=click.IntRange(1, 1_000_000), default=256, show_default=True,
+              help="Prompt tokens per converted prefill step while the decoder has running requests.")
 @click.option("--seed", type=click.IntRange(0, 2**31), default=0, show_default=True)
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=Path("sim-result.json"), show_default=True)
 @click.option("--per-request", is_flag=True, help="Include every request's arrival, TTFT and TBT in the JSON.")
@@ -57,7 +61,8 @@ def sim(trace: str, systems: tuple[str, ...], hw_name: str, hosts: int | None, g
         host_mem_gb: float | None, model_name: str, tp: int | None, n_models: int, rate: float, start: float,
         duration: float | None, rate_scale: float, keep_alive: float | None, policy: str, upper: float | None,
         lower: float | None, scale_down_delay: float, tick: float, min_instances: int, max_instances: int | None,
-        mode: str, seed: int, out: Path, per_request: bool, plot_path: Path | None) -> None:
+        mode: str, convertible: bool, convert_chunk_tokens: int, seed: int, out: Path, per_request: bool,
+        plot_path: Path | None) -> None:
     """Simulate TRACE (`azure:PATH`, `burstgpt:PATH`, a CSV path, or `burstgpt-like` for the seeded
     BurstGPT-like generator) on a cluster."""
     from rich.console import Console
@@ -90,7 +95,9 @@ def sim(trace: str, systems: tuple[str, ...], hw_name: str, hosts: int | None, g
         cfg = SimConfig(policy=Threshold(up, lo, scale_down_delay, metric), tick_s=tick, min_instances=min_instances,
                         max_instances=max_instances, seed=seed, mode=mode)
         sys_overrides = {"keep_alive_s": keep_alive} if keep_alive is not None else {}
-        chosen = [system(n, **sys_overrides) if n == "serverlessllm" else system(n) for n in systems or SYSTEMS]
+        kascade = {"convertible": convertible, "convert_chunk_tokens": convert_chunk_tokens}
+        chosen = [system(n, **sys_overrides) if n == "serverlessllm" else system(n, **kascade) if n == "kascade"
+                  else system(n) for n in systems or SYSTEMS]
         spec.kv_capacity_tokens(hw)  # the model must fit its GPUs
     except (TraceError, ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None

@@ -53,6 +53,19 @@ def test_sim_burstgpt_like_with_paper_flags(tmp_path: Path) -> None:
     assert doc["systems"]["kascade"]["models"] == 2 and doc["workload"].startswith("burstgpt-like")
 
 
+def test_sim_convertible_flags(tmp_path: Path) -> None:
+    """--no-convertible turns Kascade's convertible decoders off (disaggregated mode): no decoder prefills."""
+    got = {}
+    for flag in ("--convertible", "--no-convertible"):
+        out = tmp_path / f"{flag}.json"
+        res = CliRunner().invoke(sim, ["burstgpt-like", "--rate", "1", "--duration", "60", "--seed", "1", "-s", "kascade",
+                                       "--mode", "disaggregated", "--min-instances", "0", "--hosts", "1",
+                                       "--gpus-per-host", "4", flag, "--convert-chunk-tokens", "128", "-o", str(out)])
+        assert res.exit_code == 0, res.output
+        got[flag] = json.loads(out.read_text())["systems"]["kascade"]["converted_prefills"]
+    assert got["--convertible"] > 0 and got["--no-convertible"] == 0, got
+
+
 @pytest.mark.parametrize(("flags", "named"), [
     (["--rdma-gbps", "0"], "--rdma-gbps"),
     (["--ssd-gbps", "-1"], "--ssd-gbps"),
@@ -64,6 +77,7 @@ def test_sim_burstgpt_like_with_paper_flags(tmp_path: Path) -> None:
     (["--model", "qwen-72b", "--tp", "1"], "does not fit"),
     (["--model", "gpt-9"], "gpt-9"),
     (["--max-instances", "0"], "--max-instances"),
+    (["--convert-chunk-tokens", "0"], "--convert-chunk-tokens"),
 ])
 def test_sim_bad_flags_are_clear_errors(tmp_path: Path, flags: list[str], named: str) -> None:
     res = CliRunner().invoke(sim, [str(DATA / "burstgpt_small.csv"), "-o", str(tmp_path / "r.json"), *flags])
