@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.2
 UNREACHABLE_LIMIT_S = 5.0  # an instructed target whose engine stays unreachable this long fails the plan
+LABEL_LIMIT_S = 20.0  # an instructed target whose pod the watch never shows bound: re-read, relabel or drop
 
 
 async def source_manifest(rt: Runtime, sources: list[PodView]) -> dict[str, Any] | None:
@@ -234,6 +235,7 @@ async def drive(rt: Runtime, sp: dict[str, Any], stopped: Any) -> None:
     throttle = SP.Throttle(rt.settings.status_write_interval_seconds)
     started, unreachable_since = time.monotonic(), dict[str, float]()
     seen: dict[str, tuple[bool, str | None]] = {}  # per target: bound in the pod index, engine phase (logged on change)
+    unlabelled_since: dict[str, float] = {}
     # drops survive a restart: they are in the status
     dropped = {t["instance"]: t["failed"] for t in (sp.get("status") or {}).get("targets") or [] if t.get("failed")}
     while not stopped:
@@ -275,6 +277,11 @@ async def drive(rt: Runtime, sp: dict[str, Any], stopped: Any) -> None:
             except EngineError:
                 statuses[iid] = None
                 unreachable_since.setdefault(iid, time.monotonic())
+        for iid in statuses:
+            why = await _check_label(rt, sp, by_inst.get(iid), iid in done and iid not in dropped and iid not in lost,
+                                     unlabelled_since, iid)
+            if why:
+                lost[iid] = why
         view = {iid: (by_inst.get(iid) is not None and by_inst[iid].model_service == key, (st or {}).get("phase"))
                 for iid, st in statuses.items()}
         if view != seen:
@@ -304,6 +311,31 @@ async def drive(rt: Runtime, sp: dict[str, Any], stopped: Any) -> None:
         if throttle.should_write(st["phase"]) or lost:
             await rt.kube.patch_scaleplan_status(ns, name, st)
         await asyncio.sleep(POLL_S)
+
+
+async def _check_label(rt: Runtime, sp: dict[str, Any], p: PodView | None, instructed: bool,
+                       since: dict[str, float], iid: str) -> str | None:
+    """An instructed target whose pod the watch has not shown bound for LABEL_LIMIT_S: the watch lags,
+    or the label write was lost. Re-read the pod; label it again, or return why the target is lost
+    (the plan never waits forever on a label)."""
+    pool_ns, _, key = _pool(rt, sp)
+    if not instructed or p is None or p.model_service == key:
+        since.pop(iid, None)
+        return None
+    if time.monotonic() - since.setdefault(iid, time.monotonic()) < LABEL_LIMIT_S:
+        return None
+    since.pop(iid, None)
+    try:
+        fresh = pod_view(await rt.kube.get_pod(pool_ns, p.pod_name))
+    except NotFound:
+        return f"pod {p.pod_name} was deleted"
+    if fresh.model_service == key:
+        return None  # only the watch lags
+    log.warning("ScalePlan %s/%s: pod %s not labelled bound %.0f s after its engine accepted; labelling again",
+                sp["metadata"]["namespace"], sp["metadata"]["name"], p.pod_name, LABEL_LIMIT_S)
+    if await _label_bound(rt, sp, fresh, sp["spec"]["role"]):
+        return None
+    return f"pod {p.pod_name} could not be labelled bound"
 
 
 async def _drop(rt: Runtime, sp: dict[str, Any], p: PodView | None, reason: str, unreachable: bool) -> None:

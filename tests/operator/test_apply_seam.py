@@ -189,3 +189,25 @@ async def test_min_zero_stays_at_zero_on_every_trigger_while_nothing_asks(world:
     threshold = {"policy": "threshold", "threshold": {"metric": "tokensPerSecond", "upper": 100, "lower": 0}}
     await reconcile_service(rt, service(lo=0, hi=2, scaling=threshold), trigger)
     assert bound_pods(kube) == [] and kube.plans == {}
+
+
+async def test_a_lost_bind_label_is_written_again_and_the_plan_finishes(world: Any,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine accepted the bind but the pod's label write was lost (once a 409 read as success): the
+    driver re-reads the pod after LABEL_LIMIT_S, labels it again, and the plan ends instead of waiting
+    forever on a pod that never shows as bound."""
+    rt, kube, stubs = world
+    monkeypatch.setattr(plandriver, "LABEL_LIMIT_S", 0.3)
+    await reconcile_service(rt, service(), "create")
+    (pod,) = bound_pods(kube)
+    (sp,) = kube.plans.values()
+    labels = pod["metadata"]["labels"]
+    kept = {k: v for k, v in labels.items() if k not in (L.MODEL_SERVICE, L.ROLE)}
+    kube.pods[(NS, pod["metadata"]["name"])]["metadata"]["labels"] = {**kept, L.POOL: "warm"}  # the write "lost"
+    assert bound_pods(kube) == []
+    stub = next(s for s in stubs if s.instance == pod["metadata"]["name"])
+    stub.phase = "ready"
+    await asyncio.wait_for(plandriver.drive(rt, sp, Stopped()), 10)
+    assert [p["metadata"]["name"] for p in bound_pods(kube)] == [pod["metadata"]["name"]]
+    assert kube.plans[(NS, sp["metadata"]["name"])]["status"]["phase"] == "Succeeded"
+    assert stub.count("bind") == 1  # the engine is not told twice
