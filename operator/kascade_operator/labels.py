@@ -32,6 +32,7 @@ LIVE = "kascade.io/live"  # annotation "true": loading, and serving live with it
 INSTANCE = "kascade.io/instance"  # annotation: engine instance id (defaults to the pod name)
 LOADED = "kascade.io/loaded"  # annotation "true": the engine reported every block resident
 DRAINING = "kascade.io/draining"  # annotation: time a drain started (scale-down in progress)
+SERVING_GATE = "kascade.io/serving"  # pod readiness gate / condition: open while bound and loaded or live
 UNHEALTHY = "kascade.io/unhealthy"  # annotation: why the engine was dropped (never a scale-up target again)
 MODEL = "kascade.io/model"  # annotation on pool pods: the spec.model.name their engine serves (absent: any)
 SERVICE_NS = "kascade.io/model-service-namespace"  # annotation: the bound service's namespace (pool elsewhere)

@@ -100,7 +100,10 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
         "env": [{"name": "KASCADE_ENGINE_TOKEN", "valueFrom": {"secretKeyRef": {"name": token_secret, "key": "token"}}}],
         "ports": [{"containerPort": e.port, "name": "http"}, {"containerPort": e.data_port, "name": "data"},
                   {"containerPort": act_port, "name": "act"}],
-        "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 2},
+        # as the chart's pool pods: Ready only while the engine can serve (/readyz) and the operator's
+        # serving gate is open (bound and loaded or live, not draining); /healthz only keeps it alive
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 1, "failureThreshold": 1},
+        "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10},
         "volumeMounts": [mount]}
     if e.resources:
         container["resources"] = e.resources.model_dump(exclude_none=True)
@@ -111,7 +114,7 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
         meta["ownerReferences"] = [dict(owner)]
     pod: dict[str, Any] = {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
                            "spec": {"containers": [container], "automountServiceAccountToken": False,
-                                    "volumes": [volume]}}
+                                    "readinessGates": [{"conditionType": L.SERVING_GATE}], "volumes": [volume]}}
     if e.node_selector:
         pod["spec"]["nodeSelector"] = dict(e.node_selector)
     if e.tolerations:

@@ -26,7 +26,7 @@ from kascade_operator.kube import Conflict, NotFound, now_iso
 
 log = logging.getLogger(__name__)
 
-GATE = "kascade.io/serving"  # the pod condition type (kascade_router.backends.SERVING_GATE is the same)
+GATE = L.SERVING_GATE  # the pod condition type (kascade_router.backends.SERVING_GATE is the same)
 
 
 class _StatusPatcher(Protocol):

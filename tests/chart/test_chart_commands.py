@@ -93,7 +93,7 @@ def test_pool_without_a_model_is_refused(helm: Helm) -> None:
     assert out.returncode != 0 and "/pool/model/name" in out.stderr
 
 
-def test_fallback_pod_runs_a_real_engine_command(tmp_path: Path) -> None:
+def test_fallback_pod_runs_a_real_engine_command(helm: Helm, tmp_path: Path) -> None:
     from kascade_operator.api import ModelServiceSpec
     from kascade_operator.podtemplate import fallback_pod
 
@@ -108,6 +108,13 @@ def test_fallback_pod_runs_a_real_engine_command(tmp_path: Path) -> None:
     assert params["checkpoint"] == ckpt and params["model_name"] == "m" and params["port"] == 8100 and params["empty"]
     assert pod["spec"]["volumes"][0]["hostPath"]["path"] == str(ckpt) == c["volumeMounts"][0]["mountPath"]
     assert c["env"][0]["valueFrom"]["secretKeyRef"]["name"] == "tok"
+    # Ready exactly like the chart's pool pods: the engine's /readyz and the operator's serving gate
+    docs = [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART)).stdout) if d]
+    chart_pool = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-pool")
+    chart_spec = chart_pool["spec"]["template"]["spec"]
+    assert pod["spec"]["readinessGates"] == chart_spec["readinessGates"] == [{"conditionType": "kascade.io/serving"}]
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"] == chart_spec["containers"][0][probe]["httpGet"], probe
     uri = spec.model_copy(update={"model": spec.model.model_copy(update={"source": spec.model.source.model_copy(
         update={"path": None, "uri": f"file://{ckpt}"})})})
     assert parse(fallback_pod(uri, "svc", "tok", None)["spec"]["containers"][0]["args"])["checkpoint"] == ckpt

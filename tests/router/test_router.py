@@ -35,8 +35,8 @@ LOADED = {"kascade.io_loaded": "true"}
 def test_label_keys_match_the_operator() -> None:
     from kascade_operator import labels as L
 
-    assert (B.MODEL_SERVICE, B.ENDPOINT, B.LOADED, B.LIVE, B.DRAINING, B.UNHEALTHY) == \
-        (L.MODEL_SERVICE, L.ENDPOINT, L.LOADED, L.LIVE, L.DRAINING, L.UNHEALTHY)
+    assert (B.MODEL_SERVICE, B.ENDPOINT, B.LOADED, B.LIVE, B.DRAINING, B.UNHEALTHY, B.SERVING_GATE) == \
+        (L.MODEL_SERVICE, L.ENDPOINT, L.LOADED, L.LIVE, L.DRAINING, L.UNHEALTHY, L.SERVING_GATE)
 
 
 @pytest.mark.parametrize(("ann", "ready", "weight"), [
