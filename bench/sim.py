@@ -103,14 +103,16 @@ def paper_setting(quick: bool, plots: bool = False) -> dict[str, object]:
                              **{k: cmp[k] for k in RATIOS},
                              "systems": {name: {k: s[k] for k in ("ttft_mean_s", "ttft_p99_s", "tbt_p99_s", "gpu_seconds",
                                                                   "scale_ups", "mean_predicted_load_s",
-                                                                  "host_cache_miss_rate", "kv_peak_fraction")}
+                                                                  "host_cache_miss_rate", "kv_peak_fraction",
+                                                                  "converted_prefills")}
                                          for name, s in cmp["systems"].items()}})
             print(f"\npaper_setting {point} seed {seed}: {n} requests over {600 if quick else 1200} s, busiest "
                   f"minute at {peak:.0%} of the static cluster's prefill capacity")
             for name, s in per_seed[-1]["systems"].items():
                 print(f"  {name:14s} TTFT mean {s['ttft_mean_s']:8.3f} p99 {s['ttft_p99_s']:8.2f}  TBT p99 "
                       f"{s['tbt_p99_s']:.3f}  GPU-s {s['gpu_seconds']:7.0f}  ups {s['scale_ups']:4d}  load "
-                      f"{s['mean_predicted_load_s']:5.1f} s  host miss {s['host_cache_miss_rate']:.0%}")
+                      f"{s['mean_predicted_load_s']:5.1f} s  host miss {s['host_cache_miss_rate']:.0%}"
+                      + (f"  converted {s['converted_prefills']}" if s["converted_prefills"] else ""))
         entry = {k: mean(r[k] for r in per_seed) for k in RATIOS}
         entry["per_seed"] = per_seed
         if point == "default":

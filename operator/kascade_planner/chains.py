@@ -158,7 +158,10 @@ def _deal_groups(by_leaf: Mapping[str, Mapping[str, list[Instance]]], allot: Map
             _, sid, k = heapq.heappop(heap)
             chains[k].join(leaf, g, bw(g[0]))
             heapq.heappush(heap, (chains[k].size, sid, k))
-            notes.append(f"targets {', '.join(t.id for t in g)} appended across leaves")
+        # One note, not one per group (thousands at datacenter scale): how many, and the first few.
+        moved = [t.id for _, g in orphans for t in g]
+        more = f" and {len(moved) - 8} more" if len(moved) > 8 else ""
+        notes.append(f"targets {', '.join(moved[:8])}{more} appended across leaves")
     return sorted((c for c in chains if c.size), key=lambda c: c.head.id)
 
 
