@@ -61,11 +61,18 @@ def engine() -> None:
 @click.option("--emulate-layer-ms", default=0.0, show_default=True, type=click.FloatRange(0, 10_000),
               help="benchmarks on shared CPUs: each step's layer work takes at least this long per layer executed, "
                    "like an accelerator whose step time does not depend on the other processes (0: off)")
+@click.option("--tls-cert", type=click.Path(dir_okay=False, path_type=Path), default=lambda: os.environ.get("KASCADE_TLS_CERT"),
+              help="PEM certificate: mutual TLS on every data-plane TCP connection (env KASCADE_TLS_CERT)")
+@click.option("--tls-key", type=click.Path(dir_okay=False, path_type=Path), default=lambda: os.environ.get("KASCADE_TLS_KEY"),
+              help="PEM private key of --tls-cert (env KASCADE_TLS_KEY)")
+@click.option("--tls-ca", type=click.Path(dir_okay=False, path_type=Path), default=lambda: os.environ.get("KASCADE_TLS_CA"),
+              help="PEM CA every peer's certificate must chain to (env KASCADE_TLS_CA)")
 def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: str, port: int, act_port: int | None,
           token_file: Path | None, max_prompt_tokens: int, max_batch_tokens: int, max_seqs: int, kv_tokens: int,
           max_n: int, page_size: int, device: str, dtype: str, empty: bool, resident_layers: int | None, threads: int,
           transport: str, transfer_max_mbps: float | None, header_timeout: float = 10.0,
-          max_connections: int = 1024, emulate_layer_ms: float = 0.0) -> None:
+          max_connections: int = 1024, emulate_layer_ms: float = 0.0, tls_cert: Path | None = None,
+          tls_key: Path | None = None, tls_ca: Path | None = None) -> None:
     """Serve a model over HTTP (OpenAI-compatible) with the Kascade control API."""
     import json
 
@@ -79,7 +86,8 @@ def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: s
     from kascade_engine.instance import EngineInstance
     from kascade_engine.server import create_app
     from kascade_engine.tokenizer import load_tokenizer
-    from kascade_engine.transport_tcp import TcpTransport
+    from kascade_engine.transport import make_transport
+    from kascade_engine.transport_tls import TlsError, TlsFiles
 
     if (checkpoint is None) == (not smollm):
         raise click.UsageError("give exactly one of --checkpoint DIR or --smollm")
@@ -93,11 +101,17 @@ def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: s
         raise click.UsageError("no control token: pass --token-file or set KASCADE_ENGINE_TOKEN")
     torch.set_num_threads(threads)
     try:
+        tls = TlsFiles.from_flags(tls_cert, tls_key, tls_ca)
+        if tls is not None:
+            make_transport("tcp", tls)  # reads the files now: a bad one is a usage error naming it, before serving
+    except TlsError as e:
+        raise click.UsageError(str(e)) from None
+    try:
         cfg = EngineConfig(checkpoint, model_name or checkpoint.name, token, device=device, dtype=dtype,
                            max_prompt_tokens=max_prompt_tokens, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
                            kv_tokens=kv_tokens, page_size=page_size, max_n=max_n, threads=threads, transport=transport,
                            transfer_bytes_per_s=transfer_max_mbps * 1e6 / 8 if transfer_max_mbps else None,
-                           empty=empty, resident_layers=resident_layers, emulate_layer_ms=emulate_layer_ms)
+                           empty=empty, resident_layers=resident_layers, emulate_layer_ms=emulate_layer_ms, tls=tls)
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
     try:
@@ -123,7 +137,7 @@ def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: s
         sock.listen(2048)  # connections queue from now on: the READY line below is true when printed
         listener = None
         if act_port is not None:
-            listener = await TcpTransport().listen(host, act_port, lambda conn: inst.finisher.handle(conn))  # the current finisher: bind may rebuild it (dtype)
+            listener = await make_transport("tcp", cfg.tls).listen(host, act_port, lambda conn: inst.finisher.handle(conn))  # the current finisher: bind may rebuild it (dtype)
         # log_config=None: uvicorn's loggers go through the root handler `kascade --log-format` set up
         server = uvicorn.Server(uvicorn.Config(create_app(inst), log_level="warning", lifespan="on", log_config=None,
                                                http=guarded(header_timeout, max_connections),

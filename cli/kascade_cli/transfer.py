@@ -2,6 +2,7 @@
 
   kascade transfer pack CHECKPOINT_DIR CACHE_FILE      # safetensors -> host-cache file (+ manifest)
   kascade transfer run --spec SPEC.json --me ID [--cache FILE] [--out FILE] [--transport tcp|ucx]
+                                [--tls-cert PEM --tls-key PEM --tls-ca PEM]
 Sources serve blocks from --cache; targets write what they received to --out (host-cache format) and
 print a JSON summary line. Used by the engine, the tests and the benchmark.
 """
@@ -45,13 +46,23 @@ def pack(checkpoint: Path, cache_file: Path) -> None:
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Where a target writes its blocks.")
 @click.option("--transport", "transport_name", type=click.Choice(["tcp", "ucx"]), default="tcp", show_default=True)
 @click.option("--linger", type=float, default=0.0, help="Keep serving pulls this many seconds after finishing.")
-def run(spec_path: Path, me: str, cache: Path | None, out: Path | None, transport_name: str, linger: float) -> None:
+@click.option("--tls-cert", type=click.Path(dir_okay=False, path_type=Path), help="PEM certificate (mutual TLS, tcp only)")
+@click.option("--tls-key", type=click.Path(dir_okay=False, path_type=Path), help="PEM private key of --tls-cert")
+@click.option("--tls-ca", type=click.Path(dir_okay=False, path_type=Path), help="PEM CA every peer's certificate must chain to")
+def run(spec_path: Path, me: str, cache: Path | None, out: Path | None, transport_name: str, linger: float,
+        tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None) -> None:
     """Run one participant until its part of the transfer is done."""
     from kascade_engine.blocks import BlockSet
     from kascade_engine.hostcache import open_cache, write_cache
     from kascade_engine.relay import TransferFailed, TransferNode
     from kascade_engine.transfer_spec import SpecError, TransferSpec
     from kascade_engine.transport import make_transport
+    from kascade_engine.transport_tls import TlsError, TlsFiles
+
+    try:
+        transport = make_transport(transport_name, TlsFiles.from_flags(tls_cert, tls_key, tls_ca))
+    except (TlsError, ValueError) as e:
+        raise click.UsageError(str(e)) from None
 
     try:
         spec = TransferSpec.from_dict(json.loads(spec_path.read_text()))
@@ -68,7 +79,7 @@ def run(spec_path: Path, me: str, cache: Path | None, out: Path | None, transpor
         print(json.dumps(e), file=sys.stderr, flush=True)
 
     async def main() -> dict[str, object]:
-        node = TransferNode(spec, me, make_transport(transport_name), blocks, progress)
+        node = TransferNode(spec, me, transport, blocks, progress)
         port = await node.start()
         print(json.dumps({"event": "listening", "instance": me, "port": port}), file=sys.stderr, flush=True)
         try:

@@ -10,7 +10,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kascade_engine.transport_tls import TlsFiles
 
 DTYPES = ("bfloat16", "float16", "float32")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -40,6 +43,7 @@ class EngineConfig:
     resident_layers: int | None = None
     instance: str = "engine-0"
     emulate_layer_ms: float = 0.0  # benchmarks: a step's layer work takes at least this per layer (an accelerator)
+    tls: TlsFiles | None = None  # mutual TLS for every data-plane TCP connection (weights, activations, KV)
 
     def __post_init__(self) -> None:
         if not _DEVICE.match(self.device):
@@ -53,6 +57,8 @@ class EngineConfig:
             raise ConfigError(f"--emulate-layer-ms must be in [0, 10000], got {self.emulate_layer_ms}")
         if self.transport not in ("tcp", "ucx"):
             raise ConfigError(f"--transport {self.transport!r}: use tcp or ucx")
+        if self.tls is not None and self.transport != "tcp":
+            raise ConfigError("--tls-cert/--tls-key/--tls-ca apply to --transport tcp only; ucx does not encrypt")
         if not self.token:
             raise ConfigError("no control token: pass --token-file or set KASCADE_ENGINE_TOKEN")
 

@@ -93,7 +93,7 @@ class EngineInstance:
         c = config
         self.engine = Engine(self.model, Limits(c.max_batch_tokens, c.max_seqs, c.kv_tokens, c.page_size),
                              eos=self.tokenizer.eos_token_id)
-        self.peers = PeerPool(make_transport("tcp"), config.token)  # activation connections opened ahead
+        self.peers = PeerPool(make_transport("tcp", config.tls), config.token)  # activation connections opened ahead
         self.host = HostRows(layer_s=config.emulate_layer_ms / 1e3)  # pair sessions (a loading peer's rows) join this engine's batch
         self.engine.coop = self.host
         self.pair: PairClient | None = None  # while loading with a peer: our rows finish there

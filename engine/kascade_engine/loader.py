@@ -74,7 +74,7 @@ async def start_plan_load(inst: EngineInstance, req: LoadPlanRequest) -> None:
 
     try:
         source = blocks if blocks is not None and model.complete else None
-        node = TransferNode(spec, me, paced(make_transport(inst.config.transport), inst.config.transfer_bytes_per_s),
+        node = TransferNode(spec, me, paced(make_transport(inst.config.transport, inst.config.tls), inst.config.transfer_bytes_per_s),
                             blocks=source, on_progress=on_progress)
         await node.start()
     except (ValueError, TransportError) as e:

@@ -45,7 +45,7 @@ class RemotePrefillError(Exception):
 class RemotePrefill:
     def __init__(self, inst: EngineInstance) -> None:
         self.inst = inst
-        self.pool = PeerPool(make_transport("tcp"), inst.config.token)
+        self.pool = PeerPool(make_transport("tcp", inst.config.tls), inst.config.token)
         self.adopted = 0  # metrics: requests whose prefill ran on a peer
         self.fallbacks = 0  # requests prefilled here after a remote prefill failed
         self.bytes_received = 0

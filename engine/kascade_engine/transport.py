@@ -11,7 +11,10 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from kascade_engine.transport_tls import TlsFiles
 
 MAGIC = b"KSC1"
 PREFIX = struct.Struct("<4sIQ")
@@ -112,12 +115,20 @@ async def read_frame(conn: Connection, timeout: float | None, max_payload: int =
     return header, payload
 
 
-def make_transport(name: str) -> Transport:
+def make_transport(name: str, tls: TlsFiles | None = None) -> Transport:
+    """The transport called `name`; with `tls`, TCP is mutual TLS (`transport_tls`). UCX has no TLS of
+    its own (docs/architecture.md says what it protects): asking for both is an error, not a silent downgrade."""
     if name == "tcp":
+        if tls is not None:
+            from kascade_engine.transport_tls import TlsTransport
+
+            return TlsTransport(tls)
         from kascade_engine.transport_tcp import TcpTransport
 
         return TcpTransport()
     if name == "ucx":
+        if tls is not None:
+            raise ValueError("TLS (--tls-*) applies to the tcp transport only; ucx does not encrypt")
         from kascade_engine.transport_ucx import UcxTransport
 
         return UcxTransport()

@@ -30,3 +30,11 @@ def harness() -> ModuleType:
 def tiny_blocks(tmp_path_factory: pytest.TempPathFactory, harness: ModuleType) -> BlockSet:
     path = harness.tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", layers=6, hidden=128)
     return harness.packed(path)  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory: pytest.TempPathFactory, harness: ModuleType) -> dict[str, Path]:
+    """A test CA with a peer certificate, and a rogue CA with its own (openssl CLI; hack/install.sh installs it)."""
+    from kascade_devcluster.peercerts import make_peer_certs
+
+    return make_peer_certs(tmp_path_factory.mktemp("pki"))

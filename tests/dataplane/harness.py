@@ -42,12 +42,15 @@ class Cluster:
     procs: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
 
     target_linger: float = 3.0
+    tls: dict[str, Path] | None = None  # {"cert", "key", "ca"}: every participant runs mutual TLS
 
     def start(self, me: str) -> subprocess.Popen[str]:
         spec_file = self.workdir / "spec.json"
         spec_file.write_text(json.dumps(self.spec.to_dict()))
         args = [sys.executable, "-m", "kascade_cli.main", "transfer", "run", "--spec", str(spec_file), "--me", me,
                 "--transport", self.transport]
+        if self.tls:
+            args += ["--tls-cert", str(self.tls["cert"]), "--tls-key", str(self.tls["key"]), "--tls-ca", str(self.tls["ca"])]
         if any(s.id == me for s in self.spec.plan.sources):
             args += ["--cache", str(self.cache), "--linger", "30"]
         else:
