@@ -1,4 +1,4 @@
-"""The control API under /kascade/v1/ (bind, load-plan, status, manifest, cooperate, drain, release),
+"""The control API under /kascade/v1/ (bind, load-plan, status, manifest, cooperate, convert, drain, release),
 used by the operator; every route needs `Authorization: Bearer <token>` (compared in constant time).
 
 Data flow: operator (`EngineClient`) -> bearer check -> JSON body -> the shared wire type
@@ -14,7 +14,13 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 
 from kascade_engine.instance import EngineInstance, InstanceError
-from kascade_planner.engine_api import BindRequest, CooperateRequest, LoadPlanRequest, WireError
+from kascade_planner.engine_api import (
+    BindRequest,
+    ConvertRequest,
+    CooperateRequest,
+    LoadPlanRequest,
+    WireError,
+)
 
 
 def add_control_routes(app: FastAPI, inst: EngineInstance) -> None:
@@ -63,6 +69,10 @@ def add_control_routes(app: FastAPI, inst: EngineInstance) -> None:
     @app.post("/kascade/v1/cooperate", dependencies=guard)
     async def cooperate(request: Request) -> dict[str, Any]:
         return (await inst.set_cooperate(parse(CooperateRequest.from_dict, await body(request)))).to_dict()
+
+    @app.post("/kascade/v1/convert", dependencies=guard)
+    async def convert(request: Request) -> dict[str, Any]:
+        return inst.convert(parse(ConvertRequest.from_dict, await body(request))).to_dict()
 
     @app.post("/kascade/v1/drain", dependencies=guard)
     async def drain() -> dict[str, Any]:

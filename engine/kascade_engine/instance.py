@@ -34,7 +34,13 @@ from kascade_engine.remote_prefill import RemotePrefill
 from kascade_engine.scheduler import Limits
 from kascade_engine.tokenizer import Tokenizer
 from kascade_engine.transport import TransportError, make_transport
-from kascade_planner.engine_api import BindRequest, CooperateRequest, EngineStatus, LoadPlanRequest
+from kascade_planner.engine_api import (
+    BindRequest,
+    ConvertRequest,
+    CooperateRequest,
+    EngineStatus,
+    LoadPlanRequest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -274,6 +280,14 @@ class EngineInstance:
         down, self.host.downstream, self.downstream_peer = self.host.downstream, None, None
         if down is not None:
             await down.close()
+
+    def convert(self, req: ConvertRequest) -> EngineStatus:
+        """Convertible decoder (TokenScale): prefill at most `prefill_chunk_tokens` prompt tokens per step
+        (None: no cap). The data port serves other decode engines' prefill whatever the role; the router
+        sends it some once the pod is annotated convertible."""
+        self.engine.limits.prefill_chunk_tokens = req.prefill_chunk_tokens
+        log.info("%s: prefill chunk budget %s", self.instance_id, req.prefill_chunk_tokens or "unlimited")
+        return self.status()
 
     def drain(self) -> EngineStatus:
         self._to(Phase.DRAINING)  # new requests get 503; in-flight ones finish

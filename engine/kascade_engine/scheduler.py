@@ -58,6 +58,7 @@ class Limits:
     max_seqs: int = 64
     kv_tokens: int = 16384
     page_size: int = 16
+    prefill_chunk_tokens: int | None = None  # convertible decoder: prompt tokens per step at most (None: no cap)
 
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "max_seqs", "kv_tokens", "page_size"):
@@ -99,6 +100,7 @@ class Scheduler:
 
     def schedule(self) -> Batch:
         budget = self.limits.max_batch_tokens
+        prefill_left = self.limits.prefill_chunk_tokens or budget  # a converted decoder caps prefill per step
         work: list[Work] = []
         scheduled: set[str] = set()
         preempted: list[str] = []
@@ -108,6 +110,11 @@ class Scheduler:
             if s.id not in self.running:
                 continue  # preempted earlier in this loop
             n = min(s.total - s.computed, budget)
+            if n > 1:  # a prefill chunk (decodes are never capped)
+                n = min(n, prefill_left)
+                if n <= 0:
+                    continue
+                prefill_left -= n
             while not self.pool.grow(s.id, s.computed + n):
                 victims = [v for v in self.running.values() if v.id not in scheduled and v is not s]
                 victim = victims[-1] if victims else s
@@ -120,12 +127,14 @@ class Scheduler:
             work.append(Work(s.id, s.computed, n))
             scheduled.add(s.id)
             budget -= n
-        while self.waiting and not preempted and budget > 0 and len(self.running) < self.limits.max_seqs:
+        while self.waiting and not preempted and budget > 0 and prefill_left > 0 and \
+                len(self.running) < self.limits.max_seqs:
             s = self.waiting[0]
             if self.pool.pages_for(s.total) > self.pool.free_pages:
                 break  # FCFS: never let a later, smaller request overtake the head
             self.waiting.popleft()
-            n = min(s.total, budget)
+            n = min(s.total, budget, prefill_left)
+            prefill_left -= n
             self.pool.grow(s.id, n)
             self.running[s.id] = s
             work.append(Work(s.id, 0, n))

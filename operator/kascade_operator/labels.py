@@ -28,6 +28,7 @@ PLAN = "kascade.io/plan"  # annotation: the ScalePlan that bound the pod
 ENDPOINT = "kascade.io/endpoint"  # annotation: "host:port" of the engine HTTP server (the harness sets it)
 DATA_ENDPOINT = "kascade.io/data-endpoint"  # annotation: "host:port" of the engine data port
 ACT_ENDPOINT = "kascade.io/act-endpoint"  # annotation: "host:port" where the engine finishes split requests
+CONVERTIBLE = "kascade.io/convertible"  # annotation "true": a decode engine converted to take prefill (PD burst)
 LIVE = "kascade.io/live"  # annotation "true": loading, and serving live with its pair (route requests to it)
 INSTANCE = "kascade.io/instance"  # annotation: engine instance id (defaults to the pod name)
 LOADED = "kascade.io/loaded"  # annotation "true": the engine reported every block resident

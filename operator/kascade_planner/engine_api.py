@@ -196,6 +196,29 @@ class CooperateRequest:
 
 
 @dataclass(frozen=True)
+class ConvertRequest:
+    """Convertible decoders (TokenScale): a decode engine accepts prefill (its own requests' and other
+    decode engines' over its data port) with at most `prefill_chunk_tokens` prompt tokens per step, so its
+    decodes keep their inter-token latency; None takes the conversion back (no cap)."""
+
+    prefill_chunk_tokens: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"prefillChunkTokens": self.prefill_chunk_tokens}
+
+    @staticmethod
+    def from_dict(doc: object) -> ConvertRequest:
+        d = _obj(doc)
+        _only(d, ("prefillChunkTokens",))
+        if "prefillChunkTokens" not in d:
+            raise WireError("prefillChunkTokens", "required (an int >= 1, or null to take the conversion back)")
+        v = d["prefillChunkTokens"]
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise WireError("prefillChunkTokens", f"must be an int >= 1 or null, got {v!r}")
+        return ConvertRequest(v)
+
+
+@dataclass(frozen=True)
 class EngineStatus:
     """What `GET status` (and every control call) answers."""
 

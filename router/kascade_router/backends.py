@@ -28,6 +28,7 @@ LIVE = "kascade.io/live"
 DRAINING = "kascade.io/draining"
 UNHEALTHY = "kascade.io/unhealthy"
 ROLE = "kascade.io/role"  # label: prefill | decode | colocated (disaggregated serving)
+CONVERTIBLE = "kascade.io/convertible"  # annotation "true": a decode engine that also takes prefill (TokenScale)
 ACT_ENDPOINT = "kascade.io/act-endpoint"  # annotation: host:port of the engine's data port (PD: KV leaves there)
 # A loading replica serving live runs only its resident prefix and hands the rest to its pair: its weight
 # is the share of layers it runs, which the engine reports on every answer (SERVING_SHARE_HEADER). Until
@@ -47,6 +48,7 @@ class PodRoute:
     weight: float
     role: str = "colocated"
     data: str | None = None  # host:port of the engine's data port (a prefill engine's KV leaves there)
+    convertible: bool = False  # a decode engine converted to take prefill too
     live: bool = False  # loading and serving live with its pair (weight from the engine's reports)
 
 
@@ -102,7 +104,8 @@ def pod_backend(pod: Mapping[str, Any]) -> PodRoute | None:
         return None
     role = str(labels.get(ROLE) or "colocated")
     return PodRoute((str(meta.get("namespace", "")), svc), str(meta.get("name")), addr,
-                    LIVE_PRIOR_WEIGHT if live else 1.0, role, _data_address(pod, ann), live)
+                    LIVE_PRIOR_WEIGHT if live else 1.0, role, _data_address(pod, ann),
+                    ann.get(CONVERTIBLE) == "true", live)
 
 
 @dataclass(eq=False)
@@ -113,6 +116,7 @@ class Backend:
     weight: float = 1.0
     role: str = "colocated"
     data: str | None = None
+    convertible: bool = False
     in_flight: int = 0
     ejected_until: float = 0.0  # a connection to it failed: skip it until then (or until its pod changes)
     live: bool = False
@@ -176,11 +180,13 @@ class Routes:
         mine = self.backends.setdefault(route.service, {})
         b = mine.get(route.pod)
         if b is None or b.address != route.address:
-            mine[route.pod] = Backend(route.pod, route.address, route.weight, route.role, route.data, live=route.live)
+            mine[route.pod] = Backend(route.pod, route.address, route.weight, route.role, route.data,
+                                      route.convertible, live=route.live)
         else:  # the pod changed: give it another chance
             if not (b.live and route.live):  # still live: keep the weight its engine reported
                 b.weight = route.weight
             b.ejected_until, b.role, b.data, b.live = 0.0, route.role, route.data, route.live
+            b.convertible = route.convertible
         self._notify()
 
     def remove_pod(self, ns: str, name: str) -> None:

@@ -30,11 +30,13 @@ def pick_pd(backends: Sequence[Backend], rng: random.Random,
     """Disaggregated serving: (decode instance, prefill instance for it). The decode instance is chosen
     first (the response streams from it), then a prefill engine with a data address by the same rule. A
     service without prefill engines routes as before (prefill None); when every non-prefill replica is
-    gone, a prefill engine serves the whole request alone (it can: every engine runs both phases)."""
-    prefill = [b for b in backends if b.role == "prefill" and b.data]
+    gone, a prefill engine serves the whole request alone (it can: every engine runs both phases).
+    Convertible decoders (annotated by the operator under a prefill burst) are prefill candidates too,
+    for other decoders' requests; one chosen as the decoder prefills its own request locally."""
     d = pick([b for b in backends if b.role != "prefill"], rng, exclude)
     if d is None:
         return pick(backends, rng, exclude), None
-    if d.role != "decode" or not prefill:
+    prefill = [b for b in backends if b.data and b is not d and (b.role == "prefill" or b.convertible)]
+    if d.role != "decode" or d.convertible or not prefill:
         return d, None
     return d, pick(prefill, rng)

@@ -208,3 +208,41 @@ async def test_short_requests_finish_at_the_first_token(tiny_ckpt, tiny_blocks, 
         assert pd.d.engine.scheduler.idle and not pd.d.engine.requests
     finally:
         await pd.close()
+
+
+async def test_converted_decoder_prefills_for_another_decoder_within_its_chunk_budget(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    """TokenScale's convertible decoder: engine C (a decoder with its own decodes running) is converted with a
+    prefill chunk budget of 8 tokens per step; decoder D's requests prefill on C over the data port; C never
+    schedules more than 8 prompt tokens in a step, and every output equals the colocated engine's."""
+    from kascade_planner.engine_api import ConvertRequest, WireError
+
+    params = SamplingParams(max_tokens=6)
+    want = _colocated(tiny_blocks, PROMPTS, params)
+    pd = await _pd(tiny_ckpt, tiny_blocks)
+    c = pd.p
+    c.convert(ConvertRequest(8))
+    chunks: list[int] = []
+    schedule = c.engine.scheduler.schedule
+
+    def spy():  # type: ignore[no-untyped-def]
+        batch = schedule()
+        chunks.append(sum(w.n for w in batch.work if w.n > 1 or w.start == 0))
+        return batch
+
+    c.engine.scheduler.schedule = spy  # type: ignore[method-assign]
+    try:
+        own = [c.serving.submit(p, params) for p in PROMPTS[:2]]  # C's own traffic, decoding meanwhile
+        rids = [pd.d.serving.submit(p, params, prefill=pd.peer) for p in PROMPTS]
+        got = await asyncio.wait_for(asyncio.gather(*(_collect(pd.d, r) for r in rids),
+                                                    *(_collect(c, r) for r in own)), 120)
+        assert got == want + want[:2]
+        assert pd.d.remote_prefill.adopted == len(PROMPTS) and c.prefill_server.requests == len(PROMPTS)
+        assert max(chunks) <= 8 and sum(chunks) >= sum(len(p) for p in PROMPTS)
+        c.convert(ConvertRequest(None))  # taken back: no cap
+        assert c.engine.limits.prefill_chunk_tokens is None
+    finally:
+        await pd.close()
+    for bad in ({}, {"prefillChunkTokens": 0}, {"prefillChunkTokens": "8"}, {"prefillChunkTokens": 8, "x": 1}):
+        with pytest.raises(WireError) as e:
+            ConvertRequest.from_dict(bad)
+        assert e.value.field in ("prefillChunkTokens", "x")

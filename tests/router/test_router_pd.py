@@ -146,3 +146,22 @@ def test_static_pd_backends_parse_and_name_bad_values() -> None:
         static_routes(["m=prefill@127.0.0.1:1"])
     with pytest.raises(ValueError, match="'nope' is not HOST:PORT"):
         static_routes(["m=prefill@127.0.0.1:1+nope"])
+
+
+def test_convertible_decoders_take_prefill_for_other_decoders() -> None:
+    from kascade_operator import labels as L
+    from kascade_router import backends as B
+
+    assert (B.ROLE, B.ACT_ENDPOINT, B.CONVERTIBLE) == (L.ROLE, L.ACT_ENDPOINT, L.CONVERTIBLE)
+    rng = random.Random(3)
+    d1 = Backend("d1", "h:1", role="decode", data="h:10")
+    d2 = Backend("d2", "h:2", role="decode", data="h:20", convertible=True)
+    assert pick_pd([d1, Backend("d2", "h:2", role="decode", data="h:20")], rng, exclude={"d2"}) == (d1, None)
+    assert pick_pd([d1, d2], rng, exclude={"d2"}) == (d1, d2)  # the converted decoder prefills for d1
+    assert pick_pd([d1, d2], rng, exclude={"d1"}) == (d2, None)  # chosen as the decoder: prefills its own
+    pod = {"metadata": {"name": "p", "namespace": "ns", "labels": {B.MODEL_SERVICE: "s", B.ROLE: "decode"},
+                        "annotations": {B.LOADED: "true", B.ENDPOINT: "h:1", B.ACT_ENDPOINT: "h:9",
+                                        B.CONVERTIBLE: "true"}},
+           "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+    route = B.pod_backend(pod)
+    assert route is not None and (route.role, route.data, route.convertible) == ("decode", "h:9", True)
