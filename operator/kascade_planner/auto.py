@@ -132,8 +132,8 @@ def choose(topo: Topology, model: ModelLayout, sources: Sequence[Instance], targ
                        "chain", chain))
     else:  # no chain plan can beat the best hybrid: its pipeline fill alone is longer (not built)
         scored.append((floor, 0, "chain (at least; not built)", None))
-    if len(targets) <= BINOMIAL_MAX and not kv_flows and hybrid_ok:
-        b = shard_plan(build_binomial(model, sources, targets, topo=topo, cost=cost), topo)
+    if len(targets) <= BINOMIAL_MAX and hybrid_ok:
+        b = shard_plan(build_binomial(model, sources, targets, topo=topo, cost=cost, kv_flows=kv_flows), topo)
         scored.append((predict(b, topo, cost).makespan, 2, "binomial", b))
     best = min((x for x in scored if x[3] is not None), key=lambda x: (x[0] * (1 + 1e-6 * x[1]), x[1]))
     plan = best[3]

@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
+from kascade_planner.chains import prune_sources
 from kascade_planner.cost import CostParams, predict
 from kascade_planner.plan import Flow, Instance, ModelLayout, Plan, PlanError
 from kascade_planner.topology import Topology
@@ -123,13 +124,18 @@ def _binomial_plan(model: ModelLayout, srcs: Sequence[Instance], tgts: Sequence[
 
 
 def build_binomial(model: ModelLayout, sources: Sequence[Instance], targets: Sequence[Instance],
-                   k: int | None = None, topo: Topology | None = None, cost: CostParams = CostParams()) -> Plan:
+                   k: int | None = None, topo: Topology | None = None, cost: CostParams = CostParams(),
+                   kv_flows: Sequence[tuple[str, str]] = ()) -> Plan:
     """λScale's k-way binomial pipeline. `k` None: with a topology, the cost model picks k among
     1, 2, 4, ... and the number of sources (fewer, larger sub-groups pipeline more blocks per step;
-    more sub-groups use more sources); without one, k = the number of sources."""
+    more sub-groups use more sources); without one, k = the number of sources. Sources whose egress
+    carries a KV flow are pruned, as for chains (a link carries at most one flow per direction)."""
     if not sources or not targets:
         raise PlanError("binomial needs at least one source and one target")
-    srcs = sorted(sources, key=lambda s: s.id)
+    srcs, pruned = prune_sources(sorted(sources, key=lambda s: s.id), kv_flows)
+    if pruned:
+        plan = build_binomial(model, srcs, targets, k, topo, cost)
+        return replace(plan, sources=tuple(sorted(sources, key=lambda s: s.id)), notes=(*pruned, *plan.notes))
     limit = min(len(srcs), len(targets))
     leaf: Callable[[Instance], str] = (lambda i: topo.node(i.node).leaf) if topo is not None else (lambda i: "")
     if k is not None or topo is None:

@@ -34,7 +34,7 @@ def make_plan(topo: Topology, model: ModelLayout, sources: Sequence[Instance], t
     elif algorithm == "chain":
         plan = build_chains(topo, model, sources, targets, kv_flows, overloaded, ChainOptions(shard=shard))
     elif algorithm == "binomial":
-        plan = build_binomial(model, sources, targets, topo=topo, cost=cost)
+        plan = build_binomial(model, sources, targets, topo=topo, cost=cost, kv_flows=kv_flows)
         plan = shard_plan(plan, topo) if shard else plan
     elif algorithm == "star":
         plan = build_star(model, sources, targets)

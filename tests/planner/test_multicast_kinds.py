@@ -150,3 +150,19 @@ def test_tp_sharding_needs_equal_widths_and_capable_sources() -> None:
     bad_steps = (*good.steps[:k], tuple(0 for _ in good.steps[k]), *good.steps[k + 1:])
     with pytest.raises(PlanError, match="before it holds it"):
         Plan(**{**good.__dict__, "steps": bad_steps}).validate()
+
+
+def test_binomial_prunes_sources_whose_egress_carries_kv() -> None:
+    """As for chains: a prefill instance sending KV to a decoder does not also send weights."""
+    topo = leaf_spine(1, 9, 8)
+    nodes = [n.name for n in topo.nodes]
+    src = [Instance("p0", nodes[0]), Instance("d0", nodes[1])]
+    tgt = [Instance(f"t{i}", nodes[i + 2]) for i in range(5)]
+    plan = make_plan(topo, MODEL, src, tgt, "binomial", kv_flows=[("p0", "d0")])
+    assert "p0" not in {f.src for f in plan.flows} and "d0" in {f.src for f in plan.flows}
+    assert any("pruned source p0" in n for n in plan.notes)
+    assert {s.id for s in plan.sources} == {"p0", "d0"} and plan.validate() is plan
+    auto = make_plan(topo, MODEL, src, tgt, "auto", kv_flows=[("p0", "d0")])
+    assert "p0" not in {f.src for f in auto.flows} and "binomial" in auto.notes[-1]  # a candidate now
+    with pytest.raises(PlanError, match="every source's egress carries a KV flow"):
+        make_plan(topo, MODEL, src[:1], tgt, "binomial", kv_flows=[("p0", "d0")])
