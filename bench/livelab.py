@@ -10,7 +10,8 @@ Fleets (each one lab; modes run one after another on the same engines, same trac
          chunk first): stop-the-world | pipeline (the targets form one execution pipeline as soon as
          together they hold every layer: kascade_operator.livewiring's rule and calls)
 The driver routes each request like the router does ((in flight + 1) / weight, a live loading target
-weighing kascade_router's LIVE_WEIGHT), to the best of all servable engines (sources always; a loading
+weighing the serving share its engine last reported, kascade_router's prior before that), to the best
+of all servable engines (sources always; a loading
 target when live, a complete one always). Compute is emulated per step
 (`--emulate-layer-ms` on every engine: a step's layer work takes at least that long per layer forward),
 so the engines' speed does not depend on the other processes of a shared 2-core box; the transfers,
@@ -44,10 +45,16 @@ import netlab
 from kascade_operator.livewiring import chain_to_form
 from kascade_planner.binomial import build_binomial
 from kascade_planner.builder import make_plan
-from kascade_planner.engine_api import BindRequest, CooperateRequest, LoadPlanRequest, ZigZagSpec
+from kascade_planner.engine_api import (
+    SERVING_SHARE_HEADER,
+    BindRequest,
+    CooperateRequest,
+    LoadPlanRequest,
+    ZigZagSpec,
+)
 from kascade_planner.plan import Instance, ModelLayout
 from kascade_planner.topology import Node, Topology
-from kascade_router.backends import LIVE_WEIGHT
+from kascade_router.backends import LIVE_PRIOR_WEIGHT, MIN_WEIGHT
 
 TOKEN = "live-bench-" + secrets.token_hex(4)
 MODEL = "bench-llama"
@@ -64,6 +71,7 @@ class Eng:
     act: str = ""
     status: dict[str, Any] = field(default_factory=dict)
     in_flight: int = 0
+    share: float = LIVE_PRIOR_WEIGHT  # the router's weight of a live replica (its last reported serving share)
 
 
 def enter_netns(name: str) -> None:
@@ -140,8 +148,9 @@ class Driver:
         return e in self.sources or ph == "serving" or (live and ph == "live" and bool(e.status.get("cooperate")))
 
     def weight(self, e: Eng) -> float:
-        """The router's weights (kascade_router.backends): a live, still loading replica takes a smaller share."""
-        return 1.0 if e in self.sources or e.status.get("phase") == "serving" else LIVE_WEIGHT
+        """The router's weights (kascade_router.backends): a live, still loading replica weighs the share of
+        layers it last reported running (LIVE_PRIOR_WEIGHT before its first answer), a complete copy 1."""
+        return 1.0 if e in self.sources or e.status.get("phase") == "serving" else e.share
 
     async def one(self, prompt: str, at: float, live: bool, max_tokens: int) -> tuple[float, str, str]:
         await asyncio.sleep(max(0.0, self.t0 + at - time.monotonic()))
@@ -154,11 +163,17 @@ class Driver:
             async with self.http.stream("POST", f"http://{e.http}/v1/completions", json=body) as r:
                 if r.status_code != 200:
                     raise RuntimeError(f"{e.iid}: HTTP {r.status_code} {(await r.aread())[:200]!r}")
+                share = r.headers.get(SERVING_SHARE_HEADER)
+                if share is not None:
+                    e.share = max(MIN_WEIGHT, min(1.0, float(share)))
                 async for line in r.aiter_lines():
                     if line.startswith("data: ") and line != "data: [DONE]":
                         if first is None:
                             first = time.monotonic()
                         text += json.loads(line[6:])["choices"][0].get("text", "")
+        except httpx.TransportError as err:  # counted and reported per mode ("failed"), never silently dropped
+            print(f"      request to {e.iid} failed: {type(err).__name__}: {err}", flush=True)
+            return float("nan"), "", f"failed:{e.iid}"
         finally:
             e.in_flight -= 1
         return (first or time.monotonic()) - (self.t0 + at), text, e.iid
@@ -190,6 +205,7 @@ def pair_plan(layout: ModelLayout, srcs: list[Eng], tgts: list[Eng], k: int, rat
 async def run_mode(d: Driver, mode: str, plan: dict[str, Any], manifest: dict[str, Any], port: int,
                    prompts: list[str], gap: float, max_tokens: int, zz: ZigZagSpec | None) -> list[tuple[float, str, str]]:
     for t in d.targets:  # a fresh target: no weights, bound, then loading by the plan
+        t.share = LIVE_PRIOR_WEIGHT
         if t.status.get("phase") not in (None, "empty", "released"):
             await d.ctl(t, "release")
         await d.ctl(t, "bind", BindRequest(MODEL, "bench", "colocated").to_dict())
@@ -278,12 +294,15 @@ async def _drive(lab: netlab.NetLab, tag: str, client: int, srcs: list[Eng], tgt
             spec = zz if mode != "zigzag-ilp" else ZigZagSpec(zz.load_ratio, zz.batches, True)
             t = time.monotonic()
             out[mode] = await run_mode(d, mode, plan, manifest, 7100 + i, prompts, gap, setup.max_tokens, spec)
-            ttft = sorted(x[0] for x in out[mode])
+            ttft = sorted(x[0] for x in out[mode] if x[2][:7] != "failed:")
+            if len(ttft) < n:
+                print(f"      {n - len(ttft)} of {n} requests failed (left out of the TTFT figures)", flush=True)
             on_t = sum(1 for x in out[mode] if x[2].startswith("t"))
             by = {w: [x[0] for x in out[mode] if x[2].startswith(w)] for w in ("s", "t")}
             print("      mean TTFT on sources / targets: " + " / ".join(
                 f"{1e3 * sum(v) / len(v):.0f} ms" if v else "-" for v in by.values()), flush=True)
-            print(f"    {mode:15s} mean TTFT {1e3 * sum(ttft) / n:7.1f} ms, p99 {1e3 * ttft[int(0.99 * (n - 1))]:7.1f} ms; "
+            print(f"    {mode:15s} mean TTFT {1e3 * sum(ttft) / len(ttft):7.1f} ms, "
+                  f"p99 {1e3 * ttft[int(0.99 * (len(ttft) - 1))]:7.1f} ms; "
                   f"{on_t}/{n} served by targets; {time.monotonic() - t:.1f} s", flush=True)
         return out
     finally:
