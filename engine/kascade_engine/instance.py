@@ -208,8 +208,9 @@ class EngineInstance:
         if self.phase in (Phase.EMPTY, Phase.RELEASED):
             self._to(Phase.BOUND)
         self._settle()
-        if req.source_path is not None and not self.model.complete and (self.loading is None or self.loading.done()):
-            await self.load_source(req.source_path)
+        has_source = req.source_path is not None or req.source_uri is not None
+        if has_source and not self.model.complete and (self.loading is None or self.loading.done()):
+            await self.load_source(req.source_path, req.source_uri)
         return self.status()
 
     async def load_plan(self, req: LoadPlanRequest) -> EngineStatus:
@@ -219,10 +220,10 @@ class EngineInstance:
         self._settle()
         return self.status()
 
-    async def load_source(self, path: str) -> EngineStatus:
+    async def load_source(self, path: str | None, uri: str | None = None) -> EngineStatus:
         from kascade_engine.loader import start_source_load
 
-        await start_source_load(self, path)
+        await start_source_load(self, path, uri)
         self._settle()
         return self.status()
 

@@ -1,13 +1,14 @@
 """Loading weights: by plan from peers (the control API's `load-plan` turned into a data-plane
 `TransferNode` whose committed, hash-verified blocks become runnable model blocks the moment they
-land), or the first copy from a checkpoint directory (`bind` with a `source.path`).
+land), or the first copy from a checkpoint directory (`bind` with a `source.path`) or a model URI
+(`source.uri`, `hf://`: downloaded first by modelsource.py).
 
 Data flow (plan): `LoadPlanRequest` {plan, self, peers, planToken, manifest?} -> `TransferSpec` (the
 data plane's wire type; a source uses its own manifest) -> `TransferNode.start()` listens on this
 instance's data address -> `run()` receives/forwards -> on each committed block: `model.add_block`
 (zero-copy views of the verified buffer), bytesReceived updated -> all resident: phase serving, and the
 received blocks become this engine's `blockset`, so it can be a source of the next plan.
-Data flow (source): path -> `pack_checkpoint` in a worker thread (hashes every block) -> blocks
+Data flow (source): path (or uri -> `modelsource.resolve` -> snapshot dir) -> `pack_checkpoint` in a worker thread (hashes every block) -> blocks
 added in model order -> phase serving.
 """
 
@@ -96,12 +97,23 @@ async def start_plan_load(inst: EngineInstance, req: LoadPlanRequest) -> None:
     inst.begin_loading()
 
 
-async def start_source_load(inst: EngineInstance, path: str) -> None:
-    """Load the first copy from a checkpoint directory (a volume the pod mounts), in the background."""
-    d = Path(path)
-    if not (d / "config.json").is_file():
-        raise _fail(400, f"invalid field 'source.path': {path} is not a checkpoint directory (no config.json)",
-                    "source.path")
+async def start_source_load(inst: EngineInstance, path: str | None = None, uri: str | None = None) -> None:
+    """Load the first copy from a checkpoint directory (a volume the pod mounts) or a model URI
+    (`hf://`: downloaded first, modelsource.py), in the background. Both end in `pack_checkpoint`."""
+    from kascade_engine.modelsource import SourceError, parse_uri, resolve
+
+    if uri is not None:
+        try:
+            parse_uri(uri)
+        except SourceError as e:
+            raise _fail(400, f"invalid field 'source.uri': {e}", "source.uri") from None
+        where = uri
+    else:
+        assert path is not None
+        where = path
+        if not (Path(path) / "config.json").is_file():
+            raise _fail(400, f"invalid field 'source.path': {path} is not a checkpoint directory (no config.json)",
+                        "source.path")
     if inst.busy_loading:
         raise _fail(409, "a load is already running on this engine", "source")
     model = inst.model
@@ -110,20 +122,26 @@ async def start_source_load(inst: EngineInstance, path: str) -> None:
     async def run() -> None:
         started = time.monotonic()
         try:
+            d = Path(where) if uri is None else await asyncio.to_thread(resolve, uri)
+            if uri is not None and not (d / "config.json").is_file():
+                raise CheckpointError(f"{d} is not a checkpoint directory (no config.json)")
             blocks = await asyncio.to_thread(pack_checkpoint, d, inst.config.model_name)
             if blocks.config.get("num_hidden_layers") != model.shape.layers:
-                raise CheckpointError(f"{path}: {blocks.config.get('num_hidden_layers')} layers, this engine "
+                raise CheckpointError(f"{where}: {blocks.config.get('num_hidden_layers')} layers, this engine "
                                       f"was started for {model.shape.layers}")
             for b in blocks.blocks.values():  # model order: embed, layers, head
                 inst.bytes_received += b.nbytes
                 inst.add_block(b)
             inst.blockset = blocks
             inst.transfer_bw = blocks.total_bytes / max(1e-6, time.monotonic() - started)
-            log.info("loaded %s from %s: %d blocks, %.1f MB in %.2f s", inst.config.model_name, path,
+            log.info("loaded %s from %s: %d blocks, %.1f MB in %.2f s", inst.config.model_name, where,
                      len(blocks.blocks), blocks.total_bytes / 1e6, time.monotonic() - started)
+        except SourceError as e:  # the operator shows this verbatim: name the field it came from
+            log.error("loading %s from %s failed: %s", inst.config.model_name, where, e)
+            inst.load_error = f"source.uri (spec.model.source.uri): {e}"
         except (CheckpointError, OSError, ValueError) as e:
-            log.error("loading %s from %s failed: %s", inst.config.model_name, path, e)
-            inst.load_error = f"source {path}: {e}"
+            log.error("loading %s from %s failed: %s", inst.config.model_name, where, e)
+            inst.load_error = f"source {where}: {e}"
 
     inst.loading = asyncio.create_task(run())
     inst.begin_loading()

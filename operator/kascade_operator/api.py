@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AliasGenerator, BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
+from kascade_planner.engine_api import MODEL_URI_PATTERN
+
 Role = Literal["prefill", "decode", "colocated"]
 Positive = Annotated[float, Field(gt=0)]
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -35,7 +37,7 @@ class PvcSource(Model):
 class ModelSource(Model):
     path: str | None = Field(default=None, min_length=1)
     pvc: PvcSource | None = None
-    uri: str | None = Field(default=None, min_length=1, pattern=r"^file:///.*")
+    uri: str | None = Field(default=None, min_length=1, pattern=MODEL_URI_PATTERN)
 
     @model_validator(mode="after")
     def _exactly_one(self) -> ModelSource:

@@ -93,8 +93,10 @@ class EngineClient:
 
     async def bind(self, endpoint: str, model: str, model_service: str, role: str,
                    source_path: str | None = None, dtype: str | None = None) -> dict[str, Any]:
-        """Bind the engine to a service; with `source_path` it also loads the first copy from that directory."""
-        req = BindRequest(model, model_service, cast(Role, role), source_path or None, dtype)
+        """Bind the engine to a service; with `source_path` it also loads the first copy from that directory
+        (an `hf://` URI, what a ScalePlan's host source carries for a Hub source, goes as `source.uri`)."""
+        uri = source_path if source_path and source_path.startswith("hf://") else None
+        req = BindRequest(model, model_service, cast(Role, role), None if uri else (source_path or None), dtype, uri)
         return await self._call(endpoint, "POST", "bind", req.to_dict())
 
     async def load_plan(self, endpoint: str, plan: dict[str, Any], self_id: str, peers: dict[str, str],

@@ -272,7 +272,8 @@ async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods:
             return Blocker("Forbidden", msg)
         key = service_key(ns, name, pool_ns)
         owner = owner_ref(meta) if pool_ns == ns else None
-        pod = fallback_pod(spec, key, rt.settings.engine_token_secret, owner)
+        pod = fallback_pod(spec, key, rt.settings.engine_token_secret, owner,
+                           hf_endpoint=rt.settings.hf_endpoint, hf_token_secret=rt.settings.hf_token_secret)
         made = []
         for _ in range(action.count):
             made.append((await rt.kube.create_pod(pool_ns, pod))["metadata"]["name"])

@@ -9,7 +9,9 @@ operator, a pod the installation would not run. So a fallback pod is created onl
   (`allowed_host_path_roots`; none by default, so no hostPath at all unless the chart says so).
 Only such pods get the engine token (from the installation's Secret). Otherwise the operator refuses,
 and the service's `Stalled` condition names the field. A `pvc` source mounts the claim read-only
-(claims are namespaced: it must live in the pool's namespace).
+(claims are namespaced: it must live in the pool's namespace). An `hf://` source mounts nothing of
+the node: the engine downloads the snapshot (HF_ENDPOINT and the HF_TOKEN Secret are the installation's
+settings, never the ModelService author's).
 
 Data flow: ModelServiceSpec + OperatorSettings -> `refusals()` (field: problem) -> `fallback_pod()`
 (a warm-pool pod annotated for the model and for this service, owned by it when in its namespace).
@@ -26,7 +28,8 @@ from kascade_operator import labels as L
 from kascade_operator.api import ModelServiceSpec
 from kascade_operator.settings import OperatorSettings
 
-PVC_MOUNT = "/kascade/model"  # where a fallback pod mounts a pvc source
+PVC_MOUNT = "/kascade/model"  # where a fallback pod mounts a pvc source (or an hf:// source's config)
+HF_HOME = "/kascade/hf"  # a fallback pod's Hub cache (emptyDir) for hf:// sources
 ACT_PORT = 18516
 
 
@@ -40,12 +43,19 @@ def host_path(spec: ModelServiceSpec) -> str | None:
     return None
 
 
+def hub_uri(spec: ModelServiceSpec) -> str | None:
+    """The `hf://` URI of a Hub source (None otherwise): the bound engine downloads it itself."""
+    uri = spec.model.source.uri
+    return uri if uri and uri.startswith("hf://") else None
+
+
 def checkpoint_path(spec: ModelServiceSpec) -> str:
-    """The directory an engine reads the first copy from: the host path, or the claim's mount point."""
+    """Where an engine reads the first copy from (sent with `bind`): the host path, the claim's mount
+    point, or the `hf://` URI (the engine resolves it to a downloaded snapshot, modelsource.py)."""
     hp = host_path(spec)
     if hp is not None:
         return hp
-    return PVC_MOUNT
+    return hub_uri(spec) or PVC_MOUNT
 
 
 def _under(path: str, root: str) -> bool:
@@ -77,34 +87,66 @@ def refusals(spec: ModelServiceSpec, settings: OperatorSettings) -> list[str]:
     return out
 
 
+def _hub_env(hf_endpoint: str, hf_token_secret: str) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [{"name": "HF_HOME", "value": HF_HOME}]
+    if hf_endpoint:
+        env.append({"name": "HF_ENDPOINT", "value": hf_endpoint})
+    if hf_token_secret:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": hf_token_secret, "key": "token"}}})
+    return env
+
+
 def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Mapping[str, Any] | None,
-                 act_port: int = ACT_PORT) -> dict[str, Any]:
+                 act_port: int = ACT_PORT, hf_endpoint: str = "", hf_token_secret: str = "") -> dict[str, Any]:
     """A new warm-pool engine pod for this model, reserved for service `key` (annotation created-for):
     it joins the pool and is bound in a later round like any pool pod. Call only when `refusals()` is
-    empty."""
+    empty. An `hf://` source: an init container fetches config and tokenizer (what an empty engine is
+    started with) into an emptyDir; the weights are downloaded by the engine when bound (HF_ENDPOINT,
+    HF_TOKEN from the installation's Secret, cache in another emptyDir)."""
     e, src = spec.engine, spec.model.source
     ckpt = checkpoint_path(spec)
-    if src.pvc is not None:
-        volume: dict[str, Any] = {"name": "model", "persistentVolumeClaim": {"claimName": src.pvc.claim_name,
-                                                                            "readOnly": True}}
-        mount: dict[str, Any] = {"name": "model", "mountPath": PVC_MOUNT, "readOnly": True}
+    hub = hub_uri(spec)
+    init: list[dict[str, Any]] = []
+    extra_volumes: list[dict[str, Any]] = []
+    volume: dict[str, Any]
+    mount: dict[str, Any]
+    if hub is not None:
+        repo, _, rev = hub[len("hf://"):].partition("@")
+        ckpt = PVC_MOUNT  # the engine's --checkpoint: config + tokenizer only
+        volume = {"name": "model", "emptyDir": {}}
+        mount = {"name": "model", "mountPath": PVC_MOUNT}
+        cache = {"name": "hf-cache", "mountPath": HF_HOME}
+        extra_volumes.append({"name": "hf-cache", "emptyDir": {}})
+        init.append({"name": "model-config", "image": e.image,
+                     "args": ["kascade", "model", "download", repo, f"--revision={rev or 'main'}", f"--dest={PVC_MOUNT}",
+                              "--config-only"],
+                     "env": _hub_env(hf_endpoint, hf_token_secret), "volumeMounts": [mount, cache]})
+    elif src.pvc is not None:
+        volume = {"name": "model", "persistentVolumeClaim": {"claimName": src.pvc.claim_name, "readOnly": True}}
+        mount = {"name": "model", "mountPath": PVC_MOUNT, "readOnly": True}
         if src.pvc.sub_path:
             mount["subPath"] = src.pvc.sub_path
     else:
         volume = {"name": "model", "hostPath": {"path": ckpt, "type": "Directory"}}
         mount = {"name": "model", "mountPath": ckpt, "readOnly": True}
+    env: list[dict[str, Any]] = [{"name": "KASCADE_ENGINE_TOKEN",
+                                  "valueFrom": {"secretKeyRef": {"name": token_secret, "key": "token"}}}]
+    mounts = [mount]
+    if hub is not None:
+        env += _hub_env(hf_endpoint, hf_token_secret)
+        mounts.append({"name": "hf-cache", "mountPath": HF_HOME})
     container: dict[str, Any] = {
         "name": "engine", "image": e.image,
         "args": ["kascade", "engine", "serve", "--empty", "--host=0.0.0.0", f"--port={e.port}", f"--act-port={act_port}",
                  f"--checkpoint={ckpt}", f"--model-name={spec.model.name}"],
-        "env": [{"name": "KASCADE_ENGINE_TOKEN", "valueFrom": {"secretKeyRef": {"name": token_secret, "key": "token"}}}],
+        "env": env,
         "ports": [{"containerPort": e.port, "name": "http"}, {"containerPort": e.data_port, "name": "data"},
                   {"containerPort": act_port, "name": "act"}],
         # as the chart's pool pods: Ready only while the engine can serve (/readyz) and the operator's
         # serving gate is open (bound and loaded or live, not draining); /healthz only keeps it alive
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 1, "failureThreshold": 1},
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10},
-        "volumeMounts": [mount]}
+        "volumeMounts": mounts}
     if e.resources:
         container["resources"] = e.resources.model_dump(exclude_none=True)
     meta: dict[str, Any] = {"generateName": "kascade-fallback-",
@@ -114,7 +156,10 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
         meta["ownerReferences"] = [dict(owner)]
     pod: dict[str, Any] = {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
                            "spec": {"containers": [container], "automountServiceAccountToken": False,
-                                    "readinessGates": [{"conditionType": L.SERVING_GATE}], "volumes": [volume]}}
+                                    "readinessGates": [{"conditionType": L.SERVING_GATE}],
+                                    "volumes": [volume, *extra_volumes]}}
+    if init:
+        pod["spec"]["initContainers"] = init
     if e.node_selector:
         pod["spec"]["nodeSelector"] = dict(e.node_selector)
     if e.tolerations:

@@ -48,6 +48,11 @@ class OperatorSettings(BaseSettings):
     allowed_host_path_roots: list[str] = Field(default_factory=list, description="directories under which a "
                                                "ModelService's spec.model.source.path may be mounted as a hostPath "
                                                "into a fallback pod; empty = none")
+    hf_endpoint: str = Field(default="", pattern=r"^(https?://\S+)?$", description="HF_ENDPOINT of the fallback "
+                             "pods the operator creates (a Hugging Face Hub mirror for hf:// sources); empty = "
+                             "huggingface.co")
+    hf_token_secret: str = Field(default="", description="Secret (key `token`) whose value fallback pods get as "
+                                 "HF_TOKEN for hf:// sources (gated or private repos); empty = none")
     engine_image: str = Field(default="", description="the installation's engine image (always allowed)")
     allowed_images: list[str] = Field(default_factory=list, description="more images a ModelService's "
                                       "spec.engine.image may name; an entry ending in '*' is a prefix")

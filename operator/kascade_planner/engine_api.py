@@ -8,6 +8,7 @@ checks. Field names on the wire are camelCase as the operator has always sent th
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
@@ -21,6 +22,11 @@ PHASES = ("empty", "bound", "loading", "live", "serving", "draining", "released"
 # Response header on every OpenAI answer of an engine: the share of a request's layers it runs itself
 # (1 serving alone; resident prefix / layers while live, its pair runs the rest). Routers weight by it.
 SERVING_SHARE_HEADER = "X-Kascade-Serving-Share"
+
+# spec.model.source.uri / bind source.uri: a Hugging Face Hub repo, REVISION a branch, tag or commit
+# (the CRD's pattern, the operator's pydantic mirror and the engine's parser all use this one)
+MODEL_URI_PATTERN = (r"^(file:///.*|hf://[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}"
+                     r"(@[A-Za-z0-9][A-Za-z0-9._-]{0,199})?)$")
 
 Role = Literal["prefill", "decode", "colocated"]
 Mode = Literal["zigzag", "besteffort", "standby", "pipeline", "off"]
@@ -73,7 +79,9 @@ def _num(doc: Mapping[str, Any], key: str, default: float, lo: float) -> float:
 
 @dataclass(frozen=True)
 class BindRequest:
-    """Bind an engine to a ModelService; with `source_path` it also loads the first copy from disk.
+    """Bind an engine to a ModelService; with a source it also loads the first copy: `source_path`, a
+    checkpoint directory the pod mounts, or `source_uri` (`hf://OWNER/NAME[@REVISION]`, the service's
+    spec.model.source.uri), which the engine downloads first (kascade_engine.modelsource). At most one.
     `dtype` is spec.model.dtype: the precision the engine computes in (None: the engine's own)."""
 
     model: str
@@ -81,11 +89,18 @@ class BindRequest:
     role: Role = "colocated"
     source_path: str | None = None
     dtype: str | None = None
+    source_uri: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.source_path is not None and self.source_uri is not None:
+            raise WireError("source", "give one of path, uri")
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"model": self.model, "modelService": self.model_service, "role": self.role}
         if self.source_path is not None:
             d["source"] = {"path": self.source_path}
+        if self.source_uri is not None:
+            d["source"] = {"uri": self.source_uri}
         if self.dtype is not None:
             d["dtype"] = self.dtype
         return d
@@ -95,13 +110,19 @@ class BindRequest:
         d = _obj(doc)
         _only(d, ("model", "modelService", "role", "source", "dtype"))
         src = d.get("source")
-        path = None
+        path = uri = None
         if src is not None:
             s = _obj(src, "source")
-            _only(s, ("path",), "source.")
-            path = _str(s, "path", "source.")
+            _only(s, ("path", "uri"), "source.")
+            if len(s) != 1:
+                raise WireError("source", "give exactly one of path, uri")
+            path = _str(s, "path", "source.", required=False)
+            uri = _str(s, "uri", "source.", required=False)
+            if uri is not None and (not re.match(MODEL_URI_PATTERN, uri) or ".." in uri.split("/")):
+                raise WireError("source.uri", f"must be hf://OWNER/NAME[@REVISION] or file:///DIR, got {uri!r}")
         return BindRequest(cast(str, _str(d, "model")), cast(str, _str(d, "modelService")),
-                           cast(Role, _choice(d, "role", ROLES)), path, _choice(d, "dtype", DTYPES, required=False))
+                           cast(Role, _choice(d, "role", ROLES)), path, _choice(d, "dtype", DTYPES, required=False),
+                           uri)
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,8 @@ def test_pool_download_and_helm_test_commands_parse(helm: Helm, tmp_path: Path) 
     pool = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-pool")
     init = pool["spec"]["template"]["spec"]["initContainers"][0]
     params = parse(init["args"])
-    assert params == {"repo": "HuggingFaceTB/SmolLM2-135M-Instruct", "dest": Path("/models/smollm2-135m"), "revision": "v1"}
+    assert params == {"repo": "HuggingFaceTB/SmolLM2-135M-Instruct", "dest": Path("/models/smollm2-135m"), "revision": "v1",
+                      "config_only": False}
     test = next(d for d in docs if d["kind"] == "Pod")
     params = parse(test["spec"]["containers"][0]["args"])
     assert params["url"] == "http://rel-router.ns.svc:8080"  # the front door: the router (on by default)

@@ -40,3 +40,29 @@ def test_no_weights_and_bad_repo_are_errors(tmp_path: Path, monkeypatch: pytest.
     assert r.exit_code == 1 and "no .safetensors" in r.output
     r = CliRunner().invoke(cli, ["model", "download", "just-a-name", "--dest", str(tmp_path / "m")])
     assert r.exit_code == 2 and "OWNER/NAME" in r.output
+
+
+def test_config_only_from_a_hub_at_hf_endpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Against a local Hub (real HTTP, real snapshot_download): --config-only fetches config but no
+    weights (a fallback pod's init container for an hf:// source)."""
+    from kascade_devcluster.hubserver import HubServer
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text('{"num_hidden_layers": 2}')
+    (src / "model.safetensors").write_bytes(b"\0" * 64)
+    hub = HubServer()
+    hub.add("org/m", src)
+    hub.start()
+    try:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+        r = CliRunner().invoke(cli, ["model", "download", "org/m", "--dest", str(tmp_path / "m"), "--config-only"])
+        assert r.exit_code == 0, r.output
+        assert (tmp_path / "m" / "config.json").read_text() == '{"num_hidden_layers": 2}'
+        assert not (tmp_path / "m" / "model.safetensors").exists()
+        assert not any("model.safetensors" in x for x in hub.requests if "/resolve/" in x)
+        r = CliRunner().invoke(cli, ["model", "download", "org/nope", "--dest", str(tmp_path / "n")])
+        assert r.exit_code == 1 and "org/nope@main" in r.output
+    finally:
+        hub.stop()
