@@ -37,6 +37,9 @@ class CreatePlan:
     sources: tuple[str, ...]  # bound, ready pods holding the model; empty = load from spec.model.source
     targets: tuple[str, ...]  # idle pool pods to bind and load
     reason: str
+    # disaggregated serving: (prefill pod, decode pod) pairs whose link carries KV now; the planner prunes
+    # sources whose egress carries one (BlitzScale: a new prefill instance loads from decode instances)
+    kv_flows: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,20 @@ def role_bounds(spec: ModelServiceSpec) -> dict[str, RoleReplicas]:
     return {"prefill": r.prefill, "decode": r.decode}
 
 
+def pd_sources(pods: Sequence[PodView], name: str, role: str,
+               ready: Sequence[PodView]) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """Sources for a scale-up of `role` and the KV flows the planner must respect. Colocated: the role's
+    ready pods, no flows. Prefill or decode: every ready pod of the service (both roles hold the same
+    model: a prefill instance may load from decode instances and vice versa), and every ready prefill ->
+    ready decode pair as a KV flow (any decoder may receive KV from any prefiller)."""
+    if role not in ("prefill", "decode"):
+        return tuple(sorted(p.pod_name for p in ready)), ()
+    mine = [p for p in pods if p.model_service == name and p.ready and not p.draining and p.role in ("prefill", "decode")]
+    pre = sorted(p.pod_name for p in mine if p.role == "prefill")
+    dec = sorted(p.pod_name for p in mine if p.role == "decode")
+    return tuple(sorted(p.pod_name for p in mine)), tuple((a, b) for a in pre for b in dec)
+
+
 def reconcile(name: str, spec: ModelServiceSpec, pods: Sequence[PodView], plans: Sequence[PlanView],
               desired: Mapping[str, int] | None = None, reason: str = "", unavailable: Collection[str] = (),
               expected: int = 0, release_last: Collection[str] = ()) -> Result:
@@ -154,9 +171,9 @@ def reconcile(name: str, spec: ModelServiceSpec, pods: Sequence[PodView], plans:
             targets = choose_targets(free, need, {p.leaf for p in ready})
             taken.update(t.pod_name for t in targets)
             if targets:
-                actions.append(CreatePlan(role, tuple(sorted(p.pod_name for p in ready)),
-                                          tuple(t.pod_name for t in targets),
-                                          reason or f"{role}: {len(serving)} -> {want} replicas"))
+                srcs, flows = pd_sources(pods, name, role, ready)
+                actions.append(CreatePlan(role, srcs, tuple(t.pod_name for t in targets),
+                                          reason or f"{role}: {len(serving)} -> {want} replicas", flows))
                 progressing = True
             if len(targets) < need:
                 short = need - len(targets)

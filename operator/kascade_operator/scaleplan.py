@@ -59,8 +59,11 @@ def build(action: CreatePlan, pods: Mapping[str, PodView], nodes: Sequence[Mappi
         return Instance(p.instance, p.node, tp)
 
     srcs, tgts = [inst(s) for s in action.sources], [inst(t) for t in action.targets]
+    flows = [(pods[a].instance, pods[b].instance) for a, b in action.kv_flows if a in pods and b in pods]
+    if srcs and all(s.id in {a for a, _ in flows} for s in srcs):
+        flows = []  # every source sends KV: one of them must still send weights (interference accepted)
     plan = make_plan(topo, model, srcs, tgts, algorithm if srcs else "local", overloaded=[s.id for s in srcs],
-                     live=live)
+                     live=live, kv_flows=flows)
     if not live:  # execution pipelines are live execution too (livewiring.py runs them only when asked)
         plan = replace(plan, pipelines=())
     by_id = {pods[n].instance: pods[n] for n in (*action.sources, *action.targets)}

@@ -1,0 +1,48 @@
+"""BlitzScale's PD-aware planning in the operator: a disaggregated scale-up may load from either role's
+ready pods (same model), and the plan carries the live prefill -> decode KV flows so the planner prunes
+sources whose egress carries KV: a new prefill instance loads from a decode instance."""
+
+from __future__ import annotations
+
+from builders import pod, spec  # type: ignore[import-not-found]
+
+from kascade_operator.reconcile import CreatePlan, reconcile
+from kascade_operator.scaleplan import build, layout
+
+NODES = [{"metadata": {"name": n, "labels": {"kascade.io/leaf": "l", "kascade.io/nic-gbps": "100",
+                                             "kascade.io/scaleup-domain": n}},
+          "status": {"allocatable": {"nvidia.com/gpu": "8"}}} for n in ("n0", "n1", "n2", "n3")]
+
+
+def _pods() -> list:  # type: ignore[type-arg]
+    return [pod("pre", "n0", ms="svc", role="prefill", ready=True), pod("dec", "n1", ms="svc", role="decode", ready=True),
+            pod("idle-a", "n2"), pod("idle-b", "n3")]
+
+
+def test_prefill_scale_up_loads_from_the_decode_instance() -> None:
+    pods = _pods()
+    res = reconcile("svc", spec("disaggregated", lo=1, hi=4), pods, [], {"prefill": 2})
+    plans = [a for a in res.actions if isinstance(a, CreatePlan)]
+    assert len(plans) == 1 and plans[0].role == "prefill"
+    act = plans[0]
+    assert act.sources == ("dec", "pre") and act.kv_flows == (("pre", "dec"),)
+    by_name = {p.pod_name: p for p in pods}
+    built = build(act, by_name, NODES, layout("m", 4), "chain", 1)
+    assert built.plan.chains == (("dec", "idle-a"),)  # the prefiller's egress carries KV: pruned
+    assert {f.src for f in built.plan.flows} == {"dec"}
+    assert "pruned source pre: its egress carries a KV flow" in built.plan.notes
+
+
+def test_kv_flows_are_dropped_when_every_source_carries_kv() -> None:
+    pods = [pod("pre", "n0", ms="svc", role="prefill", ready=True), pod("dec", "n1", ms="svc", role="decode"),
+            pod("idle-a", "n2")]
+    act = CreatePlan("prefill", ("pre",), ("idle-a",), "x", (("pre", "dec"),))
+    built = build(act, {p.pod_name: p for p in pods}, NODES, layout("m", 4), "chain", 1)
+    assert built.plan.chains == (("pre", "idle-a"),)  # the only copy still sends weights
+    assert not any("pruned" in n for n in built.plan.notes)
+
+
+def test_colocated_sources_are_unchanged() -> None:
+    pods = [pod("s", "n0", ms="svc", role="colocated", ready=True), pod("idle-a", "n2")]
+    res = reconcile("svc", spec(lo=1, hi=4), pods, [], {"colocated": 2})
+    assert res.actions == (CreatePlan("colocated", ("s",), ("idle-a",), "colocated: 1 -> 2 replicas"),)
