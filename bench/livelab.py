@@ -130,15 +130,18 @@ class Driver:
         """Engine statuses every 50 ms; with `pipeline`, form it once its members cover every layer."""
         formed = False
         while not stop.is_set():
-            for e in (*self.sources, *self.targets):
-                e.status = await self.ctl(e, "status", get=True)
+            engines = (*self.sources, *self.targets)  # all at once: one slow engine must not age the others
+            for e, st in zip(engines, await asyncio.gather(*(self.ctl(e, "status", get=True) for e in engines)),
+                             strict=True):
+                e.status = st
             if pipeline and not formed:
                 chain = chain_to_form([e.iid for e in pipeline], {e.iid: e.status for e in pipeline})
                 if chain:
                     by = {e.iid: e for e in pipeline}
                     for a, b in reversed(list(itertools.pairwise(chain[1:]))):
                         await self.ctl(by[a], "cooperate", CooperateRequest(by[b].act, "pipeline").to_dict())
-                    await self.ctl(by[chain[0]], "cooperate", CooperateRequest(by[chain[1]].act, "besteffort").to_dict())
+                    head = by[chain[0]]  # its answer is its status: routable from this moment
+                    head.status = await self.ctl(head, "cooperate", CooperateRequest(by[chain[1]].act, "besteffort").to_dict())
                     formed = True
                     print(f"    pipeline {'->'.join(chain)} formed at {time.monotonic() - self.t0:.2f} s", flush=True)
             await asyncio.sleep(0.05)
@@ -219,7 +222,8 @@ async def run_mode(d: Driver, mode: str, plan: dict[str, Any], manifest: dict[st
     if mode in ("best-effort", "zigzag", "zigzag-ilp"):
         m = "besteffort" if mode == "best-effort" else "zigzag"
         for t in d.targets:
-            await d.ctl(t, "cooperate", CooperateRequest(d.sources[0].act, m, zz if m == "zigzag" else None).to_dict())
+            t.status = await d.ctl(t, "cooperate",
+                                   CooperateRequest(d.sources[0].act, m, zz if m == "zigzag" else None).to_dict())
     stop = asyncio.Event()
     poller = asyncio.create_task(d.poll(stop, d.targets if mode == "pipeline" else None))
     try:
