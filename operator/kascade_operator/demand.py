@@ -89,6 +89,7 @@ class RouterDemand:
         self.max_age_s = max_age_s
         self.resolve = resolve
         self.replicas = 0  # how many answered at the last read
+        self.partial = False  # some replica did not answer: it may hold requests we cannot see
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s))
         self._models: dict[str, Any] | None = None
         self._t = -1e9
@@ -109,7 +110,7 @@ class RouterDemand:
             log.warning("router demand: %s does not resolve: %s", self.host, e)
             return None
         got = [m for m in await asyncio.gather(*(self._one(a) for a in addrs)) if m is not None]
-        self.replicas = len(got)
+        self.replicas, self.partial = len(got), len(got) < len(addrs)
         return aggregate(got) if got else None  # none answered: nothing is decided on router demand
 
     async def get(self, ns: str, name: str) -> Demand | None:
@@ -122,9 +123,11 @@ class RouterDemand:
             return None
         d = self._models.get(f"{ns}/{name}")
         if not isinstance(d, dict):
-            return Demand()
+            d = {}
         try:
-            idle = d.get("idleSeconds")
+            # a replica that did not answer may hold requests: not idle (the last copy is never released
+            # on partial information; scaling up on what the others report still happens)
+            idle = 0.0 if self.partial else d.get("idleSeconds")
             return Demand(int(d.get("queued") or 0), int(d.get("inFlight") or 0),
                           float(d.get("requestsPerSecond") or 0), float(d.get("tokensPerSecond") or 0),
                           float(idle) if isinstance(idle, int | float) else None)

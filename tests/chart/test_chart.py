@@ -43,6 +43,7 @@ def test_template_renders_every_deployable(helm: Helm) -> None:
         # the front door is on by default
         ("ServiceAccount", "rel-router"), ("ClusterRole", "rel-router"), ("ClusterRoleBinding", "rel-router"),
         ("Deployment", "rel-router"), ("Service", "rel-router"), ("Service", "rel-router-pods"),
+        ("PodDisruptionBudget", "rel-router"),
     ])
     op = by(docs, "Deployment", "rel-operator")
     assert op["spec"]["replicas"] == 2 and "strategy" not in op["spec"]  # HA: leader election, rolling updates
@@ -245,8 +246,16 @@ def test_router_is_a_read_only_watcher_behind_a_service(helm: Helm) -> None:
     assert pool_spec["readinessGates"] == [{"conditionType": "kascade.io/serving"}]
     op_rules = by[("ClusterRole", "rel-operator")]["rules"]
     assert {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]} in op_rules
-    assert {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service"} == {
+    assert {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "PodDisruptionBudget"} == {
         k for k, n in by if n == "rel-router"}
+    pdb = by[("PodDisruptionBudget", "rel-router")]
+    assert pdb["spec"] == {"minAvailable": 1, "selector": dep["spec"]["selector"]}
+    one = [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), "--set", "router.replicas=1",
+                                              "--set", "router.priorityClassName=hi",
+                                              "--set", "router.affinity.nodeAffinity.x=1").stdout) if d]
+    assert not [d for d in one if d["kind"] == "PodDisruptionBudget" and d["metadata"]["name"] == "rel-router"]
+    spec1 = next(d for d in one if d["metadata"]["name"] == "rel-router" and d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    assert spec1["priorityClassName"] == "hi" and spec1["affinity"] == {"nodeAffinity": {"x": 1}}
     assert {k for k, n in by if n == "rel-router-pods"} == {"Service"}
     off = [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), "-n", "ns",
                                               "--set", "router.enabled=false").stdout) if d]
