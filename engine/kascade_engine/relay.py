@@ -17,6 +17,8 @@ feeder ends `run()` with `TransferFailed` naming it (the engine shows it as the 
 Before a hello is authenticated nothing is allocated for a payload: a hello carries none, and a frame
 announcing one is refused unread.
 Protocol ops: hello/welcome/error, chunk, commit, abort, end, pull.
+Modules: this one receives, verifies and serves; `forwarding.py` is the outbound side (queues, writers,
+backpressure, the source's feeders); `recovery.py` re-fetches from fallbacks and serves pulls.
 """
 
 from __future__ import annotations
@@ -25,40 +27,33 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from kascade_engine.arena import ReceiveArena
 from kascade_engine.blocks import Block, BlockSet, digest_matches, index_from_manifest
+from kascade_engine.forwarding import Downstream, Forwarding
+from kascade_engine.recovery import Recovery, Slot, TransferFailed
 from kascade_engine.transfer_spec import TransferSpec, shard_range
-from kascade_engine.transport import PREFIX, Connection, Header, Listener, Transport, TransportError
+from kascade_engine.transport import (
+    PREFIX,
+    Connection,
+    Header,
+    Listener,
+    Transport,
+    TransportError,
+    close_handshake,
+)
 from kascade_planner.plan import Flow
 
 log = logging.getLogger(__name__)
-Slot = tuple[str, int | None]  # (block, shard index or None for the whole block)
-QUEUE_DEPTH = 256  # frames queued per downstream (chunks are <= chunkBytes each)
 
 
-class TransferFailed(RuntimeError):
-    pass
+class TransferNode(Forwarding, Recovery):
+    """One participant: receiving, verifying and serving live here; the outbound side is `Forwarding`
+    (forwarding.py), re-fetching from fallbacks is `Recovery` (recovery.py)."""
 
-
-@dataclass
-class _Downstream:
-    flow: Flow
-    queue: asyncio.Queue[tuple[Header, bytes | memoryview] | None] = field(
-        default_factory=lambda: asyncio.Queue(QUEUE_DEPTH))
-    alive: bool = True
-    waited_s: float = 0.0  # recent time this node waited for room in the queue (decays, see _put)
-    decay_at: float = 0.0
-    abort: bool = False  # reset the connection when dropped: what it has buffered is not worth reading
-    writer: asyncio.Task[None] | None = None
-
-
-class TransferNode:
     def __init__(self, spec: TransferSpec, me: str, transport: Transport, blocks: BlockSet | None = None,
                  on_progress: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.spec, self.me, self.transport = spec, me, transport
@@ -83,7 +78,7 @@ class TransferNode:
         # Receive memory, reserved in the order blocks will arrive (the first inbound flow's order).
         order = list(dict.fromkeys(b for f in self.inbound for b in f.blocks))
         self.arena = ReceiveArena([] if self.is_source else [(b, int(spec.manifest[b]["bytes"])) for b in order])
-        self.downstream = [_Downstream(f) for f in self.outbound]
+        self.downstream = [Downstream(f) for f in self.outbound]
         self.all_resident = asyncio.Event()
         self.error: Exception | None = None
         self.listener: Listener | None = None
@@ -237,7 +232,7 @@ class TransferNode:
                     await asyncio.gather(*verifying, return_exceptions=True)  # their failures fail the node
                     if not pull and self._missing_from(peer, flow_shard, flow=flow) - self._refetching:
                         raise TransportError(f"{peer} ended its stream before sending every block")
-                    await _close_handshake(conn, self.spec.timeout_s, sent_end=False)
+                    await close_handshake(conn, self.spec.timeout_s, sent_end=False)
                     return True
                 block = str(header.get("block"))
                 if block not in self.slot_count:
@@ -335,237 +330,3 @@ class TransferNode:
         if all(b in self.resident for b in self.plan.model.block_ids):
             self.done_at = time.time()
             self.all_resident.set()
-
-    # -- forwarding --------------------------------------------------------------------------------
-    def _wanted(self, d: _Downstream, block: str, shard: tuple[int, int] | None, all_shards: bool) -> bool:
-        if not d.alive or block not in d.flow.blocks:
-            return False
-        return all_shards or d.flow.shard is None or shard is None or d.flow.shard == shard
-
-    async def _put(self, d: _Downstream, item: tuple[Header, bytes | memoryview] | None, lag: bool = True) -> None:
-        """Queue `item` for `d`, waiting for room. A downstream that takes nothing for `timeoutSeconds` (half
-        that at a relay) is dropped; so is one that keeps a relay waiting more than half the time over the last
-        `timeoutSeconds` (the relay's push upstream would otherwise be slowed to the laggard's pace). A
-        source waits as long as its downstream makes progress: it always outruns its link; so does a
-        relay forwarding a re-fetch (`lag=False`): a fallback pull is a burst, and slows no chain."""
-        if not d.alive:
-            return
-        if not d.queue.full():
-            d.queue.put_nowait(item)
-            return
-        t_out = self.spec.timeout_s
-        relay = lag and not self.is_source
-        now = time.monotonic()
-        d.waited_s *= math.exp(-(now - d.decay_at) / t_out)  # recent waiting counts, old waiting fades
-        d.decay_at = now
-        stall = t_out if self.is_source else t_out / 2  # a relay must give up before its upstream does
-        limit = min(stall, t_out / 2 - d.waited_s) if relay else stall
-        try:
-            async with asyncio.timeout(max(0.0, limit)):
-                await d.queue.put(item)
-        except TimeoutError:
-            stalled = time.monotonic() - now
-            why = (f"kept this relay waiting {d.waited_s + stalled:.1f} s of its last ~{t_out:.0f} s"
-                   if relay and d.waited_s > 0.05 else f"took nothing for {stalled:.1f} s")
-            self._drop(d, f"lagging: {why} with {QUEUE_DEPTH} frames queued", abort=True)
-        finally:
-            if relay:
-                d.waited_s += time.monotonic() - now
-            d.decay_at = time.monotonic()
-
-    def _drop(self, d: _Downstream, reason: str, abort: bool = False) -> None:
-        """Stop sending to `d` (it re-fetches what it lacks from its fallbacks); this node goes on."""
-        if not d.alive:
-            return
-        d.alive, d.abort = False, abort
-        self.downstream_lost[d.flow.dst] = reason
-        log.warning("%s: downstream %s dropped: %s", self.me, d.flow.dst, reason)
-        self.on_progress({"event": "downstream-lost", "instance": self.me, "peer": d.flow.dst, "reason": reason})
-        while not d.queue.empty():  # drop what it can no longer take
-            d.queue.get_nowait()
-        if d.writer is not None and d.writer is not asyncio.current_task():
-            d.writer.cancel()
-
-    async def _forward_chunk(self, header: Header, payload: bytes | bytearray | memoryview, block: str,
-                             shard: tuple[int, int] | None, lag: bool = True) -> None:
-        for d in self.downstream:
-            if self._wanted(d, block, shard, False):
-                lo, hi = shard_range(int(self.spec.manifest[block]["bytes"]), d.flow.shard)
-                off = int(header.get("offset", 0))
-                a, b = max(lo, off), min(hi, off + len(payload))
-                if a < b:  # only the part of this chunk inside the downstream's shard
-                    await self._put(d, ({**header, "offset": a, "shard": list(d.flow.shard) if d.flow.shard else None},
-                                        memoryview(payload)[a - off:b - off]), lag)
-
-    async def _forward(self, header: Header, payload: bytes, block: str, shard: tuple[int, int] | None,
-                       all_shards: bool = False) -> None:
-        for d in self.downstream:
-            if self._wanted(d, block, shard, all_shards):
-                await self._put(d, ({**header, "shard": list(d.flow.shard) if d.flow.shard else None}, payload))
-
-    async def _feed_from_resident(self, d: _Downstream) -> None:
-        """A source sends its blocks in the flow's order, chunk by chunk, each followed by a commit."""
-        for block in d.flow.blocks:
-            data = self.resident[block].data
-            lo, hi = shard_range(len(data), d.flow.shard)
-            shard = list(d.flow.shard) if d.flow.shard else None
-            for off in range(lo, hi, self.spec.chunk_bytes):
-                chunk = data[off:min(hi, off + self.spec.chunk_bytes)]
-                await self._put(d, ({"op": "chunk", "block": block, "shard": shard, "offset": off}, chunk))
-                if not d.alive:
-                    return  # dropped: it re-fetches from its fallbacks
-            await self._put(d, ({"op": "commit", "block": block, "shard": shard}, b""))
-
-    async def _writer(self, d: _Downstream) -> None:
-        host, port = self.spec.peers[d.flow.dst]
-        rate = float(self.faults.get("rateMBps", 0)) * 1e6
-        conn: Connection | None = None
-        sent = 0
-        try:
-            conn = await self._connect_retrying(host, port)
-            await conn.send({"op": "hello", "from": self.me, "token": self.spec.token, "role": "push",
-                             "shard": list(d.flow.shard) if d.flow.shard else None,
-                             "flow": self.plan.flows.index(d.flow)}, timeout=self.spec.timeout_s)
-            reply, _ = await conn.recv(timeout=self.spec.timeout_s, max_payload=0)
-            if reply.get("op") != "welcome":
-                raise TransportError(f"{d.flow.dst} refused: {reply.get('message')}")
-            while (item := await d.queue.get()) is not None:
-                header, payload = item
-                t0 = time.monotonic()
-                sent += len(payload)
-                await self._send_faulty(conn, header, payload, sent)
-                if rate and len(payload):  # test-only throttle to make transfers observable
-                    await asyncio.sleep(max(0.0, len(payload) / rate - (time.monotonic() - t0)))
-            await conn.send({"op": "end"}, timeout=self.spec.timeout_s)
-            await _close_handshake(conn, self.spec.timeout_s, sent_end=True)
-        except (TransportError, ValueError, TypeError) as e:
-            self._drop(d, f"lost: {e}")
-        finally:
-            if conn is not None:
-                with contextlib.suppress(Exception):
-                    await (conn.abort() if d.abort else conn.close())
-
-    async def _send_faulty(self, conn: Connection, header: Header, payload: bytes | memoryview, sent: int) -> None:
-        """`conn.send`, except for test-only faults of this (source) node: cut or desync its stream."""
-        f = self.faults
-        if f and "cutAfterBytes" in f and sent > int(f["cutAfterBytes"]) and not f.get("_cut"):
-            f["_cut"] = True
-            await conn.close()
-            raise TransportError("fault injection: outbound connection cut")
-        if f and "desyncAfterBytes" in f and sent > int(f["desyncAfterBytes"]) and not f.get("_desync") \
-                and header.get("op") == "chunk" and int(header.get("offset", 0)) >= PREFIX.size:
-            f["_desync"] = True  # a chunk shifted from its place: the receiver's digest must catch it
-            header = {**header, "offset": int(header["offset"]) - PREFIX.size}
-        await conn.send(header, payload, timeout=self.spec.timeout_s)
-
-    async def _connect_retrying(self, host: str, port: int) -> Connection:
-        """Peers start concurrently: retry until the timeout before declaring the peer dead."""
-        deadline = time.monotonic() + self.spec.timeout_s
-        while True:
-            try:
-                return await self.transport.connect(host, port, timeout=self.spec.timeout_s)
-            except TransportError:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.05)
-
-    # -- recovery ----------------------------------------------------------------------------------
-    def _missing_from(self, peer: str, shard: tuple[int, int] | None = None, any_shard: bool = False,
-                      flow: Flow | None = None) -> set[Slot]:
-        out: set[Slot] = set()
-        for f in self.inbound if flow is None else (flow,):
-            if f.src == peer and (any_shard or f.shard == shard):
-                slot = f.shard[0] if f.shard else None
-                for b in f.blocks:
-                    if b not in self.resident and slot not in self.done_slots.get(b, ()):
-                        out.add((b, slot))
-        return out
-
-    def _upstream_lost(self, peer: str, shard: tuple[int, int] | None = None, any_shard: bool = False,
-                       flow: Flow | None = None) -> None:
-        missing = self._missing_from(peer, shard, any_shard, flow) - self._refetching
-        if missing:
-            self._spawn(self._refetch_from_fallbacks(missing), f"re-fetch of {len(missing)} block(s)")
-
-    async def _watchdog(self) -> None:
-        await asyncio.sleep(self.spec.timeout_s)
-        for f in self.inbound:
-            if f.src not in self._connected:
-                log.warning("%s: upstream %s never connected; re-fetching its blocks", self.me, f.src)
-                self._upstream_lost(f.src, any_shard=True)
-
-    async def _refetch(self, slots: set[Slot]) -> None:
-        try:
-            await self._refetch_from_fallbacks(slots)
-        except TransferFailed as e:
-            self._fail(e)
-
-    async def _refetch_from_fallbacks(self, slots: set[Slot]) -> None:
-        """Pull `slots` (whole blocks: simpler and always correct) from the plan's fallback sources."""
-        blocks = sorted({b for b, _ in slots if b not in self.resident}, key=self.plan.model.block_ids.index)
-        if not blocks:
-            return
-        for b in blocks:
-            self._refetched[b] = self._refetched.get(b, 0) + 1
-            if self._refetched[b] > self.max_refetch_per_block:
-                raise TransferFailed(f"{self.me}: block {b!r} still fails after {self.max_refetch_per_block} "
-                                     "re-fetches (every fallback serves a bad copy?)")
-        self._refetching |= slots
-        self.refetches += 1
-        for b in blocks:  # re-fetched blocks arrive whole
-            self.slot_count[b] = 1
-            self.done_slots.pop(b, None)
-        fallbacks = [s for s in self.plan.fallbacks_for(self.me) or tuple(s.id for s in self.plan.sources)
-                     if s in self.spec.peers and s != self.me]
-        # Two rounds: a fallback that was only paused (or busy) past one timeout gets a second chance.
-        for attempt, source in enumerate(fallbacks * 2):
-            if self.error is not None:  # the node failed meanwhile (e.g. a block that never verifies)
-                raise TransferFailed(str(self.error))
-            if attempt == len(fallbacks):
-                await asyncio.sleep(min(1.0, self.spec.timeout_s / 2))
-            host, port = self.spec.peers[source]
-            try:
-                conn = await self.transport.connect(host, port, timeout=self.spec.timeout_s)
-                await conn.send({"op": "hello", "from": self.me, "token": self.spec.token, "role": "pull"}, timeout=self.spec.timeout_s)
-                reply, _ = await conn.recv(timeout=self.spec.timeout_s, max_payload=0)
-                if reply.get("op") != "welcome":
-                    raise TransportError(f"{source} refused: {reply.get('message')}")
-                await conn.send({"op": "pull", "blocks": blocks}, timeout=self.spec.timeout_s)
-                ok = await self._consume(conn, source, pull=True)
-                with contextlib.suppress(TransportError):
-                    await conn.close()
-                if ok and all(b in self.resident for b in blocks):
-                    log.info("%s: re-fetched %d block(s) from %s", self.me, len(blocks), source)
-                    return
-            except TransportError as e:
-                log.warning("%s: fallback %s failed: %s", self.me, source, e)
-        raise TransferFailed(f"{self.me}: no fallback could provide {blocks}")
-
-    async def _serve_pull(self, conn: Connection) -> None:
-        req, _ = await conn.recv(timeout=self.spec.timeout_s, max_payload=0)
-        if req.get("op") != "pull" or not isinstance(req.get("blocks"), list):
-            raise TransportError("expected a pull request")
-        for block in req["blocks"]:
-            have = self.resident.get(str(block))
-            if have is None:
-                await conn.send({"op": "error", "message": f"{self.me} does not hold {block!r}"}, timeout=self.spec.timeout_s)
-                return
-            for off in range(0, have.nbytes, self.spec.chunk_bytes):
-                await conn.send({"op": "chunk", "block": have.id, "shard": None, "offset": off},
-                                have.data[off:off + self.spec.chunk_bytes], timeout=self.spec.timeout_s)
-            await conn.send({"op": "commit", "block": have.id, "shard": None}, timeout=self.spec.timeout_s)
-        await conn.send({"op": "end"}, timeout=self.spec.timeout_s)
-        await _close_handshake(conn, self.spec.timeout_s, sent_end=True)
-
-
-async def _close_handshake(conn: Connection, timeout: float, sent_end: bool) -> None:
-    """Close a stream without losing its tail: UCX may drop messages still in flight when an endpoint
-    closes, so the side that sent `end` waits for the reader's `bye` before closing, and the reader,
-    after its `bye`, waits (briefly) for the sender to close first. Failures here change nothing: every
-    block was already committed or will be re-fetched."""
-    with contextlib.suppress(TransportError, TimeoutError):
-        if sent_end:
-            await conn.recv_header(timeout=timeout)  # the reader's bye (or its close)
-        else:
-            await conn.send({"op": "bye"}, timeout=timeout)
-            await conn.recv_header(timeout=min(timeout, 2.0))  # returns once the sender has closed

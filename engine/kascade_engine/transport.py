@@ -8,6 +8,7 @@ Two implementations: asyncio TCP (`transport_tcp`) and UCX through ucxx (`transp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 from collections.abc import Awaitable, Callable
@@ -113,6 +114,19 @@ async def read_frame(conn: Connection, timeout: float | None, max_payload: int =
     if plen:
         await conn.recv_into(memoryview(payload), timeout)
     return header, payload
+
+
+async def close_handshake(conn: Connection, timeout: float, sent_end: bool) -> None:
+    """Close a stream without losing its tail: UCX may drop messages still in flight when an endpoint
+    closes, so the side that sent `end` waits for the reader's `bye` before closing, and the reader,
+    after its `bye`, waits (briefly) for the sender to close first. Failures here change nothing: every
+    block was already committed or will be re-fetched."""
+    with contextlib.suppress(TransportError, TimeoutError):
+        if sent_end:
+            await conn.recv_header(timeout=timeout)  # the reader's bye (or its close)
+        else:
+            await conn.send({"op": "bye"}, timeout=timeout)
+            await conn.recv_header(timeout=min(timeout, 2.0))  # returns once the sender has closed
 
 
 def make_transport(name: str, tls: TlsFiles | None = None) -> Transport:
