@@ -53,7 +53,9 @@ class ModelChoice:
 
 
 # thresholds fit what one CPU engine behind the router carries on a shared 2-core machine (~300-400 tok/s)
-MODELS = {"tiny": ModelChoice("tiny-demo", 8, upper=150, lower=40, transfer_mbps=60),
+# tiny: 30 Mbit/s makes a hop take ~3 s, long enough for the timeline (it polls the API every ~0.5-1 s on a
+# loaded machine) to show the weights in flight; at 60 it sometimes saw the plan only before and after
+MODELS = {"tiny": ModelChoice("tiny-demo", 8, upper=150, lower=40, transfer_mbps=30),
           "smollm": ModelChoice("smollm2-135m", 30, upper=60, lower=15, transfer_mbps=800, prompt_tokens=16,
                                  scale_down_s=8.0)}
 
@@ -161,7 +163,10 @@ class Demo:
     def install(self) -> str:
         assert self.cp is not None
         self.cp.helm("install", "kascade", str(REPO / "charts" / "kascade"), "-n", NS, "--create-namespace",
-                     "--set", "operator.enabled=false", "--set", "pool.enabled=false", "--wait", "--timeout=60s")
+                     # the operator, the pool's engines and the router run as local processes (KWOK runs no
+                     # containers): the chart brings CRDs, RBAC and the engine token
+                     "--set", "operator.enabled=false", "--set", "pool.enabled=false", "--set", "router.enabled=false",
+                     "--wait", "--timeout=120s")
         self.cp.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/modelservices.kascade.io",
                         "crd/scaleplans.kascade.io")
         secret = self.kget("secret", "kascade-engine-token")
