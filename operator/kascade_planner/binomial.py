@@ -44,28 +44,32 @@ def binomial_schedule(order: Sequence[str], n_receivers: int) -> tuple[list[tupl
     d = max(1, math.ceil(math.log2(n_receivers + 1)))
     nodes = n_receivers + 1
     total = len(order)
-    rank = {b: i for i, b in enumerate(order)}
-    held: list[set[str]] = [set(order)] + [set() for _ in range(n_receivers)]
+    # Held blocks as bit masks over positions in `order` (bit i = order[i]): "the first missing block
+    # in order" is the lowest set bit, and a step's snapshot is a list of ints, not of sets.
+    full = (1 << total) - 1
+    held = [full] + [0] * n_receivers
     sends: list[tuple[int, int, int, str]] = []
     step = 0
-    while any(len(h) < total for h in held):
-        snap = [frozenset(h) for h in held]
+    while any(h != full for h in held):
+        snap = held[:]
+        anywhere = 0  # blocks some receiver already holds (the source prefers to inject fresh ones)
+        for h in snap[1:]:
+            anywhere |= h
         sent: set[int] = set()
         recv: set[int] = set()
 
-        def give(x: int, y: int, snap: list[frozenset[str]] = snap, sent: set[int] = sent,
-                 recv: set[int] = recv, step: int = step) -> bool:
-            missing = [b for b in order if b in snap[x] and b not in snap[y]]
+        def give(x: int, y: int, snap: list[int] = snap, sent: set[int] = sent, recv: set[int] = recv,
+                 step: int = step, anywhere: int = anywhere) -> bool:
+            missing = snap[x] & ~snap[y]
             if x == 0:
-                fresh = [b for b in missing if not any(b in h for h in snap[1:])]
-                missing = fresh or missing
+                missing = (missing & ~anywhere) or missing
             if not missing:
                 return False
-            b = min(missing, key=rank.__getitem__)
-            held[y].add(b)
+            i = (missing & -missing).bit_length() - 1
+            held[y] |= 1 << i
             sent.add(x)
             recv.add(y)
-            sends.append((step, x, y, b))
+            sends.append((step, x, y, order[i]))
             return True
 
         dim = step % d
@@ -73,10 +77,12 @@ def binomial_schedule(order: Sequence[str], n_receivers: int) -> tuple[list[tupl
             y = x ^ (1 << dim)
             if 0 < y < nodes and x not in sent and y not in recv:
                 give(x, y)
-        for y in sorted(range(1, nodes), key=lambda z: (len(snap[z]), z)):
-            if y in recv or len(snap[y]) == total:
+        counts = [h.bit_count() for h in snap]
+        richest = sorted(range(nodes), key=lambda z: (-counts[z], z))
+        for y in sorted(range(1, nodes), key=lambda z: (counts[z], z)):
+            if y in recv or counts[y] == total:
                 continue
-            for x in sorted(range(nodes), key=lambda z: (-len(snap[z]), z)):
+            for x in richest:
                 if x != y and x not in sent and give(x, y):
                     break
         step += 1

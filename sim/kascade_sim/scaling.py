@@ -131,10 +131,11 @@ class Scaling:
                 by_id = {i.id: i for i in free_partners}
                 pairs = {t: by_id[s] for s, t in plan.live_pairs if s in by_id}  # one to one
         arrival = dict(predict(plan, self.topo).arrival)
-        joint = max(min(dict(arrival[t.id])[b] for t in targets) for b in self.layout.block_ids)
+        per_target = {t.id: dict(arrival[t.id]) for t in targets}  # block -> arrival, built once per target
+        joint = max(min(per_target[t.id][b] for t in targets) for b in self.layout.block_ids)
         for t in targets:
             t.solo = len(targets) == 1 or self.sys.transfer == "local"
-            blocks = dict(arrival[t.id])
+            blocks = per_target[t.id]
             t.block_times = sorted(now + s for s in blocks.values())
             t.ready_s = t.block_times[-1]
             partner = pairs.get(t.id)

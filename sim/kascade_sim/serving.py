@@ -71,6 +71,8 @@ class Serving:
     def _dispatch(self, m: int, now: float) -> None:
         """Prefilled requests to decoders with room for their whole KV (never past capacity)."""
         q = self.queue[(m, "decode")]
+        if not q:  # the common case (called after every iteration): nothing waits for a decoder
+            return
         decoders = [i for i in self.group[(m, "decode")] if i.accepting]
         while q and decoders:
             r = q[0]
@@ -99,15 +101,16 @@ class Serving:
         self._kick(d, now)
 
     def _kick(self, inst: Instance, now: float) -> None:
-        if inst.busy or not (inst.accepting or inst.state == "draining"):
+        state = inst.state  # the hot path: one read instead of the `accepting` property's two
+        if inst.busy or state not in ("live", "serving", "draining"):
             return
         if inst.chunk_left and not (inst.converted and inst.n_running):
             self._prefill_chunk(inst, now)  # a long prompt's next chunk (decode steps in between)
             return
-        partner = inst.partner if inst.state == "live" else None
-        take = inst.accepting and inst.role != "decode" and (partner is None or partner.debt_s == 0)
+        partner = inst.partner if state == "live" else None
+        take = state != "draining" and inst.role != "decode" and (partner is None or partner.debt_s == 0)
         queue_role = inst.role
-        if not take and self._converts(inst):
+        if not take and self.sys.convertible and self._converts(inst):
             q = self.queue[(inst.model, "prefill")]
             if self.inp[q[0]] > self._chunk_tokens(inst):
                 r = q.popleft()
@@ -117,9 +120,10 @@ class Serving:
                 self._prefill_chunk(inst, now)
                 return
             take, queue_role = True, "prefill"
-        budget = self._chunk_tokens(inst) if queue_role != inst.role else self.spec.max_prefill_tokens
-        dur = inst.next_iteration(now, self.queue[(inst.model, queue_role)], self.inp, self.out, self.spec.cost.prefill_s,
-                                  self.spec.cost.decode_s, budget, self.spec.max_batch, take)
+        spec = self.spec
+        budget = self._chunk_tokens(inst) if queue_role != inst.role else spec.max_prefill_tokens
+        dur = inst.next_iteration(now, self.queue[(inst.model, queue_role)], self.inp, self.out, self._prefill_s,
+                                  self._decode_s, budget, spec.max_batch, take)
         inst.converted = queue_role != inst.role and bool(inst.batch)
         if inst.converted:
             self.converted_prefills += len(inst.batch)

@@ -54,6 +54,7 @@ class Simulation(Scaling, Serving, Autoscaler):
         self.topo = hw.topology()
         self.layout = spec.layout()
         self.kv_cap = spec.kv_capacity_tokens(hw)
+        self._prefill_s, self._decode_s = spec.cost.prefill_s, spec.cost.decode_s  # bound once, called per iteration
         self.models = wl.models
         # A request longer than the context (or than one instance's KV) is clipped, as an engine would
         # refuse it: the prompt keeps room for one output token.
