@@ -296,7 +296,7 @@ def test_scale_from_zero_through_the_router(control_plane: ControlPlane, crds: l
         doc = msvc(ckpt, 0, 2, upper=1e9, lower=0)
         doc["spec"]["scaling"]["idleReleaseSeconds"] = 3
         cp.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(doc))
-        url = wait_for(lambda: (get(cp, ns, "msvc", "svc").get("status") or {}).get("url"), 30, "status.url")
+        url = wait_for(lambda: (get(cp, ns, "msvc", "svc").get("status") or {}).get("url"), 120, "status.url (the operator process starting)")
         assert url == router.url + "/v1"
         time.sleep(1.0)
         assert get(cp, ns, "pods", "-l", "kascade.io/model-service=svc")["items"] == []  # min 0, no demand
