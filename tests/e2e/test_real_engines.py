@@ -110,7 +110,7 @@ def live_split(pool: EnginePool, name: str) -> float:
 def serve_first_copy(cp: ControlPlane, ns: str, doc: dict[str, Any]) -> str:
     """Apply the ModelService and wait until its first copy (loaded from the source path) serves."""
     cp.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(doc))
-    first = wait_for(lambda: loaded(cp, ns), 90, "the first copy loaded from spec.model.source.path")
+    first = wait_for(lambda: loaded(cp, ns), 180, "the first copy loaded from spec.model.source.path")
     assert len(first) == 1
     return str(first[0]["metadata"]["name"])
 
@@ -296,7 +296,7 @@ def test_scale_from_zero_through_the_router(control_plane: ControlPlane, crds: l
         doc = msvc(ckpt, 0, 2, upper=1e9, lower=0)
         doc["spec"]["scaling"]["idleReleaseSeconds"] = 3
         cp.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(doc))
-        url = wait_for(lambda: (get(cp, ns, "msvc", "svc").get("status") or {}).get("url"), 120, "status.url (the operator process starting)")
+        url = wait_for(lambda: (get(cp, ns, "msvc", "svc").get("status") or {}).get("url"), 180, "status.url (the operator process starting)")
         assert url == router.url + "/v1"
         time.sleep(1.0)
         assert get(cp, ns, "pods", "-l", "kascade.io/model-service=svc")["items"] == []  # min 0, no demand
