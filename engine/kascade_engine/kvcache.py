@@ -6,7 +6,7 @@ offset; page tables come from pages.PagePool). Memory is `torch.empty` (the OS m
 except slot 0, which stays zero: gathers pad with it, so padded keys are finite and masked out.
 
 Data flow per step: block tables + (start, n) per sequence -> `build_batch` -> positions, write slots,
-attention groups (all decodes in one group: one SDPA call for the batch; each prefill chunk its own)
+attention groups (all decodes in one SDPA call, all prefill chunks padded into another)
 -> `LlamaModel.run_layers` writes each layer's new K/V with `write` and reads the group's context with
 `gather`. A live split (live.py) keeps each side's KV in a private growable cache (`SequenceKV`): the
 loading engine B holds layers 0..k-1, the full engine A layers k..L-1, and neither cache ever moves.
@@ -61,13 +61,21 @@ class KVCache:
 
 @dataclass
 class AttnGroup:
-    """Queries rows[0]..rows[1] (B sequences x q_len tokens each) attend to `index` under `mask`."""
+    """`batch` sequences x `q_len` query slots (shorter chunks padded) attend to `index` under `mask`.
+
+    `src` [batch * q_len] picks each query slot's row of the step's flat [N] tokens (padding repeats a
+    real row; its output is dropped); `keep` are the slots holding real tokens and `dest` their rows in
+    the flat output. When the group is exactly rows `rows[0]..rows[1]` in order with no padding, `src`,
+    `keep` and `dest` are None and the rows are sliced instead (all decodes, or one prefill chunk)."""
 
     rows: tuple[int, int]
     batch: int
     q_len: int
     index: torch.Tensor  # [B, C] slot ids
     mask: torch.Tensor  # [B, 1, q_len, C] True = attend
+    src: torch.Tensor | None = None
+    keep: torch.Tensor | None = None
+    dest: torch.Tensor | None = None
 
 
 @dataclass
@@ -83,38 +91,51 @@ def _slots(table: list[int], start: int, n: int, page_size: int) -> list[int]:
     return [table[p // page_size] * page_size + p % page_size for p in range(start, start + n)]
 
 
+def _group(members: list[tuple[int, list[int], int, int]], page_size: int, dev: torch.device) -> AttnGroup:
+    """One SDPA call for `members` (first flat row, block table, start, n): queries padded to the
+    longest chunk, keys to the longest context (padding keys read the zero slot and are masked)."""
+    B, Q = len(members), max(n for _, _, _, n in members)
+    C = max(start + n for _, _, start, n in members)
+    P = -(-C // page_size)
+    tables = torch.tensor([t[:P] + [0] * (P - len(t[:P])) for _, t, _, _ in members], dtype=torch.long, device=dev)
+    starts = torch.tensor([start for _, _, start, _ in members], dtype=torch.long, device=dev)
+    ns = torch.tensor([n for _, _, _, n in members], dtype=torch.long, device=dev)
+    keys = torch.arange(C, dtype=torch.long, device=dev)
+    qs = torch.arange(Q, dtype=torch.long, device=dev)
+    real = qs[None, :] < ns[:, None]  # [B, Q] query slots holding a token
+    # causal within the sequence: key position <= the query's position (start + q); padding keys excluded
+    mask = keys[None, None, :] <= (starts[:, None] + qs[None, :])[:, :, None]
+    mask = mask & keys[None, None, :].lt((starts + ns)[:, None, None])  # so a padded slot still sees keys: no NaN
+    valid = keys[None, :] < (starts + ns)[:, None]
+    index = torch.where(valid, tables[:, keys // page_size] * page_size + keys % page_size, 0)
+    first = members[0][0]
+    contiguous = all(row == first + i * Q for i, (row, _, _, n) in enumerate(members)) and bool(real.all())
+    if contiguous:
+        return AttnGroup((first, first + B * Q), B, Q, index, mask.view(B, 1, Q, C))
+    firsts = torch.tensor([row for row, _, _, _ in members], dtype=torch.long, device=dev)
+    src = torch.where(real, firsts[:, None] + qs[None, :], firsts[:, None]).view(-1)
+    keep = real.view(-1).nonzero().view(-1)
+    return AttnGroup((first, first), B, Q, index, mask.view(B, 1, Q, C), src, keep, src.index_select(0, keep))
+
+
 def build_batch(cache: KVCache, items: list[tuple[list[int], int, int]]) -> ForwardBatch:
-    """`items`: (block table, start position, new tokens) per sequence, decodes (n == 1) first."""
+    """`items`: (block table, start position, new tokens) per sequence, in flat row order. Attention
+    runs as at most two SDPA calls per layer: every decode (n == 1) in one, every prefill chunk in
+    the other (padded to the longest chunk), so the call count does not grow with the batch."""
     dev, ps = cache.device, cache.page_size
     positions: list[int] = []
     slots: list[int] = []
+    decodes: list[tuple[int, list[int], int, int]] = []
+    prefills: list[tuple[int, list[int], int, int]] = []
+    row = 0
     for table, start, n in items:
         positions.extend(range(start, start + n))
         slots.extend(_slots(table, start, n, ps))
+        (decodes if n == 1 else prefills).append((row, table, start, n))
+        row += n
     batch = ForwardBatch(cache, torch.tensor(positions, dtype=torch.long, device=dev),
                          torch.tensor(slots, dtype=torch.long, device=dev))
-    decodes = [it for it in items if it[2] == 1]
-    row = 0
-    if decodes:
-        B = len(decodes)
-        lens = torch.tensor([start + 1 for _, start, _ in decodes], dtype=torch.long, device=dev)
-        P = max(len(t) for t, _, _ in decodes)
-        tables = torch.tensor([t + [0] * (P - len(t)) for t, _, _ in decodes], dtype=torch.long, device=dev)
-        C = int(lens.max())
-        keys = torch.arange(C, dtype=torch.long, device=dev)
-        valid = keys[None, :] < lens[:, None]
-        index = torch.where(valid, tables[:, keys // ps] * ps + keys % ps, 0)  # padding -> the zero slot
-        batch.groups.append(AttnGroup((0, B), B, 1, index, valid.view(B, 1, 1, C)))
-        row = B
-    for table, start, n in items:
-        if n == 1:
-            continue
-        C = start + n
-        index = torch.tensor(_slots(table, 0, C, ps), dtype=torch.long, device=dev).view(1, C)
-        q_pos = torch.arange(start, C, device=dev)
-        mask = (torch.arange(C, device=dev)[None, :] <= q_pos[:, None]).view(1, 1, n, C)
-        batch.groups.append(AttnGroup((row, row + n), 1, n, index, mask))
-        row += n
+    batch.groups = [_group(g, ps, dev) for g in (decodes, prefills) if g]
     return batch
 
 

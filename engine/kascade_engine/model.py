@@ -208,13 +208,25 @@ class LlamaModel:
 
     def _attend(self, layer: int, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         s = self.shape
-        N = q.shape[0]
+        N, width = q.shape[0], s.heads * s.head_dim
         gqa = s.heads != s.kv_heads
-        outs = []
+        flat = q.reshape(N, width)
+        out: torch.Tensor | None = None
         for g in batch.groups:
-            r0, r1 = g.rows
             k, v = batch.cache.gather(layer, g.index)
-            qg = q[r0:r1].view(g.batch, g.q_len, s.heads, s.head_dim).transpose(1, 2)
+            r0, r1 = g.rows
+            qg = flat[r0:r1] if g.src is None else flat.index_select(0, g.src)
+            qg = qg.view(g.batch, g.q_len, s.heads, s.head_dim).transpose(1, 2)
             o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, enable_gqa=gqa)
-            outs.append(o.transpose(1, 2).reshape(r1 - r0, s.heads * s.head_dim))
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0).view(N, s.heads * s.head_dim)
+            o = o.transpose(1, 2).reshape(g.batch * g.q_len, width)
+            if g.src is None and r1 - r0 == N:
+                return o  # one group covers the whole step (all decodes, or one prefill)
+            if out is None:
+                out = torch.empty(N, width, dtype=o.dtype, device=o.device)
+            if g.src is None:
+                out[r0:r1] = o
+            else:
+                assert g.keep is not None and g.dest is not None
+                out.index_copy_(0, g.dest, o.index_select(0, g.keep))
+        assert out is not None, "a step with tokens has at least one attention group"
+        return out

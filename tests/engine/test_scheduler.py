@@ -131,3 +131,38 @@ def test_no_tensor_lands_on_a_default_device(tiny_blocks) -> None:  # type: igno
     finally:
         torch.set_default_device(None)
     assert got == want
+
+
+def test_prefill_chunks_of_a_step_share_one_attention_call(tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    """Prefill chunks of different lengths and starts (plus decodes) run as two SDPA groups per layer,
+    and every token's hidden state equals the one its sequence computes alone."""
+    from kascade_engine.kvcache import KVCache, build_batch
+
+    m = _model(tiny_blocks)
+    s = m.shape
+
+    def cache() -> KVCache:
+        return KVCache(s.layers, 32, 4, s.kv_heads, s.head_dim, m.dtype, m.device)
+
+    def run(c: KVCache, chunks: list[tuple[list[int], int, list[int]]]) -> tuple[torch.Tensor, int]:
+        batch = build_batch(c, [(table, start, len(ids)) for table, start, ids in chunks])
+        ids = torch.tensor([t for _, _, toks in chunks for t in toks], dtype=torch.long)
+        return m.run_layers(0, s.layers, m.embed(ids), batch), len(batch.groups)
+
+    toks = {"a": list(range(10, 21)), "b": [5, 6, 7, 8, 9], "c": [300, 301, 302], "d": [7, 8]}
+    tables = {"a": [1, 2, 3, 4], "b": [5, 6], "c": [7, 8], "d": [9, 10]}  # 4 slots per page
+    # step 1: d's whole prompt, a's first chunk, b and c whole; step 2: d and b decode, a's second chunk
+    steps = [[("d", 0, 2), ("a", 0, 6), ("b", 0, 5), ("c", 0, 3)], [("d", 2, 1), ("b", 5, 1), ("a", 6, 5)]]
+    toks["d"].append(11)
+    toks["b"].append(12)
+    shared = cache()
+    alone = {k: cache() for k in toks}
+    for step in steps:
+        chunks = [(tables[k], start, toks[k][start:start + n]) for k, start, n in step]
+        got, groups = run(shared, chunks)
+        assert groups == len({n == 1 for _, _, n in step})  # decodes in one call, prefills in one
+        row = 0
+        for (k, start, n), (table, _, ids) in zip(step, chunks, strict=True):
+            want, _ = run(alone[k], [(table, start, ids)])
+            torch.testing.assert_close(got[row:row + n], want, rtol=1e-4, atol=1e-4)  # GEMM rounding
+            row += n
