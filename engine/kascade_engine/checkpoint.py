@@ -73,9 +73,10 @@ FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3")
 
 
 def tiny_model(out: Path, family: str = "llama", layers: int = 4, hidden: int = 64, vocab: int = 512, seed: int = 0,
-               kv_heads: int = 2, tie: bool = False, shard_bytes: int | None = None) -> Path:
+               kv_heads: int = 2, tie: bool = False, shard_bytes: int | None = None, window: int | None = None) -> Path:
     """A random model of one family (transformers builds it offline in milliseconds) saved as a real
-    Hugging Face checkpoint; `shard_bytes` splits it into shards with model.safetensors.index.json."""
+    Hugging Face checkpoint; `shard_bytes` splits it into shards with model.safetensors.index.json;
+    `window` sets a sliding attention window (Mistral: every layer; Qwen2: layers >= 1)."""
     import torch
     import transformers as tf
 
@@ -91,9 +92,10 @@ def tiny_model(out: Path, family: str = "llama", layers: int = 4, hidden: int = 
         cfg = tf.LlamaConfig(**common, rope_parameters=rope)
         model = tf.LlamaForCausalLM(cfg)
     elif family == "mistral":
-        model = tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=None))
+        model = tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=window))
     elif family == "qwen2":
-        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common))
+        sliding = {"use_sliding_window": True, "sliding_window": window, "max_window_layers": 1} if window else {}
+        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, **sliding))
     elif family == "qwen3":  # head_dim independent of hidden / heads, as in real Qwen3
         model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=32))
     else:

@@ -3,12 +3,14 @@ are. All are Llama-shaped decoders (RMSNorm, rotary embeddings, grouped-query at
 they differ in a few switches:
 
   LlamaForCausalLM    Llama 2/3 (llama3 or linear rope scaling), SmolLM2; `attention_bias` adds q/k/v/o bias
-  MistralForCausalLM  as Llama (sliding_window is not applied: exact only for contexts within the window)
+  MistralForCausalLM  as Llama, plus `sliding_window` (every layer attends to the last W positions only)
   Qwen2ForCausalLM    Qwen2/2.5: q/k/v bias
   Qwen3ForCausalLM    q/k RMSNorm per head (`self_attn.q_norm`, `k_norm`) before rotary
+  (Qwen2/3 with `use_sliding_window`: the window applies to the layers `layer_types` marks sliding, or
+  to layers >= `max_window_layers`, as transformers does)
 
 Data flow: config.json -> `family_of(cfg)` (an unsupported architecture or setting is refused, naming
-it) -> `expected_shapes(cfg)` (every tensor name with its shape; packing checks the checkpoint against
+it) -> `sliding_windows(cfg)` (per layer: attention window or None) -> `expected_shapes(cfg)` (every tensor name with its shape; packing checks the checkpoint against
 it) and `rope_params(cfg)` (rotary base and scaling, which the model turns into frequencies).
 """
 
@@ -114,3 +116,26 @@ def rope_params(cfg: Mapping[str, Any]) -> dict[str, Any]:
         raise FamilyError(f"config field 'rope_scaling': rope type {kind!r} is not supported (default, llama3, linear)")
     p["rope_type"] = kind
     return p
+
+
+def sliding_windows(cfg: Mapping[str, Any]) -> tuple[int | None, ...]:
+    """Per layer, how many most recent positions (the query's own included) a query attends to, or
+    None for full causal attention; transformers' rule: key j is visible to query i iff i - W < j <= i."""
+    fam, layers = family_of(cfg), _int(cfg, "num_hidden_layers")
+    qwen = fam.name in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    w = cfg.get("sliding_window")
+    if fam.name == "LlamaForCausalLM" or w is None or (qwen and not cfg.get("use_sliding_window")):
+        return (None,) * layers
+    window = _int(cfg, "sliding_window")
+    if not qwen:
+        return (window,) * layers  # Mistral: every layer
+    types = cfg.get("layer_types")
+    if types is None:
+        first = int(cfg.get("max_window_layers") or 0)
+        return tuple(window if i >= first else None for i in range(layers))
+    if not isinstance(types, list) or len(types) != layers:
+        raise FamilyError(f"field 'layer_types' must list one type per layer ({layers}), got {types!r}")
+    bad = [t for t in types if t not in ("sliding_attention", "full_attention")]
+    if bad:
+        raise FamilyError(f"field 'layer_types': unsupported layer type {bad[0]!r} (sliding_attention, full_attention)")
+    return tuple(window if t == "sliding_attention" else None for t in types)

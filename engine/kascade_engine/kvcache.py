@@ -73,9 +73,23 @@ class AttnGroup:
     q_len: int
     index: torch.Tensor  # [B, C] slot ids
     mask: torch.Tensor  # [B, 1, q_len, C] True = attend
+    qpos: torch.Tensor  # [B, q_len] position of each query slot
     src: torch.Tensor | None = None
     keep: torch.Tensor | None = None
     dest: torch.Tensor | None = None
+    _windowed: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        """The causal mask, narrowed to the last `window` positions per query (sliding-window layers);
+        built once per step and window, shared by every layer with that window."""
+        if window is None:
+            return self.mask
+        m = self._windowed.get(window)
+        if m is None:
+            keys = torch.arange(self.mask.shape[-1], dtype=torch.long, device=self.mask.device)
+            recent = keys[None, None, :] > (self.qpos[:, :, None] - window)  # [B, q_len, C]
+            m = self._windowed[window] = self.mask & recent[:, None]
+        return m
 
 
 @dataclass
@@ -103,19 +117,19 @@ def _group(members: list[tuple[int, list[int], int, int]], page_size: int, dev: 
     keys = torch.arange(C, dtype=torch.long, device=dev)
     qs = torch.arange(Q, dtype=torch.long, device=dev)
     real = qs[None, :] < ns[:, None]  # [B, Q] query slots holding a token
-    # causal within the sequence: key position <= the query's position (start + q); padding keys excluded
-    mask = keys[None, None, :] <= (starts[:, None] + qs[None, :])[:, :, None]
-    mask = mask & keys[None, None, :].lt((starts + ns)[:, None, None])  # so a padded slot still sees keys: no NaN
+    # a padded query slot takes its sequence's last position: it sees real keys only, never none (NaN)
+    qpos = starts[:, None] + torch.minimum(qs[None, :], ns[:, None] - 1)
+    mask = keys[None, None, :] <= qpos[:, :, None]  # causal; padding keys lie beyond every query
     valid = keys[None, :] < (starts + ns)[:, None]
     index = torch.where(valid, tables[:, keys // page_size] * page_size + keys % page_size, 0)
     first = members[0][0]
     contiguous = all(row == first + i * Q for i, (row, _, _, n) in enumerate(members)) and bool(real.all())
     if contiguous:
-        return AttnGroup((first, first + B * Q), B, Q, index, mask.view(B, 1, Q, C))
+        return AttnGroup((first, first + B * Q), B, Q, index, mask.view(B, 1, Q, C), qpos)
     firsts = torch.tensor([row for row, _, _, _ in members], dtype=torch.long, device=dev)
     src = torch.where(real, firsts[:, None] + qs[None, :], firsts[:, None]).view(-1)
     keep = real.view(-1).nonzero().view(-1)
-    return AttnGroup((first, first), B, Q, index, mask.view(B, 1, Q, C), src, keep, src.index_select(0, keep))
+    return AttnGroup((first, first), B, Q, index, mask.view(B, 1, Q, C), qpos, src, keep, src.index_select(0, keep))
 
 
 def build_batch(cache: KVCache, items: list[tuple[list[int], int, int]]) -> ForwardBatch:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kascade_engine.families import Family, family_of, head_dim, rope_params
+from kascade_engine.families import Family, family_of, head_dim, rope_params, sliding_windows
 from kascade_engine.kvcache import ForwardBatch, SequenceKV
 
 
@@ -90,6 +90,7 @@ class LlamaModel:
         self.cfg = dict(cfg)
         self.shape = LlamaShape.from_config(cfg)
         self.family: Family = family_of(cfg)
+        self.windows = sliding_windows(cfg)  # per layer: sliding attention window (Mistral) or None
         self.dtype = dtype
         self.device = torch.device(device)
         self.weights: dict[str, dict[str, torch.Tensor]] = {}
@@ -217,7 +218,7 @@ class LlamaModel:
             r0, r1 = g.rows
             qg = flat[r0:r1] if g.src is None else flat.index_select(0, g.src)
             qg = qg.view(g.batch, g.q_len, s.heads, s.head_dim).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask_for(self.windows[layer]), enable_gqa=gqa)
             o = o.transpose(1, 2).reshape(g.batch * g.q_len, width)
             if g.src is None and r1 - r0 == N:
                 return o  # one group covers the whole step (all decodes, or one prefill)

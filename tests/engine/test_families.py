@@ -45,3 +45,48 @@ def test_family_greedy_equals_transformers(tmp_path: Path, family: str, tie: boo
     got = Engine(m, Limits(max_batch_tokens=16, kv_tokens=512, page_size=8)).generate_many(
         PROMPTS, SamplingParams(max_tokens=12))
     assert got == want, family
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_sliding_window_greedy_equals_transformers(tmp_path: Path, family: str) -> None:
+    """A window of 6 positions with 40-token prompts and chunked prefill (chunks cross the window): the
+    engine's greedy tokens equal transformers'; the same weights without the window give other tokens,
+    so the window is what the test checks. Mistral: every layer; Qwen2 (use_sliding_window,
+    max_window_layers 1): layers 1.. only."""
+    import json
+
+    from kascade_engine.families import sliding_windows
+
+    ckpt = tiny_model(tmp_path / family, family, layers=3, window=6)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    assert sliding_windows(cfg) == ((6, 6, 6) if family == "mistral" else (None, 6, 6))
+    blocks = pack_checkpoint(ckpt)
+    prompts = [list(range(100, 140)), [5, 9, 13, 200, 3, 7, 11, 17, 19, 23], [77]]
+    want = _hf_greedy(ckpt, prompts, 12)
+
+    def greedy(cfg: dict[str, object]) -> list[list[int]]:
+        m = LlamaModel(cfg)
+        for b in blocks.blocks.values():
+            m.add_block(b.id, b.tensors())
+        return Engine(m, Limits(max_batch_tokens=16, kv_tokens=512, page_size=4)).generate_many(
+            prompts, SamplingParams(max_tokens=12))
+
+    assert greedy(blocks.config) == want
+    assert greedy({**blocks.config, "sliding_window": None}) != want
+
+
+def test_sliding_window_config_rules() -> None:
+    from kascade_engine.families import FamilyError, sliding_windows
+
+    base = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 3, "sliding_window": 8}
+    assert sliding_windows({**base, "architectures": ["LlamaForCausalLM"]}) == (None,) * 3
+    assert sliding_windows({**base, "architectures": ["MistralForCausalLM"]}) == (8,) * 3
+    qwen = {**base, "architectures": ["Qwen2ForCausalLM"], "max_window_layers": 2}
+    assert sliding_windows(qwen) == (None,) * 3  # use_sliding_window false: full attention, as transformers
+    assert sliding_windows({**qwen, "use_sliding_window": True}) == (None, None, 8)
+    types = ["full_attention", "sliding_attention", "full_attention"]
+    assert sliding_windows({**qwen, "use_sliding_window": True, "layer_types": types}) == (None, 8, None)
+    with pytest.raises(FamilyError, match="layer_types"):
+        sliding_windows({**qwen, "use_sliding_window": True, "layer_types": ["full_attention"]})
+    with pytest.raises(FamilyError, match="sliding_window"):
+        sliding_windows({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 0})
