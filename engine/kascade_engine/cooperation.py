@@ -356,7 +356,10 @@ class PairClient:
             return
 
         async def later() -> None:
-            await hold_until(self.model.resident_prefix, k)
+            if not await hold_until(self.model.resident_prefix, k):  # the load stalled: best effort instead
+                log.warning("request %s: %d layers not resident in time; runs with the %d resident",
+                            rid, k, self.model.resident_prefix())
+                self.want[rid] = self.model.resident_prefix()
             try:
                 submit()
             except Exception as e:

@@ -37,7 +37,12 @@ class ZigZagPolicy:
         return min(self.targets[i], self.setting.layers) if i < len(self.targets) else resident
 
 
-async def hold_until(resident: Callable[[], int], k: int, poll: float = 0.002) -> None:
-    """Wait until `k` layers are resident (blocks land from the loader task on the same loop)."""
+async def hold_until(resident: Callable[[], int], k: int, poll: float = 0.002, limit_s: float = 30.0) -> bool:
+    """Wait until `k` layers are resident (blocks land from the loader task on the same loop); False when
+    they did not within `limit_s` (a stalled load must not hold a request forever)."""
+    deadline = asyncio.get_running_loop().time() + limit_s
     while resident() < k:
+        if asyncio.get_running_loop().time() >= deadline:
+            return False
         await asyncio.sleep(poll)
+    return True

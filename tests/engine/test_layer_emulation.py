@@ -25,3 +25,12 @@ def test_bad_emulate_layer_ms_is_named() -> None:
     with pytest.raises(ConfigError, match="--emulate-layer-ms must be in"):
         EngineConfig(Path("."), "m", "t", emulate_layer_ms=-1)
     assert EngineConfig(Path("."), "m", "t", emulate_layer_ms=2.5).emulate_layer_ms == 2.5
+
+
+async def test_a_zigzag_hold_ends_when_the_load_stalls() -> None:
+    """A request ZigZag holds for a prefix that never lands is released (best effort), not held forever."""
+    from kascade_engine.livepolicy import hold_until
+
+    layers = [2]
+    assert await hold_until(lambda: layers[0], 2, limit_s=5.0) is True
+    assert await hold_until(lambda: layers[0], 3, poll=0.01, limit_s=0.05) is False
