@@ -9,7 +9,7 @@ one request alone on one idle engine (TTFT SLO = `--ttft-x` x its TTFT on the lo
 `--tbt-x` x its mean TBT). Setups, with the same number of engine processes:
   colocated      2 colocated engines, power-of-two-choices
   disaggregated  1 prefill + 1 decode engine: the router picks both, KV moves over TCP (loopback)
-  disaggregated_convertible  NOT measured: convertible decoders are not built (reported as null)
+  disaggregated_convertible  NOT measured: nothing converts a decoder during the trace yet (null)
 Link part (needs root + network namespaces): P in namespace h0, D in h1, the link capped with tbf at
 `--link-mbit`; long prompts sent to D naming P -> D's `kascade_kv_link_bytes_per_second` (KV bytes from
 first frame to kv_done) / the tbf rate = `kv_transfer_over_link_rate`. KV leaves as each layer is
@@ -238,7 +238,8 @@ def main() -> None:
             out[mode] = summarize(r, ttft_slo, tbt_slo)
             print(mode, json.dumps(out[mode]), flush=True)
         out["disaggregated_convertible"] = None
-        out["disaggregated_convertible_note"] = "not measured: convertible decoders are not built (issue 18 item 3)"
+        out["disaggregated_convertible_note"] = ("not measured: the engine/router mechanism exists (POST /kascade/v1/convert, "
+                                                  "kascade.io/convertible) but nothing converts a decoder during the trace yet")
         from netlab import available
 
         why = available() if os.geteuid() == 0 else "needs root"

@@ -31,12 +31,14 @@ def pick_pd(backends: Sequence[Backend], rng: random.Random,
     first (the response streams from it), then a prefill engine with a data address by the same rule. A
     service without prefill engines routes as before (prefill None); when every non-prefill replica is
     gone, a prefill engine serves the whole request alone (it can: every engine runs both phases).
-    Convertible decoders (annotated by the operator under a prefill burst) are prefill candidates too,
-    for other decoders' requests; one chosen as the decoder prefills its own request locally."""
+    Convertible decoders (annotated by the operator under a prefill burst) join the prefill candidates,
+    itself included when the chosen decoder is one: the less loaded candidate prefills, so converted
+    decoders absorb prefill only while the prefill engines are busier (picked itself: it prefills locally)."""
     d = pick([b for b in backends if b.role != "prefill"], rng, exclude)
     if d is None:
         return pick(backends, rng, exclude), None
-    prefill = [b for b in backends if b.data and b is not d and (b.role == "prefill" or b.convertible)]
-    if d.role != "decode" or d.convertible or not prefill:
+    prefill = [b for b in backends if b.data and (b.role == "prefill" or b.convertible)]
+    if d.role != "decode" or not prefill or (d.convertible and len(prefill) == 1):
         return d, None
-    return d, pick(prefill, rng)
+    p = pick(prefill, rng)
+    return (d, None) if p is d else (d, p)

@@ -159,6 +159,11 @@ def test_convertible_decoders_take_prefill_for_other_decoders() -> None:
     assert pick_pd([d1, Backend("d2", "h:2", role="decode", data="h:20")], rng, exclude={"d2"}) == (d1, None)
     assert pick_pd([d1, d2], rng, exclude={"d2"}) == (d1, d2)  # the converted decoder prefills for d1
     assert pick_pd([d1, d2], rng, exclude={"d1"}) == (d2, None)  # chosen as the decoder: prefills its own
+    busy = Backend("p", "h:3", role="prefill", data="h:30", in_flight=9)
+    idle = Backend("q", "h:4", role="prefill", data="h:40")
+    assert {pick_pd([d1, d2, busy], rng, exclude={"d2"})[1].pod for _ in range(20)} == {"d2"}  # type: ignore[union-attr]
+    d2.in_flight = 3  # the converted decoder is busier than an idle prefill engine: the engine prefills
+    assert {pick_pd([d1, d2, idle], rng, exclude={"d2"})[1].pod for _ in range(20)} == {"q"}  # type: ignore[union-attr]
     pod = {"metadata": {"name": "p", "namespace": "ns", "labels": {B.MODEL_SERVICE: "s", B.ROLE: "decode"},
                         "annotations": {B.LOADED: "true", B.ENDPOINT: "h:1", B.ACT_ENDPOINT: "h:9",
                                         B.CONVERTIBLE: "true"}},
