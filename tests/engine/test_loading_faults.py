@@ -133,3 +133,18 @@ def test_bad_tls_flags_are_usage_errors_naming_them(tiny_ckpt: Path, tmp_path: P
     r = subprocess.run([*base, "--tls-cert", str(tmp_path / "c.pem"), "--tls-key", str(tmp_path / "k.pem"), "--tls-ca",
                         str(tmp_path / "ca.pem")], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2 and "--tls-ca" in r.stderr and "no such file" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_symlink_loop_in_the_checkpoint_is_a_one_line_error_naming_the_file(tiny_ckpt: Path, tmp_path: Path) -> None:
+    import shutil
+
+    ckpt = tmp_path / "looped"
+    shutil.copytree(tiny_ckpt, ckpt)
+    (ckpt / "a.safetensors").symlink_to("b.safetensors")
+    (ckpt / "b.safetensors").symlink_to("a.safetensors")
+    env = {**os.environ, "KASCADE_ENGINE_TOKEN": "t"}
+    r = subprocess.run([sys.executable, "-m", "kascade_cli.main", "engine", "serve", "--port", "0", "--checkpoint", str(ckpt)],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "Too many levels of symbolic links" in r.stderr and ".safetensors" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
