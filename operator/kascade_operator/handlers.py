@@ -32,7 +32,7 @@ from kascade_operator.engine_client import EngineClient, EngineError
 from kascade_operator.kube import GROUP, VERSION, Conflict, Kube, NotFound, now_iso
 from kascade_operator.metrics import PrometheusSource, Scraper, snapshot
 from kascade_operator.operator_metrics import OperatorMetrics
-from kascade_operator.podtemplate import fallback_pod, refusals
+from kascade_operator.podtemplate import checkpoint_path, fallback_pod, refusals
 from kascade_operator.pool import PodView, drain_patch, owner_ref, service_key, unbind_patch
 from kascade_operator.reconcile import (
     TERMINAL,
@@ -48,6 +48,7 @@ from kascade_operator.reconcile import (
 )
 from kascade_operator.runtime import ALL, Runtime
 from kascade_operator.settings import OperatorSettings
+from kascade_operator.sourcehealth import source_blocker
 from kascade_operator.status import Blocker, invalid_status, keep_transition_times, service_status
 from kascade_operator.validation import semantic_errors
 from kascade_planner import policies as P
@@ -192,6 +193,8 @@ async def _reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) ->
     for action in res.actions:
         blocker = await apply(rt, body, spec, pods, action, decided_at) or blocker
     await serving_gate.sync(rt.kube, pool_ns, await rt.pool_pods(pool_ns))  # readiness gate follows the binding
+    # a source the engines cannot fetch (an hf:// download failed) is the cause to show first
+    blocker = source_blocker(raw_plans, name, checkpoint_path(spec)) or blocker
     status = service_status(key, name, res, pods, plans, gen, blocker)
     if rt.settings.router_url:
         status["url"] = rt.settings.router_url.rstrip("/") + "/v1"

@@ -355,14 +355,32 @@ async def _drop(rt: Runtime, sp: dict[str, Any], p: PodView | None, reason: str,
             except EngineError as e:
                 log.warning("%s", e)
         if p.model_service == key and p.plan == name:
-            try:
-                await rt.kube.patch_pod(pool_ns, p.pod_name, unbind_patch(p, reason if unreachable else None))
-            except (Conflict, NotFound) as e:
-                log.warning("unbinding %s: %s", p.pod_name, e)
+            await _unbind_own(rt, pool_ns, p, key, name, reason if unreachable else None)
     owner = {"metadata": {"name": svc,
                           "uid": next((o["uid"] for o in sp["metadata"].get("ownerReferences") or []), None)}}
     await rt.event(ns, owner, "ModelService", "Warning", "TargetDropped",
                    f"ScalePlan {name}: target {p.pod_name if p else '?'} dropped ({reason}); a new plan will replace it")
+
+
+async def _unbind_own(rt: Runtime, pool_ns: str, p: PodView, key: str, plan: str, unhealthy: str | None) -> None:
+    """Unbind a pod this plan bound. The patch is resourceVersion-guarded and pod status writes
+    (readiness) bump the version every few seconds: on a conflict re-read and retry while the pod is
+    still this plan's (a lost unbind left the pod bound to the service forever, and nothing replanned)."""
+    cur: PodView | None = p
+    for _ in range(8):
+        if cur is None or cur.model_service != key or cur.plan != plan:
+            return
+        try:
+            await rt.kube.patch_pod(pool_ns, cur.pod_name, unbind_patch(cur, unhealthy))
+            return
+        except Conflict:
+            try:
+                cur = pod_view(await rt.kube.get_pod(pool_ns, cur.pod_name))
+            except NotFound:
+                return
+        except NotFound:
+            return
+    log.warning("unbinding %s: still conflicting after 8 tries", p.pod_name)
 
 
 async def _finish(rt: Runtime, sp: dict[str, Any], phase: str, failed: dict[str, str], started: float,

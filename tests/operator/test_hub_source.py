@@ -17,7 +17,10 @@ from kascade_operator.api import ModelServiceSpec
 from kascade_operator.engine_client import EngineClient
 from kascade_operator.handlers import field_errors
 from kascade_operator.podtemplate import checkpoint_path, fallback_pod, refusals
+from kascade_operator.reconcile import reconcile
 from kascade_operator.settings import OperatorSettings
+from kascade_operator.sourcehealth import source_blocker
+from kascade_operator.status import service_status
 
 HF = {"name": "m", "source": {"uri": "hf://HuggingFaceTB/SmolLM2-135M-Instruct@v1"}}
 
@@ -64,3 +67,28 @@ async def test_engine_client_binds_a_hub_source_as_uri() -> None:
     await ec.bind("10.0.0.1:8000", "m", "ns/svc", "colocated", "/models/m")
     await ec.aclose()
     assert seen[0]["source"] == {"uri": "hf://org/m@main"} and seen[1]["source"] == {"path": "/models/m"}
+
+
+def _plan(name: str, phase: str, done: str, source: str, failed: str | None = None) -> dict[str, Any]:
+    return {"metadata": {"name": name, "creationTimestamp": done},
+            "spec": {"modelServiceRef": {"name": "svc"}, "sources": [{"instance": "t", "kind": "host", "path": source}]},
+            "status": {"phase": phase, "completionTime": done,
+                       "targets": [{"instance": "t", **({"failed": failed} if failed else {})}]}}
+
+
+def test_a_failed_download_stalls_the_service_naming_the_field() -> None:
+    uri = "hf://org/m@main"
+    why = (f"load error: source.uri (spec.model.source.uri): {uri} from http://hub: the Hub rejected HF_TOKEN "
+           "(HTTP 401: Invalid credentials in Authorization header)")
+    failed = _plan("svc-a", "Failed", "2026-01-01T00:00:02Z", uri, why)
+    b = source_blocker([failed], "svc", uri)
+    assert b is not None and b.reason == "SourceUnavailable"
+    assert b.message.startswith("spec.model.source.uri: ") and "HTTP 401" in b.message and "svc-a" in b.message
+    st = service_status("svc", "svc", reconcile("svc", spec(model=HF), [], []), [], [], 1, b)
+    stalled = next(c for c in st["conditions"] if c["type"] == "Stalled")
+    assert stalled["status"] == "True" and "spec.model.source.uri" in stalled["message"]
+    # a later success from the same source, another source, or a failure that is not the source's: no blocker
+    assert source_blocker([failed, _plan("svc-b", "Succeeded", "2026-01-01T00:00:03Z", uri)], "svc", uri) is None
+    assert source_blocker([failed], "svc", "hf://org/other") is None
+    assert source_blocker([_plan("svc-c", "Failed", "2026-01-01T00:00:04Z", uri, "pod x was deleted")], "svc",
+                          uri) is None
