@@ -8,6 +8,8 @@ replacement and serves exactly again; as blocks complete, receiver 1 dissolves i
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -22,6 +24,18 @@ from kascade_engine.transport_tcp import TcpTransport
 from kascade_planner.engine_api import CooperateRequest
 
 PROMPTS = [[11, 42, 7, 300, 5], [1, 2, 3], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 17]]
+
+
+@pytest.fixture(autouse=True)
+async def _threads_per_engine() -> AsyncIterator[None]:
+    """Four engine instances share this process's default executor here (in production each engine is
+    its own process with its own). With asyncio's default 6 workers on 2 cores, steps still blocked on
+    the dead receiver could leave the spare's step no worker: the re-formed pipeline then hung until
+    the transport timeout (3 of 14 runs under load)."""
+    ex = ThreadPoolExecutor(max_workers=32, thread_name_prefix="engines")
+    asyncio.get_running_loop().set_default_executor(ex)
+    yield
+    ex.shutdown(wait=False, cancel_futures=True)
 
 
 def _receiver(tiny_ckpt: Any, blocks: Any, ids: list[str], name: str) -> EngineInstance:
