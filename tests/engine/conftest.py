@@ -15,6 +15,8 @@ import pytest
 from kascade_engine.blocks import pack_checkpoint
 from kascade_engine.checkpoint import tiny_llama
 
+sys.path.insert(0, str(Path(__file__).parent))  # splitref.py: shared by the split-execution tests
+
 
 @dataclass
 class EngineProc:

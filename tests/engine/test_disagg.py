@@ -10,12 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from splitref import collect, unsplit  # type: ignore[import-not-found]
 
 from kascade_engine.config import EngineConfig
-from kascade_engine.engine import Engine
 from kascade_engine.instance import EngineInstance
 from kascade_engine.kv_wire import KVShape, kv_header
-from kascade_engine.model import LlamaModel
 from kascade_engine.sampling import SamplingParams
 from kascade_engine.tokenizer import ByteTokenizer
 from kascade_engine.transport import Connection
@@ -30,17 +29,6 @@ def _instance(ckpt: Path, blocks: Any, name: str, batch: int = 64, token: str = 
     cfg = EngineConfig(checkpoint=ckpt, model_name="tiny-llama", token=token, kv_tokens=2048,
                        max_batch_tokens=batch, instance=name)
     return EngineInstance(cfg, blocks.config, ByteTokenizer(), blocks)
-
-
-def _colocated(blocks: Any, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    m = LlamaModel(blocks.config)
-    for b in blocks.blocks.values():
-        m.add_block(b.id, b.tensors())
-    return [Engine(m).generate(p, params) for p in prompts]
-
-
-async def _collect(inst: EngineInstance, rid: str) -> list[int]:
-    return [ev.token async for ev in inst.serving.tokens(rid)]
 
 
 class PD:
@@ -68,9 +56,9 @@ async def _pd(ckpt: Path, blocks: Any, p_batch: int = 64, d_token: str = TOKEN) 
     return PD(p, d, listener)
 
 
-async def test_prefill_on_p_decode_on_d_equals_colocated(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_prefill_on_p_decode_on_d_equalsunsplit(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
     params = SamplingParams(max_tokens=8)
-    want = _colocated(tiny_blocks, PROMPTS, params)
+    want = unsplit(tiny_blocks, PROMPTS, params)
     pd = await _pd(tiny_ckpt, tiny_blocks, p_batch=16)  # chunked on P: the long prompts take several steps
     chunks: list[int] = []
     schedule = pd.d.engine.scheduler.schedule
@@ -83,7 +71,7 @@ async def test_prefill_on_p_decode_on_d_equals_colocated(tiny_ckpt, tiny_blocks)
     pd.d.engine.scheduler.schedule = spy  # type: ignore[method-assign]
     try:
         rids = [pd.d.serving.submit(p, params, prefill=pd.peer) for p in PROMPTS]
-        got = await asyncio.wait_for(asyncio.gather(*(_collect(pd.d, r) for r in rids)), 120)
+        got = await asyncio.wait_for(asyncio.gather(*(collect(pd.d, r) for r in rids)), 120)
         assert got == want
         rp, ps = pd.d.remote_prefill, pd.p.prefill_server
         assert (rp.adopted, rp.fallbacks, ps.requests, ps.refused) == (len(PROMPTS), 0, len(PROMPTS), 0)
@@ -96,7 +84,7 @@ async def test_prefill_on_p_decode_on_d_equals_colocated(tiny_ckpt, tiny_blocks)
         assert pd.d.remote_prefill.pool.handshakes <= len(PROMPTS)  # connections are reused per peer
         # again: every connection is warm now, and the second round is as exact
         rids = [pd.d.serving.submit(p, params, prefill=pd.peer) for p in PROMPTS[:2]]
-        got = await asyncio.wait_for(asyncio.gather(*(_collect(pd.d, r) for r in rids)), 120)
+        got = await asyncio.wait_for(asyncio.gather(*(collect(pd.d, r) for r in rids)), 120)
         assert got == want[:2]
     finally:
         await pd.close()
@@ -125,7 +113,7 @@ async def test_kv_leaves_layer_by_layer_per_chunk(tiny_ckpt, tiny_blocks) -> Non
         L = shape.layers
         want = [(start, layer, part) for start in (0, 16, 32) for layer in range(L) for part in ("k", "v")]
         assert frames == want  # chunk by chunk, and inside each chunk layer by layer in compute order
-        assert h["token"] == _colocated(tiny_blocks, [prompt], SamplingParams(max_tokens=1))[0][0]
+        assert h["token"] == unsplit(tiny_blocks, [prompt], SamplingParams(max_tokens=1))[0][0]
         await conn.close()
     finally:
         await pd.close()
@@ -162,7 +150,7 @@ async def test_failures_fall_back_to_local_prefill_with_the_same_output(tiny_ckp
     """A dead peer, a peer that refuses the hello, and a peer whose KV does not match its digest: every
     request still completes on D with the colocated output, counted as a fallback."""
     params = SamplingParams(max_tokens=6)
-    want = _colocated(tiny_blocks, PROMPTS[:2], params)
+    want = unsplit(tiny_blocks, PROMPTS[:2], params)
     pd = await _pd(tiny_ckpt, tiny_blocks, d_token="wrong-token")  # P refuses D's hello
     shape: KVShape | None = None
 
@@ -188,7 +176,7 @@ async def test_failures_fall_back_to_local_prefill_with_the_same_output(tiny_ckp
     try:
         for peer in (pd.peer, f"127.0.0.1:{bad.port}", f"127.0.0.1:{dead_port}"):
             rids = [pd.d.serving.submit(p, params, prefill=peer) for p in PROMPTS[:2]]
-            got = await asyncio.wait_for(asyncio.gather(*(_collect(pd.d, r) for r in rids)), 120)
+            got = await asyncio.wait_for(asyncio.gather(*(collect(pd.d, r) for r in rids)), 120)
             assert got == want, peer
         assert (pd.d.remote_prefill.adopted, pd.d.remote_prefill.fallbacks) == (0, 6)
         assert pd.p.prefill_server.requests == 0
@@ -200,11 +188,11 @@ async def test_failures_fall_back_to_local_prefill_with_the_same_output(tiny_ckp
 @pytest.mark.parametrize("max_tokens", [1, 2])
 async def test_short_requests_finish_at_the_first_token(tiny_ckpt, tiny_blocks, max_tokens: int) -> None:  # type: ignore[no-untyped-def]
     params = SamplingParams(max_tokens=max_tokens)
-    want = _colocated(tiny_blocks, PROMPTS[:1], params)
+    want = unsplit(tiny_blocks, PROMPTS[:1], params)
     pd = await _pd(tiny_ckpt, tiny_blocks)
     try:
         rid = pd.d.serving.submit(PROMPTS[0], params, prefill=pd.peer)
-        assert await asyncio.wait_for(_collect(pd.d, rid), 60) == want[0]
+        assert await asyncio.wait_for(collect(pd.d, rid), 60) == want[0]
         assert pd.d.engine.scheduler.idle and not pd.d.engine.requests
     finally:
         await pd.close()
@@ -217,7 +205,7 @@ async def test_converted_decoder_prefills_for_another_decoder_within_its_chunk_b
     from kascade_planner.engine_api import ConvertRequest, WireError
 
     params = SamplingParams(max_tokens=6)
-    want = _colocated(tiny_blocks, PROMPTS, params)
+    want = unsplit(tiny_blocks, PROMPTS, params)
     pd = await _pd(tiny_ckpt, tiny_blocks)
     c = pd.p
     c.convert(ConvertRequest(8))
@@ -233,8 +221,8 @@ async def test_converted_decoder_prefills_for_another_decoder_within_its_chunk_b
     try:
         own = [c.serving.submit(p, params) for p in PROMPTS[:2]]  # C's own traffic, decoding meanwhile
         rids = [pd.d.serving.submit(p, params, prefill=pd.peer) for p in PROMPTS]
-        got = await asyncio.wait_for(asyncio.gather(*(_collect(pd.d, r) for r in rids),
-                                                    *(_collect(c, r) for r in own)), 120)
+        got = await asyncio.wait_for(asyncio.gather(*(collect(pd.d, r) for r in rids),
+                                                    *(collect(c, r) for r in own)), 120)
         assert got == want + want[:2]
         assert pd.d.remote_prefill.adopted == len(PROMPTS) and c.prefill_server.requests == len(PROMPTS)
         assert max(chunks) <= 8 and sum(chunks) >= sum(len(p) for p in PROMPTS)

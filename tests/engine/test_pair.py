@@ -11,11 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from splitref import collect, unsplit  # type: ignore[import-not-found]
 
 from kascade_engine.config import EngineConfig
-from kascade_engine.engine import Engine
 from kascade_engine.instance import EngineInstance, InstanceError, Phase
-from kascade_engine.model import LlamaModel
 from kascade_engine.sampling import SamplingParams
 from kascade_engine.tokenizer import ByteTokenizer
 from kascade_engine.transport_tcp import TcpTransport
@@ -28,17 +27,6 @@ def _instance(ckpt: Path, blocks: Any, resident: int | None, name: str) -> Engin
     cfg = EngineConfig(checkpoint=ckpt, model_name="tiny-llama", token="pair-token", kv_tokens=2048,
                        max_batch_tokens=64, instance=name, resident_layers=resident)
     return EngineInstance(cfg, blocks.config, ByteTokenizer(), blocks)
-
-
-def _unsplit(blocks: Any, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    m = LlamaModel(blocks.config)
-    for b in blocks.blocks.values():
-        m.add_block(b.id, b.tensors())
-    return [Engine(m).generate(p, params) for p in prompts]
-
-
-async def _collect(inst: EngineInstance, rid: str) -> list[int]:
-    return [ev.token async for ev in inst.serving.tokens(rid)]
 
 
 class Pair:
@@ -67,7 +55,7 @@ async def _pair(tiny_ckpt: Path, tiny_blocks: Any, resident: int) -> Pair:
 @pytest.mark.parametrize("params", [SamplingParams(max_tokens=6),
                                     SamplingParams(max_tokens=5, temperature=0.8, seed=7)], ids=["greedy", "seeded"])
 async def test_pair_formed_while_a_serves_a_batch_is_exact(tiny_ckpt, tiny_blocks, params) -> None:  # type: ignore[no-untyped-def]
-    want = _unsplit(tiny_blocks, PROMPTS, params)
+    want = unsplit(tiny_blocks, PROMPTS, params)
     assert len({t for w in want for t in w}) > 3  # a degenerate model would make the comparison meaningless
     p = await _pair(tiny_ckpt, tiny_blocks, resident=2)
     try:
@@ -75,14 +63,14 @@ async def test_pair_formed_while_a_serves_a_batch_is_exact(tiny_ckpt, tiny_block
         with pytest.raises(Exception, match="no cooperating peer"):
             b.serving.submit(PROMPTS[0], params)
         a_rids = [a.serving.submit(pr, params) for pr in PROMPTS]  # A is serving a batch ...
-        a_runs = [asyncio.create_task(_collect(a, r)) for r in a_rids]
+        a_runs = [asyncio.create_task(collect(a, r)) for r in a_rids]
         await asyncio.sleep(0)
         await b.set_cooperate(CooperateRequest(p.peer, "besteffort"))  # ... when the pair forms
         assert b.phase is Phase.LIVE and a.finisher.pairs == 1
         b_rids = [b.serving.submit(pr, params) for pr in PROMPTS]
         a_rids2 = [a.serving.submit(pr, params) for pr in PROMPTS[:2]]
-        b_out = await asyncio.gather(*(_collect(b, r) for r in b_rids))
-        a_out = await asyncio.gather(*a_runs, *(_collect(a, r) for r in a_rids2))
+        b_out = await asyncio.gather(*(collect(b, r) for r in b_rids))
+        a_out = await asyncio.gather(*a_runs, *(collect(a, r) for r in a_rids2))
         assert b_out == want
         assert a_out == want + want[:2]
         pc = b.pair
@@ -98,20 +86,20 @@ async def test_pair_formed_while_a_serves_a_batch_is_exact(tiny_ckpt, tiny_block
 
 async def test_split_moves_forward_as_blocks_arrive_and_b_goes_local(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
     params = SamplingParams(max_tokens=8)
-    want = _unsplit(tiny_blocks, PROMPTS[:2], params)
+    want = unsplit(tiny_blocks, PROMPTS[:2], params)
     p = await _pair(tiny_ckpt, tiny_blocks, resident=1)
     try:
         a, b = p.a, p.b
         await b.set_cooperate(CooperateRequest(p.peer, "zigzag"))
         first = b.serving.submit(PROMPTS[0], params)
-        run1 = asyncio.create_task(_collect(b, first))
+        run1 = asyncio.create_task(collect(b, first))
         while not b.pair or first not in b.pair.split:  # type: ignore[operator]
             await asyncio.sleep(0.005)
         assert b.pair.split[first] == 1
         for i in (1, 2):
             b.add_block(tiny_blocks.blocks[f"layer.{i}"])
         second = b.serving.submit(PROMPTS[1], params)
-        run2 = asyncio.create_task(_collect(b, second))
+        run2 = asyncio.create_task(collect(b, second))
         while second not in b.pair.split:
             await asyncio.sleep(0.005)
         assert b.pair.split[second] == 3  # admitted later: the longer prefix; the first keeps k = 1
@@ -122,7 +110,7 @@ async def test_split_moves_forward_as_blocks_arrive_and_b_goes_local(tiny_ckpt, 
         assert b.phase is Phase.SERVING
         pc = b.pair
         sent = pc.steps_sent
-        assert await _collect(b, b.serving.submit(PROMPTS[2], params)) == _unsplit(tiny_blocks, [PROMPTS[2]], params)[0]
+        assert await collect(b, b.serving.submit(PROMPTS[2], params)) == unsplit(tiny_blocks, [PROMPTS[2]], params)[0]
         assert pc.steps_sent <= sent + 1  # fully loaded: runs here (at most one step carries the ends)
         assert b.engine.coop is b.host and a.finisher.connections == 1
     finally:
@@ -157,8 +145,8 @@ async def test_standby_warms_the_pair_connection_so_pairing_pays_no_handshake(ti
         assert b.peers.handshakes == 1 and b.peers.reused == 1 and a.finisher.connections == 1
         await c.set_cooperate(CooperateRequest(p.peer, "zigzag"))  # baseline: pays its handshake now
         assert c.peers.handshakes == 1 and c.peers.reused == 0 and a.finisher.connections == 2
-        want = _unsplit(tiny_blocks, PROMPTS[:3], params)
-        outs = await asyncio.gather(*(_collect(e, e.serving.submit(pr, params)) for e in (b, c) for pr in PROMPTS[:3]))
+        want = unsplit(tiny_blocks, PROMPTS[:3], params)
+        outs = await asyncio.gather(*(collect(e, e.serving.submit(pr, params)) for e in (b, c) for pr in PROMPTS[:3]))
         assert outs == want + want and a.finisher.connections == 2 and a.finisher.pairs == 2
         with pytest.raises(InstanceError, match="cannot reach peer"):
             await c.set_cooperate(CooperateRequest("127.0.0.1:1", "standby"))
@@ -190,7 +178,7 @@ async def test_fig15_engine_follows_the_planners_zigzag(fig15_blocks, ilp: bool)
     predicted = (zigzag_ilp(setting) if ilp else ilp_free(setting)).finish
     params = SamplingParams(max_tokens=1)
     prompts = [[7 * i + j for j in range(6)] for i in range(6)]
-    want = _unsplit(blocks, prompts, params)
+    want = unsplit(blocks, prompts, params)
     p = await _pair(ckpt, blocks, resident=0)
     try:
         b = p.b
@@ -208,7 +196,7 @@ async def test_fig15_engine_follows_the_planners_zigzag(fig15_blocks, ilp: bool)
             b.add_block(blocks.blocks["head"])
 
         async def one(i: int) -> tuple[int, float, list[int]]:
-            out = await _collect(b, b.serving.submit(prompts[i], params))
+            out = await collect(b, b.serving.submit(prompts[i], params))
             return i, (loop.time() - t0) / unit, out
 
         loader = asyncio.create_task(load())

@@ -13,11 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+from splitref import collect, unsplit  # type: ignore[import-not-found]
 
 from kascade_engine.config import EngineConfig
-from kascade_engine.engine import Engine
 from kascade_engine.instance import EngineInstance, Phase
-from kascade_engine.model import LlamaModel
 from kascade_engine.sampling import SamplingParams
 from kascade_engine.tokenizer import ByteTokenizer
 from kascade_engine.transport_tcp import TcpTransport
@@ -48,20 +47,9 @@ def _receiver(tiny_ckpt: Any, blocks: Any, ids: list[str], name: str) -> EngineI
     return inst
 
 
-def _unsplit(blocks: Any, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    m = LlamaModel(blocks.config)
-    for b in blocks.blocks.values():
-        m.add_block(b.id, b.tensors())
-    return Engine(m).generate_many(prompts, params)
-
-
-async def _collect(inst: EngineInstance, rid: str) -> list[int]:
-    return [ev.token async for ev in inst.serving.tokens(rid)]
-
-
 async def test_pipeline_of_three_receivers_serves_exactly_and_survives_a_death(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
     params = SamplingParams(max_tokens=6)
-    want = _unsplit(tiny_blocks, PROMPTS, params)
+    want = unsplit(tiny_blocks, PROMPTS, params)
     r1 = _receiver(tiny_ckpt, tiny_blocks, ["embed", "layer.0", "layer.1"], "r1")
     r2 = _receiver(tiny_ckpt, tiny_blocks, ["layer.2"], "r2")
     r3 = _receiver(tiny_ckpt, tiny_blocks, ["layer.3", "head"], "r3")
@@ -74,7 +62,7 @@ async def test_pipeline_of_three_receivers_serves_exactly_and_survives_a_death(t
         await r2.set_cooperate(CooperateRequest(f"127.0.0.1:{port['r3']}", "pipeline"))
         await r1.set_cooperate(CooperateRequest(f"127.0.0.1:{port['r2']}", "besteffort"))
         assert r1.phase is Phase.LIVE
-        got = await asyncio.gather(*(_collect(r1, r1.serving.submit(p, params)) for p in PROMPTS))
+        got = await asyncio.gather(*(collect(r1, r1.serving.submit(p, params)) for p in PROMPTS))
         assert got == want
         assert r2.host.rows_hosted > 0 and r3.host.rows_hosted == r2.host.rows_hosted  # every row went r1->r2->r3
         assert r2.finisher.connections == 1 and r3.finisher.connections == 1  # one per hop, none per request
@@ -83,7 +71,7 @@ async def test_pipeline_of_three_receivers_serves_exactly_and_survives_a_death(t
         long = SamplingParams(max_tokens=40)
         before = r3.host.steps_hosted
         inflight = [r1.serving.submit(p, long) for p in PROMPTS[:2]]
-        runs = [asyncio.create_task(_collect(r1, r)) for r in inflight]
+        runs = [asyncio.create_task(collect(r1, r)) for r in inflight]
         while r3.host.steps_hosted < before + 2:  # they are mid-generation
             await asyncio.sleep(0.005)
         await listeners[2].close()
@@ -93,7 +81,7 @@ async def test_pipeline_of_three_receivers_serves_exactly_and_survives_a_death(t
         assert all(isinstance(r, Exception) for r in results)
         # the pipeline re-forms around a replacement receiver and serves exactly again
         await r2.set_cooperate(CooperateRequest(f"127.0.0.1:{port['r3-spare']}", "pipeline"))
-        got = await asyncio.gather(*(_collect(r1, r1.serving.submit(p, params)) for p in PROMPTS))
+        got = await asyncio.gather(*(collect(r1, r1.serving.submit(p, params)) for p in PROMPTS))
         assert got == want and spare.host.rows_hosted > 0
 
         # blocks complete: receiver 1 dissolves into an independent replica (no pipeline rows for new requests)
@@ -101,7 +89,7 @@ async def test_pipeline_of_three_receivers_serves_exactly_and_survives_a_death(t
             r1.add_block(tiny_blocks.blocks[bid])
         assert r1.phase is Phase.SERVING
         hosted = r2.host.rows_hosted
-        assert await _collect(r1, r1.serving.submit(PROMPTS[0], params)) == want[0]
+        assert await collect(r1, r1.serving.submit(PROMPTS[0], params)) == want[0]
         assert r2.host.rows_hosted == hosted
     finally:
         for i in insts:
@@ -118,7 +106,7 @@ async def test_middle_receiver_without_a_downstream_refuses_rows(tiny_ckpt, tiny
     try:
         await r1.set_cooperate(CooperateRequest(f"127.0.0.1:{lst.port}", "besteffort"))
         with pytest.raises(Exception, match="layer 3 is not resident here and no pipeline follows"):
-            await _collect(r1, r1.serving.submit(PROMPTS[0], SamplingParams(max_tokens=2)))
+            await collect(r1, r1.serving.submit(PROMPTS[0], SamplingParams(max_tokens=2)))
     finally:
         await r1.close()
         await r2.close()
@@ -130,7 +118,7 @@ async def test_middle_receiver_gaining_layers_keeps_each_sequences_range(tiny_ck
     with layer 3 downstream keeps it there (its KV for layer 3 lives there), a sequence admitted after
     the block landed runs layer 3 in the middle; both are exact."""
     params = SamplingParams(max_tokens=16)
-    want = _unsplit(tiny_blocks, PROMPTS[:2], params)
+    want = unsplit(tiny_blocks, PROMPTS[:2], params)
     r1 = _receiver(tiny_ckpt, tiny_blocks, ["embed", "layer.0", "layer.1"], "r1")
     r2 = _receiver(tiny_ckpt, tiny_blocks, ["layer.2"], "r2")
     r3 = _receiver(tiny_ckpt, tiny_blocks, ["layer.3", "head"], "r3")
@@ -139,11 +127,11 @@ async def test_middle_receiver_gaining_layers_keeps_each_sequences_range(tiny_ck
     try:
         await r2.set_cooperate(CooperateRequest(f"127.0.0.1:{listeners[2].port}", "pipeline"))
         await r1.set_cooperate(CooperateRequest(f"127.0.0.1:{listeners[1].port}", "besteffort"))
-        first = asyncio.create_task(_collect(r1, r1.serving.submit(PROMPTS[0], params)))
+        first = asyncio.create_task(collect(r1, r1.serving.submit(PROMPTS[0], params)))
         while r3.host.steps_hosted < 3:  # the first sequence is decoding through r1 -> r2 -> r3
             await asyncio.sleep(0.005)
         r2.add_block(tiny_blocks.blocks["layer.3"])  # r2 now holds layers 2-3, not the head
-        second = asyncio.create_task(_collect(r1, r1.serving.submit(PROMPTS[1], params)))
+        second = asyncio.create_task(collect(r1, r1.serving.submit(PROMPTS[1], params)))
         while len(r2.host.stops) < 2 and not first.done():  # both sequences have rows on r2
             await asyncio.sleep(0.002)
         stops = sorted(r2.host.stops.values())
