@@ -20,7 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 
 @dataclass(frozen=True)
@@ -186,6 +185,8 @@ def ilp_config(s: PairSetting, gap: float = 0.01) -> tuple[int, ...]:
     """
     if gap < 0:
         raise ValueError(f"gap must be >= 0, got {gap}")
+    # imported here: scipy.optimize costs seconds of start-up on a loaded machine, and only the ILP needs it
+    from scipy.optimize import Bounds, LinearConstraint, milp
     n, L, D = s.batches, s.layers, s.load_ratio
     nv = 3 * n
     cost = np.concatenate([np.zeros(2 * n), np.ones(n)])
