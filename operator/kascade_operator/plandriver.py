@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kascade_operator import labels as L
@@ -85,33 +86,46 @@ def _owner(sp: dict[str, Any], pool_ns: str) -> dict[str, Any] | None:
                 None)
 
 
-async def _label_bound(rt: Runtime, sp: dict[str, Any], p: PodView, role: str) -> bool:
-    """Record a binding the engine accepted: label the pod bound (guarded by resourceVersion; on a
-    conflict re-read and retry). False when the pod is gone or taken meanwhile."""
-    ns, name = sp["metadata"]["namespace"], sp["metadata"]["name"]
-    pool_ns, svc, key = _pool(rt, sp)
-    cur: PodView | None = p
-    # the guard is the resourceVersion, and pod status writes (readiness) bump it every few seconds:
-    # a conflict is normal, re-read and try again a few times before giving the target up
-    for _ in range(8):
-        if cur is None:
-            return False
-        if cur.model_service == key and cur.plan == name:
-            return True
-        if cur.model_service is not None:
-            return False
+GUARDED_TRIES = 8
+
+
+async def _patch_guarded(rt: Runtime, pool_ns: str, p: PodView,
+                         patch_for: Callable[[PodView], dict[str, Any] | None]) -> PodView | None:
+    """Write `patch_for(pod)` (a resourceVersion-guarded patch) and return the pod as written. Pod status
+    writes (readiness) bump the version every few seconds, so a conflict is normal: re-read and ask
+    `patch_for` again, up to GUARDED_TRIES times. `patch_for` returns None when no write is wanted (any
+    more); the pod as last seen is returned then. None: the pod is gone."""
+    cur = p
+    for _ in range(GUARDED_TRIES):
+        patch = patch_for(cur)
+        if patch is None:
+            return cur
         try:
-            await rt.kube.patch_pod(pool_ns, cur.pod_name, bind_patch(cur, svc, role, name, _owner(sp, pool_ns),
-                                                                      ns if pool_ns != ns else None))
-            return True
+            return pod_view(await rt.kube.patch_pod(pool_ns, cur.pod_name, patch))
         except Conflict:
             try:
                 cur = pod_view(await rt.kube.get_pod(pool_ns, cur.pod_name))
             except NotFound:
-                cur = None
+                return None
         except NotFound:
-            cur = None
-    return False
+            return None
+    log.warning("pod %s: still conflicting after %d tries", p.pod_name, GUARDED_TRIES)
+    return cur
+
+
+async def _label_bound(rt: Runtime, sp: dict[str, Any], p: PodView, role: str) -> bool:
+    """Record a binding the engine accepted: label the pod bound. False when the pod is gone or taken
+    meanwhile (or the label could not be written)."""
+    ns, name = sp["metadata"]["namespace"], sp["metadata"]["name"]
+    pool_ns, svc, key = _pool(rt, sp)
+
+    def bind(cur: PodView) -> dict[str, Any] | None:
+        if cur.model_service is not None:  # already ours, or taken by another service
+            return None
+        return bind_patch(cur, svc, role, name, _owner(sp, pool_ns), ns if pool_ns != ns else None)
+
+    cur = await _patch_guarded(rt, pool_ns, p, bind)
+    return cur is not None and cur.model_service == key and cur.plan == name
 
 
 async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | frozenset[str] = frozenset()
@@ -363,24 +377,10 @@ async def _drop(rt: Runtime, sp: dict[str, Any], p: PodView | None, reason: str,
 
 
 async def _unbind_own(rt: Runtime, pool_ns: str, p: PodView, key: str, plan: str, unhealthy: str | None) -> None:
-    """Unbind a pod this plan bound. The patch is resourceVersion-guarded and pod status writes
-    (readiness) bump the version every few seconds: on a conflict re-read and retry while the pod is
-    still this plan's (a lost unbind left the pod bound to the service forever, and nothing replanned)."""
-    cur: PodView | None = p
-    for _ in range(8):
-        if cur is None or cur.model_service != key or cur.plan != plan:
-            return
-        try:
-            await rt.kube.patch_pod(pool_ns, cur.pod_name, unbind_patch(cur, unhealthy))
-            return
-        except Conflict:
-            try:
-                cur = pod_view(await rt.kube.get_pod(pool_ns, cur.pod_name))
-            except NotFound:
-                return
-        except NotFound:
-            return
-    log.warning("unbinding %s: still conflicting after 8 tries", p.pod_name)
+    """Unbind a pod this plan bound, retrying conflicts while the pod is still this plan's (a lost unbind
+    left the pod bound to the service forever, and nothing replanned)."""
+    await _patch_guarded(rt, pool_ns, p, lambda cur: unbind_patch(cur, unhealthy)
+                         if cur.model_service == key and cur.plan == plan else None)
 
 
 async def _finish(rt: Runtime, sp: dict[str, Any], phase: str, failed: dict[str, str], started: float,
