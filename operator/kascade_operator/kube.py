@@ -95,11 +95,8 @@ class Kube:
         return list((await self._json(resp, f"list pods in {ns}")).get("items") or [])
 
     async def get_pod(self, ns: str, name: str) -> dict[str, Any]:
-        try:
-            resp = await self.core.read_namespaced_pod(name, ns, _preload_content=False, _request_timeout=self.t)
-        except ApiException as e:
-            _raise(e, f"pod {ns}/{name}")
-            raise
+        # raw calls (_preload_content=False) never raise on an HTTP status: _json does
+        resp = await self.core.read_namespaced_pod(name, ns, _preload_content=False, _request_timeout=self.t)
         return dict(await self._json(resp, f"pod {ns}/{name}"))
 
     async def list_scaleplans(self, ns: str) -> list[dict[str, Any]]:
@@ -125,22 +122,15 @@ class Kube:
 
     # -- writes ----------------------------------------------------------------------------------
     async def patch_pod(self, ns: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
-        try:
-            resp = await self.core.patch_namespaced_pod(name, ns, patch, _content_type=MERGE, _preload_content=False, _request_timeout=self.t)
-        except ApiException as e:
-            _raise(e, f"pod {ns}/{name}")
-            raise
+        resp = await self.core.patch_namespaced_pod(name, ns, patch, _content_type=MERGE, _preload_content=False,
+                                                    _request_timeout=self.t)
         return dict(await self._json(resp, f"pod {ns}/{name}"))
 
     async def patch_pod_status(self, ns: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
         """Strategic merge on the status subresource: conditions merge by type (the serving gate)."""
-        try:
-            resp = await self.core.patch_namespaced_pod_status(name, ns, patch, _content_type=STRATEGIC,
-                                                               _preload_content=False)
-        except ApiException as e:
-            _raise(e, f"pod {ns}/{name} status")
-            raise
-        return dict(await self._json(resp))
+        resp = await self.core.patch_namespaced_pod_status(name, ns, patch, _content_type=STRATEGIC,
+                                                           _preload_content=False, _request_timeout=self.t)
+        return dict(await self._json(resp, f"pod {ns}/{name} status"))
 
     async def create_pod(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
         resp = await self.core.create_namespaced_pod(ns, body, _preload_content=False, _request_timeout=self.t)
@@ -160,11 +150,8 @@ class Kube:
             _raise(e, f"scaleplan {ns}/{name}")
 
     async def delete_pod(self, ns: str, name: str) -> None:
-        try:
-            await self._done(await self.core.delete_namespaced_pod(name, ns, _preload_content=False,
-                                                                   _request_timeout=self.t), f"pod {ns}/{name}")
-        except ApiException as e:
-            _raise(e, f"pod {ns}/{name}")
+        await self._done(await self.core.delete_namespaced_pod(name, ns, _preload_content=False,
+                                                               _request_timeout=self.t), f"pod {ns}/{name}")
 
     async def patch_scaleplan_status(self, ns: str, name: str, status: dict[str, Any]) -> None:
         await self._patch_status("scaleplans", ns, name, status)
