@@ -10,7 +10,8 @@ load burst on its bound engine; reaction = last target's `bind` call time - the 
 metric crosses the bound (raise + window * upper / load) and, beside it, from the load raise itself.
 Then failover (`failover_s`): two operator replicas with leader election on a Lease (3 s lease, 2 s
 renew deadline, 1 s retry: the chart's default lease is 15 s), the leader SIGKILLed, a scale-up asked at
-the same moment; failover = kill -> the standby's first `bind` call. Then the scale run
+the same moment; failover = kill -> the standby's first `bind` call. Beside it, kopf's own peering with
+the same 3 s lifetime (bench/operator_peering.py: kill -> the standby's kopf handler). Then the scale run
 (bench/operator_scale.py: 2,000 fake GPU nodes, 200 ModelServices; `--quick`: 200 and 20). Writes
 bench/results/operator.json. `--quick`: about a minute.
 """
@@ -29,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from operator_peering import run_peering
 from operator_scale import run_scale
 from report import report
 
@@ -213,6 +215,7 @@ def main() -> None:
     out: dict[str, float | str] = {} if a.scale_only else run(4 if a.quick else a.rounds, a.interval, a.rate_window)
     if not a.scale_only and not a.no_failover:
         out.update(run_failover())
+        out.update(run_peering(3))  # the same 3 s with kopf's peering instead of the Lease: which is faster
     if not a.no_scale:
         with tempfile.TemporaryDirectory(prefix="kascade-bench-scale-") as tmp:
             out.update(run_scale(Path(tmp), _stub_module(), TOKEN, 200 if a.quick else a.scale_nodes,

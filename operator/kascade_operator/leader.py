@@ -8,9 +8,9 @@ update, a drained node) releases the Lease, so a standby leads within one retry 
 waiting out the lease duration.
 
 Uses the election of the official client (kubernetes_asyncio.leaderelection, the Go client's
-algorithm: resourceVersion-guarded Lease updates). kopf's own peering was not used: it is
-priority-based presence rather than a lease, and a dead peer is only noticed after its peering
-lifetime (60 s by default).
+algorithm: resourceVersion-guarded Lease updates). kopf's own peering was measured beside it
+(bench/operator_peering.py, docs/operator.md): about as fast at equal timings, but replicas with one
+priority (one Deployment template) all pause, and a kopf leader is never fenced.
 
 Data flow: OperatorSettings (lease name/namespace/timings, identity) -> `lead_then_run(run)` ->
 waits for the Lease -> `run()` (kopf.operator) until the Lease is lost -> `LeadershipLost`.
