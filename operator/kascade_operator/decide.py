@@ -99,9 +99,11 @@ class Round:
     changes: tuple[RoleDecision, ...]  # the roles whose desired differs from their serving count
 
 
-def decide_roles(spec: ModelServiceSpec, roles: list[RoleInput], trigger: str, now: str = "") -> Round:
-    """The per-role policy loop, pure: a role with a set desired count (scale subresource or per-role
-    `desired`) is that count and the policy stays off for it; otherwise the policy decides."""
+def decide_roles(spec: ModelServiceSpec, roles: list[RoleInput], trigger: str, now: str = "",
+                 sources: Mapping[str, str] | None = None) -> Round:
+    """The per-role policy loop, pure: a role with a set desired count (scale subresource, per-role
+    `desired`, or a ModelServiceRole: `sources` names where it came from) is that count and the policy
+    stays off for it; otherwise the policy decides."""
     from kascade_operator.reconcile import role_bounds, role_want  # reconcile imports nothing from here
 
     bounds = role_bounds(spec)
@@ -111,9 +113,11 @@ def decide_roles(spec: ModelServiceSpec, roles: list[RoleInput], trigger: str, n
         fixed = role_want(spec, r.role, bounds[r.role])
         if fixed is not None:
             want = max(r.lo, min(r.hi, fixed))
-            where = f"spec.replicas.{r.role}.desired" if bounds[r.role].desired is not None else "spec.replicas.desired"
+            where = (sources or {}).get(r.role) or (f"spec.replicas.{r.role}.desired={fixed}"
+                                                     if bounds[r.role].desired is not None
+                                                     else f"spec.replicas.desired={fixed}")
             d = RoleDecision(r.role, r.serving, want, "scaleSubresource",
-                             f"{where}={fixed} (set: the policy is off for this role while it is)", {},
+                             f"{where} (set: the policy is off for this role while it is)", {},
                              P.ScaleState(r.role, r.serving, P.Bounds(r.lo, max(r.hi, 1)), below_since_s=None))
         else:
             d = decide(spec, r.role, r.serving, r.lo, r.hi, r.snap, r.below_since_s)

@@ -24,7 +24,7 @@ import kopf
 from pydantic import ValidationError
 
 from kascade_operator import labels as L
-from kascade_operator import plandriver, serving_gate
+from kascade_operator import plandriver, rolesync, serving_gate
 from kascade_operator.api import ModelServiceSpec
 from kascade_operator.decide import RoleDecision, RoleInput, decide_roles
 from kascade_operator.demand import RouterDemand, zero_rule
@@ -127,6 +127,9 @@ async def _reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) ->
         await _refuse(rt, body, problems)
         return None
     rt.invalid_seen.pop((ns, name), None)
+    # per-role scale handles (ModelServiceRole: HPA/KEDA per role) set the roles' desired counts
+    handles = await rolesync.RoleHandles.read(rt, ns, name, spec.mode)
+    spec, role_sources = handles.apply(spec)
     interval = spec.scaling.interval_seconds if spec.scaling else 1.0
     now = time.monotonic()
     if trigger == "timer" and now - rt.last_round.get((ns, name), -1e9) < interval * 0.95:
@@ -151,7 +154,7 @@ async def _reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) ->
             ready = {p.instance: p.endpoint for p in serving if p.ready and p.endpoint}
             snap = snapshot(await rt.scraper.collect(ready, rkey), now)
         inputs.append(RoleInput(role, len(serving), b.min, b.max, snap, rt.below_since.get(rkey)))
-    rnd = decide_roles(spec, inputs, trigger)
+    rnd = decide_roles(spec, inputs, trigger, sources=role_sources)
     bounds = role_bounds(spec)
     desired = dict(rnd.desired)
     release_last: set[str] = set()
@@ -206,6 +209,7 @@ async def _reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) ->
         # unchanged status is not written: at a sub-second interval every write is a watch event for
         # every ModelService watcher, and the API server is the record, not the fast path
         await rt.kube.patch_modelservice_status(ns, name, status)
+    await handles.write(rt, ns, spec, status["selector"], res.roles)
     await prune_history(rt, ns, name, raw_plans, spec.scale_plan_history_limit)
     rt.metrics.reconcile.labels(trigger).observe(time.perf_counter() - t0)
     return res
@@ -328,6 +332,7 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
     op_settings = settings  # kopf passes its own `settings` to the startup handler
     ms = dict(group=GROUP, version=VERSION, plural="modelservices", registry=reg)
     splan = dict(group=GROUP, version=VERSION, plural="scaleplans", registry=reg)
+    mrole = dict(group=GROUP, version=VERSION, plural="modelserviceroles", registry=reg)
 
     @kopf.on.startup(registry=reg)
     async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
@@ -381,13 +386,24 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
                       "status": {"allocatable": dict(status.get("allocatable") or {}),
                                  "capacity": dict(status.get("capacity") or {})}}}
 
+    @kopf.index(**mrole, id="role_objects")
+    def role_objects(namespace: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
+        return {namespace: {"metadata": dict(body["metadata"]), "spec": dict(body.get("spec") or {}),
+                            "status": dict(body.get("status") or {})}}
+
     def rt_of(memo: kopf.Memo, kw: dict[str, Any]) -> Runtime:
         rt: Runtime = memo.rt
         if rt.pod_index is None:
             if "pool_pods" not in kw:
                 raise kopf.PermanentError("kopf did not pass the pool_pods index; handlers cannot read state")
-            rt.attach(kw["pool_pods"], kw["scaleplans"], kw["gpu_nodes"])
+            rt.attach(kw["pool_pods"], kw["scaleplans"], kw["gpu_nodes"], kw.get("role_objects"))
         return rt
+
+    @kopf.on.resume(**mrole)
+    @kopf.on.create(**mrole)
+    @kopf.on.update(**mrole)
+    async def on_role_object(body: kopf.Body, memo: kopf.Memo, **kw: Any) -> None:
+        await rolesync.orphan(rt_of(memo, kw), dict(body))  # one whose ModelService exists: its rounds
 
     @kopf.on.resume(**ms)
     @kopf.on.create(**ms)

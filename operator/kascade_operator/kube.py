@@ -103,6 +103,19 @@ class Kube:
         doc = await self.custom.list_namespaced_custom_object(GROUP, VERSION, ns, "scaleplans", _request_timeout=self.t)
         return list(doc.get("items") or [])
 
+    async def list_modelserviceroles(self, ns: str) -> list[dict[str, Any]]:
+        doc = await self.custom.list_namespaced_custom_object(GROUP, VERSION, ns, "modelserviceroles",
+                                                              _request_timeout=self.t)
+        return list(doc.get("items") or [])
+
+    async def get_modelservice(self, ns: str, name: str) -> dict[str, Any]:
+        try:
+            return dict(await self.custom.get_namespaced_custom_object(GROUP, VERSION, ns, "modelservices", name,
+                                                                       _request_timeout=self.t))
+        except ApiException as e:
+            _raise(e, f"modelservice {ns}/{name}")
+            raise
+
     async def get_scaleplan(self, ns: str, name: str) -> dict[str, Any]:
         try:
             return dict(await self.custom.get_namespaced_custom_object(GROUP, VERSION, ns, "scaleplans", name, _request_timeout=self.t))
@@ -158,6 +171,9 @@ class Kube:
 
     async def patch_modelservice_status(self, ns: str, name: str, status: dict[str, Any]) -> None:
         await self._patch_status("modelservices", ns, name, status)
+
+    async def patch_modelservicerole_status(self, ns: str, name: str, status: dict[str, Any]) -> None:
+        await self._patch_status("modelserviceroles", ns, name, status)
 
     async def _patch_status(self, plural: str, ns: str, name: str, status: dict[str, Any]) -> None:
         try:

@@ -60,14 +60,15 @@ class Runtime:
     pod_index: Mapping[Any, Any] | None = None
     plan_index: Mapping[Any, Any] | None = None
     node_index: Mapping[Any, Any] | None = None
+    role_index: Mapping[Any, Any] | None = None  # ModelServiceRole objects by namespace
     router: RouterDemand | None = None  # the router's demand per ModelService (settings.router_url)
     last_busy: dict[tuple[str, str, str], float] = field(default_factory=dict)  # last request/token seen
 
     def attach(self, pods: Mapping[Any, Any] | None, plans: Mapping[Any, Any] | None,
-               nodes: Mapping[Any, Any] | None) -> None:
+               nodes: Mapping[Any, Any] | None, roles: Mapping[Any, Any] | None = None) -> None:
         """Adopt kopf's indexes (the same objects for the operator's lifetime)."""
         if self.pod_index is None:
-            self.pod_index, self.plan_index, self.node_index = pods, plans, nodes
+            self.pod_index, self.plan_index, self.node_index, self.role_index = pods, plans, nodes, roles
 
     async def nodes(self) -> list[dict[str, Any]]:
         if self.node_index is not None:
@@ -170,6 +171,12 @@ class Runtime:
         if self.plan_index is not None:
             return list(self.plan_index.get(ns, ()))
         return await self.kube.list_scaleplans(ns)
+
+    async def role_objects(self, ns: str) -> list[dict[str, Any]]:
+        """The ModelServiceRole objects of the namespace (per-role scale handles)."""
+        if self.role_index is not None:
+            return list(self.role_index.get(ns, ()))
+        return await self.kube.list_modelserviceroles(ns)
 
     def plan_namespaces(self) -> list[str]:
         """Namespaces holding ScalePlans (from the index; empty without it)."""

@@ -67,6 +67,15 @@ class FakeKube:
             raise NotFound(f"pod {ns}/{name}: not found")
         return copy.deepcopy(self.pods[(ns, name)])
 
+    async def list_modelserviceroles(self, ns: str) -> list[dict[str, Any]]:
+        return [copy.deepcopy(o) for (n, _), o in getattr(self, "roles", {}).items() if n == ns]
+
+    async def patch_modelservicerole_status(self, ns: str, name: str, status: dict[str, Any]) -> None:
+        roles = getattr(self, "roles", {})
+        if (ns, name) not in roles:
+            raise NotFound(f"modelservicerole {ns}/{name}")
+        roles[(ns, name)]["status"] = merge(roles[(ns, name)].get("status") or {}, status)
+
     async def list_scaleplans(self, ns: str) -> list[dict[str, Any]]:
         return [copy.deepcopy(p) for (n, _), p in self.plans.items() if n == ns]
 

@@ -211,3 +211,19 @@ async def test_a_lost_bind_label_is_written_again_and_the_plan_finishes(world: A
     assert [p["metadata"]["name"] for p in bound_pods(kube)] == [pod["metadata"]["name"]]
     assert kube.plans[(NS, sp["metadata"]["name"])]["status"]["phase"] == "Succeeded"
     assert stub.count("bind") == 1  # the engine is not told twice
+
+
+async def test_a_role_object_sets_its_roles_count_and_gets_its_status(world: Any) -> None:
+    rt, kube, _ = world
+    kube.roles = {(NS, "svc-prefill"): {"metadata": {"name": "svc-prefill", "namespace": NS, "generation": 4,
+                                                     "creationTimestamp": "2026-01-01T00:00:00Z"},
+                                        "spec": {"modelServiceRef": {"name": "svc"}, "role": "prefill", "replicas": 2}}}
+    body = service(mode="disaggregated", replicas={"prefill": {"min": 0, "max": 2}, "decode": {"min": 1, "max": 1}})
+    await reconcile_service(rt, body, "create")
+    targets = {sp["spec"]["role"]: len(sp["spec"]["targets"]) for sp in kube.plans.values()}
+    assert targets == {"prefill": 2, "decode": 1}  # without the object, prefill (min 0, no load) stays at 0
+    st = kube.roles[(NS, "svc-prefill")]["status"]
+    assert st["selector"] == "kascade.io/model-service=svc,kascade.io/role=prefill"
+    assert st["effectiveReplicas"] == 2 and st["observedGeneration"] == 4
+    assert {c["type"]: (c["status"], c["reason"]) for c in st["conditions"]} == {
+        "Ready": ("True", "Following"), "Stalled": ("False", "Following")}
