@@ -122,7 +122,9 @@ MAX_NODES = 100_000
 
 def topology_from_nodes(nodes: Iterable[Mapping[str, Any]], keys: LabelKeys = LabelKeys(),
                         inter_leaf_ratio: float = 1.0, nvlink_gbps: float = 1600.0) -> Topology:
-    """Parse Kubernetes Node objects (as dicts). Nodes without GPUs are skipped."""
+    """Parse Kubernetes Node objects (as dicts). Nodes without GPUs are skipped. Every GPU node needs the
+    leaf and NIC labels (a TopologyError names the node and key); without the domain label a node is its
+    own scale-up domain, as in `topology_from_dict`."""
     out = []
     for obj in nodes:
         meta = obj.get("metadata") or {}
@@ -136,7 +138,11 @@ def topology_from_nodes(nodes: Iterable[Mapping[str, Any]], keys: LabelKeys = La
             continue
         labels = meta.get("labels") or {}
         nic = _number(name, f"label {keys.nic_gbps!r}", _label(name, labels, keys.nic_gbps), minimum=1e-9)
-        out.append(Node(name, _label(name, labels, keys.leaf), _label(name, labels, keys.domain), gpus, nic))
+        # No scale-up-domain label: the node is its own NVLink domain (HGX: NVLink inside one node). GPU
+        # feature discovery sets `nvidia.com/gpu.clique` only on multi-node NVLink systems, so a mixed
+        # cluster can point the domain key at it and leave the other nodes unlabelled.
+        domain = labels.get(keys.domain) or name
+        out.append(Node(name, _label(name, labels, keys.leaf), domain, gpus, nic))
     return Topology(tuple(sorted(out, key=lambda n: n.name)), inter_leaf_ratio, nvlink_gbps)
 
 

@@ -78,3 +78,22 @@ def test_leaf_spine_generator() -> None:
     topo = leaf_spine(8, 64, 8)
     assert topo.total_gpus == 4096
     assert len({n.leaf for n in topo.nodes}) == 8
+
+
+def test_nodes_without_a_domain_label_are_their_own_domain() -> None:
+    """GPU feature discovery labels `nvidia.com/gpu.clique` only on multi-node NVLink systems: with the
+    domain key pointed at it, two GB200 trays of one clique share NVLink and an unlabelled HGX node is its
+    own domain (not an error, not a member of another)."""
+    keys = LabelKeys(domain="nvidia.com/gpu.clique")
+    gb = {"kascade.io/leaf": "leaf-a", "kascade.io/nic-gbps": "400"}
+    nodes = [{"metadata": {"name": n, "labels": {**gb, **extra}}, "status": {"allocatable": {"nvidia.com/gpu": "4"}}}
+             for n, extra in (("gb-1", {"nvidia.com/gpu.clique": "c0ffee.1"}), ("gb-2", {"nvidia.com/gpu.clique": "c0ffee.1"}),
+                              ("gb-3", {"nvidia.com/gpu.clique": "c0ffee.2"}), ("hgx-1", {}), ("hgx-2", {}))]
+    topo = topology_from_nodes(nodes, keys, nvlink_gbps=900)
+    assert topo.node("gb-1").domain == topo.node("gb-2").domain == "c0ffee.1"
+    assert topo.node("hgx-1").domain == "hgx-1" and topo.node("hgx-2").domain == "hgx-2"
+    assert topo.bandwidth_gbps("gb-1", "gb-2") == 900  # one clique: NVLink across trays
+    assert topo.bandwidth_gbps("gb-1", "gb-3") == 400  # another clique: the NICs
+    assert topo.bandwidth_gbps("hgx-1", "hgx-2") == 400
+    empty = {**nodes[3], "metadata": {"name": "hgx-3", "labels": {**gb, "nvidia.com/gpu.clique": ""}}}
+    assert topology_from_nodes([empty], keys).node("hgx-3").domain == "hgx-3"
