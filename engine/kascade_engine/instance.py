@@ -319,7 +319,9 @@ class EngineInstance:
                             {b: m.resident(b) for b in ids}, self.bytes_received, self.ready,
                             self.cooperate or None, self.load_error, str(self.device),
                             str(self.dtype).removeprefix("torch."),
-                            {"pipelineDownstream": self.downstream_peer} if self.downstream_peer else {})
+                            {**({"pipelineDownstream": self.downstream_peer} if self.downstream_peer else {}),
+                             **({"prefillChunkTokens": self.engine.limits.prefill_chunk_tokens}
+                                if self.engine.limits.prefill_chunk_tokens else {})})
 
     async def close(self) -> None:
         await self.peers.close()

@@ -104,6 +104,7 @@ def decide_roles(spec: ModelServiceSpec, roles: list[RoleInput], trigger: str, n
     """The per-role policy loop, pure: a role with a set desired count (scale subresource, per-role
     `desired`, or a ModelServiceRole: `sources` names where it came from) is that count and the policy
     stays off for it; otherwise the policy decides."""
+    from kascade_operator.pdscaling import ratio_decisions  # it imports this module's types
     from kascade_operator.reconcile import role_bounds, role_want  # reconcile imports nothing from here
 
     bounds = role_bounds(spec)
@@ -122,6 +123,9 @@ def decide_roles(spec: ModelServiceSpec, roles: list[RoleInput], trigger: str, n
         else:
             d = decide(spec, r.role, r.serving, r.lo, r.hi, r.snap, r.below_since_s)
         decisions.append(d)
-        if fixed is None and (trigger == "timer" or d.desired != d.current):
-            desired[r.role] = d.desired
+    # disaggregated: prefill and decode sized together by the P:D ratio policy (pdscaling.py)
+    decisions = ratio_decisions(spec, roles, decisions)
+    for d in decisions:
+        if d.policy != "scaleSubresource" and (trigger == "timer" or d.desired != d.current):
+            desired[d.role] = d.desired
     return Round(desired, tuple(decisions), tuple(d for d in decisions if d.desired != d.current))

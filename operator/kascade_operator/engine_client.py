@@ -16,7 +16,15 @@ from typing import Any, Literal, cast
 import httpx
 
 from kascade_operator.httppool import HttpPool
-from kascade_planner.engine_api import BindRequest, CooperateRequest, LoadPlanRequest, Mode, Role, ZigZagSpec
+from kascade_planner.engine_api import (
+    BindRequest,
+    ConvertRequest,
+    CooperateRequest,
+    LoadPlanRequest,
+    Mode,
+    Role,
+    ZigZagSpec,
+)
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +116,11 @@ class EngineClient:
         """Live execution (livewiring.py): pair with `peer`'s activation port (zigzag / besteffort), warm
         that connection ahead (standby), be a pipeline hop towards it (pipeline), or stop (off)."""
         return await self._call(endpoint, "POST", "cooperate", CooperateRequest(peer, mode, zigzag).to_dict())
+
+    async def convert(self, endpoint: str, prefill_chunk_tokens: int | None) -> dict[str, Any]:
+        """Convertible decoder (TokenScale): take prefill with at most this many prompt tokens per step;
+        None takes the conversion back."""
+        return await self._call(endpoint, "POST", "convert", ConvertRequest(prefill_chunk_tokens).to_dict())
 
     async def drain(self, endpoint: str) -> dict[str, Any]:
         return await self._call(endpoint, "POST", "drain")

@@ -23,8 +23,8 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
+from kascade_operator import converter, plandriver, rolesync, serving_gate
 from kascade_operator import labels as L
-from kascade_operator import plandriver, rolesync, serving_gate
 from kascade_operator.api import ModelServiceSpec
 from kascade_operator.decide import RoleDecision, RoleInput, decide_roles
 from kascade_operator.demand import RouterDemand, zero_rule
@@ -155,6 +155,7 @@ async def _reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) ->
             snap = snapshot(await rt.scraper.collect(ready, rkey), now)
         inputs.append(RoleInput(role, len(serving), b.min, b.max, snap, rt.below_since.get(rkey)))
     rnd = decide_roles(spec, inputs, trigger, sources=role_sources)
+    await converter.sync(rt, body, spec, key, pods, inputs)  # disaggregated: convertible decoders (TokenScale)
     bounds = role_bounds(spec)
     desired = dict(rnd.desired)
     release_last: set[str] = set()

@@ -41,6 +41,7 @@ class PodView:
     running: bool = True  # pod phase Running (containers started); a Pending fallback pod is not a target
     unschedulable: bool = False  # the scheduler found no node for it (PodScheduled False, Unschedulable)
     namespace: str = ""
+    convertible: bool = False  # a decoder converted to take prefill too (annotation kascade.io/convertible)
 
 
 def service_key(namespace: str, name: str, pool_namespace: str) -> str:
@@ -82,7 +83,8 @@ def pod_view(pod: Mapping[str, Any], node_leaf: Mapping[str, str] | None = None)
         data_endpoint=ann.get(L.DATA_ENDPOINT), instance=ann.get(L.INSTANCE) or str(meta.get("name")),
         plan=ann.get(L.PLAN), leaf=(node_leaf or {}).get(node or ""), unhealthy=ann.get(L.UNHEALTHY),
         act_endpoint=ann.get(L.ACT_ENDPOINT), model=ann.get(L.MODEL), created_for=ann.get(L.CREATED_FOR),
-        pod_ready=ready, unschedulable=unschedulable, namespace=ns, running=phase in (None, "Running"))
+        pod_ready=ready, unschedulable=unschedulable, namespace=ns, running=phase in (None, "Running"),
+        convertible=ann.get(L.CONVERTIBLE) == "true")
 
 
 def can_serve(p: PodView, model: str, service: str) -> bool:
@@ -169,6 +171,7 @@ def unbind_patch(p: PodView, unhealthy: str | None = None) -> dict[str, Any]:
                             "labels": {L.MODEL_SERVICE: None, L.ROLE: None, L.POOL: L.POOL_WARM},
                             "annotations": {L.PLAN: None, L.LOADED: None, L.LIVE: None, L.DRAINING: None,
                                             L.DRAINING + "-done": None, L.SERVICE_NS: None,
+                                            L.CONVERTIBLE: None,
                                             **({L.UNHEALTHY: unhealthy[:200]} if unhealthy else {})}}
     if p.created_for is None:
         meta["ownerReferences"] = None

@@ -208,7 +208,7 @@ async def test_converted_decoder_prefills_for_another_decoder_within_its_chunk_b
     want = unsplit(tiny_blocks, PROMPTS, params)
     pd = await _pd(tiny_ckpt, tiny_blocks)
     c = pd.p
-    c.convert(ConvertRequest(8))
+    assert c.convert(ConvertRequest(8)).extra["prefillChunkTokens"] == 8  # the operator reads it back in status
     chunks: list[int] = []
     schedule = c.engine.scheduler.schedule
 
@@ -226,7 +226,7 @@ async def test_converted_decoder_prefills_for_another_decoder_within_its_chunk_b
         assert got == want + want[:2]
         assert pd.d.remote_prefill.adopted == len(PROMPTS) and c.prefill_server.requests == len(PROMPTS)
         assert max(chunks) <= 8 and sum(chunks) >= sum(len(p) for p in PROMPTS)
-        c.convert(ConvertRequest(None))  # taken back: no cap
+        assert "prefillChunkTokens" not in c.convert(ConvertRequest(None)).extra  # taken back: no cap
         assert c.engine.limits.prefill_chunk_tokens is None
     finally:
         await pd.close()

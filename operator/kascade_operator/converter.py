@@ -1,0 +1,76 @@
+"""Applies the convertible-decoder policy: converts decode engines to take prefill during a prefill burst
+and takes them back (TokenScale). Called once per reconcile round of a disaggregated ModelService.
+
+Data flow: pods + the round's per-role inputs -> `pdscaling.conversion_input` ->
+`kascade_planner.conversion.plan_conversions` (pure) -> for each decoder to convert: the engine's
+`POST /kascade/v1/convert {prefillChunkTokens: N}` (its scheduler then prefills at most N prompt tokens
+per step), THEN the pod annotation `kascade.io/convertible=true` (guarded by the pod's resourceVersion),
+which makes the router send it prefill. Taking back runs the other way round: the annotation goes first
+(no new prefill is routed to it), then `{prefillChunkTokens: null}`. An engine or API error leaves that
+decoder as it was (logged, retried next round); an Event names every conversion and its reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from kascade_operator import labels as L
+from kascade_operator.api import ModelServiceSpec
+from kascade_operator.decide import RoleInput
+from kascade_operator.engine_client import EngineError
+from kascade_operator.kube import Conflict, NotFound
+from kascade_operator.pdscaling import conversion_input
+from kascade_operator.pool import PodView
+from kascade_operator.runtime import Runtime
+from kascade_planner.conversion import Conversions, plan_conversions
+
+log = logging.getLogger(__name__)
+
+
+def _annotation(value: str | None, rv: str | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"annotations": {L.CONVERTIBLE: value}}
+    if rv:
+        meta["resourceVersion"] = rv
+    return {"metadata": meta}
+
+
+async def sync(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, key: str, pods: Sequence[PodView],
+               roles: Sequence[RoleInput]) -> Conversions | None:
+    """One round of conversions for one service; None when it is not disaggregated."""
+    inp = conversion_input(spec, key, pods, roles)
+    if inp is None:
+        return None
+    plan = plan_conversions(inp)
+    if not plan.changes:
+        return plan
+    meta = body["metadata"]
+    ns = meta["namespace"]
+    by = {p.pod_name: p for p in pods}
+    done: list[str] = []
+    for name in plan.convert:
+        p = by[name]
+        assert p.endpoint is not None  # conversion_input offers only decoders with an engine address
+        try:
+            await rt.engines.convert(p.endpoint, plan.chunk_tokens)
+            await rt.kube.patch_pod(p.namespace or rt.pool_namespace(ns), name, _annotation("true", p.resource_version))
+        except (EngineError, Conflict, NotFound) as e:
+            log.warning("%s/%s: converting decoder %s failed (next round retries): %s", ns, meta["name"], name, e)
+            continue
+        done.append(name)
+    for name in plan.revert:
+        p = by[name]
+        try:
+            await rt.kube.patch_pod(p.namespace or rt.pool_namespace(ns), name, _annotation(None))
+            if p.endpoint:
+                await rt.engines.convert(p.endpoint, None)
+        except (EngineError, NotFound) as e:
+            log.warning("%s/%s: taking decoder %s back failed: %s", ns, meta["name"], name, e)
+            continue
+        done.append(name)
+    if done:
+        log.info("%s/%s %s", ns, meta["name"], plan.reason)
+        await rt.event(ns, body, "ModelService", "Normal", "ConvertDecoders" if plan.convert else "RevertDecoders",
+                       plan.reason[:1024])
+    return plan

@@ -1,0 +1,100 @@
+"""Disaggregated scaling, pure: from a ModelService and its per-role metrics to the P:D ratio decision
+and to the convertible-decoder input.
+
+Data flow: `ModelServiceSpec` + each role's `RoleInput` (serving count, bounds, metrics) ->
+- `velocities`: typed `spec.scaling.tokenVelocity` values win, the engines' measured ones fill the gaps;
+- `demand`: the prompt and output tokens/s arriving at the service. Every request arrives at one
+  engine, which counts its prompt (a decoder counts it even when a prefiller prefills it; a prefiller
+  counts it again), so the larger of the two roles' rates is the arrival rate, whichever engines saw it;
+- `ratio_decisions`: the per-role decisions with prefill and decode replaced by
+  `kascade_planner.pdratio.pd_ratio` (both counts from one demand), the SLO bump on top;
+- `conversion_input`: what `kascade_planner.conversion.plan_conversions` needs (the operator's
+  converter.py applies its answer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from kascade_operator.api import ModelServiceSpec
+from kascade_operator.decide import RoleDecision, RoleInput, slo_of
+from kascade_operator.pool import PodView
+from kascade_planner import policies as P
+from kascade_planner.conversion import ConversionInput, DecoderView
+from kascade_planner.pdratio import PdDemand, PdVelocity, pd_ratio
+
+
+@dataclasses.dataclass(frozen=True)
+class Velocities:
+    prefill: float | None  # one prefiller's prompt tokens/s
+    network: float | None  # KV link tokens/s out of one prefiller (defaults to prefill)
+    decode: float | None  # one decoder's output tokens/s
+
+    @property
+    def prefill_effective(self) -> float | None:
+        return None if self.prefill is None else min(self.prefill, self.network or self.prefill)
+
+
+def velocities(spec: ModelServiceSpec, snaps: Sequence[P.MetricsSnapshot]) -> Velocities:
+    """Typed velocities win; a velocity left out is the engines' own measurement (first role measuring it)."""
+    tv = spec.scaling.token_velocity if spec.scaling else None
+
+    def measured(f: str) -> float | None:
+        return next((getattr(s.measured, f) for s in snaps if s.measured and getattr(s.measured, f)), None)
+
+    pre = (tv.prefill_tokens_per_second if tv else None) or measured("prefill_tokens_per_s")
+    net = (tv.network_tokens_per_second if tv else None) or measured("network_tokens_per_s") or pre
+    dec = (tv.decode_tokens_per_second if tv else None) or measured("decode_tokens_per_s")
+    return Velocities(pre, net, dec)
+
+
+def demand(roles: Sequence[RoleInput]) -> PdDemand:
+    return PdDemand(max((r.snap.input_tokens_per_s for r in roles), default=0.0),
+                    max((r.snap.output_tokens_per_s for r in roles), default=0.0))
+
+
+def ratio_decisions(spec: ModelServiceSpec, roles: Sequence[RoleInput],
+                    decisions: Sequence[RoleDecision]) -> list[RoleDecision]:
+    """Disaggregated tokenVelocity services with both roles policy-driven and all three velocities known:
+    prefill and decode come from the P:D ratio policy. Anything else: `decisions` unchanged."""
+    by = {r.role: r for r in roles}
+    dec_by = {d.role: d for d in decisions}
+    if spec.mode != "disaggregated" or (spec.scaling is not None and spec.scaling.policy != "tokenVelocity") \
+            or set(by) != {"prefill", "decode"} \
+            or any(dec_by[r].policy == "scaleSubresource" for r in ("prefill", "decode")):
+        return list(decisions)
+    v = velocities(spec, [r.snap for r in roles])
+    if v.prefill is None or v.decode is None:
+        return list(decisions)
+    pr, de = by["prefill"], by["decode"]
+    ratio = pd_ratio(demand(roles), PdVelocity(v.prefill, v.network or v.prefill, v.decode),
+                     P.Bounds(pr.lo, max(pr.hi, 1)), P.Bounds(de.lo, max(de.hi, 1)))
+    slo = slo_of(spec)
+    out = []
+    for d in decisions:
+        if d.role not in ("prefill", "decode"):
+            out.append(d)
+            continue
+        r = by[d.role]
+        want, why = P.slo_bump(r.snap, d.state, ratio.prefill if d.role == "prefill" else ratio.decode, slo)
+        metrics = {**d.metrics, "prefillNeed": ratio.prefill_need, "decodeNeed": ratio.decode_need,
+                   "servedFraction": ratio.served_fraction}
+        out.append(dataclasses.replace(d, desired=want, reason=ratio.reason + why, metrics=metrics))
+    return out
+
+
+def conversion_input(spec: ModelServiceSpec, key: str, pods: Sequence[PodView],
+                     roles: Sequence[RoleInput]) -> ConversionInput | None:
+    """None unless the service is disaggregated (only decoders convert)."""
+    if spec.mode != "disaggregated":
+        return None
+    mine = [p for p in pods if p.model_service == key and not p.draining]
+    decoders = tuple(DecoderView(p.pod_name, p.convertible) for p in sorted(mine, key=lambda p: p.pod_name)
+                     if p.role == "decode" and p.ready and p.endpoint)
+    pre = next((r for r in roles if r.role == "prefill"), None)
+    slo = slo_of(spec)
+    return ConversionInput(demand(roles).input_tokens_per_s,
+                           sum(1 for p in mine if p.role == "prefill" and p.ready),
+                           velocities(spec, [r.snap for r in roles]).prefill_effective, decoders,
+                           pre.snap.queue_length if pre else None, slo.tbt_s if slo else None)

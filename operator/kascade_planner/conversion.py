@@ -1,0 +1,104 @@
+"""Convertible decoders (TokenScale): which decode instances take prefill during a prefill burst, with
+what chunk budget, and when they give it back.
+
+Data flow: `ConversionInput` (the prompt tokens/s arriving, ready prefillers and one prefiller's
+velocity, the prefill queue, the service's decoders with their current conversion, the TBT objective)
+-> `plan_conversions` -> `Conversions` (decoders to convert, decoders to take back, the chunk budget,
+the reason with the numbers). The operator applies it (kascade_operator.converter): the engine's
+`/convert` call sets the budget, the pod annotation `kascade.io/convertible` makes the router send it
+prefill.
+
+The rule:
+- prefill capacity = ready prefillers x velocity; a converted decoder adds `CONVERTED_SHARE` of a
+  prefiller (its chunk budget spends at most that share of each TBT on prefill);
+- deficit = prompt tokens/s arriving - prefill capacity. While it is > 0, enough decoders are converted
+  to cover it (least loaded first, then by name), never fewer than already are;
+- all of them are taken back when the deficit is gone (the new prefillers the ratio policy asked for
+  are live, or the burst ended) and no prompt waits at a prefiller: no partial take-back, so a rate
+  that jitters around the capacity does not flap conversions;
+- chunk budget = `CONVERTED_SHARE` x TBT objective x prefill velocity tokens (a chunk of that size
+  prefills in half a TBT), within [MIN_CHUNK, MAX_CHUNK]; DEFAULT_CHUNK without an objective or a
+  velocity (the simulator's default too).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+CONVERTED_SHARE = 0.5  # a converted decoder spends at most this share of its step time on prefill
+MIN_CHUNK, MAX_CHUNK, DEFAULT_CHUNK = 8, 2048, 256
+
+
+@dataclass(frozen=True)
+class DecoderView:
+    name: str
+    converted: bool  # it takes prefill now (annotation kascade.io/convertible=true)
+    in_flight: int = 0  # requests on it: the least loaded convert first
+
+
+@dataclass(frozen=True)
+class ConversionInput:
+    input_tokens_per_s: float  # prompt tokens/s arriving at the service
+    prefill_ready: int  # prefill instances serving
+    prefill_tokens_per_s: float | None  # one prefiller's velocity (min of compute and KV link); None: unknown
+    decoders: tuple[DecoderView, ...]  # the service's serving decoders (not draining)
+    prefill_queue: float | None = None  # requests waiting at prefillers; None: not measured
+    tbt_slo_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.input_tokens_per_s < 0 or self.prefill_ready < 0:
+            raise ValueError(f"input_tokens_per_s and prefill_ready must be >= 0, got {self.input_tokens_per_s}, "
+                             f"{self.prefill_ready}")
+        if self.prefill_tokens_per_s is not None and not self.prefill_tokens_per_s > 0:
+            raise ValueError(f"prefill_tokens_per_s must be > 0 or None, got {self.prefill_tokens_per_s}")
+        if self.tbt_slo_s is not None and not self.tbt_slo_s > 0:
+            raise ValueError(f"tbt_slo_s must be > 0 or None, got {self.tbt_slo_s}")
+
+
+@dataclass(frozen=True)
+class Conversions:
+    convert: tuple[str, ...]  # decoders to convert now
+    revert: tuple[str, ...]  # converted decoders to take back now
+    chunk_tokens: int  # the prefill chunk budget a converted decoder gets
+    converted: int  # converted decoders after this round
+    reason: str
+
+    @property
+    def changes(self) -> bool:
+        return bool(self.convert or self.revert)
+
+
+def chunk_budget(tbt_slo_s: float | None, prefill_tokens_per_s: float | None) -> int:
+    """Prompt tokens per step a converted decoder may prefill so its decodes keep the TBT objective."""
+    if tbt_slo_s is None or prefill_tokens_per_s is None:
+        return DEFAULT_CHUNK
+    return max(MIN_CHUNK, min(MAX_CHUNK, math.floor(CONVERTED_SHARE * tbt_slo_s * prefill_tokens_per_s)))
+
+
+def plan_conversions(c: ConversionInput) -> Conversions:
+    chunk = chunk_budget(c.tbt_slo_s, c.prefill_tokens_per_s)
+    now = tuple(sorted(d.name for d in c.decoders if d.converted))
+    if c.prefill_tokens_per_s is None:
+        return Conversions((), (), chunk, len(now), "conversion: no prefill velocity configured or measured; holding")
+    v = c.prefill_tokens_per_s
+    capacity = c.prefill_ready * v
+    deficit = c.input_tokens_per_s - capacity
+    head = (f"conversion: {c.input_tokens_per_s:.0f} input tok/s vs {c.prefill_ready} prefiller(s) x {v:.0f} = "
+            f"{capacity:.0f} tok/s")
+    if deficit > 1e-9:
+        want = min(len(c.decoders), math.ceil(deficit / (v * CONVERTED_SHARE) - 1e-9))
+        if want <= len(now):
+            return Conversions((), (), chunk, len(now), f"{head}; deficit {deficit:.0f} tok/s, {len(now)} converted "
+                                                        "decoder(s) keep prefilling")
+        idle = sorted((d for d in c.decoders if not d.converted), key=lambda d: (d.in_flight, d.name))
+        new = tuple(d.name for d in idle[:want - len(now)])
+        return Conversions(new, (), chunk, len(now) + len(new),
+                           f"{head}; deficit {deficit:.0f} tok/s -> convert {', '.join(new)} "
+                           f"(chunk budget {chunk} tokens)")
+    if not now:
+        return Conversions((), (), chunk, 0, f"{head}; no deficit")
+    if c.prefill_queue:
+        return Conversions((), (), chunk, len(now), f"{head}; {c.prefill_queue:.0f} prompt(s) still wait at "
+                                                    "prefillers: converted decoders keep prefilling")
+    return Conversions((), now, chunk, 0, f"{head}; prefill capacity covers the demand -> take back {', '.join(now)}")

@@ -1,0 +1,124 @@
+"""Convertible decoders driven by the operator, in process: reconcile rounds of a disaggregated service
+against the in-memory kube layer (fakekube.py) and real-HTTP engine stubs (enginestub.py). A prefill
+burst (prompt tokens/s above the prefillers' velocity) converts decoders: the engine's `/convert` gets
+the chunk budget derived from spec.slo.tbtMs, then the pod is annotated; when the demand falls back under
+the capacity both are taken back. Also the P:D ratio policy through `decide_roles`."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from enginestub import EngineStub  # type: ignore[import-not-found]
+from fakekube import FakeKube, merge  # type: ignore[import-not-found]
+
+from kascade_operator import labels as L
+from kascade_operator.api import ModelServiceSpec
+from kascade_operator.decide import RoleInput, decide_roles
+from kascade_operator.engine_client import EngineClient
+from kascade_operator.handlers import reconcile_service
+from kascade_operator.metrics import Scraper
+from kascade_operator.operator_metrics import OperatorMetrics
+from kascade_operator.runtime import Runtime
+from kascade_operator.settings import OperatorSettings
+from kascade_planner.policies import MeasuredVelocity, MetricsSnapshot
+
+NS, TOKEN = "ns", "conv-token"
+ROLES = {"p0": "prefill", "d0": "decode", "d1": "decode"}
+
+
+def service(prefill: tuple[int, int] = (1, 1), decode: tuple[int, int] = (2, 2), **scaling: Any) -> dict[str, Any]:
+    return {"metadata": {"name": "svc", "namespace": NS, "uid": "uid-svc", "generation": 1},
+            "spec": {"model": {"name": "tiny", "source": {"path": "/models/tiny"}, "layers": 2},
+                     "engine": {"image": "kascade:dev"}, "mode": "disaggregated",
+                     "replicas": {"prefill": {"min": prefill[0], "max": prefill[1]},
+                                  "decode": {"min": decode[0], "max": decode[1]}},
+                     "slo": {"tbtMs": 200},
+                     "scaling": {"policy": "tokenVelocity", "intervalSeconds": 0.05, "idleReleaseSeconds": 3600,
+                                 "tokenVelocity": {"prefillTokensPerSecond": 100, "decodeTokensPerSecond": 1000},
+                                 **scaling}}}
+
+
+@pytest.fixture
+async def world() -> AsyncIterator[tuple[Runtime, FakeKube, dict[str, EngineStub]]]:
+    kube = FakeKube()
+    kube.nodes = [{"metadata": {"name": "n0", "labels": {"kascade.io/leaf": "l0"}},
+                   "status": {"allocatable": {"nvidia.com/gpu": "8"}, "capacity": {"nvidia.com/gpu": "8"}}}]
+    stubs = {n: EngineStub(n, "tiny", TOKEN) for n in ROLES}
+    for n, s in stubs.items():  # already bound and loaded: this test is about what happens next
+        kube.add_pool_pod(NS, n, "n0", s.endpoint, model="tiny")
+        merge(kube.pods[(NS, n)], {"metadata": {"labels": {L.MODEL_SERVICE: "svc", L.ROLE: ROLES[n], L.POOL: L.POOL_BOUND},
+                                                "annotations": {L.LOADED: "true"}}})
+        s.model_service, s.role, s.phase = "svc", ROLES[n], "ready"
+    rt = Runtime(OperatorSettings(engine_token=TOKEN), kube, EngineClient(TOKEN), Scraper(), None,  # type: ignore[arg-type]
+                 OperatorMetrics())
+    yield rt, kube, stubs
+    await rt.engines.aclose()
+    for s in stubs.values():
+        s.close()
+
+
+def converted(kube: FakeKube) -> list[str]:
+    return sorted(n for (_, n), p in kube.pods.items() if p["metadata"]["annotations"].get(L.CONVERTIBLE) == "true")
+
+
+def convert_calls(stub: EngineStub) -> list[Any]:
+    return [body["prefillChunkTokens"] for verb, body, _ in stub.calls if verb == "convert"]
+
+
+async def rounds(rt: Runtime, n: int = 2) -> None:
+    for i in range(n):  # two scrapes make a rate: half a second apart, so scheduling jitter stays small in it
+        if i:
+            await asyncio.sleep(0.5)
+        rt.last_round.clear()
+        await reconcile_service(rt, service(), "timer")
+
+
+async def test_a_prefill_burst_converts_decoders_and_new_capacity_takes_them_back(world: Any) -> None:
+    rt, kube, stubs = world
+    stubs["d0"].tokens_per_s = stubs["d1"].tokens_per_s = 62.5  # 125 prompt tok/s arrive; 1 prefiller does 100
+    await rounds(rt)
+    # deficit 25 tok/s, a converted decoder adds 50: one converts, the first by name (equal load)
+    assert converted(kube) == ["d0"]
+    assert convert_calls(stubs["d0"]) == [10]  # chunk budget 0.5 x 200 ms x 100 tok/s
+    assert convert_calls(stubs["d1"]) == [] and convert_calls(stubs["p0"]) == []
+    assert any(e["reason"] == "ConvertDecoders" and "convert d0" in e["message"] for e in kube.events)
+
+    stubs["d0"].tokens_per_s = stubs["d1"].tokens_per_s = 1000.0  # a bigger burst: the other one converts too
+    await rounds(rt)
+    assert converted(kube) == ["d0", "d1"] and convert_calls(stubs["d0"]) == [10]  # d0 is not asked again
+
+    stubs["d0"].tokens_per_s = stubs["d1"].tokens_per_s = 20.0  # under the prefill capacity: both go back
+    await rounds(rt, 3)
+    assert converted(kube) == []
+    assert convert_calls(stubs["d0"]) == [10, None] and convert_calls(stubs["d1"]) == [10, None]
+    assert any(e["reason"] == "RevertDecoders" for e in kube.events)
+
+
+async def test_an_engine_refusing_the_conversion_leaves_the_pod_unannotated(world: Any) -> None:
+    rt, kube, stubs = world
+    stubs["d0"].close()  # its engine is gone: the convert call fails, so no prefill may be routed to it
+    stubs["d1"].tokens_per_s = 125.0
+    await rounds(rt, 3)
+    assert converted(kube) == []  # the policy picked d0 (first by name) every round; it never accepted
+    assert convert_calls(stubs["d1"]) == []  # one decoder was wanted, none more
+    assert not any(e["reason"] == "ConvertDecoders" for e in kube.events)
+
+
+def test_the_pd_ratio_policy_sizes_both_roles_from_the_arrival_rate() -> None:
+    spec = ModelServiceSpec.model_validate(service((0, 4), (1, 8))["spec"])
+    # decoders saw 450 prompt tok/s arrive (the prefiller served only 100 of them) and 2500 output tok/s
+    rnd = decide_roles(spec, [RoleInput("prefill", 1, 0, 4, MetricsSnapshot(0.0, 100.0, 0.0)),
+                              RoleInput("decode", 1, 1, 8, MetricsSnapshot(0.0, 450.0, 2500.0))], "timer")
+    assert dict(rnd.desired) == {"prefill": 4, "decode": 3}  # 4.5 -> 4 (max); 2.5 decoders -> 3
+    pre, dec = rnd.decisions
+    assert pre.reason.startswith("P:D ratio") and "prefill capped at max 4" in pre.reason
+    assert dec.metrics["servedFraction"] == pytest.approx(4 / 4.5)
+    # measured velocities fill what is not typed (here: all of them)
+    spec2 = ModelServiceSpec.model_validate({**service((0, 4), (1, 8))["spec"], "scaling": {"policy": "tokenVelocity"}})
+    meas = MeasuredVelocity(prefill_tokens_per_s=200.0, decode_tokens_per_s=500.0, network_tokens_per_s=150.0)
+    rnd = decide_roles(spec2, [RoleInput("prefill", 1, 0, 4, MetricsSnapshot(0.0, 300.0, 0.0, measured=meas)),
+                               RoleInput("decode", 1, 1, 8, MetricsSnapshot(0.0, 300.0, 1000.0))], "timer")
+    assert dict(rnd.desired) == {"prefill": 2, "decode": 2}  # 300/150 link-bound; 1000/500

@@ -1,0 +1,109 @@
+"""The P:D ratio policy and the convertible-decoder policy (pure), checked with values."""
+
+from __future__ import annotations
+
+import pytest
+
+from kascade_planner.conversion import (
+    DEFAULT_CHUNK,
+    MAX_CHUNK,
+    MIN_CHUNK,
+    ConversionInput,
+    DecoderView,
+    chunk_budget,
+    plan_conversions,
+)
+from kascade_planner.pdratio import PdDemand, PdVelocity, pd_ratio
+from kascade_planner.policies import Bounds
+
+V = PdVelocity(prefill_tokens_per_s=1000, network_tokens_per_s=4000, decode_tokens_per_s=100)
+
+
+def test_ratio_follows_the_velocities_when_nothing_is_capped() -> None:
+    r = pd_ratio(PdDemand(2500, 350), V, Bounds(0, 10), Bounds(1, 10))
+    assert (r.prefill, r.decode) == (3, 4)  # 2.5 -> 3 prefillers, 3.5 -> 4 decoders
+    assert r.prefill_need == pytest.approx(2.5) and r.decode_need == pytest.approx(3.5)
+    assert r.served_fraction == 1.0 and r.ratio == pytest.approx(0.75)
+    assert "3P:4D" in r.reason
+
+
+def test_the_slower_of_prefill_and_the_kv_link_sizes_prefill() -> None:
+    slow_link = PdVelocity(1000, 500, 100)
+    assert pd_ratio(PdDemand(2500, 100), slow_link, Bounds(0, 10), Bounds(1, 10)).prefill == 5
+
+
+def test_a_capped_prefill_sizes_decode_for_the_share_it_serves() -> None:
+    # prefill wants 4 but may have 2: half the demand is served, so decode needs 8 * 0.5 = 4, not 8
+    r = pd_ratio(PdDemand(4000, 800), V, Bounds(0, 2), Bounds(1, 16))
+    assert (r.prefill, r.decode) == (2, 4)
+    assert r.served_fraction == pytest.approx(0.5)
+    assert "prefill capped at max 2" in r.reason
+
+
+def test_a_capped_decode_sizes_prefill_for_the_share_it_serves() -> None:
+    # decode wants 10 but may have 5: prefill needs 6 * 0.5 = 3
+    r = pd_ratio(PdDemand(6000, 1000), V, Bounds(0, 16), Bounds(1, 5))
+    assert (r.prefill, r.decode) == (3, 5)
+    assert "decode capped at max 5" in r.reason
+
+
+def test_no_demand_keeps_one_decoder_and_the_prefill_minimum() -> None:
+    assert (lambda r: (r.prefill, r.decode))(pd_ratio(PdDemand(0, 0), V, Bounds(0, 4), Bounds(0, 4))) == (0, 1)
+    assert (lambda r: (r.prefill, r.decode))(pd_ratio(PdDemand(0, 0), V, Bounds(2, 4), Bounds(3, 4))) == (2, 3)
+
+
+def test_headroom_and_bad_values() -> None:
+    r = pd_ratio(PdDemand(1000, 100), PdVelocity(1000, 1000, 100, headroom=1.5), Bounds(0, 9), Bounds(1, 9))
+    assert (r.prefill, r.decode) == (2, 2)
+    with pytest.raises(ValueError, match="decode_tokens_per_s"):
+        PdVelocity(1, 1, 0)
+    with pytest.raises(ValueError, match="input="):
+        PdDemand(-1, 0)
+
+
+def decoders(*names: str, converted: tuple[str, ...] = (), load: dict[str, int] | None = None) -> tuple[DecoderView, ...]:
+    return tuple(DecoderView(n, n in converted, (load or {}).get(n, 0)) for n in names)
+
+
+def test_a_burst_converts_the_least_loaded_decoders_to_cover_the_deficit() -> None:
+    # 1 prefiller at 100 tok/s, 220 arriving: deficit 120, a converted decoder adds 50 -> 3 converted
+    c = plan_conversions(ConversionInput(220, 1, 100.0, decoders("d0", "d1", "d2", "d3", load={"d0": 5, "d2": 1}),
+                                         tbt_slo_s=0.2))
+    assert c.convert == ("d1", "d3", "d2") and c.revert == () and c.converted == 3
+    assert c.chunk_tokens == 10  # 0.5 * 0.2 s * 100 tok/s
+    assert "deficit 120 tok/s" in c.reason
+
+
+def test_conversions_only_grow_while_the_deficit_lasts_and_are_capped_by_the_decoders() -> None:
+    held = plan_conversions(ConversionInput(130, 1, 100.0, decoders("d0", "d1", converted=("d0", "d1"))))
+    assert not held.changes and held.converted == 2  # deficit 30 needs 1, but none is taken back mid-burst
+    more = plan_conversions(ConversionInput(10_000, 0, 100.0, decoders("d0", "d1", converted=("d0",))))
+    assert more.convert == ("d1",) and more.converted == 2
+
+
+def test_new_prefill_capacity_takes_every_conversion_back() -> None:
+    c = plan_conversions(ConversionInput(180, 2, 100.0, decoders("d0", "d1", "d2", converted=("d2", "d0")),
+                                         prefill_queue=0))
+    assert c.revert == ("d0", "d2") and c.convert == () and c.converted == 0
+    assert "take back d0, d2" in c.reason
+
+
+def test_waiting_prompts_keep_the_conversion() -> None:
+    c = plan_conversions(ConversionInput(0, 1, 100.0, decoders("d0", converted=("d0",)), prefill_queue=3))
+    assert not c.changes and c.converted == 1
+
+
+def test_no_velocity_holds_and_no_deficit_does_nothing() -> None:
+    assert not plan_conversions(ConversionInput(1e6, 0, None, decoders("d0"))).changes
+    quiet = plan_conversions(ConversionInput(50, 1, 100.0, decoders("d0")))
+    assert not quiet.changes and quiet.reason.endswith("no deficit")
+
+
+def test_chunk_budget_from_the_tbt_objective() -> None:
+    assert chunk_budget(0.1, 2000) == 100
+    assert chunk_budget(None, 2000) == DEFAULT_CHUNK and chunk_budget(0.1, None) == DEFAULT_CHUNK
+    assert chunk_budget(0.001, 10) == MIN_CHUNK and chunk_budget(10, 1e6) == MAX_CHUNK
+    with pytest.raises(ValueError, match="tbt_slo_s"):
+        ConversionInput(1, 1, 1.0, (), tbt_slo_s=0)
+    with pytest.raises(ValueError, match="prefill_tokens_per_s"):
+        ConversionInput(1, 1, 0.0, ())
