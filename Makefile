@@ -34,6 +34,7 @@ lint: ## ruff, import contracts, CRDs in the chart equal crds/
 	$(PY) hack/sync_manifests.py --check
 	$(PY) hack/observability.py --check
 	$(PY) hack/gen_api_reference.py --check
+	$(PY) hack/gen_values_reference.py --check
 
 TYPED_MODULES := -p kascade_devcluster -p kascade_demo -p kascade_router -m kascade_engine.arena -m kascade_engine.blocks -m kascade_engine.hostcache \
 	-m kascade_engine.transport -m kascade_engine.transport_tcp -m kascade_engine.transport_ucx -m kascade_engine.transport_tls \
@@ -64,10 +65,11 @@ e2e: ## End-to-end tests only (real control plane + real engine processes)
 e2e-kind: ## e2e on kind for Docker users (cannot run on the dev machines)
 	bash e2e/kind/run.sh
 
-manifests: ## Copy crds/ into the Helm chart, render manifests/, generate the dashboard, alert rules and docs/api-reference.md
+manifests: ## Copy crds/ into the Helm chart, render manifests/, generate the dashboard, alert rules, docs/api-reference.md and docs/values.md
 	$(PY) hack/sync_manifests.py
 	$(PY) hack/observability.py
 	$(PY) hack/gen_api_reference.py
+	$(PY) hack/gen_values_reference.py
 
 chart-lint: ## helm lint the chart
 	$$(readlink -f $(HOME)/.cache/kascade/bin/current)/helm lint charts/kascade
