@@ -149,3 +149,129 @@ def test_operator_image_commands_run_without_torch(helm: Helm) -> None:
     proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code, json.dumps(argvs)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "ok []"
+
+
+def dockerignore_patterns() -> list[tuple[re.Pattern[str], bool]]:
+    """.dockerignore as (regex, negated) in file order (Docker's rules: `**` any depth, `*`/`?` within a
+    path segment, a matching directory excludes everything under it, `!` re-includes)."""
+    out = []
+    for raw in (REPO / ".dockerignore").read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        neg = line.startswith("!")
+        pat = line.lstrip("!").strip("/")
+        rx = re.escape(pat).replace(r"\*\*/", "(.*/)?").replace(r"\*\*", ".*").replace(r"\*", "[^/]*").replace(r"\?", "[^/]")
+        out.append((re.compile(rf"^{rx}(/.*)?$"), neg))
+    return out
+
+
+def ignored(path: str, patterns: list[tuple[re.Pattern[str], bool]]) -> bool:
+    result = False
+    for rx, neg in patterns:
+        if rx.match(path):
+            result = not neg
+    return result
+
+
+def test_dockerignore_keeps_every_copied_file_and_drops_the_heavy_ones() -> None:
+    pats = dockerignore_patterns()
+    assert ignored("engine/kascade_engine/__pycache__/x.pyc", pats) and ignored("docs/install.md", pats)
+    assert not ignored("engine/kascade_engine/server.py", pats)
+    for heavy in (".git", ".venv", "bench/results", "kascade.egg-info"):
+        assert ignored(heavy, pats), f".dockerignore should drop {heavy} from the build context"
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    for df in IMAGES.values():
+        for op, rest in instructions(df):
+            if op != "COPY" or "--from" in rest:
+                continue
+            for src in rest.split()[:-1]:
+                files = [f for f in tracked if f == src or f.startswith(src.rstrip("/") + "/")]
+                assert files, f"{df.name}: COPY {src} matches no tracked file"
+                gone = [f for f in files if ignored(f, pats) and not f.endswith(".pyc")]
+                assert not gone, f"{df.name}: COPY {src} but .dockerignore drops {gone[:5]}"
+
+
+# Lint rules (hadolint's DLxxxx / BuildKit's check names) on the official parser's view of each Dockerfile:
+# `dockerfile` wraps moby/buildkit's Go parser, so a Dockerfile it rejects would not build either.
+SECRETY = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|PRIVATE_?KEY)", re.I)
+
+
+def lint(df: Path) -> list[str]:
+    dockerfile = pytest.importorskip("dockerfile", reason="the `dockerfile` parser (dev extra) is not installed")
+    cmds = dockerfile.parse_file(str(df))
+    problems: list[str] = []
+    args = {c.value[0].split("=", 1)[0]: c.value[0].split("=", 1)[1] for c in cmds
+            if c.cmd == "ARG" and "=" in c.value[0]}
+    stages: list[str] = []
+    for c in cmds:
+        where = f"{df.name}:{c.start_line}"
+        if c.cmd == "FROM":
+            image = re.sub(r"\$\{?(\w+)\}?", lambda m: args.get(m.group(1), m.group(0)), c.value[0])
+            if "$" in image:
+                problems.append(f"{where} InvalidDefaultArgInFrom: {c.value[0]} has no default")
+            elif ":" not in image.rsplit("/", 1)[-1] or image.endswith(":latest"):
+                problems.append(f"{where} DL3006/DL3007: base image {image} is not pinned to a tag")
+            if len(c.value) == 3:
+                if c.value[1] not in ("AS", "as") or (c.value[1] == "as") != (c.original.split()[0] == "from"):
+                    problems.append(f"{where} FromAsCasing: {c.original}")
+                stages.append(c.value[2])
+        elif c.cmd == "ADD":
+            problems.append(f"{where} DL3020: use COPY, not ADD")
+        elif c.cmd == "COPY":
+            for f in c.flags:
+                if f.startswith("--from=") and f.split("=", 1)[1] not in stages:
+                    problems.append(f"{where}: COPY {f} names no earlier stage")
+        elif c.cmd == "WORKDIR" and not c.value[0].startswith("/"):
+            problems.append(f"{where} DL3000: WORKDIR {c.value[0]} is relative")
+        elif c.cmd in ("CMD", "ENTRYPOINT") and not c.json:
+            problems.append(f"{where} JSONArgsRecommended/DL3025: {c.cmd} in shell form")
+        elif c.cmd in ("ENV", "ARG"):
+            names = c.value[::2] if c.cmd == "ENV" else [v.split("=", 1)[0] for v in c.value]
+            problems += [f"{where} SecretsUsedInArgOrEnv: {n}" for n in names if SECRETY.search(n)]
+        elif c.cmd == "RUN":
+            run = c.value[0]
+            if re.search(r"(^|&&|;)\s*(sudo|cd)\s", run):
+                problems.append(f"{where} DL3004/DL3003: sudo or cd in RUN")
+            if "apt-get install" in run:
+                for need, rule in ((r"apt-get update", "DL3009"), (r"--no-install-recommends", "DL3015"),
+                                   (r"install\s+(-\w*y\w*|--yes|--assume-yes)\s", "DL3014"),
+                                   (r"rm -rf /var/lib/apt/lists", "DL3009")):
+                    if not re.search(need, run):
+                        problems.append(f"{where} {rule}: apt-get install without {need} in the same RUN")
+            if "pip install" in run and "--no-cache-dir" not in run:
+                problems.append(f"{where} DL3042: pip install without --no-cache-dir")
+    return problems
+
+
+@pytest.mark.parametrize("image", sorted(IMAGES))
+def test_dockerfile_lint(image: str) -> None:
+    assert lint(IMAGES[image]) == []
+
+
+def test_lint_catches_what_it_claims(tmp_path: Path) -> None:
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("ARG BASE\nFROM ${BASE} as build\nFROM python:latest\nADD . /src\nWORKDIR src\n"
+                   "ENV HF_TOKEN=x\nRUN apt-get install curl && pip install x\nCOPY --from=bulid /a /b\n"
+                   "CMD kascade --help\n")
+    rules = {p.split()[1].split("/")[0].rstrip(":") for p in lint(bad)}
+    assert rules == {"InvalidDefaultArgInFrom", "FromAsCasing", "DL3006", "DL3020", "DL3000", "SecretsUsedInArgOrEnv", "DL3009",
+                     "DL3015", "DL3014", "DL3042", "JSONArgsRecommended", "COPY"}, lint(bad)
+
+
+def test_base_images_match_the_locks_python_and_cuda() -> None:
+    """The locks are resolved for one interpreter (hack/lock.sh --python-version) and torch's CUDA 12.x
+    wheels: each image's Python is that one, and the CUDA base is the runtime the wheels carry."""
+    lock_py = re.search(r"--python-version (\d+\.\d+)", (REPO / "hack" / "lock.sh").read_text())
+    assert lock_py
+    distro_python = {"ubuntu24.04": "3.12", "ubuntu:24.04": "3.12"}
+    engine = (REPO / "Dockerfile").read_text()
+    base = re.search(r"^ARG BASE=(\S+)", engine, re.M)
+    cpu = re.search(r"--build-arg BASE=(\S+)", engine)
+    assert base and cpu
+    assert distro_python[base.group(1).rsplit("-", 1)[-1]] == distro_python[cpu.group(1)] == lock_py.group(1)
+    op_from = re.findall(r"^FROM python:(\d+\.\d+)-", IMAGES["operator"].read_text(), re.M)
+    assert op_from and set(op_from) == {lock_py.group(1)}
+    cuda = re.search(r"nvidia/cuda:(\d+\.\d+)\.", base.group(1))
+    runtime = lock_pins(LOCKS["engine"])["nvidia-cuda-runtime-cu12"]
+    assert cuda and runtime.startswith(cuda.group(1) + "."), (cuda, runtime)
