@@ -325,7 +325,9 @@ def _slim_pod(body: Any) -> dict[str, Any]:
                      "containers": [{"name": c.get("name"), "ports": list(c.get("ports") or [])}
                                     for c in spec.get("containers") or []]},
             "status": {"podIP": status.get("podIP"), "phase": status.get("phase"),
-                       "conditions": list(status.get("conditions") or [])}}
+                       "conditions": list(status.get("conditions") or []),
+                       "containerStatuses": [{"name": c.get("name"), "started": c.get("started")}
+                                             for c in status.get("containerStatuses") or []]}}
 
 
 def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:

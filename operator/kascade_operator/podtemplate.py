@@ -146,6 +146,8 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
         # serving gate is open (bound and loaded or live, not draining); /healthz only keeps it alive
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 1, "failureThreshold": 1},
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10},
+        # started only once the engine's HTTP server answers: the operator binds started pods only
+        "startupProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 1, "failureThreshold": 600},
         "volumeMounts": mounts}
     if e.resources:
         container["resources"] = e.resources.model_dump(exclude_none=True)

@@ -38,7 +38,7 @@ class PodView:
     model: str | None = None  # the model its engine serves (annotation kascade.io/model); None: any model
     created_for: str | None = None  # service key a fallback pod was created for (only that service binds it)
     pod_ready: bool = True  # the pod's Ready condition (the engine's /readyz: serving)
-    running: bool = True  # pod phase Running (containers started); a Pending fallback pod is not a target
+    running: bool = True  # phase Running and every container started (startupProbe passed); else not a target
     unschedulable: bool = False  # the scheduler found no node for it (PodScheduled False, Unschedulable)
     namespace: str = ""
     convertible: bool = False  # a decoder converted to take prefill too (annotation kascade.io/convertible)
@@ -68,6 +68,10 @@ def pod_view(pod: Mapping[str, Any], node_leaf: Mapping[str, str] | None = None)
     conds = (pod.get("status") or {}).get("conditions") or []
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
     phase = (pod.get("status") or {}).get("phase")
+    # a container's startupProbe (the engine's /healthz) has passed: its HTTP server answers. Without
+    # this a just-started engine (torch still importing) was bound, stayed unreachable for
+    # UNREACHABLE_LIMIT_S and was marked unhealthy for good. No containerStatuses / no `started`: as before.
+    started = all(cs.get("started") is not False for cs in (pod.get("status") or {}).get("containerStatuses") or [])
     unschedulable = any(c.get("type") == "PodScheduled" and c.get("status") == "False"
                         and c.get("reason") == "Unschedulable" for c in conds)
     node = (pod.get("spec") or {}).get("nodeName")
@@ -83,8 +87,8 @@ def pod_view(pod: Mapping[str, Any], node_leaf: Mapping[str, str] | None = None)
         data_endpoint=ann.get(L.DATA_ENDPOINT), instance=ann.get(L.INSTANCE) or str(meta.get("name")),
         plan=ann.get(L.PLAN), leaf=(node_leaf or {}).get(node or ""), unhealthy=ann.get(L.UNHEALTHY),
         act_endpoint=ann.get(L.ACT_ENDPOINT), model=ann.get(L.MODEL), created_for=ann.get(L.CREATED_FOR),
-        pod_ready=ready, unschedulable=unschedulable, namespace=ns, running=phase in (None, "Running"),
-        convertible=ann.get(L.CONVERTIBLE) == "true")
+        pod_ready=ready, unschedulable=unschedulable, namespace=ns,
+        running=phase in (None, "Running") and started, convertible=ann.get(L.CONVERTIBLE) == "true")
 
 
 def can_serve(p: PodView, model: str, service: str) -> bool:

@@ -27,3 +27,32 @@ def test_annotation_wins_and_no_ip_means_no_address() -> None:
     assert p.endpoint == "127.0.0.1:7000" and p.data_endpoint == "10.1.2.3:18515"
     q = pod_view(raw(ip=None))
     assert (q.endpoint, q.data_endpoint, q.act_endpoint) == (None, None, None)
+
+
+def test_a_pod_whose_engine_has_not_started_is_not_a_target() -> None:
+    from kascade_operator.handlers import _slim_pod
+    from kascade_operator.pool import usable_target
+
+    def running(started: bool | None) -> dict[str, Any]:
+        pod = raw()
+        cs = {"name": "engine", "ready": False} | ({} if started is None else {"started": started})
+        pod["status"] |= {"phase": "Running", "containerStatuses": [cs]}
+        return _slim_pod(pod)  # what the operator's pod index keeps of it
+
+    assert not usable_target(pod_view(running(False)))  # startupProbe (/healthz) not passed yet
+    assert usable_target(pod_view(running(True)))
+    assert usable_target(pod_view(running(None)))  # no startup information (KWOK, old kubelets): as before
+
+
+def test_every_engine_pod_the_operator_or_chart_makes_has_a_startup_probe() -> None:
+    from pathlib import Path
+
+    import yaml
+    from builders import spec  # type: ignore[import-not-found]
+
+    from kascade_operator.podtemplate import fallback_pod
+    fb = fallback_pod(spec(), "svc", "tok", None)["spec"]["containers"][0]
+    assert fb["startupProbe"]["httpGet"]["path"] == "/healthz"
+    pool = yaml.safe_load((Path(__file__).resolve().parents[2] / "manifests" / "pool" / "deployment.yaml").read_text())
+    (engine,) = [c for c in pool["spec"]["template"]["spec"]["containers"] if c["name"] == "engine"]
+    assert engine["startupProbe"]["httpGet"]["path"] == "/healthz"
