@@ -97,7 +97,8 @@ def _hub_env(hf_endpoint: str, hf_token_secret: str) -> list[dict[str, Any]]:
 
 
 def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Mapping[str, Any] | None,
-                 act_port: int = ACT_PORT, hf_endpoint: str = "", hf_token_secret: str = "") -> dict[str, Any]:
+                 act_port: int = ACT_PORT, hf_endpoint: str = "", hf_token_secret: str = "",
+                 log_format: str = "text") -> dict[str, Any]:
     """A new warm-pool engine pod for this model, reserved for service `key` (annotation created-for):
     it joins the pool and is bound in a later round like any pool pod. Call only when `refusals()` is
     empty. An `hf://` source: an init container fetches config and tokenizer (what an empty engine is
@@ -120,7 +121,8 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
         init.append({"name": "model-config", "image": e.image,
                      "args": ["kascade", "model", "download", repo, f"--revision={rev or 'main'}", f"--dest={PVC_MOUNT}",
                               "--config-only"],
-                     "env": _hub_env(hf_endpoint, hf_token_secret), "volumeMounts": [mount, cache]})
+                     "env": [{"name": "KASCADE_LOG_FORMAT", "value": log_format}, *_hub_env(hf_endpoint, hf_token_secret)],
+                     "volumeMounts": [mount, cache]})
     elif src.pvc is not None:
         volume = {"name": "model", "persistentVolumeClaim": {"claimName": src.pvc.claim_name, "readOnly": True}}
         mount = {"name": "model", "mountPath": PVC_MOUNT, "readOnly": True}
@@ -130,7 +132,8 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
         volume = {"name": "model", "hostPath": {"path": ckpt, "type": "Directory"}}
         mount = {"name": "model", "mountPath": ckpt, "readOnly": True}
     env: list[dict[str, Any]] = [{"name": "KASCADE_ENGINE_TOKEN",
-                                  "valueFrom": {"secretKeyRef": {"name": token_secret, "key": "token"}}}]
+                                  "valueFrom": {"secretKeyRef": {"name": token_secret, "key": "token"}}},
+                                 {"name": "KASCADE_LOG_FORMAT", "value": log_format}]  # as the installation's pods
     mounts = [mount]
     if hub is not None:
         env += _hub_env(hf_endpoint, hf_token_secret)

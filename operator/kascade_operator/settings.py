@@ -56,6 +56,9 @@ class OperatorSettings(BaseSettings):
     engine_image: str = Field(default="", description="the installation's engine image (always allowed)")
     allowed_images: list[str] = Field(default_factory=list, description="more images a ModelService's "
                                       "spec.engine.image may name; an entry ending in '*' is a prefix")
+    engine_log_format: Literal["text", "json"] = Field(default="text", description="KASCADE_LOG_FORMAT of the "
+                                                       "fallback engine pods the operator creates (the chart sets "
+                                                       "it from logFormat, like its own pods)")
     live_layer_seconds: float = Field(default=0.002, gt=0, le=10, description="a serving engine's time for one "
                                       "layer of one batch; with the plan's predicted seconds per block it gives a "
                                       "live pair's ZigZag loadRatio")

@@ -144,3 +144,44 @@ def test_operator_and_router_log_json_lines(argv: list[str], tmp_path: Path) -> 
     assert lines, f"{argv[0]} logged nothing"
     docs = [json.loads(x) for x in lines]
     assert all({"ts", "level", "logger", "msg"} <= set(d) for d in docs), docs
+
+
+def test_fallback_engine_pods_log_like_the_installation(monkeypatch: pytest.MonkeyPatch, restore_root: None) -> None:
+    """logFormat reaches the pods the operator creates itself: chart -> operator env -> settings ->
+    fallback pod env -> the engine's root option."""
+    import yaml
+
+    from kascade_devcluster.binaries import MissingBinaries, bin_dir
+    from kascade_operator.api import ModelServiceSpec
+    from kascade_operator.podtemplate import fallback_pod
+    from kascade_operator.settings import OperatorSettings
+
+    try:
+        helm = bin_dir() / "helm"
+    except MissingBinaries as e:
+        pytest.skip(str(e))
+    chart = Path(__file__).resolve().parents[2] / "charts" / "kascade"
+    out = subprocess.run([str(helm), "template", "r", str(chart), "--set", "logFormat=json"],
+                         capture_output=True, text=True, check=True).stdout
+    op = next(d for d in yaml.safe_load_all(out) if d and d["kind"] == "Deployment" and d["metadata"]["name"] == "r-operator")
+    env = {e["name"]: e["value"] for e in op["spec"]["template"]["spec"]["containers"][0]["env"] if "value" in e}
+    assert env["KASCADE_OPERATOR_ENGINE_LOG_FORMAT"] == "json"
+    monkeypatch.setenv("KASCADE_OPERATOR_ENGINE_LOG_FORMAT", env["KASCADE_OPERATOR_ENGINE_LOG_FORMAT"])
+    settings = OperatorSettings()
+    assert settings.engine_log_format == "json"
+    spec = ModelServiceSpec.model_validate({"model": {"name": "m", "source": {"uri": "hf://o/m"}},
+                                            "engine": {"image": "img:1"}, "mode": "colocated",
+                                            "replicas": {"colocated": {"min": 1, "max": 2}}})
+    pod = fallback_pod(spec, "svc", "tok", None, log_format=settings.engine_log_format)
+    for c in pod["spec"]["containers"] + pod["spec"]["initContainers"]:  # the engine and its download
+        pod_env = {e["name"]: e.get("value") for e in c["env"]}
+        assert pod_env["KASCADE_LOG_FORMAT"] == "json", c["name"]
+        assert not any(a.startswith("--log-format") for a in c["args"])  # the env decides at start-up
+        r = CliRunner().invoke(cli, ["version"], env={"KASCADE_LOG_FORMAT": pod_env["KASCADE_LOG_FORMAT"]})
+        assert r.exit_code == 0
+        handler = next(h for h in logging.getLogger().handlers if type(h).__name__ == "_StderrHandler")
+        assert isinstance(handler.formatter, logsetup.JsonFormatter)
+        logsetup.configure(logging.INFO, "text")
+    monkeypatch.setenv("KASCADE_OPERATOR_ENGINE_LOG_FORMAT", "xml")
+    with pytest.raises(ValueError, match="engine_log_format"):
+        OperatorSettings()
