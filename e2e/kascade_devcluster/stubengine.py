@@ -130,7 +130,12 @@ def main() -> None:  # pragma: no cover - a process for bench/router.py
         print(f"KASCADE_STUB_READY http={stub.port}", flush=True)
         await asyncio.Event().wait()
 
-    asyncio.run(run())
+    try:  # the same event loop as the router's (`kascade router` uses uvloop when installed)
+        import uvloop
+    except ImportError:
+        asyncio.run(run())
+    else:
+        uvloop.run(run())
 
 
 if __name__ == "__main__":  # pragma: no cover

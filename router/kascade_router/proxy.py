@@ -38,6 +38,7 @@ PREFILL = "X-Kascade-Prefill"  # to a decode engine: host:port of the prefill en
 PREFILLED_BY = "X-Kascade-Prefilled-By"  # to the client: which prefill pod the router chose
 _RID_OK = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _SSE = "text/event-stream"
+_SKIP = ("User-Agent", "Accept", "Accept-Encoding")  # the engine ignores them: fewer bytes and header work per request
 
 
 def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
@@ -169,7 +170,7 @@ class Proxy:
 
     async def _forward(self, request: web.Request, body: bytes, b: Backend, stream: bool,
                        rid: str, pre: Backend | None = None) -> tuple[web.StreamResponse, int, int]:
-        url = f"http://{b.address}{request.path}"
+        url = b.url(request.path)
         b.in_flight += 1
         up: aiohttp.ClientResponse | None = None
         send = {"Content-Type": "application/json", REQUEST_ID: rid}  # never a client's header (PREFILL)
@@ -178,7 +179,7 @@ class Proxy:
             pre.in_flight += 1  # a prefill engine is busy with this request until its first token
         try:
             try:
-                up = await self.session.post(url, data=body, headers=send)
+                up = await self.session.post(url, data=body, headers=send, skip_auto_headers=_SKIP)
             except (aiohttp.ClientError, OSError, TimeoutError) as e:
                 b.ejected_until = time.monotonic() + self.s.eject_s
                 raise _Retry(f"{b.pod} ({b.address}) unreachable: {type(e).__name__}: {e}") from None

@@ -100,7 +100,7 @@ class Router:
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0),
             timeout=aiohttp.ClientTimeout(total=None, connect=self.s.connect_timeout_s,
                                           sock_read=self.s.read_timeout_s),
-            auto_decompress=False)
+            auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())  # no cookies between clients
         self.proxy = Proxy(self.routes, self.demand, self.s, self.session)
         self.runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
         await self.runner.setup()
