@@ -174,3 +174,46 @@ def test_kubernetes_objects_pass_a_server_side_dry_run(control_plane: ControlPla
     bad = control_plane.kubectl("-n", namespace, "apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump(msvc),
                                 check=False)
     assert bad.returncode != 0 and "replicas" in bad.stderr, bad.stderr
+
+
+def docs_values_snippets() -> list[tuple[str, dict[str, Any]]]:
+    """```yaml blocks in docs/*.md whose top-level keys are all chart values: they are values files."""
+    keys = set(yaml.safe_load((CHART / "values.yaml").read_text()))
+    out = []
+    for md in sorted((REPO / "docs").glob("*.md")):
+        for m in re.finditer(r"```yaml\n(.*?)```", md.read_text(), re.S):
+            d = yaml.safe_load(m.group(1))
+            if isinstance(d, dict) and d and set(d) <= keys:
+                out.append((md.name, d))
+    return out
+
+
+def test_values_snippets_in_the_docs_render_with_the_chart(helm: Helm, tmp_path: Path) -> None:
+    snippets = docs_values_snippets()
+    assert {f for f, _ in snippets} >= {"install.md", "observability.md"} and len(snippets) >= 3
+    for i, (md, values) in enumerate(snippets):
+        (tmp_path / f"{i}.yaml").write_text(yaml.safe_dump(values))
+        out = helm("template", "kascade", str(CHART), "-n", "kascade", "-f", str(tmp_path / f"{i}.yaml"), check=False)
+        assert out.returncode == 0, f"docs/{md}: {values} -> {out.stderr}"
+
+
+def test_helm_commands_in_the_docs_render(helm: Helm) -> None:
+    """Every `helm install|upgrade ... ./charts/kascade ...` line in docs/*.md, run as `helm template` with
+    the same flags (a user copies them verbatim; `--set x=true` once made a nodeSelector a boolean)."""
+    import shlex
+
+    found = 0
+    for md in sorted((REPO / "docs").glob("*.md")):
+        for block in re.findall(r"```bash\n(.*?)```", md.read_text(), re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                argv = shlex.split(line, comments=True)
+                if argv[:2] not in (["helm", "install"], ["helm", "upgrade"]) or "./charts/kascade" not in argv:
+                    continue
+                files = [argv[i + 1] for i, a in enumerate(argv) if a in ("-f", "--values")]
+                if any(not (REPO / f).exists() for f in files):
+                    continue  # the user's own values file
+                args = [str(CHART) if a == "./charts/kascade" else a for a in argv[2:]]
+                out = helm("template", *args, check=False)
+                assert out.returncode == 0, f"docs/{md.name}: {line.strip()} -> {out.stderr}"
+                found += 1
+    assert found >= 1
