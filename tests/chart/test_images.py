@@ -97,6 +97,31 @@ def test_lock_pins_every_dependency_with_hashes(image: str) -> None:
         assert pins["torch"].startswith("2.10")
 
 
+@pytest.mark.parametrize("image", sorted(LOCKS))
+def test_lock_versions_satisfy_pyproject(image: str) -> None:
+    """A requirement raised in pyproject.toml without `make lock` would install an older version in the
+    image than the code needs: every direct dependency's pinned version meets its specifier (markers
+    evaluated for the image's platform: CPython 3.12 on Linux x86_64)."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = ["operator", "router"] + (["engine"] if image == "engine" else [])
+    reqs = [Requirement(d) for d in project["dependencies"] + [d for e in extras for d in project["optional-dependencies"][e]]]
+    env = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
+           "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython", "extra": ""}
+    pins = lock_pins(LOCKS[image])
+    checked = 0
+    for r in reqs:
+        if r.marker is not None and not r.marker.evaluate(env):
+            continue
+        pinned = pins[dep_name(r.name)]
+        assert r.specifier.contains(Version(pinned), prereleases=True), \
+            f"{LOCKS[image].name}: {r.name}=={pinned} does not meet pyproject's {r}: run `make lock`"
+        checked += 1
+    assert checked >= (8 if image == "operator" else 15)
+
+
 def rendered(helm: Helm, *args: str) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), *args).stdout) if d]
 
