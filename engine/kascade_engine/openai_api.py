@@ -21,6 +21,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kascade_engine.detokenizer import Detokenizer
+
 MAX_STOP = 4
 
 
@@ -132,43 +134,49 @@ def chat_messages(body: ChatBody) -> list[dict[str, str]]:
 
 class TextStop:
     """Decoded text of one choice, released only where no stop string can still begin and no UTF-8
-    character is incomplete; finds the first stop string."""
+    character is incomplete; finds the first stop string. Per token it decodes a short tail window
+    (`Detokenizer`) and searches only the held-back text plus the new piece, so its cost does not grow
+    with the length of the generation."""
 
     def __init__(self, decode: Callable[[list[int]], str], stops: tuple[str, ...]) -> None:
-        self.decode, self.stops = decode, stops
-        self.tokens: list[int] = []
-        self.sent = 0
+        self.detok = Detokenizer(decode)
+        self.stops = stops
+        self.released: list[str] = []
+        self.sent = 0  # characters released
+        self.held = ""  # decoded text held back: it may begin a stop string
         self.stopped = False
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.detok.tokens
 
     def feed(self, token: int, last: bool) -> str:
         """The text this token releases (possibly empty); after a stop string, `stopped` is set."""
-        self.tokens.append(token)
-        text = self.decode(self.tokens)
+        buf = self.held + self.detok.push(token, last)
         cut = None
-        for s in self.stops:
-            i = text.find(s, max(0, self.sent - len(s)))
+        for s in self.stops:  # a stop string cannot begin in released text: its prefix would be held
+            i = buf.find(s)
             if i >= 0 and (cut is None or i < cut):
                 cut = i
         if cut is not None:
             self.stopped = True
-            piece = text[self.sent:cut]
-            self.sent = max(self.sent, cut)
-            return piece
-        safe = len(text)
+            return self._release(buf[:cut], "")
+        hold = 0
         if not last:
-            if text.endswith("\ufffd"):
-                safe -= 1  # an incomplete multi-byte character: wait for its next token
-            hold = 0
             for s in self.stops:  # a suffix that may begin a stop string is held back
-                for k in range(min(len(s) - 1, safe), 0, -1):
-                    if text[safe - k:safe] == s[:k]:
+                for k in range(min(len(s) - 1, len(buf)), 0, -1):
+                    if buf.endswith(s[:k]):
                         hold = max(hold, k)
                         break
-            safe -= hold
-        piece = text[self.sent:safe] if safe > self.sent else ""
-        self.sent = max(self.sent, safe)
+        return self._release(buf[:len(buf) - hold], buf[len(buf) - hold:])
+
+    def _release(self, piece: str, held: str) -> str:
+        self.held = held
+        self.released.append(piece)
+        self.sent += len(piece)
         return piece
 
     @property
     def text(self) -> str:
-        return self.decode(self.tokens)
+        """Released text, plus what is still held back unless a stop string ended the choice."""
+        return "".join(self.released) + ("" if self.stopped else self.held)

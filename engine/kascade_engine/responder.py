@@ -66,7 +66,7 @@ class Call:
                 if ev.finished:
                     reason = ev.reason or "stop"
                 emit(idx, piece, reason if ev.finished else None)
-        return ts.text[:ts.sent] if ts.stopped else ts.text, reason
+        return ts.text, reason
 
     def usage(self) -> dict[str, int]:
         p, c = sum(len(x) for x in self.prompts), sum(self.completion_tokens)

@@ -55,9 +55,35 @@ class HFTokenizer:
         return self.encode("".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: ")
 
 
+class TokenizerError(ValueError):
+    pass
+
+
 def load_tokenizer(checkpoint: Path | None) -> Tokenizer:
     if checkpoint is not None and any((checkpoint / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         from transformers import AutoTokenizer
 
+        if (checkpoint / "tokenizer.model").exists() and not (checkpoint / "tokenizer.json").exists():
+            _need_sentencepiece(checkpoint)
+
         return HFTokenizer(AutoTokenizer.from_pretrained(checkpoint))
     return ByteTokenizer()
+
+
+def _need_sentencepiece(checkpoint: Path) -> None:
+    """A checkpoint with only tokenizer.model (Llama-2/Mistral layout): transformers converts it with
+    `sentencepiece` + `protobuf`; without them it falls back to reading the file as tiktoken and fails
+    with a message about tiktoken, so say what is really missing."""
+    import importlib.util
+
+    def importable(mod: str) -> bool:
+        try:
+            return importlib.util.find_spec(mod) is not None
+        except ModuleNotFoundError:  # google.protobuf without google
+            return False
+
+    missing = [pkg for pkg, mod in (("sentencepiece", "sentencepiece"), ("protobuf", "google.protobuf"))
+               if not importable(mod)]
+    if missing:
+        raise TokenizerError(f"{checkpoint / 'tokenizer.model'}: a SentencePiece tokenizer without tokenizer.json "
+                             f"needs the {' and '.join(missing)} package(s) (kascade's engine extra installs them)")

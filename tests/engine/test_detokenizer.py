@@ -1,0 +1,157 @@
+"""Incremental detokenization on real tokenizers: streamed pieces concatenate to the full decode (also
+across multi-byte characters split over tokens), no replacement character is ever streamed for an
+incomplete character, stop strings that span tokens cut exactly where a full-text search cuts, and the
+work per token stays flat as the generation grows."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from kascade_engine.detokenizer import Detokenizer
+from kascade_engine.openai_api import TextStop
+from kascade_engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+
+TEXTS = (
+    "Héllo wörld, naïve café — “quotes” déjà vu.",
+    "日本語のテキストです。Ελληνικά κείμενα and русский текст.",
+    "Emoji 🎉🚀 👩‍💻 🦀 then ∑ √ ≤ and plain ASCII at the end.",
+    "  leading spaces,\nnew lines\tand tabs 123 4567.",
+)
+
+
+@pytest.fixture(scope="module")
+def bpe() -> Tokenizer:
+    from kascade_engine.tinytokenizer import byte_level_bpe
+
+    return HFTokenizer(byte_level_bpe())
+
+
+@pytest.fixture(scope="module")
+def spm(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    from kascade_devcluster.requirement import unavailable
+
+    try:
+        import google.protobuf  # noqa: F401  (transformers reads tokenizer.model with it)
+        import sentencepiece  # noqa: F401
+    except ImportError:
+        unavailable("sentencepiece + protobuf (engine extra): pip install -e '.[engine]'")
+    from kascade_engine.tinytokenizer import sentencepiece_model
+
+    d = tmp_path_factory.mktemp("spm")
+    sentencepiece_model(d)
+    (d / "config.json").write_text('{"model_type": "llama"}')
+    return load_tokenizer(d)
+
+
+def stream(tok: Tokenizer, ids: list[int]) -> list[str]:
+    d = Detokenizer(tok.decode)
+    return [d.push(t, last=i == len(ids) - 1) for i, t in enumerate(ids)]
+
+
+def check_streams_exactly(tok: Tokenizer, ids: list[int]) -> None:
+    pieces = stream(tok, ids)
+    assert "".join(pieces) == tok.decode(ids)
+    full = tok.decode(ids)
+    if "\ufffd" not in full:  # valid text: an incomplete character is never streamed
+        assert not any("\ufffd" in p for p in pieces), pieces
+
+
+def test_byte_tokenizer_holds_multibyte_characters_until_complete() -> None:
+    tok = ByteTokenizer()
+    ids = tok.encode("a🎉é日")
+    pieces = stream(tok, ids)
+    assert pieces == ["a", "", "", "", "🎉", "", "é", "", "", "日"]
+
+
+@pytest.mark.parametrize("which", ["bpe", "spm"])
+def test_streamed_text_equals_full_decode_on_real_tokenizers(which: str, request: pytest.FixtureRequest) -> None:
+    tok: Tokenizer = request.getfixturevalue(which)
+    split = False
+    for text in TEXTS:
+        ids = tok.encode(text)
+        split |= any("\ufffd" in tok.decode([i]) for i in ids)
+        check_streams_exactly(tok, ids)
+    assert split, "the texts must make the tokenizer split a character over tokens, or this tests nothing"
+    rng = random.Random(0)  # arbitrary token sequences, including ones that are not valid UTF-8
+    vocab = max(max(tok.encode(t)) for t in TEXTS) + 1
+    words = [w for t in TEXTS for w in t.split(" ")]
+    for _ in range(50):
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+        # byte-level BPE decodes bytes, so even invalid UTF-8 streams exactly; SentencePiece's byte
+        # fallback turns a whole invalid byte group into U+FFFD per byte, so the group's extent (which
+        # a window may cut) shows: there only valid text must match
+        if which == "bpe" or "\ufffd" not in tok.decode(ids):
+            assert "".join(stream(tok, ids)) == tok.decode(ids)
+        ids = [i for w in rng.sample(words, 6) for i in tok.encode(w + rng.choice(" ,\n"))]  # tokens of shuffled words
+        check_streams_exactly(tok, ids)
+
+
+@pytest.mark.smollm
+def test_streamed_text_equals_full_decode_on_smollm2(smollm_ckpt: Path) -> None:
+    tok = load_tokenizer(smollm_ckpt)
+    for text in TEXTS:
+        check_streams_exactly(tok, tok.encode(text))
+
+
+def reference_cut(full: str, stops: tuple[str, ...]) -> tuple[str, bool]:
+    hits = [i for i in (full.find(s) for s in stops) if i >= 0]
+    return (full[:min(hits)], True) if hits else (full, False)
+
+
+@pytest.mark.parametrize("which", ["bpe", "spm"])
+def test_stop_strings_spanning_tokens_cut_where_the_full_text_does(which: str, request: pytest.FixtureRequest) -> None:
+    tok: Tokenizer = request.getfixturevalue(which)
+    rng = random.Random(1)
+    spanning = 0
+    for text in TEXTS:
+        ids = tok.encode(text)
+        full = tok.decode(ids)
+        ends = [len(tok.decode(ids[:k])) for k in range(1, len(ids) + 1)]  # where each token's text ends
+        for _ in range(25):
+            a = rng.randrange(len(full) - 1)
+            stop = full[a:a + rng.randrange(1, 7)]
+            stops = (stop, "never-in-the-text")
+            spanning += any(a < e < a + len(stop) for e in ends)
+            ts = TextStop(tok.decode, stops)
+            out = []
+            for i, t in enumerate(ids):
+                out.append(ts.feed(t, i == len(ids) - 1))
+                if ts.stopped:
+                    break
+            want, stopped = reference_cut(full, stops)
+            assert ("".join(out), ts.stopped) == (want, stopped), (text, stop)
+            assert ts.text == want
+    assert spanning > 20, "most stop strings must cross a token boundary"
+
+
+def test_text_without_stop_is_the_full_decode_including_held_text(bpe: Tokenizer) -> None:
+    ids = bpe.encode("the end is near")
+    ts = TextStop(bpe.decode, ("near!",))
+    assert "".join(ts.feed(t, False) for t in ids) == "the end is "  # "near" may begin the stop: held
+    assert ts.text == "the end is near" and not ts.stopped
+
+
+def test_work_per_token_is_flat_in_the_generation_length(bpe: Tokenizer) -> None:
+    """Counted, not timed: tokens handed to `decode` per pushed token stay bounded over 3000 tokens
+    (the old path decoded the whole list, 1 + 2 + ... + n)."""
+    ids = bpe.encode(" ".join(TEXTS)) * 40
+    decoded = []
+
+    def counting(x: list[int]) -> str:
+        decoded.append(len(x))
+        return bpe.decode(x)
+
+    ts = TextStop(counting, ("zzz",))
+    per_token = []
+    for i, t in enumerate(ids):
+        before = sum(decoded)
+        ts.feed(t, i == len(ids) - 1)
+        per_token.append(sum(decoded) - before)
+    assert len(ids) > 3000
+    assert max(per_token) <= 16, max(per_token)
+    first, last = per_token[:500], per_token[-500:]
+    assert sum(last) <= sum(first) * 1.2
+    assert ts.text == bpe.decode(ids)
