@@ -45,6 +45,7 @@ M = {
     "preemptions": "kascade_num_preemptions_total",
     "blocks": "kascade_blocks_resident",
     "transfer_bw": "kascade_transfer_bandwidth_bytes_per_second",
+    "transfer_failures": "kascade_weight_transfer_failures_total",
     "live_split": "kascade_live_split_requests_total",
     "op_replicas": "kascade_operator_replicas",
     "op_pool_idle": "kascade_operator_pool_idle_pods",
@@ -98,16 +99,20 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         q(f"avg by (model_service) ({M['kv_usage']}{{{SEL}}})", "{{model_service}}"),
         q(f"sum by (model_service) (increase({M['preemptions']}{{{SEL}}}[{RATE}]))", "preempted {{model_service}}")]),
     ("Scale decisions", "short", [
-        q(f"sum by (policy, direction) (increase({M['op_decisions']}[{RATE}]))", "{{policy}} {{direction}}")]),
+        q(f"sum by (model_service, role, policy, direction) (increase({M['op_decisions']}{{{SEL}}}[{RATE}]))",
+          "{{model_service}} {{role}} {{policy}} {{direction}}")]),
     ("ScalePlans in flight", "short", [
         q(f"sum by (model_service) ({M['op_plans_active']}{{{SEL}}})", "active {{model_service}}"),
         q(f"max by (model_service) ({M['op_plan_age']}{{{SEL}}})", "oldest age (s) {{model_service}}")]),
     ("ScalePlan duration by outcome", "s", [
-        q(f"histogram_quantile(0.9, sum by (le, phase) (rate({M['op_plan_duration']}_bucket[{RATE}])))",
-          "p90 {{phase}}"),
-        q(f"sum by (phase) (increase({M['op_plan_duration']}_count[{RATE}]))", "plans {{phase}}")]),
-    ("Weight transfer throughput", "Bps", [
-        q(f"sum by (model_service) ({M['transfer_bw']}{{{SEL}}})", "{{model_service}}")]),
+        q(f"histogram_quantile(0.9, sum by (le, model_service, phase) "
+          f"(rate({M['op_plan_duration']}_bucket{{{SEL}}}[{RATE}])))", "p90 {{model_service}} {{phase}}"),
+        q(f"sum by (model_service, phase) (increase({M['op_plan_duration']}_count{{{SEL}}}[{RATE}]))",
+          "plans {{model_service}} {{phase}}")]),
+    ("Weight transfers: throughput and failures", "Bps", [
+        q(f"sum by (model_service) ({M['transfer_bw']}{{{SEL}}})", "{{model_service}}"),
+        q(f"sum by (model_service) (increase({M['transfer_failures']}{{{SEL}}}[{RATE}]))",
+          "failed transfers {{model_service}}")]),
     ("Decision to engines instructed", "s", [
         q(f"histogram_quantile(0.9, sum by (le) (rate({M['op_reaction']}_bucket[{RATE}])))", "p90")]),
     ("Live split requests/s (loading engines serving with a peer)", "short", [
@@ -198,10 +203,14 @@ ALERTS: list[dict[str, Any]] = [
      "summary": f"warm pool of {_lbl('namespace')} is empty while replicas are wanted",
      "description": "Scale-ups fall back to creating pods (slow, cold). Raise pool.replicas or add GPU nodes."},
     {"alert": "KascadeTransferFailures",
-     "expr": f"sum by (namespace) (increase({M['op_plan_duration']}_count{{phase=\"Failed\"}}[15m])) > 0",
+     # an engine's failed transfer counts even when the operator recovered the plan (re-planned around it)
+     "expr": f"(sum by (namespace, model_service) (increase({M['transfer_failures']}[15m])) > 0) or "
+             f"(sum by (namespace, model_service) (increase({M['op_plan_duration']}_count{{phase=\"Failed\"}}[15m])) > 0)",
      "for": "0m", "severity": "warning",
-     "summary": "ScalePlans failed in the last 15 minutes",
-     "description": "Weight transfers or binds failed: see the ScalePlans' status.targets[].error and Events."},
+     "summary": f"weight transfers or ScalePlans of {_lbl('namespace')}/{_lbl('model_service')} failed "
+                "in the last 15 minutes",
+     "description": "Weight transfers or binds failed: see the engines' loadError (kascade status), the "
+                    "ScalePlans' status.targets[].failed and Events."},
     {"alert": "KascadeTTFTSLOBurn",
      "expr": f"(1 - sum by (namespace, model_service) (rate({M['ttft']}_bucket{{le=~\"{{{{ {V}.ttftSloSeconds }}}}(\\\\.0)?\"}}[5m])) "
              f"/ sum by (namespace, model_service) (rate({M['ttft']}_count[5m]))) > {{{{ {V}.ttftBurnRatio }}}}",
@@ -212,9 +221,25 @@ ALERTS: list[dict[str, Any]] = [
 ]
 
 
+# kascade_time_to_first_token_seconds' bucket bounds (engine/kascade_engine/metrics.py LATENCY, as Helm's
+# toString prints them; a test keeps the two equal): the SLO burn alert selects the bucket `le` equal to
+# the SLO, so any other value would give an alert that evaluates fine and can never fire.
+TTFT_BOUNDS = ("0.005", "0.01", "0.025", "0.05", "0.1", "0.25", "0.5", "1", "2.5", "5", "10", "30", "60")
+
+
+def _slo_guard() -> list[str]:
+    bounds = " ".join(f'"{b}"' for b in TTFT_BOUNDS)
+    return [f"{{{{- $slo := toString {V}.ttftSloSeconds }}}}",
+            f"{{{{- if not (has $slo (list {bounds})) }}}}",
+            f'{{{{- fail (printf "monitoring.prometheusRule.ttftSloSeconds: %s is not a bucket bound of '
+            f'{M["ttft"]} (one of {", ".join(TTFT_BOUNDS)}): the TTFT SLO burn alert could never fire" $slo) }}}}',
+            "{{- end }}"]
+
+
 def rules_yaml() -> str:
     lines = ["# GENERATED by hack/observability.py; edit that file, then run `make manifests`.",
              "# Rendered by templates/monitoring.yaml with `tpl`: thresholds are Helm expressions on .Values.",
+             *_slo_guard(),
              "groups:", "  - name: kascade", "    rules:"]
     for a in ALERTS:
         # block scalars: no YAML escaping, so Helm sees its {{ }} and PromQL its quotes exactly as written

@@ -45,6 +45,14 @@ def prometheus_binary() -> Path:
     return p
 
 
+def promtool_binary() -> Path:
+    """promtool, built beside prometheus by hack/build-prometheus.sh; MissingPrometheus if absent."""
+    p = prometheus_binary().parent / "promtool"
+    if not p.is_file():
+        raise MissingPrometheus(f"promtool missing at {p} (rebuild with `bash hack/build-prometheus.sh`)")
+    return p
+
+
 class PrometheusServer:
     def __init__(self, directory: Path, binary: Path | None = None) -> None:
         self.dir, self.binary = directory, binary or prometheus_binary()

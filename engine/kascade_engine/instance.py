@@ -77,6 +77,7 @@ class EngineInstance:
         self.blockset: Any = None  # a complete copy held here (sources send from it)
         self.bytes_received = 0
         self.transfer_bw = 0.0
+        self.transfer_failures = 0  # load plans that failed here, for the lifetime of the process (a counter)
         self.load_error: str | None = None
         self.loading: asyncio.Task[None] | None = None
         self.plan: dict[str, Any] | None = None

@@ -79,6 +79,7 @@ async def start_plan_load(inst: EngineInstance, req: LoadPlanRequest) -> None:
                             blocks=source, on_progress=on_progress)
         await node.start()
     except (ValueError, TransportError) as e:
+        inst.transfer_failures += 1
         raise _fail(400, f"cannot start the transfer: {e}", "peers") from None
     inst.instance_id = me
     inst.plan = doc
@@ -90,6 +91,7 @@ async def start_plan_load(inst: EngineInstance, req: LoadPlanRequest) -> None:
         except Exception as e:  # a failed transfer leaves the engine loading, visible in status
             log.error("transfer failed on %s: %s", me, e)
             inst.load_error = str(e)
+            inst.transfer_failures += 1
         finally:
             await node.close()
 

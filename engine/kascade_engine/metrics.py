@@ -6,7 +6,8 @@ built for vLLM port by changing the prefix): every serving metric carries `model
   kascade_prompt_tokens_total / generation_tokens_total       kascade_num_preemptions_total
   kascade_request_success_total{finished_reason=stop|length|abort|error}
   kascade_time_to_first_token_seconds, kascade_inter_token_latency_seconds, kascade_e2e_request_latency_seconds
-Kascade's own: blocks resident, weight transfer bytes and bandwidth, live-split requests and layers.
+Kascade's own: blocks resident, weight transfer bytes and bandwidth, weight transfers that failed on this
+engine (`kascade_weight_transfer_failures_total`, the transfer-failure alert), live-split requests and layers.
 
 Data flow: Serving calls `on_request` (prompt admitted), `observe_event` (every token), `observe_ttft`,
 `on_finish`; `update(instance)` samples the gauges before a scrape and after every step.
@@ -51,6 +52,9 @@ class EngineMetrics:
         self.transfer_bytes = Gauge("kascade_transfer_bytes", "Weight bytes received by the data plane", registry=r)
         self.transfer_bw = Gauge("kascade_transfer_bandwidth_bytes_per_second",
                                  "Weight bytes received / seconds since the first byte of the current load", registry=r)
+        self.transfer_failures = Counter("kascade_weight_transfer_failures",
+                                         "Weight transfers (load plans) that failed on this engine", registry=r)
+        self._transfer_failures_seen = 0
         self.live_split = Counter("kascade_live_split_requests", "Requests served split with a peer while loading",
                                   registry=r)
         self.live_layers = Gauge("kascade_live_layers", "Layers executed for a cooperating peer", registry=r)
@@ -91,4 +95,7 @@ class EngineMetrics:
         self.blocks_resident.set(len(inst.model.weights))
         self.transfer_bytes.set(inst.bytes_received)
         self.transfer_bw.set(inst.transfer_bw)
+        if inst.transfer_failures > self._transfer_failures_seen:
+            self.transfer_failures.inc(inst.transfer_failures - self._transfer_failures_seen)
+            self._transfer_failures_seen = inst.transfer_failures
         self.live_layers.set(inst.finisher.layers_finished)

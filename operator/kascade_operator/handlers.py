@@ -173,7 +173,7 @@ async def _reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) ->
     last = None
     changes = [d for d in decisions if d.desired != d.current]
     for d in changes:
-        rt.metrics.decisions.labels(d.policy, "up" if d.desired > d.current else "down").inc()
+        rt.metrics.decisions.labels(ns, name, d.role, d.policy, "up" if d.desired > d.current else "down").inc()
         log.info("%s/%s decision %s %d -> %d: %s", ns, name, d.role, d.current, d.desired, d.reason)
         last = {"time": now_iso(), "policy": d.policy, "role": d.role, "from": d.current, "to": d.desired,
                 "reason": d.reason[:1024], "metrics": {k: float(v) for k, v in d.metrics.items()}}

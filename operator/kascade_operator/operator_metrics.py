@@ -20,9 +20,12 @@ class OperatorMetrics:
                                    ["trigger"], registry=r, buckets=_FAST)
         self.plan_generation = Histogram("kascade_operator_plan_generation_seconds", "Planner time per ScalePlan",
                                          registry=r, buckets=_FAST)
-        self.decisions = Counter("kascade_operator_decisions", "Scale decisions", ["policy", "direction"], registry=r)
+        # per ModelService and role, like the replicas gauge (the dashboard is per model)
+        self.decisions = Counter("kascade_operator_decisions", "Scale decisions",
+                                 ["namespace", "model_service", "role", "policy", "direction"], registry=r)
         self.plan_duration = Histogram("kascade_operator_plan_duration_seconds", "ScalePlan start to finish",
-                                       ["phase"], registry=r, buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300))
+                                       ["namespace", "model_service", "phase"], registry=r,
+                                       buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300))
         self.pool_size = Gauge("kascade_operator_pool_idle_pods", "Idle warm-pool pods", ["namespace"], registry=r)
         self.instruct = Histogram("kascade_operator_reaction_seconds", "Decision to all targets instructed",
                                   registry=r, buckets=_FAST)

@@ -403,7 +403,7 @@ async def _finish(rt: Runtime, sp: dict[str, Any], phase: str, failed: dict[str,
             if p.plan == name and p.model_service == key and not p.ready and p.instance not in failed:
                 await _drop(rt, sp, p, "its ScalePlan failed", unreachable=False)
     await rt.kube.patch_scaleplan_status(ns, name, status)
-    rt.metrics.plan_duration.labels(phase).observe(time.monotonic() - started)
+    rt.metrics.plan_duration.labels(ns, svc, phase).observe(time.monotonic() - started)
     owner = {"metadata": {"name": svc,
                           "uid": next((o["uid"] for o in sp["metadata"].get("ownerReferences") or []), None)}}
     await rt.event(ns, owner, "ModelService", "Normal" if phase == "Succeeded" else "Warning",

@@ -109,6 +109,23 @@ def msvc(ckpt_path: str) -> dict[str, Any]:
                                  "threshold": {"metric": "tokensPerSecond", "upper": 150, "lower": 0}}}}
 
 
+def dead_inputs(prom: PrometheusServer, expr: str) -> list[str]:
+    """The selectors of an alert expression that match no series, or whose series lack a label the
+    expression groups by. Matchers on `phase` are dropped: failed plans do not happen in a healthy run
+    (tests/chart/test_observability.py makes each alert fire with promtool)."""
+    by = {lbl.strip() for group in re.findall(r"by \(([^)]*)\)", expr) for lbl in group.split(",")}
+    out = []
+    for name, matchers in re.findall(r"(kascade_\w+)(\{[^}]*\})?", expr):
+        kept = [m for m in re.findall(r'\w+=~?"(?:[^"\\]|\\.)*"', matchers) if not m.startswith("phase")]
+        sel = name + "{" + ", ".join(kept) + "}"
+        series = prom.query(sel)
+        if not series:
+            out.append(f"{sel}: no series")
+        elif missing := sorted(lbl for lbl in by - {"le"} if not any(s["metric"].get(lbl) for s in series)):
+            out.append(f"{sel}: no series labelled {missing}")
+    return out
+
+
 def dashboard_queries(namespace: str, rate_window: str) -> list[tuple[str, str]]:
     doc = json.loads((CHART / "files" / "dashboards" / "kascade.json").read_text())
     out = []
@@ -172,6 +189,15 @@ def test_promql_source_scales_up_and_dashboard_queries_return_data(
         # the per-role replicas panel shows the service at 2 ready
         ready = prom.query(f'kascade_operator_replicas{{namespace="{ns}", model_service="svc", state="ready"}}')
         assert [float(r["value"][1]) for r in ready] == [2.0], ready
+        # decisions and plan outcomes are per model: this service's scale-up and its Succeeded plan
+        svc = f'namespace="{ns}", model_service="svc"'
+        ups = prom.query(f'kascade_operator_decisions_total{{{svc}, role="colocated", policy="threshold", direction="up"}}')
+        assert ups and float(ups[0]["value"][1]) >= 1, ups
+        done = prom.query(f'kascade_operator_plan_duration_seconds_count{{{svc}, phase="Succeeded"}}')
+        assert done and float(done[0]["value"][1]) >= 1, done
+        # every engine exports its transfer-failure counter (the alert's input), none failed here
+        fails = prom.query(f'kascade_weight_transfer_failures_total{{namespace="{ns}"}}')
+        assert len(fails) >= 2 and all(float(r["value"][1]) == 0 for r in fails), fails
     finally:
         gen.stop()
         router.stop()
@@ -188,5 +214,9 @@ def test_promql_source_scales_up_and_dashboard_queries_return_data(
                           "KascadeTTFTSLOBurn"}
     bad = {n: r.get("lastError") for n, r in rules.items() if r["health"] != "ok"}
     assert not bad, bad
+    # an alert that evaluates fine can still be dead (a renamed metric, a label nobody sets, a bucket that
+    # does not exist): every series an alert reads exists here, with the labels it groups by
+    dead = {n: why for n, r in rules.items() if (why := dead_inputs(prom, r["query"]))}
+    assert not dead, dead
     # nothing is wrong in this run: no alert fires
     assert all(r["state"] != "firing" for r in rules.values()), {n: r["state"] for n, r in rules.items()}

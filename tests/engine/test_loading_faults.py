@@ -39,6 +39,12 @@ def _status(e: Any) -> dict[str, Any]:
     return httpx.get(e.url + "/kascade/v1/status", headers=_h(e), timeout=30).json()  # type: ignore[no-any-return]
 
 
+def _failures(e: Any) -> float:
+    text = httpx.get(e.url + "/metrics", timeout=30).text
+    return next(float(line.split()[1]) for line in text.splitlines()
+                if line.startswith("kascade_weight_transfer_failures_total "))
+
+
 def _wait(cond: Any, what: str, timeout: float = 90) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -120,6 +126,8 @@ def test_engines_with_mutual_tls_load_by_plan_and_refuse_a_foreign_certificate(
         assert r.status_code == 200, r.text
         st = _wait(lambda: (s := _status(intruder))["loadError"] and s, "the intruder's load error", timeout=60)
         assert "no fallback could provide" in st["loadError"] and st["bytesReceived"] == 0, st
+        # the failed transfer is counted (the transfer-failure alert's input); the good load is not
+        assert _failures(intruder) == 1.0 and _failures(dst) == 0.0
     finally:
         for e in (src, dst, intruder):
             e.stop()
