@@ -151,3 +151,34 @@ def test_promtool_test_rules_can_fail(helm: Helm, promtool: Path, tmp_path: Path
     (tmp_path / "t.yaml").write_text(yaml.safe_dump({"rule_files": ["rules.yaml"], "tests": [wrong]}))
     run = subprocess.run([str(promtool), "test", "rules", "t.yaml"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert run.returncode != 0 and "KascadeWarmPoolExhausted" in (run.stdout + run.stderr), run.stdout + run.stderr
+
+
+def _matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    ok = all(labels.get(k) == v for k, v in (selector.get("matchLabels") or {}).items())
+    for e in selector.get("matchExpressions") or []:
+        ok = ok and {"Exists": e["key"] in labels, "DoesNotExist": e["key"] not in labels,
+                     "In": labels.get(e["key"]) in (e.get("values") or []),
+                     "NotIn": labels.get(e["key"]) not in (e.get("values") or [])}[e["operator"]]
+    return ok
+
+
+def test_monitors_select_exactly_the_objects_that_export_metrics(helm: Helm) -> None:
+    """Each ServiceMonitor selects exactly its Service and names a port it has; the PodMonitor selects the
+    pool's pods (and nothing else the chart creates) and names their metrics port."""
+    out = helm("template", "rel", str(CHART), "-n", "ns", "--set", "monitoring.serviceMonitor.enabled=true",
+               "--set", "monitoring.podMonitor.enabled=true", "--set", "router.enabled=true").stdout
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    services = [d for d in docs if d["kind"] == "Service"]
+    for sm in (d for d in docs if d["kind"] == "ServiceMonitor"):
+        chosen = [s for s in services if _matches(sm["spec"]["selector"], s["metadata"]["labels"])]
+        want = {"rel-operator": "rel-operator-metrics", "rel-router": "rel-router"}[sm["metadata"]["name"]]
+        assert [s["metadata"]["name"] for s in chosen] == [want], (sm["metadata"]["name"], chosen)
+        assert sm["spec"]["endpoints"][0]["port"] in {p["name"] for p in chosen[0]["spec"]["ports"]}
+        assert sm["spec"]["namespaceSelector"]["matchNames"] == ["ns"]
+    pm = next(d for d in docs if d["kind"] == "PodMonitor")
+    workloads = [d for d in docs if d["kind"] in {"Deployment", "Pod"}]
+    pods = {d["metadata"]["name"]: (d["spec"]["template"] if d["kind"] == "Deployment" else d) for d in workloads}
+    chosen = [n for n, t in pods.items() if _matches(pm["spec"]["selector"], t["metadata"].get("labels") or {})]
+    assert chosen == ["rel-pool"], chosen
+    ports = {p["name"] for c in pods["rel-pool"]["spec"]["containers"] for p in c.get("ports") or []}
+    assert pm["spec"]["podMetricsEndpoints"][0]["port"] in ports
