@@ -11,7 +11,9 @@ Only such pods get the engine token (from the installation's Secret). Otherwise 
 and the service's `Stalled` condition names the field. A `pvc` source mounts the claim read-only
 (claims are namespaced: it must live in the pool's namespace). An `hf://` source mounts nothing of
 the node: the engine downloads the snapshot (HF_ENDPOINT and the HF_TOKEN Secret are the installation's
-settings, never the ModelService author's).
+settings, never the ModelService author's). With the installation's data-plane TLS Secret
+(`engine_tls_secret`: tls.crt, tls.key, ca.crt) the pod mounts it at `TLS_MOUNT` and serves with
+`--tls-cert/--tls-key/--tls-ca`, exactly as the chart's pool pods do, so it can talk to them.
 
 Data flow: ModelServiceSpec + OperatorSettings -> `refusals()` (field: problem) -> `fallback_pod()`
 (a warm-pool pod annotated for the model and for this service, owned by it when in its namespace).
@@ -31,6 +33,13 @@ from kascade_operator.settings import OperatorSettings
 PVC_MOUNT = "/kascade/model"  # where a fallback pod mounts a pvc source (or an hf:// source's config)
 HF_HOME = "/kascade/hf"  # a fallback pod's Hub cache (emptyDir) for hf:// sources
 ACT_PORT = 18516
+TLS_MOUNT = "/etc/kascade/tls"  # the data-plane TLS Secret in engine pods (the chart's pool mounts it here too)
+TLS_FILES = {"cert": "tls.crt", "key": "tls.key", "ca": "ca.crt"}  # flag -> key (cert-manager's Secret layout)
+
+
+def tls_args() -> list[str]:
+    """`kascade engine serve` flags reading the mounted data-plane TLS Secret."""
+    return [f"--tls-{flag}={TLS_MOUNT}/{key}" for flag, key in TLS_FILES.items()]
 
 
 def host_path(spec: ModelServiceSpec) -> str | None:
@@ -98,12 +107,13 @@ def _hub_env(hf_endpoint: str, hf_token_secret: str) -> list[dict[str, Any]]:
 
 def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Mapping[str, Any] | None,
                  act_port: int = ACT_PORT, hf_endpoint: str = "", hf_token_secret: str = "",
-                 log_format: str = "text") -> dict[str, Any]:
+                 log_format: str = "text", tls_secret: str = "") -> dict[str, Any]:
     """A new warm-pool engine pod for this model, reserved for service `key` (annotation created-for):
     it joins the pool and is bound in a later round like any pool pod. Call only when `refusals()` is
     empty. An `hf://` source: an init container fetches config and tokenizer (what an empty engine is
     started with) into an emptyDir; the weights are downloaded by the engine when bound (HF_ENDPOINT,
-    HF_TOKEN from the installation's Secret, cache in another emptyDir)."""
+    HF_TOKEN from the installation's Secret, cache in another emptyDir). `tls_secret`: mount it and serve the
+    data plane over mutual TLS (empty: plain TCP, as the pool without TLS)."""
     e, src = spec.engine, spec.model.source
     ckpt = checkpoint_path(spec)
     hub = hub_uri(spec)
@@ -141,7 +151,7 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
     container: dict[str, Any] = {
         "name": "engine", "image": e.image,
         "args": ["kascade", "engine", "serve", "--empty", "--host=0.0.0.0", f"--port={e.port}", f"--act-port={act_port}",
-                 f"--checkpoint={ckpt}", f"--model-name={spec.model.name}"],
+                 f"--checkpoint={ckpt}", f"--model-name={spec.model.name}", *(tls_args() if tls_secret else [])],
         "env": env,
         "ports": [{"containerPort": e.port, "name": "http"}, {"containerPort": e.data_port, "name": "data"},
                   {"containerPort": act_port, "name": "act"}],
@@ -152,6 +162,9 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
         # started only once the engine's HTTP server answers: the operator binds started pods only
         "startupProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 1, "failureThreshold": 600},
         "volumeMounts": mounts}
+    if tls_secret:
+        mounts.append({"name": "data-plane-tls", "mountPath": TLS_MOUNT, "readOnly": True})
+        extra_volumes.append({"name": "data-plane-tls", "secret": {"secretName": tls_secret}})
     if e.resources:
         container["resources"] = e.resources.model_dump(exclude_none=True)
     meta: dict[str, Any] = {"generateName": "kascade-fallback-",

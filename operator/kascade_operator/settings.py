@@ -29,6 +29,9 @@ class OperatorSettings(BaseSettings):
     engine_timeout_seconds: float = Field(default=2.0, gt=0, le=300)
     engine_token: str | None = Field(default=None, min_length=1, description="bearer token for the engine control API")
     engine_token_secret: str = "kascade-engine-token"  # Secret (key `token`) in each namespace when no token is set
+    engine_tls_secret: str = Field(default="", description="Secret (tls.crt, tls.key, ca.crt) the fallback pods "
+                                   "mount to serve the data plane over mutual TLS, as the chart's pool does when "
+                                   "dataPlaneTls.secretName is set; empty = plain TCP")
     status_write_interval_seconds: float = Field(default=0.5, ge=0, description="throttle for ScalePlan progress")
     leaf_label: str = "kascade.io/leaf"
     domain_label: str = "kascade.io/scaleup-domain"

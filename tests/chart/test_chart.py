@@ -169,6 +169,25 @@ def test_one_token_secret_name_everywhere(helm: Helm) -> None:
         assert secrets == ([] if name == "mine" else [name])
 
 
+def test_pool_namespace_has_one_source(helm: Helm) -> None:
+    """The operator's pool namespace is where this release puts the pool and the token Secret; a
+    different operator.poolNamespace with pool.enabled is refused naming both; without a pool it is the
+    namespace of a pool-only release, and the operator gets pod rights there too."""
+    def pool_ns(docs: list[dict[str, Any]]) -> str:
+        env = by(docs, "Deployment", "rel-operator")["spec"]["template"]["spec"]["containers"][0]["env"]
+        return str(next(e["value"] for e in env if e["name"] == "KASCADE_OPERATOR_POOL_NAMESPACE"))
+
+    assert pool_ns(render(helm)) == "ns" == pool_ns(render(helm, "--set", "operator.poolNamespace=ns"))
+    out = helm("template", "rel", str(CHART), "-n", "ns", "--set", "operator.poolNamespace=gpu", check=False)
+    assert out.returncode != 0 and 'operator.poolNamespace "gpu"' in out.stderr and '"ns"' in out.stderr, out.stderr
+    docs = render(helm, "--set", "pool.enabled=false", "--set", "operator.poolNamespace=gpu",
+                  "--set", "operator.watchNamespaces={team}")
+    assert pool_ns(docs) == "gpu"
+    roles = sorted(d["metadata"]["namespace"] for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "rel-operator")
+    assert roles == ["gpu", "ns", "team"]
+    assert pool_ns(render(helm, "--set", "pool.enabled=false")) == ""  # each ModelService's own namespace
+
+
 def test_network_policy_opens_engine_ports_only_to_kascade_pods(helm: Helm) -> None:
     docs = render(helm, "--set", "pool.dataPort=19000")
     eng = by(docs, "NetworkPolicy", "rel-engines")
@@ -283,7 +302,8 @@ def test_rbac_grants_no_wildcards_or_secret_listing(helm: Helm) -> None:
      ("topology.interLeafBandwidthRatio=0", "interLeafBandwidthRatio"), ("podAnotations.a=b", "podAnotations"),
      ("operator.affinty.x=y", "affinty"), ("imagePullSecret[0]=x", "imagePullSecret"), ("logFormat=xml", "logFormat"),
      ("pool.model.download.repo=not a repo", "repo"), ("monitoring.podMonitor.interval=5", "interval"),
-     ("networkPolicy.enable=true", "enable"), ("global=1", "global")],
+     ("networkPolicy.enable=true", "enable"), ("global=1", "global"), ("dataPlaneTls.secret=t", "secret"),
+     ("dataPlaneTls.secretName=Engine_TLS", "secretName")],
 )
 def test_values_schema_rejects_bad_values_naming_them(helm: Helm, setting: str, field: str) -> None:
     out = helm("template", "rel", str(CHART), "--set", setting, check=False)

@@ -135,3 +135,63 @@ def test_kind_e2e_values_and_modelservice_agree(helm: Helm) -> None:
     spec = ModelServiceSpec.model_validate(msvc["spec"])
     assert f"--model-name={spec.model.name}" in c["args"] and f"--checkpoint={spec.model.source.path}" in c["args"]
     assert c["image"] == spec.engine.image == "kascade:e2e" and c["imagePullPolicy"] == "Never"
+
+
+def test_data_plane_tls_secret_reaches_pool_and_fallback_engines_alike(helm: Helm, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """dataPlaneTls.secretName: the pool mounts the Secret and its engines' TLS flags read its keys; the
+    operator is told the name and its fallback pods mount it at the same place with the same flags; the
+    engine builds its TLS transport from files named as the Secret's keys (what the kubelet projects)."""
+    from kascade_devcluster.peercerts import make_peer_certs
+    from kascade_engine.transport import make_transport
+    from kascade_engine.transport_tls import TlsError, TlsFiles
+    from kascade_operator.api import ModelServiceSpec
+    from kascade_operator.podtemplate import fallback_pod
+
+    off = containers(helm, tmp_path, {})
+    assert not [a for a in off["rel-pool"]["args"] if a.startswith("--tls")]
+    assert next(e for e in off["rel-operator"]["env"] if e["name"] == "KASCADE_OPERATOR_ENGINE_TLS_SECRET")["value"] == ""
+    (tmp_path / "m1").mkdir()  # click checks the checkpoint directory exists, as it would in the pod
+    (tmp_path / "v.yaml").write_text(yaml.safe_dump({"dataPlaneTls": {"secretName": "engine-tls"}, "pool": {
+        "model": {"name": "m1", "path": str(tmp_path / "m1"), "mountPath": str(tmp_path)}}}))
+    docs = [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), "-f", str(tmp_path / "v.yaml")).stdout)
+            if d]
+    deps = {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in docs if d["kind"] == "Deployment"}
+    pool = deps["rel-pool"]
+    vol = next(v for v in pool["volumes"] if "secret" in v)
+    assert vol["secret"] == {"secretName": "engine-tls"}
+    engine = pool["containers"][0]
+    mount = next(m for m in engine["volumeMounts"] if m["name"] == vol["name"])
+    assert mount["readOnly"] is True
+    params = parse(engine["args"])
+    flags = {k: params[f"tls_{k}"] for k in ("cert", "key", "ca")}
+    assert flags == {"cert": Path(mount["mountPath"]) / "tls.crt", "key": Path(mount["mountPath"]) / "tls.key",
+                     "ca": Path(mount["mountPath"]) / "ca.crt"}
+    for e in deps["rel-operator"]["containers"][0]["env"]:
+        if "value" in e:
+            monkeypatch.setenv(e["name"], e["value"])
+    settings = OperatorSettings()
+    assert settings.engine_tls_secret == "engine-tls"
+    spec = ModelServiceSpec.model_validate({"model": {"name": "m", "source": {"pvc": {"claimName": "models"}}},
+                                            "engine": {"image": "img:1"}, "mode": "colocated",
+                                            "replicas": {"colocated": {"min": 1, "max": 2}}})
+    pod = fallback_pod(spec, "svc", "tok", None, tls_secret=settings.engine_tls_secret)
+    fb = pod["spec"]["containers"][0]
+    fb_vol = next(v for v in pod["spec"]["volumes"] if "secret" in v)
+    assert fb_vol["secret"] == vol["secret"]
+    assert next(m for m in fb["volumeMounts"] if m["name"] == fb_vol["name"])["mountPath"] == mount["mountPath"]
+    assert [a for a in fb["args"] if a.startswith("--tls-")] == [a for a in engine["args"] if a.startswith("--tls-")]
+    assert not [a for a in fallback_pod(spec, "svc", "tok", None)["spec"]["containers"][0]["args"] if "tls" in a]
+
+    # the Secret as the kubelet projects it (one file per key) is what the engine's TLS transport reads
+    made = make_peer_certs(tmp_path / "pki")
+    secret_dir = tmp_path / "secret"
+    secret_dir.mkdir()
+    for key, src in (("tls.crt", made["cert"]), ("tls.key", made["key"]), ("ca.crt", made["ca"])):
+        (secret_dir / key).write_bytes(src.read_bytes())
+    local = {k: secret_dir / v.name for k, v in flags.items()}
+    files = TlsFiles.from_flags(local["cert"], local["key"], local["ca"])
+    assert files is not None and make_transport("tcp", files).name == "tcp+tls"
+    (secret_dir / "ca.crt").unlink()  # a Secret without ca.crt: the engine refuses to start, naming the flag
+    with pytest.raises(TlsError, match="--tls-ca"):
+        make_transport("tcp", files)

@@ -57,21 +57,25 @@ def values_file(tmp: Path, values: dict[str, Any]) -> str:
 def test_notes_sample_and_fallback_pod_use_the_release_secret(
         control_plane: ControlPlane, kwok_nodes: Callable[..., list[str]], crds: list[str], namespace: str,
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool (and its token and TLS Secrets) in the release namespace, ModelServices in another, watched
+    one: NOTES sends the sample there, and the fallback pod lands next to the Secrets it names."""
     kwok_nodes(2, gpus=2)
     cp = control_plane
+    team = f"{namespace}-team"  # the only namespace the operator watches; not the release's
+    cp.kubectl("create", "namespace", team)
     cp.kubectl("-n", namespace, "create", "secret", "generic", "team-token", "--from-literal=token=t0k3n")
     values = {"engineToken": {"existingSecret": "team-token"}, "tests": {"enabled": False},
-              "operator": {"watchNamespaces": [namespace], "tolerations": [KWOK_TOLERATION]},
+              "dataPlaneTls": {"secretName": "engine-tls"},
+              "operator": {"watchNamespaces": [team], "tolerations": [KWOK_TOLERATION],
+                           "allowedHostPathRoots": ["/models"]},  # fallback pods mount the sample's path
               "pool": {"replicas": 0}}  # an empty pool: the operator must take the slow path
-    if "allowedHostPathRoots" in yaml.safe_load((CHART / "values.yaml").read_text())["operator"]:
-        values["operator"]["allowedHostPathRoots"] = ["/models"]  # fallback pods mount the sample's path
     out = cp.helm("install", "prod-llm", str(CHART), "-n", namespace, "-f", values_file(tmp_path, values))
     assert not get(cp, namespace, "secrets", "-l", "app.kubernetes.io/instance=prod-llm")["items"]  # existingSecret used
 
     # NOTES' own command, with the sample URL pointing at this checkout's copy of the same file
     line = next(raw for raw in out.stdout.splitlines() if "kubectl apply" in raw)
     args = shlex.split(line.strip())
-    assert args[:4] == ["kubectl", "apply", "-n", namespace], line
+    assert args[:4] == ["kubectl", "apply", "-n", team], line
     url = args[args.index("-f") + 1]
     assert url.startswith("https://raw.githubusercontent.com/kascade/kascade/main/"), url
     cp.kubectl(*[str(REPO / url.split("/main/", 1)[1]) if a == url else a for a in args[1:]])
@@ -89,7 +93,7 @@ def test_notes_sample_and_fallback_pod_use_the_release_secret(
     sa_token = cp.kubectl("-n", namespace, "create", "token", "prod-llm-operator", "--duration=1h").stdout.strip()
     kubeconfig = tmp_path / "operator.kubeconfig"
     kubeconfig.write_text(kubeconfig_text(cp.api_url, cp.ca_cert, sa_token, user="prod-llm-operator"))
-    op = OperatorProcess(cast(ControlPlane, SimpleNamespace(kubeconfig=kubeconfig)), namespace, "t0k3n",
+    op = OperatorProcess(cast(ControlPlane, SimpleNamespace(kubeconfig=kubeconfig)), team, "t0k3n",
                          tmp_path / "operator.log")
     op.start()
     try:
@@ -99,18 +103,27 @@ def test_notes_sample_and_fallback_pod_use_the_release_secret(
         op.stop()
     assert "Forbidden" not in op.tail(), op.tail()
     pod = pods[0]
-    env = pod["spec"]["containers"][0]["env"]
-    ref = next(e for e in env if e["name"] == "KASCADE_ENGINE_TOKEN")["valueFrom"]["secretKeyRef"]
+    engine = pod["spec"]["containers"][0]
+    ref = next(e for e in engine["env"] if e["name"] == "KASCADE_ENGINE_TOKEN")["valueFrom"]["secretKeyRef"]
     assert ref == {"name": "team-token", "key": "token"}
-    # what a kubelet needs to start it: the Secret it references exists in the pod's namespace
+    # the data-plane TLS Secret mounted and used exactly as the chart's pool does
+    tls = next(v for v in pod["spec"]["volumes"] if "secret" in v)
+    assert tls["secret"]["secretName"] == "engine-tls"
+    mount = next(m for m in engine["volumeMounts"] if m["name"] == tls["name"])
+    assert [a for a in engine["args"] if a.startswith("--tls-")] == [
+        f"--tls-cert={mount['mountPath']}/tls.crt", f"--tls-key={mount['mountPath']}/tls.key",
+        f"--tls-ca={mount['mountPath']}/ca.crt"]
+    # what a kubelet needs to start it: the Secret it references exists in the pod's namespace (the pool's)
     assert pod["metadata"]["namespace"] == namespace
+    assert pod["metadata"]["annotations"]["kascade.io/created-for"] == f"{team}/smollm2"  # the sample's name
     cp.kubectl("-n", namespace, "get", "secret", ref["name"])
-    events = get(cp, namespace, "events")["items"]
-    # the operator said why it took the slow path (an Event on the ModelService)
+    events = get(cp, team, "events")["items"]
+    # the operator said why it took the slow path (an Event on the ModelService, in its namespace)
     assert any(e["involvedObject"]["kind"] == "ModelService" and e["type"] == "Warning" for e in events), \
         [(e["involvedObject"]["kind"], e["reason"]) for e in events]
-    cp.kubectl("-n", namespace, "delete", "msvc", "--all", "--wait=false")
+    cp.kubectl("-n", team, "delete", "msvc", "--all", "--wait=false")
     cp.helm("uninstall", "prod-llm", "-n", namespace)
+    cp.kubectl("delete", "namespace", team, "--wait=false")
 
 
 def _serve_test_pod(cp: ControlPlane, ns: str, pod_name: str, services: dict[str, str], stop: threading.Event,

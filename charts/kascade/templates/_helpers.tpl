@@ -66,6 +66,36 @@ imagePullSecrets:
 {{ .Values.engineToken.existingSecret | default (printf "%s-engine-token" (include "kascade.fullname" .)) }}
 {{- end -}}
 
+{{/*
+The warm pool's namespace as the operator is told it (KASCADE_OPERATOR_POOL_NAMESPACE) and NOTES print it:
+this release's namespace when it runs the pool (the token Secret is there too), else operator.poolNamespace
+("" = each ModelService's own namespace, pools installed there by pool-only releases).
+*/}}
+{{- define "kascade.poolNamespace" -}}
+{{- $set := .Values.operator.poolNamespace -}}
+{{- if .Values.pool.enabled -}}
+{{- if and $set (ne $set .Release.Namespace) -}}
+{{- fail (printf "operator.poolNamespace %q differs from the release namespace %q, where pool.enabled puts the pool and the token Secret: leave it empty, or install with pool.enabled=false and point it at the namespace of a pool-only release" $set .Release.Namespace) -}}
+{{- end -}}
+{{ .Release.Namespace }}
+{{- else -}}
+{{ $set }}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Where NOTES apply the sample: the release namespace when the operator watches it (all namespaces, or
+listed), else the first watched namespace (a ModelService outside them is never reconciled).
+*/}}
+{{- define "kascade.sampleNamespace" -}}
+{{- $watch := .Values.operator.watchNamespaces | default list -}}
+{{- if or (not $watch) (has .Release.Namespace $watch) -}}
+{{ .Release.Namespace }}
+{{- else -}}
+{{ first $watch }}
+{{- end -}}
+{{- end -}}
+
 {{/* Log format flag for every `kascade` entry point. */}}
 {{- define "kascade.logFormatArg" -}}
 --log-format={{ .Values.logFormat }}
