@@ -117,6 +117,8 @@ def test_common_values_are_accepted_and_used(helm: Helm, tmp_path: Path) -> None
                            "priorityClassName": "system-cluster-critical", "podAnnotations": {"b": "2"}},
               "pool": {"priorityClassName": "gpu-high", "affinity": {"podAntiAffinity": {}},
                        "image": {"digest": "sha256:" + "a" * 64}},
+              "router": {"podAnnotations": {"r": "3"},
+                         "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule"}]},
               "logFormat": "json"}
     (tmp_path / "v.yaml").write_text(yaml.safe_dump(values))
     docs = render(helm, "-f", str(tmp_path / "v.yaml"))
@@ -132,6 +134,10 @@ def test_common_values_are_accepted_and_used(helm: Helm, tmp_path: Path) -> None
     assert pool["spec"]["containers"][0]["image"] == f"reg.example:5000/ghcr.io/kascade/kascade-engine@sha256:{'a' * 64}"
     assert "--log-format=json" in op["spec"]["containers"][0]["args"]
     assert "--log-format=json" in pool["spec"]["containers"][0]["args"]
+    router = by(docs, "Deployment", "rel-router")["spec"]["template"]
+    assert router["metadata"]["annotations"] == {"a": "1", "r": "3"}
+    assert router["spec"]["topologySpreadConstraints"][0]["topologyKey"] == "zone"
+    assert router["spec"]["imagePullSecrets"] == op["spec"]["imagePullSecrets"]
 
 
 def test_watch_namespaces_gets_roles_not_cluster_wide_pod_writes(helm: Helm) -> None:

@@ -2,8 +2,8 @@
 and an existing token Secret, apply the sample exactly as NOTES says, and the operator (a real process,
 authenticated as the chart's ServiceAccount, configured by the Deployment's own environment) creates a
 fallback pod that references that Secret; Pod Security `baseline` enforced on the namespace admits the
-pool and `helm test` passes through a real router; `helm upgrade` from chart 0.1.0 keeps the generated
-engine token and upgrades the CRDs by the documented step.
+pool and `helm test` passes through a real router; `helm upgrade` from charts 0.1.0 and 0.2.0 keeps the
+generated engine token and upgrades the CRDs by the documented step.
 
 No kubelet runs here (KWOK marks scheduled pods Running). `helm test`'s pod is run by a stand-in
 kubelet: its `kascade ...` args run as a local process, the front door Service's URL replaced by a real
@@ -41,7 +41,7 @@ from kascade_devcluster.waiting import wait_for
 pytestmark = pytest.mark.cluster
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "kascade"
-PREVIOUS = Path(__file__).with_name("data") / "kascade-0.1.0.tgz"  # `helm package` of the chart at 0.1.0
+PREVIOUS = Path(__file__).with_name("data") / "kascade-0.1.0.tgz"  # `helm package` of the chart at 0.1.0 (and 0.2.0 beside it)
 
 
 def get(cp: ControlPlane, ns: str, *what: str) -> Any:
@@ -231,23 +231,32 @@ def test_pod_security_baseline_admits_the_pool_and_helm_test_passes(
     cp.helm("uninstall", "edge", "-n", namespace)
 
 
+@pytest.mark.parametrize("previous", ["0.1.0", "0.2.0"])
 def test_upgrade_from_previous_chart_keeps_token_and_upgrades_crds(
-        control_plane: ControlPlane, kwok_nodes: Callable[..., list[str]], namespace: str, tmp_path: Path) -> None:
+        control_plane: ControlPlane, kwok_nodes: Callable[..., list[str]], namespace: str, tmp_path: Path,
+        previous: str) -> None:
+    """0.1.0: CRDs older than today's (the API grew), no router. 0.2.0: the chart just before this one
+    (`git show fb4650f:charts/kascade`, packaged)."""
     cp = control_plane
     kwok_nodes(1, gpus=1)
-    with tarfile.open(PREVIOUS) as tar:
+    package = PREVIOUS.with_name(f"kascade-{previous}.tgz")
+    with tarfile.open(package) as tar:
         old = yaml.safe_load(tar.extractfile("kascade/Chart.yaml").read())  # type: ignore[union-attr]
-    assert old["version"] == "0.1.0"
+    assert old["version"] == previous
     new_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["version"]
     assert new_version != old["version"]
     base = {"pool": {"replicas": 1, "tolerations": [KWOK_TOLERATION]}, "operator": {"tolerations": [KWOK_TOLERATION]}}
-    values = values_file(tmp_path, base)
-    # 0.1.0's schema knows no router; today's chart runs it by default (it must tolerate the KWOK nodes)
-    new_values = values_file(tmp_path, {**base, "router": {"tolerations": [KWOK_TOLERATION]}})
-    # the cluster as 0.1.0 left it: its CRDs (the session may have installed today's), then its release
+    # 0.1.0's schema knows no router; later charts run it by default (it must tolerate the KWOK nodes)
+    with_router = {**base, "router": {"tolerations": [KWOK_TOLERATION]}}
+    values = values_file(tmp_path, base if previous == "0.1.0" else with_router)
+    # the chart README's command: keep the release's values, take new keys' defaults from the new chart
+    upgrade_args = ["--reset-then-reuse-values"]
+    if previous == "0.1.0":
+        upgrade_args += ["-f", values_file(tmp_path, {"router": with_router["router"]})]
+    # the cluster as the previous chart left it: its CRDs (the session may have installed today's), then its release
     cp.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-",
-               input=cp.helm("show", "crds", str(PREVIOUS)).stdout)
-    cp.helm("install", "up", str(PREVIOUS), "-n", namespace, "-f", values, "--wait", "--timeout=90s")
+               input=cp.helm("show", "crds", str(package)).stdout)
+    cp.helm("install", "up", str(package), "-n", namespace, "-f", values, "--wait", "--timeout=90s")
     token = get(cp, namespace, "secret", "up-engine-token")["data"]["token"]
 
     # the documented step (docs/upgrade.md, NOTES): the new chart's CRDs, server-side applied
@@ -261,10 +270,10 @@ def test_upgrade_from_previous_chart_keeps_token_and_upgrades_crds(
     def live() -> dict[str, list[Any]]:
         return schemas([json.loads(cp.kubectl("get", "crd", n, "-o", "json").stdout) for n in want])
 
-    # 0.1.0's CRDs are on the server, and they are not the new ones (the API grew since): a real upgrade
-    assert live() != want
+    if previous == "0.1.0":  # its CRDs are on the server, and they are not the new ones: a real CRD upgrade
+        assert live() != want
     cp.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=crds)
-    cp.helm("upgrade", "up", str(CHART), "-n", namespace, "-f", new_values, "--wait", "--timeout=90s")
+    cp.helm("upgrade", "up", str(CHART), "-n", namespace, *upgrade_args, "--wait", "--timeout=90s")
 
     assert get(cp, namespace, "secret", "up-engine-token")["data"]["token"] == token
     rel = json.loads(cp.helm("list", "-n", namespace, "-o", "json").stdout)
@@ -273,7 +282,13 @@ def test_upgrade_from_previous_chart_keeps_token_and_upgrades_crds(
     # the upgraded objects: new labels, the operator told the Secret name
     dep = get(cp, namespace, "deployment", "up-operator")
     assert dep["metadata"]["labels"]["app.kubernetes.io/version"]
+    assert dep["metadata"]["labels"]["helm.sh/chart"] == f"kascade-{new_version}"
     env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["KASCADE_OPERATOR_ENGINE_TOKEN_SECRET"] == "up-engine-token"
-    assert env["KASCADE_OPERATOR_ROUTER_URL"] == f"http://up-router.{namespace}.svc:8080"  # the upgrade added the front door
+    assert env["KASCADE_OPERATOR_POOL_NAMESPACE"] == namespace
+    assert env["KASCADE_OPERATOR_ROUTER_URL"] == f"http://up-router.{namespace}.svc:8080"  # the front door
+    # the pool rolled to the new template and is back at full strength
+    pool = get(cp, namespace, "deployment", "up-pool")
+    assert pool["metadata"]["labels"]["helm.sh/chart"] == f"kascade-{new_version}"
+    assert pool["status"].get("updatedReplicas") == pool["spec"]["replicas"] == 1, pool["status"]
     cp.helm("uninstall", "up", "-n", namespace)
