@@ -47,10 +47,21 @@ class TcpConnection:
         except OSError:
             self.peer = "?"
         self.loop = asyncio.get_running_loop()
+        self._busy = 0  # socket operations (sends, reads) awaiting the event loop right now
+        self.closed = False
+
+    def _enter(self) -> None:
+        self._busy += 1
+
+    def _leave(self) -> None:
+        self._busy -= 1
+        if self.closed and not self._busy:
+            self.sock.close()  # deferred by close(): the loop has dropped this fd's reader/writer by now
 
     async def send(self, header: Header, payload: bytes | bytearray | memoryview = b"",
                    timeout: float | None = None) -> None:
         prefix, raw = encode_prefix(header, len(payload))
+        self._enter()
         try:
             async with asyncio.timeout(timeout):
                 await self.loop.sock_sendall(self.sock, prefix + raw)
@@ -60,14 +71,20 @@ class TcpConnection:
             raise TransportError(f"{self.peer} took nothing for {timeout} s") from None
         except (ConnectionError, OSError) as e:
             raise TransportError(f"send to {self.peer}: {e}") from None
+        finally:
+            self._leave()
 
     async def _fill(self, view: memoryview) -> None:
         got = 0
-        while got < len(view):
-            n = await self.loop.sock_recv_into(self.sock, view[got:])
-            if n == 0:
-                raise TransportError(f"connection from {self.peer} closed")
-            got += n
+        self._enter()
+        try:
+            while got < len(view):
+                n = await self.loop.sock_recv_into(self.sock, view[got:])
+                if n == 0:
+                    raise TransportError(f"connection from {self.peer} closed")
+                got += n
+        finally:
+            self._leave()
 
     async def recv_header(self, timeout: float | None = None) -> tuple[Header, int]:
         try:
@@ -96,8 +113,16 @@ class TcpConnection:
         return await read_frame(self, timeout, max_payload)
 
     async def close(self) -> None:
+        """Close now, or, while a send or read is waiting in the event loop, shut the socket down (that
+        wakes it with EOF / EPIPE) and close when it returns. Closing the fd under a waiting read would
+        leave the loop's selector holding a registration epoll has already dropped: the next socket to
+        reuse that fd number would never be woken (a re-formed pipeline hop hung on it for 120 s)."""
+        self.closed = True
         with contextlib.suppress(OSError):
-            self.sock.close()
+            if self._busy:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            else:
+                self.sock.close()
 
     async def abort(self) -> None:
         with contextlib.suppress(OSError):

@@ -33,10 +33,6 @@ def _receiver(tiny_ckpt: Any, blocks: Any, ids: list[str], name: str) -> EngineI
     return inst
 
 
-@pytest.mark.xfail(strict=False, reason="known bug, open in issue 17: after receiver 3 dies, the re-formed "
-                   "pipeline sometimes hangs (r2 passes a step to the spare, which never answers: 'pair refused the "
-                   "step: no data for 120 s'); failed 3 of 14 runs under load and once in a full run on a quiet "
-                   "machine on 2026-11-23; a larger thread pool did not fix it")
 async def test_pipeline_of_three_receivers_serves_exactly_and_survives_a_death(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
     params = SamplingParams(max_tokens=6)
     want = unsplit(tiny_blocks, PROMPTS, params)
