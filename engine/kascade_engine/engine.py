@@ -59,7 +59,10 @@ class Engine:
     def __init__(self, model: LlamaModel, limits: Limits | None = None, eos: int | None = None) -> None:
         self.model = model
         self.limits = limits or Limits()
-        self.scheduler = Scheduler(self.limits)
+        windows = model.windows
+        # pages can go only when every layer has a window (they share one block table per sequence)
+        reclaim = max(w for w in windows if w is not None) if windows and None not in windows else None
+        self.scheduler = Scheduler(self.limits, window=reclaim)
         s = model.shape
         self.cache = KVCache(s.layers, self.limits.pages, self.limits.page_size, s.kv_heads, s.head_dim,
                              model.dtype, model.device)

@@ -146,7 +146,10 @@ class EngineInstance:
     @property
     def context_len(self) -> int:
         """Longest sequence (prompt + completion) one request may reach here."""
-        return min(self.model.shape.max_positions, self.engine.scheduler.pool.capacity_tokens)
+        sched = self.engine.scheduler
+        if sched.window is not None and sched.resident(self.model.shape.max_positions) <= sched.pool.capacity_tokens:
+            return self.model.shape.max_positions  # pages outside the window are reclaimed as it slides
+        return min(self.model.shape.max_positions, sched.pool.capacity_tokens)
 
     @property
     def ready(self) -> bool:

@@ -121,7 +121,8 @@ def _group(members: list[tuple[int, list[int], int, int]], page_size: int, dev: 
     qpos = starts[:, None] + torch.minimum(qs[None, :], ns[:, None] - 1)
     mask = keys[None, None, :] <= qpos[:, :, None]  # causal; padding keys lie beyond every query
     valid = keys[None, :] < (starts + ns)[:, None]
-    index = torch.where(valid, tables[:, keys // page_size] * page_size + keys % page_size, 0)
+    page = tables[:, keys // page_size]  # 0: padding, or a page dropped outside a sliding window
+    index = torch.where(valid & (page > 0), page * page_size + keys % page_size, 0)
     first = members[0][0]
     contiguous = all(row == first + i * Q for i, (row, _, _, n) in enumerate(members)) and bool(real.all())
     if contiguous:

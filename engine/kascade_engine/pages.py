@@ -5,6 +5,9 @@ Data flow: the scheduler asks `fits(seq, tokens)` / `grow(seq, tokens)` before i
 sequence (admission by free pages), `free(seq)` on finish, abort or preemption; the engine turns a
 block table into slot indices (`slot = page * page_size + offset`) for the torch cache (kvcache.py).
 Page 0 is never handed out: its first slot stays zero and pads gathers, so padding never reads garbage.
+Sliding-window models (every layer attends to the last W positions only) hand back pages no future query
+can see with `drop_before(seq, pos)`: the table keeps its length (positions still index it) and the
+dropped entries become 0, which gathers read as the zero slot.
 """
 
 from __future__ import annotations
@@ -51,9 +54,26 @@ class PagePool:
         return True
 
     def free(self, seq: str) -> int:
-        table = self.tables.pop(seq, [])
+        table = [p for p in self.tables.pop(seq, []) if p]
         self._free.extend(reversed(table))
         return len(table)
+
+    def drop_before(self, seq: str, pos: int) -> int:
+        """Free `seq`'s pages whose every position is < `pos` (outside the window of any later query)."""
+        table = self.tables.get(seq)
+        if not table:
+            return 0
+        dropped = 0
+        for i in range(min(max(0, pos) // self.page_size, len(table))):
+            if table[i]:
+                self._free.append(table[i])
+                table[i] = 0
+                dropped += 1
+        return dropped
+
+    def held(self, seq: str) -> int:
+        """Pages `seq` holds now (dropped entries not counted)."""
+        return sum(1 for p in self.tables.get(seq, ()) if p)
 
     def add_pages(self, n: int) -> None:
         """A growable pool (one split sequence's private cache) gets `n` more pages."""

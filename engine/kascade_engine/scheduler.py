@@ -7,7 +7,9 @@ inter-token latency low), then unfinished prefills, then waiting sequences admit
 `max_seqs`. Admission needs free pages for the sequence's known tokens; a running sequence that needs a
 page when none is free preempts the most recently admitted sequence not yet in this step (its pages
 are freed and it is recomputed from its known tokens when re-admitted, so its output is unchanged).
-`finish(id)` (done, aborted, failed) frees the pages at once.
+`finish(id)` (done, aborted, failed) frees the pages at once. With `window` set (a model whose every
+layer attends only to the last `window` positions), pages wholly before the window of a sequence's next
+chunk go back to the pool before it grows, so a long generation holds about window/page_size pages.
 """
 
 from __future__ import annotations
@@ -77,13 +79,22 @@ class Scheduler:
     waiting: deque[Seq] = field(default_factory=deque)
     running: dict[str, Seq] = field(default_factory=dict)  # admission order
     preemptions: int = 0
+    window: int | None = None  # every layer's attention window (None: some layer sees the whole context)
+    dropped_pages: int = 0
 
     def __post_init__(self) -> None:
         self.pool = PagePool(self.limits.pages, self.limits.page_size)
 
+    def resident(self, tokens: int) -> int:
+        """The most KV positions a sequence of `tokens` positions holds at once: all of them, or with a
+        window the window before a chunk plus the chunk (plus a page of slack at each end)."""
+        if self.window is None:
+            return tokens
+        return min(tokens, self.window + self.limits.max_batch_tokens + 2 * self.limits.page_size)
+
     def add(self, seq: Seq) -> None:
         need = seq.prompt_len + seq.max_tokens
-        if need > self.pool.capacity_tokens:
+        if self.resident(need) > self.pool.capacity_tokens:
             raise ValueError(f"prompt_len + max_tokens = {need} exceeds the KV capacity of "
                              f"{self.pool.capacity_tokens} tokens")
         self.waiting.append(seq)
@@ -115,6 +126,8 @@ class Scheduler:
                 if n <= 0:
                     continue
                 prefill_left -= n
+            if self.window is not None:  # queries at >= computed see keys > computed - window only
+                self.dropped_pages += self.pool.drop_before(s.id, s.computed - self.window + 1)
             while not self.pool.grow(s.id, s.computed + n):
                 victims = [v for v in self.running.values() if v.id not in scheduled and v is not s]
                 victim = victims[-1] if victims else s
@@ -130,7 +143,7 @@ class Scheduler:
         while self.waiting and not preempted and budget > 0 and prefill_left > 0 and \
                 len(self.running) < self.limits.max_seqs:
             s = self.waiting[0]
-            if self.pool.pages_for(s.total) > self.pool.free_pages:
+            if self.pool.pages_for(self.resident(s.total)) > self.pool.free_pages:
                 break  # FCFS: never let a later, smaller request overtake the head
             self.waiting.popleft()
             n = min(s.total, budget, prefill_left)

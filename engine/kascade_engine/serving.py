@@ -101,7 +101,8 @@ class Serving:
                 self.queues.pop(rid, None)
                 raise RequestError(503, "engine is loading and has no cooperating peer")
             self.inst.metrics.live_split.inc()  # batched here, finished in the pair's batch (cooperation.py)
-        if params.max_tokens + len(prompt) > self.inst.engine.scheduler.pool.capacity_tokens:
+        sched = self.inst.engine.scheduler
+        if sched.resident(params.max_tokens + len(prompt)) > sched.pool.capacity_tokens:
             self.queues.pop(rid, None)
             raise RequestError(400, f"prompt_len + max_tokens = {params.max_tokens + len(prompt)} exceeds the KV "
                                f"capacity of {self.inst.engine.scheduler.pool.capacity_tokens} tokens", "max_tokens")

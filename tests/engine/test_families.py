@@ -19,13 +19,13 @@ from kascade_engine.scheduler import Limits
 PROMPTS = [[5, 9, 13, 200, 3], [77], list(range(100, 140))]  # the last one runs past llama3's original context
 
 
-def _hf_greedy(ckpt: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+def _hf_greedy(ckpt: Path, prompts: list[list[int]], n: int, **kw: object) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     ref = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     outs = []
     for p in prompts:
-        out = ref.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+        out = ref.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0, **kw)
         outs.append(out[0, len(p):].tolist())
     return outs
 
@@ -90,3 +90,44 @@ def test_sliding_window_config_rules() -> None:
         sliding_windows({**qwen, "use_sliding_window": True, "layer_types": ["full_attention"]})
     with pytest.raises(FamilyError, match="sliding_window"):
         sliding_windows({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 0})
+
+
+def test_sliding_window_frees_pages_outside_the_window(tmp_path: Path) -> None:
+    """Mistral (every layer windowed, W=6), pages of 4 slots, a KV cache of only 48 tokens: one request
+    generates 150 tokens (3x the cache) with greedy == transformers, the sequence never holds more pages
+    than its window plus one chunk needs, dropped pages return to the pool, and a model with a
+    full-attention layer reclaims nothing (its table is shared by every layer)."""
+    ckpt = tiny_model(tmp_path / "mistral", "mistral", layers=2, window=6)
+    blocks = pack_checkpoint(ckpt)
+    prompt = [5, 9, 13, 200, 3, 7, 11, 17, 19, 23, 29, 31, 37]
+    want = _hf_greedy(ckpt, [prompt], 150, eos_token_id=None)[0]  # the engine here has no eos either
+
+    def engine(cfg: dict[str, object]) -> Engine:
+        m = LlamaModel(cfg)
+        for b in blocks.blocks.values():
+            m.add_block(b.id, b.tensors())
+        return Engine(m, Limits(max_batch_tokens=8, kv_tokens=48, page_size=4))
+
+    eng = engine(blocks.config)
+    assert eng.scheduler.window == 6
+    rid = eng.submit(prompt, SamplingParams(max_tokens=150))
+    got: list[int] = []
+    held: list[int] = []
+    done = False
+    while not done:
+        for e in eng.step():
+            got.append(e.token)
+            done |= e.finished
+        held.append(eng.scheduler.pool.held(rid))
+        assert eng.scheduler.pool.used_pages == held[-1]  # dropped pages are free again
+    assert got == want
+    assert max(held) <= 5  # positions c-5 .. c+7 of a chunk at c: 13 positions span at most 5 pages
+    assert held[-2] <= 3  # decoding: positions c-5 .. c span at most 3 pages
+    assert eng.scheduler.dropped_pages >= (len(prompt) + 150 - 12) // 4
+    assert eng.scheduler.pool.used_pages == 0
+
+    qwen = tiny_model(tmp_path / "qwen2", "qwen2", layers=2, window=6)  # layer 0 attends to everything
+    m = LlamaModel(pack_checkpoint(qwen).config)
+    assert Engine(m, Limits(kv_tokens=48, page_size=4)).scheduler.window is None
+    with pytest.raises(ValueError, match="exceeds the KV capacity of 48 tokens"):
+        Engine(m, Limits(kv_tokens=48, page_size=4)).submit(prompt, SamplingParams(max_tokens=150))
