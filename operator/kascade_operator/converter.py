@@ -22,7 +22,7 @@ from kascade_operator.decide import RoleInput
 from kascade_operator.engine_client import EngineError
 from kascade_operator.kube import Conflict, NotFound
 from kascade_operator.pdscaling import conversion_input
-from kascade_operator.pool import PodView
+from kascade_operator.pool import PodView, pod_view
 from kascade_operator.runtime import Runtime
 from kascade_planner.conversion import Conversions, plan_conversions
 
@@ -34,6 +34,20 @@ def _annotation(value: str | None, rv: str | None = None) -> dict[str, Any]:
     if rv:
         meta["resourceVersion"] = rv
     return {"metadata": meta}
+
+
+async def _annotate(rt: Runtime, ns: str, p: PodView, key: str) -> None:
+    """The convertible annotation, guarded by the pod's resourceVersion; on a conflict (the readiness
+    prober and the serving gate write pod status often) the pod is read again and, still this service's
+    decoder, patched once more with the fresh version."""
+    try:
+        await rt.kube.patch_pod(ns, p.pod_name, _annotation("true", p.resource_version))
+    except Conflict:
+        fresh = await rt.kube.get_pod(ns, p.pod_name)
+        again = pod_view(fresh)
+        if again.model_service != key or again.role != "decode" or again.draining:
+            raise
+        await rt.kube.patch_pod(ns, p.pod_name, _annotation("true", again.resource_version))
 
 
 async def sync(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, key: str, pods: Sequence[PodView],
@@ -54,7 +68,7 @@ async def sync(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, key: s
         assert p.endpoint is not None  # conversion_input offers only decoders with an engine address
         try:
             await rt.engines.convert(p.endpoint, plan.chunk_tokens)
-            await rt.kube.patch_pod(p.namespace or rt.pool_namespace(ns), name, _annotation("true", p.resource_version))
+            await _annotate(rt, p.namespace or rt.pool_namespace(ns), p, key)
         except (EngineError, Conflict, NotFound) as e:
             log.warning("%s/%s: converting decoder %s failed (next round retries): %s", ns, meta["name"], name, e)
             continue

@@ -122,3 +122,20 @@ def test_the_pd_ratio_policy_sizes_both_roles_from_the_arrival_rate() -> None:
     rnd = decide_roles(spec2, [RoleInput("prefill", 1, 0, 4, MetricsSnapshot(0.0, 300.0, 0.0, measured=meas)),
                                RoleInput("decode", 1, 1, 8, MetricsSnapshot(0.0, 300.0, 1000.0))], "timer")
     assert dict(rnd.desired) == {"prefill": 2, "decode": 2}  # 300/150 link-bound; 1000/500
+
+
+async def test_a_stale_pod_version_is_read_again_but_only_a_still_bound_decoder_is_annotated(world: Any) -> None:
+    from kascade_operator.converter import _annotate
+    from kascade_operator.kube import Conflict
+    from kascade_operator.pool import pod_view
+
+    rt, kube, _stubs = world
+    stale = pod_view(kube.pods[(NS, "d0")])
+    await kube.patch_pod(NS, "d0", {"status": {"conditions": [{"type": "Ready", "status": "True"}]}})  # rv moves on
+    await _annotate(rt, NS, stale, "svc")
+    assert converted(kube) == ["d0"]
+    stale = pod_view(kube.pods[(NS, "d1")])
+    await kube.patch_pod(NS, "d1", {"metadata": {"labels": {L.MODEL_SERVICE: None, L.ROLE: None}}})  # unbound meanwhile
+    with pytest.raises(Conflict):
+        await _annotate(rt, NS, stale, "svc")
+    assert converted(kube) == ["d0"]
