@@ -11,8 +11,9 @@ Shown here, in one story:
   `kascade.io/convertible`) and the P:D ratio policy scale prefill by a chain whose source is the
   decode instance (the prefiller's egress carries KV, so it is pruned as a source);
 - after the burst the decoder is taken back (annotation gone, no chunk cap) and no request failed.
-Velocities are typed (spec.scaling.tokenVelocity) so the decisions do not depend on how fast this
-loaded machine happens to be; the rates they are compared with are the engines' real counters.
+Velocities are typed (spec.scaling.tokenVelocity; lowered by a spec update before the burst) so the
+decisions do not depend on how fast this loaded machine happens to be; the rates they are compared with
+are the engines' real counters.
 """
 
 from __future__ import annotations
@@ -37,9 +38,11 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 TOKEN = "pd-e2e-token"
 MODEL = "tiny-pd"
 PROMPT = list(range(3, 35))  # 32 prompt tokens
-# typed prefill velocity (tok/s) and TBT objective -> chunk budget 0.5 * 2 s * 8 = 8 tokens. Low on purpose:
-# the burst must stay above two prefillers' capacity (16 tok/s) even when this loaded machine serves it slowly
-PREFILL_V, TBT_MS, CHUNK = 8, 2000, 8
+# Typed prefill velocity (tok/s) and the TBT objective. While PD routing is checked the velocity is high, so
+# that the check's own requests (a 32-token prompt inside one 0.2 s scrape window reads as 160 tok/s) convert
+# nothing. For the burst it is lowered to 8 tok/s: the burst must stay above two prefillers' capacity
+# (16 tok/s) even when this loaded machine serves it slowly. Chunk budget then 0.5 * 2 s * 8 = 8 tokens.
+CALM_V, PREFILL_V, TBT_MS, CHUNK = 100_000, 8, 2000, 8
 
 
 @pytest.fixture
@@ -70,7 +73,7 @@ def msvc(ckpt: Path) -> dict[str, Any]:
                      "replicas": {"prefill": {"min": 1, "max": 2}, "decode": {"min": 1, "max": 1}},
                      "slo": {"tbtMs": TBT_MS},
                      "scaling": {"policy": "tokenVelocity", "intervalSeconds": 0.2, "multicast": "chain",
-                                 "tokenVelocity": {"prefillTokensPerSecond": PREFILL_V,
+                                 "tokenVelocity": {"prefillTokensPerSecond": CALM_V,
                                                    "decodeTokensPerSecond": 1_000_000}}}}
 
 
@@ -121,6 +124,9 @@ def test_pd_service_converts_its_decoder_on_a_burst_scales_prefill_from_it_and_t
     assert counter(pool, dec, "kascade_pd_local_fallbacks_total") == 0
     assert r.json()["choices"][0]["text"] == complete(pool.engines[dec].url).json()["choices"][0]["text"]
 
+    assert not [e for e in get(cp, ns, "events")["items"] if e["reason"] == "ConvertDecoders"]
+    cp.kubectl("-n", ns, "patch", "msvc", "svc", "--type=merge", "-p",
+               json.dumps({"spec": {"scaling": {"tokenVelocity": {"prefillTokensPerSecond": PREFILL_V}}}}))
     gen = LoadGen(router.url, MODEL, PROMPT, max_tokens=8).start()
     try:
         gen.set_load(workers=6)  # 32-token prompts back to back: far above 16 prompt tok/s
