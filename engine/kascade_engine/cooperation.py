@@ -2,7 +2,7 @@
 
 Pair session: one long-lived authenticated connection per pair, opened when the pair forms (the
 cooperate call), never per request. The hello/token check stays the first exchange:
-  B -> A  {"op": "hello", "token"}  ->  {"op": "welcome"}
+  A -> B challenge, B -> A hello (proof), A -> B welcome (proof): `peerauth`, the token never on the wire
   B -> A  {"op": "pair", "layers": L, "hidden": H}  ->  {"op": "paired", "pair": id}
 then one frame per B step (every row of B's batch that A finishes, in one activation tensor):
   B -> A  {"op": "step", "rows": [[req, start, n, layer, sample, temperature, top_p, seed], ...],
@@ -377,10 +377,9 @@ class PairClient:
 async def open_pair(model: LlamaModel, conn: Connection, token: str | None) -> PairClient:
     """Authenticate and form the pair on an open connection (at cooperate time, not per request)."""
     if token is not None:
-        await conn.send({"op": "hello", "token": token})
-        reply, _ = await conn.recv(timeout=10)
-        if reply.get("op") != "welcome":
-            raise RuntimeError(f"peer refused the hello: {reply}")
+        from kascade_engine.peerauth import join
+
+        await join(conn, token, "activation", timeout=10)
     s = model.shape
     await conn.send({"op": "pair", "layers": s.layers, "hidden": s.hidden})
     reply, _ = await conn.recv(timeout=10)

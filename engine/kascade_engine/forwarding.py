@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kascade_engine import peerauth
 from kascade_engine.blocks import Block
 from kascade_engine.transfer_spec import TransferSpec, shard_range
 from kascade_engine.transport import PREFIX, Connection, Header, Transport, TransportError, close_handshake
@@ -140,12 +141,9 @@ class Forwarding:
         sent = 0
         try:
             conn = await self._connect_retrying(host, port)
-            await conn.send({"op": "hello", "from": self.me, "token": self.spec.token, "role": "push",
-                             "shard": list(d.flow.shard) if d.flow.shard else None,
-                             "flow": self.plan.flows.index(d.flow)}, timeout=self.spec.timeout_s)
-            reply, _ = await conn.recv(timeout=self.spec.timeout_s, max_payload=0)
-            if reply.get("op") != "welcome":
-                raise TransportError(f"{d.flow.dst} refused: {reply.get('message')}")
+            await peerauth.join(conn, self.spec.token, "transfer", self.spec.timeout_s, **{
+                "from": self.me, "role": "push", "shard": list(d.flow.shard) if d.flow.shard else None,
+                "flow": self.plan.flows.index(d.flow)})
             while (item := await d.queue.get()) is not None:
                 header, payload = item
                 t0 = time.monotonic()

@@ -11,8 +11,8 @@ Wire format (explicit, no pickle), one transport frame per step:
           (row-major, little endian);  {"op": "end", "req"} frees A's state;  {"op": "poll"} asks
           whether A is idle (ZigZag: A takes a request over only when idle).
   A -> B  {"op": "token", "req", "token"}, {"op": "load", "idle"}  or  {"op": "error", "req", "message"}.
-A Finisher built with a token (every engine's: the control API token from the same Secret) first needs
-  B -> A  {"op": "hello", "token"}  ->  {"op": "welcome"}; anything else closes the connection, so only
+A Finisher built with a token (every engine's: the control API token from the same Secret) first runs
+  `peerauth`'s mutual challenge–response (the token never crosses the wire); anything else closes the connection, so only
 engines of the same installation can make A run layers.
 Where the KV cache lives: layers 0..k-1 on B (`SplitClient`), layers k..L-1 on A (`Finisher`), keyed by
 request id. Decode continues with the same split: each new token is embedded on B, runs B's layers,
@@ -26,7 +26,6 @@ every layer), as in the ILP-free ZigZag policy of kascade_planner.zigzag.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -34,6 +33,7 @@ from typing import Any
 
 import torch
 
+from kascade_engine import peerauth
 from kascade_engine.kvcache import SequenceKV
 from kascade_engine.model import LlamaModel
 from kascade_engine.sampling import SamplingParams, sample
@@ -129,18 +129,14 @@ class Finisher:
 
     async def handle(self, conn: Connection) -> None:
         self.connections += 1
-        if self.token is not None:
-            try:  # a hello carries no payload: nothing is allocated before the token is checked
-                hello, _ = await conn.recv(timeout=10, max_payload=0)
-            except TransportError as e:
+        if self.token is not None:  # peerauth challenge–response: the token itself never crosses the wire
+            try:
+                admitted = await peerauth.accept(conn, self.token, "activation", timeout=10)
+                await conn.send(admitted.welcome.header(), timeout=10)
+            except TransportError as e:  # AuthError included (accept logged it and told the peer)
                 log.warning("activation connection from %s rejected: %s", conn.peer, e)
-                return
-            if hello.get("op") != "hello" or not hmac.compare_digest(str(hello.get("token", "")).encode(),
-                                                                      self.token.encode()):
-                log.warning("activation connection from %s rejected: bad hello or token", conn.peer)
                 await conn.close()
                 return
-            await conn.send({"op": "welcome"})
         limit = MAX_ACT_TOKENS * self.model.shape.hidden * 4  # the largest activation a peer may send
         first = True
         while True:
@@ -172,11 +168,8 @@ class SplitClient:
         self.model, self.conn = model, conn
 
     async def hello(self, token: str) -> None:
-        """Authenticate to a Finisher that requires a token."""
-        await self.conn.send({"op": "hello", "token": token})
-        reply, _ = await self.conn.recv(timeout=10)
-        if reply.get("op") != "welcome":
-            raise RuntimeError(f"peer refused the hello: {reply}")
+        """Authenticate to a Finisher that requires a token (peerauth; AuthError names the refusal)."""
+        await peerauth.join(self.conn, token, "activation", timeout=10)
 
     def _prefix(self, ids: list[int], kv: SequenceKV, start: int, k: int) -> torch.Tensor:
         return self.model.run_layers(0, k, self.model.embed(torch.tensor(ids, device=self.model.device)), kv, start)

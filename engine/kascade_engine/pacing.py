@@ -47,7 +47,7 @@ class TokenBucket:
 class PacedConnection:
     def __init__(self, inner: Connection, bucket: TokenBucket) -> None:
         self.inner, self.bucket = inner, bucket
-        self.peer = inner.peer
+        self.peer, self.local = inner.peer, inner.local
 
     async def send(self, header: Header, payload: bytes | bytearray | memoryview = b"",
                    timeout: float | None = None) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 
+from kascade_engine.peerauth import join
 from kascade_engine.transport import Connection, Transport, TransportError
 
 log = logging.getLogger(__name__)
@@ -38,11 +39,8 @@ class PeerPool:
         conn = await self.transport.connect(host, port)
         self.handshakes += 1
         try:
-            if self.token is not None:  # the hello is the first frame on every activation connection
-                await conn.send({"op": "hello", "token": self.token})
-                reply, _ = await conn.recv(timeout=10)
-                if reply.get("op") != "welcome":
-                    raise RuntimeError(f"peer {peer} refused the hello: {reply}")
+            if self.token is not None:  # peerauth's challenge–response opens every activation connection
+                await join(conn, self.token, "activation", timeout=10)
         except BaseException:
             await conn.close()
             raise

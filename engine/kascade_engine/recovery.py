@@ -15,6 +15,7 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
+from kascade_engine import peerauth
 from kascade_engine.blocks import Block
 from kascade_engine.transfer_spec import TransferSpec
 from kascade_engine.transport import Connection, Transport, TransportError, close_handshake
@@ -110,10 +111,8 @@ class Recovery:
             host, port = self.spec.peers[source]
             try:
                 conn = await self.transport.connect(host, port, timeout=self.spec.timeout_s)
-                await conn.send({"op": "hello", "from": self.me, "token": self.spec.token, "role": "pull"}, timeout=self.spec.timeout_s)
-                reply, _ = await conn.recv(timeout=self.spec.timeout_s, max_payload=0)
-                if reply.get("op") != "welcome":
-                    raise TransportError(f"{source} refused: {reply.get('message')}")
+                await peerauth.join(conn, self.spec.token, "transfer", self.spec.timeout_s,
+                                    **{"from": self.me, "role": "pull"})
                 await conn.send({"op": "pull", "blocks": blocks}, timeout=self.spec.timeout_s)
                 ok = await self._consume(conn, source, pull=True)
                 with contextlib.suppress(TransportError):

@@ -14,9 +14,10 @@ for half of it) is dropped, with its reason logged, reported as a `downstream-lo
 the summary; it recovers from its fallbacks like any node whose upstream died, and this node keeps going.
 Every task a node starts reports its failure: an unexpected error in a re-fetch, a verification or a
 feeder ends `run()` with `TransferFailed` naming it (the engine shows it as the load error).
-Before a hello is authenticated nothing is allocated for a payload: a hello carries none, and a frame
-announcing one is refused unread.
-Protocol ops: hello/welcome/error, chunk, commit, abort, end, pull.
+Every connection starts with `peerauth`'s mutual challenge–response over the plan token (which never
+crosses the wire); before it succeeds nothing is allocated for a payload: its frames carry none, and a
+frame announcing one is refused unread.
+Protocol ops: challenge/hello/welcome/error (peerauth), chunk, commit, abort, end, pull.
 Modules: this one receives, verifies and serves; `forwarding.py` is the outbound side (queues, writers,
 backpressure, the source's feeders); `recovery.py` re-fetches from fallbacks and serves pulls.
 """
@@ -25,12 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
+from kascade_engine import peerauth
 from kascade_engine.arena import ReceiveArena
 from kascade_engine.blocks import Block, BlockSet, digest_matches, index_from_manifest
 from kascade_engine.forwarding import Downstream, Forwarding
@@ -175,22 +176,22 @@ class TransferNode(Forwarding, Recovery):
     # -- serving connections -----------------------------------------------------------------------
     async def _serve(self, conn: Connection) -> None:
         try:
-            # The hello carries no payload: one that announces any is refused before a byte of it is read.
-            hello, plen = await conn.recv_header(timeout=self.spec.timeout_s)
-            peer = str(hello.get("from", ""))
-            if plen or hello.get("op") != "hello" or \
-                    not hmac.compare_digest(str(hello.get("token", "")).encode(), self.spec.token.encode()):
-                await conn.send({"op": "error", "message": "authentication failed"}, timeout=self.spec.timeout_s)
-                log.warning("%s: rejected connection from %s: bad hello or token", self.me, conn.peer)
+            # Challenge–response (peerauth): the plan token never crosses the wire, and the hello carries
+            # no payload (one that announces any is refused before a byte of it is read).
+            try:
+                admitted = await peerauth.accept(conn, self.spec.token, "transfer", self.spec.timeout_s)
+            except peerauth.AuthError:
                 return
+            hello = admitted.claims
+            peer = str(hello.get("from", ""))
             role = hello.get("role")
             shard = tuple(hello["shard"]) if hello.get("shard") else None
             if role == "push" and any(f.src == peer and f.shard == shard for f in self.inbound):
-                await conn.send({"op": "welcome"}, timeout=self.spec.timeout_s)
+                await conn.send(admitted.welcome.header(), timeout=self.spec.timeout_s)
                 self._connected.add(peer)
                 await self._consume(conn, peer, shard, flow=self._pushed_flow(hello, peer, shard))
             elif role == "pull" and peer in {i.id for i in (*self.plan.sources, *self.plan.targets)}:
-                await conn.send({"op": "welcome"}, timeout=self.spec.timeout_s)
+                await conn.send(admitted.welcome.header(), timeout=self.spec.timeout_s)
                 await self._serve_pull(conn)
             else:
                 await conn.send({"op": "error", "message": f"{peer or '?'} is not a {role} peer of {self.me} in this plan"},

@@ -59,7 +59,8 @@ def decode_header(raw: bytes) -> Header:
 
 
 class Connection(Protocol):
-    peer: str
+    peer: str  # "host:port" of the other end, as this socket sees it
+    local: str | None  # "host:port" of this end (None where the transport cannot tell: UCX)
 
     async def send(self, header: Header, payload: bytes | bytearray | memoryview = b"",
                    timeout: float | None = None) -> None:

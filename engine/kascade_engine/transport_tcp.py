@@ -46,6 +46,11 @@ class TcpConnection:
             self.peer = f"{host}:{port}"
         except OSError:
             self.peer = "?"
+        try:
+            host, port = sock.getsockname()[:2]
+            self.local: str | None = f"{host}:{port}"
+        except OSError:
+            self.local = None
         self.loop = asyncio.get_running_loop()
         self._busy = 0  # socket operations (sends, reads) awaiting the event loop right now
         self.closed = False

@@ -94,6 +94,8 @@ class TlsConnection:
         self.reader, self.writer = reader, writer
         addr = writer.get_extra_info("peername")
         self.peer = f"{addr[0]}:{addr[1]}" if addr else "?"
+        own = writer.get_extra_info("sockname")
+        self.local: str | None = f"{own[0]}:{own[1]}" if own else None
 
     async def send(self, header: Header, payload: bytes | bytearray | memoryview = b"",
                    timeout: float | None = None) -> None:

@@ -141,6 +141,7 @@ async def _recv_blob(ep: Any, limit: int = 1 << 16) -> bytes:
 class UcxConnection:
     def __init__(self, ep: Any, peer: str, fast_ep: Any = None) -> None:
         self.ep, self.peer, self.fast_ep = ep, peer, fast_ep
+        self.local: str | None = None  # ucxx endpoints do not report their local address
         self._tag_base = secrets.randbits(40) << 24  # tags this end sends under
         self._seq = 0
         self._pending_tag: int | None = None

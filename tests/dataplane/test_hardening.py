@@ -58,10 +58,11 @@ def _spec(blocks: BlockSet, n: int, faults: dict[str, Any] | None = None) -> Tra
 async def _fake_downstream(spec: TransferSpec, me: str, behave: Callable[[Connection], Awaitable[None]]) -> Any:
     """A peer that authenticates like a real one and then misbehaves as told."""
 
+    from kascade_engine import peerauth
+
     async def handler(conn: Connection) -> None:
-        hello, _ = await conn.recv(timeout=10, max_payload=0)
-        assert hello["token"] == spec.token
-        await conn.send({"op": "welcome"})
+        admitted = await peerauth.accept(conn, spec.token, "transfer", timeout=10)
+        await conn.send(admitted.welcome.header())
         await behave(conn)
 
     return await TcpTransport().listen("127.0.0.1", spec.peers[me][1], handler)
@@ -145,17 +146,27 @@ async def test_a_failing_task_ends_the_transfer_with_its_name(tiny_blocks: Block
         await s0.close()
 
 
-async def _announce_and_wait(port: int, header: dict[str, Any], payload_len: int) -> tuple[float, bytes]:
-    """Send one frame prefix + header announcing `payload_len` bytes (and none of them); returns how
-    long until the server answered or closed, and what it sent."""
-    prefix, raw = encode_prefix(header, 0)
-    assert prefix[:4] == MAGIC
+async def _announce_and_wait(port: int, token: str, context: str, claims: dict[str, Any],
+                             payload_len: int) -> tuple[float, bytes]:
+    """Read the server's challenge, answer it with a hello (a valid proof for `token`) that announces
+    `payload_len` bytes (and sends none of them); returns how long until the server answered or closed,
+    and everything it sent after the challenge."""
+    from kascade_engine import peerauth
+    from kascade_engine.transport import decode_header, decode_prefix
+
     r, w = await asyncio.open_connection("127.0.0.1", port)
     t0 = time.monotonic()
+    hlen, _ = decode_prefix(await asyncio.wait_for(r.readexactly(PREFIX.size), 10))
+    challenge = peerauth.Challenge.parse(decode_header(await r.readexactly(hlen)))
+    mine = secrets.token_bytes(peerauth.NONCE_BYTES)
+    claims = {**claims, "to": f"127.0.0.1:{port}"}
+    hello = peerauth.Hello(mine, peerauth.proof(token, "client", context, challenge.nonce, mine, claims), claims)
+    prefix, raw = encode_prefix(hello.header(), 0)
+    assert prefix[:4] == MAGIC
     w.write(PREFIX.pack(MAGIC, len(raw), payload_len) + raw)
     await w.drain()
     try:
-        got = await asyncio.wait_for(r.read(4096), 10)
+        got = await asyncio.wait_for(r.read(), 10)  # until the server closes
     except (ConnectionResetError, TimeoutError):
         got = b""
     w.close()
@@ -183,17 +194,18 @@ async def test_data_port_allocates_nothing_before_the_hello_is_checked(tiny_bloc
     port = await s0.start()
     try:
         # Even a hello with the right token may not carry a payload: it is refused at once, unread.
-        hellos = [{"op": "hello", "from": "t0", "token": tok, "role": "pull"} for tok in ("wrong", spec.token)] * 4
+        claims = {"from": "t0", "role": "pull"}
         results: list[tuple[float, bytes]] = []
 
         async def flood() -> None:
-            results.extend(await asyncio.gather(*(_announce_and_wait(port, h, 64 << 20) for h in hellos)))
+            results.extend(await asyncio.gather(*(_announce_and_wait(port, tok, "transfer", claims, 64 << 20)
+                                                  for tok in ("wrong", spec.token) * 4)))
 
         held = await _held_bytes_while(flood)
         assert held < 16 << 20, f"{held / 2**20:.0f} MiB allocated for 8 unauthenticated 64 MiB announcements"
         for took, got in results:
             assert took < T / 2  # answered, not left waiting for a payload that never comes
-            assert b"authentication failed" in got
+            assert b"authentication failed" in got and b"welcome" not in got
     finally:
         await s0.close()
 
@@ -209,11 +221,12 @@ async def test_activation_port_allocates_nothing_before_the_hello_is_checked() -
 
         async def flood() -> None:
             results.extend(await asyncio.gather(*(
-                _announce_and_wait(listener.port, {"op": "hello", "token": "s3cret"}, 64 << 20) for _ in range(8))))
+                _announce_and_wait(listener.port, tok, "activation", {}, 64 << 20) for tok in ("wrong", "s3cret") * 4)))
 
         held = await _held_bytes_while(flood)
         assert held < 16 << 20, f"{held / 2**20:.0f} MiB allocated for 8 unauthenticated 64 MiB announcements"
-        assert all(took < 2 and got == b"" for took, got in results)  # closed at once, nothing said
+        for took, got in results:  # refused at once, and closed
+            assert took < 5 and b"authentication failed" in got and b"welcome" not in got
     finally:
         await listener.close()
 
@@ -272,6 +285,8 @@ async def test_a_plan_token_derived_from_the_scaleplan_is_refused(tiny_blocks: B
     assert name not in secret and uid not in secret and len(secret) == 64
     from dataclasses import replace
 
+    from kascade_engine import peerauth
+
     spec = replace(_spec(tiny_blocks, 1), token=secret)
     s0 = TransferNode(spec, "s0", TcpTransport(), tiny_blocks)
     port = await s0.start()
@@ -279,8 +294,12 @@ async def test_a_plan_token_derived_from_the_scaleplan_is_refused(tiny_blocks: B
         replies = []
         for token in (f"{name}-{uid}", name, uid, secret):
             conn = await TcpTransport().connect("127.0.0.1", port)
-            await conn.send({"op": "hello", "from": "t0", "token": token, "role": "pull"})
-            replies.append((await conn.recv(timeout=5, max_payload=0))[0]["op"])
+            try:
+                await peerauth.join(conn, token, "transfer", 5, **{"from": "t0", "role": "pull"})
+                replies.append("welcome")
+            except peerauth.AuthError as e:
+                assert "refused the hello: authentication failed" in str(e)
+                replies.append("error")
             await conn.close()
         assert replies == ["error", "error", "error", "welcome"]
     finally:

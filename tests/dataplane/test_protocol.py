@@ -9,6 +9,7 @@ import struct
 
 import pytest
 
+from kascade_engine import peerauth
 from kascade_engine.blocks import BlockSet
 from kascade_engine.relay import TransferNode
 from kascade_engine.transfer_spec import SpecError, TransferSpec, shard_range
@@ -76,9 +77,10 @@ def test_spec_errors_name_the_field(tiny_blocks: BlockSet) -> None:
 
 
 async def _closed_by_server(r: asyncio.StreamReader) -> bool:
-    """The server dropped us: EOF, or a reset because it closed with our garbage unread."""
+    """The server dropped us (EOF, or a reset because it closed with our garbage unread) having sent
+    nothing but its challenge (and perhaps an error): never a welcome."""
     try:
-        return await asyncio.wait_for(r.read(), 5) == b""
+        return b"welcome" not in await asyncio.wait_for(r.read(), 5)
     except ConnectionResetError:
         return True
 
@@ -103,16 +105,15 @@ async def test_bad_clients_are_rejected_and_server_keeps_serving(tiny_blocks: Bl
         await w.drain()
         assert await _closed_by_server(r)
         replies = []
-        for hello in ({"op": "hello", "from": "t0", "token": "wrong", "role": "pull"},
-                      {"op": "hello", "from": "mallory", "token": spec.token, "role": "pull"},
-                      {"op": "hello", "from": "t0", "token": spec.token, "role": "push"}):
+        for token, who, role in (("wrong", "t0", "pull"), (spec.token, "mallory", "pull"), (spec.token, "t0", "push")):
             conn = await transport.connect("127.0.0.1", sp)
-            await conn.send(hello)
-            replies.append((await conn.recv(timeout=5))[0])
+            with pytest.raises(peerauth.AuthError) as refused:
+                await peerauth.join(conn, token, "transfer", 5, **{"from": who, "role": role})
+            replies.append(str(refused.value))
             await conn.close()
-        assert replies[0] == {"op": "error", "message": "authentication failed"}
-        assert "mallory is not a pull peer" in replies[1]["message"]
-        assert "t0 is not a push peer" in replies[2]["message"]
+        assert replies[0].endswith("refused the hello: authentication failed")
+        assert "mallory is not a pull peer" in replies[1]
+        assert "t0 is not a push peer" in replies[2]
         # 6. an oversized length prefix is refused before any allocation.
         r, w = await asyncio.open_connection("127.0.0.1", sp)
         w.write(struct.pack("<4sIQ", MAGIC, 10, 1 << 40))

@@ -45,19 +45,19 @@ def test_activation_port_needs_the_installation_token(engine_a) -> None:  # type
     """Only an engine holding the same token may make A run layers: a wrong hello is cut off."""
     import asyncio
 
+    from kascade_engine import peerauth
     from kascade_engine.transport import TransportError
     from kascade_engine.transport_tcp import TcpTransport
 
     async def hello(token: str) -> str:
         conn = await TcpTransport().connect("127.0.0.1", engine_a.act)
         try:
-            await conn.send({"op": "hello", "token": token})
-            reply, _ = await conn.recv(timeout=10)
-            return str(reply.get("op"))
+            await peerauth.join(conn, token, "activation", timeout=10)
+            return "welcome"
         except TransportError as e:
             return f"closed: {e}"
         finally:
             await conn.close()
 
     assert asyncio.run(hello(engine_a.token)) == "welcome"
-    assert asyncio.run(hello("not-the-token")).startswith("closed")
+    assert asyncio.run(hello("not-the-token")).endswith("refused the hello: authentication failed")

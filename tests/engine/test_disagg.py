@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from splitref import collect, unsplit  # type: ignore[import-not-found]
 
+from kascade_engine import peerauth
 from kascade_engine.config import EngineConfig
 from kascade_engine.instance import EngineInstance
 from kascade_engine.kv_wire import KVShape, kv_header
@@ -96,8 +97,7 @@ async def test_kv_leaves_layer_by_layer_per_chunk(tiny_ckpt, tiny_blocks) -> Non
     frames: list[tuple[int, int, str]] = []
     try:
         conn = await TcpTransport().connect("127.0.0.1", pd.listener.port)
-        await conn.send({"op": "hello", "token": TOKEN})
-        assert (await conn.recv(timeout=10))[0]["op"] == "welcome"
+        await peerauth.join(conn, TOKEN, "activation", timeout=10)  # raises unless welcomed with a valid proof
         from kascade_engine.prefill_server import kv_shape
 
         shape = kv_shape(pd.d)
@@ -126,8 +126,7 @@ async def test_bad_prefill_requests_are_refused_naming_the_field(tiny_ckpt, tiny
 
         shape = kv_shape(pd.d).to_header()
         conn = await TcpTransport().connect("127.0.0.1", pd.listener.port)
-        await conn.send({"op": "hello", "token": TOKEN})
-        await conn.recv(timeout=10)
+        await peerauth.join(conn, TOKEN, "activation", timeout=10)
         cases = [({"tokens": [1, 99999]}, "'tokens'"), ({"tokens": []}, "'tokens'"),
                  ({"tokens": [1], "kv_heads": 99}, "'kv_heads'"), ({"tokens": [1], "dtype": "float16"}, "'dtype'"),
                  ({"tokens": [1], "params": {"temperature": "hot"}}, "'params'")]
@@ -154,9 +153,11 @@ async def test_failures_fall_back_to_local_prefill_with_the_same_output(tiny_ckp
     pd = await _pd(tiny_ckpt, tiny_blocks, d_token="wrong-token")  # P refuses D's hello
     shape: KVShape | None = None
 
-    async def liar(conn: Connection) -> None:  # answers the hello, then sends KV whose digest is wrong
-        await conn.recv(timeout=10)
-        await conn.send({"op": "welcome"})
+    lied = 0
+
+    async def liar(conn: Connection) -> None:  # a peer (it holds D's token), then sends KV whose digest is wrong
+        admitted = await peerauth.accept(conn, "wrong-token", "activation", timeout=10)
+        await conn.send(admitted.welcome.header())
         h, _ = await conn.recv(timeout=10)
         assert shape is not None
         n = len(h["tokens"])
@@ -164,6 +165,8 @@ async def test_failures_fall_back_to_local_prefill_with_the_same_output(tiny_ckp
             for part in ("k", "v"):
                 await conn.send(kv_header(h["req"], layer, 0, n, part, shape), bytes(shape.frame_bytes(n)))
         await conn.send({"op": "kv_done", "req": h["req"], "token": 1, "frames": 0, "bytes": 0, "digest": "00"})
+        nonlocal lied
+        lied += 1
         await conn.recv(timeout=30)
 
     from kascade_engine.prefill_server import kv_shape
@@ -180,8 +183,45 @@ async def test_failures_fall_back_to_local_prefill_with_the_same_output(tiny_ckp
             assert got == want, peer
         assert (pd.d.remote_prefill.adopted, pd.d.remote_prefill.fallbacks) == (0, 6)
         assert pd.p.prefill_server.requests == 0
+        assert lied == 2  # the liar was reached (authenticated), not timed out
     finally:
         await bad.close()
+        await pd.close()
+
+
+async def test_a_rogue_prefill_address_learns_neither_the_token_nor_the_prompt(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    """`X-Kascade-Prefill` names any address: D must not hand its engine token (or the prompt) to a
+    listener there. The rogue sees a hello it cannot use, cannot prove the token, gets nothing more;
+    the request is prefilled on D with the colocated output."""
+    from kascade_engine.transport import PREFIX, decode_header, decode_prefix, encode_prefix
+
+    params = SamplingParams(max_tokens=6)
+    want = unsplit(tiny_blocks, PROMPTS[:1], params)
+    seen = bytearray()
+    closed = asyncio.Event()
+
+    async def rogue(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(b"".join(encode_prefix(peerauth.Challenge(bytes(32)).header(), 0)))
+        hlen, _ = decode_prefix(await r.readexactly(PREFIX.size))
+        assert decode_header(await r.readexactly(hlen))["op"] == "hello"
+        w.write(b"".join(encode_prefix({"op": "welcome", "proof": "ab" * 32}, 0)))
+        await w.drain()
+        seen.extend(await asyncio.wait_for(r.read(), 30))  # everything D sends until it closes
+        w.close()
+        closed.set()
+
+    server = await asyncio.start_server(rogue, "127.0.0.1", 0)
+    pd = await _pd(tiny_ckpt, tiny_blocks)
+    try:
+        peer = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        rid = pd.d.serving.submit(PROMPTS[0], params, prefill=peer)
+        assert await asyncio.wait_for(collect(pd.d, rid), 60) == want[0]
+        assert (pd.d.remote_prefill.adopted, pd.d.remote_prefill.fallbacks) == (0, 1)
+        await asyncio.wait_for(closed.wait(), 30)  # D closed the connection: `seen` is all it sent
+        assert TOKEN.encode() not in seen and b"prefill" not in seen and b"tokens" not in seen
+        assert not pd.d.remote_prefill.pool.idle.get(peer)  # the refused connection is not kept
+    finally:
+        server.close()
         await pd.close()
 
 
