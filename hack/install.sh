@@ -41,4 +41,8 @@ if [ "${KASCADE_SKIP_PROMETHEUS:-0}" != 1 ]; then
   log "building Prometheus for the metrics e2e (cached after the first time)"
   bash hack/build-prometheus.sh >/dev/null
 fi
+# the Gateway API Inference Extension's Go module: its InferencePool CRD is what the chart's InferencePool
+# is checked against on the real API server (tests/router/test_inferencepool.py reads this version)
+log "fetching sigs.k8s.io/gateway-api-inference-extension (InferencePool CRD, Go module cache)"
+(cd / && GOFLAGS= go mod download sigs.k8s.io/gateway-api-inference-extension@v1.1.0)
 log "done"
