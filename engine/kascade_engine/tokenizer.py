@@ -39,11 +39,18 @@ class HFTokenizer:
     def __init__(self, tok: Any) -> None:
         self.tok = tok
         self.eos_token_id = tok.eos_token_id
+        backend = getattr(tok, "_tokenizer", None)
+        # streaming decodes a few tokens per generated token: the Rust tokenizer gives the same text ~5x
+        # faster than transformers' wrapper, which on top only cleans up spaces before punctuation
+        # when `clean_up_tokenization_spaces` is set (then we keep the wrapper)
+        self._fast = None if backend is None or getattr(tok, "clean_up_tokenization_spaces", False) else backend.decode
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))
 
     def decode(self, ids: list[int]) -> str:
+        if self._fast is not None:
+            return str(self._fast(ids, skip_special_tokens=True))
         return str(self.tok.decode(ids, skip_special_tokens=True))
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:

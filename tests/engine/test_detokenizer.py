@@ -89,9 +89,27 @@ def test_streamed_text_equals_full_decode_on_real_tokenizers(which: str, request
         check_streams_exactly(tok, ids)
 
 
+def check_fast_decode_is_transformers_decode(tok: Tokenizer) -> None:
+    """HFTokenizer decodes with the Rust tokenizer directly: the same text as transformers' decode,
+    special tokens (eos) skipped alike."""
+    assert isinstance(tok, HFTokenizer) and tok._fast is not None
+    rng = random.Random(2)
+    vocab = len(tok.tok)
+    cases = [tok.encode(t) for t in TEXTS] + [[rng.randrange(vocab) for _ in range(30)] for _ in range(30)]
+    cases += [[*ids, tok.eos_token_id, *ids] for ids in cases[:4] if tok.eos_token_id is not None]
+    for ids in cases:
+        assert tok.decode(ids) == tok.tok.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("which", ["bpe", "spm"])
+def test_fast_decode_equals_transformers_decode(which: str, request: pytest.FixtureRequest) -> None:
+    check_fast_decode_is_transformers_decode(request.getfixturevalue(which))
+
+
 @pytest.mark.smollm
 def test_streamed_text_equals_full_decode_on_smollm2(smollm_ckpt: Path) -> None:
     tok = load_tokenizer(smollm_ckpt)
+    check_fast_decode_is_transformers_decode(tok)
     for text in TEXTS:
         check_streams_exactly(tok, tok.encode(text))
 
