@@ -9,7 +9,11 @@ one request alone on one idle engine (TTFT SLO = `--ttft-x` x its TTFT on the lo
 `--tbt-x` x its mean TBT). Setups, with the same number of engine processes:
   colocated      2 colocated engines, power-of-two-choices
   disaggregated  1 prefill + 1 decode engine: the router picks both, KV moves over TCP (loopback)
-  disaggregated_convertible  NOT measured: nothing converts a decoder during the trace yet (null)
+  disaggregated_convertible  the same 1 + 1, and the decoder converted during bursts by the operator's pure
+                 policy (kascade_planner.conversion: prompt tokens/s at the decoder vs one prefiller's velocity
+                 from the calibration; chunk budget from the TBT SLO), applied by an in-bench loop as the
+                 operator does (engine /convert, then the router's convertible flag): a converted decoder
+                 prefills its own requests under the chunk cap when it is less loaded than the prefiller
 Link part (needs root + network namespaces): P in namespace h0, D in h1, the link capped with tbf at
 `--link-mbit`; long prompts sent to D naming P -> D's `kascade_kv_link_bytes_per_second` (KV bytes from
 first frame to kv_done) / the tbf rate = `kv_transfer_over_link_rate`. KV leaves as each layer is
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -117,28 +122,73 @@ async def metric(url: str, name: str) -> float:
     return sum(x.value for f in text_string_to_metric_families(text) for x in f.samples if x.name == name)
 
 
-async def setup(ckpt: Path, mode: str, reqs: list[tuple[float, list[int]]], max_tokens: int) -> dict[str, Any]:
+async def converter(decoder: Any, url: str, prefill_url: str, velocity: float, tbt_slo: float,
+                    stop_at: asyncio.Event, log: list[dict[str, Any]]) -> None:
+    """What the operator does for a disaggregated service (kascade_operator.converter), for the static
+    router of this bench: every 0.25 s the prompt tokens/s arriving at the decoder (its counter over the
+    last second) and the prompts waiting at the prefiller go through the SAME pure policy (kascade_planner.conversion.plan_conversions) with one
+    prefiller at `velocity`; a conversion is applied as the operator does it: the engine's /convert with the
+    chunk budget, then the router's convertible flag (the pod annotation's effect); taking back in reverse."""
+    from kascade_planner.conversion import ConversionInput, DecoderView, plan_conversions
+
+    hdr = {"Authorization": f"Bearer {ENV['KASCADE_ENGINE_TOKEN']}"}
+    hist: list[tuple[float, float]] = []
+    async with aiohttp.ClientSession() as s:
+        while not stop_at.is_set():
+            now, tokens = time.monotonic(), await metric(url, "kascade_prompt_tokens_total")
+            hist = [h for h in hist if h[0] >= now - 1.0] + [(now, tokens)]
+            rate = (tokens - hist[0][1]) / (now - hist[0][0]) if now > hist[0][0] else 0.0
+            waiting = await metric(prefill_url, "kascade_num_requests_waiting")
+            c = plan_conversions(ConversionInput(rate, 1, velocity, (DecoderView(decoder.pod, decoder.convertible),),
+                                                 prefill_queue=waiting, tbt_slo_s=tbt_slo))
+            if c.convert:
+                async with s.post(f"{url}/kascade/v1/convert", json={"prefillChunkTokens": c.chunk_tokens},
+                                  headers=hdr) as r:
+                    r.raise_for_status()
+                decoder.convertible = True
+            elif c.revert:
+                decoder.convertible = False
+                async with s.post(f"{url}/kascade/v1/convert", json={"prefillChunkTokens": None}, headers=hdr) as r:
+                    r.raise_for_status()
+            if c.changes:
+                log.append({"t": round(now, 2), "reason": c.reason})
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop_at.wait(), 0.25)
+
+
+async def setup(ckpt: Path, mode: str, reqs: list[tuple[float, list[int]]], max_tokens: int,
+                velocity: float = 0.0, tbt_slo: float = 0.0) -> dict[str, Any]:
     from kascade_router.server import Router, static_routes
 
     procs: list[subprocess.Popen[str]] = []
     try:
         a, ah, aa = engine(ckpt)
-        b, bh, _ = engine(ckpt)
+        b, bh, ba = engine(ckpt)
         procs += [a, b]
         if mode == "colocated":
             spec = f"{MODEL}=127.0.0.1:{ah},127.0.0.1:{bh}"
-        else:
-            spec = f"{MODEL}=prefill@127.0.0.1:{ah}+127.0.0.1:{aa},decode@127.0.0.1:{bh}"
-        router = await Router(routes=static_routes([spec])).start()
+        else:  # the decoder's data port too: a converted decoder is a prefill candidate (for itself here)
+            spec = f"{MODEL}=prefill@127.0.0.1:{ah}+127.0.0.1:{aa},decode@127.0.0.1:{bh}+127.0.0.1:{ba}"
+        routes = static_routes([spec])
+        router = await Router(routes=routes).start()
+        stop_at, conversions = asyncio.Event(), []
+        task = None
+        if mode == "disaggregated_convertible":
+            (dec,) = [x for x in routes.backends[("static", MODEL)].values() if x.role == "decode"]
+            task = asyncio.create_task(converter(dec, f"http://127.0.0.1:{bh}", f"http://127.0.0.1:{ah}", velocity, tbt_slo, stop_at, conversions))
         try:
             t = time.monotonic()
             res = await run_trace(f"http://127.0.0.1:{router.port}", reqs, max_tokens)
             wall = time.monotonic() - t
         finally:
+            stop_at.set()
+            if task is not None:
+                await task
             await router.close()
         remote = await metric(f"http://127.0.0.1:{bh}", "kascade_pd_remote_prefills_total")
         fallbacks = await metric(f"http://127.0.0.1:{bh}", "kascade_pd_local_fallbacks_total")
-        return {"results": res, "wall_s": wall, "remote_prefills": remote, "fallbacks": fallbacks}
+        return {"results": res, "wall_s": wall, "remote_prefills": remote, "fallbacks": fallbacks,
+                "conversions": conversions}
     finally:
         stop(procs)
 
@@ -203,7 +253,8 @@ def summarize(r: dict[str, Any], ttft_slo: float, tbt_slo: float) -> dict[str, A
             "both_slo_attainment": sum(a <= ttft_slo and b <= tbt_slo for a, b in zip(ttft, tbt, strict=True)) / len(res),
             "ttft_p50_s": statistics.median(ttft), "ttft_p90_s": sorted(ttft)[int(0.9 * len(ttft))],
             "tbt_mean_p50_s": statistics.median(tbt), "tbt_mean_p90_s": sorted(tbt)[int(0.9 * len(tbt))],
-            "wall_s": r["wall_s"], "remote_prefills": r["remote_prefills"], "local_fallbacks": r["fallbacks"]}
+            "wall_s": r["wall_s"], "remote_prefills": r["remote_prefills"], "local_fallbacks": r["fallbacks"],
+            "conversions": r["conversions"]}
 
 
 def main() -> None:
@@ -233,13 +284,13 @@ def main() -> None:
                                "rate_per_s": args.rate, "long_fraction": args.long_frac, "max_tokens": args.max_tokens,
                                "ttft_slo_ms": ttft_slo * 1e3, "tbt_slo_ms": tbt_slo * 1e3,
                                "calibration": {"ttft_ms": ttft0 * 1e3, "tbt_ms": tbt0 * 1e3}}
-        for mode in ("colocated", "disaggregated"):
-            r = asyncio.run(setup(ckpt, mode, reqs, args.max_tokens))
+        # one prefiller's velocity for the conversion policy: the longest prompt alone, from the calibration
+        velocity = len(max((pr for _, pr in reqs), key=len)) / ttft0
+        out["prefill_velocity_tokens_per_s"] = velocity
+        for mode in ("colocated", "disaggregated", "disaggregated_convertible"):
+            r = asyncio.run(setup(ckpt, mode, reqs, args.max_tokens, velocity, tbt_slo))
             out[mode] = summarize(r, ttft_slo, tbt_slo)
             print(mode, json.dumps(out[mode]), flush=True)
-        out["disaggregated_convertible"] = None
-        out["disaggregated_convertible_note"] = ("not measured: the engine/router mechanism exists (POST /kascade/v1/convert, "
-                                                  "kascade.io/convertible) but nothing converts a decoder during the trace yet")
         from netlab import available
 
         why = available() if os.geteuid() == 0 else "needs root"
