@@ -11,7 +11,8 @@ and the label `kascade.io/pool=warm`.
 Data flow: `EnginePool.start(nodes)` -> one engine process per node (own session, dies with this
 interpreter, log under `log_dir`) -> its `KASCADE_ENGINE_READY http=<port>` line -> a pool pod pinned
 to the node (`spec.nodeName`) with the annotations -> the operator binds and instructs the engine.
-A `ReadinessProber` plays the kubelet's readinessProbe (GET /readyz -> the pod's Ready condition).
+A `ReadinessProber` plays the kubelet's readinessProbe (GET /readyz -> the pod's Ready condition);
+the pods declare the operator's readiness gate `kascade.io/serving`, as the chart's pool pods do.
 `kill(name)` SIGKILLs one engine (fault tests); `stop()` ends them all and deletes their pods.
 """
 
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 READY = re.compile(r"KASCADE_ENGINE_READY http=(\d+)")
 POOL_LABEL, ENDPOINT, DATA_ENDPOINT = "kascade.io/pool", "kascade.io/endpoint", "kascade.io/data-endpoint"
 ACT_ENDPOINT = "kascade.io/act-endpoint"
+SERVING_GATE = "kascade.io/serving"  # kascade_operator.labels.SERVING_GATE (the harness imports no operator code)
 
 
 @dataclass
@@ -110,6 +112,9 @@ class EnginePool:
                             "annotations": {ENDPOINT: e.endpoint, DATA_ENDPOINT: f"127.0.0.1:{e.data_port}",
                                             ACT_ENDPOINT: f"127.0.0.1:{e.act_port}"}},
                "spec": {"nodeName": e.node,
+                        # as the chart's pool pods: Ready also needs the operator's serving gate (the
+                        # ReadinessProber folds it in like a kubelet)
+                        "readinessGates": [{"conditionType": SERVING_GATE}],
                         "containers": [{"name": "engine", "image": "kascade:dev",
                                         "resources": {"limits": {"nvidia.com/gpu": "1"}}}],
                         "tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}]}}

@@ -181,3 +181,19 @@ def test_children_die_with_a_killed_interpreter(tmp_path: Path, die_with_parent:
         assert processes.alive(pid, started) is (not die_with_parent)
     finally:
         processes.stop(pid, timeout=2, started=started)
+
+
+def test_the_readiness_prober_folds_readiness_gates_into_ready_like_a_kubelet() -> None:
+    from kascade_devcluster.enginepool import SERVING_GATE
+    from kascade_devcluster.prober import gates_open
+    from kascade_operator.labels import SERVING_GATE as OPERATOR_GATE
+
+    assert SERVING_GATE == OPERATOR_GATE  # the harness repeats the operator's condition type
+    gated = {"spec": {"readinessGates": [{"conditionType": SERVING_GATE}]}, "status": {"conditions": [
+        {"type": "Ready", "status": "True"}]}}
+    assert gates_open({"spec": {}, "status": {}})  # no gates: the probe alone decides
+    assert not gates_open(gated)  # a gate never written is closed
+    gated["status"]["conditions"].append({"type": SERVING_GATE, "status": "False"})
+    assert not gates_open(gated)
+    gated["status"]["conditions"][-1]["status"] = "True"
+    assert gates_open(gated)

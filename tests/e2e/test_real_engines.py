@@ -197,6 +197,17 @@ def test_burst_scales_up_by_chain_from_the_serving_replica_and_back(
     assert rejected(pool) == []  # no loading, draining or released engine ever got a request
     ms = get(cp, ns, "msvc", "svc")["status"]
     assert ms["readyReplicas"] == 1 and ms["lastDecision"]["to"] < ms["lastDecision"]["from"]
+    # the pods declare the operator's readiness gate (as the chart's pool pods do): open and Ready on the
+    # serving replica, closed and not Ready on the released ones (Ready folds the gate in, like a kubelet)
+    serving = loaded(cp, ns)[0]["metadata"]["name"]
+    want = {n: "True" if n == serving else "False" for n in pool.engines}
+
+    def gates() -> dict[str, tuple[str | None, str | None]]:
+        pods = {p["metadata"]["name"]: {c["type"]: c["status"] for c in p["status"].get("conditions", [])}
+                for p in get(cp, ns, "pods")["items"] if p["metadata"]["name"] in pool.engines}
+        return {n: (c.get("kascade.io/serving"), c.get("Ready")) for n, c in pods.items()}
+
+    wait_for(lambda: gates() == {n: (w, w) for n, w in want.items()}, 60, f"gate and Ready as {want}")
 
 
 def test_target_killed_mid_transfer_is_replaced(
