@@ -61,11 +61,12 @@ class PoolEngine:
 
 class EnginePool:
     def __init__(self, cp: ControlPlane, namespace: str, checkpoint: Path, model_name: str, token: str,
-                 log_dir: Path, extra_args: tuple[str, ...] = ()) -> None:
+                 log_dir: Path, extra_args: tuple[str, ...] = (), readiness_gate: bool = True) -> None:
         if not (checkpoint / "config.json").is_file():
             raise ValueError(f"checkpoint {checkpoint}: no config.json")
         self.cp, self.ns, self.checkpoint, self.model, self.token = cp, namespace, checkpoint, model_name, token
         self.log_dir, self.extra_args = log_dir, extra_args
+        self.readiness_gate = readiness_gate  # the pods declare kascade.io/serving, as the chart's pool pods do
         self.engines: dict[str, PoolEngine] = {}
         # what a kubelet does with the pool pods' readinessProbe (GET /readyz), which KWOK does not run
         self.prober = ReadinessProber(cp, namespace, lambda: {n: e.endpoint for n, e in list(self.engines.items())})
@@ -114,7 +115,7 @@ class EnginePool:
                "spec": {"nodeName": e.node,
                         # as the chart's pool pods: Ready also needs the operator's serving gate (the
                         # ReadinessProber folds it in like a kubelet)
-                        "readinessGates": [{"conditionType": SERVING_GATE}],
+                        **({"readinessGates": [{"conditionType": SERVING_GATE}]} if self.readiness_gate else {}),
                         "containers": [{"name": "engine", "image": "kascade:dev",
                                         "resources": {"limits": {"nvidia.com/gpu": "1"}}}],
                         "tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}]}}
