@@ -13,7 +13,10 @@ and the service's `Stalled` condition names the field. A `pvc` source mounts the
 the node: the engine downloads the snapshot (HF_ENDPOINT and the HF_TOKEN Secret are the installation's
 settings, never the ModelService author's). With the installation's data-plane TLS Secret
 (`engine_tls_secret`: tls.crt, tls.key, ca.crt) the pod mounts it at `TLS_MOUNT` and serves with
-`--tls-cert/--tls-key/--tls-ca`, exactly as the chart's pool pods do, so it can talk to them.
+`--tls-cert/--tls-key/--tls-ca`, exactly as the chart's pool pods do, so it can talk to them. Like the
+chart's pool pods it runs as the non-root engine user (`engine_run_as_user`) with the security context
+Pod Security `restricted` requires (read-only root, a private /tmp), so a namespace enforcing `baseline`
+or `restricted` admits it unless its source is a hostPath (which `baseline` forbids: use pvc or hf://).
 
 Data flow: ModelServiceSpec + OperatorSettings -> `refusals()` (field: problem) -> `fallback_pod()`
 (a warm-pool pod annotated for the model and for this service, owned by it when in its namespace).
@@ -35,6 +38,16 @@ HF_HOME = "/kascade/hf"  # a fallback pod's Hub cache (emptyDir) for hf:// sourc
 ACT_PORT = 18516
 TLS_MOUNT = "/etc/kascade/tls"  # the data-plane TLS Secret in engine pods (the chart's pool mounts it here too)
 TLS_FILES = {"cert": "tls.crt", "key": "tls.key", "ca": "ca.crt"}  # flag -> key (cert-manager's Secret layout)
+
+
+CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                      "capabilities": {"drop": ["ALL"]}}  # what the chart's containers have (restricted profile)
+
+
+def pod_security(uid: int) -> dict[str, Any]:
+    """The pod securityContext of the chart's pool pods, for the fallback pods."""
+    return {"runAsNonRoot": True, "runAsUser": uid, "runAsGroup": uid, "fsGroup": uid,
+            "seccompProfile": {"type": "RuntimeDefault"}}
 
 
 def tls_args() -> list[str]:
@@ -107,7 +120,7 @@ def _hub_env(hf_endpoint: str, hf_token_secret: str) -> list[dict[str, Any]]:
 
 def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Mapping[str, Any] | None,
                  act_port: int = ACT_PORT, hf_endpoint: str = "", hf_token_secret: str = "",
-                 log_format: str = "text", tls_secret: str = "") -> dict[str, Any]:
+                 log_format: str = "text", tls_secret: str = "", run_as_user: int = 65532) -> dict[str, Any]:
     """A new warm-pool engine pod for this model, reserved for service `key` (annotation created-for):
     it joins the pool and is bound in a later round like any pool pod. Call only when `refusals()` is
     empty. An `hf://` source: an init container fetches config and tokenizer (what an empty engine is
@@ -131,8 +144,10 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
         init.append({"name": "model-config", "image": e.image,
                      "args": ["kascade", "model", "download", repo, f"--revision={rev or 'main'}", f"--dest={PVC_MOUNT}",
                               "--config-only"],
-                     "env": [{"name": "KASCADE_LOG_FORMAT", "value": log_format}, *_hub_env(hf_endpoint, hf_token_secret)],
-                     "volumeMounts": [mount, cache]})
+                     "env": [{"name": "KASCADE_LOG_FORMAT", "value": log_format}, {"name": "HOME", "value": "/tmp"},
+                             *_hub_env(hf_endpoint, hf_token_secret)],
+                     "securityContext": dict(CONTAINER_SECURITY),
+                     "volumeMounts": [mount, cache, {"name": "tmp", "mountPath": "/tmp"}]})
     elif src.pvc is not None:
         volume = {"name": "model", "persistentVolumeClaim": {"claimName": src.pvc.claim_name, "readOnly": True}}
         mount = {"name": "model", "mountPath": PVC_MOUNT, "readOnly": True}
@@ -143,8 +158,9 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
         mount = {"name": "model", "mountPath": ckpt, "readOnly": True}
     env: list[dict[str, Any]] = [{"name": "KASCADE_ENGINE_TOKEN",
                                   "valueFrom": {"secretKeyRef": {"name": token_secret, "key": "token"}}},
-                                 {"name": "KASCADE_LOG_FORMAT", "value": log_format}]  # as the installation's pods
-    mounts = [mount]
+                                 {"name": "KASCADE_LOG_FORMAT", "value": log_format},  # as the installation's pods
+                                 {"name": "HOME", "value": "/tmp"}]  # the root filesystem is read-only
+    mounts = [mount, {"name": "tmp", "mountPath": "/tmp"}]
     if hub is not None:
         env += _hub_env(hf_endpoint, hf_token_secret)
         mounts.append({"name": "hf-cache", "mountPath": HF_HOME})
@@ -161,6 +177,7 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10},
         # started only once the engine's HTTP server answers: the operator binds started pods only
         "startupProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 1, "failureThreshold": 600},
+        "securityContext": dict(CONTAINER_SECURITY),
         "volumeMounts": mounts}
     if tls_secret:
         mounts.append({"name": "data-plane-tls", "mountPath": TLS_MOUNT, "readOnly": True})
@@ -174,8 +191,10 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
         meta["ownerReferences"] = [dict(owner)]
     pod: dict[str, Any] = {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
                            "spec": {"containers": [container], "automountServiceAccountToken": False,
+                                    "securityContext": pod_security(run_as_user),
                                     "readinessGates": [{"conditionType": L.SERVING_GATE}],
-                                    "volumes": [volume, *extra_volumes]}}
+                                    "volumes": [volume, {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
+                                                *extra_volumes]}}
     if init:
         pod["spec"]["initContainers"] = init
     if e.node_selector:

@@ -175,8 +175,12 @@ def test_data_plane_tls_secret_reaches_pool_and_fallback_engines_alike(helm: Hel
     spec = ModelServiceSpec.model_validate({"model": {"name": "m", "source": {"pvc": {"claimName": "models"}}},
                                             "engine": {"image": "img:1"}, "mode": "colocated",
                                             "replicas": {"colocated": {"min": 1, "max": 2}}})
-    pod = fallback_pod(spec, "svc", "tok", None, tls_secret=settings.engine_tls_secret)
+    pod = fallback_pod(spec, "svc", "tok", None, tls_secret=settings.engine_tls_secret,
+                       run_as_user=settings.engine_run_as_user)
     fb = pod["spec"]["containers"][0]
+    # the pool's security context, uid included (pool.runAsUser -> KASCADE_OPERATOR_ENGINE_RUN_AS_USER)
+    assert pod["spec"]["securityContext"] == pool["securityContext"] and settings.engine_run_as_user == 65532
+    assert fb["securityContext"] == engine["securityContext"]
     fb_vol = next(v for v in pod["spec"]["volumes"] if "secret" in v)
     assert fb_vol["secret"] == vol["secret"]
     assert next(m for m in fb["volumeMounts"] if m["name"] == fb_vol["name"])["mountPath"] == mount["mountPath"]

@@ -292,3 +292,32 @@ def test_upgrade_from_previous_chart_keeps_token_and_upgrades_crds(
     assert pool["metadata"]["labels"]["helm.sh/chart"] == f"kascade-{new_version}"
     assert pool["status"].get("updatedReplicas") == pool["spec"]["replicas"] == 1, pool["status"]
     cp.helm("uninstall", "up", "-n", namespace)
+
+
+def test_pod_security_admits_fallback_pods_except_hostpath(control_plane: ControlPlane, crds: list[str],
+                                                           namespace: str) -> None:
+    """The API server's Pod Security admission (`restricted` enforced) judges the pods the operator would
+    create: pvc and hf:// sources are admitted (the pool's security context), a hostPath source is refused
+    naming hostPath (why the chart's default has no hostPath, and docs say to use pvc or hf://)."""
+    from kascade_operator.api import ModelServiceSpec
+    from kascade_operator.podtemplate import fallback_pod
+
+    cp = control_plane
+    cp.kubectl("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted")
+
+    def spec(source: dict[str, Any]) -> ModelServiceSpec:
+        return ModelServiceSpec.model_validate({"model": {"name": "m", "source": source},
+                                                "engine": {"image": "img:1"}, "mode": "colocated",
+                                                "replicas": {"colocated": {"min": 1, "max": 2}}})
+
+    def dry_run(source: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+        pod = fallback_pod(spec(source), "svc", "tok", None, tls_secret="engine-tls", run_as_user=1234)
+        pod["metadata"]["name"] = "fallback-check"
+        return cp.kubectl("-n", namespace, "create", "--dry-run=server", "-f", "-", input=json.dumps(pod), check=False)
+
+    for source in ({"pvc": {"claimName": "models"}}, {"uri": "hf://HuggingFaceTB/SmolLM2-135M-Instruct"}):
+        out = dry_run(source)
+        assert out.returncode == 0 and "created" in out.stdout, (source, out.stderr)
+    refused = dry_run({"path": "/models/m"})
+    assert refused.returncode != 0 and "violates PodSecurity" in refused.stderr and "hostPath" in refused.stderr, \
+        refused.stderr
