@@ -141,10 +141,10 @@ def _identical(workdir: Path, target: str, blocks: BlockSet) -> bool:
 
 
 UCX_UNSTABLE = pytest.mark.xfail(strict=False, reason=(
-    "UCX cells are timing-bound under heavy load: with the fail-fast connect (transport_ucx._create_endpoint) "
-    "all 20 passed at load average ~14-22, but a second run at load ~20 with other tests alongside had 8 "
-    "cells fail on timeouts (a fault-free UCX peer 'took nothing for 4.0 s', a watchdog firing before a slow "
-    "hello); no SIGSEGV was seen this session. The cell still runs and reports XPASS when it holds"))
+    "UCX cells are timing-bound under heavy load: 2026-11-23 runs at load average 12-22 gave 20/20, 12/20 and "
+    "19/20 XPASS (the one miss, desync-first-ucx, passed alone right after); failures are timeouts (a fault-free "
+    "UCX peer 'took nothing for 4.0 s'), never a crash. Not yet reliable enough to gate CI; the cell still runs "
+    "and reports XPASS when it holds"))
 
 
 @pytest.mark.parametrize("transport", ["tcp", pytest.param("ucx", marks=UCX_UNSTABLE)])
