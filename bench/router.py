@@ -10,13 +10,15 @@ percentile (p50, p99).
   the same arrival times for both modes, each stream `--tokens` chunks `--interval` apart (an engine's
   time per output token); the measured mean number of open streams is printed (Little's law). The CPU
   each process used per stream is printed too: the client and the stub are the backend alone.
-- Why not a closed loop (the first version): 200 workers streaming equal-length completions back to back
-  stay in step, so every round 200 requests arrive in the same instant; a one-process router then
-  handles them one after another and the median request waits behind ~100 others (100-200 x 0.5-1 ms
-  of router CPU per stream: consistent with the 85 / 116 ms added p50 / p99 the lead measured, against
-  1.2 ms one stream at a time). With 5 ms chunks the client and the
-  stub alone also needed more than the two cores (direct TTFT p50 far above one stream's), so the router's
-  difference measured CPU contention, not the hop. `--closed-loop` still prints that case.
+- Why not only the closed loop (the first version): 200 workers streaming equal-length completions back to
+  back stay in step, so requests arrive in bursts; a one-process router handles a burst one request
+  after another, so the median waits behind ~100 others (the 85 / 116 ms added p50 / p99 the lead
+  measured, against 1.2 ms one stream at a time). `--closed-loop` still prints that case.
+- What the open loop showed (2026-11-23 21:23 UTC, shared box, load average 9 -> 5.6): the router costs
+  ~2.3 ms of CPU per 32-chunk stream (~70 us per relayed chunk; the client 1.4 ms, the stub 1.7 ms), so
+  at 200 streams/s it needs about half a core; when it does not get it, its queue grows (365 streams
+  open through the router vs 225 direct) and TTFT with it: the targets were NOT met there. The
+  per-chunk relay cost in one Python process is the limit to work on (or more router replicas).
 `router_rps_one_core`: non-streaming tiny requests at concurrency 32 through the router, divided by the
 CPU seconds the router process used (/proc/<pid>/stat): what one core sustains.
 `scale_from_zero_first_token_s`: a router (in this process) knows the model but no replica; a request
@@ -100,16 +102,23 @@ async def one_stream(s: aiohttp.ClientSession, url: str, body: bytes) -> tuple[f
 
 
 async def open_loop(url: str, rate: float, n: int, seed: int, skip_s: float,
-                    model: str = "m") -> tuple[list[float], list[float], float]:
+                    model: str = "m") -> tuple[list[float], list[float], float, int]:
     """Poisson arrivals at `rate` per second (the same `seed` -> the same arrival times for both modes), each
-    one stream: (TTFT, total) of the requests that arrived after `skip_s` (the ramp to full concurrency), and
-    the mean number of streams open (Little's law: total stream-seconds / elapsed)."""
+    one stream: (TTFT, total) of the requests that arrived after `skip_s` (the ramp to full concurrency), the
+    mean number of streams open (Little's law: total stream-seconds / elapsed) and how many failed."""
     body = json.dumps({"model": model, "prompt": [1, 2, 3], "max_tokens": 8, "stream": True}).encode()
     rng = random.Random(seed)
     out: list[tuple[float, float, float]] = []
+    failed = 0
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         async def one(at: float) -> None:
-            t, tot = await one_stream(s, url, body)
+            nonlocal failed
+            try:
+                t, tot = await one_stream(s, url, body)
+            except (aiohttp.ClientError, OSError, AssertionError) as e:  # counted, never hidden
+                failed += 1
+                log_failure(e)
+                return
             out.append((at, t, tot))
 
         tasks = []
@@ -124,7 +133,11 @@ async def open_loop(url: str, rate: float, n: int, seed: int, skip_s: float,
         await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - start
     kept = [(t, tot) for a, t, tot in out if a >= skip_s]
-    return [t for t, _ in kept], [tot for _, tot in kept], sum(tot for _, _, tot in out) / elapsed
+    return [t for t, _ in kept], [tot for _, tot in kept], sum(tot for _, _, tot in out) / elapsed, failed
+
+
+def log_failure(e: BaseException) -> None:
+    print(f"stream failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
 
 async def rps(url: str, concurrency: int, seconds: float) -> int:
@@ -263,20 +276,21 @@ def main() -> None:
         rate = args.concurrency / duration
         seconds, rounds = (3.0, 2) if args.quick else (6.0, 4)
         n = int(rate * (seconds + duration))
-        res = {m: {"ttft": [], "total": [], "open": [], "cpu": []} for m in lurls}  # type: ignore[var-annotated]
+        res = {m: {"ttft": [], "total": [], "open": [], "cpu": [], "failed": []} for m in lurls}  # type: ignore[var-annotated]
         print(f"concurrent: stream {1000 * duration:.0f} ms -> {rate:.0f} arrivals/s, {n} per round "
               f"(the first {duration:.1f} s of each round, the ramp, not counted)", flush=True)
         for i in range(rounds):  # interleaved: a load spike from other processes hits both sides
             for mode in ("direct", "router")[:: 1 if i % 2 == 0 else -1]:
                 cpu = Cpu(long_.pid, router.pid)
-                t, tot, open_ = run(open_loop(lurls[mode], rate, n, seed=i, skip_s=duration, model="long"))
+                t, tot, open_, failed = run(open_loop(lurls[mode], rate, n, seed=i, skip_s=duration, model="long"))
                 used = cpu.used()
                 r = res[mode]
                 r["ttft"] += t
                 r["total"] += tot
                 r["open"].append(open_)
+                r["failed"].append(failed)
                 r["cpu"].append({k: 1000 * v / n for k, v in used.items()})
-                print(f"round {i + 1}/{rounds} {mode:6s}: {len(t)} streams, {open_:.0f} open on average, TTFT p50 "
+                print(f"round {i + 1}/{rounds} {mode:6s}: {len(t)} streams ({failed} failed), {open_:.0f} open on average, TTFT p50 "
                       f"{1000 * pct(t, .5):.2f} ms p99 {1000 * pct(t, .99):.2f} ms; CPU ms per stream: "
                       + ", ".join(f"{k} {1000 * v / n:.2f}" for k, v in used.items()), flush=True)
         d, r = res["direct"], res["router"]
@@ -288,7 +302,7 @@ def main() -> None:
         out |= {
             "stream_chunks": args.tokens, "chunk_interval_ms": 1000 * args.interval, "arrival_rate_per_s": rate,
             "mean_open_streams_direct": statistics.mean(d["open"]), "mean_open_streams_router": statistics.mean(r["open"]),
-            "requests_per_mode": len(d["ttft"]),
+            "requests_per_mode": len(d["ttft"]), "failed_direct": sum(d["failed"]), "failed_router": sum(r["failed"]),
             "direct_ttft_p50_ms": 1000 * pct(d["ttft"], .5), "router_ttft_p50_ms": 1000 * pct(r["ttft"], .5),
             "direct_ttft_p99_ms": 1000 * pct(d["ttft"], .99), "router_ttft_p99_ms": 1000 * pct(r["ttft"], .99),
             "added_latency_p50_ms": 1000 * (pct(r["ttft"], .5) - pct(d["ttft"], .5)),
