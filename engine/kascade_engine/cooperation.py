@@ -9,6 +9,7 @@ then one frame per B step (every row of B's batch that A finishes, in one activa
           "end": [req, ...], "shape": [N, H], "dtype"} + raw activations (row-major, little endian;
           the rows' tokens in row order, each after B's layers 0..layer-1)
   A -> B  {"op": "tokens", "tokens": [one per sampling row, in order]}  or  {"op": "error", "message"}.
+(plus the request-redirection fields of redirect.py; the sessions themselves are in pairsession.py).
 
 Data flow on B (`PairClient`, B's Engine hook): its scheduler batches its own requests as usual; the
 step embeds every row, runs each sequence's resident prefix 0..k-1 (`staggered`), and sends the whole
@@ -37,14 +38,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from kascade_engine.kvcache import KVCache, build_batch
-from kascade_engine.live import DTYPES, decode_activation
 from kascade_engine.livepolicy import ZigZagPolicy, hold_until
 from kascade_engine.model import LlamaModel
+from kascade_engine.redirect import Redirects, params_from_wire
 from kascade_engine.sampling import SamplingParams, sample
 from kascade_engine.transport import Connection
 
 if TYPE_CHECKING:
-    from kascade_engine.engine import Engine
+    from kascade_engine.engine import Engine, Event
     from kascade_engine.scheduler import Work
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,10 @@ class Cooperation(Protocol):
     def pending(self) -> bool: ...
 
     def forward(self, engine: Engine, work: list[Work]) -> list[int]: ...
+
+    def abort(self, rid: str) -> None: ...
+
+    def take_events(self) -> list[Event]: ...
 
 
 @dataclass
@@ -121,6 +126,9 @@ class PairStep:
     rows: list[list[Any]]  # [req, start, n, layer, sample, temperature, top_p, seed]
     hidden: torch.Tensor
     done: Callable[[list[int] | Exception], None]
+    waiting: int | None = None  # the peer's queued requests (a loading B that takes redirected requests)
+    refused: list[Any] = field(default_factory=list)  # [[req, message]]: redirected requests B could not run
+    reply: dict[str, Any] = field(default_factory=dict)  # redirect fields for the answer (redirect.py)
 
 
 @dataclass
@@ -138,10 +146,18 @@ class HostRows:
     steps_hosted: int = 0
     shared_steps: int = 0  # metric: steps where pair rows and this engine's own rows shared the forward
     layer_s: float = 0.0  # emulated seconds per layer forward (benchmarks; 0: off)
+    redirects: Redirects = field(default_factory=Redirects)  # queued requests handed to a live B (redirect.py)
+    closed: list[int] = field(default_factory=list)  # pairs whose session ended (their handed requests fail)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def pending(self) -> bool:
-        return bool(self.inbox or self.ends)
+        return bool(self.inbox or self.ends or self.closed)
+
+    def abort(self, rid: str) -> None:
+        self.redirects.abort(rid)
+
+    def take_events(self) -> list[Event]:
+        return self.redirects.take_events()
 
     def submit(self, step: PairStep, ends: list[str]) -> None:
         with self._lock:
@@ -151,14 +167,17 @@ class HostRows:
     def close_pair(self, pair: int) -> None:
         with self._lock:
             self.ends.extend(k for k in list(self.lengths) if k.startswith(f"pair{pair}/"))
+            self.closed.append(pair)
 
     def forward(self, engine: Engine, work: list[Work]) -> list[int]:
         m, pool, L = engine.model, engine.scheduler.pool, engine.model.shape.layers
         with self._lock:
-            steps, ends = list(self.inbox), list(self.ends)
+            steps, ends, closed = list(self.inbox), list(self.ends), list(self.closed)
             self.inbox.clear()
             self.ends.clear()
+            self.closed.clear()
         for key in ends:
+            self.redirects.ended(key, "the live peer ended it")
             pool.free(key)
             self.gens.pop(key, None)
             self.lengths.pop(key, None)
@@ -170,7 +189,11 @@ class HostRows:
             picks: list[tuple[torch.Generator | None, SamplingParams]] = [
                 (engine.requests[work[i].id].gen, engine.requests[work[i].id].params) for i in sampling]
             accepted: list[tuple[PairStep, list[tuple[Row, list[Any]]]]] = []
+            for pair in closed:
+                self.redirects.close_pair(pair)
             for st in steps:
+                for rid, why in st.refused:
+                    self.redirects.ended(f"pair{st.pair}/{rid}", f"the live peer refused it: {why}")
                 try:
                     mine = self._rows(engine, st)
                 except ValueError as e:
@@ -181,7 +204,7 @@ class HostRows:
             t0 = time.perf_counter()
             pace(t0, staggered(m, engine.cache, rows), self.layer_s)
             here: list[torch.Tensor] = [rows[i].x[-1:] for i in sampling]  # rows sampled on this engine
-            slots: list[tuple[PairStep, int]] = []  # (step, index of its token) per pair row sampled here
+            slots: list[tuple[PairStep, int, str]] = []  # (step, index of its token, key) per pair row sampled here
             relay: list[tuple[PairStep, int, Row, list[Any]]] = []  # pair rows that go on down the pipeline
             step_toks: dict[int, list[int]] = {}
             for st, mine in accepted:
@@ -192,7 +215,7 @@ class HostRows:
                         relay.append((st, n_tok if meta[4] else -1, row, meta))
                     elif meta[4]:
                         here.append(row.x[-1:])
-                        slots.append((st, n_tok))
+                        slots.append((st, n_tok, key))
                         picks.append((self.gens[key], SamplingParams(temperature=float(meta[5]),
                                                                      top_p=float(meta[6]))))
                     n_tok += bool(meta[4])
@@ -201,8 +224,9 @@ class HostRows:
             if here:
                 logits = m.logits(torch.cat(here))
                 toks = [_pick(logits[j], p, g) for j, (g, p) in enumerate(picks)]
-            for (st, j), tok in zip(slots, toks[len(sampling):], strict=True):
+            for (st, j, key), tok in zip(slots, toks[len(sampling):], strict=True):
                 step_toks[id(st)][j] = tok
+                self.redirects.token(key, tok, engine.eos)
             if relay or down_ends:
                 if self.downstream is None:
                     raise RuntimeError("pair rows need layers this engine does not hold and it has no downstream")
@@ -220,6 +244,9 @@ class HostRows:
             raise
         self.shared_steps += bool(work and accepted)
         for st, _ in accepted:
+            if st.waiting is not None and m.complete:  # a loading B that takes our queued requests
+                st.reply = {"redirect": self.redirects.pick(engine, st.pair, st.waiting),
+                            "abort": self.redirects.aborts.pop(st.pair, []), "queued": len(engine.scheduler.waiting)}
             st.done(step_toks[id(st)])
             self.rows_hosted += len(st.rows)
             self.steps_hosted += 1
@@ -280,9 +307,20 @@ class PairClient:
         self.layer_s = 0.0  # emulated seconds per layer forward (benchmarks; 0: off)
         self.bytes_sent = 0
         self.tokens_sent = 0
+        self.redirected: set[str] = set()  # requests A handed to us (redirect.py): always finished on A
+        self.refused: list[list[str]] = []  # [[req, message]] of handed requests we could not run
+        self.peer_queued = True  # poll A (an empty step) while it reports queued requests; once at pair time
+        self.received = 0  # metric: requests A handed to us
+        self.reply: dict[str, Any] = {}  # the last step's answer (its redirect fields)
 
     def pending(self) -> bool:
-        return False  # ends ride on the next step; A frees everything when the pair closes
+        return self.peer_queued  # ends ride on the next step; A frees everything when the pair closes
+
+    def abort(self, rid: str) -> None:
+        pass  # our own requests: their end rides on the next step
+
+    def take_events(self) -> list[Event]:
+        return []
 
     async def _exchange(self, header: dict[str, Any], raw: bytes) -> dict[str, Any]:
         await self.conn.send(header, raw)
@@ -293,6 +331,7 @@ class PairClient:
         m, L = self.model, self.model.shape.layers
         for rid in [r for r in self.split if r not in engine.requests]:  # finished or aborted
             self.split.pop(rid)
+            self.redirected.discard(rid)
         ends = [r for r in self.remote if r not in self.split]
         self.remote.difference_update(ends)
         for w in work:
@@ -303,15 +342,15 @@ class PairClient:
         rows, sampling = _own_rows(engine, work, lambda rid: self.split[rid])
         t0 = time.perf_counter()
         pace(t0, staggered(m, engine.cache, rows), self.layer_s)
-        local = [i for i in sampling if self.split[work[i].id] == L and m.complete]
-        far = [i for i, w in enumerate(work) if not (self.split[w.id] == L and m.complete)]
+        local = [i for i in sampling if self.split[work[i].id] == L and m.complete and work[i].id not in self.redirected]
+        far = [i for i, w in enumerate(work) if not (self.split[w.id] == L and m.complete) or w.id in self.redirected]
         toks: dict[int, int] = {}
         if local:
             logits = m.logits(torch.cat([rows[i].x[-1:] for i in local]))
             for j, i in enumerate(local):
                 r = engine.requests[work[i].id]
                 toks[i] = _pick(logits[j], r.params, r.gen)
-        if far or ends:
+        if far or ends or self.peer_queued or self.refused:
             remote = self._send(engine, work, rows, far, set(sampling), ends)
             for i, tok in zip([i for i in far if i in set(sampling)], remote, strict=True):
                 toks[i] = tok
@@ -327,13 +366,35 @@ class PairClient:
             meta.append([w.id, w.start, w.n, self.split[w.id], i in sampling, p.temperature, p.top_p, p.seed])
             self.remote.add(w.id)
         hidden = torch.cat([rows[i].x for i in far]) if far else torch.empty(0, self.model.shape.hidden)
-        return self.relay(meta, hidden, ends)
+        refused, self.refused = self.refused, []
+        extra = {"waiting": len(engine.scheduler.waiting) + len(self.held), "refused": refused}
+        toks = self.relay(meta, hidden, ends, extra)
+        self._take_redirects(engine)
+        return toks
 
-    def relay(self, meta: list[list[Any]], hidden: torch.Tensor, ends: list[str]) -> list[int]:
+    def _take_redirects(self, engine: Engine) -> None:
+        """A's answer may hand us queued requests (run like ours, finished on A) and abort some of them."""
+        reply, self.reply = self.reply, {}
+        self.peer_queued = bool(reply.get("queued"))
+        for rid in reply.get("abort") or []:
+            if str(rid) in self.redirected:
+                engine.abort(str(rid))
+        for entry in reply.get("redirect") or []:
+            try:
+                rid, prompt, params = params_from_wire(entry)
+                engine.submit(prompt, params, rid)
+            except ValueError as e:
+                self.refused.append([str(entry[0]) if isinstance(entry, list) and entry else "?", str(e)])
+                continue
+            self.redirected.add(rid)
+            self.received += 1
+
+    def relay(self, meta: list[list[Any]], hidden: torch.Tensor, ends: list[str],
+              extra: dict[str, Any] | None = None) -> list[int]:
         """One step frame to the peer (from the engine's worker thread); its sampled tokens."""
         name = str(hidden.dtype).removeprefix("torch.")
         raw = hidden.contiguous().cpu().view(torch.uint8).numpy().tobytes() if hidden.numel() else b""
-        header = {"op": "step", "rows": meta, "end": ends, "shape": list(hidden.shape), "dtype": name}
+        header = {"op": "step", "rows": meta, "end": ends, "shape": list(hidden.shape), "dtype": name, **(extra or {})}
         fut = asyncio.run_coroutine_threadsafe(self._exchange(header, raw), self.loop)
         reply = fut.result(self.timeout + 5)
         self.steps_sent += 1
@@ -341,6 +402,7 @@ class PairClient:
         self.tokens_sent += int(hidden.shape[0])
         if reply.get("op") != "tokens":
             raise RuntimeError(f"pair refused the step: {reply.get('message', reply)}")
+        self.reply = reply
         return [int(t) for t in reply["tokens"]]
 
     def admit(self, rid: str, submit: Callable[[], None], fail: Callable[[Exception], None]) -> None:
@@ -372,94 +434,3 @@ class PairClient:
         for t in list(self.held):
             t.cancel()
         await self.conn.close()
-
-
-async def open_pair(model: LlamaModel, conn: Connection, token: str | None) -> PairClient:
-    """Authenticate and form the pair on an open connection (at cooperate time, not per request)."""
-    if token is not None:
-        from kascade_engine.peerauth import join
-
-        await join(conn, token, "activation", timeout=10)
-    s = model.shape
-    await conn.send({"op": "pair", "layers": s.layers, "hidden": s.hidden})
-    reply, _ = await conn.recv(timeout=10)
-    if reply.get("op") != "paired":
-        raise RuntimeError(f"peer refused the pair: {reply.get('message', reply)}")
-    return PairClient(model, conn, asyncio.get_running_loop())
-
-
-async def form_pair(inst: Any, peer: str) -> PairClient:
-    """B forms its pair with the engine whose activation port is `peer` ("host:port"), on a connection
-    the instance's PeerPool warmed ahead when there is one (no handshake now), else a fresh one."""
-    from kascade_engine.transport import TransportError
-
-    conn, warmed = await inst.peers.take(peer)
-    try:
-        pair = await open_pair(inst.model, conn, None)
-    except (OSError, RuntimeError, TransportError):
-        await conn.close()
-        if not warmed:
-            raise
-        conn, _ = await inst.peers.take(peer)  # the warmed one went stale: one fresh try
-        try:
-            pair = await open_pair(inst.model, conn, None)
-        except BaseException:
-            await conn.close()
-            raise
-    pair.fallback, pair.layer_s = inst.host, inst.host.layer_s
-    log.info("%s: paired with %s (%s connection, used by every step)", inst.instance_id, peer,
-             "warmed" if warmed else "new")
-    return pair
-
-
-async def host_pair(host: HostRows, model: LlamaModel, conn: Connection, first: dict[str, Any], pair: int,
-                    wake: Callable[[], None], max_payload: int) -> None:
-    """A's side of one pair session: every B step joins A's next batch; tokens go back."""
-    from kascade_engine.transport import TransportError
-
-    s = model.shape
-    if first.get("layers") != s.layers or first.get("hidden") != s.hidden:
-        await conn.send({"op": "error", "message": f"pair shape {first.get('layers')}x{first.get('hidden')} "
-                                                  f"!= this model's {s.layers}x{s.hidden}"})
-        return
-    await conn.send({"op": "paired", "pair": pair})
-    loop = asyncio.get_running_loop()
-    try:
-        while True:
-            try:
-                header, payload = await conn.recv(max_payload=max_payload)
-            except TransportError:
-                return
-            if header.get("op") != "step":
-                await conn.send({"op": "error", "message": f"unknown op {header.get('op')!r} in a pair session"})
-                continue
-            try:
-                rows, ends = header.get("rows"), header.get("end") or []
-                if not isinstance(rows, list) or not isinstance(ends, list):
-                    raise ValueError("a pair step needs lists 'rows' and 'end'")
-                if header.get("dtype") not in DTYPES:
-                    raise ValueError(f"activation dtype {header.get('dtype')!r} not supported")
-                hidden = (decode_activation(header, payload, s.hidden) if rows
-                          else torch.empty(0, s.hidden, dtype=model.dtype, device=model.device))
-            except ValueError as e:
-                await conn.send({"op": "error", "message": str(e)})
-                continue
-            fut: asyncio.Future[list[int] | Exception] = loop.create_future()
-
-            def done(v: list[int] | Exception, fut: asyncio.Future[list[int] | Exception] = fut) -> None:
-                def put() -> None:
-                    if not fut.done():
-                        fut.set_result(v)
-
-                loop.call_soon_threadsafe(put)
-
-            host.submit(PairStep(pair, rows, hidden, done), [str(r) for r in ends])
-            wake()
-            got = await fut
-            if isinstance(got, Exception):
-                await conn.send({"op": "error", "message": str(got)})
-            else:
-                await conn.send({"op": "tokens", "tokens": got})
-    finally:
-        host.close_pair(pair)
-        wake()

@@ -119,6 +119,8 @@ class Engine:
             rid = self._aborts.pop()
             self.scheduler.finish(rid)
             self.requests.pop(rid, None)
+            if self.coop is not None:  # a request handed to a live pair (redirect.py): abort it there
+                self.coop.abort(rid)
 
     def _forward(self, work: list[Work]) -> list[int]:
         """One forward for the whole step; returns the sampled token per sampling chunk, in order."""
@@ -181,6 +183,8 @@ class Engine:
             if reason:
                 self.scheduler.finish(w.id)
                 self.requests.pop(w.id, None)
+        if self.coop is not None:
+            events.extend(self.coop.take_events())  # tokens of requests redirected to a live pair
         return events
 
     def generate(self, prompt: list[int], params: SamplingParams) -> list[int]:

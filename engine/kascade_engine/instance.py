@@ -234,7 +234,7 @@ class EngineInstance:
     async def set_cooperate(self, req: CooperateRequest) -> EngineStatus:
         """Form (or end) the pair: one authenticated connection to the peer, opened now, reused by every
         step of every request until the pair ends (cooperation.py)."""
-        from kascade_engine.cooperation import form_pair
+        from kascade_engine.pairsession import form_pair
 
         if req.mode == "standby":
             try:
@@ -273,6 +273,7 @@ class EngineInstance:
             await self._drop_downstream()
         old, self.pair = self.pair, pair
         self.engine.coop = pair if pair is not None else self.host
+        self.serving.wake.set()  # a new pair polls its peer once: it may hand us its queued requests
         if old is not None and old is not pair:
             await old.close()
         self.cooperate = {} if req.mode == "off" else {"peer": req.peer, "mode": req.mode}

@@ -5,7 +5,7 @@ ahead of time (cooperate mode "standby": at bind or pool join) opens the connect
 hello then; forming the pair later takes that connection and only sends {"op": "pair"}.
 
 Data flow: `warm(peer)` -> connect + hello -> idle[peer]; `take(peer)` -> a warmed connection (or, if
-none is warm or it died, a fresh connect + hello, counted) -> cooperation.open_pair. `handshakes`
+none is warm or it died, a fresh connect + hello, counted) -> pairsession.open_pair. `handshakes`
 counts every connect + hello, so a test can see that a warmed pair formed without one.
 """
 

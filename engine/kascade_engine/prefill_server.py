@@ -70,6 +70,13 @@ class KVShipper:
     def pending(self) -> bool:
         return self.inner is not None and self.inner.pending()
 
+    def abort(self, rid: str) -> None:
+        if self.inner is not None:
+            self.inner.abort(rid)
+
+    def take_events(self) -> list[Event]:
+        return self.inner.take_events() if self.inner is not None else []
+
     def _ship(self, engine: Engine, remote: list[Work], layer: int) -> None:
         cache, pool, ps = engine.cache, engine.scheduler.pool, engine.cache.page_size
         for w in remote:

@@ -147,7 +147,8 @@ class Serving:
         finally:
             self.queues.pop(rid, None)
             self.inst.metrics.on_finish(self._ended.pop(rid, reason), time.monotonic() - t0)
-            if rid in self.inst.engine.requests:  # the client went away mid-generation: free its pages
+            if rid in self.inst.engine.requests or reason == "abort":  # the client went away: free its pages
+                # (or abort it on the live pair it was redirected to)
                 self.abort(rid)
 
     def abort(self, rid: str) -> None:

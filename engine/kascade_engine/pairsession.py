@@ -1,0 +1,113 @@
+"""Pair sessions: how a pair's one connection is opened (B, at cooperate time: `form_pair` on a connection
+the PeerPool warmed ahead, then `open_pair`) and served (A: `host_pair`, one loop per session on the
+activation port). The frames are described in cooperation.py (steps) and redirect.py (redirection).
+
+Data flow on A: each step frame -> validated `PairStep` -> `HostRows.submit` + wake A's loop -> A's next
+step runs the rows -> the tokens (and redirect fields) go back on the same connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kascade_engine.cooperation import HostRows, PairClient, PairStep
+from kascade_engine.live import DTYPES, decode_activation
+from kascade_engine.model import LlamaModel
+from kascade_engine.transport import Connection, TransportError
+
+log = logging.getLogger(__name__)
+
+
+async def open_pair(model: LlamaModel, conn: Connection, token: str | None) -> PairClient:
+    """Authenticate and form the pair on an open connection (at cooperate time, not per request)."""
+    if token is not None:
+        from kascade_engine.peerauth import join
+
+        await join(conn, token, "activation", timeout=10)
+    s = model.shape
+    await conn.send({"op": "pair", "layers": s.layers, "hidden": s.hidden})
+    reply, _ = await conn.recv(timeout=10)
+    if reply.get("op") != "paired":
+        raise RuntimeError(f"peer refused the pair: {reply.get('message', reply)}")
+    return PairClient(model, conn, asyncio.get_running_loop())
+
+
+async def form_pair(inst: Any, peer: str) -> PairClient:
+    """B forms its pair with the engine whose activation port is `peer` ("host:port"), on a connection
+    the instance's PeerPool warmed ahead when there is one (no handshake now), else a fresh one."""
+    conn, warmed = await inst.peers.take(peer)
+    try:
+        pair = await open_pair(inst.model, conn, None)
+    except (OSError, RuntimeError, TransportError):
+        await conn.close()
+        if not warmed:
+            raise
+        conn, _ = await inst.peers.take(peer)  # the warmed one went stale: one fresh try
+        try:
+            pair = await open_pair(inst.model, conn, None)
+        except BaseException:
+            await conn.close()
+            raise
+    pair.fallback, pair.layer_s = inst.host, inst.host.layer_s
+    log.info("%s: paired with %s (%s connection, used by every step)", inst.instance_id, peer,
+             "warmed" if warmed else "new")
+    return pair
+
+
+async def host_pair(host: HostRows, model: LlamaModel, conn: Connection, first: dict[str, Any], pair: int,
+                    wake: Callable[[], None], max_payload: int) -> None:
+    """A's side of one pair session: every B step joins A's next batch; tokens go back."""
+    s = model.shape
+    if first.get("layers") != s.layers or first.get("hidden") != s.hidden:
+        await conn.send({"op": "error", "message": f"pair shape {first.get('layers')}x{first.get('hidden')} "
+                                                  f"!= this model's {s.layers}x{s.hidden}"})
+        return
+    await conn.send({"op": "paired", "pair": pair})
+    loop = asyncio.get_running_loop()
+    try:
+        while True:
+            try:
+                header, payload = await conn.recv(max_payload=max_payload)
+            except TransportError:
+                return
+            if header.get("op") != "step":
+                await conn.send({"op": "error", "message": f"unknown op {header.get('op')!r} in a pair session"})
+                continue
+            try:
+                rows, ends = header.get("rows"), header.get("end") or []
+                if not isinstance(rows, list) or not isinstance(ends, list):
+                    raise ValueError("a pair step needs lists 'rows' and 'end'")
+                if header.get("dtype") not in DTYPES:
+                    raise ValueError(f"activation dtype {header.get('dtype')!r} not supported")
+                hidden = (decode_activation(header, payload, s.hidden) if rows
+                          else torch.empty(0, s.hidden, dtype=model.dtype, device=model.device))
+            except ValueError as e:
+                await conn.send({"op": "error", "message": str(e)})
+                continue
+            fut: asyncio.Future[list[int] | Exception] = loop.create_future()
+
+            def done(v: list[int] | Exception, fut: asyncio.Future[list[int] | Exception] = fut) -> None:
+                def put() -> None:
+                    if not fut.done():
+                        fut.set_result(v)
+
+                loop.call_soon_threadsafe(put)
+
+            waiting, refused = header.get("waiting"), header.get("refused") or []
+            step = PairStep(pair, rows, hidden, done, waiting if isinstance(waiting, int) and waiting >= 0 else None,
+                            [r for r in refused if isinstance(r, list) and len(r) == 2] if isinstance(refused, list) else [])
+            host.submit(step, [str(r) for r in ends])
+            wake()
+            got = await fut
+            if isinstance(got, Exception):
+                await conn.send({"op": "error", "message": str(got)})
+            else:
+                await conn.send({"op": "tokens", "tokens": got, **step.reply})
+    finally:
+        host.close_pair(pair)
+        wake()

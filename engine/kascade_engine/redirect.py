@@ -1,0 +1,106 @@
+"""Request redirection (BlitzScale): the overloaded source A hands requests still queued in its scheduler
+to its live pair B, over the pair's one connection; B runs them split like its own (its resident prefix
+on B, the rest in A's batch), and A, which samples every split row, streams their tokens to its clients.
+
+Wire (fields added to the pair session's frames, cooperation.py):
+  B -> A  step {"waiting": n (B's queued requests), "refused": [[req, message], ...]}
+  A -> B  tokens {"redirect": [[req, prompt, max_tokens, temperature, top_p, seed, stop_token_ids], ...],
+                  "abort": [req, ...] (A's client went away), "queued": n (A's queue after this reply)}
+B keeps stepping (an empty frame is a poll) while A reports a queue, so the redirect flow does not
+depend on B having traffic of its own. A hands over from the tail of its queue (the requests that
+would wait longest) while its queue is longer than B's, and only requests that generated nothing yet
+(no KV anywhere). The request keeps its id: B submits it under that id; A's serving queue for it stays
+and is fed from here. Data flow on A (all in its step thread): `pick` (hand over) -> `token` per row
+sampled for a handed request -> `Event`s -> Engine.step's events -> Serving; `ended` / `close_pair`
+fail a handed request its peer dropped; `abort` forwards a client's abort to the peer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kascade_engine.engine import Event
+from kascade_engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from kascade_engine.engine import Engine
+
+
+@dataclass
+class Handed:
+    rid: str
+    params: SamplingParams
+    pair: int
+    out: int = 0
+
+
+def params_from_wire(entry: list[Any]) -> tuple[str, list[int], SamplingParams]:
+    """B's side: one "redirect" entry -> (request id, prompt, params); ValueError names what is wrong."""
+    if not (isinstance(entry, list) and len(entry) == 7 and isinstance(entry[0], str) and isinstance(entry[1], list)):
+        raise ValueError(f"redirect entry {entry!r} must be [req, prompt, max_tokens, temperature, top_p, seed, stop]")
+    rid, prompt, max_tokens, temperature, top_p, seed, stop = entry
+    if not all(isinstance(t, int) for t in prompt) or not isinstance(max_tokens, int) or not isinstance(stop, list):
+        raise ValueError(f"redirect entry for {rid!r}: prompt/stop must be int lists and max_tokens an int")
+    return rid, prompt, SamplingParams(max_tokens, float(temperature), float(top_p),
+                                       None if seed is None else int(seed), tuple(int(t) for t in stop))
+
+
+class Redirects:
+    """A's side: the requests handed to pairs, by page key ("pair<id>/<req>"), and the events they made."""
+
+    def __init__(self) -> None:
+        self.handed: dict[str, Handed] = {}
+        self.events: list[Event] = []
+        self.aborts: dict[int, list[str]] = {}  # pair -> request ids to abort there (sent with its next reply)
+        self.total = 0  # metric: requests handed over
+
+    def pick(self, engine: Engine, pair: int, peer_waiting: int) -> list[list[Any]]:
+        """Hand queued requests to `pair` while this queue is longer than the peer's."""
+        sch, out = engine.scheduler, list[list[Any]]()
+        while sch.waiting and len(sch.waiting) > peer_waiting + len(out) + 1:
+            s = sch.waiting[-1]
+            r = engine.requests.get(s.id)
+            if s.generated or r is None or r.out:
+                break  # only requests with nothing generated: no KV, no tokens anywhere yet
+            sch.finish(s.id)
+            engine.requests.pop(s.id)
+            p = r.params
+            self.handed[f"pair{pair}/{r.id}"] = Handed(r.id, p, pair)
+            out.append([r.id, r.prompt, p.max_tokens, p.temperature, p.top_p, p.seed, list(p.stop_token_ids)])
+        self.total += len(out)
+        return out
+
+    def token(self, key: str, tok: int, eos: int | None) -> None:
+        """A token sampled here for a pair row: a handed request's event (others: nothing to do)."""
+        h = self.handed.get(key)
+        if h is None:
+            return
+        h.out += 1
+        reason = ("stop" if tok == eos or tok in h.params.stop_token_ids
+                  else "length" if h.out >= h.params.max_tokens else None)
+        self.events.append(Event(h.rid, tok, reason is not None, reason))
+        if reason:
+            del self.handed[key]
+
+    def ended(self, key: str, why: str) -> None:
+        """The peer ended (or refused) a handed request before it finished: its client gets the error."""
+        h = self.handed.pop(key, None)
+        if h is not None:
+            self.events.append(Event(h.rid, -1, True, f"error: {why}"))
+
+    def close_pair(self, pair: int) -> None:
+        for key in [k for k, h in self.handed.items() if h.pair == pair]:
+            self.ended(key, "the live peer it was redirected to went away")
+        self.aborts.pop(pair, None)
+
+    def abort(self, rid: str) -> None:
+        """A's client went away: forget it here and tell the peer running it."""
+        for key, h in list(self.handed.items()):
+            if h.rid == rid:
+                del self.handed[key]
+                self.aborts.setdefault(h.pair, []).append(rid)
+
+    def take_events(self) -> list[Event]:
+        ev, self.events = self.events, []
+        return ev
