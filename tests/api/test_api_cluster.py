@@ -19,10 +19,11 @@ INVALID = sorted((REPO / "tests" / "data" / "invalid").glob("*.yaml"))
 
 
 def test_crds_established_with_names(control_plane: ControlPlane, crds: list[str]) -> None:
-    assert sorted(crds) == ["modelservices.kascade.io", "scaleplans.kascade.io"]
+    assert sorted(crds) == ["modelserviceroles.kascade.io", "modelservices.kascade.io", "scaleplans.kascade.io"]
     out = control_plane.kubectl("api-resources", "--api-group=kascade.io", "-o", "wide").stdout
     assert re.search(r"modelservices\s+msvc\s+kascade.io/v1alpha1\s+true\s+ModelService", out), out
     assert re.search(r"scaleplans\s+splan\s+kascade.io/v1alpha1\s+true\s+ScalePlan", out), out
+    assert re.search(r"modelserviceroles\s+msvcrole\s+kascade.io/v1alpha1\s+true\s+ModelServiceRole", out), out
     assert "kascade" in out  # category
 
 
