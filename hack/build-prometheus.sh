@@ -5,8 +5,10 @@
 #
 # Prometheus 3.x is published as Go module versions v0.3MM.P (v0.316.0 = Prometheus 3.16.0); its go.mod
 # has no replace directives, so `go build` of the main package works directly. `remove_all_sd` drops
-# every cloud service discovery (AWS, Azure, GCE, Kubernetes, ...): the tests use static and file
-# targets, and the build is smaller and faster. Without the `builtinassets` tag the web UI is not
+# every cloud service discovery (AWS, Azure, GCE, ...) but `enable_kubernetes_sd` keeps Kubernetes': the
+# e2e discovers engine pods from the real API server with the chart's PodMonitor turned into a scrape
+# config (kascade_devcluster/podmonitor.py); client-go is mostly in the Go cache already from the
+# control-plane build (17 CPU-s more here). Without the `builtinassets` tag the web UI is not
 # embedded; the HTTP API (/api/v1/*) the operator and the tests use is complete. promtool (rule checks
 # and alert unit tests) comes from the same module in the same `go build`: it shares most packages, so it
 # adds ~100 CPU-s to a cold build (measured with a warm cache for prometheus: 108 CPU-s).
@@ -14,7 +16,8 @@ set -euo pipefail
 
 PROMETHEUS_VERSION=${PROMETHEUS_VERSION:-v0.316.0}
 CACHE=${KASCADE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kascade}
-BIN=$CACHE/bin/prometheus-$PROMETHEUS_VERSION
+TAGS=remove_all_sd,enable_kubernetes_sd
+BIN=$CACHE/bin/prometheus-$PROMETHEUS_VERSION-k8s-sd   # the flavour is in the name: a cache without k8s SD rebuilds
 WORK=$CACHE/build/prometheus-$PROMETHEUS_VERSION
 export GOTOOLCHAIN=${GOTOOLCHAIN:-local}
 export GOFLAGS=${GOFLAGS:--mod=mod}
@@ -28,13 +31,13 @@ if [ ! -x "$BIN/prometheus" ] || [ ! -x "$BIN/promtool" ]; then
   log "building prometheus + promtool $PROMETHEUS_VERSION (module proxy; cold build a few minutes on 2 cores)"
   cd "$WORK"
   [ -f go.mod ] || go mod init local/kascade-prometheus-builder >/dev/null 2>&1
-  go get -tags remove_all_sd "github.com/prometheus/prometheus/cmd/prometheus@$PROMETHEUS_VERSION"
+  go get -tags "$TAGS" "github.com/prometheus/prometheus/cmd/prometheus@$PROMETHEUS_VERSION"
   V=github.com/prometheus/common/version
   # v0.316.0 -> 3.16.0 (what `prometheus --version` prints)
   minor=$(echo "$PROMETHEUS_VERSION" | sed -E 's/^v0\.3([0-9]+)\.([0-9]+).*/\1/' | sed 's/^0*//')
   patch=$(echo "$PROMETHEUS_VERSION" | sed -E 's/^v0\.3[0-9]+\.([0-9]+).*/\1/')
   rm -rf "$WORK/out" && mkdir -p "$WORK/out"
-  go build -trimpath -tags remove_all_sd -ldflags "-s -w -X $V.Version=3.${minor:-0}.$patch -X $V.Branch=module" \
+  go build -trimpath -tags "$TAGS" -ldflags "-s -w -X $V.Version=3.${minor:-0}.$patch -X $V.Branch=module" \
     -o "$WORK/out/" github.com/prometheus/prometheus/cmd/prometheus github.com/prometheus/prometheus/cmd/promtool
   mv "$WORK/out/promtool" "$BIN/promtool"
   mv "$WORK/out/prometheus" "$BIN/prometheus"   # last: its presence with promtool's means a complete build

@@ -117,7 +117,10 @@ class EnginePool:
                         # ReadinessProber folds it in like a kubelet)
                         **({"readinessGates": [{"conditionType": SERVING_GATE}]} if self.readiness_gate else {}),
                         "containers": [{"name": "engine", "image": "kascade:dev",
-                                        "resources": {"limits": {"nvidia.com/gpu": "1"}}}],
+                                        "resources": {"limits": {"nvidia.com/gpu": "1"}},
+                                        # named like the chart's pool pods (the PodMonitor keeps port http);
+                                        # the endpoint annotation still says where the process listens
+                                        "ports": [{"name": "http", "containerPort": int(e.endpoint.rsplit(":", 1)[1])}]}],
                         "tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}]}}
         self.cp.kubectl("-n", self.ns, "apply", "-f", "-", input=json.dumps(pod))
 

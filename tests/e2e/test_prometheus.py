@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
@@ -29,8 +30,9 @@ from kascade_devcluster.controlplane import ControlPlane
 from kascade_devcluster.enginepool import EnginePool
 from kascade_devcluster.loadgen import LoadGen
 from kascade_devcluster.operatorproc import OperatorProcess
+from kascade_devcluster.podmonitor import scrape_configs
 from kascade_devcluster.ports import free_ports
-from kascade_devcluster.prometheus import MissingPrometheus, PodTargets, PrometheusServer, prometheus_binary
+from kascade_devcluster.prometheus import MissingPrometheus, PrometheusServer, prometheus_binary
 from kascade_devcluster.requirement import unavailable
 from kascade_devcluster.routerproc import RouterProcess
 from kascade_devcluster.waiting import wait_for
@@ -54,15 +56,14 @@ def loaded(cp: ControlPlane, ns: str) -> list[dict[str, Any]]:
             if p["metadata"]["annotations"].get("kascade.io/loaded") == "true"]
 
 
-def chart_rules(tmp: Path) -> Path:
-    """The chart's PrometheusRule, rendered with default thresholds, as a Prometheus rule file."""
+def chart_monitoring(namespace: str) -> dict[str, dict[str, Any]]:
+    """The chart's observability pack rendered into `namespace` with default values, by kind."""
     out = subprocess.run(
-        [str(bin_dir() / "helm"), "template", "kascade", str(CHART), "--show-only", "templates/monitoring.yaml",
-         "--set", "monitoring.prometheusRule.enabled=true"], capture_output=True, text=True, check=True).stdout
-    rule = next(d for d in yaml.safe_load_all(out) if d and d["kind"] == "PrometheusRule")
-    path = tmp / "rules.yaml"
-    path.write_text(yaml.safe_dump(rule["spec"]))
-    return path
+        [str(bin_dir() / "helm"), "template", "kascade", str(CHART), "-n", namespace, "--show-only",
+         "templates/monitoring.yaml", "--set", "monitoring.prometheusRule.enabled=true",
+         "--set", "monitoring.podMonitor.enabled=true", "--set", "monitoring.serviceMonitor.enabled=true",
+         "--set", "router.enabled=false"], capture_output=True, text=True, check=True).stdout
+    return {d["kind"]: d for d in yaml.safe_load_all(out) if d}
 
 
 @pytest.fixture
@@ -78,18 +79,24 @@ def world(control_plane: ControlPlane, crds: list[str], namespace: str, kwok_nod
     # operator round + one probe later, and this test's instant checks failed 2 runs of 3 on a loaded machine
     pool = EnginePool(control_plane, namespace, ckpt, MODEL, TOKEN, tmp_path / "engines", extra_args=("--kv-tokens", "8192"),
                       readiness_gate=False)
-    targets = PodTargets(control_plane, namespace, tmp_path / "engines.json")
+    pack = chart_monitoring(namespace)
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(yaml.safe_dump(pack["PrometheusRule"]["spec"]))
     prom = PrometheusServer(tmp_path / "prometheus")
     (op_port,) = free_ports(1)
     try:
         pool.start(nodes)
-        targets.start()
         prom.start([
-            {"job_name": "kascade-engines", "file_sd_configs": [{"files": [str(targets.path)], "refresh_interval": "1s"}]},
-            # the operator's series carry their own namespace/model_service labels (ServiceMonitor honorLabels)
-            {"job_name": "kascade-operator", "honor_labels": True, "scrape_interval": "2s", "scrape_timeout": "2s",
+            # engine pods found by Kubernetes service discovery on the real API server, selected and
+            # labelled by the chart's PodMonitor (1 s scrapes: the operator's rates must see the burst)
+            *scrape_configs(pack["PodMonitor"], control_plane.kubeconfig, interval="1s",
+                            address_annotation="kascade.io/endpoint"),
+            # the operator runs outside the cluster (no Service endpoints): a static target with the chart
+            # ServiceMonitor's honorLabels (its series name the ModelService's namespace themselves)
+            {"job_name": "kascade-operator", "scrape_interval": "2s", "scrape_timeout": "2s",
+             "honor_labels": pack["ServiceMonitor"]["spec"]["endpoints"][0]["honorLabels"],
              "static_configs": [{"targets": [f"127.0.0.1:{op_port}"]}]},
-        ], rule_files=[chart_rules(tmp_path)])
+        ], rule_files=[rules])
         op = OperatorProcess(control_plane, namespace, TOKEN, tmp_path / "operator.log", interval=0.25,
                              extra_args=("--metrics-source", "prometheus", "--prometheus-url", prom.url,
                                          "--metrics-port", str(op_port))).start()
@@ -98,7 +105,6 @@ def world(control_plane: ControlPlane, crds: list[str], namespace: str, kwok_nod
         print(op.tail(4000))
     finally:
         prom.stop()
-        targets.stop()
         pool.stop()
 
 
@@ -157,6 +163,13 @@ def test_promql_source_scales_up_and_dashboard_queries_return_data(
     # Prometheus sees the bound engine under its pod name, with the PodMonitor's labels
     wait_for(lambda: prom.query(f'kascade_num_requests_running{{pod="{first[0]["metadata"]["name"]}", model_service="svc"}}'),
              30, "the bound engine's series in Prometheus")
+    # every pool pod is a discovered target of the PodMonitor job, up, labelled from its pod
+    pods = {p["metadata"]["name"] for p in get(cp, ns, "pods", "-l", "kascade.io/pool")["items"]}
+    active = [t for t in prom.api("targets")["activeTargets"] if t["labels"]["job"].startswith("podMonitor/")]
+    assert {t["labels"]["pod"] for t in active} == pods, active
+    assert all(t["labels"]["namespace"] == ns and t["labels"]["container"] == "engine" and t["labels"]["pool"]
+               for t in active), active
+    wait_for(lambda: all(t["health"] == "up" for t in prom.api("targets")["activeTargets"]), 30, "every target up")
 
     router = RouterProcess(cp, ns, tmp_path / "router.log").start()  # requests go through the front door
     gen = LoadGen(router.url, MODEL, PROMPT, max_tokens=8).start()
@@ -187,6 +200,12 @@ def test_promql_source_scales_up_and_dashboard_queries_return_data(
                 empty.append((title, expr))
             elif all(math.isnan(float(r["value"][1])) for r in result):
                 nan_only.append((title, expr))
+        # the dashboard's variables (Grafana's label_values(metric{...}, label) is this API call)
+        for var in json.loads((CHART / "files" / "dashboards" / "kascade.json").read_text())["templating"]["list"]:
+            if m := re.fullmatch(r"label_values\((.+), (\w+)\)", var.get("definition", "")):
+                sel = m.group(1).replace("$namespace", ns)
+                values = httpx.get(f"{prom.url}/api/v1/label/{m.group(2)}/values", params={"match[]": sel}).json()["data"]
+                assert {"namespace": ns, "model_service": "svc"}[var["name"]] in values, (var["name"], values)
         assert not empty, f"dashboard queries without data: {empty}"
         assert not nan_only, f"dashboard queries with only NaN: {nan_only}"
         # the per-role replicas panel shows the service at 2 ready
