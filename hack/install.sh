@@ -37,8 +37,9 @@ if [ "${KASCADE_SKIP_CONTROL_PLANE:-0}" != 1 ]; then
   bash hack/build-control-plane.sh >/dev/null
 fi
 if [ "${KASCADE_SKIP_PROMETHEUS:-0}" != 1 ]; then
-  # ~250 CPU-s cold (280 s wall on 2 busy cores), cached after the first time
-  log "building Prometheus for the metrics e2e (cached after the first time)"
+  # prometheus alone was ~250 CPU-s cold; promtool and Kubernetes SD share most packages (+~120 CPU-s
+  # estimated from warm-cache builds), cached after the first time
+  log "building Prometheus + promtool for the metrics e2e and alert tests (cached after the first time)"
   bash hack/build-prometheus.sh >/dev/null
 fi
 # the Gateway API Inference Extension's Go module: its InferencePool CRD is what the chart's InferencePool
