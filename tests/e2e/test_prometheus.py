@@ -165,10 +165,15 @@ def test_promql_source_scales_up_and_dashboard_queries_return_data(
              30, "the bound engine's series in Prometheus")
     # every pool pod is a discovered target of the PodMonitor job, up, labelled from its pod
     pods = {p["metadata"]["name"] for p in get(cp, ns, "pods", "-l", "kascade.io/pool")["items"]}
-    active = [t for t in prom.api("targets")["activeTargets"] if t["labels"]["job"].startswith("podMonitor/")]
-    assert {t["labels"]["pod"] for t in active} == pods, active
-    assert all(t["labels"]["namespace"] == ns and t["labels"]["container"] == "engine" and t["labels"]["pool"]
-               for t in active), active
+
+    def discovered() -> list[dict[str, Any]] | None:  # SD refreshes after a label change: wait, not once
+        active = [t for t in prom.api("targets")["activeTargets"] if t["labels"]["job"].startswith("podMonitor/")]
+        ok = {t["labels"]["pod"] for t in active} == pods and all(
+            t["labels"]["namespace"] == ns and t["labels"]["container"] == "engine" and t["labels"].get("pool")
+            for t in active)
+        return active if ok else None
+
+    wait_for(discovered, 30, f"every pool pod {sorted(pods)} a PodMonitor target labelled from its pod")
     wait_for(lambda: all(t["health"] == "up" for t in prom.api("targets")["activeTargets"]), 30, "every target up")
 
     router = RouterProcess(cp, ns, tmp_path / "router.log").start()  # requests go through the front door
