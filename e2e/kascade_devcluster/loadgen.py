@@ -53,9 +53,15 @@ class LoadGen:
             self._active, self._think = workers, think_s
 
     def stop(self) -> None:
+        """No new requests; in-flight ones finish (a caller that stops the router next must not turn them
+        into failures: each gets its own timeout to end)."""
         self._stop.set()
         for t in self._threads:
-            t.join(10)
+            t.join(self.timeout_s + 5)
+
+    def failures(self) -> list[str]:
+        with self._lock:
+            return [r.error for r in self.results if not r.ok]
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="kascade", max_retries=0, timeout=self.timeout_s)

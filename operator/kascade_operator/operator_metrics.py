@@ -44,6 +44,10 @@ class OperatorMetrics:
         for role, r in roles.items():
             for state in ("desired", "ready", "loading"):
                 self.replicas.labels(namespace, service, role, state).set(getattr(r, state))
+        for phase in ("Succeeded", "Failed"):
+            # the series exist (at 0) before the first plan ends, so rate() sees its 0 -> 1 step: a series
+            # born at 1 gives rate 0 and a NaN quantile on the dashboard until the next plan
+            self.plan_duration.labels(namespace, service, phase)
         ages = list(active_plan_ages_s)
         self.plans_active.labels(namespace, service).set(len(ages))
         self.plan_age.labels(namespace, service).set(max(ages, default=0.0))

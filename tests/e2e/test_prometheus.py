@@ -228,7 +228,7 @@ def test_promql_source_scales_up_and_dashboard_queries_return_data(
     finally:
         gen.stop()
         router.stop()
-    assert gen.summary()["failed"] == 0, gen.summary()
+    assert gen.summary()["failed"] == 0, (gen.summary(), gen.failures()[:5])
     log = op.tail(200000)
     assert not re.search(r"scrape of \S+ .* failed", log), "the operator scraped engines directly"
     assert "prometheus" not in log.lower() or "MetricsError" not in log, log[-3000:]

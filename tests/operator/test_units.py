@@ -179,3 +179,15 @@ async def test_scraper_keeps_rates_per_group() -> None:
         await scraper.aclose()
         a.close()
         b.close()
+
+
+def test_plan_duration_series_exist_at_zero_before_the_first_plan_ends() -> None:
+    # rate() of a series born at 1 is 0 (NaN quantiles on the dashboard): each outcome starts at 0
+    from prometheus_client import generate_latest
+
+    from kascade_operator.operator_metrics import OperatorMetrics
+    m = OperatorMetrics()
+    m.observe_service("ns", "svc", {}, [])
+    text = generate_latest(m.registry).decode()
+    for phase in ("Succeeded", "Failed"):
+        assert f'kascade_operator_plan_duration_seconds_count{{model_service="svc",namespace="ns",phase="{phase}"}} 0.0' in text
