@@ -208,11 +208,18 @@ async def test_retries_only_failures_before_the_first_byte(world: Callable[..., 
     dead = "127.0.0.1:1"  # refused
     r.routes.set_pod(pod("dead", dead, svc="m", ns="static", **LOADED))
     engines[0].status = 503  # draining: answers 503 before doing anything
-    for _ in range(6):
+    dead_b = r.routes.backends[("static", "m")]["dead"]
+    sent, ejected_at = 0, None
+    # the balancer samples at random: send until the dead replica has been tried at least once (it is
+    # ejected at its first refused connect), and at least 6 requests; every one must succeed
+    while sent < 6 or (ejected_at is None and sent < 60):
         st, _, _ = await post(url, {"model": "m", "prompt": "x"})
         assert st == 200
-    assert all(s.finished for s in engines[1].seen) and len(engines[1].seen) == 6
-    assert not r.routes.backends[("static", "m")]["dead"].usable(time.monotonic())  # ejected at once
+        sent += 1
+        if ejected_at is None and not dead_b.usable(time.monotonic()):
+            ejected_at = sent
+    assert ejected_at is not None, "the dead replica was never ejected"
+    assert all(s.finished for s in engines[1].seen) and len(engines[1].seen) == sent
 
 
 async def test_failure_mid_stream_is_not_retried(world: Callable[..., Any]) -> None:
