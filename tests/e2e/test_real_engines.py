@@ -112,7 +112,15 @@ def serve_first_copy(cp: ControlPlane, ns: str, doc: dict[str, Any]) -> str:
     cp.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(doc))
     first = wait_for(lambda: loaded(cp, ns), 180, "the first copy loaded from spec.model.source.path")
     assert len(first) == 1
-    return str(first[0]["metadata"]["name"])
+    name = str(first[0]["metadata"]["name"])
+
+    def ready() -> bool:  # the readiness gate opens one operator round + one probe after `loaded`; until
+        # then the operator does not count the pod as a ready source and a scale-up would load from disk
+        conds = (get(cp, ns, "pod", name).get("status") or {}).get("conditions") or []
+        return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+
+    wait_for(ready, 60, f"{name} Ready (readiness gate open)")
+    return name
 
 
 def one_to_three(cp: ControlPlane, ns: str, pool: EnginePool, ckpt: Path) -> tuple[str, str, dict[str, Any]]:
