@@ -198,8 +198,13 @@ def test_promql_source_scales_up_and_dashboard_queries_return_data(
         for title, expr in dashboard_queries(ns, "2m"):
             # a scrape that timed out on this loaded machine marks a target's series stale for a moment:
             # a query gets a few seconds to see data again before it counts as empty
-            deadline = time.monotonic() + 10
-            while not (result := prom.query(expr)) and time.monotonic() < deadline:
+            # (and a quantile over rates is NaN until a scrape after the last plan's observation lands)
+            deadline = time.monotonic() + 20
+
+            def has_data(res: list[dict[str, Any]]) -> bool:
+                return bool(res) and not all(math.isnan(float(r["value"][1])) for r in res)
+
+            while not has_data(result := prom.query(expr)) and time.monotonic() < deadline:
                 time.sleep(0.5)
             if not result:
                 empty.append((title, expr))
