@@ -80,10 +80,10 @@ def with_role_counts(spec: ModelServiceSpec, res: Resolution) -> tuple[ModelServ
     changed: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for role, o in res.active.items():
-        bounds = getattr(reps, role)
-        if o.replicas is None or bounds is None:
+        want = effective(spec, o)
+        if want is None or o.replicas is None:
             continue
-        want = max(bounds.min, min(bounds.max, o.replicas))
+        bounds = getattr(reps, role)
         changed[role] = bounds.model_copy(update={"desired": want})
         clamp = "" if want == o.replicas else f", clamped to {role} min..max {bounds.min}..{bounds.max}"
         sources[role] = f"ModelServiceRole {o.name} spec.replicas={o.replicas}{clamp}"
