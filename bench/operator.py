@@ -37,6 +37,7 @@ from report import report
 from kascade_devcluster import nodes as devnodes
 from kascade_devcluster.api import install_crds
 from kascade_devcluster.controlplane import ControlPlane
+from kascade_devcluster.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "bench-token"
@@ -52,16 +53,6 @@ def _stub_module() -> Any:
 
 def _kubectl_json(cp: ControlPlane, *args: str) -> Any:
     return json.loads(cp.kubectl(*args, "-o", "json").stdout)
-
-
-def _wait(pred: Any, timeout: float, what: str) -> Any:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.01)
-    raise SystemExit(f"timed out waiting for {what}")
 
 
 UPPER, LOAD = 1000.0, 5000.0  # threshold upper bound and the burst (tokens/s)
@@ -106,7 +97,7 @@ def run(rounds: int, interval: float, window: float) -> dict[str, float | str]:
                                 "scaling": {"policy": "threshold", "intervalSeconds": interval,
                                             "threshold": {"upper": UPPER, "lower": 10}}}}
                 cp.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(doc))
-                first = _wait(lambda n=name: [p for p in _kubectl_json(cp, "-n", ns, "get", "pods", "-l",
+                first = wait_for(lambda n=name: [p for p in _kubectl_json(cp, "-n", ns, "get", "pods", "-l",
                                                                        f"kascade.io/model-service={n}")["items"]
                                               if (p["metadata"].get("annotations") or {}).get("kascade.io/loaded")],
                               60, f"{name} min replica")
@@ -118,7 +109,7 @@ def run(rounds: int, interval: float, window: float) -> dict[str, float | str]:
                 def new_binds(t0: float = t_cross) -> list[float]:
                     return [t for s in stubs for v, _, t in list(s.calls) if v == "bind" and t >= t0]
 
-                t_done = max(_wait(new_binds, 30, f"{name} scale-up"))  # 1 -> 2: one target
+                t_done = max(wait_for(new_binds, 30, f"{name} scale-up"))  # 1 -> 2: one target
                 # the windowed rate (0 -> 5000 tok/s) crosses the upper bound 1000 after window * 1000/5000
                 metric_cross = t_cross + window * UPPER / LOAD
                 from_load.append((t_done - t_cross) * 1000)
@@ -173,18 +164,18 @@ def run_failover(lease_s: float = 3.0) -> dict[str, float | str]:
                 ops.append(OperatorProcess(cp, ns, TOKEN, Path(tmp) / f"{who}.log", interval=0.1,
                                            extra_args=(*ha, "--identity", who)).start())
                 if who == "a":
-                    _wait(lambda: "a leads" in ops[0].tail(), 30, "a leads")
-            _wait(lambda: "b: standby" in ops[1].tail(), 30, "b waits")
+                    wait_for(lambda: "a leads" in ops[0].tail(), 30, "a leads")
+            wait_for(lambda: "b: standby" in ops[1].tail(), 30, "b waits")
             doc = {"apiVersion": "kascade.io/v1alpha1", "kind": "ModelService", "metadata": {"name": "svc"},
                    "spec": {"model": {"name": "tiny", "source": {"path": "/m"}, "layers": 4},
                             "engine": {"image": "x"}, "replicas": {"colocated": {"min": 1, "max": 3}}}}
             cp.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(doc))
-            _wait(lambda: sum(s.count("bind") for s in stubs) == 1, 30, "min bound by the leader")
+            wait_for(lambda: sum(s.count("bind") for s in stubs) == 1, 30, "min bound by the leader")
             time.sleep(1.0)
             ops[0].kill()
             t_kill = time.monotonic()
             cp.kubectl("-n", ns, "scale", "msvc", "svc", "--replicas=2")
-            t_bind = _wait(lambda: [t for s in stubs for v, _, t in list(s.calls) if v == "bind" and t > t_kill],
+            t_bind = wait_for(lambda: [t for s in stubs for v, _, t in list(s.calls) if v == "bind" and t > t_kill],
                            60, "the standby's bind")[0]
             failover = t_bind - t_kill
             print(f"failover: {failover:.2f} s (lease {lease_s:g} s)", flush=True)

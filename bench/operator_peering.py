@@ -96,15 +96,6 @@ class _Probe:
                 self.proc.wait(15)
 
 
-def _wait(cond: Any, timeout: float, what: str) -> Any:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if got := cond():
-            return got
-        time.sleep(0.05)
-    raise TimeoutError(f"kopf peering bench: no {what} within {timeout:.0f} s")
-
-
 def _peers(cp: Any, ns: str) -> dict[str, Any]:
     got = cp.kubectl("-n", ns, "get", "kopfpeering", "kascade", "-o", "json").stdout
     return dict(json.loads(got).get("status") or {})
@@ -117,6 +108,7 @@ def _configmap(cp: Any, ns: str, name: str) -> None:
 def run_peering(lifetime: int = 3) -> dict[str, float | str]:
     """Leader SIGKILL -> the standby handling an object created at the kill, with kopf peering."""
     from kascade_devcluster.controlplane import ControlPlane
+    from kascade_devcluster.waiting import wait_for
 
     with tempfile.TemporaryDirectory(prefix="kascade-bench-peering-") as tmp:
         cp = ControlPlane.create(Path(tmp) / "cp").start(scheduling=False, kwok=False)
@@ -133,17 +125,17 @@ def run_peering(lifetime: int = 3) -> dict[str, float | str]:
             a = _Probe(cp, "a", "peer-ha", 100, lifetime, Path(tmp) / "a.log")
             probes.append(a)
             _configmap(cp, "peer-ha", "warmup")
-            _wait(lambda: "warmup" in a.handled(), 60, "handling by the leader")
+            wait_for(lambda: "warmup" in a.handled(), 60, "handling by the leader")
             b = _Probe(cp, "b", "peer-ha", 50, lifetime, Path(tmp) / "b.log")
             probes.append(b)
-            _wait(lambda: {"a", "b"} <= set(_peers(cp, "peer-ha")), 60, "both peers in the KopfPeering")
+            wait_for(lambda: {"a", "b"} <= set(_peers(cp, "peer-ha")), 60, "both peers in the KopfPeering")
             _configmap(cp, "peer-ha", "before")
-            _wait(lambda: "before" in a.handled(), 30, "the leader handling 'before'")
+            wait_for(lambda: "before" in a.handled(), 30, "the leader handling 'before'")
             time.sleep(lifetime / 2)  # the kill lands mid-way between two keep-alives, on average
             a.proc.send_signal(signal.SIGKILL)
             t_kill = time.time()
             _configmap(cp, "peer-ha", "after")
-            t_handled = _wait(lambda: b.handled().get("after"), 4 * lifetime + 60, "the standby's takeover")
+            t_handled = wait_for(lambda: b.handled().get("after"), 4 * lifetime + 60, "the standby's takeover")
             out["failover_kopf_peering_s"] = round(t_handled - t_kill, 3)
             out["kopf_peering_standby_handled_before"] = float("before" in b.handled())
             print(f"kopf peering failover: {t_handled - t_kill:.2f} s (lifetime {lifetime} s)", flush=True)
@@ -153,7 +145,7 @@ def run_peering(lifetime: int = 3) -> dict[str, float | str]:
             c = _Probe(cp, "c", "peer-same", 0, lifetime, Path(tmp) / "c.log")
             d = _Probe(cp, "d", "peer-same", 0, lifetime, Path(tmp) / "d.log")
             probes += [c, d]
-            _wait(lambda: {"c", "d"} <= set(_peers(cp, "peer-same")), 60, "both same-priority peers")
+            wait_for(lambda: {"c", "d"} <= set(_peers(cp, "peer-same")), 60, "both same-priority peers")
             time.sleep(2 * lifetime)
             _configmap(cp, "peer-same", "same")
             time.sleep(15)

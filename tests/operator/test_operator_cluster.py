@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -19,13 +18,6 @@ from kascade_devcluster.waiting import wait_for
 pytestmark = pytest.mark.cluster
 TOKEN = "op-test-token"
 
-
-@pytest.fixture
-def op(control_plane: ControlPlane, crds: list[str], namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
-    o = OperatorProcess(control_plane, namespace, TOKEN, tmp_path / "operator.log")
-    yield o
-    o.stop()
-    print(o.tail())
 
 
 def get(cp: ControlPlane, ns: str, *what: str) -> Any:

@@ -5,7 +5,7 @@ real process on the real API server scaling one role through the object's /scale
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -93,13 +93,6 @@ def _get(cp: ControlPlane, ns: str, *what: str) -> Any:
 def _role_pods(cp: ControlPlane, ns: str, role: str) -> list[dict[str, Any]]:
     return _get(cp, ns, "pods", "-l", f"kascade.io/model-service=svc,kascade.io/role={role}")["items"]
 
-
-@pytest.fixture
-def op(control_plane: ControlPlane, crds: list[str], namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
-    o = OperatorProcess(control_plane, namespace, TOKEN, tmp_path / "operator.log")
-    yield o
-    o.stop()
-    print(o.tail())
 
 
 @pytest.mark.cluster
