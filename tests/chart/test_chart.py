@@ -199,14 +199,31 @@ def test_network_policy_opens_engine_ports_only_to_kascade_pods(helm: Helm) -> N
     eng = by(docs, "NetworkPolicy", "rel-engines")
     assert eng["spec"]["podSelector"] == {"matchExpressions": [{"key": "kascade.io/pool", "operator": "Exists"}]}
     rules = eng["spec"]["ingress"]
-    peer_rule = next(r for r in rules if any(p["port"] == 19000 for p in r["ports"]))
+    # named ports: fallback pods of a ModelService with its own engine port numbers name them the same
+    peer_rule = next(r for r in rules if any(p["port"] == "data" for p in r["ports"]))
+    assert [p["port"] for p in peer_rule["ports"]] == ["http", "data", "act"]
     assert peer_rule["from"] == [{"podSelector": {"matchExpressions": [{"key": "kascade.io/pool", "operator": "Exists"}]}}]
     assert all(r.get("from") for r in rules), "an ingress rule without `from` would open a port to everyone"
     http_only = [r for r in rules if r is not peer_rule]
-    assert all([p["port"] for p in r["ports"]] == [8000] for r in http_only)
+    assert all([p["port"] for p in r["ports"]] == ["http"] for r in http_only)
     op = by(docs, "NetworkPolicy", "rel-operator")
     assert [p["port"] for r in op["spec"]["ingress"] for p in r["ports"]] == [9090, 8080]
     assert not [d for d in render(helm, "--set", "networkPolicy.enabled=false") if d["kind"] == "NetworkPolicy"]
+
+
+def test_pod_monitor_watches_the_namespaces_engine_pods_live_in(helm: Helm) -> None:
+    """Engine pods (warm, bound, fallback) live in the pool's namespace; without a pool namespace each
+    ModelService's fallback pods live in its own namespace, so the PodMonitor must look there too."""
+    on = ("--set", "monitoring.podMonitor.enabled=true")
+
+    def selector(*args: str) -> dict[str, Any]:
+        return dict(by(render(helm, *on, *args), "PodMonitor", "rel-engines")["spec"]["namespaceSelector"])
+
+    assert selector() == {"matchNames": ["ns"]}
+    assert selector("--set", "pool.enabled=false", "--set", "operator.poolNamespace=gpu") == {"matchNames": ["gpu"]}
+    assert selector("--set", "pool.enabled=false") == {"any": True}
+    assert selector("--set", "pool.enabled=false", "--set", "operator.watchNamespaces={team,ns}") == \
+        {"matchNames": ["ns", "team"]}
 
 
 def test_monitoring_pack_renders_when_enabled(helm: Helm) -> None:

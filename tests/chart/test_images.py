@@ -333,9 +333,9 @@ def test_every_port_the_chart_wires_is_declared_and_listened_on(helm: Helm, tmp_
                     "--set", f"pool.model.mountPath={tmp_path}", "--set", f"pool.model.path={tmp_path / 'm'}")
     pods = [(d["metadata"]["name"], d["spec"]["template"]["metadata"]["labels"], d["spec"]["template"]["spec"])
             for d in docs if d["kind"] == "Deployment"]
-    spec = ModelServiceSpec.model_validate({"model": {"name": "m", "source": {"path": str(tmp_path / "m")}}, "engine": {"image": "i:1"},
+    spec = ModelServiceSpec.model_validate({"model": {"name": "m", "source": {"path": str(tmp_path / "m")}}, "engine": {"image": "i:1", "port": 8100, "dataPort": 18600},
                                             "mode": "colocated", "replicas": {"colocated": {"min": 1, "max": 2}}})
-    fb = fallback_pod(spec, "svc", "tok", None)
+    fb = fallback_pod(spec, "svc", "tok", None)  # a service's own engine ports, unlike the pool's
     all_pods = [*pods, ("fallback", fb["metadata"]["labels"], fb["spec"])]
 
     def ports(pod_spec: dict[str, Any]) -> dict[str | int, int]:
