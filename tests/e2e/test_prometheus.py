@@ -176,6 +176,11 @@ def test_promql_source_scales_up_and_dashboard_queries_return_data(
     wait_for(discovered, 30, f"every pool pod {sorted(pods)} a PodMonitor target labelled from its pod")
     wait_for(lambda: all(t["health"] == "up" for t in prom.api("targets")["activeTargets"]), 30, "every target up")
 
+    # the plan-duration histogram's (zero-initialised) series scraped before the burst's plan: a series
+    # first seen at its post-plan value has no visible increase, so the dashboard's quantile stays NaN
+    wait_for(lambda: prom.query('kascade_operator_plan_duration_seconds_count'
+                                f'{{namespace="{ns}", model_service="svc", phase="Succeeded"}}'),
+             30, "the operator's plan-duration series scraped before the burst")
     router = RouterProcess(cp, ns, tmp_path / "router.log").start()  # requests go through the front door
     gen = LoadGen(router.url, MODEL, PROMPT, max_tokens=8).start()
     try:
