@@ -23,6 +23,12 @@ def _run(*args: str) -> None:
         raise RuntimeError(f"{' '.join(args)}: {proc.stderr.strip()}")
 
 
+# A link's queue, in milliseconds at its rate. TCP keeps whatever queue a link has full, and a relay
+# chain pays it once per hop; datacenter switch buffers hold well under a millisecond at 100 Gbit/s.
+# 10 ms (tbf's minimum sensible at these rates with a 256 KiB burst) keeps each hop's queueing small
+# beside a block's transfer time, as on real fabrics; 50 ms made an 8-hop chain ~10 % late.
+QUEUE_MS = 10
+
 class NetLab:
     def __init__(self, hosts: int, rate_mbit: int = 200, groups: int = 1, spine_ratio: float = 1.0,
                  prefix: str = PREFIX) -> None:
@@ -52,6 +58,11 @@ class NetLab:
              "ceil", f"{x}mbit", "burst", "256kb", "cburst", "256kb")
         _run(*ns, "tc", "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "u32", "match", "ip",
              direction, other, "flowid", "1:20")
+        # each class's queue holds at most QUEUE_MS at its rate, like tbf's `latency` on the one-group
+        # links (htb's default leaf queue is 1,000 packets: 120 ms at 100 Mbit/s, added at every relay hop)
+        for cls, mbit in (("10", r), ("20", x)):
+            _run(*ns, "tc", "qdisc", "add", "dev", dev, "parent", f"1:{cls}", "handle", f"{cls}:", "bfifo",
+                 "limit", str(max(3000, mbit * 1_000_000 // 8 * QUEUE_MS // 1000)))
 
     def __enter__(self) -> NetLab:
         self.cleanup()
@@ -61,7 +72,7 @@ class NetLab:
             _run("ip", "netns", "add", f"{tag}-sw")
             _run(*sw, "ip", "link", "add", f"{tag}-br", "type", "bridge")
             _run(*sw, "ip", "link", "set", f"{tag}-br", "up")
-            tbf = ["tbf", "rate", f"{self.rate}mbit", "burst", "256kb", "latency", "50ms"]
+            tbf = ["tbf", "rate", f"{self.rate}mbit", "burst", "256kb", "latency", f"{QUEUE_MS}ms"]
             for i in range(self.hosts):
                 h, v, p = f"{tag}-h{i}", f"{tag}-v{i}", f"{tag}-p{i}"
                 _run("ip", "netns", "add", h)
