@@ -67,9 +67,13 @@ async def test_pair_formed_while_a_serves_a_batch_is_exact(tiny_ckpt, tiny_block
         await asyncio.sleep(0)
         await b.set_cooperate(CooperateRequest(p.peer, "besteffort"))  # ... when the pair forms
         assert b.phase is Phase.LIVE and a.finisher.pairs == 1
+        # one long request of A's own stays in A's batch while B's rows arrive (so a shared forward is
+        # certain, not a matter of which engine's thread runs first); aborted once B is done
+        long = a.serving.submit(PROMPTS[0], SamplingParams(max_tokens=400))
         b_rids = [b.serving.submit(pr, params) for pr in PROMPTS]
         a_rids2 = [a.serving.submit(pr, params) for pr in PROMPTS[:2]]
         b_out = await asyncio.gather(*(collect(b, r) for r in b_rids))
+        a.serving.abort(long)
         a_out = await asyncio.gather(*a_runs, *(collect(a, r) for r in a_rids2))
         assert b_out == want
         assert a_out == want + want[:2]
