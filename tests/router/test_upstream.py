@@ -1,0 +1,216 @@
+"""The router's engine connections (kascade_router.upstream): HTTP/1.1 answers parsed at every byte split,
+streamed chunks relayed byte-exact with the terminator held back, bad framing named, a pooled connection the
+engine closed replaced once, backpressure from a slow client. Parsing is driven byte by byte through the
+protocol (a capture transport stands for the client); the pool runs against a real asyncio server."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from kascade_router.upstream import HIGH_WATER, Answer, UpstreamError, Upstreams
+
+CHUNKS = [b'data: {"t": 1}\n\n', b'data: {"t": 2}\n\n', b"data: [DONE]\n\n"]
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+BODY = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in CHUNKS)
+END = b"0\r\nx-trailer: 1\r\n\r\n"
+
+
+class Capture(asyncio.WriteTransport):
+    """Stands for a client's socket: keeps what was written, reports a settable buffer size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.data = bytearray()
+        self.buffered = 0
+        self.closed = False
+
+    def write(self, data: Any) -> None:
+        self.data += data
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Engine(asyncio.Transport):
+    """The engine side of a protocol under test: records pause/resume/close."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.paused = self.closed = False
+        self.sent = bytearray()
+
+    def write(self, data: Any) -> None:
+        self.sent += data
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def resume_reading(self) -> None:
+        self.paused = False
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _answer(loop: asyncio.AbstractEventLoop) -> tuple[Answer, Engine]:
+    a, t = Answer(loop, "e:1"), Engine()
+    a.connection_made(t)
+    return a, t
+
+
+async def test_relay_is_byte_exact_at_every_split_and_holds_the_terminator_back() -> None:
+    raw = HEAD + BODY + END
+    loop = asyncio.get_running_loop()
+    for cut in range(1, len(raw)):
+        for second in (cut, min(len(raw) - 1, cut + 7)):  # two and three pieces
+            a, _ = _answer(loop)
+            client = Capture()
+            a.data_received(raw[:cut])
+            if cut >= len(HEAD):
+                a.relay(client, framed=True)
+            a.data_received(raw[cut:max(cut, second)])
+            a.data_received(raw[max(cut, second):])
+            if cut < len(HEAD):
+                a.relay(client, framed=True)
+            await a.finished(1.0)
+            assert bytes(client.data) == BODY, (cut, second)
+            assert a.events == 2 and a.status == 200 and a.keep_alive
+
+
+async def test_payload_relay_for_http10_clients_and_collect() -> None:
+    loop = asyncio.get_running_loop()
+    a, _ = _answer(loop)
+    client = Capture()
+    a.data_received(HEAD + BODY[:9])
+    a.relay(client, framed=False)
+    a.data_received(BODY[9:] + END)
+    await a.finished(1.0)
+    assert bytes(client.data) == b"".join(CHUNKS)
+    b, _ = _answer(loop)
+    b.data_received(HEAD + BODY + END)
+    assert await b.read(1.0) == b"".join(CHUNKS)
+    c, _ = _answer(loop)
+    c.data_received(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 5\r\n\r\nab")
+    c.data_received(b"cdeEXTRA")
+    assert await c.read(1.0) == b"abcde" and c.status == 400 and c.keep_alive
+
+
+async def test_a_non_chunked_answer_is_framed_for_a_chunked_client() -> None:
+    loop = asyncio.get_running_loop()
+    a, _ = _answer(loop)
+    client = Capture()
+    a.data_received(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nContent-Length: 6\r\n\r\n")
+    a.relay(client, framed=True)
+    a.data_received(b"data: ")
+    await a.finished(1.0)
+    assert bytes(client.data) == b"6\r\ndata: \r\n"
+
+
+@pytest.mark.parametrize(("raw", "named"), [
+    (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n", "malformed chunk size"),
+    (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nabXY", "no CRLF after its data"),
+    (b"SPDY/9 200 OK\r\n\r\n", "status line"),
+    (b"HTTP/1.1 200 OK\r\nno-colon-here\r\n\r\n", "header line"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: -4\r\n\r\n", "Content-Length"),
+])
+async def test_bad_framing_fails_naming_it_and_closes(raw: bytes, named: str) -> None:
+    a, t = _answer(asyncio.get_running_loop())
+    a.data_received(raw)
+    with pytest.raises(UpstreamError, match=named):
+        await a.read(1.0)
+    assert t.closed and not a.keep_alive
+
+
+async def test_failure_mid_chunk_is_not_at_a_boundary_and_silence_times_out() -> None:
+    loop = asyncio.get_running_loop()
+    a, _ = _answer(loop)
+    client = Capture()
+    a.data_received(HEAD + BODY[:5])
+    a.relay(client, framed=True)
+    assert not a.at_boundary
+    a.connection_lost(ConnectionResetError("reset"))
+    with pytest.raises(UpstreamError, match="mid-answer") as e:
+        await a.finished(1.0)
+    assert e.value.answered
+    b, _ = _answer(loop)
+    b.data_received(HEAD + BODY)
+    b.relay(Capture(), framed=True)
+    assert b.at_boundary
+    with pytest.raises(UpstreamError, match=r"no data from the engine for 0\.2 s"):
+        await b.finished(0.2)
+
+
+async def test_a_slow_client_pauses_reading_from_the_engine_until_it_drains() -> None:
+    loop = asyncio.get_running_loop()
+    a, engine = _answer(loop)
+    client = Capture()
+    a.data_received(HEAD)
+    a.relay(client, framed=True)
+    client.buffered = HIGH_WATER + 1
+    a.data_received(BODY[:20])
+    assert engine.paused
+    await asyncio.sleep(0.03)
+    assert engine.paused  # still full
+    client.buffered = 0
+    await asyncio.sleep(0.03)
+    assert not engine.paused
+    client.closed = True  # the client left: the engine connection is dropped (it aborts the request)
+    a.data_received(BODY[20:])
+    assert engine.closed
+    with pytest.raises(UpstreamError, match="client went away"):
+        await a.finished(1.0)
+
+
+async def test_pool_reuses_connections_and_replaces_one_the_engine_closed() -> None:
+    conns: list[int] = []
+    answered = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal answered
+        conns.append(1)
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            n = int(next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")).split(b":")[1])
+            body = await reader.readexactly(n)
+            if answered == 2:  # the third request: close a reused connection without answering (idle race)
+                answered += 1
+                writer.close()
+                return
+            answered += 1
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    addr = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    ups = Upstreams(connect_timeout_s=1.0)
+    try:
+        for i in range(4):
+            a = await ups.request(addr, "/v1/completions", b"x%d" % i, {"X-Request-Id": f"r{i}"}, 2.0)
+            assert await a.read(2.0) == b"x%d" % i
+            ups.release(a)
+            assert len(ups) == 1
+        assert len(conns) == 2  # one reused twice, one fresh after the engine closed the pooled one
+        with pytest.raises(UpstreamError, match="line break"):
+            await ups.request(addr, "/v1/completions", b"", {"X-Request-Id": "a\r\nEvil: 1"}, 2.0)
+        with pytest.raises(UpstreamError, match="unreachable"):
+            await ups.request("127.0.0.1:1", "/v1/completions", b"", {}, 2.0)
+    finally:
+        ups.close()
+        await asyncio.sleep(0.05)  # the server's handlers see the close and end
+        server.close()
+        await server.wait_closed()
