@@ -44,6 +44,7 @@ class EngineConfig:
     instance: str = "engine-0"
     emulate_layer_ms: float = 0.0  # benchmarks: a step's layer work takes at least this per layer (an accelerator)
     tls: TlsFiles | None = None  # mutual TLS for every data-plane TCP connection (weights, activations, KV)
+    host_cache_bytes: int = 0  # a released engine keeps its weights in host memory up to this (0: never)
 
     def __post_init__(self) -> None:
         if not _DEVICE.match(self.device):
@@ -53,6 +54,8 @@ class EngineConfig:
         for name in ("max_prompt_tokens", "max_batch_tokens", "max_seqs", "kv_tokens", "page_size", "max_n", "threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.host_cache_bytes < 0:
+            raise ConfigError(f"--host-cache-gib must be >= 0, got {self.host_cache_bytes / 2**30:g}")
         if not 0 <= self.emulate_layer_ms <= 10_000:
             raise ConfigError(f"--emulate-layer-ms must be in [0, 10000], got {self.emulate_layer_ms}")
         if self.transport not in ("tcp", "ucx"):

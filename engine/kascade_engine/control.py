@@ -19,6 +19,7 @@ from kascade_planner.engine_api import (
     ConvertRequest,
     CooperateRequest,
     LoadPlanRequest,
+    ReleaseRequest,
     WireError,
 )
 
@@ -58,9 +59,11 @@ def add_control_routes(app: FastAPI, inst: EngineInstance) -> None:
 
     @app.get("/kascade/v1/manifest", dependencies=guard)
     async def manifest() -> dict[str, Any]:
-        if inst.blockset is None or not inst.model.complete:
-            raise InstanceError(404, "this engine holds no complete copy of the model")
-        return dict(inst.blockset.manifest())
+        if inst.blockset is not None and inst.model.complete:
+            return dict(inst.blockset.manifest())
+        if inst.host_copy is not None:  # released with a host copy: a host source
+            return dict(inst.host_copy.manifest())
+        raise InstanceError(404, "this engine holds no complete copy of the model")
 
     @app.post("/kascade/v1/load-plan", dependencies=guard)
     async def load_plan(request: Request) -> dict[str, Any]:
@@ -79,5 +82,5 @@ def add_control_routes(app: FastAPI, inst: EngineInstance) -> None:
         return inst.drain().to_dict()
 
     @app.post("/kascade/v1/release", dependencies=guard)
-    async def release() -> dict[str, Any]:
-        return inst.release().to_dict()
+    async def release(request: Request) -> dict[str, Any]:  # body optional: {"keepHostCopy": bool}
+        return inst.release(parse(ReleaseRequest.from_dict, await body(request)).keep_host_copy).to_dict()

@@ -10,6 +10,9 @@ Phases (empty -> bound -> loading -> live -> serving -> draining -> released):
   loading   blocks arriving, nothing runnable here yet         live     partial prefix resident and a
   serving   every block resident: serves requests                       cooperating peer: serves split
   draining  finishing in-flight requests, refusing new ones    released weights dropped (bind again)
+A released engine may keep its weights in host memory (`host_copy`, within --host-cache-gib): it then
+feeds load plans as a host source while staying released, and `bind` with source.hostCopy reloads from
+it (a memory copy). Rebinding from it or releasing with keepHostCopy=false ends the copy.
 An engine started with a full checkpoint is `serving` at once (unbound); one started with
 `--resident-layers` is `loading`.
 """
@@ -75,6 +78,8 @@ class EngineInstance:
         self.role = "colocated"
         self.cooperate: dict[str, str] = {}
         self.blockset: Any = None  # a complete copy held here (sources send from it)
+        self.host_copy: Any = None  # a BlockSet kept in host memory after release (None: none)
+        self.host_feeding = False  # a plan load running only as a host source (the phase stays released)
         self.bytes_received = 0
         self.transfer_bw = 0.0
         self.transfer_failures = 0  # load plans that failed here, for the lifetime of the process (a counter)
@@ -124,7 +129,8 @@ class EngineInstance:
         """After blocks arrive or cooperation changes: loading / live / serving follow residency."""
         if self.phase is Phase.DRAINING:
             return
-        if self.phase in (Phase.EMPTY, Phase.RELEASED) and not (self.busy_loading or self.model.weights):
+        if self.phase in (Phase.EMPTY, Phase.RELEASED) and not (
+                (self.busy_loading and not self.host_feeding) or self.model.weights):
             return
         m = self.model
         if m.complete:
@@ -198,6 +204,9 @@ class EngineInstance:
 
     # -- control calls -------------------------------------------------------------------------
     async def bind(self, req: BindRequest) -> EngineStatus:
+        if req.source_host_copy and self.host_copy is None:
+            raise InstanceError(409, "source.hostCopy: this engine keeps no host copy (status hostCopyBytes is 0)",
+                                "source.hostCopy")
         if req.model != self.config.model_name:
             raise InstanceError(409, f"cannot bind model '{req.model}': this engine holds '{self.config.model_name}'",
                                 "model")
@@ -213,7 +222,12 @@ class EngineInstance:
             self._to(Phase.BOUND)
         self._settle()
         has_source = req.source_path is not None or req.source_uri is not None
-        if has_source and not self.model.complete and (self.loading is None or self.loading.done()):
+        if req.source_host_copy and not self.model.complete:
+            from kascade_engine.loader import start_host_load
+
+            await start_host_load(self)
+            self._settle()
+        elif has_source and not self.model.complete and (self.loading is None or self.loading.done()):
             await self.load_source(req.source_path, req.source_uri)
         return self.status()
 
@@ -299,11 +313,12 @@ class EngineInstance:
         self._to(Phase.DRAINING)  # new requests get 503; in-flight ones finish
         return self.status()
 
-    def release(self) -> EngineStatus:
+    def release(self, keep_host_copy: bool | None = None) -> EngineStatus:
         if not self.serving.idle:
             raise InstanceError(409, "requests still in flight; drain first and wait")
         if self.loading is not None and not self.loading.done():
             self.loading.cancel()
+        self._keep_host_copy(keep_host_copy)
         self.model_service, self.role, self.cooperate = None, "colocated", {}
         if self.pair is not None:
             asyncio.get_running_loop().create_task(self.pair.close())
@@ -317,6 +332,23 @@ class EngineInstance:
         self._to(Phase.RELEASED)
         return self.status()
 
+    def _keep_host_copy(self, keep: bool | None) -> None:
+        """On release: the complete copy held here stays in host memory when the --host-cache-gib budget
+        holds it (keep None or True); keep=False drops any copy (the operator keeps O(1) per model)."""
+        full = self.blockset if self.blockset is not None and self.model.complete else None
+        if keep is False:
+            self.host_copy = None
+        elif full is not None:
+            if full.total_bytes <= self.config.host_cache_bytes:
+                self.host_copy = full
+            else:
+                self.host_copy = None
+                log.info("%s: not keeping a host copy: %.1f MB > --host-cache-gib budget %.1f MB", self.instance_id,
+                         full.total_bytes / 1e6, self.config.host_cache_bytes / 1e6)
+        if self.host_copy is not None:
+            log.info("%s: keeping a host copy of %s (%.1f MB)", self.instance_id, self.config.model_name,
+                     self.host_copy.total_bytes / 1e6)
+
     def status(self) -> EngineStatus:
         m = self.model
         ids = ["embed", *(f"layer.{i}" for i in range(m.shape.layers)), "head"]
@@ -326,7 +358,8 @@ class EngineInstance:
                             str(self.dtype).removeprefix("torch."),
                             {**({"pipelineDownstream": self.downstream_peer} if self.downstream_peer else {}),
                              **({"prefillChunkTokens": self.engine.limits.prefill_chunk_tokens}
-                                if self.engine.limits.prefill_chunk_tokens else {})})
+                                if self.engine.limits.prefill_chunk_tokens else {})},
+                            self.host_copy.total_bytes if self.host_copy is not None else 0)
 
     async def close(self) -> None:
         await self.peers.close()

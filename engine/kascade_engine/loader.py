@@ -10,6 +10,9 @@ instance's data address -> `run()` receives/forwards -> on each committed block:
 received blocks become this engine's `blockset`, so it can be a source of the next plan.
 Data flow (source): path (or uri -> `modelsource.resolve` -> snapshot dir) -> `pack_checkpoint` in a worker thread (hashes every block) -> blocks
 added in model order -> phase serving.
+Data flow (host copy): a released engine's `host_copy` -> `bind` source.hostCopy adds its blocks again
+(no disk, no network), or a plan naming this released engine as a source sends from it (phase stays
+released: `host_feeding`).
 """
 
 from __future__ import annotations
@@ -41,7 +44,10 @@ def _fail(status: int, message: str, field: str | None = None) -> Exception:
 
 async def start_plan_load(inst: EngineInstance, req: LoadPlanRequest) -> None:
     me = req.self_id
-    blocks = inst.blockset
+    target = any(t.get("id", t.get("instance")) == me for t in req.plan.get("targets") or ()
+                 if isinstance(t, dict))
+    # a released engine's host copy feeds plans it is a source of (it never becomes its own target's copy)
+    blocks = inst.blockset if inst.blockset is not None or target else inst.host_copy
     manifest = req.manifest or (blocks.manifest() if blocks is not None else None)
     if manifest is None:
         raise _fail(400, "invalid field 'manifest': a loading target needs the block manifest", "manifest")
@@ -73,8 +79,9 @@ async def start_plan_load(inst: EngineInstance, req: LoadPlanRequest) -> None:
             inst.blockset = BlockSet(name, model.cfg, (node.resident[b] for b in spec.plan.model.block_ids))
             log.info("%s: all %d blocks resident", me, event.get("total"))
 
+    host_source = blocks is not None and blocks is inst.host_copy
     try:
-        source = blocks if blocks is not None and model.complete else None
+        source = blocks if blocks is not None and (model.complete or host_source) else None
         node = TransferNode(spec, me, paced(make_transport(inst.config.transport, inst.config.tls), inst.config.transfer_bytes_per_s),
                             blocks=source, on_progress=on_progress)
         await node.start()
@@ -83,6 +90,7 @@ async def start_plan_load(inst: EngineInstance, req: LoadPlanRequest) -> None:
         raise _fail(400, f"cannot start the transfer: {e}", "peers") from None
     inst.instance_id = me
     inst.plan = doc
+    inst.host_feeding = host_source
 
     async def run() -> None:
         try:
@@ -93,7 +101,37 @@ async def start_plan_load(inst: EngineInstance, req: LoadPlanRequest) -> None:
             inst.load_error = str(e)
             inst.transfer_failures += 1
         finally:
+            inst.host_feeding = False
             await node.close()
+
+    inst.loading = asyncio.create_task(run())
+    if host_source:
+        log.info("%s: feeding plan %s from the host copy", me, spec.plan.model.name)
+    else:
+        inst.begin_loading()
+
+
+async def start_host_load(inst: EngineInstance) -> None:
+    """Bind with source.hostCopy: the blocks the engine kept in host memory at its last release become its
+    model again (CPU: zero-copy views; CUDA: one host-to-device copy per block), in model order, yielding
+    to the event loop between blocks. The copy is this engine's blockset (a source) once all are resident."""
+    blocks = inst.host_copy
+    if blocks is None:
+        raise _fail(409, "source.hostCopy: this engine keeps no host copy", "source.hostCopy")
+    if inst.busy_loading:
+        raise _fail(409, "a load is already running on this engine", "source")
+    inst.load_error = None
+
+    async def run() -> None:
+        started = time.monotonic()
+        for b in blocks.blocks.values():
+            inst.bytes_received += b.nbytes
+            inst.add_block(b)
+            await asyncio.sleep(0)
+        inst.blockset, inst.host_copy = blocks, None  # serving again: the copy is the source blockset now
+        inst.transfer_bw = blocks.total_bytes / max(1e-6, time.monotonic() - started)
+        log.info("loaded %s from its host copy: %d blocks, %.1f MB in %.3f s", inst.config.model_name,
+                 len(blocks.blocks), blocks.total_bytes / 1e6, time.monotonic() - started)
 
     inst.loading = asyncio.create_task(run())
     inst.begin_loading()

@@ -22,6 +22,7 @@ from kascade_planner.engine_api import (
     CooperateRequest,
     LoadPlanRequest,
     Mode,
+    ReleaseRequest,
     Role,
     ZigZagSpec,
 )
@@ -100,9 +101,14 @@ class EngineClient:
         return await self._call(endpoint, "GET", "status")
 
     async def bind(self, endpoint: str, model: str, model_service: str, role: str,
-                   source_path: str | None = None, dtype: str | None = None) -> dict[str, Any]:
+                   source_path: str | None = None, dtype: str | None = None,
+                   host_copy: bool = False) -> dict[str, Any]:
         """Bind the engine to a service; with `source_path` it also loads the first copy from that directory
-        (an `hf://` URI, what a ScalePlan's host source carries for a Hub source, goes as `source.uri`)."""
+        (an `hf://` URI, what a ScalePlan's host source carries for a Hub source, goes as `source.uri`);
+        with `host_copy` from the host copy the engine kept at its last release."""
+        if host_copy:
+            req = BindRequest(model, model_service, cast(Role, role), None, dtype, None, True)
+            return await self._call(endpoint, "POST", "bind", req.to_dict())
         uri = source_path if source_path and source_path.startswith("hf://") else None
         req = BindRequest(model, model_service, cast(Role, role), None if uri else (source_path or None), dtype, uri)
         return await self._call(endpoint, "POST", "bind", req.to_dict())
@@ -125,8 +131,10 @@ class EngineClient:
     async def drain(self, endpoint: str) -> dict[str, Any]:
         return await self._call(endpoint, "POST", "drain")
 
-    async def release(self, endpoint: str) -> dict[str, Any]:
-        return await self._call(endpoint, "POST", "release")
+    async def release(self, endpoint: str, keep_host_copy: bool | None = None) -> dict[str, Any]:
+        """Unbind; `keep_host_copy` False drops the weights everywhere (None: the engine keeps a host copy when
+        its budget holds it)."""
+        return await self._call(endpoint, "POST", "release", ReleaseRequest(keep_host_copy).to_dict())
 
     async def manifest(self, endpoint: str) -> dict[str, Any] | None:
         """The block manifest (sizes, digests, index) a source holds, for loading targets; None when the

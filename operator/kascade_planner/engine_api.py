@@ -82,7 +82,9 @@ class BindRequest:
     """Bind an engine to a ModelService; with a source it also loads the first copy: `source_path`, a
     checkpoint directory the pod mounts, or `source_uri` (`hf://OWNER/NAME[@REVISION]`, the service's
     spec.model.source.uri), which the engine downloads first (kascade_engine.modelsource). At most one.
-    `dtype` is spec.model.dtype: the precision the engine computes in (None: the engine's own)."""
+    `dtype` is spec.model.dtype: the precision the engine computes in (None: the engine's own).
+    `source_host_copy`: load from the host copy this engine kept when it was last released (`hostCopyBytes`
+    in its status): a memory copy, no disk or network."""
 
     model: str
     model_service: str
@@ -90,10 +92,11 @@ class BindRequest:
     source_path: str | None = None
     dtype: str | None = None
     source_uri: str | None = None
+    source_host_copy: bool = False
 
     def __post_init__(self) -> None:
-        if self.source_path is not None and self.source_uri is not None:
-            raise WireError("source", "give one of path, uri")
+        if sum((self.source_path is not None, self.source_uri is not None, self.source_host_copy)) > 1:
+            raise WireError("source", "give one of path, uri, hostCopy")
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"model": self.model, "modelService": self.model_service, "role": self.role}
@@ -101,6 +104,8 @@ class BindRequest:
             d["source"] = {"path": self.source_path}
         if self.source_uri is not None:
             d["source"] = {"uri": self.source_uri}
+        if self.source_host_copy:
+            d["source"] = {"hostCopy": True}
         if self.dtype is not None:
             d["dtype"] = self.dtype
         return d
@@ -113,9 +118,15 @@ class BindRequest:
         path = uri = None
         if src is not None:
             s = _obj(src, "source")
-            _only(s, ("path", "uri"), "source.")
+            _only(s, ("path", "uri", "hostCopy"), "source.")
             if len(s) != 1:
-                raise WireError("source", "give exactly one of path, uri")
+                raise WireError("source", "give exactly one of path, uri, hostCopy")
+            if "hostCopy" in s:
+                if s["hostCopy"] is not True:
+                    raise WireError("source.hostCopy", f"must be true, got {s['hostCopy']!r}")
+                return BindRequest(cast(str, _str(d, "model")), cast(str, _str(d, "modelService")),
+                                   cast(Role, _choice(d, "role", ROLES)), None,
+                                   _choice(d, "dtype", DTYPES, required=False), None, True)
             path = _str(s, "path", "source.", required=False)
             uri = _str(s, "uri", "source.", required=False)
             if uri is not None and (not re.match(MODEL_URI_PATTERN, uri) or ".." in uri.split("/")):
@@ -217,6 +228,27 @@ class CooperateRequest:
 
 
 @dataclass(frozen=True)
+class ReleaseRequest:
+    """Unbind (after a drain). `keep_host_copy` False drops the weights and any host copy; None or True keep
+    them in host memory as a host copy when the engine's --host-cache-gib budget holds the model. Releasing
+    a released engine again only applies it (False drops the copy)."""
+
+    keep_host_copy: bool | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {} if self.keep_host_copy is None else {"keepHostCopy": self.keep_host_copy}
+
+    @staticmethod
+    def from_dict(doc: object) -> ReleaseRequest:
+        d = _obj(doc)
+        _only(d, ("keepHostCopy",))
+        v = d.get("keepHostCopy")
+        if v is not None and not isinstance(v, bool):
+            raise WireError("keepHostCopy", f"must be true, false or null, got {v!r}")
+        return ReleaseRequest(v)
+
+
+@dataclass(frozen=True)
 class ConvertRequest:
     """Convertible decoders (TokenScale): a decode engine accepts prefill (its own requests' and other
     decode engines' over its data port) with at most `prefill_chunk_tokens` prompt tokens per step, so its
@@ -256,21 +288,23 @@ class EngineStatus:
     device: str = "cpu"
     dtype: str = "float32"
     extra: Mapping[str, Any] = field(default_factory=dict)  # counters a newer engine adds; kept, not read
+    host_copy_bytes: int = 0  # a host copy of the model kept after release (0: none); a chain source
 
     def to_dict(self) -> dict[str, Any]:
         return {"instance": self.instance, "model": self.model, "role": self.role, "modelService": self.model_service,
                 "phase": self.phase, "blocks": dict(self.blocks), "bytesReceived": self.bytes_received,
                 "ready": self.ready, "cooperate": dict(self.cooperate) if self.cooperate else None,
-                "loadError": self.load_error, "device": self.device, "dtype": self.dtype, **self.extra}
+                "loadError": self.load_error, "device": self.device, "dtype": self.dtype, **self.extra,
+                "hostCopyBytes": self.host_copy_bytes}
 
     @staticmethod
     def from_dict(doc: object) -> EngineStatus:
         d = dict(_obj(doc))
         known = ("instance", "model", "role", "modelService", "phase", "blocks", "bytesReceived", "ready",
-                 "cooperate", "loadError", "device", "dtype")
+                 "cooperate", "loadError", "device", "dtype", "hostCopyBytes")
         blocks = _obj(d.get("blocks") or {}, "blocks")
         return EngineStatus(str(d.get("instance", "")), str(d.get("model", "")), str(d.get("phase", "")),
                             str(d.get("role", "")), d.get("modelService"), {str(k): bool(v) for k, v in blocks.items()},
                             int(d.get("bytesReceived") or 0), bool(d.get("ready")), d.get("cooperate"),
                             d.get("loadError"), str(d.get("device", "cpu")), str(d.get("dtype", "float32")),
-                            {k: v for k, v in d.items() if k not in known})
+                            {k: v for k, v in d.items() if k not in known}, int(d.get("hostCopyBytes") or 0))
