@@ -238,6 +238,7 @@ class PlanSource(Model):
     gpus: list[NonNegInt] | None = None
     kind: Literal["gpu", "host"] | None = None
     path: str | None = Field(default=None, min_length=1)
+    host_copy: bool | None = None
 
 
 class PlanTarget(Model):

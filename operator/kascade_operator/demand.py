@@ -155,8 +155,8 @@ def zero_rule(current: int, lo: int, wish: int, demand: Demand | None, idle_s: f
         if demand.active or demand.requests_per_s > 0:
             want = max(1, wish)
             return want, (f"router: {demand.queued} request(s) held and {demand.in_flight} in flight with no "
-                          f"serving replica: scaling from zero; the first copy loads from spec.model.source (no "
-                          f"host memory tier yet)"), False
+                          f"serving replica: scaling from zero; the first copy loads from a released engine's host copy "
+                          f"where one is kept (status.sources kind host), else from spec.model.source"), False
         if lo == 0:
             return 0, None, False  # nothing asks for it: stay at zero (policies alone would keep a copy)
     # without a router nothing could bring it back: min 0 then keeps one copy, as the policies do

@@ -199,7 +199,7 @@ async def _reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) ->
     await serving_gate.sync(rt.kube, pool_ns, await rt.pool_pods(pool_ns))  # readiness gate follows the binding
     # a source the engines cannot fetch (an hf:// download failed) is the cause to show first
     blocker = source_blocker(raw_plans, name, checkpoint_path(spec)) or blocker
-    status = service_status(key, name, res, pods, plans, gen, blocker)
+    status = service_status(key, name, res, pods, plans, gen, blocker, spec.model.name)
     if rt.settings.router_url:
         status["url"] = rt.settings.router_url.rstrip("/") + "/v1"
     if last:
@@ -302,16 +302,25 @@ async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods:
         await rt.event(ns, body, "ModelService", "Normal", "ScaleDown", f"draining {p.pod_name}")
     elif isinstance(action, Release):
         p = by_name[action.pod]
+        kept: str | None = None
         if p.endpoint:
+            # O(1) host copies per model (issue 18): the first releases keep their weights in host memory
+            # (a scale-from-zero and chain source); beyond host_copies_per_model they drop them
+            held = sum(1 for q in pods if q.host_copy == spec.model.name and q.pod_name != p.pod_name)
+            keep = None if held < rt.settings.host_copies_per_model else False
             try:
                 await rt.engines.drain(p.endpoint)  # readiness drops; requests in flight finish
-                await rt.engines.release(p.endpoint)
+                st = await rt.engines.release(p.endpoint, keep)
+                kept = spec.model.name if st.get("hostCopyBytes") else None
             except EngineError as e:
                 if e.status == 409:
                     return None  # requests still in flight: try again next round
                 log.warning("%s", e)
+        patch = unbind_patch(p)
+        if kept:
+            patch["metadata"]["annotations"][L.HOST_COPY] = kept
         try:
-            await rt.kube.patch_pod(pool_ns, p.pod_name, unbind_patch(p))
+            await rt.kube.patch_pod(pool_ns, p.pod_name, patch)
         except (Conflict, NotFound):
             return None
         await rt.event(ns, body, "ModelService", "Normal", "Released", f"{p.pod_name} returned to the pool")

@@ -25,7 +25,7 @@ from kascade_operator.api import ModelServiceSpec
 from kascade_operator.engine_client import EngineError
 from kascade_operator.kube import GROUP, VERSION, Conflict, NotFound, now_iso
 from kascade_operator.podtemplate import checkpoint_path
-from kascade_operator.pool import PodView, bind_patch, pod_view, service_key, unbind_patch
+from kascade_operator.pool import PodView, bind_patch, host_copy_patch, pod_view, service_key, unbind_patch
 from kascade_operator.reconcile import CreatePlan
 from kascade_operator.runtime import Runtime
 from kascade_operator.status import keep_transition_times, plan_conditions
@@ -57,7 +57,8 @@ async def new_scaleplan(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpe
     when there is one (raises ValueError when the plan cannot be built)."""
     meta = body["metadata"]
     algorithm = spec.scaling.multicast if spec.scaling else "chain"
-    manifest = await source_manifest(rt, [pods[s] for s in action.sources if s in pods]) if action.sources else None
+    holders = action.sources or (action.targets if action.host_copy else ())  # a host copy has the real blocks
+    manifest = await source_manifest(rt, [pods[s] for s in holders if s in pods]) if holders else None
     model = SP.layout(spec.model.name, spec.model.layers, manifest=manifest)
     built = SP.build(action, pods, nodes, model, algorithm, spec.engine.tp, rt.settings.label_keys,
                      rt.settings.inter_leaf_ratio, live=spec.scaling.live if spec.scaling else False)
@@ -166,6 +167,7 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
                 done.add(s["instance"])
 
     host_path = {src.get("node"): src.get("path") for src in spec["sources"] if src.get("kind") == "host"}
+    host_copy_nodes = {src.get("node") for src in spec["sources"] if src.get("hostCopy")}
     retry: set[str] = set()
 
     async def one(iid: str) -> None:
@@ -179,16 +181,20 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
         if p.model_service not in (None, key):
             drops[iid] = f"pod {p.pod_name} is bound to {p.model_service}"
             return
-        path = host_path.get(p.node) if local else None
-        if local and not path:
+        from_copy = local and p.node in host_copy_nodes
+        path = host_path.get(p.node) if local and not from_copy else None
+        if local and not path and not from_copy:
             drops[iid] = "the first copy loads from spec.model.source (path, pvc or file:// uri); this plan names none"
             return
         try:
             st = await rt.engines.status(p.endpoint)
             again = st.get("modelService") == key and st.get("phase") in ("loading", "live", "serving", "ready")
             if not again:  # else: instructed by an earlier incarnation of the operator
-                await rt.engines.bind(p.endpoint, model, key, role, path, dtype)
+                await rt.engines.bind(p.endpoint, model, key, role, path, dtype, host_copy=from_copy)
         except EngineError as e:
+            if from_copy and e.status == 409:  # the engine no longer keeps it: never offered again
+                with contextlib.suppress(Conflict, NotFound):
+                    await rt.kube.patch_pod(pool_ns, p.pod_name, host_copy_patch(p, None))
             if e.status is None:  # timed out or unreachable: retried next round; the driver drops the
                 retry.add(iid)    # target if its engine stays unreachable (UNREACHABLE_LIMIT_S)
                 log.warning("%s (will retry)", e)
@@ -423,8 +429,8 @@ async def release_all(rt: Runtime, body: dict[str, Any]) -> None:
         p = pod_view(raw)
         if p.model_service == key:
             if p.endpoint:
-                for call in (rt.engines.drain, rt.engines.release):
-                    try:
+                for call in (rt.engines.drain, lambda ep: rt.engines.release(ep, keep_host_copy=False)):
+                    try:  # the service is gone: its engines keep no host copy
                         await call(p.endpoint)
                     except EngineError as e:
                         log.warning("%s", e)

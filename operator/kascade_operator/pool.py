@@ -42,6 +42,7 @@ class PodView:
     unschedulable: bool = False  # the scheduler found no node for it (PodScheduled False, Unschedulable)
     namespace: str = ""
     convertible: bool = False  # a decoder converted to take prefill too (annotation kascade.io/convertible)
+    host_copy: str | None = None  # the model its released engine keeps in host memory (annotation kascade.io/host-copy)
 
 
 def service_key(namespace: str, name: str, pool_namespace: str) -> str:
@@ -88,7 +89,8 @@ def pod_view(pod: Mapping[str, Any], node_leaf: Mapping[str, str] | None = None)
         plan=ann.get(L.PLAN), leaf=(node_leaf or {}).get(node or ""), unhealthy=ann.get(L.UNHEALTHY),
         act_endpoint=ann.get(L.ACT_ENDPOINT), model=ann.get(L.MODEL), created_for=ann.get(L.CREATED_FOR),
         pod_ready=ready, unschedulable=unschedulable, namespace=ns,
-        running=phase in (None, "Running") and started, convertible=ann.get(L.CONVERTIBLE) == "true")
+        running=phase in (None, "Running") and started, convertible=ann.get(L.CONVERTIBLE) == "true",
+        host_copy=ann.get(L.HOST_COPY) or None)
 
 
 def can_serve(p: PodView, model: str, service: str) -> bool:
@@ -100,13 +102,25 @@ def can_serve(p: PodView, model: str, service: str) -> bool:
 def choose_targets(idle: Sequence[PodView], k: int, source_leaves: Collection[str | None]) -> list[PodView]:
     """Pick `k` idle, healthy pods with a node and an engine endpoint: first those on a source's leaf (fast,
     leaf-local chains), then by leaf and node so a node's pods stay adjacent (one NVLink domain per
-    chain hop), then by name (deterministic)."""
+    chain hop), then by name (deterministic). Pods keeping a host copy come last (binding one as a chain
+    target drops its copy: reconcile binds those from their copy, `host_copies`)."""
     if k <= 0:
         return []
     leaves = set(source_leaves) - {None}
     usable = [p for p in idle if usable_target(p)]
-    usable.sort(key=lambda p: (p.leaf not in leaves, p.leaf or "", p.node or "", p.pod_name))
+    usable.sort(key=lambda p: (p.host_copy is not None, p.leaf not in leaves, p.leaf or "", p.node or "",
+                               p.pod_name))
     return usable[:k]
+
+
+def host_copies(idle: Sequence[PodView], model: str) -> list[PodView]:
+    """Idle pool pods whose released engine keeps `model` in host memory, usable, by name."""
+    return sorted((p for p in idle if p.host_copy == model and usable_target(p)), key=lambda p: p.pod_name)
+
+
+def host_copy_patch(p: PodView, model: str | None) -> dict[str, Any]:
+    """Record (model) or clear (None) the host copy a released pod's engine keeps."""
+    return {"metadata": {"annotations": {L.HOST_COPY: model}}}
 
 
 def usable_target(p: PodView) -> bool:
@@ -145,8 +159,8 @@ def bind_patch(p: PodView, model_service: str, role: str, plan: str, owner: Mapp
         raise ValueError(f"pod {p.pod_name} is already bound to {p.model_service}")
     meta: dict[str, Any] = {"resourceVersion": p.resource_version,
                             "labels": {L.MODEL_SERVICE: model_service, L.ROLE: role, L.POOL: L.POOL_BOUND},
-                            "annotations": {L.PLAN: plan, **({L.SERVICE_NS: service_namespace}
-                                                             if service_namespace else {})}}
+                            "annotations": {L.PLAN: plan, L.HOST_COPY: None,  # a bound engine's copy is no host copy
+                                            **({L.SERVICE_NS: service_namespace} if service_namespace else {})}}
     if owner is not None:
         meta["ownerReferences"] = [dict(owner)]
     return {"metadata": meta}

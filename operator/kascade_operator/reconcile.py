@@ -18,7 +18,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kascade_operator.api import ModelServiceSpec, RoleReplicas
-from kascade_operator.pool import PodView, can_serve, choose_drain, choose_targets, usable_target
+from kascade_operator.pool import PodView, can_serve, choose_drain, choose_targets, host_copies, usable_target
 
 TERMINAL = ("Succeeded", "Failed")
 
@@ -40,6 +40,7 @@ class CreatePlan:
     # disaggregated serving: (prefill pod, decode pod) pairs whose link carries KV now; the planner prunes
     # sources whose egress carries one (BlitzScale: a new prefill instance loads from decode instances)
     kv_flows: tuple[tuple[str, str], ...] = ()
+    host_copy: bool = False  # no sources: the (one) target binds from the host copy its engine kept
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,17 @@ def reconcile(name: str, spec: ModelServiceSpec, pods: Sequence[PodView], plans:
         if len(serving) < want:
             need = want - len(serving)
             free = [p for p in idle if p.pod_name not in taken]
+            copies = host_copies(free, spec.model.name) if not ready and not serving else []
+            if copies:
+                # no copy on a GPU: the first replica binds from a host copy (memory, not the model source);
+                # the rest chain from it next round
+                t = copies[0]
+                taken.add(t.pod_name)
+                actions.append(CreatePlan(role, (), (t.pod_name,), (reason or f"{role}: {len(serving)} -> {want} "
+                                          "replicas") + f"; first copy from the host copy on {t.pod_name}",
+                                          host_copy=True))
+                progressing = True
+                continue
             if not ready and spec.model.source.pvc is not None:
                 # the first copy of a pvc source loads where the claim is mounted: a pod created for it
                 free = [p for p in free if p.created_for == name]

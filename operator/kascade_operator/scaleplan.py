@@ -62,8 +62,9 @@ def build(action: CreatePlan, pods: Mapping[str, PodView], nodes: Sequence[Mappi
     flows = [(pods[a].instance, pods[b].instance) for a, b in action.kv_flows if a in pods and b in pods]
     if srcs and all(s.id in {a for a, _ in flows} for s in srcs):
         flows = []  # every source sends KV: one of them must still send weights (interference accepted)
+    cached = {t.node for t in tgts} if action.host_copy else ()  # the target's own node holds the copy
     plan = make_plan(topo, model, srcs, tgts, algorithm if srcs else "local", overloaded=[s.id for s in srcs],
-                     live=live, kv_flows=flows)
+                     live=live, kv_flows=flows, host_cached_nodes=cached)
     if not live:  # execution pipelines are live execution too (livewiring.py runs them only when asked)
         plan = replace(plan, pipelines=())
     by_id = {pods[n].instance: pods[n] for n in (*action.sources, *action.targets)}
@@ -82,7 +83,9 @@ def spec_dict(b: Built, model_service: str, role: str, reason: str, source_path:
         d: dict[str, Any] = {"instance": i.id, "node": i.node, "kind": "gpu" if i.kind == "gpu" else "host"}
         if i.id in pods:
             d["pod"] = pods[i.id].pod_name
-        if d["kind"] == "host" and source_path:
+        if i.kind == "host":  # host memory: a released engine's host copy on that node
+            d["hostCopy"] = True
+        elif d["kind"] == "host" and source_path:
             d["path"] = source_path
         return d
 

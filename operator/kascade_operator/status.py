@@ -25,7 +25,7 @@ from typing import Any
 from kascade_operator import labels as L
 from kascade_operator.api import Condition, ModelServiceStatus
 from kascade_operator.kube import now_iso
-from kascade_operator.pool import PodView
+from kascade_operator.pool import PodView, can_serve
 from kascade_operator.reconcile import TERMINAL, PlanView, Result
 
 
@@ -70,9 +70,10 @@ def invalid_status(message: str, gen: int | None, reason: str = "InvalidSpec") -
 
 
 def service_status(key: str, name: str, res: Result, pods: Sequence[PodView], plans: Sequence[PlanView],
-                   gen: int | None, blocker: Blocker | None = None) -> dict[str, Any]:
+                   gen: int | None, blocker: Blocker | None = None, model: str | None = None) -> dict[str, Any]:
     """The ModelService status after one round. `key`: the service key its pods carry; `name`: its name
-    (the selector is a label selector: label values hold the name)."""
+    (the selector is a label selector: label values hold the name). `sources`: its ready engines (gpu) and
+    the idle pool pods keeping `model` in host memory (host)."""
     summary = ", ".join(f"{k} {v.ready}/{v.desired}" for k, v in res.roles.items())
     notes = "; ".join(res.notes)
     at_desired = all(r.ready == r.desired and r.loading == 0 for r in res.roles.values())
@@ -108,7 +109,10 @@ def service_status(key: str, name: str, res: Result, pods: Sequence[PodView], pl
         "replicas": {role: {"desired": r.desired, "ready": r.ready, "loading": r.loading}
                      for role, r in res.roles.items()},
         "sources": [{"kind": "gpu", "location": p.pod_name, "node": p.node} for p in pods
-                    if p.model_service == key and p.ready],
+                    if p.model_service == key and p.ready]
+                   + [{"kind": "host", "location": p.pod_name, "node": p.node} for p in pods
+                      if model is not None and p.model_service is None and p.host_copy == model
+                      and can_serve(p, model, key)],
         "conditions": conds,
     }
     out = _dump(ModelServiceStatus.model_validate(st))

@@ -1,0 +1,75 @@
+"""Host copies in the operator's pure core (issue 18 item 5): from zero the first replica binds from an idle
+pod's host copy (one target; the rest chain from it next round), a ScalePlan says `hostCopy` for that source,
+other models' copies are bound last, status.sources lists host copies, pod views read the annotation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from builders import pod, spec  # type: ignore[import-not-found]
+
+from kascade_operator import labels as L
+from kascade_operator import scaleplan as SP
+from kascade_operator.pool import bind_patch, choose_targets, pod_view
+from kascade_operator.reconcile import CreatePlan, reconcile
+from kascade_operator.status import service_status
+
+
+def hc(name: str, model: str = "m", **kw: object) -> object:
+    return dataclasses.replace(pod(name, **kw), host_copy=model)  # type: ignore[arg-type]
+
+
+def test_from_zero_the_first_replica_binds_from_a_host_copy_alone() -> None:
+    pods = [pod("p-a", "n1"), hc("p-b", node="n2"), hc("p-c", node="n3")]
+    res = reconcile("svc", spec(lo=0, hi=4), pods, [], {"colocated": 3}, "router demand")
+    assert res.actions == (CreatePlan("colocated", (), ("p-b",), "router demand; first copy from the host copy on p-b",
+                                      host_copy=True),)
+    # another model's copy is no source here; with no copy of ours it is the old path (spec.model.source)
+    res = reconcile("svc", spec(lo=0, hi=4), [pod("p-a", "n1"), hc("p-x", "other", node="n2")], [], {"colocated": 1},
+                    "router demand")
+    assert res.actions == (CreatePlan("colocated", (), ("p-a",), "router demand"),)
+
+
+def test_with_a_serving_copy_targets_chain_and_keep_the_host_copy_for_last() -> None:
+    ready = pod("s", "n0", "svc", "colocated", ready=True)
+    res = reconcile("svc", spec(lo=1, hi=4), [ready, hc("p-a", node="n1"), pod("p-b", "n2")], [], {"colocated": 2}, "up")
+    assert res.actions == (CreatePlan("colocated", ("s",), ("p-b",), "up"),)  # the host copy stays a reserve
+
+
+def test_choose_targets_orders_host_copies() -> None:
+    idle = [hc("a", "other", node="n1"), pod("b", "n2"), hc("c", node="n3")]
+    assert [p.pod_name for p in choose_targets(idle, 3, ())] == ["b", "a", "c"]  # binding drops a copy: copies last
+
+
+def test_pod_view_reads_the_annotation_and_bind_clears_it() -> None:
+    raw = {"metadata": {"name": "p", "namespace": "ns", "resourceVersion": "7", "labels": {L.POOL: L.POOL_WARM},
+                        "annotations": {L.HOST_COPY: "m", L.ENDPOINT: "10.0.0.1:8000"}},
+           "spec": {"nodeName": "n1"}, "status": {"phase": "Running"}}
+    p = pod_view(raw)
+    assert p.host_copy == "m"
+    patch = bind_patch(p, "svc", "colocated", "plan-1")
+    assert patch["metadata"]["annotations"][L.HOST_COPY] is None  # a bound engine's copy is no host copy
+
+
+def test_scaleplan_names_the_host_copy_source() -> None:
+    action = CreatePlan("colocated", (), ("p-b",), "from zero", host_copy=True)
+    pods = {"p-b": hc("p-b", node="n2")}
+    nodes = [{"metadata": {"name": n, "labels": {"kascade.io/leaf": "l0", "kascade.io/nic-gbps": "100",
+                                                           "kascade.io/scaleup-domain": n}},
+              "status": {"allocatable": {"nvidia.com/gpu": "8"}}} for n in ("n1", "n2")]
+    built = SP.build(action, pods, nodes, SP.layout("m", 4), "chain", 1)  # type: ignore[arg-type]
+    d = SP.spec_dict(built, "svc", "colocated", "from zero", "/models/m")
+    assert d["algorithm"] == "local"
+    assert d["sources"] == [{"instance": "host:n2", "node": "n2", "kind": "host", "hostCopy": True}]
+    plain = SP.spec_dict(SP.build(dataclasses.replace(action, host_copy=False), pods, nodes,  # type: ignore[arg-type]
+                                  SP.layout("m", 4), "chain", 1), "svc", "colocated", "x", "/models/m")
+    assert plain["sources"] == [{"instance": "ssd:n2", "node": "n2", "kind": "host", "path": "/models/m"}]
+
+
+def test_status_sources_list_host_copies_of_the_model() -> None:
+    pods = [pod("s", "n0", "svc", "colocated", ready=True), hc("h1", node="n1"), hc("h2", "other", node="n2"),
+            dataclasses.replace(hc("h3", node="n3"), created_for="another")]
+    res = reconcile("svc", spec(lo=1, hi=2), pods, [], None)
+    st = service_status("svc", "svc", res, pods, [], 1, model="m")
+    assert st["sources"] == [{"kind": "gpu", "location": "s", "node": "n0"},
+                             {"kind": "host", "location": "h1", "node": "n1"}]
