@@ -323,6 +323,7 @@ async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods:
             await rt.kube.patch_pod(pool_ns, p.pod_name, patch)
         except (Conflict, NotFound):
             return None
+        rt.unreserve(pool_ns, [p.pod_name])  # its claim was for the bind this release ends: it may serve again
         await rt.event(ns, body, "ModelService", "Normal", "Released", f"{p.pod_name} returned to the pool")
     return None
 

@@ -301,12 +301,14 @@ def test_scale_from_zero_through_the_router(control_plane: ControlPlane, crds: l
                                             kwok_nodes: Callable[..., list[str]], ckpt: Path, tmp_path: Path) -> None:
     """replicas.min 0: nothing runs until a request arrives; the router holds it, the operator sees the
     router's demand (no engine exists to scrape) and loads the first copy from the source; the request is
-    answered. After idleReleaseSeconds the last replica is released; the next request scales from zero
-    again."""
+    answered. After idleReleaseSeconds the last replica is released, its engine keeping the weights in host
+    memory (--host-cache-gib; the pod's kascade.io/host-copy, status.sources kind host); the next request
+    scales from zero again, from that host copy (ScalePlan source hostCopy), with the same answer."""
     import openai
 
     cp, ns = control_plane, namespace
-    pool = EnginePool(cp, ns, ckpt, MODEL, TOKEN, tmp_path / "engines", extra_args=("--kv-tokens", "8192"))
+    pool = EnginePool(cp, ns, ckpt, MODEL, TOKEN, tmp_path / "engines",
+                      extra_args=("--kv-tokens", "8192", "--host-cache-gib", "1"))
     router = RouterProcess(cp, ns, tmp_path / "router.log").start()
     op = OperatorProcess(cp, ns, TOKEN, tmp_path / "operator.log", extra_args=("--router-url", router.url))
     try:
@@ -321,22 +323,47 @@ def test_scale_from_zero_through_the_router(control_plane: ControlPlane, crds: l
         assert get(cp, ns, "pods", "-l", "kascade.io/model-service=svc")["items"] == []  # min 0, no demand
         client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=120)
 
+        texts: list[str] = []
+
         def first_token() -> float:
             t0 = time.monotonic()
-            stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, stream=True)
-            ttft = None
-            for _chunk in stream:
+            stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, stream=True,
+                                               temperature=0)
+            ttft, text = None, ""
+            for chunk in stream:
                 ttft = ttft if ttft is not None else time.monotonic() - t0
+                text += chunk.choices[0].text if chunk.choices else ""
             assert ttft is not None
+            texts.append(text)
             return ttft
+
+        def plans() -> list[dict[str, Any]]:
+            return sorted(get(cp, ns, "scaleplans")["items"], key=lambda p: p["metadata"]["creationTimestamp"])
 
         cold = first_token()  # held by the router while the first copy loads from spec.model.source
         reason = get(cp, ns, "msvc", "svc")["status"]["lastDecision"]["reason"]
         assert "scaling from zero" in reason and "spec.model.source" in reason, reason
+        first = plans()[-1]
+        assert first["spec"]["sources"][0].get("path") and not first["spec"]["sources"][0].get("hostCopy")
+        served_by = first["spec"]["targets"][0]["pod"]
         wait_for(lambda: not get(cp, ns, "pods", "-l", "kascade.io/model-service=svc")["items"], 60,
                  "the last replica released after the idle time")
+        kept = wait_for(lambda: [p["metadata"]["name"] for p in get(cp, ns, "pods", "-l", "kascade.io/pool")["items"]
+                                 if p["metadata"].get("annotations", {}).get("kascade.io/host-copy") == MODEL],
+                        30, "the released pod recorded as keeping a host copy")
+        assert kept == [served_by]
+        wait_for(lambda: {"kind": "host", "location": served_by} in [
+            {k: s[k] for k in ("kind", "location")} for s in get(cp, ns, "msvc", "svc")["status"].get("sources") or []],
+            30, "status.sources listing the host copy")
         again = first_token()
-        print(f"scale from zero: first token after {cold:.2f} s, again after release {again:.2f} s")
+        second = plans()[-1]
+        assert second["metadata"]["name"] != first["metadata"]["name"]
+        assert second["spec"]["sources"][0].get("hostCopy") is True and "host copy" in second["spec"]["reason"]
+        assert second["spec"]["targets"][0]["pod"] == served_by and texts[0] == texts[1]
+        took = [p.get("status", {}).get("durationSeconds") for p in (first, get(cp, ns, "scaleplan",
+                                                                                  second["metadata"]["name"]))]
+        print(f"scale from zero: first token after {cold:.2f} s (plan {took[0]} s, from spec.model.source), "
+              f"again after release {again:.2f} s (plan {took[1]} s, from the host copy on {served_by})")
         assert rejected(pool) == []
     finally:
         op.stop()
