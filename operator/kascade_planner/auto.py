@@ -15,14 +15,16 @@ within milliseconds.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
-from itertools import pairwise
+from itertools import compress, pairwise
+from operator import ne
 
 from kascade_planner.binomial import build_binomial
 from kascade_planner.chains import ChainOptions, build_chains
 from kascade_planner.cost import CostParams, pair_gbps, predict
 from kascade_planner.hybrid import build_hybrid
-from kascade_planner.plan import Instance, ModelLayout, Plan, PlanError
+from kascade_planner.plan import Instance, ModelLayout, Plan, PlanError, runs
 from kascade_planner.sharding import plane_width, shard_plan
 from kascade_planner.topology import Topology
 
@@ -62,7 +64,7 @@ def chain_floor(topo: Topology, model: ModelLayout, sources: Sequence[Instance],
     ceil(targets / sources) targets, each hop one chunk time behind the previous at the best link rate."""
     by_name = topo.by_name
     n = math.ceil(len(targets) / max(1, len(sources)))
-    bw = max(by_name[i.node].nic_gbps * i.gpus for i in targets) * 1e9 / 8
+    bw = max([by_name[i.node].nic_gbps * i.gpus for i in targets]) * 1e9 / 8
     return model.total_bytes / bw + (n - 1) * min(cost.chunk_bytes, max(model.block_bytes)) / bw
 
 
@@ -74,30 +76,33 @@ def estimate_hybrid(plan: Plan, topo: Topology, cost: CostParams) -> float | Non
     plane is scored with 1/g of the bytes, plus the NVLink all-gather. None when the plan breaks the
     promise (the caller then runs the cost model)."""
     g = plan.flows[0].shard[1] if plan.flows and plan.flows[0].shard else 1
-    flows = [f for f in plan.flows if not f.shard or f.shard[0] == 0]
-    stripes = {id(f.blocks): f.blocks for f in flows}
-    f_count = len(stripes)
+    flows = plan.flows
+    if any([f.shard for f in flows]):
+        flows = tuple(f for f in flows if not f.shard or f.shard[0] == 0)
+    # Thousands of flows: walk them as parallel columns (C-level map and Counter do most of the work),
+    # and per run of one stripe's flows (builders share one blocks tuple per stripe: its id is the key).
+    srcs, dsts, keys = [f.src for f in flows], [f.dst for f in flows], [id(f.blocks) for f in flows]
     sources = {s.id for s in plan.sources}
-    inst = {i.id: i for i in (*plan.sources, *plan.targets)}
+    stripes: dict[int, tuple[str, ...]] = {}
+    depth: dict[int, dict[str, int]] = {}  # per stripe: hops from a source
+    for k, start, end in runs(keys):
+        if k not in stripes:
+            stripes[k], depth[k] = flows[start].blocks, dict.fromkeys(sources, 0)
+        d = depth[k]
+        for src, dst in zip(srcs[start:end], dsts[start:end], strict=True):
+            d[dst] = d[src] + 1
+    f_count = len(stripes)
     by_name = topo.by_name
-    leaf = {i.id: by_name[i.node].leaf for i in inst.values()}
-    depth: dict[int, dict[str, int]] = {k: dict.fromkeys(sources, 0) for k in stripes}
-    outs: dict[str, int] = {}
-    cross: dict[str, int] = {}
-    cross_in: dict[str, int] = {}
+    node = {i.id: by_name[i.node] for i in (*plan.sources, *plan.targets)}
+    leaf = {i: n.leaf for i, n in node.items()}.__getitem__
+    outs = Counter(srcs)
+    crosses = list(map(ne, map(leaf, srcs), map(leaf, dsts)))
+    cross, cross_in = Counter(compress(srcs, crosses)), Counter(compress(dsts, crosses))
     cap = max(1, int(topo.inter_leaf_ratio * f_count + 1e-9))
-    for f in flows:
-        d = depth[id(f.blocks)]
-        src, dst = f.src, f.dst
-        d[dst] = d[src] + 1
-        outs[src] = outs.get(src, 0) + 1
-        if leaf[src] != leaf[dst]:
-            cross[src] = cross.get(src, 0) + 1
-            cross_in[dst] = cross_in.get(dst, 0) + 1
     if (max(outs.values()) > f_count or max(cross.values(), default=0) > cap
             or max(cross_in.values(), default=0) > cap):
         return None
-    bw = min(by_name[i.node].nic_gbps for i in inst.values())
+    bw = min(n.nic_gbps for n in node.values())
     rate = min(bw / f_count, bw * topo.inter_leaf_ratio if cross else bw) * 1e9 / 8
     sizes = dict(zip(plan.model.block_ids, plan.model.block_bytes, strict=True))
     stripe_bytes = max(sum(math.ceil(sizes[b] / g) for b in blocks) for blocks in stripes.values())
@@ -117,7 +122,7 @@ def choose(topo: Topology, model: ModelLayout, sources: Sequence[Instance], targ
     # tp>1 targets: hybrid and binomial plans run over g shard planes (one per GPU link) when every
     # target has the same g and every source can drive g links; otherwise only chains shard.
     planes = plane_width(sources, targets, topo)[0] if shard else 1
-    hybrid_ok = all(t.gpus == 1 for t in targets) or planes > 1
+    hybrid_ok = {t.gpus for t in targets} <= {1} or planes > 1
     hybrids: list[tuple[float, int, str, Plan | None]] = []
     if hybrid_ok:
         for f in stripe_options(topo, exact):

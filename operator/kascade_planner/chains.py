@@ -15,10 +15,10 @@ import heapq
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import chain, pairwise, repeat
+from itertools import chain, pairwise
 from operator import attrgetter, itemgetter
 
-from kascade_planner.plan import Flow, Instance, ModelLayout, Plan, PlanError, new_flow
+from kascade_planner.plan import Flow, Instance, ModelLayout, Plan, PlanError, new_flow, new_flows
 from kascade_planner.topology import Node, Topology
 
 
@@ -220,7 +220,7 @@ def build_chains(topo: Topology, model: ModelLayout, sources: Sequence[Instance]
             for a, b in pairwise(path):
                 flows.extend(hop_flows(a, b, blocks, True, source_links(a, topo)))
         else:
-            flows.extend(map(new_flow, ids[:-1], ids[1:], repeat(blocks)))
+            flows.extend(new_flows(ids[:-1], ids[1:], blocks))
         backups.update(dict.fromkeys(ids[1:], backups_for(c.head.id, c.home)))
     firsts = [ch[1] for ch in ordered]
     live = tuple(zip(sorted(overloaded), firsts, strict=False))

@@ -24,13 +24,14 @@ flows listed senders first (leaf tree breadth first, each leaf's member trees af
 
 from __future__ import annotations
 
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Sequence
 from functools import lru_cache
-from itertools import repeat
+from operator import attrgetter
+from typing import NamedTuple
 
 from kascade_planner.chains import prune_sources
-from kascade_planner.plan import Flow, Instance, ModelLayout, Plan, PlanError, new_flow
+from kascade_planner.plan import Flow, Instance, ModelLayout, Plan, PlanError, new_flow, new_flows
 from kascade_planner.topology import Topology
 
 
@@ -101,9 +102,12 @@ def build_hybrid(topo: Topology, model: ModelLayout, sources: Sequence[Instance]
 
     f = max(1, min(stripes, len(model.block_ids)))
     parts = stripes_of(model.block_ids, f)
-    members: dict[str, list[str]] = {}
-    for t in sorted(targets, key=place):
-        members.setdefault(by_name[t.node].leaf, []).append(t.id)
+    # Targets per leaf (leaves in name order), each leaf's by (domain, id).
+    by_leaf: defaultdict[str, list[tuple[str, str]]] = defaultdict(list)
+    for t in targets:
+        n = by_name[t.node]
+        by_leaf[n.leaf].append((n.domain, t.id))
+    members = {leaf: [tid for _, tid in sorted(by_leaf[leaf])] for leaf in sorted(by_leaf)}
     heads = sorted(usable, key=place)
     # Leaves to sources: each source its own leaf first, then every other leaf to the least loaded.
     groups: list[list[str]] = [[] for _ in heads]
@@ -120,13 +124,16 @@ def build_hybrid(topo: Topology, model: ModelLayout, sources: Sequence[Instance]
             groups[g].append(leaf)
             load[g] += len(members[leaf])
     cross_cap = max(1, int(topo.inter_leaf_ratio * f + 1e-9))  # cross-leaf stripe flows one link carries
+    # Leaves of equal size share their member trees: one shape per size, built once per plan.
+    shapes = {n: _member_shape(n, f) for n in {len(ids) for ids in members.values()}}
     flows: list[Flow] = []
     for g, h in enumerate(heads):
         if groups[g]:
-            flows.extend(_group_flows(h.id, groups[g], members, parts, f, cross_cap))
-    src_ids = tuple(s.id for s in sorted(usable, key=lambda s: s.id))[:2]
-    tgts = tuple(sorted(targets, key=lambda t: t.id))
-    fallbacks = tuple((t.id, src_ids) for t in tgts)
+            flows.extend(_group_flows(h.id, groups[g], members, shapes, parts, f, cross_cap))
+    by_id = attrgetter("id")
+    src_ids = tuple(s.id for s in sorted(usable, key=by_id))[:2]
+    tgts = tuple(sorted(targets, key=by_id))
+    fallbacks = tuple([(t.id, src_ids) for t in tgts])
     used = sum(1 for x in groups if x)
     notes.append(f"{f} stripes, {used} source(s) feeding {len(members)} leaves")
     return Plan("hybrid", model, tuple(sorted(sources, key=lambda s: s.id)), tgts, tuple(flows), (), fallbacks,
@@ -150,22 +157,55 @@ def _leaf_tree(leaves: Sequence[str], j: int, f: int) -> list[tuple[int, int]]:
     return edges
 
 
-def _group_flows(head: str, leaves: Sequence[str], members: dict[str, list[str]], parts: Sequence[tuple[str, ...]],
-                 f: int, cross_cap: int) -> list[Flow]:
+class _Shape(NamedTuple):
+    """A leaf of n members' f member trees, with what the flow builder reads from them per stripe j."""
+
+    used: tuple[int, ...]  # per position: sending slots its member trees use (all stripes)
+    prefer: tuple[tuple[int, ...], ...]  # [j]: positions, shallowest in stripe j's tree first (then position)
+    # [j]: stripe j's tree edges inside the leaf (not the root's, fed from outside), senders first:
+    # parents[j][e] sends to kids[j][e].
+    parents: tuple[tuple[int, ...], ...]
+    kids: tuple[tuple[int, ...], ...]
+
+
+def _member_shape(n: int, f: int) -> _Shape:
+    """The f member trees (`_tree`) of a leaf of n targets, read once for every leaf of that size."""
+    trees = [_tree(n, j if n >= f else j % n, f) for j in range(f)]
+    used = [0] * n
+    prefer: list[tuple[int, ...]] = []
+    for edges in trees:
+        depth = {-1: 0}
+        for a, b in edges:
+            depth[b] = depth[a] + 1
+            if a >= 0:
+                used[a] += 1
+        prefer.append(tuple(q for _, q in sorted((depth.get(q, n), q) for q in range(n))))
+    inner = [[(a, b) for a, b in edges if a >= 0] for edges in trees]
+    return _Shape(tuple(used), tuple(prefer), tuple(tuple(a for a, _ in e) for e in inner),
+                  tuple(tuple(b for _, b in e) for e in inner))
+
+
+def _pick_sender(prefer: Sequence[int], count: Sequence[int], ids: Sequence[str], cross_used: dict[str, int],
+                 f: int, cross_cap: int) -> int:
+    """The position minimising (slots full, cross-leaf budget spent, depth, position), `prefer` being
+    the positions by (depth, position): the first with a free slot and budget left, else the first
+    with a free slot, else the first with budget left, else the first."""
+    with_slot = [q for q in prefer if count[q] < f]  # usually few: member trees use most slots
+    for pool in (with_slot, prefer):
+        for q in pool:
+            if cross_used.get(ids[q], 0) < cross_cap:
+                return q
+        if pool:
+            return pool[0]
+    return prefer[0]
+
+
+def _group_flows(head: str, leaves: Sequence[str], members: dict[str, list[str]], shapes: dict[int, _Shape],
+                 parts: Sequence[tuple[str, ...]], f: int, cross_cap: int) -> list[Flow]:
     """One source's flows: per stripe, down the leaf tree breadth first; per leaf, the cross-leaf
     flow into its entry for the stripe, then the stripe's member tree inside the leaf."""
-    # Per leaf: member trees (positions), each member's used slots, and its cross-leaf senders.
-    trees: dict[str, list[tuple[tuple[int, int], ...]]] = {}
-    used: dict[str, list[int]] = {}
-    for leaf in leaves:
-        n = len(members[leaf])
-        trees[leaf] = [_tree(n, j if n >= f else j % n, f) for j in range(f)]
-        count = [0] * n
-        for edges in trees[leaf]:
-            for a, _ in edges:
-                if a >= 0:
-                    count[a] += 1
-        used[leaf] = count
+    # Per leaf: each member's used slots (its member trees' from the shape, then cross-leaf sends).
+    used = {leaf: list(shapes[len(members[leaf])].used) for leaf in leaves}
     leaf_edges = [_leaf_tree(leaves, j, f) for j in range(f)]
     children: dict[tuple[int, int], list[int]] = {}
     for j, pairs in enumerate(leaf_edges):
@@ -178,17 +218,10 @@ def _group_flows(head: str, leaves: Sequence[str], members: dict[str, list[str]]
     for (j, a), kids in sorted(children.items()):
         leaf = leaves[a]
         ids = members[leaf]
-        depth = {-1: 0}
-        for x, y in trees[leaf][j]:
-            depth[y] = depth[x] + 1
+        prefer = shapes[len(ids)].prefer[j]
         count = used[leaf]
-
-        def rank(q: int, leaf: str = leaf, ids: list[str] = ids, depth: dict[int, int] = depth,
-                 count: list[int] = count) -> tuple[bool, bool, int, int]:
-            return (count[q] >= f, cross_used.get(ids[q], 0) >= cross_cap, depth.get(q, len(ids)), q)
-
         for child in kids:
-            p = min(range(len(ids)), key=rank)
+            p = _pick_sender(prefer, count, ids, cross_used, f, cross_cap)
             count[p] += 1
             cross_used[ids[p]] = cross_used.get(ids[p], 0) + 1
             sender[(j, child)] = ids[p]
@@ -198,11 +231,10 @@ def _group_flows(head: str, leaves: Sequence[str], members: dict[str, list[str]]
         for li in order:
             leaf = leaves[li]
             ids = members[leaf]
+            shape = shapes[len(ids)]
             entry = ids[j % len(ids)]
             src = head if li == 0 else sender[(j, li)]
             flows.append(new_flow(src, entry, parts[j]))
-            ids_ext = [*ids, entry]  # position -1: the entry's feeder is outside the member tree
-            edges = trees[leaf][j]
-            flows.extend(map(new_flow, [ids_ext[a] for a, b in edges if a >= 0],
-                             [ids[b] for a, b in edges if a >= 0], repeat(parts[j])))
+            member = ids.__getitem__
+            flows.extend(new_flows(map(member, shape.parents[j]), map(member, shape.kids[j]), parts[j]))
     return flows

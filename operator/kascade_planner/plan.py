@@ -8,8 +8,9 @@ A `Flow` with a shard (i, g) carries only the i-th of g equal slices of every bl
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import groupby
 from typing import Any, Literal
 
 Algorithm = Literal["chain", "binomial", "hybrid", "star", "tree", "local"]
@@ -59,21 +60,57 @@ class ModelLayout:
         return ModelLayout(name, ids, tuple(per for _ in ids))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Flow:
+    """`src` streams `blocks` to `dst` (cut-through). Slotted: plans carry thousands of flows, and
+    slots make each smaller and faster to read than a per-instance dict."""
+
     src: str
     dst: str
     blocks: tuple[str, ...]
     shard: tuple[int, int] | None = None  # (index, count)
 
 
+# The slots' own setters: they bypass the frozen `__setattr__` (which raises) without its
+# `object.__setattr__` round trip per field.
+_set_src, _set_dst, _set_blocks, _set_shard = (Flow.__dict__[k].__set__ for k in ("src", "dst", "blocks", "shard"))
+
+
 def new_flow(src: str, dst: str, blocks: tuple[str, ...], shard: tuple[int, int] | None = None) -> Flow:
-    """The same as `Flow(src, dst, blocks, shard)`, ~2.5x faster: it skips the frozen dataclass
+    """The same as `Flow(src, dst, blocks, shard)`, ~2x faster: it skips the frozen dataclass
     `__init__` (one `object.__setattr__` per field). For builders emitting thousands of flows."""
     f = object.__new__(Flow)
-    d = f.__dict__
-    d["src"], d["dst"], d["blocks"], d["shard"] = src, dst, blocks, shard
+    _set_src(f, src)
+    _set_dst(f, dst)
+    _set_blocks(f, blocks)
+    _set_shard(f, shard)
     return f
+
+
+def new_flows(srcs: Iterable[str], dsts: Iterable[str], blocks: tuple[str, ...]) -> list[Flow]:
+    """`[new_flow(s, d, blocks) for s, d in zip(srcs, dsts)]`, inlined (no call per flow): the
+    flows share the one `blocks` tuple. For the builders' runs of same-blocks flows (chains, stripes)."""
+    out: list[Flow] = []
+    add, new = out.append, object.__new__
+    set_src, set_dst, set_blocks, set_shard = _set_src, _set_dst, _set_blocks, _set_shard
+    for src, dst in zip(srcs, dsts, strict=True):
+        f = new(Flow)
+        set_src(f, src)
+        set_dst(f, dst)
+        set_blocks(f, blocks)
+        set_shard(f, None)
+        add(f)
+    return out
+
+
+def runs(keys: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """(key, start, end) of each run of equal consecutive keys. Builders list a block set's flows in
+    long runs: per-run slices of the flow columns replace a dict lookup per flow."""
+    start = 0
+    for k, run in groupby(keys):
+        end = start + len(list(run))
+        yield k, start, end
+        start = end
 
 
 def _in_forwarding_order(srcs: Sequence[str], dsts: Sequence[str]) -> bool:
@@ -144,25 +181,29 @@ class Plan:
         """Structural invariants: known endpoints; every target gets every block exactly once
         (or every shard of it exactly once); an instance forwards a block (shard) only once it can
         hold it — a source, or fed by flows that do not depend on itself (no forwarding cycles)."""
-        ids = {i.id for i in (*self.sources, *self.targets)}
+        target_ids = {t.id for t in self.targets}
+        ids = target_ids.union([s.id for s in self.sources])
         if len(ids) != len(self.sources) + len(self.targets):
             raise PlanError("instance ids must be unique across sources and targets")
         if self.steps:
             self._check_steps()
-        target_ids = {t.id for t in self.targets}
         flows = self.flows
         whole = self.model.block_ids
-        # Plans carry thousands of flows: bulk checks first; the detailed loops name the culprit.
-        srcs, dsts = [f.src for f in flows], [f.dst for f in flows]
-        blocks = {id(f.blocks): f.blocks for f in flows}
-        if (not any(f.shard for f in flows) and set(srcs) <= ids and len(set(dsts)) == len(dsts) == len(target_ids)
-                and set(dsts) == target_ids and all(b == whole for b in blocks.values())
+        # Plans carry thousands of flows: bulk checks first, on the flows as parallel columns (each
+        # computed once); the detailed loops name the culprit.
+        srcs, dsts, sets = [f.src for f in flows], [f.dst for f in flows], [f.blocks for f in flows]
+        keys = list(map(id, sets))  # builders share one tuple per block set: its identity is the key
+        blocks = dict(zip(keys, sets, strict=True))
+        sharded = any([f.shard for f in flows])
+        known_srcs = set(srcs) <= ids
+        if (not sharded and known_srcs and all(b == whole for b in blocks.values())
+                and len(set(dsts)) == len(dsts) == len(target_ids) and set(dsts) == target_ids
                 and (_in_forwarding_order(srcs, dsts)
                      or _feeders_reach_sources(dict(zip(dsts, srcs, strict=True)), ids - target_ids))):
             return self  # each target receives the whole model once, along chains rooted at sources
-        if not any(f.shard for f in flows) and set(srcs) <= ids and self._stripes_cover(blocks, target_ids, ids):
+        if not sharded and known_srcs and self._stripes_cover(blocks, keys, srcs, dsts, target_ids, ids):
             return self  # stripes: each target receives each disjoint block set once, along trees from sources
-        if not (set(srcs) <= ids and set(dsts) <= target_ids
+        if not (known_srcs and set(dsts) <= target_ids
                 and all(f.shard is None or 0 <= f.shard[0] < f.shard[1] for f in flows)):
             for k, f in enumerate(flows):
                 if f.src not in ids or f.dst not in ids:
@@ -184,20 +225,21 @@ class Plan:
             self._check_causal((b,), ks)
         return self
 
-    def _stripes_cover(self, sets: Mapping[int, tuple[str, ...]], target_ids: set[str], ids: set[str]) -> bool:
+    def _stripes_cover(self, sets: Mapping[int, tuple[str, ...]], keys: Sequence[int], srcs: Sequence[str],
+                       dsts: Sequence[str], target_ids: set[str], ids: set[str]) -> bool:
         """Fast sufficient check for striped plans (few distinct block sets, shared by identity): the
         sets partition the model, and per set every target is fed exactly once along a tree that
-        reaches a source. False sends the plan to the detailed checks."""
+        reaches a source. Flow k carries the set `sets[keys[k]]` from srcs[k] to dsts[k]. False sends
+        the plan to the detailed checks."""
         if len(sets) > 64 or sum(len(b) for b in sets.values()) != len(self.model.block_ids):
             return False
         if set().union(*sets.values()) != set(self.model.block_ids):
             return False
         feeders: dict[int, dict[str, str]] = {k: {} for k in sets}
-        for f in self.flows:
-            tree = feeders[id(f.blocks)]
-            if f.dst in tree:
-                return False
-            tree[f.dst] = f.src
+        for k, start, end in runs(keys):
+            feeders[k].update(zip(dsts[start:end], srcs[start:end], strict=True))
+        if sum(map(len, feeders.values())) != len(keys):
+            return False  # some target is fed one set twice
         sources = ids - target_ids
         return all(tree.keys() == target_ids and _feeders_reach_sources(tree, sources) for tree in feeders.values())
 

@@ -39,13 +39,13 @@ def plane_width(sources: Sequence[Instance], targets: Sequence[Instance], topo: 
 
 def shard_plan(plan: Plan, topo: Topology) -> Plan:
     """The plan over g shard planes (see the module docstring), or unchanged with a note."""
-    if any(f.shard for f in plan.flows):
-        return plan
     g, why = plane_width(plan.sources, plan.targets, topo)
-    if g == 1:
-        if any(t.gpus > 1 for t in plan.targets):
-            return replace(plan, notes=(*plan.notes, f"not sharded: {why}"))
+    if g == 1 and not any(t.gpus > 1 for t in plan.targets):
+        return plan  # one-GPU targets: nothing to shard (decided before scanning thousands of flows)
+    if any([f.shard for f in plan.flows]):
         return plan
+    if g == 1:
+        return replace(plan, notes=(*plan.notes, f"not sharded: {why}"))
     flows: list[Flow] = []
     steps: list[tuple[int, ...]] = []
     for k, f in enumerate(plan.flows):
