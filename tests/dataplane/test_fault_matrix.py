@@ -182,6 +182,8 @@ def test_fault(tmp_path: Path, harness: ModuleType, chaos_blocks: BlockSet, base
     everything = "\n".join(logs.values())
     t_out = TIMEOUTS[transport]
     bound = base_s + 2 * t_out + (1.5 * t_out if fault == "stop" else 0.0)
+    print(f"{fault}-{position}-{transport}: took {took:.1f} s, bound {bound:.1f} s (baseline {base_s:.1f} s, "
+          f"chain {chain_mbps:.1f} MB/s)")  # the margin, for -s / -rP
     assert took <= bound, (f"took {took:.1f} s, bound {bound:.1f} s (baseline {base_s:.1f} s, chain "
                            f"{chain_mbps:.1f} MB/s); {codes}")
     recovered = any(sm.get("refetches") or sm.get("downstreamLost") for sm in summaries.values())
