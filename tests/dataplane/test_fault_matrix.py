@@ -5,7 +5,8 @@ byte-identical and every failure named in the logs.
 Faults: SIGKILL; SIGSTOP for 1.5 x timeoutSeconds then SIGCONT; a connection cut mid-stream; a stream
 desync (a frame read short, so the next header starts inside a payload; at the source: a chunk sent to
 the wrong offset); a throttle (a relay forwards at a tenth of the chain's rate, the last node reads at
-that rate, the source sends at half its pace: slower, nothing to drop). Positions: source s0, first t0,
+that rate or, over TCP, at whatever rate empties its receive buffer within timeoutSeconds if that is
+faster, the source sends at half its pace: slower, nothing to drop). Positions: source s0, first t0,
 middle t1, last t2 of s0 -> t0 -> t1 -> t2.
 "The chain's rate" is what the fault-free baseline on the same transport moved (first byte to last
 block), capped at the source's pace. On a 2-core machine the chain is CPU-bound well below that pace
@@ -15,7 +16,8 @@ the time, right at the lag threshold (forwarding.py), and so is the relay above 
 dropped its downstream first was a coin flip. When the upper one won, the throttled relay re-fetched
 from the source and forwarded that to its own downstream at the throttled rate (a re-fetch is forwarded
 without the lag rule): throttle-middle-ucx took 21-35 s against a ~16 s bound. A tenth of the measured
-rate keeps the throttled relay's upstream waiting ~90% of the time, so it drops first, every time.
+rate keeps the throttled relay waiting ~90% of the time, and its queue fills seconds before the queue of
+the relay above it: it drops its downstream first.
 Bound: the run ends within 2 x timeoutSeconds (+ the pause itself for SIGSTOP) past a fault-free
 baseline run measured first on the same transport. The source lingers (it is every target's fallback);
 a SIGKILLed source leaves the targets nothing to recover from: they must fail, naming it, in bounded time.
@@ -47,6 +49,9 @@ pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 
 TIMEOUTS = {"tcp": 2.0, "ucx": 4.0}  # timeoutSeconds: UCX connection setup (peer-info exchange) alone
 # took up to ~3 s on the loaded 2-core dev machines
+# Bytes a slow-reading last node still reads after its upstream dropped it, before it sees the reset: TCP's
+# receive buffer (transport_tcp asks for 4 MiB, Linux doubles it); UCX cancels the pending receive at once.
+RECV_BUFFERED = {"tcp": 8 << 20, "ucx": 0}
 CHUNK = {"tcp": 16 << 10, "ucx": 64 << 10}  # 16 KiB chunks over UCX crashed a sender (SIGSEGV in UCX) here
 BASE_SECONDS = 1.5  # how long the throttled source takes to send everything, fault-free
 POSITIONS = {"source": "s0", "first": "t0", "middle": "t1", "last": "t2"}
@@ -77,17 +82,21 @@ def _plan(blocks: BlockSet) -> Plan:
     return plan
 
 
-def _faults(fault: str, victim: str, total: int, chain_mbps: float | None = None) -> dict[str, dict[str, object]]:
+def _faults(fault: str, victim: str, total: int, transport: str = "tcp",
+            chain_mbps: float | None = None) -> dict[str, dict[str, object]]:
     """Per-node faults; `chain_mbps`: the fault-free chain's measured rate (the throttles are relative to it)."""
     rate = total / BASE_SECONDS / 1e6
     chain = min(rate, chain_mbps or rate)
+    # The slow last node must get through what its kernel already buffered within timeoutSeconds once its
+    # upstream drops it (at a tenth of the TCP chain's rate that alone took 7 s: 10.8 s against 11.0).
+    last = max(chain / 10, RECV_BUFFERED[transport] / 1e6 / TIMEOUTS[transport])
     f: dict[str, dict[str, object]] = {"s0": {"rateMBps": rate}}
     third = total // 3
     if victim == "s0":
         f["s0"].update({"cut": {"cutAfterBytes": third}, "desync": {"desyncAfterBytes": third},
                         "throttle": {"rateMBps": rate / 2}}.get(fault, {}))
     else:  # throttle: a relay forwards at a tenth of the chain's rate; the last node reads that slowly
-        slow = {"recvRateMBps": chain / 10} if victim == TARGETS[-1] else {"rateMBps": chain / 10}
+        slow = {"recvRateMBps": last} if victim == TARGETS[-1] else {"rateMBps": chain / 10}
         f[victim] = {"cut": {"cutInboundAfterBytes": third}, "desync": {"desyncInboundAfterBytes": third},
                      "throttle": slow}.get(fault, {})
     return f
@@ -99,7 +108,7 @@ def _run(harness: ModuleType, workdir: Path, blocks: BlockSet, transport: str, f
     """Run the chain with the fault; returns (seconds until the last process ended, exit codes, cluster)."""
     workdir.mkdir(parents=True, exist_ok=True)
     c = harness.make_cluster(workdir, blocks, _plan(blocks), transport=transport, chunk=CHUNK[transport],
-                             faults=_faults(fault, victim, blocks.total_bytes, chain_mbps) if fault and victim else
+                             faults=_faults(fault, victim, blocks.total_bytes, transport, chain_mbps) if fault and victim else
                              _faults("none", "s0", blocks.total_bytes), timeout_s=TIMEOUTS[transport])
     c.target_linger = 0.0
     t0 = time.monotonic()
