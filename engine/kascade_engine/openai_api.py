@@ -16,7 +16,7 @@ Data flow: body -> `refused(body)` -> prompts (token ids) -> one engine request 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -138,8 +138,9 @@ class TextStop:
     (`Detokenizer`) and searches only the held-back text plus the new piece, so its cost does not grow
     with the length of the generation."""
 
-    def __init__(self, decode: Callable[[list[int]], str], stops: tuple[str, ...]) -> None:
-        self.detok = Detokenizer(decode)
+    def __init__(self, decode: Callable[[list[int]], str], stops: tuple[str, ...],
+                 hold: Collection[int] = ()) -> None:
+        self.detok = Detokenizer(decode, hold)
         self.stops = stops
         self.released: list[str] = []
         self.sent = 0  # characters released

@@ -52,7 +52,7 @@ class Call:
 
     async def _choice(self, idx: int, emit: Emit) -> tuple[str, str]:
         serving, rid = self.inst.serving, self.rids[idx]
-        ts = TextStop(self.inst.tokenizer.decode, self.stops)
+        ts = TextStop(self.inst.tokenizer.decode, self.stops, getattr(self.inst.tokenizer, "byte_tokens", ()))
         reason = "length"
         async with aclosing(serving.tokens(rid)) as events:
             async for ev in events:

@@ -6,8 +6,11 @@ Data flow: text / chat messages -> `encode` / `chat_prompt` -> token ids -> ... 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Protocol
+
+_BYTE_TOKEN = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
 
 
 class Tokenizer(Protocol):
@@ -44,6 +47,8 @@ class HFTokenizer:
         # faster than transformers' wrapper, which on top only cleans up spaces before punctuation
         # when `clean_up_tokenization_spaces` is set (then we keep the wrapper)
         self._fast = None if backend is None or getattr(tok, "clean_up_tokenization_spaces", False) else backend.decode
+        # SentencePiece byte fallback: `<0xNN>` tokens (the detokenizer holds runs of them, detokenizer.py)
+        self.byte_tokens = frozenset(i for t, i in tok.get_vocab().items() if _BYTE_TOKEN.match(t))
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))

@@ -47,7 +47,7 @@ def spm(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 
 
 def stream(tok: Tokenizer, ids: list[int]) -> list[str]:
-    d = Detokenizer(tok.decode)
+    d = Detokenizer(tok.decode, getattr(tok, "byte_tokens", ()))
     return [d.push(t, last=i == len(ids) - 1) for i, t in enumerate(ids)]
 
 
@@ -57,6 +57,18 @@ def check_streams_exactly(tok: Tokenizer, ids: list[int]) -> None:
     full = tok.decode(ids)
     if "\ufffd" not in full:  # valid text: an incomplete character is never streamed
         assert not any("\ufffd" in p for p in pieces), pieces
+
+
+def test_a_byte_fallback_run_streams_as_the_full_decode_reads_it(spm: Tokenizer) -> None:
+    """`<0x5E><0x51><0xE2>`: alone `^Q` reads as ASCII, but with the invalid 0xE2 after them the whole run
+    decodes to U+FFFD x 3; streaming must not have released `^Q` first."""
+    assert isinstance(spm, HFTokenizer) and len(spm.byte_tokens) == 256
+    vocab = spm.tok.get_vocab()
+    run = [vocab["<0x5E>"], vocab["<0x51>"], vocab["<0xE2>"]]
+    word = spm.encode("hello")
+    for ids in ([*word, *run, *word], [*word, *run]):
+        assert "^Q" not in spm.decode(ids) and "".join(stream(spm, ids)) == spm.decode(ids)
+    assert "".join(stream(spm, [*word, *run[:2], *word])) == spm.decode([*word, *run[:2], *word])  # valid: ^Q
 
 
 def test_byte_tokenizer_holds_multibyte_characters_until_complete() -> None:
@@ -81,10 +93,9 @@ def test_streamed_text_equals_full_decode_on_real_tokenizers(which: str, request
     for _ in range(50):
         ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
         # byte-level BPE decodes bytes, so even invalid UTF-8 streams exactly; SentencePiece's byte
-        # fallback turns a whole invalid byte group into U+FFFD per byte, so the group's extent (which
-        # a window may cut) shows: there only valid text must match
-        if which == "bpe" or "\ufffd" not in tok.decode(ids):
-            assert "".join(stream(tok, ids)) == tok.decode(ids)
+        # fallback turns a whole invalid byte run into U+FFFD per byte (ASCII bytes of the run included),
+        # so the detokenizer holds a run of byte tokens until it ends: streamed text equals it too
+        assert "".join(stream(tok, ids)) == tok.decode(ids), ids
         ids = [i for w in rng.sample(words, 6) for i in tok.encode(w + rng.choice(" ,\n"))]  # tokens of shuffled words
         check_streams_exactly(tok, ids)
 
