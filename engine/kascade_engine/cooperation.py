@@ -331,7 +331,7 @@ class PairClient:
         m, L = self.model, self.model.shape.layers
         for rid in [r for r in self.split if r not in engine.requests]:  # finished or aborted
             self.split.pop(rid)
-            self.redirected.discard(rid)
+        self.redirected.intersection_update(engine.requests)  # handed requests finished or aborted here
         ends = [r for r in self.remote if r not in self.split]
         self.remote.difference_update(ends)
         for w in work:
@@ -354,8 +354,10 @@ class PairClient:
             remote = self._send(engine, work, rows, far, set(sampling), ends)
             for i, tok in zip([i for i in far if i in set(sampling)], remote, strict=True):
                 toks[i] = tok
-        if m.complete and not self.remote and all(k == L for k in self.split.values()):
-            engine.coop = self.fallback  # fully loaded, no split sequence left: a plain engine again
+        # fully loaded, no split sequence left and nothing A handed us still here (one still queued would
+        # otherwise run as ours and its tokens never reach A's client): a plain engine again
+        if m.complete and not self.remote and not self.redirected and all(k == L for k in self.split.values()):
+            engine.coop = self.fallback
         return [toks[i] for i in sampling]
 
     def _send(self, engine: Engine, work: list[Work], rows: list[Row], far: list[int], sampling: set[int],
