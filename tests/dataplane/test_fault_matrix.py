@@ -139,6 +139,16 @@ def _run(harness: ModuleType, workdir: Path, blocks: BlockSet, transport: str, f
         c.stop()
 
 
+@pytest.fixture(autouse=True)
+def _free_disk(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """Each cell leaves ~0.5 GB of 64 MiB block caches; pytest keeps every cell's tmp_path until the session
+    ends, so the matrix would hold ~20 GB at once (a shared dev disk filled up). Logs stay for reading."""
+    yield
+    for f in tmp_path.rglob("*"):
+        if f.is_file() and f.stat().st_size > (1 << 20):
+            f.unlink(missing_ok=True)
+
+
 @pytest.fixture(scope="module")
 def baselines() -> dict[str, tuple[float, float]]:
     """transport -> (seconds the fault-free run took, the chain's rate in MB/s), measured once per module."""
