@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
+from typing import cast
 
 HIGH_WATER = 256 << 10  # client write buffer above this: stop reading from the engine
 LOW_WATER = 64 << 10
@@ -77,8 +78,8 @@ class Answer(asyncio.Protocol):
 
     # -- asyncio.Protocol -------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # a cast, not isinstance: uvloop's transports implement the interface without subclassing it
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         self.last_rx = self.loop.time()
@@ -259,8 +260,7 @@ class Answer(asyncio.Protocol):
         self._tail = joined[-11:]
 
     def _write(self, piece: bytes) -> None:
-        client = self._client
-        assert isinstance(client, asyncio.WriteTransport)
+        client = cast(asyncio.WriteTransport, self._client)
         if client.is_closing():
             self._fail("the client went away")
             return
@@ -270,10 +270,9 @@ class Answer(asyncio.Protocol):
             self.loop.call_later(0.005, self._maybe_resume)
 
     def _maybe_resume(self) -> None:
-        client, up = self._client, self.transport
+        client, up = cast(asyncio.WriteTransport | None, self._client), self.transport
         if self._done.done() or client is None or up is None:
             return
-        assert isinstance(client, asyncio.WriteTransport)
         if client.is_closing():
             self._fail("the client went away")
         elif client.get_write_buffer_size() <= LOW_WATER:
