@@ -117,6 +117,11 @@ class Answer(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.keep_alive = False
+        if self._client is None and self._pending and not self._done.done():
+            # body bytes the caller has not asked for yet (read or relay): they may hold the whole answer
+            pending, self._pending = self._pending, []
+            for piece in pending:
+                self._consume(piece)
         if self._done.done():
             return
         if self._in_body and not self._chunked and self._length is None:
@@ -328,9 +333,10 @@ class Answer(asyncio.Protocol):
     def relay(self, client: asyncio.BaseTransport, framed: bool) -> None:
         """From now on body bytes go to `client` (raw chunks if `framed`, else the payload)."""
         self._client, self._framed = client, framed
-        if self._body:
+        if self._body:  # collected already (the connection closed before this call): one chunk of it
             body, self._body = bytes(self._body), bytearray()
-            self._emit_payload(body)
+            self._count(body)
+            self._write(b"%x\r\n%s\r\n" % (len(body), body) if framed else body)
         pending, self._pending = self._pending, []
         for piece in pending:
             if self._done.done():

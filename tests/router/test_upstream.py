@@ -107,6 +107,24 @@ async def test_payload_relay_for_http10_clients_and_collect() -> None:
     assert await c.read(1.0) == b"abcde" and c.status == 400 and c.keep_alive
 
 
+async def test_an_answer_complete_before_the_engine_closes_is_not_lost() -> None:
+    """The engine sends the whole answer and closes before the caller chose read or relay (a PD decode
+    engine's non-streamed answer did: the router retried it on another replica, a second prefill)."""
+    loop = asyncio.get_running_loop()
+    a, _ = _answer(loop)
+    a.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello")
+    a.connection_lost(None)
+    assert await a.read(1.0) == b"hello" and not a.keep_alive
+    b, _ = _answer(loop)
+    b.data_received(HEAD + BODY + END)
+    b.connection_lost(None)
+    client = Capture()
+    assert await b.first_data(1.0)
+    b.relay(client, framed=True)
+    await b.finished(1.0)
+    assert bytes(client.data) == b"%x\r\n%s\r\n" % (len(b"".join(CHUNKS)), b"".join(CHUNKS)) and b.events == 2
+
+
 async def test_a_non_chunked_answer_is_framed_for_a_chunked_client() -> None:
     loop = asyncio.get_running_loop()
     a, _ = _answer(loop)
