@@ -4,6 +4,10 @@
 Data flow: flags -> `EngineConfig` -> checkpoint dir (or the converted SmolLM2) -> blocks ->
 `EngineInstance` -> uvicorn on a pre-bound socket (port 0 works) + activation listener; prints one line
 `KASCADE_ENGINE_READY http=<port> act=<port>` once both listen.
+With --tls-cert/--tls-key/--tls-ca the HTTP port serves HTTPS with that certificate (the control API's
+bearer token and the plan secrets in load-plan bodies are then encrypted on the pod network); clients
+are not asked for a certificate there (kubelet probes and Prometheus cannot present one), so the bearer
+token stays the control API's client authentication. The data plane keeps mutual TLS (transport_tls.py).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import asyncio
 import logging
 import os
 import socket
+import ssl
 from pathlib import Path
 
 import click
@@ -65,7 +70,8 @@ def engine() -> None:
               help="a released engine keeps its model's weights in host memory up to this size, as a host copy the "
                    "operator uses as a chain source and to scale from zero (0: released engines drop them)")
 @click.option("--tls-cert", type=click.Path(dir_okay=False, path_type=Path), default=lambda: os.environ.get("KASCADE_TLS_CERT"),
-              help="PEM certificate: mutual TLS on every data-plane TCP connection (env KASCADE_TLS_CERT)")
+              help="PEM certificate: mutual TLS on every data-plane TCP connection, and HTTPS on --port "
+                   "(env KASCADE_TLS_CERT)")
 @click.option("--tls-key", type=click.Path(dir_okay=False, path_type=Path), default=lambda: os.environ.get("KASCADE_TLS_KEY"),
               help="PEM private key of --tls-cert (env KASCADE_TLS_KEY)")
 @click.option("--tls-ca", type=click.Path(dir_okay=False, path_type=Path), default=lambda: os.environ.get("KASCADE_TLS_CA"),
@@ -143,9 +149,16 @@ def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: s
         if act_port is not None:
             listener = await make_transport("tcp", cfg.tls).listen(host, act_port, lambda conn: inst.finisher.handle(conn))  # the current finisher: bind may rebuild it (dtype)
         # log_config=None: uvicorn's loggers go through the root handler `kascade --log-format` set up
+        # TLS files: HTTPS with the engine's certificate; CERT_NONE because probes and scrapers have no client
+        # certificate (the control API authenticates its callers by bearer token, not by certificate)
+        tls = cfg.tls
         server = uvicorn.Server(uvicorn.Config(create_app(inst), log_level="warning", lifespan="on", log_config=None,
                                                http=guarded(header_timeout, max_connections),
-                                               timeout_keep_alive=30))
+                                               timeout_keep_alive=30,
+                                               ssl_certfile=str(tls.cert) if tls else None,
+                                               ssl_keyfile=str(tls.key) if tls else None,
+                                               ssl_ca_certs=str(tls.ca) if tls else None,
+                                               ssl_cert_reqs=ssl.CERT_NONE))
         print(f"KASCADE_ENGINE_READY http={sock.getsockname()[1]} act={listener.port if listener else '-'}", flush=True)
         try:
             await server.serve(sockets=[sock])

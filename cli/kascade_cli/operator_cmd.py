@@ -53,6 +53,7 @@ def run(namespaces: tuple[str, ...], interval: float | None, rate_window: float 
     from pydantic import ValidationError
 
     from kascade_operator.handlers import build_registry
+    from kascade_operator.httppool import engine_tls_context
     from kascade_operator.settings import OperatorSettings
 
     overrides = {k: v for k, v in {"namespaces": list(namespaces) or None, "interval_seconds": interval,
@@ -71,6 +72,10 @@ def run(namespaces: tuple[str, ...], interval: float | None, rate_window: float 
         raise click.UsageError("; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())) from None
     if liveness is not None and not liveness.startswith("http://"):
         raise click.UsageError(f"--liveness {liveness!r}: expected http://HOST:PORT/PATH")
+    try:  # the CA of engines serving HTTPS: one that does not load stops the start, not every call later
+        engine_tls_context(settings.engine_ca_file)
+    except ValueError as e:
+        raise click.UsageError(f"KASCADE_OPERATOR_ENGINE_CA_FILE: {e}") from None
     namespaces_watched = list(settings.namespaces)
     if namespaces_watched and settings.pool_namespace and settings.pool_namespace not in namespaces_watched:
         namespaces_watched.append(settings.pool_namespace)  # the pool's pods are read from a watch

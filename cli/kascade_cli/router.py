@@ -1,12 +1,13 @@
 """`kascade router`: the OpenAI-compatible front door (see router/kascade_router).
 
-Data flow: flags -> `RouterSettings` -> `Router` watching the cluster (or `--backend` static routes)
--> aiohttp on host:port; prints `KASCADE_ROUTER_READY http=<port>` once listening and synced.
+Data flow: flags -> `RouterSettings` (with --engine-ca: HTTPS to engines) -> `Router` watching the cluster
+(or `--backend` static routes) -> aiohttp on host:port; prints `KASCADE_ROUTER_READY http=<port>` once listening and synced.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 
 import click
@@ -30,15 +31,23 @@ import click
               help="longest silence from an engine before the request fails")
 @click.option("--attempts", default=4, show_default=True, type=click.IntRange(1),
               help="replicas tried per request (only failures before any byte reached the client)")
+@click.option("--engine-ca", type=click.Path(dir_okay=False), default=lambda: os.environ.get("KASCADE_ROUTER_ENGINE_CA"),
+              help="PEM CA of engines started with TLS files: route to them over HTTPS verified by it (names not "
+                   "checked: engines are pod IPs); env KASCADE_ROUTER_ENGINE_CA; default plain HTTP")
 def router(host: str, port: int, namespace: str | None, kubeconfig: str | None, backends: tuple[str, ...],
            max_body_bytes: int, hold_timeout: float, max_queued: int, connect_timeout: float, read_timeout: float,
-           attempts: int) -> None:
+           attempts: int, engine_ca: str | None = None) -> None:
     """Route OpenAI requests by `model` to the serving replicas of each ModelService."""
     from kascade_router.server import Router, static_routes
-    from kascade_router.settings import RouterSettings
+    from kascade_router.settings import RouterSettings, engine_tls_context
 
     settings = RouterSettings(max_body_bytes=max_body_bytes, hold_timeout_s=hold_timeout, max_queued=max_queued,
-                              connect_timeout_s=connect_timeout, read_timeout_s=read_timeout, attempts=attempts)
+                              connect_timeout_s=connect_timeout, read_timeout_s=read_timeout, attempts=attempts,
+                              engine_ca_file=engine_ca or "")
+    try:
+        engine_tls_context(settings.engine_ca_file)  # a bad CA is a usage error now, not a failure per request
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--engine-ca") from None
     try:
         routes = static_routes(list(backends)) if backends else None
     except ValueError as e:

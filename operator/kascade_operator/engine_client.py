@@ -2,7 +2,8 @@
 
 Data flow: scaleplan/pool logic -> `EngineClient.<verb>(endpoint, ...)` -> the request type shared
 with the engine (`kascade_planner.engine_api`, one definition for both ends) -> httpx POST/GET with a
-timeout -> JSON status dict, or `EngineError` naming the endpoint, the call and the engine's message.
+timeout (HTTPS verified by the installation's CA when engines serve TLS) -> JSON status dict, or
+`EngineError` naming the endpoint, the call and the engine's message.
 Keep-alive clients per engine (httppool.py) keep instruct latency low at any number of engines.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import ssl
 from typing import Any, Literal, cast
 
 import httpx
@@ -56,11 +58,13 @@ def _message(r: httpx.Response) -> str:
 
 
 class EngineClient:
-    def __init__(self, token: str, timeout_s: float = 2.0, client: httpx.AsyncClient | None = None) -> None:
+    def __init__(self, token: str, timeout_s: float = 2.0, client: httpx.AsyncClient | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
+        """`tls`: the engines serve HTTPS (engine_tls_context of the installation's CA); None: plain HTTP."""
         if not token:
             raise ValueError("engine token must not be empty")
         self._token = token
-        self._http = HttpPool(timeout_s, client)
+        self._http = HttpPool(timeout_s, client, tls)
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -79,7 +83,7 @@ class EngineClient:
 
     async def _call(self, endpoint: str, method: Literal["GET", "POST"], verb: str,
                     body: dict[str, Any] | None = None) -> dict[str, Any]:
-        url = f"http://{endpoint}{PREFIX}{verb}"
+        url = self._http.url(endpoint, PREFIX + verb)
         try:
             r = await self._http.get(endpoint).request(method, url, json=body,
                                            headers={"Authorization": f"Bearer {self._token}"})

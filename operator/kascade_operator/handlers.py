@@ -29,6 +29,7 @@ from kascade_operator.api import ModelServiceSpec
 from kascade_operator.decide import RoleDecision, RoleInput, decide_roles
 from kascade_operator.demand import RouterDemand, zero_rule
 from kascade_operator.engine_client import EngineClient, EngineError
+from kascade_operator.httppool import engine_tls_context
 from kascade_operator.kube import GROUP, VERSION, Conflict, Kube, NotFound, now_iso
 from kascade_operator.metrics import PrometheusSource, Scraper, snapshot
 from kascade_operator.operator_metrics import OperatorMetrics
@@ -363,9 +364,11 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         om = OperatorMetrics()
         if s.metrics_port:
             om.serve(s.metrics_port)
-        memo.rt = Runtime(s, kube, EngineClient(token, s.engine_timeout_seconds),
+        engine_tls = engine_tls_context(s.engine_ca_file)  # HTTPS to engines started with TLS files
+        memo.rt = Runtime(s, kube, EngineClient(token, s.engine_timeout_seconds, tls=engine_tls),
                           None if s.metrics_source == "prometheus" else Scraper(s.scrape_timeout_seconds,
-                                                                             window_s=s.rate_window_seconds),
+                                                                             window_s=s.rate_window_seconds,
+                                                                             tls=engine_tls),
                           PrometheusSource(s.prometheus_url) if s.metrics_source == "prometheus" and s.prometheus_url
                           else None, om)
         if s.router_url:  # demand when no engine exists (scale from zero), and status.url

@@ -5,23 +5,53 @@ request, so with hundreds of engines kept alive each scrape costs O(engines) (me
 operator's CPU at 20 services x 2 engines, 10 rounds/s). One client per endpoint keeps each request
 O(1), and a client unused for a while is closed.
 
-Data flow: Scraper / EngineClient -> `HttpPool.get(endpoint)` -> a cached client (created on first
-use, timeout applied) -> the request; `prune(keep)` closes clients of endpoints that are gone.
+Data flow: Scraper / EngineClient -> `HttpPool.url(endpoint, path)` (http, or https when the pool has the
+installation's engine CA) and `HttpPool.get(endpoint)` -> a cached client (created on first use, timeout
+and TLS verification applied) -> the request; `prune(keep)` closes clients of endpoints that are gone.
+
+HTTPS to engines (`engine_tls_context`): engines started with TLS files serve their HTTP port with their
+data-plane certificate. Engines are addressed by pod IP, so the certificate is checked against the
+installation's CA only, not against a name (the trust model of the data plane, transport_tls.py).
 """
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Iterable
 
 import httpx
 
 
+def engine_tls_context(ca_file: str) -> ssl.SSLContext | None:
+    """Client context verifying engines against the CA in `ca_file` (names not checked); None for "" (plain
+    HTTP). An unreadable or invalid file raises ValueError naming it."""
+    if not ca_file:
+        return None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.check_hostname = False  # engines are pod IPs: the CA is the trust boundary
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    try:
+        ctx.load_verify_locations(cafile=ca_file)
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(f"engine CA file {ca_file}: {e}") from None
+    return ctx
+
+
 class HttpPool:
-    def __init__(self, timeout_s: float, shared: httpx.AsyncClient | None = None) -> None:
-        """`shared`: use this one client for every endpoint (tests inject a mock transport this way)."""
+    def __init__(self, timeout_s: float, shared: httpx.AsyncClient | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
+        """`shared`: use this one client for every endpoint (tests inject a mock transport this way);
+        `tls`: speak HTTPS verified by this context (`engine_tls_context`), else plain HTTP."""
         self._timeout = httpx.Timeout(timeout_s)
         self._shared = shared
+        self._tls = tls
+        self.scheme = "https" if tls is not None else "http"
         self._clients: dict[str, httpx.AsyncClient] = {}
+
+    def url(self, endpoint: str, path: str) -> str:
+        """`path` (starting with /) on `endpoint` ("host:port") in this pool's scheme."""
+        return f"{self.scheme}://{endpoint}{path}"
 
     def get(self, endpoint: str) -> httpx.AsyncClient:
         if self._shared is not None:
@@ -29,7 +59,8 @@ class HttpPool:
         c = self._clients.get(endpoint)
         if c is None:
             c = self._clients[endpoint] = httpx.AsyncClient(
-                timeout=self._timeout, limits=httpx.Limits(max_connections=8, max_keepalive_connections=2))
+                timeout=self._timeout, limits=httpx.Limits(max_connections=8, max_keepalive_connections=2),
+                verify=self._tls if self._tls is not None else True)
         return c
 
     async def prune(self, keep: Iterable[str]) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from collections import deque
 from collections.abc import Hashable, Iterable, Mapping, Sequence
@@ -189,8 +190,10 @@ def snapshot(loads: Sequence[InstanceLoad], time_s: float) -> MetricsSnapshot:
 class Scraper:
     """Direct scrape of engine `/metrics` (instance -> "host:port"), concurrently, with a timeout."""
 
-    def __init__(self, timeout_s: float = 0.5, client: httpx.AsyncClient | None = None, window_s: float = 0.0) -> None:
-        self._http = HttpPool(timeout_s, client)
+    def __init__(self, timeout_s: float = 0.5, client: httpx.AsyncClient | None = None, window_s: float = 0.0,
+                 tls: ssl.SSLContext | None = None) -> None:
+        """`tls`: engines serve HTTPS (engine_tls_context); None: plain HTTP."""
+        self._http = HttpPool(timeout_s, client, tls)
         self.window_s = window_s
         # one tracker per group (a ModelService role): forgetting the instances a group no longer has
         # must not wipe another group's previous samples
@@ -201,7 +204,7 @@ class Scraper:
 
     async def _one(self, rates: RateTracker, instance: str, endpoint: str) -> InstanceLoad | None:
         try:
-            r = await self._http.get(endpoint).get(f"http://{endpoint}/metrics")
+            r = await self._http.get(endpoint).get(self._http.url(endpoint, "/metrics"))
             r.raise_for_status()
             return rates.update(instance, parse_engine_metrics(r.text, time.monotonic()))
         except (httpx.HTTPError, MetricsError) as e:

@@ -164,6 +164,12 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
     if hub is not None:
         env += _hub_env(hf_endpoint, hf_token_secret)
         mounts.append({"name": "hf-cache", "mountPath": HF_HOME})
+    # with TLS files the engine's HTTP port is HTTPS (kubelet does not verify the certificate of an HTTPS probe)
+    scheme = {"scheme": "HTTPS"} if tls_secret else {}
+
+    def probe(path: str) -> dict[str, Any]:
+        return {"path": path, "port": "http", **scheme}
+
     container: dict[str, Any] = {
         "name": "engine", "image": e.image,
         "args": ["kascade", "engine", "serve", "--empty", "--host=0.0.0.0", f"--port={e.port}", f"--act-port={act_port}",
@@ -173,10 +179,10 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
                   {"containerPort": act_port, "name": "act"}],
         # as the chart's pool pods: Ready only while the engine can serve (/readyz) and the operator's
         # serving gate is open (bound and loaded or live, not draining); /healthz only keeps it alive
-        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 1, "failureThreshold": 1},
-        "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10},
+        "readinessProbe": {"httpGet": probe("/readyz"), "periodSeconds": 1, "failureThreshold": 1},
+        "livenessProbe": {"httpGet": probe("/healthz"), "periodSeconds": 10},
         # started only once the engine's HTTP server answers: the operator binds started pods only
-        "startupProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 1, "failureThreshold": 600},
+        "startupProbe": {"httpGet": probe("/healthz"), "periodSeconds": 1, "failureThreshold": 600},
         "securityContext": dict(CONTAINER_SECURITY),
         "volumeMounts": mounts}
     if tls_secret:

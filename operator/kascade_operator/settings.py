@@ -32,6 +32,10 @@ class OperatorSettings(BaseSettings):
     engine_tls_secret: str = Field(default="", description="Secret (tls.crt, tls.key, ca.crt) the fallback pods "
                                    "mount to serve the data plane over mutual TLS, as the chart's pool does when "
                                    "dataPlaneTls.secretName is set; empty = plain TCP")
+    engine_ca_file: str = Field(default="", description="PEM CA the engines' HTTP port certificates chain to: "
+                                "with it the operator calls the control API and scrapes /metrics over HTTPS "
+                                "(names not checked: engines are pod IPs), as engines started with TLS files "
+                                "serve; the chart sets it to the dataPlaneTls Secret's ca.crt; empty = plain HTTP")
     engine_run_as_user: int = Field(default=65532, ge=1, le=2147483647, description="uid (and gid) the fallback "
                                     "pods' engines run as, non-root like the chart's pool (pool.runAsUser)")
     status_write_interval_seconds: float = Field(default=0.5, ge=0, description="throttle for ScalePlan progress")

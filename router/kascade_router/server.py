@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kascade_router.backends import Routes
 from kascade_router.demand import Demand
 from kascade_router.proxy import Proxy
-from kascade_router.settings import RouterSettings
+from kascade_router.settings import RouterSettings, engine_tls_context
 from kascade_router.upstream import Upstreams
 from kascade_router.watch import Watcher
 
@@ -96,7 +96,7 @@ class Router:
         if not self.static:
             self.watcher = Watcher(self.routes, self.ns)
             await self.watcher.start(self.kubeconfig)
-        self.upstreams = Upstreams(self.s.connect_timeout_s)
+        self.upstreams = Upstreams(self.s.connect_timeout_s, tls=engine_tls_context(self.s.engine_ca_file))
         self.proxy = Proxy(self.routes, self.demand, self.s, self.upstreams)
         self.runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
         await self.runner.setup()

@@ -20,6 +20,7 @@ from the engine (TCP backpressure reaches the engine) until it drains below LOW_
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections import defaultdict
 from typing import cast
 
@@ -355,8 +356,9 @@ class Answer(asyncio.Protocol):
 class Upstreams:
     """Keep-alive connections to engines, pooled per address (`host:port`, IPv6 as `[h]:port`)."""
 
-    def __init__(self, connect_timeout_s: float, idle_s: float = IDLE_S) -> None:
-        self.connect_timeout_s, self.idle_s = connect_timeout_s, idle_s
+    def __init__(self, connect_timeout_s: float, idle_s: float = IDLE_S, tls: ssl.SSLContext | None = None) -> None:
+        """`tls`: engines serve HTTPS, verified by this context (settings.engine_tls_context); None: plain HTTP."""
+        self.connect_timeout_s, self.idle_s, self.tls = connect_timeout_s, idle_s, tls
         self._idle: dict[str, list[Answer]] = defaultdict(list)
         self._heads: dict[tuple[str, str], bytes] = {}
 
@@ -396,8 +398,10 @@ class Upstreams:
         host, _, port = address.rpartition(":")
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: Answer(loop, address), host.strip("[]"), int(port)), self.connect_timeout_s)
-        except (OSError, TimeoutError) as e:
+                loop.create_connection(lambda: Answer(loop, address), host.strip("[]"), int(port), ssl=self.tls,
+                                       server_hostname="" if self.tls is not None else None),  # names not checked
+                self.connect_timeout_s)
+        except (OSError, TimeoutError) as e:  # ssl.SSLError (a certificate the CA did not sign) is an OSError
             raise UpstreamError(f"{address} unreachable: {type(e).__name__}: {e}") from None
         return conn
 

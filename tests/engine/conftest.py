@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import ssl
 import subprocess
 import sys
 import time
@@ -24,10 +25,21 @@ class EngineProc:
     http: int
     act: int
     token: str
+    tls_ca: Path | None = None  # started with TLS files: its HTTP port serves HTTPS with a certificate from this CA
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.http}"
+        return f"{'https' if self.tls_ca else 'http'}://127.0.0.1:{self.http}"
+
+    @property
+    def verify(self) -> ssl.SSLContext | bool:
+        """httpx's `verify=` for this engine: its CA, names unchecked (as the operator and the router)."""
+        if self.tls_ca is None:
+            return True
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname = False
+        ctx.load_verify_locations(cafile=str(self.tls_ca))
+        return ctx
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -49,7 +61,8 @@ def start_engine(args: list[str], token: str = "test-token", timeout: float = 12
             raise RuntimeError(f"engine exited with {proc.wait()}")
         if line.startswith("KASCADE_ENGINE_READY"):
             parts = dict(p.split("=") for p in line.split()[1:])
-            return EngineProc(proc, int(parts["http"]), int(parts["act"]), token)
+            ca = args[args.index("--tls-ca") + 1] if "--tls-ca" in args else None
+            return EngineProc(proc, int(parts["http"]), int(parts["act"]), token, Path(ca) if ca else None)
     proc.kill()
     raise RuntimeError("engine did not become ready")
 

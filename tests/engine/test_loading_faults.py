@@ -36,11 +36,11 @@ def _plan(tiny_blocks: Any, src: str, dst: str, ps: int, pd: int, timeout_s: flo
 
 
 def _status(e: Any) -> dict[str, Any]:
-    return httpx.get(e.url + "/kascade/v1/status", headers=_h(e), timeout=30).json()  # type: ignore[no-any-return]
+    return httpx.get(e.url + "/kascade/v1/status", headers=_h(e), timeout=30, verify=e.verify).json()  # type: ignore[no-any-return]
 
 
 def _failures(e: Any) -> float:
-    text = httpx.get(e.url + "/metrics", timeout=30).text
+    text = httpx.get(e.url + "/metrics", timeout=30, verify=e.verify).text
     return next(float(line.split()[1]) for line in text.splitlines()
                 if line.startswith("kascade_weight_transfer_failures_total "))
 
@@ -55,9 +55,10 @@ def _wait(cond: Any, what: str, timeout: float = 90) -> Any:
 
 
 def _load(src: Any, dst: Any, doc: dict[str, Any], manifest: dict[str, Any], src_id: str, dst_id: str) -> None:
-    r = httpx.post(dst.url + "/kascade/v1/load-plan", json={**doc, "self": dst_id, "manifest": manifest}, headers=_h(dst))
+    r = httpx.post(dst.url + "/kascade/v1/load-plan", json={**doc, "self": dst_id, "manifest": manifest}, headers=_h(dst),
+                   verify=dst.verify)
     assert r.status_code == 200, r.text
-    r = httpx.post(src.url + "/kascade/v1/load-plan", json={**doc, "self": src_id}, headers=_h(src))
+    r = httpx.post(src.url + "/kascade/v1/load-plan", json={**doc, "self": src_id}, headers=_h(src), verify=src.verify)
     assert r.status_code == 200, r.text
 
 
@@ -108,21 +109,22 @@ def test_engines_with_mutual_tls_load_by_plan_and_refuse_a_foreign_certificate(
     src = engine_starter(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", *tls])
     dst = engine_starter(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--empty", *tls])
     intruder = engine_starter(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--empty", *foreign])
+    intruder.tls_ca = pki["rogue_ca"]  # its HTTP port serves HTTPS with its own (rogue) certificate
     try:
         pa, pb, pc = free_ports(3)
         _load(src, dst, _plan(tiny_blocks, "a", "b", pa, pb, 5.0), tiny_blocks.manifest(), "a", "b")
         st = _wait(lambda: (s := _status(dst))["ready"] and s, "the TLS target to load")
         assert st["bytesReceived"] == tiny_blocks.total_bytes
-        want = httpx.post(src.url + "/v1/completions", json=BODY).json()["choices"][0]["text"]
-        assert httpx.post(dst.url + "/v1/completions", json=BODY).json()["choices"][0]["text"] == want
+        want = httpx.post(src.url + "/v1/completions", json=BODY, verify=src.verify).json()["choices"][0]["text"]
+        assert httpx.post(dst.url + "/v1/completions", json=BODY, verify=dst.verify).json()["choices"][0]["text"] == want
         # Same plan token, same plan, but a certificate from another CA: the source never serves it a byte,
         # and the intruder's load ends in an error that says no fallback could provide the blocks.
         _wait(lambda: httpx.post(src.url + "/kascade/v1/load-plan", json={**_plan(tiny_blocks, "a", "x", pa, pc, 2.0),
-                                                                            "self": "a"}, headers=_h(src)).status_code == 200,
+                                                                            "self": "a"}, headers=_h(src), verify=src.verify).status_code == 200,
               "the source to accept a second plan")
         r = httpx.post(intruder.url + "/kascade/v1/load-plan",
                        json={**_plan(tiny_blocks, "a", "x", pa, pc, 2.0), "self": "x", "manifest": tiny_blocks.manifest()},
-                       headers=_h(intruder))
+                       headers=_h(intruder), verify=intruder.verify)
         assert r.status_code == 200, r.text
         st = _wait(lambda: (s := _status(intruder))["loadError"] and s, "the intruder's load error", timeout=60)
         assert "no fallback could provide" in st["loadError"] and st["bytesReceived"] == 0, st
