@@ -199,3 +199,86 @@ def test_data_plane_tls_secret_reaches_pool_and_fallback_engines_alike(helm: Hel
     (secret_dir / "ca.crt").unlink()  # a Secret without ca.crt: the engine refuses to start, naming the flag
     with pytest.raises(TlsError, match="--tls-ca"):
         make_transport("tcp", files)
+
+
+def _render(helm: Helm, tmp: Path, values: dict[str, Any]) -> list[dict[str, Any]]:
+    (tmp / "values.yaml").write_text(yaml.safe_dump(values))
+    return [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), "-f", str(tmp / "values.yaml")).stdout) if d]
+
+
+def _deployment(docs: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """The first container of Deployment `name`."""
+    return next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == name)[  # type: ignore[no-any-return]
+        "spec"]["template"]["spec"]["containers"][0]
+
+
+def _engine_ca(spec: dict[str, Any], container: dict[str, Any]) -> Path:
+    """Where `container` sees the dataPlaneTls Secret's ca.crt (and only that key of it)."""
+    vol = next(v for v in spec["volumes"] if v.get("secret", {}).get("secretName") == "engine-tls")
+    assert vol["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]  # no private key in clients
+    mount = next(m for m in container["volumeMounts"] if m["name"] == vol["name"])
+    assert mount["readOnly"] is True
+    return Path(mount["mountPath"]) / "ca.crt"
+
+
+def test_data_plane_tls_makes_the_engines_http_port_https_for_probes_and_every_client(
+        helm: Helm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """dataPlaneTls.secretName: engines serve HTTPS, so pool and fallback probes use scheme HTTPS; the
+    operator (KASCADE_OPERATOR_ENGINE_CA_FILE), the router (--engine-ca) and the helm test without a router
+    (--ca) read the Secret's ca.crt where it is mounted; the engines' PodMonitor scrapes over https."""
+    from kascade_operator.api import ModelServiceSpec
+    from kascade_operator.podtemplate import fallback_pod
+
+    mon = {"podMonitor": {"enabled": True}}
+    plain = _render(helm, tmp_path, {"monitoring": mon})
+    pool = _deployment(plain, "rel-pool")
+    assert {pool[p]["httpGet"].get("scheme", "HTTP") for p in ("readinessProbe", "livenessProbe", "startupProbe")} == {"HTTP"}
+    pm = next(d for d in plain if d["kind"] == "PodMonitor")["spec"]["podMetricsEndpoints"][0]
+    assert "scheme" not in pm and "tlsConfig" not in pm
+    op = _deployment(plain, "rel-operator")
+    assert "KASCADE_OPERATOR_ENGINE_CA_FILE" not in {e["name"] for e in op["env"]}
+    router = _deployment(plain, "rel-router")
+    assert parse(router["args"])["engine_ca"] is None
+
+    docs = _render(helm, tmp_path, {"dataPlaneTls": {"secretName": "engine-tls"}, "monitoring": mon})
+    specs = {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in docs if d["kind"] == "Deployment"}
+    pool = specs["rel-pool"]["containers"][0]
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert pool[probe]["httpGet"]["scheme"] == "HTTPS", probe
+    # the operator: its settings name the CA file where the Secret's ca.crt is mounted
+    op = specs["rel-operator"]["containers"][0]
+    for e in op["env"]:
+        if "value" in e:
+            monkeypatch.setenv(e["name"], e["value"])
+    settings = OperatorSettings()
+    assert Path(settings.engine_ca_file) == _engine_ca(specs["rel-operator"], op)
+    # the router: --engine-ca as the real CLI parses it
+    router = specs["rel-router"]["containers"][0]
+    assert Path(parse(router["args"])["engine_ca"]) == _engine_ca(specs["rel-router"], router)
+    # the fallback pods the operator creates probe like the pool's
+    spec = ModelServiceSpec.model_validate({"model": {"name": "m", "source": {"pvc": {"claimName": "models"}}},
+                                            "engine": {"image": "img:1"}, "mode": "colocated",
+                                            "replicas": {"colocated": {"min": 1, "max": 2}}})
+    fb = fallback_pod(spec, "svc", "tok", None, tls_secret=settings.engine_tls_secret)["spec"]["containers"][0]
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert fb[probe]["httpGet"] == pool[probe]["httpGet"], probe
+    fb_plain = fallback_pod(spec, "svc", "tok", None)["spec"]["containers"][0]
+    assert "scheme" not in fb_plain["readinessProbe"]["httpGet"]
+    # Prometheus: https with the Secret's CA; no name to check unless serverName says one
+    pm = next(d for d in docs if d["kind"] == "PodMonitor")["spec"]["podMetricsEndpoints"][0]
+    assert pm["scheme"] == "https" and pm["tlsConfig"] == {"ca": {"secret": {"name": "engine-tls", "key": "ca.crt"}},
+                                                           "insecureSkipVerify": True}
+    named = _render(helm, tmp_path, {"dataPlaneTls": {"secretName": "engine-tls", "serverName": "engine.kascade"},
+                                     "monitoring": mon})
+    pm = next(d for d in named if d["kind"] == "PodMonitor")["spec"]["podMetricsEndpoints"][0]
+    assert pm["tlsConfig"] == {"ca": {"secret": {"name": "engine-tls", "key": "ca.crt"}}, "serverName": "engine.kascade"}
+
+    # no router: the helm test asks the engines Service itself, over https with the CA
+    docs = _render(helm, tmp_path, {"dataPlaneTls": {"secretName": "engine-tls"}, "router": {"enabled": False},
+                                    "tests": {"enabled": True}})
+    test = next(d for d in docs if d["kind"] == "Pod" and d["metadata"]["name"] == "rel-test-models")
+    c = test["spec"]["containers"][0]
+    params = parse(c["args"])
+    assert params["url"].startswith("https://rel-engines.") and Path(params["ca"]) == _engine_ca(test["spec"], c)
+    op = _deployment(docs, "rel-operator")
+    assert "KASCADE_OPERATOR_ENGINE_CA_FILE" in {e["name"] for e in op["env"]}  # scrapes and calls still https

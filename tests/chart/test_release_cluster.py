@@ -15,6 +15,7 @@ all `helm test` reads.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -36,6 +37,7 @@ from kascade_devcluster.enginepool import EnginePool
 from kascade_devcluster.kubeconfig import kubeconfig_text
 from kascade_devcluster.nodes import KWOK_TOLERATION
 from kascade_devcluster.operatorproc import OperatorProcess
+from kascade_devcluster.peercerts import make_peer_certs
 from kascade_devcluster.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
@@ -90,6 +92,10 @@ def test_notes_sample_and_fallback_pod_use_the_release_secret(
         elif "fieldRef" in e.get("valueFrom", {}):
             monkeypatch.setenv(e["name"], downward[e["valueFrom"]["fieldRef"]["fieldPath"]])
     assert container["env"][-1]["valueFrom"]["secretKeyRef"]["name"] == "team-token"
+    # dataPlaneTls: engines serve HTTPS and the operator is told the CA file the kubelet projects from the
+    # Secret's ca.crt; here the same file made locally (the operator refuses to start without a loadable one)
+    assert os.environ["KASCADE_OPERATOR_ENGINE_CA_FILE"].endswith("/ca.crt")
+    monkeypatch.setenv("KASCADE_OPERATOR_ENGINE_CA_FILE", str(make_peer_certs(tmp_path / "pki")["ca"]))
     sa_token = cp.kubectl("-n", namespace, "create", "token", "prod-llm-operator", "--duration=1h").stdout.strip()
     kubeconfig = tmp_path / "operator.kubeconfig"
     kubeconfig.write_text(kubeconfig_text(cp.api_url, cp.ca_cert, sa_token, user="prod-llm-operator"))

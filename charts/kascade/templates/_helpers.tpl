@@ -110,8 +110,21 @@ is enabled), else the engines Service of this chart.
 {{- if $router.enabled -}}
 http://{{ include "kascade.fullname" . }}-router.{{ .Release.Namespace }}.svc:{{ $router.port | default 8080 }}
 {{- else -}}
-http://{{ include "kascade.fullname" . }}-engines.{{ .Release.Namespace }}.svc:{{ .Values.pool.port }}
+{{ if .Values.dataPlaneTls.secretName }}https{{ else }}http{{ end }}://{{ include "kascade.fullname" . }}-engines.{{ .Release.Namespace }}.svc:{{ .Values.pool.port }}
 {{- end -}}
+{{- end -}}
+
+{{/*
+dataPlaneTls: engines serve their HTTP port as HTTPS with the Secret's certificate. Clients of that port
+(operator, router, helm test) mount only the Secret's ca.crt here and verify engines against it.
+*/}}
+{{- define "kascade.engineCaFile" -}}/etc/kascade/engine-ca/ca.crt{{- end -}}
+{{- define "kascade.engineCaMount" -}}
+- {name: engine-ca, mountPath: /etc/kascade/engine-ca, readOnly: true}
+{{- end -}}
+{{- define "kascade.engineCaVolume" -}}
+- name: engine-ca
+  secret: {secretName: {{ .Values.dataPlaneTls.secretName }}, items: [{key: ca.crt, path: ca.crt}]}
 {{- end -}}
 
 {{/* Restricted-profile container security context (Pod Security `restricted` admits it). */}}
