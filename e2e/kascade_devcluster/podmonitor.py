@@ -7,6 +7,10 @@ job per `podMetricsEndpoints` entry: `kubernetes_sd_configs` (role pod, the moni
 keep the pods its selector matches and the container port it names -> `namespace`/`pod`/`container`
 labels -> the monitor's relabelings, verbatim (camelCase keys become Prometheus' snake_case).
 
+HTTPS (the chart's dataPlaneTls): an endpoint's `scheme` and `tlsConfig` become the job's `scheme` and
+`tls_config`; the CA Secret reference is resolved through `secret_files` ((secret, key) -> a local file,
+what prometheus-operator mounts into the Prometheus pod), `serverName` and `insecureSkipVerify` are kept.
+
 One deviation, for the local harness only (`address_annotation`): engine processes run on loopback, not
 at the KWOK pod's IP, so the target address is taken from the pod's `kascade.io/endpoint` annotation
 after every other rule ran (a pod without it is dropped).
@@ -55,8 +59,31 @@ def _relabel(rule: dict[str, Any]) -> dict[str, Any]:
     return {keys[k]: v for k, v in rule.items()}
 
 
+def endpoint_tls(ep: dict[str, Any], secret_files: dict[tuple[str, str], Path] | None = None) -> dict[str, Any]:
+    """The scrape job keys for a PodMonitor endpoint's `scheme` and `tlsConfig` ({} for plain HTTP)."""
+    out: dict[str, Any] = {}
+    if "scheme" in ep:
+        out["scheme"] = ep["scheme"]
+    tls = ep.get("tlsConfig")
+    if tls:
+        unknown = set(tls) - {"ca", "serverName", "insecureSkipVerify"}
+        if unknown:
+            raise ValueError(f"tlsConfig: unknown keys {sorted(unknown)}")
+        cfg: dict[str, Any] = {}
+        if "ca" in tls:
+            ref = tls["ca"]["secret"]
+            cfg["ca_file"] = str((secret_files or {})[(ref["name"], ref["key"])])
+        if "serverName" in tls:
+            cfg["server_name"] = tls["serverName"]
+        if "insecureSkipVerify" in tls:
+            cfg["insecure_skip_verify"] = bool(tls["insecureSkipVerify"])
+        out["tls_config"] = cfg
+    return out
+
+
 def scrape_configs(podmonitor: dict[str, Any], kubeconfig: Path, interval: str | None = None,
-                   address_annotation: str | None = None) -> list[dict[str, Any]]:
+                   address_annotation: str | None = None,
+                   secret_files: dict[tuple[str, str], Path] | None = None) -> list[dict[str, Any]]:
     meta, spec = podmonitor["metadata"], podmonitor["spec"]
     namespaces = (spec.get("namespaceSelector") or {}).get("matchNames") or [meta["namespace"]]
     jobs = []
@@ -79,7 +106,7 @@ def scrape_configs(podmonitor: dict[str, Any], kubeconfig: Path, interval: str |
             "metrics_path": ep.get("path", "/metrics"),
             "kubernetes_sd_configs": [{"role": "pod", "kubeconfig_file": str(kubeconfig),
                                        "namespaces": {"names": list(namespaces)}}],
-            "relabel_configs": rules}
+            "relabel_configs": rules, **endpoint_tls(ep, secret_files)}
         if interval or ep.get("interval"):
             job["scrape_interval"] = interval or ep["interval"]
             job["scrape_timeout"] = job["scrape_interval"]

@@ -159,3 +159,50 @@ def test_router_refuses_an_engine_ca_that_does_not_load(tmp_path: Path) -> None:
                         "--engine-ca", str(tmp_path / "junk.pem")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--engine-ca" in r.stderr and "junk.pem" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_prometheus_scrapes_a_tls_engine_with_the_charts_podmonitor_tls_config(
+        serving: Any, pki: dict[str, Path], tmp_path: Path) -> None:
+    """A real Prometheus, configured from the chart's rendered PodMonitor endpoint (scheme https, CA from the
+    Secret): without dataPlaneTls.serverName (insecureSkipVerify) the engine is up and its series arrive;
+    with a serverName the engine's certificate does not carry, the scrape is refused (so a name is checked
+    when one is given); plain http (the chart without TLS) gets nothing from a TLS engine."""
+    import yaml
+
+    from kascade_devcluster.binaries import MissingBinaries, bin_dir
+    from kascade_devcluster.podmonitor import endpoint_tls
+    from kascade_devcluster.prometheus import MissingPrometheus, PrometheusServer
+    from kascade_devcluster.requirement import unavailable
+
+    try:
+        helm, prom = bin_dir() / "helm", PrometheusServer(tmp_path / "prom")
+    except (MissingBinaries, MissingPrometheus) as e:
+        unavailable(str(e))
+    chart = Path(__file__).resolve().parents[2] / "charts" / "kascade"
+
+    def endpoint(*values: str) -> dict[str, Any]:
+        out = subprocess.run([str(helm), "template", "rel", str(chart), "--set", "monitoring.podMonitor.enabled=true",
+                              *[a for v in values for a in ("--set", v)]], capture_output=True, text=True, check=True,
+                             timeout=120).stdout
+        pm = next(d for d in yaml.safe_load_all(out) if d and d["kind"] == "PodMonitor")
+        return pm["spec"]["podMetricsEndpoints"][0]  # type: ignore[no-any-return]
+
+    secrets = {("engine-tls", "ca.crt"): pki["ca"]}
+    jobs = {"skip": endpoint("dataPlaneTls.secretName=engine-tls"),
+            "named": endpoint("dataPlaneTls.secretName=engine-tls", "dataPlaneTls.serverName=not-in-the-cert"),
+            "plain": endpoint()}
+    prom.start([{"job_name": job, "static_configs": [{"targets": [f"127.0.0.1:{serving.http}"]}],
+                 **endpoint_tls(ep, secrets)} for job, ep in jobs.items()])
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            up = {r["metric"]["job"]: r["value"][1] for r in prom.query("up")}
+            if len(up) == 3 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert up == {"skip": "1", "named": "0", "plain": "0"}, up
+        assert prom.query('kascade_generation_tokens_total{job="skip"}'), "no engine series over https"
+        errors = {t["labels"]["job"]: t["lastError"] for t in prom.api("targets")["activeTargets"]}
+        assert "certificate" in errors["named"], errors
+    finally:
+        prom.stop()
