@@ -6,8 +6,10 @@ and switch side both get a tbf qdisc (upload and download capped), joined by a b
 Needs root and a kernel with network namespaces; netem is not needed (this kernel lacks it).
 With `groups=2, spine_ratio=r` the hosts form two "leaves" (group A: hosts 0..n/2-1 at 10.213.0.x,
 group B at 10.213.0.128+x): each link's cross-group traffic, per direction, is capped at r x its rate
-(htb: a cross class matched by the other group's /25, beside the in-group class), which is how the
-planner's cost model sees an oversubscribed spine: every GPU link's share of its leaf's uplink.
+(htb: a cross class beside the in-group class, one leaf per peer host under each, matched by the
+peer's address), which is how the planner's cost model sees an oversubscribed spine: every GPU link's
+share of its leaf's uplink, split evenly between the flows using it. This kernel has no fair-queueing
+qdisc (sfq, fq, fq_codel), hence per-peer htb leaves.
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ def _run(*args: str) -> None:
 # 10 ms (tbf's minimum sensible at these rates with a 256 KiB burst) keeps each hop's queueing small
 # beside a block's transfer time, as on real fabrics; 50 ms made an 8-hop chain ~10 % late.
 QUEUE_MS = 10
+# TCP small queues: how many bytes one socket may have in its host's qdisc. This host's default is
+# 4 MiB (~0.3 ms on a 100 Gbit/s NIC, 160 ms on an emulated 200 Mbit/s link), more than a 2:1-spine
+# leaf's queue holds, so a socket overflowed its own host's queue (hundreds of local drops a run,
+# each a congestion signal). 128 KiB: two 64 KiB GSO packets, a few ms at these rates.
+TSQ_BYTES = 128 << 10
+BURST = 256 << 10  # bytes an htb class may send at once (tbf's burst on the one-group links)
 
 class NetLab:
     def __init__(self, hosts: int, rate_mbit: int = 200, groups: int = 1, spine_ratio: float = 1.0,
@@ -46,23 +54,45 @@ class NetLab:
     def prefix(self, i: int) -> list[str]:
         return ["ip", "netns", "exec", f"{self.tag}-h{i}"]
 
-    def _shape(self, ns: list[str], dev: str, other: str, direction: str) -> None:
-        """htb: in-group traffic at the link rate, cross-group traffic at spine_ratio of it."""
+    def _shape(self, ns: list[str], dev: str, me: int, direction: str) -> None:
+        """htb: in-group traffic at the link rate, cross-group traffic at spine_ratio of it, and one leaf
+        class per peer host under each, so flows to (or from) different peers split what their class
+        gets evenly, as the planner's cost model assumes (a FIFO left the split to TCP: the host's
+        congestion control is BBR, which over a few seconds splits a shared FIFO unevenly; a cross-group
+        stripe capped at its exact share could never make up what its upstream in-group hop lost)."""
         r, x = self.rate, max(1, int(self.rate * self.spine))
-        _run(*ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10")
-        _run(*ns, "tc", "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", f"{r}mbit",
-             "ceil", f"{r}mbit", "burst", "256kb", "cburst", "256kb")
-        _run(*ns, "tc", "class", "add", "dev", dev, "parent", "1:1", "classid", "1:10", "htb", "rate",
-             f"{max(1, r - x)}mbit", "ceil", f"{r}mbit", "burst", "256kb", "cburst", "256kb")
-        _run(*ns, "tc", "class", "add", "dev", dev, "parent", "1:1", "classid", "1:20", "htb", "rate", f"{x}mbit",
-             "ceil", f"{x}mbit", "burst", "256kb", "cburst", "256kb")
-        _run(*ns, "tc", "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "u32", "match", "ip",
-             direction, other, "flowid", "1:20")
-        # each class's queue holds at most QUEUE_MS at its rate, like tbf's `latency` on the one-group
-        # links (htb's default leaf queue is 1,000 packets: 120 ms at 100 Mbit/s, added at every relay hop)
-        for cls, mbit in (("10", r), ("20", x)):
-            _run(*ns, "tc", "qdisc", "add", "dev", dev, "parent", f"1:{cls}", "handle", f"{cls}:", "bfifo",
-                 "limit", str(max(3000, mbit * 1_000_000 // 8 * QUEUE_MS // 1000)))
+        peers = [i for i in range(self.hosts) if i != me]
+        inside = [i for i in peers if self.group(i) == self.group(me)]
+        cross = [i for i in peers if self.group(i) != self.group(me)]
+        cmds = [f"qdisc add dev {dev} root handle 1: htb default 99",
+                f"class add dev {dev} parent 1: classid 1:1 htb rate {r}mbit ceil {r}mbit burst {BURST} cburst {BURST}",
+                f"class add dev {dev} parent 1:1 classid 1:10 htb rate {max(1, r - x)}mbit ceil {r}mbit "
+                f"burst {BURST} cburst {BURST}",
+                f"class add dev {dev} parent 1:1 classid 1:20 htb rate {x}mbit ceil {x}mbit burst {BURST} cburst {BURST}"]
+        # (leaf minor, parent minor, parent's rate and ceiling, peer or None for unmatched traffic, e.g. ARP)
+        leaves = [(99, 10, max(1, r - x), r, None)]
+        leaves += [(100 + i, 10, max(1, r - x), r, i) for i in inside]
+        leaves += [(100 + i, 20, x, x, i) for i in cross]
+        share = {10: len(inside) + 1, 20: max(1, len(cross))}
+        for minor, parent, rate, ceil, peer in leaves:
+            # equal guarantees and quanta: siblings borrow the parent's spare rate in equal parts
+            cmds.append(f"class add dev {dev} parent 1:{parent} classid 1:{minor} htb "
+                        f"rate {max(1, rate * 1000 // share[parent])}kbit ceil {ceil}mbit "
+                        f"burst {BURST} cburst {BURST} quantum 30000")
+            # each leaf's queue holds at most QUEUE_MS at its ceiling plus the upstream shaper's
+            # burst, like tbf's `limit` on the one-group links (htb's default leaf queue is 1,000
+            # packets: 120 ms at 100 Mbit/s, added at every relay hop; a queue shorter than the burst
+            # the sending side's shaper releases at once dropped whole bursts: thousands of
+            # retransmitted segments a run)
+            cmds.append(f"qdisc add dev {dev} parent 1:{minor} handle {minor}: bfifo "
+                        f"limit {ceil * 1_000_000 // 8 * QUEUE_MS // 1000 + BURST}")
+            if peer is not None:
+                cmds.append(f"filter add dev {dev} parent 1: protocol ip prio 1 u32 match ip {direction} "
+                            f"{self.addr(peer)}/32 flowid 1:{minor}")
+        proc = subprocess.run([*ns, "tc", "-batch", "-"], input="\n".join(cmds) + "\n", capture_output=True,
+                              text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"tc -batch on {dev}: {proc.stderr.strip()}")
 
     def __enter__(self) -> NetLab:
         self.cleanup()
@@ -83,13 +113,14 @@ class NetLab:
                 _run(*self.prefix(i), "ip", "addr", "add", f"{self.addr(i)}/24", "dev", v)
                 _run(*self.prefix(i), "ip", "link", "set", v, "up")
                 _run(*self.prefix(i), "ip", "link", "set", "lo", "up")
+                if self.groups == 2:
+                    _run(*self.prefix(i), "sysctl", "-qw", f"net.ipv4.tcp_limit_output_bytes={TSQ_BYTES}")
                 if self.groups == 1:
                     _run(*self.prefix(i), "tc", "qdisc", "add", "dev", v, "root", *tbf)  # upload
                     _run(*sw, "tc", "qdisc", "add", "dev", p, "root", *tbf)  # download
                 else:
-                    other = "10.213.0.128/25" if self.group(i) == 0 else "10.213.0.0/25"
-                    self._shape(self.prefix(i), v, other, "dst")  # upload
-                    self._shape(sw, p, other, "src")  # download
+                    self._shape(self.prefix(i), v, i, "dst")  # upload
+                    self._shape(sw, p, i, "src")  # download
         except Exception:
             self.cleanup()
             raise
