@@ -53,8 +53,8 @@ def run(namespaces: tuple[str, ...], interval: float | None, rate_window: float 
     from pydantic import ValidationError
 
     from kascade_operator.handlers import build_registry
-    from kascade_operator.httppool import engine_tls_context
     from kascade_operator.settings import OperatorSettings
+    from kascade_planner.engine_tls import engine_tls_context
 
     overrides = {k: v for k, v in {"namespaces": list(namespaces) or None, "interval_seconds": interval,
                                    "rate_window_seconds": rate_window, "metrics_source": metrics_source,

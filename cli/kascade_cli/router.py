@@ -38,8 +38,9 @@ def router(host: str, port: int, namespace: str | None, kubeconfig: str | None, 
            max_body_bytes: int, hold_timeout: float, max_queued: int, connect_timeout: float, read_timeout: float,
            attempts: int, engine_ca: str | None = None) -> None:
     """Route OpenAI requests by `model` to the serving replicas of each ModelService."""
+    from kascade_planner.engine_tls import engine_tls_context
     from kascade_router.server import Router, static_routes
-    from kascade_router.settings import RouterSettings, engine_tls_context
+    from kascade_router.settings import RouterSettings
 
     settings = RouterSettings(max_body_bytes=max_body_bytes, hold_timeout_s=hold_timeout, max_queued=max_queued,
                               connect_timeout_s=connect_timeout, read_timeout_s=read_timeout, attempts=attempts,

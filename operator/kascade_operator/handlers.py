@@ -29,7 +29,6 @@ from kascade_operator.api import ModelServiceSpec
 from kascade_operator.decide import RoleDecision, RoleInput, decide_roles
 from kascade_operator.demand import RouterDemand, zero_rule
 from kascade_operator.engine_client import EngineClient, EngineError
-from kascade_operator.httppool import engine_tls_context
 from kascade_operator.kube import GROUP, VERSION, Conflict, Kube, NotFound, now_iso
 from kascade_operator.metrics import PrometheusSource, Scraper, snapshot
 from kascade_operator.operator_metrics import OperatorMetrics
@@ -53,6 +52,7 @@ from kascade_operator.sourcehealth import source_blocker
 from kascade_operator.status import Blocker, invalid_status, keep_transition_times, service_status
 from kascade_operator.validation import semantic_errors
 from kascade_planner import policies as P
+from kascade_planner.engine_tls import engine_tls_context
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ Data flow: Scraper / EngineClient -> `HttpPool.url(endpoint, path)` (http, or ht
 installation's engine CA) and `HttpPool.get(endpoint)` -> a cached client (created on first use, timeout
 and TLS verification applied) -> the request; `prune(keep)` closes clients of endpoints that are gone.
 
-HTTPS to engines (`engine_tls_context`): engines started with TLS files serve their HTTP port with their
-data-plane certificate. Engines are addressed by pod IP, so the certificate is checked against the
+HTTPS to engines (`kascade_planner.engine_tls`, shared with the router): engines started with TLS files
+serve their HTTP port with their data-plane certificate. Engines are addressed by pod IP, so the certificate is checked against the
 installation's CA only, not against a name (the trust model of the data plane, transport_tls.py).
 """
 
@@ -20,22 +20,6 @@ import ssl
 from collections.abc import Iterable
 
 import httpx
-
-
-def engine_tls_context(ca_file: str) -> ssl.SSLContext | None:
-    """Client context verifying engines against the CA in `ca_file` (names not checked); None for "" (plain
-    HTTP). An unreadable or invalid file raises ValueError naming it."""
-    if not ca_file:
-        return None
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.check_hostname = False  # engines are pod IPs: the CA is the trust boundary
-    ctx.verify_mode = ssl.CERT_REQUIRED
-    try:
-        ctx.load_verify_locations(cafile=ca_file)
-    except (OSError, ssl.SSLError) as e:
-        raise ValueError(f"engine CA file {ca_file}: {e}") from None
-    return ctx
 
 
 class HttpPool:

@@ -17,10 +17,11 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kascade_planner.engine_tls import engine_tls_context
 from kascade_router.backends import Routes
 from kascade_router.demand import Demand
 from kascade_router.proxy import Proxy
-from kascade_router.settings import RouterSettings, engine_tls_context
+from kascade_router.settings import RouterSettings
 from kascade_router.upstream import Upstreams
 from kascade_router.watch import Watcher
 

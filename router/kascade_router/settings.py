@@ -1,26 +1,9 @@
-"""Router settings: limits, timeouts and engine TLS, one frozen dataclass filled from CLI flags or tests."""
+"""Router settings: limits, timeouts and the engine CA file, one frozen dataclass filled from CLI flags or tests
+(the CA becomes a TLS context in kascade_planner.engine_tls, shared with the operator)."""
 
 from __future__ import annotations
 
-import ssl
 from dataclasses import dataclass
-
-
-def engine_tls_context(ca_file: str) -> ssl.SSLContext | None:
-    """Client context for engines started with TLS files: their certificate must chain to the CA in
-    `ca_file`; names are not checked (engines are addressed by pod IP, the CA is the trust boundary, as on
-    the data plane). None for "" (plain HTTP). An unreadable or invalid file raises ValueError naming it."""
-    if not ca_file:
-        return None
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_REQUIRED
-    try:
-        ctx.load_verify_locations(cafile=ca_file)
-    except (OSError, ssl.SSLError) as e:
-        raise ValueError(f"engine CA file {ca_file}: {e}") from None
-    return ctx
 
 
 @dataclass(frozen=True)

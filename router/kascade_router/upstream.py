@@ -357,7 +357,7 @@ class Upstreams:
     """Keep-alive connections to engines, pooled per address (`host:port`, IPv6 as `[h]:port`)."""
 
     def __init__(self, connect_timeout_s: float, idle_s: float = IDLE_S, tls: ssl.SSLContext | None = None) -> None:
-        """`tls`: engines serve HTTPS, verified by this context (settings.engine_tls_context); None: plain HTTP."""
+        """`tls`: engines serve HTTPS, verified by this context (kascade_planner.engine_tls); None: plain HTTP."""
         self.connect_timeout_s, self.idle_s, self.tls = connect_timeout_s, idle_s, tls
         self._idle: dict[str, list[Answer]] = defaultdict(list)
         self._heads: dict[tuple[str, str], bytes] = {}

@@ -67,9 +67,9 @@ def test_tls_engine_refuses_plain_http_and_answers_https_with_the_ca(serving: An
 async def test_engine_client_and_scraper_with_the_ca_bind_load_and_scrape_a_tls_engine(
         pki: dict[str, Path], tiny_ckpt: Path, tiny_blocks: Any, engine_starter: Any) -> None:
     from kascade_operator.engine_client import EngineClient, EngineError
-    from kascade_operator.httppool import engine_tls_context
     from kascade_operator.metrics import Scraper
     from kascade_operator.settings import OperatorSettings
+    from kascade_planner.engine_tls import engine_tls_context
 
     s = OperatorSettings(engine_token="test-token", engine_ca_file=str(pki["ca"]))
     tls = engine_tls_context(s.engine_ca_file)
