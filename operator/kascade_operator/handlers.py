@@ -317,11 +317,8 @@ async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods:
                 if e.status == 409:
                     return None  # requests still in flight: try again next round
                 log.warning("%s", e)
-        patch = unbind_patch(p)
-        if kept:
-            patch["metadata"]["annotations"][L.HOST_COPY] = kept
         try:
-            await rt.kube.patch_pod(pool_ns, p.pod_name, patch)
+            await rt.kube.patch_pod(pool_ns, p.pod_name, unbind_patch(p, host_copy=kept))
         except (Conflict, NotFound):
             return None
         rt.unreserve(pool_ns, [p.pod_name])  # its claim was for the bind this release ends: it may serve again

@@ -194,7 +194,7 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
         except EngineError as e:
             if from_copy and e.status == 409:  # the engine no longer keeps it: never offered again
                 with contextlib.suppress(Conflict, NotFound):
-                    await rt.kube.patch_pod(pool_ns, p.pod_name, host_copy_patch(p, None))
+                    await rt.kube.patch_pod(pool_ns, p.pod_name, host_copy_patch(None))
             if e.status is None:  # timed out or unreachable: retried next round; the driver drops the
                 retry.add(iid)    # target if its engine stays unreachable (UNREACHABLE_LIMIT_S)
                 log.warning("%s (will retry)", e)

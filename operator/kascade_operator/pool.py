@@ -118,7 +118,7 @@ def host_copies(idle: Sequence[PodView], model: str) -> list[PodView]:
     return sorted((p for p in idle if p.host_copy == model and usable_target(p)), key=lambda p: p.pod_name)
 
 
-def host_copy_patch(p: PodView, model: str | None) -> dict[str, Any]:
+def host_copy_patch(model: str | None) -> dict[str, Any]:
     """Record (model) or clear (None) the host copy a released pod's engine keeps."""
     return {"metadata": {"annotations": {L.HOST_COPY: model}}}
 
@@ -180,16 +180,17 @@ def drained_patch(p: PodView) -> dict[str, Any]:
     return {"metadata": {"resourceVersion": p.resource_version, "annotations": {L.DRAINING + "-done": "true"}}}
 
 
-def unbind_patch(p: PodView, unhealthy: str | None = None) -> dict[str, Any]:
+def unbind_patch(p: PodView, unhealthy: str | None = None, host_copy: str | None = None) -> dict[str, Any]:
     """Return a drained pod to the pool (merge patch: null deletes the key); with `unhealthy`, a dead
     engine's pod leaves its service and is marked so it is never chosen as a target again. A pool pod
     loses the service's ownerReference (the pool ReplicaSet may adopt it again); a fallback pod created
-    for the service keeps it (it is the service's, and goes with it)."""
+    for the service keeps it (it is the service's, and goes with it). `host_copy`: the model its released
+    engine keeps in host memory (recorded), or None (any old record cleared)."""
     meta: dict[str, Any] = {"resourceVersion": p.resource_version,
                             "labels": {L.MODEL_SERVICE: None, L.ROLE: None, L.POOL: L.POOL_WARM},
                             "annotations": {L.PLAN: None, L.LOADED: None, L.LIVE: None, L.DRAINING: None,
                                             L.DRAINING + "-done": None, L.SERVICE_NS: None,
-                                            L.CONVERTIBLE: None,
+                                            L.CONVERTIBLE: None, L.HOST_COPY: host_copy,
                                             **({L.UNHEALTHY: unhealthy[:200]} if unhealthy else {})}}
     if p.created_for is None:
         meta["ownerReferences"] = None

@@ -19,8 +19,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from yarl import URL
-
 log = logging.getLogger(__name__)
 
 MODEL_SERVICE = "kascade.io/model-service"
@@ -122,17 +120,6 @@ class Backend:
     in_flight: int = 0
     ejected_until: float = 0.0  # a connection to it failed: skip it until then (or until its pod changes)
     live: bool = False
-    _urls: dict[str, URL] = field(default_factory=dict, repr=False)
-
-    def url(self, path: str) -> URL:
-        """The engine URL for this request path, built once per (backend, path): parsing a URL string per
-        request is a measurable share of the router's CPU per request."""
-        u = self._urls.get(path)
-        if u is None:
-            host, _, port = self.address.rpartition(":")
-            u = self._urls[path] = URL.build(scheme="http", host=host.strip("[]"), port=int(port), path=path)
-        return u
-
     def usable(self, now: float) -> bool:
         return self.ejected_until <= now
 

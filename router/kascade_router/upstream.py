@@ -134,12 +134,6 @@ class Answer(asyncio.Protocol):
         else:
             self._fail(f"engine closed the connection{' mid-answer' if self._in_body else ' before answering'}{why}")
 
-    def pause_writing(self) -> None:  # our request bodies are small: nothing to pause
-        pass
-
-    def resume_writing(self) -> None:
-        pass
-
     # -- parsing ------------------------------------------------------------------------------------------
     def _parse_head(self, head: bytes) -> None:
         lines = head.decode("latin-1").split("\r\n")

@@ -10,7 +10,7 @@ from builders import pod, spec  # type: ignore[import-not-found]
 
 from kascade_operator import labels as L
 from kascade_operator import scaleplan as SP
-from kascade_operator.pool import bind_patch, choose_targets, pod_view
+from kascade_operator.pool import bind_patch, choose_targets, pod_view, unbind_patch
 from kascade_operator.reconcile import CreatePlan, reconcile
 from kascade_operator.status import service_status
 
@@ -49,6 +49,9 @@ def test_pod_view_reads_the_annotation_and_bind_clears_it() -> None:
     assert p.host_copy == "m"
     patch = bind_patch(p, "svc", "colocated", "plan-1")
     assert patch["metadata"]["annotations"][L.HOST_COPY] is None  # a bound engine's copy is no host copy
+    bound = dataclasses.replace(p, model_service="svc", host_copy=None)
+    assert unbind_patch(bound, host_copy="m")["metadata"]["annotations"][L.HOST_COPY] == "m"  # kept at release
+    assert unbind_patch(bound)["metadata"]["annotations"][L.HOST_COPY] is None
 
 
 def test_scaleplan_names_the_host_copy_source() -> None:
