@@ -2,7 +2,8 @@
 (optionally) accept activations from a cooperating loading engine on a data port.
 
 Data flow: flags -> `EngineConfig` -> checkpoint dir (or the converted SmolLM2) -> blocks ->
-`EngineInstance` -> uvicorn on a pre-bound socket (port 0 works) + activation listener; prints one line
+`EngineInstance` -> uvicorn on a pre-bound socket (port 0 works) + activation listener (the data port:
+activations, live pairs, PD prefill/KV; over --transport tcp or ucx); prints one line
 `KASCADE_ENGINE_READY http=<port> act=<port>` once both listen.
 With --tls-cert/--tls-key/--tls-ca the HTTP port serves HTTPS with that certificate (the control API's
 bearer token and the plan secrets in load-plan bodies are then encrypted on the pod network); clients
@@ -56,7 +57,8 @@ def engine() -> None:
               help="load only embed + this many leading layers (a load in progress: demos and tests of live cooperation)")
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(1), help="torch CPU threads")
 @click.option("--transport", type=click.Choice(["tcp", "ucx"]), default="tcp", show_default=True,
-              help="weight data plane transport for load plans")
+              help="data plane transport: load plans' weights, and the --act-port (activations, live pairs and "
+                   "the KV of disaggregated serving). Peers must use the same one; TLS (--tls-*) is tcp only")
 @click.option("--transfer-max-mbps", type=click.FloatRange(0, min_open=True),
               help="cap on weight data this engine sends, in Mbit/s (default: line rate)")
 @click.option("--header-timeout", default=10.0, show_default=True, type=click.FloatRange(0, min_open=True),
@@ -147,7 +149,8 @@ def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: s
         sock.listen(2048)  # connections queue from now on: the READY line below is true when printed
         listener = None
         if act_port is not None:
-            listener = await make_transport("tcp", cfg.tls).listen(host, act_port, lambda conn: inst.finisher.handle(conn))  # the current finisher: bind may rebuild it (dtype)
+            # the engine's data-port transport (--transport): the peers that connect here use the same one
+            listener = await inst.transport.listen(host, act_port, lambda conn: inst.finisher.handle(conn))  # the current finisher: bind may rebuild it (dtype)
         # log_config=None: uvicorn's loggers go through the root handler `kascade --log-format` set up
         # TLS files: HTTPS with the engine's certificate; CERT_NONE because probes and scrapers have no client
         # certificate (the control API authenticates its callers by bearer token, not by certificate)

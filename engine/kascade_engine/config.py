@@ -12,6 +12,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kascade_engine.transport import TRANSPORTS
+
 if TYPE_CHECKING:
     from kascade_engine.transport_tls import TlsFiles
 
@@ -37,7 +39,7 @@ class EngineConfig:
     page_size: int = 16
     max_n: int = 8  # OpenAI `n` limit
     threads: int = 1
-    transport: str = "tcp"
+    transport: str = "tcp"  # the data plane's transport: weights, activations and KV (one of TRANSPORTS)
     transfer_bytes_per_s: float | None = None
     empty: bool = False
     resident_layers: int | None = None
@@ -58,8 +60,8 @@ class EngineConfig:
             raise ConfigError(f"--host-cache-gib must be >= 0, got {self.host_cache_bytes / 2**30:g}")
         if not 0 <= self.emulate_layer_ms <= 10_000:
             raise ConfigError(f"--emulate-layer-ms must be in [0, 10000], got {self.emulate_layer_ms}")
-        if self.transport not in ("tcp", "ucx"):
-            raise ConfigError(f"--transport {self.transport!r}: use tcp or ucx")
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"--transport {self.transport!r}: unknown transport; use {' or '.join(TRANSPORTS)}")
         if self.tls is not None and self.transport != "tcp":
             raise ConfigError("--tls-cert/--tls-key/--tls-ca apply to --transport tcp only; ucx does not encrypt")
         if not self.token:

@@ -87,6 +87,10 @@ class EngineInstance:
         self.loading: asyncio.Task[None] | None = None
         self.plan: dict[str, Any] | None = None
         self.instance_id = config.instance
+        # The data port's transport (--transport, with --tls-* for tcp): the act-port listener (CLI), the
+        # activation/pair connections (`peers`) and the KV connections of disaggregated serving
+        # (`remote_prefill`) all speak it, so peers configured alike reach each other whatever it is.
+        self.transport = make_transport(config.transport, config.tls)
         self._build(config)
         self.phase = Phase.EMPTY
         if blockset is not None:
@@ -105,7 +109,7 @@ class EngineInstance:
         c = config
         self.engine = Engine(self.model, Limits(c.max_batch_tokens, c.max_seqs, c.kv_tokens, c.page_size),
                              eos=self.tokenizer.eos_token_id)
-        self.peers = PeerPool(make_transport("tcp", config.tls), config.token)  # activation connections opened ahead
+        self.peers = PeerPool(self.transport, config.token)  # activation connections opened ahead
         self.host = HostRows(layer_s=config.emulate_layer_ms / 1e3)  # pair sessions (a loading peer's rows) join this engine's batch
         self.engine.coop = self.host
         self.pair: PairClient | None = None  # while loading with a peer: our rows finish there

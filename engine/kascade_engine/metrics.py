@@ -7,7 +7,9 @@ built for vLLM port by changing the prefix): every serving metric carries `model
   kascade_request_success_total{finished_reason=stop|length|abort|error}
   kascade_time_to_first_token_seconds, kascade_inter_token_latency_seconds, kascade_e2e_request_latency_seconds
 Kascade's own: blocks resident, weight transfer bytes and bandwidth, weight transfers that failed on this
-engine (`kascade_weight_transfer_failures_total`, the transfer-failure alert), live-split requests and layers.
+engine (`kascade_weight_transfer_failures_total`, the transfer-failure alert), live-split requests and layers,
+`kascade_data_port_bytes_total{transport,direction}`: payload bytes of the data port's connections
+(activations, pairs, PD KV) as the transport (`--transport`: tcp, tcp+tls, ucx) counted them.
 
 Data flow: Serving calls `on_request` (prompt admitted), `observe_event` (every token), `observe_ttft`,
 `on_finish`; `update(instance)` samples the gauges before a scrape and after every step.
@@ -58,6 +60,10 @@ class EngineMetrics:
         self.live_split = Counter("kascade_live_split_requests", "Requests served split with a peer while loading",
                                   registry=r)
         self.live_layers = Gauge("kascade_live_layers", "Layers executed for a cooperating peer", registry=r)
+        self.data_port_bytes = Counter("kascade_data_port_bytes", "Payload bytes the data port's connections "
+                                       "(activations, live pairs, the KV of disaggregated serving) moved, counted "
+                                       "by the transport that carried them", ["transport", "direction"], registry=r)
+        self._data_port_seen = (0, 0)
         self._last_token: dict[str, float] = {}
         self._preemptions_seen = 0
 
@@ -99,3 +105,8 @@ class EngineMetrics:
             self.transfer_failures.inc(inst.transfer_failures - self._transfer_failures_seen)
             self._transfer_failures_seen = inst.transfer_failures
         self.live_layers.set(inst.finisher.layers_finished)
+        t = inst.transport
+        sent, received = t.traffic.sent, t.traffic.received
+        self.data_port_bytes.labels(t.name, "sent").inc(sent - self._data_port_seen[0])
+        self.data_port_bytes.labels(t.name, "received").inc(received - self._data_port_seen[1])
+        self._data_port_seen = (sent, received)

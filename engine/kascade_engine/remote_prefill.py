@@ -3,7 +3,8 @@ peer (the router's `X-Kascade-Prefill: host:port`, the prefill engine's data por
 KV lands here layer by layer, and the sequence joins this engine's batch as a running decode.
 
 Data flow: `Serving.submit(..., prefill=peer)` -> `RemotePrefill.start` (a task) -> an authenticated
-data-plane connection from `PeerPool` (hello; reused across requests) -> {"op": "prefill"} -> every kv
+data-plane connection from `PeerPool` over the engine's `--transport` (`EngineInstance.transport`: tcp,
+tcp with mutual TLS, or ucx; the same frames and checks on each) (hello; reused across requests) -> {"op": "prefill"} -> every kv
 frame is checked (kv_wire.py) and received straight into a host staging tensor [layers, prompt, kv_heads,
 head_dim] (K and V) -> kv_done: coverage, byte count and digest verified -> `Engine.call_in_step(adopt)`:
 in the step thread, pages are allocated, the staged KV is copied into them, and the sequence enters the
@@ -28,7 +29,7 @@ from kascade_engine.peerpool import PeerPool
 from kascade_engine.prefill_server import host_bytes, kv_shape
 from kascade_engine.sampling import SamplingParams
 from kascade_engine.scheduler import Seq
-from kascade_engine.transport import Connection, TransportError, make_transport
+from kascade_engine.transport import Connection, TransportError
 
 if TYPE_CHECKING:
     from kascade_engine.engine import Engine
@@ -45,7 +46,7 @@ class RemotePrefillError(Exception):
 class RemotePrefill:
     def __init__(self, inst: EngineInstance) -> None:
         self.inst = inst
-        self.pool = PeerPool(make_transport("tcp", inst.config.tls), inst.config.token)
+        self.pool = PeerPool(inst.transport, inst.config.token)  # the engine's data-port transport (tcp, tls, ucx)
         self.adopted = 0  # metrics: requests whose prefill ran on a peer
         self.fallbacks = 0  # requests prefilled here after a remote prefill failed
         self.bytes_received = 0

@@ -3,7 +3,10 @@
 Data flow: `Transport.listen(host, port, handler)` / `Transport.connect(host, port)` -> `Connection`
 -> `send(header, payload)` / `recv() -> (header, payload)`. Framing is explicit and length-prefixed
 (never pickle): b"KSC1" | u32 header length | u64 payload length | JSON header | payload.
-Two implementations: asyncio TCP (`transport_tcp`) and UCX through ucxx (`transport_ucx`).
+Implementations: asyncio TCP (`transport_tcp`), TCP with mutual TLS (`transport_tls`) and UCX through
+ucxx (`transport_ucx`); `make_transport(name)` picks one by its setting name (`TRANSPORTS`). Each counts
+the payload bytes its connections moved (`Traffic`), where the bytes meet the wire, so a test or a metric
+sees which transport carried them.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import contextlib
 import json
 import struct
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -21,6 +25,7 @@ MAGIC = b"KSC1"
 PREFIX = struct.Struct("<4sIQ")
 MAX_HEADER = 64 * 1024
 MAX_PAYLOAD = 256 * 1024 * 1024
+TRANSPORTS = ("tcp", "ucx")  # the names an engine's --transport (and make_transport) accepts
 
 
 class TransportError(Exception):
@@ -28,6 +33,16 @@ class TransportError(Exception):
 
 
 Header = dict[str, Any]
+
+
+@dataclass
+class Traffic:
+    """Payload bytes (not frame headers) a transport's connections sent and received, counted by the
+    connection once the bytes were handed to / taken from the wire: shared by all connections of one
+    `Transport` object."""
+
+    sent: int = 0
+    received: int = 0
 
 
 def encode_prefix(header: Header, payload_len: int) -> tuple[bytes, bytes]:
@@ -99,6 +114,7 @@ Handler = Callable[[Connection], Awaitable[None]]
 
 class Transport(Protocol):
     name: str
+    traffic: Traffic
 
     async def listen(self, host: str, port: int, handler: Handler) -> Listener: ...
 
@@ -147,4 +163,4 @@ def make_transport(name: str, tls: TlsFiles | None = None) -> Transport:
         from kascade_engine.transport_ucx import UcxTransport
 
         return UcxTransport()
-    raise ValueError(f"unknown transport {name!r} (choose tcp or ucx)")
+    raise ValueError(f"unknown transport {name!r} (choose {' or '.join(TRANSPORTS)})")

@@ -17,6 +17,7 @@ from kascade_engine.transport import (
     PREFIX,
     Handler,
     Header,
+    Traffic,
     TransportError,
     decode_header,
     decode_prefix,
@@ -38,8 +39,9 @@ def _tune(sock: socket.socket) -> None:
 
 
 class TcpConnection:
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, traffic: Traffic | None = None) -> None:
         self.sock = sock
+        self.traffic = traffic if traffic is not None else Traffic()
         _tune(sock)
         try:
             host, port = sock.getpeername()[:2]
@@ -72,6 +74,7 @@ class TcpConnection:
                 await self.loop.sock_sendall(self.sock, prefix + raw)
                 if len(payload):
                     await self.loop.sock_sendall(self.sock, payload)
+            self.traffic.sent += len(payload)
         except TimeoutError:
             raise TransportError(f"{self.peer} took nothing for {timeout} s") from None
         except (ConnectionError, OSError) as e:
@@ -109,6 +112,7 @@ class TcpConnection:
         try:
             async with asyncio.timeout(timeout):
                 await self._fill(view)
+            self.traffic.received += len(view)
         except TimeoutError:
             raise TransportError(f"no data from {self.peer} for {timeout} s") from None
         except (ConnectionError, OSError) as e:
@@ -150,6 +154,9 @@ class TcpListener:
 class TcpTransport:
     name = "tcp"
 
+    def __init__(self) -> None:
+        self.traffic = Traffic()
+
     async def listen(self, host: str, port: int, handler: Handler) -> TcpListener:
         loop = asyncio.get_running_loop()
         lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -164,7 +171,7 @@ class TcpTransport:
         conns: set[asyncio.Task[None]] = set()
 
         async def serve_one(sock: socket.socket) -> None:
-            conn = TcpConnection(sock)
+            conn = TcpConnection(sock, self.traffic)
             try:
                 await handler(conn)
             except Exception as e:  # one connection's failure never ends the listener, and is not silent
@@ -194,4 +201,4 @@ class TcpTransport:
         except (OSError, TimeoutError) as e:
             sock.close()
             raise TransportError(f"connect to {host}:{port}: {e}") from None
-        return TcpConnection(sock)
+        return TcpConnection(sock, self.traffic)

@@ -28,6 +28,7 @@ from kascade_engine.transport import (
     PREFIX,
     Handler,
     Header,
+    Traffic,
     TransportError,
     decode_header,
     decode_prefix,
@@ -90,8 +91,9 @@ def _why(e: Exception) -> str:
 
 
 class TlsConnection:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, traffic: Traffic | None = None) -> None:
         self.reader, self.writer = reader, writer
+        self.traffic = traffic if traffic is not None else Traffic()
         addr = writer.get_extra_info("peername")
         self.peer = f"{addr[0]}:{addr[1]}" if addr else "?"
         own = writer.get_extra_info("sockname")
@@ -106,6 +108,7 @@ class TlsConnection:
                 if len(payload):
                     self.writer.write(payload)
                 await self.writer.drain()
+            self.traffic.sent += len(payload)
         except TimeoutError:
             raise TransportError(f"{self.peer} took nothing for {timeout} s") from None
         except (ConnectionError, OSError, ssl.SSLError) as e:
@@ -136,6 +139,7 @@ class TlsConnection:
                     piece = await self._exactly(min(len(view) - got, STREAM_LIMIT))
                     view[got:got + len(piece)] = piece
                     got += len(piece)
+            self.traffic.received += len(view)
         except TimeoutError:
             raise TransportError(f"no data from {self.peer} for {timeout} s") from None
         except (ConnectionError, OSError, ssl.SSLError) as e:
@@ -172,13 +176,14 @@ class TlsTransport:
 
     def __init__(self, files: TlsFiles) -> None:
         self.files = files
+        self.traffic = Traffic()
         self.server_ctx, self.client_ctx = files.contexts()  # bad files fail here, at startup, by name
 
     async def listen(self, host: str, port: int, handler: Handler) -> TlsListener:
         open_conns: set[asyncio.Task[None]] = set()
 
         async def serve_one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            conn = TlsConnection(reader, writer)
+            conn = TlsConnection(reader, writer, self.traffic)
             task = asyncio.current_task()
             if len(open_conns) >= MAX_CONNECTIONS:
                 log.warning("tls listener %s:%s: %d connections open; refusing %s", host, port, len(open_conns), conn.peer)
@@ -213,4 +218,4 @@ class TlsTransport:
             raise TransportError(f"tls connect to {host}:{port}: handshake refused: {e.reason or e}") from None
         except OSError as e:
             raise TransportError(f"tls connect to {host}:{port}: {e}") from None
-        return TlsConnection(reader, writer)
+        return TlsConnection(reader, writer, self.traffic)

@@ -45,6 +45,7 @@ from kascade_engine.transport import (
     Connection,
     Handler,
     Header,
+    Traffic,
     TransportError,
     decode_header,
     decode_prefix,
@@ -139,8 +140,9 @@ async def _recv_blob(ep: Any, limit: int = 1 << 16) -> bytes:
 
 
 class UcxConnection:
-    def __init__(self, ep: Any, peer: str, fast_ep: Any = None) -> None:
+    def __init__(self, ep: Any, peer: str, fast_ep: Any = None, traffic: Traffic | None = None) -> None:
         self.ep, self.peer, self.fast_ep = ep, peer, fast_ep
+        self.traffic = traffic if traffic is not None else Traffic()
         self.local: str | None = None  # ucxx endpoints do not report their local address
         self._tag_base = secrets.randbits(40) << 24  # tags this end sends under
         self._seq = 0
@@ -163,6 +165,7 @@ class UcxConnection:
                     await self.fast_ep.send(_as_array(payload), tag=header["_fastTag"], force_tag=True)
                 elif len(payload):
                     await self.ep.send(_as_array(payload))
+            self.traffic.sent += len(payload)
         except TimeoutError:
             raise TransportError(f"{self.peer} took nothing for {timeout} s") from None
         except Exception as e:  # ucxx raises its own exception types
@@ -197,6 +200,7 @@ class UcxConnection:
                     await self.ep.recv(np.frombuffer(view, dtype=np.uint8), tag=tag, force_tag=True)
                 else:
                     await self.ep.recv(np.frombuffer(view, dtype=np.uint8))
+            self.traffic.received += len(view)
         except TimeoutError:
             raise TransportError(f"no data from {self.peer} for {timeout} s") from None
         except Exception as e:
@@ -232,6 +236,7 @@ class UcxTransport:
     def __init__(self, fast_path: bool | None = None) -> None:
         self.fast_path = os.environ.get("KASCADE_UCX_FAST_PATH") == "1" if fast_path is None else fast_path
         self._fast_eps: dict[bytes, Any] = {}  # peer worker address -> its worker-address endpoint
+        self.traffic = Traffic()
 
     async def _handshake(self, ep: Any) -> Any:
         """Both ends send (locality, worker address); returns the worker-address endpoint to the peer
@@ -269,7 +274,7 @@ class UcxTransport:
                 with contextlib.suppress(Exception):
                     await ep.close()
                 return
-            conn = UcxConnection(ep, "ucx-peer", fast)
+            conn = UcxConnection(ep, "ucx-peer", fast, self.traffic)
             try:
                 await handler(conn)
             finally:
@@ -290,7 +295,7 @@ class UcxTransport:
             raise
         except Exception as e:
             raise TransportError(f"ucx connect to {host}:{port}: {type(e).__name__}: {e}") from None
-        return UcxConnection(ep, f"{host}:{port}", fast)
+        return UcxConnection(ep, f"{host}:{port}", fast, self.traffic)
 
 
 async def _create_endpoint(host: str, port: int, timeout: float) -> Any:

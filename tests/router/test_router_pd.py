@@ -1,7 +1,9 @@
 """PD routing through the router to real engine processes: the router picks a decode engine, then a
 prefill engine for it, and sends the request to the decode engine naming the prefill engine's data port;
-the prefill engine's KV moves to the decode engine over TCP and the answer streams from the decode engine.
-Outputs equal the same decode engine's colocated answers; both engines' /metrics show the KV that moved."""
+the prefill engine's KV moves to the decode engine over the engines' `--transport` (tcp, and ucx: the same
+test twice) and the answer streams from the decode engine. Outputs equal the same decode engine's colocated
+answers; both engines' /metrics show the KV that moved, and the transport's own byte counters
+(`kascade_data_port_bytes_total{transport}`) show it went over the configured transport."""
 
 from __future__ import annotations
 
@@ -26,11 +28,11 @@ from kascade_router.server import Router, static_routes
 TOKEN = "router-pd-token"
 
 
-def _engine(ckpt: Path, name: str) -> tuple[subprocess.Popen[str], int, int]:
+def _engine(ckpt: Path, name: str, transport: str) -> tuple[subprocess.Popen[str], int, int]:
     env = {**os.environ, "KASCADE_ENGINE_TOKEN": TOKEN}
     cmd = [sys.executable, "-m", "kascade_cli.main", "engine", "serve", "--port", "0", "--act-port", "0",
            "--checkpoint", str(ckpt), "--model-name", "tiny-llama", "--kv-tokens", "4096",
-           "--max-batch-tokens", "32"]
+           "--max-batch-tokens", "32", "--transport", transport]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout is not None
     for line in proc.stdout:  # the engine prints one READY line once both ports listen
@@ -40,14 +42,26 @@ def _engine(ckpt: Path, name: str) -> tuple[subprocess.Popen[str], int, int]:
     raise RuntimeError(f"engine {name} exited with {proc.wait()}")
 
 
+@pytest.fixture(scope="module", params=["tcp", "ucx"])
+def transport(request: pytest.FixtureRequest) -> str:
+    if request.param == "ucx":
+        try:
+            import ucxx  # noqa: F401
+        except ImportError as e:
+            from kascade_devcluster.requirement import unavailable
+
+            unavailable(f"ucxx not importable: {e}")
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[int, int]]]:
+def engines(tmp_path_factory: pytest.TempPathFactory, transport: str) -> Iterator[dict[str, tuple[int, int]]]:
     ckpt = tiny_llama(tmp_path_factory.mktemp("pd") / "tiny-llama", layers=4, hidden=64, vocab=512)
     procs: list[subprocess.Popen[str]] = []
     out: dict[str, tuple[int, int]] = {}
     try:
         for name in ("prefill", "decode"):
-            proc, http, act = _engine(ckpt, name)
+            proc, http, act = _engine(ckpt, name, transport)
             procs.append(proc)
             out[name] = (http, act)
         yield out
@@ -94,7 +108,7 @@ async def _complete(s: aiohttp.ClientSession, url: str, prompt: list[int], strea
 
 
 async def test_router_routes_pd_and_output_equals_colocated(engines: dict[str, tuple[int, int]],
-                                                             router: Router) -> None:
+                                                             router: Router, transport: str) -> None:
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30,
                 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41], [1, 2, 3], [300, 200, 100, 50]]
     d_url, p_url = f"http://127.0.0.1:{engines['decode'][0]}", f"http://127.0.0.1:{engines['prefill'][0]}"
@@ -118,6 +132,10 @@ async def test_router_routes_pd_and_output_equals_colocated(engines: dict[str, t
     kv = 2 * sum(len(p) for p in prompts) * 2 * 4 * 2 * 16 * 4  # twice each; K+V, 4 layers, 2 kv heads x 16, fp32
     assert delta(p_url, "kascade_kv_transfer_bytes_total", direction="sent") == kv
     assert delta(d_url, "kascade_kv_transfer_bytes_total", direction="received") == kv
+    # counted by the transport where the payloads met the wire, under the engines' --transport: KV frames are
+    # the only payloads the data port carried here (the hellos have none)
+    assert delta(p_url, "kascade_data_port_bytes_total", transport=transport, direction="sent") == kv
+    assert delta(d_url, "kascade_data_port_bytes_total", transport=transport, direction="received") == kv
     assert _metric(after[d_url], "kascade_kv_link_bytes_per_second") > 0
 
 
