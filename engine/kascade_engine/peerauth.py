@@ -17,9 +17,11 @@ client's canonical JSON (who it is, what it asks for: a man in the middle cannot
 Relaying: a rogue listener R that forwards a real server's challenge to a client and the client's answer
 back would get an authenticated connection to the server. The client's claims therefore name the address
 it connected to (`to`, as its socket sees it) and a server that knows its own socket address refuses a
-proof made for another one: R's relayed answer names R, not the server. (UCX endpoints do not report
-their local address, so over UCX only the nonces protect; peers there come from the authenticated control
-API, never from a request.) Mutual TLS (`transport_tls`) additionally encrypts everything after.
+proof made for another one: R's relayed answer names R, not the server. Over UCX too: an accepted UCX
+connection's `local` is the address UCP says the client reached (transport_ucx), which matters since a
+decode engine dials the prefill address a request names over --transport ucx as well. A transport that
+cannot tell (`local` None) leaves only the nonces. Mutual TLS (`transport_tls`) additionally encrypts
+everything after.
 
 Frames here carry no payload (`max_payload=0`): nothing is allocated before authentication. Every
 failure is an `AuthError` whose message says which side refused and why, and the server logs it.

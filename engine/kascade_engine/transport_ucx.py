@@ -22,6 +22,12 @@ Listening on one address: ucxx's Python listener always binds every interface (i
 take a host; the binding does not pass one), so when the spec names an address the listener closes any
 endpoint that reached it on another local address (asked of UCP with `ucp_ep_query`) before a byte of
 the handshake is exchanged. If UCP cannot say, the endpoint is closed too: fail closed.
+
+Addresses for peer authentication: an accepted connection's `local` is the address the client reached
+(UCP's local sockaddr of the endpoint, with the listener's port), and a connecting one's `peer` is the
+IP it dialled (a host name is resolved first, and UCX is given that IP), so peerauth's relay check (the
+client's proof names the address it dialled; the server refuses one made for another) holds over UCX as
+it does over TCP. That matters because a decode engine dials the prefill address a request names.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import asyncio
 import contextlib
 import ctypes
 import functools
+import ipaddress
 import logging
 import os
 import secrets
@@ -262,8 +269,11 @@ class UcxTransport:
         except OSError as e:
             raise TransportError(f"ucx listen on {host}:{port}: {e}") from None
 
+        bound: list[int] = []  # the listener's port, known once it listens (port 0 picks one)
+
         async def on_ep(ep: Any) -> None:
-            if only is not None and (addr := local_address(ep)) not in only:
+            addr = local_address(ep)
+            if only is not None and addr not in only:
                 log.warning("ucx listener on %s:%s: refused a connection that reached %s", host, port, addr)
                 with contextlib.suppress(Exception):
                     await ep.close()
@@ -275,18 +285,23 @@ class UcxTransport:
                     await ep.close()
                 return
             conn = UcxConnection(ep, "ucx-peer", fast, self.traffic)
+            if addr is not None and bound:  # what the client dialled, for peerauth's relay check
+                conn.local = f"[{addr}]:{bound[0]}" if ":" in addr else f"{addr}:{bound[0]}"
             try:
                 await handler(conn)
             finally:
                 await conn.close()
 
         try:
-            return UcxListener(ucxx.create_listener(on_ep, port or None))
+            listener = UcxListener(ucxx.create_listener(on_ep, port or None))
         except Exception as e:
             raise TransportError(f"ucx listen on port {port}: {e}") from None
+        bound.append(listener.port)
+        return listener
 
     async def connect(self, host: str, port: int, timeout: float = 10.0) -> Connection:
         try:
+            host = await _ip_of(host)  # UCX dials the IP the connection's `peer` names (peerauth's claims)
             ep = await _create_endpoint(host, port, timeout)
             fast = await asyncio.wait_for(self._handshake(ep), timeout)
         except TimeoutError:
@@ -295,7 +310,21 @@ class UcxTransport:
             raise
         except Exception as e:
             raise TransportError(f"ucx connect to {host}:{port}: {type(e).__name__}: {e}") from None
-        return UcxConnection(ep, f"{host}:{port}", fast, self.traffic)
+        return UcxConnection(ep, f"[{host}]:{port}" if ":" in host else f"{host}:{port}", fast, self.traffic)
+
+
+async def _ip_of(host: str) -> str:
+    """`host` itself when it is an IP address, else its first address (resolved off the event loop)."""
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return host.strip("[]")
+    except ValueError:
+        pass
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise TransportError(f"ucx connect to {host}: {e}") from None
+    return str(infos[0][4][0])
 
 
 async def _create_endpoint(host: str, port: int, timeout: float) -> Any:

@@ -120,13 +120,16 @@ def _hub_env(hf_endpoint: str, hf_token_secret: str) -> list[dict[str, Any]]:
 
 def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Mapping[str, Any] | None,
                  act_port: int = ACT_PORT, hf_endpoint: str = "", hf_token_secret: str = "",
-                 log_format: str = "text", tls_secret: str = "", run_as_user: int = 65532) -> dict[str, Any]:
+                 log_format: str = "text", tls_secret: str = "", run_as_user: int = 65532,
+                 transport: str = "tcp", ucx_tcp_ports: str = "") -> dict[str, Any]:
     """A new warm-pool engine pod for this model, reserved for service `key` (annotation created-for):
     it joins the pool and is bound in a later round like any pool pod. Call only when `refusals()` is
     empty. An `hf://` source: an init container fetches config and tokenizer (what an empty engine is
     started with) into an emptyDir; the weights are downloaded by the engine when bound (HF_ENDPOINT,
     HF_TOKEN from the installation's Secret, cache in another emptyDir). `tls_secret`: mount it and serve the
-    data plane over mutual TLS (empty: plain TCP, as the pool without TLS)."""
+    data plane over mutual TLS (empty: plain TCP, as the pool without TLS). `transport`: the engine's
+    --transport, the pool's (peers reach only engines that speak theirs); with ucx, `ucx_tcp_ports` is
+    UCX_TCP_PORT_RANGE, the range the pool's NetworkPolicy admits."""
     e, src = spec.engine, spec.model.source
     ckpt = checkpoint_path(spec)
     hub = hub_uri(spec)
@@ -160,6 +163,8 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
                                   "valueFrom": {"secretKeyRef": {"name": token_secret, "key": "token"}}},
                                  {"name": "KASCADE_LOG_FORMAT", "value": log_format},  # as the installation's pods
                                  {"name": "HOME", "value": "/tmp"}]  # the root filesystem is read-only
+    if transport == "ucx" and ucx_tcp_ports:
+        env.append({"name": "UCX_TCP_PORT_RANGE", "value": ucx_tcp_ports})  # UCX's own listeners, as the pool's
     mounts = [mount, {"name": "tmp", "mountPath": "/tmp"}]
     if hub is not None:
         env += _hub_env(hf_endpoint, hf_token_secret)
@@ -173,7 +178,8 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
     container: dict[str, Any] = {
         "name": "engine", "image": e.image,
         "args": ["kascade", "engine", "serve", "--empty", "--host=0.0.0.0", f"--port={e.port}", f"--act-port={act_port}",
-                 f"--checkpoint={ckpt}", f"--model-name={spec.model.name}", *(tls_args() if tls_secret else [])],
+                 f"--transport={transport}", f"--checkpoint={ckpt}", f"--model-name={spec.model.name}",
+                 *(tls_args() if tls_secret else [])],
         "env": env,
         "ports": [{"containerPort": e.port, "name": "http"}, {"containerPort": e.data_port, "name": "data"},
                   {"containerPort": act_port, "name": "act"}],

@@ -32,6 +32,13 @@ class OperatorSettings(BaseSettings):
     engine_tls_secret: str = Field(default="", description="Secret (tls.crt, tls.key, ca.crt) the fallback pods "
                                    "mount to serve the data plane over mutual TLS, as the chart's pool does when "
                                    "dataPlaneTls.secretName is set; empty = plain TCP")
+    engine_transport: Literal["tcp", "ucx"] = Field(default="tcp", description="data-plane transport of the "
+                                                     "fallback pods (engine --transport: weights, activations, "
+                                                     "the KV of disaggregated serving), the pool's pool.transport: "
+                                                     "engines reach only peers that speak the same one")
+    engine_ucx_tcp_ports: str = Field(default="", pattern=r"^(\d{1,5}-\d{1,5})?$", description="UCX_TCP_PORT_RANGE "
+                                      "(first-last) of the fallback pods with engine_transport ucx, the pool's "
+                                      "pool.ucxTcpPorts (its NetworkPolicy admits that range); empty = UCX's default")
     engine_ca_file: str = Field(default="", description="PEM CA the engines' HTTP port certificates chain to: "
                                 "with it the operator calls the control API and scrapes /metrics over HTTPS "
                                 "(names not checked: engines are pod IPs), as engines started with TLS files "
@@ -93,6 +100,13 @@ class OperatorSettings(BaseSettings):
         if self.metrics_source == "prometheus" and not self.prometheus_url:
             raise ValueError("KASCADE_OPERATOR_PROMETHEUS_URL is required when KASCADE_OPERATOR_METRICS_SOURCE "
                              "is prometheus")
+        return self
+
+    @model_validator(mode="after")
+    def _tls_is_tcp_only(self) -> OperatorSettings:
+        if self.engine_transport != "tcp" and self.engine_tls_secret:
+            raise ValueError(f"KASCADE_OPERATOR_ENGINE_TRANSPORT {self.engine_transport} with "
+                             "KASCADE_OPERATOR_ENGINE_TLS_SECRET: data-plane TLS is TCP-only (UCX does not encrypt)")
         return self
 
     @model_validator(mode="after")

@@ -282,3 +282,62 @@ def test_data_plane_tls_makes_the_engines_http_port_https_for_probes_and_every_c
     assert params["url"].startswith("https://rel-engines.") and Path(params["ca"]) == _engine_ca(test["spec"], c)
     op = _deployment(docs, "rel-operator")
     assert "KASCADE_OPERATOR_ENGINE_CA_FILE" in {e["name"] for e in op["env"]}  # scrapes and calls still https
+
+
+def test_pool_transport_reaches_pool_engines_fallback_pods_and_the_network_policy(
+        helm: Helm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pool.transport: the pool's engines and the operator's fallback pods speak the same data-plane transport
+    (the KV of disaggregated serving included); with ucx, UCX's own TCP listeners stay in pool.ucxTcpPorts,
+    which the engines' NetworkPolicy admits from other engines. Unknown values and ucx with TLS are refused."""
+    from pydantic import ValidationError
+
+    from kascade_operator.api import ModelServiceSpec
+    from kascade_operator.podtemplate import fallback_pod
+
+    (tmp_path / "m1").mkdir()  # click checks the checkpoint directory exists, as it would in the pod
+    spec = ModelServiceSpec.model_validate({"model": {"name": "m1", "source": {"path": str(tmp_path / "m1")}},
+                                            "engine": {"image": "img:1"}, "mode": "colocated",
+                                            "replicas": {"colocated": {"min": 1, "max": 2}}})
+    model = {"name": "m1", "path": str(tmp_path / "m1"), "mountPath": str(tmp_path)}
+
+    def engine_to_engine_ports(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        np = next(d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "rel-engines")
+        return np["spec"]["ingress"][0]["ports"]  # type: ignore[no-any-return]
+
+    for transport, ports in (("tcp", None), ("ucx", (18700, 18703))):
+        values: dict[str, Any] = {"pool": {"transport": transport, "model": model}}
+        if ports:
+            values["pool"]["ucxTcpPorts"] = {"first": ports[0], "last": ports[1]}
+        docs = _render(helm, tmp_path, values)
+        pool = _deployment(docs, "rel-pool")
+        assert parse(pool["args"])["transport"] == transport
+        env = {e["name"]: e.get("value") for e in pool["env"]}
+        rng = f"{ports[0]}-{ports[1]}" if ports else None
+        assert env.get("UCX_TCP_PORT_RANGE") == rng
+        ucx_rule = {"port": ports[0], "endPort": ports[1], "protocol": "TCP"} if ports else None
+        assert (ucx_rule in engine_to_engine_ports(docs)) == bool(ports)
+        assert all("endPort" not in p for p in engine_to_engine_ports(docs)) == (not ports)
+        for e in _deployment(docs, "rel-operator")["env"]:
+            if "value" in e:
+                monkeypatch.setenv(e["name"], e["value"])
+        settings = OperatorSettings()
+        assert settings.engine_transport == transport and settings.engine_ucx_tcp_ports == (rng or "")
+        fb = fallback_pod(spec, "svc", "tok", None, transport=settings.engine_transport,
+                          ucx_tcp_ports=settings.engine_ucx_tcp_ports)["spec"]["containers"][0]
+        assert parse(fb["args"])["transport"] == transport
+        assert {e["name"]: e.get("value") for e in fb["env"]}.get("UCX_TCP_PORT_RANGE") == rng
+
+    out = helm("template", "rel", str(CHART), "--set", "pool.transport=quic", check=False)
+    assert out.returncode != 0 and "transport" in out.stderr, out.stderr
+    out = helm("template", "rel", str(CHART), "--set", "pool.transport=ucx", "--set", "dataPlaneTls.secretName=tls",
+               check=False)
+    assert out.returncode != 0 and "TLS is TCP-only" in out.stderr, out.stderr
+    out = helm("template", "rel", str(CHART), "--set", "pool.ucxTcpPorts.first=18600", check=False)
+    assert out.returncode != 0 and "first 18600 is after last" in out.stderr, out.stderr
+    monkeypatch.setenv("KASCADE_OPERATOR_ENGINE_TRANSPORT", "quic")
+    with pytest.raises(ValidationError, match="engine_transport"):
+        OperatorSettings()
+    monkeypatch.setenv("KASCADE_OPERATOR_ENGINE_TRANSPORT", "ucx")
+    monkeypatch.setenv("KASCADE_OPERATOR_ENGINE_TLS_SECRET", "tls")
+    with pytest.raises(ValidationError, match="TLS is TCP-only"):
+        OperatorSettings()

@@ -260,3 +260,55 @@ def test_a_malformed_challenge_is_named(header: dict[str, Any], message: str) ->
 def test_a_malformed_hello_is_named(header: dict[str, Any], message: str) -> None:
     with pytest.raises(peerauth.AuthError, match=message):
         peerauth.Hello.parse(header)
+
+
+async def test_a_relayed_handshake_is_refused_over_ucx_too(caplog: pytest.LogCaptureFixture) -> None:
+    """The same relay over UCX (a decode engine dials the prefill address a request names, over --transport
+    ucx too): the accepted UCX connection knows the address the client reached, so the server refuses a
+    proof made for the rogue's address, and the client sends nothing after the refused hello."""
+    try:
+        from kascade_engine.transport_ucx import UcxTransport
+    except ImportError as e:
+        from kascade_devcluster.requirement import unavailable
+
+        unavailable(f"ucxx not importable: {e}")
+    ucx = UcxTransport()
+    admitted: list[dict[str, Any]] = []
+
+    async def server(conn: Connection) -> None:
+        with contextlib.suppress(peerauth.AuthError):
+            a = await peerauth.accept(conn, TOKEN, "activation", timeout=10)
+            admitted.append(a.claims)
+            await conn.send(a.welcome.header(), timeout=10)
+            await conn.recv(timeout=10, max_payload=0)
+
+    real = await ucx.listen("127.0.0.1", 0, server)
+    after_hello: list[dict[str, Any]] = []
+
+    async def relay(conn: Connection) -> None:  # the rogue: the real server's frames to the client and back
+        with contextlib.suppress(Exception):
+            up = await ucx.connect("127.0.0.1", real.port)
+            await conn.send((await up.recv(timeout=10, max_payload=0))[0], timeout=10)  # challenge
+            await up.send((await conn.recv(timeout=10, max_payload=0))[0], timeout=10)  # hello
+            await conn.send((await up.recv(timeout=10, max_payload=0))[0], timeout=10)  # verdict
+            after_hello.append((await conn.recv(timeout=3))[0])  # what the client sends next, if anything
+            await up.close()
+
+    rogue = await ucx.listen("127.0.0.1", 0, relay)
+    try:
+        # first the direct session works over UCX, with the address check on (claims name the real port)
+        conn = await ucx.connect("127.0.0.1", real.port)
+        claims = await peerauth.join(conn, TOKEN, "activation", timeout=10)
+        assert claims == {"to": f"127.0.0.1:{real.port}"} and admitted == [claims]
+        await conn.close()
+        conn = await ucx.connect("127.0.0.1", rogue.port)
+        with caplog.at_level(logging.WARNING, logger="kascade_engine.peerauth"), \
+                pytest.raises(peerauth.AuthError, match="refused the hello: authentication failed"):
+            await peerauth.join(conn, TOKEN, "activation", timeout=10)
+        await conn.close()
+        assert len(admitted) == 1 and after_hello == []
+        assert (f"proof made for 127.0.0.1:{rogue.port}, but this connection arrived at 127.0.0.1:{real.port}"
+                in caplog.text)
+    finally:
+        await rogue.close()
+        await real.close()

@@ -133,3 +133,6 @@ allowPrivilegeEscalation: false
 readOnlyRootFilesystem: true
 capabilities: {drop: [ALL]}
 {{- end -}}
+
+{{/* pool.transport ucx: UCX_TCP_PORT_RANGE of the engines (pool and fallback pods), "first-last". */}}
+{{- define "kascade.ucxTcpPorts" -}}{{ .Values.pool.ucxTcpPorts.first }}-{{ .Values.pool.ucxTcpPorts.last }}{{- end -}}
