@@ -16,7 +16,8 @@ one request alone on one idle engine (TTFT SLO = `--ttft-x` x its TTFT on the lo
                  prefills its own requests under the chunk cap when it is less loaded than the prefiller
 Link part (needs root + network namespaces): P in namespace h0, D in h1, the link capped with tbf at
 `--link-mbit`; long prompts sent to D naming P -> D's `kascade_kv_link_bytes_per_second` (KV bytes from
-first frame to kv_done) / the tbf rate = `kv_transfer_over_link_rate`. KV leaves as each layer is
+first frame to kv_done) / the tbf rate = `kv_transfer_over_link_rate`, for each engine `--transport` in
+`--link-transports` (default tcp,ucx; `--link-only` runs just this part -> bench/results/pd-link.json). KV leaves as each layer is
 computed, so the rate equals the link's only while P computes a layer faster than the link carries it:
 on a loaded machine a fast link measures P's compute instead (50 Mbit: 0.80 idle-ish, 0.29 under load).
 Both engines and the client share this machine's cores: absolute numbers move with load; compare the
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import itertools
 import json
 import os
@@ -52,10 +54,10 @@ MODEL = "pd-llama"
 
 
 def engine(ckpt: Path, ns: list[str] | None = None, host: str = "127.0.0.1",
-           batch: int = 512) -> tuple[subprocess.Popen[str], int, int]:
+           batch: int = 512, transport: str = "tcp") -> tuple[subprocess.Popen[str], int, int]:
     cmd = [*(ns or []), sys.executable, "-m", "kascade_cli.main", "engine", "serve", "--host", host, "--port", "0",
            "--act-port", "0", "--checkpoint", str(ckpt), "--model-name", MODEL, "--kv-tokens", "16384",
-           "--max-batch-tokens", str(batch), "--max-prompt-tokens", "500"]
+           "--max-batch-tokens", str(batch), "--max-prompt-tokens", "500", "--transport", transport]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ENV)
     assert p.stdout is not None
     for line in p.stdout:
@@ -207,14 +209,14 @@ async def calibrate(ckpt: Path, reqs: list[tuple[float, list[int]]], max_tokens:
         stop(procs)
 
 
-async def link_rate(ckpt: Path, mbit: int, prompts: int) -> dict[str, Any]:
+async def link_rate(ckpt: Path, mbit: int, prompts: int, transport: str = "tcp") -> dict[str, Any]:
     from netlab import NetLab
 
     with NetLab(2, rate_mbit=mbit, prefix="kbpd") as lab:
         procs: list[subprocess.Popen[str]] = []
         try:
-            p, _, pa = engine(ckpt, lab.prefix(0), host="0.0.0.0", batch=2048)
-            d, dh, _ = engine(ckpt, lab.prefix(1), host="0.0.0.0", batch=2048)
+            p, _, pa = engine(ckpt, lab.prefix(0), host="0.0.0.0", batch=2048, transport=transport)
+            d, dh, _ = engine(ckpt, lab.prefix(1), host="0.0.0.0", batch=2048, transport=transport)
             procs += [p, d]
             client = (f"import asyncio,sys,json; sys.path[:0]={[str(REPO / 'bench')]!r}; import pd; "
                       f"print(json.dumps(asyncio.run(pd.link_client({dh}, '{lab.addr(0)}:{pa}', {prompts}))))")
@@ -226,6 +228,7 @@ async def link_rate(ckpt: Path, mbit: int, prompts: int) -> dict[str, Any]:
         finally:
             stop(procs)
     r["link_mbit"] = mbit
+    r["transport"] = transport
     r["kv_transfer_over_link_rate"] = r["kv_bytes_per_s"] * 8 / (mbit * 1e6)
     return r
 
@@ -241,8 +244,9 @@ async def link_client(http: int, peer: str, prompts: int) -> dict[str, Any]:
             rates.append(await metric(url, "kascade_kv_link_bytes_per_second"))
     remote = await metric(url, "kascade_pd_remote_prefills_total")
     total = await metric(url, "kascade_kv_transfer_bytes_total")
+    carried = await metric(url, "kascade_data_port_bytes_total")  # payload bytes as D's transport counted them
     return {"kv_bytes_per_s": statistics.median(rates), "rates": rates, "remote_prefills": remote,
-            "kv_bytes": total, "transfers": prompts}
+            "kv_bytes": total, "transport_payload_bytes_received": carried, "transfers": prompts}
 
 
 def summarize(r: dict[str, Any], ttft_slo: float, tbt_slo: float) -> dict[str, Any]:
@@ -268,22 +272,37 @@ def main() -> None:
     ap.add_argument("--tbt-x", type=float, default=3.0)
     ap.add_argument("--link-mbit", type=int, default=20,
                     help="tbf rate; low enough that the link, not the prefill compute, is the bottleneck")
+    ap.add_argument("--link-transports", default="tcp,ucx",
+                    help="data-plane transports (engine --transport) the link part measures, comma-separated")
+    ap.add_argument("--link-only", action="store_true", help="only the link part (no SLO setups)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
+    transports = [t for t in args.link_transports.split(",") if t]
+    bad = [t for t in transports if t not in ("tcp", "ucx")]
+    if bad or not transports:
+        ap.error(f"--link-transports {args.link_transports!r}: unknown transport {bad[0] if bad else ''!r}; "
+                 "use tcp and/or ucx")
     n = 20 if args.quick else args.requests
     from kascade_engine.checkpoint import tiny_llama
 
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = tiny_llama(Path(tmp) / MODEL, layers=8, hidden=512, vocab=2048, kv_heads=4)
+        if args.link_only:
+            out: dict[str, Any] = {"model": "random Llama 8 layers, hidden 512, 4 KV heads (fp32, CPU)"}
+            links(out, ckpt, args.link_mbit, 3 if args.quick else 5, transports)
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "pd-link.json").write_text(json.dumps(out, indent=2))
+            print(f"wrote {args.out / 'pd-link.json'}")
+            return
         reqs = trace(n, args.rate, args.long_frac, seed=1)
         ttft0, tbt0 = asyncio.run(calibrate(ckpt, reqs, args.max_tokens))
         ttft_slo, tbt_slo = args.ttft_x * ttft0, args.tbt_x * tbt0
         print(f"calibration (one request alone): TTFT {ttft0 * 1e3:.1f} ms, TBT {tbt0 * 1e3:.1f} ms -> SLOs "
               f"TTFT {ttft_slo * 1e3:.0f} ms, TBT {tbt_slo * 1e3:.0f} ms", flush=True)
-        out: dict[str, Any] = {"model": "random Llama 8 layers, hidden 512, 4 KV heads (fp32, CPU)", "requests": n,
-                               "rate_per_s": args.rate, "long_fraction": args.long_frac, "max_tokens": args.max_tokens,
-                               "ttft_slo_ms": ttft_slo * 1e3, "tbt_slo_ms": tbt_slo * 1e3,
-                               "calibration": {"ttft_ms": ttft0 * 1e3, "tbt_ms": tbt0 * 1e3}}
+        out = {"model": "random Llama 8 layers, hidden 512, 4 KV heads (fp32, CPU)", "requests": n,
+               "rate_per_s": args.rate, "long_fraction": args.long_frac, "max_tokens": args.max_tokens,
+               "ttft_slo_ms": ttft_slo * 1e3, "tbt_slo_ms": tbt_slo * 1e3,
+               "calibration": {"ttft_ms": ttft0 * 1e3, "tbt_ms": tbt0 * 1e3}}
         # one prefiller's velocity for the conversion policy: the longest prompt alone, from the calibration
         velocity = len(max((pr for _, pr in reqs), key=len)) / ttft0
         out["prefill_velocity_tokens_per_s"] = velocity
@@ -291,17 +310,7 @@ def main() -> None:
             r = asyncio.run(setup(ckpt, mode, reqs, args.max_tokens, velocity, tbt_slo))
             out[mode] = summarize(r, ttft_slo, tbt_slo)
             print(mode, json.dumps(out[mode]), flush=True)
-        from netlab import available
-
-        why = available() if os.geteuid() == 0 else "needs root"
-        if why is None:
-            out["link"] = asyncio.run(link_rate(ckpt, args.link_mbit, 3 if args.quick else 5))
-            out["kv_transfer_over_link_rate"] = out["link"]["kv_transfer_over_link_rate"]
-            print("link", json.dumps(out["link"]), flush=True)
-        else:
-            out["link"] = None
-            out["kv_transfer_over_link_rate"] = None
-            out["link_note"] = f"not measured: network namespaces unavailable ({why})"
+        links(out, ckpt, args.link_mbit, 3 if args.quick else 5, transports)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "pd.json").write_text(json.dumps(out, indent=2))
     print("setup                      TTFT SLO att.  TBT SLO att.  TTFT p50 s  mean TBT p50 ms  (SLOs: TTFT "
@@ -313,10 +322,33 @@ def main() -> None:
         else:
             print(f"{mode:26} {r['ttft_slo_attainment']:13.2f} {r['tbt_slo_attainment']:13.2f} "
                   f"{r['ttft_p50_s']:11.2f} {r['tbt_mean_p50_s'] * 1e3:16.0f}")
-    print(f"kv_transfer_over_link_rate: {out['kv_transfer_over_link_rate']} "
-          f"(tbf {args.link_mbit} Mbit/s between two namespaces)" if out["link"] else out["link_note"])
     print(f"wrote {args.out / 'pd.json'}")
 
+
+def links(out: dict[str, Any], ckpt: Path, mbit: int, prompts: int, transports: list[str]) -> None:
+    """The link part, once per transport: `link` / `kv_transfer_over_link_rate` stay the first transport's
+    (tcp by default, as before); every transport's result is in `link_by_transport`."""
+    from netlab import available
+
+    why = available() if os.geteuid() == 0 else "needs root"
+    out["link"], out["kv_transfer_over_link_rate"], out["link_by_transport"] = None, None, {}
+    if why is not None:
+        out["link_note"] = f"not measured: network namespaces unavailable ({why})"
+        print(out["link_note"])
+        return
+    for t in transports:
+        if t == "ucx" and importlib.util.find_spec("ucxx") is None:
+            out["link_by_transport"][t] = None
+            out[f"link_note_{t}"] = "not measured: ucxx is not installed"
+            print(out[f"link_note_{t}"])
+            continue
+        r = asyncio.run(link_rate(ckpt, mbit, prompts, t))
+        out["link_by_transport"][t] = r
+        if out["link"] is None:
+            out["link"], out["kv_transfer_over_link_rate"] = r, r["kv_transfer_over_link_rate"]
+        print("link", json.dumps(r), flush=True)
+        print(f"kv_transfer_over_link_rate[{t}]: {r['kv_transfer_over_link_rate']:.3f} "
+              f"(tbf {mbit} Mbit/s between two namespaces)", flush=True)
 
 if __name__ == "__main__":
     main()
