@@ -150,7 +150,7 @@ class UcxConnection:
     def __init__(self, ep: Any, peer: str, fast_ep: Any = None, traffic: Traffic | None = None) -> None:
         self.ep, self.peer, self.fast_ep = ep, peer, fast_ep
         self.traffic = traffic if traffic is not None else Traffic()
-        self.local: str | None = None  # ucxx endpoints do not report their local address
+        self.local: str | None = None  # set by the listener for accepted connections (UCP says where they arrived)
         self._tag_base = secrets.randbits(40) << 24  # tags this end sends under
         self._seq = 0
         self._pending_tag: int | None = None
