@@ -21,6 +21,7 @@ from kascade_planner.policies import (
     prescale_decode,
     threshold,
 )
+from kascade_sim.pdpolicy import apply_conversions, ratio_decisions
 from kascade_sim.provisioning import capacity_rps, fit_counts, mean_lengths, pick
 
 
@@ -91,10 +92,22 @@ class Autoscaler:
                     current = self._instances_for(m, role)
                     if role == "prefill" and "decode" in decisions:
                         current += max(0, decisions["decode"].change) if self.sys.convertible else 0
+                        # the decoders counted as prefill instances shift the bounds too: the bounds are
+                        # the prefillers' own (a max of 1 must not release the one prefiller because a
+                        # decoder is counted next to it)
+                        extra = current - sum(1 for i in self.group[g] if i.active)
+                        bounds = Bounds(bounds.min + extra, bounds.max + extra)
                     st = ScaleState(role, current, bounds, True, st.below_since_s)
                     pol = self.cfg.decode_policy if role == "decode" else self.cfg.policy
                     decisions[role] = threshold(self._metric(m, role, k), st, pol)
-                if "decode" in decisions and self.cfg.decoders_per_prefiller > 0:
+                if "decode" in decisions and self.cfg.pd_policy == "tokenVelocity":
+                    # both counts from the operator's P:D ratio policy (the threshold answers above only
+                    # carried the states: current counts, bounds with the raised decode floor)
+                    states = {r: decisions[r].state for r in ("prefill", "decode")}
+                    states["prefill"] = replace(states["prefill"], current=sum(
+                        1 for i in self.group[(m, "prefill")] if i.active))
+                    decisions = ratio_decisions(self, m, k, now, states)
+                elif "decode" in decisions and self.cfg.decoders_per_prefiller > 0:
                     decisions["decode"] = prescale_decode(decisions["prefill"], decisions["decode"],
                                                           self.cfg.decoders_per_prefiller)
                 for role in reversed(self.roles):  # decode first: prefilled KV needs somewhere to go
@@ -105,6 +118,8 @@ class Autoscaler:
                         self._scale_up(now, m, role, d.change, d.reason)
                     elif d.change < 0:
                         self._scale_down(now, m, role, -d.change, d.reason)
+                if self.sys.convertible and "decode" in decisions:
+                    apply_conversions(self, m, k, now)
         gpus = self.gpus_allocated
         copies = self._host_copies(now)
         self.cache_peak = max(self.cache_peak, copies)
