@@ -2,11 +2,12 @@
 the same request trace through the real router, side by side in one run; and the KV transfer rate over a
 tbf-limited link between two network namespaces.
 
-Data flow (SLO part): a seeded trace (Poisson arrivals; prompts short or long; fixed output length) ->
-for each setup, fresh engine processes + an in-process router (static backends) -> streamed completions
-(aiohttp) -> per request TTFT and mean TBT -> attainment against SLOs calibrated once, at the start, from
-one request alone on one idle engine (TTFT SLO = `--ttft-x` x its TTFT on the longest prompt; TBT SLO =
-`--tbt-x` x its mean TBT). Setups, with the same number of engine processes:
+Data flow (SLO part): a seeded bursty trace (`trace`: short prompts as a Poisson background for the whole
+trace, long prompts as a Poisson burst in the middle; fixed output length) -> for each setup, fresh engine
+processes (one core each) + an in-process router (static backends) -> streamed completions (aiohttp) -> per
+request TTFT and mean TBT (a failed request misses both) -> attainment against SLOs calibrated once, at
+the start, from one request alone on one idle engine (TTFT SLO = `--ttft-x` x its TTFT on the longest
+prompt; TBT SLO = `--tbt-x` x its mean TBT), never tuned per setup. Setups, with the same two engines:
   colocated      2 colocated engines, power-of-two-choices
   disaggregated  1 prefill + 1 decode engine: the router picks both, KV moves over TCP (loopback)
   disaggregated_convertible  the same 1 + 1, and the decoder converted during bursts by the operator's pure
@@ -19,8 +20,10 @@ Link part (needs root + network namespaces): P in namespace h0, D in h1, the lin
 first frame to kv_done) / the tbf rate = `kv_transfer_over_link_rate`. KV leaves as each layer is
 computed, so the rate equals the link's only while P computes a layer faster than the link carries it:
 on a loaded machine a fast link measures P's compute instead (50 Mbit: 0.80 idle-ish, 0.29 under load).
-Both engines and the client share this machine's cores: absolute numbers move with load; compare the
-setups of one run. -> bench/results/pd.json
+Simulator part (`sim_side`): the same trace, time-compressed to the simulator's speeds, through kascade_sim
+with the same three setups; its conversions come from the same policy function (kascade_sim.pdpolicy).
+The client, the router and other work on the machine share its cores with the engines: absolute numbers
+move with load; compare the setups of one run. -> bench/results/pd.json
 """
 
 from __future__ import annotations
@@ -80,6 +83,9 @@ def stop(procs: list[subprocess.Popen[str]]) -> None:
             p.kill()
 
 
+SHORT, LONG = (16, 48), (300, 420)  # prompt tokens: background, burst
+
+
 def trace(duration_s: float, bg_rate: float, burst_at_s: float, burst_s: float, burst_rate: float,
           seed: int) -> list[tuple[float, list[int], bool]]:
     """(arrival s, prompt, in the burst) sorted by arrival: short prompts (16-48 tokens) as a Poisson stream at
@@ -87,8 +93,8 @@ def trace(duration_s: float, bg_rate: float, burst_at_s: float, burst_s: float, 
     `burst_rate` from `burst_at_s` for `burst_s` (the prefill burst)."""
     rng = random.Random(seed)
     out: list[tuple[float, list[int], bool]] = []
-    for rate, start, span, lo, hi, burst in ((bg_rate, 0.0, duration_s, 16, 48, False),
-                                             (burst_rate, burst_at_s, burst_s, 300, 420, True)):
+    for rate, start, span, (lo, hi), burst in ((bg_rate, 0.0, duration_s, SHORT, False),
+                                               (burst_rate, burst_at_s, burst_s, LONG, True)):
         t = start + rng.expovariate(rate)
         while t < start + span:
             out.append((t, [rng.randrange(1, 2000) for _ in range(rng.randint(lo, hi))], burst))
@@ -213,12 +219,14 @@ async def setup(ckpt: Path, mode: str, reqs: list[Request], max_tokens: int,
         stop(procs)
 
 
-async def calibrate(ckpt: Path, reqs: list[Request], max_tokens: int) -> tuple[float, float]:
+async def calibrate(ckpt: Path, max_tokens: int) -> tuple[float, float]:
+    """(TTFT s, mean TBT s) of the longest prompt the trace can hold, alone on one idle engine (median of 3)."""
     procs: list[subprocess.Popen[str]] = []
     try:
         p, ph, _ = engine(ckpt, core=sorted(os.sched_getaffinity(0))[0])
         procs.append(p)
-        longest = max((pr for _, pr, _ in reqs), key=len)
+        rng = random.Random(5)
+        longest = [rng.randrange(1, 2000) for _ in range(LONG[1])]
         async with aiohttp.ClientSession() as s:
             await one(s, f"http://127.0.0.1:{ph}", longest, 4)  # warm-up
             runs = [await one(s, f"http://127.0.0.1:{ph}", longest, max_tokens) for _ in range(3)]
@@ -315,7 +323,7 @@ def sim_side(reqs: list[Request], max_tokens: int, bench_ttft0: float, ttft_x: f
     from kascade_sim.workload import Workload
 
     spec, hw = model("llama3-8b"), hardware("a800", hosts=1, gpus_per_host=2)
-    longest = max(len(p) for _, p, _ in reqs)
+    longest = LONG[1]  # the calibration prompt
     ttft0, tbt0 = spec.cost.prefill_s(longest), spec.cost.decode_s(1, longest)
     k = bench_ttft0 / ttft0
     t0 = reqs[0][0]
@@ -348,7 +356,10 @@ def main() -> None:
     ap.add_argument("--bg-rate", type=float, default=1.5, help="short prompts per second, the whole trace")
     ap.add_argument("--burst-at", type=float, default=10.0, help="the prefill burst starts at, s")
     ap.add_argument("--burst", type=float, default=12.0, help="the prefill burst lasts, s")
-    ap.add_argument("--burst-rate", type=float, default=5.0, help="long prompts per second during the burst")
+    ap.add_argument("--burst-load", type=float, default=0.7,
+                    help="the burst's prompt tokens/s as a multiple of one engine's calibrated prefill velocity (the "
+                         "load follows the machine's speed at the time of the run)")
+    ap.add_argument("--burst-rate", type=float, help="long prompts per second during the burst (instead of --burst-load)")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--ttft-x", type=float, default=5.0)
     ap.add_argument("--tbt-x", type=float, default=3.0)
@@ -373,13 +384,18 @@ def main() -> None:
         out["sim"] = sim_side(reqs, out["max_tokens"], out["calibration"]["ttft_ms"] / 1e3, args.ttft_x, args.tbt_x)
         path.write_text(json.dumps(out, indent=2))
         report(out, modes, reqs)
+        print(f"wrote {path}, {plot(out, modes, args.out / 'pd.png')}")
         return
     from kascade_engine.checkpoint import tiny_llama
 
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = tiny_llama(Path(tmp) / MODEL, layers=8, hidden=512, vocab=2048, kv_heads=4)
-        reqs = trace(duration, args.bg_rate, burst_at, burst, args.burst_rate, seed=1)
-        ttft0, tbt0 = asyncio.run(calibrate(ckpt, reqs, args.max_tokens))
+        ttft0, tbt0 = asyncio.run(calibrate(ckpt, args.max_tokens))
+        # one prefiller's velocity (the conversion policy's input, and the burst's yardstick): the longest
+        # prompt alone, from the calibration
+        velocity = LONG[1] / ttft0
+        burst_rate = args.burst_rate or args.burst_load * velocity / statistics.fmean(LONG)
+        reqs = trace(duration, args.bg_rate, burst_at, burst, burst_rate, seed=1)
         ttft_slo, tbt_slo = args.ttft_x * ttft0, args.tbt_x * tbt0
         slo_note = (f"SLOs from one request alone on one idle engine (the longest prompt): TTFT {ttft0 * 1e3:.1f} ms "
                     f"x {args.ttft_x:g} = {ttft_slo * 1e3:.0f} ms, mean TBT {tbt0 * 1e3:.1f} ms x {args.tbt_x:g} = "
@@ -387,15 +403,14 @@ def main() -> None:
         print(slo_note, flush=True)
         out: dict[str, Any] = {"model": "random Llama 8 layers, hidden 512, 4 KV heads (fp32, CPU)",
                                "trace": {"duration_s": duration, "background_rate_per_s": args.bg_rate,
-                                         "background_prompt_tokens": [16, 48], "burst_at_s": burst_at,
-                                         "burst_s": burst, "burst_rate_per_s": args.burst_rate,
-                                         "burst_prompt_tokens": [300, 420], "requests": len(reqs),
+                                         "background_prompt_tokens": SHORT, "burst_at_s": burst_at,
+                                         "burst_s": burst, "burst_rate_per_s": burst_rate,
+                                         "burst_load": None if args.burst_rate else args.burst_load,
+                                         "burst_prompt_tokens": LONG, "requests": len(reqs),
                                          "burst_requests": sum(q[2] for q in reqs), "seed": 1},
                                "max_tokens": args.max_tokens, "engines_per_setup": 2,
                                "ttft_slo_ms": ttft_slo * 1e3, "tbt_slo_ms": tbt_slo * 1e3, "slo_note": slo_note,
                                "calibration": {"ttft_ms": ttft0 * 1e3, "tbt_ms": tbt0 * 1e3}}
-        # one prefiller's velocity for the conversion policy: the longest prompt alone, from the calibration
-        velocity = len(max((pr for _, pr, _ in reqs), key=len)) / ttft0
         out["prefill_velocity_tokens_per_s"] = velocity
         for mode in modes:
             r = asyncio.run(setup(ckpt, mode, reqs, args.max_tokens, velocity, tbt_slo))
@@ -420,7 +435,31 @@ def main() -> None:
     report(out, modes, reqs)
     print(f"kv_transfer_over_link_rate: {out['kv_transfer_over_link_rate']} "
           f"(tbf {args.link_mbit} Mbit/s between two namespaces)" if out["link"] else out["link_note"])
-    print(f"wrote {args.out / 'pd.json'}")
+    print(f"wrote {args.out / 'pd.json'}, {plot(out, modes, args.out / 'pd.png')}")
+
+
+def plot(out: dict[str, Any], modes: list[str], path: Path) -> Path:
+    """TTFT and TBT SLO attainment per setup, real engines beside the simulator, as one bar chart."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    for ax, (title, block) in zip(axes, (("real engines (CPU)", out), ("simulator, same trace", out["sim"])), strict=True):
+        for j, (key, label) in enumerate((("ttft_slo_attainment", "TTFT"), ("tbt_slo_attainment", "TBT"),
+                                          ("burst_ttft_slo_attainment", "TTFT, burst prompts"))):
+            ax.bar([i + 0.27 * (j - 1) for i in range(len(modes))], [block[m][key] for m in modes], 0.27, label=label)
+        ax.set_xticks(range(len(modes)), [m.replace("_", "\n") for m in modes])
+        ax.set_title(title)
+        ax.set_ylim(0, 1.05)
+    axes[0].set_ylabel("SLO attainment")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=3, fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.9))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def report(out: dict[str, Any], modes: list[str], reqs: list[Request]) -> None:
