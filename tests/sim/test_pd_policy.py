@@ -107,3 +107,37 @@ def test_pd_ratio_counts_are_the_policys_and_scale_the_roles() -> None:
 def test_pd_policy_is_checked() -> None:
     with pytest.raises(ValueError, match="pd_policy"):
         SimConfig(pd_policy="ratio")
+
+
+def bench_shape(seed: int, k: float = 6.0) -> Workload:
+    """bench/pd.py's trace shape, time-compressed by k: short prompts at 1.5/s for 40 s, long ones (300-420
+    tokens) for 12 s from 10 s at 1.2 x one prefiller's velocity."""
+    rng = random.Random(seed)
+    v = 420 / SPEC.cost.prefill_s(420)
+    out: list[Request] = []
+    for rate, start, span, (lo, hi) in ((1.5 * k, 0.0, 40 / k, (16, 48)), (1.2 * v / 360, 10 / k, 12 / k, (300, 420))):
+        t = start + rng.expovariate(rate)
+        while t < start + span:
+            out.append(Request(t, rng.randint(lo, hi), 32))
+            t += rng.expovariate(rate)
+    return Workload("bench-shape", tuple(sorted(out, key=lambda r: r.arrival_s)))
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_bench_shape_direction(seed: int) -> None:
+    """On the bench's trace shape with the bench's SLO rule (5 x unloaded TTFT, 3 x unloaded TBT) and its
+    fixed instances (2 colocated, or 1 prefill + 1 decode): colocated loses TBT (prefill stalls decodes),
+    disaggregated loses TTFT (one prefiller under the burst), convertible decoders recover TTFT and keep TBT."""
+    ttft_slo, tbt_slo = 5 * SPEC.cost.prefill_s(420), 3 * SPEC.cost.decode_s(1, 420)
+    att = {}
+    for name, n, mode, conv in (("colocated", 2, "colocated", False), ("disaggregated", 1, "disaggregated", False),
+                                ("convertible", 1, "disaggregated", True)):
+        cfg = SimConfig(mode=mode, min_instances=n, max_instances=n, tick_s=0.25 / 6, window_s=1 / 6,
+                        ttft_slo_s=ttft_slo, tbt_slo_s=tbt_slo)
+        r = Simulation(bench_shape(seed), hardware("a800", hosts=1, gpus_per_host=2), SPEC,
+                       system("kascade", convertible=conv), cfg).run()
+        att[name] = (sum(t <= ttft_slo for t in r.ttft_s) / r.requests,
+                     sum(b != b or b <= tbt_slo for b in r.tbt_s) / r.requests)
+    assert att["colocated"][1] < att["disaggregated"][1], att
+    assert att["disaggregated"][0] < att["convertible"][0], att
+    assert att["convertible"][1] >= att["colocated"][1] and att["convertible"][1] >= 0.99, att
