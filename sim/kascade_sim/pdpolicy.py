@@ -30,13 +30,17 @@ if TYPE_CHECKING:
 def velocities(sim: Simulation, m: int) -> PdVelocity:
     """One instance's velocities from the cost model, as the engines would measure them: a full prefill
     batch's prompt tokens/s, the KV link's tokens/s out of a prefiller (scale-out bandwidth / KV bytes
-    per token), and a saturated decoder's output tokens/s at the trace's mean lengths."""
+    per token), and a saturated decoder's output tokens/s at the trace's mean lengths. Fixed for a run:
+    computed once per model (the mean lengths walk the whole trace)."""
+    if m in sim.pd_velocity:
+        return sim.pd_velocity[m]
     spec = sim.spec
     prefill = spec.max_prefill_tokens / spec.cost.prefill_s(spec.max_prefill_tokens)
     network = sim.kv_bytes_per_s / spec.kv_bytes_per_token
     mean_in, mean_out = mean_lengths(sim.wl, m)
     decode = capacity_rps(spec, sim.kv_cap, "decode", mean_in, mean_out) * max(1.0, mean_out)
-    return PdVelocity(prefill, network, decode)
+    sim.pd_velocity[m] = PdVelocity(prefill, network, decode)
+    return sim.pd_velocity[m]
 
 
 def _rate(sim: Simulation, m: int, role: str, k: int) -> float:

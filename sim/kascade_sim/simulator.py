@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import cast
 
 from kascade_planner.conversion import chunk_budget
+from kascade_planner.pdratio import PdVelocity
 from kascade_planner.policies import Bounds, ScaleState
 from kascade_sim.autoscaler import Autoscaler
 from kascade_sim.config import SimConfig
@@ -77,6 +78,7 @@ class Simulation(Scaling, Serving, Autoscaler):
         # (time, policy, input, answer) of every call into the operator's disaggregated policies (pdpolicy)
         self.policy_calls: list[tuple[float, str, object, object]] = []
         self.chunk_tokens = {m: chunk_budget(cfg.tbt_slo_s, None) for m in range(wl.models)}  # set every tick
+        self.pd_velocity: dict[int, PdVelocity] = {}  # per model, from the cost model (pdpolicy.velocities)
         self.last = [math.nan] * n
         self.heap: list[tuple[float, int, int, object]] = []
         self.seq = 0
