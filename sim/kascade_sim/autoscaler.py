@@ -2,8 +2,10 @@
 initial (or static) instance counts.
 
 Data flow: every tick, per model and role, a `MetricsSnapshot` (queue length and busy share, KV
-usage, or tokens/s, averaged over the window) -> the planner's `threshold` (+ `prescale_decode`) ->
-`Scaling._scale_up` / `_scale_down`. Before the trace starts, `_initial_counts` sizes each group
+usage, or tokens/s, averaged over the window) -> the planner's `threshold` (+ `prescale_decode`), or
+in disaggregated mode with `pd_policy="tokenVelocity"` the operator's P:D ratio (`pdpolicy`) ->
+`Scaling._scale_up` / `_scale_down`; then, with convertible decoders, a conversion round through the
+operator's conversion policy (`pdpolicy.apply_conversions`). Before the trace starts, `_initial_counts` sizes each group
 from the first window (or statically from the peak / average demand). Mixed into
 `simulator.Simulation`, whose state it reads and writes.
 """

@@ -57,7 +57,8 @@ class Serving:
 
     def _chunk_tokens(self, inst: Instance) -> int:
         """Prompt tokens per converted prefill step: the conversion policy's chunk budget (or
-        `System.convert_chunk_tokens` when set) while the decoder has running requests (their next token waits for the step), a full prefill batch when not."""
+        `System.convert_chunk_tokens` when set) while the decoder has running requests (their next
+        token waits for the step), a full prefill batch when not."""
         if not inst.n_running:
             return self.spec.max_prefill_tokens
         return self.sys.convert_chunk_tokens or self.chunk_tokens[inst.model]
