@@ -355,8 +355,8 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=40.0, help="trace length, s (background stream)")
     ap.add_argument("--bg-rate", type=float, default=1.5, help="short prompts per second, the whole trace")
     ap.add_argument("--burst-at", type=float, default=10.0, help="the prefill burst starts at, s")
-    ap.add_argument("--burst", type=float, default=12.0, help="the prefill burst lasts, s")
-    ap.add_argument("--burst-load", type=float, default=0.7,
+    ap.add_argument("--burst", type=float, default=4.0, help="the prefill burst lasts, s")
+    ap.add_argument("--burst-load", type=float, default=1.2,
                     help="the burst's prompt tokens/s as a multiple of one engine's calibrated prefill velocity (the "
                          "load follows the machine's speed at the time of the run)")
     ap.add_argument("--burst-rate", type=float, help="long prompts per second during the burst (instead of --burst-load)")
