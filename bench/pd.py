@@ -2,11 +2,12 @@
 the same request trace through the real router, side by side in one run; and the KV transfer rate over a
 tbf-limited link between two network namespaces.
 
-Data flow (SLO part): a seeded trace (Poisson arrivals; prompts short or long; fixed output length) ->
-for each setup, fresh engine processes + an in-process router (static backends) -> streamed completions
-(aiohttp) -> per request TTFT and mean TBT -> attainment against SLOs calibrated once, at the start, from
-one request alone on one idle engine (TTFT SLO = `--ttft-x` x its TTFT on the longest prompt; TBT SLO =
-`--tbt-x` x its mean TBT). Setups, with the same number of engine processes:
+Data flow (SLO part): a seeded bursty trace (`trace`: short prompts as a Poisson background for the whole
+trace, long prompts as a Poisson burst in the middle; fixed output length) -> for each setup, fresh engine
+processes (one core each) + an in-process router (static backends) -> streamed completions (aiohttp) -> per
+request TTFT and mean TBT (a failed request misses both) -> attainment against SLOs calibrated once, at
+the start, from one request alone on one idle engine (TTFT SLO = `--ttft-x` x its TTFT on the longest
+prompt; TBT SLO = `--tbt-x` x its mean TBT), never tuned per setup. Setups, with the same two engines:
   colocated      2 colocated engines, power-of-two-choices
   disaggregated  1 prefill + 1 decode engine: the router picks both, KV moves over TCP (loopback)
   disaggregated_convertible  the same 1 + 1, and the decoder converted during bursts by the operator's pure
@@ -20,8 +21,10 @@ first frame to kv_done) / the tbf rate = `kv_transfer_over_link_rate`, for each 
 `--link-transports` (default tcp,ucx; `--link-only` runs just this part -> bench/results/pd-link.json).
 KV leaves as each layer is computed, so the rate equals the link's only while P computes a layer faster than the link carries it:
 on a loaded machine a fast link measures P's compute instead (50 Mbit: 0.80 idle-ish, 0.29 under load).
-Both engines and the client share this machine's cores: absolute numbers move with load; compare the
-setups of one run. -> bench/results/pd.json
+Simulator part (`sim_side`): the same trace, time-compressed to the simulator's speeds, through kascade_sim
+with the same three setups; its conversions come from the same policy function (kascade_sim.pdpolicy).
+The client, the router and other work on the machine share its cores with the engines: absolute numbers
+move with load; compare the setups of one run. -> bench/results/pd.json
 """
 
 from __future__ import annotations
@@ -32,9 +35,11 @@ import contextlib
 import importlib.util
 import itertools
 import json
+import math
 import os
 import random
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -46,7 +51,7 @@ from typing import Any
 import aiohttp
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / d) for d in ("cli", "operator", "engine", "router", "bench")]
+sys.path[:0] = [str(REPO / d) for d in ("cli", "operator", "engine", "router", "sim", "bench")]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(str(REPO / d) for d in ("cli", "operator", "engine", "sim", "e2e",
                                                                              "router")),
        "KASCADE_ENGINE_TOKEN": "bench-pd-token"}
@@ -54,8 +59,11 @@ MODEL = "pd-llama"
 
 
 def engine(ckpt: Path, ns: list[str] | None = None, host: str = "127.0.0.1",
-           batch: int = 512, transport: str = "tcp") -> tuple[subprocess.Popen[str], int, int]:
-    cmd = [*(ns or []), sys.executable, "-m", "kascade_cli.main", "engine", "serve", "--host", host, "--port", "0",
+           batch: int = 512, transport: str = "tcp", core: int | None = None) -> tuple[subprocess.Popen[str], int, int]:
+    """An engine process (one torch thread), pinned to `core` when given: the two engines of a setup get a
+    core each, as two GPUs would be, so a prefiller's compute does not slow its decoder's steps."""
+    pin = ["taskset", "-c", str(core)] if core is not None and shutil.which("taskset") else []
+    cmd = [*(ns or []), *pin, sys.executable, "-m", "kascade_cli.main", "engine", "serve", "--host", host, "--port", "0",
            "--act-port", "0", "--checkpoint", str(ckpt), "--model-name", MODEL, "--kv-tokens", "16384",
            "--max-batch-tokens", str(batch), "--max-prompt-tokens", "500", "--transport", transport]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ENV)
@@ -77,14 +85,23 @@ def stop(procs: list[subprocess.Popen[str]]) -> None:
             p.kill()
 
 
-def trace(n: int, rate: float, long_frac: float, seed: int) -> list[tuple[float, list[int]]]:
+SHORT, LONG = (16, 48), (300, 420)  # prompt tokens: background, burst
+
+
+def trace(duration_s: float, bg_rate: float, burst_at_s: float, burst_s: float, burst_rate: float,
+          seed: int) -> list[tuple[float, list[int], bool]]:
+    """(arrival s, prompt, in the burst) sorted by arrival: short prompts (16-48 tokens) as a Poisson stream at
+    `bg_rate` for `duration_s` (the decode load), plus long prompts (300-420 tokens) as a Poisson stream at
+    `burst_rate` from `burst_at_s` for `burst_s` (the prefill burst)."""
     rng = random.Random(seed)
-    t, out = 0.0, []
-    for _ in range(n):
-        t += rng.expovariate(rate)
-        length = rng.randint(300, 420) if rng.random() < long_frac else rng.randint(16, 48)
-        out.append((t, [rng.randrange(1, 2000) for _ in range(length)]))
-    return out
+    out: list[tuple[float, list[int], bool]] = []
+    for rate, start, span, (lo, hi), burst in ((bg_rate, 0.0, duration_s, SHORT, False),
+                                               (burst_rate, burst_at_s, burst_s, LONG, True)):
+        t = start + rng.expovariate(rate)
+        while t < start + span:
+            out.append((t, [rng.randrange(1, 2000) for _ in range(rng.randint(lo, hi))], burst))
+            t += rng.expovariate(rate)
+    return sorted(out, key=lambda r: r[0])
 
 
 async def one(s: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int,
@@ -105,15 +122,23 @@ async def one(s: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens:
     return times[0] - t0, statistics.fmean(gaps) if gaps else 0.0, len(times)
 
 
-async def run_trace(url: str, reqs: list[tuple[float, list[int]]], max_tokens: int) -> list[tuple[float, float, int]]:
+Outcome = tuple[float, float, int] | str  # (TTFT s, mean TBT s, tokens) or the failure's message
+Request = tuple[float, list[int], bool]  # (arrival s, prompt, in the burst)
+
+
+async def run_trace(url: str, reqs: list[Request], max_tokens: int) -> list[Outcome]:
+    """Every request sent at its arrival time; a failed one is kept as its error (it misses both SLOs)."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
         t0 = time.monotonic()
 
-        async def at(when: float, prompt: list[int]) -> tuple[float, float, int]:
+        async def at(when: float, prompt: list[int]) -> Outcome:
             await asyncio.sleep(max(0.0, t0 + when - time.monotonic()))
-            return await one(s, url, prompt, max_tokens)
+            try:
+                return await one(s, url, prompt, max_tokens)
+            except (aiohttp.ClientError, RuntimeError, TimeoutError) as e:
+                return f"{type(e).__name__}: {e}"[:200]
 
-        return await asyncio.gather(*(at(w, p) for w, p in reqs))
+        return await asyncio.gather(*(at(w, p) for w, p, _ in reqs))
 
 
 async def metric(url: str, name: str) -> float:
@@ -158,14 +183,15 @@ async def converter(decoder: Any, url: str, prefill_url: str, velocity: float, t
                 await asyncio.wait_for(stop_at.wait(), 0.25)
 
 
-async def setup(ckpt: Path, mode: str, reqs: list[tuple[float, list[int]]], max_tokens: int,
+async def setup(ckpt: Path, mode: str, reqs: list[Request], max_tokens: int,
                 velocity: float = 0.0, tbt_slo: float = 0.0) -> dict[str, Any]:
     from kascade_router.server import Router, static_routes
 
     procs: list[subprocess.Popen[str]] = []
     try:
-        a, ah, aa = engine(ckpt)
-        b, bh, ba = engine(ckpt)
+        cores = sorted(os.sched_getaffinity(0))
+        a, ah, aa = engine(ckpt, core=cores[0])
+        b, bh, ba = engine(ckpt, core=cores[-1])
         procs += [a, b]
         if mode == "colocated":
             spec = f"{MODEL}=127.0.0.1:{ah},127.0.0.1:{bh}"
@@ -195,12 +221,14 @@ async def setup(ckpt: Path, mode: str, reqs: list[tuple[float, list[int]]], max_
         stop(procs)
 
 
-async def calibrate(ckpt: Path, reqs: list[tuple[float, list[int]]], max_tokens: int) -> tuple[float, float]:
+async def calibrate(ckpt: Path, max_tokens: int) -> tuple[float, float]:
+    """(TTFT s, mean TBT s) of the longest prompt the trace can hold, alone on one idle engine (median of 3)."""
     procs: list[subprocess.Popen[str]] = []
     try:
-        p, ph, _ = engine(ckpt)
+        p, ph, _ = engine(ckpt, core=sorted(os.sched_getaffinity(0))[0])
         procs.append(p)
-        longest = max((pr for _, pr in reqs), key=len)
+        rng = random.Random(5)
+        longest = [rng.randrange(1, 2000) for _ in range(LONG[1])]
         async with aiohttp.ClientSession() as s:
             await one(s, f"http://127.0.0.1:{ph}", longest, 4)  # warm-up
             runs = [await one(s, f"http://127.0.0.1:{ph}", longest, max_tokens) for _ in range(3)]
@@ -249,25 +277,94 @@ async def link_client(http: int, peer: str, prompts: int) -> dict[str, Any]:
             "kv_bytes": total, "transport_payload_bytes_received": carried, "transfers": prompts}
 
 
-def summarize(r: dict[str, Any], ttft_slo: float, tbt_slo: float) -> dict[str, Any]:
-    res = r["results"]
-    ttft, tbt = [x[0] for x in res], [x[1] for x in res]
-    return {"ttft_slo_attainment": sum(t <= ttft_slo for t in ttft) / len(res),
-            "tbt_slo_attainment": sum(t <= tbt_slo for t in tbt) / len(res),
-            "both_slo_attainment": sum(a <= ttft_slo and b <= tbt_slo for a, b in zip(ttft, tbt, strict=True)) / len(res),
-            "ttft_p50_s": statistics.median(ttft), "ttft_p90_s": sorted(ttft)[int(0.9 * len(ttft))],
-            "tbt_mean_p50_s": statistics.median(tbt), "tbt_mean_p90_s": sorted(tbt)[int(0.9 * len(tbt))],
+def pct(vals: list[float], q: float) -> float:
+    """Nearest-rank percentile (NaN when empty), as kascade_sim.result.percentile."""
+    vals = sorted(vals)
+    return vals[max(0, min(len(vals) - 1, math.ceil(q / 100 * len(vals)) - 1))] if vals else math.nan
+
+
+def summarize(r: dict[str, Any], reqs: list[Request], ttft_slo: float, tbt_slo: float) -> dict[str, Any]:
+    """Attainment over every request of the trace (a failure misses both SLOs); TTFT also over the burst's
+    long prompts and the background's short ones apart."""
+    res: list[Outcome] = r["results"]
+    ok = [x for x in res if not isinstance(x, str)]
+    ttft, tbt = [x[0] for x in ok], [x[1] for x in ok]
+    n = len(res)
+
+    def att(sel: list[tuple[float, float, int]], slo: float, k: int) -> float:
+        return sum(x[k] <= slo for x in sel) / len(sel) if sel else math.nan
+
+    burst = [x for x, q in zip(res, reqs, strict=True) if q[2] and not isinstance(x, str)]
+    bg = [x for x, q in zip(res, reqs, strict=True) if not q[2] and not isinstance(x, str)]
+    nb = sum(q[2] for q in reqs)
+    return {"requests": n, "failures": n - len(ok), "failure_examples": sorted({x for x in res if isinstance(x, str)})[:3],
+            "ttft_slo_attainment": sum(t <= ttft_slo for t in ttft) / n,
+            "tbt_slo_attainment": sum(t <= tbt_slo for t in tbt) / n,
+            "both_slo_attainment": sum(a <= ttft_slo and b <= tbt_slo for a, b in zip(ttft, tbt, strict=True)) / n,
+            "burst_ttft_slo_attainment": att(burst, ttft_slo, 0) * len(burst) / nb if nb else math.nan,
+            "background_ttft_slo_attainment": att(bg, ttft_slo, 0) * len(bg) / (n - nb) if n > nb else math.nan,
+            "background_tbt_slo_attainment": att(bg, tbt_slo, 1) * len(bg) / (n - nb) if n > nb else math.nan,
+            "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
+            "tbt_p50_s": pct(tbt, 50), "tbt_p99_s": pct(tbt, 99),
             "wall_s": r["wall_s"], "remote_prefills": r["remote_prefills"], "local_fallbacks": r["fallbacks"],
             "conversions": r["conversions"]}
 
 
+MODES = ("colocated", "disaggregated", "disaggregated_convertible")
+
+
+def sim_side(reqs: list[Request], max_tokens: int, bench_ttft0: float, ttft_x: float, tbt_x: float) -> dict[str, Any]:
+    """The same trace through the simulator (kascade_sim, disaggregated decisions by the operator's policies:
+    kascade_sim.pdpolicy): one GPU per instance (llama3-8b on an A800 host), 2 colocated instances vs 1
+    prefill + 1 decode, without and with convertible decoders; counts fixed by min = max (as the bench's).
+    The trace is time-compressed by k = the bench's unloaded TTFT / the simulator's for the longest prompt,
+    so a burst asks the simulated prefiller for the same multiple of its velocity as the real one; SLOs by
+    the bench's rule from the simulator's own unloaded latencies (TTFT x ttft_x, TBT x tbt_x)."""
+    from kascade_sim.hardware import hardware, model
+    from kascade_sim.simulator import SimConfig, Simulation
+    from kascade_sim.systems import system
+    from kascade_sim.workload import Request as SimRequest
+    from kascade_sim.workload import Workload
+
+    spec, hw = model("llama3-8b"), hardware("a800", hosts=1, gpus_per_host=2)
+    longest = LONG[1]  # the calibration prompt
+    ttft0, tbt0 = spec.cost.prefill_s(longest), spec.cost.decode_s(1, longest)
+    k = bench_ttft0 / ttft0
+    t0 = reqs[0][0]
+    wl = Workload("pd-bench-trace", tuple(SimRequest((t - t0) / k, len(p), max_tokens) for t, p, _ in reqs))
+    ttft_slo, tbt_slo = ttft_x * ttft0, tbt_x * tbt0
+    out: dict[str, Any] = {"model": "llama3-8b roofline on A800 (simulated), 2 GPUs", "time_compression": k,
+                           "ttft_slo_ms": ttft_slo * 1e3, "tbt_slo_ms": tbt_slo * 1e3,
+                           "calibration": {"ttft_ms": ttft0 * 1e3, "tbt_ms": tbt0 * 1e3}}
+    for mode in MODES:
+        n, sim_mode = (2, "colocated") if mode == "colocated" else (1, "disaggregated")
+        cfg = SimConfig(mode=sim_mode, min_instances=n, max_instances=n, tick_s=0.25 / k, window_s=1.0 / k,
+                        ttft_slo_s=ttft_slo, tbt_slo_s=tbt_slo)
+        s = Simulation(wl, hw, spec, system("kascade", convertible=mode == "disaggregated_convertible"), cfg)
+        r = s.run()
+        res: list[Outcome] = [(a, b if b == b else 0.0, max_tokens) for a, b in zip(r.ttft_s, r.tbt_s, strict=True)]
+        conv = [c for c in s.policy_calls if c[1] == "conversion" and c[3].changes]  # type: ignore[attr-defined]
+        row = summarize({"results": res, "wall_s": r.end_s, "remote_prefills": math.nan, "fallbacks": math.nan,
+                         "conversions": [{"t": round(c[0], 3), "reason": c[3].reason} for c in conv]},  # type: ignore[attr-defined]
+                        reqs, ttft_slo, tbt_slo)
+        row["converted_prefills"] = r.converted_prefills
+        row["policy_calls"] = len(s.policy_calls)
+        out[mode] = row
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="fewer requests")
-    ap.add_argument("--requests", type=int, default=48)
-    ap.add_argument("--rate", type=float, default=1.5, help="arrivals per second")
-    ap.add_argument("--long-frac", type=float, default=0.3)
-    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--quick", action="store_true", help="a shorter trace (20 s, the burst 6 s) and 3 link prompts")
+    ap.add_argument("--duration", type=float, default=40.0, help="trace length, s (background stream)")
+    ap.add_argument("--bg-rate", type=float, default=1.5, help="short prompts per second, the whole trace")
+    ap.add_argument("--burst-at", type=float, default=10.0, help="the prefill burst starts at, s")
+    ap.add_argument("--burst", type=float, default=4.0, help="the prefill burst lasts, s")
+    ap.add_argument("--burst-load", type=float, default=1.2,
+                    help="the burst's prompt tokens/s as a multiple of one engine's calibrated prefill velocity (the "
+                         "load follows the machine's speed at the time of the run)")
+    ap.add_argument("--burst-rate", type=float, help="long prompts per second during the burst (instead of --burst-load)")
+    ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--ttft-x", type=float, default=5.0)
     ap.add_argument("--tbt-x", type=float, default=3.0)
     ap.add_argument("--link-mbit", type=int, default=20,
@@ -275,6 +372,10 @@ def main() -> None:
     ap.add_argument("--link-transports", default="tcp,ucx",
                     help="data-plane transports (engine --transport) the link part measures, comma-separated")
     ap.add_argument("--link-only", action="store_true", help="only the link part (no SLO setups)")
+    ap.add_argument("--modes", default=",".join(MODES), help="setups to run (comma-separated)")
+    ap.add_argument("--no-link", action="store_true", help="skip the link measurement")
+    ap.add_argument("--sim-only", action="store_true",
+                    help="only the simulator side, with the calibration of the last run's pd.json (no engines)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
     transports = [t for t in args.link_transports.split(",") if t]
@@ -282,47 +383,107 @@ def main() -> None:
     if bad or not transports:
         ap.error(f"--link-transports {args.link_transports!r}: unknown transport {bad[0] if bad else ''!r}; "
                  "use tcp and/or ucx")
-    n = 20 if args.quick else args.requests
+    modes = [m for m in args.modes.split(",") if m]
+    if bad := [m for m in modes if m not in MODES]:
+        ap.error(f"--modes: unknown {bad} (choose from {', '.join(MODES)})")
+    duration, burst_at, burst = (20.0, 5.0, 6.0) if args.quick else (args.duration, args.burst_at, args.burst)
+    if args.sim_only:
+        path = args.out / "pd.json"
+        out = json.loads(path.read_text())
+        tr = out["trace"]
+        reqs = trace(tr["duration_s"], tr["background_rate_per_s"], tr["burst_at_s"], tr["burst_s"],
+                     tr["burst_rate_per_s"], seed=tr["seed"])
+        out["sim"] = sim_side(reqs, out["max_tokens"], out["calibration"]["ttft_ms"] / 1e3, args.ttft_x, args.tbt_x)
+        path.write_text(json.dumps(out, indent=2))
+        report(out, modes, reqs)
+        print(f"wrote {path}, {plot(out, modes, args.out / 'pd.png')}")
+        return
     from kascade_engine.checkpoint import tiny_llama
 
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = tiny_llama(Path(tmp) / MODEL, layers=8, hidden=512, vocab=2048, kv_heads=4)
         if args.link_only:
-            out: dict[str, Any] = {"model": "random Llama 8 layers, hidden 512, 4 KV heads (fp32, CPU)"}
-            links(out, ckpt, args.link_mbit, 3 if args.quick else 5, transports)
+            lo: dict[str, Any] = {"model": "random Llama 8 layers, hidden 512, 4 KV heads (fp32, CPU)"}
+            links(lo, ckpt, args.link_mbit, 3 if args.quick else 5, transports)
             args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "pd-link.json").write_text(json.dumps(out, indent=2))
+            (args.out / "pd-link.json").write_text(json.dumps(lo, indent=2))
             print(f"wrote {args.out / 'pd-link.json'}")
             return
-        reqs = trace(n, args.rate, args.long_frac, seed=1)
-        ttft0, tbt0 = asyncio.run(calibrate(ckpt, reqs, args.max_tokens))
+        ttft0, tbt0 = asyncio.run(calibrate(ckpt, args.max_tokens))
+        # one prefiller's velocity (the conversion policy's input, and the burst's yardstick): the longest
+        # prompt alone, from the calibration
+        velocity = LONG[1] / ttft0
+        burst_rate = args.burst_rate or args.burst_load * velocity / statistics.fmean(LONG)
+        reqs = trace(duration, args.bg_rate, burst_at, burst, burst_rate, seed=1)
         ttft_slo, tbt_slo = args.ttft_x * ttft0, args.tbt_x * tbt0
-        print(f"calibration (one request alone): TTFT {ttft0 * 1e3:.1f} ms, TBT {tbt0 * 1e3:.1f} ms -> SLOs "
-              f"TTFT {ttft_slo * 1e3:.0f} ms, TBT {tbt_slo * 1e3:.0f} ms", flush=True)
-        out = {"model": "random Llama 8 layers, hidden 512, 4 KV heads (fp32, CPU)", "requests": n,
-               "rate_per_s": args.rate, "long_fraction": args.long_frac, "max_tokens": args.max_tokens,
-               "ttft_slo_ms": ttft_slo * 1e3, "tbt_slo_ms": tbt_slo * 1e3,
-               "calibration": {"ttft_ms": ttft0 * 1e3, "tbt_ms": tbt0 * 1e3}}
-        # one prefiller's velocity for the conversion policy: the longest prompt alone, from the calibration
-        velocity = len(max((pr for _, pr in reqs), key=len)) / ttft0
+        slo_note = (f"SLOs from one request alone on one idle engine (the longest prompt): TTFT {ttft0 * 1e3:.1f} ms "
+                    f"x {args.ttft_x:g} = {ttft_slo * 1e3:.0f} ms, mean TBT {tbt0 * 1e3:.1f} ms x {args.tbt_x:g} = "
+                    f"{tbt_slo * 1e3:.0f} ms (set before any setup ran)")
+        print(slo_note, flush=True)
+        out: dict[str, Any] = {"model": "random Llama 8 layers, hidden 512, 4 KV heads (fp32, CPU)",
+                               "trace": {"duration_s": duration, "background_rate_per_s": args.bg_rate,
+                                         "background_prompt_tokens": SHORT, "burst_at_s": burst_at,
+                                         "burst_s": burst, "burst_rate_per_s": burst_rate,
+                                         "burst_load": None if args.burst_rate else args.burst_load,
+                                         "burst_prompt_tokens": LONG, "requests": len(reqs),
+                                         "burst_requests": sum(q[2] for q in reqs), "seed": 1},
+                               "max_tokens": args.max_tokens, "engines_per_setup": 2,
+                               "ttft_slo_ms": ttft_slo * 1e3, "tbt_slo_ms": tbt_slo * 1e3, "slo_note": slo_note,
+                               "calibration": {"ttft_ms": ttft0 * 1e3, "tbt_ms": tbt0 * 1e3}}
         out["prefill_velocity_tokens_per_s"] = velocity
-        for mode in ("colocated", "disaggregated", "disaggregated_convertible"):
+        for mode in modes:
             r = asyncio.run(setup(ckpt, mode, reqs, args.max_tokens, velocity, tbt_slo))
-            out[mode] = summarize(r, ttft_slo, tbt_slo)
+            out[mode] = summarize(r, reqs, ttft_slo, tbt_slo)
             print(mode, json.dumps(out[mode]), flush=True)
-        links(out, ckpt, args.link_mbit, 3 if args.quick else 5, transports)
+        out["sim"] = sim_side(reqs, args.max_tokens, ttft0, args.ttft_x, args.tbt_x)
+        if args.no_link:
+            out["link"], out["kv_transfer_over_link_rate"], out["link_note"] = None, None, "not measured: --no-link"
+        else:
+            links(out, ckpt, args.link_mbit, 3 if args.quick else 5, transports)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "pd.json").write_text(json.dumps(out, indent=2))
-    print("setup                      TTFT SLO att.  TBT SLO att.  TTFT p50 s  mean TBT p50 ms  (SLOs: TTFT "
-          f"{ttft_slo:.2f} s, TBT {tbt_slo * 1e3:.0f} ms; real engines, CPU, loaded machine: compare rows)")
-    for mode in ("colocated", "disaggregated", "disaggregated_convertible"):
-        r = out[mode]
-        if r is None:
-            print(f"{mode:26} {out[mode + '_note']}")
-        else:
-            print(f"{mode:26} {r['ttft_slo_attainment']:13.2f} {r['tbt_slo_attainment']:13.2f} "
-                  f"{r['ttft_p50_s']:11.2f} {r['tbt_mean_p50_s'] * 1e3:16.0f}")
-    print(f"wrote {args.out / 'pd.json'}")
+    report(out, modes, reqs)
+    print(f"kv_transfer_over_link_rate: {out['kv_transfer_over_link_rate']} "
+          f"(tbf {args.link_mbit} Mbit/s between two namespaces)" if out["link"] else out.get("link_note"))
+    print(f"wrote {args.out / 'pd.json'}, {plot(out, modes, args.out / 'pd.png')}")
+
+
+def plot(out: dict[str, Any], modes: list[str], path: Path) -> Path:
+    """TTFT and TBT SLO attainment per setup, real engines beside the simulator, as one bar chart."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    for ax, (title, block) in zip(axes, (("real engines (CPU)", out), ("simulator, same trace", out["sim"])), strict=True):
+        for j, (key, label) in enumerate((("ttft_slo_attainment", "TTFT"), ("tbt_slo_attainment", "TBT"),
+                                          ("burst_ttft_slo_attainment", "TTFT, burst prompts"))):
+            ax.bar([i + 0.27 * (j - 1) for i in range(len(modes))], [block[m][key] for m in modes], 0.27, label=label)
+        ax.set_xticks(range(len(modes)), [m.replace("_", "\n") for m in modes])
+        ax.set_title(title)
+        ax.set_ylim(0, 1.05)
+    axes[0].set_ylabel("SLO attainment")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=3, fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.9))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def report(out: dict[str, Any], modes: list[str], reqs: list[Request]) -> None:
+    print(f"{len(reqs)} requests ({out['trace']['burst_requests']} in the burst), 2 engines per setup; {out['slo_note']}")
+    for title, block in (("real engines", out), (f"simulator (trace time-compressed x{out['sim']['time_compression']:.1f}, "
+                                                 f"SLOs TTFT {out['sim']['ttft_slo_ms']:.0f} ms, TBT "
+                                                 f"{out['sim']['tbt_slo_ms']:.1f} ms)", out["sim"])):
+        print(f"{title}:")
+        print("  setup                      TTFT att.  TBT att.  burst TTFT  TTFT p50/p99 ms    TBT p50/p99 ms  fail")
+        for mode in modes:
+            r = block[mode]
+            print(f"  {mode:26} {r['ttft_slo_attainment']:9.2f} {r['tbt_slo_attainment']:9.2f} "
+                  f"{r['burst_ttft_slo_attainment']:11.2f}  {r['ttft_p50_s'] * 1e3:7.0f}/{r['ttft_p99_s'] * 1e3:7.0f}  "
+                  f"{r['tbt_p50_s'] * 1e3:7.1f}/{r['tbt_p99_s'] * 1e3:7.1f}  {r['failures']:4d}")
 
 
 def links(out: dict[str, Any], ckpt: Path, mbit: int, prompts: int, transports: list[str]) -> None:

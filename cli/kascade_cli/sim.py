@@ -49,9 +49,14 @@ POS = click.FloatRange(0, min_open=True, max=1e12)
 @click.option("--max-instances", type=click.IntRange(1, 4096), help="Per model and role.")
 @click.option("--mode", type=click.Choice(["colocated", "disaggregated"]), default="colocated", show_default=True)
 @click.option("--convertible/--no-convertible", default=True, show_default=True,
-              help="Kascade's convertible decoders (disaggregated mode): a decoder prefills when no prefiller is idle.")
-@click.option("--convert-chunk-tokens", type=click.IntRange(1, 1_000_000), default=256, show_default=True,
-              help="Prompt tokens per converted prefill step while the decoder has running requests.")
+              help="Kascade's convertible decoders (disaggregated mode): the operator's conversion policy converts "
+                   "decoders while prompt tokens/s exceed the prefillers' velocity; a converted one prefills when no "
+                   "prefiller is idle.")
+@click.option("--convert-chunk-tokens", type=click.IntRange(1, 1_000_000),
+              help="Prompt tokens per converted prefill step while the decoder has running requests "
+                   "(default: the conversion policy's budget from the TBT SLO and the prefill velocity).")
+@click.option("--pd-policy", type=click.Choice(["threshold", "tokenVelocity"]), default="threshold", show_default=True,
+              help="Disaggregated mode: threshold per role, or both counts from the operator's P:D ratio policy.")
 @click.option("--seed", type=click.IntRange(0, 2**31), default=0, show_default=True)
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=Path("sim-result.json"), show_default=True)
 @click.option("--per-request", is_flag=True, help="Include every request's arrival, TTFT and TBT in the JSON.")
@@ -61,7 +66,7 @@ def sim(trace: str, systems: tuple[str, ...], hw_name: str, hosts: int | None, g
         host_mem_gb: float | None, model_name: str, tp: int | None, n_models: int, rate: float, start: float,
         duration: float | None, rate_scale: float, keep_alive: float | None, policy: str, upper: float | None,
         lower: float | None, scale_down_delay: float, tick: float, min_instances: int, max_instances: int | None,
-        mode: str, convertible: bool, convert_chunk_tokens: int, seed: int, out: Path, per_request: bool,
+        mode: str, convertible: bool, convert_chunk_tokens: int | None, pd_policy: str, seed: int, out: Path, per_request: bool,
         plot_path: Path | None) -> None:
     """Simulate TRACE (`azure:PATH`, `burstgpt:PATH`, a CSV path, or `burstgpt-like` for the seeded
     BurstGPT-like generator) on a cluster."""
@@ -93,7 +98,7 @@ def sim(trace: str, systems: tuple[str, ...], hw_name: str, hosts: int | None, g
         up = upper if upper is not None else (4.0 if policy == "queue" else 6000.0)
         lo = lower if lower is not None else (0.3 if policy == "queue" else 2000.0)
         cfg = SimConfig(policy=Threshold(up, lo, scale_down_delay, metric), tick_s=tick, min_instances=min_instances,
-                        max_instances=max_instances, seed=seed, mode=mode)
+                        max_instances=max_instances, seed=seed, mode=mode, pd_policy=pd_policy)
         sys_overrides = {"keep_alive_s": keep_alive} if keep_alive is not None else {}
         kascade = {"convertible": convertible, "convert_chunk_tokens": convert_chunk_tokens}
         chosen = [system(n, **sys_overrides) if n == "serverlessllm" else system(n, **kascade) if n == "kascade"

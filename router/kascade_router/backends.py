@@ -118,6 +118,9 @@ class Backend:
     data: str | None = None
     convertible: bool = False
     in_flight: int = 0
+    # requests this engine prefills now (until their first token): what a prefill candidate is ranked by,
+    # since a converted decoder's in_flight also holds every stream it decodes
+    prefilling: int = 0
     ejected_until: float = 0.0  # a connection to it failed: skip it until then (or until its pod changes)
     live: bool = False
     def usable(self, now: float) -> bool:

@@ -25,6 +25,22 @@ def pick(backends: Sequence[Backend], rng: random.Random, exclude: Collection[st
     return a if (a.in_flight + 1) / a.weight <= (b.in_flight + 1) / b.weight else b
 
 
+def _prefill_load(b: Backend) -> int:
+    """A prefill candidate's load: a prefill engine's requests (the router holds each one only until its
+    first token); a converted decoder's prompts in prefill (`Backend.prefilling`), not its `in_flight`,
+    which also holds every request it decodes, including the ones a prefill engine prefills for it: by
+    `in_flight` it would never be the less loaded candidate."""
+    return b.in_flight if b.role == "prefill" else b.prefilling
+
+
+def _pick_prefill(pool: Sequence[Backend], rng: random.Random) -> Backend | None:
+    """Power of two choices on `_prefill_load`."""
+    if len(pool) <= 1:
+        return pool[0] if pool else None
+    a, b = rng.sample(list(pool), 2)
+    return a if (_prefill_load(a) + 1) / a.weight <= (_prefill_load(b) + 1) / b.weight else b
+
+
 def pick_pd(backends: Sequence[Backend], rng: random.Random,
             exclude: Collection[str] = ()) -> tuple[Backend | None, Backend | None]:
     """Disaggregated serving: (decode instance, prefill instance for it). The decode instance is chosen
@@ -32,13 +48,14 @@ def pick_pd(backends: Sequence[Backend], rng: random.Random,
     service without prefill engines routes as before (prefill None); when every non-prefill replica is
     gone, a prefill engine serves the whole request alone (it can: every engine runs both phases).
     Convertible decoders (annotated by the operator under a prefill burst) join the prefill candidates,
-    itself included when the chosen decoder is one: the less loaded candidate prefills, so converted
-    decoders absorb prefill only while the prefill engines are busier (picked itself: it prefills locally)."""
+    itself included when the chosen decoder is one: the candidate with fewer prompts in prefill takes it
+    (`_pick_prefill`), so converted decoders absorb prefill only while the prefill engines are busier
+    (picked itself: it prefills locally)."""
     d = pick([b for b in backends if b.role != "prefill"], rng, exclude)
     if d is None:
         return pick(backends, rng, exclude), None
     prefill = [b for b in backends if b.data and (b.role == "prefill" or b.convertible)]
     if d.role != "decode" or not prefill or (d.convertible and len(prefill) == 1):
         return d, None
-    p = pick(prefill, rng)
+    p = _pick_prefill(prefill, rng)
     return (d, None) if p is d else (d, p)

@@ -174,6 +174,9 @@ class Proxy:
     async def _forward(self, request: web.Request, body: bytes, b: Backend, stream: bool,
                        rid: str, pre: Backend | None = None) -> tuple[web.StreamResponse, int, int]:
         b.in_flight += 1
+        prefills = pre if pre is not None and pre.data else b  # who prefills this request
+        prefills.prefilling += 1
+        prefiller: Backend | None = prefills  # ... until its first token (None after it)
         up: Answer | None = None
         send = {"Content-Type": "application/json", REQUEST_ID: rid}  # never a client's header (PREFILL)
         if pre is not None and pre.data:
@@ -211,6 +214,8 @@ class Proxy:
             if pre is not None:
                 pre.in_flight -= 1
                 pre = None
+            prefills.prefilling -= 1
+            prefiller = None
             resp = web.StreamResponse(status=up.status, headers={**headers, "Content-Type": ctype,
                                                                  "Cache-Control": "no-cache"})
             framed = request.version >= aiohttp.HttpVersion11
@@ -242,6 +247,8 @@ class Proxy:
             b.in_flight -= 1
             if pre is not None:
                 pre.in_flight -= 1
+            if prefiller is not None:
+                prefiller.prefilling -= 1
             if up is not None:
                 self.upstreams.release(up)  # pooled after a clean end; otherwise closed: the engine aborts
 

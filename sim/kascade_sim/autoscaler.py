@@ -2,8 +2,10 @@
 initial (or static) instance counts.
 
 Data flow: every tick, per model and role, a `MetricsSnapshot` (queue length and busy share, KV
-usage, or tokens/s, averaged over the window) -> the planner's `threshold` (+ `prescale_decode`) ->
-`Scaling._scale_up` / `_scale_down`. Before the trace starts, `_initial_counts` sizes each group
+usage, or tokens/s, averaged over the window) -> the planner's `threshold` (+ `prescale_decode`), or
+in disaggregated mode with `pd_policy="tokenVelocity"` the operator's P:D ratio (`pdpolicy`) ->
+`Scaling._scale_up` / `_scale_down`; then, with convertible decoders, a conversion round through the
+operator's conversion policy (`pdpolicy.apply_conversions`). Before the trace starts, `_initial_counts` sizes each group
 from the first window (or statically from the peak / average demand). Mixed into
 `simulator.Simulation`, whose state it reads and writes.
 """
@@ -21,6 +23,7 @@ from kascade_planner.policies import (
     prescale_decode,
     threshold,
 )
+from kascade_sim.pdpolicy import apply_conversions, ratio_decisions
 from kascade_sim.provisioning import capacity_rps, fit_counts, mean_lengths, pick
 
 
@@ -91,10 +94,22 @@ class Autoscaler:
                     current = self._instances_for(m, role)
                     if role == "prefill" and "decode" in decisions:
                         current += max(0, decisions["decode"].change) if self.sys.convertible else 0
+                        # the decoders counted as prefill instances shift the bounds too: the bounds are
+                        # the prefillers' own (a max of 1 must not release the one prefiller because a
+                        # decoder is counted next to it)
+                        extra = current - sum(1 for i in self.group[g] if i.active)
+                        bounds = Bounds(bounds.min + extra, bounds.max + extra)
                     st = ScaleState(role, current, bounds, True, st.below_since_s)
                     pol = self.cfg.decode_policy if role == "decode" else self.cfg.policy
                     decisions[role] = threshold(self._metric(m, role, k), st, pol)
-                if "decode" in decisions and self.cfg.decoders_per_prefiller > 0:
+                if "decode" in decisions and self.cfg.pd_policy == "tokenVelocity":
+                    # both counts from the operator's P:D ratio policy (the threshold answers above only
+                    # carried the states: current counts, bounds with the raised decode floor)
+                    states = {r: decisions[r].state for r in ("prefill", "decode")}
+                    states["prefill"] = replace(states["prefill"], current=sum(
+                        1 for i in self.group[(m, "prefill")] if i.active))
+                    decisions = ratio_decisions(self, m, k, now, states)
+                elif "decode" in decisions and self.cfg.decoders_per_prefiller > 0:
                     decisions["decode"] = prescale_decode(decisions["prefill"], decisions["decode"],
                                                           self.cfg.decoders_per_prefiller)
                 for role in reversed(self.roles):  # decode first: prefilled KV needs somewhere to go
@@ -105,6 +120,8 @@ class Autoscaler:
                         self._scale_up(now, m, role, d.change, d.reason)
                     elif d.change < 0:
                         self._scale_down(now, m, role, -d.change, d.reason)
+                if self.sys.convertible and "decode" in decisions:
+                    apply_conversions(self, m, k, now)
         gpus = self.gpus_allocated
         copies = self._host_copies(now)
         self.cache_peak = max(self.cache_peak, copies)

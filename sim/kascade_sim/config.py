@@ -31,8 +31,13 @@ class SimConfig:
     # "disaggregated": prefill and decode instances scale separately; KV moves prefill -> decode over
     # the scale-out network after each prefill, once a decoder has room for it.
     mode: str = "colocated"
+    # Disaggregated mode: "threshold" scales each role on its own metric (`policy`, `decode_policy`);
+    # "tokenVelocity" takes both counts from the operator's P:D ratio policy (kascade_planner.pdratio).
+    pd_policy: str = "threshold"
 
     def __post_init__(self) -> None:
+        if self.pd_policy not in ("threshold", "tokenVelocity"):
+            raise ValueError(f"pd_policy must be threshold or tokenVelocity, got {self.pd_policy!r}")
         if self.mode not in ("colocated", "disaggregated"):
             raise ValueError(f"mode must be colocated or disaggregated, got {self.mode!r}")
         if not (0 < self.tick_s <= 60) or not (0 < self.window_s <= 3600):

@@ -41,6 +41,7 @@ class Instance:
     from_ssd: bool = False  # loading from the local SSD (its host copy is warm only once loaded)
     preempted: bool = False  # draining to free its GPUs for another model: never taken back
     solo: bool = False  # no other target's load passes through this one: its load may be cancelled
+    convertible: bool = False  # decoder: converted by the conversion policy (it may take prefill)
     converted: bool = False  # decoder: the iteration in flight (or last) is a prefill batch (convertible)
     chunk_req: int = -1  # converted decoder: the long prompt being prefilled chunk by chunk
     chunk_left: int = 0  # ... and its tokens not yet prefilled

@@ -33,15 +33,20 @@ class Serving:
                     return
 
     def _converts(self, inst: Instance) -> bool:
-        """A convertible decoder (TokenScale) prefills for its own model when prefill backlog waits
-        that no idle prefiller takes: the KV is then already where it decodes, and a lone request
-        needs no prefiller loaded for it. Short prompts are batched up to `System.convert_chunk_tokens`;
+        """A convertible decoder (TokenScale), once the conversion policy converted it
+        (`pdpolicy.apply_conversions` sets `Instance.convertible`), prefills for its own model when
+        prefill backlog waits that no idle prefiller takes: the KV is then already where it decodes. A
+        decoder not converted prefills only while its model has no prefiller serving (the router's
+        fallback: a service without a prefill engine is served by its decoders alone), so a lone
+        request needs no prefiller loaded for it. Short prompts are batched up to the chunk budget;
         a longer one is prefilled in chunks of that size (chunked prefill). Prefill and decode steps
         alternate while it has running requests (each prefill step stalls their next token: charged
         to their TBT), and it never converts while prefilled requests wait for a decoder's room."""
         if not self.sys.convertible or inst.role != "decode" or inst.state != "serving" or inst.chunk_left:
             return False
         m = inst.model
+        if not inst.convertible and any(p.accepting for p in self.group[(m, "prefill")]):
+            return False
         q = self.queue[(m, "prefill")]
         if not q or self.queue[(m, "decode")] or (inst.converted and inst.n_running):
             return False
@@ -51,9 +56,12 @@ class Serving:
         return not any(p.accepting and not p.busy for p in self.group[(m, "prefill")])
 
     def _chunk_tokens(self, inst: Instance) -> int:
-        """Prompt tokens per converted prefill step: `System.convert_chunk_tokens` while the decoder
-        has running requests (their next token waits for the step), a full prefill batch when not."""
-        return self.sys.convert_chunk_tokens if inst.n_running else self.spec.max_prefill_tokens
+        """Prompt tokens per converted prefill step: the conversion policy's chunk budget (or
+        `System.convert_chunk_tokens` when set) while the decoder has running requests (their next
+        token waits for the step), a full prefill batch when not."""
+        if not inst.n_running:
+            return self.spec.max_prefill_tokens
+        return self.sys.convert_chunk_tokens or self.chunk_tokens[inst.model]
 
     def _prefill_chunk(self, inst: Instance, now: float) -> None:
         """One chunk of a long prompt on a converted decoder (its KV was reserved at the first chunk);

@@ -26,6 +26,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import cast
 
+from kascade_planner.conversion import chunk_budget
+from kascade_planner.pdratio import PdVelocity
 from kascade_planner.policies import Bounds, ScaleState
 from kascade_sim.autoscaler import Autoscaler
 from kascade_sim.config import SimConfig
@@ -33,6 +35,7 @@ from kascade_sim.events import ACCEPT, ITER, KV, READY, TICK
 from kascade_sim.hardware import Hardware, ModelSpec
 from kascade_sim.hostmem import HostMemory
 from kascade_sim.instance import Instance
+from kascade_sim.pdpolicy import velocities
 from kascade_sim.provisioning import demand_series
 from kascade_sim.result import Result, ScaleEvent
 from kascade_sim.scaling import Scaling
@@ -72,6 +75,10 @@ class Simulation(Scaling, Serving, Autoscaler):
         self.pairings: list[tuple[float, str, str, float]] = []  # (time, partner, live target, target ready)
         self.max_debt_s = 0.0  # the most work any partner ever owed its live target
         self.converted_prefills = 0  # requests prefilled by convertible decoders
+        # (time, policy, input, answer) of every call into the operator's disaggregated policies (pdpolicy)
+        self.policy_calls: list[tuple[float, str, object, object]] = []
+        self.chunk_tokens = {m: chunk_budget(cfg.tbt_slo_s, None) for m in range(wl.models)}  # set every tick
+        self.pd_velocity: dict[int, PdVelocity] = {}  # per model, from the cost model (pdpolicy.velocities)
         self.last = [math.nan] * n
         self.heap: list[tuple[float, int, int, object]] = []
         self.seq = 0
@@ -128,6 +135,9 @@ class Simulation(Scaling, Serving, Autoscaler):
                 if self.sys.host_cache == "ttl":
                     self.hostmem.loaded(node, m, 0.0)
         self.cache_peak = self._host_copies(0.0)
+        if cfg.mode == "disaggregated":
+            self.chunk_tokens = {m: chunk_budget(cfg.tbt_slo_s, velocities(self, m).prefill_effective)
+                                 for m in range(self.models)}
         ticks = len(self.rps[0])
         self.push(cfg.tick_s, TICK, 0)
         n, nxt = len(self.arr), 0

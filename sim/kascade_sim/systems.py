@@ -23,16 +23,18 @@ class System:
     keep_alive_s: float = 0.0  # ServerlessLLM host-cache keep-alive after the last instance on a host
     static: Literal["peak", "average"] | None = None
     pipeline_overhead: float = 0.2  # λScale: extra iteration time while the pipeline spans several GPUs
-    # TokenScale's convertible decoders (disaggregated mode): a decoder prefills its own model's
-    # requests when no prefiller is idle, and counts toward the prefill instances the policy sees.
+    # TokenScale's convertible decoders (disaggregated mode): the operator's conversion policy
+    # (kascade_planner.conversion, every tick) converts decoders while prompt tokens/s exceed the
+    # prefillers' velocity; a converted decoder prefills its own model's requests when no prefiller is
+    # idle, and counts toward the prefill instances the threshold policy sees.
     convertible: bool = False
     # A converted prefill step stalls the decoder's running requests for its duration: while it has
-    # any, at most this many prompt tokens per step (short prompts batched, longer ones chunked). 256
-    # tokens of the 72B preset take 0.10 s, the default TBT SLO: one stall costs about one SLO.
-    convert_chunk_tokens: int = 256
+    # any, at most this many prompt tokens per step (short prompts batched, longer ones chunked).
+    # None: the conversion policy's chunk budget (half a TBT objective of prefill at the prefill velocity).
+    convert_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        if self.convert_chunk_tokens < 1:
+        if self.convert_chunk_tokens is not None and self.convert_chunk_tokens < 1:
             raise ValueError(f"system {self.name}: convert_chunk_tokens must be >= 1, got {self.convert_chunk_tokens}")
         if self.keep_alive_s < 0 or self.pipeline_overhead < 0:
             raise ValueError(f"system {self.name}: keep_alive_s and pipeline_overhead must be >= 0")

@@ -153,6 +153,18 @@ def test_pick_pd_chooses_decode_then_prefill() -> None:
     assert pick_pd([d1], rng) == (d1, None)  # no prefill engine: the decoder prefills itself
 
 
+def test_a_converted_decoder_busy_decoding_still_takes_prefill() -> None:
+    """Ranked by the prompts it prefills, not by its streams: a converted decoder decoding 10 requests
+    (3 of them prefilled by p) and prefilling none takes the next prompt from p, which prefills 3. By
+    in_flight (10 vs 3) it never would: every request p prefills is also in flight at the decoder."""
+    rng = random.Random(1)
+    d = Backend("d", "h:1", role="decode", data="h:10", convertible=True, in_flight=10, prefilling=0)
+    p = Backend("p", "h:2", role="prefill", data="h:20", in_flight=3, prefilling=3)
+    assert all(pick_pd([d, p], rng) == (d, None) for _ in range(20))
+    d.prefilling = 5  # now it prefills more than p: p takes the prompt
+    assert all(pick_pd([d, p], rng) == (d, p) for _ in range(20))
+
+
 def test_static_pd_backends_parse_and_name_bad_values() -> None:
     routes = static_routes(["m=decode@127.0.0.1:1,prefill@127.0.0.1:2+127.0.0.1:3"])
     bs = sorted(routes.backends[("static", "m")].values(), key=lambda b: b.pod)
@@ -180,7 +192,7 @@ def test_convertible_decoders_take_prefill_for_other_decoders() -> None:
     busy = Backend("p", "h:3", role="prefill", data="h:30", in_flight=9)
     idle = Backend("q", "h:4", role="prefill", data="h:40")
     assert {pick_pd([d1, d2, busy], rng, exclude={"d2"})[1].pod for _ in range(20)} == {"d2"}  # type: ignore[union-attr]
-    d2.in_flight = 3  # the converted decoder is busier than an idle prefill engine: the engine prefills
+    d2.prefilling = 3  # the converted decoder prefills 3 prompts, an idle prefill engine none: the engine prefills
     assert {pick_pd([d1, d2, idle], rng, exclude={"d2"})[1].pod for _ in range(20)} == {"q"}  # type: ignore[union-attr]
     pod = {"metadata": {"name": "p", "namespace": "ns", "labels": {B.MODEL_SERVICE: "s", B.ROLE: "decode"},
                         "annotations": {B.LOADED: "true", B.ENDPOINT: "h:1", B.ACT_ENDPOINT: "h:9",

@@ -66,6 +66,20 @@ def test_sim_convertible_flags(tmp_path: Path) -> None:
     assert got["--convertible"] > 0 and got["--no-convertible"] == 0, got
 
 
+def test_sim_pd_policy_token_velocity(tmp_path: Path) -> None:
+    """--pd-policy tokenVelocity: the disaggregated scale events are the operator's P:D ratio policy's."""
+    reasons = {}
+    for pol in ("threshold", "tokenVelocity"):
+        out = tmp_path / f"{pol}.json"
+        res = CliRunner().invoke(sim, ["burstgpt-like", "--rate", "4", "--duration", "60", "--seed", "1", "-s", "kascade",
+                                       "--mode", "disaggregated", "--hosts", "1", "--gpus-per-host", "8",
+                                       "--pd-policy", pol, "-o", str(out)])
+        assert res.exit_code == 0, res.output
+        reasons[pol] = [e["reason"] for e in json.loads(out.read_text())["results"]["kascade"]["events"]]
+    assert reasons["tokenVelocity"] and all(r.startswith("P:D ratio") for r in reasons["tokenVelocity"]), reasons
+    assert not any(r.startswith("P:D ratio") for r in reasons["threshold"])
+
+
 @pytest.mark.parametrize(("flags", "named"), [
     (["--rdma-gbps", "0"], "--rdma-gbps"),
     (["--ssd-gbps", "-1"], "--ssd-gbps"),
@@ -78,6 +92,7 @@ def test_sim_convertible_flags(tmp_path: Path) -> None:
     (["--model", "gpt-9"], "gpt-9"),
     (["--max-instances", "0"], "--max-instances"),
     (["--convert-chunk-tokens", "0"], "--convert-chunk-tokens"),
+    (["--pd-policy", "ratio"], "--pd-policy"),
 ])
 def test_sim_bad_flags_are_clear_errors(tmp_path: Path, flags: list[str], named: str) -> None:
     res = CliRunner().invoke(sim, [str(DATA / "burstgpt_small.csv"), "-o", str(tmp_path / "r.json"), *flags])

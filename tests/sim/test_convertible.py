@@ -6,6 +6,7 @@ prefill scale-ups were 'traffic with no instance'). Each test fails without the 
 
 from __future__ import annotations
 
+from kascade_planner.conversion import chunk_budget
 from kascade_planner.policies import Threshold
 from kascade_sim.hardware import hardware, model
 from kascade_sim.result import Result
@@ -16,7 +17,8 @@ from kascade_sim.workload import Request, Workload
 CFG = SimConfig(mode="disaggregated", min_instances=0, tick_s=0.25, policy=Threshold(4.0, 0.3, 0.5, "queueLength"),
                 decode_policy=Threshold(0.8, 0.3, 0.5, "kvCacheUsage"))
 SPEC = model("llama3-8b")
-CHUNK = system("kascade").convert_chunk_tokens
+# the conversion policy's chunk budget at this model's prefill velocity (what the simulator uses)
+CHUNK = chunk_budget(CFG.tbt_slo_s, SPEC.max_prefill_tokens / SPEC.cost.prefill_s(SPEC.max_prefill_tokens))
 
 
 def trickle(inp: int, every_s: float = 3.0, n: int = 40) -> Workload:
@@ -52,7 +54,7 @@ def test_a_decoder_prefills_a_trickle_instead_of_loading_prefillers() -> None:
 
 
 def test_long_prompts_are_prefilled_in_chunks_between_decode_steps() -> None:
-    wl = trickle(4096)  # 16 chunks of 256 tokens while the decoder has running requests
+    wl = trickle(4096)  # prefilled in chunks of the policy's budget while the decoder has running requests
     s, conv = run(wl, True)
     _, plain = run(wl, False)
     assert ups(plain, "prefill") >= 20

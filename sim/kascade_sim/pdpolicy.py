@@ -1,0 +1,93 @@
+"""The simulator's disaggregated decisions, made by the operator's own pure policies: the P:D ratio
+(`kascade_planner.pdratio.pd_ratio`, the tokenVelocity policy of a disaggregated service) and the
+convertible decoders (`kascade_planner.conversion.plan_conversions`). Nothing here decides: it builds
+the policies' typed inputs from the simulator's state and applies their answers.
+
+Data flow, every tick, per model: the window's prompt and output tokens/s (`Simulation.demand`) + one
+instance's velocities from the engine cost model (`velocities`) + the role bounds -> `pd_ratio` ->
+desired prefill and decode counts (`ratio_decisions`, as `policies.Decision`s for `Scaling`); the same
+prompt tokens/s + serving prefillers + the decoders (each with its policy flag `Instance.convertible`) +
+the prefill queue + the TBT objective -> `plan_conversions` -> flags set or cleared and the chunk budget
+(`apply_conversions`). `Serving._converts` lets only a flagged decoder take prefill. Every call is logged
+(`Simulation.policy_calls`: time, policy, input, answer) so a test can call the policy again on the same
+input and compare.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from kascade_planner.conversion import ConversionInput, Conversions, DecoderView, plan_conversions
+from kascade_planner.pdratio import PdDemand, PdRatio, PdVelocity, pd_ratio
+from kascade_planner.policies import Decision, ScaleState
+from kascade_sim.provisioning import capacity_rps, mean_lengths
+
+if TYPE_CHECKING:
+    from kascade_sim.simulator import Simulation
+
+
+def velocities(sim: Simulation, m: int) -> PdVelocity:
+    """One instance's velocities from the cost model, as the engines would measure them: a full prefill
+    batch's prompt tokens/s, the KV link's tokens/s out of a prefiller (scale-out bandwidth / KV bytes
+    per token), and a saturated decoder's output tokens/s at the trace's mean lengths. Fixed for a run:
+    computed once per model (the mean lengths walk the whole trace)."""
+    if m in sim.pd_velocity:
+        return sim.pd_velocity[m]
+    spec = sim.spec
+    prefill = spec.max_prefill_tokens / spec.cost.prefill_s(spec.max_prefill_tokens)
+    network = sim.kv_bytes_per_s / spec.kv_bytes_per_token
+    mean_in, mean_out = mean_lengths(sim.wl, m)
+    decode = capacity_rps(spec, sim.kv_cap, "decode", mean_in, mean_out) * max(1.0, mean_out)
+    sim.pd_velocity[m] = PdVelocity(prefill, network, decode)
+    return sim.pd_velocity[m]
+
+
+def _rate(sim: Simulation, m: int, role: str, k: int) -> float:
+    series = sim.demand[(m, role)]
+    return series[k] if k < len(series) else 0.0
+
+
+def conversion_input(sim: Simulation, m: int, k: int) -> ConversionInput:
+    """What the operator's pdscaling.conversion_input gives the policy, read from the simulator."""
+    v = velocities(sim, m)
+    decoders = tuple(DecoderView(d.id, d.convertible, d.n_running + d.incoming)
+                     for d in sim.group[(m, "decode")] if d.state == "serving")
+    ready = sum(1 for p in sim.group[(m, "prefill")] if p.state == "serving")
+    return ConversionInput(_rate(sim, m, "prefill", k), ready, v.prefill_effective, decoders,
+                           prefill_queue=float(len(sim.queue[(m, "prefill")])), tbt_slo_s=sim.cfg.tbt_slo_s)
+
+
+def apply_conversions(sim: Simulation, m: int, k: int, now: float) -> Conversions:
+    """One conversion round: the policy's answer applied to the decoders' flags and the chunk budget; a
+    decoder just converted is offered the prefill queue at once."""
+    inp = conversion_input(sim, m, k)
+    plan = plan_conversions(inp)
+    sim.policy_calls.append((now, "conversion", inp, plan))
+    sim.chunk_tokens[m] = plan.chunk_tokens
+    by = {d.id: d for d in sim.group[(m, "decode")]}
+    for name in plan.convert:
+        by[name].convertible = True
+    for name in plan.revert:
+        by[name].convertible = False
+    if plan.convert:
+        sim._wake(m, "prefill", now)
+    return plan
+
+
+def ratio_decisions(sim: Simulation, m: int, k: int, now: float,
+                    states: dict[str, ScaleState]) -> dict[str, Decision]:
+    """Prefill and decode counts from the P:D ratio policy on the window's token rates; `states` carry each
+    role's current count and bounds (the decode floor already raised where the simulator needs one)."""
+    d = PdDemand(_rate(sim, m, "prefill", k), _rate(sim, m, "decode", k))
+    v = velocities(sim, m)
+    ratio: PdRatio = pd_ratio(d, v, states["prefill"].bounds, states["decode"].bounds)
+    sim.policy_calls.append((now, "pdRatio", (d, v, states["prefill"].bounds, states["decode"].bounds,
+                                               states["prefill"].current, states["decode"].current), ratio))
+    out = {}
+    for role, want in (("prefill", ratio.prefill), ("decode", ratio.decode)):
+        st = replace(states[role], below_since_s=None)
+        out[role] = Decision(role, st.current, want, ratio.reason, (("inputTokensPerSecond", d.input_tokens_per_s),
+                                                                     ("outputTokensPerSecond", d.output_tokens_per_s)),
+                             st)
+    return out
