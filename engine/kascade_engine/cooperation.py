@@ -31,12 +31,14 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from kascade_engine.engine import Event
 from kascade_engine.kvcache import KVCache, build_batch
 from kascade_engine.livepolicy import ZigZagPolicy, hold_until
 from kascade_engine.model import LlamaModel
@@ -45,7 +47,7 @@ from kascade_engine.sampling import SamplingParams, sample
 from kascade_engine.transport import Connection
 
 if TYPE_CHECKING:
-    from kascade_engine.engine import Engine, Event
+    from kascade_engine.engine import Engine
     from kascade_engine.scheduler import Work
 
 log = logging.getLogger(__name__)
@@ -56,7 +58,8 @@ class Cooperation(Protocol):
 
     def pending(self) -> bool: ...
 
-    def forward(self, engine: Engine, work: list[Work]) -> list[int]: ...
+    def forward(self, engine: Engine, work: list[Work]) -> Sequence[int | None]: ...
+    # one token per sampling chunk, in order; None: that chunk's token lands later (take_events)
 
     def abort(self, rid: str) -> None: ...
 
@@ -289,6 +292,17 @@ class HostRows:
 
 
 # -- B: run the resident prefix for the whole batch, one activation frame per step ---------------
+PIPELINE_DEPTH = 2  # B's steps out on A at once: B computes step i+1's prefix while A runs step i
+
+
+@dataclass
+class OutStep:
+    """One of B's steps out on A: its rows (request, whether it samples) in frame order, and the answer."""
+
+    rows: list[tuple[str, bool]]
+    fut: Future[dict[str, Any]]
+
+
 class PairClient:
     """B's hook: the pair's one connection, and each of B's sequences' split point."""
 
@@ -312,27 +326,38 @@ class PairClient:
         self.peer_queued = True  # poll A (an empty step) while it reports queued requests; once at pair time
         self.received = 0  # metric: requests A handed to us
         self.reply: dict[str, Any] = {}  # the last step's answer (its redirect fields)
+        self.inflight: deque[OutStep] = deque()  # our steps out on A, oldest first
+        self.events: list[Event] = []  # tokens of our requests that landed (Engine.step emits them)
+        self._send_lock = asyncio.Lock()
+        self._recv_lock = asyncio.Lock()
 
     def pending(self) -> bool:
-        return self.peer_queued  # ends ride on the next step; A frees everything when the pair closes
+        # poll A while it reports a queue; keep stepping while a step is out (its answer delivers tokens)
+        return self.peer_queued or bool(self.inflight)
 
     def abort(self, rid: str) -> None:
         pass  # our own requests: their end rides on the next step
 
     def take_events(self) -> list[Event]:
-        return []
+        out, self.events = self.events, []
+        return out
 
     async def _exchange(self, header: dict[str, Any], raw: bytes) -> dict[str, Any]:
-        await self.conn.send(header, raw)
-        reply, _ = await self.conn.recv(timeout=self.timeout)
+        # Two steps can be out at once on the one connection: sends go out whole and in order, and the
+        # answers (A serves a pair's steps in order) are read in the same order. asyncio.Lock is FIFO.
+        async with self._send_lock:
+            await self.conn.send(header, raw)
+        async with self._recv_lock:
+            reply, _ = await self.conn.recv(timeout=self.timeout)
         return reply
 
-    def forward(self, engine: Engine, work: list[Work]) -> list[int]:
+    def forward(self, engine: Engine, work: list[Work]) -> list[int | None]:
         m, L = self.model, self.model.shape.layers
         for rid in [r for r in self.split if r not in engine.requests]:  # finished or aborted
             self.split.pop(rid)
         self.redirected.intersection_update(engine.requests)  # handed requests finished or aborted here
-        ends = [r for r in self.remote if r not in self.split]
+        out_now = {rid for f in self.inflight for rid, _ in f.rows}
+        ends = [r for r in self.remote if r not in self.split and r not in out_now]  # A frees them
         self.remote.difference_update(ends)
         for w in work:
             if w.id not in self.split:
@@ -344,35 +369,70 @@ class PairClient:
         pace(t0, staggered(m, engine.cache, rows), self.layer_s)
         local = [i for i in sampling if self.split[work[i].id] == L and m.complete and work[i].id not in self.redirected]
         far = [i for i, w in enumerate(work) if not (self.split[w.id] == L and m.complete) or w.id in self.redirected]
-        toks: dict[int, int] = {}
+        toks: dict[int, int | None] = {i: None for i in sampling}  # None: out on A, delivered when it lands
         if local:
             logits = m.logits(torch.cat([rows[i].x[-1:] for i in local]))
             for j, i in enumerate(local):
                 r = engine.requests[work[i].id]
                 toks[i] = _pick(logits[j], r.params, r.gen)
-        if far or ends or self.peer_queued or self.refused:
-            remote = self._send(engine, work, rows, far, set(sampling), ends)
-            for i, tok in zip([i for i in far if i in set(sampling)], remote, strict=True):
-                toks[i] = tok
+        if far or ends or self.refused or (self.peer_queued and not self.inflight):
+            self._send(engine, work, rows, far, set(sampling), ends)
+        # Pipelined (depth PIPELINE_DEPTH): B runs its next batch's prefix while A finishes the last one, so
+        # B's step rate follows A's, not A's plus B's. Wait only when the pipe is full or B has nothing else.
+        while self.inflight and (len(self.inflight) >= PIPELINE_DEPTH or not work):
+            self._land(engine, self.inflight.popleft())
+            if not work:
+                break
+        while self.inflight and self.inflight[0].fut.done():
+            self._land(engine, self.inflight.popleft())
         # fully loaded, no split sequence left and nothing A handed us still here (one still queued would
         # otherwise run as ours and its tokens never reach A's client): a plain engine again
-        if m.complete and not self.remote and not self.redirected and all(k == L for k in self.split.values()):
+        if m.complete and not self.remote and not self.redirected and not self.inflight and \
+                all(k == L for k in self.split.values()):
             engine.coop = self.fallback
         return [toks[i] for i in sampling]
 
     def _send(self, engine: Engine, work: list[Work], rows: list[Row], far: list[int], sampling: set[int],
-              ends: list[str]) -> list[int]:
+              ends: list[str]) -> None:
         meta: list[list[Any]] = []
         for i in far:
             w, p = work[i], engine.requests[work[i].id].params
             meta.append([w.id, w.start, w.n, self.split[w.id], i in sampling, p.temperature, p.top_p, p.seed])
             self.remote.add(w.id)
+            engine.scheduler.park(w.id)  # not scheduled again until A's answer for this step lands
         hidden = torch.cat([rows[i].x for i in far]) if far else torch.empty(0, self.model.shape.hidden)
         refused, self.refused = self.refused, []
         extra = {"waiting": len(engine.scheduler.waiting) + len(self.held), "refused": refused}
-        toks = self.relay(meta, hidden, ends, extra)
+        fut = self._submit(meta, hidden, ends, extra)
+        self.inflight.append(OutStep([(work[i].id, i in sampling) for i in far], fut))
+
+    def _land(self, engine: Engine, step: OutStep) -> None:
+        """A's answer to one of our steps: tokens to their requests (unparked), then its redirect fields."""
+        try:
+            reply = step.fut.result(self.timeout + 5)
+            if reply.get("op") != "tokens":
+                raise RuntimeError(f"pair refused the step: {reply.get('message', reply)}")
+            toks = iter(int(t) for t in reply["tokens"])
+            got = [(rid, next(toks) if sampled else None) for rid, sampled in step.rows]
+        except Exception as e:  # any failure of the step fails exactly its requests
+            log.warning("pair step failed for %d requests: %s", len(step.rows), e)
+            for rid, _ in step.rows:
+                if rid in engine.requests:
+                    engine.scheduler.finish(rid)
+                    engine.requests.pop(rid, None)
+                    self.events.append(Event(rid, -1, True, f"error: {e}"))
+            self.peer_queued = False
+            return
+        now = time.monotonic()
+        for rid, tok in got:
+            if rid not in engine.requests:  # aborted while its step was out
+                continue
+            engine.scheduler.unpark(rid)
+            if tok is not None:
+                engine.scheduler.advance(rid, 0, True)
+                self.events.append(engine.deliver(rid, tok, now))
+        self.reply = reply
         self._take_redirects(engine)
-        return toks
 
     def _take_redirects(self, engine: Engine) -> None:
         """A's answer may hand us queued requests (run like ours, finished on A) and abort some of them."""
@@ -391,20 +451,23 @@ class PairClient:
             self.redirected.add(rid)
             self.received += 1
 
-    def relay(self, meta: list[list[Any]], hidden: torch.Tensor, ends: list[str],
-              extra: dict[str, Any] | None = None) -> list[int]:
-        """One step frame to the peer (from the engine's worker thread); its sampled tokens."""
+    def _submit(self, meta: list[list[Any]], hidden: torch.Tensor, ends: list[str],
+                extra: dict[str, Any] | None = None) -> Future[dict[str, Any]]:
+        """One step frame to the peer (from the engine's worker thread), sent in order; its answer's future."""
         name = str(hidden.dtype).removeprefix("torch.")
         raw = hidden.contiguous().cpu().view(torch.uint8).numpy().tobytes() if hidden.numel() else b""
         header = {"op": "step", "rows": meta, "end": ends, "shape": list(hidden.shape), "dtype": name, **(extra or {})}
         fut = asyncio.run_coroutine_threadsafe(self._exchange(header, raw), self.loop)
-        reply = fut.result(self.timeout + 5)
         self.steps_sent += 1
         self.bytes_sent += len(raw)
         self.tokens_sent += int(hidden.shape[0])
+        return fut
+
+    def relay(self, meta: list[list[Any]], hidden: torch.Tensor, ends: list[str]) -> list[int]:
+        """A pipeline hop (a receiver passing rows it cannot finish downstream): one frame, wait for its tokens."""
+        reply = self._submit(meta, hidden, ends).result(self.timeout + 5)
         if reply.get("op") != "tokens":
             raise RuntimeError(f"pair refused the step: {reply.get('message', reply)}")
-        self.reply = reply
         return [int(t) for t in reply["tokens"]]
 
     def admit(self, rid: str, submit: Callable[[], None], fail: Callable[[Exception], None]) -> None:

@@ -171,21 +171,29 @@ class Engine:
                 self.scheduler.advance(w.id, w.n, False)
                 continue
             tok = next(it)
-            r.out.append(tok)
-            r.first_token_at = r.first_token_at or now
+            if tok is None:  # still out on a live pair (cooperation.py parked it): delivered when it lands
+                self.scheduler.advance(w.id, w.n, False)
+                continue
             self.scheduler.advance(w.id, w.n, True)
-            reason = None
-            if tok == self.eos or tok in r.params.stop_token_ids:
-                reason = "stop"
-            elif len(r.out) >= r.params.max_tokens:
-                reason = "length"
-            events.append(Event(w.id, tok, reason is not None, reason))
-            if reason:
-                self.scheduler.finish(w.id)
-                self.requests.pop(w.id, None)
+            events.append(self.deliver(w.id, tok, now))
         if self.coop is not None:
-            events.extend(self.coop.take_events())  # tokens of requests redirected to a live pair
+            events.extend(self.coop.take_events())  # tokens that landed from a live pair (own or redirected)
         return events
+
+    def deliver(self, rid: str, tok: int, now: float) -> Event:
+        """`tok` is `rid`'s next token (its step's KV already counted): record it, finish on stop/length."""
+        r = self.requests[rid]
+        r.out.append(tok)
+        r.first_token_at = r.first_token_at or now
+        reason = None
+        if tok == self.eos or tok in r.params.stop_token_ids:
+            reason = "stop"
+        elif len(r.out) >= r.params.max_tokens:
+            reason = "length"
+        if reason:
+            self.scheduler.finish(rid)
+            self.requests.pop(rid, None)
+        return Event(rid, tok, reason is not None, reason)
 
     def generate(self, prompt: list[int], params: SamplingParams) -> list[int]:
         """Run one request to completion (tests, benchmarks)."""

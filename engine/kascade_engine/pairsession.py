@@ -69,14 +69,19 @@ async def host_pair(host: HostRows, model: LlamaModel, conn: Connection, first: 
         return
     await conn.send({"op": "paired", "pair": pair})
     loop = asyncio.get_running_loop()
+    # B keeps up to two steps out (cooperation.PIPELINE_DEPTH): read the next frame while A still runs
+    # the last one; answers go back in frame order from one writer.
+    answers: asyncio.Queue[tuple[asyncio.Future[list[int] | Exception] | None, PairStep | None, str]] = \
+        asyncio.Queue()
+    writer = asyncio.create_task(_answer(conn, answers))
     try:
-        while True:
+        while not writer.done():
             try:
                 header, payload = await conn.recv(max_payload=max_payload)
             except TransportError:
                 return
             if header.get("op") != "step":
-                await conn.send({"op": "error", "message": f"unknown op {header.get('op')!r} in a pair session"})
+                await answers.put((None, None, f"unknown op {header.get('op')!r} in a pair session"))
                 continue
             try:
                 rows, ends = header.get("rows"), header.get("end") or []
@@ -87,7 +92,7 @@ async def host_pair(host: HostRows, model: LlamaModel, conn: Connection, first: 
                 hidden = (decode_activation(header, payload, s.hidden) if rows
                           else torch.empty(0, s.hidden, dtype=model.dtype, device=model.device))
             except ValueError as e:
-                await conn.send({"op": "error", "message": str(e)})
+                await answers.put((None, None, str(e)))
                 continue
             fut: asyncio.Future[list[int] | Exception] = loop.create_future()
 
@@ -103,11 +108,25 @@ async def host_pair(host: HostRows, model: LlamaModel, conn: Connection, first: 
                             [r for r in refused if isinstance(r, list) and len(r) == 2] if isinstance(refused, list) else [])
             host.submit(step, [str(r) for r in ends])
             wake()
-            got = await fut
+            await answers.put((fut, step, ""))
+    finally:
+        writer.cancel()
+        host.close_pair(pair)
+        wake()
+
+
+async def _answer(conn: Connection,
+                  answers: asyncio.Queue[tuple[asyncio.Future[list[int] | Exception] | None, PairStep | None, str]]
+                  ) -> None:
+    """A pair session's writer: each frame's answer (tokens or a named error), in frame order."""
+    try:
+        while True:
+            fut, step, message = await answers.get()
+            got: list[int] | Exception = RuntimeError(message) if fut is None else await fut
             if isinstance(got, Exception):
                 await conn.send({"op": "error", "message": str(got)})
             else:
+                assert step is not None
                 await conn.send({"op": "tokens", "tokens": got, **step.reply})
-    finally:
-        host.close_pair(pair)
-        wake()
+    except TransportError:
+        return

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -87,7 +87,7 @@ class KVShipper:
             v = cache.v[layer].index_select(0, slots).to("cpu").contiguous()
             self.sinks[w.id](KVPiece(layer, w.start, w.n, k, v))
 
-    def forward(self, engine: Engine, work: list[Work]) -> list[int]:
+    def forward(self, engine: Engine, work: list[Work]) -> Sequence[int | None]:
         remote = [w for w in work if w.id in self.sinks]
         L = engine.model.shape.layers
         if not remote or self.pending():  # pair rows share this step: run it whole, then ship every layer

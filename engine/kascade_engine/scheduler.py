@@ -7,7 +7,10 @@ inter-token latency low), then unfinished prefills, then waiting sequences admit
 `max_seqs`. Admission needs free pages for the sequence's known tokens; a running sequence that needs a
 page when none is free preempts the most recently admitted sequence not yet in this step (its pages
 are freed and it is recomputed from its known tokens when re-admitted, so its output is unchanged).
-`finish(id)` (done, aborted, failed) frees the pages at once. With `window` set (a model whose every
+`finish(id)` (done, aborted, failed) frees the pages at once. `park(id)` takes a running sequence out of
+scheduling while its step is still out on a live pair (cooperation.py: a loading engine keeps two steps
+in flight); `unpark(id, sampled)` brings it back when that step's answer lands. A parked sequence keeps
+its pages and its seat (max_seqs) and is never preempted. With `window` set (a model whose every
 layer attends only to the last `window` positions), pages wholly before the window of a sequence's next
 chunk go back to the pool before it grows, so a long generation holds about window/page_size pages.
 """
@@ -78,6 +81,7 @@ class Scheduler:
     limits: Limits = field(default_factory=Limits)
     waiting: deque[Seq] = field(default_factory=deque)
     running: dict[str, Seq] = field(default_factory=dict)  # admission order
+    parked: dict[str, Seq] = field(default_factory=dict)  # their last step is still out on a live pair
     preemptions: int = 0
     window: int | None = None  # every layer's attention window (None: some layer sees the whole context)
     dropped_pages: int = 0
@@ -141,7 +145,7 @@ class Scheduler:
             scheduled.add(s.id)
             budget -= n
         while self.waiting and not preempted and budget > 0 and prefill_left > 0 and \
-                len(self.running) < self.limits.max_seqs:
+                len(self.running) + len(self.parked) < self.limits.max_seqs:
             s = self.waiting[0]
             if self.pool.pages_for(self.resident(s.total)) > self.pool.free_pages:
                 break  # FCFS: never let a later, smaller request overtake the head
@@ -156,18 +160,30 @@ class Scheduler:
 
     def advance(self, seq_id: str, n: int, sampled: bool) -> None:
         """`n` more tokens of `seq_id` are cached; `sampled`: a new token was generated."""
-        s = self.running.get(seq_id)
+        s = self.running.get(seq_id) or self.parked.get(seq_id)
         if s is not None:
             s.computed += n
             if sampled:
                 s.total += 1
                 s.generated += 1
 
+    def park(self, seq_id: str) -> None:
+        """Out of scheduling until `unpark` (its step's tokens are still on their way back)."""
+        s = self.running.pop(seq_id, None)
+        if s is not None:
+            self.parked[seq_id] = s
+
+    def unpark(self, seq_id: str) -> None:
+        s = self.parked.pop(seq_id, None)
+        if s is not None:
+            self.running[seq_id] = s
+
     def finish(self, seq_id: str) -> None:
         self.pool.free(seq_id)
         self.running.pop(seq_id, None)
+        self.parked.pop(seq_id, None)
         self.waiting = deque(s for s in self.waiting if s.id != seq_id)
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and not self.parked
