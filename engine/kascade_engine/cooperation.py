@@ -32,7 +32,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -78,28 +78,33 @@ class Row:
     x: torch.Tensor
 
 
-def staggered(model: LlamaModel, cache: KVCache, rows: list[Row]) -> int:
+def staggered(model: LlamaModel, cache: KVCache, rows: list[Row], knee_tokens: int = 0) -> float:
     """Run every row through its own layer range in one tensor per layer segment: rows join at their
     first layer and leave after their last, so all rows present at a layer share its forward. Returns
-    the number of layer forwards run (what a step costs on an accelerator)."""
+    what the step costs on an accelerator, in layer forwards: one per layer run, or with `knee_tokens`
+    one per `knee_tokens` tokens present at that layer (a forward is compute-bound past the knee, so the
+    rows a loading peer adds to a full batch cost what their tokens cost: `pace`)."""
     bounds = sorted({r.a for r in rows} | {r.b for r in rows})
-    ran = 0
+    cost = 0.0
     for u, v in itertools.pairwise(bounds):
         present = sorted((r for r in rows if r.a <= u and r.b >= v), key=lambda r: r.n > 1)  # decodes first
         if not present:
             continue
-        ran += v - u
+        tokens = sum(r.n for r in present)
+        cost += (v - u) * (max(1.0, tokens / knee_tokens) if knee_tokens > 0 else 1.0)
         batch = build_batch(cache, [(r.table, r.start, r.n) for r in present])
         x = model.run_layers(u, v, torch.cat([r.x for r in present]), batch)
         at = 0
         for r in present:
             r.x, at = x[at:at + r.n], at + r.n
-    return ran
+    return cost
 
 
-def pace(t0: float, layers: int, layer_s: float) -> None:
+def pace(t0: float, layers: float, layer_s: float) -> None:
     """Emulated accelerator (benchmarks, `--emulate-layer-ms`): the step's layer work ends no earlier
-    than t0 + layers x layer_s, so its time does not depend on what else shares the CPU."""
+    than t0 + layers x layer_s, so its time does not depend on what else shares the CPU. `layers` comes
+    from `staggered` with the engine's max_batch_tokens as the knee: a layer forward over up to a full
+    batch costs one layer time (memory-bound), more tokens cost proportionally more (compute-bound)."""
     left = t0 + layers * layer_s - time.perf_counter()
     if layer_s > 0 and left > 0:
         time.sleep(left)
@@ -205,7 +210,7 @@ class HostRows:
                 accepted.append((st, mine))
                 rows.extend(r for r, _ in mine)
             t0 = time.perf_counter()
-            pace(t0, staggered(m, engine.cache, rows), self.layer_s)
+            pace(t0, staggered(m, engine.cache, rows, engine.limits.max_batch_tokens), self.layer_s)
             here: list[torch.Tensor] = [rows[i].x[-1:] for i in sampling]  # rows sampled on this engine
             slots: list[tuple[PairStep, int, str]] = []  # (step, index of its token, key) per pair row sampled here
             relay: list[tuple[PairStep, int, Row, list[Any]]] = []  # pair rows that go on down the pipeline
@@ -293,6 +298,7 @@ class HostRows:
 
 # -- B: run the resident prefix for the whole batch, one activation frame per step ---------------
 PIPELINE_DEPTH = 2  # B's steps out on A at once: B computes step i+1's prefix while A runs step i
+IDLE_WAIT_S = 0.005  # with nothing else to run, B checks for new requests this often while a step is out
 
 
 @dataclass
@@ -327,6 +333,7 @@ class PairClient:
         self.received = 0  # metric: requests A handed to us
         self.reply: dict[str, Any] = {}  # the last step's answer (its redirect fields)
         self.inflight: deque[OutStep] = deque()  # our steps out on A, oldest first
+        self.max_inflight = 0  # metric: most steps out at once (PIPELINE_DEPTH when B keeps A busy)
         self.events: list[Event] = []  # tokens of our requests that landed (Engine.step emits them)
         self._send_lock = asyncio.Lock()
         self._recv_lock = asyncio.Lock()
@@ -366,7 +373,7 @@ class PairClient:
                 self.history.append((w.id, self.split[w.id]))
         rows, sampling = _own_rows(engine, work, lambda rid: self.split[rid])
         t0 = time.perf_counter()
-        pace(t0, staggered(m, engine.cache, rows), self.layer_s)
+        pace(t0, staggered(m, engine.cache, rows, engine.limits.max_batch_tokens), self.layer_s)
         local = [i for i in sampling if self.split[work[i].id] == L and m.complete and work[i].id not in self.redirected]
         far = [i for i, w in enumerate(work) if not (self.split[w.id] == L and m.complete) or w.id in self.redirected]
         toks: dict[int, int | None] = {i: None for i in sampling}  # None: out on A, delivered when it lands
@@ -379,10 +386,10 @@ class PairClient:
             self._send(engine, work, rows, far, set(sampling), ends)
         # Pipelined (depth PIPELINE_DEPTH): B runs its next batch's prefix while A finishes the last one, so
         # B's step rate follows A's, not A's plus B's. Wait only when the pipe is full or B has nothing else.
-        while self.inflight and (len(self.inflight) >= PIPELINE_DEPTH or not work):
+        while len(self.inflight) >= PIPELINE_DEPTH:
             self._land(engine, self.inflight.popleft())
-            if not work:
-                break
+        if not work and self.inflight:  # nothing to run: wait for the answer, but only briefly, so a request
+            wait([self.inflight[0].fut], timeout=IDLE_WAIT_S)  # arriving meanwhile goes out as the next step
         while self.inflight and self.inflight[0].fut.done():
             self._land(engine, self.inflight.popleft())
         # fully loaded, no split sequence left and nothing A handed us still here (one still queued would
@@ -405,6 +412,7 @@ class PairClient:
         extra = {"waiting": len(engine.scheduler.waiting) + len(self.held), "refused": refused}
         fut = self._submit(meta, hidden, ends, extra)
         self.inflight.append(OutStep([(work[i].id, i in sampling) for i in far], fut))
+        self.max_inflight = max(self.max_inflight, len(self.inflight))
 
     def _land(self, engine: Engine, step: OutStep) -> None:
         """A's answer to one of our steps: tokens to their requests (unparked), then its redirect fields."""
@@ -470,13 +478,13 @@ class PairClient:
             raise RuntimeError(f"pair refused the step: {reply.get('message', reply)}")
         return [int(t) for t in reply["tokens"]]
 
-    def admit(self, rid: str, submit: Callable[[], None], fail: Callable[[Exception], None]) -> None:
+    def admit(self, rid: str, submit: Callable[[], None], fail: Callable[[Exception], None], tokens: int = 1) -> None:
         """Submit `rid` to this engine's batch now, or (ZigZag) once its scheduled prefix is resident."""
         self.admitted_ids.append(rid)
         if self.policy is None or self.model.complete:
             submit()
             return
-        k = self.policy.next_target(self.model.resident_prefix())
+        k = self.policy.next_target(self.model.resident_prefix(), tokens)
         self.want[rid] = k
         if self.model.resident_prefix() >= k:
             submit()

@@ -5,7 +5,8 @@ the simulator run, no second implementation).
 Data flow: `PairSetting` (layers, load ratio = loading one layer / computing one layer, batches) ->
 `ilp_free(s).target_layers` (ZigZag without a solver) or `ilp_config(s)` (the pipeline-configuration
 ILP, when the operator provides it) -> prefix targets T_i -> the i-th request this engine admits while
-loading waits until T_i layers are resident, then runs layers 0..T_i-1 here and the rest on the pair
+loading (with `batch_tokens`: the i-th batch, requests grouped FCFS into batches of that many prompt tokens,
+the schedule's unit being one layer of one full batch) waits until T_i layers are resident, then runs layers 0..T_i-1 here and the rest on the pair
 (cooperation.PairClient). T_i = 0: the pair takes it at once (the source is idle enough); a larger T_i
 keeps the request here until more layers land. Requests beyond the schedule's batches take whatever is
 resident (best effort).
@@ -24,16 +25,22 @@ from kascade_planner.zigzag import PairSetting, ilp_config, ilp_free
 class ZigZagPolicy:
     setting: PairSetting
     ilp: bool = False
+    batch_tokens: int | None = None  # prompt tokens of one scheduled batch (None: each request is one)
     targets: tuple[int, ...] = field(init=False)
-    admitted: int = 0
+    admitted: int = 0  # batches opened so far
+    _fill: int = 0  # prompt tokens in the open batch
 
     def __post_init__(self) -> None:
         s = self.setting
         self.targets = ilp_config(s) if self.ilp else ilp_free(s).target_layers
 
-    def next_target(self, resident: int) -> int:
-        """The split of the next admitted request: its scheduled prefix, or the resident one past the end."""
-        i, self.admitted = self.admitted, self.admitted + 1
+    def next_target(self, resident: int, tokens: int = 1) -> int:
+        """The split of the next admitted request (`tokens` prompt tokens): its batch's scheduled prefix, or
+        the resident one past the schedule's end."""
+        if self.batch_tokens is None or self.admitted == 0 or self._fill + tokens > self.batch_tokens:
+            self.admitted, self._fill = self.admitted + 1, 0  # a new batch
+        self._fill += tokens
+        i = self.admitted - 1
         return min(self.targets[i], self.setting.layers) if i < len(self.targets) else resident
 
 

@@ -116,7 +116,7 @@ class Serving:
             if prefill is not None and pair is None:
                 self.inst.remote_prefill.start(rid, prompt, params, prefill, go)
             elif pair is not None:  # live: now, or once the ZigZag schedule's prefix is resident
-                pair.admit(rid, go, self.queues[rid].put_nowait)
+                pair.admit(rid, go, self.queues[rid].put_nowait, len(prompt))
             else:
                 go()
         except ValueError as e:
