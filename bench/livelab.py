@@ -91,7 +91,9 @@ def start_engine(lab: netlab.NetLab, host: int, iid: str, ckpt: Path, empty: boo
     cmd = [*lab.prefix(host), sys.executable, "-m", "kascade_cli.main", "engine", "serve", "--checkpoint", str(ckpt),
            "--model-name", MODEL, "--host", addr, "--port", "8000", "--act-port", "8001", "--threads", "1",
            "--max-batch-tokens", str(batch_tokens), "--emulate-layer-ms", str(layer_ms), *(["--empty"] if empty else [])]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    logs = os.environ.get("KASCADE_BENCH_ENGINE_LOGS")  # a directory: each engine's stderr goes there
+    err = open(Path(logs) / f"{lab.tag}-{iid}.log", "w") if logs else subprocess.DEVNULL  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
                             env={**os.environ, "KASCADE_ENGINE_TOKEN": TOKEN})
     return Eng(iid, host, addr, proc)
 
@@ -229,6 +231,9 @@ async def run_mode(d: Driver, mode: str, plan: dict[str, Any], manifest: dict[st
     try:
         out = await asyncio.gather(*(d.one(p, i * gap, live, max_tokens) for i, p in enumerate(prompts)))
         while any(t.status.get("phase") != "serving" for t in d.targets):  # the next mode starts from scratch
+            if poller.done():  # a dead poller would leave these statuses stale forever: say why instead
+                poller.result()
+                raise RuntimeError("the status poller stopped before every target was serving")
             await asyncio.sleep(0.1)
     finally:
         stop.set()

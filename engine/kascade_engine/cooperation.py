@@ -9,7 +9,8 @@ then one frame per B step (every row of B's batch that A finishes, in one activa
           "end": [req, ...], "shape": [N, H], "dtype"} + raw activations (row-major, little endian;
           the rows' tokens in row order, each after B's layers 0..layer-1)
   A -> B  {"op": "tokens", "tokens": [one per sampling row, in order]}  or  {"op": "error", "message"}.
-(plus the request-redirection fields of redirect.py; the sessions themselves are in pairsession.py).
+(plus the request-redirection fields of redirect.py and decode-state migration's of migration.py; the
+sessions themselves are in pairsession.py, B's side in pairclient.py).
 
 Data flow on B (`PairClient`, B's Engine hook): its scheduler batches its own requests as usual; the
 step embeds every row, runs each sequence's resident prefix 0..k-1 (`staggered`), and sends the whole
@@ -25,29 +26,27 @@ arrive; once B holds every block, new sequences run entirely on B (k = L, sample
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from kascade_engine import migration
 from kascade_engine.engine import Event
 from kascade_engine.kvcache import KVCache, build_batch
-from kascade_engine.livepolicy import ZigZagPolicy, hold_until
 from kascade_engine.model import LlamaModel
-from kascade_engine.redirect import Redirects, params_from_wire
+from kascade_engine.redirect import Redirects
 from kascade_engine.sampling import SamplingParams, sample
-from kascade_engine.transport import Connection
 
 if TYPE_CHECKING:
     from kascade_engine.engine import Engine
+    from kascade_engine.pairclient import PairClient
     from kascade_engine.scheduler import Work
 
 log = logging.getLogger(__name__)
@@ -60,6 +59,8 @@ class Cooperation(Protocol):
 
     def forward(self, engine: Engine, work: list[Work]) -> Sequence[int | None]: ...
     # one token per sampling chunk, in order; None: that chunk's token lands later (take_events)
+
+    def prepare(self, engine: Engine) -> None: ...  # before each schedule (in the step thread)
 
     def abort(self, rid: str) -> None: ...
 
@@ -110,11 +111,11 @@ def pace(t0: float, layers: float, layer_s: float) -> None:
         time.sleep(left)
 
 
-def _pick(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
+def pick_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
     return int(logits.argmax()) if params.temperature <= 0 else sample(logits.cpu(), params, gen)
 
 
-def _own_rows(engine: Engine, work: list[Work], end: Callable[[str], int]) -> tuple[list[Row], list[int]]:
+def own_rows(engine: Engine, work: list[Work], end: Callable[[str], int]) -> tuple[list[Row], list[int]]:
     """Rows of this engine's own requests (embedded; layers 0..end(id)-1) and which ones sample."""
     m, pool = engine.model, engine.scheduler.pool
     rows, sampling = [], []
@@ -137,6 +138,8 @@ class PairStep:
     waiting: int | None = None  # the peer's queued requests (a loading B that takes redirected requests)
     refused: list[Any] = field(default_factory=list)  # [[req, message]]: redirected requests B could not run
     reply: dict[str, Any] = field(default_factory=dict)  # redirect fields for the answer (redirect.py)
+    migrate: list[Any] = field(default_factory=list)  # [[req, k]]: sequences B takes over whole (migration.py)
+    payload: bytes = b""  # the answer's raw bytes: migrated K/V
 
 
 @dataclass
@@ -151,6 +154,7 @@ class HostRows:
     downstream: PairClient | None = None  # pipeline: rows this engine cannot finish go on to the next receiver
     forwarded: set[str] = field(default_factory=set)  # page keys whose later layers live downstream
     rows_hosted: int = 0  # metric: B rows finished here
+    migrated: int = 0  # metric: sequences handed to B whole (decode-state migration)
     steps_hosted: int = 0
     shared_steps: int = 0  # metric: steps where pair rows and this engine's own rows shared the forward
     layer_s: float = 0.0  # emulated seconds per layer forward (benchmarks; 0: off)
@@ -166,6 +170,9 @@ class HostRows:
 
     def take_events(self) -> list[Event]:
         return self.redirects.take_events()
+
+    def prepare(self, engine: Engine) -> None:
+        pass
 
     def submit(self, step: PairStep, ends: list[str]) -> None:
         with self._lock:
@@ -193,7 +200,7 @@ class HostRows:
         down_ends = [k for k in ends if k in self.forwarded]
         self.forwarded.difference_update(down_ends)
         try:
-            rows, sampling = _own_rows(engine, work, lambda _: L)
+            rows, sampling = own_rows(engine, work, lambda _: L)
             picks: list[tuple[torch.Generator | None, SamplingParams]] = [
                 (engine.requests[work[i].id].gen, engine.requests[work[i].id].params) for i in sampling]
             accepted: list[tuple[PairStep, list[tuple[Row, list[Any]]]]] = []
@@ -231,7 +238,7 @@ class HostRows:
             toks: list[int] = []
             if here:
                 logits = m.logits(torch.cat(here))
-                toks = [_pick(logits[j], p, g) for j, (g, p) in enumerate(picks)]
+                toks = [pick_token(logits[j], p, g) for j, (g, p) in enumerate(picks)]
             for (st, j, key), tok in zip(slots, toks[len(sampling):], strict=True):
                 step_toks[id(st)][j] = tok
                 self.redirects.token(key, tok, engine.eos)
@@ -255,10 +262,33 @@ class HostRows:
             if st.waiting is not None and m.complete:  # a loading B that takes our queued requests
                 st.reply = {"redirect": self.redirects.pick(engine, st.pair, st.waiting),
                             "abort": self.redirects.aborts.pop(st.pair, []), "queued": len(engine.scheduler.waiting)}
+            if st.migrate:
+                st.reply["migrated"], st.payload = self._migrate(engine, st)
             st.done(step_toks[id(st)])
             self.rows_hosted += len(st.rows)
             self.steps_hosted += 1
         return toks[:len(sampling)]
+
+    def _migrate(self, engine: Engine, st: PairStep) -> tuple[list[list[Any]], bytes]:
+        """Hand B the sequences it asked for (migration.py): their K/V here and sampler state, then free them."""
+        L, out, parts = engine.model.shape.layers, [], []
+        for item in st.migrate:
+            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[1], int)):
+                out.append([str(item), 0, 0, "a migrate entry must be [req, k]", None])
+                continue
+            rid, k = str(item[0]), item[1]
+            key = f"pair{st.pair}/{rid}"
+            n = self.lengths.get(key)
+            if n is None or key in self.forwarded or self.stops.get(key, L) != L or not 0 <= k < L:
+                out.append([rid, k, 0, f"{rid} is not held here whole from layer {k}", None])
+                continue
+            parts.append(migration.take(engine.cache, engine.scheduler.pool.tables[key], k, n))
+            out.append([rid, k, n, "", migration.gen_state(self.gens.get(key))])
+            engine.scheduler.pool.free(key)  # B holds it whole now
+            for d in (self.gens, self.lengths, self.stops):
+                d.pop(key, None)
+            self.migrated += 1
+        return out, b"".join(parts)
 
     def _rows(self, engine: Engine, st: PairStep) -> list[tuple[Row, list[Any]]]:
         m, pool, L = engine.model, engine.scheduler.pool, engine.model.shape.layers
@@ -294,216 +324,3 @@ class HostRows:
         if at != st.hidden.shape[0]:
             raise ValueError(f"pair step rows cover {at} tokens, the activation has {st.hidden.shape[0]}")
         return out
-
-
-# -- B: run the resident prefix for the whole batch, one activation frame per step ---------------
-PIPELINE_DEPTH = 2  # B's steps out on A at once: B computes step i+1's prefix while A runs step i
-IDLE_WAIT_S = 0.005  # with nothing else to run, B checks for new requests this often while a step is out
-
-
-@dataclass
-class OutStep:
-    """One of B's steps out on A: its rows (request, whether it samples) in frame order, and the answer."""
-
-    rows: list[tuple[str, bool]]
-    fut: Future[dict[str, Any]]
-
-
-class PairClient:
-    """B's hook: the pair's one connection, and each of B's sequences' split point."""
-
-    def __init__(self, model: LlamaModel, conn: Connection, loop: asyncio.AbstractEventLoop,
-                 timeout: float = 120.0) -> None:
-        self.model, self.conn, self.loop, self.timeout = model, conn, loop, timeout
-        self.split: dict[str, int] = {}  # request -> k (its layers on B)
-        self.want: dict[str, int] = {}  # request -> k chosen by the ZigZag policy at admission
-        self.policy: ZigZagPolicy | None = None  # None: best effort (k = the resident prefix)
-        self.remote: set[str] = set()  # requests A holds KV for
-        self.held: set[asyncio.Task[None]] = set()  # requests waiting for their scheduled prefix
-        self.fallback: Cooperation | None = None  # the engine's hook once nothing runs split any more
-        self.history: list[tuple[str, int]] = []  # (request, k) as each sequence started: the split point
-        self.admitted_ids: list[str] = []  # admission order while loading
-        self.steps_sent = 0
-        self.layer_s = 0.0  # emulated seconds per layer forward (benchmarks; 0: off)
-        self.bytes_sent = 0
-        self.tokens_sent = 0
-        self.redirected: set[str] = set()  # requests A handed to us (redirect.py): always finished on A
-        self.refused: list[list[str]] = []  # [[req, message]] of handed requests we could not run
-        self.peer_queued = True  # poll A (an empty step) while it reports queued requests; once at pair time
-        self.received = 0  # metric: requests A handed to us
-        self.reply: dict[str, Any] = {}  # the last step's answer (its redirect fields)
-        self.inflight: deque[OutStep] = deque()  # our steps out on A, oldest first
-        self.max_inflight = 0  # metric: most steps out at once (PIPELINE_DEPTH when B keeps A busy)
-        self.events: list[Event] = []  # tokens of our requests that landed (Engine.step emits them)
-        self._send_lock = asyncio.Lock()
-        self._recv_lock = asyncio.Lock()
-
-    def pending(self) -> bool:
-        # poll A while it reports a queue; keep stepping while a step is out (its answer delivers tokens)
-        return self.peer_queued or bool(self.inflight)
-
-    def abort(self, rid: str) -> None:
-        pass  # our own requests: their end rides on the next step
-
-    def take_events(self) -> list[Event]:
-        out, self.events = self.events, []
-        return out
-
-    async def _exchange(self, header: dict[str, Any], raw: bytes) -> dict[str, Any]:
-        # Two steps can be out at once on the one connection: sends go out whole and in order, and the
-        # answers (A serves a pair's steps in order) are read in the same order. asyncio.Lock is FIFO.
-        async with self._send_lock:
-            await self.conn.send(header, raw)
-        async with self._recv_lock:
-            reply, _ = await self.conn.recv(timeout=self.timeout)
-        return reply
-
-    def forward(self, engine: Engine, work: list[Work]) -> list[int | None]:
-        m, L = self.model, self.model.shape.layers
-        for rid in [r for r in self.split if r not in engine.requests]:  # finished or aborted
-            self.split.pop(rid)
-        self.redirected.intersection_update(engine.requests)  # handed requests finished or aborted here
-        out_now = {rid for f in self.inflight for rid, _ in f.rows}
-        ends = [r for r in self.remote if r not in self.split and r not in out_now]  # A frees them
-        self.remote.difference_update(ends)
-        for w in work:
-            if w.id not in self.split:
-                want = self.want.pop(w.id, None)
-                self.split[w.id] = L if m.complete else want if want is not None else m.resident_prefix()
-                self.history.append((w.id, self.split[w.id]))
-        rows, sampling = _own_rows(engine, work, lambda rid: self.split[rid])
-        t0 = time.perf_counter()
-        pace(t0, staggered(m, engine.cache, rows, engine.limits.max_batch_tokens), self.layer_s)
-        local = [i for i in sampling if self.split[work[i].id] == L and m.complete and work[i].id not in self.redirected]
-        far = [i for i, w in enumerate(work) if not (self.split[w.id] == L and m.complete) or w.id in self.redirected]
-        toks: dict[int, int | None] = {i: None for i in sampling}  # None: out on A, delivered when it lands
-        if local:
-            logits = m.logits(torch.cat([rows[i].x[-1:] for i in local]))
-            for j, i in enumerate(local):
-                r = engine.requests[work[i].id]
-                toks[i] = _pick(logits[j], r.params, r.gen)
-        if far or ends or self.refused or (self.peer_queued and not self.inflight):
-            self._send(engine, work, rows, far, set(sampling), ends)
-        # Pipelined (depth PIPELINE_DEPTH): B runs its next batch's prefix while A finishes the last one, so
-        # B's step rate follows A's, not A's plus B's. Wait only when the pipe is full or B has nothing else.
-        while len(self.inflight) >= PIPELINE_DEPTH:
-            self._land(engine, self.inflight.popleft())
-        if not work and self.inflight:  # nothing to run: wait for the answer, but only briefly, so a request
-            wait([self.inflight[0].fut], timeout=IDLE_WAIT_S)  # arriving meanwhile goes out as the next step
-        while self.inflight and self.inflight[0].fut.done():
-            self._land(engine, self.inflight.popleft())
-        # fully loaded, no split sequence left and nothing A handed us still here (one still queued would
-        # otherwise run as ours and its tokens never reach A's client): a plain engine again
-        if m.complete and not self.remote and not self.redirected and not self.inflight and \
-                all(k == L for k in self.split.values()):
-            engine.coop = self.fallback
-        return [toks[i] for i in sampling]
-
-    def _send(self, engine: Engine, work: list[Work], rows: list[Row], far: list[int], sampling: set[int],
-              ends: list[str]) -> None:
-        meta: list[list[Any]] = []
-        for i in far:
-            w, p = work[i], engine.requests[work[i].id].params
-            meta.append([w.id, w.start, w.n, self.split[w.id], i in sampling, p.temperature, p.top_p, p.seed])
-            self.remote.add(w.id)
-            engine.scheduler.park(w.id)  # not scheduled again until A's answer for this step lands
-        hidden = torch.cat([rows[i].x for i in far]) if far else torch.empty(0, self.model.shape.hidden)
-        refused, self.refused = self.refused, []
-        extra = {"waiting": len(engine.scheduler.waiting) + len(self.held), "refused": refused}
-        fut = self._submit(meta, hidden, ends, extra)
-        self.inflight.append(OutStep([(work[i].id, i in sampling) for i in far], fut))
-        self.max_inflight = max(self.max_inflight, len(self.inflight))
-
-    def _land(self, engine: Engine, step: OutStep) -> None:
-        """A's answer to one of our steps: tokens to their requests (unparked), then its redirect fields."""
-        try:
-            reply = step.fut.result(self.timeout + 5)
-            if reply.get("op") != "tokens":
-                raise RuntimeError(f"pair refused the step: {reply.get('message', reply)}")
-            toks = iter(int(t) for t in reply["tokens"])
-            got = [(rid, next(toks) if sampled else None) for rid, sampled in step.rows]
-        except Exception as e:  # any failure of the step fails exactly its requests
-            log.warning("pair step failed for %d requests: %s", len(step.rows), e)
-            for rid, _ in step.rows:
-                if rid in engine.requests:
-                    engine.scheduler.finish(rid)
-                    engine.requests.pop(rid, None)
-                    self.events.append(Event(rid, -1, True, f"error: {e}"))
-            self.peer_queued = False
-            return
-        now = time.monotonic()
-        for rid, tok in got:
-            if rid not in engine.requests:  # aborted while its step was out
-                continue
-            engine.scheduler.unpark(rid)
-            if tok is not None:
-                engine.scheduler.advance(rid, 0, True)
-                self.events.append(engine.deliver(rid, tok, now))
-        self.reply = reply
-        self._take_redirects(engine)
-
-    def _take_redirects(self, engine: Engine) -> None:
-        """A's answer may hand us queued requests (run like ours, finished on A) and abort some of them."""
-        reply, self.reply = self.reply, {}
-        self.peer_queued = bool(reply.get("queued"))
-        for rid in reply.get("abort") or []:
-            if str(rid) in self.redirected:
-                engine.abort(str(rid))
-        for entry in reply.get("redirect") or []:
-            try:
-                rid, prompt, params = params_from_wire(entry)
-                engine.submit(prompt, params, rid)
-            except ValueError as e:
-                self.refused.append([str(entry[0]) if isinstance(entry, list) and entry else "?", str(e)])
-                continue
-            self.redirected.add(rid)
-            self.received += 1
-
-    def _submit(self, meta: list[list[Any]], hidden: torch.Tensor, ends: list[str],
-                extra: dict[str, Any] | None = None) -> Future[dict[str, Any]]:
-        """One step frame to the peer (from the engine's worker thread), sent in order; its answer's future."""
-        name = str(hidden.dtype).removeprefix("torch.")
-        raw = hidden.contiguous().cpu().view(torch.uint8).numpy().tobytes() if hidden.numel() else b""
-        header = {"op": "step", "rows": meta, "end": ends, "shape": list(hidden.shape), "dtype": name, **(extra or {})}
-        fut = asyncio.run_coroutine_threadsafe(self._exchange(header, raw), self.loop)
-        self.steps_sent += 1
-        self.bytes_sent += len(raw)
-        self.tokens_sent += int(hidden.shape[0])
-        return fut
-
-    def relay(self, meta: list[list[Any]], hidden: torch.Tensor, ends: list[str]) -> list[int]:
-        """A pipeline hop (a receiver passing rows it cannot finish downstream): one frame, wait for its tokens."""
-        reply = self._submit(meta, hidden, ends).result(self.timeout + 5)
-        if reply.get("op") != "tokens":
-            raise RuntimeError(f"pair refused the step: {reply.get('message', reply)}")
-        return [int(t) for t in reply["tokens"]]
-
-    def admit(self, rid: str, submit: Callable[[], None], fail: Callable[[Exception], None], tokens: int = 1) -> None:
-        """Submit `rid` to this engine's batch now, or (ZigZag) once its scheduled prefix is resident."""
-        self.admitted_ids.append(rid)
-        if self.policy is None or self.model.complete:
-            submit()
-            return
-        k = self.policy.next_target(self.model.resident_prefix(), tokens)
-        self.want[rid] = k
-        if self.model.resident_prefix() >= k:
-            submit()
-            return
-
-        async def later() -> None:
-            if not await hold_until(self.model.resident_prefix, k):  # the load stalled: best effort instead
-                log.warning("request %s: %d layers not resident in time; runs with the %d resident",
-                            rid, k, self.model.resident_prefix())
-                self.want[rid] = self.model.resident_prefix()
-            try:
-                submit()
-            except Exception as e:
-                fail(e)
-
-        self.held.add(t := self.loop.create_task(later()))
-        t.add_done_callback(self.held.discard)
-
-    async def close(self) -> None:
-        for t in list(self.held):
-            t.cancel()
-        await self.conn.close()

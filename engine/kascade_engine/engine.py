@@ -147,6 +147,8 @@ class Engine:
         events: list[Event] = []
         while self._inbox:
             events.extend(self._inbox.popleft()(self))
+        if self.coop is not None:
+            self.coop.prepare(self)
         batch = self.scheduler.schedule()
         work = sorted((w for w in batch.work if w.id in self.requests), key=lambda w: w.n > 1)  # decodes first
         if not work and not (self.coop is not None and self.coop.pending()):

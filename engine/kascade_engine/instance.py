@@ -25,11 +25,12 @@ import logging
 from typing import Any
 
 from kascade_engine.config import EngineConfig
-from kascade_engine.cooperation import HostRows, PairClient
+from kascade_engine.cooperation import HostRows
 from kascade_engine.engine import Engine
 from kascade_engine.live import Finisher
 from kascade_engine.metrics import EngineMetrics
 from kascade_engine.model import LlamaModel
+from kascade_engine.pairclient import PairClient
 from kascade_engine.pd_metrics import PDMetrics
 from kascade_engine.peerpool import PeerPool
 from kascade_engine.prefill_server import PrefillServer

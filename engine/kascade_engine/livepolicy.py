@@ -7,7 +7,7 @@ Data flow: `PairSetting` (layers, load ratio = loading one layer / computing one
 ILP, when the operator provides it) -> prefix targets T_i -> the i-th request this engine admits while
 loading (with `batch_tokens`: the i-th batch, requests grouped FCFS into batches of that many prompt tokens,
 the schedule's unit being one layer of one full batch) waits until T_i layers are resident, then runs layers 0..T_i-1 here and the rest on the pair
-(cooperation.PairClient). T_i = 0: the pair takes it at once (the source is idle enough); a larger T_i
+(pairclient.PairClient). T_i = 0: the pair takes it at once (the source is idle enough); a larger T_i
 keeps the request here until more layers land. Requests beyond the schedule's batches take whatever is
 resident (best effort).
 """

@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
-from kascade_engine.cooperation import HostRows, PairClient, PairStep
+from kascade_engine.cooperation import HostRows, PairStep
 from kascade_engine.live import DTYPES, decode_activation
 from kascade_engine.model import LlamaModel
+from kascade_engine.pairclient import PairClient
 from kascade_engine.transport import Connection, TransportError
 
 log = logging.getLogger(__name__)
@@ -104,8 +105,10 @@ async def host_pair(host: HostRows, model: LlamaModel, conn: Connection, first: 
                 loop.call_soon_threadsafe(put)
 
             waiting, refused = header.get("waiting"), header.get("refused") or []
+            migrate = header.get("migrate") or []
             step = PairStep(pair, rows, hidden, done, waiting if isinstance(waiting, int) and waiting >= 0 else None,
-                            [r for r in refused if isinstance(r, list) and len(r) == 2] if isinstance(refused, list) else [])
+                            [r for r in refused if isinstance(r, list) and len(r) == 2] if isinstance(refused, list) else [],
+                            migrate=migrate if isinstance(migrate, list) else [])
             host.submit(step, [str(r) for r in ends])
             wake()
             await answers.put((fut, step, ""))
@@ -127,6 +130,6 @@ async def _answer(conn: Connection,
                 await conn.send({"op": "error", "message": str(got)})
             else:
                 assert step is not None
-                await conn.send({"op": "tokens", "tokens": got, **step.reply})
+                await conn.send({"op": "tokens", "tokens": got, **step.reply}, step.payload)
     except TransportError:
         return

@@ -77,6 +77,10 @@ class KVShipper:
     def take_events(self) -> list[Event]:
         return self.inner.take_events() if self.inner is not None else []
 
+    def prepare(self, engine: Engine) -> None:
+        if self.inner is not None:
+            self.inner.prepare(engine)
+
     def _ship(self, engine: Engine, remote: list[Work], layer: int) -> None:
         cache, pool, ps = engine.cache, engine.scheduler.pool, engine.cache.page_size
         for w in remote:

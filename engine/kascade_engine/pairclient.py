@@ -1,0 +1,304 @@
+"""PairClient: the loading engine B's side of a live pair (the frames are in cooperation.py). B runs the
+resident prefix of every sequence in its batch and sends the step to A in one activation frame; up to
+PIPELINE_DEPTH steps are out at once (B computes the next step's prefix while A runs the last one), the
+sequences of a step out parked in B's scheduler until A's tokens land. Once every layer is here, split
+sequences are taken over whole (migration.py). Requests A hands over (redirect.py) run here and finish
+on A. With a ZigZag policy (livepolicy.py), admission waits for each batch's scheduled prefix.
+
+Data flow: Engine.step -> `prepare` (park sequences to migrate) -> schedule -> `forward` (prefix, frame
+out, land answers that are back) -> tokens now for local rows, later through `take_events`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, wait
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kascade_engine import migration
+from kascade_engine.cooperation import Row, own_rows, pace, pick_token, staggered
+from kascade_engine.engine import Event
+from kascade_engine.livepolicy import ZigZagPolicy, hold_until
+from kascade_engine.model import LlamaModel
+from kascade_engine.redirect import params_from_wire
+from kascade_engine.transport import Connection
+
+if TYPE_CHECKING:
+    from kascade_engine.cooperation import Cooperation
+    from kascade_engine.engine import Engine
+    from kascade_engine.scheduler import Work
+
+log = logging.getLogger(__name__)
+
+PIPELINE_DEPTH = 2  # B's steps out on A at once: B computes step i+1's prefix while A runs step i
+IDLE_WAIT_S = 0.005  # with nothing else to run, B checks for new requests this often while a step is out
+
+
+@dataclass
+class OutStep:
+    """One of B's steps out on A: its rows (request, whether it samples) in frame order, and the answer."""
+
+    rows: list[tuple[str, bool]]
+    fut: Future[tuple[dict[str, Any], bytearray]]
+    moving: list[str] = field(default_factory=list)  # sequences asked for whole (migration.py), parked
+
+
+class PairClient:
+    """B's hook: the pair's one connection, and each of B's sequences' split point."""
+
+    def __init__(self, model: LlamaModel, conn: Connection, loop: asyncio.AbstractEventLoop,
+                 timeout: float = 120.0) -> None:
+        self.model, self.conn, self.loop, self.timeout = model, conn, loop, timeout
+        self.split: dict[str, int] = {}  # request -> k (its layers on B)
+        self.want: dict[str, int] = {}  # request -> k chosen by the ZigZag policy at admission
+        self.policy: ZigZagPolicy | None = None  # None: best effort (k = the resident prefix)
+        self.remote: set[str] = set()  # requests A holds KV for
+        self.held: set[asyncio.Task[None]] = set()  # requests waiting for their scheduled prefix
+        self.fallback: Cooperation | None = None  # the engine's hook once nothing runs split any more
+        self.history: list[tuple[str, int]] = []  # (request, k) as each sequence started: the split point
+        self.admitted_ids: list[str] = []  # admission order while loading
+        self.steps_sent = 0
+        self.layer_s = 0.0  # emulated seconds per layer forward (benchmarks; 0: off)
+        self.bytes_sent = 0
+        self.tokens_sent = 0
+        self.redirected: set[str] = set()  # requests A handed to us (redirect.py): always finished on A
+        self.refused: list[list[str]] = []  # [[req, message]] of handed requests we could not run
+        self.peer_queued = True  # poll A (an empty step) while it reports queued requests; once at pair time
+        self.received = 0  # metric: requests A handed to us
+        self.reply: dict[str, Any] = {}  # the last step's answer (its redirect fields)
+        self.inflight: deque[OutStep] = deque()  # our steps out on A, oldest first
+        self.max_inflight = 0  # metric: most steps out at once (PIPELINE_DEPTH when B keeps A busy)
+        self.migrated = 0  # metric: split sequences taken over whole once every layer was here
+        self.moving: list[list[Any]] = []  # [[req, k]] parked by `prepare`, asked for in the next frame
+        self.stay_split: set[str] = set()  # sequences the pair could not hand over: they finish split
+        self.events: list[Event] = []  # tokens of our requests that landed (Engine.step emits them)
+        self._send_lock = asyncio.Lock()
+        self._recv_lock = asyncio.Lock()
+
+    def pending(self) -> bool:
+        # poll A while it reports a queue; keep stepping while a step is out (its answer delivers tokens)
+        return self.peer_queued or bool(self.inflight) or bool(self.moving)
+
+    def abort(self, rid: str) -> None:
+        pass  # our own requests: their end rides on the next step
+
+    def take_events(self) -> list[Event]:
+        out, self.events = self.events, []
+        return out
+
+    async def _exchange(self, header: dict[str, Any], raw: bytes) -> tuple[dict[str, Any], bytearray]:
+        # Two steps can be out at once on the one connection: sends go out whole and in order, and the
+        # answers (A serves a pair's steps in order) are read in the same order. asyncio.Lock is FIFO.
+        async with self._send_lock:
+            await self.conn.send(header, raw)
+        async with self._recv_lock:
+            reply, payload = await self.conn.recv(timeout=self.timeout, max_payload=2 * migration.MIGRATE_BYTES)
+        return reply, payload
+
+    def forward(self, engine: Engine, work: list[Work]) -> list[int | None]:
+        m, L = self.model, self.model.shape.layers
+        for rid in [r for r in self.split if r not in engine.requests]:  # finished or aborted
+            self.split.pop(rid)
+        self.redirected.intersection_update(engine.requests)  # handed requests finished or aborted here
+        out_now = {rid for f in self.inflight for rid, _ in f.rows}
+        ends = [r for r in self.remote if r not in self.split and r not in out_now]  # A frees them
+        self.remote.difference_update(ends)
+        for w in work:
+            if w.id not in self.split:
+                want = self.want.pop(w.id, None)
+                self.split[w.id] = L if m.complete else want if want is not None else m.resident_prefix()
+                self.history.append((w.id, self.split[w.id]))
+        rows, sampling = own_rows(engine, work, lambda rid: self.split[rid])
+        t0 = time.perf_counter()
+        pace(t0, staggered(m, engine.cache, rows, engine.limits.max_batch_tokens), self.layer_s)
+        local = [i for i in sampling if self.split[work[i].id] == L and m.complete and work[i].id not in self.redirected]
+        far = [i for i, w in enumerate(work) if not (self.split[w.id] == L and m.complete) or w.id in self.redirected]
+        toks: dict[int, int | None] = {i: None for i in sampling}  # None: out on A, delivered when it lands
+        if local:
+            logits = m.logits(torch.cat([rows[i].x[-1:] for i in local]))
+            for j, i in enumerate(local):
+                r = engine.requests[work[i].id]
+                toks[i] = pick_token(logits[j], r.params, r.gen)
+        move, self.moving = self.moving, []
+        if far or ends or move or self.refused or (self.peer_queued and not self.inflight):
+            self._send(engine, work, rows, far, set(sampling), ends, move)
+        # Pipelined (depth PIPELINE_DEPTH): B runs its next batch's prefix while A finishes the last one, so
+        # B's step rate follows A's, not A's plus B's. Wait only when the pipe is full or B has nothing else.
+        while len(self.inflight) >= PIPELINE_DEPTH:
+            self._land(engine, self.inflight.popleft())
+        if not work and self.inflight:  # nothing to run: wait for the answer, but only briefly, so a request
+            wait([self.inflight[0].fut], timeout=IDLE_WAIT_S)  # arriving meanwhile goes out as the next step
+        while self.inflight and self.inflight[0].fut.done():
+            self._land(engine, self.inflight.popleft())
+        # fully loaded, no split sequence left and nothing A handed us still here (one still queued would
+        # otherwise run as ours and its tokens never reach A's client): a plain engine again
+        if m.complete and not self.remote and not self.redirected and not self.inflight and \
+                all(k == L for k in self.split.values()):
+            engine.coop = self.fallback
+        return [toks[i] for i in sampling]
+
+    def prepare(self, engine: Engine) -> None:
+        """Before the schedule: once every layer is here, park split sequences to take over whole (migration.py;
+        asked in this step's frame): none with a step out, none A's client waits for (redirected), within the
+        frame's byte budget."""
+        if not self.model.complete or self.moving or any(f.moving for f in self.inflight):
+            return
+        L, size = self.model.shape.layers, 0
+        move: list[list[Any]] = []
+        for rid, k in self.split.items():
+            s = engine.scheduler.running.get(rid)
+            if k >= L or s is None or rid in self.redirected or rid in self.stay_split:
+                continue
+            size += migration.kv_bytes(engine.cache, L - k, s.computed)
+            if move and size > migration.MIGRATE_BYTES:
+                break
+            move.append([rid, k])
+            engine.scheduler.park(rid)  # nothing of it runs until its state lands
+        self.moving = move
+
+    def _send(self, engine: Engine, work: list[Work], rows: list[Row], far: list[int], sampling: set[int],
+              ends: list[str], move: list[list[Any]]) -> None:
+        meta: list[list[Any]] = []
+        for i in far:
+            w, p = work[i], engine.requests[work[i].id].params
+            meta.append([w.id, w.start, w.n, self.split[w.id], i in sampling, p.temperature, p.top_p, p.seed])
+            self.remote.add(w.id)
+            engine.scheduler.park(w.id)  # not scheduled again until A's answer for this step lands
+        hidden = torch.cat([rows[i].x for i in far]) if far else torch.empty(0, self.model.shape.hidden)
+        refused, self.refused = self.refused, []
+        extra = {"waiting": len(engine.scheduler.waiting) + len(self.held), "refused": refused,
+                 **({"migrate": move} if move else {})}
+        fut = self._submit(meta, hidden, ends, extra)
+        self.inflight.append(OutStep([(work[i].id, i in sampling) for i in far], fut, [str(x[0]) for x in move]))
+        self.max_inflight = max(self.max_inflight, len(self.inflight))
+
+    def _land(self, engine: Engine, step: OutStep) -> None:
+        """A's answer to one of our steps: tokens to their requests (unparked), then its redirect fields."""
+        try:
+            reply, payload = step.fut.result(self.timeout + 5)
+            if reply.get("op") != "tokens":
+                raise RuntimeError(f"pair refused the step: {reply.get('message', reply)}")
+            toks = iter(int(t) for t in reply["tokens"])
+            got = [(rid, next(toks) if sampled else None) for rid, sampled in step.rows]
+        except Exception as e:  # any failure of the step fails exactly its requests
+            log.warning("pair step failed for %d requests: %s", len(step.rows), e)
+            for rid in [r for r, _ in step.rows] + step.moving:
+                if rid in engine.requests:
+                    engine.scheduler.finish(rid)
+                    engine.requests.pop(rid, None)
+                    self.events.append(Event(rid, -1, True, f"error: {e}"))
+            self.peer_queued = False
+            return
+        now = time.monotonic()
+        for rid, tok in got:
+            if rid not in engine.requests:  # aborted while its step was out
+                continue
+            engine.scheduler.unpark(rid)
+            if tok is not None:
+                engine.scheduler.advance(rid, 0, True)
+                self.events.append(engine.deliver(rid, tok, now))
+        self._take_over(engine, step, reply.get("migrated") or [], memoryview(payload))
+        self.reply = reply
+        self._take_redirects(engine)
+
+    def _take_over(self, engine: Engine, step: OutStep, moved: list[Any], payload: memoryview) -> None:
+        """A's answer to our migrate list: each sequence's K/V for its layers there, written into our pages;
+        from now on it runs here whole. A sequence A could not hand over stays split."""
+        at, L = 0, self.model.shape.layers
+        for item in moved:
+            rid, k, n, err, state = item if isinstance(item, list) and len(item) == 5 else ("?", 0, 0, "bad entry", None)
+            size = migration.kv_bytes(engine.cache, L - int(k), int(n)) if not err else 0
+            chunk, at = payload[at:at + size], at + size
+            s = engine.scheduler.parked.get(str(rid))
+            if err:
+                log.warning("migration of %s refused by the pair: %s (it stays split)", rid, err)
+                self.stay_split.add(str(rid))
+            elif s is None:  # aborted while moving: A freed it anyway
+                self.remote.discard(str(rid))
+            elif s.computed != n or self.split.get(str(rid)) != k:
+                log.warning("migration of %s: the pair held %s positions from layer %s, here %d from %s; it fails",
+                            rid, n, k, s.computed, self.split.get(str(rid)))
+                engine.scheduler.finish(str(rid))
+                engine.requests.pop(str(rid), None)
+                self.events.append(Event(str(rid), -1, True, "error: decode-state migration mismatch"))
+            else:
+                migration.put(engine.cache, engine.scheduler.pool.tables[str(rid)], int(k), int(n), chunk)
+                migration.set_gen_state(engine.requests[str(rid)].gen, state)
+                self.split[str(rid)] = L
+                self.remote.discard(str(rid))  # A freed its pages
+                self.migrated += 1
+        for rid in step.moving:
+            engine.scheduler.unpark(rid)
+
+    def _take_redirects(self, engine: Engine) -> None:
+        """A's answer may hand us queued requests (run like ours, finished on A) and abort some of them."""
+        reply, self.reply = self.reply, {}
+        self.peer_queued = bool(reply.get("queued"))
+        for rid in reply.get("abort") or []:
+            if str(rid) in self.redirected:
+                engine.abort(str(rid))
+        for entry in reply.get("redirect") or []:
+            try:
+                rid, prompt, params = params_from_wire(entry)
+                engine.submit(prompt, params, rid)
+            except ValueError as e:
+                self.refused.append([str(entry[0]) if isinstance(entry, list) and entry else "?", str(e)])
+                continue
+            self.redirected.add(rid)
+            self.received += 1
+
+    def _submit(self, meta: list[list[Any]], hidden: torch.Tensor, ends: list[str],
+                extra: dict[str, Any] | None = None) -> Future[tuple[dict[str, Any], bytearray]]:
+        """One step frame to the peer (from the engine's worker thread), sent in order; its answer's future."""
+        name = str(hidden.dtype).removeprefix("torch.")
+        raw = hidden.contiguous().cpu().view(torch.uint8).numpy().tobytes() if hidden.numel() else b""
+        header = {"op": "step", "rows": meta, "end": ends, "shape": list(hidden.shape), "dtype": name, **(extra or {})}
+        fut = asyncio.run_coroutine_threadsafe(self._exchange(header, raw), self.loop)  # -> (answer, payload)
+        self.steps_sent += 1
+        self.bytes_sent += len(raw)
+        self.tokens_sent += int(hidden.shape[0])
+        return fut
+
+    def relay(self, meta: list[list[Any]], hidden: torch.Tensor, ends: list[str]) -> list[int]:
+        """A pipeline hop (a receiver passing rows it cannot finish downstream): one frame, wait for its tokens."""
+        reply, _ = self._submit(meta, hidden, ends).result(self.timeout + 5)
+        if reply.get("op") != "tokens":
+            raise RuntimeError(f"pair refused the step: {reply.get('message', reply)}")
+        return [int(t) for t in reply["tokens"]]
+
+    def admit(self, rid: str, submit: Callable[[], None], fail: Callable[[Exception], None], tokens: int = 1) -> None:
+        """Submit `rid` to this engine's batch now, or (ZigZag) once its scheduled prefix is resident."""
+        self.admitted_ids.append(rid)
+        if self.policy is None or self.model.complete:
+            submit()
+            return
+        k = self.policy.next_target(self.model.resident_prefix(), tokens)
+        self.want[rid] = k
+        if self.model.resident_prefix() >= k:
+            submit()
+            return
+
+        async def later() -> None:
+            if not await hold_until(self.model.resident_prefix, k):  # the load stalled: best effort instead
+                log.warning("request %s: %d layers not resident in time; runs with the %d resident",
+                            rid, k, self.model.resident_prefix())
+                self.want[rid] = self.model.resident_prefix()
+            try:
+                submit()
+            except Exception as e:
+                fail(e)
+
+        self.held.add(t := self.loop.create_task(later()))
+        t.add_done_callback(self.held.discard)
+
+    async def close(self) -> None:
+        for t in list(self.held):
+            t.cancel()
+        await self.conn.close()
