@@ -222,15 +222,19 @@ class PairClient:
                 self.stay_split.add(str(rid))
             elif s is None:  # aborted while moving: A freed it anyway
                 self.remote.discard(str(rid))
-            elif s.computed != n or self.split.get(str(rid)) != k:
-                log.warning("migration of %s: the pair held %s positions from layer %s, here %d from %s; it fails",
-                            rid, n, k, s.computed, self.split.get(str(rid)))
-                engine.scheduler.finish(str(rid))
-                engine.requests.pop(str(rid), None)
-                self.events.append(Event(str(rid), -1, True, "error: decode-state migration mismatch"))
             else:
-                migration.put(engine.cache, engine.scheduler.pool.tables[str(rid)], int(k), int(n), chunk)
-                migration.set_gen_state(engine.requests[str(rid)].gen, state)
+                try:
+                    if s.computed != n or self.split.get(str(rid)) != k:
+                        raise ValueError(f"the pair held {n} positions from layer {k}, this engine "
+                                         f"{s.computed} from {self.split.get(str(rid))}")
+                    migration.put(engine.cache, engine.scheduler.pool.tables[str(rid)], int(k), int(n), chunk)
+                    migration.set_gen_state(engine.requests[str(rid)].gen, state)
+                except (ValueError, RuntimeError, TypeError) as e:  # A freed it: the request cannot go on
+                    log.warning("migration of %s failed: %s", rid, e)
+                    engine.scheduler.finish(str(rid))
+                    engine.requests.pop(str(rid), None)
+                    self.events.append(Event(str(rid), -1, True, f"error: decode-state migration failed: {e}"))
+                    continue
                 self.split[str(rid)] = L
                 self.remote.discard(str(rid))  # A freed its pages
                 self.migrated += 1
