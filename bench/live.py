@@ -317,6 +317,9 @@ def main() -> None:
     ap.add_argument("--rate-mbit", type=int, default=None, help="real section: link rate (default: the model in --load-s)")
     ap.add_argument("--load-s", type=float, default=6.0, help="real section: seconds to send the whole model over a link")
     ap.add_argument("--layer-ms", type=float, default=80.0, help="real section: emulated time of one layer forward per step")
+    ap.add_argument("--knee-tokens", type=int, default=0,
+                    help="real section: a layer forward over more tokens than this costs proportionally more "
+                         "(compute-bound; 128 = one full batch). 0: every layer forward costs --layer-ms (memory-bound)")
     ap.add_argument("--real-overload", type=float, default=2.0,
                     help="real section: arrival rate / the sources' measured capacity")
     ap.add_argument("--real-only", action="store_true", help="only the real-engine section (-> live_real.json)")
@@ -404,9 +407,10 @@ def real_section(args: argparse.Namespace) -> dict[str, object]:
         total = sum(layout.block_bytes)
         rate = args.rate_mbit or max(1, round(total * 8 / args.load_s / 1e6))
         setup = livelab.Setup(rate, args.layer_ms, 128, 32, 4, args.real_overload, total * 8 / (rate * 1e6),
-                              200 if args.quick else 400)
+                              200 if args.quick else 400, args.knee_tokens)
         print(f"real engines: {args.layers} layers, {total / 1e6:.1f} MB over {rate} Mbit/s tbf links "
-              f"({setup.load_s:.1f} s per copy); compute emulated at {args.layer_ms} ms per layer forward per step")
+              f"({setup.load_s:.1f} s per copy); compute emulated at {args.layer_ms} ms per layer forward per step"
+              f"{f', x (tokens / {setup.knee_tokens}) past {setup.knee_tokens} tokens' if setup.knee_tokens else ' (memory-bound: any tokens)'}")
         res: dict[str, dict[str, list[tuple[float, str, str]]]] = {}
         res["pair"] = livelab.fleet("pair", 1, ("stop-the-world", "best-effort", "zigzag", "zigzag-ilp"), ckpt,
                                     manifest, layout, setup, "k17a")
@@ -437,6 +441,7 @@ def real_section(args: argparse.Namespace) -> dict[str, object]:
                                 "requests": len(v), "failed": len(v) - len(ok(v))} for m, v in modes.items()} for f, modes in res.items()},
         "real_setup": {"rate_mbit": setup.rate_mbit, "load_s": setup.load_s, "layer_ms": setup.layer_ms,
                        "compute": "emulated per step (--emulate-layer-ms); transfers, activations and HTTP real",
+                       "knee_tokens": setup.knee_tokens,
                        "stop_baseline_of_pipelines": "stop-the-world on the same fleet (k sources, k targets)"},
     }
     print("real engines, side by side: " + json.dumps({k: v for k, v in out.items() if isinstance(v, (float, bool))}))

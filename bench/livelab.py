@@ -86,11 +86,12 @@ def enter_netns(name: str) -> None:
 
 
 def start_engine(lab: netlab.NetLab, host: int, iid: str, ckpt: Path, empty: bool, layer_ms: float,
-                 batch_tokens: int) -> Eng:
+                 batch_tokens: int, knee_tokens: int = 0) -> Eng:
     addr = lab.addr(host)
     cmd = [*lab.prefix(host), sys.executable, "-m", "kascade_cli.main", "engine", "serve", "--checkpoint", str(ckpt),
            "--model-name", MODEL, "--host", addr, "--port", "8000", "--act-port", "8001", "--threads", "1",
-           "--max-batch-tokens", str(batch_tokens), "--emulate-layer-ms", str(layer_ms), *(["--empty"] if empty else [])]
+           "--max-batch-tokens", str(batch_tokens), "--emulate-layer-ms", str(layer_ms),
+           "--emulate-knee-tokens", str(knee_tokens), *(["--empty"] if empty else [])]
     logs = os.environ.get("KASCADE_BENCH_ENGINE_LOGS")  # a directory: each engine's stderr goes there
     err = open(Path(logs) / f"{lab.tag}-{iid}.log", "w") if logs else subprocess.DEVNULL  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
@@ -253,6 +254,7 @@ class Setup:
     overload: float
     load_s: float  # the whole model over one link, by construction of rate_mbit
     max_requests: int
+    knee_tokens: int = 0  # emulation: a layer forward over more tokens costs proportionally more (0: never)
 
 
 def fleet(kind: str, k: int, modes: tuple[str, ...], ckpt: Path, manifest: dict[str, Any], layout: ModelLayout,
@@ -260,8 +262,8 @@ def fleet(kind: str, k: int, modes: tuple[str, ...], ckpt: Path, manifest: dict[
     """One lab of k sources + k targets (+ the client), every mode on the same trace. TTFT per request."""
     hosts = 2 * k + 1
     with netlab.NetLab(hosts, setup.rate_mbit, prefix=tag) as lab:
-        srcs = [start_engine(lab, i, f"s{i}", ckpt, False, setup.layer_ms, setup.batch_tokens) for i in range(k)]
-        tgts = [start_engine(lab, k + j, f"t{j}", ckpt, True, setup.layer_ms, setup.batch_tokens) for j in range(k)]
+        srcs = [start_engine(lab, i, f"s{i}", ckpt, False, setup.layer_ms, setup.batch_tokens, setup.knee_tokens) for i in range(k)]
+        tgts = [start_engine(lab, k + j, f"t{j}", ckpt, True, setup.layer_ms, setup.batch_tokens, setup.knee_tokens) for j in range(k)]
         try:
             for e in (*srcs, *tgts):
                 wait_ready(e)

@@ -68,6 +68,9 @@ def engine() -> None:
 @click.option("--emulate-layer-ms", default=0.0, show_default=True, type=click.FloatRange(0, 10_000),
               help="benchmarks on shared CPUs: each step's layer work takes at least this long per layer executed, "
                    "like an accelerator whose step time does not depend on the other processes (0: off)")
+@click.option("--emulate-knee-tokens", default=0, show_default=True, type=click.IntRange(0, 1 << 20),
+              help="with --emulate-layer-ms: a layer forward over more tokens than this costs proportionally more "
+                   "(compute-bound past the knee; 0: every layer forward costs the same, memory-bound)")
 @click.option("--host-cache-gib", default=0.0, show_default=True, type=click.FloatRange(0),
               help="a released engine keeps its model's weights in host memory up to this size, as a host copy the "
                    "operator uses as a chain source and to scale from zero (0: released engines drop them)")
@@ -82,7 +85,7 @@ def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: s
           token_file: Path | None, max_prompt_tokens: int, max_batch_tokens: int, max_seqs: int, kv_tokens: int,
           max_n: int, page_size: int, device: str, dtype: str, empty: bool, resident_layers: int | None, threads: int,
           transport: str, transfer_max_mbps: float | None, header_timeout: float = 10.0,
-          max_connections: int = 1024, emulate_layer_ms: float = 0.0, host_cache_gib: float = 0.0,
+          max_connections: int = 1024, emulate_layer_ms: float = 0.0, emulate_knee_tokens: int = 0, host_cache_gib: float = 0.0,
           tls_cert: Path | None = None, tls_key: Path | None = None, tls_ca: Path | None = None) -> None:
     """Serve a model over HTTP (OpenAI-compatible) with the Kascade control API."""
     import json
@@ -122,7 +125,8 @@ def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: s
                            max_prompt_tokens=max_prompt_tokens, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
                            kv_tokens=kv_tokens, page_size=page_size, max_n=max_n, threads=threads, transport=transport,
                            transfer_bytes_per_s=transfer_max_mbps * 1e6 / 8 if transfer_max_mbps else None,
-                           empty=empty, resident_layers=resident_layers, emulate_layer_ms=emulate_layer_ms, tls=tls,
+                           empty=empty, resident_layers=resident_layers, emulate_layer_ms=emulate_layer_ms,
+                           emulate_knee_tokens=emulate_knee_tokens, tls=tls,
                            host_cache_bytes=int(host_cache_gib * 2**30))
     except ConfigError as e:
         raise click.UsageError(str(e)) from None

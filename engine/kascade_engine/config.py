@@ -45,6 +45,7 @@ class EngineConfig:
     resident_layers: int | None = None
     instance: str = "engine-0"
     emulate_layer_ms: float = 0.0  # benchmarks: a step's layer work takes at least this per layer (an accelerator)
+    emulate_knee_tokens: int = 0  # with it: a layer forward over more tokens than this costs proportionally more
     tls: TlsFiles | None = None  # mutual TLS for every data-plane TCP connection (weights, activations, KV)
     host_cache_bytes: int = 0  # a released engine keeps its weights in host memory up to this (0: never)
 
@@ -60,6 +61,8 @@ class EngineConfig:
             raise ConfigError(f"--host-cache-gib must be >= 0, got {self.host_cache_bytes / 2**30:g}")
         if not 0 <= self.emulate_layer_ms <= 10_000:
             raise ConfigError(f"--emulate-layer-ms must be in [0, 10000], got {self.emulate_layer_ms}")
+        if not 0 <= self.emulate_knee_tokens <= 1 << 20:
+            raise ConfigError(f"--emulate-knee-tokens must be in [0, 1048576], got {self.emulate_knee_tokens}")
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"--transport {self.transport!r}: unknown transport; use {' or '.join(TRANSPORTS)}")
         if self.tls is not None and self.transport != "tcp":

@@ -158,6 +158,7 @@ class HostRows:
     steps_hosted: int = 0
     shared_steps: int = 0  # metric: steps where pair rows and this engine's own rows shared the forward
     layer_s: float = 0.0  # emulated seconds per layer forward (benchmarks; 0: off)
+    knee_tokens: int = 0  # emulation: tokens per layer forward before it costs more (0: never)
     redirects: Redirects = field(default_factory=Redirects)  # queued requests handed to a live B (redirect.py)
     closed: list[int] = field(default_factory=list)  # pairs whose session ended (their handed requests fail)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -217,7 +218,7 @@ class HostRows:
                 accepted.append((st, mine))
                 rows.extend(r for r, _ in mine)
             t0 = time.perf_counter()
-            pace(t0, staggered(m, engine.cache, rows, engine.limits.max_batch_tokens), self.layer_s)
+            pace(t0, staggered(m, engine.cache, rows, self.knee_tokens), self.layer_s)
             here: list[torch.Tensor] = [rows[i].x[-1:] for i in sampling]  # rows sampled on this engine
             slots: list[tuple[PairStep, int, str]] = []  # (step, index of its token, key) per pair row sampled here
             relay: list[tuple[PairStep, int, Row, list[Any]]] = []  # pair rows that go on down the pipeline

@@ -111,7 +111,7 @@ class EngineInstance:
         self.engine = Engine(self.model, Limits(c.max_batch_tokens, c.max_seqs, c.kv_tokens, c.page_size),
                              eos=self.tokenizer.eos_token_id)
         self.peers = PeerPool(self.transport, config.token)  # activation connections opened ahead
-        self.host = HostRows(layer_s=config.emulate_layer_ms / 1e3)  # pair sessions (a loading peer's rows) join this engine's batch
+        self.host = HostRows(layer_s=config.emulate_layer_ms / 1e3, knee_tokens=config.emulate_knee_tokens)  # pair sessions (a loading peer's rows) join this engine's batch
         self.engine.coop = self.host
         self.pair: PairClient | None = None  # while loading with a peer: our rows finish there
         self.downstream_peer: str | None = None  # pipeline: where hosted rows go on (status `pipelineDownstream`)

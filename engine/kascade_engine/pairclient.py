@@ -66,6 +66,7 @@ class PairClient:
         self.admitted_ids: list[str] = []  # admission order while loading
         self.steps_sent = 0
         self.layer_s = 0.0  # emulated seconds per layer forward (benchmarks; 0: off)
+        self.knee_tokens = 0  # emulation: tokens per layer forward before it costs more (0: never)
         self.bytes_sent = 0
         self.tokens_sent = 0
         self.redirected: set[str] = set()  # requests A handed to us (redirect.py): always finished on A
@@ -117,7 +118,7 @@ class PairClient:
                 self.history.append((w.id, self.split[w.id]))
         rows, sampling = own_rows(engine, work, lambda rid: self.split[rid])
         t0 = time.perf_counter()
-        pace(t0, staggered(m, engine.cache, rows, engine.limits.max_batch_tokens), self.layer_s)
+        pace(t0, staggered(m, engine.cache, rows, self.knee_tokens), self.layer_s)
         local = [i for i in sampling if self.split[work[i].id] == L and m.complete and work[i].id not in self.redirected]
         far = [i for i, w in enumerate(work) if not (self.split[w.id] == L and m.complete) or w.id in self.redirected]
         toks: dict[int, int | None] = {i: None for i in sampling}  # None: out on A, delivered when it lands

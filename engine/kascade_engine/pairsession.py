@@ -54,7 +54,7 @@ async def form_pair(inst: Any, peer: str) -> PairClient:
         except BaseException:
             await conn.close()
             raise
-    pair.fallback, pair.layer_s = inst.host, inst.host.layer_s
+    pair.fallback, pair.layer_s, pair.knee_tokens = inst.host, inst.host.layer_s, inst.host.knee_tokens
     log.info("%s: paired with %s (%s connection, used by every step)", inst.instance_id, peer,
              "warmed" if warmed else "new")
     return pair
