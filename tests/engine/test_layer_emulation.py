@@ -25,6 +25,8 @@ def test_bad_emulate_layer_ms_is_named() -> None:
     with pytest.raises(ConfigError, match="--emulate-layer-ms must be in"):
         EngineConfig(Path("."), "m", "t", emulate_layer_ms=-1)
     assert EngineConfig(Path("."), "m", "t", emulate_layer_ms=2.5).emulate_layer_ms == 2.5
+    with pytest.raises(ConfigError, match="--emulate-knee-tokens must be in"):
+        EngineConfig(Path("."), "m", "t", emulate_knee_tokens=-1)
 
 
 async def test_a_zigzag_hold_ends_when_the_load_stalls() -> None:
