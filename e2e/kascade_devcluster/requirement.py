@@ -19,3 +19,13 @@ def unavailable(reason: str) -> None:
     if in_ci():
         pytest.fail(f"required in CI but unavailable: {reason}")
     pytest.skip(reason)
+
+
+def need_transport(name: str) -> str:
+    """`name` (an engine --transport), after making sure it can run here: ucx needs ucxx importable."""
+    if name == "ucx":
+        try:
+            import ucxx  # noqa: F401
+        except ImportError as e:
+            unavailable(f"ucxx not importable: {e}")
+    return name

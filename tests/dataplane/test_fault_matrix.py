@@ -39,6 +39,7 @@ from types import ModuleType
 
 import pytest
 
+from kascade_devcluster.requirement import need_transport
 from kascade_engine.blocks import Block, BlockSet, digest_of
 from kascade_engine.hostcache import open_cache
 from kascade_planner.builder import make_plan
@@ -163,16 +164,6 @@ def _chain_mbps(summaries: dict[str, dict[str, object]], total: int) -> float:
     return total / max(done - first, 1e-3) / 1e6
 
 
-def _transport_ok(name: str) -> None:
-    if name == "ucx":
-        try:
-            import ucxx  # noqa: F401
-        except ImportError as e:
-            from kascade_devcluster.requirement import unavailable
-
-            unavailable(f"ucxx not importable: {e}")
-
-
 def _identical(workdir: Path, target: str, blocks: BlockSet) -> bool:
     try:
         got = open_cache(workdir / f"{target}.kcache", verify=True)
@@ -186,7 +177,7 @@ def _identical(workdir: Path, target: str, blocks: BlockSet) -> bool:
 @pytest.mark.parametrize("fault", FAULTS)
 def test_fault(tmp_path: Path, harness: ModuleType, chaos_blocks: BlockSet, baselines: dict[str, tuple[float, float]],
                transport: str, position: str, fault: str) -> None:
-    _transport_ok(transport)
+    need_transport(transport)
     if transport not in baselines:
         fault_free: dict[str, dict[str, object]] = {}
         took, codes, _ = _run(harness, tmp_path / "baseline", chaos_blocks, transport, None, None, fault_free)

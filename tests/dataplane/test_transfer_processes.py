@@ -37,14 +37,9 @@ def assert_identical(workdir: Path, target: str, blocks: BlockSet) -> None:
 
 @pytest.fixture(params=TRANSPORTS)
 def transport(request: pytest.FixtureRequest) -> str:
-    if request.param == "ucx":
-        try:
-            import ucxx  # noqa: F401
-        except ImportError as e:
-            from kascade_devcluster.requirement import unavailable
+    from kascade_devcluster.requirement import need_transport
 
-            unavailable(f"ucxx not importable: {e}")
-    return str(request.param)
+    return need_transport(str(request.param))
 
 
 @pytest.mark.parametrize(("n", "gpus"), [(1, 1), (4, 1), (2, 2)], ids=["1to1", "chain1to4", "sharded-tp2"])

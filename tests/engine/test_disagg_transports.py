@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from splitref import collect, unsplit  # type: ignore[import-not-found]
 
+from kascade_devcluster.requirement import need_transport
 from kascade_engine.config import ConfigError, EngineConfig
 from kascade_engine.instance import EngineInstance
 from kascade_engine.sampling import SamplingParams
@@ -21,16 +22,6 @@ from kascade_engine.transport import make_transport
 
 PROMPTS = [[11, 42, 7, 300, 5, 9, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [1, 2, 3], list(range(40, 77))]
 TOKEN = "pd-transport-token"
-
-
-def _needs(transport: str) -> None:
-    if transport == "ucx":
-        try:
-            import ucxx  # noqa: F401
-        except ImportError as e:
-            from kascade_devcluster.requirement import unavailable
-
-            unavailable(f"ucxx not importable: {e}")
 
 
 def _instance(ckpt: Path, blocks: Any, name: str, transport: str, batch: int = 16) -> EngineInstance:
@@ -42,7 +33,7 @@ def _instance(ckpt: Path, blocks: Any, name: str, transport: str, batch: int = 1
 @pytest.mark.parametrize("transport", ["tcp", "ucx"])
 async def test_kv_moves_over_the_configured_transport_with_the_colocated_output(
         tiny_ckpt, tiny_blocks, transport: str) -> None:  # type: ignore[no-untyped-def]
-    _needs(transport)
+    need_transport(transport)
     params = SamplingParams(max_tokens=8)
     want = unsplit(tiny_blocks, PROMPTS, params)
     p = _instance(tiny_ckpt, tiny_blocks, "p", transport)  # chunked on P: the long prompt takes several steps

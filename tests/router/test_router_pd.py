@@ -44,14 +44,9 @@ def _engine(ckpt: Path, name: str, transport: str) -> tuple[subprocess.Popen[str
 
 @pytest.fixture(scope="module", params=["tcp", "ucx"])
 def transport(request: pytest.FixtureRequest) -> str:
-    if request.param == "ucx":
-        try:
-            import ucxx  # noqa: F401
-        except ImportError as e:
-            from kascade_devcluster.requirement import unavailable
+    from kascade_devcluster.requirement import need_transport
 
-            unavailable(f"ucxx not importable: {e}")
-    return str(request.param)
+    return need_transport(str(request.param))
 
 
 @pytest.fixture(scope="module")
