@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pdreport
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / d) for d in ("cli", "operator", "engine", "router", "sim", "bench")]
@@ -395,8 +396,8 @@ def main() -> None:
                      tr["burst_rate_per_s"], seed=tr["seed"])
         out["sim"] = sim_side(reqs, out["max_tokens"], out["calibration"]["ttft_ms"] / 1e3, args.ttft_x, args.tbt_x)
         path.write_text(json.dumps(out, indent=2))
-        report(out, modes, reqs)
-        print(f"wrote {path}, {plot(out, modes, args.out / 'pd.png')}")
+        pdreport.report(out, modes, len(reqs))
+        print(f"wrote {path}, {pdreport.plot(out, modes, args.out / 'pd.png')}")
         return
     from kascade_engine.checkpoint import tiny_llama
 
@@ -442,48 +443,10 @@ def main() -> None:
             links(out, ckpt, args.link_mbit, 3 if args.quick else 5, transports)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "pd.json").write_text(json.dumps(out, indent=2))
-    report(out, modes, reqs)
+    pdreport.report(out, modes, len(reqs))
     print(f"kv_transfer_over_link_rate: {out['kv_transfer_over_link_rate']} "
           f"(tbf {args.link_mbit} Mbit/s between two namespaces)" if out["link"] else out.get("link_note"))
-    print(f"wrote {args.out / 'pd.json'}, {plot(out, modes, args.out / 'pd.png')}")
-
-
-def plot(out: dict[str, Any], modes: list[str], path: Path) -> Path:
-    """TTFT and TBT SLO attainment per setup, real engines beside the simulator, as one bar chart."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
-    for ax, (title, block) in zip(axes, (("real engines (CPU)", out), ("simulator, same trace", out["sim"])), strict=True):
-        for j, (key, label) in enumerate((("ttft_slo_attainment", "TTFT"), ("tbt_slo_attainment", "TBT"),
-                                          ("burst_ttft_slo_attainment", "TTFT, burst prompts"))):
-            ax.bar([i + 0.27 * (j - 1) for i in range(len(modes))], [block[m][key] for m in modes], 0.27, label=label)
-        ax.set_xticks(range(len(modes)), [m.replace("_", "\n") for m in modes])
-        ax.set_title(title)
-        ax.set_ylim(0, 1.05)
-    axes[0].set_ylabel("SLO attainment")
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper center", ncol=3, fontsize=8)
-    fig.tight_layout(rect=(0, 0, 1, 0.9))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def report(out: dict[str, Any], modes: list[str], reqs: list[Request]) -> None:
-    print(f"{len(reqs)} requests ({out['trace']['burst_requests']} in the burst), 2 engines per setup; {out['slo_note']}")
-    for title, block in (("real engines", out), (f"simulator (trace time-compressed x{out['sim']['time_compression']:.1f}, "
-                                                 f"SLOs TTFT {out['sim']['ttft_slo_ms']:.0f} ms, TBT "
-                                                 f"{out['sim']['tbt_slo_ms']:.1f} ms)", out["sim"])):
-        print(f"{title}:")
-        print("  setup                      TTFT att.  TBT att.  burst TTFT  TTFT p50/p99 ms    TBT p50/p99 ms  fail")
-        for mode in modes:
-            r = block[mode]
-            print(f"  {mode:26} {r['ttft_slo_attainment']:9.2f} {r['tbt_slo_attainment']:9.2f} "
-                  f"{r['burst_ttft_slo_attainment']:11.2f}  {r['ttft_p50_s'] * 1e3:7.0f}/{r['ttft_p99_s'] * 1e3:7.0f}  "
-                  f"{r['tbt_p50_s'] * 1e3:7.1f}/{r['tbt_p99_s'] * 1e3:7.1f}  {r['failures']:4d}")
+    print(f"wrote {args.out / 'pd.json'}, {pdreport.plot(out, modes, args.out / 'pd.png')}")
 
 
 def links(out: dict[str, Any], ckpt: Path, mbit: int, prompts: int, transports: list[str]) -> None:
