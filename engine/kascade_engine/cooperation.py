@@ -46,6 +46,7 @@ from kascade_engine.sampling import SamplingParams, sample
 
 if TYPE_CHECKING:
     from kascade_engine.engine import Engine
+    from kascade_engine.pages import PagePool
     from kascade_engine.pairclient import PairClient
     from kascade_engine.scheduler import Work
 
@@ -194,10 +195,7 @@ class HostRows:
             self.closed.clear()
         for key in ends:
             self.redirects.ended(key, "the live peer ended it")
-            pool.free(key)
-            self.gens.pop(key, None)
-            self.lengths.pop(key, None)
-            self.stops.pop(key, None)
+            self._forget(pool, key)
         down_ends = [k for k in ends if k in self.forwarded]
         self.forwarded.difference_update(down_ends)
         try:
@@ -270,6 +268,12 @@ class HostRows:
             self.steps_hosted += 1
         return toks[:len(sampling)]
 
+    def _forget(self, pool: PagePool, key: str) -> None:
+        """A pair sequence ends here (ended on B, or moved to it): its pages and per-sequence state go."""
+        pool.free(key)
+        for d in (self.gens, self.lengths, self.stops):
+            d.pop(key, None)
+
     def _migrate(self, engine: Engine, st: PairStep) -> tuple[list[list[Any]], bytes]:
         """Hand B the sequences it asked for (migration.py): their K/V here and sampler state, then free them."""
         L, out, parts = engine.model.shape.layers, [], []
@@ -285,9 +289,7 @@ class HostRows:
                 continue
             parts.append(migration.take(engine.cache, engine.scheduler.pool.tables[key], k, n))
             out.append([rid, k, n, "", migration.gen_state(self.gens.get(key))])
-            engine.scheduler.pool.free(key)  # B holds it whole now
-            for d in (self.gens, self.lengths, self.stops):
-                d.pop(key, None)
+            self._forget(engine.scheduler.pool, key)  # B holds it whole now
             self.migrated += 1
         return out, b"".join(parts)
 

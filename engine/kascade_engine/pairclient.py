@@ -73,7 +73,6 @@ class PairClient:
         self.refused: list[list[str]] = []  # [[req, message]] of handed requests we could not run
         self.peer_queued = True  # poll A (an empty step) while it reports queued requests; once at pair time
         self.received = 0  # metric: requests A handed to us
-        self.reply: dict[str, Any] = {}  # the last step's answer (its redirect fields)
         self.inflight: deque[OutStep] = deque()  # our steps out on A, oldest first
         self.max_inflight = 0  # metric: most steps out at once (PIPELINE_DEPTH when B keeps A busy)
         self.migrated = 0  # metric: split sequences taken over whole once every layer was here
@@ -206,8 +205,7 @@ class PairClient:
                 engine.scheduler.advance(rid, 0, True)
                 self.events.append(engine.deliver(rid, tok, now))
         self._take_over(engine, step, reply.get("migrated") or [], memoryview(payload))
-        self.reply = reply
-        self._take_redirects(engine)
+        self._take_redirects(engine, reply)
 
     def _take_over(self, engine: Engine, step: OutStep, moved: list[Any], payload: memoryview) -> None:
         """A's answer to our migrate list: each sequence's K/V for its layers there, written into our pages;
@@ -242,9 +240,8 @@ class PairClient:
         for rid in step.moving:
             engine.scheduler.unpark(rid)
 
-    def _take_redirects(self, engine: Engine) -> None:
+    def _take_redirects(self, engine: Engine, reply: dict[str, Any]) -> None:
         """A's answer may hand us queued requests (run like ours, finished on A) and abort some of them."""
-        reply, self.reply = self.reply, {}
         self.peer_queued = bool(reply.get("queued"))
         for rid in reply.get("abort") or []:
             if str(rid) in self.redirected:
