@@ -153,3 +153,30 @@ def test_migrated_kv_is_checked_and_lands_in_the_right_slots(tiny_blocks) -> Non
         migration.put(dst, [6, 2], 1, 5, memoryview(payload))
     with pytest.raises(ValueError, match="base64"):
         migration.set_gen_state(torch.Generator(), 42)
+
+
+async def test_the_knee_flag_reaches_both_sides_of_a_pair(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    """--emulate-knee-tokens sets the knee `pace` charges on A's hosted steps and on B's own."""
+    from kascade_engine.config import EngineConfig
+    from kascade_engine.instance import EngineInstance
+    from kascade_engine.tokenizer import ByteTokenizer
+    from kascade_engine.transport_tcp import TcpTransport
+
+    def inst(name: str, resident: int | None) -> EngineInstance:
+        cfg = EngineConfig(checkpoint=tiny_ckpt, model_name="tiny-llama", token="pair-token", kv_tokens=2048,
+                           max_batch_tokens=64, instance=name, resident_layers=resident, emulate_layer_ms=1.0,
+                           emulate_knee_tokens=32)
+        return EngineInstance(cfg, tiny_blocks.config, ByteTokenizer(), tiny_blocks)
+
+    a, b = inst("a", None), inst("b", 1)
+    a.serving.start()
+    b.serving.start()
+    listener = await TcpTransport().listen("127.0.0.1", 0, a.finisher.handle)
+    try:
+        assert a.host.knee_tokens == 32 and a.host.layer_s == 0.001
+        await b.set_cooperate(CooperateRequest(f"127.0.0.1:{listener.port}", "besteffort"))
+        assert b.pair is not None and b.pair.knee_tokens == 32 and b.pair.layer_s == 0.001
+    finally:
+        await b.close()
+        await a.close()
+        await listener.close()
