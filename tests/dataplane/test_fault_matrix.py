@@ -98,7 +98,10 @@ def _faults(fault: str, victim: str, total: int, transport: str = "tcp",
                         "throttle": {"rateMBps": rate / 2}}.get(fault, {}))
     else:  # throttle: a relay forwards at a tenth of the chain's rate; the last node reads that slowly
         slow = {"recvRateMBps": last} if victim == TARGETS[-1] else {"rateMBps": chain / 10}
-        f[victim] = {"cut": {"cutInboundAfterBytes": third}, "desync": {"desyncInboundAfterBytes": third},
+        # an inbound cut fires early in the stream (after the first block): later, a relay's slow moment can
+        # get it dropped as lagging first and then pull the rest, where no push is left to cut (seen once,
+        # cut-middle-ucx on a loaded 2-core box); the desync keeps the third
+        f[victim] = {"cut": {"cutInboundAfterBytes": total // 6}, "desync": {"desyncInboundAfterBytes": third},
                      "throttle": slow}.get(fault, {})
     return f
 
