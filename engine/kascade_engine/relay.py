@@ -2,11 +2,8 @@
 
 Data flow (per node, one asyncio loop):
   upstream push / fallback pull --chunk--> block buffer --same chunk--> every downstream flow wanting it
-                                                       +--> the block's verifier (blockverify.py): hashed
-                                                            on the node's hashing thread, still in cache
-  on upstream `commit`: when all shards of the block are in, the verifier finishes its digest and checks
-  it against the manifest; good -> resident, `commit` downstream; bad -> `abort` downstream and re-fetch
-  from a fallback source.
+  on upstream `commit`: when all shards of the block are in, its digest against the manifest; good ->
+  resident, `commit` downstream; bad -> `abort` downstream and re-fetch from a fallback source.
 Downstream therefore may see a block's chunks early but only ever marks resident what it saw
 committed: corrupt bytes never become resident anywhere. When an upstream dies (connection lost,
 silent past the timeout, or never connects), whatever it had not committed is pulled from the
@@ -32,13 +29,11 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kascade_engine import peerauth
 from kascade_engine.arena import ReceiveArena
 from kascade_engine.blocks import Block, BlockSet, digest_matches, index_from_manifest
-from kascade_engine.blockverify import BlockVerifier
 from kascade_engine.forwarding import Downstream, Forwarding
 from kascade_engine.recovery import Recovery, Slot, TransferFailed
 from kascade_engine.transfer_spec import TransferSpec, shard_range
@@ -72,10 +67,6 @@ class TransferNode(Forwarding, Recovery):
         self.inbound = self.plan.inbound(me)
         self.outbound = self.plan.outbound(me)
         self.buffers: dict[str, memoryview] = {}
-        # Digests advance as chunks land, on one thread: its jobs run in order (a hasher only goes
-        # forward), and xxhash/hashlib release the GIL, so this loop keeps receiving meanwhile.
-        self.verifiers: dict[str, BlockVerifier] = {}
-        self._hashing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kascade-hash")
         self.resident: dict[str, Block] = {}
         if blocks is not None:
             self.resident = dict(blocks.blocks)
@@ -180,7 +171,6 @@ class TransferNode(Forwarding, Recovery):
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.listener:
             await self.listener.close()
-        self._hashing.shutdown(wait=False)  # queued jobs only hash: let them finish, do not wait
         await asyncio.to_thread(self.arena.close)
 
     # -- serving connections -----------------------------------------------------------------------
@@ -310,20 +300,7 @@ class TransferNode(Forwarding, Recovery):
         if self.faults.get("corruptBlock") == block and not self.faults.get("_corrupted"):
             payload[0] ^= 0xFF  # test-only: this node corrupts what it received (once)
             self.faults["_corrupted"] = True
-        self._landed(block, offset, len(payload))  # after the fault above: what is hashed is what stays
         await self._forward_chunk({"op": "chunk", "block": block, "offset": offset}, payload, block, shard, lag=not pull)
-
-    def _landed(self, block: str, offset: int, nbytes: int) -> None:
-        """A chunk's bytes are in the block buffer: hash what that made contiguous, off this loop."""
-        v = self.verifiers.get(block)
-        if v is None:
-            v = self.verifiers[block] = BlockVerifier(self.buffers[block], str(self.spec.manifest[block]["digest"]))
-        job = v.landed(offset, nbytes)
-        if job is not None:
-            try:
-                self._hashing.submit(job)  # the check at commit waits for it (same thread, in order)
-            except RuntimeError:  # closed (a stream outliving its node): that job will never run
-                v.give_up()
 
     def _mark_committed(self, block: str, shard: tuple[int, int] | None) -> bool:
         """Record an upstream commit; True when every shard of the block is in (verify it next)."""
@@ -339,14 +316,8 @@ class TransferNode(Forwarding, Recovery):
             return
         buf = self.buffers[block]
         entry = self.spec.manifest[block]
-        # The verifier has hashed most of the block as it landed; its check hashes the rest and compares
-        # (the whole buffer where streaming was given up). A block with no chunk landed here has none.
-        v = self.verifiers.get(block)
-        check = v.seal() if v is not None else (lambda: digest_matches(buf, str(entry["digest"])))
-        ok = await asyncio.wrap_future(self._hashing.submit(check))
-        if self.verifiers.get(block) is v:
-            self.verifiers.pop(block, None)  # a re-fetch after a bad digest starts a fresh one
-        if not ok:
+        # xxhash (and hashlib) release the GIL: hash on another core while this loop keeps receiving.
+        if not await asyncio.to_thread(digest_matches, buf, entry["digest"]):
             self.corrupt_detected += 1
             log.warning("%s: block %s failed its digest; aborting downstream and re-fetching", self.me, block)
             self.done_slots.pop(block, None)

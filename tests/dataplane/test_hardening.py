@@ -126,14 +126,14 @@ async def test_a_source_whose_only_downstream_dies_finishes(big_blocks: BlockSet
 
 
 async def test_a_failing_task_ends_the_transfer_with_its_name(tiny_blocks: BlockSet, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A verification that raises (here: the block verifier's check) used to die silently, leaving the
-    node 'loading' forever; now run() raises TransferFailed naming the task and the error."""
+    """A verification that raises (here: the digest function) used to die silently, leaving the node
+    'loading' forever; now run() raises TransferFailed naming the task and the error."""
     import kascade_engine.relay as relay
 
-    def broken() -> bool:
+    def broken(data: object, digest: str) -> bool:
         raise RuntimeError("digest unit on fire")
 
-    monkeypatch.setattr(relay.BlockVerifier, "seal", lambda self: broken)
+    monkeypatch.setattr(relay, "digest_matches", broken)
     spec = _spec(tiny_blocks, 1)
     s0, t0 = TransferNode(spec, "s0", TcpTransport(), tiny_blocks), TransferNode(spec, "t0", TcpTransport())
     await s0.start()
