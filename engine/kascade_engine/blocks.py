@@ -19,7 +19,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import xxhash
@@ -81,9 +81,37 @@ class Block:
 DIGEST_ALGO = "xxh3-128"
 
 
+class Hasher(Protocol):
+    """A streaming hasher (xxhash's and hashlib's objects): `update` in order, then `hexdigest`."""
+
+    def update(self, data: memoryview | bytes | bytearray, /) -> None: ...
+
+    def hexdigest(self) -> str: ...
+
+
+def digest_string(algo: str, hexdigest: str) -> str:
+    """A digest as blocks and manifests carry it: algorithm-prefixed, except bare sha256."""
+    return hexdigest if algo == "sha256" else f"{algo}:{hexdigest}"
+
+
+def split_digest(digest: str) -> tuple[str, str]:
+    """(algorithm, hex) of a digest string; a bare one is sha256."""
+    algo, sep, hexdigest = digest.partition(":")
+    return (algo, hexdigest) if sep else ("sha256", digest)
+
+
+def new_hasher(algo: str) -> Hasher | None:
+    """A streaming hasher whose result equals `digest_of` over the same bytes; None for an unknown algo."""
+    if algo == "xxh3-128":
+        return xxhash.xxh3_128()
+    if algo == "sha256":
+        return hashlib.sha256()
+    return None
+
+
 def digest_of(data: memoryview | bytes | bytearray, algo: str = DIGEST_ALGO) -> str:
     if algo == "xxh3-128":
-        return "xxh3-128:" + xxhash.xxh3_128_hexdigest(data)
+        return digest_string(algo, xxhash.xxh3_128_hexdigest(data))
     if algo == "sha256":
         return hashlib.sha256(data).hexdigest()
     raise ValueError(f"unknown digest algorithm {algo!r} (xxh3-128 or sha256)")
@@ -91,7 +119,7 @@ def digest_of(data: memoryview | bytes | bytearray, algo: str = DIGEST_ALGO) -> 
 
 def digest_matches(data: memoryview | bytes | bytearray, digest: str) -> bool:
     """Whether `data` has `digest`, in the algorithm the digest names (an unknown one never matches)."""
-    algo = digest.split(":", 1)[0] if ":" in digest else "sha256"
+    algo = split_digest(digest)[0]
     try:
         return hmac.compare_digest(digest_of(data, algo), digest)
     except ValueError:

@@ -75,6 +75,7 @@ class PacedTransport:
     def __init__(self, inner: Transport, bytes_per_s: float) -> None:
         self.inner = inner
         self.traffic = inner.traffic  # the inner transport's connections count what they carry
+        self.hash_on_landing = inner.hash_on_landing  # reads still land on the caller's thread
         self.name = f"{inner.name}(paced {bytes_per_s * 8 / 1e6:.0f} Mbit/s)"
         self.bucket = TokenBucket(bytes_per_s, burst=max(1 << 20, int(bytes_per_s / 20)))
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from kascade_engine import peerauth
 from kascade_engine.blocks import Block
+from kascade_engine.blockverify import BlockVerifier
 from kascade_engine.transfer_spec import TransferSpec
 from kascade_engine.transport import Connection, Transport, TransportError, close_handshake
 from kascade_planner.plan import Flow, Plan
@@ -38,6 +39,7 @@ class Recovery:
     transport: Transport
     inbound: tuple[Flow, ...]
     resident: dict[str, Block]
+    verifiers: dict[str, BlockVerifier]
     slot_count: dict[str, int]
     done_slots: dict[str, set[int | None]]
     error: Exception | None
@@ -100,6 +102,7 @@ class Recovery:
         for b in blocks:  # re-fetched blocks arrive whole
             self.slot_count[b] = 1
             self.done_slots.pop(b, None)
+            self.verifiers.pop(b, None)  # the pull rewrites it from offset 0: hash it afresh
         fallbacks = [s for s in self.plan.fallbacks_for(self.me) or tuple(s.id for s in self.plan.sources)
                      if s in self.spec.peers and s != self.me]
         # Two rounds: a fallback that was only paused (or busy) past one timeout gets a second chance.

@@ -115,6 +115,10 @@ Handler = Callable[[Connection], Awaitable[None]]
 class Transport(Protocol):
     name: str
     traffic: Traffic
+    # True when a received payload's bytes are copied into place by the receiving thread itself (a
+    # socket read), so hashing them right after they land reads them from that core's cache. UCX lands
+    # them from its progress thread: there the relay hashes a block once, at commit, off its loop.
+    hash_on_landing: bool
 
     async def listen(self, host: str, port: int, handler: Handler) -> Listener: ...
 

@@ -153,6 +153,7 @@ class TcpListener:
 
 class TcpTransport:
     name = "tcp"
+    hash_on_landing = True
 
     def __init__(self) -> None:
         self.traffic = Traffic()

@@ -173,6 +173,7 @@ class TlsTransport:
     """The TCP transport with mutual TLS (see the module docstring)."""
 
     name = "tcp+tls"
+    hash_on_landing = True  # decrypted by the loop thread, into place
 
     def __init__(self, files: TlsFiles) -> None:
         self.files = files

@@ -239,6 +239,7 @@ class UcxListener:
 
 class UcxTransport:
     name = "ucx"
+    hash_on_landing = False  # written by the progress thread (see Transport)
 
     def __init__(self, fast_path: bool | None = None) -> None:
         self.fast_path = os.environ.get("KASCADE_UCX_FAST_PATH") == "1" if fast_path is None else fast_path

@@ -126,14 +126,14 @@ async def test_a_source_whose_only_downstream_dies_finishes(big_blocks: BlockSet
 
 
 async def test_a_failing_task_ends_the_transfer_with_its_name(tiny_blocks: BlockSet, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A verification that raises (here: the digest function) used to die silently, leaving the node
-    'loading' forever; now run() raises TransferFailed naming the task and the error."""
+    """A verification that raises (here: the block verifier's check) used to die silently, leaving the
+    node 'loading' forever; now run() raises TransferFailed naming the task and the error."""
     import kascade_engine.relay as relay
 
-    def broken(data: object, digest: str) -> bool:
+    def broken() -> bool:
         raise RuntimeError("digest unit on fire")
 
-    monkeypatch.setattr(relay, "digest_matches", broken)
+    monkeypatch.setattr(relay.BlockVerifier, "seal", lambda self: broken)
     spec = _spec(tiny_blocks, 1)
     s0, t0 = TransferNode(spec, "s0", TcpTransport(), tiny_blocks), TransferNode(spec, "t0", TcpTransport())
     await s0.start()
@@ -342,3 +342,41 @@ def test_absurd_config_integers_are_refused_before_any_allocation() -> None:
         with pytest.raises(FamilyError, match=rf"num_hidden_layers.*{msg}"):
             expected_shapes({**cfg, "num_hidden_layers": layers})
     assert len(expected_shapes({**cfg, "num_hidden_layers": 2})) > 2
+
+
+async def test_a_tcp_relay_verifies_chunks_as_they_land(tiny_blocks: BlockSet, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over TCP (paced or not) a receiver hashes each chunk right after its read, so the commit check
+    never re-reads a whole block: with the whole-buffer digest broken the transfer still completes, every
+    chunk went through a verifier, and the verified blocks equal the source's. UCX lands chunks from its
+    progress thread and keeps the check at commit."""
+    import kascade_engine.relay as relay
+    from kascade_engine.pacing import paced
+    from kascade_engine.transport_ucx import UcxTransport
+
+    assert TcpTransport.hash_on_landing and paced(TcpTransport(), 1e9).hash_on_landing
+    assert not UcxTransport.hash_on_landing
+
+    def whole_buffer(data: object, digest: str) -> bool:
+        raise AssertionError("a whole block was re-hashed at commit")
+
+    landed: list[int] = []
+    real_landed = relay.BlockVerifier.landed
+
+    def counting(self: Any, offset: int, length: int) -> Any:
+        landed.append(length)
+        return real_landed(self, offset, length)
+
+    monkeypatch.setattr(relay, "digest_matches", whole_buffer)
+    monkeypatch.setattr(relay.BlockVerifier, "landed", counting)
+    spec = _spec(tiny_blocks, 1)
+    s0, t0 = TransferNode(spec, "s0", TcpTransport(), tiny_blocks), TransferNode(spec, "t0", TcpTransport())
+    await s0.start()
+    await t0.start()
+    try:
+        await asyncio.wait_for(asyncio.gather(s0.run(), t0.run()), 4 * T)
+    finally:
+        await t0.close()
+        await s0.close()
+    assert sum(landed) == sum(b.nbytes for b in tiny_blocks.blocks.values())
+    assert set(t0.resident) == set(tiny_blocks.ids)
+    assert all(bytes(t0.resident[b].data) == bytes(tiny_blocks.blocks[b].data) for b in tiny_blocks.ids)
