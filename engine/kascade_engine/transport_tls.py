@@ -36,7 +36,7 @@ from kascade_engine.transport import (
     read_frame,
 )
 
-MAX_CONNECTIONS = 256  # served at once per listener; more are closed on accept
+MAX_CONNECTIONS = 256  # open at once per listener, handshaking or served; more are closed on accept
 HANDSHAKE_TIMEOUT_S = 10.0
 STREAM_LIMIT = 4 * 1024 * 1024  # asyncio reader buffer; frames are read with readexactly
 log = logging.getLogger(__name__)
@@ -184,26 +184,38 @@ class TlsTransport:
         open_conns: set[asyncio.Task[None]] = set()
 
         async def serve_one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            conn = TlsConnection(reader, writer, self.traffic)
+            # The cap counts a connection from accept, before its handshake: a flood of peers that never
+            # finish one holds no more than MAX_CONNECTIONS sockets (each for HANDSHAKE_TIMEOUT_S at most).
+            addr = writer.get_extra_info("peername")
+            peer = f"{addr[0]}:{addr[1]}" if addr else "?"
             task = asyncio.current_task()
             if len(open_conns) >= MAX_CONNECTIONS:
-                log.warning("tls listener %s:%s: %d connections open; refusing %s", host, port, len(open_conns), conn.peer)
-                await conn.abort()
+                log.warning("tls listener %s:%s: %d connections open; refusing %s", host, port, len(open_conns), peer)
+                writer.transport.abort()
                 return
             if task is not None:
                 open_conns.add(task)
             try:
-                await handler(conn)
-            except Exception as e:  # one connection's failure never ends the listener, and is not silent
-                log.warning("tls connection from %s failed: %s: %s", conn.peer, type(e).__name__, e)
+                try:
+                    await writer.start_tls(self.server_ctx, ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S)
+                except (ssl.SSLError, OSError, TimeoutError, ConnectionError) as e:
+                    log.warning("tls listener %s:%s: handshake with %s failed: %s", host, port, peer,
+                                getattr(e, "reason", None) or type(e).__name__)
+                    writer.transport.abort()
+                    return
+                conn = TlsConnection(reader, writer, self.traffic)
+                try:
+                    await handler(conn)
+                except Exception as e:  # one connection's failure never ends the listener, and is not silent
+                    log.warning("tls connection from %s failed: %s: %s", conn.peer, type(e).__name__, e)
+                finally:
+                    await conn.close()
             finally:
                 if task is not None:
                     open_conns.discard(task)
-                await conn.close()
 
         try:
-            server = await asyncio.start_server(serve_one, host, port, ssl=self.server_ctx, limit=STREAM_LIMIT,
-                                                ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S, reuse_address=True)
+            server = await asyncio.start_server(serve_one, host, port, limit=STREAM_LIMIT, reuse_address=True)
         except OSError as e:
             raise TransportError(f"tls listen on {host}:{port}: {e}") from None
         return TlsListener(server)

@@ -127,6 +127,46 @@ async def test_plain_tcp_to_a_tls_listener_and_tls_to_a_plain_listener_both_fail
     assert "tls connect" in message
 
 
+async def test_connections_still_in_their_handshake_count_against_the_cap(pki: dict[str, Path],
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sockets that connect and never handshake hold the listener's connection slots: with the cap full of
+    them a real peer is refused, and once they leave it is served. (Counted only after the handshake, a
+    flood of silent sockets was unbounded for HANDSHAKE_TIMEOUT_S.)"""
+    import kascade_engine.transport_tls as tls
+
+    monkeypatch.setattr(tls, "MAX_CONNECTIONS", 2)
+    served: list[Any] = []
+
+    async def handler(conn: Any) -> None:
+        served.append(conn)
+        await conn.send({"op": "welcome"}, timeout=5)
+
+    listener = await _tls(pki).listen("127.0.0.1", 0, handler)
+    silent = [await asyncio.open_connection("127.0.0.1", listener.port) for _ in range(2)]
+    try:
+        await asyncio.sleep(0.2)  # both accepted: they now sit in their handshake
+        with pytest.raises(TransportError):
+            conn = await _tls(pki).connect("127.0.0.1", listener.port, timeout=5)
+            try:
+                await conn.recv(timeout=5)
+            finally:
+                await conn.close()
+        assert served == []
+        for _, w in silent:
+            w.close()
+        await asyncio.sleep(0.2)
+        conn = await _tls(pki).connect("127.0.0.1", listener.port, timeout=5)
+        try:
+            header, _ = await conn.recv(timeout=5)
+        finally:
+            await conn.close()
+        assert header["op"] == "welcome" and len(served) == 1
+    finally:
+        for _, w in silent:
+            w.close()
+        await listener.close()
+
+
 def test_bad_tls_settings_name_the_flag_and_file(pki: dict[str, Path], tmp_path: Path) -> None:
     with pytest.raises(TlsError, match="missing --tls-key, --tls-ca"):
         TlsFiles.from_flags(pki["cert"], None, None)
