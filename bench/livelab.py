@@ -176,7 +176,11 @@ class Driver:
                     if line.startswith("data: ") and line != "data: [DONE]":
                         if first is None:
                             first = time.monotonic()
-                        text += json.loads(line[6:])["choices"][0].get("text", "")
+                        chunk = json.loads(line[6:])
+                        if "choices" not in chunk:  # the engine failed the request mid-stream: counted as failed
+                            print(f"      request to {e.iid} failed: {str(chunk.get('error', chunk))[:200]}", flush=True)
+                            return float("nan"), "", f"failed:{e.iid}"
+                        text += chunk["choices"][0].get("text", "")
         except httpx.TransportError as err:  # counted and reported per mode ("failed"), never silently dropped
             print(f"      request to {e.iid} failed: {type(err).__name__}: {err}", flush=True)
             return float("nan"), "", f"failed:{e.iid}"

@@ -286,9 +286,11 @@ class EngineInstance:
 
             z = req.zigzag
             setting = PairSetting(self.model.shape.layers, z.load_ratio, z.batches)
-            # the ILP can take a while for many batches: solve it off the event loop (requests keep flowing)
             # the schedule's unit is one layer of one full batch: requests fill batches of this engine's budget
-            pair.policy = await asyncio.to_thread(ZigZagPolicy, setting, z.ilp, self.engine.limits.max_batch_tokens)
+            policy = ZigZagPolicy(setting, z.ilp, self.engine.limits.max_batch_tokens)
+            # every queue state's plan, off the event loop (the ILP can take a while): admissions only look up
+            await asyncio.to_thread(policy.warm)
+            pair.policy = policy
         if req.mode == "off":  # off ends every cooperation, a pipeline hop included
             await self._drop_downstream()
         old, self.pair = self.pair, pair

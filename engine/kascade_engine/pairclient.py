@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -61,6 +62,11 @@ class PairClient:
         self.policy: ZigZagPolicy | None = None  # None: best effort (k = the resident prefix)
         self.remote: set[str] = set()  # requests A holds KV for
         self.held: set[asyncio.Task[None]] = set()  # requests waiting for their scheduled prefix
+        # request -> prompt tokens, admitted here and not yet started (held or in the scheduler's queue), FCFS:
+        # the queue ZigZag re-plans from at each admission (livepolicy.py). Event loop adds, step thread drops.
+        self.ahead: dict[str, int] = {}
+        self.holding: set[str] = set()  # of `ahead`: held for their prefix (not yet in the engine)
+        self._ahead_lock = threading.Lock()
         self.fallback: Cooperation | None = None  # the engine's hook once nothing runs split any more
         self.history: list[tuple[str, int]] = []  # (request, k) as each sequence started: the split point
         self.admitted_ids: list[str] = []  # admission order while loading
@@ -108,6 +114,11 @@ class PairClient:
             self.split.pop(rid)
         self.redirected.intersection_update(engine.requests)  # handed requests finished or aborted here
         out_now = {rid for f in self.inflight for rid, _ in f.rows}
+        with self._ahead_lock:  # started now, or gone (aborted) before it started
+            for rid in [r for r in self.ahead if r not in self.holding and r not in engine.requests]:
+                self.ahead.pop(rid)
+            for w in work:
+                self.ahead.pop(w.id, None)
         ends = [r for r in self.remote if r not in self.split and r not in out_now]  # A frees them
         self.remote.difference_update(ends)
         for w in work:
@@ -281,10 +292,17 @@ class PairClient:
         if self.policy is None or self.model.complete:
             submit()
             return
-        k = self.policy.next_target(self.model.resident_prefix(), tokens)
+        with self._ahead_lock:
+            queued_tokens, queued = sum(self.ahead.values()), len(self.ahead)
+            self.ahead[rid] = tokens
+            self.holding.add(rid)  # until it is in the engine: the step thread must not drop it as gone
+        k = self.policy.next_target(self.model.resident_prefix(), tokens, queued_tokens, queued)
         self.want[rid] = k
         if self.model.resident_prefix() >= k:
-            submit()
+            try:
+                submit()
+            finally:
+                self.holding.discard(rid)
             return
 
         async def later() -> None:
@@ -296,6 +314,8 @@ class PairClient:
                 submit()
             except Exception as e:
                 fail(e)
+            finally:
+                self.holding.discard(rid)
 
         self.held.add(t := self.loop.create_task(later()))
         t.add_done_callback(self.held.discard)
