@@ -114,6 +114,7 @@ class EngineInstance:
         self.host = HostRows(layer_s=config.emulate_layer_ms / 1e3, knee_tokens=config.emulate_knee_tokens)  # pair sessions (a loading peer's rows) join this engine's batch
         self.engine.coop = self.host
         self.pair: PairClient | None = None  # while loading with a peer: our rows finish there
+        self._warming: asyncio.Task[None] | None = None  # ZigZag plans computed in the background (livepolicy)
         self.downstream_peer: str | None = None  # pipeline: where hosted rows go on (status `pipelineDownstream`)
         if not hasattr(self, "serving"):  # a dtype rebuild keeps the request side and its running loop
             self.serving = Serving(self)
@@ -288,8 +289,11 @@ class EngineInstance:
             setting = PairSetting(self.model.shape.layers, z.load_ratio, z.batches)
             # the schedule's unit is one layer of one full batch: requests fill batches of this engine's budget
             policy = ZigZagPolicy(setting, z.ilp, self.engine.limits.max_batch_tokens)
-            # every queue state's plan, off the event loop (the ILP can take a while): admissions only look up
-            await asyncio.to_thread(policy.warm)
+            # the ILP can take a while: the full queue's plan now (off the loop), every other queue state's in a
+            # background thread; an admission before that is done plans its own state. Awaiting all of them
+            # (108 ILPs here) delayed the pair by seconds on a loaded 2-core box.
+            await asyncio.to_thread(lambda: policy.targets)
+            self._warming = asyncio.create_task(asyncio.to_thread(policy.warm))
             pair.policy = policy
         if req.mode == "off":  # off ends every cooperation, a pipeline hop included
             await self._drop_downstream()
