@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from kascade_engine import migration
+from kascade_engine import migration, timeline
 from kascade_engine.engine import Event
 from kascade_engine.kvcache import KVCache, build_batch
 from kascade_engine.model import LlamaModel
@@ -216,7 +216,13 @@ class HostRows:
                 accepted.append((st, mine))
                 rows.extend(r for r, _ in mine)
             t0 = time.perf_counter()
+            if timeline.on():
+                for w in work:
+                    if w.start == 0:
+                        timeline.mark("a-start", w.id)
             pace(t0, staggered(m, engine.cache, rows, self.knee_tokens), self.layer_s)
+            timeline.mark("a-step", "-", own=sum(w.n for w in work), hosted=sum(r.n for _, mine in accepted for r, _ in mine),
+                          s=f"{time.perf_counter() - t0:.3f}")
             here: list[torch.Tensor] = [rows[i].x[-1:] for i in sampling]  # rows sampled on this engine
             slots: list[tuple[PairStep, int, str]] = []  # (step, index of its token, key) per pair row sampled here
             relay: list[tuple[PairStep, int, Row, list[Any]]] = []  # pair rows that go on down the pipeline

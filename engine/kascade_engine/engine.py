@@ -158,7 +158,7 @@ class Engine:
         try:
             toks = self._forward(work) if self.coop is None else self.coop.forward(self, work)
         except (RuntimeError, ValueError, IndexError) as e:  # fails this step's requests, never the engine
-            log.warning("step failed for %d requests: %s", len(work), e)
+            log.warning("step failed for %d requests: %s", len(work), e, exc_info=log.isEnabledFor(logging.INFO))
             for w in work:
                 self.scheduler.finish(w.id)
                 self.requests.pop(w.id, None)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kascade_engine import migration
+from kascade_engine import migration, timeline
 from kascade_engine.cooperation import Row, own_rows, pace, pick_token, staggered
 from kascade_engine.engine import Event
 from kascade_engine.livepolicy import ZigZagPolicy, hold_until
@@ -125,6 +125,7 @@ class PairClient:
             if w.id not in self.split:
                 want = self.want.pop(w.id, None)
                 self.split[w.id] = L if m.complete else want if want is not None else m.resident_prefix()
+                timeline.mark("b-start", w.id, k=self.split[w.id])
                 self.history.append((w.id, self.split[w.id]))
         rows, sampling = own_rows(engine, work, lambda rid: self.split[rid])
         t0 = time.perf_counter()
@@ -181,6 +182,8 @@ class PairClient:
             w, p = work[i], engine.requests[work[i].id].params
             meta.append([w.id, w.start, w.n, self.split[w.id], i in sampling, p.temperature, p.top_p, p.seed])
             self.remote.add(w.id)
+            if w.start == 0:
+                timeline.mark("b-sent", w.id, step=self.steps_sent, rows=len(far))
             engine.scheduler.park(w.id)  # not scheduled again until A's answer for this step lands
         hidden = torch.cat([rows[i].x for i in far]) if far else torch.empty(0, self.model.shape.hidden)
         refused, self.refused = self.refused, []
@@ -213,6 +216,8 @@ class PairClient:
                 continue
             engine.scheduler.unpark(rid)
             if tok is not None:
+                if not engine.requests[rid].out:
+                    timeline.mark("b-token", rid)
                 engine.scheduler.advance(rid, 0, True)
                 self.events.append(engine.deliver(rid, tok, now))
         self._take_over(engine, step, reply.get("migrated") or [], memoryview(payload))
@@ -266,6 +271,7 @@ class PairClient:
                 continue
             self.redirected.add(rid)
             self.received += 1
+            timeline.mark("b-took", rid)
 
     def _submit(self, meta: list[list[Any]], hidden: torch.Tensor, ends: list[str],
                 extra: dict[str, Any] | None = None) -> Future[tuple[dict[str, Any], bytearray]]:
@@ -298,6 +304,7 @@ class PairClient:
             self.holding.add(rid)  # until it is in the engine: the step thread must not drop it as gone
         k = self.policy.next_target(self.model.resident_prefix(), tokens, queued_tokens, queued)
         self.want[rid] = k
+        timeline.mark("b-plan", rid, k=k, resident=self.model.resident_prefix(), queued=queued)
         if self.model.resident_prefix() >= k:
             try:
                 submit()
@@ -310,6 +317,7 @@ class PairClient:
                 log.warning("request %s: %d layers not resident in time; runs with the %d resident",
                             rid, k, self.model.resident_prefix())
                 self.want[rid] = self.model.resident_prefix()
+            timeline.mark("b-release", rid, k=self.want[rid])
             try:
                 submit()
             except Exception as e:

@@ -86,7 +86,7 @@ def test_a_plan_made_mid_load_counts_the_landed_layers() -> None:
     rest land load_ratio apart from where the load is; the ILP's F_i >= load·T_i - elapsed and its cost
     agree with the simulator's clock; a negative elapsed is refused."""
     s = PairSetting(layers=6, load_ratio=4.0, batches=3, elapsed=10.0)
-    assert [s.loaded_at(l) for l in range(4)] == [0.0, 0.0, 2.0, 6.0]
+    assert [s.loaded_at(layer) for layer in range(4)] == [0.0, 0.0, 2.0, 6.0]
     one = PairSetting(layers=6, load_ratio=4.0, batches=1, elapsed=8.0)  # 2 layers here, nothing queued
     assert ilp_free(one).target_layers == (2,)  # runs what is here, the source takes the rest
     assert config_cost(PairSetting(6, 4.0, 1, elapsed=8.0), (2,)) == 6.0  # prefix of 2 done at 2, no wait
