@@ -196,7 +196,9 @@ class PairClient:
     def _land(self, engine: Engine, step: OutStep) -> None:
         """A's answer to one of our steps: tokens to their requests (unparked), then its redirect fields."""
         try:
+            ready = step.fut.done()
             reply, payload = step.fut.result(self.timeout + 5)
+            timeline.mark("b-land", "-", rows=len(step.rows), was_ready=ready)
             if reply.get("op") != "tokens":
                 raise RuntimeError(f"pair refused the step: {reply.get('message', reply)}")
             toks = iter(int(t) for t in reply["tokens"])
@@ -279,18 +281,20 @@ class PairClient:
         name = str(hidden.dtype).removeprefix("torch.")
         raw = hidden.contiguous().cpu().view(torch.uint8).numpy().tobytes() if hidden.numel() else b""
         header = {"op": "step", "rows": meta, "end": ends, "shape": list(hidden.shape), "dtype": name, **(extra or {})}
+        if timeline.on():  # the step's number, for the timeline only (A logs it as it joins a batch)
+            header["seq"] = self.steps_sent
+            timeline.mark("b-step", "-", seq=self.steps_sent, rows=len(meta), tokens=int(hidden.shape[0]))
         fut = asyncio.run_coroutine_threadsafe(self._exchange(header, raw), self.loop)  # -> (answer, payload)
         self.steps_sent += 1
         self.bytes_sent += len(raw)
         self.tokens_sent += int(hidden.shape[0])
         return fut
 
-    def relay(self, meta: list[list[Any]], hidden: torch.Tensor, ends: list[str]) -> list[int]:
-        """A pipeline hop (a receiver passing rows it cannot finish downstream): one frame, wait for its tokens."""
-        reply, _ = self._submit(meta, hidden, ends).result(self.timeout + 5)
-        if reply.get("op") != "tokens":
-            raise RuntimeError(f"pair refused the step: {reply.get('message', reply)}")
-        return [int(t) for t in reply["tokens"]]
+    def relay_async(self, meta: list[list[Any]], hidden: torch.Tensor,
+                    ends: list[str]) -> Future[tuple[dict[str, Any], bytearray]]:
+        """A pipeline hop's rows on to the next receiver, one frame; the answer's future (not waited for: the
+        hop's next step runs meanwhile). Frames and answers keep their order on the one connection."""
+        return self._submit(meta, hidden, ends)
 
     def admit(self, rid: str, submit: Callable[[], None], fail: Callable[[Exception], None], tokens: int = 1) -> None:
         """Submit `rid` to this engine's batch now, or (ZigZag) once its scheduled prefix is resident."""

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kascade_engine import timeline
 from kascade_engine.cooperation import HostRows, PairStep
 from kascade_engine.live import DTYPES, decode_activation
 from kascade_engine.model import LlamaModel
@@ -109,6 +110,7 @@ async def host_pair(host: HostRows, model: LlamaModel, conn: Connection, first: 
             step = PairStep(pair, rows, hidden, done, waiting if isinstance(waiting, int) and waiting >= 0 else None,
                             [r for r in refused if isinstance(r, list) and len(r) == 2] if isinstance(refused, list) else [],
                             migrate=migrate if isinstance(migrate, list) else [])
+            timeline.mark("a-frame", "-", seq=header.get("seq"), rows=len(rows))
             host.submit(step, [str(r) for r in ends])
             wake()
             await answers.put((fut, step, ""))
@@ -131,5 +133,6 @@ async def _answer(conn: Connection,
             else:
                 assert step is not None
                 await conn.send({"op": "tokens", "tokens": got, **step.reply}, step.payload)
+                timeline.mark("a-answer", "-", rows=len(step.rows))
     except TransportError:
         return
