@@ -299,6 +299,7 @@ class EngineInstance:
             await self._drop_downstream()
         old, self.pair = self.pair, pair
         self.engine.coop = pair if pair is not None else self.host
+        self.engine.scheduler.whole_prompts = pair is not None  # each step of a split prompt is a round trip
         self.serving.wake.set()  # a new pair polls its peer once: it may hand us its queued requests
         if old is not None and old is not pair:
             await old.close()
@@ -335,6 +336,7 @@ class EngineInstance:
         if self.pair is not None:
             asyncio.get_running_loop().create_task(self.pair.close())
             self.pair, self.engine.coop = None, self.host
+            self.engine.scheduler.whole_prompts = False
         down, self.host.downstream, self.downstream_peer = self.host.downstream, None, None
         if down is not None:
             asyncio.get_running_loop().create_task(down.close())

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PIPELINE_DEPTH = 2  # B's steps out on A at once: B computes step i+1's prefix while A runs step i
+PIPELINE_DEPTH = 4  # B's steps out on A at once: B computes the next steps' prefixes while A runs the last ones
 IDLE_WAIT_S = 0.005  # with nothing else to run, B checks for new requests this often while a step is out
 
 
@@ -154,6 +154,7 @@ class PairClient:
         if m.complete and not self.remote and not self.redirected and not self.inflight and \
                 all(k == L for k in self.split.values()):
             engine.coop = self.fallback
+            engine.scheduler.whole_prompts = False  # alone again: chunked prefill as usual
         return [toks[i] for i in sampling]
 
     def prepare(self, engine: Engine) -> None:

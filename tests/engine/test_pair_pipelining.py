@@ -1,4 +1,4 @@
-"""A loading engine keeps two steps out on its pair (cooperation.PIPELINE_DEPTH): while A runs step i's
+"""A loading engine keeps up to PIPELINE_DEPTH steps out on its pair (pairclient.PIPELINE_DEPTH): while A runs step i's
 layers, B runs step i+1's prefix for other sequences. Sequences out on A are parked in B's scheduler;
 outputs stay exact. Plus the pieces: park/unpark, the emulated accelerator's knee, ZigZag batches."""
 
@@ -22,27 +22,54 @@ from kascade_planner.engine_api import CooperateRequest
 from kascade_planner.zigzag import PairSetting, ilp_free
 
 
-async def test_b_keeps_two_steps_out_and_stays_exact(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_b_keeps_its_steps_out_and_stays_exact(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
     params = SamplingParams(max_tokens=6)
-    first, second = PROMPTS, [list(reversed(p)) for p in PROMPTS]
-    want = unsplit(tiny_blocks, first + second, params)
+    waves = [[list(reversed(p)) if w % 2 else p for p in PROMPTS] for w in range(PIPELINE_DEPTH + 1)]
+    for w, wave in enumerate(waves):  # distinct prompts per wave
+        wave[0] = [*wave[0], w]
+    want = unsplit(tiny_blocks, [p for wave in waves for p in wave], params)
     p = await _pair(tiny_ckpt, tiny_blocks, resident=2)
     try:
         a, b = p.a, p.b
-        a.host.layer_s = 0.02  # A's step takes >= 4 x 20 ms: B's next step is ready while one is out
+        a.host.layer_s = 0.05  # A's step takes >= 4 x 50 ms: B's next steps are ready while earlier ones are out
         await b.set_cooperate(CooperateRequest(p.peer, "besteffort"))
-        wave1 = [b.serving.submit(pr, params) for pr in first]
-        runs = [asyncio.create_task(collect(b, r)) for r in wave1]
-        await asyncio.sleep(0.03)  # the first wave's step is out on A when the second arrives
-        wave2 = [b.serving.submit(pr, params) for pr in second]
-        out = await asyncio.gather(*runs, *(collect(b, r) for r in wave2))
+        runs = []
+        for wave in waves:  # each wave arrives while the earlier waves' steps are out on A
+            runs += [asyncio.create_task(collect(b, b.serving.submit(pr, params))) for pr in wave]
+            await asyncio.sleep(0.03)
+        out = await asyncio.gather(*runs)
         assert out == want
         pc = b.pair
-        assert pc is not None and pc.max_inflight == PIPELINE_DEPTH  # two steps out at once, never more
+        assert pc is not None and pc.max_inflight == PIPELINE_DEPTH  # that many steps out at once, never more
         assert not pc.inflight and not b.engine.scheduler.parked  # everything landed and unparked
         assert a.finisher.connections == 1  # still one connection for the pair
     finally:
         await p.close()
+
+
+def test_a_paired_engine_starts_a_prompt_that_fits_a_step_whole() -> None:
+    """Issue 17: on a loading engine each step of a split prompt is a pair round trip (its prefix here, A's
+    step boundary, A's step), so with `whole_prompts` a waiting prompt that fits a step whole waits for the
+    next step instead of being split across two (bench trace: request 40 took two round trips, 3.2 s).
+    A prompt longer than a step still chunks; without the flag chunked prefill is unchanged."""
+    def run(whole: bool) -> list[list[tuple[str, int, int]]]:
+        s = Scheduler(Limits(max_batch_tokens=64, max_seqs=8, kv_tokens=1024, page_size=16))
+        s.whole_prompts = whole
+        for name, n in (("a", 40), ("b", 40), ("long", 100)):
+            s.add(Seq(name, n, 4))
+        steps = []
+        for _ in range(4):
+            b = s.schedule()
+            steps.append([(w.id, w.start, w.n) for w in b.work])
+            for w in b.work:
+                s.advance(w.id, w.n, w.start + w.n == {"a": 40, "b": 40, "long": 100}[w.id])
+        return steps
+
+    assert run(False)[0] == [("a", 0, 40), ("b", 0, 24)]  # b split across two steps
+    whole = run(True)
+    assert whole[0] == [("a", 0, 40)]  # b (40) does not fit the 24 left: it waits, whole
+    assert ("b", 0, 40) in whole[1]
+    assert any(w[0] == "long" and w[2] < 100 for step in whole for w in step)  # longer than a step: chunks
 
 
 def test_parked_sequences_keep_their_seat_and_are_not_scheduled() -> None:
