@@ -3,7 +3,8 @@
 Pair session: one long-lived authenticated connection per pair, opened when the pair forms (the
 cooperate call), never per request. The hello/token check stays the first exchange:
   A -> B challenge, B -> A hello (proof), A -> B welcome (proof): `peerauth`, the token never on the wire
-  B -> A  {"op": "pair", "layers": L, "hidden": H}  ->  {"op": "paired", "pair": id}
+  B -> A  {"op": "pair", "layers": L, "hidden": H}  ->  {"op": "paired", "pair": id, "complete": bool}
+          (complete: A holds the whole model; false: A is a pipeline receiver passing rows on)
 then one frame per B step (every row of B's batch that A finishes, in one activation tensor):
   B -> A  {"op": "step", "rows": [[req, start, n, layer, sample, temperature, top_p, seed], ...],
           "end": [req, ...], "shape": [N, H], "dtype"} + raw activations (row-major, little endian;

@@ -176,12 +176,16 @@ class EngineInstance:
 
     @property
     def serving_share(self) -> float:
-        """The share of a request's layers this engine runs itself: 1 serving alone, its resident prefix
-        over all layers while live (the pair runs the rest), 0 when it cannot serve. Routers weight by it."""
+        """The share of a request's layers that do not run on a serving source: 1 serving alone, or as the
+        head of an execute-while-load pipeline (the other receivers run the rest; no source is loaded by
+        it), its resident prefix over all layers while live with a source (the source runs the rest), 0
+        when it cannot serve. Routers weight by it."""
         if self.phase is Phase.SERVING:
             return 1.0
         if not self.servable:
             return 0.0
+        if self.pair is not None and not self.pair.peer_complete:
+            return 1.0
         return self.model.resident_prefix() / max(1, self.model.shape.layers)
 
     def accepting(self) -> None:

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PIPELINE_DEPTH = 4  # B's steps out on A at once: B computes the next steps' prefixes while A runs the last ones
+PIPELINE_DEPTH = 2  # B's steps out on A at once: B computes step i+1's prefix while A runs step i
 IDLE_WAIT_S = 0.005  # with nothing else to run, B checks for new requests this often while a step is out
 
 
@@ -60,6 +60,7 @@ class PairClient:
         self.split: dict[str, int] = {}  # request -> k (its layers on B)
         self.want: dict[str, int] = {}  # request -> k chosen by the ZigZag policy at admission
         self.policy: ZigZagPolicy | None = None  # None: best effort (k = the resident prefix)
+        self.peer_complete = True  # the peer holds the whole model (a source); False: a pipeline's next receiver
         self.remote: set[str] = set()  # requests A holds KV for
         self.held: set[asyncio.Task[None]] = set()  # requests waiting for their scheduled prefix
         # request -> prompt tokens, admitted here and not yet started (held or in the scheduler's queue), FCFS:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -248,6 +249,7 @@ async def test_zigzag_serves_spread_out_requests_without_holding(tiny_ckpt, tiny
         await b.set_cooperate(CooperateRequest(p.peer, "zigzag"))
         assert b.pair is not None
         b.pair.policy = ZigZagPolicy(setting)
+        assert b.serving_share == 1 / 4 and b.pair.peer_complete  # paired with a source: its own layers' share
         got = []
         for pr in PROMPTS[:3]:
             got.append(await asyncio.wait_for(collect(b, b.serving.submit(pr, params)), 10))
@@ -256,3 +258,54 @@ async def test_zigzag_serves_spread_out_requests_without_holding(tiny_ckpt, tiny
         assert not b.pair.ahead and not b.pair.holding  # the queue it plans from is empty again
     finally:
         await p.close()
+
+
+def test_an_answer_landing_inside_the_step_that_sent_it(tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    """A live pair's answer can land inside the very forward that sent its step (A answered before B's step
+    returned: PairClient lands every answer that is back). Engine.step must not re-read the request after
+    the forward: before, a request finished by that landing was gone (KeyError, the whole step failed for
+    everyone in it) and one that got its token looked like an unfinished prefill, so the next rows'
+    tokens were taken one off (bench: `engine failed on this request: 'cmpl-…'`, wrong texts)."""
+    from kascade_engine.engine import Engine, Event
+    from kascade_engine.model import LlamaModel
+
+    m = LlamaModel(tiny_blocks.config)
+    eng = Engine(m, Limits(max_batch_tokens=64, max_seqs=4, kv_tokens=256, page_size=16))
+    done_now = eng.submit([1, 2, 3], SamplingParams(max_tokens=1), "landed")  # its answer lands in the forward
+    goes_on = eng.submit([4, 5], SamplingParams(max_tokens=2), "landed-2")  # same, not finished by it
+    local = eng.submit([6, 7, 8, 9], SamplingParams(max_tokens=2), "local")  # sampled here, token 42
+
+    class Stub:
+        events: list[Event] = []
+
+        def pending(self) -> bool:
+            return False
+
+        def prepare(self, engine: Engine) -> None:
+            pass
+
+        def abort(self, rid: str) -> None:
+            pass
+
+        def take_events(self) -> list[Event]:
+            out, self.events = self.events, []
+            return out
+
+        def forward(self, engine: Engine, work: list[Any]) -> list[int | None]:
+            toks: list[int | None] = []
+            for w in work:  # every chunk samples here (whole prompts)
+                if w.id == local:
+                    toks.append(42)
+                else:  # its step went out and its answer is back already: landed as PairClient._land does
+                    engine.scheduler.advance(w.id, 0, True)
+                    self.events.append(engine.deliver(w.id, 7, 0.0))
+                    toks.append(None)
+            return toks
+
+    eng.coop = Stub()
+    events = eng.step()
+    got = {(e.request, e.token, e.finished) for e in events}
+    assert got == {(done_now, 7, True), (goes_on, 7, False), (local, 42, False)}
+    assert eng.requests[local].out == [42] and eng.requests[goes_on].out == [7]
+    s = eng.scheduler.running[goes_on]
+    assert (s.computed, s.total) == (2, 3)  # its prompt cached, one token generated: the same as landing later
