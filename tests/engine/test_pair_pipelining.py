@@ -276,7 +276,8 @@ def test_an_answer_landing_inside_the_step_that_sent_it(tiny_blocks) -> None:  #
     local = eng.submit([6, 7, 8, 9], SamplingParams(max_tokens=2), "local")  # sampled here, token 42
 
     class Stub:
-        events: list[Event] = []
+        def __init__(self) -> None:
+            self.events: list[Event] = []
 
         def pending(self) -> bool:
             return False
