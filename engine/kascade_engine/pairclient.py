@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PIPELINE_DEPTH = 2  # B's steps out on A at once: B computes step i+1's prefix while A runs step i
+PIPELINE_DEPTH = 4  # B's steps out on A at once: B computes the next steps' prefixes while A runs the last ones
 IDLE_WAIT_S = 0.005  # with nothing else to run, B checks for new requests this often while a step is out
 
 
