@@ -155,7 +155,12 @@ async def test_a_middle_receiver_runs_its_next_step_while_rows_are_downstream(ti
             got.append(asyncio.create_task(collect(r1, r1.serving.submit(p, params))))
             await asyncio.sleep(0.01)
         assert await asyncio.gather(*got) == want
-        assert r2.host.max_relays_out >= 2 and r2.host.relays_out == 0
+        assert r2.host.max_relays_out >= 2
+        for _ in range(200):  # the last frame may carry only the finished sequences' ends: its answer follows
+            if r2.host.relays_out == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert r2.host.relays_out == 0  # every relayed frame was answered
         assert r2.finisher.connections == 1 and r3.finisher.connections == 1
     finally:
         for i in insts:
