@@ -323,6 +323,9 @@ def main() -> None:
     ap.add_argument("--real-overload", type=float, default=2.0,
                     help="real section: arrival rate / the sources' measured capacity")
     ap.add_argument("--real-only", action="store_true", help="only the real-engine section (-> live_real.json)")
+    ap.add_argument("--fleets", default="pair,pipe2,pipe4",
+                    help="real section: which fleets to run (comma-separated subset of pair,pipe2,pipe4); a key whose "
+                         "fleet did not run is not reported")
     args = ap.parse_args()
     if args.real_only:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -411,12 +414,17 @@ def real_section(args: argparse.Namespace) -> dict[str, object]:
         print(f"real engines: {args.layers} layers, {total / 1e6:.1f} MB over {rate} Mbit/s tbf links "
               f"({setup.load_s:.1f} s per copy); compute emulated at {args.layer_ms} ms per layer forward per step"
               f"{f', x (tokens / {setup.knee_tokens}) past {setup.knee_tokens} tokens' if setup.knee_tokens else ' (memory-bound: any tokens)'}")
+        fleets = [f.strip() for f in args.fleets.split(",") if f.strip()]
+        if not fleets or any(f not in ("pair", "pipe2", "pipe4") for f in fleets):
+            raise SystemExit(f"--fleets: {args.fleets!r} must name some of pair, pipe2, pipe4")
         res: dict[str, dict[str, list[tuple[float, str, str]]]] = {}
-        res["pair"] = livelab.fleet("pair", 1, ("stop-the-world", "best-effort", "zigzag", "zigzag-ilp"), ckpt,
-                                    manifest, layout, setup, "k17a")
+        if "pair" in fleets:
+            res["pair"] = livelab.fleet("pair", 1, ("stop-the-world", "best-effort", "zigzag", "zigzag-ilp"), ckpt,
+                                        manifest, layout, setup, "k17a")
         for k in (2, 4):
-            res[f"pipe{k}"] = livelab.fleet("pipe", k, ("stop-the-world", "pipeline"), ckpt, manifest, layout, setup,
-                                            f"k17p{k}")
+            if f"pipe{k}" in fleets:
+                res[f"pipe{k}"] = livelab.fleet("pipe", k, ("stop-the-world", "pipeline"), ckpt, manifest, layout,
+                                                setup, f"k17p{k}")
 
     def ok(xs: list[tuple[float, str, str]]) -> list[float]:
         return [x[0] for x in xs if not x[2].startswith("failed:")]
@@ -427,23 +435,30 @@ def real_section(args: argparse.Namespace) -> dict[str, object]:
     def mean(xs: list[tuple[float, str, str]]) -> float:
         return float(np.mean(ok(xs)))
 
-    pair = res["pair"]
     exact = all(len({x[1] for x in col if not x[2].startswith("failed:")}) <= 1
                 for f in res.values() for col in zip(*f.values(), strict=True))
-    out: dict[str, object] = {
-        "real_p99_ttft_zigzag_over_stop": p99(pair["zigzag"]) / p99(pair["stop-the-world"]),
-        "real_p99_ttft_besteffort_over_stop": p99(pair["best-effort"]) / p99(pair["stop-the-world"]),
-        "real_p99_ttft_zigzag_ilp_over_stop": p99(pair["zigzag-ilp"]) / p99(pair["stop-the-world"]),
-        "mean_ttft_pipeline2_over_stop": mean(res["pipe2"]["pipeline"]) / mean(res["pipe2"]["stop-the-world"]),
-        "mean_ttft_pipeline4_over_stop": mean(res["pipe4"]["pipeline"]) / mean(res["pipe4"]["stop-the-world"]),
+    out: dict[str, object] = {}
+    if "pair" in res:
+        pair = res["pair"]
+        out["real_p99_ttft_zigzag_over_stop"] = p99(pair["zigzag"]) / p99(pair["stop-the-world"])
+        out["real_p99_ttft_besteffort_over_stop"] = p99(pair["best-effort"]) / p99(pair["stop-the-world"])
+        out["real_p99_ttft_zigzag_ilp_over_stop"] = p99(pair["zigzag-ilp"]) / p99(pair["stop-the-world"])
+    for k in (2, 4):
+        if f"pipe{k}" in res:
+            out[f"mean_ttft_pipeline{k}_over_stop"] = (mean(res[f"pipe{k}"]["pipeline"])
+                                                       / mean(res[f"pipe{k}"]["stop-the-world"]))
+    out.update({
         "real_split_exact": exact,
+        "real_fleets": sorted(res),
         "real_ttft_s": {f: {m: {"mean": mean(v), "p99": p99(v), "on_targets": sum(1 for x in v if x[2].startswith("t")),
                                 "requests": len(v), "failed": len(v) - len(ok(v))} for m, v in modes.items()} for f, modes in res.items()},
         "real_setup": {"rate_mbit": setup.rate_mbit, "load_s": setup.load_s, "layer_ms": setup.layer_ms,
                        "compute": "emulated per step (--emulate-layer-ms); transfers, activations and HTTP real",
                        "knee_tokens": setup.knee_tokens,
                        "stop_baseline_of_pipelines": "stop-the-world on the same fleet (k sources, k targets)"},
-    }
+        # per request, in trace order: [TTFT s, engine that served it (or failed:...)], for breakdowns
+        "real_requests": {f: {m: [[x[0], x[2]] for x in v] for m, v in modes.items()} for f, modes in res.items()},
+    })
     print("real engines, side by side: " + json.dumps({k: v for k, v in out.items() if isinstance(v, (float, bool))}))
     return out
 

@@ -88,11 +88,12 @@ def enter_netns(name: str) -> None:
 def start_engine(lab: netlab.NetLab, host: int, iid: str, ckpt: Path, empty: bool, layer_ms: float,
                  batch_tokens: int, knee_tokens: int = 0) -> Eng:
     addr = lab.addr(host)
-    cmd = [*lab.prefix(host), sys.executable, "-m", "kascade_cli.main", "engine", "serve", "--checkpoint", str(ckpt),
+    logs = os.environ.get("KASCADE_BENCH_ENGINE_LOGS")  # a directory: each engine's stderr goes there
+    verbose = ["-v"] if logs else []  # with logs kept: INFO, the per-request timeline (kascade_engine.timeline)
+    cmd = [*lab.prefix(host), sys.executable, "-m", "kascade_cli.main", *verbose, "engine", "serve", "--checkpoint", str(ckpt),
            "--model-name", MODEL, "--host", addr, "--port", "8000", "--act-port", "8001", "--threads", "1",
            "--max-batch-tokens", str(batch_tokens), "--emulate-layer-ms", str(layer_ms),
            "--emulate-knee-tokens", str(knee_tokens), *(["--empty"] if empty else [])]
-    logs = os.environ.get("KASCADE_BENCH_ENGINE_LOGS")  # a directory: each engine's stderr goes there
     err = open(Path(logs) / f"{lab.tag}-{iid}.log", "w") if logs else subprocess.DEVNULL  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
                             env={**os.environ, "KASCADE_ENGINE_TOKEN": TOKEN})
@@ -118,6 +119,7 @@ class Driver:
     def __init__(self, sources: list[Eng], targets: list[Eng]) -> None:
         self.sources, self.targets = sources, targets
         self.t0 = time.monotonic()
+        self.ids: dict[tuple[str, float], tuple[str, float]] = {}  # (prompt, at) -> (request id, unix time sent)
         self.http = httpx.AsyncClient(timeout=120, headers={"Authorization": f"Bearer {TOKEN}"},
                                       limits=httpx.Limits(max_connections=512))
 
@@ -164,6 +166,7 @@ class Driver:
         e = min(cands, key=lambda x: (x.in_flight + 1) / self.weight(x))  # the router's rule, over all backends
         e.in_flight += 1
         first, text = None, ""
+        sent = time.time()
         try:
             body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
             async with self.http.stream("POST", f"http://{e.http}/v1/completions", json=body) as r:
@@ -176,7 +179,12 @@ class Driver:
                     if line.startswith("data: ") and line != "data: [DONE]":
                         if first is None:
                             first = time.monotonic()
-                        text += json.loads(line[6:])["choices"][0].get("text", "")
+                        chunk = json.loads(line[6:])
+                        if "choices" not in chunk:  # the engine failed the request mid-stream: counted as failed
+                            print(f"      request to {e.iid} failed: {str(chunk.get('error', chunk))[:200]}", flush=True)
+                            return float("nan"), "", f"failed:{e.iid}"
+                        text += chunk["choices"][0].get("text", "")
+                        self.ids[(prompt, at)] = (str(chunk.get("id", "")), sent)
         except httpx.TransportError as err:  # counted and reported per mode ("failed"), never silently dropped
             print(f"      request to {e.iid} failed: {type(err).__name__}: {err}", flush=True)
             return float("nan"), "", f"failed:{e.iid}"
@@ -305,6 +313,12 @@ async def _drive(lab: netlab.NetLab, tag: str, client: int, srcs: list[Eng], tgt
             spec = zz if mode != "zigzag-ilp" else ZigZagSpec(zz.load_ratio, zz.batches, True)
             t = time.monotonic()
             out[mode] = await run_mode(d, mode, plan, manifest, 7100 + i, prompts, gap, setup.max_tokens, spec)
+            if logs := os.environ.get("KASCADE_BENCH_ENGINE_LOGS"):  # per request, to join with the engines' timelines
+                rows = [[j, j * gap, x[0], x[2], *d.ids.get((p, j * gap), ("", 0.0))]
+                        for j, (p, x) in enumerate(zip(prompts, out[mode], strict=True))]
+                Path(logs, f"{tag}-{mode}-requests.json").write_text(json.dumps(
+                    {"gap": gap, "columns": ["i", "at_s", "ttft_s", "engine", "id", "sent_unix"], "rows": rows}))
+                d.ids.clear()
             ttft = sorted(x[0] for x in out[mode] if x[2][:7] != "failed:")
             if len(ttft) < n:
                 print(f"      {n - len(ttft)} of {n} requests failed (left out of the TTFT figures)", flush=True)

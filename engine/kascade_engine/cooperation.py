@@ -3,7 +3,8 @@
 Pair session: one long-lived authenticated connection per pair, opened when the pair forms (the
 cooperate call), never per request. The hello/token check stays the first exchange:
   A -> B challenge, B -> A hello (proof), A -> B welcome (proof): `peerauth`, the token never on the wire
-  B -> A  {"op": "pair", "layers": L, "hidden": H}  ->  {"op": "paired", "pair": id}
+  B -> A  {"op": "pair", "layers": L, "hidden": H}  ->  {"op": "paired", "pair": id, "complete": bool}
+          (complete: A holds the whole model; false: A is a pipeline receiver passing rows on)
 then one frame per B step (every row of B's batch that A finishes, in one activation tensor):
   B -> A  {"op": "step", "rows": [[req, start, n, layer, sample, temperature, top_p, seed], ...],
           "end": [req, ...], "shape": [N, H], "dtype"} + raw activations (row-major, little endian;
@@ -32,12 +33,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from kascade_engine import migration
+from kascade_engine import migration, timeline
 from kascade_engine.engine import Event
 from kascade_engine.kvcache import KVCache, build_batch
 from kascade_engine.model import LlamaModel
@@ -157,6 +159,8 @@ class HostRows:
     rows_hosted: int = 0  # metric: B rows finished here
     migrated: int = 0  # metric: sequences handed to B whole (decode-state migration)
     steps_hosted: int = 0
+    relays_out: int = 0  # pipeline hop: relayed frames whose answer has not come back yet
+    max_relays_out: int = 0  # metric: most at once (> 1: this hop ran a step while earlier rows were downstream)
     shared_steps: int = 0  # metric: steps where pair rows and this engine's own rows shared the forward
     layer_s: float = 0.0  # emulated seconds per layer forward (benchmarks; 0: off)
     knee_tokens: int = 0  # emulation: tokens per layer forward before it costs more (0: never)
@@ -216,7 +220,13 @@ class HostRows:
                 accepted.append((st, mine))
                 rows.extend(r for r, _ in mine)
             t0 = time.perf_counter()
+            if timeline.on():
+                for w in work:
+                    if w.start == 0:
+                        timeline.mark("a-start", w.id)
             pace(t0, staggered(m, engine.cache, rows, self.knee_tokens), self.layer_s)
+            timeline.mark("a-step", "-", own=sum(w.n for w in work), hosted=sum(r.n for _, mine in accepted for r, _ in mine),
+                          s=f"{time.perf_counter() - t0:.3f}")
             here: list[torch.Tensor] = [rows[i].x[-1:] for i in sampling]  # rows sampled on this engine
             slots: list[tuple[PairStep, int, str]] = []  # (step, index of its token, key) per pair row sampled here
             relay: list[tuple[PairStep, int, Row, list[Any]]] = []  # pair rows that go on down the pipeline
@@ -241,6 +251,7 @@ class HostRows:
             for (st, j, key), tok in zip(slots, toks[len(sampling):], strict=True):
                 step_toks[id(st)][j] = tok
                 self.redirects.token(key, tok, engine.eos)
+            relayed: Future[tuple[dict[str, Any], bytearray]] | None = None
             if relay or down_ends:
                 if self.downstream is None:
                     raise RuntimeError("pair rows need layers this engine does not hold and it has no downstream")
@@ -248,25 +259,56 @@ class HostRows:
                 self.forwarded.update(str(x[0]) for x in meta)
                 hidden = (torch.cat([row.x for _, _, row, _ in relay]) if relay
                           else torch.empty(0, m.shape.hidden, dtype=m.dtype, device=m.device))
-                down = iter(self.downstream.relay(meta, hidden, down_ends))
-                for st, j, _, _ in relay:
-                    if j >= 0:
-                        step_toks[id(st)][j] = next(down)
+                # not awaited here: this hop's next step runs while the rows go on down the pipeline (λScale's
+                # pipelining: every stage busy with a different step). The steps that relayed rows are answered
+                # when the downstream's tokens come back (`_answer_relayed`), in frame order by the session.
+                relayed = self.downstream.relay_async(meta, hidden, down_ends)
+                with self._lock:
+                    self.relays_out += 1
+                    self.max_relays_out = max(self.max_relays_out, self.relays_out)
         except Exception as e:
             for st in steps:
                 st.done(e)
             raise
         self.shared_steps += bool(work and accepted)
+        waiting_down: list[PairStep] = []
         for st, _ in accepted:
             if st.waiting is not None and m.complete:  # a loading B that takes our queued requests
                 st.reply = {"redirect": self.redirects.pick(engine, st.pair, st.waiting),
                             "abort": self.redirects.aborts.pop(st.pair, []), "queued": len(engine.scheduler.waiting)}
             if st.migrate:
                 st.reply["migrated"], st.payload = self._migrate(engine, st)
-            st.done(step_toks[id(st)])
+            if relayed is not None and any(s is st for s, _, _, _ in relay):
+                waiting_down.append(st)
+            else:
+                st.done(step_toks[id(st)])
             self.rows_hosted += len(st.rows)
             self.steps_hosted += 1
+        if relayed is not None:
+            slots_down = [(st, j) for st, j, _, _ in relay]
+            relayed.add_done_callback(lambda f: self._answer_relayed(f, waiting_down, slots_down, step_toks))
         return toks[:len(sampling)]
+
+    def _answer_relayed(self, fut: Future[tuple[dict[str, Any], bytearray]], steps: list[PairStep],
+                        slots: list[tuple[PairStep, int]], step_toks: dict[int, list[int]]) -> None:
+        """The downstream answered the rows this hop relayed: their tokens complete the steps' answers (a
+        failure there fails exactly those steps)."""
+        with self._lock:
+            self.relays_out -= 1
+        try:
+            reply, _ = fut.result()
+            if reply.get("op") != "tokens":
+                raise RuntimeError(f"pair refused the step: {reply.get('message', reply)}")
+            down = iter(int(t) for t in reply["tokens"])
+            for st, j in slots:
+                if j >= 0:
+                    step_toks[id(st)][j] = next(down)
+        except Exception as e:
+            for st in steps:
+                st.done(e if isinstance(e, RuntimeError) else RuntimeError(f"pipeline downstream failed: {e!r}"))
+            return
+        for st in steps:
+            st.done(step_toks[id(st)])
 
     def _forget(self, pool: PagePool, key: str) -> None:
         """A pair sequence ends here (ended on B, or moved to it): its pages and per-sequence state go."""

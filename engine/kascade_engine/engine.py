@@ -154,22 +154,25 @@ class Engine:
         if not work and not (self.coop is not None and self.coop.pending()):
             return events
         self.steps += 1
+        # which chunks sample, and the prefill sizes, fixed before the forward: a live pair's answer to this
+        # very step can land inside it (pairclient.PairClient lands every answer that is back), adding the
+        # token (len(tokens) grows) or finishing the request (it leaves `requests`)
+        samples = [w.end == len(self.requests[w.id].tokens) for w in work]
+        prefill = [(w.n, len(self.requests[w.id].prompt)) for w in work if w.start < len(self.requests[w.id].prompt)]
         t0 = time.perf_counter()
         try:
             toks = self._forward(work) if self.coop is None else self.coop.forward(self, work)
         except (RuntimeError, ValueError, IndexError) as e:  # fails this step's requests, never the engine
-            log.warning("step failed for %d requests: %s", len(work), e)
+            log.warning("step failed for %d requests: %s", len(work), e, exc_info=log.isEnabledFor(logging.INFO))
             for w in work:
                 self.scheduler.finish(w.id)
                 self.requests.pop(w.id, None)
             return events + [Event(w.id, -1, True, f"error: {e}") for w in work]
-        prefill = [(w.n, len(self.requests[w.id].prompt)) for w in work if w.start < len(self.requests[w.id].prompt)]
         self.meter.observe(prefill, len(work) - len(prefill), time.perf_counter() - t0)
         it = iter(toks)
         now = time.monotonic()
-        for w in work:
-            r = self.requests[w.id]
-            if w.end < len(r.tokens):  # a prefill chunk that did not reach the end yet
+        for w, sampled in zip(work, samples, strict=True):
+            if not sampled:  # a prefill chunk that did not reach the end yet
                 self.scheduler.advance(w.id, w.n, False)
                 continue
             tok = next(it)

@@ -114,6 +114,7 @@ class EngineInstance:
         self.host = HostRows(layer_s=config.emulate_layer_ms / 1e3, knee_tokens=config.emulate_knee_tokens)  # pair sessions (a loading peer's rows) join this engine's batch
         self.engine.coop = self.host
         self.pair: PairClient | None = None  # while loading with a peer: our rows finish there
+        self._warming: asyncio.Task[None] | None = None  # ZigZag plans computed in the background (livepolicy)
         self.downstream_peer: str | None = None  # pipeline: where hosted rows go on (status `pipelineDownstream`)
         if not hasattr(self, "serving"):  # a dtype rebuild keeps the request side and its running loop
             self.serving = Serving(self)
@@ -175,12 +176,16 @@ class EngineInstance:
 
     @property
     def serving_share(self) -> float:
-        """The share of a request's layers this engine runs itself: 1 serving alone, its resident prefix
-        over all layers while live (the pair runs the rest), 0 when it cannot serve. Routers weight by it."""
+        """The share of a request's layers that do not run on a serving source: 1 serving alone, or as the
+        head of an execute-while-load pipeline (the other receivers run the rest; no source is loaded by
+        it), its resident prefix over all layers while live with a source (the source runs the rest), 0
+        when it cannot serve. Routers weight by it."""
         if self.phase is Phase.SERVING:
             return 1.0
         if not self.servable:
             return 0.0
+        if self.pair is not None and not self.pair.peer_complete:
+            return 1.0
         return self.model.resident_prefix() / max(1, self.model.shape.layers)
 
     def accepting(self) -> None:
@@ -286,13 +291,19 @@ class EngineInstance:
 
             z = req.zigzag
             setting = PairSetting(self.model.shape.layers, z.load_ratio, z.batches)
-            # the ILP can take a while for many batches: solve it off the event loop (requests keep flowing)
             # the schedule's unit is one layer of one full batch: requests fill batches of this engine's budget
-            pair.policy = await asyncio.to_thread(ZigZagPolicy, setting, z.ilp, self.engine.limits.max_batch_tokens)
+            policy = ZigZagPolicy(setting, z.ilp, self.engine.limits.max_batch_tokens)
+            # the ILP can take a while: the full queue's plan now (off the loop), every other queue state's in a
+            # background thread; an admission before that is done plans its own state. Awaiting all of them
+            # (108 ILPs here) delayed the pair by seconds on a loaded 2-core box.
+            await asyncio.to_thread(lambda: policy.targets)
+            self._warming = asyncio.create_task(asyncio.to_thread(policy.warm))
+            pair.policy = policy
         if req.mode == "off":  # off ends every cooperation, a pipeline hop included
             await self._drop_downstream()
         old, self.pair = self.pair, pair
         self.engine.coop = pair if pair is not None else self.host
+        self.engine.scheduler.whole_prompts = pair is not None  # each step of a split prompt is a round trip
         self.serving.wake.set()  # a new pair polls its peer once: it may hand us its queued requests
         if old is not None and old is not pair:
             await old.close()
@@ -329,6 +340,7 @@ class EngineInstance:
         if self.pair is not None:
             asyncio.get_running_loop().create_task(self.pair.close())
             self.pair, self.engine.coop = None, self.host
+            self.engine.scheduler.whole_prompts = False
         down, self.host.downstream, self.downstream_peer = self.host.downstream, None, None
         if down is not None:
             asyncio.get_running_loop().create_task(down.close())

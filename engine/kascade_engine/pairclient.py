@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kascade_engine import migration
+from kascade_engine import migration, timeline
 from kascade_engine.cooperation import Row, own_rows, pace, pick_token, staggered
 from kascade_engine.engine import Event
 from kascade_engine.livepolicy import ZigZagPolicy, hold_until
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PIPELINE_DEPTH = 2  # B's steps out on A at once: B computes step i+1's prefix while A runs step i
+PIPELINE_DEPTH = 4  # B's steps out on A at once: B computes the next steps' prefixes while A runs the last ones
 IDLE_WAIT_S = 0.005  # with nothing else to run, B checks for new requests this often while a step is out
 
 
@@ -59,8 +60,14 @@ class PairClient:
         self.split: dict[str, int] = {}  # request -> k (its layers on B)
         self.want: dict[str, int] = {}  # request -> k chosen by the ZigZag policy at admission
         self.policy: ZigZagPolicy | None = None  # None: best effort (k = the resident prefix)
+        self.peer_complete = True  # the peer holds the whole model (a source); False: a pipeline's next receiver
         self.remote: set[str] = set()  # requests A holds KV for
         self.held: set[asyncio.Task[None]] = set()  # requests waiting for their scheduled prefix
+        # request -> prompt tokens, admitted here and not yet started (held or in the scheduler's queue), FCFS:
+        # the queue ZigZag re-plans from at each admission (livepolicy.py). Event loop adds, step thread drops.
+        self.ahead: dict[str, int] = {}
+        self.holding: set[str] = set()  # of `ahead`: held for their prefix (not yet in the engine)
+        self._ahead_lock = threading.Lock()
         self.fallback: Cooperation | None = None  # the engine's hook once nothing runs split any more
         self.history: list[tuple[str, int]] = []  # (request, k) as each sequence started: the split point
         self.admitted_ids: list[str] = []  # admission order while loading
@@ -108,12 +115,18 @@ class PairClient:
             self.split.pop(rid)
         self.redirected.intersection_update(engine.requests)  # handed requests finished or aborted here
         out_now = {rid for f in self.inflight for rid, _ in f.rows}
+        with self._ahead_lock:  # started now, or gone (aborted) before it started
+            for rid in [r for r in self.ahead if r not in self.holding and r not in engine.requests]:
+                self.ahead.pop(rid)
+            for w in work:
+                self.ahead.pop(w.id, None)
         ends = [r for r in self.remote if r not in self.split and r not in out_now]  # A frees them
         self.remote.difference_update(ends)
         for w in work:
             if w.id not in self.split:
                 want = self.want.pop(w.id, None)
                 self.split[w.id] = L if m.complete else want if want is not None else m.resident_prefix()
+                timeline.mark("b-start", w.id, k=self.split[w.id])
                 self.history.append((w.id, self.split[w.id]))
         rows, sampling = own_rows(engine, work, lambda rid: self.split[rid])
         t0 = time.perf_counter()
@@ -142,6 +155,7 @@ class PairClient:
         if m.complete and not self.remote and not self.redirected and not self.inflight and \
                 all(k == L for k in self.split.values()):
             engine.coop = self.fallback
+            engine.scheduler.whole_prompts = False  # alone again: chunked prefill as usual
         return [toks[i] for i in sampling]
 
     def prepare(self, engine: Engine) -> None:
@@ -170,6 +184,8 @@ class PairClient:
             w, p = work[i], engine.requests[work[i].id].params
             meta.append([w.id, w.start, w.n, self.split[w.id], i in sampling, p.temperature, p.top_p, p.seed])
             self.remote.add(w.id)
+            if w.start == 0:
+                timeline.mark("b-sent", w.id, step=self.steps_sent, rows=len(far))
             engine.scheduler.park(w.id)  # not scheduled again until A's answer for this step lands
         hidden = torch.cat([rows[i].x for i in far]) if far else torch.empty(0, self.model.shape.hidden)
         refused, self.refused = self.refused, []
@@ -182,7 +198,9 @@ class PairClient:
     def _land(self, engine: Engine, step: OutStep) -> None:
         """A's answer to one of our steps: tokens to their requests (unparked), then its redirect fields."""
         try:
+            ready = step.fut.done()
             reply, payload = step.fut.result(self.timeout + 5)
+            timeline.mark("b-land", "-", rows=len(step.rows), was_ready=ready)
             if reply.get("op") != "tokens":
                 raise RuntimeError(f"pair refused the step: {reply.get('message', reply)}")
             toks = iter(int(t) for t in reply["tokens"])
@@ -202,6 +220,8 @@ class PairClient:
                 continue
             engine.scheduler.unpark(rid)
             if tok is not None:
+                if not engine.requests[rid].out:
+                    timeline.mark("b-token", rid)
                 engine.scheduler.advance(rid, 0, True)
                 self.events.append(engine.deliver(rid, tok, now))
         self._take_over(engine, step, reply.get("migrated") or [], memoryview(payload))
@@ -255,6 +275,7 @@ class PairClient:
                 continue
             self.redirected.add(rid)
             self.received += 1
+            timeline.mark("b-took", rid)
 
     def _submit(self, meta: list[list[Any]], hidden: torch.Tensor, ends: list[str],
                 extra: dict[str, Any] | None = None) -> Future[tuple[dict[str, Any], bytearray]]:
@@ -262,18 +283,20 @@ class PairClient:
         name = str(hidden.dtype).removeprefix("torch.")
         raw = hidden.contiguous().cpu().view(torch.uint8).numpy().tobytes() if hidden.numel() else b""
         header = {"op": "step", "rows": meta, "end": ends, "shape": list(hidden.shape), "dtype": name, **(extra or {})}
+        if timeline.on():  # the step's number, for the timeline only (A logs it as it joins a batch)
+            header["seq"] = self.steps_sent
+            timeline.mark("b-step", "-", seq=self.steps_sent, rows=len(meta), tokens=int(hidden.shape[0]))
         fut = asyncio.run_coroutine_threadsafe(self._exchange(header, raw), self.loop)  # -> (answer, payload)
         self.steps_sent += 1
         self.bytes_sent += len(raw)
         self.tokens_sent += int(hidden.shape[0])
         return fut
 
-    def relay(self, meta: list[list[Any]], hidden: torch.Tensor, ends: list[str]) -> list[int]:
-        """A pipeline hop (a receiver passing rows it cannot finish downstream): one frame, wait for its tokens."""
-        reply, _ = self._submit(meta, hidden, ends).result(self.timeout + 5)
-        if reply.get("op") != "tokens":
-            raise RuntimeError(f"pair refused the step: {reply.get('message', reply)}")
-        return [int(t) for t in reply["tokens"]]
+    def relay_async(self, meta: list[list[Any]], hidden: torch.Tensor,
+                    ends: list[str]) -> Future[tuple[dict[str, Any], bytearray]]:
+        """A pipeline hop's rows on to the next receiver, one frame; the answer's future (not waited for: the
+        hop's next step runs meanwhile). Frames and answers keep their order on the one connection."""
+        return self._submit(meta, hidden, ends)
 
     def admit(self, rid: str, submit: Callable[[], None], fail: Callable[[Exception], None], tokens: int = 1) -> None:
         """Submit `rid` to this engine's batch now, or (ZigZag) once its scheduled prefix is resident."""
@@ -281,10 +304,18 @@ class PairClient:
         if self.policy is None or self.model.complete:
             submit()
             return
-        k = self.policy.next_target(self.model.resident_prefix(), tokens)
+        with self._ahead_lock:
+            queued_tokens, queued = sum(self.ahead.values()), len(self.ahead)
+            self.ahead[rid] = tokens
+            self.holding.add(rid)  # until it is in the engine: the step thread must not drop it as gone
+        k = self.policy.next_target(self.model.resident_prefix(), tokens, queued_tokens, queued)
         self.want[rid] = k
+        timeline.mark("b-plan", rid, k=k, resident=self.model.resident_prefix(), queued=queued)
         if self.model.resident_prefix() >= k:
-            submit()
+            try:
+                submit()
+            finally:
+                self.holding.discard(rid)
             return
 
         async def later() -> None:
@@ -292,10 +323,13 @@ class PairClient:
                 log.warning("request %s: %d layers not resident in time; runs with the %d resident",
                             rid, k, self.model.resident_prefix())
                 self.want[rid] = self.model.resident_prefix()
+            timeline.mark("b-release", rid, k=self.want[rid])
             try:
                 submit()
             except Exception as e:
                 fail(e)
+            finally:
+                self.holding.discard(rid)
 
         self.held.add(t := self.loop.create_task(later()))
         t.add_done_callback(self.held.discard)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kascade_engine import timeline
 from kascade_engine.cooperation import HostRows, PairStep
 from kascade_engine.live import DTYPES, decode_activation
 from kascade_engine.model import LlamaModel
@@ -35,7 +36,9 @@ async def open_pair(model: LlamaModel, conn: Connection, token: str | None) -> P
     reply, _ = await conn.recv(timeout=10)
     if reply.get("op") != "paired":
         raise RuntimeError(f"peer refused the pair: {reply.get('message', reply)}")
-    return PairClient(model, conn, asyncio.get_running_loop())
+    pc = PairClient(model, conn, asyncio.get_running_loop())
+    pc.peer_complete = reply.get("complete") is not False  # an older peer says nothing: a source, as before
+    return pc
 
 
 async def form_pair(inst: Any, peer: str) -> PairClient:
@@ -68,7 +71,9 @@ async def host_pair(host: HostRows, model: LlamaModel, conn: Connection, first: 
         await conn.send({"op": "error", "message": f"pair shape {first.get('layers')}x{first.get('hidden')} "
                                                   f"!= this model's {s.layers}x{s.hidden}"})
         return
-    await conn.send({"op": "paired", "pair": pair})
+    # complete: whether this engine holds the whole model (a serving source) or is itself a receiver of a
+    # pipeline (its rows go on to the next one): the pair's router weight differs (instance.serving_share)
+    await conn.send({"op": "paired", "pair": pair, "complete": model.complete})
     loop = asyncio.get_running_loop()
     # B keeps up to two steps out (cooperation.PIPELINE_DEPTH): read the next frame while A still runs
     # the last one; answers go back in frame order from one writer.
@@ -109,6 +114,7 @@ async def host_pair(host: HostRows, model: LlamaModel, conn: Connection, first: 
             step = PairStep(pair, rows, hidden, done, waiting if isinstance(waiting, int) and waiting >= 0 else None,
                             [r for r in refused if isinstance(r, list) and len(r) == 2] if isinstance(refused, list) else [],
                             migrate=migrate if isinstance(migrate, list) else [])
+            timeline.mark("a-frame", "-", seq=header.get("seq"), rows=len(rows))
             host.submit(step, [str(r) for r in ends])
             wake()
             await answers.put((fut, step, ""))
@@ -131,5 +137,6 @@ async def _answer(conn: Connection,
             else:
                 assert step is not None
                 await conn.send({"op": "tokens", "tokens": got, **step.reply}, step.payload)
+                timeline.mark("a-answer", "-", rows=len(step.rows))
     except TransportError:
         return

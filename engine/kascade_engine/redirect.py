@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kascade_engine import timeline
 from kascade_engine.engine import Event
 from kascade_engine.sampling import SamplingParams
 
@@ -67,6 +68,7 @@ class Redirects:
             engine.requests.pop(s.id)
             p = r.params
             self.handed[f"pair{pair}/{r.id}"] = Handed(r.id, p, pair)
+            timeline.mark("a-redirect", r.id, queue=len(sch.waiting))
             out.append([r.id, r.prompt, p.max_tokens, p.temperature, p.top_p, p.seed, list(p.stop_token_ids)])
         self.total += len(out)
         return out

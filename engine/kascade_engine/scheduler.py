@@ -85,6 +85,9 @@ class Scheduler:
     preemptions: int = 0
     window: int | None = None  # every layer's attention window (None: some layer sees the whole context)
     dropped_pages: int = 0
+    # a live pair's loading engine (pairclient.py): a waiting prompt that fits a step whole is not split
+    # across two, as each step of it is a pair round trip (B's prefix, A's step boundary, A's step)
+    whole_prompts: bool = False
 
     def __post_init__(self) -> None:
         self.pool = PagePool(self.limits.pages, self.limits.page_size)
@@ -149,6 +152,9 @@ class Scheduler:
             s = self.waiting[0]
             if self.pool.pages_for(self.resident(s.total)) > self.pool.free_pages:
                 break  # FCFS: never let a later, smaller request overtake the head
+            if self.whole_prompts and min(budget, prefill_left) < s.total <= min(
+                    self.limits.max_batch_tokens, self.limits.prefill_chunk_tokens or self.limits.max_batch_tokens):
+                break  # it fits a later step whole: start it there rather than split across two
             self.waiting.popleft()
             n = min(s.total, budget, prefill_left)
             prefill_left -= n

@@ -17,6 +17,7 @@ import uuid
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
+from kascade_engine import timeline
 from kascade_engine.engine import Event
 from kascade_engine.sampling import SamplingParams
 
@@ -95,6 +96,7 @@ class Serving:
         and its KV moves here (remote_prefill.py); without one, or when that fails, it is prefilled here."""
         self.check_prompt(prompt)
         rid = f"cmpl-{uuid.uuid4().hex[:16]}"
+        timeline.mark("submit", rid, phase=self.inst.phase.value, resident=self.inst.model.resident_prefix())
         self.queues[rid] = asyncio.Queue()
         if not self.inst.model.complete:
             if self.inst.pair is None:

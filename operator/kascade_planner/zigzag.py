@@ -28,14 +28,17 @@ class PairSetting:
     load_ratio: float  # time to load one layer, in layer computations
     batches: int
     migrate: float = 0.0  # moving activations T -> S
+    # time since T's load began, in layer computations: a plan made mid-load (an engine re-planning from
+    # the queue it has now) sees layer l runnable at (l+1)·load_ratio - elapsed, the landed ones at once
+    elapsed: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.layers < 1 or self.batches < 1 or self.load_ratio < 0 or self.migrate < 0:
+        if self.layers < 1 or self.batches < 1 or self.load_ratio < 0 or self.migrate < 0 or self.elapsed < 0:
             raise ValueError(f"invalid PairSetting {self}")
 
     def loaded_at(self, layer: int) -> float:
-        """Time layer `layer` (0-based) becomes runnable on T."""
-        return (layer + 1) * self.load_ratio
+        """Time layer `layer` (0-based) becomes runnable on T, from now (the plan's t = 0)."""
+        return max(0.0, (layer + 1) * self.load_ratio - self.elapsed)
 
 
 @dataclass(frozen=True)
@@ -162,7 +165,7 @@ def config_cost(s: PairSetting, prefix: tuple[int, ...]) -> float:
     """Objective of the pipeline-configuration ILP (Σ_i C_i) for integral prefixes: the tightest F, C."""
     f = c = total = 0.0
     for t in prefix:
-        f = max(f + t, s.load_ratio * t)
+        f = max(f + t, s.loaded_at(t - 1) if t else 0.0)
         c = max(c + s.layers - t, f + s.migrate + s.layers - t)
         total += c
     return total
@@ -174,7 +177,7 @@ def ilp_config(s: PairSetting, gap: float = 0.01) -> tuple[int, ...]:
     Variables per batch i: T_i (integer layers on T), F_i (T finishes the prefix), C_i (the batch
     completes). T runs prefixes in batch order and a prefix cannot end before its last layer is loaded;
     S runs the suffixes S_i = L - T_i in batch order, each after its prefix arrived:
-        F_i >= F_{i-1} + T_i,   F_i >= load·T_i,
+        F_i >= F_{i-1} + T_i,   F_i >= load·T_i - elapsed,
         C_i >= C_{i-1} + L - T_i,   C_i >= F_i + migrate + L - T_i.
     Minimise Σ_i C_i: the paper's Σ_req Σ_{i<=req} S_i when S never idles, but also charging batches
     that wait for T. The LP relaxation is solved first. Any integral T is feasible (F and C only grow),
@@ -202,7 +205,7 @@ def ilp_config(s: PairSetting, gap: float = 0.01) -> tuple[int, ...]:
 
     for i in range(n):  # T_i = i, F_i = n + i, C_i = 2n + i
         ge({n + i: 1, i: -1, **({n + i - 1: -1} if i else {})}, 0.0)
-        ge({n + i: 1, i: -D}, 0.0)
+        ge({n + i: 1, i: -D}, -s.elapsed)
         ge({2 * n + i: 1, i: 1, **({2 * n + i - 1: -1} if i else {})}, float(L))
         ge({2 * n + i: 1, n + i: -1, i: 1}, L + s.migrate)
     upper = D * L + (n + 1) * (L + s.migrate)

@@ -1,10 +1,12 @@
-"""A loading engine keeps two steps out on its pair (cooperation.PIPELINE_DEPTH): while A runs step i's
+"""A loading engine keeps up to PIPELINE_DEPTH steps out on its pair (pairclient.PIPELINE_DEPTH): while A runs step i's
 layers, B runs step i+1's prefix for other sequences. Sequences out on A are parked in B's scheduler;
 outputs stay exact. Plus the pieces: park/unpark, the emulated accelerator's knee, ZigZag batches."""
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -18,30 +20,57 @@ from kascade_engine.pairclient import PIPELINE_DEPTH
 from kascade_engine.sampling import SamplingParams
 from kascade_engine.scheduler import Limits, Scheduler, Seq
 from kascade_planner.engine_api import CooperateRequest
-from kascade_planner.zigzag import PairSetting
+from kascade_planner.zigzag import PairSetting, ilp_free
 
 
-async def test_b_keeps_two_steps_out_and_stays_exact(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_b_keeps_its_steps_out_and_stays_exact(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
     params = SamplingParams(max_tokens=6)
-    first, second = PROMPTS, [list(reversed(p)) for p in PROMPTS]
-    want = unsplit(tiny_blocks, first + second, params)
+    waves = [[list(reversed(p)) if w % 2 else p for p in PROMPTS] for w in range(PIPELINE_DEPTH + 1)]
+    for w, wave in enumerate(waves):  # distinct prompts per wave
+        wave[0] = [*wave[0], w]
+    want = unsplit(tiny_blocks, [p for wave in waves for p in wave], params)
     p = await _pair(tiny_ckpt, tiny_blocks, resident=2)
     try:
         a, b = p.a, p.b
-        a.host.layer_s = 0.02  # A's step takes >= 4 x 20 ms: B's next step is ready while one is out
+        a.host.layer_s = 0.05  # A's step takes >= 4 x 50 ms: B's next steps are ready while earlier ones are out
         await b.set_cooperate(CooperateRequest(p.peer, "besteffort"))
-        wave1 = [b.serving.submit(pr, params) for pr in first]
-        runs = [asyncio.create_task(collect(b, r)) for r in wave1]
-        await asyncio.sleep(0.03)  # the first wave's step is out on A when the second arrives
-        wave2 = [b.serving.submit(pr, params) for pr in second]
-        out = await asyncio.gather(*runs, *(collect(b, r) for r in wave2))
+        runs = []
+        for wave in waves:  # each wave arrives while the earlier waves' steps are out on A
+            runs += [asyncio.create_task(collect(b, b.serving.submit(pr, params))) for pr in wave]
+            await asyncio.sleep(0.03)
+        out = await asyncio.gather(*runs)
         assert out == want
         pc = b.pair
-        assert pc is not None and pc.max_inflight == PIPELINE_DEPTH  # two steps out at once, never more
+        assert pc is not None and pc.max_inflight == PIPELINE_DEPTH  # that many steps out at once, never more
         assert not pc.inflight and not b.engine.scheduler.parked  # everything landed and unparked
         assert a.finisher.connections == 1  # still one connection for the pair
     finally:
         await p.close()
+
+
+def test_a_paired_engine_starts_a_prompt_that_fits_a_step_whole() -> None:
+    """Issue 17: on a loading engine each step of a split prompt is a pair round trip (its prefix here, A's
+    step boundary, A's step), so with `whole_prompts` a waiting prompt that fits a step whole waits for the
+    next step instead of being split across two (bench trace: request 40 took two round trips, 3.2 s).
+    A prompt longer than a step still chunks; without the flag chunked prefill is unchanged."""
+    def run(whole: bool) -> list[list[tuple[str, int, int]]]:
+        s = Scheduler(Limits(max_batch_tokens=64, max_seqs=8, kv_tokens=1024, page_size=16))
+        s.whole_prompts = whole
+        for name, n in (("a", 40), ("b", 40), ("long", 100)):
+            s.add(Seq(name, n, 4))
+        steps = []
+        for _ in range(4):
+            b = s.schedule()
+            steps.append([(w.id, w.start, w.n) for w in b.work])
+            for w in b.work:
+                s.advance(w.id, w.n, w.start + w.n == {"a": 40, "b": 40, "long": 100}[w.id])
+        return steps
+
+    assert run(False)[0] == [("a", 0, 40), ("b", 0, 24)]  # b split across two steps
+    whole = run(True)
+    assert whole[0] == [("a", 0, 40)]  # b (40) does not fit the 24 left: it waits, whole
+    assert ("b", 0, 40) in whole[1]
+    assert any(w[0] == "long" and w[2] < 100 for step in whole for w in step)  # longer than a step: chunks
 
 
 def test_parked_sequences_keep_their_seat_and_are_not_scheduled() -> None:
@@ -90,14 +119,37 @@ def test_emulated_cost_is_per_full_batch_past_the_knee(tiny_blocks) -> None:  # 
 
 
 def test_zigzag_batches_group_requests_by_prompt_tokens() -> None:
+    """The queue ahead of a request, in prompt tokens, gives its batch: a request that fits the open batch
+    gets that batch's prefix, one that does not opens the next; batch i's prefix is T_i of the plan for
+    the i + 1 batches queued now (at load start here: nothing resident)."""
     setting = PairSetting(layers=8, load_ratio=8.0, batches=12)
     per_request = ZigZagPolicy(setting)
     grouped = ZigZagPolicy(setting, batch_tokens=100)
-    t = per_request.targets
-    assert [per_request.next_target(0, 33) for _ in range(4)] == list(t[:4])  # one batch per request
+    t = [ilp_free(replace(setting, batches=i + 1)).target_layers[i] for i in range(4)]
+    assert [per_request.next_target(0, 33, 33 * q, q) for q in range(4)] == t  # one batch per request
     # 33-token prompts: three fill a 100-token batch, the fourth opens the next one
-    assert [grouped.next_target(0, 33) for _ in range(7)] == [t[0]] * 3 + [t[1]] * 3 + [t[2]]
-    assert grouped.admitted == 3
+    assert [grouped.next_target(0, 33, 33 * q, q) for q in range(7)] == [t[0]] * 3 + [t[1]] * 3 + [t[2]]
+    fig15 = PairSetting(layers=7, load_ratio=6.0, batches=6)  # a queue there at t = 0: the t = 0 plan's T_i
+    assert [ZigZagPolicy(fig15).next_target(0, 6, 6 * q, q) for q in range(6)] == list(ilp_free(fig15).target_layers)
+
+
+def test_zigzag_replans_from_the_queue_as_it_is() -> None:
+    """Issue 17: a request arriving to an engine with nothing queued is batch 0 of a one-batch plan made
+    now, with the layers already here counted as loaded: it runs with what is resident (ILP-free) and is
+    never held for layers a t = 0 plan reserved for a burst that did not queue. (The old policy gave the
+    i-th admitted batch the t = 0 plan's T_i whatever the queue: here the second request waited for 2
+    layers more than the one resident.)"""
+    setting = PairSetting(layers=8, load_ratio=8.0, batches=12)
+    t0_plan = ZigZagPolicy(setting).targets
+    assert max(t0_plan[1:4]) > 1  # the t = 0 plan holds later batches for layers not resident yet
+    lone = ZigZagPolicy(setting)
+    assert [lone.next_target(r, 33) for r in (0, 1, 1, 3, 5)] == [0, 1, 1, 3, 5]
+    # with a real queue ahead the plan can still hold: behind 2 batches, 1 layer here, a later batch waits
+    queued = [ZigZagPolicy(setting).next_target(1, 33, 33 * q, q) for q in range(6)]
+    assert queued == [ilp_free(replace(setting, batches=q + 1, elapsed=setting.load_ratio)).target_layers[q]
+                      for q in range(6)]
+    assert max(queued) > 1
+    assert ZigZagPolicy(setting).next_target(1, 33, 33 * 12, 12) == 1  # past the horizon: the resident prefix
 
 
 @pytest.mark.parametrize("params", [SamplingParams(max_tokens=40),
@@ -180,3 +232,81 @@ async def test_the_knee_flag_reaches_both_sides_of_a_pair(tiny_ckpt, tiny_blocks
         await b.close()
         await a.close()
         await listener.close()
+
+
+async def test_zigzag_serves_spread_out_requests_without_holding(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    """Issue 17: requests reaching a ZigZag B one after another (each done before the next comes) are each
+    batch 0 of the queue as it is: they run at once with the resident layer, outputs exact. A t = 0 plan
+    (the old policy) held the second for 3 layers that never land here (the request waited out the hold
+    limit)."""
+    setting = PairSetting(layers=4, load_ratio=2.0, batches=6)
+    assert ZigZagPolicy(setting).targets[1] == 3  # what the t = 0 plan gives the second batch
+    params = SamplingParams(max_tokens=4)
+    want = unsplit(tiny_blocks, PROMPTS[:3], params)
+    p = await _pair(tiny_ckpt, tiny_blocks, resident=1)
+    try:
+        b = p.b
+        await b.set_cooperate(CooperateRequest(p.peer, "zigzag"))
+        assert b.pair is not None
+        b.pair.policy = ZigZagPolicy(setting)
+        assert b.serving_share == 1 / 4 and b.pair.peer_complete  # paired with a source: its own layers' share
+        got = []
+        for pr in PROMPTS[:3]:
+            got.append(await asyncio.wait_for(collect(b, b.serving.submit(pr, params)), 10))
+        assert got == want
+        assert [k for _, k in b.pair.history] == [1, 1, 1]
+        assert not b.pair.ahead and not b.pair.holding  # the queue it plans from is empty again
+    finally:
+        await p.close()
+
+
+def test_an_answer_landing_inside_the_step_that_sent_it(tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    """A live pair's answer can land inside the very forward that sent its step (A answered before B's step
+    returned: PairClient lands every answer that is back). Engine.step must not re-read the request after
+    the forward: before, a request finished by that landing was gone (KeyError, the whole step failed for
+    everyone in it) and one that got its token looked like an unfinished prefill, so the next rows'
+    tokens were taken one off (bench: `engine failed on this request: 'cmpl-…'`, wrong texts)."""
+    from kascade_engine.engine import Engine, Event
+    from kascade_engine.model import LlamaModel
+
+    m = LlamaModel(tiny_blocks.config)
+    eng = Engine(m, Limits(max_batch_tokens=64, max_seqs=4, kv_tokens=256, page_size=16))
+    done_now = eng.submit([1, 2, 3], SamplingParams(max_tokens=1), "landed")  # its answer lands in the forward
+    goes_on = eng.submit([4, 5], SamplingParams(max_tokens=2), "landed-2")  # same, not finished by it
+    local = eng.submit([6, 7, 8, 9], SamplingParams(max_tokens=2), "local")  # sampled here, token 42
+
+    class Stub:
+        def __init__(self) -> None:
+            self.events: list[Event] = []
+
+        def pending(self) -> bool:
+            return False
+
+        def prepare(self, engine: Engine) -> None:
+            pass
+
+        def abort(self, rid: str) -> None:
+            pass
+
+        def take_events(self) -> list[Event]:
+            out, self.events = self.events, []
+            return out
+
+        def forward(self, engine: Engine, work: list[Any]) -> list[int | None]:
+            toks: list[int | None] = []
+            for w in work:  # every chunk samples here (whole prompts)
+                if w.id == local:
+                    toks.append(42)
+                else:  # its step went out and its answer is back already: landed as PairClient._land does
+                    engine.scheduler.advance(w.id, 0, True)
+                    self.events.append(engine.deliver(w.id, 7, 0.0))
+                    toks.append(None)
+            return toks
+
+    eng.coop = Stub()
+    events = eng.step()
+    got = {(e.request, e.token, e.finished) for e in events}
+    assert got == {(done_now, 7, True), (goes_on, 7, False), (local, 42, False)}
+    assert eng.requests[local].out == [42] and eng.requests[goes_on].out == [7]
+    s = eng.scheduler.running[goes_on]
+    assert (s.computed, s.total) == (2, 3)  # its prompt cached, one token generated: the same as landing later

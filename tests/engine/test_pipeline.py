@@ -128,3 +128,42 @@ async def test_middle_receiver_gaining_layers_keeps_each_sequences_range(tiny_ck
             await i.close()
         for lst in listeners:
             await lst.close()
+
+
+async def test_a_middle_receiver_runs_its_next_step_while_rows_are_downstream(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    """Issue 17, λScale's pipelining: a middle receiver does not wait inside its step for the next receiver's
+    answer. With a slow last receiver, the middle one relays a second step while the first is still
+    there (before: one relayed step at a time, so the pipeline ran one step of all its stages at once and
+    served no faster than one replica). Outputs stay exact, one connection per hop."""
+    params = SamplingParams(max_tokens=6)
+    prompts = PROMPTS * 3
+    want = unsplit(tiny_blocks, prompts, params)
+    r1 = _receiver(tiny_ckpt, tiny_blocks, ["embed", "layer.0", "layer.1"], "r1")
+    r2 = _receiver(tiny_ckpt, tiny_blocks, ["layer.2"], "r2")
+    r3 = _receiver(tiny_ckpt, tiny_blocks, ["layer.3", "head"], "r3")
+    r3.host.layer_s = 0.05  # the last stage's steps take a while: earlier stages have time to go on
+    insts = (r1, r2, r3)
+    listeners = [await TcpTransport().listen("127.0.0.1", 0, i.finisher.handle) for i in insts]
+    port = {i.instance_id: lst.port for i, lst in zip(insts, listeners, strict=True)}
+    try:
+        await r2.set_cooperate(CooperateRequest(f"127.0.0.1:{port['r3']}", "pipeline"))
+        await r1.set_cooperate(CooperateRequest(f"127.0.0.1:{port['r2']}", "besteffort"))
+        # the head of a pipeline loads no source: routers weigh it as a whole replica, not by its 2 of 4 layers
+        assert r1.serving_share == 1.0 and r1.pair is not None and not r1.pair.peer_complete
+        got = []
+        for p in prompts:  # one at a time: the head's steps go out one after another, each with few rows
+            got.append(asyncio.create_task(collect(r1, r1.serving.submit(p, params))))
+            await asyncio.sleep(0.01)
+        assert await asyncio.gather(*got) == want
+        assert r2.host.max_relays_out >= 2
+        for _ in range(200):  # the last frame may carry only the finished sequences' ends: its answer follows
+            if r2.host.relays_out == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert r2.host.relays_out == 0  # every relayed frame was answered
+        assert r2.finisher.connections == 1 and r3.finisher.connections == 1
+    finally:
+        for i in insts:
+            await i.close()
+        for lst in listeners:
+            await lst.close()

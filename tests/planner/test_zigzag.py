@@ -79,3 +79,18 @@ def test_ilp_config_is_within_its_gap_of_the_exact_ilp() -> None:
         assert len(fast) == batches and all(0 <= t <= layers for t in fast)
     with pytest.raises(ValueError, match="gap must be >= 0"):
         ilp_config(FIG15, gap=-0.1)
+
+
+def test_a_plan_made_mid_load_counts_the_landed_layers() -> None:
+    """`elapsed` (an engine re-planning from its queue mid-load): landed layers are runnable at once, the
+    rest land load_ratio apart from where the load is; the ILP's F_i >= load·T_i - elapsed and its cost
+    agree with the simulator's clock; a negative elapsed is refused."""
+    s = PairSetting(layers=6, load_ratio=4.0, batches=3, elapsed=10.0)
+    assert [s.loaded_at(layer) for layer in range(4)] == [0.0, 0.0, 2.0, 6.0]
+    one = PairSetting(layers=6, load_ratio=4.0, batches=1, elapsed=8.0)  # 2 layers here, nothing queued
+    assert ilp_free(one).target_layers == (2,)  # runs what is here, the source takes the rest
+    assert config_cost(PairSetting(6, 4.0, 1, elapsed=8.0), (2,)) == 6.0  # prefix of 2 done at 2, no wait
+    assert config_cost(PairSetting(6, 4.0, 1), (2,)) == 12.0  # from load start: layer 1 lands at 8
+    assert ilp_config(PairSetting(6, 4.0, 3, elapsed=24.0)) == ilp_config(PairSetting(6, 0.0, 3))
+    with pytest.raises(ValueError):
+        PairSetting(6, 4.0, 1, elapsed=-1.0)
