@@ -64,6 +64,16 @@ class EngineMetrics:
                                        "(activations, live pairs, the KV of disaggregated serving) moved, counted "
                                        "by the transport that carried them", ["transport", "direction"], registry=r)
         self._data_port_seen = (0, 0)
+        # steps by kind, and the prefill chunk budget at work: a converted decoder's mixed steps must stay short
+        self.step_seconds = Histogram("kascade_step_seconds", "Engine step (one forward) duration by what it ran: "
+                                      "decode (decodes only), mixed (decodes and prompt chunks), prefill (prompt "
+                                      "chunks only)", ["model_name", "kind"], registry=r, buckets=LATENCY)
+        self.prefill_step_max = gauge("kascade_prefill_step_tokens_max",
+                                      "The most prompt tokens one step prefilled since the prefill chunk budget "
+                                      "(a converted decoder's /convert) last changed")
+        self.prefill_chunk_budget = gauge("kascade_prefill_chunk_budget_tokens",
+                                          "The prefill chunk budget (prompt tokens per step) in force; 0: no cap")
+        self._steps_seen = 0
         self._last_token: dict[str, float] = {}
         self._preemptions_seen = 0
 
@@ -95,6 +105,14 @@ class EngineMetrics:
         self.waiting.set(len(s.waiting))
         self.running.set(len(s.running))
         self.kv_usage.set(s.kv_usage())
+        eng = inst.engine
+        if eng.steps != self._steps_seen and eng.last_step is not None:
+            self._steps_seen = eng.steps
+            tokens, decodes, secs = eng.last_step
+            kind = "mixed" if tokens and decodes else ("prefill" if tokens else "decode")
+            self.step_seconds.labels(self.model_name, kind).observe(secs)
+        self.prefill_step_max.set(eng.prefill_step_max)
+        self.prefill_chunk_budget.set(eng.limits.prefill_chunk_tokens or 0)
         if s.preemptions > self._preemptions_seen:
             self.preemptions.inc(s.preemptions - self._preemptions_seen)
             self._preemptions_seen = s.preemptions

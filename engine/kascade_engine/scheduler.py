@@ -85,6 +85,9 @@ class Scheduler:
     preemptions: int = 0
     window: int | None = None  # every layer's attention window (None: some layer sees the whole context)
     dropped_pages: int = 0
+    # the prefill chunk budget the last `schedule` applied (read once per step: /convert may change the
+    # limit from the event loop meanwhile), so a step's prompt tokens are judged against its own budget
+    last_cap: int | None = None
 
     def __post_init__(self) -> None:
         self.pool = PagePool(self.limits.pages, self.limits.page_size)
@@ -115,7 +118,8 @@ class Scheduler:
 
     def schedule(self) -> Batch:
         budget = self.limits.max_batch_tokens
-        prefill_left = self.limits.prefill_chunk_tokens or budget  # a converted decoder caps prefill per step
+        self.last_cap = self.limits.prefill_chunk_tokens
+        prefill_left = self.last_cap or budget  # a converted decoder caps prefill per step
         work: list[Work] = []
         scheduled: set[str] = set()
         preempted: list[str] = []
