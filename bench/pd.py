@@ -176,6 +176,8 @@ async def step_times(url: str) -> dict[str, Any]:
         for x in f.samples:
             if x.name in ("kascade_step_seconds_count", "kascade_step_seconds_sum"):
                 out.setdefault(x.labels["kind"], {})[x.name.rsplit("_", 1)[1]] = x.value
+            elif x.name == "kascade_step_seconds_bucket":  # cumulative counts: how many steps took <= le
+                out.setdefault(x.labels["kind"], {}).setdefault("le", {})[x.labels["le"]] = x.value
             elif x.name == "kascade_prefill_step_tokens_max":
                 out["prefill_step_tokens_max"] = x.value
     for v in out.values():

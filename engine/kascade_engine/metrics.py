@@ -72,7 +72,8 @@ class EngineMetrics:
                                       "The most prompt tokens one step prefilled since the prefill chunk budget "
                                       "(a converted decoder's /convert) last changed")
         self.prefill_chunk_budget = gauge("kascade_prefill_chunk_budget_tokens",
-                                          "The prefill chunk budget (prompt tokens per step) in force; 0: no cap")
+                                          "The prefill chunk budget (prompt tokens per step) the last step ran "
+                                          "under (a taken-back decoder's held one included); 0: no cap")
         self._steps_seen = 0
         self._last_token: dict[str, float] = {}
         self._preemptions_seen = 0
@@ -112,7 +113,7 @@ class EngineMetrics:
             kind = "mixed" if tokens and decodes else ("prefill" if tokens else "decode")
             self.step_seconds.labels(self.model_name, kind).observe(secs)
         self.prefill_step_max.set(eng.prefill_step_max)
-        self.prefill_chunk_budget.set(eng.limits.prefill_chunk_tokens or 0)
+        self.prefill_chunk_budget.set(s.last_cap or 0)
         if s.preemptions > self._preemptions_seen:
             self.preemptions.inc(s.preemptions - self._preemptions_seen)
             self._preemptions_seen = s.preemptions
