@@ -60,12 +60,19 @@ def pick_pd(backends: Sequence[Backend], rng: random.Random,
     Convertible decoders (annotated by the operator under a prefill burst) join the prefill candidates,
     itself included when the chosen decoder is one: the candidate with fewer prompts in prefill takes it
     (`_pick_prefill`), so converted decoders absorb prefill only while the prefill engines are busier
-    (picked itself: it prefills locally)."""
+    (picked itself: it prefills locally), and a converted decoder takes a prompt only while it prefills
+    none (when every candidate is a busy converted decoder, the least busy still takes it)."""
     d = pick([b for b in backends if b.role != "prefill"], rng, exclude)
     if d is None:
         return pick(backends, rng, exclude), None
     prefill = [b for b in backends if b.data and (b.role == "prefill" or b.convertible)]
     if d.role != "decode" or not prefill or (d.convertible and len(prefill) == 1):
         return d, None
+    # a converted decoder prefills one prompt at a time: its chunk budget gives it a few tokens a step, so a
+    # second prompt would only queue behind the first (bench run 2: 10 prompts queued on one converted
+    # decoder, TTFT p99 17.8 s); while it prefills one, prefill engines take the rest
+    free = [b for b in prefill if b.role == "prefill" or b.prefilling == 0]
+    if free:
+        prefill = free
     p = _pick_prefill(prefill, rng)
     return (d, None) if p is d else (d, p)

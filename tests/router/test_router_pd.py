@@ -197,16 +197,19 @@ def test_convertible_decoders_take_prefill_for_other_decoders() -> None:
     assert route is not None and (route.role, route.data, route.convertible) == ("decode", "h:9", True)
 
 
-def test_a_converted_decoders_prompts_weigh_as_its_share_of_a_prefill_engine() -> None:
-    """A converted decoder prefills at CONVERTED_SHARE (1/2) of a prefill engine's speed, so each prompt it
-    prefills counts double: with 2 in prefill it is as busy as a prefill engine holding 4 (5 with the next
-    prompt, against 6 for the decoder's), so p takes the next one; by prompt count alone (2 < 4) d would."""
+def test_a_converted_decoder_weighs_its_prompts_by_its_share_and_prefills_one_at_a_time() -> None:
+    """A converted decoder prefills at CONVERTED_SHARE (1/2) of a prefill engine's speed, so its next prompt
+    counts double: against an idle prefill engine (1 vs 2) p takes it, where by prompt count alone (1 vs 1)
+    half would go to d; against a prefill engine holding 2 (3 vs 2) d takes it. And it prefills one prompt
+    at a time: with one in prefill it takes no other, however busy p is (by share alone, 4 < 10, it would)."""
     from kascade_planner.conversion import CONVERTED_SHARE
 
     assert CONVERTED_SHARE == 0.5
     rng = random.Random(1)
-    d = Backend("d", "h:1", role="decode", data="h:10", convertible=True, in_flight=10, prefilling=2)
-    p = Backend("p", "h:2", role="prefill", data="h:20", in_flight=4, prefilling=4)
+    d = Backend("d", "h:1", role="decode", data="h:10", convertible=True, in_flight=10, prefilling=0)
+    p = Backend("p", "h:2", role="prefill", data="h:20", in_flight=0, prefilling=0)
     assert all(pick_pd([d, p], rng) == (d, p) for _ in range(20))
-    d.prefilling = 1  # (1 + 1) x 2 = 4 < 5: the decoder takes it
+    p.in_flight = p.prefilling = 2
     assert all(pick_pd([d, p], rng) == (d, None) for _ in range(20))
+    d.prefilling, p.in_flight, p.prefilling = 1, 9, 9
+    assert all(pick_pd([d, p], rng) == (d, p) for _ in range(20))
