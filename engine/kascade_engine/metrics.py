@@ -10,6 +10,9 @@ Kascade's own: blocks resident, weight transfer bytes and bandwidth, weight tran
 engine (`kascade_weight_transfer_failures_total`, the transfer-failure alert), live-split requests and layers,
 `kascade_data_port_bytes_total{transport,direction}`: payload bytes of the data port's connections
 (activations, pairs, PD KV) as the transport (`--transport`: tcp, tcp+tls, ucx) counted them.
+`kascade_step_seconds{kind=decode|mixed|prefill}` (step time by what it ran: the operator reads the decode
+steps as a converted decoder's room for prefill), `kascade_prefill_step_tokens_max` (most prompt tokens one
+step prefilled since the chunk budget last changed) and `kascade_prefill_chunk_budget_tokens`.
 
 Data flow: Serving calls `on_request` (prompt admitted), `observe_event` (every token), `observe_ttft`,
 `on_finish`; `update(instance)` samples the gauges before a scrape and after every step.
