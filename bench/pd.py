@@ -10,11 +10,13 @@ the start, from one request alone on one idle engine (TTFT SLO = `--ttft-x` x it
 prompt; TBT SLO = `--tbt-x` x its mean TBT), never tuned per setup. Setups, with the same two engines:
   colocated      2 colocated engines, power-of-two-choices
   disaggregated  1 prefill + 1 decode engine: the router picks both, KV moves over TCP (loopback)
-  disaggregated_convertible  the same 1 + 1, and the decoder converted during bursts by the operator's pure
-                 policy (kascade_planner.conversion: prompt tokens/s at the decoder vs one prefiller's velocity
-                 from the calibration; chunk budget from the TBT SLO), applied by an in-bench loop as the
+  disaggregated_convertible  the same 1 + 1, and the decoder converted during bursts by the operator's code
+                 (`converter`: its Scraper and snapshot -> pdscaling.conversion_input -> the pure policy
+                 kascade_planner.conversion: prompt tokens/s arriving vs one prefiller's velocity AS THE
+                 ENGINES MEASURE IT ONLINE; chunk budget from the TBT SLO and that velocity), applied as the
                  operator does (engine /convert, then the router's convertible flag): a converted decoder
-                 prefills its own requests under the chunk cap when it is less loaded than the prefiller
+                 prefills its own requests under the chunk cap when it is less loaded than the prefiller.
+                 Every decision's velocities are in pd.json (`conversions`, `policy_samples`)
 Link part (needs root + network namespaces): P in namespace h0, D in h1, the link capped with tbf at
 `--link-mbit`; long prompts sent to D naming P -> D's `kascade_kv_link_bytes_per_second` (KV bytes from
 first frame to kv_done) / the tbf rate = `kv_transfer_over_link_rate`, for each engine `--transport` in
@@ -150,42 +152,109 @@ async def metric(url: str, name: str) -> float:
     return sum(x.value for f in text_string_to_metric_families(text) for x in f.samples if x.name == name)
 
 
-async def converter(decoder: Any, url: str, prefill_url: str, velocity: float, tbt_slo: float,
-                    stop_at: asyncio.Event, log: list[dict[str, Any]]) -> None:
+def policy_spec(tbt_slo: float, ttft_slo: float) -> Any:
+    """The bench's service as the operator would read it: disaggregated, the bench's SLOs, tokenVelocity
+    with NO typed velocities (the engines' measured ones are the only input), bounds 1..4 per role (the
+    P:D ratio policy's room; the bench's engines stay 1 + 1, so its answer is recorded, not applied)."""
+    from kascade_operator.api import ModelServiceSpec
+
+    return ModelServiceSpec.model_validate({
+        "model": {"name": MODEL, "source": {"path": "/models/pd"}, "layers": 8}, "engine": {"image": "kascade:dev"},
+        "mode": "disaggregated", "replicas": {"prefill": {"min": 1, "max": 4}, "decode": {"min": 1, "max": 4}},
+        "slo": {"ttftMs": ttft_slo * 1e3, "tbtMs": tbt_slo * 1e3}, "scaling": {"policy": "tokenVelocity"}})
+
+
+async def step_times(url: str) -> dict[str, Any]:
+    """One engine's steps by kind (kascade_step_seconds: count, mean ms) and the most prompt tokens one step
+    prefilled under the budget in force at the end: whether a converted decoder's budget bounded its steps."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with aiohttp.ClientSession() as s, s.get(f"{url}/metrics") as r:
+        text = await r.text()
+    out: dict[str, Any] = {}
+    for f in text_string_to_metric_families(text):
+        for x in f.samples:
+            if x.name in ("kascade_step_seconds_count", "kascade_step_seconds_sum"):
+                out.setdefault(x.labels["kind"], {})[x.name.rsplit("_", 1)[1]] = x.value
+            elif x.name == "kascade_step_seconds_bucket":  # cumulative counts: how many steps took <= le
+                out.setdefault(x.labels["kind"], {}).setdefault("le", {})[x.labels["le"]] = x.value
+            elif x.name == "kascade_prefill_step_tokens_max":
+                out["prefill_step_tokens_max"] = x.value
+    for v in out.values():
+        if isinstance(v, dict) and v.get("count"):
+            v["mean_ms"] = round(v["sum"] / v["count"] * 1e3, 2)
+    return out
+
+
+async def converter(decoder: Any, url: str, prefill_url: str, spec: Any, stop_at: asyncio.Event,
+                    log: list[dict[str, Any]], samples: list[dict[str, Any]]) -> None:
     """What the operator does for a disaggregated service (kascade_operator.converter), for the static
-    router of this bench: every 0.25 s the prompt tokens/s arriving at the decoder (its counter over the
-    last second) and the prompts waiting at the prefiller go through the SAME pure policy (kascade_planner.conversion.plan_conversions) with one
-    prefiller at `velocity`; a conversion is applied as the operator does it: the engine's /convert with the
-    chunk budget, then the router's convertible flag (the pod annotation's effect); taking back in reverse."""
-    from kascade_planner.conversion import ConversionInput, DecoderView, plan_conversions
+    router of this bench, with the operator's own code at every step but the kube API: every 0.25 s its
+    Scraper reads both engines' /metrics (rates over the operator's default 1 s window), `snapshot` makes
+    each role's MetricsSnapshot (with the velocities the engines measured online from their own steps:
+    `kascade_prefill_velocity_tokens_per_second` etc.), `pdscaling.conversion_input` turns them into the
+    policy's input exactly as for a ModelService (typed velocities none, so the measured ones), and
+    `plan_conversions` decides; `pdscaling.velocities` + `pd_ratio` give the P:D ratio the same velocities
+    ask for. A conversion is applied as the operator does it: the engine's /convert with the chunk budget,
+    then the router's convertible flag (the pod annotation's effect); taking back in reverse. Until an
+    engine has measured a prefill velocity the policy holds (its rule for an unknown velocity)."""
+    from kascade_operator.decide import RoleInput
+    from kascade_operator.metrics import Scraper, snapshot
+    from kascade_operator.pdscaling import conversion_input, demand, velocities
+    from kascade_operator.pool import PodView
+    from kascade_planner.conversion import plan_conversions
+    from kascade_planner.pdratio import PdVelocity, pd_ratio
+    from kascade_planner.policies import Bounds
 
     hdr = {"Authorization": f"Bearer {ENV['KASCADE_ENGINE_TOKEN']}"}
-    hist: list[tuple[float, float]] = []
-    async with aiohttp.ClientSession() as s:
-        while not stop_at.is_set():
-            now, tokens = time.monotonic(), await metric(url, "kascade_prompt_tokens_total")
-            hist = [h for h in hist if h[0] >= now - 1.0] + [(now, tokens)]
-            rate = (tokens - hist[0][1]) / (now - hist[0][0]) if now > hist[0][0] else 0.0
-            waiting = await metric(prefill_url, "kascade_num_requests_waiting")
-            c = plan_conversions(ConversionInput(rate, 1, velocity, (DecoderView(decoder.pod, decoder.convertible),),
-                                                 prefill_queue=waiting, tbt_slo_s=tbt_slo))
-            if c.convert:
-                async with s.post(f"{url}/kascade/v1/convert", json={"prefillChunkTokens": c.chunk_tokens},
-                                  headers=hdr) as r:
-                    r.raise_for_status()
-                decoder.convertible = True
-            elif c.revert:
-                decoder.convertible = False
-                async with s.post(f"{url}/kascade/v1/convert", json={"prefillChunkTokens": None}, headers=hdr) as r:
-                    r.raise_for_status()
-            if c.changes:
-                log.append({"t": round(now, 2), "reason": c.reason})
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop_at.wait(), 0.25)
+    scraper = Scraper(timeout_s=1.0, window_s=1.0)
+    eps = {"prefill": {"p0": prefill_url.removeprefix("http://")}, "decode": {decoder.pod: url.removeprefix("http://")}}
+    try:
+        async with aiohttp.ClientSession() as s:
+            while not stop_at.is_set():
+                now = time.monotonic()
+                roles = []
+                for role, ep in eps.items():
+                    loads = await scraper.collect(ep, group=role)
+                    roles.append(RoleInput(role, len(loads), 1, 4, snapshot(loads, now)))
+                pods = [PodView("p0", "n0", "1", True, "svc", "prefill", True, endpoint=eps["prefill"]["p0"]),
+                        PodView(decoder.pod, "n0", "1", True, "svc", "decode", True, endpoint=eps["decode"][decoder.pod],
+                                convertible=decoder.convertible)]
+                inp = conversion_input(spec, "svc", pods, roles)
+                assert inp is not None
+                c = plan_conversions(inp)
+                v = velocities(spec, [r.snap for r in roles])
+                ratio = None
+                if v.prefill and v.decode:
+                    ratio = pd_ratio(demand(roles), PdVelocity(v.prefill, v.network or v.prefill, v.decode),
+                                     Bounds(1, 4), Bounds(1, 4))
+                samples.append({"t": round(now, 2), "input_tokens_per_s": round(inp.input_tokens_per_s, 1),
+                                "prefill_queue": inp.prefill_queue, "decode_step_s": inp.decode_step_s,
+                                "velocity": {"prefill": v.prefill, "network": v.network, "decode": v.decode},
+                                "converted": decoder.convertible, "chunk_tokens": c.chunk_tokens,
+                                "pd_ratio": None if ratio is None else [ratio.prefill, ratio.decode]})
+                if c.convert:
+                    async with s.post(f"{url}/kascade/v1/convert", json={"prefillChunkTokens": c.chunk_tokens},
+                                      headers=hdr) as r:
+                        r.raise_for_status()
+                    decoder.convertible = True
+                elif c.revert:
+                    decoder.convertible = False
+                    async with s.post(f"{url}/kascade/v1/convert", json={"prefillChunkTokens": None},
+                                      headers=hdr) as r:
+                        r.raise_for_status()
+                if c.changes:
+                    log.append({"t": round(now, 2), "reason": c.reason, "chunk_tokens": c.chunk_tokens,
+                                "decode_step_s": inp.decode_step_s,
+                                "velocity": {"prefill": v.prefill, "network": v.network, "decode": v.decode},
+                                "pd_ratio": None if ratio is None else ratio.reason})
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop_at.wait(), 0.25)
+    finally:
+        await scraper.aclose()
 
 
-async def setup(ckpt: Path, mode: str, reqs: list[Request], max_tokens: int,
-                velocity: float = 0.0, tbt_slo: float = 0.0) -> dict[str, Any]:
+async def setup(ckpt: Path, mode: str, reqs: list[Request], max_tokens: int, policy: Any = None) -> dict[str, Any]:
     from kascade_router.server import Router, static_routes
 
     procs: list[subprocess.Popen[str]] = []
@@ -200,11 +269,12 @@ async def setup(ckpt: Path, mode: str, reqs: list[Request], max_tokens: int,
             spec = f"{MODEL}=prefill@127.0.0.1:{ah}+127.0.0.1:{aa},decode@127.0.0.1:{bh}+127.0.0.1:{ba}"
         routes = static_routes([spec])
         router = await Router(routes=routes).start()
-        stop_at, conversions = asyncio.Event(), []
+        stop_at, conversions, samples = asyncio.Event(), [], []
         task = None
         if mode == "disaggregated_convertible":
             (dec,) = [x for x in routes.backends[("static", MODEL)].values() if x.role == "decode"]
-            task = asyncio.create_task(converter(dec, f"http://127.0.0.1:{bh}", f"http://127.0.0.1:{ah}", velocity, tbt_slo, stop_at, conversions))
+            task = asyncio.create_task(converter(dec, f"http://127.0.0.1:{bh}", f"http://127.0.0.1:{ah}", policy, stop_at,
+                                                 conversions, samples))
         try:
             t = time.monotonic()
             res = await run_trace(f"http://127.0.0.1:{router.port}", reqs, max_tokens)
@@ -216,8 +286,9 @@ async def setup(ckpt: Path, mode: str, reqs: list[Request], max_tokens: int,
             await router.close()
         remote = await metric(f"http://127.0.0.1:{bh}", "kascade_pd_remote_prefills_total")
         fallbacks = await metric(f"http://127.0.0.1:{bh}", "kascade_pd_local_fallbacks_total")
+        steps = {name: await step_times(f"http://127.0.0.1:{port}") for name, port in (("a", ah), ("b", bh))}
         return {"results": res, "wall_s": wall, "remote_prefills": remote, "fallbacks": fallbacks,
-                "conversions": conversions}
+                "conversions": conversions, "policy_samples": samples, "steps": steps}
     finally:
         stop(procs)
 
@@ -308,7 +379,9 @@ def summarize(r: dict[str, Any], reqs: list[Request], ttft_slo: float, tbt_slo: 
             "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
             "tbt_p50_s": pct(tbt, 50), "tbt_p99_s": pct(tbt, 99),
             "wall_s": r["wall_s"], "remote_prefills": r["remote_prefills"], "local_fallbacks": r["fallbacks"],
-            "conversions": r["conversions"]}
+            "conversions": r["conversions"], "steps": r.get("steps"),
+            "policy_samples": r.get("policy_samples"),
+            "policy_velocities_used": sorted({json.dumps(c["velocity"]) for c in r["conversions"] if "velocity" in c})}
 
 
 MODES = ("colocated", "disaggregated", "disaggregated_convertible")
@@ -431,11 +504,15 @@ def main() -> None:
                                "max_tokens": args.max_tokens, "engines_per_setup": 2,
                                "ttft_slo_ms": ttft_slo * 1e3, "tbt_slo_ms": tbt_slo * 1e3, "slo_note": slo_note,
                                "calibration": {"ttft_ms": ttft0 * 1e3, "tbt_ms": tbt0 * 1e3}}
-        out["prefill_velocity_tokens_per_s"] = velocity
+        # the calibration's velocity sizes the burst only; the convertible setup's policy reads the velocities
+        # the engines measure online (policy_spec types none), recorded per decision in its `conversions`
+        out["calibrated_prefill_velocity_tokens_per_s"] = velocity
+        out["policy_velocities"] = "measured online by the engines (kascade_*_velocity_tokens_per_second via the operator's Scraper)"
+        spec = policy_spec(tbt_slo, ttft_slo)
         for mode in modes:
-            r = asyncio.run(setup(ckpt, mode, reqs, args.max_tokens, velocity, tbt_slo))
+            r = asyncio.run(setup(ckpt, mode, reqs, args.max_tokens, spec))
             out[mode] = summarize(r, reqs, ttft_slo, tbt_slo)
-            print(mode, json.dumps(out[mode]), flush=True)
+            print(mode, json.dumps({k: v for k, v in out[mode].items() if k != "policy_samples"}), flush=True)
         out["sim"] = sim_side(reqs, args.max_tokens, ttft0, args.ttft_x, args.tbt_x)
         if args.no_link:
             out["link"], out["kv_transfer_over_link_rate"], out["link_note"] = None, None, "not measured: --no-link"

@@ -75,6 +75,12 @@ class Engine:
         self._inbox: deque[Callable[[Engine], list[Event]]] = deque()
         self.steps = 0
         self.meter = VelocityMeter()  # prefill/decode tokens/s measured from this engine's step timings
+        # the last step as (prompt tokens prefilled, decode rows, seconds), and the most prompt tokens one step
+        # prefilled under the chunk budget in force now (`budget_of_max`; a new budget starts it again): what a
+        # converted decoder's /metrics shows to prove its budget held (metrics.py)
+        self.last_step: tuple[int, int, float] | None = None
+        self.prefill_step_max = 0
+        self.budget_of_max: int | None = None
         self.coop: Cooperation | None = None  # live split hook (cooperation.py): hosts or sends pair rows
 
     @property
@@ -168,7 +174,13 @@ class Engine:
                 self.scheduler.finish(w.id)
                 self.requests.pop(w.id, None)
             return events + [Event(w.id, -1, True, f"error: {e}") for w in work]
-        self.meter.observe(prefill, len(work) - len(prefill), time.perf_counter() - t0)
+        secs = time.perf_counter() - t0
+        self.meter.observe(prefill, len(work) - len(prefill), secs)
+        tokens = sum(n for n, _ in prefill)
+        self.last_step = (tokens, len(work) - len(prefill), secs)
+        if self.scheduler.last_cap != self.budget_of_max:
+            self.budget_of_max, self.prefill_step_max = self.scheduler.last_cap, 0
+        self.prefill_step_max = max(self.prefill_step_max, tokens)
         it = iter(toks)
         now = time.monotonic()
         for w, sampled in zip(work, samples, strict=True):

@@ -10,6 +10,9 @@ Kascade's own: blocks resident, weight transfer bytes and bandwidth, weight tran
 engine (`kascade_weight_transfer_failures_total`, the transfer-failure alert), live-split requests and layers,
 `kascade_data_port_bytes_total{transport,direction}`: payload bytes of the data port's connections
 (activations, pairs, PD KV) as the transport (`--transport`: tcp, tcp+tls, ucx) counted them.
+`kascade_step_seconds{kind=decode|mixed|prefill}` (step time by what it ran: the operator reads the decode
+steps as a converted decoder's room for prefill), `kascade_prefill_step_tokens_max` (most prompt tokens one
+step prefilled since the chunk budget last changed) and `kascade_prefill_chunk_budget_tokens`.
 
 Data flow: Serving calls `on_request` (prompt admitted), `observe_event` (every token), `observe_ttft`,
 `on_finish`; `update(instance)` samples the gauges before a scrape and after every step.
@@ -64,6 +67,17 @@ class EngineMetrics:
                                        "(activations, live pairs, the KV of disaggregated serving) moved, counted "
                                        "by the transport that carried them", ["transport", "direction"], registry=r)
         self._data_port_seen = (0, 0)
+        # steps by kind, and the prefill chunk budget at work: a converted decoder's mixed steps must stay short
+        self.step_seconds = Histogram("kascade_step_seconds", "Engine step (one forward) duration by what it ran: "
+                                      "decode (decodes only), mixed (decodes and prompt chunks), prefill (prompt "
+                                      "chunks only)", ["model_name", "kind"], registry=r, buckets=LATENCY)
+        self.prefill_step_max = gauge("kascade_prefill_step_tokens_max",
+                                      "The most prompt tokens one step prefilled since the prefill chunk budget "
+                                      "(a converted decoder's /convert) last changed")
+        self.prefill_chunk_budget = gauge("kascade_prefill_chunk_budget_tokens",
+                                          "The prefill chunk budget (prompt tokens per step) the last step ran "
+                                          "under (a taken-back decoder's held one included); 0: no cap")
+        self._steps_seen = 0
         self._last_token: dict[str, float] = {}
         self._preemptions_seen = 0
 
@@ -95,6 +109,14 @@ class EngineMetrics:
         self.waiting.set(len(s.waiting))
         self.running.set(len(s.running))
         self.kv_usage.set(s.kv_usage())
+        eng = inst.engine
+        if eng.steps != self._steps_seen and eng.last_step is not None:
+            self._steps_seen = eng.steps
+            tokens, decodes, secs = eng.last_step
+            kind = "mixed" if tokens and decodes else ("prefill" if tokens else "decode")
+            self.step_seconds.labels(self.model_name, kind).observe(secs)
+        self.prefill_step_max.set(eng.prefill_step_max)
+        self.prefill_chunk_budget.set(s.last_cap or 0)
         if s.preemptions > self._preemptions_seen:
             self.preemptions.inc(s.preemptions - self._preemptions_seen)
             self._preemptions_seen = s.preemptions

@@ -88,6 +88,13 @@ class Scheduler:
     # a live pair's loading engine (pairclient.py): a waiting prompt that fits a step whole is not split
     # across two, as each step of it is a pair round trip (B's prefix, A's step boundary, A's step)
     whole_prompts: bool = False
+    # the prefill chunk budget the last `schedule` applied (read once per step: /convert may change the
+    # limit from the event loop meanwhile), so a step's prompt tokens are judged against its own budget
+    last_cap: int | None = None
+    # a converted decoder taken back (/convert null) still holds the prompts it accepted while converted:
+    # they finish prefilling under the budget they were accepted with (`held_cap`) instead of in one
+    # uncapped step that would stall every decode in the batch; the cap goes once no prompt is in prefill
+    held_cap: int | None = None
 
     def __post_init__(self) -> None:
         self.pool = PagePool(self.limits.pages, self.limits.page_size)
@@ -118,7 +125,16 @@ class Scheduler:
 
     def schedule(self) -> Batch:
         budget = self.limits.max_batch_tokens
-        prefill_left = self.limits.prefill_chunk_tokens or budget  # a converted decoder caps prefill per step
+        cap = self.limits.prefill_chunk_tokens
+        if cap is not None:
+            self.held_cap = cap
+        elif self.held_cap is not None:
+            if self.waiting or any(s.total - s.computed > 1 for s in self.running.values()):
+                cap = self.held_cap
+            else:
+                self.held_cap = None
+        self.last_cap = cap
+        prefill_left = cap or budget  # a converted decoder caps prefill per step
         work: list[Work] = []
         scheduled: set[str] = set()
         preempted: list[str] = []

@@ -45,6 +45,8 @@ class InstanceSample:
     ttft_count: float = 0.0
     tbt_sum: float = 0.0
     tbt_count: float = 0.0
+    decode_step_sum: float = 0.0  # kascade_step_seconds{kind="decode"} sum and count (cumulative)
+    decode_step_count: float = 0.0
     velocity: MeasuredVelocity | None = None  # the engine's measured velocities (gauges, not rates)
 
 
@@ -61,6 +63,8 @@ class InstanceLoad:
     tbt_sum: float = 0.0
     tbt_count: float = 0.0
     velocity: MeasuredVelocity | None = None
+    decode_step_sum: float = 0.0  # over the window: decode-only step seconds, and how many steps
+    decode_step_count: float = 0.0
 
 
 # vLLM-aligned engine metric names (kascade_ prefix; a `model_name` label, summed over here)
@@ -76,6 +80,10 @@ _COUNTERS = {"kascade_prompt_tokens": "input_tokens", "kascade_generation_tokens
 # the engine's own velocities (kascade_engine.velocity / remote_prefill): 0 or absent = not measured yet
 _PREFILL_V, _DECODE_V, _LINK_V = ("kascade_prefill_velocity_tokens_per_second",
                                   "kascade_decode_velocity_tokens_per_second", "kascade_kv_link_tokens_per_second")
+
+
+# the engine's step timings (kascade_engine.metrics): decode-only steps, the room a converted decoder has
+_STEP = {"kascade_step_seconds_sum": "decode_step_sum", "kascade_step_seconds_count": "decode_step_count"}
 
 
 def _velocity(v: dict[str, list[float]]) -> MeasuredVelocity | None:
@@ -95,6 +103,9 @@ def parse_engine_metrics(text: str, time_s: float) -> InstanceSample:
             for smp in fam.samples:
                 if smp.name in (_PREFILL_V, _DECODE_V, _LINK_V):
                     vel.setdefault(smp.name, []).append(float(smp.value))
+                    continue
+                if smp.name in _STEP and smp.labels.get("kind") == "decode":
+                    values[_STEP[smp.name]] = values.get(_STEP[smp.name], 0.0) + float(smp.value)
                     continue
                 # counters appear as `<name>_total` (typed or, when the TYPE line names another family,
                 # untyped); `_created` is a timestamp, not a value
@@ -137,10 +148,11 @@ class RateTracker:
             return InstanceLoad(instance, (cur.input_tokens - b.input_tokens) / dt,
                                 (cur.output_tokens - b.output_tokens) / dt, in_flight, cur.kv_usage,
                                 cur.queue_length, cur.ttft_sum - b.ttft_sum, cur.ttft_count - b.ttft_count,
-                                cur.tbt_sum - b.tbt_sum, cur.tbt_count - b.tbt_count, cur.velocity)
+                                cur.tbt_sum - b.tbt_sum, cur.tbt_count - b.tbt_count, cur.velocity,
+                                cur.decode_step_sum - b.decode_step_sum, cur.decode_step_count - b.decode_step_count)
 
         if h and (cur.input_tokens < h[-1].input_tokens or cur.output_tokens < h[-1].output_tokens
-                  or cur.ttft_count < h[-1].ttft_count):
+                  or cur.ttft_count < h[-1].ttft_count or cur.decode_step_count < h[-1].decode_step_count):
             prev = h[-1]
             h.clear()
             h.append(cur)
@@ -178,13 +190,15 @@ def snapshot(loads: Sequence[InstanceLoad], time_s: float) -> MetricsSnapshot:
     if not loads:
         return MetricsSnapshot(time_s)
     ttft_n, tbt_n = sum(x.ttft_count for x in loads), sum(x.tbt_count for x in loads)
+    step_n = sum(x.decode_step_count for x in loads)
     return MetricsSnapshot(time_s, input_tokens_per_s=sum(x.input_tokens_per_s for x in loads),
                            output_tokens_per_s=sum(x.output_tokens_per_s for x in loads),
                            queue_length=sum(x.queue_length for x in loads),
                            ttft_s=sum(x.ttft_sum for x in loads) / ttft_n if ttft_n > 0 else None,
                            tbt_s=sum(x.tbt_sum for x in loads) / tbt_n if tbt_n > 0 else None,
                            in_flight=sum(x.in_flight for x in loads),
-                           kv_usage=sum(x.kv_usage for x in loads) / len(loads), measured=measured(loads))
+                           kv_usage=sum(x.kv_usage for x in loads) / len(loads), measured=measured(loads),
+                           decode_step_s=sum(x.decode_step_sum for x in loads) / step_n if step_n > 0 else None)
 
 
 class Scraper:

@@ -8,8 +8,8 @@ Data flow: `ModelServiceSpec` + each role's `RoleInput` (serving count, bounds, 
   counts it again), so the larger of the two roles' rates is the arrival rate, whichever engines saw it;
 - `ratio_decisions`: the per-role decisions with prefill and decode replaced by
   `kascade_planner.pdratio.pd_ratio` (both counts from one demand), the SLO bump on top;
-- `conversion_input`: what `kascade_planner.conversion.plan_conversions` needs (the operator's
-  converter.py applies its answer).
+- `conversion_input`: what `kascade_planner.conversion.plan_conversions` needs, the decoders' measured
+  decode step time included (the chunk budget's room); the operator's converter.py applies its answer.
 """
 
 from __future__ import annotations
@@ -93,8 +93,10 @@ def conversion_input(spec: ModelServiceSpec, key: str, pods: Sequence[PodView],
     decoders = tuple(DecoderView(p.pod_name, p.convertible) for p in sorted(mine, key=lambda p: p.pod_name)
                      if p.role == "decode" and p.ready and p.endpoint)
     pre = next((r for r in roles if r.role == "prefill"), None)
+    dec = next((r for r in roles if r.role == "decode"), None)
     slo = slo_of(spec)
     return ConversionInput(demand(roles).input_tokens_per_s,
                            sum(1 for p in mine if p.role == "prefill" and p.ready),
                            velocities(spec, [r.snap for r in roles]).prefill_effective, decoders,
-                           pre.snap.queue_length if pre else None, slo.tbt_s if slo else None)
+                           pre.snap.queue_length if pre else None, slo.tbt_s if slo else None,
+                           dec.snap.decode_step_s if dec else None)

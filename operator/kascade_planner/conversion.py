@@ -16,9 +16,14 @@ The rule:
 - all of them are taken back when the deficit is gone (the new prefillers the ratio policy asked for
   are live, or the burst ended) and no prompt waits at a prefiller: no partial take-back, so a rate
   that jitters around the capacity does not flap conversions;
-- chunk budget = `CONVERTED_SHARE` x TBT objective x prefill velocity tokens (a chunk of that size
-  prefills in half a TBT), within [MIN_CHUNK, MAX_CHUNK]; DEFAULT_CHUNK without an objective or a
-  velocity (the simulator's default too).
+- chunk budget = the prefill time a step may add x prefill velocity tokens, within [MIN_CHUNK, MAX_CHUNK];
+  DEFAULT_CHUNK without an objective or a velocity (the simulator's default too). The time is
+  `CONVERTED_SHARE` x the TBT objective (a chunk prefills in half a TBT), and no more than what the
+  decoders' measured decode step leaves of the objective (`decode_step_s`): a step that mixes a chunk
+  into the decodes takes the decodes' time PLUS the chunk's, so on an engine whose decode step already
+  takes more than half the objective (a compute-bound CPU decoder with a full batch) half a TBT of
+  prefill would push every token of the batch past the objective. Without a measured decode step the
+  budget is the half-TBT one.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class ConversionInput:
     decoders: tuple[DecoderView, ...]  # the service's serving decoders (not draining)
     prefill_queue: float | None = None  # requests waiting at prefillers; None: not measured
     tbt_slo_s: float | None = None
+    decode_step_s: float | None = None  # the decoders' mean decode-only step time now; None: not measured
 
     def __post_init__(self) -> None:
         if self.input_tokens_per_s < 0 or self.prefill_ready < 0:
@@ -54,6 +60,8 @@ class ConversionInput:
             raise ValueError(f"prefill_tokens_per_s must be > 0 or None, got {self.prefill_tokens_per_s}")
         if self.tbt_slo_s is not None and not self.tbt_slo_s > 0:
             raise ValueError(f"tbt_slo_s must be > 0 or None, got {self.tbt_slo_s}")
+        if self.decode_step_s is not None and not self.decode_step_s >= 0:
+            raise ValueError(f"decode_step_s must be >= 0 or None, got {self.decode_step_s}")
 
 
 @dataclass(frozen=True)
@@ -69,15 +77,20 @@ class Conversions:
         return bool(self.convert or self.revert)
 
 
-def chunk_budget(tbt_slo_s: float | None, prefill_tokens_per_s: float | None) -> int:
-    """Prompt tokens per step a converted decoder may prefill so its decodes keep the TBT objective."""
+def chunk_budget(tbt_slo_s: float | None, prefill_tokens_per_s: float | None,
+                 decode_step_s: float | None = None) -> int:
+    """Prompt tokens per step a converted decoder may prefill so its decodes keep the TBT objective: the
+    step's prefill time is half the objective at most, and at most what the decode step leaves of it."""
     if tbt_slo_s is None or prefill_tokens_per_s is None:
         return DEFAULT_CHUNK
-    return max(MIN_CHUNK, min(MAX_CHUNK, math.floor(CONVERTED_SHARE * tbt_slo_s * prefill_tokens_per_s)))
+    room = CONVERTED_SHARE * tbt_slo_s
+    if decode_step_s is not None:
+        room = min(room, tbt_slo_s - decode_step_s)
+    return max(MIN_CHUNK, min(MAX_CHUNK, math.floor(max(room, 0.0) * prefill_tokens_per_s)))
 
 
 def plan_conversions(c: ConversionInput) -> Conversions:
-    chunk = chunk_budget(c.tbt_slo_s, c.prefill_tokens_per_s)
+    chunk = chunk_budget(c.tbt_slo_s, c.prefill_tokens_per_s, c.decode_step_s)
     now = tuple(sorted(d.name for d in c.decoders if d.converted))
     if c.prefill_tokens_per_s is None:
         return Conversions((), (), chunk, len(now), "conversion: no prefill velocity configured or measured; holding")
@@ -91,11 +104,12 @@ def plan_conversions(c: ConversionInput) -> Conversions:
         if want <= len(now):
             return Conversions((), (), chunk, len(now), f"{head}; deficit {deficit:.0f} tok/s, {len(now)} converted "
                                                         "decoder(s) keep prefilling")
+        step = "" if c.decode_step_s is None else f", decode step {c.decode_step_s * 1e3:.1f} ms"
         idle = sorted((d for d in c.decoders if not d.converted), key=lambda d: (d.in_flight, d.name))
         new = tuple(d.name for d in idle[:want - len(now)])
         return Conversions(new, (), chunk, len(now) + len(new),
                            f"{head}; deficit {deficit:.0f} tok/s -> convert {', '.join(new)} "
-                           f"(chunk budget {chunk} tokens)")
+                           f"(chunk budget {chunk} tokens{step})")
     if not now:
         return Conversions((), (), chunk, 0, f"{head}; no deficit")
     if c.prefill_queue:

@@ -51,6 +51,7 @@ class MetricsSnapshot:
     ttft_s: float | None = None  # mean time to first token over the window (None: no request finished one)
     tbt_s: float | None = None  # mean time between tokens over the window
     measured: MeasuredVelocity | None = None  # the engines' own velocities (tokenVelocity without typed ones)
+    decode_step_s: float | None = None  # mean decode-only step time over the window (a converted decoder's room)
 
 
 @dataclass(frozen=True)

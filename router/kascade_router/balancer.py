@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 from collections.abc import Collection, Sequence
 
+from kascade_planner.conversion import CONVERTED_SHARE
 from kascade_router.backends import Backend
 
 
@@ -25,12 +26,16 @@ def pick(backends: Sequence[Backend], rng: random.Random, exclude: Collection[st
     return a if (a.in_flight + 1) / a.weight <= (b.in_flight + 1) / b.weight else b
 
 
-def _prefill_load(b: Backend) -> int:
-    """A prefill candidate's load: a prefill engine's requests (the router holds each one only until its
-    first token); a converted decoder's prompts in prefill (`Backend.prefilling`), not its `in_flight`,
-    which also holds every request it decodes, including the ones a prefill engine prefills for it: by
-    `in_flight` it would never be the less loaded candidate."""
-    return b.in_flight if b.role == "prefill" else b.prefilling
+def _prefill_load(b: Backend) -> float:
+    """A prefill candidate's load, in prefill engines' worth of work: a prefill engine's requests (the
+    router holds each one only until its first token); a converted decoder's prompts in prefill
+    (`Backend.prefilling`), not its `in_flight`, which also holds every request it decodes, including the
+    ones a prefill engine prefills for it: by `in_flight` it would never be the less loaded candidate.
+    A converted decoder prefills at `CONVERTED_SHARE` of a prefill engine's speed (its chunk budget
+    spends at most that share of each step on prefill: the conversion policy's own assumption), so each
+    of its prompts counts 1 / CONVERTED_SHARE: ranked by prompts alone it took as many as a prefill engine
+    with the same count, and they waited behind its slower chunks (burst TTFT 0.00 in bench run D)."""
+    return float(b.in_flight) if b.role == "prefill" else b.prefilling / CONVERTED_SHARE
 
 
 def _pick_prefill(pool: Sequence[Backend], rng: random.Random) -> Backend | None:
@@ -38,7 +43,12 @@ def _pick_prefill(pool: Sequence[Backend], rng: random.Random) -> Backend | None
     if len(pool) <= 1:
         return pool[0] if pool else None
     a, b = rng.sample(list(pool), 2)
-    return a if (_prefill_load(a) + 1) / a.weight <= (_prefill_load(b) + 1) / b.weight else b
+    return a if _prefill_cost(a) <= _prefill_cost(b) else b
+
+
+def _prefill_cost(b: Backend) -> float:
+    """Its load with the next prompt added, per unit of weight."""
+    return (_prefill_load(b) + (1.0 if b.role == "prefill" else 1 / CONVERTED_SHARE)) / b.weight
 
 
 def pick_pd(backends: Sequence[Backend], rng: random.Random,
@@ -50,12 +60,19 @@ def pick_pd(backends: Sequence[Backend], rng: random.Random,
     Convertible decoders (annotated by the operator under a prefill burst) join the prefill candidates,
     itself included when the chosen decoder is one: the candidate with fewer prompts in prefill takes it
     (`_pick_prefill`), so converted decoders absorb prefill only while the prefill engines are busier
-    (picked itself: it prefills locally)."""
+    (picked itself: it prefills locally), and a converted decoder takes a prompt only while it prefills
+    none (when every candidate is a busy converted decoder, the least busy still takes it)."""
     d = pick([b for b in backends if b.role != "prefill"], rng, exclude)
     if d is None:
         return pick(backends, rng, exclude), None
     prefill = [b for b in backends if b.data and (b.role == "prefill" or b.convertible)]
     if d.role != "decode" or not prefill or (d.convertible and len(prefill) == 1):
         return d, None
+    # a converted decoder prefills one prompt at a time: its chunk budget gives it a few tokens a step, so a
+    # second prompt would only queue behind the first (bench run 2: 10 prompts queued on one converted
+    # decoder, TTFT p99 17.8 s); while it prefills one, prefill engines take the rest
+    free = [b for b in prefill if b.role == "prefill" or b.prefilling == 0]
+    if free:
+        prefill = free
     p = _pick_prefill(prefill, rng)
     return (d, None) if p is d else (d, p)

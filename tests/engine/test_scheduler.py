@@ -34,6 +34,24 @@ def test_decodes_first_then_chunked_prefill_within_budget() -> None:
     assert [w[0] for w in _run(s)] == ["b", "c"]
 
 
+def test_a_taken_back_decoder_finishes_its_accepted_prompts_under_the_budget() -> None:
+    """The cap lifted (/convert null) while a prompt is half prefilled: that prompt and any already waiting
+    finish under the budget they were accepted with; once no prompt is in prefill, the cap is gone."""
+    s = Scheduler(Limits(max_batch_tokens=64, max_seqs=4, kv_tokens=1000, page_size=4, prefill_chunk_tokens=4))
+    s.add(Seq("d", 1, 20))
+    s.add(Seq("p", 12, 3))
+    assert _run(s) == [("d", 0, 1), ("p", 0, 3)]
+    assert _run(s) == [("d", 1, 1), ("p", 3, 4)]
+    s.limits.prefill_chunk_tokens = None  # taken back
+    s.add(Seq("q", 6, 3))
+    assert _run(s) == [("d", 2, 1), ("p", 7, 4)] and s.last_cap == 4
+    assert _run(s) == [("d", 3, 1), ("p", 11, 1), ("q", 0, 4)]  # p's last prompt token samples like a decode
+    assert _run(s) == [("d", 4, 1), ("p", 12, 1), ("q", 4, 2)] and s.last_cap == 4
+    assert _run(s) == [("d", 5, 1), ("p", 13, 1), ("q", 6, 1)] and s.last_cap is None  # no prompt left
+    s.add(Seq("r", 30, 3))
+    assert _run(s)[-1] == ("r", 0, 30)  # uncapped now
+
+
 def test_admission_by_free_pages_and_finish_frees_them() -> None:
     s = Scheduler(Limits(max_batch_tokens=100, max_seqs=8, kv_tokens=16, page_size=4))  # 4 pages
     s.add(Seq("a", 8, 4))

@@ -30,3 +30,24 @@ def test_window_keeps_a_steady_rate_exact_and_survives_a_reset() -> None:
     assert r.update("a", InstanceSample(3.25, input_tokens=35)).input_tokens_per_s == pytest.approx(100.0)
     with pytest.raises(ValueError, match="window_s"):
         RateTracker(-1)
+
+
+def test_the_decode_step_time_is_the_windows_mean_of_decode_only_steps() -> None:
+    """kascade_step_seconds{kind="decode"} -> the snapshot's decode_step_s (the converted decoder's room in
+    the chunk budget); mixed and prefill steps are not decode steps; no decode step in the window: None."""
+    from kascade_operator.metrics import parse_engine_metrics, snapshot
+
+    def text(dec_sum: float, dec_n: int) -> str:
+        return ("# TYPE kascade_step_seconds histogram\n"
+                f'kascade_step_seconds_sum{{model_name="m",kind="decode"}} {dec_sum}\n'
+                f'kascade_step_seconds_count{{model_name="m",kind="decode"}} {dec_n}\n'
+                'kascade_step_seconds_sum{model_name="m",kind="mixed"} 9.0\n'
+                'kascade_step_seconds_count{model_name="m",kind="mixed"} 3\n')
+
+    r = RateTracker(1.0)
+    r.update("a", parse_engine_metrics(text(1.0, 50), 0.0))
+    load = r.update("a", parse_engine_metrics(text(1.6, 70), 1.0))  # 20 steps took 0.6 s in the window
+    assert (load.decode_step_sum, load.decode_step_count) == pytest.approx((0.6, 20))
+    assert snapshot([load], 1.0).decode_step_s == pytest.approx(0.03)
+    still = r.update("a", parse_engine_metrics(text(1.6, 70), 2.1))
+    assert snapshot([still], 2.1).decode_step_s is None

@@ -107,3 +107,16 @@ def test_chunk_budget_from_the_tbt_objective() -> None:
         ConversionInput(1, 1, 1.0, (), tbt_slo_s=0)
     with pytest.raises(ValueError, match="prefill_tokens_per_s"):
         ConversionInput(1, 1, 0.0, ())
+
+
+def test_the_chunk_budget_leaves_the_decode_step_its_time() -> None:
+    """A mixed step takes the decodes' time plus the chunk's: the chunk gets half the objective at most, and
+    no more than what the measured decode step leaves of it."""
+    assert chunk_budget(0.1, 2000, decode_step_s=0.02) == 100  # a fast decode step: half the objective
+    assert chunk_budget(0.1, 2000, decode_step_s=0.08) == 40  # 20 ms left of 100 ms at 2000 tok/s
+    assert chunk_budget(0.036, 2250, decode_step_s=0.030) == 13  # the CPU bench: 6 ms left (half would be 40)
+    assert chunk_budget(0.1, 2000, decode_step_s=0.15) == MIN_CHUNK  # decodes alone miss it: the smallest chunk
+    c = plan_conversions(ConversionInput(220, 1, 100.0, decoders("d0"), tbt_slo_s=0.2, decode_step_s=0.16))
+    assert c.chunk_tokens == MIN_CHUNK and c.convert == ("d0",) and "decode step 160.0 ms" in c.reason
+    with pytest.raises(ValueError, match="decode_step_s"):
+        ConversionInput(1, 1, 1.0, (), decode_step_s=-0.1)

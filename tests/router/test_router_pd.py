@@ -195,3 +195,21 @@ def test_convertible_decoders_take_prefill_for_other_decoders() -> None:
            "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
     route = B.pod_backend(pod)
     assert route is not None and (route.role, route.data, route.convertible) == ("decode", "h:9", True)
+
+
+def test_a_converted_decoder_weighs_its_prompts_by_its_share_and_prefills_one_at_a_time() -> None:
+    """A converted decoder prefills at CONVERTED_SHARE (1/2) of a prefill engine's speed, so its next prompt
+    counts double: against an idle prefill engine (1 vs 2) p takes it, where by prompt count alone (1 vs 1)
+    half would go to d; against a prefill engine holding 2 (3 vs 2) d takes it. And it prefills one prompt
+    at a time: with one in prefill it takes no other, however busy p is (by share alone, 4 < 10, it would)."""
+    from kascade_planner.conversion import CONVERTED_SHARE
+
+    assert CONVERTED_SHARE == 0.5
+    rng = random.Random(1)
+    d = Backend("d", "h:1", role="decode", data="h:10", convertible=True, in_flight=10, prefilling=0)
+    p = Backend("p", "h:2", role="prefill", data="h:20", in_flight=0, prefilling=0)
+    assert all(pick_pd([d, p], rng) == (d, p) for _ in range(20))
+    p.in_flight = p.prefilling = 2
+    assert all(pick_pd([d, p], rng) == (d, None) for _ in range(20))
+    d.prefilling, p.in_flight, p.prefilling = 1, 9, 9
+    assert all(pick_pd([d, p], rng) == (d, p) for _ in range(20))
