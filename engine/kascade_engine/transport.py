@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -110,6 +111,19 @@ class Listener(Protocol):
 
 
 Handler = Callable[[Connection], Awaitable[None]]
+log = logging.getLogger(__name__)
+
+
+async def serve(handler: Handler, conn: Connection, what: str) -> None:
+    """One accepted connection's life on a listener (every transport): `handler` runs, its failure is
+    logged naming `what` and the peer (it never ends the listener, and is not silent), and the
+    connection is closed after."""
+    try:
+        await handler(conn)
+    except Exception as e:
+        log.warning("%s from %s failed: %s: %s", what, conn.peer, type(e).__name__, e)
+    finally:
+        await conn.close()
 
 
 class Transport(Protocol):

@@ -23,6 +23,7 @@ from kascade_engine.transport import (
     decode_prefix,
     encode_prefix,
     read_frame,
+    serve,
 )
 
 BUF = 4 * 1024 * 1024
@@ -172,13 +173,7 @@ class TcpTransport:
         conns: set[asyncio.Task[None]] = set()
 
         async def serve_one(sock: socket.socket) -> None:
-            conn = TcpConnection(sock, self.traffic)
-            try:
-                await handler(conn)
-            except Exception as e:  # one connection's failure never ends the listener, and is not silent
-                log.warning("connection from %s failed: %s: %s", conn.peer, type(e).__name__, e)
-            finally:
-                await conn.close()
+            await serve(handler, TcpConnection(sock, self.traffic), "connection")
 
         async def accept_loop() -> None:
             while True:

@@ -34,6 +34,7 @@ from kascade_engine.transport import (
     decode_prefix,
     encode_prefix,
     read_frame,
+    serve,
 )
 
 MAX_CONNECTIONS = 256  # open at once per listener, handshaking or served; more are closed on accept
@@ -203,13 +204,7 @@ class TlsTransport:
                                 getattr(e, "reason", None) or type(e).__name__)
                     writer.transport.abort()
                     return
-                conn = TlsConnection(reader, writer, self.traffic)
-                try:
-                    await handler(conn)
-                except Exception as e:  # one connection's failure never ends the listener, and is not silent
-                    log.warning("tls connection from %s failed: %s: %s", conn.peer, type(e).__name__, e)
-                finally:
-                    await conn.close()
+                await serve(handler, TlsConnection(reader, writer, self.traffic), "tls connection")
             finally:
                 if task is not None:
                     open_conns.discard(task)

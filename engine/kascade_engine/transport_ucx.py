@@ -58,6 +58,7 @@ from kascade_engine.transport import (
     decode_prefix,
     encode_prefix,
     read_frame,
+    serve,
 )
 
 
@@ -288,10 +289,7 @@ class UcxTransport:
             conn = UcxConnection(ep, "ucx-peer", fast, self.traffic)
             if addr is not None and bound:  # what the client dialled, for peerauth's relay check
                 conn.local = f"[{addr}]:{bound[0]}" if ":" in addr else f"{addr}:{bound[0]}"
-            try:
-                await handler(conn)
-            finally:
-                await conn.close()
+            await serve(handler, conn, "ucx connection")
 
         try:
             listener = UcxListener(ucxx.create_listener(on_ep, port or None))
