@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -32,6 +30,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kascade_devcluster.localengine import EngineProc, start_engine
 from kascade_engine.checkpoint import tiny_llama
 from kascade_operator import converter
 from kascade_operator import labels as L
@@ -58,39 +57,19 @@ PROMPTS = [[(7 * i + 3 * j) % 500 + 1 for j in range(64 + 8 * i)] for i in range
 STREAM_TOKENS = 200
 
 
-def _engine(ckpt: Path) -> tuple[subprocess.Popen[str], int, int]:
-    env = {**os.environ, "KASCADE_ENGINE_TOKEN": TOKEN}
-    cmd = [sys.executable, "-m", "kascade_cli.main", "engine", "serve", "--port", "0", "--act-port", "0",
-           "--checkpoint", str(ckpt), "--model-name", MODEL, "--kv-tokens", "8192", "--max-batch-tokens", "256"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-    assert proc.stdout is not None
-    for line in proc.stdout:  # one READY line once both ports listen
-        if line.startswith("KASCADE_ENGINE_READY"):
-            parts = dict(p.split("=") for p in line.split()[1:])
-            return proc, int(parts["http"]), int(parts["act"])
-    raise RuntimeError(f"engine exited with {proc.wait()}")
-
-
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[int, int]]]:
     pytest.importorskip("torch", reason="the engines need torch")
     ckpt = tiny_llama(tmp_path_factory.mktemp("conv") / MODEL, layers=4, hidden=64, vocab=512)
-    procs: list[subprocess.Popen[str]] = []
-    out: dict[str, tuple[int, int]] = {}
+    procs: list[EngineProc] = []
     try:
-        for name in ("p0", "d0"):
-            proc, http, act = _engine(ckpt)
-            procs.append(proc)
-            out[name] = (http, act)
-        yield out
+        for _ in ("p0", "d0"):
+            procs.append(start_engine(["--checkpoint", str(ckpt), "--model-name", MODEL, "--kv-tokens", "8192",
+                                       "--max-batch-tokens", "256"], TOKEN))
+        yield {"p0": (procs[0].http, procs[0].act), "d0": (procs[1].http, procs[1].act)}
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        for e in procs:
+            e.stop()
 
 
 def _spec() -> ModelServiceSpec:

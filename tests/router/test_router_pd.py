@@ -8,38 +8,21 @@ answers; both engines' /metrics show the KV that moved, and the transport's own 
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kascade_devcluster.localengine import EngineProc, start_engine
 from kascade_engine.checkpoint import tiny_llama
 from kascade_router.backends import Backend
 from kascade_router.balancer import pick_pd
 from kascade_router.server import Router, static_routes
 
 TOKEN = "router-pd-token"
-
-
-def _engine(ckpt: Path, name: str, transport: str) -> tuple[subprocess.Popen[str], int, int]:
-    env = {**os.environ, "KASCADE_ENGINE_TOKEN": TOKEN}
-    cmd = [sys.executable, "-m", "kascade_cli.main", "engine", "serve", "--port", "0", "--act-port", "0",
-           "--checkpoint", str(ckpt), "--model-name", "tiny-llama", "--kv-tokens", "4096",
-           "--max-batch-tokens", "32", "--transport", transport]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-    assert proc.stdout is not None
-    for line in proc.stdout:  # the engine prints one READY line once both ports listen
-        if line.startswith("KASCADE_ENGINE_READY"):
-            parts = dict(p.split("=") for p in line.split()[1:])
-            return proc, int(parts["http"]), int(parts["act"])
-    raise RuntimeError(f"engine {name} exited with {proc.wait()}")
 
 
 @pytest.fixture(scope="module", params=["tcp", "ucx"])
@@ -52,22 +35,15 @@ def transport(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory, transport: str) -> Iterator[dict[str, tuple[int, int]]]:
     ckpt = tiny_llama(tmp_path_factory.mktemp("pd") / "tiny-llama", layers=4, hidden=64, vocab=512)
-    procs: list[subprocess.Popen[str]] = []
-    out: dict[str, tuple[int, int]] = {}
+    procs: list[EngineProc] = []
     try:
-        for name in ("prefill", "decode"):
-            proc, http, act = _engine(ckpt, name, transport)
-            procs.append(proc)
-            out[name] = (http, act)
-        yield out
+        for _ in ("prefill", "decode"):
+            procs.append(start_engine(["--checkpoint", str(ckpt), "--model-name", "tiny-llama", "--kv-tokens", "4096",
+                                       "--max-batch-tokens", "32", "--transport", transport], TOKEN))
+        yield {"prefill": (procs[0].http, procs[0].act), "decode": (procs[1].http, procs[1].act)}
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        for e in procs:
+            e.stop()
 
 
 @pytest.fixture
