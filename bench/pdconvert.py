@@ -46,6 +46,10 @@ async def step_times(url: str) -> dict[str, Any]:
                 out.setdefault(x.labels["kind"], {}).setdefault("le", {})[x.labels["le"]] = x.value
             elif x.name == "kascade_prefill_step_tokens_max":
                 out["prefill_step_tokens_max"] = x.value
+            elif x.name == "kascade_prefill_tokens_cut_by_step_budget_total":
+                out["prefill_tokens_cut_by_step_budget"] = x.value
+            elif x.name == "kascade_step_cost_prompt_token_seconds":
+                out["step_cost_prompt_token_ms"] = round(x.value * 1e3, 3)
     for v in out.values():
         if isinstance(v, dict) and v.get("count"):
             v["mean_ms"] = round(v["sum"] / v["count"] * 1e3, 2)
@@ -61,7 +65,7 @@ async def converter(decoder: Any, url: str, prefill_url: str, spec: Any, token: 
     `kascade_prefill_velocity_tokens_per_second` etc.), `pdscaling.conversion_input` turns them into the
     policy's input exactly as for a ModelService (typed velocities none, so the measured ones), and
     `plan_conversions` decides; `pdscaling.velocities` + `pd_ratio` give the P:D ratio the same velocities
-    ask for. A conversion is applied as the operator does it: the engine's /convert with the chunk budget,
+    ask for. A conversion is applied as the operator does it: the engine's /convert with the chunk and step budgets,
     then the router's convertible flag (the pod annotation's effect); taking back in reverse. Until an
     engine has measured a prefill velocity the policy holds (its rule for an unknown velocity)."""
     from kascade_operator.decide import RoleInput
@@ -69,6 +73,7 @@ async def converter(decoder: Any, url: str, prefill_url: str, spec: Any, token: 
     from kascade_operator.pdscaling import conversion_input, demand, velocities
     from kascade_operator.pool import PodView
     from kascade_planner.conversion import plan_conversions
+    from kascade_planner.engine_api import ConvertRequest
     from kascade_planner.pdratio import PdVelocity, pd_ratio
     from kascade_planner.policies import Bounds
 
@@ -100,17 +105,19 @@ async def converter(decoder: Any, url: str, prefill_url: str, spec: Any, token: 
                                 "converted": decoder.convertible, "chunk_tokens": c.chunk_tokens,
                                 "pd_ratio": None if ratio is None else [ratio.prefill, ratio.decode]})
                 if c.convert:
-                    async with s.post(f"{url}/kascade/v1/convert", json={"prefillChunkTokens": c.chunk_tokens},
+                    ms = None if c.step_budget_s is None else c.step_budget_s * 1e3
+                    async with s.post(f"{url}/kascade/v1/convert", json=ConvertRequest(c.chunk_tokens, ms).to_dict(),
                                       headers=hdr) as r:
                         r.raise_for_status()
                     decoder.convertible = True
                 elif c.revert:
                     decoder.convertible = False
-                    async with s.post(f"{url}/kascade/v1/convert", json={"prefillChunkTokens": None},
+                    async with s.post(f"{url}/kascade/v1/convert", json=ConvertRequest(None).to_dict(),
                                       headers=hdr) as r:
                         r.raise_for_status()
                 if c.changes:
                     log.append({"t": round(now, 2), "reason": c.reason, "chunk_tokens": c.chunk_tokens,
+                                "step_budget_s": c.step_budget_s,
                                 "decode_step_s": inp.decode_step_s,
                                 "velocity": {"prefill": v.prefill, "network": v.network, "decode": v.decode},
                                 "pd_ratio": None if ratio is None else ratio.reason})

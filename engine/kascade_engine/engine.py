@@ -24,6 +24,7 @@ from kascade_engine.kvcache import KVCache, build_batch
 from kascade_engine.model import LlamaModel
 from kascade_engine.sampling import SamplingParams, sample
 from kascade_engine.scheduler import Limits, Scheduler, Seq, Work
+from kascade_engine.stepcost import StepCost, StepShape
 from kascade_engine.velocity import VelocityMeter
 
 if TYPE_CHECKING:
@@ -75,6 +76,9 @@ class Engine:
         self._inbox: deque[Callable[[Engine], list[Event]]] = deque()
         self.steps = 0
         self.meter = VelocityMeter()  # prefill/decode tokens/s measured from this engine's step timings
+        # step time as a function of what the step runs, fitted from this engine's own steps: a converted
+        # decoder's scheduler cuts prompt chunks to the time its step budget leaves (stepcost.py)
+        self.cost = self.scheduler.cost = StepCost()
         # the last step as (prompt tokens prefilled, decode rows, seconds), and the most prompt tokens one step
         # prefilled under the chunk budget in force now (`budget_of_max`; a new budget starts it again): what a
         # converted decoder's /metrics shows to prove its budget held (metrics.py)
@@ -165,6 +169,8 @@ class Engine:
         # token (len(tokens) grows) or finishing the request (it leaves `requests`)
         samples = [w.end == len(self.requests[w.id].tokens) for w in work]
         prefill = [(w.n, len(self.requests[w.id].prompt)) for w in work if w.start < len(self.requests[w.id].prompt)]
+        # a step that also runs a live pair's rows (hosted, or out on the peer) times more than this engine's work
+        own = self.coop is None or not self.coop.pending()
         t0 = time.perf_counter()
         try:
             toks = self._forward(work) if self.coop is None else self.coop.forward(self, work)
@@ -176,6 +182,8 @@ class Engine:
             return events + [Event(w.id, -1, True, f"error: {e}") for w in work]
         secs = time.perf_counter() - t0
         self.meter.observe(prefill, len(work) - len(prefill), secs)
+        if own:
+            self.cost.observe(StepShape.of([(w.start, w.n) for w in work]), secs)
         tokens = sum(n for n, _ in prefill)
         self.last_step = (tokens, len(work) - len(prefill), secs)
         if self.scheduler.last_cap != self.budget_of_max:

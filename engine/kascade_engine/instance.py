@@ -320,10 +320,19 @@ class EngineInstance:
 
     def convert(self, req: ConvertRequest) -> EngineStatus:
         """Convertible decoder (TokenScale): prefill at most `prefill_chunk_tokens` prompt tokens per step
-        (None: no cap). The data port serves other decode engines' prefill whatever the role; the router
+        (None: no cap), and with `step_budget_ms` only what the engine's measured step cost predicts within it
+        in a step that decodes (scheduler.py, stepcost.py). The data port serves other decode engines' prefill whatever the role; the router
         sends it some once the pod is annotated convertible."""
-        self.engine.limits.prefill_chunk_tokens = req.prefill_chunk_tokens
-        log.info("%s: prefill chunk budget %s", self.instance_id, req.prefill_chunk_tokens or "unlimited")
+        lim = self.engine.limits
+        # the step thread reads both between steps: a cap is set after its time budget and cleared before it,
+        # so no step runs under a new cap without its budget
+        if req.prefill_chunk_tokens is None:
+            lim.prefill_chunk_tokens = lim.step_budget_s = None
+        else:
+            lim.step_budget_s = None if req.step_budget_ms is None else req.step_budget_ms / 1e3
+            lim.prefill_chunk_tokens = req.prefill_chunk_tokens
+        log.info("%s: prefill chunk budget %s, step budget %s", self.instance_id,
+                 req.prefill_chunk_tokens or "unlimited", f"{req.step_budget_ms} ms" if lim.step_budget_s else "none")
         return self.status()
 
     def drain(self) -> EngineStatus:
@@ -376,7 +385,10 @@ class EngineInstance:
                             str(self.dtype).removeprefix("torch."),
                             {**({"pipelineDownstream": self.downstream_peer} if self.downstream_peer else {}),
                              **({"prefillChunkTokens": self.engine.limits.prefill_chunk_tokens}
-                                if self.engine.limits.prefill_chunk_tokens else {})},
+                                if self.engine.limits.prefill_chunk_tokens else {}),
+                             **({"stepBudgetMs": self.engine.limits.step_budget_s * 1e3}
+                                if self.engine.limits.prefill_chunk_tokens and self.engine.limits.step_budget_s
+                                else {})},
                             self.host_copy.total_bytes if self.host_copy is not None else 0)
 
     async def close(self) -> None:

@@ -12,7 +12,9 @@ engine (`kascade_weight_transfer_failures_total`, the transfer-failure alert), l
 (activations, pairs, PD KV) as the transport (`--transport`: tcp, tcp+tls, ucx) counted them.
 `kascade_step_seconds{kind=decode|mixed|prefill}` (step time by what it ran: the operator reads the decode
 steps as a converted decoder's room for prefill), `kascade_prefill_step_tokens_max` (most prompt tokens one
-step prefilled since the chunk budget last changed) and `kascade_prefill_chunk_budget_tokens`.
+step prefilled since the chunk budget last changed) and `kascade_prefill_chunk_budget_tokens`; a converted
+decoder's time budget: `kascade_prefill_step_budget_seconds`, `kascade_prefill_tokens_cut_by_step_budget_total`
+and the fitted `kascade_step_cost_prompt_token_seconds` (stepcost.py).
 
 Data flow: Serving calls `on_request` (prompt admitted), `observe_event` (every token), `observe_ttft`,
 `on_finish`; `update(instance)` samples the gauges before a scrape and after every step.
@@ -77,6 +79,15 @@ class EngineMetrics:
         self.prefill_chunk_budget = gauge("kascade_prefill_chunk_budget_tokens",
                                           "The prefill chunk budget (prompt tokens per step) the last step ran "
                                           "under (a taken-back decoder's held one included); 0: no cap")
+        self.prefill_step_budget = gauge("kascade_prefill_step_budget_seconds",
+                                         "The step time budget the last step ran under (a converted decoder: prompt "
+                                         "chunks only while its measured step cost predicts the step within it); 0: none")
+        self.prefill_cut = counter("kascade_prefill_tokens_cut_by_step_budget",
+                                   "Prompt tokens the step time budget held back from steps the token cap allowed")
+        self.token_cost = gauge("kascade_step_cost_prompt_token_seconds",
+                                "Seconds one more prompt token adds to a step, fitted online from this engine's "
+                                "steps (stepcost.py); 0: not measured yet")
+        self._cut_seen = 0
         self._steps_seen = 0
         self._last_token: dict[str, float] = {}
         self._preemptions_seen = 0
@@ -117,6 +128,11 @@ class EngineMetrics:
             self.step_seconds.labels(self.model_name, kind).observe(secs)
         self.prefill_step_max.set(eng.prefill_step_max)
         self.prefill_chunk_budget.set(s.last_cap or 0)
+        self.prefill_step_budget.set(s.last_budget_s or 0)
+        if s.cut_tokens > self._cut_seen:
+            self.prefill_cut.inc(s.cut_tokens - self._cut_seen)
+            self._cut_seen = s.cut_tokens
+        self.token_cost.set(eng.cost.token_s or 0)
         if s.preemptions > self._preemptions_seen:
             self.preemptions.inc(s.preemptions - self._preemptions_seen)
             self._preemptions_seen = s.preemptions

@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kascade_engine.pages import PagePool
+from kascade_engine.stepcost import StepCost, StepShape
 
 
 @dataclass
@@ -64,11 +65,16 @@ class Limits:
     kv_tokens: int = 16384
     page_size: int = 16
     prefill_chunk_tokens: int | None = None  # convertible decoder: prompt tokens per step at most (None: no cap)
+    # convertible decoder: a step that decodes takes prompt tokens only while its predicted time (the engine's
+    # measured step cost, stepcost.py) stays within this many seconds (the TBT objective's room; None: no limit)
+    step_budget_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "max_seqs", "kv_tokens", "page_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"scheduler limit {name} must be >= 1, got {getattr(self, name)}")
+        if self.step_budget_s is not None and not self.step_budget_s > 0:
+            raise ValueError(f"scheduler limit step_budget_s must be > 0 or None, got {self.step_budget_s}")
 
     @property
     def pages(self) -> int:
@@ -95,6 +101,14 @@ class Scheduler:
     # they finish prefilling under the budget they were accepted with (`held_cap`) instead of in one
     # uncapped step that would stall every decode in the batch; the cap goes once no prompt is in prefill
     held_cap: int | None = None
+    held_budget_s: float | None = None  # the time budget held with it
+    # the engine's step-time model (stepcost.py): with a step budget, prompt chunks are cut to the time left
+    # after the step's decodes; None (or not yet measured) leaves the token cap alone in force
+    cost: StepCost | None = None
+    # the step budget the last `schedule` applied (None: none), and the prompt tokens the time budget has held
+    # back from steps so far (each would have run under the token cap alone)
+    last_budget_s: float | None = None
+    cut_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.pool = PagePool(self.limits.pages, self.limits.page_size)
@@ -125,16 +139,29 @@ class Scheduler:
 
     def schedule(self) -> Batch:
         budget = self.limits.max_batch_tokens
-        cap = self.limits.prefill_chunk_tokens
+        cap, budget_s = self.limits.prefill_chunk_tokens, self.limits.step_budget_s
         if cap is not None:
-            self.held_cap = cap
+            self.held_cap, self.held_budget_s = cap, budget_s
         elif self.held_cap is not None:
             if self.waiting or any(s.total - s.computed > 1 for s in self.running.values()):
-                cap = self.held_cap
+                cap, budget_s = self.held_cap, self.held_budget_s
             else:
-                self.held_cap = None
+                self.held_cap = self.held_budget_s = None
         self.last_cap = cap
+        self.last_budget_s = budget_s = budget_s if cap is not None else None
         prefill_left = cap or budget  # a converted decoder caps prefill per step
+        shape = StepShape()  # what the step runs so far (for the time budget)
+
+        def timed(start: int, n: int) -> int:
+            """Of an `n`-token prompt chunk from `start`, what fits the step's time budget (all of it without
+            one, without a measured cost, or in a step with no decode to protect)."""
+            if budget_s is None or self.cost is None or not shape.decodes:
+                return n
+            fit = self.cost.chunk_fits(budget_s, shape, start, n)
+            if fit is None:
+                return n
+            self.cut_tokens += n - fit
+            return fit
         work: list[Work] = []
         scheduled: set[str] = set()
         preempted: list[str] = []
@@ -145,7 +172,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             n = min(s.total - s.computed, budget)
             if n > 1:  # a prefill chunk (decodes are never capped)
-                n = min(n, prefill_left)
+                n = timed(s.computed, min(n, prefill_left)) if prefill_left > 0 else 0
                 if n <= 0:
                     continue
                 prefill_left -= n
@@ -163,6 +190,7 @@ class Scheduler:
             work.append(Work(s.id, s.computed, n))
             scheduled.add(s.id)
             budget -= n
+            shape = shape.with_decode(s.computed + 1) if n == 1 else shape.with_chunk(s.computed, n)
         while self.waiting and not preempted and budget > 0 and prefill_left > 0 and \
                 len(self.running) + len(self.parked) < self.limits.max_seqs:
             s = self.waiting[0]
@@ -171,9 +199,12 @@ class Scheduler:
             if self.whole_prompts and min(budget, prefill_left) < s.total <= min(
                     self.limits.max_batch_tokens, self.limits.prefill_chunk_tokens or self.limits.max_batch_tokens):
                 break  # it fits a later step whole: start it there rather than split across two
+            n = timed(0, min(s.total, budget, prefill_left))
+            if n <= 0:
+                break  # no time left in this step: the head starts in a later one
             self.waiting.popleft()
-            n = min(s.total, budget, prefill_left)
             prefill_left -= n
+            shape = shape.with_chunk(0, n)
             self.pool.grow(s.id, n)
             self.running[s.id] = s
             work.append(Work(s.id, 0, n))

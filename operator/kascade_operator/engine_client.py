@@ -127,10 +127,12 @@ class EngineClient:
         that connection ahead (standby), be a pipeline hop towards it (pipeline), or stop (off)."""
         return await self._call(endpoint, "POST", "cooperate", CooperateRequest(peer, mode, zigzag).to_dict())
 
-    async def convert(self, endpoint: str, prefill_chunk_tokens: int | None) -> dict[str, Any]:
-        """Convertible decoder (TokenScale): take prefill with at most this many prompt tokens per step;
-        None takes the conversion back."""
-        return await self._call(endpoint, "POST", "convert", ConvertRequest(prefill_chunk_tokens).to_dict())
+    async def convert(self, endpoint: str, prefill_chunk_tokens: int | None,
+                      step_budget_s: float | None = None) -> dict[str, Any]:
+        """Convertible decoder (TokenScale): take prefill with at most this many prompt tokens per step, and
+        in a step that decodes only what the engine predicts within `step_budget_s`; None takes it back."""
+        ms = None if step_budget_s is None else step_budget_s * 1e3
+        return await self._call(endpoint, "POST", "convert", ConvertRequest(prefill_chunk_tokens, ms).to_dict())
 
     async def drain(self, endpoint: str) -> dict[str, Any]:
         return await self._call(endpoint, "POST", "drain")

@@ -24,15 +24,23 @@ The rule:
   takes more than half the objective (a compute-bound CPU decoder with a full batch) half a TBT of
   prefill would push every token of the batch past the objective. Without a measured decode step the
   budget is the half-TBT one.
+- step budget = `STEP_BUDGET_SHARE` x the TBT objective (None without one): the time a converted decoder's
+  step that decodes may take with its prompt chunk, as the engine's own measured step cost predicts it
+  (kascade_engine.stepcost). The token budget above assumes a chunk costs its tokens / velocity on top of a
+  mean decode step; on a CPU engine a chunk costs more than that and the decode step grows with the batch's
+  context, so the engine cuts each chunk to the time its step has left (measured, bench/pd.py 2026-11-27).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 CONVERTED_SHARE = 0.5  # a converted decoder spends at most this share of its step time on prefill
 MIN_CHUNK, MAX_CHUNK, DEFAULT_CHUNK = 8, 2048, 256
+# a converted decoder's decoding step, chunk included, is predicted within this share of the TBT objective:
+# the rest is for what a token meets between steps (event delivery, the router's hop) and the prediction's error
+STEP_BUDGET_SHARE = 0.8
 
 
 @dataclass(frozen=True)
@@ -71,6 +79,7 @@ class Conversions:
     chunk_tokens: int  # the prefill chunk budget a converted decoder gets
     converted: int  # converted decoders after this round
     reason: str
+    step_budget_s: float | None = None  # a converted decoder's step time budget (None: no TBT objective)
 
     @property
     def changes(self) -> bool:
@@ -89,7 +98,17 @@ def chunk_budget(tbt_slo_s: float | None, prefill_tokens_per_s: float | None,
     return max(MIN_CHUNK, min(MAX_CHUNK, math.floor(max(room, 0.0) * prefill_tokens_per_s)))
 
 
+def step_budget(tbt_slo_s: float | None) -> float | None:
+    """The time a converted decoder's step that decodes may take, its prompt chunk included."""
+    return None if tbt_slo_s is None else STEP_BUDGET_SHARE * tbt_slo_s
+
+
 def plan_conversions(c: ConversionInput) -> Conversions:
+    plan = _plan(c)
+    return replace(plan, step_budget_s=step_budget(c.tbt_slo_s))
+
+
+def _plan(c: ConversionInput) -> Conversions:
     chunk = chunk_budget(c.tbt_slo_s, c.prefill_tokens_per_s, c.decode_step_s)
     now = tuple(sorted(d.name for d in c.decoders if d.converted))
     if c.prefill_tokens_per_s is None:

@@ -252,23 +252,30 @@ class ReleaseRequest:
 class ConvertRequest:
     """Convertible decoders (TokenScale): a decode engine accepts prefill (its own requests' and other
     decode engines' over its data port) with at most `prefill_chunk_tokens` prompt tokens per step, so its
-    decodes keep their inter-token latency; None takes the conversion back (no cap)."""
+    decodes keep their inter-token latency; None takes the conversion back (no cap). `step_budget_ms`
+    (optional): besides the token cap, a step that decodes takes prompt tokens only while the engine's
+    measured step cost predicts it within this time (the TBT objective's room); ignored without a cap."""
 
     prefill_chunk_tokens: int | None
+    step_budget_ms: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"prefillChunkTokens": self.prefill_chunk_tokens}
+        return {"prefillChunkTokens": self.prefill_chunk_tokens,
+                **({"stepBudgetMs": self.step_budget_ms} if self.step_budget_ms is not None else {})}
 
     @staticmethod
     def from_dict(doc: object) -> ConvertRequest:
         d = _obj(doc)
-        _only(d, ("prefillChunkTokens",))
+        _only(d, ("prefillChunkTokens", "stepBudgetMs"))
         if "prefillChunkTokens" not in d:
             raise WireError("prefillChunkTokens", "required (an int >= 1, or null to take the conversion back)")
         v = d["prefillChunkTokens"]
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise WireError("prefillChunkTokens", f"must be an int >= 1 or null, got {v!r}")
-        return ConvertRequest(v)
+        ms = d.get("stepBudgetMs")
+        if ms is not None and (isinstance(ms, bool) or not isinstance(ms, (int, float)) or not 0 < ms < float("inf")):
+            raise WireError("stepBudgetMs", f"must be a number > 0 or null, got {ms!r}")
+        return ConvertRequest(v, None if ms is None else float(ms))
 
 
 @dataclass(frozen=True)

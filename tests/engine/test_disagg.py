@@ -248,7 +248,8 @@ async def test_converted_decoder_prefills_for_another_decoder_within_its_chunk_b
     want = unsplit(tiny_blocks, PROMPTS, params)
     pd = await _pd(tiny_ckpt, tiny_blocks)
     c = pd.p
-    assert c.convert(ConvertRequest(8)).extra["prefillChunkTokens"] == 8  # the operator reads it back in status
+    st = c.convert(ConvertRequest(8, 1000.0)).extra  # the operator reads both back in status
+    assert st["prefillChunkTokens"] == 8 and st["stepBudgetMs"] == 1000.0 and c.engine.limits.step_budget_s == 1.0
     chunks: list[int] = []
     schedule = c.engine.scheduler.schedule
 
@@ -266,11 +267,15 @@ async def test_converted_decoder_prefills_for_another_decoder_within_its_chunk_b
         assert got == want + want[:2]
         assert pd.d.remote_prefill.adopted == len(PROMPTS) and c.prefill_server.requests == len(PROMPTS)
         assert max(chunks) <= 8 and sum(chunks) >= sum(len(p) for p in PROMPTS)
-        assert "prefillChunkTokens" not in c.convert(ConvertRequest(None)).extra  # taken back: no cap
-        assert c.engine.limits.prefill_chunk_tokens is None
+        assert c.engine.cost.token_s is not None  # its own steps timed the cost of a prompt token
+        st = c.convert(ConvertRequest(None)).extra
+        assert "prefillChunkTokens" not in st and "stepBudgetMs" not in st  # taken back: no cap, no budget
+        assert c.engine.limits.prefill_chunk_tokens is None and c.engine.limits.step_budget_s is None
     finally:
         await pd.close()
-    for bad in ({}, {"prefillChunkTokens": 0}, {"prefillChunkTokens": "8"}, {"prefillChunkTokens": 8, "x": 1}):
+    for bad in ({}, {"prefillChunkTokens": 0}, {"prefillChunkTokens": "8"}, {"prefillChunkTokens": 8, "x": 1},
+                {"prefillChunkTokens": 8, "stepBudgetMs": 0}, {"prefillChunkTokens": 8, "stepBudgetMs": True}):
         with pytest.raises(WireError) as e:
             ConvertRequest.from_dict(bad)
-        assert e.value.field in ("prefillChunkTokens", "x")
+        assert e.value.field in ("prefillChunkTokens", "x", "stepBudgetMs")
+    assert ConvertRequest.from_dict(ConvertRequest(8, 25.0).to_dict()) == ConvertRequest(8, 25.0)

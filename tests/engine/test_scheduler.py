@@ -184,3 +184,55 @@ def test_prefill_chunks_of_a_step_share_one_attention_call(tiny_blocks) -> None:
             want, _ = run(alone[k], [(table, start, ids)])
             torch.testing.assert_close(got[row:row + n], want, rtol=1e-4, atol=1e-4)  # GEMM rounding
             row += n
+
+
+def test_a_converted_decoders_step_budget_cuts_its_chunks_to_the_time_its_decodes_leave() -> None:
+    """Token cap 64 with a 20 ms step budget on an engine whose measured cost is 6 ms + 0.1 ms/decode + 0.8
+    ms/prompt token + 4 ms per 1000 gathered keys: beside 4 decodes at ~100 keys a step has room for about
+    16 prompt tokens, beside 8 for fewer; with no decode in the step the token cap alone applies, and so it
+    does before a prompt token was ever timed."""
+    from kascade_engine.stepcost import StepCost, StepShape
+
+    def true_s(shape: StepShape) -> float:
+        return 6e-3 + 1e-4 * shape.decodes + 8e-4 * shape.prompt_tokens + 4e-3 * shape.features()[3]
+
+    def largest_fit(work: list[tuple[str, int, int]], rid: str) -> int:
+        """The largest chunk of `rid` that this step's true cost keeps within 20 ms."""
+        start, n = next((w[1], w[2]) for w in work if w[0] == rid)
+        rest = [(w[1], w[2]) for w in work if w[0] != rid]
+        base = StepShape.of(rest)
+        return max(m for m in range(n + 64) if m == 0 or true_s(base.with_chunk(start, m)) <= 0.02)
+
+    cost = StepCost()
+    s = Scheduler(Limits(max_batch_tokens=512, max_seqs=16, kv_tokens=4000, page_size=4, prefill_chunk_tokens=64,
+                         step_budget_s=0.02), cost=cost)
+    s.add(Seq("p0", 200, 2))  # no decode yet: 64 tokens (the cap), whatever the time
+    assert _run(s) == [("p0", 0, 64)]
+    for i in range(4):
+        s.add(Seq(f"d{i}", 98, 50))
+    s.finish("p0")
+    while any(q.total - q.computed > 1 for q in s.running.values()) or s.waiting:
+        _run(s)  # the decoders' prompts, cost unknown: under the cap alone
+    for i in range(200):  # the engine's steps, as Engine.step feeds them
+        shape = StepShape(1 + i % 8, 50 + i % 300)
+        cost.observe(shape.with_chunk(i % 100, 2 + i % 30) if i % 3 else shape, true_s(shape.with_chunk(
+            i % 100, 2 + i % 30) if i % 3 else shape))
+    s.add(Seq("p", 200, 2))
+    work = _run(s)
+    assert [w[2] for w in work if w[0].startswith("d")] == [1, 1, 1, 1]  # decodes are never cut
+    (chunk,) = [w for w in work if w[0] == "p"]
+    assert 12 <= chunk[2] == largest_fit(work, "p") < 64
+    assert s.cut_tokens == 64 - chunk[2] and s.last_budget_s == 0.02
+    first = chunk[2]
+    s.finish("p")
+    for i in range(4, 8):
+        s.add(Seq(f"d{i}", 98, 50))
+    while any(q.total - q.computed > 1 for q in s.running.values()) or s.waiting:
+        _run(s)  # their prompts, now cut to the time the first four's decodes leave
+    s.add(Seq("q", 200, 2))
+    work = _run(s)
+    (chunk,) = [w for w in work if w[0] == "q"]
+    assert 0 < chunk[2] == largest_fit(work, "q") < first  # twice the decodes: less room
+    s.limits.prefill_chunk_tokens = s.limits.step_budget_s = None  # taken back: q keeps both budgets
+    work = _run(s)
+    assert [w[2] for w in work if w[0] == "q"] == [largest_fit(work, "q")] and s.last_budget_s == 0.02

@@ -83,6 +83,8 @@ async def test_a_prefill_burst_converts_decoders_and_new_capacity_takes_them_bac
     # deficit 25 tok/s, a converted decoder adds 50: one converts, the first by name (equal load)
     assert converted(kube) == ["d0"]
     assert convert_calls(stubs["d0"]) == [10]  # chunk budget 0.5 x 200 ms x 100 tok/s
+    # and the step time budget the engine cuts its chunks to: 0.8 x the 200 ms objective
+    assert [b.get("stepBudgetMs") for v, b, _ in stubs["d0"].calls if v == "convert"] == [pytest.approx(160.0)]
     assert convert_calls(stubs["d1"]) == [] and convert_calls(stubs["p0"]) == []
     assert any(e["reason"] == "ConvertDecoders" and "convert d0" in e["message"] for e in kube.events)
 

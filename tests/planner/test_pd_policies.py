@@ -8,6 +8,7 @@ from kascade_planner.conversion import (
     DEFAULT_CHUNK,
     MAX_CHUNK,
     MIN_CHUNK,
+    STEP_BUDGET_SHARE,
     ConversionInput,
     DecoderView,
     chunk_budget,
@@ -120,3 +121,13 @@ def test_the_chunk_budget_leaves_the_decode_step_its_time() -> None:
     assert c.chunk_tokens == MIN_CHUNK and c.convert == ("d0",) and "decode step 160.0 ms" in c.reason
     with pytest.raises(ValueError, match="decode_step_s"):
         ConversionInput(1, 1, 1.0, (), decode_step_s=-0.1)
+
+
+def test_a_converted_decoder_gets_a_step_time_budget_from_the_tbt_objective() -> None:
+    """Beside the token cap, the engine is told the time a step that decodes may take with its chunk (it cuts
+    chunks to it with its own measured step cost): a share of the TBT objective, none without one."""
+    c = plan_conversions(ConversionInput(220, 1, 100.0, decoders("d0"), tbt_slo_s=0.05))
+    assert c.convert == ("d0",) and c.step_budget_s == pytest.approx(STEP_BUDGET_SHARE * 0.05)
+    back = plan_conversions(ConversionInput(10, 1, 100.0, (DecoderView("d0", True),), tbt_slo_s=0.05))
+    assert back.revert == ("d0",) and back.step_budget_s == pytest.approx(STEP_BUDGET_SHARE * 0.05)
+    assert plan_conversions(ConversionInput(220, 1, 100.0, decoders("d0"))).step_budget_s is None
