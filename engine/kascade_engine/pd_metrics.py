@@ -7,9 +7,10 @@
   kascade_kv_transfer_bytes_total{direction=sent|received}
   kascade_prefill_velocity_tokens_per_second{bucket}, kascade_decode_velocity_tokens_per_second{batch}
                                         measured prefill / decode velocities (velocity.py; 0 = not yet measured)
-  kascade_kv_link_bytes_per_second{peer}  decode engine: KV bytes / seconds of the last transfer from each
-                                        prefill peer (first frame to kv_done); kascade_kv_link_tokens_per_second{peer}
-                                        the same in prompt tokens/s: the pair's network velocity
+  kascade_kv_link_bytes_per_second{peer}  decode engine: KV bytes / seconds on the wire of the last transfer from
+                                        each prefill peer (each kv frame from its header to its payload's last byte:
+                                        P's compute between layers is not the link's); kascade_kv_link_tokens_per_second
+                                        {peer} the same in prompt tokens/s: the pair's network velocity
 Data flow: PrefillServer and RemotePrefill count as they go; Prometheus (or the operator) scrapes /metrics.
 """
 
@@ -37,7 +38,8 @@ class PDMetrics:
                               ["model_name", "direction"], registry=registry)
         self.sent = self._bytes.labels(model_name, "sent")
         self.received = self._bytes.labels(model_name, "received")
-        self._link = Gauge("kascade_kv_link_bytes_per_second", "KV bytes/s of the last transfer from a prefill peer",
+        self._link = Gauge("kascade_kv_link_bytes_per_second", "KV bytes/s on the wire (per frame, header to last "
+                           "payload byte) of the last transfer from a prefill peer",
                            ["model_name", "peer"], registry=registry)
         self._link_tokens = Gauge("kascade_kv_link_tokens_per_second", "Prompt tokens/s whose KV the last transfer "
                                   "from a prefill peer moved (TokenScale's network velocity)", ["model_name", "peer"],

@@ -88,17 +88,21 @@ class RemotePrefill:
             dt = self.inst.dtype
             staged = {part: torch.empty((shape.layers, n, shape.kv_heads, shape.head_dim), dtype=dt)
                       for part in ("k", "v")}  # host memory; copied into the device cache on adoption
-            cover, hasher, got, t0 = Coverage(shape.layers, n), digest(), 0, 0.0
+            # the link's time: each kv frame from its header to its payload's last byte. Not the span from the
+            # first frame to kv_done: P sends a layer's KV as it computes it, so under a queue (or on a slow CPU)
+            # the span is P's compute and the link looked as slow as P (bench/pd.py: 79-284 tok/s "network")
+            cover, hasher, got, wire = Coverage(shape.layers, n), digest(), 0, 0.0
             while True:
                 header, plen = await conn.recv_header(timeout=FRAME_TIMEOUT_S)
                 op = header.get("op")
                 if op == "kv":
-                    t0 = t0 or time.monotonic()  # the link's rate: from the first KV frame on, not P's queueing
+                    t0 = time.monotonic()
                     layer, start, cnt, part = check_kv(header, shape, n, plen)
                     cover.add(part, layer, start, cnt)
                     view = host_bytes(staged[part][layer, start:start + cnt])
                     await conn.recv_into(view, timeout=FRAME_TIMEOUT_S)
-                    hasher.update(view)
+                    wire += time.monotonic() - t0
+                    hasher.update(view)  # D's work, not the link's: outside the frame's time
                     got += plen
                     continue
                 if plen:
@@ -118,7 +122,7 @@ class RemotePrefill:
                 if not isinstance(token, int) or not 0 <= token < self.inst.model.shape.vocab:
                     raise RemotePrefillError(f"kv_done field 'token' = {token!r} is not a token id")
                 ok = True
-                secs = max(time.monotonic() - (t0 or time.monotonic()), 1e-9)
+                secs = max(wire, 1e-9)
                 self.bytes_received += got
                 self.link[peer] = got / secs
                 self.inst.pd_metrics.received.inc(got)

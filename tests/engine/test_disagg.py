@@ -279,3 +279,49 @@ async def test_converted_decoder_prefills_for_another_decoder_within_its_chunk_b
             ConvertRequest.from_dict(bad)
         assert e.value.field in ("prefillChunkTokens", "x", "stepBudgetMs")
     assert ConvertRequest.from_dict(ConvertRequest(8, 25.0).to_dict()) == ConvertRequest(8, 25.0)
+
+
+async def test_the_link_rate_counts_the_wire_not_the_prefillers_compute(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    """A prefill peer that computes 0.1 s per layer (a queue, a slow CPU) and sends each layer's KV at once
+    over loopback: D's network velocity must be the link's (bytes over the frames' time on the wire), not
+    the KV bytes over the 0.7 s P spent computing between frames."""
+    from kascade_engine.kv_wire import digest
+    from kascade_engine.prefill_server import kv_shape
+
+    d = _instance(tiny_ckpt, tiny_blocks, "d")
+    d.serving.start()
+    shape = kv_shape(d)
+    gaps = 0.0
+
+    async def slow_p(conn: Connection) -> None:
+        nonlocal gaps
+        admitted = await peerauth.accept(conn, TOKEN, "activation", timeout=10)
+        await conn.send(admitted.welcome.header())
+        h, _ = await conn.recv(timeout=10)
+        n, hasher, sent = len(h["tokens"]), digest(), 0
+        for layer in range(shape.layers):
+            if layer:
+                await asyncio.sleep(0.1)  # computing the next layer: the link idles
+                gaps += 0.1
+            for part in ("k", "v"):
+                payload = bytes(shape.frame_bytes(n))
+                hasher.update(payload)
+                sent += len(payload)
+                await conn.send(kv_header(h["req"], layer, 0, n, part, shape), payload)
+        await conn.send({"op": "kv_done", "req": h["req"], "token": 1, "frames": 2 * shape.layers, "bytes": sent,
+                         "digest": hasher.hexdigest()})
+        await conn.recv(timeout=30)
+
+    p = await TcpTransport().listen("127.0.0.1", 0, slow_p)
+    peer = f"127.0.0.1:{p.port}"
+    try:
+        rid = d.serving.submit(PROMPTS[4], SamplingParams(max_tokens=2), prefill=peer)
+        await asyncio.wait_for(collect(d, rid), 60)
+        rp = d.remote_prefill
+        assert rp.adopted == 1 and gaps > 0
+        kv = len(PROMPTS[4]) * 2 * shape.layers * shape.frame_bytes(1)
+        assert rp.bytes_received == kv
+        assert rp.link[peer] > 20 * kv / gaps  # the span would give about kv / gaps: P's compute
+    finally:
+        await p.close()
+        await d.close()
