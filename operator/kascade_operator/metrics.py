@@ -246,7 +246,10 @@ class PrometheusSource:
                "ttft_sum": "sum by (pod) (increase(kascade_time_to_first_token_seconds_sum{{pod=~\"{pods}\"}}[{window}]))",
                "ttft_count": "sum by (pod) (increase(kascade_time_to_first_token_seconds_count{{pod=~\"{pods}\"}}[{window}]))",
                "tbt_sum": "sum by (pod) (increase(kascade_inter_token_latency_seconds_sum{{pod=~\"{pods}\"}}[{window}]))",
-               "tbt_count": "sum by (pod) (increase(kascade_inter_token_latency_seconds_count{{pod=~\"{pods}\"}}[{window}]))"}
+               "tbt_count": "sum by (pod) (increase(kascade_inter_token_latency_seconds_count{{pod=~\"{pods}\"}}[{window}]))",
+               # decode-only steps: a converted decoder's chunk budget leaves their mean its time (as the Scraper)
+               "step_sum": "sum by (pod) (increase(kascade_step_seconds_sum{{pod=~\"{pods}\",kind=\"decode\"}}[{window}]))",
+               "step_count": "sum by (pod) (increase(kascade_step_seconds_count{{pod=~\"{pods}\",kind=\"decode\"}}[{window}]))"}
 
     def __init__(self, url: str, timeout_s: float = 1.0, window: str = "10s",
                  client: httpx.AsyncClient | None = None) -> None:
@@ -281,5 +284,6 @@ class PrometheusSource:
         return [InstanceLoad(p, by["input"].get(p, 0.0), by["output"].get(p, 0.0),
                              int(by["queue"].get(p, 0.0) + by["running"].get(p, 0.0)), by["kv"].get(p, 0.0),
                              by["queue"].get(p, 0.0), by["ttft_sum"].get(p, 0.0), by["ttft_count"].get(p, 0.0),
-                             by["tbt_sum"].get(p, 0.0), by["tbt_count"].get(p, 0.0))
+                             by["tbt_sum"].get(p, 0.0), by["tbt_count"].get(p, 0.0),
+                             decode_step_sum=by["step_sum"].get(p, 0.0), decode_step_count=by["step_count"].get(p, 0.0))
                 for p in pods]

@@ -1,0 +1,60 @@
+"""The operator's Prometheus metrics source (metrics_source=prometheus): its PromQL answers become the same
+per-instance loads the direct Scraper gives, including the decode-only step time a converted decoder's
+chunk budget is sized with (without it the budget falls back to half the TBT objective)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from kascade_operator.metrics import MetricsError, PrometheusSource, snapshot
+
+# what the fake Prometheus holds per pod, by the metric a query reads (its answer for either pod)
+HELD = {"kascade_prompt_tokens_total": (300.0, 100.0), "kascade_generation_tokens_total": (40.0, 60.0),
+        "kascade_num_requests_waiting": (2.0, 0.0), "kascade_num_requests_running": (3.0, 5.0),
+        "kascade_kv_cache_usage_perc": (0.5, 0.25),
+        "kascade_time_to_first_token_seconds_sum": (1.0, 3.0), "kascade_time_to_first_token_seconds_count": (4.0, 4.0),
+        "kascade_inter_token_latency_seconds_sum": (0.5, 0.5), "kascade_inter_token_latency_seconds_count": (10.0, 40.0),
+        "kascade_step_seconds_sum": (0.6, 1.8), "kascade_step_seconds_count": (60.0, 60.0)}
+
+
+def _prometheus(seen: list[str]) -> httpx.AsyncClient:
+    def answer(req: httpx.Request) -> httpx.Response:
+        q = req.url.params["query"]
+        seen.append(q)
+        (name,) = [n for n in HELD if f"{n}{{" in q]
+        if name.startswith("kascade_step_seconds") and 'kind="decode"' not in q:
+            return httpx.Response(200, json={"status": "success", "data": {"result": []}})  # all kinds: wrong
+        rows: list[dict[str, Any]] = [{"metric": {"pod": pod}, "value": [0, str(v)]}
+                                      for pod, v in zip(("d0", "d1"), HELD[name], strict=True)]
+        return httpx.Response(200, json={"status": "success", "data": {"result": rows}})
+
+    return httpx.AsyncClient(transport=httpx.MockTransport(answer))
+
+
+async def test_prometheus_gives_the_decode_only_step_time() -> None:
+    seen: list[str] = []
+    src = PrometheusSource("http://prom:9090", window="1s", client=_prometheus(seen))
+    try:
+        loads = await src.collect(["d0", "d1"])
+    finally:
+        await src.aclose()
+    d0, d1 = loads
+    assert (d0.input_tokens_per_s, d0.in_flight, d0.queue_length) == (300.0, 5, 2.0)
+    assert (d0.decode_step_sum, d0.decode_step_count, d1.decode_step_sum) == (0.6, 60.0, 1.8)
+    snap = snapshot(loads, 0.0)
+    assert snap.decode_step_s == pytest.approx((0.6 + 1.8) / 120)  # the decoders' mean decode-only step
+    assert any('kind="decode"' in q and "[1s]" in q for q in seen)
+
+
+async def test_a_failed_query_names_prometheus() -> None:
+    client = httpx.AsyncClient(transport=httpx.MockTransport(
+        lambda req: httpx.Response(400, json={"status": "error", "error": "bad_data: parse error"})))
+    src = PrometheusSource("http://prom:9090", client=client)
+    try:
+        with pytest.raises(MetricsError, match=r"prometheus http://prom:9090: query .* failed: bad_data"):
+            await src.collect(["d0"])
+    finally:
+        await src.aclose()
