@@ -66,7 +66,7 @@ class Engine:
         self.scheduler = Scheduler(self.limits, window=reclaim)
         s = model.shape
         self.cache = KVCache(s.layers, self.limits.pages, self.limits.page_size, s.kv_heads, s.head_dim,
-                             model.dtype, model.device)
+                             model.dtype, model.device, reuse_gather=True)
         self.requests: dict[str, Request] = {}
         self.eos = eos
         self._ids = itertools.count()

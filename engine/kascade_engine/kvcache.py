@@ -23,7 +23,7 @@ from kascade_engine.pages import PagePool
 
 class KVCache:
     def __init__(self, layers: int, pages: int, page_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, reuse_gather: bool = False) -> None:
         self.layers, self.page_size, self.kv_heads, self.head_dim = layers, page_size, kv_heads, head_dim
         self.dtype, self.device = dtype, device
         shape = (layers, pages * page_size, kv_heads, head_dim)
@@ -31,6 +31,10 @@ class KVCache:
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.k[:, 0].zero_()
         self.v[:, 0].zero_()
+        # `gather` writes into one buffer kept across calls (the engine's cache: reuse_gather) instead of two fresh
+        # tensors per call; the views it returns are valid until the next gather
+        self.reuse_gather = reuse_gather
+        self._gathered: torch.Tensor | None = None
 
     @property
     def bytes_per_token(self) -> int:
@@ -51,12 +55,27 @@ class KVCache:
         self.v[layer].index_copy_(0, slots, v)
 
     def gather(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`index` [B, C] slot ids -> K, V [B, kv_heads, C, head_dim]."""
+        """`index` [B, C] slot ids -> K, V [B, kv_heads, C, head_dim].
+
+        This copy is most of a long-context decode step on CPU (every context position of every sequence, per
+        layer). Rows are copied as [slots, kv_heads * head_dim] into a buffer kept from call to call (grown to
+        the largest gather, never shrunk): fresh output tensors cost a page fault or a cold write per page every
+        step. Measured (one core, 2026-11-27, micro-benchmark alternated twice): a decode step of 16 sequences
+        at ~390 positions 137-138 ms -> 82-86 ms, with a 16-token chunk 183 ms -> 92-97 ms."""
         B, C = index.shape
         flat = index.reshape(-1)
-        k = self.k[layer].index_select(0, flat).view(B, C, self.kv_heads, self.head_dim)
-        v = self.v[layer].index_select(0, flat).view(B, C, self.kv_heads, self.head_dim)
-        return k.transpose(1, 2), v.transpose(1, 2)
+        n, width = flat.numel(), self.kv_heads * self.head_dim
+        if not self.reuse_gather:
+            k = self.k[layer].view(-1, width).index_select(0, flat).view(B, C, self.kv_heads, self.head_dim)
+            v = self.v[layer].view(-1, width).index_select(0, flat).view(B, C, self.kv_heads, self.head_dim)
+            return k.transpose(1, 2), v.transpose(1, 2)
+        if self._gathered is None or self._gathered.shape[1] < n:
+            self._gathered = torch.empty((2, n, width), dtype=self.dtype, device=self.device)
+        out = self._gathered[:, :n]
+        torch.index_select(self.k[layer].view(-1, width), 0, flat, out=out[0])
+        torch.index_select(self.v[layer].view(-1, width), 0, flat, out=out[1])
+        k, v = (x.view(B, C, self.kv_heads, self.head_dim).transpose(1, 2) for x in out)
+        return k, v
 
 
 @dataclass
