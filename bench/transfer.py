@@ -274,7 +274,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rate-mbit", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=None,
-                    help="loopback runs per transport, the median reported (default 3 with --quick, else 5)")
+                    help="loopback runs per transport, the median reported (default 3 with --quick, else 9: on 2 cores one UCX run swings 0.6-1.0 GB/s with whatever else runs, and 5 runs left the median at its mercy)")
     ap.add_argument("--skip-loopback", action="store_true", help="only the emulated-link sections (2 and 3)")
     ap.add_argument("--only", choices=("loopback", "emulated", "spine"), default=None,
                     help="run one section alone: loopback (1), emulated (2: chain/star/binomial/hybrid 1->8) "
@@ -284,7 +284,7 @@ def main() -> None:
     run = {"loopback", "emulated", "spine"} if args.only is None else {args.only}
     if args.skip_loopback:
         run.discard("loopback")
-    args.repeats = args.repeats if args.repeats is not None else 3 if args.quick else 5
+    args.repeats = args.repeats if args.repeats is not None else 3 if args.quick else 9
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
     loop_total = (512 if args.quick else 1024) << 20  # ~0.2-0.4 s a run: long enough to measure
@@ -309,7 +309,10 @@ def main() -> None:
             out[f"loopback_raw_MBps_{transport}"] = raw / 1e6
             out[f"loopback_hop_MBps_{transport}"] = hop / 1e6
             out[f"loopback_hop_over_raw_{transport}"] = hop / raw
-            print(f"loopback {transport}: raw {raw / 1e6:8.1f} MB/s   relay hop {hop / 1e6:8.1f} MB/s   ratio {hop / raw:.2f}",
+            pairs = sorted(h / w for h, w in zip(hops, raws, strict=True))  # the noise, shown beside the ratio
+            out[f"loopback_pair_ratio_min_{transport}"], out[f"loopback_pair_ratio_max_{transport}"] = pairs[0], pairs[-1]
+            print(f"loopback {transport}: raw {raw / 1e6:8.1f} MB/s   relay hop {hop / 1e6:8.1f} MB/s   ratio {hop / raw:.2f} "
+                  f"(single pairs {pairs[0]:.2f}-{pairs[-1]:.2f})",
                   flush=True)
         if "loopback" in run:
             out["loopback_hop_over_raw"] = min(float(out["loopback_hop_over_raw_tcp"]),
