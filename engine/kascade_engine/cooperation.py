@@ -82,25 +82,57 @@ class Row:
     x: torch.Tensor
 
 
-def staggered(model: LlamaModel, cache: KVCache, rows: list[Row], knee_tokens: int = 0) -> float:
+def staggered(model: LlamaModel, cache: KVCache, rows: list[Row], knee_tokens: int = 0,
+              join: Callable[[int, float], list[Row]] | None = None) -> float:
     """Run every row through its own layer range in one tensor per layer segment: rows join at their
     first layer and leave after their last, so all rows present at a layer share its forward. Returns
     what the step costs on an accelerator, in layer forwards: one per layer run, or with `knee_tokens`
     one per `knee_tokens` tokens present at that layer (a forward is compute-bound past the knee, so the
-    rows a loading peer adds to a full batch cost what their tokens cost: `pace`)."""
+    rows a loading peer adds to a full batch cost what their tokens cost: `pace`).
+
+    `join(u, cost)`: asked before each layer u (after `cost` layer forwards so far), it returns rows that
+    join the running forward from layer u on (every one's first layer >= u): a pair step that arrives
+    while this engine is at a layer at or below its split joins this forward instead of the next step.
+    With it the forward runs one layer at a time (the same layer kernels, cut where rows may join)."""
+    if join is None:
+        return _segments(model, cache, rows, knee_tokens)
+    cost = 0.0
+    u = min((r.a for r in rows), default=0)
+    while True:
+        for r in join(u, cost):
+            if r.a < u:
+                raise ValueError(f"a row joining at layer {u} starts at layer {r.a}")
+            rows.append(r)
+        if not rows or u >= max(r.b for r in rows):
+            return cost
+        present = sorted((r for r in rows if r.a <= u < r.b), key=lambda r: r.n > 1)  # decodes first
+        if present:
+            cost += _layer_cost(sum(r.n for r in present), 1, knee_tokens)
+            _run(model, cache, present, u, u + 1)
+        u += 1
+
+
+def _layer_cost(tokens: int, layers: int, knee_tokens: int) -> float:
+    return layers * (max(1.0, tokens / knee_tokens) if knee_tokens > 0 else 1.0)
+
+
+def _run(model: LlamaModel, cache: KVCache, present: list[Row], u: int, v: int) -> None:
+    batch = build_batch(cache, [(r.table, r.start, r.n) for r in present])
+    x = model.run_layers(u, v, torch.cat([r.x for r in present]), batch)
+    at = 0
+    for r in present:
+        r.x, at = x[at:at + r.n], at + r.n
+
+
+def _segments(model: LlamaModel, cache: KVCache, rows: list[Row], knee_tokens: int) -> float:
     bounds = sorted({r.a for r in rows} | {r.b for r in rows})
     cost = 0.0
     for u, v in itertools.pairwise(bounds):
         present = sorted((r for r in rows if r.a <= u and r.b >= v), key=lambda r: r.n > 1)  # decodes first
         if not present:
             continue
-        tokens = sum(r.n for r in present)
-        cost += (v - u) * (max(1.0, tokens / knee_tokens) if knee_tokens > 0 else 1.0)
-        batch = build_batch(cache, [(r.table, r.start, r.n) for r in present])
-        x = model.run_layers(u, v, torch.cat([r.x for r in present]), batch)
-        at = 0
-        for r in present:
-            r.x, at = x[at:at + r.n], at + r.n
+        cost += _layer_cost(sum(r.n for r in present), v - u, knee_tokens)
+        _run(model, cache, present, u, v)
     return cost
 
 
@@ -145,6 +177,13 @@ class PairStep:
     payload: bytes = b""  # the answer's raw bytes: migrated K/V
 
 
+def _first_layer(st: PairStep) -> int:
+    """The lowest layer any row of a pair step starts at (0 for a malformed row: it waits for a step start,
+    where `_rows` names what is wrong; an empty step, a poll, joins at any layer)."""
+    firsts = [r[3] if isinstance(r, list) and len(r) == 8 and isinstance(r[3], int) else 0 for r in st.rows]
+    return min(firsts, default=1 << 30)
+
+
 @dataclass
 class HostRows:
     """A's hook: pair steps queue here (event loop) and join A's next step (worker thread)."""
@@ -162,6 +201,7 @@ class HostRows:
     relays_out: int = 0  # pipeline hop: relayed frames whose answer has not come back yet
     max_relays_out: int = 0  # metric: most at once (> 1: this hop ran a step while earlier rows were downstream)
     shared_steps: int = 0  # metric: steps where pair rows and this engine's own rows shared the forward
+    joined: int = 0  # metric: pair steps that joined a forward already running (at their split layer)
     layer_s: float = 0.0  # emulated seconds per layer forward (benchmarks; 0: off)
     knee_tokens: int = 0  # emulation: tokens per layer forward before it costs more (0: never)
     redirects: Redirects = field(default_factory=Redirects)  # queued requests handed to a live B (redirect.py)
@@ -209,22 +249,30 @@ class HostRows:
             accepted: list[tuple[PairStep, list[tuple[Row, list[Any]]]]] = []
             for pair in closed:
                 self.redirects.close_pair(pair)
-            for st in steps:
-                for rid, why in st.refused:
-                    self.redirects.ended(f"pair{st.pair}/{rid}", f"the live peer refused it: {why}")
-                try:
-                    mine = self._rows(engine, st)
-                except ValueError as e:
-                    st.done(e)
-                    continue
-                accepted.append((st, mine))
-                rows.extend(r for r, _ in mine)
+            rows.extend(self._accept(engine, steps, accepted))
             t0 = time.perf_counter()
             if timeline.on():
                 for w in work:
                     if w.start == 0:
                         timeline.mark("a-start", w.id)
-            pace(t0, staggered(m, engine.cache, rows, self.knee_tokens), self.layer_s)
+
+            def join(u: int, cost: float) -> list[Row]:
+                """Before layer u: pair steps that arrived meanwhile join this forward if every row of
+                theirs starts at layer u or later (in arrival order: answers go back in frame order)."""
+                pace(t0, cost, self.layer_s)  # the emulated accelerator reaches layer u now
+                with self._lock:
+                    late: list[PairStep] = []
+                    while self.inbox and _first_layer(self.inbox[0]) >= u:
+                        late.append(self.inbox.popleft())
+                if not late:
+                    return []
+                for st in late:
+                    timeline.mark("a-join", "-", layer=u, rows=len(st.rows))
+                self.joined += len(late)
+                steps.extend(late)
+                return self._accept(engine, late, accepted)
+
+            pace(t0, staggered(m, engine.cache, rows, self.knee_tokens, join), self.layer_s)
             timeline.mark("a-step", "-", own=sum(w.n for w in work), hosted=sum(r.n for _, mine in accepted for r, _ in mine),
                           s=f"{time.perf_counter() - t0:.3f}")
             here: list[torch.Tensor] = [rows[i].x[-1:] for i in sampling]  # rows sampled on this engine
@@ -288,6 +336,22 @@ class HostRows:
             slots_down = [(st, j) for st, j, _, _ in relay]
             relayed.add_done_callback(lambda f: self._answer_relayed(f, waiting_down, slots_down, step_toks))
         return toks[:len(sampling)]
+
+    def _accept(self, engine: Engine, steps: list[PairStep],
+                accepted: list[tuple[PairStep, list[tuple[Row, list[Any]]]]]) -> list[Row]:
+        """Pair steps into this forward: their rows (a step with a bad row is answered with the error)."""
+        out: list[Row] = []
+        for st in steps:
+            for rid, why in st.refused:
+                self.redirects.ended(f"pair{st.pair}/{rid}", f"the live peer refused it: {why}")
+            try:
+                mine = self._rows(engine, st)
+            except ValueError as e:
+                st.done(e)
+                continue
+            accepted.append((st, mine))
+            out.extend(r for r, _ in mine)
+        return out
 
     def _answer_relayed(self, fut: Future[tuple[dict[str, Any], bytearray]], steps: list[PairStep],
                         slots: list[tuple[PairStep, int]], step_toks: dict[int, list[int]]) -> None:

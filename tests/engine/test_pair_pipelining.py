@@ -310,3 +310,77 @@ def test_an_answer_landing_inside_the_step_that_sent_it(tiny_blocks) -> None:  #
     assert eng.requests[local].out == [42] and eng.requests[goes_on].out == [7]
     s = eng.scheduler.running[goes_on]
     assert (s.computed, s.total) == (2, 3)  # its prompt cached, one token generated: the same as landing later
+
+
+async def test_b_rows_join_a_running_step_at_their_layer(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    """Issue 17: a B step that reaches A while A's forward has not yet passed B's split layer k joins that
+    forward at layer k (cooperation.staggered's `join`), instead of waiting for A's next step boundary.
+    A is kept busy by a long request of its own, so each of B's frames (sent right after the last token
+    landed) reaches A just after A's next step began: with the join each B token costs one A step, without
+    it two (the frame waited out the step it arrived in). Outputs stay exact on both engines."""
+    params = SamplingParams(max_tokens=5)
+    want = unsplit(tiny_blocks, PROMPTS[:2], params)
+    p = await _pair(tiny_ckpt, tiny_blocks, resident=2)
+    try:
+        a, b = p.a, p.b
+        a.host.layer_s = 0.08  # A's step: 4 layers x 80 ms; B's rows start at layer 2 (160 ms into it)
+        await b.set_cooperate(CooperateRequest(p.peer, "besteffort"))
+        long = a.serving.submit(PROMPTS[3], SamplingParams(max_tokens=400))  # keeps A stepping throughout
+        a_run = asyncio.create_task(collect(a, a.serving.submit(PROMPTS[1], params)))
+        while a.engine.steps < 2:
+            await asyncio.sleep(0.01)
+        before = a.engine.steps
+        got = await asyncio.wait_for(collect(b, b.serving.submit(PROMPTS[0], params)), 30)
+        spent = a.engine.steps - before
+        a.serving.abort(long)
+        assert got == want[0] and await a_run == want[1]
+        # one A step per B token (+ the step running as B's request came in); waiting for boundaries: ~2 each
+        assert spent <= params.max_tokens + 2, f"{spent} A steps for {params.max_tokens} B tokens"
+        assert a.host.joined >= params.max_tokens - 1  # frames joined a running forward
+    finally:
+        await p.close()
+
+
+def test_rows_joining_at_a_later_layer_match_rows_run_from_the_start(tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    """`staggered` with `join`: the forward runs layer by layer and asks before each layer for rows that
+    join there. Rows joining at layer 2 come out equal to the same rows present from the start, at the
+    same cost (no knee: rows are free), and a row starting below the layer it would join is refused."""
+    from kascade_engine.model import LlamaModel
+
+    m = LlamaModel(tiny_blocks.config)
+    for blk in tiny_blocks.blocks.values():
+        m.add_block(blk.id, blk.tensors())
+    L, H = m.shape.layers, m.shape.hidden
+    torch.manual_seed(0)
+    xs = {"own": torch.randn(6, H, dtype=m.dtype), "late": torch.randn(3, H, dtype=m.dtype)}
+
+    def run(joining: bool) -> tuple[dict[str, torch.Tensor], float, list[int]]:
+        pool = Scheduler(Limits(kv_tokens=512, page_size=16)).pool
+        cache = KVCache(L, 40, 16, m.shape.kv_heads, m.shape.head_dim, m.dtype, m.device)
+        made = {}
+        for key, n, a in (("own", 6, 0), ("late", 3, 2)):
+            assert pool.grow(key, n)
+            made[key] = Row(pool.tables[key], 0, n, a, L, xs[key].clone())
+        asked: list[int] = []
+
+        def join(u: int, cost: float) -> list[Row]:
+            asked.append(u)
+            return [made["late"]] if u == 2 else []
+
+        rows = [made["own"]] if joining else [made["own"], made["late"]]
+        cost = staggered(m, cache, rows, 0, join if joining else None)
+        return {k: r.x for k, r in made.items()}, cost, asked
+
+    ref, ref_cost, _ = run(False)
+    out, cost, asked = run(True)
+    assert asked == list(range(L + 1))  # before every layer, and once after the last
+    assert cost == ref_cost == L
+    for key in ref:
+        assert torch.equal(out[key], ref[key]), key
+    pool = Scheduler(Limits(kv_tokens=512, page_size=16)).pool
+    assert pool.grow("x", 2)
+    cache = KVCache(L, 40, 16, m.shape.kv_heads, m.shape.head_dim, m.dtype, m.device)
+    early = Row(pool.tables["x"], 0, 2, 1, L, torch.zeros(2, H, dtype=m.dtype))
+    with pytest.raises(ValueError, match="starts at layer 1"):
+        staggered(m, cache, [Row(pool.tables["x"], 0, 2, 0, L, torch.zeros(2, H, dtype=m.dtype))], 0,
+                  lambda u, c: [early] if u == 3 else [])
