@@ -91,18 +91,26 @@ def staggered(model: LlamaModel, cache: KVCache, rows: list[Row], knee_tokens: i
     rows a loading peer adds to a full batch cost what their tokens cost: `pace`).
 
     `join(u, cost)`: asked before each layer u (after `cost` layer forwards so far), it returns rows that
-    join the running forward from layer u on (every one's first layer >= u): a pair step that arrives
-    while this engine is at a layer at or below its split joins this forward instead of the next step.
-    With it the forward runs one layer at a time (the same layer kernels, cut where rows may join)."""
+    join the running forward from layer u on: a pair step that arrives while this engine is at a layer at
+    or below its split joins this forward instead of the next step. A joining row whose first layer is
+    below u first catches up alone (its layers a..u-1, charged like any forward: the step gets longer by
+    them) — the caller bounds how far back it lets rows join. With `join` the forward runs one layer at a
+    time (the same layer kernels, cut where rows may join)."""
     if join is None:
         return _segments(model, cache, rows, knee_tokens)
     cost = 0.0
     u = min((r.a for r in rows), default=0)
     while True:
-        for r in join(u, cost):
-            if r.a < u:
-                raise ValueError(f"a row joining at layer {u} starts at layer {r.a}")
-            rows.append(r)
+        late = join(u, cost)
+        behind = [r for r in late if r.a < u]
+        if behind:  # their layers below u, alone (staggered among themselves), then they join at u
+            ends = [r.b for r in behind]
+            for r in behind:
+                r.b = min(r.b, u)
+            cost += _segments(model, cache, behind, knee_tokens)
+            for r, b in zip(behind, ends, strict=True):  # (a row whose range ended below u is done: a = b)
+                r.a, r.b = min(u, b), b
+        rows.extend(late)
         if not rows or u >= max(r.b for r in rows):
             return cost
         present = sorted((r for r in rows if r.a <= u < r.b), key=lambda r: r.n > 1)  # decodes first
@@ -177,6 +185,12 @@ class PairStep:
     payload: bytes = b""  # the answer's raw bytes: migrated K/V
 
 
+# A pair step that reaches a running forward at most this many layers past its split still joins it: its rows
+# run those layers alone first (each costs a layer forward: the step gets that much longer), so they finish at
+# the end of this step rather than the next one (a whole step later). Further back it waits for the next step.
+CATCH_UP_LAYERS = 2
+
+
 def _first_layer(st: PairStep) -> int:
     """The lowest layer any row of a pair step starts at (0 for a malformed row: it waits for a step start,
     where `_rows` names what is wrong; an empty step, a poll, joins at any layer)."""
@@ -202,6 +216,7 @@ class HostRows:
     max_relays_out: int = 0  # metric: most at once (> 1: this hop ran a step while earlier rows were downstream)
     shared_steps: int = 0  # metric: steps where pair rows and this engine's own rows shared the forward
     joined: int = 0  # metric: pair steps that joined a forward already running (at their split layer)
+    caught_up: int = 0  # metric: layers joining rows ran alone to catch up with a forward already past their split
     layer_s: float = 0.0  # emulated seconds per layer forward (benchmarks; 0: off)
     knee_tokens: int = 0  # emulation: tokens per layer forward before it costs more (0: never)
     redirects: Redirects = field(default_factory=Redirects)  # queued requests handed to a live B (redirect.py)
@@ -258,16 +273,18 @@ class HostRows:
 
             def join(u: int, cost: float) -> list[Row]:
                 """Before layer u: pair steps that arrived meanwhile join this forward if every row of
-                theirs starts at layer u or later (in arrival order: answers go back in frame order)."""
+                theirs starts at layer u - CATCH_UP_LAYERS or later (in arrival order: answers go back in
+                frame order); rows from below u catch up first (`staggered`)."""
                 pace(t0, cost, self.layer_s)  # the emulated accelerator reaches layer u now
                 with self._lock:
                     late: list[PairStep] = []
-                    while self.inbox and _first_layer(self.inbox[0]) >= u:
+                    while self.inbox and _first_layer(self.inbox[0]) >= u - CATCH_UP_LAYERS:
                         late.append(self.inbox.popleft())
                 if not late:
                     return []
                 for st in late:
-                    timeline.mark("a-join", "-", layer=u, rows=len(st.rows))
+                    timeline.mark("a-join", "-", layer=u, rows=len(st.rows), behind=max(0, u - _first_layer(st)))
+                    self.caught_up += max(0, u - _first_layer(st))
                 self.joined += len(late)
                 steps.extend(late)
                 return self._accept(engine, late, accepted)

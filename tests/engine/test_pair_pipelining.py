@@ -312,12 +312,15 @@ def test_an_answer_landing_inside_the_step_that_sent_it(tiny_blocks) -> None:  #
     assert (s.computed, s.total) == (2, 3)  # its prompt cached, one token generated: the same as landing later
 
 
-async def test_b_rows_join_a_running_step_at_their_layer(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("b_paced", [False, True], ids=["b-instant", "b-paced"])
+async def test_b_rows_join_a_running_step_at_their_layer(tiny_ckpt, tiny_blocks, b_paced: bool) -> None:  # type: ignore[no-untyped-def]
     """Issue 17: a B step that reaches A while A's forward has not yet passed B's split layer k joins that
     forward at layer k (cooperation.staggered's `join`), instead of waiting for A's next step boundary.
     A is kept busy by a long request of its own, so each of B's frames (sent right after the last token
     landed) reaches A just after A's next step began: with the join each B token costs one A step, without
-    it two (the frame waited out the step it arrived in). Outputs stay exact on both engines."""
+    it two (the frame waited out the step it arrived in). With B's prefix paced like A's layers (b-paced)
+    the frame reaches A while A runs layer k itself: its rows catch up that layer alone and still finish
+    in this step (CATCH_UP_LAYERS). Outputs stay exact on both engines."""
     params = SamplingParams(max_tokens=5)
     want = unsplit(tiny_blocks, PROMPTS[:2], params)
     p = await _pair(tiny_ckpt, tiny_blocks, resident=2)
@@ -325,6 +328,8 @@ async def test_b_rows_join_a_running_step_at_their_layer(tiny_ckpt, tiny_blocks)
         a, b = p.a, p.b
         a.host.layer_s = 0.08  # A's step: 4 layers x 80 ms; B's rows start at layer 2 (160 ms into it)
         await b.set_cooperate(CooperateRequest(p.peer, "besteffort"))
+        assert b.pair is not None
+        b.pair.layer_s = 0.08 if b_paced else 0.0  # paced: B's 2-layer prefix takes as long as A's layers 0-1
         long = a.serving.submit(PROMPTS[3], SamplingParams(max_tokens=400))  # keeps A stepping throughout
         a_run = asyncio.create_task(collect(a, a.serving.submit(PROMPTS[1], params)))
         while a.engine.steps < 2:
@@ -337,6 +342,7 @@ async def test_b_rows_join_a_running_step_at_their_layer(tiny_ckpt, tiny_blocks)
         # one A step per B token (+ the step running as B's request came in); waiting for boundaries: ~2 each
         assert spent <= params.max_tokens + 2, f"{spent} A steps for {params.max_tokens} B tokens"
         assert a.host.joined >= params.max_tokens - 1  # frames joined a running forward
+        assert (a.host.caught_up > 0) == b_paced  # late by a layer: caught up (instant: joined at layer 2)
     finally:
         await p.close()
 
@@ -344,7 +350,8 @@ async def test_b_rows_join_a_running_step_at_their_layer(tiny_ckpt, tiny_blocks)
 def test_rows_joining_at_a_later_layer_match_rows_run_from_the_start(tiny_blocks) -> None:  # type: ignore[no-untyped-def]
     """`staggered` with `join`: the forward runs layer by layer and asks before each layer for rows that
     join there. Rows joining at layer 2 come out equal to the same rows present from the start, at the
-    same cost (no knee: rows are free), and a row starting below the layer it would join is refused."""
+    same cost (no knee: rows are free); rows joining past their first layer catch up alone first (same
+    outputs up to float rounding, those layers charged)."""
     from kascade_engine.model import LlamaModel
 
     m = LlamaModel(tiny_blocks.config)
@@ -377,10 +384,21 @@ def test_rows_joining_at_a_later_layer_match_rows_run_from_the_start(tiny_blocks
     assert cost == ref_cost == L
     for key in ref:
         assert torch.equal(out[key], ref[key]), key
+    # a row joining past its first layer catches up alone first: the same outputs up to float rounding (its
+    # layer 2 ran in a batch of its own: another matmul shape), its layers charged
+    out2 = run_late(m, L, xs, join_at=3)
+    assert torch.equal(out2[0]["own"], ref["own"])
+    assert torch.allclose(out2[0]["late"], ref["late"], rtol=1e-5, atol=1e-4)
+    assert not torch.allclose(xs["late"], ref["late"], atol=1.0)  # (the rows did go through the layers)
+    assert out2[1] == L + 1  # layer 2 for the late rows alone, then the rest shared
+
+
+def run_late(m: Any, L: int, xs: dict[str, torch.Tensor], join_at: int) -> tuple[dict[str, torch.Tensor], float]:
     pool = Scheduler(Limits(kv_tokens=512, page_size=16)).pool
-    assert pool.grow("x", 2)
     cache = KVCache(L, 40, 16, m.shape.kv_heads, m.shape.head_dim, m.dtype, m.device)
-    early = Row(pool.tables["x"], 0, 2, 1, L, torch.zeros(2, H, dtype=m.dtype))
-    with pytest.raises(ValueError, match="starts at layer 1"):
-        staggered(m, cache, [Row(pool.tables["x"], 0, 2, 0, L, torch.zeros(2, H, dtype=m.dtype))], 0,
-                  lambda u, c: [early] if u == 3 else [])
+    made = {}
+    for key, n, a in (("own", 6, 0), ("late", 3, 2)):
+        assert pool.grow(key, n)
+        made[key] = Row(pool.tables[key], 0, n, a, L, xs[key].clone())
+    cost = staggered(m, cache, [made["own"]], 0, lambda u, c: [made["late"]] if u == join_at else [])
+    return {k: r.x for k, r in made.items()}, cost
