@@ -86,6 +86,8 @@ class PairClient:
         self.moving: list[list[Any]] = []  # [[req, k]] parked by `prepare`, asked for in the next frame
         self.stay_split: set[str] = set()  # sequences the pair could not hand over: they finish split
         self.events: list[Event] = []  # tokens of our requests that landed (Engine.step emits them)
+        # routes events to their requests from inside a step (serving.Serving.publish); None: at the step's end
+        self.emit: Callable[[list[Event]], None] | None = None
         self._send_lock = asyncio.Lock()
         self._recv_lock = asyncio.Lock()
 
@@ -130,7 +132,7 @@ class PairClient:
                 self.history.append((w.id, self.split[w.id]))
         rows, sampling = own_rows(engine, work, lambda rid: self.split[rid])
         t0 = time.perf_counter()
-        pace(t0, staggered(m, engine.cache, rows, self.knee_tokens), self.layer_s)
+        self._pace_landing(engine, t0, staggered(m, engine.cache, rows, self.knee_tokens))
         local = [i for i in sampling if self.split[work[i].id] == L and m.complete and work[i].id not in self.redirected]
         far = [i for i, w in enumerate(work) if not (self.split[w.id] == L and m.complete) or w.id in self.redirected]
         toks: dict[int, int | None] = {i: None for i in sampling}  # None: out on A, delivered when it lands
@@ -157,6 +159,24 @@ class PairClient:
             engine.coop = self.fallback
             engine.scheduler.whole_prompts = False  # alone again: chunked prefill as usual
         return [toks[i] for i in sampling]
+
+    def _pace_landing(self, engine: Engine, t0: float, layers: float) -> None:
+        """`pace` this step's prefix (emulated accelerator), landing A's answers that come back meanwhile:
+        their tokens reach the clients now (`emit`), not when this step ends — a step here can take up to
+        L - 1 layer times, and an answer that waited for it (bench: up to 540 ms) delayed that token and
+        kept its sequence parked."""
+        end = t0 + layers * self.layer_s
+        while self.inflight:
+            while self.inflight and self.inflight[0].fut.done():
+                self._land(engine, self.inflight.popleft())
+            if self.emit is not None and self.events:
+                out, self.events = self.events, []
+                self.emit(out)
+            left = end - time.perf_counter()
+            if left <= 0 or not self.inflight:
+                break
+            wait([self.inflight[0].fut], timeout=left)
+        pace(t0, layers, self.layer_s)
 
     def prepare(self, engine: Engine) -> None:
         """Before the schedule: once every layer is here, park split sequences to take over whole (migration.py;

@@ -58,6 +58,7 @@ async def form_pair(inst: Any, peer: str) -> PairClient:
             await conn.close()
             raise
     pair.fallback, pair.layer_s, pair.knee_tokens = inst.host, inst.host.layer_s, inst.host.knee_tokens
+    pair.emit = inst.serving.publish  # tokens that land while a step of ours runs go out at once
     log.info("%s: paired with %s (%s connection, used by every step)", inst.instance_id, peer,
              "warmed" if warmed else "new")
     return pair

@@ -42,6 +42,7 @@ class Serving:
         self._ended: dict[str, str] = {}  # finish reasons set by the caller (a stop string matched)
         self.wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def idle(self) -> bool:
@@ -49,7 +50,23 @@ class Serving:
 
     def start(self) -> None:
         if self._loop_task is None:
+            self._loop = asyncio.get_running_loop()
             self._loop_task = asyncio.create_task(self._run())
+
+    def publish(self, events: list[Event]) -> None:
+        """Events made inside a step, before it ends (a live pair's tokens that landed while this engine's
+        own step ran: pairclient.py), routed to their requests at once. Safe from the step thread; they
+        reach the queues ahead of the step's own events (call_soon_threadsafe is FIFO)."""
+        if events and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._route, events)
+
+    def _route(self, events: list[Event]) -> None:
+        now = time.monotonic()
+        for ev in events:
+            self.inst.metrics.observe_event(ev, now)
+            waiting = self.queues.get(ev.request)
+            if waiting is not None:
+                waiting.put_nowait(ev)
 
     async def close(self) -> None:
         if self._loop_task is not None:
@@ -72,12 +89,7 @@ class Serving:
                     eng.abort(rid)
                     q.put_nowait(e)
                 continue
-            now = time.monotonic()
-            for ev in events:
-                metrics.observe_event(ev, now)
-                waiting = self.queues.get(ev.request)
-                if waiting is not None:
-                    waiting.put_nowait(ev)
+            self._route(events)
             metrics.update(self.inst)
 
     # -- requests ------------------------------------------------------------------------------

@@ -402,3 +402,32 @@ def run_late(m: Any, L: int, xs: dict[str, torch.Tensor], join_at: int) -> tuple
         made[key] = Row(pool.tables[key], 0, n, a, L, xs[key].clone())
     cost = staggered(m, cache, [made["own"]], 0, lambda u, c: [made["late"]] if u == join_at else [])
     return {k: r.x for k, r in made.items()}, cost
+
+
+async def test_a_token_that_lands_during_bs_step_reaches_its_client_at_once(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    """Issue 17: A's answer to B's step i often comes back while B runs step i + 1's prefix (up to L - 1
+    layer times). B lands it during that step and routes its tokens at once (PairClient.emit ->
+    Serving.publish), instead of at the end of the step (bench: answers waited up to 540 ms there).
+    Two prompts that do not fit one step together (whole prompts): the first goes out in B's first step,
+    A (instant) answers it while B's second step — the second prompt's 0.6 s prefix — runs."""
+    params = SamplingParams(max_tokens=3)
+    first, second = list(range(1, 41)), list(range(50, 90))  # 40 tokens each, 64 per step
+    want = unsplit(tiny_blocks, [first, second], params)
+    p = await _pair(tiny_ckpt, tiny_blocks, resident=3)
+    try:
+        b = p.b
+        await b.set_cooperate(CooperateRequest(p.peer, "besteffort"))
+        assert b.pair is not None
+        b.pair.layer_s = 0.2  # B's step: its 3-layer prefix, 0.6 s
+        t0 = asyncio.get_running_loop().time()
+        r1, r2 = b.serving.submit(first, params), b.serving.submit(second, params)
+        q = b.serving.queues[r1]
+        ev = await asyncio.wait_for(q.get(), 10)
+        ttft = asyncio.get_running_loop().time() - t0
+        q.put_nowait(ev)  # back where collect() reads it
+        got = await asyncio.gather(collect(b, r1), collect(b, r2))
+        assert got == want
+        # B's first step (0.6 s), A's answer at once, then landed inside B's second step: ~0.6 s, not ~1.2 s
+        assert ttft < 0.95, f"first token after {ttft:.2f} s"
+    finally:
+        await p.close()
