@@ -54,7 +54,7 @@ from kascade_planner.engine_api import (
 )
 from kascade_planner.plan import Instance, ModelLayout
 from kascade_planner.topology import Node, Topology
-from kascade_router.backends import LIVE_PRIOR_WEIGHT, MIN_WEIGHT
+from kascade_router.backends import LIVE_PRIOR_WEIGHT, MAX_WEIGHT, MIN_WEIGHT
 
 TOKEN = "live-bench-" + secrets.token_hex(4)
 MODEL = "bench-llama"
@@ -156,8 +156,9 @@ class Driver:
         return e in self.sources or ph == "serving" or (live and ph == "live" and bool(e.status.get("cooperate")))
 
     def weight(self, e: Eng) -> float:
-        """The router's weights (kascade_router.backends): a live, still loading replica weighs the share of
-        layers it last reported running (LIVE_PRIOR_WEIGHT before its first answer), a complete copy 1."""
+        """The router's weights (kascade_router.backends): a live, still loading replica weighs the share it
+        last reported (its layers' share with a source, a pipeline head its receivers; LIVE_PRIOR_WEIGHT before
+        its first answer), a complete copy 1."""
         return 1.0 if e in self.sources or e.status.get("phase") == "serving" else e.share
 
     async def one(self, prompt: str, at: float, live: bool, max_tokens: int) -> tuple[float, str, str]:
@@ -173,8 +174,8 @@ class Driver:
                 if r.status_code != 200:
                     raise RuntimeError(f"{e.iid}: HTTP {r.status_code} {(await r.aread())[:200]!r}")
                 share = r.headers.get(SERVING_SHARE_HEADER)
-                if share is not None:
-                    e.share = max(MIN_WEIGHT, min(1.0, float(share)))
+                if share is not None and 0.0 <= float(share) <= MAX_WEIGHT:  # Backend.reported's rule
+                    e.share = max(MIN_WEIGHT, float(share))
                 async for line in r.aiter_lines():
                     if line.startswith("data: ") and line != "data: [DONE]":
                         if first is None:

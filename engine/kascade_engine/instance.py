@@ -176,16 +176,18 @@ class EngineInstance:
 
     @property
     def serving_share(self) -> float:
-        """The share of a request's layers that do not run on a serving source: 1 serving alone, or as the
-        head of an execute-while-load pipeline (the other receivers run the rest; no source is loaded by
-        it), its resident prefix over all layers while live with a source (the source runs the rest), 0
-        when it cannot serve. Routers weight by it."""
+        """What this replica adds to serving, in full replicas' worth of accelerators (routers weight by it):
+        1 serving alone; while live with a source, its resident prefix over all layers (the source runs the
+        rest of each request, on its own accelerator's time); as the head of an execute-while-load pipeline
+        of k receivers, k (λScale: no source runs any of its layers, and k accelerators, each running its
+        own layers of every request, serve what k replicas will: a weight of 1 gave the head one source's
+        traffic while its k - 1 other receivers idled between its steps); 0 when it cannot serve."""
         if self.phase is Phase.SERVING:
             return 1.0
         if not self.servable:
             return 0.0
         if self.pair is not None and not self.pair.peer_complete:
-            return 1.0
+            return 1.0 + self.pair.peer_receivers
         return self.model.resident_prefix() / max(1, self.model.shape.layers)
 
     def accepting(self) -> None:

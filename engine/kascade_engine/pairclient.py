@@ -61,6 +61,7 @@ class PairClient:
         self.want: dict[str, int] = {}  # request -> k chosen by the ZigZag policy at admission
         self.policy: ZigZagPolicy | None = None  # None: best effort (k = the resident prefix)
         self.peer_complete = True  # the peer holds the whole model (a source); False: a pipeline's next receiver
+        self.peer_receivers = 0  # loading engines from the peer on that run our rows' later layers (a pipeline)
         self.remote: set[str] = set()  # requests A holds KV for
         self.held: set[asyncio.Task[None]] = set()  # requests waiting for their scheduled prefix
         # request -> prompt tokens, admitted here and not yet started (held or in the scheduler's queue), FCFS:

@@ -38,6 +38,8 @@ async def open_pair(model: LlamaModel, conn: Connection, token: str | None) -> P
         raise RuntimeError(f"peer refused the pair: {reply.get('message', reply)}")
     pc = PairClient(model, conn, asyncio.get_running_loop())
     pc.peer_complete = reply.get("complete") is not False  # an older peer says nothing: a source, as before
+    n = reply.get("receivers")
+    pc.peer_receivers = n if isinstance(n, int) and n >= 0 and not pc.peer_complete else 0 if pc.peer_complete else 1
     return pc
 
 
@@ -74,7 +76,11 @@ async def host_pair(host: HostRows, model: LlamaModel, conn: Connection, first: 
         return
     # complete: whether this engine holds the whole model (a serving source) or is itself a receiver of a
     # pipeline (its rows go on to the next one): the pair's router weight differs (instance.serving_share)
-    await conn.send({"op": "paired", "pair": pair, "complete": model.complete})
+    # receivers: the loading engines that run a row from here on (this one and its pipeline downstream; 0 on a
+    # source): a pipeline head weighs them all (instance.serving_share)
+    down = host.downstream
+    receivers = 0 if model.complete else 1 + (down.peer_receivers if down is not None else 0)
+    await conn.send({"op": "paired", "pair": pair, "complete": model.complete, "receivers": receivers})
     loop = asyncio.get_running_loop()
     # B keeps up to two steps out (cooperation.PIPELINE_DEPTH): read the next frame while A still runs
     # the last one; answers go back in frame order from one writer.

@@ -35,6 +35,9 @@ ACT_ENDPOINT = "kascade.io/act-endpoint"  # annotation: host:port of the engine'
 # its first answer the router has no report: it starts at this prior.
 LIVE_PRIOR_WEIGHT = 0.5
 MIN_WEIGHT = 0.05  # a live replica with one layer of many still gets an occasional request (and reports again)
+# The head of an execute-while-load pipeline of k receivers reports k: no source runs its layers, and k
+# accelerators serve its requests (kascade_engine.instance.serving_share). A report above this is garbage.
+MAX_WEIGHT = 64.0
 # The operator's readiness gate on pool pods: True only while bound and loaded or live, not draining.
 # Kubelets fold it into Ready; the router checks it too, so a stale Ready never routes to an idle pod.
 SERVING_GATE = "kascade.io/serving"
@@ -128,14 +131,15 @@ class Backend:
 
     def reported(self, share: str | None) -> None:
         """The engine's own serving share (its answer's SERVING_SHARE_HEADER) becomes a live replica's
-        weight; a complete copy keeps 1. Garbage is ignored (the weight stays)."""
+        weight: its resident share when live with a source, the receivers of the pipeline it heads (> 1).
+        A complete copy keeps 1. Garbage is ignored (the weight stays)."""
         if share is None or not self.live:
             return
         try:
             v = float(share)
         except ValueError:
             return
-        if 0.0 <= v <= 1.0:
+        if 0.0 <= v <= MAX_WEIGHT:
             self.weight = max(MIN_WEIGHT, v)
 
 

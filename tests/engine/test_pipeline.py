@@ -148,8 +148,10 @@ async def test_a_middle_receiver_runs_its_next_step_while_rows_are_downstream(ti
     try:
         await r2.set_cooperate(CooperateRequest(f"127.0.0.1:{port['r3']}", "pipeline"))
         await r1.set_cooperate(CooperateRequest(f"127.0.0.1:{port['r2']}", "besteffort"))
-        # the head of a pipeline loads no source: routers weigh it as a whole replica, not by its 2 of 4 layers
-        assert r1.serving_share == 1.0 and r1.pair is not None and not r1.pair.peer_complete
+        # the head of a pipeline loads no source: routers weigh it by the pipeline's receivers (r1, r2, r3: three
+        # accelerators serve its requests), not by its 2 of 4 layers nor as one replica
+        assert r1.serving_share == 3.0 and r1.pair is not None and not r1.pair.peer_complete
+        assert r1.pair.peer_receivers == 2 and r2.pair is None and r2.host.downstream is not None
         got = []
         for p in prompts:  # one at a time: the head's steps go out one after another, each with few rows
             got.append(asyncio.create_task(collect(r1, r1.serving.submit(p, params))))

@@ -71,9 +71,11 @@ def test_live_weight_is_the_share_the_engine_reports() -> None:
     assert b.live and b.weight == B.LIVE_PRIOR_WEIGHT
     b.reported("0.25")
     assert b.weight == 0.25
-    for junk in ("x", "1.5", "-1", None):
+    for junk in ("x", str(B.MAX_WEIGHT + 1), "-1", "nan", None):
         b.reported(junk)
     assert b.weight == 0.25
+    b.reported("4")  # the head of a pipeline of 4 receivers: weighs what 4 replicas do
+    assert b.weight == 4.0
     b.reported("0")
     assert b.weight == B.MIN_WEIGHT  # one layer of many: still an occasional request
     b.reported("0.75")
