@@ -62,6 +62,12 @@ class PairClient:
         self.policy: ZigZagPolicy | None = None  # None: best effort (k = the resident prefix)
         self.peer_complete = True  # the peer holds the whole model (a source); False: a pipeline's next receiver
         self.peer_receivers = 0  # loading engines from the peer on that run our rows' later layers (a pipeline)
+        # a pipeline head's stage: the layers it runs of each new sequence, its resident prefix when the pipeline
+        # formed (the next receiver holds the layers from there). Layers landing here later do not lengthen its
+        # steps: the head admits every new request, so its step time bounds the whole pipeline's admission
+        # (bench pipe4: with k = the growing prefix its steps grew to 0.65 s, 3 new prompts each). None: a pair
+        # with a source (k = the resident prefix, or the ZigZag policy's).
+        self.stage: int | None = None
         self.remote: set[str] = set()  # requests A holds KV for
         self.held: set[asyncio.Task[None]] = set()  # requests waiting for their scheduled prefix
         # request -> prompt tokens, admitted here and not yet started (held or in the scheduler's queue), FCFS:
@@ -128,7 +134,8 @@ class PairClient:
         for w in work:
             if w.id not in self.split:
                 want = self.want.pop(w.id, None)
-                self.split[w.id] = L if m.complete else want if want is not None else m.resident_prefix()
+                k = m.resident_prefix() if self.stage is None else min(self.stage, m.resident_prefix())
+                self.split[w.id] = L if m.complete else want if want is not None else k
                 timeline.mark("b-start", w.id, k=self.split[w.id])
                 self.history.append((w.id, self.split[w.id]))
         rows, sampling = own_rows(engine, work, lambda rid: self.split[rid])

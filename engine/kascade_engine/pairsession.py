@@ -61,6 +61,8 @@ async def form_pair(inst: Any, peer: str) -> PairClient:
             raise
     pair.fallback, pair.layer_s, pair.knee_tokens = inst.host, inst.host.layer_s, inst.host.knee_tokens
     pair.emit = inst.serving.publish  # tokens that land while a step of ours runs go out at once
+    if not pair.peer_complete:  # the head of a pipeline: its stage is what it holds now (PairClient.stage)
+        pair.stage = inst.model.resident_prefix()
     log.info("%s: paired with %s (%s connection, used by every step)", inst.instance_id, peer,
              "warmed" if warmed else "new")
     return pair

@@ -169,3 +169,34 @@ async def test_a_middle_receiver_runs_its_next_step_while_rows_are_downstream(ti
             await i.close()
         for lst in listeners:
             await lst.close()
+
+
+async def test_a_pipeline_head_keeps_its_stage_as_its_layers_land(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    """Issue 17: the head of a pipeline admits every request, so its step time bounds the pipeline. It runs
+    its stage (the prefix it held when the pipeline formed) of each new sequence, not its growing prefix:
+    with layer 2 landed on the head, a new sequence still leaves layer 2 to the next receiver (before: k
+    grew with the prefix, and in bench pipe4 the head's steps grew to a source's, 3 prompts per 0.65 s).
+    Outputs stay exact."""
+    params = SamplingParams(max_tokens=4)
+    want = unsplit(tiny_blocks, PROMPTS[:2], params)
+    r1 = _receiver(tiny_ckpt, tiny_blocks, ["embed", "layer.0", "layer.1"], "r1")
+    r2 = _receiver(tiny_ckpt, tiny_blocks, ["layer.2"], "r2")
+    r3 = _receiver(tiny_ckpt, tiny_blocks, ["layer.3", "head"], "r3")
+    insts = (r1, r2, r3)
+    listeners = [await TcpTransport().listen("127.0.0.1", 0, i.finisher.handle) for i in insts]
+    try:
+        await r2.set_cooperate(CooperateRequest(f"127.0.0.1:{listeners[2].port}", "pipeline"))
+        await r1.set_cooperate(CooperateRequest(f"127.0.0.1:{listeners[1].port}", "besteffort"))
+        assert r1.pair is not None
+        first = await collect(r1, r1.serving.submit(PROMPTS[0], params))
+        r1.add_block(tiny_blocks.blocks["layer.2"])  # the head's prefix is 3 layers now
+        second = await collect(r1, r1.serving.submit(PROMPTS[1], params))
+        assert [first, second] == want
+        assert [k for _, k in r1.pair.history] == [2, 2]  # (its prefix: [2, 3])
+        assert r1.pair.stage == 2
+        assert r2.host.rows_hosted >= 2 * params.max_tokens  # layer 2 of both ran on r2, every token
+    finally:
+        for i in insts:
+            await i.close()
+        for lst in listeners:
+            await lst.close()
