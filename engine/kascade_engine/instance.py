@@ -179,15 +179,19 @@ class EngineInstance:
         """What this replica adds to serving, in full replicas' worth of accelerators (routers weight by it):
         1 serving alone; while live with a source, its resident prefix over all layers (the source runs the
         rest of each request, on its own accelerator's time); as the head of an execute-while-load pipeline
-        of k receivers, k (λScale: no source runs any of its layers, and k accelerators, each running its
-        own layers of every request, serve what k replicas will: a weight of 1 gave the head one source's
-        traffic while its k - 1 other receivers idled between its steps); 0 when it cannot serve."""
+        of k receivers, up to k (λScale: no source runs any of its layers, and k accelerators each run their
+        own layers of every request) but no more than L / its stage: the head admits every request of the
+        pipeline, once per step of its stage's layers, so the pipeline serves at most that many times what a
+        replica stepping through all L layers does (a weight of 1 gave the head one source's traffic while
+        the other receivers idled between its steps; k = 4 with a 3-of-8-layer head queued more than it
+        admitted); 0 when it cannot serve."""
         if self.phase is Phase.SERVING:
             return 1.0
         if not self.servable:
             return 0.0
         if self.pair is not None and not self.pair.peer_complete:
-            return 1.0 + self.pair.peer_receivers
+            L, stage = self.model.shape.layers, self.pair.stage or self.model.resident_prefix()
+            return min(1.0 + self.pair.peer_receivers, L / max(1, stage))
         return self.model.resident_prefix() / max(1, self.model.shape.layers)
 
     def accepting(self) -> None:

@@ -135,7 +135,8 @@ class PairClient:
             if w.id not in self.split:
                 want = self.want.pop(w.id, None)
                 k = m.resident_prefix() if self.stage is None else min(self.stage, m.resident_prefix())
-                self.split[w.id] = L if m.complete else want if want is not None else k
+                whole = m.complete and not self._pipelining_backlog(engine)
+                self.split[w.id] = L if whole else want if want is not None else k
                 timeline.mark("b-start", w.id, k=self.split[w.id])
                 self.history.append((w.id, self.split[w.id]))
         rows, sampling = own_rows(engine, work, lambda rid: self.split[rid])
@@ -186,11 +187,18 @@ class PairClient:
             wait([self.inflight[0].fut], timeout=left)
         pace(t0, layers, self.layer_s)
 
+    def _pipelining_backlog(self, engine: Engine) -> bool:
+        """A complete pipeline head with requests still queued keeps starting them at its stage: its stage
+        steps admit L / stage times as often as whole-model steps, and the queue it has was routed to it at
+        the pipeline's rate (instance.serving_share). Once the queue is gone, new sequences run whole here."""
+        return self.stage is not None and bool(engine.scheduler.waiting)
+
     def prepare(self, engine: Engine) -> None:
         """Before the schedule: once every layer is here, park split sequences to take over whole (migration.py;
         asked in this step's frame): none with a step out, none A's client waits for (redirected), within the
         frame's byte budget."""
-        if not self.model.complete or self.moving or any(f.moving for f in self.inflight):
+        if not self.model.complete or self.moving or any(f.moving for f in self.inflight) or \
+                self._pipelining_backlog(engine):  # (its new split sequences would move back at once)
             return
         L, size = self.model.shape.layers, 0
         move: list[list[Any]] = []

@@ -148,9 +148,10 @@ async def test_a_middle_receiver_runs_its_next_step_while_rows_are_downstream(ti
     try:
         await r2.set_cooperate(CooperateRequest(f"127.0.0.1:{port['r3']}", "pipeline"))
         await r1.set_cooperate(CooperateRequest(f"127.0.0.1:{port['r2']}", "besteffort"))
-        # the head of a pipeline loads no source: routers weigh it by the pipeline's receivers (r1, r2, r3: three
-        # accelerators serve its requests), not by its 2 of 4 layers nor as one replica
-        assert r1.serving_share == 3.0 and r1.pair is not None and not r1.pair.peer_complete
+        # the head of a pipeline loads no source: routers weigh it by the pipeline's capacity, not by its 2 of 4
+        # layers nor as one replica: three receivers (r1, r2, r3), but its 2-layer steps admit 4 / 2 times as
+        # often as whole-model steps: 2
+        assert r1.serving_share == 2.0 and r1.pair is not None and not r1.pair.peer_complete
         assert r1.pair.peer_receivers == 2 and r2.pair is None and r2.host.downstream is not None
         got = []
         for p in prompts:  # one at a time: the head's steps go out one after another, each with few rows
@@ -195,6 +196,41 @@ async def test_a_pipeline_head_keeps_its_stage_as_its_layers_land(tiny_ckpt, tin
         assert [k for _, k in r1.pair.history] == [2, 2]  # (its prefix: [2, 3])
         assert r1.pair.stage == 2
         assert r2.host.rows_hosted >= 2 * params.max_tokens  # layer 2 of both ran on r2, every token
+    finally:
+        for i in insts:
+            await i.close()
+        for lst in listeners:
+            await lst.close()
+
+
+async def test_a_complete_pipeline_head_pipelines_its_queue_then_runs_alone(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    """Issue 17: requests queued on a pipeline head were routed to it at the pipeline's rate (its serving share).
+    Once the head holds every layer it keeps starting them at its stage while a queue waits (its stage steps
+    admit faster than whole-model steps; before, the queue drained at one replica's rate: bench pipe4, the
+    worst requests waited 7 s on the head), and runs new sequences whole once the queue is gone. Exact."""
+    params = SamplingParams(max_tokens=2)
+    prompts = [[i + j for j in range(40)] for i in range(6)]  # 40 tokens: one per 64-token step (whole prompts)
+    want = unsplit(tiny_blocks, prompts, params)
+    r1 = _receiver(tiny_ckpt, tiny_blocks, ["embed", "layer.0", "layer.1"], "r1")
+    r2 = _receiver(tiny_ckpt, tiny_blocks, ["layer.2"], "r2")
+    r3 = _receiver(tiny_ckpt, tiny_blocks, ["layer.3", "head"], "r3")
+    r3.host.layer_s = 0.02  # the pipeline takes a moment per step: the head's queue is still there when it completes
+    insts = (r1, r2, r3)
+    listeners = [await TcpTransport().listen("127.0.0.1", 0, i.finisher.handle) for i in insts]
+    try:
+        await r2.set_cooperate(CooperateRequest(f"127.0.0.1:{listeners[2].port}", "pipeline"))
+        await r1.set_cooperate(CooperateRequest(f"127.0.0.1:{listeners[1].port}", "besteffort"))
+        assert r1.pair is not None
+        runs = [asyncio.create_task(collect(r1, r1.serving.submit(p, params))) for p in prompts]
+        while not r1.pair.history:
+            await asyncio.sleep(0.002)
+        for bid in ("layer.2", "layer.3", "head"):  # the head completes with most of its queue still waiting
+            r1.add_block(tiny_blocks.blocks[bid])
+        assert r1.phase is Phase.SERVING and len(r1.engine.scheduler.waiting) >= 3
+        before = len(r1.pair.history)
+        assert await asyncio.gather(*runs) == want
+        ks = [k for _, k in r1.pair.history[before:]]
+        assert ks[0] == 2 and ks[-1] == 4, ks  # queued: at its stage; the last one, nothing queued behind it: whole
     finally:
         for i in insts:
             await i.close()
