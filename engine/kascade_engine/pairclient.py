@@ -62,12 +62,13 @@ class PairClient:
         self.policy: ZigZagPolicy | None = None  # None: best effort (k = the resident prefix)
         self.peer_complete = True  # the peer holds the whole model (a source); False: a pipeline's next receiver
         self.peer_receivers = 0  # loading engines from the peer on that run our rows' later layers (a pipeline)
-        # a pipeline head's stage: the layers it runs of each new sequence, its resident prefix when the pipeline
-        # formed (the next receiver holds the layers from there). Layers landing here later do not lengthen its
-        # steps: the head admits every new request, so its step time bounds the whole pipeline's admission
-        # (bench pipe4: with k = the growing prefix its steps grew to 0.65 s, 3 new prompts each). None: a pair
-        # with a source (k = the resident prefix, or the ZigZag policy's).
+        # a pipeline head's stage: the layers it runs of each new sequence, fixed when the pipeline formed: its
+        # resident prefix, or less where the next receiver's layers begin (layers both hold run there). Layers
+        # landing here later do not lengthen its steps: the head admits every new request, so its step time
+        # bounds the whole pipeline's admission (bench pipe4: with k = the growing prefix its steps grew to
+        # 0.65 s, 3 new prompts each). None: a pair with a source (k = the resident prefix, or ZigZag's).
         self.stage: int | None = None
+        self.peer_first: int | None = None  # the lowest layer the peer holds (its paired reply)
         self.remote: set[str] = set()  # requests A holds KV for
         self.held: set[asyncio.Task[None]] = set()  # requests waiting for their scheduled prefix
         # request -> prompt tokens, admitted here and not yet started (held or in the scheduler's queue), FCFS:

@@ -38,6 +38,8 @@ async def open_pair(model: LlamaModel, conn: Connection, token: str | None) -> P
         raise RuntimeError(f"peer refused the pair: {reply.get('message', reply)}")
     pc = PairClient(model, conn, asyncio.get_running_loop())
     pc.peer_complete = reply.get("complete") is not False  # an older peer says nothing: a source, as before
+    first = reply.get("first")
+    pc.peer_first = first if isinstance(first, int) and 0 <= first <= s.layers else None
     n = reply.get("receivers")
     pc.peer_receivers = n if isinstance(n, int) and n >= 0 and not pc.peer_complete else 0 if pc.peer_complete else 1
     return pc
@@ -61,8 +63,9 @@ async def form_pair(inst: Any, peer: str) -> PairClient:
             raise
     pair.fallback, pair.layer_s, pair.knee_tokens = inst.host, inst.host.layer_s, inst.host.knee_tokens
     pair.emit = inst.serving.publish  # tokens that land while a step of ours runs go out at once
-    if not pair.peer_complete:  # the head of a pipeline: its stage is what it holds now (PairClient.stage)
-        pair.stage = inst.model.resident_prefix()
+    if not pair.peer_complete:  # the head of a pipeline: its stage (PairClient.stage)
+        prefix, first = inst.model.resident_prefix(), pair.peer_first
+        pair.stage = prefix if first is None else min(prefix, first)
     log.info("%s: paired with %s (%s connection, used by every step)", inst.instance_id, peer,
              "warmed" if warmed else "new")
     return pair
@@ -82,7 +85,10 @@ async def host_pair(host: HostRows, model: LlamaModel, conn: Connection, first: 
     # source): a pipeline head weighs them all (instance.serving_share)
     down = host.downstream
     receivers = 0 if model.complete else 1 + (down.peer_receivers if down is not None else 0)
-    await conn.send({"op": "paired", "pair": pair, "complete": model.complete, "receivers": receivers})
+    # first: the lowest layer held here (a pipeline head leaves the layers from there to this receiver)
+    lowest = next((i for i in range(s.layers) if model.resident(f"layer.{i}")), s.layers)
+    await conn.send({"op": "paired", "pair": pair, "complete": model.complete, "receivers": receivers,
+                     "first": lowest})
     loop = asyncio.get_running_loop()
     # B keeps up to two steps out (cooperation.PIPELINE_DEPTH): read the next frame while A still runs
     # the last one; answers go back in frame order from one writer.

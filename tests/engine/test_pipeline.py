@@ -195,6 +195,11 @@ async def test_a_pipeline_head_keeps_its_stage_as_its_layers_land(tiny_ckpt, tin
         assert [first, second] == want
         assert [k for _, k in r1.pair.history] == [2, 2]  # (its prefix: [2, 3])
         assert r1.pair.stage == 2
+        # re-formed with the head holding layers 0-2 and r2 holding 2: the layer both hold runs on r2
+        await r1.set_cooperate(CooperateRequest("", "off"))
+        await r1.set_cooperate(CooperateRequest(f"127.0.0.1:{listeners[1].port}", "besteffort"))
+        assert r1.pair is not None and r1.pair.peer_first == 2 and r1.pair.stage == 2
+        assert await collect(r1, r1.serving.submit(PROMPTS[0], params)) == want[0]
         assert r2.host.rows_hosted >= 2 * params.max_tokens  # layer 2 of both ran on r2, every token
     finally:
         for i in insts:
