@@ -39,6 +39,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PIPELINE_DEPTH = 4  # B's steps out on A at once: B computes the next steps' prefixes while A runs the last ones
+# A pipeline head's steps out per receiver: a round trip crosses every receiver (each hop's wait, step and link),
+# while the head steps through its stage alone, so with PIPELINE_DEPTH out it waited for answers (bench pipe4
+# r8, a 1-layer stage: 4 frames out, then ~0.8 s for the oldest answer; 3 new prompts per frame).
+PIPELINE_DEPTH_PER_RECEIVER = 4
 IDLE_WAIT_S = 0.005  # with nothing else to run, B checks for new requests this often while a step is out
 
 
@@ -69,6 +73,7 @@ class PairClient:
         # 0.65 s, 3 new prompts each). None: a pair with a source (k = the resident prefix, or ZigZag's).
         self.stage: int | None = None
         self.peer_first: int | None = None  # the lowest layer the peer holds (its paired reply)
+        self.depth = PIPELINE_DEPTH  # steps out at once; a pipeline head: PIPELINE_DEPTH_PER_RECEIVER per receiver
         self.remote: set[str] = set()  # requests A holds KV for
         self.held: set[asyncio.Task[None]] = set()  # requests waiting for their scheduled prefix
         # request -> prompt tokens, admitted here and not yet started (held or in the scheduler's queue), FCFS:
@@ -154,9 +159,9 @@ class PairClient:
         move, self.moving = self.moving, []
         if far or ends or move or self.refused or (self.peer_queued and not self.inflight):
             self._send(engine, work, rows, far, set(sampling), ends, move)
-        # Pipelined (depth PIPELINE_DEPTH): B runs its next batch's prefix while A finishes the last one, so
+        # Pipelined (depth PIPELINE_DEPTH, a pipeline head more): B runs its next batch's prefix while A finishes the last one, so
         # B's step rate follows A's, not A's plus B's. Wait only when the pipe is full or B has nothing else.
-        while len(self.inflight) >= PIPELINE_DEPTH:
+        while len(self.inflight) >= self.depth:
             self._land(engine, self.inflight.popleft())
         if not work and self.inflight:  # nothing to run: wait for the answer, but only briefly, so a request
             wait([self.inflight[0].fut], timeout=IDLE_WAIT_S)  # arriving meanwhile goes out as the next step

@@ -19,7 +19,7 @@ from kascade_engine import timeline
 from kascade_engine.cooperation import HostRows, PairStep
 from kascade_engine.live import DTYPES, decode_activation
 from kascade_engine.model import LlamaModel
-from kascade_engine.pairclient import PairClient
+from kascade_engine.pairclient import PIPELINE_DEPTH_PER_RECEIVER, PairClient
 from kascade_engine.transport import Connection, TransportError
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,7 @@ async def form_pair(inst: Any, peer: str) -> PairClient:
     if not pair.peer_complete:  # the head of a pipeline: its stage (PairClient.stage)
         prefix, first = inst.model.resident_prefix(), pair.peer_first
         pair.stage = prefix if first is None else min(prefix, first)
+        pair.depth = PIPELINE_DEPTH_PER_RECEIVER * max(1, pair.peer_receivers)
     log.info("%s: paired with %s (%s connection, used by every step)", inst.instance_id, peer,
              "warmed" if warmed else "new")
     return pair
@@ -90,7 +91,7 @@ async def host_pair(host: HostRows, model: LlamaModel, conn: Connection, first: 
     await conn.send({"op": "paired", "pair": pair, "complete": model.complete, "receivers": receivers,
                      "first": lowest})
     loop = asyncio.get_running_loop()
-    # B keeps up to two steps out (cooperation.PIPELINE_DEPTH): read the next frame while A still runs
+    # B keeps several steps out (pairclient.PIPELINE_DEPTH): read the next frame while A still runs
     # the last one; answers go back in frame order from one writer.
     answers: asyncio.Queue[tuple[asyncio.Future[list[int] | Exception] | None, PairStep | None, str]] = \
         asyncio.Queue()

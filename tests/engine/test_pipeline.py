@@ -15,6 +15,7 @@ from splitref import collect, unsplit  # type: ignore[import-not-found]
 
 from kascade_engine.config import EngineConfig
 from kascade_engine.instance import EngineInstance, Phase
+from kascade_engine.pairclient import PIPELINE_DEPTH, PIPELINE_DEPTH_PER_RECEIVER
 from kascade_engine.sampling import SamplingParams
 from kascade_engine.tokenizer import ByteTokenizer
 from kascade_engine.transport_tcp import TcpTransport
@@ -159,6 +160,8 @@ async def test_a_middle_receiver_runs_its_next_step_while_rows_are_downstream(ti
             await asyncio.sleep(0.01)
         assert await asyncio.gather(*got) == want
         assert r2.host.max_relays_out >= 2
+        # the head keeps more steps out than a pair with a source does: a round trip crosses both receivers
+        assert r1.pair.max_inflight > PIPELINE_DEPTH
         for _ in range(200):  # the last frame may carry only the finished sequences' ends: its answer follows
             if r2.host.relays_out == 0:
                 break
