@@ -161,7 +161,7 @@ async def test_a_middle_receiver_runs_its_next_step_while_rows_are_downstream(ti
         assert await asyncio.gather(*got) == want
         assert r2.host.max_relays_out >= 2
         # the head keeps more steps out than a pair with a source does: a round trip crosses both receivers
-        assert r1.pair.max_inflight > PIPELINE_DEPTH
+        assert r1.pair.depth == PIPELINE_DEPTH_PER_RECEIVER * 2 and r1.pair.max_inflight > PIPELINE_DEPTH
         for _ in range(200):  # the last frame may carry only the finished sequences' ends: its answer follows
             if r2.host.relays_out == 0:
                 break
