@@ -16,9 +16,10 @@ sessions themselves are in pairsession.py, B's side in pairclient.py).
 Data flow on B (`PairClient`, B's Engine hook): its scheduler batches its own requests as usual; the
 step embeds every row, runs each sequence's resident prefix 0..k-1 (`staggered`), and sends the whole
 step to A in one frame; A's sampled tokens come back as the step's tokens.
-On A (`HostRows`, A's Engine hook): a pair step is queued and wakes A's loop; A's next step runs its own
-sequences through embed and layers 0..k-1, then B's rows whose split is k join the same tensor for
-layers k..L-1 — B's rows and A's own traffic share one forward per layer — and the tokens go back.
+On A (`HostRows`, A's Engine hook): a pair step is queued and wakes A's loop; A's forward (the one
+running, if it has not passed layer k by more than CATCH_UP_LAYERS, else the next) runs its own sequences
+through embed and layers 0..k-1, then B's rows whose split is k join the same tensor for layers k..L-1
+— B's rows and A's own traffic share one forward per layer — and the tokens go back.
 KV stays split: B's paged cache holds layers 0..k-1 of its sequences, A's paged cache (pages under
 "pair<id>/<req>") layers k..L-1. A sequence keeps the k it started with (its KV below k lives on B);
 sequences B admits later get the resident prefix of that moment, so the split moves forward as blocks
