@@ -53,6 +53,8 @@ class OutStep:
     rows: list[tuple[str, bool]]
     fut: Future[tuple[dict[str, Any], bytearray]]
     moving: list[str] = field(default_factory=list)  # sequences asked for whole (migration.py), parked
+    step: int = 0  # B's step it belongs to (a step goes out as one frame per split layer)
+    asked: bool = True  # it carried the step's queue (`waiting`): its answer says whether A has one
 
 
 class PairClient:
@@ -84,7 +86,8 @@ class PairClient:
         self.fallback: Cooperation | None = None  # the engine's hook once nothing runs split any more
         self.history: list[tuple[str, int]] = []  # (request, k) as each sequence started: the split point
         self.admitted_ids: list[str] = []  # admission order while loading
-        self.steps_sent = 0
+        self.steps_sent = 0  # frames sent
+        self.steps_stepped = 0  # B steps sent (each as one frame per split layer)
         self.layer_s = 0.0  # emulated seconds per layer forward (benchmarks; 0: off)
         self.knee_tokens = 0  # emulation: tokens per layer forward before it costs more (0: never)
         self.bytes_sent = 0
@@ -161,7 +164,7 @@ class PairClient:
             self._send(engine, work, rows, far, set(sampling), ends, move)
         # Pipelined (depth PIPELINE_DEPTH, a pipeline head more): B runs its next batch's prefix while A finishes the last one, so
         # B's step rate follows A's, not A's plus B's. Wait only when the pipe is full or B has nothing else.
-        while len(self.inflight) >= self.depth:
+        while self._steps_out() >= self.depth:
             self._land(engine, self.inflight.popleft())
         if not work and self.inflight:  # nothing to run: wait for the answer, but only briefly, so a request
             wait([self.inflight[0].fut], timeout=IDLE_WAIT_S)  # arriving meanwhile goes out as the next step
@@ -221,21 +224,42 @@ class PairClient:
 
     def _send(self, engine: Engine, work: list[Work], rows: list[Row], far: list[int], sampling: set[int],
               ends: list[str], move: list[list[Any]]) -> None:
-        meta: list[list[Any]] = []
+        """The step's rows out to the peer: one frame per split layer k, the highest k first. A frame joins
+        the peer's running forward only if it has not passed the frame's lowest k (cooperation.staggered), and
+        answers come back in frame order; so a new prompt's rows (the resident prefix, high k) do not wait
+        for the decode rows of sequences started earlier with a low k (bench: such a mixed frame missed the
+        running step and the prompt's first token waited a whole step more). The step's other fields
+        (ends, queue, refusals, migration) ride in the last frame, as one frame carried them before."""
+        groups: dict[int, list[int]] = {}
         for i in far:
-            w, p = work[i], engine.requests[work[i].id].params
-            meta.append([w.id, w.start, w.n, self.split[w.id], i in sampling, p.temperature, p.top_p, p.seed])
-            self.remote.add(w.id)
-            if w.start == 0:
-                timeline.mark("b-sent", w.id, step=self.steps_sent, rows=len(far))
-            engine.scheduler.park(w.id)  # not scheduled again until A's answer for this step lands
-        hidden = torch.cat([rows[i].x for i in far]) if far else torch.empty(0, self.model.shape.hidden)
-        refused, self.refused = self.refused, []
-        extra = {"waiting": len(engine.scheduler.waiting) + len(self.held), "refused": refused,
-                 **({"migrate": move} if move else {})}
-        fut = self._submit(meta, hidden, ends, extra)
-        self.inflight.append(OutStep([(work[i].id, i in sampling) for i in far], fut, [str(x[0]) for x in move]))
-        self.max_inflight = max(self.max_inflight, len(self.inflight))
+            groups.setdefault(self.split[work[i].id], []).append(i)
+        order = sorted(groups, reverse=True) or [0]
+        step = self.steps_stepped
+        self.steps_stepped += 1
+        for n, k in enumerate(order):
+            last = n == len(order) - 1
+            part = groups.get(k, [])
+            meta: list[list[Any]] = []
+            for i in part:
+                w, p = work[i], engine.requests[work[i].id].params
+                meta.append([w.id, w.start, w.n, self.split[w.id], i in sampling, p.temperature, p.top_p, p.seed])
+                self.remote.add(w.id)
+                if w.start == 0:
+                    timeline.mark("b-sent", w.id, step=self.steps_sent, rows=len(part))
+                engine.scheduler.park(w.id)  # not scheduled again until A's answer for this step lands
+            hidden = torch.cat([rows[i].x for i in part]) if part else torch.empty(0, self.model.shape.hidden)
+            extra: dict[str, Any] = {}
+            if last:
+                refused, self.refused = self.refused, []
+                extra = {"waiting": len(engine.scheduler.waiting) + len(self.held), "refused": refused,
+                         **({"migrate": move} if move else {})}
+            fut = self._submit(meta, hidden, ends if last else [], extra)
+            self.inflight.append(OutStep([(work[i].id, i in sampling) for i in part], fut,
+                                         [str(x[0]) for x in move] if last else [], step, last))
+        self.max_inflight = max(self.max_inflight, self._steps_out())
+
+    def _steps_out(self) -> int:
+        return len({f.step for f in self.inflight})
 
     def _land(self, engine: Engine, step: OutStep) -> None:
         """A's answer to one of our steps: tokens to their requests (unparked), then its redirect fields."""
@@ -267,7 +291,7 @@ class PairClient:
                 engine.scheduler.advance(rid, 0, True)
                 self.events.append(engine.deliver(rid, tok, now))
         self._take_over(engine, step, reply.get("migrated") or [], memoryview(payload))
-        self._take_redirects(engine, reply)
+        self._take_redirects(engine, reply, step.asked)
 
     def _take_over(self, engine: Engine, step: OutStep, moved: list[Any], payload: memoryview) -> None:
         """A's answer to our migrate list: each sequence's K/V for its layers there, written into our pages;
@@ -302,9 +326,10 @@ class PairClient:
         for rid in step.moving:
             engine.scheduler.unpark(rid)
 
-    def _take_redirects(self, engine: Engine, reply: dict[str, Any]) -> None:
+    def _take_redirects(self, engine: Engine, reply: dict[str, Any], asked: bool) -> None:
         """A's answer may hand us queued requests (run like ours, finished on A) and abort some of them."""
-        self.peer_queued = bool(reply.get("queued"))
+        if asked:  # the frame that carried our queue: A's answer says whether A has one (absent: it has none)
+            self.peer_queued = bool(reply.get("queued"))
         for rid in reply.get("abort") or []:
             if str(rid) in self.redirected:
                 engine.abort(str(rid))

@@ -435,3 +435,44 @@ async def test_a_token_that_lands_during_bs_step_reaches_its_client_at_once(tiny
         assert ttft < 0.95, f"first token after {ttft:.2f} s"
     finally:
         await p.close()
+
+
+def test_a_step_goes_out_as_one_frame_per_split_layer_highest_first(tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    """Issue 17: A's forward takes a frame only if it has not passed the frame's lowest split layer (plus
+    CATCH_UP_LAYERS), and answers go back in frame order. A step mixing a new prompt (the resident prefix,
+    k = 3) with a decode row started earlier (k = 1) goes out as two frames, k = 3 first, so the prompt's
+    frame can join A's running forward while the decode's waits for the next one (bench f3: the worst
+    zigzag requests waited for such decode rows). The queue, ends and refusals ride in the last frame, and
+    the depth counts B's steps, not frames."""
+    from concurrent.futures import Future
+
+    from kascade_engine.engine import Engine
+    from kascade_engine.model import LlamaModel
+    from kascade_engine.pairclient import PairClient
+
+    m = LlamaModel(tiny_blocks.config)
+    for bid in ("embed", "layer.0", "layer.1", "layer.2"):
+        m.add_block(bid, tiny_blocks.blocks[bid].tensors())
+    eng = Engine(m, Limits(max_batch_tokens=64, max_seqs=4, kv_tokens=256, page_size=16))
+    pc = PairClient(m, None, None)  # type: ignore[arg-type]
+    sent: list[tuple[list[list[Any]], int, list[str], dict[str, Any]]] = []
+
+    def submit(meta: list[list[Any]], hidden: torch.Tensor, ends: list[str],
+               extra: dict[str, Any] | None = None) -> Future[tuple[dict[str, Any], bytearray]]:
+        sent.append((meta, int(hidden.shape[0]), ends, extra or {}))
+        return Future()
+
+    pc._submit = submit  # type: ignore[method-assign]
+    old = eng.submit([1, 2, 3], SamplingParams(max_tokens=4), "old")
+    assert [w.id for w in eng.scheduler.schedule().work] == [old]
+    pc.split[old] = 1  # started when one layer was here; decoding now
+    eng.scheduler.advance(old, 3, True)
+    eng.requests[old].out.append(9)
+    new = eng.submit([4, 5, 6, 7], SamplingParams(max_tokens=4), "new")
+    work = eng.scheduler.schedule().work
+    assert {(w.id, w.n) for w in work} == {(old, 1), (new, 4)}
+    pc.forward(eng, work)
+    assert [[r[0] for r in meta] for meta, _, _, _ in sent] == [[new], [old]]  # highest split layer first
+    assert [meta[0][3] for meta, _, _, _ in sent] == [3, 1] and [n for _, n, _, _ in sent] == [4, 1]
+    assert "waiting" not in sent[0][3] and "waiting" in sent[1][3]  # the step's queue in its last frame
+    assert len(pc.inflight) == 2 and pc.max_inflight == 1  # two frames, one step out
