@@ -189,7 +189,21 @@ class PairStep:
 # A pair step that reaches a running forward at most this many layers past its split still joins it: its rows
 # run those layers alone first (each costs a layer forward: the step gets that much longer), so they finish at
 # the end of this step rather than the next one (a whole step later). Further back it waits for the next step.
+# It bounds what one forward adds in all (bench g2: several late frames per step, each catching up, stretched
+# A's own requests' steps to 1.8 s).
 CATCH_UP_LAYERS = 2
+
+
+def take_late(inbox: deque[PairStep], u: int, budget: int) -> tuple[list[PairStep], int]:
+    """The pair steps at the head of `inbox` (in arrival order) that join a forward about to run layer u, and
+    the layers their catch-up adds: the rows joining here catch up together (layers lowest..u-1, once), and
+    that may cost at most `budget` layers."""
+    late: list[PairStep] = []
+    lowest = u
+    while inbox and u - min(lowest, _first_layer(inbox[0])) <= budget:
+        lowest = min(lowest, _first_layer(inbox[0]))
+        late.append(inbox.popleft())
+    return late, u - lowest
 
 
 def _first_layer(st: PairStep) -> int:
@@ -272,17 +286,18 @@ class HostRows:
                     if w.start == 0:
                         timeline.mark("a-start", w.id)
 
+            catch_up = [CATCH_UP_LAYERS]  # layers this forward may still add for late rows
+
             def join(u: int, cost: float) -> list[Row]:
                 """Before layer u: pair steps that arrived meanwhile join this forward if every row of
                 theirs starts at layer u - CATCH_UP_LAYERS or later (in arrival order: answers go back in
                 frame order); rows from below u catch up first (`staggered`)."""
                 pace(t0, cost, self.layer_s)  # the emulated accelerator reaches layer u now
                 with self._lock:
-                    late: list[PairStep] = []
-                    while self.inbox and _first_layer(self.inbox[0]) >= u - CATCH_UP_LAYERS:
-                        late.append(self.inbox.popleft())
+                    late, spent = take_late(self.inbox, u, catch_up[0])
                 if not late:
                     return []
+                catch_up[0] -= spent  # a forward is lengthened by at most CATCH_UP_LAYERS in all
                 for st in late:
                     timeline.mark("a-join", "-", layer=u, rows=len(st.rows), behind=max(0, u - _first_layer(st)))
                     self.caught_up += max(0, u - _first_layer(st))

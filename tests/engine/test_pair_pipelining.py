@@ -476,3 +476,31 @@ def test_a_step_goes_out_as_one_frame_per_split_layer_highest_first(tiny_blocks)
     assert [meta[0][3] for meta, _, _, _ in sent] == [3, 1] and [n for _, n, _, _ in sent] == [4, 1]
     assert "waiting" not in sent[0][3] and "waiting" in sent[1][3]  # the step's queue in its last frame
     assert len(pc.inflight) == 2 and pc.max_inflight == 1  # two frames, one step out
+
+
+def test_late_pair_steps_catch_up_within_one_budget_per_forward() -> None:
+    """`take_late`: frames join a running forward in arrival order while the catch-up they need together
+    (layers lowest..u-1, run once for all of them) fits what the forward may still add. The forward's
+    budget is CATCH_UP_LAYERS in all: after a 2-layer catch-up, a frame 1 layer late waits for the next
+    forward (before, each late frame could add its own catch-up: bench g2, A's own requests saw 1.8 s
+    steps), while one at its layer still joins."""
+    from collections import deque
+
+    from kascade_engine.cooperation import CATCH_UP_LAYERS, PairStep, take_late
+
+    def frame(*firsts: int) -> PairStep:
+        return PairStep(0, [[f"r{i}", 0, 1, k, True, 0.0, 1.0, None] for i, k in enumerate(firsts)],
+                        torch.zeros(len(firsts), 4), lambda _: None)
+
+    assert CATCH_UP_LAYERS == 2
+    inbox = deque([frame(3), frame(2, 5), frame(0), frame(4)])
+    late, spent = take_late(inbox, 4, CATCH_UP_LAYERS)
+    assert [len(st.rows) for st in late] == [1, 2] and spent == 2  # 3 and 2 join (2 layers, once); 0 is too far
+    assert len(inbox) == 2  # the rest keeps its order: 0 blocks 4 behind it (answers go back in frame order)
+    inbox = deque([frame(5), frame(6)])
+    late, spent = take_late(inbox, 6, CATCH_UP_LAYERS - 2)  # the budget is spent: only a frame at its layer
+    assert late == [] and spent == 0 and len(inbox) == 2
+    inbox = deque([frame(6), frame(5)])
+    late, spent = take_late(inbox, 6, 0)
+    assert len(late) == 1 and spent == 0 and len(inbox) == 1
+    assert take_late(deque([frame()]), 7, 0)[0]  # an empty frame (a poll) joins anywhere
