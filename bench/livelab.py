@@ -54,7 +54,7 @@ from kascade_planner.engine_api import (
 )
 from kascade_planner.plan import Instance, ModelLayout
 from kascade_planner.topology import Node, Topology
-from kascade_router.backends import LIVE_PRIOR_WEIGHT, MAX_WEIGHT, MIN_WEIGHT
+from kascade_router.backends import LIVE_PRIOR_WEIGHT, live_weight
 
 TOKEN = "live-bench-" + secrets.token_hex(4)
 MODEL = "bench-llama"
@@ -174,8 +174,7 @@ class Driver:
                 if r.status_code != 200:
                     raise RuntimeError(f"{e.iid}: HTTP {r.status_code} {(await r.aread())[:200]!r}")
                 share = r.headers.get(SERVING_SHARE_HEADER)
-                if share is not None and 0.0 <= float(share) <= MAX_WEIGHT:  # Backend.reported's rule
-                    e.share = max(MIN_WEIGHT, float(share))
+                e.share = live_weight(share, e.share)  # the router's rule (kascade_router.backends)
                 async for line in r.aiter_lines():
                     if line.startswith("data: ") and line != "data: [DONE]":
                         if first is None:

@@ -131,16 +131,25 @@ class Backend:
 
     def reported(self, share: str | None) -> None:
         """The engine's own serving share (its answer's SERVING_SHARE_HEADER) becomes a live replica's
-        weight: its resident share when live with a source, the receivers of the pipeline it heads (> 1).
-        A complete copy keeps 1. Garbage is ignored (the weight stays)."""
-        if share is None or not self.live:
-            return
-        try:
-            v = float(share)
-        except ValueError:
-            return
-        if 0.0 <= v <= MAX_WEIGHT:
-            self.weight = max(MIN_WEIGHT, v)
+        weight (`live_weight`). A complete copy keeps 1."""
+        if self.live:
+            self.weight = live_weight(share, self.weight)
+
+
+def live_weight(share: str | None, weight: float) -> float:
+    """A live replica's weight after its engine reported `share`: its resident share when live with a source,
+    the capacity of the pipeline it heads (> 1). A share of 0 (no layer landed yet when it answered) keeps the
+    weight it had: the share of a loading replica only grows, and it is refreshed only by the replica's own
+    answers, so a 0 at MIN_WEIGHT starved it for the rest of its load (bench/live.py: a B whose first request
+    came before its first layer got no other until it was complete, then a queue of 2-3 s). Garbage (not a
+    number, negative, above MAX_WEIGHT) keeps it too."""
+    try:
+        v = float(share) if share is not None else float("nan")
+    except ValueError:
+        return weight
+    if 0.0 < v <= MAX_WEIGHT:
+        return max(MIN_WEIGHT, v)
+    return weight
 
 
 @dataclass

@@ -76,8 +76,18 @@ def test_live_weight_is_the_share_the_engine_reports() -> None:
     assert b.weight == 0.25
     b.reported("4")  # the head of a pipeline of 4 receivers: weighs what 4 replicas do
     assert b.weight == 4.0
-    b.reported("0")
+    b.reported("0.01")
     assert b.weight == B.MIN_WEIGHT  # one layer of many: still an occasional request
+    b.reported("0")  # nothing landed yet when it answered: not a reason to starve it, the weight stays
+    assert b.weight == B.MIN_WEIGHT
+    r2 = Routes()
+    r2.set_service("ns", "svc", "m")
+    r2.set_pod(pod("z", "h:2", **{"kascade.io_live": "true"}))
+    (z,) = r2.serving(("ns", "svc"))
+    z.reported("0")  # a first answer before its first layer: it keeps the prior, and gets requests to report again
+    assert z.weight == B.LIVE_PRIOR_WEIGHT
+    z.reported("0.125")
+    assert z.weight == 0.125
     b.reported("0.75")
     r.set_pod(pod("a", "h:1", **{"kascade.io_live": "true", "other": "x"}))  # another change of the pod
     assert r.serving(("ns", "svc"))[0].weight == 0.75  # the report is kept while it stays live
