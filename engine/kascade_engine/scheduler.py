@@ -237,6 +237,19 @@ class Scheduler:
         self.parked.pop(seq_id, None)
         self.waiting = deque(s for s in self.waiting if s.id != seq_id)
 
+    def prefill_room(self) -> int | None:
+        """The prompt tokens a chunk starting now would get beside the current decodes: the token cap, cut
+        by the step budget as `schedule` cuts it; None unless prefill is capped (not a converted decoder).
+        Read from the event loop while the step thread runs: a snapshot, good enough for routing."""
+        cap, budget_s = self.limits.prefill_chunk_tokens, self.limits.step_budget_s
+        if cap is None:
+            return None
+        dec = [s.computed + 1 for s in list(self.running.values()) if s.total - s.computed <= 1]
+        if budget_s is None or self.cost is None or not dec:
+            return cap
+        fit = self.cost.chunk_fits(budget_s, StepShape(len(dec), max(dec)), 0, cap)
+        return cap if fit is None else fit
+
     @property
     def idle(self) -> bool:
         return not self.waiting and not self.running and not self.parked

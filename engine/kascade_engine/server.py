@@ -29,7 +29,7 @@ from kascade_engine.instance import EngineInstance, InstanceError
 from kascade_engine.openai_api import ChatBody, CompletionBody, _Common, chat_messages, refused
 from kascade_engine.responder import Call
 from kascade_engine.serving import RequestError
-from kascade_planner.engine_api import SERVING_SHARE_HEADER
+from kascade_planner.engine_api import PREFILL_ROOM_HEADER, SERVING_SHARE_HEADER
 
 log = logging.getLogger(__name__)
 reqlog = logging.getLogger("kascade_engine.requests")  # one line per request: accepted (in which phase) or rejected
@@ -105,6 +105,9 @@ def create_app(inst: EngineInstance) -> FastAPI:
                                "tokens", field)
         call = Call(inst, body, prompts, want, prefill_peer(request))
         share = {SERVING_SHARE_HEADER: f"{inst.serving_share:.4f}"}  # routers weight a live replica by it
+        room = inst.engine.scheduler.prefill_room()
+        if room is not None:  # a converted decoder: routers send it prompts only while it has room
+            share[PREFILL_ROOM_HEADER] = str(room)
         if not body.stream:
             return JSONResponse(await until_client_leaves(request, call.json()), headers=share)
         return StreamingResponse(call.sse(), media_type="text/event-stream", headers=share)

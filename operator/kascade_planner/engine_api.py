@@ -22,6 +22,9 @@ PHASES = ("empty", "bound", "loading", "live", "serving", "draining", "released"
 # Response header on every OpenAI answer of an engine: the share of a request's layers it runs itself
 # (1 serving alone; resident prefix / layers while live, its pair runs the rest). Routers weight by it.
 SERVING_SHARE_HEADER = "X-Kascade-Serving-Share"
+# Response header of a converted decoder: the prompt tokens its step budget would give a chunk now, beside its
+# current decodes (Scheduler.prefill_room). Routers send it a prompt only while this is at least their minimum.
+PREFILL_ROOM_HEADER = "X-Kascade-Prefill-Room"
 
 # spec.model.source.uri / bind source.uri: a Hugging Face Hub repo, REVISION a branch, tag or commit
 # (the CRD's pattern, the operator's pydantic mirror and the engine's parser all use this one)

@@ -126,6 +126,21 @@ class Backend:
     prefilling: int = 0
     ejected_until: float = 0.0  # a connection to it failed: skip it until then (or until its pod changes)
     live: bool = False
+    # a converted decoder's last reported prefill room (PREFILL_ROOM_HEADER): None while it reports none
+    prefill_room: int | None = None
+
+    def reported_room(self, room: str | None) -> None:
+        """The engine's prefill room from its answer; no header (not converted) clears it, garbage is ignored."""
+        if room is None:
+            self.prefill_room = None
+            return
+        try:
+            v = int(room)
+        except ValueError:
+            return
+        if v >= 0:
+            self.prefill_room = v
+
     def usable(self, now: float) -> bool:
         return self.ejected_until <= now
 

@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kascade_planner.engine_api import SERVING_SHARE_HEADER
+from kascade_planner.engine_api import PREFILL_ROOM_HEADER, SERVING_SHARE_HEADER
 from kascade_router.backends import Backend, Routes
 from kascade_router.balancer import pick, pick_pd
 from kascade_router.demand import Demand, ModelDemand
@@ -42,6 +42,7 @@ PREFILLED_BY = "X-Kascade-Prefilled-By"  # to the client: which prefill pod the 
 _RID_OK = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _SSE = "text/event-stream"
 SERVING_SHARE_HEADER_LC = SERVING_SHARE_HEADER.lower()  # upstream header names are kept lower-case
+PREFILL_ROOM_HEADER_LC = PREFILL_ROOM_HEADER.lower()
 
 
 def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
@@ -195,6 +196,7 @@ class Proxy:
                     raise _Retry(f"{b.pod} answered 503: {text}")
                 raise _Retry(f"{b.pod} answered 503")
             b.reported(up.headers.get(SERVING_SHARE_HEADER_LC))
+            b.reported_room(up.headers.get(PREFILL_ROOM_HEADER_LC))
             headers = {REQUEST_ID: rid, REPLICA: b.pod}
             if pre is not None:
                 headers[PREFILLED_BY] = pre.pod

@@ -236,3 +236,26 @@ def test_a_converted_decoders_step_budget_cuts_its_chunks_to_the_time_its_decode
     s.limits.prefill_chunk_tokens = s.limits.step_budget_s = None  # taken back: q keeps both budgets
     work = _run(s)
     assert [w[2] for w in work if w[0] == "q"] == [largest_fit(work, "q")] and s.last_budget_s == 0.02
+
+
+def test_a_converted_decoder_reports_the_prefill_room_its_step_budget_leaves() -> None:
+    """prefill_room: None unconverted; the token cap with no decode or no measured cost; beside decodes that
+    fill the step budget, 0 (what `schedule` would give a chunk)."""
+    from kascade_engine.stepcost import StepCost, StepShape
+
+    cost = StepCost()
+    s = Scheduler(Limits(max_batch_tokens=512, max_seqs=16, kv_tokens=4000, page_size=4), cost=cost)
+    assert s.prefill_room() is None
+    s.limits.prefill_chunk_tokens, s.limits.step_budget_s = 32, 0.02
+    assert s.prefill_room() == 32
+    for i in range(8):
+        s.add(Seq(f"d{i}", 8, 50))
+    while any(q.total - q.computed > 1 for q in s.running.values()) or s.waiting:
+        _run(s)
+    assert s.prefill_room() == 32  # prompt-token cost not timed yet
+    for _ in range(50):  # 1 ms/decode, 1 ms/prompt token: 8 decodes + 1 ms base leave 11 ms -> 11 tokens
+        for shape in (StepShape(8, 20), StepShape(8, 20, 10, 1, 10), StepShape(2, 20, 5, 1, 5)):
+            cost.observe(shape, 1e-3 + 1e-3 * shape.decodes + 1e-3 * shape.prompt_tokens)
+    assert 9 <= (s.prefill_room() or 0) <= 11
+    s.limits.step_budget_s = 0.005  # the decodes alone fill it
+    assert s.prefill_room() == 0

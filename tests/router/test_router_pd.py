@@ -189,3 +189,24 @@ def test_a_converted_decoder_weighs_its_prompts_by_its_share_and_prefills_one_at
     assert all(pick_pd([d, p], rng) == (d, None) for _ in range(20))
     d.prefilling, p.in_flight, p.prefilling = 1, 9, 9
     assert all(pick_pd([d, p], rng) == (d, p) for _ in range(20))
+
+
+def test_a_converted_decoder_without_prefill_room_sends_prompts_to_a_prefill_engine() -> None:
+    """A converted decoder whose step budget gives a chunk no tokens now (its reported prefill room 0, beside a
+    big batch) takes no prompt while a prefill engine can, even a busy one: the prompt would wait there. With
+    room again (or no report) it takes prompts as before; garbage reports are ignored, no header clears it."""
+    from kascade_router.balancer import MIN_PREFILL_ROOM
+
+    rng = random.Random(5)
+    d = Backend("d", "h:1", role="decode", data="h:10", convertible=True, in_flight=10)
+    p = Backend("p", "h:2", role="prefill", data="h:20", in_flight=3, prefilling=3)
+    assert all(pick_pd([d, p], rng) == (d, None) for _ in range(20))  # no report: it prefills locally
+    d.reported_room("0")
+    assert d.prefill_room == 0
+    assert all(pick_pd([d, p], rng) == (d, p) for _ in range(20))
+    d.reported_room("bad")
+    assert d.prefill_room == 0
+    d.reported_room(str(MIN_PREFILL_ROOM))
+    assert all(pick_pd([d, p], rng) == (d, None) for _ in range(20))
+    d.reported_room(None)
+    assert d.prefill_room is None
