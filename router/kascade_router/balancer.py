@@ -15,7 +15,6 @@ from collections.abc import Collection, Sequence
 from kascade_planner.conversion import CONVERTED_SHARE
 from kascade_router.backends import Backend
 
-
 # a converted decoder takes a prompt only while its step budget gives a chunk at least this many tokens now
 # (its reported prefill room): beside a big batch the budget gives a prompt 0 tokens and it waited there for
 # seconds (h18 runs 1-6: convertible TTFT p99 4.7-11.3 s against 2.2-5.1 s disaggregated)
