@@ -3,6 +3,7 @@ returns something truthy, or fail naming what was awaited."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -24,3 +25,15 @@ def wait_for(pred: Callable[[], T], timeout: float = 30.0, what: str = "a condit
         if time.monotonic() >= end:
             raise Timeout(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(poll)
+
+
+async def wait_until(pred: Callable[[], T], timeout: float = 30.0, what: str = "a condition", poll: float = 0.01) -> T:
+    """`wait_for` inside an event loop: the loop keeps running (and the awaited work with it) between polls."""
+    end = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() >= end:
+            raise Timeout(f"timed out after {timeout:.0f} s waiting for {what}")
+        await asyncio.sleep(poll)

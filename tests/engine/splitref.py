@@ -3,8 +3,6 @@ and a request's token stream. Importable because conftest.py puts this folder on
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
 from typing import Any
 
 from kascade_engine.engine import Engine
@@ -25,12 +23,3 @@ async def collect(inst: EngineInstance, rid: str) -> list[int]:
     """Every token of request `rid` on `inst`, in order."""
     return [ev.token async for ev in inst.serving.tokens(rid)]
 
-
-async def eventually(cond: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    """Whether `cond` holds within `timeout_s`. Tokens reach clients as they land mid-step, and a head keeps
-    steps out ahead, so the last frames can still be crossing the hops when every client is done."""
-    for _ in range(int(timeout_s / 0.01)):
-        if cond():
-            return True
-        await asyncio.sleep(0.01)
-    return cond()

@@ -11,8 +11,9 @@ import asyncio
 from typing import Any
 
 import pytest
-from splitref import collect, eventually, unsplit  # type: ignore[import-not-found]
+from splitref import collect, unsplit  # type: ignore[import-not-found]
 
+from kascade_devcluster.waiting import wait_until
 from kascade_engine.config import EngineConfig
 from kascade_engine.instance import EngineInstance, Phase
 from kascade_engine.pairclient import PIPELINE_DEPTH, PIPELINE_DEPTH_PER_RECEIVER
@@ -51,7 +52,7 @@ async def test_pipeline_of_three_receivers_serves_exactly_and_survives_a_death(t
         assert r1.phase is Phase.LIVE
         got = await asyncio.gather(*(collect(r1, r1.serving.submit(p, params)) for p in PROMPTS))
         assert got == want
-        assert await eventually(lambda: r3.host.rows_hosted == r2.host.rows_hosted)  # every row went r1->r2->r3
+        await wait_until(lambda: r3.host.rows_hosted == r2.host.rows_hosted, 5, "every row to go r1->r2->r3")
         assert r2.host.rows_hosted > 0
         assert r2.finisher.connections == 1 and r3.finisher.connections == 1  # one per hop, none per request
 

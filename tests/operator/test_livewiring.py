@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ import pytest
 import uvicorn
 from fakekube import FakeKube
 
+from kascade_devcluster.waiting import wait_until
 from kascade_engine.blocks import BlockSet, pack_checkpoint
 from kascade_engine.checkpoint import tiny_llama
 from kascade_engine.config import EngineConfig
@@ -158,16 +159,6 @@ def _unsplit(blocks: BlockSet, prompts: list[list[int]], params: SamplingParams)
     return Engine(m).generate_many(prompts, params)
 
 
-async def _eventually(cond: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    """Whether `cond` holds within `timeout_s`. Tokens reach clients as they land mid-step, and a head keeps
-    steps out ahead, so the last frames can still be crossing the hops when every client is done."""
-    for _ in range(int(timeout_s / 0.01)):
-        if cond():
-            return True
-        await asyncio.sleep(0.01)
-    return cond()
-
-
 async def _serve(e: Live, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
     async def one(p: list[int]) -> list[int]:
         return [ev.token async for ev in e.inst.serving.tokens(e.inst.serving.submit(p, params))]
@@ -222,7 +213,7 @@ async def test_operator_forms_reforms_and_stops_a_pipeline_of_real_engines(rt: R
         assert r1.peers.reused == 1 and r2.peers.reused == 1
         assert _live_annotation(kube, "r1") == "true" and _live_annotation(kube, "r2") is None
         assert await _serve(engines["r1"], PROMPTS, params) == want
-        assert await _eventually(lambda: r3.host.rows_hosted == r2.host.rows_hosted)  # every row went r1->r2->r3
+        await wait_until(lambda: r3.host.rows_hosted == r2.host.rows_hosted, 5, "every row to go r1->r2->r3")
         assert r2.host.rows_hosted > 0 and r4.host.rows_hosted == 0
 
         # r4 gets layer 3 and the head as well: the working pipeline is left alone
@@ -238,7 +229,7 @@ async def test_operator_forms_reforms_and_stops_a_pipeline_of_real_engines(rt: R
         assert r2.downstream_peer == by_inst["r4"].act_endpoint and r1.pair is pair
         hosted = r2.host.rows_hosted
         assert await _serve(engines["r1"], PROMPTS, params) == want
-        assert await _eventually(lambda: r4.host.rows_hosted == r2.host.rows_hosted - hosted)
+        await wait_until(lambda: r4.host.rows_hosted == r2.host.rows_hosted - hosted, 5, "r2's new rows to reach r4")
         assert r2.host.rows_hosted - hosted > 0
 
         # r2 dies too: nobody else holds layer 2, so r1 stops serving live (routers drop it)
