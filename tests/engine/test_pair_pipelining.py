@@ -365,47 +365,41 @@ def test_rows_joining_at_a_later_layer_match_rows_run_from_the_start(tiny_blocks
     torch.manual_seed(0)
     xs = {"own": torch.randn(6, H, dtype=m.dtype), "late": torch.randn(3, H, dtype=m.dtype)}
 
-    def run(joining: bool) -> tuple[dict[str, torch.Tensor], float, list[int]]:
-        pool = Scheduler(Limits(kv_tokens=512, page_size=16)).pool
-        cache = KVCache(L, 40, 16, m.shape.kv_heads, m.shape.head_dim, m.dtype, m.device)
-        made = {}
-        for key, n, a in (("own", 6, 0), ("late", 3, 2)):
-            assert pool.grow(key, n)
-            made[key] = Row(pool.tables[key], 0, n, a, L, xs[key].clone())
-        asked: list[int] = []
-
-        def join(u: int, cost: float) -> list[Row]:
-            asked.append(u)
-            return [made["late"]] if u == 2 else []
-
-        rows = [made["own"]] if joining else [made["own"], made["late"]]
-        cost = staggered(m, cache, rows, 0, join if joining else None)
-        return {k: r.x for k, r in made.items()}, cost, asked
-
-    ref, ref_cost, _ = run(False)
-    out, cost, asked = run(True)
+    ref, ref_cost, _ = stagger(m, L, xs, None)
+    out, cost, asked = stagger(m, L, xs, 2)
     assert asked == list(range(L + 1))  # before every layer, and once after the last
     assert cost == ref_cost == L
     for key in ref:
         assert torch.equal(out[key], ref[key]), key
     # a row joining past its first layer catches up alone first: the same outputs up to float rounding (its
     # layer 2 ran in a batch of its own: another matmul shape), its layers charged
-    out2 = run_late(m, L, xs, join_at=3)
+    out2 = stagger(m, L, xs, 3)
     assert torch.equal(out2[0]["own"], ref["own"])
     assert torch.allclose(out2[0]["late"], ref["late"], rtol=1e-5, atol=1e-4)
     assert not torch.allclose(xs["late"], ref["late"], atol=1.0)  # (the rows did go through the layers)
     assert out2[1] == L + 1  # layer 2 for the late rows alone, then the rest shared
 
 
-def run_late(m: Any, L: int, xs: dict[str, torch.Tensor], join_at: int) -> tuple[dict[str, torch.Tensor], float]:
+def stagger(m: Any, L: int, xs: dict[str, torch.Tensor],
+            join_at: int | None) -> tuple[dict[str, torch.Tensor], float, list[int]]:
+    """A staggered forward of an "own" row set (from layer 0) and a "late" one (from layer 2): both in the
+    batch from the start (`join_at` None), or the late rows joining before layer `join_at`. Returns the
+    rows' outputs, the forward's cost and the layers the join was asked about."""
     pool = Scheduler(Limits(kv_tokens=512, page_size=16)).pool
     cache = KVCache(L, 40, 16, m.shape.kv_heads, m.shape.head_dim, m.dtype, m.device)
     made = {}
     for key, n, a in (("own", 6, 0), ("late", 3, 2)):
         assert pool.grow(key, n)
         made[key] = Row(pool.tables[key], 0, n, a, L, xs[key].clone())
-    cost = staggered(m, cache, [made["own"]], 0, lambda u, c: [made["late"]] if u == join_at else [])
-    return {k: r.x for k, r in made.items()}, cost
+    asked: list[int] = []
+
+    def join(u: int, cost: float) -> list[Row]:
+        asked.append(u)
+        return [made["late"]] if u == join_at else []
+
+    rows = [made["own"], made["late"]] if join_at is None else [made["own"]]
+    cost = staggered(m, cache, rows, 0, None if join_at is None else join)
+    return {k: r.x for k, r in made.items()}, cost, asked
 
 
 async def test_a_token_that_lands_during_bs_step_reaches_its_client_at_once(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
