@@ -268,7 +268,7 @@ class HostRows:
             self.ends.clear()
             self.closed.clear()
         for key in ends:
-            self.redirects.ended(key, "the live peer ended it")
+            self.redirects.ended(engine, key, "the live peer ended it", self.gens.get(key))
             self._forget(pool, key)
         down_ends = [k for k in ends if k in self.forwarded]
         self.forwarded.difference_update(down_ends)
@@ -278,7 +278,7 @@ class HostRows:
                 (engine.requests[work[i].id].gen, engine.requests[work[i].id].params) for i in sampling]
             accepted: list[tuple[PairStep, list[tuple[Row, list[Any]]]]] = []
             for pair in closed:
-                self.redirects.close_pair(pair)
+                self.redirects.close_pair(engine, pair)
             rows.extend(self._accept(engine, steps, accepted))
             t0 = time.perf_counter()
             if timeline.on():
@@ -376,7 +376,7 @@ class HostRows:
         out: list[Row] = []
         for st in steps:
             for rid, why in st.refused:
-                self.redirects.ended(f"pair{st.pair}/{rid}", f"the live peer refused it: {why}")
+                self.redirects.ended(engine, f"pair{st.pair}/{rid}", f"the live peer refused it: {why}")
             try:
                 mine = self._rows(engine, st)
             except ValueError as e:

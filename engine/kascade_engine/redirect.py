@@ -11,14 +11,24 @@ depend on B having traffic of its own. A hands over from the tail of its queue (
 would wait longest) while its queue is longer than B's, and only requests that generated nothing yet
 (no KV anywhere). The request keeps its id: B submits it under that id; A's serving queue for it stays
 and is fed from here. Data flow on A (all in its step thread): `pick` (hand over) -> `token` per row
-sampled for a handed request -> `Event`s -> Engine.step's events -> Serving; `ended` / `close_pair`
-fail a handed request its peer dropped; `abort` forwards a client's abort to the peer.
+sampled for a handed request -> `Event`s -> Engine.step's events -> Serving; `abort` forwards a client's
+abort to the peer.
+
+A handed request whose peer drops it unfinished (B released or scaled down, its step failed, it refused
+the entry, the pair connection broke: `ended` / `close_pair`) is taken back, never failed: A knows its
+prompt, every token it streamed so far (A sampled them) and its sampler state (the pair row's generator),
+so it queues prompt + those tokens at the front of its own queue with the tokens still owed, under the same
+id. Greedy output is unchanged; a seeded request continues from the same generator state. Its client sees
+one stream. A request taken back is not handed over again (a peer that refused it would refuse it again).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from kascade_engine import timeline
 from kascade_engine.engine import Event
@@ -27,13 +37,16 @@ from kascade_engine.sampling import SamplingParams
 if TYPE_CHECKING:
     from kascade_engine.engine import Engine
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class Handed:
     rid: str
+    prompt: list[int]
     params: SamplingParams
     pair: int
-    out: int = 0
+    out: list[int] = field(default_factory=list)  # tokens streamed to the client so far (sampled here)
 
 
 def params_from_wire(entry: list[Any]) -> tuple[str, list[int], SamplingParams]:
@@ -55,19 +68,22 @@ class Redirects:
         self.events: list[Event] = []
         self.aborts: dict[int, list[str]] = {}  # pair -> request ids to abort there (sent with its next reply)
         self.total = 0  # metric: requests handed over
+        self.taken_back = 0  # metric: handed requests a peer dropped unfinished, queued here again
+        self._kept: set[str] = set()  # taken back: stay here (pruned once they leave `engine.requests`)
 
     def pick(self, engine: Engine, pair: int, peer_waiting: int) -> list[list[Any]]:
         """Hand queued requests to `pair` while this queue is longer than the peer's."""
         sch, out = engine.scheduler, list[list[Any]]()
+        self._kept.intersection_update(engine.requests)
         while sch.waiting and len(sch.waiting) > peer_waiting + len(out) + 1:
             s = sch.waiting[-1]
             r = engine.requests.get(s.id)
-            if s.generated or r is None or r.out:
+            if s.generated or r is None or r.out or s.id in self._kept:
                 break  # only requests with nothing generated: no KV, no tokens anywhere yet
             sch.finish(s.id)
             engine.requests.pop(s.id)
             p = r.params
-            self.handed[f"pair{pair}/{r.id}"] = Handed(r.id, p, pair)
+            self.handed[f"pair{pair}/{r.id}"] = Handed(r.id, list(r.prompt), p, pair)
             timeline.mark("a-redirect", r.id, queue=len(sch.waiting))
             out.append([r.id, r.prompt, p.max_tokens, p.temperature, p.top_p, p.seed, list(p.stop_token_ids)])
         self.total += len(out)
@@ -78,22 +94,37 @@ class Redirects:
         h = self.handed.get(key)
         if h is None:
             return
-        h.out += 1
+        h.out.append(tok)
         reason = ("stop" if tok == eos or tok in h.params.stop_token_ids
-                  else "length" if h.out >= h.params.max_tokens else None)
+                  else "length" if len(h.out) >= h.params.max_tokens else None)
         self.events.append(Event(h.rid, tok, reason is not None, reason))
         if reason:
             del self.handed[key]
 
-    def ended(self, key: str, why: str) -> None:
-        """The peer ended (or refused) a handed request before it finished: its client gets the error."""
+    def ended(self, engine: Engine, key: str, why: str, gen: torch.Generator | None = None) -> None:
+        """The peer ended (or refused) a handed request before it finished: take it back (module doc).
+        `gen` is the generator A sampled its pair rows with (None: none drawn yet, or greedy)."""
         h = self.handed.pop(key, None)
-        if h is not None:
-            self.events.append(Event(h.rid, -1, True, f"error: {why}"))
+        if h is None:
+            return
+        rest = replace(h.params, max_tokens=h.params.max_tokens - len(h.out))
+        try:  # same id: the client's stream goes on; prompt + streamed tokens are prefilled again here
+            engine.submit(h.prompt + h.out, rest, h.rid)
+        except ValueError as e:  # cannot happen for a request A admitted, but never lose it silently
+            self.events.append(Event(h.rid, -1, True, f"error: {why}, and taking it back failed: {e}"))
+            return
+        engine.scheduler.waiting.rotate(1)  # to the front: it has waited longest
+        r = engine.requests[h.rid]
+        if gen is not None and r.gen is not None:
+            r.gen.set_state(gen.get_state())
+        self._kept.add(h.rid)
+        self.taken_back += 1
+        log.info("took back %s after %d tokens: %s", h.rid, len(h.out), why)
+        timeline.mark("a-took-back", h.rid, out=len(h.out))
 
-    def close_pair(self, pair: int) -> None:
+    def close_pair(self, engine: Engine, pair: int) -> None:
         for key in [k for k, h in self.handed.items() if h.pair == pair]:
-            self.ended(key, "the live peer it was redirected to went away")
+            self.ended(engine, key, "the live peer it was redirected to went away")
         self.aborts.pop(pair, None)
 
     def abort(self, rid: str) -> None:

@@ -1,7 +1,8 @@
 """Request redirection (BlitzScale): a source A with a queue hands requests it has not started to its
 live pair B over the pair connection; B runs them split (its prefix on B, the rest in A's batch) and A
 streams their tokens to its own clients. Outputs equal the unsplit engine's; a client that leaves
-aborts its request on B; the redirected requests opened no connection of their own."""
+aborts its request on B; the redirected requests opened no connection of their own; B going away
+mid-request (released, scaled down) costs A's clients nothing: A takes their requests back."""
 
 from __future__ import annotations
 
@@ -99,5 +100,42 @@ async def test_a_client_leaving_aborts_its_redirected_request_on_the_target(tiny
                 a.serving.abort(rid)
     finally:
         await b.close()
+        await a.close()
+        await lst.close()
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=24),
+                                    SamplingParams(max_tokens=24, temperature=0.8, seed=11)], ids=["greedy", "seeded"])
+async def test_the_target_going_away_mid_request_hands_redirected_requests_back_to_the_source(  # type: ignore[no-untyped-def]
+        tiny_ckpt, tiny_blocks, params) -> None:
+    want = unsplit(tiny_blocks, PROMPTS, params)
+    a = _instance(tiny_ckpt, tiny_blocks, None, "a", start=False)
+    b = _instance(tiny_ckpt, tiny_blocks, 2, "b")
+    lst = await TcpTransport().listen("127.0.0.1", 0, a.finisher.handle)
+    closed = False
+    try:
+        rids = [a.serving.submit(p, params) for p in PROMPTS]
+        got: dict[str, list[int]] = {r: [] for r in rids}
+
+        async def run(rid: str) -> list[int]:
+            async for ev in a.serving.tokens(rid):
+                got[rid].append(ev.token)
+            return got[rid]
+
+        runs = [asyncio.create_task(run(r)) for r in rids]
+        await b.set_cooperate(CooperateRequest(f"127.0.0.1:{lst.port}", "besteffort"))
+        a.serving.start()
+        while not any(len(got[h.rid]) >= 2 for h in _copy(a.host.redirects.handed)):  # mid-generation on B
+            await asyncio.sleep(0.002)
+        assert not any(r.done() for r in runs[1:])
+        await b.close()  # B goes away (released) with A's handed requests unfinished
+        closed = True
+        # before the take-back (the old code) these clients got "the live peer it was redirected to went away"
+        assert await asyncio.gather(*runs) == want
+        assert a.host.redirects.taken_back >= 1 and not a.host.redirects.handed
+        assert not a.engine.requests  # nothing left behind on A either
+    finally:
+        if not closed:
+            await b.close()
         await a.close()
         await lst.close()
