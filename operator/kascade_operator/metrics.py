@@ -249,7 +249,12 @@ class PrometheusSource:
                "tbt_count": "sum by (pod) (increase(kascade_inter_token_latency_seconds_count{{pod=~\"{pods}\"}}[{window}]))",
                # decode-only steps: a converted decoder's chunk budget leaves their mean its time (as the Scraper)
                "step_sum": "sum by (pod) (increase(kascade_step_seconds_sum{{pod=~\"{pods}\",kind=\"decode\"}}[{window}]))",
-               "step_count": "sum by (pod) (increase(kascade_step_seconds_count{{pod=~\"{pods}\",kind=\"decode\"}}[{window}]))"}
+               "step_count": "sum by (pod) (increase(kascade_step_seconds_count{{pod=~\"{pods}\",kind=\"decode\"}}[{window}]))",
+               # the engine's measured velocities (gauges; 0 = not measured yet), reduced as the Scraper does
+               # (`_velocity`): the slowest prompt-length bucket, the best decode batch, the mean KV link
+               "prefill_v": f"min by (pod) ({_PREFILL_V}{{{{pod=~\"{{pods}}\"}}}} > 0)",
+               "decode_v": f"max by (pod) ({_DECODE_V}{{{{pod=~\"{{pods}}\"}}}} > 0)",
+               "link_v": f"avg by (pod) ({_LINK_V}{{{{pod=~\"{{pods}}\"}}}} > 0)"}
 
     def __init__(self, url: str, timeout_s: float = 1.0, window: str = "10s",
                  client: httpx.AsyncClient | None = None) -> None:
@@ -281,9 +286,13 @@ class PrometheusSource:
         keys = list(self.QUERIES)
         res = await asyncio.gather(*(self._query(self.QUERIES[k].format(pods=sel, window=self._window)) for k in keys))
         by = dict(zip(keys, res, strict=True))
+        def velocity(p: str) -> MeasuredVelocity | None:
+            v = MeasuredVelocity(by["prefill_v"].get(p), by["decode_v"].get(p), by["link_v"].get(p))
+            return None if v == MeasuredVelocity() else v
+
         return [InstanceLoad(p, by["input"].get(p, 0.0), by["output"].get(p, 0.0),
                              int(by["queue"].get(p, 0.0) + by["running"].get(p, 0.0)), by["kv"].get(p, 0.0),
                              by["queue"].get(p, 0.0), by["ttft_sum"].get(p, 0.0), by["ttft_count"].get(p, 0.0),
-                             by["tbt_sum"].get(p, 0.0), by["tbt_count"].get(p, 0.0),
+                             by["tbt_sum"].get(p, 0.0), by["tbt_count"].get(p, 0.0), velocity(p),
                              decode_step_sum=by["step_sum"].get(p, 0.0), decode_step_count=by["step_count"].get(p, 0.0))
                 for p in pods]

@@ -12,6 +12,7 @@ without error.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
@@ -37,6 +38,7 @@ from kascade_devcluster.requirement import unavailable
 from kascade_devcluster.routerproc import RouterProcess
 from kascade_devcluster.waiting import wait_for
 from kascade_engine.checkpoint import tiny_llama
+from kascade_operator.metrics import PrometheusSource
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
@@ -240,6 +242,20 @@ def test_promql_source_scales_up_and_dashboard_queries_return_data(
         # every engine exports its transfer-failure counter (the alert's input), none failed here
         fails = prom.query(f'kascade_weight_transfer_failures_total{{namespace="{ns}"}}')
         assert len(fails) >= 2 and all(float(r["value"][1]) == 0 for r in fails), fails
+        # the operator's Prometheus source reads the velocities the serving engines measured themselves
+        # (the tokenVelocity policy's inputs), as the direct scraper does
+        serving = [p["metadata"]["name"] for p in loaded(cp, ns)]
+        src = PrometheusSource(prom.url, timeout_s=5.0)
+
+        async def collect() -> list[Any]:
+            try:
+                return await src.collect(serving)
+            finally:
+                await src.aclose()
+
+        vs = [x.velocity for x in asyncio.run(collect()) if x.velocity is not None]
+        assert vs and all(v.prefill_tokens_per_s and v.prefill_tokens_per_s > 0 and
+                          v.decode_tokens_per_s and v.decode_tokens_per_s > 0 for v in vs), vs
     finally:
         gen.stop()
         router.stop()

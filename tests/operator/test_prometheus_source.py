@@ -1,6 +1,7 @@
 """The operator's Prometheus metrics source (metrics_source=prometheus): its PromQL answers become the same
 per-instance loads the direct Scraper gives, including the decode-only step time a converted decoder's
-chunk budget is sized with (without it the budget falls back to half the TBT objective)."""
+chunk budget is sized with (without it the budget falls back to half the TBT objective), and the
+velocities the engines measured (the tokenVelocity policy's inputs; an engine that measured none has none)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
-from kascade_operator.metrics import MetricsError, PrometheusSource, snapshot
+from kascade_operator.metrics import MetricsError, PrometheusSource, measured, snapshot
+from kascade_planner.policies import MeasuredVelocity
 
 # what the fake Prometheus holds per pod, by the metric a query reads (its answer for either pod)
 HELD = {"kascade_prompt_tokens_total": (300.0, 100.0), "kascade_generation_tokens_total": (40.0, 60.0),
@@ -17,7 +19,11 @@ HELD = {"kascade_prompt_tokens_total": (300.0, 100.0), "kascade_generation_token
         "kascade_kv_cache_usage_perc": (0.5, 0.25),
         "kascade_time_to_first_token_seconds_sum": (1.0, 3.0), "kascade_time_to_first_token_seconds_count": (4.0, 4.0),
         "kascade_inter_token_latency_seconds_sum": (0.5, 0.5), "kascade_inter_token_latency_seconds_count": (10.0, 40.0),
-        "kascade_step_seconds_sum": (0.6, 1.8), "kascade_step_seconds_count": (60.0, 60.0)}
+        "kascade_step_seconds_sum": (0.6, 1.8), "kascade_step_seconds_count": (60.0, 60.0),
+        # velocity gauges: d1 has measured nothing yet (Prometheus drops its 0s with `> 0`: no row)
+        "kascade_prefill_velocity_tokens_per_second": (900.0, None),
+        "kascade_decode_velocity_tokens_per_second": (120.0, None),
+        "kascade_kv_link_tokens_per_second": (5000.0, None)}
 
 
 def _prometheus(seen: list[str]) -> httpx.AsyncClient:
@@ -27,8 +33,10 @@ def _prometheus(seen: list[str]) -> httpx.AsyncClient:
         (name,) = [n for n in HELD if f"{n}{{" in q]
         if name.startswith("kascade_step_seconds") and 'kind="decode"' not in q:
             return httpx.Response(200, json={"status": "success", "data": {"result": []}})  # all kinds: wrong
+        if "velocity" in name or "link" in name:
+            assert "> 0" in q and q.startswith(("min by (pod)", "max by (pod)", "avg by (pod)")), q
         rows: list[dict[str, Any]] = [{"metric": {"pod": pod}, "value": [0, str(v)]}
-                                      for pod, v in zip(("d0", "d1"), HELD[name], strict=True)]
+                                      for pod, v in zip(("d0", "d1"), HELD[name], strict=True) if v is not None]
         return httpx.Response(200, json={"status": "success", "data": {"result": rows}})
 
     return httpx.AsyncClient(transport=httpx.MockTransport(answer))
@@ -47,6 +55,17 @@ async def test_prometheus_gives_the_decode_only_step_time() -> None:
     snap = snapshot(loads, 0.0)
     assert snap.decode_step_s == pytest.approx((0.6 + 1.8) / 120)  # the decoders' mean decode-only step
     assert any('kind="decode"' in q and "[1s]" in q for q in seen)
+
+
+async def test_prometheus_gives_the_engines_measured_velocities() -> None:
+    src = PrometheusSource("http://prom:9090", client=_prometheus([]))
+    try:
+        d0, d1 = await src.collect(["d0", "d1"])
+    finally:
+        await src.aclose()
+    assert d0.velocity == MeasuredVelocity(900.0, 120.0, 5000.0)
+    assert d1.velocity is None  # measured nothing: the policy falls back to its typed velocities
+    assert measured([d0, d1]) == MeasuredVelocity(900.0, 120.0, 5000.0)
 
 
 async def test_a_failed_query_names_prometheus() -> None:
