@@ -437,7 +437,9 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         async with rt.lock(body["metadata"]["namespace"], "modelservice/" + body["metadata"]["name"]):
             await plandriver.release_all(rt, dict(body))
 
-    @kopf.daemon(**splan, cancellation_timeout=2.0,
+    # a plan's daemon stops when its phase turns terminal: signalled first (the driver returns on its own
+    # within one poll), cancelled only after cancellation_backoff
+    @kopf.daemon(**splan, cancellation_backoff=5.0, cancellation_timeout=2.0,
                  when=lambda status, **_: (status or {}).get("phase") not in TERMINAL)
     async def drive_plan(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **kw: Any) -> None:
         await plandriver.drive(rt_of(memo, kw), dict(body), stopped)

@@ -228,8 +228,14 @@ def test_promql_source_scales_up_and_dashboard_queries_return_data(
             this = f'namespace="{ns}"'
             counts = prom.query(f"kascade_operator_plan_duration_seconds_count{{{this}}}[3m]")
             target = [t for t in prom.api("targets")["activeTargets"] if t["labels"]["job"] == "kascade-operator"]
+            port = op.extra_args[op.extra_args.index("--metrics-port") + 1]
+            own = [ln for ln in httpx.get(f"http://127.0.0.1:{port}/metrics").text.splitlines()
+                   if ln.startswith("kascade_operator_plan_duration_seconds_count")]
+            plans = [(p["metadata"]["name"], (p.get("status") or {}).get("phase"),
+                      (p.get("status") or {}).get("completionTime")) for p in get(cp, ns, "splan")["items"]]
             raise AssertionError(f"dashboard queries with only NaN: {nan_only}; plan-duration counts over 3m: "
-                                 f"{counts}; operator target: {target}")
+                                 f"{counts}; operator target: {target}; the operator's own counts: {own}; "
+                                 f"plans: {plans}")
         # the per-role replicas panel shows the service at 2 ready
         ready = prom.query(f'kascade_operator_replicas{{namespace="{ns}", model_service="svc", state="ready"}}')
         assert [float(r["value"][1]) for r in ready] == [2.0], ready

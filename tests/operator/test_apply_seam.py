@@ -227,3 +227,30 @@ async def test_a_role_object_sets_its_roles_count_and_gets_its_status(world: Any
     assert st["effectiveReplicas"] == 2 and st["observedGeneration"] == 4
     assert {c["type"]: (c["status"], c["reason"]) for c in st["conditions"]} == {
         "Ready": ("True", "Following"), "Stalled": ("False", "Following")}
+
+
+class CancelledByOwnWrite(FakeKube):
+    """kopf stops a plan's daemon when the watch shows its phase terminal, often before the terminal write's
+    own response is read: that await raises CancelledError in the driver."""
+
+    async def patch_scaleplan_status(self, ns: str, name: str, status: dict[str, Any]) -> None:
+        await super().patch_scaleplan_status(ns, name, status)
+        if status.get("phase") in ("Succeeded", "Failed"):
+            raise asyncio.CancelledError
+
+
+async def test_a_plan_records_its_outcome_even_when_its_terminal_write_cancels_the_driver(world: Any) -> None:
+    rt, kube, stubs = world
+    kube.__class__ = CancelledByOwnWrite  # the same in-memory cluster; its terminal write now cancels
+    await reconcile_service(rt, service(), "create")
+    (sp,) = kube.plans.values()
+    for s in stubs:
+        s.phase = "ready"
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(plandriver.drive(rt, sp, Stopped()), 10)
+    assert kube.plans[(NS, sp["metadata"]["name"])]["status"]["phase"] == "Succeeded"
+    # the duration metric and the Event (recorded after the write before: lost in ~1 plan of 5)
+    count = rt.metrics.registry.get_sample_value("kascade_operator_plan_duration_seconds_count",
+                                                 {"namespace": NS, "model_service": "svc", "phase": "Succeeded"})
+    assert count == 1.0
+    assert [e["reason"] for e in kube.events if e["reason"].startswith("ScalePlan")] == ["ScalePlanSucceeded"]
