@@ -8,6 +8,9 @@ replacement and serves exactly again; as blocks complete, receiver 1 dissolves i
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -19,6 +22,7 @@ from kascade_engine.instance import EngineInstance, Phase
 from kascade_engine.pairclient import PIPELINE_DEPTH, PIPELINE_DEPTH_PER_RECEIVER
 from kascade_engine.sampling import SamplingParams
 from kascade_engine.tokenizer import ByteTokenizer
+from kascade_engine.transport import Listener
 from kascade_engine.transport_tcp import TcpTransport
 from kascade_planner.engine_api import CooperateRequest
 
@@ -35,20 +39,48 @@ def _receiver(tiny_ckpt: Any, blocks: Any, ids: list[str], name: str) -> EngineI
     return inst
 
 
+@dataclass
+class Pipeline:
+    r1: EngineInstance  # embed, layers 0-1: the head, where requests arrive
+    r2: EngineInstance  # layer 2
+    r3: EngineInstance  # layer 3 and the head
+    spare: EngineInstance | None  # a second r3 (a replacement), when asked for
+    listeners: list[Listener]  # one per instance, in that order (r1, r2, r3[, spare])
+
+    def peer(self, inst: EngineInstance) -> str:
+        insts = [self.r1, self.r2, self.r3, *([self.spare] if self.spare else [])]
+        return f"127.0.0.1:{self.listeners[insts.index(inst)].port}"
+
+
+@asynccontextmanager
+async def _pipeline(tiny_ckpt: Any, blocks: Any, last_layer_s: float = 0.0, spare: bool = False) -> AsyncIterator[Pipeline]:
+    """Three receivers formed into r1 -> r2 -> r3 (`last_layer_s`: r3's emulated time per layer), closed after."""
+    r1 = _receiver(tiny_ckpt, blocks, ["embed", "layer.0", "layer.1"], "r1")
+    r2 = _receiver(tiny_ckpt, blocks, ["layer.2"], "r2")
+    r3 = _receiver(tiny_ckpt, blocks, ["layer.3", "head"], "r3")
+    r3.host.layer_s = last_layer_s
+    extra = _receiver(tiny_ckpt, blocks, ["layer.3", "head"], "r3-spare") if spare else None
+    insts = [r1, r2, r3, *([extra] if extra else [])]
+    listeners = [await TcpTransport().listen("127.0.0.1", 0, i.finisher.handle) for i in insts]
+    p = Pipeline(r1, r2, r3, extra, listeners)
+    try:
+        await r2.set_cooperate(CooperateRequest(p.peer(r3), "pipeline"))
+        await r1.set_cooperate(CooperateRequest(p.peer(r2), "besteffort"))
+        yield p
+    finally:
+        for i in insts:
+            await i.close()
+        for lst in listeners:
+            await lst.close()
+
+
 async def test_pipeline_of_three_receivers_serves_exactly_and_survives_a_death(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
     params = SamplingParams(max_tokens=6)
     want = unsplit(tiny_blocks, PROMPTS, params)
-    r1 = _receiver(tiny_ckpt, tiny_blocks, ["embed", "layer.0", "layer.1"], "r1")
-    r2 = _receiver(tiny_ckpt, tiny_blocks, ["layer.2"], "r2")
-    r3 = _receiver(tiny_ckpt, tiny_blocks, ["layer.3", "head"], "r3")
-    spare = _receiver(tiny_ckpt, tiny_blocks, ["layer.3", "head"], "r3-spare")
-    insts = (r1, r2, r3, spare)
-    listeners = [await TcpTransport().listen("127.0.0.1", 0, i.finisher.handle) for i in insts]
-    port = {i.instance_id: lst.port for i, lst in zip(insts, listeners, strict=True)}
-    try:
-        assert not any(i.model.complete for i in insts)  # no receiver holds the whole model
-        await r2.set_cooperate(CooperateRequest(f"127.0.0.1:{port['r3']}", "pipeline"))
-        await r1.set_cooperate(CooperateRequest(f"127.0.0.1:{port['r2']}", "besteffort"))
+    async with _pipeline(tiny_ckpt, tiny_blocks, spare=True) as pl:
+        r1, r2, r3, spare = pl.r1, pl.r2, pl.r3, pl.spare
+        assert spare is not None
+        assert not any(i.model.complete for i in (r1, r2, r3, spare))  # no receiver holds the whole model
         assert r1.phase is Phase.LIVE
         got = await asyncio.gather(*(collect(r1, r1.serving.submit(p, params)) for p in PROMPTS))
         assert got == want
@@ -63,13 +95,13 @@ async def test_pipeline_of_three_receivers_serves_exactly_and_survives_a_death(t
         runs = [asyncio.create_task(collect(r1, r)) for r in inflight]
         while r3.host.steps_hosted < before + 2:  # they are mid-generation
             await asyncio.sleep(0.005)
-        await listeners[2].close()
+        await pl.listeners[2].close()
         assert r2.host.downstream is not None
         await r2.host.downstream.conn.close()  # its connection goes down with it
         results = await asyncio.gather(*runs, return_exceptions=True)
         assert all(isinstance(r, Exception) for r in results)
         # the pipeline re-forms around a replacement receiver and serves exactly again
-        await r2.set_cooperate(CooperateRequest(f"127.0.0.1:{port['r3-spare']}", "pipeline"))
+        await r2.set_cooperate(CooperateRequest(pl.peer(spare), "pipeline"))
         got = await asyncio.gather(*(collect(r1, r1.serving.submit(p, params)) for p in PROMPTS))
         assert got == want and spare.host.rows_hosted > 0
 
@@ -80,11 +112,6 @@ async def test_pipeline_of_three_receivers_serves_exactly_and_survives_a_death(t
         hosted = r2.host.rows_hosted
         assert await collect(r1, r1.serving.submit(PROMPTS[0], params)) == want[0]
         assert r2.host.rows_hosted == hosted
-    finally:
-        for i in insts:
-            await i.close()
-        for lst in listeners:
-            await lst.close()
 
 
 @pytest.mark.parametrize("held", [["layer.2"]])
@@ -108,14 +135,8 @@ async def test_middle_receiver_gaining_layers_keeps_each_sequences_range(tiny_ck
     the block landed runs layer 3 in the middle; both are exact."""
     params = SamplingParams(max_tokens=16)
     want = unsplit(tiny_blocks, PROMPTS[:2], params)
-    r1 = _receiver(tiny_ckpt, tiny_blocks, ["embed", "layer.0", "layer.1"], "r1")
-    r2 = _receiver(tiny_ckpt, tiny_blocks, ["layer.2"], "r2")
-    r3 = _receiver(tiny_ckpt, tiny_blocks, ["layer.3", "head"], "r3")
-    insts = (r1, r2, r3)
-    listeners = [await TcpTransport().listen("127.0.0.1", 0, i.finisher.handle) for i in insts]
-    try:
-        await r2.set_cooperate(CooperateRequest(f"127.0.0.1:{listeners[2].port}", "pipeline"))
-        await r1.set_cooperate(CooperateRequest(f"127.0.0.1:{listeners[1].port}", "besteffort"))
+    async with _pipeline(tiny_ckpt, tiny_blocks) as pl:
+        r1, r2, r3 = pl.r1, pl.r2, pl.r3
         first = asyncio.create_task(collect(r1, r1.serving.submit(PROMPTS[0], params)))
         while r3.host.steps_hosted < 3:  # the first sequence is decoding through r1 -> r2 -> r3
             await asyncio.sleep(0.005)
@@ -126,11 +147,6 @@ async def test_middle_receiver_gaining_layers_keeps_each_sequences_range(tiny_ck
         stops = sorted(r2.host.stops.values())
         assert [await first, await second] == want
         assert stops == [3, 4]  # the first keeps its range (layer 2 only), the second runs layers 2-3 here
-    finally:
-        for i in insts:
-            await i.close()
-        for lst in listeners:
-            await lst.close()
 
 
 async def test_a_middle_receiver_runs_its_next_step_while_rows_are_downstream(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
@@ -141,16 +157,9 @@ async def test_a_middle_receiver_runs_its_next_step_while_rows_are_downstream(ti
     params = SamplingParams(max_tokens=6)
     prompts = PROMPTS * 3
     want = unsplit(tiny_blocks, prompts, params)
-    r1 = _receiver(tiny_ckpt, tiny_blocks, ["embed", "layer.0", "layer.1"], "r1")
-    r2 = _receiver(tiny_ckpt, tiny_blocks, ["layer.2"], "r2")
-    r3 = _receiver(tiny_ckpt, tiny_blocks, ["layer.3", "head"], "r3")
-    r3.host.layer_s = 0.05  # the last stage's steps take a while: earlier stages have time to go on
-    insts = (r1, r2, r3)
-    listeners = [await TcpTransport().listen("127.0.0.1", 0, i.finisher.handle) for i in insts]
-    port = {i.instance_id: lst.port for i, lst in zip(insts, listeners, strict=True)}
-    try:
-        await r2.set_cooperate(CooperateRequest(f"127.0.0.1:{port['r3']}", "pipeline"))
-        await r1.set_cooperate(CooperateRequest(f"127.0.0.1:{port['r2']}", "besteffort"))
+    # the last stage's steps take a while: earlier stages have time to go on
+    async with _pipeline(tiny_ckpt, tiny_blocks, last_layer_s=0.05) as pl:
+        r1, r2, r3 = pl.r1, pl.r2, pl.r3
         # the head of a pipeline loads no source: routers weigh it by the pipeline's capacity, not by its 2 of 4
         # layers nor as one replica: three receivers (r1, r2, r3), but its 2-layer steps admit 4 / 2 times as
         # often as whole-model steps: 2
@@ -170,11 +179,6 @@ async def test_a_middle_receiver_runs_its_next_step_while_rows_are_downstream(ti
             await asyncio.sleep(0.01)
         assert r2.host.relays_out == 0  # every relayed frame was answered
         assert r2.finisher.connections == 1 and r3.finisher.connections == 1
-    finally:
-        for i in insts:
-            await i.close()
-        for lst in listeners:
-            await lst.close()
 
 
 async def test_a_pipeline_head_keeps_its_stage_as_its_layers_land(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
@@ -185,14 +189,8 @@ async def test_a_pipeline_head_keeps_its_stage_as_its_layers_land(tiny_ckpt, tin
     Outputs stay exact."""
     params = SamplingParams(max_tokens=4)
     want = unsplit(tiny_blocks, PROMPTS[:2], params)
-    r1 = _receiver(tiny_ckpt, tiny_blocks, ["embed", "layer.0", "layer.1"], "r1")
-    r2 = _receiver(tiny_ckpt, tiny_blocks, ["layer.2"], "r2")
-    r3 = _receiver(tiny_ckpt, tiny_blocks, ["layer.3", "head"], "r3")
-    insts = (r1, r2, r3)
-    listeners = [await TcpTransport().listen("127.0.0.1", 0, i.finisher.handle) for i in insts]
-    try:
-        await r2.set_cooperate(CooperateRequest(f"127.0.0.1:{listeners[2].port}", "pipeline"))
-        await r1.set_cooperate(CooperateRequest(f"127.0.0.1:{listeners[1].port}", "besteffort"))
+    async with _pipeline(tiny_ckpt, tiny_blocks) as pl:
+        r1, r2 = pl.r1, pl.r2
         assert r1.pair is not None
         first = await collect(r1, r1.serving.submit(PROMPTS[0], params))
         r1.add_block(tiny_blocks.blocks["layer.2"])  # the head's prefix is 3 layers now
@@ -202,15 +200,10 @@ async def test_a_pipeline_head_keeps_its_stage_as_its_layers_land(tiny_ckpt, tin
         assert r1.pair.stage == 2
         # re-formed with the head holding layers 0-2 and r2 holding 2: the layer both hold runs on r2
         await r1.set_cooperate(CooperateRequest("", "off"))
-        await r1.set_cooperate(CooperateRequest(f"127.0.0.1:{listeners[1].port}", "besteffort"))
+        await r1.set_cooperate(CooperateRequest(pl.peer(r2), "besteffort"))
         assert r1.pair is not None and r1.pair.peer_first == 2 and r1.pair.stage == 2
         assert await collect(r1, r1.serving.submit(PROMPTS[0], params)) == want[0]
         assert r2.host.rows_hosted >= 2 * params.max_tokens  # layer 2 of both ran on r2, every token
-    finally:
-        for i in insts:
-            await i.close()
-        for lst in listeners:
-            await lst.close()
 
 
 async def test_a_complete_pipeline_head_pipelines_its_queue_then_runs_alone(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
@@ -221,15 +214,9 @@ async def test_a_complete_pipeline_head_pipelines_its_queue_then_runs_alone(tiny
     params = SamplingParams(max_tokens=2)
     prompts = [[i + j for j in range(40)] for i in range(6)]  # 40 tokens: one per 64-token step (whole prompts)
     want = unsplit(tiny_blocks, prompts, params)
-    r1 = _receiver(tiny_ckpt, tiny_blocks, ["embed", "layer.0", "layer.1"], "r1")
-    r2 = _receiver(tiny_ckpt, tiny_blocks, ["layer.2"], "r2")
-    r3 = _receiver(tiny_ckpt, tiny_blocks, ["layer.3", "head"], "r3")
-    r3.host.layer_s = 0.02  # the pipeline takes a moment per step: the head's queue is still there when it completes
-    insts = (r1, r2, r3)
-    listeners = [await TcpTransport().listen("127.0.0.1", 0, i.finisher.handle) for i in insts]
-    try:
-        await r2.set_cooperate(CooperateRequest(f"127.0.0.1:{listeners[2].port}", "pipeline"))
-        await r1.set_cooperate(CooperateRequest(f"127.0.0.1:{listeners[1].port}", "besteffort"))
+    # the last stage takes a moment per step: the head's queue is still there when it completes
+    async with _pipeline(tiny_ckpt, tiny_blocks, last_layer_s=0.02) as pl:
+        r1 = pl.r1
         assert r1.pair is not None
         runs = [asyncio.create_task(collect(r1, r1.serving.submit(p, params))) for p in prompts]
         while not r1.pair.history:
@@ -241,8 +228,3 @@ async def test_a_complete_pipeline_head_pipelines_its_queue_then_runs_alone(tiny
         assert await asyncio.gather(*runs) == want
         ks = [k for _, k in r1.pair.history[before:]]
         assert ks[0] == 2 and ks[-1] == 4, ks  # queued: at its stage; the last one, nothing queued behind it: whole
-    finally:
-        for i in insts:
-            await i.close()
-        for lst in listeners:
-            await lst.close()
