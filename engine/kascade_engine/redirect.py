@@ -109,11 +109,10 @@ class Redirects:
             return
         rest = replace(h.params, max_tokens=h.params.max_tokens - len(h.out))
         try:  # same id: the client's stream goes on; prompt + streamed tokens are prefilled again here
-            engine.submit(h.prompt + h.out, rest, h.rid)
+            engine.submit(h.prompt + h.out, rest, h.rid, front=True)  # first: it has waited longest
         except ValueError as e:  # cannot happen for a request A admitted, but never lose it silently
             self.events.append(Event(h.rid, -1, True, f"error: {why}, and taking it back failed: {e}"))
             return
-        engine.scheduler.waiting.rotate(1)  # to the front: it has waited longest
         r = engine.requests[h.rid]
         if gen is not None and r.gen is not None:
             r.gen.set_state(gen.get_state())

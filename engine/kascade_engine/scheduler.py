@@ -120,12 +120,17 @@ class Scheduler:
             return tokens
         return min(tokens, self.window + self.limits.max_batch_tokens + 2 * self.limits.page_size)
 
-    def add(self, seq: Seq) -> None:
+    def add(self, seq: Seq, front: bool = False) -> None:
+        """Queue `seq` last, or first (`front`: it has waited longest, e.g. taken back from a live pair).
+        One deque operation either way: the event loop adds while the step thread schedules."""
         need = seq.prompt_len + seq.max_tokens
         if self.resident(need) > self.pool.capacity_tokens:
             raise ValueError(f"prompt_len + max_tokens = {need} exceeds the KV capacity of "
                              f"{self.pool.capacity_tokens} tokens")
-        self.waiting.append(seq)
+        if front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def kv_usage(self) -> float:
         return self.pool.usage

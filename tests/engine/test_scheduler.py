@@ -22,6 +22,16 @@ def _run(s: Scheduler) -> list[tuple[str, int, int]]:
     return [(w.id, w.start, w.n) for w in b.work]
 
 
+def test_a_sequence_added_at_the_front_is_admitted_first() -> None:
+    """A request taken back from a live pair (redirect.py) has waited longest: it goes before the queue."""
+    s = Scheduler(Limits(max_batch_tokens=4, max_seqs=4, kv_tokens=1000, page_size=4))
+    s.add(Seq("a", 4, 3))
+    s.add(Seq("b", 4, 3))
+    s.add(Seq("back", 4, 3), front=True)
+    assert [q.id for q in s.waiting] == ["back", "a", "b"]
+    assert _run(s) == [("back", 0, 4)]
+
+
 def test_decodes_first_then_chunked_prefill_within_budget() -> None:
     s = Scheduler(Limits(max_batch_tokens=10, max_seqs=4, kv_tokens=1000, page_size=4))
     s.add(Seq("a", 4, 3))
