@@ -27,6 +27,7 @@ from typing import Any
 from kascade_engine.config import EngineConfig
 from kascade_engine.cooperation import HostRows
 from kascade_engine.engine import Engine
+from kascade_engine.handback import DEFAULT_HAND_BACK_S, HandBack
 from kascade_engine.live import Finisher
 from kascade_engine.metrics import EngineMetrics
 from kascade_engine.model import LlamaModel
@@ -122,6 +123,7 @@ class EngineInstance:
             self.pd_metrics.export_velocity(self.metrics.registry, lambda: self.engine.meter)
             self.prefill_server = PrefillServer(self)  # PD: prefill for decode engines, KV out on the data port
             self.remote_prefill = RemotePrefill(self)  # PD: our requests' prefill on a peer, KV in
+            self.handback = HandBack(self)  # converted: prompts with no prefill room go to a prefill engine
         self.finisher = Finisher(self.model, busy=lambda: not self.engine.scheduler.idle, token=config.token,
                                  host=self.host, wake=lambda: self.serving.wake.set(), prefill=self.prefill_server)
 
@@ -334,11 +336,14 @@ class EngineInstance:
         # so no step runs under a new cap without its budget
         if req.prefill_chunk_tokens is None:
             lim.prefill_chunk_tokens = lim.step_budget_s = None
+            self.handback.after_s = None  # prompts already watched keep their checks; new ones are not watched
         else:
             lim.step_budget_s = None if req.step_budget_ms is None else req.step_budget_ms / 1e3
             lim.prefill_chunk_tokens = req.prefill_chunk_tokens
-        log.info("%s: prefill chunk budget %s, step budget %s", self.instance_id,
-                 req.prefill_chunk_tokens or "unlimited", f"{req.step_budget_ms} ms" if lim.step_budget_s else "none")
+            self.handback.after_s = DEFAULT_HAND_BACK_S if req.hand_back_ms is None else req.hand_back_ms / 1e3
+        log.info("%s: prefill chunk budget %s, step budget %s, hand-back after %s", self.instance_id,
+                 req.prefill_chunk_tokens or "unlimited", f"{req.step_budget_ms} ms" if lim.step_budget_s else "none",
+                 f"{self.handback.after_s:g} s" if self.handback.after_s is not None else "never")
         return self.status()
 
     def drain(self) -> EngineStatus:
@@ -394,6 +399,9 @@ class EngineInstance:
                                 if self.engine.limits.prefill_chunk_tokens else {}),
                              **({"stepBudgetMs": self.engine.limits.step_budget_s * 1e3}
                                 if self.engine.limits.prefill_chunk_tokens and self.engine.limits.step_budget_s
+                                else {}),
+                             **({"handBackMs": self.handback.after_s * 1e3}
+                                if self.engine.limits.prefill_chunk_tokens and self.handback.after_s is not None
                                 else {})},
                             self.host_copy.total_bytes if self.host_copy is not None else 0)
 

@@ -4,6 +4,8 @@
   kascade_pd_prefills_refused_total     prefill engine: prefill requests refused (bad input, not serving)
   kascade_pd_remote_prefills_total      decode engine: requests whose KV arrived from a prefill engine
   kascade_pd_local_fallbacks_total      decode engine: requests prefilled here after a remote prefill failed
+  kascade_pd_handbacks_total            converted decoder: prompts it was prefilling itself that it handed to a
+                                        prefill engine after its hand-back bound without progress (handback.py)
   kascade_kv_transfer_bytes_total{direction=sent|received}
   kascade_prefill_velocity_tokens_per_second{bucket}, kascade_decode_velocity_tokens_per_second{batch}
                                         measured prefill / decode velocities (velocity.py; 0 = not yet measured)
@@ -11,7 +13,7 @@
                                         each prefill peer (each kv frame from its header to its payload's last byte:
                                         P's compute between layers is not the link's); kascade_kv_link_tokens_per_second
                                         {peer} the same in prompt tokens/s: the pair's network velocity
-Data flow: PrefillServer and RemotePrefill count as they go; Prometheus (or the operator) scrapes /metrics.
+Data flow: PrefillServer, RemotePrefill and HandBack count as they go; Prometheus (or the operator) scrapes /metrics.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ class PDMetrics:
                               registry=registry).labels(model_name)
         self.fallbacks = Counter("kascade_pd_local_fallbacks", "Requests prefilled locally after a remote prefill "
                                  "failed", lbl, registry=registry).labels(model_name)
+        self.handbacks = Counter("kascade_pd_handbacks", "Prompts a converted decoder handed to a prefill engine "
+                                 "after its hand-back bound without prefill progress", lbl,
+                                 registry=registry).labels(model_name)
         self._bytes = Counter("kascade_kv_transfer_bytes", "KV bytes moved between prefill and decode engines",
                               ["model_name", "direction"], registry=registry)
         self.sent = self._bytes.labels(model_name, "sent")

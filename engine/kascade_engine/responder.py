@@ -29,7 +29,7 @@ Emit = Callable[[int, str, "str | None"], None]
 
 class Call:
     def __init__(self, inst: EngineInstance, body: _Common, prompts: list[list[int]], max_tokens: int,
-                 prefill: str | None = None) -> None:
+                 prefill: str | None = None, fallback: str | None = None) -> None:
         self.inst, self.body, self.prompts = inst, body, prompts
         self.chat = isinstance(body, ChatBody)
         self.created = int(time.time())
@@ -42,7 +42,7 @@ class Call:
                     seed = None if body.seed is None else body.seed + j  # n choices differ, each reproducible
                     params = SamplingParams(max_tokens, body.temperature or 0.0,
                                             1.0 if body.top_p is None else body.top_p, seed)
-                    self.rids.append(inst.serving.submit(p, params, prefill))
+                    self.rids.append(inst.serving.submit(p, params, prefill, fallback))
         except Exception:
             for rid in self.rids:
                 inst.serving.abort(rid)

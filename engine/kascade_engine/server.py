@@ -29,7 +29,7 @@ from kascade_engine.instance import EngineInstance, InstanceError
 from kascade_engine.openai_api import ChatBody, CompletionBody, _Common, chat_messages, refused
 from kascade_engine.responder import Call
 from kascade_engine.serving import RequestError
-from kascade_planner.engine_api import PREFILL_ROOM_HEADER, SERVING_SHARE_HEADER
+from kascade_planner.engine_api import PREFILL_FALLBACK_HEADER, PREFILL_ROOM_HEADER, SERVING_SHARE_HEADER
 
 log = logging.getLogger(__name__)
 reqlog = logging.getLogger("kascade_engine.requests")  # one line per request: accepted (in which phase) or rejected
@@ -103,7 +103,7 @@ def create_app(inst: EngineInstance) -> FastAPI:
         if longest + want > ctx:
             raise RequestError(400, f"prompt ({longest} tokens) + {field} ({want}) exceeds the context of {ctx} "
                                "tokens", field)
-        call = Call(inst, body, prompts, want, prefill_peer(request))
+        call = Call(inst, body, prompts, want, prefill_peer(request), peer_header(request, PREFILL_FALLBACK_HEADER))
         share = {SERVING_SHARE_HEADER: f"{inst.serving_share:.4f}"}  # routers weight a live replica by it
         room = inst.engine.scheduler.prefill_room()
         if room is not None:  # a converted decoder: routers send it prompts only while it has room
@@ -210,12 +210,18 @@ PREFILL_HEADER = "x-kascade-prefill"  # the router's PD choice: host:port of a p
 def prefill_peer(request: Request) -> str | None:
     """The prefill engine the router chose for this request (disaggregated serving), if any. Only the
     router sets it (it never forwards clients' headers); the peer must still pass the data-port hello."""
-    peer = request.headers.get(PREFILL_HEADER)
+    return peer_header(request, PREFILL_HEADER)
+
+
+def peer_header(request: Request, name: str) -> str | None:
+    """A data-port address (host:port) the router put in header `name` (PREFILL_HEADER, or
+    PREFILL_FALLBACK_HEADER: where a converted decoder hands a prompt it has no room for), if any."""
+    peer = request.headers.get(name)
     if not peer:
         return None
     host, _, port = peer.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise RequestError(400, f"header '{PREFILL_HEADER}' = {peer!r}: expected host:port", PREFILL_HEADER)
+        raise RequestError(400, f"header '{name.lower()}' = {peer!r}: expected host:port", name.lower())
     return peer
 
 

@@ -103,9 +103,12 @@ class Serving:
         if any(not 0 <= t < vocab for t in prompt):
             raise RequestError(400, f"prompt token ids must be in 0..{vocab - 1}", "prompt")
 
-    def submit(self, prompt: list[int], params: SamplingParams, prefill: str | None = None) -> str:
+    def submit(self, prompt: list[int], params: SamplingParams, prefill: str | None = None,
+               fallback: str | None = None) -> str:
         """`prefill`: a prefill engine's data address (disaggregated serving): the prompt is prefilled there
-        and its KV moves here (remote_prefill.py); without one, or when that fails, it is prefilled here."""
+        and its KV moves here (remote_prefill.py); without one, or when that fails, it is prefilled here.
+        `fallback` (a converted decoder prefilling the prompt itself): a prefill engine's data address the prompt
+        is handed to if the step budget leaves it no progress for the hand-back bound (handback.py)."""
         self.check_prompt(prompt)
         rid = f"cmpl-{uuid.uuid4().hex[:16]}"
         timeline.mark("submit", rid, phase=self.inst.phase.value, resident=self.inst.model.resident_prefix())
@@ -133,6 +136,8 @@ class Serving:
                 pair.admit(rid, go, self.queues[rid].put_nowait, len(prompt))
             else:
                 go()
+                if fallback is not None and self.inst.engine.limits.prefill_chunk_tokens is not None:
+                    self.inst.handback.watch(rid, prompt, params, fallback)
         except ValueError as e:
             self.queues.pop(rid, None)
             raise RequestError(400, str(e), "max_tokens") from None

@@ -25,6 +25,11 @@ SERVING_SHARE_HEADER = "X-Kascade-Serving-Share"
 # Response header of a converted decoder: the prompt tokens its step budget would give a chunk now, beside its
 # current decodes (Scheduler.prefill_room). Routers send it a prompt only while this is at least their minimum.
 PREFILL_ROOM_HEADER = "X-Kascade-Prefill-Room"
+# Request header from a router to a converted decoder it lets prefill a prompt itself: host:port of a prefill
+# engine's data port. If the decoder's step budget leaves the prompt no prefill progress for its hand-back bound
+# (ConvertRequest.hand_back_ms) before any token, the decoder hands the prompt to that engine (its KV comes back
+# as in disaggregated serving) instead of holding it until its batch drains.
+PREFILL_FALLBACK_HEADER = "X-Kascade-Prefill-Fallback"
 
 # spec.model.source.uri / bind source.uri: a Hugging Face Hub repo, REVISION a branch, tag or commit
 # (the CRD's pattern, the operator's pydantic mirror and the engine's parser all use this one)
@@ -257,28 +262,38 @@ class ConvertRequest:
     decode engines' over its data port) with at most `prefill_chunk_tokens` prompt tokens per step, so its
     decodes keep their inter-token latency; None takes the conversion back (no cap). `step_budget_ms`
     (optional): besides the token cap, a step that decodes takes prompt tokens only while the engine's
-    measured step cost predicts it within this time (the TBT objective's room); ignored without a cap."""
+    measured step cost predicts it within this time (the TBT objective's room); ignored without a cap.
+    `hand_back_ms` (optional, ignored without a cap): a prompt the engine prefills itself that has made no
+    prefill progress for this long, and has no token out yet, goes to the prefill engine its router named
+    (PREFILL_FALLBACK_HEADER); None: the engine's default (kascade_engine.handback.DEFAULT_HAND_BACK_S)."""
 
     prefill_chunk_tokens: int | None
     step_budget_ms: float | None = None
+    hand_back_ms: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"prefillChunkTokens": self.prefill_chunk_tokens,
-                **({"stepBudgetMs": self.step_budget_ms} if self.step_budget_ms is not None else {})}
+                **({"stepBudgetMs": self.step_budget_ms} if self.step_budget_ms is not None else {}),
+                **({"handBackMs": self.hand_back_ms} if self.hand_back_ms is not None else {})}
 
     @staticmethod
     def from_dict(doc: object) -> ConvertRequest:
         d = _obj(doc)
-        _only(d, ("prefillChunkTokens", "stepBudgetMs"))
+        _only(d, ("prefillChunkTokens", "stepBudgetMs", "handBackMs"))
         if "prefillChunkTokens" not in d:
             raise WireError("prefillChunkTokens", "required (an int >= 1, or null to take the conversion back)")
         v = d["prefillChunkTokens"]
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise WireError("prefillChunkTokens", f"must be an int >= 1 or null, got {v!r}")
-        ms = d.get("stepBudgetMs")
-        if ms is not None and (isinstance(ms, bool) or not isinstance(ms, (int, float)) or not 0 < ms < float("inf")):
-            raise WireError("stepBudgetMs", f"must be a number > 0 or null, got {ms!r}")
-        return ConvertRequest(v, None if ms is None else float(ms))
+        ms = {k: _positive_ms(d, k) for k in ("stepBudgetMs", "handBackMs")}
+        return ConvertRequest(v, ms["stepBudgetMs"], ms["handBackMs"])
+
+
+def _positive_ms(d: Mapping[str, Any], key: str) -> float | None:
+    ms = d.get(key)
+    if ms is not None and (isinstance(ms, bool) or not isinstance(ms, (int, float)) or not 0 < ms < float("inf")):
+        raise WireError(key, f"must be a number > 0 or null, got {ms!r}")
+    return None if ms is None else float(ms)
 
 
 @dataclass(frozen=True)

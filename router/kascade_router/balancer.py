@@ -82,3 +82,14 @@ def pick_pd(backends: Sequence[Backend], rng: random.Random,
         prefill = free
     p = _pick_prefill(prefill, rng)
     return (d, None) if p is d else (d, p)
+
+
+def fallback_prefill(backends: Sequence[Backend], d: Backend, pre: Backend | None) -> Backend | None:
+    """Where a converted decoder that prefills this prompt itself (`pick_pd` gave it no prefill engine) hands it
+    if its step budget leaves it no room after all (the engine's hand-back, PREFILL_FALLBACK_HEADER): the
+    least loaded prefill engine with a data address. Its room report (`Backend.prefill_room`) is as old as
+    its last answer, and a batch can grow after the prompt arrived. None when there is nothing to hand to."""
+    if pre is not None or d.role != "decode" or not d.convertible:
+        return None
+    pool = [b for b in backends if b.role == "prefill" and b.data and b is not d]
+    return min(pool, key=_prefill_cost, default=None)

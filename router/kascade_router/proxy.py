@@ -3,7 +3,9 @@
 Data flow: body (<= max_body_bytes, else 413) -> JSON object with a string `model` (else 400 naming
 it) -> `Routes.lookup` (unknown model: 404 naming it) -> `balancer.pick` among serving backends, or
 held until one appears (bounded queue: 429; timeout: 503, both with Retry-After) -> POST to the engine
-with the request id -> non-streaming: the body is relayed; streaming: every chunk is written to the
+with the request id (disaggregated: the prefill engine's data port from `pick_pd`, or for a converted decoder
+that prefills the prompt itself a prefill engine to hand it to if it finds no room, `fallback_prefill`)
+-> non-streaming: the body is relayed; streaming: every chunk is written to the
 client as soon as it arrives. A replica that fails before any byte reached the client (refused
 connection, 503 from a draining engine, closed before its first chunk) is excluded and another is
 tried; a failure mid-stream ends that response with an SSE error event. A client that goes away
@@ -27,9 +29,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kascade_planner.engine_api import PREFILL_ROOM_HEADER, SERVING_SHARE_HEADER
+from kascade_planner.engine_api import PREFILL_FALLBACK_HEADER, PREFILL_ROOM_HEADER, SERVING_SHARE_HEADER
 from kascade_router.backends import Backend, Routes
-from kascade_router.balancer import pick, pick_pd
+from kascade_router.balancer import fallback_prefill, pick, pick_pd
 from kascade_router.demand import Demand, ModelDemand
 from kascade_router.settings import RouterSettings
 from kascade_router.upstream import Answer, UpstreamError, Upstreams
@@ -146,8 +148,9 @@ class Proxy:
                     return error(503, why, None, "unavailable", rid, self.s.retry_after_s), 503, 0
             tried.add(b.pod)
             tries += 1
+            fallback = fallback_prefill(self.routes.serving(svc), b, pre)
             try:
-                return await self._forward(request, body, b, stream, rid, pre)
+                return await self._forward(request, body, b, stream, rid, pre, fallback)
             except _Retry as e:
                 log.info("request %s: %s; retrying on another replica", rid, e)
         return error(502, f"{tries} tries on replicas of model '{d.model}' failed before answering", None,
@@ -172,8 +175,8 @@ class Proxy:
         finally:
             d.queued -= 1
 
-    async def _forward(self, request: web.Request, body: bytes, b: Backend, stream: bool,
-                       rid: str, pre: Backend | None = None) -> tuple[web.StreamResponse, int, int]:
+    async def _forward(self, request: web.Request, body: bytes, b: Backend, stream: bool, rid: str,
+                       pre: Backend | None = None, fallback: Backend | None = None) -> tuple[web.StreamResponse, int, int]:
         b.in_flight += 1
         prefills = pre if pre is not None and pre.data else b  # who prefills this request
         prefills.prefilling += 1
@@ -183,6 +186,8 @@ class Proxy:
         if pre is not None and pre.data:
             send[PREFILL] = pre.data
             pre.in_flight += 1  # a prefill engine is busy with this request until its first token
+        elif fallback is not None and fallback.data:  # a converted decoder prefills it: where to hand it back
+            send[PREFILL_FALLBACK_HEADER] = fallback.data
         timeout = self.s.read_timeout_s
         try:
             try:

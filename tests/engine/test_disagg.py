@@ -6,6 +6,7 @@ equals the colocated engine's; anything that goes wrong falls back to a local pr
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -325,3 +326,67 @@ async def test_the_link_rate_counts_the_wire_not_the_prefillers_compute(tiny_ckp
     finally:
         await p.close()
         await d.close()
+
+
+class _NoRoom:
+    """A converted decoder's step-cost model beside a big batch: its decodes alone fill the step budget, so a
+    prompt chunk gets 0 tokens in every step that decodes (StepCost.chunk_fits' answer there)."""
+
+    token_s = 1e-3
+
+    def chunk_fits(self, budget_s: float, shape: Any, start: int, n: int) -> int:
+        return 0
+
+
+async def test_a_converted_decoder_hands_a_prompt_without_room_to_the_prefill_engine(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    """D, converted, decodes four long streams; its step budget leaves a prompt chunk 0 tokens beside them. A
+    prompt D prefills itself, with the router's fallback prefill engine P (PREFILL_FALLBACK_HEADER), has made
+    no progress after the hand-back bound and has no token out: D takes it out of its batch and P prefills it,
+    its KV comes back, D decodes it. Greedy output equals the colocated engine's, and it is done while the
+    streams still run. Without the hand-back it waits on D (0 tokens a step) until the streams end. A prompt
+    that has room (no decodes beside it) is not handed back, nor one whose engine is not converted."""
+    from kascade_planner.engine_api import ConvertRequest
+
+    params = SamplingParams(max_tokens=8)
+    want = unsplit(tiny_blocks, PROMPTS[:2], params)
+    long = SamplingParams(max_tokens=480)  # the tiny model's 512 positions hold it after a short prompt
+    pd = await _pd(tiny_ckpt, tiny_blocks)
+    d = pd.d
+    try:
+        # not converted: the fallback is only a name, the prompt prefills here
+        assert await collect(d, d.serving.submit(PROMPTS[0], params, fallback=pd.peer)) == want[0]
+        streams = [d.serving.submit([7 + i, 8, 9], long) for i in range(4)]
+        ends: dict[str, float] = {}
+
+        async def drain(rid: str) -> None:
+            async for ev in d.serving.tokens(rid):
+                if ev.finished:
+                    ends[rid] = time.monotonic()
+
+        tasks = [asyncio.create_task(drain(r)) for r in streams]
+        while not all(d.engine.requests.get(r) and d.engine.requests[r].out for r in streams):
+            await asyncio.sleep(0.005)
+        st = d.convert(ConvertRequest(16, 30.0, hand_back_ms=100.0)).extra
+        assert st["handBackMs"] == 100.0
+        d.engine.scheduler.cost = _NoRoom()  # type: ignore[assignment]
+        t0 = time.monotonic()
+        rid = d.serving.submit(PROMPTS[0], params, fallback=pd.peer)
+        got = await asyncio.wait_for(collect(d, rid), 60)
+        t_done = time.monotonic()
+        assert got == want[0]
+        assert not ends, "the streams ended before the handed-back prompt: nothing was stranded"
+        assert t_done - t0 >= 0.1  # held for the bound first
+        assert d.handback.handed == 1 and pd.p.prefill_server.requests == 1 and d.remote_prefill.adopted == 1
+        assert d.remote_prefill.fallbacks == 0
+        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        # room again (no decodes beside it: the token cap alone): prefilled here, not handed back
+        assert await collect(d, d.serving.submit(PROMPTS[1], params, fallback=pd.peer)) == want[1]
+        assert d.handback.handed == 1 and pd.p.prefill_server.requests == 1
+        assert d.convert(ConvertRequest(None)).extra.get("handBackMs") is None
+    finally:
+        await pd.close()
+    assert ConvertRequest.from_dict({"prefillChunkTokens": 8, "handBackMs": 250}) == ConvertRequest(8, None, 250.0)
+    for bad in (0, -1, True, "1", float("inf")):
+        with pytest.raises(Exception) as e:
+            ConvertRequest.from_dict({"prefillChunkTokens": 8, "handBackMs": bad})
+        assert "handBackMs" in str(e.value)

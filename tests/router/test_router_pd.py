@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kascade_devcluster.localengine import EngineProc, start_engine
 from kascade_engine.checkpoint import tiny_llama
 from kascade_router.backends import Backend
-from kascade_router.balancer import pick_pd
+from kascade_router.balancer import fallback_prefill, pick_pd
 from kascade_router.server import Router, static_routes
 
 TOKEN = "router-pd-token"
@@ -210,3 +210,21 @@ def test_a_converted_decoder_without_prefill_room_sends_prompts_to_a_prefill_eng
     assert all(pick_pd([d, p], rng) == (d, None) for _ in range(20))
     d.reported_room(None)
     assert d.prefill_room is None
+
+
+def test_a_converted_decoder_prefilling_itself_is_given_a_prefill_engine_to_hand_back_to() -> None:
+    """The hand-back's address (PREFILL_FALLBACK_HEADER): only for a converted decoder that prefills the prompt
+    itself, the least loaded prefill engine with a data port; none when a prefill engine prefills it anyway,
+    for a decoder not converted, or with no prefill engine to hand to."""
+    rng = random.Random(1)
+    d = Backend("d", "h:1", role="decode", data="h:10", convertible=True)
+    p1 = Backend("p1", "h:2", role="prefill", data="h:20", in_flight=4)
+    p2 = Backend("p2", "h:3", role="prefill", data="h:30", in_flight=1)
+    p3 = Backend("p3", "h:4", role="prefill")  # no data port: KV cannot leave it
+    assert pick_pd([d, p1, p2, p3], rng) == (d, None)  # it prefills none: it takes the prompt itself
+    assert fallback_prefill([d, p1, p2, p3], d, None) is p2
+    assert fallback_prefill([d, p1, p2], d, p2) is None  # p2 prefills it: nothing to hand back
+    d.convertible = False
+    assert fallback_prefill([d, p1, p2], d, None) is None
+    d.convertible = True
+    assert fallback_prefill([d, p3], d, None) is None
