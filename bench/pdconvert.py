@@ -32,7 +32,8 @@ def policy_spec(model: str, tbt_slo: float, ttft_slo: float) -> Any:
 
 async def step_times(url: str) -> dict[str, Any]:
     """One engine's steps by kind (kascade_step_seconds: count, mean ms) and the most prompt tokens one step
-    prefilled under the budget in force at the end: whether a converted decoder's budget bounded its steps."""
+    prefilled under the budget in force at the end: whether a converted decoder's budget bounded its steps; and the
+    PD counters: prompts prefilled for others, KV adopted, local fallbacks, prompts handed back (handback.py)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     async with aiohttp.ClientSession() as s, s.get(f"{url}/metrics") as r:
@@ -48,6 +49,9 @@ async def step_times(url: str) -> dict[str, Any]:
                 out["prefill_step_tokens_max"] = x.value
             elif x.name == "kascade_prefill_tokens_cut_by_step_budget_total":
                 out["prefill_tokens_cut_by_step_budget"] = x.value
+            elif x.name in ("kascade_pd_handbacks_total", "kascade_pd_prefills_served_total",
+                            "kascade_pd_remote_prefills_total", "kascade_pd_local_fallbacks_total"):
+                out[x.name.removeprefix("kascade_pd_").removesuffix("_total")] = x.value  # where prompts prefilled
             elif x.name == "kascade_step_cost_prompt_token_seconds":
                 out["step_cost_prompt_token_ms"] = round(x.value * 1e3, 3)
     for v in out.values():
