@@ -275,6 +275,7 @@ def summarize(r: dict[str, Any], reqs: list[Request], ttft_slo: float, tbt_slo: 
             "background_ttft_slo_attainment": att(bg, ttft_slo, 0) * len(bg) / (n - nb) if n > nb else math.nan,
             "background_tbt_slo_attainment": att(bg, tbt_slo, 1) * len(bg) / (n - nb) if n > nb else math.nan,
             "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
+            "burst_ttft_s": [round(x[0], 3) for x in burst],  # in arrival order: where the tail comes from
             "tbt_p50_s": pct(tbt, 50), "tbt_p99_s": pct(tbt, 99),
             "wall_s": r["wall_s"], "remote_prefills": r["remote_prefills"], "local_fallbacks": r["fallbacks"],
             "conversions": r["conversions"], "steps": r.get("steps"),
