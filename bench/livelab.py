@@ -263,13 +263,14 @@ class Setup:
     load_s: float  # the whole model over one link, by construction of rate_mbit
     max_requests: int
     knee_tokens: int = 0  # emulation: a layer forward over more tokens costs proportionally more (0: never)
+    link_qos: bool = True  # links send the activation class first (netlab.py, "QoS"); False: one FIFO per link
 
 
 def fleet(kind: str, k: int, modes: tuple[str, ...], ckpt: Path, manifest: dict[str, Any], layout: ModelLayout,
           setup: Setup, tag: str) -> dict[str, list[tuple[float, str, str]]]:
     """One lab of k sources + k targets (+ the client), every mode on the same trace. TTFT per request."""
     hosts = 2 * k + 1
-    with netlab.NetLab(hosts, setup.rate_mbit, prefix=tag) as lab:
+    with netlab.NetLab(hosts, setup.rate_mbit, prefix=tag, qos=setup.link_qos) as lab:
         srcs = [start_engine(lab, i, f"s{i}", ckpt, False, setup.layer_ms, setup.batch_tokens, setup.knee_tokens) for i in range(k)]
         tgts = [start_engine(lab, k + j, f"t{j}", ckpt, True, setup.layer_ms, setup.batch_tokens, setup.knee_tokens) for j in range(k)]
         try:

@@ -10,11 +10,22 @@ group B at 10.213.0.128+x): each link's cross-group traffic, per direction, is c
 peer's address), which is how the planner's cost model sees an oversubscribed spine: every GPU link's
 share of its leaf's uplink, split evenly between the flows using it. This kernel has no fair-queueing
 qdisc (sfq, fq, fq_codel), hence per-peer htb leaves.
+
+QoS (one-group links): like a fabric configured for the engine's traffic classes, every link sends the
+activation class (IP TOS 0x88, DSCP AF41: the engine's act-port connections, `kascade_engine.transport.
+ACTIVATION`) ahead of everything else. Each link direction is an htb root at the link rate with two
+children, both allowed the whole link (ceil): 1:10 activations (prio 0, guaranteed `ACTIVATION_SHARE` of
+the link) and 1:20 bulk (weights, HTTP, unmarked: prio 1, the rest), picked by a u32 filter on the TOS
+byte (ECN bits masked). A weight stream therefore never queues ahead of a step's activations; bulk still
+gets the whole link when no activation is waiting. (This kernel has no `prio` qdisc; htb priorities do
+the same here.) `qos=False` keeps the plain FIFO (tbf) links. The two-group links do not classify.
 """
 
 from __future__ import annotations
 
 import subprocess
+
+from kascade_engine.transport import ACTIVATION
 
 PREFIX = "kb"
 
@@ -36,14 +47,18 @@ QUEUE_MS = 10
 # each a congestion signal). 128 KiB: two 64 KiB GSO packets, a few ms at these rates.
 TSQ_BYTES = 128 << 10
 BURST = 256 << 10  # bytes an htb class may send at once (tbf's burst on the one-group links)
+# The activation class's guaranteed share of a link (both classes may use all of it when the other is
+# idle): what it sends within this share goes before any bulk byte; the rest keeps bulk from starving.
+ACTIVATION_SHARE = 0.9
+ACTIVATION_CLASS, BULK_CLASS = 10, 20  # htb minor class ids on a QoS link
 
 class NetLab:
     def __init__(self, hosts: int, rate_mbit: int = 200, groups: int = 1, spine_ratio: float = 1.0,
-                 prefix: str = PREFIX) -> None:
+                 prefix: str = PREFIX, qos: bool = True) -> None:
         if groups not in (1, 2) or not 0 < spine_ratio <= 1:
             raise ValueError(f"groups must be 1 or 2 and spine_ratio in (0, 1], got {groups}, {spine_ratio}")
         self.hosts, self.rate, self.groups, self.spine = hosts, rate_mbit, groups, spine_ratio
-        self.tag = prefix
+        self.tag, self.qos = prefix, qos
 
     def group(self, i: int) -> int:
         return 0 if self.groups == 1 or i < self.hosts // 2 else 1
@@ -53,6 +68,40 @@ class NetLab:
 
     def prefix(self, i: int) -> list[str]:
         return ["ip", "netns", "exec", f"{self.tag}-h{i}"]
+
+    def _prioritise(self, ns: list[str], dev: str) -> None:
+        """One-group link with QoS (module docstring): htb at the link rate, activations (TOS 0x88) first."""
+        r, queue = self.rate, self.rate * 1_000_000 // 8 * QUEUE_MS // 1000 + BURST  # tbf's limit on the plain links
+        act = max(1, int(r * 1000 * ACTIVATION_SHARE))
+        cmds = [f"qdisc add dev {dev} root handle 1: htb default {BULK_CLASS}",
+                f"class add dev {dev} parent 1: classid 1:1 htb rate {r}mbit ceil {r}mbit burst {BURST} cburst {BURST}"]
+        for minor, rate, prio in ((ACTIVATION_CLASS, act, 0), (BULK_CLASS, max(1, r * 1000 - act), 1)):
+            cmds += [f"class add dev {dev} parent 1:1 classid 1:{minor} htb rate {rate}kbit ceil {r}mbit "
+                     f"burst {BURST} cburst {BURST} prio {prio} quantum 30000",
+                     f"qdisc add dev {dev} parent 1:{minor} handle {minor}: bfifo limit {queue}"]
+        cmds.append(f"filter add dev {dev} parent 1: protocol ip prio 1 u32 match ip tos {ACTIVATION.tos:#x} 0xfc "
+                    f"flowid 1:{ACTIVATION_CLASS}")
+        proc = subprocess.run([*ns, "tc", "-batch", "-"], input="\n".join(cmds) + "\n", capture_output=True,
+                              text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"tc -batch on {dev}: {proc.stderr.strip()}")
+
+    def class_bytes(self, i: int, side: str) -> dict[int, int]:
+        """Bytes each htb class of host i's link has sent: side "up" (host i's veth) or "down" (the switch
+        port towards host i). Tests read it to see which class a flow went through."""
+        ns, dev = (self.prefix(i), f"{self.tag}-v{i}") if side == "up" else (
+            ["ip", "netns", "exec", f"{self.tag}-sw"], f"{self.tag}-p{i}")
+        out = subprocess.run([*ns, "tc", "-s", "class", "show", "dev", dev], capture_output=True, text=True,
+                             check=True).stdout
+        sent: dict[int, int] = {}
+        minor = None
+        for line in out.splitlines():
+            words = line.split()
+            if words[:2] == ["class", "htb"]:
+                minor = int(words[2].split(":")[1])  # written as 1:10 (tc reads hex) and printed back alike
+            elif words[:1] == ["Sent"] and minor is not None:
+                sent[minor] = int(words[1])
+        return sent
 
     def _shape(self, ns: list[str], dev: str, me: int, direction: str) -> None:
         """htb: in-group traffic at the link rate, cross-group traffic at spine_ratio of it, and one leaf
@@ -115,7 +164,10 @@ class NetLab:
                 _run(*self.prefix(i), "ip", "link", "set", "lo", "up")
                 if self.groups == 2:
                     _run(*self.prefix(i), "sysctl", "-qw", f"net.ipv4.tcp_limit_output_bytes={TSQ_BYTES}")
-                if self.groups == 1:
+                if self.groups == 1 and self.qos:
+                    self._prioritise(self.prefix(i), v)  # upload
+                    self._prioritise(sw, p)  # download
+                elif self.groups == 1:
                     _run(*self.prefix(i), "tc", "qdisc", "add", "dev", v, "root", *tbf)  # upload
                     _run(*sw, "tc", "qdisc", "add", "dev", p, "root", *tbf)  # download
                 else:

@@ -59,6 +59,10 @@ def engine() -> None:
 @click.option("--transport", type=click.Choice(["tcp", "ucx"]), default="tcp", show_default=True,
               help="data plane transport: load plans' weights, and the --act-port (activations, live pairs and "
                    "the KV of disaggregated serving). Peers must use the same one; TLS (--tls-*) is tcp only")
+@click.option("--activation-dscp", default=34, show_default=True, type=click.IntRange(0, 63),
+              help="DSCP class of the --act-port's TCP connections (activations, live pairs, pipeline hops, PD KV; "
+                   "34 = AF41, IP TOS 0x88) so a QoS-configured fabric sends them ahead of weight transfers, which "
+                   "stay unmarked. 0: no mark")
 @click.option("--transfer-max-mbps", type=click.FloatRange(0, min_open=True),
               help="cap on weight data this engine sends, in Mbit/s (default: line rate)")
 @click.option("--header-timeout", default=10.0, show_default=True, type=click.FloatRange(0, min_open=True),
@@ -84,7 +88,7 @@ def engine() -> None:
 def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: str, port: int, act_port: int | None,
           token_file: Path | None, max_prompt_tokens: int, max_batch_tokens: int, max_seqs: int, kv_tokens: int,
           max_n: int, page_size: int, device: str, dtype: str, empty: bool, resident_layers: int | None, threads: int,
-          transport: str, transfer_max_mbps: float | None, header_timeout: float = 10.0,
+          transport: str, activation_dscp: int, transfer_max_mbps: float | None, header_timeout: float = 10.0,
           max_connections: int = 1024, emulate_layer_ms: float = 0.0, emulate_knee_tokens: int = 0, host_cache_gib: float = 0.0,
           tls_cert: Path | None = None, tls_key: Path | None = None, tls_ca: Path | None = None) -> None:
     """Serve a model over HTTP (OpenAI-compatible) with the Kascade control API."""
@@ -127,7 +131,7 @@ def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: s
                            transfer_bytes_per_s=transfer_max_mbps * 1e6 / 8 if transfer_max_mbps else None,
                            empty=empty, resident_layers=resident_layers, emulate_layer_ms=emulate_layer_ms,
                            emulate_knee_tokens=emulate_knee_tokens, tls=tls,
-                           host_cache_bytes=int(host_cache_gib * 2**30))
+                           host_cache_bytes=int(host_cache_gib * 2**30), activation_dscp=activation_dscp)
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
     try:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kascade_engine.transport import TRANSPORTS
+from kascade_engine.transport import AF41, TRANSPORTS, Transport, activation_class, make_transport
 
 if TYPE_CHECKING:
     from kascade_engine.transport_tls import TlsFiles
@@ -48,6 +48,9 @@ class EngineConfig:
     emulate_knee_tokens: int = 0  # with it: a layer forward over more tokens than this costs proportionally more
     tls: TlsFiles | None = None  # mutual TLS for every data-plane TCP connection (weights, activations, KV)
     host_cache_bytes: int = 0  # a released engine keeps its weights in host memory up to this (0: never)
+    # DSCP class of the act port's TCP connections (activations, pair steps, PD KV), so a QoS fabric sends
+    # them ahead of weight streams (unmarked); 0: no mark (transport.py, "Traffic classes")
+    activation_dscp: int = AF41
 
     def __post_init__(self) -> None:
         if not _DEVICE.match(self.device):
@@ -63,12 +66,24 @@ class EngineConfig:
             raise ConfigError(f"--emulate-layer-ms must be in [0, 10000], got {self.emulate_layer_ms}")
         if not 0 <= self.emulate_knee_tokens <= 1 << 20:
             raise ConfigError(f"--emulate-knee-tokens must be in [0, 1048576], got {self.emulate_knee_tokens}")
+        if not 0 <= self.activation_dscp <= 63:
+            raise ConfigError(f"--activation-dscp must be in [0, 63] (0: no mark), got {self.activation_dscp}")
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"--transport {self.transport!r}: unknown transport; use {' or '.join(TRANSPORTS)}")
         if self.tls is not None and self.transport != "tcp":
             raise ConfigError("--tls-cert/--tls-key/--tls-ca apply to --transport tcp only; ucx does not encrypt")
         if not self.token:
             raise ConfigError("no control token: pass --token-file or set KASCADE_ENGINE_TOKEN")
+
+    def activation_transport(self) -> Transport:
+        """The act port's transport (activations, pair steps, PD KV), its TCP sockets marked with the
+        activation DSCP class (`--activation-dscp`; 0 leaves them unmarked)."""
+        return make_transport(self.transport, self.tls, activation_class(self.activation_dscp))
+
+    def weight_transport(self) -> Transport:
+        """A load plan's transport (weight blocks, bulk): never marked, so a fabric that honours the
+        activation class queues weights behind activations on a shared link."""
+        return make_transport(self.transport, self.tls, None)
 
     def with_dtype(self, dtype: str) -> EngineConfig:
         return replace(self, dtype=dtype)

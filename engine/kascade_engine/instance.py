@@ -38,7 +38,7 @@ from kascade_engine.prefill_server import PrefillServer
 from kascade_engine.remote_prefill import RemotePrefill
 from kascade_engine.scheduler import Limits
 from kascade_engine.tokenizer import Tokenizer
-from kascade_engine.transport import TransportError, make_transport
+from kascade_engine.transport import TransportError
 from kascade_planner.engine_api import (
     BindRequest,
     ConvertRequest,
@@ -91,8 +91,9 @@ class EngineInstance:
         self.instance_id = config.instance
         # The data port's transport (--transport, with --tls-* for tcp): the act-port listener (CLI), the
         # activation/pair connections (`peers`) and the KV connections of disaggregated serving
-        # (`remote_prefill`) all speak it, so peers configured alike reach each other whatever it is.
-        self.transport = make_transport(config.transport, config.tls)
+        # (`remote_prefill`) all speak it, so peers configured alike reach each other whatever it is. Its TCP
+        # sockets carry the activation class (--activation-dscp): a QoS fabric sends them ahead of weights.
+        self.transport = config.activation_transport()
         self._build(config)
         self.phase = Phase.EMPTY
         if blockset is not None:

@@ -27,7 +27,7 @@ from kascade_engine.blocks import BlockSet, CheckpointError, pack_checkpoint
 from kascade_engine.pacing import paced
 from kascade_engine.relay import TransferNode
 from kascade_engine.transfer_spec import SpecError, TransferSpec
-from kascade_engine.transport import TransportError, make_transport
+from kascade_engine.transport import TransportError
 from kascade_planner.engine_api import LoadPlanRequest
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ async def start_plan_load(inst: EngineInstance, req: LoadPlanRequest) -> None:
     host_source = blocks is not None and blocks is inst.host_copy
     try:
         source = blocks if blocks is not None and (model.complete or host_source) else None
-        node = TransferNode(spec, me, paced(make_transport(inst.config.transport, inst.config.tls), inst.config.transfer_bytes_per_s),
+        node = TransferNode(spec, me, paced(inst.config.weight_transport(), inst.config.transfer_bytes_per_s),
                             blocks=source, on_progress=on_progress)
         await node.start()
     except (ValueError, TransportError) as e:

@@ -7,6 +7,13 @@ Implementations: asyncio TCP (`transport_tcp`), TCP with mutual TLS (`transport_
 ucxx (`transport_ucx`); `make_transport(name)` picks one by its setting name (`TRANSPORTS`). Each counts
 the payload bytes its connections moved (`Traffic`), where the bytes meet the wire, so a test or a metric
 sees which transport carried them.
+
+Traffic classes: a TCP transport made with a `TrafficClass` marks every socket it opens or accepts
+(IP TOS = DSCP << 2, and SO_PRIORITY) so a QoS-configured fabric can send those packets ahead of bulk
+traffic on a shared link. The engine marks its act-port transport (activations, pair steps, PD KV:
+latency-critical, small) with `ACTIVATION` (DSCP AF41) and leaves the weight transport unmarked
+(`None`: best effort, DSCP 0), so a weight stream never delays a step's activations in the fabric's queues.
+UCX (RDMA) has no IP TOS of its own: there the fabric's traffic class is configured in UCX/the NIC.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import socket
 import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -27,6 +35,48 @@ PREFIX = struct.Struct("<4sIQ")
 MAX_HEADER = 64 * 1024
 MAX_PAYLOAD = 256 * 1024 * 1024
 TRANSPORTS = ("tcp", "ucx")  # the names an engine's --transport (and make_transport) accepts
+
+
+@dataclass(frozen=True)
+class TrafficClass:
+    """A DSCP class for a transport's sockets: `tos` is the IP TOS byte (DSCP << 2; the two ECN bits stay
+    the kernel's), `priority` the socket's SO_PRIORITY (the host's own qdiscs and a VLAN egress map to
+    802.1p PCP, which a lossless RoCE/PFC fabric classifies by)."""
+
+    dscp: int
+    priority: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.dscp <= 63:
+            raise ValueError(f"dscp must be in [0, 63], got {self.dscp}")
+        if not 0 <= self.priority <= 6:  # 7 needs CAP_NET_ADMIN
+            raise ValueError(f"priority must be in [0, 6], got {self.priority}")
+
+    @property
+    def tos(self) -> int:
+        return self.dscp << 2
+
+
+AF41 = 34  # DSCP "assured forwarding 4, low drop" (RFC 2597): interactive, latency-sensitive data
+# The engine's activation connections (pair steps, pipeline hops, PD KV): TOS 0x88, SO_PRIORITY 4.
+ACTIVATION = TrafficClass(dscp=AF41, priority=4)
+
+
+def activation_class(dscp: int) -> TrafficClass | None:
+    """The class the act-port transport marks with for an engine's `--activation-dscp` (0: no mark)."""
+    return None if dscp == 0 else TrafficClass(dscp=dscp, priority=ACTIVATION.priority)
+
+
+def mark_socket(sock: socket.socket, mark: TrafficClass | None) -> None:
+    """Set `mark`'s TOS and SO_PRIORITY on an IPv4/IPv6 TCP socket (before connect, so the handshake
+    carries it too; accepted sockets are marked at accept). None leaves the socket best effort."""
+    if mark is None:
+        return
+    if sock.family == socket.AF_INET6:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_TCLASS, mark.tos)
+    else:
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, mark.tos)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_PRIORITY, mark.priority)
 
 
 class TransportError(Exception):
@@ -164,17 +214,18 @@ async def close_handshake(conn: Connection, timeout: float, sent_end: bool) -> N
             await conn.recv_header(timeout=min(timeout, 2.0))  # returns once the sender has closed
 
 
-def make_transport(name: str, tls: TlsFiles | None = None) -> Transport:
+def make_transport(name: str, tls: TlsFiles | None = None, mark: TrafficClass | None = None) -> Transport:
     """The transport called `name`; with `tls`, TCP is mutual TLS (`transport_tls`). UCX has no TLS of
-    its own (docs/architecture.md says what it protects): asking for both is an error, not a silent downgrade."""
+    its own (docs/architecture.md says what it protects): asking for both is an error, not a silent downgrade.
+    `mark`: the DSCP class of every TCP socket it opens or accepts (None: unmarked; UCX ignores it)."""
     if name == "tcp":
         if tls is not None:
             from kascade_engine.transport_tls import TlsTransport
 
-            return TlsTransport(tls)
+            return TlsTransport(tls, mark)
         from kascade_engine.transport_tcp import TcpTransport
 
-        return TcpTransport()
+        return TcpTransport(mark)
     if name == "ucx":
         if tls is not None:
             raise ValueError("TLS (--tls-*) applies to the tcp transport only; ucx does not encrypt")

@@ -18,10 +18,12 @@ from kascade_engine.transport import (
     Handler,
     Header,
     Traffic,
+    TrafficClass,
     TransportError,
     decode_header,
     decode_prefix,
     encode_prefix,
+    mark_socket,
     read_frame,
     serve,
 )
@@ -156,13 +158,15 @@ class TcpTransport:
     name = "tcp"
     hash_on_landing = True
 
-    def __init__(self) -> None:
+    def __init__(self, mark: TrafficClass | None = None) -> None:
         self.traffic = Traffic()
+        self.mark = mark  # every socket it connects or accepts carries this DSCP class (None: unmarked)
 
     async def listen(self, host: str, port: int, handler: Handler) -> TcpListener:
         loop = asyncio.get_running_loop()
         lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        mark_socket(lsock, self.mark)  # the SYN-ACK too (accepted sockets are marked again at accept)
         try:
             lsock.bind((host, port))
         except OSError as e:
@@ -182,6 +186,8 @@ class TcpTransport:
                     log.warning("listener %s:%s: %d connections open; refusing %s", host, port, len(conns), addr)
                     sock.close()
                     continue
+                with contextlib.suppress(OSError):  # a socket reset before we mark it fails on first use
+                    mark_socket(sock, self.mark)  # our side of the stream (replies, ACKs) in the same class
                 t = asyncio.create_task(serve_one(sock))
                 conns.add(t)
                 t.add_done_callback(conns.discard)
@@ -192,6 +198,7 @@ class TcpTransport:
         loop = asyncio.get_running_loop()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setblocking(False)
+        mark_socket(sock, self.mark)  # before connect: the handshake is in the class too
         try:
             await asyncio.wait_for(loop.sock_connect(sock, (host, port)), timeout)
         except (OSError, TimeoutError) as e:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,10 +30,12 @@ from kascade_engine.transport import (
     Handler,
     Header,
     Traffic,
+    TrafficClass,
     TransportError,
     decode_header,
     decode_prefix,
     encode_prefix,
+    mark_socket,
     read_frame,
     serve,
 )
@@ -176,9 +179,10 @@ class TlsTransport:
     name = "tcp+tls"
     hash_on_landing = True  # decrypted by the loop thread, into place
 
-    def __init__(self, files: TlsFiles) -> None:
+    def __init__(self, files: TlsFiles, mark: TrafficClass | None = None) -> None:
         self.files = files
         self.traffic = Traffic()
+        self.mark = mark  # every socket it connects or accepts carries this DSCP class (None: unmarked)
         self.server_ctx, self.client_ctx = files.contexts()  # bad files fail here, at startup, by name
 
     async def listen(self, host: str, port: int, handler: Handler) -> TlsListener:
@@ -197,6 +201,10 @@ class TlsTransport:
             if task is not None:
                 open_conns.add(task)
             try:
+                sock = writer.get_extra_info("socket")
+                if sock is not None:
+                    with contextlib.suppress(OSError):  # reset already: the handshake fails below
+                        mark_socket(sock, self.mark)
                 try:
                     await writer.start_tls(self.server_ctx, ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S)
                 except (ssl.SSLError, OSError, TimeoutError, ConnectionError) as e:
@@ -216,10 +224,19 @@ class TlsTransport:
         return TlsListener(server)
 
     async def connect(self, host: str, port: int, timeout: float = 10.0) -> TlsConnection:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        mark_socket(sock, self.mark)  # before connect: the TCP and TLS handshakes are in the class too
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(host, port, ssl=self.client_ctx, limit=STREAM_LIMIT,
-                                        ssl_handshake_timeout=timeout), timeout)
+            try:
+                async with asyncio.timeout(timeout):
+                    await asyncio.get_running_loop().sock_connect(sock, (host, port))
+                    reader, writer = await asyncio.open_connection(
+                        sock=sock, ssl=self.client_ctx, server_hostname=host, limit=STREAM_LIMIT,
+                        ssl_handshake_timeout=timeout)
+            except BaseException:
+                sock.close()  # the streams never took it over
+                raise
         except TimeoutError:
             raise TransportError(f"tls connect to {host}:{port}: no handshake within {timeout} s") from None
         except ssl.SSLError as e:
