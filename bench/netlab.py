@@ -18,7 +18,9 @@ children, both allowed the whole link (ceil): 1:10 activations (prio 0, guarante
 the link) and 1:20 bulk (weights, HTTP, unmarked: prio 1, the rest), picked by a u32 filter on the TOS
 byte (ECN bits masked). A weight stream therefore never queues ahead of a step's activations; bulk still
 gets the whole link when no activation is waiting. (This kernel has no `prio` qdisc; htb priorities do
-the same here.) `qos=False` keeps the plain FIFO (tbf) links. The two-group links do not classify.
+the same here.) `qos=True` asks for it (bench/live.py's real section does, unless --no-link-qos); the
+default keeps the plain FIFO (tbf) links the other benches were measured on. The two-group links do not
+classify.
 """
 
 from __future__ import annotations
@@ -51,10 +53,15 @@ BURST = 256 << 10  # bytes an htb class may send at once (tbf's burst on the one
 # idle): what it sends within this share goes before any bulk byte; the rest keeps bulk from starving.
 ACTIVATION_SHARE = 0.9
 ACTIVATION_CLASS, BULK_CLASS = 10, 20  # htb minor class ids on a QoS link
+# What a class may send at once from its own guarantee. Small on purpose: each class's bucket refills while
+# it is idle, so a 256 KiB one would let an activation frame through at veth speed after every pause (a
+# 300 KB frame crossed a 7 Mbit/s hop in 10 ms). Above its guarantee a class borrows from the link's
+# bucket (BURST), so the link as a whole still bursts like the tbf links, never more.
+CLASS_BURST = 16 << 10
 
 class NetLab:
     def __init__(self, hosts: int, rate_mbit: int = 200, groups: int = 1, spine_ratio: float = 1.0,
-                 prefix: str = PREFIX, qos: bool = True) -> None:
+                 prefix: str = PREFIX, qos: bool = False) -> None:
         if groups not in (1, 2) or not 0 < spine_ratio <= 1:
             raise ValueError(f"groups must be 1 or 2 and spine_ratio in (0, 1], got {groups}, {spine_ratio}")
         self.hosts, self.rate, self.groups, self.spine = hosts, rate_mbit, groups, spine_ratio
@@ -75,9 +82,10 @@ class NetLab:
         act = max(1, int(r * 1000 * ACTIVATION_SHARE))
         cmds = [f"qdisc add dev {dev} root handle 1: htb default {BULK_CLASS}",
                 f"class add dev {dev} parent 1: classid 1:1 htb rate {r}mbit ceil {r}mbit burst {BURST} cburst {BURST}"]
+        burst = max(CLASS_BURST, r * 1_000_000 // 8 // 500)  # at least 2 ms at the link rate (timer granularity)
         for minor, rate, prio in ((ACTIVATION_CLASS, act, 0), (BULK_CLASS, max(1, r * 1000 - act), 1)):
             cmds += [f"class add dev {dev} parent 1:1 classid 1:{minor} htb rate {rate}kbit ceil {r}mbit "
-                     f"burst {BURST} cburst {BURST} prio {prio} quantum 30000",
+                     f"burst {burst} cburst {BURST} prio {prio} quantum 30000",
                      f"qdisc add dev {dev} parent 1:{minor} handle {minor}: bfifo limit {queue}"]
         cmds.append(f"filter add dev {dev} parent 1: protocol ip prio 1 u32 match ip tos {ACTIVATION.tos:#x} 0xfc "
                     f"flowid 1:{ACTIVATION_CLASS}")

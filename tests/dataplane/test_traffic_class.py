@@ -132,7 +132,7 @@ def test_netlab_links_send_the_activation_class_through_its_own_htb_class() -> N
     why = netlab.available()
     if why is not None:
         pytest.skip(f"no namespaces with tc here: {why}")
-    lab = netlab.NetLab(2, rate_mbit=50, prefix=f"kq{secrets.token_hex(2)}")
+    lab = netlab.NetLab(2, rate_mbit=50, prefix=f"kq{secrets.token_hex(2)}", qos=True)
     act, bulk, n = netlab.ACTIVATION_CLASS, netlab.BULK_CLASS, 40
     with lab:
         def sent() -> tuple[dict[int, int], dict[int, int]]:
