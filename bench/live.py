@@ -322,9 +322,9 @@ def main() -> None:
                          "(compute-bound; 128 = one full batch). 0: every layer forward costs --layer-ms (memory-bound)")
     ap.add_argument("--real-overload", type=float, default=2.0,
                     help="real section: arrival rate / the sources' measured capacity")
-    ap.add_argument("--no-link-qos", action="store_true",
-                    help="real section: plain FIFO (tbf) links instead of links that send the engines' activation "
-                         "class (DSCP AF41) ahead of weights (netlab.py, QoS)")
+    ap.add_argument("--link-qos", action="store_true",
+                    help="real section: links that send the engines' activation class (DSCP AF41) ahead of weights "
+                         "(netlab.py, QoS) instead of one FIFO (tbf) per link")
     ap.add_argument("--real-only", action="store_true", help="only the real-engine section (-> live_real.json)")
     ap.add_argument("--fleets", default="pair,pipe2,pipe4",
                     help="real section: which fleets to run (comma-separated subset of pair,pipe2,pipe4); a key whose "
@@ -413,9 +413,9 @@ def real_section(args: argparse.Namespace) -> dict[str, object]:
         total = sum(layout.block_bytes)
         rate = args.rate_mbit or max(1, round(total * 8 / args.load_s / 1e6))
         setup = livelab.Setup(rate, args.layer_ms, 128, 32, 4, args.real_overload, total * 8 / (rate * 1e6),
-                              200 if args.quick else 400, args.knee_tokens, not args.no_link_qos)
+                              200 if args.quick else 400, args.knee_tokens, args.link_qos)
         print(f"real engines: {args.layers} layers, {total / 1e6:.1f} MB over {rate} Mbit/s links "
-              f"({'one FIFO' if args.no_link_qos else 'activations first'}) "
+              f"({'activations first' if args.link_qos else 'one FIFO'}) "
               f"({setup.load_s:.1f} s per copy); compute emulated at {args.layer_ms} ms per layer forward per step"
               f"{f', x (tokens / {setup.knee_tokens}) past {setup.knee_tokens} tokens' if setup.knee_tokens else ' (memory-bound: any tokens)'}")
         fleets = [f.strip() for f in args.fleets.split(",") if f.strip()]

@@ -263,7 +263,7 @@ class Setup:
     load_s: float  # the whole model over one link, by construction of rate_mbit
     max_requests: int
     knee_tokens: int = 0  # emulation: a layer forward over more tokens costs proportionally more (0: never)
-    link_qos: bool = True  # links send the activation class first (netlab.py, "QoS"); False: one FIFO per link
+    link_qos: bool = False  # True: links send the activation class first (netlab.py, "QoS"); False: one FIFO per link
 
 
 def fleet(kind: str, k: int, modes: tuple[str, ...], ckpt: Path, manifest: dict[str, Any], layout: ModelLayout,

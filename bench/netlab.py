@@ -18,9 +18,8 @@ children, both allowed the whole link (ceil): 1:10 activations (prio 0, guarante
 the link) and 1:20 bulk (weights, HTTP, unmarked: prio 1, the rest), picked by a u32 filter on the TOS
 byte (ECN bits masked). A weight stream therefore never queues ahead of a step's activations; bulk still
 gets the whole link when no activation is waiting. (This kernel has no `prio` qdisc; htb priorities do
-the same here.) `qos=True` asks for it (bench/live.py's real section does, unless --no-link-qos); the
-default keeps the plain FIFO (tbf) links the other benches were measured on. The two-group links do not
-classify.
+the same here.) `qos=True` asks for it (bench/live.py --link-qos); the default keeps the plain FIFO (tbf)
+links every bench was measured on. The two-group links do not classify.
 """
 
 from __future__ import annotations
