@@ -13,12 +13,13 @@ qdisc (sfq, fq, fq_codel), hence per-peer htb leaves.
 
 QoS (one-group links): like a fabric configured for the engine's traffic classes, every link sends the
 activation class (IP TOS 0x88, DSCP AF41: the engine's act-port connections, `kascade_engine.transport.
-ACTIVATION`) ahead of everything else. Each link direction is an htb root at the link rate with two
-children, both allowed the whole link (ceil): 1:10 activations (prio 0, guaranteed `ACTIVATION_SHARE` of
-the link) and 1:20 bulk (weights, HTTP, unmarked: prio 1, the rest), picked by a u32 filter on the TOS
-byte (ECN bits masked). A weight stream therefore never queues ahead of a step's activations; bulk still
-gets the whole link when no activation is waiting. (This kernel has no `prio` qdisc; htb priorities do
-the same here.) `qos=True` asks for it (bench/live.py --link-qos); the default keeps the plain FIFO (tbf)
+ACTIVATION`) ahead of everything else. Each link direction keeps the plain link's tbf (same rate, burst and
+pacing) and queues under it in an htb with two classes: 2:10 activations (prio 0) and 2:20 bulk (weights,
+HTTP, unmarked: prio 1), picked by a u32 filter on the TOS byte (ECN bits masked). The htb runs far faster
+than the link, so it never shapes: whenever tbf may send, it sends the oldest activation packet if one
+waits, else the oldest bulk packet. A weight stream therefore never queues ahead of a step's activations,
+and bulk still gets the whole link when no activation waits. (This kernel has no `prio` qdisc; htb
+priorities do the same here.) `qos=True` asks for it (bench/live.py --link-qos); the default keeps the plain FIFO (tbf)
 links every bench was measured on. The two-group links do not classify.
 """
 
@@ -48,15 +49,12 @@ QUEUE_MS = 10
 # each a congestion signal). 128 KiB: two 64 KiB GSO packets, a few ms at these rates.
 TSQ_BYTES = 128 << 10
 BURST = 256 << 10  # bytes an htb class may send at once (tbf's burst on the one-group links)
-# The activation class's guaranteed share of a link (both classes may use all of it when the other is
-# idle): what it sends within this share goes before any bulk byte; the rest keeps bulk from starving.
-ACTIVATION_SHARE = 0.9
-ACTIVATION_CLASS, BULK_CLASS = 10, 20  # htb minor class ids on a QoS link
-# What a class may send at once from its own guarantee. Small on purpose: each class's bucket refills while
-# it is idle, so a 256 KiB one would let an activation frame through at veth speed after every pause (a
-# 300 KB frame crossed a 7 Mbit/s hop in 10 ms). Above its guarantee a class borrows from the link's
-# bucket (BURST), so the link as a whole still bursts like the tbf links, never more.
-CLASS_BURST = 16 << 10
+# The htb under a QoS link's tbf runs this many times faster than the link, so neither class ever waits
+# for its own tokens: tbf paces, htb only orders (a slower htb shaped on its own and changed the link:
+# with per-class buckets an idle activation class sent a 300 KB frame across a 7 Mbit/s hop in 10 ms).
+INNER_X = 10
+ACTIVATION_SHARE = 0.9  # of the htb's rate; both classes stay far above the link rate, so only prio counts
+ACTIVATION_CLASS, BULK_CLASS = 10, 20  # htb minor class ids on a QoS link (major 2, under tbf's 1:)
 
 class NetLab:
     def __init__(self, hosts: int, rate_mbit: int = 200, groups: int = 1, spine_ratio: float = 1.0,
@@ -76,18 +74,22 @@ class NetLab:
         return ["ip", "netns", "exec", f"{self.tag}-h{i}"]
 
     def _prioritise(self, ns: list[str], dev: str) -> None:
-        """One-group link with QoS (module docstring): htb at the link rate, activations (TOS 0x88) first."""
+        """One-group link with QoS (module docstring): the plain link's tbf, and under it an htb that hands
+        tbf the activation class (TOS 0x88) first. tbf alone sets the pace, with the plain links' rate and
+        burst; the htb runs at INNER_X x the link rate, so both its classes always have tokens and its
+        class priority alone decides the order (the strict priority a `prio` qdisc would give)."""
         r, queue = self.rate, self.rate * 1_000_000 // 8 * QUEUE_MS // 1000 + BURST  # tbf's limit on the plain links
-        act = max(1, int(r * 1000 * ACTIVATION_SHARE))
-        cmds = [f"qdisc add dev {dev} root handle 1: htb default {BULK_CLASS}",
-                f"class add dev {dev} parent 1: classid 1:1 htb rate {r}mbit ceil {r}mbit burst {BURST} cburst {BURST}"]
-        burst = max(CLASS_BURST, r * 1_000_000 // 8 // 500)  # at least 2 ms at the link rate (timer granularity)
-        for minor, rate, prio in ((ACTIVATION_CLASS, act, 0), (BULK_CLASS, max(1, r * 1000 - act), 1)):
-            cmds += [f"class add dev {dev} parent 1:1 classid 1:{minor} htb rate {rate}kbit ceil {r}mbit "
-                     f"burst {burst} cburst {BURST} prio {prio} quantum 30000",
-                     f"qdisc add dev {dev} parent 1:{minor} handle {minor}: bfifo limit {queue}"]
-        cmds.append(f"filter add dev {dev} parent 1: protocol ip prio 1 u32 match ip tos {ACTIVATION.tos:#x} 0xfc "
-                    f"flowid 1:{ACTIVATION_CLASS}")
+        fast = r * INNER_X * 1000  # kbit/s
+        act = int(fast * ACTIVATION_SHARE)
+        cmds = [f"qdisc add dev {dev} root handle 1: tbf rate {r}mbit burst {BURST} latency {QUEUE_MS}ms",
+                f"qdisc add dev {dev} parent 1:1 handle 2: htb default {BULK_CLASS}",
+                f"class add dev {dev} parent 2: classid 2:1 htb rate {fast}kbit ceil {fast}kbit burst {BURST}"]
+        for minor, rate, prio in ((ACTIVATION_CLASS, act, 0), (BULK_CLASS, fast - act, 1)):
+            cmds += [f"class add dev {dev} parent 2:1 classid 2:{minor} htb rate {rate}kbit ceil {fast}kbit "
+                     f"burst {BURST} cburst {BURST} prio {prio} quantum 30000",
+                     f"qdisc add dev {dev} parent 2:{minor} handle {minor}: bfifo limit {queue}"]
+        cmds.append(f"filter add dev {dev} parent 2: protocol ip prio 1 u32 match ip tos {ACTIVATION.tos:#x} 0xfc "
+                    f"flowid 2:{ACTIVATION_CLASS}")
         proc = subprocess.run([*ns, "tc", "-batch", "-"], input="\n".join(cmds) + "\n", capture_output=True,
                               text=True)
         if proc.returncode != 0:
