@@ -4,7 +4,7 @@ the prefill engine P the router named (PREFILL_FALLBACK_HEADER), and the client 
 
 - P (prefill) and D (decode, with a data port, convertible in the router's table); the colocated reference is
   D alone, which also times D's prompt steps (its step-cost model is fitted before the conversion);
-- D decodes four long streams (480 tokens, at least 12 ms a step: an emulated accelerator) sent to it directly (so the router holds no prefill-room report of D, as when
+- D decodes four long streams (480 tokens, at least 32 ms a step: an emulated accelerator) sent to it directly (so the router holds no prefill-room report of D, as when
   its report is stale), then is converted with a step budget its decodes alone exceed (0.001 ms) and a 100 ms
   hand-back bound;
 - a burst of prompts through the router: P takes most, D (prefilling none) takes at least one itself;
@@ -39,7 +39,9 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Engi
     ckpt = tiny_llama(tmp_path_factory.mktemp("handback") / "tiny-llama", layers=4, hidden=64, vocab=512)
     procs: dict[str, EngineProc] = {}
     try:
-        for role, layer_ms in (("prefill", "0"), ("decode", "3")):  # D's steps take >= 12 ms: its streams last
+        # D's steps take >= 32 ms: its streams last >= 15 s, longer than the burst even on a loaded machine
+        # (with 12 ms steps they ended first in 1 full-suite run: the stranding the test needs was gone)
+        for role, layer_ms in (("prefill", "0"), ("decode", "8")):
             procs[role] = start_engine(["--checkpoint", str(ckpt), "--model-name", "tiny-llama", "--kv-tokens",
                                         "8192", "--max-batch-tokens", "32", "--emulate-layer-ms", layer_ms], TOKEN)
         yield procs
@@ -104,7 +106,9 @@ async def test_a_prompt_a_converted_decoder_has_no_room_for_is_served_by_the_pre
             got = await asyncio.gather(*(_complete(s, r_url, q, 8, i % 2 == 0) for i, q in enumerate(PROMPTS)))
             running = [not t.done() for t in streams]
             after = {u: await (await s.get(f"{u}/metrics")).text() for u in (p_url, d_url)}
-            await asyncio.wait_for(asyncio.gather(*streams), 300)
+            for t in streams:  # their work is done (they kept D busy through the burst): the clients leave
+                t.cancel()
+            await asyncio.gather(*streams, return_exceptions=True)
             async with s.post(f"{d_url}/kascade/v1/convert", json={"prefillChunkTokens": None}, headers=auth) as r:
                 assert r.status == 200
     finally:
