@@ -40,6 +40,7 @@ class StubEngine:
     hold: asyncio.Event | None = None  # set: streams continue after their first chunk
     share: str | None = None  # sent as the engine's serving-share header (a live replica's layer share)
     seen: list[Seen] = field(default_factory=list)
+    readyz: int = 0  # /readyz answers given
     port: int = 0
     _runner: web.AppRunner | None = None
     _open: set[Any] = field(default_factory=set)
@@ -52,6 +53,7 @@ class StubEngine:
         app = web.Application()
         app.router.add_post("/v1/completions", self._complete)
         app.router.add_post("/v1/chat/completions", self._complete)
+        app.router.add_get("/readyz", self._ready)
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=0.5)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", port)
@@ -67,6 +69,11 @@ class StubEngine:
         """Die like a killed process: every open connection is reset, nothing more is sent."""
         for t in list(self._open):
             t.abort()
+
+    async def _ready(self, _: web.Request) -> web.Response:
+        """Like the engine's: ready, with its serving share (routers refresh a live replica's weight here)."""
+        self.readyz += 1
+        return web.Response(text="ready", headers=self._share())
 
     def _share(self) -> dict[str, str]:
         return {SERVING_SHARE_HEADER: self.share} if self.share is not None else {}

@@ -148,7 +148,9 @@ def create_app(inst: EngineInstance) -> FastAPI:
     @app.get("/readyz")
     async def readyz() -> PlainTextResponse:
         ok = inst.servable  # serving, or loading while live-paired: what Services and routers may send to
-        return PlainTextResponse("ready" if ok else inst.phase.value, status_code=200 if ok else 503)
+        # the share routers weight a live replica by, also between its answers (kascade_router.shares)
+        return PlainTextResponse("ready" if ok else inst.phase.value, status_code=200 if ok else 503,
+                                 headers={SERVING_SHARE_HEADER: f"{inst.serving_share:.4f}"})
 
     @app.get("/metrics")
     async def metrics() -> Response:

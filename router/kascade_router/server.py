@@ -22,6 +22,7 @@ from kascade_router.backends import Routes
 from kascade_router.demand import Demand
 from kascade_router.proxy import Proxy
 from kascade_router.settings import RouterSettings
+from kascade_router.shares import ShareRefresher
 from kascade_router.upstream import Upstreams
 from kascade_router.watch import Watcher
 
@@ -77,6 +78,7 @@ class Router:
         self.watcher: Watcher | None = None
         self.upstreams: Upstreams | None = None
         self.proxy: Proxy | None = None
+        self.shares: ShareRefresher | None = None
         self.runner: web.AppRunner | None = None
         self.port = 0
 
@@ -97,8 +99,11 @@ class Router:
         if not self.static:
             self.watcher = Watcher(self.routes, self.ns)
             await self.watcher.start(self.kubeconfig)
-        self.upstreams = Upstreams(self.s.connect_timeout_s, tls=engine_tls_context(self.s.engine_ca_file))
+        tls = engine_tls_context(self.s.engine_ca_file)
+        self.upstreams = Upstreams(self.s.connect_timeout_s, tls=tls)
         self.proxy = Proxy(self.routes, self.demand, self.s, self.upstreams)
+        self.shares = ShareRefresher(self.routes, self.s.live_share_refresh_s, tls, self.s.connect_timeout_s)
+        self.shares.start()
         self.runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
         await self.runner.setup()
         site = web.SockSite(self.runner, sock) if sock is not None else web.TCPSite(self.runner, host, port)
@@ -115,6 +120,8 @@ class Router:
             await asyncio.wait_for(self.watcher.synced.wait(), timeout)
 
     async def close(self) -> None:
+        if self.shares is not None:
+            await self.shares.close()
         if self.runner is not None:
             await self.runner.cleanup()
         if self.upstreams is not None:

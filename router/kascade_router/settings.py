@@ -17,4 +17,7 @@ class RouterSettings:
     attempts: int = 4  # replicas tried per request (only failures before any byte reached the client)
     eject_s: float = 5.0  # an engine that refused a connection is skipped this long (or until its pod changes)
     window_s: float = 10.0  # demand rates are over this window
+    # a live (still loading) replica's weight is re-read from its engine this often, not only from its answers
+    # (kascade_router.shares); 0: only from its answers
+    live_share_refresh_s: float = 0.25
     engine_ca_file: str = ""  # engines serve HTTPS with certificates from this CA (names not checked); "" = HTTP

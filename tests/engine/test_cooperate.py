@@ -34,7 +34,9 @@ def test_loading_engine_serves_split_with_peer(engine_a, tiny_ckpt, engine_start
         streamed = "".join(ch.choices[0].text for ch in c.completions.create(stream=True, **body))
         assert streamed == want
         assert "kascade_live_split_requests_total 2.0" in httpx.get(b.url + "/metrics").text
-        assert httpx.get(b.url + "/readyz").status_code == 200  # live: Ready, routers may send to it
+        ready = httpx.get(b.url + "/readyz")
+        assert ready.status_code == 200  # live: Ready, routers may send to it
+        assert ready.headers["X-Kascade-Serving-Share"] == "0.5000"  # and re-read its weight here between answers
         httpx.post(b.url + "/kascade/v1/cooperate", json={"peer": "", "mode": "off"}, headers=h)
         assert httpx.get(b.url + "/readyz").status_code == 503
     finally:

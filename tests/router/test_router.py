@@ -278,6 +278,37 @@ async def test_a_live_replica_is_weighted_by_its_engines_report(world: Callable[
         await eng.close()
 
 
+async def test_a_live_replicas_weight_is_refreshed_between_its_answers(world: Callable[..., Any]) -> None:
+    """A live replica picked rarely reports rarely: its weight is re-read from its engine (/readyz) anyway,
+    with no request sent to it; with the refresh off (0) it keeps its prior until it answers a request."""
+    polled, _, _ = await world(0, settings=RouterSettings(hold_timeout_s=2.0, live_share_refresh_s=0.05))
+    quiet, _, _ = await world(0, settings=RouterSettings(hold_timeout_s=2.0, live_share_refresh_s=0))
+    eng = await StubEngine(name="live", share="0.1250").start()
+    try:
+        for r in (polled, quiet):
+            r.routes.set_pod(pod("live", eng.address, svc="m", ns="static", **{"kascade.io_live": "true"}))
+
+        async def weight_becomes(w: float) -> None:
+            for _ in range(200):
+                if polled.routes.serving(("static", "m"))[0].weight == w:
+                    return
+                await asyncio.sleep(0.01)
+            raise AssertionError(f"weight {polled.routes.serving(('static', 'm'))[0].weight}, want {w}")
+
+        await weight_becomes(0.125)
+        eng.share = "0.6250"  # more layers landed
+        await weight_becomes(0.625)
+        assert eng.seen == [] and eng.readyz >= 2  # no request went to it: the polls did it
+        assert quiet.routes.serving(("static", "m"))[0].weight == B.LIVE_PRIOR_WEIGHT
+        # a complete replica is not polled: its weight is 1 whatever it says
+        polled.routes.set_pod(pod("live", eng.address, svc="m", ns="static", **{"kascade.io_loaded": "true"}))
+        before = eng.readyz
+        await asyncio.sleep(0.2)
+        assert eng.readyz == before and polled.routes.serving(("static", "m"))[0].weight == 1.0
+    finally:
+        await eng.close()
+
+
 async def test_holds_requests_until_a_replica_serves(world: Callable[..., Any]) -> None:
     r, _, url = await world(0, settings=RouterSettings(hold_timeout_s=5.0))
     eng = await StubEngine(name="late").start()
