@@ -56,6 +56,13 @@ INNER_X = 10
 ACTIVATION_SHARE = 0.9  # of the htb's rate; both classes stay far above the link rate, so only prio counts
 ACTIVATION_CLASS, BULK_CLASS = 10, 20  # htb minor class ids on a QoS link (major 2, under tbf's 1:)
 
+def _tc_batch(ns: list[str], dev: str, cmds: list[str]) -> None:
+    """Run `cmds` (tc commands on `dev`) in one `tc -batch` inside namespace `ns`; the error names the device."""
+    proc = subprocess.run([*ns, "tc", "-batch", "-"], input="\n".join(cmds) + "\n", capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"tc -batch on {dev}: {proc.stderr.strip()}")
+
+
 class NetLab:
     def __init__(self, hosts: int, rate_mbit: int = 200, groups: int = 1, spine_ratio: float = 1.0,
                  prefix: str = PREFIX, qos: bool = False) -> None:
@@ -90,10 +97,7 @@ class NetLab:
                      f"qdisc add dev {dev} parent 2:{minor} handle {minor}: bfifo limit {queue}"]
         cmds.append(f"filter add dev {dev} parent 2: protocol ip prio 1 u32 match ip tos {ACTIVATION.tos:#x} 0xfc "
                     f"flowid 2:{ACTIVATION_CLASS}")
-        proc = subprocess.run([*ns, "tc", "-batch", "-"], input="\n".join(cmds) + "\n", capture_output=True,
-                              text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"tc -batch on {dev}: {proc.stderr.strip()}")
+        _tc_batch(ns, dev, cmds)
 
     def class_bytes(self, i: int, side: str) -> dict[int, int]:
         """Bytes each htb class of host i's link has sent: side "up" (host i's veth) or "down" (the switch
@@ -147,10 +151,7 @@ class NetLab:
             if peer is not None:
                 cmds.append(f"filter add dev {dev} parent 1: protocol ip prio 1 u32 match ip {direction} "
                             f"{self.addr(peer)}/32 flowid 1:{minor}")
-        proc = subprocess.run([*ns, "tc", "-batch", "-"], input="\n".join(cmds) + "\n", capture_output=True,
-                              text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"tc -batch on {dev}: {proc.stderr.strip()}")
+        _tc_batch(ns, dev, cmds)
 
     def __enter__(self) -> NetLab:
         self.cleanup()
