@@ -93,6 +93,10 @@ def alive(pid: int, started: int | None = None) -> bool:
     if fields is None:
         return True  # no /proc (not Linux): kill(0) is all we know
     if fields[0] in ("Z", "X"):
+        # it exited after the waitpid above: if it is our child, reap it now, so that a caller told "not alive"
+        # (stop()) leaves no zombie of its own behind (a full check once saw /proc/PID still there)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
         return False
     return started is None or int(fields[19]) == started
 
