@@ -15,25 +15,25 @@ class Timeout(AssertionError):
     """What was awaited did not happen in time (an AssertionError, so tests report it as a failure)."""
 
 
+def _ready(pred: Callable[[], T], end: float, timeout: float, what: str) -> T:
+    """One poll: `pred()`'s value; past `end` a falsy one raises Timeout naming `what`."""
+    v = pred()
+    if not v and time.monotonic() >= end:
+        raise Timeout(f"timed out after {timeout:.0f} s waiting for {what}")
+    return v
+
+
 def wait_for(pred: Callable[[], T], timeout: float = 30.0, what: str = "a condition", poll: float = 0.1) -> T:
     """The first truthy value of `pred()` within `timeout` seconds."""
     end = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() >= end:
-            raise Timeout(f"timed out after {timeout:.0f} s waiting for {what}")
+    while not (v := _ready(pred, end, timeout, what)):
         time.sleep(poll)
+    return v
 
 
 async def wait_until(pred: Callable[[], T], timeout: float = 30.0, what: str = "a condition", poll: float = 0.01) -> T:
     """`wait_for` inside an event loop: the loop keeps running (and the awaited work with it) between polls."""
     end = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() >= end:
-            raise Timeout(f"timed out after {timeout:.0f} s waiting for {what}")
+    while not (v := _ready(pred, end, timeout, what)):
         await asyncio.sleep(poll)
+    return v
