@@ -71,7 +71,9 @@ class HandBack:
         """In the step thread, between steps (nothing of `rid` is in flight): hand it back, or check again later."""
         r = eng.requests.get(rid)
         sched = eng.scheduler
-        s = sched.running.get(rid) or next((x for x in sched.waiting if x.id == rid), None)
+        # tuple(): copied in one C call; a generator over the deque itself could meet the event loop's
+        # Serving.submit appending meanwhile ("deque mutated during iteration", failing the step)
+        s = sched.running.get(rid) or next((x for x in tuple(sched.waiting) if x.id == rid), None)
         if r is None or r.out or s is None:
             return []  # gone, or a token is out (the client may have it): it stays here
         if s.computed > seen:  # it progresses: look again after another bound
