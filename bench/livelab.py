@@ -12,7 +12,10 @@ Fleets (each one lab; modes run one after another on the same engines, same trac
 The driver routes each request like the router does ((in flight + 1) / weight, a live loading target
 weighing the serving share its engine last reported, kascade_router's prior before that), to the best
 of all servable engines (sources always; a loading
-target when live, a complete one always). Compute is emulated per step
+target when live, a complete one always). The shares are refreshed like the router's: from each answer
+and by the router's own poller (kascade_router.shares.ShareRefresher, /readyz every 0.25 s).
+With `redirect` (the default), once a pipeline forms every source is told `cooperate {peer: the head,
+mode: redirect}`: it hands requests still queued on it to the pipeline (kascade_engine.liveredirect). Compute is emulated per step
 (`--emulate-layer-ms` on every engine: a step's layer work takes at least that long per layer forward),
 so the engines' speed does not depend on the other processes of a shared 2-core box; the transfers,
 the activations and HTTP are real.
@@ -54,7 +57,9 @@ from kascade_planner.engine_api import (
 )
 from kascade_planner.plan import Instance, ModelLayout
 from kascade_planner.topology import Node, Topology
-from kascade_router.backends import LIVE_PRIOR_WEIGHT, live_weight
+from kascade_router.backends import LIVE_PRIOR_WEIGHT, Backend, Routes
+from kascade_router.settings import RouterSettings
+from kascade_router.shares import ShareRefresher
 
 TOKEN = "live-bench-" + secrets.token_hex(4)
 MODEL = "bench-llama"
@@ -71,7 +76,6 @@ class Eng:
     act: str = ""
     status: dict[str, Any] = field(default_factory=dict)
     in_flight: int = 0
-    share: float = LIVE_PRIOR_WEIGHT  # the router's weight of a live replica (its last reported serving share)
 
 
 def enter_netns(name: str) -> None:
@@ -116,8 +120,14 @@ def wait_ready(e: Eng, timeout: float = 300) -> None:
 class Driver:
     """Control calls, status polling and the trace, from the client namespace."""
 
-    def __init__(self, sources: list[Eng], targets: list[Eng]) -> None:
-        self.sources, self.targets = sources, targets
+    def __init__(self, sources: list[Eng], targets: list[Eng], redirect: bool = True) -> None:
+        self.sources, self.targets, self.redirect = sources, targets, redirect
+        # the router's view of the targets (a live replica's weight: kascade_router.backends), refreshed from
+        # answers and by the router's share poller (`shares`)
+        self.routes = Routes()
+        self.routes.backends[("bench", MODEL)] = {t.iid: Backend(t.iid, t.http, LIVE_PRIOR_WEIGHT, live=True)
+                                                  for t in targets}
+        self.shares = ShareRefresher(self.routes, RouterSettings().live_share_refresh_s)
         self.t0 = time.monotonic()
         self.ids: dict[tuple[str, float], tuple[str, float]] = {}  # (prompt, at) -> (request id, unix time sent)
         self.http = httpx.AsyncClient(timeout=120, headers={"Authorization": f"Bearer {TOKEN}"},
@@ -149,6 +159,9 @@ class Driver:
                     head.status = await self.ctl(head, "cooperate", CooperateRequest(by[chain[1]].act, "besteffort").to_dict())
                     formed = True
                     print(f"    pipeline {'->'.join(chain)} formed at {time.monotonic() - self.t0:.2f} s", flush=True)
+                    if self.redirect:  # the sources hand their queues to the pipeline (BlitzScale's redirection)
+                        await asyncio.gather(*(self.ctl(s, "cooperate", CooperateRequest(head.act, "redirect").to_dict())
+                                               for s in self.sources))
             await asyncio.sleep(0.05)
 
     def servable(self, e: Eng, live: bool) -> bool:
@@ -159,7 +172,10 @@ class Driver:
         """The router's weights (kascade_router.backends): a live, still loading replica weighs the share it
         last reported (its layers' share with a source, a pipeline head its receivers; LIVE_PRIOR_WEIGHT before
         its first answer), a complete copy 1."""
-        return 1.0 if e in self.sources or e.status.get("phase") == "serving" else e.share
+        return 1.0 if e in self.sources or e.status.get("phase") == "serving" else self.backend(e).weight
+
+    def backend(self, e: Eng) -> Backend:
+        return self.routes.backends[("bench", MODEL)][e.iid]
 
     async def one(self, prompt: str, at: float, live: bool, max_tokens: int) -> tuple[float, str, str]:
         await asyncio.sleep(max(0.0, self.t0 + at - time.monotonic()))
@@ -173,8 +189,8 @@ class Driver:
             async with self.http.stream("POST", f"http://{e.http}/v1/completions", json=body) as r:
                 if r.status_code != 200:
                     raise RuntimeError(f"{e.iid}: HTTP {r.status_code} {(await r.aread())[:200]!r}")
-                share = r.headers.get(SERVING_SHARE_HEADER)
-                e.share = live_weight(share, e.share)  # the router's rule (kascade_router.backends)
+                if e in self.targets:  # the router's rule (kascade_router.backends)
+                    self.backend(e).reported(r.headers.get(SERVING_SHARE_HEADER))
                 async for line in r.aiter_lines():
                     if line.startswith("data: ") and line != "data: [DONE]":
                         if first is None:
@@ -219,7 +235,7 @@ def pair_plan(layout: ModelLayout, srcs: list[Eng], tgts: list[Eng], k: int, rat
 async def run_mode(d: Driver, mode: str, plan: dict[str, Any], manifest: dict[str, Any], port: int,
                    prompts: list[str], gap: float, max_tokens: int, zz: ZigZagSpec | None) -> list[tuple[float, str, str]]:
     for t in d.targets:  # a fresh target: no weights, bound, then loading by the plan
-        t.share = LIVE_PRIOR_WEIGHT
+        d.backend(t).weight = LIVE_PRIOR_WEIGHT
         if t.status.get("phase") not in (None, "empty", "released"):
             await d.ctl(t, "release")
         await d.ctl(t, "bind", BindRequest(MODEL, "bench", "colocated").to_dict())
@@ -237,6 +253,7 @@ async def run_mode(d: Driver, mode: str, plan: dict[str, Any], manifest: dict[st
                                    CooperateRequest(d.sources[0].act, m, zz if m == "zigzag" else None).to_dict())
     stop = asyncio.Event()
     poller = asyncio.create_task(d.poll(stop, d.targets if mode == "pipeline" else None))
+    d.shares.start()
     try:
         out = await asyncio.gather(*(d.one(p, i * gap, live, max_tokens) for i, p in enumerate(prompts)))
         while any(t.status.get("phase") != "serving" for t in d.targets):  # the next mode starts from scratch
@@ -247,6 +264,10 @@ async def run_mode(d: Driver, mode: str, plan: dict[str, Any], manifest: dict[st
     finally:
         stop.set()
         await poller
+        await d.shares.close()
+    if mode == "pipeline" and d.redirect:  # the sources stop handing their queues over
+        for s in d.sources:
+            await d.ctl(s, "cooperate", CooperateRequest("", "off").to_dict())
     for t in d.targets:  # stop cooperating before the release
         await d.ctl(t, "cooperate", CooperateRequest("", "off").to_dict())
     return list(out)
@@ -264,6 +285,7 @@ class Setup:
     max_requests: int
     knee_tokens: int = 0  # emulation: a layer forward over more tokens costs proportionally more (0: never)
     link_qos: bool = False  # True: links send the activation class first (netlab.py, "QoS"); False: one FIFO per link
+    redirect: bool = True  # pipelines: the sources hand their queued requests to the formed pipeline
 
 
 def fleet(kind: str, k: int, modes: tuple[str, ...], ckpt: Path, manifest: dict[str, Any], layout: ModelLayout,
@@ -295,7 +317,7 @@ async def _drive(lab: netlab.NetLab, tag: str, client: int, srcs: list[Eng], tgt
                  setup: Setup) -> dict[str, list[tuple[float, str, str]]]:
     origin = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
     enter_netns(f"{tag}-h{client}")
-    d = Driver(srcs, tgts)
+    d = Driver(srcs, tgts, setup.redirect)
     try:
         for e in (*srcs, *tgts):
             e.status = await d.ctl(e, "status", get=True)

@@ -29,6 +29,7 @@ from kascade_engine.cooperation import HostRows
 from kascade_engine.engine import Engine
 from kascade_engine.handback import DEFAULT_HAND_BACK_S, HandBack
 from kascade_engine.live import Finisher
+from kascade_engine.liveredirect import Forwarder, ForwardHost
 from kascade_engine.metrics import EngineMetrics
 from kascade_engine.model import LlamaModel
 from kascade_engine.pairclient import PairClient
@@ -125,8 +126,11 @@ class EngineInstance:
             self.prefill_server = PrefillServer(self)  # PD: prefill for decode engines, KV out on the data port
             self.remote_prefill = RemotePrefill(self)  # PD: our requests' prefill on a peer, KV in
             self.handback = HandBack(self)  # converted: prompts with no prefill room go to a prefill engine
+            self.forward_host = ForwardHost(self)  # sources hand us their queued requests (liveredirect.py)
+            self.forwarder: Forwarder | None = None  # a serving source: our queued requests go to a live replica
         self.finisher = Finisher(self.model, busy=lambda: not self.engine.scheduler.idle, token=config.token,
-                                 host=self.host, wake=lambda: self.serving.wake.set(), prefill=self.prefill_server)
+                                 host=self.host, wake=lambda: self.serving.wake.set(), prefill=self.prefill_server,
+                                 forward=self.forward_host)
 
     # -- phase ---------------------------------------------------------------------------------
     def _to(self, phase: Phase) -> None:
@@ -275,6 +279,10 @@ class EngineInstance:
             except (OSError, RuntimeError, ValueError, TransportError, TimeoutError) as e:
                 raise InstanceError(502, f"cannot reach peer {req.peer}: {e}", "peer") from None
             return self.status()
+        if req.mode == "redirect":  # a serving source: queued requests go to the live engine at `peer`
+            return await self._redirect_to(req.peer)
+        if req.mode == "off" and self.forwarder is not None:
+            await self._redirect_to(None)
         if req.mode == "pipeline":  # rows hosted here continue to `peer` after the layers held here
             try:
                 down = await form_pair(self, req.peer)
@@ -322,6 +330,28 @@ class EngineInstance:
         self._settle()
         return self.status()
 
+    async def _redirect_to(self, peer: str | None) -> EngineStatus:
+        """Hand requests queued here to the live engine `peer` (liveredirect.py), or stop (None): one session,
+        on a connection from the PeerPool. What the old session's peer still runs comes back here."""
+        if peer is not None and not self.model.complete:
+            raise InstanceError(409, "mode redirect: only an engine holding the whole model hands its queue over",
+                                "mode")
+        old, self.forwarder = self.forwarder, None
+        if old is not None:
+            await old.close()
+        if peer is None:
+            self.cooperate = {}
+            return self.status()
+        try:
+            conn, _ = await self.peers.take(peer)
+            fwd = Forwarder(self, peer, conn)
+            await fwd.start()
+        except (OSError, RuntimeError, ValueError, TransportError, TimeoutError) as e:
+            raise InstanceError(502, f"cannot open a redirect session to {peer}: {e}", "peer") from None
+        self.forwarder = fwd
+        self.cooperate = {"peer": peer, "mode": "redirect"}
+        return self.status()
+
     async def _drop_downstream(self) -> None:
         down, self.host.downstream, self.downstream_peer = self.host.downstream, None, None
         if down is not None:
@@ -365,6 +395,9 @@ class EngineInstance:
         down, self.host.downstream, self.downstream_peer = self.host.downstream, None, None
         if down is not None:
             asyncio.get_running_loop().create_task(down.close())
+        fwd, self.forwarder = self.forwarder, None
+        if fwd is not None:  # idle: nothing of ours runs there
+            asyncio.get_running_loop().create_task(fwd.close())
         self.model.weights.clear()  # the device memory is for the next model
         self.engine.reset()
         self.blockset, self.plan, self.load_error, self.bytes_received, self.transfer_bw = None, None, None, 0, 0.0
@@ -407,6 +440,9 @@ class EngineInstance:
                             self.host_copy.total_bytes if self.host_copy is not None else 0)
 
     async def close(self) -> None:
+        if self.forwarder is not None:
+            await self.forwarder.close()
+        await self.forward_host.close()
         await self.peers.close()
         await self.remote_prefill.close()
         if self.pair is not None:

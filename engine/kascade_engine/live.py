@@ -80,8 +80,9 @@ class Finisher:
 
     def __init__(self, model: LlamaModel, max_requests: int = 256, busy: Callable[[], bool] = lambda: False,
                  token: str | None = None, host: Any = None, wake: Callable[[], None] = lambda: None,
-                 prefill: Any = None) -> None:
+                 prefill: Any = None, forward: Any = None) -> None:
         self.model = model
+        self.forward = forward  # liveredirect.ForwardHost: serves sources' {"op": "forward"} sessions
         self.prefill = prefill  # prefill_server.PrefillServer: serves decode engines' {"op": "prefill"} (PD)
         self.token = token
         self.host = host  # cooperation.HostRows of this engine: pair sessions join its batch
@@ -149,6 +150,9 @@ class Finisher:
 
                 self.pairs += 1
                 await host_pair(self.host, self.model, conn, header, self.pairs, self.wake, limit)
+                return
+            if first and header.get("op") == "forward" and self.forward is not None:
+                await self.forward.handle(conn, header)  # a source hands us its queued requests (liveredirect.py)
                 return
             if first and header.get("op") == "prefill" and self.prefill is not None:
                 await self.prefill.handle(conn, header)  # disaggregated serving: KV goes back on this connection

@@ -14,7 +14,9 @@ engine (`kascade_weight_transfer_failures_total`, the transfer-failure alert), l
 steps as a converted decoder's room for prefill), `kascade_prefill_step_tokens_max` (most prompt tokens one
 step prefilled since the chunk budget last changed) and `kascade_prefill_chunk_budget_tokens`; a converted
 decoder's time budget: `kascade_prefill_step_budget_seconds`, `kascade_prefill_tokens_cut_by_step_budget_total`
-and the fitted `kascade_step_cost_prompt_token_seconds` (stepcost.py).
+and the fitted `kascade_step_cost_prompt_token_seconds` (stepcost.py). Request redirection to a live replica
+(liveredirect.py): `kascade_live_redirected_requests_total` and `kascade_live_redirect_taken_back_requests_total`
+on the source, `kascade_live_redirect_received_requests_total` on the replica.
 
 Data flow: Serving calls `on_request` (prompt admitted), `observe_event` (every token), `observe_ttft`,
 `on_finish`; `update(instance)` samples the gauges before a scrape and after every step.
@@ -87,6 +89,14 @@ class EngineMetrics:
         self.token_cost = gauge("kascade_step_cost_prompt_token_seconds",
                                 "Seconds one more prompt token adds to a step, fitted online from this engine's "
                                 "steps (stepcost.py); 0: not measured yet")
+        # request redirection to a live replica (liveredirect.py): on the source, and on the replica (a pipeline head)
+        self.redirected = counter("kascade_live_redirected_requests",
+                                  "Queued requests this engine handed to a live replica (a pipeline head) to run")
+        self.redirect_taken_back = counter("kascade_live_redirect_taken_back_requests",
+                                           "Handed requests the live replica refused or dropped unfinished, queued "
+                                           "here again")
+        self.redirect_received = counter("kascade_live_redirect_received_requests",
+                                         "Requests sources handed to this engine while it serves live")
         self._cut_seen = 0
         self._steps_seen = 0
         self._last_token: dict[str, float] = {}

@@ -172,6 +172,8 @@ class Serving:
 
     def abort(self, rid: str) -> None:
         self.inst.engine.abort(rid)
+        if self.inst.forwarder is not None:  # a request handed to a live replica (liveredirect.py): abort it there
+            self.inst.forwarder.abort(rid)
         self.wake.set()
 
     def stop(self, rid: str) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 ROLES = ("prefill", "decode", "colocated")
-MODES = ("zigzag", "besteffort", "standby", "pipeline", "off")
+MODES = ("zigzag", "besteffort", "standby", "pipeline", "redirect", "off")
 DTYPES = ("bfloat16", "float16", "float32")
 # Engine phases, in lifecycle order (see kascade_engine.instance.Phase).
 PHASES = ("empty", "bound", "loading", "live", "serving", "draining", "released")
@@ -37,7 +37,7 @@ MODEL_URI_PATTERN = (r"^(file:///.*|hf://[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z
                      r"(@[A-Za-z0-9][A-Za-z0-9._-]{0,199})?)$")
 
 Role = Literal["prefill", "decode", "colocated"]
-Mode = Literal["zigzag", "besteffort", "standby", "pipeline", "off"]
+Mode = Literal["zigzag", "besteffort", "standby", "pipeline", "redirect", "off"]
 
 
 class WireError(ValueError):
