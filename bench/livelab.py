@@ -15,7 +15,8 @@ of all servable engines (sources always; a loading
 target when live, a complete one always). The shares are refreshed like the router's: from each answer
 and by the router's own poller (kascade_router.shares.ShareRefresher, /readyz every 0.25 s).
 With `redirect` (the default), once a pipeline forms every source is told `cooperate {peer: the head,
-mode: redirect}`: it hands requests still queued on it to the pipeline (kascade_engine.liveredirect). Compute is emulated per step
+mode: redirect}` and the head the same about every source: each hands requests still queued on it to the
+other while its queue is the longer in serving shares (kascade_engine.liveredirect). Compute is emulated per step
 (`--emulate-layer-ms` on every engine: a step's layer work takes at least that long per layer forward),
 so the engines' speed does not depend on the other processes of a shared 2-core box; the transfers,
 the activations and HTTP are real.
@@ -159,9 +160,11 @@ class Driver:
                     head.status = await self.ctl(head, "cooperate", CooperateRequest(by[chain[1]].act, "besteffort").to_dict())
                     formed = True
                     print(f"    pipeline {'->'.join(chain)} formed at {time.monotonic() - self.t0:.2f} s", flush=True)
-                    if self.redirect:  # the sources hand their queues to the pipeline (BlitzScale's redirection)
+                    if self.redirect:  # queues move between the sources and the pipeline (BlitzScale's redirection)
                         await asyncio.gather(*(self.ctl(s, "cooperate", CooperateRequest(head.act, "redirect").to_dict())
                                                for s in self.sources))
+                        for s in self.sources:  # and the head's to the sources (liveredirect.py)
+                            head.status = await self.ctl(head, "cooperate", CooperateRequest(s.act, "redirect").to_dict())
             await asyncio.sleep(0.05)
 
     def servable(self, e: Eng, live: bool) -> bool:

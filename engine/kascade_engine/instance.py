@@ -127,7 +127,8 @@ class EngineInstance:
             self.remote_prefill = RemotePrefill(self)  # PD: our requests' prefill on a peer, KV in
             self.handback = HandBack(self)  # converted: prompts with no prefill room go to a prefill engine
             self.forward_host = ForwardHost(self)  # sources hand us their queued requests (liveredirect.py)
-            self.forwarder: Forwarder | None = None  # a serving source: our queued requests go to a live replica
+            # peers our queued requests may go to (a source: the pipeline head; a head: the sources), one session each
+            self.forwarders: dict[str, Forwarder] = {}
         self.finisher = Finisher(self.model, busy=lambda: not self.engine.scheduler.idle, token=config.token,
                                  host=self.host, wake=lambda: self.serving.wake.set(), prefill=self.prefill_server,
                                  forward=self.forward_host)
@@ -279,9 +280,9 @@ class EngineInstance:
             except (OSError, RuntimeError, ValueError, TransportError, TimeoutError) as e:
                 raise InstanceError(502, f"cannot reach peer {req.peer}: {e}", "peer") from None
             return self.status()
-        if req.mode == "redirect":  # a serving source: queued requests go to the live engine at `peer`
+        if req.mode == "redirect":  # queued requests may go to the engine at `peer` (liveredirect.py)
             return await self._redirect_to(req.peer)
-        if req.mode == "off" and self.forwarder is not None:
+        if req.mode == "off" and self.forwarders:
             await self._redirect_to(None)
         if req.mode == "pipeline":  # rows hosted here continue to `peer` after the layers held here
             try:
@@ -331,16 +332,19 @@ class EngineInstance:
         return self.status()
 
     async def _redirect_to(self, peer: str | None) -> EngineStatus:
-        """Hand requests queued here to the live engine `peer` (liveredirect.py), or stop (None): one session,
-        on a connection from the PeerPool. What the old session's peer still runs comes back here."""
-        if peer is not None and not self.model.complete:
-            raise InstanceError(409, "mode redirect: only an engine holding the whole model hands its queue over",
+        """Let requests queued here go to `peer` too (liveredirect.py: one session each, on a connection from the
+        PeerPool; a session to the same peer is replaced), or stop every session (None: mode off). What a closed
+        session's peer still runs comes back here. Status `redirect` lists the peers. It does not touch the pair
+        (`cooperate`): a pipeline head hands its queue to the sources while it stays the head."""
+        if peer is not None and not self.servable:
+            raise InstanceError(409, f"mode redirect: engine is {self.phase.value}, not serving or live with a peer",
                                 "mode")
-        old, self.forwarder = self.forwarder, None
-        if old is not None:
+        olds = list(self.forwarders.values()) if peer is None else [self.forwarders.pop(peer)] if peer in self.forwarders else []
+        if peer is None:
+            self.forwarders = {}
+        for old in olds:
             await old.close()
         if peer is None:
-            self.cooperate = {}
             return self.status()
         try:
             conn, _ = await self.peers.take(peer)
@@ -348,8 +352,7 @@ class EngineInstance:
             await fwd.start()
         except (OSError, RuntimeError, ValueError, TransportError, TimeoutError) as e:
             raise InstanceError(502, f"cannot open a redirect session to {peer}: {e}", "peer") from None
-        self.forwarder = fwd
-        self.cooperate = {"peer": peer, "mode": "redirect"}
+        self.forwarders[peer] = fwd
         return self.status()
 
     async def _drop_downstream(self) -> None:
@@ -395,8 +398,8 @@ class EngineInstance:
         down, self.host.downstream, self.downstream_peer = self.host.downstream, None, None
         if down is not None:
             asyncio.get_running_loop().create_task(down.close())
-        fwd, self.forwarder = self.forwarder, None
-        if fwd is not None:  # idle: nothing of ours runs there
+        fwds, self.forwarders = list(self.forwarders.values()), {}
+        for fwd in fwds:  # idle: nothing of ours runs there
             asyncio.get_running_loop().create_task(fwd.close())
         self.model.weights.clear()  # the device memory is for the next model
         self.engine.reset()
@@ -429,6 +432,7 @@ class EngineInstance:
                             self.cooperate or None, self.load_error, str(self.device),
                             str(self.dtype).removeprefix("torch."),
                             {**({"pipelineDownstream": self.downstream_peer} if self.downstream_peer else {}),
+                             **({"redirect": sorted(self.forwarders)} if self.forwarders else {}),
                              **({"prefillChunkTokens": self.engine.limits.prefill_chunk_tokens}
                                 if self.engine.limits.prefill_chunk_tokens else {}),
                              **({"stepBudgetMs": self.engine.limits.step_budget_s * 1e3}
@@ -440,8 +444,8 @@ class EngineInstance:
                             self.host_copy.total_bytes if self.host_copy is not None else 0)
 
     async def close(self) -> None:
-        if self.forwarder is not None:
-            await self.forwarder.close()
+        for fwd in list(self.forwarders.values()):
+            await fwd.close()
         await self.forward_host.close()
         await self.peers.close()
         await self.remote_prefill.close()

@@ -1,6 +1,6 @@
 """Request redirection to a live replica (BlitzScale's redirection, applied to λScale pipelines): a serving
 source A hands requests still queued in its scheduler to a live engine H — the head of an execute-while-load
-pipeline, or any live or serving replica — that is not its pair. H runs them like its own requests (through
+pipeline, or any live or serving replica — that is not its pair (and H may hand its queue to A the same way). H runs them like its own requests (through
 the pipeline) and streams their tokens back; A streams them to its clients under the same request ids.
 
 Why: a pipeline forms seconds into a scale-up. Until then every request queues on the sources, and the router
@@ -23,11 +23,16 @@ redirect}`, on A's PeerPool connection: peerauth first, as every activation conn
   entry = redirect.py's [req, prompt, max_tokens, temperature, top_p, seed, stop_token_ids].
 Frames in both directions are independent (one reader per side; sends serialized by a lock).
 
-Which requests (A, in its step thread, between steps: `Forwarder.pick`): from the tail of its queue (those that
-would wait longest), only requests with nothing generated, while A's queue after the move is longer than H's
-queue in A-equivalents: (waiting_H + 1) / share_H, H's queue counted with the requests in transit to it (H
-steps `share` times A's requests per unit of time). Not: a seeded sampled request (A could not continue its
-generator if it had to take it back), or one taken back before.
+Which requests (A, in its step thread, between steps: `Forwarder._pick`): from the tail of its queue (those that
+would wait longest), only requests with nothing generated, while A's queue after the move, in A's serving share,
+is longer than H's in H's: (waiting_A - 1) / share_A > (waiting_H + 1) / share_H, H's queue counted with the
+requests in transit to it (an engine steps through `share` replicas' worth of requests per unit of time). Not: a
+seeded sampled request (A could not continue its generator if it had to take it back), one taken back before,
+or one another engine handed to A (never handed on: no ping-pong).
+Either way: the operator may open sessions both ways (a source -> the pipeline head: the queue the sources built
+before the pipeline formed; the head -> each source: the queue the router's weights build on the head, whose
+share claims the pipeline's full capacity while its admission lags). `cooperate {mode: redirect}` adds a peer,
+`off` ends them all; status `redirect` lists them.
 Take-back (never fail): H refused or failed a request, or the session ended, before it finished: A queues
 prompt + the tokens streamed so far at the front of its own queue with the tokens still owed, under the same
 id (greedy output is unchanged; an unseeded sampled request goes on sampling). Its client sees one stream.
@@ -82,7 +87,7 @@ def forwardable(params: SamplingParams) -> bool:
 
 
 class Forwarder:
-    """A's side: one session to H; requests handed over, by id."""
+    """The handing side (A): one session to H; requests handed over, by id."""
 
     def __init__(self, inst: EngineInstance, peer: str, conn: Connection) -> None:
         self.inst, self.peer, self.conn = inst, peer, conn
@@ -146,12 +151,15 @@ class Forwarder:
             if self._closed:
                 return []
             self._kept.intersection_update(engine.requests)
-            h_queue = self.waiting + self.in_transit
-            while sch.waiting and len(sch.waiting) - 1 > (h_queue + len(out) + 1) / max(self.share, 1e-6):
-                s = sch.waiting[-1]
+            h_queue, taken = self.waiting + self.in_transit, self.inst.forward_host.taken
+            mine, theirs = max(self.inst.serving_share, 1e-6), max(self.share, 1e-6)
+            for s in reversed(tuple(sch.waiting)):  # tuple: the event loop may append meanwhile
+                if (len(sch.waiting) - 1) / mine <= (h_queue + len(out) + 1) / theirs:
+                    break  # the queues are even, in each engine's own serving share
                 r = engine.requests.get(s.id)
-                if s.generated or r is None or r.out or s.id in self._kept or not forwardable(r.params):
-                    break  # only requests with nothing generated: no KV, no token anywhere yet
+                if s.generated or r is None or r.out or s.id in self._kept or s.id in taken or \
+                        not forwardable(r.params):
+                    continue  # only requests with nothing generated (no KV, no token anywhere), never one twice
                 sch.finish(s.id)
                 engine.requests.pop(s.id)
                 p = r.params
@@ -263,6 +271,7 @@ class ForwardHost:
         self.sessions = 0  # metric
         self.received = 0  # metric: requests taken from sources
         self.open: set[Connection] = set()  # the sessions' connections (closed with the engine)
+        self.taken: set[str] = set()  # this engine's ids of requests it runs for others: never handed on again
 
     async def handle(self, conn: Connection, first: dict[str, Any]) -> None:
         inst = self.inst
@@ -285,6 +294,7 @@ class ForwardHost:
                     await send({"op": "ended", "requests": [[rid, str(e)]]})
             finally:
                 running.pop(rid, None)
+                self.taken.discard(mine)
 
         self.open.add(conn)
         try:
@@ -306,6 +316,7 @@ class ForwardHost:
                         except Exception as e:  # not servable any more, or the request does not fit here
                             refused.append([rid, str(getattr(e, "message", e))])
                             continue
+                        self.taken.add(mine)
                         self.received += 1
                         inst.metrics.redirect_received.inc()
                         timeline.mark("h-took", mine, source_request=rid)

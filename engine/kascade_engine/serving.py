@@ -172,8 +172,8 @@ class Serving:
 
     def abort(self, rid: str) -> None:
         self.inst.engine.abort(rid)
-        if self.inst.forwarder is not None:  # a request handed to a live replica (liveredirect.py): abort it there
-            self.inst.forwarder.abort(rid)
+        for fwd in self.inst.forwarders.values():  # a request handed to another engine (liveredirect.py): abort it there
+            fwd.abort(rid)
         self.wake.set()
 
     def stop(self, rid: str) -> None:
