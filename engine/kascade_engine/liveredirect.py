@@ -13,8 +13,8 @@ last receiver, so the tokens are at H, and they must come back to A.
 Session (one per A -> H, opened when the operator tells A `cooperate {peer: H's activation port, mode:
 redirect}`, on A's PeerPool connection: peerauth first, as every activation connection; `off` ends it):
   A -> H  {"op": "forward"}                         H -> A  {"op": "forwarding", **state}
-  A -> H  {"op": "take", "requests": [entry, ...]}  H -> A  {"op": "taken", "n": entries, "refused": [[req, message]],
-                                                             **state}
+  A -> H  {"op": "take", "requests": [entry, ...], "queue": A's queue after the pick, "share": A's serving share}
+          H -> A  {"op": "taken", "n": entries, "refused": [[req, message]], "declined": [req, ...], **state}
   A -> H  {"op": "abort", "requests": [req, ...]}   (A's client went away)
   A -> H  {"op": "poll"}                            H -> A  {"op": "state", **state}
           H -> A (whenever tokens land)  {"op": "tokens", "events": [[req, token, finished, reason], ...], **state}
@@ -29,6 +29,10 @@ is longer than H's in H's: (waiting_A - 1) / share_A > (waiting_H + 1) / share_H
 requests in transit to it (an engine steps through `share` replicas' worth of requests per unit of time). Not: a
 seeded sampled request (A could not continue its generator if it had to take it back), one taken back before,
 or one another engine handed to A (never handed on: no ping-pong).
+H checks each take against its own queue as it is now (A decided on H's state as A last heard it, and other
+sources may have handed theirs meanwhile: four sources deciding at once on the same report sent the head
+four times what evened the queues, bench pipe4): it declines what would make its queue the longer one, and A
+puts those back at the tail of its queue, in order (they may go later).
 Either way: the operator may open sessions both ways (a source -> the pipeline head: the queue the sources built
 before the pipeline formed; the head -> each source: the queue the router's weights build on the head, whose
 share claims the pipeline's full capacity while its admission lags). `cooperate {mode: redirect}` adds a peer,
@@ -168,16 +172,15 @@ class Forwarder:
                 out.append([r.id, r.prompt, p.max_tokens, p.temperature, p.top_p, p.seed, list(p.stop_token_ids)])
             if out:
                 self.in_transit += len(out)
-                self.total += len(out)
-                self.inst.metrics.redirected.inc(len(out))
-                loop.call_soon_threadsafe(lambda: loop.create_task(self._take(out)))
+                q = len(sch.waiting)
+                loop.call_soon_threadsafe(lambda: loop.create_task(self._take(out, q, mine)))
         finally:
             self._picking = False
         return []
 
-    async def _take(self, entries: list[list[Any]]) -> None:
+    async def _take(self, entries: list[list[Any]], queue: int, share: float) -> None:
         try:
-            await self._send({"op": "take", "requests": entries})
+            await self._send({"op": "take", "requests": entries, "queue": queue, "share": round(share, 4)})
         except TransportError as e:
             self.in_transit -= len(entries)
             for entry in entries:
@@ -191,10 +194,17 @@ class Forwarder:
                 op = frame.get("op")
                 if op == "taken":
                     n = frame.get("n")
-                    self.in_transit = max(0, self.in_transit - (n if isinstance(n, int) else 0))
-                    for item in frame.get("refused") or []:
-                        if isinstance(item, list) and len(item) == 2:
-                            self._take_back(str(item[0]), f"{self.peer} refused it: {item[1]}")
+                    n = n if isinstance(n, int) else 0
+                    self.in_transit = max(0, self.in_transit - n)
+                    refused = [x for x in frame.get("refused") or [] if isinstance(x, list) and len(x) == 2]
+                    declined = [str(x) for x in frame.get("declined") or []]
+                    for rid in reversed(declined):  # newest first on the wire: back in arrival order
+                        self._give_back(rid)
+                    for item in refused:
+                        self._take_back(str(item[0]), f"{self.peer} refused it: {item[1]}")
+                    accepted = max(0, n - len(refused) - len(declined))
+                    self.total += accepted
+                    self.inst.metrics.redirected.inc(accepted)
                 elif op == "tokens":
                     self._on_tokens(frame.get("events") or [])
                 elif op == "ended":
@@ -223,6 +233,15 @@ class Forwarder:
                 del self.handed[rid]
             out.append(Event(rid, tok, finished, str(reason) if reason is not None else None))
         self.inst.serving.publish(out)
+
+    def _give_back(self, rid: str) -> None:
+        """H declined `rid` (its queue had grown as long as ours meanwhile): back to the tail of our queue, where
+        it came from; it may be handed over later."""
+        h = self.handed.pop(rid, None)
+        if h is None or rid not in self.inst.serving.queues:
+            return
+        self.inst.engine.submit(h.prompt, h.params, h.rid)
+        self.inst.serving.wake.set()
 
     def _take_back(self, rid: str, why: str) -> None:
         """H dropped `rid` unfinished: queue it here again at the front (module doc). On the event loop."""
@@ -304,12 +323,23 @@ class ForwardHost:
                 op = frame.get("op")
                 if op == "take":
                     refused: list[list[str]] = []
-                    for entry in frame.get("requests") or []:
+                    declined: list[str] = []
+                    entries = frame.get("requests")
+                    entries = entries if isinstance(entries, list) else []
+                    q_a, share_a = frame.get("queue"), frame.get("share")
+                    for i, entry in enumerate(entries):
                         try:
                             rid, prompt, params = params_from_wire(entry)
                         except ValueError as e:
                             refused.append([str(entry[0]) if isinstance(entry, list) and entry else "?", str(e)])
                             continue
+                        # the sender decided on our state as it last heard it, and other engines may have handed
+                        # us theirs meanwhile: take it only while the sender's queue with it stays the longer one
+                        if isinstance(q_a, int) and isinstance(share_a, (int, float)) and share_a > 0:
+                            st = _state(inst)
+                            if (q_a + len(entries) - i - 1) / share_a <= (st["waiting"] + 1) / max(st["share"], 1e-6):
+                                declined.append(rid)
+                                continue
                         try:
                             inst.accepting()
                             mine = inst.serving.submit(prompt, params)
@@ -321,9 +351,7 @@ class ForwardHost:
                         inst.metrics.redirect_received.inc()
                         timeline.mark("h-took", mine, source_request=rid)
                         running[rid] = asyncio.create_task(stream(rid, mine))
-                    entries = frame.get("requests")
-                    await send({"op": "taken", "n": len(entries) if isinstance(entries, list) else 0,
-                                "refused": refused})
+                    await send({"op": "taken", "n": len(entries), "refused": refused, "declined": declined})
                 elif op == "abort":
                     for rid in frame.get("requests") or []:
                         t = running.get(str(rid))
