@@ -20,7 +20,9 @@ than the link, so it never shapes: whenever tbf may send, it sends the oldest ac
 waits, else the oldest bulk packet. A weight stream therefore never queues ahead of a step's activations,
 and bulk still gets the whole link when no activation waits. (This kernel has no `prio` qdisc; htb
 priorities do the same here.) `qos=True` asks for it (bench/live.py --link-qos); the default keeps the plain FIFO (tbf)
-links every bench was measured on. The two-group links do not classify.
+links every bench was measured on. Two-group links with `qos=True` do the same under each per-peer leaf: the
+leaf paces (its rate and ceiling unchanged) and an ordering htb under it sends the leaf's activation packets
+before its bulk ones.
 """
 
 from __future__ import annotations
@@ -56,6 +58,29 @@ INNER_X = 10
 ACTIVATION_SHARE = 0.9  # of the htb's rate; both classes stay far above the link rate, so only prio counts
 ACTIVATION_CLASS, BULK_CLASS = 10, 20  # htb minor class ids on a QoS link (major 2, under tbf's 1:)
 
+# two-group QoS links: the handles of a leaf's activation and bulk queues are these plus the leaf's minor
+# (tc reads handles as hex: 1099..1120 and 2099..2120 stay distinct from the leaves' 99..120 and below 0xffff)
+LEAF_ACT, LEAF_BULK = 1000, 2000
+
+
+def _ordering(dev: str, parent: str, handle: int, fast_kbit: int, queue: int, queues: tuple[int, int]) -> list[str]:
+    """tc commands for an htb under `parent` (handle `handle`:) that only orders: activations (TOS 0x88,
+    ECN bits masked; class handle:10, prio 0) before bulk (handle:20, prio 1), both far faster than what
+    paces above it, so neither ever waits for its own tokens; each class's bfifo holds `queue` bytes and has
+    the handle given in `queues` (activation, bulk)."""
+    act = int(fast_kbit * ACTIVATION_SHARE)
+    cmds = [f"qdisc add dev {dev} parent {parent} handle {handle}: htb default {BULK_CLASS}",
+            f"class add dev {dev} parent {handle}: classid {handle}:1 htb rate {fast_kbit}kbit ceil {fast_kbit}kbit "
+            f"burst {BURST}"]
+    for minor, rate, prio, q in ((ACTIVATION_CLASS, act, 0, queues[0]), (BULK_CLASS, fast_kbit - act, 1, queues[1])):
+        cmds += [f"class add dev {dev} parent {handle}:1 classid {handle}:{minor} htb rate {rate}kbit "
+                 f"ceil {fast_kbit}kbit burst {BURST} cburst {BURST} prio {prio} quantum 30000",
+                 f"qdisc add dev {dev} parent {handle}:{minor} handle {q}: bfifo limit {queue}"]
+    cmds.append(f"filter add dev {dev} parent {handle}: protocol ip prio 1 u32 match ip tos {ACTIVATION.tos:#x} 0xfc "
+                f"flowid {handle}:{ACTIVATION_CLASS}")
+    return cmds
+
+
 def _tc_batch(ns: list[str], dev: str, cmds: list[str]) -> None:
     """Run `cmds` (tc commands on `dev`) in one `tc -batch` inside namespace `ns`; the error names the device."""
     proc = subprocess.run([*ns, "tc", "-batch", "-"], input="\n".join(cmds) + "\n", capture_output=True, text=True)
@@ -87,17 +112,26 @@ class NetLab:
         class priority alone decides the order (the strict priority a `prio` qdisc would give)."""
         r, queue = self.rate, self.rate * 1_000_000 // 8 * QUEUE_MS // 1000 + BURST  # tbf's limit on the plain links
         fast = r * INNER_X * 1000  # kbit/s
-        act = int(fast * ACTIVATION_SHARE)
         cmds = [f"qdisc add dev {dev} root handle 1: tbf rate {r}mbit burst {BURST} latency {QUEUE_MS}ms",
-                f"qdisc add dev {dev} parent 1:1 handle 2: htb default {BULK_CLASS}",
-                f"class add dev {dev} parent 2: classid 2:1 htb rate {fast}kbit ceil {fast}kbit burst {BURST}"]
-        for minor, rate, prio in ((ACTIVATION_CLASS, act, 0), (BULK_CLASS, fast - act, 1)):
-            cmds += [f"class add dev {dev} parent 2:1 classid 2:{minor} htb rate {rate}kbit ceil {fast}kbit "
-                     f"burst {BURST} cburst {BURST} prio {prio} quantum 30000",
-                     f"qdisc add dev {dev} parent 2:{minor} handle {minor}: bfifo limit {queue}"]
-        cmds.append(f"filter add dev {dev} parent 2: protocol ip prio 1 u32 match ip tos {ACTIVATION.tos:#x} 0xfc "
-                    f"flowid 2:{ACTIVATION_CLASS}")
+                *_ordering(dev, "1:1", 2, fast, queue, (ACTIVATION_CLASS, BULK_CLASS))]
         _tc_batch(ns, dev, cmds)
+
+    def class_bytes_by_id(self, i: int, side: str) -> dict[str, int]:
+        """Bytes each htb class of host i's link has sent, by class id ("2:10"; the nested classes of a
+        two-group QoS link's leaves included): side "up" or "down" as in `class_bytes`."""
+        ns, dev = (self.prefix(i), f"{self.tag}-v{i}") if side == "up" else (
+            ["ip", "netns", "exec", f"{self.tag}-sw"], f"{self.tag}-p{i}")
+        out = subprocess.run([*ns, "tc", "-s", "class", "show", "dev", dev], capture_output=True, text=True,
+                             check=True).stdout
+        sent: dict[str, int] = {}
+        cid = None
+        for line in out.splitlines():
+            words = line.split()
+            if words[:2] == ["class", "htb"]:
+                cid = words[2]
+            elif words[:1] == ["Sent"] and cid is not None:
+                sent[cid] = int(words[1])
+        return sent
 
     def class_bytes(self, i: int, side: str) -> dict[int, int]:
         """Bytes each htb class of host i's link has sent: side "up" (host i's veth) or "down" (the switch
@@ -121,7 +155,9 @@ class NetLab:
         class per peer host under each, so flows to (or from) different peers split what their class
         gets evenly, as the planner's cost model assumes (a FIFO left the split to TCP: the host's
         congestion control is BBR, which over a few seconds splits a shared FIFO unevenly; a cross-group
-        stripe capped at its exact share could never make up what its upstream in-group hop lost)."""
+        stripe capped at its exact share could never make up what its upstream in-group hop lost).
+        With QoS each leaf's queue is an ordering htb (`_ordering`: activations first, then bulk) instead
+        of one FIFO: the leaf still paces, so the link's and the spine's rates are unchanged."""
         r, x = self.rate, max(1, int(self.rate * self.spine))
         peers = [i for i in range(self.hosts) if i != me]
         inside = [i for i in peers if self.group(i) == self.group(me)]
@@ -146,8 +182,12 @@ class NetLab:
             # packets: 120 ms at 100 Mbit/s, added at every relay hop; a queue shorter than the burst
             # the sending side's shaper releases at once dropped whole bursts: thousands of
             # retransmitted segments a run)
-            cmds.append(f"qdisc add dev {dev} parent 1:{minor} handle {minor}: bfifo "
-                        f"limit {ceil * 1_000_000 // 8 * QUEUE_MS // 1000 + BURST}")
+            limit = ceil * 1_000_000 // 8 * QUEUE_MS // 1000 + BURST
+            if self.qos:  # the leaf paces; under it, the activation class goes first (as on a one-group QoS link)
+                cmds += _ordering(dev, f"1:{minor}", minor, ceil * INNER_X * 1000, limit,
+                                  (LEAF_ACT + minor, LEAF_BULK + minor))
+            else:
+                cmds.append(f"qdisc add dev {dev} parent 1:{minor} handle {minor}: bfifo limit {limit}")
             if peer is not None:
                 cmds.append(f"filter add dev {dev} parent 1: protocol ip prio 1 u32 match ip {direction} "
                             f"{self.addr(peer)}/32 flowid 1:{minor}")

@@ -151,3 +151,38 @@ def test_netlab_links_send_the_activation_class_through_its_own_htb_class() -> N
                 other = bulk if cls == act else act
                 assert delta[cls] >= payload, f"tos {tos:#x} {side}: {delta} (want >= {payload} in 1:{cls})"
                 assert delta[other] < payload // 4, f"tos {tos:#x} {side}: {delta} (1:{other} should be idle)"
+
+
+@pytest.mark.netns
+def test_two_group_netlab_links_send_the_activation_class_first_under_each_peer_leaf() -> None:
+    """Two leaves and a spine (groups=2): with QoS, the per-peer leaf of host 0's uplink (and of the switch
+    port to the receiver) queues the marked packets in its activation class, in-group and cross-group alike."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (ip netns, tc)")
+    netlab = _netlab()
+    why = netlab.available()
+    if why is not None:
+        pytest.skip(f"no namespaces with tc here: {why}")
+    lab = netlab.NetLab(4, rate_mbit=50, groups=2, spine_ratio=0.5, prefix=f"kq{secrets.token_hex(2)}", qos=True)
+    act, bulk, n = netlab.ACTIVATION_CLASS, netlab.BULK_CLASS, 40
+    with lab:
+        for peer in (1, 2):  # host 1: same leaf; host 2: across the spine
+            leaf_up, leaf_down = f"{100 + peer}", f"{100 + 0}"  # the sender's leaf for the peer; the port's for host 0
+
+            def sent(peer: int = peer) -> tuple[dict[str, int], dict[str, int]]:
+                return lab.class_bytes_by_id(0, "up"), lab.class_bytes_by_id(peer, "down")
+
+            def send(tos: int, peer: int = peer, leaves: tuple[str, str] = (leaf_up, leaf_down)) -> list[dict[int, int]]:
+                before = sent()
+                subprocess.run([*lab.prefix(0), sys.executable, "-c", SEND, hex(tos), lab.addr(peer), str(n)], check=True)
+                after = sent()
+                return [{c: after[k].get(f"{leaf}:{c}", 0) - before[k].get(f"{leaf}:{c}", 0) for c in (act, bulk)}
+                        for k, leaf in enumerate(leaves)]
+
+            send(0)  # ARP first
+            payload = n * 1000
+            for tos, cls in ((ACTIVATION.tos, act), (0, bulk)):
+                for side, delta in zip(("up", "down"), send(tos), strict=True):
+                    other = bulk if cls == act else act
+                    assert delta[cls] >= payload, f"peer {peer} tos {tos:#x} {side}: {delta} (want >= {payload} in :{cls})"
+                    assert delta[other] < payload // 4, f"peer {peer} tos {tos:#x} {side}: {delta}"
