@@ -325,9 +325,11 @@ def main() -> None:
     ap.add_argument("--link-qos", action="store_true",
                     help="real section: links that send the engines' activation class (DSCP AF41) ahead of weights "
                          "(netlab.py, QoS) instead of one FIFO (tbf) per link")
-    ap.add_argument("--no-redirect", action="store_true",
-                    help="real section, pipelines: the sources keep their queues (no redirection to the formed pipeline; "
-                         "only new arrivals go there, by the router's weights)")
+    ap.add_argument("--redirect", choices=("both", "sources", "off"), default="both",
+                    help="real section, pipelines: once the pipeline forms, queued requests move between the sources and "
+                         "its head both ways (kascade_engine.liveredirect), only from the sources to the head, or not at "
+                         "all (only new arrivals go to the pipeline, by the router's weights)")
+    ap.add_argument("--no-redirect", action="store_const", const="off", dest="redirect", help="= --redirect off")
     ap.add_argument("--real-only", action="store_true", help="only the real-engine section (-> live_real.json)")
     ap.add_argument("--fleets", default="pair,pipe2,pipe4",
                     help="real section: which fleets to run (comma-separated subset of pair,pipe2,pipe4); a key whose "
@@ -416,7 +418,7 @@ def real_section(args: argparse.Namespace) -> dict[str, object]:
         total = sum(layout.block_bytes)
         rate = args.rate_mbit or max(1, round(total * 8 / args.load_s / 1e6))
         setup = livelab.Setup(rate, args.layer_ms, 128, 32, 4, args.real_overload, total * 8 / (rate * 1e6),
-                              200 if args.quick else 400, args.knee_tokens, args.link_qos, not args.no_redirect)
+                              200 if args.quick else 400, args.knee_tokens, args.link_qos, args.redirect)
         print(f"real engines: {args.layers} layers, {total / 1e6:.1f} MB over {rate} Mbit/s links "
               f"({'activations first' if args.link_qos else 'one FIFO'}) "
               f"({setup.load_s:.1f} s per copy); compute emulated at {args.layer_ms} ms per layer forward per step"
@@ -464,8 +466,7 @@ def real_section(args: argparse.Namespace) -> dict[str, object]:
                        "knee_tokens": setup.knee_tokens,
                        "links": "activation class (DSCP AF41) first, htb" if setup.link_qos else "one FIFO (tbf)",
                        "stop_baseline_of_pipelines": "stop-the-world on the same fleet (k sources, k targets)",
-                       "pipeline_redirect": "sources hand queued requests to the formed pipeline" if setup.redirect
-                       else "off: sources keep their queues"},
+                       "pipeline_redirect": setup.redirect},
         # per request, in trace order: [TTFT s, engine that served it (or failed:...)], for breakdowns
         "real_requests": {f: {m: [[x[0], x[2]] for x in v] for m, v in modes.items()} for f, modes in res.items()},
     })

@@ -14,9 +14,10 @@ weighing the serving share its engine last reported, kascade_router's prior befo
 of all servable engines (sources always; a loading
 target when live, a complete one always). The shares are refreshed like the router's: from each answer
 and by the router's own poller (kascade_router.shares.ShareRefresher, /readyz every 0.25 s).
-With `redirect` (the default), once a pipeline forms every source is told `cooperate {peer: the head,
+With `redirect` "both" (the default), once a pipeline forms every source is told `cooperate {peer: the head,
 mode: redirect}` and the head the same about every source: each hands requests still queued on it to the
-other while its queue is the longer in serving shares (kascade_engine.liveredirect). Compute is emulated per step
+other while its queue is the longer in serving shares (kascade_engine.liveredirect); "sources": only the
+sources hand theirs to the head; "off": none. Compute is emulated per step
 (`--emulate-layer-ms` on every engine: a step's layer work takes at least that long per layer forward),
 so the engines' speed does not depend on the other processes of a shared 2-core box; the transfers,
 the activations and HTTP are real.
@@ -121,7 +122,7 @@ def wait_ready(e: Eng, timeout: float = 300) -> None:
 class Driver:
     """Control calls, status polling and the trace, from the client namespace."""
 
-    def __init__(self, sources: list[Eng], targets: list[Eng], redirect: bool = True) -> None:
+    def __init__(self, sources: list[Eng], targets: list[Eng], redirect: str = "both") -> None:
         self.sources, self.targets, self.redirect = sources, targets, redirect
         # the router's view of the targets (a live replica's weight: kascade_router.backends), refreshed from
         # answers and by the router's share poller (`shares`)
@@ -160,10 +161,10 @@ class Driver:
                     head.status = await self.ctl(head, "cooperate", CooperateRequest(by[chain[1]].act, "besteffort").to_dict())
                     formed = True
                     print(f"    pipeline {'->'.join(chain)} formed at {time.monotonic() - self.t0:.2f} s", flush=True)
-                    if self.redirect:  # queues move between the sources and the pipeline (BlitzScale's redirection)
+                    if self.redirect != "off":  # queues move between the sources and the pipeline (BlitzScale's redirection)
                         await asyncio.gather(*(self.ctl(s, "cooperate", CooperateRequest(head.act, "redirect").to_dict())
                                                for s in self.sources))
-                        for s in self.sources:  # and the head's to the sources (liveredirect.py)
+                        for s in self.sources if self.redirect == "both" else ():  # and the head's to the sources
                             head.status = await self.ctl(head, "cooperate", CooperateRequest(s.act, "redirect").to_dict())
             await asyncio.sleep(0.05)
 
@@ -268,7 +269,7 @@ async def run_mode(d: Driver, mode: str, plan: dict[str, Any], manifest: dict[st
         stop.set()
         await poller
         await d.shares.close()
-    if mode == "pipeline" and d.redirect:  # the sources stop handing their queues over
+    if mode == "pipeline" and d.redirect != "off":  # the sources stop handing their queues over
         for s in d.sources:
             await d.ctl(s, "cooperate", CooperateRequest("", "off").to_dict())
     for t in d.targets:  # stop cooperating before the release
@@ -288,7 +289,7 @@ class Setup:
     max_requests: int
     knee_tokens: int = 0  # emulation: a layer forward over more tokens costs proportionally more (0: never)
     link_qos: bool = False  # True: links send the activation class first (netlab.py, "QoS"); False: one FIFO per link
-    redirect: bool = True  # pipelines: the sources hand their queued requests to the formed pipeline
+    redirect: str = "both"  # pipelines: queues move sources <-> the formed pipeline ("both"), sources -> it, or "off"
 
 
 def fleet(kind: str, k: int, modes: tuple[str, ...], ckpt: Path, manifest: dict[str, Any], layout: ModelLayout,
