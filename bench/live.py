@@ -322,9 +322,12 @@ def main() -> None:
                          "(compute-bound; 128 = one full batch). 0: every layer forward costs --layer-ms (memory-bound)")
     ap.add_argument("--real-overload", type=float, default=2.0,
                     help="real section: arrival rate / the sources' measured capacity")
-    ap.add_argument("--link-qos", action="store_true",
+    ap.add_argument("--link-qos", action=argparse.BooleanOptionalAction, default=True,
                     help="real section: links that send the engines' activation class (DSCP AF41) ahead of weights "
-                         "(netlab.py, QoS) instead of one FIFO (tbf) per link")
+                         "(netlab.py, QoS), as a fabric configured with the engine's traffic classes does "
+                         "(docs/architecture.md, Traffic classes): the default since 2026-11-27 (pipe4 mean ratio 0.603 "
+                         "over 8 runs against 0.650 over 7 on FIFO links, docs/worklog/2026-11-27/h17-s9.md); "
+                         "--no-link-qos: one FIFO (tbf) per link, as the benches were measured before")
     ap.add_argument("--redirect", choices=("both", "sources", "off"), default="both",
                     help="real section, pipelines: once the pipeline forms, queued requests move between the sources and "
                          "its head both ways (kascade_engine.liveredirect), only from the sources to the head, or not at "
