@@ -28,7 +28,8 @@ would wait longest), only requests with nothing generated, while A's queue after
 is longer than H's in H's: (waiting_A - 1) / share_A > (waiting_H + 1) / share_H, H's queue counted with the
 requests in transit to it (an engine steps through `share` replicas' worth of requests per unit of time). Not: a
 seeded sampled request (A could not continue its generator if it had to take it back), one taken back before,
-or one another engine handed to A (never handed on: no ping-pong).
+or one another engine handed to A (never handed on: no ping-pong), nor one whose client is not A's (a pair's
+source hands its live pair requests over the pair session, redirect.py: their tokens must go back that way).
 H checks each take against its own queue as it is now (A decided on H's state as A last heard it, and other
 sources may have handed theirs meanwhile: four sources deciding at once on the same report sent the head
 four times what evened the queues, bench pipe4): it declines what would make its queue the longer one, and A
@@ -162,8 +163,11 @@ class Forwarder:
                     break  # the queues are even, in each engine's own serving share
                 r = engine.requests.get(s.id)
                 if s.generated or r is None or r.out or s.id in self._kept or s.id in taken or \
-                        not forwardable(r.params):
-                    continue  # only requests with nothing generated (no KV, no token anywhere), never one twice
+                        s.id not in self.inst.serving.queues or not forwardable(r.params):
+                    # only requests with nothing generated (no KV, no token anywhere), never one twice, and only
+                    # our own clients' (a pair's source hands a live engine requests whose client is there: sent on
+                    # from here, their tokens reached no one — bench full run, pipe2: one client waited 120 s)
+                    continue
                 sch.finish(s.id)
                 engine.requests.pop(s.id)
                 p = r.params
