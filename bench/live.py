@@ -328,10 +328,11 @@ def main() -> None:
                          "(docs/architecture.md, Traffic classes): the default since 2026-11-27 (pipe4 mean ratio 0.603 "
                          "over 8 runs against 0.650 over 7 on FIFO links, docs/worklog/2026-11-27/h17-s9.md); "
                          "--no-link-qos: one FIFO (tbf) per link, as the benches were measured before")
-    ap.add_argument("--redirect", choices=("both", "sources", "off"), default="both",
+    ap.add_argument("--redirect", choices=("both", "sources", "off"), default="off",
                     help="real section, pipelines: once the pipeline forms, queued requests move between the sources and "
                          "its head both ways (kascade_engine.liveredirect), only from the sources to the head, or not at "
-                         "all (only new arrivals go to the pipeline, by the router's weights)")
+                         "all (default: only new arrivals go to the pipeline, by the router's weights; both ways raised "
+                         "the pipe4 ratio by 0.04-0.05 in paired runs, docs/worklog/2026-11-27-c/h17.md)")
     ap.add_argument("--no-redirect", action="store_const", const="off", dest="redirect", help="= --redirect off")
     ap.add_argument("--real-only", action="store_true", help="only the real-engine section (-> live_real.json)")
     ap.add_argument("--fleets", default="pair,pipe2,pipe4",

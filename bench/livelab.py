@@ -14,10 +14,11 @@ weighing the serving share its engine last reported, kascade_router's prior befo
 of all servable engines (sources always; a loading
 target when live, a complete one always). The shares are refreshed like the router's: from each answer
 and by the router's own poller (kascade_router.shares.ShareRefresher, /readyz every 0.25 s).
-With `redirect` "both" (the default), once a pipeline forms every source is told `cooperate {peer: the head,
+With `redirect` "both", once a pipeline forms every source is told `cooperate {peer: the head,
 mode: redirect}` and the head the same about every source: each hands requests still queued on it to the
 other while its queue is the longer in serving shares (kascade_engine.liveredirect); "sources": only the
-sources hand theirs to the head; "off": none. Compute is emulated per step
+sources hand theirs to the head; "off" (the default: both ways measured worse, docs/worklog/2026-11-27-c/h17.md):
+none. Compute is emulated per step
 (`--emulate-layer-ms` on every engine: a step's layer work takes at least that long per layer forward),
 so the engines' speed does not depend on the other processes of a shared 2-core box; the transfers,
 the activations and HTTP are real.
@@ -122,7 +123,7 @@ def wait_ready(e: Eng, timeout: float = 300) -> None:
 class Driver:
     """Control calls, status polling and the trace, from the client namespace."""
 
-    def __init__(self, sources: list[Eng], targets: list[Eng], redirect: str = "both") -> None:
+    def __init__(self, sources: list[Eng], targets: list[Eng], redirect: str = "off") -> None:
         self.sources, self.targets, self.redirect = sources, targets, redirect
         # the router's view of the targets (a live replica's weight: kascade_router.backends), refreshed from
         # answers and by the router's share poller (`shares`)
@@ -289,7 +290,7 @@ class Setup:
     max_requests: int
     knee_tokens: int = 0  # emulation: a layer forward over more tokens costs proportionally more (0: never)
     link_qos: bool = False  # True: links send the activation class first (netlab.py, "QoS"); False: one FIFO per link
-    redirect: str = "both"  # pipelines: queues move sources <-> the formed pipeline ("both"), sources -> it, or "off"
+    redirect: str = "off"  # pipelines: queues move sources <-> the formed pipeline ("both"), sources -> it, or "off"
 
 
 def fleet(kind: str, k: int, modes: tuple[str, ...], ckpt: Path, manifest: dict[str, Any], layout: ModelLayout,
