@@ -110,8 +110,9 @@ async def converter(decoder: Any, url: str, prefill_url: str, spec: Any, token: 
                                 "pd_ratio": None if ratio is None else [ratio.prefill, ratio.decode]})
                 if c.convert:
                     ms = None if c.step_budget_s is None else c.step_budget_s * 1e3
-                    async with s.post(f"{url}/kascade/v1/convert", json=ConvertRequest(c.chunk_tokens, ms).to_dict(),
-                                      headers=hdr) as r:
+                    hb = None if c.hand_back_s is None else c.hand_back_s * 1e3  # from the TTFT SLO, as the operator
+                    async with s.post(f"{url}/kascade/v1/convert",
+                                      json=ConvertRequest(c.chunk_tokens, ms, hb).to_dict(), headers=hdr) as r:
                         r.raise_for_status()
                     decoder.convertible = True
                 elif c.revert:
@@ -121,7 +122,7 @@ async def converter(decoder: Any, url: str, prefill_url: str, spec: Any, token: 
                         r.raise_for_status()
                 if c.changes:
                     log.append({"t": round(now, 2), "reason": c.reason, "chunk_tokens": c.chunk_tokens,
-                                "step_budget_s": c.step_budget_s,
+                                "step_budget_s": c.step_budget_s, "hand_back_s": c.hand_back_s,
                                 "decode_step_s": inp.decode_step_s,
                                 "velocity": {"prefill": v.prefill, "network": v.network, "decode": v.decode},
                                 "pd_ratio": None if ratio is None else ratio.reason})

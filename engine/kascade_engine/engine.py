@@ -102,8 +102,10 @@ class Engine:
         for b in blocks:
             self.model.add_block(b.id, b.tensors())
 
-    def submit(self, prompt: list[int], params: SamplingParams, rid: str | None = None, front: bool = False) -> str:
-        """Queue a request (last, or first with `front`); returns its id."""
+    def submit(self, prompt: list[int], params: SamplingParams, rid: str | None = None, front: bool = False,
+               arrived: float | None = None) -> str:
+        """Queue a request (by `arrived`, a `time.monotonic()` value, default now: last unless some waiting
+        prompt arrived later; or first with `front`); returns its id."""
         if not prompt:
             raise ValueError("prompt is empty")
         rid = rid or f"req-{next(self._ids)}"
@@ -113,7 +115,8 @@ class Engine:
                 gen = torch.Generator(device="cpu").manual_seed(params.seed)
             except (RuntimeError, OverflowError, TypeError) as e:
                 raise ValueError(f"seed {params.seed!r} is not usable: {e}") from None
-        self.scheduler.add(Seq(rid, len(prompt), params.max_tokens), front)
+        when = time.monotonic() if arrived is None else arrived
+        self.scheduler.add(Seq(rid, len(prompt), params.max_tokens, arrived=when), front)
         self.requests[rid] = Request(rid, list(prompt), params, gen=gen)
         return rid
 

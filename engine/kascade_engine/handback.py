@@ -16,14 +16,23 @@ the last check, it leaves this engine's scheduler (its pages freed, its partial 
 prefill engine computes the whole prompt, its KV and first token come back, and the sequence joins this
 batch as a decode. Nothing reached the client before (no token was out), and every token after comes from
 the same remote-prefill path whose greedy output equals the colocated engine's; if the peer fails, the
-prompt is prefilled here after all (RemotePrefill's local fallback), not lost. A prompt that progresses is
-checked again after another bound; one that got its first token is never touched again.
+prompt is prefilled here after all (RemotePrefill's local fallback), not lost. One that got its first token
+is never touched again.
+
+The rule (`verdict`, pure), at each check: no progress over the bound -> hand back; progress -> this engine's
+predicted finish of the prompt's prefill (the tokens left / the rate it got over the last bound, i.e. what its
+step budget gives it now) against the remote path's (`RemotePrefill.took`: what a prefill on that peer took
+lately, queue included, for the whole prompt, since the partial prefill is dropped): hand back when the remote
+path finishes sooner; else check again after another bound. Without a measured remote path, progress keeps
+the prompt here. The handed-back prompt carries the time it waited here (kv_wire.PrefillOp.waited_s): the
+prefill engine queues it by its arrival, not behind prompts that reached the router after it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from kascade_engine.engine import Event
@@ -40,6 +49,21 @@ log = logging.getLogger(__name__)
 DEFAULT_HAND_BACK_S = 0.25
 
 
+def verdict(left: int, progressed: int, elapsed_s: float, remote_s: float | None) -> str | None:
+    """Why a prompt should leave for the remote path now (None: it stays). `left`: its prompt tokens not yet
+    computed here; `progressed`: tokens computed over the last `elapsed_s`; `remote_s`: what a remote prefill
+    of it is expected to take (None: not measured)."""
+    if progressed <= 0:
+        return f"no prefill progress for {elapsed_s:.3f} s"
+    if remote_s is None or elapsed_s <= 0:
+        return None
+    local_s = left * elapsed_s / progressed
+    if local_s > remote_s:
+        return (f"{progressed} tokens in {elapsed_s:.3f} s: {left} left would take {local_s:.3f} s here, "
+                f"{remote_s:.3f} s on the prefill engine")
+    return None
+
+
 class HandBack:
     """The converted decoder's watch over prompts it prefills itself with a fallback prefill engine."""
 
@@ -52,22 +76,23 @@ class HandBack:
         """Called on the event loop right after `rid` was submitted here: check it every `after_s`."""
         if self.after_s is None:
             return
-        self._arm(rid, prompt, params, peer, self.after_s, 0)
+        self._arm(rid, prompt, params, peer, self.after_s, 0, time.monotonic())
 
     def _arm(self, rid: str, prompt: list[int], params: SamplingParams, peer: str, after_s: float,
-             seen: int) -> None:
+             seen: int, seen_at: float) -> None:
         loop = asyncio.get_running_loop()
 
         def due() -> None:
             if rid not in self.inst.serving.queues:  # finished, failed or the client went away
                 return
-            self.inst.engine.call_in_step(lambda eng: self._check(eng, loop, rid, prompt, params, peer, after_s, seen))
+            self.inst.engine.call_in_step(
+                lambda eng: self._check(eng, loop, rid, prompt, params, peer, after_s, seen, seen_at))
             self.inst.serving.wake.set()
 
         loop.call_later(after_s, due)
 
     def _check(self, eng: Engine, loop: asyncio.AbstractEventLoop, rid: str, prompt: list[int],
-               params: SamplingParams, peer: str, after_s: float, seen: int) -> list[Event]:
+               params: SamplingParams, peer: str, after_s: float, seen: int, seen_at: float) -> list[Event]:
         """In the step thread, between steps (nothing of `rid` is in flight): hand it back, or check again later."""
         r = eng.requests.get(rid)
         sched = eng.scheduler
@@ -76,26 +101,30 @@ class HandBack:
         s = sched.running.get(rid) or next((x for x in tuple(sched.waiting) if x.id == rid), None)
         if r is None or r.out or s is None:
             return []  # gone, or a token is out (the client may have it): it stays here
-        if s.computed > seen:  # it progresses: look again after another bound
-            loop.call_soon_threadsafe(self._arm, rid, prompt, params, peer, after_s, s.computed)
+        now = time.monotonic()
+        why = verdict(len(prompt) - s.computed, s.computed - seen, now - seen_at,
+                      self.inst.remote_prefill.took.get(peer))
+        if why is None:  # it progresses fast enough: look again after another bound
+            loop.call_soon_threadsafe(self._arm, rid, prompt, params, peer, after_s, s.computed, now)
             return []
+        arrived = s.arrived
         sched.finish(rid)  # out of this batch: its pages go back, its partial prefill (if any) is dropped
         del eng.requests[rid]
         self.handed += 1
         self.inst.pd_metrics.handbacks.inc()
-        log.info("request %s: no prefill progress for %.3f s (%d of %d prompt tokens computed); handed to %s",
-                 rid, after_s, s.computed, len(prompt), peer)
-        loop.call_soon_threadsafe(self._send, rid, prompt, params, peer)
+        log.info("request %s: %s (%d of %d prompt tokens computed, waited %.3f s); handed to %s",
+                 rid, why, s.computed, len(prompt), now - arrived, peer)
+        loop.call_soon_threadsafe(self._send, rid, prompt, params, peer, arrived)
         return []
 
-    def _send(self, rid: str, prompt: list[int], params: SamplingParams, peer: str) -> None:
+    def _send(self, rid: str, prompt: list[int], params: SamplingParams, peer: str, arrived: float) -> None:
         """On the event loop: the prompt is prefilled on `peer`, as if the router had named it; here if that fails."""
         inst = self.inst
         if rid not in inst.serving.queues:
             return  # the client went away meanwhile: nothing to serve
 
         def local() -> None:
-            inst.engine.submit(prompt, params, rid)
+            inst.engine.submit(prompt, params, rid, arrived=arrived)
             inst.serving.wake.set()
 
-        inst.remote_prefill.start(rid, prompt, params, peer, local)
+        inst.remote_prefill.start(rid, prompt, params, peer, local, arrived)

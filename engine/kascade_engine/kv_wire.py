@@ -4,7 +4,10 @@
 Session (one authenticated data-plane connection D -> P, opened through the same hello as activation
 connections and reused for the next request once this one is done):
   D -> P  {"op": "prefill", "req", "tokens": [...], "params": {temperature, top_p, seed},
-           "layers", "kv_heads", "head_dim", "dtype"}         (D's model shape: P refuses a mismatch)
+           "layers", "kv_heads", "head_dim", "dtype",          (D's model shape: P refuses a mismatch)
+           "waited_s" (optional)}                             how long the prompt already waited before this
+                                                              op (a converted decoder's hand-back): P queues
+                                                              it by that arrival, not at the back (PrefillOp)
   P -> D  {"op": "kv", "req", "layer", "start", "n", "part": "k"|"v", "shape": [n, kv_heads, head_dim],
            "dtype"} + raw bytes (row-major, little endian)    one pair of frames per layer per prefill
                                                               chunk, sent while P computes the next layer
@@ -53,6 +56,38 @@ class KVShape:
             if h.get(name) != mine:
                 return f"field '{name}': peer has {h.get(name)!r}, this engine has {mine!r}"
         return None
+
+
+@dataclass(frozen=True)
+class PrefillOp:
+    """D -> P: prefill `tokens` and ship their KV. `waited_s`: the seconds the prompt already waited for a
+    prefill before this op (0 for a prompt sent on arrival; a converted decoder that hands a prompt back sends
+    its time there), so P queues it by its arrival (`now - waited_s`, on P's own clock: no clock is shared)
+    instead of at the back, behind prompts that reached the router after it."""
+
+    req: str
+    tokens: list[int]
+    temperature: float
+    top_p: float
+    seed: int | None
+    shape: KVShape
+    waited_s: float = 0.0
+
+    def to_header(self) -> Header:
+        h: Header = {"op": "prefill", "req": self.req, "tokens": self.tokens,
+                     "params": {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed},
+                     **self.shape.to_header()}
+        if self.waited_s > 0:
+            h["waited_s"] = self.waited_s
+        return h
+
+
+def waited_s(h: Header) -> float:
+    """A prefill op's `waited_s` (0 when absent), checked: a finite number >= 0."""
+    v = h.get("waited_s", 0.0)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+        raise KVWireError(f"prefill field 'waited_s' = {v!r}: must be a finite number of seconds >= 0")
+    return float(v)
 
 
 def kv_header(req: str, layer: int, start: int, n: int, part: str, shape: KVShape) -> Header:

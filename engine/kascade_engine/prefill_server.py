@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kascade_engine.engine import Event
-from kascade_engine.kv_wire import Header, KVShape, KVWireError, digest, kv_header
+from kascade_engine.kv_wire import Header, KVShape, KVWireError, digest, kv_header, waited_s
 from kascade_engine.kvcache import build_batch
 from kascade_engine.sampling import SamplingParams, sample
 from kascade_engine.transport import Connection, TransportError
@@ -178,6 +178,9 @@ class PrefillServer:
                 raise KVWireError(bad)
             toks = _tokens(h, inst.model.shape.vocab, inst.config.max_prompt_tokens)
             params = _params(h)
+            # queued by its arrival: a prompt a converted decoder hands back has waited there already, and goes
+            # ahead of prompts that arrived after it (kv_wire.PrefillOp)
+            arrived = time.monotonic() - waited_s(h)
         except KVWireError as e:
             self.refused += 1
             inst.pd_metrics.refused.inc()
@@ -198,7 +201,7 @@ class PrefillServer:
         shipper.sinks[rid] = sink
         inst.serving.queues[rid] = q  # the step loop routes this request's Event (first token or error) here
         try:
-            inst.engine.submit(toks, params, rid)
+            inst.engine.submit(toks, params, rid, arrived=arrived)
         except ValueError as e:
             shipper.sinks.pop(rid, None)
             inst.serving.queues.pop(rid, None)

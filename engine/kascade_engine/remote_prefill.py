@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kascade_engine.engine import Event, Request
-from kascade_engine.kv_wire import Coverage, KVWireError, check_kv, digest
+from kascade_engine.kv_wire import Coverage, KVWireError, PrefillOp, check_kv, digest
 from kascade_engine.peerpool import PeerPool
 from kascade_engine.prefill_server import host_bytes, kv_shape
 from kascade_engine.sampling import SamplingParams
@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 FRAME_TIMEOUT_S = 300.0  # the prefill engine may queue the prompt behind its own batch
+# weight of the newest remote prefill in `RemotePrefill.took`: follows a burst's growing queue within a few prompts
+TOOK_WEIGHT = 0.3
 
 
 class RemotePrefillError(Exception):
@@ -52,18 +54,24 @@ class RemotePrefill:
         self.bytes_received = 0
         self.tasks: set[asyncio.Task[None]] = set()
         self.link: dict[str, float] = {}  # peer -> KV bytes/s of its last transfer (network velocity)
+        # peer -> seconds a remote prefill on it takes now, start to KV landed (its queue, compute and link),
+        # a moving average over recent prompts: what the hand-back compares a slow local prefill with
+        self.took: dict[str, float] = {}
 
     def start(self, rid: str, prompt: list[int], params: SamplingParams, peer: str,
-              local: Callable[[], None]) -> None:
-        """Prefill `rid` on `peer`; `local()` submits it here instead (called on the event loop)."""
-        task = asyncio.get_running_loop().create_task(self._run(rid, prompt, params, peer, local))
+              local: Callable[[], None], arrived: float | None = None) -> None:
+        """Prefill `rid` on `peer`; `local()` submits it here instead (called on the event loop). `arrived`
+        (this engine's monotonic clock; None: now): when the prompt arrived here, so the peer queues it by
+        the time it already waited (a handed-back prompt, handback.py)."""
+        task = asyncio.get_running_loop().create_task(self._run(rid, prompt, params, peer, local, arrived))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
     async def _run(self, rid: str, prompt: list[int], params: SamplingParams, peer: str,
-                   local: Callable[[], None]) -> None:
+                   local: Callable[[], None], arrived: float | None = None) -> None:
+        t0 = time.monotonic()
         try:
-            token, k, v = await self._fetch(rid, prompt, params, peer)
+            token, k, v = await self._fetch(rid, prompt, params, peer, arrived)
         except (RemotePrefillError, KVWireError, TransportError, OSError, RuntimeError, ValueError, TimeoutError) as e:
             self.fallbacks += 1
             self.inst.pd_metrics.fallbacks.inc()
@@ -71,19 +79,23 @@ class RemotePrefill:
             if rid in self.inst.serving.queues:
                 local()
             return
+        dt = time.monotonic() - t0
+        old = self.took.get(peer)
+        self.took[peer] = dt if old is None else old + TOOK_WEIGHT * (dt - old)
         if rid not in self.inst.serving.queues:  # the client went away while the KV moved
             return
         self.inst.engine.call_in_step(lambda eng: self._adopt(eng, rid, prompt, params, token, k, v))
         self.inst.serving.wake.set()
 
     async def _fetch(self, rid: str, prompt: list[int], params: SamplingParams,
-                     peer: str) -> tuple[int, torch.Tensor, torch.Tensor]:
+                     peer: str, arrived: float | None = None) -> tuple[int, torch.Tensor, torch.Tensor]:
         shape = kv_shape(self.inst)
         conn, _ = await self.pool.take(peer)
         ok = False
         try:
-            p = {"temperature": params.temperature, "top_p": params.top_p, "seed": params.seed}
-            await conn.send({"op": "prefill", "req": rid, "tokens": prompt, "params": p, **shape.to_header()})
+            waited = 0.0 if arrived is None else max(0.0, time.monotonic() - arrived)
+            await conn.send(PrefillOp(rid, prompt, params.temperature, params.top_p, params.seed, shape,
+                                      waited).to_header())
             n = len(prompt)
             dt = self.inst.dtype
             staged = {part: torch.empty((shape.layers, n, shape.kv_heads, shape.head_dim), dtype=dt)

@@ -32,6 +32,9 @@ class Seq:
     total: int = 0  # known tokens: prompt + generated
     computed: int = 0  # tokens whose K/V is in the cache
     generated: int = 0
+    # when the prompt arrived, on this engine's monotonic clock: the waiting queue is kept in this order (FCFS);
+    # a prompt a converted decoder hands back arrives with the time it already waited (kv_wire.PrefillOp)
+    arrived: float = 0.0
 
     def __post_init__(self) -> None:
         self.total = self.total or self.prompt_len
@@ -121,16 +124,25 @@ class Scheduler:
         return min(tokens, self.window + self.limits.max_batch_tokens + 2 * self.limits.page_size)
 
     def add(self, seq: Seq, front: bool = False) -> None:
-        """Queue `seq` last, or first (`front`: it has waited longest, e.g. taken back from a live pair).
-        One deque operation either way: the event loop adds while the step thread schedules."""
+        """Queue `seq` by its arrival (last unless a waiting prompt arrived after it: a handed-back prompt goes
+        ahead of those), or first (`front`: it has waited longest, e.g. taken back from a live pair).
+        One deque operation either way: the event loop adds while the step thread schedules. The place is
+        found on a copy; if the step thread admits the head meanwhile, it lands one place later, never lost."""
         need = seq.prompt_len + seq.max_tokens
         if self.resident(need) > self.pool.capacity_tokens:
             raise ValueError(f"prompt_len + max_tokens = {need} exceeds the KV capacity of "
                              f"{self.pool.capacity_tokens} tokens")
         if front:
             self.waiting.appendleft(seq)
-        else:
+            return
+        queued = tuple(self.waiting)  # one C call: the step thread may pop meanwhile
+        i = len(queued)
+        while i > 0 and queued[i - 1].arrived > seq.arrived:
+            i -= 1
+        if i == len(queued):
             self.waiting.append(seq)
+        else:
+            self.waiting.insert(i, seq)
 
     def kv_usage(self) -> float:
         return self.pool.usage

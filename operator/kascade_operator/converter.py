@@ -3,8 +3,10 @@ and takes them back (TokenScale). Called once per reconcile round of a disaggreg
 
 Data flow: pods + the round's per-role inputs -> `pdscaling.conversion_input` ->
 `kascade_planner.conversion.plan_conversions` (pure) -> for each decoder to convert: the engine's
-`POST /kascade/v1/convert {prefillChunkTokens: N, stepBudgetMs: T}` (its scheduler then prefills at most
-N prompt tokens per step, and in a step that decodes only what its measured step cost predicts within T), THEN the pod annotation `kascade.io/convertible=true` (guarded by the pod's resourceVersion),
+`POST /kascade/v1/convert {prefillChunkTokens: N, stepBudgetMs: T, handBackMs: H}` (its scheduler then prefills at most
+N prompt tokens per step, and in a step that decodes only what its measured step cost predicts within T; H, a
+quarter of spec.slo.ttftMs, bounds how long a prompt it prefills itself may lag before it hands it to a prefill
+engine), THEN the pod annotation `kascade.io/convertible=true` (guarded by the pod's resourceVersion),
 which makes the router send it prefill. Taking back runs the other way round: the annotation goes first
 (no new prefill is routed to it), then `{prefillChunkTokens: null}`. An engine or API error leaves that
 decoder as it was (logged, retried next round); an Event names every conversion and its reason.
@@ -67,7 +69,7 @@ async def sync(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, key: s
         p = by[name]
         assert p.endpoint is not None  # conversion_input offers only decoders with an engine address
         try:
-            await rt.engines.convert(p.endpoint, plan.chunk_tokens, plan.step_budget_s)
+            await rt.engines.convert(p.endpoint, plan.chunk_tokens, plan.step_budget_s, plan.hand_back_s)
             await _annotate(rt, p.namespace or rt.pool_namespace(ns), p, key)
         except (EngineError, Conflict, NotFound) as e:
             log.warning("%s/%s: converting decoder %s failed (next round retries): %s", ns, meta["name"], name, e)

@@ -128,11 +128,14 @@ class EngineClient:
         return await self._call(endpoint, "POST", "cooperate", CooperateRequest(peer, mode, zigzag).to_dict())
 
     async def convert(self, endpoint: str, prefill_chunk_tokens: int | None,
-                      step_budget_s: float | None = None) -> dict[str, Any]:
+                      step_budget_s: float | None = None, hand_back_s: float | None = None) -> dict[str, Any]:
         """Convertible decoder (TokenScale): take prefill with at most this many prompt tokens per step, and
-        in a step that decodes only what the engine predicts within `step_budget_s`; None takes it back."""
+        in a step that decodes only what the engine predicts within `step_budget_s`; hand a prompt it prefills
+        itself to a prefill engine when it lags for `hand_back_s`; None takes it back."""
         ms = None if step_budget_s is None else step_budget_s * 1e3
-        return await self._call(endpoint, "POST", "convert", ConvertRequest(prefill_chunk_tokens, ms).to_dict())
+        hb = None if hand_back_s is None else hand_back_s * 1e3
+        return await self._call(endpoint, "POST", "convert",
+                                ConvertRequest(prefill_chunk_tokens, ms, hb).to_dict())
 
     async def drain(self, endpoint: str) -> dict[str, Any]:
         return await self._call(endpoint, "POST", "drain")

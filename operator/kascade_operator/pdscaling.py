@@ -99,4 +99,4 @@ def conversion_input(spec: ModelServiceSpec, key: str, pods: Sequence[PodView],
                            sum(1 for p in mine if p.role == "prefill" and p.ready),
                            velocities(spec, [r.snap for r in roles]).prefill_effective, decoders,
                            pre.snap.queue_length if pre else None, slo.tbt_s if slo else None,
-                           dec.snap.decode_step_s if dec else None)
+                           dec.snap.decode_step_s if dec else None, slo.ttft_s if slo else None)

@@ -29,6 +29,10 @@ The rule:
   (kascade_engine.stepcost). The token budget above assumes a chunk costs its tokens / velocity on top of a
   mean decode step; on a CPU engine a chunk costs more than that and the decode step grows with the batch's
   context, so the engine cuts each chunk to the time its step has left (measured, bench/pd.py 2026-11-27).
+- hand-back bound = `HAND_BACK_SHARE` x the TTFT objective (None without one: the engine's default): how long a
+  converted decoder lets a prompt it prefills itself go without progress (or at a pace the prefill engine
+  would beat) before it hands the prompt to a prefill engine (kascade_engine.handback). A quarter of the
+  objective leaves the remote path three quarters of it.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ MIN_CHUNK, MAX_CHUNK, DEFAULT_CHUNK = 8, 2048, 256
 # a converted decoder's decoding step, chunk included, is predicted within this share of the TBT objective:
 # the rest is for what a token meets between steps (event delivery, the router's hop) and the prediction's error
 STEP_BUDGET_SHARE = 0.8
+# a converted decoder checks a prompt it prefills itself every this share of the TTFT objective (hand-back bound)
+HAND_BACK_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,7 @@ class ConversionInput:
     prefill_queue: float | None = None  # requests waiting at prefillers; None: not measured
     tbt_slo_s: float | None = None
     decode_step_s: float | None = None  # the decoders' mean decode-only step time now; None: not measured
+    ttft_slo_s: float | None = None  # the TTFT objective (spec.slo.ttftMs); None: none
 
     def __post_init__(self) -> None:
         if self.input_tokens_per_s < 0 or self.prefill_ready < 0:
@@ -68,6 +75,8 @@ class ConversionInput:
             raise ValueError(f"prefill_tokens_per_s must be > 0 or None, got {self.prefill_tokens_per_s}")
         if self.tbt_slo_s is not None and not self.tbt_slo_s > 0:
             raise ValueError(f"tbt_slo_s must be > 0 or None, got {self.tbt_slo_s}")
+        if self.ttft_slo_s is not None and not self.ttft_slo_s > 0:
+            raise ValueError(f"ttft_slo_s must be > 0 or None, got {self.ttft_slo_s}")
         if self.decode_step_s is not None and not self.decode_step_s >= 0:
             raise ValueError(f"decode_step_s must be >= 0 or None, got {self.decode_step_s}")
 
@@ -80,6 +89,7 @@ class Conversions:
     converted: int  # converted decoders after this round
     reason: str
     step_budget_s: float | None = None  # a converted decoder's step time budget (None: no TBT objective)
+    hand_back_s: float | None = None  # a converted decoder's hand-back bound (None: no TTFT objective)
 
     @property
     def changes(self) -> bool:
@@ -103,9 +113,14 @@ def step_budget(tbt_slo_s: float | None) -> float | None:
     return None if tbt_slo_s is None else STEP_BUDGET_SHARE * tbt_slo_s
 
 
+def hand_back(ttft_slo_s: float | None) -> float | None:
+    """How long a converted decoder lets a prompt it prefills itself lag before handing it to a prefill engine."""
+    return None if ttft_slo_s is None else HAND_BACK_SHARE * ttft_slo_s
+
+
 def plan_conversions(c: ConversionInput) -> Conversions:
     plan = _plan(c)
-    return replace(plan, step_budget_s=step_budget(c.tbt_slo_s))
+    return replace(plan, step_budget_s=step_budget(c.tbt_slo_s), hand_back_s=hand_back(c.ttft_slo_s))
 
 
 def _plan(c: ConversionInput) -> Conversions:
