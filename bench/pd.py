@@ -62,14 +62,17 @@ MODEL = "pd-llama"
 
 
 def engine(ckpt: Path, ns: list[str] | None = None, host: str = "127.0.0.1",
-           batch: int = 512, transport: str = "tcp", core: int | None = None) -> tuple[subprocess.Popen[str], int, int]:
+           batch: int = 512, transport: str = "tcp", core: int | None = None,
+           log: Path | None = None) -> tuple[subprocess.Popen[str], int, int]:
     """An engine process (one torch thread), pinned to `core` when given: the two engines of a setup get a
-    core each, as two GPUs would be, so a prefiller's compute does not slow its decoder's steps."""
+    core each, as two GPUs would be, so a prefiller's compute does not slow its decoder's steps. `log`: its
+    stderr (the engine's log: hand-backs, remote prefills) goes there instead of nowhere."""
     pin = ["taskset", "-c", str(core)] if core is not None and shutil.which("taskset") else []
     cmd = [*(ns or []), *pin, sys.executable, "-m", "kascade_cli.main", "engine", "serve", "--host", host, "--port", "0",
            "--act-port", "0", "--checkpoint", str(ckpt), "--model-name", MODEL, "--kv-tokens", "16384",
            "--max-batch-tokens", str(batch), "--max-prompt-tokens", "500", "--transport", transport]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ENV)
+    err = subprocess.DEVNULL if log is None else log.open("w")
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=ENV)
     assert p.stdout is not None
     for line in p.stdout:
         m = re.search(r"KASCADE_ENGINE_READY http=(\d+) act=(\d+)", line)
@@ -158,8 +161,9 @@ async def setup(ckpt: Path, mode: str, reqs: list[Request], max_tokens: int, pol
     procs: list[subprocess.Popen[str]] = []
     try:
         cores = sorted(os.sched_getaffinity(0))
-        a, ah, aa = engine(ckpt, core=cores[0])
-        b, bh, ba = engine(ckpt, core=cores[-1])
+        logs = os.environ.get("KASCADE_BENCH_ENGINE_LOGS")  # a folder for the engines' logs (evidence)
+        a, ah, aa = engine(ckpt, core=cores[0], log=Path(logs) / f"{mode}-a.log" if logs else None)
+        b, bh, ba = engine(ckpt, core=cores[-1], log=Path(logs) / f"{mode}-b.log" if logs else None)
         procs += [a, b]
         if mode == "colocated":
             spec = f"{MODEL}=127.0.0.1:{ah},127.0.0.1:{bh}"

@@ -72,11 +72,13 @@ class HandBack:
         self.after_s: float | None = None  # the conversion's bound; None: not converted, nothing is watched
         self.handed = 0  # prompts handed to a prefill engine (kascade_pd_handbacks_total)
 
-    def watch(self, rid: str, prompt: list[int], params: SamplingParams, peer: str) -> None:
-        """Called on the event loop right after `rid` was submitted here: check it every `after_s`."""
+    def watch(self, rid: str, prompt: list[int], params: SamplingParams, peer: str) -> bool:
+        """Called on the event loop right after `rid` was submitted here: check it every `after_s`. False when
+        nothing is watched (not converted)."""
         if self.after_s is None:
-            return
+            return False
         self._arm(rid, prompt, params, peer, self.after_s, 0, time.monotonic())
+        return True
 
     def _arm(self, rid: str, prompt: list[int], params: SamplingParams, peer: str, after_s: float,
              seen: int, seen_at: float) -> None:
@@ -122,6 +124,7 @@ class HandBack:
         inst = self.inst
         if rid not in inst.serving.queues:
             return  # the client went away meanwhile: nothing to serve
+        inst.serving.decide(rid, peer)  # its answer may start now, saying where it is prefilled
 
         def local() -> None:
             inst.engine.submit(prompt, params, rid, arrived=arrived)

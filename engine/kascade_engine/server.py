@@ -28,8 +28,13 @@ from kascade_engine.httpguard import BodyLimit
 from kascade_engine.instance import EngineInstance, InstanceError
 from kascade_engine.openai_api import ChatBody, CompletionBody, _Common, chat_messages, refused
 from kascade_engine.responder import Call
-from kascade_engine.serving import RequestError
-from kascade_planner.engine_api import PREFILL_FALLBACK_HEADER, PREFILL_ROOM_HEADER, SERVING_SHARE_HEADER
+from kascade_engine.serving import RequestError, handed_back
+from kascade_planner.engine_api import (
+    HANDED_BACK_HEADER,
+    PREFILL_FALLBACK_HEADER,
+    PREFILL_ROOM_HEADER,
+    SERVING_SHARE_HEADER,
+)
 
 log = logging.getLogger(__name__)
 reqlog = logging.getLogger("kascade_engine.requests")  # one line per request: accepted (in which phase) or rejected
@@ -108,8 +113,24 @@ def create_app(inst: EngineInstance) -> FastAPI:
         room = inst.engine.scheduler.prefill_room()
         if room is not None:  # a converted decoder: routers send it prompts only while it has room
             share[PREFILL_ROOM_HEADER] = str(room)
+        watched = inst.serving.watched(call.rids)  # prompts this converted decoder prefills itself, may hand back
         if not body.stream:
-            return JSONResponse(await until_client_leaves(request, call.json()), headers=share)
+            doc = await until_client_leaves(request, call.json())
+            handed = await handed_back(watched)  # settled by now: every prompt got its tokens
+            if handed is not None:
+                share[HANDED_BACK_HEADER] = handed
+            return JSONResponse(doc, headers=share)
+        if watched:
+            # the answer (its headers) starts once each is settled, so it can name the prefill engine a prompt was
+            # handed to (the router's PD accounting)
+            try:
+                handed = await until_client_leaves(request, handed_back(watched))
+            except RequestError:
+                for rid in call.rids:
+                    inst.serving.abort(rid)
+                raise
+            if handed is not None:
+                share[HANDED_BACK_HEADER] = handed
         return StreamingResponse(call.sse(), media_type="text/event-stream", headers=share)
 
     @app.get("/v1/models")

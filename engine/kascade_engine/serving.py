@@ -40,6 +40,10 @@ class Serving:
         self.inst = inst
         self.queues: dict[str, asyncio.Queue[Event | Exception]] = {}
         self._ended: dict[str, str] = {}  # finish reasons set by the caller (a stop string matched)
+        # a prompt a converted decoder prefills itself under a hand-back watch: resolved with the prefill engine's
+        # address when it is handed back, None at its first event (token or error) or its end (server.py answers
+        # such a request only once this is decided, so the answer can say where it was prefilled)
+        self.decisions: dict[str, asyncio.Future[str | None]] = {}
         self.wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -60,9 +64,21 @@ class Serving:
         if events and self._loop is not None:
             self._loop.call_soon_threadsafe(self._route, events)
 
+    def decide(self, rid: str, handed_to: str | None) -> None:
+        """`rid`'s hand-back question is settled: handed to that prefill engine, or not (None)."""
+        f = self.decisions.pop(rid, None)
+        if f is not None and not f.done():
+            f.set_result(handed_to)
+
+    def watched(self, rids: list[str]) -> list[asyncio.Future[str | None]]:
+        """The hand-back questions of `rids` still open (taken now: `decide` drops them once settled)."""
+        return [f for f in (self.decisions.get(r) for r in rids) if f is not None]
+
     def _route(self, events: list[Event]) -> None:
         now = time.monotonic()
         for ev in events:
+            if self.decisions:
+                self.decide(ev.request, None)
             self.inst.metrics.observe_event(ev, now)
             waiting = self.queues.get(ev.request)
             if waiting is not None:
@@ -136,8 +152,9 @@ class Serving:
                 pair.admit(rid, go, self.queues[rid].put_nowait, len(prompt))
             else:
                 go()
-                if fallback is not None and self.inst.engine.limits.prefill_chunk_tokens is not None:
-                    self.inst.handback.watch(rid, prompt, params, fallback)
+                if fallback is not None and self.inst.engine.limits.prefill_chunk_tokens is not None \
+                        and self.inst.handback.watch(rid, prompt, params, fallback):
+                    self.decisions[rid] = asyncio.get_running_loop().create_future()
         except ValueError as e:
             self.queues.pop(rid, None)
             raise RequestError(400, str(e), "max_tokens") from None
@@ -165,12 +182,14 @@ class Serving:
                     return
         finally:
             self.queues.pop(rid, None)
+            self.decide(rid, None)
             self.inst.metrics.on_finish(self._ended.pop(rid, reason), time.monotonic() - t0)
             if rid in self.inst.engine.requests or reason == "abort":  # the client went away: free its pages
                 # (or abort it on the live pair it was redirected to)
                 self.abort(rid)
 
     def abort(self, rid: str) -> None:
+        self.decide(rid, None)
         self.inst.engine.abort(rid)
         for fwd in self.inst.forwarders.values():  # a request handed to another engine (liveredirect.py): abort it there
             fwd.abort(rid)
@@ -180,3 +199,11 @@ class Serving:
         """The caller ends the request early on purpose (a stop string matched): counted as `stop`."""
         self._ended[rid] = "stop"
         self.abort(rid)
+
+
+async def handed_back(watched: list[asyncio.Future[str | None]]) -> str | None:
+    """Once each of these hand-back questions is settled: the prefill engine one prompt was handed to, or None."""
+    out = None
+    for f in watched:
+        out = await asyncio.shield(f) or out
+    return out

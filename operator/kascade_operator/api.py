@@ -99,7 +99,10 @@ class Replicas(Model):
 
 
 class Slo(Model):
+    # the TTFT objective; in disaggregated mode it also sets a converted decoder's hand-back bound (/convert
+    # handBackMs = conversion.HAND_BACK_SHARE x ttftMs, docs/disaggregated.md)
     ttft_ms: Positive | None = None
+    # the TBT objective; in disaggregated mode also a converted decoder's chunk and step budgets
     tbt_ms: Positive | None = None
 
 

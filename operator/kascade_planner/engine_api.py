@@ -30,6 +30,11 @@ PREFILL_ROOM_HEADER = "X-Kascade-Prefill-Room"
 # (ConvertRequest.hand_back_ms) before any token, the decoder hands the prompt to that engine (its KV comes back
 # as in disaggregated serving) instead of holding it until its batch drains.
 PREFILL_FALLBACK_HEADER = "X-Kascade-Prefill-Fallback"
+# Response header of a converted decoder on an answer whose prompt it handed back to the prefill engine named in
+# PREFILL_FALLBACK_HEADER: that data address. An answer to such a request (a prompt the decoder was to prefill
+# itself) starts only once that is decided (its first token, or the hand-back), so the router can count the
+# prefill on that engine (its PD accounting and X-Kascade-Prefilled-By), as for a prompt it had sent there.
+HANDED_BACK_HEADER = "X-Kascade-Handed-Back"
 
 # spec.model.source.uri / bind source.uri: a Hugging Face Hub repo, REVISION a branch, tag or commit
 # (the CRD's pattern, the operator's pydantic mirror and the engine's parser all use this one)

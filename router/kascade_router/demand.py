@@ -30,6 +30,9 @@ class ModelDemand:
     requests: dict[int, int] = field(default_factory=dict)  # HTTP status -> count
     input_tokens: int = 0
     output_tokens: int = 0
+    # requests a converted decoder was to prefill itself and handed to the prefill engine the router named
+    # (X-Kascade-Handed-Back on its answer)
+    handbacks: int = 0
     last_request: float = 0.0  # monotonic time of the last arrival
     _arrivals: deque[tuple[float, int]] = field(default_factory=deque)  # (time, output tokens) per finished request
 
@@ -91,6 +94,8 @@ class _Collector(Collector):
                                    labels=[*lab, "code"])
         toks = CounterMetricFamily("kascade_router_tokens", "Tokens (prompt: estimated for text) by kind",
                                    labels=[*lab, "kind"])
+        hb = CounterMetricFamily("kascade_router_prefill_handbacks", "Prompts a converted decoder handed to the "
+                                 "prefill engine the router named", labels=lab)
         now = time.monotonic()
         for d in list(self.demand.models.values()):
             v = [d.namespace, d.service, d.model]
@@ -103,4 +108,5 @@ class _Collector(Collector):
                 reqs.add_metric([*v, str(code)], n)
             toks.add_metric([*v, "input"], d.input_tokens)
             toks.add_metric([*v, "output"], d.output_tokens)
-        yield from (queued, flight, rps, tps, reqs, toks)
+            hb.add_metric(v, d.handbacks)
+        yield from (queued, flight, rps, tps, reqs, toks, hb)

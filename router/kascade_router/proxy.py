@@ -29,7 +29,12 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kascade_planner.engine_api import PREFILL_FALLBACK_HEADER, PREFILL_ROOM_HEADER, SERVING_SHARE_HEADER
+from kascade_planner.engine_api import (
+    HANDED_BACK_HEADER,
+    PREFILL_FALLBACK_HEADER,
+    PREFILL_ROOM_HEADER,
+    SERVING_SHARE_HEADER,
+)
 from kascade_router.backends import Backend, Routes
 from kascade_router.balancer import fallback_prefill, pick, pick_pd
 from kascade_router.demand import Demand, ModelDemand
@@ -45,6 +50,7 @@ _RID_OK = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _SSE = "text/event-stream"
 SERVING_SHARE_HEADER_LC = SERVING_SHARE_HEADER.lower()  # upstream header names are kept lower-case
 PREFILL_ROOM_HEADER_LC = PREFILL_ROOM_HEADER.lower()
+HANDED_BACK_HEADER_LC = HANDED_BACK_HEADER.lower()
 
 
 def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
@@ -150,7 +156,7 @@ class Proxy:
             tries += 1
             fallback = fallback_prefill(self.routes.serving(svc), b, pre)
             try:
-                return await self._forward(request, body, b, stream, rid, pre, fallback)
+                return await self._forward(request, body, b, stream, rid, pre, fallback, d)
             except _Retry as e:
                 log.info("request %s: %s; retrying on another replica", rid, e)
         return error(502, f"{tries} tries on replicas of model '{d.model}' failed before answering", None,
@@ -176,7 +182,8 @@ class Proxy:
             d.queued -= 1
 
     async def _forward(self, request: web.Request, body: bytes, b: Backend, stream: bool, rid: str,
-                       pre: Backend | None = None, fallback: Backend | None = None) -> tuple[web.StreamResponse, int, int]:
+                       pre: Backend | None = None, fallback: Backend | None = None,
+                       d: ModelDemand | None = None) -> tuple[web.StreamResponse, int, int]:
         b.in_flight += 1
         prefills = pre if pre is not None and pre.data else b  # who prefills this request
         prefills.prefilling += 1
@@ -202,6 +209,19 @@ class Proxy:
                 raise _Retry(f"{b.pod} answered 503")
             b.reported(up.headers.get(SERVING_SHARE_HEADER_LC))
             b.reported_room(up.headers.get(PREFILL_ROOM_HEADER_LC))
+            handed = up.headers.get(HANDED_BACK_HEADER_LC)
+            if handed is not None and fallback is not None and pre is None and handed == fallback.data:
+                # the converted decoder handed this prompt to the prefill engine we named: from now until its
+                # first token that engine prefills it (its load), not the decoder, and the client is told so
+                prefills.prefilling -= 1
+                prefills = prefiller = pre = fallback
+                fallback.prefilling += 1
+                fallback.in_flight += 1
+                if d is not None:
+                    d.handbacks += 1
+            elif handed is not None:
+                log.warning("request %s: %s says it handed the prompt to %r, not the prefill engine named (%s)",
+                            rid, b.pod, handed, fallback.data if fallback else None)
             headers = {REQUEST_ID: rid, REPLICA: b.pod}
             if pre is not None:
                 headers[PREFILLED_BY] = pre.pod

@@ -269,3 +269,21 @@ def test_a_converted_decoder_reports_the_prefill_room_its_step_budget_leaves() -
     assert 9 <= (s.prefill_room() or 0) <= 11
     s.limits.step_budget_s = 0.005  # the decodes alone fill it
     assert s.prefill_room() == 0
+
+
+def test_waiting_prompts_queue_by_arrival_so_a_handed_back_prompt_goes_ahead_of_later_ones() -> None:
+    """A prefill engine queues a prompt a converted decoder hands back by the time it first arrived
+    (kv_wire.PrefillOp.waited_s -> Seq.arrived), not behind prompts that arrived after it; equal arrivals and
+    prompts without one keep FCFS, and `front` still goes first."""
+    s = Scheduler(Limits(kv_tokens=4096))
+    for i, t in enumerate((1.0, 2.0, 3.0)):
+        s.add(Seq(f"r{i}", 10, 4, arrived=t))
+    s.add(Seq("back", 10, 4, arrived=1.5))  # arrived at 1.5 on its decoder, handed back after r2 arrived
+    s.add(Seq("late", 10, 4, arrived=3.0))  # same arrival as r2: after it
+    assert [q.id for q in s.waiting] == ["r0", "back", "r1", "r2", "late"]
+    s.add(Seq("pre", 10, 4, arrived=9.0), front=True)
+    assert s.waiting[0].id == "pre"
+    plain = Scheduler(Limits(kv_tokens=4096))
+    for i in range(3):
+        plain.add(Seq(f"p{i}", 10, 4))
+    assert [q.id for q in plain.waiting] == ["p0", "p1", "p2"]

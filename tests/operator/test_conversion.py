@@ -35,7 +35,7 @@ def service(prefill: tuple[int, int] = (1, 1), decode: tuple[int, int] = (2, 2),
                      "engine": {"image": "kascade:dev"}, "mode": "disaggregated",
                      "replicas": {"prefill": {"min": prefill[0], "max": prefill[1]},
                                   "decode": {"min": decode[0], "max": decode[1]}},
-                     "slo": {"tbtMs": 200},
+                     "slo": {"tbtMs": 200, "ttftMs": 1200},
                      "scaling": {"policy": "tokenVelocity", "intervalSeconds": 0.05, "idleReleaseSeconds": 3600,
                                  "tokenVelocity": {"prefillTokensPerSecond": 100, "decodeTokensPerSecond": 1000},
                                  **scaling}}}
@@ -85,6 +85,9 @@ async def test_a_prefill_burst_converts_decoders_and_new_capacity_takes_them_bac
     assert convert_calls(stubs["d0"]) == [10]  # chunk budget 0.5 x 200 ms x 100 tok/s
     # and the step time budget the engine cuts its chunks to: 0.8 x the 200 ms objective
     assert [b.get("stepBudgetMs") for v, b, _ in stubs["d0"].calls if v == "convert"] == [pytest.approx(160.0)]
+    # and the hand-back bound, from the TTFT objective: 0.25 x spec.slo.ttftMs
+    ttft_ms = service()["spec"]["slo"]["ttftMs"]
+    assert [b.get("handBackMs") for v, b, _ in stubs["d0"].calls if v == "convert"] == [pytest.approx(0.25 * ttft_ms)]
     assert convert_calls(stubs["d1"]) == [] and convert_calls(stubs["p0"]) == []
     assert any(e["reason"] == "ConvertDecoders" and "convert d0" in e["message"] for e in kube.events)
 

@@ -9,7 +9,10 @@ the prefill engine P the router named (PREFILL_FALLBACK_HEADER), and the client 
   hand-back bound;
 - a burst of prompts through the router: P takes most, D (prefilling none) takes at least one itself;
 - every answer equals the colocated one; every prompt was prefilled on P (D's handed-back ones too), D handed
-  back exactly the ones it took, and they were answered while D's streams still ran.
+  back exactly the ones it took, and they were answered while D's streams still ran;
+- the router learns of each hand-back (D's answer says where, X-Kascade-Handed-Back): every answer names P in
+  X-Kascade-Prefilled-By, `kascade_router_prefill_handbacks` counts D's hand-backs, and its PD accounting
+  (prefills in flight) is back to zero on both engines.
 Fails without the hand-back: D's own prompt gets 0 tokens a step and waits for the streams to end (and P
 prefills one prompt fewer)."""
 
@@ -105,7 +108,8 @@ async def test_a_prompt_a_converted_decoder_has_no_room_for_is_served_by_the_pre
             before = {u: await (await s.get(f"{u}/metrics")).text() for u in (p_url, d_url)}
             got = await asyncio.gather(*(_complete(s, r_url, q, 8, i % 2 == 0) for i, q in enumerate(PROMPTS)))
             running = [not t.done() for t in streams]
-            after = {u: await (await s.get(f"{u}/metrics")).text() for u in (p_url, d_url)}
+            after = {u: await (await s.get(f"{u}/metrics")).text() for u in (p_url, d_url, r_url)}
+            counts = {b.pod: (b.in_flight, b.prefilling) for b in backends.values()}
             for t in streams:  # their work is done (they kept D busy through the burst): the clients leave
                 t.cancel()
             await asyncio.gather(*streams, return_exceptions=True)
@@ -119,9 +123,13 @@ async def test_a_prompt_a_converted_decoder_has_no_room_for_is_served_by_the_pre
 
     assert [t for t, _ in got] == want
     assert all(h["X-Kascade-Replica"] == "tiny-llama-0" for _, h in got)  # the answers stream from D
-    local = [h for _, h in got if "X-Kascade-Prefilled-By" not in h]
-    assert local, "the router gave the converted decoder no prompt to prefill itself"
-    assert delta(d_url, "kascade_pd_handbacks_total") == len(local)
+    # D's hand-backs included: the router names P on every answer (without the hand-back header D took some
+    # prompts "locally" as far as the router knew)
+    assert [h.get("X-Kascade-Prefilled-By") for _, h in got] == ["tiny-llama-1"] * len(PROMPTS)
+    handed = delta(d_url, "kascade_pd_handbacks_total")
+    assert handed >= 1, "the router gave the converted decoder no prompt to prefill itself"
+    assert _metric(after[r_url], "kascade_router_prefill_handbacks_total") == handed
+    assert counts == {"tiny-llama-0": (0, 0), "tiny-llama-1": (0, 0)}  # the moved accounting was given back
     assert delta(p_url, "kascade_pd_prefills_served_total") == len(PROMPTS)  # the handed-back ones too
     assert delta(d_url, "kascade_pd_remote_prefills_total") == len(PROMPTS)
     assert delta(d_url, "kascade_pd_local_fallbacks_total") == 0
