@@ -68,7 +68,8 @@ def engine(ckpt: Path, ns: list[str] | None = None, host: str = "127.0.0.1",
     core each, as two GPUs would be, so a prefiller's compute does not slow its decoder's steps. `log`: its
     stderr (the engine's log: hand-backs, remote prefills) goes there instead of nowhere."""
     pin = ["taskset", "-c", str(core)] if core is not None and shutil.which("taskset") else []
-    cmd = [*(ns or []), *pin, sys.executable, "-m", "kascade_cli.main", "engine", "serve", "--host", host, "--port", "0",
+    verbose = ["-v"] if log is not None else []  # info: each hand-back and remote prefill is a line
+    cmd = [*(ns or []), *pin, sys.executable, "-m", "kascade_cli.main", *verbose, "engine", "serve", "--host", host, "--port", "0",
            "--act-port", "0", "--checkpoint", str(ckpt), "--model-name", MODEL, "--kv-tokens", "16384",
            "--max-batch-tokens", str(batch), "--max-prompt-tokens", "500", "--transport", transport]
     err = subprocess.DEVNULL if log is None else log.open("w")
