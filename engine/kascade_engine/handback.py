@@ -23,7 +23,8 @@ The rule (`verdict`, pure), at each check: no progress over the bound -> hand ba
 predicted finish of the prompt's prefill (the tokens left / the rate it got over the last bound, i.e. what its
 step budget gives it now) against the remote path's (`RemotePrefill.took`: what a prefill on that peer took
 lately, queue included, for the whole prompt, since the partial prefill is dropped): hand back when the remote
-path finishes sooner; else check again after another bound. Without a measured remote path, progress keeps
+path finishes sooner (`RemotePrefill.expected_s`: that average, or longer while a remote prefill in flight has
+waited longer: the queue of a burst); else check again after another bound. Without a measured remote path, progress keeps
 the prompt here. The handed-back prompt carries the time it waited here (kv_wire.PrefillOp.waited_s): the
 prefill engine queues it by its arrival, not behind prompts that reached the router after it.
 """
@@ -105,7 +106,7 @@ class HandBack:
             return []  # gone, or a token is out (the client may have it): it stays here
         now = time.monotonic()
         why = verdict(len(prompt) - s.computed, s.computed - seen, now - seen_at,
-                      self.inst.remote_prefill.took.get(peer))
+                      self.inst.remote_prefill.expected_s(peer))
         if why is None:  # it progresses fast enough: look again after another bound
             loop.call_soon_threadsafe(self._arm, rid, prompt, params, peer, after_s, s.computed, now)
             return []

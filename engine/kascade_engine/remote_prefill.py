@@ -57,6 +57,7 @@ class RemotePrefill:
         # peer -> seconds a remote prefill on it takes now, start to KV landed (its queue, compute and link),
         # a moving average over recent prompts: what the hand-back compares a slow local prefill with
         self.took: dict[str, float] = {}
+        self.pending: dict[str, tuple[str, float]] = {}  # rid -> (peer, start) of remote prefills in flight
 
     def start(self, rid: str, prompt: list[int], params: SamplingParams, peer: str,
               local: Callable[[], None], arrived: float | None = None) -> None:
@@ -70,6 +71,7 @@ class RemotePrefill:
     async def _run(self, rid: str, prompt: list[int], params: SamplingParams, peer: str,
                    local: Callable[[], None], arrived: float | None = None) -> None:
         t0 = time.monotonic()
+        self.pending[rid] = (peer, t0)
         try:
             token, k, v = await self._fetch(rid, prompt, params, peer, arrived)
         except (RemotePrefillError, KVWireError, TransportError, OSError, RuntimeError, ValueError, TimeoutError) as e:
@@ -79,6 +81,8 @@ class RemotePrefill:
             if rid in self.inst.serving.queues:
                 local()
             return
+        finally:
+            self.pending.pop(rid, None)
         dt = time.monotonic() - t0
         old = self.took.get(peer)
         self.took[peer] = dt if old is None else old + TOOK_WEIGHT * (dt - old)
@@ -86,6 +90,18 @@ class RemotePrefill:
             return
         self.inst.engine.call_in_step(lambda eng: self._adopt(eng, rid, prompt, params, token, k, v))
         self.inst.serving.wake.set()
+
+    def expected_s(self, peer: str) -> float | None:
+        """What a remote prefill on `peer` takes now: the moving average of those that landed (`took`), or longer
+        when one in flight has already waited longer (a burst's queue grows before any of it lands: the average
+        of the prompts before the burst said 0.3 s while P's queue held 1-2 s, bench/pd.py run3 2026-11-27-c).
+        None: nothing measured yet."""
+        now = time.monotonic()
+        ages = [now - t for p, t in tuple(self.pending.values()) if p == peer]
+        took = self.took.get(peer)
+        if took is None and not ages:
+            return None
+        return max([took or 0.0, *ages])
 
     async def _fetch(self, rid: str, prompt: list[int], params: SamplingParams,
                      peer: str, arrived: float | None = None) -> tuple[int, torch.Tensor, torch.Tensor]:

@@ -482,3 +482,21 @@ def test_the_prefill_op_carries_the_time_a_prompt_waited() -> None:
     for bad in (-1, True, "1", float("inf"), float("nan")):
         with pytest.raises(KVWireError, match="waited_s"):
             waited_s({"waited_s": bad})
+
+
+def test_the_remote_path_estimate_follows_a_growing_queue() -> None:
+    """What the hand-back compares with: the moving average of landed remote prefills, or the age of one still
+    in flight when that is longer (a burst's queue at the prefill engine grows before any of it lands)."""
+    from types import SimpleNamespace
+
+    from kascade_engine.remote_prefill import RemotePrefill
+
+    rp = RemotePrefill(SimpleNamespace(transport=None, config=SimpleNamespace(token="t")))  # type: ignore[arg-type]
+    assert rp.expected_s("p:1") is None
+    rp.took["p:1"] = 0.3
+    assert rp.expected_s("p:1") == 0.3
+    rp.pending["r1"] = ("p:1", time.monotonic() - 1.5)  # sent 1.5 s ago, not landed
+    rp.pending["r2"] = ("q:2", time.monotonic() - 9.0)  # another peer's queue says nothing of p:1
+    assert 1.5 <= rp.expected_s("p:1") < 2.5  # type: ignore[operator]
+    del rp.took["p:1"]
+    assert 1.5 <= rp.expected_s("p:1") < 2.5  # type: ignore[operator]
