@@ -55,7 +55,8 @@ def conversion_input(sim: Simulation, m: int, k: int) -> ConversionInput:
                      for d in sim.group[(m, "decode")] if d.state == "serving")
     ready = sum(1 for p in sim.group[(m, "prefill")] if p.state == "serving")
     return ConversionInput(_rate(sim, m, "prefill", k), ready, v.prefill_effective, decoders,
-                           prefill_queue=float(len(sim.queue[(m, "prefill")])), tbt_slo_s=sim.cfg.tbt_slo_s)
+                           prefill_queue=float(len(sim.queue[(m, "prefill")])), tbt_slo_s=sim.cfg.tbt_slo_s,
+                           ttft_slo_s=sim.cfg.ttft_slo_s)  # the hand-back bound: not modelled (no hand-back here)
 
 
 def apply_conversions(sim: Simulation, m: int, k: int, now: float) -> Conversions:
