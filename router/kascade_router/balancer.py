@@ -44,11 +44,15 @@ def _prefill_load(b: Backend) -> float:
 
 
 def _pick_prefill(pool: Sequence[Backend], rng: random.Random) -> Backend | None:
-    """Power of two choices on `_prefill_load`."""
+    """Power of two choices on `_prefill_cost`; on a tie a prefill engine wins over a converted decoder. The
+    converted decoder is the overflow, not a peer: a prompt it takes may wait up to its hand-back bound before
+    it goes to a prefill engine after all, and one sent there at once does not (bench/pd.py run 8,
+    docs/worklog/2026-11-27-c/h18.md: the burst's first prompt went to the decoder on a 2-to-2 tie, was
+    handed back 0.27 s later, and every later burst prompt on the saturated prefill engine was that late)."""
     if len(pool) <= 1:
         return pool[0] if pool else None
     a, b = rng.sample(list(pool), 2)
-    return a if _prefill_cost(a) <= _prefill_cost(b) else b
+    return min(a, b, key=lambda x: (_prefill_cost(x), x.role != "prefill"))
 
 
 def _prefill_cost(b: Backend) -> float:

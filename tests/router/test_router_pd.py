@@ -191,6 +191,19 @@ def test_a_converted_decoder_weighs_its_prompts_by_its_share_and_prefills_one_at
     assert all(pick_pd([d, p], rng) == (d, p) for _ in range(20))
 
 
+def test_a_prefill_engine_wins_a_tie_against_a_converted_decoder() -> None:
+    """Equal cost (a prefill engine with one prompt: (1 + 1) / 1; an idle converted decoder: (0 + 2) / 1): the
+    prefill engine takes the prompt every time, whichever of the two the sample draws first; one prompt more on
+    it and the converted decoder takes it."""
+    rng = random.Random(7)
+    d = Backend("d", "h:1", role="decode", data="h:10", convertible=True, in_flight=4, prefilling=0)
+    p = Backend("p", "h:2", role="prefill", data="h:20", in_flight=1, prefilling=1)
+    assert all(pick_pd([d, p], rng) == (d, p) for _ in range(40))
+    assert all(pick_pd([p, d], rng) == (d, p) for _ in range(40))
+    p.in_flight = p.prefilling = 2
+    assert all(pick_pd([d, p], rng) == (d, None) for _ in range(40))
+
+
 def test_a_converted_decoder_without_prefill_room_sends_prompts_to_a_prefill_engine() -> None:
     """A converted decoder whose step budget gives a chunk no tokens now (its reported prefill room 0, beside a
     big batch) takes no prompt while a prefill engine can, even a busy one: the prompt would wait there. With
@@ -219,7 +232,7 @@ def test_a_converted_decoder_prefilling_itself_is_given_a_prefill_engine_to_hand
     rng = random.Random(1)
     d = Backend("d", "h:1", role="decode", data="h:10", convertible=True)
     p1 = Backend("p1", "h:2", role="prefill", data="h:20", in_flight=4)
-    p2 = Backend("p2", "h:3", role="prefill", data="h:30", in_flight=1)
+    p2 = Backend("p2", "h:3", role="prefill", data="h:30", in_flight=2)  # busier than d with the prompt (3 > 2): d takes it
     p3 = Backend("p3", "h:4", role="prefill")  # no data port: KV cannot leave it
     assert pick_pd([d, p1, p2, p3], rng) == (d, None)  # it prefills none: it takes the prompt itself
     assert fallback_prefill([d, p1, p2, p3], d, None) is p2
