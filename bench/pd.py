@@ -163,6 +163,8 @@ async def setup(ckpt: Path, mode: str, reqs: list[Request], max_tokens: int, pol
     try:
         cores = sorted(os.sched_getaffinity(0))
         logs = os.environ.get("KASCADE_BENCH_ENGINE_LOGS")  # a folder for the engines' logs (evidence)
+        if logs:
+            Path(logs).mkdir(parents=True, exist_ok=True)
         a, ah, aa = engine(ckpt, core=cores[0], log=Path(logs) / f"{mode}-a.log" if logs else None)
         b, bh, ba = engine(ckpt, core=cores[-1], log=Path(logs) / f"{mode}-b.log" if logs else None)
         procs += [a, b]
