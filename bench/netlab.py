@@ -134,21 +134,10 @@ class NetLab:
         return sent
 
     def class_bytes(self, i: int, side: str) -> dict[int, int]:
-        """Bytes each htb class of host i's link has sent: side "up" (host i's veth) or "down" (the switch
-        port towards host i). Tests read it to see which class a flow went through."""
-        ns, dev = (self.prefix(i), f"{self.tag}-v{i}") if side == "up" else (
-            ["ip", "netns", "exec", f"{self.tag}-sw"], f"{self.tag}-p{i}")
-        out = subprocess.run([*ns, "tc", "-s", "class", "show", "dev", dev], capture_output=True, text=True,
-                             check=True).stdout
-        sent: dict[int, int] = {}
-        minor = None
-        for line in out.splitlines():
-            words = line.split()
-            if words[:2] == ["class", "htb"]:
-                minor = int(words[2].split(":")[1])  # written as 1:10 (tc reads hex) and printed back alike
-            elif words[:1] == ["Sent"] and minor is not None:
-                sent[minor] = int(words[1])
-        return sent
+        """Bytes each htb class of host i's link has sent, by minor (1:10 -> 10; tc reads and prints it as hex
+        digits alike): side "up" (host i's veth) or "down" (the switch port towards host i). Tests read it to
+        see which class a flow went through."""
+        return {int(cid.split(":")[1]): n for cid, n in self.class_bytes_by_id(i, side).items()}
 
     def _shape(self, ns: list[str], dev: str, me: int, direction: str) -> None:
         """htb: in-group traffic at the link rate, cross-group traffic at spine_ratio of it, and one leaf
