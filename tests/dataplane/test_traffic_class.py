@@ -106,11 +106,17 @@ def test_plain_transport_marks_nothing_by_default() -> None:
 # -- the emulated links (bench/netlab.py) -----------------------------------------------------------
 
 def _netlab() -> ModuleType:
+    """bench/netlab.py, or a skip naming what this machine lacks (root, namespaces with tc)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (ip netns, tc)")
     path = Path(__file__).parents[2] / "bench" / "netlab.py"
     spec = importlib.util.spec_from_file_location("netlab_under_test", path)
     assert spec and spec.loader
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    why = mod.available()
+    if why is not None:
+        pytest.skip(f"no namespaces with tc here: {why}")
     return mod
 
 
@@ -126,12 +132,7 @@ for _ in range(n):
 
 @pytest.mark.netns
 def test_netlab_links_send_the_activation_class_through_its_own_htb_class() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("needs root (ip netns, tc)")
     netlab = _netlab()
-    why = netlab.available()
-    if why is not None:
-        pytest.skip(f"no namespaces with tc here: {why}")
     lab = netlab.NetLab(2, rate_mbit=50, prefix=f"kq{secrets.token_hex(2)}", qos=True)
     act, bulk, n = netlab.ACTIVATION_CLASS, netlab.BULK_CLASS, 40
     with lab:
@@ -157,12 +158,7 @@ def test_netlab_links_send_the_activation_class_through_its_own_htb_class() -> N
 def test_two_group_netlab_links_send_the_activation_class_first_under_each_peer_leaf() -> None:
     """Two leaves and a spine (groups=2): with QoS, the per-peer leaf of host 0's uplink (and of the switch
     port to the receiver) queues the marked packets in its activation class, in-group and cross-group alike."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root (ip netns, tc)")
     netlab = _netlab()
-    why = netlab.available()
-    if why is not None:
-        pytest.skip(f"no namespaces with tc here: {why}")
     lab = netlab.NetLab(4, rate_mbit=50, groups=2, spine_ratio=0.5, prefix=f"kq{secrets.token_hex(2)}", qos=True)
     act, bulk, n = netlab.ACTIVATION_CLASS, netlab.BULK_CLASS, 40
     with lab:
