@@ -52,12 +52,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kascade_engine import timeline
 from kascade_engine.engine import Event
-from kascade_engine.redirect import params_from_wire
+from kascade_engine.redirect import params_from_wire, requeue
 from kascade_engine.sampling import SamplingParams
 from kascade_engine.transport import Connection, TransportError
 
@@ -252,11 +252,9 @@ class Forwarder:
         h = self.handed.pop(rid, None)
         if h is None or rid not in self.inst.serving.queues:  # finished, or its client went away
             return
-        rest = replace(h.params, max_tokens=h.params.max_tokens - len(h.out))
-        try:
-            self.inst.engine.submit(h.prompt + h.out, rest, h.rid, front=True)
-        except ValueError as e:  # cannot happen for a request A admitted, but never lose it silently
-            self.inst.serving.publish([Event(h.rid, -1, True, f"error: {why}, and taking it back failed: {e}")])
+        failed = requeue(self.inst.engine, h.rid, h.prompt, h.params, h.out)
+        if failed is not None:
+            self.inst.serving.publish([Event(h.rid, -1, True, f"error: {why}, and taking it back failed: {failed}")])
             return
         self._kept.add(rid)
         self.taken_back += 1

@@ -49,6 +49,18 @@ class Handed:
     out: list[int] = field(default_factory=list)  # tokens streamed to the client so far (sampled here)
 
 
+def requeue(engine: Engine, rid: str, prompt: list[int], params: SamplingParams, out: list[int]) -> str | None:
+    """Take back a request a peer dropped after streaming `out`: queue prompt + `out` first (it has waited
+    longest) under the same id with the tokens still owed, so the client's stream goes on. The error text
+    when the engine cannot (never for a request it admitted; the caller must not lose it silently)."""
+    rest = replace(params, max_tokens=params.max_tokens - len(out))
+    try:
+        engine.submit(prompt + out, rest, rid, front=True)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def params_from_wire(entry: list[Any]) -> tuple[str, list[int], SamplingParams]:
     """B's side: one "redirect" entry -> (request id, prompt, params); ValueError names what is wrong."""
     if not (isinstance(entry, list) and len(entry) == 7 and isinstance(entry[0], str) and isinstance(entry[1], list)):
@@ -107,11 +119,9 @@ class Redirects:
         h = self.handed.pop(key, None)
         if h is None:
             return
-        rest = replace(h.params, max_tokens=h.params.max_tokens - len(h.out))
-        try:  # same id: the client's stream goes on; prompt + streamed tokens are prefilled again here
-            engine.submit(h.prompt + h.out, rest, h.rid, front=True)  # first: it has waited longest
-        except ValueError as e:  # cannot happen for a request A admitted, but never lose it silently
-            self.events.append(Event(h.rid, -1, True, f"error: {why}, and taking it back failed: {e}"))
+        failed = requeue(engine, h.rid, h.prompt, h.params, h.out)
+        if failed is not None:
+            self.events.append(Event(h.rid, -1, True, f"error: {why}, and taking it back failed: {failed}"))
             return
         r = engine.requests[h.rid]
         if gen is not None and r.gen is not None:
