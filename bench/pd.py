@@ -328,6 +328,7 @@ def sim_side(reqs: list[Request], max_tokens: int, bench_ttft0: float, ttft_x: f
                          "conversions": [{"t": round(c[0], 3), "reason": c[3].reason} for c in conv]},  # type: ignore[attr-defined]
                         reqs, ttft_slo, tbt_slo)
         row["converted_prefills"] = r.converted_prefills
+        row["handbacks"] = r.handbacks
         row["policy_calls"] = len(s.policy_calls)
         out[mode] = row
     return out

@@ -19,7 +19,7 @@ the same remote-prefill path whose greedy output equals the colocated engine's; 
 prompt is prefilled here after all (RemotePrefill's local fallback), not lost. One that got its first token
 is never touched again.
 
-The rule (`verdict`, pure), at each check: no progress over the bound -> hand back; progress -> this engine's
+The rule (`kascade_planner.conversion.hand_back_verdict`, pure, the simulator's too), at each check: no progress over the bound -> hand back; progress -> this engine's
 predicted finish of the prompt's prefill (the tokens left / the rate it got over the last bound, i.e. what its
 step budget gives it now) against the remote path's (`RemotePrefill.took`: what a prefill on that peer took
 lately, queue included, for the whole prompt, since the partial prefill is dropped): hand back when the remote
@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 from kascade_engine.engine import Event
 from kascade_engine.sampling import SamplingParams
+from kascade_planner.conversion import hand_back_verdict
 
 if TYPE_CHECKING:
     from kascade_engine.engine import Engine
@@ -48,21 +49,6 @@ log = logging.getLogger(__name__)
 # (bench/pd.py calibrates ~1 s), long enough for a decode or two to end and free room, short beside the seconds a
 # prompt waited for a batch to drain
 DEFAULT_HAND_BACK_S = 0.25
-
-
-def verdict(left: int, progressed: int, elapsed_s: float, remote_s: float | None) -> str | None:
-    """Why a prompt should leave for the remote path now (None: it stays). `left`: its prompt tokens not yet
-    computed here; `progressed`: tokens computed over the last `elapsed_s`; `remote_s`: what a remote prefill
-    of it is expected to take (None: not measured)."""
-    if progressed <= 0:
-        return f"no prefill progress for {elapsed_s:.3f} s"
-    if remote_s is None or elapsed_s <= 0:
-        return None
-    local_s = left * elapsed_s / progressed
-    if local_s > remote_s:
-        return (f"{progressed} tokens in {elapsed_s:.3f} s: {left} left would take {local_s:.3f} s here, "
-                f"{remote_s:.3f} s on the prefill engine")
-    return None
 
 
 class HandBack:
@@ -105,7 +91,7 @@ class HandBack:
         if r is None or r.out or s is None:
             return []  # gone, or a token is out (the client may have it): it stays here
         now = time.monotonic()
-        why = verdict(len(prompt) - s.computed, s.computed - seen, now - seen_at,
+        why = hand_back_verdict(len(prompt) - s.computed, s.computed - seen, now - seen_at,
                       self.inst.remote_prefill.expected_s(peer))
         if why is None:  # it progresses fast enough: look again after another bound
             loop.call_soon_threadsafe(self._arm, rid, prompt, params, peer, after_s, s.computed, now)

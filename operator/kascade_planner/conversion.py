@@ -118,6 +118,23 @@ def hand_back(ttft_slo_s: float | None) -> float | None:
     return None if ttft_slo_s is None else HAND_BACK_SHARE * ttft_slo_s
 
 
+def hand_back_verdict(left: int, progressed: int, elapsed_s: float, remote_s: float | None) -> str | None:
+    """Why a prompt a converted decoder prefills itself should go to a prefill engine now (None: it stays).
+    `left`: its prompt tokens not yet computed there; `progressed`: tokens computed over the last `elapsed_s`;
+    `remote_s`: what a prefill of the whole prompt on a prefill engine is expected to take, queue included (None:
+    not measured). No progress always hands back; progress hands back when the remote path finishes sooner. The
+    engine (kascade_engine.handback) and the simulator (kascade_sim.serving) both decide by it."""
+    if progressed <= 0:
+        return f"no prefill progress for {elapsed_s:.3f} s"
+    if remote_s is None or elapsed_s <= 0:
+        return None
+    local_s = left * elapsed_s / progressed
+    if local_s > remote_s:
+        return (f"{progressed} tokens in {elapsed_s:.3f} s: {left} left would take {local_s:.3f} s here, "
+                f"{remote_s:.3f} s on the prefill engine")
+    return None
+
+
 def plan_conversions(c: ConversionInput) -> Conversions:
     plan = _plan(c)
     return replace(plan, step_budget_s=step_budget(c.tbt_slo_s), hand_back_s=hand_back(c.ttft_slo_s))

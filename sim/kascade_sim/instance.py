@@ -45,6 +45,8 @@ class Instance:
     converted: bool = False  # decoder: the iteration in flight (or last) is a prefill batch (convertible)
     chunk_req: int = -1  # converted decoder: the long prompt being prefilled chunk by chunk
     chunk_left: int = 0  # ... and its tokens not yet prefilled
+    chunk_seen: int = 0  # ... its tokens prefilled at the last hand-back check
+    chunk_seen_at: float = 0.0  # ... and when that check was
     running: list[tuple[int, int]] = field(default_factory=list)  # (finish step, request)
     n_running: int = 0
     kv_reserved: int = 0

@@ -7,10 +7,10 @@ Data flow, every tick, per model: the window's prompt and output tokens/s (`Simu
 instance's velocities from the engine cost model (`velocities`) + the role bounds -> `pd_ratio` ->
 desired prefill and decode counts (`ratio_decisions`, as `policies.Decision`s for `Scaling`); the same
 prompt tokens/s + serving prefillers + the decoders (each with its policy flag `Instance.convertible`) +
-the prefill queue + the TBT objective -> `plan_conversions` -> flags set or cleared and the chunk budget
-(`apply_conversions`). `Serving._converts` lets only a flagged decoder take prefill. Every call is logged
-(`Simulation.policy_calls`: time, policy, input, answer) so a test can call the policy again on the same
-input and compare.
+the prefill queue + the TBT and TTFT objectives -> `plan_conversions` -> flags set or cleared, the chunk
+budget and the hand-back bound (`apply_conversions`). `Serving._converts` lets only a flagged decoder take
+prefill. Every call is logged (`Simulation.policy_calls`: time, policy, input, answer) so a test can call
+the policy again on the same input and compare.
 """
 
 from __future__ import annotations
@@ -56,16 +56,17 @@ def conversion_input(sim: Simulation, m: int, k: int) -> ConversionInput:
     ready = sum(1 for p in sim.group[(m, "prefill")] if p.state == "serving")
     return ConversionInput(_rate(sim, m, "prefill", k), ready, v.prefill_effective, decoders,
                            prefill_queue=float(len(sim.queue[(m, "prefill")])), tbt_slo_s=sim.cfg.tbt_slo_s,
-                           ttft_slo_s=sim.cfg.ttft_slo_s)  # the hand-back bound: not modelled (no hand-back here)
+                           ttft_slo_s=sim.cfg.ttft_slo_s)
 
 
 def apply_conversions(sim: Simulation, m: int, k: int, now: float) -> Conversions:
-    """One conversion round: the policy's answer applied to the decoders' flags and the chunk budget; a
-    decoder just converted is offered the prefill queue at once."""
+    """One conversion round: the policy's answer applied to the decoders' flags, the chunk budget and the
+    hand-back bound; a decoder just converted is offered the prefill queue at once."""
     inp = conversion_input(sim, m, k)
     plan = plan_conversions(inp)
     sim.policy_calls.append((now, "conversion", inp, plan))
     sim.chunk_tokens[m] = plan.chunk_tokens
+    sim.hand_back_s[m] = plan.hand_back_s
     by = {d.id: d for d in sim.group[(m, "decode")]}
     for name in plan.convert:
         by[name].convertible = True

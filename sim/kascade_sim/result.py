@@ -68,6 +68,7 @@ class Result:
     clipped_requests: int = 0  # requests longer than the context, clipped
     loads: int = 0  # instances loaded by scale-ups
     converted_prefills: int = 0  # requests prefilled by convertible decoders
+    handbacks: int = 0  # prompts a converted decoder handed back to the prefillers
 
     @staticmethod
     def build(sim: Simulation, end: float) -> Result:
@@ -86,7 +87,7 @@ class Result:
                       sim.cfg.ttft_slo_s, sim.cfg.tbt_slo_s, gpu_s, end, peak * size, touched,
                       tuple(sim.events), tuple(sim.samples), sim.models,
                       hm.miss_rate if sim.sys.host_cache == "ttl" else 0.0, hm.evictions, kv_peak, sim.clipped,
-                      sim.loads, sim.converted_prefills)
+                      sim.loads, sim.converted_prefills, len(sim.handed))
 
     def summary(self) -> dict[str, Any]:
         tt = sorted(self.ttft_s)
@@ -110,7 +111,7 @@ class Result:
             "models": self.models, "host_cache_miss_rate": self.host_cache_miss_rate,
             "host_cache_evictions": self.host_cache_evictions, "kv_peak_fraction": self.kv_peak_fraction,
             "clipped_requests": self.clipped_requests, "loads": self.loads,
-            "converted_prefills": self.converted_prefills,
+            "converted_prefills": self.converted_prefills, "handbacks": self.handbacks,
             "mean_predicted_load_s": (sum(e.predicted_load_s for e in self.events if e.direction == "up")
                                       / max(1, sum(1 for e in self.events if e.direction == "up"))),
         }

@@ -4,11 +4,15 @@ Data flow: a request in its model's global queue (`_wake`) -> an accepting insta
 (`_kick`: prefill batch or decode step, a live target sharing work with its partner) -> ITER event ->
 `_iteration_done` (first tokens; in disaggregated mode the KV waits on its prefiller until
 `_dispatch` finds a decoder with room, then a KV event after the transfer) -> decode steps until the
-last token. Mixed into `simulator.Simulation`, whose state it reads and writes.
+last token. A converted decoder prefilling a long prompt in chunks may hand it back to the prefill queue
+(`_hand_back`, by the engine's own rule). Mixed into `simulator.Simulation`, whose state it reads and writes.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
+
+from kascade_planner.conversion import hand_back_verdict
 from kascade_sim.events import ITER, KV
 from kascade_sim.instance import Instance
 
@@ -51,6 +55,8 @@ class Serving:
         if not q or self.queue[(m, "decode")] or (inst.converted and inst.n_running):
             return False
         r = q[0]
+        if r in self.handed:  # handed back by a decoder: it waits for a prefiller
+            return False
         if inst.kv_reserved + self.inp[r] + self.out[r] > inst.kv_cap or inst.n_running + inst.incoming >= self.spec.max_batch:
             return False
         return not any(p.accepting and not p.busy for p in self.group[(m, "prefill")])
@@ -62,6 +68,38 @@ class Serving:
         if not inst.n_running:
             return self.spec.max_prefill_tokens
         return self.sys.convert_chunk_tokens or self.chunk_tokens[inst.model]
+
+    def _hand_back(self, inst: Instance, now: float) -> bool:
+        """TokenScale's hand-back as the engine does it (kascade_engine.handback): once per hand-back bound a
+        converted decoder weighs the long prompt it prefills in chunks with `hand_back_verdict`, against what a
+        prefill on a prefiller takes now (`_remote_s`). Handed back, the prompt leaves it (partial prefill
+        dropped, KV reservation freed) for the prefill queue at its arrival, where only a prefiller takes it."""
+        bound = self.hand_back_s[inst.model]
+        if bound is None or now - inst.chunk_seen_at < bound:
+            return False
+        r, m = inst.chunk_req, inst.model
+        done = self.inp[r] - inst.chunk_left
+        if hand_back_verdict(inst.chunk_left, done - inst.chunk_seen, now - inst.chunk_seen_at,
+                             self._remote_s(m, now)) is None:
+            inst.chunk_seen, inst.chunk_seen_at = done, now
+            return False
+        inst.kv_reserved -= self.inp[r] + self.out[r]
+        inst.chunk_req, inst.chunk_left = -1, 0
+        self.converted_prefills -= 1
+        self.handed.add(r)
+        q = self.queue[(m, "prefill")]
+        q.insert(bisect_right(q, self.arr[r], key=lambda x: self.arr[x]), r)
+        return True
+
+    def _remote_s(self, m: int, now: float) -> float | None:
+        """What a prefill on a prefiller of model `m` is expected to take: the moving average of recent ones
+        (arrival to first token), or the wait of the oldest prompt queued for one when that is longer (as
+        `RemotePrefill.expected_s`: a burst's queue grows before its prompts finish). None: nothing yet."""
+        q = self.queue[(m, "prefill")]
+        took = self.prefill_took.get(m)
+        if took is None and not q:
+            return None
+        return max(took or 0.0, now - self.arr[q[0]] if q else 0.0)
 
     def _prefill_chunk(self, inst: Instance, now: float) -> None:
         """One chunk of a long prompt on a converted decoder (its KV was reserved at the first chunk);
@@ -113,8 +151,12 @@ class Serving:
         if inst.busy or state not in ("live", "serving", "draining"):
             return
         if inst.chunk_left and not (inst.converted and inst.n_running):
-            self._prefill_chunk(inst, now)  # a long prompt's next chunk (decode steps in between)
-            return
+            if not self._hand_back(inst, now):
+                self._prefill_chunk(inst, now)  # a long prompt's next chunk (decode steps in between)
+                return
+            self._wake(inst.model, "prefill", now)  # a prefiller may take it now
+            if inst.busy:  # the wake kicked this decoder already
+                return
         partner = inst.partner if state == "live" else None
         take = state != "draining" and inst.role != "decode" and (partner is None or partner.debt_s == 0)
         queue_role = inst.role
@@ -124,6 +166,7 @@ class Serving:
                 r = q.popleft()
                 inst.reserve(self.inp[r] + self.out[r])
                 inst.chunk_req, inst.chunk_left = r, self.inp[r]
+                inst.chunk_seen, inst.chunk_seen_at = 0, now
                 self.converted_prefills += 1
                 self._prefill_chunk(inst, now)
                 return
@@ -162,6 +205,8 @@ class Serving:
                     inst.kv_reserved -= self.inp[r] + self.out[r]
                 elif inst.role == "prefill":
                     self.holder[r] = inst  # its KV stays here until a decoder has room
+                    took = self.prefill_took.get(m)
+                    self.prefill_took[m] = now - self.arr[r] if took is None else took + 0.3 * (now - self.arr[r] - took)
                     self.queue[(m, "decode")].append(r)
                 else:
                     inst.add_running(r, self.inp[r], self.out[r])

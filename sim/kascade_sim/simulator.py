@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import cast
 
-from kascade_planner.conversion import chunk_budget
+from kascade_planner.conversion import chunk_budget, hand_back
 from kascade_planner.pdratio import PdVelocity
 from kascade_planner.policies import Bounds, ScaleState
 from kascade_sim.autoscaler import Autoscaler
@@ -78,6 +78,11 @@ class Simulation(Scaling, Serving, Autoscaler):
         # (time, policy, input, answer) of every call into the operator's disaggregated policies (pdpolicy)
         self.policy_calls: list[tuple[float, str, object, object]] = []
         self.chunk_tokens = {m: chunk_budget(cfg.tbt_slo_s, None) for m in range(wl.models)}  # set every tick
+        # a converted decoder's hand-back bound per model (set every tick from the conversion policy's answer),
+        # what a prefill on a prefiller took lately (moving average, queue included), the prompts handed back
+        self.hand_back_s = {m: hand_back(cfg.ttft_slo_s) for m in range(wl.models)}
+        self.prefill_took: dict[int, float] = {}
+        self.handed: set[int] = set()
         self.pd_velocity: dict[int, PdVelocity] = {}  # per model, from the cost model (pdpolicy.velocities)
         self.last = [math.nan] * n
         self.heap: list[tuple[float, int, int, object]] = []

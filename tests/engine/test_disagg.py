@@ -463,7 +463,7 @@ async def test_a_converted_decoder_hands_back_a_prompt_that_progresses_slower_th
 
 
 def test_the_hand_back_verdict() -> None:
-    from kascade_engine.handback import verdict
+    from kascade_planner.conversion import hand_back_verdict as verdict
 
     assert verdict(100, 0, 0.25, None) is not None  # no progress: always
     assert verdict(100, 0, 0.25, 10.0) is not None

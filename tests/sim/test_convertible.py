@@ -6,6 +6,8 @@ prefill scale-ups were 'traffic with no instance'). Each test fails without the 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from kascade_planner.conversion import chunk_budget
 from kascade_planner.policies import Threshold
 from kascade_sim.hardware import hardware, model
@@ -76,3 +78,40 @@ def test_a_model_with_no_instance_loads_a_decoder_only() -> None:
     assert ups(conv, "prefill") == 0 and ups(conv, "decode") >= 7, (ups(conv, "prefill"), ups(conv, "decode"))
     assert conv.loads * 2 <= plain.loads and conv.gpu_seconds < 0.85 * plain.gpu_seconds, (conv.loads, plain.loads)
     assert conv.converted_prefills == len(wl.requests)
+
+
+def burst_over_trickle(long_prompts: int) -> Workload:
+    # a decoder kept busy by a trickle, then a burst of long prompts one prefiller cannot take at once
+    reqs = [Request(0.5 * k, 128, 400) for k in range(40)]
+    reqs += [Request(10.0 + 0.01 * k, 4096, 50) for k in range(long_prompts)]
+    return Workload("burst", tuple(sorted(reqs, key=lambda r: r.arrival_s)))
+
+
+def run_burst(chunk: int | None, hand_back: bool) -> tuple[Simulation, Result]:
+    s = Simulation(burst_over_trickle(8), hardware("a800", hosts=1, gpus_per_host=4), SPEC,
+                   system("kascade", convertible=True, convert_chunk_tokens=chunk), replace(CFG, min_instances=1))
+    if not hand_back:
+        s._hand_back = lambda inst, now: False  # type: ignore[method-assign]
+    return s, s.run()
+
+
+def test_a_converted_decoder_hands_a_slow_long_prompt_back_by_the_engines_rule() -> None:
+    # 32-token chunks between decode steps: a decoder whose steps leave little room (the CPU bench's case).
+    s, hb = run_burst(32, hand_back=True)
+    _, kept = run_burst(32, hand_back=False)
+    role = {i.id: i.role for i in s.instances}
+    long = [k for k, q in enumerate(s.wl.requests) if q.input_tokens == 4096]
+    assert hb.handbacks >= 1 and s.handed <= set(long), (hb.handbacks, s.handed)
+    assert all(role[s.served_by[k]] == "prefill" for k in s.handed)  # a prefiller ran each handed-back prompt
+    # a prompt the decoder kept in `kept` took longer than any of them with the hand-back
+    assert max(hb.ttft_s[k] for k in long) < max(kept.ttft_s[k] for k in long), (
+        [round(hb.ttft_s[k], 2) for k in long], [round(kept.ttft_s[k], 2) for k in long])
+    assert all(i.kv_reserved == 0 and i.chunk_left == 0 for i in s.instances)
+    bounds = {plan.hand_back_s for _, name, _, plan in s.policy_calls if name == "conversion"}  # type: ignore[attr-defined]
+    assert bounds == {0.25 * CFG.ttft_slo_s}, bounds  # the bound the operator would send (0.25 x ttftMs)
+
+
+def test_a_converted_decoder_keeps_a_prompt_its_chunk_budget_prefills_fast() -> None:
+    # The policy's own chunk budget on a GPU cost model leaves room: the rule keeps every prompt it took.
+    _, r = run_burst(None, hand_back=True)
+    assert r.converted_prefills >= 1 and r.handbacks == 0, (r.converted_prefills, r.handbacks)
