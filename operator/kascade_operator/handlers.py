@@ -285,7 +285,8 @@ async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods:
                            hf_endpoint=rt.settings.hf_endpoint, hf_token_secret=rt.settings.hf_token_secret,
                            log_format=rt.settings.engine_log_format, tls_secret=rt.settings.engine_tls_secret,
                            run_as_user=rt.settings.engine_run_as_user, transport=rt.settings.engine_transport,
-                           ucx_tcp_ports=rt.settings.engine_ucx_tcp_ports)
+                           ucx_tcp_ports=rt.settings.engine_ucx_tcp_ports,
+                           activation_dscp=rt.settings.engine_activation_dscp)
         made = []
         for _ in range(action.count):
             made.append((await rt.kube.create_pod(pool_ns, pod))["metadata"]["name"])

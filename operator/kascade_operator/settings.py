@@ -14,6 +14,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kascade_planner.topology import LabelKeys
 
+AF41 = 34  # DSCP "assured forwarding 4": the engine's default --activation-dscp (kascade_engine.transport.AF41)
+
 
 class OperatorSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KASCADE_OPERATOR_", extra="forbid")
@@ -36,6 +38,9 @@ class OperatorSettings(BaseSettings):
                                                      "fallback pods (engine --transport: weights, activations, "
                                                      "the KV of disaggregated serving), the pool's pool.transport: "
                                                      "engines reach only peers that speak the same one")
+    engine_activation_dscp: int = Field(default=AF41, ge=0, le=63, description="DSCP the fallback pods' engines mark "
+                                        "their activation connections with (engine --activation-dscp), the pool's "
+                                        "pool.activationDscp; 34 = AF41, 0 = no mark")
     engine_ucx_tcp_ports: str = Field(default="", pattern=r"^(\d{1,5}-\d{1,5})?$", description="UCX_TCP_PORT_RANGE "
                                       "(first-last) of the fallback pods with engine_transport ucx, the pool's "
                                       "pool.ucxTcpPorts (its NetworkPolicy admits that range); empty = UCX's default")

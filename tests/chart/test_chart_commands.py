@@ -341,3 +341,42 @@ def test_pool_transport_reaches_pool_engines_fallback_pods_and_the_network_polic
     monkeypatch.setenv("KASCADE_OPERATOR_ENGINE_TLS_SECRET", "tls")
     with pytest.raises(ValidationError, match="TLS is TCP-only"):
         OperatorSettings()
+
+
+def test_pool_activation_dscp_reaches_pool_engines_and_fallback_pods(
+        helm: Helm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pool.activationDscp: the pool's engines and the operator's fallback pods mark their activation
+    connections with the same DSCP (engine --activation-dscp); unset, both get the engine's own default (AF41),
+    0 turns the mark off, and a value outside [0, 63] is refused by the chart and by the operator's settings."""
+    from pydantic import ValidationError
+
+    from kascade_engine.transport import AF41
+    from kascade_operator.api import ModelServiceSpec
+    from kascade_operator.podtemplate import fallback_pod
+
+    (tmp_path / "m1").mkdir()  # click checks the checkpoint directory exists, as it would in the pod
+    spec = ModelServiceSpec.model_validate({"model": {"name": "m1", "source": {"path": str(tmp_path / "m1")}},
+                                            "engine": {"image": "img:1"}, "mode": "colocated",
+                                            "replicas": {"colocated": {"min": 1, "max": 2}}})
+    model = {"name": "m1", "path": str(tmp_path / "m1"), "mountPath": str(tmp_path)}
+    for dscp in (None, 46, 0):
+        pool: dict[str, Any] = {"model": model, **({} if dscp is None else {"activationDscp": dscp})}
+        docs = _render(helm, tmp_path, {"pool": pool})
+        want = AF41 if dscp is None else dscp
+        assert parse(_deployment(docs, "rel-pool")["args"])["activation_dscp"] == want
+        for e in _deployment(docs, "rel-operator")["env"]:
+            if "value" in e:
+                monkeypatch.setenv(e["name"], e["value"])
+        settings = OperatorSettings()
+        assert settings.engine_activation_dscp == want
+        fb = fallback_pod(spec, "svc", "tok", None, activation_dscp=settings.engine_activation_dscp)
+        assert parse(fb["spec"]["containers"][0]["args"])["activation_dscp"] == want
+    # a fallback pod built without the setting marks as the engine would by default
+    assert parse(fallback_pod(spec, "svc", "tok", None)["spec"]["containers"][0]["args"])["activation_dscp"] == AF41
+
+    for bad in ("64", "-1"):
+        out = helm("template", "rel", str(CHART), "--set", f"pool.activationDscp={bad}", check=False)
+        assert out.returncode != 0 and "activationDscp" in out.stderr, out.stderr
+    monkeypatch.setenv("KASCADE_OPERATOR_ENGINE_ACTIVATION_DSCP", "64")
+    with pytest.raises(ValidationError, match="engine_activation_dscp"):
+        OperatorSettings()
