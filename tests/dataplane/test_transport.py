@@ -83,3 +83,67 @@ async def test_ucx_fast_path_connections_share_one_endpoint_and_outlive_each_oth
     finally:
         await b.close()
         await listener.close()
+
+
+async def test_ucx_waiting_for_a_frame_leaves_the_event_loop_idle_and_notices_it_soon() -> None:
+    """A receive posted with nothing to receive (a relay waiting for its upstream's next frame, or for a
+    peer that stalled) must not spin its event loop: ucxx's own wait did (`await asyncio.sleep(0)` until
+    done), ~0.9 s of this thread's CPU per second waited (240,000 loop iterations/s) in every process of a
+    chain, which starved the nodes with work on a loaded 2-core host. The frame is still noticed promptly."""
+    transport = _ucx(fast_path=False)
+    got: asyncio.Queue[tuple[float, dict[str, object]]] = asyncio.Queue()
+
+    async def waiting(conn: Any) -> None:
+        header, _ = await conn.recv_header(timeout=10)
+        await got.put((time.monotonic(), header))
+
+    listener = await transport.listen("127.0.0.1", 0, waiting)
+    conn = await transport.connect("127.0.0.1", listener.port)
+    try:
+        await asyncio.sleep(0.2)  # the listener's handler is now waiting in recv_header
+        cpu, wall = time.thread_time(), time.monotonic()
+        await asyncio.sleep(1.0)
+        cpu, wall = time.thread_time() - cpu, time.monotonic() - wall
+        assert cpu < 0.2 * wall, f"the event loop's thread used {cpu:.2f} s of CPU in {wall:.2f} s of waiting"
+        sent = time.monotonic()
+        await conn.send({"op": "chunk", "n": 7}, timeout=5)
+        at, header = await asyncio.wait_for(got.get(), 5)
+        assert header["n"] == 7 and at - sent < 0.25, f"noticed {at - sent:.3f} s after it was sent"
+    finally:
+        await conn.close()
+        await listener.close()
+
+
+async def test_ucx_a_receive_abandoned_at_its_timeout_is_kept_until_ucx_completes_it() -> None:
+    """A receive whose timeout expired is still posted in UCX. Destroying its ucxx request then (dropping the
+    timeout's exception was enough) cancels it from the event loop's thread while UCX's progress thread can
+    be completing it: the two take the request's and the worker's locks in opposite orders, and a chain
+    node hung for good (gdb: docs/worklog/2026-11-27-d/dp.md). The transport keeps such a request alive until
+    UCX has completed it (the endpoint's close cancels it), and only then lets it go."""
+    import gc
+
+    from kascade_engine import transport_ucx
+
+    transport = _ucx(fast_path=False)
+    timed_out = asyncio.Event()
+
+    async def waiting(conn: Any) -> None:
+        with pytest.raises(TransportError, match="no data"):
+            await conn.recv_header(timeout=0.3)
+        timed_out.set()
+        await asyncio.sleep(30)
+
+    before = transport_ucx.in_flight()
+    listener = await transport.listen("127.0.0.1", 0, waiting)
+    conn = await transport.connect("127.0.0.1", listener.port)
+    try:
+        await asyncio.wait_for(timed_out.wait(), 5)
+        gc.collect()  # the exception and its frames are gone: only the transport holds the request
+        assert transport_ucx.in_flight() == before + 1
+    finally:
+        await conn.close()
+        await listener.close()
+    deadline = time.monotonic() + 5  # the listener side's endpoint is closed by its peer's close
+    while transport_ucx.in_flight() > before and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert transport_ucx.in_flight() == before
