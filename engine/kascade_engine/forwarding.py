@@ -104,6 +104,25 @@ class Forwarding:
         if d.writer is not None and d.writer is not asyncio.current_task():
             d.writer.cancel()
 
+    def _drop_what_held_us_back(self) -> None:
+        """This relay's upstream stream just failed while a downstream's backpressure was holding it back
+        (that queue full, and this relay waited on it at least a quarter of the recent `timeoutSeconds`):
+        most likely the upstream dropped this relay as lagging on that downstream's account. Drop that
+        downstream too, as lagging: it re-fetches from its own fallbacks at their pace. Kept, it would be
+        fed this relay's re-fetch at its own slow pace, with no lag rule to end it (a re-fetch is forwarded
+        without one): throttle-middle-ucx took 44 s against a 14 s bound when the relay above the slow one
+        won the race to drop first (docs/worklog/2026-11-27-d/dp.md). If the upstream really died instead,
+        the cost is one more pull from a fallback."""
+        if self.is_source:
+            return
+        t_out = self.spec.timeout_s
+        now = time.monotonic()
+        for d in self.downstream:
+            recent = d.waited_s * math.exp(-(now - d.decay_at) / t_out)
+            if d.alive and d.queue.full() and recent >= t_out / 4:
+                self._drop(d, f"lagging: held this relay back {recent:.1f} s of its last ~{t_out:.0f} s as its "
+                              f"upstream stream failed (re-fetch it from a fallback, not at this pace)", abort=True)
+
     async def _forward_chunk(self, header: Header, payload: bytes | bytearray | memoryview, block: str,
                              shard: tuple[int, int] | None, lag: bool = True) -> None:
         for d in self.downstream:

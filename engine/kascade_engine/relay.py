@@ -260,6 +260,7 @@ class TransferNode(Forwarding, Recovery):
             if not pull:
                 with contextlib.suppress(Exception):
                     await conn.abort()  # a stream we stopped reading must not stall its sender until timeout
+                self._drop_what_held_us_back()
                 self._upstream_lost(peer, flow_shard, flow=flow)
             return False
 

@@ -23,6 +23,11 @@ take a host; the binding does not pass one), so when the spec names an address t
 endpoint that reached it on another local address (asked of UCP with `ucp_ep_query`) before a byte of
 the handshake is exchanged. If UCP cannot say, the endpoint is closed too: fail closed.
 
+Waiting on a request: ucxx's own wait spins the event loop (`asyncio.sleep(0)` until done), a core per
+pending receive; `_settled` spins only the first `SPIN_S`, then polls. A request abandoned while UCX still
+holds it (a timeout) is kept alive until UCX completes it (`_park`): destroying it earlier cancels it from
+the loop's thread, which deadlocks with UCX's progress thread completing it (see `_in_flight`).
+
 Addresses for peer authentication: an accepted connection's `local` is the address the client reached
 (UCP's local sockaddr of the endpoint, with the listener's port), and a connecting one's `peer` is the
 IP it dialled (a host name is resolved first, and UCX is given that IP), so peerauth's relay check (the

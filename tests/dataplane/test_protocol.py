@@ -221,3 +221,39 @@ async def test_a_relay_closed_as_soon_as_run_returns_has_delivered_everything_do
     tail = results[2]
     assert tail["resident"] == len(tiny_blocks.ids) and tail["refetches"] == 0
     assert all(nodes_["t1"].resident[b].verify() for b in tiny_blocks.ids)
+
+
+async def test_a_relay_whose_upstream_fails_while_a_downstream_holds_it_back_drops_that_downstream(
+        tiny_blocks: BlockSet) -> None:
+    """The upstream of a relay most likely dropped it as lagging when a downstream was holding it back (its
+    queue full, the relay waiting on it much of the recent timeout): that downstream is dropped as lagging
+    too, to re-fetch from its fallbacks, instead of being fed the relay's re-fetch at its slow pace. A
+    downstream that was keeping up (queue not full, or little waiting) is kept."""
+    import time
+
+    from kascade_engine.forwarding import QUEUE_DEPTH
+
+    topo = leaf_spine(1, 4, 8)
+    nodes = [n.name for n in topo.nodes]
+    model = ModelLayout("tiny", tiny_blocks.ids, tuple(b.nbytes for b in tiny_blocks.blocks.values()))
+    plan = make_plan(topo, model, [Instance("s0", nodes[0])],
+                     [Instance(t, nodes[i + 1]) for i, t in enumerate(("t0", "t1", "t2"))], "chain")
+    spec = TransferSpec(plan, tiny_blocks.manifest(), {k: ("127.0.0.1", 1) for k in ("s0", "t0", "t1", "t2")},
+                        secrets.token_hex(8), 64 << 10, 4.0, {})
+    for full, waited, dropped in ((True, 1.5, True), (True, 0.5, False), (False, 3.0, False)):
+        relay = TransferNode(spec, "t1", TcpTransport())
+        (d,) = relay.downstream
+        for _ in range(QUEUE_DEPTH if full else 1):
+            d.queue.put_nowait(({"op": "chunk"}, b""))
+        d.waited_s, d.decay_at = waited, time.monotonic()
+        relay._drop_what_held_us_back()
+        assert (not d.alive) == dropped, (full, waited)
+        assert ("t2" in relay.downstream_lost) == dropped
+        if dropped:
+            assert relay.downstream_lost["t2"].startswith("lagging: held this relay back")
+    source = TransferNode(spec, "s0", TcpTransport(), tiny_blocks)  # a source has no upstream to be dropped by
+    for _ in range(QUEUE_DEPTH):
+        source.downstream[0].queue.put_nowait(({"op": "chunk"}, b""))
+    source.downstream[0].waited_s = 3.0
+    source._drop_what_held_us_back()
+    assert source.downstream[0].alive
