@@ -83,7 +83,7 @@ def _ucxx() -> Any:
 
 FAST_MIN = 64 * 1024
 SPIN_S = 0.01  # a request pending this long is polled (see _settled), not spun on
-POLL_MAX_S = 0.005
+POLL_MAX_S = 0.001  # asyncio timers are ~1 ms anyway; the act port (pair steps, PD KV) waits between steps
 CLOSE_TIMEOUT_S = 2.0
 CONNECT_POLL_S = 0.02  # how often a connecting endpoint is checked for a UCP error
 WILDCARD = ("", "0.0.0.0", "::")
