@@ -173,6 +173,7 @@ class Engine:
         # token (len(tokens) grows) or finishing the request (it leaves `requests`)
         samples = [w.end == len(self.requests[w.id].tokens) for w in work]
         prefill = [(w.n, len(self.requests[w.id].prompt)) for w in work if w.start < len(self.requests[w.id].prompt)]
+        pending = self.scheduler.prompts_pending()  # before `advance`: this step's own prompt chunks count
         # a step that also runs a live pair's rows (hosted, or out on the peer) times more than this engine's work
         own = self.coop is None or not self.coop.pending()
         t0 = time.perf_counter()
@@ -186,9 +187,11 @@ class Engine:
             return events + [Event(w.id, -1, True, f"error: {e}") for w in work]
         secs = time.perf_counter() - t0
         self.meter.observe(prefill, len(work) - len(prefill), secs)
+        tokens = sum(n for n, _ in prefill)
         if own:
             self.cost.observe(StepShape.of([(w.start, w.n) for w in work]), secs)
-        tokens = sum(n for n, _ in prefill)
+            if pending:
+                self.meter.observe_rate(tokens, secs)
         self.last_step = (tokens, len(work) - len(prefill), secs)
         if self.scheduler.last_cap != self.budget_of_max:
             self.budget_of_max, self.prefill_step_max = self.scheduler.last_cap, 0

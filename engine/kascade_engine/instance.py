@@ -366,6 +366,9 @@ class EngineInstance:
         in a step that decodes (scheduler.py, stepcost.py). The data port serves other decode engines' prefill whatever the role; the router
         sends it some once the pod is annotated convertible."""
         lim = self.engine.limits
+        if (req.prefill_chunk_tokens, req.step_budget_ms) != (
+                lim.prefill_chunk_tokens, None if lim.step_budget_s is None else lim.step_budget_s * 1e3):
+            self.engine.meter.reset_rate()  # the prefill rate was measured under the old budgets
         # the step thread reads both between steps: a cap is set after its time budget and cleared before it,
         # so no step runs under a new cap without its budget
         if req.prefill_chunk_tokens is None:

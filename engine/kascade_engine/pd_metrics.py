@@ -9,6 +9,8 @@
   kascade_kv_transfer_bytes_total{direction=sent|received}
   kascade_prefill_velocity_tokens_per_second{bucket}, kascade_decode_velocity_tokens_per_second{batch}
                                         measured prefill / decode velocities (velocity.py; 0 = not yet measured)
+  kascade_prefill_rate_tokens_per_second  prompt tokens/s actually prefilled while prompts waited (a converted
+                                        decoder: under its budgets; velocity.py; 0 = not yet measured)
   kascade_kv_link_bytes_per_second{peer}  decode engine: KV bytes / seconds on the wire of the last transfer from
                                         each prefill peer (each kv frame from its header to its payload's last byte:
                                         P's compute between layers is not the link's); kascade_kv_link_tokens_per_second
@@ -57,6 +59,10 @@ class PDMetrics:
                     "from its step timings, by prompt length bucket (le)", ["model_name", "bucket"], registry=registry)
         dec = Gauge("kascade_decode_velocity_tokens_per_second", "Tokens/s this engine decodes, measured from its "
                     "step timings, by batch size bucket (le)", ["model_name", "batch"], registry=registry)
+        rate = Gauge("kascade_prefill_rate_tokens_per_second", "Prompt tokens/s this engine actually prefilled over "
+                     "its recent steps while prompts waited (a converted decoder: under its budgets), 0 = not measured",
+                     ["model_name"], registry=registry)
+        rate.labels(self.model_name).set_function(lambda: meter().prefill_rate() or 0.0)
         for b in [*map(str, PROMPT_BUCKETS), "inf"]:
             pre.labels(self.model_name, b).set_function(lambda b=b: meter().prefill.get(b, 0.0))  # type: ignore[misc]
         for b in [*map(str, BATCH_BUCKETS), "inf"]:

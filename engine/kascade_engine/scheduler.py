@@ -267,6 +267,12 @@ class Scheduler:
         fit = self.cost.chunk_fits(budget_s, StepShape(len(dec), max(dec)), 0, cap)
         return cap if fit is None else fit
 
+    def prompts_pending(self) -> bool:
+        """Whether a prompt waits to be prefilled (queued, or admitted with prompt tokens not yet computed):
+        a step now is one of those the prefill rate is measured over (velocity.VelocityMeter.observe_rate)."""
+        queued, running = tuple(self.waiting), list(self.running.values())  # one C call each: the loop adds meanwhile
+        return any(s.computed < s.prompt_len for s in queued) or any(s.computed < s.prompt_len for s in running)
+
     @property
     def idle(self) -> bool:
         return not self.waiting and not self.running and not self.parked

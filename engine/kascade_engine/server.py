@@ -32,6 +32,7 @@ from kascade_engine.serving import RequestError, handed_back
 from kascade_planner.engine_api import (
     HANDED_BACK_HEADER,
     PREFILL_FALLBACK_HEADER,
+    PREFILL_RATE_HEADER,
     PREFILL_ROOM_HEADER,
     SERVING_SHARE_HEADER,
 )
@@ -113,6 +114,7 @@ def create_app(inst: EngineInstance) -> FastAPI:
         room = inst.engine.scheduler.prefill_room()
         if room is not None:  # a converted decoder: routers send it prompts only while it has room
             share[PREFILL_ROOM_HEADER] = str(room)
+        share.update(rate_header(inst))
         watched = inst.serving.watched(call.rids)  # prompts this converted decoder prefills itself, may hand back
         if not body.stream:
             doc = await until_client_leaves(request, call.json())
@@ -171,7 +173,7 @@ def create_app(inst: EngineInstance) -> FastAPI:
         ok = inst.servable  # serving, or loading while live-paired: what Services and routers may send to
         # the share routers weight a live replica by, also between its answers (kascade_router.shares)
         return PlainTextResponse("ready" if ok else inst.phase.value, status_code=200 if ok else 503,
-                                 headers={SERVING_SHARE_HEADER: f"{inst.serving_share:.4f}"})
+                                 headers={SERVING_SHARE_HEADER: f"{inst.serving_share:.4f}", **rate_header(inst)})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -225,6 +227,13 @@ async def until_client_leaves(request: Request, work: Any) -> Any:
         await asyncio.gather(task, return_exceptions=True)
         raise RequestError(499, "client closed the request", None)
     return task.result()
+
+
+def rate_header(inst: EngineInstance) -> dict[str, str]:
+    """PREFILL_RATE_HEADER once the engine measured its prefill rate: routers weigh a converted decoder by it
+    against a prefill engine's (the prefill engine's comes from /readyz: a router's PD requests go to decoders)."""
+    rate = inst.engine.meter.prefill_rate()
+    return {} if rate is None else {PREFILL_RATE_HEADER: f"{rate:.1f}"}
 
 
 PREFILL_HEADER = "x-kascade-prefill"  # the router's PD choice: host:port of a prefill engine's data port

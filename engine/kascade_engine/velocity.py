@@ -8,6 +8,15 @@ Data flow: `Engine.step` times each forward and calls `observe(prefill chunks, d
   step's time is the prefill's (skipped until a decode velocity is known)
 -> /metrics: kascade_prefill_velocity_tokens_per_second{bucket}, kascade_decode_velocity_tokens_per_second{batch}
 -> the operator's tokenVelocity policy reads them (kascade_operator.metrics).
+
+The prefill RATE is another number: the prompt tokens this engine actually prefills per second of step time
+while prompts wait to be prefilled (`observe_rate`, every such step, also one that gave them 0 tokens). On a
+prefill engine it is its prefill velocity. On a converted decoder it is what its chunk and step budgets leave
+prompts beside its decodes: on 2 shared CPU cores 7-45 % of a prefill engine's (bench/pd.py, 2026-11-27-c),
+where the velocity above (the prefill share of a mixed step's time) is about a prefill engine's. Ratio of the
+two engines' rates = how much of a prefill engine a converted decoder is (kascade_planner.conversion
+.converted_share) -> PREFILL_RATE_HEADER on answers and /readyz (the router's prefill choice) and
+kascade_prefill_rate_tokens_per_second (the operator's conversion policy). Reset when the budgets change.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from dataclasses import dataclass, field
 PROMPT_BUCKETS = (128, 512, 2048)  # prompt length upper bounds; longer prompts fall in "inf"
 BATCH_BUCKETS = (1, 4, 16, 64)  # decode batch upper bounds; bigger batches fall in "inf"
 ALPHA = 0.2  # EWMA weight of the newest step
+RATE_STEPS = 3  # steps timed while prompts waited before the prefill rate is reported
 
 
 def bucket(value: int, bounds: tuple[int, ...]) -> str:
@@ -31,6 +41,11 @@ class VelocityMeter:
     prefill: dict[str, float] = field(default_factory=dict)  # prompt bucket -> prompt tokens/s
     decode: dict[str, float] = field(default_factory=dict)  # batch bucket -> generated tokens/s
     steps: int = 0
+    # the prefill rate: EWMAs of prompt tokens and step seconds over steps taken while prompts waited to prefill
+    # (a ratio of averages: a step that gave the prompts 0 tokens lowers it, one big chunk does not swing it)
+    rate_tokens: float = 0.0
+    rate_s: float = 0.0
+    rate_steps: int = 0
 
     @staticmethod
     def _ewma(table: dict[str, float], key: str, value: float) -> None:
@@ -55,6 +70,27 @@ class VelocityMeter:
         left = seconds - spent
         if left > 0.1 * seconds:  # the decode estimate left the prefill a meaningful share
             self._ewma(self.prefill, bucket(max(p for _, p in prefill), PROMPT_BUCKETS), tokens / left)
+
+    def observe_rate(self, tokens: int, seconds: float) -> None:
+        """One step taken while prompts waited to be prefilled: `tokens` prompt tokens it prefilled (0 too)."""
+        if seconds <= 0 or tokens < 0:
+            return
+        if self.rate_steps == 0:
+            self.rate_tokens, self.rate_s = float(tokens), seconds
+        else:
+            self.rate_tokens = (1 - ALPHA) * self.rate_tokens + ALPHA * tokens
+            self.rate_s = (1 - ALPHA) * self.rate_s + ALPHA * seconds
+        self.rate_steps += 1
+
+    def prefill_rate(self) -> float | None:
+        """Prompt tokens/s this engine gave waiting prompts over its recent steps; None until RATE_STEPS steps."""
+        if self.rate_steps < RATE_STEPS or self.rate_s <= 0:
+            return None
+        return self.rate_tokens / self.rate_s
+
+    def reset_rate(self) -> None:
+        """Forget the prefill rate: the budgets it was measured under changed (a decoder converted or taken back)."""
+        self.rate_tokens, self.rate_s, self.rate_steps = 0.0, 0.0, 0
 
     def prefill_velocity(self, prompt_len: int) -> float | None:
         """Prompt tokens/s for prompts of this length (the nearest measured bucket when this one is not)."""

@@ -80,6 +80,7 @@ _COUNTERS = {"kascade_prompt_tokens": "input_tokens", "kascade_generation_tokens
 # the engine's own velocities (kascade_engine.velocity / remote_prefill): 0 or absent = not measured yet
 _PREFILL_V, _DECODE_V, _LINK_V = ("kascade_prefill_velocity_tokens_per_second",
                                   "kascade_decode_velocity_tokens_per_second", "kascade_kv_link_tokens_per_second")
+_RATE_V = "kascade_prefill_rate_tokens_per_second"  # prompt tokens/s actually prefilled (one gauge per engine)
 
 
 # the engine's step timings (kascade_engine.metrics): decode-only steps, the room a converted decoder has
@@ -87,11 +88,11 @@ _STEP = {"kascade_step_seconds_sum": "decode_step_sum", "kascade_step_seconds_co
 
 
 def _velocity(v: dict[str, list[float]]) -> MeasuredVelocity | None:
-    pre, dec, net = ([x for x in v.get(k, []) if x > 0] for k in (_PREFILL_V, _DECODE_V, _LINK_V))
-    if not (pre or dec or net):
+    pre, dec, net, rate = ([x for x in v.get(k, []) if x > 0] for k in (_PREFILL_V, _DECODE_V, _LINK_V, _RATE_V))
+    if not (pre or dec or net or rate):
         return None
     return MeasuredVelocity(min(pre) if pre else None, max(dec) if dec else None,
-                            sum(net) / len(net) if net else None)
+                            sum(net) / len(net) if net else None, sum(rate) / len(rate) if rate else None)
 
 
 def parse_engine_metrics(text: str, time_s: float) -> InstanceSample:
@@ -101,7 +102,7 @@ def parse_engine_metrics(text: str, time_s: float) -> InstanceSample:
     try:
         for fam in text_string_to_metric_families(text):
             for smp in fam.samples:
-                if smp.name in (_PREFILL_V, _DECODE_V, _LINK_V):
+                if smp.name in (_PREFILL_V, _DECODE_V, _LINK_V, _RATE_V):
                     vel.setdefault(smp.name, []).append(float(smp.value))
                     continue
                 if smp.name in _STEP and smp.labels.get("kind") == "decode":
@@ -182,7 +183,7 @@ def measured(loads: Sequence[InstanceLoad]) -> MeasuredVelocity | None:
     if not vs:
         return None
     return MeasuredVelocity(_mean(v.prefill_tokens_per_s for v in vs), _mean(v.decode_tokens_per_s for v in vs),
-                            _mean(v.network_tokens_per_s for v in vs))
+                            _mean(v.network_tokens_per_s for v in vs), _mean(v.prefill_rate_tokens_per_s for v in vs))
 
 
 def snapshot(loads: Sequence[InstanceLoad], time_s: float) -> MetricsSnapshot:
@@ -254,7 +255,8 @@ class PrometheusSource:
                # (`_velocity`): the slowest prompt-length bucket, the best decode batch, the mean KV link
                "prefill_v": f"min by (pod) ({_PREFILL_V}{{{{pod=~\"{{pods}}\"}}}} > 0)",
                "decode_v": f"max by (pod) ({_DECODE_V}{{{{pod=~\"{{pods}}\"}}}} > 0)",
-               "link_v": f"avg by (pod) ({_LINK_V}{{{{pod=~\"{{pods}}\"}}}} > 0)"}
+               "link_v": f"avg by (pod) ({_LINK_V}{{{{pod=~\"{{pods}}\"}}}} > 0)",
+               "rate_v": f"avg by (pod) ({_RATE_V}{{{{pod=~\"{{pods}}\"}}}} > 0)"}
 
     def __init__(self, url: str, timeout_s: float = 1.0, window: str = "10s",
                  client: httpx.AsyncClient | None = None) -> None:
@@ -287,7 +289,8 @@ class PrometheusSource:
         res = await asyncio.gather(*(self._query(self.QUERIES[k].format(pods=sel, window=self._window)) for k in keys))
         by = dict(zip(keys, res, strict=True))
         def velocity(p: str) -> MeasuredVelocity | None:
-            v = MeasuredVelocity(by["prefill_v"].get(p), by["decode_v"].get(p), by["link_v"].get(p))
+            v = MeasuredVelocity(by["prefill_v"].get(p), by["decode_v"].get(p), by["link_v"].get(p),
+                                 by["rate_v"].get(p))
             return None if v == MeasuredVelocity() else v
 
         return [InstanceLoad(p, by["input"].get(p, 0.0), by["output"].get(p, 0.0),

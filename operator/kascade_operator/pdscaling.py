@@ -21,7 +21,7 @@ from kascade_operator.api import ModelServiceSpec
 from kascade_operator.decide import RoleDecision, RoleInput, slo_of
 from kascade_operator.pool import PodView
 from kascade_planner import policies as P
-from kascade_planner.conversion import ConversionInput, DecoderView
+from kascade_planner.conversion import ConversionInput, DecoderView, converted_share
 from kascade_planner.pdratio import PdDemand, PdVelocity, pd_ratio
 
 
@@ -95,8 +95,12 @@ def conversion_input(spec: ModelServiceSpec, key: str, pods: Sequence[PodView],
     pre = next((r for r in roles if r.role == "prefill"), None)
     dec = next((r for r in roles if r.role == "decode"), None)
     slo = slo_of(spec)
+    # a converted decoder's share of a prefiller, measured: the decoders' prefill rate (only a converted decoder
+    # prefills in disaggregated serving; the engine forgets its rate when its budgets change) over the prefillers'
+    rates = [r.snap.measured.prefill_rate_tokens_per_s if r and r.snap.measured else None for r in (dec, pre)]
+    share = converted_share(*rates) if all(rates) else None
     return ConversionInput(demand(roles).input_tokens_per_s,
                            sum(1 for p in mine if p.role == "prefill" and p.ready),
                            velocities(spec, [r.snap for r in roles]).prefill_effective, decoders,
                            pre.snap.queue_length if pre else None, slo.tbt_s if slo else None,
-                           dec.snap.decode_step_s if dec else None, slo.ttft_s if slo else None)
+                           dec.snap.decode_step_s if dec else None, slo.ttft_s if slo else None, share)

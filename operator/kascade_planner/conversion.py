@@ -9,8 +9,11 @@ the reason with the numbers). The operator applies it (kascade_operator.converte
 prefill.
 
 The rule:
-- prefill capacity = ready prefillers x velocity; a converted decoder adds `CONVERTED_SHARE` of a
-  prefiller (its chunk budget spends at most that share of each TBT on prefill);
+- prefill capacity = ready prefillers x velocity; a converted decoder adds its measured share of a prefiller
+  (`converted_share`: the prompt tokens/s converted decoders actually prefilled over a prefiller's, both from
+  their own steps, kascade_engine.velocity), `CONVERTED_SHARE` until measured (its chunk budget spends at most
+  that share of each TBT on prefill). Measured on 2 shared CPU cores it was 7-45 %, not 50 %: a fixed half
+  under-converted, and the router sent the decoder prompts it could not finish (bench/pd.py, 2026-11-27-c);
 - deficit = prompt tokens/s arriving - prefill capacity. While it is > 0, enough decoders are converted
   to cover it (least loaded first, then by name), never fewer than already are;
 - all of them are taken back when the deficit is gone (the new prefillers the ratio policy asked for
@@ -41,6 +44,7 @@ import math
 from dataclasses import dataclass, replace
 
 CONVERTED_SHARE = 0.5  # a converted decoder spends at most this share of its step time on prefill
+MIN_SHARE = 0.01  # a measured share is never taken below this (a rate near 0 would make a decoder's cost infinite)
 MIN_CHUNK, MAX_CHUNK, DEFAULT_CHUNK = 8, 2048, 256
 # a converted decoder's decoding step, chunk included, is predicted within this share of the TBT objective:
 # the rest is for what a token meets between steps (event delivery, the router's hop) and the prediction's error
@@ -66,6 +70,8 @@ class ConversionInput:
     tbt_slo_s: float | None = None
     decode_step_s: float | None = None  # the decoders' mean decode-only step time now; None: not measured
     ttft_slo_s: float | None = None  # the TTFT objective (spec.slo.ttftMs); None: none
+    # a converted decoder's measured share of a prefiller (`converted_share`); None: not measured, CONVERTED_SHARE
+    converted_share: float | None = None
 
     def __post_init__(self) -> None:
         if self.input_tokens_per_s < 0 or self.prefill_ready < 0:
@@ -79,6 +85,8 @@ class ConversionInput:
             raise ValueError(f"ttft_slo_s must be > 0 or None, got {self.ttft_slo_s}")
         if self.decode_step_s is not None and not self.decode_step_s >= 0:
             raise ValueError(f"decode_step_s must be >= 0 or None, got {self.decode_step_s}")
+        if self.converted_share is not None and not 0 < self.converted_share <= 1:
+            raise ValueError(f"converted_share must be in (0, 1] or None, got {self.converted_share}")
 
 
 @dataclass(frozen=True)
@@ -94,6 +102,20 @@ class Conversions:
     @property
     def changes(self) -> bool:
         return bool(self.convert or self.revert)
+
+
+def converted_share(decoder_rate: float | None, prefill_rate: float | None) -> float:
+    """How much of a prefill engine a converted decoder is: the prompt tokens/s it actually prefilled under its
+    budgets over the prompt tokens/s a prefill engine did (both measured from their own steps), within
+    [MIN_SHARE, 1]; `CONVERTED_SHARE` while either is unmeasured (None; a prefill rate of 0 too). A decoder rate
+    of 0 is measured: its budgets gave waiting prompts nothing. The router ranks a converted decoder's prompts by
+    it (kascade_router.balancer) and the policy sizes conversions by it."""
+    for name, v in (("decoder_rate", decoder_rate), ("prefill_rate", prefill_rate)):
+        if v is not None and not 0 <= v < math.inf:
+            raise ValueError(f"{name} must be a finite number >= 0 or None, got {v}")
+    if decoder_rate is None or not prefill_rate:
+        return CONVERTED_SHARE
+    return min(1.0, max(MIN_SHARE, decoder_rate / prefill_rate))
 
 
 def chunk_budget(tbt_slo_s: float | None, prefill_tokens_per_s: float | None,
@@ -150,8 +172,9 @@ def _plan(c: ConversionInput) -> Conversions:
     deficit = c.input_tokens_per_s - capacity
     head = (f"conversion: {c.input_tokens_per_s:.0f} input tok/s vs {c.prefill_ready} prefiller(s) x {v:.0f} = "
             f"{capacity:.0f} tok/s")
+    share = CONVERTED_SHARE if c.converted_share is None else c.converted_share
     if deficit > 1e-9:
-        want = min(len(c.decoders), math.ceil(deficit / (v * CONVERTED_SHARE) - 1e-9))
+        want = min(len(c.decoders), math.ceil(deficit / (v * share) - 1e-9))
         if want <= len(now):
             return Conversions((), (), chunk, len(now), f"{head}; deficit {deficit:.0f} tok/s, {len(now)} converted "
                                                         "decoder(s) keep prefilling")
@@ -159,7 +182,8 @@ def _plan(c: ConversionInput) -> Conversions:
         idle = sorted((d for d in c.decoders if not d.converted), key=lambda d: (d.in_flight, d.name))
         new = tuple(d.name for d in idle[:want - len(now)])
         return Conversions(new, (), chunk, len(now) + len(new),
-                           f"{head}; deficit {deficit:.0f} tok/s -> convert {', '.join(new)} "
+                           f"{head}; deficit {deficit:.0f} tok/s, a converted decoder {share:.2f} of a prefiller"
+                           f"{'' if c.converted_share is not None else ' (not measured)'} -> convert {', '.join(new)} "
                            f"(chunk budget {chunk} tokens{step})")
     if not now:
         return Conversions((), (), chunk, 0, f"{head}; no deficit")

@@ -25,6 +25,11 @@ SERVING_SHARE_HEADER = "X-Kascade-Serving-Share"
 # Response header of a converted decoder: the prompt tokens its step budget would give a chunk now, beside its
 # current decodes (Scheduler.prefill_room). Routers send it a prompt only while this is at least their minimum.
 PREFILL_ROOM_HEADER = "X-Kascade-Prefill-Room"
+# Response header of an engine on its answers and /readyz: the prompt tokens/s it actually prefilled over its
+# recent steps while prompts waited (kascade_engine.velocity: a prefill engine's velocity; a converted decoder's
+# rate under its chunk and step budgets, beside its decodes), absent until measured. A router weighs a converted
+# decoder as this over a prefill engine's (kascade_planner.conversion.converted_share).
+PREFILL_RATE_HEADER = "X-Kascade-Prefill-Rate"
 # Request header from a router to a converted decoder it lets prefill a prompt itself: host:port of a prefill
 # engine's data port. If the decoder's step budget leaves the prompt no prefill progress for its hand-back bound
 # (ConvertRequest.hand_back_ms) before any token, the decoder hands the prompt to that engine (its KV comes back

@@ -37,6 +37,9 @@ class MeasuredVelocity:
     prefill_tokens_per_s: float | None = None
     decode_tokens_per_s: float | None = None
     network_tokens_per_s: float | None = None
+    # prompt tokens/s actually prefilled while prompts waited (kascade_engine.velocity's prefill rate): a
+    # prefiller's velocity; a converted decoder's rate under its budgets (conversion.converted_share)
+    prefill_rate_tokens_per_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -128,6 +128,22 @@ class Backend:
     live: bool = False
     # a converted decoder's last reported prefill room (PREFILL_ROOM_HEADER): None while it reports none
     prefill_room: int | None = None
+    # the prompt tokens/s the engine last reported it actually prefills (PREFILL_RATE_HEADER, on its answers and
+    # /readyz): a converted decoder is weighed by its rate over a prefill engine's; None while it reports none
+    prefill_rate: float | None = None
+
+    def reported_rate(self, rate: str | None) -> None:
+        """The engine's prefill rate from an answer or /readyz; no header (not measured, or the budgets it was
+        measured under changed) clears it, garbage (not a number, negative, infinite) is ignored."""
+        if rate is None:
+            self.prefill_rate = None
+            return
+        try:
+            v = float(rate)
+        except ValueError:
+            return
+        if 0 <= v < float("inf"):
+            self.prefill_rate = v
 
     def reported_room(self, room: str | None) -> None:
         """The engine's prefill room from its answer; no header (not converted) clears it, garbage is ignored."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from collections.abc import Collection, Sequence
 
-from kascade_planner.conversion import CONVERTED_SHARE
+from kascade_planner.conversion import converted_share
 from kascade_router.backends import Backend
 
 # a converted decoder takes a prompt only while its step budget gives a chunk at least this many tokens now
@@ -31,16 +31,26 @@ def pick(backends: Sequence[Backend], rng: random.Random, exclude: Collection[st
     return a if (a.in_flight + 1) / a.weight <= (b.in_flight + 1) / b.weight else b
 
 
-def _prefill_load(b: Backend) -> float:
+def _prefill_load(b: Backend, share: float) -> float:
     """A prefill candidate's load, in prefill engines' worth of work: a prefill engine's requests (the
     router holds each one only until its first token); a converted decoder's prompts in prefill
     (`Backend.prefilling`), not its `in_flight`, which also holds every request it decodes, including the
     ones a prefill engine prefills for it: by `in_flight` it would never be the less loaded candidate.
-    A converted decoder prefills at `CONVERTED_SHARE` of a prefill engine's speed (its chunk budget
-    spends at most that share of each step on prefill: the conversion policy's own assumption), so each
-    of its prompts counts 1 / CONVERTED_SHARE: ranked by prompts alone it took as many as a prefill engine
-    with the same count, and they waited behind its slower chunks (burst TTFT 0.00 in bench run D)."""
-    return float(b.in_flight) if b.role == "prefill" else b.prefilling / CONVERTED_SHARE
+    A converted decoder prefills at `share` of a prefill engine's speed (`_share`), so each of its prompts
+    counts 1 / share: ranked by prompts alone it took as many as a prefill engine with the same count, and
+    they waited behind its slower chunks (burst TTFT 0.00 in bench run D)."""
+    return float(b.in_flight) if b.role == "prefill" else b.prefilling / share
+
+
+def _share(b: Backend, pool: Sequence[Backend]) -> float:
+    """How much of a prefill engine `b` is: 1 for a prefill engine; for a converted decoder its reported prefill
+    rate over the prefill engines' mean (`converted_share`: the constant until both are measured). With the
+    constant 0.5 the decoder took burst prompts it prefilled at 7-45 % of the prefill engine's pace, held each
+    for its hand-back bound and handed it back with its partial prefill dropped (bench/pd.py, 2026-11-27-c)."""
+    if b.role == "prefill":
+        return 1.0
+    rates = [p.prefill_rate for p in pool if p.role == "prefill" and p.prefill_rate]
+    return converted_share(b.prefill_rate, sum(rates) / len(rates) if rates else None)
 
 
 def _pick_prefill(pool: Sequence[Backend], rng: random.Random) -> Backend | None:
@@ -52,12 +62,13 @@ def _pick_prefill(pool: Sequence[Backend], rng: random.Random) -> Backend | None
     if len(pool) <= 1:
         return pool[0] if pool else None
     a, b = rng.sample(list(pool), 2)
-    return min(a, b, key=lambda x: (_prefill_cost(x), x.role != "prefill"))
+    return min(a, b, key=lambda x: (_prefill_cost(x, pool), x.role != "prefill"))
 
 
-def _prefill_cost(b: Backend) -> float:
-    """Its load with the next prompt added, per unit of weight."""
-    return (_prefill_load(b) + (1.0 if b.role == "prefill" else 1 / CONVERTED_SHARE)) / b.weight
+def _prefill_cost(b: Backend, pool: Sequence[Backend]) -> float:
+    """Its load with the next prompt added, per unit of weight (`pool`: the candidates, for a decoder's share)."""
+    share = _share(b, pool)
+    return (_prefill_load(b, share) + (1.0 if b.role == "prefill" else 1 / share)) / b.weight
 
 
 def pick_pd(backends: Sequence[Backend], rng: random.Random,
@@ -96,4 +107,4 @@ def fallback_prefill(backends: Sequence[Backend], d: Backend, pre: Backend | Non
     if pre is not None or d.role != "decode" or not d.convertible:
         return None
     pool = [b for b in backends if b.role == "prefill" and b.data and b is not d]
-    return min(pool, key=_prefill_cost, default=None)
+    return min(pool, key=lambda p: _prefill_cost(p, pool), default=None)

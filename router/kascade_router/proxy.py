@@ -32,6 +32,7 @@ from aiohttp import web
 from kascade_planner.engine_api import (
     HANDED_BACK_HEADER,
     PREFILL_FALLBACK_HEADER,
+    PREFILL_RATE_HEADER,
     PREFILL_ROOM_HEADER,
     SERVING_SHARE_HEADER,
 )
@@ -50,6 +51,7 @@ _RID_OK = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _SSE = "text/event-stream"
 SERVING_SHARE_HEADER_LC = SERVING_SHARE_HEADER.lower()  # upstream header names are kept lower-case
 PREFILL_ROOM_HEADER_LC = PREFILL_ROOM_HEADER.lower()
+PREFILL_RATE_HEADER_LC = PREFILL_RATE_HEADER.lower()
 HANDED_BACK_HEADER_LC = HANDED_BACK_HEADER.lower()
 
 
@@ -209,6 +211,7 @@ class Proxy:
                 raise _Retry(f"{b.pod} answered 503")
             b.reported(up.headers.get(SERVING_SHARE_HEADER_LC))
             b.reported_room(up.headers.get(PREFILL_ROOM_HEADER_LC))
+            b.reported_rate(up.headers.get(PREFILL_RATE_HEADER_LC))
             handed = up.headers.get(HANDED_BACK_HEADER_LC)
             if handed is not None and fallback is not None and pre is None and handed == fallback.data:
                 # the converted decoder handed this prompt to the prefill engine we named: from now until its

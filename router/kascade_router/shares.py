@@ -6,8 +6,13 @@ rarely picks the replica, so it rarely reports the share it has grown into, and 
 is complete, then gets a burst (bench/live.py: a B at 1/8 with 3 requests in flight got none for 3-4 s).
 `ShareRefresher` asks every live backend for its share every `interval_s` and applies it the same way.
 
-Data flow: `Routes` (backends with `live`) -> GET /readyz on each (the engines' TLS when set; the engine
-sends SERVING_SHARE_HEADER there too) -> `Backend.reported(share)`. A failed or refused poll changes
+The same poll carries the prefill rates of prefill engines and converted decoders (PREFILL_RATE_HEADER): a
+router ranks a converted decoder by its rate over a prefill engine's (balancer), and in disaggregated serving
+it never hears a prefill engine's answers (every request goes to a decoder, which pulls its KV).
+
+Data flow: `Routes` (backends with `live`, role prefill, or convertible) -> GET /readyz on each (the engines'
+TLS when set; the engine sends SERVING_SHARE_HEADER and PREFILL_RATE_HEADER there too) ->
+`Backend.reported(share)` (live ones), `Backend.reported_rate(rate)`. A failed or refused poll changes
 nothing: ejecting unreachable engines is the proxy's job, on real requests.
 """
 
@@ -20,7 +25,7 @@ import ssl
 
 import aiohttp
 
-from kascade_planner.engine_api import SERVING_SHARE_HEADER
+from kascade_planner.engine_api import PREFILL_RATE_HEADER, SERVING_SHARE_HEADER
 from kascade_router.backends import Backend, Routes
 
 log = logging.getLogger(__name__)
@@ -51,10 +56,11 @@ class ShareRefresher:
             await self._session.close()
 
     async def refresh(self) -> None:
-        """Poll every live backend once, together."""
-        live = [b for bs in self.routes.backends.values() for b in bs.values() if b.live]
-        if live:
-            await asyncio.gather(*(self._one(b) for b in live))
+        """Poll every live backend, prefill engine and converted decoder once, together."""
+        polled = [b for bs in self.routes.backends.values() for b in bs.values()
+                  if b.live or b.role == "prefill" or b.convertible]
+        if polled:
+            await asyncio.gather(*(self._one(b) for b in polled))
 
     async def _run(self) -> None:
         while True:
@@ -66,10 +72,11 @@ class ShareRefresher:
         scheme = "https" if self.tls is not None else "http"
         try:
             async with self._session.get(f"{scheme}://{b.address}/readyz", ssl=self.tls or False) as r:
-                share = r.headers.get(SERVING_SHARE_HEADER)
+                share, rate = r.headers.get(SERVING_SHARE_HEADER), r.headers.get(PREFILL_RATE_HEADER)
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             log.debug("share of %s (%s): %s", b.pod, b.address, e)
             return
+        b.reported_rate(rate)
         if share is not None and b.live:  # it may have completed (or gone) while we asked
             b.reported(share)
-            self.polls += 1
+        self.polls += 1

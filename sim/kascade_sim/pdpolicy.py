@@ -57,6 +57,7 @@ def conversion_input(sim: Simulation, m: int, k: int) -> ConversionInput:
     return ConversionInput(_rate(sim, m, "prefill", k), ready, v.prefill_effective, decoders,
                            prefill_queue=float(len(sim.queue[(m, "prefill")])), tbt_slo_s=sim.cfg.tbt_slo_s,
                            ttft_slo_s=sim.cfg.ttft_slo_s)
+    # converted_share stays None (the policy's CONVERTED_SHARE): the simulator measures no decoder's prefill rate
 
 
 def apply_conversions(sim: Simulation, m: int, k: int, now: float) -> Conversions:

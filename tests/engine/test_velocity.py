@@ -56,3 +56,26 @@ async def test_engine_reports_measured_velocities(tiny_ckpt, tiny_blocks) -> Non
     assert got[("kascade_prefill_velocity_tokens_per_second", "2048")] == 0  # never seen
     assert got[("kascade_decode_velocity_tokens_per_second", "1")] > 0  # one sequence decoding at a time
     assert got[("kascade_decode_velocity_tokens_per_second", "64")] == 0
+
+
+def test_the_prefill_rate_counts_the_steps_that_gave_waiting_prompts_nothing() -> None:
+    """The rate a converted decoder achieves: prompt tokens per step second over the steps taken while prompts
+    waited, a step that gave them 0 tokens included (its step budget was full). 16 tokens in a 40 ms step, then
+    three 40 ms steps with none: 100 tok/s, where the mixed-step velocity (16 tokens over the step's prefill
+    share) says 400 or more. None until RATE_STEPS steps; reset forgets it."""
+    from kascade_engine.velocity import RATE_STEPS
+
+    m = VelocityMeter()
+    for i, tokens in enumerate((16, 0, 0, 0) * 5):
+        assert (m.prefill_rate() is None) == (i < RATE_STEPS)
+        m.observe_rate(tokens, 0.04)
+    rate = m.prefill_rate()
+    assert rate is not None and 60 < rate < 160  # an EWMA around 100 (its phase in the 16-0-0-0 cycle)
+    m.reset_rate()
+    assert m.prefill_rate() is None
+    for _ in range(RATE_STEPS):
+        m.observe_rate(32, 0.1)
+    assert m.prefill_rate() == pytest.approx(320.0)
+    m.observe_rate(-1, 0.1)  # garbage: ignored
+    m.observe_rate(5, 0.0)
+    assert m.prefill_rate() == pytest.approx(320.0)

@@ -23,6 +23,7 @@ from kascade_operator.metrics import Scraper
 from kascade_operator.operator_metrics import OperatorMetrics
 from kascade_operator.runtime import Runtime
 from kascade_operator.settings import OperatorSettings
+from kascade_planner.conversion import plan_conversions
 from kascade_planner.policies import MeasuredVelocity, MetricsSnapshot
 
 NS, TOKEN = "ns", "conv-token"
@@ -144,3 +145,29 @@ async def test_a_stale_pod_version_is_read_again_but_only_a_still_bound_decoder_
     with pytest.raises(Conflict):
         await _annotate(rt, NS, stale, "svc")
     assert converted(kube) == ["d0"]
+
+
+def test_the_conversion_input_carries_the_decoders_measured_share_of_a_prefiller() -> None:
+    """`pdscaling.conversion_input` gives the policy the decoders' prefill rate over the prefillers' (both as
+    the engines measured them, `prefill_rate_tokens_per_s`), so the operator converts as many decoders as that
+    share needs; None (the policy's constant) until both roles measured one."""
+    from kascade_operator.pdscaling import conversion_input
+    from kascade_operator.pool import PodView
+
+    spec = ModelServiceSpec.model_validate(service((1, 1), (1, 8))["spec"])
+    pods = [PodView("p0", "n", "1", True, "svc", "prefill", True, endpoint="h:1"),
+            *(PodView(f"d{i}", "n", "1", True, "svc", "decode", True, endpoint=f"h:{2 + i}") for i in range(6))]
+
+    def roles(p_rate: float | None, d_rate: float | None) -> list[RoleInput]:
+        return [RoleInput("prefill", 1, 1, 1, MetricsSnapshot(0.0, 220.0, 0.0, measured=MeasuredVelocity(
+                    prefill_rate_tokens_per_s=p_rate))),
+                RoleInput("decode", 6, 1, 8, MetricsSnapshot(0.0, 220.0, 0.0, measured=MeasuredVelocity(
+                    prefill_rate_tokens_per_s=d_rate)))]
+
+    inp = conversion_input(spec, "svc", pods, roles(900.0, 90.0))
+    assert inp is not None and inp.converted_share == pytest.approx(0.1)
+    # typed velocity 100 tok/s, 220 arriving: deficit 120 at 0.1 of a prefiller each -> all 6 (3 at the constant)
+    assert plan_conversions(inp).converted == 6
+    unmeasured = conversion_input(spec, "svc", pods, roles(900.0, None))
+    assert unmeasured is not None and unmeasured.converted_share is None
+    assert plan_conversions(unmeasured).converted == 3

@@ -23,7 +23,8 @@ HELD = {"kascade_prompt_tokens_total": (300.0, 100.0), "kascade_generation_token
         # velocity gauges: d1 has measured nothing yet (Prometheus drops its 0s with `> 0`: no row)
         "kascade_prefill_velocity_tokens_per_second": (900.0, None),
         "kascade_decode_velocity_tokens_per_second": (120.0, None),
-        "kascade_kv_link_tokens_per_second": (5000.0, None)}
+        "kascade_kv_link_tokens_per_second": (5000.0, None),
+        "kascade_prefill_rate_tokens_per_second": (450.0, None)}
 
 
 def _prometheus(seen: list[str]) -> httpx.AsyncClient:
@@ -33,7 +34,7 @@ def _prometheus(seen: list[str]) -> httpx.AsyncClient:
         (name,) = [n for n in HELD if f"{n}{{" in q]
         if name.startswith("kascade_step_seconds") and 'kind="decode"' not in q:
             return httpx.Response(200, json={"status": "success", "data": {"result": []}})  # all kinds: wrong
-        if "velocity" in name or "link" in name:
+        if "velocity" in name or "link" in name or "rate" in name:
             assert "> 0" in q and q.startswith(("min by (pod)", "max by (pod)", "avg by (pod)")), q
         rows: list[dict[str, Any]] = [{"metric": {"pod": pod}, "value": [0, str(v)]}
                                       for pod, v in zip(("d0", "d1"), HELD[name], strict=True) if v is not None]
@@ -63,9 +64,9 @@ async def test_prometheus_gives_the_engines_measured_velocities() -> None:
         d0, d1 = await src.collect(["d0", "d1"])
     finally:
         await src.aclose()
-    assert d0.velocity == MeasuredVelocity(900.0, 120.0, 5000.0)
+    assert d0.velocity == MeasuredVelocity(900.0, 120.0, 5000.0, 450.0)  # 450: the prefill rate it achieved
     assert d1.velocity is None  # measured nothing: the policy falls back to its typed velocities
-    assert measured([d0, d1]) == MeasuredVelocity(900.0, 120.0, 5000.0)
+    assert measured([d0, d1]) == MeasuredVelocity(900.0, 120.0, 5000.0, 450.0)
 
 
 async def test_a_failed_query_names_prometheus() -> None:

@@ -131,3 +131,33 @@ def test_a_converted_decoder_gets_a_step_time_budget_from_the_tbt_objective() ->
     back = plan_conversions(ConversionInput(10, 1, 100.0, (DecoderView("d0", True),), tbt_slo_s=0.05))
     assert back.revert == ("d0",) and back.step_budget_s == pytest.approx(STEP_BUDGET_SHARE * 0.05)
     assert plan_conversions(ConversionInput(220, 1, 100.0, decoders("d0"))).step_budget_s is None
+
+
+def test_a_converted_decoder_counts_as_its_measured_share_of_a_prefiller() -> None:
+    """The decoders' measured share replaces CONVERTED_SHARE: at 0.1 of a prefiller, a deficit of 120 tok/s
+    (1 prefiller at 100, 220 arriving) needs 12 decoders, not 3 (capped by the 5 there are); unmeasured, 3."""
+    names = ("d0", "d1", "d2", "d3", "d4")
+    slow = plan_conversions(ConversionInput(220, 1, 100.0, decoders(*names), converted_share=0.1))
+    assert slow.converted == 5 and "0.10 of a prefiller" in slow.reason
+    assert plan_conversions(ConversionInput(220, 1, 100.0, decoders(*names), converted_share=0.4)).converted == 3
+    unmeasured = plan_conversions(ConversionInput(220, 1, 100.0, decoders(*names)))
+    assert unmeasured.converted == 3 and "(not measured)" in unmeasured.reason
+    with pytest.raises(ValueError, match="converted_share"):
+        ConversionInput(1, 1, 1.0, (), converted_share=0.0)
+    with pytest.raises(ValueError, match="converted_share"):
+        ConversionInput(1, 1, 1.0, (), converted_share=1.5)
+
+
+def test_the_converted_share_is_the_decoder_rate_over_the_prefill_rate() -> None:
+    """Rate over rate within [MIN_SHARE, 1]; the constant until both are measured; a decoder rate of 0 is a
+    measurement (its budgets gave prompts nothing), not a gap; bad input names the argument."""
+    from kascade_planner.conversion import CONVERTED_SHARE, MIN_SHARE, converted_share
+
+    assert converted_share(90.0, 900.0) == pytest.approx(0.1)
+    assert converted_share(2000.0, 900.0) == 1.0
+    assert converted_share(0.0, 900.0) == MIN_SHARE
+    assert converted_share(None, 900.0) == converted_share(90.0, None) == converted_share(90.0, 0.0) == CONVERTED_SHARE
+    with pytest.raises(ValueError, match="decoder_rate"):
+        converted_share(-1.0, 900.0)
+    with pytest.raises(ValueError, match="prefill_rate"):
+        converted_share(1.0, float("nan"))
