@@ -107,6 +107,11 @@ async def converter(decoder: Any, url: str, prefill_url: str, spec: Any, token: 
                                 "prefill_queue": inp.prefill_queue, "decode_step_s": inp.decode_step_s,
                                 "velocity": {"prefill": v.prefill, "network": v.network, "decode": v.decode},
                                 "converted": decoder.convertible, "chunk_tokens": c.chunk_tokens,
+                                # prompt tokens/s each role actually prefilled (its engines' gauges), the share
+                                # the policy took from them, and the decoder's rate as the router last heard it
+                                "prefill_rate": {r.role: r.snap.measured.prefill_rate_tokens_per_s if r.snap.measured
+                                                 else None for r in roles},
+                                "converted_share": inp.converted_share, "router_decoder_rate": decoder.prefill_rate,
                                 "pd_ratio": None if ratio is None else [ratio.prefill, ratio.decode]})
                 if c.convert:
                     ms = None if c.step_budget_s is None else c.step_budget_s * 1e3

@@ -174,6 +174,8 @@ class Engine:
         samples = [w.end == len(self.requests[w.id].tokens) for w in work]
         prefill = [(w.n, len(self.requests[w.id].prompt)) for w in work if w.start < len(self.requests[w.id].prompt)]
         pending = self.scheduler.prompts_pending()  # before `advance`: this step's own prompt chunks count
+        # a converted decoder with no prompt waiting: the tokens its budgets would give one beside these decodes
+        room = None if pending else self.scheduler.known_room()
         # a step that also runs a live pair's rows (hosted, or out on the peer) times more than this engine's work
         own = self.coop is None or not self.coop.pending()
         t0 = time.perf_counter()
@@ -192,6 +194,8 @@ class Engine:
             self.cost.observe(StepShape.of([(w.start, w.n) for w in work]), secs)
             if pending:
                 self.meter.observe_rate(tokens, secs)
+            elif room is not None:  # what a prompt would have got, the chunk's predicted time added to the step's
+                self.meter.observe_rate(room, secs + room * (self.cost.token_s or 0.0))
         self.last_step = (tokens, len(work) - len(prefill), secs)
         if self.scheduler.last_cap != self.budget_of_max:
             self.budget_of_max, self.prefill_step_max = self.scheduler.last_cap, 0

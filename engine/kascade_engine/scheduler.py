@@ -267,6 +267,15 @@ class Scheduler:
         fit = self.cost.chunk_fits(budget_s, StepShape(len(dec), max(dec)), 0, cap)
         return cap if fit is None else fit
 
+    def known_room(self) -> int | None:
+        """`prefill_room` where it is known: a converted decoder's cap alone (no step budget), or cut by a step cost
+        that has timed prompt tokens; None otherwise (not converted, or the cut cannot be predicted yet)."""
+        if self.limits.prefill_chunk_tokens is None:
+            return None
+        if self.limits.step_budget_s is not None and (self.cost is None or self.cost.token_s is None):
+            return None
+        return self.prefill_room()
+
     def prompts_pending(self) -> bool:
         """Whether a prompt waits to be prefilled (queued, or admitted with prompt tokens not yet computed):
         a step now is one of those the prefill rate is measured over (velocity.VelocityMeter.observe_rate)."""

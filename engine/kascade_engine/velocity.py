@@ -10,7 +10,11 @@ Data flow: `Engine.step` times each forward and calls `observe(prefill chunks, d
 -> the operator's tokenVelocity policy reads them (kascade_operator.metrics).
 
 The prefill RATE is another number: the prompt tokens this engine actually prefills per second of step time
-while prompts wait to be prefilled (`observe_rate`, every such step, also one that gave them 0 tokens). On a
+while prompts wait to be prefilled (`observe_rate`, every such step, also one that gave them 0 tokens); on a
+converted decoder with no prompt waiting, the tokens its budgets would give one beside that step's decodes
+(`Scheduler.known_room`, the chunk's predicted time added), so the rate follows its batch between prompts: a
+rate measured on one prompt at a small batch was stale when the burst's decodes filled the step (bench/pd.py
+2026-11-27-d run 1: the next prompt got 0 tokens and was handed back). On a
 prefill engine it is its prefill velocity. On a converted decoder it is what its chunk and step budgets leave
 prompts beside its decodes: on 2 shared CPU cores 7-45 % of a prefill engine's (bench/pd.py, 2026-11-27-c),
 where the velocity above (the prefill share of a mixed step's time) is about a prefill engine's. Ratio of the

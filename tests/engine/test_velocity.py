@@ -79,3 +79,40 @@ def test_the_prefill_rate_counts_the_steps_that_gave_waiting_prompts_nothing() -
     m.observe_rate(-1, 0.1)  # garbage: ignored
     m.observe_rate(5, 0.0)
     assert m.prefill_rate() == pytest.approx(320.0)
+
+
+async def test_a_converted_decoder_measures_its_prefill_rate_between_prompts(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    """A converted decoder with decodes and no prompt waiting still measures the rate a prompt would get: its
+    budgets' room beside each step's decodes (here the 4-token cap) over the step's time. So the router's view
+    follows its batch between prompts instead of keeping the rate of its last prompt. Not converted, or with
+    no step, nothing is measured; a new budget forgets the rate, and the cap's room is measured again."""
+    from kascade_planner.engine_api import ConvertRequest
+
+    cfg = EngineConfig(checkpoint=tiny_ckpt, model_name="tiny-llama", token="t", kv_tokens=2048, instance="r")
+    inst = EngineInstance(cfg, tiny_blocks.config, ByteTokenizer(), tiny_blocks)
+    inst.serving.start()
+    meter = inst.engine.meter
+    try:
+        streams = [inst.serving.submit([5 + i, 6, 7], SamplingParams(max_tokens=400)) for i in range(2)]
+        while not all(inst.engine.requests.get(r) and inst.engine.requests[r].out for r in streams):
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)
+        assert meter.prefill_rate() is None  # decoding, not converted: no prompt ever waited
+        inst.convert(ConvertRequest(4))
+        steps = inst.engine.steps
+        while inst.engine.steps < steps + 10:
+            await asyncio.sleep(0.005)
+        rate = meter.prefill_rate()
+        assert rate is not None and meter.rate_tokens == pytest.approx(4.0)  # the cap, every step
+        assert rate == pytest.approx(4.0 / meter.rate_s)
+        inst.convert(ConvertRequest(8))
+        assert meter.rate_steps <= 1  # forgotten at the new budget (a step in flight may land one sample)
+        steps = inst.engine.steps
+        while inst.engine.steps < steps + 40:  # that sample may be the old cap's: the EWMA forgets it
+            await asyncio.sleep(0.005)
+        assert meter.rate_tokens == pytest.approx(8.0, abs=0.05)
+        inst.convert(ConvertRequest(None))
+        for r in streams:
+            inst.serving.abort(r)
+    finally:
+        await inst.close()
