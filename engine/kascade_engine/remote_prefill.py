@@ -58,6 +58,9 @@ class RemotePrefill:
         # a moving average over recent prompts: what the hand-back compares a slow local prefill with
         self.took: dict[str, float] = {}
         self.pending: dict[str, tuple[str, float]] = {}  # rid -> (peer, start) of remote prefills in flight
+        # rid -> prompt length of the same: they join the batch as decodes when their KV lands (the scheduler's
+        # prefill room counts them: Scheduler.joining is this dict)
+        self.joining: dict[str, int] = {}
 
     def start(self, rid: str, prompt: list[int], params: SamplingParams, peer: str,
               local: Callable[[], None], arrived: float | None = None) -> None:
@@ -72,6 +75,7 @@ class RemotePrefill:
                    local: Callable[[], None], arrived: float | None = None) -> None:
         t0 = time.monotonic()
         self.pending[rid] = (peer, t0)
+        self.joining[rid] = len(prompt)
         try:
             token, k, v = await self._fetch(rid, prompt, params, peer, arrived)
         except (RemotePrefillError, KVWireError, TransportError, OSError, RuntimeError, ValueError, TimeoutError) as e:
@@ -83,6 +87,7 @@ class RemotePrefill:
             return
         finally:
             self.pending.pop(rid, None)
+            self.joining.pop(rid, None)
         dt = time.monotonic() - t0
         old = self.took.get(peer)
         self.took[peer] = dt if old is None else old + TOOK_WEIGHT * (dt - old)

@@ -112,6 +112,10 @@ class Scheduler:
     # back from steps so far (each would have run under the token cap alone)
     last_budget_s: float | None = None
     cut_tokens: int = 0
+    # prompt lengths of this engine's requests a prefill engine prefills now (remote_prefill.RemotePrefill.joining,
+    # the same dict): each joins the batch as a decode when its KV lands, within about the time a prompt started
+    # here now would take to prefill, so `prefill_room` counts them (read as one snapshot: the loop writes it)
+    joining: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.pool = PagePool(self.limits.pages, self.limits.page_size)
@@ -255,13 +259,16 @@ class Scheduler:
         self.waiting = deque(s for s in self.waiting if s.id != seq_id)
 
     def prefill_room(self) -> int | None:
-        """The prompt tokens a chunk starting now would get beside the current decodes: the token cap, cut
-        by the step budget as `schedule` cuts it; None unless prefill is capped (not a converted decoder).
-        Read from the event loop while the step thread runs: a snapshot, good enough for routing."""
+        """The prompt tokens a chunk would get beside the current decodes and the ones about to join (`joining`):
+        the token cap, cut by the step budget as `schedule` cuts it; None unless prefill is capped (not a converted
+        decoder). Without the joining ones a burst's first prompts looked to have room on a decoder whose batch the
+        same burst was about to fill: it took them, gave them 0-35 tokens a step and handed them back 0.28 s later
+        (bench/pd.py 2026-11-27-d runs 2-3). Read from the event loop while the step thread runs: a snapshot."""
         cap, budget_s = self.limits.prefill_chunk_tokens, self.limits.step_budget_s
         if cap is None:
             return None
         dec = [s.computed + 1 for s in list(self.running.values()) if s.total - s.computed <= 1]
+        dec += [n + 1 for n in tuple(self.joining.values())]
         if budget_s is None or self.cost is None or not dec:
             return cap
         fit = self.cost.chunk_fits(budget_s, StepShape(len(dec), max(dec)), 0, cap)

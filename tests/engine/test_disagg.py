@@ -278,9 +278,11 @@ async def test_the_link_rate_counts_the_wire_not_the_prefillers_compute(tiny_ckp
     peer = f"127.0.0.1:{p.port}"
     try:
         rid = d.serving.submit(PROMPTS[4], SamplingParams(max_tokens=2), prefill=peer)
+        await asyncio.sleep(0.15)  # P is computing: the request is about to join D's batch, and D's room counts it
+        assert d.engine.scheduler.joining == {rid: len(PROMPTS[4])}
         await asyncio.wait_for(collect(d, rid), 60)
         rp = d.remote_prefill
-        assert rp.adopted == 1 and gaps > 0
+        assert rp.adopted == 1 and gaps > 0 and d.engine.scheduler.joining == {}
         kv = len(PROMPTS[4]) * 2 * shape.layers * shape.frame_bytes(1)
         assert rp.bytes_received == kv
         assert rp.link[peer] > 20 * kv / gaps  # the span would give about kv / gaps: P's compute

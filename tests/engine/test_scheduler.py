@@ -267,6 +267,11 @@ def test_a_converted_decoder_reports_the_prefill_room_its_step_budget_leaves() -
         for shape in (StepShape(8, 20), StepShape(8, 20, 10, 1, 10), StepShape(2, 20, 5, 1, 5)):
             cost.observe(shape, 1e-3 + 1e-3 * shape.decodes + 1e-3 * shape.prompt_tokens)
     assert 9 <= (s.prefill_room() or 0) <= 11
+    # 4 prompts a prefill engine prefills for it now join as decodes when their KV lands: 4 ms less room (the
+    # schedule of this step is unchanged: they are not in it)
+    s.joining.update({f"j{i}": 12 for i in range(4)})
+    assert 5 <= (s.prefill_room() or 0) <= 7
+    s.joining.clear()
     s.limits.step_budget_s = 0.005  # the decodes alone fill it
     assert s.prefill_room() == 0
 
