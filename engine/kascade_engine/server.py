@@ -110,15 +110,12 @@ def create_app(inst: EngineInstance) -> FastAPI:
             raise RequestError(400, f"prompt ({longest} tokens) + {field} ({want}) exceeds the context of {ctx} "
                                "tokens", field)
         call = Call(inst, body, prompts, want, prefill_peer(request), peer_header(request, PREFILL_FALLBACK_HEADER))
-        share = {SERVING_SHARE_HEADER: f"{inst.serving_share:.4f}"}  # routers weight a live replica by it
-        room = inst.engine.scheduler.prefill_room()
-        if room is not None:  # a converted decoder: routers send it prompts only while it has room
-            share[PREFILL_ROOM_HEADER] = str(room)
-        share.update(rate_header(inst))
+        share = load_headers(inst)
         watched = inst.serving.watched(call.rids)  # prompts this converted decoder prefills itself, may hand back
         if not body.stream:
             doc = await until_client_leaves(request, call.json())
             handed = await handed_back(watched)  # settled by now: every prompt got its tokens
+            share = load_headers(inst)  # as of now, not of the request's arrival
             if handed is not None:
                 share[HANDED_BACK_HEADER] = handed
             return JSONResponse(doc, headers=share)
@@ -131,6 +128,7 @@ def create_app(inst: EngineInstance) -> FastAPI:
                 for rid in call.rids:
                     inst.serving.abort(rid)
                 raise
+            share = load_headers(inst)  # as of the answer's start: the router replaces what it knew with these
             if handed is not None:
                 share[HANDED_BACK_HEADER] = handed
         return StreamingResponse(call.sse(), media_type="text/event-stream", headers=share)
@@ -234,6 +232,19 @@ def rate_header(inst: EngineInstance) -> dict[str, str]:
     against a prefill engine's (the prefill engine's comes from /readyz: a router's PD requests go to decoders)."""
     rate = inst.engine.meter.prefill_rate()
     return {} if rate is None else {PREFILL_RATE_HEADER: f"{rate:.1f}"}
+
+
+def load_headers(inst: EngineInstance) -> dict[str, str]:
+    """An answer's headers about this engine's load, built when the answer starts: its serving share, a converted
+    decoder's prefill room, the prefill rate. A router takes a missing room or rate for "none now", so an answer
+    held back until its prompt was settled (a hand-back) must not carry what was true at its arrival: built then,
+    it cleared the rate the router had polled since, and the router sent the decoder its next prompt at the
+    constant share 27-105 ms later (bench/pd.py 2026-11-27-d runs 6, 7)."""
+    out = {SERVING_SHARE_HEADER: f"{inst.serving_share:.4f}"}  # routers weight a live replica by it
+    room = inst.engine.scheduler.prefill_room()
+    if room is not None:  # a converted decoder: routers send it prompts only while it has room
+        out[PREFILL_ROOM_HEADER] = str(room)
+    return {**out, **rate_header(inst)}
 
 
 PREFILL_HEADER = "x-kascade-prefill"  # the router's PD choice: host:port of a prefill engine's data port

@@ -8,7 +8,8 @@
   own prompts at a small share of what P, at 32 tokens a step, does. Both report it (PREFILL_RATE_HEADER) on
   /readyz, D also on its answers; the router learns P's by its poll (it never hears P's answers in PD serving)
   and D's by both. With those rates the router sends the next prompt to P while P holds 2 (the constant would
-  give it to D). A new conversion budget forgets D's rate (the header is gone, the router's poll clears it).
+  give it to D). A new conversion budget forgets D's rate (the header is gone, the router's poll clears it); an
+  answer carries the rate as of its start (a router clears what it knew on an answer without one).
 Fails on the old code: the balancer ranked D at 0.5 of P whatever it reported, and no engine reported a rate.
 """
 
@@ -133,6 +134,9 @@ async def test_the_router_learns_both_engines_prefill_rates_and_ranks_the_decode
             assert await _readyz_rate(s, d_url) is None  # measured under the old budget: forgotten
             await router.shares.refresh()
             assert db.prefill_rate is None and pb.prefill_rate is not None
+            # an answer's headers are built when it starts, not when its request arrived: this prompt arrives
+            # with the rate unknown and is answered after 10 steps of its own prefill (4 tokens each) measured it
+            assert PREFILL_RATE_HEADER.lower() in await _complete(s, d_url, PROMPTS[1])
         finally:
             await router.close()
             async with s.post(f"{d_url}/kascade/v1/convert", json={"prefillChunkTokens": None}, headers=auth) as r:
