@@ -133,6 +133,7 @@ class Driver:
         self.shares = ShareRefresher(self.routes, RouterSettings().live_share_refresh_s)
         self.t0 = time.monotonic()
         self.ids: dict[tuple[str, float], tuple[str, float]] = {}  # (prompt, at) -> (request id, unix time sent)
+        self.events: list[tuple[float, str]] = []  # (unix time, what): the driver's side of a mode's timeline
         self.http = httpx.AsyncClient(timeout=120, headers={"Authorization": f"Bearer {TOKEN}"},
                                       limits=httpx.Limits(max_connections=512))
 
@@ -145,21 +146,29 @@ class Driver:
         return out
 
     async def poll(self, stop: asyncio.Event, pipeline: list[Eng] | None) -> None:
-        """Engine statuses every 50 ms; with `pipeline`, form it once its members cover every layer."""
+        """The targets' statuses every 50 ms (the operator's plan driver polls the targets, never the sources);
+        with `pipeline`, form it once its members cover every layer."""
         formed = False
         while not stop.is_set():
-            engines = (*self.sources, *self.targets)  # all at once: one slow engine must not age the others
+            # the targets only, as the operator: nothing here reads a source's status, and a source's answer
+            # queues behind the weights it sends (up to the link's 0.3 s queue), which made every round, so the
+            # pipeline's formation, wait 0.3-0.45 s more (docs/worklog/2026-11-27-d/h17.md)
+            engines = tuple(self.targets)  # all at once: one slow engine must not age the others
+            polled = time.time()
             for e, st in zip(engines, await asyncio.gather(*(self.ctl(e, "status", get=True) for e in engines)),
                              strict=True):
                 e.status = st
             if pipeline and not formed:
                 chain = chain_to_form([e.iid for e in pipeline], {e.iid: e.status for e in pipeline})
                 if chain:
+                    self.events += [(polled, "covering statuses asked"), (time.time(), f"chain {'->'.join(chain)} seen")]
                     by = {e.iid: e for e in pipeline}
                     for a, b in reversed(list(itertools.pairwise(chain[1:]))):
                         await self.ctl(by[a], "cooperate", CooperateRequest(by[b].act, "pipeline").to_dict())
+                        self.events.append((time.time(), f"hop {a}->{b} formed"))
                     head = by[chain[0]]  # its answer is its status: routable from this moment
                     head.status = await self.ctl(head, "cooperate", CooperateRequest(by[chain[1]].act, "besteffort").to_dict())
+                    self.events.append((time.time(), f"head {chain[0]} cooperating: routable"))
                     formed = True
                     print(f"    pipeline {'->'.join(chain)} formed at {time.monotonic() - self.t0:.2f} s", flush=True)
                     if self.redirect != "off":  # queues move between the sources and the pipeline (BlitzScale's redirection)
@@ -248,8 +257,10 @@ async def run_mode(d: Driver, mode: str, plan: dict[str, Any], manifest: dict[st
     peers = {e.iid: f"{e.addr}:{port}" for e in (*d.sources, *d.targets)}
     tok = secrets.token_hex(8)
     d.t0 = time.monotonic()
+    d.events = [(time.time(), "trace t0 (load-plan calls start)")]
     for e in (*d.sources, *d.targets):
         await d.ctl(e, "load-plan", LoadPlanRequest(plan, e.iid, peers, tok, manifest, timeout_seconds=60).to_dict())
+        d.events.append((time.time(), f"load-plan {e.iid} accepted"))
     live = mode != "stop-the-world"
     if mode in ("best-effort", "zigzag", "zigzag-ilp"):
         m = "besteffort" if mode == "best-effort" else "zigzag"
@@ -345,7 +356,8 @@ async def _drive(lab: netlab.NetLab, tag: str, client: int, srcs: list[Eng], tgt
                 rows = [[j, j * gap, x[0], x[2], *d.ids.get((p, j * gap), ("", 0.0))]
                         for j, (p, x) in enumerate(zip(prompts, out[mode], strict=True))]
                 Path(logs, f"{tag}-{mode}-requests.json").write_text(json.dumps(
-                    {"gap": gap, "columns": ["i", "at_s", "ttft_s", "engine", "id", "sent_unix"], "rows": rows}))
+                    {"gap": gap, "columns": ["i", "at_s", "ttft_s", "engine", "id", "sent_unix"], "rows": rows,
+                     "driver_events": d.events}))
                 d.ids.clear()
             ttft = sorted(x[0] for x in out[mode] if x[2][:7] != "failed:")
             if len(ttft) < n:

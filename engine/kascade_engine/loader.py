@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kascade_engine import timeline
 from kascade_engine.blocks import BlockSet, CheckpointError, pack_checkpoint
 from kascade_engine.pacing import paced
 from kascade_engine.relay import TransferNode
@@ -75,6 +76,7 @@ async def start_plan_load(inst: EngineInstance, req: LoadPlanRequest) -> None:
         inst.bytes_received = int(event.get("bytes", inst.bytes_received))
         inst.transfer_bw = inst.bytes_received / max(1e-6, time.monotonic() - started)
         inst.add_block(blk)
+        timeline.mark("block", blk.id, resident=event.get("resident"), of=event.get("total"), bytes=inst.bytes_received)
         if model.complete and inst.blockset is None:
             inst.blockset = BlockSet(name, model.cfg, (node.resident[b] for b in spec.plan.model.block_ids))
             log.info("%s: all %d blocks resident", me, event.get("total"))

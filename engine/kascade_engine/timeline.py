@@ -6,7 +6,8 @@ Events: `submit` (the HTTP request reached the engine), on a loading engine B `b
 k), `b-release` (its prefix landed after a hold), `b-start` (first scheduled), `b-sent` (its first rows
 went out in a pair step), `b-token` (its first token landed), `b-took` (a request the source handed
 over arrived); on the source A `a-start` (an own request first scheduled), `a-redirect` (handed to the
-pair), `a-step` (one step: own tokens, pair rows hosted, seconds).
+pair), `a-step` (one step: own tokens, pair rows hosted, seconds); on a loading engine `block` (a block of
+its load plan became resident: the block id in the request's place).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """λScale k-way binomial-pipeline multicast with execution pipelines.
 
 Data flow: k sources, N receivers -> k sub-groups (round robin) -> the model's blocks split into k
-chunks; sub-group j receives the chunks circularly shifted by j (Alg. 1), so early on every sub-group
+contiguous chunks of near-equal bytes; sub-group j receives the chunks circularly shifted by j (Alg. 1), so early on every sub-group
 holds a different part of the model -> within a sub-group a binomial pipeline over a hypercube: at
 step s every node exchanges with its partner across dimension s mod d, sending the first block (in the
 sub-group's order) that it holds and the partner lacks; 1 -> N then takes b + ceil(log2 N) - 1 steps
@@ -23,10 +23,40 @@ from kascade_planner.topology import Topology
 GROUP_MAX = 64
 
 
-def shifted_orders(block_ids: Sequence[str], k: int) -> list[tuple[str, ...]]:
-    """Alg. 1: k contiguous chunks; sub-group j gets chunks j, j+1, ..., j-1 (mod k)."""
-    n = len(block_ids)
-    bounds = [round(i * n / k) for i in range(k + 1)]
+def chunk_bounds(block_bytes: Sequence[int], k: int) -> list[int]:
+    """Where Alg. 1's k contiguous chunks start (k + 1 indices, 0 first, len last), equal in BYTES.
+
+    A pipeline can form once every sub-group holds its own chunk, so the largest chunk sets when that is:
+    cut at the block boundary nearest to each i/k of the model's bytes (position i/k of the bytes lies
+    inside some block; round that fractional block index). Equal blocks give round(i * n / k), the cut by
+    block count. Why bytes: with an embedding and a head half a layer's size (8 layers: chunks of 2, 3, 3
+    and 2 blocks by count), the count cut gives the middle chunks 3 layers each, and the pipeline formed
+    after 1.77 of 5.25 MB per link instead of 1.44 (docs/worklog/2026-11-27-d/h17.md)."""
+    n = len(block_bytes)
+    if k <= 0 or n == 0:
+        raise PlanError(f"chunk_bounds needs k >= 1 and blocks, got k={k} and {n} blocks")
+    if any(b <= 0 for b in block_bytes):
+        raise PlanError("chunk_bounds: block sizes must be > 0")
+    total = sum(block_bytes)
+    bounds = [0]
+    at, before = 0, 0  # block index, bytes of blocks [0, at)
+    for i in range(1, k):
+        goal = total * i / k
+        while at < n and before + block_bytes[at] <= goal:
+            before += block_bytes[at]
+            at += 1
+        frac = at + ((goal - before) / block_bytes[at] if at < n else 0.0)
+        bounds.append(min(n, max(bounds[-1], round(frac))))
+    return [*bounds, n]
+
+
+def shifted_orders(block_ids: Sequence[str], k: int, block_bytes: Sequence[int] | None = None) -> list[tuple[str, ...]]:
+    """Alg. 1: k contiguous chunks (equal in bytes: `chunk_bounds`; equal in count without sizes);
+    sub-group j gets chunks j, j+1, ..., j-1 (mod k)."""
+    sizes = block_bytes if block_bytes is not None else [1] * len(block_ids)
+    if len(sizes) != len(block_ids):
+        raise PlanError(f"shifted_orders: {len(sizes)} block sizes for {len(block_ids)} blocks")
+    bounds = chunk_bounds(sizes, k)
     chunks = [tuple(block_ids[bounds[i]:bounds[i + 1]]) for i in range(k)]
     return [tuple(b for c in chunks[j:] + chunks[:j] for b in c) for j in range(k)]
 
@@ -105,7 +135,7 @@ def _binomial_plan(model: ModelLayout, srcs: Sequence[Instance], tgts: Sequence[
                    leaf_of: Callable[[Instance], str]) -> Plan:
     heads = sorted(srcs, key=lambda s: (leaf_of(s), s.id))[:k]
     groups = _groups(srcs, tgts, k, leaf_of)
-    orders = shifted_orders(model.block_ids, k)
+    orders = shifted_orders(model.block_ids, k, model.block_bytes)
     flows: list[Flow] = []
     steps: list[tuple[int, ...]] = []
     steps_max = 0

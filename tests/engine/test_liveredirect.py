@@ -7,6 +7,7 @@ on real engine processes, the redirect session is what moves them (without it, n
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 from collections.abc import AsyncIterator
@@ -113,6 +114,49 @@ async def test_redirect_needs_an_engine_that_serves(tiny_ckpt, tiny_blocks) -> N
             await b.set_cooperate(CooperateRequest("127.0.0.1:1", "redirect"))
     finally:
         await b.close()
+
+
+async def test_a_live_engine_never_hands_on_requests_its_pair_handed_it(tiny_ckpt, tiny_blocks, caplog) -> None:  # type: ignore[no-untyped-def]
+    """Regression (31b366f): a live engine B holds two kinds of queued requests: its own clients' and those its
+    pair's source A handed it over the pair session (redirect.py; their clients are on A, and their tokens must
+    go back that way). B, told to redirect to a serving engine H, hands on only its own: one of A's sent on to H
+    streamed its tokens to no client on B, and A's client waited until it timed out (bench full run, pipe2)."""
+    params = SamplingParams(max_tokens=6)
+    theirs, mine = PROMPTS, [[t + 1 for t in p] for p in PROMPTS]
+    want = unsplit(tiny_blocks, theirs + mine, params)
+    a = _instance(tiny_ckpt, tiny_blocks, None, "a", max_seqs=1)  # one sequence at a time: a queue, handed to B
+    b = _instance(tiny_ckpt, tiny_blocks, ["embed", "layer.0"], "b", max_seqs=1)  # live with A: a queue of both
+    h = _instance(tiny_ckpt, tiny_blocks, None, "h")  # serves whatever B hands it
+    b.host.layer_s = 0.01  # B steps slowly: both kinds wait in its queue while its forwarder looks
+    caplog.set_level(logging.INFO, logger="kascade_engine.timeline")  # `a-forward <request>`: what B handed on
+    lst_a = await TcpTransport().listen("127.0.0.1", 0, a.finisher.handle)
+    lst_h = await TcpTransport().listen("127.0.0.1", 0, h.finisher.handle)
+    try:
+        b.serving.start()
+        h.serving.start()
+        await b.set_cooperate(CooperateRequest(f"127.0.0.1:{lst_a.port}", "besteffort"))
+        at_a = [a.serving.submit(p, params) for p in theirs]  # queued on A before it steps: A hands B its tail
+        runs = [asyncio.create_task(collect(a, r)) for r in at_a]
+        a.serving.start()
+        deadline = time.monotonic() + 20
+        while not a.host.redirects.total:
+            assert time.monotonic() < deadline, "A handed B nothing: the test would test nothing"
+            await asyncio.sleep(0.005)
+        at_b = [b.serving.submit(p, params) for p in mine]
+        runs += [asyncio.create_task(collect(b, r)) for r in at_b]
+        await b.set_cooperate(CooperateRequest(f"127.0.0.1:{lst_h.port}", "redirect"))
+        got = await asyncio.wait_for(asyncio.gather(*runs), 30)  # reverting the fix: A's clients never finish
+        assert got == want  # every client, on A and on B, gets exactly the unsplit output
+        fwd = b.forwarders[f"127.0.0.1:{lst_h.port}"]
+        assert fwd.total >= 1  # B's forwarder did hand requests on: the rule, not an idle forwarder, kept A's
+        assert h.forward_host.received == fwd.total and fwd.taken_back == 0
+        forwarded = {m.group(1) for r in caplog.records if (m := re.search(r" a-forward (\S+) ", r.getMessage()))}
+        assert len(forwarded) == fwd.total and forwarded <= set(at_b)  # B's own clients' only, none of A's
+    finally:
+        for i in (a, b, h):
+            await i.close()
+        for lst in (lst_a, lst_h):
+            await lst.close()
 
 
 # -- real engine processes ---------------------------------------------------------------------------------
