@@ -14,8 +14,8 @@ TCP transport (B's prefix here, A's suffix behind a TCP listener) against a sing
 Engine pair section (`engine_pair`, not emulated): two real EngineInstances, B loading with half the
 layers paired with A over one TCP connection, B's requests batched per step (cooperation.py):
 `split_exact_batched`, `activation_bytes_per_token` beside its theory (hidden x dtype bytes), frames
-and connections counted. NOT done here: the policy comparison on real engines with real transfers
-over tbf-linked namespaces, and pipelines k=2/4 (their keys are not reported).
+and connections counted. The policy comparison on real engines with real transfers over tbf-linked
+namespaces, and pipelines k=2/4, are the real section (livereal.py, on livelab.py's fleets; `--real-only`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import tempfile
 import threading
@@ -31,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import livereal
 import numpy as np
 import torch
 
@@ -42,7 +42,6 @@ from kascade_engine.live import Finisher, SplitClient
 from kascade_engine.model import LlamaModel
 from kascade_engine.sampling import SamplingParams
 from kascade_engine.transport_tcp import TcpTransport
-from kascade_planner.plan import ModelLayout
 from kascade_planner.zigzag import PairSetting, ilp_config
 
 MODES = ("stop-the-world", "best-effort", "zigzag", "zigzag-ilp")
@@ -314,34 +313,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     ap.add_argument("--no-real", action="store_true",
                     help="skip the real-engine section (engine processes in tbf-linked namespaces; needs root)")
-    ap.add_argument("--rate-mbit", type=int, default=None, help="real section: link rate (default: the model in --load-s)")
-    ap.add_argument("--load-s", type=float, default=6.0, help="real section: seconds to send the whole model over a link")
-    ap.add_argument("--layer-ms", type=float, default=80.0, help="real section: emulated time of one layer forward per step")
-    ap.add_argument("--knee-tokens", type=int, default=0,
-                    help="real section: a layer forward over more tokens than this costs proportionally more "
-                         "(compute-bound; 128 = one full batch). 0: every layer forward costs --layer-ms (memory-bound)")
-    ap.add_argument("--real-overload", type=float, default=2.0,
-                    help="real section: arrival rate / the sources' measured capacity")
-    ap.add_argument("--link-qos", action=argparse.BooleanOptionalAction, default=True,
-                    help="real section: links that send the engines' activation class (DSCP AF41) ahead of weights "
-                         "(netlab.py, QoS), as a fabric configured with the engine's traffic classes does "
-                         "(docs/architecture.md, Traffic classes): the default since 2026-11-27 (pipe4 mean ratio 0.603 "
-                         "over 8 runs against 0.650 over 7 on FIFO links, docs/worklog/2026-11-27/h17-s9.md); "
-                         "--no-link-qos: one FIFO (tbf) per link, as the benches were measured before")
-    ap.add_argument("--redirect", choices=("both", "sources", "off"), default="off",
-                    help="real section, pipelines: once the pipeline forms, queued requests move between the sources and "
-                         "its head both ways (kascade_engine.liveredirect), only from the sources to the head, or not at "
-                         "all (default: only new arrivals go to the pipeline, by the router's weights; both ways raised "
-                         "the pipe4 ratio by 0.04-0.05 in paired runs, docs/worklog/2026-11-27-c/h17.md)")
-    ap.add_argument("--no-redirect", action="store_const", const="off", dest="redirect", help="= --redirect off")
-    ap.add_argument("--real-only", action="store_true", help="only the real-engine section (-> live_real.json)")
-    ap.add_argument("--fleets", default="pair,pipe2,pipe4",
-                    help="real section: which fleets to run (comma-separated subset of pair,pipe2,pipe4); a key whose "
-                         "fleet did not run is not reported")
+    livereal.add_args(ap)
     args = ap.parse_args()
     if args.real_only:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "live_real.json").write_text(json.dumps(real_section(args), indent=2))
+        (args.out / "live_real.json").write_text(json.dumps(livereal.real_section(args), indent=2))
         return
     n = args.requests or (24 if args.quick else 64)
     torch.manual_seed(0)
@@ -397,85 +373,11 @@ def main() -> None:
               "link": "emulated by block arrival times (l+1)*load_ratio*layer_time; activations handed over in-process "
                       "here, over TCP in split_exact_tcp and tests/engine/test_split.py"}
     if not args.no_real:
-        result.update(real_section(args))
+        result.update(livereal.real_section(args))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "live.json").write_text(json.dumps(result, indent=2))
     plot(res, args.prompt, args.out / "live.png")
     print(json.dumps({k: v for k, v in result.items() if not isinstance(v, (dict, str, list))}, indent=2))
-
-
-def real_section(args: argparse.Namespace) -> dict[str, object]:
-    """Stop-the-world vs live modes on real engine processes and real weight transfers (livelab.py)."""
-    import livelab
-    import netlab
-
-    why = netlab.available() if os.geteuid() == 0 else "needs root (ip netns, tc)"
-    if why is not None:
-        print(f"real-engine section SKIPPED: {why}")
-        return {"real": f"skipped: {why}"}
-    with tempfile.TemporaryDirectory() as tmp:
-        ckpt = tiny_llama(Path(tmp) / "m", layers=args.layers, hidden=128, vocab=512)
-        bs = pack_checkpoint(ckpt, "bench-llama")
-        manifest = dict(bs.manifest())
-        ids = tuple(manifest)
-        layout = ModelLayout("bench-llama", ids, tuple(int(manifest[b]["bytes"]) for b in ids))
-        total = sum(layout.block_bytes)
-        rate = args.rate_mbit or max(1, round(total * 8 / args.load_s / 1e6))
-        setup = livelab.Setup(rate, args.layer_ms, 128, 32, 4, args.real_overload, total * 8 / (rate * 1e6),
-                              200 if args.quick else 400, args.knee_tokens, args.link_qos, args.redirect)
-        print(f"real engines: {args.layers} layers, {total / 1e6:.1f} MB over {rate} Mbit/s links "
-              f"({'activations first' if args.link_qos else 'one FIFO'}) "
-              f"({setup.load_s:.1f} s per copy); compute emulated at {args.layer_ms} ms per layer forward per step"
-              f"{f', x (tokens / {setup.knee_tokens}) past {setup.knee_tokens} tokens' if setup.knee_tokens else ' (memory-bound: any tokens)'}")
-        fleets = [f.strip() for f in args.fleets.split(",") if f.strip()]
-        if not fleets or any(f not in ("pair", "pipe2", "pipe4") for f in fleets):
-            raise SystemExit(f"--fleets: {args.fleets!r} must name some of pair, pipe2, pipe4")
-        res: dict[str, dict[str, list[tuple[float, str, str]]]] = {}
-        if "pair" in fleets:
-            res["pair"] = livelab.fleet("pair", 1, ("stop-the-world", "best-effort", "zigzag", "zigzag-ilp"), ckpt,
-                                        manifest, layout, setup, "k17a")
-        for k in (2, 4):
-            if f"pipe{k}" in fleets:
-                res[f"pipe{k}"] = livelab.fleet("pipe", k, ("stop-the-world", "pipeline"), ckpt, manifest, layout,
-                                                setup, f"k17p{k}")
-
-    def ok(xs: list[tuple[float, str, str]]) -> list[float]:
-        return [x[0] for x in xs if not x[2].startswith("failed:")]
-
-    def p99(xs: list[tuple[float, str, str]]) -> float:
-        return float(np.percentile(ok(xs), 99))
-
-    def mean(xs: list[tuple[float, str, str]]) -> float:
-        return float(np.mean(ok(xs)))
-
-    exact = all(len({x[1] for x in col if not x[2].startswith("failed:")}) <= 1
-                for f in res.values() for col in zip(*f.values(), strict=True))
-    out: dict[str, object] = {}
-    if "pair" in res:
-        pair = res["pair"]
-        out["real_p99_ttft_zigzag_over_stop"] = p99(pair["zigzag"]) / p99(pair["stop-the-world"])
-        out["real_p99_ttft_besteffort_over_stop"] = p99(pair["best-effort"]) / p99(pair["stop-the-world"])
-        out["real_p99_ttft_zigzag_ilp_over_stop"] = p99(pair["zigzag-ilp"]) / p99(pair["stop-the-world"])
-    for k in (2, 4):
-        if f"pipe{k}" in res:
-            out[f"mean_ttft_pipeline{k}_over_stop"] = (mean(res[f"pipe{k}"]["pipeline"])
-                                                       / mean(res[f"pipe{k}"]["stop-the-world"]))
-    out.update({
-        "real_split_exact": exact,
-        "real_fleets": sorted(res),
-        "real_ttft_s": {f: {m: {"mean": mean(v), "p99": p99(v), "on_targets": sum(1 for x in v if x[2].startswith("t")),
-                                "requests": len(v), "failed": len(v) - len(ok(v))} for m, v in modes.items()} for f, modes in res.items()},
-        "real_setup": {"rate_mbit": setup.rate_mbit, "load_s": setup.load_s, "layer_ms": setup.layer_ms,
-                       "compute": "emulated per step (--emulate-layer-ms); transfers, activations and HTTP real",
-                       "knee_tokens": setup.knee_tokens,
-                       "links": "activation class (DSCP AF41) first, htb" if setup.link_qos else "one FIFO (tbf)",
-                       "stop_baseline_of_pipelines": "stop-the-world on the same fleet (k sources, k targets)",
-                       "pipeline_redirect": setup.redirect},
-        # per request, in trace order: [TTFT s, engine that served it (or failed:...)], for breakdowns
-        "real_requests": {f: {m: [[x[0], x[2]] for x in v] for m, v in modes.items()} for f, modes in res.items()},
-    })
-    print("real engines, side by side: " + json.dumps({k: v for k, v in out.items() if isinstance(v, (float, bool))}))
-    return out
 
 
 def plot(res: dict[str, list[Job]], tokens: int, path: Path) -> None:

@@ -9,10 +9,12 @@ Fleets (each one lab; modes run one after another on the same engines, same trac
   pipeK  K sources + K targets, λScale binomial plan with K sub-groups (each target gets a different
          chunk first): stop-the-world | pipeline (the targets form one execution pipeline as soon as
          together they hold every layer: kascade_operator.livewiring's rule and calls)
-The driver routes each request like the router does ((in flight + 1) / weight, a live loading target
-weighing the serving share its engine last reported, kascade_router's prior before that), to the best
-of all servable engines (sources always; a loading
-target when live, a complete one always). The shares are refreshed like the router's: from each answer
+The driver routes each request with the router's rules to the best of all servable engines (sources always;
+a loading target when live, a complete one always), every mode alike: `route` "ttft" (the default) the least
+expected time to first token (kascade_router.firsttoken: each engine's first-token rate and latency as the
+driver measured them in this mode, the others' medians before it has its own), "share" the least (in flight
++ 1) / weight (a live loading target weighing the serving share its engine last reported,
+kascade_router's prior before that). The shares are refreshed like the router's: from each answer
 and by the router's own poller (kascade_router.shares.ShareRefresher, /readyz every 0.25 s).
 With `redirect` "both", once a pipeline forms every source is told `cooperate {peer: the head,
 mode: redirect}` and the head the same about every source: each hands requests still queued on it to the
@@ -61,6 +63,8 @@ from kascade_planner.engine_api import (
 from kascade_planner.plan import Instance, ModelLayout
 from kascade_planner.topology import Node, Topology
 from kascade_router.backends import LIVE_PRIOR_WEIGHT, Backend, Routes
+from kascade_router.balancer import least_ttft
+from kascade_router.firsttoken import FirstTokens
 from kascade_router.settings import RouterSettings
 from kascade_router.shares import ShareRefresher
 
@@ -123,14 +127,18 @@ def wait_ready(e: Eng, timeout: float = 300) -> None:
 class Driver:
     """Control calls, status polling and the trace, from the client namespace."""
 
-    def __init__(self, sources: list[Eng], targets: list[Eng], redirect: str = "off") -> None:
-        self.sources, self.targets, self.redirect = sources, targets, redirect
+    def __init__(self, sources: list[Eng], targets: list[Eng], redirect: str = "off", route: str = "ttft") -> None:
+        self.sources, self.targets, self.redirect, self.route = sources, targets, redirect, route
         # the router's view of the targets (a live replica's weight: kascade_router.backends), refreshed from
         # answers and by the router's share poller (`shares`)
         self.routes = Routes()
         self.routes.backends[("bench", MODEL)] = {t.iid: Backend(t.iid, t.http, LIVE_PRIOR_WEIGHT, live=True)
                                                   for t in targets}
         self.shares = ShareRefresher(self.routes, RouterSettings().live_share_refresh_s)
+        # every engine as the balancer sees it (the sources: complete copies, weight 1; targets: the routes' live
+        # backends), for their first tokens (kascade_router.firsttoken) and the routing rule
+        self.balanced = {**{s.iid: Backend(s.iid, s.http) for s in sources},
+                         **self.routes.backends[("bench", MODEL)]}
         self.t0 = time.monotonic()
         self.ids: dict[tuple[str, float], tuple[str, float]] = {}  # (prompt, at) -> (request id, unix time sent)
         self.events: list[tuple[float, str]] = []  # (unix time, what): the driver's side of a mode's timeline
@@ -191,13 +199,27 @@ class Driver:
     def backend(self, e: Eng) -> Backend:
         return self.routes.backends[("bench", MODEL)][e.iid]
 
+    def choose(self, cands: list[Eng]) -> Eng:
+        """The router's rule over all servable engines: the least expected TTFT ("ttft":
+        kascade_router.balancer.least_ttft, each engine's measured first-token rate and latency), or the least
+        (in flight + 1) / weight ("share", the rule before 2026-11-27-d)."""
+        if self.route == "share":
+            return min(cands, key=lambda x: (x.in_flight + 1) / self.weight(x))
+        by = {e.iid: e for e in cands}
+        b = least_ttft([self.balanced[e.iid] for e in cands], lambda b: self.weight(by[b.pod]))
+        assert b is not None
+        return by[b.pod]
+
     async def one(self, prompt: str, at: float, live: bool, max_tokens: int) -> tuple[float, str, str]:
         await asyncio.sleep(max(0.0, self.t0 + at - time.monotonic()))
         cands = [e for e in (*self.sources, *self.targets) if self.servable(e, live)]
-        e = min(cands, key=lambda x: (x.in_flight + 1) / self.weight(x))  # the router's rule, over all backends
+        e = self.choose(cands)
         e.in_flight += 1
         first, text = None, ""
         sent = time.time()
+        ft = self.balanced[e.iid].first_tokens
+        t_sent = time.monotonic()
+        ahead = ft.sent(t_sent)
         try:
             body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
             async with self.http.stream("POST", f"http://{e.http}/v1/completions", json=body) as r:
@@ -209,6 +231,7 @@ class Driver:
                     if line.startswith("data: ") and line != "data: [DONE]":
                         if first is None:
                             first = time.monotonic()
+                            ft.first(first, first - t_sent, ahead)
                         chunk = json.loads(line[6:])
                         if "choices" not in chunk:  # the engine failed the request mid-stream: counted as failed
                             print(f"      request to {e.iid} failed: {str(chunk.get('error', chunk))[:200]}", flush=True)
@@ -220,6 +243,8 @@ class Driver:
             return float("nan"), "", f"failed:{e.iid}"
         finally:
             e.in_flight -= 1
+            if first is None:
+                ft.gone(time.monotonic())
         return (first or time.monotonic()) - (self.t0 + at), text, e.iid
 
     async def capacity(self, n: int, prompt: str, max_tokens: int) -> float:
@@ -248,6 +273,8 @@ def pair_plan(layout: ModelLayout, srcs: list[Eng], tgts: list[Eng], k: int, rat
 
 async def run_mode(d: Driver, mode: str, plan: dict[str, Any], manifest: dict[str, Any], port: int,
                    prompts: list[str], gap: float, max_tokens: int, zz: ZigZagSpec | None) -> list[tuple[float, str, str]]:
+    for b in d.balanced.values():  # every mode starts with nothing measured (the same conditions for each)
+        b.first_tokens = FirstTokens()
     for t in d.targets:  # a fresh target: no weights, bound, then loading by the plan
         d.backend(t).weight = LIVE_PRIOR_WEIGHT
         if t.status.get("phase") not in (None, "empty", "released"):
@@ -302,6 +329,7 @@ class Setup:
     knee_tokens: int = 0  # emulation: a layer forward over more tokens costs proportionally more (0: never)
     link_qos: bool = False  # True: links send the activation class first (netlab.py, "QoS"); False: one FIFO per link
     redirect: str = "off"  # pipelines: queues move sources <-> the formed pipeline ("both"), sources -> it, or "off"
+    route: str = "ttft"  # the driver's routing rule, every mode alike: expected TTFT ("ttft") or (in flight + 1) / weight
 
 
 def fleet(kind: str, k: int, modes: tuple[str, ...], ckpt: Path, manifest: dict[str, Any], layout: ModelLayout,
@@ -333,7 +361,7 @@ async def _drive(lab: netlab.NetLab, tag: str, client: int, srcs: list[Eng], tgt
                  setup: Setup) -> dict[str, list[tuple[float, str, str]]]:
     origin = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
     enter_netns(f"{tag}-h{client}")
-    d = Driver(srcs, tgts, setup.redirect)
+    d = Driver(srcs, tgts, setup.redirect, setup.route)
     try:
         for e in (*srcs, *tgts):
             e.status = await d.ctl(e, "status", get=True)

@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kascade_router.firsttoken import FirstTokens
+
 log = logging.getLogger(__name__)
 
 MODEL_SERVICE = "kascade.io/model-service"
@@ -131,6 +133,8 @@ class Backend:
     # the prompt tokens/s the engine last reported it actually prefills (PREFILL_RATE_HEADER, on its answers and
     # /readyz): a converted decoder is weighed by its rate over a prefill engine's; None while it reports none
     prefill_rate: float | None = None
+    # this router's requests' first tokens there: rate and latency, for routing on expected TTFT (firsttoken.py)
+    first_tokens: FirstTokens = field(default_factory=FirstTokens)
 
     def reported_rate(self, rate: str | None) -> None:
         """The engine's prefill rate from an answer or /readyz; no header (not measured, or the budgets it was

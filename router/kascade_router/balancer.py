@@ -10,10 +10,11 @@ of requests until it holds every layer.
 from __future__ import annotations
 
 import random
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from kascade_planner.conversion import converted_share
 from kascade_router.backends import Backend
+from kascade_router.firsttoken import estimate, priors
 
 # a converted decoder takes a prompt only while its step budget gives a chunk at least this many tokens now
 # (its reported prefill room): beside a big batch the budget gives a prompt 0 tokens and it waited there for
@@ -29,6 +30,43 @@ def pick(backends: Sequence[Backend], rng: random.Random, exclude: Collection[st
         return pool[0]
     a, b = rng.sample(pool, 2)
     return a if (a.in_flight + 1) / a.weight <= (b.in_flight + 1) / b.weight else b
+
+
+def _share_key(b: Backend, weight: float) -> float:
+    return (b.in_flight + 1) / weight
+
+
+def expected_ttfts(backends: Sequence[Backend], weight: Callable[[Backend], float] = lambda b: b.weight
+                   ) -> list[float] | None:
+    """Each backend's expected TTFT for one more request (firsttoken.py: measured rate and latency, the others'
+    medians where it has none yet), in order; None when any has no estimate (nothing measured anywhere)."""
+    prior = priors((b.first_tokens, weight(b)) for b in backends)
+    out = [estimate(b.first_tokens, weight(b), prior) for b in backends]
+    return None if any(e is None for e in out) else [e for e in out if e is not None]
+
+
+def pick_by_ttft(backends: Sequence[Backend], rng: random.Random, exclude: Collection[str] = ()) -> Backend | None:
+    """Power of two choices on expected TTFT (`expected_ttfts`); `pick`'s (in flight + 1) / weight while a
+    candidate has no estimate. Priors come from the whole pool, not only the two sampled."""
+    pool = [b for b in backends if b.pod not in exclude] if exclude else list(backends)
+    if len(pool) <= 1:
+        return pool[0] if pool else None
+    a, b = rng.sample(pool, 2)
+    est = expected_ttfts(pool)
+    if est is None:
+        return a if _share_key(a, a.weight) <= _share_key(b, b.weight) else b
+    ea, eb = est[pool.index(a)], est[pool.index(b)]
+    return a if ea <= eb else b
+
+
+def least_ttft(backends: Sequence[Backend], weight: Callable[[Backend], float] = lambda b: b.weight) -> Backend | None:
+    """The backend with the least expected TTFT, scanning all (a caller that sees every backend: bench/livelab.py);
+    the least (in flight + 1) / weight while any has no estimate. Ties: the first."""
+    if not backends:
+        return None
+    est = expected_ttfts(backends, weight)
+    keys = est if est is not None else [_share_key(b, weight(b)) for b in backends]
+    return backends[min(range(len(backends)), key=keys.__getitem__)]
 
 
 def _prefill_load(b: Backend, share: float) -> float:

@@ -1,0 +1,132 @@
+"""Expected time to first token per backend, from what the router measures of its own requests.
+
+Concept: a request sent to backend b now gets its first token once the requests b is already prefilling for
+this router (sent, no first token yet) have theirs, at the rate b gives first tokens while it has some to
+give, plus b's own round trip with nothing of ours ahead:
+
+    expected_ttft = latency_s + ahead / rate_per_s
+
+Why (issue 17, docs/worklog/2026-11-27-d/h17.md): (in flight + 1) / weight ranks engines by the capacity they
+claim. The head of a λScale pipeline claims its receivers' (serving share 4 in bench pipe4), so it took every
+arrival for 1.5-2 s after the pipeline formed and its TTFT climbed from 1.5 to 2.4 s while the sources, their
+backlog gone, answered in 1.25 s. Its first token also pays a round trip through every member (0.8 s against
+a source's 0.6 s). Measured start rates and latencies, not claimed shares, say where a request waits least.
+
+Measured per backend (`FirstTokens`, fed by whoever sees a stream's first chunk: the bench driver; the proxy
+when wired):
+- rate: first tokens per second of busy time, a clock that runs only while the backend has at least one of our
+  requests waiting for its first token (idle time never dilutes it), over its last RATE_WINDOW first tokens;
+- latency: the TTFT of requests sent while nothing of ours was ahead there (moving average), lowered by any
+  faster TTFT seen (every TTFT bounds it from above).
+A backend with no measurement yet gets priors from the others (`Priors`): rate = its weight x the median rate
+per unit of weight of the measured ones, latency = their median latency. With no measurement anywhere there
+is no estimate (None), and the caller ranks by (in flight + 1) / weight as before.
+
+Data flow: request sent -> `FirstTokens.sent` (its `ahead`) -> first chunk -> `first(now, ttft, ahead)` (or
+`gone` if it ended without one) -> `priors` over the candidates -> `estimate` per candidate -> the balancer
+picks the least (kascade_router.balancer.pick_by_ttft).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+RATE_WINDOW = 16  # first tokens the rate is measured over (a few batches of a busy engine)
+MIN_TOKENS = 4  # fewer first tokens than this measure no rate
+LATENCY_ALPHA = 0.3  # weight of a new unqueued TTFT in the latency's moving average
+
+
+def expected_ttft(ahead: int, latency_s: float, rate_per_s: float) -> float:
+    """The rule: the round trip plus the time the requests ahead take to get their first tokens."""
+    if ahead < 0:
+        raise ValueError(f"ahead must be >= 0, got {ahead}")
+    if latency_s < 0:
+        raise ValueError(f"latency_s must be >= 0, got {latency_s}")
+    if not rate_per_s > 0:
+        raise ValueError(f"rate_per_s must be > 0, got {rate_per_s}")
+    return latency_s + ahead / rate_per_s
+
+
+@dataclass
+class FirstTokens:
+    """One backend's first tokens as this router saw them (times on any one monotonic clock)."""
+
+    waiting: int = 0  # our requests sent there with no first token yet
+    busy_s: float = 0.0  # the busy clock: time with waiting > 0
+    latency_s: float | None = None
+    _at: float | None = None  # time of the last event
+    _tokens: deque[float] = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))  # busy clock at each first token
+
+    def _advance(self, now: float) -> None:
+        if self._at is not None and self.waiting > 0:
+            self.busy_s += max(0.0, now - self._at)
+        self._at = now if self._at is None else max(self._at, now)
+
+    def sent(self, now: float) -> int:
+        """A request goes there now; returns how many of ours wait ahead of it (pass it to `first`)."""
+        self._advance(now)
+        ahead = self.waiting
+        self.waiting += 1
+        return ahead
+
+    def first(self, now: float, ttft_s: float, ahead: int) -> None:
+        """Its first token came `ttft_s` after it was sent, `ahead` of ours were waiting when it was."""
+        if ttft_s < 0 or ahead < 0:
+            raise ValueError(f"ttft_s and ahead must be >= 0, got {ttft_s} and {ahead}")
+        self._advance(now)
+        self.waiting = max(0, self.waiting - 1)
+        self._tokens.append(self.busy_s)
+        if ahead == 0:
+            self.latency_s = ttft_s if self.latency_s is None else (
+                (1 - LATENCY_ALPHA) * self.latency_s + LATENCY_ALPHA * ttft_s)
+        if self.latency_s is not None and ttft_s < self.latency_s:
+            self.latency_s = ttft_s  # any TTFT bounds the round trip from above
+
+    def gone(self, now: float) -> None:
+        """A request sent there ended without a first token (failed, aborted, not streamed)."""
+        self._advance(now)
+        self.waiting = max(0, self.waiting - 1)
+
+    @property
+    def rate_per_s(self) -> float | None:
+        """First tokens per second of busy time over the window; None before MIN_TOKENS of them."""
+        if len(self._tokens) < MIN_TOKENS:
+            return None
+        span = self._tokens[-1] - self._tokens[0]
+        return (len(self._tokens) - 1) / span if span > 0 else None
+
+
+@dataclass(frozen=True)
+class Priors:
+    """What an unmeasured backend is assumed to do: the measured ones' medians."""
+
+    rate_per_weight: float | None
+    latency_s: float | None
+
+
+def priors(measured: Iterable[tuple[FirstTokens, float]]) -> Priors:
+    """From (first tokens, weight) of the candidates: the median rate per unit of weight of those with a rate,
+    the median latency of those with one (None where none has)."""
+    rates, lats = [], []
+    for ft, weight in measured:
+        r = ft.rate_per_s
+        if r is not None and weight > 0:
+            rates.append(r / weight)
+        if ft.latency_s is not None:
+            lats.append(ft.latency_s)
+    return Priors(statistics.median(rates) if rates else None, statistics.median(lats) if lats else None)
+
+
+def estimate(ft: FirstTokens, weight: float, prior: Priors) -> float | None:
+    """The expected TTFT of one more request there, measured where it can be, from `prior` where not; None
+    when neither gives a rate and a latency."""
+    rate = ft.rate_per_s
+    if rate is None and prior.rate_per_weight is not None and weight > 0:
+        rate = prior.rate_per_weight * weight
+    latency = ft.latency_s if ft.latency_s is not None else prior.latency_s
+    if rate is None or latency is None:
+        return None
+    return expected_ttft(ft.waiting, latency, rate)
