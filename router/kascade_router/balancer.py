@@ -10,6 +10,7 @@ of requests until it holds every layer.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable, Collection, Sequence
 
 from kascade_planner.conversion import converted_share
@@ -36,35 +37,39 @@ def _share_key(b: Backend, weight: float) -> float:
     return (b.in_flight + 1) / weight
 
 
-def expected_ttfts(backends: Sequence[Backend], weight: Callable[[Backend], float] = lambda b: b.weight
-                   ) -> list[float] | None:
+def expected_ttfts(backends: Sequence[Backend], weight: Callable[[Backend], float] = lambda b: b.weight,
+                   now: float | None = None) -> list[float] | None:
     """Each backend's expected TTFT for one more request (firsttoken.py: measured rate and latency, the others'
-    medians where it has none yet), in order; None when any has no estimate (nothing measured anywhere)."""
-    prior = priors((b.first_tokens, weight(b)) for b in backends)
-    out = [estimate(b.first_tokens, weight(b), prior) for b in backends]
+    medians where it has none yet), in order; None when any has no estimate (nothing measured anywhere).
+    `now`: the clock the first tokens were timed on (time.monotonic by default)."""
+    t = time.monotonic() if now is None else now
+    prior = priors(((b.first_tokens, weight(b)) for b in backends), t)
+    out = [estimate(b.first_tokens, weight(b), prior, t) for b in backends]
     return None if any(e is None for e in out) else [e for e in out if e is not None]
 
 
-def pick_by_ttft(backends: Sequence[Backend], rng: random.Random, exclude: Collection[str] = ()) -> Backend | None:
+def pick_by_ttft(backends: Sequence[Backend], rng: random.Random, exclude: Collection[str] = (),
+                 now: float | None = None) -> Backend | None:
     """Power of two choices on expected TTFT (`expected_ttfts`); `pick`'s (in flight + 1) / weight while a
     candidate has no estimate. Priors come from the whole pool, not only the two sampled."""
     pool = [b for b in backends if b.pod not in exclude] if exclude else list(backends)
     if len(pool) <= 1:
         return pool[0] if pool else None
     a, b = rng.sample(pool, 2)
-    est = expected_ttfts(pool)
+    est = expected_ttfts(pool, now=now)
     if est is None:
         return a if _share_key(a, a.weight) <= _share_key(b, b.weight) else b
     ea, eb = est[pool.index(a)], est[pool.index(b)]
     return a if ea <= eb else b
 
 
-def least_ttft(backends: Sequence[Backend], weight: Callable[[Backend], float] = lambda b: b.weight) -> Backend | None:
+def least_ttft(backends: Sequence[Backend], weight: Callable[[Backend], float] = lambda b: b.weight,
+               now: float | None = None) -> Backend | None:
     """The backend with the least expected TTFT, scanning all (a caller that sees every backend: bench/livelab.py);
     the least (in flight + 1) / weight while any has no estimate. Ties: the first."""
     if not backends:
         return None
-    est = expected_ttfts(backends, weight)
+    est = expected_ttfts(backends, weight, now)
     keys = est if est is not None else [_share_key(b, weight(b)) for b in backends]
     return backends[min(range(len(backends)), key=keys.__getitem__)]
 

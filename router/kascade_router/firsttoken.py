@@ -15,7 +15,10 @@ a source's 0.6 s). Measured start rates and latencies, not claimed shares, say w
 Measured per backend (`FirstTokens`, fed by whoever sees a stream's first chunk: the bench driver; the proxy
 when wired):
 - rate: first tokens per second of busy time, a clock that runs only while the backend has at least one of our
-  requests waiting for its first token (idle time never dilutes it), over its last RATE_WINDOW first tokens;
+  requests waiting for its first token (idle time never dilutes it), from its first token in the last
+  RATE_SPAN_S of busy time to now (a stall while busy lowers it), and only once that spans MIN_SPAN_S: first
+  tokens come in batches (one step starts several prompts), and a rate over a few of one batch's was 100x too
+  high (bench pipe4: a source measured that way took every request for a second, TTFT 7 s);
 - latency: the TTFT of requests sent while nothing of ours was ahead there (moving average), lowered by any
   faster TTFT seen (every TTFT bounds it from above).
 A backend with no measurement yet gets priors from the others (`Priors`): rate = its weight x the median rate
@@ -34,7 +37,9 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-RATE_WINDOW = 16  # first tokens the rate is measured over (a few batches of a busy engine)
+RATE_WINDOW = 64  # first tokens kept for the rate
+RATE_SPAN_S = 3.0  # busy seconds the rate looks back (several steps of a busy engine)
+MIN_SPAN_S = 1.0  # a rate over less busy time than this is none (more than one batch's worth of first tokens)
 MIN_TOKENS = 4  # fewer first tokens than this measure no rate
 LATENCY_ALPHA = 0.3  # weight of a new unqueued TTFT in the latency's moving average
 
@@ -59,6 +64,12 @@ class FirstTokens:
     latency_s: float | None = None
     _at: float | None = None  # time of the last event
     _tokens: deque[float] = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))  # busy clock at each first token
+
+    def busy_at(self, now: float) -> float:
+        """The busy clock at `now` (it runs on while our requests wait)."""
+        if self._at is not None and self.waiting > 0:
+            return self.busy_s + max(0.0, now - self._at)
+        return self.busy_s
 
     def _advance(self, now: float) -> None:
         if self._at is not None and self.waiting > 0:
@@ -90,13 +101,15 @@ class FirstTokens:
         self._advance(now)
         self.waiting = max(0, self.waiting - 1)
 
-    @property
-    def rate_per_s(self) -> float | None:
-        """First tokens per second of busy time over the window; None before MIN_TOKENS of them."""
-        if len(self._tokens) < MIN_TOKENS:
+    def rate_per_s(self, now: float) -> float | None:
+        """First tokens per second of busy time, from the first of them in the last RATE_SPAN_S busy seconds to
+        now; None with fewer than MIN_TOKENS of them or less than MIN_SPAN_S of busy time since the first."""
+        busy = self.busy_at(now)
+        recent = [b for b in self._tokens if b >= busy - RATE_SPAN_S]
+        if len(recent) < MIN_TOKENS:
             return None
-        span = self._tokens[-1] - self._tokens[0]
-        return (len(self._tokens) - 1) / span if span > 0 else None
+        span = busy - recent[0]
+        return (len(recent) - 1) / span if span >= MIN_SPAN_S else None
 
 
 @dataclass(frozen=True)
@@ -107,12 +120,12 @@ class Priors:
     latency_s: float | None
 
 
-def priors(measured: Iterable[tuple[FirstTokens, float]]) -> Priors:
+def priors(measured: Iterable[tuple[FirstTokens, float]], now: float) -> Priors:
     """From (first tokens, weight) of the candidates: the median rate per unit of weight of those with a rate,
     the median latency of those with one (None where none has)."""
     rates, lats = [], []
     for ft, weight in measured:
-        r = ft.rate_per_s
+        r = ft.rate_per_s(now)
         if r is not None and weight > 0:
             rates.append(r / weight)
         if ft.latency_s is not None:
@@ -120,10 +133,10 @@ def priors(measured: Iterable[tuple[FirstTokens, float]]) -> Priors:
     return Priors(statistics.median(rates) if rates else None, statistics.median(lats) if lats else None)
 
 
-def estimate(ft: FirstTokens, weight: float, prior: Priors) -> float | None:
+def estimate(ft: FirstTokens, weight: float, prior: Priors, now: float) -> float | None:
     """The expected TTFT of one more request there, measured where it can be, from `prior` where not; None
     when neither gives a rate and a latency."""
-    rate = ft.rate_per_s
+    rate = ft.rate_per_s(now)
     if rate is None and prior.rate_per_weight is not None and weight > 0:
         rate = prior.rate_per_weight * weight
     latency = ft.latency_s if ft.latency_s is not None else prior.latency_s
