@@ -284,19 +284,8 @@ async def drive(rt: Runtime, sp: dict[str, Any], stopped: Any) -> None:
             iid = t["instance"]
             if iid not in by_inst and iid not in dropped and iid not in lost and iid in done:
                 lost[iid] = f"pod {t.get('pod') or iid} was deleted"
-        statuses: dict[str, dict[str, Any] | None] = {}
-        for t in spec["targets"]:
-            iid = t["instance"]
-            p = by_inst.get(iid)
-            if iid in dropped or iid in lost or p is None or p.model_service != key:
-                statuses[iid] = None
-                continue
-            try:
-                statuses[iid] = await rt.engines.status(p.endpoint) if p.endpoint else None
-                unreachable_since.pop(iid, None)
-            except EngineError:
-                statuses[iid] = None
-                unreachable_since.setdefault(iid, time.monotonic())
+        statuses = await _statuses(rt, [t["instance"] for t in spec["targets"]], by_inst, dropped.keys() | lost.keys(),
+                                   key, unreachable_since)
         for iid in statuses:
             why = await _check_label(rt, sp, by_inst.get(iid), iid in done and iid not in dropped and iid not in lost,
                                      unlabelled_since, iid)
@@ -331,6 +320,29 @@ async def drive(rt: Runtime, sp: dict[str, Any], stopped: Any) -> None:
         if throttle.should_write(st["phase"]) or lost:
             await rt.kube.patch_scaleplan_status(ns, name, st)
         await asyncio.sleep(POLL_S)
+
+
+async def _statuses(rt: Runtime, ids: list[str], by_inst: dict[str, PodView], skip: set[str], key: str,
+                    unreachable_since: dict[str, float]) -> dict[str, dict[str, Any] | None]:
+    """Each target's engine status (None: skipped, not bound to this service, or unreachable, which starts or
+    keeps its `unreachable_since` clock; an answer clears it), every target at once: a round costs one status
+    round trip, not one per target. These statuses are what `livewiring.advance` forms pipelines from, so a
+    sequential round delayed every formation by the other targets' round trips (a loaded link's queue: up to
+    0.3 s each in bench/live.py's netlab, docs/worklog/2026-11-27-d/h17.md)."""
+
+    async def one(iid: str) -> dict[str, Any] | None:
+        p = by_inst.get(iid)
+        if iid in skip or p is None or p.model_service != key or not p.endpoint:
+            return None
+        try:
+            st = await rt.engines.status(p.endpoint)
+        except EngineError:
+            unreachable_since.setdefault(iid, time.monotonic())
+            return None
+        unreachable_since.pop(iid, None)
+        return st
+
+    return dict(zip(ids, await asyncio.gather(*(one(i) for i in ids)), strict=True))
 
 
 async def _check_label(rt: Runtime, sp: dict[str, Any], p: PodView | None, instructed: bool,
