@@ -82,7 +82,6 @@ class Eng:
     http: str = ""
     act: str = ""
     status: dict[str, Any] = field(default_factory=dict)
-    in_flight: int = 0
 
 
 def enter_netns(name: str) -> None:
@@ -204,7 +203,7 @@ class Driver:
         kascade_router.balancer.least_ttft, each engine's measured first-token rate and latency), or the least
         (in flight + 1) / weight ("share", the rule before 2026-11-27-d)."""
         if self.route == "share":
-            return min(cands, key=lambda x: (x.in_flight + 1) / self.weight(x))
+            return min(cands, key=lambda x: (self.balanced[x.iid].in_flight + 1) / self.weight(x))
         by = {e.iid: e for e in cands}
         b = least_ttft([self.balanced[e.iid] for e in cands], lambda b: self.weight(by[b.pod]))
         assert b is not None
@@ -214,10 +213,11 @@ class Driver:
         await asyncio.sleep(max(0.0, self.t0 + at - time.monotonic()))
         cands = [e for e in (*self.sources, *self.targets) if self.servable(e, live)]
         e = self.choose(cands)
-        e.in_flight += 1
+        bk = self.balanced[e.iid]  # its in-flight count and first tokens, as the router keeps them
+        bk.in_flight += 1
         first, text = None, ""
         sent = time.time()
-        ft = self.balanced[e.iid].first_tokens
+        ft = bk.first_tokens
         t_sent = time.monotonic()
         ahead = ft.sent(t_sent)
         try:
@@ -242,7 +242,7 @@ class Driver:
             print(f"      request to {e.iid} failed: {type(err).__name__}: {err}", flush=True)
             return float("nan"), "", f"failed:{e.iid}"
         finally:
-            e.in_flight -= 1
+            bk.in_flight -= 1
             if first is None:
                 ft.gone(time.monotonic())
         return (first or time.monotonic()) - (self.t0 + at), text, e.iid
