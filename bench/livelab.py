@@ -104,6 +104,8 @@ def start_engine(lab: netlab.NetLab, host: int, iid: str, ckpt: Path, empty: boo
            "--model-name", MODEL, "--host", addr, "--port", "8000", "--act-port", "8001", "--threads", "1",
            "--max-batch-tokens", str(batch_tokens), "--emulate-layer-ms", str(layer_ms),
            "--emulate-knee-tokens", str(knee_tokens), *(["--empty"] if empty else [])]
+    if logs:
+        Path(logs).mkdir(parents=True, exist_ok=True)
     err = open(Path(logs) / f"{lab.tag}-{iid}.log", "w") if logs else subprocess.DEVNULL  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
                             env={**os.environ, "KASCADE_ENGINE_TOKEN": TOKEN})
