@@ -110,15 +110,12 @@ def create_app(inst: EngineInstance) -> FastAPI:
             raise RequestError(400, f"prompt ({longest} tokens) + {field} ({want}) exceeds the context of {ctx} "
                                "tokens", field)
         call = Call(inst, body, prompts, want, prefill_peer(request), peer_header(request, PREFILL_FALLBACK_HEADER))
-        share = load_headers(inst)
         watched = inst.serving.watched(call.rids)  # prompts this converted decoder prefills itself, may hand back
         if not body.stream:
             doc = await until_client_leaves(request, call.json())
             handed = await handed_back(watched)  # settled by now: every prompt got its tokens
-            share = load_headers(inst)  # as of now, not of the request's arrival
-            if handed is not None:
-                share[HANDED_BACK_HEADER] = handed
-            return JSONResponse(doc, headers=share)
+            return JSONResponse(doc, headers=answer_headers(inst, handed))
+        handed = None
         if watched:
             # the answer (its headers) starts once each is settled, so it can name the prefill engine a prompt was
             # handed to (the router's PD accounting)
@@ -128,10 +125,7 @@ def create_app(inst: EngineInstance) -> FastAPI:
                 for rid in call.rids:
                     inst.serving.abort(rid)
                 raise
-            share = load_headers(inst)  # as of the answer's start: the router replaces what it knew with these
-            if handed is not None:
-                share[HANDED_BACK_HEADER] = handed
-        return StreamingResponse(call.sse(), media_type="text/event-stream", headers=share)
+        return StreamingResponse(call.sse(), media_type="text/event-stream", headers=answer_headers(inst, handed))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -245,6 +239,15 @@ def load_headers(inst: EngineInstance) -> dict[str, str]:
     if room is not None:  # a converted decoder: routers send it prompts only while it has room
         out[PREFILL_ROOM_HEADER] = str(room)
     return {**out, **rate_header(inst)}
+
+
+def answer_headers(inst: EngineInstance, handed: str | None) -> dict[str, str]:
+    """An answer's headers, built as it starts (the router replaces what it knew with these): `load_headers`,
+    and HANDED_BACK_HEADER naming the prefill engine a prompt was handed to."""
+    out = load_headers(inst)
+    if handed is not None:
+        out[HANDED_BACK_HEADER] = handed
+    return out
 
 
 PREFILL_HEADER = "x-kascade-prefill"  # the router's PD choice: host:port of a prefill engine's data port
