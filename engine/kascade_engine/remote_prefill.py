@@ -30,6 +30,7 @@ from kascade_engine.prefill_server import host_bytes, kv_shape
 from kascade_engine.sampling import SamplingParams
 from kascade_engine.scheduler import Seq
 from kascade_engine.transport import Connection, TransportError
+from kascade_planner.conversion import remote_prefill_s
 
 if TYPE_CHECKING:
     from kascade_engine.engine import Engine
@@ -102,11 +103,7 @@ class RemotePrefill:
         of the prompts before the burst said 0.3 s while P's queue held 1-2 s, bench/pd.py run3 2026-11-27-c).
         None: nothing measured yet."""
         now = time.monotonic()
-        ages = [now - t for p, t in tuple(self.pending.values()) if p == peer]
-        took = self.took.get(peer)
-        if took is None and not ages:
-            return None
-        return max([took or 0.0, *ages])
+        return remote_prefill_s(self.took.get(peer), [now - t for p, t in tuple(self.pending.values()) if p == peer])
 
     async def _fetch(self, rid: str, prompt: list[int], params: SamplingParams,
                      peer: str, arrived: float | None = None) -> tuple[int, torch.Tensor, torch.Tensor]:

@@ -41,6 +41,7 @@ The rule:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 CONVERTED_SHARE = 0.5  # a converted decoder spends at most this share of its step time on prefill
@@ -138,6 +139,17 @@ def step_budget(tbt_slo_s: float | None) -> float | None:
 def hand_back(ttft_slo_s: float | None) -> float | None:
     """How long a converted decoder lets a prompt it prefills itself lag before handing it to a prefill engine."""
     return None if ttft_slo_s is None else HAND_BACK_SHARE * ttft_slo_s
+
+
+def remote_prefill_s(took_s: float | None, waited_s: Iterable[float]) -> float | None:
+    """What a prefill on a prefill engine is expected to take now, queue included (`hand_back_verdict`'s
+    `remote_s`): the moving average of recent ones (`took_s`), or longer while one not yet done has already waited
+    longer (`waited_s`: a burst's queue grows before any of it finishes). None: nothing measured. The engine
+    (kascade_engine.remote_prefill) and the simulator (kascade_sim.serving) both estimate by it."""
+    waits = list(waited_s)
+    if took_s is None and not waits:
+        return None
+    return max([took_s or 0.0, *waits])
 
 
 def hand_back_verdict(left: int, progressed: int, elapsed_s: float, remote_s: float | None) -> str | None:

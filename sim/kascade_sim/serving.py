@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 
-from kascade_planner.conversion import hand_back_verdict
+from kascade_planner.conversion import hand_back_verdict, remote_prefill_s
 from kascade_sim.events import ITER, KV
 from kascade_sim.instance import Instance
 
@@ -96,10 +96,7 @@ class Serving:
         (arrival to first token), or the wait of the oldest prompt queued for one when that is longer (as
         `RemotePrefill.expected_s`: a burst's queue grows before its prompts finish). None: nothing yet."""
         q = self.queue[(m, "prefill")]
-        took = self.prefill_took.get(m)
-        if took is None and not q:
-            return None
-        return max(took or 0.0, now - self.arr[q[0]] if q else 0.0)
+        return remote_prefill_s(self.prefill_took.get(m), [now - self.arr[q[0]]] if q else [])
 
     def _prefill_chunk(self, inst: Instance, now: float) -> None:
         """One chunk of a long prompt on a converted decoder (its KV was reserved at the first chunk);
