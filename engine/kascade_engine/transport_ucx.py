@@ -25,8 +25,8 @@ the handshake is exchanged. If UCP cannot say, the endpoint is closed too: fail 
 
 Waiting on a request: ucxx's own wait spins the event loop (`asyncio.sleep(0)` until done), a core per
 pending receive; `_settled` spins only the first `SPIN_S`, then polls. A request abandoned while UCX still
-holds it (a timeout) is kept alive until UCX completes it (`_park`): destroying it earlier cancels it from
-the loop's thread, which deadlocks with UCX's progress thread completing it (see `_in_flight`).
+holds it (a timeout) is kept alive until UCX completes it (`_Parked`): destroying it earlier cancels it from
+the loop's thread, which deadlocks with UCX's progress thread completing it.
 
 Addresses for peer authentication: an accepted connection's `local` is the address the client reached
 (UCP's local sockaddr of the endpoint, with the listener's port), and a connecting one's `peer` is the
@@ -175,48 +175,59 @@ async def _settled(req: Any) -> None:
             waited = now - waited_from
             await asyncio.sleep(0 if waited < SPIN_S else min(POLL_MAX_S, waited / 10))
     except BaseException:  # the caller's timeout (or a cancelled task) abandoned it while UCX still has it
-        _park(req)
+        _parked().park(req)
         raise
     req.check_error()
 
 
-# Requests abandoned while still in flight (a receive whose timeout expired, a send to a stalled peer), held
-# until UCX completes them (an endpoint's close cancels what it still had), then released on this loop.
-# Releasing one still in flight is a deadlock: ucxx's destructor cancels it (`RequestTag::cancel` holds the
-# request's lock, then `ucp_request_cancel` waits for the worker's lock) while the progress thread, inside
-# `ucp_worker_progress` (worker lock held), completes that receive as cancelled and waits for the request's
-# lock in `Request::setStatus`. The event loop's thread then spins forever holding the GIL: a chain node
-# hung for good after its upstream's silence timed out (stop-first-ucx, ~1 in 25 runs on a loaded 2-core
-# host; gdb backtraces in docs/worklog/2026-11-27-d/dp.md). The exception of such a timeout holds the
-# request (through the waiting frames), so dropping that exception was enough to trigger it.
-_in_flight: set[Any] = set()
+class _Parked:
+    """Requests abandoned while still in flight (a receive whose timeout expired, a send to a stalled peer),
+    held until UCX completes them (an endpoint's close cancels what it still had), then released.
+
+    Releasing one still in flight is a deadlock: ucxx's destructor cancels it (`RequestTag::cancel` holds the
+    request's lock, then `ucp_request_cancel` waits for the worker's lock) while the progress thread, inside
+    `ucp_worker_progress` (worker lock held), completes that receive as cancelled and waits for the request's
+    lock in `Request::setStatus`. The event loop's thread then spins forever holding the GIL: a chain node
+    hung for good after its upstream's silence timed out (stop-first-ucx, ~1 in 25 runs on a loaded 2-core
+    host; gdb backtraces in docs/worklog/2026-11-27-d/dp.md). The exception of such a timeout holds the
+    request (through the waiting frames), so dropping that exception was enough to trigger it.
+
+    One per process, like the UCX worker whose requests it holds (requests outlive their connections and
+    transports), made on first use (`_parked`)."""
+
+    def __init__(self) -> None:
+        self._requests: set[Any] = set()
+        atexit.register(self._keep_at_exit)
+
+    def park(self, req: Any) -> None:
+        if not req.completed:
+            self._requests.add(req)
+        self.release_settled()
+
+    def release_settled(self) -> None:
+        """Drop the parked requests UCX has completed (their destructor then cancels nothing)."""
+        self._requests.difference_update([r for r in self._requests if r.completed])
+
+    def count(self) -> int:
+        self.release_settled()
+        return len(self._requests)
+
+    def _keep_at_exit(self) -> None:
+        """At interpreter exit the set's contents would be destroyed, in flight or not: the ones UCX still
+        holds are leaked instead (the process is ending; its UCX context goes with it)."""
+        for r in self._requests:
+            if not r.completed:
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(r))
 
 
-def _park(req: Any) -> None:
-    if not req.completed:
-        _in_flight.add(req)
-    _release_settled()
-
-
-def _release_settled() -> None:
-    """Drop the parked requests UCX has completed (their destructor then cancels nothing)."""
-    done = [r for r in _in_flight if r.completed]
-    _in_flight.difference_update(done)
-
-
-@atexit.register
-def _keep_in_flight_at_exit() -> None:
-    """At interpreter exit the set's contents would be destroyed with this module, in flight or not: the
-    ones UCX still holds are leaked instead (the process is ending; its UCX context goes with it)."""
-    for r in _in_flight:
-        if not r.completed:
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(r))
+@functools.cache
+def _parked() -> _Parked:
+    return _Parked()
 
 
 def in_flight() -> int:
     """How many abandoned requests UCX still holds (kept alive here until it completes them)."""
-    _release_settled()
-    return len(_in_flight)
+    return _parked().count()
 
 
 def _usable(ep: Any) -> bool:
@@ -343,7 +354,7 @@ class UcxConnection:
     async def close(self) -> None:
         with contextlib.suppress(Exception):  # ucxx's close can wait forever on an endpoint in error
             await asyncio.wait_for(self.ep.close(), CLOSE_TIMEOUT_S)
-        _release_settled()  # what the close cancelled (the rest goes at a later close or park)
+        _parked().release_settled()  # what the close cancelled (the rest goes at a later close or park)
         self.fast_ep = None  # shared with other connections to the same worker: the transport keeps it
 
     async def abort(self) -> None:
