@@ -27,10 +27,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kascade_planner.prefillrate import PrefillRate
+
 PROMPT_BUCKETS = (128, 512, 2048)  # prompt length upper bounds; longer prompts fall in "inf"
 BATCH_BUCKETS = (1, 4, 16, 64)  # decode batch upper bounds; bigger batches fall in "inf"
 ALPHA = 0.2  # EWMA weight of the newest step
-RATE_STEPS = 3  # steps timed while prompts waited before the prefill rate is reported
 
 
 def bucket(value: int, bounds: tuple[int, ...]) -> str:
@@ -45,11 +46,8 @@ class VelocityMeter:
     prefill: dict[str, float] = field(default_factory=dict)  # prompt bucket -> prompt tokens/s
     decode: dict[str, float] = field(default_factory=dict)  # batch bucket -> generated tokens/s
     steps: int = 0
-    # the prefill rate: EWMAs of prompt tokens and step seconds over steps taken while prompts waited to prefill
-    # (a ratio of averages: a step that gave the prompts 0 tokens lowers it, one big chunk does not swing it)
-    rate_tokens: float = 0.0
-    rate_s: float = 0.0
-    rate_steps: int = 0
+    # the prefill rate over steps taken while prompts waited to prefill (the simulator's meter too)
+    rate: PrefillRate = field(default_factory=PrefillRate)
 
     @staticmethod
     def _ewma(table: dict[str, float], key: str, value: float) -> None:
@@ -77,24 +75,15 @@ class VelocityMeter:
 
     def observe_rate(self, tokens: int, seconds: float) -> None:
         """One step taken while prompts waited to be prefilled: `tokens` prompt tokens it prefilled (0 too)."""
-        if seconds <= 0 or tokens < 0:
-            return
-        if self.rate_steps == 0:
-            self.rate_tokens, self.rate_s = float(tokens), seconds
-        else:
-            self.rate_tokens = (1 - ALPHA) * self.rate_tokens + ALPHA * tokens
-            self.rate_s = (1 - ALPHA) * self.rate_s + ALPHA * seconds
-        self.rate_steps += 1
+        self.rate.observe(tokens, seconds)
 
     def prefill_rate(self) -> float | None:
-        """Prompt tokens/s this engine gave waiting prompts over its recent steps; None until RATE_STEPS steps."""
-        if self.rate_steps < RATE_STEPS or self.rate_s <= 0:
-            return None
-        return self.rate_tokens / self.rate_s
+        """Prompt tokens/s this engine gave waiting prompts over its recent steps; None until it saw a few."""
+        return self.rate.rate()
 
     def reset_rate(self) -> None:
         """Forget the prefill rate: the budgets it was measured under changed (a decoder converted or taken back)."""
-        self.rate_tokens, self.rate_s, self.rate_steps = 0.0, 0.0, 0
+        self.rate.reset()
 
     def prefill_velocity(self, prompt_len: int) -> float | None:
         """Prompt tokens/s for prompts of this length (the nearest measured bucket when this one is not)."""

@@ -19,6 +19,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kascade_planner.prefillrate import PrefillRate
+
 
 @dataclass(eq=False)
 class Instance:
@@ -47,6 +49,8 @@ class Instance:
     chunk_left: int = 0  # ... and its tokens not yet prefilled
     chunk_seen: int = 0  # ... its tokens prefilled at the last hand-back check
     chunk_seen_at: float = 0.0  # ... and when that check was
+    # prefillers and converted decoders: prompt tokens per step-second while prompts waited (serving._measure)
+    rate: PrefillRate = field(default_factory=PrefillRate)
     running: list[tuple[int, int]] = field(default_factory=list)  # (finish step, request)
     n_running: int = 0
     kv_reserved: int = 0

@@ -7,7 +7,8 @@ Data flow, every tick, per model: the window's prompt and output tokens/s (`Simu
 instance's velocities from the engine cost model (`velocities`) + the role bounds -> `pd_ratio` ->
 desired prefill and decode counts (`ratio_decisions`, as `policies.Decision`s for `Scaling`); the same
 prompt tokens/s + serving prefillers + the decoders (each with its policy flag `Instance.convertible`) +
-the prefill queue + the TBT and TTFT objectives -> `plan_conversions` -> flags set or cleared, the chunk
+the prefill queue + the TBT and TTFT objectives + the converted decoders' measured share of a prefiller
+(`measured_share`, from the rates `Serving._measure` takes as the engines do) -> `plan_conversions` -> flags set or cleared, the chunk
 budget and the hand-back bound (`apply_conversions`). `Serving._converts` lets only a flagged decoder take
 prefill. Every call is logged (`Simulation.policy_calls`: time, policy, input, answer) so a test can call
 the policy again on the same input and compare.
@@ -18,7 +19,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from kascade_planner.conversion import ConversionInput, Conversions, DecoderView, plan_conversions
+from kascade_planner.conversion import (
+    ConversionInput,
+    Conversions,
+    DecoderView,
+    converted_share,
+    plan_conversions,
+)
 from kascade_planner.pdratio import PdDemand, PdRatio, PdVelocity, pd_ratio
 from kascade_planner.policies import Decision, ScaleState
 from kascade_sim.provisioning import capacity_rps, mean_lengths
@@ -56,8 +63,19 @@ def conversion_input(sim: Simulation, m: int, k: int) -> ConversionInput:
     ready = sum(1 for p in sim.group[(m, "prefill")] if p.state == "serving")
     return ConversionInput(_rate(sim, m, "prefill", k), ready, v.prefill_effective, decoders,
                            prefill_queue=float(len(sim.queue[(m, "prefill")])), tbt_slo_s=sim.cfg.tbt_slo_s,
-                           ttft_slo_s=sim.cfg.ttft_slo_s)
-    # converted_share stays None (the policy's CONVERTED_SHARE): the simulator measures no decoder's prefill rate
+                           ttft_slo_s=sim.cfg.ttft_slo_s, converted_share=measured_share(sim, m))
+
+
+def measured_share(sim: Simulation, m: int) -> float | None:
+    """A converted decoder's share of a prefiller as the operator reads it from the engines: the converted
+    decoders' mean prefill rate over the serving prefillers' (each measured by `Serving._measure`); None (the
+    policy's constant) until both are measured."""
+    dec = [r for d in sim.group[(m, "decode")] if d.state == "serving" and d.convertible
+           if (r := d.rate.rate()) is not None]
+    pre = [r for p in sim.group[(m, "prefill")] if p.state == "serving" if (r := p.rate.rate()) is not None]
+    if not dec or not pre:
+        return None
+    return converted_share(sum(dec) / len(dec), sum(pre) / len(pre))
 
 
 def apply_conversions(sim: Simulation, m: int, k: int, now: float) -> Conversions:
@@ -71,8 +89,10 @@ def apply_conversions(sim: Simulation, m: int, k: int, now: float) -> Conversion
     by = {d.id: d for d in sim.group[(m, "decode")]}
     for name in plan.convert:
         by[name].convertible = True
+        by[name].rate.reset()  # its budgets changed: the engine forgets its rate too
     for name in plan.revert:
         by[name].convertible = False
+        by[name].rate.reset()
     if plan.convert:
         sim._wake(m, "prefill", now)
     return plan

@@ -108,8 +108,29 @@ class Serving:
         inst.debt_s = 0.0
         inst.batch = [inst.chunk_req] if inst.chunk_left == 0 else []
         inst.decoding, inst.busy, inst.converted = False, True, True
+        if inst.convertible:
+            inst.rate.observe(n, dur)
         self.busy_time[(inst.model, "prefill")] += dur
         self.push(now + dur, ITER, inst)
+
+    def _measure(self, inst: Instance, dur: float) -> None:
+        """The prefill rate an engine would report for this iteration (kascade_engine.velocity, the same meter):
+        a prefiller's steps while prompts wait; a converted decoder's prefill steps, its decode steps between the
+        chunks of a prompt (0 tokens: the prompt waited), and its other decode steps as what a prompt would get
+        beside them (the chunk budget, its prefill time added: the engine's `known_room`). The simulator's
+        conversion policy reads the ratio (`pdpolicy.conversion_input`), as the operator does the engines'."""
+        tokens = sum(self.inp[r] for r in inst.batch)
+        if inst.role == "prefill":
+            if tokens or self.queue[(inst.model, "prefill")]:
+                inst.rate.observe(tokens, dur)
+        elif inst.role == "decode" and inst.convertible:
+            if inst.converted:
+                inst.rate.observe(tokens, dur)
+            elif inst.chunk_left:
+                inst.rate.observe(0, dur)
+            else:
+                room = self._chunk_tokens(inst)
+                inst.rate.observe(room, dur + self._prefill_s(room))
 
     def _dispatch(self, m: int, now: float) -> None:
         """Prefilled requests to decoders with room for their whole KV (never past capacity)."""
@@ -185,6 +206,8 @@ class Serving:
             self.max_debt_s = max(self.max_debt_s, partner.debt_s)
             if not partner.busy:
                 self._kick(partner, now)
+        if self.sys.convertible:
+            self._measure(inst, dur)
         # A converted decoder's prefill counts as prefill work (the prefill policy sees it).
         self.busy_time[(inst.model, "prefill" if inst.converted else inst.role)] += dur
         self.push(now + dur, ITER, inst)

@@ -115,3 +115,19 @@ def test_a_converted_decoder_keeps_a_prompt_its_chunk_budget_prefills_fast() -> 
     # The policy's own chunk budget on a GPU cost model leaves room: the rule keeps every prompt it took.
     _, r = run_burst(None, hand_back=True)
     assert r.converted_prefills >= 1 and r.handbacks == 0, (r.converted_prefills, r.handbacks)
+
+
+def test_the_conversion_policy_reads_the_converted_decoders_measured_share() -> None:
+    # The operator passes the policy the converted decoders' prefill rate over the prefillers' (engine meters);
+    # the simulator measures the same rate on its cost model's steps. The GPU model's chunk budget leaves a
+    # decoder well over the constant half of a prefiller, 32-token chunks between decode steps far under it.
+    shares = {}
+    for chunk in (None, 32):
+        s, _ = run_burst(chunk, hand_back=True)
+        measured = [inp.converted_share for _, name, inp, _ in s.policy_calls  # type: ignore[attr-defined]
+                    if name == "conversion" and inp.converted_share is not None]  # type: ignore[attr-defined]
+        assert len(measured) >= 3, (chunk, measured)
+        shares[chunk] = sum(measured) / len(measured)
+    assert shares[None] > 0.6 and shares[32] < 0.2, shares
+    assert all(i.rate.steps == 0 for i in s.instances if i.role == "decode" and not i.convertible
+               and i.state == "serving")  # taken back: its rate forgotten, as the engine's
