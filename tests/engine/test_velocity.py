@@ -63,7 +63,7 @@ def test_the_prefill_rate_counts_the_steps_that_gave_waiting_prompts_nothing() -
     waited, a step that gave them 0 tokens included (its step budget was full). 16 tokens in a 40 ms step, then
     three 40 ms steps with none: 100 tok/s, where the mixed-step velocity (16 tokens over the step's prefill
     share) says 400 or more. None until RATE_STEPS steps; reset forgets it."""
-    from kascade_engine.velocity import RATE_STEPS
+    from kascade_planner.prefillrate import RATE_STEPS
 
     m = VelocityMeter()
     for i, tokens in enumerate((16, 0, 0, 0) * 5):
@@ -103,14 +103,14 @@ async def test_a_converted_decoder_measures_its_prefill_rate_between_prompts(tin
         while inst.engine.steps < steps + 10:
             await asyncio.sleep(0.005)
         rate = meter.prefill_rate()
-        assert rate is not None and meter.rate_tokens == pytest.approx(4.0)  # the cap, every step
-        assert rate == pytest.approx(4.0 / meter.rate_s)
+        assert rate is not None and meter.rate.tokens == pytest.approx(4.0)  # the cap, every step
+        assert rate == pytest.approx(4.0 / meter.rate.seconds)
         inst.convert(ConvertRequest(8))
-        assert meter.rate_steps <= 1  # forgotten at the new budget (a step in flight may land one sample)
+        assert meter.rate.steps <= 1  # forgotten at the new budget (a step in flight may land one sample)
         steps = inst.engine.steps
         while inst.engine.steps < steps + 40:  # that sample may be the old cap's: the EWMA forgets it
             await asyncio.sleep(0.005)
-        assert meter.rate_tokens == pytest.approx(8.0, abs=0.05)
+        assert meter.rate.tokens == pytest.approx(8.0, abs=0.05)
         inst.convert(ConvertRequest(None))
         for r in streams:
             inst.serving.abort(r)
