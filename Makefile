@@ -37,7 +37,7 @@ lint: ## ruff, import contracts, CRDs in the chart equal crds/
 	$(PY) hack/gen_values_reference.py --check
 
 TYPED_MODULES := -p kascade_devcluster -p kascade_demo -p kascade_router -m kascade_engine.arena -m kascade_engine.blocks -m kascade_engine.blockverify -m kascade_engine.hostcache \
-	-m kascade_engine.transport -m kascade_engine.peerauth -m kascade_engine.transport_tcp -m kascade_engine.transport_ucx -m kascade_engine.transport_tls \
+	-m kascade_engine.transport -m kascade_engine.peerauth -m kascade_engine.transport_tcp -m kascade_engine.transport_ucx -m kascade_engine.ucxrequest -m kascade_engine.transport_tls \
 	-m kascade_engine.transfer_spec -m kascade_engine.modelsource -m kascade_engine.httpguard -m kascade_engine.relay -m kascade_engine.forwarding -m kascade_engine.recovery -m kascade_engine.pacing -m kascade_engine.loader \
 	-m kascade_engine.config -m kascade_engine.instance -m kascade_engine.serving -m kascade_engine.control \
 	-m kascade_engine.pages -m kascade_engine.cooperation -m kascade_engine.pairclient -m kascade_engine.migration -m kascade_engine.pairsession -m kascade_engine.redirect -m kascade_engine.liveredirect -m kascade_engine.peerpool -m kascade_engine.livepolicy -m kascade_engine.timeline -m kascade_engine.scheduler -m kascade_engine.families -m kascade_engine.kvcache \

@@ -23,10 +23,7 @@ take a host; the binding does not pass one), so when the spec names an address t
 endpoint that reached it on another local address (asked of UCP with `ucp_ep_query`) before a byte of
 the handshake is exchanged. If UCP cannot say, the endpoint is closed too: fail closed.
 
-Waiting on a request: ucxx's own wait spins the event loop (`asyncio.sleep(0)` until done), a core per
-pending receive; `_settled` spins only the first `SPIN_S`, then polls. A request abandoned while UCX still
-holds it (a timeout) is kept alive until UCX completes it (`_Parked`): destroying it earlier cancels it from
-the loop's thread, which deadlocks with UCX's progress thread completing it.
+Waiting on a request without spinning, and keeping one abandoned in flight alive: `ucxrequest`.
 
 Addresses for peer authentication: an accepted connection's `local` is the address the client reached
 (UCP's local sockaddr of the endpoint, with the listener's port), and a connecting one's `peer` is the
@@ -38,7 +35,6 @@ it does over TCP. That matters because a decode engine dials the prefill address
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
 import ctypes
 import functools
@@ -47,7 +43,6 @@ import logging
 import os
 import secrets
 import socket
-import time
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +62,7 @@ from kascade_engine.transport import (
     read_frame,
     serve,
 )
+from kascade_engine.ucxrequest import recv, release_settled, send
 
 
 def _ucxx() -> Any:
@@ -82,8 +78,6 @@ def _ucxx() -> Any:
 
 
 FAST_MIN = 64 * 1024
-SPIN_S = 0.01  # a request pending this long is polled (see _settled), not spun on
-POLL_MAX_S = 0.001  # asyncio timers are ~1 ms anyway; the act port (pair steps, PD KV) waits between steps
 CLOSE_TIMEOUT_S = 2.0
 CONNECT_POLL_S = 0.02  # how often a connecting endpoint is checked for a UCP error
 WILDCARD = ("", "0.0.0.0", "::")
@@ -138,146 +132,21 @@ def _locality() -> bytes:
     return f"{boot}|{netns}".encode()
 
 
-@functools.cache
-def _request_api() -> Any:
-    """ucxx's request-level calls (`Array`, `Tag`, `TagMaskFull`, `UCXCanceled`), or None where its
-    layout differs (then the public `Endpoint.send/recv` are used, spinning as they do)."""
-    try:
-        from types import SimpleNamespace
-
-        from ucxx._lib.arr import Array
-        from ucxx._lib.libucxx import UCXCanceled
-        from ucxx.types import Tag, TagMaskFull
-    except ImportError:  # pragma: no cover - only with a different ucxx layout
-        return None
-    return SimpleNamespace(Array=Array, Tag=Tag, TagMaskFull=TagMaskFull, UCXCanceled=UCXCanceled)
-
-
-async def _settled(req: Any) -> None:
-    """Wait for a posted ucxx request without spinning the event loop.
-
-    ucxx's own `request.wait()` (without its notifier thread, which binds futures to one event loop and
-    hung a transfer here) is `while not completed: await asyncio.sleep(0)`: every pending receive kept
-    its process at ~90% of a core (measured: 2.67 s CPU in 3 s with one idle receive posted, 0.11 s
-    with none). Every node of a chain has one posted most of the time (the next frame from upstream),
-    so on a loaded 2-core host the spinning nodes took the CPU from the ones with work to do, and a
-    fault's recovery (re-fetches while the others wait out a timeout) ran many times slower than the
-    fault-free baseline (docs/worklog/2026-11-27-d/dp.md). Here a request is spun on like before for
-    its first `SPIN_S` (streaming completes within that), then polled at a tenth of the time waited so
-    far, at most every `POLL_MAX_S`: at most ~10% later than it completed, and an idle wait costs
-    almost nothing. UCX's progress thread moves the data meanwhile; only the noticing is polled."""
-    waited_from: float | None = None
-    try:
-        while not req.completed:
-            now = time.monotonic()
-            if waited_from is None:
-                waited_from = now
-            waited = now - waited_from
-            await asyncio.sleep(0 if waited < SPIN_S else min(POLL_MAX_S, waited / 10))
-    except BaseException:  # the caller's timeout (or a cancelled task) abandoned it while UCX still has it
-        _parked().park(req)
-        raise
-    req.check_error()
-
-
-class _Parked:
-    """Requests abandoned while still in flight (a receive whose timeout expired, a send to a stalled peer),
-    held until UCX completes them (an endpoint's close cancels what it still had), then released.
-
-    Releasing one still in flight is a deadlock: ucxx's destructor cancels it (`RequestTag::cancel` holds the
-    request's lock, then `ucp_request_cancel` waits for the worker's lock) while the progress thread, inside
-    `ucp_worker_progress` (worker lock held), completes that receive as cancelled and waits for the request's
-    lock in `Request::setStatus`. The event loop's thread then spins forever holding the GIL: a chain node
-    hung for good after its upstream's silence timed out (stop-first-ucx, ~1 in 25 runs on a loaded 2-core
-    host; gdb backtraces in docs/worklog/2026-11-27-d/dp.md). The exception of such a timeout holds the
-    request (through the waiting frames), so dropping that exception was enough to trigger it.
-
-    One per process, like the UCX worker whose requests it holds (requests outlive their connections and
-    transports), made on first use (`_parked`)."""
-
-    def __init__(self) -> None:
-        self._requests: set[Any] = set()
-        atexit.register(self._keep_at_exit)
-
-    def park(self, req: Any) -> None:
-        if not req.completed:
-            self._requests.add(req)
-        self.release_settled()
-
-    def release_settled(self) -> None:
-        """Drop the parked requests UCX has completed (their destructor then cancels nothing)."""
-        self._requests.difference_update([r for r in self._requests if r.completed])
-
-    def count(self) -> int:
-        self.release_settled()
-        return len(self._requests)
-
-    def _keep_at_exit(self) -> None:
-        """At interpreter exit the set's contents would be destroyed, in flight or not: the ones UCX still
-        holds are leaked instead (the process is ending; its UCX context goes with it)."""
-        for r in self._requests:
-            if not r.completed:
-                ctypes.pythonapi.Py_IncRef(ctypes.py_object(r))
-
-
-@functools.cache
-def _parked() -> _Parked:
-    return _Parked()
-
-
-def in_flight() -> int:
-    """How many abandoned requests UCX still holds (kept alive here until it completes them)."""
-    return _parked().count()
-
-
-def _usable(ep: Any) -> bool:
-    """The endpoint is open and in no error state (else ucxx's own calls handle it, see _recv)."""
-    try:
-        ep._ep.raise_on_error()
-    except Exception:
-        return False
-    return not ep.closed
-
-
-async def _send(ep: Any, buf: np.ndarray, tag: int | None = None) -> None:
-    """`ep.send(buf)` (under the connection's tag, or `tag` as is), waited on by `_settled`."""
-    api = _request_api()
-    if api is None or not _usable(ep):  # ucxx raises its own error for a closed or failed endpoint
-        await (ep.send(buf) if tag is None else ep.send(buf, tag=tag, force_tag=True))
-        return
-    await _settled(ep._ep.tag_send(api.Array(buf), api.Tag(ep._tags["msg_send"] if tag is None else tag)))
-
-
-async def _recv(ep: Any, buf: np.ndarray, tag: int | None = None) -> None:
-    """`ep.recv(buf)` (under the connection's tag, or `tag` as is), waited on by `_settled`. An endpoint
-    that already failed or closed, or a receive UCX cancelled, goes through ucxx's own `recv`: it still
-    delivers a message that reached the worker before the endpoint went (or raises as it would)."""
-    api = _request_api()
-    if api is not None and _usable(ep):
-        req = ep._ep.tag_recv(api.Array(buf), api.Tag(ep._tags["msg_recv"] if tag is None else tag), api.TagMaskFull)
-        try:
-            await _settled(req)
-            return
-        except api.UCXCanceled:
-            pass  # e.g. the endpoint closed before a delayed submission went out: ucxx's path decides
-    await (ep.recv(buf) if tag is None else ep.recv(buf, tag=tag, force_tag=True))
-
-
 async def _send_blob(ep: Any, blob: bytes) -> None:
-    await _send(ep, np.array([len(blob)], dtype=np.uint64))
+    await send(ep, np.array([len(blob)], dtype=np.uint64))
     if blob:
-        await _send(ep, _as_array(blob))
+        await send(ep, _as_array(blob))
 
 
 async def _recv_blob(ep: Any, limit: int = 1 << 16) -> bytes:
     size = np.empty(1, dtype=np.uint64)
-    await _recv(ep, size)
+    await recv(ep, size)
     n = int(size[0])
     if n > limit:
         raise TransportError(f"ucx handshake blob of {n} bytes exceeds {limit}")
     buf = np.empty(n, dtype=np.uint8)
     if n:
-        await _recv(ep, buf)
+        await recv(ep, buf)
     return buf.tobytes()
 
 
@@ -301,12 +170,12 @@ class UcxConnection:
             # The worker-address endpoint has no peer-failure detection: a send to a dead peer would
             # wait forever, so the timeout is what notices it.
             async with asyncio.timeout(timeout):
-                await _send(self.ep, _as_array(prefix))
-                await _send(self.ep, _as_array(raw))
+                await send(self.ep, _as_array(prefix))
+                await send(self.ep, _as_array(raw))
                 if fast:
-                    await _send(self.fast_ep, _as_array(payload), tag=header["_fastTag"])
+                    await send(self.fast_ep, _as_array(payload), tag=header["_fastTag"])
                 elif len(payload):
-                    await _send(self.ep, _as_array(payload))
+                    await send(self.ep, _as_array(payload))
             self.traffic.sent += len(payload)
         except TimeoutError:
             raise TransportError(f"{self.peer} took nothing for {timeout} s") from None
@@ -317,10 +186,10 @@ class UcxConnection:
         try:
             async with asyncio.timeout(timeout):
                 prefix = np.empty(PREFIX.size, dtype=np.uint8)
-                await _recv(self.ep, prefix)
+                await recv(self.ep, prefix)
                 hlen, plen = decode_prefix(prefix.tobytes())
                 raw = np.empty(hlen, dtype=np.uint8)
-                await _recv(self.ep, raw)
+                await recv(self.ep, raw)
         except TimeoutError:
             raise TransportError(f"no data from {self.peer} for {timeout} s") from None
         except TransportError:
@@ -339,9 +208,9 @@ class UcxConnection:
         try:
             async with asyncio.timeout(timeout):
                 if tag is not None:  # sent over the peer's worker-address endpoint; posted on ours
-                    await _recv(self.ep, np.frombuffer(view, dtype=np.uint8), tag=tag)
+                    await recv(self.ep, np.frombuffer(view, dtype=np.uint8), tag=tag)
                 else:
-                    await _recv(self.ep, np.frombuffer(view, dtype=np.uint8))
+                    await recv(self.ep, np.frombuffer(view, dtype=np.uint8))
             self.traffic.received += len(view)
         except TimeoutError:
             raise TransportError(f"no data from {self.peer} for {timeout} s") from None
@@ -354,7 +223,7 @@ class UcxConnection:
     async def close(self) -> None:
         with contextlib.suppress(Exception):  # ucxx's close can wait forever on an endpoint in error
             await asyncio.wait_for(self.ep.close(), CLOSE_TIMEOUT_S)
-        _parked().release_settled()  # what the close cancelled (the rest goes at a later close or park)
+        release_settled()  # what the close cancelled (the rest goes at a later close or park)
         self.fast_ep = None  # shared with other connections to the same worker: the transport keeps it
 
     async def abort(self) -> None:

@@ -122,7 +122,7 @@ async def test_ucx_a_receive_abandoned_at_its_timeout_is_kept_until_ucx_complete
     UCX has completed it (the endpoint's close cancels it), and only then lets it go."""
     import gc
 
-    from kascade_engine import transport_ucx
+    from kascade_engine import ucxrequest
 
     transport = _ucx(fast_path=False)
     timed_out = asyncio.Event()
@@ -133,17 +133,17 @@ async def test_ucx_a_receive_abandoned_at_its_timeout_is_kept_until_ucx_complete
         timed_out.set()
         await asyncio.sleep(30)
 
-    before = transport_ucx.in_flight()
+    before = ucxrequest.in_flight()
     listener = await transport.listen("127.0.0.1", 0, waiting)
     conn = await transport.connect("127.0.0.1", listener.port)
     try:
         await asyncio.wait_for(timed_out.wait(), 5)
         gc.collect()  # the exception and its frames are gone: only the transport holds the request
-        assert transport_ucx.in_flight() == before + 1
+        assert ucxrequest.in_flight() == before + 1
     finally:
         await conn.close()
         await listener.close()
     deadline = time.monotonic() + 5  # the listener side's endpoint is closed by its peer's close
-    while transport_ucx.in_flight() > before and time.monotonic() < deadline:
+    while ucxrequest.in_flight() > before and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    assert transport_ucx.in_flight() == before
+    assert ucxrequest.in_flight() == before
