@@ -64,7 +64,7 @@ from kascade_planner.engine_api import (
 from kascade_planner.plan import Instance, ModelLayout
 from kascade_planner.topology import Node, Topology
 from kascade_router.backends import LIVE_PRIOR_WEIGHT, Backend, Routes
-from kascade_router.balancer import least_ttft
+from kascade_router.balancer import least_ttft, share_key
 from kascade_router.firsttoken import FirstTokens
 from kascade_router.settings import RouterSettings
 from kascade_router.shares import ShareRefresher
@@ -207,9 +207,9 @@ class Driver:
     def choose(self, cands: list[Eng]) -> Eng:
         """The router's rule over all servable engines: the least expected TTFT ("ttft":
         kascade_router.balancer.least_ttft, each engine's measured first-token rate and latency), or the least
-        (in flight + 1) / weight ("share", the rule before 2026-11-27-d)."""
+        (in flight + 1) / weight ("share": kascade_router.balancer.share_key, the rule before 2026-11-27-d)."""
         if self.route == "share":
-            return min(cands, key=lambda x: (self.balanced[x.iid].in_flight + 1) / self.weight(x))
+            return min(cands, key=lambda x: share_key(self.balanced[x.iid].in_flight, self.weight(x)))
         by = {e.iid: e for e in cands}
         b = least_ttft([self.balanced[e.iid] for e in cands], lambda b: self.weight(by[b.pod]))
         assert b is not None

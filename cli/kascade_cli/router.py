@@ -34,12 +34,17 @@ import click
 @click.option("--live-share-refresh", default=0.25, show_default=True, type=click.FloatRange(0),
               help="seconds between re-reads of a live (still loading) replica's serving share from its engine "
                    "(its router weight); 0: only from its answers")
+@click.option("--route", type=click.Choice(["ttft", "share"]), default="ttft", show_default=True,
+              envvar="KASCADE_ROUTER_ROUTE", show_envvar=True,
+              help="how a replica is picked: ttft, the least expected time to first token from the first tokens "
+                   "this router measured (rate and latency per replica; share until measured); share, the least "
+                   "(in flight + 1) / weight. Disaggregated decode engines are always picked by share")
 @click.option("--engine-ca", type=click.Path(dir_okay=False), default=lambda: os.environ.get("KASCADE_ROUTER_ENGINE_CA"),
               help="PEM CA of engines started with TLS files: route to them over HTTPS verified by it (names not "
                    "checked: engines are pod IPs); env KASCADE_ROUTER_ENGINE_CA; default plain HTTP")
 def router(host: str, port: int, namespace: str | None, kubeconfig: str | None, backends: tuple[str, ...],
            max_body_bytes: int, hold_timeout: float, max_queued: int, connect_timeout: float, read_timeout: float,
-           attempts: int, live_share_refresh: float = 0.25, engine_ca: str | None = None) -> None:
+           attempts: int, live_share_refresh: float = 0.25, route: str = "ttft", engine_ca: str | None = None) -> None:
     """Route OpenAI requests by `model` to the serving replicas of each ModelService."""
     from kascade_planner.engine_tls import engine_tls_context
     from kascade_router.server import Router, static_routes
@@ -47,7 +52,7 @@ def router(host: str, port: int, namespace: str | None, kubeconfig: str | None, 
 
     settings = RouterSettings(max_body_bytes=max_body_bytes, hold_timeout_s=hold_timeout, max_queued=max_queued,
                               connect_timeout_s=connect_timeout, read_timeout_s=read_timeout, attempts=attempts,
-                              live_share_refresh_s=live_share_refresh, engine_ca_file=engine_ca or "")
+                              live_share_refresh_s=live_share_refresh, engine_ca_file=engine_ca or "", route=route)
     try:
         engine_tls_context(settings.engine_ca_file)  # a bad CA is a usage error now, not a failure per request
     except ValueError as e:

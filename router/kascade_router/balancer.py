@@ -1,10 +1,19 @@
-"""Pick a backend for one request: power of two choices on outstanding requests, weighted.
+"""Pick a backend for one request: power of two choices, on expected time to first token or on outstanding
+requests per unit of weight.
 
-Two distinct usable backends are sampled at random and the one with the lower (in-flight + 1) / weight
-wins: near-least-loaded without scanning or herding (every router replica alone sees only its own
-in-flight counts, and random sampling keeps several replicas from piling onto one engine). A live
-(loading) replica weighs the share of layers its engine reports running, so it takes a smaller share
-of requests until it holds every layer.
+Two distinct usable backends are sampled at random and the better one wins: near-best without scanning or
+herding (every router replica alone sees only its own requests, and random sampling keeps several replicas
+from piling onto one engine). Two rules rank them (`ROUTE_RULES`, the router's `route` setting):
+- "share": the lower (in flight + 1) / weight (`share_key`). A live (loading) replica weighs the share of
+  layers its engine reports running, so it takes a smaller share of requests until it holds every layer.
+- "ttft" (default): the lower expected TTFT (firsttoken.py: measured first-token rate and latency of this
+  router's own requests there, the others' medians for a backend not measured yet), "share" while any
+  candidate has no estimate (nothing measured anywhere yet).
+
+Disaggregated serving (`pick_pd`): the decode engine is picked by "share" (its in-flight count is the
+streams it decodes, which set its step time; it does not prefill them, so its first tokens measure nothing of
+its own); the prefill engine by the rule among prefill engines, and a converted decoder against a prefill
+engine always by its measured prefill share (`_prefill_cost`). Why: docs/router.md, "Balancing".
 """
 
 from __future__ import annotations
@@ -17,24 +26,39 @@ from kascade_planner.conversion import converted_share
 from kascade_router.backends import Backend
 from kascade_router.firsttoken import estimate, priors
 
+ROUTE_RULES = ("ttft", "share")  # the router's `route` setting (kascade_router.settings)
+
 # a converted decoder takes a prompt only while its step budget gives a chunk at least this many tokens now
 # (its reported prefill room): beside a big batch the budget gives a prompt 0 tokens and it waited there for
 # seconds (h18 runs 1-6: convertible TTFT p99 4.7-11.3 s against 2.2-5.1 s disaggregated)
 MIN_PREFILL_ROOM = 8
 
 
+def share_key(in_flight: int, weight: float) -> float:
+    """The "share" rule's key (lower wins): this router's requests there with the next one added, per unit of
+    weight (the capacity the backend claims: 1 for a complete copy, a live replica's reported share)."""
+    return (in_flight + 1) / weight
+
+
 def pick(backends: Sequence[Backend], rng: random.Random, exclude: Collection[str] = ()) -> Backend | None:
+    """Power of two choices on `share_key`."""
     pool = [b for b in backends if b.pod not in exclude] if exclude else list(backends)
     if not pool:
         return None
     if len(pool) == 1:
         return pool[0]
     a, b = rng.sample(pool, 2)
-    return a if (a.in_flight + 1) / a.weight <= (b.in_flight + 1) / b.weight else b
+    return a if share_key(a.in_flight, a.weight) <= share_key(b.in_flight, b.weight) else b
 
 
-def _share_key(b: Backend, weight: float) -> float:
-    return (b.in_flight + 1) / weight
+def pick_by(rule: str, backends: Sequence[Backend], rng: random.Random,
+            exclude: Collection[str] = ()) -> Backend | None:
+    """Power of two choices by `rule` (one of ROUTE_RULES)."""
+    if rule == "ttft":
+        return pick_by_ttft(backends, rng, exclude)
+    if rule == "share":
+        return pick(backends, rng, exclude)
+    raise ValueError(f"route rule must be one of {', '.join(ROUTE_RULES)}, got {rule!r}")
 
 
 def expected_ttfts(backends: Sequence[Backend], weight: Callable[[Backend], float] = lambda b: b.weight,
@@ -58,7 +82,7 @@ def pick_by_ttft(backends: Sequence[Backend], rng: random.Random, exclude: Colle
     a, b = rng.sample(pool, 2)
     est = expected_ttfts(pool, now=now)
     if est is None:
-        return a if _share_key(a, a.weight) <= _share_key(b, b.weight) else b
+        return a if share_key(a.in_flight, a.weight) <= share_key(b.in_flight, b.weight) else b
     ea, eb = est[pool.index(a)], est[pool.index(b)]
     return a if ea <= eb else b
 
@@ -70,7 +94,7 @@ def least_ttft(backends: Sequence[Backend], weight: Callable[[Backend], float] =
     if not backends:
         return None
     est = expected_ttfts(backends, weight, now)
-    keys = est if est is not None else [_share_key(b, weight(b)) for b in backends]
+    keys = est if est is not None else [share_key(b.in_flight, weight(b)) for b in backends]
     return backends[min(range(len(backends)), key=keys.__getitem__)]
 
 
@@ -96,15 +120,27 @@ def _share(b: Backend, pool: Sequence[Backend]) -> float:
     return converted_share(b.prefill_rate, sum(rates) / len(rates) if rates else None)
 
 
-def _pick_prefill(pool: Sequence[Backend], rng: random.Random) -> Backend | None:
-    """Power of two choices on `_prefill_cost`; on a tie a prefill engine wins over a converted decoder. The
-    converted decoder is the overflow, not a peer: a prompt it takes may wait up to its hand-back bound before
-    it goes to a prefill engine after all, and one sent there at once does not (bench/pd.py run 8,
-    docs/worklog/2026-11-27-c/h18.md: the burst's first prompt went to the decoder on a 2-to-2 tie, was
-    handed back 0.27 s later, and every later burst prompt on the saturated prefill engine was that late)."""
+def _pick_prefill(pool: Sequence[Backend], rng: random.Random, rule: str = "ttft",
+                  now: float | None = None) -> Backend | None:
+    """Power of two choices. Two prefill engines under "ttft": the lower expected TTFT (their first tokens: the
+    router holds each prompt on its prefill engine until its first token, so they measure that engine's queue
+    and pace; priors from the prefill engines only), `_prefill_cost` while any has no estimate. Otherwise, and
+    always when a converted decoder is one of the two: `_prefill_cost`, whose share is the decoder's measured
+    prefill rate over the prefill engines' (its own first tokens cannot rank it: it takes one prompt at a time,
+    so nothing is ever ahead there, and a latency borrowed from prefill engines ignores its slower pace).
+    On a cost tie a prefill engine wins over a converted decoder. The converted decoder is the overflow, not a
+    peer: a prompt it takes may wait up to its hand-back bound before it goes to a prefill engine after all,
+    and one sent there at once does not (bench/pd.py run 8, docs/worklog/2026-11-27-c/h18.md: the burst's first
+    prompt went to the decoder on a 2-to-2 tie, was handed back 0.27 s later, and every later burst prompt on
+    the saturated prefill engine was that late)."""
     if len(pool) <= 1:
         return pool[0] if pool else None
     a, b = rng.sample(list(pool), 2)
+    if rule == "ttft" and a.role == "prefill" and b.role == "prefill":
+        engines = [p for p in pool if p.role == "prefill"]
+        est = expected_ttfts(engines, now=now)
+        if est is not None:
+            return a if est[engines.index(a)] <= est[engines.index(b)] else b
     return min(a, b, key=lambda x: (_prefill_cost(x, pool), x.role != "prefill"))
 
 
@@ -114,21 +150,26 @@ def _prefill_cost(b: Backend, pool: Sequence[Backend]) -> float:
     return (_prefill_load(b, share) + (1.0 if b.role == "prefill" else 1 / share)) / b.weight
 
 
-def pick_pd(backends: Sequence[Backend], rng: random.Random,
-            exclude: Collection[str] = ()) -> tuple[Backend | None, Backend | None]:
-    """Disaggregated serving: (decode instance, prefill instance for it). The decode instance is chosen
-    first (the response streams from it), then a prefill engine with a data address by the same rule. A
-    service without prefill engines routes as before (prefill None); when every non-prefill replica is
-    gone, a prefill engine serves the whole request alone (it can: every engine runs both phases).
+def pick_pd(backends: Sequence[Backend], rng: random.Random, exclude: Collection[str] = (),
+            rule: str = "ttft") -> tuple[Backend | None, Backend | None]:
+    """(the engine the request goes to, the prefill engine for it or None). A service without decode engines
+    and prefill candidates (colocated) picks by `rule` (`pick_by`), its engines prefilling their own requests.
+    Disaggregated: the decode instance is chosen first (the response streams from it) by "share" whatever the
+    rule (its in-flight count is the streams it decodes, which set its step time; the first tokens of the
+    requests it decodes are the prefill engines' measure, not its own), then a prefill engine with a data
+    address (`_pick_prefill`, by `rule` among prefill engines). When every non-prefill replica is gone, a prefill
+    engine serves the whole request alone (it can: every engine runs both phases), picked by `rule`.
     Convertible decoders (annotated by the operator under a prefill burst) join the prefill candidates,
-    itself included when the chosen decoder is one: the candidate with fewer prompts in prefill takes it
-    (`_pick_prefill`), so converted decoders absorb prefill only while the prefill engines are busier
-    (picked itself: it prefills locally), and a converted decoder takes a prompt only while it prefills
-    none (when every candidate is a busy converted decoder, the least busy still takes it)."""
-    d = pick([b for b in backends if b.role != "prefill"], rng, exclude)
-    if d is None:
-        return pick(backends, rng, exclude), None
+    itself included when the chosen decoder is one: the candidate with fewer prompts in prefill per unit of its
+    measured share takes it (`_prefill_cost`), so converted decoders absorb prefill only while the prefill
+    engines are busier (picked itself: it prefills locally), and a converted decoder takes a prompt only while
+    it prefills none (when every candidate is a busy converted decoder, the least busy still takes it)."""
+    rest = [b for b in backends if b.role != "prefill"]
     prefill = [b for b in backends if b.data and (b.role == "prefill" or b.convertible)]
+    disaggregated = bool(prefill) and any(b.role == "decode" for b in rest)
+    d = pick(rest, rng, exclude) if disaggregated else pick_by(rule, rest, rng, exclude)
+    if d is None:
+        return pick_by(rule, backends, rng, exclude), None
     if d.role != "decode" or not prefill or (d.convertible and len(prefill) == 1):
         return d, None
     # a converted decoder prefills one prompt at a time: its chunk budget gives it a few tokens a step, so a
@@ -138,7 +179,7 @@ def pick_pd(backends: Sequence[Backend], rng: random.Random,
         b.prefilling == 0 and (b.prefill_room is None or b.prefill_room >= MIN_PREFILL_ROOM))]
     if free:
         prefill = free
-    p = _pick_prefill(prefill, rng)
+    p = _pick_prefill(prefill, rng, rule)
     return (d, None) if p is d else (d, p)
 
 

@@ -12,8 +12,8 @@ arrival for 1.5-2 s after the pipeline formed and its TTFT climbed from 1.5 to 2
 backlog gone, answered in 1.25 s. Its first token also pays a round trip through every member (0.8 s against
 a source's 0.6 s). Measured start rates and latencies, not claimed shares, say where a request waits least.
 
-Measured per backend (`FirstTokens`, fed by whoever sees a stream's first chunk: the bench driver; the proxy
-when wired):
+Measured per backend (`FirstTokens`, fed by whoever sees a request's first token: the bench driver; the proxy,
+kascade_router.proxy, through one `Waiting` per request):
 - rate: first tokens per second of busy time, a clock that runs only while the backend has at least one of our
   requests waiting for its first token (idle time never dilutes it), from its first token in the last
   RATE_SPAN_S of busy time to now (a stall while busy lowers it), and only once that spans MIN_SPAN_S: first
@@ -25,8 +25,8 @@ A backend with no measurement yet gets priors from the others (`Priors`): rate =
 per unit of weight of the measured ones, latency = their median latency. With no measurement anywhere there
 is no estimate (None), and the caller ranks by (in flight + 1) / weight as before.
 
-Data flow: request sent -> `FirstTokens.sent` (its `ahead`) -> first chunk -> `first(now, ttft, ahead)` (or
-`gone` if it ended without one) -> `priors` over the candidates -> `estimate` per candidate -> the balancer
+Data flow: request sent -> `FirstTokens.sent` (its `ahead`; `Waiting` keeps it with the time sent) -> first
+token -> `first(now, ttft, ahead)` (or `gone` if it ended without one) -> `priors` over the candidates -> `estimate` per candidate -> the balancer
 picks the least (kascade_router.balancer.pick_by_ttft).
 """
 
@@ -110,6 +110,28 @@ class FirstTokens:
             return None
         span = busy - recent[0]
         return (len(recent) - 1) / span if span >= MIN_SPAN_S else None
+
+
+class Waiting:
+    """One request waiting for its first token at one backend: sent on creation, then `first` or `gone`, once
+    (later calls do nothing), so every exit path of a request can end it without counting it twice."""
+
+    def __init__(self, ft: FirstTokens, now: float) -> None:
+        self.ft, self.sent_at = ft, now
+        self.ahead = ft.sent(now)
+        self.open = True
+
+    def first(self, now: float) -> None:
+        """Its first token arrived at `now`."""
+        if self.open:
+            self.open = False
+            self.ft.first(now, max(0.0, now - self.sent_at), self.ahead)
+
+    def gone(self, now: float) -> None:
+        """It ended (failed, retried elsewhere, handed to another engine) without a first token here."""
+        if self.open:
+            self.open = False
+            self.ft.gone(now)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 Data flow: body (<= max_body_bytes, else 413) -> JSON object with a string `model` (else 400 naming
 it) -> `Routes.lookup` (unknown model: 404 naming it) -> `balancer.pick` among serving backends, or
-held until one appears (bounded queue: 429; timeout: 503, both with Retry-After) -> POST to the engine
+held until one appears (bounded queue: 429; timeout: 503, both with Retry-After); the backend is picked by
+the `route` setting (`balancer.pick_pd`: expected TTFT or share) -> POST to the engine
 with the request id (disaggregated: the prefill engine's data port from `pick_pd`, or for a converted decoder
 that prefills the prompt itself a prefill engine to hand it to if it finds no room, `fallback_prefill`)
 -> non-streaming: the body is relayed; streaming: every chunk is written to the
@@ -12,6 +13,14 @@ tried; a failure mid-stream ends that response with an SSE error event. A client
 cancels the handler, which closes the engine connection, which aborts the generation there. Engine
 connections are `upstream.Upstreams` (pooled keep-alive; streamed chunks are relayed in the socket
 callback, not by this handler).
+
+First tokens: each request is one `firsttoken.Waiting` on the engine that prefills it (the prefill engine in
+disaggregated serving, else the engine it went to; moved to the prefill engine a converted decoder hands it
+to), ended by its first token (a stream's first data event after its chat role events, seen in the socket
+callback: `Answer.on_token`), for a non-streamed answer by the answer itself (the whole answer: its TTFT is
+an upper bound), else by its end without one. They live on the `Backend` (`Backend.first_tokens`), so a
+model's `Routes` entry owns them and they go with the backend when its pod leaves. The prefill engine's
+prompt count (`in_flight`, `prefilling`) drops at the same first token.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from kascade_planner.engine_api import (
 from kascade_router.backends import Backend, Routes
 from kascade_router.balancer import fallback_prefill, pick, pick_pd
 from kascade_router.demand import Demand, ModelDemand
+from kascade_router.firsttoken import Waiting
 from kascade_router.settings import RouterSettings
 from kascade_router.upstream import Answer, UpstreamError, Upstreams
 
@@ -66,6 +76,16 @@ def error(status: int, message: str, param: str | None = None, kind: str = "inva
 
 class _Retry(Exception):
     """This replica failed before any byte reached the client: try another."""
+
+
+def role_events(path: str, doc: dict[str, Any]) -> int:
+    """SSE data events a streamed answer sends before any token: a chat completion's role event per choice
+    (`n`, default 1; the engine sends them as the stream starts, before the prompt is prefilled), none for a
+    completion. A bad `n` counts 1: the engine refuses it anyway."""
+    if not path.endswith("/chat/completions"):
+        return 0
+    n = doc.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 1024 else 1
 
 
 def prompt_tokens(doc: dict[str, Any]) -> int:
@@ -121,7 +141,8 @@ class Proxy:
         status, out_tokens = 500, 0
         d.in_flight += 1
         try:
-            resp, status, out_tokens = await self._route(request, body, svc, d, stream, rid, now)
+            resp, status, out_tokens = await self._route(request, body, svc, d, stream, rid, now,
+                                                         role_events(request.path, doc))
             return resp
         except asyncio.CancelledError:
             status = 499  # the client went away (handler cancellation)
@@ -134,12 +155,12 @@ class Proxy:
             d.finished(status, prompt_tokens(doc), out_tokens, time.monotonic())
 
     async def _route(self, request: web.Request, body: bytes, svc: tuple[str, str], d: ModelDemand, stream: bool,
-                     rid: str, t0: float) -> tuple[web.StreamResponse, int, int]:
+                     rid: str, t0: float, skip: int = 0) -> tuple[web.StreamResponse, int, int]:
         tried: set[str] = set()
         deadline = t0 + self.s.hold_timeout_s
         held, tries = False, 0
         while tries < self.s.attempts:
-            b, pre = pick_pd(self.routes.serving(svc), self.rng, tried)
+            b, pre = pick_pd(self.routes.serving(svc), self.rng, tried, self.s.route)
             if b is None:
                 if not held and d.queued >= self.s.max_queued:
                     return error(429, f"{d.queued} requests for model '{d.model}' are already waiting for a "
@@ -148,7 +169,7 @@ class Proxy:
                 b = await self._hold(svc, d, tried, deadline)
                 held = True
                 if b is not None:
-                    b, pre = pick_pd(self.routes.serving(svc), self.rng, tried)
+                    b, pre = pick_pd(self.routes.serving(svc), self.rng, tried, self.s.route)
                 if b is None:
                     why = (f"replicas of model '{d.model}' failed before answering ({tries} tries)" if tries
                            else f"no serving replica of model '{d.model}' (ModelService {svc[0]}/{svc[1]}) "
@@ -158,7 +179,7 @@ class Proxy:
             tries += 1
             fallback = fallback_prefill(self.routes.serving(svc), b, pre)
             try:
-                return await self._forward(request, body, b, stream, rid, pre, fallback, d)
+                return await self._forward(request, body, b, stream, rid, pre, fallback, d, skip)
             except _Retry as e:
                 log.info("request %s: %s; retrying on another replica", rid, e)
         return error(502, f"{tries} tries on replicas of model '{d.model}' failed before answering", None,
@@ -185,11 +206,14 @@ class Proxy:
 
     async def _forward(self, request: web.Request, body: bytes, b: Backend, stream: bool, rid: str,
                        pre: Backend | None = None, fallback: Backend | None = None,
-                       d: ModelDemand | None = None) -> tuple[web.StreamResponse, int, int]:
+                       d: ModelDemand | None = None, skip: int = 0) -> tuple[web.StreamResponse, int, int]:
+        """Send the request to `b` (prefilled by `pre` if given) and answer the client; `skip`: data events
+        before the first token (`role_events`)."""
         b.in_flight += 1
         prefills = pre if pre is not None and pre.data else b  # who prefills this request
         prefills.prefilling += 1
         prefiller: Backend | None = prefills  # ... until its first token (None after it)
+        wait = Waiting(prefills.first_tokens, time.monotonic())  # its first token, timed at who prefills it
         up: Answer | None = None
         send = {"Content-Type": "application/json", REQUEST_ID: rid}  # never a client's header (PREFILL)
         if pre is not None and pre.data:
@@ -220,6 +244,9 @@ class Proxy:
                 prefills = prefiller = pre = fallback
                 fallback.prefilling += 1
                 fallback.in_flight += 1
+                now = time.monotonic()  # its wait for a first token continues there
+                wait.gone(now)
+                wait = Waiting(fallback.first_tokens, now)
                 if d is not None:
                     d.handbacks += 1
             elif handed is not None:
@@ -234,6 +261,8 @@ class Proxy:
                     data = await up.read(timeout)
                 except UpstreamError as e:
                     raise _Retry(f"{b.pod} failed mid-body: {e}") from None
+                if up.status == 200:  # an error answer is no first token: a failing engine must not look fast
+                    wait.first(time.monotonic())
                 return web.Response(status=up.status, body=data, content_type=ctype.split(";")[0],
                                     headers=headers), up.status, _usage_tokens(data)
             try:
@@ -241,11 +270,18 @@ class Proxy:
                     raise _Retry(f"{b.pod} closed the stream before its first chunk")
             except UpstreamError as e:
                 raise _Retry(f"{b.pod} failed before its first chunk: {e}") from None
-            if pre is not None:
-                pre.in_flight -= 1
-                pre = None
-            prefills.prefilling -= 1
-            prefiller = None
+
+            def first_token() -> None:  # in the engine socket's callback, at the first token's event
+                nonlocal pre, prefiller
+                wait.first(time.monotonic())
+                if pre is not None:  # the prefill engine is done with it
+                    pre.in_flight -= 1
+                    pre = None
+                if prefiller is not None:
+                    prefiller.prefilling -= 1
+                    prefiller = None
+
+            up.on_token(skip, first_token)
             resp = web.StreamResponse(status=up.status, headers={**headers, "Content-Type": ctype,
                                                                  "Cache-Control": "no-cache"})
             framed = request.version >= aiohttp.HttpVersion11
@@ -274,6 +310,9 @@ class Proxy:
             await resp.write_eof()
             return resp, up.status, up.events
         finally:
+            wait.gone(time.monotonic())  # ended without a first token (nothing if it had one)
+            if up is not None:
+                up.on_token(0, None)  # never called after this: the counts below are final
             b.in_flight -= 1
             if pre is not None:
                 pre.in_flight -= 1

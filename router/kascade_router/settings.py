@@ -1,9 +1,13 @@
-"""Router settings: limits, timeouts and the engine CA file, one frozen dataclass filled from CLI flags or tests
-(the CA becomes a TLS context in kascade_planner.engine_tls, shared with the operator)."""
+"""Router settings: limits, timeouts, the routing rule and the engine CA file, one frozen dataclass filled from
+CLI flags (`kascade router`, some also from KASCADE_ROUTER_* environment variables there) or tests (the CA
+becomes a TLS context in kascade_planner.engine_tls, shared with the operator). Bad values raise a ValueError
+naming the setting when the object is made, not on the first request."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from kascade_router.balancer import ROUTE_RULES
 
 
 @dataclass(frozen=True)
@@ -21,3 +25,11 @@ class RouterSettings:
     # (kascade_router.shares); 0: only from its answers
     live_share_refresh_s: float = 0.25
     engine_ca_file: str = ""  # engines serve HTTPS with certificates from this CA (names not checked); "" = HTTP
+    # how a backend is picked (kascade_router.balancer): "ttft", the least expected time to first token from
+    # this router's measured first tokens ("share" until measured); "share", the least (in flight + 1) / weight
+    route: str = "ttft"
+
+    def __post_init__(self) -> None:
+        if self.route not in ROUTE_RULES:
+            raise ValueError(f"router setting route (--route, KASCADE_ROUTER_ROUTE) must be one of "
+                             f"{', '.join(ROUTE_RULES)}, got {self.route!r}")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import defaultdict
+from collections.abc import Callable
 from typing import cast
 
 HIGH_WATER = 256 << 10  # client write buffer above this: stop reading from the engine
@@ -57,6 +58,8 @@ class Answer(asyncio.Protocol):
         self.status = 0
         self.headers: dict[str, str] = {}
         self.events = 0  # SSE data events relayed ([DONE] not counted)
+        self._token_after = 0  # `on_token`: the callback runs once more than this many events were relayed
+        self._on_token: Callable[[], None] | None = None
         self._tail = b""
         self.last_rx = self.loop.time()
         self._head = bytearray()
@@ -258,6 +261,9 @@ class Answer(asyncio.Protocol):
         self.events += (joined.count(b"data: ") - tail.count(b"data: ")
                         - joined.count(b"data: [DONE]") + tail.count(b"data: [DONE]"))
         self._tail = joined[-11:]
+        if self._on_token is not None and self.events > self._token_after:
+            cb, self._on_token = self._on_token, None
+            cb()
 
     def _write(self, piece: bytes) -> None:
         client = cast(asyncio.WriteTransport, self._client)
@@ -324,6 +330,12 @@ class Answer(asyncio.Protocol):
         """True once a body byte arrived; False if the answer ended without any."""
         await self._wait(self._first, timeout)
         return self._got_data and not (self._done.done() and not self._pending and not self._body)
+
+    def on_token(self, after: int, callback: Callable[[], None] | None) -> None:
+        """Call `callback` once, in the socket callback, when the relayed data events exceed `after` (the
+        first token of a stream whose first `after` events carry none: a chat answer's role events). Set it
+        before `relay`; None removes it."""
+        self._token_after, self._on_token = after, callback
 
     def relay(self, client: asyncio.BaseTransport, framed: bool) -> None:
         """From now on body bytes go to `client` (raw chunks if `framed`, else the payload)."""

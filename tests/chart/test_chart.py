@@ -270,6 +270,11 @@ def test_router_is_a_read_only_watcher_behind_a_service(helm: Helm) -> None:
     assert dep["spec"]["replicas"] == 3 and dep["spec"]["template"]["spec"]["serviceAccountName"] == "rel-router"
     svc = by[("Service", "rel-router")]
     assert svc["spec"]["ports"][0]["port"] == 8080
+    # the routing rule: ttft unless the values say share
+    assert "--route=ttft" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    share = [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), "--set", "router.route=share").stdout) if d]
+    assert "--route=share" in next(d for d in share if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-router")[
+        "spec"]["template"]["spec"]["containers"][0]["args"]
     env = {e["name"]: e.get("value") for e in
            by[("Deployment", "rel-operator")]["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["KASCADE_OPERATOR_ROUTER_URL"] == "http://rel-router.ns.svc:8080"  # -> ModelService status.url
@@ -326,7 +331,7 @@ def test_rbac_grants_no_wildcards_or_secret_listing(helm: Helm) -> None:
      ("operator.affinty.x=y", "affinty"), ("imagePullSecret[0]=x", "imagePullSecret"), ("logFormat=xml", "logFormat"),
      ("pool.model.download.repo=not a repo", "repo"), ("monitoring.podMonitor.interval=5", "interval"),
      ("networkPolicy.enable=true", "enable"), ("global=1", "global"), ("dataPlaneTls.secret=t", "secret"),
-     ("dataPlaneTls.secretName=Engine_TLS", "secretName")],
+     ("dataPlaneTls.secretName=Engine_TLS", "secretName"), ("router.route=fastest", "route")],
 )
 def test_values_schema_rejects_bad_values_naming_them(helm: Helm, setting: str, field: str) -> None:
     out = helm("template", "rel", str(CHART), "--set", setting, check=False)
