@@ -1,24 +1,38 @@
 """Routing on expected time to first token (kascade_router.firsttoken, balancer.least_ttft / pick_by_ttft):
 the rate counts busy time only, the latency comes from unqueued requests, an unmeasured backend borrows the
-others' medians, and the rule sends a request where it waits least, not where the claimed share is largest."""
+others' medians, and the rule sends a request where it waits least, not where the claimed share is largest.
+The router's choice of rule (`route`: ttft | share) and how disaggregated serving uses it (`pick_pd`); the
+first tokens go with a backend that leaves. Through the real router and engines: test_router_ttft.py."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+from click.testing import CliRunner
 
-from kascade_router.backends import Backend
-from kascade_router.balancer import expected_ttfts, least_ttft, pick_by_ttft
+from kascade_router.backends import Backend, Routes
+from kascade_router.balancer import (
+    expected_ttfts,
+    least_ttft,
+    pick,
+    pick_by,
+    pick_by_ttft,
+    pick_pd,
+    share_key,
+)
 from kascade_router.firsttoken import (
     MIN_SPAN_S,
     MIN_TOKENS,
     FirstTokens,
     Priors,
+    Waiting,
     estimate,
     expected_ttft,
     priors,
 )
+from kascade_router.proxy import role_events
+from kascade_router.settings import RouterSettings
 
 NOW = 100.0  # when the tests' backends are asked (after every `_served`)
 
@@ -113,7 +127,7 @@ def test_the_least_expected_wait_wins_where_the_share_rule_picks_the_big_claim()
     sources = [_backend(f"s{i}", 1.0, 3, 1 / 4.4, 0.6) for i in range(2)]
     head = _backend("head", 4.0, 6, 1 / 3, 0.8)
     pool = [*sources, head]
-    assert min(pool, key=lambda b: (b.in_flight + 1) / b.weight) is head  # the old rule
+    assert min(pool, key=lambda b: share_key(b.in_flight, b.weight)) is head  # the old rule
     est = expected_ttfts(pool, now=NOW)
     assert est is not None and est[2] == pytest.approx(2.8) and est[0] == pytest.approx(0.6 + 3 / 4.4)
     assert least_ttft(pool, now=NOW) is sources[0]
@@ -136,3 +150,110 @@ def test_with_nothing_measured_the_share_rule_stands() -> None:
     assert least_ttft([a, b]) is b  # (3 + 1) / 4 < (2 + 1) / 1
     assert least_ttft([a, b], weight=lambda x: 1.0) is a  # the caller's weights
     assert least_ttft([]) is None and pick_by_ttft([], random.Random(0)) is None
+
+
+def test_share_key_is_the_one_share_rule() -> None:
+    """pick, pick_by_ttft's fallback and least_ttft's fallback all rank by share_key: (in flight + 1) / weight."""
+    assert share_key(3, 4.0) == 1.0 and share_key(0, 0.5) == 2.0
+    a, b = _backend("a", 1.0, 2, None, None), _backend("b", 4.0, 3, None, None)  # keys 3 and 1
+    rng = random.Random(0)
+    for choose in (pick, pick_by_ttft, lambda pool, r: pick_by("share", pool, r), lambda pool, r: least_ttft(pool)):
+        assert all(choose([a, b], rng) is b for _ in range(20)), choose
+    b.in_flight = 12  # key 13/4 > 3
+    assert all(pick_by("ttft", [a, b], rng) is a for _ in range(20))  # nothing measured: the share rule
+
+
+def test_pick_by_names_the_rule() -> None:
+    with pytest.raises(ValueError, match="route rule must be one of ttft, share, got 'fastest'"):
+        pick_by("fastest", [Backend("a", "a:1")], random.Random(0))
+
+
+def test_the_route_setting_is_checked_naming_it() -> None:
+    assert RouterSettings().route == "ttft" and RouterSettings(route="share").route == "share"
+    with pytest.raises(ValueError, match=r"router setting route \(--route, KASCADE_ROUTER_ROUTE\) must be one of "
+                                         r"ttft, share, got 'fast'"):
+        RouterSettings(route="fast")
+    from kascade_cli.main import cli
+
+    for args, env in ((["--route", "fast"], {}), ([], {"KASCADE_ROUTER_ROUTE": "fast"})):
+        out = CliRunner().invoke(cli, ["router", "--backend", "m=h:1", *args], env=env)
+        assert out.exit_code == 2 and "--route" in out.output and "'fast' is not one of 'ttft', 'share'" in out.output
+
+
+def test_a_waiting_request_ends_once() -> None:
+    ft = FirstTokens()
+    w1, w2 = Waiting(ft, 1.0), Waiting(ft, 1.5)
+    assert (w1.ahead, w2.ahead, ft.waiting) == (0, 1, 2)
+    w1.first(1.75)
+    w1.first(1.9)  # a second end changes nothing
+    w1.gone(2.0)
+    assert ft.waiting == 1 and ft.latency_s == 0.75
+    w2.gone(3.0)
+    w2.first(3.1)
+    assert ft.waiting == 0 and ft.latency_s == 0.75 and ft.busy_s == pytest.approx(2.0)
+
+
+def test_role_events_before_the_first_token() -> None:
+    assert role_events("/v1/completions", {"n": 3}) == 0
+    assert role_events("/v1/chat/completions", {}) == 1
+    assert role_events("/v1/chat/completions", {"n": 3}) == 3
+    assert role_events("/v1/chat/completions", {"n": True}) == role_events("/v1/chat/completions", {"n": "2"}) == 1
+
+
+def _measured(b: Backend, latency_s: float, gap_s: float) -> Backend:
+    _served(b.first_tokens, 8, gap_s, latency_s)
+    return b
+
+
+def test_colocated_backends_are_picked_by_the_rule() -> None:
+    """One request at a time: nothing in flight, so share tosses a coin; ttft picks the lower latency."""
+    fast, slow = _measured(Backend("fast", "f:1"), 0.05, 0.05), _measured(Backend("slow", "s:1"), 0.4, 0.4)
+    rng = random.Random(3)
+    by_ttft = {pick_pd([fast, slow], rng, rule="ttft", now=NOW)[0].pod for _ in range(40)}  # type: ignore[union-attr]
+    by_share = [pick_pd([fast, slow], rng, rule="share", now=NOW)[0].pod for _ in range(40)]  # type: ignore[union-attr]
+    assert by_ttft == {"fast"} and 10 <= by_share.count("slow") <= 30
+    # every non-prefill replica gone: a prefill engine serves alone, by the rule too
+    p1 = _measured(Backend("p1", "p:1", role="prefill", data="p:9"), 0.05, 0.05)
+    p2 = _measured(Backend("p2", "p:2", role="prefill", data="p:8"), 0.4, 0.4)
+    assert {pick_pd([p1, p2], rng, rule="ttft", now=NOW) for _ in range(20)} == {(p1, None)}
+
+
+def test_disaggregated_decoders_by_share_prefill_engines_by_ttft_converted_decoders_by_their_share() -> None:
+    rng = random.Random(5)
+    # the decoders' first tokens (a converted decoder's own prefills) would pick d_slow; share picks the idle one
+    d_busy = _measured(Backend("d_busy", "d:1", role="decode", in_flight=4), 0.05, 0.2)
+    d_idle = _measured(Backend("d_idle", "d:2", role="decode"), 0.9, 0.9)
+    slow_p = _measured(Backend("p_slow", "p:1", role="prefill", data="p:91"), 0.6, 0.6)
+    fast_p = _measured(Backend("p_fast", "p:2", role="prefill", data="p:92"), 0.05, 0.2)
+    fast_p.first_tokens.sent(NOW)  # one ahead at 5/s: 0.05 + 0.2 s, against p_slow's 0.6 s
+    fast_p.in_flight = fast_p.prefilling = 1  # by prompts in prefill p_slow would win (0 + 1 < 1 + 1)
+    picks = {pick_pd([d_busy, d_idle, slow_p, fast_p], rng, rule="ttft", now=NOW) for _ in range(30)}
+    assert picks == {(d_idle, fast_p)}
+    picks = {pick_pd([d_busy, d_idle, slow_p, fast_p], rng, rule="share", now=NOW) for _ in range(30)}
+    assert picks == {(d_idle, slow_p)}
+    # a converted decoder against a prefill engine: its measured prefill share ranks it (0.1 of a prefill
+    # engine: its prompt costs 10), not its first tokens (which say 0.01 s: it only ever had nothing ahead)
+    conv = _measured(Backend("conv", "c:1", role="decode", data="c:9", convertible=True, in_flight=9), 0.01, 0.5)
+    conv.prefill_rate, fast_p.prefill_rate = 90.0, 900.0
+    picks = {pick_pd([d_idle, conv, fast_p], rng, rule="ttft", now=NOW) for _ in range(30)}
+    assert picks == {(d_idle, fast_p)}  # fast_p's cost 2 < conv's 10
+
+
+def test_a_backend_that_leaves_takes_its_first_tokens_with_it() -> None:
+    r = Routes()
+    r.set_service("ns", "svc", "m")
+    pod = {"metadata": {"namespace": "ns", "name": "a", "labels": {"kascade.io/model-service": "svc"},
+                        "annotations": {"kascade.io/endpoint": "h:1", "kascade.io/loaded": "true"}},
+           "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+    r.set_pod(pod)
+    (b,) = r.serving(("ns", "svc"))
+    _served(b.first_tokens, 8, 0.25, 0.6)
+    r.set_pod({**pod, "metadata": {**pod["metadata"], "annotations": {**pod["metadata"]["annotations"], "x": "y"}}})
+    assert r.serving(("ns", "svc"))[0].first_tokens is b.first_tokens  # a pod update keeps them
+    r.set_pod({**pod, "status": {"conditions": [{"type": "Ready", "status": "False"}]}})  # not Ready: gone
+    assert r.serving(("ns", "svc")) == []
+    r.set_pod(pod)  # back: measured afresh
+    (b2,) = r.serving(("ns", "svc"))
+    assert b2 is not b and b2.first_tokens.latency_s is None and b2.first_tokens.busy_s == 0
+    r.remove_pod("ns", "a")
+    assert r.backends[("ns", "svc")] == {}

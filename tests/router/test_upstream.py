@@ -288,3 +288,30 @@ async def _pool_case() -> None:
         await asyncio.sleep(0.05)  # the server's handlers see the close and end
         server.close()
         await server.wait_closed()
+
+
+async def test_on_token_fires_once_after_the_events_that_carry_no_token() -> None:
+    """A chat stream's role event (here the first of CHUNKS) is no token: with after=1 the callback runs at the
+    second event, whether it arrives before relay (collected) or after it, split anywhere; never twice."""
+    raw = HEAD + BODY + END
+    loop = asyncio.get_running_loop()
+    second = len(HEAD) + len(b"%x\r\n%s\r\n" % (len(CHUNKS[0]), CHUNKS[0]))  # where the second event's chunk begins
+    marked = raw.index(b"data: ", second) + len(b"data: ")  # its marker is whole from here
+    for cut in range(len(HEAD), len(raw)):
+        a, _ = _answer(loop)
+        calls: list[int] = []
+        a.on_token(1, lambda: calls.append(a.events))  # noqa: B023 (run before the next iteration)
+        a.data_received(raw[:cut])
+        a.relay(Capture(), framed=True)
+        assert len(calls) == (cut >= marked), cut
+        a.data_received(raw[cut:])
+        await a.finished(1.0)
+        assert len(calls) == 1 and calls[0] >= 2, cut  # once, at an event past the role event
+    a, _ = _answer(loop)
+    calls = []
+    a.on_token(0, lambda: calls.append(a.events))
+    a.on_token(0, None)  # removed: never called
+    a.data_received(raw)
+    a.relay(Capture(), framed=True)
+    await a.finished(1.0)
+    assert calls == []
