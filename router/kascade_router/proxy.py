@@ -1,9 +1,9 @@
 """The hot path: one OpenAI request in, one engine's answer out (streamed through as it arrives).
 
 Data flow: body (<= max_body_bytes, else 413) -> JSON object with a string `model` (else 400 naming
-it) -> `Routes.lookup` (unknown model: 404 naming it) -> `balancer.pick` among serving backends, or
-held until one appears (bounded queue: 429; timeout: 503, both with Retry-After); the backend is picked by
-the `route` setting (`balancer.pick_pd`: expected TTFT or share) -> POST to the engine
+it) -> `Routes.lookup` (unknown model: 404 naming it) -> `balancer.pick_pd` among serving backends by the
+`route` setting (expected TTFT or share), or held until one appears (bounded queue: 429; timeout: 503, both
+with Retry-After) -> POST to the engine
 with the request id (disaggregated: the prefill engine's data port from `pick_pd`, or for a converted decoder
 that prefills the prompt itself a prefill engine to hand it to if it finds no room, `fallback_prefill`)
 -> non-streaming: the body is relayed; streaming: every chunk is written to the

@@ -158,6 +158,10 @@ class Router:
         out = {m: {"modelService": f"{svc[0]}/{svc[1]}",
                    "backends": [{"pod": b.pod, "address": b.address, "role": b.role, "data": b.data,
                                  "weight": b.weight, "inFlight": b.in_flight,
+                                 # what the ttft rule knows of it (firsttoken.py), null where not measured
+                                 "firstTokens": {"waiting": b.first_tokens.waiting,
+                                                 "latencySeconds": b.first_tokens.latency_s,
+                                                 "ratePerSecond": b.first_tokens.rate_per_s(now)},
                                  "ejected": not b.usable(now)} for b in self.routes.backends.get(svc, {}).values()]}
                for m, svc in self.routes.models.items()}
         return web.json_response(out)

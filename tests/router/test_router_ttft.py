@@ -12,6 +12,7 @@ import asyncio
 import json
 from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 
 import aiohttp
 import pytest
@@ -52,26 +53,29 @@ async def _stream(s: aiohttp.ClientSession, url: str, path: str, body: dict[str,
         return r.headers["X-Kascade-Replica"]
 
 
-async def _run(route: str, spec: str) -> tuple[Counter[str], Router]:
-    """N completions one after another through a fresh router (nothing measured) with `route`: requests per pod."""
+async def _run(route: str, spec: str) -> tuple[Counter[str], Router, dict[str, Any]]:
+    """N completions one after another through a fresh router (nothing measured) with `route`: requests per pod,
+    the router, its routing table (/router/v1/routes) at the end."""
     r = await Router(RouterSettings(route=route, hold_timeout_s=10.0), static_routes([spec])).start()
     counts: Counter[str] = Counter()
+    url = f"http://127.0.0.1:{r.port}"
     try:
         async with aiohttp.ClientSession() as s:
             for i in range(N):
-                counts[await _stream(s, f"http://127.0.0.1:{r.port}", "/v1/completions",
-                                     {"prompt": [1 + i % 7, 2, 3, 4], "max_tokens": 2})] += 1
+                counts[await _stream(s, url, "/v1/completions", {"prompt": [1 + i % 7, 2, 3, 4], "max_tokens": 2})] += 1
+            async with s.get(f"{url}/router/v1/routes") as resp:
+                table = {b["pod"]: b for b in (await resp.json())["tiny-llama"]["backends"]}
     finally:
         await r.close()
-    return counts, r
+    return counts, r, table
 
 
 async def test_the_ttft_rule_sends_fewer_requests_to_a_slow_engine_than_the_share_rule(
         engines: dict[str, int]) -> None:
     spec = f"tiny-llama=127.0.0.1:{engines['fast']},127.0.0.1:{engines['slow']}"
     fast, slow = "tiny-llama-0", "tiny-llama-1"  # static_routes names pods in order
-    share, _ = await _run("share", spec)
-    ttft, r = await _run("ttft", spec)
+    share, _, _ = await _run("share", spec)
+    ttft, r, table = await _run("ttft", spec)
     print(f"requests to the slow engine: share {share[slow]} of {N}, ttft {ttft[slow]} of {N}")
     assert share[slow] + share[fast] == N == ttft[slow] + ttft[fast]
     # share: nothing is ever in flight at a pick, so every pick is a coin toss (~N/2 each)
@@ -85,6 +89,8 @@ async def test_the_ttft_rule_sends_fewer_requests_to_a_slow_engine_than_the_shar
     assert s_ft.latency_s is not None and f_ft.latency_s is not None
     assert s_ft.latency_s >= LAYERS * SLOW_LAYER_MS / 1000 > f_ft.latency_s
     assert s_ft.busy_s >= MIN_SPAN_S and s_ft.waiting == 0 == f_ft.waiting
+    assert table[slow]["firstTokens"]["latencySeconds"] == s_ft.latency_s  # shown in the routing table
+    assert table[slow]["firstTokens"]["ratePerSecond"] > 0 and table[slow]["firstTokens"]["waiting"] == 0
     assert bs[slow].in_flight == bs[fast].in_flight == bs[slow].prefilling == bs[fast].prefilling == 0
 
 
