@@ -1,5 +1,6 @@
 """The router's `route` setting through the real router to real engine processes: two engines serve one model,
-one of them slow (`--emulate-layer-ms`: every step takes at least 4 x 60 ms). Requests come one at a time, so
+one of them slow (`--emulate-layer-ms`: every step takes at least 4 x 60 ms); in disaggregated serving, two
+prefill engines for one decoder, one of them slow (2 prompt tokens a step). Requests come one at a time, so
 (in flight + 1) / weight is 1 on both at every pick and "share" splits them evenly, while "ttft" measures the
 slow engine's first tokens (kascade_router.proxy times each request's first token at the engine that prefilled
 it) and sends nearly every request to the fast one once it has a rate. A proxy that ignored the setting, or
@@ -27,42 +28,52 @@ TOKEN = "router-ttft-token"
 LAYERS = 4
 SLOW_LAYER_MS = 60.0  # the slow engine's step: >= LAYERS x this (one prefill step before a first token)
 N = 48  # requests per run
+PD_BUDGET = 2  # the slow prefill engine's --max-batch-tokens
+PD_PROMPT = 160  # prompt tokens in the PD test: PD_PROMPT / PD_BUDGET steps at the slow prefill engine
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, int]]:
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, EngineProc]]:
+    """fast, slow (every step >= LAYERS x SLOW_LAYER_MS), a plain one (the decoder of the PD test) and a slow
+    prefill engine: `--emulate-layer-ms` does not pace a prefill engine's KV-shipping forward (measured: 8 ms
+    TTFT through it, as through the fast one), so that one is slow by its step budget: PD_BUDGET prompt tokens
+    a step, PD_PROMPT steps for one prompt."""
     ckpt = tiny_llama(tmp_path_factory.mktemp("ttft") / "tiny-llama", layers=LAYERS, hidden=64, vocab=512)
     procs: list[EngineProc] = []
     try:
-        for extra in ([], ["--emulate-layer-ms", str(SLOW_LAYER_MS)]):
+        for extra in ([], ["--emulate-layer-ms", str(SLOW_LAYER_MS)], [], ["--max-batch-tokens", str(PD_BUDGET)]):
             procs.append(start_engine(["--checkpoint", str(ckpt), "--model-name", "tiny-llama", "--kv-tokens", "4096",
-                                       *extra], TOKEN))
-        yield {"fast": procs[0].http, "slow": procs[1].http}
+                                       "--transport", "tcp", *extra], TOKEN))
+        yield dict(zip(("fast", "slow", "decode", "slow_prefill"), procs, strict=True))
     finally:
         for e in procs:
             e.stop()
 
 
-async def _stream(s: aiohttp.ClientSession, url: str, path: str, body: dict[str, object]) -> str:
-    """One streamed answer through the router: the pod that answered (its text is read to the end)."""
+async def _stream(s: aiohttp.ClientSession, url: str, path: str, body: dict[str, object],
+                  header: str = "X-Kascade-Replica") -> str:
+    """One streamed answer through the router: the pod `header` names (the one that answered by default; the
+    answer is read to the end)."""
     async with s.post(f"{url}{path}", json={"model": "tiny-llama", "stream": True, "temperature": 0, **body},
                       timeout=aiohttp.ClientTimeout(total=60)) as r:
         assert r.status == 200, await r.text()
         events = [json.loads(line[6:]) async for line in r.content if line.startswith(b"data: {")]
         assert events and all("error" not in e for e in events), events
-        return r.headers["X-Kascade-Replica"]
+        return r.headers[header]
 
 
-async def _run(route: str, spec: str) -> tuple[Counter[str], Router, dict[str, Any]]:
-    """N completions one after another through a fresh router (nothing measured) with `route`: requests per pod,
-    the router, its routing table (/router/v1/routes) at the end."""
+async def _run(route: str, spec: str, header: str = "X-Kascade-Replica", prompt: int = 4
+               ) -> tuple[Counter[str], Router, dict[str, Any]]:
+    """N completions one after another through a fresh router (nothing measured) with `route`: requests per pod
+    named by `header`, the router, its routing table (/router/v1/routes) at the end."""
     r = await Router(RouterSettings(route=route, hold_timeout_s=10.0), static_routes([spec])).start()
     counts: Counter[str] = Counter()
     url = f"http://127.0.0.1:{r.port}"
     try:
         async with aiohttp.ClientSession() as s:
             for i in range(N):
-                counts[await _stream(s, url, "/v1/completions", {"prompt": [1 + i % 7, 2, 3, 4], "max_tokens": 2})] += 1
+                counts[await _stream(s, url, "/v1/completions", {"prompt": [1 + (i + j) % 300 for j in range(prompt)], "max_tokens": 2},
+                                     header)] += 1
             async with s.get(f"{url}/router/v1/routes") as resp:
                 table = {b["pod"]: b for b in (await resp.json())["tiny-llama"]["backends"]}
     finally:
@@ -71,8 +82,8 @@ async def _run(route: str, spec: str) -> tuple[Counter[str], Router, dict[str, A
 
 
 async def test_the_ttft_rule_sends_fewer_requests_to_a_slow_engine_than_the_share_rule(
-        engines: dict[str, int]) -> None:
-    spec = f"tiny-llama=127.0.0.1:{engines['fast']},127.0.0.1:{engines['slow']}"
+        engines: dict[str, EngineProc]) -> None:
+    spec = f"tiny-llama=127.0.0.1:{engines['fast'].http},127.0.0.1:{engines['slow'].http}"
     fast, slow = "tiny-llama-0", "tiny-llama-1"  # static_routes names pods in order
     share, _, _ = await _run("share", spec)
     ttft, r, table = await _run("ttft", spec)
@@ -94,11 +105,34 @@ async def test_the_ttft_rule_sends_fewer_requests_to_a_slow_engine_than_the_shar
     assert bs[slow].in_flight == bs[fast].in_flight == bs[slow].prefilling == bs[fast].prefilling == 0
 
 
-async def test_a_chat_answers_first_token_is_timed_after_its_role_event(engines: dict[str, int]) -> None:
+async def test_of_two_prefill_engines_the_ttft_rule_sends_fewer_prompts_to_the_slow_one(
+        engines: dict[str, EngineProc]) -> None:
+    """Disaggregated: one decoder, the fast and the slow engine as prefill engines. The decoder is picked by share
+    either way (the only one); the prefill engine by the rule. Under share both prefill engines hold 0 prompts at
+    every pick (a coin toss); under ttft the first tokens, timed at the prefill engine that prefilled each
+    prompt, steer prompts away from the slow one."""
+    f, sl, d = engines["fast"], engines["slow_prefill"], engines["decode"]
+    spec = (f"tiny-llama=decode@127.0.0.1:{d.http},prefill@127.0.0.1:{f.http}+127.0.0.1:{f.act},"
+            f"prefill@127.0.0.1:{sl.http}+127.0.0.1:{sl.act}")
+    fast, slow = "tiny-llama-1", "tiny-llama-2"
+    share, _, _ = await _run("share", spec, "X-Kascade-Prefilled-By", PD_PROMPT)
+    ttft, r, _ = await _run("ttft", spec, "X-Kascade-Prefilled-By", PD_PROMPT)
+    print(f"prompts prefilled by the slow engine: share {share[slow]} of {N}, ttft {ttft[slow]} of {N}")
+    assert share[slow] + share[fast] == N == ttft[slow] + ttft[fast]
+    assert share[slow] >= N // 4, share
+    assert ttft[slow] <= min(share[slow] // 2, 2 * (MIN_TOKENS + 1)), (ttft, share)
+    bs = {b.pod: b for b in r.routes.backends[("static", "tiny-llama")].values()}
+    assert bs["tiny-llama-0"].first_tokens.latency_s is None  # the decoder prefilled nothing: nothing timed there
+    s_lat, f_lat = bs[slow].first_tokens.latency_s, bs[fast].first_tokens.latency_s
+    assert s_lat is not None and f_lat is not None and s_lat >= LAYERS * SLOW_LAYER_MS / 1000 > f_lat
+    assert all(b.in_flight == b.prefilling == b.first_tokens.waiting == 0 for b in bs.values())
+
+
+async def test_a_chat_answers_first_token_is_timed_after_its_role_event(engines: dict[str, EngineProc]) -> None:
     """The engine streams a chat answer's role event at once, before the prefill: timing the first byte, the
     slow engine's TTFT would read ~0 and the rule would send it everything."""
     r = await Router(RouterSettings(hold_timeout_s=10.0),
-                     static_routes([f"tiny-llama=127.0.0.1:{engines['slow']}"])).start()
+                     static_routes([f"tiny-llama=127.0.0.1:{engines['slow'].http}"])).start()
     try:
         async with aiohttp.ClientSession() as s:
             await asyncio.gather(*(_stream(s, f"http://127.0.0.1:{r.port}", "/v1/chat/completions",
