@@ -7,8 +7,8 @@ from piling onto one engine). Two rules rank them (`ROUTE_RULES`, the router's `
 - "share": the lower (in flight + 1) / weight (`share_key`). A live (loading) replica weighs the share of
   layers its engine reports running, so it takes a smaller share of requests until it holds every layer.
 - "ttft" (default): the lower expected TTFT (firsttoken.py: measured first-token rate and latency of this
-  router's own requests there, the others' medians for a backend not measured yet), "share" while any
-  candidate has no estimate (nothing measured anywhere yet).
+  router's own requests there, the pool's medians for a backend not measured yet), "share" while either of
+  the two has no estimate (nothing measured anywhere yet).
 
 Disaggregated serving (`pick_pd`): the decode engine is picked by "share" (its in-flight count is the
 streams it decodes, which set its step time; it does not prefill them, so its first tokens measure nothing of
