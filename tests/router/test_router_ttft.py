@@ -1,6 +1,6 @@
 """The router's `route` setting through the real router to real engine processes: two engines serve one model,
 one of them slow (`--emulate-layer-ms`: every step takes at least 4 x 60 ms); in disaggregated serving, two
-prefill engines for one decoder, one of them slow (2 prompt tokens a step). Requests come one at a time, so
+prefill engines for one decoder, one of them slow (1 prompt token a step). Requests come one at a time, so
 (in flight + 1) / weight is 1 on both at every pick and "share" splits them evenly, while "ttft" measures the
 slow engine's first tokens (kascade_router.proxy times each request's first token at the engine that prefilled
 it) and sends nearly every request to the fast one once it has a rate. A proxy that ignored the setting, or
@@ -28,7 +28,7 @@ TOKEN = "router-ttft-token"
 LAYERS = 4
 SLOW_LAYER_MS = 60.0  # the slow engine's step: >= LAYERS x this (one prefill step before a first token)
 N = 48  # requests per run
-PD_BUDGET = 2  # the slow prefill engine's --max-batch-tokens
+PD_BUDGET = 1  # the slow prefill engine's --max-batch-tokens
 PD_PROMPT = 160  # prompt tokens in the PD test: PD_PROMPT / PD_BUDGET steps at the slow prefill engine
 
 
@@ -93,7 +93,7 @@ async def test_the_ttft_rule_sends_fewer_requests_to_a_slow_engine_than_the_shar
     assert share[slow] >= N // 4, share
     # ttft: the slow engine gets requests only until the rule has a rate (MIN_TOKENS + 1 first tokens over
     # MIN_SPAN_S of its busy time, ~5 of its ~0.3 s first tokens); from then on the fast one's latency wins
-    assert ttft[slow] <= min(share[slow] // 2, 2 * (MIN_TOKENS + 1)), (ttft, share)
+    assert ttft[slow] <= 2 * (MIN_TOKENS + 1) < N // 4, (ttft, share)  # so fewer than under share
     # what the proxy measured, per backend: the slow engine's TTFT holds at least its prefill step
     bs = {b.pod: b for b in r.routes.backends[("static", "tiny-llama")].values()}
     s_ft, f_ft = bs[slow].first_tokens, bs[fast].first_tokens
@@ -120,11 +120,12 @@ async def test_of_two_prefill_engines_the_ttft_rule_sends_fewer_prompts_to_the_s
     print(f"prompts prefilled by the slow engine: share {share[slow]} of {N}, ttft {ttft[slow]} of {N}")
     assert share[slow] + share[fast] == N == ttft[slow] + ttft[fast]
     assert share[slow] >= N // 4, share
-    assert ttft[slow] <= min(share[slow] // 2, 2 * (MIN_TOKENS + 1)), (ttft, share)
+    assert ttft[slow] <= 2 * (MIN_TOKENS + 1) < N // 4, (ttft, share)  # so fewer than under share
     bs = {b.pod: b for b in r.routes.backends[("static", "tiny-llama")].values()}
     assert bs["tiny-llama-0"].first_tokens.latency_s is None  # the decoder prefilled nothing: nothing timed there
     s_lat, f_lat = bs[slow].first_tokens.latency_s, bs[fast].first_tokens.latency_s
-    assert s_lat is not None and f_lat is not None and s_lat >= LAYERS * SLOW_LAYER_MS / 1000 > f_lat
+    print(f"measured TTFT through the slow / fast prefill engine: {s_lat} / {f_lat} s")
+    assert s_lat is not None and f_lat is not None and s_lat > 4 * f_lat  # PD_PROMPT steps against one
     assert all(b.in_flight == b.prefilling == b.first_tokens.waiting == 0 for b in bs.values())
 
 
