@@ -21,6 +21,10 @@ kascade_router.proxy, through one `Waiting` per request):
   high (bench pipe4: a source measured that way took every request for a second, TTFT 7 s);
 - latency: the TTFT of requests sent while nothing of ours was ahead there (moving average), lowered by any
   faster TTFT seen (every TTFT bounds it from above).
+A backend we have left idle for STALE_S (nothing of ours waiting, no first token since) is measured afresh:
+what it measured then (its batch, its load from other routers, its role: a pipeline member since became a
+replica) is no longer evidence, and without this a backend once measured slow would be sent requests only when
+the others' queues made its old estimate competitive. It counts as unmeasured (priors) until measured again.
 A backend with no measurement yet gets priors from the others (`Priors`): rate = its weight x the median rate
 per unit of weight of the measured ones, latency = their median latency. With no measurement anywhere there
 is no estimate (None), and the caller ranks by (in flight + 1) / weight as before.
@@ -42,6 +46,7 @@ RATE_SPAN_S = 3.0  # busy seconds the rate looks back (several steps of a busy e
 MIN_SPAN_S = 1.0  # a rate over less busy time than this is none (more than one batch's worth of first tokens)
 MIN_TOKENS = 4  # fewer first tokens than this measure no rate
 LATENCY_ALPHA = 0.3  # weight of a new unqueued TTFT in the latency's moving average
+STALE_S = 15.0  # a backend idle for us this long (nothing waiting, no first token) is measured afresh
 
 
 def expected_ttft(ahead: int, latency_s: float, rate_per_s: float) -> float:
@@ -63,6 +68,7 @@ class FirstTokens:
     busy_s: float = 0.0  # the busy clock: time with waiting > 0
     latency_s: float | None = None
     _at: float | None = None  # time of the last event
+    _last_first: float | None = None  # time of the last first token
     _tokens: deque[float] = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))  # busy clock at each first token
 
     def busy_at(self, now: float) -> float:
@@ -76,8 +82,15 @@ class FirstTokens:
             self.busy_s += max(0.0, now - self._at)
         self._at = now if self._at is None else max(self._at, now)
 
+    def stale(self, now: float) -> bool:
+        """Idle for us (nothing waiting) since a first token more than STALE_S ago: its measurements say nothing."""
+        return self.waiting == 0 and self._last_first is not None and now - self._last_first > STALE_S
+
     def sent(self, now: float) -> int:
         """A request goes there now; returns how many of ours wait ahead of it (pass it to `first`)."""
+        if self.stale(now):
+            self._tokens.clear()
+            self.latency_s = self._last_first = None
         self._advance(now)
         ahead = self.waiting
         self.waiting += 1
@@ -90,11 +103,16 @@ class FirstTokens:
         self._advance(now)
         self.waiting = max(0, self.waiting - 1)
         self._tokens.append(self.busy_s)
+        self._last_first = now
         if ahead == 0:
             self.latency_s = ttft_s if self.latency_s is None else (
                 (1 - LATENCY_ALPHA) * self.latency_s + LATENCY_ALPHA * ttft_s)
         if self.latency_s is not None and ttft_s < self.latency_s:
             self.latency_s = ttft_s  # any TTFT bounds the round trip from above
+
+    def latency(self, now: float) -> float | None:
+        """The round trip with nothing of ours ahead; None unmeasured or stale."""
+        return None if self.stale(now) else self.latency_s
 
     def gone(self, now: float) -> None:
         """A request sent there ended without a first token (failed, aborted, not streamed)."""
@@ -104,6 +122,8 @@ class FirstTokens:
     def rate_per_s(self, now: float) -> float | None:
         """First tokens per second of busy time, from the first of them in the last RATE_SPAN_S busy seconds to
         now; None with fewer than MIN_TOKENS of them or less than MIN_SPAN_S of busy time since the first."""
+        if self.stale(now):
+            return None
         busy = self.busy_at(now)
         recent = [b for b in self._tokens if b >= busy - RATE_SPAN_S]
         if len(recent) < MIN_TOKENS:
@@ -150,8 +170,8 @@ def priors(measured: Iterable[tuple[FirstTokens, float]], now: float) -> Priors:
         r = ft.rate_per_s(now)
         if r is not None and weight > 0:
             rates.append(r / weight)
-        if ft.latency_s is not None:
-            lats.append(ft.latency_s)
+        if (lat := ft.latency(now)) is not None:
+            lats.append(lat)
     return Priors(statistics.median(rates) if rates else None, statistics.median(lats) if lats else None)
 
 
@@ -161,7 +181,8 @@ def estimate(ft: FirstTokens, weight: float, prior: Priors, now: float) -> float
     rate = ft.rate_per_s(now)
     if rate is None and prior.rate_per_weight is not None and weight > 0:
         rate = prior.rate_per_weight * weight
-    latency = ft.latency_s if ft.latency_s is not None else prior.latency_s
+    latency = ft.latency(now)
+    latency = latency if latency is not None else prior.latency_s
     if rate is None or latency is None:
         return None
     return expected_ttft(ft.waiting, latency, rate)

@@ -160,7 +160,7 @@ class Router:
                                  "weight": b.weight, "inFlight": b.in_flight,
                                  # what the ttft rule knows of it (firsttoken.py), null where not measured
                                  "firstTokens": {"waiting": b.first_tokens.waiting,
-                                                 "latencySeconds": b.first_tokens.latency_s,
+                                                 "latencySeconds": b.first_tokens.latency(now),
                                                  "ratePerSecond": b.first_tokens.rate_per_s(now)},
                                  "ejected": not b.usable(now)} for b in self.routes.backends.get(svc, {}).values()]}
                for m, svc in self.routes.models.items()}

@@ -24,6 +24,7 @@ from kascade_router.balancer import (
 from kascade_router.firsttoken import (
     MIN_SPAN_S,
     MIN_TOKENS,
+    STALE_S,
     FirstTokens,
     Priors,
     Waiting,
@@ -34,7 +35,7 @@ from kascade_router.firsttoken import (
 from kascade_router.proxy import role_events
 from kascade_router.settings import RouterSettings
 
-NOW = 100.0  # when the tests' backends are asked (after every `_served`)
+NOW = 10.0  # when the tests' backends are asked (after every `_served`, within STALE_S of it)
 
 
 def _served(ft: FirstTokens, n: int, gap_s: float, latency_s: float, start: float = 0.0) -> float:
@@ -63,9 +64,34 @@ def test_rate_counts_busy_time_only_and_latency_comes_from_the_unqueued_request(
     end = _served(ft, 8, 0.25, 0.6)  # 4 first tokens per busy second
     assert ft.waiting == 0 and ft.rate_per_s(end) == pytest.approx(4.0)
     assert ft.latency_s == pytest.approx(0.6)  # the first one had nothing ahead
-    # a long idle stretch, then more: the rate must not be diluted by the idle time
-    end = _served(ft, 8, 0.25, 0.6, start=end + 30.0)
-    assert ft.rate_per_s(end + 30.0) == pytest.approx(4.0, rel=0.2)
+    # an idle stretch (shorter than STALE_S), then more: the rate must not be diluted by the idle time
+    end = _served(ft, 8, 0.25, 0.6, start=end + 10.0)
+    assert ft.rate_per_s(end + 10.0) == pytest.approx(4.0, rel=0.2)
+
+
+def test_a_backend_left_idle_for_stale_s_is_measured_afresh() -> None:
+    # Measured slow (2 first tokens/s, 3 s round trip), then left idle: after STALE_S its old numbers are
+    # no evidence (it counts as unmeasured, priors from the others), and the next request starts a new
+    # measurement instead of averaging with them.
+    slow, fast = FirstTokens(), FirstTokens()
+    end = _served(slow, 6, 0.5, 3.0)
+    _served(fast, 8, 0.25, 0.6, start=end)
+    assert slow.latency(end + 1) == pytest.approx(3.0) and slow.rate_per_s(end) == pytest.approx(2.0)
+    later = end + STALE_S + 1
+    assert slow.stale(later) and slow.latency(later) is None and slow.rate_per_s(later) is None
+    p = priors([(slow, 1.0), (fast, 1.0)], end + 5)
+    assert p.latency_s == pytest.approx(1.8)  # both fresh: the median of 3.0 and 0.6
+    _served(fast, 8, 0.25, 0.6, start=later - 5)  # the fast one kept serving
+    assert priors([(slow, 1.0), (fast, 1.0)], later).latency_s == pytest.approx(0.6)  # only the fresh one
+    assert estimate(slow, 1.0, priors([(fast, 1.0)], later), later) == pytest.approx(0.6)  # ranked by priors
+    ahead = slow.sent(later)  # sent again: the old measurement is forgotten, not averaged with the new one
+    slow.first(later + 0.7, 0.7, ahead)
+    assert slow.latency(later + 1) == pytest.approx(0.7)
+    # waiting requests keep it fresh however long ago its last first token was (a stalled backend is not reset)
+    stuck = FirstTokens()
+    end = _served(stuck, 6, 0.25, 0.6)
+    stuck.sent(end)
+    assert not stuck.stale(end + 10 * STALE_S) and stuck.latency(end + 10 * STALE_S) == pytest.approx(0.6)
 
 
 def test_one_batch_of_first_tokens_measures_no_rate_and_a_stall_lowers_it() -> None:
