@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 import ssl
 from pathlib import Path
 
@@ -61,8 +60,8 @@ def engine() -> None:
                    "the KV of disaggregated serving). Peers must use the same one; TLS (--tls-*) is tcp only")
 @click.option("--activation-dscp", default=34, show_default=True, type=click.IntRange(0, 63),
               help="DSCP class of the --act-port's TCP connections (activations, live pairs, pipeline hops, PD KV; "
-                   "34 = AF41, IP TOS 0x88) so a QoS-configured fabric sends them ahead of weight transfers, which "
-                   "stay unmarked. 0: no mark")
+                   "34 = AF41, IP TOS 0x88) and of the HTTP port's (the tokens streamed to clients, control answers), "
+                   "so a QoS-configured fabric sends them ahead of weight transfers, which stay unmarked. 0: no mark")
 @click.option("--transfer-max-mbps", type=click.FloatRange(0, min_open=True),
               help="cap on weight data this engine sends, in Mbit/s (default: line rate)")
 @click.option("--header-timeout", default=10.0, show_default=True, type=click.FloatRange(0, min_open=True),
@@ -104,7 +103,7 @@ def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: s
     from kascade_engine.instance import EngineInstance
     from kascade_engine.server import create_app
     from kascade_engine.tokenizer import load_tokenizer
-    from kascade_engine.transport import make_transport
+    from kascade_engine.transport import make_transport, serving_socket
     from kascade_engine.transport_tls import TlsError, TlsFiles
 
     if (checkpoint is None) == (not smollm):
@@ -148,13 +147,9 @@ def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: s
         raise click.UsageError(f"--checkpoint {checkpoint}: {e}") from None
 
     async def main() -> None:
-        # proto IPPROTO_TCP (not 0): asyncio sets TCP_NODELAY only on sockets that say they are TCP;
-        # without it every keep-alive request waited ~40 ms on Nagle + delayed ACK
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.bind((host, port))
-        sock.listen(2048)  # connections queue from now on: the READY line below is true when printed
+        # in the engine's latency class, as the act port: the tokens a source streams leave ahead of the weights
+        # it sends on the same link (transport.serving_socket)
+        sock = serving_socket(host, port, cfg.latency_class())  # connections queue from now on: READY is true
         listener = None
         if act_port is not None:
             # the engine's data-port transport (--transport): the peers that connect here use the same one

@@ -12,7 +12,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kascade_engine.transport import AF41, TRANSPORTS, Transport, activation_class, make_transport
+from kascade_engine.transport import (
+    AF41,
+    TRANSPORTS,
+    TrafficClass,
+    Transport,
+    activation_class,
+    make_transport,
+)
 
 if TYPE_CHECKING:
     from kascade_engine.transport_tls import TlsFiles
@@ -48,8 +55,9 @@ class EngineConfig:
     emulate_knee_tokens: int = 0  # with it: a layer forward over more tokens than this costs proportionally more
     tls: TlsFiles | None = None  # mutual TLS for every data-plane TCP connection (weights, activations, KV)
     host_cache_bytes: int = 0  # a released engine keeps its weights in host memory up to this (0: never)
-    # DSCP class of the act port's TCP connections (activations, pair steps, PD KV), so a QoS fabric sends
-    # them ahead of weight streams (unmarked); 0: no mark (transport.py, "Traffic classes")
+    # DSCP class of the act port's TCP connections (activations, pair steps, PD KV) and of the HTTP port's
+    # (the tokens streamed to clients), so a QoS fabric sends them ahead of weight streams (unmarked); 0: no
+    # mark (transport.py, "Traffic classes")
     activation_dscp: int = AF41
 
     def __post_init__(self) -> None:
@@ -78,7 +86,12 @@ class EngineConfig:
     def activation_transport(self) -> Transport:
         """The act port's transport (activations, pair steps, PD KV), its TCP sockets marked with the
         activation DSCP class (`--activation-dscp`; 0 leaves them unmarked)."""
-        return make_transport(self.transport, self.tls, activation_class(self.activation_dscp))
+        return make_transport(self.transport, self.tls, self.latency_class())
+
+    def latency_class(self) -> TrafficClass | None:
+        """The class of everything but weights (`--activation-dscp`; None: unmarked): the act port's
+        connections and the HTTP listener's (transport.serving_socket)."""
+        return activation_class(self.activation_dscp)
 
     def weight_transport(self) -> Transport:
         """A load plan's transport (weight blocks, bulk): never marked, so a fabric that honours the

@@ -13,6 +13,8 @@ Traffic classes: a TCP transport made with a `TrafficClass` marks every socket i
 traffic on a shared link. The engine marks its act-port transport (activations, pair steps, PD KV:
 latency-critical, small) with `ACTIVATION` (DSCP AF41) and leaves the weight transport unmarked
 (`None`: best effort, DSCP 0), so a weight stream never delays a step's activations in the fabric's queues.
+Its HTTP listener (`serving_socket`: the tokens it streams to clients, the control API's answers) carries
+the same class: a source streams its clients' tokens up the link it sends a target's weights on.
 UCX (RDMA) has no IP TOS of its own: there the fabric's traffic class is configured in UCX/the NIC.
 """
 
@@ -212,6 +214,32 @@ async def close_handshake(conn: Connection, timeout: float, sent_end: bool) -> N
         else:
             await conn.send({"op": "bye"}, timeout=timeout)
             await conn.recv_header(timeout=min(timeout, 2.0))  # returns once the sender has closed
+
+
+def serving_socket(host: str, port: int, mark: TrafficClass | None, backlog: int = 2048) -> socket.socket:
+    """The engine's HTTP listening socket (OpenAI API, control API, probes), bound and listening, for uvicorn.
+
+    Marked with `mark` (the engine's latency class, `--activation-dscp`): Linux copies a listener's TOS to every
+    connection it accepts (and its SYN-ACK), so every answer, above all the tokens the engine streams to its
+    clients, leaves in that DSCP class (what a fabric classifies by; SO_PRIORITY is not inherited, and the
+    accepted connections are uvicorn's). Why: a serving source streams its clients' tokens
+    up the same link it sends a loading target's weights on; unmarked, they queued behind the weights (bench
+    live, 7 Mbit/s links: ~0.3 s added to every first token a source streamed while its weight stream kept the
+    link's queue full, the tail of ZigZag's TTFT; docs/worklog/2026-11-27-e/h17.md).
+    IPPROTO_TCP (not 0): asyncio sets TCP_NODELAY only on sockets that say they are TCP; without it every
+    keep-alive request waited ~40 ms on Nagle + delayed ACK."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        mark_socket(sock, mark)
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def make_transport(name: str, tls: TlsFiles | None = None, mark: TrafficClass | None = None) -> Transport:
