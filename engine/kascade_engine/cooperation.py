@@ -184,6 +184,7 @@ class PairStep:
     reply: dict[str, Any] = field(default_factory=dict)  # redirect fields for the answer (redirect.py)
     migrate: list[Any] = field(default_factory=list)  # [[req, k]]: sequences B takes over whole (migration.py)
     payload: bytes = b""  # the answer's raw bytes: migrated K/V
+    seen: int | None = None  # redirect entries the peer had received when it sent this (redirect.py)
 
 
 # A pair step that reaches a running forward at most this many layers past its split still joins it: its rows
@@ -355,7 +356,7 @@ class HostRows:
         waiting_down: list[PairStep] = []
         for st, _ in accepted:
             if st.waiting is not None and m.complete:  # a loading B that takes our queued requests
-                st.reply = {"redirect": self.redirects.pick(engine, st.pair, st.waiting),
+                st.reply = {"redirect": self.redirects.pick(engine, st.pair, st.waiting, st.seen),
                             "abort": self.redirects.aborts.pop(st.pair, []), "queued": len(engine.scheduler.waiting)}
             if st.migrate:
                 st.reply["migrated"], st.payload = self._migrate(engine, st)

@@ -96,6 +96,7 @@ class PairClient:
         self.refused: list[list[str]] = []  # [[req, message]] of handed requests we could not run
         self.peer_queued = True  # poll A (an empty step) while it reports queued requests; once at pair time
         self.received = 0  # metric: requests A handed to us
+        self.seen = 0  # redirect entries read from A's answers (refused ones too): sent back as "seen"
         self.inflight: deque[OutStep] = deque()  # our steps out on A, oldest first
         self.max_inflight = 0  # metric: most steps out at once (PIPELINE_DEPTH when B keeps A busy)
         self.migrated = 0  # metric: split sequences taken over whole once every layer was here
@@ -251,7 +252,7 @@ class PairClient:
             extra: dict[str, Any] = {}
             if last:
                 refused, self.refused = self.refused, []
-                extra = {"waiting": len(engine.scheduler.waiting) + len(self.held), "refused": refused,
+                extra = {"waiting": len(engine.scheduler.waiting) + len(self.held), "refused": refused, "seen": self.seen,
                          **({"migrate": move} if move else {})}
             fut = self._submit(meta, hidden, ends if last else [], extra)
             self.inflight.append(OutStep([(work[i].id, i in sampling) for i in part], fut,
@@ -334,6 +335,7 @@ class PairClient:
             if str(rid) in self.redirected:
                 engine.abort(str(rid))
         for entry in reply.get("redirect") or []:
+            self.seen += 1
             try:
                 rid, prompt, params = params_from_wire(entry)
                 engine.submit(prompt, params, rid)

@@ -3,13 +3,19 @@ to its live pair B, over the pair's one connection; B runs them split like its o
 on B, the rest in A's batch), and A, which samples every split row, streams their tokens to its clients.
 
 Wire (fields added to the pair session's frames, cooperation.py):
-  B -> A  step {"waiting": n (B's queued requests), "refused": [[req, message], ...]}
+  B -> A  step {"waiting": n (B's queued requests), "refused": [[req, message], ...],
+               "seen": n (redirect entries B has received over the pair so far)}
   A -> B  tokens {"redirect": [[req, prompt, max_tokens, temperature, top_p, seed, stop_token_ids], ...],
                   "abort": [req, ...] (A's client went away), "queued": n (A's queue after this reply)}
 B keeps stepping (an empty frame is a poll) while A reports a queue, so the redirect flow does not
 depend on B having traffic of its own. A hands over from the tail of its queue (the requests that
 would wait longest) while its queue is longer than B's, and only requests that generated nothing yet
-(no KV anywhere). The request keeps its id: B submits it under that id; A's serving queue for it stays
+(no KV anywhere). B's queue counts the requests on their way to it: handed over in answers B had not
+read when it sent the frame (A's count handed minus B's "seen"). B keeps several steps out, so A often
+answers two or more of its frames at one step's end, each with the queue B had before any of this
+step's hand-overs; weighed each alone, A handed over its whole queue, the requests its next step would
+have run among them, and those waited for B's next step and then a whole step of A's (bench live,
+ZigZag's worst TTFTs, docs/worklog/2026-11-27-e/h17.md). The request keeps its id: B submits it under that id; A's serving queue for it stays
 and is fed from here. Data flow on A (all in its step thread): `pick` (hand over) -> `token` per row
 sampled for a handed request -> `Event`s -> Engine.step's events -> Serving; `abort` forwards a client's
 abort to the peer.
@@ -81,13 +87,18 @@ class Redirects:
         self.aborts: dict[int, list[str]] = {}  # pair -> request ids to abort there (sent with its next reply)
         self.total = 0  # metric: requests handed over
         self.taken_back = 0  # metric: handed requests a peer dropped unfinished, queued here again
+        self.sent: dict[int, int] = {}  # pair -> redirect entries handed to it so far (its "seen" catches up)
         self._kept: set[str] = set()  # taken back: stay here (pruned once they leave `engine.requests`)
 
-    def pick(self, engine: Engine, pair: int, peer_waiting: int) -> list[list[Any]]:
-        """Hand queued requests to `pair` while this queue is longer than the peer's."""
+    def pick(self, engine: Engine, pair: int, peer_waiting: int, peer_seen: int | None = None) -> list[list[Any]]:
+        """Hand queued requests to `pair` while this queue is longer than the peer's: `peer_waiting` as its
+        frame reported it, plus the requests handed to it that it had not received then (`peer_seen`: the
+        entries it had received; None, a peer that does not report it: none counted in transit)."""
         sch, out = engine.scheduler, list[list[Any]]()
         self._kept.intersection_update(engine.requests)
-        while sch.waiting and len(sch.waiting) > peer_waiting + len(out) + 1:
+        sent = self.sent.get(pair, 0)
+        ahead = peer_waiting + (max(0, sent - peer_seen) if peer_seen is not None else 0)
+        while sch.waiting and len(sch.waiting) > ahead + len(out) + 1:
             s = sch.waiting[-1]
             r = engine.requests.get(s.id)
             if s.generated or r is None or r.out or s.id in self._kept:
@@ -99,6 +110,7 @@ class Redirects:
             timeline.mark("a-redirect", r.id, queue=len(sch.waiting))
             out.append([r.id, r.prompt, p.max_tokens, p.temperature, p.top_p, p.seed, list(p.stop_token_ids)])
         self.total += len(out)
+        self.sent[pair] = sent + len(out)
         return out
 
     def token(self, key: str, tok: int, eos: int | None) -> None:
@@ -135,6 +147,7 @@ class Redirects:
         for key in [k for k, h in self.handed.items() if h.pair == pair]:
             self.ended(engine, key, "the live peer it was redirected to went away")
         self.aborts.pop(pair, None)
+        self.sent.pop(pair, None)
 
     def abort(self, rid: str) -> None:
         """A's client went away: forget it here and tell the peer running it."""

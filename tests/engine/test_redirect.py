@@ -70,6 +70,23 @@ async def test_queued_requests_on_the_source_are_redirected_to_the_live_target(t
         await lst.close()
 
 
+def test_frames_answered_at_one_step_end_hand_over_only_what_evens_the_queues(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    """B keeps several steps out, so A answers two of its frames at one step's end, both reporting the queue B had
+    before this step's hand-overs. The second must count what the first handed over (in transit: A's count sent
+    minus B's "seen"), or A hands over its whole queue, the requests its own next step would run among them."""
+    a = _instance(tiny_ckpt, tiny_blocks, None, "a", start=False)
+    eng, r = a.engine, a.host.redirects
+    for p in PROMPTS[:5]:
+        eng.submit(p, SamplingParams(max_tokens=4))
+    first = r.pick(eng, 0, 0, 0)  # B: nothing queued, nothing received yet
+    second = r.pick(eng, 0, 0, 0)  # B's next frame, sent before it read `first`
+    assert (len(first), second, len(eng.scheduler.waiting)) == (2, [], 3)  # 3 here, 2 on their way to B
+    assert len(r.pick(eng, 0, 0, 2)) == 1  # B read both and started them: A evens the queues again (2 vs 1)
+    assert r.pick(eng, 0, 1, 2) == []  # one still on its way (sent 3, seen 2) and one queued there: even
+    r.close_pair(eng, 0)  # a new session starts counting from zero
+    assert r.sent == {}
+
+
 async def test_a_client_leaving_aborts_its_redirected_request_on_the_target(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
     params = SamplingParams(max_tokens=2000)
     short = SamplingParams(max_tokens=4)
