@@ -130,7 +130,7 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
     data plane over mutual TLS (empty: plain TCP, as the pool without TLS). `transport`: the engine's
     --transport, the pool's (peers reach only engines that speak theirs); with ucx, `ucx_tcp_ports` is
     UCX_TCP_PORT_RANGE, the range the pool's NetworkPolicy admits. `activation_dscp`: the engine's
-    --activation-dscp, the pool's (0: its activation connections go unmarked)."""
+    --activation-dscp, the pool's (0: its activation connections and HTTP answers go unmarked)."""
     e, src = spec.engine, spec.model.source
     ckpt = checkpoint_path(spec)
     hub = hub_uri(spec)

@@ -39,7 +39,7 @@ class OperatorSettings(BaseSettings):
                                                      "the KV of disaggregated serving), the pool's pool.transport: "
                                                      "engines reach only peers that speak the same one")
     engine_activation_dscp: int = Field(default=AF41, ge=0, le=63, description="DSCP the fallback pods' engines mark "
-                                        "their activation connections with (engine --activation-dscp), the pool's "
+                                        "their activation connections and HTTP answers with (engine --activation-dscp), the pool's "
                                         "pool.activationDscp; 34 = AF41, 0 = no mark")
     engine_ucx_tcp_ports: str = Field(default="", pattern=r"^(\d{1,5}-\d{1,5})?$", description="UCX_TCP_PORT_RANGE "
                                       "(first-last) of the fallback pods with engine_transport ucx, the pool's "
