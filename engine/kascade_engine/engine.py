@@ -54,6 +54,10 @@ class Event:
     token: int
     finished: bool
     reason: str | None = None  # "stop" | "length" | "error: <message>" (token -1)
+    # the first token of a prompt prefilled on another engine (remote_prefill.py): that engine's data address. A
+    # converted decoder's answer names who prefilled its prompt from it (serving.Serving.decide), not from the
+    # hand-back's intent: a hand-back whose remote prefill failed is prefilled here after all
+    prefilled_by: str | None = None
 
 
 class Engine:
@@ -174,6 +178,11 @@ class Engine:
         samples = [w.end == len(self.requests[w.id].tokens) for w in work]
         prefill = [(w.n, len(self.requests[w.id].prompt)) for w in work if w.start < len(self.requests[w.id].prompt)]
         pending = self.scheduler.prompts_pending()  # before `advance`: this step's own prompt chunks count
+        # the prefill rate is what the budgets give a prompt: a step whose chunk the step budget could not cut yet
+        # (no prompt token timed) ran under the token cap alone, and counting it reported a rate the budget never
+        # gives (bench/pd.py 2026-11-27-d run 7: 306.7 tok/s on D's first prompt, ~0 a second later)
+        budgeted = self.scheduler.last_budget_s is None or (
+            self.scheduler.cost is not None and self.scheduler.cost.token_s is not None)
         # a converted decoder with no prompt waiting: the tokens its budgets would give one beside these decodes
         room = None if pending else self.scheduler.known_room()
         # a step that also runs a live pair's rows (hosted, or out on the peer) times more than this engine's work
@@ -192,7 +201,7 @@ class Engine:
         tokens = sum(n for n, _ in prefill)
         if own:
             self.cost.observe(StepShape.of([(w.start, w.n) for w in work]), secs)
-            if pending:
+            if pending and budgeted:
                 self.meter.observe_rate(tokens, secs)
             elif room is not None:  # what a prompt would have got, the chunk's predicted time added to the step's
                 self.meter.observe_rate(room, secs + room * (self.cost.token_s or 0.0))

@@ -8,7 +8,11 @@ and a batch can grow after a prompt arrived: such a prompt waited seconds (bench
 7.4 s against 3.0 s disaggregated, docs/worklog/2026-11-27/h18.md).
 
 Data flow: the router names a prefill engine's data port on a prompt it lets the converted decoder prefill
-itself (PREFILL_FALLBACK_HEADER) -> `Serving.submit` prefills it here and `HandBack.watch`es it -> every
+itself (PREFILL_FALLBACK_HEADER) -> `Serving.submit` asks `HandBack.on_arrival` first: the same rule with this
+engine's measured prefill rate in place of progress (`kascade_planner.conversion.arrival_verdict`) sends the prompt
+to that peer at once when the rate is 0, slower than the remote path, or not measured yet (just converted: its
+warm-up, probe.py, has not measured it; the router's view of it may be older still) -> otherwise it prefills it
+here and `HandBack.watch`es it -> every
 `after_s` (the conversion's hand-back bound) a check runs IN THE STEP THREAD, between steps: if the prompt
 is still held (waiting, or running in prefill) with no token out and no more prompt tokens computed than at
 the last check, it leaves this engine's scheduler (its pages freed, its partial prefill dropped) and goes to
@@ -17,7 +21,8 @@ prefill engine computes the whole prompt, its KV and first token come back, and 
 batch as a decode. Nothing reached the client before (no token was out), and every token after comes from
 the same remote-prefill path whose greedy output equals the colocated engine's; if the peer fails, the
 prompt is prefilled here after all (RemotePrefill's local fallback), not lost. One that got its first token
-is never touched again.
+is never touched again. The answer names who prefilled the prompt (HANDED_BACK_HEADER), decided by its first
+token (Event.prefilled_by), not by the hand-back: a failed remote prefill is no longer answered as the peer's.
 
 The rule (`kascade_planner.conversion.hand_back_verdict`, pure, the simulator's too), at each check: no progress over the bound -> hand back; progress -> this engine's
 predicted finish of the prompt's prefill (the tokens left / the rate it got over the last bound, i.e. what its
@@ -34,11 +39,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kascade_engine.engine import Event
 from kascade_engine.sampling import SamplingParams
-from kascade_planner.conversion import hand_back_verdict
+from kascade_planner.conversion import arrival_verdict, hand_back_verdict
 
 if TYPE_CHECKING:
     from kascade_engine.engine import Engine
@@ -58,6 +64,27 @@ class HandBack:
         self.inst = inst
         self.after_s: float | None = None  # the conversion's bound; None: not converted, nothing is watched
         self.handed = 0  # prompts handed to a prefill engine (kascade_pd_handbacks_total)
+        self.at_arrival = 0  # of those, handed as they arrived (`on_arrival`), without waiting here first
+
+    def on_arrival(self, rid: str, prompt: list[int], params: SamplingParams, peer: str,
+                   local: Callable[[], None]) -> bool:
+        """Called on the event loop as `rid` arrives, before it is queued here: True when it goes to `peer` at once
+        (`arrival_verdict`: this engine's measured prefill rate says it would not beat the remote path, or it has
+        none yet), prefilled there by the same remote-prefill path as a hand-back (`local()` queues it here if that
+        fails). False: not converted, or it stays; the caller queues it and `watch`es it."""
+        if self.after_s is None:
+            return False
+        eng = self.inst.engine
+        why = arrival_verdict(len(prompt), eng.meter.prefill_rate(), self.inst.remote_prefill.expected_s(peer),
+                              eng.scheduler.decodes())
+        if why is None:
+            return False
+        self.handed += 1
+        self.at_arrival += 1
+        self.inst.pd_metrics.handbacks.inc()
+        log.info("request %s: %s; handed to %s on arrival", rid, why, peer)
+        self.inst.remote_prefill.start(rid, prompt, params, peer, local)
+        return True
 
     def watch(self, rid: str, prompt: list[int], params: SamplingParams, peer: str) -> bool:
         """Called on the event loop right after `rid` was submitted here: check it every `after_s`. False when
@@ -111,8 +138,6 @@ class HandBack:
         inst = self.inst
         if rid not in inst.serving.queues:
             return  # the client went away meanwhile: nothing to serve
-        inst.serving.decide(rid, peer)  # its answer may start now, saying where it is prefilled
-
         def local() -> None:
             inst.engine.submit(prompt, params, rid, arrived=arrived)
             inst.serving.wake.set()

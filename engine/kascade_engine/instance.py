@@ -36,6 +36,7 @@ from kascade_engine.pairclient import PairClient
 from kascade_engine.pd_metrics import PDMetrics
 from kascade_engine.peerpool import PeerPool
 from kascade_engine.prefill_server import PrefillServer
+from kascade_engine.probe import PrefillProbe
 from kascade_engine.remote_prefill import RemotePrefill
 from kascade_engine.scheduler import Limits
 from kascade_engine.tokenizer import Tokenizer
@@ -126,6 +127,7 @@ class EngineInstance:
             self.prefill_server = PrefillServer(self)  # PD: prefill for decode engines, KV out on the data port
             self.remote_prefill = RemotePrefill(self)  # PD: our requests' prefill on a peer, KV in
             self.handback = HandBack(self)  # converted: prompts with no prefill room go to a prefill engine
+            self.probe = PrefillProbe(self)  # converted: the prefill rate measured before prompts depend on it
             self.forward_host = ForwardHost(self)  # sources hand us their queued requests (liveredirect.py)
             # peers our queued requests may go to (a source: the pipeline head; a head: the sources), one session each
             self.forwarders: dict[str, Forwarder] = {}
@@ -367,8 +369,9 @@ class EngineInstance:
         in a step that decodes (scheduler.py, stepcost.py). The data port serves other decode engines' prefill whatever the role; the router
         sends it some once the pod is annotated convertible."""
         lim = self.engine.limits
-        if (req.prefill_chunk_tokens, req.step_budget_ms) != (
-                lim.prefill_chunk_tokens, None if lim.step_budget_s is None else lim.step_budget_s * 1e3):
+        changed = (req.prefill_chunk_tokens, req.step_budget_ms) != (
+            lim.prefill_chunk_tokens, None if lim.step_budget_s is None else lim.step_budget_s * 1e3)
+        if changed:
             self.engine.meter.reset_rate()  # the prefill rate was measured under the old budgets
         # the step thread reads both between steps: a cap is set after its time budget and cleared before it,
         # so no step runs under a new cap without its budget
@@ -379,6 +382,8 @@ class EngineInstance:
             lim.step_budget_s = None if req.step_budget_ms is None else req.step_budget_ms / 1e3
             lim.prefill_chunk_tokens = req.prefill_chunk_tokens
             self.handback.after_s = DEFAULT_HAND_BACK_S if req.hand_back_ms is None else req.hand_back_ms / 1e3
+        if changed:  # measure the rate under the new budgets now (probe.py); taken back: end a probe still running
+            self.probe.start()
         log.info("%s: prefill chunk budget %s, step budget %s, hand-back after %s", self.instance_id,
                  req.prefill_chunk_tokens or "unlimited", f"{req.step_budget_ms} ms" if lim.step_budget_s else "none",
                  f"{self.handback.after_s:g} s" if self.handback.after_s is not None else "never")
@@ -406,6 +411,7 @@ class EngineInstance:
         for fwd in fwds:  # idle: nothing of ours runs there
             asyncio.get_running_loop().create_task(fwd.close())
         self.model.weights.clear()  # the device memory is for the next model
+        self.probe.stop()
         self.engine.reset()
         self.blockset, self.plan, self.load_error, self.bytes_received, self.transfer_bw = None, None, None, 0, 0.0
         self._to(Phase.RELEASED)

@@ -94,7 +94,7 @@ class RemotePrefill:
         self.took[peer] = dt if old is None else old + TOOK_WEIGHT * (dt - old)
         if rid not in self.inst.serving.queues:  # the client went away while the KV moved
             return
-        self.inst.engine.call_in_step(lambda eng: self._adopt(eng, rid, prompt, params, token, k, v))
+        self.inst.engine.call_in_step(lambda eng: self._adopt(eng, rid, prompt, params, token, k, v, peer))
         self.inst.serving.wake.set()
 
     def expected_s(self, peer: str) -> float | None:
@@ -168,8 +168,9 @@ class RemotePrefill:
             asyncio.get_running_loop().create_task(conn.close())
 
     def _adopt(self, eng: Engine, rid: str, prompt: list[int], params: SamplingParams, token: int,
-               k: torch.Tensor, v: torch.Tensor) -> list[Event]:
-        """In the step thread: the prefilled sequence joins the batch as a decode; its first token is out."""
+               k: torch.Tensor, v: torch.Tensor, peer: str) -> list[Event]:
+        """In the step thread: the prefilled sequence joins the batch as a decode; its first token is out, saying
+        it was prefilled on `peer` (Event.prefilled_by)."""
         if rid not in self.inst.serving.queues:
             return []
         n = len(prompt)
@@ -185,7 +186,7 @@ class RemotePrefill:
         self.adopted += 1
         self.inst.pd_metrics.remote.inc()
         if done is not None:
-            return [Event(rid, token, True, done)]
+            return [Event(rid, token, True, done, prefilled_by=peer)]
         ps, table, cache = sched.pool.page_size, sched.pool.tables[rid], eng.cache
         slots = torch.tensor([table[p // ps] * ps + p % ps for p in range(n)], dtype=torch.long, device=cache.device)
         for layer in range(cache.layers):
@@ -194,7 +195,7 @@ class RemotePrefill:
         gen = None if params.seed is None else torch.Generator(device="cpu").manual_seed(params.seed)
         eng.requests[rid] = Request(rid, list(prompt), params, out=[token], first_token_at=time.monotonic(), gen=gen)
         sched.running[rid] = Seq(rid, n, params.max_tokens, total=n + 1, computed=n, generated=1)
-        return [Event(rid, token, False)]
+        return [Event(rid, token, False, prefilled_by=peer)]
 
     async def close(self) -> None:
         for t in list(self.tasks):

@@ -274,6 +274,12 @@ class Scheduler:
         fit = self.cost.chunk_fits(budget_s, StepShape(len(dec), max(dec)), 0, cap)
         return cap if fit is None else fit
 
+    def decodes(self) -> int:
+        """Sequences decoding now plus those about to join as decodes (`joining`): what a step budget protects.
+        A snapshot (read from the event loop while the step thread runs)."""
+        running, joining = list(self.running.values()), len(tuple(self.joining))
+        return sum(1 for s in running if s.total - s.computed <= 1) + joining
+
     def known_room(self) -> int | None:
         """`prefill_room` where it is known: a converted decoder's cap alone (no step budget), or cut by a step cost
         that has timed prompt tokens; None otherwise (not converted, or the cut cannot be predicted yet)."""

@@ -117,8 +117,9 @@ def create_app(inst: EngineInstance) -> FastAPI:
             return JSONResponse(doc, headers=answer_headers(inst, handed))
         handed = None
         if watched:
-            # the answer (its headers) starts once each is settled, so it can name the prefill engine a prompt was
-            # handed to (the router's PD accounting)
+            # the answer (its headers) starts once each is settled, at the prompt's first token, so it names the
+            # prefill engine whose KV the prompt got if it was handed to one (the router's PD accounting, the
+            # client's X-Kascade-Prefilled-By), and none when this engine prefilled it, a failed hand-back too
             try:
                 handed = await until_client_leaves(request, handed_back(watched))
             except RequestError:

@@ -40,9 +40,12 @@ class Serving:
         self.inst = inst
         self.queues: dict[str, asyncio.Queue[Event | Exception]] = {}
         self._ended: dict[str, str] = {}  # finish reasons set by the caller (a stop string matched)
-        # a prompt a converted decoder prefills itself under a hand-back watch: resolved with the prefill engine's
-        # address when it is handed back, None at its first event (token or error) or its end (server.py answers
-        # such a request only once this is decided, so the answer can say where it was prefilled)
+        # a prompt a converted decoder was sent to prefill itself, which it may hand to a prefill engine (on arrival
+        # or under its hand-back watch): resolved at its first event (token or error) with who prefilled it (the
+        # prefill engine's address when its KV came from there, None when prefilled here), or None at its end.
+        # server.py answers such a request only once this is decided, so the answer names who really prefilled:
+        # resolved at the hand-back instead, a hand-back whose remote prefill failed (and fell back to a prefill
+        # here) was still answered as prefilled there
         self.decisions: dict[str, asyncio.Future[str | None]] = {}
         self.wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
@@ -77,8 +80,8 @@ class Serving:
     def _route(self, events: list[Event]) -> None:
         now = time.monotonic()
         for ev in events:
-            if self.decisions:
-                self.decide(ev.request, None)
+            if self.decisions:  # its first event says who prefilled it: a prefill engine's KV, or this engine
+                self.decide(ev.request, ev.prefilled_by)
             self.inst.metrics.observe_event(ev, now)
             waiting = self.queues.get(ev.request)
             if waiting is not None:
@@ -106,6 +109,7 @@ class Serving:
                     q.put_nowait(e)
                 continue
             self._route(events)
+            self.inst.probe.tick()  # a converted decoder's warm-up prompt ends once its rate is measured
             metrics.update(self.inst)
 
     # -- requests ------------------------------------------------------------------------------
@@ -150,13 +154,17 @@ class Serving:
                 self.inst.remote_prefill.start(rid, prompt, params, prefill, go)
             elif pair is not None:  # live: now, or once the ZigZag schedule's prefix is resident
                 pair.admit(rid, go, self.queues[rid].put_nowait, len(prompt))
+            elif fallback is not None and self.inst.engine.limits.prefill_chunk_tokens is not None \
+                    and self.inst.handback.after_s is not None:  # converted: it may go to the fallback
+                self.decisions[rid] = asyncio.get_running_loop().create_future()
+                if not self.inst.handback.on_arrival(rid, prompt, params, fallback, go):
+                    go()
+                    self.inst.handback.watch(rid, prompt, params, fallback)
             else:
                 go()
-                if fallback is not None and self.inst.engine.limits.prefill_chunk_tokens is not None \
-                        and self.inst.handback.watch(rid, prompt, params, fallback):
-                    self.decisions[rid] = asyncio.get_running_loop().create_future()
         except ValueError as e:
             self.queues.pop(rid, None)
+            self.decisions.pop(rid, None)
             raise RequestError(400, str(e), "max_tokens") from None
         self.inst.metrics.on_request(len(prompt))
         return rid

@@ -160,12 +160,44 @@ def hand_back_verdict(left: int, progressed: int, elapsed_s: float, remote_s: fl
     engine (kascade_engine.handback) and the simulator (kascade_sim.serving) both decide by it."""
     if progressed <= 0:
         return f"no prefill progress for {elapsed_s:.3f} s"
-    if remote_s is None or elapsed_s <= 0:
+    if elapsed_s <= 0:
         return None
-    local_s = left * elapsed_s / progressed
+    return _slower(left, progressed / elapsed_s, remote_s, f"{progressed} tokens in {elapsed_s:.3f} s")
+
+
+def arrival_verdict(prompt_tokens: int, rate: float | None, remote_s: float | None, decodes: int) -> str | None:
+    """Why a converted decoder should hand a prompt it was sent to prefill itself to a prefill engine at once, as it
+    arrives (None: it starts it). `hand_back_verdict` with the prefill rate the decoder measured over its recent steps
+    (kascade_engine.velocity: what its budgets gave or would give a prompt beside its decodes) in place of the
+    progress it has not seen yet: a rate of 0 hands back, a rate whose predicted finish is later than the remote
+    path's hands back. Without a measured rate (`rate` None: just converted, its warm-up not done) it cannot predict
+    a finish at all and hands back too: the prefill engine is the path that serves prompts when nothing says a
+    converted decoder would do better. The router ranked a just-converted decoder at the constant share and sent
+    it 1-2 burst prompts it held for the whole hand-back bound (bench/pd.py 2026-11-27-d runs 4-10). `decodes`: the
+    sequences it decodes now (and those about to join); with none it starts the prompt whatever its rate says, since
+    its step budget binds only beside decodes (an idle decoder gives a prompt its whole chunk cap every step), and
+    an idle engine steps no more, so its last rate is as old as its last busy step."""
+    if prompt_tokens < 1 or decodes < 0:
+        raise ValueError(f"prompt_tokens must be >= 1 and decodes >= 0, got {prompt_tokens}, {decodes}")
+    if decodes == 0:
+        return None
+    if rate is None:
+        return "prefill rate not measured yet"
+    if not 0 <= rate < math.inf:
+        raise ValueError(f"rate must be a finite number >= 0 or None, got {rate}")
+    if rate == 0:
+        return "measured prefill rate 0 tok/s"
+    return _slower(prompt_tokens, rate, remote_s, f"measured prefill rate {rate:.1f} tok/s")
+
+
+def _slower(left: int, rate: float, remote_s: float | None, pace: str) -> str | None:
+    """Why `left` prompt tokens at `rate` tok/s here finish later than the remote path's `remote_s` (None: they do
+    not, or the remote path is not measured)."""
+    if remote_s is None:
+        return None
+    local_s = left / rate
     if local_s > remote_s:
-        return (f"{progressed} tokens in {elapsed_s:.3f} s: {left} left would take {local_s:.3f} s here, "
-                f"{remote_s:.3f} s on the prefill engine")
+        return f"{pace}: {left} left would take {local_s:.3f} s here, {remote_s:.3f} s on the prefill engine"
     return None
 
 

@@ -29,12 +29,16 @@ class _NoRoom:
 
 
 async def test_a_converted_decoder_hands_a_prompt_without_room_to_the_prefill_engine(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
-    """D, converted, decodes four long streams; its step budget leaves a prompt chunk 0 tokens beside them. A
-    prompt D prefills itself, with the router's fallback prefill engine P (PREFILL_FALLBACK_HEADER), has made
-    no progress after the hand-back bound and has no token out: D takes it out of its batch and P prefills it,
-    its KV comes back, D decodes it. Greedy output equals the colocated engine's, and it is done while the
-    streams still run. Without the hand-back it waits on D (0 tokens a step) until the streams end. A prompt
-    that has room (no decodes beside it) is not handed back, nor one whose engine is not converted."""
+    """D, converted, decodes four long streams.
+    - A prompt D is sent to prefill itself, with the router's fallback prefill engine P (PREFILL_FALLBACK_HEADER),
+      right after the conversion: D has not measured its prefill rate yet (its warm-up probe runs), so it cannot
+      predict finishing it and hands it to P at once (on arrival), without holding it for the bound.
+    - Once the probe measured the rate (and the remote path looks slower than any local pace), D takes the next
+      one; then its step budget leaves the prompt 0 tokens beside the streams: after the hand-back bound with no
+      progress and no token out, D takes it out of its batch and P prefills it, queued at its arrival on D.
+    Greedy output equals the colocated engine's, and both are done while the streams still run. Without the
+    hand-back the second waits on D (0 tokens a step) until the streams end. A prompt that has room (no decodes
+    beside it) is not handed back, nor one whose engine is not converted."""
     from kascade_planner.engine_api import ConvertRequest
 
     params = SamplingParams(max_tokens=8)
@@ -56,10 +60,7 @@ async def test_a_converted_decoder_hands_a_prompt_without_room_to_the_prefill_en
         tasks = [asyncio.create_task(drain(r)) for r in streams]
         while not all(d.engine.requests.get(r) and d.engine.requests[r].out for r in streams):
             await asyncio.sleep(0.005)
-        st = d.convert(ConvertRequest(16, 30.0, hand_back_ms=100.0)).extra
-        assert st["handBackMs"] == 100.0
-        d.engine.scheduler.cost = _NoRoom()  # type: ignore[assignment]
-        arrivals: list[float | None] = []  # when P queues the handed-back prompt (its Seq.arrived)
+        arrivals: list[float | None] = []  # when P queues a handed-back prompt (its Seq.arrived)
         p_submit = pd.p.engine.submit
 
         def spy(*a: Any, **kw: Any) -> str:
@@ -67,21 +68,35 @@ async def test_a_converted_decoder_hands_a_prompt_without_room_to_the_prefill_en
             return p_submit(*a, **kw)
 
         pd.p.engine.submit = spy  # type: ignore[method-assign]
+        # a step budget of 1 s: the probe's chunks fit it beside the streams, so the rate it measures is > 0
+        st = d.convert(ConvertRequest(16, 1000.0, hand_back_ms=100.0)).extra
+        assert st["handBackMs"] == 100.0
+        assert d.probe.rid is not None and d.engine.meter.prefill_rate() is None
+        got = await asyncio.wait_for(collect(d, d.serving.submit(PROMPTS[0], params, fallback=pd.peer)), 60)
+        assert got == want[0]
+        assert d.handback.handed == d.handback.at_arrival == 1 and pd.p.prefill_server.requests == 1
+        assert d.remote_prefill.adopted == 1 and len(arrivals) == 1
+        while d.probe.rid is not None:
+            await asyncio.sleep(0.005)
+        assert d.probe.ended[-1][0] == "measured" and (d.engine.meter.prefill_rate() or 0) > 0
+        assert not any(r.startswith("probe-") for r in d.engine.requests), "the probe left the scheduler"
+        d.remote_prefill.took[pd.peer] = 1e6  # the remote path slower than any local pace: D takes the next one
+        d.engine.scheduler.cost = _NoRoom()  # type: ignore[assignment]
         t0 = time.monotonic()
         rid = d.serving.submit(PROMPTS[0], params, fallback=pd.peer)
         got = await asyncio.wait_for(collect(d, rid), 60)
         t_done = time.monotonic()
         assert got == want[0]
         # P queued it by its arrival at D (one monotonic clock in this process), not at the hand-back >= 0.1 s later
-        assert len(arrivals) == 1 and arrivals[0] is not None and abs(arrivals[0] - t0) < 0.05, (arrivals, t0)
-        assert not ends, "the streams ended before the handed-back prompt: nothing was stranded"
+        assert len(arrivals) == 2 and arrivals[1] is not None and abs(arrivals[1] - t0) < 0.05, (arrivals, t0)
+        assert not ends, "the streams ended before the handed-back prompts: nothing was stranded"
         assert t_done - t0 >= 0.1  # held for the bound first
-        assert d.handback.handed == 1 and pd.p.prefill_server.requests == 1 and d.remote_prefill.adopted == 1
-        assert d.remote_prefill.fallbacks == 0
+        assert d.handback.handed == 2 and d.handback.at_arrival == 1 and pd.p.prefill_server.requests == 2
+        assert d.remote_prefill.adopted == 2 and d.remote_prefill.fallbacks == 0
         await asyncio.wait_for(asyncio.gather(*tasks), 120)
         # room again (no decodes beside it: the token cap alone): prefilled here, not handed back
         assert await collect(d, d.serving.submit(PROMPTS[1], params, fallback=pd.peer)) == want[1]
-        assert d.handback.handed == 1 and pd.p.prefill_server.requests == 1
+        assert d.handback.handed == 2 and pd.p.prefill_server.requests == 2
         assert d.convert(ConvertRequest(None)).extra.get("handBackMs") is None
     finally:
         await pd.close()
@@ -135,9 +150,16 @@ async def test_a_converted_decoder_hands_back_a_prompt_that_progresses_slower_th
             await asyncio.sleep(0.005)
         d.convert(ConvertRequest(16, 30.0, hand_back_ms=100.0))
         d.engine.scheduler.cost = _SlowRoom(0.02)  # type: ignore[assignment]  # ~50 tok/s: 37 tokens ~0.7 s
+        while d.probe.rid is not None:  # the warm-up probe measures the rate first (a prompt before it goes to P)
+            await asyncio.sleep(0.005)
+        assert (d.engine.meter.prefill_rate() or 0) > 0
+        # on arrival the measured rate is compared with a remote path that looks slower: D takes the prompt; the
+        # hand-back check after the bound then sees the real remote path and the pace the prompt got
+        d.remote_prefill.took[pd.peer] = 1e6
         rid = d.serving.submit(prompt, params, fallback=pd.peer)
+        d.remote_prefill.took[pd.peer] = took
         assert await asyncio.wait_for(collect(d, rid), 60) == want[0]
-        assert d.handback.handed == 1 and d.remote_prefill.fallbacks == 0
+        assert d.handback.handed == 1 and d.handback.at_arrival == 0 and d.remote_prefill.fallbacks == 0
         assert not all(t.done() for t in tasks)
         # a remote path slower than any local pace: the same slow prompt stays and finishes here
         d.remote_prefill.took[pd.peer] = 1e6
