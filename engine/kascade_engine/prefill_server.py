@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kascade_engine.cooperation import pace
 from kascade_engine.engine import Event
 from kascade_engine.kv_wire import Header, KVShape, KVWireError, digest, kv_header, waited_s
 from kascade_engine.kvcache import build_batch
@@ -108,8 +109,12 @@ class KVShipper:
                 rows.append(len(ids) - 1)
         batch = build_batch(engine.cache, [(pool.tables[w.id], w.start, w.n) for w in work])
         h = m.embed(torch.tensor(ids, dtype=torch.long, device=m.device))
+        # an emulated accelerator (--emulate-layer-ms, the hook's HostRows.layer_s): a layer takes at least that
+        # here too; without it a prefill engine that ships KV ran at the host CPU's pace whatever the setting
+        layer_s, t0 = getattr(self.inner, "layer_s", 0.0), time.perf_counter()
         for layer in range(L):  # one layer for the whole batch, then its KV leaves while the next computes
             h = m.run_layers(layer, layer + 1, h, batch)
+            pace(t0, layer + 1, layer_s)
             self._ship(engine, remote, layer)
         logits = m.logits(h[torch.tensor(rows, dtype=torch.long, device=m.device)])
         out = []

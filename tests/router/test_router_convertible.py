@@ -7,6 +7,8 @@ convertible decoders), on REAL engine processes (a tiny random Llama on CPU, as 
   (`kascade_operator.converter.sync`, the in-memory kube of the operator tests) converts it: the engine's
   `POST /kascade/v1/convert` with the chunk budget from spec.slo.tbtMs and the prefill velocity, then the
   annotation;
+- D's warm-up probe measures its prefill rate beside the streams (probe.py); P is slow (an emulated 200 ms
+  step), so D's arrival check finds its own pace faster and keeps prompts;
 - prompts sent through the router now prefill partly on D itself (no `X-Kascade-Prefilled-By`): their
   greedy output equals the colocated engine's; D never ran more prompt tokens in one step than the budget
   (`kascade_prefill_step_tokens_max`), its steps mixed decodes with the capped chunks, and its earlier
@@ -54,7 +56,7 @@ TOKEN, NS, MODEL = "router-conv-token", "ns", "tiny-llama"
 TBT_MS, PREFILL_V = 200, 80.0  # typed velocity: the decisions do not depend on this machine's speed
 BUDGET = chunk_budget(TBT_MS / 1000, PREFILL_V)  # 8 prompt tokens per step
 PROMPTS = [[(7 * i + 3 * j) % 500 + 1 for j in range(64 + 8 * i)] for i in range(6)]  # 64..104 tokens > BUDGET
-STREAM_TOKENS = 200
+STREAM_TOKENS = 300
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +65,12 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tupl
     ckpt = tiny_llama(tmp_path_factory.mktemp("conv") / MODEL, layers=4, hidden=64, vocab=512)
     procs: list[EngineProc] = []
     try:
-        for _ in ("p0", "d0"):
+        # emulated accelerators: P's steps take >= 200 ms (50 ms a layer), so a prefill there takes longer than D's
+        # measured pace needs for a burst prompt and D's arrival check (conversion.arrival_verdict) keeps prompts;
+        # D's >= 8 ms (2 ms a layer), so its streams outlast the burst
+        for layer_ms in ("50", "2"):
             procs.append(start_engine(["--checkpoint", str(ckpt), "--model-name", MODEL, "--kv-tokens", "8192",
-                                       "--max-batch-tokens", "256"], TOKEN))
+                                       "--max-batch-tokens", "256", "--emulate-layer-ms", layer_ms], TOKEN))
         yield {"p0": (procs[0].http, procs[0].act), "d0": (procs[1].http, procs[1].act)}
     finally:
         for e in procs:
@@ -111,7 +116,7 @@ async def _stream(s: aiohttp.ClientSession, url: str, prompt: list[int], max_tok
 async def test_a_busy_converted_decoder_takes_prefill_within_its_budget_and_is_taken_back(
         engines: dict[str, tuple[int, int]]) -> None:
     (ph, pa), (dh, da) = engines["p0"], engines["d0"]
-    p_url, d_url = f"http://127.0.0.1:{ph}", f"http://127.0.0.1:{dh}"
+    d_url = f"http://127.0.0.1:{dh}"
     kube = FakeKube()
     for name, role, http, act in (("p0", "prefill", ph, pa), ("d0", "decode", dh, da)):
         kube.add_pool_pod(NS, name, "n0", f"127.0.0.1:{http}", model=MODEL)
@@ -139,9 +144,9 @@ async def test_a_busy_converted_decoder_takes_prefill_within_its_budget_and_is_t
     r_url = f"http://127.0.0.1:{router.port}"
     try:
         async with aiohttp.ClientSession() as s:
-            # colocated reference: P alone prefills and decodes each prompt (no cap, no KV moving)
-            want = [(await _stream(s, p_url, p, 8))[0] for p in PROMPTS]
-            want_streams = [(await _stream(s, p_url, p, STREAM_TOKENS))[0] for p in PROMPTS[:2]]
+            # colocated reference: D alone (not converted yet) prefills and decodes each prompt (no cap, no KV moving)
+            want = [(await _stream(s, d_url, p, 8))[0] for p in PROMPTS]
+            want_streams = [(await _stream(s, d_url, p, STREAM_TOKENS))[0] for p in PROMPTS[:2]]
             before = await (await s.get(f"{d_url}/metrics")).text()
 
             # D busy: two long streams through the router (P prefills them, D decodes)
@@ -159,6 +164,13 @@ async def test_a_busy_converted_decoder_takes_prefill_within_its_budget_and_is_t
             status = await (await s.get(f"{d_url}/kascade/v1/status",
                                         headers={"Authorization": f"Bearer {TOKEN}"})).json()
             assert status["prefillChunkTokens"] == BUDGET
+            # D's warm-up probe measures its prefill rate beside the streams; a prompt before that would be handed
+            # to P on arrival (D cannot predict finishing it)
+            t_conv = time.monotonic()
+            while _metric(await (await s.get(f"{d_url}/metrics")).text(),
+                          "kascade_prefill_rate_tokens_per_second") <= 0:
+                assert time.monotonic() - t_conv < 10, "D's probe measured no prefill rate"
+                await asyncio.sleep(0.02)
 
             t_send = time.monotonic()
             got = await asyncio.gather(*(_stream(s, r_url, p, 8) for p in PROMPTS))
