@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 # (bench/pd.py calibrates ~1 s), long enough for a decode or two to end and free room, short beside the seconds a
 # prompt waited for a batch to drain
 DEFAULT_HAND_BACK_S = 0.25
+SERVED = "the engine it prefills for"  # a served prompt (prefill_server.py) goes back to the engine that sent it
 
 
 class HandBack:
@@ -69,47 +70,71 @@ class HandBack:
     def on_arrival(self, rid: str, prompt: list[int], params: SamplingParams, peer: str,
                    local: Callable[[], None]) -> bool:
         """Called on the event loop as `rid` arrives, before it is queued here: True when it goes to `peer` at once
-        (`arrival_verdict`: this engine's measured prefill rate says it would not beat the remote path, or it has
-        none yet), prefilled there by the same remote-prefill path as a hand-back (`local()` queues it here if that
-        fails). False: not converted, or it stays; the caller queues it and `watch`es it."""
-        if self.after_s is None:
-            return False
-        eng = self.inst.engine
-        why = arrival_verdict(len(prompt), eng.meter.prefill_rate(), self.inst.remote_prefill.expected_s(peer),
-                              eng.scheduler.decodes())
+        (`refuses`), prefilled there by the same remote-prefill path as a hand-back (`local()` queues it here if
+        that fails). False: not converted, or it stays; the caller queues it and `watch`es it."""
+        why = self.refuses(len(prompt), peer)
         if why is None:
             return False
-        self.handed += 1
-        self.at_arrival += 1
-        self.inst.pd_metrics.handbacks.inc()
-        log.info("request %s: %s; handed to %s on arrival", rid, why, peer)
+        self.count(rid, why, peer, "on arrival")
         self.inst.remote_prefill.start(rid, prompt, params, peer, local)
         return True
 
+    def refuses(self, prompt_len: int, peer: str | None) -> str | None:
+        """Why this converted decoder should not start a prompt of `prompt_len` tokens it was just sent (None: it
+        starts it; always None when not converted): `arrival_verdict` on its measured prefill rate and what a
+        prefill on `peer` (the prefill engine it would go to; None: unknown) takes now."""
+        if self.after_s is None:
+            return None
+        eng = self.inst.engine
+        remote = None if peer is None else self.inst.remote_prefill.expected_s(peer)
+        return arrival_verdict(prompt_len, eng.meter.prefill_rate(), remote, eng.scheduler.decodes())
+
     def watch(self, rid: str, prompt: list[int], params: SamplingParams, peer: str) -> bool:
-        """Called on the event loop right after `rid` was submitted here: check it every `after_s`. False when
-        nothing is watched (not converted)."""
+        """Called on the event loop right after `rid` was submitted here: check it every `after_s`; handing it back
+        prefills it on `peer`. False when nothing is watched (not converted)."""
         if self.after_s is None:
             return False
-        self._arm(rid, prompt, params, peer, self.after_s, 0, time.monotonic())
+        self._arm(rid, len(prompt), peer, peer, self.after_s, 0, time.monotonic(),
+                  lambda arrived, why: self._send(rid, prompt, params, peer, arrived))
         return True
 
-    def _arm(self, rid: str, prompt: list[int], params: SamplingParams, peer: str, after_s: float,
-             seen: int, seen_at: float) -> None:
+    def watch_served(self, rid: str, prompt_len: int, fallback: str | None,
+                     give_back: Callable[[str], None]) -> bool:
+        """A prompt this converted decoder prefills for another decode engine (prefill_server.py, `rid` its request
+        here): the same checks, by the same rule; handing it back is `give_back(why)` (on the event loop: the prefill
+        server tells that engine, which prefills it on its fallback prefill engine, or itself). `fallback`: the
+        prefill engine that engine would use (its prefill op names it), for the remote path's time; None: progress
+        keeps the prompt here. False when nothing is watched (not converted)."""
+        if self.after_s is None:
+            return False
+        self._arm(rid, prompt_len, fallback, SERVED, self.after_s, 0, time.monotonic(),
+                  lambda arrived, why: give_back(why))
+        return True
+
+    def count(self, rid: str, why: str, to: str, when: str) -> None:
+        """One prompt handed back (`when`: on arrival, or after its bound), logged with why and to whom."""
+        self.handed += 1
+        self.at_arrival += when == "on arrival"
+        self.inst.pd_metrics.handbacks.inc()
+        log.info("request %s: %s; handed to %s %s", rid, why, to, when)
+
+    def _arm(self, rid: str, prompt_len: int, peer: str | None, to: str, after_s: float, seen: int, seen_at: float,
+             act: Callable[[float, str], None]) -> None:
         loop = asyncio.get_running_loop()
 
         def due() -> None:
             if rid not in self.inst.serving.queues:  # finished, failed or the client went away
                 return
             self.inst.engine.call_in_step(
-                lambda eng: self._check(eng, loop, rid, prompt, params, peer, after_s, seen, seen_at))
+                lambda eng: self._check(eng, loop, rid, prompt_len, peer, to, after_s, seen, seen_at, act))
             self.inst.serving.wake.set()
 
         loop.call_later(after_s, due)
 
-    def _check(self, eng: Engine, loop: asyncio.AbstractEventLoop, rid: str, prompt: list[int],
-               params: SamplingParams, peer: str, after_s: float, seen: int, seen_at: float) -> list[Event]:
-        """In the step thread, between steps (nothing of `rid` is in flight): hand it back, or check again later."""
+    def _check(self, eng: Engine, loop: asyncio.AbstractEventLoop, rid: str, prompt_len: int, peer: str | None,
+               to: str, after_s: float, seen: int, seen_at: float, act: Callable[[float, str], None]) -> list[Event]:
+        """In the step thread, between steps (nothing of `rid` is in flight): hand it back (`act(arrived, why)` on the
+        loop, once it left this engine), or check again later."""
         r = eng.requests.get(rid)
         sched = eng.scheduler
         # tuple(): copied in one C call; a generator over the deque itself could meet the event loop's
@@ -118,19 +143,17 @@ class HandBack:
         if r is None or r.out or s is None:
             return []  # gone, or a token is out (the client may have it): it stays here
         now = time.monotonic()
-        why = hand_back_verdict(len(prompt) - s.computed, s.computed - seen, now - seen_at,
-                      self.inst.remote_prefill.expected_s(peer))
+        why = hand_back_verdict(prompt_len - s.computed, s.computed - seen, now - seen_at,
+                                None if peer is None else self.inst.remote_prefill.expected_s(peer))
         if why is None:  # it progresses fast enough: look again after another bound
-            loop.call_soon_threadsafe(self._arm, rid, prompt, params, peer, after_s, s.computed, now)
+            loop.call_soon_threadsafe(self._arm, rid, prompt_len, peer, to, after_s, s.computed, now, act)
             return []
         arrived = s.arrived
         sched.finish(rid)  # out of this batch: its pages go back, its partial prefill (if any) is dropped
         del eng.requests[rid]
-        self.handed += 1
-        self.inst.pd_metrics.handbacks.inc()
-        log.info("request %s: %s (%d of %d prompt tokens computed, waited %.3f s); handed to %s",
-                 rid, why, s.computed, len(prompt), now - arrived, peer)
-        loop.call_soon_threadsafe(self._send, rid, prompt, params, peer, arrived)
+        why = f"{why} ({s.computed} of {prompt_len} prompt tokens computed, waited {now - arrived:.3f} s)"
+        self.count(rid, why, to, "after its bound")
+        loop.call_soon_threadsafe(act, arrived, why)
         return []
 
     def _send(self, rid: str, prompt: list[int], params: SamplingParams, peer: str, arrived: float) -> None:
@@ -138,6 +161,7 @@ class HandBack:
         inst = self.inst
         if rid not in inst.serving.queues:
             return  # the client went away meanwhile: nothing to serve
+
         def local() -> None:
             inst.engine.submit(prompt, params, rid, arrived=arrived)
             inst.serving.wake.set()

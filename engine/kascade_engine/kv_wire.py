@@ -5,14 +5,19 @@ Session (one authenticated data-plane connection D -> P, opened through the same
 connections and reused for the next request once this one is done):
   D -> P  {"op": "prefill", "req", "tokens": [...], "params": {temperature, top_p, seed},
            "layers", "kv_heads", "head_dim", "dtype",          (D's model shape: P refuses a mismatch)
-           "waited_s" (optional)}                             how long the prompt already waited before this
+           "waited_s" (optional),                             how long the prompt already waited before this
                                                               op (a converted decoder's hand-back): P queues
                                                               it by that arrival, not at the back (PrefillOp)
+           "fallback" (optional)}                             host:port of the prefill engine D goes to if P
+                                                              hands the prompt back (P: a converted decoder)
   P -> D  {"op": "kv", "req", "layer", "start", "n", "part": "k"|"v", "shape": [n, kv_heads, head_dim],
            "dtype"} + raw bytes (row-major, little endian)    one pair of frames per layer per prefill
                                                               chunk, sent while P computes the next layer
   P -> D  {"op": "kv_done", "req", "token" (the first sampled token), "frames", "bytes", "digest"}
      or   {"op": "error", "req", "message"}
+     or   {"op": "handback", "req", "message"}                 P is a converted decoder whose budget leaves the
+                                                              prompt no progress (handback.py's rule): D
+                                                              prefills it on its fallback, or itself
 D accepts the KV only if every (layer, position) of the prompt arrived exactly once and the byte count
 and blake2b digest over the payloads (in send order) match; otherwise it prefills locally instead.
 """
@@ -63,7 +68,9 @@ class PrefillOp:
     """D -> P: prefill `tokens` and ship their KV. `waited_s`: the seconds the prompt already waited for a
     prefill before this op (0 for a prompt sent on arrival; a converted decoder that hands a prompt back sends
     its time there), so P queues it by its arrival (`now - waited_s`, on P's own clock: no clock is shared)
-    instead of at the back, behind prompts that reached the router after it."""
+    instead of at the back, behind prompts that reached the router after it. `fallback`: the prefill engine D
+    sends the prompt to if P (then a converted decoder) hands it back; P judges its own pace against what a
+    prefill there takes (handback.HandBack.watch_served)."""
 
     req: str
     tokens: list[int]
@@ -72,6 +79,7 @@ class PrefillOp:
     seed: int | None
     shape: KVShape
     waited_s: float = 0.0
+    fallback: str | None = None
 
     def to_header(self) -> Header:
         h: Header = {"op": "prefill", "req": self.req, "tokens": self.tokens,
@@ -79,6 +87,8 @@ class PrefillOp:
                      **self.shape.to_header()}
         if self.waited_s > 0:
             h["waited_s"] = self.waited_s
+        if self.fallback is not None:
+            h["fallback"] = self.fallback
         return h
 
 
@@ -88,6 +98,17 @@ def waited_s(h: Header) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
         raise KVWireError(f"prefill field 'waited_s' = {v!r}: must be a finite number of seconds >= 0")
     return float(v)
+
+
+def fallback(h: Header) -> str | None:
+    """A prefill op's `fallback` (None when absent), checked: host:port."""
+    v = h.get("fallback")
+    if v is None:
+        return None
+    host, _, port = v.rpartition(":") if isinstance(v, str) else ("", "", "")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise KVWireError(f"prefill field 'fallback' = {v!r}: expected host:port")
+    return str(v)
 
 
 def kv_header(req: str, layer: int, start: int, n: int, part: str, shape: KVShape) -> Header:

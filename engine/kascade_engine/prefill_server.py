@@ -25,7 +25,8 @@ import torch
 
 from kascade_engine.cooperation import pace
 from kascade_engine.engine import Event
-from kascade_engine.kv_wire import Header, KVShape, KVWireError, digest, kv_header, waited_s
+from kascade_engine.handback import SERVED
+from kascade_engine.kv_wire import Header, KVShape, KVWireError, digest, fallback, kv_header, waited_s
 from kascade_engine.kvcache import build_batch
 from kascade_engine.sampling import SamplingParams, sample
 from kascade_engine.transport import Connection, TransportError
@@ -47,6 +48,13 @@ def kv_shape(inst: EngineInstance) -> KVShape:
 def host_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous host tensor, without a copy (any dtype, bfloat16 included)."""
     return memoryview(t.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class GivenBack:
+    """Queued for a served prompt this engine handed back (handback.HandBack.watch_served), and why."""
+
+    why: str
 
 
 @dataclass(frozen=True)
@@ -186,6 +194,7 @@ class PrefillServer:
             # queued by its arrival: a prompt a converted decoder hands back has waited there already, and goes
             # ahead of prompts that arrived after it (kv_wire.PrefillOp)
             arrived = time.monotonic() - waited_s(h)
+            peer_fallback = fallback(h)
         except KVWireError as e:
             self.refused += 1
             inst.pd_metrics.refused.inc()
@@ -194,6 +203,15 @@ class PrefillServer:
                 await conn.send({"op": "error", "req": req, "message": str(e)})
             except TransportError:
                 return False
+            return True
+        # a converted decoder prefilling for another decode engine follows its own hand-back rule (handback.py), as
+        # for the prompts it prefills itself: it declines one it cannot predict finishing, or would finish later than
+        # the requester's fallback prefill engine, at once; and gives back one that makes no progress (or too little)
+        # for its hand-back bound. Without this, such a prompt waited here at 0 tokens a step until the batch drained
+        why = inst.handback.refuses(len(toks), peer_fallback)
+        if why is not None:
+            inst.handback.count(req, why, SERVED, "on arrival")
+            await conn.send({"op": "handback", "req": req, "message": why})
             return True
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[Any] = asyncio.Queue()
@@ -214,6 +232,7 @@ class PrefillServer:
             return True
         inst.metrics.on_request(len(toks))
         inst.serving.wake.set()
+        inst.handback.watch_served(rid, len(toks), peer_fallback, lambda why: q.put_nowait(GivenBack(why)))
         t0, hasher, sent, frames = time.monotonic(), digest(), 0, 0
         try:
             while True:
@@ -226,6 +245,9 @@ class PrefillServer:
                         sent += len(raw)
                         frames += 1
                     continue
+                if isinstance(item, GivenBack):  # out of this batch (handback.py): the requester prefills it elsewhere
+                    await conn.send({"op": "handback", "req": req, "message": item.why})
+                    return True
                 if isinstance(item, Exception) or (isinstance(item, Event) and item.token < 0):
                     why = item if isinstance(item, Exception) else item.reason
                     await conn.send({"op": "error", "req": req, "message": f"prefill failed: {why}"})

@@ -46,12 +46,17 @@ class RemotePrefillError(Exception):
     pass
 
 
+class HandedBack(RemotePrefillError):
+    """The peer (a converted decoder) gave the prompt back: its budget leaves it no progress (handback.py)."""
+
+
 class RemotePrefill:
     def __init__(self, inst: EngineInstance) -> None:
         self.inst = inst
         self.pool = PeerPool(inst.transport, inst.config.token)  # the engine's data-port transport (tcp, tls, ucx)
         self.adopted = 0  # metrics: requests whose prefill ran on a peer
         self.fallbacks = 0  # requests prefilled here after a remote prefill failed
+        self.handed_back = 0  # prompts a peer (a converted decoder) handed back, prefilled on the fallback or here
         self.bytes_received = 0
         self.tasks: set[asyncio.Task[None]] = set()
         self.link: dict[str, float] = {}  # peer -> KV bytes/s of its last transfer (network velocity)
@@ -64,21 +69,32 @@ class RemotePrefill:
         self.joining: dict[str, int] = {}
 
     def start(self, rid: str, prompt: list[int], params: SamplingParams, peer: str,
-              local: Callable[[], None], arrived: float | None = None) -> None:
+              local: Callable[[], None], arrived: float | None = None, fallback: str | None = None) -> None:
         """Prefill `rid` on `peer`; `local()` submits it here instead (called on the event loop). `arrived`
         (this engine's monotonic clock; None: now): when the prompt arrived here, so the peer queues it by
-        the time it already waited (a handed-back prompt, handback.py)."""
-        task = asyncio.get_running_loop().create_task(self._run(rid, prompt, params, peer, local, arrived))
+        the time it already waited (a handed-back prompt, handback.py). `fallback`: where the prompt goes if
+        `peer` (a converted decoder) hands it back; None: it is prefilled here then."""
+        task = asyncio.get_running_loop().create_task(self._run(rid, prompt, params, peer, local, arrived, fallback))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
     async def _run(self, rid: str, prompt: list[int], params: SamplingParams, peer: str,
-                   local: Callable[[], None], arrived: float | None = None) -> None:
+                   local: Callable[[], None], arrived: float | None = None, fallback: str | None = None) -> None:
         t0 = time.monotonic()
         self.pending[rid] = (peer, t0)
         self.joining[rid] = len(prompt)
         try:
-            token, k, v = await self._fetch(rid, prompt, params, peer, arrived)
+            token, k, v = await self._fetch(rid, prompt, params, peer, arrived, fallback)
+        except HandedBack as e:  # not a failure of the peer: it declined the prompt by the hand-back rule
+            self.handed_back += 1
+            log.info("request %s: %s handed it back (%s); prefilling it on %s", rid, peer, e, fallback or "this engine")
+            if rid not in self.inst.serving.queues:
+                return
+            if fallback is not None and fallback != peer:  # queued there by its arrival here
+                self.start(rid, prompt, params, fallback, local, t0 if arrived is None else arrived)
+            else:
+                local()
+            return
         except (RemotePrefillError, KVWireError, TransportError, OSError, RuntimeError, ValueError, TimeoutError) as e:
             self.fallbacks += 1
             self.inst.pd_metrics.fallbacks.inc()
@@ -105,15 +121,16 @@ class RemotePrefill:
         now = time.monotonic()
         return remote_prefill_s(self.took.get(peer), [now - t for p, t in tuple(self.pending.values()) if p == peer])
 
-    async def _fetch(self, rid: str, prompt: list[int], params: SamplingParams,
-                     peer: str, arrived: float | None = None) -> tuple[int, torch.Tensor, torch.Tensor]:
+    async def _fetch(self, rid: str, prompt: list[int], params: SamplingParams, peer: str,
+                     arrived: float | None = None,
+                     fallback: str | None = None) -> tuple[int, torch.Tensor, torch.Tensor]:
         shape = kv_shape(self.inst)
         conn, _ = await self.pool.take(peer)
         ok = False
         try:
             waited = 0.0 if arrived is None else max(0.0, time.monotonic() - arrived)
             await conn.send(PrefillOp(rid, prompt, params.temperature, params.top_p, params.seed, shape,
-                                      waited).to_header())
+                                      waited, fallback).to_header())
             n = len(prompt)
             dt = self.inst.dtype
             staged = {part: torch.empty((shape.layers, n, shape.kv_heads, shape.head_dim), dtype=dt)
@@ -140,6 +157,9 @@ class RemotePrefill:
                 if op == "error":
                     ok = True  # the session is still in step: the connection can be reused
                     raise RemotePrefillError(f"peer refused: {header.get('message')}")
+                if op == "handback":
+                    ok = True
+                    raise HandedBack(str(header.get("message")))
                 if op != "kv_done":
                     raise RemotePrefillError(f"unexpected op {op!r} from the prefill engine")
                 gap = cover.missing()

@@ -150,8 +150,8 @@ class Serving:
 
         pair = self.inst.pair if not self.inst.model.complete else None
         try:
-            if prefill is not None and pair is None:
-                self.inst.remote_prefill.start(rid, prompt, params, prefill, go)
+            if prefill is not None and pair is None:  # `fallback` here: where it goes if that peer hands it back
+                self.inst.remote_prefill.start(rid, prompt, params, prefill, go, fallback=fallback)
             elif pair is not None:  # live: now, or once the ZigZag schedule's prefix is resident
                 pair.admit(rid, go, self.queues[rid].put_nowait, len(prompt))
             elif fallback is not None and self.inst.engine.limits.prefill_chunk_tokens is not None \

@@ -7,6 +7,7 @@ engine processes is tests/router/test_router_handback.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
@@ -14,7 +15,7 @@ import pytest
 from pdpair import PROMPTS, pd_pair  # type: ignore[import-not-found]
 from splitref import collect, unsplit  # type: ignore[import-not-found]
 
-from kascade_engine.kv_wire import KVShape, KVWireError, PrefillOp, waited_s
+from kascade_engine.kv_wire import KVShape, KVWireError, PrefillOp, fallback, waited_s
 from kascade_engine.sampling import SamplingParams
 
 
@@ -185,6 +186,22 @@ def test_the_hand_back_verdict() -> None:
     assert verdict(0, 10, 0.25, 0.001) is None  # done here
 
 
+def test_the_arrival_verdict() -> None:
+    """The hand-back rule on arrival: the measured rate in place of progress not seen yet."""
+    from kascade_planner.conversion import arrival_verdict as verdict
+
+    assert verdict(100, None, None, 4) is not None  # not measured: it cannot predict a finish, whatever P is
+    assert verdict(100, None, 10.0, 4) is not None
+    assert verdict(100, 0.0, None, 4) is not None  # measured 0: no progress to expect
+    assert verdict(100, 40.0, None, 4) is None  # a pace, remote path unmeasured: it starts it
+    assert verdict(100, 40.0, 1.0, 4) is not None  # 2.5 s here against 1 s there
+    assert verdict(100, 40.0, 3.0, 4) is None
+    assert verdict(100, None, 1.0, 0) is verdict(100, 0.0, 1.0, 0) is None  # no decodes: the whole cap, any rate
+    for bad in ((0, 1.0, None, 1), (1, -1.0, None, 1), (1, float("nan"), None, 1), (1, 1.0, None, -1)):
+        with pytest.raises(ValueError):
+            verdict(*bad)
+
+
 def test_the_prefill_op_carries_the_time_a_prompt_waited() -> None:
     shape = KVShape(2, 1, 4, "float32", 4)
     h = PrefillOp("r", [1, 2], 0.0, 1.0, None, shape, 1.25).to_header()
@@ -194,6 +211,13 @@ def test_the_prefill_op_carries_the_time_a_prompt_waited() -> None:
     for bad in (-1, True, "1", float("inf"), float("nan")):
         with pytest.raises(KVWireError, match="waited_s"):
             waited_s({"waited_s": bad})
+    # and the prefill engine the decode engine goes to if this one (a converted decoder) hands the prompt back
+    h = PrefillOp("r", [1], 0.0, 1.0, None, shape, 0.0, "10.0.0.1:7000").to_header()
+    assert fallback(h) == "10.0.0.1:7000" and fallback({}) is None and "fallback" not in PrefillOp(
+        "r", [1], 0.0, 1.0, None, shape).to_header()
+    for bad in ("nohost", ":1", "h:0", "h:x", 7, ["h:1"]):
+        with pytest.raises(KVWireError, match="fallback"):
+            fallback({"fallback": bad})
 
 
 def test_the_remote_path_estimate_follows_a_growing_queue() -> None:
@@ -212,3 +236,142 @@ def test_the_remote_path_estimate_follows_a_growing_queue() -> None:
     assert 1.5 <= rp.expected_s("p:1") < 2.5  # type: ignore[operator]
     del rp.took["p:1"]
     assert 1.5 <= rp.expected_s("p:1") < 2.5  # type: ignore[operator]
+
+
+async def test_the_answer_names_who_really_prefilled_a_handed_back_prompt(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    """D, converted beside four streams, with a step budget that leaves a prompt nothing (so its measured rate is 0,
+    or not measured yet): two prompts it is sent to prefill itself go to their fallback on arrival.
+    - Fallback P alive: P prefills it, the answer names P's data port (HANDED_BACK_HEADER: the router moves the
+      prefill load to P and tells the client X-Kascade-Prefilled-By).
+    - Fallback dead (nothing listens): the remote prefill fails, D prefills it itself, and the answer names no
+      prefill engine. Before, the answer was decided at the hand-back and named the dead peer (fails on 87267a2^^).
+    Both answers equal the colocated one (D alone, before the conversion), streamed and not."""
+    import socket
+
+    import httpx
+
+    from kascade_engine.server import create_app
+    from kascade_planner.engine_api import HANDED_BACK_HEADER, PREFILL_FALLBACK_HEADER, ConvertRequest
+
+    with socket.socket() as sk:  # a port nothing listens on: its connection is refused
+        sk.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{sk.getsockname()[1]}"
+    pd = await pd_pair(tiny_ckpt, tiny_blocks)
+    d = pd.d
+    app = create_app(d)
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://d",
+                                     timeout=120) as c:
+            async def ask(fallback: str | None, stream: bool) -> tuple[str, httpx.Headers]:
+                body = {"model": "tiny-llama", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0,
+                        "stream": stream}
+                r = await c.post("/v1/completions", json=body,
+                                 headers={PREFILL_FALLBACK_HEADER: fallback} if fallback else {})
+                assert r.status_code == 200, r.text
+                if not stream:
+                    return r.json()["choices"][0]["text"], r.headers
+                text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.text.splitlines()
+                               if line.startswith("data: {"))
+                return text, r.headers
+
+            want, _ = await ask(None, False)
+            long = SamplingParams(max_tokens=200)
+            streams = [d.serving.submit([7 + i, 8, 9], long) for i in range(4)]
+            tasks = [asyncio.create_task(collect(d, r)) for r in streams]
+            while not all(d.engine.requests.get(r) and d.engine.requests[r].out for r in streams):
+                await asyncio.sleep(0.005)
+            d.convert(ConvertRequest(16, 30.0, hand_back_ms=100.0))
+            d.engine.scheduler.cost = _NoRoom()  # type: ignore[assignment]
+            for stream in (False, True):
+                served, fell_back = pd.p.prefill_server.requests, d.remote_prefill.fallbacks
+                text, h = await ask(pd.peer, stream)
+                assert text == want and h.get(HANDED_BACK_HEADER) == pd.peer
+                assert pd.p.prefill_server.requests == served + 1 and d.remote_prefill.fallbacks == fell_back
+                text, h = await ask(dead, stream)  # D prefills it once its streams end (no room beside them)
+                assert text == want and HANDED_BACK_HEADER not in h, h
+                assert d.remote_prefill.fallbacks == fell_back + 1 and pd.p.prefill_server.requests == served + 1
+                if not stream:  # the streams again, for the streamed pair
+                    await asyncio.gather(*tasks)
+                    streams = [d.serving.submit([7 + i, 8, 9], long) for i in range(4)]
+                    tasks = [asyncio.create_task(collect(d, r)) for r in streams]
+                    while not all(d.engine.requests.get(r) and d.engine.requests[r].out for r in streams):
+                        await asyncio.sleep(0.005)
+            assert d.handback.handed == 4  # every one went to its fallback (on arrival, or after the bound)
+            await asyncio.gather(*tasks)
+    finally:
+        await pd.close()
+
+
+async def test_a_converted_decoder_prefilling_for_another_decoder_hands_back_by_the_same_rule(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    """D2, converted, decodes four streams and prefills for decoder D1 (the router may name a converted decoder as
+    D1's prefill engine). It follows the rule it applies to the prompts it prefills itself (handback.py):
+    - right after its conversion, with no prefill rate it can use (not measured, or 0 beside the streams), it
+      declines D1's prompt at once: D1 prefills it on the fallback prefill engine P its prefill op names;
+    - with a rate measured > 0 it takes the prompt; its step budget then leaving it no progress, it gives the prompt
+      back after its bound: D1 prefills it on P, queued there by its arrival at D1;
+    - with no fallback named, D1 prefills a given-back prompt itself.
+    Greedy output equals the colocated engine's each time, and D2 holds none of them afterwards. Before, D2 kept
+    such a prompt at 0 tokens a step until its streams ended (the second and third wait for them here)."""
+    from kascade_engine.transport_tcp import TcpTransport
+    from kascade_planner.engine_api import ConvertRequest
+    from pdpair import TOKEN, instance  # type: ignore[import-not-found]
+
+    params = SamplingParams(max_tokens=8)
+    want = unsplit(tiny_blocks, PROMPTS[:1], params)[0]
+    long = SamplingParams(max_tokens=480)
+    pd = await pd_pair(tiny_ckpt, tiny_blocks)
+    d1, p = pd.d, pd.p
+    d2 = instance(tiny_ckpt, tiny_blocks, "d2", token=TOKEN)
+    d2.serving.start()
+    listener = await TcpTransport().listen("127.0.0.1", 0, lambda c: d2.finisher.handle(c))
+    d2_peer = f"127.0.0.1:{listener.port}"
+    try:
+        streams = [d2.serving.submit([7 + i, 8, 9], long) for i in range(4)]
+        tasks = [asyncio.create_task(collect(d2, r)) for r in streams]
+        while not all(d2.engine.requests.get(r) and d2.engine.requests[r].out for r in streams):
+            await asyncio.sleep(0.005)
+        arrivals: list[float | None] = []
+        p_submit = p.engine.submit
+
+        def spy(*a: Any, **kw: Any) -> str:
+            arrivals.append(kw.get("arrived"))
+            return p_submit(*a, **kw)
+
+        p.engine.submit = spy  # type: ignore[method-assign]
+        d2.convert(ConvertRequest(16, 1000.0, hand_back_ms=100.0))
+        d2.engine.scheduler.cost = _NoRoom()  # type: ignore[assignment]
+        got = await asyncio.wait_for(collect(d1, d1.serving.submit(PROMPTS[0], params, prefill=d2_peer,
+                                                                    fallback=pd.peer)), 60)
+        assert got == want
+        assert d2.handback.at_arrival == d2.handback.handed == 1 and d1.remote_prefill.handed_back == 1
+        assert p.prefill_server.requests == 1 and d2.prefill_server.requests == 0 and len(arrivals) == 1
+
+        # new budgets: the probe measures a rate > 0 with the real step cost; then no room again
+        d2.engine.scheduler.cost = d2.engine.cost
+        d2.convert(ConvertRequest(16, 999.0, hand_back_ms=100.0))
+        while d2.probe.rid is not None:
+            await asyncio.sleep(0.005)
+        assert (d2.engine.meter.prefill_rate() or 0) > 0
+        d2.engine.scheduler.cost = _NoRoom()  # type: ignore[assignment]  # the rate decays, stays > 0 a while
+        t0 = time.monotonic()
+        got = await asyncio.wait_for(collect(d1, d1.serving.submit(PROMPTS[0], params, prefill=d2_peer,
+                                                                    fallback=pd.peer)), 60)
+        assert got == want and time.monotonic() - t0 >= 0.1  # held for D2's bound first
+        assert d2.handback.handed == 2 and d2.handback.at_arrival == 1 and d1.remote_prefill.handed_back == 2
+        assert p.prefill_server.requests == 2 and len(arrivals) == 2
+        assert arrivals[1] is not None and abs(arrivals[1] - t0) < 0.05, (arrivals, t0)  # queued by its arrival
+
+        fell_back = d1.remote_prefill.fallbacks
+        got = await asyncio.wait_for(collect(d1, d1.serving.submit(PROMPTS[0], params, prefill=d2_peer)), 60)
+        assert got == want
+        assert d2.handback.handed == 3 and d1.remote_prefill.handed_back == 3
+        assert p.prefill_server.requests == 2 and d1.remote_prefill.fallbacks == fell_back  # prefilled on D1
+        assert not all(t.done() for t in tasks), "D2's streams ended first: nothing was held"
+        assert not any(r.startswith("pd-") for r in d2.engine.requests), "D2 still holds a prompt it gave back"
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        await d2.close()
+        await listener.close()
+        await pd.close()
