@@ -312,9 +312,10 @@ async def test_a_converted_decoder_prefilling_for_another_decoder_hands_back_by_
     - with no fallback named, D1 prefills a given-back prompt itself.
     Greedy output equals the colocated engine's each time, and D2 holds none of them afterwards. Before, D2 kept
     such a prompt at 0 tokens a step until its streams ended (the second and third wait for them here)."""
+    from pdpair import TOKEN, instance  # type: ignore[import-not-found]
+
     from kascade_engine.transport_tcp import TcpTransport
     from kascade_planner.engine_api import ConvertRequest
-    from pdpair import TOKEN, instance  # type: ignore[import-not-found]
 
     params = SamplingParams(max_tokens=8)
     want = unsplit(tiny_blocks, PROMPTS[:1], params)[0]
