@@ -16,7 +16,12 @@ prompt; TBT SLO = `--tbt-x` x its mean TBT), never tuned per setup. Setups, with
                  ENGINES MEASURE IT ONLINE; chunk budget from the TBT SLO and that velocity), applied as the
                  operator does (engine /convert, then the router's convertible flag): a converted decoder
                  prefills its own requests under the chunk cap when it is less loaded than the prefiller.
-                 Every decision's velocities are in pd.json (`conversions`, `policy_samples`)
+                 Every decision's velocities are in pd.json (`conversions`, `policy_samples`). The same loop
+                 runs in the disaggregated setup without applying anything (`apply=False`): the operator scrapes
+                 a service whatever its convertibleDecoders, and its scraping (every 0.25 s, both engines) shares
+                 the machine's 2 cores with the engines, so the two setups differ by the conversion alone (run in
+                 the convertible setup only, that setup's prefill steps were 3-14 % slower in 5 of 8 clean runs,
+                 5-8 % faster in 3: 2026-11-27-d and -e)
 Link part (needs root + network namespaces): P in namespace h0, D in h1, the link capped with tbf at
 `--link-mbit`; long prompts sent to D naming P -> D's `kascade_kv_link_bytes_per_second` (KV bytes from
 first frame to kv_done) / the tbf rate = `kv_transfer_over_link_rate`, for each engine `--transport` in
@@ -176,10 +181,11 @@ async def setup(ckpt: Path, mode: str, reqs: list[Request], max_tokens: int, pol
         router = await Router(routes=routes).start()
         stop_at, conversions, samples = asyncio.Event(), [], []
         task = None
-        if mode == "disaggregated_convertible":
+        if mode != "colocated":  # the operator's loop in both PD setups (same scraping load); it converts in one
             (dec,) = [x for x in routes.backends[("static", MODEL)].values() if x.role == "decode"]
             task = asyncio.create_task(converter(dec, f"http://127.0.0.1:{bh}", f"http://127.0.0.1:{ah}", policy,
-                                                 ENV["KASCADE_ENGINE_TOKEN"], stop_at, conversions, samples))
+                                                 ENV["KASCADE_ENGINE_TOKEN"], stop_at, conversions, samples,
+                                                 apply=mode == "disaggregated_convertible"))
         try:
             t = time.monotonic()
             res = await run_trace(f"http://127.0.0.1:{router.port}", reqs, max_tokens)

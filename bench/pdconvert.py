@@ -61,7 +61,7 @@ async def step_times(url: str) -> dict[str, Any]:
 
 
 async def converter(decoder: Any, url: str, prefill_url: str, spec: Any, token: str, stop_at: asyncio.Event,
-                    log: list[dict[str, Any]], samples: list[dict[str, Any]]) -> None:
+                    log: list[dict[str, Any]], samples: list[dict[str, Any]], apply: bool = True) -> None:
     """What the operator does for a disaggregated service (kascade_operator.converter), for the static
     router of this bench, with the operator's own code at every step but the kube API: every 0.25 s its
     Scraper reads both engines' /metrics (rates over the operator's default 1 s window), `snapshot` makes
@@ -71,7 +71,10 @@ async def converter(decoder: Any, url: str, prefill_url: str, spec: Any, token: 
     `plan_conversions` decides; `pdscaling.velocities` + `pd_ratio` give the P:D ratio the same velocities
     ask for. A conversion is applied as the operator does it: the engine's /convert with the chunk and step budgets,
     then the router's convertible flag (the pod annotation's effect); taking back in reverse. Until an
-    engine has measured a prefill velocity the policy holds (its rule for an unknown velocity)."""
+    engine has measured a prefill velocity the policy holds (its rule for an unknown velocity).
+    `apply` False: the same loop, scrapes and decisions, applying none (the disaggregated setup: the operator watches
+    a service whatever its convertibleDecoders, and on this 2-core machine its scraping shares the cores with the
+    engines: run in the convertible setup alone, that setup differed by more than the conversion)."""
     from kascade_operator.decide import RoleInput
     from kascade_operator.metrics import Scraper, snapshot
     from kascade_operator.pdscaling import conversion_input, demand, velocities
@@ -113,7 +116,9 @@ async def converter(decoder: Any, url: str, prefill_url: str, spec: Any, token: 
                                                  else None for r in roles},
                                 "converted_share": inp.converted_share, "router_decoder_rate": decoder.prefill_rate,
                                 "pd_ratio": None if ratio is None else [ratio.prefill, ratio.decode]})
-                if c.convert:
+                if not apply:
+                    pass
+                elif c.convert:
                     ms = None if c.step_budget_s is None else c.step_budget_s * 1e3
                     hb = None if c.hand_back_s is None else c.hand_back_s * 1e3  # from the TTFT SLO, as the operator
                     async with s.post(f"{url}/kascade/v1/convert",
@@ -125,7 +130,7 @@ async def converter(decoder: Any, url: str, prefill_url: str, spec: Any, token: 
                     async with s.post(f"{url}/kascade/v1/convert", json=ConvertRequest(None).to_dict(),
                                       headers=hdr) as r:
                         r.raise_for_status()
-                if c.changes:
+                if c.changes and apply:
                     log.append({"t": round(now, 2), "reason": c.reason, "chunk_tokens": c.chunk_tokens,
                                 "step_budget_s": c.step_budget_s, "hand_back_s": c.hand_back_s,
                                 "decode_step_s": inp.decode_step_s,

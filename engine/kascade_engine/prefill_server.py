@@ -9,6 +9,9 @@ at a time for the whole batch; after each layer the K and V of the remote sequen
 copied to host memory and handed to the event loop -> `handle` sends them as kv frames as they come ->
 the step's sampled first token arrives as the request's `Event` -> {"op": "kv_done"} with the digest.
 A failed step, an unknown shape, or a decode engine that goes away ends only that request.
+A converted decoder serving here (the router may name one as another decoder's prefill engine) follows its
+hand-back rule for these prompts too (handback.HandBack.refuses / watch_served): it declines one on arrival, or
+gives it back after its bound, with {"op": "handback"}; the decode engine then prefills it on its fallback.
 """
 
 from __future__ import annotations

@@ -11,6 +11,9 @@ in the step thread, pages are allocated, the staged KV is copied into them, and 
 scheduler with its prompt computed and its first token known; that token is the request's first Event.
 Anything that goes wrong before adoption (peer unreachable, refused, a bad frame, a digest mismatch)
 falls back to a local prefill of the same request: PD never fails a request, it only moves work.
+A peer that is a converted decoder may hand the prompt back ({"op": "handback"}: its budget leaves the prompt no
+progress, handback.py): it then goes to the `fallback` prefill engine the router named (queued there by its
+arrival here), or is prefilled here without one.
 """
 
 from __future__ import annotations

@@ -20,7 +20,10 @@ prompts beside its decodes: on 2 shared CPU cores 7-45 % of a prefill engine's (
 where the velocity above (the prefill share of a mixed step's time) is about a prefill engine's. Ratio of the
 two engines' rates = how much of a prefill engine a converted decoder is (kascade_planner.conversion
 .converted_share) -> PREFILL_RATE_HEADER on answers and /readyz (the router's prefill choice) and
-kascade_prefill_rate_tokens_per_second (the operator's conversion policy). Reset when the budgets change.
+kascade_prefill_rate_tokens_per_second (the operator's conversion policy). Reset when the budgets change; a
+converted decoder then measures it at once with a warm-up prompt (probe.py). A step whose prompt chunk its step
+budget could not cut yet (no prompt token timed: stepcost.StepCost.token_s None) is not counted: it ran under
+the token cap alone and reported a rate the budget never gives (Engine.step).
 """
 
 from __future__ import annotations
