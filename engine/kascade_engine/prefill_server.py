@@ -211,10 +211,10 @@ class PrefillServer:
         # for the prompts it prefills itself: it declines one it cannot predict finishing, or would finish later than
         # the requester's fallback prefill engine, at once; and gives back one that makes no progress (or too little)
         # for its hand-back bound. Without this, such a prompt waited here at 0 tokens a step until the batch drained
-        why = inst.handback.refuses(len(toks), peer_fallback)
-        if why is not None:
-            inst.handback.count(req, why, SERVED, "on arrival")
-            await conn.send({"op": "handback", "req": req, "message": why})
+        declined = inst.handback.refuses(len(toks), peer_fallback)
+        if declined is not None:
+            inst.handback.count(req, declined, SERVED, "on arrival")
+            await conn.send({"op": "handback", "req": req, "message": declined})
             return True
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[Any] = asyncio.Queue()
