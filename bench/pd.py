@@ -21,7 +21,7 @@ prompt; TBT SLO = `--tbt-x` x its mean TBT), never tuned per setup. Setups, with
                  a service whatever its convertibleDecoders, and its scraping (every 0.25 s, both engines) shares
                  the machine's 2 cores with the engines, so the two setups differ by the conversion alone (run in
                  the convertible setup only, that setup's prefill steps were 3-14 % slower in 5 of 8 clean runs,
-                 5-8 % faster in 3: 2026-11-27-d and -e)
+                 4-9 % faster in 3: 2026-11-27-d and -e)
 Link part (needs root + network namespaces): P in namespace h0, D in h1, the link capped with tbf at
 `--link-mbit`; long prompts sent to D naming P -> D's `kascade_kv_link_bytes_per_second` (KV bytes from
 first frame to kv_done) / the tbf rate = `kv_transfer_over_link_rate`, for each engine `--transport` in
