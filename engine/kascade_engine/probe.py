@@ -14,7 +14,7 @@ Data flow: `EngineInstance.convert` with new budgets -> `start`: a synthetic pro
 KV is dropped, it never samples a token) queued in the step thread -> the scheduler prefills it under the new token
 cap and, once a prompt token is timed, the step budget, beside the decodes -> `Engine.step` times those steps: the
 step cost learns a prompt token's cost after `stepcost.TIMED_STEPS` steps; with chunks then cut to the budget, the
-meter measures the prefill rate over `velocity.RATE_STEPS` steps (steps whose chunk the budget could not cut yet do
+meter measures the prefill rate over `prefillrate.RATE_STEPS` steps (steps whose chunk the budget could not cut yet do
 not count) -> `Serving`'s loop calls `tick` after every step: once the rate is measured, or `PROBE_MAX_S` passed
 (pages short, say: the rate then stays unmeasured and the decoder keeps handing prompts back on arrival), the probe
 leaves the scheduler in the step thread, its pages freed. From then on the rate follows the batch between prompts
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 from kascade_engine.engine import Event
 from kascade_engine.sampling import SamplingParams
 from kascade_engine.stepcost import TIMED_STEPS
-from kascade_engine.velocity import RATE_STEPS
+from kascade_planner.prefillrate import RATE_STEPS
 
 if TYPE_CHECKING:
     from kascade_engine.engine import Engine
