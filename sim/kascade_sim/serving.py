@@ -4,15 +4,16 @@ Data flow: a request in its model's global queue (`_wake`) -> an accepting insta
 (`_kick`: prefill batch or decode step, a live target sharing work with its partner) -> ITER event ->
 `_iteration_done` (first tokens; in disaggregated mode the KV waits on its prefiller until
 `_dispatch` finds a decoder with room, then a KV event after the transfer) -> decode steps until the
-last token. A converted decoder prefilling a long prompt in chunks may hand it back to the prefill queue
-(`_hand_back`, by the engine's own rule). Mixed into `simulator.Simulation`, whose state it reads and writes.
+last token. A converted decoder with decodes takes a prompt only when the engine's arrival rule would keep it
+(`_converts`: its measured rate finishes it before a prefiller would), and one prefilling a long prompt in chunks
+may hand it back to the prefill queue (`_hand_back`, by the engine's own rule). Mixed into `simulator.Simulation`, whose state it reads and writes.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
 
-from kascade_planner.conversion import hand_back_verdict, remote_prefill_s
+from kascade_planner.conversion import arrival_verdict, hand_back_verdict, remote_prefill_s
 from kascade_sim.events import ITER, KV
 from kascade_sim.instance import Instance
 
@@ -36,7 +37,7 @@ class Serving:
                 if not q:
                     return
 
-    def _converts(self, inst: Instance) -> bool:
+    def _converts(self, inst: Instance, now: float) -> bool:
         """A convertible decoder (TokenScale), once the conversion policy converted it
         (`pdpolicy.apply_conversions` sets `Instance.convertible`), prefills for its own model when
         prefill backlog waits that no idle prefiller takes: the KV is then already where it decodes. A
@@ -59,7 +60,11 @@ class Serving:
             return False
         if inst.kv_reserved + self.inp[r] + self.out[r] > inst.kv_cap or inst.n_running + inst.incoming >= self.spec.max_batch:
             return False
-        return not any(p.accepting and not p.busy for p in self.group[(m, "prefill")])
+        if any(p.accepting and not p.busy for p in self.group[(m, "prefill")]):
+            return False
+        # the engine's arrival rule: beside decodes, only a prompt its measured rate finishes before a prefiller would
+        return not inst.convertible or arrival_verdict(self.inp[r], inst.rate.rate(), self._remote_s(m, now),
+                                                       inst.n_running + inst.incoming) is None
 
     def _chunk_tokens(self, inst: Instance) -> int:
         """Prompt tokens per converted prefill step: the conversion policy's chunk budget (or
@@ -178,7 +183,7 @@ class Serving:
         partner = inst.partner if state == "live" else None
         take = state != "draining" and inst.role != "decode" and (partner is None or partner.debt_s == 0)
         queue_role = inst.role
-        if not take and self.sys.convertible and self._converts(inst):
+        if not take and self.sys.convertible and self._converts(inst, now):
             q = self.queue[(inst.model, "prefill")]
             if self.inp[q[0]] > self._chunk_tokens(inst):
                 r = q.popleft()

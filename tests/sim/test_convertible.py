@@ -7,6 +7,7 @@ prefill scale-ups were 'traffic with no instance'). Each test fails without the 
 from __future__ import annotations
 
 from dataclasses import replace
+from unittest import mock
 
 from kascade_planner.conversion import chunk_budget
 from kascade_planner.policies import Threshold
@@ -87,18 +88,22 @@ def burst_over_trickle(long_prompts: int) -> Workload:
     return Workload("burst", tuple(sorted(reqs, key=lambda r: r.arrival_s)))
 
 
-def run_burst(chunk: int | None, hand_back: bool) -> tuple[Simulation, Result]:
+def run_burst(chunk: int | None, hand_back: bool, arrival: bool = True) -> tuple[Simulation, Result]:
     s = Simulation(burst_over_trickle(8), hardware("a800", hosts=1, gpus_per_host=4), SPEC,
                    system("kascade", convertible=True, convert_chunk_tokens=chunk), replace(CFG, min_instances=1))
     if not hand_back:
         s._hand_back = lambda inst, now: False  # type: ignore[method-assign]
-    return s, s.run()
+    if arrival:
+        return s, s.run()
+    with mock.patch("kascade_sim.serving.arrival_verdict", lambda *_: None):  # takes whatever it is offered
+        return s, s.run()
 
 
 def test_a_converted_decoder_hands_a_slow_long_prompt_back_by_the_engines_rule() -> None:
-    # 32-token chunks between decode steps: a decoder whose steps leave little room (the CPU bench's case).
-    s, hb = run_burst(32, hand_back=True)
-    _, kept = run_burst(32, hand_back=False)
+    # 32-token chunks between decode steps: a decoder whose steps leave little room (the CPU bench's case). The
+    # arrival rule is off, so the decoder takes long prompts and the hand-back rule is what gives them back.
+    s, hb = run_burst(32, hand_back=True, arrival=False)
+    _, kept = run_burst(32, hand_back=False, arrival=False)
     role = {i.id: i.role for i in s.instances}
     long = [k for k, q in enumerate(s.wl.requests) if q.input_tokens == 4096]
     assert hb.handbacks >= 1 and s.handed <= set(long), (hb.handbacks, s.handed)
@@ -109,6 +114,21 @@ def test_a_converted_decoder_hands_a_slow_long_prompt_back_by_the_engines_rule()
     assert all(i.kv_reserved == 0 and i.chunk_left == 0 for i in s.instances)
     bounds = {plan.hand_back_s for _, name, _, plan in s.policy_calls if name == "conversion"}  # type: ignore[attr-defined]
     assert bounds == {0.25 * CFG.ttft_slo_s}, bounds  # the bound the operator would send (0.25 x ttftMs)
+
+
+def test_a_slow_converted_decoder_declines_a_long_prompt_on_arrival() -> None:
+    # The engine's arrival rule (conversion.arrival_verdict) with the rate the simulator measured: beside its
+    # decodes a 32-token-chunk decoder would finish a 4096-token prompt later than the prefillers, so it takes
+    # none, and nothing waits out a hand-back bound on it first.
+    s, r = run_burst(32, hand_back=True)
+    _, taken = run_burst(32, hand_back=True, arrival=False)
+    role = {i.id: i.role for i in s.instances}
+    long = [k for k, q in enumerate(s.wl.requests) if q.input_tokens == 4096]
+    assert all(role[s.served_by[k]] == "prefill" for k in long) and r.handbacks == 0, (
+        [role[s.served_by[k]] for k in long], r.handbacks)
+    assert taken.handbacks >= 1  # without the rule it took some, and handed them back
+    assert max(r.ttft_s[k] for k in long) <= max(taken.ttft_s[k] for k in long), (
+        [round(r.ttft_s[k], 2) for k in long], [round(taken.ttft_s[k], 2) for k in long])
 
 
 def test_a_converted_decoder_keeps_a_prompt_its_chunk_budget_prefills_fast() -> None:
