@@ -198,11 +198,15 @@ def pick_pd(backends: Sequence[Backend], rng: random.Random, exclude: Collection
 
 
 def fallback_prefill(backends: Sequence[Backend], d: Backend, pre: Backend | None) -> Backend | None:
-    """Where a converted decoder that prefills this prompt itself (`pick_pd` gave it no prefill engine) hands it
-    if its step budget leaves it no room after all (the engine's hand-back, PREFILL_FALLBACK_HEADER): the
-    least loaded prefill engine with a data address. Its room report (`Backend.prefill_room`) is as old as
-    its last answer, and a batch can grow after the prompt arrived. None when there is nothing to hand to."""
-    if pre is not None or d.role != "decode" or not d.convertible:
+    """Where a converted decoder hands a prompt it prefills if its step budget leaves it no room after all (the
+    engine's hand-back, PREFILL_FALLBACK_HEADER): the least loaded prefill engine with a data address. Two cases:
+    - `d` prefills it itself (`pick_pd` gave it no prefill engine, `pre` None);
+    - `pre` is a converted decoder prefilling it for `d`: `d` passes the address on in its prefill op, and a
+      prompt `pre` declines or hands back is prefilled there instead of on `d` (kascade_engine.remote_prefill).
+    Its room report (`Backend.prefill_room`) is as old as its last answer, and a batch can grow after the prompt
+    arrived. None when there is nothing to hand to, or a prefill engine prefills it anyway."""
+    who = d if pre is None else pre
+    if who.role != "decode" or not who.convertible:
         return None
-    pool = [b for b in backends if b.role == "prefill" and b.data and b is not d]
+    pool = [b for b in backends if b.role == "prefill" and b.data and b is not d and b is not pre]
     return min(pool, key=lambda p: _prefill_cost(p, pool), default=None)

@@ -219,7 +219,9 @@ class Proxy:
         if pre is not None and pre.data:
             send[PREFILL] = pre.data
             pre.in_flight += 1  # a prefill engine is busy with this request until its first token
-        elif fallback is not None and fallback.data:  # a converted decoder prefills it: where to hand it back
+        if fallback is not None and fallback.data:  # a converted decoder prefills it: where to hand it back
+            # (`pre` one: b names it in its prefill op; b's answer then says nothing of a hand-back, so until the
+            # first token the router counts the prompt on `pre`, one prompt's interval of stale accounting)
             send[PREFILL_FALLBACK_HEADER] = fallback.data
         timeout = self.s.read_timeout_s
         try:

@@ -241,3 +241,20 @@ def test_a_converted_decoder_prefilling_itself_is_given_a_prefill_engine_to_hand
     assert fallback_prefill([d, p1, p2], d, None) is None
     d.convertible = True
     assert fallback_prefill([d, p3], d, None) is None
+
+
+def test_a_converted_decoder_prefilling_for_another_is_given_a_prefill_engine_to_hand_back_to() -> None:
+    """d1 decodes, converted d2 prefills for it: the prompt d2 declines or hands back goes to the least loaded
+    prefill engine (named to d1, which passes it on in its prefill op), not to d1's own prefill. Neither decoder
+    is ever its own fallback; a prefill engine as `pre` needs none."""
+    rng = random.Random(2)
+    d1 = Backend("d1", "h:1", role="decode", data="h:10", in_flight=3)
+    d2 = Backend("d2", "h:2", role="decode", data="h:20", convertible=True)
+    p1 = Backend("p1", "h:3", role="prefill", data="h:30", in_flight=6)
+    p2 = Backend("p2", "h:4", role="prefill", data="h:40", in_flight=4)
+    assert pick_pd([d1, d2, p1, p2], rng, exclude={"d2"}) == (d1, d2)  # both prefill engines busier: d2 prefills
+    assert fallback_prefill([d1, d2, p1, p2], d1, d2) is p2
+    assert fallback_prefill([d1, d2, p1, p2], d1, p1) is None  # a prefill engine prefills it: no hand-back
+    assert fallback_prefill([d1, d2], d1, d2) is None  # nothing to hand to
+    d2.convertible = False
+    assert fallback_prefill([d1, d2, p1, p2], d1, d2) is None
