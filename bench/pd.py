@@ -22,6 +22,13 @@ prompt; TBT SLO = `--tbt-x` x its mean TBT), never tuned per setup. Setups, with
                  the machine's 2 cores with the engines, so the two setups differ by the conversion alone (run in
                  the convertible setup only, that setup's prefill steps were 3-14 % slower in 5 of 8 clean runs,
                  4-9 % faster in 3: 2026-11-27-d and -e)
+Emulated accelerator (`--emulate-layer-ms X`, bench/pdemulate.py): every engine of every setup and the
+calibration's runs with the engine's --emulate-layer-ms X and --emulate-knee-tokens K and --max-batch-tokens K
+(K: the simulator's memory/compute knee, 117 tokens): a step costs at least 8 x X whatever its batch, up to K
+tokens, so a decoder has idle compute during a burst (the GPU condition convertible decoders need; on the CPU a
+decoder's step grows with its batch) and a prompt token costs 8 x X / K. SLOs and the burst's load are calibrated
+on the emulated engine. pd.json's `engines` and the printed summary say the engines were emulated; each setup's
+`emulation_floor` says how often the CPU, not the emulation, timed a step. Headline numbers: the real CPU mode.
 Link part (needs root + network namespaces): P in namespace h0, D in h1, the link capped with tbf at
 `--link-mbit`; long prompts sent to D naming P -> D's `kascade_kv_link_bytes_per_second` (KV bytes from
 first frame to kv_done) / the tbf rate = `kv_transfer_over_link_rate`, for each engine `--transport` in
@@ -56,7 +63,8 @@ from typing import Any
 
 import aiohttp
 import pdreport
-from pdconvert import converter, policy_spec, step_times
+from pdconvert import converted_digest, converter, policy_spec, step_times
+from pdemulate import LAYERS, Emulation, floor_check, real_cpu, sim_knee_tokens
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / d) for d in ("cli", "operator", "engine", "router", "sim", "bench")]
@@ -68,15 +76,17 @@ MODEL = "pd-llama"
 
 def engine(ckpt: Path, ns: list[str] | None = None, host: str = "127.0.0.1",
            batch: int = 512, transport: str = "tcp", core: int | None = None,
-           log: Path | None = None) -> tuple[subprocess.Popen[str], int, int]:
+           log: Path | None = None, emu: Emulation | None = None) -> tuple[subprocess.Popen[str], int, int]:
     """An engine process (one torch thread), pinned to `core` when given: the two engines of a setup get a
     core each, as two GPUs would be, so a prefiller's compute does not slow its decoder's steps. `log`: its
-    stderr (the engine's log: hand-backs, remote prefills) goes there instead of nowhere."""
+    stderr (the engine's log: hand-backs, remote prefills) goes there instead of nowhere. `emu`: an emulated
+    accelerator (pdemulate: its flags, its token budget in place of `batch`)."""
     pin = ["taskset", "-c", str(core)] if core is not None and shutil.which("taskset") else []
     verbose = ["-v"] if log is not None else []  # info: each hand-back and remote prefill is a line
     cmd = [*(ns or []), *pin, sys.executable, "-m", "kascade_cli.main", *verbose, "engine", "serve", "--host", host, "--port", "0",
            "--act-port", "0", "--checkpoint", str(ckpt), "--model-name", MODEL, "--kv-tokens", "16384",
-           "--max-batch-tokens", str(batch), "--max-prompt-tokens", "500", "--transport", transport]
+           "--max-batch-tokens", str(emu.knee_tokens if emu else batch), "--max-prompt-tokens", "500",
+           "--transport", transport, *(emu.engine_args() if emu else [])]
     err = subprocess.DEVNULL if log is None else log.open("w")
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=ENV)
     assert p.stdout is not None
@@ -161,7 +171,8 @@ async def metric(url: str, name: str) -> float:
     return sum(x.value for f in text_string_to_metric_families(text) for x in f.samples if x.name == name)
 
 
-async def setup(ckpt: Path, mode: str, reqs: list[Request], max_tokens: int, policy: Any = None) -> dict[str, Any]:
+async def setup(ckpt: Path, mode: str, reqs: list[Request], max_tokens: int, policy: Any = None,
+                emu: Emulation | None = None) -> dict[str, Any]:
     from kascade_router.server import Router, static_routes
 
     procs: list[subprocess.Popen[str]] = []
@@ -170,8 +181,8 @@ async def setup(ckpt: Path, mode: str, reqs: list[Request], max_tokens: int, pol
         logs = os.environ.get("KASCADE_BENCH_ENGINE_LOGS")  # a folder for the engines' logs (evidence)
         if logs:
             Path(logs).mkdir(parents=True, exist_ok=True)
-        a, ah, aa = engine(ckpt, core=cores[0], log=Path(logs) / f"{mode}-a.log" if logs else None)
-        b, bh, ba = engine(ckpt, core=cores[-1], log=Path(logs) / f"{mode}-b.log" if logs else None)
+        a, ah, aa = engine(ckpt, core=cores[0], log=Path(logs) / f"{mode}-a.log" if logs else None, emu=emu)
+        b, bh, ba = engine(ckpt, core=cores[-1], log=Path(logs) / f"{mode}-b.log" if logs else None, emu=emu)
         procs += [a, b]
         if mode == "colocated":
             spec = f"{MODEL}=127.0.0.1:{ah},127.0.0.1:{bh}"
@@ -187,7 +198,7 @@ async def setup(ckpt: Path, mode: str, reqs: list[Request], max_tokens: int, pol
                                                  ENV["KASCADE_ENGINE_TOKEN"], stop_at, conversions, samples,
                                                  apply=mode == "disaggregated_convertible"))
         try:
-            t = time.monotonic()
+            t = time.monotonic()  # the trace's time 0 (conversions are logged in monotonic time)
             res = await run_trace(f"http://127.0.0.1:{router.port}", reqs, max_tokens)
             wall = time.monotonic() - t
         finally:
@@ -199,16 +210,21 @@ async def setup(ckpt: Path, mode: str, reqs: list[Request], max_tokens: int, pol
         fallbacks = await metric(f"http://127.0.0.1:{bh}", "kascade_pd_local_fallbacks_total")
         steps = {name: await step_times(f"http://127.0.0.1:{port}") for name, port in (("a", ah), ("b", bh))}
         return {"results": res, "wall_s": wall, "remote_prefills": remote, "fallbacks": fallbacks,
-                "conversions": conversions, "policy_samples": samples, "steps": steps}
+                "conversions": conversions, "policy_samples": samples, "steps": steps, "t0": t,
+                "decoder_local_prefills": None if mode == "colocated" else  # its requests whose KV P did not send
+                sum(not isinstance(x, str) for x in res) - steps["b"].get("remote_prefills", 0),
+                "decoder_handbacks": None if mode == "colocated" else steps["b"].get("handbacks", 0),
+                "emulation_floor": floor_check(steps, emu) if emu else None}
     finally:
         stop(procs)
 
 
-async def calibrate(ckpt: Path, max_tokens: int) -> tuple[float, float]:
-    """(TTFT s, mean TBT s) of the longest prompt the trace can hold, alone on one idle engine (median of 3)."""
+async def calibrate(ckpt: Path, max_tokens: int, emu: Emulation | None = None) -> tuple[float, float]:
+    """(TTFT s, mean TBT s) of the longest prompt the trace can hold, alone on one idle engine (median of 3), the
+    engine emulated as the setups' are (so the SLOs and the burst's load follow the emulated speed)."""
     procs: list[subprocess.Popen[str]] = []
     try:
-        p, ph, _ = engine(ckpt, core=sorted(os.sched_getaffinity(0))[0])
+        p, ph, _ = engine(ckpt, core=sorted(os.sched_getaffinity(0))[0], emu=emu)
         procs.append(p)
         rng = random.Random(5)
         longest = [rng.randrange(1, 2000) for _ in range(LONG[1])]
@@ -277,6 +293,9 @@ def summarize(r: dict[str, Any], reqs: list[Request], ttft_slo: float, tbt_slo: 
     def att(sel: list[tuple[float, float, int]], slo: float, k: int) -> float:
         return sum(x[k] <= slo for x in sel) / len(sel) if sel else math.nan
 
+    t0 = r.get("t0")
+    when = [{"at_s": round(c["t"] - t0, 2), "action": "take back" if "take back" in c["reason"] else "convert",
+             "chunk_tokens": c.get("chunk_tokens")} for c in r["conversions"]] if t0 is not None else None
     burst = [x for x, q in zip(res, reqs, strict=True) if q[2] and not isinstance(x, str)]
     bg = [x for x, q in zip(res, reqs, strict=True) if not q[2] and not isinstance(x, str)]
     nb = sum(q[2] for q in reqs)
@@ -291,7 +310,12 @@ def summarize(r: dict[str, Any], reqs: list[Request], ttft_slo: float, tbt_slo: 
             "burst_ttft_s": [round(x[0], 3) for x in burst],  # in arrival order: where the tail comes from
             "tbt_p50_s": pct(tbt, 50), "tbt_p99_s": pct(tbt, 99),
             "wall_s": r["wall_s"], "remote_prefills": r["remote_prefills"], "local_fallbacks": r["fallbacks"],
-            "conversions": r["conversions"], "steps": r.get("steps"),
+            "conversions": r["conversions"], "conversions_at": when, "steps": r.get("steps"),
+            # the converted decoder's measured share of a prefiller while converted (the policy's input), and the
+            # prompts it prefilled itself (requests it served whose KV did not come from a prefill engine) / handed back
+            "converted_digest": converted_digest(r.get("policy_samples") or []),
+            "decoder_local_prefills": r.get("decoder_local_prefills"), "decoder_handbacks": r.get("decoder_handbacks"),
+            "emulation_floor": r.get("emulation_floor"),
             "policy_samples": r.get("policy_samples"),
             "policy_velocities_used": sorted({json.dumps(c["velocity"]) for c in r["conversions"] if "velocity" in c})}
 
@@ -363,8 +387,26 @@ def main() -> None:
     ap.add_argument("--no-link", action="store_true", help="skip the link measurement")
     ap.add_argument("--sim-only", action="store_true",
                     help="only the simulator side, with the calibration of the last run's pd.json (no engines)")
+    ap.add_argument("--emulate-layer-ms", type=float, default=0.0,
+                    help="emulate an accelerator on every engine of every setup and the calibration's: each layer "
+                         "forward takes at least this long, steps of at most --emulate-knee-tokens tokens (bench/"
+                         "pdemulate.py; 0: real CPU, the headline mode). The output says the engines were emulated")
+    ap.add_argument("--emulate-knee-tokens", type=int,
+                    help="with --emulate-layer-ms: tokens a step holds at one layer time (every engine's "
+                         "--max-batch-tokens; default: the simulator's memory/compute knee, its step cost over its "
+                         "per-token cost)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
+    emu = None
+    if args.emulate_layer_ms:
+        try:
+            emu = Emulation(args.emulate_layer_ms, args.emulate_knee_tokens or sim_knee_tokens())
+        except ValueError as e:
+            ap.error(str(e))
+    elif args.emulate_knee_tokens is not None:
+        ap.error("--emulate-knee-tokens needs --emulate-layer-ms")
+    if emu and (args.sim_only or args.link_only):
+        ap.error("--emulate-layer-ms applies to the SLO setups: not with --sim-only or --link-only")
     transports = [t for t in args.link_transports.split(",") if t]
     bad = [t for t in transports if t not in ("tcp", "ucx")]
     if bad or not transports:
@@ -388,7 +430,7 @@ def main() -> None:
     from kascade_engine.checkpoint import tiny_llama
 
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = tiny_llama(Path(tmp) / MODEL, layers=8, hidden=512, vocab=2048, kv_heads=4)
+        ckpt = tiny_llama(Path(tmp) / MODEL, layers=LAYERS, hidden=512, vocab=2048, kv_heads=4)
         if args.link_only:
             lo: dict[str, Any] = {"model": "random Llama 8 layers, hidden 512, 4 KV heads (fp32, CPU)"}
             links(lo, ckpt, args.link_mbit, 3 if args.quick else 5, transports)
@@ -396,7 +438,9 @@ def main() -> None:
             (args.out / "pd-link.json").write_text(json.dumps(lo, indent=2))
             print(f"wrote {args.out / 'pd-link.json'}")
             return
-        ttft0, tbt0 = asyncio.run(calibrate(ckpt, args.max_tokens))
+        if emu:
+            print(f"ENGINES EMULATED: {emu.describe()['compute']}", flush=True)
+        ttft0, tbt0 = asyncio.run(calibrate(ckpt, args.max_tokens, emu))
         # one prefiller's velocity (the conversion policy's input, and the burst's yardstick): the longest
         # prompt alone, from the calibration
         velocity = LONG[1] / ttft0
@@ -407,7 +451,10 @@ def main() -> None:
                     f"x {args.ttft_x:g} = {ttft_slo * 1e3:.0f} ms, mean TBT {tbt0 * 1e3:.1f} ms x {args.tbt_x:g} = "
                     f"{tbt_slo * 1e3:.0f} ms (set before any setup ran)")
         print(slo_note, flush=True)
-        out: dict[str, Any] = {"model": "random Llama 8 layers, hidden 512, 4 KV heads (fp32, CPU)",
+        out: dict[str, Any] = {"model": "random Llama 8 layers, hidden 512, 4 KV heads (fp32, CPU)"
+                               + (f", EMULATED accelerator ({emu.layer_ms:g} ms per layer, {emu.knee_tokens}-token steps)"
+                                  if emu else ""),
+                               "engines": emu.describe() if emu else real_cpu(),
                                "trace": {"duration_s": duration, "background_rate_per_s": args.bg_rate,
                                          "background_prompt_tokens": SHORT, "burst_at_s": burst_at,
                                          "burst_s": burst, "burst_rate_per_s": burst_rate,
@@ -423,7 +470,7 @@ def main() -> None:
         out["policy_velocities"] = "measured online by the engines (kascade_*_velocity_tokens_per_second via the operator's Scraper)"
         spec = policy_spec(MODEL, tbt_slo, ttft_slo)
         for mode in modes:
-            r = asyncio.run(setup(ckpt, mode, reqs, args.max_tokens, spec))
+            r = asyncio.run(setup(ckpt, mode, reqs, args.max_tokens, spec, emu))
             out[mode] = summarize(r, reqs, ttft_slo, tbt_slo)
             print(mode, json.dumps({k: v for k, v in out[mode].items() if k != "policy_samples"}), flush=True)
         out["sim"] = sim_side(reqs, args.max_tokens, ttft0, args.ttft_x, args.tbt_x)
@@ -431,6 +478,8 @@ def main() -> None:
             out["link"], out["kv_transfer_over_link_rate"], out["link_note"] = None, None, "not measured: --no-link"
         else:
             links(out, ckpt, args.link_mbit, 3 if args.quick else 5, transports)
+            if emu:  # the link part measures the link: its engines compute at the CPU's pace
+                out["link_engines"] = "real CPU (not emulated)"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "pd.json").write_text(json.dumps(out, indent=2))
     pdreport.report(out, modes, len(reqs))

@@ -140,3 +140,22 @@ async def converter(decoder: Any, url: str, prefill_url: str, spec: Any, token: 
                     await asyncio.wait_for(stop_at.wait(), 0.25)
     finally:
         await scraper.aclose()
+
+
+def converted_digest(samples: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """What the converted decoder gave while it was converted, from the loop's samples: the share of a prefill
+    engine the policy measured (`converted_share`: the decoder's prompt tokens/s over the prefiller's, each from
+    its own steps) and the two rates, as min / median / max over the samples taken while converted (None:
+    never converted)."""
+    conv = [s for s in samples if s.get("converted")]
+    if not conv:
+        return None
+
+    def spread(vals: list[float]) -> list[float] | None:
+        vals = sorted(v for v in vals if v is not None)
+        return [round(vals[0], 3), round(vals[len(vals) // 2], 3), round(vals[-1], 3)] if vals else None
+
+    return {"samples": len(conv), "span_s": round(conv[-1]["t"] - conv[0]["t"], 2),
+            "converted_share": spread([s.get("converted_share") for s in conv]),
+            "decoder_prefill_tokens_per_s": spread([(s.get("prefill_rate") or {}).get("decode") for s in conv]),
+            "prefiller_prefill_tokens_per_s": spread([(s.get("prefill_rate") or {}).get("prefill") for s in conv])}
