@@ -395,6 +395,10 @@ def main() -> None:
                     help="with --emulate-layer-ms: tokens a step holds at one layer time (every engine's "
                          "--max-batch-tokens; default: the simulator's memory/compute knee, its step cost over its "
                          "per-token cost)")
+    ap.add_argument("--typed-prefill-velocity", action="store_true",
+                    help="diagnostic: type the calibrated prefill velocity into the service spec (tokenVelocity."
+                         "prefillTokensPerSecond) instead of the engines' measured one, which the operator takes "
+                         "from the slowest prompt-length bucket")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
     emu = None
@@ -468,7 +472,11 @@ def main() -> None:
         # the engines measure online (policy_spec types none), recorded per decision in its `conversions`
         out["calibrated_prefill_velocity_tokens_per_s"] = velocity
         out["policy_velocities"] = "measured online by the engines (kascade_*_velocity_tokens_per_second via the operator's Scraper)"
-        spec = policy_spec(MODEL, tbt_slo, ttft_slo)
+        if args.typed_prefill_velocity:
+            out["policy_velocities"] = (f"prefill TYPED in the spec: the calibrated {velocity:.0f} tok/s (--typed-prefill-"
+                                        "velocity, a diagnostic); network and decode measured online by the engines")
+            print(out["policy_velocities"], flush=True)
+        spec = policy_spec(MODEL, tbt_slo, ttft_slo, velocity if args.typed_prefill_velocity else None)
         for mode in modes:
             r = asyncio.run(setup(ckpt, mode, reqs, args.max_tokens, spec, emu))
             out[mode] = summarize(r, reqs, ttft_slo, tbt_slo)

@@ -18,16 +18,22 @@ from typing import Any
 import aiohttp
 
 
-def policy_spec(model: str, tbt_slo: float, ttft_slo: float) -> Any:
+def policy_spec(model: str, tbt_slo: float, ttft_slo: float, prefill_velocity: float | None = None) -> Any:
     """The bench's service as the operator would read it: disaggregated, the bench's SLOs, tokenVelocity
     with NO typed velocities (the engines' measured ones are the only input), bounds 1..4 per role (the
-    P:D ratio policy's room; the bench's engines stay 1 + 1, so its answer is recorded, not applied)."""
+    P:D ratio policy's room; the bench's engines stay 1 + 1, so its answer is recorded, not applied).
+    `prefill_velocity` (a diagnostic run): typed into tokenVelocity.prefillTokensPerSecond, as a user may, in
+    place of the engines' measured prefill velocity."""
     from kascade_operator.api import ModelServiceSpec
+
+    scaling: dict[str, Any] = {"policy": "tokenVelocity"}
+    if prefill_velocity is not None:
+        scaling["tokenVelocity"] = {"prefillTokensPerSecond": prefill_velocity}
 
     return ModelServiceSpec.model_validate({
         "model": {"name": model, "source": {"path": "/models/pd"}, "layers": 8}, "engine": {"image": "kascade:dev"},
         "mode": "disaggregated", "replicas": {"prefill": {"min": 1, "max": 4}, "decode": {"min": 1, "max": 4}},
-        "slo": {"ttftMs": ttft_slo * 1e3, "tbtMs": tbt_slo * 1e3}, "scaling": {"policy": "tokenVelocity"}})
+        "slo": {"ttftMs": ttft_slo * 1e3, "tbtMs": tbt_slo * 1e3}, "scaling": scaling})
 
 
 async def step_times(url: str) -> dict[str, Any]:
