@@ -27,6 +27,24 @@ def harness() -> ModuleType:
 
 
 @pytest.fixture(scope="session")
+def netlab() -> ModuleType:
+    """bench/netlab.py (namespaces joined by tbf/htb links), or a skip naming what this machine lacks (root,
+    namespaces with tc)."""
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root (ip netns, tc)")
+    spec = importlib.util.spec_from_file_location("dp_netlab", Path(__file__).parents[2] / "bench" / "netlab.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    why = mod.available()
+    if why is not None:
+        pytest.skip(f"no namespaces with tc here: {why}")
+    return mod
+
+
+@pytest.fixture(scope="session")
 def tiny_blocks(tmp_path_factory: pytest.TempPathFactory, harness: ModuleType) -> BlockSet:
     path = harness.tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", layers=6, hidden=128)
     return harness.packed(path)  # type: ignore[no-any-return]

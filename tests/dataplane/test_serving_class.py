@@ -11,7 +11,6 @@ the link's queue full, the tail of ZigZag's TTFT).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import secrets
@@ -20,7 +19,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -62,29 +60,15 @@ def test_serving_socket_names_the_address_it_could_not_bind() -> None:
 # -- a real engine -------------------------------------------------------------------------------------
 
 def _engine(tmp: Path, *flags: str) -> Iterator[int]:
+    from kascade_devcluster.localengine import start_engine
     from kascade_engine.checkpoint import tiny_llama
 
     ckpt = tiny_llama(tmp / "tiny-tos", layers=1, hidden=32, vocab=128)
-    err = tmp / "engine.stderr"
-    with err.open("w") as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "kascade_cli.main", "engine", "serve", "--checkpoint", str(ckpt),
-                                 "--empty", "--host", "127.0.0.1", "--port", "0", *flags],
-                                stdout=subprocess.PIPE, stderr=stderr, text=True,
-                                env={**os.environ, "KASCADE_ENGINE_TOKEN": "t"})
-    assert proc.stdout is not None
+    e = start_engine(["--checkpoint", str(ckpt), "--empty", "--host", "127.0.0.1", *flags], "t")
     try:
-        deadline, port = time.monotonic() + 120, None
-        while time.monotonic() < deadline and port is None:
-            line = proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"engine exited {proc.wait()}: {err.read_text()[-2000:]}")
-            if line.startswith("KASCADE_ENGINE_READY"):
-                port = int(dict(p.split("=") for p in line.split()[1:])["http"])
-        assert port is not None, "the engine did not say READY in 120 s"
-        yield port
+        yield e.http
     finally:
-        proc.terminate()
-        proc.wait(10)
+        e.stop()
 
 
 def _server_tos(port: int) -> int:
@@ -108,19 +92,6 @@ def test_a_real_engine_answers_http_in_its_latency_class(tmp_path: Path, flags: 
 
 # -- why: the emulated links ---------------------------------------------------------------------------
 
-def _netlab() -> ModuleType:
-    """bench/netlab.py, or a skip naming what this machine lacks (root, namespaces with tc)."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root (ip netns, tc)")
-    path = Path(__file__).parents[2] / "bench" / "netlab.py"
-    spec = importlib.util.spec_from_file_location("netlab_serving_class", path)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    why = mod.available()
-    if why is not None:
-        pytest.skip(f"no namespaces with tc here: {why}")
-    return mod
 
 
 # host 0: a weight stream to host 1 (unmarked, as the engine's weight transport) and a server answering each
@@ -189,11 +160,10 @@ def _round_trips(netlab: ModuleType, marked: bool) -> list[float]:
 
 
 @pytest.mark.netns
-def test_on_a_link_full_of_weights_marked_answers_skip_the_queue() -> None:
+def test_on_a_link_full_of_weights_marked_answers_skip_the_queue(netlab: ModuleType) -> None:
     """7 Mbit/s (the live bench's links): the weight stream's slow start fills host 0's upload queue (~0.3 s: 10 ms
     plus the 256 KiB burst). Unmarked, an answer waits that queue; marked (the engine's HTTP listener now), it
     goes first and waits at most the bulk packet being sent (measured: 20-40 ms against 0.26-0.32 s unmarked)."""
-    netlab = _netlab()
     unmarked, marked = _round_trips(netlab, False), _round_trips(netlab, True)
     assert statistics.median(unmarked[:3]) > 0.15, unmarked
     assert max(marked) < 0.1, marked

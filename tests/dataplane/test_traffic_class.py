@@ -6,8 +6,6 @@ class through their activation htb class, everything else through bulk (read fro
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import os
 import secrets
 import socket
 import subprocess
@@ -103,22 +101,7 @@ def test_plain_transport_marks_nothing_by_default() -> None:
     assert ACTIVATION.tos == 0x88  # AF41, what docs/architecture.md tells a fabric to prioritise
 
 
-# -- the emulated links (bench/netlab.py) -----------------------------------------------------------
-
-def _netlab() -> ModuleType:
-    """bench/netlab.py, or a skip naming what this machine lacks (root, namespaces with tc)."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root (ip netns, tc)")
-    path = Path(__file__).parents[2] / "bench" / "netlab.py"
-    spec = importlib.util.spec_from_file_location("netlab_under_test", path)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    why = mod.available()
-    if why is not None:
-        pytest.skip(f"no namespaces with tc here: {why}")
-    return mod
-
+# -- the emulated links (bench/netlab.py, the `netlab` fixture in conftest.py) ------------------------
 
 SEND = """
 import socket, sys
@@ -131,8 +114,7 @@ for _ in range(n):
 
 
 @pytest.mark.netns
-def test_netlab_links_send_the_activation_class_through_its_own_htb_class() -> None:
-    netlab = _netlab()
+def test_netlab_links_send_the_activation_class_through_its_own_htb_class(netlab: ModuleType) -> None:
     lab = netlab.NetLab(2, rate_mbit=50, prefix=f"kq{secrets.token_hex(2)}", qos=True)
     act, bulk, n = netlab.ACTIVATION_CLASS, netlab.BULK_CLASS, 40
     with lab:
@@ -155,10 +137,9 @@ def test_netlab_links_send_the_activation_class_through_its_own_htb_class() -> N
 
 
 @pytest.mark.netns
-def test_two_group_netlab_links_send_the_activation_class_first_under_each_peer_leaf() -> None:
+def test_two_group_netlab_links_send_the_activation_class_first_under_each_peer_leaf(netlab: ModuleType) -> None:
     """Two leaves and a spine (groups=2): with QoS, the per-peer leaf of host 0's uplink (and of the switch
     port to the receiver) queues the marked packets in its activation class, in-group and cross-group alike."""
-    netlab = _netlab()
     lab = netlab.NetLab(4, rate_mbit=50, groups=2, spine_ratio=0.5, prefix=f"kq{secrets.token_hex(2)}", qos=True)
     act, bulk, n = netlab.ACTIVATION_CLASS, netlab.BULK_CLASS, 40
     with lab:
