@@ -116,12 +116,12 @@ def staggered(model: LlamaModel, cache: KVCache, rows: list[Row], knee_tokens: i
             return cost
         present = sorted((r for r in rows if r.a <= u < r.b), key=lambda r: r.n > 1)  # decodes first
         if present:
-            cost += _layer_cost(sum(r.n for r in present), 1, knee_tokens)
+            cost += layer_cost(sum(r.n for r in present), 1, knee_tokens)
             _run(model, cache, present, u, u + 1)
         u += 1
 
 
-def _layer_cost(tokens: int, layers: int, knee_tokens: int) -> float:
+def layer_cost(tokens: int, layers: int, knee_tokens: int) -> float:
     return layers * (max(1.0, tokens / knee_tokens) if knee_tokens > 0 else 1.0)
 
 
@@ -140,7 +140,7 @@ def _segments(model: LlamaModel, cache: KVCache, rows: list[Row], knee_tokens: i
         present = sorted((r for r in rows if r.a <= u and r.b >= v), key=lambda r: r.n > 1)  # decodes first
         if not present:
             continue
-        cost += _layer_cost(sum(r.n for r in present), v - u, knee_tokens)
+        cost += layer_cost(sum(r.n for r in present), v - u, knee_tokens)
         _run(model, cache, present, u, v)
     return cost
 

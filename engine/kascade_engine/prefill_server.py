@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kascade_engine.cooperation import pace
+from kascade_engine.cooperation import layer_cost, pace
 from kascade_engine.engine import Event
 from kascade_engine.handback import SERVED
 from kascade_engine.kv_wire import Header, KVShape, KVWireError, digest, fallback, kv_header, waited_s
@@ -121,11 +121,13 @@ class KVShipper:
         batch = build_batch(engine.cache, [(pool.tables[w.id], w.start, w.n) for w in work])
         h = m.embed(torch.tensor(ids, dtype=torch.long, device=m.device))
         # an emulated accelerator (--emulate-layer-ms, the hook's HostRows.layer_s): a layer takes at least that
-        # here too; without it a prefill engine that ships KV ran at the host CPU's pace whatever the setting
+        # here too, past the knee (--emulate-knee-tokens) in proportion to its tokens, as `staggered` charges every
+        # other step; without it a prefill engine that ships KV ran at the host CPU's pace whatever the setting
         layer_s, t0 = getattr(self.inner, "layer_s", 0.0), time.perf_counter()
+        per_layer = layer_cost(len(ids), 1, getattr(self.inner, "knee_tokens", 0))
         for layer in range(L):  # one layer for the whole batch, then its KV leaves while the next computes
             h = m.run_layers(layer, layer + 1, h, batch)
-            pace(t0, layer + 1, layer_s)
+            pace(t0, (layer + 1) * per_layer, layer_s)
             self._ship(engine, remote, layer)
         logits = m.logits(h[torch.tensor(rows, dtype=torch.long, device=m.device)])
         out = []
