@@ -21,8 +21,9 @@ prefill engine computes the whole prompt, its KV and first token come back, and 
 batch as a decode. Nothing reached the client before (no token was out), and every token after comes from
 the same remote-prefill path whose greedy output equals the colocated engine's; if the peer fails, the
 prompt is prefilled here after all (RemotePrefill's local fallback), not lost. One that got its first token
-is never touched again. The answer names who prefilled the prompt (HANDED_BACK_HEADER), decided by its first
-token (Event.prefilled_by), not by the hand-back: a failed remote prefill is no longer answered as the peer's.
+is never touched again. The answer names who prefills the prompt (HANDED_BACK_HEADER), settled once the
+hand-back's prefill op went out to the peer (a dead peer fails before: the prompt is prefilled here and the answer
+names none), else at its first token (Serving.decisions): the router counts and times the prompt there from then.
 
 The rule (`kascade_planner.conversion.hand_back_verdict`, pure, the simulator's too), at each check: no progress over the bound -> hand back; progress -> this engine's
 predicted finish of the prompt's prefill (the tokens left / the rate it got over the last bound, i.e. what its
@@ -76,7 +77,7 @@ class HandBack:
         if why is None:
             return False
         self.count(rid, why, peer, "on arrival")
-        self.inst.remote_prefill.start(rid, prompt, params, peer, local)
+        self.inst.remote_prefill.start(rid, prompt, params, peer, local, settles=True)
         return True
 
     def refuses(self, prompt_len: int, peer: str | None) -> str | None:
@@ -166,4 +167,4 @@ class HandBack:
             inst.engine.submit(prompt, params, rid, arrived=arrived)
             inst.serving.wake.set()
 
-        inst.remote_prefill.start(rid, prompt, params, peer, local, arrived)
+        inst.remote_prefill.start(rid, prompt, params, peer, local, arrived, settles=True)

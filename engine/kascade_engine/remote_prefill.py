@@ -14,6 +14,9 @@ falls back to a local prefill of the same request: PD never fails a request, it 
 A peer that is a converted decoder may hand the prompt back ({"op": "handback"}: its budget leaves the prompt no
 progress, handback.py): it then goes to the `fallback` prefill engine the router named (queued there by its
 arrival here), or is prefilled here without one.
+Who prefills a prompt that may be handed back is settled as soon as it is known (`Serving.decide`, the answer's
+HANDED_BACK_HEADER): when a hand-back's prefill op went out to its prefill engine (`settles`), or when it is to be
+prefilled here.
 """
 
 from __future__ import annotations
@@ -72,38 +75,48 @@ class RemotePrefill:
         self.joining: dict[str, int] = {}
 
     def start(self, rid: str, prompt: list[int], params: SamplingParams, peer: str,
-              local: Callable[[], None], arrived: float | None = None, fallback: str | None = None) -> None:
+              local: Callable[[], None], arrived: float | None = None, fallback: str | None = None,
+              settles: bool = False) -> None:
         """Prefill `rid` on `peer`; `local()` submits it here instead (called on the event loop). `arrived`
         (this engine's monotonic clock; None: now): when the prompt arrived here, so the peer queues it by
         the time it already waited (a handed-back prompt, handback.py). `fallback`: where the prompt goes if
-        `peer` (a converted decoder) hands it back; None: it is prefilled here then."""
-        task = asyncio.get_running_loop().create_task(self._run(rid, prompt, params, peer, local, arrived, fallback))
+        `peer` (a converted decoder) hands it back; None: it is prefilled here then. `settles`: `peer` is where a
+        hand-back sends it (it will not hand it back again): once the prefill op is sent, `peer` prefills it."""
+        task = asyncio.get_running_loop().create_task(
+            self._run(rid, prompt, params, peer, local, arrived, fallback, settles))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
     async def _run(self, rid: str, prompt: list[int], params: SamplingParams, peer: str,
-                   local: Callable[[], None], arrived: float | None = None, fallback: str | None = None) -> None:
+                   local: Callable[[], None], arrived: float | None = None, fallback: str | None = None,
+                   settles: bool = False) -> None:
         t0 = time.monotonic()
         self.pending[rid] = (peer, t0)
         self.joining[rid] = len(prompt)
+        serving = self.inst.serving
+
+        def here() -> None:  # prefilled here after all: settled now, not at its first token
+            serving.decide(rid, None)
+            local()
+
         try:
-            token, k, v = await self._fetch(rid, prompt, params, peer, arrived, fallback)
+            token, k, v = await self._fetch(rid, prompt, params, peer, arrived, fallback, settles)
         except HandedBack as e:  # not a failure of the peer: it declined the prompt by the hand-back rule
             self.handed_back += 1
             log.info("request %s: %s handed it back (%s); prefilling it on %s", rid, peer, e, fallback or "this engine")
             if rid not in self.inst.serving.queues:
                 return
             if fallback is not None and fallback != peer:  # queued there by its arrival here
-                self.start(rid, prompt, params, fallback, local, t0 if arrived is None else arrived)
+                self.start(rid, prompt, params, fallback, local, t0 if arrived is None else arrived, settles=True)
             else:
-                local()
+                here()
             return
         except (RemotePrefillError, KVWireError, TransportError, OSError, RuntimeError, ValueError, TimeoutError) as e:
             self.fallbacks += 1
             self.inst.pd_metrics.fallbacks.inc()
             log.warning("request %s: remote prefill on %s failed (%s); prefilling locally", rid, peer, e)
             if rid in self.inst.serving.queues:
-                local()
+                here()
             return
         finally:
             self.pending.pop(rid, None)
@@ -125,8 +138,8 @@ class RemotePrefill:
         return remote_prefill_s(self.took.get(peer), [now - t for p, t in tuple(self.pending.values()) if p == peer])
 
     async def _fetch(self, rid: str, prompt: list[int], params: SamplingParams, peer: str,
-                     arrived: float | None = None,
-                     fallback: str | None = None) -> tuple[int, torch.Tensor, torch.Tensor]:
+                     arrived: float | None = None, fallback: str | None = None,
+                     settles: bool = False) -> tuple[int, torch.Tensor, torch.Tensor]:
         shape = kv_shape(self.inst)
         conn, _ = await self.pool.take(peer)
         ok = False
@@ -134,6 +147,8 @@ class RemotePrefill:
             waited = 0.0 if arrived is None else max(0.0, time.monotonic() - arrived)
             await conn.send(PrefillOp(rid, prompt, params.temperature, params.top_p, params.seed, shape,
                                       waited, fallback).to_header())
+            if settles:  # the op reached a prefill engine (a dead one fails above): the answer can name it now
+                self.inst.serving.decide(rid, peer)
             n = len(prompt)
             dt = self.inst.dtype
             staged = {part: torch.empty((shape.layers, n, shape.kv_heads, shape.head_dim), dtype=dt)

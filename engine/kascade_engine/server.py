@@ -32,9 +32,11 @@ from kascade_engine.serving import RequestError, handed_back
 from kascade_planner.engine_api import (
     HANDED_BACK_HEADER,
     PREFILL_FALLBACK_HEADER,
+    PREFILL_HEADER,
     PREFILL_RATE_HEADER,
     PREFILL_ROOM_HEADER,
     SERVING_SHARE_HEADER,
+    HandedBack,
 )
 
 log = logging.getLogger(__name__)
@@ -110,16 +112,16 @@ def create_app(inst: EngineInstance) -> FastAPI:
             raise RequestError(400, f"prompt ({longest} tokens) + {field} ({want}) exceeds the context of {ctx} "
                                "tokens", field)
         call = Call(inst, body, prompts, want, prefill_peer(request), peer_header(request, PREFILL_FALLBACK_HEADER))
-        watched = inst.serving.watched(call.rids)  # prompts this converted decoder prefills itself, may hand back
+        watched = inst.serving.watched(call.rids)  # prompts that may be prefilled elsewhere than the router said
         if not body.stream:
             doc = await until_client_leaves(request, call.json())
             handed = await handed_back(watched)  # settled by now: every prompt got its tokens
             return JSONResponse(doc, headers=answer_headers(inst, handed))
         handed = None
         if watched:
-            # the answer (its headers) starts once each is settled, at the prompt's first token, so it names the
-            # prefill engine whose KV the prompt got if it was handed to one (the router's PD accounting, the
-            # client's X-Kascade-Prefilled-By), and none when this engine prefilled it, a failed hand-back too
+            # the answer (its headers) starts once each is settled (Serving.decisions: a hand-back's op went out,
+            # the prompt is to be prefilled here, or its first token came), so it names who prefills the prompt when
+            # that is not the engine the router said, and the router counts and times it there from then
             try:
                 handed = await until_client_leaves(request, handed_back(watched))
             except RequestError:
@@ -242,16 +244,13 @@ def load_headers(inst: EngineInstance) -> dict[str, str]:
     return {**out, **rate_header(inst)}
 
 
-def answer_headers(inst: EngineInstance, handed: str | None) -> dict[str, str]:
+def answer_headers(inst: EngineInstance, handed: HandedBack | None) -> dict[str, str]:
     """An answer's headers, built as it starts (the router replaces what it knew with these): `load_headers`,
-    and HANDED_BACK_HEADER naming the prefill engine a prompt was handed to."""
+    and HANDED_BACK_HEADER naming who prefills a prompt when not the engine the router said."""
     out = load_headers(inst)
     if handed is not None:
-        out[HANDED_BACK_HEADER] = handed
+        out[HANDED_BACK_HEADER] = handed.header()
     return out
-
-
-PREFILL_HEADER = "x-kascade-prefill"  # the router's PD choice: host:port of a prefill engine's data port
 
 
 def prefill_peer(request: Request) -> str | None:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from kascade_engine import timeline
 from kascade_engine.engine import Event
 from kascade_engine.sampling import SamplingParams
+from kascade_planner.engine_api import HandedBack
 
 if TYPE_CHECKING:
     from kascade_engine.instance import EngineInstance
@@ -40,13 +41,18 @@ class Serving:
         self.inst = inst
         self.queues: dict[str, asyncio.Queue[Event | Exception]] = {}
         self._ended: dict[str, str] = {}  # finish reasons set by the caller (a stop string matched)
-        # a prompt a converted decoder was sent to prefill itself, which it may hand to a prefill engine (on arrival
-        # or under its hand-back watch): resolved at its first event (token or error) with who prefilled it (the
-        # prefill engine's address when its KV came from there, None when prefilled here), or None at its end.
-        # server.py answers such a request only once this is decided, so the answer names who really prefilled:
-        # resolved at the hand-back instead, a hand-back whose remote prefill failed (and fell back to a prefill
-        # here) was still answered as prefilled there
-        self.decisions: dict[str, asyncio.Future[str | None]] = {}
+        # a prompt that may be prefilled elsewhere than the router said (it sent PREFILL_FALLBACK_HEADER): one a
+        # converted decoder was sent to prefill itself, which it may hand to that prefill engine (on arrival or under
+        # its hand-back watch), or one a converted decoder prefills for this engine, which it may decline or hand
+        # back. rid -> (the answer's HandedBack once settled, or None: prefilled where the router said; the engine the
+        # router named, None: this one). Settled (`decide`) as soon as who prefills it is known: the prefill op of a
+        # hand-back went out to its prefill engine (RemotePrefill, `settles`), it is to be prefilled here after all,
+        # or its first event came (from the engine named). server.py answers such a request only once settled, so the
+        # router moves its accounting then. Settled at the first token only (2026-11-27-e), the router counted the
+        # prompt on the engine that gave it away until its first token, timed that engine's first token (P's TTFT of a
+        # handed-back prompt read ~0), and named it in X-Kascade-Prefilled-By. A prefill engine that took the op and
+        # then fails leaves the answer naming it while this engine prefills the prompt (as in plain PD).
+        self.decisions: dict[str, tuple[asyncio.Future[HandedBack | None], str | None]] = {}
         self.wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -67,15 +73,26 @@ class Serving:
         if events and self._loop is not None:
             self._loop.call_soon_threadsafe(self._route, events)
 
-    def decide(self, rid: str, handed_to: str | None) -> None:
-        """`rid`'s hand-back question is settled: handed to that prefill engine, or not (None)."""
-        f = self.decisions.pop(rid, None)
-        if f is not None and not f.done():
-            f.set_result(handed_to)
+    def expect(self, rid: str, named: str | None) -> None:
+        """`rid` may be prefilled elsewhere than on `named` (the engine the router named; None: this one)."""
+        self.decisions[rid] = (asyncio.get_running_loop().create_future(), named)
 
-    def watched(self, rids: list[str]) -> list[asyncio.Future[str | None]]:
+    def decide(self, rid: str, by: str | None) -> None:
+        """`rid` is prefilled by `by` (a prefill engine's data address; None: this engine): its answer says so when
+        that is not the engine the router named. Once: the first call settles it."""
+        entry = self.decisions.pop(rid, None)
+        if entry is not None and not entry[0].done():
+            entry[0].set_result(None if by == entry[1] else HandedBack(by))
+
+    def drop(self, rid: str) -> None:
+        """`rid` ended before anything was settled: its answer names no hand-back."""
+        entry = self.decisions.pop(rid, None)
+        if entry is not None and not entry[0].done():
+            entry[0].set_result(None)
+
+    def watched(self, rids: list[str]) -> list[asyncio.Future[HandedBack | None]]:
         """The hand-back questions of `rids` still open (taken now: `decide` drops them once settled)."""
-        return [f for f in (self.decisions.get(r) for r in rids) if f is not None]
+        return [e[0] for e in (self.decisions.get(r) for r in rids) if e is not None]
 
     def _route(self, events: list[Event]) -> None:
         now = time.monotonic()
@@ -151,12 +168,14 @@ class Serving:
         pair = self.inst.pair if not self.inst.model.complete else None
         try:
             if prefill is not None and pair is None:  # `fallback` here: where it goes if that peer hands it back
+                if fallback is not None:  # the peer is a converted decoder: the answer waits to name who prefills
+                    self.expect(rid, prefill)
                 self.inst.remote_prefill.start(rid, prompt, params, prefill, go, fallback=fallback)
             elif pair is not None:  # live: now, or once the ZigZag schedule's prefix is resident
                 pair.admit(rid, go, self.queues[rid].put_nowait, len(prompt))
             elif fallback is not None and self.inst.engine.limits.prefill_chunk_tokens is not None \
                     and self.inst.handback.after_s is not None:  # converted: it may go to the fallback
-                self.decisions[rid] = asyncio.get_running_loop().create_future()
+                self.expect(rid, None)
                 if not self.inst.handback.on_arrival(rid, prompt, params, fallback, go):
                     go()
                     self.inst.handback.watch(rid, prompt, params, fallback)
@@ -164,7 +183,7 @@ class Serving:
                 go()
         except ValueError as e:
             self.queues.pop(rid, None)
-            self.decisions.pop(rid, None)
+            self.drop(rid)
             raise RequestError(400, str(e), "max_tokens") from None
         self.inst.metrics.on_request(len(prompt))
         return rid
@@ -190,14 +209,14 @@ class Serving:
                     return
         finally:
             self.queues.pop(rid, None)
-            self.decide(rid, None)
+            self.drop(rid)
             self.inst.metrics.on_finish(self._ended.pop(rid, reason), time.monotonic() - t0)
             if rid in self.inst.engine.requests or reason == "abort":  # the client went away: free its pages
                 # (or abort it on the live pair it was redirected to)
                 self.abort(rid)
 
     def abort(self, rid: str) -> None:
-        self.decide(rid, None)
+        self.drop(rid)
         self.inst.engine.abort(rid)
         for fwd in self.inst.forwarders.values():  # a request handed to another engine (liveredirect.py): abort it there
             fwd.abort(rid)
@@ -209,8 +228,8 @@ class Serving:
         self.abort(rid)
 
 
-async def handed_back(watched: list[asyncio.Future[str | None]]) -> str | None:
-    """Once each of these hand-back questions is settled: the prefill engine one prompt was handed to, or None."""
+async def handed_back(watched: list[asyncio.Future[HandedBack | None]]) -> HandedBack | None:
+    """Once each of these hand-back questions is settled: where one prompt was handed to, or None."""
     out = None
     for f in watched:
         out = await asyncio.shield(f) or out

@@ -35,11 +35,38 @@ PREFILL_RATE_HEADER = "X-Kascade-Prefill-Rate"
 # (ConvertRequest.hand_back_ms) before any token, the decoder hands the prompt to that engine (its KV comes back
 # as in disaggregated serving) instead of holding it until its batch drains.
 PREFILL_FALLBACK_HEADER = "X-Kascade-Prefill-Fallback"
-# Response header of a converted decoder on an answer whose prompt it handed back to the prefill engine named in
-# PREFILL_FALLBACK_HEADER: that data address. An answer to such a request (a prompt the decoder was to prefill
-# itself) starts only once that is decided (its first token, or the hand-back), so the router can count the
-# prefill on that engine (its PD accounting and X-Kascade-Prefilled-By), as for a prompt it had sent there.
+# Request header from a router to a decode engine (disaggregated serving): host:port of the data port of the engine
+# that prefills the prompt (a prefill engine, or a converted decoder, which then comes with PREFILL_FALLBACK_HEADER).
+PREFILL_HEADER = "X-Kascade-Prefill"
+# Response header on an answer whose prompt is prefilled elsewhere than the router said (`HandedBack`): a converted
+# decoder handed it to the fallback prefill engine, or a converted decoder named in PREFILL_HEADER declined it or
+# handed it back and the decode engine prefills it on the fallback or itself. An answer to a request that may be
+# handed back (PREFILL_FALLBACK_HEADER present) starts only once that is settled (the prompt's prefill op went to
+# the fallback, this engine prefills it, or its first token came from the engine named), so the router counts the
+# prompt on the engine that prefills it from then on (its PD accounting, first-token timing, X-Kascade-Prefilled-By).
 HANDED_BACK_HEADER = "X-Kascade-Handed-Back"
+HANDED_BACK_HERE = "here"  # HANDED_BACK_HEADER's value when the answering engine prefills the prompt itself
+
+
+@dataclass(frozen=True)
+class HandedBack:
+    """HANDED_BACK_HEADER's message: who prefills a prompt the router named another engine for (`to`: the data
+    address host:port of the prefill engine it went to; None: the answering engine itself)."""
+
+    to: str | None
+
+    def header(self) -> str:
+        return HANDED_BACK_HERE if self.to is None else self.to
+
+    @staticmethod
+    def parse(value: str) -> HandedBack:
+        """From the header's value; a WireError naming the header when it is neither host:port nor HANDED_BACK_HERE."""
+        if value == HANDED_BACK_HERE:
+            return HandedBack(None)
+        host, _, port = value.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise WireError(HANDED_BACK_HEADER, f"expected host:port or {HANDED_BACK_HERE!r}, got {value!r}")
+        return HandedBack(value)
 
 # spec.model.source.uri / bind source.uri: a Hugging Face Hub repo, REVISION a branch, tag or commit
 # (the CRD's pattern, the operator's pydantic mirror and the engine's parser all use this one)

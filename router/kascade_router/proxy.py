@@ -16,7 +16,7 @@ callback, not by this handler).
 
 First tokens: each request is one `firsttoken.Waiting` on the engine that prefills it (the prefill engine in
 disaggregated serving, else the engine it went to; moved to the prefill engine a converted decoder hands it
-to), ended by its first token (a stream's first data event after its chat role events, seen in the socket
+to, or to the decoder that prefills a prompt a converted decoder declined for it), ended by its first token (a stream's first data event after its chat role events, seen in the socket
 callback: `Answer.on_token`), for a non-streamed answer by the answer itself (the whole answer: its TTFT is
 an upper bound), else by its end without one. They live on the `Backend` (`Backend.first_tokens`), so a
 model's `Routes` entry owns them and they go with the backend when its pod leaves. The prefill engine's
@@ -41,9 +41,12 @@ from aiohttp import web
 from kascade_planner.engine_api import (
     HANDED_BACK_HEADER,
     PREFILL_FALLBACK_HEADER,
+    PREFILL_HEADER,
     PREFILL_RATE_HEADER,
     PREFILL_ROOM_HEADER,
     SERVING_SHARE_HEADER,
+    HandedBack,
+    WireError,
 )
 from kascade_router.backends import Backend, Routes
 from kascade_router.balancer import fallback_prefill, pick, pick_pd
@@ -55,7 +58,7 @@ from kascade_router.upstream import Answer, UpstreamError, Upstreams
 log = logging.getLogger(__name__)
 REQUEST_ID = "X-Request-Id"
 REPLICA = "X-Kascade-Replica"  # which pod answered (clients, tests and logs can tell)
-PREFILL = "X-Kascade-Prefill"  # to a decode engine: host:port of the prefill engine's data port (PD)
+PREFILL = PREFILL_HEADER  # to a decode engine: host:port of the prefill engine's data port (PD)
 PREFILLED_BY = "X-Kascade-Prefilled-By"  # to the client: which prefill pod the router chose
 _RID_OK = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _SSE = "text/event-stream"
@@ -220,8 +223,7 @@ class Proxy:
             send[PREFILL] = pre.data
             pre.in_flight += 1  # a prefill engine is busy with this request until its first token
         if fallback is not None and fallback.data:  # a converted decoder prefills it: where to hand it back
-            # (`pre` one: b names it in its prefill op; b's answer then says nothing of a hand-back, so until the
-            # first token the router counts the prompt on `pre`, one prompt's interval of stale accounting)
+            # (`pre` one: b names it in its prefill op); b answers once who prefills it is settled (HANDED_BACK_HEADER)
             send[PREFILL_FALLBACK_HEADER] = fallback.data
         timeout = self.s.read_timeout_s
         try:
@@ -238,22 +240,26 @@ class Proxy:
             b.reported(up.headers.get(SERVING_SHARE_HEADER_LC))
             b.reported_room(up.headers.get(PREFILL_ROOM_HEADER_LC))
             b.reported_rate(up.headers.get(PREFILL_RATE_HEADER_LC))
-            handed = up.headers.get(HANDED_BACK_HEADER_LC)
-            if handed is not None and fallback is not None and pre is None and handed == fallback.data:
-                # the converted decoder handed this prompt to the prefill engine we named: from now until its
-                # first token that engine prefills it (its load), not the decoder, and the client is told so
+            to = _handed_to(up.headers.get(HANDED_BACK_HEADER_LC), b, fallback, rid)
+            moved = to is not None and to is not prefills
+            if moved and to is not None:
+                # the prompt is prefilled elsewhere than we said: a converted decoder (b itself, or `pre` for b)
+                # gave it to the prefill engine we named as fallback, or b prefills it itself. From now until its
+                # first token that engine prefills it (its load, its first token), and the client is told so
                 prefills.prefilling -= 1
-                prefills = prefiller = pre = fallback
-                fallback.prefilling += 1
-                fallback.in_flight += 1
+                if pre is not None:
+                    pre.in_flight -= 1
+                pre = to if to is not b else None  # b's own in_flight already counts the request
+                if pre is not None:
+                    pre.in_flight += 1
+                prefills = prefiller = to
+                to.prefilling += 1
                 now = time.monotonic()  # its wait for a first token continues there
                 wait.gone(now)
-                wait = Waiting(fallback.first_tokens, now)
+                # a non-streamed answer starts at its end: its first token is long past, it times nothing there
+                wait = Waiting(to.first_tokens, now)
                 if d is not None:
                     d.handbacks += 1
-            elif handed is not None:
-                log.warning("request %s: %s says it handed the prompt to %r, not the prefill engine named (%s)",
-                            rid, b.pod, handed, fallback.data if fallback else None)
             headers = {REQUEST_ID: rid, REPLICA: b.pod}
             if pre is not None:
                 headers[PREFILLED_BY] = pre.pod
@@ -263,7 +269,8 @@ class Proxy:
                     data = await up.read(timeout)
                 except UpstreamError as e:
                     raise _Retry(f"{b.pod} failed mid-body: {e}") from None
-                if up.status == 200:  # an error answer is no first token: a failing engine must not look fast
+                if up.status == 200 and not moved:  # an error answer is no first token: a failing engine must
+                    # not look fast; nor one a hand-back moved the request to as its answer ended (a TTFT of ~0)
                     wait.first(time.monotonic())
                 return web.Response(status=up.status, body=data, content_type=ctype.split(";")[0],
                                     headers=headers), up.status, _usage_tokens(data)
@@ -322,6 +329,25 @@ class Proxy:
                 prefiller.prefilling -= 1
             if up is not None:
                 self.upstreams.release(up)  # pooled after a clean end; otherwise closed: the engine aborts
+
+
+def _handed_to(value: str | None, b: Backend, fallback: Backend | None, rid: str) -> Backend | None:
+    """Who prefills the prompt by `b`'s HANDED_BACK_HEADER (`value`): the fallback prefill engine we named, `b`
+    itself (HANDED_BACK_HERE), or None (no header; a bad one, or an engine we did not name, logged)."""
+    if value is None:
+        return None
+    try:
+        to = HandedBack.parse(value).to
+    except WireError as e:
+        log.warning("request %s: %s answered %s", rid, b.pod, e)
+        return None
+    if to is None:
+        return b
+    if fallback is not None and to == fallback.data:
+        return fallback
+    log.warning("request %s: %s says it handed the prompt to %r, not the prefill engine named (%s)",
+                rid, b.pod, to, fallback.data if fallback else None)
+    return None
 
 
 def _usage_tokens(data: bytes) -> int:
