@@ -220,6 +220,19 @@ def test_the_prefill_op_carries_the_time_a_prompt_waited() -> None:
             fallback({"fallback": bad})
 
 
+def test_the_handed_back_header_is_one_typed_message() -> None:
+    """HANDED_BACK_HEADER's value, built by the engine and parsed by the router (kascade_router.proxy) from one type:
+    a prefill engine's data address, or the answering engine itself; anything else is refused naming the header."""
+    from kascade_planner.engine_api import HANDED_BACK_HERE, HandedBack, WireError
+
+    for msg in (HandedBack("10.0.0.7:9002"), HandedBack(None)):
+        assert HandedBack.parse(msg.header()) == msg
+    assert HandedBack(None).header() == HANDED_BACK_HERE
+    for bad in ("", "10.0.0.7", "10.0.0.7:0", ":9002", "there"):
+        with pytest.raises(WireError, match="X-Kascade-Handed-Back"):
+            HandedBack.parse(bad)
+
+
 def test_the_remote_path_estimate_follows_a_growing_queue() -> None:
     """What the hand-back compares with: the moving average of landed remote prefills, or the age of one still
     in flight when that is longer (a burst's queue at the prefill engine grows before any of it lands)."""
@@ -244,7 +257,9 @@ async def test_the_answer_names_who_really_prefilled_a_handed_back_prompt(tiny_c
     - Fallback P alive: P prefills it, the answer names P's data port (HANDED_BACK_HEADER: the router moves the
       prefill load to P and tells the client X-Kascade-Prefilled-By).
     - Fallback dead (nothing listens): the remote prefill fails, D prefills it itself, and the answer names no
-      prefill engine. Before, the answer was decided at the hand-back and named the dead peer (fails on 87267a2^^).
+      prefill engine. Before 87267a2 the answer was decided at the hand-back and named the dead peer; now it is
+      settled once the hand-back's prefill op went out to the peer (which a dead one never gets), else at the
+      first token.
     Both answers equal the colocated one (D alone, before the conversion), streamed and not."""
     import socket
 

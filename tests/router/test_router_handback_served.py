@@ -102,6 +102,7 @@ async def test_a_prompt_a_converted_decoder_declines_for_another_decoder_goes_to
 
     assert got == want
     assert headers["X-Kascade-Replica"] == "tiny-llama-0"  # D1 decoded it
+    assert headers.get("X-Kascade-Prefilled-By") == "tiny-llama-2"  # P prefilled it (D1 said so: X-Kascade-Handed-Back)
     assert all(running), "D2's streams ended first: it had no decodes, and the arrival rule keeps such a prompt"
     assert delta("d2", "kascade_pd_handbacks_total") == 1  # D2 declined it
     assert delta("p", "kascade_pd_prefills_served_total") == 1  # ... and P prefilled it, as the router named
