@@ -258,12 +258,14 @@ async def link_rate(ckpt: Path, mbit: int, prompts: int, transport: str = "tcp")
 
 async def link_client(http: int, peer: str, prompts: int) -> dict[str, Any]:
     """Runs inside D's namespace: long prompts to D naming P; D's measured KV rate per transfer."""
+    from kascade_planner.engine_api import PREFILL_HEADER
+
     url = f"http://127.0.0.1:{http}"
     rates = []
     rng = random.Random(7)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
         for _ in range(prompts):
-            await one(s, url, [rng.randrange(1, 2000) for _ in range(480)], 2, {"X-Kascade-Prefill": peer})
+            await one(s, url, [rng.randrange(1, 2000) for _ in range(480)], 2, {PREFILL_HEADER: peer})
             rates.append(await metric(url, "kascade_kv_link_bytes_per_second"))
     remote = await metric(url, "kascade_pd_remote_prefills_total")
     total = await metric(url, "kascade_kv_transfer_bytes_total")
