@@ -178,6 +178,9 @@ class Engine:
         samples = [w.end == len(self.requests[w.id].tokens) for w in work]
         prefill = [(w.n, len(self.requests[w.id].prompt)) for w in work if w.start < len(self.requests[w.id].prompt)]
         pending = self.scheduler.prompts_pending()  # before `advance`: this step's own prompt chunks count
+        # its prompt tokens were limited by the step's token cap or budget while more waited: only such a step's
+        # tokens/s is the engine's prefill capacity (velocity.py; read now: the next schedule overwrites it)
+        saturated = self.scheduler.last_saturated
         # the prefill rate is what the budgets give a prompt: a step whose chunk the step budget could not cut yet
         # (no prompt token timed) ran under the token cap alone, and counting it reported a rate the budget never
         # gives (bench/pd.py 2026-11-27-d run 7: 306.7 tok/s on D's first prompt, ~0 a second later)
@@ -197,7 +200,7 @@ class Engine:
                 self.requests.pop(w.id, None)
             return events + [Event(w.id, -1, True, f"error: {e}") for w in work]
         secs = time.perf_counter() - t0
-        self.meter.observe(prefill, len(work) - len(prefill), secs)
+        self.meter.observe(prefill, len(work) - len(prefill), secs, saturated=saturated)
         tokens = sum(n for n, _ in prefill)
         if own:
             self.cost.observe(StepShape.of([(w.start, w.n) for w in work]), secs)

@@ -8,7 +8,10 @@
                                         prefill engine after its hand-back bound without progress (handback.py)
   kascade_kv_transfer_bytes_total{direction=sent|received}
   kascade_prefill_velocity_tokens_per_second{bucket}, kascade_decode_velocity_tokens_per_second{batch}
-                                        measured prefill / decode velocities (velocity.py; 0 = not yet measured)
+                                        measured prefill (saturated steps only: the capacity) / decode velocities
+                                        (velocity.py; 0 = not yet measured)
+  kascade_prefill_velocity_floor_tokens_per_second{bucket}  the best tokens/s of one unsaturated prefill step: the
+                                        operator's prefill velocity until a saturated step is seen
   kascade_prefill_rate_tokens_per_second  prompt tokens/s actually prefilled while prompts waited (a converted
                                         decoder: under its budgets; velocity.py; 0 = not yet measured)
   kascade_kv_link_bytes_per_second{peer}  decode engine: KV bytes / seconds on the wire of the last transfer from
@@ -55,8 +58,12 @@ class PDMetrics:
 
     def export_velocity(self, registry: CollectorRegistry, meter: Callable[[], VelocityMeter]) -> None:
         """Gauges read at scrape time from the current engine's meter (`meter()`: bind may rebuild it)."""
-        pre = Gauge("kascade_prefill_velocity_tokens_per_second", "Prompt tokens/s this engine prefills, measured "
-                    "from its step timings, by prompt length bucket (le)", ["model_name", "bucket"], registry=registry)
+        pre = Gauge("kascade_prefill_velocity_tokens_per_second", "Prompt tokens/s this engine prefills when busy "
+                    "(its capacity), measured from its saturated step timings, by prompt length bucket (le); 0 = no "
+                    "saturated step yet", ["model_name", "bucket"], registry=registry)
+        floor = Gauge("kascade_prefill_velocity_floor_tokens_per_second", "The best prompt tokens/s one unsaturated "
+                      "prefill step of this engine delivered (a lower bound on its capacity), by prompt length bucket "
+                      "(le)", ["model_name", "bucket"], registry=registry)
         dec = Gauge("kascade_decode_velocity_tokens_per_second", "Tokens/s this engine decodes, measured from its "
                     "step timings, by batch size bucket (le)", ["model_name", "batch"], registry=registry)
         rate = Gauge("kascade_prefill_rate_tokens_per_second", "Prompt tokens/s this engine actually prefilled over "
@@ -65,6 +72,8 @@ class PDMetrics:
         rate.labels(self.model_name).set_function(lambda: meter().prefill_rate() or 0.0)
         for b in [*map(str, PROMPT_BUCKETS), "inf"]:
             pre.labels(self.model_name, b).set_function(lambda b=b: meter().prefill.get(b, 0.0))  # type: ignore[misc]
+            floor.labels(self.model_name, b).set_function(
+                lambda b=b: meter().prefill_floor.get(b, 0.0))  # type: ignore[misc]
         for b in [*map(str, BATCH_BUCKETS), "inf"]:
             dec.labels(self.model_name, b).set_function(lambda b=b: meter().decode.get(b, 0.0))  # type: ignore[misc]
 

@@ -112,6 +112,11 @@ class Scheduler:
     # back from steps so far (each would have run under the token cap alone)
     last_budget_s: float | None = None
     cut_tokens: int = 0
+    # the last `schedule` was SATURATED for prefill: its token budget, prefill cap or time budget ran out while prompt
+    # tokens still waited (queued, or left of a chunked prompt), so its prompt tokens per second measure what the
+    # engine sustains when busy, not the load (velocity.VelocityMeter.observe: only such steps count as capacity).
+    # A step held back by max_seqs, KV pages or a whole-prompt rule is not: it had room it could not fill
+    last_saturated: bool = False
     # prompt lengths of this engine's requests a prefill engine prefills now (remote_prefill.RemotePrefill.joining,
     # the same dict): each joins the batch as a decode when its KV lands, within about the time a prompt started
     # here now would take to prefill, so `prefill_room` counts them (read as one snapshot: the loop writes it)
@@ -172,16 +177,19 @@ class Scheduler:
         self.last_budget_s = budget_s = budget_s if cap is not None else None
         prefill_left = cap or budget  # a converted decoder caps prefill per step
         shape = StepShape()  # what the step runs so far (for the time budget)
+        timed_out = False  # the time budget cut a prompt chunk (or left no time for one)
 
         def timed(start: int, n: int) -> int:
             """Of an `n`-token prompt chunk from `start`, what fits the step's time budget (all of it without
             one, without a measured cost, or in a step with no decode to protect)."""
             if budget_s is None or self.cost is None or not shape.decodes:
                 return n
+            nonlocal timed_out
             fit = self.cost.chunk_fits(budget_s, shape, start, n)
             if fit is None:
                 return n
             self.cut_tokens += n - fit
+            timed_out = timed_out or fit < n
             return fit
         work: list[Work] = []
         scheduled: set[str] = set()
@@ -230,7 +238,17 @@ class Scheduler:
             self.running[s.id] = s
             work.append(Work(s.id, 0, n))
             budget -= n
+        self.last_saturated = (budget <= 0 or prefill_left <= 0 or timed_out) and self._prompt_left(work)
         return Batch(tuple(work), tuple(preempted))
+
+    def _prompt_left(self, work: list[Work]) -> bool:
+        """Whether prompt tokens wait beyond this step's `work`: a queued prompt, a chunk that does not reach its
+        sequence's end, or a running sequence with more than a decode's token left that the step did not take."""
+        if self.waiting:
+            return True
+        took = {w.id: w.n for w in work}
+        return any(s.total - s.computed - took[s.id] > 0 if s.id in took else s.total - s.computed > 1
+                   for s in self.running.values())
 
     def advance(self, seq_id: str, n: int, sampled: bool) -> None:
         """`n` more tokens of `seq_id` are cached; `sampled`: a new token was generated."""

@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kascade_operator.httppool import HttpPool
 from kascade_planner.policies import MeasuredVelocity, MetricsSnapshot
+from kascade_planner.prefillvelocity import prefill_velocity
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,8 @@ _COUNTERS = {"kascade_prompt_tokens": "input_tokens", "kascade_generation_tokens
 _PREFILL_V, _DECODE_V, _LINK_V = ("kascade_prefill_velocity_tokens_per_second",
                                   "kascade_decode_velocity_tokens_per_second", "kascade_kv_link_tokens_per_second")
 _RATE_V = "kascade_prefill_rate_tokens_per_second"  # prompt tokens/s actually prefilled (one gauge per engine)
+# the best unsaturated prefill step's tokens/s per bucket: the prefill velocity until a saturated step is seen
+_FLOOR_V = "kascade_prefill_velocity_floor_tokens_per_second"
 
 
 # the engine's step timings (kascade_engine.metrics): decode-only steps, the room a converted decoder has
@@ -88,10 +91,13 @@ _STEP = {"kascade_step_seconds_sum": "decode_step_sum", "kascade_step_seconds_co
 
 
 def _velocity(v: dict[str, list[float]]) -> MeasuredVelocity | None:
-    pre, dec, net, rate = ([x for x in v.get(k, []) if x > 0] for k in (_PREFILL_V, _DECODE_V, _LINK_V, _RATE_V))
+    """One engine's velocities from its gauges: the prefill velocity by kascade_planner.prefillvelocity's rule (the
+    slowest bucket's capacity, the best floor before any saturated step), the best decode batch, the mean link."""
+    pre = prefill_velocity(v.get(_PREFILL_V, []), v.get(_FLOOR_V, []))
+    dec, net, rate = ([x for x in v.get(k, []) if x > 0] for k in (_DECODE_V, _LINK_V, _RATE_V))
     if not (pre or dec or net or rate):
         return None
-    return MeasuredVelocity(min(pre) if pre else None, max(dec) if dec else None,
+    return MeasuredVelocity(pre, max(dec) if dec else None,
                             sum(net) / len(net) if net else None, sum(rate) / len(rate) if rate else None)
 
 
@@ -102,7 +108,7 @@ def parse_engine_metrics(text: str, time_s: float) -> InstanceSample:
     try:
         for fam in text_string_to_metric_families(text):
             for smp in fam.samples:
-                if smp.name in (_PREFILL_V, _DECODE_V, _LINK_V, _RATE_V):
+                if smp.name in (_PREFILL_V, _FLOOR_V, _DECODE_V, _LINK_V, _RATE_V):
                     vel.setdefault(smp.name, []).append(float(smp.value))
                     continue
                 if smp.name in _STEP and smp.labels.get("kind") == "decode":
@@ -252,8 +258,10 @@ class PrometheusSource:
                "step_sum": "sum by (pod) (increase(kascade_step_seconds_sum{{pod=~\"{pods}\",kind=\"decode\"}}[{window}]))",
                "step_count": "sum by (pod) (increase(kascade_step_seconds_count{{pod=~\"{pods}\",kind=\"decode\"}}[{window}]))",
                # the engine's measured velocities (gauges; 0 = not measured yet), reduced as the Scraper does
-               # (`_velocity`): the slowest prompt-length bucket, the best decode batch, the mean KV link
+               # (`_velocity`): the slowest prompt-length bucket's capacity (else the best floor), the best decode
+               # batch, the mean KV link
                "prefill_v": f"min by (pod) ({_PREFILL_V}{{{{pod=~\"{{pods}}\"}}}} > 0)",
+               "floor_v": f"max by (pod) ({_FLOOR_V}{{{{pod=~\"{{pods}}\"}}}} > 0)",
                "decode_v": f"max by (pod) ({_DECODE_V}{{{{pod=~\"{{pods}}\"}}}} > 0)",
                "link_v": f"avg by (pod) ({_LINK_V}{{{{pod=~\"{{pods}}\"}}}} > 0)",
                "rate_v": f"avg by (pod) ({_RATE_V}{{{{pod=~\"{{pods}}\"}}}} > 0)"}
@@ -289,8 +297,8 @@ class PrometheusSource:
         res = await asyncio.gather(*(self._query(self.QUERIES[k].format(pods=sel, window=self._window)) for k in keys))
         by = dict(zip(keys, res, strict=True))
         def velocity(p: str) -> MeasuredVelocity | None:
-            v = MeasuredVelocity(by["prefill_v"].get(p), by["decode_v"].get(p), by["link_v"].get(p),
-                                 by["rate_v"].get(p))
+            pre = prefill_velocity([by["prefill_v"].get(p, 0.0)], [by["floor_v"].get(p, 0.0)])
+            v = MeasuredVelocity(pre, by["decode_v"].get(p), by["link_v"].get(p), by["rate_v"].get(p))
             return None if v == MeasuredVelocity() else v
 
         return [InstanceLoad(p, by["input"].get(p, 0.0), by["output"].get(p, 0.0),

@@ -31,7 +31,8 @@ class Bucket:
 @dataclass(frozen=True)
 class MeasuredVelocity:
     """Velocities the engines measured from their own step timings (one instance's, averaged over a role):
-    prefill prompt tokens/s (the slowest measured prompt-length bucket: long prompts prefill slowest),
+    prefill prompt tokens/s (kascade_planner.prefillvelocity: the slowest prompt-length bucket's capacity, from
+    saturated steps; the best unsaturated step before any),
     decode tokens/s one decoder sustains, and the KV link's tokens/s out of a prefiller. None: not measured."""
 
     prefill_tokens_per_s: float | None = None

@@ -36,8 +36,10 @@ if TYPE_CHECKING:
 
 def velocities(sim: Simulation, m: int) -> PdVelocity:
     """One instance's velocities from the cost model, as the engines would measure them: a full prefill
-    batch's prompt tokens/s, the KV link's tokens/s out of a prefiller (scale-out bandwidth / KV bytes
-    per token), and a saturated decoder's output tokens/s at the trace's mean lengths. Fixed for a run:
+    batch's prompt tokens/s (a saturated step: the engines' prefill velocity is the capacity of such steps,
+    kascade_planner.prefillvelocity; an engine reports its best unsaturated step until it saw one, the
+    simulator knows it from the start), the KV link's tokens/s out of a prefiller (scale-out bandwidth / KV
+    bytes per token), and a saturated decoder's output tokens/s at the trace's mean lengths. Fixed for a run:
     computed once per model (the mean lengths walk the whole trace)."""
     if m in sim.pd_velocity:
         return sim.pd_velocity[m]

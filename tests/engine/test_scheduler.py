@@ -62,6 +62,33 @@ def test_a_taken_back_decoder_finishes_its_accepted_prompts_under_the_budget() -
     assert _run(s)[-1] == ("r", 0, 30)  # uncapped now
 
 
+def test_a_step_is_saturated_when_its_token_budget_ran_out_while_prompt_tokens_waited() -> None:
+    """`last_saturated` (the steps whose tokens/s is the engine's prefill capacity, velocity.py): the token budget,
+    the chunk cap or the time budget ran out while prompt tokens waited. A prompt alone, a budget filled exactly
+    with nothing behind it, a step held back by seats or pages: not saturated."""
+    s = Scheduler(Limits(max_batch_tokens=10, max_seqs=4, kv_tokens=1000, page_size=4))
+    s.add(Seq("a", 4, 3))
+    assert _run(s) == [("a", 0, 4)] and not s.last_saturated  # alone, the budget not reached
+    s.add(Seq("b", 20, 3))
+    assert _run(s) == [("a", 4, 1), ("b", 0, 9)] and s.last_saturated  # b chunked: 11 of its tokens wait
+    assert _run(s) == [("a", 5, 1), ("b", 9, 9)] and s.last_saturated
+    assert _run(s) == [("a", 6, 1), ("b", 18, 2)] and not s.last_saturated  # b's last chunk, nothing behind
+    s.add(Seq("c", 8, 3))
+    s.add(Seq("d", 8, 3))
+    assert _run(s) == [("a", 7, 1), ("b", 20, 1), ("c", 0, 8)] and s.last_saturated  # budget out, d queued
+    s2 = Scheduler(Limits(max_batch_tokens=10, max_seqs=4, kv_tokens=1000, page_size=4))
+    s2.add(Seq("x", 5, 3))
+    s2.add(Seq("y", 5, 3))
+    assert _run(s2) == [("x", 0, 5), ("y", 0, 5)] and not s2.last_saturated  # full, but nothing waits
+    seats = Scheduler(Limits(max_batch_tokens=100, max_seqs=1, kv_tokens=1000, page_size=4))
+    seats.add(Seq("x", 5, 3))
+    seats.add(Seq("y", 5, 3))
+    assert _run(seats) == [("x", 0, 5)] and not seats.last_saturated  # y waits for a seat, not for tokens
+    capped = Scheduler(Limits(max_batch_tokens=100, max_seqs=4, kv_tokens=1000, page_size=4, prefill_chunk_tokens=6))
+    capped.add(Seq("p", 20, 3))
+    assert _run(capped) == [("p", 0, 6)] and capped.last_saturated  # a converted decoder's chunk cap
+
+
 def test_admission_by_free_pages_and_finish_frees_them() -> None:
     s = Scheduler(Limits(max_batch_tokens=100, max_seqs=8, kv_tokens=16, page_size=4))  # 4 pages
     s.add(Seq("a", 8, 4))

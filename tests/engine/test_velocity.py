@@ -1,5 +1,7 @@
-"""Measured velocities: the meter's arithmetic on known step timings, and a real engine's /metrics after
-it served prompts of two lengths (values > 0 in the buckets it saw, 0 elsewhere)."""
+"""Measured velocities: the meter's arithmetic on known step timings (the prefill velocity is the capacity of
+saturated steps, the best unsaturated step before any), a real engine's /metrics after it served prompts of two
+lengths (floors > 0 in the buckets it saw, 0 elsewhere), and a real engine on an emulated accelerator whose
+reported velocity is its saturated throughput after a light load and a burst."""
 
 from __future__ import annotations
 
@@ -18,20 +20,52 @@ from kascade_engine.velocity import VelocityMeter, bucket
 
 def test_meter_buckets_and_splits_mixed_steps() -> None:
     m = VelocityMeter()
-    assert m.prefill_velocity(100) is None and m.decode_capacity() is None
-    m.observe([(100, 100)], 0, 0.5)  # prefill only: 200 tok/s in bucket 128
+    assert m.prefill_velocity(100) is None and m.decode_capacity() is None and m.prefill_capacity() is None
+    m.observe([(100, 100)], 0, 0.5, saturated=True)  # prefill only, full: 200 tok/s in bucket 128
     assert m.prefill == {"128": 200.0}
-    m.observe([], 4, 0.1)  # decode only: 40 tok/s at batch <= 4
+    m.observe([], 4, 0.1, saturated=False)  # decode only: 40 tok/s at batch <= 4
     assert m.decode == {"4": 40.0}
-    m.observe([(300, 300)], 4, 1.1)  # mixed: 4 decodes cost 0.1 s (40 tok/s) -> 300 tokens in 1.0 s
+    m.observe([(300, 300)], 4, 1.1, saturated=True)  # mixed: 4 decodes cost 0.1 s (40 tok/s) -> 300 tokens in 1.0 s
     assert m.prefill["512"] == pytest.approx(300.0)
-    m.observe([(10, 10)], 10, 0.2)  # decodes of an unmeasured batch bucket (16): the step cannot be split
+    m.observe([(10, 10)], 10, 0.2, saturated=True)  # decodes of an unmeasured batch bucket (16): cannot be split
     assert "128" in m.prefill and m.prefill["128"] == 200.0
-    m.observe([(100, 100)], 0, 0.25)  # EWMA: 0.8 * 200 + 0.2 * 400
+    m.observe([(100, 100)], 0, 0.25, saturated=True)  # EWMA: 0.8 * 200 + 0.2 * 400
     assert m.prefill["128"] == pytest.approx(240.0)
     assert m.prefill_velocity(1000) == m.prefill["512"]  # nearest measured bucket
     assert m.decode_capacity() == 40.0
     assert (bucket(128, (128, 512)), bucket(129, (128, 512)), bucket(9999, (128, 512))) == ("128", "512", "inf")
+
+
+def test_the_prefill_velocity_is_the_capacity_of_saturated_steps() -> None:
+    """An emulated accelerator (bench/pd.py --emulate-layer-ms 30: every step 240 ms up to the 117-token budget):
+    short background prompts alone in a step read 67-200 tok/s, a burst's full steps 487.5 tok/s. Only the full
+    (saturated) steps are the capacity; before the first one the velocity is the best unsaturated step (a lower
+    bound, never scaled up to a full step); mixed steps that are not full count for nothing. The old meter took
+    every step into its bucket's EWMA and the operator the min over buckets: 128-ish, ~4x under."""
+    m = VelocityMeter()
+    for tokens in (16, 32, 48, 24, 40):  # background: one prompt alone in a 240 ms step, the budget not reached
+        m.observe([(tokens, tokens)], 0, 0.24, saturated=False)
+    assert m.prefill == {} and m.prefill_floor == {"128": pytest.approx(200.0)}
+    assert m.prefill_capacity() == pytest.approx(200.0)  # the best delivered, not 48 tokens scaled to 117
+    m.observe([(20, 20)], 3, 0.24, saturated=False)  # mixed, not full: no floor from an estimated split
+    assert m.prefill_floor == {"128": pytest.approx(200.0)}
+    for _ in range(6):  # the burst: 117-token chunks of 366-token prompts, more waiting
+        m.observe([(117, 366)], 0, 0.24, saturated=True)
+    assert m.prefill == {"512": pytest.approx(487.5)}
+    assert m.prefill_capacity() == pytest.approx(487.5)  # a bucket with a capacity: the floors are out
+    m.observe([(15, 366), (40, 40)], 0, 0.24, saturated=False)  # the burst's last chunk, nothing behind it
+    m.observe([(30, 30)], 0, 0.24, saturated=False)
+    assert m.prefill_capacity() == pytest.approx(487.5)
+    # the CPU: step time linear in tokens plus an intercept (8 ms + 0.4 ms a token, 512-token budget)
+    cpu = VelocityMeter()
+    for tokens in (16, 48, 420):
+        cpu.observe([(tokens, tokens)], 0, 0.008 + 0.0004 * tokens, saturated=False)
+    floor = cpu.prefill_capacity()
+    assert floor == pytest.approx(420 / 0.176)  # the 420-token prompt alone: 2386 tok/s, a lower bound
+    cpu.observe([(512, 420)], 0, 0.008 + 0.0004 * 512, saturated=True)
+    assert cpu.prefill_capacity() == pytest.approx(512 / 0.2128)  # 2406 tok/s: the capacity, just above the floor
+    cpu.observe([(512, 100)], 0, 0.008 + 0.0004 * 512, saturated=True)  # short prompts packed: bucket 128 too
+    assert cpu.prefill_capacity() == pytest.approx(512 / 0.2128)  # min over saturated buckets
 
 
 async def test_engine_reports_measured_velocities(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
@@ -51,9 +85,11 @@ async def test_engine_reports_measured_velocities(tiny_ckpt, tiny_blocks) -> Non
         await inst.close()
     got = {(s.name, s.labels.get("bucket") or s.labels.get("batch")): s.value
            for f in text_string_to_metric_families(text) for s in f.samples if "velocity" in s.name}
-    assert got[("kascade_prefill_velocity_tokens_per_second", "128")] > 0  # the 30-token prompt
-    assert got[("kascade_prefill_velocity_tokens_per_second", "512")] > 0  # the 300-token prompt
-    assert got[("kascade_prefill_velocity_tokens_per_second", "2048")] == 0  # never seen
+    # each prompt alone, well under the 512-token budget: no saturated step, so no capacity yet, only floors
+    assert got[("kascade_prefill_velocity_floor_tokens_per_second", "128")] > 0  # the 30-token prompt
+    assert got[("kascade_prefill_velocity_floor_tokens_per_second", "512")] > 0  # the 300-token prompt
+    assert got[("kascade_prefill_velocity_floor_tokens_per_second", "2048")] == 0  # never seen
+    assert all(got[("kascade_prefill_velocity_tokens_per_second", b)] == 0 for b in ("128", "512", "2048", "inf"))
     assert got[("kascade_decode_velocity_tokens_per_second", "1")] > 0  # one sequence decoding at a time
     assert got[("kascade_decode_velocity_tokens_per_second", "64")] == 0
 

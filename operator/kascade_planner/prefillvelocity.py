@@ -1,0 +1,44 @@
+"""Prefill velocity: one engine's prefill CAPACITY in prompt tokens/s, as TokenScale defines it (what a prefill
+engine sustains when busy), from the per-prompt-length-bucket readings its meter keeps (kascade_engine.velocity).
+Pure; the operator reads it from an engine's gauges (kascade_operator.metrics) and the engine's meter answers
+with it too, so both mean the same number.
+
+The meter keeps two readings per bucket (the longest prompt in the step):
+- capacity: an EWMA of tokens/s over SATURATED steps only, those whose prompt tokens were limited by the step's
+  token cap (or a converted decoder's chunk or time budget) while prompt tokens still waited
+  (kascade_engine.scheduler.Scheduler.last_saturated). A step that is not full measures the load, not the
+  capacity: on an accelerator (flat step time below the knee; bench/pd.py --emulate-layer-ms 30: 240 ms a step
+  up to 117 tokens) a 32-token prompt alone in a step reads 133 tok/s while the same engine prefills 488 tok/s
+  in a burst (2026-11-27-e: the min over buckets read 128 and converted twice before the burst, 46-token chunks).
+- floor: the best tokens/s one unsaturated prefill-only step achieved (a max, not an EWMA): a throughput the
+  engine really delivered, so a lower bound on its capacity. Never scaled up to a full step: where step time grows
+  with tokens (a GPU past its knee, a CPU) that extrapolation over-reads, many times for a short prompt (32 tokens
+  in 240 ms scaled to a 512-token budget says 2133 tok/s where a 117-token knee allows 488). Mixed steps give no
+  floor: their prefill share is an estimate (the decodes' EWMA subtracted), and a max would keep its worst error.
+
+The rule (`prefill_velocity`):
+- any bucket with a capacity: the MIN over those buckets. Kept from the old rule, deliberately: the policy has one
+  velocity for a demand it does not split by length, and a bucket of longer prompts sustains fewer tokens/s (on the
+  CPU and on a GPU past the knee each token attends to more keys), so the slowest saturated bucket is the one a
+  burst of long prompts meets; sizing by it keeps up whichever mix comes. The under-read of 2026-11-27-e was not
+  the min but unsaturated buckets inside it;
+- none yet: the MAX over the buckets' floors (the best demonstrated throughput; it only rises as steps fill up, and
+  the first saturated step replaces it);
+- nothing: None (the policies hold: "no velocity measured").
+The simulator's velocity (kascade_sim.pdpolicy.velocities: a full prefill batch's tokens/s from its cost model) is
+this rule's capacity: a saturated step's reading, known there from the start, where an engine has only its floor
+until its first saturated step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+def prefill_velocity(capacity: Iterable[float], floor: Iterable[float] = ()) -> float | None:
+    """One engine's prefill velocity from its buckets' capacities and floors (values <= 0: not measured)."""
+    cap = [v for v in capacity if v > 0]
+    if cap:
+        return min(cap)
+    low = [v for v in floor if v > 0]
+    return max(low) if low else None
