@@ -14,10 +14,11 @@ from kascade_operator.metrics import RateTracker, parse_engine_metrics, snapshot
 from kascade_planner.policies import MeasuredVelocity, MetricsSnapshot
 
 
-def _engine_text(prefill: dict[str, float], decode: dict[str, float], link_tps: float | None) -> str:
+def _engine_text(prefill: dict[str, float], decode: dict[str, float], link_tps: float | None,
+                 floor: dict[str, float] | None = None) -> str:
     reg = CollectorRegistry()
     pd = PDMetrics(reg, "m")
-    meter = VelocityMeter(prefill=dict(prefill), decode=dict(decode))
+    meter = VelocityMeter(prefill=dict(prefill), prefill_floor=dict(floor or {}), decode=dict(decode))
     pd.export_velocity(reg, lambda: meter)
     if link_tps is not None:
         pd.link("10.0.0.1:9000", link_tps * 1000, link_tps)
@@ -27,6 +28,11 @@ def _engine_text(prefill: dict[str, float], decode: dict[str, float], link_tps: 
 def test_operator_reads_the_engines_velocity_gauges() -> None:
     s = parse_engine_metrics(_engine_text({"128": 900.0, "512": 600.0}, {"1": 20.0, "16": 150.0}, 4000.0), 1.0)
     assert s.velocity == MeasuredVelocity(600.0, 150.0, 4000.0)  # slowest prompt bucket, best batch, link
+    # capacities (saturated steps) win over floors; with none, the best floor (kascade_planner.prefillvelocity)
+    both = parse_engine_metrics(_engine_text({"512": 480.0}, {}, None, floor={"128": 130.0, "512": 700.0}), 1.0)
+    assert both.velocity == MeasuredVelocity(480.0)
+    floors = parse_engine_metrics(_engine_text({}, {}, None, floor={"128": 130.0, "512": 200.0}), 1.0)
+    assert floors.velocity == MeasuredVelocity(200.0)
     assert parse_engine_metrics(_engine_text({}, {}, None), 1.0).velocity is None  # all 0: not measured yet
     r = RateTracker()
     loads = [r.update("a", s), r.update("b", parse_engine_metrics(_engine_text({"128": 400.0}, {}, None), 1.0))]

@@ -22,22 +22,23 @@ HELD = {"kascade_prompt_tokens_total": (300.0, 100.0), "kascade_generation_token
         "kascade_step_seconds_sum": (0.6, 1.8), "kascade_step_seconds_count": (60.0, 60.0),
         # velocity gauges: d1 has measured nothing yet (Prometheus drops its 0s with `> 0`: no row)
         "kascade_prefill_velocity_tokens_per_second": (900.0, None),
+        "kascade_prefill_velocity_floor_tokens_per_second": (300.0, None),  # d0 has a capacity: its floor is out
         "kascade_decode_velocity_tokens_per_second": (120.0, None),
         "kascade_kv_link_tokens_per_second": (5000.0, None),
         "kascade_prefill_rate_tokens_per_second": (450.0, None)}
 
 
-def _prometheus(seen: list[str]) -> httpx.AsyncClient:
+def _prometheus(seen: list[str], held: dict[str, tuple[float | None, float | None]] = HELD) -> httpx.AsyncClient:
     def answer(req: httpx.Request) -> httpx.Response:
         q = req.url.params["query"]
         seen.append(q)
-        (name,) = [n for n in HELD if f"{n}{{" in q]
+        (name,) = [n for n in held if f"{n}{{" in q]
         if name.startswith("kascade_step_seconds") and 'kind="decode"' not in q:
             return httpx.Response(200, json={"status": "success", "data": {"result": []}})  # all kinds: wrong
         if "velocity" in name or "link" in name or "rate" in name:
             assert "> 0" in q and q.startswith(("min by (pod)", "max by (pod)", "avg by (pod)")), q
         rows: list[dict[str, Any]] = [{"metric": {"pod": pod}, "value": [0, str(v)]}
-                                      for pod, v in zip(("d0", "d1"), HELD[name], strict=True) if v is not None]
+                                      for pod, v in zip(("d0", "d1"), held[name], strict=True) if v is not None]
         return httpx.Response(200, json={"status": "success", "data": {"result": rows}})
 
     return httpx.AsyncClient(transport=httpx.MockTransport(answer))
@@ -67,6 +68,21 @@ async def test_prometheus_gives_the_engines_measured_velocities() -> None:
     assert d0.velocity == MeasuredVelocity(900.0, 120.0, 5000.0, 450.0)  # 450: the prefill rate it achieved
     assert d1.velocity is None  # measured nothing: the policy falls back to its typed velocities
     assert measured([d0, d1]) == MeasuredVelocity(900.0, 120.0, 5000.0, 450.0)
+
+
+async def test_before_a_saturated_step_the_prefill_velocity_is_the_best_floor() -> None:
+    """An engine with no saturated prefill step yet reports capacities of 0 (no row past `> 0`): its prefill
+    velocity is its best unsaturated step, as the Scraper reads it (kascade_planner.prefillvelocity)."""
+    held = {**HELD, "kascade_prefill_velocity_tokens_per_second": (None, None),
+            "kascade_prefill_velocity_floor_tokens_per_second": (200.0, None)}
+    seen: list[str] = []
+    src = PrometheusSource("http://prom:9090", client=_prometheus(seen, held))
+    try:
+        d0, d1 = await src.collect(["d0", "d1"])
+    finally:
+        await src.aclose()
+    assert d0.velocity == MeasuredVelocity(200.0, 120.0, 5000.0, 450.0) and d1.velocity is None
+    assert any(q.startswith("max by (pod) (kascade_prefill_velocity_floor_tokens_per_second{") for q in seen)
 
 
 async def test_a_failed_query_names_prometheus() -> None:
