@@ -115,6 +115,8 @@ async def converter(decoder: Any, url: str, prefill_url: str, spec: Any, token: 
                 samples.append({"t": round(now, 2), "input_tokens_per_s": round(inp.input_tokens_per_s, 1),
                                 "prefill_queue": inp.prefill_queue, "decode_step_s": inp.decode_step_s,
                                 "velocity": {"prefill": v.prefill, "network": v.network, "decode": v.decode},
+                                # the conversion policy's: a prefiller's capacity only (None before a saturated step)
+                                "conversion_prefill_velocity": inp.prefill_tokens_per_s,
                                 "converted": decoder.convertible, "chunk_tokens": c.chunk_tokens,
                                 # prompt tokens/s each role actually prefilled (its engines' gauges), the share
                                 # the policy took from them, and the decoder's rate as the router last heard it
@@ -141,6 +143,7 @@ async def converter(decoder: Any, url: str, prefill_url: str, spec: Any, token: 
                                 "step_budget_s": c.step_budget_s, "hand_back_s": c.hand_back_s,
                                 "decode_step_s": inp.decode_step_s,
                                 "velocity": {"prefill": v.prefill, "network": v.network, "decode": v.decode},
+                                "conversion_prefill_velocity": inp.prefill_tokens_per_s,
                                 "pd_ratio": None if ratio is None else ratio.reason})
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop_at.wait(), 0.25)

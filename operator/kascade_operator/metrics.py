@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kascade_operator.httppool import HttpPool
 from kascade_planner.policies import MeasuredVelocity, MetricsSnapshot
-from kascade_planner.prefillvelocity import prefill_velocity
+from kascade_planner.prefillvelocity import prefill_capacity, prefill_velocity
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,8 @@ def _velocity(v: dict[str, list[float]]) -> MeasuredVelocity | None:
     if not (pre or dec or net or rate):
         return None
     return MeasuredVelocity(pre, max(dec) if dec else None,
-                            sum(net) / len(net) if net else None, sum(rate) / len(rate) if rate else None)
+                            sum(net) / len(net) if net else None, sum(rate) / len(rate) if rate else None,
+                            prefill_capacity(v.get(_PREFILL_V, [])))
 
 
 def parse_engine_metrics(text: str, time_s: float) -> InstanceSample:
@@ -189,7 +190,8 @@ def measured(loads: Sequence[InstanceLoad]) -> MeasuredVelocity | None:
     if not vs:
         return None
     return MeasuredVelocity(_mean(v.prefill_tokens_per_s for v in vs), _mean(v.decode_tokens_per_s for v in vs),
-                            _mean(v.network_tokens_per_s for v in vs), _mean(v.prefill_rate_tokens_per_s for v in vs))
+                            _mean(v.network_tokens_per_s for v in vs), _mean(v.prefill_rate_tokens_per_s for v in vs),
+                            _mean(v.prefill_capacity_tokens_per_s for v in vs))
 
 
 def snapshot(loads: Sequence[InstanceLoad], time_s: float) -> MetricsSnapshot:
@@ -298,7 +300,8 @@ class PrometheusSource:
         by = dict(zip(keys, res, strict=True))
         def velocity(p: str) -> MeasuredVelocity | None:
             pre = prefill_velocity([by["prefill_v"].get(p, 0.0)], [by["floor_v"].get(p, 0.0)])
-            v = MeasuredVelocity(pre, by["decode_v"].get(p), by["link_v"].get(p), by["rate_v"].get(p))
+            v = MeasuredVelocity(pre, by["decode_v"].get(p), by["link_v"].get(p), by["rate_v"].get(p),
+                                 by["prefill_v"].get(p))
             return None if v == MeasuredVelocity() else v
 
         return [InstanceLoad(p, by["input"].get(p, 0.0), by["output"].get(p, 0.0),

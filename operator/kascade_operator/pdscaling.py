@@ -9,7 +9,8 @@ Data flow: `ModelServiceSpec` + each role's `RoleInput` (serving count, bounds, 
 - `ratio_decisions`: the per-role decisions with prefill and decode replaced by
   `kascade_planner.pdratio.pd_ratio` (both counts from one demand), the SLO bump on top;
 - `conversion_input`: what `kascade_planner.conversion.plan_conversions` needs, the decoders' measured
-  decode step time included (the chunk budget's room); the operator's converter.py applies its answer.
+  decode step time included (the chunk budget's room) and a measured prefill velocity only once it is a
+  capacity (saturated steps; kascade_planner.prefillvelocity); the operator's converter.py applies its answer.
 """
 
 from __future__ import annotations
@@ -36,14 +37,17 @@ class Velocities:
         return None if self.prefill is None else min(self.prefill, self.network or self.prefill)
 
 
-def velocities(spec: ModelServiceSpec, snaps: Sequence[P.MetricsSnapshot]) -> Velocities:
-    """Typed velocities win; a velocity left out is the engines' own measurement (first role measuring it)."""
+def velocities(spec: ModelServiceSpec, snaps: Sequence[P.MetricsSnapshot], capacity: bool = False) -> Velocities:
+    """Typed velocities win; a velocity left out is the engines' own measurement (first role measuring it).
+    `capacity`: the measured prefill velocity only from saturated steps (None before one), never the floor
+    (kascade_planner.prefillvelocity: the conversion policy's, a deficit against a lower bound is none)."""
     tv = spec.scaling.token_velocity if spec.scaling else None
 
     def measured(f: str) -> float | None:
         return next((getattr(s.measured, f) for s in snaps if s.measured and getattr(s.measured, f)), None)
 
-    pre = (tv.prefill_tokens_per_second if tv else None) or measured("prefill_tokens_per_s")
+    pre = (tv.prefill_tokens_per_second if tv else None) or measured(
+        "prefill_capacity_tokens_per_s" if capacity else "prefill_tokens_per_s")
     net = (tv.network_tokens_per_second if tv else None) or measured("network_tokens_per_s") or pre
     dec = (tv.decode_tokens_per_second if tv else None) or measured("decode_tokens_per_s")
     return Velocities(pre, net, dec)
@@ -101,6 +105,6 @@ def conversion_input(spec: ModelServiceSpec, key: str, pods: Sequence[PodView],
     share = converted_share(*rates) if all(rates) else None
     return ConversionInput(demand(roles).input_tokens_per_s,
                            sum(1 for p in mine if p.role == "prefill" and p.ready),
-                           velocities(spec, [r.snap for r in roles]).prefill_effective, decoders,
+                           velocities(spec, [r.snap for r in roles], capacity=True).prefill_effective, decoders,
                            pre.snap.queue_length if pre else None, slo.tbt_s if slo else None,
                            dec.snap.decode_step_s if dec else None, slo.ttft_s if slo else None, share)

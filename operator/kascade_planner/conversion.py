@@ -210,7 +210,8 @@ def _plan(c: ConversionInput) -> Conversions:
     chunk = chunk_budget(c.tbt_slo_s, c.prefill_tokens_per_s, c.decode_step_s)
     now = tuple(sorted(d.name for d in c.decoders if d.converted))
     if c.prefill_tokens_per_s is None:
-        return Conversions((), (), chunk, len(now), "conversion: no prefill velocity configured or measured; holding")
+        return Conversions((), (), chunk, len(now), "conversion: no prefill velocity configured or measured "
+                                                    "(a prefiller's capacity: no saturated step yet); holding")
     v = c.prefill_tokens_per_s
     capacity = c.prefill_ready * v
     deficit = c.input_tokens_per_s - capacity

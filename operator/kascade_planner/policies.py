@@ -41,6 +41,9 @@ class MeasuredVelocity:
     # prompt tokens/s actually prefilled while prompts waited (kascade_engine.velocity's prefill rate): a
     # prefiller's velocity; a converted decoder's rate under its budgets (conversion.converted_share)
     prefill_rate_tokens_per_s: float | None = None
+    # the prefill velocity of saturated steps alone (None until one: `prefill_tokens_per_s` is then the best
+    # unsaturated step, a lower bound); the conversion policy's velocity (prefillvelocity.prefill_capacity)
+    prefill_capacity_tokens_per_s: float | None = None
 
 
 @dataclass(frozen=True)

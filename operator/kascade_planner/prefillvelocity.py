@@ -25,6 +25,11 @@ The rule (`prefill_velocity`):
 - none yet: the MAX over the buckets' floors (the best demonstrated throughput; it only rises as steps fill up, and
   the first saturated step replaces it);
 - nothing: None (the policies hold: "no velocity measured").
+The conversion policy takes the capacity alone (`prefill_capacity`; kascade_operator.pdscaling.conversion_input):
+a deficit measured against a lower bound is not a deficit, and a real one queues prompts at the prefiller, whose
+next step is then saturated and measures the capacity. Against its floor the operator converted a decoder at the
+first background prompt and sized the burst's chunks from the floor (bench/pd.py 2026-11-27-f run 1: 83 tok/s at
+0.59 s, chunk 72 at the burst where the capacity gave 175).
 The simulator's velocity (kascade_sim.pdpolicy.velocities: a full prefill batch's tokens/s from its cost model) is
 this rule's capacity: a saturated step's reading, known there from the start, where an engine has only its floor
 until its first saturated step.
@@ -35,10 +40,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 
+def prefill_capacity(capacity: Iterable[float]) -> float | None:
+    """The slowest bucket's capacity (values <= 0: not measured); None before any saturated step."""
+    cap = [v for v in capacity if v > 0]
+    return min(cap) if cap else None
+
+
 def prefill_velocity(capacity: Iterable[float], floor: Iterable[float] = ()) -> float | None:
     """One engine's prefill velocity from its buckets' capacities and floors (values <= 0: not measured)."""
-    cap = [v for v in capacity if v > 0]
-    if cap:
-        return min(cap)
+    cap = prefill_capacity(capacity)
+    if cap is not None:
+        return cap
     low = [v for v in floor if v > 0]
     return max(low) if low else None

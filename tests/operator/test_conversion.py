@@ -171,3 +171,34 @@ def test_the_conversion_input_carries_the_decoders_measured_share_of_a_prefiller
     unmeasured = conversion_input(spec, "svc", pods, roles(900.0, None))
     assert unmeasured is not None and unmeasured.converted_share is None
     assert plan_conversions(unmeasured).converted == 3
+
+
+def test_the_conversion_policy_takes_a_prefillers_capacity_never_its_floor() -> None:
+    """Measured velocities (none typed): the conversion policy gets the prefill velocity of saturated steps only.
+    Before one, the engines report their best unsaturated step (a lower bound) and the policy holds: 121 prompt
+    tok/s against a 83 tok/s floor is no deficit (bench/pd.py 2026-11-27-f run 1 converted on it at 0.59 s).
+    With the capacity measured, the deficit and the chunk budget are sized from it; the P:D ratio policy still
+    reads the floor (kascade_planner.prefillvelocity)."""
+    from kascade_operator.pdscaling import conversion_input, velocities
+    from kascade_operator.pool import PodView
+
+    spec = ModelServiceSpec.model_validate({**service((1, 1), (1, 8))["spec"], "scaling": {"policy": "tokenVelocity"},
+                                            "slo": {"tbtMs": 730}})
+    pods = [PodView("p0", "n", "1", True, "svc", "prefill", True, endpoint="h:1"),
+            PodView("d0", "n", "1", True, "svc", "decode", True, endpoint="h:2")]
+
+    def roles(m: MeasuredVelocity, rate: float) -> list[RoleInput]:
+        return [RoleInput("prefill", 1, 1, 1, MetricsSnapshot(0.0, rate, 0.0, measured=m)),
+                RoleInput("decode", 1, 1, 8, MetricsSnapshot(0.0, rate, 0.0))]
+
+    floor_only = roles(MeasuredVelocity(prefill_tokens_per_s=83.0), 121.0)
+    inp = conversion_input(spec, "svc", pods, floor_only)
+    assert inp is not None and inp.prefill_tokens_per_s is None
+    plan = plan_conversions(inp)
+    assert plan.convert == () and "no saturated step yet" in plan.reason
+    assert velocities(spec, [r.snap for r in floor_only]).prefill == 83.0  # the ratio policy's: the floor
+    cap = MeasuredVelocity(prefill_tokens_per_s=480.0, prefill_capacity_tokens_per_s=480.0)
+    assert plan_conversions(conversion_input(spec, "svc", pods, roles(cap, 121.0))).convert == ()  # no deficit
+    burst = conversion_input(spec, "svc", pods, roles(cap, 700.0))
+    assert burst is not None and burst.prefill_tokens_per_s == 480.0
+    assert plan_conversions(burst).convert == ("d0",) and plan_conversions(burst).chunk_tokens == 175  # 0.365 s x 480

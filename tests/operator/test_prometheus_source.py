@@ -65,9 +65,9 @@ async def test_prometheus_gives_the_engines_measured_velocities() -> None:
         d0, d1 = await src.collect(["d0", "d1"])
     finally:
         await src.aclose()
-    assert d0.velocity == MeasuredVelocity(900.0, 120.0, 5000.0, 450.0)  # 450: the prefill rate it achieved
+    assert d0.velocity == MeasuredVelocity(900.0, 120.0, 5000.0, 450.0, 900.0)  # 450: the prefill rate it achieved
     assert d1.velocity is None  # measured nothing: the policy falls back to its typed velocities
-    assert measured([d0, d1]) == MeasuredVelocity(900.0, 120.0, 5000.0, 450.0)
+    assert measured([d0, d1]) == MeasuredVelocity(900.0, 120.0, 5000.0, 450.0, 900.0)
 
 
 async def test_before_a_saturated_step_the_prefill_velocity_is_the_best_floor() -> None:
