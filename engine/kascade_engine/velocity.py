@@ -16,8 +16,9 @@ or time budget while prompt tokens still waited) ->
   saturated, never toward the floor (an estimate, and the floor is a max)
 -> /metrics: kascade_prefill_velocity_tokens_per_second{bucket} (capacity; 0 = no saturated step yet),
    kascade_prefill_velocity_floor_tokens_per_second{bucket}, kascade_decode_velocity_tokens_per_second{batch}
--> the operator's tokenVelocity and conversion policies read one number per engine, `prefill_capacity()`'s rule
-   (kascade_planner.prefillvelocity.prefill_velocity: the slowest bucket with a capacity, else the best floor).
+-> the operator reads one number per engine, `prefill_capacity()`'s rule (kascade_planner.prefillvelocity
+   .prefill_velocity: the slowest bucket with a capacity, else the best floor) for its tokenVelocity and P:D ratio
+   policies; its conversion policy takes the capacity alone (no conversion against a floor).
 
 The prefill RATE is another number: the prompt tokens this engine actually prefills per second of step time
 while prompts wait to be prefilled (`observe_rate`, every such step, also one that gave them 0 tokens); on a
