@@ -6,7 +6,7 @@ Measured: `scale_nodes`, `scale_modelservices`, `operator_rss_mb` (VmRSS at the 
 kascade_operator_reconcile_seconds over the steady window: the upper bound of the bucket holding the
 99th percentile), `rounds_per_service_per_s` against 1/interval (does it keep up?), and one scale-up
 under that load (`scale_reaction_ms`: the windowed metric crossing -> the target told to bind).
-Used by bench/operator.py, which puts these beside the reaction numbers in bench/results/operator.json.
+Used by bench/reaction.py, which puts these beside the reaction numbers in bench/results/operator.json.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ renew deadline, 1 s retry: the chart's default lease is 15 s), the leader SIGKIL
 the same moment; failover = kill -> the standby's first `bind` call. Beside it, kopf's own peering with
 the same 3 s lifetime (bench/operator_peering.py: kill -> the standby's kopf handler). Then the scale run
 (bench/operator_scale.py: 2,000 fake GPU nodes, 200 ModelServices; `--quick`: 200 and 20). Writes
-bench/results/operator.json. `--quick`: about a minute.
+bench/results/operator.json. `--quick`: about a minute. (Named reaction.py: a bench/operator.py shadowed the
+stdlib `operator` module for every script run from bench/.)
 """
 
 from __future__ import annotations
