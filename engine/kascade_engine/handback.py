@@ -29,8 +29,9 @@ The rule (`kascade_planner.conversion.hand_back_verdict`, pure, the simulator's 
 predicted finish of the prompt's prefill (the tokens left / the rate it got over the last bound, i.e. what its
 step budget gives it now) against the remote path's (`RemotePrefill.took`: what a prefill on that peer took
 lately, queue included, for the whole prompt, since the partial prefill is dropped): hand back when the remote
-path finishes sooner (`RemotePrefill.expected_s`: that average, or longer while a remote prefill in flight has
-waited longer: the queue of a burst); else check again after another bound. Without a measured remote path, progress keeps
+path finishes sooner (`RemotePrefill.expected_s`, `conversion.remote_prefill_s`: the oldest wait of this engine's
+prompts in flight at that peer plus their prompt tokens and this one's at the peer's reported pace, never under
+that average: a prompt sent now waits behind the ones queued before it); else check again after another bound. Without a measured remote path, progress keeps
 the prompt here. The handed-back prompt carries the time it waited here (kv_wire.PrefillOp.waited_s): the
 prefill engine queues it by its arrival, not behind prompts that reached the router after it.
 """
@@ -87,7 +88,7 @@ class HandBack:
         if self.after_s is None:
             return None
         eng = self.inst.engine
-        remote = None if peer is None else self.inst.remote_prefill.expected_s(peer)
+        remote = None if peer is None else self.inst.remote_prefill.expected_s(peer, prompt_len)
         return arrival_verdict(prompt_len, eng.meter.prefill_rate(), remote, eng.scheduler.decodes())
 
     def watch(self, rid: str, prompt: list[int], params: SamplingParams, peer: str) -> bool:
@@ -145,7 +146,7 @@ class HandBack:
             return []  # gone, or a token is out (the client may have it): it stays here
         now = time.monotonic()
         why = hand_back_verdict(prompt_len - s.computed, s.computed - seen, now - seen_at,
-                                None if peer is None else self.inst.remote_prefill.expected_s(peer))
+                                None if peer is None else self.inst.remote_prefill.expected_s(peer, prompt_len))
         if why is None:  # it progresses fast enough: look again after another bound
             loop.call_soon_threadsafe(self._arm, rid, prompt_len, peer, to, after_s, s.computed, now, act)
             return []

@@ -13,7 +13,10 @@ connections and reused for the next request once this one is done):
   P -> D  {"op": "kv", "req", "layer", "start", "n", "part": "k"|"v", "shape": [n, kv_heads, head_dim],
            "dtype"} + raw bytes (row-major, little endian)    one pair of frames per layer per prefill
                                                               chunk, sent while P computes the next layer
-  P -> D  {"op": "kv_done", "req", "token" (the first sampled token), "frames", "bytes", "digest"}
+  P -> D  {"op": "kv_done", "req", "token" (the first sampled token), "frames", "bytes", "digest",
+           "rate" (optional)}                                 P's measured prefill rate, prompt tokens/s (its
+                                                              velocity meter): D's estimate of a prompt's time
+                                                              behind the ones it has queued there (pace)
      or   {"op": "error", "req", "message"}
      or   {"op": "handback", "req", "message"}                 P is a converted decoder whose budget leaves the
                                                               prompt no progress (handback.py's rule): D
@@ -109,6 +112,17 @@ def fallback(h: Header) -> str | None:
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise KVWireError(f"prefill field 'fallback' = {v!r}: expected host:port")
     return str(v)
+
+
+def pace(h: Header) -> float | None:
+    """A kv_done's `rate` (None when absent: P has not measured its prefill rate yet), checked: a finite number of
+    prompt tokens/s > 0."""
+    v = h.get("rate")
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+        raise KVWireError(f"kv_done field 'rate' = {v!r}: must be a finite number of prompt tokens/s > 0")
+    return float(v)
 
 
 def kv_header(req: str, layer: int, start: int, n: int, part: str, shape: KVShape) -> Header:

@@ -7,7 +7,8 @@ Data flow: the data port's hello (live.Finisher.handle) -> a first frame {"op": 
 max_tokens=1)` with a request queue in `Serving.queues` -> the step loop runs `KVShipper.forward`: one layer
 at a time for the whole batch; after each layer the K and V of the remote sequences' new positions are
 copied to host memory and handed to the event loop -> `handle` sends them as kv frames as they come ->
-the step's sampled first token arrives as the request's `Event` -> {"op": "kv_done"} with the digest.
+the step's sampled first token arrives as the request's `Event` -> {"op": "kv_done"} with the digest
+and this engine's measured prefill rate (the decode engine's pace for the prompts it queues here, remote_prefill.py).
 A failed step, an unknown shape, or a decode engine that goes away ends only that request.
 A converted decoder serving here (the router may name one as another decoder's prefill engine) follows its
 hand-back rule for these prompts too (handback.HandBack.refuses / watch_served): it declines one on arrival, or
@@ -258,8 +259,12 @@ class PrefillServer:
                     await conn.send({"op": "error", "req": req, "message": f"prefill failed: {why}"})
                     return True
                 assert isinstance(item, Event)
-                await conn.send({"op": "kv_done", "req": req, "token": item.token, "frames": frames, "bytes": sent,
-                                 "digest": hasher.hexdigest()})
+                done: Header = {"op": "kv_done", "req": req, "token": item.token, "frames": frames, "bytes": sent,
+                        "digest": hasher.hexdigest()}
+                rate = inst.engine.meter.prefill_rate()  # the requester's pace for prompts it queues here (kv_wire)
+                if rate:
+                    done["rate"] = rate
+                await conn.send(done)
                 self.requests += 1
                 self.bytes_sent += sent
                 inst.pd_metrics.served.inc()

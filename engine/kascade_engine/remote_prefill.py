@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kascade_engine.engine import Event, Request
-from kascade_engine.kv_wire import Coverage, KVWireError, PrefillOp, check_kv, digest
+from kascade_engine.kv_wire import Coverage, KVWireError, PrefillOp, check_kv, digest, pace
 from kascade_engine.peerpool import PeerPool
 from kascade_engine.prefill_server import host_bytes, kv_shape
 from kascade_engine.sampling import SamplingParams
@@ -69,7 +69,12 @@ class RemotePrefill:
         # peer -> seconds a remote prefill on it takes now, start to KV landed (its queue, compute and link),
         # a moving average over recent prompts: what the hand-back compares a slow local prefill with
         self.took: dict[str, float] = {}
-        self.pending: dict[str, tuple[str, float]] = {}  # rid -> (peer, start) of remote prefills in flight
+        # rid -> (peer, start, prompt tokens) of remote prefills in flight: the queue this engine put ahead of a
+        # prompt it sends `peer` now (expected_s)
+        self.pending: dict[str, tuple[str, float, int]] = {}
+        # peer -> its measured prefill rate, prompt tokens/s, from its last kv_done (kv_wire.pace): how fast it works
+        # through that queue
+        self.pace: dict[str, float] = {}
         # rid -> prompt length of the same: they join the batch as decodes when their KV lands (the scheduler's
         # prefill room counts them: Scheduler.joining is this dict)
         self.joining: dict[str, int] = {}
@@ -82,6 +87,10 @@ class RemotePrefill:
         the time it already waited (a handed-back prompt, handback.py). `fallback`: where the prompt goes if
         `peer` (a converted decoder) hands it back; None: it is prefilled here then. `settles`: `peer` is where a
         hand-back sends it (it will not hand it back again): once the prefill op is sent, `peer` prefills it."""
+        # in flight from now, not from when the task first runs: a prompt judged right after this one (the same tick)
+        # sees it queued ahead at `peer` (expected_s)
+        self.pending[rid] = (peer, time.monotonic(), len(prompt))
+        self.joining[rid] = len(prompt)
         task = asyncio.get_running_loop().create_task(
             self._run(rid, prompt, params, peer, local, arrived, fallback, settles))
         self.tasks.add(task)
@@ -90,9 +99,8 @@ class RemotePrefill:
     async def _run(self, rid: str, prompt: list[int], params: SamplingParams, peer: str,
                    local: Callable[[], None], arrived: float | None = None, fallback: str | None = None,
                    settles: bool = False) -> None:
-        t0 = time.monotonic()
-        self.pending[rid] = (peer, t0)
-        self.joining[rid] = len(prompt)
+        mine = self.pending[rid]
+        t0 = mine[1]
         serving = self.inst.serving
 
         def here() -> None:  # prefilled here after all: settled now, not at its first token
@@ -119,8 +127,9 @@ class RemotePrefill:
                 here()
             return
         finally:
-            self.pending.pop(rid, None)
-            self.joining.pop(rid, None)
+            if self.pending.get(rid) is mine:  # not a hand-back's next remote prefill, started above
+                self.pending.pop(rid, None)
+                self.joining.pop(rid, None)
         dt = time.monotonic() - t0
         old = self.took.get(peer)
         self.took[peer] = dt if old is None else old + TOOK_WEIGHT * (dt - old)
@@ -129,13 +138,19 @@ class RemotePrefill:
         self.inst.engine.call_in_step(lambda eng: self._adopt(eng, rid, prompt, params, token, k, v, peer))
         self.inst.serving.wake.set()
 
-    def expected_s(self, peer: str) -> float | None:
-        """What a remote prefill on `peer` takes now: the moving average of those that landed (`took`), or longer
-        when one in flight has already waited longer (a burst's queue grows before any of it lands: the average
-        of the prompts before the burst said 0.3 s while P's queue held 1-2 s, bench/pd.py run3 2026-11-27-c).
-        None: nothing measured yet."""
+    def expected_s(self, peer: str, prompt_tokens: int = 0) -> float | None:
+        """What a prompt of `prompt_tokens` sent to `peer` now takes there (`conversion.remote_prefill_s`): the oldest
+        wait of this engine's prompts in flight there plus their prompt tokens and this one's at `peer`'s reported
+        pace (its kv_done's rate), never less than the moving average of those that landed (`took`). What it counts
+        is what this engine sent `peer` and has not got back; it cannot see the prompts other decode engines queued
+        there, except through the oldest wait (they delay its prompts too). Without a reported pace: the average or
+        the oldest wait, whichever is longer (a burst's queue grows before any of it lands: the average of the prompts
+        before the burst said 0.3 s while P's queue held 1-2 s, bench/pd.py run3 2026-11-27-c). None: nothing
+        measured yet."""
         now = time.monotonic()
-        return remote_prefill_s(self.took.get(peer), [now - t for p, t in tuple(self.pending.values()) if p == peer])
+        mine = [(now - t, n) for p, t, n in tuple(self.pending.values()) if p == peer]
+        return remote_prefill_s(self.took.get(peer), [w for w, _ in mine], sum(n for _, n in mine) + prompt_tokens,
+                                self.pace.get(peer))
 
     async def _fetch(self, rid: str, prompt: list[int], params: SamplingParams, peer: str,
                      arrived: float | None = None, fallback: str | None = None,
@@ -189,7 +204,10 @@ class RemotePrefill:
                 token = header.get("token")
                 if not isinstance(token, int) or not 0 <= token < self.inst.model.shape.vocab:
                     raise RemotePrefillError(f"kv_done field 'token' = {token!r} is not a token id")
+                rate = pace(header)
                 ok = True
+                if rate is not None:
+                    self.pace[peer] = rate
                 secs = max(wire, 1e-9)
                 self.bytes_received += got
                 self.link[peer] = got / secs

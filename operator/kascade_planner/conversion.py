@@ -141,15 +141,36 @@ def hand_back(ttft_slo_s: float | None) -> float | None:
     return None if ttft_slo_s is None else HAND_BACK_SHARE * ttft_slo_s
 
 
-def remote_prefill_s(took_s: float | None, waited_s: Iterable[float]) -> float | None:
-    """What a prefill on a prefill engine is expected to take now, queue included (`hand_back_verdict`'s
-    `remote_s`): the moving average of recent ones (`took_s`), or longer while one not yet done has already waited
-    longer (`waited_s`: a burst's queue grows before any of it finishes). None: nothing measured. The engine
-    (kascade_engine.remote_prefill) and the simulator (kascade_sim.serving) both estimate by it."""
+def remote_prefill_s(took_s: float | None, waited_s: Iterable[float], queued_tokens: int = 0,
+                     pace: float | None = None) -> float | None:
+    """What a prompt sent to a prefill engine now is expected to take there, start to KV landed (`arrival_verdict`'s
+    and `hand_back_verdict`'s `remote_s`). None: nothing measured.
+
+    - `took_s`: the moving average of recent remote prefills (queue, compute and link; None: none landed yet);
+    - `waited_s`: how long each prompt the caller sent there and has not got back has waited so far;
+    - `queued_tokens`: their prompt tokens plus the new prompt's (each counted whole: how far the prefill engine got
+      with one is not known before its KV lands);
+    - `pace`: the prefill engine's measured prefill rate in prompt tokens/s (its own meter, kascade_engine.velocity;
+      None: not known).
+
+    The estimate is the oldest wait PLUS `queued_tokens` at `pace`: a prompt sent now waits for everything queued
+    before it, and the oldest wait stands for what is ahead of the caller's prompts that the caller cannot see
+    (other decoders' prompts at the same prefill engine, the engine's own batch). Never less than `took_s`. The
+    average is a floor, not an addend: it already holds a prompt's own compute, and added to the new prompt's it
+    would count it twice. Without `pace` (tokens cannot become seconds) it is the old estimate, the longer of the
+    average and the oldest wait, which ignores the queue ahead of the new prompt: in a burst it said 0.3 s while
+    8 long prompts were queued ahead (docs/worklog/2026-11-27-e/lead.md), so decoders declined prompts they would
+    have finished sooner. The engine (kascade_engine.remote_prefill) and the simulator (kascade_sim.serving) both
+    estimate by it."""
     waits = list(waited_s)
-    if took_s is None and not waits:
-        return None
-    return max([took_s or 0.0, *waits])
+    if queued_tokens < 0:
+        raise ValueError(f"queued_tokens must be >= 0, got {queued_tokens}")
+    if pace is not None and not 0 < pace < math.inf:
+        raise ValueError(f"pace must be a finite number > 0 or None, got {pace}")
+    oldest = max(waits, default=0.0)
+    if pace is None or not queued_tokens:
+        return None if took_s is None and not waits else max(took_s or 0.0, oldest)
+    return max(took_s or 0.0, oldest + queued_tokens / pace)
 
 
 def hand_back_verdict(left: int, progressed: int, elapsed_s: float, remote_s: float | None) -> str | None:

@@ -12,6 +12,7 @@ may hand it back to the prefill queue (`_hand_back`, by the engine's own rule). 
 from __future__ import annotations
 
 from bisect import bisect_right
+from itertools import takewhile
 
 from kascade_planner.conversion import arrival_verdict, hand_back_verdict, remote_prefill_s
 from kascade_sim.events import ITER, KV
@@ -63,7 +64,7 @@ class Serving:
         if any(p.accepting and not p.busy for p in self.group[(m, "prefill")]):
             return False
         # the engine's arrival rule: beside decodes, only a prompt its measured rate finishes before a prefiller would
-        return not inst.convertible or arrival_verdict(self.inp[r], inst.rate.rate(), self._remote_s(m, now),
+        return not inst.convertible or arrival_verdict(self.inp[r], inst.rate.rate(), self._remote_s(m, r),
                                                        inst.n_running + inst.incoming) is None
 
     def _chunk_tokens(self, inst: Instance) -> int:
@@ -85,7 +86,7 @@ class Serving:
         r, m = inst.chunk_req, inst.model
         done = self.inp[r] - inst.chunk_left
         if hand_back_verdict(inst.chunk_left, done - inst.chunk_seen, now - inst.chunk_seen_at,
-                             self._remote_s(m, now)) is None:
+                             self._remote_s(m, r)) is None:
             inst.chunk_seen, inst.chunk_seen_at = done, now
             return False
         inst.kv_reserved -= self.inp[r] + self.out[r]
@@ -96,12 +97,20 @@ class Serving:
         q.insert(bisect_right(q, self.arr[r], key=lambda x: self.arr[x]), r)
         return True
 
-    def _remote_s(self, m: int, now: float) -> float | None:
-        """What a prefill on a prefiller of model `m` is expected to take: the moving average of recent ones
-        (arrival to first token), or the wait of the oldest prompt queued for one when that is longer (as
-        `RemotePrefill.expected_s`: a burst's queue grows before its prompts finish). None: nothing yet."""
-        q = self.queue[(m, "prefill")]
-        return remote_prefill_s(self.prefill_took.get(m), [now - self.arr[q[0]]] if q else [])
+    def _remote_s(self, m: int, r: int) -> float | None:
+        """What prompt `r` of model `m` is expected to take on a prefiller, by the engine's estimate
+        (`conversion.remote_prefill_s`, as `RemotePrefill.expected_s`): the prompt tokens ahead of it (in the
+        prefillers' batches, and queued for them before its arrival: counted whole, as the engine does) and its own
+        at the serving prefillers' measured pace (the sum of their rates: they share the queue), never under the
+        moving average of recent ones (arrival to first token). The simulator's prefill queue is global: unlike a
+        decode engine, which sees only what it sent itself, the decoder here sees everything ahead, so no wait
+        stands in for prompts it cannot see (no `waited_s`). None: nothing measured yet."""
+        pre = [p for p in self.group[(m, "prefill")] if p.accepting]
+        rates = [x for x in (p.rate.rate() for p in pre) if x]
+        ahead = sum(self.inp[x] for p in pre for x in p.batch)
+        # the queue is in arrival order (a handed-back prompt goes back at its arrival): stop at the first after `r`
+        ahead += sum(self.inp[x] for x in takewhile(lambda x: self.arr[x] < self.arr[r], self.queue[(m, "prefill")]))
+        return remote_prefill_s(self.prefill_took.get(m), [], ahead + self.inp[r], sum(rates) if rates else None)
 
     def _prefill_chunk(self, inst: Instance, now: float) -> None:
         """One chunk of a long prompt on a converted decoder (its KV was reserved at the first chunk);

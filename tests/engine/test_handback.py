@@ -235,7 +235,8 @@ def test_the_handed_back_header_is_one_typed_message() -> None:
 
 def test_the_remote_path_estimate_follows_a_growing_queue() -> None:
     """What the hand-back compares with: the moving average of landed remote prefills, or the age of one still
-    in flight when that is longer (a burst's queue at the prefill engine grows before any of it lands)."""
+    in flight when that is longer (a burst's queue at the prefill engine grows before any of it lands); with the
+    peer's reported pace, that age plus the prompt tokens this engine queued there and the new prompt's."""
     from types import SimpleNamespace
 
     from kascade_engine.remote_prefill import RemotePrefill
@@ -244,11 +245,14 @@ def test_the_remote_path_estimate_follows_a_growing_queue() -> None:
     assert rp.expected_s("p:1") is None
     rp.took["p:1"] = 0.3
     assert rp.expected_s("p:1") == 0.3
-    rp.pending["r1"] = ("p:1", time.monotonic() - 1.5)  # sent 1.5 s ago, not landed
-    rp.pending["r2"] = ("q:2", time.monotonic() - 9.0)  # another peer's queue says nothing of p:1
+    rp.pending["r1"] = ("p:1", time.monotonic() - 1.5, 400)  # sent 1.5 s ago, not landed
+    rp.pending["r2"] = ("q:2", time.monotonic() - 9.0, 9000)  # another peer's queue says nothing of p:1
     assert 1.5 <= rp.expected_s("p:1") < 2.5  # type: ignore[operator]
     del rp.took["p:1"]
-    assert 1.5 <= rp.expected_s("p:1") < 2.5  # type: ignore[operator]
+    assert 1.5 <= rp.expected_s("p:1", 100) < 2.5  # type: ignore[operator]  # no pace: tokens are not seconds
+    # p:1 reported its pace (kv_done's rate): the prompt waits for the 400 tokens queued before it, then its own 100
+    rp.pace["p:1"] = 200.0
+    assert 1.5 + 2.5 <= rp.expected_s("p:1", 100) < 2.5 + 2.5  # type: ignore[operator]
 
 
 async def test_the_answer_names_who_really_prefilled_a_handed_back_prompt(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]

@@ -1,0 +1,116 @@
+"""A converted decoder D with prompts in flight at the prefill engine P keeps a prompt it can prefill before P would
+reach it (`conversion.remote_prefill_s` via `RemotePrefill.expected_s`): the remote path's time for a prompt sent now
+counts the prompt tokens D queued at P ahead of it, at the pace P reports on its kv_done (P's own meter). The old
+estimate (the recent average or the oldest wait) ignored that queue and declined the prompt.
+
+Real in-process engines (pdpair.py): P emulates an accelerator (each layer of a step of at most 32 tokens takes at least
+1.5 ms: its pace does not depend on this machine's load), D runs on the CPU, converted beside two decoding streams; its
+prefill rate is what its warm-up probe measures."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from pdpair import PD, TOKEN  # type: ignore[import-not-found]
+from splitref import collect, unsplit  # type: ignore[import-not-found]
+
+from kascade_engine.config import EngineConfig
+from kascade_engine.instance import EngineInstance
+from kascade_engine.sampling import SamplingParams
+from kascade_engine.tokenizer import ByteTokenizer
+from kascade_engine.transport_tcp import TcpTransport
+from kascade_planner.conversion import arrival_verdict, remote_prefill_s
+
+log = logging.getLogger(__name__)
+QUEUED, LONG = 8, 300  # D's prompts in flight at P, and the tokens of each (and of the new prompt)
+LAYER_MS, KNEE = 1.5, 32  # P: a step of at most KNEE tokens takes at least LAYER_MS per layer (4 layers)
+
+
+def _prompt(k: int) -> list[int]:
+    return [(7 * k + 3 * i) % 500 + 1 for i in range(LONG)]
+
+
+async def test_a_converted_decoder_keeps_a_prompt_queued_prefills_at_p_would_delay(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    """- P reports its measured pace on kv_done; D keeps it per peer (RemotePrefill.pace).
+    - D sends QUEUED prompts of LONG tokens to P; then a LONG-token prompt arrives with P as its fallback. D prefills
+      slower than P (a prompt alone would finish sooner there) and the old estimate (the average of one short remote
+      prefill, or the oldest wait: ~0 s) is below D's predicted local finish, so the old rule would have declined
+      it; the new one counts the queue D put at P and keeps it.
+    - Greedy output equals the colocated engine's for all of them. (Whether keeping it paid is not asserted: P and D
+      share this process's interpreter and two cores: the kept prompt's first token came 0.86-1.25 s after it arrived
+      against the 0.26-0.27 s D's rate predicted, and the last queued prompt landed after 0.82-1.28 s against the
+      0.58-0.60 s estimated; docs/worklog/2026-11-27-f/arr.md.)
+    Fails before this change: D had no pace for P and estimated the remote path by the average or the oldest wait."""
+    from kascade_planner.engine_api import ConvertRequest
+
+    cfg = EngineConfig(checkpoint=tiny_ckpt, model_name="tiny-llama", token=TOKEN, kv_tokens=4096,
+                       max_batch_tokens=KNEE, instance="p", emulate_layer_ms=LAYER_MS, emulate_knee_tokens=KNEE)
+    p = EngineInstance(cfg, tiny_blocks.config, ByteTokenizer(), tiny_blocks)
+    d = EngineInstance(EngineConfig(checkpoint=tiny_ckpt, model_name="tiny-llama", token=TOKEN, kv_tokens=4096,
+                                    instance="d"), tiny_blocks.config, ByteTokenizer(), tiny_blocks)
+    p.serving.start()
+    d.serving.start()
+    listener = await TcpTransport().listen("127.0.0.1", 0, lambda c: p.finisher.handle(c))
+    pd = PD(p, d, listener)
+    params = SamplingParams(max_tokens=4)
+    prompts = [_prompt(k) for k in range(QUEUED + 1)]
+    warm = list(range(1, 4 * KNEE + 1))  # 4 steps at P: enough for its meter (prefillrate.RATE_STEPS)
+    one = SamplingParams(max_tokens=1)  # the queued prompts end as they land: D's batch stays the two streams
+    want = unsplit(tiny_blocks, [warm, prompts[QUEUED]], params) + unsplit(tiny_blocks, prompts[:QUEUED], one)
+    try:
+        assert await collect(d, d.serving.submit(warm, params, prefill=pd.peer)) == want[0]
+        pace = d.remote_prefill.pace.get(pd.peer)
+        assert pace is not None and pace == p.engine.meter.prefill_rate(), (pace, p.engine.meter.prefill_rate())
+        assert pace < KNEE / (4 * LAYER_MS / 1e3) * 1.05, pace  # at most KNEE tokens per 4 emulated layers
+        took = d.remote_prefill.took[pd.peer]
+
+        streams = [d.serving.submit([7 + i, 8, 9], SamplingParams(max_tokens=300)) for i in range(2)]
+        tasks = [asyncio.create_task(collect(d, r)) for r in streams]
+        while not all(d.engine.requests.get(r) and d.engine.requests[r].out for r in streams):
+            await asyncio.sleep(0.005)
+        d.convert(ConvertRequest(4, 1000.0, hand_back_ms=5000.0))
+        while d.probe.rid is not None:
+            await asyncio.sleep(0.005)
+        rate = d.engine.meter.prefill_rate()
+        assert rate, "D's probe measured no prefill rate"
+
+        queued = [d.serving.submit(q, one, prefill=pd.peer) for q in prompts[:QUEUED]]
+        landed: dict[str, float] = {}
+
+        async def first(rid: str) -> list[int]:
+            out = []
+            async for ev in d.serving.tokens(rid):
+                landed.setdefault(rid, time.monotonic())
+                out.append(ev.token)
+            return out
+
+        waits = [time.monotonic() - t for _, t, _ in d.remote_prefill.pending.values()]
+        decodes = d.engine.scheduler.decodes()
+        local_s = LONG / rate
+        old = remote_prefill_s(took, waits)  # before: the average or the oldest wait
+        new = d.remote_prefill.expected_s(pd.peer, LONG)
+        assert old is not None and new is not None
+        # the case this test is about: D is slower than P (the prompt alone finishes sooner there), but not slower
+        # than the queue D put at P ahead of it; the old estimate saw neither
+        alone = remote_prefill_s(took, [], LONG, pace)
+        assert len(waits) == QUEUED and old < local_s and alone is not None and alone < local_s < new, (
+            old, alone, local_s, new, rate, pace)
+        assert arrival_verdict(LONG, rate, old, decodes) is not None  # the old rule declined it
+        assert d.handback.refuses(LONG, pd.peer) is None
+        q_tasks = [asyncio.create_task(first(r)) for r in queued]
+        t0 = time.monotonic()
+        rid = d.serving.submit(prompts[QUEUED], params, fallback=pd.peer)
+        got = await asyncio.wait_for(first(rid), 60)
+        assert got == want[1] and d.handback.handed == 0  # kept and prefilled here
+        outs = await asyncio.wait_for(asyncio.gather(*q_tasks), 60)
+        assert outs == want[2:]
+        assert d.remote_prefill.adopted == QUEUED + 1
+        log.info("kept prompt's first token after %.3f s (predicted %.3f s here, %.3f s at P), the queued ones landed "
+                 "after %s s", landed[rid] - t0, local_s, new, [round(landed[r] - t0, 3) for r in queued])
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        await pd.close()
