@@ -91,6 +91,23 @@ def test_without_a_budget_release_drops_the_weights(tiny_ckpt, engine_starter) -
         e.stop()
 
 
+def test_a_model_over_the_budget_is_not_kept(tiny_ckpt, tiny_blocks, engine_starter) -> None:  # type: ignore[no-untyped-def]
+    """The budget bounds the copy: a model one KiB over --host-cache-gib is dropped at release, so bind from it
+    is refused (and the operator records no host copy: it reads hostCopyBytes 0)."""
+    budget_gib = (tiny_blocks.total_bytes - 1024) / 2**30
+    e = engine_starter(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--empty",
+                        "--host-cache-gib", repr(budget_gib)])
+    try:
+        _serve_from_disk(e, tiny_ckpt)
+        httpx.post(e.url + "/kascade/v1/drain", headers=_h(e))
+        st = httpx.post(e.url + "/kascade/v1/release", headers=_h(e)).json()
+        assert st["phase"] == "released" and st["hostCopyBytes"] == 0
+        refused = httpx.post(e.url + "/kascade/v1/bind", json={**BIND, "source": {"hostCopy": True}}, headers=_h(e))
+        assert refused.status_code == 409 and "source.hostCopy" in refused.json()["error"]["message"]
+    finally:
+        e.stop()
+
+
 def test_a_released_host_copy_feeds_a_plan_and_stays_released(tiny_ckpt, tiny_blocks, engine_starter) -> None:  # type: ignore[no-untyped-def]
     src = engine_starter(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--empty", "--host-cache-gib", "1"])
     dst = engine_starter(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--empty"])
