@@ -33,7 +33,7 @@ from kascade_operator.kube import GROUP, VERSION, Conflict, Kube, NotFound, now_
 from kascade_operator.metrics import PrometheusSource, Scraper, snapshot
 from kascade_operator.operator_metrics import OperatorMetrics
 from kascade_operator.podtemplate import checkpoint_path, fallback_pod, refusals
-from kascade_operator.pool import PodView, drain_patch, owner_ref, service_key, unbind_patch
+from kascade_operator.pool import PodView, drain_patch, keep_host_copy, owner_ref, service_key, unbind_patch
 from kascade_operator.reconcile import (
     TERMINAL,
     CreatePlan,
@@ -308,9 +308,8 @@ async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods:
         kept: str | None = None
         if p.endpoint:
             # O(1) host copies per model (issue 18): the first releases keep their weights in host memory
-            # (a scale-from-zero and chain source); beyond host_copies_per_model they drop them
-            held = sum(1 for q in pods if q.host_copy == spec.model.name and q.pod_name != p.pod_name)
-            keep = None if held < rt.settings.host_copies_per_model else False
+            # (a scale-from-zero source); beyond host_copies_per_model they drop them
+            keep = keep_host_copy(pods, spec.model.name, p.pod_name, rt.settings.host_copies_per_model)
             try:
                 await rt.engines.drain(p.endpoint)  # readiness drops; requests in flight finish
                 st = await rt.engines.release(p.endpoint, keep)
@@ -323,6 +322,10 @@ async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods:
             await rt.kube.patch_pod(pool_ns, p.pod_name, unbind_patch(p, host_copy=kept))
         except (Conflict, NotFound):
             return None
+        if kept:
+            # the round's other releases must count this copy: they read the same pod snapshot, and without
+            # it every pod released in one round (a scale-down drains several at once) kept a copy
+            pods[pods.index(p)] = replace(p, model_service=None, role=None, host_copy=kept)
         rt.unreserve(pool_ns, [p.pod_name])  # its claim was for the bind this release ends: it may serve again
         await rt.event(ns, body, "ModelService", "Normal", "Released", f"{p.pod_name} returned to the pool")
     return None

@@ -118,6 +118,14 @@ def host_copies(idle: Sequence[PodView], model: str) -> list[PodView]:
     return sorted((p for p in idle if p.host_copy == model and usable_target(p)), key=lambda p: p.pod_name)
 
 
+def keep_host_copy(pods: Sequence[PodView], model: str, releasing: str, per_model: int) -> bool | None:
+    """The `keepHostCopy` a release of pod `releasing` sends: None (the engine keeps a copy when its
+    --host-cache-gib holds the model) while fewer than `per_model` other pool pods keep `model`, False (drop
+    the weights) beyond, so the pool holds O(1) host copies per model."""
+    held = sum(1 for q in pods if q.host_copy == model and q.pod_name != releasing)
+    return None if held < per_model else False
+
+
 def host_copy_patch(model: str | None) -> dict[str, Any]:
     """Record (model) or clear (None) the host copy a released pod's engine keeps."""
     return {"metadata": {"annotations": {L.HOST_COPY: model}}}

@@ -21,6 +21,9 @@ class EngineStub:
         self.phase, self.model_service, self.role = "idle", None, None
         self.calls: list[tuple[str, dict[str, Any], float]] = []  # (verb, body, monotonic time)
         self.refused = 0  # binds answered 409 (wrong model, or bound to another service)
+        # as the engine's --host-cache-gib: a release keeps a host copy of this many bytes unless told
+        # keepHostCopy false (0: no budget, nothing kept)
+        self.host_cache_bytes, self.host_copy_bytes = 0, 0
         self._rate, self._total, self._t = 0.0, 0.0, time.monotonic()
         self._lock = threading.Lock()
         stub = self
@@ -73,6 +76,8 @@ class EngineStub:
                     elif verb == "drain":
                         stub.phase = "draining"
                     elif verb == "release":
+                        keep = body.get("keepHostCopy") is not False and stub.phase in ("ready", "draining")
+                        stub.host_copy_bytes = stub.host_cache_bytes if keep else 0
                         stub.phase, stub.model_service = "idle", None
                 self._send(200, stub.status())
 
@@ -89,7 +94,8 @@ class EngineStub:
     def status(self) -> dict[str, Any]:
         ready = self.phase == "ready"
         return {"instance": self.instance, "model": self.model, "role": self.role, "modelService": self.model_service,
-                "phase": self.phase, "blocks": {"embed": ready, "head": ready}, "bytesReceived": 0, "ready": ready}
+                "phase": self.phase, "blocks": {"embed": ready, "head": ready}, "bytesReceived": 0, "ready": ready,
+                "hostCopyBytes": self.host_copy_bytes}
 
     def _advance(self) -> float:
         now = time.monotonic()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,9 +15,12 @@ from fakekube import FakeKube  # type: ignore[import-not-found]
 from kascade_operator import labels as L
 from kascade_operator import plandriver
 from kascade_operator.engine_client import EngineClient
-from kascade_operator.handlers import reconcile_service
+from kascade_operator.api import ModelServiceSpec
+from kascade_operator.handlers import apply, reconcile_service
 from kascade_operator.metrics import Scraper
 from kascade_operator.operator_metrics import OperatorMetrics
+from kascade_operator.pool import pod_view
+from kascade_operator.reconcile import Release
 from kascade_operator.runtime import Runtime
 from kascade_operator.settings import OperatorSettings
 
@@ -254,3 +258,23 @@ async def test_a_plan_records_its_outcome_even_when_its_terminal_write_cancels_t
                                                  {"namespace": NS, "model_service": "svc", "phase": "Succeeded"})
     assert count == 1.0
     assert [e["reason"] for e in kube.events if e["reason"].startswith("ScalePlan")] == ["ScalePlanSucceeded"]
+
+
+async def test_pods_released_in_one_round_keep_one_host_copy_per_model(world: Any) -> None:
+    """A scale-down drains several pods at once and the next round releases them all from one snapshot of the
+    pool: only the first keeps its weights in host memory (host_copies_per_model 1); the others are told
+    keepHostCopy false. (Counting from the snapshot alone, every one of them kept a copy.)"""
+    rt, kube, stubs = world
+    body = service(lo=0)
+    spec = ModelServiceSpec.model_validate(body["spec"])
+    for s in stubs:
+        s.host_cache_bytes, s.model_service, s.phase = 1000, "svc", "ready"
+    pods = [dataclasses.replace(pod_view(kube.pods[(NS, s.instance)]), model_service="svc", role="colocated",
+                                draining=True, drained=True) for s in stubs]
+    for p in list(pods):
+        assert await apply(rt, body, spec, pods, Release(p.pod_name), 0.0) is None
+    keeping = sorted(n for (_, n), p in kube.pods.items() if p["metadata"]["annotations"].get(L.HOST_COPY) == "tiny")
+    assert keeping == ["e0"], keeping
+    assert [s.host_copy_bytes for s in stubs] == [1000, 0, 0]
+    sent = [next(b for v, b, _ in s.calls if v == "release") for s in stubs]
+    assert sent == [{}, {"keepHostCopy": False}, {"keepHostCopy": False}], sent

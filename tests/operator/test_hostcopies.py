@@ -10,7 +10,7 @@ from builders import pod, spec  # type: ignore[import-not-found]
 
 from kascade_operator import labels as L
 from kascade_operator import scaleplan as SP
-from kascade_operator.pool import bind_patch, choose_targets, pod_view, unbind_patch
+from kascade_operator.pool import bind_patch, choose_targets, keep_host_copy, pod_view, unbind_patch
 from kascade_operator.reconcile import CreatePlan, reconcile
 from kascade_operator.status import service_status
 
@@ -76,3 +76,13 @@ def test_status_sources_list_host_copies_of_the_model() -> None:
     st = service_status("svc", "svc", res, pods, [], 1, model="m")
     assert st["sources"] == [{"kind": "gpu", "location": "s", "node": "n0"},
                              {"kind": "host", "location": "h1", "node": "n1"}]
+
+
+def test_a_release_keeps_a_copy_only_while_the_pool_holds_fewer_than_the_setting() -> None:
+    pods = [pod("r", "n0", "svc", "colocated"), hc("h1", node="n1"), hc("x", "other", node="n2")]
+    assert keep_host_copy(pods, "m", "r", 1) is False  # h1 already keeps m
+    assert keep_host_copy(pods, "m", "r", 2) is None  # room for a second copy: the engine keeps one if it fits
+    assert keep_host_copy(pods, "other", "r", 2) is None
+    assert keep_host_copy([pods[0]], "m", "r", 1) is None  # the first copy of m
+    assert keep_host_copy([pods[0]], "m", "r", 0) is False  # 0: none kept
+    assert keep_host_copy([hc("r")], "m", "r", 1) is None  # its own (stale) annotation does not count
