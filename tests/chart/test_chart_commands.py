@@ -380,3 +380,22 @@ def test_pool_activation_dscp_reaches_pool_engines_and_fallback_pods(
     monkeypatch.setenv("KASCADE_OPERATOR_ENGINE_ACTIVATION_DSCP", "64")
     with pytest.raises(ValidationError, match="engine_activation_dscp"):
         OperatorSettings()
+
+
+def test_pool_host_cache_settings_reach_the_pool_engines_and_the_operator(
+        helm: Helm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pool.hostCacheGiB is each pool engine's --host-cache-gib (the host copy's budget), pool.hostCopiesPerModel
+    the operator's host_copies_per_model (copies kept per model); defaults 16 and 1; out-of-range values refused."""
+    (tmp_path / "m1").mkdir()  # click checks the checkpoint directory exists, as it would in the pod
+    model = {"name": "m1", "path": str(tmp_path / "m1"), "mountPath": str(tmp_path)}
+    for pool, gib, copies in (({}, 16.0, 1), ({"hostCacheGiB": 2.5, "hostCopiesPerModel": 3}, 2.5, 3),
+                              ({"hostCacheGiB": 0, "hostCopiesPerModel": 0}, 0.0, 0)):
+        docs = _render(helm, tmp_path, {"pool": {"model": model, **pool}})
+        assert parse(_deployment(docs, "rel-pool")["args"])["host_cache_gib"] == gib
+        for e in _deployment(docs, "rel-operator")["env"]:
+            if "value" in e:
+                monkeypatch.setenv(e["name"], e["value"])
+        assert OperatorSettings().host_copies_per_model == copies
+    for bad in ("pool.hostCopiesPerModel=65", "pool.hostCacheGiB=-1"):
+        out = helm("template", "rel", str(CHART), "--set", bad, check=False)
+        assert out.returncode != 0 and bad.split("=")[0].split(".")[1] in out.stderr, out.stderr
