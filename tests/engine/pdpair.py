@@ -16,9 +16,10 @@ PROMPTS = [[11, 42, 7, 300, 5, 9, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13],
 TOKEN = "pd-token"
 
 
-def instance(ckpt: Path, blocks: Any, name: str, batch: int = 64, token: str = TOKEN) -> EngineInstance:
+def instance(ckpt: Path, blocks: Any, name: str, batch: int = 64, token: str = TOKEN,
+             layer_ms: float = 0.0) -> EngineInstance:
     cfg = EngineConfig(checkpoint=ckpt, model_name="tiny-llama", token=token, kv_tokens=2048,
-                       max_batch_tokens=batch, instance=name)
+                       max_batch_tokens=batch, instance=name, emulate_layer_ms=layer_ms)
     return EngineInstance(cfg, blocks.config, ByteTokenizer(), blocks)
 
 
@@ -38,8 +39,8 @@ class PD:
         await self.listener.close()
 
 
-async def pd_pair(ckpt: Path, blocks: Any, p_batch: int = 64, d_token: str = TOKEN) -> PD:
-    p = instance(ckpt, blocks, "p", batch=p_batch)
+async def pd_pair(ckpt: Path, blocks: Any, p_batch: int = 64, d_token: str = TOKEN, p_layer_ms: float = 0.0) -> PD:
+    p = instance(ckpt, blocks, "p", batch=p_batch, layer_ms=p_layer_ms)
     d = instance(ckpt, blocks, "d", token=d_token)
     p.serving.start()
     d.serving.start()

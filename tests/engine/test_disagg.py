@@ -7,6 +7,7 @@ decoder's hand-back of a prompt it prefills itself is in test_handback.py."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from pdpair import PROMPTS, TOKEN, instance, pd_pair  # type: ignore[import-not-found]
@@ -76,6 +77,35 @@ async def test_kv_leaves_layer_by_layer_per_chunk(tiny_ckpt, tiny_blocks) -> Non
         want = [(start, layer, part) for start in (0, 16, 32) for layer in range(L) for part in ("k", "v")]
         assert frames == want  # chunk by chunk, and inside each chunk layer by layer in compute order
         assert h["token"] == unsplit(tiny_blocks, [prompt], SamplingParams(max_tokens=1))[0][0]
+        await conn.close()
+    finally:
+        await pd.close()
+
+
+async def test_kv_leaves_while_the_next_layer_computes(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    """Layer by layer AS prefill proceeds, not after it: with P's layers paced at 80 ms (an emulated accelerator),
+    the first layer's K and V reach D about three layer times before the last layer's and `kv_done`. Shipped
+    after the whole step, every frame would land within a few ms of `kv_done`."""
+    layer_s = 0.08
+    pd = await pd_pair(tiny_ckpt, tiny_blocks, p_layer_ms=layer_s * 1e3)
+    try:
+        conn = await TcpTransport().connect("127.0.0.1", pd.listener.port)
+        await peerauth.join(conn, TOKEN, "activation", timeout=10)
+        from kascade_engine.prefill_server import kv_shape
+
+        shape = kv_shape(pd.d)
+        await conn.send({"op": "prefill", "req": "r1", "tokens": PROMPTS[0], "params": {}, **shape.to_header()})
+        first: dict[int, float] = {}
+        while True:
+            h, _ = await conn.recv(timeout=60)
+            now = time.monotonic()
+            if h["op"] != "kv":
+                break
+            first.setdefault(h["layer"], now)
+        assert h["op"] == "kv_done" and sorted(first) == list(range(shape.layers))
+        assert now - first[0] >= (shape.layers - 1) * layer_s * 0.8, (now - first[0], first)
+        gaps = [first[i + 1] - first[i] for i in range(shape.layers - 1)]
+        assert min(gaps) >= layer_s * 0.5, gaps  # one layer's compute between one layer's KV and the next's
         await conn.close()
     finally:
         await pd.close()
