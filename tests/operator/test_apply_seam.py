@@ -14,8 +14,8 @@ from fakekube import FakeKube  # type: ignore[import-not-found]
 
 from kascade_operator import labels as L
 from kascade_operator import plandriver
-from kascade_operator.engine_client import EngineClient
 from kascade_operator.api import ModelServiceSpec
+from kascade_operator.engine_client import EngineClient
 from kascade_operator.handlers import apply, reconcile_service
 from kascade_operator.metrics import Scraper
 from kascade_operator.operator_metrics import OperatorMetrics
