@@ -63,7 +63,7 @@ def engine() -> None:
                    "34 = AF41, IP TOS 0x88) and of the HTTP port's (the tokens streamed to clients, control answers), "
                    "so a QoS-configured fabric sends them ahead of weight transfers, which stay unmarked. 0: no mark")
 @click.option("--transfer-max-mbps", type=click.FloatRange(0, min_open=True),
-              help="cap on weight data this engine sends, in Mbit/s (default: line rate)")
+              help="cap on what this engine sends on its data plane, in Mbit/s (default: line rate): weight transfers are paced to it; the KV caches a prefill engine ships go at once and count against it")
 @click.option("--header-timeout", default=10.0, show_default=True, type=click.FloatRange(0, min_open=True),
               help="seconds a connection may take to send a request's headers (slowloris guard)")
 @click.option("--max-connections", default=1024, show_default=True, type=click.IntRange(1),

@@ -32,6 +32,7 @@ from kascade_engine.live import Finisher
 from kascade_engine.liveredirect import Forwarder, ForwardHost
 from kascade_engine.metrics import EngineMetrics
 from kascade_engine.model import LlamaModel
+from kascade_engine.pacing import egress_bucket
 from kascade_engine.pairclient import PairClient
 from kascade_engine.pd_metrics import PDMetrics
 from kascade_engine.peerpool import PeerPool
@@ -96,6 +97,8 @@ class EngineInstance:
         # (`remote_prefill`) all speak it, so peers configured alike reach each other whatever it is. Its TCP
         # sockets carry the activation class (--activation-dscp): a QoS fabric sends them ahead of weights.
         self.transport = config.activation_transport()
+        # one egress budget for the data plane (--transfer-max-mbps): weight plans wait on it, KV frames charge it
+        self.egress = egress_bucket(config.transfer_bytes_per_s)
         self._build(config)
         self.phase = Phase.EMPTY
         if blockset is not None:

@@ -84,7 +84,7 @@ async def start_plan_load(inst: EngineInstance, req: LoadPlanRequest) -> None:
     host_source = blocks is not None and blocks is inst.host_copy
     try:
         source = blocks if blocks is not None and (model.complete or host_source) else None
-        node = TransferNode(spec, me, paced(inst.config.weight_transport(), inst.config.transfer_bytes_per_s),
+        node = TransferNode(spec, me, paced(inst.config.weight_transport(), inst.egress),
                             blocks=source, on_progress=on_progress)
         await node.start()
     except (ValueError, TransportError) as e:

@@ -1,10 +1,14 @@
-"""Pacing: a cap on how fast this engine SENDS weight data, so background weight transfers leave
-room on a shared NIC for serving traffic (KV caches, activations, client responses).
+"""Pacing: a cap on how fast this engine SENDS on its data plane (`--transfer-max-mbps`), so background
+weight transfers leave room on a shared NIC, and the KV caches a prefill engine ships count against the same
+cap without waiting for it.
 
-Data flow: `paced(transport, bytes_per_s)` wraps any `Transport`; every `Connection` it hands out
-(connected or accepted) passes payloads through one token bucket shared by the whole engine before
-the inner `send`. Receiving is never slowed here: the sender upstream paces its own link. Also what
-the end-to-end tests use to make a loopback transfer last long enough to kill a peer in the middle.
+Data flow: the engine owns one `TokenBucket` (`egress_bucket`, EngineInstance.egress). `paced(transport,
+bucket)` wraps the weight transport of every load plan; each `Connection` it hands out (connected or
+accepted) passes payloads through that bucket before the inner `send`. KV frames (prefill_server.py) are
+serving traffic: they go at once and `charge` the bucket, so the weights sent after them wait for their bytes
+too: weights + KV stay within the cap, and KV never queues behind a weight transfer. Receiving is never
+slowed here: the sender upstream paces its own link. Also what the end-to-end tests use to make a loopback
+transfer last long enough to kill a peer in the middle.
 """
 
 from __future__ import annotations
@@ -36,6 +40,10 @@ class TokenBucket:
         self._t = now
         self._tokens -= n
         return max(0.0, -self._tokens / self.rate)
+
+    def charge(self, n: int) -> None:
+        """`n` bytes that went already (serving traffic: never waits): later `take`s wait for them."""
+        self.delay(n)
 
     async def take(self, n: int) -> None:
         async with self._lock:  # FIFO among senders: one long chunk cannot be overtaken forever
@@ -71,13 +79,19 @@ class PacedConnection:
         await self.inner.abort()
 
 
+def egress_bucket(bytes_per_s: float | None) -> TokenBucket | None:
+    """The engine's one egress budget (None: no cap). Burst: 1 MiB or 50 ms at the rate, the larger."""
+    return TokenBucket(bytes_per_s, burst=max(1 << 20, int(bytes_per_s / 20))) if bytes_per_s else None
+
+
 class PacedTransport:
-    def __init__(self, inner: Transport, bytes_per_s: float) -> None:
+    def __init__(self, inner: Transport, bucket: TokenBucket | float) -> None:
         self.inner = inner
         self.traffic = inner.traffic  # the inner transport's connections count what they carry
         self.hash_on_landing = inner.hash_on_landing  # reads still land on the caller's thread
-        self.name = f"{inner.name}(paced {bytes_per_s * 8 / 1e6:.0f} Mbit/s)"
-        self.bucket = TokenBucket(bytes_per_s, burst=max(1 << 20, int(bytes_per_s / 20)))
+        # a rate: a bucket of its own (a test, a tool); the engine passes its shared egress bucket
+        self.bucket = bucket if isinstance(bucket, TokenBucket) else TokenBucket(bucket, max(1 << 20, int(bucket / 20)))
+        self.name = f"{inner.name}(paced {self.bucket.rate * 8 / 1e6:.0f} Mbit/s)"
 
     async def listen(self, host: str, port: int, handler: Handler) -> Listener:
         async def wrapped(conn: Connection) -> None:
@@ -89,6 +103,6 @@ class PacedTransport:
         return PacedConnection(await self.inner.connect(host, port, timeout), self.bucket)
 
 
-def paced(transport: Transport, bytes_per_s: float | None) -> Transport:
+def paced(transport: Transport, bucket: TokenBucket | float | None) -> Transport:
     """`transport` itself when there is no cap (None or 0), else a paced wrapper."""
-    return PacedTransport(transport, bytes_per_s) if bytes_per_s else transport
+    return PacedTransport(transport, bucket) if bucket else transport

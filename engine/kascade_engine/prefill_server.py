@@ -248,6 +248,8 @@ class PrefillServer:
                         raw = host_bytes(t)
                         hasher.update(raw)
                         await conn.send(kv_header(req, item.layer, item.start, item.n, part, shape), raw)
+                        if inst.egress is not None:  # serving traffic: it went at once; weights wait for it
+                            inst.egress.charge(len(raw))
                         sent += len(raw)
                         frames += 1
                     continue

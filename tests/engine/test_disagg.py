@@ -15,6 +15,7 @@ from splitref import collect, unsplit  # type: ignore[import-not-found]
 
 from kascade_engine import peerauth
 from kascade_engine.kv_wire import KVShape, kv_header
+from kascade_engine.pacing import TokenBucket
 from kascade_engine.sampling import SamplingParams
 from kascade_engine.transport import Connection
 from kascade_engine.transport_tcp import TcpTransport
@@ -50,6 +51,21 @@ async def test_prefill_on_p_decode_on_d_equalsunsplit(tiny_ckpt, tiny_blocks) ->
         rids = [pd.d.serving.submit(p, params, prefill=pd.peer) for p in PROMPTS[:2]]
         got = await asyncio.wait_for(asyncio.gather(*(collect(pd.d, r) for r in rids)), 120)
         assert got == want[:2]
+    finally:
+        await pd.close()
+
+
+async def test_kv_counts_against_the_engines_egress_cap(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    """P's KV frames go at once and charge its one egress bucket (--transfer-max-mbps), the one its weight plans
+    wait on: every KV byte it ships is in the bucket (a frozen clock: no refill)."""
+    pd = await pd_pair(tiny_ckpt, tiny_blocks)
+    pd.p.egress = TokenBucket(1e6, burst=1, clock=lambda: 0.0)  # the engine's own bucket, on a frozen clock
+    try:
+        rids = [pd.d.serving.submit(p, SamplingParams(max_tokens=2), prefill=pd.peer) for p in PROMPTS]
+        await asyncio.wait_for(asyncio.gather(*(collect(pd.d, r) for r in rids)), 120)
+        sent = pd.p.prefill_server.bytes_sent
+        assert sent > 0 and pd.d.remote_prefill.adopted == len(PROMPTS)
+        assert pd.p.egress.delay(0) == pytest.approx((sent - 1) / 1e6)  # weights would wait for every KV byte
     finally:
         await pd.close()
 
