@@ -77,6 +77,12 @@ def _active_plan_ages(raw_plans: list[dict[str, Any]], service: str) -> list[flo
             and (p.get("status") or {}).get("phase") not in TERMINAL and p["metadata"].get("creationTimestamp")]
 
 
+def held_pods(sp: dict[str, Any]) -> list[dict[str, Any]]:
+    """A ScalePlan's targets and its host-copy sources (idle pods it sends from): no other plan binds them."""
+    spec = sp.get("spec") or {}
+    return [*(spec.get("targets") or []), *(s for s in spec.get("sources") or [] if s.get("hostCopy") and s.get("pod"))]
+
+
 def plan_view(sp: dict[str, Any]) -> PlanView:
     spec, st = sp.get("spec") or {}, sp.get("status") or {}
     return PlanView(sp["metadata"]["name"], spec.get("role", ""), st.get("phase") or "",
@@ -180,12 +186,13 @@ async def _reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) ->
                 "reason": d.reason[:1024], "metrics": {k: float(v) for k, v in d.metrics.items()}}
     # targets other services' plans hold (their binds may not be in the pod index yet), claimed pods
     # included; choosing and claiming happen with no await in between, so two services never pick one pod
+    # and the host-copy pods they send from (binding one mid-plan would drop the copy it sends)
     others = {t.get("pod") or t["instance"] for p in raw_plans
-              if (p.get("status") or {}).get("phase") not in TERMINAL for t in (p.get("spec") or {}).get("targets") or []}
+              if (p.get("status") or {}).get("phase") not in TERMINAL for t in held_pods(p)}
     if pool_ns != ns:  # the pool is shared across namespaces: plans elsewhere hold targets too
         others |= {t.get("pod") or t["instance"] for n2 in rt.plan_namespaces() if n2 != ns
                    for p in await rt.scaleplans(n2) if (p.get("status") or {}).get("phase") not in TERMINAL
-                   for t in (p.get("spec") or {}).get("targets") or []}
+                   for t in held_pods(p)}
     expected = rt.expected(pool_ns, key, (p.pod_name for p in pods))
     res = reconcile(key, spec, pods, plans, desired or None, "; ".join(d.reason for d in changes),
                     others | rt.reserved(pool_ns), expected, release_last)

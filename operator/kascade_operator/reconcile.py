@@ -34,7 +34,9 @@ class PlanView:
 @dataclass(frozen=True)
 class CreatePlan:
     role: str
-    sources: tuple[str, ...]  # bound, ready pods holding the model; empty = load from spec.model.source
+    # bound, ready pods holding the model, then idle pods keeping it in host memory (host sources, never
+    # bound by the plan); empty = load from spec.model.source (or from the target's own host copy)
+    sources: tuple[str, ...]
     targets: tuple[str, ...]  # idle pool pods to bind and load
     reason: str
     # disaggregated serving: (prefill pod, decode pod) pairs whose link carries KV now; the planner prunes
@@ -184,6 +186,11 @@ def reconcile(name: str, spec: ModelServiceSpec, pods: Sequence[PodView], plans:
             taken.update(t.pod_name for t in targets)
             if targets:
                 srcs, flows = pd_sources(pods, name, role, ready)
+                if srcs:
+                    # idle pods keeping the model in host memory send too (kind host): they serve no requests
+                    # and carry no KV; they stay released and keep their copy (not targets: those lose it)
+                    chosen = {t.pod_name for t in targets}
+                    srcs += tuple(p.pod_name for p in host_copies(free, spec.model.name) if p.pod_name not in chosen)
                 actions.append(CreatePlan(role, srcs, tuple(t.pod_name for t in targets),
                                           reason or f"{role}: {len(serving)} -> {want} replicas", flows))
                 progressing = True

@@ -52,18 +52,21 @@ def build(action: CreatePlan, pods: Mapping[str, PodView], nodes: Sequence[Mappi
     `live`: pair each target with a serving source to execute its loaded layers while it loads."""
     topo = topology_from_nodes(nodes, keys, inter_leaf_ratio)
 
-    def inst(name: str) -> Instance:
+    def inst(name: str, source: bool = False) -> Instance:
         p = pods[name]
         if not p.node:
             raise ValueError(f"pod {name} has no node (spec.nodeName) yet")
-        return Instance(p.instance, p.node, tp)
+        # a released pod keeping the model in host memory: a host source (its engine sends from that copy)
+        host = source and p.model_service is None and p.host_copy == model.name
+        return Instance(p.instance, p.node, tp, kind="host" if host else "gpu")
 
-    srcs, tgts = [inst(s) for s in action.sources], [inst(t) for t in action.targets]
+    srcs, tgts = [inst(s, source=True) for s in action.sources], [inst(t) for t in action.targets]
     flows = [(pods[a].instance, pods[b].instance) for a, b in action.kv_flows if a in pods and b in pods]
     if srcs and all(s.id in {a for a, _ in flows} for s in srcs):
         flows = []  # every source sends KV: one of them must still send weights (interference accepted)
     cached = {t.node for t in tgts} if action.host_copy else ()  # the target's own node holds the copy
-    plan = make_plan(topo, model, srcs, tgts, algorithm if srcs else "local", overloaded=[s.id for s in srcs],
+    serving = [s.id for s in srcs if s.kind == "gpu"]  # host sources serve nothing: never overloaded
+    plan = make_plan(topo, model, srcs, tgts, algorithm if srcs else "local", overloaded=serving,
                      live=live, kv_flows=flows, host_cached_nodes=cached)
     if not live:  # execution pipelines are live execution too (livewiring.py runs them only when asked)
         plan = replace(plan, pipelines=())

@@ -30,10 +30,38 @@ def test_from_zero_the_first_replica_binds_from_a_host_copy_alone() -> None:
     assert res.actions == (CreatePlan("colocated", (), ("p-a",), "router demand"),)
 
 
-def test_with_a_serving_copy_targets_chain_and_keep_the_host_copy_for_last() -> None:
+def test_with_a_serving_copy_the_host_copy_is_a_source_not_a_target() -> None:
     ready = pod("s", "n0", "svc", "colocated", ready=True)
-    res = reconcile("svc", spec(lo=1, hi=4), [ready, hc("p-a", node="n1"), pod("p-b", "n2")], [], {"colocated": 2}, "up")
-    assert res.actions == (CreatePlan("colocated", ("s",), ("p-b",), "up"),)  # the host copy stays a reserve
+    pods = [ready, hc("p-a", node="n1"), pod("p-b", "n2"), pod("p-c", "n3"), hc("p-x", "other", node="n3")]
+    res = reconcile("svc", spec(lo=1, hi=4), pods, [], {"colocated": 3}, "up")
+    # the copy of our model sends (and stays released); another model's copy is neither source nor target
+    assert res.actions == (CreatePlan("colocated", ("s", "p-a"), ("p-b", "p-c"), "up"),)
+    # more targets than plain idle pods: a copy bound as a target is no source of the same plan
+    res = reconcile("svc", spec(lo=1, hi=4), pods[:3], [], {"colocated": 3}, "up")
+    assert res.actions == (CreatePlan("colocated", ("s",), ("p-b", "p-a"), "up"),)
+    # a plan in flight holds its host source (handlers pass such pods as unavailable): not offered again
+    res = reconcile("svc", spec(lo=1, hi=4), pods[:3], [], {"colocated": 2}, "up", unavailable={"p-a"})
+    assert res.actions == (CreatePlan("colocated", ("s",), ("p-b",), "up"),)
+
+
+NODES = [{"metadata": {"name": n, "labels": {"kascade.io/leaf": "l0", "kascade.io/nic-gbps": "100",
+                                            "kascade.io/scaleup-domain": n}},
+          "status": {"allocatable": {"nvidia.com/gpu": "8"}}} for n in ("n0", "n1", "n2", "n3")]
+
+
+def test_scaleplan_lists_the_host_copy_as_a_host_source_next_to_the_gpu_source() -> None:
+    pods = {p.pod_name: p for p in (pod("s", "n0", "svc", "colocated", ready=True), hc("p-a", node="n1"),
+                                     pod("p-b", "n2"), pod("p-c", "n3"))}
+    action = CreatePlan("colocated", ("s", "p-a"), ("p-b", "p-c"), "up")
+    built = SP.build(action, pods, NODES, SP.layout("m", 4), "chain", 1, live=True)  # type: ignore[arg-type]
+    assert [(s.id, s.kind) for s in built.plan.sources] == [("p-a", "host"), ("s", "gpu")]
+    assert sorted(c[0] for c in built.plan.chains) == ["p-a", "s"]  # one chain from each: the copy sends
+    assert {f.src for f in built.plan.flows} >= {"p-a"}
+    assert all(a == "s" for a, _ in built.plan.live_pairs)  # a host copy serves nothing: never live-paired
+    d = SP.spec_dict(built, "svc", "colocated", "up", "/models/m")
+    assert d["sources"] == [{"instance": "p-a", "node": "n1", "kind": "host", "pod": "p-a", "hostCopy": True},
+                            {"instance": "s", "node": "n0", "kind": "gpu", "pod": "s"}]
+    assert [t["pod"] for t in d["targets"]] == ["p-b", "p-c"]  # the copy's pod is never a target (never bound)
 
 
 def test_choose_targets_orders_host_copies() -> None:
@@ -86,3 +114,12 @@ def test_a_release_keeps_a_copy_only_while_the_pool_holds_fewer_than_the_setting
     assert keep_host_copy([pods[0]], "m", "r", 1) is None  # the first copy of m
     assert keep_host_copy([pods[0]], "m", "r", 0) is False  # 0: none kept
     assert keep_host_copy([hc("r")], "m", "r", 1) is None  # its own (stale) annotation does not count
+
+
+def test_a_plan_in_flight_holds_its_host_copy_source() -> None:
+    from kascade_operator.handlers import held_pods
+    sp = {"spec": {"targets": [{"instance": "p-b", "pod": "p-b"}],
+                   "sources": [{"instance": "s", "pod": "s", "kind": "gpu"},
+                               {"instance": "p-a", "pod": "p-a", "kind": "host", "hostCopy": True},
+                               {"instance": "host:n2", "node": "n2", "kind": "host", "hostCopy": True}]}}
+    assert [t["pod"] for t in held_pods(sp)] == ["p-b", "p-a"]  # bound sources are held by their binding

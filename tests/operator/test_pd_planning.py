@@ -4,6 +4,8 @@ sources whose egress carries KV: a new prefill instance loads from a decode inst
 
 from __future__ import annotations
 
+import dataclasses
+
 from builders import pod, spec  # type: ignore[import-not-found]
 
 from kascade_operator.reconcile import CreatePlan, reconcile
@@ -46,3 +48,23 @@ def test_colocated_sources_are_unchanged() -> None:
     pods = [pod("s", "n0", ms="svc", role="colocated", ready=True), pod("idle-a", "n2")]
     res = reconcile("svc", spec(lo=1, hi=4), pods, [], {"colocated": 2})
     assert res.actions == (CreatePlan("colocated", ("s",), ("idle-a",), "colocated: 1 -> 2 replicas"),)
+
+
+def test_a_host_copy_is_kept_while_kv_carrying_prefillers_are_pruned() -> None:
+    # an idle pod keeps the model in host memory: it serves nothing and carries no KV
+    pods = [pod("pre", "n0", ms="svc", role="prefill", ready=True), pod("dec", "n1", ms="svc", role="decode", ready=True),
+            dataclasses.replace(pod("hc", "n3"), host_copy="m"), pod("idle-a", "n2"), pod("idle-b", "n3")]
+    res = reconcile("svc", spec("disaggregated", lo=1, hi=4), pods, [], {"prefill": 3})
+    act = next(a for a in res.actions if isinstance(a, CreatePlan))
+    assert act.role == "prefill" and act.targets == ("idle-a", "idle-b")
+    assert act.sources == ("dec", "pre", "hc") and act.kv_flows == (("pre", "dec"),)
+    built = build(act, {p.pod_name: p for p in pods}, NODES, layout("m", 4), "chain", 1)
+    assert {(s.id, s.kind) for s in built.plan.sources} == {("pre", "gpu"), ("dec", "gpu"), ("hc", "host")}
+    assert "pruned source pre: its egress carries a KV flow" in built.plan.notes
+    assert not any("hc" in n for n in built.plan.notes)  # never pruned
+    assert sorted(c[0] for c in built.plan.chains) == ["dec", "hc"]  # one chain each; none from the prefiller
+    # the prefiller alone (the decoder not ready yet): before, its KV flow was ignored so it still sent
+    # weights; with a host copy the flow stands and the copy sends
+    only = CreatePlan("prefill", ("pre", "hc"), ("idle-a",), "x", (("pre", "dec"),))
+    built = build(only, {p.pod_name: p for p in pods}, NODES, layout("m", 4), "chain", 1)
+    assert built.plan.chains == (("hc", "idle-a"),)
