@@ -370,3 +370,81 @@ def test_scale_from_zero_through_the_router(control_plane: ControlPlane, crds: l
         print(op.tail())
         router.stop()
         pool.stop()
+
+
+def test_scale_up_sends_from_a_host_copy_beside_the_serving_replica(
+        control_plane: ControlPlane, crds: list[str], namespace: str, kwok_nodes: Callable[..., list[str]],
+        ckpt: Path, tmp_path: Path) -> None:
+    """Host copies as chain sources (issue 18 item 5): two replicas serve, one is released and its engine
+    keeps the weights in host memory; a scale-up by two then plans from the serving replica (kind gpu)
+    AND the host copy (kind host, hostCopy): one chain each (the targets sit in different scale-up
+    domains). The released engine sends from host memory without being bound: afterwards its pod is still
+    idle, keeps its kascade.io/host-copy annotation and its engine is still released, and every new
+    replica answers exactly like the serving one."""
+    cp, ns = control_plane, namespace
+    pool = EnginePool(cp, ns, ckpt, MODEL, TOKEN, tmp_path / "engines",
+                      extra_args=("--kv-tokens", "8192", "--host-cache-gib", "1"))
+    op = OperatorProcess(cp, ns, TOKEN, tmp_path / "operator.log")
+
+    def desired(n: int) -> None:
+        cp.kubectl("-n", ns, "patch", "msvc", "svc", "--type=merge", "-p",
+                   json.dumps({"spec": {"replicas": {"desired": n}}}))
+
+    def host_copies() -> list[str]:
+        return [p["metadata"]["name"] for p in get(cp, ns, "pods", "-l", "kascade.io/pool")["items"]
+                if p["metadata"].get("annotations", {}).get("kascade.io/host-copy") == MODEL]
+
+    try:
+        pool.start(kwok_nodes(4, leaves=1))
+        op.start()
+        doc = msvc(ckpt, 1, 3, upper=1e9, lower=0)
+        doc["spec"]["replicas"]["desired"] = 2
+        cp.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(doc))
+        wait_for(lambda: len(loaded(cp, ns)) == 2, 180, "two replicas loaded")
+        desired(1)  # the newest is drained and released; its engine keeps the weights in host memory
+        kept = wait_for(lambda: host_copies() if len(loaded(cp, ns)) == 1 else [], 60,
+                        "one replica released into a host copy")
+        serving = str(loaded(cp, ns)[0]["metadata"]["name"])
+        assert len(kept) == 1 and kept[0] != serving
+        copy = kept[0]
+        wait_for(lambda: {"kind": "host", "location": copy} in [
+            {k: s[k] for k in ("kind", "location")} for s in get(cp, ns, "msvc", "svc")["status"].get("sources") or []],
+            30, "status.sources listing the host copy")
+        want = complete(pool.engines[serving].url)
+        before = {p["metadata"]["name"] for p in get(cp, ns, "splan")["items"]}
+
+        desired(3)
+        plan = wait_for(lambda: [p for p in get(cp, ns, "splan")["items"] if p["metadata"]["name"] not in before],
+                        60, "the scale-up's ScalePlan")[0]
+        srcs = {s.get("pod"): s for s in plan["spec"]["sources"]}
+        assert srcs[serving]["kind"] == "gpu" and not srcs[serving].get("hostCopy")
+        assert srcs[copy]["kind"] == "host" and srcs[copy].get("hostCopy") is True, plan["spec"]["sources"]
+        targets = [t["pod"] for t in plan["spec"]["targets"]]
+        assert len(targets) == 2 and copy not in targets and serving not in targets
+        heads = sorted(c[0] for c in plan["spec"]["chains"])
+        assert heads == sorted([serving, copy]), plan["spec"]["chains"]  # the host copy heads a chain
+        done = wait_for(lambda: (lambda st: st if st.get("phase") in ("Succeeded", "Failed") else None)(
+            get(cp, ns, "splan", plan["metadata"]["name"]).get("status") or {}), 120, "the plan finished")
+        assert done["phase"] == "Succeeded", done
+        wait_for(lambda: len(loaded(cp, ns)) == 3, 30, "three replicas loaded")
+        for t in targets:
+            assert complete(pool.engines[t].url) == want  # same greedy output as the serving replica
+        # the copy's chain got its blocks from the copy: a target whose upstream failed logs a warning and
+        # re-fetches from a fallback source (the serving replica), which would hide a copy that never sent
+        logs = {n: pool.engines[n].proc.log.read_text(errors="replace") for n in (copy, *targets)}
+        assert "transfer failed" not in logs[copy], logs[copy][-2000:]
+        assert not [line for t in targets for line in logs[t].splitlines()
+                    if ("fallback" in line or "upstream" in line) and "failed" in line], {t: logs[t][-2000:] for t in targets}
+        assert all(r.get("bytesReceived") for r in done["targets"]), done
+        pod = get(cp, ns, "pod", copy)
+        assert "kascade.io/model-service" not in pod["metadata"].get("labels", {})  # never bound
+        assert pod["metadata"]["annotations"].get("kascade.io/host-copy") == MODEL
+        st = engine_status(pool, copy)
+        assert st.get("phase") == "released" and st.get("hostCopyBytes"), st
+        print(f"scale-up 1 -> 3 from {serving} (gpu) and the host copy on {copy}: plan "
+              f"{done.get('durationSeconds')} s, chains {plan['spec']['chains']}")
+        assert rejected(pool) == []
+    finally:
+        op.stop()
+        print(op.tail())
+        pool.stop()
