@@ -81,8 +81,10 @@ class OperatorSettings(BaseSettings):
                                                        "fallback engine pods the operator creates (the chart sets "
                                                        "it from logFormat, like its own pods)")
     host_copies_per_model: int = Field(default=1, ge=0, le=64, description="released engines that keep a model "
-                                       "in host memory (scale-from-zero sources), per model; more releases drop "
-                                       "their weights, 0 keeps none (each engine's --host-cache-gib bounds its own)")
+                                       "in host memory, per model (scale from zero binds one; a scale-up also sends "
+                                       "from them as chain sources, kind host, while they stay released); more "
+                                       "releases drop their weights, 0 keeps none (each engine's --host-cache-gib "
+                                       "bounds its own)")
     live_layer_seconds: float = Field(default=0.002, gt=0, le=10, description="a serving engine's time for one "
                                       "layer of one batch; with the plan's predicted seconds per block it gives a "
                                       "live pair's ZigZag loadRatio")
