@@ -278,3 +278,36 @@ async def test_pods_released_in_one_round_keep_one_host_copy_per_model(world: An
     assert [s.host_copy_bytes for s in stubs] == [1000, 0, 0]
     sent = [next(b for v, b, _ in s.calls if v == "release") for s in stubs]
     assert sent == [{}, {"keepHostCopy": False}, {"keepHostCopy": False}], sent
+
+
+async def test_a_host_copy_sends_as_a_source_and_is_never_bound(world: Any) -> None:
+    """An idle pod keeping the model in host memory is a plan source (kind host): the driver sends it the
+    load plan, binds only the target, and the pod stays idle with its kascade.io/host-copy annotation; while
+    the plan runs no other service's plan takes it."""
+    rt, kube, stubs = world
+    for s in stubs:
+        s.auto_ready = True
+    await reconcile_service(rt, service(), "create")
+    (first,) = kube.plans.values()
+    await asyncio.wait_for(plandriver.drive(rt, first, Stopped()), 10)
+    (serving,) = bound_pods(kube)
+    copy, other = sorted(n for (_, n) in kube.pods if n != serving["metadata"]["name"])
+    await kube.patch_pod(NS, copy, {"metadata": {"annotations": {L.HOST_COPY: "tiny"}}})  # as a release records it
+    rt.last_round.clear()
+    await reconcile_service(rt, service(lo=2), "update")
+    (sp,) = [p for p in kube.plans.values() if p["metadata"]["name"] != first["metadata"]["name"]]
+    srcs = {s["pod"]: s for s in sp["spec"]["sources"]}
+    assert srcs[copy]["kind"] == "host" and srcs[copy]["hostCopy"] is True
+    assert srcs[serving["metadata"]["name"]]["kind"] == "gpu"
+    assert [t["pod"] for t in sp["spec"]["targets"]] == [other]
+    stub = {s.instance: s for s in stubs}
+    assert stub[copy].count("load-plan") == 1 and stub[copy].count("bind") == 0  # sends, is not bound
+    # another service of the same model, while the plan runs: the copy is held, not its first copy
+    await reconcile_service(rt, service("svc2", lo=1), "create")
+    assert all(t["pod"] != copy for p in kube.plans.values() for t in p["spec"]["targets"])
+    await asyncio.wait_for(plandriver.drive(rt, sp, Stopped()), 10)
+    assert kube.plans[(NS, sp["metadata"]["name"])]["status"]["phase"] == "Succeeded"
+    meta = kube.pods[(NS, copy)]["metadata"]
+    assert L.MODEL_SERVICE not in meta["labels"] and meta["annotations"][L.HOST_COPY] == "tiny"
+    assert stub[copy].count("bind") == 0 and stub[copy].model_service is None
+    assert sorted(p["metadata"]["name"] for p in bound_pods(kube)) == sorted([serving["metadata"]["name"], other])
