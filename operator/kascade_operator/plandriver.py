@@ -164,6 +164,8 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
                 except EngineError as e:
                     if e.status != 409:  # 409: this source already runs the plan
                         log.warning("ScalePlan %s/%s: source %s: %s", ns, name, s["instance"], e)
+                        if s.get("hostCopy") and e.status is not None:
+                            await _forget_stale_copy(rt, pool_ns, src)
                 done.add(s["instance"])
 
     host_path = {src.get("node"): src.get("path") for src in spec["sources"] if src.get("kind") == "host"}
@@ -235,6 +237,19 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
                                                     "startTime": status.get("startTime") or now_iso(),
                                                     "targets": rows})
     return drops
+
+
+async def _forget_stale_copy(rt: Runtime, pool_ns: str, p: PodView) -> None:
+    """A host-copy source refused its load plan: when its engine keeps no copy (restarted, or evicted),
+    clear the pod's record so no later plan names it (its targets re-fetch from a fallback source)."""
+    try:
+        if (await rt.engines.status(p.endpoint or "")).get("hostCopyBytes"):
+            return
+    except EngineError:
+        return
+    with contextlib.suppress(Conflict, NotFound):
+        await rt.kube.patch_pod(pool_ns, p.pod_name, host_copy_patch(None))
+    log.warning("pod %s keeps no host copy any more: record cleared", p.pod_name)
 
 
 async def start(rt: Runtime, sp: dict[str, Any], decided_at: float) -> None:

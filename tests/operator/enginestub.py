@@ -24,6 +24,7 @@ class EngineStub:
         # as the engine's --host-cache-gib: a release keeps a host copy of this many bytes unless told
         # keepHostCopy false (0: no budget, nothing kept)
         self.host_cache_bytes, self.host_copy_bytes = 0, 0
+        self.fail: dict[str, int] = {}  # verb -> HTTP status it is answered with (e.g. a load-plan refused)
         self._rate, self._total, self._t = 0.0, 0.0, time.monotonic()
         self._lock = threading.Lock()
         stub = self
@@ -59,6 +60,9 @@ class EngineStub:
                 verb = self.path.rsplit("/", 1)[-1]
                 with stub._lock:
                     stub.calls.append((verb, body, time.monotonic()))
+                    if verb in stub.fail:
+                        self._send(stub.fail[verb], {"error": {"message": f"{verb} refused (stub)"}})
+                        return
                     if verb == "bind" and body.get("model") != stub.model:  # as the real engine: 409
                         stub.refused += 1
                         self._send(409, {"error": {"message": f"cannot bind model '{body.get('model')}': this "

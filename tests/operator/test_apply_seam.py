@@ -311,3 +311,21 @@ async def test_a_host_copy_sends_as_a_source_and_is_never_bound(world: Any) -> N
     assert L.MODEL_SERVICE not in meta["labels"] and meta["annotations"][L.HOST_COPY] == "tiny"
     assert stub[copy].count("bind") == 0 and stub[copy].model_service is None
     assert sorted(p["metadata"]["name"] for p in bound_pods(kube)) == sorted([serving["metadata"]["name"], other])
+
+
+async def test_a_host_copy_source_without_a_copy_loses_its_record(world: Any) -> None:
+    rt, kube, stubs = world
+    for s in stubs:
+        s.auto_ready = True
+    await reconcile_service(rt, service(), "create")
+    (first,) = kube.plans.values()
+    await asyncio.wait_for(plandriver.drive(rt, first, Stopped()), 10)
+    (serving,) = bound_pods(kube)
+    copy, _ = sorted(n for (_, n) in kube.pods if n != serving["metadata"]["name"])
+    await kube.patch_pod(NS, copy, {"metadata": {"annotations": {L.HOST_COPY: "tiny"}}})
+    stub = {s.instance: s for s in stubs}
+    stub[copy].fail["load-plan"] = 400  # its engine restarted: no copy (status hostCopyBytes 0), no manifest
+    rt.last_round.clear()
+    await reconcile_service(rt, service(lo=2), "update")
+    assert stub[copy].count("load-plan") == 1
+    assert kube.pods[(NS, copy)]["metadata"]["annotations"].get(L.HOST_COPY) is None  # never named again
