@@ -199,7 +199,7 @@ async def _reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) ->
     rt.metrics.observe_service(ns, name, res.roles, _active_plan_ages(raw_plans, name))
     for action in res.actions:
         if isinstance(action, CreatePlan):
-            rt.reserve(pool_ns, action.targets)
+            rt.reserve(pool_ns, (*action.targets, *action.sources))  # idle host-copy sources too (held_pods)
     decided_at = time.perf_counter()
     blocker: Blocker | None = None
     for action in res.actions:
@@ -268,7 +268,7 @@ async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods:
         try:
             sp = await plandriver.new_scaleplan(rt, body, spec, action, by_name, await rt.nodes())
         except ValueError as e:
-            rt.unreserve(pool_ns, action.targets)
+            rt.unreserve(pool_ns, (*action.targets, *action.sources))
             await rt.event(ns, body, "ModelService", "Warning", "PlanFailed", str(e))
             return None
         rt.metrics.plan_generation.observe(time.perf_counter() - t0)
