@@ -71,6 +71,7 @@ class Answer(asyncio.Protocol):
         self._state = "size"  # chunked: size | data | crlf | trailer
         self._body = bytearray()  # collected (before relay, or read())
         self._pending: list[bytes] = []  # raw body bytes received before the caller chose read or relay
+        self._collecting = False  # the caller chose read(): body bytes are parsed as they arrive
         self._client: asyncio.BaseTransport | None = None
         self._framed = True
         self._got_data = False
@@ -110,7 +111,7 @@ class Answer(asyncio.Protocol):
             if not rest:
                 return
             data = rest
-        if self._client is None:
+        if self._client is None and not self._collecting:
             self._pending.append(data)
             if not self._got_data:
                 self._got_data = True
@@ -319,7 +320,10 @@ class Answer(asyncio.Protocol):
         fut.result()
 
     async def read(self, timeout: float) -> bytes:
-        """The whole body (payload of a chunked answer)."""
+        """The whole body (payload of a chunked answer). Bytes arriving from now on are parsed as they come:
+        left waiting they finished nothing, and the answer ended only when the engine closed the idle connection
+        (its 10 s header timeout: the router's ~10.2 s PD stalls, 2026-11-27-f stall.md)."""
+        self._collecting = True
         for piece in self._pending:
             self._consume(piece)
         self._pending.clear()

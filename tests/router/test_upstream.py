@@ -208,6 +208,53 @@ def test_pool_and_relay_on_uvloop() -> None:
     uvloop.run(_relay_case())
 
 
+async def test_a_body_arriving_after_read_began_ends_the_read() -> None:
+    await _late_body_case()
+
+
+def test_a_body_arriving_after_read_began_ends_the_read_on_uvloop() -> None:
+    import uvloop
+
+    uvloop.run(_late_body_case())
+
+
+async def _late_body_case() -> None:
+    """uvicorn writes an answer's head and body apart; the body may arrive after the caller awaits `read()`.
+    It was kept unparsed for a later read or relay, so `read()` ended only when the engine closed the idle
+    connection (its 10 s header timeout): the ~10.2 s PD stalls through the router (2026-11-27-f stall.md).
+    The engine here keeps the connection open, as a keep-alive engine does."""
+    body = b'{"choices": []}'
+    head_sent = asyncio.Event()
+    release = asyncio.Event()
+
+    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(2)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body))
+        await writer.drain()
+        head_sent.set()
+        await asyncio.sleep(0.1)  # the caller is in read() by now
+        writer.write(body)
+        await writer.drain()
+        await release.wait()
+        writer.close()
+
+    srv = await asyncio.start_server(engine, "127.0.0.1", 0)
+    ups = Upstreams(connect_timeout_s=1.0)
+    try:
+        a = await ups.request(f"127.0.0.1:{srv.sockets[0].getsockname()[1]}", "/v1/completions", b"{}", {}, 5.0)
+        await head_sent.wait()
+        t0 = asyncio.get_running_loop().time()
+        assert await asyncio.wait_for(a.read(5.0), 2.0) == body  # before the fix: TimeoutError here
+        assert asyncio.get_running_loop().time() - t0 < 1.0 and a.keep_alive
+        ups.release(a)
+        assert len(ups) == 1  # pooled: the answer ended cleanly on a keep-alive connection
+    finally:
+        release.set()
+        ups.close()
+        srv.close()
+
+
 async def _relay_case() -> None:
     """An engine answering in pieces (headers, chunks, terminator apart) relayed into a real client socket:
     the client receives the engine's chunk bytes exactly, without the terminator."""
