@@ -5,6 +5,9 @@ built for vLLM port by changing the prefix): every serving metric carries `model
   kascade_num_requests_running / _waiting        gauges       kascade_kv_cache_usage_perc  gauge (0..1, pages)
   kascade_prompt_tokens_total / generation_tokens_total       kascade_num_preemptions_total
   kascade_request_success_total{finished_reason=stop|length|abort|error}
+  kascade_request_generation_tokens (histogram: tokens each request that finished by stop or length generated)
+  kascade_requests_arrived_total (requests accepted, counted where their prompt is: the operator's arrival
+  rate; with the histogram, decode demand = arrivals x the recent mean output length, kascade_planner.outputlength)
   kascade_time_to_first_token_seconds, kascade_inter_token_latency_seconds, kascade_e2e_request_latency_seconds
 Kascade's own: blocks resident, weight transfer bytes and bandwidth, weight transfers that failed on this
 engine (`kascade_weight_transfer_failures_total`, the transfer-failure alert), live-split requests and layers,
@@ -29,6 +32,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)  # vLLM's request_generation_tokens buckets
 
 
 class EngineMetrics:
@@ -52,6 +56,11 @@ class EngineMetrics:
         self.prompt_tokens = counter("kascade_prompt_tokens", "Prompt tokens accepted")
         self.generation_tokens = counter("kascade_generation_tokens", "Tokens generated")
         self.preemptions = counter("kascade_num_preemptions", "Sequences preempted (pages ran out)")
+        self.arrived = counter("kascade_requests_arrived", "Requests accepted (counted with their prompt tokens)")
+        self.request_gen_tokens = Histogram("kascade_request_generation_tokens",
+                                            "Tokens generated per request that finished (stop or length; an aborted "
+                                            "request's output is cut short)", lbl, registry=r,
+                                            buckets=TOKENS).labels(model_name)
         self._success = Counter("kascade_request_success", "Finished requests by finish reason",
                                 ["model_name", "finished_reason"], registry=r)
         self.ttft = hist("kascade_time_to_first_token_seconds", "Time to first token")
@@ -104,6 +113,7 @@ class EngineMetrics:
 
     def on_request(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
+        self.arrived.inc()
 
     def observe_event(self, ev: Any, now: float) -> None:
         if ev.token < 0:
@@ -121,9 +131,12 @@ class EngineMetrics:
     def observe_ttft(self, seconds: float) -> None:
         self.ttft.observe(seconds)
 
-    def on_finish(self, reason: str, seconds: float) -> None:
+    def on_finish(self, reason: str, seconds: float, generated: int = 0) -> None:
+        """`generated`: the tokens the request produced (its output length, when it finished by stop or length)."""
         self._success.labels(self.model_name, reason).inc()
         self.e2e.observe(seconds)
+        if reason in ("stop", "length"):
+            self.request_gen_tokens.observe(generated)
 
     def update(self, inst: Any) -> None:
         s = inst.engine.scheduler

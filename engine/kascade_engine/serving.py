@@ -191,7 +191,7 @@ class Serving:
     async def tokens(self, rid: str) -> AsyncGenerator[Event, None]:
         """The request's events until it finishes; closing early (client gone) aborts it at once."""
         q = self.queues[rid]
-        t0, first, reason = time.monotonic(), True, "abort"
+        t0, first, reason, generated = time.monotonic(), True, "abort", 0
         try:
             while True:
                 ev = await q.get()
@@ -202,6 +202,7 @@ class Serving:
                 if first:
                     self.inst.metrics.observe_ttft(time.monotonic() - t0)
                     first = False
+                generated += 1
                 if ev.finished:
                     reason = ev.reason or "stop"
                 yield ev
@@ -210,7 +211,7 @@ class Serving:
         finally:
             self.queues.pop(rid, None)
             self.drop(rid)
-            self.inst.metrics.on_finish(self._ended.pop(rid, reason), time.monotonic() - t0)
+            self.inst.metrics.on_finish(self._ended.pop(rid, reason), time.monotonic() - t0, generated)
             if rid in self.inst.engine.requests or reason == "abort":  # the client went away: free its pages
                 # (or abort it on the live pair it was redirected to)
                 self.abort(rid)

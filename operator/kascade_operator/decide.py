@@ -63,11 +63,15 @@ def decide(spec: ModelServiceSpec, role: str, current: int, lo: int, hi: int, sn
             d = P.token_velocity(snap, state, P.TokenVelocity(pre, net))
         else:
             assert dec is not None
-            # one bucket: output tokens/s over what one decoder sustains (tokens as the unit of demand)
-            bucket = P.Bucket(snap.output_tokens_per_s, dec)
+            # one bucket: decode demand (output tokens/s; arrivals x the output length estimated from recent
+            # history, so a burst counts before it generates) over what one decoder sustains
+            dd = snap.decode_demand
+            bucket = P.Bucket(dd.tokens_per_s, dec)
             d = P.token_velocity(P.MetricsSnapshot(snap.time_s, snap.input_tokens_per_s, snap.output_tokens_per_s,
                                                    snap.in_flight, snap.kv_usage, (bucket,)),
                                  state, P.TokenVelocity(1.0, 1.0))
+            d = replace(d, reason=f"{d.reason} ({dd.reason} / decode {dec:.0f})",
+                        metrics=(*d.metrics, *dd.metrics))
         if not typed:
             d = replace(d, reason=d.reason.replace("tokenVelocity:", "tokenVelocity (measured velocities):", 1))
         want, why = P.slo_bump(snap, state, d.desired, slo)

@@ -22,6 +22,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kascade_operator.httppool import HttpPool
+from kascade_planner.outputlength import OutputLength
 from kascade_planner.policies import MeasuredVelocity, MetricsSnapshot
 from kascade_planner.prefillvelocity import prefill_capacity, prefill_velocity
 
@@ -49,6 +50,9 @@ class InstanceSample:
     decode_step_sum: float = 0.0  # kascade_step_seconds{kind="decode"} sum and count (cumulative)
     decode_step_count: float = 0.0
     velocity: MeasuredVelocity | None = None  # the engine's measured velocities (gauges, not rates)
+    requests_arrived: float = 0.0  # kascade_requests_arrived (cumulative)
+    gen_tokens_sum: float = 0.0  # kascade_request_generation_tokens sum and count: finished requests' output
+    gen_tokens_count: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,8 @@ class InstanceLoad:
     velocity: MeasuredVelocity | None = None
     decode_step_sum: float = 0.0  # over the window: decode-only step seconds, and how many steps
     decode_step_count: float = 0.0
+    requests_per_s: float = 0.0  # requests arriving over the window
+    output_length: OutputLength | None = None  # finished requests' output tokens: the window's and the lifetime's
 
 
 # vLLM-aligned engine metric names (kascade_ prefix; a `model_name` label, summed over here)
@@ -75,7 +81,10 @@ _COUNTERS = {"kascade_prompt_tokens": "input_tokens", "kascade_generation_tokens
              "kascade_time_to_first_token_seconds_sum": "ttft_sum",
              "kascade_time_to_first_token_seconds_count": "ttft_count",
              "kascade_inter_token_latency_seconds_sum": "tbt_sum",
-             "kascade_inter_token_latency_seconds_count": "tbt_count"}
+             "kascade_inter_token_latency_seconds_count": "tbt_count",
+             "kascade_requests_arrived": "requests_arrived",
+             "kascade_request_generation_tokens_sum": "gen_tokens_sum",
+             "kascade_request_generation_tokens_count": "gen_tokens_count"}
 
 
 # the engine's own velocities (kascade_engine.velocity / remote_prefill): 0 or absent = not measured yet
@@ -152,15 +161,20 @@ class RateTracker:
             b = base or zero
             if dt <= 0:
                 return InstanceLoad(instance, 0.0, 0.0, in_flight, cur.kv_usage, cur.queue_length,
-                                    velocity=cur.velocity)
+                                    velocity=cur.velocity, output_length=OutputLength(
+                                        0.0, 0.0, cur.gen_tokens_sum, cur.gen_tokens_count))
+            length = OutputLength(cur.gen_tokens_sum - b.gen_tokens_sum, cur.gen_tokens_count - b.gen_tokens_count,
+                                  cur.gen_tokens_sum, cur.gen_tokens_count)
             return InstanceLoad(instance, (cur.input_tokens - b.input_tokens) / dt,
                                 (cur.output_tokens - b.output_tokens) / dt, in_flight, cur.kv_usage,
                                 cur.queue_length, cur.ttft_sum - b.ttft_sum, cur.ttft_count - b.ttft_count,
                                 cur.tbt_sum - b.tbt_sum, cur.tbt_count - b.tbt_count, cur.velocity,
-                                cur.decode_step_sum - b.decode_step_sum, cur.decode_step_count - b.decode_step_count)
+                                cur.decode_step_sum - b.decode_step_sum, cur.decode_step_count - b.decode_step_count,
+                                (cur.requests_arrived - b.requests_arrived) / dt, length)
 
         if h and (cur.input_tokens < h[-1].input_tokens or cur.output_tokens < h[-1].output_tokens
-                  or cur.ttft_count < h[-1].ttft_count or cur.decode_step_count < h[-1].decode_step_count):
+                  or cur.ttft_count < h[-1].ttft_count or cur.decode_step_count < h[-1].decode_step_count
+                  or cur.requests_arrived < h[-1].requests_arrived or cur.gen_tokens_count < h[-1].gen_tokens_count):
             prev = h[-1]
             h.clear()
             h.append(cur)
@@ -194,6 +208,12 @@ def measured(loads: Sequence[InstanceLoad]) -> MeasuredVelocity | None:
                             _mean(v.prefill_capacity_tokens_per_s for v in vs))
 
 
+def pooled_length(loads: Sequence[InstanceLoad]) -> OutputLength | None:
+    """The instances' finished requests pooled (their mean is over all their requests, not a mean of means)."""
+    got = [x.output_length for x in loads if x.output_length is not None]
+    return sum(got[1:], got[0]) if got else None
+
+
 def snapshot(loads: Sequence[InstanceLoad], time_s: float) -> MetricsSnapshot:
     """Aggregate one model service's instances into the planner's snapshot (rates summed, KV averaged)."""
     if not loads:
@@ -207,7 +227,8 @@ def snapshot(loads: Sequence[InstanceLoad], time_s: float) -> MetricsSnapshot:
                            tbt_s=sum(x.tbt_sum for x in loads) / tbt_n if tbt_n > 0 else None,
                            in_flight=sum(x.in_flight for x in loads),
                            kv_usage=sum(x.kv_usage for x in loads) / len(loads), measured=measured(loads),
-                           decode_step_s=sum(x.decode_step_sum for x in loads) / step_n if step_n > 0 else None)
+                           decode_step_s=sum(x.decode_step_sum for x in loads) / step_n if step_n > 0 else None,
+                           requests_per_s=sum(x.requests_per_s for x in loads), output_length=pooled_length(loads))
 
 
 class Scraper:
@@ -259,6 +280,13 @@ class PrometheusSource:
                # decode-only steps: a converted decoder's chunk budget leaves their mean its time (as the Scraper)
                "step_sum": "sum by (pod) (increase(kascade_step_seconds_sum{{pod=~\"{pods}\",kind=\"decode\"}}[{window}]))",
                "step_count": "sum by (pod) (increase(kascade_step_seconds_count{{pod=~\"{pods}\",kind=\"decode\"}}[{window}]))",
+               # arrivals and finished requests' output tokens (the output-length estimate: kascade_planner.outputlength),
+               # over the window and since the engine started (the estimate when none finished in the window)
+               "arrived": "sum by (pod) (rate(kascade_requests_arrived_total{{pod=~\"{pods}\"}}[{window}]))",
+               "gen_sum": "sum by (pod) (increase(kascade_request_generation_tokens_sum{{pod=~\"{pods}\"}}[{window}]))",
+               "gen_count": "sum by (pod) (increase(kascade_request_generation_tokens_count{{pod=~\"{pods}\"}}[{window}]))",
+               "gen_total_sum": "sum by (pod) (kascade_request_generation_tokens_sum{{pod=~\"{pods}\"}})",
+               "gen_total_count": "sum by (pod) (kascade_request_generation_tokens_count{{pod=~\"{pods}\"}})",
                # the engine's measured velocities (gauges; 0 = not measured yet), reduced as the Scraper does
                # (`_velocity`): the slowest prompt-length bucket's capacity (else the best floor), the best decode
                # batch, the mean KV link
@@ -308,5 +336,8 @@ class PrometheusSource:
                              int(by["queue"].get(p, 0.0) + by["running"].get(p, 0.0)), by["kv"].get(p, 0.0),
                              by["queue"].get(p, 0.0), by["ttft_sum"].get(p, 0.0), by["ttft_count"].get(p, 0.0),
                              by["tbt_sum"].get(p, 0.0), by["tbt_count"].get(p, 0.0), velocity(p),
-                             decode_step_sum=by["step_sum"].get(p, 0.0), decode_step_count=by["step_count"].get(p, 0.0))
+                             decode_step_sum=by["step_sum"].get(p, 0.0), decode_step_count=by["step_count"].get(p, 0.0),
+                             requests_per_s=by["arrived"].get(p, 0.0),
+                             output_length=OutputLength(by["gen_sum"].get(p, 0.0), by["gen_count"].get(p, 0.0),
+                                                        by["gen_total_sum"].get(p, 0.0), by["gen_total_count"].get(p, 0.0)))
                 for p in pods]

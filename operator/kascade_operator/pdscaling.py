@@ -3,7 +3,8 @@ and to the convertible-decoder input.
 
 Data flow: `ModelServiceSpec` + each role's `RoleInput` (serving count, bounds, metrics) ->
 - `velocities`: typed `spec.scaling.tokenVelocity` values win, the engines' measured ones fill the gaps;
-- `demand`: the prompt and output tokens/s arriving at the service. Every request arrives at one
+- `demand`: the prompt tokens/s arriving at the service and the decode demand (max(measured output tokens/s,
+  arriving requests/s x the output length estimated from recent history): kascade_planner.outputlength). Every request arrives at one
   engine, which counts its prompt (a decoder counts it even when a prefiller prefills it; a prefiller
   counts it again), so the larger of the two roles' rates is the arrival rate, whichever engines saw it;
 - `ratio_decisions`: the per-role decisions with prefill and decode replaced by
@@ -22,6 +23,8 @@ from kascade_operator.api import ModelServiceSpec
 from kascade_operator.decide import RoleDecision, RoleInput, slo_of
 from kascade_operator.pool import PodView
 from kascade_planner import policies as P
+from kascade_planner.outputlength import DecodeDemand
+from kascade_planner.outputlength import decode_demand as decode_demand_of
 from kascade_planner.conversion import ConversionInput, DecoderView, converted_share
 from kascade_planner.pdratio import PdDemand, PdVelocity, pd_ratio
 
@@ -53,9 +56,16 @@ def velocities(spec: ModelServiceSpec, snaps: Sequence[P.MetricsSnapshot], capac
     return Velocities(pre, net, dec)
 
 
+def decode_demand(roles: Sequence[RoleInput]) -> DecodeDemand:
+    """The largest role's decode demand: arrivals are counted by both roles (as prompts are), output tokens and
+    finished requests only where requests finish (decoders), so the decoders' projection is the larger."""
+    return max((r.snap.decode_demand for r in roles), key=lambda d: d.tokens_per_s,
+               default=decode_demand_of(0.0, 0.0, None))
+
+
 def demand(roles: Sequence[RoleInput]) -> PdDemand:
-    return PdDemand(max((r.snap.input_tokens_per_s for r in roles), default=0.0),
-                    max((r.snap.output_tokens_per_s for r in roles), default=0.0))
+    dd = decode_demand(roles)
+    return PdDemand(max((r.snap.input_tokens_per_s for r in roles), default=0.0), dd.tokens_per_s, dd.reason)
 
 
 def ratio_decisions(spec: ModelServiceSpec, roles: Sequence[RoleInput],
@@ -72,6 +82,7 @@ def ratio_decisions(spec: ModelServiceSpec, roles: Sequence[RoleInput],
     if v.prefill is None or v.decode is None:
         return list(decisions)
     pr, de = by["prefill"], by["decode"]
+    dd = decode_demand(roles)
     ratio = pd_ratio(demand(roles), PdVelocity(v.prefill, v.network or v.prefill, v.decode),
                      P.Bounds(pr.lo, max(pr.hi, 1)), P.Bounds(de.lo, max(de.hi, 1)))
     slo = slo_of(spec)
@@ -83,7 +94,7 @@ def ratio_decisions(spec: ModelServiceSpec, roles: Sequence[RoleInput],
         r = by[d.role]
         want, why = P.slo_bump(r.snap, d.state, ratio.prefill if d.role == "prefill" else ratio.decode, slo)
         metrics = {**d.metrics, "prefillNeed": ratio.prefill_need, "decodeNeed": ratio.decode_need,
-                   "servedFraction": ratio.served_fraction}
+                   "servedFraction": ratio.served_fraction, **dict(dd.metrics)}
         out.append(dataclasses.replace(d, desired=want, reason=ratio.reason + why, metrics=metrics))
     return out
 

@@ -1,7 +1,8 @@
 """The P:D ratio policy (TokenScale): how many prefill and decode instances a disaggregated service needs,
 decided together from its token-rate demand and the measured (or typed) velocities.
 
-Data flow: `PdDemand` (prompt and output tokens/s arriving at the service) + `PdVelocity` (one
+Data flow: `PdDemand` (prompt tokens/s arriving at the service, and the decode demand: output tokens/s
+projected from arrivals x the output length estimated from recent history, kascade_planner.outputlength) + `PdVelocity` (one
 prefiller's prompt tokens/s, the KV link's tokens/s out of it, one decoder's output tokens/s) + each
 role's `Bounds` -> `pd_ratio` -> `PdRatio` (desired prefill, desired decode, the reason with numbers).
 
@@ -26,7 +27,9 @@ class PdDemand:
     """Token rates arriving at the service (every request's prompt is counted once, where it arrived)."""
 
     input_tokens_per_s: float
-    output_tokens_per_s: float
+    output_tokens_per_s: float  # decode demand: kascade_planner.outputlength.decode_demand's tokens/s
+    # how the decode demand was reached (max(measured, arrivals x estimated output length)), for the reason
+    output_note: str = ""
 
     def __post_init__(self) -> None:
         if self.input_tokens_per_s < 0 or self.output_tokens_per_s < 0:
@@ -87,7 +90,7 @@ def pd_ratio(d: PdDemand, v: PdVelocity, prefill: Bounds, decode: Bounds) -> PdR
     p = _count(p_need * served, prefill, 0)
     dec = _count(d_need * served, decode, 1)
     reason = (f"P:D ratio: {d.input_tokens_per_s:.0f} input tok/s / min(prefill {v.prefill_tokens_per_s:.0f}, network "
-              f"{v.network_tokens_per_s:.0f}) = {p_need:.2f} prefillers; {d.output_tokens_per_s:.0f} output tok/s / "
+              f"{v.network_tokens_per_s:.0f}) = {p_need:.2f} prefillers; {d.output_note or f'{d.output_tokens_per_s:.0f} output tok/s'} / "
               f"decode {v.decode_tokens_per_s:.0f} = {d_need:.2f} decoders")
     if served < 1.0:
         capped = "prefill" if p_share <= d_share else "decode"

@@ -4,8 +4,9 @@ Data flow: `MetricsSnapshot` (rates and per-instance load, collected by the oper
 + `ScaleState` (current counts, bounds, the scale-down timer) -> policy -> `Decision` (desired count per
 role, the reason with the numbers behind it, and the next state). Policies:
 - `token_velocity` (TokenScale): prefillers = ceil(input-token rate / min(prefill, network velocity));
-  decoders = Σ over (input, output)-length buckets of request rate / bucket velocity; convertible
-  decoders absorb a prefill burst before new prefillers arrive.
+  decoders = Σ over (input, output)-length buckets of request rate / bucket velocity (the operator: one
+  bucket of `MetricsSnapshot.decode_demand`, arrivals x the output length estimated from recent history);
+  convertible decoders absorb a prefill burst before new prefillers arrive.
 - `threshold` (BlitzScale): scale up when load per instance passes `upper`; scale down only after it
   stayed below `lower` for `scale_down_delay_s` (sub-second allowed).
 - `concurrency` (AIBrix/Knative-like baseline): ceil(in-flight requests / target per instance).
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+
+from kascade_planner.outputlength import DecodeDemand, OutputLength, decode_demand
 
 ROLES = ("prefill", "decode", "colocated")
 
@@ -59,6 +62,14 @@ class MetricsSnapshot:
     tbt_s: float | None = None  # mean time between tokens over the window
     measured: MeasuredVelocity | None = None  # the engines' own velocities (tokenVelocity without typed ones)
     decode_step_s: float | None = None  # mean decode-only step time over the window (a converted decoder's room)
+    requests_per_s: float = 0.0  # requests arriving (kascade_requests_arrived) over the window
+    output_length: OutputLength | None = None  # finished requests' output tokens (recent history)
+
+    @property
+    def decode_demand(self) -> DecodeDemand:
+        """max(measured output tokens/s, arriving requests/s x estimated output length): kascade_planner.outputlength."""
+        return decode_demand(self.output_tokens_per_s, self.requests_per_s,
+                             self.output_length.mean if self.output_length else None)
 
 
 @dataclass(frozen=True)

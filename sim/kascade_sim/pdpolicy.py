@@ -16,6 +16,7 @@ the policy again on the same input and compare.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,7 @@ from kascade_planner.conversion import (
     converted_share,
     plan_conversions,
 )
+from kascade_planner.outputlength import OutputLength, decode_demand
 from kascade_planner.pdratio import PdDemand, PdRatio, PdVelocity, pd_ratio
 from kascade_planner.policies import Decision, ScaleState
 from kascade_sim.provisioning import capacity_rps, mean_lengths
@@ -55,6 +57,17 @@ def velocities(sim: Simulation, m: int) -> PdVelocity:
 def _rate(sim: Simulation, m: int, role: str, k: int) -> float:
     series = sim.demand[(m, role)]
     return series[k] if k < len(series) else 0.0
+
+
+def output_length(sim: Simulation, m: int, now: float) -> OutputLength:
+    """Finished requests' output tokens over the policy window and since the start, as the operator reads the
+    engines' kascade_request_generation_tokens histogram."""
+    h = sim.finished[m]
+    if not h:
+        return OutputLength()
+    i = bisect_right(h, now - sim.cfg.window_s, key=lambda e: e[0])  # the first finish inside the window
+    tok0, n0 = h[i - 1][1:] if i > 0 else (0.0, 0.0)
+    return OutputLength(h[-1][1] - tok0, h[-1][2] - n0, h[-1][1], h[-1][2])
 
 
 def conversion_input(sim: Simulation, m: int, k: int) -> ConversionInput:
@@ -104,7 +117,11 @@ def ratio_decisions(sim: Simulation, m: int, k: int, now: float,
                     states: dict[str, ScaleState]) -> dict[str, Decision]:
     """Prefill and decode counts from the P:D ratio policy on the window's token rates; `states` carry each
     role's current count and bounds (the decode floor already raised where the simulator needs one)."""
-    d = PdDemand(_rate(sim, m, "prefill", k), _rate(sim, m, "decode", k))
+    # decode demand as the operator's (kascade_planner.outputlength): the window's output tokens/s (here the
+    # trace's, counted at arrival) or, when larger, arriving requests/s x the recent finished requests' mean length
+    rps = sim.rps[m][k] if k < len(sim.rps[m]) else 0.0
+    dd = decode_demand(_rate(sim, m, "decode", k), rps, output_length(sim, m, now).mean)
+    d = PdDemand(_rate(sim, m, "prefill", k), dd.tokens_per_s, dd.reason)
     v = velocities(sim, m)
     ratio: PdRatio = pd_ratio(d, v, states["prefill"].bounds, states["decode"].bounds)
     sim.policy_calls.append((now, "pdRatio", (d, v, states["prefill"].bounds, states["decode"].bounds,

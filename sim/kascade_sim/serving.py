@@ -226,6 +226,12 @@ class Serving:
         self.busy_time[(inst.model, "prefill" if inst.converted else inst.role)] += dur
         self.push(now + dur, ITER, inst)
 
+    def _finished(self, m: int, r: int, now: float) -> None:
+        """Request `r` finished: its output length joins the model's history (cumulative, in time order)."""
+        h = self.finished[m]
+        tok, n = h[-1][1:] if h else (0.0, 0.0)
+        h.append((now, tok + self.out[r], n + 1))
+
     def _iteration_done(self, inst: Instance, now: float) -> None:
         inst.busy = False
         m = inst.model
@@ -236,6 +242,7 @@ class Serving:
                 if self.out[r] <= 1:
                     self.last[r] = now
                     self.unfinished -= 1
+                    self._finished(m, r, now)
                     inst.kv_reserved -= self.inp[r] + self.out[r]
                 elif inst.role == "prefill":
                     self.holder[r] = inst  # its KV stays here until a decoder has room
@@ -249,6 +256,7 @@ class Serving:
             for r in inst.decode_done():
                 self.last[r] = now
                 self.unfinished -= 1
+                self._finished(m, r, now)
                 inst.kv_reserved -= self.inp[r] + self.out[r]
                 inst.kv_running -= self.inp[r] + self.out[r]
         if inst.live_target is not None and not inst.live_target.busy:

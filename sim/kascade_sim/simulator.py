@@ -84,6 +84,9 @@ class Simulation(Scaling, Serving, Autoscaler):
         self.prefill_took: dict[int, float] = {}
         self.handed: set[int] = set()
         self.pd_velocity: dict[int, PdVelocity] = {}  # per model, from the cost model (pdpolicy.velocities)
+        # per model, each finished request as (time, output tokens so far, requests so far): the engines'
+        # kascade_request_generation_tokens histogram, read by pdpolicy for the output-length estimate
+        self.finished: dict[int, list[tuple[float, float, float]]] = {m: [] for m in range(wl.models)}
         self.last = [math.nan] * n
         self.heap: list[tuple[float, int, int, object]] = []
         self.seq = 0
