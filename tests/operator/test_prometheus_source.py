@@ -20,6 +20,9 @@ HELD = {"kascade_prompt_tokens_total": (300.0, 100.0), "kascade_generation_token
         "kascade_time_to_first_token_seconds_sum": (1.0, 3.0), "kascade_time_to_first_token_seconds_count": (4.0, 4.0),
         "kascade_inter_token_latency_seconds_sum": (0.5, 0.5), "kascade_inter_token_latency_seconds_count": (10.0, 40.0),
         "kascade_step_seconds_sum": (0.6, 1.8), "kascade_step_seconds_count": (60.0, 60.0),
+        # arrivals/s, and finished requests' output tokens (the same answer for the window and lifetime queries)
+        "kascade_requests_arrived_total": (4.0, 6.0),
+        "kascade_request_generation_tokens_sum": (300.0, 500.0), "kascade_request_generation_tokens_count": (10.0, 6.0),
         # velocity gauges: d1 has measured nothing yet (Prometheus drops its 0s with `> 0`: no row)
         "kascade_prefill_velocity_tokens_per_second": (900.0, None),
         "kascade_prefill_velocity_floor_tokens_per_second": (300.0, None),  # d0 has a capacity: its floor is out
@@ -57,6 +60,11 @@ async def test_prometheus_gives_the_decode_only_step_time() -> None:
     snap = snapshot(loads, 0.0)
     assert snap.decode_step_s == pytest.approx((0.6 + 1.8) / 120)  # the decoders' mean decode-only step
     assert any('kind="decode"' in q and "[1s]" in q for q in seen)
+    # decode demand as the Scraper's: 10 req/s arriving x (300 + 500) / 16 tokens pooled = 500 > 100 measured
+    assert snap.requests_per_s == 10.0 and snap.output_length is not None and snap.output_length.mean == 50.0
+    assert snap.decode_demand.tokens_per_s == 500.0
+    assert any(q.startswith("sum by (pod) (increase(kascade_request_generation_tokens_count{") and "[1s]" in q
+               for q in seen)
 
 
 async def test_prometheus_gives_the_engines_measured_velocities() -> None:
