@@ -63,11 +63,13 @@ def output_length(sim: Simulation, m: int, now: float) -> OutputLength:
     """Finished requests' output tokens over the policy window and since the start, as the operator reads the
     engines' kascade_request_generation_tokens histogram."""
     h = sim.finished[m]
-    if not h:
+    end = bisect_right(h, now, key=lambda e: e[0])  # finishes up to `now` (the history can be read back later)
+    if not end:
         return OutputLength()
     i = bisect_right(h, now - sim.cfg.window_s, key=lambda e: e[0])  # the first finish inside the window
     tok0, n0 = h[i - 1][1:] if i > 0 else (0.0, 0.0)
-    return OutputLength(h[-1][1] - tok0, h[-1][2] - n0, h[-1][1], h[-1][2])
+    tok, n = h[end - 1][1:]
+    return OutputLength(tok - tok0, n - n0, tok, n)
 
 
 def conversion_input(sim: Simulation, m: int, k: int) -> ConversionInput:

@@ -141,3 +141,26 @@ def test_bench_shape_direction(seed: int) -> None:
     assert att["colocated"][1] < att["disaggregated"][1], att
     assert att["disaggregated"][0] < att["convertible"][0], att
     assert att["convertible"][1] >= att["colocated"][1] and att["convertible"][1] >= 0.99, att
+
+
+def test_decode_demand_is_the_operators_with_the_finished_requests_estimate() -> None:
+    """The P:D ratio's decode demand is kascade_planner.outputlength's, as the operator's: max(the window's output
+    tokens/s, arriving requests/s x the mean output of the requests finished in the window, else since the start)."""
+    from kascade_planner.outputlength import decode_demand
+
+    cfg = SimConfig(mode="disaggregated", pd_policy="tokenVelocity", min_instances=1, max_instances=3,
+                    tick_s=0.05, window_s=0.2)
+    s = run(cfg, convertible=False, gpus=8)
+    calls = [(t, i) for t, kind, i, _ in s.policy_calls if kind == "pdRatio"]
+    assert calls
+    estimated = 0
+    for t, inp in calls:
+        d = inp[0]  # type: ignore[index]
+        k = round(t / cfg.tick_s) - 1  # the TICK event k runs at (k + 1) * tick_s
+        length = pdpolicy.output_length(s, 0, t)
+        out, rps = (x[k] if k < len(x) else 0.0 for x in (s.demand[(0, "decode")], s.rps[0]))  # 0 after the trace
+        want = decode_demand(out, rps, length.mean)
+        assert d.output_tokens_per_s == pytest.approx(want.tokens_per_s) and d.output_note == want.reason
+        estimated += length.mean is not None
+    assert estimated, "no finished request ever gave an estimate"
+    assert pdpolicy.output_length(s, 0, calls[-1][0]).mean == pytest.approx(32.0)  # every request generates 32
