@@ -23,9 +23,9 @@ from kascade_operator.api import ModelServiceSpec
 from kascade_operator.decide import RoleDecision, RoleInput, slo_of
 from kascade_operator.pool import PodView
 from kascade_planner import policies as P
+from kascade_planner.conversion import ConversionInput, DecoderView, converted_share
 from kascade_planner.outputlength import DecodeDemand
 from kascade_planner.outputlength import decode_demand as decode_demand_of
-from kascade_planner.conversion import ConversionInput, DecoderView, converted_share
 from kascade_planner.pdratio import PdDemand, PdVelocity, pd_ratio
 
 
