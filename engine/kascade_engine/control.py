@@ -1,5 +1,5 @@
-"""The control API under /kascade/v1/ (bind, load-plan, status, manifest, cooperate, convert, drain, release),
-used by the operator; every route needs `Authorization: Bearer <token>` (compared in constant time).
+"""The control API under /kascade/v1/ (bind, load-plan, status, manifest, cooperate, convert, host-copy,
+drain, release), used by the operator; every route needs `Authorization: Bearer <token>` (compared in constant time).
 
 Data flow: operator (`EngineClient`) -> bearer check -> JSON body -> the shared wire type
 (`kascade_planner.engine_api`: 400 naming the field) -> one `EngineInstance` call -> `EngineStatus`.
@@ -18,6 +18,7 @@ from kascade_planner.engine_api import (
     BindRequest,
     ConvertRequest,
     CooperateRequest,
+    HostCopyRequest,
     LoadPlanRequest,
     ReleaseRequest,
     WireError,
@@ -76,6 +77,10 @@ def add_control_routes(app: FastAPI, inst: EngineInstance) -> None:
     @app.post("/kascade/v1/convert", dependencies=guard)
     async def convert(request: Request) -> dict[str, Any]:
         return inst.convert(parse(ConvertRequest.from_dict, await body(request))).to_dict()
+
+    @app.post("/kascade/v1/host-copy", dependencies=guard)
+    async def host_copy(request: Request) -> dict[str, Any]:  # {"keep": bool}: answers hostCopyBytes (+ reason)
+        return inst.keep_copy(parse(HostCopyRequest.from_dict, await body(request))).to_dict()
 
     @app.post("/kascade/v1/drain", dependencies=guard)
     async def drain() -> dict[str, Any]:

@@ -12,7 +12,10 @@ Phases (empty -> bound -> loading -> live -> serving -> draining -> released):
   draining  finishing in-flight requests, refusing new ones    released weights dropped (bind again)
 A released engine may keep its weights in host memory (`host_copy`, within --host-cache-gib): it then
 feeds load plans as a host source while staying released, and `bind` with source.hostCopy reloads from
-it (a memory copy). Rebinding from it or releasing with keepHostCopy=false ends the copy.
+it (a memory copy). The copy stays kept while the engine serves from it (it is the blockset a serving
+engine holds in host memory anyway), and a serving engine asked to (`keep_copy`, POST host-copy) keeps its
+blockset as one, so a model's copy count is never zero while a service serves it. Releasing with
+keepHostCopy=false (or host-copy keep=false) ends the copy.
 An engine started with a full checkpoint is `serving` at once (unbound); one started with
 `--resident-layers` is `loading`.
 """
@@ -47,6 +50,8 @@ from kascade_planner.engine_api import (
     ConvertRequest,
     CooperateRequest,
     EngineStatus,
+    HostCopyAnswer,
+    HostCopyRequest,
     LoadPlanRequest,
 )
 
@@ -436,6 +441,32 @@ class EngineInstance:
         if self.host_copy is not None:
             log.info("%s: keeping a host copy of %s (%.1f MB)", self.instance_id, self.config.model_name,
                      self.host_copy.total_bytes / 1e6)
+
+    def keep_copy(self, req: HostCopyRequest) -> HostCopyAnswer:
+        """POST host-copy: keep the complete copy this serving engine holds as its host copy when the
+        --host-cache-gib budget holds it (no extra bytes: it is the blockset already in host memory; on CUDA
+        the device weights are separate tensors), or drop the host copy (keep=false); either way it serves on.
+        Answers the bytes kept, or 0 and why not."""
+        if not req.keep:
+            if self.host_copy is not None:
+                log.info("%s: dropping the host copy of %s on request", self.instance_id, self.config.model_name)
+            self.host_copy = None
+            return HostCopyAnswer(0)
+        if self.host_copy is not None:
+            return HostCopyAnswer(self.host_copy.total_bytes)
+        full = self.blockset if self.blockset is not None and self.model.complete else None
+        if full is None or self.phase not in (Phase.SERVING, Phase.DRAINING):
+            return HostCopyAnswer(0, f"engine is {self.phase.value} and holds no complete copy of "
+                                     f"{self.config.model_name} to keep")
+        budget = self.config.host_cache_bytes
+        if full.total_bytes > budget:
+            why = (f"the model's {full.total_bytes / 1e6:.1f} MB exceed the --host-cache-gib budget "
+                   f"({budget / 1e6:.1f} MB)") if budget else "no --host-cache-gib budget (0: never keeps one)"
+            return HostCopyAnswer(0, why)
+        self.host_copy = full
+        log.info("%s: keeping a host copy of %s while serving (%.1f MB)", self.instance_id, self.config.model_name,
+                 full.total_bytes / 1e6)
+        return HostCopyAnswer(full.total_bytes)
 
     def status(self) -> EngineStatus:
         m = self.model

@@ -11,8 +11,8 @@ received blocks become this engine's `blockset`, so it can be a source of the ne
 Data flow (source): path (or uri -> `modelsource.resolve` -> snapshot dir) -> `pack_checkpoint` in a worker thread (hashes every block) -> blocks
 added in model order -> phase serving.
 Data flow (host copy): a released engine's `host_copy` -> `bind` source.hostCopy adds its blocks again
-(no disk, no network), or a plan naming this released engine as a source sends from it (phase stays
-released: `host_feeding`).
+(no disk, no network; the copy stays kept while the engine serves from it), or a plan naming this released
+engine as a source sends from it (phase stays released: `host_feeding`).
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ async def start_plan_load(inst: EngineInstance, req: LoadPlanRequest) -> None:
             inst.blockset = BlockSet(name, model.cfg, (node.resident[b] for b in spec.plan.model.block_ids))
             log.info("%s: all %d blocks resident", me, event.get("total"))
 
-    host_source = blocks is not None and blocks is inst.host_copy
+    # only a released engine feeds from its host copy alone: a serving one's blockset may BE its kept copy
+    host_source = blocks is not None and blocks is inst.host_copy and inst.blockset is None
     try:
         source = blocks if blocks is not None and (model.complete or host_source) else None
         node = TransferNode(spec, me, paced(inst.config.weight_transport(), inst.egress),
@@ -116,7 +117,9 @@ async def start_plan_load(inst: EngineInstance, req: LoadPlanRequest) -> None:
 async def start_host_load(inst: EngineInstance) -> None:
     """Bind with source.hostCopy: the blocks the engine kept in host memory at its last release become its
     model again (CPU: zero-copy views; CUDA: one host-to-device copy per block), in model order, yielding
-    to the event loop between blocks. The copy is this engine's blockset (a source) once all are resident."""
+    to the event loop between blocks. The copy is this engine's blockset (a source) once all are resident,
+    and it stays the engine's host copy while it serves (status hostCopyBytes): zero extra bytes, since a
+    serving engine keeps its blockset in host memory anyway."""
     blocks = inst.host_copy
     if blocks is None:
         raise _fail(409, "source.hostCopy: this engine keeps no host copy", "source.hostCopy")
@@ -130,7 +133,10 @@ async def start_host_load(inst: EngineInstance) -> None:
             inst.bytes_received += b.nbytes
             inst.add_block(b)
             await asyncio.sleep(0)
-        inst.blockset, inst.host_copy = blocks, None  # serving again: the copy is the source blockset now
+        # serving again, and the copy stays a host copy (issue 18: never zero while the service exists): the
+        # blockset a source sends from IS the kept copy, so it costs nothing more. CPU: the model's weights are
+        # views of these buffers; CUDA: the weights are device tensors and these stay in host memory beside them
+        inst.blockset = blocks
         inst.transfer_bw = blocks.total_bytes / max(1e-6, time.monotonic() - started)
         log.info("loaded %s from its host copy: %d blocks, %.1f MB in %.3f s", inst.config.model_name,
                  len(blocks.blocks), blocks.total_bytes / 1e6, time.monotonic() - started)

@@ -294,6 +294,52 @@ class ReleaseRequest:
 
 
 @dataclass(frozen=True)
+class HostCopyRequest:
+    """`POST host-copy`: a serving engine keeps (True) its complete copy of the model as a host copy, within
+    its --host-cache-gib budget, or drops it (False) while it goes on serving. The operator asks one serving
+    engine of a model that has no host copy anywhere (issue 18: O(1) per model, never zero while the service
+    exists). Keeping costs no extra bytes: a serving engine holds its blockset in host memory already (a chain
+    source's); the copy is what its release then keeps. Asking again is a no-op."""
+
+    keep: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"keep": self.keep}
+
+    @staticmethod
+    def from_dict(doc: object) -> HostCopyRequest:
+        d = _obj(doc)
+        _only(d, ("keep",))
+        v = d.get("keep", True)
+        if not isinstance(v, bool):
+            raise WireError("keep", f"must be true or false, got {v!r}")
+        return HostCopyRequest(v)
+
+
+@dataclass(frozen=True)
+class HostCopyAnswer:
+    """What `POST host-copy` answers: the bytes of the host copy the engine now keeps (0: none) and, when it
+    keeps none although asked to, why not (no budget, the model over the budget, no complete copy here)."""
+
+    host_copy_bytes: int
+    reason: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"hostCopyBytes": self.host_copy_bytes, **({"reason": self.reason} if self.reason else {})}
+
+    @staticmethod
+    def from_dict(doc: object) -> HostCopyAnswer:
+        d = _obj(doc)
+        n = d.get("hostCopyBytes")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise WireError("hostCopyBytes", f"must be an int >= 0, got {n!r}")
+        why = d.get("reason")
+        if why is not None and not isinstance(why, str):
+            raise WireError("reason", f"must be a string or null, got {why!r}")
+        return HostCopyAnswer(n, why)
+
+
+@dataclass(frozen=True)
 class ConvertRequest:
     """Convertible decoders (TokenScale): a decode engine accepts prefill (its own requests' and other
     decode engines' over its data port) with at most `prefill_chunk_tokens` prompt tokens per step, so its
@@ -350,7 +396,7 @@ class EngineStatus:
     device: str = "cpu"
     dtype: str = "float32"
     extra: Mapping[str, Any] = field(default_factory=dict)  # counters a newer engine adds; kept, not read
-    host_copy_bytes: int = 0  # a host copy of the model kept after release (0: none); a chain source
+    host_copy_bytes: int = 0  # a host copy of the model kept (after release, or while serving from it; 0: none)
 
     def to_dict(self) -> dict[str, Any]:
         return {"instance": self.instance, "model": self.model, "role": self.role, "modelService": self.model_service,

@@ -1,6 +1,8 @@
 """Host copies (issue 18 item 5) on real engine processes: a released engine keeps its weights in host memory
-within --host-cache-gib, reloads from them on bind (source.hostCopy) with the same answers, feeds a load
-plan as a host source while it stays released, and drops them on keepHostCopy=false; bad input is named."""
+within --host-cache-gib, reloads from them on bind (source.hostCopy) with the same answers and keeps them while
+it serves, feeds a load plan as a host source while it stays released, and drops them on keepHostCopy=false; a
+serving engine keeps its copy as a host copy when asked (POST host-copy) within its budget, or says why not;
+bad input is named."""
 
 from __future__ import annotations
 
@@ -62,9 +64,11 @@ def test_release_keeps_a_host_copy_and_bind_reloads_from_it(tiny_ckpt, tiny_bloc
         ok = httpx.post(e.url + "/kascade/v1/bind", json={**BIND, "source": {"hostCopy": True}}, headers=h)
         assert ok.status_code == 200, ok.text
         st = _wait(e, lambda s: s["phase"] == "serving")
-        assert st["ready"] and st["hostCopyBytes"] == 0 and st["loadError"] is None
+        # serving from its copy, it still keeps it (never zero while the service exists): the same buffers
+        assert st["ready"] and st["hostCopyBytes"] == tiny_blocks.total_bytes and st["loadError"] is None
         got = httpx.post(e.url + "/v1/completions", json=BODY).json()["choices"][0]["text"]
         assert got == want
+        assert httpx.get(e.url + "/kascade/v1/manifest", headers=h).json() == tiny_blocks.manifest()
         # released again, then told to drop it: no copy, and bind from it is refused naming the field
         httpx.post(e.url + "/kascade/v1/drain", headers=h)
         assert httpx.post(e.url + "/kascade/v1/release", headers=h).json()["hostCopyBytes"] == tiny_blocks.total_bytes
@@ -135,3 +139,40 @@ def test_a_released_host_copy_feeds_a_plan_and_stays_released(tiny_ckpt, tiny_bl
     finally:
         src.stop()
         dst.stop()
+
+
+def test_a_serving_engine_keeps_a_host_copy_when_asked(tiny_ckpt, tiny_blocks, engine_starter) -> None:  # type: ignore[no-untyped-def]
+    """POST host-copy on a serving engine: it keeps its copy within the budget and serves on; asking again is a
+    no-op; its release keeps that one copy (not a second); an engine without a budget answers 0 and why."""
+    e = engine_starter(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--empty", "--host-cache-gib", "1"])
+    nob = engine_starter(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--empty"])  # budget 0
+    try:
+        h = _h(e)
+        released = httpx.post(e.url + "/kascade/v1/host-copy", json={"keep": True}, headers=h).json()
+        assert released["hostCopyBytes"] == 0 and "no complete copy" in released["reason"]  # empty: nothing to keep
+        want = _serve_from_disk(e, tiny_ckpt)
+        assert _status(e)["hostCopyBytes"] == 0  # from the source: no host copy until asked
+        bad = httpx.post(e.url + "/kascade/v1/host-copy", json={"keep": "yes"}, headers=h)
+        assert bad.status_code == 400 and "keep" in bad.json()["error"]["message"]
+        for _ in range(2):  # idempotent
+            ans = httpx.post(e.url + "/kascade/v1/host-copy", json={"keep": True}, headers=h)
+            assert ans.status_code == 200 and ans.json() == {"hostCopyBytes": tiny_blocks.total_bytes}
+        st = _status(e)
+        assert st["phase"] == "serving" and st["hostCopyBytes"] == tiny_blocks.total_bytes
+        assert httpx.post(e.url + "/v1/completions", json=BODY).json()["choices"][0]["text"] == want
+        httpx.post(e.url + "/kascade/v1/drain", headers=h)
+        assert httpx.post(e.url + "/kascade/v1/release", headers=h).json()["hostCopyBytes"] == tiny_blocks.total_bytes
+        ok = httpx.post(e.url + "/kascade/v1/bind", json={**BIND, "source": {"hostCopy": True}}, headers=h)
+        assert ok.status_code == 200, ok.text
+        assert _wait(e, lambda s: s["ready"])["hostCopyBytes"] == tiny_blocks.total_bytes
+        dropped = httpx.post(e.url + "/kascade/v1/host-copy", json={"keep": False}, headers=h).json()
+        assert dropped == {"hostCopyBytes": 0} and _status(e)["phase"] == "serving"
+        assert httpx.post(e.url + "/v1/completions", json=BODY).json()["choices"][0]["text"] == want
+
+        _serve_from_disk(nob, tiny_ckpt)
+        no = httpx.post(nob.url + "/kascade/v1/host-copy", json={}, headers=_h(nob)).json()
+        assert no["hostCopyBytes"] == 0 and "--host-cache-gib" in no["reason"]
+        assert _status(nob)["hostCopyBytes"] == 0
+    finally:
+        e.stop()
+        nob.stop()
