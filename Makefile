@@ -48,7 +48,7 @@ TYPED_MODULES := -p kascade_devcluster -p kascade_demo -p kascade_router -m kasc
 	-m kascade_operator.pool -m kascade_operator.reconcile -m kascade_operator.operator_metrics -m kascade_operator.status \
 	-m kascade_operator.podtemplate -m kascade_operator.decide -m kascade_operator.leader -m kascade_operator.roleobject -m kascade_operator.rolesync \
 	-m kascade_cli.logsetup -m kascade_cli.probe -m kascade_cli.model_cmd -m kascade_operator.demand -m kascade_operator.livewiring -m kascade_engine.live -m kascade_operator.serving_gate \
-	-m kascade_operator.pdscaling -m kascade_operator.converter
+	-m kascade_operator.pdscaling -m kascade_operator.converter -m kascade_operator.hostcopykeeper
 
 typecheck: ## mypy: strict on the pure planner; data plane, loader, devcluster, API models and plan driver checked too
 	$(VENV)/bin/mypy -p kascade_planner

@@ -22,10 +22,13 @@ from kascade_planner.engine_api import (
     BindRequest,
     ConvertRequest,
     CooperateRequest,
+    HostCopyAnswer,
+    HostCopyRequest,
     LoadPlanRequest,
     Mode,
     ReleaseRequest,
     Role,
+    WireError,
     ZigZagSpec,
 )
 
@@ -144,6 +147,15 @@ class EngineClient:
         """Unbind; `keep_host_copy` False drops the weights everywhere (None: the engine keeps a host copy when
         its budget holds it)."""
         return await self._call(endpoint, "POST", "release", ReleaseRequest(keep_host_copy).to_dict())
+
+    async def host_copy(self, endpoint: str, keep: bool = True) -> HostCopyAnswer:
+        """A serving engine keeps (or drops) its copy as a host copy within its --host-cache-gib budget; the
+        answer says how many bytes it keeps, or why none."""
+        out = await self._call(endpoint, "POST", "host-copy", HostCopyRequest(keep).to_dict())
+        try:
+            return HostCopyAnswer.from_dict(out)
+        except WireError as e:
+            raise EngineError(endpoint, "host-copy", f"bad answer: {e}", 502) from None
 
     async def manifest(self, endpoint: str) -> dict[str, Any] | None:
         """The block manifest (sizes, digests, index) a source holds, for loading targets; None when the

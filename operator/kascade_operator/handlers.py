@@ -23,7 +23,7 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
-from kascade_operator import converter, plandriver, rolesync, serving_gate
+from kascade_operator import converter, hostcopykeeper, plandriver, rolesync, serving_gate
 from kascade_operator import labels as L
 from kascade_operator.api import ModelServiceSpec
 from kascade_operator.decide import RoleDecision, RoleInput, decide_roles
@@ -204,6 +204,8 @@ async def _reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) ->
     blocker: Blocker | None = None
     for action in res.actions:
         blocker = await apply(rt, body, spec, pods, action, decided_at) or blocker
+    # never zero host copies of the model while it is served: ask one serving engine when the pool keeps none
+    await hostcopykeeper.ensure(rt, body, spec.model.name, key, pods, pool_ns)
     await serving_gate.sync(rt.kube, pool_ns, await rt.pool_pods(pool_ns))  # readiness gate follows the binding
     # a source the engines cannot fetch (an hf:// download failed) is the cause to show first
     blocker = source_blocker(raw_plans, name, checkpoint_path(spec)) or blocker

@@ -37,8 +37,11 @@ SERVING_GATE = "kascade.io/serving"  # pod readiness gate / condition: open whil
 UNHEALTHY = "kascade.io/unhealthy"  # annotation: why the engine was dropped (never a scale-up target again)
 MODEL = "kascade.io/model"  # annotation on pool pods: the spec.model.name their engine serves (absent: any)
 SERVICE_NS = "kascade.io/model-service-namespace"  # annotation: the bound service's namespace (pool elsewhere)
-HOST_COPY = "kascade.io/host-copy"  # annotation on an idle pool pod: the spec.model.name its released engine
-# keeps in host memory (a host source and the fastest scale from zero); set at release, cleared at bind
+HOST_COPY = "kascade.io/host-copy"  # annotation on a pool pod: the spec.model.name its engine keeps in host
+# memory (a host source and the fastest scale from zero); set at release, kept at a bind from it, set when a
+# serving engine keeps one on request (hostcopykeeper.py), cleared at any other bind
+HOST_COPY_REFUSED = "kascade.io/host-copy-refused"  # annotation: the model whose host copy this pod's engine
+# declined to keep (no or too small --host-cache-gib): never asked again for that model (the Event says why)
 CREATED_FOR = "kascade.io/created-for"  # annotation: "ns/name" of the service a fallback pod was created for
 MANAGED_BY = "app.kubernetes.io/managed-by"
 FINALIZER = "kascade.io/finalizer"

@@ -114,7 +114,7 @@ async def _patch_guarded(rt: Runtime, pool_ns: str, p: PodView,
     return cur
 
 
-async def _label_bound(rt: Runtime, sp: dict[str, Any], p: PodView, role: str) -> bool:
+async def _label_bound(rt: Runtime, sp: dict[str, Any], p: PodView, role: str, host_copy: str | None = None) -> bool:
     """Record a binding the engine accepted: label the pod bound. False when the pod is gone or taken
     meanwhile (or the label could not be written)."""
     ns, name = sp["metadata"]["namespace"], sp["metadata"]["name"]
@@ -123,7 +123,7 @@ async def _label_bound(rt: Runtime, sp: dict[str, Any], p: PodView, role: str) -
     def bind(cur: PodView) -> dict[str, Any] | None:
         if cur.model_service is not None:  # already ours, or taken by another service
             return None
-        return bind_patch(cur, svc, role, name, _owner(sp, pool_ns), ns if pool_ns != ns else None)
+        return bind_patch(cur, svc, role, name, _owner(sp, pool_ns), ns if pool_ns != ns else None, host_copy)
 
     cur = await _patch_guarded(rt, pool_ns, p, bind)
     return cur is not None and cur.model_service == key and cur.plan == name
@@ -192,7 +192,7 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
             st = await rt.engines.status(p.endpoint)
             again = st.get("modelService") == key and st.get("phase") in ("loading", "live", "serving", "ready")
             if not again:  # else: instructed by an earlier incarnation of the operator
-                await rt.engines.bind(p.endpoint, model, key, role, path, dtype, host_copy=from_copy)
+                st = await rt.engines.bind(p.endpoint, model, key, role, path, dtype, host_copy=from_copy)
         except EngineError as e:
             if from_copy and e.status == 409:  # the engine no longer keeps it: never offered again
                 with contextlib.suppress(Conflict, NotFound):
@@ -203,7 +203,7 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
             else:
                 drops[iid] = f"bind refused: {e}"
             return
-        if not await _label_bound(rt, sp, p, role):
+        if not await _label_bound(rt, sp, p, role, model if st.get("hostCopyBytes") else None):  # copy still kept
             drops[iid] = f"pod {p.pod_name} changed or went away while binding"
             log.warning("ScalePlan %s/%s: %s", ns, name, drops[iid])
             try:

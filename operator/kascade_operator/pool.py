@@ -42,7 +42,8 @@ class PodView:
     unschedulable: bool = False  # the scheduler found no node for it (PodScheduled False, Unschedulable)
     namespace: str = ""
     convertible: bool = False  # a decoder converted to take prefill too (annotation kascade.io/convertible)
-    host_copy: str | None = None  # the model its released engine keeps in host memory (annotation kascade.io/host-copy)
+    host_copy: str | None = None  # the model its engine keeps in host memory (annotation kascade.io/host-copy)
+    host_copy_refused: str | None = None  # the model its engine declined to keep a copy of (its budget)
 
 
 def service_key(namespace: str, name: str, pool_namespace: str) -> str:
@@ -90,7 +91,7 @@ def pod_view(pod: Mapping[str, Any], node_leaf: Mapping[str, str] | None = None)
         act_endpoint=ann.get(L.ACT_ENDPOINT), model=ann.get(L.MODEL), created_for=ann.get(L.CREATED_FOR),
         pod_ready=ready, unschedulable=unschedulable, namespace=ns,
         running=phase in (None, "Running") and started, convertible=ann.get(L.CONVERTIBLE) == "true",
-        host_copy=ann.get(L.HOST_COPY) or None)
+        host_copy=ann.get(L.HOST_COPY) or None, host_copy_refused=ann.get(L.HOST_COPY_REFUSED) or None)
 
 
 def can_serve(p: PodView, model: str, service: str) -> bool:
@@ -126,8 +127,11 @@ def keep_host_copy(pods: Sequence[PodView], model: str, releasing: str, per_mode
     return None if held < per_model else False
 
 
-def host_copy_patch(model: str | None) -> dict[str, Any]:
-    """Record (model) or clear (None) the host copy a released pod's engine keeps."""
+def host_copy_patch(model: str | None, refused: str | None = None) -> dict[str, Any]:
+    """Record (model) or clear (None) the host copy a pod's engine keeps; with `refused`, record instead that
+    its engine declined to keep a copy of that model."""
+    if refused is not None:
+        return {"metadata": {"annotations": {L.HOST_COPY_REFUSED: refused}}}
     return {"metadata": {"annotations": {L.HOST_COPY: model}}}
 
 
@@ -157,17 +161,19 @@ def choose_drain(serving: Sequence[PodView], k: int, keep_last: bool = True) -> 
 
 
 def bind_patch(p: PodView, model_service: str, role: str, plan: str, owner: Mapping[str, Any] | None = None,
-               service_namespace: str | None = None) -> dict[str, Any]:
+               service_namespace: str | None = None, host_copy: str | None = None) -> dict[str, Any]:
     """Merge patch binding an idle pod (written once its engine accepted the bind); the resourceVersion
     makes it fail (409) if the pod changed. `owner`: the ModelService's controller ownerReference (same
     namespace only); it replaces the pool ReplicaSet's, which lets go of the pod anyway once the
     `kascade.io/pool` label no longer matches its selector. `model_service` is the plain name (a label
-    value); `service_namespace` is set when the pool lives in another namespace."""
+    value); `service_namespace` is set when the pool lives in another namespace. `host_copy`: the model whose
+    host copy the bound engine still keeps (it bound from that copy, which stays kept while it serves: a
+    model's copies never drop to zero at a scale from zero), else None (any old record cleared)."""
     if p.model_service is not None:
         raise ValueError(f"pod {p.pod_name} is already bound to {p.model_service}")
     meta: dict[str, Any] = {"resourceVersion": p.resource_version,
                             "labels": {L.MODEL_SERVICE: model_service, L.ROLE: role, L.POOL: L.POOL_BOUND},
-                            "annotations": {L.PLAN: plan, L.HOST_COPY: None,  # a bound engine's copy is no host copy
+                            "annotations": {L.PLAN: plan, L.HOST_COPY: host_copy,
                                             **({L.SERVICE_NS: service_namespace} if service_namespace else {})}}
     if owner is not None:
         meta["ownerReferences"] = [dict(owner)]

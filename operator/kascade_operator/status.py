@@ -110,9 +110,10 @@ def service_status(key: str, name: str, res: Result, pods: Sequence[PodView], pl
                      for role, r in res.roles.items()},
         "sources": [{"kind": "gpu", "location": p.pod_name, "node": p.node} for p in pods
                     if p.model_service == key and p.ready]
+                   # host copies: released pods this service may bind, and its own serving pods that keep one
                    + [{"kind": "host", "location": p.pod_name, "node": p.node} for p in pods
-                      if model is not None and p.model_service is None and p.host_copy == model
-                      and can_serve(p, model, key)],
+                      if model is not None and p.host_copy == model
+                      and (p.model_service == key or (p.model_service is None and can_serve(p, model, key)))],
         "conditions": conds,
     }
     out = _dump(ModelServiceStatus.model_validate(st))

@@ -79,6 +79,13 @@ class EngineStub:
                         stub.phase = "ready" if stub.auto_ready else "loading"
                     elif verb == "drain":
                         stub.phase = "draining"
+                    elif verb == "host-copy":  # as the real engine: a serving one keeps its copy within the budget
+                        keep = body.get("keep", True) is not False
+                        ok = keep and stub.phase == "ready" and stub.host_cache_bytes > 0
+                        stub.host_copy_bytes = stub.host_cache_bytes if ok else 0
+                        self._send(200, {"hostCopyBytes": stub.host_copy_bytes,
+                                         **({} if ok or not keep else {"reason": "no --host-cache-gib budget"})})
+                        return
                     elif verb == "release":
                         keep = body.get("keepHostCopy") is not False and stub.phase in ("ready", "draining")
                         stub.host_copy_bytes = stub.host_cache_bytes if keep else 0

@@ -329,3 +329,44 @@ async def test_a_host_copy_source_without_a_copy_loses_its_record(world: Any) ->
     await reconcile_service(rt, service(lo=2), "update")
     assert stub[copy].count("load-plan") == 1
     assert kube.pods[(NS, copy)]["metadata"]["annotations"].get(L.HOST_COPY) is None  # never named again
+
+
+async def test_a_scale_from_zero_keeps_the_host_copy_it_binds_from(world: Any) -> None:
+    """The first replica binds from e1's host copy; the engine keeps the copy while it serves, so the pod keeps
+    its kascade.io/host-copy annotation, and no other engine is asked for one."""
+    rt, kube, stubs = world
+    e1 = stubs[1]
+    e1.host_cache_bytes = e1.host_copy_bytes = 1000
+    kube.pods[(NS, "e1")]["metadata"]["annotations"][L.HOST_COPY] = "tiny"
+    await reconcile_service(rt, service(), "create")
+    (bound,) = bound_pods(kube)
+    assert bound["metadata"]["name"] == "e1"
+    assert next(b for v, b, _ in e1.calls if v == "bind")["source"] == {"hostCopy": True}
+    assert bound["metadata"]["annotations"].get(L.HOST_COPY) == "tiny"
+    e1.phase = "ready"
+    await reconcile_service(rt, service(), "update")
+    assert [s.count("host-copy") for s in stubs] == [0, 0, 0]  # the pool keeps one: nobody is asked
+
+
+async def test_a_service_with_no_host_copy_asks_one_serving_engine_once(world: Any) -> None:
+    """Loaded from the model source, the service has no host copy: the operator asks one ready engine (the
+    oldest name) to keep one; the next rounds see its annotation and ask nobody. An engine without a budget
+    declines: its pod is marked and the next engine is asked, once."""
+    rt, kube, stubs = world
+    for s in stubs:
+        s.model_service, s.role, s.phase = "svc", "colocated", "ready"
+        meta = kube.pods[(NS, s.instance)]["metadata"]
+        meta["labels"].update({L.MODEL_SERVICE: "svc", L.ROLE: "colocated", L.POOL: L.POOL_BOUND})
+        meta["annotations"][L.LOADED] = "true"
+    stubs[1].host_cache_bytes, stubs[2].host_cache_bytes = 1000, 1000  # e0: no --host-cache-gib
+    body = service(lo=3)
+    for _ in range(3):
+        await reconcile_service(rt, body, "timer")
+        rt.last_round.clear()  # the service's interval: every call is a round
+    assert [s.count("host-copy") for s in stubs] == [1, 1, 0]
+    ann = {n: p["metadata"]["annotations"] for (_, n), p in kube.pods.items()}
+    assert ann["e0"].get(L.HOST_COPY_REFUSED) == "tiny" and not ann["e0"].get(L.HOST_COPY)
+    assert ann["e1"].get(L.HOST_COPY) == "tiny" and not ann["e2"].get(L.HOST_COPY)
+    assert [s.host_copy_bytes for s in stubs] == [0, 1000, 0]
+    assert {"kind": "host", "location": "e1", "node": "n1"} in kube.service_status["sources"]
+    assert [e["reason"] for e in kube.events if e["reason"].startswith("HostCopy")] == ["HostCopyRefused", "HostCopy"]

@@ -10,6 +10,7 @@ from builders import pod, spec  # type: ignore[import-not-found]
 
 from kascade_operator import labels as L
 from kascade_operator import scaleplan as SP
+from kascade_operator.hostcopykeeper import keeper
 from kascade_operator.pool import bind_patch, choose_targets, keep_host_copy, pod_view, unbind_patch
 from kascade_operator.reconcile import CreatePlan, reconcile
 from kascade_operator.status import service_status
@@ -80,7 +81,11 @@ def test_pod_view_reads_the_annotation_and_bind_clears_it() -> None:
     p = pod_view(raw)
     assert p.host_copy == "m"
     patch = bind_patch(p, "svc", "colocated", "plan-1")
-    assert patch["metadata"]["annotations"][L.HOST_COPY] is None  # a bound engine's copy is no host copy
+    assert patch["metadata"]["annotations"][L.HOST_COPY] is None  # bound from elsewhere: no host copy recorded
+    kept = bind_patch(p, "svc", "colocated", "plan-1", host_copy="m")  # bound from its copy, which it still keeps
+    assert kept["metadata"]["annotations"][L.HOST_COPY] == "m"
+    assert pod_view({**raw, "metadata": {**raw["metadata"], "annotations": {L.HOST_COPY_REFUSED: "m"}}}
+                    ).host_copy_refused == "m"
     bound = dataclasses.replace(p, model_service="svc", host_copy=None)
     assert unbind_patch(bound, host_copy="m")["metadata"]["annotations"][L.HOST_COPY] == "m"  # kept at release
     assert unbind_patch(bound)["metadata"]["annotations"][L.HOST_COPY] is None
@@ -127,3 +132,36 @@ def test_a_plan_in_flight_holds_its_host_copy_source() -> None:
                                {"instance": "p-a", "pod": "p-a", "kind": "host", "hostCopy": True},
                                {"instance": "host:n2", "node": "n2", "kind": "host", "hostCopy": True}]}}
     assert [t["pod"] for t in held_pods(sp)] == ["p-b", "p-a"]  # bound sources are held by their binding
+
+
+def test_status_sources_list_a_serving_pods_host_copy_as_host_too() -> None:
+    """A replica bound from its host copy keeps it while it serves: it is a gpu source and a host one."""
+    pods = [dataclasses.replace(pod("s", "n0", "svc", "colocated", ready=True), host_copy="m"),
+            dataclasses.replace(pod("o", "n1", "other-svc", "colocated", ready=True), host_copy="m")]
+    res = reconcile("svc", spec(lo=1, hi=2), pods, [], None)
+    st = service_status("svc", "svc", res, pods, [], 1, model="m")
+    assert st["sources"] == [{"kind": "gpu", "location": "s", "node": "n0"},
+                             {"kind": "host", "location": "s", "node": "n0"}]
+
+
+def test_a_serving_copy_counts_at_release_once() -> None:
+    """The serving pod that keeps the copy counts against the others' releases, not against its own."""
+    serving = dataclasses.replace(pod("s", "n0", "svc", "colocated", ready=True), host_copy="m")
+    other = pod("r", "n1", "svc", "colocated")
+    assert keep_host_copy([serving, other], "m", "r", 1) is False  # s keeps the model's one copy
+    assert keep_host_copy([serving, other], "m", "s", 1) is None  # s itself keeps it at its release
+
+
+def test_the_keeper_is_one_ready_serving_pod_and_only_while_no_copy_exists() -> None:
+    ready = [pod(n, f"n{i}", "svc", "colocated", ready=True) for i, n in enumerate(("e2", "e0", "e1"))]
+    assert keeper(ready, "m", "svc", 1).pod_name == "e0"  # type: ignore[union-attr]  # the oldest: drained last
+    assert keeper(ready, "m", "svc", 0) is None  # hostCopiesPerModel 0: none kept
+    assert keeper([*ready, hc("h", node="n5")], "m", "svc", 1) is None  # a released copy exists
+    assert keeper([*ready, hc("h", "other", node="n5")], "m", "svc", 1).pod_name == "e0"  # type: ignore[union-attr]
+    assert keeper([*ready, dataclasses.replace(hc("h", node="n5"), unhealthy="dead")], "m", "svc", 1) is not None
+    refused = [dataclasses.replace(ready[1], host_copy_refused="m"), ready[0], ready[2]]
+    assert keeper(refused, "m", "svc", 1).pod_name == "e1"  # type: ignore[union-attr]
+    draining = [dataclasses.replace(p, draining=True) for p in ready]
+    assert keeper(draining, "m", "svc", 1) is None
+    assert keeper([pod("l", "n0", "svc", "colocated")], "m", "svc", 1) is None  # loading: nothing to keep yet
+    assert keeper(ready, "m", "another-svc", 1) is None

@@ -1,0 +1,75 @@
+"""Never zero host copies while a service serves (issue 18 item 5): O(1) per model, at least one.
+
+Releases keep a copy (handlers: `pool.keep_host_copy`) and a scale from zero binds from one and keeps it
+(plandriver: the bind answer's hostCopyBytes), but a service whose first copy came from the model source,
+or whose copy was lost with its pod, would hold none while it serves. Each round, after the round's actions:
+when no pool pod keeps a copy of the model, ask ONE of the service's ready serving engines to keep its
+blockset as a host copy (POST host-copy, within its --host-cache-gib; no extra bytes, it holds that blockset
+in host memory already).
+
+Data flow: the round's pool snapshot -> `keeper()` (pure: which pod to ask, or None) -> `ensure()` ->
+engine answer (`HostCopyAnswer`) -> the pod's annotation: kascade.io/host-copy = model when it keeps one (so
+the next round counts it: idempotent), kascade.io/host-copy-refused = model when it declined (its budget;
+the Event says why: it is never asked again for that model, the next round asks the next pod).
+
+Which engine: the oldest pod name among the ready, undrained, healthy ones not refused. A scale-down drains
+the newest names first (`pool.choose_drain`), so the keeper is the last to be released, and at its release
+it keeps the copy (no other pod holds one). The operator does not know the engines' free host budgets; an
+engine without room refuses and the next is asked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from kascade_operator.engine_client import EngineError
+from kascade_operator.kube import Conflict, NotFound
+from kascade_operator.pool import PodView, host_copy_patch
+
+if TYPE_CHECKING:
+    from kascade_operator.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+
+def copies(pods: Sequence[PodView], model: str) -> int:
+    """Pool pods whose engine keeps `model` in host memory (released or serving), healthy ones only."""
+    return sum(1 for p in pods if p.host_copy == model and not p.unhealthy)
+
+
+def keeper(pods: Sequence[PodView], model: str, service: str, per_model: int) -> PodView | None:
+    """The serving pod to ask for a host copy of `model`, or None: the pool keeps one already, the setting
+    (`host_copies_per_model`) is 0, or no ready pod of `service` may be asked."""
+    if per_model < 1 or copies(pods, model) > 0:
+        return None
+    asked = [p for p in pods if p.model_service == service and p.ready and not p.draining and p.endpoint
+             and not p.unhealthy and p.host_copy_refused != model]
+    return min(asked, key=lambda p: p.pod_name, default=None)
+
+
+async def ensure(rt: Runtime, body: dict[str, Any], model: str, service: str, pods: Sequence[PodView],
+                 pool_ns: str) -> str | None:
+    """Ask the `keeper` (if any) to keep a host copy; record its answer on its pod. Returns the pod asked."""
+    p = keeper(pods, model, service, rt.settings.host_copies_per_model)
+    if p is None or p.endpoint is None:
+        return None
+    meta = body["metadata"]
+    try:
+        ans = await rt.engines.host_copy(p.endpoint)
+    except EngineError as e:  # unreachable or refused: asked again next round
+        log.warning("host copy of %s on %s: %s", model, p.pod_name, e)
+        return p.pod_name
+    kept = ans.host_copy_bytes > 0
+    with contextlib.suppress(Conflict, NotFound):
+        await rt.kube.patch_pod(pool_ns, p.pod_name, host_copy_patch(model) if kept else host_copy_patch(None, model))
+    if kept:
+        msg = f"{p.pod_name} keeps a host copy of {model} while it serves ({ans.host_copy_bytes / 1e6:.1f} MB)"
+        await rt.event(meta["namespace"], body, "ModelService", "Normal", "HostCopy", msg)
+    else:
+        msg = f"{p.pod_name} keeps no host copy of {model}: {ans.reason or 'no reason given'}"
+        await rt.event(meta["namespace"], body, "ModelService", "Warning", "HostCopyRefused", msg)
+    log.info("%s", msg)
+    return p.pod_name
