@@ -295,7 +295,8 @@ async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods:
                            log_format=rt.settings.engine_log_format, tls_secret=rt.settings.engine_tls_secret,
                            run_as_user=rt.settings.engine_run_as_user, transport=rt.settings.engine_transport,
                            ucx_tcp_ports=rt.settings.engine_ucx_tcp_ports,
-                           activation_dscp=rt.settings.engine_activation_dscp)
+                           activation_dscp=rt.settings.engine_activation_dscp,
+                           host_cache_gib=rt.settings.engine_host_cache_gib)
         made = []
         for _ in range(action.count):
             made.append((await rt.kube.create_pod(pool_ns, pod))["metadata"]["name"])

@@ -121,7 +121,8 @@ def _hub_env(hf_endpoint: str, hf_token_secret: str) -> list[dict[str, Any]]:
 def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Mapping[str, Any] | None,
                  act_port: int = ACT_PORT, hf_endpoint: str = "", hf_token_secret: str = "",
                  log_format: str = "text", tls_secret: str = "", run_as_user: int = 65532,
-                 transport: str = "tcp", ucx_tcp_ports: str = "", activation_dscp: int = AF41) -> dict[str, Any]:
+                 transport: str = "tcp", ucx_tcp_ports: str = "", activation_dscp: int = AF41,
+                 host_cache_gib: float = 0.0) -> dict[str, Any]:
     """A new warm-pool engine pod for this model, reserved for service `key` (annotation created-for):
     it joins the pool and is bound in a later round like any pool pod. Call only when `refusals()` is
     empty. An `hf://` source: an init container fetches config and tokenizer (what an empty engine is
@@ -130,7 +131,9 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
     data plane over mutual TLS (empty: plain TCP, as the pool without TLS). `transport`: the engine's
     --transport, the pool's (peers reach only engines that speak theirs); with ucx, `ucx_tcp_ports` is
     UCX_TCP_PORT_RANGE, the range the pool's NetworkPolicy admits. `activation_dscp`: the engine's
-    --activation-dscp, the pool's (0: its activation connections and HTTP answers go unmarked)."""
+    --activation-dscp, the pool's (0: its activation connections and HTTP answers go unmarked).
+    `host_cache_gib`: the engine's --host-cache-gib, the pool's (a service on fallback pods keeps its host copy
+    too; 0: it keeps none)."""
     e, src = spec.engine, spec.model.source
     ckpt = checkpoint_path(spec)
     hub = hub_uri(spec)
@@ -179,7 +182,8 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
     container: dict[str, Any] = {
         "name": "engine", "image": e.image,
         "args": ["kascade", "engine", "serve", "--empty", "--host=0.0.0.0", f"--port={e.port}", f"--act-port={act_port}",
-                 f"--transport={transport}", f"--activation-dscp={activation_dscp}", f"--checkpoint={ckpt}",
+                 f"--transport={transport}", f"--activation-dscp={activation_dscp}",
+                 f"--host-cache-gib={host_cache_gib:g}", f"--checkpoint={ckpt}",
                  f"--model-name={spec.model.name}",
                  *(tls_args() if tls_secret else [])],
         "env": env,

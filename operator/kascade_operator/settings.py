@@ -41,6 +41,9 @@ class OperatorSettings(BaseSettings):
     engine_activation_dscp: int = Field(default=AF41, ge=0, le=63, description="DSCP the fallback pods' engines mark "
                                         "their activation connections and HTTP answers with (engine --activation-dscp), the pool's "
                                         "pool.activationDscp; 34 = AF41, 0 = no mark")
+    engine_host_cache_gib: float = Field(default=0.0, ge=0, le=1 << 20, description="host-memory budget (GiB) of "
+                                         "the fallback pods' engines for a host copy of their model (engine "
+                                         "--host-cache-gib), the pool's pool.hostCacheGiB; 0 = they keep none")
     engine_ucx_tcp_ports: str = Field(default="", pattern=r"^(\d{1,5}-\d{1,5})?$", description="UCX_TCP_PORT_RANGE "
                                       "(first-last) of the fallback pods with engine_transport ucx, the pool's "
                                       "pool.ucxTcpPorts (its NetworkPolicy admits that range); empty = UCX's default")

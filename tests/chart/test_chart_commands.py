@@ -384,10 +384,17 @@ def test_pool_activation_dscp_reaches_pool_engines_and_fallback_pods(
 
 def test_pool_host_cache_settings_reach_the_pool_engines_and_the_operator(
         helm: Helm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """pool.hostCacheGiB is each pool engine's --host-cache-gib (the host copy's budget), pool.hostCopiesPerModel
-    the operator's host_copies_per_model (copies kept per model); defaults 16 and 1; out-of-range values refused."""
+    """pool.hostCacheGiB is each pool engine's --host-cache-gib (the host copy's budget), and the operator's
+    fallback pods' too; pool.hostCopiesPerModel the operator's host_copies_per_model (copies kept per model);
+    defaults 16 and 1; out-of-range values refused."""
+    from kascade_operator.api import ModelServiceSpec
+    from kascade_operator.podtemplate import fallback_pod
+
     (tmp_path / "m1").mkdir()  # click checks the checkpoint directory exists, as it would in the pod
     model = {"name": "m1", "path": str(tmp_path / "m1"), "mountPath": str(tmp_path)}
+    spec = ModelServiceSpec.model_validate({"model": {"name": "m1", "source": {"path": str(tmp_path / "m1")}},
+                                            "engine": {"image": "img:1"}, "mode": "colocated",
+                                            "replicas": {"colocated": {"min": 1, "max": 2}}})
     for pool, gib, copies in (({}, 16.0, 1), ({"hostCacheGiB": 2.5, "hostCopiesPerModel": 3}, 2.5, 3),
                               ({"hostCacheGiB": 0, "hostCopiesPerModel": 0}, 0.0, 0)):
         docs = _render(helm, tmp_path, {"pool": {"model": model, **pool}})
@@ -395,7 +402,10 @@ def test_pool_host_cache_settings_reach_the_pool_engines_and_the_operator(
         for e in _deployment(docs, "rel-operator")["env"]:
             if "value" in e:
                 monkeypatch.setenv(e["name"], e["value"])
-        assert OperatorSettings().host_copies_per_model == copies
+        settings = OperatorSettings()
+        assert settings.host_copies_per_model == copies
+        fb = fallback_pod(spec, "svc", "tok", None, host_cache_gib=settings.engine_host_cache_gib)
+        assert parse(fb["spec"]["containers"][0]["args"])["host_cache_gib"] == gib  # a fallback pod keeps one too
     for bad in ("pool.hostCopiesPerModel=65", "pool.hostCacheGiB=-1"):
         out = helm("template", "rel", str(CHART), "--set", bad, check=False)
         assert out.returncode != 0 and bad.split("=")[0].split(".")[1] in out.stderr, out.stderr
