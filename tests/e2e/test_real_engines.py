@@ -360,6 +360,10 @@ def test_scale_from_zero_through_the_router(control_plane: ControlPlane, crds: l
         assert second["metadata"]["name"] != first["metadata"]["name"]
         assert second["spec"]["sources"][0].get("hostCopy") is True and "host copy" in second["spec"]["reason"]
         assert second["spec"]["targets"][0]["pod"] == served_by and texts[0] == texts[1]
+        # the re-scaled replica keeps the copy it bound from while it serves (never zero host copies): one status
+        wait_for(lambda: {("gpu", served_by), ("host", served_by)} <= {  # lists the pod as gpu and host at once
+            (s["kind"], s["location"]) for s in get(cp, ns, "msvc", "svc")["status"].get("sources") or []},
+            30, "status.sources listing the serving replica's host copy")
         took = [p.get("status", {}).get("durationSeconds") for p in (first, get(cp, ns, "scaleplan",
                                                                                   second["metadata"]["name"]))]
         print(f"scale from zero: first token after {cold:.2f} s (plan {took[0]} s, from spec.model.source), "
