@@ -12,6 +12,10 @@ engine answer (`HostCopyAnswer`) -> the pod's annotation: kascade.io/host-copy =
 the next round counts it: idempotent), kascade.io/host-copy-refused = model when it declined (its budget;
 the Event says why: it is never asked again for that model, the next round asks the next pod).
 
+A copy lost with its engine (a container restart under a pod that keeps its annotation) would be counted for
+ever: so each round the pods recorded as keeping one are read (GET status, each at most every CHECK_S), and
+one whose engine answers hostCopyBytes 0 loses the record (Event HostCopyLost); the next round asks again.
+
 Which engine: the oldest pod name among the ready, undrained, healthy ones not refused. A scale-down drains
 the newest names first (`pool.choose_drain`), so the keeper is the last to be released, and at its release
 it keeps the copy (no other pod holds one). The operator does not know the engines' free host budgets; an
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +38,8 @@ if TYPE_CHECKING:
     from kascade_operator.runtime import Runtime
 
 log = logging.getLogger(__name__)
+
+CHECK_S = 10.0  # how often a pod recorded as keeping a copy has its engine's hostCopyBytes read
 
 
 def copies(pods: Sequence[PodView], model: str) -> int:
@@ -52,7 +59,10 @@ def keeper(pods: Sequence[PodView], model: str, service: str, per_model: int) ->
 
 async def ensure(rt: Runtime, body: dict[str, Any], model: str, service: str, pods: Sequence[PodView],
                  pool_ns: str) -> str | None:
-    """Ask the `keeper` (if any) to keep a host copy; record its answer on its pod. Returns the pod asked."""
+    """Ask the `keeper` (if any) to keep a host copy; record its answer on its pod. Returns the pod asked.
+    Before that, forget copies whose engines no longer keep them (`_lost`)."""
+    if await _lost(rt, body, model, pods, pool_ns):
+        return None  # counted again next round, from a snapshot without the record
     p = keeper(pods, model, service, rt.settings.host_copies_per_model)
     if p is None or p.endpoint is None:
         return None
@@ -73,3 +83,32 @@ async def ensure(rt: Runtime, body: dict[str, Any], model: str, service: str, po
         await rt.event(meta["namespace"], body, "ModelService", "Warning", "HostCopyRefused", msg)
     log.info("%s", msg)
     return p.pod_name
+
+
+async def _lost(rt: Runtime, body: dict[str, Any], model: str, pods: Sequence[PodView], pool_ns: str) -> bool:
+    """Read the engines of the pods recorded as keeping `model` (each at most every CHECK_S); clear the record
+    of any whose engine answers that it keeps none (it restarted: the copy went with the process). True when
+    one was cleared. An engine that does not answer keeps its record (it may be busy; the bind from it or its
+    load plan is refused later if the copy is gone, and plandriver clears the record then)."""
+    now, lost = time.monotonic(), False
+    for p in pods:
+        if p.host_copy != model or p.unhealthy or not p.endpoint:
+            continue
+        k = (pool_ns, p.pod_name)
+        if now - rt.host_copy_checked.get(k, -1e9) < CHECK_S:
+            continue
+        rt.host_copy_checked[k] = now
+        try:
+            st = await rt.engines.status(p.endpoint)
+        except EngineError as e:
+            log.debug("host copy of %s on %s not checked: %s", model, p.pod_name, e)
+            continue
+        if int(st.get("hostCopyBytes") or 0) > 0:
+            continue
+        with contextlib.suppress(Conflict, NotFound):
+            await rt.kube.patch_pod(pool_ns, p.pod_name, host_copy_patch(None))
+        msg = f"{p.pod_name} no longer keeps its host copy of {model} (its engine reports none: restarted?)"
+        await rt.event(body["metadata"]["namespace"], body, "ModelService", "Warning", "HostCopyLost", msg)
+        log.info("%s", msg)
+        lost = True
+    return lost

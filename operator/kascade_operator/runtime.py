@@ -63,6 +63,7 @@ class Runtime:
     role_index: Mapping[Any, Any] | None = None  # ModelServiceRole objects by namespace
     router: RouterDemand | None = None  # the router's demand per ModelService (settings.router_url)
     last_busy: dict[tuple[str, str, str], float] = field(default_factory=dict)  # last request/token seen
+    host_copy_checked: dict[tuple[str, str], float] = field(default_factory=dict)  # (pool ns, pod) -> when read
 
     def attach(self, pods: Mapping[Any, Any] | None, plans: Mapping[Any, Any] | None,
                nodes: Mapping[Any, Any] | None, roles: Mapping[Any, Any] | None = None) -> None:

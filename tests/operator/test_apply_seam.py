@@ -293,6 +293,7 @@ async def test_a_host_copy_sends_as_a_source_and_is_never_bound(world: Any) -> N
     (serving,) = bound_pods(kube)
     copy, other = sorted(n for (_, n) in kube.pods if n != serving["metadata"]["name"])
     await kube.patch_pod(NS, copy, {"metadata": {"annotations": {L.HOST_COPY: "tiny"}}})  # as a release records it
+    next(s for s in stubs if s.instance == copy).host_copy_bytes = 1000  # and its engine keeps it (status)
     rt.last_round.clear()
     await reconcile_service(rt, service(lo=2), "update")
     (sp,) = [p for p in kube.plans.values() if p["metadata"]["name"] != first["metadata"]["name"]]
@@ -370,3 +371,28 @@ async def test_a_service_with_no_host_copy_asks_one_serving_engine_once(world: A
     assert [s.host_copy_bytes for s in stubs] == [0, 1000, 0]
     assert {"kind": "host", "location": "e1", "node": "n1"} in kube.service_status["sources"]
     assert [e["reason"] for e in kube.events if e["reason"].startswith("HostCopy")] == ["HostCopyRefused", "HostCopy"]
+
+
+async def test_a_copy_lost_with_its_engine_is_forgotten_and_made_again(world: Any) -> None:
+    """e1 is recorded as keeping the copy, but its engine restarted (hostCopyBytes 0): the operator reads it,
+    clears the record, and the next round asks a serving engine to keep one."""
+    rt, kube, stubs = world
+    for s in stubs[::2]:
+        s.model_service, s.role, s.phase, s.host_cache_bytes = "svc", "colocated", "ready", 1000
+        meta = kube.pods[(NS, s.instance)]["metadata"]
+        meta["labels"].update({L.MODEL_SERVICE: "svc", L.ROLE: "colocated", L.POOL: L.POOL_BOUND})
+        meta["annotations"][L.LOADED] = "true"
+    kube.pods[(NS, "e1")]["metadata"]["annotations"][L.HOST_COPY] = "tiny"  # stubs[1].host_copy_bytes is 0
+    body = service(lo=2, hi=2)
+    await reconcile_service(rt, body, "timer")
+    assert kube.pods[(NS, "e1")]["metadata"]["annotations"].get(L.HOST_COPY) is None
+    assert [s.count("host-copy") for s in stubs] == [0, 0, 0]
+    rt.last_round.clear()
+    await reconcile_service(rt, body, "timer")
+    assert [s.count("host-copy") for s in stubs] == [1, 0, 0]
+    assert kube.pods[(NS, "e0")]["metadata"]["annotations"].get(L.HOST_COPY) == "tiny"
+    assert [e["reason"] for e in kube.events if e["reason"].startswith("HostCopy")] == ["HostCopyLost", "HostCopy"]
+    rt.last_round.clear()
+    await reconcile_service(rt, body, "timer")  # e0's copy is read (it keeps it) and nothing else happens
+    assert [s.count("host-copy") for s in stubs] == [1, 0, 0]
+    assert kube.pods[(NS, "e0")]["metadata"]["annotations"].get(L.HOST_COPY) == "tiny"
