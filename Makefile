@@ -43,7 +43,7 @@ TYPED_MODULES := -p kascade_devcluster -p kascade_demo -p kascade_router -m kasc
 	-m kascade_engine.pages -m kascade_engine.cooperation -m kascade_engine.pairclient -m kascade_engine.migration -m kascade_engine.pairsession -m kascade_engine.redirect -m kascade_engine.liveredirect -m kascade_engine.peerpool -m kascade_engine.livepolicy -m kascade_engine.timeline -m kascade_engine.scheduler -m kascade_engine.families -m kascade_engine.kvcache \
 	-m kascade_engine.engine -m kascade_engine.model -m kascade_engine.metrics -m kascade_engine.tensorfile \
 	-m kascade_engine.openai_api -m kascade_engine.responder -m kascade_engine.server -m kascade_engine.detokenizer -m kascade_engine.tokenizer \
-	-m kascade_engine.kv_wire -m kascade_engine.prefill_server -m kascade_engine.remote_prefill -m kascade_engine.pd_metrics -m kascade_engine.velocity -m kascade_engine.stepcost -m kascade_engine.handback -m kascade_engine.probe \
+	-m kascade_engine.kv_wire -m kascade_engine.prefill_server -m kascade_engine.remote_prefill -m kascade_engine.pd_metrics -m kascade_engine.velocity -m kascade_engine.stepcost -m kascade_engine.handback -m kascade_engine.probe -m kascade_engine.hostcopy \
 	-m kascade_operator.api -m kascade_operator.scaleplan -m kascade_operator.plandriver -m kascade_operator.engine_client \
 	-m kascade_operator.pool -m kascade_operator.reconcile -m kascade_operator.operator_metrics -m kascade_operator.status \
 	-m kascade_operator.podtemplate -m kascade_operator.decide -m kascade_operator.leader -m kascade_operator.roleobject -m kascade_operator.rolesync \

@@ -31,6 +31,7 @@ from kascade_engine.config import EngineConfig
 from kascade_engine.cooperation import HostRows
 from kascade_engine.engine import Engine
 from kascade_engine.handback import DEFAULT_HAND_BACK_S, HandBack
+from kascade_engine.hostcopy import keepable
 from kascade_engine.live import Finisher
 from kascade_engine.liveredirect import Forwarder, ForwardHost
 from kascade_engine.metrics import EngineMetrics
@@ -432,21 +433,17 @@ class EngineInstance:
         if keep is False:
             self.host_copy = None
         elif full is not None:
-            if full.total_bytes <= self.config.host_cache_bytes:
-                self.host_copy = full
-            else:
-                self.host_copy = None
-                log.info("%s: not keeping a host copy: %.1f MB > --host-cache-gib budget %.1f MB", self.instance_id,
-                         full.total_bytes / 1e6, self.config.host_cache_bytes / 1e6)
+            self.host_copy, why = keepable(full, self.config.host_cache_bytes, self.config.model_name)
+            if why is not None:
+                log.info("%s: not keeping a host copy: %s", self.instance_id, why)
         if self.host_copy is not None:
             log.info("%s: keeping a host copy of %s (%.1f MB)", self.instance_id, self.config.model_name,
                      self.host_copy.total_bytes / 1e6)
 
     def keep_copy(self, req: HostCopyRequest) -> HostCopyAnswer:
         """POST host-copy: keep the complete copy this serving engine holds as its host copy when the
-        --host-cache-gib budget holds it (no extra bytes: it is the blockset already in host memory; on CUDA
-        the device weights are separate tensors), or drop the host copy (keep=false); either way it serves on.
-        Answers the bytes kept, or 0 and why not."""
+        --host-cache-gib budget holds it (hostcopy.keepable: no extra bytes), or drop the host copy (keep=false);
+        either way it serves on. Answers the bytes kept, or 0 and why not."""
         if not req.keep:
             if self.host_copy is not None:
                 log.info("%s: dropping the host copy of %s on request", self.instance_id, self.config.model_name)
@@ -454,19 +451,17 @@ class EngineInstance:
             return HostCopyAnswer(0)
         if self.host_copy is not None:
             return HostCopyAnswer(self.host_copy.total_bytes)
-        full = self.blockset if self.blockset is not None and self.model.complete else None
-        if full is None or self.phase not in (Phase.SERVING, Phase.DRAINING):
+        if self.phase not in (Phase.SERVING, Phase.DRAINING):
             return HostCopyAnswer(0, f"engine is {self.phase.value} and holds no complete copy of "
                                      f"{self.config.model_name} to keep")
-        budget = self.config.host_cache_bytes
-        if full.total_bytes > budget:
-            why = (f"the model's {full.total_bytes / 1e6:.1f} MB exceed the --host-cache-gib budget "
-                   f"({budget / 1e6:.1f} MB)") if budget else "no --host-cache-gib budget (0: never keeps one)"
+        full = self.blockset if self.blockset is not None and self.model.complete else None
+        kept, why = keepable(full, self.config.host_cache_bytes, self.config.model_name)
+        if kept is None:
             return HostCopyAnswer(0, why)
-        self.host_copy = full
+        self.host_copy = kept
         log.info("%s: keeping a host copy of %s while serving (%.1f MB)", self.instance_id, self.config.model_name,
-                 full.total_bytes / 1e6)
-        return HostCopyAnswer(full.total_bytes)
+                 kept.total_bytes / 1e6)
+        return HostCopyAnswer(kept.total_bytes)
 
     def status(self) -> EngineStatus:
         m = self.model

@@ -11,6 +11,7 @@ import time
 import httpx
 
 from kascade_devcluster.ports import free_ports
+from kascade_engine.hostcopy import keepable
 from kascade_planner.baselines import build_star
 from kascade_planner.plan import Instance, ModelLayout
 
@@ -176,3 +177,12 @@ def test_a_serving_engine_keeps_a_host_copy_when_asked(tiny_ckpt, tiny_blocks, e
     finally:
         e.stop()
         nob.stop()
+
+
+def test_keepable_holds_a_copy_within_the_budget_and_says_why_not(tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    n = tiny_blocks.total_bytes
+    assert keepable(tiny_blocks, n, "m") == (tiny_blocks, None)  # the blockset itself: no second copy
+    kept, why = keepable(tiny_blocks, n - 1, "m")
+    assert kept is None and why is not None and "exceed the --host-cache-gib budget" in why
+    assert keepable(tiny_blocks, 0, "m") == (None, "no --host-cache-gib budget (0: never keeps one)")
+    assert keepable(None, n, "m") == (None, "holds no complete copy of m to keep")
