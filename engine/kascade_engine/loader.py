@@ -79,6 +79,8 @@ async def start_plan_load(inst: EngineInstance, req: LoadPlanRequest) -> None:
         timeline.mark("block", blk.id, resident=event.get("resident"), of=event.get("total"), bytes=inst.bytes_received)
         if model.complete and inst.blockset is None:
             inst.blockset = BlockSet(name, model.cfg, (node.resident[b] for b in spec.plan.model.block_ids))
+            if inst.host_copy is not None and not host_source:  # the copy kept from before: one copy, not two
+                inst.host_copy = inst.blockset
             log.info("%s: all %d blocks resident", me, event.get("total"))
 
     # only a released engine feeds from its host copy alone: a serving one's blockset may BE its kept copy
