@@ -8,6 +8,9 @@ built for vLLM port by changing the prefix): every serving metric carries `model
   kascade_request_generation_tokens (histogram: tokens each request that finished by stop or length generated)
   kascade_requests_arrived_total (requests accepted, counted where their prompt is: the operator's arrival
   rate; with the histogram, decode demand = arrivals x the recent mean output length, kascade_planner.outputlength)
+  kascade_prompt_tokens_arrived_total{bucket="128|512|2048|inf"} (the same prompt tokens by the request's prompt
+  length, velocity.py's buckets: the operator weights the per-bucket prefill velocities by this demand,
+  kascade_planner.prefillvelocity.demand_weighted)
   kascade_time_to_first_token_seconds, kascade_inter_token_latency_seconds, kascade_e2e_request_latency_seconds
 Kascade's own: blocks resident, weight transfer bytes and bandwidth, weight transfers that failed on this
 engine (`kascade_weight_transfer_failures_total`, the transfer-failure alert), live-split requests and layers,
@@ -30,6 +33,8 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kascade_engine.velocity import PROMPT_BUCKETS, bucket
 
 LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)  # vLLM's request_generation_tokens buckets
@@ -57,6 +62,11 @@ class EngineMetrics:
         self.generation_tokens = counter("kascade_generation_tokens", "Tokens generated")
         self.preemptions = counter("kascade_num_preemptions", "Sequences preempted (pages ran out)")
         self.arrived = counter("kascade_requests_arrived", "Requests accepted (counted with their prompt tokens)")
+        self._prompt_arrived = Counter("kascade_prompt_tokens_arrived", "Prompt tokens accepted, by the prompt-length "
+                                       "bucket of their request (the prefill velocity's buckets)",
+                                       ["model_name", "bucket"], registry=r)
+        for b in (*map(str, PROMPT_BUCKETS), "inf"):  # every bucket from 0: a series appearing late loses a rate()
+            self._prompt_arrived.labels(model_name, b)
         self.request_gen_tokens = Histogram("kascade_request_generation_tokens",
                                             "Tokens generated per request that finished (stop or length; an aborted "
                                             "request's output is cut short)", lbl, registry=r,
@@ -113,6 +123,7 @@ class EngineMetrics:
 
     def on_request(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
+        self._prompt_arrived.labels(self.model_name, bucket(prompt_tokens, PROMPT_BUCKETS)).inc(prompt_tokens)
         self.arrived.inc()
 
     def observe_event(self, ev: Any, now: float) -> None:

@@ -2,7 +2,10 @@
 
 Data flow: engine endpoints -> Prometheus text (`kascade_*`, DESIGN §6) -> `parse_engine_metrics` ->
 `InstanceSample` (cumulative counters + gauges) -> `RateTracker` turns two samples into per-second
-rates -> `snapshot()` -> the planner's `MetricsSnapshot`, which the policies consume. With
+rates -> `snapshot()` -> the planner's `MetricsSnapshot`, which the policies consume. The prefill velocity is
+weighted there, in one place, by the prompt tokens/s arriving per prompt-length bucket
+(`MeasuredVelocity.weighted`, kascade_planner.prefillvelocity.demand_weighted), over the bucket capacities
+averaged across the role's instances. With
 `metrics_source=prometheus` the same `InstanceLoad` values come from PromQL (rates computed there).
 Parsing and rate math are pure; only `Scraper`/`PrometheusSource` do I/O.
 """
@@ -23,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kascade_operator.httppool import HttpPool
 from kascade_planner.outputlength import OutputLength
-from kascade_planner.policies import MeasuredVelocity, MetricsSnapshot
+from kascade_planner.policies import MeasuredVelocity, MetricsSnapshot, PromptBuckets
 from kascade_planner.prefillvelocity import prefill_capacity, prefill_velocity
 
 log = logging.getLogger(__name__)
@@ -53,6 +56,7 @@ class InstanceSample:
     requests_arrived: float = 0.0  # kascade_requests_arrived (cumulative)
     gen_tokens_sum: float = 0.0  # kascade_request_generation_tokens sum and count: finished requests' output
     gen_tokens_count: float = 0.0
+    prompt_arrived: PromptBuckets = ()  # kascade_prompt_tokens_arrived_total per prompt-length bucket (cumulative)
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,7 @@ class InstanceLoad:
     decode_step_count: float = 0.0
     requests_per_s: float = 0.0  # requests arriving over the window
     output_length: OutputLength | None = None  # finished requests' output tokens: the window's and the lifetime's
+    prompt_tokens_per_s_by_bucket: PromptBuckets = ()  # prompt tokens arriving over the window, per length bucket
 
 
 # vLLM-aligned engine metric names (kascade_ prefix; a `model_name` label, summed over here)
@@ -93,32 +98,47 @@ _PREFILL_V, _DECODE_V, _LINK_V = ("kascade_prefill_velocity_tokens_per_second",
 _RATE_V = "kascade_prefill_rate_tokens_per_second"  # prompt tokens/s actually prefilled (one gauge per engine)
 # the best unsaturated prefill step's tokens/s per bucket: the prefill velocity until a saturated step is seen
 _FLOOR_V = "kascade_prefill_velocity_floor_tokens_per_second"
+# prompt tokens arriving per prompt-length bucket (kascade_engine.metrics): the demand the prefill velocity is
+# weighted by; an engine without it (older) gives none, and the velocity is the one-velocity rule's
+_ARRIVED = "kascade_prompt_tokens_arrived_total"
 
 
 # the engine's step timings (kascade_engine.metrics): decode-only steps, the room a converted decoder has
 _STEP = {"kascade_step_seconds_sum": "decode_step_sum", "kascade_step_seconds_count": "decode_step_count"}
 
 
-def _velocity(v: dict[str, list[float]]) -> MeasuredVelocity | None:
+def _velocity(v: Mapping[str, Sequence[float]], caps: Mapping[str, float]) -> MeasuredVelocity | None:
     """One engine's velocities from its gauges: the prefill velocity by kascade_planner.prefillvelocity's rule (the
-    slowest bucket's capacity, the best floor before any saturated step), the best decode batch, the mean link."""
-    pre = prefill_velocity(v.get(_PREFILL_V, []), v.get(_FLOOR_V, []))
+    slowest bucket's capacity, the best floor before any saturated step) and each bucket's capacity (`caps`,
+    bucket -> tokens/s), the best decode batch, the mean link."""
+    pre = prefill_velocity(caps.values(), v.get(_FLOOR_V, []))
     dec, net, rate = ([x for x in v.get(k, []) if x > 0] for k in (_DECODE_V, _LINK_V, _RATE_V))
     if not (pre or dec or net or rate):
         return None
     return MeasuredVelocity(pre, max(dec) if dec else None,
                             sum(net) / len(net) if net else None, sum(rate) / len(rate) if rate else None,
-                            prefill_capacity(v.get(_PREFILL_V, [])))
+                            prefill_capacity(caps.values()),
+                            tuple(sorted((b, x) for b, x in caps.items() if x > 0)))
 
 
 def parse_engine_metrics(text: str, time_s: float) -> InstanceSample:
     """Prometheus exposition text -> one sample (missing metrics read as 0; malformed text raises)."""
     values: dict[str, float] = {}
     vel: dict[str, list[float]] = {}
+    caps: dict[str, float] = {}  # prefill capacity per prompt-length bucket
+    arrived: dict[str, float] = {}  # prompt tokens arrived per prompt-length bucket (summed over model_name)
     try:
         for fam in text_string_to_metric_families(text):
             for smp in fam.samples:
-                if smp.name in (_PREFILL_V, _FLOOR_V, _DECODE_V, _LINK_V, _RATE_V):
+                if smp.name == _PREFILL_V:
+                    b = smp.labels.get("bucket", "")
+                    caps[b] = max(caps.get(b, 0.0), float(smp.value))
+                    continue
+                if smp.name == _ARRIVED:
+                    b = smp.labels.get("bucket", "")
+                    arrived[b] = arrived.get(b, 0.0) + float(smp.value)
+                    continue
+                if smp.name in (_FLOOR_V, _DECODE_V, _LINK_V, _RATE_V):
                     vel.setdefault(smp.name, []).append(float(smp.value))
                     continue
                 if smp.name in _STEP and smp.labels.get("kind") == "decode":
@@ -132,7 +152,8 @@ def parse_engine_metrics(text: str, time_s: float) -> InstanceSample:
                     values[field] = values.get(field, 0.0) + float(smp.value)
     except ValueError as e:
         raise MetricsError(f"malformed Prometheus text: {e}") from None
-    return InstanceSample(time_s, **values, velocity=_velocity(vel))
+    return InstanceSample(time_s, **values, velocity=_velocity(vel, caps),
+                          prompt_arrived=tuple(sorted(arrived.items())))
 
 
 class RateTracker:
@@ -165,16 +186,19 @@ class RateTracker:
                                         0.0, 0.0, cur.gen_tokens_sum, cur.gen_tokens_count))
             length = OutputLength(cur.gen_tokens_sum - b.gen_tokens_sum, cur.gen_tokens_count - b.gen_tokens_count,
                                   cur.gen_tokens_sum, cur.gen_tokens_count)
+            was = dict(b.prompt_arrived)
+            by_bucket = tuple((k, (x - was.get(k, 0.0)) / dt) for k, x in cur.prompt_arrived)
             return InstanceLoad(instance, (cur.input_tokens - b.input_tokens) / dt,
                                 (cur.output_tokens - b.output_tokens) / dt, in_flight, cur.kv_usage,
                                 cur.queue_length, cur.ttft_sum - b.ttft_sum, cur.ttft_count - b.ttft_count,
                                 cur.tbt_sum - b.tbt_sum, cur.tbt_count - b.tbt_count, cur.velocity,
                                 cur.decode_step_sum - b.decode_step_sum, cur.decode_step_count - b.decode_step_count,
-                                (cur.requests_arrived - b.requests_arrived) / dt, length)
+                                (cur.requests_arrived - b.requests_arrived) / dt, length, by_bucket)
 
         if h and (cur.input_tokens < h[-1].input_tokens or cur.output_tokens < h[-1].output_tokens
                   or cur.ttft_count < h[-1].ttft_count or cur.decode_step_count < h[-1].decode_step_count
-                  or cur.requests_arrived < h[-1].requests_arrived or cur.gen_tokens_count < h[-1].gen_tokens_count):
+                  or cur.requests_arrived < h[-1].requests_arrived or cur.gen_tokens_count < h[-1].gen_tokens_count
+                  or any(x < dict(h[-1].prompt_arrived).get(k, 0.0) for k, x in cur.prompt_arrived)):
             prev = h[-1]
             h.clear()
             h.append(cur)
@@ -198,14 +222,24 @@ def _mean(xs: Iterable[float | None]) -> float | None:
     return sum(got) / len(got) if got else None
 
 
+def _summed(rows: Iterable[PromptBuckets], mean: bool = False) -> PromptBuckets:
+    """Per-bucket sums (or means over the rows that have the bucket), sorted by bucket."""
+    acc: dict[str, list[float]] = {}
+    for row in rows:
+        for k, x in row:
+            acc.setdefault(k, []).append(x)
+    return tuple(sorted((k, sum(xs) / len(xs) if mean else sum(xs)) for k, xs in acc.items()))
+
+
 def measured(loads: Sequence[InstanceLoad]) -> MeasuredVelocity | None:
-    """One instance's velocities, averaged over the instances that measured them."""
+    """One instance's velocities, averaged over the instances that measured them (bucket capacities per bucket)."""
     vs = [x.velocity for x in loads if x.velocity is not None]
     if not vs:
         return None
     return MeasuredVelocity(_mean(v.prefill_tokens_per_s for v in vs), _mean(v.decode_tokens_per_s for v in vs),
                             _mean(v.network_tokens_per_s for v in vs), _mean(v.prefill_rate_tokens_per_s for v in vs),
-                            _mean(v.prefill_capacity_tokens_per_s for v in vs))
+                            _mean(v.prefill_capacity_tokens_per_s for v in vs),
+                            _summed((v.prefill_buckets for v in vs), mean=True))
 
 
 def pooled_length(loads: Sequence[InstanceLoad]) -> OutputLength | None:
@@ -218,6 +252,9 @@ def snapshot(loads: Sequence[InstanceLoad], time_s: float) -> MetricsSnapshot:
     """Aggregate one model service's instances into the planner's snapshot (rates summed, KV averaged)."""
     if not loads:
         return MetricsSnapshot(time_s)
+    # the prefill velocity weighted by the prompt tokens arriving per length bucket (no demand: unchanged)
+    demand = _summed(x.prompt_tokens_per_s_by_bucket for x in loads)
+    meas = measured(loads)
     ttft_n, tbt_n = sum(x.ttft_count for x in loads), sum(x.tbt_count for x in loads)
     step_n = sum(x.decode_step_count for x in loads)
     return MetricsSnapshot(time_s, input_tokens_per_s=sum(x.input_tokens_per_s for x in loads),
@@ -226,9 +263,11 @@ def snapshot(loads: Sequence[InstanceLoad], time_s: float) -> MetricsSnapshot:
                            ttft_s=sum(x.ttft_sum for x in loads) / ttft_n if ttft_n > 0 else None,
                            tbt_s=sum(x.tbt_sum for x in loads) / tbt_n if tbt_n > 0 else None,
                            in_flight=sum(x.in_flight for x in loads),
-                           kv_usage=sum(x.kv_usage for x in loads) / len(loads), measured=measured(loads),
+                           kv_usage=sum(x.kv_usage for x in loads) / len(loads),
+                           measured=meas.weighted(demand) if meas else None,
                            decode_step_s=sum(x.decode_step_sum for x in loads) / step_n if step_n > 0 else None,
-                           requests_per_s=sum(x.requests_per_s for x in loads), output_length=pooled_length(loads))
+                           requests_per_s=sum(x.requests_per_s for x in loads), output_length=pooled_length(loads),
+                           prompt_tokens_per_s_by_bucket=demand)
 
 
 class Scraper:
@@ -287,14 +326,18 @@ class PrometheusSource:
                "gen_count": "sum by (pod) (increase(kascade_request_generation_tokens_count{{pod=~\"{pods}\"}}[{window}]))",
                "gen_total_sum": "sum by (pod) (kascade_request_generation_tokens_sum{{pod=~\"{pods}\"}})",
                "gen_total_count": "sum by (pod) (kascade_request_generation_tokens_count{{pod=~\"{pods}\"}})",
+               # prompt tokens arriving per prompt-length bucket: the demand the prefill velocity is weighted by
+               "arrived_b": f"sum by (pod, bucket) (rate({_ARRIVED}{{{{pod=~\"{{pods}}\"}}}}[{{window}}]))",
                # the engine's measured velocities (gauges; 0 = not measured yet), reduced as the Scraper does
-               # (`_velocity`): the slowest prompt-length bucket's capacity (else the best floor), the best decode
-               # batch, the mean KV link
-               "prefill_v": f"min by (pod) ({_PREFILL_V}{{{{pod=~\"{{pods}}\"}}}} > 0)",
+               # (`_velocity`): each prompt-length bucket's capacity (their min, else the best floor: the
+               # one-velocity rule), the best decode batch, the mean KV link
+               "prefill_v": f"max by (pod, bucket) ({_PREFILL_V}{{{{pod=~\"{{pods}}\"}}}} > 0)",
                "floor_v": f"max by (pod) ({_FLOOR_V}{{{{pod=~\"{{pods}}\"}}}} > 0)",
                "decode_v": f"max by (pod) ({_DECODE_V}{{{{pod=~\"{{pods}}\"}}}} > 0)",
                "link_v": f"avg by (pod) ({_LINK_V}{{{{pod=~\"{{pods}}\"}}}} > 0)",
                "rate_v": f"avg by (pod) ({_RATE_V}{{{{pod=~\"{{pods}}\"}}}} > 0)"}
+
+    BY_BUCKET: ClassVar[frozenset[str]] = frozenset({"arrived_b", "prefill_v"})  # answered per (pod, bucket)
 
     def __init__(self, url: str, timeout_s: float = 1.0, window: str = "10s",
                  client: httpx.AsyncClient | None = None) -> None:
@@ -304,7 +347,8 @@ class PrometheusSource:
     async def aclose(self) -> None:
         await self._client.aclose()
 
-    async def _query(self, q: str) -> dict[str, float]:
+    async def _query_buckets(self, q: str) -> dict[str, dict[str, float]]:
+        """pod -> bucket label ("" when the query has none) -> value."""
         try:
             r = await self._client.get(f"{self._url}/api/v1/query", params={"query": q})
             doc = r.json()
@@ -312,11 +356,11 @@ class PrometheusSource:
             raise MetricsError(f"prometheus {self._url}: {e}") from None
         if r.status_code != 200 or doc.get("status") != "success":
             raise MetricsError(f"prometheus {self._url}: query {q!r} failed: {doc.get('error', r.text[:200])}")
-        out: dict[str, float] = {}
+        out: dict[str, dict[str, float]] = {}
         for row in doc.get("data", {}).get("result", []):
-            pod = row.get("metric", {}).get("pod")
-            if pod:
-                out[pod] = float(row["value"][1])
+            labels = row.get("metric", {})
+            if labels.get("pod"):
+                out.setdefault(labels["pod"], {})[labels.get("bucket", "")] = float(row["value"][1])
         return out
 
     async def collect(self, pods: Sequence[str]) -> list[InstanceLoad]:
@@ -324,12 +368,16 @@ class PrometheusSource:
             return []
         sel = "|".join(pods)
         keys = list(self.QUERIES)
-        res = await asyncio.gather(*(self._query(self.QUERIES[k].format(pods=sel, window=self._window)) for k in keys))
-        by = dict(zip(keys, res, strict=True))
+        res = await asyncio.gather(*(self._query_buckets(self.QUERIES[k].format(pods=sel, window=self._window))
+                                     for k in keys))
+        per = {k: r for k, r in zip(keys, res, strict=True) if k in self.BY_BUCKET}
+        by = {k: {pod: sum(v.values()) for pod, v in r.items()} for k, r in zip(keys, res, strict=True)}
+
         def velocity(p: str) -> MeasuredVelocity | None:
-            pre = prefill_velocity([by["prefill_v"].get(p, 0.0)], [by["floor_v"].get(p, 0.0)])
+            caps = per["prefill_v"].get(p, {})
+            pre = prefill_velocity(caps.values(), [by["floor_v"].get(p, 0.0)])
             v = MeasuredVelocity(pre, by["decode_v"].get(p), by["link_v"].get(p), by["rate_v"].get(p),
-                                 by["prefill_v"].get(p))
+                                 prefill_capacity(caps.values()), tuple(sorted(caps.items())))
             return None if v == MeasuredVelocity() else v
 
         return [InstanceLoad(p, by["input"].get(p, 0.0), by["output"].get(p, 0.0),
@@ -339,5 +387,6 @@ class PrometheusSource:
                              decode_step_sum=by["step_sum"].get(p, 0.0), decode_step_count=by["step_count"].get(p, 0.0),
                              requests_per_s=by["arrived"].get(p, 0.0),
                              output_length=OutputLength(by["gen_sum"].get(p, 0.0), by["gen_count"].get(p, 0.0),
-                                                        by["gen_total_sum"].get(p, 0.0), by["gen_total_count"].get(p, 0.0)))
+                                                        by["gen_total_sum"].get(p, 0.0), by["gen_total_count"].get(p, 0.0)),
+                             prompt_tokens_per_s_by_bucket=tuple(sorted(per["arrived_b"].get(p, {}).items())))
                 for p in pods]

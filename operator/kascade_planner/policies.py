@@ -19,6 +19,10 @@ import math
 from dataclasses import dataclass, field, replace
 
 from kascade_planner.outputlength import DecodeDemand, OutputLength, decode_demand
+from kascade_planner.prefillvelocity import demand_weighted
+
+# (prompt-length bucket, value) pairs: the engine's buckets ("128", "512", "2048", "inf"; kascade_engine.velocity)
+PromptBuckets = tuple[tuple[str, float], ...]
 
 ROLES = ("prefill", "decode", "colocated")
 
@@ -35,7 +39,8 @@ class Bucket:
 class MeasuredVelocity:
     """Velocities the engines measured from their own step timings (one instance's, averaged over a role):
     prefill prompt tokens/s (kascade_planner.prefillvelocity: the slowest prompt-length bucket's capacity, from
-    saturated steps; the best unsaturated step before any),
+    saturated steps; the best unsaturated step before any; in a snapshot, `weighted` by the arriving prompts'
+    buckets),
     decode tokens/s one decoder sustains, and the KV link's tokens/s out of a prefiller. None: not measured."""
 
     prefill_tokens_per_s: float | None = None
@@ -47,6 +52,15 @@ class MeasuredVelocity:
     # the prefill velocity of saturated steps alone (None until one: `prefill_tokens_per_s` is then the best
     # unsaturated step, a lower bound); the conversion policy's velocity (prefillvelocity.prefill_capacity)
     prefill_capacity_tokens_per_s: float | None = None
+    # each prompt-length bucket's capacity (saturated steps; buckets without one left out), for `weighted`
+    prefill_buckets: PromptBuckets = ()
+
+    def weighted(self, demand: PromptBuckets) -> MeasuredVelocity:
+        """Both prefill velocities weighted by the prompt tokens/s arriving per bucket
+        (prefillvelocity.demand_weighted: sum d_b / sum d_b / v_b); no demand: unchanged."""
+        cap, want = dict(self.prefill_buckets), dict(demand)
+        return replace(self, prefill_tokens_per_s=demand_weighted(cap, want, self.prefill_tokens_per_s),
+                       prefill_capacity_tokens_per_s=demand_weighted(cap, want, self.prefill_capacity_tokens_per_s))
 
 
 @dataclass(frozen=True)
@@ -64,6 +78,9 @@ class MetricsSnapshot:
     decode_step_s: float | None = None  # mean decode-only step time over the window (a converted decoder's room)
     requests_per_s: float = 0.0  # requests arriving (kascade_requests_arrived) over the window
     output_length: OutputLength | None = None  # finished requests' output tokens (recent history)
+    # prompt tokens/s arriving per prompt-length bucket (kascade_prompt_tokens_arrived_total{bucket}); the
+    # operator's `measured` prefill velocities are already weighted by it (MeasuredVelocity.weighted)
+    prompt_tokens_per_s_by_bucket: PromptBuckets = ()
 
     @property
     def decode_demand(self) -> DecodeDemand:

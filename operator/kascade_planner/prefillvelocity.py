@@ -25,6 +25,14 @@ The rule (`prefill_velocity`):
 - none yet: the MAX over the buckets' floors (the best demonstrated throughput; it only rises as steps fill up, and
   the first saturated step replaces it);
 - nothing: None (the policies hold: "no velocity measured").
+The demand-weighted rule (`demand_weighted`): with the prompt tokens/s arriving per prompt-length bucket
+(kascade_prompt_tokens_arrived_total{bucket}, the same buckets, counted by each request's prompt length), the
+velocity is v_eff = sum_b d_b / sum_b (d_b / v_b): the tokens/s the engine sustains on THAT mix, so prefill need
+= demand / v_eff = sum_b d_b / v_b (each bucket's prompt tokens at its own capacity). Short prompts on a fast
+short bucket no longer pay the long bucket's velocity. A bucket with demand but no capacity of its own counts at
+the rule above (the min: it may be as slow as the slowest; no capacity at all: the floor); no demand (an idle
+window, an engine that does not count by bucket) gives the rule above exactly. kascade_operator.metrics
+.snapshot applies it, so the P:D ratio, tokenVelocity and the conversion policy read the one velocity as before.
 The conversion policy takes the capacity alone (`prefill_capacity`; kascade_operator.pdscaling.conversion_input):
 a deficit measured against a lower bound is not a deficit, and a real one queues prompts at the prefiller, whose
 next step is then saturated and measures the capacity. Against its floor the operator converted a decoder at the
@@ -37,7 +45,7 @@ until its first saturated step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 
 def prefill_capacity(capacity: Iterable[float]) -> float | None:
@@ -53,3 +61,20 @@ def prefill_velocity(capacity: Iterable[float], floor: Iterable[float] = ()) -> 
         return cap
     low = [v for v in floor if v > 0]
     return max(low) if low else None
+
+
+def demand_weighted(capacity: Mapping[str, float], demand: Mapping[str, float],
+                    fallback: float | None) -> float | None:
+    """sum_b d_b / sum_b (d_b / v_b) over the buckets with demand (`demand`: prompt tokens/s per bucket; values
+    <= 0: none); a bucket with no capacity (<= 0 or absent) counts at `fallback`, the one-velocity rule's answer
+    (`prefill_velocity` or `prefill_capacity`), which is also the answer with no demand. None when `fallback` is
+    None (no capacity and no floor in any bucket: nothing to weight)."""
+    if fallback is None:
+        return None
+    if not fallback > 0:
+        raise ValueError(f"fallback velocity must be > 0 or None, got {fallback}")
+    want = {b: d for b, d in demand.items() if d > 0}
+    if not want:
+        return fallback
+    seconds = sum(d / (capacity[b] if capacity.get(b, 0.0) > 0 else fallback) for b, d in want.items())
+    return sum(want.values()) / seconds

@@ -27,17 +27,20 @@ def _engine_text(prefill: dict[str, float], decode: dict[str, float], link_tps: 
 
 def test_operator_reads_the_engines_velocity_gauges() -> None:
     s = parse_engine_metrics(_engine_text({"128": 900.0, "512": 600.0}, {"1": 20.0, "16": 150.0}, 4000.0), 1.0)
-    assert s.velocity == MeasuredVelocity(600.0, 150.0, 4000.0, None, 600.0)  # slowest prompt bucket, best batch, link
+    # slowest prompt bucket (and each bucket's capacity), best batch, link
+    assert s.velocity == MeasuredVelocity(600.0, 150.0, 4000.0, None, 600.0, (("128", 900.0), ("512", 600.0)))
     # capacities (saturated steps) win over floors; with none, the best floor (kascade_planner.prefillvelocity)
     both = parse_engine_metrics(_engine_text({"512": 480.0}, {}, None, floor={"128": 130.0, "512": 700.0}), 1.0)
-    assert both.velocity == MeasuredVelocity(480.0, prefill_capacity_tokens_per_s=480.0)
+    assert both.velocity == MeasuredVelocity(480.0, prefill_capacity_tokens_per_s=480.0,
+                                             prefill_buckets=(("512", 480.0),))
     floors = parse_engine_metrics(_engine_text({}, {}, None, floor={"128": 130.0, "512": 200.0}), 1.0)
     assert floors.velocity == MeasuredVelocity(200.0)  # no capacity: the conversion policy holds (pdscaling)
     assert parse_engine_metrics(_engine_text({}, {}, None), 1.0).velocity is None  # all 0: not measured yet
     r = RateTracker()
     loads = [r.update("a", s), r.update("b", parse_engine_metrics(_engine_text({"128": 400.0}, {}, None), 1.0))]
     snap = snapshot(loads, 1.0)
-    assert snap.measured == MeasuredVelocity(500.0, 150.0, 4000.0, None, 500.0)  # per instance, averaged
+    # per instance, averaged (bucket capacities per bucket, over the instances that have the bucket)
+    assert snap.measured == MeasuredVelocity(500.0, 150.0, 4000.0, None, 500.0, (("128", 650.0), ("512", 600.0)))
 
 
 def test_token_velocity_policy_uses_measured_velocities_when_none_are_typed() -> None:

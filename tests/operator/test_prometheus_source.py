@@ -5,7 +5,7 @@ velocities the engines measured (the tokenVelocity policy's inputs; an engine th
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeAlias
 
 import httpx
 import pytest
@@ -13,8 +13,11 @@ import pytest
 from kascade_operator.metrics import MetricsError, PrometheusSource, measured, snapshot
 from kascade_planner.policies import MeasuredVelocity
 
+# per pod: a value, None (no row), or {bucket: value} (rows per prompt-length bucket, for `by (pod, bucket)`)
+Held: TypeAlias = float | dict[str, float] | None
+
 # what the fake Prometheus holds per pod, by the metric a query reads (its answer for either pod)
-HELD = {"kascade_prompt_tokens_total": (300.0, 100.0), "kascade_generation_tokens_total": (40.0, 60.0),
+HELD: dict[str, tuple[Held, Held]] = {"kascade_prompt_tokens_total": (300.0, 100.0), "kascade_generation_tokens_total": (40.0, 60.0),
         "kascade_num_requests_waiting": (2.0, 0.0), "kascade_num_requests_running": (3.0, 5.0),
         "kascade_kv_cache_usage_perc": (0.5, 0.25),
         "kascade_time_to_first_token_seconds_sum": (1.0, 3.0), "kascade_time_to_first_token_seconds_count": (4.0, 4.0),
@@ -24,14 +27,16 @@ HELD = {"kascade_prompt_tokens_total": (300.0, 100.0), "kascade_generation_token
         "kascade_requests_arrived_total": (4.0, 6.0),
         "kascade_request_generation_tokens_sum": (300.0, 500.0), "kascade_request_generation_tokens_count": (10.0, 6.0),
         # velocity gauges: d1 has measured nothing yet (Prometheus drops its 0s with `> 0`: no row)
-        "kascade_prefill_velocity_tokens_per_second": (900.0, None),
+        "kascade_prefill_velocity_tokens_per_second": ({"512": 900.0}, None),
         "kascade_prefill_velocity_floor_tokens_per_second": (300.0, None),  # d0 has a capacity: its floor is out
         "kascade_decode_velocity_tokens_per_second": (120.0, None),
         "kascade_kv_link_tokens_per_second": (5000.0, None),
-        "kascade_prefill_rate_tokens_per_second": (450.0, None)}
+        "kascade_prefill_rate_tokens_per_second": (450.0, None),
+        # prompt tokens/s arriving per length bucket: none from these pods (older engines)
+        "kascade_prompt_tokens_arrived_total": (None, None)}
 
 
-def _prometheus(seen: list[str], held: dict[str, tuple[float | None, float | None]] = HELD) -> httpx.AsyncClient:
+def _prometheus(seen: list[str], held: dict[str, tuple[Held, Held]] = HELD) -> httpx.AsyncClient:
     def answer(req: httpx.Request) -> httpx.Response:
         q = req.url.params["query"]
         seen.append(q)
@@ -39,9 +44,14 @@ def _prometheus(seen: list[str], held: dict[str, tuple[float | None, float | Non
         if name.startswith("kascade_step_seconds") and 'kind="decode"' not in q:
             return httpx.Response(200, json={"status": "success", "data": {"result": []}})  # all kinds: wrong
         if "velocity" in name or "link" in name or "rate" in name:
-            assert "> 0" in q and q.startswith(("min by (pod)", "max by (pod)", "avg by (pod)")), q
-        rows: list[dict[str, Any]] = [{"metric": {"pod": pod}, "value": [0, str(v)]}
-                                      for pod, v in zip(("d0", "d1"), held[name], strict=True) if v is not None]
+            assert "> 0" in q and q.startswith(("max by (pod, bucket)", "max by (pod)", "avg by (pod)")), q
+        rows: list[dict[str, Any]] = []
+        for pod, v in zip(("d0", "d1"), held[name], strict=True):
+            if isinstance(v, dict):
+                assert "by (pod, bucket)" in q, q
+                rows += [{"metric": {"pod": pod, "bucket": b}, "value": [0, str(x)]} for b, x in v.items()]
+            elif v is not None:
+                rows.append({"metric": {"pod": pod}, "value": [0, str(v)]})
         return httpx.Response(200, json={"status": "success", "data": {"result": rows}})
 
     return httpx.AsyncClient(transport=httpx.MockTransport(answer))
@@ -73,15 +83,16 @@ async def test_prometheus_gives_the_engines_measured_velocities() -> None:
         d0, d1 = await src.collect(["d0", "d1"])
     finally:
         await src.aclose()
-    assert d0.velocity == MeasuredVelocity(900.0, 120.0, 5000.0, 450.0, 900.0)  # 450: the prefill rate it achieved
+    # 450: the prefill rate it achieved
+    assert d0.velocity == MeasuredVelocity(900.0, 120.0, 5000.0, 450.0, 900.0, (("512", 900.0),))
     assert d1.velocity is None  # measured nothing: the policy falls back to its typed velocities
-    assert measured([d0, d1]) == MeasuredVelocity(900.0, 120.0, 5000.0, 450.0, 900.0)
+    assert measured([d0, d1]) == MeasuredVelocity(900.0, 120.0, 5000.0, 450.0, 900.0, (("512", 900.0),))
 
 
 async def test_before_a_saturated_step_the_prefill_velocity_is_the_best_floor() -> None:
     """An engine with no saturated prefill step yet reports capacities of 0 (no row past `> 0`): its prefill
     velocity is its best unsaturated step, as the Scraper reads it (kascade_planner.prefillvelocity)."""
-    held = {**HELD, "kascade_prefill_velocity_tokens_per_second": (None, None),
+    held: dict[str, tuple[Held, Held]] = {**HELD, "kascade_prefill_velocity_tokens_per_second": (None, None),
             "kascade_prefill_velocity_floor_tokens_per_second": (200.0, None)}
     seen: list[str] = []
     src = PrometheusSource("http://prom:9090", client=_prometheus(seen, held))
