@@ -17,8 +17,10 @@ or time budget while prompt tokens still waited) ->
 -> /metrics: kascade_prefill_velocity_tokens_per_second{bucket} (capacity; 0 = no saturated step yet),
    kascade_prefill_velocity_floor_tokens_per_second{bucket}, kascade_decode_velocity_tokens_per_second{batch}
 -> the operator reads one number per engine, `prefill_capacity()`'s rule (kascade_planner.prefillvelocity
-   .prefill_velocity: the slowest bucket with a capacity, else the best floor) for its tokenVelocity and P:D ratio
-   policies; its conversion policy takes the capacity alone (no conversion against a floor).
+   .prefill_velocity: the slowest bucket with a capacity, else the best floor), and each bucket's capacity, which
+   it weights by the prompt tokens arriving per bucket (metrics.py's kascade_prompt_tokens_arrived_total{bucket},
+   the same `bucket()` of each request's prompt length; prefillvelocity.demand_weighted) for its tokenVelocity and
+   P:D ratio policies; its conversion policy takes the capacity alone (no conversion against a floor).
 
 The prefill RATE is another number: the prompt tokens this engine actually prefills per second of step time
 while prompts wait to be prefilled (`observe_rate`, every such step, also one that gave them 0 tokens); on a

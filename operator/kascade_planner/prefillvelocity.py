@@ -17,11 +17,11 @@ The meter keeps two readings per bucket (the longest prompt in the step):
   floor: their prefill share is an estimate (the decodes' EWMA subtracted), and a max would keep its worst error.
 
 The rule (`prefill_velocity`):
-- any bucket with a capacity: the MIN over those buckets. Kept from the old rule, deliberately: the policy has one
-  velocity for a demand it does not split by length, and a bucket of longer prompts sustains fewer tokens/s (on the
-  CPU and on a GPU past the knee each token attends to more keys), so the slowest saturated bucket is the one a
-  burst of long prompts meets; sizing by it keeps up whichever mix comes. The under-read of 2026-11-27-e was not
-  the min but unsaturated buckets inside it;
+- any bucket with a capacity: the MIN over those buckets. Kept from the old rule, deliberately: without the demand
+  split by length (below), a bucket of longer prompts sustains fewer tokens/s (on the CPU and on a GPU past the
+  knee each token attends to more keys), so the slowest saturated bucket is the one a burst of long prompts meets;
+  sizing by it keeps up whichever mix comes. The under-read of 2026-11-27-e was not the min but unsaturated
+  buckets inside it;
 - none yet: the MAX over the buckets' floors (the best demonstrated throughput; it only rises as steps fill up, and
   the first saturated step replaces it);
 - nothing: None (the policies hold: "no velocity measured").
