@@ -259,9 +259,15 @@ def test_promql_source_scales_up_and_dashboard_queries_return_data(
             finally:
                 await src.aclose()
 
-        vs = [x.velocity for x in asyncio.run(collect()) if x.velocity is not None]
+        loads = asyncio.run(collect())
+        vs = [x.velocity for x in loads if x.velocity is not None]
         assert vs and all(v.prefill_tokens_per_s and v.prefill_tokens_per_s > 0 and
                           v.decode_tokens_per_s and v.decode_tokens_per_s > 0 for v in vs), vs
+        # and the prompt tokens arriving per length bucket (the demand the prefill velocity is weighted by):
+        # the buckets split the engines' prompt tokens, and the load through the router has some
+        by_bucket = [(x.input_tokens_per_s, sum(r for _, r in x.prompt_tokens_per_s_by_bucket)) for x in loads]
+        assert all(abs(b - t) <= 0.05 * t + 1e-6 for t, b in by_bucket), by_bucket
+        assert any(b > 0 for _, b in by_bucket), by_bucket
     finally:
         gen.stop()
         router.stop()
