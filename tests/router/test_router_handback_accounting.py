@@ -27,16 +27,14 @@ from typing import Any
 
 import aiohttp
 import pytest
+from pdtrio import PROMPT, convert_beside_streams, trio, trio_routes  # type: ignore[import-not-found]
 
-from kascade_devcluster.localengine import EngineProc, start_engine
+from kascade_devcluster.localengine import EngineProc
 from kascade_engine.checkpoint import tiny_llama
-from kascade_planner.engine_api import ConvertRequest
 from kascade_router.backends import Backend
-from kascade_router.server import Router, static_routes
+from kascade_router.server import Router
 
 TOKEN = "router-handback-accounting-token"
-PROMPT = [(7 * j) % 500 + 1 for j in range(40)]
-STREAM_TOKENS = 480
 LAYERS, P_LAYER_MS, KNEE = 4, 20, 8
 P_PREFILL_S = LAYERS * P_LAYER_MS / 1e3 * len(PROMPT) / KNEE  # 0.4 s: P's KV-shipping forward at the knee
 
@@ -44,25 +42,10 @@ P_PREFILL_S = LAYERS * P_LAYER_MS / 1e3 * len(PROMPT) / KNEE  # 0.4 s: P's KV-sh
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, EngineProc]]:
     ckpt = tiny_llama(tmp_path_factory.mktemp("accounting") / "tiny-llama", layers=LAYERS, hidden=64, vocab=512)
-    procs: dict[str, EngineProc] = {}
-    try:
-        # D2's steps take >= 32 ms (an emulated accelerator): its streams outlast both requests on a loaded machine
-        for name, extra in (("d1", []), ("d2", ["--emulate-layer-ms", "8"]),
-                            ("p", ["--emulate-layer-ms", str(P_LAYER_MS), "--emulate-knee-tokens", str(KNEE)])):
-            procs[name] = start_engine(["--checkpoint", str(ckpt), "--model-name", "tiny-llama", "--kv-tokens",
-                                        "8192", "--max-batch-tokens", "64", *extra], TOKEN)
+    # D2's steps take >= 32 ms (an emulated accelerator): its streams outlast both requests on a loaded machine
+    with trio(ckpt, TOKEN, 64, {"d2": ["--emulate-layer-ms", "8"],
+                                "p": ["--emulate-layer-ms", str(P_LAYER_MS), "--emulate-knee-tokens", str(KNEE)]}) as procs:
         yield procs
-    finally:
-        for e in procs.values():
-            e.stop()
-
-
-async def _stream(s: aiohttp.ClientSession, url: str, prompt: list[int], started: asyncio.Event) -> None:
-    body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": STREAM_TOKENS, "temperature": 0, "stream": True}
-    async with s.post(f"{url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=300)) as r:
-        async for line in r.content:
-            if line.startswith(b"data: {"):
-                started.set()
 
 
 Snapshot = tuple[float, int, int, int, int]  # (seconds since sent, D2 in flight, P in flight, D2 prefilling, P's)
@@ -95,13 +78,7 @@ async def _ask(s: aiohttp.ClientSession, port: int, d2: Backend, p: Backend) -> 
 async def test_a_handed_back_prompt_is_counted_timed_and_named_at_the_engine_that_prefills_it(
         engines: dict[str, EngineProc]) -> None:
     urls = {n: f"http://127.0.0.1:{e.http}" for n, e in engines.items()}
-    d1, d2, p = engines["d1"], engines["d2"], engines["p"]
-    routes = static_routes([f"tiny-llama=decode@127.0.0.1:{d1.http}+127.0.0.1:{d1.act},"
-                            f"decode@127.0.0.1:{d2.http}+127.0.0.1:{d2.act},"
-                            f"prefill@127.0.0.1:{p.http}+127.0.0.1:{p.act}"])
-    (backends,) = routes.backends.values()
-    b_d1, b_d2, b_p = (backends[f"tiny-llama-{i}"] for i in range(3))
-    b_d2.convertible = True  # what the pod annotation kascade.io/convertible does
+    routes, b_d1, b_d2, b_p = trio_routes(engines)
     router = await Router(routes=routes).start()
     auth = {"Authorization": f"Bearer {TOKEN}"}
     ref: dict[str, Any] = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
@@ -109,12 +86,7 @@ async def test_a_handed_back_prompt_is_counted_timed_and_named_at_the_engine_tha
         async with aiohttp.ClientSession() as s:
             async with s.post(f"{urls['d1']}/v1/completions", json=ref) as r:  # colocated reference: D1 alone
                 want = (await r.json())["choices"][0]["text"]
-            started = [asyncio.Event() for _ in range(4)]
-            streams = [asyncio.create_task(_stream(s, urls["d2"], [7 + i, 8, 9], started[i])) for i in range(4)]
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
-            conv: Any = ConvertRequest(16, 0.001, hand_back_ms=100.0).to_dict()
-            async with s.post(f"{urls['d2']}/kascade/v1/convert", json=conv, headers=auth) as r:
-                assert r.status == 200, await r.text()
+            streams = await convert_beside_streams(s, urls["d2"], TOKEN)
 
             # D1 for D2: D2 streams much (D1 decodes), P prefills much (so D2 is the cheaper prefill candidate)
             b_d2.in_flight, b_p.in_flight = 50, 50

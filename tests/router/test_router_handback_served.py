@@ -13,59 +13,35 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from typing import Any
 
 import aiohttp
 import pytest
+from pdtrio import PROMPT, convert_beside_streams, trio, trio_routes  # type: ignore[import-not-found]
 from prometheus_client.parser import text_string_to_metric_families
 
-from kascade_devcluster.localengine import EngineProc, start_engine
+from kascade_devcluster.localengine import EngineProc
 from kascade_engine.checkpoint import tiny_llama
-from kascade_planner.engine_api import ConvertRequest
-from kascade_router.server import Router, static_routes
+from kascade_router.server import Router
 
 TOKEN = "router-handback-served-token"
-PROMPT = [(7 * j) % 500 + 1 for j in range(40)]
-STREAM_TOKENS = 480
 
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, EngineProc]]:
     ckpt = tiny_llama(tmp_path_factory.mktemp("served") / "tiny-llama", layers=4, hidden=64, vocab=512)
-    procs: dict[str, EngineProc] = {}
-    try:
-        # D2's steps take >= 32 ms (an emulated accelerator): its streams outlast the request on a loaded machine
-        for name, layer_ms in (("d1", "0"), ("d2", "8"), ("p", "0")):  # roles: the router's table below
-            procs[name] = start_engine(["--checkpoint", str(ckpt), "--model-name", "tiny-llama", "--kv-tokens",
-                                        "8192", "--max-batch-tokens", "32", "--emulate-layer-ms", layer_ms], TOKEN)
+    # D2's steps take >= 32 ms (an emulated accelerator): its streams outlast the request on a loaded machine
+    with trio(ckpt, TOKEN, 32, {"d2": ["--emulate-layer-ms", "8"]}) as procs:
         yield procs
-    finally:
-        for e in procs.values():
-            e.stop()
 
 
 def _metric(text: str, name: str) -> float:
     return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
 
 
-async def _stream(s: aiohttp.ClientSession, url: str, prompt: list[int], started: asyncio.Event) -> None:
-    body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": STREAM_TOKENS, "temperature": 0, "stream": True}
-    async with s.post(f"{url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=300)) as r:
-        async for line in r.content:
-            if line.startswith(b"data: {"):
-                started.set()
-
-
 async def test_a_prompt_a_converted_decoder_declines_for_another_decoder_goes_to_the_prefill_engine(
         engines: dict[str, EngineProc]) -> None:
-    d1, d2, p = engines["d1"], engines["d2"], engines["p"]
     urls = {n: f"http://127.0.0.1:{e.http}" for n, e in engines.items()}
-    routes = static_routes([f"tiny-llama=decode@127.0.0.1:{d1.http}+127.0.0.1:{d1.act},"
-                            f"decode@127.0.0.1:{d2.http}+127.0.0.1:{d2.act},"
-                            f"prefill@127.0.0.1:{p.http}+127.0.0.1:{p.act}"])
-    (backends,) = routes.backends.values()
-    b_d1, b_d2, b_p = (backends[f"tiny-llama-{i}"] for i in range(3))
-    b_d2.convertible = True  # what the pod annotation kascade.io/convertible does
+    routes, b_d1, b_d2, b_p = trio_routes(engines)
     # the table's counts make the choice deterministic: D2 streams much (D1 decodes), P prefills much (D2 prefills)
     b_d2.in_flight, b_p.in_flight = 50, 50
     router = await Router(routes=routes).start()
@@ -75,12 +51,7 @@ async def test_a_prompt_a_converted_decoder_declines_for_another_decoder_goes_to
         async with aiohttp.ClientSession() as s:
             async with s.post(f"{urls['d1']}/v1/completions", json=body) as r:  # colocated reference: D1 alone
                 want = (await r.json())["choices"][0]["text"]
-            started = [asyncio.Event() for _ in range(4)]
-            streams = [asyncio.create_task(_stream(s, urls["d2"], [7 + i, 8, 9], started[i])) for i in range(4)]
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
-            conv: Any = ConvertRequest(16, 0.001, hand_back_ms=100.0).to_dict()
-            async with s.post(f"{urls['d2']}/kascade/v1/convert", json=conv, headers=auth) as r:
-                assert r.status == 200, await r.text()
+            streams = await convert_beside_streams(s, urls["d2"], TOKEN)
             before = {n: await (await s.get(f"{u}/metrics")).text() for n, u in urls.items()}
             async with s.post(f"http://127.0.0.1:{router.port}/v1/completions", json=body,
                               timeout=aiohttp.ClientTimeout(total=120)) as r:
