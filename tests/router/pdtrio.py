@@ -1,7 +1,12 @@
-"""Three real engine processes for the router's hand-back tests (test_router_handback_served,
-test_router_handback_accounting): D1 decodes, D2 is a converted decoder busy with four long streams (a step
-budget its decodes alone exceed, so it declines prompts on arrival), P is a prefill engine. The router's
-static table names them in that order: tiny-llama-0 (D1), tiny-llama-1 (D2, convertible), tiny-llama-2 (P)."""
+"""Real engine processes for the router's disaggregated tests, and the router's static table for them.
+
+- `engine_procs`: engines of one tiny checkpoint by name, each with its own extra flags, stopped on exit;
+- `pd_routes`: a decoder D and a prefill engine P (test_pd_answers_without_stalls, test_pd_emulated_knee,
+  test_pd_prefill_capacity);
+- the hand-back tests' three (test_router_handback_served, test_router_handback_accounting): D1 decodes, D2 is a
+  converted decoder busy with four long streams (a step budget its decodes alone exceed, so it declines prompts
+  on arrival), P is a prefill engine; `trio_routes` names them tiny-llama-0 (D1), tiny-llama-1 (D2,
+  convertible), tiny-llama-2 (P)."""
 
 from __future__ import annotations
 
@@ -22,17 +27,24 @@ STREAM_TOKENS = 480
 
 
 @contextmanager
-def trio(ckpt: Path, token: str, batch: int, extra: Mapping[str, Sequence[str]]) -> Iterator[dict[str, EngineProc]]:
-    """Engines d1, d2, p of `ckpt`, each with its `extra` flags; stopped on exit."""
+def engine_procs(ckpt: Path, token: str, batch: int, extra: Mapping[str, Sequence[str]],
+                 names: Sequence[str] = ("d1", "d2", "p"), kv_tokens: int = 8192) -> Iterator[dict[str, EngineProc]]:
+    """Engines `names` of `ckpt` (model tiny-llama), each with its `extra` flags; stopped on exit."""
     procs: dict[str, EngineProc] = {}
     try:
-        for name in ("d1", "d2", "p"):
+        for name in names:
             procs[name] = start_engine(["--checkpoint", str(ckpt), "--model-name", "tiny-llama", "--kv-tokens",
-                                        "8192", "--max-batch-tokens", str(batch), *extra.get(name, ())], token)
+                                        str(kv_tokens), "--max-batch-tokens", str(batch), *extra.get(name, ())], token)
         yield procs
     finally:
         for e in procs.values():
             e.stop()
+
+
+def pd_routes(d: EngineProc, p: EngineProc) -> Routes:
+    """The router's table: D decodes, P prefills."""
+    return static_routes([f"tiny-llama=decode@127.0.0.1:{d.http}+127.0.0.1:{d.act},"
+                          f"prefill@127.0.0.1:{p.http}+127.0.0.1:{p.act}"])
 
 
 def trio_routes(engines: Mapping[str, EngineProc]) -> tuple[Routes, Backend, Backend, Backend]:

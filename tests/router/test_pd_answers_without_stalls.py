@@ -17,10 +17,11 @@ from collections.abc import Iterator
 
 import aiohttp
 import pytest
+from pdtrio import engine_procs, pd_routes  # type: ignore[import-not-found]
 
-from kascade_devcluster.localengine import EngineProc, start_engine
+from kascade_devcluster.localengine import EngineProc
 from kascade_engine.checkpoint import tiny_llama
-from kascade_router.server import Router, static_routes
+from kascade_router.server import Router
 
 TOKEN = "pd-no-stall-token"
 WAVE, SEQUENTIAL = 7, 13
@@ -30,21 +31,14 @@ BOUND_S = 3.0  # a request here takes 0.1-0.5 s; a stalled one took 10 s + that
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, EngineProc]]:
     ckpt = tiny_llama(tmp_path_factory.mktemp("nostall") / "tiny-llama", layers=4, hidden=64, vocab=512)
-    procs: dict[str, EngineProc] = {}
-    base = ["--checkpoint", str(ckpt), "--model-name", "tiny-llama", "--kv-tokens", "8192", "--max-batch-tokens", "64"]
-    try:
-        procs["d"] = start_engine(base, TOKEN)
-        procs["p"] = start_engine([*base, "--emulate-layer-ms", "20", "--emulate-knee-tokens", "64"], TOKEN)
+    with engine_procs(ckpt, TOKEN, 64, {"p": ["--emulate-layer-ms", "20", "--emulate-knee-tokens", "64"]},
+                      names=("d", "p")) as procs:
         yield procs
-    finally:
-        for e in procs.values():
-            e.stop()
 
 
 async def test_concurrent_and_sequential_pd_answers_end_without_a_stall(engines: dict[str, EngineProc]) -> None:
     d, p = engines["d"], engines["p"]
-    routes = static_routes([f"tiny-llama=decode@127.0.0.1:{d.http}+127.0.0.1:{d.act},"
-                            f"prefill@127.0.0.1:{p.http}+127.0.0.1:{p.act}"])
+    routes = pd_routes(d, p)
     router = await Router(routes=routes).start()
     url = f"http://127.0.0.1:{router.port}/v1/completions"
     took: list[float] = []

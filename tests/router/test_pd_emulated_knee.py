@@ -11,10 +11,11 @@ from collections.abc import Iterator
 
 import aiohttp
 import pytest
+from pdtrio import engine_procs, pd_routes  # type: ignore[import-not-found]
 
-from kascade_devcluster.localengine import EngineProc, start_engine
+from kascade_devcluster.localengine import EngineProc
 from kascade_engine.checkpoint import tiny_llama
-from kascade_router.server import Router, static_routes
+from kascade_router.server import Router
 
 TOKEN = "pd-knee-token"
 PROMPT = [(11 * j) % 500 + 1 for j in range(64)]
@@ -24,21 +25,14 @@ LAYERS, LAYER_MS, KNEE = 4, 20, 8
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, EngineProc]]:
     ckpt = tiny_llama(tmp_path_factory.mktemp("knee") / "tiny-llama", layers=LAYERS, hidden=64, vocab=512)
-    procs: dict[str, EngineProc] = {}
-    try:
-        for name, extra in (("d", []), ("p", ["--emulate-layer-ms", str(LAYER_MS), "--emulate-knee-tokens", str(KNEE)])):
-            procs[name] = start_engine(["--checkpoint", str(ckpt), "--model-name", "tiny-llama", "--kv-tokens", "4096",
-                                        "--max-batch-tokens", "64", *extra], TOKEN)
+    with engine_procs(ckpt, TOKEN, 64, {"p": ["--emulate-layer-ms", str(LAYER_MS), "--emulate-knee-tokens", str(KNEE)]},
+                      names=("d", "p"), kv_tokens=4096) as procs:
         yield procs
-    finally:
-        for e in procs.values():
-            e.stop()
 
 
 async def test_a_prefill_engine_shipping_kv_charges_the_knee(engines: dict[str, EngineProc]) -> None:
     d, p = engines["d"], engines["p"]
-    routes = static_routes([f"tiny-llama=decode@127.0.0.1:{d.http}+127.0.0.1:{d.act},"
-                            f"prefill@127.0.0.1:{p.http}+127.0.0.1:{p.act}"])
+    routes = pd_routes(d, p)
     router = await Router(routes=routes).start()
     body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 1, "temperature": 0}
     try:

@@ -15,12 +15,13 @@ from collections.abc import Iterator
 
 import aiohttp
 import pytest
+from pdtrio import engine_procs, pd_routes  # type: ignore[import-not-found]
 from prometheus_client.parser import text_string_to_metric_families
 
-from kascade_devcluster.localengine import EngineProc, start_engine
+from kascade_devcluster.localengine import EngineProc
 from kascade_engine.checkpoint import tiny_llama
 from kascade_operator.metrics import parse_engine_metrics
-from kascade_router.server import Router, static_routes
+from kascade_router.server import Router
 
 TOKEN = "pd-capacity-token"
 LAYERS, LAYER_MS, BUDGET = 4, 40, 64
@@ -31,16 +32,9 @@ SHORT, LONG, BURST = 10, 200, 4  # light load: 10-token prompts one at a time; t
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, EngineProc]]:
     ckpt = tiny_llama(tmp_path_factory.mktemp("cap") / "tiny-llama", layers=LAYERS, hidden=64, vocab=512)
-    procs: dict[str, EngineProc] = {}
-    try:
-        for name, extra in (("d", []), ("p", ["--emulate-layer-ms", str(LAYER_MS), "--emulate-knee-tokens",
-                                              str(BUDGET)])):
-            procs[name] = start_engine(["--checkpoint", str(ckpt), "--model-name", "tiny-llama", "--kv-tokens", "4096",
-                                        "--max-batch-tokens", str(BUDGET), *extra], TOKEN)
+    with engine_procs(ckpt, TOKEN, BUDGET, {"p": ["--emulate-layer-ms", str(LAYER_MS), "--emulate-knee-tokens",
+                                                  str(BUDGET)]}, names=("d", "p"), kv_tokens=4096) as procs:
         yield procs
-    finally:
-        for e in procs.values():
-            e.stop()
 
 
 async def _velocity(s: aiohttp.ClientSession, e: EngineProc) -> tuple[float | None, float]:
@@ -55,8 +49,7 @@ async def _velocity(s: aiohttp.ClientSession, e: EngineProc) -> tuple[float | No
 
 async def test_a_prefill_engines_velocity_is_its_saturated_throughput(engines: dict[str, EngineProc]) -> None:
     d, p = engines["d"], engines["p"]
-    routes = static_routes([f"tiny-llama=decode@127.0.0.1:{d.http}+127.0.0.1:{d.act},"
-                            f"prefill@127.0.0.1:{p.http}+127.0.0.1:{p.act}"])
+    routes = pd_routes(d, p)
     router = await Router(routes=routes).start()
     url = f"http://127.0.0.1:{router.port}/v1/completions"
     try:

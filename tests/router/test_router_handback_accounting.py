@@ -27,7 +27,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from pdtrio import PROMPT, convert_beside_streams, trio, trio_routes  # type: ignore[import-not-found]
+from pdtrio import PROMPT, convert_beside_streams, engine_procs, trio_routes  # type: ignore[import-not-found]
 
 from kascade_devcluster.localengine import EngineProc
 from kascade_engine.checkpoint import tiny_llama
@@ -43,7 +43,7 @@ P_PREFILL_S = LAYERS * P_LAYER_MS / 1e3 * len(PROMPT) / KNEE  # 0.4 s: P's KV-sh
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, EngineProc]]:
     ckpt = tiny_llama(tmp_path_factory.mktemp("accounting") / "tiny-llama", layers=LAYERS, hidden=64, vocab=512)
     # D2's steps take >= 32 ms (an emulated accelerator): its streams outlast both requests on a loaded machine
-    with trio(ckpt, TOKEN, 64, {"d2": ["--emulate-layer-ms", "8"],
+    with engine_procs(ckpt, TOKEN, 64, {"d2": ["--emulate-layer-ms", "8"],
                                 "p": ["--emulate-layer-ms", str(P_LAYER_MS), "--emulate-knee-tokens", str(KNEE)]}) as procs:
         yield procs
 

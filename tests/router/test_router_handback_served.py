@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import aiohttp
 import pytest
-from pdtrio import PROMPT, convert_beside_streams, trio, trio_routes  # type: ignore[import-not-found]
+from pdtrio import PROMPT, convert_beside_streams, engine_procs, trio_routes  # type: ignore[import-not-found]
 from prometheus_client.parser import text_string_to_metric_families
 
 from kascade_devcluster.localengine import EngineProc
@@ -30,7 +30,7 @@ TOKEN = "router-handback-served-token"
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, EngineProc]]:
     ckpt = tiny_llama(tmp_path_factory.mktemp("served") / "tiny-llama", layers=4, hidden=64, vocab=512)
     # D2's steps take >= 32 ms (an emulated accelerator): its streams outlast the request on a loaded machine
-    with trio(ckpt, TOKEN, 32, {"d2": ["--emulate-layer-ms", "8"]}) as procs:
+    with engine_procs(ckpt, TOKEN, 32, {"d2": ["--emulate-layer-ms", "8"]}) as procs:
         yield procs
 
 
