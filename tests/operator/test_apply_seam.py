@@ -280,10 +280,9 @@ async def test_pods_released_in_one_round_keep_one_host_copy_per_model(world: An
     assert sent == [{}, {"keepHostCopy": False}, {"keepHostCopy": False}], sent
 
 
-async def test_a_host_copy_sends_as_a_source_and_is_never_bound(world: Any) -> None:
-    """An idle pod keeping the model in host memory is a plan source (kind host): the driver sends it the
-    load plan, binds only the target, and the pod stays idle with its kascade.io/host-copy annotation; while
-    the plan runs no other service's plan takes it."""
+async def _serving_and_a_copy(world: Any) -> tuple[dict[str, Any], dict[str, Any], str, str]:
+    """One replica serving (its plan driven to the end) and, of the two idle pods, the first recorded as keeping a
+    host copy of the model (as a release records it): (its plan, the serving pod, the copy's pod, the other)."""
     rt, kube, stubs = world
     for s in stubs:
         s.auto_ready = True
@@ -292,7 +291,16 @@ async def test_a_host_copy_sends_as_a_source_and_is_never_bound(world: Any) -> N
     await asyncio.wait_for(plandriver.drive(rt, first, Stopped()), 10)
     (serving,) = bound_pods(kube)
     copy, other = sorted(n for (_, n) in kube.pods if n != serving["metadata"]["name"])
-    await kube.patch_pod(NS, copy, {"metadata": {"annotations": {L.HOST_COPY: "tiny"}}})  # as a release records it
+    await kube.patch_pod(NS, copy, {"metadata": {"annotations": {L.HOST_COPY: "tiny"}}})
+    return first, serving, copy, other
+
+
+async def test_a_host_copy_sends_as_a_source_and_is_never_bound(world: Any) -> None:
+    """An idle pod keeping the model in host memory is a plan source (kind host): the driver sends it the
+    load plan, binds only the target, and the pod stays idle with its kascade.io/host-copy annotation; while
+    the plan runs no other service's plan takes it."""
+    rt, kube, stubs = world
+    first, serving, copy, other = await _serving_and_a_copy(world)
     next(s for s in stubs if s.instance == copy).host_copy_bytes = 1000  # and its engine keeps it (status)
     rt.last_round.clear()
     await reconcile_service(rt, service(lo=2), "update")
@@ -316,14 +324,7 @@ async def test_a_host_copy_sends_as_a_source_and_is_never_bound(world: Any) -> N
 
 async def test_a_host_copy_source_without_a_copy_loses_its_record(world: Any) -> None:
     rt, kube, stubs = world
-    for s in stubs:
-        s.auto_ready = True
-    await reconcile_service(rt, service(), "create")
-    (first,) = kube.plans.values()
-    await asyncio.wait_for(plandriver.drive(rt, first, Stopped()), 10)
-    (serving,) = bound_pods(kube)
-    copy, _ = sorted(n for (_, n) in kube.pods if n != serving["metadata"]["name"])
-    await kube.patch_pod(NS, copy, {"metadata": {"annotations": {L.HOST_COPY: "tiny"}}})
+    _, _, copy, _ = await _serving_and_a_copy(world)
     stub = {s.instance: s for s in stubs}
     stub[copy].fail["load-plan"] = 400  # its engine restarted: no copy (status hostCopyBytes 0), no manifest
     rt.last_round.clear()

@@ -27,7 +27,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from pdtrio import PROMPT, convert_beside_streams, engine_procs, trio_routes  # type: ignore[import-not-found]
+from pdtrio import PROMPT, convert_beside_streams, end_streams, engine_procs, trio_routes  # type: ignore[import-not-found]
 
 from kascade_devcluster.localengine import EngineProc
 from kascade_engine.checkpoint import tiny_llama
@@ -80,7 +80,6 @@ async def test_a_handed_back_prompt_is_counted_timed_and_named_at_the_engine_tha
     urls = {n: f"http://127.0.0.1:{e.http}" for n, e in engines.items()}
     routes, b_d1, b_d2, b_p = trio_routes(engines)
     router = await Router(routes=routes).start()
-    auth = {"Authorization": f"Bearer {TOKEN}"}
     ref: dict[str, Any] = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
     try:
         async with aiohttp.ClientSession() as s:
@@ -99,13 +98,7 @@ async def test_a_handed_back_prompt_is_counted_timed_and_named_at_the_engine_tha
             b_d1.in_flight = 100
             own, own_h, _ = await _ask(s, router.port, b_d2, b_p)
             own_ft = b_p.first_tokens.latency_s
-            running = [not t.done() for t in streams]
-            for t in streams:
-                t.cancel()
-            await asyncio.gather(*streams, return_exceptions=True)
-            async with s.post(f"{urls['d2']}/kascade/v1/convert", json={"prefillChunkTokens": None},
-                              headers=auth) as r:
-                assert r.status == 200
+            running = await end_streams(s, urls["d2"], TOKEN, streams)
     finally:
         await router.close()
 

@@ -11,12 +11,11 @@ Fails without the router's fallback for a converted `pre`: D1 prefills the hande
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 
 import aiohttp
 import pytest
-from pdtrio import PROMPT, convert_beside_streams, engine_procs, trio_routes  # type: ignore[import-not-found]
+from pdtrio import PROMPT, convert_beside_streams, end_streams, engine_procs, trio_routes  # type: ignore[import-not-found]
 from prometheus_client.parser import text_string_to_metric_families
 
 from kascade_devcluster.localengine import EngineProc
@@ -45,7 +44,6 @@ async def test_a_prompt_a_converted_decoder_declines_for_another_decoder_goes_to
     # the table's counts make the choice deterministic: D2 streams much (D1 decodes), P prefills much (D2 prefills)
     b_d2.in_flight, b_p.in_flight = 50, 50
     router = await Router(routes=routes).start()
-    auth = {"Authorization": f"Bearer {TOKEN}"}
     body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
     try:
         async with aiohttp.ClientSession() as s:
@@ -58,13 +56,7 @@ async def test_a_prompt_a_converted_decoder_declines_for_another_decoder_goes_to
                 assert r.status == 200, await r.text()
                 got, headers = (await r.json())["choices"][0]["text"], dict(r.headers)
             after = {n: await (await s.get(f"{u}/metrics")).text() for n, u in urls.items()}
-            running = [not t.done() for t in streams]
-            for t in streams:
-                t.cancel()
-            await asyncio.gather(*streams, return_exceptions=True)
-            async with s.post(f"{urls['d2']}/kascade/v1/convert", json={"prefillChunkTokens": None},
-                              headers=auth) as r:
-                assert r.status == 200
+            running = await end_streams(s, urls["d2"], TOKEN, streams)
     finally:
         await router.close()
 
