@@ -68,3 +68,13 @@ def test_a_host_copy_is_kept_while_kv_carrying_prefillers_are_pruned() -> None:
     only = CreatePlan("prefill", ("pre", "hc"), ("idle-a",), "x", (("pre", "dec"),))
     built = build(only, {p.pod_name: p for p in pods}, NODES, layout("m", 4), "chain", 1)
     assert built.plan.chains == (("hc", "idle-a"),)
+
+
+def test_a_new_decode_instance_loads_from_a_prefill_instance() -> None:
+    # and vice versa: no decoder serves yet, so the prefiller's egress carries no KV and it is the chain's source
+    pods = [pod("pre", "n0", ms="svc", role="prefill", ready=True), pod("idle-a", "n2")]
+    res = reconcile("svc", spec("disaggregated", lo=1, hi=4), pods, [], {"prefill": 1, "decode": 1})
+    act = next(a for a in res.actions if isinstance(a, CreatePlan))
+    assert act.role == "decode" and act.sources == ("pre",) and act.targets == ("idle-a",) and act.kv_flows == ()
+    built = build(act, {p.pod_name: p for p in pods}, NODES, layout("m", 4), "chain", 1)
+    assert built.plan.chains == (("pre", "idle-a"),) and not any("pruned" in n for n in built.plan.notes)
