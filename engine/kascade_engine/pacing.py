@@ -85,12 +85,11 @@ def egress_bucket(bytes_per_s: float | None) -> TokenBucket | None:
 
 
 class PacedTransport:
-    def __init__(self, inner: Transport, bucket: TokenBucket | float) -> None:
+    def __init__(self, inner: Transport, bucket: TokenBucket) -> None:
         self.inner = inner
         self.traffic = inner.traffic  # the inner transport's connections count what they carry
         self.hash_on_landing = inner.hash_on_landing  # reads still land on the caller's thread
-        # a rate: a bucket of its own (a test, a tool); the engine passes its shared egress bucket
-        self.bucket = bucket if isinstance(bucket, TokenBucket) else TokenBucket(bucket, max(1 << 20, int(bucket / 20)))
+        self.bucket = bucket  # the engine's one egress bucket (EngineInstance.egress)
         self.name = f"{inner.name}(paced {self.bucket.rate * 8 / 1e6:.0f} Mbit/s)"
 
     async def listen(self, host: str, port: int, handler: Handler) -> Listener:
@@ -104,5 +103,7 @@ class PacedTransport:
 
 
 def paced(transport: Transport, bucket: TokenBucket | float | None) -> Transport:
-    """`transport` itself when there is no cap (None or 0), else a paced wrapper."""
-    return PacedTransport(transport, bucket) if bucket else transport
+    """`transport` itself when there is no cap (None or 0), else a paced wrapper: on `bucket`, or on a bucket of
+    its own for a rate in bytes/s (a test, a tool)."""
+    own = bucket if isinstance(bucket, TokenBucket) else egress_bucket(bucket)
+    return PacedTransport(transport, own) if own is not None else transport
