@@ -212,6 +212,14 @@ def _deployment(docs: list[dict[str, Any]], name: str) -> dict[str, Any]:
         "spec"]["template"]["spec"]["containers"][0]
 
 
+def _operator_settings(docs: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> OperatorSettings:
+    """The operator's settings as its rendered Deployment's literal env values set them."""
+    for e in _deployment(docs, "rel-operator")["env"]:
+        if "value" in e:
+            monkeypatch.setenv(e["name"], e["value"])
+    return OperatorSettings()
+
+
 def _engine_ca(spec: dict[str, Any], container: dict[str, Any]) -> Path:
     """Where `container` sees the dataPlaneTls Secret's ca.crt (and only that key of it)."""
     vol = next(v for v in spec["volumes"] if v.get("secret", {}).get("secretName") == "engine-tls")
@@ -317,10 +325,7 @@ def test_pool_transport_reaches_pool_engines_fallback_pods_and_the_network_polic
         ucx_rule = {"port": ports[0], "endPort": ports[1], "protocol": "TCP"} if ports else None
         assert (ucx_rule in engine_to_engine_ports(docs)) == bool(ports)
         assert all("endPort" not in p for p in engine_to_engine_ports(docs)) == (not ports)
-        for e in _deployment(docs, "rel-operator")["env"]:
-            if "value" in e:
-                monkeypatch.setenv(e["name"], e["value"])
-        settings = OperatorSettings()
+        settings = _operator_settings(docs, monkeypatch)
         assert settings.engine_transport == transport and settings.engine_ucx_tcp_ports == (rng or "")
         fb = fallback_pod(spec, "svc", "tok", None, transport=settings.engine_transport,
                           ucx_tcp_ports=settings.engine_ucx_tcp_ports)["spec"]["containers"][0]
@@ -364,10 +369,7 @@ def test_pool_activation_dscp_reaches_pool_engines_and_fallback_pods(
         docs = _render(helm, tmp_path, {"pool": pool})
         want = AF41 if dscp is None else dscp
         assert parse(_deployment(docs, "rel-pool")["args"])["activation_dscp"] == want
-        for e in _deployment(docs, "rel-operator")["env"]:
-            if "value" in e:
-                monkeypatch.setenv(e["name"], e["value"])
-        settings = OperatorSettings()
+        settings = _operator_settings(docs, monkeypatch)
         assert settings.engine_activation_dscp == want
         fb = fallback_pod(spec, "svc", "tok", None, activation_dscp=settings.engine_activation_dscp)
         assert parse(fb["spec"]["containers"][0]["args"])["activation_dscp"] == want
@@ -399,10 +401,7 @@ def test_pool_host_cache_settings_reach_the_pool_engines_and_the_operator(
                               ({"hostCacheGiB": 0, "hostCopiesPerModel": 0}, 0.0, 0)):
         docs = _render(helm, tmp_path, {"pool": {"model": model, **pool}})
         assert parse(_deployment(docs, "rel-pool")["args"])["host_cache_gib"] == gib
-        for e in _deployment(docs, "rel-operator")["env"]:
-            if "value" in e:
-                monkeypatch.setenv(e["name"], e["value"])
-        settings = OperatorSettings()
+        settings = _operator_settings(docs, monkeypatch)
         assert settings.host_copies_per_model == copies
         fb = fallback_pod(spec, "svc", "tok", None, host_cache_gib=settings.engine_host_cache_gib)
         assert parse(fb["spec"]["containers"][0]["args"])["host_cache_gib"] == gib  # a fallback pod keeps one too
