@@ -14,7 +14,7 @@ percentile (p50, p99).
   back stay in step, so requests arrive in bursts; a one-process router handles a burst one request
   after another, so the median waits behind ~100 others (the 85 / 116 ms added p50 / p99 the lead
   measured, against 1.2 ms one stream at a time). `--closed-loop` still prints that case.
-- What the open loop showed (2026-11-23 21:23 UTC, shared box, load average 9 -> 5.6): the router costs
+- What the open loop showed (shared box, load average 9 -> 5.6): the router costs
   ~2.3 ms of CPU per 32-chunk stream (~70 us per relayed chunk; the client 1.4 ms, the stub 1.7 ms), so
   at 200 streams/s it needs about half a core; when it does not get it, its queue grows (365 streams
   open through the router vs 225 direct) and TTFT with it: the targets were NOT met there. The

@@ -31,7 +31,7 @@ def chunk_bounds(block_bytes: Sequence[int], k: int) -> list[int]:
     inside some block; round that fractional block index). Equal blocks give round(i * n / k), the cut by
     block count. Why bytes: with an embedding and a head half a layer's size (8 layers: chunks of 2, 3, 3
     and 2 blocks by count), the count cut gives the middle chunks 3 layers each, and the pipeline formed
-    after 1.77 of 5.25 MB per link instead of 1.44 (docs/worklog/2026-11-27-d/h17.md)."""
+    after 1.77 of 5.25 MB per link instead of 1.44 (ADR 0008)."""
     n = len(block_bytes)
     if k <= 0 or n == 0:
         raise PlanError(f"chunk_bounds needs k >= 1 and blocks, got k={k} and {n} blocks")

@@ -13,7 +13,7 @@ The rule:
   (`converted_share`: the prompt tokens/s converted decoders actually prefilled over a prefiller's, both from
   their own steps, kascade_engine.velocity), `CONVERTED_SHARE` until measured (its chunk budget spends at most
   that share of each TBT on prefill). Measured on 2 shared CPU cores it was 7-45 %, not 50 %: a fixed half
-  under-converted, and the router sent the decoder prompts it could not finish (bench/pd.py, 2026-11-27-c);
+  under-converted, and the router sent the decoder prompts it could not finish (bench/pd.py; ADR 0010);
 - deficit = prompt tokens/s arriving - prefill capacity. While it is > 0, enough decoders are converted
   to cover it (least loaded first, then by name), never fewer than already are;
 - all of them are taken back when the deficit is gone (the new prefillers the ratio policy asked for
@@ -31,7 +31,7 @@ The rule:
   step that decodes may take with its prompt chunk, as the engine's own measured step cost predicts it
   (kascade_engine.stepcost). The token budget above assumes a chunk costs its tokens / velocity on top of a
   mean decode step; on a CPU engine a chunk costs more than that and the decode step grows with the batch's
-  context, so the engine cuts each chunk to the time its step has left (measured, bench/pd.py 2026-11-27).
+  context, so the engine cuts each chunk to the time its step has left (measured, bench/pd.py).
 - hand-back bound = `HAND_BACK_SHARE` x the TTFT objective (None without one: the engine's default): how long a
   converted decoder lets a prompt it prefills itself go without progress (or at a pace the prefill engine
   would beat) before it hands the prompt to a prefill engine (kascade_engine.handback). A quarter of the
@@ -159,7 +159,7 @@ def remote_prefill_s(took_s: float | None, waited_s: Iterable[float], queued_tok
     average is a floor, not an addend: it already holds a prompt's own compute, and added to the new prompt's it
     would count it twice. Without `pace` (tokens cannot become seconds) it is the old estimate, the longer of the
     average and the oldest wait, which ignores the queue ahead of the new prompt: in a burst it said 0.3 s while
-    8 long prompts were queued ahead (docs/worklog/2026-11-27-e/lead.md), so decoders declined prompts they would
+    8 long prompts were queued ahead (bench/pd.py), so decoders declined prompts they would
     have finished sooner. The engine (kascade_engine.remote_prefill) and the simulator (kascade_sim.serving) both
     estimate by it."""
     waits = list(waited_s)
@@ -194,7 +194,7 @@ def arrival_verdict(prompt_tokens: int, rate: float | None, remote_s: float | No
     path's hands back. Without a measured rate (`rate` None: just converted, its warm-up not done) it cannot predict
     a finish at all and hands back too: the prefill engine is the path that serves prompts when nothing says a
     converted decoder would do better. The router ranked a just-converted decoder at the constant share and sent
-    it 1-2 burst prompts it held for the whole hand-back bound (bench/pd.py 2026-11-27-d runs 4-10). `decodes`: the
+    it 1-2 burst prompts it held for the whole hand-back bound (bench/pd.py). `decodes`: the
     sequences it decodes now (and those about to join); with none it starts the prompt whatever its rate says, since
     its step budget binds only beside decodes (an idle decoder gives a prompt its whole chunk cap every step), and
     an idle engine steps no more, so its last rate is as old as its last busy step."""

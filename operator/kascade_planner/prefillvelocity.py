@@ -9,7 +9,7 @@ The meter keeps two readings per bucket (the longest prompt in the step):
   (kascade_engine.scheduler.Scheduler.last_saturated). A step that is not full measures the load, not the
   capacity: on an accelerator (flat step time below the knee; bench/pd.py --emulate-layer-ms 30: 240 ms a step
   up to 117 tokens) a 32-token prompt alone in a step reads 133 tok/s while the same engine prefills 488 tok/s
-  in a burst (2026-11-27-e: the min over buckets read 128 and converted twice before the burst, 46-token chunks).
+  in a burst (bench/pd.py: the min over buckets read 128 and converted twice before the burst, 46-token chunks).
 - floor: the best tokens/s one unsaturated prefill-only step achieved (a max, not an EWMA): a throughput the
   engine really delivered, so a lower bound on its capacity. Never scaled up to a full step: where step time grows
   with tokens (a GPU past its knee, a CPU) that extrapolation over-reads, many times for a short prompt (32 tokens
@@ -20,7 +20,7 @@ The rule (`prefill_velocity`):
 - any bucket with a capacity: the MIN over those buckets. Kept from the old rule, deliberately: without the demand
   split by length (below), a bucket of longer prompts sustains fewer tokens/s (on the CPU and on a GPU past the
   knee each token attends to more keys), so the slowest saturated bucket is the one a burst of long prompts meets;
-  sizing by it keeps up whichever mix comes. The under-read of 2026-11-27-e was not the min but unsaturated
+  sizing by it keeps up whichever mix comes. The earlier under-read was not the min but unsaturated
   buckets inside it;
 - none yet: the MAX over the buckets' floors (the best demonstrated throughput; it only rises as steps fill up, and
   the first saturated step replaces it);
@@ -36,7 +36,7 @@ window, an engine that does not count by bucket) gives the rule above exactly. k
 The conversion policy takes the capacity alone (`prefill_capacity`; kascade_operator.pdscaling.conversion_input):
 a deficit measured against a lower bound is not a deficit, and a real one queues prompts at the prefiller, whose
 next step is then saturated and measures the capacity. Against its floor the operator converted a decoder at the
-first background prompt and sized the burst's chunks from the floor (bench/pd.py 2026-11-27-f run 1: 83 tok/s at
+first background prompt and sized the burst's chunks from the floor (bench/pd.py: 83 tok/s at
 0.59 s, chunk 72 at the burst where the capacity gave 175).
 The simulator's velocity (kascade_sim.pdpolicy.velocities: a full prefill batch's tokens/s from its cost model) is
 this rule's capacity: a saturated step's reading, known there from the start, where an engine has only its floor
