@@ -67,8 +67,8 @@ from pdemulate import LAYERS, Emulation, floor_check, real_cpu, sim_knee_tokens
 from pdscore import MODES, Outcome, Request, sim_side, summarize
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / d) for d in ("cli", "operator", "engine", "router", "sim", "bench")]
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(str(REPO / d) for d in ("cli", "operator", "engine", "sim", "e2e",
+sys.path[:0] = [str(REPO / d) for d in ("planner", "cli", "operator", "engine", "router", "sim", "bench")]
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(str(REPO / d) for d in ("planner", "cli", "operator", "engine", "sim", "e2e",
                                                                              "router")),
        "KASCADE_ENGINE_TOKEN": "bench-pd-token"}
 MODEL = "pd-llama"

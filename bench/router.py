@@ -48,7 +48,7 @@ from typing import Any
 import aiohttp
 
 REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(str(REPO / d) for d in ("cli", "operator", "engine", "sim", "e2e",
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(str(REPO / d) for d in ("planner", "cli", "operator", "engine", "sim", "e2e",
                                                                              "router"))}
 
 
@@ -334,7 +334,7 @@ def main() -> None:
             p.terminate()
             p.wait(10)
     with tempfile.TemporaryDirectory() as tmp:
-        sys.path[:0] = [str(REPO / d) for d in ("engine", "router", "e2e", "operator")]
+        sys.path[:0] = [str(REPO / d) for d in ("planner", "engine", "router", "e2e", "operator")]
         out["scale_from_zero_first_token_s"] = asyncio.run(scale_from_zero(Path(tmp)))
     out["scale_from_zero_note"] = ("router hold + a scaler polling demand every 0.2 s + a real engine process "
                                    "loading a tiny Llama from its checkpoint (no operator, no cluster)")
