@@ -5,8 +5,10 @@ GPU links; one whole-block flow uses one of them (g times slower than the links 
 target has the same g and every sender can drive g links (a GPU instance of width g, or a host copy
 with at least g NICs), the plan is replicated into g planes: plane i carries shard i of every block
 over the i-th GPU of every instance, on the same schedule (same flows, same steps). The planes share
-no link, every relay forwards the shard it received on its own GPU, and each target all-gathers its g
-shards over NVLink (the cost model charges the gather, as for sharded chains).
+no link, every relay forwards the shard it received on its own GPU, and the cost model charges each
+target an all-gather of its g shards over NVLink, as for sharded chains. That is the model's arithmetic:
+today's engine is one process on one device, so the data plane runs a pair's shards as parallel streams
+between the same two processes and gathers nothing.
 
 Data flow: an unsharded Plan (+ topology) -> `shard_plan` -> the same plan with every flow split into
 g shard flows (steps repeated per plane), or the plan unchanged with a note saying why not.
