@@ -37,7 +37,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--link-qos", action=argparse.BooleanOptionalAction, default=True,
                     help="real section: links that send the engines' activation class (DSCP AF41) ahead of weights "
                          "(netlab.py, QoS), as a fabric configured with the engine's traffic classes does "
-                         "(docs/architecture.md, Traffic classes): the default (pipe4 mean ratio 0.603 "
+                         "(docs/dataplane.md, Traffic classes): the default (pipe4 mean ratio 0.603 "
                          "over 8 runs against 0.650 over 7 on FIFO links, ADR 0007); "
                          "--no-link-qos: one FIFO (tbf) per link, as the benches were measured before")
     ap.add_argument("--redirect", choices=("both", "sources", "off"), default="off",

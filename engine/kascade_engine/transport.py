@@ -244,7 +244,7 @@ def serving_socket(host: str, port: int, mark: TrafficClass | None, backlog: int
 
 def make_transport(name: str, tls: TlsFiles | None = None, mark: TrafficClass | None = None) -> Transport:
     """The transport called `name`; with `tls`, TCP is mutual TLS (`transport_tls`). UCX has no TLS of
-    its own (docs/architecture.md says what it protects): asking for both is an error, not a silent downgrade.
+    its own (docs/security.md says what it protects): asking for both is an error, not a silent downgrade.
     `mark`: the DSCP class of every TCP socket it opens or accepts (None: unmarked; UCX ignores it)."""
     if name == "tcp":
         if tls is not None:
