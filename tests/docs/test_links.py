@@ -1,7 +1,9 @@
 """Every markdown link in the README, CONTRIBUTING.md, CHANGELOG.md and docs/ stays inside the repository
 and names something that exists: a tracked path, and for a `#fragment` into a markdown file, one of its
 headings. No URL schemes (http, https, mailto, ...), no absolute paths, no `..` that climbs out of the
-repository (the docs once pointed at ../shared/..., a folder only the developers' machines have).
+repository. Paths in code count too: a command or path in code runs from the repository root, so a `../`
+there leaves it (the README once ran `kascade sim azure:../shared/...` and architecture.md named
+`../shared/DESIGN.md`, a folder only the developers' machines have).
 
 Data flow: the markdown files -> `links()` (fenced code and inline code removed, then inline links,
 images and reference definitions) -> `problems()` (one sentence per bad link) -> the test asserts none.
@@ -21,6 +23,7 @@ INLINE = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^
 REFDEF = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s|$)", re.M)
 AUTOLINK = re.compile(r"<((?:[a-z][a-z0-9+.-]*:|www\.)[^>\s]+)>", re.I)
 SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*:", re.I)
+CODE_UP = re.compile(r"(?<![\w.])\.\./[\w.-][^\s`'\")]*")
 
 
 def markdown_files() -> list[Path]:
@@ -33,6 +36,12 @@ def links(text: str) -> list[str]:
     """Link targets in `text`, code excluded."""
     prose = INLINE_CODE.sub("", FENCE.sub("", text))
     return INLINE.findall(prose) + REFDEF.findall(prose) + AUTOLINK.findall(prose)
+
+
+def code_paths_up(text: str) -> list[str]:
+    """`../...` paths inside fenced or inline code: they leave the repository from its root."""
+    code = [m.group(0) for m in FENCE.finditer(text)] + INLINE_CODE.findall(FENCE.sub("", text))
+    return [p for c in code for p in CODE_UP.findall(c)]
 
 
 def slug(heading: str) -> str:
@@ -76,6 +85,8 @@ def problems(md: Path, text: str, root: Path = REPO) -> list[str]:
             out.append(f"{where} names a file that does not exist")
         elif fragment and dest.suffix == ".md" and fragment not in anchors(dest):
             out.append(f"{where}: {dest.name} has no heading with the anchor #{fragment}")
+    out += [f"{md.relative_to(root)}: code path {p!r} leaves the repository (commands run from its root)"
+            for p in code_paths_up(text)]
     return out
 
 
@@ -91,11 +102,13 @@ def test_the_check_finds_each_kind_of_bad_link(tmp_path: Path) -> None:
     text = ("[ok](b.md) [ok](b.md#some-code-section) [ok](#here) ![img](b.md)\n# Here\n"
             "`[in code](https://example.com)`\n```\n[fenced](../../outside.md)\n```\n"
             "[web](https://example.com) [mail](mailto:a@b.c) [abs](/etc/passwd) [up](../../shared/DESIGN.md)\n"
-            "[gone](missing.md) [anchor](b.md#nowhere)\n[ref]: http://example.com\n<https://example.org>\n")
+            "[gone](missing.md) [anchor](b.md#nowhere)\n[ref]: http://example.com\n<https://example.org>\n"
+            "The design is `../shared/DESIGN.md`.\n```bash\nkascade sim azure:../shared/t.csv\n```\n")
     md.write_text(text)
     got = problems(md, text, root=tmp_path)
-    assert len(got) == 8, got
+    assert len(got) == 11, got
     for needle in ("'https://example.com' leaves", "'mailto:a@b.c' leaves", "'/etc/passwd' is an absolute",
                    "'../../shared/DESIGN.md' points outside", "'missing.md' names a file that does not exist",
-                   "no heading with the anchor #nowhere", "'http://example.com' leaves", "'https://example.org' leaves"):
+                   "no heading with the anchor #nowhere", "'http://example.com' leaves", "'https://example.org' leaves",
+                   "code path '../shared/DESIGN.md'", "code path '../shared/t.csv'", "code path '../../outside.md'"):
         assert any(needle in g for g in got), (needle, got)
