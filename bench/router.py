@@ -12,8 +12,8 @@ percentile (p50, p99).
   each process used per stream is printed too: the client and the stub are the backend alone.
 - Why not only the closed loop (the first version): 200 workers streaming equal-length completions back to
   back stay in step, so requests arrive in bursts; a one-process router handles a burst one request
-  after another, so the median waits behind ~100 others (the 85 / 116 ms added p50 / p99 the lead
-  measured, against 1.2 ms one stream at a time). `--closed-loop` still prints that case.
+  after another, so the median waits behind ~100 others (85 / 116 ms added p50 / p99 measured
+  that way, against 1.2 ms one stream at a time). `--closed-loop` still prints that case.
 - What the open loop showed (shared box, load average 9 -> 5.6): the router costs
   ~2.3 ms of CPU per 32-chunk stream (~70 us per relayed chunk; the client 1.4 ms, the stub 1.7 ms), so
   at 200 streams/s it needs about half a core; when it does not get it, its queue grows (365 streams
