@@ -22,6 +22,7 @@ WORKDIR /src
 COPY requirements/engine.lock requirements/engine.lock
 RUN pip install --no-cache-dir --require-hashes -r requirements/engine.lock
 COPY pyproject.toml README.md LICENSE ./
+COPY planner planner
 COPY cli cli
 COPY operator operator
 COPY engine engine

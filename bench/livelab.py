@@ -19,7 +19,7 @@ and by the router's own poller (kascade_router.shares.ShareRefresher, /readyz ev
 With `redirect` "both", once a pipeline forms every source is told `cooperate {peer: the head,
 mode: redirect}` and the head the same about every source: each hands requests still queued on it to the
 other while its queue is the longer in serving shares (kascade_engine.liveredirect); "sources": only the
-sources hand theirs to the head; "off" (the default: both ways measured worse, docs/worklog/2026-11-27-c/h17.md):
+sources hand theirs to the head; "off" (the default: both ways measured worse, ADR 0008):
 none. Compute is emulated per step
 (`--emulate-layer-ms` on every engine: a step's layer work takes at least that long per layer forward),
 so the engines' speed does not depend on the other processes of a shared 2-core box; the transfers,
@@ -162,7 +162,7 @@ class Driver:
         while not stop.is_set():
             # the targets only, as the operator: nothing here reads a source's status, and a source's answer
             # queues behind the weights it sends (up to the link's 0.3 s queue), which made every round, so the
-            # pipeline's formation, wait 0.3-0.45 s more (docs/worklog/2026-11-27-d/h17.md)
+            # pipeline's formation, wait 0.3-0.45 s more (ADR 0008)
             engines = tuple(self.targets)  # all at once: one slow engine must not age the others
             polled = time.time()
             for e, st in zip(engines, await asyncio.gather(*(self.ctl(e, "status", get=True) for e in engines)),
@@ -188,7 +188,7 @@ class Driver:
                             head.status = await self.ctl(head, "cooperate", CooperateRequest(s.act, "redirect").to_dict())
             # the operator's period, not faster: a live target answers each status between its steps, and polled
             # every ~70 ms (50 ms + the round) ZigZag's p99 TTFT rose 0.1-0.2 s (pair ratio 0.52-0.55 against
-            # 0.47-0.49 with the old ~0.45 s rounds, docs/worklog/2026-11-27-d/lead.md)
+            # 0.47-0.49 with the old ~0.45 s rounds)
             await asyncio.sleep(POLL_S)
 
     def servable(self, e: Eng, live: bool) -> bool:
@@ -207,7 +207,7 @@ class Driver:
     def choose(self, cands: list[Eng]) -> Eng:
         """The router's rule over all servable engines: the least expected TTFT ("ttft":
         kascade_router.balancer.least_ttft, each engine's measured first-token rate and latency), or the least
-        (in flight + 1) / weight ("share": kascade_router.balancer.share_key, the rule before 2026-11-27-d)."""
+        (in flight + 1) / weight ("share": kascade_router.balancer.share_key, the earlier rule, ADR 0009)."""
         if self.route == "share":
             return min(cands, key=lambda x: share_key(self.balanced[x.iid].in_flight, self.weight(x)))
         by = {e.iid: e for e in cands}

@@ -37,20 +37,20 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--link-qos", action=argparse.BooleanOptionalAction, default=True,
                     help="real section: links that send the engines' activation class (DSCP AF41) ahead of weights "
                          "(netlab.py, QoS), as a fabric configured with the engine's traffic classes does "
-                         "(docs/architecture.md, Traffic classes): the default since 2026-11-27 (pipe4 mean ratio 0.603 "
-                         "over 8 runs against 0.650 over 7 on FIFO links, docs/worklog/2026-11-27/h17-s9.md); "
+                         "(docs/dataplane.md, Traffic classes): the default (pipe4 mean ratio 0.603 "
+                         "over 8 runs against 0.650 over 7 on FIFO links, ADR 0007); "
                          "--no-link-qos: one FIFO (tbf) per link, as the benches were measured before")
     ap.add_argument("--redirect", choices=("both", "sources", "off"), default="off",
                     help="real section, pipelines: once the pipeline forms, queued requests move between the sources and "
                          "its head both ways (kascade_engine.liveredirect), only from the sources to the head, or not at "
                          "all (default: only new arrivals go to the pipeline, by the router's weights; both ways raised "
-                         "the pipe4 ratio by 0.04-0.05 in paired runs, docs/worklog/2026-11-27-c/h17.md)")
+                         "the pipe4 ratio by 0.04-0.05 in paired runs, ADR 0008)")
     ap.add_argument("--no-redirect", action="store_const", const="off", dest="redirect", help="= --redirect off")
     ap.add_argument("--route", choices=("ttft", "share"), default="ttft",
                     help="real section: the driver's routing rule, every mode alike: the least expected time to first "
                          "token (kascade_router.firsttoken: each engine's measured first-token rate and latency; the "
-                         "default since 2026-11-27-d) or the least (in flight + 1) / weight (the rule before; "
-                         "docs/worklog/2026-11-27-d/h17.md)")
+                         "default) or the least (in flight + 1) / weight (the rule before; "
+                         "ADR 0009)")
     ap.add_argument("--real-only", action="store_true", help="only the real-engine section (-> live_real.json)")
     ap.add_argument("--fleets", default="pair,pipe2,pipe4",
                     help="real section: which fleets to run (comma-separated subset of pair,pipe2,pipe4); a key whose "

@@ -21,7 +21,7 @@ prompt; TBT SLO = `--tbt-x` x its mean TBT), never tuned per setup. Setups, with
                  a service whatever its convertibleDecoders, and its scraping (every 0.25 s, both engines) shares
                  the machine's 2 cores with the engines, so the two setups differ by the conversion alone (run in
                  the convertible setup only, that setup's prefill steps were 3-14 % slower in 5 of 8 clean runs,
-                 4-9 % faster in 3: 2026-11-27-d and -e)
+                 4-9 % faster in 3)
 Emulated accelerator (`--emulate-layer-ms X`, bench/pdemulate.py): every engine of every setup and the
 calibration's runs with the engine's --emulate-layer-ms X and --emulate-knee-tokens K and --max-batch-tokens K
 (K: the simulator's memory/compute knee, 117 tokens): a step costs at least 8 x X whatever its batch, up to K
@@ -67,8 +67,8 @@ from pdemulate import LAYERS, Emulation, floor_check, real_cpu, sim_knee_tokens
 from pdscore import MODES, Outcome, Request, sim_side, summarize
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / d) for d in ("cli", "operator", "engine", "router", "sim", "bench")]
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(str(REPO / d) for d in ("cli", "operator", "engine", "sim", "e2e",
+sys.path[:0] = [str(REPO / d) for d in ("planner", "cli", "operator", "engine", "router", "sim", "bench")]
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(str(REPO / d) for d in ("planner", "cli", "operator", "engine", "sim", "e2e",
                                                                              "router")),
        "KASCADE_ENGINE_TOKEN": "bench-pd-token"}
 MODEL = "pd-llama"

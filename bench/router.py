@@ -12,9 +12,9 @@ percentile (p50, p99).
   each process used per stream is printed too: the client and the stub are the backend alone.
 - Why not only the closed loop (the first version): 200 workers streaming equal-length completions back to
   back stay in step, so requests arrive in bursts; a one-process router handles a burst one request
-  after another, so the median waits behind ~100 others (the 85 / 116 ms added p50 / p99 the lead
-  measured, against 1.2 ms one stream at a time). `--closed-loop` still prints that case.
-- What the open loop showed (2026-11-23 21:23 UTC, shared box, load average 9 -> 5.6): the router costs
+  after another, so the median waits behind ~100 others (85 / 116 ms added p50 / p99 measured
+  that way, against 1.2 ms one stream at a time). `--closed-loop` still prints that case.
+- What the open loop showed (shared box, load average 9 -> 5.6): the router costs
   ~2.3 ms of CPU per 32-chunk stream (~70 us per relayed chunk; the client 1.4 ms, the stub 1.7 ms), so
   at 200 streams/s it needs about half a core; when it does not get it, its queue grows (365 streams
   open through the router vs 225 direct) and TTFT with it: the targets were NOT met there. The
@@ -48,7 +48,7 @@ from typing import Any
 import aiohttp
 
 REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(str(REPO / d) for d in ("cli", "operator", "engine", "sim", "e2e",
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(str(REPO / d) for d in ("planner", "cli", "operator", "engine", "sim", "e2e",
                                                                              "router"))}
 
 
@@ -334,7 +334,7 @@ def main() -> None:
             p.terminate()
             p.wait(10)
     with tempfile.TemporaryDirectory() as tmp:
-        sys.path[:0] = [str(REPO / d) for d in ("engine", "router", "e2e", "operator")]
+        sys.path[:0] = [str(REPO / d) for d in ("planner", "engine", "router", "e2e", "operator")]
         out["scale_from_zero_first_token_s"] = asyncio.run(scale_from_zero(Path(tmp)))
     out["scale_from_zero_note"] = ("router hold + a scaler polling demand every 0.2 s + a real engine process "
                                    "loading a tiny Llama from its checkpoint (no operator, no cluster)")

@@ -1,6 +1,7 @@
-"""The demo, end to end on this machine: a local Kubernetes control plane with fake GPU nodes, Kascade
-installed with Helm, a warm pool of REAL engine processes, the operator as a local process, one
-ModelService, a burst of real completion requests, and the scale-up and scale-down it causes.
+"""The demo, end to end on this machine: a local Kubernetes control plane with fake GPU nodes, the chart
+installed with Helm for its CRDs, RBAC and engine token (its operator, pool and router Deployments off:
+KWOK runs no containers), a warm pool of REAL engine processes, the operator and the router as local
+processes, one ModelService, a burst of real completion requests, and the scale-up and scale-down it causes.
 
 Data flow: `Demo.run()` -> control plane (e2e/kascade_devcluster) -> `helm install` (CRDs, RBAC,
 engine token) -> `EnginePool` (one `kascade engine serve --empty` per node behind a KWOK pod) ->

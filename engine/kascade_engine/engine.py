@@ -183,7 +183,7 @@ class Engine:
         saturated = self.scheduler.last_saturated
         # the prefill rate is what the budgets give a prompt: a step whose chunk the step budget could not cut yet
         # (no prompt token timed) ran under the token cap alone, and counting it reported a rate the budget never
-        # gives (bench/pd.py 2026-11-27-d run 7: 306.7 tok/s on D's first prompt, ~0 a second later)
+        # gives (bench/pd.py: 306.7 tok/s on D's first prompt, ~0 a second later)
         budgeted = self.scheduler.last_budget_s is None or (
             self.scheduler.cost is not None and self.scheduler.cost.token_s is not None)
         # a converted decoder with no prompt waiting: the tokens its budgets would give one beside these decodes

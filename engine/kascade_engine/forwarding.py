@@ -111,7 +111,7 @@ class Forwarding:
         downstream too, as lagging: it re-fetches from its own fallbacks at their pace. Kept, it would be
         fed this relay's re-fetch at its own slow pace, with no lag rule to end it (a re-fetch is forwarded
         without one): throttle-middle-ucx took 44 s against a 14 s bound when the relay above the slow one
-        won the race to drop first (docs/worklog/2026-11-27-d/dp.md). If the upstream really died instead,
+        won the race to drop first (ADR 0005). If the upstream really died instead,
         the cost is one more pull from a fallback."""
         if self.is_source:
             return

@@ -5,7 +5,7 @@ Why: a converted decoder's step budget (scheduler.py, stepcost.py) gives a promp
 decodes leave; beside a big batch that is 0 tokens, step after step. The router sends it a prompt only while
 its last reported room allows (PREFILL_ROOM_HEADER), but that report is as old as the decoder's last answer,
 and a batch can grow after a prompt arrived: such a prompt waited seconds (bench/pd.py: convertible TTFT p99
-7.4 s against 3.0 s disaggregated, docs/worklog/2026-11-27/h18.md).
+7.4 s against 3.0 s disaggregated; ADR 0010).
 
 Data flow: the router names a prefill engine's data port on a prompt it lets the converted decoder prefill
 itself (PREFILL_FALLBACK_HEADER) -> `Serving.submit` asks `HandBack.on_arrival` first: the same rule with this

@@ -60,7 +60,7 @@ class KVCache:
         This copy is most of a long-context decode step on CPU (every context position of every sequence, per
         layer). Rows are copied as [slots, kv_heads * head_dim] into a buffer kept from call to call (grown to
         the largest gather, never shrunk): fresh output tensors cost a page fault or a cold write per page every
-        step. Measured (one core, 2026-11-27, micro-benchmark alternated twice): a decode step of 16 sequences
+        step. Measured (one core, micro-benchmark alternated twice): a decode step of 16 sequences
         at ~390 positions 137-138 ms -> 82-86 ms, with a 16-token chunk 183 ms -> 92-97 ms."""
         B, C = index.shape
         flat = index.reshape(-1)

@@ -6,7 +6,7 @@ the pipeline) and streams their tokens back; A streams them to its clients under
 Why: a pipeline forms seconds into a scale-up. Until then every request queues on the sources, and the router
 only steers NEW arrivals to the pipeline (its weight, kascade_router.shares): the queue built before the
 pipeline formed drains at the sources' own rate (bench/live.py pipe4: ~64 % of the requests, mean TTFT
-1.6-1.8 s, most of it that queue; docs/worklog/2026-11-27/h17-s9.md). Pair redirection (redirect.py) cannot
+1.6-1.8 s, most of it that queue; ADR 0008). Pair redirection (redirect.py) cannot
 reach a pipeline: it rides on the pair session, where A finishes the rows; a pipeline's rows finish on its
 last receiver, so the tokens are at H, and they must come back to A.
 

@@ -5,8 +5,8 @@ Why: the router weighs a converted decoder by its measured prefill rate (kascade
 judges a prompt it was sent by it (`kascade_planner.conversion.arrival_verdict`). In disaggregated serving a decoder
 has never prefilled: its step cost has no prompt-token cost (stepcost.StepCost.token_s), so it can neither cut a
 chunk to its step budget nor predict the room a prompt would get (Scheduler.known_room), and its rate stays
-unmeasured until a real prompt has paid for measuring it. The burst's first prompts did (bench/pd.py 2026-11-27-d
-runs 4-10: 1-2 per run, taken at the constant share 49-298 ms after the conversion, held for the hand-back bound,
+unmeasured until a real prompt has paid for measuring it. The burst's first prompts did (bench/pd.py:
+1-2 per run, taken at the constant share 49-298 ms after the conversion, held for the hand-back bound,
 handed back). A production engine warms up before it takes traffic it cannot size (a GPU engine's profiling
 forward at start); this is that warm-up for the conversion's budgets, run beside the decodes they are about.
 

@@ -15,7 +15,7 @@ read when it sent the frame (A's count handed minus B's "seen"). B keeps several
 answers two or more of its frames at one step's end, each with the queue B had before any of this
 step's hand-overs; weighed each alone, A handed over its whole queue, the requests its next step would
 have run among them, and those waited for B's next step and then a whole step of A's (bench live,
-ZigZag's worst TTFTs, docs/worklog/2026-11-27-e/h17.md). The request keeps its id: B submits it under that id; A's serving queue for it stays
+ZigZag's worst TTFTs, ADR 0008). The request keeps its id: B submits it under that id; A's serving queue for it stays
 and is fed from here. Data flow on A (all in its step thread): `pick` (hand over) -> `token` per row
 sampled for a handed request -> `Event`s -> Engine.step's events -> Serving; `abort` forwards a client's
 abort to the peer.

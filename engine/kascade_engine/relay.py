@@ -316,7 +316,7 @@ class TransferNode(Forwarding, Recovery):
         """A chunk's bytes are in the block buffer: hash what that made contiguous, now. The socket read
         that put them there ran on this thread, so they are still in its cache; hashing a whole block at
         commit instead re-reads it from memory (measured: that pass held a TCP relay hop to ~0.75 of raw
-        on 2 cores, hashing here ~0.97; docs/worklog/2026-11-26-c)."""
+        on 2 cores, hashing here ~0.97; ADR 0003)."""
         v = self.verifiers.get(block)
         if v is None:
             v = self.verifiers[block] = BlockVerifier(self.buffers[block], str(self.spec.manifest[block]["digest"]))

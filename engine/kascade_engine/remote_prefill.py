@@ -145,7 +145,7 @@ class RemotePrefill:
         is what this engine sent `peer` and has not got back; it cannot see the prompts other decode engines queued
         there, except through the oldest wait (they delay its prompts too). Without a reported pace: the average or
         the oldest wait, whichever is longer (a burst's queue grows before any of it lands: the average of the prompts
-        before the burst said 0.3 s while P's queue held 1-2 s, bench/pd.py run3 2026-11-27-c). None: nothing
+        before the burst said 0.3 s while P's queue held 1-2 s, bench/pd.py). None: nothing
         measured yet."""
         now = time.monotonic()
         mine = [(now - t, n) for p, t, n in tuple(self.pending.values()) if p == peer]

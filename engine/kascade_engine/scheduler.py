@@ -281,7 +281,7 @@ class Scheduler:
         the token cap, cut by the step budget as `schedule` cuts it; None unless prefill is capped (not a converted
         decoder). Without the joining ones a burst's first prompts looked to have room on a decoder whose batch the
         same burst was about to fill: it took them, gave them 0-35 tokens a step and handed them back 0.28 s later
-        (bench/pd.py 2026-11-27-d runs 2-3). Read from the event loop while the step thread runs: a snapshot."""
+        (bench/pd.py). Read from the event loop while the step thread runs: a snapshot."""
         cap, budget_s = self.limits.prefill_chunk_tokens, self.limits.step_budget_s
         if cap is None:
             return None

@@ -236,7 +236,7 @@ def load_headers(inst: EngineInstance) -> dict[str, str]:
     decoder's prefill room, the prefill rate. A router takes a missing room or rate for "none now", so an answer
     held back until its prompt was settled (a hand-back) must not carry what was true at its arrival: built then,
     it cleared the rate the router had polled since, and the router sent the decoder its next prompt at the
-    constant share 27-105 ms later (bench/pd.py 2026-11-27-d runs 6, 7)."""
+    constant share 27-105 ms later (bench/pd.py)."""
     out = {SERVING_SHARE_HEADER: f"{inst.serving_share:.4f}"}  # routers weight a live replica by it
     room = inst.engine.scheduler.prefill_room()
     if room is not None:  # a converted decoder: routers send it prompts only while it has room

@@ -48,7 +48,7 @@ class Serving:
         # router named, None: this one). Settled (`decide`) as soon as who prefills it is known: the prefill op of a
         # hand-back went out to its prefill engine (RemotePrefill, `settles`), it is to be prefilled here after all,
         # or its first event came (from the engine named). server.py answers such a request only once settled, so the
-        # router moves its accounting then. Settled at the first token only (2026-11-27-e), the router counted the
+        # router moves its accounting then. Settled at the first token only (before), the router counted the
         # prompt on the engine that gave it away until its first token, timed that engine's first token (P's TTFT of a
         # handed-back prompt read ~0), and named it in X-Kascade-Prefilled-By. A prefill engine that took the op and
         # then fails leaves the answer naming it while this engine prefills the prompt (as in plain PD).

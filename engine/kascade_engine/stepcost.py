@@ -5,7 +5,7 @@ in tokens. Pure python, no torch.
 Why a model of the whole step, not a tokens/s velocity: on this engine a step's time is mostly (1) the
 weights, read once whatever the rows (an intercept), (2) the rows through the linear layers, and (3) the K/V
 the attention gathers: every key of every sequence in the step, padded to the longest context of its group
-(kvcache.build_batch). Measured (bench/pd.py, 2026-11-27): a decode-only step of 1 sequence at 60 keys takes
+(kvcache.build_batch). Measured (bench/pd.py): a decode-only step of 1 sequence at 60 keys takes
 9 ms, at 380 keys 17 ms, 20 sequences at ~400 keys 85 ms; a 16-token chunk adds 11-25 ms, more with a bigger
 batch. A token budget sized from a prefill velocity sees none of that.
 

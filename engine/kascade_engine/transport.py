@@ -225,7 +225,7 @@ def serving_socket(host: str, port: int, mark: TrafficClass | None, backlog: int
     accepted connections are uvicorn's). Why: a serving source streams its clients' tokens
     up the same link it sends a loading target's weights on; unmarked, they queued behind the weights (bench
     live, 7 Mbit/s links: ~0.3 s added to every first token a source streamed while its weight stream kept the
-    link's queue full, the tail of ZigZag's TTFT; docs/worklog/2026-11-27-e/h17.md).
+    link's queue full, the tail of ZigZag's TTFT; ADR 0007).
     IPPROTO_TCP (not 0): asyncio sets TCP_NODELAY only on sockets that say they are TCP; without it every
     keep-alive request waited ~40 ms on Nagle + delayed ACK."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -244,7 +244,7 @@ def serving_socket(host: str, port: int, mark: TrafficClass | None, backlog: int
 
 def make_transport(name: str, tls: TlsFiles | None = None, mark: TrafficClass | None = None) -> Transport:
     """The transport called `name`; with `tls`, TCP is mutual TLS (`transport_tls`). UCX has no TLS of
-    its own (docs/architecture.md says what it protects): asking for both is an error, not a silent downgrade.
+    its own (docs/security.md says what it protects): asking for both is an error, not a silent downgrade.
     `mark`: the DSCP class of every TCP socket it opens or accepts (None: unmarked; UCX ignores it)."""
     if name == "tcp":
         if tls is not None:

@@ -50,7 +50,7 @@ async def settled(req: Any) -> None:
     with none). Every node of a chain has one posted most of the time (the next frame from upstream),
     so on a loaded 2-core host the spinning nodes took the CPU from the ones with work to do, and a
     fault's recovery (re-fetches while the others wait out a timeout) ran many times slower than the
-    fault-free baseline (docs/worklog/2026-11-27-d/dp.md). Here a request is spun on like before for
+    fault-free baseline (ADR 0012). Here a request is spun on like before for
     its first `SPIN_S` (streaming completes within that), then polled at a tenth of the time waited so
     far, at most every `POLL_MAX_S`: at most ~10% later than it completed, and an idle wait costs
     almost nothing. UCX's progress thread moves the data meanwhile; only the noticing is polled."""
@@ -77,7 +77,7 @@ class _Parked:
     `ucp_worker_progress` (worker lock held), completes that receive as cancelled and waits for the request's
     lock in `Request::setStatus`. The event loop's thread then spins forever holding the GIL: a chain node
     hung for good after its upstream's silence timed out (stop-first-ucx, ~1 in 25 runs on a loaded 2-core
-    host; gdb backtraces in docs/worklog/2026-11-27-d/dp.md). The exception of such a timeout holds the
+    host; ADR 0012). The exception of such a timeout holds the
     request (through the waiting frames), so dropping that exception was enough to trigger it.
 
     One per process, like the UCX worker whose requests it holds (requests outlive their connections and

@@ -8,7 +8,7 @@ or time budget while prompt tokens still waited) ->
   over saturated steps only, and the FLOOR, the best tokens/s of one unsaturated prefill-only step (a lower bound:
   what the engine delivered, never scaled up to a full step). A step that is not full measures the load, not the
   capacity: on an accelerator (flat step time below its knee) a short prompt alone in a step reads a quarter of
-  what the engine prefills in a burst (bench/pd.py --emulate-layer-ms 30, 2026-11-27-e: 128 vs 480 tok/s). On the
+  what the engine prefills in a burst (bench/pd.py --emulate-layer-ms 30: 128 vs 480 tok/s). On the
   CPU (step time linear in tokens, plus an intercept) the unsaturated reading is lower too, by less;
   decode-only steps: tokens / s, an EWMA per batch-size bucket (a bigger batch decodes more tokens/s);
   mixed steps: the decodes' share is estimated from the decode EWMA of that batch size and the rest of the
@@ -26,10 +26,10 @@ The prefill RATE is another number: the prompt tokens this engine actually prefi
 while prompts wait to be prefilled (`observe_rate`, every such step, also one that gave them 0 tokens); on a
 converted decoder with no prompt waiting, the tokens its budgets would give one beside that step's decodes
 (`Scheduler.known_room`, the chunk's predicted time added), so the rate follows its batch between prompts: a
-rate measured on one prompt at a small batch was stale when the burst's decodes filled the step (bench/pd.py
-2026-11-27-d run 1: the next prompt got 0 tokens and was handed back). On a
+rate measured on one prompt at a small batch was stale when the burst's decodes filled the step (bench/pd.py:
+the next prompt got 0 tokens and was handed back). On a
 prefill engine it is its prefill velocity. On a converted decoder it is what its chunk and step budgets leave
-prompts beside its decodes: on 2 shared CPU cores 7-45 % of a prefill engine's (bench/pd.py, 2026-11-27-c),
+prompts beside its decodes: on 2 shared CPU cores 7-45 % of a prefill engine's (bench/pd.py),
 where the velocity above (the prefill share of a mixed step's time) is about a prefill engine's. Ratio of the
 two engines' rates = how much of a prefill engine a converted decoder is (kascade_planner.conversion
 .converted_share) -> PREFILL_RATE_HEADER on answers and /readyz (the router's prefill choice) and

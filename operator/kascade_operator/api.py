@@ -100,7 +100,7 @@ class Replicas(Model):
 
 class Slo(Model):
     # the TTFT objective; in disaggregated mode it also sets a converted decoder's hand-back bound (/convert
-    # handBackMs = conversion.HAND_BACK_SHARE x ttftMs, docs/disaggregated.md)
+    # handBackMs = conversion.HAND_BACK_SHARE x ttftMs, docs/convertible.md)
     ttft_ms: Positive | None = None
     # the TBT objective; in disaggregated mode also a converted decoder's chunk and step budgets
     tbt_ms: Positive | None = None

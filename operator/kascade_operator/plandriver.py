@@ -343,7 +343,7 @@ async def _statuses(rt: Runtime, ids: list[str], by_inst: dict[str, PodView], sk
     keeps its `unreachable_since` clock; an answer clears it), every target at once: a round costs one status
     round trip, not one per target. These statuses are what `livewiring.advance` forms pipelines from, so a
     sequential round delayed every formation by the other targets' round trips (a loaded link's queue: up to
-    0.3 s each in bench/live.py's netlab, docs/worklog/2026-11-27-d/h17.md)."""
+    0.3 s each in bench/live.py's netlab, ADR 0008)."""
 
     async def one(iid: str) -> dict[str, Any] | None:
         p = by_inst.get(iid)

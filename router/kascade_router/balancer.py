@@ -30,7 +30,7 @@ ROUTE_RULES = ("ttft", "share")  # the router's `route` setting (kascade_router.
 
 # a converted decoder takes a prompt only while its step budget gives a chunk at least this many tokens now
 # (its reported prefill room): beside a big batch the budget gives a prompt 0 tokens and it waited there for
-# seconds (h18 runs 1-6: convertible TTFT p99 4.7-11.3 s against 2.2-5.1 s disaggregated)
+# seconds (bench/pd.py: convertible TTFT p99 4.7-11.3 s against 2.2-5.1 s disaggregated)
 MIN_PREFILL_ROOM = 8
 
 
@@ -127,7 +127,7 @@ def _share(b: Backend, pool: Sequence[Backend]) -> float:
     """How much of a prefill engine `b` is: 1 for a prefill engine; for a converted decoder its reported prefill
     rate over the prefill engines' mean (`converted_share`: the constant until both are measured). With the
     constant 0.5 the decoder took burst prompts it prefilled at 7-45 % of the prefill engine's pace, held each
-    for its hand-back bound and handed it back with its partial prefill dropped (bench/pd.py, 2026-11-27-c)."""
+    for its hand-back bound and handed it back with its partial prefill dropped (bench/pd.py)."""
     if b.role == "prefill":
         return 1.0
     rates = [p.prefill_rate for p in pool if p.role == "prefill" and p.prefill_rate]
@@ -144,7 +144,7 @@ def _pick_prefill(pool: Sequence[Backend], rng: random.Random, rule: str = "ttft
     so nothing is ever ahead there, and a latency borrowed from prefill engines ignores its slower pace).
     On a cost tie a prefill engine wins over a converted decoder. The converted decoder is the overflow, not a
     peer: a prompt it takes may wait up to its hand-back bound before it goes to a prefill engine after all,
-    and one sent there at once does not (bench/pd.py run 8, docs/worklog/2026-11-27-c/h18.md: the burst's first
+    and one sent there at once does not (bench/pd.py: the burst's first
     prompt went to the decoder on a 2-to-2 tie, was handed back 0.27 s later, and every later burst prompt on
     the saturated prefill engine was that late)."""
     if len(pool) <= 1:

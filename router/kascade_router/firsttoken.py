@@ -6,7 +6,7 @@ give, plus b's own round trip with nothing of ours ahead:
 
     expected_ttft = latency_s + ahead / rate_per_s
 
-Why (issue 17, docs/worklog/2026-11-27-d/h17.md): (in flight + 1) / weight ranks engines by the capacity they
+Why (ADR 0009): (in flight + 1) / weight ranks engines by the capacity they
 claim. The head of a λScale pipeline claims its receivers' (serving share 4 in bench pipe4), so it took every
 arrival for 1.5-2 s after the pipeline formed and its TTFT climbed from 1.5 to 2.4 s while the sources, their
 backlog gone, answered in 1.25 s. Its first token also pays a round trip through every member (0.8 s against

@@ -322,7 +322,7 @@ class Answer(asyncio.Protocol):
     async def read(self, timeout: float) -> bytes:
         """The whole body (payload of a chunked answer). Bytes arriving from now on are parsed as they come:
         left waiting they finished nothing, and the answer ended only when the engine closed the idle connection
-        (its 10 s header timeout: the router's ~10.2 s PD stalls, 2026-11-27-f stall.md)."""
+        (its 10 s header timeout: the router's ~10.2 s PD stalls; ADR 0015)."""
         self._collecting = True
         for piece in self._pending:
             self._consume(piece)

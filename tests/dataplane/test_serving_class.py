@@ -1,6 +1,6 @@
 """The engine's HTTP answers leave in its latency class: the tokens a serving source streams to its clients go
 up the same link as the weights it sends a loading target, and unmarked they queued behind them (bench live,
-docs/worklog/2026-11-27-e/h17.md: ~0.3 s on every first token a source streamed while its weight stream kept
+ADR 0007: ~0.3 s on every first token a source streamed while its weight stream kept
 the link's queue full, the tail of ZigZag's TTFT).
 
 - `serving_socket`: the listener, and every connection it accepts, carries the class (IP TOS); None: unmarked.

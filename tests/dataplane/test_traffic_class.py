@@ -98,7 +98,7 @@ def test_bad_activation_dscp_names_the_flag(tmp_path: Path) -> None:
 
 def test_plain_transport_marks_nothing_by_default() -> None:
     assert TcpTransport().mark is None
-    assert ACTIVATION.tos == 0x88  # AF41, what docs/architecture.md tells a fabric to prioritise
+    assert ACTIVATION.tos == 0x88  # AF41, what docs/dataplane.md tells a fabric to prioritise
 
 
 # -- the emulated links (bench/netlab.py, the `netlab` fixture in conftest.py) ------------------------

@@ -118,7 +118,7 @@ async def test_ucx_a_receive_abandoned_at_its_timeout_is_kept_until_ucx_complete
     """A receive whose timeout expired is still posted in UCX. Destroying its ucxx request then (dropping the
     timeout's exception was enough) cancels it from the event loop's thread while UCX's progress thread can
     be completing it: the two take the request's and the worker's locks in opposite orders, and a chain
-    node hung for good (gdb: docs/worklog/2026-11-27-d/dp.md). The transport keeps such a request alive until
+    node hung for good (ADR 0012). The transport keeps such a request alive until
     UCX has completed it (the endpoint's close cancels it), and only then lets it go."""
     import gc
 

@@ -41,7 +41,7 @@ async def test_a_converted_decoder_keeps_a_prompt_queued_prefills_at_p_would_del
     - Greedy output equals the colocated engine's for all of them. (Whether keeping it paid is not asserted: P and D
       share this process's interpreter and two cores: over 5 runs the kept prompt's first token came 0.85-1.24 s after
       it arrived against the 0.27-0.63 s D's rate predicted, while the last queued prompt landed after 0.84-1.19 s, so
-      keeping it was about a tie with P; docs/worklog/2026-11-27-f/arr.md.)
+      keeping it was about a tie with P; bench/pd.py.)
     Fails before this change: D had no pace for P and estimated the remote path by the average or the oldest wait."""
     from kascade_planner.engine_api import ConvertRequest
 

@@ -176,7 +176,7 @@ def test_the_conversion_input_carries_the_decoders_measured_share_of_a_prefiller
 def test_the_conversion_policy_takes_a_prefillers_capacity_never_its_floor() -> None:
     """Measured velocities (none typed): the conversion policy gets the prefill velocity of saturated steps only.
     Before one, the engines report their best unsaturated step (a lower bound) and the policy holds: 121 prompt
-    tok/s against a 83 tok/s floor is no deficit (bench/pd.py 2026-11-27-f run 1 converted on it at 0.59 s).
+    tok/s against a 83 tok/s floor is no deficit (bench/pd.py converted on it at 0.59 s).
     With the capacity measured, the deficit and the chunk budget are sized from it; the P:D ratio policy still
     reads the floor (kascade_planner.prefillvelocity)."""
     from kascade_operator.pdscaling import conversion_input, velocities

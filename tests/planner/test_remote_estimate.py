@@ -21,7 +21,7 @@ def test_without_a_pace_it_is_the_average_or_the_oldest_wait() -> None:
 
 
 def test_a_prompt_sent_now_waits_for_the_queue_ahead_of_it() -> None:
-    # docs/worklog/2026-11-27-e/lead.md's burst: the average 0.3 s, the oldest queued prompt waited 0.3 s, 8 prompts of
+    # bench/pd.py's burst: the average 0.3 s, the oldest queued prompt waited 0.3 s, 8 prompts of
     # 4096 tokens ahead at a prefiller's ~9750 tok/s. The old estimate said 0.3 s; a prompt sent now waits ~3.4 s
     # for the queue, then ~0.42 s for itself.
     pace = 9750.0

@@ -2,7 +2,7 @@
 decode engine D, a prefill engine P on an emulated accelerator, as bench/pd.py runs them): a wave of concurrent
 first requests on fresh engines, then sequential ones, every one well under the 10 s that a stall took.
 
-The stall (2026-11-27-f stall.md): the router's engine client (kascade_router.upstream) kept body bytes that
+The stall (ADR 0015): the router's engine client (kascade_router.upstream) kept body bytes that
 arrived after the handler began `Answer.read()` unparsed, waiting for a read or relay that had already begun. The
 answer then ended only when D closed the idle keep-alive connection at its 10 s header timeout (httpguard), and
 the client saw 10.1-10.4 s instead of 0.1-0.5 s: 3-7 of 27 requests per run, with and without emulation, PD or

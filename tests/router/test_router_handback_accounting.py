@@ -9,7 +9,7 @@ tells the client who that is, on REAL engine processes (a tiny random Llama on C
   `X-Kascade-Prefill-Fallback`). D2 declines, D1 sends the prompt to P and answers once the op went out
   (`X-Kascade-Handed-Back: P`). While P prefills, the router counts the prompt on P (in flight and prefilling) and
   no longer on D2; the client's `X-Kascade-Prefilled-By` names P; P's first-token latency is P's prefill time, and
-  D2 recorded none. Before (2026-11-27-e) the prompt stayed on D2 until its first token, P was never counted, P's
+  D2 recorded none. Before, the prompt stayed on D2 until its first token, P was never counted, P's
   first tokens recorded nothing and the header named D2;
 - D2 for itself: the table makes D2 the decoder and its own prefill engine (P the fallback). D2 declines on arrival
   and now answers once the op went to P, so P's first-token latency is again P's prefill time; before, D2 answered

@@ -221,7 +221,7 @@ def test_a_body_arriving_after_read_began_ends_the_read_on_uvloop() -> None:
 async def _late_body_case() -> None:
     """uvicorn writes an answer's head and body apart; the body may arrive after the caller awaits `read()`.
     It was kept unparsed for a later read or relay, so `read()` ended only when the engine closed the idle
-    connection (its 10 s header timeout): the ~10.2 s PD stalls through the router (2026-11-27-f stall.md).
+    connection (its 10 s header timeout): the ~10.2 s PD stalls through the router (ADR 0015).
     The engine here keeps the connection open, as a keep-alive engine does."""
     body = b'{"choices": []}'
     head_sent = asyncio.Event()

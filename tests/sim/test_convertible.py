@@ -158,7 +158,7 @@ def test_the_arrival_rule_costs_long_prompts_nothing_once_the_decoder_measured_i
     # The remote estimate counts the prompts ahead of it at the prefillers and its own at their measured pace
     # (conversion.remote_prefill_s); before, it was the oldest queued prompt's wait (0.27-0.60 s while long prompts
     # were queued), the decoder declined every long prompt after measuring its rate, and their mean TTFT was 1.67 s
-    # against 1.47 s without the rule (docs/worklog/2026-11-27-e/lead.md). Now it declines only while its rate is not
+    # against 1.47 s without the rule (bench/pd.py). Now it declines only while its rate is not
     # measured (just converted: the engine's warm-up), which costs 0.02 s of mean TTFT here (1.49 against 1.47 s).
     import kascade_sim.serving as sv
 
