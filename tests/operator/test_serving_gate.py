@@ -47,6 +47,19 @@ def test_open_only_while_bound_and_serving(ann: dict[str, str], bound: bool, wan
     assert G.wanted(pod(ann, bound)) is want
 
 
+def test_serving_label_follows_the_same_decision_on_every_pod() -> None:
+    """Chart 0.4 pool pods declare no gate (idle ones must be Ready): the label carries the decision."""
+    loaded = {L.LOADED: "true"}
+    assert G.label_pending([pod(loaded, declares=False)]) == [("p", True)]
+    labelled = pod(loaded, declares=False)
+    labelled["metadata"]["labels"][G.SERVING_LABEL] = "true"
+    assert G.label_pending([labelled]) == []
+    labelled["metadata"]["annotations"][L.DRAINING] = "now"
+    assert G.label_pending([labelled]) == [("p", False)]
+    assert G.label_pending([pod({}, bound=False, declares=False)]) == []  # idle: no label, nothing to write
+    assert G.label_patch(False) == {"metadata": {"labels": {G.SERVING_LABEL: None}}}
+
+
 def test_pending_writes_only_differences_on_pods_that_declare_the_gate() -> None:
     loaded = {L.LOADED: "true"}
     assert G.pending([pod(loaded)]) == [("p", True)]  # never written: closed
