@@ -55,8 +55,8 @@ def test_operator_args_and_env_are_real_settings(helm: Helm, monkeypatch: pytest
     assert s.leaf_label == "kascade.io/leaf" and s.metrics_source == "scrape"
     assert s.engine_token_secret == "rel-engine-token"  # what fallback pods reference
     assert s.pool_namespace == "default"  # the release's namespace: its pool and its Secret live there
-    token = next(e for e in c["env"] if e["name"] == "KASCADE_ENGINE_TOKEN")
-    assert token["valueFrom"]["secretKeyRef"] == {"name": "rel-engine-token", "key": "token"}
+    assert s.engine_token_create and s.engine_token_namespace == "default"  # made once by the operator if absent
+    assert not [e for e in c["env"] if "valueFrom" in e and "secretKeyRef" in e["valueFrom"]]
 
 
 def test_pool_engine_args_parse_and_name_the_model(helm: Helm, tmp_path: Path) -> None:
@@ -68,6 +68,9 @@ def test_pool_engine_args_parse_and_name_the_model(helm: Helm, tmp_path: Path) -
     assert params["empty"] and params["model_name"] == "m1" and params["host"] == "0.0.0.0"
     assert params["port"] == ports["http"] and params["act_port"] == ports["act"] and "data" in ports
     assert params["checkpoint"] == tmp_path / "m1"
+    # pool.engine: the capacity flags the real CLI takes (the engine's own defaults unless set)
+    assert (params["kv_tokens"], params["max_prompt_tokens"], params["max_seqs"], params["max_batch_tokens"],
+            params["dtype"]) == (65536, 2048, 64, 512, "auto")
 
 
 def test_pool_download_and_helm_test_commands_parse(helm: Helm, tmp_path: Path) -> None:
