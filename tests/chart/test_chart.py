@@ -128,7 +128,9 @@ def test_common_values_are_accepted_and_used(helm: Helm, tmp_path: Path) -> None
     pool = by(docs, "Deployment", "rel-pool")["spec"]["template"]
     assert op["metadata"]["annotations"] == {"a": "1", "b": "2"}
     # the pool's own: which model its engines serve (ModelServices of other models never bind them)
-    assert pool["metadata"]["annotations"] == {"a": "1", "kascade.io/model": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+    assert pool["metadata"]["annotations"] == {"a": "1", "kascade.io/model": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                                               "kascade.io/engine-capacity": "kvTokens=65536,maxBatchTokens=512,"
+                                                                             "maxPromptTokens=2048,maxSeqs=64"}
     assert op["spec"]["imagePullSecrets"] == [{"name": "g-pull"}, {"name": "pull"}] == pool["spec"]["imagePullSecrets"]
     assert op["spec"]["priorityClassName"] == "system-cluster-critical" and pool["spec"]["priorityClassName"] == "gpu-high"
     assert "nodeAffinity" in op["spec"]["affinity"] and pool["spec"]["affinity"] == {"podAntiAffinity": {}}
@@ -285,13 +287,13 @@ def test_router_is_a_read_only_watcher_behind_a_service(helm: Helm) -> None:
     assert pods_svc["spec"]["clusterIP"] == "None" and pods_svc["spec"]["selector"] == svc["spec"]["selector"]
     assert pods_svc["metadata"]["labels"]["app.kubernetes.io/component"] != "router"  # not scraped twice
     pool = by[("InferencePool", "chat")]
-    assert pool["spec"]["selector"] == {"matchLabels": {"kascade.io/model-service": "chat"}}
+    assert pool["spec"]["selector"] == {"matchLabels": {"kascade.io/model-service": "chat", "kascade.io/serving": "true"}}
     assert pool["spec"]["endpointPickerRef"]["name"] == "chat-epp"
     pool_spec = by[("Deployment", "rel-pool")]["spec"]["template"]["spec"]
     pod = pool_spec["containers"][0]
-    assert pod["readinessProbe"]["httpGet"]["path"] == "/readyz"  # Ready only while it can serve
-    # ... and while the operator's gate is open (bound and loaded or live, not draining)
-    assert pool_spec["readinessGates"] == [{"conditionType": "kascade.io/serving"}]
+    # Ready while healthy, idle too (the Deployment is available); serving is the operator's label, which the
+    # InferencePool above selects (bound and loaded or live, not draining)
+    assert pod["readinessProbe"]["httpGet"]["path"] == "/healthz" and "readinessGates" not in pool_spec
     op_rules = by[("ClusterRole", "rel-operator")]["rules"]
     assert {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]} in op_rules
     assert {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "PodDisruptionBudget"} == {
