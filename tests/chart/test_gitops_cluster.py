@@ -136,13 +136,13 @@ def test_namespace_editors_and_viewers_get_kascade_objects(control_plane: Contro
     cp.kubectl("-n", ns, "create", "rolebinding", "alice-edit", "--clusterrole=edit", "--user=alice")
     cp.kubectl("-n", ns, "create", "rolebinding", "bob-view", "--clusterrole=view", "--user=bob")
 
-    def can(user: str, *what: str) -> str:
-        return cp.kubectl("auth", "can-i", *what, "-n", ns, "--as", user, check=False).stdout.strip()
+    def can(user: str, *what: str, where: str = ns) -> str:
+        return cp.kubectl("auth", "can-i", *what, "-n", where, "--as", user, check=False).stdout.strip()
 
     # the controller-manager's aggregation controller folds the chart's roles into edit and view
     wait_for(lambda: can("alice", "create", "modelservices.kascade.io") == "yes", timeout=30, what="edit aggregated")
     wait_for(lambda: can("bob", "list", "scaleplans.kascade.io") == "yes", timeout=30, what="view aggregated")
     assert can("alice", "delete", "modelserviceroles.kascade.io") == "yes"
     assert can("bob", "create", "modelservices.kascade.io") == "no"
-    assert can("alice", "create", "modelservices.kascade.io", "-n", "default") == "no"  # only where bound
+    assert can("alice", "create", "modelservices.kascade.io", where="default") == "no"  # only where bound
     cp.helm("uninstall", "rb", "-n", ns)
