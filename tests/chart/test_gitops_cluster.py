@@ -23,10 +23,13 @@ import yaml
 
 from kascade_devcluster.controlplane import ControlPlane
 from kascade_devcluster.kubeconfig import kubeconfig_text
+from kascade_devcluster.localengine import start_engine
 from kascade_devcluster.nodes import KWOK_TOLERATION
 from kascade_devcluster.waiting import wait_for
+from kascade_engine.checkpoint import tiny_llama
 from kascade_operator import enginetoken, serving_gate
 from kascade_operator import labels as L
+from kascade_operator.engine_client import EngineClient, EngineError
 from kascade_operator.kube import Kube
 
 pytestmark = pytest.mark.cluster
@@ -88,6 +91,26 @@ def test_token_made_once_survives_upgrade_and_gitops_apply_and_serving_is_a_labe
     for p in pods:
         ref = next(e for e in p["spec"]["containers"][0]["env"] if e["name"] == "KASCADE_ENGINE_TOKEN")
         assert ref["valueFrom"]["secretKeyRef"] == {"name": name, "key": "token"}
+
+    # the pieces agree: an engine started as the kubelet starts a pool pod (KASCADE_ENGINE_TOKEN from that
+    # Secret) accepts the operator's control calls, and refuses a token it was not given
+    ckpt = tiny_llama(tmp_path / "tiny", layers=2, hidden=64, vocab=512)
+    engine = start_engine(["--empty", f"--checkpoint={ckpt}", "--model-name=tiny"], token=token(cp, ns, name))
+
+    async def control(with_token: str) -> int:
+        client = EngineClient(with_token)
+        try:
+            await client.status(f"127.0.0.1:{engine.http}")
+            return 200
+        except EngineError as e:
+            return e.status or 0
+        finally:
+            await client.aclose()
+
+    try:
+        assert asyncio.run(control(t)) == 200 and asyncio.run(control("a-token-rendered-at-another-sync")) in (401, 403)
+    finally:
+        engine.stop()
 
     cp.helm("upgrade", "gx", str(CHART), "-n", ns, "-f", str(values), "--wait", "--timeout=90s")
     rendered = cp.helm("template", "gx", str(CHART), "-n", ns, "-f", str(values)).stdout  # how Argo CD renders
