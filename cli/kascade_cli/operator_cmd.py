@@ -6,7 +6,12 @@ kascade_operator.handlers.build_registry -> kopf.run against the cluster of KUBE
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
+
+if TYPE_CHECKING:
+    from kascade_operator.settings import OperatorSettings
 
 
 @click.group("operator")
@@ -76,6 +81,7 @@ def run(namespaces: tuple[str, ...], interval: float | None, rate_window: float 
         engine_tls_context(settings.engine_ca_file)
     except ValueError as e:
         raise click.UsageError(f"KASCADE_OPERATOR_ENGINE_CA_FILE: {e}") from None
+    settings = _preflight(settings)
     namespaces_watched = list(settings.namespaces)
     if namespaces_watched and settings.pool_namespace and settings.pool_namespace not in namespaces_watched:
         namespaces_watched.append(settings.pool_namespace)  # the pool's pods are read from a watch
@@ -94,3 +100,31 @@ def run(namespaces: tuple[str, ...], interval: float | None, rate_window: float 
     except LeadershipLost as e:
         click.echo(f"kascade operator: {e}; exiting so a standby can lead", err=True)
         sys.exit(3)
+
+
+def _preflight(settings: OperatorSettings) -> OperatorSettings:
+    """Before kopf starts: a cluster to talk to and the engine token, or one error line and exit 1 (kopf
+    would print a traceback and retry forever). Returns the settings with the token resolved."""
+    import asyncio
+    import logging
+    import sys
+
+    from kascade_operator import enginetoken
+    from kascade_operator.kube import Kube, NoCluster
+
+    async def check() -> str | None:
+        kube = await Kube.connect()
+        try:
+            if settings.engine_token:
+                return None
+            return await enginetoken.ensure(kube, enginetoken.token_namespace(settings.engine_token_namespace),
+                                            settings.engine_token_secret, settings.engine_token_create)
+        finally:
+            await kube.close()
+
+    try:
+        token = asyncio.run(check())
+    except (NoCluster, enginetoken.TokenUnavailable) as e:
+        logging.getLogger(__name__).error("kascade operator: %s", e)  # one line, in the chosen log format
+        sys.exit(1)
+    return settings.model_copy(update={"engine_token": token}) if token else settings

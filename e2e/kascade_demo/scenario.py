@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -167,6 +168,8 @@ class Demo:
                      # the operator, the pool's engines and the router run as local processes (KWOK runs no
                      # containers): the chart brings CRDs, RBAC and the engine token
                      "--set", "operator.enabled=false", "--set", "pool.enabled=false", "--set", "router.enabled=false",
+                     # no operator in the release to create the token Secret: the chart renders this one
+                     "--set", f"engineToken.value={secrets.token_urlsafe(30)}",
                      "--wait", "--timeout=120s")
         self.cp.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/modelservices.kascade.io",
                         "crd/scaleplans.kascade.io")

@@ -66,8 +66,17 @@ class Toleration(Model):
     toleration_seconds: int | None = None
 
 
+class EngineCapacity(Model):
+    """spec.engine.capacity: engine serve flags fixed at pod start (kascade_operator.capacity)."""
+    kv_tokens: int | None = Field(default=None, ge=1)
+    max_prompt_tokens: int | None = Field(default=None, ge=1)
+    max_seqs: int | None = Field(default=None, ge=1)
+    max_batch_tokens: int | None = Field(default=None, ge=1)
+
+
 class EngineSpec(Model):
     image: str = Field(min_length=1)
+    capacity: EngineCapacity | None = None
     tp: int = Field(default=1, ge=1, le=64)
     port: int = Field(default=8000, ge=1, le=65535)
     data_port: int = Field(default=18515, ge=1, le=65535)

@@ -23,7 +23,7 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
-from kascade_operator import converter, hostcopykeeper, plandriver, rolesync, serving_gate
+from kascade_operator import converter, enginetoken, hostcopykeeper, plandriver, rolesync, serving_gate
 from kascade_operator import labels as L
 from kascade_operator.api import ModelServiceSpec
 from kascade_operator.decide import RoleDecision, RoleInput, decide_roles
@@ -296,7 +296,9 @@ async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods:
                            run_as_user=rt.settings.engine_run_as_user, transport=rt.settings.engine_transport,
                            ucx_tcp_ports=rt.settings.engine_ucx_tcp_ports,
                            activation_dscp=rt.settings.engine_activation_dscp,
-                           host_cache_gib=rt.settings.engine_host_cache_gib)
+                           host_cache_gib=rt.settings.engine_host_cache_gib,
+                           installation_capacity=rt.settings.engine_capacity, dtype=rt.settings.engine_dtype,
+                           default_resources=rt.settings.engine_resources)
         made = []
         for _ in range(action.count):
             made.append((await rt.kube.create_pod(pool_ns, pod))["metadata"]["name"])
@@ -369,10 +371,9 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         settings.watching.server_timeout = 60
         s = op_settings
         kube = await Kube.connect()
-        token = s.engine_token or "unset"
-        if not s.engine_token:
-            for ns in s.namespaces or ["default"]:
-                token = await kube.secret_value(ns, s.engine_token_secret) or token
+        # the CLI resolves the token before kopf starts (a clear exit when it cannot); others get it here
+        token = s.engine_token or await enginetoken.ensure(kube, enginetoken.token_namespace(s.engine_token_namespace),
+                                                           s.engine_token_secret, s.engine_token_create)
         om = OperatorMetrics()
         if s.metrics_port:
             om.serve(s.metrics_port)

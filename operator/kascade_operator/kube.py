@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
 import uuid
 from datetime import UTC, datetime
 from typing import Any
@@ -30,6 +31,10 @@ class Conflict(RuntimeError):
 
 class NotFound(RuntimeError):
     pass
+
+
+class NoCluster(RuntimeError):
+    """Neither in a pod with a service account nor a usable kubeconfig: one line saying what was tried."""
 
 
 def now_iso() -> str:
@@ -54,15 +59,30 @@ class Kube:
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
 
-    @classmethod
-    async def connect(cls, kubeconfig: str | None = None) -> Kube:
+    @staticmethod
+    async def configuration(kubeconfig: str | None = None) -> client.Configuration | None:
+        """In-cluster (None: the library's default) else the kubeconfig's; NoCluster names both sources."""
         try:
             config.load_incluster_config()
-            cfg = None
-        except config.ConfigException:
+            return None
+        except config.ConfigException as in_pod:
             cfg = client.Configuration()
-            await config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
-        return cls(client.ApiClient(configuration=cfg))
+            path = kubeconfig or os.environ.get("KUBECONFIG") or os.path.expanduser(config.KUBE_CONFIG_DEFAULT_LOCATION)
+            first = path.split(os.pathsep)[0]
+            why = f"not in a pod ({in_pod})"
+            if not os.path.exists(first):
+                raise NoCluster(f"no Kubernetes cluster to talk to: {why} and no kubeconfig at {first}: set "
+                                "KUBECONFIG or run in-cluster") from None
+            try:
+                await config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+            except Exception as e:  # config, YAML and file errors alike: whatever it is, one line naming the file
+                raise NoCluster(f"no Kubernetes cluster to talk to: {why} and the kubeconfig {path} is not usable: "
+                                f"{' '.join(str(e).split())}") from None
+            return cfg
+
+    @classmethod
+    async def connect(cls, kubeconfig: str | None = None) -> Kube:
+        return cls(client.ApiClient(configuration=await cls.configuration(kubeconfig)))
 
     async def close(self) -> None:
         await self.api.close()
@@ -134,6 +154,21 @@ class Kube:
         return base64.b64decode(raw).decode() if raw else None
 
     # -- writes ----------------------------------------------------------------------------------
+    async def create_secret(self, ns: str, name: str, data: dict[str, str], labels: dict[str, str]) -> bool:
+        """Create an Opaque Secret; False when it exists already (409). 403 -> PermissionError."""
+        body = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+                "metadata": {"name": name, "namespace": ns, "labels": labels},
+                "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}}
+        try:
+            await self.core.create_namespaced_secret(ns, body, _request_timeout=self.t)
+        except ApiException as e:
+            if e.status == 409:
+                return False
+            if e.status == 403:
+                raise PermissionError(f"create secret {ns}/{name}: forbidden ({e.reason})") from None
+            raise
+        return True
+
     async def patch_pod(self, ns: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
         resp = await self.core.patch_namespaced_pod(name, ns, patch, _content_type=MERGE, _preload_content=False,
                                                     _request_timeout=self.t)

@@ -29,6 +29,7 @@ import posixpath
 from collections.abc import Mapping
 from typing import Any
 
+from kascade_operator import capacity
 from kascade_operator import labels as L
 from kascade_operator.api import ModelServiceSpec
 from kascade_operator.settings import AF41, OperatorSettings
@@ -40,6 +41,8 @@ TLS_MOUNT = "/etc/kascade/tls"  # the data-plane TLS Secret in engine pods (the 
 TLS_FILES = {"cert": "tls.crt", "key": "tls.key", "ca": "ca.crt"}  # flag -> key (cert-manager's Secret layout)
 
 
+INIT_RESOURCES = {"requests": {"cpu": "100m", "memory": "256Mi"},
+                  "limits": {"cpu": "1", "memory": "1Gi"}}  # the config+tokenizer download of an hf:// source
 CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                       "capabilities": {"drop": ["ALL"]}}  # what the chart's containers have (restricted profile)
 
@@ -122,7 +125,8 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
                  act_port: int = ACT_PORT, hf_endpoint: str = "", hf_token_secret: str = "",
                  log_format: str = "text", tls_secret: str = "", run_as_user: int = 65532,
                  transport: str = "tcp", ucx_tcp_ports: str = "", activation_dscp: int = AF41,
-                 host_cache_gib: float = 0.0) -> dict[str, Any]:
+                 host_cache_gib: float = 0.0, installation_capacity: Mapping[str, int] | None = None,
+                 dtype: str = "auto", default_resources: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A new warm-pool engine pod for this model, reserved for service `key` (annotation created-for):
     it joins the pool and is bound in a later round like any pool pod. Call only when `refusals()` is
     empty. An `hf://` source: an init container fetches config and tokenizer (what an empty engine is
@@ -133,8 +137,11 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
     UCX_TCP_PORT_RANGE, the range the pool's NetworkPolicy admits. `activation_dscp`: the engine's
     --activation-dscp, the pool's (0: its activation connections and HTTP answers go unmarked).
     `host_cache_gib`: the engine's --host-cache-gib, the pool's (a service on fallback pods keeps its host copy
-    too; 0: it keeps none)."""
+    too; 0: it keeps none). Capacity flags: spec.engine.capacity over `installation_capacity` (the pool's),
+    annotated like pool pods (capacity.py); `dtype`: the pool's --dtype (spec.model.dtype still wins at bind).
+    `default_resources`: the pool's container resources, for a spec without spec.engine.resources."""
     e, src = spec.engine, spec.model.source
+    cap = capacity.effective(e.capacity, installation_capacity or {})
     ckpt = checkpoint_path(spec)
     hub = hub_uri(spec)
     init: list[dict[str, Any]] = []
@@ -153,6 +160,7 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
                               "--config-only"],
                      "env": [{"name": "KASCADE_LOG_FORMAT", "value": log_format}, {"name": "HOME", "value": "/tmp"},
                              *_hub_env(hf_endpoint, hf_token_secret)],
+                     "resources": dict(INIT_RESOURCES),
                      "securityContext": dict(CONTAINER_SECURITY),
                      "volumeMounts": [mount, cache, {"name": "tmp", "mountPath": "/tmp"}]})
     elif src.pvc is not None:
@@ -184,13 +192,14 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
         "args": ["kascade", "engine", "serve", "--empty", "--host=0.0.0.0", f"--port={e.port}", f"--act-port={act_port}",
                  f"--transport={transport}", f"--activation-dscp={activation_dscp}",
                  f"--host-cache-gib={host_cache_gib:g}", f"--checkpoint={ckpt}",
-                 f"--model-name={spec.model.name}",
+                 f"--model-name={spec.model.name}", *capacity.args(cap), f"--dtype={dtype}",
                  *(tls_args() if tls_secret else [])],
         "env": env,
         "ports": [{"containerPort": e.port, "name": "http"}, {"containerPort": e.data_port, "name": "data"},
                   {"containerPort": act_port, "name": "act"}],
-        # as the chart's pool pods: Ready only while the engine can serve (/readyz) and the operator's
-        # serving gate is open (bound and loaded or live, not draining); /healthz only keeps it alive
+        # Ready only while the engine can serve (/readyz) and the operator's serving gate is open (bound and
+        # loaded or live, not draining): a fallback pod belongs to no Deployment, so no availability waits
+        # on it (the chart's pool pods are Ready when healthy and select serving by label instead)
         "readinessProbe": {"httpGet": probe("/readyz"), "periodSeconds": 1, "failureThreshold": 1},
         "livenessProbe": {"httpGet": probe("/healthz"), "periodSeconds": 10},
         # started only once the engine's HTTP server answers: the operator binds started pods only
@@ -202,9 +211,13 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
         extra_volumes.append({"name": "data-plane-tls", "secret": {"secretName": tls_secret}})
     if e.resources:
         container["resources"] = e.resources.model_dump(exclude_none=True)
+    elif default_resources:
+        container["resources"] = {k: dict(v) for k, v in default_resources.items()}
     meta: dict[str, Any] = {"generateName": "kascade-fallback-",
                             "labels": {L.POOL: L.POOL_WARM, L.MANAGED_BY: "kascade"},
                             "annotations": {L.MODEL: spec.model.name, L.CREATED_FOR: key}}
+    if cap:
+        meta["annotations"][L.ENGINE_CAPACITY] = capacity.annotation(cap)
     if owner is not None:
         meta["ownerReferences"] = [dict(owner)]
     pod: dict[str, Any] = {"apiVersion": "v1", "kind": "Pod", "metadata": meta,

@@ -14,7 +14,9 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kascade_operator import capacity
 from kascade_operator import labels as L
+from kascade_operator.api import EngineCapacity
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class PodView:
     convertible: bool = False  # a decoder converted to take prefill too (annotation kascade.io/convertible)
     host_copy: str | None = None  # the model its engine keeps in host memory (annotation kascade.io/host-copy)
     host_copy_refused: str | None = None  # the model its engine declined to keep a copy of (its budget)
+    capacity: str | None = None  # the engine's capacity flags (annotation kascade.io/engine-capacity)
 
 
 def service_key(namespace: str, name: str, pool_namespace: str) -> str:
@@ -91,13 +94,15 @@ def pod_view(pod: Mapping[str, Any], node_leaf: Mapping[str, str] | None = None)
         act_endpoint=ann.get(L.ACT_ENDPOINT), model=ann.get(L.MODEL), created_for=ann.get(L.CREATED_FOR),
         pod_ready=ready, unschedulable=unschedulable, namespace=ns,
         running=phase in (None, "Running") and started, convertible=ann.get(L.CONVERTIBLE) == "true",
-        host_copy=ann.get(L.HOST_COPY) or None, host_copy_refused=ann.get(L.HOST_COPY_REFUSED) or None)
+        host_copy=ann.get(L.HOST_COPY) or None, host_copy_refused=ann.get(L.HOST_COPY_REFUSED) or None,
+        capacity=ann.get(L.ENGINE_CAPACITY))
 
 
-def can_serve(p: PodView, model: str, service: str) -> bool:
-    """An idle pool pod this service may bind: its engine serves this model (or any), and it was not
-    created as a fallback for another service."""
-    return (p.model is None or p.model == model) and (p.created_for is None or p.created_for == service)
+def can_serve(p: PodView, model: str, service: str, cap: EngineCapacity | None = None) -> bool:
+    """An idle pool pod this service may bind: its engine serves this model (or any), it was not created
+    as a fallback for another service, and it was started with the capacity the service asks for."""
+    return ((p.model is None or p.model == model) and (p.created_for is None or p.created_for == service)
+            and capacity.matches(p.capacity, cap))
 
 
 def choose_targets(idle: Sequence[PodView], k: int, source_leaves: Collection[str | None]) -> list[PodView]:

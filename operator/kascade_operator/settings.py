@@ -30,7 +30,14 @@ class OperatorSettings(BaseSettings):
                                        description="tokens/s over this sliding window of scrapes (0: last two)")
     engine_timeout_seconds: float = Field(default=2.0, gt=0, le=300)
     engine_token: str | None = Field(default=None, min_length=1, description="bearer token for the engine control API")
-    engine_token_secret: str = "kascade-engine-token"  # Secret (key `token`) in each namespace when no token is set
+    engine_token_secret: str = Field(default="kascade-engine-token", min_length=1, description="Secret (key "
+                                     "`token`) holding the engine control token when engine_token is not set; "
+                                     "engine pods (the pool's, the fallback pods) reference it too")
+    engine_token_namespace: str = Field(default="", description="namespace of engine_token_secret (default: the "
+                                        "pod's namespace from POD_NAMESPACE, else 'default')")
+    engine_token_create: bool = Field(default=False, description="create engine_token_secret with a random token "
+                                      "when it is absent (the chart's default: a token that stays the same under "
+                                      "`helm template`/GitOps rendering); false: wait for it, then fail")
     engine_tls_secret: str = Field(default="", description="Secret (tls.crt, tls.key, ca.crt) the fallback pods "
                                    "mount to serve the data plane over mutual TLS, as the chart's pool does when "
                                    "dataPlaneTls.secretName is set; empty = plain TCP")
@@ -47,6 +54,18 @@ class OperatorSettings(BaseSettings):
     engine_ucx_tcp_ports: str = Field(default="", pattern=r"^(\d{1,5}-\d{1,5})?$", description="UCX_TCP_PORT_RANGE "
                                       "(first-last) of the fallback pods with engine_transport ucx, the pool's "
                                       "pool.ucxTcpPorts (its NetworkPolicy admits that range); empty = UCX's default")
+    engine_capacity: dict[str, int] = Field(default_factory=dict, description="the pool engines' capacity "
+                                            "(chart pool.engine: kvTokens, maxPromptTokens, maxSeqs, "
+                                            "maxBatchTokens), JSON; fallback pods get it where their "
+                                            "ModelService's spec.engine.capacity sets nothing; empty = the "
+                                            "engine's defaults")
+    engine_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(default="auto", description="the "
+                                                                           "fallback pods' engine --dtype, the "
+                                                                           "pool's pool.engine.dtype")
+    engine_resources: dict[str, dict[str, int | str]] = Field(default_factory=dict, description="container "
+                                                              "resources (JSON) of fallback pods whose "
+                                                              "ModelService sets no spec.engine.resources: the "
+                                                              "pool's pool.resources (and GPU limit); empty = none")
     engine_ca_file: str = Field(default="", description="PEM CA the engines' HTTP port certificates chain to: "
                                 "with it the operator calls the control API and scrapes /metrics over HTTPS "
                                 "(names not checked: engines are pod IPs), as engines started with TLS files "
@@ -104,6 +123,15 @@ class OperatorSettings(BaseSettings):
     lease_renew_deadline_seconds: float = Field(default=10.0, gt=1, le=300)
     lease_retry_seconds: float = Field(default=2.0, ge=1, le=60)
     identity: str = Field(default="", description="this replica's name in the Lease (default: hostname + pid)")
+
+    @model_validator(mode="after")
+    def _capacity_keys(self) -> OperatorSettings:
+        bad = {k: v for k, v in self.engine_capacity.items()
+               if k not in ("kvTokens", "maxPromptTokens", "maxSeqs", "maxBatchTokens") or v < 1}
+        if bad:
+            raise ValueError(f"KASCADE_OPERATOR_ENGINE_CAPACITY: {bad} (keys kvTokens, maxPromptTokens, maxSeqs, "
+                             "maxBatchTokens; values >= 1)")
+        return self
 
     @model_validator(mode="after")
     def _prometheus_needs_url(self) -> OperatorSettings:

@@ -36,7 +36,8 @@ def test_template_renders_every_deployable(helm: Helm) -> None:
     kinds = sorted((d["kind"], d["metadata"]["name"]) for d in docs)
     assert kinds == sorted([
         ("ServiceAccount", "rel-operator"), ("ClusterRole", "rel-operator"), ("ClusterRoleBinding", "rel-operator"),
-        ("Role", "rel-operator-token"), ("RoleBinding", "rel-operator-token"), ("Secret", "rel-engine-token"),
+        ("Role", "rel-operator-token"), ("RoleBinding", "rel-operator-token"),  # the token Secret: the operator's
+        ("ClusterRole", "rel-edit"), ("ClusterRole", "rel-view"),  # aggregated into edit/admin and view
         ("Deployment", "rel-operator"), ("Deployment", "rel-pool"), ("Service", "rel-operator-metrics"),
         ("Service", "rel-engines"), ("NetworkPolicy", "rel-engines"), ("NetworkPolicy", "rel-operator"),
         ("Pod", "rel-test-models"), ("PodDisruptionBudget", "rel-operator"),
@@ -61,6 +62,7 @@ def test_template_renders_every_deployable(helm: Helm) -> None:
     role = by(docs, "Role", "rel-operator-token")
     assert role["rules"] == [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["rel-engine-token"],
                               "verbs": ["get", "watch"]},
+                             {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},  # once, when absent
                              {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
                              {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
                               "resourceNames": ["rel-operator"], "verbs": ["get", "update", "patch"]}]
@@ -126,7 +128,9 @@ def test_common_values_are_accepted_and_used(helm: Helm, tmp_path: Path) -> None
     pool = by(docs, "Deployment", "rel-pool")["spec"]["template"]
     assert op["metadata"]["annotations"] == {"a": "1", "b": "2"}
     # the pool's own: which model its engines serve (ModelServices of other models never bind them)
-    assert pool["metadata"]["annotations"] == {"a": "1", "kascade.io/model": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+    assert pool["metadata"]["annotations"] == {"a": "1", "kascade.io/model": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                                               "kascade.io/engine-capacity": "kvTokens=65536,maxBatchTokens=512,"
+                                                                             "maxPromptTokens=2048,maxSeqs=64"}
     assert op["spec"]["imagePullSecrets"] == [{"name": "g-pull"}, {"name": "pull"}] == pool["spec"]["imagePullSecrets"]
     assert op["spec"]["priorityClassName"] == "system-cluster-critical" and pool["spec"]["priorityClassName"] == "gpu-high"
     assert "nodeAffinity" in op["spec"]["affinity"] and pool["spec"]["affinity"] == {"podAntiAffinity": {}}
@@ -167,12 +171,11 @@ def test_one_token_secret_name_everywhere(helm: Helm) -> None:
         op = by(docs, "Deployment", f"{full}-operator")["spec"]["template"]["spec"]["containers"][0]
         env = {e["name"]: e for e in op["env"]}
         assert env["KASCADE_OPERATOR_ENGINE_TOKEN_SECRET"]["value"] == name
-        assert env["KASCADE_ENGINE_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == name
+        assert "KASCADE_ENGINE_TOKEN" not in env  # read (or created) through the API, never a secretKeyRef
         pool = by(docs, "Deployment", f"{full}-pool")["spec"]["template"]["spec"]["containers"][0]
         assert next(e for e in pool["env"] if e["name"] == "KASCADE_ENGINE_TOKEN")["valueFrom"]["secretKeyRef"]["name"] == name
         assert by(docs, "Role", f"{full}-operator-token")["rules"][0]["resourceNames"] == [name]
-        secrets = [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"]
-        assert secrets == ([] if name == "mine" else [name])
+        assert not [d for d in docs if d["kind"] == "Secret"]  # nothing generated at render (GitOps)
 
 
 def test_pool_namespace_has_one_source(helm: Helm) -> None:
@@ -214,7 +217,7 @@ def test_network_policy_opens_engine_ports_only_to_kascade_pods(helm: Helm) -> N
 def test_pod_monitor_watches_the_namespaces_engine_pods_live_in(helm: Helm) -> None:
     """Engine pods (warm, bound, fallback) live in the pool's namespace; without a pool namespace each
     ModelService's fallback pods live in its own namespace, so the PodMonitor must look there too."""
-    on = ("--set", "monitoring.podMonitor.enabled=true")
+    on = ("--set", "monitoring.podMonitor.enabled=true", "--api-versions", "monitoring.coreos.com/v1/PodMonitor")
 
     def selector(*args: str) -> dict[str, Any]:
         return dict(by(render(helm, *on, *args), "PodMonitor", "rel-engines")["spec"]["namespaceSelector"])
@@ -228,8 +231,8 @@ def test_pod_monitor_watches_the_namespaces_engine_pods_live_in(helm: Helm) -> N
 
 def test_monitoring_pack_renders_when_enabled(helm: Helm) -> None:
     assert not [d for d in render(helm) if d["kind"] in {"ServiceMonitor", "PodMonitor", "PrometheusRule"}]
-    docs = render(helm, "--set", "monitoring.serviceMonitor.enabled=true", "--set", "monitoring.podMonitor.enabled=true",
-                  "--set", "monitoring.prometheusRule.enabled=true", "--set", "monitoring.grafanaDashboard.enabled=true",
+    docs = render(helm, "--set", "monitoring.serviceMonitor.enabled=true", "--api-versions", "monitoring.coreos.com/v1/ServiceMonitor", "--set", "monitoring.podMonitor.enabled=true", "--api-versions", "monitoring.coreos.com/v1/PodMonitor",
+                  "--set", "monitoring.prometheusRule.enabled=true", "--api-versions", "monitoring.coreos.com/v1/PrometheusRule", "--set", "monitoring.grafanaDashboard.enabled=true",
                   "--set", "monitoring.prometheusRule.scaleUpStuckMinutes=7")
     sm = by(docs, "ServiceMonitor", "rel-operator")
     svc = by(docs, "Service", "rel-operator-metrics")
@@ -260,7 +263,7 @@ def test_observability_files_are_generated_from_their_source() -> None:
 def test_router_is_a_read_only_watcher_behind_a_service(helm: Helm) -> None:
     docs = [d for d in yaml.safe_load_all(helm(
         "template", "rel", str(CHART), "-n", "ns", "--set", "router.enabled=true", "--set", "router.replicas=3",
-        "--set", "router.inferencePool.pools[0].modelService=chat",
+        "--set", "router.inferencePool.pools[0].modelService=chat", "--api-versions", "inference.networking.k8s.io/v1/InferencePool",
         "--set", "router.inferencePool.pools[0].endpointPicker.name=chat-epp").stdout) if d]
     by = {(d["kind"], d["metadata"]["name"]): d for d in docs}
     role = by[("ClusterRole", "rel-router")]
@@ -284,13 +287,13 @@ def test_router_is_a_read_only_watcher_behind_a_service(helm: Helm) -> None:
     assert pods_svc["spec"]["clusterIP"] == "None" and pods_svc["spec"]["selector"] == svc["spec"]["selector"]
     assert pods_svc["metadata"]["labels"]["app.kubernetes.io/component"] != "router"  # not scraped twice
     pool = by[("InferencePool", "chat")]
-    assert pool["spec"]["selector"] == {"matchLabels": {"kascade.io/model-service": "chat"}}
+    assert pool["spec"]["selector"] == {"matchLabels": {"kascade.io/model-service": "chat", "kascade.io/serving": "true"}}
     assert pool["spec"]["endpointPickerRef"]["name"] == "chat-epp"
     pool_spec = by[("Deployment", "rel-pool")]["spec"]["template"]["spec"]
     pod = pool_spec["containers"][0]
-    assert pod["readinessProbe"]["httpGet"]["path"] == "/readyz"  # Ready only while it can serve
-    # ... and while the operator's gate is open (bound and loaded or live, not draining)
-    assert pool_spec["readinessGates"] == [{"conditionType": "kascade.io/serving"}]
+    # Ready while healthy, idle too (the Deployment is available); serving is the operator's label, which the
+    # InferencePool above selects (bound and loaded or live, not draining)
+    assert pod["readinessProbe"]["httpGet"]["path"] == "/healthz" and "readinessGates" not in pool_spec
     op_rules = by[("ClusterRole", "rel-operator")]["rules"]
     assert {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]} in op_rules
     assert {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "PodDisruptionBudget"} == {
@@ -320,8 +323,8 @@ def test_rbac_grants_no_wildcards_or_secret_listing(helm: Helm) -> None:
     for d in docs:
         for rule in d.get("rules", []):
             assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
-            if "secrets" in rule["resources"]:
-                assert d["kind"] == "Role" and rule.get("resourceNames"), rule
+            if "secrets" in rule["resources"]:  # `create` cannot be limited to a name; nothing lists or reads others
+                assert d["kind"] == "Role" and (rule.get("resourceNames") or rule["verbs"] == ["create"]), rule
 
 
 @pytest.mark.parametrize(
@@ -345,7 +348,8 @@ def test_existing_secret_suppresses_generated_one(helm: Helm) -> None:
     assert not [d for d in docs if d["kind"] == "Secret"]
     op = next(d for d in docs if d["metadata"]["name"] == "rel-operator" and d["kind"] == "Deployment")
     env = {e["name"]: e for e in op["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert env["KASCADE_ENGINE_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "mine"
+    assert env["KASCADE_OPERATOR_ENGINE_TOKEN_SECRET"]["value"] == "mine"
+    assert env["KASCADE_OPERATOR_ENGINE_TOKEN_CREATE"]["value"] == "false"  # the user's Secret: waited for, never made
 
 
 def test_chart_crds_equal_source_and_manifests_current(helm: Helm) -> None:

@@ -55,8 +55,8 @@ def test_operator_args_and_env_are_real_settings(helm: Helm, monkeypatch: pytest
     assert s.leaf_label == "kascade.io/leaf" and s.metrics_source == "scrape"
     assert s.engine_token_secret == "rel-engine-token"  # what fallback pods reference
     assert s.pool_namespace == "default"  # the release's namespace: its pool and its Secret live there
-    token = next(e for e in c["env"] if e["name"] == "KASCADE_ENGINE_TOKEN")
-    assert token["valueFrom"]["secretKeyRef"] == {"name": "rel-engine-token", "key": "token"}
+    assert s.engine_token_create and s.engine_token_namespace == "default"  # made once by the operator if absent
+    assert not [e for e in c["env"] if "valueFrom" in e and "secretKeyRef" in e["valueFrom"]]
 
 
 def test_pool_engine_args_parse_and_name_the_model(helm: Helm, tmp_path: Path) -> None:
@@ -68,6 +68,9 @@ def test_pool_engine_args_parse_and_name_the_model(helm: Helm, tmp_path: Path) -
     assert params["empty"] and params["model_name"] == "m1" and params["host"] == "0.0.0.0"
     assert params["port"] == ports["http"] and params["act_port"] == ports["act"] and "data" in ports
     assert params["checkpoint"] == tmp_path / "m1"
+    # pool.engine: the capacity flags the real CLI takes (the engine's own defaults unless set)
+    assert (params["kv_tokens"], params["max_prompt_tokens"], params["max_seqs"], params["max_batch_tokens"],
+            params["dtype"]) == (65536, 2048, 64, 512, "auto")
 
 
 def test_pool_download_and_helm_test_commands_parse(helm: Helm, tmp_path: Path) -> None:
@@ -109,13 +112,15 @@ def test_fallback_pod_runs_a_real_engine_command(helm: Helm, tmp_path: Path) -> 
     assert params["checkpoint"] == ckpt and params["model_name"] == "m" and params["port"] == 8100 and params["empty"]
     assert pod["spec"]["volumes"][0]["hostPath"]["path"] == str(ckpt) == c["volumeMounts"][0]["mountPath"]
     assert c["env"][0]["valueFrom"]["secretKeyRef"]["name"] == "tok"
-    # Ready exactly like the chart's pool pods: the engine's /readyz and the operator's serving gate
+    # a fallback pod is in no Deployment: Ready only while it can serve (/readyz and the operator's gate); the
+    # chart's pool pods are Ready when healthy (/healthz, available to their Deployment), serving by label
     docs = [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART)).stdout) if d]
     chart_pool = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-pool")
     chart_spec = chart_pool["spec"]["template"]["spec"]
-    assert pod["spec"]["readinessGates"] == chart_spec["readinessGates"] == [{"conditionType": "kascade.io/serving"}]
-    for probe in ("readinessProbe", "livenessProbe"):
-        assert c[probe]["httpGet"] == chart_spec["containers"][0][probe]["httpGet"], probe
+    assert pod["spec"]["readinessGates"] == [{"conditionType": "kascade.io/serving"}] and "readinessGates" not in chart_spec
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert chart_spec["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/healthz"
+    assert c["livenessProbe"]["httpGet"] == chart_spec["containers"][0]["livenessProbe"]["httpGet"]
     uri = spec.model_copy(update={"model": spec.model.model_copy(update={"source": spec.model.source.model_copy(
         update={"path": None, "uri": f"file://{ckpt}"})})})
     assert parse(fallback_pod(uri, "svc", "tok", None)["spec"]["containers"][0]["args"])["checkpoint"] == ckpt
@@ -203,7 +208,8 @@ def test_data_plane_tls_secret_reaches_pool_and_fallback_engines_alike(helm: Hel
 
 def _render(helm: Helm, tmp: Path, values: dict[str, Any]) -> list[dict[str, Any]]:
     (tmp / "values.yaml").write_text(yaml.safe_dump(values))
-    return [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), "-f", str(tmp / "values.yaml")).stdout) if d]
+    apis = [a for k in ("ServiceMonitor", "PodMonitor", "PrometheusRule") for a in ("--api-versions", f"monitoring.coreos.com/v1/{k}")]
+    return [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), "-f", str(tmp / "values.yaml"), *apis).stdout) if d]
 
 
 def _deployment(docs: list[dict[str, Any]], name: str) -> dict[str, Any]:
@@ -268,8 +274,9 @@ def test_data_plane_tls_makes_the_engines_http_port_https_for_probes_and_every_c
                                             "engine": {"image": "img:1"}, "mode": "colocated",
                                             "replicas": {"colocated": {"min": 1, "max": 2}}})
     fb = fallback_pod(spec, "svc", "tok", None, tls_secret=settings.engine_tls_secret)["spec"]["containers"][0]
-    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
-        assert fb[probe]["httpGet"] == pool[probe]["httpGet"], probe
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):  # same scheme and port; readiness path
+        assert {k: v for k, v in fb[probe]["httpGet"].items() if k != "path"} == \
+            {k: v for k, v in pool[probe]["httpGet"].items() if k != "path"}, probe  # differs (fallback: /readyz)
     fb_plain = fallback_pod(spec, "svc", "tok", None)["spec"]["containers"][0]
     assert "scheme" not in fb_plain["readinessProbe"]["httpGet"]
     # Prometheus: https with the Secret's CA; no name to check unless serverName says one

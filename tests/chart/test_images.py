@@ -329,10 +329,13 @@ def test_every_port_the_chart_wires_is_declared_and_listened_on(helm: Helm, tmp_
     from kascade_operator.pool import pod_view
 
     (tmp_path / "m").mkdir()  # click checks the checkpoint directory exists, as it would in the pod
-    docs = rendered(helm, "--set", "monitoring.serviceMonitor.enabled=true", "--set", "monitoring.podMonitor.enabled=true",
+    docs = rendered(helm, "--set", "monitoring.serviceMonitor.enabled=true", "--api-versions", "monitoring.coreos.com/v1/ServiceMonitor", "--set", "monitoring.podMonitor.enabled=true", "--api-versions", "monitoring.coreos.com/v1/PodMonitor",
                     "--set", f"pool.model.mountPath={tmp_path}", "--set", f"pool.model.path={tmp_path / 'm'}")
-    pods = [(d["metadata"]["name"], d["spec"]["template"]["metadata"]["labels"], d["spec"]["template"]["spec"])
-            for d in docs if d["kind"] == "Deployment"]
+    # a pool pod serving: the operator's serving label added (what the engines Service selects)
+    serving = {"kascade.io/serving": "true"}
+    pods = [(d["metadata"]["name"], {**d["spec"]["template"]["metadata"]["labels"],
+                                     **(serving if d["metadata"]["name"] == "rel-pool" else {})},
+             d["spec"]["template"]["spec"]) for d in docs if d["kind"] == "Deployment"]
     spec = ModelServiceSpec.model_validate({"model": {"name": "m", "source": {"path": str(tmp_path / "m")}}, "engine": {"image": "i:1", "port": 8100, "dataPort": 18600},
                                             "mode": "colocated", "replicas": {"colocated": {"min": 1, "max": 2}}})
     fb = fallback_pod(spec, "svc", "tok", None)  # a service's own engine ports, unlike the pool's

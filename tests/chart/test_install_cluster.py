@@ -42,11 +42,11 @@ def test_helm_install_creates_and_uninstall_removes(control_plane: ControlPlane,
     objs = _objects(control_plane, namespace, "kc")
     # the router (the front door) is on by default, and --wait saw its replicas available
     assert objs["deployments"] == ["kc-operator", "kc-pool", "kc-router"]
-    assert objs["clusterroles"] == ["kc-operator", "kc-router"]
+    assert objs["clusterroles"] == ["kc-edit", "kc-operator", "kc-router", "kc-view"]
     assert objs["clusterrolebindings"] == ["kc-operator", "kc-router"]
     router = json.loads(control_plane.kubectl("-n", namespace, "get", "deployment", "kc-router", "-o", "json").stdout)
     assert router["status"].get("availableReplicas") == router["spec"]["replicas"] == 2, router["status"]
-    assert objs["roles"] == ["kc-operator-token"] and objs["secrets"] == ["kc-engine-token"]
+    assert objs["roles"] == ["kc-operator-token"] and objs["secrets"] == []  # the operator makes the token Secret
     assert objs["serviceaccounts"] == ["kc-operator", "kc-router"]
     crds = control_plane.kubectl("get", "crd", "modelservices.kascade.io", "scaleplans.kascade.io", "-o", "name").stdout
     assert len(crds.split()) == 2

@@ -31,7 +31,7 @@ NS, SVC = "team-a", "llama"
 
 def rendered_rules(helm: Helm, *values: str) -> dict[str, Any]:
     out = helm("template", "rel", str(CHART), "--show-only", "templates/monitoring.yaml",
-               "--set", "monitoring.prometheusRule.enabled=true", *values).stdout
+               "--set", "monitoring.prometheusRule.enabled=true", "--api-versions", "monitoring.coreos.com/v1/PrometheusRule", *values).stdout
     rule = next(d for d in yaml.safe_load_all(out) if d and d["kind"] == "PrometheusRule")
     return rule["spec"]  # type: ignore[no-any-return]
 
@@ -52,7 +52,7 @@ def test_ttft_slo_must_be_a_bucket_bound_of_the_engine_histogram(helm: Helm) -> 
         sys.path.remove(str(REPO / "hack"))
     # Helm's toString of each engine bound (1 -> "1", 0.5 -> "0.5")
     assert tuple(f"{b:g}" for b in LATENCY) == TTFT_BOUNDS
-    bad = helm("template", "rel", str(CHART), "--set", "monitoring.prometheusRule.enabled=true",
+    bad = helm("template", "rel", str(CHART), "--set", "monitoring.prometheusRule.enabled=true", "--api-versions", "monitoring.coreos.com/v1/PrometheusRule",
                "--set-json", "monitoring.prometheusRule.ttftSloSeconds=0.3", check=False)
     assert bad.returncode != 0
     assert "monitoring.prometheusRule.ttftSloSeconds: 0.3 is not a bucket bound" in bad.stderr, bad.stderr
@@ -165,8 +165,8 @@ def _matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
 def test_monitors_select_exactly_the_objects_that_export_metrics(helm: Helm) -> None:
     """Each ServiceMonitor selects exactly its Service and names a port it has; the PodMonitor selects the
     pool's pods (and nothing else the chart creates) and names their metrics port."""
-    out = helm("template", "rel", str(CHART), "-n", "ns", "--set", "monitoring.serviceMonitor.enabled=true",
-               "--set", "monitoring.podMonitor.enabled=true", "--set", "router.enabled=true").stdout
+    out = helm("template", "rel", str(CHART), "-n", "ns", "--set", "monitoring.serviceMonitor.enabled=true", "--api-versions", "monitoring.coreos.com/v1/ServiceMonitor",
+               "--set", "monitoring.podMonitor.enabled=true", "--api-versions", "monitoring.coreos.com/v1/PodMonitor", "--set", "router.enabled=true").stdout
     docs = [d for d in yaml.safe_load_all(out) if d]
     services = [d for d in docs if d["kind"] == "Service"]
     for sm in (d for d in docs if d["kind"] == "ServiceMonitor"):

@@ -91,7 +91,7 @@ def test_notes_sample_and_fallback_pod_use_the_release_secret(
             monkeypatch.setenv(e["name"], e["value"])
         elif "fieldRef" in e.get("valueFrom", {}):
             monkeypatch.setenv(e["name"], downward[e["valueFrom"]["fieldRef"]["fieldPath"]])
-    assert container["env"][-1]["valueFrom"]["secretKeyRef"]["name"] == "team-token"
+    assert {e["name"]: e.get("value") for e in container["env"]}["KASCADE_OPERATOR_ENGINE_TOKEN_SECRET"] == "team-token"
     # dataPlaneTls: engines serve HTTPS and the operator is told the CA file the kubelet projects from the
     # Secret's ca.crt; here the same file made locally (the operator refuses to start without a loadable one)
     assert os.environ["KASCADE_OPERATOR_ENGINE_CA_FILE"].endswith("/ca.crt")
@@ -264,6 +264,8 @@ def test_upgrade_from_previous_chart_keeps_token_and_upgrades_crds(
                input=cp.helm("show", "crds", str(package)).stdout)
     cp.helm("install", "up", str(package), "-n", namespace, "-f", values, "--wait", "--timeout=90s")
     token = get(cp, namespace, "secret", "up-engine-token")["data"]["token"]
+    # docs/upgrade.md (0.3.0 -> 0.4.0): keep the Secret the old chart generated; the new operator adopts it
+    cp.kubectl("-n", namespace, "annotate", "secret", "up-engine-token", "helm.sh/resource-policy=keep")
 
     # the documented step (docs/upgrade.md, NOTES): the new chart's CRDs, server-side applied
     crds = cp.helm("show", "crds", str(CHART)).stdout

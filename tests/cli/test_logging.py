@@ -124,7 +124,7 @@ def test_probe_passes_and_fails_against_a_real_engine_that_logs_json(json_engine
 
 
 @pytest.mark.parametrize("argv", [
-    ["operator", "run", "--engine-token", "t"],  # no cluster: kopf logs the failed login and retries
+    ["operator", "run", "--engine-token", "t"],  # no cluster: one error line, exit 1
     ["router", "--backend", "m=127.0.0.1:9", "--host", "127.0.0.1", "--port", "0"],  # static backends, no cluster
 ], ids=["operator", "router"])
 def test_operator_and_router_log_json_lines(argv: list[str], tmp_path: Path) -> None:

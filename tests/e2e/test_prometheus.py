@@ -62,8 +62,8 @@ def chart_monitoring(namespace: str) -> dict[str, dict[str, Any]]:
     """The chart's observability pack rendered into `namespace` with default values, by kind."""
     out = subprocess.run(
         [str(bin_dir() / "helm"), "template", "kascade", str(CHART), "-n", namespace, "--show-only",
-         "templates/monitoring.yaml", "--set", "monitoring.prometheusRule.enabled=true",
-         "--set", "monitoring.podMonitor.enabled=true", "--set", "monitoring.serviceMonitor.enabled=true",
+         "templates/monitoring.yaml", "--set", "monitoring.prometheusRule.enabled=true", "--api-versions", "monitoring.coreos.com/v1/PrometheusRule",
+         "--set", "monitoring.podMonitor.enabled=true", "--api-versions", "monitoring.coreos.com/v1/PodMonitor", "--set", "monitoring.serviceMonitor.enabled=true", "--api-versions", "monitoring.coreos.com/v1/ServiceMonitor",
          "--set", "router.enabled=false"], capture_output=True, text=True, check=True).stdout
     return {d["kind"]: d for d in yaml.safe_load_all(out) if d}
 

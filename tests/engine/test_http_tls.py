@@ -181,7 +181,7 @@ def test_prometheus_scrapes_a_tls_engine_with_the_charts_podmonitor_tls_config(
     chart = Path(__file__).resolve().parents[2] / "charts" / "kascade"
 
     def endpoint(*values: str) -> dict[str, Any]:
-        out = subprocess.run([str(helm), "template", "rel", str(chart), "--set", "monitoring.podMonitor.enabled=true",
+        out = subprocess.run([str(helm), "template", "rel", str(chart), "--set", "monitoring.podMonitor.enabled=true", "--api-versions", "monitoring.coreos.com/v1/PodMonitor",
                               *[a for v in values for a in ("--set", v)]], capture_output=True, text=True, check=True,
                              timeout=120).stdout
         pm = next(d for d in yaml.safe_load_all(out) if d and d["kind"] == "PodMonitor")

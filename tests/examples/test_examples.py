@@ -150,7 +150,7 @@ def test_gitops_values_render_with_the_chart(helm: Helm, tmp_path: Path, name: s
                                              values_of: Callable[[list[dict[str, Any]]], dict[str, Any]]) -> None:
     values = values_of(docs(name))
     (tmp_path / "v.yaml").write_text(yaml.safe_dump(values))
-    out = helm("template", "kascade", str(CHART), "-n", "kascade", "-f", str(tmp_path / "v.yaml"), check=False)
+    out = helm("template", "kascade", str(CHART), "-n", "kascade", "-f", str(tmp_path / "v.yaml"), *CLUSTER_APIS, check=False)
     assert out.returncode == 0, out.stderr
     rendered = [d for d in yaml.safe_load_all(out.stdout) if d]
     pool = next(d for d in rendered if d["kind"] == "Deployment" and d["metadata"]["name"] == "kascade-pool")
@@ -176,6 +176,13 @@ def test_kubernetes_objects_pass_a_server_side_dry_run(control_plane: ControlPla
     assert bad.returncode != 0 and "replicas" in bad.stderr, bad.stderr
 
 
+# what Argo CD, Flux and `helm install` see on a cluster running prometheus-operator and the Gateway API
+# Inference Extension (the chart renders their objects only then; offline `helm template` is told)
+CLUSTER_APIS = [a for api in ("monitoring.coreos.com/v1/ServiceMonitor", "monitoring.coreos.com/v1/PodMonitor",
+                              "monitoring.coreos.com/v1/PrometheusRule", "inference.networking.k8s.io/v1/InferencePool")
+                for a in ("--api-versions", api)]
+
+
 def docs_values_snippets() -> list[tuple[str, dict[str, Any]]]:
     """```yaml blocks in docs/*.md whose top-level keys are all chart values: they are values files."""
     keys = set(yaml.safe_load((CHART / "values.yaml").read_text()))
@@ -193,7 +200,8 @@ def test_values_snippets_in_the_docs_render_with_the_chart(helm: Helm, tmp_path:
     assert {f for f, _ in snippets} >= {"install.md", "observability.md"} and len(snippets) >= 3
     for i, (md, values) in enumerate(snippets):
         (tmp_path / f"{i}.yaml").write_text(yaml.safe_dump(values))
-        out = helm("template", "kascade", str(CHART), "-n", "kascade", "-f", str(tmp_path / f"{i}.yaml"), check=False)
+        out = helm("template", "kascade", str(CHART), "-n", "kascade", "-f", str(tmp_path / f"{i}.yaml"), *CLUSTER_APIS,
+                   check=False)
         assert out.returncode == 0, f"docs/{md}: {values} -> {out.stderr}"
 
 
@@ -213,7 +221,7 @@ def test_helm_commands_in_the_docs_render(helm: Helm) -> None:
                 if any(not (REPO / f).exists() for f in files):
                     continue  # the user's own values file
                 args = [str(CHART) if a == "./charts/kascade" else a for a in argv[2:]]
-                out = helm("template", *args, check=False)
+                out = helm("template", *args, *CLUSTER_APIS, check=False)
                 assert out.returncode == 0, f"docs/{md.name}: {line.strip()} -> {out.stderr}"
                 found += 1
     assert found >= 1

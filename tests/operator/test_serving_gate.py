@@ -47,6 +47,19 @@ def test_open_only_while_bound_and_serving(ann: dict[str, str], bound: bool, wan
     assert G.wanted(pod(ann, bound)) is want
 
 
+def test_serving_label_follows_the_same_decision_on_every_pod() -> None:
+    """Chart 0.4 pool pods declare no gate (idle ones must be Ready): the label carries the decision."""
+    loaded = {L.LOADED: "true"}
+    assert G.label_pending([pod(loaded, declares=False)]) == [("p", True)]
+    labelled = pod(loaded, declares=False)
+    labelled["metadata"]["labels"][G.SERVING_LABEL] = "true"
+    assert G.label_pending([labelled]) == []
+    labelled["metadata"]["annotations"][L.DRAINING] = "now"
+    assert G.label_pending([labelled]) == [("p", False)]
+    assert G.label_pending([pod({}, bound=False, declares=False)]) == []  # idle: no label, nothing to write
+    assert G.label_patch(False) == {"metadata": {"labels": {G.SERVING_LABEL: None}}}
+
+
 def test_pending_writes_only_differences_on_pods_that_declare_the_gate() -> None:
     loaded = {L.LOADED: "true"}
     assert G.pending([pod(loaded)]) == [("p", True)]  # never written: closed
@@ -69,6 +82,9 @@ async def test_operator_gate_decides_what_the_router_routes(control_plane: Contr
 
     def kubectl(*args: str, doc: Any = None) -> None:
         cp.kubectl("-n", ns, *args, input=json.dumps(doc) if doc is not None else None)
+
+    def labels() -> dict[str, str]:
+        return dict(json.loads(cp.kubectl("-n", ns, "get", "pod", "e0", "-o", "json").stdout)["metadata"]["labels"])
 
     def conds() -> dict[str, str]:
         got = json.loads(cp.kubectl("-n", ns, "get", "pod", "e0", "-o", "json").stdout)
@@ -105,14 +121,16 @@ async def test_operator_gate_decides_what_the_router_routes(control_plane: Contr
         kubectl("annotate", "pod", "e0", f"{L.DRAINING}=now")  # a drain starts
         await G.close(kube, ns, await pods(), "e0")
         assert conds()[G.GATE] == "False" and conds()["Ready"] == "True"  # Ready alone is not enough
+        assert G.SERVING_LABEL not in labels()  # never written while KWOK had the gate open: nothing to drop
         await routed(False, "a pod with a closed gate is not routed")
         kubectl("annotate", "pod", "e0", f"{L.DRAINING}-")  # the drain is called off: the round reopens it
         t0 = time.monotonic()
         while G.pending(await pods()) != [("e0", True)]:
             assert time.monotonic() - t0 < 10
             await asyncio.sleep(0.05)
-        assert await G.sync(kube, ns, await pods()) == 1
+        assert await G.sync(kube, ns, await pods()) == 2  # the gate, and the serving label Services select
         assert conds()[G.GATE] == "True" and await G.sync(kube, ns, await pods()) == 0  # level-triggered: once
+        assert labels()[G.SERVING_LABEL] == "true"
         await routed(True, "an open gate routes")
         async with aiohttp.ClientSession() as s, s.post(f"http://127.0.0.1:{r.port}/v1/completions",
                                                          json={"model": "tiny", "prompt": "x"}) as resp:
@@ -123,8 +141,8 @@ async def test_operator_gate_decides_what_the_router_routes(control_plane: Contr
         while G.pending(await kube.list_pods(ns, L.POOL)) != [("e0", False)]:
             assert time.monotonic() - t0 < 10
             await asyncio.sleep(0.05)
-        assert await G.sync(kube, ns, await kube.list_pods(ns, L.POOL)) == 1
-        assert conds()[G.GATE] == "False"
+        assert await G.sync(kube, ns, await kube.list_pods(ns, L.POOL)) == 2
+        assert conds()[G.GATE] == "False" and G.SERVING_LABEL not in labels()
     finally:
         await r.close()
         await kube.close()

@@ -49,7 +49,8 @@ def crd_file() -> Path:
 
 
 def render_pools(cp: ControlPlane, *sets: str) -> list[dict[str, Any]]:
-    out = cp.helm("template", "rel", str(CHART), "-n", "ns", *(a for s in sets for a in ("--set", s))).stdout
+    out = cp.helm("template", "rel", str(CHART), "-n", "ns", "--api-versions", "inference.networking.k8s.io/v1/InferencePool",
+                  *(a for s in sets for a in ("--set", s))).stdout
     return [d for d in yaml.safe_load_all(out) if d and d.get("kind") == "InferencePool"]
 
 

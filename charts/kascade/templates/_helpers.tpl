@@ -66,6 +66,11 @@ imagePullSecrets:
 {{ .Values.engineToken.existingSecret | default (printf "%s-engine-token" (include "kascade.fullname" .)) }}
 {{- end -}}
 
+{{/* "true" when the operator creates the token Secret (no engineToken.value nor existingSecret), else "false". */}}
+{{- define "kascade.tokenCreatedByOperator" -}}
+{{ and (not .Values.engineToken.value) (not .Values.engineToken.existingSecret) }}
+{{- end -}}
+
 {{/*
 The warm pool's namespace as the operator is told it (KASCADE_OPERATOR_POOL_NAMESPACE) and NOTES print it:
 this release's namespace when it runs the pool (the token Secret is there too), else operator.poolNamespace
@@ -136,3 +141,34 @@ capabilities: {drop: [ALL]}
 
 {{/* pool.transport ucx: UCX_TCP_PORT_RANGE of the engines (pool and fallback pods), "first-last". */}}
 {{- define "kascade.ucxTcpPorts" -}}{{ .Values.pool.ucxTcpPorts.first }}-{{ .Values.pool.ucxTcpPorts.last }}{{- end -}}
+
+{{/*
+Objects of another project's API (prometheus-operator, Gateway API Inference Extension): render them only
+when the cluster serves that API, else fail naming the value that asked for them. Argo CD and Flux pass the
+cluster's API versions; an offline `helm template` passes them with --api-versions GROUP/VERSION/KIND.
+Args: (list $ "group/version" "Kind" "the value" "what installs it").
+*/}}
+{{- define "kascade.requireApi" -}}
+{{- $root := index . 0 }}{{ $gv := index . 1 }}{{ $kind := index . 2 }}
+{{- if not ($root.Capabilities.APIVersions.Has (printf "%s/%s" $gv $kind)) -}}
+{{- fail (printf "%s is set but the cluster has no %s %s (install %s first, or unset it; offline `helm template` needs --api-versions %s/%s)" (index . 3) $gv $kind (index . 4) $gv $kind) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The pool engines' capacity as the annotation kascade.io/engine-capacity carries it (the operator's
+kascade_operator.capacity.annotation() writes the same form for fallback pods).
+*/}}
+{{- define "kascade.engineCapacity" -}}
+{{- with .Values.pool.engine -}}
+kvTokens={{ int .kvTokens }},maxBatchTokens={{ int .maxBatchTokens }},maxPromptTokens={{ int .maxPromptTokens }},maxSeqs={{ int .maxSeqs }}
+{{- end -}}
+{{- end -}}
+
+{{/* The engine container's resources as JSON: pool.resources with the GPU limit (pool pods and fallback pods). */}}
+{{- define "kascade.engineResources" -}}
+{{- $r := deepCopy (.Values.pool.resources | default dict) -}}
+{{- $limits := merge (dict "nvidia.com/gpu" .Values.pool.gpusPerPod) ($r.limits | default dict) -}}
+{{- $_ := set $r "limits" $limits -}}
+{{ toJson $r }}
+{{- end -}}
