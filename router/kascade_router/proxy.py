@@ -77,6 +77,36 @@ def error(status: int, message: str, param: str | None = None, kind: str = "inva
     return web.Response(status=status, text=body, content_type="application/json", headers=headers)
 
 
+async def read_body(request: web.Request, limit: int, timeout_s: float, rid: str) -> bytes | web.Response:
+    """The whole request body, however it arrives (several TCP reads, chunked, after a 100-continue), or the
+    error answer: 413 past `limit` bytes, 408 if not complete within `timeout_s`, 400 if the client broke it
+    off. (`content.read(n)` returns what is buffered, not n bytes: a body in two flights read as half a JSON.)"""
+    parts: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                piece = await request.content.readany()
+                if not piece:
+                    break
+                size += len(piece)
+                if size > limit:
+                    return _closing(error(413, f"request body exceeds the limit of {limit} bytes", None, rid=rid))
+                parts.append(piece)
+    except TimeoutError:
+        return _closing(error(408, f"request body not complete within {timeout_s:g} s ({size} bytes arrived)",
+                              None, rid=rid))
+    except (aiohttp.ClientError, ConnectionError, aiohttp.web.HTTPException) as e:
+        return error(400, f"could not read the request body: {e}", None, rid=rid)
+    return b"".join(parts)
+
+
+def _closing(resp: web.Response) -> web.Response:
+    """The rest of the body is not read: the connection cannot carry another request."""
+    resp.force_close()
+    return resp
+
+
 class _Retry(Exception):
     """This replica failed before any byte reached the client: try another."""
 
@@ -117,16 +147,16 @@ class Proxy:
         if request.content_length is not None and request.content_length > self.s.max_body_bytes:
             return error(413, f"request body is {request.content_length} bytes, the limit is "
                               f"{self.s.max_body_bytes}", None, rid=rid)
-        try:
-            body = await request.content.read(self.s.max_body_bytes + 1)
-        except (aiohttp.ClientError, ConnectionError) as e:
-            return error(400, f"could not read the request body: {e}", None, rid=rid)
-        if len(body) > self.s.max_body_bytes:
-            return error(413, f"request body exceeds the limit of {self.s.max_body_bytes} bytes", None, rid=rid)
+        body_or_error = await read_body(request, self.s.max_body_bytes, self.s.body_timeout_s, rid)
+        if isinstance(body_or_error, web.Response):
+            return body_or_error
+        body = body_or_error
         try:
             doc = json.loads(body)
         except ValueError as e:
             return error(400, f"malformed JSON body: {e}", None, rid=rid)
+        except RecursionError:  # the C decoder recurses per nesting level
+            return error(400, "the JSON body is nested too deeply", None, rid=rid)
         if not isinstance(doc, dict):
             return error(400, "the request body must be a JSON object", None, rid=rid)
         model = doc.get("model")
