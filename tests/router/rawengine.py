@@ -8,6 +8,7 @@ can do what an aiohttp app cannot (hang on every connection, answer twice, tell 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -28,10 +29,12 @@ class RawEngine:
     status: int = 200
     body: bytes = b""  # the answer's body ("" = a small completion)
     chunked: bool = False
+    hold: asyncio.Event | None = None  # chunked: after the first chunk, wait for this
     extra: bytes = b""  # written after the answer on the same connection (an unsolicited response)
     conns: list[Conn] = field(default_factory=list)
     port: int = 0
     _server: asyncio.Server | None = None
+    _writers: set[asyncio.StreamWriter] = field(default_factory=set)
 
     @property
     def address(self) -> str:
@@ -45,7 +48,8 @@ class RawEngine:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-            self._server.close_clients()
+            for w in list(self._writers):
+                w.close()
 
     def requests(self) -> int:
         return sum(c.data.count(b"POST ") for c in self.conns)
@@ -53,6 +57,7 @@ class RawEngine:
     async def _serve(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         c = Conn(time.monotonic())
         self.conns.append(c)
+        self._writers.add(w)
         try:
             while True:
                 head = await r.readuntil(b"\r\n\r\n")
@@ -76,6 +81,8 @@ class RawEngine:
                         done.cancel()
                         break
                     gone.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await gone
                 body = self.body or json.dumps({"id": "raw", "object": "text_completion", "choices": [
                     {"index": 0, "text": " ok", "finish_reason": "length"}],
                     "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}).encode()
@@ -89,6 +96,8 @@ class RawEngine:
                         piece = body[i:i + step]
                         w.write(b"%x\r\n%s\r\n" % (len(piece), piece))
                         await w.drain()
+                        if i == 0 and self.hold is not None:
+                            await self.hold.wait()
                     w.write(b"0\r\n\r\n")
                 else:
                     w.write(f"{head_out}content-length: {len(body)}\r\n\r\n".encode() + body)
@@ -102,4 +111,5 @@ class RawEngine:
             pass
         finally:
             c.closed = time.monotonic()
+            self._writers.discard(w)
             w.close()
