@@ -49,6 +49,7 @@ from kascade_planner.engine_api import (
     HandedBack,
     WireError,
 )
+from kascade_router.auth import ApiKeys, Key
 from kascade_router.backends import Backend, Routes
 from kascade_router.balancer import fallback_prefill, pick, pick_pd
 from kascade_router.demand import Demand, ModelDemand
@@ -143,8 +144,9 @@ def prompt_tokens(doc: dict[str, Any]) -> int:
 
 class Proxy:
     def __init__(self, routes: Routes, demand: Demand, settings: RouterSettings, upstreams: Upstreams,
-                 seed: int | None = None, health: Health | None = None) -> None:
+                 seed: int | None = None, health: Health | None = None, keys: ApiKeys | None = None) -> None:
         self.routes, self.demand, self.s, self.upstreams = routes, demand, settings, upstreams
+        self.keys = keys  # None: no client authentication
         self.rng = random.Random(seed)
         self.health = health or Health(routes, settings.eject_s, settings.eject_after_failures,
                                        settings.probe_timeout_s, upstreams.tls)
@@ -158,6 +160,14 @@ class Proxy:
         rid = request.headers.get(REQUEST_ID, "")
         if not _RID_OK.match(rid):
             rid = uuid.uuid4().hex
+        key: Key | None = None
+        if self.keys is not None:
+            key = self.keys.lookup(request.headers.get("Authorization"))
+            if key is None:
+                resp = error(401, "a valid API key is required (Authorization: Bearer KEY)", None,
+                             "authentication_error", rid=rid)
+                resp.headers["WWW-Authenticate"] = "Bearer"
+                return _closing(resp)  # its body is not read
         if request.content_length is not None and request.content_length > self.s.max_body_bytes:
             return error(413, f"request body is {request.content_length} bytes, the limit is "
                               f"{self.s.max_body_bytes}", None, rid=rid)
@@ -176,6 +186,8 @@ class Proxy:
         model = doc.get("model")
         if not isinstance(model, str) or not model:
             return error(400, "field 'model' is required and must be a non-empty string", "model", rid=rid)
+        if key is not None and not key.allows(model):
+            return error(403, f"this API key may not use model '{model}'", "model", "permission_error", rid=rid)
         svc = self.routes.lookup(model)
         if svc is None:
             known = ", ".join(sorted(self.routes.models)) or "none"
@@ -461,7 +473,5 @@ _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 
 def _usage_tokens(tail: bytes) -> int:
     """completion_tokens from an answer's last bytes (its usage object ends it)."""
-    m = None
-    for m in _COMPLETION_TOKENS.finditer(tail):
-        pass
-    return int(m.group(1)) if m is not None else 0
+    found = _COMPLETION_TOKENS.findall(tail)
+    return int(found[-1]) if found else 0

@@ -148,7 +148,7 @@ async def test_per_backend_connection_cap(world: Callable[..., Any]) -> None:
 async def test_a_streamed_client_leaving_frees_the_engine_with_stub(world: Callable[..., Any]) -> None:
     hold = asyncio.Event()
     eng = StubEngine(name="s", hold=hold)
-    r, url = await world([eng])
+    _, url = await world([eng])
     async with aiohttp.ClientSession() as s:
         resp = await s.post(f"{url}/v1/completions", json={"model": "m", "prompt": "x", "stream": True})
         await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
