@@ -446,7 +446,9 @@ class Upstreams:
         t = conn.transport
         if t is None:
             return
-        if conn.keep_alive and conn._done.done() and not conn._done.exception() and not t.is_closing():
+        # a connection whose reading is paused (backpressure when the answer ended) would never see the next answer
+        if (conn.keep_alive and conn._done.done() and not conn._done.exception() and not t.is_closing()
+                and t.is_reading()):
             conn._client = None
             conn.reused = False
             conn.pooled = True

@@ -113,8 +113,12 @@ async def test_a_pooled_connection_takes_no_unsolicited_response(world: Callable
     st, _, body = await post(url, {"model": "m", "prompt": "x"})
     assert st == 200 and b"INJECT" not in body
     await asyncio.sleep(0.2)  # the unsolicited answer arrives on the idle pooled connection
+    # the router drops that connection at once: reused, it was one read away from handing the next client an
+    # answer nobody asked for (the old pool kept it and swallowed the bytes, or passed them on when they came late)
+    assert eng.conns[0].closed is not None, "the connection that sent an unsolicited answer stayed pooled"
     st, _, body = await post(url, {"model": "m", "prompt": "y"})
     assert st == 200 and b"INJECT" not in body and b'"text": " ok"' in body
+    assert len(eng.conns) == 2 and eng.conns[1].data.count(b"POST ") == 1
 
 
 async def test_a_non_streamed_answer_is_streamed_through(world: Callable[..., Any]) -> None:
