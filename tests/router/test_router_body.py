@@ -66,6 +66,7 @@ def _head(length: int | None, extra: str = "") -> bytes:
 BODY = json.dumps({"model": "m", "prompt": "hello there"}).encode()
 
 
+@pytest.mark.chaos
 async def test_a_body_in_two_writes_50ms_apart_is_read_whole(router: Callable[..., Any]) -> None:
     r, eng = await router()
     half = len(BODY) // 2
@@ -74,6 +75,7 @@ async def test_a_body_in_two_writes_50ms_apart_is_read_whole(router: Callable[..
     assert len(eng.seen) == 1
 
 
+@pytest.mark.chaos
 async def test_a_200kb_body_in_16kb_pieces_is_read_whole(router: Callable[..., Any]) -> None:
     r, eng = await router()
     big = json.dumps({"model": "m", "prompt": "x" * (200 << 10)}).encode()
@@ -112,6 +114,7 @@ async def test_a_chunked_body_over_the_limit_gets_413(router: Callable[..., Any]
     assert eng.seen == []
 
 
+@pytest.mark.chaos
 async def test_a_body_not_complete_in_time_gets_408(router: Callable[..., Any]) -> None:
     r, eng = await router(RouterSettings(hold_timeout_s=2.0, body_timeout_s=0.3))
     st, _, body = await send_raw(r.port, _head(len(BODY)), [BODY[:10]])
