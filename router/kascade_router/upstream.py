@@ -388,6 +388,7 @@ class Upstreams:
         self.connect_timeout_s, self.idle_s, self.tls = connect_timeout_s, idle_s, tls
         self._idle: dict[str, list[Answer]] = defaultdict(list)
         self._heads: dict[tuple[str, str], bytes] = {}
+        self._sweeper: asyncio.TimerHandle | None = None
 
     async def request(self, address: str, path: str, body: bytes, headers: dict[str, str],
                       timeout: float) -> Answer:
@@ -454,10 +455,34 @@ class Upstreams:
             conn.pooled = True
             conn.idle_since = conn.loop.time()
             self._idle[conn.address].append(conn)
+            if self._sweeper is None:
+                self._sweeper = conn.loop.call_later(self.idle_s, self._sweep)
         else:
             t.close()
 
+    def _sweep(self) -> None:
+        """Close pooled connections idle longer than `idle_s` (not only when next popped: a burst's connections
+        would otherwise stay open, holding descriptors at both ends, until the engine closed them)."""
+        self._sweeper = None
+        loop = asyncio.get_running_loop()
+        cutoff = loop.time() - self.idle_s
+        for address, conns in list(self._idle.items()):
+            keep = [c for c in conns if c.idle_since > cutoff and c.transport is not None
+                    and not c.transport.is_closing()]
+            for c in conns:
+                if c not in keep and c.transport is not None:
+                    c.transport.close()
+            if keep:
+                self._idle[address] = keep
+            else:
+                del self._idle[address]
+        if self._idle:
+            self._sweeper = loop.call_later(self.idle_s / 2, self._sweep)
+
     def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         for conns in self._idle.values():
             for c in conns:
                 if c.transport is not None:
