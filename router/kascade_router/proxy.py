@@ -164,10 +164,10 @@ class Proxy:
         if self.keys is not None:
             key = self.keys.lookup(request.headers.get("Authorization"))
             if key is None:
-                resp = error(401, "a valid API key is required (Authorization: Bearer KEY)", None,
-                             "authentication_error", rid=rid)
-                resp.headers["WWW-Authenticate"] = "Bearer"
-                return _closing(resp)  # its body is not read
+                denied = error(401, "a valid API key is required (Authorization: Bearer KEY)", None,
+                               "authentication_error", rid=rid)
+                denied.headers["WWW-Authenticate"] = "Bearer"
+                return _closing(denied)  # its body is not read
         if request.content_length is not None and request.content_length > self.s.max_body_bytes:
             return error(413, f"request body is {request.content_length} bytes, the limit is "
                               f"{self.s.max_body_bytes}", None, rid=rid)
