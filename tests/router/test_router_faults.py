@@ -158,3 +158,22 @@ async def test_a_streamed_client_leaving_frees_the_engine_with_stub(world: Calla
         await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
         resp.close()
     assert await until(lambda: bool(eng.seen) and eng.seen[0].disconnected)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+async def test_a_non_streamed_answer_reaches_an_http10_client_whole(world: Callable[..., Any], chunked: bool) -> None:
+    """Streamed through to an HTTP/1.0 client: the payload as is (with the engine's length, or delimited by
+    close when the engine chunked it)."""
+    big = json.dumps({"id": "x", "choices": [{"text": "z" * 300_000}], "usage": {"completion_tokens": 7}}).encode()
+    eng = RawEngine(body=big, chunked=chunked)
+    r, _ = await world([eng])
+    body = json.dumps({"model": "m", "prompt": "x"}).encode()
+    rd, w = await asyncio.open_connection("127.0.0.1", r.port)
+    w.write(b"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+            % (len(body), body))
+    raw = await asyncio.wait_for(rd.read(), 10)  # to EOF: the router closes an HTTP/1.0 connection
+    w.close()
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.") and b" 200 " in head.split(b"\r\n")[0]
+    assert payload == big
+    assert await until(lambda: r.demand.models[("static", "m")].output_tokens == 7)
