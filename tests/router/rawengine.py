@@ -32,6 +32,8 @@ class RawEngine:
     hold: asyncio.Event | None = None  # chunked: after the first chunk, wait for this
     extra: bytes = b""  # written after the answer on the same connection (an unsolicited response)
     conns: list[Conn] = field(default_factory=list)
+    probes: int = 0  # GET /readyz answered
+    sent: int = 0  # chunked body bytes written (drain returned: the router took them)
     port: int = 0
     _server: asyncio.Server | None = None
     _writers: set[asyncio.StreamWriter] = field(default_factory=set)
@@ -67,6 +69,11 @@ class RawEngine:
                     if line.lower().startswith(b"content-length:"):
                         length = int(line.split(b":")[1])
                 c.data += await r.readexactly(length)
+                if head.startswith(b"GET /readyz") and self.behaviour != "hang":  # a live engine answers its probe
+                    self.probes += 1
+                    w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nready")
+                    await w.drain()
+                    continue
                 if self.behaviour == "close":
                     w.close()
                     break
@@ -96,6 +103,7 @@ class RawEngine:
                         piece = body[i:i + step]
                         w.write(b"%x\r\n%s\r\n" % (len(piece), piece))
                         await w.drain()
+                        self.sent += len(piece)
                         if i == 0 and self.hold is not None:
                             await self.hold.wait()
                     w.write(b"0\r\n\r\n")

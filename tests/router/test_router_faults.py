@@ -177,3 +177,41 @@ async def test_a_non_streamed_answer_reaches_an_http10_client_whole(world: Calla
     assert head.startswith(b"HTTP/1.") and b" 200 " in head.split(b"\r\n")[0]
     assert payload == big
     assert await until(lambda: r.demand.models[("static", "m")].output_tokens == 7)
+
+
+async def test_a_busy_engine_that_answers_its_probe_is_waited_for(world: Callable[..., Any]) -> None:
+    """Silence alone is not a hang: an engine slow to answer (a long queue, a long answer) but answering its
+    /readyz probe keeps the request and stays in; nothing is sent twice."""
+    eng = RawEngine(delay_s=1.5)
+    r, url = await world([eng], RouterSettings(hold_timeout_s=2.0, first_byte_s=0.3, probe_timeout_s=0.5))
+    st, _, body = await post(url, {"model": "m", "prompt": "x"})
+    assert st == 200, body
+    assert eng.requests() == 1 and eng.probes >= 2
+    assert r.routes.backends[("static", "m")]["m-0"].usable(time.monotonic())
+
+
+@pytest.mark.chaos
+async def test_a_client_that_reads_nothing_holds_the_engine_back_not_the_routers_memory(
+        world: Callable[..., Any]) -> None:
+    """A slow client: the router stops reading from the engine once the client's buffer is full (TCP
+    backpressure reaches the engine), instead of holding the answer; read later, it arrives whole."""
+    big = b'{"text": "' + b"w" * (32 << 20) + b'"}'
+    eng = RawEngine(body=big, chunked=True)
+    r, _ = await world([eng])
+    body = json.dumps({"model": "m", "prompt": "x"}).encode()
+    rd, w = await asyncio.open_connection("127.0.0.1", r.port, limit=1 << 16)
+    w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+            b"\r\n%s" % (len(body), body))
+    await asyncio.sleep(1.5)  # the client reads nothing meanwhile
+    held = eng.sent
+    assert held < (24 << 20), f"the engine could send {held >> 20} MB to a client that read nothing"
+    head = await rd.readuntil(b"\r\n\r\n")
+    assert b" 200 " in head.split(b"\r\n")[0]
+    got, tail = 0, b""
+    while not tail.endswith(b"\r\n0\r\n\r\n"):  # the engine's chunks, relayed as they are, then the terminator
+        piece = await asyncio.wait_for(rd.read(1 << 20), 10)
+        assert piece
+        got += len(piece)
+        tail = (tail + piece)[-16:]
+    w.close()
+    assert got > len(big) and eng.sent == len(big)
