@@ -83,3 +83,18 @@ def test_bad_key_files_name_the_line() -> None:
         parse("# none\n", "keys")
     with pytest.raises(ValueError, match="keys:1: expected"):
         parse("a b c\n", "keys")
+
+
+def test_the_cli_refuses_a_bad_key_file_naming_the_flag(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from kascade_cli.router import router as router_cmd
+
+    bad = tmp_path / "keys"
+    bad.write_text("short\n")
+    res = CliRunner().invoke(router_cmd, ["--backend", "m=127.0.0.1:1", "--api-keys-file", str(bad)])
+    assert res.exit_code == 2 and "--api-keys-file" in res.output and "keys:1" in res.output
+    res = CliRunner().invoke(router_cmd, ["--help"])
+    for flag in ("--admin-port", "--api-keys-file", "--header-timeout", "--body-timeout", "--max-connections",
+                 "--first-byte-timeout", "--probe-timeout", "--eject-after-failures", "--max-backend-connections"):
+        assert flag in res.output, flag
