@@ -1,13 +1,15 @@
 """The hot path: one OpenAI request in, one engine's answer out (streamed through as it arrives).
 
-Data flow: body (<= max_body_bytes, else 413) -> JSON object with a string `model` (else 400 naming
+Data flow: API key (optional, `auth.ApiKeys`: 401/403) -> the whole body (`read_body`: <= max_body_bytes, else
+413; within body_timeout_s, else 408) -> JSON object with a string `model` (else 400 naming
 it) -> `Routes.lookup` (unknown model: 404 naming it) -> `balancer.pick_pd` among serving backends by the
 `route` setting (expected TTFT or share), or held until one appears (bounded queue: 429; timeout: 503, both
 with Retry-After) -> POST to the engine
 with the request id (disaggregated: the prefill engine's data port from `pick_pd`, or for a converted decoder
 that prefills the prompt itself a prefill engine to hand it to if it finds no room, `fallback_prefill`)
--> non-streaming: the body is relayed; streaming: every chunk is written to the
-client as soon as it arrives. A replica that fails before any byte reached the client (refused
+-> the answer is streamed through as it arrives (`_relay_whole` for a non-streamed one, never held whole; a
+stream chunk by chunk). No byte from the engine for first_byte_s: `health.Health` probes it, a hung one is
+ejected and the request moves on (`_first_byte`). A replica that fails before any byte reached the client (refused
 connection, 503 from a draining engine, closed before its first chunk) is excluded and another is
 tried; a failure mid-stream ends that response with an SSE error event. A client that goes away
 cancels the handler, which closes the engine connection, which aborts the generation there. Engine
