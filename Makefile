@@ -23,8 +23,8 @@ install: ## Fresh machine: system tools, venv with every extra, test model, loca
 test: ## Run the test suite (real control plane, real engines; skips with reasons where absent)
 	bash hack/pytest.sh -m "not chaos"
 
-chaos: ## Data-plane fault matrix: kill/stop/cut/desync/throttle x source/first/middle/last x tcp/ucx
-	bash hack/pytest.sh tests/dataplane -m chaos
+chaos: ## Fault matrix: data plane (kill/stop/cut/desync/throttle x ... x tcp/ucx) and router (split body, slow client, hung replica)
+	bash hack/pytest.sh tests/dataplane tests/router -m chaos
 
 check: lint typecheck test chaos ## Everything CI runs after install
 

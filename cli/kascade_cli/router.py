@@ -1,7 +1,8 @@
 """`kascade router`: the OpenAI-compatible front door (see router/kascade_router).
 
 Data flow: flags -> `RouterSettings` (with --engine-ca: HTTPS to engines) -> `Router` watching the cluster
-(or `--backend` static routes) -> aiohttp on host:port; prints `KASCADE_ROUTER_READY http=<port>` once listening and synced.
+(or `--backend` static routes) -> aiohttp on host:port (admin routes on --admin-port when given); prints
+`KASCADE_ROUTER_READY http=<port>[ admin=<port>]` once listening and synced.
 """
 
 from __future__ import annotations
@@ -42,9 +43,36 @@ import click
 @click.option("--engine-ca", type=click.Path(dir_okay=False), default=lambda: os.environ.get("KASCADE_ROUTER_ENGINE_CA"),
               help="PEM CA of engines started with TLS files: route to them over HTTPS verified by it (names not "
                    "checked: engines are pod IPs); env KASCADE_ROUTER_ENGINE_CA; default plain HTTP")
+@click.option("--header-timeout", default=10.0, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="a client connection with no complete request headers this long after it opened (or after its "
+                   "last answer) is closed")
+@click.option("--body-timeout", default=30.0, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="a request body not complete this long after its headers gets 408")
+@click.option("--max-connections", default=8192, show_default=True, type=click.IntRange(1),
+              help="open client connections beyond this get 503 + Retry-After (also kept under RLIMIT_NOFILE)")
+@click.option("--first-byte-timeout", default=4.0, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="a request with no byte from its engine this long probes the engine's /readyz; an engine that "
+                   "answers neither is ejected as hung and the request goes to another replica")
+@click.option("--probe-timeout", default=2.0, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="seconds a /readyz probe of a silent engine may take")
+@click.option("--eject-after-failures", default=3, show_default=True, type=click.IntRange(1),
+              help="an engine whose connections fail before answering this many times in a row is ejected for 5 s "
+                   "(a refused connection ejects it at once)")
+@click.option("--max-backend-connections", default=1000, show_default=True, type=click.IntRange(1),
+              help="connections to one engine at most; a request finding every replica full waits like a held one")
+@click.option("--admin-port", type=click.IntRange(0, 65535), default=None, envvar="KASCADE_ROUTER_ADMIN_PORT",
+              show_envvar=True, help="serve /metrics, /router/v1/demand and /router/v1/routes on this port only "
+                                     "(they list every engine's address); default: on --port")
+@click.option("--api-keys-file", type=click.Path(dir_okay=False), default=None, envvar="KASCADE_ROUTER_API_KEYS_FILE",
+              show_envvar=True, help="client API keys, one `KEY [MODEL,...]` a line (re-read when it changes); "
+                                     "clients send Authorization: Bearer KEY; default: no authentication")
 def router(host: str, port: int, namespace: str | None, kubeconfig: str | None, backends: tuple[str, ...],
            max_body_bytes: int, hold_timeout: float, max_queued: int, connect_timeout: float, read_timeout: float,
-           attempts: int, live_share_refresh: float = 0.25, route: str = "ttft", engine_ca: str | None = None) -> None:
+           attempts: int, live_share_refresh: float = 0.25, route: str = "ttft", engine_ca: str | None = None,
+           header_timeout: float = 10.0, body_timeout: float = 30.0, max_connections: int = 8192,
+           first_byte_timeout: float = 4.0, probe_timeout: float = 2.0, eject_after_failures: int = 3,
+           max_backend_connections: int = 1000, admin_port: int | None = None,
+           api_keys_file: str | None = None) -> None:
     """Route OpenAI requests by `model` to the serving replicas of each ModelService."""
     from kascade_planner.engine_tls import engine_tls_context
     from kascade_router.server import Router, static_routes
@@ -52,7 +80,18 @@ def router(host: str, port: int, namespace: str | None, kubeconfig: str | None, 
 
     settings = RouterSettings(max_body_bytes=max_body_bytes, hold_timeout_s=hold_timeout, max_queued=max_queued,
                               connect_timeout_s=connect_timeout, read_timeout_s=read_timeout, attempts=attempts,
-                              live_share_refresh_s=live_share_refresh, engine_ca_file=engine_ca or "", route=route)
+                              live_share_refresh_s=live_share_refresh, engine_ca_file=engine_ca or "", route=route,
+                              header_timeout_s=header_timeout, body_timeout_s=body_timeout,
+                              max_connections=max_connections, first_byte_s=first_byte_timeout,
+                              probe_timeout_s=probe_timeout, eject_after_failures=eject_after_failures,
+                              max_backend_connections=max_backend_connections, admin_port=admin_port,
+                              api_keys_file=api_keys_file or "")
+    if settings.api_keys_file:
+        from kascade_router.auth import ApiKeys
+        try:
+            ApiKeys(settings.api_keys_file)  # a bad key file is a usage error now
+        except (OSError, ValueError) as e:
+            raise click.BadParameter(str(e), param_hint="--api-keys-file") from None
     try:
         engine_tls_context(settings.engine_ca_file)  # a bad CA is a usage error now, not a failure per request
     except ValueError as e:
@@ -70,7 +109,8 @@ def router(host: str, port: int, namespace: str | None, kubeconfig: str | None, 
             loop.add_signal_handler(sig, stop.set)
         try:
             await r.wait_synced(60.0)
-            print(f"KASCADE_ROUTER_READY http={r.port}", flush=True)
+            admin = f" admin={r.admin_port}" if r.admin_port else ""
+            print(f"KASCADE_ROUTER_READY http={r.port}{admin}", flush=True)
             await stop.wait()
         finally:
             await r.close()

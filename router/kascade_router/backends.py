@@ -126,7 +126,8 @@ class Backend:
     # requests this engine prefills now (until their first token): what a prefill candidate is ranked by,
     # since a converted decoder's in_flight also holds every stream it decodes
     prefilling: int = 0
-    ejected_until: float = 0.0  # a connection to it failed: skip it until then (or until its pod changes)
+    ejected_until: float = 0.0  # ejected (kascade_router.health): skip it until then (or until its pod changes)
+    failures: int = 0  # connections to it that failed before an answer, in a row (health.Health)
     live: bool = False
     # a converted decoder's last reported prefill room (PREFILL_ROOM_HEADER): None while it reports none
     prefill_room: int | None = None
@@ -253,6 +254,10 @@ class Routes:
     def serving(self, svc: tuple[str, str], now: float | None = None) -> list[Backend]:
         t = time.monotonic() if now is None else now
         return [b for b in self.backends.get(svc, {}).values() if b.usable(t)]
+
+    def wake(self) -> None:
+        """Wake held requests: a backend came back or freed a connection slot."""
+        self._notify()
 
     def changed(self) -> asyncio.Event:
         """An event set at the next change of the table (held requests wait on it)."""

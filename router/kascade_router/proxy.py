@@ -1,13 +1,15 @@
 """The hot path: one OpenAI request in, one engine's answer out (streamed through as it arrives).
 
-Data flow: body (<= max_body_bytes, else 413) -> JSON object with a string `model` (else 400 naming
+Data flow: API key (optional, `auth.ApiKeys`: 401/403) -> the whole body (`read_body`: <= max_body_bytes, else
+413; within body_timeout_s, else 408) -> JSON object with a string `model` (else 400 naming
 it) -> `Routes.lookup` (unknown model: 404 naming it) -> `balancer.pick_pd` among serving backends by the
 `route` setting (expected TTFT or share), or held until one appears (bounded queue: 429; timeout: 503, both
 with Retry-After) -> POST to the engine
 with the request id (disaggregated: the prefill engine's data port from `pick_pd`, or for a converted decoder
 that prefills the prompt itself a prefill engine to hand it to if it finds no room, `fallback_prefill`)
--> non-streaming: the body is relayed; streaming: every chunk is written to the
-client as soon as it arrives. A replica that fails before any byte reached the client (refused
+-> the answer is streamed through as it arrives (`_relay_whole` for a non-streamed one, never held whole; a
+stream chunk by chunk). No byte from the engine for first_byte_s: `health.Health` probes it, a hung one is
+ejected and the request moves on (`_first_byte`). A replica that fails before any byte reached the client (refused
 connection, 503 from a draining engine, closed before its first chunk) is excluded and another is
 tried; a failure mid-stream ends that response with an SSE error event. A client that goes away
 cancels the handler, which closes the engine connection, which aborts the generation there. Engine
@@ -33,7 +35,8 @@ import random
 import re
 import time
 import uuid
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -48,14 +51,17 @@ from kascade_planner.engine_api import (
     HandedBack,
     WireError,
 )
+from kascade_router.auth import ApiKeys, Key
 from kascade_router.backends import Backend, Routes
 from kascade_router.balancer import fallback_prefill, pick, pick_pd
 from kascade_router.demand import Demand, ModelDemand
 from kascade_router.firsttoken import Waiting
+from kascade_router.health import Health
 from kascade_router.settings import RouterSettings
 from kascade_router.upstream import Answer, UpstreamError, Upstreams
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 REQUEST_ID = "X-Request-Id"
 REPLICA = "X-Kascade-Replica"  # which pod answered (clients, tests and logs can tell)
 PREFILL = PREFILL_HEADER  # to a decode engine: host:port of the prefill engine's data port (PD)
@@ -77,8 +83,42 @@ def error(status: int, message: str, param: str | None = None, kind: str = "inva
     return web.Response(status=status, text=body, content_type="application/json", headers=headers)
 
 
+async def read_body(request: web.Request, limit: int, timeout_s: float, rid: str) -> bytes | web.Response:
+    """The whole request body, however it arrives (several TCP reads, chunked, after a 100-continue), or the
+    error answer: 413 past `limit` bytes, 408 if not complete within `timeout_s`, 400 if the client broke it
+    off. (`content.read(n)` returns what is buffered, not n bytes: a body in two flights read as half a JSON.)"""
+    parts: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                piece = await request.content.readany()
+                if not piece:
+                    break
+                size += len(piece)
+                if size > limit:
+                    return _closing(error(413, f"request body exceeds the limit of {limit} bytes", None, rid=rid))
+                parts.append(piece)
+    except TimeoutError:
+        return _closing(error(408, f"request body not complete within {timeout_s:g} s ({size} bytes arrived)",
+                              None, rid=rid))
+    except (aiohttp.ClientError, ConnectionError, aiohttp.web.HTTPException) as e:
+        return error(400, f"could not read the request body: {e}", None, rid=rid)
+    return b"".join(parts)
+
+
+def _closing(resp: web.Response) -> web.Response:
+    """The rest of the body is not read: the connection cannot carry another request."""
+    resp.force_close()
+    return resp
+
+
 class _Retry(Exception):
-    """This replica failed before any byte reached the client: try another."""
+    """This replica failed before any byte reached the client: try another (`unavailable`: it answered 503)."""
+
+    def __init__(self, message: str, unavailable: bool = False) -> None:
+        super().__init__(message)
+        self.unavailable = unavailable
 
 
 def role_events(path: str, doc: dict[str, Any]) -> int:
@@ -106,32 +146,50 @@ def prompt_tokens(doc: dict[str, Any]) -> int:
 
 class Proxy:
     def __init__(self, routes: Routes, demand: Demand, settings: RouterSettings, upstreams: Upstreams,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, health: Health | None = None, keys: ApiKeys | None = None) -> None:
         self.routes, self.demand, self.s, self.upstreams = routes, demand, settings, upstreams
+        self.keys = keys  # None: no client authentication
         self.rng = random.Random(seed)
+        self.health = health or Health(routes, settings.eject_s, settings.eject_after_failures,
+                                       settings.probe_timeout_s, upstreams.tls)
+
+    def _serving(self, svc: tuple[str, str]) -> list[Backend]:
+        """Serving backends with a free connection slot (`max_backend_connections`)."""
+        cap = self.s.max_backend_connections
+        return [b for b in self.routes.serving(svc) if b.in_flight < cap]
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         rid = request.headers.get(REQUEST_ID, "")
         if not _RID_OK.match(rid):
             rid = uuid.uuid4().hex
+        key: Key | None = None
+        if self.keys is not None:
+            key = self.keys.lookup(request.headers.get("Authorization"))
+            if key is None:
+                denied = error(401, "a valid API key is required (Authorization: Bearer KEY)", None,
+                               "authentication_error", rid=rid)
+                denied.headers["WWW-Authenticate"] = "Bearer"
+                return _closing(denied)  # its body is not read
         if request.content_length is not None and request.content_length > self.s.max_body_bytes:
             return error(413, f"request body is {request.content_length} bytes, the limit is "
                               f"{self.s.max_body_bytes}", None, rid=rid)
-        try:
-            body = await request.content.read(self.s.max_body_bytes + 1)
-        except (aiohttp.ClientError, ConnectionError) as e:
-            return error(400, f"could not read the request body: {e}", None, rid=rid)
-        if len(body) > self.s.max_body_bytes:
-            return error(413, f"request body exceeds the limit of {self.s.max_body_bytes} bytes", None, rid=rid)
+        body_or_error = await read_body(request, self.s.max_body_bytes, self.s.body_timeout_s, rid)
+        if isinstance(body_or_error, web.Response):
+            return body_or_error
+        body = body_or_error
         try:
             doc = json.loads(body)
         except ValueError as e:
             return error(400, f"malformed JSON body: {e}", None, rid=rid)
+        except RecursionError:  # the C decoder recurses per nesting level
+            return error(400, "the JSON body is nested too deeply", None, rid=rid)
         if not isinstance(doc, dict):
             return error(400, "the request body must be a JSON object", None, rid=rid)
         model = doc.get("model")
         if not isinstance(model, str) or not model:
             return error(400, "field 'model' is required and must be a non-empty string", "model", rid=rid)
+        if key is not None and not key.allows(model):
+            return error(403, f"this API key may not use model '{model}'", "model", "permission_error", rid=rid)
         svc = self.routes.lookup(model)
         if svc is None:
             known = ", ".join(sorted(self.routes.models)) or "none"
@@ -161,9 +219,9 @@ class Proxy:
                      rid: str, t0: float, skip: int = 0) -> tuple[web.StreamResponse, int, int]:
         tried: set[str] = set()
         deadline = t0 + self.s.hold_timeout_s
-        held, tries = False, 0
+        held, tries, unavailable = False, 0, 0  # unavailable: tries answered 503 (draining, loading, full)
         while tries < self.s.attempts:
-            b, pre = pick_pd(self.routes.serving(svc), self.rng, tried, self.s.route)
+            b, pre = pick_pd(self._serving(svc), self.rng, tried, self.s.route)
             if b is None:
                 if not held and d.queued >= self.s.max_queued:
                     return error(429, f"{d.queued} requests for model '{d.model}' are already waiting for a "
@@ -172,28 +230,40 @@ class Proxy:
                 b = await self._hold(svc, d, tried, deadline)
                 held = True
                 if b is not None:
-                    b, pre = pick_pd(self.routes.serving(svc), self.rng, tried, self.s.route)
+                    b, pre = pick_pd(self._serving(svc), self.rng, tried, self.s.route)
                 if b is None:
-                    why = (f"replicas of model '{d.model}' failed before answering ({tries} tries)" if tries
-                           else f"no serving replica of model '{d.model}' (ModelService {svc[0]}/{svc[1]}) "
-                                f"within {self.s.hold_timeout_s:g} s; it may be scaling from zero")
-                    return error(503, why, None, "unavailable", rid, self.s.retry_after_s), 503, 0
+                    return error(503, self._why_none(svc, d, tries, unavailable), None, "unavailable", rid,
+                                 self.s.retry_after_s), 503, 0
             tried.add(b.pod)
             tries += 1
             fallback = fallback_prefill(self.routes.serving(svc), b, pre)
             try:
                 return await self._forward(request, body, b, stream, rid, pre, fallback, d, skip)
             except _Retry as e:
+                unavailable += e.unavailable
                 log.info("request %s: %s; retrying on another replica", rid, e)
+        if unavailable == tries:  # every replica said it cannot serve now: that is what the client hears
+            return error(503, f"{tries} tries on replicas of model '{d.model}' all answered 503 (unavailable)",
+                         None, "unavailable", rid, self.s.retry_after_s), 503, 0
         return error(502, f"{tries} tries on replicas of model '{d.model}' failed before answering", None,
                      "server_error", rid), 502, 0
+
+    def _why_none(self, svc: tuple[str, str], d: ModelDemand, tries: int, unavailable: int) -> str:
+        if tries:
+            return (f"replicas of model '{d.model}' failed before answering ({tries} tries, {unavailable} answered "
+                    "503)")
+        if self.routes.serving(svc):
+            return (f"every replica of model '{d.model}' is at this router's connection limit "
+                    f"({self.s.max_backend_connections}) for {self.s.hold_timeout_s:g} s")
+        return (f"no serving replica of model '{d.model}' (ModelService {svc[0]}/{svc[1]}) within "
+                f"{self.s.hold_timeout_s:g} s; it may be scaling from zero")
 
     async def _hold(self, svc: tuple[str, str], d: ModelDemand, tried: set[str], deadline: float) -> Backend | None:
         """Wait (queued) until a backend not yet tried serves this model, or the deadline."""
         d.queued += 1
         try:
             while True:
-                b = pick(self.routes.serving(svc), self.rng, tried)
+                b = pick(self._serving(svc), self.rng, tried)
                 if b is not None:
                     return b
                 left = deadline - time.monotonic()
@@ -228,15 +298,16 @@ class Proxy:
         timeout = self.s.read_timeout_s
         try:
             try:
-                up = await self.upstreams.request(b.address, request.path, body, send, timeout)
+                up = await self._first_byte(b, self.upstreams.request(b.address, request.path, body, send, timeout))
             except UpstreamError as e:
-                b.ejected_until = time.monotonic() + self.s.eject_s
+                self.health.failed(b, e.refused, str(e))
                 raise _Retry(f"{b.pod} ({b.address}): {e}") from None
+            self.health.succeeded(b)
             if up.status == 503:
                 with contextlib.suppress(UpstreamError):
                     text = (await up.read(timeout))[:200].decode(errors="replace")
-                    raise _Retry(f"{b.pod} answered 503: {text}")
-                raise _Retry(f"{b.pod} answered 503")
+                    raise _Retry(f"{b.pod} answered 503: {text}", unavailable=True)
+                raise _Retry(f"{b.pod} answered 503", unavailable=True)
             b.reported(up.headers.get(SERVING_SHARE_HEADER_LC))
             b.reported_room(up.headers.get(PREFILL_ROOM_HEADER_LC))
             b.reported_rate(up.headers.get(PREFILL_RATE_HEADER_LC))
@@ -265,17 +336,10 @@ class Proxy:
                 headers[PREFILLED_BY] = pre.pod
             ctype = up.headers.get("content-type", "application/json")
             if not (stream and ctype.startswith(_SSE)):
-                try:
-                    data = await up.read(timeout)
-                except UpstreamError as e:
-                    raise _Retry(f"{b.pod} failed mid-body: {e}") from None
-                if up.status == 200 and not moved:  # an error answer is no first token: a failing engine must
-                    # not look fast; nor one a hand-back moved the request to as its answer ended (a TTFT of ~0)
-                    wait.first(time.monotonic())
-                return web.Response(status=up.status, body=data, content_type=ctype.split(";")[0],
-                                    headers=headers), up.status, _usage_tokens(data)
+                return await self._relay_whole(request, up, headers, ctype, wait if not moved else None, b, rid,
+                                               timeout)
             try:
-                if not await up.first_data(timeout):
+                if not await self._first_byte(b, up.first_data(timeout)):
                     raise _Retry(f"{b.pod} closed the stream before its first chunk")
             except UpstreamError as e:
                 raise _Retry(f"{b.pod} failed before its first chunk: {e}") from None
@@ -323,12 +387,68 @@ class Proxy:
             if up is not None:
                 up.on_token(0, None)  # never called after this: the counts below are final
             b.in_flight -= 1
+            if b.in_flight == self.s.max_backend_connections - 1:
+                self.routes.wake()  # a connection slot freed: a request waiting for one may go
             if pre is not None:
                 pre.in_flight -= 1
             if prefiller is not None:
                 prefiller.prefilling -= 1
             if up is not None:
                 self.upstreams.release(up)  # pooled after a clean end; otherwise closed: the engine aborts
+
+    async def _first_byte(self, b: Backend, aw: Awaitable[T]) -> T:
+        """`aw` (an engine's answer head, or a stream's first data), probing the engine's /readyz after every
+        `first_byte_s` of waiting: an engine that answers neither is hung: ejected, and the request (nothing of
+        which reached the client) goes elsewhere. A busy engine answers its probe, and the request waits on."""
+        task = asyncio.ensure_future(aw)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.s.first_byte_s)
+                if done:
+                    return task.result()
+                if not await self.health.alive(b):
+                    why = (f"nothing for {self.s.first_byte_s:g} s and no answer to a /readyz probe within "
+                           f"{self.s.probe_timeout_s:g} s")
+                    self.health.hung(b, why)
+                    raise _Retry(f"{b.pod} ({b.address}) is hung: {why}")
+        finally:
+            if not task.done():
+                task.cancel()  # closes the engine connection (Upstreams.request), which aborts it there
+                with contextlib.suppress(asyncio.CancelledError, UpstreamError):
+                    await task
+
+    async def _relay_whole(self, request: web.Request, up: Answer, headers: dict[str, str], ctype: str,
+                           wait: Waiting | None, b: Backend, rid: str, timeout: float
+                           ) -> tuple[web.StreamResponse, int, int]:
+        """A non-streamed answer (or an error answer), streamed through as it arrives, never held whole (a 200 MB
+        answer took 682 MB of router memory); its usage is read from its last bytes. `wait`: timed at its end."""
+        resp = web.StreamResponse(status=up.status, headers={**headers, "Content-Type": ctype})
+        length = up.headers.get("content-length")
+        framed = request.version >= aiohttp.HttpVersion11
+        if length is not None and length.isdigit() and "chunked" not in up.headers.get("transfer-encoding", ""):
+            resp.content_length = int(length)
+            framed = False  # the payload as is, delimited by its length
+        elif framed:
+            resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        client = request.transport
+        if client is None or client.is_closing():
+            raise ConnectionError("the client went away")
+        up.keep_tail = True
+        up.relay(client, framed)
+        try:
+            await up.finished(timeout)
+        except UpstreamError as e:
+            if client.is_closing():
+                raise ConnectionError("the client went away") from None
+            log.warning("request %s: replica %s failed mid-answer: %s", rid, b.pod, e)
+            client.close()  # a JSON answer cut short cannot be completed or marked: the client sees it cut
+            return resp, 502, 0
+        await resp.write_eof()
+        if up.status == 200 and wait is not None:  # an error answer is no first token: a failing engine must not
+            # look fast; nor one a hand-back moved the request to as its answer ended (a TTFT of ~0)
+            wait.first(time.monotonic())
+        return resp, up.status, _usage_tokens(up.tail)
 
 
 def _handed_to(value: str | None, b: Backend, fallback: Backend | None, rid: str) -> Backend | None:
@@ -350,10 +470,10 @@ def _handed_to(value: str | None, b: Backend, fallback: Backend | None, rid: str
     return None
 
 
-def _usage_tokens(data: bytes) -> int:
-    if b'"usage"' not in data:
-        return 0
-    try:
-        return int(json.loads(data)["usage"]["completion_tokens"])
-    except (ValueError, KeyError, TypeError):
-        return 0
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+
+
+def _usage_tokens(tail: bytes) -> int:
+    """completion_tokens from an answer's last bytes (its usage object ends it)."""
+    found = _COMPLETION_TOKENS.findall(tail)
+    return int(found[-1]) if found else 0

@@ -28,6 +28,7 @@ from typing import cast
 HIGH_WATER = 256 << 10  # client write buffer above this: stop reading from the engine
 LOW_WATER = 64 << 10
 MAX_HEAD = 64 << 10  # an engine's status line + headers beyond this are refused
+TAIL = 4096  # a non-streamed answer's last bytes kept (its usage is at its end)
 IDLE_S = 4.0  # pooled connections idle longer are closed: under uvicorn's default 5 s keep-alive timeout
 _CRLF = b"\r\n"
 
@@ -35,9 +36,10 @@ _CRLF = b"\r\n"
 class UpstreamError(Exception):
     """The engine connection failed; `answered` says whether any body byte had arrived."""
 
-    def __init__(self, message: str, answered: bool = False) -> None:
+    def __init__(self, message: str, answered: bool = False, refused: bool = False) -> None:
         super().__init__(message)
         self.answered = answered
+        self.refused = refused  # nothing listens there (the process is gone): health ejects it at once
 
 
 class _Stale(UpstreamError):
@@ -52,6 +54,7 @@ class Answer(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.idle_since = 0.0
         self.reused = False
+        self.pooled = False  # idle in the pool: any byte arriving now is unsolicited
         self._reset()
 
     def _reset(self) -> None:
@@ -80,6 +83,8 @@ class Answer(asyncio.Protocol):
         self._first: asyncio.Future[None] = self.loop.create_future()
         self._done: asyncio.Future[None] = self.loop.create_future()
         self.keep_alive = True
+        self.keep_tail = False  # keep the last TAIL bytes relayed (a non-streamed answer's usage)
+        self.tail = b""
 
     # -- asyncio.Protocol -------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -88,6 +93,12 @@ class Answer(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.last_rx = self.loop.time()
+        if self.pooled or self._done.done():
+            # nothing was asked: an answer here would be handed to the next request sent on this connection
+            self.keep_alive = False
+            if self.transport is not None:
+                self.transport.close()
+            return
         if not self._in_body:
             self._head += data
             end = self._head.find(b"\r\n\r\n")
@@ -169,6 +180,8 @@ class Answer(asyncio.Protocol):
                 self._first.set_result(None)
         if not self._chunked:
             if self._length is not None:
+                if len(data) > self._length:
+                    self.keep_alive = False  # bytes past the answer: the connection carries no other
                 data = data[:self._length]
                 self._length -= len(data)
             self._emit_payload(data)
@@ -229,6 +242,8 @@ class Answer(asyncio.Protocol):
                     i = n
                     break
                 if j == i:
+                    if j + 2 < n:
+                        self.keep_alive = False  # bytes past the answer: the connection carries no other
                     self._finish()
                     return
                 i = j + 2
@@ -257,6 +272,8 @@ class Answer(asyncio.Protocol):
     def _count(self, piece: bytes) -> None:
         """SSE data events relayed; a marker split between two reads is found in (tail of the previous
         piece + this one), and markers wholly inside that tail were counted with the previous piece."""
+        if self.keep_tail:
+            self.tail = (self.tail + piece)[-TAIL:]
         tail = self._tail
         joined = tail + piece
         self.events += (joined.count(b"data: ") - tail.count(b"data: ")
@@ -371,6 +388,7 @@ class Upstreams:
         self.connect_timeout_s, self.idle_s, self.tls = connect_timeout_s, idle_s, tls
         self._idle: dict[str, list[Answer]] = defaultdict(list)
         self._heads: dict[tuple[str, str], bytes] = {}
+        self._sweeper: asyncio.TimerHandle | None = None
 
     async def request(self, address: str, path: str, body: bytes, headers: dict[str, str],
                       timeout: float) -> Answer:
@@ -390,6 +408,13 @@ class Upstreams:
                 await conn._wait(conn._headed, timeout)
             except _Stale:
                 continue  # the engine closed it while idle: once more on a fresh connection
+            except BaseException:
+                # failed, timed out, or the caller cancelled (its client left): closing the connection is what
+                # aborts the generation at the engine (a non-streamed answer's head comes at its end)
+                conn.keep_alive = False
+                if conn.transport is not None:
+                    conn.transport.close()
+                raise
             return conn
         raise UpstreamError(f"{address}: two connections closed before answering")
 
@@ -400,6 +425,7 @@ class Upstreams:
         while idle:
             conn = idle.pop()
             if conn.transport is not None and not conn.transport.is_closing() and now - conn.idle_since < self.idle_s:
+                conn.pooled = False
                 conn._reset()
                 conn.reused = True
                 return conn
@@ -412,7 +438,8 @@ class Upstreams:
                                        server_hostname="" if self.tls is not None else None),  # names not checked
                 self.connect_timeout_s)
         except (OSError, TimeoutError) as e:  # ssl.SSLError (a certificate the CA did not sign) is an OSError
-            raise UpstreamError(f"{address} unreachable: {type(e).__name__}: {e}") from None
+            raise UpstreamError(f"{address} unreachable: {type(e).__name__}: {e}",
+                                refused=isinstance(e, ConnectionRefusedError)) from None
         return conn
 
     def release(self, conn: Answer) -> None:
@@ -420,15 +447,42 @@ class Upstreams:
         t = conn.transport
         if t is None:
             return
-        if conn.keep_alive and conn._done.done() and not conn._done.exception() and not t.is_closing():
+        # a connection whose reading is paused (backpressure when the answer ended) would never see the next answer
+        if (conn.keep_alive and conn._done.done() and not conn._done.exception() and not t.is_closing()
+                and t.is_reading()):
             conn._client = None
             conn.reused = False
+            conn.pooled = True
             conn.idle_since = conn.loop.time()
             self._idle[conn.address].append(conn)
+            if self._sweeper is None:
+                self._sweeper = conn.loop.call_later(self.idle_s, self._sweep)
         else:
             t.close()
 
+    def _sweep(self) -> None:
+        """Close pooled connections idle longer than `idle_s` (not only when next popped: a burst's connections
+        would otherwise stay open, holding descriptors at both ends, until the engine closed them)."""
+        self._sweeper = None
+        loop = asyncio.get_running_loop()
+        cutoff = loop.time() - self.idle_s
+        for address, conns in list(self._idle.items()):
+            keep = [c for c in conns if c.idle_since > cutoff and c.transport is not None
+                    and not c.transport.is_closing()]
+            for c in conns:
+                if c not in keep and c.transport is not None:
+                    c.transport.close()
+            if keep:
+                self._idle[address] = keep
+            else:
+                del self._idle[address]
+        if self._idle:
+            self._sweeper = loop.call_later(self.idle_s / 2, self._sweep)
+
     def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         for conns in self._idle.values():
             for c in conns:
                 if c.transport is not None:

@@ -282,8 +282,12 @@ def test_router_is_a_read_only_watcher_behind_a_service(helm: Helm) -> None:
            by[("Deployment", "rel-operator")]["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["KASCADE_OPERATOR_ROUTER_URL"] == "http://rel-router.ns.svc:8080"  # -> ModelService status.url
     # demand is read from every router pod: a headless Service selecting exactly the router pods
-    assert env["KASCADE_OPERATOR_ROUTER_DEMAND_URL"] == "http://rel-router-pods.ns.svc:8080"
+    assert env["KASCADE_OPERATOR_ROUTER_DEMAND_URL"] == "http://rel-router-pods.ns.svc:9090"  # the admin port
     pods_svc = by[("Service", "rel-router-pods")]
+    # the admin routes (engine addresses, demand, /metrics) only on the headless Service, not the client one
+    assert "--admin-port=9090" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert [p["name"] for p in svc["spec"]["ports"]] == ["http"]
+    assert {"name": "admin", "port": 9090, "targetPort": "admin"} in pods_svc["spec"]["ports"]
     assert pods_svc["spec"]["clusterIP"] == "None" and pods_svc["spec"]["selector"] == svc["spec"]["selector"]
     assert pods_svc["metadata"]["labels"]["app.kubernetes.io/component"] != "router"  # not scraped twice
     pool = by[("InferencePool", "chat")]
@@ -374,3 +378,21 @@ def test_sync_check_names_the_stale_file(tmp_path: Path) -> None:
     assert "modelservices" not in proc.stderr
     subprocess.run([sys.executable, str(script)], check=True, capture_output=True)
     assert stale.read_text() == (REPO / "crds" / "kascade.io_scaleplans.yaml").read_text()
+
+
+def test_router_api_keys_come_from_a_secret(helm: Helm) -> None:
+    """router.auth.existingSecret mounts the Secret and points --api-keys-file at its key; unset: no auth."""
+    def router_pod(*sets: str) -> dict:
+        args = [a for s in sets for a in ("--set", s)]
+        docs = [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), *args).stdout) if d]
+        return next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-router")[
+            "spec"]["template"]["spec"]
+    plain = router_pod()
+    assert not any(a.startswith("--api-keys-file") for a in plain["containers"][0]["args"])
+    spec = router_pod("router.auth.existingSecret=keys", "router.auth.secretKey=k.txt",
+                      "dataPlaneTls.secretName=tls")
+    assert "--api-keys-file=/etc/kascade/router-auth/k.txt" in spec["containers"][0]["args"]
+    mounts = {m["name"]: m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
+    assert mounts["router-auth"] == "/etc/kascade/router-auth" and len(mounts) == 2  # beside the engine CA
+    vols = {v["name"]: v for v in spec["volumes"]}
+    assert vols["router-auth"]["secret"]["secretName"] == "keys"

@@ -171,7 +171,7 @@ def test_monitors_select_exactly_the_objects_that_export_metrics(helm: Helm) -> 
     services = [d for d in docs if d["kind"] == "Service"]
     for sm in (d for d in docs if d["kind"] == "ServiceMonitor"):
         chosen = [s for s in services if _matches(sm["spec"]["selector"], s["metadata"]["labels"])]
-        want = {"rel-operator": "rel-operator-metrics", "rel-router": "rel-router"}[sm["metadata"]["name"]]
+        want = {"rel-operator": "rel-operator-metrics", "rel-router": "rel-router-pods"}[sm["metadata"]["name"]]
         assert [s["metadata"]["name"] for s in chosen] == [want], (sm["metadata"]["name"], chosen)
         assert sm["spec"]["endpoints"][0]["port"] in {p["name"] for p in chosen[0]["spec"]["ports"]}
         assert sm["spec"]["namespaceSelector"]["matchNames"] == ["ns"]

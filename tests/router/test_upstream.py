@@ -104,7 +104,8 @@ async def test_payload_relay_for_http10_clients_and_collect() -> None:
     c, _ = _answer(loop)
     c.data_received(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 5\r\n\r\nab")
     c.data_received(b"cdeEXTRA")
-    assert await c.read(1.0) == b"abcde" and c.status == 400 and c.keep_alive
+    # bytes past the answer: never pooled (they would be the next request's answer; issue 38)
+    assert await c.read(1.0) == b"abcde" and c.status == 400 and not c.keep_alive
 
 
 async def test_an_answer_complete_before_the_engine_closes_is_not_lost() -> None:
@@ -362,3 +363,30 @@ async def test_on_token_fires_once_after_the_events_that_carry_no_token() -> Non
     a.relay(Capture(), framed=True)
     await a.finished(1.0)
     assert calls == []
+
+
+async def test_idle_pooled_connections_are_closed_after_idle_s() -> None:
+    """Not only when next popped: a burst's pooled connections held descriptors at both ends until the engine
+    closed them (the soak's router kept 140 after its clients had gone)."""
+    closed = asyncio.Event()
+
+    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(2)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+        await writer.drain()
+        await reader.read()  # until the router closes it
+        closed.set()
+
+    srv = await asyncio.start_server(engine, "127.0.0.1", 0)
+    ups = Upstreams(connect_timeout_s=1.0, idle_s=0.2)
+    try:
+        a = await ups.request(f"127.0.0.1:{srv.sockets[0].getsockname()[1]}", "/v1/completions", b"{}", {}, 2.0)
+        assert await a.read(2.0) == b"{}"
+        ups.release(a)
+        assert len(ups) == 1
+        await asyncio.wait_for(closed.wait(), 2.0)
+        assert len(ups) == 0
+    finally:
+        ups.close()
+        srv.close()
