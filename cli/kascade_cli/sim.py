@@ -78,7 +78,7 @@ def sim(trace: str, systems: tuple[str, ...], hw_name: str, hosts: int | None, g
     from kascade_sim.compare import comparison
     from kascade_sim.generators import burstgpt_like
     from kascade_sim.hardware import hardware, model
-    from kascade_sim.simulator import SimConfig, Simulation
+    from kascade_sim.simulator import SimConfig, Simulation, SimulationStalled
     from kascade_sim.systems import system
     from kascade_sim.traces import load
     from kascade_sim.workload import TraceError
@@ -122,7 +122,7 @@ def sim(trace: str, systems: tuple[str, ...], hw_name: str, hosts: int | None, g
 
                 results.append(Simulation(wl, hw, spec, chosen_sys, cfg, tick_cb).run())
                 bar.update(task, completed=wl.duration_s)
-    except ValueError as e:
+    except (ValueError, SimulationStalled) as e:
         raise click.ClickException(str(e)) from None
     doc = comparison(results, time.perf_counter() - t0)
     doc["workload"] = wl.name

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from kascade_planner.conversion import arrival_verdict
 from kascade_planner.policies import (
     Bounds,
     MetricsSnapshot,
@@ -35,16 +36,41 @@ class Autoscaler:
         """Serving decoders that may prefill this model's requests (convertible decoders): they count
         as prefill instances, so a lone request scales no prefiller up; a backlog beyond what they
         absorb still does."""
-        if role != "prefill" or not self.sys.convertible:
+        if role != "prefill" or not self.sys.convertible or self._handed_waiting(m):
             return 0
         return sum(1 for d in self.group[(m, "decode")] if d.state == "serving")
+
+    def _handed_waiting(self, m: int) -> bool:
+        """The prompt at the head of the prefill queue is one no decoder takes (handed back by one, or
+        declined by every decoder's arrival rule): decoders must not count as prefill instances then,
+        or the policy sees an instance where there is none and never starts the prefiller it waits for."""
+        q = self.queue[(m, "prefill")]
+        if not q:
+            return False
+        r = q[0]
+        if r in self.handed:
+            return True
+        fallback = not any(p.accepting for p in self.group[(m, "prefill")])
+        remote = None
+        serving = [d for d in self.group[(m, "decode")] if d.state == "serving"]
+        if not serving:
+            return False  # a decoder still loading takes it when ready (an idle decoder takes any prompt)
+        for d in serving:
+            decodes = d.n_running + d.incoming
+            if not decodes or (fallback and not d.convertible):
+                return False
+            if d.convertible:
+                remote = self._remote_s(m, r) if remote is None else remote
+                if arrival_verdict(self.inp[r], d.rate.rate(), remote, decodes) is None:
+                    return False
+        return True
 
     def _instances_for(self, m: int, role: str) -> int:
         """Instances the policy sees for a group: its active ones; for prefill with convertible
         decoders also every decoder of the model not yet released (a draining one is taken back
         when the decode floor rises for waiting prefill work)."""
         n = sum(1 for i in self.group[(m, role)] if i.active)
-        if role == "prefill" and self.sys.convertible:
+        if role == "prefill" and self.sys.convertible and not self._handed_waiting(m):
             n += sum(1 for d in self.group[(m, "decode")] if d.state != "released")
         return n
 
@@ -87,9 +113,11 @@ class Autoscaler:
                     st = self.states[g]
                     bounds = st.bounds
                     if role == "decode" and (self.queue[g] or any(i.active for i in self.group[(m, "prefill")])
-                                             or (self.sys.convertible and self.queue[(m, "prefill")])):
-                        # Prefillers need a decoder to finish; with convertible decoders, a decoder is
-                        # also what prefills a waiting request when the model has no prefiller.
+                                             or self.queue[(m, "prefill")]):
+                        # Prefillers need a decoder to finish (a prompt waiting for prefill will need one
+                        # too: it is loaded beside the prefiller, not after its KV waits); with convertible
+                        # decoders, a decoder is also what prefills a waiting request when the model has
+                        # no prefiller.
                         bounds = Bounds(max(1, bounds.min), bounds.max)
                     current = self._instances_for(m, role)
                     if role == "prefill" and "decode" in decisions:
@@ -141,7 +169,12 @@ class Autoscaler:
                 need = pick(self.rps[m], how, first_full) / cap
             wanted[(m, role)] = max(cfg.min_instances, min(self.max_instances, math.ceil(need - 1e-9)))
         # A static system never scales: every model and role keeps at least one instance.
-        return fit_counts({g: max(1, w) for g, w in wanted.items()} if self.sys.static else wanted,
-                          1 if self.sys.static else cfg.min_instances,
-                          self.hw.hosts * (self.hw.gpus_per_host // self.spec.tp))
+        counts = fit_counts({g: max(1, w) for g, w in wanted.items()} if self.sys.static else wanted,
+                            1 if self.sys.static else cfg.min_instances,
+                            self.hw.hosts * (self.hw.gpus_per_host // self.spec.tp))
+        for m in range(self.models):  # a prefiller without a decoder would hold KV nobody takes
+            if counts.get((m, "prefill"), 0) and not counts.get((m, "decode"), 0):
+                counts[(m, "prefill")] -= 1
+                counts[(m, "decode")] = 1
+        return counts
 
