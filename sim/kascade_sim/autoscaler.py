@@ -15,16 +15,17 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from kascade_planner.conversion import arrival_verdict
 from kascade_planner.policies import (
     Bounds,
+    MeasuredVelocity,
     MetricsSnapshot,
     ScaleState,
     Threshold,
     prescale_decode,
     threshold,
 )
-from kascade_sim.pdpolicy import apply_conversions, ratio_decisions
+from kascade_sim.instance import Instance
+from kascade_sim.pdpolicy import apply_conversions, ratio_decisions, velocities
 from kascade_sim.provisioning import capacity_rps, fit_counts, mean_lengths, pick
 
 
@@ -38,32 +39,46 @@ class Autoscaler:
         absorb still does."""
         if role != "prefill" or not self.sys.convertible or self._handed_waiting(m):
             return 0
-        return sum(1 for d in self.group[(m, "decode")] if d.state == "serving")
+        return self._decoder_share(m, [d for d in self.group[(m, "decode")] if d.state == "serving"])
+
+    def _decoder_share(self, m: int, decoders: list[Instance]) -> int:
+        """How many prefillers `decoders` amount to, whole ones: an idle decoder prefills at full speed (1), one
+        decoding at the share its chunks get beside its decodes (`_side_rate` over a prefiller's velocity); only
+        converted ones while the model has a prefiller (the others do not prefill then). With no prefiller at
+        all, at least 1: the decoders serve its prompts (the router's fallback), so a lone request loads none."""
+        prefillers = any(p.active for p in self.group[(m, "prefill")])
+        takers = [d for d in decoders if d.convertible or not prefillers]
+        if not takers:
+            return 0
+        velocity = velocities(self, m).prefill_effective
+        share = sum(1.0 if not (d.n_running + d.incoming) else min(1.0, self._side_rate(d) / velocity)
+                    for d in takers)
+        return max(0 if prefillers or all(d.n_running + d.incoming for d in takers) else 1, math.floor(share + 1e-9))
 
     def _handed_waiting(self, m: int) -> bool:
-        """The prompt at the head of the prefill queue is one no decoder takes (handed back by one, or
-        declined by every decoder's arrival rule): decoders must not count as prefill instances then,
-        or the policy sees an instance where there is none and never starts the prefiller it waits for."""
+        """The decoders would not serve the prefill queue: its head was handed back by one (it waits for a
+        prefiller), or the decoders that may prefill would finish the queue later than a prefiller would (a serving
+        one, or one started now: `Serving._remote_s`, `Serving._new_prefiller_s`) - the arrival rule
+        (`conversion.arrival_verdict`) over the whole queue. Decoders must not count as prefill instances then, or
+        the policy sees an instance where there is none and never starts the prefiller the queue waits for."""
         q = self.queue[(m, "prefill")]
         if not q:
             return False
-        r = q[0]
-        if r in self.handed:
+        if q[0] in self.handed:
             return True
-        fallback = not any(p.accepting for p in self.group[(m, "prefill")])
-        remote = None
         serving = [d for d in self.group[(m, "decode")] if d.state == "serving"]
         if not serving:
             return False  # a decoder still loading takes it when ready (an idle decoder takes any prompt)
-        for d in serving:
-            decodes = d.n_running + d.incoming
-            if not decodes or (fallback and not d.convertible):
-                return False
-            if d.convertible:
-                remote = self._remote_s(m, r) if remote is None else remote
-                if arrival_verdict(self.inp[r], d.rate.rate(), remote, decodes) is None:
-                    return False
-        return True
+        fallback = not any(p.accepting for p in self.group[(m, "prefill")])
+        takers = [d for d in serving if d.convertible or fallback]
+        velocity = velocities(self, m).prefill_effective
+        rate = sum(velocity if not (d.n_running + d.incoming) else
+                   ((d.rate.rate() or 0.0) if d.convertible else self._side_rate(d)) for d in takers)
+        if rate <= 0:
+            return True
+        local = (sum(self.inp[r] for r in q) + sum(d.chunk_left for d in takers)) / rate
+        alternatives = [x for x in (self._remote_s(m, q[-1]), self._new_prefiller_s(m, q[-1])) if x is not None]
+        return bool(alternatives) and local > min(alternatives)
 
     def _instances_for(self, m: int, role: str) -> int:
         """Instances the policy sees for a group: its active ones; for prefill with convertible
@@ -71,7 +86,7 @@ class Autoscaler:
         when the decode floor rises for waiting prefill work)."""
         n = sum(1 for i in self.group[(m, role)] if i.active)
         if role == "prefill" and self.sys.convertible and not self._handed_waiting(m):
-            n += sum(1 for d in self.group[(m, "decode")] if d.state != "released")
+            n += self._decoder_share(m, [d for d in self.group[(m, "decode")] if d.state != "released"])
         return n
 
     def _metric(self, m: int, role: str, k: int) -> MetricsSnapshot:
@@ -99,7 +114,11 @@ class Autoscaler:
         hist.append(value)
         mean = sum(hist) / len(hist)
         if pol.metric == "queueLength":
-            return MetricsSnapshot(now, in_flight=round(mean))
+            if pol.queue_drain_s is None:
+                return MetricsSnapshot(now, in_flight=round(mean))
+            # the prompt tokens waiting and one prefiller's capacity (the engines' measured velocity)
+            return MetricsSnapshot(now, in_flight=round(mean), queue_tokens=float(sum(self.inp[r] for r in self.queue[(m, role)])),
+                                   measured=MeasuredVelocity(prefill_capacity_tokens_per_s=velocities(self, m).prefill_effective))
         return MetricsSnapshot(now, kv_usage=mean, in_flight=len(self.queue[(m, role)]))
 
     def _tick(self, now: float, k: int) -> None:

@@ -35,6 +35,22 @@ class Scaling:
     def _free_slots(self) -> int:
         return sum(f // self.spec.tp for f in self.free.values())
 
+    def _load_estimate(self, m: int) -> float:
+        """Seconds until a new instance of model `m` serves: the planner's prediction for its last scale-up (its
+        first layer with a live partner, else its last block), or before any, for one target fed from the model's
+        serving instances or its host copy (`_load_s`, set by `_scale_up`)."""
+        est = self._load_s.get(m)
+        if est is None:
+            node = self._pick_node(m) or self.topo.nodes[0].name
+            src = [PlanInstance(i.id, i.node, i.gpus) for g in self.roles for i in self.group[(m, g)]
+                   if i.state == "serving"] or [PlanInstance(f"host:pool:{m}", self._pool_node(m), self.spec.tp, "host")]
+            plan = make_plan(self.topo, self.layout, src, [PlanInstance("probe", node, self.spec.tp)], "chain",
+                             predict=False)
+            blocks = dict(dict(predict(plan, self.topo).arrival)["probe"])
+            live = self.sys.serving == "live" and len(src) > 0 and src[0].kind == "gpu"  # a serving partner exists
+            est = self._load_s[m] = max(blocks["layer.0"], blocks["embed"]) if live else max(blocks.values())
+        return est
+
     def _pool_node(self, m: int) -> str:
         return self.topo.nodes[m % len(self.topo.nodes)].name
 
@@ -167,6 +183,8 @@ class Scaling:
             self.push(t.ready_s, READY, t)
         self.cache_peak = max(self.cache_peak, self._host_copies(now))
         makespan = max(t.ready_s for t in targets) - now
+        # what waiting for a new instance costs a prompt: until the first target accepts (live: its first layer)
+        self._load_s[m] = min(t.accept_from_s for t in targets) - now
         self.events.append(ScaleEvent(now, "up", len(targets), reason, round(makespan, 6), role, m))
 
     def _live_share(self, partner: Instance, load_s: float) -> float:

@@ -128,6 +128,7 @@ class Simulation(Scaling, Serving, Autoscaler):
         self.holder: dict[int, Instance] = {}  # request -> prefill instance holding its KV until a decoder takes it
         self.kv_bytes_per_s = hw.rdma_gbps * spec.tp * 1e9 / 8
         self._zigzag: dict[tuple[float, int], float] = {}
+        self._load_s: dict[int, float] = {}  # per model, the predicted load of its last scale-up (`_load_estimate`)
         self.hostmem = HostMemory([n.name for n in self.topo.nodes], hw.host_mem_gb * 1e9, spec.bytes, sys.keep_alive_s)
         self.cache_peak = 0
         self.loads = 0

@@ -88,9 +88,11 @@ def burst_over_trickle(long_prompts: int) -> Workload:
     return Workload("burst", tuple(sorted(reqs, key=lambda r: r.arrival_s)))
 
 
-def run_burst(chunk: int | None, hand_back: bool, arrival: bool = True) -> tuple[Simulation, Result]:
+def run_burst(chunk: int | None, hand_back: bool, arrival: bool = True,
+              max_instances: int | None = None) -> tuple[Simulation, Result]:
     s = Simulation(burst_over_trickle(8), hardware("a800", hosts=1, gpus_per_host=4), SPEC,
-                   system("kascade", convertible=True, convert_chunk_tokens=chunk), replace(CFG, min_instances=1))
+                   system("kascade", convertible=True, convert_chunk_tokens=chunk),
+                   replace(CFG, min_instances=1, max_instances=max_instances))
     if not hand_back:
         s._hand_back = lambda inst, now: False  # type: ignore[method-assign]
     if arrival:
@@ -132,8 +134,12 @@ def test_a_slow_converted_decoder_declines_a_long_prompt_on_arrival() -> None:
 
 
 def test_a_converted_decoder_keeps_a_prompt_its_chunk_budget_prefills_fast() -> None:
-    # The policy's own chunk budget on a GPU cost model leaves room: the rule keeps every prompt it took.
-    _, r = run_burst(None, hand_back=True)
+    # The policy's own chunk budget on a GPU cost model leaves room: the rule keeps every prompt it took. With a
+    # GPU free, a new prefiller (an 8B model loads live in well under a second) beats the decoder's chunks, so the
+    # decoder takes none; with the prefillers at their bound (no new one can come) it takes some and keeps them.
+    _, free = run_burst(None, hand_back=True)
+    assert free.converted_prefills == 0 and free.handbacks == 0, (free.converted_prefills, free.handbacks)
+    _, r = run_burst(None, hand_back=True, max_instances=1)
     assert r.converted_prefills >= 1 and r.handbacks == 0, (r.converted_prefills, r.handbacks)
 
 
@@ -165,15 +171,17 @@ def test_the_arrival_rule_costs_long_prompts_nothing_once_the_decoder_measured_i
     declined: list[str] = []
     verdict = sv.arrival_verdict
 
-    def spy(prompt: int, rate: float | None, remote: float | None, decodes: int) -> str | None:
-        why = verdict(prompt, rate, remote, decodes)
+    def spy(prompt: int, rate: float | None, remote: float | None, decodes: int,
+            new_prefiller: float | None = None) -> str | None:
+        why = verdict(prompt, rate, remote, decodes, new_prefiller)
         if why is not None and rate is not None:
             declined.append(why)
         return why
 
+    # the prefillers at their bound: the remote path is the serving prefiller alone (no new one can come)
     with mock.patch.object(sv, "arrival_verdict", spy):
-        s, on = run_burst(None, hand_back=True)
-    _, off = run_burst(None, hand_back=True, arrival=False)
+        s, on = run_burst(None, hand_back=True, max_instances=1)
+    _, off = run_burst(None, hand_back=True, arrival=False, max_instances=1)
     long = [k for k, q in enumerate(s.wl.requests) if q.input_tokens == 4096]
     mean = {name: sum(r.ttft_s[k] for k in long) / len(long) for name, r in (("on", on), ("off", off))}
     assert not declined, declined[:3]
