@@ -112,8 +112,9 @@ class Result:
             "host_cache_evictions": self.host_cache_evictions, "kv_peak_fraction": self.kv_peak_fraction,
             "clipped_requests": self.clipped_requests, "loads": self.loads,
             "converted_prefills": self.converted_prefills, "handbacks": self.handbacks,
+            # over the scale-ups that loaded (an instance taken back while draining loads nothing)
             "mean_predicted_load_s": (sum(e.predicted_load_s for e in self.events if e.direction == "up")
-                                      / max(1, sum(1 for e in self.events if e.direction == "up"))),
+                                      / max(1, sum(1 for e in self.events if e.direction == "up" and e.predicted_load_s))),
         }
 
     def to_dict(self, per_request: bool = False) -> dict[str, Any]:

@@ -112,10 +112,13 @@ class Scaling:
 
     def _scale_up(self, now: float, m: int, role: str, count: int, reason: str) -> None:
         # Instances still draining are loaded already: take them back first.
-        for d in [i for i in self.group[(m, role)] if i.state == "draining" and not i.preempted][:count]:
+        back = [i for i in self.group[(m, role)] if i.state == "draining" and not i.preempted][:count]
+        for d in back:
             d.state = "serving"
             count -= 1
             self._kick(d, now)
+        if back:  # a scale-up too, with nothing to load
+            self.events.append(ScaleEvent(now, "up", len(back), reason, 0.0, role, m))
         targets: list[Instance] = []
         # A prefiller of a model with no decoder leaves a slot for one: prefillers of several models
         # each holding KV for a decoder that can no longer be placed would wait on each other forever.

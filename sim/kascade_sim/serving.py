@@ -158,6 +158,7 @@ class Serving:
         if inst.convertible:
             inst.rate.observe(n, dur)
         self.busy_time[(inst.model, "prefill")] += dur
+        inst.busy_until = now + dur
         self.push(now + dur, ITER, inst)
 
     def _measure(self, inst: Instance, dur: float) -> None:
@@ -249,14 +250,23 @@ class Serving:
         if partner is not None:
             # ZigZag: the layers not yet resident run on the partner, which pays for them next.
             # Only the part of the iteration before the target holds every layer is shared.
-            partner.debt_s += (1.0 - inst.live_share) * min(dur, max(0.0, inst.ready_s - now))
+            owed = (1.0 - inst.live_share) * min(dur, max(0.0, inst.ready_s - now))
+            partner.debt_s += owed
             self.max_debt_s = max(self.max_debt_s, partner.debt_s)
+            # The batch's tokens exist only once those layers ran: on the partner, after the step it is in (if
+            # any) and the work it owes (its debt is paid first thing in its next step), or on the target itself
+            # once it holds every layer. Finishing at the target's own pace put first tokens up to seconds before
+            # the work was done.
+            if owed > 0:
+                by_partner = (partner.busy_until if partner.busy else now) + partner.debt_s
+                dur = max(dur, min(by_partner, max(now, inst.ready_s) + owed) - now)
             if not partner.busy:
                 self._kick(partner, now)
         if self.sys.convertible:
             self._measure(inst, dur)
         # A converted decoder's prefill counts as prefill work (the prefill policy sees it).
         self.busy_time[(inst.model, "prefill" if inst.converted else inst.role)] += dur
+        inst.busy_until = now + dur
         self.push(now + dur, ITER, inst)
 
     def _finished(self, m: int, r: int, now: float) -> None:
