@@ -26,7 +26,7 @@ from kascade_planner.policies import (
 )
 from kascade_sim.instance import Instance
 from kascade_sim.pdpolicy import apply_conversions, ratio_decisions, velocities
-from kascade_sim.provisioning import capacity_rps, fit_counts, mean_lengths, pick
+from kascade_sim.provisioning import capacity_rps, fit_by_ratio, fit_counts, mean_lengths, pick
 
 
 class Autoscaler:
@@ -179,6 +179,7 @@ class Autoscaler:
         how = self.sys.static or "first"
         first_full = max(0, math.ceil(cfg.window_s / cfg.tick_s) - 1)
         wanted = {}
+        needs: dict[tuple[int, str], float] = {}
         for (m, role) in self.group:
             pol = cfg.decode_policy if role == "decode" else cfg.policy
             if pol.metric == "tokensPerSecond":
@@ -186,11 +187,16 @@ class Autoscaler:
             else:
                 cap = capacity_rps(self.spec, self.kv_cap, role, *mean_lengths(self.wl, m)) * cfg.target_utilization
                 need = pick(self.rps[m], how, first_full) / cap
+            needs[(m, role)] = need
             wanted[(m, role)] = max(cfg.min_instances, min(self.max_instances, math.ceil(need - 1e-9)))
-        # A static system never scales: every model and role keeps at least one instance.
-        counts = fit_counts({g: max(1, w) for g, w in wanted.items()} if self.sys.static else wanted,
-                            1 if self.sys.static else cfg.min_instances,
-                            self.hw.hosts * (self.hw.gpus_per_host // self.spec.tp))
+        slots = self.hw.hosts * (self.hw.gpus_per_host // self.spec.tp)
+        if self.sys.static:
+            # A static system never scales: every model and role keeps at least one instance, and the cluster is
+            # split by the demand/capacity ratio (`fit_by_ratio`). Clamping each role to the cluster's size and then
+            # shrinking in proportion made the split 1:1 whatever the capacities (4P + 4D where 7P + 1D fits).
+            counts = fit_by_ratio(needs, 1, slots, self.max_instances)
+        else:
+            counts = fit_counts(wanted, cfg.min_instances, slots)
         for m in range(self.models):  # a prefiller without a decoder would hold KV nobody takes
             if counts.get((m, "prefill"), 0) and not counts.get((m, "decode"), 0):
                 counts[(m, "prefill")] -= 1
