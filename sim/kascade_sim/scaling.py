@@ -118,7 +118,7 @@ class Scaling:
             count -= 1
             self._kick(d, now)
         if back:  # a scale-up too, with nothing to load
-            self.events.append(ScaleEvent(now, "up", len(back), reason, 0.0, role, m))
+            self.events.append(ScaleEvent(now, "up", len(back), reason, 0.0, role, m, loaded=False))
         targets: list[Instance] = []
         # A prefiller of a model with no decoder leaves a slot for one: prefillers of several models
         # each holding KV for a decoder that can no longer be placed would wait on each other forever.
