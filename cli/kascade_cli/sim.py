@@ -9,7 +9,8 @@ from pathlib import Path
 import click
 from rich.progress import TaskID
 
-SYSTEMS = ("kascade", "serverlessllm", "allcache", "lambdascale", "static-peak", "static-average")
+SYSTEMS = ("kascade", "kascade-noconv", "serverlessllm", "allcache", "lambdascale", "static-peak", "static-average")
+DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s != "kascade-noconv")
 
 
 POS = click.FloatRange(0, min_open=True, max=1e12)
@@ -37,6 +38,9 @@ POS = click.FloatRange(0, min_open=True, max=1e12)
 @click.option("--duration", type=click.FloatRange(0, min_open=True, max=1e9),
               help="Window length (s); default: whole trace (burstgpt-like: 600 s).")
 @click.option("--rate-scale", type=click.FloatRange(0, min_open=True, max=1000), default=1.0, show_default=True)
+@click.option("--thin", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,
+              help="Keep each request with this probability (seeded by --seed): a lower rate with the trace's own "
+                   "timing, unlike --rate-scale, which compresses time.")
 @click.option("--keep-alive", type=click.FloatRange(0, max=1e7), help="ServerlessLLM host-cache keep-alive (s).")
 @click.option("--policy", type=click.Choice(["queue", "tokens"]), default="queue", show_default=True,
               help="queue: BlitzScale (queue length + busy instances; decode on KV usage); tokens: tokens/s.")
@@ -64,7 +68,7 @@ POS = click.FloatRange(0, min_open=True, max=1e12)
 def sim(trace: str, systems: tuple[str, ...], hw_name: str, hosts: int | None, gpus_per_host: int | None,
         rdma_gbps: float | None, pcie_gbps: float | None, ssd_gbps: float | None, nvlink_gbps: float | None,
         host_mem_gb: float | None, model_name: str, tp: int | None, n_models: int, rate: float, start: float,
-        duration: float | None, rate_scale: float, keep_alive: float | None, policy: str, upper: float | None,
+        duration: float | None, rate_scale: float, thin: float, keep_alive: float | None, policy: str, upper: float | None,
         lower: float | None, scale_down_delay: float, tick: float, min_instances: int, max_instances: int | None,
         mode: str, convertible: bool, convert_chunk_tokens: int | None, pd_policy: str, seed: int, out: Path, per_request: bool,
         plot_path: Path | None) -> None:
@@ -78,7 +82,7 @@ def sim(trace: str, systems: tuple[str, ...], hw_name: str, hosts: int | None, g
     from kascade_sim.compare import comparison
     from kascade_sim.generators import burstgpt_like
     from kascade_sim.hardware import hardware, model
-    from kascade_sim.simulator import SimConfig, Simulation
+    from kascade_sim.simulator import SimConfig, Simulation, SimulationStalled
     from kascade_sim.systems import system
     from kascade_sim.traces import load
     from kascade_sim.workload import TraceError
@@ -92,6 +96,10 @@ def sim(trace: str, systems: tuple[str, ...], hw_name: str, hosts: int | None, g
             wl = load(trace, start, duration).for_models(n_models)
         if rate_scale != 1.0:
             wl = wl.scale_rate(rate_scale)
+        if thin != 1.0:
+            wl = wl.thin(thin, seed)
+            if not wl.requests:
+                raise click.ClickException(f"--thin {thin} kept no request")
         hw = hardware(hw_name, **{k: v for k, v in links.items() if v is not None})
         spec = model(model_name, tp)
         metric = "queueLength" if policy == "queue" else "tokensPerSecond"
@@ -102,7 +110,7 @@ def sim(trace: str, systems: tuple[str, ...], hw_name: str, hosts: int | None, g
         sys_overrides = {"keep_alive_s": keep_alive} if keep_alive is not None else {}
         kascade = {"convertible": convertible, "convert_chunk_tokens": convert_chunk_tokens}
         chosen = [system(n, **sys_overrides) if n == "serverlessllm" else system(n, **kascade) if n == "kascade"
-                  else system(n) for n in systems or SYSTEMS]
+                  else system(n) for n in systems or DEFAULT_SYSTEMS]
         spec.kv_capacity_tokens(hw)  # the model must fit its GPUs
     except (TraceError, ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
@@ -122,7 +130,7 @@ def sim(trace: str, systems: tuple[str, ...], hw_name: str, hosts: int | None, g
 
                 results.append(Simulation(wl, hw, spec, chosen_sys, cfg, tick_cb).run())
                 bar.update(task, completed=wl.duration_s)
-    except ValueError as e:
+    except (ValueError, SimulationStalled) as e:
         raise click.ClickException(str(e)) from None
     doc = comparison(results, time.perf_counter() - t0)
     doc["workload"] = wl.name

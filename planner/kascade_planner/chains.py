@@ -37,6 +37,16 @@ def source_links(src: Instance, topo: Topology) -> int:
     return src.gpus
 
 
+def source_gbps(topo: Topology, src: Instance) -> float:
+    """What a source sends one target at, as the cost model charges a remote hop from it (`cost.pair_gbps`): a
+    GPU instance its NICs; a host-memory copy min(NIC, PCIe) per link (host memory reaches a NIC over PCIe); an
+    SSD copy min(NIC, SSD). Ranked by NIC alone, a host copy tied a GPU on a fast network and won by id, so every
+    load ran at PCIe speed."""
+    nic = topo.by_name[src.node].nic_gbps
+    per = nic if src.kind == "gpu" else min(nic, topo.pcie_gbps if src.kind == "host" else topo.ssd_gbps)
+    return per * src.gpus
+
+
 def hop_flows(src: Instance, dst: Instance, blocks: tuple[str, ...], shard: bool, links: int | None = None) -> list[Flow]:
     """One hop src -> dst: g shard flows over g links when dst has g > 1 GPUs and src can drive g links
     (a GPU instance of the same width, so every relay forwards the shards it receives; or a host copy
@@ -139,15 +149,15 @@ def _deal_groups(by_leaf: Mapping[str, Mapping[str, list[Instance]]], allot: Map
         if not allot[leaf]:
             orphans.extend((leaf, g) for g in groups)
             continue
-        heap = []
-        for s in allot[leaf]:
+        ranked: list[tuple[int, int, int]] = []
+        for rank, s in enumerate(allot[leaf]):  # allotted fastest first: equal chains go to the faster head
             chains.append(Chain(s, by_name[s.node].leaf))
-            heap.append((0, s.id, len(chains) - 1))
-        heapq.heapify(heap)
+            ranked.append((0, rank, len(chains) - 1))
+        heapq.heapify(ranked)
         for g in groups:
-            _, sid, k = heap[0]
+            _, rank, k = ranked[0]
             chains[k].join(leaf, g, bw(g[0]))
-            heapq.heapreplace(heap, (chains[k].size, sid, k))
+            heapq.heapreplace(ranked, (chains[k].size, rank, k))
     live = [k for k, c in enumerate(chains) if c.size]
     if orphans:
         if not live:
@@ -185,7 +195,9 @@ def build_chains(topo: Topology, model: ModelLayout, sources: Sequence[Instance]
 
     by_leaf = _targets_by_leaf(tgts_by_id, by_name, bw)
     src_by_leaf: dict[str, list[Instance]] = defaultdict(list)
-    for s in sorted(usable, key=lambda s: (-bw(s), s.id)):
+    # Fastest sender first (ties: GPU copies before host and SSD ones, then id): the leaf's first source
+    # heads the first chain, and with one target it is the only one used.
+    for s in sorted(usable, key=lambda s: (-source_gbps(topo, s), s.kind != "gpu", s.id)):
         src_by_leaf[by_name[s.node].leaf].append(s)
     allot = _allot_sources({leaf: sum(len(g) for g in doms.values()) for leaf, doms in by_leaf.items()},
                            src_by_leaf, notes)

@@ -186,7 +186,8 @@ def hand_back_verdict(left: int, progressed: int, elapsed_s: float, remote_s: fl
     return _slower(left, progressed / elapsed_s, remote_s, f"{progressed} tokens in {elapsed_s:.3f} s")
 
 
-def arrival_verdict(prompt_tokens: int, rate: float | None, remote_s: float | None, decodes: int) -> str | None:
+def arrival_verdict(prompt_tokens: int, rate: float | None, remote_s: float | None, decodes: int,
+                    new_prefiller_s: float | None = None) -> str | None:
     """Why a converted decoder should hand a prompt it was sent to prefill itself to a prefill engine at once, as it
     arrives (None: it starts it). `hand_back_verdict` with the prefill rate the decoder measured over its recent steps
     (kascade_engine.velocity: what its budgets gave or would give a prompt beside its decodes) in place of the
@@ -197,9 +198,14 @@ def arrival_verdict(prompt_tokens: int, rate: float | None, remote_s: float | No
     it 1-2 burst prompts it held for the whole hand-back bound (bench/pd.py). `decodes`: the
     sequences it decodes now (and those about to join); with none it starts the prompt whatever its rate says, since
     its step budget binds only beside decodes (an idle decoder gives a prompt its whole chunk cap every step), and
-    an idle engine steps no more, so its last rate is as old as its last busy step."""
+    an idle engine steps no more, so its last rate is as old as its last busy step.
+    `new_prefiller_s`: what a prefill engine started now would take for the prompt, its load included
+    (`new_prefill_s`; None: none can be started): the prompt is declined when that path finishes first too,
+    so a decoder never chunk-prefills a prompt that waiting for a new prefiller would serve sooner."""
     if prompt_tokens < 1 or decodes < 0:
         raise ValueError(f"prompt_tokens must be >= 1 and decodes >= 0, got {prompt_tokens}, {decodes}")
+    if new_prefiller_s is not None and not 0 <= new_prefiller_s < math.inf:
+        raise ValueError(f"new_prefiller_s must be a finite number >= 0 or None, got {new_prefiller_s}")
     if decodes == 0:
         return None
     if rate is None:
@@ -208,7 +214,22 @@ def arrival_verdict(prompt_tokens: int, rate: float | None, remote_s: float | No
         raise ValueError(f"rate must be a finite number >= 0 or None, got {rate}")
     if rate == 0:
         return "measured prefill rate 0 tok/s"
-    return _slower(prompt_tokens, rate, remote_s, f"measured prefill rate {rate:.1f} tok/s")
+    pace = f"measured prefill rate {rate:.1f} tok/s"
+    slower = _slower(prompt_tokens, rate, remote_s, pace)
+    if slower is None and new_prefiller_s is not None:
+        slower = _slower(prompt_tokens, rate, new_prefiller_s, pace)
+        if slower is not None:
+            slower += " (a new one, its load included)"
+    return slower
+
+
+def new_prefill_s(load_s: float, prompt_tokens: int, prefill_tokens_per_s: float) -> float:
+    """What a prefill engine started now takes for a prompt: its predicted load (the planner's cost model) plus the
+    prompt at one prefiller's velocity (a conservative bound: a live-loading target serves before its last block)."""
+    if not (0 <= load_s < math.inf and prompt_tokens >= 0 and 0 < prefill_tokens_per_s < math.inf):
+        raise ValueError(f"need a finite load_s >= 0, prompt_tokens >= 0 and a finite velocity > 0, got {load_s}, "
+                         f"{prompt_tokens}, {prefill_tokens_per_s}")
+    return load_s + prompt_tokens / prefill_tokens_per_s
 
 
 def _slower(left: int, rate: float, remote_s: float | None, pace: str) -> str | None:

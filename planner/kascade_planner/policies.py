@@ -81,6 +81,7 @@ class MetricsSnapshot:
     # prompt tokens/s arriving per prompt-length bucket (kascade_prompt_tokens_arrived_total{bucket}); the
     # operator's `measured` prefill velocities are already weighted by it (MeasuredVelocity.weighted)
     prompt_tokens_per_s_by_bucket: PromptBuckets = ()
+    queue_tokens: float | None = None  # prompt tokens waiting (not yet admitted), summed; None: not measured
 
     @property
     def decode_demand(self) -> DecodeDemand:
@@ -196,8 +197,14 @@ class Threshold:
     lower: float
     scale_down_delay_s: float = 0.5
     metric: str = "tokensPerSecond"  # or kvCacheUsage, or queueLength (requests waiting or in prefill per instance)
+    # queueLength: also scale up when the prompt tokens waiting take longer than this to prefill at the current
+    # instances' measured capacity (a count of requests ignores their length: 4 waiting 12k-token prompts are 16x
+    # the work of 4 short ones). None: by count alone.
+    queue_drain_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.queue_drain_s is not None and not 0 < self.queue_drain_s < math.inf:
+            raise ValueError(f"queue_drain_s must be a finite number > 0 or None, got {self.queue_drain_s}")
         if not 0 <= self.lower < self.upper:
             raise ValueError(f"need 0 <= lower < upper, got lower={self.lower} upper={self.upper}")
         if self.scale_down_delay_s < 0:
@@ -219,6 +226,9 @@ def threshold(m: MetricsSnapshot, state: ScaleState, p: Threshold) -> Decision:
         total = m.kv_usage
     per = total / max(state.current, 1) if per_instance else total
     metrics = ((p.metric + "PerInstance", per), ("upper", p.upper), ("lower", p.lower))
+    drain = _drain_decision(m, state, p)
+    if drain is not None:
+        return replace(drain, metrics=metrics + drain.metrics)
     if per > p.upper:
         # Enough instances to bring the load per instance back under the upper bound.
         need = math.ceil(total / p.upper) if per_instance else state.current + 1
@@ -243,6 +253,32 @@ def threshold(m: MetricsSnapshot, state: ScaleState, p: Threshold) -> Decision:
     desired, note = _keep_a_copy(state, state.current)
     return Decision(state.role, state.current, desired, f"threshold: {per:.1f} per instance within bounds{note}",
                     metrics, replace(state, below_since_s=None))
+
+
+def prefill_capacity(m: MetricsSnapshot) -> float | None:
+    """One instance's measured prefill capacity in prompt tokens/s (saturated steps; else the best step seen)."""
+    v = m.measured
+    if v is None:
+        return None
+    return v.prefill_capacity_tokens_per_s or v.prefill_tokens_per_s
+
+
+def _drain_decision(m: MetricsSnapshot, state: ScaleState, p: Threshold) -> Decision | None:
+    """The queue bound in time (`Threshold.queue_drain_s`): a scale-up when the waiting prompt tokens take longer
+    than the bound at the current instances' measured capacity, to ceil(tokens / (capacity x bound)) instances;
+    None when it does not apply (another metric, no bound, nothing measured, or within the bound)."""
+    cap = prefill_capacity(m)
+    if p.metric != "queueLength" or p.queue_drain_s is None or not m.queue_tokens or not cap:
+        return None
+    drain = m.queue_tokens / (max(state.current, 1) * cap)
+    if drain <= p.queue_drain_s:
+        return None
+    need = math.ceil(m.queue_tokens / (cap * p.queue_drain_s) - 1e-9)
+    desired, note = _keep_a_copy(state, max(need, state.current + 1))
+    reason = (f"threshold: {m.queue_tokens:.0f} prompt tokens waiting take {drain:.2f} s at {cap:.0f} tok/s per "
+              f"instance > {p.queue_drain_s:g} s{note}")
+    return Decision(state.role, state.current, desired, reason, (("queueDrainSeconds", drain),),
+                    replace(state, below_since_s=None))
 
 
 def prescale_decode(prefill: Decision, decode: Decision, decoders_per_prefiller: float) -> Decision:

@@ -43,6 +43,7 @@ def comparison(results: Sequence[Result], wall_s: float) -> dict[str, Any]:
     out["ttft_mean_reduction_vs_sllm"] = reduction("serverlessllm")
     out["ttft_mean_reduction_vs_allcache"] = reduction("allcache")
     out["ttft_mean_reduction_vs_lambdascale"] = reduction("lambdascale")
+    out["ttft_mean_reduction_vs_noconv"] = reduction("kascade-noconv")
     peak = by.get("static-peak")
     out["gpu_time_vs_static_peak"] = (k["gpu_seconds"] / peak["gpu_seconds"]) if k and peak else None
     return out

@@ -59,6 +59,7 @@ class Instance:
     incoming: int = 0  # decode: requests whose KV is on its way here (already reserved)
     step: int = 0
     busy: bool = False
+    busy_until: float = 0.0  # when the iteration in flight ends (valid while `busy`)
     decoding: bool = False  # the iteration in flight is a decode step
     batch: list[int] = field(default_factory=list)  # the prefill batch in flight ([] otherwise)
     released_s: float | None = None
@@ -133,7 +134,10 @@ class Instance:
         return float(dur)
 
     def add_running(self, r: int, inp: int, out: int) -> None:
-        heapq.heappush(self.running, (self.step + out - 1, r))
+        # A request joining while a decode step is in flight was not in that step: its first decode step is the
+        # next one (crediting it with the in-flight step put its TBT below one step's time).
+        joins = self.step + (1 if self.busy and self.decoding else 0)
+        heapq.heappush(self.running, (joins + out - 1, r))
         self.n_running += 1
         self.kv_running += inp + 1
 

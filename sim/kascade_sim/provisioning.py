@@ -96,6 +96,28 @@ def fit_counts(wanted: dict[tuple[int, str], int], minimum: int, slots: int) -> 
     return out
 
 
+def fit_by_ratio(need: dict[tuple[int, str], float], minimum: int, slots: int,
+                 maximum: int) -> dict[tuple[int, str], int]:
+    """Static provisioning: `slots` instances split so that the least provisioned group (instances over the
+    instances its demand needs) is as well provisioned as it can be - max-min by the demand/capacity ratio. Every
+    group gets `minimum` first, none more than `maximum` or than it needs (rounded up); a ValueError when even
+    the minimums do not fit."""
+    if minimum * len(need) > slots:
+        raise ValueError(f"the cluster has room for {slots} instances but {len(need)} model/role groups need "
+                         f"at least {minimum} each (lower --min-instances, add GPUs or lower --tp)")
+    out = dict.fromkeys(need, minimum)
+    cap = {g: min(maximum, max(minimum, math.ceil(n - 1e-9))) for g, n in need.items()}
+    left = slots - minimum * len(need)
+    while left > 0:
+        open_ = [g for g in need if out[g] < cap[g]]
+        if not open_:
+            break
+        g = min(open_, key=lambda g: (out[g] / need[g] if need[g] > 0 else math.inf, g))
+        out[g] += 1
+        left -= 1
+    return out
+
+
 def pick(series: Sequence[float], how: str, first_full: int) -> float:
     """The demand an initial count is sized for: peak, average, or the first full window."""
     if not series:

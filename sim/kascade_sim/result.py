@@ -25,6 +25,7 @@ class ScaleEvent:
     predicted_load_s: float
     role: str = "colocated"
     model: int = 0
+    loaded: bool = True  # up: new instances loaded (False: draining ones taken back, nothing to load)
 
 
 def percentile(sorted_vals: list[float], q: float) -> float:
@@ -106,14 +107,16 @@ class Result:
             "gpu_seconds": self.gpu_seconds, "makespan_s": self.end_s,
             "host_cache_bytes_peak": self.host_cache_bytes_peak,
             "host_cache_hosts_touched": self.host_cache_hosts_touched,
-            "scale_ups": sum(e.count for e in self.events if e.direction == "up"),
+            "scale_ups": sum(e.count for e in self.events if e.direction == "up" and e.loaded),
+            "taken_back": sum(e.count for e in self.events if e.direction == "up" and not e.loaded),
             "scale_downs": sum(e.count for e in self.events if e.direction == "down"),
             "models": self.models, "host_cache_miss_rate": self.host_cache_miss_rate,
             "host_cache_evictions": self.host_cache_evictions, "kv_peak_fraction": self.kv_peak_fraction,
             "clipped_requests": self.clipped_requests, "loads": self.loads,
             "converted_prefills": self.converted_prefills, "handbacks": self.handbacks,
+            # over the scale-ups that loaded (an instance taken back while draining loads nothing)
             "mean_predicted_load_s": (sum(e.predicted_load_s for e in self.events if e.direction == "up")
-                                      / max(1, sum(1 for e in self.events if e.direction == "up"))),
+                                      / max(1, sum(1 for e in self.events if e.direction == "up" and e.loaded))),
         }
 
     def to_dict(self, per_request: bool = False) -> dict[str, Any]:

@@ -32,6 +32,25 @@ class Scaling:
             return min(cands, key=lambda n: (not self.hostmem.warm(n, m, now), -self.free[n], n))
         return min(cands, key=lambda n: (-self.free[n], n))
 
+    def _free_slots(self) -> int:
+        return sum(f // self.spec.tp for f in self.free.values())
+
+    def _load_estimate(self, m: int) -> float:
+        """Seconds until a new instance of model `m` serves: the planner's prediction for its last scale-up (its
+        first layer with a live partner, else its last block), or before any, for one target fed from the model's
+        serving instances or its host copy (`_load_s`, set by `_scale_up`)."""
+        est = self._load_s.get(m)
+        if est is None:
+            node = self._pick_node(m) or self.topo.nodes[0].name
+            src = [PlanInstance(i.id, i.node, i.gpus) for g in self.roles for i in self.group[(m, g)]
+                   if i.state == "serving"] or [PlanInstance(f"host:pool:{m}", self._pool_node(m), self.spec.tp, "host")]
+            plan = make_plan(self.topo, self.layout, src, [PlanInstance("probe", node, self.spec.tp)], "chain",
+                             predict=False)
+            blocks = dict(dict(predict(plan, self.topo).arrival)["probe"])
+            live = self.sys.serving == "live" and len(src) > 0 and src[0].kind == "gpu"  # a serving partner exists
+            est = self._load_s[m] = max(blocks["layer.0"], blocks["embed"]) if live else max(blocks.values())
+        return est
+
     def _pool_node(self, m: int) -> str:
         return self.topo.nodes[m % len(self.topo.nodes)].name
 
@@ -60,7 +79,7 @@ class Scaling:
         idle = [i for (gm, gr), grp in self.group.items() if (gm, gr) != (m, role)
                 and sum(1 for j in grp if j.active) > max(floor, 0)
                 for i in grp if i.state == "serving" and not i.busy and not i.n_running and not i.kv_reserved
-                and not i.incoming and i.live_target is None and (gr != "decode" or not self.queue[(gm, gr)])]
+                and not i.incoming and i.live_target is None and (gr != "decode" or not self._needs_decoder(gm, grp))]
         if not idle:
             # Nothing idle: drain the least loaded prefiller of a group that has several (it finishes
             # its batch, then frees its GPUs), so a model is not starved while others keep growing.
@@ -84,17 +103,30 @@ class Scaling:
                                       0.0, v.role, v.model))
         return True
 
+    def _needs_decoder(self, m: int, decoders: list[Instance]) -> bool:
+        """Model `m`'s last active decoder is not preempted while prefilled KV waits for it or a prefiller
+        may produce some (a prompt still waiting for a prefiller does not hold it: a model holding a
+        decoder while it waits for a prefiller slot, in every model at once, would be a deadlock too)."""
+        return bool(self.queue[(m, "decode")]) or (
+            sum(1 for d in decoders if d.active) <= 1 and any(p.active for p in self.group[(m, "prefill")]))
+
     def _scale_up(self, now: float, m: int, role: str, count: int, reason: str) -> None:
         # Instances still draining are loaded already: take them back first.
-        for d in [i for i in self.group[(m, role)] if i.state == "draining" and not i.preempted][:count]:
+        back = [i for i in self.group[(m, role)] if i.state == "draining" and not i.preempted][:count]
+        for d in back:
             d.state = "serving"
             count -= 1
             self._kick(d, now)
+        if back:  # a scale-up too, with nothing to load
+            self.events.append(ScaleEvent(now, "up", len(back), reason, 0.0, role, m, loaded=False))
         targets: list[Instance] = []
+        # A prefiller of a model with no decoder leaves a slot for one: prefillers of several models
+        # each holding KV for a decoder that can no longer be placed would wait on each other forever.
+        keep = 1 if role == "prefill" and not any(d.active for d in self.group[(m, "decode")]) else 0
         for _ in range(count):
-            node = self._pick_node(m)
+            node = self._pick_node(m) if self._free_slots() > keep else None
             if node is None and not any(i.active for i in self.group[(m, role)]) and self._preempt_idle(now, m, role):
-                node = self._pick_node(m)
+                node = self._pick_node(m) if self._free_slots() > keep else None
             if node is None:
                 break
             targets.append(self._new_instance(node, m, role, now))
@@ -154,6 +186,8 @@ class Scaling:
             self.push(t.ready_s, READY, t)
         self.cache_peak = max(self.cache_peak, self._host_copies(now))
         makespan = max(t.ready_s for t in targets) - now
+        # what waiting for a new instance costs a prompt: until the first target accepts (live: its first layer)
+        self._load_s[m] = min(t.accept_from_s for t in targets) - now
         self.events.append(ScaleEvent(now, "up", len(targets), reason, round(makespan, 6), role, m))
 
     def _live_share(self, partner: Instance, load_s: float) -> float:

@@ -14,9 +14,10 @@ from __future__ import annotations
 from bisect import bisect_right
 from itertools import takewhile
 
-from kascade_planner.conversion import arrival_verdict, hand_back_verdict, remote_prefill_s
+from kascade_planner.conversion import arrival_verdict, hand_back_verdict, new_prefill_s, remote_prefill_s
 from kascade_sim.events import ITER, KV
 from kascade_sim.instance import Instance
+from kascade_sim.pdpolicy import velocities
 
 
 class Serving:
@@ -57,15 +58,47 @@ class Serving:
         if not q or self.queue[(m, "decode")] or (inst.converted and inst.n_running):
             return False
         r = q[0]
-        if r in self.handed:  # handed back by a decoder: it waits for a prefiller
-            return False
         if inst.kv_reserved + self.inp[r] + self.out[r] > inst.kv_cap or inst.n_running + inst.incoming >= self.spec.max_batch:
             return False
         if any(p.accepting and not p.busy for p in self.group[(m, "prefill")]):
             return False
-        # the engine's arrival rule: beside decodes, only a prompt its measured rate finishes before a prefiller would
-        return not inst.convertible or arrival_verdict(self.inp[r], inst.rate.rate(), self._remote_s(m, r),
-                                                       inst.n_running + inst.incoming) is None
+        return self._takes(inst, r)
+
+    def _takes(self, inst: Instance, r: int) -> bool:
+        """The engine's arrival rule (`conversion.arrival_verdict`): beside decodes, a decoder takes only a prompt it
+        finishes before a prefiller would - a serving one (queue ahead included) or one started now, its load
+        included (`_new_prefiller_s`). A converted decoder judges by its measured rate; one prefilling because its
+        model has no prefiller (the router's fallback) by the rate its step costs give a prompt beside its decodes."""
+        m = inst.model
+        if r in self.handed:
+            return False
+        if not inst.convertible and any(p.accepting for p in self.group[(m, "prefill")]):
+            return False
+        decodes = inst.n_running + inst.incoming
+        if not decodes:
+            return True  # an idle decoder prefills at full speed
+        rate = inst.rate.rate() if inst.convertible else self._side_rate(inst)
+        return arrival_verdict(self.inp[r], rate, self._remote_s(m, r), decodes, self._new_prefiller_s(m, r)) is None
+
+    def _side_rate(self, inst: Instance) -> float:
+        """Prompt tokens/s a decoder's chunks get beside its decodes, from its step costs (the engine's stepcost)."""
+        chunk = self.sys.convert_chunk_tokens or self.chunk_tokens[inst.model]
+        return chunk / (self._prefill_s(chunk) + self._decode_s(max(1, inst.n_running), inst.kv_running))
+
+    def _new_prefiller_s(self, m: int, r: int) -> float | None:
+        """What prompt `r` would take on a prefiller not serving yet: one loading (its remaining load), else one
+        started now (the model's predicted load, when a slot is free for it), plus the prompts queued ahead of
+        it and its own at one prefiller's velocity. None: no prefiller can come."""
+        loading = [p.accept_from_s for p in self.group[(m, "prefill")] if p.state == "loading"]
+        if loading:
+            wait = max(0.0, min(loading) - self._now)
+        elif (self._free_slots() > (0 if any(d.active for d in self.group[(m, "decode")]) else 1)
+              and sum(1 for p in self.group[(m, "prefill")] if p.active) < self.max_instances):
+            wait = self._load_estimate(m)
+        else:
+            return None
+        ahead = sum(self.inp[x] for x in takewhile(lambda x: self.arr[x] < self.arr[r], self.queue[(m, "prefill")]))
+        return new_prefill_s(wait, ahead + self.inp[r], velocities(self, m).prefill_effective)
 
     def _chunk_tokens(self, inst: Instance) -> int:
         """Prompt tokens per converted prefill step: the conversion policy's chunk budget (or
@@ -125,6 +158,7 @@ class Serving:
         if inst.convertible:
             inst.rate.observe(n, dur)
         self.busy_time[(inst.model, "prefill")] += dur
+        inst.busy_until = now + dur
         self.push(now + dur, ITER, inst)
 
     def _measure(self, inst: Instance, dur: float) -> None:
@@ -216,14 +250,23 @@ class Serving:
         if partner is not None:
             # ZigZag: the layers not yet resident run on the partner, which pays for them next.
             # Only the part of the iteration before the target holds every layer is shared.
-            partner.debt_s += (1.0 - inst.live_share) * min(dur, max(0.0, inst.ready_s - now))
+            owed = (1.0 - inst.live_share) * min(dur, max(0.0, inst.ready_s - now))
+            partner.debt_s += owed
             self.max_debt_s = max(self.max_debt_s, partner.debt_s)
+            # The batch's tokens exist only once those layers ran: on the partner, after the step it is in (if
+            # any) and the work it owes (its debt is paid first thing in its next step), or on the target itself
+            # once it holds every layer. Finishing at the target's own pace put first tokens up to seconds before
+            # the work was done.
+            if owed > 0:
+                by_partner = (partner.busy_until if partner.busy else now) + partner.debt_s
+                dur = max(dur, min(by_partner, max(now, inst.ready_s) + owed) - now)
             if not partner.busy:
                 self._kick(partner, now)
         if self.sys.convertible:
             self._measure(inst, dur)
         # A converted decoder's prefill counts as prefill work (the prefill policy sees it).
         self.busy_time[(inst.model, "prefill" if inst.converted else inst.role)] += dur
+        inst.busy_until = now + dur
         self.push(now + dur, ITER, inst)
 
     def _finished(self, m: int, r: int, now: float) -> None:

@@ -43,9 +43,20 @@ from kascade_sim.serving import Serving
 from kascade_sim.systems import System
 from kascade_sim.workload import Workload
 
-__all__ = ["SimConfig", "Simulation"]
+__all__ = ["SimConfig", "Simulation", "SimulationStalled"]
 
 log = logging.getLogger(__name__)
+
+
+class SimulationStalled(RuntimeError):
+    """A run ended with requests that never finished: a deadlock in the simulated system (a queue no
+    instance will drain). `stuck` names each one as (request, model, arrival, where it waits)."""
+
+    def __init__(self, system: str, stuck: list[tuple[int, int, float, str]]) -> None:
+        self.system, self.stuck = system, stuck
+        shown = "; ".join(f"request {r} (model {m}, arrived {t:.3f} s) {where}" for r, m, t, where in stuck[:5])
+        more = f"; and {len(stuck) - 5} more" if len(stuck) > 5 else ""
+        super().__init__(f"simulation of {system} stalled with {len(stuck)} unfinished requests: {shown}{more}")
 
 class Simulation(Scaling, Serving, Autoscaler):
     def __init__(self, wl: Workload, hw: Hardware, spec: ModelSpec, sys: System, cfg: SimConfig = SimConfig(),
@@ -117,6 +128,7 @@ class Simulation(Scaling, Serving, Autoscaler):
         self.holder: dict[int, Instance] = {}  # request -> prefill instance holding its KV until a decoder takes it
         self.kv_bytes_per_s = hw.rdma_gbps * spec.tp * 1e9 / 8
         self._zigzag: dict[tuple[float, int], float] = {}
+        self._load_s: dict[int, float] = {}  # per model, the predicted load of its last scale-up (`_load_estimate`)
         self.hostmem = HostMemory([n.name for n in self.topo.nodes], hw.host_mem_gb * 1e9, spec.bytes, sys.keep_alive_s)
         self.cache_peak = 0
         self.loads = 0
@@ -195,9 +207,25 @@ class Simulation(Scaling, Serving, Autoscaler):
                 if inst.role == "decode":
                     self._dispatch(inst.model, now)
         if self.unfinished:
-            raise RuntimeError(f"simulation of {self.sys.name} ended with {self.unfinished} unfinished requests")
+            raise SimulationStalled(self.sys.name, self._stuck())
         end = max(self.last)
         if self.progress is not None:
             self.progress(end)
         return Result.build(self, end)
+
+    def _stuck(self) -> list[tuple[int, int, float, str]]:
+        """Every unfinished request with where it waits (for `SimulationStalled`)."""
+        where: dict[int, str] = {}
+        for (_, role), q in self.queue.items():
+            for r in q:
+                where[r] = f"waits in the {role} queue" + (" (handed back by a decoder)" if r in self.handed else "")
+        for inst in self.instances:
+            for r in inst.batch:
+                where[r] = f"in a batch on {inst.id} ({inst.role}, {inst.state})"
+            for _, r in inst.running:
+                where[r] = f"decoding on {inst.id} ({inst.state})"
+            if inst.chunk_left:
+                where[inst.chunk_req] = f"chunk-prefilled on {inst.id} ({inst.chunk_left} tokens left)"
+        return [(r, self.mdl[r], self.arr[r], where.get(r, "nowhere (lost)"))
+                for r in range(len(self.arr)) if math.isnan(self.last[r])]
 

@@ -45,8 +45,12 @@ def system_presets() -> dict[str, System]:
         # Network multicast chains (GPU sources + one host copy: O(1) host cache) + live ZigZag, and
         # convertible decoders (Kascade is BlitzScale + λScale + TokenScale as one product).
         "kascade": System("kascade", "chain", "live", "one", convertible=True),
-        # ServerlessLLM: per-host memory cache with keep-alive, SSD on a miss, stop-the-world.
-        "serverlessllm": System("serverlessllm", "local", "stop", "ttl", keep_alive_s=60.0),
+        # BlitzScale-like Kascade: the same data path without convertible decoders (the honest baseline for
+        # what conversion adds).
+        "kascade-noconv": System("kascade-noconv", "chain", "live", "one"),
+        # ServerlessLLM: per-host memory cache with keep-alive (its default: 5 minutes after the last
+        # instance of the model on the host), SSD on a miss, stop-the-world.
+        "serverlessllm": System("serverlessllm", "local", "stop", "ttl", keep_alive_s=300.0),
         # AllCache: every host keeps the model in host memory (PCIe load), stop-the-world.
         "allcache": System("allcache", "local", "stop", "all"),
         # λScale-style: binomial-pipeline multicast from GPUs + execute-while-load pipelines.

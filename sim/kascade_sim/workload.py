@@ -8,6 +8,7 @@ arrival, times in seconds from the first one, each naming its model by index) ->
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 
 
@@ -67,6 +68,16 @@ class Workload:
                     out.append(Request(t, r.input_tokens, r.output_tokens, r.model))
         out.sort(key=lambda r: r.arrival_s)
         return Workload(f"{self.name}x{factor:g}", tuple(out))
+
+    def thin(self, keep: float, seed: int = 0) -> Workload:
+        """Keep each request with probability `keep` (seeded, independent per request): a lower rate with the
+        trace's own timing, bursts and lengths (unlike `scale_rate`, which compresses or stretches time)."""
+        if not 0 < keep <= 1:
+            raise TraceError(f"thinning keeps a fraction in (0, 1], got {keep}")
+        if keep == 1:
+            return self
+        rng = random.Random(seed)
+        return Workload(f"{self.name}-thin{keep:g}", tuple(r for r in self.requests if rng.random() < keep))
 
     def for_models(self, n: int) -> Workload:
         """The same trace for `n` models, model k's copy shifted by k/n of the span (circularly), so

@@ -63,10 +63,11 @@ def test_scaleplan_lists_the_host_copy_as_a_host_source_next_to_the_gpu_source()
     assert d["sources"] == [{"instance": "p-a", "node": "n1", "kind": "host", "pod": "p-a", "hostCopy": True},
                             {"instance": "s", "node": "n0", "kind": "gpu", "pod": "s"}]
     assert [t["pod"] for t in d["targets"]] == ["p-b", "p-c"]  # the copy's pod is never a target (never bound)
-    # one target domain: one chain, from the lowest id on ties; the other source is the fallback
+    # one target domain: one chain, from the GPU source on a tie (a host copy sends at min(NIC, PCIe): here the
+    # NIC, as the GPU does; kascade_planner.chains.source_gbps); the copy is the fallback
     one = SP.build(CreatePlan("colocated", ("s", "p-a"), ("p-b",), "up"), pods, NODES,  # type: ignore[arg-type]
                    SP.layout("m", 4), "chain", 1)
-    assert one.plan.chains == (("p-a", "p-b"),) and one.plan.fallbacks == (("p-b", ("p-a", "s")),)
+    assert one.plan.chains == (("s", "p-b"),) and one.plan.fallbacks == (("p-b", ("s", "p-a")),)
 
 
 def test_choose_targets_orders_host_copies() -> None:

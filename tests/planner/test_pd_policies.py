@@ -161,3 +161,46 @@ def test_the_converted_share_is_the_decoder_rate_over_the_prefill_rate() -> None
         converted_share(-1.0, 900.0)
     with pytest.raises(ValueError, match="prefill_rate"):
         converted_share(1.0, float("nan"))
+
+
+def test_a_prompt_a_new_prefiller_finishes_first_is_declined() -> None:
+    """Issue 39: decoders chunk-prefilled 12k-token prompts that a new prefiller, its load included, would have
+    finished sooner (long-prompt TTFT 7.5 s -> 13.6 s). 12,000 tokens at 3,000 tok/s beside decodes take 4 s here."""
+    from kascade_planner.conversion import arrival_verdict, new_prefill_s
+
+    fresh = new_prefill_s(0.7, 12_000, 20_000.0)  # a live load's first layer + the prompt at a prefiller's velocity
+    assert fresh == pytest.approx(1.3)
+    why = arrival_verdict(12_000, 3_000.0, None, decodes=8, new_prefiller_s=fresh)
+    assert why is not None and "a new one" in why and "4.000 s here" in why
+    assert arrival_verdict(12_000, 3_000.0, None, decodes=8, new_prefiller_s=5.0) is None  # no new one beats it
+    assert arrival_verdict(12_000, 3_000.0, None, decodes=0, new_prefiller_s=fresh) is None  # idle: full speed
+    assert arrival_verdict(12_000, 3_000.0, None, decodes=8) is None  # no prefiller can come: it takes it
+    with pytest.raises(ValueError, match="new_prefiller_s"):
+        arrival_verdict(12_000, 3_000.0, None, decodes=8, new_prefiller_s=-1.0)
+
+
+def test_the_queue_bound_counts_prompt_tokens_against_capacity() -> None:
+    """queueLength with `queue_drain_s`: 3 waiting 12k-token prompts are 3.6 s of prefill for one 10k tok/s
+    instance, over a 1 s bound -> 4 instances; by count alone (3 < 4 per instance) nothing would scale."""
+    from kascade_planner.policies import (
+        Bounds,
+        MeasuredVelocity,
+        MetricsSnapshot,
+        ScaleState,
+        Threshold,
+        threshold,
+    )
+
+    st = ScaleState("prefill", 1, Bounds(0, 8))
+    cap = MeasuredVelocity(prefill_capacity_tokens_per_s=10_000.0)
+    snap = MetricsSnapshot(10.0, in_flight=3, queue_tokens=36_000.0, measured=cap)
+    by_count = threshold(snap, st, Threshold(4.0, 0.3, 0.5, "queueLength"))
+    assert by_count.change == 0
+    d = threshold(snap, st, Threshold(4.0, 0.3, 0.5, "queueLength", queue_drain_s=1.0))
+    assert d.desired == 4 and "3.60 s at 10000 tok/s" in d.reason and ("queueDrainSeconds", 3.6) in d.metrics
+    short = MetricsSnapshot(10.0, in_flight=3, queue_tokens=3_000.0, measured=cap)  # 0.3 s: within the bound
+    assert threshold(short, st, Threshold(4.0, 0.3, 0.5, "queueLength", queue_drain_s=1.0)).change == 0
+    unmeasured = MetricsSnapshot(10.0, in_flight=3, queue_tokens=36_000.0)  # no capacity: by count
+    assert threshold(unmeasured, st, Threshold(4.0, 0.3, 0.5, "queueLength", queue_drain_s=1.0)).change == 0
+    with pytest.raises(ValueError, match="queue_drain_s"):
+        Threshold(4.0, 0.3, 0.5, "queueLength", queue_drain_s=0.0)
