@@ -16,6 +16,11 @@ A copy lost with its engine (a container restart under a pod that keeps its anno
 ever: so each round the pods recorded as keeping one are read (GET status, each at most every CHECK_S), and
 one whose engine answers hostCopyBytes 0 loses the record (Event HostCopyLost); the next round asks again.
 
+Not while a release that will keep a copy is in flight (a pod of the service draining: its release keeps one,
+a round or more later): asked then, a serving replica kept the copy and that release dropped its weights, so
+which pod kept the model depended on the rounds' timing (issue 40). The round that drains a pod counts it as
+draining already (its snapshot was read before the drain).
+
 Which engine: the oldest pod name among the ready, undrained, healthy ones not refused. A scale-down drains
 the newest names first (`pool.choose_drain`), so the keeper is the last to be released, and at its release
 it keeps the copy (no other pod holds one). The operator does not know the engines' free host budgets; an
@@ -32,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from kascade_operator.engine_client import EngineError
 from kascade_operator.kube import Conflict, NotFound
-from kascade_operator.pool import PodView, host_copy_patch
+from kascade_operator.pool import PodView, host_copy_patch, keep_host_copy
 
 if TYPE_CHECKING:
     from kascade_operator.runtime import Runtime
@@ -47,10 +52,25 @@ def copies(pods: Sequence[PodView], model: str) -> int:
     return sum(1 for p in pods if p.host_copy == model and not p.unhealthy)
 
 
+def releasing(pods: Sequence[PodView], model: str, service: str, per_model: int) -> PodView | None:
+    """A pod of `service` being drained whose release will keep a host copy of `model` (it is told to keep one,
+    `pool.keep_host_copy`, and its engine answers, healthy and never refused one), or None."""
+    return next((p for p in pods if p.model_service == service and p.draining and p.endpoint and not p.unhealthy
+                 and p.host_copy_refused != model and keep_host_copy(pods, model, p.pod_name, per_model) is None),
+                None)
+
+
 def keeper(pods: Sequence[PodView], model: str, service: str, per_model: int) -> PodView | None:
     """The serving pod to ask for a host copy of `model`, or None: the pool keeps one already, the setting
-    (`host_copies_per_model`) is 0, or no ready pod of `service` may be asked."""
+    (`host_copies_per_model`) is 0, a release in flight will keep one (`releasing`), or no ready pod of
+    `service` may be asked."""
     if per_model < 1 or copies(pods, model) > 0:
+        return None
+    if releasing(pods, model, service, per_model) is not None:
+        # a scale-down's drain and its release are rounds apart (and a release waits while requests are in
+        # flight): asking now puts the copy on a replica that stays, and the release then drops its weights
+        # (issue 40). Deferred, not skipped: a release that keeps none leaves the pool without one, and the
+        # next round asks.
         return None
     asked = [p for p in pods if p.model_service == service and p.ready and not p.draining and p.endpoint
              and not p.unhealthy and p.host_copy_refused != model]

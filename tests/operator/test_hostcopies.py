@@ -165,3 +165,11 @@ def test_the_keeper_is_one_ready_serving_pod_and_only_while_no_copy_exists() -> 
     assert keeper(draining, "m", "svc", 1) is None
     assert keeper([pod("l", "n0", "svc", "colocated")], "m", "svc", 1) is None  # loading: nothing to keep yet
     assert keeper(ready, "m", "another-svc", 1) is None
+    # a release in flight keeps a copy (issue 40): asked now, a replica that stays kept it and the release dropped
+    in_flight = [*ready, pod("d", "n3", "svc", "colocated", ready=True, draining=True)]
+    assert keeper(in_flight, "m", "svc", 1) is None
+    assert keeper(in_flight, "m", "other-svc", 1) is None  # another service's: nothing of ours to ask anyway
+    refusing = [*ready, dataclasses.replace(in_flight[-1], host_copy_refused="m")]  # its budget: it keeps none
+    assert keeper(refusing, "m", "svc", 1).pod_name == "e0"  # type: ignore[union-attr]
+    dead = [*ready, dataclasses.replace(in_flight[-1], unhealthy="unreachable")]  # released without its engine
+    assert keeper(dead, "m", "svc", 1).pod_name == "e0"  # type: ignore[union-attr]
