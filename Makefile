@@ -60,7 +60,7 @@ bench: ## Benchmarks that print ratios (QUICK=1 for the short versions)
 	done
 
 flaky: ## Rerun TESTS (pytest args) N times (default 10), each a fresh pytest, and print each test's failure rate; LOAD=k adds k busy CPUs
-	$(PY) hack/flakyrate.py -n $(or $(N),10) --load $(or $(LOAD),0) $(TESTS)
+	$(PY) hack/flakyrate.py -n $(or $(N),10) --load $(or $(LOAD),0) -- $(TESTS)
 
 e2e: ## End-to-end tests only (real control plane + real engine processes)
 	bash hack/pytest.sh tests/e2e -m "cluster"

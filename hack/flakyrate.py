@@ -64,10 +64,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-n", "--runs", type=int, default=10, help="pytest runs (default 10)")
     ap.add_argument("--load", type=int, default=0, help="busy CPU processes beside the runs (default 0)")
     ap.add_argument("--show-all", action="store_true", help="list tests that never failed too")
-    ap.add_argument("tests", nargs="+", help="pytest arguments: node ids, paths, -m/-k expressions")
+    ap.add_argument("tests", nargs=argparse.REMAINDER,
+                    help="pytest arguments after these options (or after --): node ids, paths, -m/-k expressions")
     a = ap.parse_args(argv)
+    tests = a.tests[1:] if a.tests[:1] == ["--"] else a.tests
     if a.runs < 1:
         ap.error(f"--runs: {a.runs}; at least 1")
+    if not tests:
+        ap.error("no tests: name them (pytest node ids or paths), e.g. tests/e2e/test_real_engines.py::test_x")
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root / "hack"), os.environ.get("PYTHONPATH")]))}
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.load)]
@@ -79,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                 out = Path(tmp) / f"run{i}.jsonl"
                 t0 = time.monotonic()
                 rc = subprocess.call([sys.executable, "-m", "pytest", "-p", "flakyrate", "-q", "--no-header",
-                                      "-p", "no:cacheprovider", *a.tests], cwd=root, env={**env, ENV_OUT: str(out)})
+                                      "-p", "no:cacheprovider", *tests], cwd=root, env={**env, ENV_OUT: str(out)})
                 lines = [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
                 run = tally(lines)
                 runs.append(run)
