@@ -12,7 +12,7 @@ OPERATOR_IMAGE ?= ghcr.io/kascade/kascade-operator:dev
 export KUBECONFIG
 
 .PHONY: help install test chaos check lint typecheck bench e2e e2e-kind manifests chart-lint \
-        cluster-up cluster-down deploy undeploy images lock demo clean
+        cluster-up cluster-down deploy undeploy images lock demo clean flaky
 
 help: ## List targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -58,6 +58,9 @@ bench: ## Benchmarks that print ratios (QUICK=1 for the short versions)
 	@for b in $(BENCHES); do \
 	  if [ -f bench/$$b.py ]; then echo "== bench $$b"; $(PY) bench/$$b.py $(if $(QUICK),--quick,) || exit 1; fi; \
 	done
+
+flaky: ## Rerun TESTS (pytest args) N times (default 10), each a fresh pytest, and print each test's failure rate; LOAD=k adds k busy CPUs
+	$(PY) hack/flakyrate.py -n $(or $(N),10) --load $(or $(LOAD),0) -- $(TESTS)
 
 e2e: ## End-to-end tests only (real control plane + real engine processes)
 	bash hack/pytest.sh tests/e2e -m "cluster"

@@ -205,7 +205,10 @@ async def _reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) ->
     for action in res.actions:
         blocker = await apply(rt, body, spec, pods, action, decided_at) or blocker
     # never zero host copies of the model while it is served: ask one serving engine when the pool keeps none
-    await hostcopykeeper.ensure(rt, body, spec.model.name, key, pods, pool_ns)
+    # (the pods this round drained count as draining: their releases keep one, next round)
+    drains = {a.pod for a in res.actions if isinstance(a, Drain)}
+    await hostcopykeeper.ensure(rt, body, spec.model.name, key,
+                                [replace(p, draining=True) if p.pod_name in drains else p for p in pods], pool_ns)
     await serving_gate.sync(rt.kube, pool_ns, await rt.pool_pods(pool_ns))  # readiness gate follows the binding
     # a source the engines cannot fetch (an hf:// download failed) is the cause to show first
     blocker = source_blocker(raw_plans, name, checkpoint_path(spec)) or blocker

@@ -7,7 +7,8 @@ when no pool pod keeps a copy of the model, ask ONE of the service's ready servi
 blockset as a host copy (POST host-copy, within its --host-cache-gib; no extra bytes, it holds that blockset
 in host memory already).
 
-Data flow: the round's pool snapshot -> `keeper()` (pure: which pod to ask, or None) -> `ensure()` ->
+Data flow: the round's pool snapshot -> `surplus()` / `keeper()` (pure: which pods drop, which pod to ask)
+-> `ensure()` ->
 engine answer (`HostCopyAnswer`) -> the pod's annotation: kascade.io/host-copy = model when it keeps one (so
 the next round counts it: idempotent), kascade.io/host-copy-refused = model when it declined (its budget;
 the Event says why: it is never asked again for that model, the next round asks the next pod).
@@ -16,10 +17,18 @@ A copy lost with its engine (a container restart under a pod that keeps its anno
 ever: so each round the pods recorded as keeping one are read (GET status, each at most every CHECK_S), and
 one whose engine answers hostCopyBytes 0 loses the record (Event HostCopyLost); the next round asks again.
 
+A serving replica's copy is a stopgap: a released pod's copy is worth more (one more scale-up source beside the
+serving replicas, on a pod that serves nothing), so a release keeps one whether or not a serving replica does
+(`pool.keep_host_copy` counts released copies only), and once released pods keep `host_copies_per_model`
+copies the service's serving replicas drop theirs (`surplus`: POST host-copy keep=false, record cleared, Event
+HostCopyDropped). And the keeper does not ask while a release that will keep a copy is in flight (a pod of
+the service draining: its release comes a round or more later; the round that drains a pod counts it as
+draining, its snapshot was read before the drain). Before both, which pod kept the model after a scale-down
+depended on whether a round had seen the replicas ready before the drain (issue 40).
+
 Which engine: the oldest pod name among the ready, undrained, healthy ones not refused. A scale-down drains
-the newest names first (`pool.choose_drain`), so the keeper is the last to be released, and at its release
-it keeps the copy (no other pod holds one). The operator does not know the engines' free host budgets; an
-engine without room refuses and the next is asked.
+the newest names first (`pool.choose_drain`), so the keeper is the last to be released. The operator does not
+know the engines' free host budgets; an engine without room refuses and the next is asked.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from kascade_operator.engine_client import EngineError
 from kascade_operator.kube import Conflict, NotFound
-from kascade_operator.pool import PodView, host_copy_patch
+from kascade_operator.pool import PodView, host_copy_patch, keep_host_copy
 
 if TYPE_CHECKING:
     from kascade_operator.runtime import Runtime
@@ -47,14 +56,39 @@ def copies(pods: Sequence[PodView], model: str) -> int:
     return sum(1 for p in pods if p.host_copy == model and not p.unhealthy)
 
 
+def releasing(pods: Sequence[PodView], model: str, service: str, per_model: int) -> PodView | None:
+    """A pod of `service` being drained whose release will keep a host copy of `model` (it is told to keep one,
+    `pool.keep_host_copy`, and its engine answers, healthy and never refused one), or None."""
+    return next((p for p in pods if p.model_service == service and p.draining and p.endpoint and not p.unhealthy
+                 and p.host_copy_refused != model and keep_host_copy(pods, model, p.pod_name, per_model) is None),
+                None)
+
+
 def keeper(pods: Sequence[PodView], model: str, service: str, per_model: int) -> PodView | None:
     """The serving pod to ask for a host copy of `model`, or None: the pool keeps one already, the setting
-    (`host_copies_per_model`) is 0, or no ready pod of `service` may be asked."""
+    (`host_copies_per_model`) is 0, a release in flight will keep one (`releasing`), or no ready pod of
+    `service` may be asked."""
     if per_model < 1 or copies(pods, model) > 0:
+        return None
+    if releasing(pods, model, service, per_model) is not None:
+        # a scale-down's drain and its release are rounds apart (and a release waits while requests are in
+        # flight): asking now puts the copy on a replica that stays, and the release then drops its weights
+        # (issue 40). Deferred, not skipped: a release that keeps none leaves the pool without one, and the
+        # next round asks.
         return None
     asked = [p for p in pods if p.model_service == service and p.ready and not p.draining and p.endpoint
              and not p.unhealthy and p.host_copy_refused != model]
     return min(asked, key=lambda p: p.pod_name, default=None)
+
+
+def surplus(pods: Sequence[PodView], model: str, service: str, per_model: int) -> list[PodView]:
+    """The pods of `service` that keep a copy of `model` while they serve, once released pods keep `per_model`
+    copies (healthy ones): a release kept one (it does not count serving copies, `pool.keep_host_copy`), so the
+    stopgap copies on serving replicas are dropped and the pool keeps O(1) copies per model. [] otherwise."""
+    released = sum(1 for p in pods if p.model_service is None and p.host_copy == model and not p.unhealthy)
+    if per_model < 1 or released < per_model:
+        return []
+    return sorted((p for p in pods if p.model_service == service and p.host_copy == model), key=lambda p: p.pod_name)
 
 
 async def ensure(rt: Runtime, body: dict[str, Any], model: str, service: str, pods: Sequence[PodView],
@@ -63,6 +97,8 @@ async def ensure(rt: Runtime, body: dict[str, Any], model: str, service: str, po
     Before that, forget copies whose engines no longer keep them (`_lost`)."""
     if await _lost(rt, body, model, pods, pool_ns):
         return None  # counted again next round, from a snapshot without the record
+    for q in surplus(pods, model, service, rt.settings.host_copies_per_model):
+        await _drop(rt, body, model, q, pool_ns)
     p = keeper(pods, model, service, rt.settings.host_copies_per_model)
     if p is None or p.endpoint is None:
         return None
@@ -83,6 +119,23 @@ async def ensure(rt: Runtime, body: dict[str, Any], model: str, service: str, po
         await rt.event(meta["namespace"], body, "ModelService", "Warning", "HostCopyRefused", msg)
     log.info("%s", msg)
     return p.pod_name
+
+
+async def _drop(rt: Runtime, body: dict[str, Any], model: str, p: PodView, pool_ns: str) -> None:
+    """Ask a serving engine to drop its host copy (POST host-copy keep=false: it serves on) and clear its
+    record. Unreachable: the record stays, and the next round asks again."""
+    if not p.endpoint:
+        return
+    try:
+        await rt.engines.host_copy(p.endpoint, keep=False)
+    except EngineError as e:
+        log.warning("host copy of %s on %s not dropped: %s", model, p.pod_name, e)
+        return
+    with contextlib.suppress(Conflict, NotFound):
+        await rt.kube.patch_pod(pool_ns, p.pod_name, host_copy_patch(None))
+    msg = f"{p.pod_name} drops its host copy of {model} while it serves: a released pod keeps one"
+    await rt.event(body["metadata"]["namespace"], body, "ModelService", "Normal", "HostCopyDropped", msg)
+    log.info("%s", msg)
 
 
 async def _lost(rt: Runtime, body: dict[str, Any], model: str, pods: Sequence[PodView], pool_ns: str) -> bool:

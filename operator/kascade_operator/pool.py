@@ -126,9 +126,13 @@ def host_copies(idle: Sequence[PodView], model: str) -> list[PodView]:
 
 def keep_host_copy(pods: Sequence[PodView], model: str, releasing: str, per_model: int) -> bool | None:
     """The `keepHostCopy` a release of pod `releasing` sends: None (the engine keeps a copy when its
-    --host-cache-gib holds the model) while fewer than `per_model` other pool pods keep `model`, False (drop
-    the weights) beyond, so the pool holds O(1) host copies per model."""
-    held = sum(1 for q in pods if q.host_copy == model and q.pod_name != releasing)
+    --host-cache-gib holds the model) while fewer than `per_model` other released pool pods keep `model`, False
+    (drop the weights) beyond, so the pool holds O(1) host copies per model. A serving replica's copy does not
+    count: it is the stopgap that keeps a served model from having none (hostcopykeeper), and it gives way to
+    a released one (an extra scale-up source beside the serving replicas, on a pod that serves nothing), which
+    the keeper then drops (`hostcopykeeper.surplus`). Counting it made the outcome of a scale-down depend on
+    whether the keeper had run before it (issue 40)."""
+    held = sum(1 for q in pods if q.host_copy == model and q.pod_name != releasing and q.model_service is None)
     return None if held < per_model else False
 
 

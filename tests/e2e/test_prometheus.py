@@ -237,8 +237,11 @@ def test_promql_source_scales_up_and_dashboard_queries_return_data(
                                  f"{counts}; operator target: {target}; the operator's own counts: {own}; "
                                  f"plans: {plans}")
         # the per-role replicas panel shows the service at 2 ready
-        ready = prom.query(f'kascade_operator_replicas{{namespace="{ns}", model_service="svc", state="ready"}}')
-        assert [float(r["value"][1]) for r in ready] == [2.0], ready
+        # (a round after the second pod's Ready, then a scrape of the operator: awaited, not assumed done in the
+        # 3 s above; at load average ~50 it read 1 there)
+        ready_q = f'kascade_operator_replicas{{namespace="{ns}", model_service="svc", state="ready"}}'
+        wait_for(lambda: [float(r["value"][1]) for r in prom.query(ready_q)] == [2.0], 30,
+                 f"Prometheus' {ready_q} at 2")
         # decisions and plan outcomes are per model: this service's scale-up and its Succeeded plan
         svc = f'namespace="{ns}", model_service="svc"'
         ups = prom.query(f'kascade_operator_decisions_total{{{svc}, role="colocated", policy="threshold", direction="up"}}')

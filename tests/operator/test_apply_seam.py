@@ -397,3 +397,59 @@ async def test_a_copy_lost_with_its_engine_is_forgotten_and_made_again(world: An
     await reconcile_service(rt, body, "timer")  # e0's copy is read (it keeps it) and nothing else happens
     assert [s.count("host-copy") for s in stubs] == [1, 0, 0]
     assert kube.pods[(NS, "e0")]["metadata"]["annotations"].get(L.HOST_COPY) == "tiny"
+
+
+async def test_a_scale_down_keeps_its_host_copy_on_the_released_pod_not_the_serving_one(world: Any) -> None:
+    """Issue 40: two replicas serve from the model source (no host copy yet) and `desired` drops to one. The
+    round that drains e1 must not ask the serving e0 for a copy (the keeper ran 45 ms after the drain, saw no
+    released copy yet, and e0 kept one; e1's release was then told to drop its weights), nor must a later round
+    while e1 is still draining (its release answered 409: requests in flight). e1's release keeps the copy."""
+    rt, kube, stubs = world
+    _serving(kube, stubs[:2])
+    body = service(lo=1, hi=3, replicas={"colocated": {"min": 1, "max": 3}, "desired": 1})
+    await reconcile_service(rt, body, "update")  # the drain round: e1 (the newest name) is drained
+    assert L.DRAINING in kube.pods[(NS, "e1")]["metadata"]["annotations"]
+    assert [s.count("host-copy") for s in stubs] == [0, 0, 0]
+    stubs[1].fail["release"] = 409  # requests still in flight on e1: the release waits a round
+    rt.last_round.clear()
+    await reconcile_service(rt, body, "timer")
+    assert stubs[1].count("release") == 1 and [s.count("host-copy") for s in stubs] == [0, 0, 0]
+    del stubs[1].fail["release"]
+    for _ in range(2):
+        rt.last_round.clear()
+        await reconcile_service(rt, body, "timer")  # e1 released (keeping its weights), then a quiet round
+    ann = {n: p["metadata"]["annotations"] for (_, n), p in kube.pods.items()}
+    assert ann["e1"].get(L.HOST_COPY) == "tiny" and not ann["e0"].get(L.HOST_COPY), ann
+    assert [s.host_copy_bytes for s in stubs] == [0, 1000, 0]
+    assert [s.count("host-copy") for s in stubs] == [0, 0, 0]
+    assert next(b for v, b, _ in reversed(stubs[1].calls) if v == "release") == {}  # not told to drop them
+
+
+def _serving(kube: FakeKube, stubs: list[EngineStub]) -> None:
+    """These engines serve svc (loaded from the model source: no host copy), each with a host-cache budget."""
+    for s in stubs:
+        s.model_service, s.role, s.phase, s.host_cache_bytes = "svc", "colocated", "ready", 1000
+        meta = kube.pods[(NS, s.instance)]["metadata"]
+        meta["labels"].update({L.MODEL_SERVICE: "svc", L.ROLE: "colocated", L.POOL: L.POOL_BOUND})
+        meta["annotations"][L.LOADED] = "true"
+
+
+async def test_a_scale_down_after_the_keeper_ran_moves_the_copy_to_the_released_pod(world: Any) -> None:
+    """Issue 40, the other order: a round saw both replicas ready before `desired` dropped, so e0 already keeps
+    the keeper's copy while it serves. e1's release still keeps one (a serving copy does not count), and e0 then
+    drops its own: the same outcome as when the scale-down came first, one copy, on the released pod."""
+    rt, kube, stubs = world
+    _serving(kube, stubs[:2])
+    await reconcile_service(rt, service(lo=2, hi=3), "timer")
+    assert [s.host_copy_bytes for s in stubs] == [1000, 0, 0]  # the keeper's stopgap on e0 (oldest name)
+    body = service(lo=1, hi=3, replicas={"colocated": {"min": 1, "max": 3}, "desired": 1})
+    for _ in range(3):  # drain e1; release it (keeping its weights) and drop e0's copy; a quiet round
+        rt.last_round.clear()
+        await reconcile_service(rt, body, "timer")
+    ann = {n: p["metadata"]["annotations"] for (_, n), p in kube.pods.items()}
+    assert ann["e1"].get(L.HOST_COPY) == "tiny" and not ann["e0"].get(L.HOST_COPY), ann
+    assert [s.host_copy_bytes for s in stubs] == [0, 1000, 0]
+    assert next(b for v, b, _ in stubs[1].calls if v == "release") == {}  # not told to drop its weights
+    assert [b for v, b, _ in stubs[0].calls if v == "host-copy"] == [{"keep": True}, {"keep": False}]
+    assert stubs[0].model_service == "svc"  # e0 serves on
+    assert [e["reason"] for e in kube.events if e["reason"].startswith("HostCopy")] == ["HostCopy", "HostCopyDropped"]

@@ -10,7 +10,7 @@ from builders import pod, spec  # type: ignore[import-not-found]
 
 from kascade_operator import labels as L
 from kascade_operator import scaleplan as SP
-from kascade_operator.hostcopykeeper import keeper
+from kascade_operator.hostcopykeeper import keeper, surplus
 from kascade_operator.pool import bind_patch, choose_targets, keep_host_copy, pod_view, unbind_patch
 from kascade_operator.reconcile import CreatePlan, reconcile
 from kascade_operator.status import service_status
@@ -145,12 +145,22 @@ def test_status_sources_list_a_serving_pods_host_copy_as_host_too() -> None:
                              {"kind": "host", "location": "s", "node": "n0"}]
 
 
-def test_a_serving_copy_counts_at_release_once() -> None:
-    """The serving pod that keeps the copy counts against the others' releases, not against its own."""
+def test_a_serving_copy_gives_way_to_a_released_one() -> None:
+    """A serving replica's copy (the keeper's stopgap, or the one it bound from) does not stop a release from
+    keeping one (issue 40: whether it existed depended on the rounds' timing); once released pods keep
+    host_copies_per_model copies, the service's serving copies are surplus and dropped."""
     serving = dataclasses.replace(pod("s", "n0", "svc", "colocated", ready=True), host_copy="m")
     other = pod("r", "n1", "svc", "colocated")
-    assert keep_host_copy([serving, other], "m", "r", 1) is False  # s keeps the model's one copy
+    assert keep_host_copy([serving, other], "m", "r", 1) is None  # r keeps the copy at its release
     assert keep_host_copy([serving, other], "m", "s", 1) is None  # s itself keeps it at its release
+    released = dataclasses.replace(other, model_service=None, role=None, host_copy="m")
+    assert keep_host_copy([serving, released], "m", "s", 1) is False  # a released copy exists: s drops its own
+    assert surplus([serving, other], "m", "svc", 1) == []  # no released copy yet: s keeps the only one
+    assert surplus([serving, released], "m", "svc", 1) == [serving]
+    assert surplus([serving, released], "m", "svc", 2) == []  # room for two: both stay
+    assert surplus([serving, released], "m", "other-svc", 1) == []  # each service drops its own
+    assert surplus([serving, dataclasses.replace(released, unhealthy="dead")], "m", "svc", 1) == []
+    assert surplus([serving, released], "m", "svc", 0) == []
 
 
 def test_the_keeper_is_one_ready_serving_pod_and_only_while_no_copy_exists() -> None:
@@ -166,3 +176,11 @@ def test_the_keeper_is_one_ready_serving_pod_and_only_while_no_copy_exists() -> 
     assert keeper(draining, "m", "svc", 1) is None
     assert keeper([pod("l", "n0", "svc", "colocated")], "m", "svc", 1) is None  # loading: nothing to keep yet
     assert keeper(ready, "m", "another-svc", 1) is None
+    # a release in flight keeps a copy (issue 40): asked now, a replica that stays kept it and the release dropped
+    in_flight = [*ready, pod("d", "n3", "svc", "colocated", ready=True, draining=True)]
+    assert keeper(in_flight, "m", "svc", 1) is None
+    assert keeper(in_flight, "m", "other-svc", 1) is None  # another service's: nothing of ours to ask anyway
+    refusing = [*ready, dataclasses.replace(in_flight[-1], host_copy_refused="m")]  # its budget: it keeps none
+    assert keeper(refusing, "m", "svc", 1).pod_name == "e0"  # type: ignore[union-attr]
+    dead = [*ready, dataclasses.replace(in_flight[-1], unhealthy="unreachable")]  # released without its engine
+    assert keeper(dead, "m", "svc", 1).pod_name == "e0"  # type: ignore[union-attr]

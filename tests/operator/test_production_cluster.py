@@ -205,7 +205,11 @@ def test_leader_sigkill_standby_resumes_the_plan_once(
     cp, ns = control_plane, namespace
     nodes = kwok_nodes(3)
     add_pool(cp, ns, stubs, nodes, 3, auto_ready=False)
-    ha = ("--leader-elect", "--lease-namespace", ns, "--lease-duration", "3", "--lease-renew-deadline", "2",
+    # a leader that cannot renew within the deadline exits (right: it may be partitioned). With a 2 s deadline a
+    # leader starved on a loaded 2-core machine exited mid-test ("a could not renew ... within 2.0 s", load average
+    # ~37) and b led before the kill; 5 s holds the renewals there, and the failover (lease 6 s + retry 1 s + b's
+    # start) stays within the 15 s asserted below
+    ha = ("--leader-elect", "--lease-namespace", ns, "--lease-duration", "6", "--lease-renew-deadline", "5",
           "--lease-retry", "1")
     leader = ops(*ha, "--identity", "a", name="a").start()
     wait_for(lambda: "a leads" in leader.tail(), what="a leads")
