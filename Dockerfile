@@ -73,7 +73,8 @@ ENV PATH=/opt/kascade-app/bin:/opt/kascade/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDO
 ARG VERSION=dev
 ARG VARIANT=cuda
 LABEL org.opencontainers.image.title="kascade-engine" org.opencontainers.image.version="$VERSION" \
-      org.opencontainers.image.source="https://github.com/kascade/kascade" io.kascade.variant="$VARIANT"
+      org.opencontainers.image.source="https://github.com/kascade/kascade" io.kascade.variant="$VARIANT" \
+      org.opencontainers.image.description="Kascade inference engine (kascade engine serve)"
 USER 65532:65532
 # engine HTTP (OpenAI + control API + /metrics), weight data plane, activations (chart: pool.*Port)
 EXPOSE 8000 18515 18516

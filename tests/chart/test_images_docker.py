@@ -81,6 +81,9 @@ def test_no_build_tools_or_caches_in_the_image(image: Callable[[str], str], whic
     found = docker("run", "--rm", "--user", "0", "--entrypoint", "sh", name, "-c", script).stdout.split()
     # apt-get stays: it is part of the distribution's base, not of the build
     assert [f for f in found if not f.endswith("/apt-get")] == [], found
+    # the build stage's extra CA certificates (a TLS-intercepting proxy's) are not in the image's history
+    history = docker("history", "--no-trunc", "--format", "{{.CreatedBy}}", name).stdout
+    assert "EXTRA_CA_CERTS" not in history and "BEGIN CERTIFICATE" not in history
 
 
 @pytest.fixture(scope="module")
