@@ -7,12 +7,14 @@ QUICK ?=
 BENCHES ?= planner transfer live reaction sim router engine detok engine_keepalive pd hostcopy
 NAMESPACE ?= kascade-system
 KUBECONFIG ?= $(HOME)/.cache/kascade/cluster/kubeconfig
-IMAGE ?= ghcr.io/kascade/kascade-engine:dev
-OPERATOR_IMAGE ?= ghcr.io/kascade/kascade-operator:dev
+# the images' tag is the chart's appVersion (the tag the chart pulls by default): hack/image-tag.sh
+IMAGE_TAG ?= $(shell bash hack/image-tag.sh)
+# operator engine engine-cpu (hack/build-images.sh)
+IMAGES ?= operator engine-cpu engine
 export KUBECONFIG
 
 .PHONY: help install test chaos check lint typecheck bench e2e e2e-kind manifests chart-lint \
-        cluster-up cluster-down deploy undeploy images lock demo clean flaky
+        cluster-up cluster-down deploy undeploy images base-image lock demo clean flaky
 
 help: ## List targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -90,9 +92,12 @@ deploy: ## Install or upgrade Kascade (CRDs first: Helm never upgrades them) int
 undeploy: ## Remove the Helm release
 	$$(readlink -f $(HOME)/.cache/kascade/bin/current)/helm uninstall kascade -n $(NAMESPACE)
 
-images: ## Build the engine (CUDA) and operator images (needs Docker; not available on the dev machines)
-	docker build -t $(IMAGE) .
-	docker build -f Dockerfile.operator -t $(OPERATOR_IMAGE) .
+images: ## Build the operator and engine (CUDA, -cpu) images tagged as the chart pulls them (docs/images.md)
+	TAG=$(IMAGE_TAG) IMAGES="$(IMAGES)" bash hack/build-images.sh
+
+base-image: ## Debian bookworm base image from debootstrap, for machines with no image registry (cached)
+	bash hack/docker-up.sh
+	bash hack/build-base-image.sh
 
 lock: ## Regenerate requirements/*.lock (the images' pinned dependencies) with uv
 	bash hack/lock.sh

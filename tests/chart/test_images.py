@@ -1,8 +1,9 @@
-"""The two images, checked without Docker (none on the test machines): what the chart runs exists in the
-image that runs it. Every container's command is the `kascade` script the image installs and parses
-with the real CLI (tests/chart/test_chart_commands.py); here: every port the chart declares is
-EXPOSEd by that image, both images are multi-stage, non-root with the uid the chart runs as, install
-only hash-pinned locked dependencies, copy every package directory, and the operator image's commands
+"""The two images, checked without Docker (tests/chart/test_images_docker.py builds and runs them): what the
+chart runs exists in the image that runs it. Every container's command is the `kascade` script the image
+installs and parses with the real CLI (tests/chart/test_chart_commands.py); here: every port the chart
+declares is EXPOSEd by that image, both images are multi-stage, non-root with the uid the chart runs as,
+install only hash-pinned locked dependencies (one lock per CPython a base can have), get every package
+directory in their build context, are tagged as the chart pulls them, and the operator image's commands
 run without torch (it has none)."""
 
 from __future__ import annotations
@@ -22,7 +23,12 @@ REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "kascade"
 Helm = Callable[..., subprocess.CompletedProcess[str]]
 IMAGES = {"operator": REPO / "Dockerfile.operator", "engine": REPO / "Dockerfile"}
-LOCKS = {"operator": REPO / "requirements" / "operator.lock", "engine": REPO / "requirements" / "engine.lock"}
+# one lock directory per CPython an image's base can have (hack/lock.sh LOCK_PYTHONS)
+PYTHONS = sorted(p.name.removeprefix("py") for p in (REPO / "requirements").glob("py3.*"))
+LOCKS = {(image, py): REPO / "requirements" / f"py{py}" / f"{image}.lock" for image in IMAGES for py in PYTHONS}
+# the Python each base the images are built on carries (Dockerfile defaults, hack/build-images.sh's bases)
+BASE_PYTHON = {"nvidia/cuda:12.8.1-base-ubuntu24.04": "3.12", "ubuntu:24.04": "3.12",
+               "python:3.12-slim-bookworm": "3.12", "kascade/base:bookworm": "3.11"}
 
 
 def instructions(dockerfile: Path) -> list[tuple[str, str]]:
@@ -69,25 +75,57 @@ def test_image_is_multi_stage_non_root_and_copies_what_exists(image: str) -> Non
             *srcs, _ = rest.split()
             for s in srcs:
                 assert (REPO / s).exists(), f"{df.name}: COPY {s} does not exist"
-    # every package directory of the distribution is in the image (else `kascade <cmd>` cannot import it)
-    where = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["where"]
+    # the project is the whole (allowlisted) context: every package directory of the distribution is in
+    # it (else `kascade <cmd>` cannot import it) - test_dockerignore_* checks the allowlist
     copied = {rest.split()[0] for op, rest in ins if op == "COPY" and "--from" not in rest}
-    assert set(where) <= copied, f"{df.name} misses {set(where) - copied}"
-    pip = [rest for op, rest in ins if op == "RUN" and "pip install" in rest]
-    assert any("--require-hashes" in r and LOCKS[image].relative_to(REPO).as_posix() in r for r in pip), pip
-    assert any("--no-deps" in r for r in pip), "the project itself must not pull unlocked dependencies"
+    assert "." in copied and "requirements" in copied, copied
+    # only the final stage's COPY --from brings anything from the build stages: the dependencies' venv,
+    # then the project (its own small layer: a code change does not rebuild the multi-GB one)
+    assert [rest for op, rest in final_stage(df) if op == "COPY"] == [
+        "--from=build /opt/kascade /opt/kascade", "--from=project /opt/kascade-app /opt/kascade-app"]
+    pip = [rest for op, rest in ins if op == "RUN" and "pip" in rest and " install " in rest]
+    # the lock is the base interpreter's: requirements/py<X.Y>/<image>.lock, hashes required
+    assert any("--require-hashes" in r and f"lock=requirements/py$py/{image}.lock" in r and '-r "$lock"' in r
+               and "--only-binary :all:" in r for r in pip), pip
+    assert any("--require-hashes -r requirements/build.lock" in r for r in pip), "the build backend is hashed too"
+    assert all("--no-deps" in r for r in pip if "$lock" in r or "kascade-*.whl" in r), \
+        "the project itself must not pull unlocked dependencies"
+    assert all("--no-cache-dir" in r for r in pip)
 
 
-@pytest.mark.parametrize("image", sorted(LOCKS))
-def test_lock_pins_every_dependency_with_hashes(image: str) -> None:
+def test_a_lock_for_every_python_the_bases_carry() -> None:
+    """Each base an image is built on (the Dockerfiles' registry defaults, the local Debian base) has its
+    interpreter's locks, and `make lock` regenerates exactly those."""
+    defaults = {re.search(r"^ARG BASE=(\S+)", df.read_text(), re.M).group(1) for df in IMAGES.values()}  # type: ignore[union-attr]
+    script = (REPO / "hack" / "build-images.sh").read_text()
+    bases = defaults | set(re.findall(r"\]=(\S+?:[\w.-]+)", script.split("registry_base=", 1)[1].split("\n\n")[0]))
+    bases.add(re.search(r"NAME=\$\{KASCADE_BASE_IMAGE:-(\S+)\}", (REPO / "hack" / "build-base-image.sh").read_text()).group(1))  # type: ignore[union-attr]
+    assert bases <= set(BASE_PYTHON), f"which CPython does {bases - set(BASE_PYTHON)} carry? add it to BASE_PYTHON"
+    assert {BASE_PYTHON[b] for b in bases} == set(PYTHONS) == {"3.11", "3.12"}
+    lock_pythons = re.search(r"LOCK_PYTHONS:-([\d. ]+)\}", (REPO / "hack" / "lock.sh").read_text())
+    assert lock_pythons and set(lock_pythons.group(1).split()) == set(PYTHONS)
+    assert all(path.exists() for path in LOCKS.values())
+
+
+def test_locks_agree_across_pythons() -> None:
+    """Images built on different bases run the same versions: a package pinned in two Pythons' locks
+    differs only where the newer pin dropped the older interpreter (numpy 2.5 and its dependants need 3.12)."""
+    for image in IMAGES:
+        old, new = (lock_pins(LOCKS[image, py]) for py in PYTHONS)
+        differ = {name for name in set(old) & set(new) if old[name] != new[name]}
+        assert differ <= {"numpy", "scipy", "networkx"}, (image, {n: (old[n], new[n]) for n in differ})
+
+
+@pytest.mark.parametrize(("image", "py"), sorted(LOCKS))
+def test_lock_pins_every_dependency_with_hashes(image: str, py: str) -> None:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     extras = ["operator", "router"] + (["engine"] if image == "engine" else [])
     wanted = {dep_name(d) for d in project["dependencies"]}
     for e in extras:
         wanted |= {dep_name(d) for d in project["optional-dependencies"][e]}
-    pins = lock_pins(LOCKS[image])
-    assert wanted <= set(pins), f"{LOCKS[image].name} lacks {sorted(wanted - set(pins))}: run `make lock`"
-    text = LOCKS[image].read_text()
+    pins = lock_pins(LOCKS[image, py])
+    assert wanted <= set(pins), f"{LOCKS[image, py]} lacks {sorted(wanted - set(pins))}: run `make lock`"
+    text = LOCKS[image, py].read_text()
     blocks = re.split(r"\n(?=[A-Za-z0-9])", text)
     unhashed = [b.split()[0] for b in blocks if "==" in b.split("\n")[0] and "--hash=sha256:" not in b]
     assert not unhashed, unhashed
@@ -97,27 +135,27 @@ def test_lock_pins_every_dependency_with_hashes(image: str) -> None:
         assert pins["torch"].startswith("2.10")
 
 
-@pytest.mark.parametrize("image", sorted(LOCKS))
-def test_lock_versions_satisfy_pyproject(image: str) -> None:
+@pytest.mark.parametrize(("image", "py"), sorted(LOCKS))
+def test_lock_versions_satisfy_pyproject(image: str, py: str) -> None:
     """A requirement raised in pyproject.toml without `make lock` would install an older version in the
     image than the code needs: every direct dependency's pinned version meets its specifier (markers
-    evaluated for the image's platform: CPython 3.12 on Linux x86_64)."""
+    evaluated for the lock's platform: that CPython on Linux x86_64)."""
     from packaging.requirements import Requirement
     from packaging.version import Version
 
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     extras = ["operator", "router"] + (["engine"] if image == "engine" else [])
     reqs = [Requirement(d) for d in project["dependencies"] + [d for e in extras for d in project["optional-dependencies"][e]]]
-    env = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
+    env = {"python_version": py, "python_full_version": f"{py}.2", "sys_platform": "linux",
            "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython", "extra": ""}
-    pins = lock_pins(LOCKS[image])
+    pins = lock_pins(LOCKS[image, py])
     checked = 0
     for r in reqs:
         if r.marker is not None and not r.marker.evaluate(env):
             continue
         pinned = pins[dep_name(r.name)]
         assert r.specifier.contains(Version(pinned), prereleases=True), \
-            f"{LOCKS[image].name}: {r.name}=={pinned} does not meet pyproject's {r}: run `make lock`"
+            f"{LOCKS[image, py]}: {r.name}=={pinned} does not meet pyproject's {r}: run `make lock`"
         checked += 1
     assert checked >= (8 if image == "operator" else 15)
 
@@ -200,21 +238,21 @@ def ignored(path: str, patterns: list[tuple[re.Pattern[str], bool]]) -> bool:
 
 
 def test_dockerignore_keeps_every_copied_file_and_drops_the_heavy_ones() -> None:
+    """The build context is an allowlist: every tracked file of every package directory pyproject.toml
+    names (and the locks, the metadata files) is in it; tests, docs, charts and the heavy local trees are not."""
     pats = dockerignore_patterns()
     assert ignored("engine/kascade_engine/__pycache__/x.pyc", pats) and ignored("docs/install.md", pats)
     assert not ignored("engine/kascade_engine/server.py", pats)
-    for heavy in (".git", ".venv", "bench/results", "kascade.egg-info"):
+    for heavy in (".git", ".venv", "bench/results", "kascade.egg-info", "engine/kascade.egg-info", "tests/chart",
+                  "charts/kascade/values.yaml", ".kascade/pip-tmp", "bench/x.py"):
         assert ignored(heavy, pats), f".dockerignore should drop {heavy} from the build context"
+    where = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["where"]
     tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
-    for df in IMAGES.values():
-        for op, rest in instructions(df):
-            if op != "COPY" or "--from" in rest:
-                continue
-            for src in rest.split()[:-1]:
-                files = [f for f in tracked if f == src or f.startswith(src.rstrip("/") + "/")]
-                assert files, f"{df.name}: COPY {src} matches no tracked file"
-                gone = [f for f in files if ignored(f, pats) and not f.endswith(".pyc")]
-                assert not gone, f"{df.name}: COPY {src} but .dockerignore drops {gone[:5]}"
+    for src in [*where, "requirements", "pyproject.toml", "README.md", "LICENSE"]:
+        files = [f for f in tracked if f == src or f.startswith(src.rstrip("/") + "/")]
+        assert files, f"{src} matches no tracked file"
+        gone = [f for f in files if ignored(f, pats) and not f.endswith(".pyc")]
+        assert not gone, f"the images need {src} but .dockerignore drops {gone[:5]}"
 
 
 # Lint rules (hadolint's DLxxxx / BuildKit's check names) on the official parser's view of each Dockerfile:
@@ -233,7 +271,9 @@ def lint(df: Path) -> list[str]:
         where = f"{df.name}:{c.start_line}"
         if c.cmd == "FROM":
             image = re.sub(r"\$\{?(\w+)\}?", lambda m: args.get(m.group(1), m.group(0)), c.value[0])
-            if "$" in image:
+            if image in stages:
+                pass  # an earlier stage: pinned by what built it
+            elif "$" in image:
                 problems.append(f"{where} InvalidDefaultArgInFrom: {c.value[0]} has no default")
             elif ":" not in image.rsplit("/", 1)[-1] or image.endswith(":latest"):
                 problems.append(f"{where} DL3006/DL3007: base image {image} is not pinned to a tag")
@@ -276,7 +316,7 @@ def test_dockerfile_lint(image: str) -> None:
 
 def test_lint_catches_what_it_claims(tmp_path: Path) -> None:
     bad = tmp_path / "Dockerfile"
-    bad.write_text("ARG BASE\nFROM ${BASE} as build\nFROM python:latest\nADD . /src\nWORKDIR src\n"
+    bad.write_text("ARG BASE\nFROM ${BASE} as build\nFROM python:latest\nFROM build AS fine\nADD . /src\nWORKDIR src\n"
                    "ENV HF_TOKEN=x\nRUN apt-get install curl && pip install x\nCOPY --from=bulid /a /b\n"
                    "CMD kascade --help\n")
     rules = {p.split()[1].split("/")[0].rstrip(":") for p in lint(bad)}
@@ -284,22 +324,39 @@ def test_lint_catches_what_it_claims(tmp_path: Path) -> None:
                      "DL3015", "DL3014", "DL3042", "JSONArgsRecommended", "COPY"}, lint(bad)
 
 
-def test_base_images_match_the_locks_python_and_cuda() -> None:
-    """The locks are resolved for one interpreter (hack/lock.sh --python-version) and torch's CUDA 12.x
-    wheels: each image's Python is that one, and the CUDA base is the runtime the wheels carry."""
-    lock_py = re.search(r"--python-version (\d+\.\d+)", (REPO / "hack" / "lock.sh").read_text())
-    assert lock_py
-    distro_python = {"ubuntu24.04": "3.12", "ubuntu:24.04": "3.12"}
-    engine = (REPO / "Dockerfile").read_text()
-    base = re.search(r"^ARG BASE=(\S+)", engine, re.M)
-    cpu = re.search(r"--build-arg BASE=(\S+)", engine)
-    assert base and cpu
-    assert distro_python[base.group(1).rsplit("-", 1)[-1]] == distro_python[cpu.group(1)] == lock_py.group(1)
-    op_from = re.findall(r"^FROM python:(\d+\.\d+)-", IMAGES["operator"].read_text(), re.M)
-    assert op_from and set(op_from) == {lock_py.group(1)}
+def test_cuda_base_matches_the_locked_cuda_runtime() -> None:
+    """torch's CUDA 12.x wheels carry their runtime: the CUDA base is that runtime's minor version, and
+    the base's Python (Ubuntu 24.04: 3.12) has a lock."""
+    base = re.search(r"^ARG BASE=(\S+)", IMAGES["engine"].read_text(), re.M)
+    assert base and BASE_PYTHON[base.group(1)] in PYTHONS
     cuda = re.search(r"nvidia/cuda:(\d+\.\d+)\.", base.group(1))
-    runtime = lock_pins(LOCKS["engine"])["nvidia-cuda-runtime-cu12"]
-    assert cuda and runtime.startswith(cuda.group(1) + "."), (cuda, runtime)
+    for py in PYTHONS:
+        runtime = lock_pins(LOCKS["engine", py])["nvidia-cuda-runtime-cu12"]
+        assert cuda and runtime.startswith(cuda.group(1) + "."), (py, cuda, runtime)
+
+
+def test_images_are_tagged_as_the_chart_pulls_them(helm: Helm) -> None:
+    """`make images` names its images exactly what the chart renders by default (repository from
+    values.yaml, tag = appVersion), so a loaded image needs no --set (the CPU engine: pool.image.tag)."""
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(REPO)}
+    listed = subprocess.run(["bash", "hack/build-images.sh", "--list"], cwd=REPO, capture_output=True, text=True,
+                            check=True, env={**env, "IMAGES": "operator engine engine-cpu"}).stdout
+    names = dict(line.split() for line in listed.splitlines())
+    app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    tag = subprocess.run(["bash", "hack/image-tag.sh"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    assert tag == app_version
+    make = subprocess.run(["make", "-n", "images"], cwd=REPO, capture_output=True, text=True, check=True, env=env).stdout
+    assert f"TAG={app_version} " in make and "hack/build-images.sh" in make, make
+    images = set()
+    for d in rendered(helm):
+        spec = d["spec"]["template"]["spec"] if d["kind"] == "Deployment" else d["spec"] if d["kind"] == "Pod" else None
+        for c in (spec or {}).get("containers", []) + (spec or {}).get("initContainers", []):
+            images.add(c["image"])
+    assert images == {names["operator"], names["engine"]}, (images, names)
+    assert names["engine-cpu"] == names["engine"] + "-cpu"
+    cpu = {c["image"] for d in rendered(helm, "--set", "pool.image.tag=" + app_version + "-cpu")
+           if d["kind"] == "Deployment" for c in d["spec"]["template"]["spec"]["containers"]}
+    assert names["engine-cpu"] in cpu
 
 
 def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
