@@ -34,13 +34,13 @@ import livereal
 import numpy as np
 import torch
 
+from kascade_engine.batch.engine import Engine
+from kascade_engine.batch.kvcache import SequenceKV
+from kascade_engine.batch.model import LlamaModel
+from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.blocks import BlockSet, pack_checkpoint
 from kascade_engine.checkpoint import tiny_llama
-from kascade_engine.engine import Engine
-from kascade_engine.kvcache import SequenceKV
 from kascade_engine.live import Finisher, SplitClient
-from kascade_engine.model import LlamaModel
-from kascade_engine.sampling import SamplingParams
 from kascade_engine.transport_tcp import TcpTransport
 from kascade_planner.zigzag import PairSetting, ilp_config
 

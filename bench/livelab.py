@@ -100,7 +100,7 @@ def start_engine(lab: netlab.NetLab, host: int, iid: str, ckpt: Path, empty: boo
                  batch_tokens: int, knee_tokens: int = 0) -> Eng:
     addr = lab.addr(host)
     logs = os.environ.get("KASCADE_BENCH_ENGINE_LOGS")  # a directory: each engine's stderr goes there
-    verbose = ["-v"] if logs else []  # with logs kept: INFO, the per-request timeline (kascade_engine.timeline)
+    verbose = ["-v"] if logs else []  # with logs kept: INFO, the per-request timeline (kascade_engine.batch.timeline)
     cmd = [*lab.prefix(host), sys.executable, "-m", "kascade_cli.main", *verbose, "engine", "serve", "--checkpoint", str(ckpt),
            "--model-name", MODEL, "--host", addr, "--port", "8000", "--act-port", "8001", "--threads", "1",
            "--max-batch-tokens", str(batch_tokens), "--emulate-layer-ms", str(layer_ms),

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 import xxhash
 
-from kascade_engine.families import FamilyError, expected_shapes
+from kascade_engine.batch.families import FamilyError, expected_shapes
 from kascade_engine.tensorfile import TensorEntry, TensorFile, TensorFileError, read_header
 
 ALIGN = 64

@@ -44,12 +44,12 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kascade_engine.engine import Event
-from kascade_engine.sampling import SamplingParams
+from kascade_engine.batch.engine import Event
+from kascade_engine.batch.sampling import SamplingParams
 from kascade_planner.conversion import arrival_verdict, hand_back_verdict
 
 if TYPE_CHECKING:
-    from kascade_engine.engine import Engine
+    from kascade_engine.batch.engine import Engine
     from kascade_engine.instance import EngineInstance
 
 log = logging.getLogger(__name__)

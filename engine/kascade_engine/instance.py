@@ -27,15 +27,16 @@ import enum
 import logging
 from typing import Any
 
+from kascade_engine.batch.engine import Engine
+from kascade_engine.batch.model import LlamaModel
+from kascade_engine.batch.scheduler import Limits
 from kascade_engine.config import EngineConfig
 from kascade_engine.cooperation import HostRows
-from kascade_engine.engine import Engine
 from kascade_engine.handback import DEFAULT_HAND_BACK_S, HandBack
 from kascade_engine.hostcopy import keepable
 from kascade_engine.live import Finisher
 from kascade_engine.liveredirect import Forwarder, ForwardHost
 from kascade_engine.metrics import EngineMetrics
-from kascade_engine.model import LlamaModel
 from kascade_engine.pacing import egress_bucket
 from kascade_engine.pairclient import PairClient
 from kascade_engine.pd_metrics import PDMetrics
@@ -43,7 +44,6 @@ from kascade_engine.peerpool import PeerPool
 from kascade_engine.prefill_server import PrefillServer
 from kascade_engine.probe import PrefillProbe
 from kascade_engine.remote_prefill import RemotePrefill
-from kascade_engine.scheduler import Limits
 from kascade_engine.tokenizer import Tokenizer
 from kascade_engine.transport import TransportError
 from kascade_planner.engine_api import (

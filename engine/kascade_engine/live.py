@@ -34,9 +34,9 @@ from typing import Any
 import torch
 
 from kascade_engine import peerauth
-from kascade_engine.kvcache import SequenceKV
-from kascade_engine.model import LlamaModel
-from kascade_engine.sampling import SamplingParams, sample
+from kascade_engine.batch.kvcache import SequenceKV
+from kascade_engine.batch.model import LlamaModel
+from kascade_engine.batch.sampling import SamplingParams, sample
 from kascade_engine.transport import Connection, Header, TransportError
 
 log = logging.getLogger(__name__)

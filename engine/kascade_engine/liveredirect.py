@@ -55,14 +55,14 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kascade_engine import timeline
-from kascade_engine.engine import Event
+from kascade_engine.batch import timeline
+from kascade_engine.batch.engine import Event
+from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.redirect import params_from_wire, requeue
-from kascade_engine.sampling import SamplingParams
 from kascade_engine.transport import Connection, TransportError
 
 if TYPE_CHECKING:
-    from kascade_engine.engine import Engine
+    from kascade_engine.batch.engine import Engine
     from kascade_engine.instance import EngineInstance
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kascade_engine import timeline
+from kascade_engine.batch import timeline
 from kascade_engine.blocks import BlockSet, CheckpointError, pack_checkpoint
 from kascade_engine.pacing import paced
 from kascade_engine.relay import TransferNode

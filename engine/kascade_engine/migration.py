@@ -22,7 +22,7 @@ import base64
 
 import torch
 
-from kascade_engine.kvcache import KVCache
+from kascade_engine.batch.kvcache import KVCache
 
 MIGRATE_BYTES = 64 << 20  # K/V bytes moved per step answer at most (at least one sequence): bounds the frame
 

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from kascade_engine import timeline
+from kascade_engine.batch import timeline
+from kascade_engine.batch.model import LlamaModel
 from kascade_engine.cooperation import HostRows, PairStep
 from kascade_engine.live import DTYPES, decode_activation
-from kascade_engine.model import LlamaModel
 from kascade_engine.pairclient import PIPELINE_DEPTH_PER_RECEIVER, PairClient
 from kascade_engine.transport import Connection, TransportError
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from kascade_engine.velocity import BATCH_BUCKETS, PROMPT_BUCKETS, VelocityMeter
+from kascade_engine.batch.velocity import BATCH_BUCKETS, PROMPT_BUCKETS, VelocityMeter
 
 
 class PDMetrics:

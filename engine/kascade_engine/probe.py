@@ -32,13 +32,13 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
-from kascade_engine.engine import Event
-from kascade_engine.sampling import SamplingParams
-from kascade_engine.stepcost import TIMED_STEPS
+from kascade_engine.batch.engine import Event
+from kascade_engine.batch.sampling import SamplingParams
+from kascade_engine.batch.stepcost import TIMED_STEPS
 from kascade_planner.prefillrate import RATE_STEPS
 
 if TYPE_CHECKING:
-    from kascade_engine.engine import Engine
+    from kascade_engine.batch.engine import Engine
     from kascade_engine.instance import EngineInstance
 
 log = logging.getLogger(__name__)

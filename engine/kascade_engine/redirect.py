@@ -36,12 +36,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kascade_engine import timeline
-from kascade_engine.engine import Event
-from kascade_engine.sampling import SamplingParams
+from kascade_engine.batch import timeline
+from kascade_engine.batch.engine import Event
+from kascade_engine.batch.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from kascade_engine.engine import Engine
+    from kascade_engine.batch.engine import Engine
 
 log = logging.getLogger(__name__)
 

@@ -29,17 +29,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kascade_engine.engine import Event, Request
+from kascade_engine.batch.engine import Event, Request
+from kascade_engine.batch.sampling import SamplingParams
+from kascade_engine.batch.scheduler import Seq
 from kascade_engine.kv_wire import Coverage, KVWireError, PrefillOp, check_kv, digest, pace
 from kascade_engine.peerpool import PeerPool
 from kascade_engine.prefill_server import host_bytes, kv_shape
-from kascade_engine.sampling import SamplingParams
-from kascade_engine.scheduler import Seq
 from kascade_engine.transport import Connection, TransportError
 from kascade_planner.conversion import remote_prefill_s
 
 if TYPE_CHECKING:
-    from kascade_engine.engine import Engine
+    from kascade_engine.batch.engine import Engine
     from kascade_engine.instance import EngineInstance
 
 log = logging.getLogger(__name__)

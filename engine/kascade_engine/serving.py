@@ -17,9 +17,9 @@ import uuid
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
-from kascade_engine import timeline
-from kascade_engine.engine import Event
-from kascade_engine.sampling import SamplingParams
+from kascade_engine.batch import timeline
+from kascade_engine.batch.engine import Event
+from kascade_engine.batch.sampling import SamplingParams
 from kascade_planner.engine_api import HandedBack
 
 if TYPE_CHECKING:

@@ -128,7 +128,7 @@ class Serving:
         self.push(now + dur, ITER, inst)
 
     def _measure(self, inst: Instance, dur: float) -> None:
-        """The prefill rate an engine would report for this iteration (kascade_engine.velocity, the same meter):
+        """The prefill rate an engine would report for this iteration (kascade_engine.batch.velocity, the same meter):
         a prefiller's steps while prompts wait; a converted decoder's prefill steps, its decode steps between the
         chunks of a prompt (0 tokens: the prompt waited), and its other decode steps as what a prompt would get
         beside them (the chunk budget, its prefill time added: the engine's `known_room`). The simulator's

@@ -334,7 +334,7 @@ def test_a_damaged_host_cache_is_a_clear_error(tmp_path: Any, tiny_blocks: Block
 
 
 def test_absurd_config_integers_are_refused_before_any_allocation() -> None:
-    from kascade_engine.families import FamilyError, expected_shapes
+    from kascade_engine.batch.families import FamilyError, expected_shapes
 
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
            "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}

@@ -14,9 +14,9 @@ from pdpair import PROMPTS, TOKEN, instance, pd_pair  # type: ignore[import-not-
 from splitref import collect, unsplit  # type: ignore[import-not-found]
 
 from kascade_engine import peerauth
+from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.kv_wire import KVShape, kv_header
 from kascade_engine.pacing import TokenBucket
-from kascade_engine.sampling import SamplingParams
 from kascade_engine.transport import Connection
 from kascade_engine.transport_tcp import TcpTransport
 

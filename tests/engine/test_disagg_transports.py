@@ -14,9 +14,9 @@ import pytest
 from splitref import collect, unsplit  # type: ignore[import-not-found]
 
 from kascade_devcluster.requirement import need_transport
+from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.config import ConfigError, EngineConfig
 from kascade_engine.instance import EngineInstance
-from kascade_engine.sampling import SamplingParams
 from kascade_engine.tokenizer import ByteTokenizer
 from kascade_engine.transport import make_transport
 

@@ -15,8 +15,8 @@ import pytest
 from pdpair import PROMPTS, pd_pair  # type: ignore[import-not-found]
 from splitref import collect, unsplit  # type: ignore[import-not-found]
 
+from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.kv_wire import KVShape, KVWireError, PrefillOp, fallback, waited_s
-from kascade_engine.sampling import SamplingParams
 
 
 class _NoRoom:

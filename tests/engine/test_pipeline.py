@@ -17,10 +17,10 @@ import pytest
 from splitref import collect, unsplit  # type: ignore[import-not-found]
 
 from kascade_devcluster.waiting import wait_until
+from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.config import EngineConfig
 from kascade_engine.instance import EngineInstance, Phase
 from kascade_engine.pairclient import PIPELINE_DEPTH, PIPELINE_DEPTH_PER_RECEIVER
-from kascade_engine.sampling import SamplingParams
 from kascade_engine.tokenizer import ByteTokenizer
 from kascade_engine.transport import Listener
 from kascade_engine.transport_tcp import TcpTransport

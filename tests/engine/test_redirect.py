@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 from splitref import collect, unsplit  # type: ignore[import-not-found]
 
+from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.config import EngineConfig
 from kascade_engine.instance import EngineInstance
-from kascade_engine.sampling import SamplingParams
 from kascade_engine.tokenizer import ByteTokenizer
 from kascade_engine.transport_tcp import TcpTransport
 from kascade_planner.engine_api import CooperateRequest

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from kascade_engine.batch.engine import Engine
+from kascade_engine.batch.model import LlamaModel
+from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.blocks import pack_checkpoint
-from kascade_engine.engine import Engine
 from kascade_engine.live import Finisher, SplitClient, encode_activation
-from kascade_engine.model import LlamaModel
-from kascade_engine.sampling import SamplingParams
 from kascade_engine.transport_tcp import TcpTransport
 
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from kascade_engine.pages import PagePool
-from kascade_engine.stepcost import StepCost, StepShape
+from kascade_engine.batch.pages import PagePool
+from kascade_engine.batch.stepcost import StepCost, StepShape
 
 
 @dataclass

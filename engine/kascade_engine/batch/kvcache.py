@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kascade_engine.pages import PagePool
+from kascade_engine.batch.pages import PagePool
 
 
 class KVCache:

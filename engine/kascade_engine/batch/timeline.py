@@ -1,5 +1,5 @@
 """Per-request timeline, for benchmarks' latency breakdowns (bench/live.py, issue 17): one INFO line per
-event on the `kascade_engine.timeline` logger, `t=<unix s> <event> <request> key=value ...`. Costs nothing
+event on the `kascade_engine.batch.timeline` logger, `t=<unix s> <event> <request> key=value ...`. Costs nothing
 unless the engine logs at INFO (`kascade -v engine serve`).
 
 Events: `submit` (the HTTP request reached the engine), on a loading engine B `b-plan` (its ZigZag split
@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 
-log = logging.getLogger("kascade_engine.timeline")
+log = logging.getLogger("kascade_engine.batch.timeline")
 
 
 def on() -> bool:

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kascade_engine.families import Family, family_of, head_dim, rope_params, sliding_windows
-from kascade_engine.kvcache import ForwardBatch, SequenceKV
+from kascade_engine.batch.families import Family, family_of, head_dim, rope_params, sliding_windows
+from kascade_engine.batch.kvcache import ForwardBatch, SequenceKV
 
 
 @dataclass(frozen=True)

@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kascade_engine.kvcache import KVCache, build_batch
-from kascade_engine.model import LlamaModel
-from kascade_engine.sampling import SamplingParams, sample
-from kascade_engine.scheduler import Limits, Scheduler, Seq, Work
-from kascade_engine.stepcost import StepCost, StepShape
-from kascade_engine.velocity import VelocityMeter
+from kascade_engine.batch.kvcache import KVCache, build_batch
+from kascade_engine.batch.model import LlamaModel
+from kascade_engine.batch.sampling import SamplingParams, sample
+from kascade_engine.batch.scheduler import Limits, Scheduler, Seq, Work
+from kascade_engine.batch.stepcost import StepCost, StepShape
+from kascade_engine.batch.velocity import VelocityMeter
 
 if TYPE_CHECKING:
     from kascade_engine.cooperation import Cooperation
