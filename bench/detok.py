@@ -27,7 +27,7 @@ STOPS = ("never-in-text", "zzz")
 
 
 def tokenizer() -> tuple[Tokenizer, str]:
-    from kascade_engine.checkpoint import smollm_checkpoint
+    from kascade_engine.weights.checkpoint import smollm_checkpoint
 
     ck = smollm_checkpoint()
     if ck is not None:

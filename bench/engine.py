@@ -191,8 +191,8 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from kascade_engine.checkpoint import smollm_checkpoint
     from kascade_engine.tokenizer import load_tokenizer
+    from kascade_engine.weights.checkpoint import smollm_checkpoint
 
     ckpt = smollm_checkpoint()
     if ckpt is None:

@@ -38,10 +38,10 @@ from kascade_engine.batch.engine import Engine
 from kascade_engine.batch.kvcache import SequenceKV
 from kascade_engine.batch.model import LlamaModel
 from kascade_engine.batch.sampling import SamplingParams
-from kascade_engine.blocks import BlockSet, pack_checkpoint
-from kascade_engine.checkpoint import tiny_llama
 from kascade_engine.live import Finisher, SplitClient
 from kascade_engine.transport_tcp import TcpTransport
+from kascade_engine.weights.blocks import BlockSet, pack_checkpoint
+from kascade_engine.weights.checkpoint import tiny_llama
 from kascade_planner.zigzag import PairSetting, ilp_config
 
 MODES = ("stop-the-world", "best-effort", "zigzag", "zigzag-ilp")

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kascade_engine.blocks import pack_checkpoint
-from kascade_engine.checkpoint import tiny_llama
+from kascade_engine.weights.blocks import pack_checkpoint
+from kascade_engine.weights.checkpoint import tiny_llama
 from kascade_planner.plan import ModelLayout
 
 

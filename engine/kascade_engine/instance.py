@@ -33,7 +33,6 @@ from kascade_engine.batch.scheduler import Limits
 from kascade_engine.config import EngineConfig
 from kascade_engine.cooperation import HostRows
 from kascade_engine.handback import DEFAULT_HAND_BACK_S, HandBack
-from kascade_engine.hostcopy import keepable
 from kascade_engine.live import Finisher
 from kascade_engine.liveredirect import Forwarder, ForwardHost
 from kascade_engine.metrics import EngineMetrics
@@ -46,6 +45,7 @@ from kascade_engine.probe import PrefillProbe
 from kascade_engine.remote_prefill import RemotePrefill
 from kascade_engine.tokenizer import Tokenizer
 from kascade_engine.transport import TransportError
+from kascade_engine.weights.hostcopy import keepable
 from kascade_planner.engine_api import (
     BindRequest,
     ConvertRequest,

@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kascade_engine.batch import timeline
-from kascade_engine.blocks import BlockSet, CheckpointError, pack_checkpoint
 from kascade_engine.pacing import paced
 from kascade_engine.relay import TransferNode
 from kascade_engine.transfer_spec import SpecError, TransferSpec
 from kascade_engine.transport import TransportError
+from kascade_engine.weights.blocks import BlockSet, CheckpointError, pack_checkpoint
 from kascade_planner.engine_api import LoadPlanRequest
 
 if TYPE_CHECKING:
@@ -150,7 +150,7 @@ async def start_host_load(inst: EngineInstance) -> None:
 async def start_source_load(inst: EngineInstance, path: str | None = None, uri: str | None = None) -> None:
     """Load the first copy from a checkpoint directory (a volume the pod mounts) or a model URI
     (`hf://`: downloaded first, modelsource.py), in the background. Both end in `pack_checkpoint`."""
-    from kascade_engine.modelsource import SourceError, parse_uri, resolve
+    from kascade_engine.weights.modelsource import SourceError, parse_uri, resolve
 
     if uri is not None:
         try:

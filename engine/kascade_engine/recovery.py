@@ -16,10 +16,10 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from kascade_engine import peerauth
-from kascade_engine.blocks import Block
-from kascade_engine.blockverify import BlockVerifier
 from kascade_engine.transfer_spec import TransferSpec
 from kascade_engine.transport import Connection, Transport, TransportError, close_handshake
+from kascade_engine.weights.blocks import Block
+from kascade_engine.weights.blockverify import BlockVerifier
 from kascade_planner.plan import Flow, Plan
 
 log = logging.getLogger(__name__)

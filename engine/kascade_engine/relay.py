@@ -35,9 +35,6 @@ from collections.abc import Callable
 from typing import Any
 
 from kascade_engine import peerauth
-from kascade_engine.arena import ReceiveArena
-from kascade_engine.blocks import Block, BlockSet, digest_matches, index_from_manifest
-from kascade_engine.blockverify import BlockVerifier
 from kascade_engine.forwarding import Downstream, Forwarding
 from kascade_engine.recovery import Recovery, Slot, TransferFailed
 from kascade_engine.transfer_spec import TransferSpec, shard_range
@@ -50,6 +47,9 @@ from kascade_engine.transport import (
     TransportError,
     close_handshake,
 )
+from kascade_engine.weights.arena import ReceiveArena
+from kascade_engine.weights.blocks import Block, BlockSet, digest_matches, index_from_manifest
+from kascade_engine.weights.blockverify import BlockVerifier
 from kascade_planner.plan import Flow
 
 log = logging.getLogger(__name__)

@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 
 from kascade_devcluster.ports import free_ports
-from kascade_engine.blocks import BlockSet
 from kascade_engine.relay import TransferFailed, TransferNode
 from kascade_engine.transfer_spec import TransferSpec
 from kascade_engine.transport import MAGIC, PREFIX, Connection, TransportError, encode_prefix
 from kascade_engine.transport_tcp import TcpTransport
+from kascade_engine.weights.blocks import BlockSet
 from kascade_planner.builder import make_plan
 from kascade_planner.plan import Instance, ModelLayout, Plan
 from kascade_planner.topology import leaf_spine
@@ -32,7 +32,7 @@ T = 2.0  # timeoutSeconds of these transfers
 @pytest.fixture(scope="module")
 def big_blocks() -> BlockSet:
     """24 MiB of random blocks: more than socket buffers and a downstream queue hold together."""
-    from kascade_engine.blocks import Block, digest_of
+    from kascade_engine.weights.blocks import Block, digest_of
 
     data = {b: memoryview(bytearray(secrets.token_bytes(6 << 20))) for b in ("embed", "layer.0", "layer.1", "head")}
     return BlockSet("tiny", {}, (Block(b, v, (), digest_of(v)) for b, v in data.items()))
@@ -309,9 +309,9 @@ async def test_a_plan_token_derived_from_the_scaleplan_is_refused(tiny_blocks: B
 def test_a_damaged_host_cache_is_a_clear_error(tmp_path: Any, tiny_blocks: BlockSet) -> None:
     import json as _json
 
-    from kascade_engine.blocks import CheckpointError
-    from kascade_engine.hostcache import MAGIC as CACHE_MAGIC
-    from kascade_engine.hostcache import open_cache, write_cache
+    from kascade_engine.weights.blocks import CheckpointError
+    from kascade_engine.weights.hostcache import MAGIC as CACHE_MAGIC
+    from kascade_engine.weights.hostcache import open_cache, write_cache
 
     good = tmp_path / "good.kcache"
     write_cache(good, tiny_blocks)

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 
 from kascade_engine import peerauth
-from kascade_engine.blocks import BlockSet
 from kascade_engine.relay import TransferNode
 from kascade_engine.transfer_spec import TransferSpec
 from kascade_engine.transport import PREFIX, Connection, decode_header, decode_prefix, encode_prefix
 from kascade_engine.transport_tcp import TcpTransport
+from kascade_engine.weights.blocks import BlockSet
 from kascade_planner.builder import make_plan
 from kascade_planner.plan import Instance, ModelLayout
 from kascade_planner.topology import leaf_spine

@@ -10,7 +10,6 @@ import struct
 import pytest
 
 from kascade_engine import peerauth
-from kascade_engine.blocks import BlockSet
 from kascade_engine.relay import TransferNode
 from kascade_engine.transfer_spec import SpecError, TransferSpec, shard_range
 from kascade_engine.transport import (
@@ -22,6 +21,7 @@ from kascade_engine.transport import (
     encode_prefix,
 )
 from kascade_engine.transport_tcp import TcpTransport
+from kascade_engine.weights.blocks import BlockSet
 from kascade_planner.builder import make_plan
 from kascade_planner.plan import Instance, ModelLayout
 from kascade_planner.topology import leaf_spine

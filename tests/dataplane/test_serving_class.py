@@ -61,7 +61,7 @@ def test_serving_socket_names_the_address_it_could_not_bind() -> None:
 
 def _engine(tmp: Path, *flags: str) -> Iterator[int]:
     from kascade_devcluster.localengine import start_engine
-    from kascade_engine.checkpoint import tiny_llama
+    from kascade_engine.weights.checkpoint import tiny_llama
 
     ckpt = tiny_llama(tmp / "tiny-tos", layers=1, hidden=32, vocab=128)
     e = start_engine(["--checkpoint", str(ckpt), "--empty", "--host", "127.0.0.1", *flags], "t")

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kascade_engine.blocks import CheckpointError, pack_checkpoint
-from kascade_engine.checkpoint import tiny_model
+from kascade_engine.weights.blocks import CheckpointError, pack_checkpoint
+from kascade_engine.weights.checkpoint import tiny_model
 
 
 @pytest.fixture(scope="module")

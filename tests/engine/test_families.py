@@ -13,8 +13,8 @@ from kascade_engine.batch.engine import Engine
 from kascade_engine.batch.model import LlamaModel
 from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.batch.scheduler import Limits
-from kascade_engine.blocks import pack_checkpoint
-from kascade_engine.checkpoint import tiny_model
+from kascade_engine.weights.blocks import pack_checkpoint
+from kascade_engine.weights.checkpoint import tiny_model
 
 PROMPTS = [[5, 9, 13, 200, 3], [77], list(range(100, 140))]  # the last one runs past llama3's original context
 

@@ -16,8 +16,8 @@ import pytest
 from kascade_devcluster.hubserver import HubServer
 from kascade_engine.config import EngineConfig
 from kascade_engine.instance import EngineInstance, InstanceError
-from kascade_engine.modelsource import HubSource, SourceError, parse_uri, resolve
 from kascade_engine.tokenizer import ByteTokenizer
+from kascade_engine.weights.modelsource import HubSource, SourceError, parse_uri, resolve
 from kascade_planner.engine_api import BindRequest, WireError
 
 TOKEN = "hf_good_token"

@@ -161,8 +161,8 @@ async def test_standby_warms_the_pair_connection_so_pairing_pays_no_handshake(ti
 
 @pytest.fixture(scope="module")
 def fig15_blocks(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    from kascade_engine.blocks import pack_checkpoint
-    from kascade_engine.checkpoint import tiny_llama
+    from kascade_engine.weights.blocks import pack_checkpoint
+    from kascade_engine.weights.checkpoint import tiny_llama
 
     ckpt = tiny_llama(tmp_path_factory.mktemp("fig15") / "tiny-llama", layers=7, hidden=64, vocab=512)
     return ckpt, pack_checkpoint(ckpt, model="tiny-llama")

@@ -12,7 +12,7 @@ import mmap
 import os
 from pathlib import Path
 
-from kascade_engine.blocks import Block, BlockSet, CheckpointError, index_from_manifest
+from kascade_engine.weights.blocks import Block, BlockSet, CheckpointError, index_from_manifest
 
 MAGIC = b"KASCADE1"
 PAGE = 4096

@@ -10,7 +10,7 @@ on CUDA the device weights are separate tensors copied from them), so keeping it
 
 from __future__ import annotations
 
-from kascade_engine.blocks import BlockSet
+from kascade_engine.weights.blocks import BlockSet
 
 
 def keepable(full: BlockSet | None, budget_bytes: int, model: str) -> tuple[BlockSet | None, str | None]:

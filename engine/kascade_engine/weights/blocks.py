@@ -25,7 +25,7 @@ import numpy as np
 import xxhash
 
 from kascade_engine.batch.families import FamilyError, expected_shapes
-from kascade_engine.tensorfile import TensorEntry, TensorFile, TensorFileError, read_header
+from kascade_engine.weights.tensorfile import TensorEntry, TensorFile, TensorFileError, read_header
 
 ALIGN = 64
 DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": "bfloat16", "I64": np.int64, "I32": np.int32}

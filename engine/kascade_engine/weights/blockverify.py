@@ -25,7 +25,7 @@ import bisect
 import hmac
 from collections.abc import Callable
 
-from kascade_engine.blocks import Hasher, digest_matches, digest_string, new_hasher, split_digest
+from kascade_engine.weights.blocks import Hasher, digest_matches, digest_string, new_hasher, split_digest
 
 Job = Callable[[], None]
 
