@@ -37,10 +37,10 @@ lint: ## ruff, import contracts, CRDs in the chart equal crds/
 	$(PY) hack/gen_values_reference.py --check
 
 TYPED_MODULES := -p kascade_devcluster -p kascade_demo -p kascade_router -m kascade_engine.weights.arena -m kascade_engine.weights.blocks -m kascade_engine.weights.blockverify -m kascade_engine.weights.hostcache \
-	-m kascade_engine.transport -m kascade_engine.peerauth -m kascade_engine.transport_tcp -m kascade_engine.transport_ucx -m kascade_engine.ucxrequest -m kascade_engine.transport_tls \
-	-m kascade_engine.transfer_spec -m kascade_engine.weights.modelsource -m kascade_engine.httpguard -m kascade_engine.relay -m kascade_engine.forwarding -m kascade_engine.recovery -m kascade_engine.pacing -m kascade_engine.loader \
+	-m kascade_engine.net.transport -m kascade_engine.net.peerauth -m kascade_engine.net.transport_tcp -m kascade_engine.net.transport_ucx -m kascade_engine.net.ucxrequest -m kascade_engine.net.transport_tls \
+	-m kascade_engine.net.transfer_spec -m kascade_engine.weights.modelsource -m kascade_engine.httpguard -m kascade_engine.net.relay -m kascade_engine.net.forwarding -m kascade_engine.net.recovery -m kascade_engine.net.pacing -m kascade_engine.loader \
 	-m kascade_engine.config -m kascade_engine.instance -m kascade_engine.serving -m kascade_engine.control \
-	-m kascade_engine.batch.pages -m kascade_engine.cooperation -m kascade_engine.pairclient -m kascade_engine.migration -m kascade_engine.pairsession -m kascade_engine.redirect -m kascade_engine.liveredirect -m kascade_engine.peerpool -m kascade_engine.livepolicy -m kascade_engine.batch.timeline -m kascade_engine.batch.scheduler -m kascade_engine.batch.families -m kascade_engine.batch.kvcache \
+	-m kascade_engine.batch.pages -m kascade_engine.cooperation -m kascade_engine.pairclient -m kascade_engine.migration -m kascade_engine.pairsession -m kascade_engine.redirect -m kascade_engine.liveredirect -m kascade_engine.net.peerpool -m kascade_engine.livepolicy -m kascade_engine.batch.timeline -m kascade_engine.batch.scheduler -m kascade_engine.batch.families -m kascade_engine.batch.kvcache \
 	-m kascade_engine.batch.engine -m kascade_engine.batch.model -m kascade_engine.metrics -m kascade_engine.weights.tensorfile \
 	-m kascade_engine.openai_api -m kascade_engine.responder -m kascade_engine.server -m kascade_engine.detokenizer -m kascade_engine.tokenizer \
 	-m kascade_engine.kv_wire -m kascade_engine.prefill_server -m kascade_engine.remote_prefill -m kascade_engine.pd_metrics -m kascade_engine.batch.velocity -m kascade_engine.batch.stepcost -m kascade_engine.handback -m kascade_engine.probe -m kascade_engine.weights.hostcopy \

@@ -39,7 +39,7 @@ from kascade_engine.batch.kvcache import SequenceKV
 from kascade_engine.batch.model import LlamaModel
 from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.live import Finisher, SplitClient
-from kascade_engine.transport_tcp import TcpTransport
+from kascade_engine.net.transport_tcp import TcpTransport
 from kascade_engine.weights.blocks import BlockSet, pack_checkpoint
 from kascade_engine.weights.checkpoint import tiny_llama
 from kascade_planner.zigzag import PairSetting, ilp_config

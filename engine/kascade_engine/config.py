@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kascade_engine.transport import (
+from kascade_engine.net.transport import (
     AF41,
     TRANSPORTS,
     TrafficClass,
@@ -22,7 +22,7 @@ from kascade_engine.transport import (
 )
 
 if TYPE_CHECKING:
-    from kascade_engine.transport_tls import TlsFiles
+    from kascade_engine.net.transport_tls import TlsFiles
 
 DTYPES = ("bfloat16", "float16", "float32")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")

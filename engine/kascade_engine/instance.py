@@ -36,15 +36,15 @@ from kascade_engine.handback import DEFAULT_HAND_BACK_S, HandBack
 from kascade_engine.live import Finisher
 from kascade_engine.liveredirect import Forwarder, ForwardHost
 from kascade_engine.metrics import EngineMetrics
-from kascade_engine.pacing import egress_bucket
+from kascade_engine.net.pacing import egress_bucket
+from kascade_engine.net.peerpool import PeerPool
+from kascade_engine.net.transport import TransportError
 from kascade_engine.pairclient import PairClient
 from kascade_engine.pd_metrics import PDMetrics
-from kascade_engine.peerpool import PeerPool
 from kascade_engine.prefill_server import PrefillServer
 from kascade_engine.probe import PrefillProbe
 from kascade_engine.remote_prefill import RemotePrefill
 from kascade_engine.tokenizer import Tokenizer
-from kascade_engine.transport import TransportError
 from kascade_engine.weights.hostcopy import keepable
 from kascade_planner.engine_api import (
     BindRequest,

@@ -33,11 +33,11 @@ from typing import Any
 
 import torch
 
-from kascade_engine import peerauth
 from kascade_engine.batch.kvcache import SequenceKV
 from kascade_engine.batch.model import LlamaModel
 from kascade_engine.batch.sampling import SamplingParams, sample
-from kascade_engine.transport import Connection, Header, TransportError
+from kascade_engine.net import peerauth
+from kascade_engine.net.transport import Connection, Header, TransportError
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

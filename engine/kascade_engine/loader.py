@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kascade_engine.batch import timeline
-from kascade_engine.pacing import paced
-from kascade_engine.relay import TransferNode
-from kascade_engine.transfer_spec import SpecError, TransferSpec
-from kascade_engine.transport import TransportError
+from kascade_engine.net.pacing import paced
+from kascade_engine.net.relay import TransferNode
+from kascade_engine.net.transfer_spec import SpecError, TransferSpec
+from kascade_engine.net.transport import TransportError
 from kascade_engine.weights.blocks import BlockSet, CheckpointError, pack_checkpoint
 from kascade_planner.engine_api import LoadPlanRequest
 

@@ -29,8 +29,8 @@ from kascade_engine.batch.engine import Event
 from kascade_engine.batch.model import LlamaModel
 from kascade_engine.cooperation import Row, own_rows, pace, pick_token, staggered
 from kascade_engine.livepolicy import ZigZagPolicy, hold_until
+from kascade_engine.net.transport import Connection
 from kascade_engine.redirect import params_from_wire
-from kascade_engine.transport import Connection
 
 if TYPE_CHECKING:
     from kascade_engine.batch.engine import Engine

@@ -19,8 +19,8 @@ from kascade_engine.batch import timeline
 from kascade_engine.batch.model import LlamaModel
 from kascade_engine.cooperation import HostRows, PairStep
 from kascade_engine.live import DTYPES, decode_activation
+from kascade_engine.net.transport import Connection, TransportError
 from kascade_engine.pairclient import PIPELINE_DEPTH_PER_RECEIVER, PairClient
-from kascade_engine.transport import Connection, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 async def open_pair(model: LlamaModel, conn: Connection, token: str | None) -> PairClient:
     """Authenticate and form the pair on an open connection (at cooperate time, not per request)."""
     if token is not None:
-        from kascade_engine.peerauth import join
+        from kascade_engine.net.peerauth import join
 
         await join(conn, token, "activation", timeout=10)
     s = model.shape

@@ -33,7 +33,7 @@ from kascade_engine.batch.sampling import SamplingParams, sample
 from kascade_engine.cooperation import layer_cost, pace
 from kascade_engine.handback import SERVED
 from kascade_engine.kv_wire import Header, KVShape, KVWireError, digest, fallback, kv_header, waited_s
-from kascade_engine.transport import Connection, TransportError
+from kascade_engine.net.transport import Connection, TransportError
 
 if TYPE_CHECKING:
     from kascade_engine.batch.engine import Engine

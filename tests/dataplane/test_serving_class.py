@@ -25,7 +25,7 @@ from types import ModuleType
 
 import pytest
 
-from kascade_engine.transport import ACTIVATION, serving_socket
+from kascade_engine.net.transport import ACTIVATION, serving_socket
 
 ECN = 0x03  # the TOS byte's two low bits belong to ECN, not to the class
 
@@ -98,7 +98,7 @@ def test_a_real_engine_answers_http_in_its_latency_class(tmp_path: Path, flags: 
 # 8-byte request with 200 bytes (a token's SSE event) on a serving_socket marked as argv[3] says
 SOURCE = """
 import socket, sys, threading
-from kascade_engine.transport import ACTIVATION, serving_socket
+from kascade_engine.net.transport import ACTIVATION, serving_socket
 addr, sink, marked = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 def weights():
     s = socket.create_connection((sink, 9001))

@@ -13,12 +13,12 @@ import pytest
 from pdpair import PROMPTS, TOKEN, instance, pd_pair  # type: ignore[import-not-found]
 from splitref import collect, unsplit  # type: ignore[import-not-found]
 
-from kascade_engine import peerauth
 from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.kv_wire import KVShape, kv_header
-from kascade_engine.pacing import TokenBucket
-from kascade_engine.transport import Connection
-from kascade_engine.transport_tcp import TcpTransport
+from kascade_engine.net import peerauth
+from kascade_engine.net.pacing import TokenBucket
+from kascade_engine.net.transport import Connection
+from kascade_engine.net.transport_tcp import TcpTransport
 
 
 async def test_prefill_on_p_decode_on_d_equalsunsplit(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
@@ -201,7 +201,7 @@ async def test_a_rogue_prefill_address_learns_neither_the_token_nor_the_prompt(t
     """`X-Kascade-Prefill` names any address: D must not hand its engine token (or the prompt) to a
     listener there. The rogue sees a hello it cannot use, cannot prove the token, gets nothing more;
     the request is prefilled on D with the colocated output."""
-    from kascade_engine.transport import PREFIX, decode_header, decode_prefix, encode_prefix
+    from kascade_engine.net.transport import PREFIX, decode_header, decode_prefix, encode_prefix
 
     params = SamplingParams(max_tokens=6)
     want = unsplit(tiny_blocks, PROMPTS[:1], params)

@@ -333,7 +333,7 @@ async def test_a_converted_decoder_prefilling_for_another_decoder_hands_back_by_
     such a prompt at 0 tokens a step until its streams ended (the second and third wait for them here)."""
     from pdpair import TOKEN, instance  # type: ignore[import-not-found]
 
-    from kascade_engine.transport_tcp import TcpTransport
+    from kascade_engine.net.transport_tcp import TcpTransport
     from kascade_planner.engine_api import ConvertRequest
 
     params = SamplingParams(max_tokens=8)

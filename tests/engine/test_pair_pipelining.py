@@ -215,8 +215,8 @@ async def test_the_knee_flag_reaches_both_sides_of_a_pair(tiny_ckpt, tiny_blocks
     """--emulate-knee-tokens sets the knee `pace` charges on A's hosted steps and on B's own."""
     from kascade_engine.config import EngineConfig
     from kascade_engine.instance import EngineInstance
+    from kascade_engine.net.transport_tcp import TcpTransport
     from kascade_engine.tokenizer import ByteTokenizer
-    from kascade_engine.transport_tcp import TcpTransport
 
     def inst(name: str, resident: int | None) -> EngineInstance:
         cfg = EngineConfig(checkpoint=tiny_ckpt, model_name="tiny-llama", token="pair-token", kv_tokens=2048,

@@ -12,7 +12,7 @@ import logging
 import socket
 import struct
 
-from kascade_engine.transport import (
+from kascade_engine.net.transport import (
     MAX_PAYLOAD,
     PREFIX,
     Handler,

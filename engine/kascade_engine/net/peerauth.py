@@ -39,7 +39,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from kascade_engine.transport import Connection, Header, TransportError
+from kascade_engine.net.transport import Connection, Header, TransportError
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
-from kascade_engine import peerauth
-from kascade_engine.transfer_spec import TransferSpec
-from kascade_engine.transport import Connection, Transport, TransportError, close_handshake
+from kascade_engine.net import peerauth
+from kascade_engine.net.transfer_spec import TransferSpec
+from kascade_engine.net.transport import Connection, Transport, TransportError, close_handshake
 from kascade_engine.weights.blocks import Block
 from kascade_engine.weights.blockverify import BlockVerifier
 from kascade_planner.plan import Flow, Plan

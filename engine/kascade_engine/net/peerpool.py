@@ -14,8 +14,8 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from kascade_engine.peerauth import join
-from kascade_engine.transport import Connection, Transport, TransportError
+from kascade_engine.net.peerauth import join
+from kascade_engine.net.transport import Connection, Transport, TransportError
 
 log = logging.getLogger(__name__)
 

@@ -34,11 +34,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kascade_engine import peerauth
-from kascade_engine.forwarding import Downstream, Forwarding
-from kascade_engine.recovery import Recovery, Slot, TransferFailed
-from kascade_engine.transfer_spec import TransferSpec, shard_range
-from kascade_engine.transport import (
+from kascade_engine.net import peerauth
+from kascade_engine.net.forwarding import Downstream, Forwarding
+from kascade_engine.net.recovery import Recovery, Slot, TransferFailed
+from kascade_engine.net.transfer_spec import TransferSpec, shard_range
+from kascade_engine.net.transport import (
     PREFIX,
     Connection,
     Header,

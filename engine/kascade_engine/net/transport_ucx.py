@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from kascade_engine.transport import (
+from kascade_engine.net.transport import (
     MAX_PAYLOAD,
     PREFIX,
     Connection,
@@ -62,7 +62,7 @@ from kascade_engine.transport import (
     read_frame,
     serve,
 )
-from kascade_engine.ucxrequest import recv, release_settled, send
+from kascade_engine.net.ucxrequest import recv, release_settled, send
 
 
 def _ucxx() -> Any:

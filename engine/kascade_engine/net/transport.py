@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from kascade_engine.transport_tls import TlsFiles
+    from kascade_engine.net.transport_tls import TlsFiles
 
 MAGIC = b"KSC1"
 PREFIX = struct.Struct("<4sIQ")
@@ -248,16 +248,16 @@ def make_transport(name: str, tls: TlsFiles | None = None, mark: TrafficClass | 
     `mark`: the DSCP class of every TCP socket it opens or accepts (None: unmarked; UCX ignores it)."""
     if name == "tcp":
         if tls is not None:
-            from kascade_engine.transport_tls import TlsTransport
+            from kascade_engine.net.transport_tls import TlsTransport
 
             return TlsTransport(tls, mark)
-        from kascade_engine.transport_tcp import TcpTransport
+        from kascade_engine.net.transport_tcp import TcpTransport
 
         return TcpTransport(mark)
     if name == "ucx":
         if tls is not None:
             raise ValueError("TLS (--tls-*) applies to the tcp transport only; ucx does not encrypt")
-        from kascade_engine.transport_ucx import UcxTransport
+        from kascade_engine.net.transport_ucx import UcxTransport
 
         return UcxTransport()
     raise ValueError(f"unknown transport {name!r} (choose {' or '.join(TRANSPORTS)})")

@@ -24,7 +24,7 @@ import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
-from kascade_engine.transport import (
+from kascade_engine.net.transport import (
     MAX_PAYLOAD,
     PREFIX,
     Handler,

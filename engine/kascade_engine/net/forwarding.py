@@ -19,9 +19,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kascade_engine import peerauth
-from kascade_engine.transfer_spec import TransferSpec, shard_range
-from kascade_engine.transport import PREFIX, Connection, Header, Transport, TransportError, close_handshake
+from kascade_engine.net import peerauth
+from kascade_engine.net.transfer_spec import TransferSpec, shard_range
+from kascade_engine.net.transport import (
+    PREFIX,
+    Connection,
+    Header,
+    Transport,
+    TransportError,
+    close_handshake,
+)
 from kascade_engine.weights.blocks import Block
 from kascade_planner.plan import Flow, Plan
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kascade_engine.transport import MAX_PAYLOAD, Connection, Handler, Header, Listener, Transport
+from kascade_engine.net.transport import MAX_PAYLOAD, Connection, Handler, Header, Listener, Transport
 
 
 class TokenBucket:
