@@ -40,14 +40,14 @@ TYPED_MODULES := -p kascade_devcluster -p kascade_demo -p kascade_router -m kasc
 	-m kascade_engine.net.transport -m kascade_engine.net.peerauth -m kascade_engine.net.transport_tcp -m kascade_engine.net.transport_ucx -m kascade_engine.net.ucxrequest -m kascade_engine.net.transport_tls \
 	-m kascade_engine.net.transfer_spec -m kascade_engine.weights.modelsource -m kascade_engine.httpguard -m kascade_engine.net.relay -m kascade_engine.net.forwarding -m kascade_engine.net.recovery -m kascade_engine.net.pacing -m kascade_engine.loader \
 	-m kascade_engine.config -m kascade_engine.instance -m kascade_engine.serving -m kascade_engine.control \
-	-m kascade_engine.batch.pages -m kascade_engine.cooperation -m kascade_engine.pairclient -m kascade_engine.migration -m kascade_engine.pairsession -m kascade_engine.redirect -m kascade_engine.liveredirect -m kascade_engine.net.peerpool -m kascade_engine.livepolicy -m kascade_engine.batch.timeline -m kascade_engine.batch.scheduler -m kascade_engine.batch.families -m kascade_engine.batch.kvcache \
+	-m kascade_engine.batch.pages -m kascade_engine.live.cooperation -m kascade_engine.live.pairclient -m kascade_engine.live.migration -m kascade_engine.live.pairsession -m kascade_engine.live.redirect -m kascade_engine.live.liveredirect -m kascade_engine.net.peerpool -m kascade_engine.live.livepolicy -m kascade_engine.batch.timeline -m kascade_engine.batch.scheduler -m kascade_engine.batch.families -m kascade_engine.batch.kvcache \
 	-m kascade_engine.batch.engine -m kascade_engine.batch.model -m kascade_engine.metrics -m kascade_engine.weights.tensorfile \
 	-m kascade_engine.openai_api -m kascade_engine.responder -m kascade_engine.server -m kascade_engine.detokenizer -m kascade_engine.tokenizer \
 	-m kascade_engine.kv_wire -m kascade_engine.prefill_server -m kascade_engine.remote_prefill -m kascade_engine.pd_metrics -m kascade_engine.batch.velocity -m kascade_engine.batch.stepcost -m kascade_engine.handback -m kascade_engine.probe -m kascade_engine.weights.hostcopy \
 	-m kascade_operator.api -m kascade_operator.scaleplan -m kascade_operator.plandriver -m kascade_operator.engine_client \
 	-m kascade_operator.pool -m kascade_operator.reconcile -m kascade_operator.operator_metrics -m kascade_operator.status \
 	-m kascade_operator.podtemplate -m kascade_operator.decide -m kascade_operator.leader -m kascade_operator.roleobject -m kascade_operator.rolesync \
-	-m kascade_cli.logsetup -m kascade_cli.probe -m kascade_cli.model_cmd -m kascade_operator.demand -m kascade_operator.livewiring -m kascade_engine.live -m kascade_operator.serving_gate \
+	-m kascade_cli.logsetup -m kascade_cli.probe -m kascade_cli.model_cmd -m kascade_operator.demand -m kascade_operator.livewiring -m kascade_engine.live.split -m kascade_operator.serving_gate \
 	-m kascade_operator.pdscaling -m kascade_operator.converter -m kascade_operator.hostcopykeeper
 
 typecheck: ## mypy: strict on the pure planner; data plane, loader, devcluster, API models and plan driver checked too

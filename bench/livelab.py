@@ -18,7 +18,7 @@ kascade_router's prior before that). The shares are refreshed like the router's:
 and by the router's own poller (kascade_router.shares.ShareRefresher, /readyz every 0.25 s).
 With `redirect` "both", once a pipeline forms every source is told `cooperate {peer: the head,
 mode: redirect}` and the head the same about every source: each hands requests still queued on it to the
-other while its queue is the longer in serving shares (kascade_engine.liveredirect); "sources": only the
+other while its queue is the longer in serving shares (kascade_engine.live.liveredirect); "sources": only the
 sources hand theirs to the head; "off" (the default: both ways measured worse, docs/worklog/2026-11-27-c/h17.md):
 none. Compute is emulated per step
 (`--emulate-layer-ms` on every engine: a step's layer work takes at least that long per layer forward),

@@ -211,7 +211,7 @@ async def test_data_port_allocates_nothing_before_the_hello_is_checked(tiny_bloc
 
 
 async def test_activation_port_allocates_nothing_before_the_hello_is_checked() -> None:
-    from kascade_engine.live import Finisher
+    from kascade_engine.live.split import Finisher
 
     # The model is never reached before authentication: a stand-in with a shape is enough here.
     finisher = Finisher(SimpleNamespace(shape=SimpleNamespace(hidden=64, layers=2)), token="s3cret")  # type: ignore[arg-type]

@@ -174,7 +174,7 @@ async def test_fig15_engine_follows_the_planners_zigzag(fig15_blocks, ilp: bool)
     6 batches queued at t=0 on the loading engine. Each batch waits for its scheduled prefix (planner's
     ZigZag), runs it here and finishes on the pair: the measured completion order agrees with the
     planner's predicted order within one batch slot, and every output equals the unsplit engine's."""
-    from kascade_engine.livepolicy import ZigZagPolicy
+    from kascade_engine.live.livepolicy import ZigZagPolicy
     from kascade_planner.zigzag import PairSetting, ilp_free, zigzag_ilp
 
     ckpt, blocks = fig15_blocks

@@ -16,9 +16,9 @@ from test_pair import PROMPTS, _pair  # type: ignore[import-not-found]
 from kascade_engine.batch.kvcache import KVCache
 from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.batch.scheduler import Limits, Scheduler, Seq
-from kascade_engine.cooperation import Row, staggered
-from kascade_engine.livepolicy import ZigZagPolicy
-from kascade_engine.pairclient import PIPELINE_DEPTH
+from kascade_engine.live.cooperation import Row, staggered
+from kascade_engine.live.livepolicy import ZigZagPolicy
+from kascade_engine.live.pairclient import PIPELINE_DEPTH
 from kascade_planner.engine_api import CooperateRequest
 from kascade_planner.zigzag import PairSetting, ilp_free
 
@@ -188,7 +188,7 @@ async def test_split_sequences_migrate_to_b_once_it_holds_every_layer(tiny_ckpt,
 
 
 def test_migrated_kv_is_checked_and_lands_in_the_right_slots(tiny_blocks) -> None:  # type: ignore[no-untyped-def]
-    from kascade_engine import migration
+    from kascade_engine.live import migration
 
     L = tiny_blocks.config.num_hidden_layers if hasattr(tiny_blocks.config, "num_hidden_layers") else 4
     src = KVCache(L, 8, 4, 2, 8, torch.float32, torch.device("cpu"))
@@ -442,7 +442,7 @@ def test_a_step_goes_out_as_one_frame_per_split_layer_highest_first(tiny_blocks)
 
     from kascade_engine.batch.engine import Engine
     from kascade_engine.batch.model import LlamaModel
-    from kascade_engine.pairclient import PairClient
+    from kascade_engine.live.pairclient import PairClient
 
     m = LlamaModel(tiny_blocks.config)
     for bid in ("embed", "layer.0", "layer.1", "layer.2"):
@@ -480,7 +480,7 @@ def test_late_pair_steps_catch_up_within_one_budget_per_forward() -> None:
     steps), while one at its layer still joins."""
     from collections import deque
 
-    from kascade_engine.cooperation import CATCH_UP_LAYERS, PairStep, take_late
+    from kascade_engine.live.cooperation import CATCH_UP_LAYERS, PairStep, take_late
 
     def frame(*firsts: int) -> PairStep:
         return PairStep(0, [[f"r{i}", 0, 1, k, True, 0.0, 1.0, None] for i, k in enumerate(firsts)],

@@ -20,9 +20,9 @@ from kascade_devcluster.waiting import wait_until
 from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.config import EngineConfig
 from kascade_engine.instance import EngineInstance, Phase
+from kascade_engine.live.pairclient import PIPELINE_DEPTH, PIPELINE_DEPTH_PER_RECEIVER
 from kascade_engine.net.transport import Listener
 from kascade_engine.net.transport_tcp import TcpTransport
-from kascade_engine.pairclient import PIPELINE_DEPTH, PIPELINE_DEPTH_PER_RECEIVER
 from kascade_engine.tokenizer import ByteTokenizer
 from kascade_planner.engine_api import CooperateRequest
 

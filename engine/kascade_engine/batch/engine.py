@@ -28,7 +28,7 @@ from kascade_engine.batch.stepcost import StepCost, StepShape
 from kascade_engine.batch.velocity import VelocityMeter
 
 if TYPE_CHECKING:
-    from kascade_engine.cooperation import Cooperation
+    from kascade_engine.live.cooperation import Cooperation
 
 log = logging.getLogger(__name__)
 

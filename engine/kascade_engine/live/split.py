@@ -146,7 +146,7 @@ class Finisher:
             except TransportError:
                 return
             if first and header.get("op") == "pair" and self.host is not None:
-                from kascade_engine.pairsession import host_pair
+                from kascade_engine.live.pairsession import host_pair
 
                 self.pairs += 1
                 await host_pair(self.host, self.model, conn, header, self.pairs, self.wake, limit)

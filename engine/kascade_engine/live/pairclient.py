@@ -23,19 +23,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kascade_engine import migration
 from kascade_engine.batch import timeline
 from kascade_engine.batch.engine import Event
 from kascade_engine.batch.model import LlamaModel
-from kascade_engine.cooperation import Row, own_rows, pace, pick_token, staggered
-from kascade_engine.livepolicy import ZigZagPolicy, hold_until
+from kascade_engine.live import migration
+from kascade_engine.live.cooperation import Row, own_rows, pace, pick_token, staggered
+from kascade_engine.live.livepolicy import ZigZagPolicy, hold_until
+from kascade_engine.live.redirect import params_from_wire
 from kascade_engine.net.transport import Connection
-from kascade_engine.redirect import params_from_wire
 
 if TYPE_CHECKING:
     from kascade_engine.batch.engine import Engine
     from kascade_engine.batch.scheduler import Work
-    from kascade_engine.cooperation import Cooperation
+    from kascade_engine.live.cooperation import Cooperation
 
 log = logging.getLogger(__name__)
 

@@ -40,19 +40,19 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from kascade_engine import migration
 from kascade_engine.batch import timeline
 from kascade_engine.batch.engine import Event
 from kascade_engine.batch.kvcache import KVCache, build_batch
 from kascade_engine.batch.model import LlamaModel
 from kascade_engine.batch.sampling import SamplingParams, sample
-from kascade_engine.redirect import Redirects
+from kascade_engine.live import migration
+from kascade_engine.live.redirect import Redirects
 
 if TYPE_CHECKING:
     from kascade_engine.batch.engine import Engine
     from kascade_engine.batch.pages import PagePool
     from kascade_engine.batch.scheduler import Work
-    from kascade_engine.pairclient import PairClient
+    from kascade_engine.live.pairclient import PairClient
 
 log = logging.getLogger(__name__)
 

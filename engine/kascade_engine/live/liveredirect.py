@@ -58,8 +58,8 @@ from typing import TYPE_CHECKING, Any
 from kascade_engine.batch import timeline
 from kascade_engine.batch.engine import Event
 from kascade_engine.batch.sampling import SamplingParams
+from kascade_engine.live.redirect import params_from_wire, requeue
 from kascade_engine.net.transport import Connection, TransportError
-from kascade_engine.redirect import params_from_wire, requeue
 
 if TYPE_CHECKING:
     from kascade_engine.batch.engine import Engine
