@@ -43,7 +43,7 @@ TYPED_MODULES := -p kascade_devcluster -p kascade_demo -p kascade_router -m kasc
 	-m kascade_engine.batch.pages -m kascade_engine.live.cooperation -m kascade_engine.live.pairclient -m kascade_engine.live.migration -m kascade_engine.live.pairsession -m kascade_engine.live.redirect -m kascade_engine.live.liveredirect -m kascade_engine.net.peerpool -m kascade_engine.live.livepolicy -m kascade_engine.batch.timeline -m kascade_engine.batch.scheduler -m kascade_engine.batch.families -m kascade_engine.batch.kvcache \
 	-m kascade_engine.batch.engine -m kascade_engine.batch.model -m kascade_engine.metrics -m kascade_engine.weights.tensorfile \
 	-m kascade_engine.openai_api -m kascade_engine.responder -m kascade_engine.server -m kascade_engine.detokenizer -m kascade_engine.tokenizer \
-	-m kascade_engine.kv_wire -m kascade_engine.prefill_server -m kascade_engine.remote_prefill -m kascade_engine.pd_metrics -m kascade_engine.batch.velocity -m kascade_engine.batch.stepcost -m kascade_engine.handback -m kascade_engine.probe -m kascade_engine.weights.hostcopy \
+	-m kascade_engine.pd.kv_wire -m kascade_engine.pd.prefill_server -m kascade_engine.pd.remote_prefill -m kascade_engine.pd.metrics -m kascade_engine.batch.velocity -m kascade_engine.batch.stepcost -m kascade_engine.pd.handback -m kascade_engine.pd.probe -m kascade_engine.weights.hostcopy \
 	-m kascade_operator.api -m kascade_operator.scaleplan -m kascade_operator.plandriver -m kascade_operator.engine_client \
 	-m kascade_operator.pool -m kascade_operator.reconcile -m kascade_operator.operator_metrics -m kascade_operator.status \
 	-m kascade_operator.podtemplate -m kascade_operator.decide -m kascade_operator.leader -m kascade_operator.roleobject -m kascade_operator.rolesync \

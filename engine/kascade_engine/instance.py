@@ -31,7 +31,6 @@ from kascade_engine.batch.engine import Engine
 from kascade_engine.batch.model import LlamaModel
 from kascade_engine.batch.scheduler import Limits
 from kascade_engine.config import EngineConfig
-from kascade_engine.handback import DEFAULT_HAND_BACK_S, HandBack
 from kascade_engine.live.cooperation import HostRows
 from kascade_engine.live.liveredirect import Forwarder, ForwardHost
 from kascade_engine.live.pairclient import PairClient
@@ -40,10 +39,11 @@ from kascade_engine.metrics import EngineMetrics
 from kascade_engine.net.pacing import egress_bucket
 from kascade_engine.net.peerpool import PeerPool
 from kascade_engine.net.transport import TransportError
-from kascade_engine.pd_metrics import PDMetrics
-from kascade_engine.prefill_server import PrefillServer
-from kascade_engine.probe import PrefillProbe
-from kascade_engine.remote_prefill import RemotePrefill
+from kascade_engine.pd.handback import DEFAULT_HAND_BACK_S, HandBack
+from kascade_engine.pd.metrics import PDMetrics
+from kascade_engine.pd.prefill_server import PrefillServer
+from kascade_engine.pd.probe import PrefillProbe
+from kascade_engine.pd.remote_prefill import RemotePrefill
 from kascade_engine.tokenizer import Tokenizer
 from kascade_engine.weights.hostcopy import keepable
 from kascade_planner.engine_api import (

@@ -76,7 +76,7 @@ class Serving:
         return self.sys.convert_chunk_tokens or self.chunk_tokens[inst.model]
 
     def _hand_back(self, inst: Instance, now: float) -> bool:
-        """TokenScale's hand-back as the engine does it (kascade_engine.handback): once per hand-back bound a
+        """TokenScale's hand-back as the engine does it (kascade_engine.pd.handback): once per hand-back bound a
         converted decoder weighs the long prompt it prefills in chunks with `hand_back_verdict`, against what a
         prefill on a prefiller takes now (`_remote_s`). Handed back, the prompt leaves it (partial prefill
         dropped, KV reservation freed) for the prefill queue at its arrival, where only a prefiller takes it."""

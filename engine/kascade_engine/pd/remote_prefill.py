@@ -32,10 +32,10 @@ import torch
 from kascade_engine.batch.engine import Event, Request
 from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.batch.scheduler import Seq
-from kascade_engine.kv_wire import Coverage, KVWireError, PrefillOp, check_kv, digest, pace
 from kascade_engine.net.peerpool import PeerPool
 from kascade_engine.net.transport import Connection, TransportError
-from kascade_engine.prefill_server import host_bytes, kv_shape
+from kascade_engine.pd.kv_wire import Coverage, KVWireError, PrefillOp, check_kv, digest, pace
+from kascade_engine.pd.prefill_server import host_bytes, kv_shape
 from kascade_planner.conversion import remote_prefill_s
 
 if TYPE_CHECKING:

@@ -30,10 +30,10 @@ import torch
 from kascade_engine.batch.engine import Event
 from kascade_engine.batch.kvcache import build_batch
 from kascade_engine.batch.sampling import SamplingParams, sample
-from kascade_engine.handback import SERVED
-from kascade_engine.kv_wire import Header, KVShape, KVWireError, digest, fallback, kv_header, waited_s
 from kascade_engine.live.cooperation import layer_cost, pace
 from kascade_engine.net.transport import Connection, TransportError
+from kascade_engine.pd.handback import SERVED
+from kascade_engine.pd.kv_wire import Header, KVShape, KVWireError, digest, fallback, kv_header, waited_s
 
 if TYPE_CHECKING:
     from kascade_engine.batch.engine import Engine
