@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kascade_engine.openai_api import TextStop
+from kascade_engine.http.openai_api import TextStop
 from kascade_engine.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 
 TEXT = ("Héllo wörld, naïve café — “quotes” déjà vu. 日本語のテキストです。Emoji 🎉🚀 then ∑ √ ≤ and plain "

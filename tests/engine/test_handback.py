@@ -269,7 +269,7 @@ async def test_the_answer_names_who_really_prefilled_a_handed_back_prompt(tiny_c
 
     import httpx
 
-    from kascade_engine.server import create_app
+    from kascade_engine.http.server import create_app
     from kascade_planner.engine_api import HANDED_BACK_HEADER, PREFILL_FALLBACK_HEADER, ConvertRequest
 
     with socket.socket() as sk:  # a port nothing listens on: its connection is refused

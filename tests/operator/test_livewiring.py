@@ -25,9 +25,9 @@ from kascade_engine.batch.engine import Engine
 from kascade_engine.batch.model import LlamaModel
 from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.config import EngineConfig
+from kascade_engine.http.server import create_app
 from kascade_engine.instance import EngineInstance, Phase
 from kascade_engine.net.transport_tcp import TcpTransport
-from kascade_engine.server import create_app
 from kascade_engine.tokenizer import ByteTokenizer
 from kascade_engine.weights.blocks import BlockSet, pack_checkpoint
 from kascade_engine.weights.checkpoint import tiny_llama

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kascade_engine.detokenizer import Detokenizer
+from kascade_engine.http.detokenizer import Detokenizer
 
 MAX_STOP = 4
 

@@ -18,7 +18,7 @@ from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
 from kascade_engine.batch.sampling import SamplingParams
-from kascade_engine.openai_api import ChatBody, TextStop, _Common
+from kascade_engine.http.openai_api import ChatBody, TextStop, _Common
 from kascade_engine.serving import RequestError
 
 if TYPE_CHECKING:

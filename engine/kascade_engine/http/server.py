@@ -23,11 +23,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kascade_engine.control import add_control_routes
-from kascade_engine.httpguard import BodyLimit
+from kascade_engine.http.control import add_control_routes
+from kascade_engine.http.httpguard import BodyLimit
+from kascade_engine.http.openai_api import ChatBody, CompletionBody, _Common, chat_messages, refused
+from kascade_engine.http.responder import Call
 from kascade_engine.instance import EngineInstance, InstanceError
-from kascade_engine.openai_api import ChatBody, CompletionBody, _Common, chat_messages, refused
-from kascade_engine.responder import Call
 from kascade_engine.serving import RequestError, handed_back
 from kascade_planner.engine_api import (
     HANDED_BACK_HEADER,
