@@ -215,7 +215,7 @@ def run_mode(mode: str, bs: BlockSet, a: LlamaModel, prompts: list[torch.Tensor]
 async def activation_time(a: LlamaModel, tokens: int) -> float:
     """Median time to ship one request's activations [tokens, hidden] over the real TCP transport and
     get the reply frame back (what a B -> A hand-off costs); charged on every switch in the layer clock."""
-    from kascade_engine.live.split import encode_activation
+    from kascade_engine.live.activation import encode_activation
 
     async def echo(conn) -> None:  # type: ignore[no-untyped-def]
         try:

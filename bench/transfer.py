@@ -122,7 +122,7 @@ def run_transfer(plan: Plan, blocks: BlockSet, work: Path, transport: str, chunk
 RAW = """
 import asyncio, json, sys, time
 from kascade_engine.weights.hostcache import open_cache
-from kascade_engine.net.transport import make_transport
+from kascade_engine.net.transports import make_transport
 mode, name, host, port, cache, chunk = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], int(sys.argv[6])
 blocks = open_cache(cache)
 total = blocks.total_bytes

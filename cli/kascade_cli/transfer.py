@@ -54,8 +54,8 @@ def run(spec_path: Path, me: str, cache: Path | None, out: Path | None, transpor
     """Run one participant until its part of the transfer is done."""
     from kascade_engine.net.relay import TransferFailed, TransferNode
     from kascade_engine.net.transfer_spec import SpecError, TransferSpec
-    from kascade_engine.net.transport import make_transport
     from kascade_engine.net.transport_tls import TlsError, TlsFiles
+    from kascade_engine.net.transports import make_transport
     from kascade_engine.weights.blocks import BlockSet
     from kascade_engine.weights.hostcache import open_cache, write_cache
 

@@ -18,8 +18,8 @@ from kascade_engine.net.transport import (
     TrafficClass,
     Transport,
     activation_class,
-    make_transport,
 )
+from kascade_engine.net.transports import make_transport
 
 if TYPE_CHECKING:
     from kascade_engine.net.transport_tls import TlsFiles

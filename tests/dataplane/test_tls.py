@@ -14,9 +14,10 @@ from typing import Any
 
 import pytest
 
-from kascade_engine.net.transport import Transport, TransportError, make_transport
+from kascade_engine.net.transport import Transport, TransportError
 from kascade_engine.net.transport_tcp import TcpTransport
 from kascade_engine.net.transport_tls import TlsError, TlsFiles, TlsTransport
+from kascade_engine.net.transports import make_transport
 from kascade_engine.weights.blocks import BlockSet
 
 MARKER = b"KASCADE-SECRET-WEIGHTS-" * 64

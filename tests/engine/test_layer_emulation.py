@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from kascade_engine.batch.emulation import pace
 from kascade_engine.config import ConfigError, EngineConfig
-from kascade_engine.live.cooperation import pace
 
 
 def test_pace_holds_the_step_to_layers_times_the_emulated_layer_time() -> None:

@@ -11,7 +11,8 @@ import torch
 from kascade_engine.batch.engine import Engine
 from kascade_engine.batch.model import LlamaModel
 from kascade_engine.batch.sampling import SamplingParams
-from kascade_engine.live.split import Finisher, SplitClient, encode_activation
+from kascade_engine.live.activation import encode_activation
+from kascade_engine.live.split import Finisher, SplitClient
 from kascade_engine.net.transport_tcp import TcpTransport
 from kascade_engine.weights.blocks import pack_checkpoint
 

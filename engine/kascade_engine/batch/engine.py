@@ -14,9 +14,9 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -26,9 +26,6 @@ from kascade_engine.batch.sampling import SamplingParams, sample
 from kascade_engine.batch.scheduler import Limits, Scheduler, Seq, Work
 from kascade_engine.batch.stepcost import StepCost, StepShape
 from kascade_engine.batch.velocity import VelocityMeter
-
-if TYPE_CHECKING:
-    from kascade_engine.live.cooperation import Cooperation
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +57,26 @@ class Event:
     prefilled_by: str | None = None
 
 
+# Step hooks: what the live-scaling and disaggregation wings plug into a step, as a protocol owned by the
+# batching core (so batch/ imports nothing above it). `prepare` runs before each schedule, `forward` in place of
+# the engine's own forward, `take_events` yields tokens that landed later. Implementations: live/cooperation.py
+# `HostRows` (a full engine hosting a loading peer's rows), live/pairclient.py `PairClient` (a loading engine),
+# pd/prefill_server.py `KVShipper`.
+class StepHooks(Protocol):
+    """An Engine hook: `forward` replaces the step's forward; `pending` keeps the loop stepping."""
+
+    def pending(self) -> bool: ...
+
+    def forward(self, engine: Engine, work: list[Work]) -> Sequence[int | None]: ...
+    # one token per sampling chunk, in order; None: that chunk's token lands later (take_events)
+
+    def prepare(self, engine: Engine) -> None: ...  # before each schedule (in the step thread)
+
+    def abort(self, rid: str) -> None: ...
+
+    def take_events(self) -> list[Event]: ...
+
+
 class Engine:
     def __init__(self, model: LlamaModel, limits: Limits | None = None, eos: int | None = None) -> None:
         self.model = model
@@ -89,7 +106,7 @@ class Engine:
         self.last_step: tuple[int, int, float] | None = None
         self.prefill_step_max = 0
         self.budget_of_max: int | None = None
-        self.coop: Cooperation | None = None  # live split hook (cooperation.py): hosts or sends pair rows
+        self.coop: StepHooks | None = None  # live split hook (cooperation.py): hosts or sends pair rows
 
     @property
     def idle(self) -> bool:

@@ -33,7 +33,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from kascade_engine.batch import timeline
+from kascade_engine.batch.emulation import layer_cost, pace
 from kascade_engine.batch.engine import Event
 from kascade_engine.batch.kvcache import KVCache, build_batch
 from kascade_engine.batch.model import LlamaModel
@@ -52,24 +53,15 @@ if TYPE_CHECKING:
     from kascade_engine.batch.engine import Engine
     from kascade_engine.batch.pages import PagePool
     from kascade_engine.batch.scheduler import Work
-    from kascade_engine.live.pairclient import PairClient
 
 log = logging.getLogger(__name__)
 
 
-class Cooperation(Protocol):
-    """An Engine hook: `forward` replaces the step's forward; `pending` keeps the loop stepping."""
+class Downstream(Protocol):
+    """A pipeline hop's next receiver (pairclient.py `PairClient`): rows this engine cannot finish go on to it."""
 
-    def pending(self) -> bool: ...
-
-    def forward(self, engine: Engine, work: list[Work]) -> Sequence[int | None]: ...
-    # one token per sampling chunk, in order; None: that chunk's token lands later (take_events)
-
-    def prepare(self, engine: Engine) -> None: ...  # before each schedule (in the step thread)
-
-    def abort(self, rid: str) -> None: ...
-
-    def take_events(self) -> list[Event]: ...
+    def relay_async(self, meta: list[list[Any]], hidden: torch.Tensor,
+                    ends: list[str]) -> Future[tuple[dict[str, Any], bytearray]]: ...
 
 
 @dataclass
@@ -122,10 +114,6 @@ def staggered(model: LlamaModel, cache: KVCache, rows: list[Row], knee_tokens: i
         u += 1
 
 
-def layer_cost(tokens: int, layers: int, knee_tokens: int) -> float:
-    return layers * (max(1.0, tokens / knee_tokens) if knee_tokens > 0 else 1.0)
-
-
 def _run(model: LlamaModel, cache: KVCache, present: list[Row], u: int, v: int) -> None:
     batch = build_batch(cache, [(r.table, r.start, r.n) for r in present])
     x = model.run_layers(u, v, torch.cat([r.x for r in present]), batch)
@@ -144,16 +132,6 @@ def _segments(model: LlamaModel, cache: KVCache, rows: list[Row], knee_tokens: i
         cost += layer_cost(sum(r.n for r in present), v - u, knee_tokens)
         _run(model, cache, present, u, v)
     return cost
-
-
-def pace(t0: float, layers: float, layer_s: float) -> None:
-    """Emulated accelerator (benchmarks, `--emulate-layer-ms`): the step's layer work ends no earlier
-    than t0 + layers x layer_s, so its time does not depend on what else shares the CPU. `layers` comes
-    from `staggered` with the engine's max_batch_tokens as the knee: a layer forward over up to a full
-    batch costs one layer time (memory-bound), more tokens cost proportionally more (compute-bound)."""
-    left = t0 + layers * layer_s - time.perf_counter()
-    if layer_s > 0 and left > 0:
-        time.sleep(left)
 
 
 def pick_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
@@ -224,7 +202,7 @@ class HostRows:
     gens: dict[str, torch.Generator | None] = field(default_factory=dict)
     lengths: dict[str, int] = field(default_factory=dict)
     stops: dict[str, int] = field(default_factory=dict)  # page key -> the layer its rows leave here (sticky)
-    downstream: PairClient | None = None  # pipeline: rows this engine cannot finish go on to the next receiver
+    downstream: Downstream | None = None  # pipeline: rows this engine cannot finish go on to the next receiver
     forwarded: set[str] = field(default_factory=set)  # page keys whose later layers live downstream
     rows_hosted: int = 0  # metric: B rows finished here
     migrated: int = 0  # metric: sequences handed to B whole (decode-state migration)

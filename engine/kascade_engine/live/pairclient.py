@@ -24,18 +24,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kascade_engine.batch import timeline
+from kascade_engine.batch.emulation import pace
 from kascade_engine.batch.engine import Event
 from kascade_engine.batch.model import LlamaModel
 from kascade_engine.live import migration
-from kascade_engine.live.cooperation import Row, own_rows, pace, pick_token, staggered
+from kascade_engine.live.cooperation import Row, own_rows, pick_token, staggered
 from kascade_engine.live.livepolicy import ZigZagPolicy, hold_until
 from kascade_engine.live.redirect import params_from_wire
 from kascade_engine.net.transport import Connection
 
 if TYPE_CHECKING:
-    from kascade_engine.batch.engine import Engine
+    from kascade_engine.batch.engine import Engine, StepHooks
     from kascade_engine.batch.scheduler import Work
-    from kascade_engine.live.cooperation import Cooperation
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class PairClient:
         self.ahead: dict[str, int] = {}
         self.holding: set[str] = set()  # of `ahead`: held for their prefix (not yet in the engine)
         self._ahead_lock = threading.Lock()
-        self.fallback: Cooperation | None = None  # the engine's hook once nothing runs split any more
+        self.fallback: StepHooks | None = None  # the engine's hook once nothing runs split any more
         self.history: list[tuple[str, int]] = []  # (request, k) as each sequence started: the split point
         self.admitted_ids: list[str] = []  # admission order while loading
         self.steps_sent = 0  # frames sent

@@ -17,9 +17,9 @@ import torch
 
 from kascade_engine.batch import timeline
 from kascade_engine.batch.model import LlamaModel
+from kascade_engine.live.activation import DTYPES, decode_activation
 from kascade_engine.live.cooperation import HostRows, PairStep
 from kascade_engine.live.pairclient import PIPELINE_DEPTH_PER_RECEIVER, PairClient
-from kascade_engine.live.split import DTYPES, decode_activation
 from kascade_engine.net.transport import Connection, TransportError
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ Data flow: `Transport.listen(host, port, handler)` / `Transport.connect(host, po
 -> `send(header, payload)` / `recv() -> (header, payload)`. Framing is explicit and length-prefixed
 (never pickle): b"KSC1" | u32 header length | u64 payload length | JSON header | payload.
 Implementations: asyncio TCP (`transport_tcp`), TCP with mutual TLS (`transport_tls`) and UCX through
-ucxx (`transport_ucx`); `make_transport(name)` picks one by its setting name (`TRANSPORTS`). Each counts
+ucxx (`transport_ucx`); `transports.make_transport(name)` picks one by its setting name (`TRANSPORTS`). Each counts
 the payload bytes its connections moved (`Traffic`), where the bytes meet the wire, so a test or a metric
 sees which transport carried them.
 
@@ -27,10 +27,7 @@ import socket
 import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
-
-if TYPE_CHECKING:
-    from kascade_engine.net.transport_tls import TlsFiles
+from typing import Any, Protocol
 
 MAGIC = b"KSC1"
 PREFIX = struct.Struct("<4sIQ")
@@ -240,24 +237,3 @@ def serving_socket(host: str, port: int, mark: TrafficClass | None, backlog: int
         sock.close()
         raise
     return sock
-
-
-def make_transport(name: str, tls: TlsFiles | None = None, mark: TrafficClass | None = None) -> Transport:
-    """The transport called `name`; with `tls`, TCP is mutual TLS (`transport_tls`). UCX has no TLS of
-    its own (docs/architecture.md says what it protects): asking for both is an error, not a silent downgrade.
-    `mark`: the DSCP class of every TCP socket it opens or accepts (None: unmarked; UCX ignores it)."""
-    if name == "tcp":
-        if tls is not None:
-            from kascade_engine.net.transport_tls import TlsTransport
-
-            return TlsTransport(tls, mark)
-        from kascade_engine.net.transport_tcp import TcpTransport
-
-        return TcpTransport(mark)
-    if name == "ucx":
-        if tls is not None:
-            raise ValueError("TLS (--tls-*) applies to the tcp transport only; ucx does not encrypt")
-        from kascade_engine.net.transport_ucx import UcxTransport
-
-        return UcxTransport()
-    raise ValueError(f"unknown transport {name!r} (choose {' or '.join(TRANSPORTS)})")

@@ -27,19 +27,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kascade_engine.batch.emulation import layer_cost, pace
 from kascade_engine.batch.engine import Event
 from kascade_engine.batch.kvcache import build_batch
 from kascade_engine.batch.sampling import SamplingParams, sample
-from kascade_engine.live.cooperation import layer_cost, pace
 from kascade_engine.net.transport import Connection, TransportError
 from kascade_engine.pd.handback import SERVED
 from kascade_engine.pd.kv_wire import Header, KVShape, KVWireError, digest, fallback, kv_header, waited_s
 
 if TYPE_CHECKING:
-    from kascade_engine.batch.engine import Engine
+    from kascade_engine.batch.engine import Engine, StepHooks
     from kascade_engine.batch.scheduler import Work
     from kascade_engine.instance import EngineInstance
-    from kascade_engine.live.cooperation import Cooperation
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +76,7 @@ class KVShipper:
     """The prefill engine's step hook (Engine.coop): runs the batch layer by layer and hands each layer's
     new KV of remote sequences to their sinks. Wraps the hook it replaced (live pair rows)."""
 
-    inner: Cooperation | None
+    inner: StepHooks | None
     sinks: dict[str, Callable[[KVPiece], None]] = field(default_factory=dict)
 
     def pending(self) -> bool:
