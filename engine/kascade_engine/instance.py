@@ -44,6 +44,7 @@ from kascade_engine.pd.metrics import PDMetrics
 from kascade_engine.pd.prefill_server import PrefillServer
 from kascade_engine.pd.probe import PrefillProbe
 from kascade_engine.pd.remote_prefill import RemotePrefill
+from kascade_engine.refusal import InstanceError
 from kascade_engine.tokenizer import Tokenizer
 from kascade_engine.weights.hostcopy import keepable
 from kascade_planner.engine_api import (
@@ -67,14 +68,6 @@ class Phase(enum.Enum):
     SERVING = "serving"
     DRAINING = "draining"
     RELEASED = "released"
-
-
-class InstanceError(Exception):
-    """A control call this instance refuses: HTTP status, message, and the field it is about."""
-
-    def __init__(self, status: int, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.field = status, message, field
 
 
 class EngineInstance:

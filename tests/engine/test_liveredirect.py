@@ -21,9 +21,10 @@ from splitref import collect, unsplit  # type: ignore[import-not-found]
 
 from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.config import EngineConfig
-from kascade_engine.instance import EngineInstance, InstanceError
+from kascade_engine.instance import EngineInstance
 from kascade_engine.net.transport import Listener
 from kascade_engine.net.transport_tcp import TcpTransport
+from kascade_engine.refusal import InstanceError
 from kascade_engine.tokenizer import ByteTokenizer
 from kascade_planner.engine_api import CooperateRequest
 

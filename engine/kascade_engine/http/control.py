@@ -13,7 +13,8 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 
-from kascade_engine.instance import EngineInstance, InstanceError
+from kascade_engine.instance import EngineInstance
+from kascade_engine.refusal import InstanceError
 from kascade_planner.engine_api import (
     BindRequest,
     ConvertRequest,

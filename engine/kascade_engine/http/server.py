@@ -27,7 +27,8 @@ from kascade_engine.http.control import add_control_routes
 from kascade_engine.http.httpguard import BodyLimit
 from kascade_engine.http.openai_api import ChatBody, CompletionBody, _Common, chat_messages, refused
 from kascade_engine.http.responder import Call
-from kascade_engine.instance import EngineInstance, InstanceError
+from kascade_engine.instance import EngineInstance
+from kascade_engine.refusal import InstanceError
 from kascade_engine.serving import RequestError, handed_back
 from kascade_planner.engine_api import (
     HANDED_BACK_HEADER,

@@ -63,6 +63,11 @@ class Downstream(Protocol):
     def relay_async(self, meta: list[list[Any]], hidden: torch.Tensor,
                     ends: list[str]) -> Future[tuple[dict[str, Any], bytearray]]: ...
 
+    @property
+    def peer_receivers(self) -> int: ...  # loading engines past it that run these rows' later layers
+
+    async def close(self) -> None: ...
+
 
 @dataclass
 class Row:

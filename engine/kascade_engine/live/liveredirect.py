@@ -53,7 +53,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kascade_engine.batch import timeline
 from kascade_engine.batch.engine import Event
@@ -62,8 +62,9 @@ from kascade_engine.live.redirect import params_from_wire, requeue
 from kascade_engine.net.transport import Connection, TransportError
 
 if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Mapping, Sized
+
     from kascade_engine.batch.engine import Engine
-    from kascade_engine.instance import EngineInstance
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,63 @@ class Forwarded:
     out: list[int] = field(default_factory=list)  # tokens streamed to A's client so far
 
 
-def _state(inst: EngineInstance) -> dict[str, Any]:
+class _Streams(Protocol):
+    @property
+    def queues(self) -> Mapping[str, object]: ...  # the requests still waited on
+
+    @property
+    def wake(self) -> asyncio.Event: ...
+
+    def publish(self, events: list[Event]) -> None: ...
+
+    def submit(self, prompt: list[int], params: SamplingParams, prefill: str | None = None,
+               fallback: str | None = None) -> str: ...
+
+    def tokens(self, rid: str) -> AsyncIterator[Event]: ...
+
+
+class _Held(Protocol):
+    @property
+    def held(self) -> Sized: ...  # a live pair's requests waiting for their scheduled prefix
+
+
+class _Counters(Protocol):
+    @property
+    def redirected(self) -> Any: ...  # prometheus counters
+
+    @property
+    def redirect_taken_back(self) -> Any: ...
+
+    @property
+    def redirect_received(self) -> Any: ...
+
+
+class RedirectHost(Protocol):
+    """What redirection reads of its engine instance (EngineInstance is one), each time: bind may rebuild the
+    engine, and the live pair comes and goes."""
+
+    @property
+    def engine(self) -> Engine: ...
+
+    @property
+    def serving(self) -> _Streams: ...
+
+    @property
+    def serving_share(self) -> float: ...
+
+    @property
+    def pair(self) -> _Held | None: ...
+
+    @property
+    def forward_host(self) -> ForwardHost: ...
+
+    @property
+    def metrics(self) -> _Counters: ...
+
+    def accepting(self) -> None: ...
+
+
+def _state(inst: RedirectHost) -> dict[str, Any]:
     """H's queue (admitted, not started: the scheduler's and a live pair's held ones) and serving share."""
     held = len(inst.pair.held) if inst.pair is not None else 0
     return {"waiting": len(inst.engine.scheduler.waiting) + held, "share": round(inst.serving_share, 4)}
@@ -94,7 +151,7 @@ def forwardable(params: SamplingParams) -> bool:
 class Forwarder:
     """The handing side (A): one session to H; requests handed over, by id."""
 
-    def __init__(self, inst: EngineInstance, peer: str, conn: Connection) -> None:
+    def __init__(self, inst: RedirectHost, peer: str, conn: Connection) -> None:
         self.inst, self.peer, self.conn = inst, peer, conn
         self.handed: dict[str, Forwarded] = {}
         self.waiting, self.share = 0, 0.0  # H's last reported state
@@ -287,7 +344,7 @@ class Forwarder:
 class ForwardHost:
     """H's side: each session's requests run here as this engine's own (`Serving.submit`)."""
 
-    def __init__(self, inst: EngineInstance) -> None:
+    def __init__(self, inst: RedirectHost) -> None:
         self.inst = inst
         self.sessions = 0  # metric
         self.received = 0  # metric: requests taken from sources

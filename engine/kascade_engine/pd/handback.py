@@ -41,8 +41,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Protocol
 
 from kascade_engine.batch.engine import Event
 from kascade_engine.batch.sampling import SamplingParams
@@ -50,7 +50,7 @@ from kascade_planner.conversion import arrival_verdict, hand_back_verdict
 
 if TYPE_CHECKING:
     from kascade_engine.batch.engine import Engine
-    from kascade_engine.instance import EngineInstance
+    from kascade_engine.pd.metrics import PDMetrics
 
 log = logging.getLogger(__name__)
 # a converted decoder's hand-back bound when its conversion names none: a fraction of a typical TTFT objective
@@ -60,10 +60,43 @@ DEFAULT_HAND_BACK_S = 0.25
 SERVED = "the engine it prefills for"  # a served prompt (prefill_server.py) goes back to the engine that sent it
 
 
+class _Streams(Protocol):
+    @property
+    def queues(self) -> Mapping[str, object]: ...  # the requests still waited on
+
+    @property
+    def wake(self) -> asyncio.Event: ...
+
+
+class _RemotePrefill(Protocol):
+    def start(self, rid: str, prompt: list[int], params: SamplingParams, peer: str,
+              local: Callable[[], None], arrived: float | None = None, fallback: str | None = None,
+              settles: bool = False) -> None: ...
+
+    def expected_s(self, peer: str, prompt_tokens: int = 0) -> float | None: ...
+
+
+class HandBackHost(Protocol):
+    """What the hand-back reads of its engine instance (EngineInstance is one): read each time, since bind may
+    rebuild the engine for another dtype."""
+
+    @property
+    def engine(self) -> Engine: ...
+
+    @property
+    def serving(self) -> _Streams: ...
+
+    @property
+    def remote_prefill(self) -> _RemotePrefill: ...
+
+    @property
+    def pd_metrics(self) -> PDMetrics: ...
+
+
 class HandBack:
     """The converted decoder's watch over prompts it prefills itself with a fallback prefill engine."""
 
-    def __init__(self, inst: EngineInstance) -> None:
+    def __init__(self, inst: HandBackHost) -> None:
         self.inst = inst
         self.after_s: float | None = None  # the conversion's bound; None: not converted, nothing is watched
         self.handed = 0  # prompts handed to a prefill engine (kascade_pd_handbacks_total)

@@ -18,12 +18,13 @@ gives it back after its bound, with {"op": "handback"}; the decode engine then p
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -37,13 +38,74 @@ from kascade_engine.pd.kv_wire import Header, KVShape, KVWireError, digest, fall
 
 if TYPE_CHECKING:
     from kascade_engine.batch.engine import Engine, StepHooks
+    from kascade_engine.batch.model import LlamaModel
     from kascade_engine.batch.scheduler import Work
-    from kascade_engine.instance import EngineInstance
+    from kascade_engine.net.pacing import TokenBucket
+    from kascade_engine.pd.handback import HandBack
+    from kascade_engine.pd.metrics import PDMetrics
 
 log = logging.getLogger(__name__)
 
 
-def kv_shape(inst: EngineInstance) -> KVShape:
+class KVHost(Protocol):
+    """What the KV shape is read from: the engine instance's model, cache and dtype (EngineInstance is one)."""
+
+    @property
+    def model(self) -> LlamaModel: ...
+
+    @property
+    def engine(self) -> Engine: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+
+class _Streams(Protocol):
+    @property
+    def queues(self) -> dict[str, asyncio.Queue[Event | Exception]]: ...  # a request's events are routed here
+
+    @property
+    def wake(self) -> asyncio.Event: ...
+
+    def abort(self, rid: str) -> None: ...
+
+
+class _Limits(Protocol):
+    @property
+    def max_prompt_tokens(self) -> int: ...
+
+
+class _Requests(Protocol):
+    def on_request(self, prompt_tokens: int) -> None: ...
+
+
+class PrefillHost(KVHost, Protocol):
+    """What the prefill server reads of its engine instance (EngineInstance is one), each time: bind may rebuild
+    the engine and model for another dtype."""
+
+    @property
+    def phase(self) -> enum.Enum: ...
+
+    @property
+    def config(self) -> _Limits: ...
+
+    @property
+    def serving(self) -> _Streams: ...
+
+    @property
+    def handback(self) -> HandBack: ...
+
+    @property
+    def metrics(self) -> _Requests: ...
+
+    @property
+    def pd_metrics(self) -> PDMetrics: ...
+
+    @property
+    def egress(self) -> TokenBucket | None: ...
+
+
+def kv_shape(inst: KVHost) -> KVShape:
     s, cache = inst.model.shape, inst.engine.cache
     return KVShape(s.layers, s.kv_heads, s.head_dim, str(inst.dtype).removeprefix("torch."), cache.k.element_size())
 
@@ -159,7 +221,7 @@ def _params(h: Header) -> SamplingParams:
 class PrefillServer:
     """Serves prefill requests of decode engines on this engine's data port (one per connection at a time)."""
 
-    def __init__(self, inst: EngineInstance) -> None:
+    def __init__(self, inst: PrefillHost) -> None:
         self.inst = inst
         self.requests = 0  # metrics: prefills served for decode engines
         self.bytes_sent = 0

@@ -27,10 +27,11 @@ alone (nothing can cut them yet); the conversion's chunk budget is sized to half
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kascade_engine.batch.engine import Event
 from kascade_engine.batch.sampling import SamplingParams
@@ -39,16 +40,40 @@ from kascade_planner.prefillrate import RATE_STEPS
 
 if TYPE_CHECKING:
     from kascade_engine.batch.engine import Engine
-    from kascade_engine.instance import EngineInstance
+    from kascade_engine.batch.model import LlamaModel
 
 log = logging.getLogger(__name__)
 PROBE_MAX_S = 3.0  # a probe not done by then is ended: a decoder whose pages are short must not hold it longer
 
 
+class _Wake(Protocol):
+    @property
+    def wake(self) -> asyncio.Event: ...
+
+
+class ProbeHost(Protocol):
+    """What the probe reads of its engine instance (EngineInstance is one), each time: bind may rebuild the engine."""
+
+    @property
+    def engine(self) -> Engine: ...
+
+    @property
+    def model(self) -> LlamaModel: ...
+
+    @property
+    def serving(self) -> _Wake: ...
+
+    @property
+    def context_len(self) -> int: ...
+
+    @property
+    def instance_id(self) -> str: ...
+
+
 class PrefillProbe:
     """The converted decoder's warm-up prompt: at most one at a time."""
 
-    def __init__(self, inst: EngineInstance) -> None:
+    def __init__(self, inst: ProbeHost) -> None:
         self.inst = inst
         self.rid: str | None = None  # the probe in the scheduler now (None: none)
         self.started = 0.0

@@ -24,8 +24,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -35,12 +35,13 @@ from kascade_engine.batch.scheduler import Seq
 from kascade_engine.net.peerpool import PeerPool
 from kascade_engine.net.transport import Connection, TransportError
 from kascade_engine.pd.kv_wire import Coverage, KVWireError, PrefillOp, check_kv, digest, pace
-from kascade_engine.pd.prefill_server import host_bytes, kv_shape
+from kascade_engine.pd.prefill_server import KVHost, host_bytes, kv_shape
 from kascade_planner.conversion import remote_prefill_s
 
 if TYPE_CHECKING:
     from kascade_engine.batch.engine import Engine
-    from kascade_engine.instance import EngineInstance
+    from kascade_engine.net.transport import Transport
+    from kascade_engine.pd.metrics import PDMetrics
 
 log = logging.getLogger(__name__)
 FRAME_TIMEOUT_S = 300.0  # the prefill engine may queue the prompt behind its own batch
@@ -56,8 +57,40 @@ class HandedBack(RemotePrefillError):
     """The peer (a converted decoder) gave the prompt back: its budget leaves it no progress (handback.py)."""
 
 
+class _Streams(Protocol):
+    @property
+    def queues(self) -> Mapping[str, object]: ...  # the requests still waited on
+
+    @property
+    def wake(self) -> asyncio.Event: ...
+
+    def decide(self, rid: str, by: str | None) -> None: ...
+
+
+class _Token(Protocol):
+    @property
+    def token(self) -> str: ...
+
+
+class RemotePrefillHost(KVHost, Protocol):
+    """What remote prefill reads of its engine instance (EngineInstance is one), each time: bind may rebuild the
+    engine and model for another dtype."""
+
+    @property
+    def transport(self) -> Transport: ...
+
+    @property
+    def config(self) -> _Token: ...
+
+    @property
+    def serving(self) -> _Streams: ...
+
+    @property
+    def pd_metrics(self) -> PDMetrics: ...
+
+
 class RemotePrefill:
-    def __init__(self, inst: EngineInstance) -> None:
+    def __init__(self, inst: RemotePrefillHost) -> None:
         self.inst = inst
         self.pool = PeerPool(inst.transport, inst.config.token)  # the engine's data-port transport (tcp, tls, ucx)
         self.adopted = 0  # metrics: requests whose prefill ran on a peer
