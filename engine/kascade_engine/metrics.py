@@ -155,12 +155,13 @@ class EngineMetrics:
         self.running.set(len(s.running))
         self.kv_usage.set(s.kv_usage())
         eng = inst.engine
-        if eng.steps != self._steps_seen and eng.last_step is not None:
+        rec = eng.recorder
+        if eng.steps != self._steps_seen and rec.last_step is not None:
             self._steps_seen = eng.steps
-            tokens, decodes, secs = eng.last_step
+            tokens, decodes, secs = rec.last_step
             kind = "mixed" if tokens and decodes else ("prefill" if tokens else "decode")
             self.step_seconds.labels(self.model_name, kind).observe(secs)
-        self.prefill_step_max.set(eng.prefill_step_max)
+        self.prefill_step_max.set(rec.prefill_step_max)
         self.prefill_chunk_budget.set(s.last_cap or 0)
         self.prefill_step_budget.set(s.last_budget_s or 0)
         if s.cut_tokens > self._cut_seen:

@@ -22,9 +22,10 @@ import torch
 
 from kascade_engine.batch.kvcache import KVCache, build_batch
 from kascade_engine.batch.model import LlamaModel
+from kascade_engine.batch.recorder import StepRecorder
 from kascade_engine.batch.sampling import SamplingParams, sample
 from kascade_engine.batch.scheduler import Limits, Scheduler, Seq, Work
-from kascade_engine.batch.stepcost import StepCost, StepShape
+from kascade_engine.batch.stepcost import StepCost
 from kascade_engine.batch.velocity import VelocityMeter
 
 log = logging.getLogger(__name__)
@@ -100,12 +101,8 @@ class Engine:
         # step time as a function of what the step runs, fitted from this engine's own steps: a converted
         # decoder's scheduler cuts prompt chunks to the time its step budget leaves (stepcost.py)
         self.cost = self.scheduler.cost = StepCost()
-        # the last step as (prompt tokens prefilled, decode rows, seconds), and the most prompt tokens one step
-        # prefilled under the chunk budget in force now (`budget_of_max`; a new budget starts it again): what a
-        # converted decoder's /metrics shows to prove its budget held (metrics.py)
-        self.last_step: tuple[int, int, float] | None = None
-        self.prefill_step_max = 0
-        self.budget_of_max: int | None = None
+        # the step's bookkeeping: velocity, step cost, the budget's record (recorder.py; metrics.py reads it)
+        self.recorder = StepRecorder(self.scheduler, self.meter, self.cost)
         self.coop: StepHooks | None = None  # live split hook (cooperation.py): hosts or sends pair rows
 
     @property
@@ -157,8 +154,46 @@ class Engine:
             if self.coop is not None:  # a request handed to a live pair (redirect.py): abort it there
                 self.coop.abort(rid)
 
+    def step(self) -> list[Event]:
+        """schedule -> forward -> sample -> postprocess; the step's timing goes to the recorder."""
+        events = self._prepare()
+        work = self._schedule()
+        if not work and not (self.coop is not None and self.coop.pending()):
+            return events
+        self.steps += 1
+        # which chunks sample, fixed before the forward: a live pair's answer to this very step can land inside
+        # it (pairclient.PairClient lands every answer that is back), adding the token (len(tokens) grows) or
+        # finishing the request (it leaves `requests`); the recorder's facts likewise
+        samples = [w.end == len(self.requests[w.id].tokens) for w in work]
+        note = self.recorder.begin(work, self.requests, self.coop)
+        t0 = time.perf_counter()
+        try:
+            toks = self._forward(work) if self.coop is None else self.coop.forward(self, work)
+        except (RuntimeError, ValueError, IndexError) as e:  # fails this step's requests, never the engine
+            return events + self._fail(work, e)
+        self.recorder.end(note, work, time.perf_counter() - t0)
+        return events + self._postprocess(work, samples, toks)
+
+    def _prepare(self) -> list[Event]:
+        """Aborts, work handed over by the event loop, and the step hook's turn, before the schedule."""
+        self._apply_aborts()
+        events: list[Event] = []
+        while self._inbox:
+            events.extend(self._inbox.popleft()(self))
+        if self.coop is not None:
+            self.coop.prepare(self)
+        return events
+
+    def _schedule(self) -> list[Work]:
+        batch = self.scheduler.schedule()
+        return sorted((w for w in batch.work if w.id in self.requests), key=lambda w: w.n > 1)  # decodes first
+
     def _forward(self, work: list[Work]) -> list[int]:
         """One forward for the whole step; returns the sampled token per sampling chunk, in order."""
+        return self._sample(work, self._logits(work))
+
+    def _logits(self, work: list[Work]) -> torch.Tensor:
+        """The model over every chunk's tokens at once; logits only for chunks that reach their last token."""
         m, pool = self.model, self.scheduler.pool
         ids: list[int] = []
         rows: list[int] = []
@@ -168,7 +203,9 @@ class Engine:
                 rows.append(len(ids) - 1)
         batch = build_batch(self.cache, [(pool.tables[w.id], w.start, w.n) for w in work])
         h = m.run_layers(0, m.shape.layers, m.embed(torch.tensor(ids, dtype=torch.long, device=m.device)), batch)
-        logits = m.logits(h[torch.tensor(rows, dtype=torch.long, device=m.device)])
+        return m.logits(h[torch.tensor(rows, dtype=torch.long, device=m.device)])
+
+    def _sample(self, work: list[Work], logits: torch.Tensor) -> list[int]:
         greedy = logits.argmax(dim=-1).tolist()
         out = []
         sampled = [w for w in work if w.end == len(self.requests[w.id].tokens)]
@@ -177,58 +214,16 @@ class Engine:
             out.append(greedy[j] if r.params.temperature <= 0 else sample(logits[j].cpu(), r.params, r.gen))
         return out
 
-    def step(self) -> list[Event]:
-        self._apply_aborts()
+    def _fail(self, work: list[Work], e: Exception) -> list[Event]:
+        log.warning("step failed for %d requests: %s", len(work), e, exc_info=log.isEnabledFor(logging.INFO))
+        for w in work:
+            self.scheduler.finish(w.id)
+            self.requests.pop(w.id, None)
+        return [Event(w.id, -1, True, f"error: {e}") for w in work]
+
+    def _postprocess(self, work: list[Work], samples: list[bool], toks: Sequence[int | None]) -> list[Event]:
+        """Advance every chunk; a sampled token ends its request on stop/length."""
         events: list[Event] = []
-        while self._inbox:
-            events.extend(self._inbox.popleft()(self))
-        if self.coop is not None:
-            self.coop.prepare(self)
-        batch = self.scheduler.schedule()
-        work = sorted((w for w in batch.work if w.id in self.requests), key=lambda w: w.n > 1)  # decodes first
-        if not work and not (self.coop is not None and self.coop.pending()):
-            return events
-        self.steps += 1
-        # which chunks sample, and the prefill sizes, fixed before the forward: a live pair's answer to this
-        # very step can land inside it (pairclient.PairClient lands every answer that is back), adding the
-        # token (len(tokens) grows) or finishing the request (it leaves `requests`)
-        samples = [w.end == len(self.requests[w.id].tokens) for w in work]
-        prefill = [(w.n, len(self.requests[w.id].prompt)) for w in work if w.start < len(self.requests[w.id].prompt)]
-        pending = self.scheduler.prompts_pending()  # before `advance`: this step's own prompt chunks count
-        # its prompt tokens were limited by the step's token cap or budget while more waited: only such a step's
-        # tokens/s is the engine's prefill capacity (velocity.py; read now: the next schedule overwrites it)
-        saturated = self.scheduler.last_saturated
-        # the prefill rate is what the budgets give a prompt: a step whose chunk the step budget could not cut yet
-        # (no prompt token timed) ran under the token cap alone, and counting it reported a rate the budget never
-        # gives (bench/pd.py 2026-11-27-d run 7: 306.7 tok/s on D's first prompt, ~0 a second later)
-        budgeted = self.scheduler.last_budget_s is None or (
-            self.scheduler.cost is not None and self.scheduler.cost.token_s is not None)
-        # a converted decoder with no prompt waiting: the tokens its budgets would give one beside these decodes
-        room = None if pending else self.scheduler.known_room()
-        # a step that also runs a live pair's rows (hosted, or out on the peer) times more than this engine's work
-        own = self.coop is None or not self.coop.pending()
-        t0 = time.perf_counter()
-        try:
-            toks = self._forward(work) if self.coop is None else self.coop.forward(self, work)
-        except (RuntimeError, ValueError, IndexError) as e:  # fails this step's requests, never the engine
-            log.warning("step failed for %d requests: %s", len(work), e, exc_info=log.isEnabledFor(logging.INFO))
-            for w in work:
-                self.scheduler.finish(w.id)
-                self.requests.pop(w.id, None)
-            return events + [Event(w.id, -1, True, f"error: {e}") for w in work]
-        secs = time.perf_counter() - t0
-        self.meter.observe(prefill, len(work) - len(prefill), secs, saturated=saturated)
-        tokens = sum(n for n, _ in prefill)
-        if own:
-            self.cost.observe(StepShape.of([(w.start, w.n) for w in work]), secs)
-            if pending and budgeted:
-                self.meter.observe_rate(tokens, secs)
-            elif room is not None:  # what a prompt would have got, the chunk's predicted time added to the step's
-                self.meter.observe_rate(room, secs + room * (self.cost.token_s or 0.0))
-        self.last_step = (tokens, len(work) - len(prefill), secs)
-        if self.scheduler.last_cap != self.budget_of_max:
-            self.budget_of_max, self.prefill_step_max = self.scheduler.last_cap, 0
-        self.prefill_step_max = max(self.prefill_step_max, tokens)
         it = iter(toks)
         now = time.monotonic()
         for w, sampled in zip(work, samples, strict=True):
