@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from kascade_engine.batch.budget import PrefillBudget
 from kascade_engine.batch.pages import PagePool
 from kascade_engine.batch.stepcost import StepCost, StepShape
 
@@ -97,21 +98,12 @@ class Scheduler:
     # a live pair's loading engine (pairclient.py): a waiting prompt that fits a step whole is not split
     # across two, as each step of it is a pair round trip (B's prefix, A's step boundary, A's step)
     whole_prompts: bool = False
-    # the prefill chunk budget the last `schedule` applied (read once per step: /convert may change the
-    # limit from the event loop meanwhile), so a step's prompt tokens are judged against its own budget
-    last_cap: int | None = None
-    # a converted decoder taken back (/convert null) still holds the prompts it accepted while converted:
-    # they finish prefilling under the budget they were accepted with (`held_cap`) instead of in one
-    # uncapped step that would stall every decode in the batch; the cap goes once no prompt is in prefill
-    held_cap: int | None = None
-    held_budget_s: float | None = None  # the time budget held with it
     # the engine's step-time model (stepcost.py): with a step budget, prompt chunks are cut to the time left
     # after the step's decodes; None (or not yet measured) leaves the token cap alone in force
     cost: StepCost | None = None
-    # the step budget the last `schedule` applied (None: none), and the prompt tokens the time budget has held
-    # back from steps so far (each would have run under the token cap alone)
-    last_budget_s: float | None = None
-    cut_tokens: int = 0
+    # a converted decoder's prefill budget (budget.py): the cap and step budget a schedule applies (`last_cap`,
+    # `last_budget_s`, `cut_tokens` read through to it)
+    prefill_budget: PrefillBudget = field(default_factory=PrefillBudget)
     # the last `schedule` was SATURATED for prefill: its token budget, prefill cap or time budget ran out while prompt
     # tokens still waited (queued, or left of a chunked prompt), so its prompt tokens per second measure what the
     # engine sustains when busy, not the load (velocity.VelocityMeter.observe: only such steps count as capacity).
@@ -124,6 +116,18 @@ class Scheduler:
 
     def __post_init__(self) -> None:
         self.pool = PagePool(self.limits.pages, self.limits.page_size)
+
+    @property
+    def last_cap(self) -> int | None:
+        return self.prefill_budget.last_cap
+
+    @property
+    def last_budget_s(self) -> float | None:
+        return self.prefill_budget.last_budget_s
+
+    @property
+    def cut_tokens(self) -> int:
+        return self.prefill_budget.cut_tokens
 
     def resident(self, tokens: int) -> int:
         """The most KV positions a sequence of `tokens` positions holds at once: all of them, or with a
@@ -165,32 +169,8 @@ class Scheduler:
 
     def schedule(self) -> Batch:
         budget = self.limits.max_batch_tokens
-        cap, budget_s = self.limits.prefill_chunk_tokens, self.limits.step_budget_s
-        if cap is not None:
-            self.held_cap, self.held_budget_s = cap, budget_s
-        elif self.held_cap is not None:
-            if self.waiting or any(s.total - s.computed > 1 for s in self.running.values()):
-                cap, budget_s = self.held_cap, self.held_budget_s
-            else:
-                self.held_cap = self.held_budget_s = None
-        self.last_cap = cap
-        self.last_budget_s = budget_s = budget_s if cap is not None else None
-        prefill_left = cap or budget  # a converted decoder caps prefill per step
-        shape = StepShape()  # what the step runs so far (for the time budget)
-        timed_out = False  # the time budget cut a prompt chunk (or left no time for one)
-
-        def timed(start: int, n: int) -> int:
-            """Of an `n`-token prompt chunk from `start`, what fits the step's time budget (all of it without
-            one, without a measured cost, or in a step with no decode to protect)."""
-            if budget_s is None or self.cost is None or not shape.decodes:
-                return n
-            nonlocal timed_out
-            fit = self.cost.chunk_fits(budget_s, shape, start, n)
-            if fit is None:
-                return n
-            self.cut_tokens += n - fit
-            timed_out = timed_out or fit < n
-            return fit
+        b = self.prefill_budget.begin(self.limits.prefill_chunk_tokens, self.limits.step_budget_s, budget,
+                                      self._prefilling, self.cost)
         work: list[Work] = []
         scheduled: set[str] = set()
         preempted: list[str] = []
@@ -201,10 +181,10 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             n = min(s.total - s.computed, budget)
             if n > 1:  # a prefill chunk (decodes are never capped)
-                n = timed(s.computed, min(n, prefill_left)) if prefill_left > 0 else 0
+                n = b.timed(s.computed, min(n, b.prefill_left)) if b.prefill_left > 0 else 0
                 if n <= 0:
                     continue
-                prefill_left -= n
+                b.prefill_left -= n
             if self.window is not None:  # queries at >= computed see keys > computed - window only
                 self.dropped_pages += self.pool.drop_before(s.id, s.computed - self.window + 1)
             while not self.pool.grow(s.id, s.computed + n):
@@ -219,27 +199,31 @@ class Scheduler:
             work.append(Work(s.id, s.computed, n))
             scheduled.add(s.id)
             budget -= n
-            shape = shape.with_decode(s.computed + 1) if n == 1 else shape.with_chunk(s.computed, n)
-        while self.waiting and not preempted and budget > 0 and prefill_left > 0 and \
+            b.shape = b.shape.with_decode(s.computed + 1) if n == 1 else b.shape.with_chunk(s.computed, n)
+        while self.waiting and not preempted and budget > 0 and b.prefill_left > 0 and \
                 len(self.running) + len(self.parked) < self.limits.max_seqs:
             s = self.waiting[0]
             if self.pool.pages_for(self.resident(s.total)) > self.pool.free_pages:
                 break  # FCFS: never let a later, smaller request overtake the head
-            if self.whole_prompts and min(budget, prefill_left) < s.total <= min(
+            if self.whole_prompts and min(budget, b.prefill_left) < s.total <= min(
                     self.limits.max_batch_tokens, self.limits.prefill_chunk_tokens or self.limits.max_batch_tokens):
                 break  # it fits a later step whole: start it there rather than split across two
-            n = timed(0, min(s.total, budget, prefill_left))
+            n = b.timed(0, min(s.total, budget, b.prefill_left))
             if n <= 0:
                 break  # no time left in this step: the head starts in a later one
             self.waiting.popleft()
-            prefill_left -= n
-            shape = shape.with_chunk(0, n)
+            b.prefill_left -= n
+            b.shape = b.shape.with_chunk(0, n)
             self.pool.grow(s.id, n)
             self.running[s.id] = s
             work.append(Work(s.id, 0, n))
             budget -= n
-        self.last_saturated = (budget <= 0 or prefill_left <= 0 or timed_out) and self._prompt_left(work)
+        self.last_saturated = (budget <= 0 or b.prefill_left <= 0 or b.timed_out) and self._prompt_left(work)
         return Batch(tuple(work), tuple(preempted))
+
+    def _prefilling(self) -> bool:
+        """A prompt is queued, or a running sequence has more than a decode's token left."""
+        return bool(self.waiting) or any(s.total - s.computed > 1 for s in self.running.values())
 
     def _prompt_left(self, work: list[Work]) -> bool:
         """Whether prompt tokens wait beyond this step's `work`: a queued prompt, a chunk that does not reach its
