@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kascade_engine.openai_api import TextStop
+from kascade_engine.http.openai_api import TextStop
 from kascade_engine.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 
 TEXT = ("Héllo wörld, naïve café — “quotes” déjà vu. 日本語のテキストです。Emoji 🎉🚀 then ∑ √ ≤ and plain "
@@ -27,7 +27,7 @@ STOPS = ("never-in-text", "zzz")
 
 
 def tokenizer() -> tuple[Tokenizer, str]:
-    from kascade_engine.checkpoint import smollm_checkpoint
+    from kascade_engine.weights.checkpoint import smollm_checkpoint
 
     ck = smollm_checkpoint()
     if ck is not None:

@@ -172,9 +172,9 @@ def side_by_side(eng: EngineSide, hf: HFSide, new: int, reps: int) -> dict[str, 
 def kv_ratio(ckpt: Path) -> float:
     import torch
 
-    from kascade_engine.kvcache import KVCache
-    from kascade_engine.model import LlamaShape
-    from kascade_engine.scheduler import Limits
+    from kascade_engine.batch.kvcache import KVCache
+    from kascade_engine.batch.model import LlamaShape
+    from kascade_engine.batch.scheduler import Limits
 
     s = LlamaShape.from_config(json.loads((ckpt / "config.json").read_text()))
     lim = Limits(kv_tokens=16384, page_size=16)
@@ -191,8 +191,8 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from kascade_engine.checkpoint import smollm_checkpoint
     from kascade_engine.tokenizer import load_tokenizer
+    from kascade_engine.weights.checkpoint import smollm_checkpoint
 
     ckpt = smollm_checkpoint()
     if ckpt is None:

@@ -32,7 +32,7 @@ def main() -> int:
     args = ap.parse_args()
     from conftest import start_engine  # the tests' real-engine starter (KASCADE_ENGINE_READY line)
 
-    from kascade_engine.checkpoint import tiny_llama
+    from kascade_engine.weights.checkpoint import tiny_llama
 
     n = 200 if args.quick else 1000
     with tempfile.TemporaryDirectory() as d:

@@ -52,7 +52,7 @@ def main() -> int:
     args = ap.parse_args()
     from conftest import start_engine  # the tests' real-engine starter
 
-    from kascade_engine.checkpoint import smollm_checkpoint, tiny_llama
+    from kascade_engine.weights.checkpoint import smollm_checkpoint, tiny_llama
 
     rounds = 2 if args.quick else args.rounds
     with tempfile.TemporaryDirectory() as d:

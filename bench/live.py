@@ -34,14 +34,14 @@ import livereal
 import numpy as np
 import torch
 
-from kascade_engine.blocks import BlockSet, pack_checkpoint
-from kascade_engine.checkpoint import tiny_llama
-from kascade_engine.engine import Engine
-from kascade_engine.kvcache import SequenceKV
-from kascade_engine.live import Finisher, SplitClient
-from kascade_engine.model import LlamaModel
-from kascade_engine.sampling import SamplingParams
-from kascade_engine.transport_tcp import TcpTransport
+from kascade_engine.batch.engine import Engine
+from kascade_engine.batch.kvcache import SequenceKV
+from kascade_engine.batch.model import LlamaModel
+from kascade_engine.batch.sampling import SamplingParams
+from kascade_engine.live.split import Finisher, SplitClient
+from kascade_engine.net.transport_tcp import TcpTransport
+from kascade_engine.weights.blocks import BlockSet, pack_checkpoint
+from kascade_engine.weights.checkpoint import tiny_llama
 from kascade_planner.zigzag import PairSetting, ilp_config
 
 MODES = ("stop-the-world", "best-effort", "zigzag", "zigzag-ilp")
@@ -215,7 +215,7 @@ def run_mode(mode: str, bs: BlockSet, a: LlamaModel, prompts: list[torch.Tensor]
 async def activation_time(a: LlamaModel, tokens: int) -> float:
     """Median time to ship one request's activations [tokens, hidden] over the real TCP transport and
     get the reply frame back (what a B -> A hand-off costs); charged on every switch in the layer clock."""
-    from kascade_engine.live import encode_activation
+    from kascade_engine.live.activation import encode_activation
 
     async def echo(conn) -> None:  # type: ignore[no-untyped-def]
         try:

@@ -1,6 +1,6 @@
 """Per-request TTFT breakdown of a `bench/live.py --real-only` run kept with KASCADE_BENCH_ENGINE_LOGS=dir:
 joins the driver's requests (`<tag>-<mode>-requests.json`: id, arrival, TTFT, engine) with the engines'
-timelines (`<tag>-<engine>.log`, kascade_engine.timeline lines) and splits each request's TTFT into
+timelines (`<tag>-<engine>.log`, kascade_engine.batch.timeline lines) and splits each request's TTFT into
 where it waited.
 
 Phases (seconds, per request; missing events leave a phase out):

@@ -18,7 +18,7 @@ kascade_router's prior before that). The shares are refreshed like the router's:
 and by the router's own poller (kascade_router.shares.ShareRefresher, /readyz every 0.25 s).
 With `redirect` "both", once a pipeline forms every source is told `cooperate {peer: the head,
 mode: redirect}` and the head the same about every source: each hands requests still queued on it to the
-other while its queue is the longer in serving shares (kascade_engine.liveredirect); "sources": only the
+other while its queue is the longer in serving shares (kascade_engine.live.liveredirect); "sources": only the
 sources hand theirs to the head; "off" (the default: both ways measured worse, ADR 0008):
 none. Compute is emulated per step
 (`--emulate-layer-ms` on every engine: a step's layer work takes at least that long per layer forward),
@@ -100,7 +100,7 @@ def start_engine(lab: netlab.NetLab, host: int, iid: str, ckpt: Path, empty: boo
                  batch_tokens: int, knee_tokens: int = 0) -> Eng:
     addr = lab.addr(host)
     logs = os.environ.get("KASCADE_BENCH_ENGINE_LOGS")  # a directory: each engine's stderr goes there
-    verbose = ["-v"] if logs else []  # with logs kept: INFO, the per-request timeline (kascade_engine.timeline)
+    verbose = ["-v"] if logs else []  # with logs kept: INFO, the per-request timeline (kascade_engine.batch.timeline)
     cmd = [*lab.prefix(host), sys.executable, "-m", "kascade_cli.main", *verbose, "engine", "serve", "--checkpoint", str(ckpt),
            "--model-name", MODEL, "--host", addr, "--port", "8000", "--act-port", "8001", "--threads", "1",
            "--max-batch-tokens", str(batch_tokens), "--emulate-layer-ms", str(layer_ms),

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kascade_engine.blocks import pack_checkpoint
-from kascade_engine.checkpoint import tiny_llama
+from kascade_engine.weights.blocks import pack_checkpoint
+from kascade_engine.weights.checkpoint import tiny_llama
 from kascade_planner.plan import ModelLayout
 
 
@@ -42,7 +42,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                          "--no-link-qos: one FIFO (tbf) per link, as the benches were measured before")
     ap.add_argument("--redirect", choices=("both", "sources", "off"), default="off",
                     help="real section, pipelines: once the pipeline forms, queued requests move between the sources and "
-                         "its head both ways (kascade_engine.liveredirect), only from the sources to the head, or not at "
+                         "its head both ways (kascade_engine.live.liveredirect), only from the sources to the head, or not at "
                          "all (default: only new arrivals go to the pipeline, by the router's weights; both ways raised "
                          "the pipe4 ratio by 0.04-0.05 in paired runs, ADR 0008)")
     ap.add_argument("--no-redirect", action="store_const", const="off", dest="redirect", help="= --redirect off")

@@ -12,7 +12,7 @@ share of its leaf's uplink, split evenly between the flows using it. This kernel
 qdisc (sfq, fq, fq_codel), hence per-peer htb leaves.
 
 QoS (one-group links): like a fabric configured for the engine's traffic classes, every link sends the
-activation class (IP TOS 0x88, DSCP AF41: the engine's act-port connections, `kascade_engine.transport.
+activation class (IP TOS 0x88, DSCP AF41: the engine's act-port connections, `kascade_engine.net.transport.
 ACTIVATION`) ahead of everything else. Each link direction keeps the plain link's tbf (same rate, burst and
 pacing) and queues under it in an htb with two classes: 2:10 activations (prio 0) and 2:20 bulk (weights,
 HTTP, unmarked: prio 1), picked by a u32 filter on the TOS byte (ECN bits masked). The htb runs far faster
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import subprocess
 
-from kascade_engine.transport import ACTIVATION
+from kascade_engine.net.transport import ACTIVATION
 
 PREFIX = "kb"
 

@@ -341,7 +341,7 @@ def main() -> None:
         pdreport.report(out, modes, len(reqs))
         print(f"wrote {path}, {pdreport.plot(out, modes, args.out / 'pd.png')}")
         return
-    from kascade_engine.checkpoint import tiny_llama
+    from kascade_engine.weights.checkpoint import tiny_llama
 
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = tiny_llama(Path(tmp) / MODEL, layers=LAYERS, hidden=512, vocab=2048, kv_heads=4)

@@ -2,7 +2,7 @@
 need, decoders with idle compute during a prefill burst, reproduced on CPU engines with the engine's own
 emulation flags, the same for every engine of every setup and for the calibration's engine.
 
-What the engine emulates (kascade_engine.cooperation.pace / staggered, prefill_server.KVShipper.forward):
+What the engine emulates (kascade_engine.live.cooperation.pace / staggered, prefill_server.KVShipper.forward):
 - A step's layer work ends no earlier than t0 + cost x `--emulate-layer-ms`, with cost = the layers run, each
   counted max(1, tokens at that layer / `--emulate-knee-tokens`) (knee 0: 1 per layer whatever its tokens). It
   is a FLOOR: a step whose CPU compute takes longer ends later, and then the CPU's batch-dependence shows

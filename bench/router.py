@@ -157,7 +157,7 @@ async def rps(url: str, concurrency: int, seconds: float) -> int:
 
 
 async def scale_from_zero(tmp: Path) -> float:
-    from kascade_engine.checkpoint import tiny_llama
+    from kascade_engine.weights.checkpoint import tiny_llama
     from kascade_router.backends import Routes
     from kascade_router.server import Router
     from kascade_router.settings import RouterSettings

@@ -36,9 +36,9 @@ import netlab
 from report import report
 
 from kascade_devcluster.ports import free_ports
-from kascade_engine.blocks import Block, BlockSet, digest_of
-from kascade_engine.hostcache import write_cache
-from kascade_engine.transfer_spec import TransferSpec
+from kascade_engine.net.transfer_spec import TransferSpec
+from kascade_engine.weights.blocks import Block, BlockSet, digest_of
+from kascade_engine.weights.hostcache import write_cache
 from kascade_planner.builder import make_plan
 from kascade_planner.cost import CostParams
 from kascade_planner.plan import Instance, ModelLayout, Plan
@@ -121,8 +121,8 @@ def run_transfer(plan: Plan, blocks: BlockSet, work: Path, transport: str, chunk
 
 RAW = """
 import asyncio, json, sys, time
-from kascade_engine.hostcache import open_cache
-from kascade_engine.transport import make_transport
+from kascade_engine.weights.hostcache import open_cache
+from kascade_engine.net.transports import make_transport
 mode, name, host, port, cache, chunk = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], int(sys.argv[6])
 blocks = open_cache(cache)
 total = blocks.total_bytes

@@ -96,15 +96,16 @@ def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: s
     import torch
     import uvicorn
 
-    from kascade_engine.blocks import CheckpointError, pack_checkpoint
-    from kascade_engine.checkpoint import smollm_checkpoint
     from kascade_engine.config import ConfigError, EngineConfig
-    from kascade_engine.httpguard import guarded
+    from kascade_engine.http.httpguard import guarded
+    from kascade_engine.http.server import create_app
     from kascade_engine.instance import EngineInstance
-    from kascade_engine.server import create_app
+    from kascade_engine.net.transport import serving_socket
+    from kascade_engine.net.transport_tls import TlsError, TlsFiles
+    from kascade_engine.net.transports import make_transport
     from kascade_engine.tokenizer import load_tokenizer
-    from kascade_engine.transport import make_transport, serving_socket
-    from kascade_engine.transport_tls import TlsError, TlsFiles
+    from kascade_engine.weights.blocks import CheckpointError, pack_checkpoint
+    from kascade_engine.weights.checkpoint import smollm_checkpoint
 
     if (checkpoint is None) == (not smollm):
         raise click.UsageError("give exactly one of --checkpoint DIR or --smollm")

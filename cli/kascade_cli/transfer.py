@@ -27,8 +27,8 @@ def transfer() -> None:
 @click.argument("cache_file", type=click.Path(dir_okay=False, path_type=Path))
 def pack(checkpoint: Path, cache_file: Path) -> None:
     """Pack a safetensors Llama checkpoint into a memory-mappable host-cache file."""
-    from kascade_engine.blocks import CheckpointError, pack_checkpoint
-    from kascade_engine.hostcache import write_cache
+    from kascade_engine.weights.blocks import CheckpointError, pack_checkpoint
+    from kascade_engine.weights.hostcache import write_cache
 
     try:
         blocks = pack_checkpoint(checkpoint)
@@ -52,12 +52,12 @@ def pack(checkpoint: Path, cache_file: Path) -> None:
 def run(spec_path: Path, me: str, cache: Path | None, out: Path | None, transport_name: str, linger: float,
         tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None) -> None:
     """Run one participant until its part of the transfer is done."""
-    from kascade_engine.blocks import BlockSet
-    from kascade_engine.hostcache import open_cache, write_cache
-    from kascade_engine.relay import TransferFailed, TransferNode
-    from kascade_engine.transfer_spec import SpecError, TransferSpec
-    from kascade_engine.transport import make_transport
-    from kascade_engine.transport_tls import TlsError, TlsFiles
+    from kascade_engine.net.relay import TransferFailed, TransferNode
+    from kascade_engine.net.transfer_spec import SpecError, TransferSpec
+    from kascade_engine.net.transport_tls import TlsError, TlsFiles
+    from kascade_engine.net.transports import make_transport
+    from kascade_engine.weights.blocks import BlockSet
+    from kascade_engine.weights.hostcache import open_cache, write_cache
 
     try:
         transport = make_transport(transport_name, TlsFiles.from_flags(tls_cert, tls_key, tls_ca))

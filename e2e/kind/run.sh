@@ -18,7 +18,7 @@ trap cleanup EXIT
 
 echo "== model: tiny random Llama in $MODELS/tiny-kind"
 mkdir -p "$MODELS"
-"$PY" -c "from pathlib import Path; from kascade_engine.checkpoint import tiny_llama; \
+"$PY" -c "from pathlib import Path; from kascade_engine.weights.checkpoint import tiny_llama; \
 tiny_llama(Path('$MODELS/tiny-kind'), layers=8, hidden=256, vocab=2048)"
 echo "== image kascade:e2e"
 # the engine image (it carries the operator too), CPU variant: kind nodes have no GPUs

@@ -12,17 +12,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kascade_engine.transport import (
+from kascade_engine.net.transport import (
     AF41,
     TRANSPORTS,
     TrafficClass,
     Transport,
     activation_class,
-    make_transport,
 )
+from kascade_engine.net.transports import make_transport
 
 if TYPE_CHECKING:
-    from kascade_engine.transport_tls import TlsFiles
+    from kascade_engine.net.transport_tls import TlsFiles
 
 DTYPES = ("bfloat16", "float16", "float32")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")

@@ -27,25 +27,26 @@ import enum
 import logging
 from typing import Any
 
+from kascade_engine.batch.engine import Engine
+from kascade_engine.batch.model import LlamaModel
+from kascade_engine.batch.scheduler import Limits
 from kascade_engine.config import EngineConfig
-from kascade_engine.cooperation import HostRows
-from kascade_engine.engine import Engine
-from kascade_engine.handback import DEFAULT_HAND_BACK_S, HandBack
-from kascade_engine.hostcopy import keepable
-from kascade_engine.live import Finisher
-from kascade_engine.liveredirect import Forwarder, ForwardHost
+from kascade_engine.live.cooperation import HostRows
+from kascade_engine.live.liveredirect import Forwarder, ForwardHost
+from kascade_engine.live.pairclient import PairClient
+from kascade_engine.live.split import Finisher
 from kascade_engine.metrics import EngineMetrics
-from kascade_engine.model import LlamaModel
-from kascade_engine.pacing import egress_bucket
-from kascade_engine.pairclient import PairClient
-from kascade_engine.pd_metrics import PDMetrics
-from kascade_engine.peerpool import PeerPool
-from kascade_engine.prefill_server import PrefillServer
-from kascade_engine.probe import PrefillProbe
-from kascade_engine.remote_prefill import RemotePrefill
-from kascade_engine.scheduler import Limits
+from kascade_engine.net.pacing import egress_bucket
+from kascade_engine.net.peerpool import PeerPool
+from kascade_engine.net.transport import TransportError
+from kascade_engine.pd.handback import DEFAULT_HAND_BACK_S, HandBack
+from kascade_engine.pd.metrics import PDMetrics
+from kascade_engine.pd.prefill_server import PrefillServer
+from kascade_engine.pd.probe import PrefillProbe
+from kascade_engine.pd.remote_prefill import RemotePrefill
+from kascade_engine.refusal import InstanceError
 from kascade_engine.tokenizer import Tokenizer
-from kascade_engine.transport import TransportError
+from kascade_engine.weights.hostcopy import keepable
 from kascade_planner.engine_api import (
     BindRequest,
     ConvertRequest,
@@ -67,14 +68,6 @@ class Phase(enum.Enum):
     SERVING = "serving"
     DRAINING = "draining"
     RELEASED = "released"
-
-
-class InstanceError(Exception):
-    """A control call this instance refuses: HTTP status, message, and the field it is about."""
-
-    def __init__(self, status: int, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.field = status, message, field
 
 
 class EngineInstance:
@@ -284,7 +277,7 @@ class EngineInstance:
     async def set_cooperate(self, req: CooperateRequest) -> EngineStatus:
         """Form (or end) the pair: one authenticated connection to the peer, opened now, reused by every
         step of every request until the pair ends (cooperation.py)."""
-        from kascade_engine.pairsession import form_pair
+        from kascade_engine.live.pairsession import form_pair
 
         if req.mode == "standby":
             try:
@@ -316,7 +309,7 @@ class EngineInstance:
         else:
             pair = None
         if pair is not None and req.zigzag is not None:  # the operator's ZigZag setting: planner's schedule
-            from kascade_engine.livepolicy import ZigZagPolicy
+            from kascade_engine.live.livepolicy import ZigZagPolicy
             from kascade_planner.zigzag import PairSetting
 
             z = req.zigzag

@@ -21,29 +21,66 @@ import asyncio
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from kascade_engine import timeline
-from kascade_engine.blocks import BlockSet, CheckpointError, pack_checkpoint
-from kascade_engine.pacing import paced
-from kascade_engine.relay import TransferNode
-from kascade_engine.transfer_spec import SpecError, TransferSpec
-from kascade_engine.transport import TransportError
+from kascade_engine.batch import timeline
+from kascade_engine.batch.model import LlamaModel
+from kascade_engine.net.pacing import TokenBucket, paced
+from kascade_engine.net.relay import TransferNode
+from kascade_engine.net.transfer_spec import SpecError, TransferSpec
+from kascade_engine.net.transport import Transport, TransportError
+from kascade_engine.refusal import InstanceError
+from kascade_engine.weights.blocks import BlockSet, CheckpointError, pack_checkpoint
 from kascade_planner.engine_api import LoadPlanRequest
-
-if TYPE_CHECKING:
-    from kascade_engine.instance import EngineInstance
 
 log = logging.getLogger(__name__)
 
 
-def _fail(status: int, message: str, field: str | None = None) -> Exception:
-    from kascade_engine.instance import InstanceError
+class _LoadConfig(Protocol):
+    @property
+    def model_name(self) -> str: ...
 
+    def weight_transport(self) -> Transport: ...
+
+
+class LoadTarget(Protocol):
+    """What loading reads and sets on its engine instance (EngineInstance is one): the model the blocks go into,
+    the blocks it holds, and the load's own state (progress, errors, the running task). Read through the
+    instance each time: a dtype rebuild at bind replaces its model."""
+
+    blockset: BlockSet | None  # a complete copy held here (sources send from it)
+    host_copy: BlockSet | None  # a copy kept in host memory after release
+    host_feeding: bool
+    bytes_received: int
+    transfer_bw: float
+    transfer_failures: int
+    load_error: str | None
+    loading: asyncio.Task[None] | None
+    plan: dict[str, Any] | None
+    instance_id: str
+
+    @property
+    def config(self) -> _LoadConfig: ...
+
+    @property
+    def model(self) -> LlamaModel: ...
+
+    @property
+    def egress(self) -> TokenBucket | None: ...
+
+    @property
+    def busy_loading(self) -> bool: ...
+
+    def add_block(self, block: Any) -> None: ...
+
+    def begin_loading(self) -> None: ...
+
+
+def _fail(status: int, message: str, field: str | None = None) -> Exception:
     return InstanceError(status, message, field)
 
 
-async def start_plan_load(inst: EngineInstance, req: LoadPlanRequest) -> None:
+async def start_plan_load(inst: LoadTarget, req: LoadPlanRequest) -> None:
     me = req.self_id
     target = any(t.get("id", t.get("instance")) == me for t in req.plan.get("targets") or ()
                  if isinstance(t, dict))
@@ -116,7 +153,7 @@ async def start_plan_load(inst: EngineInstance, req: LoadPlanRequest) -> None:
         inst.begin_loading()
 
 
-async def start_host_load(inst: EngineInstance) -> None:
+async def start_host_load(inst: LoadTarget) -> None:
     """Bind with source.hostCopy: the blocks the engine kept in host memory at its last release become its
     model again (CPU: zero-copy views; CUDA: one host-to-device copy per block), in model order, yielding
     to the event loop between blocks. The copy is this engine's blockset (a source) once all are resident,
@@ -147,10 +184,10 @@ async def start_host_load(inst: EngineInstance) -> None:
     inst.begin_loading()
 
 
-async def start_source_load(inst: EngineInstance, path: str | None = None, uri: str | None = None) -> None:
+async def start_source_load(inst: LoadTarget, path: str | None = None, uri: str | None = None) -> None:
     """Load the first copy from a checkpoint directory (a volume the pod mounts) or a model URI
     (`hf://`: downloaded first, modelsource.py), in the background. Both end in `pack_checkpoint`."""
-    from kascade_engine.modelsource import SourceError, parse_uri, resolve
+    from kascade_engine.weights.modelsource import SourceError, parse_uri, resolve
 
     if uri is not None:
         try:

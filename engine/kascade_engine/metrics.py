@@ -34,7 +34,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kascade_engine.velocity import PROMPT_BUCKETS, bucket
+from kascade_engine.batch.velocity import PROMPT_BUCKETS, bucket
 
 LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)  # vLLM's request_generation_tokens buckets
@@ -155,12 +155,13 @@ class EngineMetrics:
         self.running.set(len(s.running))
         self.kv_usage.set(s.kv_usage())
         eng = inst.engine
-        if eng.steps != self._steps_seen and eng.last_step is not None:
+        rec = eng.recorder
+        if eng.steps != self._steps_seen and rec.last_step is not None:
             self._steps_seen = eng.steps
-            tokens, decodes, secs = eng.last_step
+            tokens, decodes, secs = rec.last_step
             kind = "mixed" if tokens and decodes else ("prefill" if tokens else "decode")
             self.step_seconds.labels(self.model_name, kind).observe(secs)
-        self.prefill_step_max.set(eng.prefill_step_max)
+        self.prefill_step_max.set(rec.prefill_step_max)
         self.prefill_chunk_budget.set(s.last_cap or 0)
         self.prefill_step_budget.set(s.last_budget_s or 0)
         if s.cut_tokens > self._cut_seen:

@@ -11,19 +11,28 @@ work exists and routes the step's events to the queues.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncGenerator, Mapping
+from typing import TYPE_CHECKING, Protocol
 
-from kascade_engine import timeline
-from kascade_engine.engine import Event
-from kascade_engine.sampling import SamplingParams
+from kascade_engine.batch import timeline
+from kascade_engine.batch.engine import Event
+from kascade_engine.batch.sampling import SamplingParams
 from kascade_planner.engine_api import HandedBack
 
 if TYPE_CHECKING:
-    from kascade_engine.instance import EngineInstance
+    from kascade_engine.batch.engine import Engine
+    from kascade_engine.batch.model import LlamaModel
+    from kascade_engine.config import EngineConfig
+    from kascade_engine.live.liveredirect import Forwarder
+    from kascade_engine.live.pairclient import PairClient
+    from kascade_engine.metrics import EngineMetrics
+    from kascade_engine.pd.handback import HandBack
+    from kascade_engine.pd.probe import PrefillProbe
+    from kascade_engine.pd.remote_prefill import RemotePrefill
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +45,43 @@ class RequestError(Exception):
         self.status, self.message, self.param, self.kind = status, message, param, kind
 
 
+class ServingHost(Protocol):
+    """What the request side reads of its engine instance (EngineInstance is one), each time it needs it: bind may
+    rebuild the engine and model for another dtype, and the live pair and forwarders come and go."""
+
+    @property
+    def config(self) -> EngineConfig: ...
+
+    @property
+    def engine(self) -> Engine: ...
+
+    @property
+    def model(self) -> LlamaModel: ...
+
+    @property
+    def phase(self) -> enum.Enum: ...
+
+    @property
+    def metrics(self) -> EngineMetrics: ...
+
+    @property
+    def pair(self) -> PairClient | None: ...  # while loading with a peer: our rows finish there
+
+    @property
+    def forwarders(self) -> Mapping[str, Forwarder]: ...  # peers our queued requests went to (liveredirect.py)
+
+    @property
+    def remote_prefill(self) -> RemotePrefill: ...
+
+    @property
+    def handback(self) -> HandBack: ...
+
+    @property
+    def probe(self) -> PrefillProbe: ...
+
+
 class Serving:
-    def __init__(self, inst: EngineInstance) -> None:
+    def __init__(self, inst: ServingHost) -> None:
         self.inst = inst
         self.queues: dict[str, asyncio.Queue[Event | Exception]] = {}
         self._ended: dict[str, str] = {}  # finish reasons set by the caller (a stop string matched)

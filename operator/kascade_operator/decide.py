@@ -44,7 +44,7 @@ def decide(spec: ModelServiceSpec, role: str, current: int, lo: int, hi: int, sn
     else:
         tv = sc.token_velocity if sc and sc.token_velocity else None
         slo = slo_of(spec)
-        # typed velocities win; a velocity left out is the engines' own measurement (kascade_engine.velocity)
+        # typed velocities win; a velocity left out is the engines' own measurement (kascade_engine.batch.velocity)
         meas = snap.measured or P.MeasuredVelocity()
         pre = (tv.prefill_tokens_per_second if tv else None) or meas.prefill_tokens_per_s
         net = (tv.network_tokens_per_second if tv else None) or meas.network_tokens_per_s or pre

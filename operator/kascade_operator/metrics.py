@@ -92,7 +92,7 @@ _COUNTERS = {"kascade_prompt_tokens": "input_tokens", "kascade_generation_tokens
              "kascade_request_generation_tokens_count": "gen_tokens_count"}
 
 
-# the engine's own velocities (kascade_engine.velocity / remote_prefill): 0 or absent = not measured yet
+# the engine's own velocities (kascade_engine.batch.velocity / remote_prefill): 0 or absent = not measured yet
 _PREFILL_V, _DECODE_V, _LINK_V = ("kascade_prefill_velocity_tokens_per_second",
                                   "kascade_decode_velocity_tokens_per_second", "kascade_kv_link_tokens_per_second")
 _RATE_V = "kascade_prefill_rate_tokens_per_second"  # prompt tokens/s actually prefilled (one gauge per engine)

@@ -14,7 +14,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kascade_planner.topology import LabelKeys
 
-AF41 = 34  # DSCP "assured forwarding 4": the engine's default --activation-dscp (kascade_engine.transport.AF41)
+AF41 = 34  # DSCP "assured forwarding 4": the engine's default --activation-dscp (kascade_engine.net.transport.AF41)
 
 
 class OperatorSettings(BaseSettings):

@@ -11,7 +11,7 @@ prefill.
 The rule:
 - prefill capacity = ready prefillers x velocity; a converted decoder adds its measured share of a prefiller
   (`converted_share`: the prompt tokens/s converted decoders actually prefilled over a prefiller's, both from
-  their own steps, kascade_engine.velocity), `CONVERTED_SHARE` until measured (its chunk budget spends at most
+  their own steps, kascade_engine.batch.velocity), `CONVERTED_SHARE` until measured (its chunk budget spends at most
   that share of each TBT on prefill). Measured on 2 shared CPU cores it was 7-45 %, not 50 %: a fixed half
   under-converted, and the router sent the decoder prompts it could not finish (bench/pd.py; ADR 0010);
 - deficit = prompt tokens/s arriving - prefill capacity. While it is > 0, enough decoders are converted
@@ -29,12 +29,12 @@ The rule:
   budget is the half-TBT one.
 - step budget = `STEP_BUDGET_SHARE` x the TBT objective (None without one): the time a converted decoder's
   step that decodes may take with its prompt chunk, as the engine's own measured step cost predicts it
-  (kascade_engine.stepcost). The token budget above assumes a chunk costs its tokens / velocity on top of a
+  (kascade_engine.batch.stepcost). The token budget above assumes a chunk costs its tokens / velocity on top of a
   mean decode step; on a CPU engine a chunk costs more than that and the decode step grows with the batch's
   context, so the engine cuts each chunk to the time its step has left (measured, bench/pd.py).
 - hand-back bound = `HAND_BACK_SHARE` x the TTFT objective (None without one: the engine's default): how long a
   converted decoder lets a prompt it prefills itself go without progress (or at a pace the prefill engine
-  would beat) before it hands the prompt to a prefill engine (kascade_engine.handback). A quarter of the
+  would beat) before it hands the prompt to a prefill engine (kascade_engine.pd.handback). A quarter of the
   objective leaves the remote path three quarters of it.
 """
 
@@ -150,7 +150,7 @@ def remote_prefill_s(took_s: float | None, waited_s: Iterable[float], queued_tok
     - `waited_s`: how long each prompt the caller sent there and has not got back has waited so far;
     - `queued_tokens`: their prompt tokens plus the new prompt's (each counted whole: how far the prefill engine got
       with one is not known before its KV lands);
-    - `pace`: the prefill engine's measured prefill rate in prompt tokens/s (its own meter, kascade_engine.velocity;
+    - `pace`: the prefill engine's measured prefill rate in prompt tokens/s (its own meter, kascade_engine.batch.velocity;
       None: not known).
 
     The estimate is the oldest wait PLUS `queued_tokens` at `pace`: a prompt sent now waits for everything queued
@@ -160,7 +160,7 @@ def remote_prefill_s(took_s: float | None, waited_s: Iterable[float], queued_tok
     would count it twice. Without `pace` (tokens cannot become seconds) it is the old estimate, the longer of the
     average and the oldest wait, which ignores the queue ahead of the new prompt: in a burst it said 0.3 s while
     8 long prompts were queued ahead (bench/pd.py), so decoders declined prompts they would
-    have finished sooner. The engine (kascade_engine.remote_prefill) and the simulator (kascade_sim.serving) both
+    have finished sooner. The engine (kascade_engine.pd.remote_prefill) and the simulator (kascade_sim.serving) both
     estimate by it."""
     waits = list(waited_s)
     if queued_tokens < 0:
@@ -178,7 +178,7 @@ def hand_back_verdict(left: int, progressed: int, elapsed_s: float, remote_s: fl
     `left`: its prompt tokens not yet computed there; `progressed`: tokens computed over the last `elapsed_s`;
     `remote_s`: what a prefill of the whole prompt on a prefill engine is expected to take, queue included (None:
     not measured). No progress always hands back; progress hands back when the remote path finishes sooner. The
-    engine (kascade_engine.handback) and the simulator (kascade_sim.serving) both decide by it."""
+    engine (kascade_engine.pd.handback) and the simulator (kascade_sim.serving) both decide by it."""
     if progressed <= 0:
         return f"no prefill progress for {elapsed_s:.3f} s"
     if elapsed_s <= 0:
@@ -190,7 +190,7 @@ def arrival_verdict(prompt_tokens: int, rate: float | None, remote_s: float | No
                     new_prefiller_s: float | None = None) -> str | None:
     """Why a converted decoder should hand a prompt it was sent to prefill itself to a prefill engine at once, as it
     arrives (None: it starts it). `hand_back_verdict` with the prefill rate the decoder measured over its recent steps
-    (kascade_engine.velocity: what its budgets gave or would give a prompt beside its decodes) in place of the
+    (kascade_engine.batch.velocity: what its budgets gave or would give a prompt beside its decodes) in place of the
     progress it has not seen yet: a rate of 0 hands back, a rate whose predicted finish is later than the remote
     path's hands back. Without a measured rate (`rate` None: just converted, its warm-up not done) it cannot predict
     a finish at all and hands back too: the prefill engine is the path that serves prompts when nothing says a

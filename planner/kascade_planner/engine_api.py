@@ -26,7 +26,7 @@ SERVING_SHARE_HEADER = "X-Kascade-Serving-Share"
 # current decodes (Scheduler.prefill_room). Routers send it a prompt only while this is at least their minimum.
 PREFILL_ROOM_HEADER = "X-Kascade-Prefill-Room"
 # Response header of an engine on its answers and /readyz: the prompt tokens/s it actually prefilled over its
-# recent steps while prompts waited (kascade_engine.velocity: a prefill engine's velocity; a converted decoder's
+# recent steps while prompts waited (kascade_engine.batch.velocity: a prefill engine's velocity; a converted decoder's
 # rate under its chunk and step budgets, beside its decodes), absent until measured. A router weighs a converted
 # decoder as this over a prefill engine's (kascade_planner.conversion.converted_share).
 PREFILL_RATE_HEADER = "X-Kascade-Prefill-Rate"
@@ -126,7 +126,7 @@ def _num(doc: Mapping[str, Any], key: str, default: float, lo: float) -> float:
 class BindRequest:
     """Bind an engine to a ModelService; with a source it also loads the first copy: `source_path`, a
     checkpoint directory the pod mounts, or `source_uri` (`hf://OWNER/NAME[@REVISION]`, the service's
-    spec.model.source.uri), which the engine downloads first (kascade_engine.modelsource). At most one.
+    spec.model.source.uri), which the engine downloads first (kascade_engine.weights.modelsource). At most one.
     `dtype` is spec.model.dtype: the precision the engine computes in (None: the engine's own).
     `source_host_copy`: load from the host copy this engine kept when it was last released (`hostCopyBytes`
     in its status): a memory copy, no disk or network."""
@@ -348,7 +348,7 @@ class ConvertRequest:
     measured step cost predicts it within this time (the TBT objective's room); ignored without a cap.
     `hand_back_ms` (optional, ignored without a cap): a prompt the engine prefills itself that has made no
     prefill progress for this long, and has no token out yet, goes to the prefill engine its router named
-    (PREFILL_FALLBACK_HEADER); None: the engine's default (kascade_engine.handback.DEFAULT_HAND_BACK_S)."""
+    (PREFILL_FALLBACK_HEADER); None: the engine's default (kascade_engine.pd.handback.DEFAULT_HAND_BACK_S)."""
 
     prefill_chunk_tokens: int | None
     step_budget_ms: float | None = None

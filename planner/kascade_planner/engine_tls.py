@@ -3,7 +3,7 @@ control calls and scrapes, the router's proxied requests).
 
 Engines started with TLS files serve HTTPS with a certificate from the installation's CA. They are
 addressed by pod IP, so names are not checked: the CA is the trust boundary, as on the data plane
-(kascade_engine.transport_tls). Data flow: a CA file path (a setting) -> `engine_tls_context` -> an
+(kascade_engine.net.transport_tls). Data flow: a CA file path (a setting) -> `engine_tls_context` -> an
 `ssl.SSLContext` the HTTP client uses, or None for plain HTTP.
 """
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from kascade_planner.outputlength import DecodeDemand, OutputLength, decode_demand
 from kascade_planner.prefillvelocity import demand_weighted
 
-# (prompt-length bucket, value) pairs: the engine's buckets ("128", "512", "2048", "inf"; kascade_engine.velocity)
+# (prompt-length bucket, value) pairs: the engine's buckets ("128", "512", "2048", "inf"; kascade_engine.batch.velocity)
 PromptBuckets = tuple[tuple[str, float], ...]
 
 ROLES = ("prefill", "decode", "colocated")
@@ -46,7 +46,7 @@ class MeasuredVelocity:
     prefill_tokens_per_s: float | None = None
     decode_tokens_per_s: float | None = None
     network_tokens_per_s: float | None = None
-    # prompt tokens/s actually prefilled while prompts waited (kascade_engine.velocity's prefill rate): a
+    # prompt tokens/s actually prefilled while prompts waited (kascade_engine.batch.velocity's prefill rate): a
     # prefiller's velocity; a converted decoder's rate under its budgets (conversion.converted_share)
     prefill_rate_tokens_per_s: float | None = None
     # the prefill velocity of saturated steps alone (None until one: `prefill_tokens_per_s` is then the best

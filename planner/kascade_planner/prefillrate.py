@@ -1,5 +1,5 @@
 """Prefill rate: the prompt tokens an engine actually prefills per second of its step time while prompts wait
-to be prefilled. The engine measures it from its own steps (kascade_engine.velocity) and the simulator from its
+to be prefilled. The engine measures it from its own steps (kascade_engine.batch.velocity) and the simulator from its
 cost model's steps (kascade_sim.serving), with this one meter, so a converted decoder's share of a prefiller
 (`kascade_planner.conversion.converted_share`) means the same in both.
 

@@ -1,12 +1,12 @@
 """Prefill velocity: one engine's prefill CAPACITY in prompt tokens/s, as TokenScale defines it (what a prefill
-engine sustains when busy), from the per-prompt-length-bucket readings its meter keeps (kascade_engine.velocity).
+engine sustains when busy), from the per-prompt-length-bucket readings its meter keeps (kascade_engine.batch.velocity).
 Pure; the operator reads it from an engine's gauges (kascade_operator.metrics) and the engine's meter answers
 with it too, so both mean the same number.
 
 The meter keeps two readings per bucket (the longest prompt in the step):
 - capacity: an EWMA of tokens/s over SATURATED steps only, those whose prompt tokens were limited by the step's
   token cap (or a converted decoder's chunk or time budget) while prompt tokens still waited
-  (kascade_engine.scheduler.Scheduler.last_saturated). A step that is not full measures the load, not the
+  (kascade_engine.batch.scheduler.Scheduler.last_saturated). A step that is not full measures the load, not the
   capacity: on an accelerator (flat step time below the knee; bench/pd.py --emulate-layer-ms 30: 240 ms a step
   up to 117 tokens) a 32-token prompt alone in a step reads 133 tok/s while the same engine prefills 488 tok/s
   in a burst (bench/pd.py: the min over buckets read 128 and converted twice before the burst, 46-token chunks).

@@ -202,7 +202,7 @@ def fallback_prefill(backends: Sequence[Backend], d: Backend, pre: Backend | Non
     engine's hand-back, PREFILL_FALLBACK_HEADER): the least loaded prefill engine with a data address. Two cases:
     - `d` prefills it itself (`pick_pd` gave it no prefill engine, `pre` None);
     - `pre` is a converted decoder prefilling it for `d`: `d` passes the address on in its prefill op, and a
-      prompt `pre` declines or hands back is prefilled there instead of on `d` (kascade_engine.remote_prefill).
+      prompt `pre` declines or hands back is prefilled there instead of on `d` (kascade_engine.pd.remote_prefill).
     Its room report (`Backend.prefill_room`) is as old as its last answer, and a batch can grow after the prompt
     arrived. None when there is nothing to hand to, or a prefill engine prefills it anyway."""
     who = d if pre is None else pre

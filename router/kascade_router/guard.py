@@ -1,5 +1,5 @@
 """The router's client-side guards: what it refuses before a request reaches a route (the engine's
-`kascade_engine.httpguard`, rebuilt for aiohttp: the router imports nothing of the engine).
+`kascade_engine.http.httpguard`, rebuilt for aiohttp: the router imports nothing of the engine).
 
 - Header timeout: aiohttp's keep-alive timer, armed when a connection opens and after every answer, closes a
   connection still waiting for a complete request then; `header_timeout_s` is passed as that timer

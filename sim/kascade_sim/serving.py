@@ -109,7 +109,7 @@ class Serving:
         return self.sys.convert_chunk_tokens or self.chunk_tokens[inst.model]
 
     def _hand_back(self, inst: Instance, now: float) -> bool:
-        """TokenScale's hand-back as the engine does it (kascade_engine.handback): once per hand-back bound a
+        """TokenScale's hand-back as the engine does it (kascade_engine.pd.handback): once per hand-back bound a
         converted decoder weighs the long prompt it prefills in chunks with `hand_back_verdict`, against what a
         prefill on a prefiller takes now (`_remote_s`). Handed back, the prompt leaves it (partial prefill
         dropped, KV reservation freed) for the prefill queue at its arrival, where only a prefiller takes it."""
@@ -162,7 +162,7 @@ class Serving:
         self.push(now + dur, ITER, inst)
 
     def _measure(self, inst: Instance, dur: float) -> None:
-        """The prefill rate an engine would report for this iteration (kascade_engine.velocity, the same meter):
+        """The prefill rate an engine would report for this iteration (kascade_engine.batch.velocity, the same meter):
         a prefiller's steps while prompts wait; a converted decoder's prefill steps, its decode steps between the
         chunks of a prompt (0 tokens: the prompt waited), and its other decode steps as what a prompt would get
         beside them (the chunk budget, its prefill time added: the engine's `known_room`). The simulator's

@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kascade_engine.checkpoint import tiny_llama
+from kascade_engine.weights.checkpoint import tiny_llama
 
 BENCH = Path(__file__).parents[2] / "bench"
 

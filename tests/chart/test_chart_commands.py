@@ -148,8 +148,8 @@ def test_data_plane_tls_secret_reaches_pool_and_fallback_engines_alike(helm: Hel
     operator is told the name and its fallback pods mount it at the same place with the same flags; the
     engine builds its TLS transport from files named as the Secret's keys (what the kubelet projects)."""
     from kascade_devcluster.peercerts import make_peer_certs
-    from kascade_engine.transport import make_transport
-    from kascade_engine.transport_tls import TlsError, TlsFiles
+    from kascade_engine.net.transport_tls import TlsError, TlsFiles
+    from kascade_engine.net.transports import make_transport
     from kascade_operator.api import ModelServiceSpec
     from kascade_operator.podtemplate import fallback_pod
 
@@ -362,7 +362,7 @@ def test_pool_activation_dscp_reaches_pool_engines_and_fallback_pods(
     0 turns the mark off, and a value outside [0, 63] is refused by the chart and by the operator's settings."""
     from pydantic import ValidationError
 
-    from kascade_engine.transport import AF41
+    from kascade_engine.net.transport import AF41
     from kascade_operator.api import ModelServiceSpec
     from kascade_operator.podtemplate import fallback_pod
 

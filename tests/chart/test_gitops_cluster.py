@@ -26,7 +26,7 @@ from kascade_devcluster.kubeconfig import kubeconfig_text
 from kascade_devcluster.localengine import start_engine
 from kascade_devcluster.nodes import KWOK_TOLERATION
 from kascade_devcluster.waiting import wait_for
-from kascade_engine.checkpoint import tiny_llama
+from kascade_engine.weights.checkpoint import tiny_llama
 from kascade_operator import enginetoken, serving_gate
 from kascade_operator import labels as L
 from kascade_operator.engine_client import EngineClient, EngineError

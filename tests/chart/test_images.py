@@ -242,7 +242,7 @@ def test_dockerignore_keeps_every_copied_file_and_drops_the_heavy_ones() -> None
     names (and the locks, the metadata files) is in it; tests, docs, charts and the heavy local trees are not."""
     pats = dockerignore_patterns()
     assert ignored("engine/kascade_engine/__pycache__/x.pyc", pats) and ignored("docs/install.md", pats)
-    assert not ignored("engine/kascade_engine/server.py", pats)
+    assert not ignored("engine/kascade_engine/http/server.py", pats)
     for heavy in (".git", ".venv", "bench/results", "kascade.egg-info", "engine/kascade.egg-info", "tests/chart",
                   "charts/kascade/values.yaml", ".kascade/pip-tmp", "bench/x.py"):
         assert ignored(heavy, pats), f".dockerignore should drop {heavy} from the build context"

@@ -88,7 +88,7 @@ def test_no_build_tools_or_caches_in_the_image(image: Callable[[str], str], whic
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kascade_engine.checkpoint import tiny_llama
+    from kascade_engine.weights.checkpoint import tiny_llama
 
     root = tmp_path_factory.mktemp("models")
     tiny_llama(root / "tiny-llama")

@@ -13,7 +13,7 @@ import httpx
 import yaml
 
 from kascade_devcluster.localengine import start_engine
-from kascade_engine.checkpoint import tiny_llama
+from kascade_engine.weights.checkpoint import tiny_llama
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "kascade"
 Helm = Callable[..., subprocess.CompletedProcess[str]]

@@ -202,7 +202,7 @@ def test_pod_security_baseline_admits_the_pool_and_helm_test_passes(
         router, address = _start_router(cp, namespace, tmp_path / "router")
         services = {"edge-router": address}
     else:
-        from kascade_engine.checkpoint import tiny_llama
+        from kascade_engine.weights.checkpoint import tiny_llama
 
         engines = EnginePool(cp, namespace, tiny_llama(tmp_path / "tiny-chart", layers=1, hidden=32, vocab=128),
                              "tiny-chart", "tok", tmp_path / "engines")

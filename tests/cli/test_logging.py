@@ -76,7 +76,7 @@ def test_root_option_and_environment_select_the_format(restore_root: None) -> No
 
 @pytest.fixture(scope="module")
 def json_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    from kascade_engine.checkpoint import tiny_llama
+    from kascade_engine.weights.checkpoint import tiny_llama
 
     d = tmp_path_factory.mktemp("logjson")
     ckpt = tiny_llama(d / "tiny-log", layers=1, hidden=32, vocab=128)

@@ -9,7 +9,7 @@ from types import ModuleType
 
 import pytest
 
-from kascade_engine.blocks import BlockSet
+from kascade_engine.weights.blocks import BlockSet
 
 
 def _harness() -> ModuleType:

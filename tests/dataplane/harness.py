@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kascade_devcluster.ports import free_ports
-from kascade_engine.blocks import BlockSet, pack_checkpoint
-from kascade_engine.hostcache import write_cache
-from kascade_engine.transfer_spec import TransferSpec
+from kascade_engine.net.transfer_spec import TransferSpec
+from kascade_engine.weights.blocks import BlockSet, pack_checkpoint
+from kascade_engine.weights.hostcache import write_cache
 from kascade_planner.plan import Plan
 
 

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from kascade_engine.arena import ReceiveArena, _populate
+from kascade_engine.weights.arena import ReceiveArena, _populate
 
 
 def _resident_kib() -> int:

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kascade_engine.blocks import CheckpointError, pack_checkpoint
-from kascade_engine.hostcache import open_cache, write_cache
+from kascade_engine.weights.blocks import CheckpointError, pack_checkpoint
+from kascade_engine.weights.hostcache import open_cache, write_cache
 
 
 def test_pack_groups_tensors_by_layer_and_views_match(tmp_path: Path, harness: ModuleType) -> None:
@@ -58,7 +58,7 @@ def test_bad_checkpoints_are_refused_naming_the_tensor(tmp_path: Path, harness: 
 
 
 def test_host_cache_round_trip_is_mapped_and_checked(tmp_path: Path, tiny_blocks: object) -> None:
-    from kascade_engine.blocks import BlockSet
+    from kascade_engine.weights.blocks import BlockSet
 
     assert isinstance(tiny_blocks, BlockSet)
     path = tmp_path / "m.kcache"
@@ -85,7 +85,7 @@ def test_host_cache_round_trip_is_mapped_and_checked(tmp_path: Path, tiny_blocks
 def test_digests_name_their_algorithm_and_legacy_sha256_still_verifies() -> None:
     import hashlib
 
-    from kascade_engine.blocks import digest_matches, digest_of
+    from kascade_engine.weights.blocks import digest_matches, digest_of
 
     data = bytes(range(256)) * 1000
     d = digest_of(data)

@@ -9,8 +9,8 @@ import random
 import pytest
 import xxhash
 
-from kascade_engine.blocks import digest_of, new_hasher
-from kascade_engine.blockverify import BlockVerifier
+from kascade_engine.weights.blocks import digest_of, new_hasher
+from kascade_engine.weights.blockverify import BlockVerifier
 
 SIZE = 1_000_003  # not a multiple of the chunk: the last chunk is short
 CHUNK = 65_536

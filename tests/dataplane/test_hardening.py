@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 
 from kascade_devcluster.ports import free_ports
-from kascade_engine.blocks import BlockSet
-from kascade_engine.relay import TransferFailed, TransferNode
-from kascade_engine.transfer_spec import TransferSpec
-from kascade_engine.transport import MAGIC, PREFIX, Connection, TransportError, encode_prefix
-from kascade_engine.transport_tcp import TcpTransport
+from kascade_engine.net.relay import TransferFailed, TransferNode
+from kascade_engine.net.transfer_spec import TransferSpec
+from kascade_engine.net.transport import MAGIC, PREFIX, Connection, TransportError, encode_prefix
+from kascade_engine.net.transport_tcp import TcpTransport
+from kascade_engine.weights.blocks import BlockSet
 from kascade_planner.builder import make_plan
 from kascade_planner.plan import Instance, ModelLayout, Plan
 from kascade_planner.topology import leaf_spine
@@ -32,7 +32,7 @@ T = 2.0  # timeoutSeconds of these transfers
 @pytest.fixture(scope="module")
 def big_blocks() -> BlockSet:
     """24 MiB of random blocks: more than socket buffers and a downstream queue hold together."""
-    from kascade_engine.blocks import Block, digest_of
+    from kascade_engine.weights.blocks import Block, digest_of
 
     data = {b: memoryview(bytearray(secrets.token_bytes(6 << 20))) for b in ("embed", "layer.0", "layer.1", "head")}
     return BlockSet("tiny", {}, (Block(b, v, (), digest_of(v)) for b, v in data.items()))
@@ -58,7 +58,7 @@ def _spec(blocks: BlockSet, n: int, faults: dict[str, Any] | None = None) -> Tra
 async def _fake_downstream(spec: TransferSpec, me: str, behave: Callable[[Connection], Awaitable[None]]) -> Any:
     """A peer that authenticates like a real one and then misbehaves as told."""
 
-    from kascade_engine import peerauth
+    from kascade_engine.net import peerauth
 
     async def handler(conn: Connection) -> None:
         admitted = await peerauth.accept(conn, spec.token, "transfer", timeout=10)
@@ -128,7 +128,7 @@ async def test_a_source_whose_only_downstream_dies_finishes(big_blocks: BlockSet
 async def test_a_failing_task_ends_the_transfer_with_its_name(tiny_blocks: BlockSet, monkeypatch: pytest.MonkeyPatch) -> None:
     """A verification that raises (here: the block verifier's check) used to die silently, leaving the
     node 'loading' forever; now run() raises TransferFailed naming the task and the error."""
-    import kascade_engine.relay as relay
+    import kascade_engine.net.relay as relay
 
     def broken() -> bool:
         raise RuntimeError("digest unit on fire")
@@ -151,8 +151,8 @@ async def _announce_and_wait(port: int, token: str, context: str, claims: dict[s
     """Read the server's challenge, answer it with a hello (a valid proof for `token`) that announces
     `payload_len` bytes (and sends none of them); returns how long until the server answered or closed,
     and everything it sent after the challenge."""
-    from kascade_engine import peerauth
-    from kascade_engine.transport import decode_header, decode_prefix
+    from kascade_engine.net import peerauth
+    from kascade_engine.net.transport import decode_header, decode_prefix
 
     r, w = await asyncio.open_connection("127.0.0.1", port)
     t0 = time.monotonic()
@@ -211,7 +211,7 @@ async def test_data_port_allocates_nothing_before_the_hello_is_checked(tiny_bloc
 
 
 async def test_activation_port_allocates_nothing_before_the_hello_is_checked() -> None:
-    from kascade_engine.live import Finisher
+    from kascade_engine.live.split import Finisher
 
     # The model is never reached before authentication: a stand-in with a shape is enough here.
     finisher = Finisher(SimpleNamespace(shape=SimpleNamespace(hidden=64, layers=2)), token="s3cret")  # type: ignore[arg-type]
@@ -243,7 +243,7 @@ def _other_local_address() -> str | None:
 
 async def test_ucx_listens_only_on_the_named_host() -> None:
     try:
-        from kascade_engine.transport_ucx import UcxTransport
+        from kascade_engine.net.transport_ucx import UcxTransport
     except ImportError as e:
         from kascade_devcluster.requirement import unavailable
 
@@ -285,7 +285,7 @@ async def test_a_plan_token_derived_from_the_scaleplan_is_refused(tiny_blocks: B
     assert name not in secret and uid not in secret and len(secret) == 64
     from dataclasses import replace
 
-    from kascade_engine import peerauth
+    from kascade_engine.net import peerauth
 
     spec = replace(_spec(tiny_blocks, 1), token=secret)
     s0 = TransferNode(spec, "s0", TcpTransport(), tiny_blocks)
@@ -309,9 +309,9 @@ async def test_a_plan_token_derived_from_the_scaleplan_is_refused(tiny_blocks: B
 def test_a_damaged_host_cache_is_a_clear_error(tmp_path: Any, tiny_blocks: BlockSet) -> None:
     import json as _json
 
-    from kascade_engine.blocks import CheckpointError
-    from kascade_engine.hostcache import MAGIC as CACHE_MAGIC
-    from kascade_engine.hostcache import open_cache, write_cache
+    from kascade_engine.weights.blocks import CheckpointError
+    from kascade_engine.weights.hostcache import MAGIC as CACHE_MAGIC
+    from kascade_engine.weights.hostcache import open_cache, write_cache
 
     good = tmp_path / "good.kcache"
     write_cache(good, tiny_blocks)
@@ -334,7 +334,7 @@ def test_a_damaged_host_cache_is_a_clear_error(tmp_path: Any, tiny_blocks: Block
 
 
 def test_absurd_config_integers_are_refused_before_any_allocation() -> None:
-    from kascade_engine.families import FamilyError, expected_shapes
+    from kascade_engine.batch.families import FamilyError, expected_shapes
 
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
            "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}
@@ -349,9 +349,9 @@ async def test_a_tcp_relay_verifies_chunks_as_they_land(tiny_blocks: BlockSet, m
     never re-reads a whole block: with the whole-buffer digest broken the transfer still completes, every
     chunk went through a verifier, and the verified blocks equal the source's. UCX lands chunks from its
     progress thread and keeps the check at commit."""
-    import kascade_engine.relay as relay
-    from kascade_engine.pacing import paced
-    from kascade_engine.transport_ucx import UcxTransport
+    import kascade_engine.net.relay as relay
+    from kascade_engine.net.pacing import paced
+    from kascade_engine.net.transport_ucx import UcxTransport
 
     assert TcpTransport.hash_on_landing and paced(TcpTransport(), 1e9).hash_on_landing
     assert not UcxTransport.hash_on_landing

@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
-from kascade_engine import peerauth
-from kascade_engine.blocks import BlockSet
-from kascade_engine.relay import TransferNode
-from kascade_engine.transfer_spec import TransferSpec
-from kascade_engine.transport import PREFIX, Connection, decode_header, decode_prefix, encode_prefix
-from kascade_engine.transport_tcp import TcpTransport
+from kascade_engine.net import peerauth
+from kascade_engine.net.relay import TransferNode
+from kascade_engine.net.transfer_spec import TransferSpec
+from kascade_engine.net.transport import PREFIX, Connection, decode_header, decode_prefix, encode_prefix
+from kascade_engine.net.transport_tcp import TcpTransport
+from kascade_engine.weights.blocks import BlockSet
 from kascade_planner.builder import make_plan
 from kascade_planner.plan import Instance, ModelLayout
 from kascade_planner.topology import leaf_spine
@@ -103,7 +103,7 @@ async def test_a_wrong_token_is_refused_with_a_clear_error_on_both_sides(caplog:
     listener, admitted = await _activation_server(TOKEN)
     try:
         conn = await TcpTransport().connect("127.0.0.1", listener.port)
-        with caplog.at_level(logging.WARNING, logger="kascade_engine.peerauth"), \
+        with caplog.at_level(logging.WARNING, logger="kascade_engine.net.peerauth"), \
                 pytest.raises(peerauth.AuthError, match=r"127\.0\.0\.1:\d+ refused the hello: authentication failed"):
             await peerauth.join(conn, "not-" + TOKEN, "activation", timeout=10)
         await conn.close()
@@ -182,7 +182,7 @@ async def test_a_relayed_handshake_is_refused(caplog: pytest.LogCaptureFixture) 
     port = await rogue.start()
     try:
         conn = await TcpTransport().connect("127.0.0.1", port)
-        with caplog.at_level(logging.WARNING, logger="kascade_engine.peerauth"), \
+        with caplog.at_level(logging.WARNING, logger="kascade_engine.net.peerauth"), \
                 pytest.raises(peerauth.AuthError, match="refused the hello: authentication failed"):
             await peerauth.join(conn, TOKEN, "activation", timeout=10)
         await conn.close()
@@ -267,7 +267,7 @@ async def test_a_relayed_handshake_is_refused_over_ucx_too(caplog: pytest.LogCap
     ucx too): the accepted UCX connection knows the address the client reached, so the server refuses a
     proof made for the rogue's address, and the client sends nothing after the refused hello."""
     try:
-        from kascade_engine.transport_ucx import UcxTransport
+        from kascade_engine.net.transport_ucx import UcxTransport
     except ImportError as e:
         from kascade_devcluster.requirement import unavailable
 
@@ -302,7 +302,7 @@ async def test_a_relayed_handshake_is_refused_over_ucx_too(caplog: pytest.LogCap
         assert claims == {"to": f"127.0.0.1:{real.port}"} and admitted == [claims]
         await conn.close()
         conn = await ucx.connect("127.0.0.1", rogue.port)
-        with caplog.at_level(logging.WARNING, logger="kascade_engine.peerauth"), \
+        with caplog.at_level(logging.WARNING, logger="kascade_engine.net.peerauth"), \
                 pytest.raises(peerauth.AuthError, match="refused the hello: authentication failed"):
             await peerauth.join(conn, TOKEN, "activation", timeout=10)
         await conn.close()

@@ -9,11 +9,10 @@ import struct
 
 import pytest
 
-from kascade_engine import peerauth
-from kascade_engine.blocks import BlockSet
-from kascade_engine.relay import TransferNode
-from kascade_engine.transfer_spec import SpecError, TransferSpec, shard_range
-from kascade_engine.transport import (
+from kascade_engine.net import peerauth
+from kascade_engine.net.relay import TransferNode
+from kascade_engine.net.transfer_spec import SpecError, TransferSpec, shard_range
+from kascade_engine.net.transport import (
     MAGIC,
     PREFIX,
     TransportError,
@@ -21,7 +20,8 @@ from kascade_engine.transport import (
     decode_prefix,
     encode_prefix,
 )
-from kascade_engine.transport_tcp import TcpTransport
+from kascade_engine.net.transport_tcp import TcpTransport
+from kascade_engine.weights.blocks import BlockSet
 from kascade_planner.builder import make_plan
 from kascade_planner.plan import Instance, ModelLayout
 from kascade_planner.topology import leaf_spine
@@ -134,7 +134,7 @@ async def test_a_fallback_with_a_bad_copy_fails_cleanly_instead_of_looping(tiny_
     from dataclasses import replace
 
     from kascade_devcluster.ports import free_ports
-    from kascade_engine.relay import TransferFailed
+    from kascade_engine.net.relay import TransferFailed
 
     sp, tp = free_ports(2)
     spec = _spec(tiny_blocks, {"s0": sp, "t0": tp})
@@ -158,7 +158,7 @@ async def test_a_fallback_with_a_bad_copy_fails_cleanly_instead_of_looping(tiny_
 
 async def test_ucx_same_host_uses_worker_address_fast_path() -> None:
     try:
-        from kascade_engine.transport_ucx import FAST_MIN, UcxTransport
+        from kascade_engine.net.transport_ucx import FAST_MIN, UcxTransport
     except ImportError as e:
         from kascade_devcluster.requirement import unavailable
 
@@ -231,7 +231,7 @@ async def test_a_relay_whose_upstream_fails_while_a_downstream_holds_it_back_dro
     downstream that was keeping up (queue not full, or little waiting) is kept."""
     import time
 
-    from kascade_engine.forwarding import QUEUE_DEPTH
+    from kascade_engine.net.forwarding import QUEUE_DEPTH
 
     topo = leaf_spine(1, 4, 8)
     nodes = [n.name for n in topo.nodes]

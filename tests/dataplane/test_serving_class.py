@@ -25,7 +25,7 @@ from types import ModuleType
 
 import pytest
 
-from kascade_engine.transport import ACTIVATION, serving_socket
+from kascade_engine.net.transport import ACTIVATION, serving_socket
 
 ECN = 0x03  # the TOS byte's two low bits belong to ECN, not to the class
 
@@ -61,7 +61,7 @@ def test_serving_socket_names_the_address_it_could_not_bind() -> None:
 
 def _engine(tmp: Path, *flags: str) -> Iterator[int]:
     from kascade_devcluster.localengine import start_engine
-    from kascade_engine.checkpoint import tiny_llama
+    from kascade_engine.weights.checkpoint import tiny_llama
 
     ckpt = tiny_llama(tmp / "tiny-tos", layers=1, hidden=32, vocab=128)
     e = start_engine(["--checkpoint", str(ckpt), "--empty", "--host", "127.0.0.1", *flags], "t")
@@ -98,7 +98,7 @@ def test_a_real_engine_answers_http_in_its_latency_class(tmp_path: Path, flags: 
 # 8-byte request with 200 bytes (a token's SSE event) on a serving_socket marked as argv[3] says
 SOURCE = """
 import socket, sys, threading
-from kascade_engine.transport import ACTIVATION, serving_socket
+from kascade_engine.net.transport import ACTIVATION, serving_socket
 addr, sink, marked = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 def weights():
     s = socket.create_connection((sink, 9001))

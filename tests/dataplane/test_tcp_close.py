@@ -12,8 +12,8 @@ import asyncio
 
 import pytest
 
-from kascade_engine.transport import Connection, TransportError
-from kascade_engine.transport_tcp import TcpTransport
+from kascade_engine.net.transport import Connection, TransportError
+from kascade_engine.net.transport_tcp import TcpTransport
 
 
 async def _echo(conn: Connection) -> None:

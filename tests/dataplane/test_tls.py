@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 
-from kascade_engine.blocks import BlockSet
-from kascade_engine.transport import Transport, TransportError, make_transport
-from kascade_engine.transport_tcp import TcpTransport
-from kascade_engine.transport_tls import TlsError, TlsFiles, TlsTransport
+from kascade_engine.net.transport import Transport, TransportError
+from kascade_engine.net.transport_tcp import TcpTransport
+from kascade_engine.net.transport_tls import TlsError, TlsFiles, TlsTransport
+from kascade_engine.net.transports import make_transport
+from kascade_engine.weights.blocks import BlockSet
 
 MARKER = b"KASCADE-SECRET-WEIGHTS-" * 64
 
@@ -132,7 +133,7 @@ async def test_connections_still_in_their_handshake_count_against_the_cap(pki: d
     """Sockets that connect and never handshake hold the listener's connection slots: with the cap full of
     them a real peer is refused, and once they leave it is served. (Counted only after the handshake, a
     flood of silent sockets was unbounded for HANDSHAKE_TIMEOUT_S.)"""
-    import kascade_engine.transport_tls as tls
+    import kascade_engine.net.transport_tls as tls
 
     monkeypatch.setattr(tls, "MAX_CONNECTIONS", 2)
     served: list[Any] = []
@@ -190,7 +191,7 @@ def test_bad_tls_settings_name_the_flag_and_file(pki: dict[str, Path], tmp_path:
 @pytest.mark.slow
 def test_chain_of_real_processes_over_tls_is_byte_identical(tmp_path: Path, harness: ModuleType, tiny_blocks: BlockSet,
                                                            pki: dict[str, Path]) -> None:
-    from kascade_engine.hostcache import open_cache
+    from kascade_engine.weights.hostcache import open_cache
     from kascade_planner.builder import make_plan
     from kascade_planner.plan import Instance, ModelLayout
     from kascade_planner.topology import leaf_spine

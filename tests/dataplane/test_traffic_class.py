@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from kascade_engine.config import ConfigError, EngineConfig
-from kascade_engine.transport import ACTIVATION, AF41, Connection, TrafficClass, Transport
-from kascade_engine.transport_tcp import TcpConnection, TcpTransport
-from kascade_engine.transport_tls import TlsConnection, TlsFiles, TlsTransport
+from kascade_engine.net.transport import ACTIVATION, AF41, Connection, TrafficClass, Transport
+from kascade_engine.net.transport_tcp import TcpConnection, TcpTransport
+from kascade_engine.net.transport_tls import TlsConnection, TlsFiles, TlsTransport
 
 ECN = 0x03  # the TOS byte's two low bits belong to ECN, not to the class
 

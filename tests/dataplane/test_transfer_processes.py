@@ -10,8 +10,8 @@ from types import ModuleType
 
 import pytest
 
-from kascade_engine.blocks import BlockSet
-from kascade_engine.hostcache import open_cache
+from kascade_engine.weights.blocks import BlockSet
+from kascade_engine.weights.hostcache import open_cache
 from kascade_planner.builder import make_plan
 from kascade_planner.plan import Instance, ModelLayout, Plan
 from kascade_planner.topology import leaf_spine

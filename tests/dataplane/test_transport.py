@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
-from kascade_engine.transport import Transport, TransportError
-from kascade_engine.transport_tcp import TcpTransport
+from kascade_engine.net.transport import Transport, TransportError
+from kascade_engine.net.transport_tcp import TcpTransport
 
 
 def _ucx(fast_path: bool) -> Any:
     try:
-        from kascade_engine.transport_ucx import UcxTransport
+        from kascade_engine.net.transport_ucx import UcxTransport
     except ImportError as e:
         from kascade_devcluster.requirement import unavailable
 
@@ -53,7 +53,7 @@ async def test_a_peer_that_reads_nothing_fails_the_send_at_its_timeout(name: str
 
 async def test_ucx_fast_path_connections_share_one_endpoint_and_outlive_each_other() -> None:
     transport = _ucx(fast_path=True)
-    from kascade_engine.transport_ucx import FAST_MIN
+    from kascade_engine.net.transport_ucx import FAST_MIN
 
     received: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue()
     first_closed = asyncio.Event()
@@ -122,7 +122,7 @@ async def test_ucx_a_receive_abandoned_at_its_timeout_is_kept_until_ucx_complete
     UCX has completed it (the endpoint's close cancels it), and only then lets it go."""
     import gc
 
-    from kascade_engine import ucxrequest
+    from kascade_engine.net import ucxrequest
 
     transport = _ucx(fast_path=False)
     timed_out = asyncio.Event()

@@ -37,7 +37,7 @@ from kascade_devcluster.prometheus import MissingPrometheus, PrometheusServer, p
 from kascade_devcluster.requirement import unavailable
 from kascade_devcluster.routerproc import RouterProcess
 from kascade_devcluster.waiting import wait_for
-from kascade_engine.checkpoint import tiny_llama
+from kascade_engine.weights.checkpoint import tiny_llama
 from kascade_operator.metrics import PrometheusSource
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]

@@ -28,7 +28,7 @@ from kascade_devcluster.loadgen import LoadGen
 from kascade_devcluster.operatorproc import OperatorProcess
 from kascade_devcluster.routerproc import RouterProcess
 from kascade_devcluster.waiting import wait_for
-from kascade_engine.checkpoint import tiny_llama
+from kascade_engine.weights.checkpoint import tiny_llama
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 TOKEN = "e2e-engine-token"

@@ -10,8 +10,8 @@ import pytest
 
 from kascade_devcluster import localengine
 from kascade_devcluster.localengine import EngineProc
-from kascade_engine.blocks import pack_checkpoint
-from kascade_engine.checkpoint import tiny_llama
+from kascade_engine.weights.blocks import pack_checkpoint
+from kascade_engine.weights.checkpoint import tiny_llama
 
 sys.path.insert(0, str(Path(__file__).parent))  # splitref.py: shared by the split-execution tests
 
@@ -34,7 +34,7 @@ def tiny_blocks(tiny_ckpt: Path):  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="session")
 def smollm_ckpt() -> Path:
     from kascade_devcluster.requirement import unavailable
-    from kascade_engine.checkpoint import smollm_checkpoint
+    from kascade_engine.weights.checkpoint import smollm_checkpoint
 
     p = smollm_checkpoint()
     if p is None:

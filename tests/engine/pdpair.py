@@ -8,8 +8,8 @@ from typing import Any
 
 from kascade_engine.config import EngineConfig
 from kascade_engine.instance import EngineInstance
+from kascade_engine.net.transport_tcp import TcpTransport
 from kascade_engine.tokenizer import ByteTokenizer
-from kascade_engine.transport_tcp import TcpTransport
 
 PROMPTS = [[11, 42, 7, 300, 5, 9, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [1, 2, 3],
            [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 17], [100], list(range(40, 77))]

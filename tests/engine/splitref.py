@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from kascade_engine.engine import Engine
+from kascade_engine.batch.engine import Engine
+from kascade_engine.batch.model import LlamaModel
+from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.instance import EngineInstance
-from kascade_engine.model import LlamaModel
-from kascade_engine.sampling import SamplingParams
 
 
 def unsplit(blocks: Any, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:

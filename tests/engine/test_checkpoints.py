@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kascade_engine.blocks import CheckpointError, pack_checkpoint
-from kascade_engine.checkpoint import tiny_model
+from kascade_engine.weights.blocks import CheckpointError, pack_checkpoint
+from kascade_engine.weights.checkpoint import tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +127,7 @@ def test_unsupported_architecture_or_setting(base: Path, tmp_path: Path, cfg: di
     doc.pop("rope_parameters", None) if "rope_scaling" in cfg else None
     (d / "config.json").write_text(json.dumps({**doc, **cfg}))
     if "rope_scaling" in cfg:  # rope settings are read by the model, not the packer
-        from kascade_engine.model import LlamaModel
+        from kascade_engine.batch.model import LlamaModel
 
         with pytest.raises(ValueError, match=needle):
             LlamaModel(json.loads((d / "config.json").read_text()))

@@ -47,9 +47,9 @@ def test_activation_port_needs_the_installation_token(engine_a) -> None:  # type
     """Only an engine holding the same token may make A run layers: a wrong hello is cut off."""
     import asyncio
 
-    from kascade_engine import peerauth
-    from kascade_engine.transport import TransportError
-    from kascade_engine.transport_tcp import TcpTransport
+    from kascade_engine.net import peerauth
+    from kascade_engine.net.transport import TransportError
+    from kascade_engine.net.transport_tcp import TcpTransport
 
     async def hello(token: str) -> str:
         conn = await TcpTransport().connect("127.0.0.1", engine_a.act)

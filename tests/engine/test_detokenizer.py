@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kascade_engine.detokenizer import Detokenizer
-from kascade_engine.openai_api import TextStop
+from kascade_engine.http.detokenizer import Detokenizer
+from kascade_engine.http.openai_api import TextStop
 from kascade_engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 TEXTS = (

@@ -13,12 +13,12 @@ import pytest
 from pdpair import PROMPTS, TOKEN, instance, pd_pair  # type: ignore[import-not-found]
 from splitref import collect, unsplit  # type: ignore[import-not-found]
 
-from kascade_engine import peerauth
-from kascade_engine.kv_wire import KVShape, kv_header
-from kascade_engine.pacing import TokenBucket
-from kascade_engine.sampling import SamplingParams
-from kascade_engine.transport import Connection
-from kascade_engine.transport_tcp import TcpTransport
+from kascade_engine.batch.sampling import SamplingParams
+from kascade_engine.net import peerauth
+from kascade_engine.net.pacing import TokenBucket
+from kascade_engine.net.transport import Connection
+from kascade_engine.net.transport_tcp import TcpTransport
+from kascade_engine.pd.kv_wire import KVShape, kv_header
 
 
 async def test_prefill_on_p_decode_on_d_equalsunsplit(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
@@ -77,7 +77,7 @@ async def test_kv_leaves_layer_by_layer_per_chunk(tiny_ckpt, tiny_blocks) -> Non
     try:
         conn = await TcpTransport().connect("127.0.0.1", pd.listener.port)
         await peerauth.join(conn, TOKEN, "activation", timeout=10)  # raises unless welcomed with a valid proof
-        from kascade_engine.prefill_server import kv_shape
+        from kascade_engine.pd.prefill_server import kv_shape
 
         shape = kv_shape(pd.d)
         prompt = PROMPTS[4]
@@ -107,7 +107,7 @@ async def test_kv_leaves_while_the_next_layer_computes(tiny_ckpt, tiny_blocks) -
     try:
         conn = await TcpTransport().connect("127.0.0.1", pd.listener.port)
         await peerauth.join(conn, TOKEN, "activation", timeout=10)
-        from kascade_engine.prefill_server import kv_shape
+        from kascade_engine.pd.prefill_server import kv_shape
 
         shape = kv_shape(pd.d)
         await conn.send({"op": "prefill", "req": "r1", "tokens": PROMPTS[0], "params": {}, **shape.to_header()})
@@ -130,7 +130,7 @@ async def test_kv_leaves_while_the_next_layer_computes(tiny_ckpt, tiny_blocks) -
 async def test_bad_prefill_requests_are_refused_naming_the_field(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
     pd = await pd_pair(tiny_ckpt, tiny_blocks)
     try:
-        from kascade_engine.prefill_server import kv_shape
+        from kascade_engine.pd.prefill_server import kv_shape
 
         shape = kv_shape(pd.d).to_header()
         conn = await TcpTransport().connect("127.0.0.1", pd.listener.port)
@@ -177,7 +177,7 @@ async def test_failures_fall_back_to_local_prefill_with_the_same_output(tiny_ckp
         lied += 1
         await conn.recv(timeout=30)
 
-    from kascade_engine.prefill_server import kv_shape
+    from kascade_engine.pd.prefill_server import kv_shape
 
     shape = kv_shape(pd.d)
     bad = await TcpTransport().listen("127.0.0.1", 0, liar)
@@ -201,7 +201,7 @@ async def test_a_rogue_prefill_address_learns_neither_the_token_nor_the_prompt(t
     """`X-Kascade-Prefill` names any address: D must not hand its engine token (or the prompt) to a
     listener there. The rogue sees a hello it cannot use, cannot prove the token, gets nothing more;
     the request is prefilled on D with the colocated output."""
-    from kascade_engine.transport import PREFIX, decode_header, decode_prefix, encode_prefix
+    from kascade_engine.net.transport import PREFIX, decode_header, decode_prefix, encode_prefix
 
     params = SamplingParams(max_tokens=6)
     want = unsplit(tiny_blocks, PROMPTS[:1], params)
@@ -293,8 +293,8 @@ async def test_the_link_rate_counts_the_wire_not_the_prefillers_compute(tiny_ckp
     """A prefill peer that computes 0.1 s per layer (a queue, a slow CPU) and sends each layer's KV at once
     over loopback: D's network velocity must be the link's (bytes over the frames' time on the wire), not
     the KV bytes over the 0.7 s P spent computing between frames."""
-    from kascade_engine.kv_wire import digest
-    from kascade_engine.prefill_server import kv_shape
+    from kascade_engine.pd.kv_wire import digest
+    from kascade_engine.pd.prefill_server import kv_shape
 
     d = instance(tiny_ckpt, tiny_blocks, "d")
     d.serving.start()

@@ -14,11 +14,11 @@ import pytest
 from splitref import collect, unsplit  # type: ignore[import-not-found]
 
 from kascade_devcluster.requirement import need_transport
+from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.config import ConfigError, EngineConfig
 from kascade_engine.instance import EngineInstance
-from kascade_engine.sampling import SamplingParams
+from kascade_engine.net.transports import make_transport
 from kascade_engine.tokenizer import ByteTokenizer
-from kascade_engine.transport import make_transport
 
 PROMPTS = [[11, 42, 7, 300, 5, 9, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [1, 2, 3], list(range(40, 77))]
 TOKEN = "pd-transport-token"

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kascade_engine.blocks import pack_checkpoint
-from kascade_engine.checkpoint import tiny_model
-from kascade_engine.engine import Engine
-from kascade_engine.model import LlamaModel
-from kascade_engine.sampling import SamplingParams
-from kascade_engine.scheduler import Limits
+from kascade_engine.batch.engine import Engine
+from kascade_engine.batch.model import LlamaModel
+from kascade_engine.batch.sampling import SamplingParams
+from kascade_engine.batch.scheduler import Limits
+from kascade_engine.weights.blocks import pack_checkpoint
+from kascade_engine.weights.checkpoint import tiny_model
 
 PROMPTS = [[5, 9, 13, 200, 3], [77], list(range(100, 140))]  # the last one runs past llama3's original context
 
@@ -55,7 +55,7 @@ def test_sliding_window_greedy_equals_transformers(tmp_path: Path, family: str) 
     max_window_layers 1): layers 1.. only."""
     import json
 
-    from kascade_engine.families import sliding_windows
+    from kascade_engine.batch.families import sliding_windows
 
     ckpt = tiny_model(tmp_path / family, family, layers=3, window=6)
     cfg = json.loads((ckpt / "config.json").read_text())
@@ -76,7 +76,7 @@ def test_sliding_window_greedy_equals_transformers(tmp_path: Path, family: str) 
 
 
 def test_sliding_window_config_rules() -> None:
-    from kascade_engine.families import FamilyError, sliding_windows
+    from kascade_engine.batch.families import FamilyError, sliding_windows
 
     base = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 3, "sliding_window": 8}
     assert sliding_windows({**base, "architectures": ["LlamaForCausalLM"]}) == (None,) * 3

@@ -1,5 +1,5 @@
 """A converted decoder D hands a prompt it prefills itself to the prefill engine P the router named
-(kascade_engine.handback): without prefill progress for its hand-back bound, or progressing slower than the
+(kascade_engine.pd.handback): without prefill progress for its hand-back bound, or progressing slower than the
 remote path would finish it. P queues the prompt at its arrival on D (kv_wire.PrefillOp.waited_s); greedy
 output equals the colocated engine's. In-process P and D (pdpair.py); the same through the router on real
 engine processes is tests/router/test_router_handback.py."""
@@ -15,8 +15,8 @@ import pytest
 from pdpair import PROMPTS, pd_pair  # type: ignore[import-not-found]
 from splitref import collect, unsplit  # type: ignore[import-not-found]
 
-from kascade_engine.kv_wire import KVShape, KVWireError, PrefillOp, fallback, waited_s
-from kascade_engine.sampling import SamplingParams
+from kascade_engine.batch.sampling import SamplingParams
+from kascade_engine.pd.kv_wire import KVShape, KVWireError, PrefillOp, fallback, waited_s
 
 
 class _NoRoom:
@@ -239,7 +239,7 @@ def test_the_remote_path_estimate_follows_a_growing_queue() -> None:
     peer's reported pace, that age plus the prompt tokens this engine queued there and the new prompt's."""
     from types import SimpleNamespace
 
-    from kascade_engine.remote_prefill import RemotePrefill
+    from kascade_engine.pd.remote_prefill import RemotePrefill
 
     rp = RemotePrefill(SimpleNamespace(transport=None, config=SimpleNamespace(token="t")))  # type: ignore[arg-type]
     assert rp.expected_s("p:1") is None
@@ -269,7 +269,7 @@ async def test_the_answer_names_who_really_prefilled_a_handed_back_prompt(tiny_c
 
     import httpx
 
-    from kascade_engine.server import create_app
+    from kascade_engine.http.server import create_app
     from kascade_planner.engine_api import HANDED_BACK_HEADER, PREFILL_FALLBACK_HEADER, ConvertRequest
 
     with socket.socket() as sk:  # a port nothing listens on: its connection is refused
@@ -333,7 +333,7 @@ async def test_a_converted_decoder_prefilling_for_another_decoder_hands_back_by_
     such a prompt at 0 tokens a step until its streams ended (the second and third wait for them here)."""
     from pdpair import TOKEN, instance  # type: ignore[import-not-found]
 
-    from kascade_engine.transport_tcp import TcpTransport
+    from kascade_engine.net.transport_tcp import TcpTransport
     from kascade_planner.engine_api import ConvertRequest
 
     params = SamplingParams(max_tokens=8)

@@ -11,7 +11,7 @@ import time
 import httpx
 
 from kascade_devcluster.ports import free_ports
-from kascade_engine.hostcopy import keepable
+from kascade_engine.weights.hostcopy import keepable
 from kascade_planner.baselines import build_star
 from kascade_planner.plan import Instance, ModelLayout
 

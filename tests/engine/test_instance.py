@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.config import ConfigError, EngineConfig
-from kascade_engine.instance import EngineInstance, InstanceError, Phase
-from kascade_engine.sampling import SamplingParams
+from kascade_engine.instance import EngineInstance, Phase
+from kascade_engine.refusal import InstanceError
 from kascade_engine.tokenizer import ByteTokenizer
 from kascade_planner.engine_api import BindRequest, CooperateRequest, EngineStatus, LoadPlanRequest, WireError
 

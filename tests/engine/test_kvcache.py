@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kascade_engine.kvcache import KVCache
+from kascade_engine.batch.kvcache import KVCache
 
 
 def _filled(reuse: bool) -> KVCache:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from kascade_engine.batch.emulation import pace
 from kascade_engine.config import ConfigError, EngineConfig
-from kascade_engine.cooperation import pace
 
 
 def test_pace_holds_the_step_to_layers_times_the_emulated_layer_time() -> None:
@@ -31,7 +31,7 @@ def test_bad_emulate_layer_ms_is_named() -> None:
 
 async def test_a_zigzag_hold_ends_when_the_load_stalls() -> None:
     """A request ZigZag holds for a prefix that never lands is released (best effort), not held forever."""
-    from kascade_engine.livepolicy import hold_until
+    from kascade_engine.live.livepolicy import hold_until
 
     layers = [2]
     assert await hold_until(lambda: layers[0], 2, limit_s=5.0) is True

@@ -19,12 +19,13 @@ import httpx
 import pytest
 from splitref import collect, unsplit  # type: ignore[import-not-found]
 
+from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.config import EngineConfig
-from kascade_engine.instance import EngineInstance, InstanceError
-from kascade_engine.sampling import SamplingParams
+from kascade_engine.instance import EngineInstance
+from kascade_engine.net.transport import Listener
+from kascade_engine.net.transport_tcp import TcpTransport
+from kascade_engine.refusal import InstanceError
 from kascade_engine.tokenizer import ByteTokenizer
-from kascade_engine.transport import Listener
-from kascade_engine.transport_tcp import TcpTransport
 from kascade_planner.engine_api import CooperateRequest
 
 PROMPTS = [[11, 42, 7, 300, 5], [1, 2, 3], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 17], [100], [5, 6, 7, 8], [3, 1, 4, 1, 5],
@@ -128,7 +129,7 @@ async def test_a_live_engine_never_hands_on_requests_its_pair_handed_it(tiny_ckp
     b = _instance(tiny_ckpt, tiny_blocks, ["embed", "layer.0"], "b", max_seqs=1)  # live with A: a queue of both
     h = _instance(tiny_ckpt, tiny_blocks, None, "h")  # serves whatever B hands it
     b.host.layer_s = 0.01  # B steps slowly: both kinds wait in its queue while its forwarder looks
-    caplog.set_level(logging.INFO, logger="kascade_engine.timeline")  # `a-forward <request>`: what B handed on
+    caplog.set_level(logging.INFO, logger="kascade_engine.batch.timeline")  # `a-forward <request>`: what B handed on
     lst_a = await TcpTransport().listen("127.0.0.1", 0, a.finisher.handle)
     lst_h = await TcpTransport().listen("127.0.0.1", 0, h.finisher.handle)
     try:

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from kascade_engine.kvcache import SequenceKV
-from kascade_engine.model import LlamaModel
+from kascade_engine.batch.kvcache import SequenceKV
+from kascade_engine.batch.model import LlamaModel
 
 
 def _model(blocks) -> LlamaModel:  # type: ignore[no-untyped-def]

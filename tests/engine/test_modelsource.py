@@ -15,9 +15,10 @@ import pytest
 
 from kascade_devcluster.hubserver import HubServer
 from kascade_engine.config import EngineConfig
-from kascade_engine.instance import EngineInstance, InstanceError
-from kascade_engine.modelsource import HubSource, SourceError, parse_uri, resolve
+from kascade_engine.instance import EngineInstance
+from kascade_engine.refusal import InstanceError
 from kascade_engine.tokenizer import ByteTokenizer
+from kascade_engine.weights.modelsource import HubSource, SourceError, parse_uri, resolve
 from kascade_planner.engine_api import BindRequest, WireError
 
 TOKEN = "hf_good_token"

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from kascade_engine.pacing import PacedTransport, TokenBucket, egress_bucket, paced
-from kascade_engine.transport import Connection
-from kascade_engine.transport_tcp import TcpTransport
+from kascade_engine.net.pacing import PacedTransport, TokenBucket, egress_bucket, paced
+from kascade_engine.net.transport import Connection
+from kascade_engine.net.transport_tcp import TcpTransport
 
 
 def test_bucket_allows_burst_then_paces_at_rate() -> None:

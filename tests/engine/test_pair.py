@@ -13,11 +13,12 @@ from typing import Any
 import pytest
 from splitref import collect, unsplit  # type: ignore[import-not-found]
 
+from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.config import EngineConfig
-from kascade_engine.instance import EngineInstance, InstanceError, Phase
-from kascade_engine.sampling import SamplingParams
+from kascade_engine.instance import EngineInstance, Phase
+from kascade_engine.net.transport_tcp import TcpTransport
+from kascade_engine.refusal import InstanceError
 from kascade_engine.tokenizer import ByteTokenizer
-from kascade_engine.transport_tcp import TcpTransport
 from kascade_planner.engine_api import CooperateRequest
 
 PROMPTS = [[11, 42, 7, 300, 5], [1, 2, 3], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 17], [100], [5, 6, 7, 8]]
@@ -161,8 +162,8 @@ async def test_standby_warms_the_pair_connection_so_pairing_pays_no_handshake(ti
 
 @pytest.fixture(scope="module")
 def fig15_blocks(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    from kascade_engine.blocks import pack_checkpoint
-    from kascade_engine.checkpoint import tiny_llama
+    from kascade_engine.weights.blocks import pack_checkpoint
+    from kascade_engine.weights.checkpoint import tiny_llama
 
     ckpt = tiny_llama(tmp_path_factory.mktemp("fig15") / "tiny-llama", layers=7, hidden=64, vocab=512)
     return ckpt, pack_checkpoint(ckpt, model="tiny-llama")
@@ -174,7 +175,7 @@ async def test_fig15_engine_follows_the_planners_zigzag(fig15_blocks, ilp: bool)
     6 batches queued at t=0 on the loading engine. Each batch waits for its scheduled prefix (planner's
     ZigZag), runs it here and finishes on the pair: the measured completion order agrees with the
     planner's predicted order within one batch slot, and every output equals the unsplit engine's."""
-    from kascade_engine.livepolicy import ZigZagPolicy
+    from kascade_engine.live.livepolicy import ZigZagPolicy
     from kascade_planner.zigzag import PairSetting, ilp_free, zigzag_ilp
 
     ckpt, blocks = fig15_blocks

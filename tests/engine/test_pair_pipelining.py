@@ -13,12 +13,12 @@ import torch
 from splitref import collect, unsplit  # type: ignore[import-not-found]
 from test_pair import PROMPTS, _pair  # type: ignore[import-not-found]
 
-from kascade_engine.cooperation import Row, staggered
-from kascade_engine.kvcache import KVCache
-from kascade_engine.livepolicy import ZigZagPolicy
-from kascade_engine.pairclient import PIPELINE_DEPTH
-from kascade_engine.sampling import SamplingParams
-from kascade_engine.scheduler import Limits, Scheduler, Seq
+from kascade_engine.batch.kvcache import KVCache
+from kascade_engine.batch.sampling import SamplingParams
+from kascade_engine.batch.scheduler import Limits, Scheduler, Seq
+from kascade_engine.live.cooperation import Row, staggered
+from kascade_engine.live.livepolicy import ZigZagPolicy
+from kascade_engine.live.pairclient import PIPELINE_DEPTH
 from kascade_planner.engine_api import CooperateRequest
 from kascade_planner.zigzag import PairSetting, ilp_free
 
@@ -100,7 +100,7 @@ def test_parked_sequences_keep_their_seat_and_are_not_scheduled() -> None:
 def test_emulated_cost_is_per_full_batch_past_the_knee(tiny_blocks) -> None:  # type: ignore[no-untyped-def]
     """`staggered`'s cost (what `pace` charges): one layer time per layer run up to `knee_tokens` tokens
     present at it, proportionally more past it; without a knee, one per layer whatever the rows."""
-    from kascade_engine.model import LlamaModel
+    from kascade_engine.batch.model import LlamaModel
 
     m = LlamaModel(tiny_blocks.config)
     for blk in tiny_blocks.blocks.values():
@@ -188,7 +188,7 @@ async def test_split_sequences_migrate_to_b_once_it_holds_every_layer(tiny_ckpt,
 
 
 def test_migrated_kv_is_checked_and_lands_in_the_right_slots(tiny_blocks) -> None:  # type: ignore[no-untyped-def]
-    from kascade_engine import migration
+    from kascade_engine.live import migration
 
     L = tiny_blocks.config.num_hidden_layers if hasattr(tiny_blocks.config, "num_hidden_layers") else 4
     src = KVCache(L, 8, 4, 2, 8, torch.float32, torch.device("cpu"))
@@ -215,8 +215,8 @@ async def test_the_knee_flag_reaches_both_sides_of_a_pair(tiny_ckpt, tiny_blocks
     """--emulate-knee-tokens sets the knee `pace` charges on A's hosted steps and on B's own."""
     from kascade_engine.config import EngineConfig
     from kascade_engine.instance import EngineInstance
+    from kascade_engine.net.transport_tcp import TcpTransport
     from kascade_engine.tokenizer import ByteTokenizer
-    from kascade_engine.transport_tcp import TcpTransport
 
     def inst(name: str, resident: int | None) -> EngineInstance:
         cfg = EngineConfig(checkpoint=tiny_ckpt, model_name="tiny-llama", token="pair-token", kv_tokens=2048,
@@ -270,8 +270,8 @@ def test_an_answer_landing_inside_the_step_that_sent_it(tiny_blocks) -> None:  #
     the forward: before, a request finished by that landing was gone (KeyError, the whole step failed for
     everyone in it) and one that got its token looked like an unfinished prefill, so the next rows'
     tokens were taken one off (bench: `engine failed on this request: 'cmpl-…'`, wrong texts)."""
-    from kascade_engine.engine import Engine, Event
-    from kascade_engine.model import LlamaModel
+    from kascade_engine.batch.engine import Engine, Event
+    from kascade_engine.batch.model import LlamaModel
 
     m = LlamaModel(tiny_blocks.config)
     eng = Engine(m, Limits(max_batch_tokens=64, max_seqs=4, kv_tokens=256, page_size=16))
@@ -356,7 +356,7 @@ def test_rows_joining_at_a_later_layer_match_rows_run_from_the_start(tiny_blocks
     join there. Rows joining at layer 2 come out equal to the same rows present from the start, at the
     same cost (no knee: rows are free); rows joining past their first layer catch up alone first (same
     outputs up to float rounding, those layers charged)."""
-    from kascade_engine.model import LlamaModel
+    from kascade_engine.batch.model import LlamaModel
 
     m = LlamaModel(tiny_blocks.config)
     for blk in tiny_blocks.blocks.values():
@@ -440,9 +440,9 @@ def test_a_step_goes_out_as_one_frame_per_split_layer_highest_first(tiny_blocks)
     the depth counts B's steps, not frames."""
     from concurrent.futures import Future
 
-    from kascade_engine.engine import Engine
-    from kascade_engine.model import LlamaModel
-    from kascade_engine.pairclient import PairClient
+    from kascade_engine.batch.engine import Engine
+    from kascade_engine.batch.model import LlamaModel
+    from kascade_engine.live.pairclient import PairClient
 
     m = LlamaModel(tiny_blocks.config)
     for bid in ("embed", "layer.0", "layer.1", "layer.2"):
@@ -480,7 +480,7 @@ def test_late_pair_steps_catch_up_within_one_budget_per_forward() -> None:
     steps), while one at its layer still joins."""
     from collections import deque
 
-    from kascade_engine.cooperation import CATCH_UP_LAYERS, PairStep, take_late
+    from kascade_engine.live.cooperation import CATCH_UP_LAYERS, PairStep, take_late
 
     def frame(*firsts: int) -> PairStep:
         return PairStep(0, [[f"r{i}", 0, 1, k, True, 0.0, 1.0, None] for i, k in enumerate(firsts)],

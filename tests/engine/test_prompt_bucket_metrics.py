@@ -1,5 +1,5 @@
 """A real engine counts the prompt tokens arriving per prompt-length bucket (kascade_prompt_tokens_arrived_total
-{bucket}, the prefill velocity's buckets: kascade_engine.velocity.PROMPT_BUCKETS): requests of known prompt
+{bucket}, the prefill velocity's buckets: kascade_engine.batch.velocity.PROMPT_BUCKETS): requests of known prompt
 lengths served over HTTP, the engine's /metrics scraped before and after by the operator's own parser and rate
 tracker; the window's per-bucket prompt tokens are the prompts' lengths summed by bucket, every bucket is exposed
 from 0 (a series that appears late loses its first increase in a PromQL rate()), and the snapshot carries the

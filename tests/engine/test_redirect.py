@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 from splitref import collect, unsplit  # type: ignore[import-not-found]
 
+from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.config import EngineConfig
 from kascade_engine.instance import EngineInstance
-from kascade_engine.sampling import SamplingParams
+from kascade_engine.net.transport_tcp import TcpTransport
 from kascade_engine.tokenizer import ByteTokenizer
-from kascade_engine.transport_tcp import TcpTransport
 from kascade_planner.engine_api import CooperateRequest
 
 PROMPTS = [[11, 42, 7, 300, 5], [1, 2, 3], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 17], [100], [5, 6, 7, 8], [3, 1, 4, 1, 5]]

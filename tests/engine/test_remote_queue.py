@@ -16,11 +16,11 @@ import time
 from pdpair import PD, TOKEN  # type: ignore[import-not-found]
 from splitref import collect, unsplit  # type: ignore[import-not-found]
 
+from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.config import EngineConfig
 from kascade_engine.instance import EngineInstance
-from kascade_engine.sampling import SamplingParams
+from kascade_engine.net.transport_tcp import TcpTransport
 from kascade_engine.tokenizer import ByteTokenizer
-from kascade_engine.transport_tcp import TcpTransport
 from kascade_planner.conversion import arrival_verdict, remote_prefill_s
 
 log = logging.getLogger(__name__)

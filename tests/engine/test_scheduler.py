@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kascade_engine.engine import Engine
-from kascade_engine.model import LlamaModel
-from kascade_engine.sampling import SamplingParams
-from kascade_engine.scheduler import Limits, Scheduler, Seq
+from kascade_engine.batch.engine import Engine
+from kascade_engine.batch.model import LlamaModel
+from kascade_engine.batch.sampling import SamplingParams
+from kascade_engine.batch.scheduler import Limits, Scheduler, Seq
 
 
 def _run(s: Scheduler) -> list[tuple[str, int, int]]:
@@ -191,7 +191,7 @@ def test_no_tensor_lands_on_a_default_device(tiny_blocks) -> None:  # type: igno
 def test_prefill_chunks_of_a_step_share_one_attention_call(tiny_blocks) -> None:  # type: ignore[no-untyped-def]
     """Prefill chunks of different lengths and starts (plus decodes) run as two SDPA groups per layer,
     and every token's hidden state equals the one its sequence computes alone."""
-    from kascade_engine.kvcache import KVCache, build_batch
+    from kascade_engine.batch.kvcache import KVCache, build_batch
 
     m = _model(tiny_blocks)
     s = m.shape
@@ -228,7 +228,7 @@ def test_a_converted_decoders_step_budget_cuts_its_chunks_to_the_time_its_decode
     ms/prompt token + 4 ms per 1000 gathered keys: beside 4 decodes at ~100 keys a step has room for about
     16 prompt tokens, beside 8 for fewer; with no decode in the step the token cap alone applies, and so it
     does before a prompt token was ever timed."""
-    from kascade_engine.stepcost import StepCost, StepShape
+    from kascade_engine.batch.stepcost import StepCost, StepShape
 
     def true_s(shape: StepShape) -> float:
         return 6e-3 + 1e-4 * shape.decodes + 8e-4 * shape.prompt_tokens + 4e-3 * shape.features()[3]
@@ -278,7 +278,7 @@ def test_a_converted_decoders_step_budget_cuts_its_chunks_to_the_time_its_decode
 def test_a_converted_decoder_reports_the_prefill_room_its_step_budget_leaves() -> None:
     """prefill_room: None unconverted; the token cap with no decode or no measured cost; beside decodes that
     fill the step budget, 0 (what `schedule` would give a chunk)."""
-    from kascade_engine.stepcost import StepCost, StepShape
+    from kascade_engine.batch.stepcost import StepCost, StepShape
 
     cost = StepCost()
     s = Scheduler(Limits(max_batch_tokens=512, max_seqs=16, kv_tokens=4000, page_size=4), cost=cost)

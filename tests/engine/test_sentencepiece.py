@@ -13,8 +13,8 @@ import openai
 import pytest
 import torch
 
-from kascade_engine.checkpoint import tiny_model
 from kascade_engine.tokenizer import HFTokenizer, TokenizerError, load_tokenizer
+from kascade_engine.weights.checkpoint import tiny_model
 
 PROMPT = "Héllo wörld: Ελλάδα 🦀"  # Greek and the crab are not in the training corpus: byte fallback
 

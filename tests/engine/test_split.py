@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kascade_engine.blocks import pack_checkpoint
-from kascade_engine.engine import Engine
-from kascade_engine.live import Finisher, SplitClient, encode_activation
-from kascade_engine.model import LlamaModel
-from kascade_engine.sampling import SamplingParams
-from kascade_engine.transport_tcp import TcpTransport
+from kascade_engine.batch.engine import Engine
+from kascade_engine.batch.model import LlamaModel
+from kascade_engine.batch.sampling import SamplingParams
+from kascade_engine.live.activation import encode_activation
+from kascade_engine.live.split import Finisher, SplitClient
+from kascade_engine.net.transport_tcp import TcpTransport
+from kascade_engine.weights.blocks import pack_checkpoint
 
 
 def _partial(blocks, k: int) -> LlamaModel:  # type: ignore[no-untyped-def]

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from kascade_engine.stepcost import TIMED_STEPS, StepCost, StepShape
+from kascade_engine.batch.stepcost import TIMED_STEPS, StepCost, StepShape
 
 # a made-up engine: 6 ms of weights, 0.1 ms per decode row, 0.8 ms per prompt token, 4 ms per 1000 keys
 BASE, ROW, TOKEN, KILOKEY = 6e-3, 1e-4, 8e-4, 4e-3

@@ -11,11 +11,11 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kascade_engine.batch.sampling import SamplingParams
+from kascade_engine.batch.velocity import VelocityMeter, bucket
 from kascade_engine.config import EngineConfig
 from kascade_engine.instance import EngineInstance
-from kascade_engine.sampling import SamplingParams
 from kascade_engine.tokenizer import ByteTokenizer
-from kascade_engine.velocity import VelocityMeter, bucket
 
 
 def test_meter_buckets_and_splits_mixed_steps() -> None:

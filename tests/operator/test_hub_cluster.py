@@ -19,8 +19,8 @@ from kascade_devcluster.enginepool import EnginePool
 from kascade_devcluster.hubserver import HubServer
 from kascade_devcluster.operatorproc import OperatorProcess
 from kascade_devcluster.waiting import wait_for
-from kascade_engine.blocks import pack_checkpoint
-from kascade_engine.checkpoint import tiny_llama
+from kascade_engine.weights.blocks import pack_checkpoint
+from kascade_engine.weights.checkpoint import tiny_llama
 
 pytestmark = pytest.mark.cluster
 TOKEN, HF_TOKEN, MODEL = "hub-test-token", "hf_cluster_token", "tiny-hub"

@@ -21,16 +21,16 @@ import uvicorn
 from fakekube import FakeKube
 
 from kascade_devcluster.waiting import wait_until
-from kascade_engine.blocks import BlockSet, pack_checkpoint
-from kascade_engine.checkpoint import tiny_llama
+from kascade_engine.batch.engine import Engine
+from kascade_engine.batch.model import LlamaModel
+from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.config import EngineConfig
-from kascade_engine.engine import Engine
+from kascade_engine.http.server import create_app
 from kascade_engine.instance import EngineInstance, Phase
-from kascade_engine.model import LlamaModel
-from kascade_engine.sampling import SamplingParams
-from kascade_engine.server import create_app
+from kascade_engine.net.transport_tcp import TcpTransport
 from kascade_engine.tokenizer import ByteTokenizer
-from kascade_engine.transport_tcp import TcpTransport
+from kascade_engine.weights.blocks import BlockSet, pack_checkpoint
+from kascade_engine.weights.checkpoint import tiny_llama
 from kascade_operator import labels as L
 from kascade_operator import livewiring as LW
 from kascade_operator.engine_client import EngineClient

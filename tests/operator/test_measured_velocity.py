@@ -7,8 +7,8 @@ from __future__ import annotations
 from builders import spec  # type: ignore[import-not-found]
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kascade_engine.pd_metrics import PDMetrics
-from kascade_engine.velocity import VelocityMeter
+from kascade_engine.batch.velocity import VelocityMeter
+from kascade_engine.pd.metrics import PDMetrics
 from kascade_operator.decide import decide
 from kascade_operator.metrics import RateTracker, parse_engine_metrics, snapshot
 from kascade_planner.policies import MeasuredVelocity, MetricsSnapshot

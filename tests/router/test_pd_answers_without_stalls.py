@@ -20,7 +20,7 @@ import pytest
 from pdtrio import engine_procs, pd_routes  # type: ignore[import-not-found]
 
 from kascade_devcluster.localengine import EngineProc
-from kascade_engine.checkpoint import tiny_llama
+from kascade_engine.weights.checkpoint import tiny_llama
 from kascade_router.server import Router
 
 TOKEN = "pd-no-stall-token"

@@ -19,7 +19,7 @@ from pdtrio import engine_procs, pd_routes  # type: ignore[import-not-found]
 from prometheus_client.parser import text_string_to_metric_families
 
 from kascade_devcluster.localengine import EngineProc
-from kascade_engine.checkpoint import tiny_llama
+from kascade_engine.weights.checkpoint import tiny_llama
 from kascade_operator.metrics import parse_engine_metrics
 from kascade_router.server import Router
 

@@ -33,7 +33,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kascade_devcluster.localengine import EngineProc, start_engine
-from kascade_engine.checkpoint import tiny_llama
+from kascade_engine.weights.checkpoint import tiny_llama
 from kascade_operator import converter
 from kascade_operator import labels as L
 from kascade_operator.api import ModelServiceSpec

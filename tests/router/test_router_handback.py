@@ -28,7 +28,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kascade_devcluster.localengine import EngineProc, start_engine
-from kascade_engine.checkpoint import tiny_llama
+from kascade_engine.weights.checkpoint import tiny_llama
 from kascade_planner.engine_api import ConvertRequest
 from kascade_router.server import Router, static_routes
 

@@ -30,7 +30,7 @@ import pytest
 from pdtrio import PROMPT, convert_beside_streams, end_streams, engine_procs, trio_routes  # type: ignore[import-not-found]
 
 from kascade_devcluster.localengine import EngineProc
-from kascade_engine.checkpoint import tiny_llama
+from kascade_engine.weights.checkpoint import tiny_llama
 from kascade_router.backends import Backend
 from kascade_router.server import Router
 

@@ -19,7 +19,7 @@ from pdtrio import PROMPT, convert_beside_streams, end_streams, engine_procs, tr
 from prometheus_client.parser import text_string_to_metric_families
 
 from kascade_devcluster.localengine import EngineProc
-from kascade_engine.checkpoint import tiny_llama
+from kascade_engine.weights.checkpoint import tiny_llama
 from kascade_router.server import Router
 
 TOKEN = "router-handback-served-token"

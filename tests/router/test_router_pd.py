@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kascade_devcluster.localengine import EngineProc, start_engine
-from kascade_engine.checkpoint import tiny_llama
+from kascade_engine.weights.checkpoint import tiny_llama
 from kascade_router.backends import Backend
 from kascade_router.balancer import fallback_prefill, pick_pd
 from kascade_router.server import Router, static_routes

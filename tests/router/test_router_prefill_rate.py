@@ -24,7 +24,7 @@ import aiohttp
 import pytest
 
 from kascade_devcluster.localengine import EngineProc, start_engine
-from kascade_engine.checkpoint import tiny_llama
+from kascade_engine.weights.checkpoint import tiny_llama
 from kascade_planner.conversion import CONVERTED_SHARE, MIN_SHARE, converted_share
 from kascade_planner.engine_api import PREFILL_RATE_HEADER, ConvertRequest
 from kascade_router.backends import Backend

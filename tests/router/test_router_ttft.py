@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 
 from kascade_devcluster.localengine import EngineProc, start_engine
-from kascade_engine.checkpoint import tiny_llama
+from kascade_engine.weights.checkpoint import tiny_llama
 from kascade_router.firsttoken import MIN_SPAN_S, MIN_TOKENS
 from kascade_router.server import Router, static_routes
 from kascade_router.settings import RouterSettings

@@ -1,0 +1,279 @@
+"""The engine core: one model, its paged KV cache, the scheduler, and the per-request state.
+
+Data flow: `submit(prompt_ids, params)` -> scheduler queue -> `step()`: the scheduler picks this step's
+chunks (decodes, prefill chunks, newly admitted prompts; see scheduler.py) -> one flat [N] token batch
+-> embed -> every layer once for all N tokens (model.run_layers; attention per group on the paged
+cache) -> logits only for sequences whose chunk reached their last known token -> sampled tokens ->
+`Event`s (request id, token, finished) -> the server streams them. `abort(id)` (client gone) frees the
+sequence's pages before the next step's schedule.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from kascade_engine.batch.kvcache import KVCache, build_batch
+from kascade_engine.batch.model import LlamaModel
+from kascade_engine.batch.recorder import StepRecorder
+from kascade_engine.batch.sampling import SamplingParams, sample
+from kascade_engine.batch.scheduler import Limits, Scheduler, Seq, Work
+from kascade_engine.batch.stepcost import StepCost
+from kascade_engine.batch.velocity import VelocityMeter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Request:
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.monotonic)
+    out: list[int] = field(default_factory=list)
+    first_token_at: float | None = None
+    gen: torch.Generator | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.out
+
+
+@dataclass(frozen=True)
+class Event:
+    request: str
+    token: int
+    finished: bool
+    reason: str | None = None  # "stop" | "length" | "error: <message>" (token -1)
+    # the first token of a prompt prefilled on another engine (remote_prefill.py): that engine's data address. A
+    # converted decoder's answer names who prefilled its prompt from it (serving.Serving.decide), not from the
+    # hand-back's intent: a hand-back whose remote prefill failed is prefilled here after all
+    prefilled_by: str | None = None
+
+
+# Step hooks: what the live-scaling and disaggregation wings plug into a step, as a protocol owned by the
+# batching core (so batch/ imports nothing above it). `prepare` runs before each schedule, `forward` in place of
+# the engine's own forward, `take_events` yields tokens that landed later. Implementations: live/cooperation.py
+# `HostRows` (a full engine hosting a loading peer's rows), live/pairclient.py `PairClient` (a loading engine),
+# pd/prefill_server.py `KVShipper`.
+class StepHooks(Protocol):
+    """An Engine hook: `forward` replaces the step's forward; `pending` keeps the loop stepping."""
+
+    def pending(self) -> bool: ...
+
+    def forward(self, engine: Engine, work: list[Work]) -> Sequence[int | None]: ...
+    # one token per sampling chunk, in order; None: that chunk's token lands later (take_events)
+
+    def prepare(self, engine: Engine) -> None: ...  # before each schedule (in the step thread)
+
+    def abort(self, rid: str) -> None: ...
+
+    def take_events(self) -> list[Event]: ...
+
+
+class Engine:
+    def __init__(self, model: LlamaModel, limits: Limits | None = None, eos: int | None = None) -> None:
+        self.model = model
+        self.limits = limits or Limits()
+        windows = model.windows
+        # pages can go only when every layer has a window (they share one block table per sequence)
+        reclaim = max(w for w in windows if w is not None) if windows and None not in windows else None
+        self.scheduler = Scheduler(self.limits, window=reclaim)
+        s = model.shape
+        self.cache = KVCache(s.layers, self.limits.pages, self.limits.page_size, s.kv_heads, s.head_dim,
+                             model.dtype, model.device, reuse_gather=True)
+        self.requests: dict[str, Request] = {}
+        self.eos = eos
+        self._ids = itertools.count()
+        self._aborts: set[str] = set()
+        # work handed over by the event loop, run at the start of the next step in the step thread (a
+        # remotely prefilled sequence joining the batch: remote_prefill.py); returns that step's events
+        self._inbox: deque[Callable[[Engine], list[Event]]] = deque()
+        self.steps = 0
+        self.meter = VelocityMeter()  # prefill/decode tokens/s measured from this engine's step timings
+        # step time as a function of what the step runs, fitted from this engine's own steps: a converted
+        # decoder's scheduler cuts prompt chunks to the time its step budget leaves (stepcost.py)
+        self.cost = self.scheduler.cost = StepCost()
+        # the step's bookkeeping: velocity, step cost, the budget's record (recorder.py; metrics.py reads it)
+        self.recorder = StepRecorder(self.scheduler, self.meter, self.cost)
+        self.coop: StepHooks | None = None  # live split hook (cooperation.py): hosts or sends pair rows
+
+    @property
+    def idle(self) -> bool:
+        """Nothing to step: no sequences and no pair rows waiting."""
+        return self.scheduler.idle and not self._inbox and not (self.coop is not None and self.coop.pending())
+
+    def reset(self) -> None:
+        """Forget every request (release: the instance holds nothing afterwards)."""
+        for rid in list(self.requests):
+            self.scheduler.finish(rid)
+        self.requests.clear()
+
+    def load_blocks(self, blocks: Iterable[Any]) -> None:
+        for b in blocks:
+            self.model.add_block(b.id, b.tensors())
+
+    def submit(self, prompt: list[int], params: SamplingParams, rid: str | None = None, front: bool = False,
+               arrived: float | None = None) -> str:
+        """Queue a request (by `arrived`, a `time.monotonic()` value, default now: last unless some waiting
+        prompt arrived later; or first with `front`); returns its id."""
+        if not prompt:
+            raise ValueError("prompt is empty")
+        rid = rid or f"req-{next(self._ids)}"
+        gen = None
+        if params.seed is not None:  # sampling draws on the CPU generator: same tokens on any device
+            try:  # before the scheduler sees the request: a bad seed must leave no sequence behind
+                gen = torch.Generator(device="cpu").manual_seed(params.seed)
+            except (RuntimeError, OverflowError, TypeError) as e:
+                raise ValueError(f"seed {params.seed!r} is not usable: {e}") from None
+        when = time.monotonic() if arrived is None else arrived
+        self.scheduler.add(Seq(rid, len(prompt), params.max_tokens, arrived=when), front)
+        self.requests[rid] = Request(rid, list(prompt), params, gen=gen)
+        return rid
+
+    def abort(self, rid: str) -> None:
+        """Safe from another thread while `step` runs: applied at the start of the next step."""
+        self._aborts.add(rid)
+
+    def call_in_step(self, fn: Callable[[Engine], list[Event]]) -> None:
+        """Run `fn(self)` in the step thread before the next schedule (safe from the event loop)."""
+        self._inbox.append(fn)
+
+    def _apply_aborts(self) -> None:
+        while self._aborts:
+            rid = self._aborts.pop()
+            self.scheduler.finish(rid)
+            self.requests.pop(rid, None)
+            if self.coop is not None:  # a request handed to a live pair (redirect.py): abort it there
+                self.coop.abort(rid)
+
+    def step(self) -> list[Event]:
+        """schedule -> forward -> sample -> postprocess; the step's timing goes to the recorder."""
+        events = self._prepare()
+        work = self._schedule()
+        if not work and not (self.coop is not None and self.coop.pending()):
+            return events
+        self.steps += 1
+        # which chunks sample, fixed before the forward: a live pair's answer to this very step can land inside
+        # it (pairclient.PairClient lands every answer that is back), adding the token (len(tokens) grows) or
+        # finishing the request (it leaves `requests`); the recorder's facts likewise
+        samples = [w.end == len(self.requests[w.id].tokens) for w in work]
+        note = self.recorder.begin(work, self.requests, self.coop)
+        t0 = time.perf_counter()
+        try:
+            toks = self._forward(work) if self.coop is None else self.coop.forward(self, work)
+        except (RuntimeError, ValueError, IndexError) as e:  # fails this step's requests, never the engine
+            return events + self._fail(work, e)
+        self.recorder.end(note, work, time.perf_counter() - t0)
+        return events + self._postprocess(work, samples, toks)
+
+    def _prepare(self) -> list[Event]:
+        """Aborts, work handed over by the event loop, and the step hook's turn, before the schedule."""
+        self._apply_aborts()
+        events: list[Event] = []
+        while self._inbox:
+            events.extend(self._inbox.popleft()(self))
+        if self.coop is not None:
+            self.coop.prepare(self)
+        return events
+
+    def _schedule(self) -> list[Work]:
+        batch = self.scheduler.schedule()
+        return sorted((w for w in batch.work if w.id in self.requests), key=lambda w: w.n > 1)  # decodes first
+
+    def _forward(self, work: list[Work]) -> list[int]:
+        """One forward for the whole step; returns the sampled token per sampling chunk, in order."""
+        return self._sample(work, self._logits(work))
+
+    def _logits(self, work: list[Work]) -> torch.Tensor:
+        """The model over every chunk's tokens at once; logits only for chunks that reach their last token."""
+        m, pool = self.model, self.scheduler.pool
+        ids: list[int] = []
+        rows: list[int] = []
+        for w in work:
+            ids.extend(self.requests[w.id].tokens[w.start:w.end])
+            if w.end == len(self.requests[w.id].tokens):
+                rows.append(len(ids) - 1)
+        batch = build_batch(self.cache, [(pool.tables[w.id], w.start, w.n) for w in work])
+        h = m.run_layers(0, m.shape.layers, m.embed(torch.tensor(ids, dtype=torch.long, device=m.device)), batch)
+        return m.logits(h[torch.tensor(rows, dtype=torch.long, device=m.device)])
+
+    def _sample(self, work: list[Work], logits: torch.Tensor) -> list[int]:
+        greedy = logits.argmax(dim=-1).tolist()
+        out = []
+        sampled = [w for w in work if w.end == len(self.requests[w.id].tokens)]
+        for j, w in enumerate(sampled):
+            r = self.requests[w.id]
+            out.append(greedy[j] if r.params.temperature <= 0 else sample(logits[j].cpu(), r.params, r.gen))
+        return out
+
+    def _fail(self, work: list[Work], e: Exception) -> list[Event]:
+        log.warning("step failed for %d requests: %s", len(work), e, exc_info=log.isEnabledFor(logging.INFO))
+        for w in work:
+            self.scheduler.finish(w.id)
+            self.requests.pop(w.id, None)
+        return [Event(w.id, -1, True, f"error: {e}") for w in work]
+
+    def _postprocess(self, work: list[Work], samples: list[bool], toks: Sequence[int | None]) -> list[Event]:
+        """Advance every chunk; a sampled token ends its request on stop/length."""
+        events: list[Event] = []
+        it = iter(toks)
+        now = time.monotonic()
+        for w, sampled in zip(work, samples, strict=True):
+            if not sampled:  # a prefill chunk that did not reach the end yet
+                self.scheduler.advance(w.id, w.n, False)
+                continue
+            tok = next(it)
+            if tok is None:  # still out on a live pair (cooperation.py parked it): delivered when it lands
+                self.scheduler.advance(w.id, w.n, False)
+                continue
+            self.scheduler.advance(w.id, w.n, True)
+            events.append(self.deliver(w.id, tok, now))
+        if self.coop is not None:
+            events.extend(self.coop.take_events())  # tokens that landed from a live pair (own or redirected)
+        return events
+
+    def deliver(self, rid: str, tok: int, now: float) -> Event:
+        """`tok` is `rid`'s next token (its step's KV already counted): record it, finish on stop/length."""
+        r = self.requests[rid]
+        r.out.append(tok)
+        r.first_token_at = r.first_token_at or now
+        reason = None
+        if tok == self.eos or tok in r.params.stop_token_ids:
+            reason = "stop"
+        elif len(r.out) >= r.params.max_tokens:
+            reason = "length"
+        if reason:
+            self.scheduler.finish(rid)
+            self.requests.pop(rid, None)
+        return Event(rid, tok, reason is not None, reason)
+
+    def generate(self, prompt: list[int], params: SamplingParams) -> list[int]:
+        """Run one request to completion (tests, benchmarks)."""
+        return self.generate_many([prompt], params)[0]
+
+    def generate_many(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """Run requests together to completion (tests, benchmarks): batched like the server does."""
+        rids = [self.submit(p, params) for p in prompts]
+        out: dict[str, list[int]] = {r: [] for r in rids}
+        done: set[str] = set()
+        while len(done) < len(rids):
+            before = self.steps
+            events = self.step()
+            if self.steps == before:
+                raise RuntimeError("nothing schedulable: the requests do not fit the KV cache")
+            for e in events:
+                if e.request in out:
+                    if e.token < 0:
+                        raise RuntimeError(f"generation failed: {e.reason}")
+                    out[e.request].append(e.token)
+                    if e.finished:
+                        done.add(e.request)
+        return [out[r] for r in rids]

@@ -1,0 +1,92 @@
+"""The control API under /kascade/v1/ (bind, load-plan, status, manifest, cooperate, convert, host-copy,
+drain, release), used by the operator; every route needs `Authorization: Bearer <token>` (compared in constant time).
+
+Data flow: operator (`EngineClient`) -> bearer check -> JSON body -> the shared wire type
+(`kascade_planner.engine_api`: 400 naming the field) -> one `EngineInstance` call -> `EngineStatus`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+
+from kascade_engine.instance import EngineInstance
+from kascade_engine.refusal import InstanceError
+from kascade_planner.engine_api import (
+    BindRequest,
+    ConvertRequest,
+    CooperateRequest,
+    HostCopyRequest,
+    LoadPlanRequest,
+    ReleaseRequest,
+    WireError,
+)
+
+
+def add_control_routes(app: FastAPI, inst: EngineInstance) -> None:
+    def auth(request: Request) -> None:
+        got = request.headers.get("authorization", "")
+        if not got.startswith("Bearer "):
+            raise InstanceError(401, "missing bearer token (Authorization: Bearer <token>)")
+        if not hmac.compare_digest(got[7:].encode(), inst.config.token.encode()):
+            raise InstanceError(403, "bearer token rejected")
+
+    guard = [Depends(auth)]
+
+    async def body(request: Request) -> Any:
+        raw = await request.body()
+        if not raw:
+            return {}
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise InstanceError(400, f"body is not JSON: {e}") from None
+
+    def parse(f: Any, doc: Any) -> Any:
+        try:
+            return f(doc)
+        except WireError as e:
+            raise InstanceError(400, str(e), e.field) from None
+
+    @app.get("/kascade/v1/status", dependencies=guard)
+    async def get_status() -> dict[str, Any]:
+        return inst.status().to_dict()
+
+    @app.post("/kascade/v1/bind", dependencies=guard)
+    async def bind(request: Request) -> dict[str, Any]:
+        return (await inst.bind(parse(BindRequest.from_dict, await body(request)))).to_dict()
+
+    @app.get("/kascade/v1/manifest", dependencies=guard)
+    async def manifest() -> dict[str, Any]:
+        if inst.blockset is not None and inst.model.complete:
+            return dict(inst.blockset.manifest())
+        if inst.host_copy is not None:  # released with a host copy: a host source
+            return dict(inst.host_copy.manifest())
+        raise InstanceError(404, "this engine holds no complete copy of the model")
+
+    @app.post("/kascade/v1/load-plan", dependencies=guard)
+    async def load_plan(request: Request) -> dict[str, Any]:
+        return (await inst.load_plan(parse(LoadPlanRequest.from_dict, await body(request)))).to_dict()
+
+    @app.post("/kascade/v1/cooperate", dependencies=guard)
+    async def cooperate(request: Request) -> dict[str, Any]:
+        return (await inst.set_cooperate(parse(CooperateRequest.from_dict, await body(request)))).to_dict()
+
+    @app.post("/kascade/v1/convert", dependencies=guard)
+    async def convert(request: Request) -> dict[str, Any]:
+        return inst.convert(parse(ConvertRequest.from_dict, await body(request))).to_dict()
+
+    @app.post("/kascade/v1/host-copy", dependencies=guard)
+    async def host_copy(request: Request) -> dict[str, Any]:  # {"keep": bool}: answers hostCopyBytes (+ reason)
+        return inst.keep_copy(parse(HostCopyRequest.from_dict, await body(request))).to_dict()
+
+    @app.post("/kascade/v1/drain", dependencies=guard)
+    async def drain() -> dict[str, Any]:
+        return inst.drain().to_dict()
+
+    @app.post("/kascade/v1/release", dependencies=guard)
+    async def release(request: Request) -> dict[str, Any]:  # body optional: {"keepHostCopy": bool}
+        return inst.release(parse(ReleaseRequest.from_dict, await body(request)).keep_host_copy).to_dict()
