@@ -374,7 +374,10 @@ def test_rows_joining_at_a_later_layer_match_rows_run_from_the_start(tiny_blocks
     # a row joining past its first layer catches up alone first: the same outputs up to float rounding (its
     # layer 2 ran in a batch of its own: another matmul shape), its layers charged
     out2 = stagger(m, L, xs, 3)
-    assert torch.equal(out2[0]["own"], ref["own"])
+    # the own rows too are equal only up to float rounding: from layer 3 on they share a matmul with the late
+    # rows (9 rows, not 6), and whether a GEMM's result for a row depends on the other rows' count is the BLAS
+    # build's choice (exact on one CI machine, last-bit differences on an AMD EPYC one)
+    assert torch.allclose(out2[0]["own"], ref["own"], rtol=1e-5, atol=1e-4)
     assert torch.allclose(out2[0]["late"], ref["late"], rtol=1e-5, atol=1e-4)
     assert not torch.allclose(xs["late"], ref["late"], atol=1.0)  # (the rows did go through the layers)
     assert out2[1] == L + 1  # layer 2 for the late rows alone, then the rest shared
