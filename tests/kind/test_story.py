@@ -1,0 +1,219 @@
+"""The Kascade story in pods on kind: the chart's own Deployments, real kubelets, a real pod network.
+
+The tests run in file order on one release (module fixture `release`): the first copy loads from the
+model volume, a burst goes through the router's Service, a chain ScalePlan copies between engine pods
+over pod IPs, scale down, scale to zero and back; then the faults (operator leader killed mid-plan, a
+`helm upgrade` with unchanged values, a drained worker) and `helm uninstall`. Every request sent is
+counted as answered or failed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from kascade_devcluster.loadgen import LoadGen
+
+from .conftest import ENGINE_IMAGE, NS, OPERATOR_IMAGE, REPO, Kind
+
+pytestmark = [pytest.mark.kind, pytest.mark.slow, pytest.mark.timeout(1800)]
+MSVC, MODEL = "tiny", "tiny-kind"
+
+
+def wait(pred: Callable[[], Any], what: str, timeout: float = 240, k: Kind | None = None) -> Any:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(1)
+    diag = ""
+    if k is not None:
+        diag = k.kubectl("-n", NS, "get", "msvc,splan,pods", "-o", "wide", check=False)
+        diag += k.kubectl("-n", NS, "logs", "-l", "app.kubernetes.io/component=operator", "--tail=60",
+                          "--prefix", check=False)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{diag}")
+
+
+def _repo_tag(image: str) -> tuple[str, str]:
+    repo, _, tag = image.rpartition(":")
+    return repo, tag
+
+
+def helm_args() -> list[str]:
+    (erepo, etag), (orepo, otag) = _repo_tag(ENGINE_IMAGE), _repo_tag(OPERATOR_IMAGE)
+    return [str(REPO / "charts" / "kascade"), "-n", NS, "-f", str(REPO / "e2e" / "kind" / "values.yaml"),
+            "--set", f"image.repository={orepo},image.tag={otag}",
+            "--set", f"pool.image.repository={erepo},pool.image.tag={etag}"]
+
+
+def msvc(k: Kind) -> dict:
+    return k.get("-n", NS, "msvc", MSVC)
+
+
+def ready(k: Kind) -> int:
+    return int(msvc(k).get("status", {}).get("readyReplicas") or 0)
+
+
+def plans(k: Kind) -> list[dict]:
+    return k.get("-n", NS, "splan")["items"]
+
+
+def pods(k: Kind, selector: str) -> list[dict]:
+    return k.get("-n", NS, "pods", "-l", selector)["items"]
+
+
+def router_url(k: Kind) -> str:
+    ip = k.get("-n", NS, "svc", "kascade-router")["spec"]["clusterIP"]
+    return f"http://{ip}:8080"
+
+
+@pytest.fixture(scope="module")
+def release(kind_cluster: Kind) -> Iterator[Kind]:
+    k = kind_cluster
+    k.kubectl("create", "namespace", NS, check=False)
+    k.kubectl("label", "namespace", NS, "pod-security.kubernetes.io/enforce=restricted",
+              "pod-security.kubernetes.io/enforce-version=latest", "--overwrite")
+    t0 = time.monotonic()
+    k.helm("upgrade", "--install", "kascade", *helm_args())
+    wait(lambda: all(len([p for p in pods(k, f"app.kubernetes.io/component={c}")
+                          if _ready(p)]) >= 2 for c in ("operator", "router")),
+         "2 operator and 2 router pods Ready", 300, k)
+    print(f"kind: chart installed, operator and router Ready in {time.monotonic() - t0:.0f} s")
+    k.kubectl("-n", NS, "apply", "-f", str(REPO / "e2e" / "kind" / "modelservice.yaml"))
+    yield k
+
+
+def _ready(pod: dict) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod.get("status", {}).get("conditions", []))
+
+
+def test_first_copy_loads_from_the_model_volume(release: Kind) -> None:
+    k = release
+    wait(lambda: ready(k) >= 1, "the first copy to load", 300, k)
+    bound = [p for p in pods(k, "kascade.io/pool=bound") if _ready(p)]
+    assert len(bound) == 1, [p["metadata"]["name"] for p in bound]
+    assert bound[0]["spec"]["nodeName"] in k.nodes()
+
+
+def test_burst_through_the_router_service(release: Kind) -> None:
+    k = release
+    gen = LoadGen(router_url(k), MODEL, prompt=list(range(1, 17)), max_tokens=8, timeout_s=60).start(8)
+    try:
+        gen.set_load(8)
+        time.sleep(20)
+        gen.set_load(0)
+    finally:
+        gen.stop()
+    s = gen.summary()
+    print(f"kind: burst {s}")
+    assert s["requests"] >= 20, s
+    assert s["failed"] == 0, gen.failures()[:5]
+
+
+def test_chain_scale_plan_between_engine_pods(release: Kind) -> None:
+    k = release
+    k.kubectl("-n", NS, "scale", "msvc", MSVC, "--replicas=3")
+    done = wait(lambda: [p for p in plans(k) if p["status"].get("phase") == "Succeeded"
+                         and p["spec"].get("algorithm") == "chain"], "a chain ScalePlan to succeed", 300, k)
+    plan = done[0]
+    ips = {p["status"].get("podIP") for p in pods(k, "app.kubernetes.io/component=engine")}
+    print("kind: chain plan", json.dumps({"spec": {x: plan["spec"].get(x) for x in ("sources", "targets", "chains")},
+                                          "status": plan["status"]})[:1500])
+    wait(lambda: ready(k) == 3, "3 ready replicas", 240, k)
+    assert all(p["status"].get("phase") != "Failed" for p in plans(k)), [p["status"] for p in plans(k)]
+    assert len(ips) >= 3
+
+
+def test_scale_down_to_zero_and_back(release: Kind) -> None:
+    k = release
+    k.kubectl("-n", NS, "scale", "msvc", MSVC, "--replicas=1")
+    wait(lambda: ready(k) == 1, "scale down to 1", 240, k)
+    k.kubectl("-n", NS, "scale", "msvc", MSVC, "--replicas=0")
+    wait(lambda: ready(k) == 0 and not pods(k, "kascade.io/pool=bound"), "scale to zero", 240, k)
+    # a request while at zero is held by the router until a replica serves it
+    gen = LoadGen(router_url(k), MODEL, prompt=list(range(1, 9)), max_tokens=4, timeout_s=180).start(1)
+    try:
+        gen.set_load(1, think_s=1.0)
+        time.sleep(2)
+        k.kubectl("-n", NS, "scale", "msvc", MSVC, "--replicas=1")
+        wait(lambda: ready(k) == 1, "back from zero", 300, k)
+        time.sleep(5)
+    finally:
+        gen.set_load(0)
+        gen.stop()
+    s = gen.summary()
+    print(f"kind: across zero {s}")
+    assert s["ok"] >= 1 and s["failed"] == 0, gen.failures()[:5]
+
+
+def test_helm_upgrade_with_unchanged_values_restarts_nothing(release: Kind) -> None:
+    k = release
+
+    def snapshot() -> dict[str, int]:
+        return {p["metadata"]["uid"]: sum(c.get("restartCount", 0) for c in p["status"].get("containerStatuses", []))
+                for p in k.get("-n", NS, "pods")["items"]}
+
+    token = k.get("-n", NS, "secret", "-l", "app.kubernetes.io/instance=kascade")["items"]
+    before = snapshot()
+    k.helm("upgrade", "kascade", *helm_args())
+    time.sleep(15)
+    after = snapshot()
+    assert after == before, {"gone": set(before) - set(after), "new": set(after) - set(before)}
+    assert k.get("-n", NS, "secret", "-l", "app.kubernetes.io/instance=kascade")["items"][0]["data"] == \
+        token[0]["data"]
+
+
+def test_operator_leader_killed_mid_plan(release: Kind) -> None:
+    k = release
+    leader = _leader(k)
+    n_before = len(plans(k))
+    k.kubectl("-n", NS, "scale", "msvc", MSVC, "--replicas=2")
+    wait(lambda: len(plans(k)) > n_before, "a new ScalePlan", 120, k)
+    k.kubectl("-n", NS, "delete", "pod", leader, "--grace-period=0", "--force", "--wait=false")
+    wait(lambda: _leader(k) not in ("", leader), "a standby to take the Lease", 120, k)
+    wait(lambda: ready(k) == 2, "2 ready replicas after the leader was killed", 300, k)
+    new = plans(k)[n_before:]
+    assert len(new) == 1, [(p["metadata"]["name"], p["status"].get("phase")) for p in new]
+    assert new[0]["status"].get("phase") == "Succeeded", new[0]["status"]
+
+
+def _leader(k: Kind) -> str:
+    lease = k.get("-n", NS, "lease", "kascade-operator")
+    holder = lease["spec"].get("holderIdentity") or ""
+    return holder.rsplit("-", 1)[0]
+
+
+def test_drain_a_worker_loses_no_request(release: Kind) -> None:
+    k = release
+    gen = LoadGen(router_url(k), MODEL, prompt=list(range(1, 9)), max_tokens=4, timeout_s=180).start(2)
+    node = ""
+    try:
+        gen.set_load(2, think_s=0.2)
+        time.sleep(3)
+        bound = pods(k, "kascade.io/pool=bound")
+        node = bound[0]["spec"]["nodeName"]
+        k.kubectl("drain", node, "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=240s", timeout=300)
+        wait(lambda: ready(k) >= 1, "a replica serving after the drain", 300, k)
+        time.sleep(5)
+    finally:
+        gen.set_load(0)
+        gen.stop()
+        if node:
+            k.kubectl("uncordon", node, check=False)
+    s = gen.summary()
+    print(f"kind: drain of {node} {s}")
+    assert s["failed"] == 0, gen.failures()[:5]
+
+
+def test_helm_uninstall(release: Kind) -> None:
+    k = release
+    k.helm("uninstall", "kascade", "-n", NS, "--wait", "--timeout", "300s")
+    left = k.kubectl("-n", NS, "get", "all,secret,configmap,lease,msvc,splan", "-o", "name", check=False)
+    crds = k.kubectl("get", "crd", "-o", "name")
+    print(f"kind: after uninstall, in {NS}:\n{left}\nCRDs:\n{crds}")
+    assert "deployment.apps/" not in left
