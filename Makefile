@@ -62,8 +62,10 @@ bench: ## Benchmarks that print ratios (QUICK=1 for the short versions)
 e2e: ## End-to-end tests only (real control plane + real engine processes)
 	bash hack/pytest.sh tests/e2e -m "cluster"
 
-e2e-kind: ## e2e on kind for Docker users (cannot run on the dev machines)
-	bash e2e/kind/run.sh
+e2e-kind: ## The story in pods on kind: node image and every image built here (hack/build-kind.sh), then tests/kind
+	bash hack/build-control-plane.sh >/dev/null
+	bash hack/build-kind.sh
+	bash hack/pytest.sh tests/kind -m kind -s
 
 manifests: ## Copy crds/ into the Helm chart, render manifests/, generate the dashboard, alert rules, docs/api-reference.md and docs/values.md
 	$(PY) hack/sync_manifests.py

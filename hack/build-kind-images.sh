@@ -38,7 +38,8 @@ build_pause() {
 docker_image() {  # tag, context dir (with its Dockerfile): builds unless cached, records the tag
   CLUSTER_IMAGES+=("$1")
   image_exists "$1" && return 0
-  DOCKER_BUILDKIT=0 $NICE docker build -q -t "$1" "$2" >/dev/null
+  DOCKER_BUILDKIT=0 $NICE docker build -q -t "$1" "$2" >/dev/null 2>"$WORK/image-build.err" \
+    || { cat "$WORK/image-build.err" >&2; return 1; }
 }
 
 write_podnet() {  # context dir

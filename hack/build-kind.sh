@@ -190,7 +190,9 @@ COPY bin/containerd bin/ctr bin/containerd-shim-runc-v2 bin/crictl /usr/local/bi
 COPY bin/runc /usr/local/sbin/runc
 COPY entrypoint-unprivileged /usr/local/bin/
 COPY cni/ /opt/cni/bin/
-# what kindest/base's RUN does (images/base/Dockerfile)
+# what kindest/base's RUN does (images/base/Dockerfile); and restrict_oom_score_adj: a pod's OOM score is
+# never set below containerd's own (lowering it needs CAP_SYS_RESOURCE, which some hosts do not grant:
+# runc init then fails "failed to update /proc/self/oom_score_adj: Permission denied")
 RUN chmod 755 /kind /kind/bin /kind/bin/* /usr/local/bin/* /usr/local/sbin/runc /opt/cni/bin/* \\
  && find /lib/systemd/system/sysinit.target.wants/ -name "systemd-tmpfiles-setup.service" -delete \\
  && rm -f /lib/systemd/system/multi-user.target.wants/* /etc/systemd/system/*.wants/* \\
@@ -201,6 +203,7 @@ RUN chmod 755 /kind /kind/bin /kind/bin/* /usr/local/bin/* /usr/local/sbin/runc 
  && systemctl enable kubelet.service containerd.service undo-mount-hacks.service \\
  && systemctl mask systemd-binfmt.service \\
  && mkdir -p /etc/kubernetes/manifests \\
+ && sed -i 's/restrict_oom_score_adj = false/restrict_oom_score_adj = true/' /etc/containerd/config.toml \\
  && ctr oci spec | jq '.hooks.createContainer[.hooks.createContainer| length] |= . + {"path": "/kind/bin/mount-product-files.sh"}' \\
     | jq 'del(.process.rlimits)' > /etc/containerd/cri-base.json \\
  && containerd --version && runc --version
@@ -208,7 +211,8 @@ ENV container=docker
 STOPSIGNAL SIGRTMIN+3
 ENTRYPOINT [ "/usr/local/bin/entrypoint-unprivileged", "/sbin/init" ]
 EOF
-  DOCKER_BUILDKIT=0 $NICE docker build -q -t "$BASE_IMAGE" "$ctx" >/dev/null
+  DOCKER_BUILDKIT=0 $NICE docker build -q -t "$BASE_IMAGE" "$ctx" >/dev/null 2>"$WORK/base-build.err" \
+    || { cat "$WORK/base-build.err" >&2; return 1; }
 }
 
 source "$REPO/hack/build-kind-images.sh"
@@ -288,7 +292,7 @@ main() {
   stage kube-node build_kube_node
   stage images build_cluster_images
   stage node build_node
-  log "all done in $((SECONDS - T0)) s; node image $NODE_IMAGE ($(docker image inspect -f '{{.Size}}' "$NODE_IMAGE" | awk '{printf "%.0f MB", $1/1e6}'))"
+  log "all done in $((SECONDS - T0)) s; node image $NODE_IMAGE ($(docker image inspect -f '{{.Size}}' "$NODE_IMAGE" 2>/dev/null | awk '{printf "%.0f MB", $1/1e6}'))"
   echo "$NODE_IMAGE"
 }
 main "$@"

@@ -28,9 +28,11 @@ REPO = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("KASCADE_CACHE", Path.home() / ".cache" / "kascade"))
 KIND_BIN = CACHE / "kind" / "bin" / "kind"
 NODE_IMAGE = os.environ.get("KASCADE_KIND_NODE_IMAGE", "kascade-kind/node:v1.36.3")
-# the engine image (it carries the operator and router too); overridable for a registry's image
-ENGINE_IMAGE = os.environ.get("KASCADE_KIND_ENGINE_IMAGE", "kascade-engine:dev-cpu")
-OPERATOR_IMAGE = os.environ.get("KASCADE_KIND_OPERATOR_IMAGE", "kascade-operator:dev")
+# the engine image (make images; it carries the operator and router too), loaded as kascade:e2e (the
+# name e2e/kind/values.yaml and modelservice.yaml use); the operator image runs the operator and router
+ENGINE_IMAGE = os.environ.get("KASCADE_KIND_ENGINE_IMAGE", "ghcr.io/kascade/kascade-engine:0.1.0-cpu")
+OPERATOR_IMAGE = os.environ.get("KASCADE_KIND_OPERATOR_IMAGE", "ghcr.io/kascade/kascade-operator:0.1.0")
+E2E_IMAGE = "kascade:e2e"
 CLUSTER = os.environ.get("KASCADE_KIND_CLUSTER", "kascade-e2e")
 MODELS = Path("/tmp/kascade-kind-models")
 NS = "kascade"
@@ -130,7 +132,8 @@ def kind_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kind]:
             k.kubectl("patch", "node", node, "--subresource=status", "--type=json",
                       "-p", '[{"op":"add","path":"/status/capacity/nvidia.com~1gpu","value":"4"}]')
         t1 = time.monotonic()
-        for img in dict.fromkeys((ENGINE_IMAGE, OPERATOR_IMAGE)):
+        _run("docker", "tag", ENGINE_IMAGE, E2E_IMAGE)
+        for img in (E2E_IMAGE, OPERATOR_IMAGE):
             _run(str(KIND_BIN), "load", "docker-image", img, "--name", CLUSTER, timeout=900)
         print(f"kind: images loaded in {time.monotonic() - t1:.0f} s")
         yield k

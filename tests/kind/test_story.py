@@ -18,7 +18,7 @@ import pytest
 
 from kascade_devcluster.loadgen import LoadGen
 
-from .conftest import ENGINE_IMAGE, NS, OPERATOR_IMAGE, REPO, Kind
+from .conftest import NS, OPERATOR_IMAGE, REPO, Kind
 
 pytestmark = [pytest.mark.kind, pytest.mark.slow, pytest.mark.timeout(1800)]
 MSVC, MODEL = "tiny", "tiny-kind"
@@ -45,10 +45,11 @@ def _repo_tag(image: str) -> tuple[str, str]:
 
 
 def helm_args() -> list[str]:
-    (erepo, etag), (orepo, otag) = _repo_tag(ENGINE_IMAGE), _repo_tag(OPERATOR_IMAGE)
+    """e2e/kind/values.yaml (the pool from kascade:e2e, the engine image), the operator image for the
+    operator and router."""
+    orepo, otag = _repo_tag(OPERATOR_IMAGE)
     return [str(REPO / "charts" / "kascade"), "-n", NS, "-f", str(REPO / "e2e" / "kind" / "values.yaml"),
-            "--set", f"image.repository={orepo},image.tag={otag}",
-            "--set", f"pool.image.repository={erepo},pool.image.tag={etag}"]
+            "--set", f"image.repository={orepo},image.tag={otag}"]
 
 
 def msvc(k: Kind) -> dict:
