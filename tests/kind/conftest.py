@@ -133,8 +133,9 @@ def kind_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kind]:
                       "-p", '[{"op":"add","path":"/status/capacity/nvidia.com~1gpu","value":"4"}]')
         t1 = time.monotonic()
         _run("docker", "tag", ENGINE_IMAGE, E2E_IMAGE)
+        workers = ",".join(k.nodes())  # the control plane's taint keeps our pods off it
         for img in (E2E_IMAGE, OPERATOR_IMAGE):
-            _run(str(KIND_BIN), "load", "docker-image", img, "--name", CLUSTER, timeout=900)
+            _run(str(KIND_BIN), "load", "docker-image", img, "--name", CLUSTER, "--nodes", workers, timeout=1800)
         print(f"kind: images loaded in {time.monotonic() - t1:.0f} s")
         yield k
     finally:

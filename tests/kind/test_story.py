@@ -79,6 +79,7 @@ def release(kind_cluster: Kind) -> Iterator[Kind]:
     k.kubectl("create", "namespace", NS, check=False)
     k.kubectl("label", "namespace", NS, "pod-security.kubernetes.io/enforce=restricted",
               "pod-security.kubernetes.io/enforce-version=latest", "--overwrite")
+    k.kubectl("apply", "-f", str(REPO / "e2e" / "kind" / "models-pv.yaml"))
     t0 = time.monotonic()
     k.helm("upgrade", "--install", "kascade", *helm_args())
     wait(lambda: all(len([p for p in pods(k, f"app.kubernetes.io/component={c}")
