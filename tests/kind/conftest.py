@@ -34,6 +34,9 @@ ENGINE_IMAGE = os.environ.get("KASCADE_KIND_ENGINE_IMAGE", "ghcr.io/kascade/kasc
 OPERATOR_IMAGE = os.environ.get("KASCADE_KIND_OPERATOR_IMAGE", "ghcr.io/kascade/kascade-operator:0.1.0")
 E2E_IMAGE = "kascade:e2e"
 CLUSTER = os.environ.get("KASCADE_KIND_CLUSTER", "kascade-e2e")
+# the engine image goes to one worker only, and the pool with it (ENGINE_NODE): a second ~6 GB copy does
+# not fit on the dev machines' disks; the operator and router run on both workers
+ENGINE_NODE = os.environ.get("KASCADE_KIND_ENGINE_NODE", f"{CLUSTER}-worker")
 MODELS = Path("/tmp/kascade-kind-models")
 NS = "kascade"
 SERVICE_CIDR, POD_CIDR = "10.96.0.0/16", "10.244.0.0/16"  # kind's defaults
@@ -64,6 +67,7 @@ class Kind:
     name: str
     kubeconfig: Path
     bins: Path
+    no_engine: str = ""  # why the engine image is not on ENGINE_NODE ("" when it is)
 
     def kubectl(self, *args: str, input: str | None = None, check: bool = True, timeout: float = 300) -> str:
         return _run(str(self.bins / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args, input=input,
@@ -88,6 +92,43 @@ def _tiny_model() -> None:
         tiny_llama(MODELS / "tiny-kind", layers=8, hidden=256, vocab=2048)
     for p in [MODELS, *MODELS.rglob("*")]:  # the engine runs as uid 65532
         p.chmod(0o755 if p.is_dir() else 0o644)
+
+
+def load_image(image: str, node: str) -> None:
+    """`kind load docker-image` for one node, without its copy of the image on disk: `docker save`
+    streams into the node's containerd, which unpacks it, and the layer blobs are then dropped (the
+    snapshots are what containers run from; containerd's CRI does the same for pulled images with
+    discard_unpacked_layers). The engine image is ~6 GB: a tar, a blob and a snapshot per node would
+    not fit on the dev machines' disks."""
+    have = _run("docker", "exec", node, "ctr", "-n", "k8s.io", "images", "ls", "-q", check=False)
+    ref = image if "/" in image.split(":")[0] else f"docker.io/library/{image}"
+    if ref in have.split():
+        return
+    save = subprocess.Popen(["docker", "save", image], stdout=subprocess.PIPE)
+    try:
+        imp = subprocess.run(["docker", "exec", "-i", node, "ctr", "-n", "k8s.io", "images", "import",
+                              "--digests", "--snapshotter=overlayfs", "-"], stdin=save.stdout,
+                             capture_output=True, text=True, timeout=1800)
+    finally:
+        save.wait()
+    if imp.returncode != 0 or save.returncode != 0:
+        raise RuntimeError(f"loading {image} into {node}: {imp.stderr[-1000:]}")
+    layers = json.loads(_run("docker", "image", "inspect", image))[0]["RootFS"]["Layers"]
+    _run("docker", "exec", node, "ctr", "-n", "k8s.io", "content", "rm", *layers, check=False)
+
+
+def engine_load(image: str, node: str) -> str:
+    """Load the engine image onto `node` if the disk can take it; else say why not. Its peak on disk is
+    about twice its size (the daemon's export, then the node's blob and unpacked snapshot)."""
+    size = json.loads(_run("docker", "image", "inspect", image))[0]["Size"]
+    have = _run("docker", "exec", node, "ctr", "-n", "k8s.io", "images", "ls", "-q", check=False).split()
+    free = shutil.disk_usage(_run("docker", "info", "-f", "{{.DockerRootDir}}").strip()).free
+    margin = int(os.environ.get("KASCADE_KIND_DISK_MARGIN_GB", "4")) * 2**30
+    if f"docker.io/library/{image}" not in have and free < 2 * size + margin:
+        return (f"the engine image {ENGINE_IMAGE} ({size / 1e9:.2f} GB) was not loaded into {node}: that needs "
+                f"~{(2 * size + margin) / 1e9:.0f} GB free on Docker's disk, {free / 1e9:.1f} GB are")
+    load_image(image, node)
+    return ""
 
 
 def _host_routes(cp_ip: str, add: bool) -> None:
@@ -133,9 +174,10 @@ def kind_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kind]:
                       "-p", '[{"op":"add","path":"/status/capacity/nvidia.com~1gpu","value":"4"}]')
         t1 = time.monotonic()
         _run("docker", "tag", ENGINE_IMAGE, E2E_IMAGE)
-        workers = ",".join(k.nodes())  # the control plane's taint keeps our pods off it
-        for img in (E2E_IMAGE, OPERATOR_IMAGE):
-            _run(str(KIND_BIN), "load", "docker-image", img, "--name", CLUSTER, "--nodes", workers, timeout=1800)
+        workers = k.nodes()  # the control plane's taint keeps our pods off it
+        for node in workers:
+            load_image(OPERATOR_IMAGE, node)
+        k.no_engine = engine_load(E2E_IMAGE, ENGINE_NODE)
         print(f"kind: images loaded in {time.monotonic() - t1:.0f} s")
         yield k
     finally:

@@ -10,6 +10,7 @@ counted as answered or failed.
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -17,8 +18,9 @@ from typing import Any
 import pytest
 
 from kascade_devcluster.loadgen import LoadGen
+from kascade_devcluster.requirement import unavailable
 
-from .conftest import NS, OPERATOR_IMAGE, REPO, Kind
+from .conftest import ENGINE_NODE, NS, OPERATOR_IMAGE, REPO, Kind
 
 pytestmark = [pytest.mark.kind, pytest.mark.slow, pytest.mark.timeout(1800)]
 MSVC, MODEL = "tiny", "tiny-kind"
@@ -44,12 +46,19 @@ def _repo_tag(image: str) -> tuple[str, str]:
     return repo, tag
 
 
-def helm_args() -> list[str]:
+def need_engine(k: Kind) -> None:
+    if k.no_engine:
+        unavailable(k.no_engine)
+
+
+def helm_args(k: Kind) -> list[str]:
     """e2e/kind/values.yaml (the pool from kascade:e2e, the engine image), the operator image for the
     operator and router."""
     orepo, otag = _repo_tag(OPERATOR_IMAGE)
     return [str(REPO / "charts" / "kascade"), "-n", NS, "-f", str(REPO / "e2e" / "kind" / "values.yaml"),
-            "--set", f"image.repository={orepo},image.tag={otag}"]
+            "--set", f"image.repository={orepo},image.tag={otag}",
+            "--set", f"pool.nodeSelector.kubernetes\\.io/hostname={ENGINE_NODE}",
+            *(["--set", "pool.replicas=0"] if k.no_engine else [])]
 
 
 def msvc(k: Kind) -> dict:
@@ -81,12 +90,13 @@ def release(kind_cluster: Kind) -> Iterator[Kind]:
               "pod-security.kubernetes.io/enforce-version=latest", "--overwrite")
     k.kubectl("apply", "-f", str(REPO / "e2e" / "kind" / "models-pv.yaml"))
     t0 = time.monotonic()
-    k.helm("upgrade", "--install", "kascade", *helm_args())
+    k.helm("upgrade", "--install", "kascade", *helm_args(k))
     wait(lambda: all(len([p for p in pods(k, f"app.kubernetes.io/component={c}")
                           if _ready(p)]) >= 2 for c in ("operator", "router")),
          "2 operator and 2 router pods Ready", 300, k)
     print(f"kind: chart installed, operator and router Ready in {time.monotonic() - t0:.0f} s")
-    k.kubectl("-n", NS, "apply", "-f", str(REPO / "e2e" / "kind" / "modelservice.yaml"))
+    if not k.no_engine:
+        k.kubectl("-n", NS, "apply", "-f", str(REPO / "e2e" / "kind" / "modelservice.yaml"))
     yield k
 
 
@@ -96,6 +106,7 @@ def _ready(pod: dict) -> bool:
 
 def test_first_copy_loads_from_the_model_volume(release: Kind) -> None:
     k = release
+    need_engine(k)
     wait(lambda: ready(k) >= 1, "the first copy to load", 300, k)
     bound = [p for p in pods(k, "kascade.io/pool=bound") if _ready(p)]
     assert len(bound) == 1, [p["metadata"]["name"] for p in bound]
@@ -104,6 +115,7 @@ def test_first_copy_loads_from_the_model_volume(release: Kind) -> None:
 
 def test_burst_through_the_router_service(release: Kind) -> None:
     k = release
+    need_engine(k)
     gen = LoadGen(router_url(k), MODEL, prompt=list(range(1, 17)), max_tokens=8, timeout_s=60).start(8)
     try:
         gen.set_load(8)
@@ -119,6 +131,7 @@ def test_burst_through_the_router_service(release: Kind) -> None:
 
 def test_chain_scale_plan_between_engine_pods(release: Kind) -> None:
     k = release
+    need_engine(k)
     k.kubectl("-n", NS, "scale", "msvc", MSVC, "--replicas=3")
     done = wait(lambda: [p for p in plans(k) if p["status"].get("phase") == "Succeeded"
                          and p["spec"].get("algorithm") == "chain"], "a chain ScalePlan to succeed", 300, k)
@@ -133,6 +146,7 @@ def test_chain_scale_plan_between_engine_pods(release: Kind) -> None:
 
 def test_scale_down_to_zero_and_back(release: Kind) -> None:
     k = release
+    need_engine(k)
     k.kubectl("-n", NS, "scale", "msvc", MSVC, "--replicas=1")
     wait(lambda: ready(k) == 1, "scale down to 1", 240, k)
     k.kubectl("-n", NS, "scale", "msvc", MSVC, "--replicas=0")
@@ -162,7 +176,7 @@ def test_helm_upgrade_with_unchanged_values_restarts_nothing(release: Kind) -> N
 
     token = k.get("-n", NS, "secret", "-l", "app.kubernetes.io/instance=kascade")["items"]
     before = snapshot()
-    k.helm("upgrade", "kascade", *helm_args())
+    k.helm("upgrade", "kascade", *helm_args(k))
     time.sleep(15)
     after = snapshot()
     assert after == before, {"gone": set(before) - set(after), "new": set(after) - set(before)}
@@ -172,6 +186,7 @@ def test_helm_upgrade_with_unchanged_values_restarts_nothing(release: Kind) -> N
 
 def test_operator_leader_killed_mid_plan(release: Kind) -> None:
     k = release
+    need_engine(k)
     leader = _leader(k)
     n_before = len(plans(k))
     k.kubectl("-n", NS, "scale", "msvc", MSVC, "--replicas=2")
@@ -184,6 +199,18 @@ def test_operator_leader_killed_mid_plan(release: Kind) -> None:
     assert new[0]["status"].get("phase") == "Succeeded", new[0]["status"]
 
 
+def test_standby_takes_the_lease_when_the_leader_is_killed(release: Kind) -> None:
+    k = release
+    leader = _leader(k)
+    assert leader in [p["metadata"]["name"] for p in pods(k, "app.kubernetes.io/component=operator")]
+    t0 = time.monotonic()
+    k.kubectl("-n", NS, "delete", "pod", leader, "--grace-period=0", "--force", "--wait=false")
+    new = wait(lambda: _leader(k) not in ("", leader) and _leader(k), "a standby to take the Lease", 120, k)
+    print(f"kind: {new} leads {time.monotonic() - t0:.1f} s after {leader} was killed")
+    wait(lambda: len([p for p in pods(k, "app.kubernetes.io/component=operator") if _ready(p)]) == 2,
+         "2 operator pods Ready again", 240, k)
+
+
 def _leader(k: Kind) -> str:
     lease = k.get("-n", NS, "lease", "kascade-operator")
     holder = lease["spec"].get("holderIdentity") or ""
@@ -191,24 +218,37 @@ def _leader(k: Kind) -> str:
 
 
 def test_drain_a_worker_loses_no_request(release: Kind) -> None:
+    """The worker without the engines (the engine image is on one worker only, conftest.ENGINE_NODE):
+    operator and router pods move under their PDBs (never fewer than one Ready) while requests flow."""
     k = release
     gen = LoadGen(router_url(k), MODEL, prompt=list(range(1, 9)), max_tokens=4, timeout_s=180).start(2)
-    node = ""
+    node = next(n for n in k.nodes() if n != ENGINE_NODE)
+    low: dict[str, int] = {"operator": 2, "router": 2}
     try:
-        gen.set_load(2, think_s=0.2)
-        time.sleep(3)
-        bound = pods(k, "kascade.io/pool=bound")
-        node = bound[0]["spec"]["nodeName"]
-        k.kubectl("drain", node, "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=240s", timeout=300)
-        wait(lambda: ready(k) >= 1, "a replica serving after the drain", 300, k)
-        time.sleep(5)
+        if not k.no_engine:
+            gen.set_load(2, think_s=0.2)
+            time.sleep(3)
+        drain = subprocess.Popen([str(k.bins / "kubectl"), f"--kubeconfig={k.kubeconfig}", "drain", node,
+                                  "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=240s"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        while drain.poll() is None:
+            for c in low:
+                low[c] = min(low[c], len([p for p in pods(k, f"app.kubernetes.io/component={c}") if _ready(p)]))
+            time.sleep(0.5)
+        out = drain.stdout.read() if drain.stdout else ""
+        assert drain.returncode == 0, out
+        for c in low:
+            wait(lambda c=c: len([p for p in pods(k, f"app.kubernetes.io/component={c}") if _ready(p)]) == 2,
+                 f"2 {c} pods Ready after the drain", 240, k)
+        if not k.no_engine:
+            time.sleep(5)
     finally:
         gen.set_load(0)
         gen.stop()
-        if node:
-            k.kubectl("uncordon", node, check=False)
+        k.kubectl("uncordon", node, check=False)
     s = gen.summary()
-    print(f"kind: drain of {node} {s}")
+    print(f"kind: drain of {node}: fewest Ready {low}; requests {s}")
+    assert min(low.values()) >= 1, low
     assert s["failed"] == 0, gen.failures()[:5]
 
 
