@@ -107,6 +107,7 @@ def _ready(pod: dict) -> bool:
 def test_first_copy_loads_from_the_model_volume(release: Kind) -> None:
     k = release
     need_engine(k)
+    k.kubectl("-n", NS, "scale", "msvc", MSVC, "--replicas=1")  # min is 0 (scale to zero below)
     wait(lambda: ready(k) >= 1, "the first copy to load", 300, k)
     bound = [p for p in pods(k, "kascade.io/pool=bound") if _ready(p)]
     assert len(bound) == 1, [p["metadata"]["name"] for p in bound]
