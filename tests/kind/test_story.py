@@ -264,9 +264,18 @@ def test_drain_a_worker_loses_no_request(release: Kind) -> None:
 
 
 def test_helm_uninstall(release: Kind) -> None:
+    """What remains after `helm uninstall`: no Deployment; the ModelService (with the operator's
+    finalizer, which no operator is left to remove), its bound engine pods (owned by it), ScalePlans, the
+    Lease and the CRDs. Removing those finalizers is the cleanup (a namespace delete hangs until then)."""
     k = release
     k.helm("uninstall", "kascade", "-n", NS, "--wait", "--timeout", "300s")
-    left = k.kubectl("-n", NS, "get", "all,secret,configmap,lease,msvc,splan", "-o", "name", check=False)
+    left = k.kubectl("-n", NS, "get", "deploy,pods,secret,lease,msvc,splan", "-o", "name", check=False)
     crds = k.kubectl("get", "crd", "-o", "name")
-    print(f"kind: after uninstall, in {NS}:\n{left}\nCRDs:\n{crds}")
+    fin = k.get("-n", NS, "msvc", MSVC)["metadata"].get("finalizers")
+    print(f"kind: after uninstall, in {NS}:\n{left}\nCRDs:\n{crds}\nModelService finalizers: {fin}")
     assert "deployment.apps/" not in left
+    for r in k.kubectl("-n", NS, "get", "msvc,splan", "-o", "name").split():
+        k.kubectl("-n", NS, "patch", r, "--type=merge", "-p", '{"metadata":{"finalizers":null}}', check=False)
+    k.kubectl("-n", NS, "delete", "msvc", "--all", "--timeout=60s")
+    k.kubectl("delete", "namespace", NS, "--timeout=120s")
+    k.kubectl("delete", "pv", "kascade-kind-models", "--wait=false", check=False)
