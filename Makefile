@@ -13,7 +13,7 @@ IMAGE_TAG ?= $(shell bash hack/image-tag.sh)
 IMAGES ?= operator engine-cpu engine
 export KUBECONFIG
 
-.PHONY: help install test chaos check lint typecheck bench e2e e2e-kind manifests chart-lint \
+.PHONY: help install test chaos check check-kind lint typecheck bench e2e e2e-kind manifests chart-lint \
         cluster-up cluster-down deploy undeploy images base-image lock demo clean flaky
 
 help: ## List targets
@@ -23,12 +23,18 @@ install: ## Fresh machine: system tools, venv with every extra, test model, loca
 	bash hack/install.sh
 
 test: ## Run the test suite (real control plane, real engines; skips with reasons where absent)
-	bash hack/pytest.sh -m "not chaos"
+	bash hack/pytest.sh -m "not chaos and not kind"
 
 chaos: ## Fault matrix: data plane (kill/stop/cut/desync/throttle x ... x tcp/ucx) and router (split body, slow client, hung replica)
 	bash hack/pytest.sh tests/dataplane tests/router -m chaos
 
-check: lint typecheck test chaos ## Everything CI runs after install
+check: lint typecheck test chaos check-kind ## Everything CI runs after install
+
+# The kind e2e is opt-in (KASCADE_KIND_E2E=1): cold, its builds take ~35-45 CPU-minutes on 2 cores and the
+# engine image (5.8 GB) ~11 minutes to load into a node, which the 60-minute CI budget cannot hold yet.
+check-kind: # the kind e2e with KASCADE_KIND_E2E=1 (hack/build-kind.sh installs Docker and starts it)
+	@if [ "$${KASCADE_KIND_E2E:-0}" = 1 ]; then $(MAKE) e2e-kind; \
+	 else echo "check: the kind e2e is opt-in (KASCADE_KIND_E2E=1 make check, or make e2e-kind): skipped"; fi
 
 lint: ## ruff, import contracts, CRDs in the chart equal crds/
 	$(VENV)/bin/ruff check .
@@ -67,8 +73,12 @@ flaky: ## Rerun TESTS (pytest args) N times (default 10), each a fresh pytest, a
 e2e: ## End-to-end tests only (real control plane + real engine processes)
 	bash hack/pytest.sh tests/e2e -m "cluster"
 
-e2e-kind: ## e2e on kind for Docker users (cannot run on the dev machines)
-	bash e2e/kind/run.sh
+e2e-kind: ## The story in pods on kind: node image and every image built here (hack/build-kind.sh), then tests/kind
+	bash hack/build-control-plane.sh >/dev/null
+	bash hack/build-kind.sh
+	@if [ -f hack/build-images.sh ]; then IMAGES="operator engine-cpu" bash hack/build-images.sh; \
+	 else echo "e2e-kind: no hack/build-images.sh here: the test uses the images already built"; fi
+	bash hack/pytest.sh tests/kind -m kind -s
 
 manifests: ## Copy crds/ into the Helm chart, render manifests/, generate the dashboard, alert rules, docs/api-reference.md and docs/values.md
 	$(PY) hack/sync_manifests.py

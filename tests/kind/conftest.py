@@ -1,0 +1,187 @@
+"""The kind cluster the in-pod e2e runs on: real kubelets, a real pod network, our images in pods.
+
+Data flow: `hack/build-kind.sh` (run by `make e2e-kind`) builds kind, the node image and every cluster
+image here -> `kind_cluster` creates one control plane + two workers from it (the tiny test model on the
+host is /models on every worker), gives the workers fake GPUs (an extended resource) and leaf labels,
+routes the Service and pod CIDRs from this host through the control-plane node (so the test reaches
+the router's Service at its ClusterIP, as a pod would) and loads our images -> `release` installs the
+chart with the operator, router and pool on, in a namespace Pod Security `restricted` enforces.
+Absent Docker or the built images: skipped with the reason (failed under CI=true).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kascade_devcluster.requirement import unavailable
+
+REPO = Path(__file__).resolve().parents[2]
+CACHE = Path(os.environ.get("KASCADE_CACHE", Path.home() / ".cache" / "kascade"))
+KIND_BIN = CACHE / "kind" / "bin" / "kind"
+NODE_IMAGE = os.environ.get("KASCADE_KIND_NODE_IMAGE", "kascade-kind/node:v1.36.3")
+# the engine image (make images; it carries the operator and router too), loaded as kascade:e2e (the
+# name e2e/kind/values.yaml and modelservice.yaml use); the operator image runs the operator and router
+ENGINE_IMAGE = os.environ.get("KASCADE_KIND_ENGINE_IMAGE", "ghcr.io/kascade/kascade-engine:0.1.0-cpu")
+OPERATOR_IMAGE = os.environ.get("KASCADE_KIND_OPERATOR_IMAGE", "ghcr.io/kascade/kascade-operator:0.1.0")
+E2E_IMAGE = "kascade:e2e"
+CLUSTER = os.environ.get("KASCADE_KIND_CLUSTER", "kascade-e2e")
+# the engine image goes to one worker only, and the pool with it (ENGINE_NODE): a second ~6 GB copy does
+# not fit on the dev machines' disks; the operator and router run on both workers
+ENGINE_NODE = os.environ.get("KASCADE_KIND_ENGINE_NODE", f"{CLUSTER}-worker")
+MODELS = Path("/tmp/kascade-kind-models")
+NS = "kascade"
+SERVICE_CIDR, POD_CIDR = "10.96.0.0/16", "10.244.0.0/16"  # kind's defaults
+
+
+def _run(*args: str, input: str | None = None, check: bool = True, timeout: float = 600) -> str:
+    p = subprocess.run(list(args), input=input, capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise RuntimeError(f"{' '.join(args[:4])}... exited {p.returncode}: {p.stderr.strip()[-2000:]}")
+    return p.stdout
+
+
+def _docker_ok() -> str | None:
+    if not shutil.which("docker"):
+        return "docker is not installed"
+    p = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True)
+    return None if p.returncode == 0 else f"no Docker daemon answers: {p.stderr.strip()[:200]}"
+
+
+def _image_ok(name: str) -> bool:
+    return subprocess.run(["docker", "image", "inspect", name], capture_output=True).returncode == 0
+
+
+@dataclass
+class Kind:
+    """A kind cluster: kubectl and helm bound to its kubeconfig."""
+
+    name: str
+    kubeconfig: Path
+    bins: Path
+    no_engine: str = ""  # why the engine image is not on ENGINE_NODE ("" when it is)
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True, timeout: float = 300) -> str:
+        return _run(str(self.bins / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args, input=input,
+                    check=check, timeout=timeout)
+
+    def helm(self, *args: str, timeout: float = 600) -> str:
+        return _run(str(self.bins / "helm"), f"--kubeconfig={self.kubeconfig}", *args, timeout=timeout)
+
+    def get(self, *args: str) -> dict:
+        return json.loads(self.kubectl("get", *args, "-o", "json"))
+
+    def nodes(self, role: str = "worker") -> list[str]:
+        sel = "!node-role.kubernetes.io/control-plane" if role == "worker" else "node-role.kubernetes.io/control-plane"
+        return self.kubectl("get", "nodes", "-l", sel, "-o", "name").replace("node/", "").split()
+
+
+def _tiny_model() -> None:
+    from kascade_engine.checkpoint import tiny_llama
+
+    if not (MODELS / "tiny-kind" / "config.json").exists():
+        MODELS.mkdir(parents=True, exist_ok=True)
+        tiny_llama(MODELS / "tiny-kind", layers=8, hidden=256, vocab=2048)
+    for p in [MODELS, *MODELS.rglob("*")]:  # the engine runs as uid 65532
+        p.chmod(0o755 if p.is_dir() else 0o644)
+
+
+def load_image(image: str, node: str) -> None:
+    """`kind load docker-image` for one node, without its copy of the image on disk: `docker save`
+    streams into the node's containerd, which unpacks it, and the layer blobs are then dropped (the
+    snapshots are what containers run from; containerd's CRI does the same for pulled images with
+    discard_unpacked_layers). The engine image is ~6 GB: a tar, a blob and a snapshot per node would
+    not fit on the dev machines' disks."""
+    have = _run("docker", "exec", node, "ctr", "-n", "k8s.io", "images", "ls", "-q", check=False)
+    ref = image if "/" in image.split(":")[0] else f"docker.io/library/{image}"
+    if ref in have.split():
+        return
+    save = subprocess.Popen(["docker", "save", image], stdout=subprocess.PIPE)
+    try:
+        imp = subprocess.run(["docker", "exec", "-i", node, "ctr", "-n", "k8s.io", "images", "import",
+                              "--digests", "--snapshotter=overlayfs", "-"], stdin=save.stdout,
+                             capture_output=True, text=True, timeout=1800)
+    finally:
+        save.wait()
+    if imp.returncode != 0 or save.returncode != 0:
+        raise RuntimeError(f"loading {image} into {node}: {imp.stderr[-1000:]}")
+    layers = json.loads(_run("docker", "image", "inspect", image))[0]["RootFS"]["Layers"]
+    _run("docker", "exec", node, "ctr", "-n", "k8s.io", "content", "rm", *layers, check=False)
+
+
+def engine_load(image: str, node: str) -> str:
+    """Load the engine image onto `node` if the disk can take it; else say why not. Its peak on disk is
+    about twice its size (the daemon's export, then the node's blob and unpacked snapshot); the margin
+    leaves room for whatever else shares the disk."""
+    size = json.loads(_run("docker", "image", "inspect", image))[0]["Size"]
+    have = _run("docker", "exec", node, "ctr", "-n", "k8s.io", "images", "ls", "-q", check=False).split()
+    free = shutil.disk_usage(_run("docker", "info", "-f", "{{.DockerRootDir}}").strip()).free
+    margin = int(os.environ.get("KASCADE_KIND_DISK_MARGIN_GB", "8")) * 2**30
+    if f"docker.io/library/{image}" not in have and free < 2 * size + margin:
+        return (f"the engine image {ENGINE_IMAGE} ({size / 1e9:.2f} GB) was not loaded into {node}: that needs "
+                f"~{(2 * size + margin) / 1e9:.0f} GB free on Docker's disk, {free / 1e9:.1f} GB are")
+    load_image(image, node)
+    return ""
+
+
+def _host_routes(cp_ip: str, add: bool) -> None:
+    for cidr in (SERVICE_CIDR, POD_CIDR):
+        _run("ip", "route", "replace" if add else "del", cidr, *(["via", cp_ip] if add else []), check=add)
+
+
+@pytest.fixture(scope="session")
+def kind_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kind]:
+    why = _docker_ok()
+    if why:
+        unavailable(why)
+    bins = CACHE / "bin" / "current"
+    for need, hint in ((KIND_BIN, "hack/build-kind.sh"), (bins / "helm", "hack/build-control-plane.sh")):
+        if not need.exists():
+            unavailable(f"{need} not built: run {hint} (make e2e-kind does)")
+    for img, hint in ((NODE_IMAGE, "hack/build-kind.sh"), (ENGINE_IMAGE, "make images"),
+                      (OPERATOR_IMAGE, "make images")):
+        if not _image_ok(img):
+            unavailable(f"image {img} not built: run {hint} (make e2e-kind does)")
+    _tiny_model()
+    kubeconfig = tmp_path_factory.mktemp("kind") / "kubeconfig"
+    kind = [str(KIND_BIN), "--name", CLUSTER]
+    reuse = os.environ.get("KASCADE_KIND_REUSE") == "1" and CLUSTER in _run(str(KIND_BIN), "get", "clusters")
+    t0 = time.monotonic()
+    if not reuse:
+        _run(str(KIND_BIN), "delete", "cluster", "--name", CLUSTER, check=False)
+        _run(*kind[:1], "create", "cluster", *kind[1:], "--image", NODE_IMAGE,
+             "--config", str(REPO / "e2e" / "kind" / "kind-config.yaml"), "--wait", "180s",
+             "--kubeconfig", str(kubeconfig), timeout=900)
+    else:
+        kubeconfig.write_text(_run(str(KIND_BIN), "get", "kubeconfig", "--name", CLUSTER))
+    k = Kind(CLUSTER, kubeconfig, bins)
+    print(f"\nkind: cluster {CLUSTER} up in {time.monotonic() - t0:.0f} s")
+    cp_ip = _run("docker", "inspect", "-f", "{{.NetworkSettings.Networks.kind.IPAddress}}",
+                 f"{CLUSTER}-control-plane").strip()
+    _host_routes(cp_ip, add=True)
+    try:
+        for i, node in enumerate(k.nodes()):
+            k.kubectl("label", "node", node, f"kascade.io/leaf=leaf-{i % 2}", f"kascade.io/scaleup-domain={node}",
+                      "kascade.io/nic-gbps=100", "--overwrite")
+            k.kubectl("patch", "node", node, "--subresource=status", "--type=json",
+                      "-p", '[{"op":"add","path":"/status/capacity/nvidia.com~1gpu","value":"4"}]')
+        t1 = time.monotonic()
+        _run("docker", "tag", ENGINE_IMAGE, E2E_IMAGE)
+        workers = k.nodes()  # the control plane's taint keeps our pods off it
+        for node in workers:
+            load_image(OPERATOR_IMAGE, node)
+        k.no_engine = engine_load(E2E_IMAGE, ENGINE_NODE)
+        print(f"kind: images loaded in {time.monotonic() - t1:.0f} s")
+        yield k
+    finally:
+        _host_routes(cp_ip, add=False)
+        if os.environ.get("KEEP") != "1":
+            _run(str(KIND_BIN), "delete", "cluster", "--name", CLUSTER, check=False)
