@@ -69,8 +69,9 @@ fi
 # is checked against on the real API server (tests/router/test_inferencepool.py reads this version)
 log "fetching sigs.k8s.io/gateway-api-inference-extension (InferencePool CRD, Go module cache)"
 (cd / && GOFLAGS= go mod download sigs.k8s.io/gateway-api-inference-extension@v1.1.0)
-if [ "${KASCADE_CONTAINERS:-0}" = 1 ] || [ "${CI:-}" = true ]; then
-  # `make images` and the kind e2e: Docker and debootstrap from apt, dockerd started if none answers
+if [ "${KASCADE_CONTAINERS:-0}" = 1 ] || [ "${KASCADE_KIND_E2E:-0}" = 1 ]; then
+  # `make images` and the kind e2e: Docker and debootstrap from apt, dockerd started if none answers.
+  # Opt-in: `make check` runs neither by default (see check-kind in the Makefile for why)
   log "containers: Docker and debootstrap (hack/docker-up.sh)"
   bash hack/docker-up.sh
 fi
