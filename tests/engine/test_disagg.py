@@ -335,3 +335,44 @@ async def test_the_link_rate_counts_the_wire_not_the_prefillers_compute(tiny_ckp
     finally:
         await p.close()
         await d.close()
+
+
+async def test_a_hung_prefiller_falls_back_within_the_deadline_and_turns_suspect(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    """Issue 38 defect 4: a prefill engine that takes D's prefill op and then answers nothing (a SIGSTOPped one)
+    must not hold the request for the 300 s frame timeout: past the first-frame deadline D closes the connection,
+    prefills locally (a counted fallback, the colocated output) and holds the peer suspect, so the next request
+    goes local at once without dialling it."""
+    params = SamplingParams(max_tokens=6)
+    want = unsplit(tiny_blocks, PROMPTS[:1], params)
+    ops: list[str] = []
+    hung: list[Connection] = []
+
+    async def stopped(conn: Connection) -> None:  # authenticates (it holds the token), takes the op, then hangs
+        admitted = await peerauth.accept(conn, TOKEN, "activation", timeout=10)
+        await conn.send(admitted.welcome.header())
+        h, _ = await conn.recv(timeout=10)
+        ops.append(h["op"])
+        hung.append(conn)
+        await asyncio.sleep(3600)
+
+    server = await TcpTransport().listen("127.0.0.1", 0, stopped)
+    pd = await pd_pair(tiny_ckpt, tiny_blocks)
+    rp = pd.d.remote_prefill
+    rp.deadline.default_s = rp.deadline.floor_s = 1.0  # nothing measured of this peer: the configured default
+    try:
+        peer = f"127.0.0.1:{server.port}"
+        t0 = time.monotonic()
+        rid = pd.d.serving.submit(PROMPTS[0], params, prefill=peer)
+        assert await asyncio.wait_for(collect(pd.d, rid), 20) == want[0]
+        assert 1.0 <= time.monotonic() - t0 < 10.0  # the deadline, not the 300 s frame timeout
+        assert (rp.adopted, rp.fallbacks, ops) == (0, 1, ["prefill"])
+        assert rp.suspect_s(peer) > 0 and not rp.pool.idle.get(peer)  # suspect; the hung connection not pooled
+        t1 = time.monotonic()
+        rid = pd.d.serving.submit(PROMPTS[0], params, prefill=peer)
+        assert await asyncio.wait_for(collect(pd.d, rid), 20) == want[0]
+        assert time.monotonic() - t1 < 1.0 and (rp.fallbacks, ops) == (2, ["prefill"])  # not dialled again
+    finally:
+        await pd.close()
+        for c in hung:
+            await c.close()
+        await server.close()

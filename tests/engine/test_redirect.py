@@ -156,3 +156,35 @@ async def test_the_target_going_away_mid_request_hands_redirected_requests_back_
             await b.close()
         await a.close()
         await lst.close()
+
+
+async def test_a_target_without_its_embed_block_takes_no_requests_until_it_lands(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+    """Issue 38 defect 5: right after `cooperate` the target's `embed` block may not be resident yet (blocks land
+    in any order); a request handed to it then failed its step ("block embed is not resident"). The target asks
+    for no requests and admits none of its own before embed is here; once it lands every request completes with
+    the unsplit output and none failed."""
+    params = SamplingParams(max_tokens=6)
+    want = unsplit(tiny_blocks, PROMPTS, params)
+    a = _instance(tiny_ckpt, tiny_blocks, None, "a", start=False)  # one sequence at a time: the rest queue
+    b = _instance(tiny_ckpt, tiny_blocks, 2, "b")
+    embed = b.model.weights.pop("embed")  # layers 0..1 landed before embed
+    lst = await TcpTransport().listen("127.0.0.1", 0, a.finisher.handle)
+    try:
+        rids = [a.serving.submit(p, params) for p in PROMPTS]
+        runs = [asyncio.create_task(collect(a, r)) for r in rids]
+        await b.set_cooperate(CooperateRequest(f"127.0.0.1:{lst.port}", "besteffort"))
+        pc = b.pair
+        assert pc is not None
+        own = b.serving.submit(PROMPTS[0], params)  # B's own client, admitted while embed is missing
+        own_run = asyncio.create_task(collect(b, own))
+        a.serving.start()
+        await asyncio.sleep(0.5)  # A runs its queue meanwhile; B polls it, with no embed to run anything
+        assert pc.received == 0 and not b.engine.requests  # nothing handed to B or run there yet
+        b.model.weights["embed"] = embed  # embed lands
+        b._settle()
+        assert await asyncio.wait_for(asyncio.gather(*runs), 60) == want  # no client of A got an error
+        assert await asyncio.wait_for(own_run, 60) == want[0]
+    finally:
+        await b.close()
+        await a.close()
+        await lst.close()

@@ -251,13 +251,14 @@ class PairClient:
                 engine.scheduler.park(w.id)  # not scheduled again until A's answer for this step lands
             hidden = torch.cat([rows[i].x for i in part]) if part else torch.empty(0, self.model.shape.hidden)
             extra: dict[str, Any] = {}
+            asks = last and self.model.resident("embed")  # no requests handed over before their first block is here
             if last:
                 refused, self.refused = self.refused, []
-                extra = {"waiting": len(engine.scheduler.waiting) + len(self.held), "refused": refused, "seen": self.seen,
-                         **({"migrate": move} if move else {})}
+                extra = {"refused": refused, "seen": self.seen, **({"migrate": move} if move else {}),
+                         **({"waiting": len(engine.scheduler.waiting) + len(self.held)} if asks else {})}
             fut = self._submit(meta, hidden, ends if last else [], extra)
             self.inflight.append(OutStep([(work[i].id, i in sampling) for i in part], fut,
-                                         [str(x[0]) for x in move] if last else [], step, last))
+                                         [str(x[0]) for x in move] if last else [], step, asks))
         self.max_inflight = max(self.max_inflight, self._steps_out())
 
     def _steps_out(self) -> int:
@@ -369,10 +370,14 @@ class PairClient:
         return self._submit(meta, hidden, ends)
 
     def admit(self, rid: str, submit: Callable[[], None], fail: Callable[[Exception], None], tokens: int = 1) -> None:
-        """Submit `rid` to this engine's batch now, or (ZigZag) once its scheduled prefix is resident."""
+        """Submit `rid` to this engine's batch now, or once its `embed` block is resident (every row starts
+        there: a step of a row without it fails), or (ZigZag) once its scheduled prefix is resident."""
         self.admitted_ids.append(rid)
-        if self.policy is None or self.model.complete:
+        if self.model.complete or (self.policy is None and self.model.resident("embed")):
             submit()
+            return
+        if self.policy is None:
+            self._hold(rid, None, submit, fail)
             return
         with self._ahead_lock:
             queued_tokens, queued = sum(self.ahead.values()), len(self.ahead)
@@ -381,23 +386,36 @@ class PairClient:
         k = self.policy.next_target(self.model.resident_prefix(), tokens, queued_tokens, queued)
         self.want[rid] = k
         timeline.mark("b-plan", rid, k=k, resident=self.model.resident_prefix(), queued=queued)
-        if self.model.resident_prefix() >= k:
+        if self.model.resident_prefix() >= k and self.model.resident("embed"):
             try:
                 submit()
             finally:
                 self.holding.discard(rid)
             return
+        self._hold(rid, k, submit, fail)
+
+    def _embedded(self) -> int:
+        return int(self.model.resident("embed"))
+
+    def _hold(self, rid: str, k: int | None, submit: Callable[[], None], fail: Callable[[Exception], None]) -> None:
+        """Submit `rid` once `embed` (and, ZigZag, `k` layers) is resident; a load that stalls without embed
+        fails it (nothing of it can run here), one that stalls short of `k` runs it with what is resident."""
 
         async def later() -> None:
-            if not await hold_until(self.model.resident_prefix, k):  # the load stalled: best effort instead
-                log.warning("request %s: %d layers not resident in time; runs with the %d resident",
-                            rid, k, self.model.resident_prefix())
-                self.want[rid] = self.model.resident_prefix()
-            timeline.mark("b-release", rid, k=self.want[rid])
             try:
-                submit()
-            except Exception as e:
-                fail(e)
+                if not await hold_until(self._embedded, 1):
+                    fail(RuntimeError("block embed is not resident: the load stalled before it landed"))
+                    return
+                if k is not None:
+                    if not await hold_until(self.model.resident_prefix, k):  # the load stalled: best effort instead
+                        log.warning("request %s: %d layers not resident in time; runs with the %d resident",
+                                    rid, k, self.model.resident_prefix())
+                        self.want[rid] = self.model.resident_prefix()
+                    timeline.mark("b-release", rid, k=self.want[rid])
+                try:
+                    submit()
+                except Exception as e:
+                    fail(e)
             finally:
                 self.holding.discard(rid)
 

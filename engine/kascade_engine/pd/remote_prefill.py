@@ -34,6 +34,7 @@ from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.batch.scheduler import Seq
 from kascade_engine.net.peerpool import PeerPool
 from kascade_engine.net.transport import Connection, TransportError
+from kascade_engine.pd.deadline import PrefillDeadline
 from kascade_engine.pd.kv_wire import Coverage, KVWireError, PrefillOp, check_kv, digest, pace
 from kascade_engine.pd.prefill_server import KVHost, host_bytes, kv_shape
 from kascade_planner.conversion import remote_prefill_s
@@ -44,7 +45,6 @@ if TYPE_CHECKING:
     from kascade_engine.pd.metrics import PDMetrics
 
 log = logging.getLogger(__name__)
-FRAME_TIMEOUT_S = 300.0  # the prefill engine may queue the prompt behind its own batch
 # weight of the newest remote prefill in `RemotePrefill.took`: follows a burst's growing queue within a few prompts
 TOOK_WEIGHT = 0.3
 
@@ -111,6 +111,23 @@ class RemotePrefill:
         # rid -> prompt length of the same: they join the batch as decodes when their KV lands (the scheduler's
         # prefill room counts them: Scheduler.joining is this dict)
         self.joining: dict[str, int] = {}
+        # how long a connection to a peer and each of its KV frames may take before the prompt is prefilled here
+        self.deadline = PrefillDeadline()
+        self.suspects: dict[str, float] = {}  # peer -> monotonic time until which it gets no prompts (it hung)
+
+    def suspect_s(self, peer: str) -> float:
+        """Seconds `peer` stays suspect (0: it is not): it missed a deadline, prompts for it are prefilled here."""
+        left = self.suspects.get(peer, 0.0) - time.monotonic()
+        if left <= 0:
+            self.suspects.pop(peer, None)
+            return 0.0
+        return left
+
+    def _suspect(self, peer: str) -> None:
+        """`peer` hung: no prompts for a while, and its pooled connections (likely as hung) are closed."""
+        self.suspects[peer] = time.monotonic() + self.deadline.suspect_for_s
+        for conn in self.pool.idle.pop(peer, []):
+            self._give_back(peer, conn, False)
 
     def start(self, rid: str, prompt: list[int], params: SamplingParams, peer: str,
               local: Callable[[], None], arrived: float | None = None, fallback: str | None = None,
@@ -189,7 +206,18 @@ class RemotePrefill:
                      arrived: float | None = None, fallback: str | None = None,
                      settles: bool = False) -> tuple[int, torch.Tensor, torch.Tensor]:
         shape = kv_shape(self.inst)
-        conn, _ = await self.pool.take(peer)
+        if self.suspect_s(peer) > 0:
+            raise RemotePrefillError(f"{peer} is suspect for {self.suspect_s(peer):.1f} s more (it missed a deadline)")
+        # measured before this prompt counts as pending (start put it there): the queue ahead of it plus itself
+        mine = self.pending.pop(rid, None)
+        limit = self.deadline.seconds(self.expected_s(peer, len(prompt)))
+        if mine is not None:
+            self.pending[rid] = mine
+        try:
+            conn, _ = await asyncio.wait_for(self.pool.take(peer), limit)
+        except TimeoutError as e:
+            self._suspect(peer)
+            raise RemotePrefillError(f"no connection to {peer} within {limit:.1f} s") from e
         ok = False
         try:
             waited = 0.0 if arrived is None else max(0.0, time.monotonic() - arrived)
@@ -206,14 +234,19 @@ class RemotePrefill:
             # the span is P's compute and the link looked as slow as P (bench/pd.py: 79-284 tok/s "network")
             cover, hasher, got, wire = Coverage(shape.layers, n), digest(), 0, 0.0
             while True:
-                header, plen = await conn.recv_header(timeout=FRAME_TIMEOUT_S)
+                try:  # our clock, not the transport's: its timeout reads as any other TransportError
+                    async with asyncio.timeout(limit):
+                        header, plen = await conn.recv_header()
+                except TimeoutError as e:
+                    self._suspect(peer)
+                    raise RemotePrefillError(f"no KV frame from {peer} within {limit:.1f} s") from e
                 op = header.get("op")
                 if op == "kv":
                     t0 = time.monotonic()
                     layer, start, cnt, part = check_kv(header, shape, n, plen)
                     cover.add(part, layer, start, cnt)
                     view = host_bytes(staged[part][layer, start:start + cnt])
-                    await conn.recv_into(view, timeout=FRAME_TIMEOUT_S)
+                    await conn.recv_into(view, timeout=limit)
                     wire += time.monotonic() - t0
                     hasher.update(view)  # D's work, not the link's: outside the frame's time
                     got += plen
