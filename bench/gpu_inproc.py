@@ -6,8 +6,8 @@ on one device in this process.
   cuDNN, math) -> which backends accept the engine's actual calls (it passes a boolean mask: flash
   cannot take one) and torch's flash / mem-efficient switches and availability.
 - `step_times(ckpt, device, dtype, batches, new)`: decode step seconds at each batch size, the engine's
-  `Engine.step()` (all sequences decoding) against transformers' `generate` per new token (the
-  difference of a long and a one-token generate, so prefill cancels out).
+  `Engine.step()` (all sequences decoding) against transformers' model forward with its KV cache, one
+  token per sequence per step (both after the prompt's prefill, both greedy).
 - `upload_gbps(device, mb)`: host -> device copy GB/s from pinned and from pageable memory.
 Every tensor made here names its device.
 """
@@ -115,20 +115,19 @@ def engine_step_s(eng: Any, batch: int, new: int, device: torch.device) -> float
 
 
 def hf_step_s(model: Any, batch: int, new: int, device: torch.device) -> float:
-    """transformers' seconds per generated token step at `batch`: (generate new+1) - (generate 1), / new."""
+    """transformers' seconds per decode step at `batch`: the model's forward with its KV cache, one token per
+    sequence per step, greedy (a bare decode loop: `generate`'s own bookkeeping would only add to it)."""
     ids = torch.tensor([[1 + (i * 7 + j) % 50 for j in range(8)] for i in range(batch)], device=device)
-
-    def gen(n: int) -> float:
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+        past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
         sync(device)
         t0 = time.perf_counter()
-        with torch.no_grad():
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, pad_token_id=0)
+        for _ in range(new):
+            out = model(input_ids=tok, past_key_values=past, use_cache=True)
+            past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
         sync(device)
-        return time.perf_counter() - t0
-
-    gen(2)  # warm-up
-    return max(gen(new + 1) - gen(1), 0.0) / new
+    return (time.perf_counter() - t0) / new
 
 
 def step_times(ckpt: Path, device: torch.device, dtype: torch.dtype, batches: list[int], new: int) -> dict[str, Any]:
@@ -137,6 +136,7 @@ def step_times(ckpt: Path, device: torch.device, dtype: torch.dtype, batches: li
     eng = make_engine(ckpt, device, dtype, max_seqs=max(batches))
     engine_step_s(eng, 1, 2, device)  # warm-up
     hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).to(device).eval()
+    hf_step_s(hf, 1, 2, device)  # warm-up
     out: dict[str, Any] = {}
     for b in batches:
         e, h = engine_step_s(eng, b, new, device), hf_step_s(hf, b, new, device)
