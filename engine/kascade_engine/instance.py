@@ -463,7 +463,8 @@ class EngineInstance:
                             {b: m.resident(b) for b in ids}, self.bytes_received, self.ready,
                             self.cooperate or None, self.load_error, str(self.device),
                             str(self.dtype).removeprefix("torch."),
-                            {**({"pipelineDownstream": self.downstream_peer} if self.downstream_peer else {}),
+                            {"tensorDevices": self.tensor_devices(),
+                             **({"pipelineDownstream": self.downstream_peer} if self.downstream_peer else {}),
                              **({"redirect": sorted(self.forwarders)} if self.forwarders else {}),
                              **({"prefillChunkTokens": self.engine.limits.prefill_chunk_tokens}
                                 if self.engine.limits.prefill_chunk_tokens else {}),
@@ -474,6 +475,15 @@ class EngineInstance:
                                 if self.engine.limits.prefill_chunk_tokens and self.handback.after_s is not None
                                 else {})},
                             self.host_copy.total_bytes if self.host_copy is not None else 0)
+
+    def tensor_devices(self) -> dict[str, int]:
+        """Resident weight tensors and the two KV cache tensors per device (`cuda:0`: 242): where every
+        tensor actually is, for checks that a model loaded onto the device it was asked for."""
+        out: dict[str, int] = {}
+        cache = self.engine.cache
+        for t in [*(v for w in self.model.weights.values() for v in w.values()), cache.k, cache.v]:
+            out[str(t.device)] = out.get(str(t.device), 0) + 1
+        return out
 
     async def close(self) -> None:
         for fwd in list(self.forwarders.values()):
