@@ -360,7 +360,9 @@ def test_chart_crds_equal_source_and_manifests_current(helm: Helm) -> None:
     for src in sorted((REPO / "crds").glob("*.yaml")):
         assert (CHART / "crds" / src.name).read_text() == src.read_text(), f"{src.name} differs: run make manifests"
     assert sorted(p.name for p in (CHART / "crds").glob("*.yaml")) == sorted(p.name for p in (REPO / "crds").glob("*.yaml"))
-    proc = subprocess.run([sys.executable, str(REPO / "hack" / "sync_manifests.py"), "--check"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "hack" / "sync_manifests.py"), "--check"], capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr
 
 
@@ -382,15 +384,17 @@ def test_sync_check_names_the_stale_file(tmp_path: Path) -> None:
 
 def test_router_api_keys_come_from_a_secret(helm: Helm) -> None:
     """router.auth.existingSecret mounts the Secret and points --api-keys-file at its key; unset: no auth."""
+
     def router_pod(*sets: str) -> dict:
         args = [a for s in sets for a in ("--set", s)]
         docs = [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), *args).stdout) if d]
-        return next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-router")[
-            "spec"]["template"]["spec"]
+        return next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-router")["spec"][
+            "template"
+        ]["spec"]
+
     plain = router_pod()
     assert not any(a.startswith("--api-keys-file") for a in plain["containers"][0]["args"])
-    spec = router_pod("router.auth.existingSecret=keys", "router.auth.secretKey=k.txt",
-                      "dataPlaneTls.secretName=tls")
+    spec = router_pod("router.auth.existingSecret=keys", "router.auth.secretKey=k.txt", "dataPlaneTls.secretName=tls")
     assert "--api-keys-file=/etc/kascade/router-auth/k.txt" in spec["containers"][0]["args"]
     mounts = {m["name"]: m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
     assert mounts["router-auth"] == "/etc/kascade/router-auth" and len(mounts) == 2  # beside the engine CA

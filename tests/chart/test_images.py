@@ -435,7 +435,9 @@ def test_every_port_the_chart_wires_is_declared_and_listened_on(helm: Helm, tmp_
         assert selected, f"Service {svc['metadata']['name']} selects no pod"
         for sp in svc["spec"]["ports"]:
             for name, _, pod_spec in selected:
-                assert sp["targetPort"] in ports(pod_spec), f"Service {svc['metadata']['name']} -> {name}: {sp['targetPort']}"
+                assert sp["targetPort"] in ports(pod_spec), (
+                    f"Service {svc['metadata']['name']} -> {name}: {sp['targetPort']}"
+                )
     monitors = [d for d in docs if d["kind"] in ("ServiceMonitor", "PodMonitor")]
     assert {m["kind"] for m in monitors} == {"ServiceMonitor", "PodMonitor"}
     for m in monitors:
@@ -443,7 +445,10 @@ def test_every_port_the_chart_wires_is_declared_and_listened_on(helm: Helm, tmp_
             svcs = [s for s in services if _selects(m["spec"]["selector"], s["metadata"]["labels"])]
             assert svcs, m["metadata"]["name"]
             for e in m["spec"]["endpoints"]:
-                assert all(e["port"] in {p.get("name") for p in s["spec"]["ports"]} for s in svcs), (m["metadata"]["name"], e)
+                assert all(e["port"] in {p.get("name") for p in s["spec"]["ports"]} for s in svcs), (
+                    m["metadata"]["name"],
+                    e,
+                )
         else:
             selected = [p for p in all_pods if _selects(m["spec"]["selector"], p[1])]
             assert {p[0] for p in selected} >= {"rel-pool", "fallback"}, [p[0] for p in selected]
@@ -456,4 +461,8 @@ def test_every_port_the_chart_wires_is_declared_and_listened_on(helm: Helm, tmp_
         assert selected, pol["metadata"]["name"]
         for rule in pol["spec"].get("ingress", []):
             for rp in rule.get("ports", []):
-                assert all(rp["port"] in ports(p[2]) for p in selected), (pol["metadata"]["name"], rp, [p[0] for p in selected])
+                assert all(rp["port"] in ports(p[2]) for p in selected), (
+                    pol["metadata"]["name"],
+                    rp,
+                    [p[0] for p in selected],
+                )
