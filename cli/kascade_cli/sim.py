@@ -140,9 +140,17 @@ def sim(trace: str, systems: tuple[str, ...], hw_name: str, hosts: int | None, g
     for col in ("system", "TTFT mean", "p50", "p99", "TBT p99", "SLO 5x", "GPU-s", "host cache GB", "scale-ups"):
         table.add_column(col)
     for name, s in doc["systems"].items():
-        table.add_row(name, f"{s['ttft_mean_s']:.3f}", f"{s['ttft_p50_s']:.3f}", f"{s['ttft_p99_s']:.3f}",
-                      f"{s['tbt_p99_s']:.4f}", f"{s['slo_attainment_5x']:.1%}", f"{s['gpu_seconds']:.0f}",
-                      f"{s['host_cache_bytes_peak'] / 1e9:.0f}", str(s["scale_ups"]))
+        table.add_row(
+            name,
+            f"{s['ttft_mean_s']:.3f}",
+            f"{s['ttft_p50_s']:.3f}",
+            f"{s['ttft_p99_s']:.3f}",
+            f"{s['tbt_p99_s']:.4f}",
+            f"{s['slo_attainment_5x']:.1%}",
+            f"{s['gpu_seconds']:.0f}",
+            f"{s['host_cache_bytes_peak'] / 1e9:.0f}",
+            str(s["scale_ups"]),
+        )
     console = Console()
     console.print(table)
     console.print(f"wrote {out} ({doc['sim_requests_per_s']:.0f} simulated requests/s)")

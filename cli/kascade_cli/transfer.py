@@ -87,7 +87,9 @@ def run(spec_path: Path, me: str, cache: Path | None, out: Path | None, transpor
             if linger:
                 await asyncio.sleep(linger)
             if out and not node.is_source:
-                write_cache(out, BlockSet(spec.plan.model.name, {}, [node.resident[b] for b in spec.plan.model.block_ids]))
+                write_cache(
+                    out, BlockSet(spec.plan.model.name, {}, [node.resident[b] for b in spec.plan.model.block_ids])
+                )
             return summary
         finally:
             await node.close()
