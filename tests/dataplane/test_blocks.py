@@ -51,7 +51,9 @@ def _variant(tmp_path: Path, harness: ModuleType, edit: object) -> Path:
      (lambda t, d: (d / "model.safetensors").write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{oops"), "not a safetensors file")],
     ids=["missing", "misshaped", "unexpected", "duplicated", "bad-config", "garbage"],
 )
-def test_bad_checkpoints_are_refused_naming_the_tensor(tmp_path: Path, harness: ModuleType, edit: object, message: str) -> None:
+def test_bad_checkpoints_are_refused_naming_the_tensor(
+    tmp_path: Path, harness: ModuleType, edit: object, message: str
+) -> None:
     with pytest.raises(CheckpointError) as e:
         pack_checkpoint(_variant(tmp_path, harness, edit))
     assert message in str(e.value)

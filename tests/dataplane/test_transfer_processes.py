@@ -112,7 +112,9 @@ def test_corrupted_chunk_is_detected_and_refetched(tmp_path: Path, harness: Modu
                                                    transport: str) -> None:
     plan = plan_for(tiny_blocks, 3)
     # t0 (first in the chain) flips a byte of layer.2 as it receives it, and forwards the bad chunk.
-    c = harness.make_cluster(tmp_path, tiny_blocks, plan, transport=transport, faults={"t0": {"corruptBlock": "layer.2"}})
+    c = harness.make_cluster(
+        tmp_path, tiny_blocks, plan, transport=transport, faults={"t0": {"corruptBlock": "layer.2"}}
+    )
     c.start_all()
     try:
         first = c.wait("t0")
