@@ -79,7 +79,9 @@ def test_the_charts_inference_pools_pass_the_extensions_crd_on_the_api_server(co
                          "router.inferencePool.pools[1].endpointPicker.port=9100",
                          "router.inferencePool.pools[1].endpointPicker.failureMode=FailOpen")
     assert [p["metadata"]["name"] for p in pools] == ["chat", "code-pool"]
-    assert {p["apiVersion"] for p in pools} <= {f"inference.networking.k8s.io/{v['name']}" for v in served if v["served"]}
+    assert {p["apiVersion"] for p in pools} <= {
+        f"inference.networking.k8s.io/{v['name']}" for v in served if v["served"]
+    }
     for pool in pools:
         r = dry_run(cp, namespace, pool)
         assert r.returncode == 0, f"{pool['metadata']['name']}: {r.stderr}"
