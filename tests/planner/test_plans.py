@@ -268,5 +268,11 @@ def test_closed_form_cost_matches_the_event_simulation(problem: tuple[Scenario, 
             assert [b for b, _ in per1] == [b for b, _ in per2]
             assert [x for _, x in per1] == pytest.approx([y for _, y in per2], rel=1e-9)
     # Shared links (a star's source feeds every target) go through the event simulation.
-    assert _predict_pipelined(make_plan(sc.topo, sc.model, src, [*tgt, Instance("extra", tgt[0].node)], "star",
-                                        predict=False), sc.topo, CostParams()) is None
+    assert (
+        _predict_pipelined(
+            make_plan(sc.topo, sc.model, src, [*tgt, Instance("extra", tgt[0].node)], "star", predict=False),
+            sc.topo,
+            CostParams(),
+        )
+        is None
+    )

@@ -86,9 +86,16 @@ def test_nodes_without_a_domain_label_are_their_own_domain() -> None:
     own domain (not an error, not a member of another)."""
     keys = LabelKeys(domain="nvidia.com/gpu.clique")
     gb = {"kascade.io/leaf": "leaf-a", "kascade.io/nic-gbps": "400"}
-    nodes = [{"metadata": {"name": n, "labels": {**gb, **extra}}, "status": {"allocatable": {"nvidia.com/gpu": "4"}}}
-             for n, extra in (("gb-1", {"nvidia.com/gpu.clique": "c0ffee.1"}), ("gb-2", {"nvidia.com/gpu.clique": "c0ffee.1"}),
-                              ("gb-3", {"nvidia.com/gpu.clique": "c0ffee.2"}), ("hgx-1", {}), ("hgx-2", {}))]
+    nodes = [
+        {"metadata": {"name": n, "labels": {**gb, **extra}}, "status": {"allocatable": {"nvidia.com/gpu": "4"}}}
+        for n, extra in (
+            ("gb-1", {"nvidia.com/gpu.clique": "c0ffee.1"}),
+            ("gb-2", {"nvidia.com/gpu.clique": "c0ffee.1"}),
+            ("gb-3", {"nvidia.com/gpu.clique": "c0ffee.2"}),
+            ("hgx-1", {}),
+            ("hgx-2", {}),
+        )
+    ]
     topo = topology_from_nodes(nodes, keys, nvlink_gbps=900)
     assert topo.node("gb-1").domain == topo.node("gb-2").domain == "c0ffee.1"
     assert topo.node("hgx-1").domain == "hgx-1" and topo.node("hgx-2").domain == "hgx-2"
