@@ -451,8 +451,10 @@ def test_scale_up_sends_from_a_host_copy_beside_the_serving_replica(
         assert pod["metadata"]["annotations"].get("kascade.io/host-copy") == MODEL
         st = engine_status(pool, copy)
         assert st.get("phase") == "released" and st.get("hostCopyBytes"), st
-        print(f"scale-up 1 -> 3 from {serving} (gpu) and the host copy on {copy}: plan "
-              f"{done.get('durationSeconds')} s, chains {plan['spec']['chains']}")
+        print(
+            f"scale-up 1 -> 3 from {serving} (gpu) and the host copy on {copy}: plan "
+            f"{done.get('durationSeconds')} s, chains {plan['spec']['chains']}"
+        )
         assert rejected(pool) == []
     finally:
         op.stop()
