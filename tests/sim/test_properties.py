@@ -92,7 +92,9 @@ def test_gpu_time_covers_the_offered_load(wl: Workload, cluster: tuple[int, int]
     r = sim.run()
     c, spec = sim.spec.cost, sim.spec
     # An iteration of T prompt tokens takes >= p1*T; a decode step of B sequences >= B*(d1 + d0/max_batch).
-    need = spec.tp * sum(c.p1 * i + (c.d1 + c.d0 / spec.max_batch) * (o - 1) for i, o in zip(sim.inp, sim.out, strict=True))
+    need = spec.tp * sum(
+        c.p1 * i + (c.d1 + c.d0 / spec.max_batch) * (o - 1) for i, o in zip(sim.inp, sim.out, strict=True)
+    )
     assert r.gpu_seconds >= need > 0
 
 
