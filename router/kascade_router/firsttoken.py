@@ -105,8 +105,9 @@ class FirstTokens:
         self._tokens.append(self.busy_s)
         self._last_first = now
         if ahead == 0:
-            self.latency_s = ttft_s if self.latency_s is None else (
-                (1 - LATENCY_ALPHA) * self.latency_s + LATENCY_ALPHA * ttft_s)
+            self.latency_s = (
+                ttft_s if self.latency_s is None else ((1 - LATENCY_ALPHA) * self.latency_s + LATENCY_ALPHA * ttft_s)
+            )
         if self.latency_s is not None and ttft_s < self.latency_s:
             self.latency_s = ttft_s  # any TTFT bounds the round trip from above
 
