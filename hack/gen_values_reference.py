@@ -181,13 +181,17 @@ def main() -> int:
     args = ap.parse_args()
     doc, missing = render()
     if missing:
-        print("values without a description (add a comment above the key in values.yaml):\n  " + "\n  ".join(missing),
-              file=sys.stderr)
+        print(
+            "values without a description (add a comment above the key in values.yaml):\n  " + "\n  ".join(missing),
+            file=sys.stderr,
+        )
     if args.check:
         stale = not OUT.exists() or OUT.read_text() != doc
         if stale:
-            print(f"{OUT.relative_to(REPO)} is stale: run `python hack/gen_values_reference.py` (or `make manifests`)",
-                  file=sys.stderr)
+            print(
+                f"{OUT.relative_to(REPO)} is stale: run `python hack/gen_values_reference.py` (or `make manifests`)",
+                file=sys.stderr,
+            )
         return 1 if stale or missing else 0
     OUT.write_text(doc)
     print(f"wrote {OUT.relative_to(REPO)}")
