@@ -169,9 +169,14 @@ def test_fallback_engine_pods_log_like_the_installation(monkeypatch: pytest.Monk
     monkeypatch.setenv("KASCADE_OPERATOR_ENGINE_LOG_FORMAT", env["KASCADE_OPERATOR_ENGINE_LOG_FORMAT"])
     settings = OperatorSettings()
     assert settings.engine_log_format == "json"
-    spec = ModelServiceSpec.model_validate({"model": {"name": "m", "source": {"uri": "hf://o/m"}},
-                                            "engine": {"image": "img:1"}, "mode": "colocated",
-                                            "replicas": {"colocated": {"min": 1, "max": 2}}})
+    spec = ModelServiceSpec.model_validate(
+        {
+            "model": {"name": "m", "source": {"uri": "hf://o/m"}},
+            "engine": {"image": "img:1"},
+            "mode": "colocated",
+            "replicas": {"colocated": {"min": 1, "max": 2}},
+        }
+    )
     pod = fallback_pod(spec, "svc", "tok", None, log_format=settings.engine_log_format)
     for c in pod["spec"]["containers"] + pod["spec"]["initContainers"]:  # the engine and its download
         pod_env = {e["name"]: e.get("value") for e in c["env"]}

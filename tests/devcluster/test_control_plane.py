@@ -78,7 +78,9 @@ def test_deployment_creates_pods_through_controller_manager(control_plane: Contr
                     "template": {"metadata": {"labels": {"app": "pool"}}, "spec": _pod("x", namespace, 1)["spec"]}}}
     control_plane.kubectl("apply", "-f", "-", input=json.dumps(dep))
     control_plane.kubectl("-n", namespace, "rollout", "status", "deployment/pool", "--timeout=60s")
-    pods = json.loads(control_plane.kubectl("-n", namespace, "get", "pods", "-l", "app=pool", "-o", "json").stdout)["items"]
+    pods = json.loads(control_plane.kubectl("-n", namespace, "get", "pods", "-l", "app=pool", "-o", "json").stdout)[
+        "items"
+    ]
     assert len(pods) == 3
     assert {p["status"]["phase"] for p in pods} == {"Running"}
 
@@ -112,8 +114,11 @@ def test_component_crash_at_start_is_reported_and_nothing_leaks(tmp_path: Path) 
         cp.start(scheduling=False, kwok=False, timeout=20)
     assert "bad flag --etcd-servers" in str(e.value)  # the log tail travels with the error
     assert cp.pids == {}
-    etcd_procs = [p for p in Path("/proc").glob("[0-9]*")
-                  if _cmdline(p).startswith(str(bins / "etcd")) or str(tmp_path) in _cmdline(p)]
+    etcd_procs = [
+        p
+        for p in Path("/proc").glob("[0-9]*")
+        if _cmdline(p).startswith(str(bins / "etcd")) or str(tmp_path) in _cmdline(p)
+    ]
     assert etcd_procs == []
     assert not (tmp_path / "state" / "state.json").exists()
 
