@@ -154,7 +154,9 @@ def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: s
         listener = None
         if act_port is not None:
             # the engine's data-port transport (--transport): the peers that connect here use the same one
-            listener = await inst.transport.listen(host, act_port, lambda conn: inst.finisher.handle(conn))  # the current finisher: bind may rebuild it (dtype)
+            listener = await inst.transport.listen(
+                host, act_port, lambda conn: inst.finisher.handle(conn)
+            )  # the current finisher: bind may rebuild it (dtype)
         # log_config=None: uvicorn's loggers go through the root handler `kascade --log-format` set up
         # TLS files: HTTPS with the engine's certificate; CERT_NONE because probes and scrapers have no client
         # certificate (the control API authenticates its callers by bearer token, not by certificate)

@@ -61,16 +61,30 @@ def run(namespaces: tuple[str, ...], interval: float | None, rate_window: float 
     from kascade_operator.settings import OperatorSettings
     from kascade_planner.engine_tls import engine_tls_context
 
-    overrides = {k: v for k, v in {"namespaces": list(namespaces) or None, "interval_seconds": interval,
-                                   "rate_window_seconds": rate_window, "metrics_source": metrics_source,
-                                   "prometheus_url": prometheus_url, "engine_token": engine_token,
-                                   "metrics_port": metrics_port, "router_url": router_url, "pool_namespace": pool_namespace,
-                                   "engine_image": engine_image, "allowed_images": list(allowed_images) or None,
-                                   "allowed_host_path_roots": list(allowed_host_path_roots) or None,
-                                   "leader_election": leader_elect, "lease_namespace": lease_namespace,
-                                   "lease_duration_seconds": lease_duration,
-                                   "lease_renew_deadline_seconds": lease_renew_deadline,
-                                   "lease_retry_seconds": lease_retry, "identity": identity}.items() if v is not None}
+    overrides = {
+        k: v
+        for k, v in {
+            "namespaces": list(namespaces) or None,
+            "interval_seconds": interval,
+            "rate_window_seconds": rate_window,
+            "metrics_source": metrics_source,
+            "prometheus_url": prometheus_url,
+            "engine_token": engine_token,
+            "metrics_port": metrics_port,
+            "router_url": router_url,
+            "pool_namespace": pool_namespace,
+            "engine_image": engine_image,
+            "allowed_images": list(allowed_images) or None,
+            "allowed_host_path_roots": list(allowed_host_path_roots) or None,
+            "leader_election": leader_elect,
+            "lease_namespace": lease_namespace,
+            "lease_duration_seconds": lease_duration,
+            "lease_renew_deadline_seconds": lease_renew_deadline,
+            "lease_retry_seconds": lease_retry,
+            "identity": identity,
+        }.items()
+        if v is not None
+    }
     try:
         settings = OperatorSettings(**overrides)
     except ValidationError as e:

@@ -136,7 +136,9 @@ def sim(trace: str, systems: tuple[str, ...], hw_name: str, hosts: int | None, g
     doc["workload"] = wl.name
     doc["results"] = {r.system: r.to_dict(per_request) for r in results}
     out.write_text(json.dumps(doc, indent=1, default=float))
-    table = Table(title=f"{wl.name}: {len(wl.requests)} requests, {wl.models} model(s) on {hw.hosts}x{hw.gpus_per_host} {hw.name}")
+    table = Table(
+        title=f"{wl.name}: {len(wl.requests)} requests, {wl.models} model(s) on {hw.hosts}x{hw.gpus_per_host} {hw.name}"
+    )
     for col in ("system", "TTFT mean", "p50", "p99", "TBT p99", "SLO 5x", "GPU-s", "host cache GB", "scale-ups"):
         table.add_column(col)
     for name, s in doc["systems"].items():
