@@ -178,11 +178,13 @@ async def test_soak_256_streams_leaving_clients_and_a_stopped_engine(
     control = sorted(r.ttft for r in results if r.ttft is not None and r.start - t0 < 4.0)
     typical = control[len(control) // 2] if control else 0.0
     durations = sorted(r.end - r.start for r in results)
-    report = (f"STUB engines; {len(results)} requests by {CLIENTS} clients over {soak_s:g} s, engine 0 stopped "
-              f"{stop_s:g} s: outcomes {dict(outcomes)}; TTFT p50 {ttfts[len(ttfts) // 2]:.3f} s, p99 "
-              f"{ttfts[int(len(ttfts) * 0.99)]:.3f} s, max {worst:.2f} s (p50 before the stop {typical:.3f} s); longest request {durations[-1]:.1f} s; "
-              f"router fds/RSS KiB baseline {base}, peak {tuple(peak)}, after {after}; "
-              f"ejected now: {[b['pod'] for b in table['m']['backends'] if b['ejected']]}")
+    report = (
+        f"STUB engines; {len(results)} requests by {CLIENTS} clients over {soak_s:g} s, engine 0 stopped "
+        f"{stop_s:g} s: outcomes {dict(outcomes)}; TTFT p50 {ttfts[len(ttfts) // 2]:.3f} s, p99 "
+        f"{ttfts[int(len(ttfts) * 0.99)]:.3f} s, max {worst:.2f} s (p50 before the stop {typical:.3f} s); longest request {durations[-1]:.1f} s; "
+        f"router fds/RSS KiB baseline {base}, peak {tuple(peak)}, after {after}; "
+        f"ejected now: {[b['pod'] for b in table['m']['backends'] if b['ejected']]}"
+    )
     print(report)
     Path(os.environ.get("SOAK_REPORT", "/dev/null")).write_text(report + "\n")
     allowed = {"ok", "client left"}
