@@ -242,7 +242,11 @@ def main() -> None:
                "kv_bytes_per_token_over_theory": -1.1}
     for k, v in res.items():
         t = targets.get(k)
-        mark = "" if t is None else ("  ok" if (v >= t if t > 0 else v <= -t) else f"  (target {'>=' if t > 0 else '<='} {abs(t)})")
+        mark = (
+            ""
+            if t is None
+            else ("  ok" if (v >= t if t > 0 else v <= -t) else f"  (target {'>=' if t > 0 else '<='} {abs(t)})")
+        )
         print(f"{k:34s} {v:.3f}{mark}" if isinstance(v, float) else f"{k:34s} {v}")
     out = Path(__file__).parent / "results" / "engine.json"
     out.parent.mkdir(exist_ok=True)

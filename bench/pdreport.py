@@ -36,7 +36,9 @@ def plot(out: dict[str, Any], modes: list[str], path: Path) -> Path:
 
 def report(out: dict[str, Any], modes: list[str], requests: int) -> None:
     """The attainment table: real engines, then the simulator on the same trace."""
-    print(f"{requests} requests ({out['trace']['burst_requests']} in the burst), 2 engines per setup; {out['slo_note']}")
+    print(
+        f"{requests} requests ({out['trace']['burst_requests']} in the burst), 2 engines per setup; {out['slo_note']}"
+    )
     eng = out.get("engines") or {}
     if eng.get("emulated"):
         print(f"ENGINES EMULATED: {eng['compute']}")
