@@ -89,9 +89,11 @@ def pd_ratio(d: PdDemand, v: PdVelocity, prefill: Bounds, decode: Bounds) -> PdR
     served = min(p_share, d_share)
     p = _count(p_need * served, prefill, 0)
     dec = _count(d_need * served, decode, 1)
-    reason = (f"P:D ratio: {d.input_tokens_per_s:.0f} input tok/s / min(prefill {v.prefill_tokens_per_s:.0f}, network "
-              f"{v.network_tokens_per_s:.0f}) = {p_need:.2f} prefillers; {d.output_note or f'{d.output_tokens_per_s:.0f} output tok/s'} / "
-              f"decode {v.decode_tokens_per_s:.0f} = {d_need:.2f} decoders")
+    reason = (
+        f"P:D ratio: {d.input_tokens_per_s:.0f} input tok/s / min(prefill {v.prefill_tokens_per_s:.0f}, network "
+        f"{v.network_tokens_per_s:.0f}) = {p_need:.2f} prefillers; {d.output_note or f'{d.output_tokens_per_s:.0f} output tok/s'} / "
+        f"decode {v.decode_tokens_per_s:.0f} = {d_need:.2f} decoders"
+    )
     if served < 1.0:
         capped = "prefill" if p_share <= d_share else "decode"
         reason += (f"; {capped} capped at max {prefill.max if capped == 'prefill' else decode.max}: "
