@@ -17,7 +17,10 @@ from kascade_planner.topology import (
 
 def k8s_node(name: str, gpus: object = "8", **labels: str) -> dict[str, Any]:
     base = {"kascade.io/leaf": "leaf-a", "kascade.io/scaleup-domain": name, "kascade.io/nic-gbps": "100"}
-    return {"metadata": {"name": name, "labels": {**base, **labels}}, "status": {"allocatable": {"nvidia.com/gpu": gpus}}}
+    return {
+        "metadata": {"name": name, "labels": {**base, **labels}},
+        "status": {"allocatable": {"nvidia.com/gpu": gpus}},
+    }
 
 
 def test_nodes_parse_with_labels_and_gpu_capacity() -> None:
