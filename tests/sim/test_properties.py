@@ -24,8 +24,12 @@ from kascade_sim.systems import SYSTEM_NAMES, system
 from kascade_sim.workload import Request, Workload
 
 DYNAMIC = ("kascade", "serverlessllm", "allcache", "lambdascale")
-FAST = settings(max_examples=int(os.environ.get("KASCADE_SIM_EXAMPLES", "8")), deadline=None, derandomize=os.environ.get("KASCADE_SIM_RANDOM") is None,
-                suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(
+    max_examples=int(os.environ.get("KASCADE_SIM_EXAMPLES", "8")),
+    deadline=None,
+    derandomize=os.environ.get("KASCADE_SIM_RANDOM") is None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 bursts = st.builds(lambda seed, base, peak, every, inp, out: synthetic_bursts(
     30, base, peak, every, every / 4, input_tokens=inp, output_tokens=out, seed=seed),
