@@ -119,7 +119,9 @@ def default_of(value: Any) -> str:
         return "—"
     if isinstance(value, str):
         return f"`{json.dumps(value)}`" if value == "" else f"`{value}`"
-    text = json.dumps(value, separators=(", ", ": ")) if isinstance(value, dict | list) else yaml.safe_dump(value).strip()
+    text = (
+        json.dumps(value, separators=(", ", ": ")) if isinstance(value, dict | list) else yaml.safe_dump(value).strip()
+    )
     text = text.removesuffix("\n...").strip()
     return f"`{text}`".replace("|", "\\|")
 
@@ -177,7 +179,9 @@ def render() -> tuple[str, list[str]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 if docs/values.md is stale or a key lacks a description")
+    ap.add_argument(
+        "--check", action="store_true", help="exit 1 if docs/values.md is stale or a key lacks a description"
+    )
     args = ap.parse_args()
     doc, missing = render()
     if missing:
