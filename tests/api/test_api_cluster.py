@@ -55,7 +55,9 @@ def test_printer_columns_and_scale_subresource(control_plane: ControlPlane, crds
     header_msvc, header_splan = [ln for ln in out.splitlines() if ln.startswith("NAME")]
     assert header_msvc.split() == ["NAME", "MODEL", "MODE", "POLICY", "DESIRED", "READY", "LOADING", "AVAILABLE", "AGE"]
     assert header_splan.split() == ["NAME", "SERVICE", "ROLE", "ALGORITHM", "PHASE", "TARGETS", "PROGRESS", "AGE"]
-    assert re.search(r"modelservice.kascade.io/smollm2\s+HuggingFaceTB/SmolLM2-135M-Instruct\s+colocated\s+threshold\s", out)
+    assert re.search(
+        r"modelservice.kascade.io/smollm2\s+HuggingFaceTB/SmolLM2-135M-Instruct\s+colocated\s+threshold\s", out
+    )
     control_plane.kubectl("-n", namespace, "scale", "msvc/smollm2", "--replicas=3")
     out = control_plane.kubectl("-n", namespace, "get", "msvc").stdout
     assert re.search(r"smollm2\s+HuggingFaceTB/SmolLM2-135M-Instruct\s+colocated\s+threshold\s+3\s", out)  # DESIRED

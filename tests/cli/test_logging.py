@@ -163,7 +163,9 @@ def test_fallback_engine_pods_log_like_the_installation(monkeypatch: pytest.Monk
     chart = Path(__file__).resolve().parents[2] / "charts" / "kascade"
     out = subprocess.run([str(helm), "template", "r", str(chart), "--set", "logFormat=json"],
                          capture_output=True, text=True, check=True).stdout
-    op = next(d for d in yaml.safe_load_all(out) if d and d["kind"] == "Deployment" and d["metadata"]["name"] == "r-operator")
+    op = next(
+        d for d in yaml.safe_load_all(out) if d and d["kind"] == "Deployment" and d["metadata"]["name"] == "r-operator"
+    )
     env = {e["name"]: e["value"] for e in op["spec"]["template"]["spec"]["containers"][0]["env"] if "value" in e}
     assert env["KASCADE_OPERATOR_ENGINE_LOG_FORMAT"] == "json"
     monkeypatch.setenv("KASCADE_OPERATOR_ENGINE_LOG_FORMAT", env["KASCADE_OPERATOR_ENGINE_LOG_FORMAT"])

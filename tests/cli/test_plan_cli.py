@@ -43,7 +43,9 @@ def test_every_example_topology_plans() -> None:
 
 def test_bad_files_and_flags(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
-    bad.write_text("generate: {leaves: 1, nodesPerLeaf: 2}\nscenario:\n  sources: [{id: s, node: nowhere}]\n  targets: []\n")
+    bad.write_text(
+        "generate: {leaves: 1, nodesPerLeaf: 2}\nscenario:\n  sources: [{id: s, node: nowhere}]\n  targets: []\n"
+    )
     out = CliRunner().invoke(cli, ["plan", str(bad)])
     assert out.exit_code == 1
     assert "scenario.sources[0]: unknown node 'nowhere'" in out.output

@@ -60,7 +60,9 @@ def test_scheduler_places_gpu_pod_and_it_runs(control_plane: ControlPlane, kwok_
     names = kwok_nodes(2, gpus=2)
     control_plane.kubectl("apply", "-f", "-", input=json.dumps(_pod("fits", namespace, 2)))
     control_plane.kubectl("apply", "-f", "-", input=json.dumps(_pod("too-big", namespace, 3)))
-    control_plane.kubectl("-n", namespace, "wait", "--for=jsonpath={.status.phase}=Running", "pod/fits", "--timeout=60s")
+    control_plane.kubectl(
+        "-n", namespace, "wait", "--for=jsonpath={.status.phase}=Running", "pod/fits", "--timeout=60s"
+    )
     pod = json.loads(control_plane.kubectl("-n", namespace, "get", "pod", "fits", "-o", "json").stdout)
     assert pod["spec"]["nodeName"] in names
     # A pod asking for more GPUs than any node has stays Pending: the scheduler really counts GPUs.
