@@ -44,12 +44,27 @@ def operator() -> None:
 @click.option("--lease-renew-deadline", type=float, help="seconds a leader tries to renew before it steps down")
 @click.option("--lease-retry", type=float, help="seconds between Lease attempts")
 @click.option("--identity", help="this replica's name in the Lease (default: hostname-pid)")
-def run(namespaces: tuple[str, ...], interval: float | None, rate_window: float | None, metrics_source: str | None,
-        prometheus_url: str | None, engine_token: str | None, metrics_port: int | None, liveness: str | None,
-        pool_namespace: str | None, engine_image: str | None, allowed_images: tuple[str, ...],
-        allowed_host_path_roots: tuple[str, ...], leader_elect: bool | None, lease_namespace: str | None,
-        lease_duration: float | None,
-        lease_renew_deadline: float | None, lease_retry: float | None, identity: str | None, router_url: str | None) -> None:
+def run(
+    namespaces: tuple[str, ...],
+    interval: float | None,
+    rate_window: float | None,
+    metrics_source: str | None,
+    prometheus_url: str | None,
+    engine_token: str | None,
+    metrics_port: int | None,
+    liveness: str | None,
+    pool_namespace: str | None,
+    engine_image: str | None,
+    allowed_images: tuple[str, ...],
+    allowed_host_path_roots: tuple[str, ...],
+    leader_elect: bool | None,
+    lease_namespace: str | None,
+    lease_duration: float | None,
+    lease_renew_deadline: float | None,
+    lease_retry: float | None,
+    identity: str | None,
+    router_url: str | None,
+) -> None:
     """Reconcile ModelServices and ScalePlans until interrupted (`kascade -v operator run` logs decisions).
 
     The warm pool's size is its Deployment's (the chart's `pool.replicas`): it refills itself when the
