@@ -48,8 +48,15 @@ SEEN_S = 0.25 * P_PREFILL_S
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, EngineProc]]:
     ckpt = tiny_llama(tmp_path_factory.mktemp("accounting") / "tiny-llama", layers=LAYERS, hidden=64, vocab=512)
     # D2's steps take >= 32 ms (an emulated accelerator): its streams outlast both requests on a loaded machine
-    with engine_procs(ckpt, TOKEN, 64, {"d2": ["--emulate-layer-ms", "8"],
-                                "p": ["--emulate-layer-ms", str(P_LAYER_MS), "--emulate-knee-tokens", str(KNEE)]}) as procs:
+    with engine_procs(
+        ckpt,
+        TOKEN,
+        64,
+        {
+            "d2": ["--emulate-layer-ms", "8"],
+            "p": ["--emulate-layer-ms", str(P_LAYER_MS), "--emulate-knee-tokens", str(KNEE)],
+        },
+    ) as procs:
         yield procs
 
 
