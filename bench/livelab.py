@@ -210,7 +210,9 @@ class Driver:
                     self.events.append((time.time(), f"head {chain[0]} cooperating: routable"))
                     formed = True
                     print(f"    pipeline {'->'.join(chain)} formed at {time.monotonic() - self.t0:.2f} s", flush=True)
-                    if self.redirect != "off":  # queues move between the sources and the pipeline (BlitzScale's redirection)
+                    if (
+                        self.redirect != "off"
+                    ):  # queues move between the sources and the pipeline (BlitzScale's redirection)
                         await asyncio.gather(
                             *(
                                 self.ctl(s, "cooperate", CooperateRequest(head.act, "redirect").to_dict())
@@ -314,8 +316,17 @@ def pair_plan(layout: ModelLayout, srcs: list[Eng], tgts: list[Eng], k: int, rat
     return plan.to_dict()
 
 
-async def run_mode(d: Driver, mode: str, plan: dict[str, Any], manifest: dict[str, Any], port: int,
-                   prompts: list[str], gap: float, max_tokens: int, zz: ZigZagSpec | None) -> list[tuple[float, str, str]]:
+async def run_mode(
+    d: Driver,
+    mode: str,
+    plan: dict[str, Any],
+    manifest: dict[str, Any],
+    port: int,
+    prompts: list[str],
+    gap: float,
+    max_tokens: int,
+    zz: ZigZagSpec | None,
+) -> list[tuple[float, str, str]]:
     for b in d.balanced.values():  # every mode starts with nothing measured (the same conditions for each)
         b.first_tokens = FirstTokens()
     for t in d.targets:  # a fresh target: no weights, bound, then loading by the plan

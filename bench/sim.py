@@ -51,7 +51,9 @@ PAPER_SEEDS = (1, 2, 3)
 RATIOS = ("ttft_mean_reduction_vs_sllm", "ttft_mean_reduction_vs_allcache", "gpu_time_vs_full")
 
 
-def _paper_run(quick: bool, seed: int, cfg: SimConfig, plot_to: Path | None) -> tuple[dict[str, Any], int, float, float, float]:
+def _paper_run(
+    quick: bool, seed: int, cfg: SimConfig, plot_to: Path | None
+) -> tuple[dict[str, Any], int, float, float, float]:
     from statistics import mean
 
     spec = model("qwen-72b")
