@@ -47,7 +47,9 @@ def source_gbps(topo: Topology, src: Instance) -> float:
     return per * src.gpus
 
 
-def hop_flows(src: Instance, dst: Instance, blocks: tuple[str, ...], shard: bool, links: int | None = None) -> list[Flow]:
+def hop_flows(
+    src: Instance, dst: Instance, blocks: tuple[str, ...], shard: bool, links: int | None = None
+) -> list[Flow]:
     """One hop src -> dst: g shard flows over g links when dst has g > 1 GPUs and src can drive g links
     (a GPU instance of the same width, so every relay forwards the shards it receives; or a host copy
     with at least g links), else one whole-model flow. `links`: src's link count (default its GPUs)."""
