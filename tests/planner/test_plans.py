@@ -201,7 +201,9 @@ def problems(draw: st.DrawFn) -> tuple[Scenario, list[Instance], list[Instance],
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
-def test_properties_hold_for_every_algorithm(problem: tuple[Scenario, list[Instance], list[Instance], str, int]) -> None:
+def test_properties_hold_for_every_algorithm(
+    problem: tuple[Scenario, list[Instance], list[Instance], str, int],
+) -> None:
     sc, src, tgt, alg, _ = problem
     plan = make_plan(sc.topo, sc.model, src, tgt, alg)
     check_invariants(plan)
@@ -280,7 +282,9 @@ def test_chain_plans_are_interference_free(problem: tuple[Scenario, list[Instanc
 
 @settings(max_examples=30, deadline=None)
 @given(problems())
-def test_closed_form_cost_matches_the_event_simulation(problem: tuple[Scenario, list[Instance], list[Instance], str, int]) -> None:
+def test_closed_form_cost_matches_the_event_simulation(
+    problem: tuple[Scenario, list[Instance], list[Instance], str, int],
+) -> None:
     sc, src, tgt, _, _ = problem
     for alg in ("chain", "local"):
         plan = make_plan(sc.topo, sc.model, src, tgt, alg, predict=False, host_cached_nodes={src[0].node})

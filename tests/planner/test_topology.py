@@ -42,10 +42,15 @@ def test_custom_label_keys() -> None:
 
 @pytest.mark.parametrize(
     ("node", "message"),
-    [(k8s_node("n1", **{"kascade.io/leaf": ""}), "node 'n1': missing label 'kascade.io/leaf'"),
-     (k8s_node("n2", **{"kascade.io/nic-gbps": "fast"}), "node 'n2': label 'kascade.io/nic-gbps' must be a number"),
-     (k8s_node("n3", **{"kascade.io/nic-gbps": "-5"}), "node 'n3': label 'kascade.io/nic-gbps' must be a finite number >= "),
-     (k8s_node("n4", gpus="many"), "node 'n4': nvidia.com/gpu must be a number")],
+    [
+        (k8s_node("n1", **{"kascade.io/leaf": ""}), "node 'n1': missing label 'kascade.io/leaf'"),
+        (k8s_node("n2", **{"kascade.io/nic-gbps": "fast"}), "node 'n2': label 'kascade.io/nic-gbps' must be a number"),
+        (
+            k8s_node("n3", **{"kascade.io/nic-gbps": "-5"}),
+            "node 'n3': label 'kascade.io/nic-gbps' must be a finite number >= ",
+        ),
+        (k8s_node("n4", gpus="many"), "node 'n4': nvidia.com/gpu must be a number"),
+    ],
 )
 def test_bad_labels_name_node_and_label(node: dict[str, Any], message: str) -> None:
     with pytest.raises(TopologyError) as e:
