@@ -201,7 +201,9 @@ class ControlPlane:
     def running(self) -> dict[str, bool]:
         return {n: processes.alive(p, self.starts.get(n)) for n, p in self.pids.items()}
 
-    def _tool(self, tool: str, args: tuple[str, ...], check: bool, input: str | None) -> subprocess.CompletedProcess[str]:
+    def _tool(
+        self, tool: str, args: tuple[str, ...], check: bool, input: str | None
+    ) -> subprocess.CompletedProcess[str]:
         proc = subprocess.run(
             [str(self.bin_dir / tool), f"--kubeconfig={self.kubeconfig}", *args],
             capture_output=True,
