@@ -38,7 +38,9 @@ def test_samples_accepted(control_plane: ControlPlane, crds: list[str], namespac
 
 
 @pytest.mark.parametrize("path", INVALID, ids=[p.name for p in INVALID])
-def test_invalid_rejected_naming_field(control_plane: ControlPlane, crds: list[str], namespace: str, path: Path) -> None:
+def test_invalid_rejected_naming_field(
+    control_plane: ControlPlane, crds: list[str], namespace: str, path: Path
+) -> None:
     field = re.search(r"^# expect-field: (\S+)", path.read_text(), re.M).group(1)  # type: ignore[union-attr]
     with pytest.raises(ToolError) as e:
         control_plane.kubectl("-n", namespace, "apply", "-f", str(path))

@@ -72,8 +72,9 @@ def test_scheduler_places_gpu_pod_and_it_runs(control_plane: ControlPlane, kwok_
     assert "nodeName" not in big["spec"]
 
 
-def test_deployment_creates_pods_through_controller_manager(control_plane: ControlPlane,
-                                                            kwok_nodes: Callable[..., list[str]], namespace: str) -> None:
+def test_deployment_creates_pods_through_controller_manager(
+    control_plane: ControlPlane, kwok_nodes: Callable[..., list[str]], namespace: str
+) -> None:
     kwok_nodes(1, gpus=8)
     dep = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "pool", "namespace": namespace},
            "spec": {"replicas": 3, "selector": {"matchLabels": {"app": "pool"}},
