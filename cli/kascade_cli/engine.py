@@ -72,7 +72,8 @@ def engine() -> None:
 @click.option(
     "--transfer-max-mbps",
     type=click.FloatRange(0, min_open=True),
-    help="cap on what this engine sends on its data plane, in Mbit/s (default: line rate): weight transfers are paced to it; the KV caches a prefill engine ships go at once and count against it",
+    help="cap on what this engine sends on its data plane, in Mbit/s (default: line rate): weight transfers are "
+    "paced to it; the KV caches a prefill engine ships go at once and count against it",
 )
 @click.option("--header-timeout", default=10.0, show_default=True, type=click.FloatRange(0, min_open=True),
               help="seconds a connection may take to send a request's headers (slowloris guard)")

@@ -2,7 +2,8 @@
 reads it (the chart's pool init container; also handy on a workstation).
 
 Data flow: repo id + revision -> huggingface_hub.snapshot_download (only config, tokenizer and
-safetensors files, or with --config-only no weights; $HF_ENDPOINT for a mirror, $HF_TOKEN for gated repos; files already in DIR are kept) -> DIR -> a summary line.
+safetensors files, or with --config-only no weights; $HF_ENDPOINT for a mirror, $HF_TOKEN for gated repos; files
+already in DIR are kept) -> DIR -> a summary line.
 """
 
 from __future__ import annotations
