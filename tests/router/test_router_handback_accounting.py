@@ -121,7 +121,8 @@ async def test_a_handed_back_prompt_is_counted_timed_and_named_at_the_engine_tha
     on_d2 = [x for x in seen if x[1:] == (51, 50, 1, 0)]
     print(
         f"\nD1 for D2: on D2 from 0 to {max((x[0] for x in on_d2), default=0.0):.3f} s, on P from "
-        f"{min((x[0] for x in on_p), default=float('nan')):.3f} to {max((x[0] for x in on_p), default=float('nan')):.3f}"
+        f"{min((x[0] for x in on_p), default=float('nan')):.3f} to "
+        f"{max((x[0] for x in on_p), default=float('nan')):.3f}"
         f" s ({len(on_p)} of {len(seen)} samples); P's first-token latency {served_ft[1]}; D2's {served_ft[0]}"
     )
     assert on_p and max(x[0] for x in on_p) - min(x[0] for x in on_p) >= SEEN_S, seen
