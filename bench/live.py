@@ -8,7 +8,8 @@ computations, one layer at a time, picking work by the mode's policy (the same r
 kascade_planner.zigzag). Default clock: one unit per layer computation (deterministic, immune to
 other processes on a shared 2-core box; converted to seconds with the measured layer time τ; every
 B -> A switch is charged the measured time to ship the activations over the real TCP transport);
-`--realtime`: two wall-clock threads instead (noisy here) -> TTFT per request, prefill tokens/s over time -> bench/results/live.json and
+`--realtime`: two wall-clock threads instead (noisy here) -> TTFT per request, prefill tokens/s over time ->
+bench/results/live.json and
 live.png. `split_exact` checks every first token against a single engine, plus a split over the real
 TCP transport (B's prefix here, A's suffix behind a TCP listener) against a single engine.
 Engine pair section (`engine_pair`, not emulated): two real EngineInstances, B loading with half the
@@ -343,7 +344,8 @@ def main() -> None:
     prefix = ilp_config(PairSetting(L, args.load_ratio, n, migrate / tau))
     print(f"activation hand-off over TCP: {migrate * 1e3:.2f} ms ({migrate / tau:.2f} layer times)")
     print(
-        f"layer time {tau * 1e3:.2f} ms, {L} layers, load {load * 1e3:.1f} ms/layer, {n} requests every {gap * 1e3:.1f} ms"
+        f"layer time {tau * 1e3:.2f} ms, {L} layers, load {load * 1e3:.1f} ms/layer, {n} requests every "
+        f"{gap * 1e3:.1f} ms"
     )
     rounds = args.rounds or (1 if not args.realtime else 3 if args.quick else 5)
     ratios: dict[str, list[float]] = {m: [] for m in MODES}

@@ -88,7 +88,8 @@ def report(logdir: Path, tag: str) -> None:
             ]
             tt = sorted(x["ttft"] for x in xs)
             print(
-                f"  {kind:22s} n={len(xs):3d} ttft {med(tt)} (p90 {tt[int(0.9 * (len(tt) - 1))]:.2f}, max {tt[-1]:.2f}) | "
+                f"  {kind:22s} n={len(xs):3d} ttft {med(tt)} (p90 {tt[int(0.9 * (len(tt) - 1))]:.2f}, max "
+                f"{tt[-1]:.2f}) | "
                 + " ".join(f"{k} {med([x[k] for x in xs if k in x])}" for k in keys)
             )
         worst = sorted((x for xs in groups.values() for x in xs), key=lambda x: -x["ttft"])[:3]

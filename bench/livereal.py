@@ -90,11 +90,16 @@ def real_section(args: argparse.Namespace) -> dict[str, object]:
         rate = args.rate_mbit or max(1, round(total * 8 / args.load_s / 1e6))
         setup = livelab.Setup(rate, args.layer_ms, 128, 32, 4, args.real_overload, total * 8 / (rate * 1e6),
                               200 if args.quick else 400, args.knee_tokens, args.link_qos, args.redirect, args.route)
+        knee = (
+            f", x (tokens / {setup.knee_tokens}) past {setup.knee_tokens} tokens"
+            if setup.knee_tokens
+            else " (memory-bound: any tokens)"
+        )
         print(
             f"real engines: {args.layers} layers, {total / 1e6:.1f} MB over {rate} Mbit/s links "
             f"({'activations first' if args.link_qos else 'one FIFO'}) "
             f"({setup.load_s:.1f} s per copy); compute emulated at {args.layer_ms} ms per layer forward per step"
-            f"{f', x (tokens / {setup.knee_tokens}) past {setup.knee_tokens} tokens' if setup.knee_tokens else ' (memory-bound: any tokens)'}"
+            f"{knee}"
         )
         fleets = [f.strip() for f in args.fleets.split(",") if f.strip()]
         if not fleets or any(f not in ("pair", "pipe2", "pipe4") for f in fleets):

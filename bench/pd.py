@@ -33,7 +33,8 @@ Link part (needs root + network namespaces): P in namespace h0, D in h1, the lin
 `--link-mbit`; long prompts sent to D naming P -> D's `kascade_kv_link_bytes_per_second` (KV bytes from
 first frame to kv_done) / the tbf rate = `kv_transfer_over_link_rate`, for each engine `--transport` in
 `--link-transports` (default tcp,ucx; `--link-only` runs just this part -> bench/results/pd-link.json).
-KV leaves as each layer is computed, so the rate equals the link's only while P computes a layer faster than the link carries it:
+KV leaves as each layer is computed, so the rate equals the link's only while P computes a layer faster than the link
+carries it:
 on a loaded machine a fast link measures P's compute instead (50 Mbit: 0.80 idle-ish, 0.29 under load).
 Simulator part (`pdscore.sim_side`): the same trace, time-compressed to the simulator's speeds, through kascade_sim
 with the same three setups; its conversions come from the same policy function (kascade_sim.pdpolicy).

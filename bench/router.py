@@ -295,7 +295,8 @@ def main() -> None:
                 r["failed"].append(failed)
                 r["cpu"].append({k: 1000 * v / n for k, v in used.items()})
                 print(
-                    f"round {i + 1}/{rounds} {mode:6s}: {len(t)} streams ({failed} failed), {open_:.0f} open on average, TTFT p50 "
+                    f"round {i + 1}/{rounds} {mode:6s}: {len(t)} streams ({failed} failed), {open_:.0f} open on "
+                    "average, TTFT p50 "
                     f"{1000 * pct(t, 0.5):.2f} ms p99 {1000 * pct(t, 0.99):.2f} ms; CPU ms per stream: "
                     + ", ".join(f"{k} {1000 * v / n:.2f}" for k, v in used.items()),
                     flush=True,
@@ -337,7 +338,8 @@ def main() -> None:
             print(
                 f"closed loop ({args.concurrency} workers back to back, short streams, bursts): direct TTFT p50 "
                 f"{out['closed_loop_direct_ttft_p50_ms']:.1f} ms, router adds p50 "
-                f"{out['closed_loop_added_latency_p50_ms']:.1f} ms, p99 {out['closed_loop_added_latency_p99_ms']:.1f} ms",
+                f"{out['closed_loop_added_latency_p50_ms']:.1f} ms, p99 {out['closed_loop_added_latency_p99_ms']:.1f} "
+                "ms",
                 flush=True,
             )
 

@@ -248,8 +248,10 @@ def honest(quick: bool) -> dict[str, Any]:
             print(f"  {n:15s} {x['ttft_mean_s']:9.3f} {x['ttft_p99_s']:7.2f} {x['slo_attainment_5x']:6.1%} "
                   f"{x['gpu_seconds']:7.0f} {x['tbt_p99_s']:7.3f} {x['converted_prefills']:5d}")
         print(
-            f"  vs ServerlessLLM {cmp['ttft_mean_reduction_vs_sllm']:+.3f} (paper {PAPER['ttft_mean_reduction_vs_sllm']}), "
-            f"vs AllCache {cmp['ttft_mean_reduction_vs_allcache']:+.3f} (paper {PAPER['ttft_mean_reduction_vs_allcache']}), "
+            f"  vs ServerlessLLM {cmp['ttft_mean_reduction_vs_sllm']:+.3f} (paper "
+            f"{PAPER['ttft_mean_reduction_vs_sllm']}), "
+            f"vs AllCache {cmp['ttft_mean_reduction_vs_allcache']:+.3f} (paper "
+            f"{PAPER['ttft_mean_reduction_vs_allcache']}), "
             f"GPU time vs full {cmp['gpu_time_vs_static_peak']:.2f} (paper {PAPER['gpu_time_vs_static_peak']}); "
             f"default vs no conversion {checks['default_vs_noconv_ttft_mean']:+.1%}: {'ok' if checks['ok'] else 'FAIL'}"
         )
