@@ -6,7 +6,8 @@ targets by scale-up domain and deal the groups to that leaf's chains, longest gr
 shortest chain -> order each chain by decreasing bandwidth -> flows (sharded g-wide when both ends
 have g GPUs). Phases: `_targets_by_leaf`, `_allot_sources`, `_deal_groups` (into `Chain`s), then
 flows and fallbacks in `build_chains`. A chain costs about |M|/B_min + (n-1)·chunk/B_min, nearly
-independent of n; the tail of every chain is the next scaling round's source (the parameter pool grows with finished targets).
+independent of n; the tail of every chain is the next scaling round's source (the parameter pool grows with finished
+targets).
 """
 
 from __future__ import annotations

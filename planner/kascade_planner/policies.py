@@ -85,7 +85,9 @@ class MetricsSnapshot:
 
     @property
     def decode_demand(self) -> DecodeDemand:
-        """max(measured output tokens/s, arriving requests/s x estimated output length): kascade_planner.outputlength."""
+        """max(measured output tokens/s, arriving requests/s x estimated output length):
+        kascade_planner.outputlength.
+        """
         return decode_demand(self.output_tokens_per_s, self.requests_per_s,
                              self.output_length.mean if self.output_length else None)
 
