@@ -148,7 +148,8 @@ def test_burst_scales_up_by_chain_from_the_serving_replica_and_back(
     one it cannot serve (its own request log says so)."""
     cp, ns = control_plane, namespace
     pool, _, nodes = world
-    # thresholds for a loaded 2-core machine: the burst is ~300+ tok/s, calm ~60 in total (lower 45: two replicas at calm, 30 each, must be below it)
+    # thresholds for a loaded 2-core machine: the burst is ~300+ tok/s, calm ~60 in total (lower 45: two replicas at
+    # calm, 30 each, must be below it)
     src = serve_first_copy(cp, ns, msvc(ckpt, 1, 3, upper=100, lower=45))
     local = [p for p in get(cp, ns, "splan")["items"] if p["spec"]["algorithm"] == "local"]
     assert local and local[0]["spec"]["sources"][0]["path"] == str(ckpt)
