@@ -293,7 +293,8 @@ ALERTS: list[dict[str, Any]] = [
     },
     {
         "alert": "KascadeTTFTSLOBurn",
-        "expr": f'(1 - sum by (namespace, model_service) (rate({M["ttft"]}_bucket{{le=~"{{{{ {V}.ttftSloSeconds }}}}(\\\\.0)?"}}[5m])) '
+        "expr": f"(1 - sum by (namespace, model_service) "
+        f'(rate({M["ttft"]}_bucket{{le=~"{{{{ {V}.ttftSloSeconds }}}}(\\\\.0)?"}}[5m])) '
         f"/ sum by (namespace, model_service) (rate({M['ttft']}_count[5m]))) > {{{{ {V}.ttftBurnRatio }}}}",
         "for": "5m",
         "severity": "critical",
