@@ -99,9 +99,8 @@ def test_a_lock_for_every_python_the_bases_carry() -> None:
     defaults = {re.search(r"^ARG BASE=(\S+)", df.read_text(), re.M).group(1) for df in IMAGES.values()}  # type: ignore[union-attr]
     script = (REPO / "hack" / "build-images.sh").read_text()
     bases = defaults | set(re.findall(r"\]=(\S+?:[\w.-]+)", script.split("registry_base=", 1)[1].split("\n\n")[0]))
-    bases.add(
-        re.search(r"NAME=\$\{KASCADE_BASE_IMAGE:-(\S+)\}", (REPO / "hack" / "build-base-image.sh").read_text()).group(1)
-    )  # type: ignore[union-attr]
+    base_script = (REPO / "hack" / "build-base-image.sh").read_text()
+    bases.add(re.search(r"NAME=\$\{KASCADE_BASE_IMAGE:-(\S+)\}", base_script).group(1))  # type: ignore[union-attr]
     assert bases <= set(BASE_PYTHON), f"which CPython does {bases - set(BASE_PYTHON)} carry? add it to BASE_PYTHON"
     assert {BASE_PYTHON[b] for b in bases} == set(PYTHONS) == {"3.11", "3.12"}
     lock_pythons = re.search(r"LOCK_PYTHONS:-([\d. ]+)\}", (REPO / "hack" / "lock.sh").read_text())
