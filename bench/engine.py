@@ -6,7 +6,8 @@ Measured (real wall clock, real model, CPU; numbers on a shared machine are nois
   over_transformers_b1       engine tokens/s at 1 request / transformers generate batch 1          (>= 1.0)
   over_transformers_b16      engine tokens/s at 16 concurrent / transformers batch 16, left padding (>= 1.5)
   greedy_equal_transformers  8 prompts x 64 tokens, engine (all 8 concurrent: batched) == transformers batch 1
-  kv_bytes_per_token_over_theory  the engine's KV allocation per token of capacity / 2*layers*kv_heads*head_dim*4 (<= 1.1)
+  kv_bytes_per_token_over_theory  the engine's KV allocation per token of capacity / 2*layers*kv_heads*head_dim*4 (<=
+  1.1)
   ttft_p99_ms_c32, itl_p99_ms_c32  streamed, 32 concurrent requests
   over_transformers_b{1,16}_cpu  the same per CPU-second (engine process vs this process): less load-sensitive
 Data flow: SmolLM2 checkpoint -> `kascade engine serve` process (port 0) and transformers in this process
@@ -242,7 +243,11 @@ def main() -> None:
                "kv_bytes_per_token_over_theory": -1.1}
     for k, v in res.items():
         t = targets.get(k)
-        mark = "" if t is None else ("  ok" if (v >= t if t > 0 else v <= -t) else f"  (target {'>=' if t > 0 else '<='} {abs(t)})")
+        mark = (
+            ""
+            if t is None
+            else ("  ok" if (v >= t if t > 0 else v <= -t) else f"  (target {'>=' if t > 0 else '<='} {abs(t)})")
+        )
         print(f"{k:34s} {v:.3f}{mark}" if isinstance(v, float) else f"{k:34s} {v}")
     out = Path(__file__).parent / "results" / "engine.json"
     out.parent.mkdir(exist_ok=True)

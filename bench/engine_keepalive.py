@@ -58,7 +58,9 @@ def main() -> int:
             eng.stop()
     out["engine_keepalive_ms_p50"] = out["engine_keepalive_healthz_ms_p50"]
     ok = out["engine_keepalive_ms_p50"] <= 2.0
-    print(f"engine_keepalive_ms_p50 = {out['engine_keepalive_ms_p50']:.2f} ms (target <= 2): {'ok' if ok else 'MISSED'}")
+    print(
+        f"engine_keepalive_ms_p50 = {out['engine_keepalive_ms_p50']:.2f} ms (target <= 2): {'ok' if ok else 'MISSED'}"
+    )
     res = ROOT / "bench" / "results" / "engine.json"
     res.parent.mkdir(parents=True, exist_ok=True)
     doc = json.loads(res.read_text()) if res.exists() else {}

@@ -8,7 +8,8 @@ computations, one layer at a time, picking work by the mode's policy (the same r
 kascade_planner.zigzag). Default clock: one unit per layer computation (deterministic, immune to
 other processes on a shared 2-core box; converted to seconds with the measured layer time τ; every
 B -> A switch is charged the measured time to ship the activations over the real TCP transport);
-`--realtime`: two wall-clock threads instead (noisy here) -> TTFT per request, prefill tokens/s over time -> bench/results/live.json and
+`--realtime`: two wall-clock threads instead (noisy here) -> TTFT per request, prefill tokens/s over time ->
+bench/results/live.json and
 live.png. `split_exact` checks every first token against a single engine, plus a split over the real
 TCP transport (B's prefix here, A's suffix behind a TCP listener) against a single engine.
 Engine pair section (`engine_pair`, not emulated): two real EngineInstances, B loading with half the
@@ -288,10 +289,16 @@ async def engine_pair(bs: BlockSet, prompts: list[list[int]], k: int) -> dict[st
         pc = b.pair
         assert pc is not None
         hidden, elt = b.model.shape.hidden, torch.empty(0, dtype=b.model.dtype).element_size()
-        return {"split_exact_batched": got == want, "activation_bytes_per_token": pc.bytes_sent / max(1, pc.tokens_sent),
-                "activation_bytes_per_token_theory": hidden * elt, "pair_frames": pc.steps_sent,
-                "pair_requests": len(prompts), "pair_tokens_generated": sum(len(g) for g in got),
-                "pair_connections_accepted": a.finisher.connections, "pair_split_k": k}
+        return {
+            "split_exact_batched": got == want,
+            "activation_bytes_per_token": pc.bytes_sent / max(1, pc.tokens_sent),
+            "activation_bytes_per_token_theory": hidden * elt,
+            "pair_frames": pc.steps_sent,
+            "pair_requests": len(prompts),
+            "pair_tokens_generated": sum(len(g) for g in got),
+            "pair_connections_accepted": a.finisher.connections,
+            "pair_split_k": k,
+        }
     finally:
         await b.close()
         await a.close()
@@ -322,7 +329,9 @@ def main() -> None:
     n = args.requests or (24 if args.quick else 64)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
-        bs = pack_checkpoint(tiny_llama(Path(tmp) / "m", layers=args.layers, hidden=args.hidden, vocab=512), "bench-llama")
+        bs = pack_checkpoint(
+            tiny_llama(Path(tmp) / "m", layers=args.layers, hidden=args.hidden, vocab=512), "bench-llama"
+        )
     a = full_model(bs)
     torch.set_num_threads(1)
     tau = layer_time(a, args.prompt)
@@ -334,7 +343,10 @@ def main() -> None:
     migrate = asyncio.run(activation_time(a, args.prompt))
     prefix = ilp_config(PairSetting(L, args.load_ratio, n, migrate / tau))
     print(f"activation hand-off over TCP: {migrate * 1e3:.2f} ms ({migrate / tau:.2f} layer times)")
-    print(f"layer time {tau * 1e3:.2f} ms, {L} layers, load {load * 1e3:.1f} ms/layer, {n} requests every {gap * 1e3:.1f} ms")
+    print(
+        f"layer time {tau * 1e3:.2f} ms, {L} layers, load {load * 1e3:.1f} ms/layer, {n} requests every "
+        f"{gap * 1e3:.1f} ms"
+    )
     rounds = args.rounds or (1 if not args.realtime else 3 if args.quick else 5)
     ratios: dict[str, list[float]] = {m: [] for m in MODES}
     all_jobs: list[dict[str, list[Job]]] = []
@@ -364,14 +376,29 @@ def main() -> None:
     t0 = time.perf_counter()
     out = eng.generate(prompts[0].tolist()[:16], SamplingParams(max_tokens=32))
     tps = len(out) / (time.perf_counter() - t0)
-    result = {"p99_ttft_zigzag_over_stop": med["zigzag"], "p99_ttft_besteffort_over_stop": med["best-effort"],
-              "p99_ttft_zigzag_ilp_over_stop": med["zigzag-ilp"], "ratios_per_round": ratios, "rounds": rounds,
-              **pair,
-              "split_exact": bool(exact_modes and exact_tcp and pair["split_exact_batched"]), "split_exact_modes": exact_modes, "split_exact_tcp": exact_tcp,
-              "tokens_per_s_single": tps, "p99_ttft_s": p99, "layer_time_s": tau, "layers": L, "requests": n,
-              "load_ratio": args.load_ratio, "migrate_s": migrate, "clock": "wall" if args.realtime else "layer (1 unit = measured layer time)", "overload": args.overload, "quick": args.quick,
-              "link": "emulated by block arrival times (l+1)*load_ratio*layer_time; activations handed over in-process "
-                      "here, over TCP in split_exact_tcp and tests/engine/test_split.py"}
+    result = {
+        "p99_ttft_zigzag_over_stop": med["zigzag"],
+        "p99_ttft_besteffort_over_stop": med["best-effort"],
+        "p99_ttft_zigzag_ilp_over_stop": med["zigzag-ilp"],
+        "ratios_per_round": ratios,
+        "rounds": rounds,
+        **pair,
+        "split_exact": bool(exact_modes and exact_tcp and pair["split_exact_batched"]),
+        "split_exact_modes": exact_modes,
+        "split_exact_tcp": exact_tcp,
+        "tokens_per_s_single": tps,
+        "p99_ttft_s": p99,
+        "layer_time_s": tau,
+        "layers": L,
+        "requests": n,
+        "load_ratio": args.load_ratio,
+        "migrate_s": migrate,
+        "clock": "wall" if args.realtime else "layer (1 unit = measured layer time)",
+        "overload": args.overload,
+        "quick": args.quick,
+        "link": "emulated by block arrival times (l+1)*load_ratio*layer_time; activations handed over in-process "
+        "here, over TCP in split_exact_tcp and tests/engine/test_split.py",
+    }
     if not args.no_real:
         result.update(livereal.real_section(args))
     args.out.mkdir(parents=True, exist_ok=True)

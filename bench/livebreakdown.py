@@ -81,11 +81,17 @@ def report(logdir: Path, tag: str) -> None:
             groups[kind].append(ph)
         print(f"{tag} {mode}: {len(rows)} requests, medians in s (and p90 TTFT) by path")
         for kind, xs in sorted(groups.items()):
-            keys = [k for k in ("to_engine", "hold", "A_queue", "handover", "B_queue", "B_prefix", "pair_wait+step", "A_step")
-                    if any(k in x for x in xs)]
+            keys = [
+                k
+                for k in ("to_engine", "hold", "A_queue", "handover", "B_queue", "B_prefix", "pair_wait+step", "A_step")
+                if any(k in x for x in xs)
+            ]
             tt = sorted(x["ttft"] for x in xs)
-            print(f"  {kind:22s} n={len(xs):3d} ttft {med(tt)} (p90 {tt[int(0.9 * (len(tt) - 1))]:.2f}, max {tt[-1]:.2f}) | "
-                  + " ".join(f"{k} {med([x[k] for x in xs if k in x])}" for k in keys))
+            print(
+                f"  {kind:22s} n={len(xs):3d} ttft {med(tt)} (p90 {tt[int(0.9 * (len(tt) - 1))]:.2f}, max "
+                f"{tt[-1]:.2f}) | "
+                + " ".join(f"{k} {med([x[k] for x in xs if k in x])}" for k in keys)
+            )
         worst = sorted((x for xs in groups.values() for x in xs), key=lambda x: -x["ttft"])[:3]
         print("  worst: " + "; ".join(
             f"#{int(x['i'])} at {x['at']:.1f}s ttft {x['ttft']:.2f} ("

@@ -101,10 +101,34 @@ def start_engine(lab: netlab.NetLab, host: int, iid: str, ckpt: Path, empty: boo
     addr = lab.addr(host)
     logs = os.environ.get("KASCADE_BENCH_ENGINE_LOGS")  # a directory: each engine's stderr goes there
     verbose = ["-v"] if logs else []  # with logs kept: INFO, the per-request timeline (kascade_engine.batch.timeline)
-    cmd = [*lab.prefix(host), sys.executable, "-m", "kascade_cli.main", *verbose, "engine", "serve", "--checkpoint", str(ckpt),
-           "--model-name", MODEL, "--host", addr, "--port", "8000", "--act-port", "8001", "--threads", "1",
-           "--max-batch-tokens", str(batch_tokens), "--emulate-layer-ms", str(layer_ms),
-           "--emulate-knee-tokens", str(knee_tokens), *(["--empty"] if empty else [])]
+    cmd = [
+        *lab.prefix(host),
+        sys.executable,
+        "-m",
+        "kascade_cli.main",
+        *verbose,
+        "engine",
+        "serve",
+        "--checkpoint",
+        str(ckpt),
+        "--model-name",
+        MODEL,
+        "--host",
+        addr,
+        "--port",
+        "8000",
+        "--act-port",
+        "8001",
+        "--threads",
+        "1",
+        "--max-batch-tokens",
+        str(batch_tokens),
+        "--emulate-layer-ms",
+        str(layer_ms),
+        "--emulate-knee-tokens",
+        str(knee_tokens),
+        *(["--empty"] if empty else []),
+    ]
     if logs:
         Path(logs).mkdir(parents=True, exist_ok=True)
     err = open(Path(logs) / f"{lab.tag}-{iid}.log", "w") if logs else subprocess.DEVNULL  # noqa: SIM115
@@ -171,21 +195,34 @@ class Driver:
             if pipeline and not formed:
                 chain = chain_to_form([e.iid for e in pipeline], {e.iid: e.status for e in pipeline})
                 if chain:
-                    self.events += [(polled, "covering statuses asked"), (time.time(), f"chain {'->'.join(chain)} seen")]
+                    self.events += [
+                        (polled, "covering statuses asked"),
+                        (time.time(), f"chain {'->'.join(chain)} seen"),
+                    ]
                     by = {e.iid: e for e in pipeline}
                     for a, b in reversed(list(itertools.pairwise(chain[1:]))):
                         await self.ctl(by[a], "cooperate", CooperateRequest(by[b].act, "pipeline").to_dict())
                         self.events.append((time.time(), f"hop {a}->{b} formed"))
                     head = by[chain[0]]  # its answer is its status: routable from this moment
-                    head.status = await self.ctl(head, "cooperate", CooperateRequest(by[chain[1]].act, "besteffort").to_dict())
+                    head.status = await self.ctl(
+                        head, "cooperate", CooperateRequest(by[chain[1]].act, "besteffort").to_dict()
+                    )
                     self.events.append((time.time(), f"head {chain[0]} cooperating: routable"))
                     formed = True
                     print(f"    pipeline {'->'.join(chain)} formed at {time.monotonic() - self.t0:.2f} s", flush=True)
-                    if self.redirect != "off":  # queues move between the sources and the pipeline (BlitzScale's redirection)
-                        await asyncio.gather(*(self.ctl(s, "cooperate", CooperateRequest(head.act, "redirect").to_dict())
-                                               for s in self.sources))
+                    if (
+                        self.redirect != "off"
+                    ):  # queues move between the sources and the pipeline (BlitzScale's redirection)
+                        await asyncio.gather(
+                            *(
+                                self.ctl(s, "cooperate", CooperateRequest(head.act, "redirect").to_dict())
+                                for s in self.sources
+                            )
+                        )
                         for s in self.sources if self.redirect == "both" else ():  # and the head's to the sources
-                            head.status = await self.ctl(head, "cooperate", CooperateRequest(s.act, "redirect").to_dict())
+                            head.status = await self.ctl(
+                                head, "cooperate", CooperateRequest(s.act, "redirect").to_dict()
+                            )
             # the operator's period, not faster: a live target answers each status between its steps, and polled
             # every ~70 ms (50 ms + the round) ZigZag's p99 TTFT rose 0.1-0.2 s (pair ratio 0.52-0.55 against
             # 0.47-0.49 with the old ~0.45 s rounds)
@@ -240,7 +277,9 @@ class Driver:
                             ft.first(first, first - t_sent, ahead)
                         chunk = json.loads(line[6:])
                         if "choices" not in chunk:  # the engine failed the request mid-stream: counted as failed
-                            print(f"      request to {e.iid} failed: {str(chunk.get('error', chunk))[:200]}", flush=True)
+                            print(
+                                f"      request to {e.iid} failed: {str(chunk.get('error', chunk))[:200]}", flush=True
+                            )
                             return float("nan"), "", f"failed:{e.iid}"
                         text += chunk["choices"][0].get("text", "")
                         self.ids[(prompt, at)] = (str(chunk.get("id", "")), sent)
@@ -277,8 +316,17 @@ def pair_plan(layout: ModelLayout, srcs: list[Eng], tgts: list[Eng], k: int, rat
     return plan.to_dict()
 
 
-async def run_mode(d: Driver, mode: str, plan: dict[str, Any], manifest: dict[str, Any], port: int,
-                   prompts: list[str], gap: float, max_tokens: int, zz: ZigZagSpec | None) -> list[tuple[float, str, str]]:
+async def run_mode(
+    d: Driver,
+    mode: str,
+    plan: dict[str, Any],
+    manifest: dict[str, Any],
+    port: int,
+    prompts: list[str],
+    gap: float,
+    max_tokens: int,
+    zz: ZigZagSpec | None,
+) -> list[tuple[float, str, str]]:
     for b in d.balanced.values():  # every mode starts with nothing measured (the same conditions for each)
         b.first_tokens = FirstTokens()
     for t in d.targets:  # a fresh target: no weights, bound, then loading by the plan
@@ -335,7 +383,9 @@ class Setup:
     knee_tokens: int = 0  # emulation: a layer forward over more tokens costs proportionally more (0: never)
     link_qos: bool = False  # True: links send the activation class first (netlab.py, "QoS"); False: one FIFO per link
     redirect: str = "off"  # pipelines: queues move sources <-> the formed pipeline ("both"), sources -> it, or "off"
-    route: str = "ttft"  # the driver's routing rule, every mode alike: expected TTFT ("ttft") or (in flight + 1) / weight
+    route: str = (
+        "ttft"  # the driver's routing rule, every mode alike: expected TTFT ("ttft") or (in flight + 1) / weight
+    )
 
 
 def fleet(kind: str, k: int, modes: tuple[str, ...], ckpt: Path, manifest: dict[str, Any], layout: ModelLayout,
@@ -343,8 +393,14 @@ def fleet(kind: str, k: int, modes: tuple[str, ...], ckpt: Path, manifest: dict[
     """One lab of k sources + k targets (+ the client), every mode on the same trace. TTFT per request."""
     hosts = 2 * k + 1
     with netlab.NetLab(hosts, setup.rate_mbit, prefix=tag, qos=setup.link_qos) as lab:
-        srcs = [start_engine(lab, i, f"s{i}", ckpt, False, setup.layer_ms, setup.batch_tokens, setup.knee_tokens) for i in range(k)]
-        tgts = [start_engine(lab, k + j, f"t{j}", ckpt, True, setup.layer_ms, setup.batch_tokens, setup.knee_tokens) for j in range(k)]
+        srcs = [
+            start_engine(lab, i, f"s{i}", ckpt, False, setup.layer_ms, setup.batch_tokens, setup.knee_tokens)
+            for i in range(k)
+        ]
+        tgts = [
+            start_engine(lab, k + j, f"t{j}", ckpt, True, setup.layer_ms, setup.batch_tokens, setup.knee_tokens)
+            for j in range(k)
+        ]
         try:
             for e in (*srcs, *tgts):
                 wait_ready(e)

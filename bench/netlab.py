@@ -151,11 +151,13 @@ class NetLab:
         peers = [i for i in range(self.hosts) if i != me]
         inside = [i for i in peers if self.group(i) == self.group(me)]
         cross = [i for i in peers if self.group(i) != self.group(me)]
-        cmds = [f"qdisc add dev {dev} root handle 1: htb default 99",
-                f"class add dev {dev} parent 1: classid 1:1 htb rate {r}mbit ceil {r}mbit burst {BURST} cburst {BURST}",
-                f"class add dev {dev} parent 1:1 classid 1:10 htb rate {max(1, r - x)}mbit ceil {r}mbit "
-                f"burst {BURST} cburst {BURST}",
-                f"class add dev {dev} parent 1:1 classid 1:20 htb rate {x}mbit ceil {x}mbit burst {BURST} cburst {BURST}"]
+        cmds = [
+            f"qdisc add dev {dev} root handle 1: htb default 99",
+            f"class add dev {dev} parent 1: classid 1:1 htb rate {r}mbit ceil {r}mbit burst {BURST} cburst {BURST}",
+            f"class add dev {dev} parent 1:1 classid 1:10 htb rate {max(1, r - x)}mbit ceil {r}mbit "
+            f"burst {BURST} cburst {BURST}",
+            f"class add dev {dev} parent 1:1 classid 1:20 htb rate {x}mbit ceil {x}mbit burst {BURST} cburst {BURST}",
+        ]
         # (leaf minor, parent minor, parent's rate and ceiling, peer or None for unmatched traffic, e.g. ARP)
         leaves = [(99, 10, max(1, r - x), r, None)]
         leaves += [(100 + i, 10, max(1, r - x), r, i) for i in inside]

@@ -56,7 +56,9 @@ def _quantile_ms(before: dict[float, float], after: dict[float, float], q: float
 
 def _rss_mb(pid: int) -> tuple[float, float]:
     status = Path(f"/proc/{pid}/status").read_text()
-    kb = {k: float(v.split()[0]) for k, v in (ln.split(":", 1) for ln in status.splitlines()) if k in ("VmRSS", "VmHWM")}
+    kb = {
+        k: float(v.split()[0]) for k, v in (ln.split(":", 1) for ln in status.splitlines()) if k in ("VmRSS", "VmHWM")
+    }
     return kb["VmRSS"] / 1024, kb["VmHWM"] / 1024
 
 
@@ -75,8 +77,14 @@ def run_scale(tmp: Path, stub_mod: Any, token: str, n_nodes: int, n_services: in
                    "items": [devnodes.node_manifest(s, "scale") for s in specs[i:i + 500]]}
             cp.kubectl("create", "-f", "-", input=json.dumps(doc))
         def ready_nodes() -> bool:  # (kubectl wait on 2,000 nodes outlasts the tool timeout: poll instead)
-            out = cp.kubectl("get", "node", "-l", f"{devnodes.FAKE_SET_LABEL}=scale", "-o",
-                             'jsonpath={range .items[*]}{.status.conditions[?(@.type=="Ready")].status}{"\\n"}{end}').stdout
+            out = cp.kubectl(
+                "get",
+                "node",
+                "-l",
+                f"{devnodes.FAKE_SET_LABEL}=scale",
+                "-o",
+                'jsonpath={range .items[*]}{.status.conditions[?(@.type=="Ready")].status}{"\\n"}{end}',
+            ).stdout
             print(f"scale: {out.split().count('True')}/{n_nodes} nodes Ready", flush=True)
             return out.split().count("True") >= n_nodes
 

@@ -33,7 +33,8 @@ Link part (needs root + network namespaces): P in namespace h0, D in h1, the lin
 `--link-mbit`; long prompts sent to D naming P -> D's `kascade_kv_link_bytes_per_second` (KV bytes from
 first frame to kv_done) / the tbf rate = `kv_transfer_over_link_rate`, for each engine `--transport` in
 `--link-transports` (default tcp,ucx; `--link-only` runs just this part -> bench/results/pd-link.json).
-KV leaves as each layer is computed, so the rate equals the link's only while P computes a layer faster than the link carries it:
+KV leaves as each layer is computed, so the rate equals the link's only while P computes a layer faster than the link
+carries it:
 on a loaded machine a fast link measures P's compute instead (50 Mbit: 0.80 idle-ish, 0.29 under load).
 Simulator part (`pdscore.sim_side`): the same trace, time-compressed to the simulator's speeds, through kascade_sim
 with the same three setups; its conversions come from the same policy function (kascade_sim.pdpolicy).
@@ -68,9 +69,13 @@ from pdscore import MODES, Outcome, Request, sim_side, summarize
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / d) for d in ("planner", "cli", "operator", "engine", "router", "sim", "bench")]
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(str(REPO / d) for d in ("planner", "cli", "operator", "engine", "sim", "e2e",
-                                                                             "router")),
-       "KASCADE_ENGINE_TOKEN": "bench-pd-token"}
+ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join(
+        str(REPO / d) for d in ("planner", "cli", "operator", "engine", "sim", "e2e", "router")
+    ),
+    "KASCADE_ENGINE_TOKEN": "bench-pd-token",
+}
 MODEL = "pd-llama"
 
 
@@ -83,10 +88,35 @@ def engine(ckpt: Path, ns: list[str] | None = None, host: str = "127.0.0.1",
     accelerator (pdemulate: its flags, its token budget in place of `batch`)."""
     pin = ["taskset", "-c", str(core)] if core is not None and shutil.which("taskset") else []
     verbose = ["-v"] if log is not None else []  # info: each hand-back and remote prefill is a line
-    cmd = [*(ns or []), *pin, sys.executable, "-m", "kascade_cli.main", *verbose, "engine", "serve", "--host", host, "--port", "0",
-           "--act-port", "0", "--checkpoint", str(ckpt), "--model-name", MODEL, "--kv-tokens", "16384",
-           "--max-batch-tokens", str(emu.knee_tokens if emu else batch), "--max-prompt-tokens", "500",
-           "--transport", transport, *(emu.engine_args() if emu else [])]
+    cmd = [
+        *(ns or []),
+        *pin,
+        sys.executable,
+        "-m",
+        "kascade_cli.main",
+        *verbose,
+        "engine",
+        "serve",
+        "--host",
+        host,
+        "--port",
+        "0",
+        "--act-port",
+        "0",
+        "--checkpoint",
+        str(ckpt),
+        "--model-name",
+        MODEL,
+        "--kv-tokens",
+        "16384",
+        "--max-batch-tokens",
+        str(emu.knee_tokens if emu else batch),
+        "--max-prompt-tokens",
+        "500",
+        "--transport",
+        transport,
+        *(emu.engine_args() if emu else []),
+    ]
     err = subprocess.DEVNULL if log is None else log.open("w")
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=ENV)
     assert p.stdout is not None
@@ -284,7 +314,9 @@ def main() -> None:
     ap.add_argument("--burst-load", type=float, default=1.2,
                     help="the burst's prompt tokens/s as a multiple of one engine's calibrated prefill velocity (the "
                          "load follows the machine's speed at the time of the run)")
-    ap.add_argument("--burst-rate", type=float, help="long prompts per second during the burst (instead of --burst-load)")
+    ap.add_argument(
+        "--burst-rate", type=float, help="long prompts per second during the burst (instead of --burst-load)"
+    )
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--ttft-x", type=float, default=5.0)
     ap.add_argument("--tbt-x", type=float, default=3.0)
@@ -336,7 +368,9 @@ def main() -> None:
         tr = out["trace"]
         reqs = trace(tr["duration_s"], tr["background_rate_per_s"], tr["burst_at_s"], tr["burst_s"],
                      tr["burst_rate_per_s"], seed=tr["seed"])
-        out["sim"] = sim_side(reqs, out["max_tokens"], out["calibration"]["ttft_ms"] / 1e3, args.ttft_x, args.tbt_x, LONG[1])
+        out["sim"] = sim_side(
+            reqs, out["max_tokens"], out["calibration"]["ttft_ms"] / 1e3, args.ttft_x, args.tbt_x, LONG[1]
+        )
         path.write_text(json.dumps(out, indent=2))
         pdreport.report(out, modes, len(reqs))
         print(f"wrote {path}, {pdreport.plot(out, modes, args.out / 'pd.png')}")
@@ -365,26 +399,41 @@ def main() -> None:
                     f"x {args.ttft_x:g} = {ttft_slo * 1e3:.0f} ms, mean TBT {tbt0 * 1e3:.1f} ms x {args.tbt_x:g} = "
                     f"{tbt_slo * 1e3:.0f} ms (set before any setup ran)")
         print(slo_note, flush=True)
-        out: dict[str, Any] = {"model": "random Llama 8 layers, hidden 512, 4 KV heads (fp32, CPU)"
-                               + (f", EMULATED accelerator ({emu.layer_ms:g} ms per layer, {emu.knee_tokens}-token steps)"
-                                  if emu else ""),
-                               "engines": emu.describe() if emu else real_cpu(),
-                               "trace": {"duration_s": duration, "background_rate_per_s": args.bg_rate,
-                                         "background_prompt_tokens": SHORT, "burst_at_s": burst_at,
-                                         "burst_s": burst, "burst_rate_per_s": burst_rate,
-                                         "burst_load": None if args.burst_rate else args.burst_load,
-                                         "burst_prompt_tokens": LONG, "requests": len(reqs),
-                                         "burst_requests": sum(q[2] for q in reqs), "seed": 1},
-                               "max_tokens": args.max_tokens, "engines_per_setup": 2,
-                               "ttft_slo_ms": ttft_slo * 1e3, "tbt_slo_ms": tbt_slo * 1e3, "slo_note": slo_note,
-                               "calibration": {"ttft_ms": ttft0 * 1e3, "tbt_ms": tbt0 * 1e3}}
+        out: dict[str, Any] = {
+            "model": "random Llama 8 layers, hidden 512, 4 KV heads (fp32, CPU)"
+            + (f", EMULATED accelerator ({emu.layer_ms:g} ms per layer, {emu.knee_tokens}-token steps)" if emu else ""),
+            "engines": emu.describe() if emu else real_cpu(),
+            "trace": {
+                "duration_s": duration,
+                "background_rate_per_s": args.bg_rate,
+                "background_prompt_tokens": SHORT,
+                "burst_at_s": burst_at,
+                "burst_s": burst,
+                "burst_rate_per_s": burst_rate,
+                "burst_load": None if args.burst_rate else args.burst_load,
+                "burst_prompt_tokens": LONG,
+                "requests": len(reqs),
+                "burst_requests": sum(q[2] for q in reqs),
+                "seed": 1,
+            },
+            "max_tokens": args.max_tokens,
+            "engines_per_setup": 2,
+            "ttft_slo_ms": ttft_slo * 1e3,
+            "tbt_slo_ms": tbt_slo * 1e3,
+            "slo_note": slo_note,
+            "calibration": {"ttft_ms": ttft0 * 1e3, "tbt_ms": tbt0 * 1e3},
+        }
         # the calibration's velocity sizes the burst only; the convertible setup's policy reads the velocities
         # the engines measure online (policy_spec types none), recorded per decision in its `conversions`
         out["calibrated_prefill_velocity_tokens_per_s"] = velocity
-        out["policy_velocities"] = "measured online by the engines (kascade_*_velocity_tokens_per_second via the operator's Scraper)"
+        out["policy_velocities"] = (
+            "measured online by the engines (kascade_*_velocity_tokens_per_second via the operator's Scraper)"
+        )
         if args.typed_prefill_velocity:
-            out["policy_velocities"] = (f"prefill TYPED in the spec: the calibrated {velocity:.0f} tok/s (--typed-prefill-"
-                                        "velocity, a diagnostic); network and decode measured online by the engines")
+            out["policy_velocities"] = (
+                f"prefill TYPED in the spec: the calibrated {velocity:.0f} tok/s (--typed-prefill-"
+                "velocity, a diagnostic); network and decode measured online by the engines"
+            )
             print(out["policy_velocities"], flush=True)
         spec = policy_spec(MODEL, tbt_slo, ttft_slo, velocity if args.typed_prefill_velocity else None)
         for mode in modes:

@@ -101,9 +101,20 @@ async def converter(decoder: Any, url: str, prefill_url: str, spec: Any, token: 
                 for role, ep in eps.items():
                     loads = await scraper.collect(ep, group=role)
                     roles.append(RoleInput(role, len(loads), 1, 4, snapshot(loads, now)))
-                pods = [PodView("p0", "n0", "1", True, "svc", "prefill", True, endpoint=eps["prefill"]["p0"]),
-                        PodView(decoder.pod, "n0", "1", True, "svc", "decode", True, endpoint=eps["decode"][decoder.pod],
-                                convertible=decoder.convertible)]
+                pods = [
+                    PodView("p0", "n0", "1", True, "svc", "prefill", True, endpoint=eps["prefill"]["p0"]),
+                    PodView(
+                        decoder.pod,
+                        "n0",
+                        "1",
+                        True,
+                        "svc",
+                        "decode",
+                        True,
+                        endpoint=eps["decode"][decoder.pod],
+                        convertible=decoder.convertible,
+                    ),
+                ]
                 inp = conversion_input(spec, "svc", pods, roles)
                 assert inp is not None
                 c = plan_conversions(inp)

@@ -79,14 +79,21 @@ class Emulation:
 
     def describe(self) -> dict[str, Any]:
         """pd.json's `engines`: what timed the engines' steps."""
-        return {"emulated": True, "layer_ms": self.layer_ms, "knee_tokens": self.knee_tokens,
-                "max_batch_tokens": self.knee_tokens, "step_floor_ms": self.step_floor_s * 1e3,
-                "prompt_token_ms": self.step_floor_s * 1e3 / self.knee_tokens,
-                "compute": (f"EMULATED accelerator: every step's layer work takes at least {LAYERS} x {self.layer_ms:g} ms "
-                            f"(engine --emulate-layer-ms), steps of at most {self.knee_tokens} tokens (--max-batch-tokens "
-                            f"= --emulate-knee-tokens, the simulator's memory/compute knee); the CPU computes under that "
-                            "floor (emulation_floor per setup: how often it did not). Tokens, KV transfers, HTTP, router "
-                            "and operator loop are real. Headline numbers come from the real CPU mode (no flag)")}
+        return {
+            "emulated": True,
+            "layer_ms": self.layer_ms,
+            "knee_tokens": self.knee_tokens,
+            "max_batch_tokens": self.knee_tokens,
+            "step_floor_ms": self.step_floor_s * 1e3,
+            "prompt_token_ms": self.step_floor_s * 1e3 / self.knee_tokens,
+            "compute": (
+                f"EMULATED accelerator: every step's layer work takes at least {LAYERS} x {self.layer_ms:g} ms "
+                f"(engine --emulate-layer-ms), steps of at most {self.knee_tokens} tokens (--max-batch-tokens "
+                f"= --emulate-knee-tokens, the simulator's memory/compute knee); the CPU computes under that "
+                "floor (emulation_floor per setup: how often it did not). Tokens, KV transfers, HTTP, router "
+                "and operator loop are real. Headline numbers come from the real CPU mode (no flag)"
+            ),
+        }
 
 
 def real_cpu() -> dict[str, Any]:

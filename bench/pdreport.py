@@ -36,13 +36,21 @@ def plot(out: dict[str, Any], modes: list[str], path: Path) -> Path:
 
 def report(out: dict[str, Any], modes: list[str], requests: int) -> None:
     """The attainment table: real engines, then the simulator on the same trace."""
-    print(f"{requests} requests ({out['trace']['burst_requests']} in the burst), 2 engines per setup; {out['slo_note']}")
+    print(
+        f"{requests} requests ({out['trace']['burst_requests']} in the burst), 2 engines per setup; {out['slo_note']}"
+    )
     eng = out.get("engines") or {}
     if eng.get("emulated"):
         print(f"ENGINES EMULATED: {eng['compute']}")
-    for title, block in (("real engines" + (" (EMULATED accelerator)" if eng.get("emulated") else ""), out), (f"simulator (trace time-compressed x{out['sim']['time_compression']:.1f}, "
-                                                 f"SLOs TTFT {out['sim']['ttft_slo_ms']:.0f} ms, TBT "
-                                                 f"{out['sim']['tbt_slo_ms']:.1f} ms)", out["sim"])):
+    for title, block in (
+        ("real engines" + (" (EMULATED accelerator)" if eng.get("emulated") else ""), out),
+        (
+            f"simulator (trace time-compressed x{out['sim']['time_compression']:.1f}, "
+            f"SLOs TTFT {out['sim']['ttft_slo_ms']:.0f} ms, TBT "
+            f"{out['sim']['tbt_slo_ms']:.1f} ms)",
+            out["sim"],
+        ),
+    ):
         print(f"{title}:")
         print("  setup                      TTFT att.  TBT att.  burst TTFT  TTFT p50/p99 ms    TBT p50/p99 ms  fail")
         for mode in modes:

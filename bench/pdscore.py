@@ -41,25 +41,36 @@ def summarize(r: dict[str, Any], reqs: list[Request], ttft_slo: float, tbt_slo: 
     burst = [x for x, q in zip(res, reqs, strict=True) if q[2] and not isinstance(x, str)]
     bg = [x for x, q in zip(res, reqs, strict=True) if not q[2] and not isinstance(x, str)]
     nb = sum(q[2] for q in reqs)
-    return {"requests": n, "failures": n - len(ok), "failure_examples": sorted({x for x in res if isinstance(x, str)})[:3],
-            "ttft_slo_attainment": sum(t <= ttft_slo for t in ttft) / n,
-            "tbt_slo_attainment": sum(t <= tbt_slo for t in tbt) / n,
-            "both_slo_attainment": sum(a <= ttft_slo and b <= tbt_slo for a, b in zip(ttft, tbt, strict=True)) / n,
-            "burst_ttft_slo_attainment": att(burst, ttft_slo, 0) * len(burst) / nb if nb else math.nan,
-            "background_ttft_slo_attainment": att(bg, ttft_slo, 0) * len(bg) / (n - nb) if n > nb else math.nan,
-            "background_tbt_slo_attainment": att(bg, tbt_slo, 1) * len(bg) / (n - nb) if n > nb else math.nan,
-            "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
-            "burst_ttft_s": [round(x[0], 3) for x in burst],  # in arrival order: where the tail comes from
-            "tbt_p50_s": pct(tbt, 50), "tbt_p99_s": pct(tbt, 99),
-            "wall_s": r["wall_s"], "remote_prefills": r["remote_prefills"], "local_fallbacks": r["fallbacks"],
-            "conversions": r["conversions"], "conversions_at": when, "steps": r.get("steps"),
-            # the converted decoder's measured share of a prefiller while converted (the policy's input), and the
-            # prompts it prefilled itself (requests it served whose KV did not come from a prefill engine) / handed back
-            "converted_digest": converted_digest(r.get("policy_samples") or []),
-            "decoder_local_prefills": r.get("decoder_local_prefills"), "decoder_handbacks": r.get("decoder_handbacks"),
-            "emulation_floor": r.get("emulation_floor"),
-            "policy_samples": r.get("policy_samples"),
-            "policy_velocities_used": sorted({json.dumps(c["velocity"]) for c in r["conversions"] if "velocity" in c})}
+    return {
+        "requests": n,
+        "failures": n - len(ok),
+        "failure_examples": sorted({x for x in res if isinstance(x, str)})[:3],
+        "ttft_slo_attainment": sum(t <= ttft_slo for t in ttft) / n,
+        "tbt_slo_attainment": sum(t <= tbt_slo for t in tbt) / n,
+        "both_slo_attainment": sum(a <= ttft_slo and b <= tbt_slo for a, b in zip(ttft, tbt, strict=True)) / n,
+        "burst_ttft_slo_attainment": att(burst, ttft_slo, 0) * len(burst) / nb if nb else math.nan,
+        "background_ttft_slo_attainment": att(bg, ttft_slo, 0) * len(bg) / (n - nb) if n > nb else math.nan,
+        "background_tbt_slo_attainment": att(bg, tbt_slo, 1) * len(bg) / (n - nb) if n > nb else math.nan,
+        "ttft_p50_s": pct(ttft, 50),
+        "ttft_p99_s": pct(ttft, 99),
+        "burst_ttft_s": [round(x[0], 3) for x in burst],  # in arrival order: where the tail comes from
+        "tbt_p50_s": pct(tbt, 50),
+        "tbt_p99_s": pct(tbt, 99),
+        "wall_s": r["wall_s"],
+        "remote_prefills": r["remote_prefills"],
+        "local_fallbacks": r["fallbacks"],
+        "conversions": r["conversions"],
+        "conversions_at": when,
+        "steps": r.get("steps"),
+        # the converted decoder's measured share of a prefiller while converted (the policy's input), and the
+        # prompts it prefilled itself (requests it served whose KV did not come from a prefill engine) / handed back
+        "converted_digest": converted_digest(r.get("policy_samples") or []),
+        "decoder_local_prefills": r.get("decoder_local_prefills"),
+        "decoder_handbacks": r.get("decoder_handbacks"),
+        "emulation_floor": r.get("emulation_floor"),
+        "policy_samples": r.get("policy_samples"),
+        "policy_velocities_used": sorted({json.dumps(c["velocity"]) for c in r["conversions"] if "velocity" in c}),
+    }
 
 
 MODES = ("colocated", "disaggregated", "disaggregated_convertible")

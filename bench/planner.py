@@ -123,7 +123,9 @@ def main() -> None:
 
     topo = leaf_spine(1, 9, 8)
     s, t = spread(topo, 1, 8)
-    out["star_over_chain_8"] = make_plan(topo, MODEL, s, t, "star").completion / make_plan(topo, MODEL, s, t, "chain").completion
+    out["star_over_chain_8"] = (
+        make_plan(topo, MODEL, s, t, "star").completion / make_plan(topo, MODEL, s, t, "chain").completion
+    )
 
     big_pair = PairSetting(layers=32, load_ratio=6, batches=12)
     # ilp_config: LP relaxation + rounding certified within 1% of the optimum, else branch-and-bound;
@@ -134,7 +136,9 @@ def main() -> None:
     out["ilp_cpu_ms_32x12"] = median_ms(lambda: ilp_config(big_pair), reps, time.process_time)
     out["ilp_exact_ms_32x12"] = median_ms(lambda: ilp_config(big_pair, gap=0.0), max(3, reps // 2))
     cfg = ilp_config(big_pair)
-    out["ilp_over_exact_objective_32x12"] = config_cost(big_pair, cfg) / config_cost(big_pair, ilp_config(big_pair, gap=0.0))
+    out["ilp_over_exact_objective_32x12"] = config_cost(big_pair, cfg) / config_cost(
+        big_pair, ilp_config(big_pair, gap=0.0)
+    )
     out["ilpfree_over_ilp_avg_latency"] = ilp_free(big_pair).average / run_config(big_pair, cfg).average
     fig15 = PairSetting(layers=7, load_ratio=6, batches=5)
     out["zigzag_last_finish_fig15"] = zigzag_ilp(fig15).last

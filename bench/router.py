@@ -48,8 +48,12 @@ from typing import Any
 import aiohttp
 
 REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(str(REPO / d) for d in ("planner", "cli", "operator", "engine", "sim", "e2e",
-                                                                             "router"))}
+ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join(
+        str(REPO / d) for d in ("planner", "cli", "operator", "engine", "sim", "e2e", "router")
+    ),
+}
 
 
 def spawn(argv: list[str], ready: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], int]:
@@ -290,9 +294,13 @@ def main() -> None:
                 r["open"].append(open_)
                 r["failed"].append(failed)
                 r["cpu"].append({k: 1000 * v / n for k, v in used.items()})
-                print(f"round {i + 1}/{rounds} {mode:6s}: {len(t)} streams ({failed} failed), {open_:.0f} open on average, TTFT p50 "
-                      f"{1000 * pct(t, .5):.2f} ms p99 {1000 * pct(t, .99):.2f} ms; CPU ms per stream: "
-                      + ", ".join(f"{k} {1000 * v / n:.2f}" for k, v in used.items()), flush=True)
+                print(
+                    f"round {i + 1}/{rounds} {mode:6s}: {len(t)} streams ({failed} failed), {open_:.0f} open on "
+                    "average, TTFT p50 "
+                    f"{1000 * pct(t, 0.5):.2f} ms p99 {1000 * pct(t, 0.99):.2f} ms; CPU ms per stream: "
+                    + ", ".join(f"{k} {1000 * v / n:.2f}" for k, v in used.items()),
+                    flush=True,
+                )
         d, r = res["direct"], res["router"]
 
         def cpu_per_stream(mode: str) -> dict[str, float]:
@@ -300,15 +308,23 @@ def main() -> None:
             return {k: statistics.median(x[k] for x in rows) for k in rows[0]}
 
         out |= {
-            "stream_chunks": args.tokens, "chunk_interval_ms": 1000 * args.interval, "arrival_rate_per_s": rate,
-            "mean_open_streams_direct": statistics.mean(d["open"]), "mean_open_streams_router": statistics.mean(r["open"]),
-            "requests_per_mode": len(d["ttft"]), "failed_direct": sum(d["failed"]), "failed_router": sum(r["failed"]),
-            "direct_ttft_p50_ms": 1000 * pct(d["ttft"], .5), "router_ttft_p50_ms": 1000 * pct(r["ttft"], .5),
-            "direct_ttft_p99_ms": 1000 * pct(d["ttft"], .99), "router_ttft_p99_ms": 1000 * pct(r["ttft"], .99),
-            "added_latency_p50_ms": 1000 * (pct(r["ttft"], .5) - pct(d["ttft"], .5)),
-            "added_latency_p99_ms": 1000 * (pct(r["ttft"], .99) - pct(d["ttft"], .99)),
+            "stream_chunks": args.tokens,
+            "chunk_interval_ms": 1000 * args.interval,
+            "arrival_rate_per_s": rate,
+            "mean_open_streams_direct": statistics.mean(d["open"]),
+            "mean_open_streams_router": statistics.mean(r["open"]),
+            "requests_per_mode": len(d["ttft"]),
+            "failed_direct": sum(d["failed"]),
+            "failed_router": sum(r["failed"]),
+            "direct_ttft_p50_ms": 1000 * pct(d["ttft"], 0.5),
+            "router_ttft_p50_ms": 1000 * pct(r["ttft"], 0.5),
+            "direct_ttft_p99_ms": 1000 * pct(d["ttft"], 0.99),
+            "router_ttft_p99_ms": 1000 * pct(r["ttft"], 0.99),
+            "added_latency_p50_ms": 1000 * (pct(r["ttft"], 0.5) - pct(d["ttft"], 0.5)),
+            "added_latency_p99_ms": 1000 * (pct(r["ttft"], 0.99) - pct(d["ttft"], 0.99)),
             "added_total_p50_ms": 1000 * (statistics.median(r["total"]) - statistics.median(d["total"])),
-            "cpu_ms_per_stream_direct": cpu_per_stream("direct"), "cpu_ms_per_stream_router": cpu_per_stream("router"),
+            "cpu_ms_per_stream_direct": cpu_per_stream("direct"),
+            "cpu_ms_per_stream_router": cpu_per_stream("router"),
         }
         # the backend alone at the same concurrency: if its TTFT is far above one-stream-at-a-time, the client
         # and the stub already queue for CPU, and the router's difference measures contention, not the hop
@@ -319,10 +335,13 @@ def main() -> None:
             out |= {"closed_loop_direct_ttft_p50_ms": 1000 * pct(cl["direct"], .5),
                     "closed_loop_added_latency_p50_ms": 1000 * (pct(cl["router"], .5) - pct(cl["direct"], .5)),
                     "closed_loop_added_latency_p99_ms": 1000 * (pct(cl["router"], .99) - pct(cl["direct"], .99))}
-            print(f"closed loop ({args.concurrency} workers back to back, short streams, bursts): direct TTFT p50 "
-                  f"{out['closed_loop_direct_ttft_p50_ms']:.1f} ms, router adds p50 "
-                  f"{out['closed_loop_added_latency_p50_ms']:.1f} ms, p99 {out['closed_loop_added_latency_p99_ms']:.1f} ms",
-                  flush=True)
+            print(
+                f"closed loop ({args.concurrency} workers back to back, short streams, bursts): direct TTFT p50 "
+                f"{out['closed_loop_direct_ttft_p50_ms']:.1f} ms, router adds p50 "
+                f"{out['closed_loop_added_latency_p50_ms']:.1f} ms, p99 {out['closed_loop_added_latency_p99_ms']:.1f} "
+                "ms",
+                flush=True,
+            )
 
         cpu0 = cpu_seconds(router.pid)
         nreq = run(rps(urls["router"], 32, 2.0 if args.quick else 4.0))

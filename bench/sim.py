@@ -30,7 +30,9 @@ from kascade_sim.simulator import SimConfig
 from kascade_sim.traces import read_azure
 
 # The shared traces sit next to the main checkout; KASCADE_TRACES overrides (e.g. from a worktree).
-TRACES = Path(os.environ.get("KASCADE_TRACES", Path(__file__).resolve().parents[2] / "shared" / "traces")) / "azure_llm_2023"
+TRACES = (
+    Path(os.environ.get("KASCADE_TRACES", Path(__file__).resolve().parents[2] / "shared" / "traces")) / "azure_llm_2023"
+)
 RESULTS = Path(__file__).resolve().parent / "results"
 SYSTEMS = ("kascade", "serverlessllm", "allcache", "lambdascale", "static-peak", "static-average")
 # (name, trace file, rate scale, policy upper bound in tokens/s per instance). The third case stresses
@@ -49,7 +51,9 @@ PAPER_SEEDS = (1, 2, 3)
 RATIOS = ("ttft_mean_reduction_vs_sllm", "ttft_mean_reduction_vs_allcache", "gpu_time_vs_full")
 
 
-def _paper_run(quick: bool, seed: int, cfg: SimConfig, plot_to: Path | None) -> tuple[dict[str, Any], int, float, float, float]:
+def _paper_run(
+    quick: bool, seed: int, cfg: SimConfig, plot_to: Path | None
+) -> tuple[dict[str, Any], int, float, float, float]:
     from statistics import mean
 
     spec = model("qwen-72b")
@@ -85,10 +89,19 @@ def paper_setting(quick: bool, plots: bool = False) -> dict[str, object]:
 
     out: dict[str, Any] = {
         "setting": "qwen-72b tp=4, disaggregated, cluster A (4x8 A800 80 GB, 100 Gbps RDMA, 1.6 Tbps NVLink, "
-                   "128 Gbps PCIe, 10 Gbps SSD), 4 models, 300 GB host DRAM per host, BurstGPT-like",
-        "rate_per_model_rps": PAPER_RATE, "seeds": list(PAPER_SEEDS[:1] if quick else PAPER_SEEDS),
-        "targets": {"ttft_mean_reduction_vs_sllm": 0.4, "ttft_mean_reduction_vs_allcache": 0.15, "gpu_time_vs_full": 0.6},
-        "paper": {"ttft_mean_reduction_vs_sllm": 0.755, "ttft_mean_reduction_vs_allcache": 0.211, "gpu_time_vs_full": 0.51},
+        "128 Gbps PCIe, 10 Gbps SSD), 4 models, 300 GB host DRAM per host, BurstGPT-like",
+        "rate_per_model_rps": PAPER_RATE,
+        "seeds": list(PAPER_SEEDS[:1] if quick else PAPER_SEEDS),
+        "targets": {
+            "ttft_mean_reduction_vs_sllm": 0.4,
+            "ttft_mean_reduction_vs_allcache": 0.15,
+            "gpu_time_vs_full": 0.6,
+        },
+        "paper": {
+            "ttft_mean_reduction_vs_sllm": 0.755,
+            "ttft_mean_reduction_vs_allcache": 0.211,
+            "gpu_time_vs_full": 0.51,
+        },
     }
     points = {"default": SimConfig(mode="disaggregated", min_instances=0, tick_s=0.25,
                                    policy=Threshold(4.0, 0.3, 0.5, "queueLength"),
@@ -102,13 +115,31 @@ def paper_setting(quick: bool, plots: bool = False) -> dict[str, object]:
             first = point == "default" and seed == PAPER_SEEDS[0]
             cmp, n, w, c, peak = _paper_run(quick, seed, cfg, RESULTS / "sim-paper.png" if plots and first else None)
             requests, wall, cpu = requests + n * len(PAPER_SYSTEMS), wall + w, cpu + c
-            per_seed.append({"seed": seed, "requests": n, "peak_minute_vs_static_capacity": peak,
-                             **{k: cmp[k] for k in RATIOS},
-                             "systems": {name: {k: s[k] for k in ("ttft_mean_s", "ttft_p99_s", "tbt_p99_s", "gpu_seconds",
-                                                                  "scale_ups", "mean_predicted_load_s",
-                                                                  "host_cache_miss_rate", "kv_peak_fraction",
-                                                                  "converted_prefills")}
-                                         for name, s in cmp["systems"].items()}})
+            per_seed.append(
+                {
+                    "seed": seed,
+                    "requests": n,
+                    "peak_minute_vs_static_capacity": peak,
+                    **{k: cmp[k] for k in RATIOS},
+                    "systems": {
+                        name: {
+                            k: s[k]
+                            for k in (
+                                "ttft_mean_s",
+                                "ttft_p99_s",
+                                "tbt_p99_s",
+                                "gpu_seconds",
+                                "scale_ups",
+                                "mean_predicted_load_s",
+                                "host_cache_miss_rate",
+                                "kv_peak_fraction",
+                                "converted_prefills",
+                            )
+                        }
+                        for name, s in cmp["systems"].items()
+                    },
+                }
+            )
             print(f"\npaper_setting {point} seed {seed}: {n} requests over {600 if quick else 1200} s, busiest "
                   f"minute at {peak:.0%} of the static cluster's prefill capacity")
             for name, s in per_seed[-1]["systems"].items():
@@ -174,26 +205,56 @@ def honest(quick: bool) -> dict[str, Any]:
         checks = {"default_vs_noconv_ttft_mean": k / nc - 1 if nc > 0 else 0.0,
                   "default_not_worse_than_serverlessllm": k <= sysd["serverlessllm"]["ttft_mean_s"],
                   "default_not_worse_than_allcache": k <= sysd["allcache"]["ttft_mean_s"]}
-        checks["ok"] = (checks["default_vs_noconv_ttft_mean"] <= NOCONV_SLACK
-                        and checks["default_not_worse_than_serverlessllm"] and checks["default_not_worse_than_allcache"])
+        checks["ok"] = (
+            checks["default_vs_noconv_ttft_mean"] <= NOCONV_SLACK
+            and checks["default_not_worse_than_serverlessllm"]
+            and checks["default_not_worse_than_allcache"]
+        )
         ok = ok and bool(checks["ok"])
         out["traces"][name] = {
-            "requests": len(wl.requests), "mean_prompt_tokens": sum(r.input_tokens for r in wl.requests) / len(wl.requests),
-            "systems": {n: {f: x[f] for f in ("ttft_mean_s", "ttft_p99_s", "slo_attainment_5x", "gpu_seconds",
-                                               "tbt_p99_s", "converted_prefills")} for n, x in sysd.items()},
-            **{r: cmp[r] for r in ("ttft_mean_reduction_vs_sllm", "ttft_mean_reduction_vs_allcache",
-                                   "ttft_mean_reduction_vs_noconv", "gpu_time_vs_static_peak")},
-            "acceptance": checks}
+            "requests": len(wl.requests),
+            "mean_prompt_tokens": sum(r.input_tokens for r in wl.requests) / len(wl.requests),
+            "systems": {
+                n: {
+                    f: x[f]
+                    for f in (
+                        "ttft_mean_s",
+                        "ttft_p99_s",
+                        "slo_attainment_5x",
+                        "gpu_seconds",
+                        "tbt_p99_s",
+                        "converted_prefills",
+                    )
+                }
+                for n, x in sysd.items()
+            },
+            **{
+                r: cmp[r]
+                for r in (
+                    "ttft_mean_reduction_vs_sllm",
+                    "ttft_mean_reduction_vs_allcache",
+                    "ttft_mean_reduction_vs_noconv",
+                    "gpu_time_vs_static_peak",
+                )
+            },
+            "acceptance": checks,
+        }
         print(f"\nhonest {name}: {len(wl.requests)} requests, mean prompt "
               f"{out['traces'][name]['mean_prompt_tokens']:.0f} tokens ({wall:.1f} s wall)")
-        print(f"  {'system':15s} {'TTFT mean':>9s} {'p99':>7s} {'SLO5x':>6s} {'GPU-s':>7s} {'TBT p99':>7s} {'conv':>5s}")
+        print(
+            f"  {'system':15s} {'TTFT mean':>9s} {'p99':>7s} {'SLO5x':>6s} {'GPU-s':>7s} {'TBT p99':>7s} {'conv':>5s}"
+        )
         for n, x in sysd.items():
             print(f"  {n:15s} {x['ttft_mean_s']:9.3f} {x['ttft_p99_s']:7.2f} {x['slo_attainment_5x']:6.1%} "
                   f"{x['gpu_seconds']:7.0f} {x['tbt_p99_s']:7.3f} {x['converted_prefills']:5d}")
-        print(f"  vs ServerlessLLM {cmp['ttft_mean_reduction_vs_sllm']:+.3f} (paper {PAPER['ttft_mean_reduction_vs_sllm']}), "
-              f"vs AllCache {cmp['ttft_mean_reduction_vs_allcache']:+.3f} (paper {PAPER['ttft_mean_reduction_vs_allcache']}), "
-              f"GPU time vs full {cmp['gpu_time_vs_static_peak']:.2f} (paper {PAPER['gpu_time_vs_static_peak']}); "
-              f"default vs no conversion {checks['default_vs_noconv_ttft_mean']:+.1%}: {'ok' if checks['ok'] else 'FAIL'}")
+        print(
+            f"  vs ServerlessLLM {cmp['ttft_mean_reduction_vs_sllm']:+.3f} (paper "
+            f"{PAPER['ttft_mean_reduction_vs_sllm']}), "
+            f"vs AllCache {cmp['ttft_mean_reduction_vs_allcache']:+.3f} (paper "
+            f"{PAPER['ttft_mean_reduction_vs_allcache']}), "
+            f"GPU time vs full {cmp['gpu_time_vs_static_peak']:.2f} (paper {PAPER['gpu_time_vs_static_peak']}); "
+            f"default vs no conversion {checks['default_vs_noconv_ttft_mean']:+.1%}: {'ok' if checks['ok'] else 'FAIL'}"
+        )
     out["acceptance_ok"] = ok
     return out
 
@@ -231,10 +292,21 @@ def main() -> int:
                       "mean_load_s": s["mean_predicted_load_s"], "host_cache_gb_peak": s["host_cache_bytes_peak"] / 1e9}
                for name, s in cmp["systems"].items()}
         out["traces"][name] = {  # type: ignore[index]
-            "requests": len(wl.requests), "rate_scale": scale, "policy_upper_tokens_per_s": upper, "trace_seconds": wl.duration_s, "systems": row,
-            **{k: cmp[k] for k in ("ttft_mean_reduction_vs_sllm", "ttft_mean_reduction_vs_allcache",
-                                   "ttft_mean_reduction_vs_lambdascale", "gpu_time_vs_static_peak",
-                                   "sim_requests_per_s")},
+            "requests": len(wl.requests),
+            "rate_scale": scale,
+            "policy_upper_tokens_per_s": upper,
+            "trace_seconds": wl.duration_s,
+            "systems": row,
+            **{
+                k: cmp[k]
+                for k in (
+                    "ttft_mean_reduction_vs_sllm",
+                    "ttft_mean_reduction_vs_allcache",
+                    "ttft_mean_reduction_vs_lambdascale",
+                    "gpu_time_vs_static_peak",
+                    "sim_requests_per_s",
+                )
+            },
             "sim_wall_s_per_system": wall / len(SYSTEMS),
         }
         print(f"\n{name}: {len(wl.requests)} requests over {wl.duration_s:.0f} s; {wall:.1f} s wall for "

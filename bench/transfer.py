@@ -123,7 +123,9 @@ RAW = """
 import asyncio, json, sys, time
 from kascade_engine.weights.hostcache import open_cache
 from kascade_engine.net.transports import make_transport
-mode, name, host, port, cache, chunk = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], int(sys.argv[6])
+mode, name, host, port, cache, chunk = (
+    sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], int(sys.argv[6])
+)
 blocks = open_cache(cache)
 total = blocks.total_bytes
 async def main():
@@ -273,8 +275,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rate-mbit", type=int, default=200)
-    ap.add_argument("--repeats", type=int, default=None,
-                    help="loopback runs per transport, the median reported (default 3 with --quick, else 9: on 2 cores one UCX run swings 0.6-1.0 GB/s with whatever else runs, and 5 runs left the median at its mercy)")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="loopback runs per transport, the median reported (default 3 with --quick, else 9: on 2 cores one UCX "
+        "run swings 0.6-1.0 GB/s with whatever else runs, and 5 runs left the median at its mercy)",
+    )
     ap.add_argument("--skip-loopback", action="store_true", help="only the emulated-link sections (2 and 3)")
     ap.add_argument("--only", choices=("loopback", "emulated", "spine"), default=None,
                     help="run one section alone: loopback (1), emulated (2: chain/star/binomial/hybrid 1->8) "
@@ -310,10 +317,16 @@ def main() -> None:
             out[f"loopback_hop_MBps_{transport}"] = hop / 1e6
             out[f"loopback_hop_over_raw_{transport}"] = hop / raw
             pairs = sorted(h / w for h, w in zip(hops, raws, strict=True))  # the noise, shown beside the ratio
-            out[f"loopback_pair_ratio_min_{transport}"], out[f"loopback_pair_ratio_max_{transport}"] = pairs[0], pairs[-1]
-            print(f"loopback {transport}: raw {raw / 1e6:8.1f} MB/s   relay hop {hop / 1e6:8.1f} MB/s   ratio {hop / raw:.2f} "
-                  f"(single pairs {pairs[0]:.2f}-{pairs[-1]:.2f})",
-                  flush=True)
+            out[f"loopback_pair_ratio_min_{transport}"], out[f"loopback_pair_ratio_max_{transport}"] = (
+                pairs[0],
+                pairs[-1],
+            )
+            print(
+                f"loopback {transport}: raw {raw / 1e6:8.1f} MB/s   relay hop {hop / 1e6:8.1f} MB/s   ratio "
+                f"{hop / raw:.2f} "
+                f"(single pairs {pairs[0]:.2f}-{pairs[-1]:.2f})",
+                flush=True,
+            )
         if "loopback" in run:
             out["loopback_hop_over_raw"] = min(float(out["loopback_hop_over_raw_tcp"]),
                                                float(out["loopback_hop_over_raw_ucx"]))

@@ -73,7 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     if not tests:
         ap.error("no tests: name them (pytest node ids or paths), e.g. tests/e2e/test_real_engines.py::test_x")
     root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root / "hack"), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(root / "hack"), os.environ.get("PYTHONPATH")])),
+    }
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.load)]
     runs: list[dict[str, str]] = []
     empty = 0

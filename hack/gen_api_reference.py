@@ -102,7 +102,9 @@ def render() -> tuple[str, list[str]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--check", action="store_true", help="exit 1 if the document is stale or a field lacks a description")
+    ap.add_argument(
+        "--check", action="store_true", help="exit 1 if the document is stale or a field lacks a description"
+    )
     a = ap.parse_args()
     text, missing = render()
     if missing:

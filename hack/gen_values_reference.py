@@ -119,7 +119,9 @@ def default_of(value: Any) -> str:
         return "—"
     if isinstance(value, str):
         return f"`{json.dumps(value)}`" if value == "" else f"`{value}`"
-    text = json.dumps(value, separators=(", ", ": ")) if isinstance(value, dict | list) else yaml.safe_dump(value).strip()
+    text = (
+        json.dumps(value, separators=(", ", ": ")) if isinstance(value, dict | list) else yaml.safe_dump(value).strip()
+    )
     text = text.removesuffix("\n...").strip()
     return f"`{text}`".replace("|", "\\|")
 
@@ -177,17 +179,23 @@ def render() -> tuple[str, list[str]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 if docs/values.md is stale or a key lacks a description")
+    ap.add_argument(
+        "--check", action="store_true", help="exit 1 if docs/values.md is stale or a key lacks a description"
+    )
     args = ap.parse_args()
     doc, missing = render()
     if missing:
-        print("values without a description (add a comment above the key in values.yaml):\n  " + "\n  ".join(missing),
-              file=sys.stderr)
+        print(
+            "values without a description (add a comment above the key in values.yaml):\n  " + "\n  ".join(missing),
+            file=sys.stderr,
+        )
     if args.check:
         stale = not OUT.exists() or OUT.read_text() != doc
         if stale:
-            print(f"{OUT.relative_to(REPO)} is stale: run `python hack/gen_values_reference.py` (or `make manifests`)",
-                  file=sys.stderr)
+            print(
+                f"{OUT.relative_to(REPO)} is stale: run `python hack/gen_values_reference.py` (or `make manifests`)",
+                file=sys.stderr,
+            )
         return 1 if stale or missing else 0
     OUT.write_text(doc)
     print(f"wrote {OUT.relative_to(REPO)}")

@@ -77,46 +77,117 @@ def quantiles(metric: str, by: str = "model_service") -> list[tuple[str, str]]:
 
 # (title, unit, queries): one panel each, laid out two per row in this order
 PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
-    ("Replicas by role and state", "short", [
-        q(f"sum by (model_service, role, state) ({M['op_replicas']}{{{SEL}}})", "{{model_service}} {{role}} {{state}}")]),
-    ("Engines by pool state", "short", [
-        q(f"count by (pool) ({M['blocks']}{{{NS}}})", "{{pool}}"),
-        q(f"sum by (namespace) ({M['op_pool_idle']}{{{NS}}})", "idle in pool {{namespace}}")]),
-    ("Generation tokens/s", "short", [
-        q(f"sum by (model_service) (rate({M['generation_tokens']}{{{SEL}}}[{RATE}]))", "{{model_service}}")]),
-    ("Prompt tokens/s", "short", [
-        q(f"sum by (model_service) (rate({M['prompt_tokens']}{{{SEL}}}[{RATE}]))", "{{model_service}}")]),
+    (
+        "Replicas by role and state",
+        "short",
+        [
+            q(
+                f"sum by (model_service, role, state) ({M['op_replicas']}{{{SEL}}})",
+                "{{model_service}} {{role}} {{state}}",
+            )
+        ],
+    ),
+    (
+        "Engines by pool state",
+        "short",
+        [
+            q(f"count by (pool) ({M['blocks']}{{{NS}}})", "{{pool}}"),
+            q(f"sum by (namespace) ({M['op_pool_idle']}{{{NS}}})", "idle in pool {{namespace}}"),
+        ],
+    ),
+    (
+        "Generation tokens/s",
+        "short",
+        [q(f"sum by (model_service) (rate({M['generation_tokens']}{{{SEL}}}[{RATE}]))", "{{model_service}}")],
+    ),
+    (
+        "Prompt tokens/s",
+        "short",
+        [q(f"sum by (model_service) (rate({M['prompt_tokens']}{{{SEL}}}[{RATE}]))", "{{model_service}}")],
+    ),
     ("Time to first token", "s", quantiles(M["ttft"])),
     ("Inter-token latency", "s", quantiles(M["itl"])),
     ("End-to-end request latency", "s", quantiles(M["e2e"])),
-    ("Finished requests/s by model and reason", "reqps", [
-        q(f"sum by (model_name, finished_reason) (rate({M['success']}{{{SEL}}}[{RATE}]))",
-          "{{model_name}} {{finished_reason}}")]),
-    ("Requests waiting and running", "short", [
-        q(f"sum by (model_service) ({M['waiting']}{{{SEL}}})", "waiting {{model_service}}"),
-        q(f"sum by (model_service) ({M['running']}{{{SEL}}})", "running {{model_service}}")]),
-    ("KV cache usage and preemptions", "percentunit", [
-        q(f"avg by (model_service) ({M['kv_usage']}{{{SEL}}})", "{{model_service}}"),
-        q(f"sum by (model_service) (increase({M['preemptions']}{{{SEL}}}[{RATE}]))", "preempted {{model_service}}")]),
-    ("Scale decisions", "short", [
-        q(f"sum by (model_service, role, policy, direction) (increase({M['op_decisions']}{{{SEL}}}[{RATE}]))",
-          "{{model_service}} {{role}} {{policy}} {{direction}}")]),
-    ("ScalePlans in flight", "short", [
-        q(f"sum by (model_service) ({M['op_plans_active']}{{{SEL}}})", "active {{model_service}}"),
-        q(f"max by (model_service) ({M['op_plan_age']}{{{SEL}}})", "oldest age (s) {{model_service}}")]),
-    ("ScalePlan duration by outcome", "s", [
-        q(f"histogram_quantile(0.9, sum by (le, model_service, phase) "
-          f"(rate({M['op_plan_duration']}_bucket{{{SEL}}}[{RATE}])))", "p90 {{model_service}} {{phase}}"),
-        q(f"sum by (model_service, phase) (increase({M['op_plan_duration']}_count{{{SEL}}}[{RATE}]))",
-          "plans {{model_service}} {{phase}}")]),
-    ("Weight transfers: throughput and failures", "Bps", [
-        q(f"sum by (model_service) ({M['transfer_bw']}{{{SEL}}})", "{{model_service}}"),
-        q(f"sum by (model_service) (increase({M['transfer_failures']}{{{SEL}}}[{RATE}]))",
-          "failed transfers {{model_service}}")]),
-    ("Decision to engines instructed", "s", [
-        q(f"histogram_quantile(0.9, sum by (le) (rate({M['op_reaction']}_bucket[{RATE}])))", "p90")]),
-    ("Live split requests/s (loading engines serving with a peer)", "short", [
-        q(f"sum by (model_service) (rate({M['live_split']}{{{SEL}}}[{RATE}]))", "{{model_service}}")]),
+    (
+        "Finished requests/s by model and reason",
+        "reqps",
+        [
+            q(
+                f"sum by (model_name, finished_reason) (rate({M['success']}{{{SEL}}}[{RATE}]))",
+                "{{model_name}} {{finished_reason}}",
+            )
+        ],
+    ),
+    (
+        "Requests waiting and running",
+        "short",
+        [
+            q(f"sum by (model_service) ({M['waiting']}{{{SEL}}})", "waiting {{model_service}}"),
+            q(f"sum by (model_service) ({M['running']}{{{SEL}}})", "running {{model_service}}"),
+        ],
+    ),
+    (
+        "KV cache usage and preemptions",
+        "percentunit",
+        [
+            q(f"avg by (model_service) ({M['kv_usage']}{{{SEL}}})", "{{model_service}}"),
+            q(f"sum by (model_service) (increase({M['preemptions']}{{{SEL}}}[{RATE}]))", "preempted {{model_service}}"),
+        ],
+    ),
+    (
+        "Scale decisions",
+        "short",
+        [
+            q(
+                f"sum by (model_service, role, policy, direction) (increase({M['op_decisions']}{{{SEL}}}[{RATE}]))",
+                "{{model_service}} {{role}} {{policy}} {{direction}}",
+            )
+        ],
+    ),
+    (
+        "ScalePlans in flight",
+        "short",
+        [
+            q(f"sum by (model_service) ({M['op_plans_active']}{{{SEL}}})", "active {{model_service}}"),
+            q(f"max by (model_service) ({M['op_plan_age']}{{{SEL}}})", "oldest age (s) {{model_service}}"),
+        ],
+    ),
+    (
+        "ScalePlan duration by outcome",
+        "s",
+        [
+            q(
+                f"histogram_quantile(0.9, sum by (le, model_service, phase) "
+                f"(rate({M['op_plan_duration']}_bucket{{{SEL}}}[{RATE}])))",
+                "p90 {{model_service}} {{phase}}",
+            ),
+            q(
+                f"sum by (model_service, phase) (increase({M['op_plan_duration']}_count{{{SEL}}}[{RATE}]))",
+                "plans {{model_service}} {{phase}}",
+            ),
+        ],
+    ),
+    (
+        "Weight transfers: throughput and failures",
+        "Bps",
+        [
+            q(f"sum by (model_service) ({M['transfer_bw']}{{{SEL}}})", "{{model_service}}"),
+            q(
+                f"sum by (model_service) (increase({M['transfer_failures']}{{{SEL}}}[{RATE}]))",
+                "failed transfers {{model_service}}",
+            ),
+        ],
+    ),
+    (
+        "Decision to engines instructed",
+        "s",
+        [q(f"histogram_quantile(0.9, sum by (le) (rate({M['op_reaction']}_bucket[{RATE}])))", "p90")],
+    ),
+    (
+        "Live split requests/s (loading engines serving with a peer)",
+        "short",
+        [q(f"sum by (model_service) (rate({M['live_split']}{{{SEL}}}[{RATE}]))", "{{model_service}}")],
+    ),
 ]
 
 
@@ -189,35 +260,48 @@ def _lbl(name: str) -> str:
 
 V = ".Values.monitoring.prometheusRule"
 ALERTS: list[dict[str, Any]] = [
-    {"alert": "KascadeScaleUpStuck",
-     "expr": f"max by (namespace, model_service) ({M['op_plan_age']}) > {{{{ mul 60 {V}.scaleUpStuckMinutes }}}}",
-     "for": "1m", "severity": "warning",
-     "summary": f"ScalePlan of {_lbl('namespace')}/{_lbl('model_service')} unfinished for too long",
-     "description": "A ScalePlan has been running longer than expected: check `kubectl describe splan` for "
-                    "the stuck target and the operator log."},
-    {"alert": "KascadeWarmPoolExhausted",
-     "expr": f"(sum by (namespace) ({M['op_pool_idle']}) == 0) and on (namespace) "
-             f"(sum by (namespace) ({M['op_replicas']}{{state=\"desired\"}}) > "
-             f"sum by (namespace) ({M['op_replicas']}{{state=~\"ready|loading\"}}))",
-     "for": "2m", "severity": "warning",
-     "summary": f"warm pool of {_lbl('namespace')} is empty while replicas are wanted",
-     "description": "Scale-ups fall back to creating pods (slow, cold). Raise pool.replicas or add GPU nodes."},
-    {"alert": "KascadeTransferFailures",
-     # an engine's failed transfer counts even when the operator recovered the plan (re-planned around it)
-     "expr": f"(sum by (namespace, model_service) (increase({M['transfer_failures']}[15m])) > 0) or "
-             f"(sum by (namespace, model_service) (increase({M['op_plan_duration']}_count{{phase=\"Failed\"}}[15m])) > 0)",
-     "for": "0m", "severity": "warning",
-     "summary": f"weight transfers or ScalePlans of {_lbl('namespace')}/{_lbl('model_service')} failed "
-                "in the last 15 minutes",
-     "description": "Weight transfers or binds failed: see the engines' loadError (kascade status), the "
-                    "ScalePlans' status.targets[].failed and Events."},
-    {"alert": "KascadeTTFTSLOBurn",
-     "expr": f"(1 - sum by (namespace, model_service) (rate({M['ttft']}_bucket{{le=~\"{{{{ {V}.ttftSloSeconds }}}}(\\\\.0)?\"}}[5m])) "
-             f"/ sum by (namespace, model_service) (rate({M['ttft']}_count[5m]))) > {{{{ {V}.ttftBurnRatio }}}}",
-     "for": "5m", "severity": "critical",
-     "summary": f"{_lbl('model_service')}: too many requests over the TTFT SLO",
-     "description": "More than the allowed share of requests waited longer than the TTFT SLO for their first "
-                    "token: scale-up is not keeping up (see the ScalePlans and the warm pool)."},
+    {
+        "alert": "KascadeScaleUpStuck",
+        "expr": f"max by (namespace, model_service) ({M['op_plan_age']}) > {{{{ mul 60 {V}.scaleUpStuckMinutes }}}}",
+        "for": "1m",
+        "severity": "warning",
+        "summary": f"ScalePlan of {_lbl('namespace')}/{_lbl('model_service')} unfinished for too long",
+        "description": "A ScalePlan has been running longer than expected: check `kubectl describe splan` for "
+        "the stuck target and the operator log.",
+    },
+    {
+        "alert": "KascadeWarmPoolExhausted",
+        "expr": f"(sum by (namespace) ({M['op_pool_idle']}) == 0) and on (namespace) "
+        f'(sum by (namespace) ({M["op_replicas"]}{{state="desired"}}) > '
+        f'sum by (namespace) ({M["op_replicas"]}{{state=~"ready|loading"}}))',
+        "for": "2m",
+        "severity": "warning",
+        "summary": f"warm pool of {_lbl('namespace')} is empty while replicas are wanted",
+        "description": "Scale-ups fall back to creating pods (slow, cold). Raise pool.replicas or add GPU nodes.",
+    },
+    {
+        "alert": "KascadeTransferFailures",
+        # an engine's failed transfer counts even when the operator recovered the plan (re-planned around it)
+        "expr": f"(sum by (namespace, model_service) (increase({M['transfer_failures']}[15m])) > 0) or "
+        f'(sum by (namespace, model_service) (increase({M["op_plan_duration"]}_count{{phase="Failed"}}[15m])) > 0)',
+        "for": "0m",
+        "severity": "warning",
+        "summary": f"weight transfers or ScalePlans of {_lbl('namespace')}/{_lbl('model_service')} failed "
+        "in the last 15 minutes",
+        "description": "Weight transfers or binds failed: see the engines' loadError (kascade status), the "
+        "ScalePlans' status.targets[].failed and Events.",
+    },
+    {
+        "alert": "KascadeTTFTSLOBurn",
+        "expr": f"(1 - sum by (namespace, model_service) "
+        f'(rate({M["ttft"]}_bucket{{le=~"{{{{ {V}.ttftSloSeconds }}}}(\\\\.0)?"}}[5m])) '
+        f"/ sum by (namespace, model_service) (rate({M['ttft']}_count[5m]))) > {{{{ {V}.ttftBurnRatio }}}}",
+        "for": "5m",
+        "severity": "critical",
+        "summary": f"{_lbl('model_service')}: too many requests over the TTFT SLO",
+        "description": "More than the allowed share of requests waited longer than the TTFT SLO for their first "
+        "token: scale-up is not keeping up (see the ScalePlans and the warm pool).",
+    },
 ]
 
 

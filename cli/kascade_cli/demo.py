@@ -17,9 +17,16 @@ import click
 @click.command("demo")
 @click.option("--model", type=click.Choice(["tiny", "smollm"]), default="tiny", show_default=True,
               help="tiny: a random 8-layer Llama built offline; smollm: SmolLM2-135M (real text, slower on CPU)")
-@click.option("--nodes", default=4, show_default=True, type=click.IntRange(3, 16), help="fake GPU nodes (one engine each)")
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("kascade-demo"), show_default=True,
-              help="where the plot, the logs and the cluster state go")
+@click.option(
+    "--nodes", default=4, show_default=True, type=click.IntRange(3, 16), help="fake GPU nodes (one engine each)"
+)
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("kascade-demo"),
+    show_default=True,
+    help="where the plot, the logs and the cluster state go",
+)
 @click.option("--burst-seconds", default=25.0, show_default=True, type=click.FloatRange(5, 600))
 @click.option("--keep", is_flag=True, help="leave the control plane running afterwards (prints its KUBECONFIG)")
 def demo(model: str, nodes: int, out: Path, burst_seconds: float, keep: bool) -> None:

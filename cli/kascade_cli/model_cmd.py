@@ -2,7 +2,8 @@
 reads it (the chart's pool init container; also handy on a workstation).
 
 Data flow: repo id + revision -> huggingface_hub.snapshot_download (only config, tokenizer and
-safetensors files, or with --config-only no weights; $HF_ENDPOINT for a mirror, $HF_TOKEN for gated repos; files already in DIR are kept) -> DIR -> a summary line.
+safetensors files, or with --config-only no weights; $HF_ENDPOINT for a mirror, $HF_TOKEN for gated repos; files
+already in DIR are kept) -> DIR -> a summary line.
 """
 
 from __future__ import annotations
@@ -28,8 +29,12 @@ def model() -> None:
 @click.argument("repo")
 @click.option("--dest", required=True, type=click.Path(file_okay=False, path_type=Path), help="checkpoint directory")
 @click.option("--revision", default="main", show_default=True, help="branch, tag or commit")
-@click.option("--config-only", is_flag=True, help="no weights: config and tokenizer (for `engine serve --empty`; "
-              "the engine downloads the weights itself when bound to an hf:// source)")
+@click.option(
+    "--config-only",
+    is_flag=True,
+    help="no weights: config and tokenizer (for `engine serve --empty`; "
+    "the engine downloads the weights itself when bound to an hf:// source)",
+)
 def download(repo: str, dest: Path, revision: str, config_only: bool) -> None:
     """Download REPO's config, tokenizer and safetensors weights into --dest."""
     if repo.count("/") != 1 or not all(repo.split("/")):
@@ -40,8 +45,13 @@ def download(repo: str, dest: Path, revision: str, config_only: bool) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     log.info("downloading %s@%s into %s", repo, revision, dest)
     try:
-        snapshot_download(repo_id=repo, revision=revision, local_dir=dest, allow_patterns=list(CONFIG_PATTERNS if config_only else PATTERNS),
-                          endpoint=os.environ.get("HF_ENDPOINT") or None)  # read now, not at import
+        snapshot_download(
+            repo_id=repo,
+            revision=revision,
+            local_dir=dest,
+            allow_patterns=list(CONFIG_PATTERNS if config_only else PATTERNS),
+            endpoint=os.environ.get("HF_ENDPOINT") or None,
+        )  # read now, not at import
     except HfHubHTTPError as e:
         raise click.ClickException(f"{repo}@{revision}: {e}") from None
     files = [p for p in dest.rglob("*") if p.is_file() and ".cache" not in p.parts]

@@ -44,12 +44,27 @@ def operator() -> None:
 @click.option("--lease-renew-deadline", type=float, help="seconds a leader tries to renew before it steps down")
 @click.option("--lease-retry", type=float, help="seconds between Lease attempts")
 @click.option("--identity", help="this replica's name in the Lease (default: hostname-pid)")
-def run(namespaces: tuple[str, ...], interval: float | None, rate_window: float | None, metrics_source: str | None,
-        prometheus_url: str | None, engine_token: str | None, metrics_port: int | None, liveness: str | None,
-        pool_namespace: str | None, engine_image: str | None, allowed_images: tuple[str, ...],
-        allowed_host_path_roots: tuple[str, ...], leader_elect: bool | None, lease_namespace: str | None,
-        lease_duration: float | None,
-        lease_renew_deadline: float | None, lease_retry: float | None, identity: str | None, router_url: str | None) -> None:
+def run(
+    namespaces: tuple[str, ...],
+    interval: float | None,
+    rate_window: float | None,
+    metrics_source: str | None,
+    prometheus_url: str | None,
+    engine_token: str | None,
+    metrics_port: int | None,
+    liveness: str | None,
+    pool_namespace: str | None,
+    engine_image: str | None,
+    allowed_images: tuple[str, ...],
+    allowed_host_path_roots: tuple[str, ...],
+    leader_elect: bool | None,
+    lease_namespace: str | None,
+    lease_duration: float | None,
+    lease_renew_deadline: float | None,
+    lease_retry: float | None,
+    identity: str | None,
+    router_url: str | None,
+) -> None:
     """Reconcile ModelServices and ScalePlans until interrupted (`kascade -v operator run` logs decisions).
 
     The warm pool's size is its Deployment's (the chart's `pool.replicas`): it refills itself when the
@@ -61,16 +76,30 @@ def run(namespaces: tuple[str, ...], interval: float | None, rate_window: float 
     from kascade_operator.settings import OperatorSettings
     from kascade_planner.engine_tls import engine_tls_context
 
-    overrides = {k: v for k, v in {"namespaces": list(namespaces) or None, "interval_seconds": interval,
-                                   "rate_window_seconds": rate_window, "metrics_source": metrics_source,
-                                   "prometheus_url": prometheus_url, "engine_token": engine_token,
-                                   "metrics_port": metrics_port, "router_url": router_url, "pool_namespace": pool_namespace,
-                                   "engine_image": engine_image, "allowed_images": list(allowed_images) or None,
-                                   "allowed_host_path_roots": list(allowed_host_path_roots) or None,
-                                   "leader_election": leader_elect, "lease_namespace": lease_namespace,
-                                   "lease_duration_seconds": lease_duration,
-                                   "lease_renew_deadline_seconds": lease_renew_deadline,
-                                   "lease_retry_seconds": lease_retry, "identity": identity}.items() if v is not None}
+    overrides = {
+        k: v
+        for k, v in {
+            "namespaces": list(namespaces) or None,
+            "interval_seconds": interval,
+            "rate_window_seconds": rate_window,
+            "metrics_source": metrics_source,
+            "prometheus_url": prometheus_url,
+            "engine_token": engine_token,
+            "metrics_port": metrics_port,
+            "router_url": router_url,
+            "pool_namespace": pool_namespace,
+            "engine_image": engine_image,
+            "allowed_images": list(allowed_images) or None,
+            "allowed_host_path_roots": list(allowed_host_path_roots) or None,
+            "leader_election": leader_elect,
+            "lease_namespace": lease_namespace,
+            "lease_duration_seconds": lease_duration,
+            "lease_renew_deadline_seconds": lease_renew_deadline,
+            "lease_retry_seconds": lease_retry,
+            "identity": identity,
+        }.items()
+        if v is not None
+    }
     try:
         settings = OperatorSettings(**overrides)
     except ValidationError as e:

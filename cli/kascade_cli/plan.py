@@ -53,7 +53,9 @@ def read_document(path: Path) -> object:
 @click.option("-a", "--algorithm", "algorithms", multiple=True,
               type=click.Choice(["auto", "chain", "binomial", "hybrid", "star", "tree", "local"]),
               help="Default: all. auto builds the candidates and keeps the fastest predicted.")
-@click.option("--targets", "n_targets", type=click.IntRange(1, 100_000), help="Override scenario.targets with N placed targets.")
+@click.option(
+    "--targets", "n_targets", type=click.IntRange(1, 100_000), help="Override scenario.targets with N placed targets."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print plans and predictions as JSON.")
 @click.option("--detail", is_flag=True, help="Per-target predicted completion for each plan.")
 def plan(topology_file: Path, algorithms: tuple[str, ...], n_targets: int | None, as_json: bool, detail: bool) -> None:

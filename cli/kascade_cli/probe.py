@@ -2,7 +2,8 @@
 API? What `helm test` runs in the operator image.
 
 Data flow: URL (https verified by --ca, names unchecked, for engines started with TLS files) -> GET
-URL/v1/models (retried until --timeout, so a test pod started right after an install waits for the engines) -> the listed model ids -> exit 0 when --expect-model is among them (or
+URL/v1/models (retried until --timeout, so a test pod started right after an install waits for the engines) -> the
+listed model ids -> exit 0 when --expect-model is among them (or
 any model is listed), else exit 1 with what was seen.
 """
 

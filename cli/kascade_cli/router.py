@@ -40,9 +40,13 @@ import click
               help="how a replica is picked: ttft, the least expected time to first token from the first tokens "
                    "this router measured (rate and latency per replica; share until measured); share, the least "
                    "(in flight + 1) / weight. Disaggregated decode engines are always picked by share")
-@click.option("--engine-ca", type=click.Path(dir_okay=False), default=lambda: os.environ.get("KASCADE_ROUTER_ENGINE_CA"),
-              help="PEM CA of engines started with TLS files: route to them over HTTPS verified by it (names not "
-                   "checked: engines are pod IPs); env KASCADE_ROUTER_ENGINE_CA; default plain HTTP")
+@click.option(
+    "--engine-ca",
+    type=click.Path(dir_okay=False),
+    default=lambda: os.environ.get("KASCADE_ROUTER_ENGINE_CA"),
+    help="PEM CA of engines started with TLS files: route to them over HTTPS verified by it (names not "
+    "checked: engines are pod IPs); env KASCADE_ROUTER_ENGINE_CA; default plain HTTP",
+)
 @click.option("--header-timeout", default=10.0, show_default=True, type=click.FloatRange(0, min_open=True),
               help="a client connection with no complete request headers this long after it opened (or after its "
                    "last answer) is closed")

@@ -28,7 +28,9 @@ POS = click.FloatRange(0, min_open=True, max=1e12)
 @click.option("--ssd-gbps", type=POS, help="Local SSD -> GPU per GPU.")
 @click.option("--nvlink-gbps", type=POS, help="GPU <-> GPU inside a host.")
 @click.option("--host-mem-gb", type=POS, help="Host DRAM per host for cached model copies (default: unlimited).")
-@click.option("--model", "model_name", default="llama3-8b", show_default=True, help="llama3-8b | mistral-24b | qwen-72b")
+@click.option(
+    "--model", "model_name", default="llama3-8b", show_default=True, help="llama3-8b | mistral-24b | qwen-72b"
+)
 @click.option("--tp", type=click.IntRange(1, 64), help="GPUs per instance (default: the model preset's).")
 @click.option("--models", "n_models", type=click.IntRange(1, 64), default=1, show_default=True,
               help="Models sharing the cluster; a trace is replayed for each, shifted in time.")
@@ -44,7 +46,9 @@ POS = click.FloatRange(0, min_open=True, max=1e12)
 @click.option("--keep-alive", type=click.FloatRange(0, max=1e7), help="ServerlessLLM host-cache keep-alive (s).")
 @click.option("--policy", type=click.Choice(["queue", "tokens"]), default="queue", show_default=True,
               help="queue: BlitzScale (queue length + busy instances; decode on KV usage); tokens: tokens/s.")
-@click.option("--upper", type=click.FloatRange(0, min_open=True, max=1e9), help="Scale-up bound (queue: 4, tokens: 6000).")
+@click.option(
+    "--upper", type=click.FloatRange(0, min_open=True, max=1e9), help="Scale-up bound (queue: 4, tokens: 6000)."
+)
 @click.option("--lower", type=click.FloatRange(0, max=1e9), help="Scale-down bound (queue: 0.3, tokens: 2000).")
 @click.option("--scale-down-delay", type=click.FloatRange(0, max=3600), default=5.0, show_default=True,
               help="Seconds below the lower bound before scaling down (sub-second allowed).")
@@ -65,13 +69,42 @@ POS = click.FloatRange(0, min_open=True, max=1e12)
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=Path("sim-result.json"), show_default=True)
 @click.option("--per-request", is_flag=True, help="Include every request's arrival, TTFT and TBT in the JSON.")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="Write a PNG plot here.")
-def sim(trace: str, systems: tuple[str, ...], hw_name: str, hosts: int | None, gpus_per_host: int | None,
-        rdma_gbps: float | None, pcie_gbps: float | None, ssd_gbps: float | None, nvlink_gbps: float | None,
-        host_mem_gb: float | None, model_name: str, tp: int | None, n_models: int, rate: float, start: float,
-        duration: float | None, rate_scale: float, thin: float, keep_alive: float | None, policy: str, upper: float | None,
-        lower: float | None, scale_down_delay: float, tick: float, min_instances: int, max_instances: int | None,
-        mode: str, convertible: bool, convert_chunk_tokens: int | None, pd_policy: str, seed: int, out: Path, per_request: bool,
-        plot_path: Path | None) -> None:
+def sim(
+    trace: str,
+    systems: tuple[str, ...],
+    hw_name: str,
+    hosts: int | None,
+    gpus_per_host: int | None,
+    rdma_gbps: float | None,
+    pcie_gbps: float | None,
+    ssd_gbps: float | None,
+    nvlink_gbps: float | None,
+    host_mem_gb: float | None,
+    model_name: str,
+    tp: int | None,
+    n_models: int,
+    rate: float,
+    start: float,
+    duration: float | None,
+    rate_scale: float,
+    thin: float,
+    keep_alive: float | None,
+    policy: str,
+    upper: float | None,
+    lower: float | None,
+    scale_down_delay: float,
+    tick: float,
+    min_instances: int,
+    max_instances: int | None,
+    mode: str,
+    convertible: bool,
+    convert_chunk_tokens: int | None,
+    pd_policy: str,
+    seed: int,
+    out: Path,
+    per_request: bool,
+    plot_path: Path | None,
+) -> None:
     """Simulate TRACE (`azure:PATH`, `burstgpt:PATH`, a CSV path, or `burstgpt-like` for the seeded
     BurstGPT-like generator) on a cluster."""
     from rich.console import Console
@@ -136,13 +169,23 @@ def sim(trace: str, systems: tuple[str, ...], hw_name: str, hosts: int | None, g
     doc["workload"] = wl.name
     doc["results"] = {r.system: r.to_dict(per_request) for r in results}
     out.write_text(json.dumps(doc, indent=1, default=float))
-    table = Table(title=f"{wl.name}: {len(wl.requests)} requests, {wl.models} model(s) on {hw.hosts}x{hw.gpus_per_host} {hw.name}")
+    table = Table(
+        title=f"{wl.name}: {len(wl.requests)} requests, {wl.models} model(s) on {hw.hosts}x{hw.gpus_per_host} {hw.name}"
+    )
     for col in ("system", "TTFT mean", "p50", "p99", "TBT p99", "SLO 5x", "GPU-s", "host cache GB", "scale-ups"):
         table.add_column(col)
     for name, s in doc["systems"].items():
-        table.add_row(name, f"{s['ttft_mean_s']:.3f}", f"{s['ttft_p50_s']:.3f}", f"{s['ttft_p99_s']:.3f}",
-                      f"{s['tbt_p99_s']:.4f}", f"{s['slo_attainment_5x']:.1%}", f"{s['gpu_seconds']:.0f}",
-                      f"{s['host_cache_bytes_peak'] / 1e9:.0f}", str(s["scale_ups"]))
+        table.add_row(
+            name,
+            f"{s['ttft_mean_s']:.3f}",
+            f"{s['ttft_p50_s']:.3f}",
+            f"{s['ttft_p99_s']:.3f}",
+            f"{s['tbt_p99_s']:.4f}",
+            f"{s['slo_attainment_5x']:.1%}",
+            f"{s['gpu_seconds']:.0f}",
+            f"{s['host_cache_bytes_peak'] / 1e9:.0f}",
+            str(s["scale_ups"]),
+        )
     console = Console()
     console.print(table)
     console.print(f"wrote {out} ({doc['sim_requests_per_s']:.0f} simulated requests/s)")

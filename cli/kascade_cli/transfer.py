@@ -42,13 +42,19 @@ def pack(checkpoint: Path, cache_file: Path) -> None:
 @transfer.command()
 @click.option("--spec", "spec_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--me", required=True, help="This participant's instance id in the plan.")
-@click.option("--cache", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Blocks to serve (sources).")
+@click.option(
+    "--cache", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Blocks to serve (sources)."
+)
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Where a target writes its blocks.")
 @click.option("--transport", "transport_name", type=click.Choice(["tcp", "ucx"]), default="tcp", show_default=True)
 @click.option("--linger", type=float, default=0.0, help="Keep serving pulls this many seconds after finishing.")
-@click.option("--tls-cert", type=click.Path(dir_okay=False, path_type=Path), help="PEM certificate (mutual TLS, tcp only)")
+@click.option(
+    "--tls-cert", type=click.Path(dir_okay=False, path_type=Path), help="PEM certificate (mutual TLS, tcp only)"
+)
 @click.option("--tls-key", type=click.Path(dir_okay=False, path_type=Path), help="PEM private key of --tls-cert")
-@click.option("--tls-ca", type=click.Path(dir_okay=False, path_type=Path), help="PEM CA every peer's certificate must chain to")
+@click.option(
+    "--tls-ca", type=click.Path(dir_okay=False, path_type=Path), help="PEM CA every peer's certificate must chain to"
+)
 def run(spec_path: Path, me: str, cache: Path | None, out: Path | None, transport_name: str, linger: float,
         tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None) -> None:
     """Run one participant until its part of the transfer is done."""
@@ -87,7 +93,9 @@ def run(spec_path: Path, me: str, cache: Path | None, out: Path | None, transpor
             if linger:
                 await asyncio.sleep(linger)
             if out and not node.is_source:
-                write_cache(out, BlockSet(spec.plan.model.name, {}, [node.resident[b] for b in spec.plan.model.block_ids]))
+                write_cache(
+                    out, BlockSet(spec.plan.model.name, {}, [node.resident[b] for b in spec.plan.model.block_ids])
+                )
             return summary
         finally:
             await node.close()

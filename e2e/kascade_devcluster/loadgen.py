@@ -92,13 +92,19 @@ class LoadGen:
                 n += len(chunk.choices)
             return Result(t0, time.monotonic(), True, replica, ttft, n)
         except openai.OpenAIError as e:
-            return Result(t0, time.monotonic(), False, replica, ttft, n, f"{replica or 'router'}: {type(e).__name__}: {e}")
+            return Result(
+                t0, time.monotonic(), False, replica, ttft, n, f"{replica or 'router'}: {type(e).__name__}: {e}"
+            )
 
     def summary(self, since: float = 0.0) -> dict[str, float]:
         with self._lock:
             rs = [r for r in self.results if r.start >= since]
         ok = [r for r in rs if r.ok]
         ttfts = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
-        return {"requests": len(rs), "ok": len(ok), "failed": len(rs) - len(ok),
-                "ttft_p50_ms": 1000 * ttfts[len(ttfts) // 2] if ttfts else 0.0,
-                "ttft_p99_ms": 1000 * ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.99))] if ttfts else 0.0}
+        return {
+            "requests": len(rs),
+            "ok": len(ok),
+            "failed": len(rs) - len(ok),
+            "ttft_p50_ms": 1000 * ttfts[len(ttfts) // 2] if ttfts else 0.0,
+            "ttft_p99_ms": 1000 * ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.99))] if ttfts else 0.0,
+        }

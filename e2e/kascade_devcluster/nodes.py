@@ -27,7 +27,9 @@ class NodeSpec:
     nic_gbps: int = 100
 
 
-def topology_specs(n: int, gpus: int = 8, leaves: int = 2, prefix: str = "gpu-node", nic_gbps: int = 100) -> list[NodeSpec]:
+def topology_specs(
+    n: int, gpus: int = 8, leaves: int = 2, prefix: str = "gpu-node", nic_gbps: int = 100
+) -> list[NodeSpec]:
     """`n` nodes spread round-robin over `leaves` leaf switches, one NVLink domain per node."""
     if n < 0 or gpus < 0 or leaves < 1:
         raise ValueError(f"need n >= 0, gpus >= 0, leaves >= 1 (got n={n}, gpus={gpus}, leaves={leaves})")
@@ -63,8 +65,7 @@ def create_nodes(cp: ControlPlane, specs: list[NodeSpec], fake_set: str = "defau
         return []
     doc = {"apiVersion": "v1", "kind": "List", "items": [node_manifest(s, fake_set) for s in specs]}
     cp.kubectl("apply", "-f", "-", input=json.dumps(doc))
-    cp.kubectl("wait", "--for=condition=Ready", "node", "-l", f"{FAKE_SET_LABEL}={fake_set}",
-               f"--timeout={timeout_s}s")
+    cp.kubectl("wait", "--for=condition=Ready", "node", "-l", f"{FAKE_SET_LABEL}={fake_set}", f"--timeout={timeout_s}s")
     return [s.name for s in specs]
 
 

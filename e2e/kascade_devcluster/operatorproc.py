@@ -67,7 +67,9 @@ class OperatorProcess:
             except OSError:
                 time.sleep(0.1)
         if self.running:
-            raise TimeoutError(f"operator did not answer {url} within {STARTUP_TIMEOUT_S:.0f} s; log:\n{self.tail(4000)}")
+            raise TimeoutError(
+                f"operator did not answer {url} within {STARTUP_TIMEOUT_S:.0f} s; log:\n{self.tail(4000)}"
+            )
 
     @property
     def running(self) -> bool:

@@ -1,4 +1,5 @@
-"""Data-plane test certificates (ECDSA P-256) made with the openssl CLI: a CA with a peer certificate it signed, and a rogue CA
+"""Data-plane test certificates (ECDSA P-256) made with the openssl CLI: a CA with a peer certificate it signed, and a
+rogue CA
 with one of its own (for mutual-TLS tests of the data plane; hack/install.sh installs openssl)."""
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """λScale k-way binomial-pipeline multicast with execution pipelines.
 
 Data flow: k sources, N receivers -> k sub-groups (round robin) -> the model's blocks split into k
-contiguous chunks of near-equal bytes; sub-group j receives the chunks circularly shifted by j (Alg. 1), so early on every sub-group
+contiguous chunks of near-equal bytes; sub-group j receives the chunks circularly shifted by j (Alg. 1), so early on
+every sub-group
 holds a different part of the model -> within a sub-group a binomial pipeline over a hypercube: at
 step s every node exchanges with its partner across dimension s mod d, sending the first block (in the
 sub-group's order) that it holds and the partner lacks; 1 -> N then takes b + ceil(log2 N) - 1 steps

@@ -6,7 +6,8 @@ targets by scale-up domain and deal the groups to that leaf's chains, longest gr
 shortest chain -> order each chain by decreasing bandwidth -> flows (sharded g-wide when both ends
 have g GPUs). Phases: `_targets_by_leaf`, `_allot_sources`, `_deal_groups` (into `Chain`s), then
 flows and fallbacks in `build_chains`. A chain costs about |M|/B_min + (n-1)·chunk/B_min, nearly
-independent of n; the tail of every chain is the next scaling round's source (the parameter pool grows with finished targets).
+independent of n; the tail of every chain is the next scaling round's source (the parameter pool grows with finished
+targets).
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ def source_gbps(topo: Topology, src: Instance) -> float:
     return per * src.gpus
 
 
-def hop_flows(src: Instance, dst: Instance, blocks: tuple[str, ...], shard: bool, links: int | None = None) -> list[Flow]:
+def hop_flows(
+    src: Instance, dst: Instance, blocks: tuple[str, ...], shard: bool, links: int | None = None
+) -> list[Flow]:
     """One hop src -> dst: g shard flows over g links when dst has g > 1 GPUs and src can drive g links
     (a GPU instance of the same width, so every relay forwards the shards it receives; or a host copy
     with at least g links), else one whole-model flow. `links`: src's link count (default its GPUs)."""

@@ -150,7 +150,8 @@ def remote_prefill_s(took_s: float | None, waited_s: Iterable[float], queued_tok
     - `waited_s`: how long each prompt the caller sent there and has not got back has waited so far;
     - `queued_tokens`: their prompt tokens plus the new prompt's (each counted whole: how far the prefill engine got
       with one is not known before its KV lands);
-    - `pace`: the prefill engine's measured prefill rate in prompt tokens/s (its own meter, kascade_engine.batch.velocity;
+    - `pace`: the prefill engine's measured prefill rate in prompt tokens/s (its own meter,
+    kascade_engine.batch.velocity;
       None: not known).
 
     The estimate is the oldest wait PLUS `queued_tokens` at `pace`: a prompt sent now waits for everything queued

@@ -97,7 +97,9 @@ def _only(doc: Mapping[str, Any], allowed: tuple[str, ...], prefix: str = "") ->
             raise WireError(prefix + str(k), f"unknown field (allowed: {', '.join(allowed)})")
 
 
-def _str(doc: Mapping[str, Any], key: str, prefix: str = "", required: bool = True, nonempty: bool = True) -> str | None:
+def _str(
+    doc: Mapping[str, Any], key: str, prefix: str = "", required: bool = True, nonempty: bool = True
+) -> str | None:
     v = doc.get(key)
     if v is None:
         if required:

@@ -64,8 +64,11 @@ class DecodeDemand:
     @property
     def metrics(self) -> tuple[tuple[str, float], ...]:
         """The numbers behind it, for a decision's `metrics` (status)."""
-        out = (("decodeDemandTokensPerSecond", self.tokens_per_s), ("outputTokensPerSecond", self.measured_tokens_per_s),
-               ("requestsPerSecond", self.requests_per_s))
+        out = (
+            ("decodeDemandTokensPerSecond", self.tokens_per_s),
+            ("outputTokensPerSecond", self.measured_tokens_per_s),
+            ("requestsPerSecond", self.requests_per_s),
+        )
         return out if self.output_len is None else (*out, ("outputLengthEstimate", self.output_len))
 
     @property

@@ -2,7 +2,8 @@
 decided together from its token-rate demand and the measured (or typed) velocities.
 
 Data flow: `PdDemand` (prompt tokens/s arriving at the service, and the decode demand: output tokens/s
-projected from arrivals x the output length estimated from recent history, kascade_planner.outputlength) + `PdVelocity` (one
+projected from arrivals x the output length estimated from recent history, kascade_planner.outputlength) + `PdVelocity`
+(one
 prefiller's prompt tokens/s, the KV link's tokens/s out of it, one decoder's output tokens/s) + each
 role's `Bounds` -> `pd_ratio` -> `PdRatio` (desired prefill, desired decode, the reason with numbers).
 
@@ -89,9 +90,12 @@ def pd_ratio(d: PdDemand, v: PdVelocity, prefill: Bounds, decode: Bounds) -> PdR
     served = min(p_share, d_share)
     p = _count(p_need * served, prefill, 0)
     dec = _count(d_need * served, decode, 1)
-    reason = (f"P:D ratio: {d.input_tokens_per_s:.0f} input tok/s / min(prefill {v.prefill_tokens_per_s:.0f}, network "
-              f"{v.network_tokens_per_s:.0f}) = {p_need:.2f} prefillers; {d.output_note or f'{d.output_tokens_per_s:.0f} output tok/s'} / "
-              f"decode {v.decode_tokens_per_s:.0f} = {d_need:.2f} decoders")
+    reason = (
+        f"P:D ratio: {d.input_tokens_per_s:.0f} input tok/s / min(prefill {v.prefill_tokens_per_s:.0f}, network "
+        f"{v.network_tokens_per_s:.0f}) = {p_need:.2f} prefillers; "
+        f"{d.output_note or f'{d.output_tokens_per_s:.0f} output tok/s'} / "
+        f"decode {v.decode_tokens_per_s:.0f} = {d_need:.2f} decoders"
+    )
     if served < 1.0:
         capped = "prefill" if p_share <= d_share else "decode"
         reason += (f"; {capped} capped at max {prefill.max if capped == 'prefill' else decode.max}: "

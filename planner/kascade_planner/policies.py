@@ -85,7 +85,9 @@ class MetricsSnapshot:
 
     @property
     def decode_demand(self) -> DecodeDemand:
-        """max(measured output tokens/s, arriving requests/s x estimated output length): kascade_planner.outputlength."""
+        """max(measured output tokens/s, arriving requests/s x estimated output length):
+        kascade_planner.outputlength.
+        """
         return decode_demand(self.output_tokens_per_s, self.requests_per_s,
                              self.output_length.mean if self.output_length else None)
 
@@ -289,7 +291,9 @@ def prescale_decode(prefill: Decision, decode: Decision, decoders_per_prefiller:
         raise ValueError(f"decoders_per_prefiller must be >= 0, got {decoders_per_prefiller}")
     if prefill.change <= 0:
         return decode
-    extra = math.floor(prefill.change * decoders_per_prefiller + 1e-9)  # whole decoders only: +1 prefiller at 0.5 adds none
+    extra = math.floor(
+        prefill.change * decoders_per_prefiller + 1e-9
+    )  # whole decoders only: +1 prefiller at 0.5 adds none
     want = decode.state.bounds.clamp(max(decode.desired, decode.current + extra))
     if want <= decode.desired:
         return decode

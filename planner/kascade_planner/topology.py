@@ -176,9 +176,15 @@ def topology_from_dict(doc: Mapping[str, Any]) -> Topology:
         per = int(field_number(gen, "nodesPerLeaf", "generate.", 1, 1, MAX_NODES, integer=True))
         if leaves * per > MAX_NODES:
             raise TopologyError(f"generate: leaves x nodesPerLeaf = {leaves * per} nodes, at most {MAX_NODES}")
-        nodes.extend(leaf_spine(leaves, per, int(field_number(gen, "gpusPerNode", "generate.", 8, 1, 1024, integer=True)),
-                                field_number(gen, "nicGbps", "generate.", 100, 0, 1e6, lo_open=True),
-                                str(gen.get("prefix", "node"))).nodes)
+        nodes.extend(
+            leaf_spine(
+                leaves,
+                per,
+                int(field_number(gen, "gpusPerNode", "generate.", 8, 1, 1024, integer=True)),
+                field_number(gen, "nicGbps", "generate.", 100, 0, 1e6, lo_open=True),
+                str(gen.get("prefix", "node")),
+            ).nodes
+        )
     if not nodes:
         raise TopologyError("topology has no nodes (give `nodes:` or `generate:`)")
     return Topology(tuple(nodes), field_number(doc, "interLeafBandwidthRatio", "", 1.0, 0, 1, lo_open=True),

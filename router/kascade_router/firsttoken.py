@@ -30,7 +30,8 @@ per unit of weight of the measured ones, latency = their median latency. With no
 is no estimate (None), and the caller ranks by (in flight + 1) / weight as before.
 
 Data flow: request sent -> `FirstTokens.sent` (its `ahead`; `Waiting` keeps it with the time sent) -> first
-token -> `first(now, ttft, ahead)` (or `gone` if it ended without one) -> `priors` over the candidates -> `estimate` per candidate -> the balancer
+token -> `first(now, ttft, ahead)` (or `gone` if it ended without one) -> `priors` over the candidates -> `estimate`
+per candidate -> the balancer
 picks the least (kascade_router.balancer.pick_by_ttft).
 """
 
@@ -105,8 +106,9 @@ class FirstTokens:
         self._tokens.append(self.busy_s)
         self._last_first = now
         if ahead == 0:
-            self.latency_s = ttft_s if self.latency_s is None else (
-                (1 - LATENCY_ALPHA) * self.latency_s + LATENCY_ALPHA * ttft_s)
+            self.latency_s = (
+                ttft_s if self.latency_s is None else ((1 - LATENCY_ALPHA) * self.latency_s + LATENCY_ALPHA * ttft_s)
+            )
         if self.latency_s is not None and ttft_s < self.latency_s:
             self.latency_s = ttft_s  # any TTFT bounds the round trip from above
 

@@ -18,7 +18,8 @@ callback, not by this handler).
 
 First tokens: each request is one `firsttoken.Waiting` on the engine that prefills it (the prefill engine in
 disaggregated serving, else the engine it went to; moved to the prefill engine a converted decoder hands it
-to, or to the decoder that prefills a prompt a converted decoder declined for it), ended by its first token (a stream's first data event after its chat role events, seen in the socket
+to, or to the decoder that prefills a prompt a converted decoder declined for it), ended by its first token (a stream's
+first data event after its chat role events, seen in the socket
 callback: `Answer.on_token`), for a non-streamed answer by the answer itself (the whole answer: its TTFT is
 an upper bound), else by its end without one. They live on the `Backend` (`Backend.first_tokens`), so a
 model's `Routes` entry owns them and they go with the backend when its pod leaves. The prefill engine's

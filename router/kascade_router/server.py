@@ -51,7 +51,9 @@ def static_routes(specs: list[str]) -> Routes:
     for spec in specs:
         model, sep, addrs = spec.partition("=")
         if not sep or not model or not addrs:
-            raise ValueError(f"--backend {spec!r}: expected MODEL=HOST:PORT[,...] (each [ROLE@]HOST:PORT[+DATA_HOST:PORT])")
+            raise ValueError(
+                f"--backend {spec!r}: expected MODEL=HOST:PORT[,...] (each [ROLE@]HOST:PORT[+DATA_HOST:PORT])"
+            )
         routes.set_service("static", model, model)
         for i, item in enumerate(a for a in addrs.split(",") if a):
             role, at, rest = item.rpartition("@")

@@ -104,7 +104,9 @@ class Watcher:
                 doc = json.loads(await resp.read())
                 rv = (doc.get("metadata") or {}).get("resourceVersion")
                 if doc.get("kind") == "Status" or not rv:  # e.g. 404 while the CRD is not established yet
-                    raise RuntimeError(f"list {what}: {doc.get('message') or doc.get('reason') or 'no resourceVersion'}")
+                    raise RuntimeError(
+                        f"list {what}: {doc.get('message') or doc.get('reason') or 'no resourceVersion'}"
+                    )
                 reset(list(doc.get("items") or []))
                 self._listed.add(what)
                 if self._listed >= {"pods", "modelservices"}:
@@ -123,8 +125,9 @@ class Watcher:
                 backoff = min(5.0, backoff * 2)
 
     async def _watch(self, call: ListCall, rv: str, event: Callable[[str, dict[str, Any]], None]) -> str:
-        resp = await call(watch=True, resource_version=rv, allow_watch_bookmarks=True, timeout_seconds=300,
-                          _preload_content=False)
+        resp = await call(
+            watch=True, resource_version=rv, allow_watch_bookmarks=True, timeout_seconds=300, _preload_content=False
+        )
         try:
             async for line in resp.content:
                 if not line.strip():

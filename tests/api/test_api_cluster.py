@@ -38,7 +38,9 @@ def test_samples_accepted(control_plane: ControlPlane, crds: list[str], namespac
 
 
 @pytest.mark.parametrize("path", INVALID, ids=[p.name for p in INVALID])
-def test_invalid_rejected_naming_field(control_plane: ControlPlane, crds: list[str], namespace: str, path: Path) -> None:
+def test_invalid_rejected_naming_field(
+    control_plane: ControlPlane, crds: list[str], namespace: str, path: Path
+) -> None:
     field = re.search(r"^# expect-field: (\S+)", path.read_text(), re.M).group(1)  # type: ignore[union-attr]
     with pytest.raises(ToolError) as e:
         control_plane.kubectl("-n", namespace, "apply", "-f", str(path))
@@ -55,7 +57,9 @@ def test_printer_columns_and_scale_subresource(control_plane: ControlPlane, crds
     header_msvc, header_splan = [ln for ln in out.splitlines() if ln.startswith("NAME")]
     assert header_msvc.split() == ["NAME", "MODEL", "MODE", "POLICY", "DESIRED", "READY", "LOADING", "AVAILABLE", "AGE"]
     assert header_splan.split() == ["NAME", "SERVICE", "ROLE", "ALGORITHM", "PHASE", "TARGETS", "PROGRESS", "AGE"]
-    assert re.search(r"modelservice.kascade.io/smollm2\s+HuggingFaceTB/SmolLM2-135M-Instruct\s+colocated\s+threshold\s", out)
+    assert re.search(
+        r"modelservice.kascade.io/smollm2\s+HuggingFaceTB/SmolLM2-135M-Instruct\s+colocated\s+threshold\s", out
+    )
     control_plane.kubectl("-n", namespace, "scale", "msvc/smollm2", "--replicas=3")
     out = control_plane.kubectl("-n", namespace, "get", "msvc").stdout
     assert re.search(r"smollm2\s+HuggingFaceTB/SmolLM2-135M-Instruct\s+colocated\s+threshold\s+3\s", out)  # DESIRED

@@ -43,7 +43,9 @@ def test_same_fields_types_bounds_defaults(kind: str) -> None:
     only_pyd = sorted(set(pyd) - set(crd))
     assert not only_crd and not only_pyd, f"fields only in CRD: {only_crd}; only in pydantic: {only_pyd}"
     differing = {p: (crd[p], pyd[p]) for p in crd if crd[p] != pyd[p]}
-    assert not differing, "field definitions differ (CRD, pydantic):\n" + "\n".join(f"{k}: {v}" for k, v in differing.items())
+    assert not differing, "field definitions differ (CRD, pydantic):\n" + "\n".join(
+        f"{k}: {v}" for k, v in differing.items()
+    )
     assert len(crd) > 40 if kind == "ModelService" else len(crd) > 30
 
 

@@ -57,9 +57,16 @@ def test_the_default_knee_is_the_simulators_memory_compute_knee(monkeypatch: pyt
 def test_the_floor_check_counts_steps_the_cpu_timed(monkeypatch: pytest.MonkeyPatch) -> None:
     emu = _load("pdemulate", monkeypatch)
     e = emu.Emulation(30.0, 117)  # floor 240 ms: the first bound >= 1.02 x floor is 0.25 s
-    steps = {"a": {"prefill": {"count": 10.0, "sum": 2.6, "le": {"0.1": 0.0, "0.25": 9.0, "0.5": 10.0, "+Inf": 10.0}},
-                   "prefill_step_tokens_max": 117.0},
-             "b": {"decode": {"count": 4.0, "sum": 0.98, "le": {"0.25": 4.0, "0.5": 4.0, "+Inf": 4.0}}, "mixed": {"count": 0.0}}}
+    steps = {
+        "a": {
+            "prefill": {"count": 10.0, "sum": 2.6, "le": {"0.1": 0.0, "0.25": 9.0, "0.5": 10.0, "+Inf": 10.0}},
+            "prefill_step_tokens_max": 117.0,
+        },
+        "b": {
+            "decode": {"count": 4.0, "sum": 0.98, "le": {"0.25": 4.0, "0.5": 4.0, "+Inf": 4.0}},
+            "mixed": {"count": 0.0},
+        },
+    }
     got = emu.floor_check(steps, e)
     assert got["a.prefill"] == {"steps": 10, "mean_ms": 260.0, "floor_ms": 240.0, "over_ms": 250.0, "over_share": 0.1}
     assert got["b.decode"]["over_share"] == 0.0

@@ -101,7 +101,13 @@ def test_pool_passes_pod_security_restricted_by_construction(helm: Helm) -> None
     pool = by(docs, "Deployment", "rel-pool")["spec"]["template"]["spec"]
     assert {"name": "models", "emptyDir": {"sizeLimit": "2Gi"}} in pool["volumes"]
     init = pool["initContainers"][0]
-    assert init["args"][:5] == ["kascade", "--log-format=text", "model", "download", "HuggingFaceTB/SmolLM2-135M-Instruct"]
+    assert init["args"][:5] == [
+        "kascade",
+        "--log-format=text",
+        "model",
+        "download",
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+    ]
     assert "--dest=/models/smollm2-135m" in init["args"]
     assert {"name": "models", "mountPath": "/models"} in init["volumeMounts"]  # writable for the download
 
@@ -112,16 +118,32 @@ def test_model_path_outside_the_mount_is_refused(helm: Helm) -> None:
 
 
 def test_common_values_are_accepted_and_used(helm: Helm, tmp_path: Path) -> None:
-    values = {"global": {"imageRegistry": "reg.example:5000", "imagePullSecrets": ["g-pull"], "storageClass": "x"},
-              "imagePullSecrets": [{"name": "pull"}], "podAnnotations": {"a": "1"},
-              "operator": {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-                  "nodeSelectorTerms": [{"matchExpressions": [{"key": "cpu", "operator": "Exists"}]}]}}},
-                           "priorityClassName": "system-cluster-critical", "podAnnotations": {"b": "2"}},
-              "pool": {"priorityClassName": "gpu-high", "affinity": {"podAntiAffinity": {}},
-                       "image": {"digest": "sha256:" + "a" * 64}},
-              "router": {"podAnnotations": {"r": "3"},
-                         "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule"}]},
-              "logFormat": "json"}
+    values = {
+        "global": {"imageRegistry": "reg.example:5000", "imagePullSecrets": ["g-pull"], "storageClass": "x"},
+        "imagePullSecrets": [{"name": "pull"}],
+        "podAnnotations": {"a": "1"},
+        "operator": {
+            "affinity": {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [{"matchExpressions": [{"key": "cpu", "operator": "Exists"}]}]
+                    }
+                }
+            },
+            "priorityClassName": "system-cluster-critical",
+            "podAnnotations": {"b": "2"},
+        },
+        "pool": {
+            "priorityClassName": "gpu-high",
+            "affinity": {"podAntiAffinity": {}},
+            "image": {"digest": "sha256:" + "a" * 64},
+        },
+        "router": {
+            "podAnnotations": {"r": "3"},
+            "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule"}],
+        },
+        "logFormat": "json",
+    }
     (tmp_path / "v.yaml").write_text(yaml.safe_dump(values))
     docs = render(helm, "-f", str(tmp_path / "v.yaml"))
     op = by(docs, "Deployment", "rel-operator")["spec"]["template"]
@@ -132,10 +154,14 @@ def test_common_values_are_accepted_and_used(helm: Helm, tmp_path: Path) -> None
                                                "kascade.io/engine-capacity": "kvTokens=65536,maxBatchTokens=512,"
                                                                              "maxPromptTokens=2048,maxSeqs=64"}
     assert op["spec"]["imagePullSecrets"] == [{"name": "g-pull"}, {"name": "pull"}] == pool["spec"]["imagePullSecrets"]
-    assert op["spec"]["priorityClassName"] == "system-cluster-critical" and pool["spec"]["priorityClassName"] == "gpu-high"
+    assert (
+        op["spec"]["priorityClassName"] == "system-cluster-critical" and pool["spec"]["priorityClassName"] == "gpu-high"
+    )
     assert "nodeAffinity" in op["spec"]["affinity"] and pool["spec"]["affinity"] == {"podAntiAffinity": {}}
     assert op["spec"]["containers"][0]["image"] == "reg.example:5000/ghcr.io/kascade/kascade-operator:0.1.0"
-    assert pool["spec"]["containers"][0]["image"] == f"reg.example:5000/ghcr.io/kascade/kascade-engine@sha256:{'a' * 64}"
+    assert (
+        pool["spec"]["containers"][0]["image"] == f"reg.example:5000/ghcr.io/kascade/kascade-engine@sha256:{'a' * 64}"
+    )
     assert "--log-format=json" in op["spec"]["containers"][0]["args"]
     assert "--log-format=json" in pool["spec"]["containers"][0]["args"]
     router = by(docs, "Deployment", "rel-router")["spec"]["template"]
@@ -148,17 +174,23 @@ def test_watch_namespaces_gets_roles_not_cluster_wide_pod_writes(helm: Helm) -> 
     docs = render(helm, "--set", "operator.watchNamespaces={team-a,team-b}")
     cluster = by(docs, "ClusterRole", "rel-operator")
     assert not [r for r in cluster["rules"] if "pods" in r["resources"] or "kascade.io" in r["apiGroups"]], cluster
-    roles = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "rel-operator"}
+    roles = {
+        d["metadata"]["namespace"]: d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "rel-operator"
+    }
     assert sorted(roles) == ["ns", "team-a", "team-b"]  # the watched ones and the pool's (release) namespace
     for role in roles.values():
         pods = next(r for r in role["rules"] if "pods" in r["resources"])
         assert {"create", "patch", "delete"} <= set(pods["verbs"])
     bindings = [d for d in docs if d["kind"] == "RoleBinding" and d["metadata"]["name"] == "rel-operator"]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["ns", "team-a", "team-b"]
-    assert all(b["subjects"] == [{"kind": "ServiceAccount", "name": "rel-operator", "namespace": "ns"}] for b in bindings)
+    assert all(
+        b["subjects"] == [{"kind": "ServiceAccount", "name": "rel-operator", "namespace": "ns"}] for b in bindings
+    )
     # all namespaces: one ClusterRole with pod writes, no per-namespace Role
     docs = render(helm)
-    assert any("pods" in r["resources"] and "create" in r["verbs"] for r in by(docs, "ClusterRole", "rel-operator")["rules"])
+    assert any(
+        "pods" in r["resources"] and "create" in r["verbs"] for r in by(docs, "ClusterRole", "rel-operator")["rules"]
+    )
     assert not [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "rel-operator"]
 
 
@@ -173,7 +205,10 @@ def test_one_token_secret_name_everywhere(helm: Helm) -> None:
         assert env["KASCADE_OPERATOR_ENGINE_TOKEN_SECRET"]["value"] == name
         assert "KASCADE_ENGINE_TOKEN" not in env  # read (or created) through the API, never a secretKeyRef
         pool = by(docs, "Deployment", f"{full}-pool")["spec"]["template"]["spec"]["containers"][0]
-        assert next(e for e in pool["env"] if e["name"] == "KASCADE_ENGINE_TOKEN")["valueFrom"]["secretKeyRef"]["name"] == name
+        assert (
+            next(e for e in pool["env"] if e["name"] == "KASCADE_ENGINE_TOKEN")["valueFrom"]["secretKeyRef"]["name"]
+            == name
+        )
         assert by(docs, "Role", f"{full}-operator-token")["rules"][0]["resourceNames"] == [name]
         assert not [d for d in docs if d["kind"] == "Secret"]  # nothing generated at render (GitOps)
 
@@ -192,7 +227,9 @@ def test_pool_namespace_has_one_source(helm: Helm) -> None:
     docs = render(helm, "--set", "pool.enabled=false", "--set", "operator.poolNamespace=gpu",
                   "--set", "operator.watchNamespaces={team}")
     assert pool_ns(docs) == "gpu"
-    roles = sorted(d["metadata"]["namespace"] for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "rel-operator")
+    roles = sorted(
+        d["metadata"]["namespace"] for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "rel-operator"
+    )
     assert roles == ["gpu", "ns", "team"]
     assert pool_ns(render(helm, "--set", "pool.enabled=false")) == ""  # each ModelService's own namespace
 
@@ -205,7 +242,9 @@ def test_network_policy_opens_engine_ports_only_to_kascade_pods(helm: Helm) -> N
     # named ports: fallback pods of a ModelService with its own engine port numbers name them the same
     peer_rule = next(r for r in rules if any(p["port"] == "data" for p in r["ports"]))
     assert [p["port"] for p in peer_rule["ports"]] == ["http", "data", "act"]
-    assert peer_rule["from"] == [{"podSelector": {"matchExpressions": [{"key": "kascade.io/pool", "operator": "Exists"}]}}]
+    assert peer_rule["from"] == [
+        {"podSelector": {"matchExpressions": [{"key": "kascade.io/pool", "operator": "Exists"}]}}
+    ]
     assert all(r.get("from") for r in rules), "an ingress rule without `from` would open a port to everyone"
     http_only = [r for r in rules if r is not peer_rule]
     assert all([p["port"] for p in r["ports"]] == ["http"] for r in http_only)
@@ -231,9 +270,25 @@ def test_pod_monitor_watches_the_namespaces_engine_pods_live_in(helm: Helm) -> N
 
 def test_monitoring_pack_renders_when_enabled(helm: Helm) -> None:
     assert not [d for d in render(helm) if d["kind"] in {"ServiceMonitor", "PodMonitor", "PrometheusRule"}]
-    docs = render(helm, "--set", "monitoring.serviceMonitor.enabled=true", "--api-versions", "monitoring.coreos.com/v1/ServiceMonitor", "--set", "monitoring.podMonitor.enabled=true", "--api-versions", "monitoring.coreos.com/v1/PodMonitor",
-                  "--set", "monitoring.prometheusRule.enabled=true", "--api-versions", "monitoring.coreos.com/v1/PrometheusRule", "--set", "monitoring.grafanaDashboard.enabled=true",
-                  "--set", "monitoring.prometheusRule.scaleUpStuckMinutes=7")
+    docs = render(
+        helm,
+        "--set",
+        "monitoring.serviceMonitor.enabled=true",
+        "--api-versions",
+        "monitoring.coreos.com/v1/ServiceMonitor",
+        "--set",
+        "monitoring.podMonitor.enabled=true",
+        "--api-versions",
+        "monitoring.coreos.com/v1/PodMonitor",
+        "--set",
+        "monitoring.prometheusRule.enabled=true",
+        "--api-versions",
+        "monitoring.coreos.com/v1/PrometheusRule",
+        "--set",
+        "monitoring.grafanaDashboard.enabled=true",
+        "--set",
+        "monitoring.prometheusRule.scaleUpStuckMinutes=7",
+    )
     sm = by(docs, "ServiceMonitor", "rel-operator")
     svc = by(docs, "Service", "rel-operator-metrics")
     assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
@@ -256,15 +311,36 @@ def test_monitoring_pack_renders_when_enabled(helm: Helm) -> None:
 
 
 def test_observability_files_are_generated_from_their_source() -> None:
-    proc = subprocess.run([sys.executable, str(REPO / "hack" / "observability.py"), "--check"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "hack" / "observability.py"), "--check"], capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr
 
 
 def test_router_is_a_read_only_watcher_behind_a_service(helm: Helm) -> None:
-    docs = [d for d in yaml.safe_load_all(helm(
-        "template", "rel", str(CHART), "-n", "ns", "--set", "router.enabled=true", "--set", "router.replicas=3",
-        "--set", "router.inferencePool.pools[0].modelService=chat", "--api-versions", "inference.networking.k8s.io/v1/InferencePool",
-        "--set", "router.inferencePool.pools[0].endpointPicker.name=chat-epp").stdout) if d]
+    docs = [
+        d
+        for d in yaml.safe_load_all(
+            helm(
+                "template",
+                "rel",
+                str(CHART),
+                "-n",
+                "ns",
+                "--set",
+                "router.enabled=true",
+                "--set",
+                "router.replicas=3",
+                "--set",
+                "router.inferencePool.pools[0].modelService=chat",
+                "--api-versions",
+                "inference.networking.k8s.io/v1/InferencePool",
+                "--set",
+                "router.inferencePool.pools[0].endpointPicker.name=chat-epp",
+            ).stdout
+        )
+        if d
+    ]
     by = {(d["kind"], d["metadata"]["name"]): d for d in docs}
     role = by[("ClusterRole", "rel-router")]
     assert {v for r in role["rules"] for v in r["verbs"]} == {"get", "list", "watch"}
@@ -275,9 +351,15 @@ def test_router_is_a_read_only_watcher_behind_a_service(helm: Helm) -> None:
     assert svc["spec"]["ports"][0]["port"] == 8080
     # the routing rule: ttft unless the values say share
     assert "--route=ttft" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
-    share = [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), "--set", "router.route=share").stdout) if d]
-    assert "--route=share" in next(d for d in share if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-router")[
-        "spec"]["template"]["spec"]["containers"][0]["args"]
+    share = [
+        d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), "--set", "router.route=share").stdout) if d
+    ]
+    assert (
+        "--route=share"
+        in next(d for d in share if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-router")["spec"][
+            "template"
+        ]["spec"]["containers"][0]["args"]
+    )
     env = {e["name"]: e.get("value") for e in
            by[("Deployment", "rel-operator")]["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["KASCADE_OPERATOR_ROUTER_URL"] == "http://rel-router.ns.svc:8080"  # -> ModelService status.url
@@ -291,7 +373,9 @@ def test_router_is_a_read_only_watcher_behind_a_service(helm: Helm) -> None:
     assert pods_svc["spec"]["clusterIP"] == "None" and pods_svc["spec"]["selector"] == svc["spec"]["selector"]
     assert pods_svc["metadata"]["labels"]["app.kubernetes.io/component"] != "router"  # not scraped twice
     pool = by[("InferencePool", "chat")]
-    assert pool["spec"]["selector"] == {"matchLabels": {"kascade.io/model-service": "chat", "kascade.io/serving": "true"}}
+    assert pool["spec"]["selector"] == {
+        "matchLabels": {"kascade.io/model-service": "chat", "kascade.io/serving": "true"}
+    }
     assert pool["spec"]["endpointPickerRef"]["name"] == "chat-epp"
     pool_spec = by[("Deployment", "rel-pool")]["spec"]["template"]["spec"]
     pod = pool_spec["containers"][0]
@@ -308,7 +392,9 @@ def test_router_is_a_read_only_watcher_behind_a_service(helm: Helm) -> None:
                                               "--set", "router.priorityClassName=hi",
                                               "--set", "router.affinity.nodeAffinity.x=1").stdout) if d]
     assert not [d for d in one if d["kind"] == "PodDisruptionBudget" and d["metadata"]["name"] == "rel-router"]
-    spec1 = next(d for d in one if d["metadata"]["name"] == "rel-router" and d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    spec1 = next(d for d in one if d["metadata"]["name"] == "rel-router" and d["kind"] == "Deployment")["spec"][
+        "template"
+    ]["spec"]
     assert spec1["priorityClassName"] == "hi" and spec1["affinity"] == {"nodeAffinity": {"x": 1}}
     assert {k for k, n in by if n == "rel-router-pods"} == {"Service"}
     off = [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), "-n", "ns",
@@ -317,8 +403,12 @@ def test_router_is_a_read_only_watcher_behind_a_service(helm: Helm) -> None:
     # without the router, helm test's front door is the engines Service and the operator has no router URL
     test_args = next(d for d in off if d["kind"] == "Pod")["spec"]["containers"][0]["args"]
     assert "http://rel-engines.ns.svc:8000" in test_args
-    op_env = {e["name"] for e in next(d for d in off if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-operator")
-              ["spec"]["template"]["spec"]["containers"][0]["env"]}
+    op_env = {
+        e["name"]
+        for e in next(d for d in off if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-operator")["spec"][
+            "template"
+        ]["spec"]["containers"][0]["env"]
+    }
     assert "KASCADE_OPERATOR_ROUTER_URL" not in op_env and "KASCADE_OPERATOR_ROUTER_DEMAND_URL" not in op_env
 
 
@@ -359,8 +449,12 @@ def test_existing_secret_suppresses_generated_one(helm: Helm) -> None:
 def test_chart_crds_equal_source_and_manifests_current(helm: Helm) -> None:
     for src in sorted((REPO / "crds").glob("*.yaml")):
         assert (CHART / "crds" / src.name).read_text() == src.read_text(), f"{src.name} differs: run make manifests"
-    assert sorted(p.name for p in (CHART / "crds").glob("*.yaml")) == sorted(p.name for p in (REPO / "crds").glob("*.yaml"))
-    proc = subprocess.run([sys.executable, str(REPO / "hack" / "sync_manifests.py"), "--check"], capture_output=True, text=True)
+    assert sorted(p.name for p in (CHART / "crds").glob("*.yaml")) == sorted(
+        p.name for p in (REPO / "crds").glob("*.yaml")
+    )
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "hack" / "sync_manifests.py"), "--check"], capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr
 
 
@@ -382,15 +476,17 @@ def test_sync_check_names_the_stale_file(tmp_path: Path) -> None:
 
 def test_router_api_keys_come_from_a_secret(helm: Helm) -> None:
     """router.auth.existingSecret mounts the Secret and points --api-keys-file at its key; unset: no auth."""
+
     def router_pod(*sets: str) -> dict:
         args = [a for s in sets for a in ("--set", s)]
         docs = [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), *args).stdout) if d]
-        return next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-router")[
-            "spec"]["template"]["spec"]
+        return next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-router")["spec"][
+            "template"
+        ]["spec"]
+
     plain = router_pod()
     assert not any(a.startswith("--api-keys-file") for a in plain["containers"][0]["args"])
-    spec = router_pod("router.auth.existingSecret=keys", "router.auth.secretKey=k.txt",
-                      "dataPlaneTls.secretName=tls")
+    spec = router_pod("router.auth.existingSecret=keys", "router.auth.secretKey=k.txt", "dataPlaneTls.secretName=tls")
     assert "--api-keys-file=/etc/kascade/router-auth/k.txt" in spec["containers"][0]["args"]
     mounts = {m["name"]: m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
     assert mounts["router-auth"] == "/etc/kascade/router-auth" and len(mounts) == 2  # beside the engine CA

@@ -22,7 +22,9 @@ Helm = Callable[..., subprocess.CompletedProcess[str]]
 
 def containers(helm: Helm, tmp: Path, values: dict[str, Any]) -> dict[str, dict[str, Any]]:
     (tmp / "values.yaml").write_text(yaml.safe_dump(values))
-    docs = [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), "-f", str(tmp / "values.yaml")).stdout) if d]
+    docs = [
+        d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), "-f", str(tmp / "values.yaml")).stdout) if d
+    ]
     return {d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0] for d in docs
             if d["kind"] == "Deployment"}
 
@@ -82,8 +84,12 @@ def test_pool_download_and_helm_test_commands_parse(helm: Helm, tmp_path: Path) 
     pool = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-pool")
     init = pool["spec"]["template"]["spec"]["initContainers"][0]
     params = parse(init["args"])
-    assert params == {"repo": "HuggingFaceTB/SmolLM2-135M-Instruct", "dest": Path("/models/smollm2-135m"), "revision": "v1",
-                      "config_only": False}
+    assert params == {
+        "repo": "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "dest": Path("/models/smollm2-135m"),
+        "revision": "v1",
+        "config_only": False,
+    }
     test = next(d for d in docs if d["kind"] == "Pod")
     params = parse(test["spec"]["containers"][0]["args"])
     assert params["url"] == "http://rel-router.ns.svc:8080"  # the front door: the router (on by default)
@@ -117,7 +123,10 @@ def test_fallback_pod_runs_a_real_engine_command(helm: Helm, tmp_path: Path) -> 
     docs = [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART)).stdout) if d]
     chart_pool = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-pool")
     chart_spec = chart_pool["spec"]["template"]["spec"]
-    assert pod["spec"]["readinessGates"] == [{"conditionType": "kascade.io/serving"}] and "readinessGates" not in chart_spec
+    assert (
+        pod["spec"]["readinessGates"] == [{"conditionType": "kascade.io/serving"}]
+        and "readinessGates" not in chart_spec
+    )
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert chart_spec["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/healthz"
     assert c["livenessProbe"]["httpGet"] == chart_spec["containers"][0]["livenessProbe"]["httpGet"]
@@ -132,8 +141,11 @@ def test_kind_e2e_values_and_modelservice_agree(helm: Helm) -> None:
     from kascade_operator.api import ModelServiceSpec
 
     kind = CHART.parents[1] / "e2e" / "kind"
-    docs = [d for d in yaml.safe_load_all(helm("template", "kascade", str(CHART), "-f", str(kind / "values.yaml")).stdout)
-            if d]
+    docs = [
+        d
+        for d in yaml.safe_load_all(helm("template", "kascade", str(CHART), "-f", str(kind / "values.yaml")).stdout)
+        if d
+    ]
     pool = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "kascade-pool")
     c = pool["spec"]["template"]["spec"]["containers"][0]
     msvc = yaml.safe_load((kind / "modelservice.yaml").read_text())
@@ -155,7 +167,9 @@ def test_data_plane_tls_secret_reaches_pool_and_fallback_engines_alike(helm: Hel
 
     off = containers(helm, tmp_path, {})
     assert not [a for a in off["rel-pool"]["args"] if a.startswith("--tls")]
-    assert next(e for e in off["rel-operator"]["env"] if e["name"] == "KASCADE_OPERATOR_ENGINE_TLS_SECRET")["value"] == ""
+    assert (
+        next(e for e in off["rel-operator"]["env"] if e["name"] == "KASCADE_OPERATOR_ENGINE_TLS_SECRET")["value"] == ""
+    )
     (tmp_path / "m1").mkdir()  # click checks the checkpoint directory exists, as it would in the pod
     (tmp_path / "v.yaml").write_text(yaml.safe_dump({"dataPlaneTls": {"secretName": "engine-tls"}, "pool": {
         "model": {"name": "m1", "path": str(tmp_path / "m1"), "mountPath": str(tmp_path)}}}))
@@ -208,8 +222,16 @@ def test_data_plane_tls_secret_reaches_pool_and_fallback_engines_alike(helm: Hel
 
 def _render(helm: Helm, tmp: Path, values: dict[str, Any]) -> list[dict[str, Any]]:
     (tmp / "values.yaml").write_text(yaml.safe_dump(values))
-    apis = [a for k in ("ServiceMonitor", "PodMonitor", "PrometheusRule") for a in ("--api-versions", f"monitoring.coreos.com/v1/{k}")]
-    return [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), "-f", str(tmp / "values.yaml"), *apis).stdout) if d]
+    apis = [
+        a
+        for k in ("ServiceMonitor", "PodMonitor", "PrometheusRule")
+        for a in ("--api-versions", f"monitoring.coreos.com/v1/{k}")
+    ]
+    return [
+        d
+        for d in yaml.safe_load_all(helm("template", "rel", str(CHART), "-f", str(tmp / "values.yaml"), *apis).stdout)
+        if d
+    ]
 
 
 def _deployment(docs: list[dict[str, Any]], name: str) -> dict[str, Any]:
@@ -246,7 +268,9 @@ def test_data_plane_tls_makes_the_engines_http_port_https_for_probes_and_every_c
     mon = {"podMonitor": {"enabled": True}}
     plain = _render(helm, tmp_path, {"monitoring": mon})
     pool = _deployment(plain, "rel-pool")
-    assert {pool[p]["httpGet"].get("scheme", "HTTP") for p in ("readinessProbe", "livenessProbe", "startupProbe")} == {"HTTP"}
+    assert {pool[p]["httpGet"].get("scheme", "HTTP") for p in ("readinessProbe", "livenessProbe", "startupProbe")} == {
+        "HTTP"
+    }
     pm = next(d for d in plain if d["kind"] == "PodMonitor")["spec"]["podMetricsEndpoints"][0]
     assert "scheme" not in pm and "tlsConfig" not in pm
     op = _deployment(plain, "rel-operator")
@@ -286,7 +310,10 @@ def test_data_plane_tls_makes_the_engines_http_port_https_for_probes_and_every_c
     named = _render(helm, tmp_path, {"dataPlaneTls": {"secretName": "engine-tls", "serverName": "engine.kascade"},
                                      "monitoring": mon})
     pm = next(d for d in named if d["kind"] == "PodMonitor")["spec"]["podMetricsEndpoints"][0]
-    assert pm["tlsConfig"] == {"ca": {"secret": {"name": "engine-tls", "key": "ca.crt"}}, "serverName": "engine.kascade"}
+    assert pm["tlsConfig"] == {
+        "ca": {"secret": {"name": "engine-tls", "key": "ca.crt"}},
+        "serverName": "engine.kascade",
+    }
 
     # no router: the helm test asks the engines Service itself, over https with the CA
     docs = _render(helm, tmp_path, {"dataPlaneTls": {"secretName": "engine-tls"}, "router": {"enabled": False},

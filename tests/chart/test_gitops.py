@@ -131,7 +131,11 @@ def test_decimals_set_on_the_command_line_are_accepted_and_bounded(helm: Helm) -
     ("monitoring.serviceMonitor.enabled=true", "ServiceMonitor", "monitoring.coreos.com/v1/ServiceMonitor"),
     ("monitoring.podMonitor.enabled=true", "PodMonitor", "monitoring.coreos.com/v1/PodMonitor"),
     ("monitoring.prometheusRule.enabled=true", "PrometheusRule", "monitoring.coreos.com/v1/PrometheusRule"),
-    ("router.inferencePool.pools[0].modelService=chat", "InferencePool", "inference.networking.k8s.io/v1/InferencePool"),
+    (
+        "router.inferencePool.pools[0].modelService=chat",
+        "InferencePool",
+        "inference.networking.k8s.io/v1/InferencePool",
+    ),
 ])
 def test_objects_of_other_apis_need_their_crds(helm: Helm, setting: str, kind: str, api: str) -> None:
     extra = ["--set", "router.inferencePool.pools[0].endpointPicker.name=epp"] if kind == "InferencePool" else []
@@ -156,7 +160,9 @@ def test_download_has_resources_engines_a_memory_limit_and_namespace_users_roles
     assert view["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
     assert "create" in edit["rules"][0]["verbs"] and "modelservices" in edit["rules"][0]["resources"]
     assert all(set(r["verbs"]) <= {"get", "list", "watch"} for r in view["rules"])
-    assert not [d for d in render(helm, "--set", "rbac.aggregateToEditView=false") if d["metadata"]["name"] == "rel-edit"]
+    assert not [
+        d for d in render(helm, "--set", "rbac.aggregateToEditView=false") if d["metadata"]["name"] == "rel-edit"
+    ]
 
 
 def test_engine_capacity_reaches_pool_args_annotation_and_fallback_settings(helm: Helm) -> None:

@@ -22,7 +22,9 @@ Helm = Callable[..., subprocess.CompletedProcess[str]]
 
 def operator_env(helm: Helm, tmp: Path, values: dict[str, Any]) -> dict[str, str]:
     (tmp / "values.yaml").write_text(yaml.safe_dump(values))
-    docs = [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), "-f", str(tmp / "values.yaml")).stdout) if d]
+    docs = [
+        d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), "-f", str(tmp / "values.yaml")).stdout) if d
+    ]
     dep = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-operator")
     return {e["name"]: e["value"] for e in dep["spec"]["template"]["spec"]["containers"][0]["env"] if "value" in e}
 
@@ -41,12 +43,19 @@ def test_gfd_clique_and_own_rack_labels_drive_the_planner(helm: Helm, monkeypatc
         monkeypatch.setenv(k, v)
     s = OperatorSettings()
     keys = s.label_keys
-    assert (keys.leaf, keys.domain, keys.nic_gbps) == ("example.com/rack", "nvidia.com/gpu.clique", "example.com/nic-gbps")
-    nodes = [gpu_node("gb-1", {"example.com/rack": "r1", "example.com/nic-gbps": "400", "nvidia.com/gpu.clique": "u.7"}),
-             gpu_node("gb-2", {"example.com/rack": "r2", "example.com/nic-gbps": "400", "nvidia.com/gpu.clique": "u.7"}),
-             gpu_node("hgx-1", {"example.com/rack": "r1", "example.com/nic-gbps": "200"}),
-             gpu_node("hgx-2", {"example.com/rack": "r2", "example.com/nic-gbps": "200",
-                                "kascade.io/scaleup-domain": "u.7"})]  # the default key is no longer read
+    assert (keys.leaf, keys.domain, keys.nic_gbps) == (
+        "example.com/rack",
+        "nvidia.com/gpu.clique",
+        "example.com/nic-gbps",
+    )
+    nodes = [
+        gpu_node("gb-1", {"example.com/rack": "r1", "example.com/nic-gbps": "400", "nvidia.com/gpu.clique": "u.7"}),
+        gpu_node("gb-2", {"example.com/rack": "r2", "example.com/nic-gbps": "400", "nvidia.com/gpu.clique": "u.7"}),
+        gpu_node("hgx-1", {"example.com/rack": "r1", "example.com/nic-gbps": "200"}),
+        gpu_node(
+            "hgx-2", {"example.com/rack": "r2", "example.com/nic-gbps": "200", "kascade.io/scaleup-domain": "u.7"}
+        ),
+    ]  # the default key is no longer read
     topo = topology_from_nodes(nodes, keys, s.inter_leaf_ratio, nvlink_gbps=900)
     assert topo.bandwidth_gbps("gb-1", "gb-2") == 900  # same clique, different racks: NVLink
     assert topo.bandwidth_gbps("gb-1", "hgx-1") == 200  # same rack: the slower NIC

@@ -99,7 +99,8 @@ def test_a_lock_for_every_python_the_bases_carry() -> None:
     defaults = {re.search(r"^ARG BASE=(\S+)", df.read_text(), re.M).group(1) for df in IMAGES.values()}  # type: ignore[union-attr]
     script = (REPO / "hack" / "build-images.sh").read_text()
     bases = defaults | set(re.findall(r"\]=(\S+?:[\w.-]+)", script.split("registry_base=", 1)[1].split("\n\n")[0]))
-    bases.add(re.search(r"NAME=\$\{KASCADE_BASE_IMAGE:-(\S+)\}", (REPO / "hack" / "build-base-image.sh").read_text()).group(1))  # type: ignore[union-attr]
+    base_script = (REPO / "hack" / "build-base-image.sh").read_text()
+    bases.add(re.search(r"NAME=\$\{KASCADE_BASE_IMAGE:-(\S+)\}", base_script).group(1))  # type: ignore[union-attr]
     assert bases <= set(BASE_PYTHON), f"which CPython does {bases - set(BASE_PYTHON)} carry? add it to BASE_PYTHON"
     assert {BASE_PYTHON[b] for b in bases} == set(PYTHONS) == {"3.11", "3.12"}
     lock_pythons = re.search(r"LOCK_PYTHONS:-([\d. ]+)\}", (REPO / "hack" / "lock.sh").read_text())
@@ -145,7 +146,10 @@ def test_lock_versions_satisfy_pyproject(image: str, py: str) -> None:
 
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     extras = ["operator", "router"] + (["engine"] if image == "engine" else [])
-    reqs = [Requirement(d) for d in project["dependencies"] + [d for e in extras for d in project["optional-dependencies"][e]]]
+    reqs = [
+        Requirement(d)
+        for d in project["dependencies"] + [d for e in extras for d in project["optional-dependencies"][e]]
+    ]
     env = {"python_version": py, "python_full_version": f"{py}.2", "sys_platform": "linux",
            "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython", "extra": ""}
     pins = lock_pins(LOCKS[image, py])
@@ -177,7 +181,9 @@ def test_every_chart_port_is_exposed_by_the_image_that_serves_it(helm: Helm) -> 
             seen.add(image)
             assert c["args"][0] == "kascade", c["args"]  # the console script both images install
             ports = {p["containerPort"] for p in c.get("ports", [])}
-            assert ports <= exposed(IMAGES[image]), f"{d['metadata']['name']}/{c['name']}: {ports - exposed(IMAGES[image])}"
+            assert ports <= exposed(IMAGES[image]), (
+                f"{d['metadata']['name']}/{c['name']}: {ports - exposed(IMAGES[image])}"
+            )
             assert spec["securityContext"].get("runAsUser", 65532) == 65532 or image == "engine"
     assert seen == {"operator", "engine"}
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
@@ -209,7 +215,9 @@ def test_operator_image_commands_run_without_torch(helm: Helm) -> None:
     )
     import json
 
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code, json.dumps(argvs)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code, json.dumps(argvs)], capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "ok []"
 
@@ -224,7 +232,13 @@ def dockerignore_patterns() -> list[tuple[re.Pattern[str], bool]]:
             continue
         neg = line.startswith("!")
         pat = line.lstrip("!").strip("/")
-        rx = re.escape(pat).replace(r"\*\*/", "(.*/)?").replace(r"\*\*", ".*").replace(r"\*", "[^/]*").replace(r"\?", "[^/]")
+        rx = (
+            re.escape(pat)
+            .replace(r"\*\*/", "(.*/)?")
+            .replace(r"\*\*", ".*")
+            .replace(r"\*", "[^/]*")
+            .replace(r"\?", "[^/]")
+        )
         out.append((re.compile(rf"^{rx}(/.*)?$"), neg))
     return out
 
@@ -320,8 +334,20 @@ def test_lint_catches_what_it_claims(tmp_path: Path) -> None:
                    "ENV HF_TOKEN=x\nRUN apt-get install curl && pip install x\nCOPY --from=bulid /a /b\n"
                    "CMD kascade --help\n")
     rules = {p.split()[1].split("/")[0].rstrip(":") for p in lint(bad)}
-    assert rules == {"InvalidDefaultArgInFrom", "FromAsCasing", "DL3006", "DL3020", "DL3000", "SecretsUsedInArgOrEnv", "DL3009",
-                     "DL3015", "DL3014", "DL3042", "JSONArgsRecommended", "COPY"}, lint(bad)
+    assert rules == {
+        "InvalidDefaultArgInFrom",
+        "FromAsCasing",
+        "DL3006",
+        "DL3020",
+        "DL3000",
+        "SecretsUsedInArgOrEnv",
+        "DL3009",
+        "DL3015",
+        "DL3014",
+        "DL3042",
+        "JSONArgsRecommended",
+        "COPY",
+    }, lint(bad)
 
 
 def test_cuda_base_matches_the_locked_cuda_runtime() -> None:
@@ -343,9 +369,13 @@ def test_images_are_tagged_as_the_chart_pulls_them(helm: Helm) -> None:
                             check=True, env={**env, "IMAGES": "operator engine engine-cpu"}).stdout
     names = dict(line.split() for line in listed.splitlines())
     app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
-    tag = subprocess.run(["bash", "hack/image-tag.sh"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    tag = subprocess.run(
+        ["bash", "hack/image-tag.sh"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.strip()
     assert tag == app_version
-    make = subprocess.run(["make", "-n", "images"], cwd=REPO, capture_output=True, text=True, check=True, env=env).stdout
+    make = subprocess.run(
+        ["make", "-n", "images"], cwd=REPO, capture_output=True, text=True, check=True, env=env
+    ).stdout
     assert f"TAG={app_version} " in make and "hack/build-images.sh" in make, make
     images = set()
     for d in rendered(helm):
@@ -365,7 +395,8 @@ def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
         return False
     for e in selector.get("matchExpressions", []):
         present = e["key"] in labels
-        if (e["operator"] == "Exists" and not present) or (e["operator"] == "In" and labels.get(e["key"]) not in e["values"]):
+        missing_in = e["operator"] == "In" and labels.get(e["key"]) not in e["values"]
+        if (e["operator"] == "Exists" and not present) or missing_in:
             return False
     return True
 
@@ -386,15 +417,34 @@ def test_every_port_the_chart_wires_is_declared_and_listened_on(helm: Helm, tmp_
     from kascade_operator.pool import pod_view
 
     (tmp_path / "m").mkdir()  # click checks the checkpoint directory exists, as it would in the pod
-    docs = rendered(helm, "--set", "monitoring.serviceMonitor.enabled=true", "--api-versions", "monitoring.coreos.com/v1/ServiceMonitor", "--set", "monitoring.podMonitor.enabled=true", "--api-versions", "monitoring.coreos.com/v1/PodMonitor",
-                    "--set", f"pool.model.mountPath={tmp_path}", "--set", f"pool.model.path={tmp_path / 'm'}")
+    docs = rendered(
+        helm,
+        "--set",
+        "monitoring.serviceMonitor.enabled=true",
+        "--api-versions",
+        "monitoring.coreos.com/v1/ServiceMonitor",
+        "--set",
+        "monitoring.podMonitor.enabled=true",
+        "--api-versions",
+        "monitoring.coreos.com/v1/PodMonitor",
+        "--set",
+        f"pool.model.mountPath={tmp_path}",
+        "--set",
+        f"pool.model.path={tmp_path / 'm'}",
+    )
     # a pool pod serving: the operator's serving label added (what the engines Service selects)
     serving = {"kascade.io/serving": "true"}
     pods = [(d["metadata"]["name"], {**d["spec"]["template"]["metadata"]["labels"],
                                      **(serving if d["metadata"]["name"] == "rel-pool" else {})},
              d["spec"]["template"]["spec"]) for d in docs if d["kind"] == "Deployment"]
-    spec = ModelServiceSpec.model_validate({"model": {"name": "m", "source": {"path": str(tmp_path / "m")}}, "engine": {"image": "i:1", "port": 8100, "dataPort": 18600},
-                                            "mode": "colocated", "replicas": {"colocated": {"min": 1, "max": 2}}})
+    spec = ModelServiceSpec.model_validate(
+        {
+            "model": {"name": "m", "source": {"path": str(tmp_path / "m")}},
+            "engine": {"image": "i:1", "port": 8100, "dataPort": 18600},
+            "mode": "colocated",
+            "replicas": {"colocated": {"min": 1, "max": 2}},
+        }
+    )
     fb = fallback_pod(spec, "svc", "tok", None)  # a service's own engine ports, unlike the pool's
     all_pods = [*pods, ("fallback", fb["metadata"]["labels"], fb["spec"])]
 
@@ -424,7 +474,9 @@ def test_every_port_the_chart_wires_is_declared_and_listened_on(helm: Helm, tmp_
                 if probe in c:
                     assert c[probe]["httpGet"]["port"] in ports(pod_spec), f"{name}/{c['name']} {probe}"
         if "data" in ports(pod_spec):  # the operator reads the data endpoint from the port named `data`
-            view = pod_view({"metadata": {"name": name, "labels": {}}, "spec": pod_spec, "status": {"podIP": "10.0.0.9"}})
+            view = pod_view(
+                {"metadata": {"name": name, "labels": {}}, "spec": pod_spec, "status": {"podIP": "10.0.0.9"}}
+            )
             assert view.data_endpoint == f"10.0.0.9:{ports(pod_spec)['data']}", name
             assert L.DATA_ENDPOINT == "kascade.io/data-endpoint"
 
@@ -435,7 +487,9 @@ def test_every_port_the_chart_wires_is_declared_and_listened_on(helm: Helm, tmp_
         assert selected, f"Service {svc['metadata']['name']} selects no pod"
         for sp in svc["spec"]["ports"]:
             for name, _, pod_spec in selected:
-                assert sp["targetPort"] in ports(pod_spec), f"Service {svc['metadata']['name']} -> {name}: {sp['targetPort']}"
+                assert sp["targetPort"] in ports(pod_spec), (
+                    f"Service {svc['metadata']['name']} -> {name}: {sp['targetPort']}"
+                )
     monitors = [d for d in docs if d["kind"] in ("ServiceMonitor", "PodMonitor")]
     assert {m["kind"] for m in monitors} == {"ServiceMonitor", "PodMonitor"}
     for m in monitors:
@@ -443,7 +497,10 @@ def test_every_port_the_chart_wires_is_declared_and_listened_on(helm: Helm, tmp_
             svcs = [s for s in services if _selects(m["spec"]["selector"], s["metadata"]["labels"])]
             assert svcs, m["metadata"]["name"]
             for e in m["spec"]["endpoints"]:
-                assert all(e["port"] in {p.get("name") for p in s["spec"]["ports"]} for s in svcs), (m["metadata"]["name"], e)
+                assert all(e["port"] in {p.get("name") for p in s["spec"]["ports"]} for s in svcs), (
+                    m["metadata"]["name"],
+                    e,
+                )
         else:
             selected = [p for p in all_pods if _selects(m["spec"]["selector"], p[1])]
             assert {p[0] for p in selected} >= {"rel-pool", "fallback"}, [p[0] for p in selected]
@@ -456,4 +513,8 @@ def test_every_port_the_chart_wires_is_declared_and_listened_on(helm: Helm, tmp_
         assert selected, pol["metadata"]["name"]
         for rule in pol["spec"].get("ingress", []):
             for rp in rule.get("ports", []):
-                assert all(rp["port"] in ports(p[2]) for p in selected), (pol["metadata"]["name"], rp, [p[0] for p in selected])
+                assert all(rp["port"] in ports(p[2]) for p in selected), (
+                    pol["metadata"]["name"],
+                    rp,
+                    [p[0] for p in selected],
+                )

@@ -60,7 +60,9 @@ def test_helm_install_creates_and_uninstall_removes(control_plane: ControlPlane,
                           "kascade.io/model-service=svc", "--overwrite")
 
     def pods(sel: str) -> list[dict[str, Any]]:
-        return json.loads(control_plane.kubectl("-n", namespace, "get", "pods", "-l", sel, "-o", "json").stdout)["items"]
+        return json.loads(control_plane.kubectl("-n", namespace, "get", "pods", "-l", sel, "-o", "json").stdout)[
+            "items"
+        ]
 
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and len(pods("kascade.io/pool=warm")) < 3:
@@ -87,6 +89,11 @@ def test_plain_manifests_accepted_by_server(control_plane: ControlPlane) -> None
     files = [p for p in sorted((REPO / "manifests").rglob("*.yaml")) if "samples" not in p.parts]
     args = [a for p in files for a in ("-f", str(p))]
     out = control_plane.kubectl("apply", "--dry-run=server", *args).stdout
-    for name in ("deployment.apps/kascade-operator", "deployment.apps/kascade-pool", "clusterrole.rbac.authorization.k8s.io/kascade-operator",
-                 "secret/kascade-engine-token", "serviceaccount/kascade-operator"):
+    for name in (
+        "deployment.apps/kascade-operator",
+        "deployment.apps/kascade-pool",
+        "clusterrole.rbac.authorization.k8s.io/kascade-operator",
+        "secret/kascade-engine-token",
+        "serviceaccount/kascade-operator",
+    ):
         assert name in out, out

@@ -43,7 +43,9 @@ from kascade_devcluster.waiting import wait_for
 pytestmark = pytest.mark.cluster
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "kascade"
-PREVIOUS = Path(__file__).with_name("data") / "kascade-0.1.0.tgz"  # `helm package` of the chart at 0.1.0 (and 0.2.0 beside it)
+PREVIOUS = (
+    Path(__file__).with_name("data") / "kascade-0.1.0.tgz"
+)  # `helm package` of the chart at 0.1.0 (and 0.2.0 beside it)
 
 
 def get(cp: ControlPlane, ns: str, *what: str) -> Any:
@@ -72,7 +74,9 @@ def test_notes_sample_and_fallback_pod_use_the_release_secret(
                            "allowedHostPathRoots": ["/models"]},  # fallback pods mount the sample's path
               "pool": {"replicas": 0}}  # an empty pool: the operator must take the slow path
     out = cp.helm("install", "prod-llm", str(CHART), "-n", namespace, "-f", values_file(tmp_path, values))
-    assert not get(cp, namespace, "secrets", "-l", "app.kubernetes.io/instance=prod-llm")["items"]  # existingSecret used
+    assert not get(cp, namespace, "secrets", "-l", "app.kubernetes.io/instance=prod-llm")[
+        "items"
+    ]  # existingSecret used
 
     # NOTES' own command, with the sample URL pointing at this checkout's copy of the same file
     line = next(raw for raw in out.stdout.splitlines() if "kubectl apply" in raw)

@@ -163,15 +163,22 @@ def test_fallback_engine_pods_log_like_the_installation(monkeypatch: pytest.Monk
     chart = Path(__file__).resolve().parents[2] / "charts" / "kascade"
     out = subprocess.run([str(helm), "template", "r", str(chart), "--set", "logFormat=json"],
                          capture_output=True, text=True, check=True).stdout
-    op = next(d for d in yaml.safe_load_all(out) if d and d["kind"] == "Deployment" and d["metadata"]["name"] == "r-operator")
+    op = next(
+        d for d in yaml.safe_load_all(out) if d and d["kind"] == "Deployment" and d["metadata"]["name"] == "r-operator"
+    )
     env = {e["name"]: e["value"] for e in op["spec"]["template"]["spec"]["containers"][0]["env"] if "value" in e}
     assert env["KASCADE_OPERATOR_ENGINE_LOG_FORMAT"] == "json"
     monkeypatch.setenv("KASCADE_OPERATOR_ENGINE_LOG_FORMAT", env["KASCADE_OPERATOR_ENGINE_LOG_FORMAT"])
     settings = OperatorSettings()
     assert settings.engine_log_format == "json"
-    spec = ModelServiceSpec.model_validate({"model": {"name": "m", "source": {"uri": "hf://o/m"}},
-                                            "engine": {"image": "img:1"}, "mode": "colocated",
-                                            "replicas": {"colocated": {"min": 1, "max": 2}}})
+    spec = ModelServiceSpec.model_validate(
+        {
+            "model": {"name": "m", "source": {"uri": "hf://o/m"}},
+            "engine": {"image": "img:1"},
+            "mode": "colocated",
+            "replicas": {"colocated": {"min": 1, "max": 2}},
+        }
+    )
     pod = fallback_pod(spec, "svc", "tok", None, log_format=settings.engine_log_format)
     for c in pod["spec"]["containers"] + pod["spec"]["initContainers"]:  # the engine and its download
         pod_env = {e["name"]: e.get("value") for e in c["env"]}

@@ -43,7 +43,9 @@ def test_every_example_topology_plans() -> None:
 
 def test_bad_files_and_flags(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
-    bad.write_text("generate: {leaves: 1, nodesPerLeaf: 2}\nscenario:\n  sources: [{id: s, node: nowhere}]\n  targets: []\n")
+    bad.write_text(
+        "generate: {leaves: 1, nodesPerLeaf: 2}\nscenario:\n  sources: [{id: s, node: nowhere}]\n  targets: []\n"
+    )
     out = CliRunner().invoke(cli, ["plan", str(bad)])
     assert out.exit_code == 1
     assert "scenario.sources[0]: unknown node 'nowhere'" in out.output
@@ -72,21 +74,35 @@ GOOD = "generate: {leaves: 1, nodesPerLeaf: 3, nicGbps: 100}\nscenario:\n  model
        "  sources: [{id: s, node: node-0-0}]\n  targets: {count: 2}\n"
 
 
-@pytest.mark.parametrize(("content", "message"), [
-    (BOMB, "more than 100 YAML aliases"),
-    (GOOD.replace("sizeGB: 1", "sizeGB: .nan"), "scenario.model.sizeGB must be a number in (0, 1e+06], got nan"),
-    (GOOD.replace("sizeGB: 1", "sizeGB: .inf"), "scenario.model.sizeGB must be a number in (0, 1e+06], got inf"),
-    (GOOD.replace("nicGbps: 100", "nicGbps: 0"), "generate.nicGbps must be a number in (0, 1e+06], got 0"),
-    ("nodes: [{name: a, leaf: l, gpus: 8, nicGbps: 0}]\nscenario: {sources: [], targets: []}\n",
-     "node 'a': nicGbps must be a finite number >= 1e-09, got 0"),
-    (GOOD.replace("layers: 4", "layers: 1000000000"), "scenario.model.layers must be an integer in [1, 10000], got 1000000000"),
-    (GOOD.replace("layers: 4", "layers: 1.0e+9"), "scenario.model.layers must be an integer in [1, 10000], got 1000000000.0"),
-    (GOOD.replace("count: 2", "count: lots"), "scenario.targets.count must be a number, got 'lots'"),
-    (GOOD.replace("nodesPerLeaf: 3", "nodesPerLeaf: 1000000"), "generate.nodesPerLeaf must be an integer in [1, 100000]"),
-    (GOOD + "interLeafBandwidthRatio: .nan\n", "interLeafBandwidthRatio must be a number in (0, 1], got nan"),
-    ("[" * 5000, "nested too deeply"),
-    ("- just\n- a list\n", "the document must be a mapping"),
-])
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (BOMB, "more than 100 YAML aliases"),
+        (GOOD.replace("sizeGB: 1", "sizeGB: .nan"), "scenario.model.sizeGB must be a number in (0, 1e+06], got nan"),
+        (GOOD.replace("sizeGB: 1", "sizeGB: .inf"), "scenario.model.sizeGB must be a number in (0, 1e+06], got inf"),
+        (GOOD.replace("nicGbps: 100", "nicGbps: 0"), "generate.nicGbps must be a number in (0, 1e+06], got 0"),
+        (
+            "nodes: [{name: a, leaf: l, gpus: 8, nicGbps: 0}]\nscenario: {sources: [], targets: []}\n",
+            "node 'a': nicGbps must be a finite number >= 1e-09, got 0",
+        ),
+        (
+            GOOD.replace("layers: 4", "layers: 1000000000"),
+            "scenario.model.layers must be an integer in [1, 10000], got 1000000000",
+        ),
+        (
+            GOOD.replace("layers: 4", "layers: 1.0e+9"),
+            "scenario.model.layers must be an integer in [1, 10000], got 1000000000.0",
+        ),
+        (GOOD.replace("count: 2", "count: lots"), "scenario.targets.count must be a number, got 'lots'"),
+        (
+            GOOD.replace("nodesPerLeaf: 3", "nodesPerLeaf: 1000000"),
+            "generate.nodesPerLeaf must be an integer in [1, 100000]",
+        ),
+        (GOOD + "interLeafBandwidthRatio: .nan\n", "interLeafBandwidthRatio must be a number in (0, 1], got nan"),
+        ("[" * 5000, "nested too deeply"),
+        ("- just\n- a list\n", "the document must be a mapping"),
+    ],
+)
 def test_hostile_input_gives_one_line_naming_the_field(tmp_path: Path, content: str, message: str) -> None:
     f = tmp_path / "in.yaml"
     f.write_text(content)

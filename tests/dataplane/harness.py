@@ -50,7 +50,14 @@ class Cluster:
         args = [sys.executable, "-m", "kascade_cli.main", "transfer", "run", "--spec", str(spec_file), "--me", me,
                 "--transport", self.transport]
         if self.tls:
-            args += ["--tls-cert", str(self.tls["cert"]), "--tls-key", str(self.tls["key"]), "--tls-ca", str(self.tls["ca"])]
+            args += [
+                "--tls-cert",
+                str(self.tls["cert"]),
+                "--tls-key",
+                str(self.tls["key"]),
+                "--tls-ca",
+                str(self.tls["ca"]),
+            ]
         if any(s.id == me for s in self.spec.plan.sources):
             args += ["--cache", str(self.cache), "--linger", "30"]
         else:

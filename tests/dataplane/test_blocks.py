@@ -39,19 +39,40 @@ def _variant(tmp_path: Path, harness: ModuleType, edit: object) -> Path:
 
 @pytest.mark.parametrize(
     ("edit", "message"),
-    [(lambda t, d: (t.pop("model.layers.1.mlp.up_proj.weight"), save_file(t, str(d / "model.safetensors"))),
-      "missing tensor 'model.layers.1.mlp.up_proj.weight'"),
-     (lambda t, d: (t.__setitem__("model.norm.weight", torch.zeros(3)), save_file(t, str(d / "model.safetensors"))),
-      "tensor 'model.norm.weight' has shape [3], expected [64]"),
-     (lambda t, d: (t.__setitem__("model.layers.0.extra.weight", torch.zeros(2)), save_file(t, str(d / "model.safetensors"))),
-      "unexpected tensor 'model.layers.0.extra.weight'"),
-     (lambda t, d: save_file({"model.norm.weight": t["model.norm.weight"]}, str(d / "model-2.safetensors")),
-      "tensor 'model.norm.weight' is duplicated"),
-     (lambda t, d: (d / "config.json").write_text(json.dumps({"hidden_size": 64})), "missing field"),
-     (lambda t, d: (d / "model.safetensors").write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{oops"), "not a safetensors file")],
+    [
+        (
+            lambda t, d: (t.pop("model.layers.1.mlp.up_proj.weight"), save_file(t, str(d / "model.safetensors"))),
+            "missing tensor 'model.layers.1.mlp.up_proj.weight'",
+        ),
+        (
+            lambda t, d: (
+                t.__setitem__("model.norm.weight", torch.zeros(3)),
+                save_file(t, str(d / "model.safetensors")),
+            ),
+            "tensor 'model.norm.weight' has shape [3], expected [64]",
+        ),
+        (
+            lambda t, d: (
+                t.__setitem__("model.layers.0.extra.weight", torch.zeros(2)),
+                save_file(t, str(d / "model.safetensors")),
+            ),
+            "unexpected tensor 'model.layers.0.extra.weight'",
+        ),
+        (
+            lambda t, d: save_file({"model.norm.weight": t["model.norm.weight"]}, str(d / "model-2.safetensors")),
+            "tensor 'model.norm.weight' is duplicated",
+        ),
+        (lambda t, d: (d / "config.json").write_text(json.dumps({"hidden_size": 64})), "missing field"),
+        (
+            lambda t, d: (d / "model.safetensors").write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{oops"),
+            "not a safetensors file",
+        ),
+    ],
     ids=["missing", "misshaped", "unexpected", "duplicated", "bad-config", "garbage"],
 )
-def test_bad_checkpoints_are_refused_naming_the_tensor(tmp_path: Path, harness: ModuleType, edit: object, message: str) -> None:
+def test_bad_checkpoints_are_refused_naming_the_tensor(
+    tmp_path: Path, harness: ModuleType, edit: object, message: str
+) -> None:
     with pytest.raises(CheckpointError) as e:
         pack_checkpoint(_variant(tmp_path, harness, edit))
     assert message in str(e.value)

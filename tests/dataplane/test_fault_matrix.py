@@ -77,8 +77,9 @@ def _plan(blocks: BlockSet) -> Plan:
     topo = leaf_spine(1, 4, 8)
     nodes = [n.name for n in topo.nodes]
     model = ModelLayout("chaos", blocks.ids, tuple(b.nbytes for b in blocks.blocks.values()))
-    plan = make_plan(topo, model, [Instance("s0", nodes[0])], [Instance(t, nodes[i + 1]) for i, t in enumerate(TARGETS)],
-                     "chain")
+    plan = make_plan(
+        topo, model, [Instance("s0", nodes[0])], [Instance(t, nodes[i + 1]) for i, t in enumerate(TARGETS)], "chain"
+    )
     assert plan.chains == (("s0", *TARGETS),)
     return plan
 
@@ -111,9 +112,17 @@ def _run(harness: ModuleType, workdir: Path, blocks: BlockSet, transport: str, f
          chain_mbps: float | None = None) -> tuple[float, dict[str, int | None], object]:
     """Run the chain with the fault; returns (seconds until the last process ended, exit codes, cluster)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    c = harness.make_cluster(workdir, blocks, _plan(blocks), transport=transport, chunk=CHUNK[transport],
-                             faults=_faults(fault, victim, blocks.total_bytes, transport, chain_mbps) if fault and victim else
-                             _faults("none", "s0", blocks.total_bytes), timeout_s=TIMEOUTS[transport])
+    c = harness.make_cluster(
+        workdir,
+        blocks,
+        _plan(blocks),
+        transport=transport,
+        chunk=CHUNK[transport],
+        faults=_faults(fault, victim, blocks.total_bytes, transport, chain_mbps)
+        if fault and victim
+        else _faults("none", "s0", blocks.total_bytes),
+        timeout_s=TIMEOUTS[transport],
+    )
     c.target_linger = 0.0
     t0 = time.monotonic()
     c.start_all()

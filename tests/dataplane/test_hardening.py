@@ -125,7 +125,9 @@ async def test_a_source_whose_only_downstream_dies_finishes(big_blocks: BlockSet
         await dying.close()
 
 
-async def test_a_failing_task_ends_the_transfer_with_its_name(tiny_blocks: BlockSet, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_failing_task_ends_the_transfer_with_its_name(
+    tiny_blocks: BlockSet, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A verification that raises (here: the block verifier's check) used to die silently, leaving the
     node 'loading' forever; now run() raises TransferFailed naming the task and the error."""
     import kascade_engine.net.relay as relay

@@ -187,7 +187,9 @@ async def test_a_relayed_handshake_is_refused(caplog: pytest.LogCaptureFixture) 
             await peerauth.join(conn, TOKEN, "activation", timeout=10)
         await conn.close()
         assert admitted == []
-        assert f"proof made for 127.0.0.1:{port}, but this connection arrived at 127.0.0.1:{listener.port}" in caplog.text
+        assert (
+            f"proof made for 127.0.0.1:{port}, but this connection arrived at 127.0.0.1:{listener.port}" in caplog.text
+        )
     finally:
         await rogue.close()
         await listener.close()

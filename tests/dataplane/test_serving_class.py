@@ -145,7 +145,10 @@ def _round_trips(netlab: ModuleType, marked: bool) -> list[float]:
     procs: list[subprocess.Popen[str]] = []
     with lab:
         try:
-            for host, code, args in ((1, SINK, [lab.addr(1)]), (0, SOURCE, [lab.addr(0), lab.addr(1), str(int(marked))])):
+            for host, code, args in (
+                (1, SINK, [lab.addr(1)]),
+                (0, SOURCE, [lab.addr(0), lab.addr(1), str(int(marked))]),
+            ):
                 p = subprocess.Popen([*lab.prefix(host), sys.executable, "-c", code, *args], stdout=subprocess.PIPE,
                                      text=True, env=env)
                 procs.append(p)

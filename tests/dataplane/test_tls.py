@@ -183,8 +183,24 @@ def test_bad_tls_settings_name_the_flag_and_file(pki: dict[str, Path], tmp_path:
     with pytest.raises(ValueError, match="tcp transport only"):
         make_transport("ucx", TlsFiles(pki["cert"], pki["key"], pki["ca"]))
     # The CLI says the same in one line, before it starts anything.
-    r = subprocess.run([sys.executable, "-m", "kascade_cli.main", "transfer", "run", "--spec", str(pki["ca"]), "--me", "x",
-                        "--tls-cert", str(pki["cert"])], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kascade_cli.main",
+            "transfer",
+            "run",
+            "--spec",
+            str(pki["ca"]),
+            "--me",
+            "x",
+            "--tls-cert",
+            str(pki["cert"]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0 and "missing --tls-key, --tls-ca" in r.stderr and "Traceback" not in r.stderr
 
 

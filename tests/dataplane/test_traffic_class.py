@@ -72,11 +72,15 @@ async def test_activation_connections_carry_the_mark_at_both_ends_and_weight_con
     assert await _both_ends(cfg.weight_transport()) == ((0, 0), (0, 0))
 
 
-async def test_activation_dscp_zero_leaves_the_act_port_unmarked_and_another_class_is_used_as_given(tmp_path: Path) -> None:
+async def test_activation_dscp_zero_leaves_the_act_port_unmarked_and_another_class_is_used_as_given(
+    tmp_path: Path,
+) -> None:
     assert await _both_ends(_config(tmp_path, activation_dscp=0).activation_transport()) == ((0, 0), (0, 0))
     ef = 46  # DSCP EF: TOS 0xb8
     assert await _both_ends(_config(tmp_path, activation_dscp=ef).activation_transport()) == (
-        (0xB8, ACTIVATION.priority), (0xB8, ACTIVATION.priority))
+        (0xB8, ACTIVATION.priority),
+        (0xB8, ACTIVATION.priority),
+    )
 
 
 async def test_tls_activation_connections_carry_the_mark_too(pki: dict[str, Path]) -> None:
@@ -118,6 +122,7 @@ def test_netlab_links_send_the_activation_class_through_its_own_htb_class(netlab
     lab = netlab.NetLab(2, rate_mbit=50, prefix=f"kq{secrets.token_hex(2)}", qos=True)
     act, bulk, n = netlab.ACTIVATION_CLASS, netlab.BULK_CLASS, 40
     with lab:
+
         def sent() -> tuple[dict[int, int], dict[int, int]]:
             return lab.class_bytes(0, "up"), lab.class_bytes(1, "down")
 
@@ -149,17 +154,25 @@ def test_two_group_netlab_links_send_the_activation_class_first_under_each_peer_
             def sent(peer: int = peer) -> tuple[dict[str, int], dict[str, int]]:
                 return lab.class_bytes_by_id(0, "up"), lab.class_bytes_by_id(peer, "down")
 
-            def send(tos: int, peer: int = peer, leaves: tuple[str, str] = (leaf_up, leaf_down)) -> list[dict[int, int]]:
+            def send(
+                tos: int, peer: int = peer, leaves: tuple[str, str] = (leaf_up, leaf_down)
+            ) -> list[dict[int, int]]:
                 before = sent()
-                subprocess.run([*lab.prefix(0), sys.executable, "-c", SEND, hex(tos), lab.addr(peer), str(n)], check=True)
+                subprocess.run(
+                    [*lab.prefix(0), sys.executable, "-c", SEND, hex(tos), lab.addr(peer), str(n)], check=True
+                )
                 after = sent()
-                return [{c: after[k].get(f"{leaf}:{c}", 0) - before[k].get(f"{leaf}:{c}", 0) for c in (act, bulk)}
-                        for k, leaf in enumerate(leaves)]
+                return [
+                    {c: after[k].get(f"{leaf}:{c}", 0) - before[k].get(f"{leaf}:{c}", 0) for c in (act, bulk)}
+                    for k, leaf in enumerate(leaves)
+                ]
 
             send(0)  # ARP first
             payload = n * 1000
             for tos, cls in ((ACTIVATION.tos, act), (0, bulk)):
                 for side, delta in zip(("up", "down"), send(tos), strict=True):
                     other = bulk if cls == act else act
-                    assert delta[cls] >= payload, f"peer {peer} tos {tos:#x} {side}: {delta} (want >= {payload} in :{cls})"
+                    assert delta[cls] >= payload, (
+                        f"peer {peer} tos {tos:#x} {side}: {delta} (want >= {payload} in :{cls})"
+                    )
                     assert delta[other] < payload // 4, f"peer {peer} tos {tos:#x} {side}: {delta}"

@@ -43,7 +43,9 @@ def transport(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.mark.parametrize(("n", "gpus"), [(1, 1), (4, 1), (2, 2)], ids=["1to1", "chain1to4", "sharded-tp2"])
-def test_byte_identical(tmp_path: Path, harness: ModuleType, tiny_blocks: BlockSet, transport: str, n: int, gpus: int) -> None:
+def test_byte_identical(
+    tmp_path: Path, harness: ModuleType, tiny_blocks: BlockSet, transport: str, n: int, gpus: int
+) -> None:
     plan = plan_for(tiny_blocks, n, gpus)
     if gpus > 1:
         assert {f.shard for f in plan.flows} == {(0, 2), (1, 2)}  # fan-in of shards from both GPUs
@@ -112,7 +114,9 @@ def test_corrupted_chunk_is_detected_and_refetched(tmp_path: Path, harness: Modu
                                                    transport: str) -> None:
     plan = plan_for(tiny_blocks, 3)
     # t0 (first in the chain) flips a byte of layer.2 as it receives it, and forwards the bad chunk.
-    c = harness.make_cluster(tmp_path, tiny_blocks, plan, transport=transport, faults={"t0": {"corruptBlock": "layer.2"}})
+    c = harness.make_cluster(
+        tmp_path, tiny_blocks, plan, transport=transport, faults={"t0": {"corruptBlock": "layer.2"}}
+    )
     c.start_all()
     try:
         first = c.wait("t0")

@@ -53,7 +53,11 @@ def test_observations_become_one_event_per_change() -> None:
     done = plan("Succeeded", durationSeconds=3.5, targetsReady="2/2", bandwidthGbps=0.1)
     pods = [pod(n, node, loaded="true") for n, node in (("e0", "n0"), ("e1", "n1"), ("e2", "n2"))]
     evs = tl.observe(3.0, msvc, [done], pods, LEAF, s(3.0, 3))
-    assert [e.kind for e in evs] == ["done", "ready", "ready"] and "Succeeded in 3.5 s (2/2 targets, 0.10 Gbit/s)" in evs[0].text
+    assert [e.kind for e in evs] == [
+        "done",
+        "ready",
+        "ready",
+    ] and "Succeeded in 3.5 s (2/2 targets, 0.10 Gbit/s)" in evs[0].text
     evs = tl.observe(9.0, msvc, [done], pods[:1], LEAF, s(9.0, 1))
     assert [(e.kind, e.text.split()[0]) for e in evs] == [("release", "e1"), ("release", "e2")]
     assert len(tl.samples) == 5

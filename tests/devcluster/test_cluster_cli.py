@@ -15,7 +15,9 @@ from kascade_devcluster.requirement import unavailable
 
 
 def kascade(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kascade_cli.main", *args], capture_output=True, text=True, timeout=180)
+    return subprocess.run(
+        [sys.executable, "-m", "kascade_cli.main", *args], capture_output=True, text=True, timeout=180
+    )
 
 
 def test_down_without_cluster_is_a_clear_error(tmp_path: Path) -> None:

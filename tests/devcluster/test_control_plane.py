@@ -60,7 +60,9 @@ def test_scheduler_places_gpu_pod_and_it_runs(control_plane: ControlPlane, kwok_
     names = kwok_nodes(2, gpus=2)
     control_plane.kubectl("apply", "-f", "-", input=json.dumps(_pod("fits", namespace, 2)))
     control_plane.kubectl("apply", "-f", "-", input=json.dumps(_pod("too-big", namespace, 3)))
-    control_plane.kubectl("-n", namespace, "wait", "--for=jsonpath={.status.phase}=Running", "pod/fits", "--timeout=60s")
+    control_plane.kubectl(
+        "-n", namespace, "wait", "--for=jsonpath={.status.phase}=Running", "pod/fits", "--timeout=60s"
+    )
     pod = json.loads(control_plane.kubectl("-n", namespace, "get", "pod", "fits", "-o", "json").stdout)
     assert pod["spec"]["nodeName"] in names
     # A pod asking for more GPUs than any node has stays Pending: the scheduler really counts GPUs.
@@ -70,15 +72,18 @@ def test_scheduler_places_gpu_pod_and_it_runs(control_plane: ControlPlane, kwok_
     assert "nodeName" not in big["spec"]
 
 
-def test_deployment_creates_pods_through_controller_manager(control_plane: ControlPlane,
-                                                            kwok_nodes: Callable[..., list[str]], namespace: str) -> None:
+def test_deployment_creates_pods_through_controller_manager(
+    control_plane: ControlPlane, kwok_nodes: Callable[..., list[str]], namespace: str
+) -> None:
     kwok_nodes(1, gpus=8)
     dep = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "pool", "namespace": namespace},
            "spec": {"replicas": 3, "selector": {"matchLabels": {"app": "pool"}},
                     "template": {"metadata": {"labels": {"app": "pool"}}, "spec": _pod("x", namespace, 1)["spec"]}}}
     control_plane.kubectl("apply", "-f", "-", input=json.dumps(dep))
     control_plane.kubectl("-n", namespace, "rollout", "status", "deployment/pool", "--timeout=60s")
-    pods = json.loads(control_plane.kubectl("-n", namespace, "get", "pods", "-l", "app=pool", "-o", "json").stdout)["items"]
+    pods = json.loads(control_plane.kubectl("-n", namespace, "get", "pods", "-l", "app=pool", "-o", "json").stdout)[
+        "items"
+    ]
     assert len(pods) == 3
     assert {p["status"]["phase"] for p in pods} == {"Running"}
 
@@ -112,8 +117,11 @@ def test_component_crash_at_start_is_reported_and_nothing_leaks(tmp_path: Path) 
         cp.start(scheduling=False, kwok=False, timeout=20)
     assert "bad flag --etcd-servers" in str(e.value)  # the log tail travels with the error
     assert cp.pids == {}
-    etcd_procs = [p for p in Path("/proc").glob("[0-9]*")
-                  if _cmdline(p).startswith(str(bins / "etcd")) or str(tmp_path) in _cmdline(p)]
+    etcd_procs = [
+        p
+        for p in Path("/proc").glob("[0-9]*")
+        if _cmdline(p).startswith(str(bins / "etcd")) or str(tmp_path) in _cmdline(p)
+    ]
     assert etcd_procs == []
     assert not (tmp_path / "state" / "state.json").exists()
 

@@ -34,7 +34,10 @@ def test_free_ports_are_distinct_and_unprivileged() -> None:
 
 def test_kubeconfig_uses_token_and_ca(tmp_path: Path) -> None:
     cfg = yaml.safe_load(kubeconfig_text("https://127.0.0.1:6443", tmp_path / "ca.crt", "tok"))
-    assert cfg["clusters"][0]["cluster"] == {"server": "https://127.0.0.1:6443", "certificate-authority": str(tmp_path / "ca.crt")}
+    assert cfg["clusters"][0]["cluster"] == {
+        "server": "https://127.0.0.1:6443",
+        "certificate-authority": str(tmp_path / "ca.crt"),
+    }
     assert cfg["users"][0]["user"] == {"token": "tok"}
     assert cfg["current-context"] == cfg["contexts"][0]["name"]
 

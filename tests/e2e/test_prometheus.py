@@ -61,10 +61,34 @@ def loaded(cp: ControlPlane, ns: str) -> list[dict[str, Any]]:
 def chart_monitoring(namespace: str) -> dict[str, dict[str, Any]]:
     """The chart's observability pack rendered into `namespace` with default values, by kind."""
     out = subprocess.run(
-        [str(bin_dir() / "helm"), "template", "kascade", str(CHART), "-n", namespace, "--show-only",
-         "templates/monitoring.yaml", "--set", "monitoring.prometheusRule.enabled=true", "--api-versions", "monitoring.coreos.com/v1/PrometheusRule",
-         "--set", "monitoring.podMonitor.enabled=true", "--api-versions", "monitoring.coreos.com/v1/PodMonitor", "--set", "monitoring.serviceMonitor.enabled=true", "--api-versions", "monitoring.coreos.com/v1/ServiceMonitor",
-         "--set", "router.enabled=false"], capture_output=True, text=True, check=True).stdout
+        [
+            str(bin_dir() / "helm"),
+            "template",
+            "kascade",
+            str(CHART),
+            "-n",
+            namespace,
+            "--show-only",
+            "templates/monitoring.yaml",
+            "--set",
+            "monitoring.prometheusRule.enabled=true",
+            "--api-versions",
+            "monitoring.coreos.com/v1/PrometheusRule",
+            "--set",
+            "monitoring.podMonitor.enabled=true",
+            "--api-versions",
+            "monitoring.coreos.com/v1/PodMonitor",
+            "--set",
+            "monitoring.serviceMonitor.enabled=true",
+            "--api-versions",
+            "monitoring.coreos.com/v1/ServiceMonitor",
+            "--set",
+            "router.enabled=false",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return {d["kind"]: d for d in yaml.safe_load_all(out) if d}
 
 
@@ -79,8 +103,16 @@ def world(control_plane: ControlPlane, crds: list[str], namespace: str, kwok_nod
     nodes = kwok_nodes(3, leaves=1)
     # no readiness gate here (i13): with it, Ready (and so kascade_operator_replicas{state="ready"}) comes one
     # operator round + one probe later, and this test's instant checks failed 2 runs of 3 on a loaded machine
-    pool = EnginePool(control_plane, namespace, ckpt, MODEL, TOKEN, tmp_path / "engines", extra_args=("--kv-tokens", "8192"),
-                      readiness_gate=False)
+    pool = EnginePool(
+        control_plane,
+        namespace,
+        ckpt,
+        MODEL,
+        TOKEN,
+        tmp_path / "engines",
+        extra_args=("--kv-tokens", "8192"),
+        readiness_gate=False,
+    )
     pack = chart_monitoring(namespace)
     rules = tmp_path / "rules.yaml"
     rules.write_text(yaml.safe_dump(pack["PrometheusRule"]["spec"]))
@@ -163,8 +195,13 @@ def test_promql_source_scales_up_and_dashboard_queries_return_data(
         print(cp.kubectl("-n", ns, "get", "pods", "-o", "wide", "--show-labels").stdout)
         raise
     # Prometheus sees the bound engine under its pod name, with the PodMonitor's labels
-    wait_for(lambda: prom.query(f'kascade_num_requests_running{{pod="{first[0]["metadata"]["name"]}", model_service="svc"}}'),
-             30, "the bound engine's series in Prometheus")
+    wait_for(
+        lambda: prom.query(
+            f'kascade_num_requests_running{{pod="{first[0]["metadata"]["name"]}", model_service="svc"}}'
+        ),
+        30,
+        "the bound engine's series in Prometheus",
+    )
     # every pool pod is a discovered target of the PodMonitor job, up, labelled from its pod
     pods = {p["metadata"]["name"] for p in get(cp, ns, "pods", "-l", "kascade.io/pool")["items"]}
 
@@ -191,8 +228,11 @@ def test_promql_source_scales_up_and_dashboard_queries_return_data(
                         90, "a chain ScalePlan decided from Prometheus' rates")[0]
         assert "threshold" in plan["spec"]["reason"], plan["spec"]["reason"]
         wait_for(lambda: len(loaded(cp, ns)) == 2, 90, "2 ready replicas")
-        wait_for(lambda: (get(cp, ns, "splan", plan["metadata"]["name"]).get("status") or {}).get("phase") == "Succeeded",
-                 60, "the ScalePlan Succeeded")
+        wait_for(
+            lambda: (get(cp, ns, "splan", plan["metadata"]["name"]).get("status") or {}).get("phase") == "Succeeded",
+            60,
+            "the ScalePlan Succeeded",
+        )
         decision = get(cp, ns, "msvc", "svc")["status"]["lastDecision"]
         assert decision["policy"] == "threshold" and decision["to"] == 2, decision
         # the decision's tokens/s is what PromQL computed: above the threshold, like Prometheus' own rate
@@ -221,7 +261,9 @@ def test_promql_source_scales_up_and_dashboard_queries_return_data(
         for var in json.loads((CHART / "files" / "dashboards" / "kascade.json").read_text())["templating"]["list"]:
             if m := re.fullmatch(r"label_values\((.+), (\w+)\)", var.get("definition", "")):
                 sel = m.group(1).replace("$namespace", ns)
-                values = httpx.get(f"{prom.url}/api/v1/label/{m.group(2)}/values", params={"match[]": sel}).json()["data"]
+                values = httpx.get(f"{prom.url}/api/v1/label/{m.group(2)}/values", params={"match[]": sel}).json()[
+                    "data"
+                ]
                 assert {"namespace": ns, "model_service": "svc"}[var["name"]] in values, (var["name"], values)
         assert not empty, f"dashboard queries without data: {empty}"
         if nan_only:  # the raw samples behind the quantile and the operator target's scrape health say why
@@ -244,7 +286,9 @@ def test_promql_source_scales_up_and_dashboard_queries_return_data(
                  f"Prometheus' {ready_q} at 2")
         # decisions and plan outcomes are per model: this service's scale-up and its Succeeded plan
         svc = f'namespace="{ns}", model_service="svc"'
-        ups = prom.query(f'kascade_operator_decisions_total{{{svc}, role="colocated", policy="threshold", direction="up"}}')
+        ups = prom.query(
+            f'kascade_operator_decisions_total{{{svc}, role="colocated", policy="threshold", direction="up"}}'
+        )
         assert ups and float(ups[0]["value"][1]) >= 1, ups
         done = prom.query(f'kascade_operator_plan_duration_seconds_count{{{svc}, phase="Succeeded"}}')
         assert done and float(done[0]["value"][1]) >= 1, done

@@ -148,7 +148,8 @@ def test_burst_scales_up_by_chain_from_the_serving_replica_and_back(
     one it cannot serve (its own request log says so)."""
     cp, ns = control_plane, namespace
     pool, _, nodes = world
-    # thresholds for a loaded 2-core machine: the burst is ~300+ tok/s, calm ~60 in total (lower 45: two replicas at calm, 30 each, must be below it)
+    # thresholds for a loaded 2-core machine: the burst is ~300+ tok/s, calm ~60 in total (lower 45: two replicas at
+    # calm, 30 each, must be below it)
     src = serve_first_copy(cp, ns, msvc(ckpt, 1, 3, upper=100, lower=45))
     local = [p for p in get(cp, ns, "splan")["items"] if p["spec"]["algorithm"] == "local"]
     assert local and local[0]["spec"]["sources"][0]["path"] == str(ckpt)
@@ -317,7 +318,11 @@ def test_scale_from_zero_through_the_router(control_plane: ControlPlane, crds: l
         doc = msvc(ckpt, 0, 2, upper=1e9, lower=0)
         doc["spec"]["scaling"]["idleReleaseSeconds"] = 3
         cp.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(doc))
-        url = wait_for(lambda: (get(cp, ns, "msvc", "svc").get("status") or {}).get("url"), 180, "status.url (the operator process starting)")
+        url = wait_for(
+            lambda: (get(cp, ns, "msvc", "svc").get("status") or {}).get("url"),
+            180,
+            "status.url (the operator process starting)",
+        )
         assert url == router.url + "/v1"
         time.sleep(1.0)
         assert get(cp, ns, "pods", "-l", "kascade.io/model-service=svc")["items"] == []  # min 0, no demand
@@ -443,16 +448,22 @@ def test_scale_up_sends_from_a_host_copy_beside_the_serving_replica(
         # re-fetches from a fallback source (the serving replica), which would hide a copy that never sent
         logs = {n: pool.engines[n].proc.log.read_text(errors="replace") for n in (copy, *targets)}
         assert "transfer failed" not in logs[copy], logs[copy][-2000:]
-        assert not [line for t in targets for line in logs[t].splitlines()
-                    if ("fallback" in line or "upstream" in line) and "failed" in line], {t: logs[t][-2000:] for t in targets}
+        assert not [
+            line
+            for t in targets
+            for line in logs[t].splitlines()
+            if ("fallback" in line or "upstream" in line) and "failed" in line
+        ], {t: logs[t][-2000:] for t in targets}
         assert all(r.get("bytesReceived") for r in done["targets"]), done
         pod = get(cp, ns, "pod", copy)
         assert "kascade.io/model-service" not in pod["metadata"].get("labels", {})  # never bound
         assert pod["metadata"]["annotations"].get("kascade.io/host-copy") == MODEL
         st = engine_status(pool, copy)
         assert st.get("phase") == "released" and st.get("hostCopyBytes"), st
-        print(f"scale-up 1 -> 3 from {serving} (gpu) and the host copy on {copy}: plan "
-              f"{done.get('durationSeconds')} s, chains {plan['spec']['chains']}")
+        print(
+            f"scale-up 1 -> 3 from {serving} (gpu) and the host copy on {copy}: plan "
+            f"{done.get('durationSeconds')} s, chains {plan['spec']['chains']}"
+        )
         assert rejected(pool) == []
     finally:
         op.stop()

@@ -78,7 +78,9 @@ def adapter_metrics(series: set[str]) -> set[str]:
 
 def test_scale_targets_have_a_scale_subresource() -> None:
     crds = crds_by_kind()
-    targets = [(f, d.get("kind"), d["spec"]["scaleTargetRef"]) for f, d in all_docs() if "scaleTargetRef" in d.get("spec", {})]
+    targets = [
+        (f, d.get("kind"), d["spec"]["scaleTargetRef"]) for f, d in all_docs() if "scaleTargetRef" in d.get("spec", {})
+    ]
     assert {k for _, k, _ in targets} == {"HorizontalPodAutoscaler", "ScaledObject"}
     assert {t["kind"] for _, _, t in targets} == {"ModelService", "ModelServiceRole"}
     for f, kind, t in targets:
@@ -95,7 +97,9 @@ def test_every_metric_in_the_examples_is_one_an_engine_exports() -> None:
     hpa_metrics = {m["pods"]["metric"]["name"] for _, d in all_docs() if d.get("kind") == "HorizontalPodAutoscaler"
                    for m in d["spec"]["metrics"] if m["type"] == "Pods"}
     assert hpa_metrics and hpa_metrics <= served, f"no adapter rule serves {hpa_metrics - served}"
-    queries = [t["metadata"]["query"] for _, d in all_docs() if d.get("kind") == "ScaledObject" for t in d["spec"]["triggers"]]
+    queries = [
+        t["metadata"]["query"] for _, d in all_docs() if d.get("kind") == "ScaledObject" for t in d["spec"]["triggers"]
+    ]
     assert len(queries) == 2
     for q in queries:
         names = set(re.findall(r"kascade_\w+", q))
@@ -150,7 +154,9 @@ def test_gitops_values_render_with_the_chart(helm: Helm, tmp_path: Path, name: s
                                              values_of: Callable[[list[dict[str, Any]]], dict[str, Any]]) -> None:
     values = values_of(docs(name))
     (tmp_path / "v.yaml").write_text(yaml.safe_dump(values))
-    out = helm("template", "kascade", str(CHART), "-n", "kascade", "-f", str(tmp_path / "v.yaml"), *CLUSTER_APIS, check=False)
+    out = helm(
+        "template", "kascade", str(CHART), "-n", "kascade", "-f", str(tmp_path / "v.yaml"), *CLUSTER_APIS, check=False
+    )
     assert out.returncode == 0, out.stderr
     rendered = [d for d in yaml.safe_load_all(out.stdout) if d]
     pool = next(d for d in rendered if d["kind"] == "Deployment" and d["metadata"]["name"] == "kascade-pool")
@@ -166,7 +172,9 @@ def test_gitops_values_render_with_the_chart(helm: Helm, tmp_path: Path, name: s
 def test_kubernetes_objects_pass_a_server_side_dry_run(control_plane: ControlPlane, crds: list[str],
                                                         namespace: str) -> None:
     """The API server (Kascade's CRDs with their CEL rules, autoscaling/v2) accepts the HPA example."""
-    out = control_plane.kubectl("-n", namespace, "apply", "--dry-run=server", "-f", str(EXAMPLES / "hpa-colocated.yaml"))
+    out = control_plane.kubectl(
+        "-n", namespace, "apply", "--dry-run=server", "-f", str(EXAMPLES / "hpa-colocated.yaml")
+    )
     assert out.stdout.count("created (server dry run)") == 2, out.stdout
     # the same ModelService with max < min is refused by the server: the dry run validates
     msvc = docs("hpa-colocated.yaml")[0]

@@ -188,7 +188,9 @@ def test_helm_upgrade_with_unchanged_values_restarts_nothing(release: Kind) -> N
     time.sleep(15)
     gens2, restarts2 = snapshot()
     assert gens2 == gens, (gens, gens2)
-    assert {n: r for n, r in restarts2.items() if n in restarts} == {n: r for n, r in restarts.items() if n in restarts2}
+    assert {n: r for n, r in restarts2.items() if n in restarts} == {
+        n: r for n, r in restarts.items() if n in restarts2
+    }
     assert k.get("-n", NS, "secret", "-l", "app.kubernetes.io/instance=kascade")["items"][0]["data"] == \
         token[0]["data"]
 
@@ -207,7 +209,9 @@ def test_operator_leader_killed_mid_plan(release: Kind) -> None:
     # then a copy from it; a duplicate would name one target pod twice
     new = [p for p in plans(k) if p["metadata"]["name"] not in before]
     targets = [t.get("pod") or t["instance"] for p in new for t in p["spec"].get("targets", [])]
-    assert len(targets) == len(set(targets)) and len(targets) <= 2, [(p["metadata"]["name"], p["spec"].get("targets")) for p in new]
+    assert len(targets) == len(set(targets)) and len(targets) <= 2, [
+        (p["metadata"]["name"], p["spec"].get("targets")) for p in new
+    ]
     assert all(p.get("status", {}).get("phase") == "Succeeded" for p in new), [p.get("status") for p in new]
 
 

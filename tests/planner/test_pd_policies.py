@@ -62,7 +62,9 @@ def test_headroom_and_bad_values() -> None:
         PdDemand(-1, 0)
 
 
-def decoders(*names: str, converted: tuple[str, ...] = (), load: dict[str, int] | None = None) -> tuple[DecoderView, ...]:
+def decoders(
+    *names: str, converted: tuple[str, ...] = (), load: dict[str, int] | None = None
+) -> tuple[DecoderView, ...]:
     return tuple(DecoderView(n, n in converted, (load or {}).get(n, 0)) for n in names)
 
 

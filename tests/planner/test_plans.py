@@ -103,8 +103,14 @@ def test_local_load_uses_host_cache_or_ssd(scenario: Scenario) -> None:
 
 
 def test_plan_json_round_trip_and_bad_documents(scenario: Scenario) -> None:
-    plan = make_plan(scenario.topo, scenario.model, scenario.instances("s", [0]), scenario.instances("t", [1, 2]), "chain",
-                     overloaded=["s0"])
+    plan = make_plan(
+        scenario.topo,
+        scenario.model,
+        scenario.instances("s", [0]),
+        scenario.instances("t", [1, 2]),
+        "chain",
+        overloaded=["s0"],
+    )
     doc = json.loads(json.dumps(plan.to_dict()))
     assert Plan.from_dict(doc) == plan
     assert plan.live_pairs == (("s0", "t0"),) or plan.live_pairs == (("s0", "t1"),)
@@ -120,13 +126,26 @@ def test_plan_json_round_trip_and_bad_documents(scenario: Scenario) -> None:
 def test_forwarding_a_block_never_received_is_rejected(scenario: Scenario) -> None:
     src, (a, b) = scenario.instances("s", [0]), scenario.instances("t", [1, 2])
     model = scenario.model
-    bad = Plan("chain", model, tuple(src), (a, b), (Flow("s0", "t0", model.block_ids[:-1]), Flow("t0", "t1", model.block_ids)))
+    bad = Plan(
+        "chain", model, tuple(src), (a, b), (Flow("s0", "t0", model.block_ids[:-1]), Flow("t0", "t1", model.block_ids))
+    )
     with pytest.raises(PlanError):
         bad.validate()
     with pytest.raises(PlanError, match="'t0' must forward block 'head' it never receives"):
-        predict(Plan("chain", model, tuple(src), (a, b), (Flow("s0", "t0", model.block_ids[:-1]),
-                                                         Flow("s0", "t0", ("head",)), Flow("t0", "t1", model.block_ids))[::2]),
-                scenario.topo)
+        predict(
+            Plan(
+                "chain",
+                model,
+                tuple(src),
+                (a, b),
+                (
+                    Flow("s0", "t0", model.block_ids[:-1]),
+                    Flow("s0", "t0", ("head",)),
+                    Flow("t0", "t1", model.block_ids),
+                )[::2],
+            ),
+            scenario.topo,
+        )
 
 
 def test_forwarding_cycles_are_rejected(scenario: Scenario) -> None:
@@ -140,8 +159,13 @@ def test_forwarding_cycles_are_rejected(scenario: Scenario) -> None:
         Plan.from_dict(json.loads(json.dumps(cycle.to_dict())))
     # Per block: t0 gets 'embed' from the source, but the rest only via t1, which gets it from t0.
     rest = model.block_ids[1:]
-    per_block = Plan("binomial", model, src, (a, b), (Flow("s0", "t0", model.block_ids[:1]), Flow("t0", "t1", model.block_ids),
-                                                      Flow("t1", "t0", rest)))
+    per_block = Plan(
+        "binomial",
+        model,
+        src,
+        (a, b),
+        (Flow("s0", "t0", model.block_ids[:1]), Flow("t0", "t1", model.block_ids), Flow("t1", "t0", rest)),
+    )
     with pytest.raises(PlanError, match=f"'t0' forwards block {rest[0]!r} it never holds"):
         per_block.validate()
 
@@ -177,7 +201,9 @@ def problems(draw: st.DrawFn) -> tuple[Scenario, list[Instance], list[Instance],
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
-def test_properties_hold_for_every_algorithm(problem: tuple[Scenario, list[Instance], list[Instance], str, int]) -> None:
+def test_properties_hold_for_every_algorithm(
+    problem: tuple[Scenario, list[Instance], list[Instance], str, int],
+) -> None:
     sc, src, tgt, alg, _ = problem
     plan = make_plan(sc.topo, sc.model, src, tgt, alg)
     check_invariants(plan)
@@ -256,7 +282,9 @@ def test_chain_plans_are_interference_free(problem: tuple[Scenario, list[Instanc
 
 @settings(max_examples=30, deadline=None)
 @given(problems())
-def test_closed_form_cost_matches_the_event_simulation(problem: tuple[Scenario, list[Instance], list[Instance], str, int]) -> None:
+def test_closed_form_cost_matches_the_event_simulation(
+    problem: tuple[Scenario, list[Instance], list[Instance], str, int],
+) -> None:
     sc, src, tgt, _, _ = problem
     for alg in ("chain", "local"):
         plan = make_plan(sc.topo, sc.model, src, tgt, alg, predict=False, host_cached_nodes={src[0].node})
@@ -268,5 +296,11 @@ def test_closed_form_cost_matches_the_event_simulation(problem: tuple[Scenario, 
             assert [b for b, _ in per1] == [b for b, _ in per2]
             assert [x for _, x in per1] == pytest.approx([y for _, y in per2], rel=1e-9)
     # Shared links (a star's source feeds every target) go through the event simulation.
-    assert _predict_pipelined(make_plan(sc.topo, sc.model, src, [*tgt, Instance("extra", tgt[0].node)], "star",
-                                        predict=False), sc.topo, CostParams()) is None
+    assert (
+        _predict_pipelined(
+            make_plan(sc.topo, sc.model, src, [*tgt, Instance("extra", tgt[0].node)], "star", predict=False),
+            sc.topo,
+            CostParams(),
+        )
+        is None
+    )

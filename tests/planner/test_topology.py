@@ -17,7 +17,10 @@ from kascade_planner.topology import (
 
 def k8s_node(name: str, gpus: object = "8", **labels: str) -> dict[str, Any]:
     base = {"kascade.io/leaf": "leaf-a", "kascade.io/scaleup-domain": name, "kascade.io/nic-gbps": "100"}
-    return {"metadata": {"name": name, "labels": {**base, **labels}}, "status": {"allocatable": {"nvidia.com/gpu": gpus}}}
+    return {
+        "metadata": {"name": name, "labels": {**base, **labels}},
+        "status": {"allocatable": {"nvidia.com/gpu": gpus}},
+    }
 
 
 def test_nodes_parse_with_labels_and_gpu_capacity() -> None:
@@ -39,10 +42,15 @@ def test_custom_label_keys() -> None:
 
 @pytest.mark.parametrize(
     ("node", "message"),
-    [(k8s_node("n1", **{"kascade.io/leaf": ""}), "node 'n1': missing label 'kascade.io/leaf'"),
-     (k8s_node("n2", **{"kascade.io/nic-gbps": "fast"}), "node 'n2': label 'kascade.io/nic-gbps' must be a number"),
-     (k8s_node("n3", **{"kascade.io/nic-gbps": "-5"}), "node 'n3': label 'kascade.io/nic-gbps' must be a finite number >= "),
-     (k8s_node("n4", gpus="many"), "node 'n4': nvidia.com/gpu must be a number")],
+    [
+        (k8s_node("n1", **{"kascade.io/leaf": ""}), "node 'n1': missing label 'kascade.io/leaf'"),
+        (k8s_node("n2", **{"kascade.io/nic-gbps": "fast"}), "node 'n2': label 'kascade.io/nic-gbps' must be a number"),
+        (
+            k8s_node("n3", **{"kascade.io/nic-gbps": "-5"}),
+            "node 'n3': label 'kascade.io/nic-gbps' must be a finite number >= ",
+        ),
+        (k8s_node("n4", gpus="many"), "node 'n4': nvidia.com/gpu must be a number"),
+    ],
 )
 def test_bad_labels_name_node_and_label(node: dict[str, Any], message: str) -> None:
     with pytest.raises(TopologyError) as e:
@@ -86,9 +94,16 @@ def test_nodes_without_a_domain_label_are_their_own_domain() -> None:
     own domain (not an error, not a member of another)."""
     keys = LabelKeys(domain="nvidia.com/gpu.clique")
     gb = {"kascade.io/leaf": "leaf-a", "kascade.io/nic-gbps": "400"}
-    nodes = [{"metadata": {"name": n, "labels": {**gb, **extra}}, "status": {"allocatable": {"nvidia.com/gpu": "4"}}}
-             for n, extra in (("gb-1", {"nvidia.com/gpu.clique": "c0ffee.1"}), ("gb-2", {"nvidia.com/gpu.clique": "c0ffee.1"}),
-                              ("gb-3", {"nvidia.com/gpu.clique": "c0ffee.2"}), ("hgx-1", {}), ("hgx-2", {}))]
+    nodes = [
+        {"metadata": {"name": n, "labels": {**gb, **extra}}, "status": {"allocatable": {"nvidia.com/gpu": "4"}}}
+        for n, extra in (
+            ("gb-1", {"nvidia.com/gpu.clique": "c0ffee.1"}),
+            ("gb-2", {"nvidia.com/gpu.clique": "c0ffee.1"}),
+            ("gb-3", {"nvidia.com/gpu.clique": "c0ffee.2"}),
+            ("hgx-1", {}),
+            ("hgx-2", {}),
+        )
+    ]
     topo = topology_from_nodes(nodes, keys, nvlink_gbps=900)
     assert topo.node("gb-1").domain == topo.node("gb-2").domain == "c0ffee.1"
     assert topo.node("hgx-1").domain == "hgx-1" and topo.node("hgx-2").domain == "hgx-2"

@@ -79,14 +79,17 @@ async def convert_beside_streams(s: aiohttp.ClientSession, d2_url: str, token: s
     return streams
 
 
-async def end_streams(s: aiohttp.ClientSession, d2_url: str, token: str, streams: list[asyncio.Task[None]]) -> list[bool]:
+async def end_streams(
+    s: aiohttp.ClientSession, d2_url: str, token: str, streams: list[asyncio.Task[None]]
+) -> list[bool]:
     """Which of D2's streams still ran (each should: a D2 with no decodes keeps prompts); then cancels them and
     takes D2's conversion back."""
     running = [not t.done() for t in streams]
     for t in streams:
         t.cancel()
     await asyncio.gather(*streams, return_exceptions=True)
-    async with s.post(f"{d2_url}/kascade/v1/convert", json={"prefillChunkTokens": None},
-                      headers={"Authorization": f"Bearer {token}"}) as r:
+    async with s.post(
+        f"{d2_url}/kascade/v1/convert", json={"prefillChunkTokens": None}, headers={"Authorization": f"Bearer {token}"}
+    ) as r:
         assert r.status == 200
     return running

@@ -43,14 +43,28 @@ def crd_file() -> Path:
     if out.returncode != 0:
         unavailable(f"{MODULE}@{m.group(1)} is not in the Go module cache (make install fetches it): "
                     f"{out.stdout.strip() or out.stderr.strip()}")
-    path = Path(json.loads(out.stdout)["Dir"]) / "config" / "crd" / "bases" / "inference.networking.k8s.io_inferencepools.yaml"
+    path = (
+        Path(json.loads(out.stdout)["Dir"])
+        / "config"
+        / "crd"
+        / "bases"
+        / "inference.networking.k8s.io_inferencepools.yaml"
+    )
     assert path.is_file(), path
     return path
 
 
 def render_pools(cp: ControlPlane, *sets: str) -> list[dict[str, Any]]:
-    out = cp.helm("template", "rel", str(CHART), "-n", "ns", "--api-versions", "inference.networking.k8s.io/v1/InferencePool",
-                  *(a for s in sets for a in ("--set", s))).stdout
+    out = cp.helm(
+        "template",
+        "rel",
+        str(CHART),
+        "-n",
+        "ns",
+        "--api-versions",
+        "inference.networking.k8s.io/v1/InferencePool",
+        *(a for s in sets for a in ("--set", s)),
+    ).stdout
     return [d for d in yaml.safe_load_all(out) if d and d.get("kind") == "InferencePool"]
 
 
@@ -79,7 +93,9 @@ def test_the_charts_inference_pools_pass_the_extensions_crd_on_the_api_server(co
                          "router.inferencePool.pools[1].endpointPicker.port=9100",
                          "router.inferencePool.pools[1].endpointPicker.failureMode=FailOpen")
     assert [p["metadata"]["name"] for p in pools] == ["chat", "code-pool"]
-    assert {p["apiVersion"] for p in pools} <= {f"inference.networking.k8s.io/{v['name']}" for v in served if v["served"]}
+    assert {p["apiVersion"] for p in pools} <= {
+        f"inference.networking.k8s.io/{v['name']}" for v in served if v["served"]
+    }
     for pool in pools:
         r = dry_run(cp, namespace, pool)
         assert r.returncode == 0, f"{pool['metadata']['name']}: {r.stderr}"

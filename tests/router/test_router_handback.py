@@ -4,7 +4,8 @@ the prefill engine P the router named (PREFILL_FALLBACK_HEADER), and the client 
 
 - P (prefill) and D (decode, with a data port, convertible in the router's table); the colocated reference is
   D alone, which also times D's prompt steps (its step-cost model is fitted before the conversion);
-- D decodes four long streams (480 tokens, at least 32 ms a step: an emulated accelerator) sent to it directly (so the router holds no prefill-room report of D, as when
+- D decodes four long streams (480 tokens, at least 32 ms a step: an emulated accelerator) sent to it directly (so the
+router holds no prefill-room report of D, as when
   its report is stale), then is converted with a step budget its decodes alone exceed (0.001 ms) and a 100 ms
   hand-back bound;
 - a burst of prompts through the router: P takes most, D (prefilling none) takes at least one itself;

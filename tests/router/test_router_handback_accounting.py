@@ -48,8 +48,15 @@ SEEN_S = 0.25 * P_PREFILL_S
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, EngineProc]]:
     ckpt = tiny_llama(tmp_path_factory.mktemp("accounting") / "tiny-llama", layers=LAYERS, hidden=64, vocab=512)
     # D2's steps take >= 32 ms (an emulated accelerator): its streams outlast both requests on a loaded machine
-    with engine_procs(ckpt, TOKEN, 64, {"d2": ["--emulate-layer-ms", "8"],
-                                "p": ["--emulate-layer-ms", str(P_LAYER_MS), "--emulate-knee-tokens", str(KNEE)]}) as procs:
+    with engine_procs(
+        ckpt,
+        TOKEN,
+        64,
+        {
+            "d2": ["--emulate-layer-ms", "8"],
+            "p": ["--emulate-layer-ms", str(P_LAYER_MS), "--emulate-knee-tokens", str(KNEE)],
+        },
+    ) as procs:
         yield procs
 
 
@@ -112,9 +119,12 @@ async def test_a_handed_back_prompt_is_counted_timed_and_named_at_the_engine_tha
     # D1 for D2: from the hand-back on, on P (in flight, prefilling), not on D2
     on_p = [x for x in seen if x[1:] == (50, 51, 0, 1)]
     on_d2 = [x for x in seen if x[1:] == (51, 50, 1, 0)]
-    print(f"\nD1 for D2: on D2 from 0 to {max((x[0] for x in on_d2), default=0.0):.3f} s, on P from "
-          f"{min((x[0] for x in on_p), default=float('nan')):.3f} to {max((x[0] for x in on_p), default=float('nan')):.3f}"
-          f" s ({len(on_p)} of {len(seen)} samples); P's first-token latency {served_ft[1]}; D2's {served_ft[0]}")
+    print(
+        f"\nD1 for D2: on D2 from 0 to {max((x[0] for x in on_d2), default=0.0):.3f} s, on P from "
+        f"{min((x[0] for x in on_p), default=float('nan')):.3f} to "
+        f"{max((x[0] for x in on_p), default=float('nan')):.3f}"
+        f" s ({len(on_p)} of {len(seen)} samples); P's first-token latency {served_ft[1]}; D2's {served_ft[0]}"
+    )
     assert on_p and max(x[0] for x in on_p) - min(x[0] for x in on_p) >= SEEN_S, seen
     assert all(x[0] < min(x[0] for x in on_p) for x in on_d2)  # D2 only before the hand-back
     assert served_h["X-Kascade-Replica"] == "tiny-llama-0" and served_h.get("X-Kascade-Prefilled-By") == "tiny-llama-2"

@@ -232,7 +232,9 @@ def test_a_converted_decoder_prefilling_itself_is_given_a_prefill_engine_to_hand
     rng = random.Random(1)
     d = Backend("d", "h:1", role="decode", data="h:10", convertible=True)
     p1 = Backend("p1", "h:2", role="prefill", data="h:20", in_flight=4)
-    p2 = Backend("p2", "h:3", role="prefill", data="h:30", in_flight=2)  # busier than d with the prompt (3 > 2): d takes it
+    p2 = Backend(
+        "p2", "h:3", role="prefill", data="h:30", in_flight=2
+    )  # busier than d with the prompt (3 > 2): d takes it
     p3 = Backend("p3", "h:4", role="prefill")  # no data port: KV cannot leave it
     assert pick_pd([d, p1, p2, p3], rng) == (d, None)  # it prefills none: it takes the prompt itself
     assert fallback_prefill([d, p1, p2, p3], d, None) is p2

@@ -59,9 +59,17 @@ async def test_router_dashboard_queries_return_data(tmp_path: Path) -> None:
             while not await asyncio.to_thread(prom.query, 'kascade_router_queued_requests{namespace="ns1"} > 0'):
                 assert time.monotonic() < deadline, "Prometheus never saw the held request"
                 await asyncio.sleep(0.2)
-            routes.set_pod({"metadata": {"namespace": "ns1", "name": "e0", "labels": {"kascade.io/model-service": "chat"},
-                                         "annotations": {"kascade.io/endpoint": eng.address, **LOADED}},
-                            "status": {"conditions": [{"type": "Ready", "status": "True"}]}})  # the watch sees it
+            routes.set_pod(
+                {
+                    "metadata": {
+                        "namespace": "ns1",
+                        "name": "e0",
+                        "labels": {"kascade.io/model-service": "chat"},
+                        "annotations": {"kascade.io/endpoint": eng.address, **LOADED},
+                    },
+                    "status": {"conditions": [{"type": "Ready", "status": "True"}]},
+                }
+            )  # the watch sees it
             assert (await held).status == 200
             for i in range(20):
                 async with s.post(url, json={"model": "tiny", "prompt": "hello", "stream": i % 2 == 0}) as resp:

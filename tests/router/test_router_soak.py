@@ -1,11 +1,13 @@
 """Issue 38's router soak, on STUB engines (kascade_devcluster.stubengine processes: the engine's wire format, no
-model, 10 events 0.2 s apart; the router is what is tested): 256 concurrent streaming clients through a real `kascade router` process,
+model, 10 events 0.2 s apart; the router is what is tested): 256 concurrent streaming clients through a real `kascade
+router` process,
 10 % of requests abandoned by their client after the first event, one of three engines SIGSTOPped for 30 s
 mid-run. Every request must end answered, or with a clear error, within its deadline; no first token may wait
 more than 10 s because of the stopped engine (the router finds it hung by its silence and a failed /readyz probe,
 ejects it and moves the requests nothing of which reached a client); the router's memory and descriptors come
 back to their baseline. A first token's wait is judged beside the median before the stop (the shared machine's
-load, not the fault, sets that). SOAK_S (default 45) sets the run's length; the stop starts at 5 s and lasts STOP_S (30)."""
+load, not the fault, sets that). SOAK_S (default 45) sets the run's length; the stop starts at 5 s and lasts STOP_S
+(30)."""
 
 from __future__ import annotations
 
@@ -178,11 +180,14 @@ async def test_soak_256_streams_leaving_clients_and_a_stopped_engine(
     control = sorted(r.ttft for r in results if r.ttft is not None and r.start - t0 < 4.0)
     typical = control[len(control) // 2] if control else 0.0
     durations = sorted(r.end - r.start for r in results)
-    report = (f"STUB engines; {len(results)} requests by {CLIENTS} clients over {soak_s:g} s, engine 0 stopped "
-              f"{stop_s:g} s: outcomes {dict(outcomes)}; TTFT p50 {ttfts[len(ttfts) // 2]:.3f} s, p99 "
-              f"{ttfts[int(len(ttfts) * 0.99)]:.3f} s, max {worst:.2f} s (p50 before the stop {typical:.3f} s); longest request {durations[-1]:.1f} s; "
-              f"router fds/RSS KiB baseline {base}, peak {tuple(peak)}, after {after}; "
-              f"ejected now: {[b['pod'] for b in table['m']['backends'] if b['ejected']]}")
+    report = (
+        f"STUB engines; {len(results)} requests by {CLIENTS} clients over {soak_s:g} s, engine 0 stopped "
+        f"{stop_s:g} s: outcomes {dict(outcomes)}; TTFT p50 {ttfts[len(ttfts) // 2]:.3f} s, p99 "
+        f"{ttfts[int(len(ttfts) * 0.99)]:.3f} s, max {worst:.2f} s (p50 before the stop {typical:.3f} s); longest "
+        f"request {durations[-1]:.1f} s; "
+        f"router fds/RSS KiB baseline {base}, peak {tuple(peak)}, after {after}; "
+        f"ejected now: {[b['pod'] for b in table['m']['backends'] if b['ejected']]}"
+    )
     print(report)
     Path(os.environ.get("SOAK_REPORT", "/dev/null")).write_text(report + "\n")
     allowed = {"ok", "client left"}

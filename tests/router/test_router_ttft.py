@@ -72,8 +72,15 @@ async def _run(route: str, spec: str, header: str = "X-Kascade-Replica", prompt:
     try:
         async with aiohttp.ClientSession() as s:
             for i in range(N):
-                counts[await _stream(s, url, "/v1/completions", {"prompt": [1 + (i + j) % 300 for j in range(prompt)], "max_tokens": 2},
-                                     header)] += 1
+                counts[
+                    await _stream(
+                        s,
+                        url,
+                        "/v1/completions",
+                        {"prompt": [1 + (i + j) % 300 for j in range(prompt)], "max_tokens": 2},
+                        header,
+                    )
+                ] += 1
             async with s.get(f"{url}/router/v1/routes") as resp:
                 table = {b["pod"]: b for b in (await resp.json())["tiny-llama"]["backends"]}
     finally:

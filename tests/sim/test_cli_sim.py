@@ -58,9 +58,33 @@ def test_sim_convertible_flags(tmp_path: Path) -> None:
     got = {}
     for flag in ("--convertible", "--no-convertible"):
         out = tmp_path / f"{flag}.json"
-        res = CliRunner().invoke(sim, ["burstgpt-like", "--rate", "1", "--duration", "60", "--seed", "1", "-s", "kascade",
-                                       "--mode", "disaggregated", "--min-instances", "0", "--hosts", "1",
-                                       "--gpus-per-host", "4", flag, "--convert-chunk-tokens", "128", "-o", str(out)])
+        res = CliRunner().invoke(
+            sim,
+            [
+                "burstgpt-like",
+                "--rate",
+                "1",
+                "--duration",
+                "60",
+                "--seed",
+                "1",
+                "-s",
+                "kascade",
+                "--mode",
+                "disaggregated",
+                "--min-instances",
+                "0",
+                "--hosts",
+                "1",
+                "--gpus-per-host",
+                "4",
+                flag,
+                "--convert-chunk-tokens",
+                "128",
+                "-o",
+                str(out),
+            ],
+        )
         assert res.exit_code == 0, res.output
         got[flag] = json.loads(out.read_text())["systems"]["kascade"]["converted_prefills"]
     assert got["--convertible"] > 0 and got["--no-convertible"] == 0, got
@@ -71,9 +95,30 @@ def test_sim_pd_policy_token_velocity(tmp_path: Path) -> None:
     reasons = {}
     for pol in ("threshold", "tokenVelocity"):
         out = tmp_path / f"{pol}.json"
-        res = CliRunner().invoke(sim, ["burstgpt-like", "--rate", "4", "--duration", "60", "--seed", "1", "-s", "kascade",
-                                       "--mode", "disaggregated", "--hosts", "1", "--gpus-per-host", "8",
-                                       "--pd-policy", pol, "-o", str(out)])
+        res = CliRunner().invoke(
+            sim,
+            [
+                "burstgpt-like",
+                "--rate",
+                "4",
+                "--duration",
+                "60",
+                "--seed",
+                "1",
+                "-s",
+                "kascade",
+                "--mode",
+                "disaggregated",
+                "--hosts",
+                "1",
+                "--gpus-per-host",
+                "8",
+                "--pd-policy",
+                pol,
+                "-o",
+                str(out),
+            ],
+        )
         assert res.exit_code == 0, res.output
         reasons[pol] = [e["reason"] for e in json.loads(out.read_text())["results"]["kascade"]["events"]]
     assert reasons["tokenVelocity"] and all(r.startswith("P:D ratio") for r in reasons["tokenVelocity"]), reasons

@@ -30,7 +30,9 @@ def trickle(inp: int, every_s: float = 3.0, n: int = 40) -> Workload:
 
 
 def run(wl: Workload, convertible: bool) -> tuple[Simulation, Result]:
-    s = Simulation(wl, hardware("a800", hosts=1, gpus_per_host=4), SPEC, system("kascade", convertible=convertible), CFG)
+    s = Simulation(
+        wl, hardware("a800", hosts=1, gpus_per_host=4), SPEC, system("kascade", convertible=convertible), CFG
+    )
     return s, s.run()
 
 

@@ -24,8 +24,12 @@ from kascade_sim.systems import SYSTEM_NAMES, system
 from kascade_sim.workload import Request, Workload
 
 DYNAMIC = ("kascade", "serverlessllm", "allcache", "lambdascale")
-FAST = settings(max_examples=int(os.environ.get("KASCADE_SIM_EXAMPLES", "8")), deadline=None, derandomize=os.environ.get("KASCADE_SIM_RANDOM") is None,
-                suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(
+    max_examples=int(os.environ.get("KASCADE_SIM_EXAMPLES", "8")),
+    deadline=None,
+    derandomize=os.environ.get("KASCADE_SIM_RANDOM") is None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 bursts = st.builds(lambda seed, base, peak, every, inp, out: synthetic_bursts(
     30, base, peak, every, every / 4, input_tokens=inp, output_tokens=out, seed=seed),
@@ -92,7 +96,9 @@ def test_gpu_time_covers_the_offered_load(wl: Workload, cluster: tuple[int, int]
     r = sim.run()
     c, spec = sim.spec.cost, sim.spec
     # An iteration of T prompt tokens takes >= p1*T; a decode step of B sequences >= B*(d1 + d0/max_batch).
-    need = spec.tp * sum(c.p1 * i + (c.d1 + c.d0 / spec.max_batch) * (o - 1) for i, o in zip(sim.inp, sim.out, strict=True))
+    need = spec.tp * sum(
+        c.p1 * i + (c.d1 + c.d0 / spec.max_batch) * (o - 1) for i, o in zip(sim.inp, sim.out, strict=True)
+    )
     assert r.gpu_seconds >= need > 0
 
 

@@ -27,7 +27,9 @@ def test_tbt_is_never_below_one_decode_step(name: str) -> None:
     # with a step it was not in.
     spec = model("llama3-8b")
     wl = synthetic_bursts(30, 2.0, 30.0, 10.0, 3.0, input_tokens=512, output_tokens=24, seed=3)
-    r = Simulation(wl, hardware("a800", hosts=1, gpus_per_host=4), spec, system(name), SimConfig(mode="disaggregated")).run()
+    r = Simulation(
+        wl, hardware("a800", hosts=1, gpus_per_host=4), spec, system(name), SimConfig(mode="disaggregated")
+    ).run()
     floor = spec.cost.decode_s(1, 1)  # the shortest step there is: one sequence, no context
     tbts = [t for t in r.tbt_s if t == t]
     assert tbts and min(tbts) >= floor * (1 - 1e-9), (min(tbts), floor)
@@ -43,8 +45,11 @@ def test_more_bandwidth_is_not_slower(seed: int) -> None:
     wl = burstgpt_like(300, 0.8, models=4, seed=seed)
     ttft = []
     for bw in (100, 200, 400, 800, 1600, math.inf):
-        links = {"rdma_gbps": bw} if bw < math.inf else {k: 1e9 for k in ("rdma_gbps", "pcie_gbps", "nvlink_gbps",
-                                                                          "ssd_gbps")}
+        links = (
+            {"rdma_gbps": bw}
+            if bw < math.inf
+            else {k: 1e9 for k in ("rdma_gbps", "pcie_gbps", "nvlink_gbps", "ssd_gbps")}
+        )
         r = Simulation(wl, hardware("cluster-a", host_mem_gb=300.0, **links), spec, system("kascade"), PAPER).run()
         ttft.append(sum(r.ttft_s) / len(r.ttft_s))
     for lo, hi in itertools.pairwise(ttft):

@@ -49,7 +49,9 @@ def test_azure_bad_row_names_file_and_line(tmp_path: Path, row: str, field: str)
 
 def test_burstgpt_bad_rows(tmp_path: Path) -> None:
     p = tmp_path / "b.csv"
-    p.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n1,ChatGPT,1,1,2,x\nnow,ChatGPT,1,1,2,x\n")
+    p.write_text(
+        "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n1,ChatGPT,1,1,2,x\nnow,ChatGPT,1,1,2,x\n"
+    )
     with pytest.raises(TraceError, match=rf"{p}:3: field 'Timestamp'"):
         read_burstgpt(p)
     p.write_text("Time,Model\n")
