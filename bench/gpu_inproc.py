@@ -88,10 +88,15 @@ def attention_backends(ckpt: Path, device: torch.device, dtype: torch.dtype) -> 
     }
     if device.type == "cuda":
         b = torch.backends.cuda
-        out.update({"flash_sdp_enabled": b.flash_sdp_enabled(), "mem_efficient_sdp_enabled": b.mem_efficient_sdp_enabled(),
-                    "math_sdp_enabled": b.math_sdp_enabled(),
-                    "cudnn_sdp_enabled": getattr(b, "cudnn_sdp_enabled", lambda: None)(),
-                    "flash_attention_available": getattr(b, "is_flash_attention_available", lambda: None)()})
+        out.update(
+            {
+                "flash_sdp_enabled": b.flash_sdp_enabled(),
+                "mem_efficient_sdp_enabled": b.mem_efficient_sdp_enabled(),
+                "math_sdp_enabled": b.math_sdp_enabled(),
+                "cudnn_sdp_enabled": getattr(b, "cudnn_sdp_enabled", lambda: None)(),
+                "flash_attention_available": getattr(b, "is_flash_attention_available", lambda: None)(),
+            }
+        )
     return out
 
 

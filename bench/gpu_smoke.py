@@ -75,8 +75,10 @@ def compare(ckpt: Path, name: str, device: str, dtype: str, prompts: list[list[i
         dev.stop()
     same = [a == b for a, b in zip(want, got, strict=True)]
     # a half-precision run may drift late in a sequence: the first differing character says how late
-    first = [None if a == b else next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-             for a, b in zip(want, got, strict=True)]
+    first = [
+        None if a == b else next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        for a, b in zip(want, got, strict=True)
+    ]
     print(f"  {name}: greedy equal {sum(same)}/{len(same)} ({device} {dtype} vs cpu float32), "
           f"tensors {st.get('tensorDevices')}", flush=True)
     return {"greedy_equal": all(same), "greedy_equal_per_prompt": same, "first_mismatch_char": first,
@@ -106,7 +108,9 @@ def load_by_plan(ckpt: Path, name: str, device: str, dtype: str) -> dict[str, An
                "timeoutSeconds": 60.0}
         t0 = time.perf_counter()
         for e, me, extra in ((dst, "b", {"manifest": blocks.manifest()}), (src, "a", {})):
-            r = httpx.post(e.url + "/kascade/v1/load-plan", json={**doc, "self": me, **extra}, headers=_h(e), timeout=30)
+            r = httpx.post(
+                e.url + "/kascade/v1/load-plan", json={**doc, "self": me, **extra}, headers=_h(e), timeout=30
+            )
             if r.status_code != 200:
                 raise RuntimeError(f"load-plan to {me}: {r.status_code} {r.text}")
         deadline = time.monotonic() + 180
