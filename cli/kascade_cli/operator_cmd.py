@@ -6,7 +6,7 @@ kascade_operator.handlers.build_registry -> kopf.run against the cluster of KUBE
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -61,7 +61,8 @@ def run(namespaces: tuple[str, ...], interval: float | None, rate_window: float 
     from kascade_operator.settings import OperatorSettings
     from kascade_planner.engine_tls import engine_tls_context
 
-    overrides = {k: v for k, v in {"namespaces": list(namespaces) or None, "interval_seconds": interval,
+    # values pydantic validates (and reports) below, so typed loosely here
+    overrides: dict[str, Any] = {k: v for k, v in {"namespaces": list(namespaces) or None, "interval_seconds": interval,
                                    "rate_window_seconds": rate_window, "metrics_source": metrics_source,
                                    "prometheus_url": prometheus_url, "engine_token": engine_token,
                                    "metrics_port": metrics_port, "router_url": router_url, "pool_namespace": pool_namespace,
