@@ -6,7 +6,7 @@ kascade_operator.handlers.build_registry -> kopf.run against the cluster of KUBE
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -76,7 +76,8 @@ def run(
     from kascade_operator.settings import OperatorSettings
     from kascade_planner.engine_tls import engine_tls_context
 
-    overrides = {
+    # values pydantic validates (and reports) below, so typed loosely here
+    overrides: dict[str, Any] = {
         k: v
         for k, v in {
             "namespaces": list(namespaces) or None,

@@ -18,11 +18,11 @@ class _BoundedLoader(yaml.SafeLoader):
 
     aliases = 0
 
-    def compose_node(self, parent: yaml.Node | None, index: object) -> yaml.Node | None:  # type: ignore[override]
+    def compose_node(self, parent: yaml.Node | None, index: object) -> yaml.Node | None:
         if self.check_event(yaml.AliasEvent):
             self.aliases += 1
             if self.aliases > MAX_ALIASES:
-                mark = self.peek_event().start_mark
+                mark = self.peek_event().start_mark  # type: ignore[no-untyped-call]  # PyYAML's stub leaves it untyped
                 raise yaml.YAMLError(f"more than {MAX_ALIASES} YAML aliases (line {mark.line + 1}): "
                                      "refusing a possible alias bomb")
         return super().compose_node(parent, index)  # type: ignore[arg-type]

@@ -58,7 +58,8 @@ def pack(checkpoint: Path, cache_file: Path) -> None:
 def run(spec_path: Path, me: str, cache: Path | None, out: Path | None, transport_name: str, linger: float,
         tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None) -> None:
     """Run one participant until its part of the transfer is done."""
-    from kascade_engine.net.relay import TransferFailed, TransferNode
+    from kascade_engine.net.recovery import TransferFailed
+    from kascade_engine.net.relay import TransferNode
     from kascade_engine.net.transfer_spec import SpecError, TransferSpec
     from kascade_engine.net.transport_tls import TlsError, TlsFiles
     from kascade_engine.net.transports import make_transport

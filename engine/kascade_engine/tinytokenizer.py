@@ -46,4 +46,5 @@ def byte_level_bpe(vocab: int = 400) -> Any:
     trainer = trainers.BpeTrainer(vocab_size=vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   special_tokens=["<|endoftext|>"], show_progress=False)
     tok.train_from_iterator(CORPUS * 20, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    # transformers leaves TokenizersBackend.__init__ unannotated
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")  # type: ignore[no-untyped-call]

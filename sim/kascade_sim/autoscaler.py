@@ -17,6 +17,7 @@ from dataclasses import replace
 
 from kascade_planner.policies import (
     Bounds,
+    Decision,
     MeasuredVelocity,
     MetricsSnapshot,
     ScaleState,
@@ -27,9 +28,10 @@ from kascade_planner.policies import (
 from kascade_sim.instance import Instance
 from kascade_sim.pdpolicy import apply_conversions, ratio_decisions, velocities
 from kascade_sim.provisioning import capacity_rps, fit_by_ratio, fit_counts, mean_lengths, pick
+from kascade_sim.state import SimState
 
 
-class Autoscaler:
+class Autoscaler(SimState):
     def _policy(self, role: str) -> Threshold:
         return self.cfg.decode_policy if role == "decode" else self.cfg.policy
 
@@ -126,7 +128,7 @@ class Autoscaler:
             # Models with no instance decide first: a GPU freed for them is not taken back by a model
             # that is merely growing.
             for m in sorted(range(self.models), key=lambda m: any(i.active for i in self.group[(m, self.roles[0])])):
-                decisions = {}
+                decisions: dict[str, Decision] = {}
                 for role in reversed(self.roles):  # decode first: convertible decoders count for prefill
                     g = (m, role)
                     st = self.states[g]

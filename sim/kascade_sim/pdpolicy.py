@@ -33,10 +33,10 @@ from kascade_planner.policies import Decision, ScaleState
 from kascade_sim.provisioning import capacity_rps, mean_lengths
 
 if TYPE_CHECKING:
-    from kascade_sim.simulator import Simulation
+    from kascade_sim.state import SimState
 
 
-def velocities(sim: Simulation, m: int) -> PdVelocity:
+def velocities(sim: SimState, m: int) -> PdVelocity:
     """One instance's velocities from the cost model, as the engines would measure them: a full prefill
     batch's prompt tokens/s (a saturated step: the engines' prefill velocity is the capacity of such steps,
     kascade_planner.prefillvelocity; an engine reports its best unsaturated step until it saw one, the
@@ -54,12 +54,12 @@ def velocities(sim: Simulation, m: int) -> PdVelocity:
     return sim.pd_velocity[m]
 
 
-def _rate(sim: Simulation, m: int, role: str, k: int) -> float:
+def _rate(sim: SimState, m: int, role: str, k: int) -> float:
     series = sim.demand[(m, role)]
     return series[k] if k < len(series) else 0.0
 
 
-def output_length(sim: Simulation, m: int, now: float) -> OutputLength:
+def output_length(sim: SimState, m: int, now: float) -> OutputLength:
     """Finished requests' output tokens over the policy window and since the start, as the operator reads the
     engines' kascade_request_generation_tokens histogram."""
     h = sim.finished[m]
@@ -72,7 +72,7 @@ def output_length(sim: Simulation, m: int, now: float) -> OutputLength:
     return OutputLength(tok - tok0, n - n0, tok, n)
 
 
-def conversion_input(sim: Simulation, m: int, k: int) -> ConversionInput:
+def conversion_input(sim: SimState, m: int, k: int) -> ConversionInput:
     """What the operator's pdscaling.conversion_input gives the policy, read from the simulator."""
     v = velocities(sim, m)
     decoders = tuple(DecoderView(d.id, d.convertible, d.n_running + d.incoming)
@@ -83,7 +83,7 @@ def conversion_input(sim: Simulation, m: int, k: int) -> ConversionInput:
                            ttft_slo_s=sim.cfg.ttft_slo_s, converted_share=measured_share(sim, m))
 
 
-def measured_share(sim: Simulation, m: int) -> float | None:
+def measured_share(sim: SimState, m: int) -> float | None:
     """A converted decoder's share of a prefiller as the operator reads it from the engines: the converted
     decoders' mean prefill rate over the serving prefillers' (each measured by `Serving._measure`); None (the
     policy's constant) until both are measured."""
@@ -95,7 +95,7 @@ def measured_share(sim: Simulation, m: int) -> float | None:
     return converted_share(sum(dec) / len(dec), sum(pre) / len(pre))
 
 
-def apply_conversions(sim: Simulation, m: int, k: int, now: float) -> Conversions:
+def apply_conversions(sim: SimState, m: int, k: int, now: float) -> Conversions:
     """One conversion round: the policy's answer applied to the decoders' flags, the chunk budget and the
     hand-back bound; a decoder just converted is offered the prefill queue at once."""
     inp = conversion_input(sim, m, k)
@@ -115,7 +115,7 @@ def apply_conversions(sim: Simulation, m: int, k: int, now: float) -> Conversion
     return plan
 
 
-def ratio_decisions(sim: Simulation, m: int, k: int, now: float,
+def ratio_decisions(sim: SimState, m: int, k: int, now: float,
                     states: dict[str, ScaleState]) -> dict[str, Decision]:
     """Prefill and decode counts from the P:D ratio policy on the window's token rates; `states` carry each
     role's current count and bounds (the decode floor already raised where the simulator needs one)."""

@@ -19,9 +19,10 @@ from kascade_planner.zigzag import PairSetting, ilp_free
 from kascade_sim.events import ACCEPT, READY
 from kascade_sim.instance import Instance
 from kascade_sim.result import ScaleEvent
+from kascade_sim.state import SimState
 
 
-class Scaling:
+class Scaling(SimState):
     def _pick_node(self, m: int) -> str | None:
         tp = self.spec.tp
         cands = [n for n, f in self.free.items() if f >= tp]

@@ -18,9 +18,10 @@ from kascade_planner.conversion import arrival_verdict, hand_back_verdict, new_p
 from kascade_sim.events import ITER, KV
 from kascade_sim.instance import Instance
 from kascade_sim.pdpolicy import velocities
+from kascade_sim.state import SimState
 
 
-class Serving:
+class Serving(SimState):
     def _wake(self, m: int, role: str, now: float) -> None:
         """Offer the queue to idle instances: serving before live, least loaded first; prefill
         backlog that no prefiller takes goes to idle convertible decoders (busy ones take it after

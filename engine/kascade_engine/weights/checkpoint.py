@@ -13,6 +13,7 @@ import importlib.util
 import logging
 import os
 from pathlib import Path
+from typing import TypedDict
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,20 @@ def smollm_checkpoint() -> Path | None:
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3")
 
 
+class _Common(TypedDict):
+    """The config fields every family's tiny model shares (typed, so each config's keywords are checked)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rms_norm_eps: float
+
+
 def tiny_model(out: Path, family: str = "llama", layers: int = 4, hidden: int = 64, vocab: int = 512, seed: int = 0,
                kv_heads: int = 2, tie: bool = False, shard_bytes: int | None = None, window: int | None = None) -> Path:
     """A random model of one family (transformers builds it offline in milliseconds) saved as a real
@@ -81,9 +96,10 @@ def tiny_model(out: Path, family: str = "llama", layers: int = 4, hidden: int = 
     import transformers as tf
 
     torch.manual_seed(seed)
-    common: dict[str, object] = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2,
-                                     num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=kv_heads,
-                                     max_position_embeddings=512, tie_word_embeddings=tie, rms_norm_eps=1e-5)
+    common = _Common(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2,
+                     num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=kv_heads,
+                     max_position_embeddings=512, tie_word_embeddings=tie, rms_norm_eps=1e-5)
+    model: tf.PreTrainedModel
     if family == "llama":
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**common))
     elif family == "llama3":  # llama3 rope scaling with a short original context, so scaling matters
@@ -94,8 +110,9 @@ def tiny_model(out: Path, family: str = "llama", layers: int = 4, hidden: int = 
     elif family == "mistral":
         model = tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=window))
     elif family == "qwen2":
-        sliding = {"use_sliding_window": True, "sliding_window": window, "max_window_layers": 1} if window else {}
-        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, **sliding))
+        qwen2 = (tf.Qwen2Config(**common, use_sliding_window=True, sliding_window=window, max_window_layers=1)
+                 if window else tf.Qwen2Config(**common))
+        model = tf.Qwen2ForCausalLM(qwen2)
     elif family == "qwen3":  # head_dim independent of hidden / heads, as in real Qwen3
         model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=32))
     else:
@@ -106,8 +123,10 @@ def tiny_model(out: Path, family: str = "llama", layers: int = 4, hidden: int = 
                 p.normal_(0, 0.2)
             elif family != "llama":  # norms near 1 but not 1, so a missing norm would show
                 p.normal_(1.0, 0.1)
-    kw = {"max_shard_size": shard_bytes} if shard_bytes else {}
-    model.save_pretrained(out, **kw)
+    if shard_bytes:
+        model.save_pretrained(out, max_shard_size=shard_bytes)
+    else:
+        model.save_pretrained(out)
     return out
 
 
