@@ -44,6 +44,9 @@ def engine() -> None:
 @click.option("--max-seqs", default=64, show_default=True, type=click.IntRange(1), help="sequences per step")
 @click.option("--kv-tokens", default=65536, show_default=True, type=click.IntRange(1),
               help="paged KV cache capacity in tokens (preallocated)")
+@click.option("--max-waiting-tokens", default=65536, show_default=True, type=click.IntRange(1),
+              help="load shedding: prompt tokens allowed to wait for their first step; beyond it a request is "
+                   "refused with 503 + Retry-After")
 @click.option("--max-n", default=8, show_default=True, type=click.IntRange(1), help="largest OpenAI `n` per request")
 @click.option("--page-size", default=16, show_default=True, type=click.IntRange(1), help="KV page size in tokens")
 @click.option("--device", default=lambda: os.environ.get("KASCADE_DEVICE", "auto"), show_default="auto",
@@ -86,7 +89,7 @@ def engine() -> None:
               help="PEM CA every peer's certificate must chain to (env KASCADE_TLS_CA)")
 def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: str, port: int, act_port: int | None,
           token_file: Path | None, max_prompt_tokens: int, max_batch_tokens: int, max_seqs: int, kv_tokens: int,
-          max_n: int, page_size: int, device: str, dtype: str, empty: bool, resident_layers: int | None, threads: int,
+          max_waiting_tokens: int, max_n: int, page_size: int, device: str, dtype: str, empty: bool, resident_layers: int | None, threads: int,
           transport: str, activation_dscp: int, transfer_max_mbps: float | None, header_timeout: float = 10.0,
           max_connections: int = 1024, emulate_layer_ms: float = 0.0, emulate_knee_tokens: int = 0, host_cache_gib: float = 0.0,
           tls_cert: Path | None = None, tls_key: Path | None = None, tls_ca: Path | None = None) -> None:
@@ -128,6 +131,7 @@ def serve(checkpoint: Path | None, smollm: bool, model_name: str | None, host: s
         cfg = EngineConfig(checkpoint, model_name or checkpoint.name, token, device=device, dtype=dtype,
                            max_prompt_tokens=max_prompt_tokens, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
                            kv_tokens=kv_tokens, page_size=page_size, max_n=max_n, threads=threads, transport=transport,
+                           max_waiting_tokens=max_waiting_tokens,
                            transfer_bytes_per_s=transfer_max_mbps * 1e6 / 8 if transfer_max_mbps else None,
                            empty=empty, resident_layers=resident_layers, emulate_layer_ms=emulate_layer_ms,
                            emulate_knee_tokens=emulate_knee_tokens, tls=tls,
