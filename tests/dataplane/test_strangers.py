@@ -125,3 +125,23 @@ async def test_strangers_evict_only_strangers_never_an_admitted_peer() -> None:
             s.close()
         await peer.close()
         await listener.close()
+
+
+def test_a_manifest_larger_than_the_bound_is_refused_naming_its_size(tiny_blocks: BlockSet) -> None:
+    """A 1 TB manifest was accepted (a target then tried to reserve it); now a SpecError names the size."""
+    import pytest
+
+    from kascade_engine.net.transfer_spec import MAX_MANIFEST_BYTES, SpecError
+
+    good = _spec(tiny_blocks, 5.0)
+    huge = {b: dict(e) for b, e in good.manifest.items()}
+    first = next(iter(huge))
+    huge[first]["bytes"] = 10**12
+    doc = {**good.to_dict(), "manifest": huge}
+    with pytest.raises(SpecError, match=r"manifest totals 10000\d+ bytes .*more than the 512 GiB"):
+        TransferSpec.from_dict(doc)
+    huge[first]["bytes"] = -1
+    with pytest.raises(SpecError, match=rf"manifest\.{first}\.bytes must be a non-negative integer"):
+        TransferSpec.from_dict(doc)
+    assert sum(e["bytes"] for e in good.manifest.values()) <= MAX_MANIFEST_BYTES
+    assert TransferSpec.from_dict(good.to_dict()).manifest == good.manifest
