@@ -145,3 +145,21 @@ def test_a_manifest_larger_than_the_bound_is_refused_naming_its_size(tiny_blocks
         TransferSpec.from_dict(doc)
     assert sum(e["bytes"] for e in good.manifest.values()) <= MAX_MANIFEST_BYTES
     assert TransferSpec.from_dict(good.to_dict()).manifest == good.manifest
+
+
+def test_transfer_run_on_a_damaged_host_cache_is_a_clear_error(tmp_path: Any, tiny_blocks: BlockSet) -> None:
+    """`kascade transfer run --cache <damaged>` ended in a traceback; now a one-line error naming the file."""
+    import json
+
+    from click.testing import CliRunner
+
+    from kascade_cli.transfer import transfer
+
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps(_spec(tiny_blocks, 5.0).to_dict()))
+    bad = tmp_path / "bad.kcache"
+    bad.write_bytes(b"KASCADE?" + (1 << 62).to_bytes(8, "little") + b"\0" * 64)
+    r = CliRunner().invoke(transfer, ["run", "--spec", str(spec_file), "--me", "s0", "--cache", str(bad)])
+    assert r.exit_code == 1, r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    assert f"--cache {bad}" in r.output and "Traceback" not in r.output, r.output
