@@ -163,3 +163,22 @@ def test_transfer_run_on_a_damaged_host_cache_is_a_clear_error(tmp_path: Any, ti
     assert r.exit_code == 1, r.output
     assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
     assert f"--cache {bad}" in r.output and "Traceback" not in r.output, r.output
+
+
+def test_a_symlink_loop_between_safetensors_files_is_a_clear_error(tmp_path: Any, harness: Any) -> None:
+    """a.safetensors -> b.safetensors -> a.safetensors beside a real checkpoint's config ended packing in
+    an OSError traceback."""
+    import shutil
+
+    import pytest
+
+    from kascade_engine.weights.blocks import CheckpointError, pack_checkpoint
+
+    real = harness.tiny_checkpoint(tmp_path / "real", layers=2, hidden=64)
+    tmp_path = tmp_path / "looped"
+    tmp_path.mkdir()
+    shutil.copy(real / "config.json", tmp_path / "config.json")
+    (tmp_path / "a.safetensors").symlink_to(tmp_path / "b.safetensors")
+    (tmp_path / "b.safetensors").symlink_to(tmp_path / "a.safetensors")
+    with pytest.raises(CheckpointError, match=r"a\.safetensors: cannot be read \(.*symbolic links"):
+        pack_checkpoint(tmp_path)
