@@ -48,6 +48,9 @@ def engine() -> None:
 @click.option("--max-seqs", default=64, show_default=True, type=click.IntRange(1), help="sequences per step")
 @click.option("--kv-tokens", default=65536, show_default=True, type=click.IntRange(1),
               help="paged KV cache capacity in tokens (preallocated)")
+@click.option("--max-waiting-tokens", default=65536, show_default=True, type=click.IntRange(1),
+              help="load shedding: prompt tokens allowed to wait for their first step; beyond it a request is "
+                   "refused with 503 + Retry-After")
 @click.option("--max-n", default=8, show_default=True, type=click.IntRange(1), help="largest OpenAI `n` per request")
 @click.option("--page-size", default=16, show_default=True, type=click.IntRange(1), help="KV page size in tokens")
 @click.option("--device", default=lambda: os.environ.get("KASCADE_DEVICE", "auto"), show_default="auto",
@@ -118,6 +121,7 @@ def serve(
     max_batch_tokens: int,
     max_seqs: int,
     kv_tokens: int,
+    max_waiting_tokens: int,
     max_n: int,
     page_size: int,
     device: str,
@@ -175,6 +179,7 @@ def serve(
         cfg = EngineConfig(checkpoint, model_name or checkpoint.name, token, device=device, dtype=dtype,
                            max_prompt_tokens=max_prompt_tokens, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
                            kv_tokens=kv_tokens, page_size=page_size, max_n=max_n, threads=threads, transport=transport,
+                           max_waiting_tokens=max_waiting_tokens,
                            transfer_bytes_per_s=transfer_max_mbps * 1e6 / 8 if transfer_max_mbps else None,
                            empty=empty, resident_layers=resident_layers, emulate_layer_ms=emulate_layer_ms,
                            emulate_knee_tokens=emulate_knee_tokens, tls=tls,

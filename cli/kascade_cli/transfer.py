@@ -63,7 +63,7 @@ def run(spec_path: Path, me: str, cache: Path | None, out: Path | None, transpor
     from kascade_engine.net.transfer_spec import SpecError, TransferSpec
     from kascade_engine.net.transport_tls import TlsError, TlsFiles
     from kascade_engine.net.transports import make_transport
-    from kascade_engine.weights.blocks import BlockSet
+    from kascade_engine.weights.blocks import BlockSet, CheckpointError
     from kascade_engine.weights.hostcache import open_cache, write_cache
 
     try:
@@ -78,7 +78,10 @@ def run(spec_path: Path, me: str, cache: Path | None, out: Path | None, transpor
     ids = {i.id for i in (*spec.plan.sources, *spec.plan.targets)}
     if me not in ids:
         raise click.ClickException(f"--me {me!r} is not an instance of the plan ({', '.join(sorted(ids))})")
-    blocks = open_cache(cache) if cache else None
+    try:
+        blocks = open_cache(cache) if cache else None
+    except (CheckpointError, OSError) as e:  # a damaged or unreadable cache: say so, not a traceback
+        raise click.ClickException(f"--cache {cache}: {e}") from None
     if any(s.id == me for s in spec.plan.sources) and blocks is None:
         raise click.ClickException(f"{me} is a source: pass --cache")
 

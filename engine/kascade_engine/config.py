@@ -45,6 +45,9 @@ class EngineConfig:
     kv_tokens: int = 65536  # paged KV capacity in tokens (rounded up to whole pages)
     page_size: int = 16
     max_n: int = 8  # OpenAI `n` limit
+    # load shedding: prompt tokens that may wait for a first step; a request beyond it is a 503 + Retry-After
+    # (an empty queue admits any one prompt). Unbounded, 300 requests on 8 slots all queued (issue 38).
+    max_waiting_tokens: int = 65536
     threads: int = 1
     transport: str = "tcp"  # the data plane's transport: weights, activations and KV (one of TRANSPORTS)
     transfer_bytes_per_s: float | None = None
@@ -65,7 +68,8 @@ class EngineConfig:
             raise ConfigError(f"--device {self.device!r}: use auto, cpu, cuda or cuda:N")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ConfigError(f"--dtype {self.dtype!r}: use auto, {', '.join(DTYPES)}")
-        for name in ("max_prompt_tokens", "max_batch_tokens", "max_seqs", "kv_tokens", "page_size", "max_n", "threads"):
+        for name in ("max_prompt_tokens", "max_batch_tokens", "max_seqs", "kv_tokens", "page_size", "max_n", "threads",
+                     "max_waiting_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.host_cache_bytes < 0:

@@ -83,6 +83,8 @@ class EngineMetrics:
         self.transfer_failures = Counter("kascade_weight_transfer_failures",
                                          "Weight transfers (load plans) that failed on this engine", registry=r)
         self._transfer_failures_seen = 0
+        self.shed = Counter("kascade_requests_shed", "Requests refused with 503 + Retry-After because the "
+                            "waiting queue held --max-waiting-tokens prompt tokens", registry=r)
         self.live_split = Counter("kascade_live_split_requests", "Requests served split with a peer while loading",
                                   registry=r)
         self.live_layers = Gauge("kascade_live_layers", "Layers executed for a cooperating peer", registry=r)

@@ -40,9 +40,14 @@ log = logging.getLogger(__name__)
 class RequestError(Exception):
     """A request refused before it runs (400/503), or failed while running (500)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.retry_after_s = retry_after_s  # sent as Retry-After (a 503 that sheds load)
+
+
+SHED_LOG_EVERY_S = 10.0  # at most one shedding warning per interval (one per request flooded the log)
 
 
 class ServingHost(Protocol):
@@ -100,6 +105,7 @@ class Serving:
         self.wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._shed_logged, self._shed_count = -SHED_LOG_EVERY_S, 0
 
     @property
     def idle(self) -> bool:
@@ -184,6 +190,26 @@ class Serving:
         if any(not 0 <= t < vocab for t in prompt):
             raise RequestError(400, f"prompt token ids must be in 0..{vocab - 1}", "prompt")
 
+    def waiting_tokens(self) -> int:
+        """Prompt tokens queued for a first step (the scheduler's waiting queue)."""
+        return sum(s.prompt_len - s.computed for s in tuple(self.inst.engine.scheduler.waiting))
+
+    def shed_check(self, prompt_tokens: int) -> None:
+        """Refuse (503 + Retry-After) a prompt that would take the waiting queue past --max-waiting-tokens."""
+        limit = self.inst.config.max_waiting_tokens
+        waiting = self.waiting_tokens()
+        if waiting == 0 or waiting + prompt_tokens <= limit:
+            return
+        self.inst.metrics.shed.inc()
+        self._shed_count += 1
+        now = time.monotonic()
+        if now - self._shed_logged >= SHED_LOG_EVERY_S:
+            log.warning("shedding load: %d prompt tokens waiting (limit %d); %d requests refused since the last "
+                        "report", waiting, limit, self._shed_count)
+            self._shed_logged, self._shed_count = now, 0
+        raise RequestError(503, f"engine overloaded: {waiting} prompt tokens waiting, limit {limit} "
+                                f"(--max-waiting-tokens); retry later", None, "unavailable", retry_after_s=1)
+
     def submit(self, prompt: list[int], params: SamplingParams, prefill: str | None = None,
                fallback: str | None = None) -> str:
         """`prefill`: a prefill engine's data address (disaggregated serving): the prompt is prefilled there
@@ -191,6 +217,7 @@ class Serving:
         `fallback` (a converted decoder prefilling the prompt itself): a prefill engine's data address the prompt
         is handed to if the step budget leaves it no progress for the hand-back bound (handback.py)."""
         self.check_prompt(prompt)
+        self.shed_check(len(prompt))
         rid = f"cmpl-{uuid.uuid4().hex[:16]}"
         timeline.mark("submit", rid, phase=self.inst.phase.value, resident=self.inst.model.resident_prefix())
         self.queues[rid] = asyncio.Queue()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -30,6 +31,21 @@ MAX_BODY_BYTES = 4 << 20  # a prompt of max-prompt-tokens is far smaller; chat h
 BODY_TIMEOUT_S = 30.0
 
 
+REFUSAL_LOG_EVERY_S = 10.0
+_refusals = {"count": 0, "logged": -REFUSAL_LOG_EVERY_S}
+
+
+def _refused(client: Any, open_now: int, limit: int) -> None:
+    """One warning per REFUSAL_LOG_EVERY_S with the count since the last (one per refused connection wrote
+    19,376 lines under a flood; issue 38)."""
+    _refusals["count"] += 1
+    now = time.monotonic()
+    if now - _refusals["logged"] >= REFUSAL_LOG_EVERY_S:
+        log.warning("refusing a connection from %s: %d open (limit %d); %d refused since the last report",
+                    client, open_now, limit, _refusals["count"])
+        _refusals.update(count=0, logged=now)
+
+
 class GuardedH11Protocol(H11Protocol):
     header_timeout_s = HEADER_TIMEOUT_S
     max_connections = MAX_CONNECTIONS
@@ -37,8 +53,7 @@ class GuardedH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if len(self.connections) > self.max_connections:
-            log.warning("refusing a connection from %s: %d open (limit %d)", self.client, len(self.connections),
-                        self.max_connections)
+            _refused(self.client, len(self.connections), self.max_connections)
             transport.close()
             return
         self._arm_header_timer()

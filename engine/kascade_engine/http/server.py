@@ -69,7 +69,10 @@ def create_app(inst: EngineInstance) -> FastAPI:
 
     @app.exception_handler(RequestError)
     async def on_request_error(_: Request, exc: RequestError) -> JSONResponse:
-        return _err(exc.status, exc.message, exc.param, exc.kind)
+        r = _err(exc.status, exc.message, exc.param, exc.kind)
+        if exc.retry_after_s is not None:
+            r.headers["Retry-After"] = str(exc.retry_after_s)
+        return r
 
     @app.exception_handler(InstanceError)
     async def on_instance_error(_: Request, exc: InstanceError) -> JSONResponse:

@@ -113,6 +113,10 @@ class Finisher:
                 log.warning("activation connection from %s rejected: %s", conn.peer, e)
                 await conn.close()
                 return
+        else:  # no token, no handshake: the connection is a peer at once (not an evictable stranger)
+            admit = getattr(conn, "admit", None)
+            if admit is not None:
+                admit()
         limit = MAX_ACT_TOKENS * self.model.shape.hidden * 4  # the largest activation a peer may send
         first = True
         while True:

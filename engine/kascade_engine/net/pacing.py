@@ -78,6 +78,12 @@ class PacedConnection:
     async def abort(self) -> None:
         await self.inner.abort()
 
+    def admit(self) -> None:
+        """Passes peerauth's admission to the listener's connection (else it stays an evictable stranger)."""
+        admit = getattr(self.inner, "admit", None)
+        if admit is not None:
+            admit()
+
 
 def egress_bucket(bytes_per_s: float | None) -> TokenBucket | None:
     """The engine's one egress budget (None: no cap). Burst: 1 MiB or 50 ms at the rate, the larger."""

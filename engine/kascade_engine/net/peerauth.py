@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 VERSION = 1
 NONCE_BYTES = 32
 _LABEL = b"kascade-peerauth-v1"
+# A server waits at most this long for a client's hello, whatever the caller's (plan's) timeout: a real peer
+# answers the challenge in milliseconds, and a stranger must not hold a connection slot for minutes.
+HANDSHAKE_TIMEOUT_S = 5.0
 
 
 class AuthError(TransportError):
@@ -137,7 +140,10 @@ class Admitted:
 
 async def accept(conn: Connection, token: str, context: str, timeout: float) -> Admitted:
     """Server side: challenge, check the client's proof (and the address it claims to have dialled).
-    On failure the client is told "authentication failed" (nothing more) and AuthError is raised."""
+    On failure the client is told "authentication failed" (nothing more) and AuthError is raised.
+    Waits at most HANDSHAKE_TIMEOUT_S for the hello. On success the connection is `admit()`ted (when its
+    transport keeps a pending-handshake cap): it no longer counts as a stranger."""
+    timeout = min(timeout, HANDSHAKE_TIMEOUT_S)
     nonce = secrets.token_bytes(NONCE_BYTES)
     try:
         await conn.send(Challenge(nonce).header(), timeout=timeout)
@@ -161,6 +167,9 @@ async def accept(conn: Connection, token: str, context: str, timeout: float) -> 
         with contextlib.suppress(TransportError):
             await conn.send({"op": "error", "message": "authentication failed"}, timeout=timeout)
         raise
+    admit = getattr(conn, "admit", None)
+    if admit is not None:
+        admit()
     return Admitted(hello.claims, Welcome(proof(token, "server", context, nonce, hello.nonce, hello.claims)))
 
 

@@ -14,6 +14,10 @@ from typing import Any
 from kascade_planner.plan import Plan, PlanError
 
 MAX_TIMEOUT_S = 3600.0  # a peer silent this long is lost; larger values only hide a hang
+# The most a plan's blocks may total: every target reserves receive memory for them up front, so a manifest
+# claiming more (a 1 TB one was accepted, issue 38) is refused before anything is allocated. 512 GiB holds a
+# 256B-parameter model in 16 bits; raise it with the hosts that can hold more.
+MAX_MANIFEST_BYTES = 512 << 30
 
 
 class SpecError(ValueError):
@@ -41,9 +45,17 @@ class TransferSpec:
         for k, (_, port) in self.peers.items():
             if not 1 <= port <= 65535:
                 raise SpecError(f"peers.{k}: port {port} outside 1..65535")
+        total = 0
         for b in self.plan.model.block_ids:
             if b not in self.manifest:
                 raise SpecError(f"manifest lacks block {b!r}")
+            n = self.manifest[b].get("bytes") if isinstance(self.manifest[b], Mapping) else None
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise SpecError(f"manifest.{b}.bytes must be a non-negative integer, got {n!r}")
+            total += n
+        if total > MAX_MANIFEST_BYTES:
+            raise SpecError(f"manifest totals {total} bytes ({total / 2**30:.1f} GiB), more than the "
+                            f"{MAX_MANIFEST_BYTES >> 30} GiB a plan may move")
         for i in (*self.plan.sources, *self.plan.targets):
             if i.kind == "gpu" and i.id not in self.peers:
                 raise SpecError(f"peers lacks an address for {i.id!r}")

@@ -11,6 +11,8 @@ import contextlib
 import logging
 import socket
 import struct
+import time
+from collections.abc import Callable
 
 from kascade_engine.net.transport import (
     MAX_PAYLOAD,
@@ -29,7 +31,12 @@ from kascade_engine.net.transport import (
 )
 
 BUF = 4 * 1024 * 1024
-MAX_CONNECTIONS = 256  # served at once per listener; more are closed on accept (a flood costs no tasks)
+MAX_CONNECTIONS = 256  # authenticated connections served at once per listener; more are closed on accept
+# Connections still in their handshake (not yet `admit()`ted by peerauth) have a smaller cap of their own.
+# A new connection beyond it evicts the oldest of them instead of being refused: idle strangers can never
+# lock a plan participant out (300 of them used to fill MAX_CONNECTIONS and fail a transfer; issue 38).
+MAX_PENDING = 64
+REFUSAL_LOG_EVERY_S = 10.0  # at most one warning per listener and interval for refusals/evictions
 log = logging.getLogger(__name__)
 
 
@@ -59,6 +66,13 @@ class TcpConnection:
         self.loop = asyncio.get_running_loop()
         self._busy = 0  # socket operations (sends, reads) awaiting the event loop right now
         self.closed = False
+        self._on_admit: Callable[[], None] | None = None  # set by the listener that accepted it
+
+    def admit(self) -> None:
+        """The peer proved it holds the token (peerauth): it no longer counts as a pending stranger."""
+        if self._on_admit is not None:
+            self._on_admit()
+            self._on_admit = None
 
     def _enter(self) -> None:
         self._busy += 1
@@ -142,6 +156,21 @@ class TcpConnection:
         await self.close()
 
 
+class _RefusalLog:
+    """One warning per REFUSAL_LOG_EVERY_S with the count since the last (a flood logged one line per
+    connection before)."""
+
+    def __init__(self, what: str) -> None:
+        self.what, self.count, self.last = what, 0, -REFUSAL_LOG_EVERY_S
+
+    def note(self, message: str) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now - self.last >= REFUSAL_LOG_EVERY_S:
+            log.warning("%s: %s (%d refused or evicted since the last report)", self.what, message, self.count)
+            self.last, self.count = now, 0
+
+
 class TcpListener:
     def __init__(self, sock: socket.socket, task: asyncio.Task[None]) -> None:
         self.sock, self.task = sock, task
@@ -174,23 +203,47 @@ class TcpTransport:
             raise TransportError(f"listen on {host}:{port}: {e}") from None
         lsock.listen(128)
         lsock.setblocking(False)
-        conns: set[asyncio.Task[None]] = set()
+        admitted: set[TcpConnection] = set()
+        pending: dict[TcpConnection, None] = {}  # insertion-ordered: the oldest stranger first
+        tasks: set[asyncio.Task[None]] = set()  # strong references: a bare task may be collected mid-run
+        refusals = _RefusalLog(f"listener {host}:{port}")
 
-        async def serve_one(sock: socket.socket) -> None:
-            await serve(handler, TcpConnection(sock, self.traffic), "connection")
+        async def serve_one(conn: TcpConnection) -> None:
+            try:
+                await serve(handler, conn, "connection")
+            finally:
+                pending.pop(conn, None)
+                admitted.discard(conn)
+
+        def admit(conn: TcpConnection) -> None:
+            pending.pop(conn, None)
+            if not conn.closed:  # (an evicted stranger's late proof admits nothing)
+                admitted.add(conn)
 
         async def accept_loop() -> None:
             while True:
                 sock, addr = await loop.sock_accept(lsock)
-                if len(conns) >= MAX_CONNECTIONS:
-                    log.warning("listener %s:%s: %d connections open; refusing %s", host, port, len(conns), addr)
+                if len(admitted) >= MAX_CONNECTIONS:
+                    refusals.note(f"{len(admitted)} authenticated connections open; refusing {addr}")
                     sock.close()
                     continue
+                if len(pending) >= MAX_PENDING:
+                    oldest = next(iter(pending))
+                    del pending[oldest]
+                    refusals.note(f"{MAX_PENDING} connections in their handshake; evicting {oldest.peer}")
+                    await oldest.abort()  # its handshake wakes with an error and its task ends
                 with contextlib.suppress(OSError):  # a socket reset before we mark it fails on first use
                     mark_socket(sock, self.mark)  # our side of the stream (replies, ACKs) in the same class
-                t = asyncio.create_task(serve_one(sock))
-                conns.add(t)
-                t.add_done_callback(conns.discard)
+                try:
+                    conn = TcpConnection(sock, self.traffic)
+                except OSError:
+                    sock.close()
+                    continue
+                conn._on_admit = lambda c=conn: admit(c)
+                pending[conn] = None
+                t = asyncio.create_task(serve_one(conn))
+                tasks.add(t)
+                t.add_done_callback(tasks.discard)
 
         return TcpListener(lsock, asyncio.create_task(accept_loop()))
 

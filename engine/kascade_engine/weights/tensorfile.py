@@ -43,16 +43,19 @@ class TensorEntry:
 
 
 def read_header(path: Path) -> dict[str, TensorEntry]:
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise TensorFileError(f"{path.name}: not a safetensors file (only {size} bytes)")
-        n = int.from_bytes(head, "little")
-        if n > min(MAX_HEADER, size - 8):
-            raise TensorFileError(f"{path.name}: not a safetensors file (header length {n} exceeds the file's "
-                                  f"{size - 8} bytes)")
-        raw = f.read(n)
+    try:  # a symlink loop, a dangling link, a directory named *.safetensors: an error naming it, no traceback
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise TensorFileError(f"{path.name}: not a safetensors file (only {size} bytes)")
+            n = int.from_bytes(head, "little")
+            if n > min(MAX_HEADER, size - 8):
+                raise TensorFileError(f"{path.name}: not a safetensors file (header length {n} exceeds the file's "
+                                      f"{size - 8} bytes)")
+            raw = f.read(n)
+    except OSError as e:
+        raise TensorFileError(f"{path.name}: cannot be read ({e.strerror or e})") from None
     try:
         doc = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
