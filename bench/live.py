@@ -315,11 +315,17 @@ def main() -> None:
     ap.add_argument("--load-ratio", type=float, default=16.0, help="loading one layer = this many layer computations")
     ap.add_argument("--overload", type=float, default=1.6, help="arrival rate / A's capacity")
     ap.add_argument("--rounds", type=int, default=None, help="repetitions (median ratio reported)")
-    ap.add_argument("--realtime", action="store_true",
-                    help="wall-clock threads for A and B (noisy on a shared box) instead of the layer clock")
+    ap.add_argument(
+        "--realtime",
+        action="store_true",
+        help="wall-clock threads for A and B (noisy on a shared box) instead of the layer clock",
+    )
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    ap.add_argument("--no-real", action="store_true",
-                    help="skip the real-engine section (engine processes in tbf-linked namespaces; needs root)")
+    ap.add_argument(
+        "--no-real",
+        action="store_true",
+        help="skip the real-engine section (engine processes in tbf-linked namespaces; needs root)",
+    )
     livereal.add_args(ap)
     args = ap.parse_args()
     if args.real_only:
@@ -362,8 +368,12 @@ def main() -> None:
         p99r = {m: float(np.percentile([(j.finish or 0) - j.arrival for j in js], 99)) for m, js in res.items()}
         for m in MODES:
             ratios[m].append(p99r[m] / p99r["stop-the-world"])
-        print(f"round {r + 1}/{rounds}: p99 TTFT ms " + ", ".join(f"{m} {v * 1e3:.0f}" for m, v in p99r.items())
-              + "; layers on B " + ", ".join(f"{m} {sum(j.on_b for j in js)}/{n * L}" for m, js in res.items()))
+        print(
+            f"round {r + 1}/{rounds}: p99 TTFT ms "
+            + ", ".join(f"{m} {v * 1e3:.0f}" for m, v in p99r.items())
+            + "; layers on B "
+            + ", ".join(f"{m} {sum(j.on_b for j in js)}/{n * L}" for m, js in res.items())
+        )
         all_jobs.append(res)
     med = {m: float(np.median(v)) for m, v in ratios.items()}
     res = all_jobs[int(np.argsort(ratios["zigzag"])[len(ratios["zigzag"]) // 2])]  # the median round, for the plot

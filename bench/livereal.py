@@ -122,8 +122,11 @@ def real_section(args: argparse.Namespace) -> dict[str, object]:
     def mean(xs: list[tuple[float, str, str]]) -> float:
         return float(np.mean(ok(xs)))
 
-    exact = all(len({x[1] for x in col if not x[2].startswith("failed:")}) <= 1
-                for f in res.values() for col in zip(*f.values(), strict=True))
+    exact = all(
+        len({x[1] for x in col if not x[2].startswith("failed:")}) <= 1
+        for f in res.values()
+        for col in zip(*f.values(), strict=True)
+    )
     out: dict[str, object] = {}
     if "pair" in res:
         pair = res["pair"]
@@ -132,8 +135,9 @@ def real_section(args: argparse.Namespace) -> dict[str, object]:
         out["real_p99_ttft_zigzag_ilp_over_stop"] = p99(pair["zigzag-ilp"]) / p99(pair["stop-the-world"])
     for k in (2, 4):
         if f"pipe{k}" in res:
-            out[f"mean_ttft_pipeline{k}_over_stop"] = (mean(res[f"pipe{k}"]["pipeline"])
-                                                       / mean(res[f"pipe{k}"]["stop-the-world"]))
+            out[f"mean_ttft_pipeline{k}_over_stop"] = mean(res[f"pipe{k}"]["pipeline"]) / mean(
+                res[f"pipe{k}"]["stop-the-world"]
+            )
     out.update(
         {
             "real_split_exact": exact,

@@ -113,8 +113,11 @@ def floor_check(steps: dict[str, Any], emu: Emulation) -> dict[str, Any]:
                 continue
             bounds = sorted((float(le), n) for le, n in h.get("le", {}).items() if le != "+Inf")
             over = [(b, n) for b, n in bounds if b >= FLOOR_SLACK * floor]
-            row: dict[str, Any] = {"steps": int(h["count"]), "mean_ms": round(h["sum"] / h["count"] * 1e3, 1),
-                                   "floor_ms": round(floor * 1e3, 1)}
+            row: dict[str, Any] = {
+                "steps": int(h["count"]),
+                "mean_ms": round(h["sum"] / h["count"] * 1e3, 1),
+                "floor_ms": round(floor * 1e3, 1),
+            }
             if over:
                 row["over_ms"] = over[0][0] * 1e3
                 row["over_share"] = round(1 - over[0][1] / h["count"], 3)

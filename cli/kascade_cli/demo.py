@@ -46,5 +46,7 @@ def demo(model: str, nodes: int, out: Path, burst_seconds: float, keep: bool) ->
     except KeyboardInterrupt:
         raise click.ClickException("interrupted; everything the demo started has been stopped") from None
     if res.requests_failed or res.max_ready < 2 or res.final_ready != 1:
-        raise click.ClickException(f"demo finished but did not show a clean burst: max ready {res.max_ready}, "
-                                   f"final {res.final_ready}, failed requests {res.requests_failed}")
+        raise click.ClickException(
+            f"demo finished but did not show a clean burst: max ready {res.max_ready}, "
+            f"final {res.final_ready}, failed requests {res.requests_failed}"
+        )

@@ -55,8 +55,17 @@ def pack(checkpoint: Path, cache_file: Path) -> None:
 @click.option(
     "--tls-ca", type=click.Path(dir_okay=False, path_type=Path), help="PEM CA every peer's certificate must chain to"
 )
-def run(spec_path: Path, me: str, cache: Path | None, out: Path | None, transport_name: str, linger: float,
-        tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None) -> None:
+def run(
+    spec_path: Path,
+    me: str,
+    cache: Path | None,
+    out: Path | None,
+    transport_name: str,
+    linger: float,
+    tls_cert: Path | None,
+    tls_key: Path | None,
+    tls_ca: Path | None,
+) -> None:
     """Run one participant until its part of the transfer is done."""
     from kascade_engine.net.recovery import TransferFailed
     from kascade_engine.net.relay import TransferNode

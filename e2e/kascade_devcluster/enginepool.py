@@ -154,6 +154,7 @@ class EnginePool:
         for e in self.engines.values():
             processes.stop(e.proc.pid, started=e.proc.started)
         if delete_pods and self.engines:
-            self.cp.kubectl("-n", self.ns, "delete", "pod", "--wait=false", "--ignore-not-found",
-                            *self.engines, check=False)
+            self.cp.kubectl(
+                "-n", self.ns, "delete", "pod", "--wait=false", "--ignore-not-found", *self.engines, check=False
+            )
         self.engines.clear()

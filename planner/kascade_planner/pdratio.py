@@ -34,8 +34,9 @@ class PdDemand:
 
     def __post_init__(self) -> None:
         if self.input_tokens_per_s < 0 or self.output_tokens_per_s < 0:
-            raise ValueError(f"token rates must be >= 0, got input={self.input_tokens_per_s} "
-                             f"output={self.output_tokens_per_s}")
+            raise ValueError(
+                f"token rates must be >= 0, got input={self.input_tokens_per_s} output={self.output_tokens_per_s}"
+            )
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,9 @@ def pd_ratio(d: PdDemand, v: PdVelocity, prefill: Bounds, decode: Bounds) -> PdR
     )
     if served < 1.0:
         capped = "prefill" if p_share <= d_share else "decode"
-        reason += (f"; {capped} capped at max {prefill.max if capped == 'prefill' else decode.max}: "
-                   f"{served:.0%} of the demand served, the other role sized for that share")
+        reason += (
+            f"; {capped} capped at max {prefill.max if capped == 'prefill' else decode.max}: "
+            f"{served:.0%} of the demand served, the other role sized for that share"
+        )
     reason += f" -> {p}P:{dec}D"
     return PdRatio(p, dec, p_need, d_need, served, reason)

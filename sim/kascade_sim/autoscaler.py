@@ -119,8 +119,12 @@ class Autoscaler(SimState):
             if pol.queue_drain_s is None:
                 return MetricsSnapshot(now, in_flight=round(mean))
             # the prompt tokens waiting and one prefiller's capacity (the engines' measured velocity)
-            return MetricsSnapshot(now, in_flight=round(mean), queue_tokens=float(sum(self.inp[r] for r in self.queue[(m, role)])),
-                                   measured=MeasuredVelocity(prefill_capacity_tokens_per_s=velocities(self, m).prefill_effective))
+            return MetricsSnapshot(
+                now,
+                in_flight=round(mean),
+                queue_tokens=float(sum(self.inp[r] for r in self.queue[(m, role)])),
+                measured=MeasuredVelocity(prefill_capacity_tokens_per_s=velocities(self, m).prefill_effective),
+            )
         return MetricsSnapshot(now, kv_usage=mean, in_flight=len(self.queue[(m, role)]))
 
     def _tick(self, now: float, k: int) -> None:

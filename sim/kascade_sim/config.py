@@ -42,7 +42,9 @@ class SimConfig:
             raise ValueError(f"mode must be colocated or disaggregated, got {self.mode!r}")
         if not (0 < self.tick_s <= 60) or not (0 < self.window_s <= 3600):
             raise ValueError(f"need 0 < tick_s <= 60 and 0 < window_s <= 3600, got {self.tick_s}, {self.window_s}")
-        if self.min_instances < 0 or (self.max_instances is not None and self.max_instances < max(1, self.min_instances)):
+        if self.min_instances < 0 or (
+            self.max_instances is not None and self.max_instances < max(1, self.min_instances)
+        ):
             raise ValueError(f"need 0 <= min_instances <= max_instances and max >= 1, got {self.min_instances}, "
                              f"{self.max_instances}")
         if not 0 < self.target_utilization <= 1:
@@ -50,6 +52,8 @@ class SimConfig:
         if not 0 <= self.decoders_per_prefiller <= 16:
             raise ValueError(f"decoders_per_prefiller must be in [0, 16], got {self.decoders_per_prefiller}")
         if self.decode_policy.metric == "queueLength":
-            raise ValueError("decode_policy: decode instances have no prefill queue (use kvCacheUsage or tokensPerSecond)")
+            raise ValueError(
+                "decode_policy: decode instances have no prefill queue (use kvCacheUsage or tokensPerSecond)"
+            )
 
 

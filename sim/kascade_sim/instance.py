@@ -97,9 +97,18 @@ class Instance:
         if self.kv_reserved > self.kv_peak:
             self.kv_peak = self.kv_reserved
 
-    def next_iteration(self, now: float, queue: deque[int], inp: list[int], out: list[int], prefill_s: Callable[[int], float],
-                       decode_s: Callable[[int, int], float], max_tokens: int, max_batch: int,
-                       take: bool) -> float | None:
+    def next_iteration(
+        self,
+        now: float,
+        queue: deque[int],
+        inp: list[int],
+        out: list[int],
+        prefill_s: Callable[[int], float],
+        decode_s: Callable[[int, int], float],
+        max_tokens: int,
+        max_batch: int,
+        take: bool,
+    ) -> float | None:
         """Pick the next iteration (prefill first, from the shared queue when `take`); return its
         duration (None when there is nothing to run, not even owed partner work)."""
         batch: list[int] = []

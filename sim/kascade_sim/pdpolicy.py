@@ -8,7 +8,8 @@ instance's velocities from the engine cost model (`velocities`) + the role bound
 desired prefill and decode counts (`ratio_decisions`, as `policies.Decision`s for `Scaling`); the same
 prompt tokens/s + serving prefillers + the decoders (each with its policy flag `Instance.convertible`) +
 the prefill queue + the TBT and TTFT objectives + the converted decoders' measured share of a prefiller
-(`measured_share`, from the rates `Serving._measure` takes as the engines do) -> `plan_conversions` -> flags set or cleared, the chunk
+(`measured_share`, from the rates `Serving._measure` takes as the engines do) -> `plan_conversions` -> flags set or
+cleared, the chunk
 budget and the hand-back bound (`apply_conversions`). `Serving._converts` lets only a flagged decoder take
 prefill. Every call is logged (`Simulation.policy_calls`: time, policy, input, answer) so a test can call
 the policy again on the same input and compare.

@@ -77,7 +77,9 @@ class Result:
         tbt = tuple((la - f) / (o - 1) if o > 1 else math.nan
                     for f, la, o in zip(sim.first, sim.last, sim.out, strict=True))
         c = sim.spec.cost
-        gpu_s = sum(max(0.0, (i.released_s if i.released_s is not None else end) - i.alloc_s) * i.gpus for i in sim.instances)
+        gpu_s = sum(
+            max(0.0, (i.released_s if i.released_s is not None else end) - i.alloc_s) * i.gpus for i in sim.instances
+        )
         size = sim.spec.bytes
         hm = sim.hostmem
         touched = len(hm.touched) if sim.sys.host_cache == "ttl" else sim.cache_peak

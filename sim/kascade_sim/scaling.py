@@ -43,8 +43,12 @@ class Scaling(SimState):
         est = self._load_s.get(m)
         if est is None:
             node = self._pick_node(m) or self.topo.nodes[0].name
-            src = [PlanInstance(i.id, i.node, i.gpus) for g in self.roles for i in self.group[(m, g)]
-                   if i.state == "serving"] or [PlanInstance(f"host:pool:{m}", self._pool_node(m), self.spec.tp, "host")]
+            src = [
+                PlanInstance(i.id, i.node, i.gpus)
+                for g in self.roles
+                for i in self.group[(m, g)]
+                if i.state == "serving"
+            ] or [PlanInstance(f"host:pool:{m}", self._pool_node(m), self.spec.tp, "host")]
             plan = make_plan(self.topo, self.layout, src, [PlanInstance("probe", node, self.spec.tp)], "chain",
                              predict=False)
             blocks = dict(dict(predict(plan, self.topo).arrival)["probe"])
@@ -198,7 +202,9 @@ class Scaling(SimState):
         batch_s = c.decode_s(max(1, partner.n_running), partner.kv_running)
         q = self.queue[(partner.model, partner.role)]
         if q and partner.role != "decode":
-            batch_s = max(batch_s, c.prefill_s(min(self.spec.max_prefill_tokens, sum(self.inp[r] for r in list(q)[:16]))))
+            batch_s = max(
+                batch_s, c.prefill_s(min(self.spec.max_prefill_tokens, sum(self.inp[r] for r in list(q)[:16])))
+            )
         # The schedule's share depends on the load time per layer in layer computations, not on the
         # layer count: solved on at most 16 layers and 6 batches, log-bucketed so a run reuses a
         # handful of schedules (each costs milliseconds).

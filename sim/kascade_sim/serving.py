@@ -6,7 +6,8 @@ Data flow: a request in its model's global queue (`_wake`) -> an accepting insta
 `_dispatch` finds a decoder with room, then a KV event after the transfer) -> decode steps until the
 last token. A converted decoder with decodes takes a prompt only when the engine's arrival rule would keep it
 (`_converts`: its measured rate finishes it before a prefiller would), and one prefilling a long prompt in chunks
-may hand it back to the prefill queue (`_hand_back`, by the engine's own rule). Mixed into `simulator.Simulation`, whose state it reads and writes.
+may hand it back to the prefill queue (`_hand_back`, by the engine's own rule). Mixed into `simulator.Simulation`,
+whose state it reads and writes.
 """
 
 from __future__ import annotations
@@ -59,7 +60,10 @@ class Serving(SimState):
         if not q or self.queue[(m, "decode")] or (inst.converted and inst.n_running):
             return False
         r = q[0]
-        if inst.kv_reserved + self.inp[r] + self.out[r] > inst.kv_cap or inst.n_running + inst.incoming >= self.spec.max_batch:
+        if (
+            inst.kv_reserved + self.inp[r] + self.out[r] > inst.kv_cap
+            or inst.n_running + inst.incoming >= self.spec.max_batch
+        ):
             return False
         if any(p.accepting and not p.busy for p in self.group[(m, "prefill")]):
             return False
@@ -190,7 +194,11 @@ class Serving(SimState):
         while q and decoders:
             r = q[0]
             need = self.inp[r] + self.out[r]
-            fit = [i for i in decoders if i.kv_reserved + need <= i.kv_cap and i.n_running + i.incoming < self.spec.max_batch]
+            fit = [
+                i
+                for i in decoders
+                if i.kv_reserved + need <= i.kv_cap and i.n_running + i.incoming < self.spec.max_batch
+            ]
             if not fit:
                 return
             # Packed, not spread: a decode step is memory-bound (nearly as long for 1 request as
@@ -291,7 +299,9 @@ class Serving(SimState):
                 elif inst.role == "prefill":
                     self.holder[r] = inst  # its KV stays here until a decoder has room
                     took = self.prefill_took.get(m)
-                    self.prefill_took[m] = now - self.arr[r] if took is None else took + 0.3 * (now - self.arr[r] - took)
+                    self.prefill_took[m] = (
+                        now - self.arr[r] if took is None else took + 0.3 * (now - self.arr[r] - took)
+                    )
                     self.queue[(m, "decode")].append(r)
                 else:
                     inst.add_running(r, self.inp[r], self.out[r])

@@ -134,7 +134,9 @@ class _Collector:
             raise TraceError(f"{self.path}: no requests")
         self.rows.sort(key=lambda r: r[0])
         base = self.rows[0][0] if self.end is None and self.rows else 0.0
-        suffix = "" if self.end is None and not self.start else f"[{self.start:g}+{(self.end or self.hi) - self.start:g}s]"
+        suffix = (
+            "" if self.end is None and not self.start else f"[{self.start:g}+{(self.end or self.hi) - self.start:g}s]"
+        )
         return Workload(name + suffix, tuple(Request(t - base, max(1, i), max(1, o)) for t, i, o in self.rows))
 
 

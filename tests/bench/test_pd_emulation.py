@@ -73,8 +73,9 @@ def test_the_floor_check_counts_steps_the_cpu_timed(monkeypatch: pytest.MonkeyPa
     assert set(got) == {"a.prefill", "b.decode"}
 
 
-def test_calibration_and_both_engines_of_a_setup_get_the_emulation(monkeypatch: pytest.MonkeyPatch,
-                                                                   tmp_path: Path) -> None:
+def test_calibration_and_both_engines_of_a_setup_get_the_emulation(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     pd = _load("pd", monkeypatch)
     e = pd.Emulation(30.0, 117)
     seen: list[Any] = []

@@ -434,9 +434,15 @@ def test_every_port_the_chart_wires_is_declared_and_listened_on(helm: Helm, tmp_
     )
     # a pool pod serving: the operator's serving label added (what the engines Service selects)
     serving = {"kascade.io/serving": "true"}
-    pods = [(d["metadata"]["name"], {**d["spec"]["template"]["metadata"]["labels"],
-                                     **(serving if d["metadata"]["name"] == "rel-pool" else {})},
-             d["spec"]["template"]["spec"]) for d in docs if d["kind"] == "Deployment"]
+    pods = [
+        (
+            d["metadata"]["name"],
+            {**d["spec"]["template"]["metadata"]["labels"], **(serving if d["metadata"]["name"] == "rel-pool" else {})},
+            d["spec"]["template"]["spec"],
+        )
+        for d in docs
+        if d["kind"] == "Deployment"
+    ]
     spec = ModelServiceSpec.model_validate(
         {
             "model": {"name": "m", "source": {"path": str(tmp_path / "m")}},
@@ -468,7 +474,9 @@ def test_every_port_the_chart_wires_is_declared_and_listened_on(helm: Helm, tmp_
                 ctx = cmd.make_context(cmd_name or "", rest, parent=ctx)
                 group, rest = cmd, (ctx.protected_args + ctx.args if isinstance(cmd, click.Group) else [])
             listening = {v for k, v in ctx.params.items() if k.endswith("port") and isinstance(v, int) and v}
-            listening |= {urlparse(v).port for v in ctx.params.values() if isinstance(v, str) and v.startswith("http://0.0.0.0")}
+            listening |= {
+                urlparse(v).port for v in ctx.params.values() if isinstance(v, str) and v.startswith("http://0.0.0.0")
+            }
             assert declared == listening, f"{name}/{c['name']}: declares {declared}, listens on {listening}"
             for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
                 if probe in c:

@@ -70,8 +70,10 @@ l: &l [*k,*k,*k,*k,*k,*k,*k,*k,*k]
 m: &m [*l,*l,*l,*l,*l,*l,*l,*l,*l]
 nodes: *m
 """
-GOOD = "generate: {leaves: 1, nodesPerLeaf: 3, nicGbps: 100}\nscenario:\n  model: {layers: 4, sizeGB: 1}\n" \
-       "  sources: [{id: s, node: node-0-0}]\n  targets: {count: 2}\n"
+GOOD = (
+    "generate: {leaves: 1, nodesPerLeaf: 3, nicGbps: 100}\nscenario:\n  model: {layers: 4, sizeGB: 1}\n"
+    "  sources: [{id: s, node: node-0-0}]\n  targets: {count: 2}\n"
+)
 
 
 @pytest.mark.parametrize(
@@ -113,8 +115,10 @@ def test_hostile_input_gives_one_line_naming_the_field(tmp_path: Path, content: 
     assert len(out.output.strip().splitlines()) == 1 and "Traceback" not in out.output
 
 
-@pytest.mark.parametrize(("data", "message"), [(b"\x7fELF\x02\x01\x01\x00\x00", "binary data (NUL bytes)"),
-                                               (b"nodes: \xff\xfe", "not UTF-8 text (byte 7")])
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [(b"\x7fELF\x02\x01\x01\x00\x00", "binary data (NUL bytes)"), (b"nodes: \xff\xfe", "not UTF-8 text (byte 7")],
+)
 def test_binary_input_is_refused(tmp_path: Path, data: bytes, message: str) -> None:
     f = tmp_path / "in.yaml"
     f.write_bytes(data)

@@ -76,9 +76,16 @@ def test_deployment_creates_pods_through_controller_manager(
     control_plane: ControlPlane, kwok_nodes: Callable[..., list[str]], namespace: str
 ) -> None:
     kwok_nodes(1, gpus=8)
-    dep = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "pool", "namespace": namespace},
-           "spec": {"replicas": 3, "selector": {"matchLabels": {"app": "pool"}},
-                    "template": {"metadata": {"labels": {"app": "pool"}}, "spec": _pod("x", namespace, 1)["spec"]}}}
+    dep = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "pool", "namespace": namespace},
+        "spec": {
+            "replicas": 3,
+            "selector": {"matchLabels": {"app": "pool"}},
+            "template": {"metadata": {"labels": {"app": "pool"}}, "spec": _pod("x", namespace, 1)["spec"]},
+        },
+    }
     control_plane.kubectl("apply", "-f", "-", input=json.dumps(dep))
     control_plane.kubectl("-n", namespace, "rollout", "status", "deployment/pool", "--timeout=60s")
     pods = json.loads(control_plane.kubectl("-n", namespace, "get", "pods", "-l", "app=pool", "-o", "json").stdout)[

@@ -70,8 +70,9 @@ def decoders(
 
 def test_a_burst_converts_the_least_loaded_decoders_to_cover_the_deficit() -> None:
     # 1 prefiller at 100 tok/s, 220 arriving: deficit 120, a converted decoder adds 50 -> 3 converted
-    c = plan_conversions(ConversionInput(220, 1, 100.0, decoders("d0", "d1", "d2", "d3", load={"d0": 5, "d2": 1}),
-                                         tbt_slo_s=0.2))
+    c = plan_conversions(
+        ConversionInput(220, 1, 100.0, decoders("d0", "d1", "d2", "d3", load={"d0": 5, "d2": 1}), tbt_slo_s=0.2)
+    )
     assert c.convert == ("d1", "d3", "d2") and c.revert == () and c.converted == 3
     assert c.chunk_tokens == 10  # 0.5 * 0.2 s * 100 tok/s
     assert "deficit 120 tok/s" in c.reason
@@ -85,8 +86,9 @@ def test_conversions_only_grow_while_the_deficit_lasts_and_are_capped_by_the_dec
 
 
 def test_new_prefill_capacity_takes_every_conversion_back() -> None:
-    c = plan_conversions(ConversionInput(180, 2, 100.0, decoders("d0", "d1", "d2", converted=("d2", "d0")),
-                                         prefill_queue=0))
+    c = plan_conversions(
+        ConversionInput(180, 2, 100.0, decoders("d0", "d1", "d2", converted=("d2", "d0")), prefill_queue=0)
+    )
     assert c.revert == ("d0", "d2") and c.convert == () and c.converted == 0
     assert "take back d0, d2" in c.reason
 
