@@ -100,3 +100,19 @@ def test_n_choices_models_and_error_shape(engine_a) -> None:  # type: ignore[no-
     body = e.value.body
     assert isinstance(body, dict) and body["type"] == "model_not_found" and body["param"] == "model"
     assert "model 'nope' is not served" in body["message"]
+
+
+def test_unknown_routes_are_openai_errors_and_health(engine_a) -> None:  # type: ignore[no-untyped-def]
+    import httpx
+
+    r = httpx.get(engine_a.url + "/v1/nothing-here", timeout=10)
+    assert r.status_code == 404
+    err = r.json()["error"]
+    assert err["type"] == "not_found_error" and err["code"] == 404 and "GET /v1/nothing-here" in err["message"]
+    r = httpx.get(engine_a.url + "/v1/completions", timeout=10)  # a POST route
+    assert r.status_code == 405 and r.json()["error"]["type"] == "method_not_allowed"
+    with pytest.raises(openai.NotFoundError) as e:
+        _client(engine_a).post("/embeddings", body={"model": "tiny-llama", "input": "x"}, cast_to=object)
+    assert "POST /v1/embeddings" in str(e.value)
+    h = httpx.get(engine_a.url + "/health", timeout=10)
+    assert h.status_code == 200 and h.content == b""

@@ -1,5 +1,5 @@
 """The HTTP server: OpenAI-compatible completions (streaming SSE), the control API under /kascade/v1/
-(bearer token), /metrics, /healthz, /readyz.
+(bearer token), /metrics, /healthz and /health (vLLM's), /readyz; unknown routes get OpenAI's error shape.
 
 Data flow: HTTP body -> pydantic request model (openai_api.py; 400 naming the field on failure, and
 for fields this engine does not implement) -> tokenizer -> context check -> `responder.Call` (one
@@ -78,7 +78,13 @@ def create_app(inst: EngineInstance) -> FastAPI:
         return _err(exc.status, exc.message, exc.field, kind)
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # OpenAI clients parse every error body: an unknown route or method is OpenAI-shaped too, naming it
+        if exc.status_code == 404:
+            return _err(404, f"no route {request.method} {request.url.path} on this engine", None, "not_found_error")
+        if exc.status_code == 405:
+            return _err(405, f"method {request.method} is not allowed on {request.url.path}", None,
+                        "method_not_allowed")
         return _err(exc.status_code, str(exc.detail))
 
     def check_model(model: str) -> None:
@@ -163,6 +169,10 @@ def create_app(inst: EngineInstance) -> FastAPI:
     @app.get("/healthz")
     async def healthz() -> PlainTextResponse:
         return PlainTextResponse("ok")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)  # vLLM's liveness: the process answers (readiness is /readyz)
 
     @app.get("/readyz")
     async def readyz() -> PlainTextResponse:
