@@ -116,3 +116,36 @@ def test_unknown_routes_are_openai_errors_and_health(engine_a) -> None:  # type:
     assert "POST /v1/embeddings" in str(e.value)
     h = httpx.get(engine_a.url + "/health", timeout=10)
     assert h.status_code == 200 and h.content == b""
+
+
+def test_sampling_parameters(engine_a) -> None:  # type: ignore[no-untyped-def]
+    c = _client(engine_a)
+    loop = [7] * 8  # a prompt after which greedy output repeats itself
+
+    def toks(**kw):  # type: ignore[no-untyped-def]
+        r = c.completions.create(model="tiny-llama", prompt=loop, max_tokens=32, **kw)
+        return r.choices[0].text, r.usage.completion_tokens, r.choices[0].finish_reason
+
+    greedy = toks()
+    assert toks(temperature=1.0, seed=1, extra_body={"top_k": 1}) == greedy  # top_k=1 is greedy
+    for kw in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0}, {"extra_body": {"repetition_penalty": 5.0}}):
+        assert toks(**kw) != greedy and toks(**kw) == toks(**kw), kw  # changed, deterministically
+    # the tiny model (seed 0) answers [7] * 8 greedily with 283, 392, 392, ...: 392 as a stop token ends it at 2
+    two = c.completions.create(model="tiny-llama", prompt=loop, max_tokens=32, extra_body={"stop_token_ids": [392]})
+    assert two.usage.completion_tokens == 2 and two.choices[0].finish_reason == "stop"
+    held = c.completions.create(model="tiny-llama", prompt=loop, max_tokens=32,
+                                extra_body={"stop_token_ids": [392], "min_tokens": 5})
+    assert held.usage.completion_tokens >= 5  # the stop token is masked until 5 tokens are out
+    run = c.completions.create(model="tiny-llama", prompt=loop, max_tokens=20, extra_body={"ignore_eos": True})
+    assert run.usage.completion_tokens == 20 and run.choices[0].finish_reason == "length"
+    chat = c.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hi hi hi"}],
+                                     max_tokens=12, frequency_penalty=2.0, extra_body={"top_k": 5, "min_tokens": 3})
+    assert chat.usage.completion_tokens >= 3
+    for kw, field in (({"frequency_penalty": 3.0}, "frequency_penalty"), ({"presence_penalty": -2.5}, "presence_penalty"),
+                      ({"extra_body": {"top_k": -2}}, "top_k"), ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+                      ({"extra_body": {"min_tokens": 40}}, "min_tokens"), ({"extra_body": {"min_tokens": -1}}, "min_tokens"),
+                      ({"extra_body": {"stop_token_ids": [512]}}, "stop_token_ids"),
+                      ({"extra_body": {"ignore_eos": "maybe"}}, "ignore_eos")):
+        with pytest.raises(openai.BadRequestError, match=field) as e:
+            c.completions.create(model="tiny-llama", prompt=loop, max_tokens=32, **kw)
+        assert e.value.body["param"] == field, kw  # type: ignore[index]

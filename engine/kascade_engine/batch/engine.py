@@ -23,7 +23,7 @@ import torch
 from kascade_engine.batch.kvcache import KVCache, build_batch
 from kascade_engine.batch.model import LlamaModel
 from kascade_engine.batch.recorder import StepRecorder
-from kascade_engine.batch.sampling import SamplingParams, sample
+from kascade_engine.batch.sampling import SamplingParams, pick, stops_here
 from kascade_engine.batch.scheduler import Limits, Scheduler, Seq, Work
 from kascade_engine.batch.stepcost import StepCost
 from kascade_engine.batch.velocity import VelocityMeter
@@ -206,13 +206,7 @@ class Engine:
         return m.logits(h[torch.tensor(rows, dtype=torch.long, device=m.device)])
 
     def _sample(self, work: list[Work], logits: torch.Tensor) -> list[int]:
-        greedy = logits.argmax(dim=-1).tolist()
-        out = []
-        sampled = [w for w in work if w.end == len(self.requests[w.id].tokens)]
-        for j, w in enumerate(sampled):
-            r = self.requests[w.id]
-            out.append(greedy[j] if r.params.temperature <= 0 else sample(logits[j].cpu(), r.params, r.gen))
-        return out
+        return pick(logits, [self.requests[w.id] for w in work if w.end == len(self.requests[w.id].tokens)], self.eos)
 
     def _fail(self, work: list[Work], e: Exception) -> list[Event]:
         log.warning("step failed for %d requests: %s", len(work), e, exc_info=log.isEnabledFor(logging.INFO))
@@ -246,7 +240,7 @@ class Engine:
         r.out.append(tok)
         r.first_token_at = r.first_token_at or now
         reason = None
-        if tok == self.eos or tok in r.params.stop_token_ids:
+        if stops_here(r.params, tok, self.eos, len(r.out)):
             reason = "stop"
         elif len(r.out) >= r.params.max_tokens:
             reason = "length"

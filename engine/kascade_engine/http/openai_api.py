@@ -5,8 +5,9 @@ Supported: `/v1/completions` (prompt: text, token ids, or a list of either) and 
 (roles system, developer, user, assistant; content as a string or text parts), `n` (up to the
 engine's --max-n), `stop` (up to 4 strings, matched on the decoded text, never streamed past),
 `max_tokens` / `max_completion_tokens` (chat default: whatever fits in the context), `seed`,
-`temperature`, `top_p`, `stream` with `stream_options.include_usage`. `usage` on every non-streamed
-response. Fields that would change the result and are not implemented (tools, logprobs, penalties,
+`temperature`, `top_p`, `presence_penalty`, `frequency_penalty`, and vLLM's `top_k`, `min_tokens`,
+`ignore_eos`, `repetition_penalty`, `stop_token_ids`; `stream` with `stream_options.include_usage`. `usage` on every non-streamed
+response. Fields that would change the result and are not implemented (tools, logprobs,
 logit_bias, echo, best_of, suffix, non-text content, json response formats) are a 400 naming the field,
 never silently ignored.
 
@@ -43,8 +44,14 @@ class _Common(BaseModel):
     n: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
     logprobs: bool | int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    # vLLM's extra sampling parameters (the openai client sends them in extra_body)
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
+    min_tokens: int | None = Field(None, ge=0)
+    ignore_eos: bool | None = None
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    stop_token_ids: list[int] | None = Field(None, max_length=64)
     logit_bias: dict[str, float] | None = None
 
     def stops(self) -> tuple[str, ...]:
@@ -92,9 +99,6 @@ def refused(body: _Common, max_n: int) -> tuple[str, str] | None:
         return "stop", f"at most {MAX_STOP} stop strings, got {len(stops)}"
     if body.logprobs:
         return "logprobs", "logprobs are not supported by this engine"
-    for f in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, f):
-            return f, f"{f} is not supported by this engine (use 0)"
     if body.logit_bias:
         return "logit_bias", "logit_bias is not supported by this engine"
     if isinstance(body, CompletionBody):

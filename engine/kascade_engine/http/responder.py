@@ -41,7 +41,13 @@ class Call:
                 for j in range(n):
                     seed = None if body.seed is None else body.seed + j  # n choices differ, each reproducible
                     params = SamplingParams(max_tokens, body.temperature or 0.0,
-                                            1.0 if body.top_p is None else body.top_p, seed)
+                                            1.0 if body.top_p is None else body.top_p, seed,
+                                            top_k=max(body.top_k or 0, 0), min_tokens=body.min_tokens or 0,
+                                            ignore_eos=bool(body.ignore_eos),
+                                            repetition_penalty=body.repetition_penalty or 1.0,
+                                            frequency_penalty=body.frequency_penalty or 0.0,
+                                            presence_penalty=body.presence_penalty or 0.0,
+                                            stop_token_ids=tuple(body.stop_token_ids or ()))
                     self.rids.append(inst.serving.submit(p, params, prefill, fallback))
         except Exception:
             for rid in self.rids:

@@ -115,6 +115,13 @@ def create_app(inst: EngineInstance) -> FastAPI:
             want = body.max_completion_tokens or body.max_tokens or ctx - longest  # default: what fits
         else:
             want = body.max_tokens or 16  # OpenAI's completions default
+        vocab = inst.model.shape.vocab
+        if any(not 0 <= t < vocab for t in body.stop_token_ids or ()):
+            raise RequestError(400, f"invalid field 'stop_token_ids': token ids must be in 0..{vocab - 1}",
+                               "stop_token_ids")
+        if (body.min_tokens or 0) > want:
+            raise RequestError(400, f"invalid field 'min_tokens': {body.min_tokens} exceeds {field} ({want})",
+                               "min_tokens")
         if longest + want > ctx:
             raise RequestError(400, f"prompt ({longest} tokens) + {field} ({want}) exceeds the context of {ctx} "
                                "tokens", field)

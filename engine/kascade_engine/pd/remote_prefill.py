@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from kascade_engine.batch.engine import Event, Request
-from kascade_engine.batch.sampling import SamplingParams
+from kascade_engine.batch.sampling import SamplingParams, stops_here
 from kascade_engine.batch.scheduler import Seq
 from kascade_engine.net.peerpool import PeerPool
 from kascade_engine.net.transport import Connection, TransportError
@@ -263,7 +263,7 @@ class RemotePrefill:
         if rid not in self.inst.serving.queues:
             return []
         n = len(prompt)
-        done = "stop" if token == eng.eos or token in params.stop_token_ids else (
+        done = "stop" if stops_here(params, token, eng.eos, 1) else (
             "length" if params.max_tokens <= 1 else None)
         sched = eng.scheduler
         if done is None and (len(sched.running) >= eng.limits.max_seqs or not sched.pool.grow(rid, n + 1)):
