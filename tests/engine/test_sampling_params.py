@@ -5,6 +5,7 @@ adjusted and plain rows gives each what it would get alone."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kascade_engine.batch.engine import Engine
@@ -69,3 +70,19 @@ def test_adjust_values() -> None:
     assert out[0, 0] == float("-inf") and out[0, 1:].tolist() == [-2.0, 1.0, 0.5]
     p = SamplingParams(top_k=3, min_tokens=2, ignore_eos=True, presence_penalty=0.5)
     assert with_extras(SamplingParams(), extras(p)) == p and extras(SamplingParams()) == {}
+
+
+def test_extras_cross_the_wires() -> None:
+    """A prompt prefilled on another engine, or redirected live, keeps its sampling parameters."""
+    from kascade_engine.live.redirect import params_from_wire
+    from kascade_engine.pd.kv_wire import KVShape, PrefillOp
+    from kascade_engine.pd.prefill_server import _params
+
+    p = SamplingParams(max_tokens=9, temperature=0.5, seed=4, top_k=7, min_tokens=2, repetition_penalty=1.5)
+    op = PrefillOp("r", [1, 2], p.temperature, p.top_p, p.seed, KVShape(2, 1, 4, "float32", 4), extras=extras(p))
+    assert _params(op.to_header()) == SamplingParams(max_tokens=1, temperature=0.5, seed=4, top_k=7, min_tokens=2,
+                                                     repetition_penalty=1.5)
+    entry = ["r", [1, 2], p.max_tokens, p.temperature, p.top_p, p.seed, [], extras(p)]
+    assert params_from_wire(entry)[2] == p
+    with pytest.raises(ValueError, match="sampling extras"):
+        params_from_wire([*entry[:7], {"logit_bias": 1}])

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from kascade_engine.batch.engine import Event, Request
-from kascade_engine.batch.sampling import SamplingParams, stops_here
+from kascade_engine.batch.sampling import SamplingParams, extras, stops_here
 from kascade_engine.batch.scheduler import Seq
 from kascade_engine.net.peerpool import PeerPool
 from kascade_engine.net.transport import Connection, TransportError
@@ -194,7 +194,7 @@ class RemotePrefill:
         try:
             waited = 0.0 if arrived is None else max(0.0, time.monotonic() - arrived)
             await conn.send(PrefillOp(rid, prompt, params.temperature, params.top_p, params.seed, shape,
-                                      waited, fallback).to_header())
+                                      waited, fallback, extras(params)).to_header())
             if settles:  # the op reached a prefill engine (a dead one fails above): the answer can name it now
                 self.inst.serving.decide(rid, peer)
             n = len(prompt)
