@@ -149,3 +149,32 @@ def test_sampling_parameters(engine_a) -> None:  # type: ignore[no-untyped-def]
         with pytest.raises(openai.BadRequestError, match=field) as e:
             c.completions.create(model="tiny-llama", prompt=loop, max_tokens=32, **kw)
         assert e.value.body["param"] == field, kw  # type: ignore[index]
+
+
+def test_request_phase_metrics(engine_a) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's per-request histograms: queue, prefill and decode time, prompt length."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict[str, float]:
+        out: dict[str, float] = {}
+        for fam in text_string_to_metric_families(httpx.get(engine_a.url + "/metrics", timeout=10).text):
+            for s in fam.samples:
+                if s.name.startswith("kascade_request_") and s.name.endswith(("_count", "_sum")):
+                    out[s.name] = s.value
+        return out
+
+    before = scrape()
+    c = _client(engine_a)
+    for n in (4, 9):
+        c.completions.create(model="tiny-llama", prompt=[5] * 10, max_tokens=n, extra_body={"ignore_eos": True})
+    after = scrape()
+
+    def delta(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    for h in ("queue_time_seconds", "prefill_time_seconds", "decode_time_seconds", "prompt_tokens"):
+        assert delta(f"kascade_request_{h}_count") == 2, h
+    assert delta("kascade_request_prompt_tokens_sum") == 20
+    assert 0 <= delta("kascade_request_queue_time_seconds_sum") < delta("kascade_request_decode_time_seconds_sum") + 5
+    assert delta("kascade_request_prefill_time_seconds_sum") > 0 and delta("kascade_request_decode_time_seconds_sum") > 0

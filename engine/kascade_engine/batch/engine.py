@@ -40,6 +40,7 @@ class Request:
     out: list[int] = field(default_factory=list)
     first_token_at: float | None = None
     gen: torch.Generator | None = None
+    scheduled_at: float | None = None  # its first chunk's step began (queue time = scheduled_at - arrival)
 
     @property
     def tokens(self) -> list[int]:
@@ -56,6 +57,7 @@ class Event:
     # converted decoder's answer names who prefilled its prompt from it (serving.Serving.decide), not from the
     # hand-back's intent: a hand-back whose remote prefill failed is prefilled here after all
     prefilled_by: str | None = None
+    queued_s: float | None = None  # on a first token prefilled here: seconds from arrival to its first step
 
 
 # Step hooks: what the live-scaling and disaggregation wings plug into a step, as a protocol owned by the
@@ -161,6 +163,11 @@ class Engine:
         if not work and not (self.coop is not None and self.coop.pending()):
             return events
         self.steps += 1
+        now = time.monotonic()
+        for w in work:
+            r = self.requests[w.id]
+            if r.scheduled_at is None:
+                r.scheduled_at = now
         # which chunks sample, fixed before the forward: a live pair's answer to this very step can land inside
         # it (pairclient.PairClient lands every answer that is back), adding the token (len(tokens) grows) or
         # finishing the request (it leaves `requests`); the recorder's facts likewise
@@ -247,7 +254,8 @@ class Engine:
         if reason:
             self.scheduler.finish(rid)
             self.requests.pop(rid, None)
-        return Event(rid, tok, reason is not None, reason)
+        queued = r.scheduled_at - r.arrival if len(r.out) == 1 and r.scheduled_at is not None else None
+        return Event(rid, tok, reason is not None, reason, queued_s=queued)
 
     def generate(self, prompt: list[int], params: SamplingParams) -> list[int]:
         """Run one request to completion (tests, benchmarks)."""
