@@ -78,7 +78,7 @@ def test_tool_calls_are_a_clear_400(engine_a) -> None:  # type: ignore[no-untype
         c.chat.completions.create(model="tiny-llama", messages=[
             {"role": "user", "content": "x"}, {"role": "tool", "content": "42", "tool_call_id": "c1"}])
     with pytest.raises(openai.BadRequestError, match="logprobs"):
-        c.completions.create(model="tiny-llama", prompt="x", logprobs=2)
+        c.completions.create(model="tiny-llama", prompt="x", logprobs=21)
 
 
 def test_n_choices_models_and_error_shape(engine_a) -> None:  # type: ignore[no-untyped-def]
@@ -178,3 +178,42 @@ def test_request_phase_metrics(engine_a) -> None:  # type: ignore[no-untyped-def
     assert delta("kascade_request_prompt_tokens_sum") == 20
     assert 0 <= delta("kascade_request_queue_time_seconds_sum") < delta("kascade_request_decode_time_seconds_sum") + 5
     assert delta("kascade_request_prefill_time_seconds_sum") > 0 and delta("kascade_request_decode_time_seconds_sum") > 0
+
+
+def test_logprobs(engine_a) -> None:  # type: ignore[no-untyped-def]
+    import math
+
+    c = _client(engine_a)
+    r = c.completions.create(model="tiny-llama", prompt=[5] * 6, max_tokens=8, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert lp is not None and len(lp.token_logprobs) == 8 == len(lp.tokens) == len(lp.top_logprobs)
+    assert all(v <= 0 for v in lp.token_logprobs) and lp.text_offset[0] == 0
+    for v, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert 1 <= len(top) <= 3 and max(top.values()) == pytest.approx(v)  # greedy: the sampled token is the top one
+        assert sum(math.exp(x) for x in top.values()) <= 1 + 1e-5
+    plain = c.completions.create(model="tiny-llama", prompt=[5] * 6, max_tokens=8)
+    assert plain.choices[0].logprobs is None and plain.choices[0].text == r.choices[0].text
+    streamed = list(c.completions.create(model="tiny-llama", prompt=[5] * 6, max_tokens=8, logprobs=3, stream=True))
+    got = [v for ch in streamed if ch.choices[0].logprobs for v in ch.choices[0].logprobs.token_logprobs]
+    assert got == pytest.approx(lp.token_logprobs)
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = c.chat.completions.create(model="tiny-llama", messages=msgs, max_tokens=6, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 6 and all(e.logprob <= 0 and len(e.top_logprobs) == 2 for e in content)
+    assert all(e.top_logprobs[0].logprob == pytest.approx(e.logprob) for e in content)  # greedy picks the top
+    assert all(e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob for e in content)
+    bare = c.chat.completions.create(model="tiny-llama", messages=msgs, max_tokens=6, logprobs=True)
+    assert [e.logprob for e in bare.choices[0].logprobs.content] == pytest.approx([e.logprob for e in content])
+    assert all(e.top_logprobs == [] for e in bare.choices[0].logprobs.content)
+    chunks = list(c.chat.completions.create(model="tiny-llama", messages=msgs, max_tokens=6, logprobs=True,
+                                            top_logprobs=2, stream=True))
+    s = [e.logprob for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert s == pytest.approx([e.logprob for e in content])
+    sampled = c.completions.create(model="tiny-llama", prompt=[5] * 6, max_tokens=8, logprobs=0, temperature=1.0, seed=2)
+    assert all(v <= 0 for v in sampled.choices[0].logprobs.token_logprobs)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs") as e:
+        c.chat.completions.create(model="tiny-llama", messages=msgs, top_logprobs=2)
+    assert e.value.body["param"] == "top_logprobs"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny-llama", messages=msgs, logprobs=True, top_logprobs=21)
+    assert e.value.body["param"] == "top_logprobs"  # type: ignore[index]

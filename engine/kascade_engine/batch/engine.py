@@ -23,7 +23,7 @@ import torch
 from kascade_engine.batch.kvcache import KVCache, build_batch
 from kascade_engine.batch.model import LlamaModel
 from kascade_engine.batch.recorder import StepRecorder
-from kascade_engine.batch.sampling import SamplingParams, pick, stops_here
+from kascade_engine.batch.sampling import SamplingParams, TokenLogprob, pick, stops_here
 from kascade_engine.batch.scheduler import Limits, Scheduler, Seq, Work
 from kascade_engine.batch.stepcost import StepCost
 from kascade_engine.batch.velocity import VelocityMeter
@@ -41,6 +41,7 @@ class Request:
     first_token_at: float | None = None
     gen: torch.Generator | None = None
     scheduled_at: float | None = None  # its first chunk's step began (queue time = scheduled_at - arrival)
+    lp: TokenLogprob | None = None  # the logprobs of the token just sampled (params.logprobs set)
 
     @property
     def tokens(self) -> list[int]:
@@ -58,6 +59,7 @@ class Event:
     # hand-back's intent: a hand-back whose remote prefill failed is prefilled here after all
     prefilled_by: str | None = None
     queued_s: float | None = None  # on a first token prefilled here: seconds from arrival to its first step
+    logprob: TokenLogprob | None = None  # asked for (params.logprobs) and sampled on this engine
 
 
 # Step hooks: what the live-scaling and disaggregation wings plug into a step, as a protocol owned by the
@@ -255,7 +257,8 @@ class Engine:
             self.scheduler.finish(rid)
             self.requests.pop(rid, None)
         queued = r.scheduled_at - r.arrival if len(r.out) == 1 and r.scheduled_at is not None else None
-        return Event(rid, tok, reason is not None, reason, queued_s=queued)
+        lp, r.lp = r.lp, None
+        return Event(rid, tok, reason is not None, reason, queued_s=queued, logprob=lp)
 
     def generate(self, prompt: list[int], params: SamplingParams) -> list[int]:
         """Run one request to completion (tests, benchmarks)."""

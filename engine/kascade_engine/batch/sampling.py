@@ -30,6 +30,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # vLLM's: over prompt and output tokens, divides positive logits
     frequency_penalty: float = 0.0  # OpenAI's: minus this per occurrence in the output
     presence_penalty: float = 0.0  # OpenAI's: minus this once for any token in the output
+    logprobs: int | None = None  # report the sampled token's logprob and this many top alternatives (None: off)
 
     @property
     def penalised(self) -> bool:
@@ -100,7 +101,8 @@ def stops_here(p: SamplingParams, tok: int, eos: int | None, generated: int) -> 
     return (tok == eos and not p.ignore_eos) or tok in p.stop_token_ids
 
 
-EXTRAS = ("top_k", "min_tokens", "ignore_eos", "repetition_penalty", "frequency_penalty", "presence_penalty")
+EXTRAS = ("top_k", "min_tokens", "ignore_eos", "repetition_penalty", "frequency_penalty", "presence_penalty",
+          "logprobs")
 
 
 def extras(p: SamplingParams) -> dict[str, float | int | bool]:
@@ -113,7 +115,7 @@ def with_extras(p: SamplingParams, d: object) -> SamplingParams:
     """`p` with `extras(...)` from a peer applied; ValueError names a bad one."""
     if not isinstance(d, dict) or any(k not in EXTRAS for k in d):
         raise ValueError(f"sampling extras {d!r}: expected a dict of {', '.join(EXTRAS)}")
-    kinds = {"top_k": int, "min_tokens": int, "ignore_eos": bool}
+    kinds = {"top_k": int, "min_tokens": int, "ignore_eos": bool, "logprobs": int}
     try:
         return replace(p, **{k: kinds.get(k, float)(v) for k, v in d.items()})
     except (TypeError, ValueError) as e:
@@ -126,6 +128,10 @@ class Sampled(Protocol):
     prompt: list[int]
     out: list[int]
     gen: torch.Generator | None
+    lp: TokenLogprob | None  # set by `pick` for a request that asked for logprobs
+
+
+TokenLogprob = tuple[float, tuple[tuple[int, float], ...]]  # the sampled token's logprob, the top (id, logprob)s
 
 
 def pick(logits: torch.Tensor, reqs: Sequence[Sampled | tuple[SamplingParams, torch.Generator | None]],
@@ -133,6 +139,7 @@ def pick(logits: torch.Tensor, reqs: Sequence[Sampled | tuple[SamplingParams, to
     """`logits` [B, V] -> one token per row. A request's row gets its penalties and min_tokens (`adjust`, in one
     pass over the rows that need it); a (params, generator) row (a live peer's: it keeps the history) only its
     temperature / top-k / top-p. Greedy rows take the argmax."""
+    raw = logits  # logprobs are the model's own distribution (vLLM's default), before penalties
     fix = [j for j, r in enumerate(reqs) if not isinstance(r, tuple) and needs_adjust(r.params, len(r.out))]
     if fix:
         logits = logits.clone()
@@ -143,4 +150,14 @@ def pick(logits: torch.Tensor, reqs: Sequence[Sampled | tuple[SamplingParams, to
     for j, r in enumerate(reqs):
         p, gen = r if isinstance(r, tuple) else (r.params, r.gen)
         out.append(greedy[j] if p.temperature <= 0 else sample(logits[j].float().cpu(), p, gen))
+    want = [j for j, r in enumerate(reqs) if not isinstance(r, tuple) and r.params.logprobs is not None]
+    if want:
+        lps = torch.log_softmax(raw[want].float(), dim=-1).cpu()
+        for k, j in enumerate(want):
+            r = reqs[j]
+            assert not isinstance(r, tuple)
+            n = min(r.params.logprobs or 0, lps.shape[1])
+            top = torch.topk(lps[k], n) if n else None
+            alts = () if top is None else tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+            r.lp = (float(lps[k, out[j]]), alts)
     return out
