@@ -29,10 +29,10 @@ class ChoiceLogprobs:
             e: dict[str, Any] = {"token": text, "logprob": logprob, "bytes": list(text.encode()),
                                  "top_logprobs": [{"token": s, "logprob": v, "bytes": list(s.encode())} for s, v in top]}
         else:
-            alts: dict[str, float] = {}
+            best: dict[str, float] = {}
             for t, v in top:  # tokens that decode alike share a key: the likelier one keeps it
-                alts.setdefault(t, v)
-            e = {"token": text, "logprob": logprob, "top": alts, "offset": self.offset}
+                best.setdefault(t, v)
+            e = {"token": text, "logprob": logprob, "top": best, "offset": self.offset}
             self.offset += len(text)
         self.entries.append(e)
         return e
