@@ -12,6 +12,8 @@ built for vLLM port by changing the prefix): every serving metric carries `model
   length, velocity.py's buckets: the operator weights the per-bucket prefill velocities by this demand,
   kascade_planner.prefillvelocity.demand_weighted)
   kascade_time_to_first_token_seconds, kascade_inter_token_latency_seconds, kascade_e2e_request_latency_seconds
+  kascade_request_queue_time_seconds, _prefill_time_seconds (prompts prefilled here: arrival -> first step ->
+  first token), kascade_request_decode_time_seconds (first -> last token), kascade_request_prompt_tokens (histogram)
 Kascade's own: blocks resident, weight transfer bytes and bandwidth, weight transfers that failed on this
 engine (`kascade_weight_transfer_failures_total`, the transfer-failure alert), live-split requests and layers,
 `kascade_data_port_bytes_total{transport,direction}`: payload bytes of the data port's connections
@@ -73,6 +75,14 @@ class EngineMetrics:
                                             buckets=TOKENS).labels(model_name)
         self._success = Counter("kascade_request_success", "Finished requests by finish reason",
                                 ["model_name", "finished_reason"], registry=r)
+        self.request_prompt_tokens = Histogram("kascade_request_prompt_tokens", "Prompt tokens per accepted request",
+                                               lbl, registry=r, buckets=TOKENS).labels(model_name)
+        self.queue_time = hist("kascade_request_queue_time_seconds",
+                               "Arrival to the request's first step (prompts prefilled here)")
+        self.prefill_time = hist("kascade_request_prefill_time_seconds",
+                                 "First step to first token (prompts prefilled here)")
+        self.decode_time = hist("kascade_request_decode_time_seconds",
+                                "First token to last token (requests that finished by stop or length)")
         self.ttft = hist("kascade_time_to_first_token_seconds", "Time to first token")
         self.itl = hist("kascade_inter_token_latency_seconds", "Time between consecutive tokens of a request")
         self.e2e = hist("kascade_e2e_request_latency_seconds", "Arrival to last token")
@@ -125,6 +135,7 @@ class EngineMetrics:
 
     def on_request(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
+        self.request_prompt_tokens.observe(prompt_tokens)
         self._prompt_arrived.labels(self.model_name, bucket(prompt_tokens, PROMPT_BUCKETS)).inc(prompt_tokens)
         self.arrived.inc()
 
@@ -144,12 +155,21 @@ class EngineMetrics:
     def observe_ttft(self, seconds: float) -> None:
         self.ttft.observe(seconds)
 
-    def on_finish(self, reason: str, seconds: float, generated: int = 0) -> None:
-        """`generated`: the tokens the request produced (its output length, when it finished by stop or length)."""
+    def observe_phases(self, queued_s: float | None, ttft_s: float) -> None:
+        """A prompt prefilled here (`queued_s` known): its queue time, and the rest of its TTFT as prefill time."""
+        if queued_s is not None:
+            self.queue_time.observe(queued_s)
+            self.prefill_time.observe(max(0.0, ttft_s - queued_s))
+
+    def on_finish(self, reason: str, seconds: float, generated: int = 0, decode_s: float | None = None) -> None:
+        """`generated`: the tokens the request produced (its output length, when it finished by stop or length);
+        `decode_s`: first token to last."""
         self._success.labels(self.model_name, reason).inc()
         self.e2e.observe(seconds)
         if reason in ("stop", "length"):
             self.request_gen_tokens.observe(generated)
+            if decode_s is not None:
+                self.decode_time.observe(decode_s)
 
     def update(self, inst: Any) -> None:
         s = inst.engine.scheduler

@@ -263,6 +263,7 @@ class Serving:
         """The request's events until it finishes; closing early (client gone) aborts it at once."""
         q = self.queues[rid]
         t0, first, reason, generated = time.monotonic(), True, "abort", 0
+        t1 = t0  # the first token's time
         try:
             while True:
                 ev = await q.get()
@@ -271,7 +272,9 @@ class Serving:
                     why = ev if isinstance(ev, Exception) else ev.reason
                     raise RequestError(500, f"engine failed on this request: {why}", None, "server_error")
                 if first:
-                    self.inst.metrics.observe_ttft(time.monotonic() - t0)
+                    t1 = time.monotonic()
+                    self.inst.metrics.observe_ttft(t1 - t0)
+                    self.inst.metrics.observe_phases(ev.queued_s, t1 - t0)
                     first = False
                 generated += 1
                 if ev.finished:
@@ -282,7 +285,8 @@ class Serving:
         finally:
             self.queues.pop(rid, None)
             self.drop(rid)
-            self.inst.metrics.on_finish(self._ended.pop(rid, reason), time.monotonic() - t0, generated)
+            self.inst.metrics.on_finish(self._ended.pop(rid, reason), time.monotonic() - t0, generated,
+                                        None if first else time.monotonic() - t1)
             if rid in self.inst.engine.requests or reason == "abort":  # the client went away: free its pages
                 # (or abort it on the live pair it was redirected to)
                 self.abort(rid)

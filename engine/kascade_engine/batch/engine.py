@@ -23,7 +23,7 @@ import torch
 from kascade_engine.batch.kvcache import KVCache, build_batch
 from kascade_engine.batch.model import LlamaModel
 from kascade_engine.batch.recorder import StepRecorder
-from kascade_engine.batch.sampling import SamplingParams, sample
+from kascade_engine.batch.sampling import SamplingParams, TokenLogprob, pick, stops_here
 from kascade_engine.batch.scheduler import Limits, Scheduler, Seq, Work
 from kascade_engine.batch.stepcost import StepCost
 from kascade_engine.batch.velocity import VelocityMeter
@@ -40,6 +40,8 @@ class Request:
     out: list[int] = field(default_factory=list)
     first_token_at: float | None = None
     gen: torch.Generator | None = None
+    scheduled_at: float | None = None  # its first chunk's step began (queue time = scheduled_at - arrival)
+    lp: TokenLogprob | None = None  # the logprobs of the token just sampled (params.logprobs set)
 
     @property
     def tokens(self) -> list[int]:
@@ -56,6 +58,8 @@ class Event:
     # converted decoder's answer names who prefilled its prompt from it (serving.Serving.decide), not from the
     # hand-back's intent: a hand-back whose remote prefill failed is prefilled here after all
     prefilled_by: str | None = None
+    queued_s: float | None = None  # on a first token prefilled here: seconds from arrival to its first step
+    logprob: TokenLogprob | None = None  # asked for (params.logprobs) and sampled on this engine
 
 
 # Step hooks: what the live-scaling and disaggregation wings plug into a step, as a protocol owned by the
@@ -161,6 +165,11 @@ class Engine:
         if not work and not (self.coop is not None and self.coop.pending()):
             return events
         self.steps += 1
+        now = time.monotonic()
+        for w in work:
+            r = self.requests[w.id]
+            if r.scheduled_at is None:
+                r.scheduled_at = now
         # which chunks sample, fixed before the forward: a live pair's answer to this very step can land inside
         # it (pairclient.PairClient lands every answer that is back), adding the token (len(tokens) grows) or
         # finishing the request (it leaves `requests`); the recorder's facts likewise
@@ -206,13 +215,7 @@ class Engine:
         return m.logits(h[torch.tensor(rows, dtype=torch.long, device=m.device)])
 
     def _sample(self, work: list[Work], logits: torch.Tensor) -> list[int]:
-        greedy = logits.argmax(dim=-1).tolist()
-        out = []
-        sampled = [w for w in work if w.end == len(self.requests[w.id].tokens)]
-        for j, w in enumerate(sampled):
-            r = self.requests[w.id]
-            out.append(greedy[j] if r.params.temperature <= 0 else sample(logits[j].cpu(), r.params, r.gen))
-        return out
+        return pick(logits, [self.requests[w.id] for w in work if w.end == len(self.requests[w.id].tokens)], self.eos)
 
     def _fail(self, work: list[Work], e: Exception) -> list[Event]:
         log.warning("step failed for %d requests: %s", len(work), e, exc_info=log.isEnabledFor(logging.INFO))
@@ -246,14 +249,16 @@ class Engine:
         r.out.append(tok)
         r.first_token_at = r.first_token_at or now
         reason = None
-        if tok == self.eos or tok in r.params.stop_token_ids:
+        if stops_here(r.params, tok, self.eos, len(r.out)):
             reason = "stop"
         elif len(r.out) >= r.params.max_tokens:
             reason = "length"
         if reason:
             self.scheduler.finish(rid)
             self.requests.pop(rid, None)
-        return Event(rid, tok, reason is not None, reason)
+        queued = r.scheduled_at - r.arrival if len(r.out) == 1 and r.scheduled_at is not None else None
+        lp, r.lp = r.lp, None
+        return Event(rid, tok, reason is not None, reason, queued_s=queued, logprob=lp)
 
     def generate(self, prompt: list[int], params: SamplingParams) -> list[int]:
         """Run one request to completion (tests, benchmarks)."""

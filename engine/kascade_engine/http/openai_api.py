@@ -5,8 +5,9 @@ Supported: `/v1/completions` (prompt: text, token ids, or a list of either) and 
 (roles system, developer, user, assistant; content as a string or text parts), `n` (up to the
 engine's --max-n), `stop` (up to 4 strings, matched on the decoded text, never streamed past),
 `max_tokens` / `max_completion_tokens` (chat default: whatever fits in the context), `seed`,
-`temperature`, `top_p`, `stream` with `stream_options.include_usage`. `usage` on every non-streamed
-response. Fields that would change the result and are not implemented (tools, logprobs, penalties,
+`temperature`, `top_p`, `presence_penalty`, `frequency_penalty`, and vLLM's `top_k`, `min_tokens`,
+`ignore_eos`, `repetition_penalty`, `stop_token_ids`; `logprobs` (completions: int) or `logprobs` + `top_logprobs` (chat); `stream` with `stream_options.include_usage`. `usage` on every non-streamed
+response. Fields that would change the result and are not implemented (tools,
 logit_bias, echo, best_of, suffix, non-text content, json response formats) are a 400 naming the field,
 never silently ignored.
 
@@ -24,6 +25,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from kascade_engine.http.detokenizer import Detokenizer
 
 MAX_STOP = 4
+MAX_LOGPROBS = 20  # top alternatives per token (vLLM's default cap; OpenAI's is 5 for completions, 20 for chat)
+
+
+def logprob_count(body: _Common) -> int | None:
+    """How many top alternatives per token the request asked for; None: no logprobs."""
+    if isinstance(body, ChatBody):
+        return (body.top_logprobs or 0) if body.logprobs else None
+    return None if body.logprobs is None or isinstance(body.logprobs, bool) else body.logprobs
 
 
 class StreamOptions(BaseModel):
@@ -43,8 +52,14 @@ class _Common(BaseModel):
     n: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
     logprobs: bool | int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    # vLLM's extra sampling parameters (the openai client sends them in extra_body)
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
+    min_tokens: int | None = Field(None, ge=0)
+    ignore_eos: bool | None = None
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    stop_token_ids: list[int] | None = Field(None, max_length=64)
     logit_bias: dict[str, float] | None = None
 
     def stops(self) -> tuple[str, ...]:
@@ -90,11 +105,9 @@ def refused(body: _Common, max_n: int) -> tuple[str, str] | None:
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stops) > MAX_STOP:
         return "stop", f"at most {MAX_STOP} stop strings, got {len(stops)}"
-    if body.logprobs:
-        return "logprobs", "logprobs are not supported by this engine"
-    for f in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, f):
-            return f, f"{f} is not supported by this engine (use 0)"
+    if isinstance(body, CompletionBody) and body.logprobs is not None and (
+            isinstance(body.logprobs, bool) or not 0 <= body.logprobs <= MAX_LOGPROBS):
+        return "logprobs", f"an int in 0..{MAX_LOGPROBS} (top alternatives per token), got {body.logprobs!r}"
     if body.logit_bias:
         return "logit_bias", "logit_bias is not supported by this engine"
     if isinstance(body, CompletionBody):
@@ -107,9 +120,16 @@ def refused(body: _Common, max_n: int) -> tuple[str, str] | None:
     if isinstance(body, ChatBody):
         tool_choice = body.tool_choice if body.tool_choice != "none" else None
         for f, v in (("tools", body.tools), ("tool_choice", tool_choice), ("functions", body.functions),
-                     ("function_call", body.function_call), ("top_logprobs", body.top_logprobs)):
+                     ("function_call", body.function_call)):
             if v:
-                return f, f"{f}: tool and function calls (and logprobs) are not supported by this engine"
+                return f, f"{f}: tool and function calls are not supported by this engine"
+        if body.logprobs is not None and not isinstance(body.logprobs, bool):
+            return "logprobs", f"a boolean for chat (top_logprobs says how many alternatives), got {body.logprobs!r}"
+        if body.top_logprobs is not None:
+            if not body.logprobs:
+                return "top_logprobs", "top_logprobs needs logprobs: true"
+            if not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+                return "top_logprobs", f"an int in 0..{MAX_LOGPROBS}, got {body.top_logprobs}"
         if body.response_format and body.response_format.get("type", "text") != "text":
             return "response_format", f"response_format {body.response_format.get('type')!r} is not supported (text only)"
         for i, m in enumerate(body.messages):

@@ -18,13 +18,14 @@ from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
 from kascade_engine.batch.sampling import SamplingParams
-from kascade_engine.http.openai_api import ChatBody, TextStop, _Common
+from kascade_engine.http.logprobs import ChoiceLogprobs
+from kascade_engine.http.openai_api import ChatBody, TextStop, _Common, logprob_count
 from kascade_engine.serving import RequestError
 
 if TYPE_CHECKING:
     from kascade_engine.instance import EngineInstance
 
-Emit = Callable[[int, str, "str | None"], None]
+Emit = Callable[[int, str, "str | None", "dict[str, Any] | None"], None]  # index, text, finish, logprob entry
 
 
 class Call:
@@ -35,13 +36,21 @@ class Call:
         self.created = int(time.time())
         self.stops = body.stops()
         n = body.n or 1
+        self.lp_k = logprob_count(body)
         self.rids: list[str] = []
         try:
             for p in prompts:
                 for j in range(n):
                     seed = None if body.seed is None else body.seed + j  # n choices differ, each reproducible
                     params = SamplingParams(max_tokens, body.temperature or 0.0,
-                                            1.0 if body.top_p is None else body.top_p, seed)
+                                            1.0 if body.top_p is None else body.top_p, seed,
+                                            top_k=max(body.top_k or 0, 0), min_tokens=body.min_tokens or 0,
+                                            ignore_eos=bool(body.ignore_eos),
+                                            repetition_penalty=body.repetition_penalty or 1.0,
+                                            frequency_penalty=body.frequency_penalty or 0.0,
+                                            presence_penalty=body.presence_penalty or 0.0,
+                                            stop_token_ids=tuple(body.stop_token_ids or ()),
+                                            logprobs=self.lp_k)
                     self.rids.append(inst.serving.submit(p, params, prefill, fallback))
         except Exception:
             for rid in self.rids:
@@ -49,6 +58,7 @@ class Call:
             raise
         self.id = self.rids[0].replace("cmpl-", "chatcmpl-" if self.chat else "cmpl-")
         self.completion_tokens = [0] * len(self.rids)
+        self.lps = [ChoiceLogprobs(inst.tokenizer.decode, self.chat) for _ in self.rids]
 
     async def _choice(self, idx: int, emit: Emit) -> tuple[str, str]:
         serving, rid = self.inst.serving, self.rids[idx]
@@ -58,15 +68,19 @@ class Call:
             async for ev in events:
                 self.completion_tokens[idx] += 1
                 piece = ts.feed(ev.token, ev.finished)
+                entry = None if ev.logprob is None or self.lp_k is None else self.lps[idx].add(ev.token, ev.logprob)
                 if ts.stopped:
                     reason = "stop"
                     serving.stop(rid)  # a stop string: the request ends here, its pages are freed
-                    emit(idx, piece, reason)
+                    emit(idx, piece, reason, entry)
                     break
                 if ev.finished:
                     reason = ev.reason or "stop"
-                emit(idx, piece, reason if ev.finished else None)
+                emit(idx, piece, reason if ev.finished else None, entry)
         return ts.text, reason
+
+    def _lp(self, i: int) -> dict[str, Any] | None:
+        return None if self.lp_k is None else self.lps[i].doc(self.lps[i].entries)
 
     def usage(self) -> dict[str, int]:
         p, c = sum(len(x) for x in self.prompts), sum(self.completion_tokens)
@@ -87,19 +101,19 @@ class Call:
         for i, (text, reason) in enumerate(results):
             if self.chat:
                 choices.append({"index": i, "message": {"role": "assistant", "content": text, "refusal": None},
-                                "finish_reason": reason, "logprobs": None})
+                                "finish_reason": reason, "logprobs": self._lp(i)})
             else:
-                choices.append({"index": i, "text": text, "finish_reason": reason, "logprobs": None})
+                choices.append({"index": i, "text": text, "finish_reason": reason, "logprobs": self._lp(i)})
         return {**self._head(False), "choices": choices, "usage": self.usage(), "system_fingerprint": None}
 
     async def sse(self) -> AsyncIterator[bytes]:
-        q: asyncio.Queue[tuple[int, str, str | None] | BaseException | None] = asyncio.Queue()
+        q: asyncio.Queue[tuple[int, str, str | None, dict[str, Any] | None] | BaseException | None] = asyncio.Queue()
         include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
         extra = {"usage": None} if include_usage else {}
 
         async def run(i: int) -> None:
             try:
-                await self._choice(i, lambda idx, piece, reason: q.put_nowait((idx, piece, reason)))
+                await self._choice(i, lambda idx, piece, reason, lp: q.put_nowait((idx, piece, reason, lp)))
             except BaseException as e:
                 q.put_nowait(e)
             finally:
@@ -124,12 +138,13 @@ class Call:
                     msg = item.message if isinstance(item, RequestError) else str(item)
                     yield data({"error": {"message": msg, "type": "server_error", "param": None, "code": 500}})
                     continue
-                i, piece, reason = item
+                i, piece, reason, entry = item
+                lp = None if entry is None else self.lps[i].doc([entry])
                 if self.chat:
                     choice = {"index": i, "delta": {"content": piece} if piece or reason is None else {},
-                              "finish_reason": reason, "logprobs": None}
+                              "finish_reason": reason, "logprobs": lp}
                 else:
-                    choice = {"index": i, "text": piece, "finish_reason": reason, "logprobs": None}
+                    choice = {"index": i, "text": piece, "finish_reason": reason, "logprobs": lp}
                 yield data({**self._head(True), "choices": [choice], **extra})
             if include_usage:
                 yield data({**self._head(True), "choices": [], "usage": self.usage()})

@@ -1,5 +1,5 @@
 """The HTTP server: OpenAI-compatible completions (streaming SSE), the control API under /kascade/v1/
-(bearer token), /metrics, /healthz, /readyz.
+(bearer token), /metrics, /healthz and /health (vLLM's), /readyz; unknown routes get OpenAI's error shape.
 
 Data flow: HTTP body -> pydantic request model (openai_api.py; 400 naming the field on failure, and
 for fields this engine does not implement) -> tokenizer -> context check -> `responder.Call` (one
@@ -81,7 +81,13 @@ def create_app(inst: EngineInstance) -> FastAPI:
         return _err(exc.status, exc.message, exc.field, kind)
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # OpenAI clients parse every error body: an unknown route or method is OpenAI-shaped too, naming it
+        if exc.status_code == 404:
+            return _err(404, f"no route {request.method} {request.url.path} on this engine", None, "not_found_error")
+        if exc.status_code == 405:
+            return _err(405, f"method {request.method} is not allowed on {request.url.path}", None,
+                        "method_not_allowed")
         return _err(exc.status_code, str(exc.detail))
 
     def check_model(model: str) -> None:
@@ -112,6 +118,13 @@ def create_app(inst: EngineInstance) -> FastAPI:
             want = body.max_completion_tokens or body.max_tokens or ctx - longest  # default: what fits
         else:
             want = body.max_tokens or 16  # OpenAI's completions default
+        vocab = inst.model.shape.vocab
+        if any(not 0 <= t < vocab for t in body.stop_token_ids or ()):
+            raise RequestError(400, f"invalid field 'stop_token_ids': token ids must be in 0..{vocab - 1}",
+                               "stop_token_ids")
+        if (body.min_tokens or 0) > want:
+            raise RequestError(400, f"invalid field 'min_tokens': {body.min_tokens} exceeds {field} ({want})",
+                               "min_tokens")
         if longest + want > ctx:
             raise RequestError(400, f"prompt ({longest} tokens) + {field} ({want}) exceeds the context of {ctx} "
                                "tokens", field)
@@ -166,6 +179,10 @@ def create_app(inst: EngineInstance) -> FastAPI:
     @app.get("/healthz")
     async def healthz() -> PlainTextResponse:
         return PlainTextResponse("ok")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)  # vLLM's liveness: the process answers (readiness is /readyz)
 
     @app.get("/readyz")
     async def readyz() -> PlainTextResponse:

@@ -45,7 +45,7 @@ from kascade_engine.batch.emulation import layer_cost, pace
 from kascade_engine.batch.engine import Event
 from kascade_engine.batch.kvcache import KVCache, build_batch
 from kascade_engine.batch.model import LlamaModel
-from kascade_engine.batch.sampling import SamplingParams, sample
+from kascade_engine.batch.sampling import Sampled, SamplingParams, pick
 from kascade_engine.live import migration
 from kascade_engine.live.redirect import Redirects
 
@@ -137,10 +137,6 @@ def _segments(model: LlamaModel, cache: KVCache, rows: list[Row], knee_tokens: i
         cost += layer_cost(sum(r.n for r in present), v - u, knee_tokens)
         _run(model, cache, present, u, v)
     return cost
-
-
-def pick_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-    return int(logits.argmax()) if params.temperature <= 0 else sample(logits.cpu(), params, gen)
 
 
 def own_rows(engine: Engine, work: list[Work], end: Callable[[str], int]) -> tuple[list[Row], list[int]]:
@@ -259,8 +255,8 @@ class HostRows:
         self.forwarded.difference_update(down_ends)
         try:
             rows, sampling = own_rows(engine, work, lambda _: L)
-            picks: list[tuple[torch.Generator | None, SamplingParams]] = [
-                (engine.requests[work[i].id].gen, engine.requests[work[i].id].params) for i in sampling]
+            picks: list[Sampled | tuple[SamplingParams, torch.Generator | None]] = [
+                engine.requests[work[i].id] for i in sampling]
             accepted: list[tuple[PairStep, list[tuple[Row, list[Any]]]]] = []
             for pair in closed:
                 self.redirects.close_pair(engine, pair)
@@ -306,14 +302,14 @@ class HostRows:
                     elif meta[4]:
                         here.append(row.x[-1:])
                         slots.append((st, n_tok, key))
-                        picks.append((self.gens[key], SamplingParams(temperature=float(meta[5]),
-                                                                     top_p=float(meta[6]))))
+                        picks.append((SamplingParams(temperature=float(meta[5]), top_p=float(meta[6])),
+                                      self.gens[key]))
                     n_tok += bool(meta[4])
                 step_toks[id(st)] = [-1] * n_tok
             toks: list[int] = []
             if here:
                 logits = m.logits(torch.cat(here))
-                toks = [pick_token(logits[j], p, g) for j, (g, p) in enumerate(picks)]
+                toks = pick(logits, picks, engine.eos)
             for (st, j, key), tok in zip(slots, toks[len(sampling):], strict=True):
                 step_toks[id(st)][j] = tok
                 self.redirects.token(key, tok, engine.eos)

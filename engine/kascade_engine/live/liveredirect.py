@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kascade_engine.batch import timeline
 from kascade_engine.batch.engine import Event
-from kascade_engine.batch.sampling import SamplingParams
+from kascade_engine.batch.sampling import SamplingParams, extras
 from kascade_engine.live.redirect import params_from_wire, requeue
 from kascade_engine.net.transport import Connection, TransportError
 
@@ -230,7 +230,8 @@ class Forwarder:
                 p = r.params
                 self.handed[r.id] = Forwarded(r.id, list(r.prompt), p)
                 timeline.mark("a-forward", r.id, queue=len(sch.waiting), peer=self.peer)
-                out.append([r.id, r.prompt, p.max_tokens, p.temperature, p.top_p, p.seed, list(p.stop_token_ids)])
+                out.append([r.id, r.prompt, p.max_tokens, p.temperature, p.top_p, p.seed, list(p.stop_token_ids)]
+                           + ([extras(p)] if extras(p) else []))
             if out:
                 self.in_transit += len(out)
                 q = len(sch.waiting)

@@ -27,8 +27,9 @@ from kascade_engine.batch import timeline
 from kascade_engine.batch.emulation import pace
 from kascade_engine.batch.engine import Event
 from kascade_engine.batch.model import LlamaModel
+from kascade_engine.batch.sampling import pick
 from kascade_engine.live import migration
-from kascade_engine.live.cooperation import Row, own_rows, pick_token, staggered
+from kascade_engine.live.cooperation import Row, own_rows, staggered
 from kascade_engine.live.livepolicy import ZigZagPolicy, hold_until
 from kascade_engine.live.redirect import params_from_wire
 from kascade_engine.net.transport import Connection
@@ -158,9 +159,8 @@ class PairClient:
         toks: dict[int, int | None] = {i: None for i in sampling}  # None: out on A, delivered when it lands
         if local:
             logits = m.logits(torch.cat([rows[i].x[-1:] for i in local]))
-            for j, i in enumerate(local):
-                r = engine.requests[work[i].id]
-                toks[i] = pick_token(logits[j], r.params, r.gen)
+            for i, tok in zip(local, pick(logits, [engine.requests[work[i].id] for i in local], engine.eos), strict=True):
+                toks[i] = tok
         move, self.moving = self.moving, []
         if far or ends or move or self.refused or (self.peer_queued and not self.inflight):
             self._send(engine, work, rows, far, set(sampling), ends, move)

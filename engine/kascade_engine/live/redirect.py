@@ -38,7 +38,7 @@ import torch
 
 from kascade_engine.batch import timeline
 from kascade_engine.batch.engine import Event
-from kascade_engine.batch.sampling import SamplingParams
+from kascade_engine.batch.sampling import SamplingParams, extras, stops_here, with_extras
 
 if TYPE_CHECKING:
     from kascade_engine.batch.engine import Engine
@@ -69,13 +69,16 @@ def requeue(engine: Engine, rid: str, prompt: list[int], params: SamplingParams,
 
 def params_from_wire(entry: list[Any]) -> tuple[str, list[int], SamplingParams]:
     """B's side: one "redirect" entry -> (request id, prompt, params); ValueError names what is wrong."""
-    if not (isinstance(entry, list) and len(entry) == 7 and isinstance(entry[0], str) and isinstance(entry[1], list)):
-        raise ValueError(f"redirect entry {entry!r} must be [req, prompt, max_tokens, temperature, top_p, seed, stop]")
-    rid, prompt, max_tokens, temperature, top_p, seed, stop = entry
+    if not (isinstance(entry, list) and len(entry) in (7, 8) and isinstance(entry[0], str)
+            and isinstance(entry[1], list)):
+        raise ValueError(f"redirect entry {entry!r} must be [req, prompt, max_tokens, temperature, top_p, seed, stop"
+                         "(, sampling extras)]")
+    rid, prompt, max_tokens, temperature, top_p, seed, stop = entry[:7]
     if not all(isinstance(t, int) for t in prompt) or not isinstance(max_tokens, int) or not isinstance(stop, list):
         raise ValueError(f"redirect entry for {rid!r}: prompt/stop must be int lists and max_tokens an int")
-    return rid, prompt, SamplingParams(max_tokens, float(temperature), float(top_p),
-                                       None if seed is None else int(seed), tuple(int(t) for t in stop))
+    params = SamplingParams(max_tokens, float(temperature), float(top_p),
+                            None if seed is None else int(seed), tuple(int(t) for t in stop))
+    return rid, prompt, with_extras(params, entry[7]) if len(entry) == 8 else params
 
 
 class Redirects:
@@ -108,7 +111,8 @@ class Redirects:
             p = r.params
             self.handed[f"pair{pair}/{r.id}"] = Handed(r.id, list(r.prompt), p, pair)
             timeline.mark("a-redirect", r.id, queue=len(sch.waiting))
-            out.append([r.id, r.prompt, p.max_tokens, p.temperature, p.top_p, p.seed, list(p.stop_token_ids)])
+            out.append([r.id, r.prompt, p.max_tokens, p.temperature, p.top_p, p.seed, list(p.stop_token_ids)]
+                       + ([extras(p)] if extras(p) else []))
         self.total += len(out)
         self.sent[pair] = sent + len(out)
         return out
@@ -119,7 +123,7 @@ class Redirects:
         if h is None:
             return
         h.out.append(tok)
-        reason = ("stop" if tok == eos or tok in h.params.stop_token_ids
+        reason = ("stop" if stops_here(h.params, tok, eos, len(h.out))
                   else "length" if len(h.out) >= h.params.max_tokens else None)
         self.events.append(Event(h.rid, tok, reason is not None, reason))
         if reason:

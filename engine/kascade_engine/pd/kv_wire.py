@@ -3,7 +3,7 @@
 
 Session (one authenticated data-plane connection D -> P, opened through the same hello as activation
 connections and reused for the next request once this one is done):
-  D -> P  {"op": "prefill", "req", "tokens": [...], "params": {temperature, top_p, seed},
+  D -> P  {"op": "prefill", "req", "tokens": [...], "params": {temperature, top_p, seed, extras},
            "layers", "kv_heads", "head_dim", "dtype",          (D's model shape: P refuses a mismatch)
            "waited_s" (optional),                             how long the prompt already waited before this
                                                               op (a converted decoder's hand-back): P queues
@@ -83,10 +83,12 @@ class PrefillOp:
     shape: KVShape
     waited_s: float = 0.0
     fallback: str | None = None
+    extras: dict[str, Any] = field(default_factory=dict)  # sampling.extras: penalties, min_tokens, top_k...
 
     def to_header(self) -> Header:
         h: Header = {"op": "prefill", "req": self.req, "tokens": self.tokens,
-                     "params": {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed},
+                     "params": {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
+                                **self.extras},
                      **self.shape.to_header()}
         if self.waited_s > 0:
             h["waited_s"] = self.waited_s

@@ -31,7 +31,7 @@ import torch
 from kascade_engine.batch.emulation import layer_cost, pace
 from kascade_engine.batch.engine import Event
 from kascade_engine.batch.kvcache import build_batch
-from kascade_engine.batch.sampling import SamplingParams, sample
+from kascade_engine.batch.sampling import EXTRAS, SamplingParams, pick, with_extras
 from kascade_engine.net.transport import Connection, TransportError
 from kascade_engine.pd.handback import SERVED
 from kascade_engine.pd.kv_wire import Header, KVShape, KVWireError, digest, fallback, kv_header, waited_s
@@ -192,11 +192,8 @@ class KVShipper:
             pace(t0, (layer + 1) * per_layer, layer_s)
             self._ship(engine, remote, layer)
         logits = m.logits(h[torch.tensor(rows, dtype=torch.long, device=m.device)])
-        out = []
-        for j, w in enumerate(w for w in work if w.end == len(engine.requests[w.id].tokens)):
-            r = engine.requests[w.id]
-            out.append(int(logits[j].argmax()) if r.params.temperature <= 0 else sample(logits[j].cpu(), r.params, r.gen))
-        return out
+        return pick(logits, [engine.requests[w.id] for w in work if w.end == len(engine.requests[w.id].tokens)],
+                    engine.eos)
 
 
 def _tokens(h: Header, vocab: int, limit: int) -> list[int]:
@@ -212,8 +209,9 @@ def _params(h: Header) -> SamplingParams:
     p = h.get("params") or {}
     try:
         seed = p.get("seed")
-        return SamplingParams(max_tokens=1, temperature=float(p.get("temperature", 0.0)),
+        base = SamplingParams(max_tokens=1, temperature=float(p.get("temperature", 0.0)),
                               top_p=float(p.get("top_p", 1.0)), seed=None if seed is None else int(seed))
+        return with_extras(base, {k: v for k, v in p.items() if k in EXTRAS})
     except (TypeError, ValueError, AttributeError) as e:
         raise KVWireError(f"field 'params': {e}") from None
 

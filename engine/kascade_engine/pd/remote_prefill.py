@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from kascade_engine.batch.engine import Event, Request
-from kascade_engine.batch.sampling import SamplingParams
+from kascade_engine.batch.sampling import SamplingParams, extras, stops_here
 from kascade_engine.batch.scheduler import Seq
 from kascade_engine.net.peerpool import PeerPool
 from kascade_engine.net.transport import Connection, TransportError
@@ -222,7 +222,7 @@ class RemotePrefill:
         try:
             waited = 0.0 if arrived is None else max(0.0, time.monotonic() - arrived)
             await conn.send(PrefillOp(rid, prompt, params.temperature, params.top_p, params.seed, shape,
-                                      waited, fallback).to_header())
+                                      waited, fallback, extras(params)).to_header())
             if settles:  # the op reached a prefill engine (a dead one fails above): the answer can name it now
                 self.inst.serving.decide(rid, peer)
             n = len(prompt)
@@ -296,7 +296,7 @@ class RemotePrefill:
         if rid not in self.inst.serving.queues:
             return []
         n = len(prompt)
-        done = "stop" if token == eng.eos or token in params.stop_token_ids else (
+        done = "stop" if stops_here(params, token, eng.eos, 1) else (
             "length" if params.max_tokens <= 1 else None)
         sched = eng.scheduler
         if done is None and (len(sched.running) >= eng.limits.max_seqs or not sched.pool.grow(rid, n + 1)):
