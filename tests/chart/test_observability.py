@@ -33,7 +33,7 @@ def rendered_rules(helm: Helm, *values: str) -> dict[str, Any]:
     out = helm("template", "rel", str(CHART), "--show-only", "templates/monitoring.yaml",
                "--set", "monitoring.prometheusRule.enabled=true", "--api-versions", "monitoring.coreos.com/v1/PrometheusRule", *values).stdout
     rule = next(d for d in yaml.safe_load_all(out) if d and d["kind"] == "PrometheusRule")
-    return rule["spec"]  # type: ignore[no-any-return]
+    return rule["spec"]
 
 
 @pytest.fixture(scope="module")

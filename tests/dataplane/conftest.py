@@ -40,7 +40,7 @@ def netlab() -> ModuleType:
 @pytest.fixture(scope="session")
 def tiny_blocks(tmp_path_factory: pytest.TempPathFactory, harness: ModuleType) -> BlockSet:
     path = harness.tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", layers=6, hidden=128)
-    return harness.packed(path)  # type: ignore[no-any-return]
+    return harness.packed(path)
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,7 @@ def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_blocks(tiny_ckpt: Path):  # type: ignore[no-untyped-def]
+def tiny_blocks(tiny_ckpt: Path):
     return pack_checkpoint(tiny_ckpt, model="tiny-llama")
 
 
@@ -49,5 +49,5 @@ def engine_a(tiny_ckpt: Path) -> Iterator[EngineProc]:
 
 
 @pytest.fixture(scope="session")
-def engine_starter():  # type: ignore[no-untyped-def]
+def engine_starter():
     return start_engine
