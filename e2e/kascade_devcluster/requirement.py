@@ -6,6 +6,7 @@ CI (CI=true) installs every requirement, so a skip there would hide a broken ins
 from __future__ import annotations
 
 import os
+from typing import NoReturn
 
 import pytest
 
@@ -14,7 +15,7 @@ def in_ci() -> bool:
     return os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 
 
-def unavailable(reason: str) -> None:
+def unavailable(reason: str) -> NoReturn:
     """Skip the calling test (locally) or fail it (in CI), naming what is missing."""
     if in_ci():
         pytest.fail(f"required in CI but unavailable: {reason}")

@@ -9,7 +9,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _gen():  # type: ignore[no-untyped-def]
+def _gen():
     spec = importlib.util.spec_from_file_location("gen_api_reference", REPO / "hack" / "gen_api_reference.py")
     assert spec and spec.loader
     mod = importlib.util.module_from_spec(spec)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 from typing import Any
@@ -11,13 +10,9 @@ import jsonschema
 import pytest
 import yaml
 from pydantic import BaseModel, ValidationError
+from schema_walk import crd_fields, pydantic_fields
 
 from kascade_operator.api import ModelService, ScalePlan
-
-_spec = importlib.util.spec_from_file_location("schema_walk", Path(__file__).with_name("schema_walk.py"))
-assert _spec and _spec.loader
-schema_walk = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(schema_walk)
 
 REPO = Path(__file__).resolve().parents[2]
 KINDS: dict[str, tuple[str, type[BaseModel]]] = {
@@ -31,13 +26,13 @@ INVALID = sorted((REPO / "tests" / "data" / "invalid").glob("*.yaml"))
 def crd_schema(kind: str) -> dict[str, Any]:
     crd = yaml.safe_load((REPO / "crds" / KINDS[kind][0]).read_text())
     (version,) = crd["spec"]["versions"]
-    return version["schema"]["openAPIV3Schema"]  # type: ignore[no-any-return]
+    return version["schema"]["openAPIV3Schema"]
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_same_fields_types_bounds_defaults(kind: str) -> None:
-    crd = schema_walk.crd_fields(crd_schema(kind))
-    pyd = schema_walk.pydantic_fields(KINDS[kind][1].model_json_schema(by_alias=True))
+    crd = crd_fields(crd_schema(kind))
+    pyd = pydantic_fields(KINDS[kind][1].model_json_schema(by_alias=True))
     # metadata and the opaque plan payload are free-form objects on both sides.
     only_crd = sorted(set(crd) - set(pyd))
     only_pyd = sorted(set(pyd) - set(crd))
@@ -53,13 +48,13 @@ def test_walker_notices_a_missing_field() -> None:
     """The agreement test can fail: drop one property from the CRD side and it is reported."""
     schema = crd_schema("ModelService")
     del schema["properties"]["spec"]["properties"]["slo"]["properties"]["tbtMs"]
-    crd = schema_walk.crd_fields(schema)
-    pyd = schema_walk.pydantic_fields(ModelService.model_json_schema(by_alias=True))
+    crd = crd_fields(schema)
+    pyd = pydantic_fields(ModelService.model_json_schema(by_alias=True))
     assert set(pyd) - set(crd) == {"spec.slo.tbtMs"}
 
 
 def _load(path: Path) -> dict[str, Any]:
-    return yaml.safe_load(path.read_text())  # type: ignore[no-any-return]
+    return yaml.safe_load(path.read_text())
 
 
 @pytest.mark.parametrize("path", SAMPLES, ids=[p.name for p in SAMPLES])

@@ -236,7 +236,7 @@ def _render(helm: Helm, tmp: Path, values: dict[str, Any]) -> list[dict[str, Any
 
 def _deployment(docs: list[dict[str, Any]], name: str) -> dict[str, Any]:
     """The first container of Deployment `name`."""
-    return next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == name)[  # type: ignore[no-any-return]
+    return next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == name)[
         "spec"]["template"]["spec"]["containers"][0]
 
 
@@ -344,7 +344,7 @@ def test_pool_transport_reaches_pool_engines_fallback_pods_and_the_network_polic
 
     def engine_to_engine_ports(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         np = next(d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "rel-engines")
-        return np["spec"]["ingress"][0]["ports"]  # type: ignore[no-any-return]
+        return np["spec"]["ingress"][0]["ports"]
 
     for transport, ports in (("tcp", None), ("ucx", (18700, 18703))):
         values: dict[str, Any] = {"pool": {"transport": transport, "model": model}}

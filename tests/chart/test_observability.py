@@ -43,7 +43,7 @@ def rendered_rules(helm: Helm, *values: str) -> dict[str, Any]:
         *values,
     ).stdout
     rule = next(d for d in yaml.safe_load_all(out) if d and d["kind"] == "PrometheusRule")
-    return rule["spec"]  # type: ignore[no-any-return]
+    return rule["spec"]
 
 
 @pytest.fixture(scope="module")

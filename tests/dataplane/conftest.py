@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -12,18 +11,12 @@ import pytest
 from kascade_engine.weights.blocks import BlockSet
 
 
-def _harness() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("dp_harness", Path(__file__).with_name("harness.py"))
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses need their module registered
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="session")
 def harness() -> ModuleType:
-    return _harness()
+    """harness.py, for the tests that take it as a fixture (others import it by name)."""
+    import harness as dp_harness
+
+    return dp_harness
 
 
 @pytest.fixture(scope="session")
@@ -47,7 +40,7 @@ def netlab() -> ModuleType:
 @pytest.fixture(scope="session")
 def tiny_blocks(tmp_path_factory: pytest.TempPathFactory, harness: ModuleType) -> BlockSet:
     path = harness.tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", layers=6, hidden=128)
-    return harness.packed(path)  # type: ignore[no-any-return]
+    return harness.packed(path)
 
 
 @pytest.fixture(scope="session")

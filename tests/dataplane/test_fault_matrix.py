@@ -153,7 +153,7 @@ def _run(harness: ModuleType, workdir: Path, blocks: BlockSet, transport: str, f
 
 
 @pytest.fixture(autouse=True)
-def _free_disk(tmp_path: Path):  # type: ignore[no-untyped-def]
+def _free_disk(tmp_path: Path):
     """Each cell leaves ~0.5 GB of 64 MiB block caches; pytest keeps every cell's tmp_path until the session
     ends, so the matrix would hold ~20 GB at once (a shared dev disk filled up). Logs stay for reading."""
     yield

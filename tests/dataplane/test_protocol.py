@@ -134,7 +134,7 @@ async def test_a_fallback_with_a_bad_copy_fails_cleanly_instead_of_looping(tiny_
     from dataclasses import replace
 
     from kascade_devcluster.ports import free_ports
-    from kascade_engine.net.relay import TransferFailed
+    from kascade_engine.net.recovery import TransferFailed
 
     sp, tp = free_ports(2)
     spec = _spec(tiny_blocks, {"s0": sp, "t0": tp})

@@ -70,7 +70,7 @@ async def test_ucx_fast_path_connections_share_one_endpoint_and_outlive_each_oth
     a = await transport.connect("127.0.0.1", listener.port)
     b = await transport.connect("127.0.0.1", listener.port)
     try:
-        assert a.fast_ep is not None and a.fast_ep is b.fast_ep  # type: ignore[attr-defined]
+        assert a.fast_ep is not None and a.fast_ep is b.fast_ep
         one, two = secrets.token_bytes(FAST_MIN * 8), secrets.token_bytes(FAST_MIN * 8)
         in_flight = asyncio.create_task(b.send({"op": "chunk", "n": 2}, two, timeout=10))
         await a.send({"op": "chunk", "n": 1}, one, timeout=10)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,8 +11,6 @@ from kascade_devcluster import localengine
 from kascade_devcluster.localengine import EngineProc
 from kascade_engine.weights.blocks import pack_checkpoint
 from kascade_engine.weights.checkpoint import tiny_llama
-
-sys.path.insert(0, str(Path(__file__).parent))  # splitref.py: shared by the split-execution tests
 
 
 def start_engine(args: list[str], token: str = "test-token", timeout: float = 120) -> EngineProc:
@@ -27,7 +24,7 @@ def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_blocks(tiny_ckpt: Path):  # type: ignore[no-untyped-def]
+def tiny_blocks(tiny_ckpt: Path):
     return pack_checkpoint(tiny_ckpt, model="tiny-llama")
 
 
@@ -52,5 +49,5 @@ def engine_a(tiny_ckpt: Path) -> Iterator[EngineProc]:
 
 
 @pytest.fixture(scope="session")
-def engine_starter():  # type: ignore[no-untyped-def]
+def engine_starter():
     return start_engine

@@ -28,13 +28,13 @@ def _copy(src: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(src, tmp_path / "variant"))
 
 
-def _header(f: Path) -> tuple[int, dict]:  # type: ignore[type-arg]
+def _header(f: Path) -> tuple[int, dict]:
     raw = f.read_bytes()
     n = int.from_bytes(raw[:8], "little")
     return n, json.loads(raw[8:8 + n])
 
 
-def _write_header(f: Path, header: dict) -> None:  # type: ignore[type-arg]
+def _write_header(f: Path, header: dict) -> None:
     raw = f.read_bytes()
     n = int.from_bytes(raw[:8], "little")
     new = json.dumps(header, separators=(",", ":")).encode()
@@ -82,7 +82,7 @@ def test_malformed_header_names_file(base: Path, tmp_path: Path, raw: bytes, nee
     ({"shape": [64, -1]}, "is not a list of non-negative integers"),
     ({"data_offsets": [10, 5]}, "must be [begin, end]"),
 ])
-def test_bad_header_entries_name_the_tensor(base: Path, tmp_path: Path, edit: dict, needle: str) -> None:  # type: ignore[type-arg]
+def test_bad_header_entries_name_the_tensor(base: Path, tmp_path: Path, edit: dict, needle: str) -> None:
     d = _copy(base, tmp_path)
     f = d / "model.safetensors"
     _, h = _header(f)
@@ -121,7 +121,7 @@ def test_sharded_missing_shard_and_wrong_index(sharded: Path, tmp_path: Path) ->
     ({"hidden_act": "gelu"}, "'hidden_act' = 'gelu' is not supported"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn' is not supported"),
 ])
-def test_unsupported_architecture_or_setting(base: Path, tmp_path: Path, cfg: dict, needle: str) -> None:  # type: ignore[type-arg]
+def test_unsupported_architecture_or_setting(base: Path, tmp_path: Path, cfg: dict, needle: str) -> None:
     d = _copy(base, tmp_path)
     doc = json.loads((d / "config.json").read_text())
     doc.pop("rope_parameters", None) if "rope_scaling" in cfg else None

@@ -10,7 +10,7 @@ import pytest
 
 
 @pytest.mark.parametrize("mode", ["besteffort", "zigzag"])
-def test_loading_engine_serves_split_with_peer(engine_a, tiny_ckpt, engine_starter, mode: str) -> None:  # type: ignore[no-untyped-def]
+def test_loading_engine_serves_split_with_peer(engine_a, tiny_ckpt, engine_starter, mode: str) -> None:
     b = engine_starter(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--resident-layers", "2"])
     try:
         h = {"Authorization": f"Bearer {b.token}"}
@@ -43,7 +43,7 @@ def test_loading_engine_serves_split_with_peer(engine_a, tiny_ckpt, engine_start
         b.stop()
 
 
-def test_activation_port_needs_the_installation_token(engine_a) -> None:  # type: ignore[no-untyped-def]
+def test_activation_port_needs_the_installation_token(engine_a) -> None:
     """Only an engine holding the same token may make A run layers: a wrong hello is cut off."""
     import asyncio
 

@@ -10,8 +10,8 @@ import asyncio
 import time
 
 import pytest
-from pdpair import PROMPTS, TOKEN, instance, pd_pair  # type: ignore[import-not-found]
-from splitref import collect, unsplit  # type: ignore[import-not-found]
+from pdpair import PROMPTS, TOKEN, instance, pd_pair
+from splitref import collect, unsplit
 
 from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.net import peerauth
@@ -21,19 +21,19 @@ from kascade_engine.net.transport_tcp import TcpTransport
 from kascade_engine.pd.kv_wire import KVShape, kv_header
 
 
-async def test_prefill_on_p_decode_on_d_equalsunsplit(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_prefill_on_p_decode_on_d_equalsunsplit(tiny_ckpt, tiny_blocks) -> None:
     params = SamplingParams(max_tokens=8)
     want = unsplit(tiny_blocks, PROMPTS, params)
     pd = await pd_pair(tiny_ckpt, tiny_blocks, p_batch=16)  # chunked on P: the long prompts take several steps
     chunks: list[int] = []
     schedule = pd.d.engine.scheduler.schedule
 
-    def spy():  # type: ignore[no-untyped-def]
+    def spy():
         batch = schedule()
         chunks.extend(w.n for w in batch.work)
         return batch
 
-    pd.d.engine.scheduler.schedule = spy  # type: ignore[method-assign]
+    pd.d.engine.scheduler.schedule = spy
     try:
         rids = [pd.d.serving.submit(p, params, prefill=pd.peer) for p in PROMPTS]
         got = await asyncio.wait_for(asyncio.gather(*(collect(pd.d, r) for r in rids)), 120)
@@ -55,7 +55,7 @@ async def test_prefill_on_p_decode_on_d_equalsunsplit(tiny_ckpt, tiny_blocks) ->
         await pd.close()
 
 
-async def test_kv_counts_against_the_engines_egress_cap(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_kv_counts_against_the_engines_egress_cap(tiny_ckpt, tiny_blocks) -> None:
     """P's KV frames go at once and charge its one egress bucket (--transfer-max-mbps), the one its weight plans
     wait on: every KV byte it ships is in the bucket (a frozen clock: no refill)."""
     pd = await pd_pair(tiny_ckpt, tiny_blocks)
@@ -70,7 +70,7 @@ async def test_kv_counts_against_the_engines_egress_cap(tiny_ckpt, tiny_blocks) 
         await pd.close()
 
 
-async def test_kv_leaves_layer_by_layer_per_chunk(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_kv_leaves_layer_by_layer_per_chunk(tiny_ckpt, tiny_blocks) -> None:
     """P's chunked prefill of a 37-token prompt in 16-token chunks sends K and V of every layer per chunk."""
     pd = await pd_pair(tiny_ckpt, tiny_blocks, p_batch=16)
     frames: list[tuple[int, int, str]] = []
@@ -98,7 +98,7 @@ async def test_kv_leaves_layer_by_layer_per_chunk(tiny_ckpt, tiny_blocks) -> Non
         await pd.close()
 
 
-async def test_kv_leaves_while_the_next_layer_computes(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_kv_leaves_while_the_next_layer_computes(tiny_ckpt, tiny_blocks) -> None:
     """Layer by layer AS prefill proceeds, not after it: with P's layers paced at 80 ms (an emulated accelerator),
     the first layer's K and V reach D about three layer times before the last layer's and `kv_done`. Shipped
     after the whole step, every frame would land within a few ms of `kv_done`."""
@@ -127,7 +127,7 @@ async def test_kv_leaves_while_the_next_layer_computes(tiny_ckpt, tiny_blocks) -
         await pd.close()
 
 
-async def test_bad_prefill_requests_are_refused_naming_the_field(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_bad_prefill_requests_are_refused_naming_the_field(tiny_ckpt, tiny_blocks) -> None:
     pd = await pd_pair(tiny_ckpt, tiny_blocks)
     try:
         from kascade_engine.pd.prefill_server import kv_shape
@@ -153,7 +153,7 @@ async def test_bad_prefill_requests_are_refused_naming_the_field(tiny_ckpt, tiny
         await pd.close()
 
 
-async def test_failures_fall_back_to_local_prefill_with_the_same_output(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_failures_fall_back_to_local_prefill_with_the_same_output(tiny_ckpt, tiny_blocks) -> None:
     """A dead peer, a peer that refuses the hello, and a peer whose KV does not match its digest: every
     request still completes on D with the colocated output, counted as a fallback."""
     params = SamplingParams(max_tokens=6)
@@ -197,7 +197,7 @@ async def test_failures_fall_back_to_local_prefill_with_the_same_output(tiny_ckp
         await pd.close()
 
 
-async def test_a_rogue_prefill_address_learns_neither_the_token_nor_the_prompt(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_a_rogue_prefill_address_learns_neither_the_token_nor_the_prompt(tiny_ckpt, tiny_blocks) -> None:
     """`X-Kascade-Prefill` names any address: D must not hand its engine token (or the prompt) to a
     listener there. The rogue sees a hello it cannot use, cannot prove the token, gets nothing more;
     the request is prefilled on D with the colocated output."""
@@ -234,7 +234,7 @@ async def test_a_rogue_prefill_address_learns_neither_the_token_nor_the_prompt(t
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2])
-async def test_short_requests_finish_at_the_first_token(tiny_ckpt, tiny_blocks, max_tokens: int) -> None:  # type: ignore[no-untyped-def]
+async def test_short_requests_finish_at_the_first_token(tiny_ckpt, tiny_blocks, max_tokens: int) -> None:
     params = SamplingParams(max_tokens=max_tokens)
     want = unsplit(tiny_blocks, PROMPTS[:1], params)
     pd = await pd_pair(tiny_ckpt, tiny_blocks)
@@ -246,7 +246,7 @@ async def test_short_requests_finish_at_the_first_token(tiny_ckpt, tiny_blocks, 
         await pd.close()
 
 
-async def test_converted_decoder_prefills_for_another_decoder_within_its_chunk_budget(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_converted_decoder_prefills_for_another_decoder_within_its_chunk_budget(tiny_ckpt, tiny_blocks) -> None:
     """TokenScale's convertible decoder: engine C (a decoder with its own decodes running) is converted with a
     prefill chunk budget of 8 tokens per step; decoder D's requests prefill on C over the data port; C never
     schedules more than 8 prompt tokens in a step, and every output equals the colocated engine's."""
@@ -261,12 +261,12 @@ async def test_converted_decoder_prefills_for_another_decoder_within_its_chunk_b
     chunks: list[int] = []
     schedule = c.engine.scheduler.schedule
 
-    def spy():  # type: ignore[no-untyped-def]
+    def spy():
         batch = schedule()
         chunks.append(sum(w.n for w in batch.work if w.n > 1 or w.start == 0))
         return batch
 
-    c.engine.scheduler.schedule = spy  # type: ignore[method-assign]
+    c.engine.scheduler.schedule = spy
     try:
         own = [c.serving.submit(p, params) for p in PROMPTS[:2]]  # C's own traffic, decoding meanwhile
         rids = [pd.d.serving.submit(p, params, prefill=pd.peer) for p in PROMPTS]
@@ -289,7 +289,7 @@ async def test_converted_decoder_prefills_for_another_decoder_within_its_chunk_b
     assert ConvertRequest.from_dict(ConvertRequest(8, 25.0).to_dict()) == ConvertRequest(8, 25.0)
 
 
-async def test_the_link_rate_counts_the_wire_not_the_prefillers_compute(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_the_link_rate_counts_the_wire_not_the_prefillers_compute(tiny_ckpt, tiny_blocks) -> None:
     """A prefill peer that computes 0.1 s per layer (a queue, a slow CPU) and sends each layer's KV at once
     over loopback: D's network velocity must be the link's (bytes over the frames' time on the wire), not
     the KV bytes over the 0.7 s P spent computing between frames."""

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from splitref import collect, unsplit  # type: ignore[import-not-found]
+from splitref import collect, unsplit
 
 from kascade_devcluster.requirement import need_transport
 from kascade_engine.batch.sampling import SamplingParams
@@ -32,7 +32,7 @@ def _instance(ckpt: Path, blocks: Any, name: str, transport: str, batch: int = 1
 
 @pytest.mark.parametrize("transport", ["tcp", "ucx"])
 async def test_kv_moves_over_the_configured_transport_with_the_colocated_output(
-        tiny_ckpt, tiny_blocks, transport: str) -> None:  # type: ignore[no-untyped-def]
+        tiny_ckpt, tiny_blocks, transport: str) -> None:
     need_transport(transport)
     params = SamplingParams(max_tokens=8)
     want = unsplit(tiny_blocks, PROMPTS, params)
@@ -62,7 +62,7 @@ async def test_kv_moves_over_the_configured_transport_with_the_colocated_output(
         await listener.close()
 
 
-def test_an_unknown_transport_is_refused_naming_the_setting_and_the_value(tiny_ckpt) -> None:  # type: ignore[no-untyped-def]
+def test_an_unknown_transport_is_refused_naming_the_setting_and_the_value(tiny_ckpt) -> None:
     with pytest.raises(ConfigError, match=r"--transport 'quic': unknown transport; use tcp or ucx"):
         EngineConfig(checkpoint=tiny_ckpt, model_name="tiny-llama", token=TOKEN, transport="quic")
     with pytest.raises(ValueError, match=r"unknown transport 'rdma' \(choose tcp or ucx\)"):

@@ -12,8 +12,8 @@ import time
 from typing import Any
 
 import pytest
-from pdpair import PROMPTS, pd_pair  # type: ignore[import-not-found]
-from splitref import collect, unsplit  # type: ignore[import-not-found]
+from pdpair import PROMPTS, pd_pair
+from splitref import collect, unsplit
 
 from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.pd.kv_wire import KVShape, KVWireError, PrefillOp, fallback, waited_s
@@ -29,7 +29,7 @@ class _NoRoom:
         return 0
 
 
-async def test_a_converted_decoder_hands_a_prompt_without_room_to_the_prefill_engine(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_a_converted_decoder_hands_a_prompt_without_room_to_the_prefill_engine(tiny_ckpt, tiny_blocks) -> None:
     """D, converted, decodes four long streams.
     - A prompt D is sent to prefill itself, with the router's fallback prefill engine P (PREFILL_FALLBACK_HEADER),
       right after the conversion: D has not measured its prefill rate yet (its warm-up probe runs), so it cannot
@@ -68,7 +68,7 @@ async def test_a_converted_decoder_hands_a_prompt_without_room_to_the_prefill_en
             arrivals.append(kw.get("arrived"))
             return p_submit(*a, **kw)
 
-        pd.p.engine.submit = spy  # type: ignore[method-assign]
+        pd.p.engine.submit = spy
         # a step budget of 1 s: the probe's chunks fit it beside the streams, so the rate it measures is > 0
         st = d.convert(ConvertRequest(16, 1000.0, hand_back_ms=100.0)).extra
         assert st["handBackMs"] == 100.0
@@ -82,7 +82,7 @@ async def test_a_converted_decoder_hands_a_prompt_without_room_to_the_prefill_en
         assert d.probe.ended[-1][0] == "measured" and (d.engine.meter.prefill_rate() or 0) > 0
         assert not any(r.startswith("probe-") for r in d.engine.requests), "the probe left the scheduler"
         d.remote_prefill.took[pd.peer] = 1e6  # the remote path slower than any local pace: D takes the next one
-        d.engine.scheduler.cost = _NoRoom()  # type: ignore[assignment]
+        d.engine.scheduler.cost = _NoRoom()
         t0 = time.monotonic()
         rid = d.serving.submit(PROMPTS[0], params, fallback=pd.peer)
         got = await asyncio.wait_for(collect(d, rid), 60)
@@ -126,7 +126,7 @@ class _SlowRoom:
         return min(n, 1)
 
 
-async def test_a_converted_decoder_hands_back_a_prompt_that_progresses_slower_than_the_remote_path(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_a_converted_decoder_hands_back_a_prompt_that_progresses_slower_than_the_remote_path(tiny_ckpt, tiny_blocks) -> None:
     """The production rule: a prompt that progresses, but at a pace whose predicted finish here (tokens left /
     the rate over the last bound) is later than what a remote prefill on P took lately (measured on real
     remote prefills), is handed back; the same pace with a slower remote path stays. Without the rule (no
@@ -150,7 +150,7 @@ async def test_a_converted_decoder_hands_back_a_prompt_that_progresses_slower_th
         while not all(d.engine.requests.get(r) and d.engine.requests[r].out for r in streams):
             await asyncio.sleep(0.005)
         d.convert(ConvertRequest(16, 30.0, hand_back_ms=100.0))
-        d.engine.scheduler.cost = _SlowRoom(0.02)  # type: ignore[assignment]  # ~50 tok/s: 37 tokens ~0.7 s
+        d.engine.scheduler.cost = _SlowRoom(0.02)  # ~50 tok/s: 37 tokens ~0.7 s
         while d.probe.rid is not None:  # the warm-up probe measures the rate first (a prompt before it goes to P)
             await asyncio.sleep(0.005)
         assert (d.engine.meter.prefill_rate() or 0) > 0
@@ -241,7 +241,7 @@ def test_the_remote_path_estimate_follows_a_growing_queue() -> None:
 
     from kascade_engine.pd.remote_prefill import RemotePrefill
 
-    rp = RemotePrefill(SimpleNamespace(transport=None, config=SimpleNamespace(token="t")))  # type: ignore[arg-type]
+    rp = RemotePrefill(SimpleNamespace(transport=None, config=SimpleNamespace(token="t")))
     assert rp.expected_s("p:1") is None
     rp.took["p:1"] = 0.3
     assert rp.expected_s("p:1") == 0.3
@@ -255,7 +255,7 @@ def test_the_remote_path_estimate_follows_a_growing_queue() -> None:
     assert 1.5 + 2.5 <= rp.expected_s("p:1", 100) < 2.5 + 2.5  # type: ignore[operator]
 
 
-async def test_the_answer_names_who_really_prefilled_a_handed_back_prompt(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_the_answer_names_who_really_prefilled_a_handed_back_prompt(tiny_ckpt, tiny_blocks) -> None:
     """D, converted beside four streams, with a step budget that leaves a prompt nothing (so its measured rate is 0,
     or not measured yet): two prompts it is sent to prefill itself go to their fallback on arrival.
     - Fallback P alive: P prefills it, the answer names P's data port (HANDED_BACK_HEADER: the router moves the
@@ -300,7 +300,7 @@ async def test_the_answer_names_who_really_prefilled_a_handed_back_prompt(tiny_c
             while not all(d.engine.requests.get(r) and d.engine.requests[r].out for r in streams):
                 await asyncio.sleep(0.005)
             d.convert(ConvertRequest(16, 30.0, hand_back_ms=100.0))
-            d.engine.scheduler.cost = _NoRoom()  # type: ignore[assignment]
+            d.engine.scheduler.cost = _NoRoom()
             for stream in (False, True):
                 served, fell_back = pd.p.prefill_server.requests, d.remote_prefill.fallbacks
                 text, h = await ask(pd.peer, stream)
@@ -321,7 +321,7 @@ async def test_the_answer_names_who_really_prefilled_a_handed_back_prompt(tiny_c
         await pd.close()
 
 
-async def test_a_converted_decoder_prefilling_for_another_decoder_hands_back_by_the_same_rule(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_a_converted_decoder_prefilling_for_another_decoder_hands_back_by_the_same_rule(tiny_ckpt, tiny_blocks) -> None:
     """D2, converted, decodes four streams and prefills for decoder D1 (the router may name a converted decoder as
     D1's prefill engine). It follows the rule it applies to the prompts it prefills itself (handback.py):
     - right after its conversion, with no prefill rate it can use (not measured, or 0 beside the streams), it
@@ -331,7 +331,7 @@ async def test_a_converted_decoder_prefilling_for_another_decoder_hands_back_by_
     - with no fallback named, D1 prefills a given-back prompt itself.
     Greedy output equals the colocated engine's each time, and D2 holds none of them afterwards. Before, D2 kept
     such a prompt at 0 tokens a step until its streams ended (the second and third wait for them here)."""
-    from pdpair import TOKEN, instance  # type: ignore[import-not-found]
+    from pdpair import TOKEN, instance
 
     from kascade_engine.net.transport_tcp import TcpTransport
     from kascade_planner.engine_api import ConvertRequest
@@ -357,9 +357,9 @@ async def test_a_converted_decoder_prefilling_for_another_decoder_hands_back_by_
             arrivals.append(kw.get("arrived"))
             return p_submit(*a, **kw)
 
-        p.engine.submit = spy  # type: ignore[method-assign]
+        p.engine.submit = spy
         d2.convert(ConvertRequest(16, 1000.0, hand_back_ms=100.0))
-        d2.engine.scheduler.cost = _NoRoom()  # type: ignore[assignment]
+        d2.engine.scheduler.cost = _NoRoom()
         got = await asyncio.wait_for(collect(d1, d1.serving.submit(PROMPTS[0], params, prefill=d2_peer,
                                                                     fallback=pd.peer)), 60)
         assert got == want
@@ -372,7 +372,7 @@ async def test_a_converted_decoder_prefilling_for_another_decoder_hands_back_by_
         while d2.probe.rid is not None:
             await asyncio.sleep(0.005)
         assert (d2.engine.meter.prefill_rate() or 0) > 0
-        d2.engine.scheduler.cost = _NoRoom()  # type: ignore[assignment]  # the rate decays, stays > 0 a while
+        d2.engine.scheduler.cost = _NoRoom()  # the rate decays, stays > 0 a while
         t0 = time.monotonic()
         got = await asyncio.wait_for(collect(d1, d1.serving.submit(PROMPTS[0], params, prefill=d2_peer,
                                                                     fallback=pd.peer)), 60)

@@ -19,15 +19,15 @@ BIND = {"model": "tiny-llama", "modelService": "svc", "role": "colocated"}
 BODY = {"model": "tiny-llama", "prompt": [7, 8, 9], "max_tokens": 6}
 
 
-def _h(e) -> dict[str, str]:  # type: ignore[no-untyped-def]
+def _h(e) -> dict[str, str]:
     return {"Authorization": f"Bearer {e.token}"}
 
 
-def _status(e) -> dict:  # type: ignore[no-untyped-def]
-    return httpx.get(e.url + "/kascade/v1/status", headers=_h(e)).json()  # type: ignore[no-any-return]
+def _status(e) -> dict:
+    return httpx.get(e.url + "/kascade/v1/status", headers=_h(e)).json()
 
 
-def _wait(e, ok, timeout: float = 60) -> dict:  # type: ignore[no-untyped-def]
+def _wait(e, ok, timeout: float = 60) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         st = _status(e)
@@ -37,7 +37,7 @@ def _wait(e, ok, timeout: float = 60) -> dict:  # type: ignore[no-untyped-def]
     raise AssertionError(f"condition never held: {st}")
 
 
-def _serve_from_disk(e, ckpt) -> str:  # type: ignore[no-untyped-def]
+def _serve_from_disk(e, ckpt) -> str:
     ok = httpx.post(e.url + "/kascade/v1/bind", json={**BIND, "source": {"path": str(ckpt)}}, headers=_h(e))
     assert ok.status_code == 200, ok.text
     _wait(e, lambda s: s["phase"] == "serving")
@@ -46,7 +46,7 @@ def _serve_from_disk(e, ckpt) -> str:  # type: ignore[no-untyped-def]
     return str(r.json()["choices"][0]["text"])
 
 
-def test_release_keeps_a_host_copy_and_bind_reloads_from_it(tiny_ckpt, tiny_blocks, engine_starter) -> None:  # type: ignore[no-untyped-def]
+def test_release_keeps_a_host_copy_and_bind_reloads_from_it(tiny_ckpt, tiny_blocks, engine_starter) -> None:
     e = engine_starter(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--empty", "--host-cache-gib", "1"])
     try:
         h = _h(e)
@@ -85,7 +85,7 @@ def test_release_keeps_a_host_copy_and_bind_reloads_from_it(tiny_ckpt, tiny_bloc
         e.stop()
 
 
-def test_without_a_budget_release_drops_the_weights(tiny_ckpt, engine_starter) -> None:  # type: ignore[no-untyped-def]
+def test_without_a_budget_release_drops_the_weights(tiny_ckpt, engine_starter) -> None:
     e = engine_starter(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--empty"])  # budget 0
     try:
         _serve_from_disk(e, tiny_ckpt)
@@ -96,7 +96,7 @@ def test_without_a_budget_release_drops_the_weights(tiny_ckpt, engine_starter) -
         e.stop()
 
 
-def test_a_model_over_the_budget_is_not_kept(tiny_ckpt, tiny_blocks, engine_starter) -> None:  # type: ignore[no-untyped-def]
+def test_a_model_over_the_budget_is_not_kept(tiny_ckpt, tiny_blocks, engine_starter) -> None:
     """The budget bounds the copy: a model one KiB over --host-cache-gib is dropped at release, so bind from it
     is refused (and the operator records no host copy: it reads hostCopyBytes 0)."""
     budget_gib = (tiny_blocks.total_bytes - 1024) / 2**30
@@ -113,7 +113,7 @@ def test_a_model_over_the_budget_is_not_kept(tiny_ckpt, tiny_blocks, engine_star
         e.stop()
 
 
-def test_a_released_host_copy_feeds_a_plan_and_stays_released(tiny_ckpt, tiny_blocks, engine_starter) -> None:  # type: ignore[no-untyped-def]
+def test_a_released_host_copy_feeds_a_plan_and_stays_released(tiny_ckpt, tiny_blocks, engine_starter) -> None:
     src = engine_starter(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--empty", "--host-cache-gib", "1"])
     dst = engine_starter(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--empty"])
     try:
@@ -142,7 +142,7 @@ def test_a_released_host_copy_feeds_a_plan_and_stays_released(tiny_ckpt, tiny_bl
         dst.stop()
 
 
-def test_a_serving_engine_keeps_a_host_copy_when_asked(tiny_ckpt, tiny_blocks, engine_starter) -> None:  # type: ignore[no-untyped-def]
+def test_a_serving_engine_keeps_a_host_copy_when_asked(tiny_ckpt, tiny_blocks, engine_starter) -> None:
     """POST host-copy on a serving engine: it keeps its copy within the budget and serves on; asking again is a
     no-op; its release keeps that one copy (not a second); an engine without a budget answers 0 and why."""
     e = engine_starter(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--empty", "--host-cache-gib", "1"])
@@ -179,7 +179,7 @@ def test_a_serving_engine_keeps_a_host_copy_when_asked(tiny_ckpt, tiny_blocks, e
         nob.stop()
 
 
-def test_keepable_holds_a_copy_within_the_budget_and_says_why_not(tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+def test_keepable_holds_a_copy_within_the_budget_and_says_why_not(tiny_blocks) -> None:
     n = tiny_blocks.total_bytes
     assert keepable(tiny_blocks, n, "m") == (tiny_blocks, None)  # the blockset itself: no second copy
     kept, why = keepable(tiny_blocks, n - 1, "m")

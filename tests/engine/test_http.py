@@ -10,11 +10,11 @@ import openai
 import pytest
 
 
-def _client(engine_a) -> openai.OpenAI:  # type: ignore[no-untyped-def]
+def _client(engine_a) -> openai.OpenAI:
     return openai.OpenAI(base_url=engine_a.url + "/v1", api_key="unused", max_retries=0)
 
 
-def test_openai_completions_stream_and_not(engine_a) -> None:  # type: ignore[no-untyped-def]
+def test_openai_completions_stream_and_not(engine_a) -> None:
     c = _client(engine_a)
     r = c.completions.create(model="tiny-llama", prompt="hello", max_tokens=6)
     assert r.usage.completion_tokens == 6 and r.usage.prompt_tokens == 5
@@ -26,7 +26,7 @@ def test_openai_completions_stream_and_not(engine_a) -> None:  # type: ignore[no
     assert ids.usage.prompt_tokens == 2
 
 
-def test_openai_chat_stream_and_not(engine_a) -> None:  # type: ignore[no-untyped-def]
+def test_openai_chat_stream_and_not(engine_a) -> None:
     c = _client(engine_a)
     msgs = [{"role": "user", "content": "hi"}]
     r = c.chat.completions.create(model="tiny-llama", messages=msgs, max_tokens=4)
@@ -45,20 +45,20 @@ def test_openai_chat_stream_and_not(engine_a) -> None:  # type: ignore[no-untype
     ({"model": "tiny-llama", "prompt": [1, 99999]}, 400, "token ids must be in 0..511"),
     ({"model": "tiny-llama", "prompt": ""}, 400, "prompt is empty"),
 ])
-def test_bad_completion_bodies(engine_a, body, status: int, needle: str) -> None:  # type: ignore[no-untyped-def]
+def test_bad_completion_bodies(engine_a, body, status: int, needle: str) -> None:
     r = httpx.post(engine_a.url + "/v1/completions", json=body)
     assert r.status_code == status, r.text
     assert needle in r.json()["error"]["message"]
 
 
-def test_bad_chat_and_not_json(engine_a) -> None:  # type: ignore[no-untyped-def]
+def test_bad_chat_and_not_json(engine_a) -> None:
     r = httpx.post(engine_a.url + "/v1/chat/completions", json={"model": "tiny-llama", "messages": [{"role": "robot", "content": "x"}]})
     assert r.status_code == 400 and "messages.0.role" in r.json()["error"]["message"]
     r = httpx.post(engine_a.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400
 
 
-def test_control_api_needs_token(engine_a) -> None:  # type: ignore[no-untyped-def]
+def test_control_api_needs_token(engine_a) -> None:
     u = engine_a.url + "/kascade/v1/"
     assert httpx.get(u + "status").status_code == 401
     assert httpx.get(u + "status", headers={"Authorization": "Bearer wrong"}).status_code == 403
@@ -74,7 +74,7 @@ def test_control_api_needs_token(engine_a) -> None:  # type: ignore[no-untyped-d
     assert r.status_code == 409 and "other" in r.json()["error"]["message"]
 
 
-def test_burst_of_bad_input_keeps_engine_up(engine_a) -> None:  # type: ignore[no-untyped-def]
+def test_burst_of_bad_input_keeps_engine_up(engine_a) -> None:
     bad = [b"\x00\xff", b"[]", b'{"model": 5}', b'{"model": "tiny-llama", "prompt": {"a": 1}}', b"x" * 100000]
 
     async def burst() -> list[int]:
@@ -101,7 +101,7 @@ def _metric(url: str, name: str) -> float:
     return 0.0
 
 
-def test_client_disconnect_frees_pages_at_once(engine_a) -> None:  # type: ignore[no-untyped-def]
+def test_client_disconnect_frees_pages_at_once(engine_a) -> None:
     """A streaming client that goes away mid-generation: the request is aborted and its KV pages freed
     long before its max_tokens would have run out (observed through the engine's own metrics)."""
     import time
@@ -127,7 +127,7 @@ def test_client_disconnect_frees_pages_at_once(engine_a) -> None:  # type: ignor
 
 
 @pytest.mark.smollm
-def test_smollm_chat_over_http(smollm_ckpt, engine_starter) -> None:  # type: ignore[no-untyped-def]
+def test_smollm_chat_over_http(smollm_ckpt, engine_starter) -> None:
     e = engine_starter(["--smollm", "--model-name", "smollm2-135m", "--threads", "2"])
     try:
         c = openai.OpenAI(base_url=e.url + "/v1", api_key="x", max_retries=0, timeout=120)

@@ -185,7 +185,7 @@ def test_prometheus_scrapes_a_tls_engine_with_the_charts_podmonitor_tls_config(
                               *[a for v in values for a in ("--set", v)]], capture_output=True, text=True, check=True,
                              timeout=120).stdout
         pm = next(d for d in yaml.safe_load_all(out) if d and d["kind"] == "PodMonitor")
-        return pm["spec"]["podMetricsEndpoints"][0]  # type: ignore[no-any-return]
+        return pm["spec"]["podMetricsEndpoints"][0]
 
     secrets = {("engine-tls", "ca.crt"): pki["ca"]}
     jobs = {"skip": endpoint("dataPlaneTls.secretName=engine-tls"),

@@ -17,7 +17,7 @@ from kascade_engine.tokenizer import ByteTokenizer
 from kascade_planner.engine_api import BindRequest, CooperateRequest, EngineStatus, LoadPlanRequest, WireError
 
 
-def _empty(ckpt: Path, blocks, **kw) -> EngineInstance:  # type: ignore[no-untyped-def]
+def _empty(ckpt: Path, blocks, **kw) -> EngineInstance:
     cfg = EngineConfig(ckpt, "tiny-llama", "tok", device="cpu", empty=True, **kw)
     return EngineInstance(cfg, blocks.config, ByteTokenizer())
 
@@ -30,7 +30,7 @@ async def _wait(inst: EngineInstance, phase: Phase) -> None:
     assert inst.phase is phase, (inst.phase, inst.load_error)
 
 
-async def test_phase_walk_bind_source_serve_drain_release(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_phase_walk_bind_source_serve_drain_release(tiny_ckpt, tiny_blocks) -> None:
     inst = _empty(tiny_ckpt, tiny_blocks)
     inst.serving.start()
     try:
@@ -60,7 +60,7 @@ async def test_phase_walk_bind_source_serve_drain_release(tiny_ckpt, tiny_blocks
         await inst.close()
 
 
-async def test_bind_sets_dtype_before_weights_and_refuses_after(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_bind_sets_dtype_before_weights_and_refuses_after(tiny_ckpt, tiny_blocks) -> None:
     inst = _empty(tiny_ckpt, tiny_blocks)
     inst.serving.start()
     st = await inst.bind(BindRequest("tiny-llama", "svc", dtype="bfloat16"))
@@ -75,7 +75,7 @@ async def test_bind_sets_dtype_before_weights_and_refuses_after(tiny_ckpt, tiny_
     await inst.close()
 
 
-def test_config_refuses_bad_values(tiny_ckpt) -> None:  # type: ignore[no-untyped-def]
+def test_config_refuses_bad_values(tiny_ckpt) -> None:
     with pytest.raises(ConfigError, match="--device 'gpu'"):
         EngineConfig(tiny_ckpt, "m", "t", device="gpu")
     with pytest.raises(ConfigError, match="--dtype 'fp8'"):
@@ -100,7 +100,7 @@ def test_config_refuses_bad_values(tiny_ckpt) -> None:  # type: ignore[no-untype
     (CooperateRequest, {"peer": "h:1", "mode": "sideways"}, "mode"),
     (CooperateRequest, {"peer": "h:1", "mode": "off", "extra": 1}, "extra"),
 ])
-def test_wire_types_name_the_bad_field(kind, doc, field: str) -> None:  # type: ignore[no-untyped-def]
+def test_wire_types_name_the_bad_field(kind, doc, field: str) -> None:
     with pytest.raises(WireError) as e:
         kind.from_dict(doc)
     assert e.value.field == field and f"'{field}'" in str(e.value)

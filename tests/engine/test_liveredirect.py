@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from splitref import collect, unsplit  # type: ignore[import-not-found]
+from splitref import collect, unsplit
 
 from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.config import EngineConfig
@@ -65,7 +65,7 @@ async def _world(ckpt: Path, blocks: Any) -> AsyncIterator[tuple[EngineInstance,
             await lst.close()
 
 
-async def test_queued_requests_on_a_source_move_to_the_pipeline_and_stay_exact(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_queued_requests_on_a_source_move_to_the_pipeline_and_stay_exact(tiny_ckpt, tiny_blocks) -> None:
     params = SamplingParams(max_tokens=6)
     want = unsplit(tiny_blocks, PROMPTS, params)
     async with _world(tiny_ckpt, tiny_blocks) as (a, r1, listeners):
@@ -87,7 +87,7 @@ async def test_queued_requests_on_a_source_move_to_the_pipeline_and_stay_exact(t
         assert not a.forwarders and "redirect" not in a.status().extra
 
 
-async def test_the_head_going_away_hands_forwarded_requests_back_to_the_source(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_the_head_going_away_hands_forwarded_requests_back_to_the_source(tiny_ckpt, tiny_blocks) -> None:
     params = SamplingParams(max_tokens=30)
     want = unsplit(tiny_blocks, PROMPTS, params)
     async with _world(tiny_ckpt, tiny_blocks) as (a, r1, listeners):
@@ -108,7 +108,7 @@ async def test_the_head_going_away_hands_forwarded_requests_back_to_the_source(t
         assert fwd.taken_back >= 1
 
 
-async def test_redirect_needs_an_engine_that_serves(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_redirect_needs_an_engine_that_serves(tiny_ckpt, tiny_blocks) -> None:
     b = _instance(tiny_ckpt, tiny_blocks, ["embed", "layer.0"], "b")  # loading, no peer: it serves nothing
     try:
         with pytest.raises(InstanceError, match="mode redirect: engine is loading"):
@@ -117,7 +117,7 @@ async def test_redirect_needs_an_engine_that_serves(tiny_ckpt, tiny_blocks) -> N
         await b.close()
 
 
-async def test_a_live_engine_never_hands_on_requests_its_pair_handed_it(tiny_ckpt, tiny_blocks, caplog) -> None:  # type: ignore[no-untyped-def]
+async def test_a_live_engine_never_hands_on_requests_its_pair_handed_it(tiny_ckpt, tiny_blocks, caplog) -> None:
     """Regression (31b366f): a live engine B holds two kinds of queued requests: its own clients' and those its
     pair's source A handed it over the pair session (redirect.py; their clients are on A, and their tokens must
     go back that way). B, told to redirect to a serving engine H, hands on only its own: one of A's sent on to H
@@ -170,7 +170,7 @@ def _metric(e: Any, name: str) -> float:
 def _ctl(e: Any, verb: str, body: dict[str, Any]) -> dict[str, Any]:
     r = httpx.post(f"{e.url}/kascade/v1/{verb}", json=body, headers={"Authorization": f"Bearer {e.token}"}, timeout=30)
     assert r.status_code == 200, r.text
-    return r.json()  # type: ignore[no-any-return]
+    return r.json()
 
 
 async def _burst(e: Any, prompts: list[list[int]], max_tokens: int) -> list[str]:

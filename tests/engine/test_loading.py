@@ -12,11 +12,11 @@ from kascade_planner.baselines import build_star
 from kascade_planner.plan import Instance, ModelLayout
 
 
-def _h(e) -> dict[str, str]:  # type: ignore[no-untyped-def]
+def _h(e) -> dict[str, str]:
     return {"Authorization": f"Bearer {e.token}"}
 
 
-def test_empty_engine_loads_by_plan_and_matches(tiny_ckpt, tiny_blocks, engine_starter) -> None:  # type: ignore[no-untyped-def]
+def test_empty_engine_loads_by_plan_and_matches(tiny_ckpt, tiny_blocks, engine_starter) -> None:
     src = engine_starter(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama"])
     dst = engine_starter(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--empty"])
     try:
@@ -60,17 +60,17 @@ def test_empty_engine_loads_by_plan_and_matches(tiny_ckpt, tiny_blocks, engine_s
         dst.stop()
 
 
-def _wait_phase(e, phase: str, timeout: float = 60) -> dict:  # type: ignore[no-untyped-def]
+def _wait_phase(e, phase: str, timeout: float = 60) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         st = httpx.get(e.url + "/kascade/v1/status", headers=_h(e)).json()
         if st["phase"] == phase or st.get("loadError"):
-            return st  # type: ignore[no-any-return]
+            return st
         time.sleep(0.1)
     raise AssertionError(f"engine never reached phase {phase}: {st}")
 
 
-def test_bind_with_source_loads_first_copy_and_release_drops_it(tiny_ckpt, tiny_blocks, engine_starter) -> None:  # type: ignore[no-untyped-def]
+def test_bind_with_source_loads_first_copy_and_release_drops_it(tiny_ckpt, tiny_blocks, engine_starter) -> None:
     e = engine_starter(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--empty"])
     try:
         h = _h(e)

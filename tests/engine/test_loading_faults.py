@@ -36,7 +36,7 @@ def _plan(tiny_blocks: Any, src: str, dst: str, ps: int, pd: int, timeout_s: flo
 
 
 def _status(e: Any) -> dict[str, Any]:
-    return httpx.get(e.url + "/kascade/v1/status", headers=_h(e), timeout=30, verify=e.verify).json()  # type: ignore[no-any-return]
+    return httpx.get(e.url + "/kascade/v1/status", headers=_h(e), timeout=30, verify=e.verify).json()
 
 
 def _failures(e: Any) -> float:

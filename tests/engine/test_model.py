@@ -10,14 +10,14 @@ from kascade_engine.batch.kvcache import SequenceKV
 from kascade_engine.batch.model import LlamaModel
 
 
-def _model(blocks) -> LlamaModel:  # type: ignore[no-untyped-def]
+def _model(blocks) -> LlamaModel:
     m = LlamaModel(blocks.config)
     for b in blocks.blocks.values():
         m.add_block(b.id, b.tensors())
     return m
 
 
-def test_logits_match_transformers(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+def test_logits_match_transformers(tiny_ckpt, tiny_blocks) -> None:
     ref = LlamaForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
     ids = torch.tensor([3, 17, 250, 9, 44, 101, 7])
     with torch.no_grad():
@@ -35,7 +35,7 @@ def test_logits_match_transformers(tiny_ckpt, tiny_blocks) -> None:  # type: ign
 
 
 @pytest.mark.parametrize("k", [0, 1, 3, 4])
-def test_split_layers_bit_identical(tiny_blocks, k: int) -> None:  # type: ignore[no-untyped-def]
+def test_split_layers_bit_identical(tiny_blocks, k: int) -> None:
     m = _model(tiny_blocks)
     ids = torch.tensor([5, 6, 7, 8])
     whole = m.run_layers(0, 4, m.embed(ids), SequenceKV(), 0)
@@ -46,7 +46,7 @@ def test_split_layers_bit_identical(tiny_blocks, k: int) -> None:  # type: ignor
     assert set(kv_b.layers) == set(range(k)) and set(kv_a.layers) == set(range(k, 4))
 
 
-def test_missing_block_is_named(tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+def test_missing_block_is_named(tiny_blocks) -> None:
     m = LlamaModel(tiny_blocks.config)
     m.add_block("embed", tiny_blocks.blocks["embed"].tensors())
     m.add_block("layer.0", tiny_blocks.blocks["layer.0"].tensors())

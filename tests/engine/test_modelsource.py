@@ -77,7 +77,7 @@ def test_resolve_downloads_once_and_names_hub_errors(hub: HubServer, tiny_ckpt: 
         resolve("hf://kascade/tiny-private", tmp_path / "c")
 
 
-async def test_bind_with_unreachable_source_reports_load_error(hub: HubServer, tiny_ckpt: Path, tiny_blocks,  # type: ignore[no-untyped-def]
+async def test_bind_with_unreachable_source_reports_load_error(hub: HubServer, tiny_ckpt: Path, tiny_blocks,
                                                                tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_ENDPOINT", hub.url)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
@@ -99,7 +99,7 @@ async def test_bind_with_unreachable_source_reports_load_error(hub: HubServer, t
         await inst.close()
 
 
-def test_engine_bound_with_hf_uri_answers_like_path_engine(hub: HubServer, tiny_ckpt: Path, tiny_blocks,  # type: ignore[no-untyped-def]
+def test_engine_bound_with_hf_uri_answers_like_path_engine(hub: HubServer, tiny_ckpt: Path, tiny_blocks,
                                                            engine_a, engine_starter, tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_ENDPOINT", hub.url)

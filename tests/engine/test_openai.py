@@ -9,7 +9,7 @@ import openai
 import pytest
 
 
-def _client(engine_a) -> openai.OpenAI:  # type: ignore[no-untyped-def]
+def _client(engine_a) -> openai.OpenAI:
     return openai.OpenAI(base_url=engine_a.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
@@ -22,7 +22,7 @@ def _stop_in(text: str) -> tuple[str, int]:
     raise AssertionError(f"no usable stop string in {text!r}")
 
 
-def test_stop_strings_cut_text_and_stream(engine_a) -> None:  # type: ignore[no-untyped-def]
+def test_stop_strings_cut_text_and_stream(engine_a) -> None:
     c = _client(engine_a)
     full = c.completions.create(model="tiny-llama", prompt="stop here", max_tokens=40).choices[0].text
     stop, k = _stop_in(full)
@@ -36,7 +36,7 @@ def test_stop_strings_cut_text_and_stream(engine_a) -> None:  # type: ignore[no-
         c.completions.create(model="tiny-llama", prompt="x", stop=["a", "b", "c", "d", "e"])
 
 
-def test_chat_max_completion_tokens_default_and_usage_chunk(engine_a) -> None:  # type: ignore[no-untyped-def]
+def test_chat_max_completion_tokens_default_and_usage_chunk(engine_a) -> None:
     c = _client(engine_a)
     msgs = [{"role": "user", "content": "count"}]
     r = c.chat.completions.create(model="tiny-llama", messages=msgs, max_completion_tokens=5, max_tokens=50)
@@ -52,10 +52,10 @@ def test_chat_max_completion_tokens_default_and_usage_chunk(engine_a) -> None:  
         c.chat.completions.create(model="tiny-llama", messages=msgs, max_completion_tokens=600)
 
 
-def test_content_parts_and_developer_role(engine_a) -> None:  # type: ignore[no-untyped-def]
+def test_content_parts_and_developer_role(engine_a) -> None:
     c = _client(engine_a)
 
-    def say(messages):  # type: ignore[no-untyped-def]
+    def say(messages):
         return c.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=6).choices[0].message.content
 
     plain = say([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}])
@@ -68,7 +68,7 @@ def test_content_parts_and_developer_role(engine_a) -> None:  # type: ignore[no-
     assert e.value.body["param"] == "messages.0.content.0.type"  # type: ignore[index]
 
 
-def test_tool_calls_are_a_clear_400(engine_a) -> None:  # type: ignore[no-untyped-def]
+def test_tool_calls_are_a_clear_400(engine_a) -> None:
     c = _client(engine_a)
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
     with pytest.raises(openai.BadRequestError, match="tool and function calls") as e:
@@ -81,7 +81,7 @@ def test_tool_calls_are_a_clear_400(engine_a) -> None:  # type: ignore[no-untype
         c.completions.create(model="tiny-llama", prompt="x", logprobs=21)
 
 
-def test_n_choices_models_and_error_shape(engine_a) -> None:  # type: ignore[no-untyped-def]
+def test_n_choices_models_and_error_shape(engine_a) -> None:
     c = _client(engine_a)
     r = c.completions.create(model="tiny-llama", prompt="pick", max_tokens=8, n=3, temperature=1.0, seed=7)
     assert [ch.index for ch in r.choices] == [0, 1, 2] and r.usage.completion_tokens == 24

@@ -18,7 +18,7 @@ def _scrape(url: str) -> tuple[str, float]:
     return httpx.get(url + "/metrics").text, time.monotonic()
 
 
-def test_engine_metrics_give_arrivals_and_mean_output_length(engine_a) -> None:  # type: ignore[no-untyped-def]
+def test_engine_metrics_give_arrivals_and_mean_output_length(engine_a) -> None:
     r = RateTracker(window_s=0.0)
     text0, t0 = _scrape(engine_a.url)
     r.update("e", parse_engine_metrics(text0, t0))

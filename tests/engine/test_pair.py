@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from splitref import collect, unsplit  # type: ignore[import-not-found]
+from splitref import collect, unsplit
 
 from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.config import EngineConfig
@@ -55,7 +55,7 @@ async def _pair(tiny_ckpt: Path, tiny_blocks: Any, resident: int) -> Pair:
 
 @pytest.mark.parametrize("params", [SamplingParams(max_tokens=6),
                                     SamplingParams(max_tokens=5, temperature=0.8, seed=7)], ids=["greedy", "seeded"])
-async def test_pair_formed_while_a_serves_a_batch_is_exact(tiny_ckpt, tiny_blocks, params) -> None:  # type: ignore[no-untyped-def]
+async def test_pair_formed_while_a_serves_a_batch_is_exact(tiny_ckpt, tiny_blocks, params) -> None:
     want = unsplit(tiny_blocks, PROMPTS, params)
     assert len({t for w in want for t in w}) > 3  # a degenerate model would make the comparison meaningless
     p = await _pair(tiny_ckpt, tiny_blocks, resident=2)
@@ -89,7 +89,7 @@ async def test_pair_formed_while_a_serves_a_batch_is_exact(tiny_ckpt, tiny_block
         await p.close()
 
 
-async def test_split_moves_forward_as_blocks_arrive_and_b_goes_local(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_split_moves_forward_as_blocks_arrive_and_b_goes_local(tiny_ckpt, tiny_blocks) -> None:
     params = SamplingParams(max_tokens=8)
     want = unsplit(tiny_blocks, PROMPTS[:2], params)
     p = await _pair(tiny_ckpt, tiny_blocks, resident=1)
@@ -98,7 +98,7 @@ async def test_split_moves_forward_as_blocks_arrive_and_b_goes_local(tiny_ckpt, 
         await b.set_cooperate(CooperateRequest(p.peer, "zigzag"))
         first = b.serving.submit(PROMPTS[0], params)
         run1 = asyncio.create_task(collect(b, first))
-        while not b.pair or first not in b.pair.split:  # type: ignore[operator]
+        while not b.pair or first not in b.pair.split:
             await asyncio.sleep(0.005)
         assert b.pair.split[first] == 1
         for i in (1, 2):
@@ -122,7 +122,7 @@ async def test_split_moves_forward_as_blocks_arrive_and_b_goes_local(tiny_ckpt, 
         await p.close()
 
 
-async def test_pair_refused_with_wrong_token_or_dead_peer(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_pair_refused_with_wrong_token_or_dead_peer(tiny_ckpt, tiny_blocks) -> None:
     p = await _pair(tiny_ckpt, tiny_blocks, resident=2)
     try:
         p.a.finisher.token = "other-token"
@@ -136,7 +136,7 @@ async def test_pair_refused_with_wrong_token_or_dead_peer(tiny_ckpt, tiny_blocks
         await p.close()
 
 
-async def test_standby_warms_the_pair_connection_so_pairing_pays_no_handshake(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_standby_warms_the_pair_connection_so_pairing_pays_no_handshake(tiny_ckpt, tiny_blocks) -> None:
     params = SamplingParams(max_tokens=4)
     p = await _pair(tiny_ckpt, tiny_blocks, resident=3)
     c = _instance(tiny_ckpt, tiny_blocks, 1, "c")  # a second loading engine, never warmed
@@ -161,7 +161,7 @@ async def test_standby_warms_the_pair_connection_so_pairing_pays_no_handshake(ti
 
 
 @pytest.fixture(scope="module")
-def fig15_blocks(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+def fig15_blocks(tmp_path_factory: pytest.TempPathFactory):
     from kascade_engine.weights.blocks import pack_checkpoint
     from kascade_engine.weights.checkpoint import tiny_llama
 
@@ -170,7 +170,7 @@ def fig15_blocks(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-u
 
 
 @pytest.mark.parametrize("ilp", [False, True], ids=["ilp-free", "ilp"])
-async def test_fig15_engine_follows_the_planners_zigzag(fig15_blocks, ilp: bool) -> None:  # type: ignore[no-untyped-def]
+async def test_fig15_engine_follows_the_planners_zigzag(fig15_blocks, ilp: bool) -> None:
     """BlitzScale Figure 15's setting in the engine: 7 layers, loading a layer = 6 layer computations,
     6 batches queued at t=0 on the loading engine. Each batch waits for its scheduled prefix (planner's
     ZigZag), runs it here and finishes on the pair: the measured completion order agrees with the
@@ -219,7 +219,7 @@ async def test_fig15_engine_follows_the_planners_zigzag(fig15_blocks, ilp: bool)
         await p.close()
 
 
-async def test_cooperate_carries_the_operators_zigzag_setting(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_cooperate_carries_the_operators_zigzag_setting(tiny_ckpt, tiny_blocks) -> None:
     from kascade_planner.engine_api import WireError
     from kascade_planner.zigzag import PairSetting, ilp_config, ilp_free
 

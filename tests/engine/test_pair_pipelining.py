@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-from splitref import collect, unsplit  # type: ignore[import-not-found]
-from test_pair import PROMPTS, _pair  # type: ignore[import-not-found]
+from splitref import collect, unsplit
+from test_pair import PROMPTS, _pair
 
 from kascade_engine.batch.kvcache import KVCache
 from kascade_engine.batch.sampling import SamplingParams
@@ -23,7 +23,7 @@ from kascade_planner.engine_api import CooperateRequest
 from kascade_planner.zigzag import PairSetting, ilp_free
 
 
-async def test_b_keeps_its_steps_out_and_stays_exact(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_b_keeps_its_steps_out_and_stays_exact(tiny_ckpt, tiny_blocks) -> None:
     params = SamplingParams(max_tokens=6)
     waves = [[list(reversed(p)) if w % 2 else p for p in PROMPTS] for w in range(PIPELINE_DEPTH + 1)]
     for w, wave in enumerate(waves):  # distinct prompts per wave
@@ -97,7 +97,7 @@ def test_parked_sequences_keep_their_seat_and_are_not_scheduled() -> None:
     assert not s.parked and "a" not in s.running and not s.idle
 
 
-def test_emulated_cost_is_per_full_batch_past_the_knee(tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+def test_emulated_cost_is_per_full_batch_past_the_knee(tiny_blocks) -> None:
     """`staggered`'s cost (what `pace` charges): one layer time per layer run up to `knee_tokens` tokens
     present at it, proportionally more past it; without a knee, one per layer whatever the rows."""
     from kascade_engine.batch.model import LlamaModel
@@ -158,7 +158,7 @@ def test_zigzag_replans_from_the_queue_as_it_is() -> None:
 
 @pytest.mark.parametrize("params", [SamplingParams(max_tokens=40),
                                     SamplingParams(max_tokens=40, temperature=0.9, seed=11)], ids=["greedy", "seeded"])
-async def test_split_sequences_migrate_to_b_once_it_holds_every_layer(tiny_ckpt, tiny_blocks, params) -> None:  # type: ignore[no-untyped-def]
+async def test_split_sequences_migrate_to_b_once_it_holds_every_layer(tiny_ckpt, tiny_blocks, params) -> None:
     """Decode-state migration: sequences B started split finish on B alone once its last block lands. A
     hands over their K/V (and sampler state) and frees them; outputs equal the unsplit engine's."""
     want = unsplit(tiny_blocks, PROMPTS[:3], params)
@@ -187,7 +187,7 @@ async def test_split_sequences_migrate_to_b_once_it_holds_every_layer(tiny_ckpt,
         await p.close()
 
 
-def test_migrated_kv_is_checked_and_lands_in_the_right_slots(tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+def test_migrated_kv_is_checked_and_lands_in_the_right_slots(tiny_blocks) -> None:
     from kascade_engine.live import migration
 
     L = tiny_blocks.config.num_hidden_layers if hasattr(tiny_blocks.config, "num_hidden_layers") else 4
@@ -211,7 +211,7 @@ def test_migrated_kv_is_checked_and_lands_in_the_right_slots(tiny_blocks) -> Non
         migration.set_gen_state(torch.Generator(), 42)
 
 
-async def test_the_knee_flag_reaches_both_sides_of_a_pair(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_the_knee_flag_reaches_both_sides_of_a_pair(tiny_ckpt, tiny_blocks) -> None:
     """--emulate-knee-tokens sets the knee `pace` charges on A's hosted steps and on B's own."""
     from kascade_engine.config import EngineConfig
     from kascade_engine.instance import EngineInstance
@@ -238,7 +238,7 @@ async def test_the_knee_flag_reaches_both_sides_of_a_pair(tiny_ckpt, tiny_blocks
         await listener.close()
 
 
-async def test_zigzag_serves_spread_out_requests_without_holding(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_zigzag_serves_spread_out_requests_without_holding(tiny_ckpt, tiny_blocks) -> None:
     """Issue 17: requests reaching a ZigZag B one after another (each done before the next comes) are each
     batch 0 of the queue as it is: they run at once with the resident layer, outputs exact. A t = 0 plan
     (the old policy) held the second for 3 layers that never land here (the request waited out the hold
@@ -264,7 +264,7 @@ async def test_zigzag_serves_spread_out_requests_without_holding(tiny_ckpt, tiny
         await p.close()
 
 
-def test_an_answer_landing_inside_the_step_that_sent_it(tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+def test_an_answer_landing_inside_the_step_that_sent_it(tiny_blocks) -> None:
     """A live pair's answer can land inside the very forward that sent its step (A answered before B's step
     returned: PairClient lands every answer that is back). Engine.step must not re-read the request after
     the forward: before, a request finished by that landing was gone (KeyError, the whole step failed for
@@ -317,7 +317,7 @@ def test_an_answer_landing_inside_the_step_that_sent_it(tiny_blocks) -> None:  #
 
 
 @pytest.mark.parametrize("b_paced", [False, True], ids=["b-instant", "b-paced"])
-async def test_b_rows_join_a_running_step_at_their_layer(tiny_ckpt, tiny_blocks, b_paced: bool) -> None:  # type: ignore[no-untyped-def]
+async def test_b_rows_join_a_running_step_at_their_layer(tiny_ckpt, tiny_blocks, b_paced: bool) -> None:
     """Issue 17: a B step that reaches A while A's forward has not yet passed B's split layer k joins that
     forward at layer k (cooperation.staggered's `join`), instead of waiting for A's next step boundary.
     A is kept busy by a long request of its own, so each of B's frames (sent right after the last token
@@ -351,7 +351,7 @@ async def test_b_rows_join_a_running_step_at_their_layer(tiny_ckpt, tiny_blocks,
         await p.close()
 
 
-def test_rows_joining_at_a_later_layer_match_rows_run_from_the_start(tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+def test_rows_joining_at_a_later_layer_match_rows_run_from_the_start(tiny_blocks) -> None:
     """`staggered` with `join`: the forward runs layer by layer and asks before each layer for rows that
     join there. Rows joining at layer 2 come out equal to the same rows present from the start, at the
     same cost (no knee: rows are free); rows joining past their first layer catch up alone first (same
@@ -405,7 +405,7 @@ def stagger(m: Any, L: int, xs: dict[str, torch.Tensor],
     return {k: r.x for k, r in made.items()}, cost, asked
 
 
-async def test_a_token_that_lands_during_bs_step_reaches_its_client_at_once(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_a_token_that_lands_during_bs_step_reaches_its_client_at_once(tiny_ckpt, tiny_blocks) -> None:
     """Issue 17: A's answer to B's step i often comes back while B runs step i + 1's prefix (up to L - 1
     layer times). B lands it during that step and routes its tokens at once (PairClient.emit ->
     Serving.publish), instead of at the end of the step (bench: answers waited up to 540 ms there).
@@ -434,7 +434,7 @@ async def test_a_token_that_lands_during_bs_step_reaches_its_client_at_once(tiny
         await p.close()
 
 
-def test_a_step_goes_out_as_one_frame_per_split_layer_highest_first(tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+def test_a_step_goes_out_as_one_frame_per_split_layer_highest_first(tiny_blocks) -> None:
     """Issue 17: A's forward takes a frame only if it has not passed the frame's lowest split layer (plus
     CATCH_UP_LAYERS), and answers go back in frame order. A step mixing a new prompt (the resident prefix,
     k = 3) with a decode row started earlier (k = 1) goes out as two frames, k = 3 first, so the prompt's

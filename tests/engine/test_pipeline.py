@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from splitref import collect, unsplit  # type: ignore[import-not-found]
+from splitref import collect, unsplit
 
 from kascade_devcluster.waiting import wait_until
 from kascade_engine.batch.sampling import SamplingParams
@@ -74,7 +74,7 @@ async def _pipeline(tiny_ckpt: Any, blocks: Any, last_layer_s: float = 0.0, spar
             await lst.close()
 
 
-async def test_pipeline_of_three_receivers_serves_exactly_and_survives_a_death(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_pipeline_of_three_receivers_serves_exactly_and_survives_a_death(tiny_ckpt, tiny_blocks) -> None:
     params = SamplingParams(max_tokens=6)
     want = unsplit(tiny_blocks, PROMPTS, params)
     async with _pipeline(tiny_ckpt, tiny_blocks, spare=True) as pl:
@@ -115,7 +115,7 @@ async def test_pipeline_of_three_receivers_serves_exactly_and_survives_a_death(t
 
 
 @pytest.mark.parametrize("held", [["layer.2"]])
-async def test_middle_receiver_without_a_downstream_refuses_rows(tiny_ckpt, tiny_blocks, held) -> None:  # type: ignore[no-untyped-def]
+async def test_middle_receiver_without_a_downstream_refuses_rows(tiny_ckpt, tiny_blocks, held) -> None:
     r1 = _receiver(tiny_ckpt, tiny_blocks, ["embed", "layer.0", "layer.1"], "r1")
     r2 = _receiver(tiny_ckpt, tiny_blocks, held, "r2")
     lst = await TcpTransport().listen("127.0.0.1", 0, r2.finisher.handle)
@@ -129,7 +129,7 @@ async def test_middle_receiver_without_a_downstream_refuses_rows(tiny_ckpt, tiny
         await lst.close()
 
 
-async def test_middle_receiver_gaining_layers_keeps_each_sequences_range(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_middle_receiver_gaining_layers_keeps_each_sequences_range(tiny_ckpt, tiny_blocks) -> None:
     """Blocks keep landing on a middle receiver while sequences decode through it: a sequence that began
     with layer 3 downstream keeps it there (its KV for layer 3 lives there), a sequence admitted after
     the block landed runs layer 3 in the middle; both are exact."""
@@ -149,7 +149,7 @@ async def test_middle_receiver_gaining_layers_keeps_each_sequences_range(tiny_ck
         assert stops == [3, 4]  # the first keeps its range (layer 2 only), the second runs layers 2-3 here
 
 
-async def test_a_middle_receiver_runs_its_next_step_while_rows_are_downstream(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_a_middle_receiver_runs_its_next_step_while_rows_are_downstream(tiny_ckpt, tiny_blocks) -> None:
     """Issue 17, λScale's pipelining: a middle receiver does not wait inside its step for the next receiver's
     answer. With a slow last receiver, the middle one relays a second step while the first is still
     there (before: one relayed step at a time, so the pipeline ran one step of all its stages at once and
@@ -181,7 +181,7 @@ async def test_a_middle_receiver_runs_its_next_step_while_rows_are_downstream(ti
         assert r2.finisher.connections == 1 and r3.finisher.connections == 1
 
 
-async def test_a_pipeline_head_keeps_its_stage_as_its_layers_land(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_a_pipeline_head_keeps_its_stage_as_its_layers_land(tiny_ckpt, tiny_blocks) -> None:
     """Issue 17: the head of a pipeline admits every request, so its step time bounds the pipeline. It runs
     its stage (the prefix it held when the pipeline formed) of each new sequence, not its growing prefix:
     with layer 2 landed on the head, a new sequence still leaves layer 2 to the next receiver (before: k
@@ -206,7 +206,7 @@ async def test_a_pipeline_head_keeps_its_stage_as_its_layers_land(tiny_ckpt, tin
         assert r2.host.rows_hosted >= 2 * params.max_tokens  # layer 2 of both ran on r2, every token
 
 
-async def test_a_complete_pipeline_head_pipelines_its_queue_then_runs_alone(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_a_complete_pipeline_head_pipelines_its_queue_then_runs_alone(tiny_ckpt, tiny_blocks) -> None:
     """Issue 17: requests queued on a pipeline head were routed to it at the pipeline's rate (its serving share).
     Once the head holds every layer it keeps starting them at its stage while a queue waits (its stage steps
     admit faster than whole-model steps; before, the queue drained at one replica's rate: bench pipe4, the

@@ -20,7 +20,7 @@ LENGTHS = (10, 100, 129, 300, 510)  # "128": 10 + 100; "512": 129 + 300 + 510 (t
 
 
 @pytest.fixture(scope="module")
-def engine_long(tiny_ckpt: Path, engine_starter):  # type: ignore[no-untyped-def]
+def engine_long(tiny_ckpt: Path, engine_starter):
     e = engine_starter(["--checkpoint", str(tiny_ckpt), "--model-name", MODEL, "--max-prompt-tokens", "511",
                         "--kv-tokens", "4096"])
     yield e
@@ -31,7 +31,7 @@ def _scrape(url: str) -> tuple[str, float]:
     return httpx.get(url + "/metrics").text, time.monotonic()
 
 
-def test_engine_counts_prompt_tokens_by_length_bucket(engine_long) -> None:  # type: ignore[no-untyped-def]
+def test_engine_counts_prompt_tokens_by_length_bucket(engine_long) -> None:
     text0, t0 = _scrape(engine_long.url)
     for b in ("128", "512", "2048", "inf"):  # exposed before any request
         assert f'kascade_prompt_tokens_arrived_total{{bucket="{b}",model_name="{MODEL}"}} 0.0' in text0

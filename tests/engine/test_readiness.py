@@ -9,7 +9,7 @@ import threading
 import httpx
 
 
-def test_ready_only_while_it_can_serve(tiny_ckpt, engine_starter) -> None:  # type: ignore[no-untyped-def]
+def test_ready_only_while_it_can_serve(tiny_ckpt, engine_starter) -> None:
     e = engine_starter(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--empty"])
     h = {"Authorization": f"Bearer {e.token}"}
     body = {"model": "tiny-llama", "prompt": [1, 2, 3], "max_tokens": 64}

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from splitref import collect, unsplit  # type: ignore[import-not-found]
+from splitref import collect, unsplit
 
 from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.config import EngineConfig
@@ -43,7 +43,7 @@ def _copy(d: dict[str, Any]) -> list[Any]:
 
 @pytest.mark.parametrize("params", [SamplingParams(max_tokens=6),
                                     SamplingParams(max_tokens=5, temperature=0.8, seed=7)], ids=["greedy", "seeded"])
-async def test_queued_requests_on_the_source_are_redirected_to_the_live_target(tiny_ckpt, tiny_blocks, params) -> None:  # type: ignore[no-untyped-def]
+async def test_queued_requests_on_the_source_are_redirected_to_the_live_target(tiny_ckpt, tiny_blocks, params) -> None:
     want = unsplit(tiny_blocks, PROMPTS, params)
     a = _instance(tiny_ckpt, tiny_blocks, None, "a", start=False)  # one sequence at a time: the rest queue
     b = _instance(tiny_ckpt, tiny_blocks, 2, "b")
@@ -70,7 +70,7 @@ async def test_queued_requests_on_the_source_are_redirected_to_the_live_target(t
         await lst.close()
 
 
-def test_frames_answered_at_one_step_end_hand_over_only_what_evens_the_queues(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+def test_frames_answered_at_one_step_end_hand_over_only_what_evens_the_queues(tiny_ckpt, tiny_blocks) -> None:
     """B keeps several steps out, so A answers two of its frames at one step's end, both reporting the queue B had
     before this step's hand-overs. The second must count what the first handed over (in transit: A's count sent
     minus B's "seen"), or A hands over its whole queue, the requests its own next step would run among them."""
@@ -87,7 +87,7 @@ def test_frames_answered_at_one_step_end_hand_over_only_what_evens_the_queues(ti
     assert r.sent == {}
 
 
-async def test_a_client_leaving_aborts_its_redirected_request_on_the_target(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_a_client_leaving_aborts_its_redirected_request_on_the_target(tiny_ckpt, tiny_blocks) -> None:
     params = SamplingParams(max_tokens=2000)
     short = SamplingParams(max_tokens=4)
     want = unsplit(tiny_blocks, PROMPTS[:1], short)
@@ -123,7 +123,7 @@ async def test_a_client_leaving_aborts_its_redirected_request_on_the_target(tiny
 
 @pytest.mark.parametrize("params", [SamplingParams(max_tokens=24),
                                     SamplingParams(max_tokens=24, temperature=0.8, seed=11)], ids=["greedy", "seeded"])
-async def test_the_target_going_away_mid_request_hands_redirected_requests_back_to_the_source(  # type: ignore[no-untyped-def]
+async def test_the_target_going_away_mid_request_hands_redirected_requests_back_to_the_source(
         tiny_ckpt, tiny_blocks, params) -> None:
     want = unsplit(tiny_blocks, PROMPTS, params)
     a = _instance(tiny_ckpt, tiny_blocks, None, "a", start=False)

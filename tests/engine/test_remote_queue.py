@@ -13,8 +13,8 @@ import asyncio
 import logging
 import time
 
-from pdpair import PD, TOKEN  # type: ignore[import-not-found]
-from splitref import collect, unsplit  # type: ignore[import-not-found]
+from pdpair import PD, TOKEN
+from splitref import collect, unsplit
 
 from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.config import EngineConfig
@@ -32,7 +32,7 @@ def _prompt(k: int) -> list[int]:
     return [(7 * k + 3 * i) % 500 + 1 for i in range(LONG)]
 
 
-async def test_a_converted_decoder_keeps_a_prompt_queued_prefills_at_p_would_delay(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_a_converted_decoder_keeps_a_prompt_queued_prefills_at_p_would_delay(tiny_ckpt, tiny_blocks) -> None:
     """- P reports its measured pace on kv_done; D keeps it per peer (RemotePrefill.pace).
     - D sends QUEUED prompts of LONG tokens to P; then a LONG-token prompt arrives with P as its fallback. D prefills
       slower than P (a prompt alone would finish sooner there) and the old estimate (the average of one short remote

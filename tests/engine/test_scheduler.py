@@ -118,7 +118,7 @@ def test_bad_inputs() -> None:
         Limits(max_seqs=0)
 
 
-def _model(blocks) -> LlamaModel:  # type: ignore[no-untyped-def]
+def _model(blocks) -> LlamaModel:
     m = LlamaModel(blocks.config)
     for b in blocks.blocks.values():
         m.add_block(b.id, b.tensors())
@@ -128,7 +128,7 @@ def _model(blocks) -> LlamaModel:  # type: ignore[no-untyped-def]
 PROMPTS = [[1, 2, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [7], [300, 200, 100, 5, 6]]
 
 
-def test_batched_chunked_and_preempted_equal_one_at_a_time(tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+def test_batched_chunked_and_preempted_equal_one_at_a_time(tiny_blocks) -> None:
     m = _model(tiny_blocks)
     params = SamplingParams(max_tokens=12)
     alone = [Engine(m, Limits(kv_tokens=256)).generate(p, params) for p in PROMPTS]
@@ -143,7 +143,7 @@ def test_batched_chunked_and_preempted_equal_one_at_a_time(tiny_blocks) -> None:
     assert tight.scheduler.pool.used_pages == 0 and tight.scheduler.idle
 
 
-def test_greedy_batch_equals_transformers(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+def test_greedy_batch_equals_transformers(tiny_ckpt, tiny_blocks) -> None:
     from transformers import AutoModelForCausalLM
 
     ref = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
@@ -156,7 +156,7 @@ def test_greedy_batch_equals_transformers(tiny_ckpt, tiny_blocks) -> None:  # ty
     assert got == want
 
 
-def test_abort_frees_pages_and_failure_is_isolated(tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+def test_abort_frees_pages_and_failure_is_isolated(tiny_blocks) -> None:
     m = _model(tiny_blocks)
     eng = Engine(m, Limits(max_batch_tokens=64, max_seqs=4, kv_tokens=256, page_size=4))
     good = eng.submit([1, 2, 3], SamplingParams(max_tokens=3))
@@ -173,7 +173,7 @@ def test_abort_frees_pages_and_failure_is_isolated(tiny_blocks) -> None:  # type
     assert eng.scheduler.idle and not eng.requests and eng.scheduler.pool.used_pages == 0
 
 
-def test_no_tensor_lands_on_a_default_device(tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+def test_no_tensor_lands_on_a_default_device(tiny_blocks) -> None:
     """Every allocation in the engine names its device: with the default device set to `meta`, a step
     still computes real tokens (a tensor made without a device would be a meta tensor and fail)."""
     m = _model(tiny_blocks)
@@ -188,7 +188,7 @@ def test_no_tensor_lands_on_a_default_device(tiny_blocks) -> None:  # type: igno
     assert got == want
 
 
-def test_prefill_chunks_of_a_step_share_one_attention_call(tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+def test_prefill_chunks_of_a_step_share_one_attention_call(tiny_blocks) -> None:
     """Prefill chunks of different lengths and starts (plus decodes) run as two SDPA groups per layer,
     and every token's hidden state equals the one its sequence computes alone."""
     from kascade_engine.batch.kvcache import KVCache, build_batch

@@ -60,7 +60,7 @@ def _min_margin(ckpt: Path) -> float:
     return min(float(top[0] - top[1]) for top in (torch.topk(s[0], 2).values for s in out.scores))
 
 
-def test_tokenizer_model_only_checkpoint_serves_like_transformers(spm_ckpt: Path, engine_starter) -> None:  # type: ignore[no-untyped-def]
+def test_tokenizer_model_only_checkpoint_serves_like_transformers(spm_ckpt: Path, engine_starter) -> None:
     from transformers import AutoModelForCausalLM
 
     tok = load_tokenizer(spm_ckpt)

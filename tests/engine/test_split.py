@@ -17,21 +17,21 @@ from kascade_engine.net.transport_tcp import TcpTransport
 from kascade_engine.weights.blocks import pack_checkpoint
 
 
-def _partial(blocks, k: int) -> LlamaModel:  # type: ignore[no-untyped-def]
+def _partial(blocks, k: int) -> LlamaModel:
     m = LlamaModel(blocks.config)
     for bid in ("embed", *(f"layer.{i}" for i in range(k))):
         m.add_block(bid, blocks.blocks[bid].tensors())
     return m
 
 
-def _single(blocks, prompt: list[int], params: SamplingParams) -> list[int]:  # type: ignore[no-untyped-def]
+def _single(blocks, prompt: list[int], params: SamplingParams) -> list[int]:
     m = LlamaModel(blocks.config)
     for b in blocks.blocks.values():
         m.add_block(b.id, b.tensors())
     return Engine(m).generate(prompt, params)
 
 
-async def _split_with(engine, model, req: str, prompt: list[int], params: SamplingParams, k: int) -> list[int]:  # type: ignore[no-untyped-def]
+async def _split_with(engine, model, req: str, prompt: list[int], params: SamplingParams, k: int) -> list[int]:
     """Run a request split with a real engine process: our first k layers here, the rest there."""
     conn = await TcpTransport().connect("127.0.0.1", engine.act)
     try:
@@ -43,7 +43,7 @@ async def _split_with(engine, model, req: str, prompt: list[int], params: Sampli
 
 
 @pytest.mark.parametrize("k", [0, 1, 2, 4])
-async def test_split_over_tcp_between_processes(engine_a, tiny_blocks, k: int) -> None:  # type: ignore[no-untyped-def]
+async def test_split_over_tcp_between_processes(engine_a, tiny_blocks, k: int) -> None:
     prompt, params = [11, 42, 7, 300, 5], SamplingParams(max_tokens=8)
     want = _single(tiny_blocks, prompt, params)
     assert len(set(want)) > 1  # a degenerate model would make the comparison meaningless
@@ -52,13 +52,13 @@ async def test_split_over_tcp_between_processes(engine_a, tiny_blocks, k: int) -
     assert await _split_with(engine_a, b, f"r{k}", prompt, params, k) == want
 
 
-async def test_split_with_sampling_seed_matches(engine_a, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_split_with_sampling_seed_matches(engine_a, tiny_blocks) -> None:
     prompt, params = [1, 2, 3], SamplingParams(max_tokens=6, temperature=0.9, seed=1234)
     want = _single(tiny_blocks, prompt, params)
     assert await _split_with(engine_a, _partial(tiny_blocks, 2), "seeded", prompt, params, 2) == want
 
 
-def test_finisher_rejects_bad_activations(tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+def test_finisher_rejects_bad_activations(tiny_blocks) -> None:
     full = _partial(tiny_blocks, 4)
     full.add_block("head", tiny_blocks.blocks["head"].tensors())
     f = Finisher(full)
@@ -71,7 +71,7 @@ def test_finisher_rejects_bad_activations(tiny_blocks) -> None:  # type: ignore[
     assert "unknown op" in f.step({"op": "bogus", "req": "z"}, b"")["message"]
 
 
-def test_split_beyond_resident_prefix_refused(tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+def test_split_beyond_resident_prefix_refused(tiny_blocks) -> None:
     import asyncio
 
     with pytest.raises(ValueError, match="only 1 are resident"):
@@ -79,7 +79,7 @@ def test_split_beyond_resident_prefix_refused(tiny_blocks) -> None:  # type: ign
 
 
 @pytest.mark.smollm
-async def test_split_smollm_matches_single(smollm_ckpt: Path, engine_starter) -> None:  # type: ignore[no-untyped-def]
+async def test_split_smollm_matches_single(smollm_ckpt: Path, engine_starter) -> None:
     from kascade_engine.tokenizer import load_tokenizer
 
     blocks = pack_checkpoint(smollm_ckpt, model="smollm2-135m")
@@ -96,7 +96,7 @@ async def test_split_smollm_matches_single(smollm_ckpt: Path, engine_starter) ->
     assert got == want
 
 
-async def test_zigzag_holds_until_peer_idle_and_uses_new_layers(tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_zigzag_holds_until_peer_idle_and_uses_new_layers(tiny_blocks) -> None:
     """B holds the prompt while A is busy, runs layers as they land, and hands over once A is idle."""
     import asyncio
 

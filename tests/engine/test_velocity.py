@@ -68,7 +68,7 @@ def test_the_prefill_velocity_is_the_capacity_of_saturated_steps() -> None:
     assert cpu.prefill_capacity() == pytest.approx(512 / 0.2128)  # min over saturated buckets
 
 
-async def test_engine_reports_measured_velocities(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_engine_reports_measured_velocities(tiny_ckpt, tiny_blocks) -> None:
     cfg = EngineConfig(checkpoint=tiny_ckpt, model_name="tiny-llama", token="t", kv_tokens=2048, instance="v")
     inst = EngineInstance(cfg, tiny_blocks.config, ByteTokenizer(), tiny_blocks)
     inst.serving.start()
@@ -117,7 +117,7 @@ def test_the_prefill_rate_counts_the_steps_that_gave_waiting_prompts_nothing() -
     assert m.prefill_rate() == pytest.approx(320.0)
 
 
-async def test_a_converted_decoder_measures_its_prefill_rate_between_prompts(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_a_converted_decoder_measures_its_prefill_rate_between_prompts(tiny_ckpt, tiny_blocks) -> None:
     """A converted decoder with decodes and no prompt waiting still measures the rate a prompt would get: its
     budgets' room beside each step's decodes (here the 4-token cap) over the step's time. So the router's view
     follows its batch between prompts instead of keeping the rate of its last prompt. Not converted, or with

@@ -1,11 +1,9 @@
-"""Operator test setup: makes `builders` (spec/pod helpers) importable from the test modules
-(pytest runs in importlib mode, so the test folder is not on sys.path by itself), and the `op` fixture:
+"""Operator test setup: the `op` fixture,
 the operator as a real process on the test's control plane, with the engine token the test module names
 as `TOKEN` (its engine stubs use the same one)."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,8 +11,6 @@ import pytest
 
 from kascade_devcluster.controlplane import ControlPlane
 from kascade_devcluster.operatorproc import OperatorProcess
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from enginestub import EngineStub  # type: ignore[import-not-found]
-from fakekube import FakeKube  # type: ignore[import-not-found]
+from enginestub import EngineStub
+from fakekube import FakeKube
 
 from kascade_operator import labels as L
 from kascade_operator import plandriver
@@ -48,7 +48,7 @@ async def world() -> AsyncIterator[tuple[Runtime, FakeKube, list[EngineStub]]]:
     stubs = [EngineStub(f"e{i}", "tiny", TOKEN, auto_ready=False) for i in range(3)]
     for i, s in enumerate(stubs):
         kube.add_pool_pod(NS, s.instance, f"n{i}", s.endpoint, model="tiny")
-    rt = Runtime(OperatorSettings(engine_token=TOKEN), kube, EngineClient(TOKEN), Scraper(), None,  # type: ignore[arg-type]
+    rt = Runtime(OperatorSettings(engine_token=TOKEN), kube, EngineClient(TOKEN), Scraper(), None,
                  OperatorMetrics())
     yield rt, kube, stubs
     await rt.engines.aclose()

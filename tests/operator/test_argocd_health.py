@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from builders import pod, spec  # type: ignore[import-not-found]
+from builders import pod, spec
 
 from kascade_operator.reconcile import reconcile
 from kascade_operator.status import Blocker, invalid_status, kstatus, plan_conditions, service_status

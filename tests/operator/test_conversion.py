@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from enginestub import EngineStub  # type: ignore[import-not-found]
-from fakekube import FakeKube, merge  # type: ignore[import-not-found]
+from enginestub import EngineStub
+from fakekube import FakeKube, merge
 
 from kascade_operator import labels as L
 from kascade_operator.api import ModelServiceSpec
@@ -53,7 +53,7 @@ async def world() -> AsyncIterator[tuple[Runtime, FakeKube, dict[str, EngineStub
         merge(kube.pods[(NS, n)], {"metadata": {"labels": {L.MODEL_SERVICE: "svc", L.ROLE: ROLES[n], L.POOL: L.POOL_BOUND},
                                                 "annotations": {L.LOADED: "true"}}})
         s.model_service, s.role, s.phase = "svc", ROLES[n], "ready"
-    rt = Runtime(OperatorSettings(engine_token=TOKEN), kube, EngineClient(TOKEN), Scraper(), None,  # type: ignore[arg-type]
+    rt = Runtime(OperatorSettings(engine_token=TOKEN), kube, EngineClient(TOKEN), Scraper(), None,
                  OperatorMetrics())
     yield rt, kube, stubs
     await rt.engines.aclose()

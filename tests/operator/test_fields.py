@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from builders import pod, spec  # type: ignore[import-not-found]
-from fakekube import FakeKube  # type: ignore[import-not-found]
+from builders import pod, spec
+from fakekube import FakeKube
 
 from kascade_operator.decide import decide
 from kascade_operator.engine_client import EngineClient
@@ -92,7 +92,7 @@ def test_source_path_of_the_first_copy_follows_the_source_kind() -> None:
 
 async def test_interval_seconds_is_per_service() -> None:
     kube = FakeKube()
-    rt = Runtime(OperatorSettings(engine_token="t"), kube, EngineClient("t"), Scraper(), None,  # type: ignore[arg-type]
+    rt = Runtime(OperatorSettings(engine_token="t"), kube, EngineClient("t"), Scraper(), None,
                  OperatorMetrics())
 
     def svc(name: str, interval: float) -> dict[str, Any]:

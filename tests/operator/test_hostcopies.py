@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from builders import pod, spec  # type: ignore[import-not-found]
+from builders import pod, spec
 
 from kascade_operator import labels as L
 from kascade_operator import scaleplan as SP
@@ -17,7 +17,7 @@ from kascade_operator.status import service_status
 
 
 def hc(name: str, model: str = "m", **kw: object) -> object:
-    return dataclasses.replace(pod(name, **kw), host_copy=model)  # type: ignore[arg-type]
+    return dataclasses.replace(pod(name, **kw), host_copy=model)
 
 
 def test_from_zero_the_first_replica_binds_from_a_host_copy_alone() -> None:

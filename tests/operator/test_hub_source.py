@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
-from builders import spec  # type: ignore[import-not-found]
+from builders import spec
 from pydantic import ValidationError
 
 from kascade_operator.api import ModelServiceSpec

@@ -146,7 +146,7 @@ def blocks(ckpt: Path) -> BlockSet:
 
 @pytest.fixture
 async def rt() -> AsyncIterator[Runtime]:
-    r = Runtime(OperatorSettings(engine_token=TOKEN, live_layer_seconds=0.01, live_zigzag_batches=5), FakeKube(),  # type: ignore[arg-type]
+    r = Runtime(OperatorSettings(engine_token=TOKEN, live_layer_seconds=0.01, live_zigzag_batches=5), FakeKube(),
                 EngineClient(TOKEN, timeout_s=30), Scraper(), None, OperatorMetrics())
     yield r
     await r.engines.aclose()
@@ -185,7 +185,7 @@ async def test_operator_forms_reforms_and_stops_a_pipeline_of_real_engines(rt: R
     want = _unsplit(blocks, PROMPTS, params)
     held = {"r1": ["embed", "layer.0", "layer.1"], "r2": ["layer.2"], "r3": [], "r4": []}
     engines = {n: await _live(ckpt, blocks, n, ids) for n, ids in held.items()}
-    kube: FakeKube = rt.kube  # type: ignore[assignment]
+    kube: FakeKube = rt.kube
     for e in engines.values():
         kube.add_pool_pod(NS, e.inst.instance_id, "n0", e.pod.endpoint or "", model="tiny-llama")
     spec = {"plan": {"pipelines": [["r1", "r2", "r3", "r4"]]}, "targets": [{"instance": n} for n in engines],
@@ -248,7 +248,7 @@ async def test_operator_pairs_a_loading_target_with_its_source_under_the_zigzag_
     want = _unsplit(blocks, PROMPTS[:2], params)
     a = await _live(ckpt, blocks, "a", list(blocks.blocks))
     b = await _live(ckpt, blocks, "b", ["embed", "layer.0", "layer.1"])
-    kube: FakeKube = rt.kube  # type: ignore[assignment]
+    kube: FakeKube = rt.kube
     kube.add_pool_pod(NS, "b", "n0", b.pod.endpoint or "", model="tiny-llama")
     spec = {"plan": {"livePairs": [["a", "b"]]}, "blockOrder": list(_blocks()),
             "targets": [{"instance": "b", "predictedSeconds": 0.3}]}

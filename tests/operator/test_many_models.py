@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from builders import pod, spec  # type: ignore[import-not-found]
+from builders import pod, spec
 
 from kascade_operator.decide import RoleInput, decide_roles
 from kascade_operator.podtemplate import checkpoint_path, fallback_pod, refusals

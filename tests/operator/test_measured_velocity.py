@@ -4,7 +4,7 @@ when the ModelService types no velocities; typed ones still win."""
 
 from __future__ import annotations
 
-from builders import spec  # type: ignore[import-not-found]
+from builders import spec
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kascade_engine.batch.velocity import VelocityMeter

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from enginestub import EngineStub  # type: ignore[import-not-found]
+from enginestub import EngineStub
 
 from kascade_devcluster.controlplane import ControlPlane
 from kascade_devcluster.operatorproc import OperatorProcess

@@ -5,7 +5,7 @@ decode tokenVelocity policy and in the P:D ratio policy alike; a measured rate a
 from __future__ import annotations
 
 import pytest
-from builders import spec  # type: ignore[import-not-found]
+from builders import spec
 
 from kascade_operator.decide import RoleInput, decide, decide_roles
 from kascade_planner.outputlength import OutputLength, decode_demand

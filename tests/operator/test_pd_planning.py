@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from builders import pod, spec  # type: ignore[import-not-found]
+from builders import pod, spec
 
 from kascade_operator.reconcile import CreatePlan, reconcile
 from kascade_operator.scaleplan import build, layout
@@ -16,7 +16,7 @@ NODES = [{"metadata": {"name": n, "labels": {"kascade.io/leaf": "l", "kascade.io
           "status": {"allocatable": {"nvidia.com/gpu": "8"}}} for n in ("n0", "n1", "n2", "n3")]
 
 
-def _pods() -> list:  # type: ignore[type-arg]
+def _pods() -> list:
     return [pod("pre", "n0", ms="svc", role="prefill", ready=True), pod("dec", "n1", ms="svc", role="decode", ready=True),
             pod("idle-a", "n2"), pod("idle-b", "n3")]
 

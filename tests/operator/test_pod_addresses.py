@@ -48,7 +48,7 @@ def test_every_engine_pod_the_operator_or_chart_makes_has_a_startup_probe() -> N
     from pathlib import Path
 
     import yaml
-    from builders import spec  # type: ignore[import-not-found]
+    from builders import spec
 
     from kascade_operator.podtemplate import fallback_pod
     fb = fallback_pod(spec(), "svc", "tok", None)["spec"]["containers"][0]

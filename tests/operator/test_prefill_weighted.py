@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
-from builders import spec  # type: ignore[import-not-found]
+from builders import spec
 from prometheus_client import generate_latest
 
 from kascade_engine.batch.velocity import VelocityMeter

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from enginestub import EngineStub  # type: ignore[import-not-found]
+from enginestub import EngineStub
 
 from kascade_devcluster.controlplane import ControlPlane
 from kascade_devcluster.nodes import KWOK_TOLERATION

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from builders import pod, spec  # type: ignore[import-not-found]
+from builders import pod, spec
 
 from kascade_operator.reconcile import CreatePlan, CreatePods, Drain, PlanView, Release, reconcile
 

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from builders import spec  # type: ignore[import-not-found]
-from enginestub import EngineStub  # type: ignore[import-not-found]
+from builders import spec
+from enginestub import EngineStub
 
 from kascade_devcluster.controlplane import ControlPlane
 from kascade_devcluster.operatorproc import OperatorProcess

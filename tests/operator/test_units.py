@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from builders import pod  # type: ignore[import-not-found]
+from builders import pod
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from pydantic import ValidationError
 
@@ -162,7 +162,7 @@ def test_settings_errors_name_the_variable(monkeypatch: pytest.MonkeyPatch) -> N
 
 async def test_scraper_keeps_rates_per_group() -> None:
     """Scraping service B between two scrapes of service A must not reset A's rate (a real bug)."""
-    from enginestub import EngineStub  # type: ignore[import-not-found]
+    from enginestub import EngineStub
 
     from kascade_operator.metrics import Scraper
 

@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections import Counter, defaultdict
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from scenarios import Scenario
 
 from kascade_planner.builder import make_plan
 from kascade_planner.cost import CostParams, _predict_events, _predict_pipelined, lower_bound, predict
 from kascade_planner.plan import Flow, Instance, Plan, PlanError
 
-_spec = importlib.util.spec_from_file_location("planner_conftest", Path(__file__).with_name("conftest.py"))
-assert _spec and _spec.loader
-_mod = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_mod)
-Scenario = _mod.Scenario
 ALGS = ["chain", "binomial", "hybrid", "auto", "star", "tree", "local"]
 
 

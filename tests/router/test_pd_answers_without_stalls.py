@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import aiohttp
 import pytest
-from pdtrio import engine_procs, pd_routes  # type: ignore[import-not-found]
+from pdtrio import engine_procs, pd_routes
 
 from kascade_devcluster.localengine import EngineProc
 from kascade_engine.weights.checkpoint import tiny_llama

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import aiohttp
 import pytest
-from pdtrio import engine_procs, pd_routes  # type: ignore[import-not-found]
+from pdtrio import engine_procs, pd_routes
 from prometheus_client.parser import text_string_to_metric_families
 
 from kascade_devcluster.localengine import EngineProc

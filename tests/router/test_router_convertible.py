@@ -50,7 +50,7 @@ from kascade_router.backends import Routes
 from kascade_router.server import Router
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "operator"))  # the operator tests' in-memory kube
-from fakekube import FakeKube, merge  # type: ignore[import-not-found]
+from fakekube import FakeKube, merge
 
 TOKEN, NS, MODEL = "router-conv-token", "ns", "tiny-llama"
 TBT_MS, PREFILL_V = 200, 80.0  # typed velocity: the decisions do not depend on this machine's speed
@@ -136,7 +136,7 @@ async def test_a_busy_converted_decoder_takes_prefill_within_its_budget_and_is_t
             routes.set_pod(pod)
 
     watch()
-    rt = Runtime(OperatorSettings(engine_token=TOKEN), kube, EngineClient(TOKEN), Scraper(), None,  # type: ignore[arg-type]
+    rt = Runtime(OperatorSettings(engine_token=TOKEN), kube, EngineClient(TOKEN), Scraper(), None,
                  OperatorMetrics())
     svc_body = {"metadata": {"name": "svc", "namespace": NS, "uid": "uid-svc"}}
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from pdtrio import PROMPT, convert_beside_streams, end_streams, engine_procs, trio_routes  # type: ignore[import-not-found]
+from pdtrio import PROMPT, convert_beside_streams, end_streams, engine_procs, trio_routes
 
 from kascade_devcluster.localengine import EngineProc
 from kascade_engine.weights.checkpoint import tiny_llama

@@ -64,7 +64,7 @@ def test_conversions_are_the_policys_answers_and_applied_as_answered() -> None:
         flags.update(dict.fromkeys(ans.convert, True))
         flags.update(dict.fromkeys(ans.revert, False))
     # the chunk budget the converted decoders used is the policy's
-    assert s.chunk_tokens[0] == calls[-1][2].chunk_tokens  # type: ignore[union-attr]
+    assert s.chunk_tokens[0] == calls[-1][2].chunk_tokens
     assert s.converted_prefills > 0
 
 
