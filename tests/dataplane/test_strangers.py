@@ -77,7 +77,7 @@ async def test_a_stranger_is_dropped_after_the_handshake_deadline() -> None:
     the caller's (plan's) timeout."""
     from kascade_engine.net import peerauth
 
-    async def handler(conn) -> None:  # type: ignore[no-untyped-def]
+    async def handler(conn) -> None:
         with contextlib.suppress(peerauth.AuthError):
             await peerauth.accept(conn, "t" * 32, "transfer", timeout=120)
 
@@ -102,7 +102,7 @@ async def test_strangers_evict_only_strangers_never_an_admitted_peer() -> None:
 
     token = secrets.token_hex(16)
 
-    async def handler(conn) -> None:  # type: ignore[no-untyped-def]
+    async def handler(conn) -> None:
         with contextlib.suppress(peerauth.AuthError):
             admitted = await peerauth.accept(conn, token, "transfer", timeout=10)
             await conn.send(admitted.welcome.header(), timeout=5)

@@ -158,7 +158,7 @@ async def test_the_target_going_away_mid_request_hands_redirected_requests_back_
         await lst.close()
 
 
-async def test_a_target_without_its_embed_block_takes_no_requests_until_it_lands(tiny_ckpt, tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+async def test_a_target_without_its_embed_block_takes_no_requests_until_it_lands(tiny_ckpt, tiny_blocks) -> None:
     """Issue 38 defect 5: right after `cooperate` the target's `embed` block may not be resident yet (blocks land
     in any order); a request handed to it then failed its step ("block embed is not resident"). The target asks
     for no requests and admits none of its own before embed is here; once it lands every request completes with

@@ -15,14 +15,14 @@ from kascade_engine.batch.sampling import SamplingParams, adjust, extras, with_e
 PROMPT = [40, 41, 42, 43, 44]
 
 
-def _model(blocks) -> LlamaModel:  # type: ignore[no-untyped-def]
+def _model(blocks) -> LlamaModel:
     m = LlamaModel(blocks.config)
     for b in blocks.blocks.values():
         m.add_block(b.id, b.tensors())
     return m
 
 
-def test_eos_min_tokens_and_ignore_eos(tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+def test_eos_min_tokens_and_ignore_eos(tiny_blocks) -> None:
     m = _model(tiny_blocks)
     greedy = Engine(m).generate(PROMPT, SamplingParams(max_tokens=12))
     eos = greedy[2]  # greedy reaches it as its 3rd token
@@ -36,7 +36,7 @@ def test_eos_min_tokens_and_ignore_eos(tiny_blocks) -> None:  # type: ignore[no-
     assert len(stop_ids) >= 4 and greedy[0] not in stop_ids[:4]
 
 
-def test_top_k_penalties_and_batch_mixing(tiny_blocks) -> None:  # type: ignore[no-untyped-def]
+def test_top_k_penalties_and_batch_mixing(tiny_blocks) -> None:
     m = _model(tiny_blocks)
     plain = SamplingParams(max_tokens=16)
     greedy = Engine(m).generate(PROMPT, plain)
