@@ -117,7 +117,9 @@ class EngineInstance:
         self.engine = Engine(self.model, Limits(c.max_batch_tokens, c.max_seqs, c.kv_tokens, c.page_size),
                              eos=self.tokenizer.eos_token_id)
         self.peers = PeerPool(self.transport, config.token)  # activation connections opened ahead
-        self.host = HostRows(layer_s=config.emulate_layer_ms / 1e3, knee_tokens=config.emulate_knee_tokens)  # pair sessions (a loading peer's rows) join this engine's batch
+        self.host = HostRows(
+            layer_s=config.emulate_layer_ms / 1e3, knee_tokens=config.emulate_knee_tokens
+        )  # pair sessions (a loading peer's rows) join this engine's batch
         self.engine.coop = self.host
         self.pair: PairClient | None = None  # while loading with a peer: our rows finish there
         self._warming: asyncio.Task[None] | None = None  # ZigZag plans computed in the background (livepolicy)
@@ -344,7 +346,13 @@ class EngineInstance:
         if peer is not None and not self.servable:
             raise InstanceError(409, f"mode redirect: engine is {self.phase.value}, not serving or live with a peer",
                                 "mode")
-        olds = list(self.forwarders.values()) if peer is None else [self.forwarders.pop(peer)] if peer in self.forwarders else []
+        olds = (
+            list(self.forwarders.values())
+            if peer is None
+            else [self.forwarders.pop(peer)]
+            if peer in self.forwarders
+            else []
+        )
         if peer is None:
             self.forwarders = {}
         for old in olds:
@@ -368,7 +376,8 @@ class EngineInstance:
     def convert(self, req: ConvertRequest) -> EngineStatus:
         """Convertible decoder (TokenScale): prefill at most `prefill_chunk_tokens` prompt tokens per step
         (None: no cap), and with `step_budget_ms` only what the engine's measured step cost predicts within it
-        in a step that decodes (scheduler.py, stepcost.py). The data port serves other decode engines' prefill whatever the role; the router
+        in a step that decodes (scheduler.py, stepcost.py). The data port serves other decode engines' prefill whatever
+        the role; the router
         sends it some once the pod is annotated convertible."""
         lim = self.engine.limits
         changed = (req.prefill_chunk_tokens, req.step_budget_ms) != (

@@ -8,7 +8,8 @@ data plane's wire type; a source uses its own manifest) -> `TransferNode.start()
 instance's data address -> `run()` receives/forwards -> on each committed block: `model.add_block`
 (zero-copy views of the verified buffer), bytesReceived updated -> all resident: phase serving, and the
 received blocks become this engine's `blockset`, so it can be a source of the next plan.
-Data flow (source): path (or uri -> `modelsource.resolve` -> snapshot dir) -> `pack_checkpoint` in a worker thread (hashes every block) -> blocks
+Data flow (source): path (or uri -> `modelsource.resolve` -> snapshot dir) -> `pack_checkpoint` in a worker thread
+(hashes every block) -> blocks
 added in model order -> phase serving.
 Data flow (host copy): a released engine's `host_copy` -> `bind` source.hostCopy adds its blocks again
 (no disk, no network; the copy stays kept while the engine serves from it), or a plan naming this released

@@ -112,9 +112,11 @@ class EngineMetrics:
         self.prefill_chunk_budget = gauge("kascade_prefill_chunk_budget_tokens",
                                           "The prefill chunk budget (prompt tokens per step) the last step ran "
                                           "under (a taken-back decoder's held one included); 0: no cap")
-        self.prefill_step_budget = gauge("kascade_prefill_step_budget_seconds",
-                                         "The step time budget the last step ran under (a converted decoder: prompt "
-                                         "chunks only while its measured step cost predicts the step within it); 0: none")
+        self.prefill_step_budget = gauge(
+            "kascade_prefill_step_budget_seconds",
+            "The step time budget the last step ran under (a converted decoder: prompt "
+            "chunks only while its measured step cost predicts the step within it); 0: none",
+        )
         self.prefill_cut = counter("kascade_prefill_tokens_cut_by_step_budget",
                                    "Prompt tokens the step time budget held back from steps the token cap allowed")
         self.token_cost = gauge("kascade_step_cost_prompt_token_seconds",

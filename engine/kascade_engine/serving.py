@@ -294,7 +294,9 @@ class Serving:
     def abort(self, rid: str) -> None:
         self.drop(rid)
         self.inst.engine.abort(rid)
-        for fwd in self.inst.forwarders.values():  # a request handed to another engine (liveredirect.py): abort it there
+        for (
+            fwd
+        ) in self.inst.forwarders.values():  # a request handed to another engine (liveredirect.py): abort it there
             fwd.abort(rid)
         self.wake.set()
 

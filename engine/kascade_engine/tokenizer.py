@@ -72,7 +72,9 @@ class TokenizerError(ValueError):
 
 
 def load_tokenizer(checkpoint: Path | None) -> Tokenizer:
-    if checkpoint is not None and any((checkpoint / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+    if checkpoint is not None and any(
+        (checkpoint / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+    ):
         from transformers import AutoTokenizer
 
         if (checkpoint / "tokenizer.model").exists() and not (checkpoint / "tokenizer.json").exists():

@@ -82,7 +82,11 @@ class RouterDemand:
     def __init__(self, url: str, timeout_s: float = 0.5, max_age_s: float = 0.1,
                  resolve: Resolver = resolve_all) -> None:
         u = urlsplit(url.rstrip("/"))
-        self.scheme, self.host, self.port = u.scheme or "http", u.hostname or "", u.port or (443 if u.scheme == "https" else 80)
+        self.scheme, self.host, self.port = (
+            u.scheme or "http",
+            u.hostname or "",
+            u.port or (443 if u.scheme == "https" else 80),
+        )
         self.path = u.path + "/router/v1/demand"
         self.netloc = u.netloc
         self.url = f"{self.scheme}://{u.netloc}{self.path}"
@@ -154,15 +158,25 @@ def zero_rule(current: int, lo: int, wish: int, demand: Demand | None, idle_s: f
     if current == 0 and demand is not None:
         if demand.active or demand.requests_per_s > 0:
             want = max(1, wish)
-            return want, (f"router: {demand.queued} request(s) held and {demand.in_flight} in flight with no "
-                          f"serving replica: scaling from zero; the first copy loads from a released engine's host copy "
-                          f"where one is kept (status.sources kind host), else from spec.model.source"), False
+            return (
+                want,
+                (
+                    f"router: {demand.queued} request(s) held and {demand.in_flight} in flight with no "
+                    f"serving replica: scaling from zero; the first copy loads from a released engine's host copy "
+                    f"where one is kept (status.sources kind host), else from spec.model.source"
+                ),
+                False,
+            )
         if lo == 0:
             return 0, None, False  # nothing asks for it: stay at zero (policies alone would keep a copy)
     # without a router nothing could bring it back: min 0 then keeps one copy, as the policies do
     if lo == 0 and current >= 1 and demand is not None and not demand.active and idle_s is not None \
             and idle_s >= idle_release_s:
-        return 0, f"idle for {idle_s:.0f} s (>= idleReleaseSeconds {idle_release_s:g}, min 0): releasing every replica", True
+        return (
+            0,
+            f"idle for {idle_s:.0f} s (>= idleReleaseSeconds {idle_release_s:g}, min 0): releasing every replica",
+            True,
+        )
     if lo == 0 and current >= 1 and wish == 0:
         return 1, None, False  # below the policy's lower bound but not idle long enough: keep one copy
     return wish, None, False

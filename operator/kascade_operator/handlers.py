@@ -235,8 +235,12 @@ async def _zero(rt: Runtime, spec: ModelServiceSpec, key: tuple[str, str, str], 
     time with min 0; otherwise the policy's decision stands."""
     now = time.monotonic()
     dem = await rt.router.get(key[0], key[1]) if rt.router is not None else None
-    if snap.in_flight > 0 or snap.output_tokens_per_s > 0 or (dem is not None and (dem.active or dem.requests_per_s > 0)) \
-            or key not in rt.last_busy:
+    if (
+        snap.in_flight > 0
+        or snap.output_tokens_per_s > 0
+        or (dem is not None and (dem.active or dem.requests_per_s > 0))
+        or key not in rt.last_busy
+    ):
         rt.last_busy[key] = now
     idle = now - rt.last_busy[key]
     if dem is not None and dem.idle_s is not None:

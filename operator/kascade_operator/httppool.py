@@ -10,7 +10,8 @@ installation's engine CA) and `HttpPool.get(endpoint)` -> a cached client (creat
 and TLS verification applied) -> the request; `prune(keep)` closes clients of endpoints that are gone.
 
 HTTPS to engines (`kascade_planner.engine_tls`, shared with the router): engines started with TLS files
-serve their HTTP port with their data-plane certificate. Engines are addressed by pod IP, so the certificate is checked against the
+serve their HTTP port with their data-plane certificate. Engines are addressed by pod IP, so the certificate is checked
+against the
 installation's CA only, not against a name (the trust model of the data plane, transport_tls.py).
 """
 

@@ -111,7 +111,9 @@ class Kube:
         return list(doc.get("items") or [])
 
     async def list_pods(self, ns: str, selector: str = "") -> list[dict[str, Any]]:
-        resp = await self.core.list_namespaced_pod(ns, label_selector=selector, _preload_content=False, _request_timeout=self.t)
+        resp = await self.core.list_namespaced_pod(
+            ns, label_selector=selector, _preload_content=False, _request_timeout=self.t
+        )
         return list((await self._json(resp, f"list pods in {ns}")).get("items") or [])
 
     async def get_pod(self, ns: str, name: str) -> dict[str, Any]:
@@ -138,7 +140,11 @@ class Kube:
 
     async def get_scaleplan(self, ns: str, name: str) -> dict[str, Any]:
         try:
-            return dict(await self.custom.get_namespaced_custom_object(GROUP, VERSION, ns, "scaleplans", name, _request_timeout=self.t))
+            return dict(
+                await self.custom.get_namespaced_custom_object(
+                    GROUP, VERSION, ns, "scaleplans", name, _request_timeout=self.t
+                )
+            )
         except ApiException as e:
             _raise(e, f"scaleplan {ns}/{name}")
             raise
@@ -186,14 +192,20 @@ class Kube:
 
     async def create_scaleplan(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
         try:
-            return dict(await self.custom.create_namespaced_custom_object(GROUP, VERSION, ns, "scaleplans", body, _request_timeout=self.t))
+            return dict(
+                await self.custom.create_namespaced_custom_object(
+                    GROUP, VERSION, ns, "scaleplans", body, _request_timeout=self.t
+                )
+            )
         except ApiException as e:
             _raise(e, f"scaleplan {ns}/{body['metadata'].get('name')}")
             raise
 
     async def delete_scaleplan(self, ns: str, name: str) -> None:
         try:
-            await self.custom.delete_namespaced_custom_object(GROUP, VERSION, ns, "scaleplans", name, _request_timeout=self.t)
+            await self.custom.delete_namespaced_custom_object(
+                GROUP, VERSION, ns, "scaleplans", name, _request_timeout=self.t
+            )
         except ApiException as e:
             _raise(e, f"scaleplan {ns}/{name}")
 
@@ -233,4 +245,6 @@ class Kube:
             await self._done(await self.core.create_namespaced_event(ns, body, _preload_content=False,
                                                                      _request_timeout=self.t), f"event in {ns}")
         except (ApiException, Conflict, NotFound, TimeoutError) as e:
-            log.warning("event %s on %s/%s not posted: %s", reason, ns, meta.get("name"), getattr(e, "reason", None) or repr(e))
+            log.warning(
+                "event %s on %s/%s not posted: %s", reason, ns, meta.get("name"), getattr(e, "reason", None) or repr(e)
+            )

@@ -307,35 +307,37 @@ class PrometheusSource:
 
     Engines are expected to be scraped by Prometheus with a `pod` label (the pod name)."""
 
-    QUERIES: ClassVar[dict[str, str]] = {"input": "sum by (pod) (rate(kascade_prompt_tokens_total{{pod=~\"{pods}\"}}[{window}]))",
-               "output": "sum by (pod) (rate(kascade_generation_tokens_total{{pod=~\"{pods}\"}}[{window}]))",
-               "queue": "sum by (pod) (kascade_num_requests_waiting{{pod=~\"{pods}\"}})",
-               "running": "sum by (pod) (kascade_num_requests_running{{pod=~\"{pods}\"}})",
-               "kv": "avg by (pod) (kascade_kv_cache_usage_perc{{pod=~\"{pods}\"}})",
-               "ttft_sum": "sum by (pod) (increase(kascade_time_to_first_token_seconds_sum{{pod=~\"{pods}\"}}[{window}]))",
-               "ttft_count": "sum by (pod) (increase(kascade_time_to_first_token_seconds_count{{pod=~\"{pods}\"}}[{window}]))",
-               "tbt_sum": "sum by (pod) (increase(kascade_inter_token_latency_seconds_sum{{pod=~\"{pods}\"}}[{window}]))",
-               "tbt_count": "sum by (pod) (increase(kascade_inter_token_latency_seconds_count{{pod=~\"{pods}\"}}[{window}]))",
-               # decode-only steps: a converted decoder's chunk budget leaves their mean its time (as the Scraper)
-               "step_sum": "sum by (pod) (increase(kascade_step_seconds_sum{{pod=~\"{pods}\",kind=\"decode\"}}[{window}]))",
-               "step_count": "sum by (pod) (increase(kascade_step_seconds_count{{pod=~\"{pods}\",kind=\"decode\"}}[{window}]))",
-               # arrivals and finished requests' output tokens (the output-length estimate: kascade_planner.outputlength),
-               # over the window and since the engine started (the estimate when none finished in the window)
-               "arrived": "sum by (pod) (rate(kascade_requests_arrived_total{{pod=~\"{pods}\"}}[{window}]))",
-               "gen_sum": "sum by (pod) (increase(kascade_request_generation_tokens_sum{{pod=~\"{pods}\"}}[{window}]))",
-               "gen_count": "sum by (pod) (increase(kascade_request_generation_tokens_count{{pod=~\"{pods}\"}}[{window}]))",
-               "gen_total_sum": "sum by (pod) (kascade_request_generation_tokens_sum{{pod=~\"{pods}\"}})",
-               "gen_total_count": "sum by (pod) (kascade_request_generation_tokens_count{{pod=~\"{pods}\"}})",
-               # prompt tokens arriving per prompt-length bucket: the demand the prefill velocity is weighted by
-               "arrived_b": f"sum by (pod, bucket) (rate({_ARRIVED}{{{{pod=~\"{{pods}}\"}}}}[{{window}}]))",
-               # the engine's measured velocities (gauges; 0 = not measured yet), reduced as the Scraper does
-               # (`_velocity`): each prompt-length bucket's capacity (their min, else the best floor: the
-               # one-velocity rule), the best decode batch, the mean KV link
-               "prefill_v": f"max by (pod, bucket) ({_PREFILL_V}{{{{pod=~\"{{pods}}\"}}}} > 0)",
-               "floor_v": f"max by (pod) ({_FLOOR_V}{{{{pod=~\"{{pods}}\"}}}} > 0)",
-               "decode_v": f"max by (pod) ({_DECODE_V}{{{{pod=~\"{{pods}}\"}}}} > 0)",
-               "link_v": f"avg by (pod) ({_LINK_V}{{{{pod=~\"{{pods}}\"}}}} > 0)",
-               "rate_v": f"avg by (pod) ({_RATE_V}{{{{pod=~\"{{pods}}\"}}}} > 0)"}
+    QUERIES: ClassVar[dict[str, str]] = {
+        "input": 'sum by (pod) (rate(kascade_prompt_tokens_total{{pod=~"{pods}"}}[{window}]))',
+        "output": 'sum by (pod) (rate(kascade_generation_tokens_total{{pod=~"{pods}"}}[{window}]))',
+        "queue": 'sum by (pod) (kascade_num_requests_waiting{{pod=~"{pods}"}})',
+        "running": 'sum by (pod) (kascade_num_requests_running{{pod=~"{pods}"}})',
+        "kv": 'avg by (pod) (kascade_kv_cache_usage_perc{{pod=~"{pods}"}})',
+        "ttft_sum": 'sum by (pod) (increase(kascade_time_to_first_token_seconds_sum{{pod=~"{pods}"}}[{window}]))',
+        "ttft_count": 'sum by (pod) (increase(kascade_time_to_first_token_seconds_count{{pod=~"{pods}"}}[{window}]))',
+        "tbt_sum": 'sum by (pod) (increase(kascade_inter_token_latency_seconds_sum{{pod=~"{pods}"}}[{window}]))',
+        "tbt_count": 'sum by (pod) (increase(kascade_inter_token_latency_seconds_count{{pod=~"{pods}"}}[{window}]))',
+        # decode-only steps: a converted decoder's chunk budget leaves their mean its time (as the Scraper)
+        "step_sum": 'sum by (pod) (increase(kascade_step_seconds_sum{{pod=~"{pods}",kind="decode"}}[{window}]))',
+        "step_count": 'sum by (pod) (increase(kascade_step_seconds_count{{pod=~"{pods}",kind="decode"}}[{window}]))',
+        # arrivals and finished requests' output tokens (the output-length estimate: kascade_planner.outputlength),
+        # over the window and since the engine started (the estimate when none finished in the window)
+        "arrived": 'sum by (pod) (rate(kascade_requests_arrived_total{{pod=~"{pods}"}}[{window}]))',
+        "gen_sum": 'sum by (pod) (increase(kascade_request_generation_tokens_sum{{pod=~"{pods}"}}[{window}]))',
+        "gen_count": 'sum by (pod) (increase(kascade_request_generation_tokens_count{{pod=~"{pods}"}}[{window}]))',
+        "gen_total_sum": 'sum by (pod) (kascade_request_generation_tokens_sum{{pod=~"{pods}"}})',
+        "gen_total_count": 'sum by (pod) (kascade_request_generation_tokens_count{{pod=~"{pods}"}})',
+        # prompt tokens arriving per prompt-length bucket: the demand the prefill velocity is weighted by
+        "arrived_b": f'sum by (pod, bucket) (rate({_ARRIVED}{{{{pod=~"{{pods}}"}}}}[{{window}}]))',
+        # the engine's measured velocities (gauges; 0 = not measured yet), reduced as the Scraper does
+        # (`_velocity`): each prompt-length bucket's capacity (their min, else the best floor: the
+        # one-velocity rule), the best decode batch, the mean KV link
+        "prefill_v": f'max by (pod, bucket) ({_PREFILL_V}{{{{pod=~"{{pods}}"}}}} > 0)',
+        "floor_v": f'max by (pod) ({_FLOOR_V}{{{{pod=~"{{pods}}"}}}} > 0)',
+        "decode_v": f'max by (pod) ({_DECODE_V}{{{{pod=~"{{pods}}"}}}} > 0)',
+        "link_v": f'avg by (pod) ({_LINK_V}{{{{pod=~"{{pods}}"}}}} > 0)',
+        "rate_v": f'avg by (pod) ({_RATE_V}{{{{pod=~"{{pods}}"}}}} > 0)',
+    }
 
     BY_BUCKET: ClassVar[frozenset[str]] = frozenset({"arrived_b", "prefill_v"})  # answered per (pod, bucket)
 
@@ -380,13 +382,29 @@ class PrometheusSource:
                                  prefill_capacity(caps.values()), tuple(sorted(caps.items())))
             return None if v == MeasuredVelocity() else v
 
-        return [InstanceLoad(p, by["input"].get(p, 0.0), by["output"].get(p, 0.0),
-                             int(by["queue"].get(p, 0.0) + by["running"].get(p, 0.0)), by["kv"].get(p, 0.0),
-                             by["queue"].get(p, 0.0), by["ttft_sum"].get(p, 0.0), by["ttft_count"].get(p, 0.0),
-                             by["tbt_sum"].get(p, 0.0), by["tbt_count"].get(p, 0.0), velocity(p),
-                             decode_step_sum=by["step_sum"].get(p, 0.0), decode_step_count=by["step_count"].get(p, 0.0),
-                             requests_per_s=by["arrived"].get(p, 0.0),
-                             output_length=OutputLength(by["gen_sum"].get(p, 0.0), by["gen_count"].get(p, 0.0),
-                                                        by["gen_total_sum"].get(p, 0.0), by["gen_total_count"].get(p, 0.0)),
-                             prompt_tokens_per_s_by_bucket=tuple(sorted(per["arrived_b"].get(p, {}).items())))
-                for p in pods]
+        return [
+            InstanceLoad(
+                p,
+                by["input"].get(p, 0.0),
+                by["output"].get(p, 0.0),
+                int(by["queue"].get(p, 0.0) + by["running"].get(p, 0.0)),
+                by["kv"].get(p, 0.0),
+                by["queue"].get(p, 0.0),
+                by["ttft_sum"].get(p, 0.0),
+                by["ttft_count"].get(p, 0.0),
+                by["tbt_sum"].get(p, 0.0),
+                by["tbt_count"].get(p, 0.0),
+                velocity(p),
+                decode_step_sum=by["step_sum"].get(p, 0.0),
+                decode_step_count=by["step_count"].get(p, 0.0),
+                requests_per_s=by["arrived"].get(p, 0.0),
+                output_length=OutputLength(
+                    by["gen_sum"].get(p, 0.0),
+                    by["gen_count"].get(p, 0.0),
+                    by["gen_total_sum"].get(p, 0.0),
+                    by["gen_total_count"].get(p, 0.0),
+                ),
+                prompt_tokens_per_s_by_bucket=tuple(sorted(per["arrived_b"].get(p, {}).items())),
+            )
+            for p in pods
+        ]

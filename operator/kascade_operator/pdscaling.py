@@ -4,7 +4,8 @@ and to the convertible-decoder input.
 Data flow: `ModelServiceSpec` + each role's `RoleInput` (serving count, bounds, metrics) ->
 - `velocities`: typed `spec.scaling.tokenVelocity` values win, the engines' measured ones fill the gaps;
 - `demand`: the prompt tokens/s arriving at the service and the decode demand (max(measured output tokens/s,
-  arriving requests/s x the output length estimated from recent history): kascade_planner.outputlength). Every request arrives at one
+  arriving requests/s x the output length estimated from recent history): kascade_planner.outputlength). Every request
+  arrives at one
   engine, which counts its prompt (a decoder counts it even when a prefiller prefills it; a prefiller
   counts it again), so the larger of the two roles' rates is the arrival rate, whichever engines saw it;
 - `ratio_decisions`: the per-role decisions with prefill and decode replaced by

@@ -405,8 +405,14 @@ async def _drop(rt: Runtime, sp: dict[str, Any], p: PodView | None, reason: str,
             await _unbind_own(rt, pool_ns, p, key, name, reason if unreachable else None)
     owner = {"metadata": {"name": svc,
                           "uid": next((o["uid"] for o in sp["metadata"].get("ownerReferences") or []), None)}}
-    await rt.event(ns, owner, "ModelService", "Warning", "TargetDropped",
-                   f"ScalePlan {name}: target {p.pod_name if p else '?'} dropped ({reason}); a new plan will replace it")
+    await rt.event(
+        ns,
+        owner,
+        "ModelService",
+        "Warning",
+        "TargetDropped",
+        f"ScalePlan {name}: target {p.pod_name if p else '?'} dropped ({reason}); a new plan will replace it",
+    )
 
 
 async def _unbind_own(rt: Runtime, pool_ns: str, p: PodView, key: str, plan: str, unhealthy: str | None) -> None:

@@ -155,14 +155,29 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
         mount = {"name": "model", "mountPath": PVC_MOUNT}
         cache = {"name": "hf-cache", "mountPath": HF_HOME}
         extra_volumes.append({"name": "hf-cache", "emptyDir": {}})
-        init.append({"name": "model-config", "image": e.image,
-                     "args": ["kascade", "model", "download", repo, f"--revision={rev or 'main'}", f"--dest={PVC_MOUNT}",
-                              "--config-only"],
-                     "env": [{"name": "KASCADE_LOG_FORMAT", "value": log_format}, {"name": "HOME", "value": "/tmp"},
-                             *_hub_env(hf_endpoint, hf_token_secret)],
-                     "resources": dict(INIT_RESOURCES),
-                     "securityContext": dict(CONTAINER_SECURITY),
-                     "volumeMounts": [mount, cache, {"name": "tmp", "mountPath": "/tmp"}]})
+        init.append(
+            {
+                "name": "model-config",
+                "image": e.image,
+                "args": [
+                    "kascade",
+                    "model",
+                    "download",
+                    repo,
+                    f"--revision={rev or 'main'}",
+                    f"--dest={PVC_MOUNT}",
+                    "--config-only",
+                ],
+                "env": [
+                    {"name": "KASCADE_LOG_FORMAT", "value": log_format},
+                    {"name": "HOME", "value": "/tmp"},
+                    *_hub_env(hf_endpoint, hf_token_secret),
+                ],
+                "resources": dict(INIT_RESOURCES),
+                "securityContext": dict(CONTAINER_SECURITY),
+                "volumeMounts": [mount, cache, {"name": "tmp", "mountPath": "/tmp"}],
+            }
+        )
     elif src.pvc is not None:
         volume = {"name": "model", "persistentVolumeClaim": {"claimName": src.pvc.claim_name, "readOnly": True}}
         mount = {"name": "model", "mountPath": PVC_MOUNT, "readOnly": True}
@@ -188,15 +203,31 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
         return {"path": path, "port": "http", **scheme}
 
     container: dict[str, Any] = {
-        "name": "engine", "image": e.image,
-        "args": ["kascade", "engine", "serve", "--empty", "--host=0.0.0.0", f"--port={e.port}", f"--act-port={act_port}",
-                 f"--transport={transport}", f"--activation-dscp={activation_dscp}",
-                 f"--host-cache-gib={host_cache_gib:g}", f"--checkpoint={ckpt}",
-                 f"--model-name={spec.model.name}", *capacity.args(cap), f"--dtype={dtype}",
-                 *(tls_args() if tls_secret else [])],
+        "name": "engine",
+        "image": e.image,
+        "args": [
+            "kascade",
+            "engine",
+            "serve",
+            "--empty",
+            "--host=0.0.0.0",
+            f"--port={e.port}",
+            f"--act-port={act_port}",
+            f"--transport={transport}",
+            f"--activation-dscp={activation_dscp}",
+            f"--host-cache-gib={host_cache_gib:g}",
+            f"--checkpoint={ckpt}",
+            f"--model-name={spec.model.name}",
+            *capacity.args(cap),
+            f"--dtype={dtype}",
+            *(tls_args() if tls_secret else []),
+        ],
         "env": env,
-        "ports": [{"containerPort": e.port, "name": "http"}, {"containerPort": e.data_port, "name": "data"},
-                  {"containerPort": act_port, "name": "act"}],
+        "ports": [
+            {"containerPort": e.port, "name": "http"},
+            {"containerPort": e.data_port, "name": "data"},
+            {"containerPort": act_port, "name": "act"},
+        ],
         # Ready only while the engine can serve (/readyz) and the operator's serving gate is open (bound and
         # loaded or live, not draining): a fallback pod belongs to no Deployment, so no availability waits
         # on it (the chart's pool pods are Ready when healthy and select serving by label instead)
@@ -205,7 +236,8 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
         # started only once the engine's HTTP server answers: the operator binds started pods only
         "startupProbe": {"httpGet": probe("/healthz"), "periodSeconds": 1, "failureThreshold": 600},
         "securityContext": dict(CONTAINER_SECURITY),
-        "volumeMounts": mounts}
+        "volumeMounts": mounts,
+    }
     if tls_secret:
         mounts.append({"name": "data-plane-tls", "mountPath": TLS_MOUNT, "readOnly": True})
         extra_volumes.append({"name": "data-plane-tls", "secret": {"secretName": tls_secret}})

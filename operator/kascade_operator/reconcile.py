@@ -122,7 +122,9 @@ def pd_sources(pods: Sequence[PodView], name: str, role: str,
     ready decode pair as a KV flow (any decoder may receive KV from any prefiller)."""
     if role not in ("prefill", "decode"):
         return tuple(sorted(p.pod_name for p in ready)), ()
-    mine = [p for p in pods if p.model_service == name and p.ready and not p.draining and p.role in ("prefill", "decode")]
+    mine = [
+        p for p in pods if p.model_service == name and p.ready and not p.draining and p.role in ("prefill", "decode")
+    ]
     pre = sorted(p.pod_name for p in mine if p.role == "prefill")
     dec = sorted(p.pod_name for p in mine if p.role == "decode")
     return tuple(sorted(p.pod_name for p in mine)), tuple((a, b) for a in pre for b in dec)

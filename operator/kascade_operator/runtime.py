@@ -97,7 +97,11 @@ class Runtime:
             meta = p.get("metadata") or {}
             if meta.get("deletionTimestamp"):
                 continue
-            key = (str(meta.get("name")), str(meta.get("resourceVersion", "")), leaf.get((p.get("spec") or {}).get("nodeName") or ""))
+            key = (
+                str(meta.get("name")),
+                str(meta.get("resourceVersion", "")),
+                leaf.get((p.get("spec") or {}).get("nodeName") or ""),
+            )
             seen.add(key)
             v = self._views.get(key)
             if v is None:

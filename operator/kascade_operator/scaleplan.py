@@ -156,8 +156,12 @@ def progress(spec: Mapping[str, Any], statuses: Mapping[str, Mapping[str, Any] |
         phase = "Live" if spec.get("livePairs") else "Transferring"
     else:
         phase = "Pending"
-    out: dict[str, Any] = {"phase": phase, "targets": rows, "targetsReady": f"{ready}/{n}",
-                           "progress": f"{sum(r['blocksReceived'] for r in rows)}/{sum(r['blocksTotal'] for r in rows)}"}
+    out: dict[str, Any] = {
+        "phase": phase,
+        "targets": rows,
+        "targetsReady": f"{ready}/{n}",
+        "progress": f"{sum(r['blocksReceived'] for r in rows)}/{sum(r['blocksTotal'] for r in rows)}",
+    }
     if failed:
         out["message"] = "; ".join(f"{k}: {v}" for k, v in sorted(failed.items()))[:2000]
     if phase in ("Succeeded", "Failed"):

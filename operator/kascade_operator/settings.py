@@ -45,9 +45,14 @@ class OperatorSettings(BaseSettings):
                                                      "fallback pods (engine --transport: weights, activations, "
                                                      "the KV of disaggregated serving), the pool's pool.transport: "
                                                      "engines reach only peers that speak the same one")
-    engine_activation_dscp: int = Field(default=AF41, ge=0, le=63, description="DSCP the fallback pods' engines mark "
-                                        "their activation connections and HTTP answers with (engine --activation-dscp), the pool's "
-                                        "pool.activationDscp; 34 = AF41, 0 = no mark")
+    engine_activation_dscp: int = Field(
+        default=AF41,
+        ge=0,
+        le=63,
+        description="DSCP the fallback pods' engines mark "
+        "their activation connections and HTTP answers with (engine --activation-dscp), the pool's "
+        "pool.activationDscp; 34 = AF41, 0 = no mark",
+    )
     engine_host_cache_gib: float = Field(default=0.0, ge=0, le=1 << 20, description="host-memory budget (GiB) of "
                                          "the fallback pods' engines for a host copy of their model (engine "
                                          "--host-cache-gib), the pool's pool.hostCacheGiB; 0 = they keep none")

@@ -21,10 +21,13 @@ FIELD = "spec.model.source.uri"  # engines name it in their loadError when a dow
 
 def source_blocker(plans: Iterable[dict[str, Any]], service: str, source: str) -> Blocker | None:
     """`plans`: ScalePlans (any service); `source`: the path or URI the service's first copy loads from."""
-    first_copies = [p for p in plans
-                    if (p.get("spec") or {}).get("modelServiceRef", {}).get("name") == service
-                    and (p.get("status") or {}).get("phase") in ("Succeeded", "Failed")
-                    and any(s.get("kind") == "host" and s.get("path") == source for s in p["spec"].get("sources") or [])]
+    first_copies = [
+        p
+        for p in plans
+        if (p.get("spec") or {}).get("modelServiceRef", {}).get("name") == service
+        and (p.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+        and any(s.get("kind") == "host" and s.get("path") == source for s in p["spec"].get("sources") or [])
+    ]
     if not first_copies:
         return None
     newest = max(first_copies, key=lambda p: ((p.get("status") or {}).get("completionTime") or "",

@@ -95,12 +95,22 @@ def service_status(key: str, name: str, res: Result, pods: Sequence[PodView], pl
         stalled = condition("Stalled", False, "AtDesiredReplicas", summary, gen)
     degraded = blocker is not None or bool(res.notes)
     degraded_reason = blocker.reason if blocker else ("PoolShort" if res.notes else "AsExpected")
-    conds = [ready, reconciling, stalled,
-             condition("Available", res.available, "ReplicasReady" if res.available else "NoReadyReplica", summary, gen),
-             condition("Progressing", res.progressing, "Scaling" if res.progressing else "Stable",
-                       notes or ("scaling" if res.progressing else "at desired replicas"), gen),
-             condition("Degraded", degraded, degraded_reason,
-                       (blocker.message if blocker else notes) or "spec accepted", gen)]
+    conds = [
+        ready,
+        reconciling,
+        stalled,
+        condition("Available", res.available, "ReplicasReady" if res.available else "NoReadyReplica", summary, gen),
+        condition(
+            "Progressing",
+            res.progressing,
+            "Scaling" if res.progressing else "Stable",
+            notes or ("scaling" if res.progressing else "at desired replicas"),
+            gen,
+        ),
+        condition(
+            "Degraded", degraded, degraded_reason, (blocker.message if blocker else notes) or "spec accepted", gen
+        ),
+    ]
     st = {
         "observedGeneration": gen,
         "readyReplicas": sum(r.ready for r in res.roles.values()),

@@ -47,7 +47,9 @@ def test_truncated_file_names_file_and_tensor(base: Path, tmp_path: Path) -> Non
     d = _copy(base, tmp_path)
     f = d / "model.safetensors"
     f.write_bytes(f.read_bytes()[:-1000])
-    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor '.+': data ends at byte \d+ .*\(truncated\?\)"):
+    with pytest.raises(
+        CheckpointError, match=r"model\.safetensors: tensor '.+': data ends at byte \d+ .*\(truncated\?\)"
+    ):
         pack_checkpoint(d)
 
 

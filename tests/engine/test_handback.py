@@ -126,7 +126,9 @@ class _SlowRoom:
         return min(n, 1)
 
 
-async def test_a_converted_decoder_hands_back_a_prompt_that_progresses_slower_than_the_remote_path(tiny_ckpt, tiny_blocks) -> None:
+async def test_a_converted_decoder_hands_back_a_prompt_that_progresses_slower_than_the_remote_path(
+    tiny_ckpt, tiny_blocks
+) -> None:
     """The production rule: a prompt that progresses, but at a pace whose predicted finish here (tokens left /
     the rate over the last bound) is later than what a remote prefill on P took lately (measured on real
     remote prefills), is handed back; the same pace with a slower remote path stays. Without the rule (no
@@ -321,7 +323,9 @@ async def test_the_answer_names_who_really_prefilled_a_handed_back_prompt(tiny_c
         await pd.close()
 
 
-async def test_a_converted_decoder_prefilling_for_another_decoder_hands_back_by_the_same_rule(tiny_ckpt, tiny_blocks) -> None:
+async def test_a_converted_decoder_prefilling_for_another_decoder_hands_back_by_the_same_rule(
+    tiny_ckpt, tiny_blocks
+) -> None:
     """D2, converted, decodes four streams and prefills for decoder D1 (the router may name a converted decoder as
     D1's prefill engine). It follows the rule it applies to the prompts it prefills itself (handback.py):
     - right after its conversion, with no prefill rate it can use (not measured, or 0 beside the streams), it

@@ -47,7 +47,9 @@ def _serve_from_disk(e, ckpt) -> str:
 
 
 def test_release_keeps_a_host_copy_and_bind_reloads_from_it(tiny_ckpt, tiny_blocks, engine_starter) -> None:
-    e = engine_starter(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--empty", "--host-cache-gib", "1"])
+    e = engine_starter(
+        ["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--empty", "--host-cache-gib", "1"]
+    )
     try:
         h = _h(e)
         want = _serve_from_disk(e, tiny_ckpt)
@@ -60,7 +62,9 @@ def test_release_keeps_a_host_copy_and_bind_reloads_from_it(tiny_ckpt, tiny_bloc
         assert httpx.get(e.url + "/kascade/v1/manifest", headers=h).json() == tiny_blocks.manifest()
         bad = httpx.post(e.url + "/kascade/v1/bind", json={**BIND, "source": {"hostCopy": "yes"}}, headers=h)
         assert bad.status_code == 400 and "source.hostCopy" in bad.json()["error"]["message"]
-        bad = httpx.post(e.url + "/kascade/v1/bind", json={**BIND, "source": {"hostCopy": True, "path": "/x"}}, headers=h)
+        bad = httpx.post(
+            e.url + "/kascade/v1/bind", json={**BIND, "source": {"hostCopy": True, "path": "/x"}}, headers=h
+        )
         assert bad.status_code == 400 and "exactly one" in bad.json()["error"]["message"]
         ok = httpx.post(e.url + "/kascade/v1/bind", json={**BIND, "source": {"hostCopy": True}}, headers=h)
         assert ok.status_code == 200, ok.text
@@ -114,7 +118,9 @@ def test_a_model_over_the_budget_is_not_kept(tiny_ckpt, tiny_blocks, engine_star
 
 
 def test_a_released_host_copy_feeds_a_plan_and_stays_released(tiny_ckpt, tiny_blocks, engine_starter) -> None:
-    src = engine_starter(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--empty", "--host-cache-gib", "1"])
+    src = engine_starter(
+        ["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--empty", "--host-cache-gib", "1"]
+    )
     dst = engine_starter(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--empty"])
     try:
         want = _serve_from_disk(src, tiny_ckpt)
@@ -145,7 +151,9 @@ def test_a_released_host_copy_feeds_a_plan_and_stays_released(tiny_ckpt, tiny_bl
 def test_a_serving_engine_keeps_a_host_copy_when_asked(tiny_ckpt, tiny_blocks, engine_starter) -> None:
     """POST host-copy on a serving engine: it keeps its copy within the budget and serves on; asking again is a
     no-op; its release keeps that one copy (not a second); an engine without a budget answers 0 and why."""
-    e = engine_starter(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--empty", "--host-cache-gib", "1"])
+    e = engine_starter(
+        ["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--empty", "--host-cache-gib", "1"]
+    )
     nob = engine_starter(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--empty"])  # budget 0
     try:
         h = _h(e)

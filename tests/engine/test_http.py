@@ -52,7 +52,10 @@ def test_bad_completion_bodies(engine_a, body, status: int, needle: str) -> None
 
 
 def test_bad_chat_and_not_json(engine_a) -> None:
-    r = httpx.post(engine_a.url + "/v1/chat/completions", json={"model": "tiny-llama", "messages": [{"role": "robot", "content": "x"}]})
+    r = httpx.post(
+        engine_a.url + "/v1/chat/completions",
+        json={"model": "tiny-llama", "messages": [{"role": "robot", "content": "x"}]},
+    )
     assert r.status_code == 400 and "messages.0.role" in r.json()["error"]["message"]
     r = httpx.post(engine_a.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400
@@ -91,7 +94,10 @@ def test_burst_of_bad_input_keeps_engine_up(engine_a) -> None:
     assert r.usage.completion_tokens == 2
     m = httpx.get(engine_a.url + "/metrics").text
     assert 'kascade_time_to_first_token_seconds_count{model_name="tiny-llama"}' in m
-    assert "kascade_blocks_resident 6.0" in m and 'kascade_request_success_total{finished_reason="length",model_name="tiny-llama"}' in m
+    assert (
+        "kascade_blocks_resident 6.0" in m
+        and 'kascade_request_success_total{finished_reason="length",model_name="tiny-llama"}' in m
+    )
 
 
 def _metric(url: str, name: str) -> float:

@@ -107,8 +107,13 @@ def test_operator_refuses_an_engine_ca_that_does_not_load_at_startup(tmp_path: P
     (tmp_path / "junk.pem").write_text("not a certificate")
     env = {**os.environ, "KASCADE_OPERATOR_ENGINE_TOKEN": "t"}
     for bad in (tmp_path / "missing.pem", tmp_path / "junk.pem"):
-        r = subprocess.run([sys.executable, "-m", "kascade_cli.main", "operator", "run"], capture_output=True, text=True,
-                           timeout=120, env={**env, "KASCADE_OPERATOR_ENGINE_CA_FILE": str(bad)})
+        r = subprocess.run(
+            [sys.executable, "-m", "kascade_cli.main", "operator", "run"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**env, "KASCADE_OPERATOR_ENGINE_CA_FILE": str(bad)},
+        )
         assert r.returncode == 2 and "KASCADE_OPERATOR_ENGINE_CA_FILE" in r.stderr and bad.name in r.stderr, r.stderr
 
 
@@ -181,9 +186,23 @@ def test_prometheus_scrapes_a_tls_engine_with_the_charts_podmonitor_tls_config(
     chart = Path(__file__).resolve().parents[2] / "charts" / "kascade"
 
     def endpoint(*values: str) -> dict[str, Any]:
-        out = subprocess.run([str(helm), "template", "rel", str(chart), "--set", "monitoring.podMonitor.enabled=true", "--api-versions", "monitoring.coreos.com/v1/PodMonitor",
-                              *[a for v in values for a in ("--set", v)]], capture_output=True, text=True, check=True,
-                             timeout=120).stdout
+        out = subprocess.run(
+            [
+                str(helm),
+                "template",
+                "rel",
+                str(chart),
+                "--set",
+                "monitoring.podMonitor.enabled=true",
+                "--api-versions",
+                "monitoring.coreos.com/v1/PodMonitor",
+                *[a for v in values for a in ("--set", v)],
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        ).stdout
         pm = next(d for d in yaml.safe_load_all(out) if d and d["kind"] == "PodMonitor")
         return pm["spec"]["podMetricsEndpoints"][0]
 

@@ -32,8 +32,11 @@ def test_empty_engine_loads_by_plan_and_matches(tiny_ckpt, tiny_blocks, engine_s
         assert bad.status_code == 400 and "manifest" in bad.json()["error"]["message"]
         bad = httpx.post(src.url + "/kascade/v1/load-plan", json={**doc, "self": "zz"}, headers=_h(src))
         assert bad.status_code == 400 and "'zz'" in bad.json()["error"]["message"]
-        ok = httpx.post(dst.url + "/kascade/v1/load-plan", json={**doc, "self": "b", "manifest": tiny_blocks.manifest()},
-                        headers=_h(dst))
+        ok = httpx.post(
+            dst.url + "/kascade/v1/load-plan",
+            json={**doc, "self": "b", "manifest": tiny_blocks.manifest()},
+            headers=_h(dst),
+        )
         assert ok.status_code == 200, ok.text
         assert ok.json()["phase"] == "loading"
         ok = httpx.post(src.url + "/kascade/v1/load-plan", json={**doc, "self": "a"}, headers=_h(src))

@@ -55,8 +55,12 @@ def _wait(cond: Any, what: str, timeout: float = 90) -> Any:
 
 
 def _load(src: Any, dst: Any, doc: dict[str, Any], manifest: dict[str, Any], src_id: str, dst_id: str) -> None:
-    r = httpx.post(dst.url + "/kascade/v1/load-plan", json={**doc, "self": dst_id, "manifest": manifest}, headers=_h(dst),
-                   verify=dst.verify)
+    r = httpx.post(
+        dst.url + "/kascade/v1/load-plan",
+        json={**doc, "self": dst_id, "manifest": manifest},
+        headers=_h(dst),
+        verify=dst.verify,
+    )
     assert r.status_code == 200, r.text
     r = httpx.post(src.url + "/kascade/v1/load-plan", json={**doc, "self": src_id}, headers=_h(src), verify=src.verify)
     assert r.status_code == 200, r.text
@@ -79,8 +83,11 @@ def test_source_whose_only_downstream_dies_accepts_the_next_plan(tiny_ckpt: Path
         # The old plan must end (its downstream dropped) and free the data port: until then a new plan is 409.
         later = engine_starter(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--empty"])
         doc = _plan(tiny_blocks, "a", "c", pa, pc, 10.0)  # the same data port for the source
-        r = httpx.post(later.url + "/kascade/v1/load-plan", json={**doc, "self": "c", "manifest": tiny_blocks.manifest()},
-                       headers=_h(later))
+        r = httpx.post(
+            later.url + "/kascade/v1/load-plan",
+            json={**doc, "self": "c", "manifest": tiny_blocks.manifest()},
+            headers=_h(later),
+        )
         assert r.status_code == 200, r.text
 
         def accepted() -> bool:
@@ -116,15 +123,29 @@ def test_engines_with_mutual_tls_load_by_plan_and_refuse_a_foreign_certificate(
         st = _wait(lambda: (s := _status(dst))["ready"] and s, "the TLS target to load")
         assert st["bytesReceived"] == tiny_blocks.total_bytes
         want = httpx.post(src.url + "/v1/completions", json=BODY, verify=src.verify).json()["choices"][0]["text"]
-        assert httpx.post(dst.url + "/v1/completions", json=BODY, verify=dst.verify).json()["choices"][0]["text"] == want
+        assert (
+            httpx.post(dst.url + "/v1/completions", json=BODY, verify=dst.verify).json()["choices"][0]["text"] == want
+        )
         # Same plan token, same plan, but a certificate from another CA: the source never serves it a byte,
         # and the intruder's load ends in an error that says no fallback could provide the blocks.
-        _wait(lambda: httpx.post(src.url + "/kascade/v1/load-plan", json={**_plan(tiny_blocks, "a", "x", pa, pc, 2.0),
-                                                                            "self": "a"}, headers=_h(src), verify=src.verify).status_code == 200,
-              "the source to accept a second plan")
-        r = httpx.post(intruder.url + "/kascade/v1/load-plan",
-                       json={**_plan(tiny_blocks, "a", "x", pa, pc, 2.0), "self": "x", "manifest": tiny_blocks.manifest()},
-                       headers=_h(intruder), verify=intruder.verify)
+        _wait(
+            lambda: (
+                httpx.post(
+                    src.url + "/kascade/v1/load-plan",
+                    json={**_plan(tiny_blocks, "a", "x", pa, pc, 2.0), "self": "a"},
+                    headers=_h(src),
+                    verify=src.verify,
+                ).status_code
+                == 200
+            ),
+            "the source to accept a second plan",
+        )
+        r = httpx.post(
+            intruder.url + "/kascade/v1/load-plan",
+            json={**_plan(tiny_blocks, "a", "x", pa, pc, 2.0), "self": "x", "manifest": tiny_blocks.manifest()},
+            headers=_h(intruder),
+            verify=intruder.verify,
+        )
         assert r.status_code == 200, r.text
         st = _wait(lambda: (s := _status(intruder))["loadError"] and s, "the intruder's load error", timeout=60)
         assert "no fallback could provide" in st["loadError"] and st["bytesReceived"] == 0, st
@@ -138,7 +159,9 @@ def test_engines_with_mutual_tls_load_by_plan_and_refuse_a_foreign_certificate(
 def test_bad_tls_flags_are_usage_errors_naming_them(tiny_ckpt: Path, tmp_path: Path) -> None:
     base = [sys.executable, "-m", "kascade_cli.main", "engine", "serve", "--port", "0", "--checkpoint", str(tiny_ckpt)]
     env = {**os.environ, "KASCADE_ENGINE_TOKEN": "t"}
-    r = subprocess.run([*base, "--tls-cert", str(tmp_path / "c.pem")], capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run(
+        [*base, "--tls-cert", str(tmp_path / "c.pem")], capture_output=True, text=True, env=env, timeout=120
+    )
     assert r.returncode == 2 and "missing --tls-key, --tls-ca" in r.stderr, r.stderr
     r = subprocess.run([*base, "--tls-cert", str(tmp_path / "c.pem"), "--tls-key", str(tmp_path / "k.pem"), "--tls-ca",
                         str(tmp_path / "ca.pem")], capture_output=True, text=True, env=env, timeout=120)
@@ -153,8 +176,13 @@ def test_a_symlink_loop_in_the_checkpoint_is_a_one_line_error_naming_the_file(ti
     (ckpt / "a.safetensors").symlink_to("b.safetensors")
     (ckpt / "b.safetensors").symlink_to("a.safetensors")
     env = {**os.environ, "KASCADE_ENGINE_TOKEN": "t"}
-    r = subprocess.run([sys.executable, "-m", "kascade_cli.main", "engine", "serve", "--port", "0", "--checkpoint", str(ckpt)],
-                       capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "kascade_cli.main", "engine", "serve", "--port", "0", "--checkpoint", str(ckpt)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert r.returncode == 2, r.stderr
     assert "Too many levels of symbolic links" in r.stderr and ".safetensors" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr

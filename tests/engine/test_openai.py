@@ -141,11 +141,16 @@ def test_sampling_parameters(engine_a) -> None:  # type: ignore[no-untyped-def]
     chat = c.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hi hi hi"}],
                                      max_tokens=12, frequency_penalty=2.0, extra_body={"top_k": 5, "min_tokens": 3})
     assert chat.usage.completion_tokens >= 3
-    for kw, field in (({"frequency_penalty": 3.0}, "frequency_penalty"), ({"presence_penalty": -2.5}, "presence_penalty"),
-                      ({"extra_body": {"top_k": -2}}, "top_k"), ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
-                      ({"extra_body": {"min_tokens": 40}}, "min_tokens"), ({"extra_body": {"min_tokens": -1}}, "min_tokens"),
-                      ({"extra_body": {"stop_token_ids": [512]}}, "stop_token_ids"),
-                      ({"extra_body": {"ignore_eos": "maybe"}}, "ignore_eos")):
+    for kw, field in (
+        ({"frequency_penalty": 3.0}, "frequency_penalty"),
+        ({"presence_penalty": -2.5}, "presence_penalty"),
+        ({"extra_body": {"top_k": -2}}, "top_k"),
+        ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+        ({"extra_body": {"min_tokens": 40}}, "min_tokens"),
+        ({"extra_body": {"min_tokens": -1}}, "min_tokens"),
+        ({"extra_body": {"stop_token_ids": [512]}}, "stop_token_ids"),
+        ({"extra_body": {"ignore_eos": "maybe"}}, "ignore_eos"),
+    ):
         with pytest.raises(openai.BadRequestError, match=field) as e:
             c.completions.create(model="tiny-llama", prompt=loop, max_tokens=32, **kw)
         assert e.value.body["param"] == field, kw  # type: ignore[index]
@@ -177,7 +182,9 @@ def test_request_phase_metrics(engine_a) -> None:  # type: ignore[no-untyped-def
         assert delta(f"kascade_request_{h}_count") == 2, h
     assert delta("kascade_request_prompt_tokens_sum") == 20
     assert 0 <= delta("kascade_request_queue_time_seconds_sum") < delta("kascade_request_decode_time_seconds_sum") + 5
-    assert delta("kascade_request_prefill_time_seconds_sum") > 0 and delta("kascade_request_decode_time_seconds_sum") > 0
+    assert (
+        delta("kascade_request_prefill_time_seconds_sum") > 0 and delta("kascade_request_decode_time_seconds_sum") > 0
+    )
 
 
 def test_logprobs(engine_a) -> None:  # type: ignore[no-untyped-def]
@@ -209,7 +216,9 @@ def test_logprobs(engine_a) -> None:  # type: ignore[no-untyped-def]
                                             top_logprobs=2, stream=True))
     s = [e.logprob for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
     assert s == pytest.approx([e.logprob for e in content])
-    sampled = c.completions.create(model="tiny-llama", prompt=[5] * 6, max_tokens=8, logprobs=0, temperature=1.0, seed=2)
+    sampled = c.completions.create(
+        model="tiny-llama", prompt=[5] * 6, max_tokens=8, logprobs=0, temperature=1.0, seed=2
+    )
     assert all(v <= 0 for v in sampled.choices[0].logprobs.token_logprobs)
     with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs") as e:
         c.chat.completions.create(model="tiny-llama", messages=msgs, top_logprobs=2)

@@ -223,10 +223,16 @@ async def test_cooperate_carries_the_operators_zigzag_setting(tiny_ckpt, tiny_bl
     from kascade_planner.engine_api import WireError
     from kascade_planner.zigzag import PairSetting, ilp_config, ilp_free
 
-    req = CooperateRequest.from_dict({"peer": "h:1", "mode": "zigzag", "zigzag": {"loadRatio": 6, "batches": 5, "ilp": True}})
+    req = CooperateRequest.from_dict(
+        {"peer": "h:1", "mode": "zigzag", "zigzag": {"loadRatio": 6, "batches": 5, "ilp": True}}
+    )
     assert CooperateRequest.from_dict(req.to_dict()) == req
-    for bad, name in (({"loadRatio": -1, "batches": 2}, "zigzag.loadRatio"), ({"loadRatio": 1, "batches": 0}, "zigzag.batches"),
-                      ({"loadRatio": 1, "batches": 2, "ilp": "yes"}, "zigzag.ilp"), ({"loadRatio": 1, "batches": 2, "x": 1}, "zigzag.x")):
+    for bad, name in (
+        ({"loadRatio": -1, "batches": 2}, "zigzag.loadRatio"),
+        ({"loadRatio": 1, "batches": 0}, "zigzag.batches"),
+        ({"loadRatio": 1, "batches": 2, "ilp": "yes"}, "zigzag.ilp"),
+        ({"loadRatio": 1, "batches": 2, "x": 1}, "zigzag.x"),
+    ):
         with pytest.raises(WireError) as e:
             CooperateRequest.from_dict({"peer": "h:1", "mode": "zigzag", "zigzag": bad})
         assert e.value.field == name

@@ -203,7 +203,9 @@ def test_migrated_kv_is_checked_and_lands_in_the_right_slots(tiny_blocks) -> Non
     here = torch.tensor([24, 25, 26, 27, 8, 9])
     there = torch.tensor([12, 13, 14, 15, 20, 21])
     for layer in range(1, L):
-        assert torch.equal(dst.k[layer][here], src.k[layer][there]) and torch.equal(dst.v[layer][here], src.v[layer][there])
+        assert torch.equal(dst.k[layer][here], src.k[layer][there]) and torch.equal(
+            dst.v[layer][here], src.v[layer][there]
+        )
     assert not dst.k[0][here].any()  # layers below k stay as they were
     with pytest.raises(ValueError, match="bytes"):
         migration.put(dst, [6, 2], 1, 5, memoryview(payload))

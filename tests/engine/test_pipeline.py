@@ -53,7 +53,9 @@ class Pipeline:
 
 
 @asynccontextmanager
-async def _pipeline(tiny_ckpt: Any, blocks: Any, last_layer_s: float = 0.0, spare: bool = False) -> AsyncIterator[Pipeline]:
+async def _pipeline(
+    tiny_ckpt: Any, blocks: Any, last_layer_s: float = 0.0, spare: bool = False
+) -> AsyncIterator[Pipeline]:
     """Three receivers formed into r1 -> r2 -> r3 (`last_layer_s`: r3's emulated time per layer), closed after."""
     r1 = _receiver(tiny_ckpt, blocks, ["embed", "layer.0", "layer.1"], "r1")
     r2 = _receiver(tiny_ckpt, blocks, ["layer.2"], "r2")

@@ -21,8 +21,16 @@ def test_ready_only_while_it_can_serve(tiny_ckpt, engine_starter) -> None:
         assert ready() == (503, "empty")
         r = httpx.post(e.url + "/v1/completions", json=body)
         assert r.status_code == 503
-        r = httpx.post(e.url + "/kascade/v1/bind", headers=h, json={"model": "tiny-llama", "modelService": "svc",
-                                                                   "role": "colocated", "source": {"path": str(tiny_ckpt)}})
+        r = httpx.post(
+            e.url + "/kascade/v1/bind",
+            headers=h,
+            json={
+                "model": "tiny-llama",
+                "modelService": "svc",
+                "role": "colocated",
+                "source": {"path": str(tiny_ckpt)},
+            },
+        )
         assert r.status_code == 200, r.text
         for _ in range(100):
             if ready()[0] == 200:

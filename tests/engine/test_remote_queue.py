@@ -107,9 +107,18 @@ async def test_a_converted_decoder_keeps_a_prompt_queued_prefills_at_p_would_del
         outs = await asyncio.wait_for(asyncio.gather(*q_tasks), 60)
         assert outs == want[2:]
         assert d.remote_prefill.adopted == QUEUED + 1
-        log.info("estimates: old %.3f s, the prompt alone at P %.3f s, here %.3f s (%.0f tok/s; P %.0f tok/s), with the "
-                 "queue %.3f s; kept prompt's first token after %.3f s, the queued ones landed after %s s", old, alone,
-                 local_s, rate, pace, new, landed[rid] - t0, [round(landed[r] - t0, 3) for r in queued])
+        log.info(
+            "estimates: old %.3f s, the prompt alone at P %.3f s, here %.3f s (%.0f tok/s; P %.0f tok/s), with the "
+            "queue %.3f s; kept prompt's first token after %.3f s, the queued ones landed after %s s",
+            old,
+            alone,
+            local_s,
+            rate,
+            pace,
+            new,
+            landed[rid] - t0,
+            [round(landed[r] - t0, 3) for r in queued],
+        )
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

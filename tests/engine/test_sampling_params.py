@@ -52,7 +52,10 @@ def test_top_k_penalties_and_batch_mixing(tiny_blocks) -> None:
         assert Engine(m).generate(loop, SamplingParams(max_tokens=32, **kw)) == out  # type: ignore[arg-type]
     rep = runs["repetition_penalty"]
     e = Engine(m)  # one batch: penalised and plain rows together, each as alone
-    outs = {p: e.submit(loop, p) for p in (SamplingParams(max_tokens=32), SamplingParams(max_tokens=32, repetition_penalty=5.0))}
+    outs = {
+        p: e.submit(loop, p)
+        for p in (SamplingParams(max_tokens=32), SamplingParams(max_tokens=32, repetition_penalty=5.0))
+    }
     got: dict[str, list[int]] = {r: [] for r in outs.values()}
     while any(r in e.requests for r in got):
         for ev in e.step():

@@ -93,7 +93,9 @@ def test_tokenizer_model_without_sentencepiece_names_what_is_missing(spm_ckpt: P
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sentencepiece" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "sentencepiece" else real(name, *a)
+    )
     (tmp_path / "tokenizer.model").write_bytes((spm_ckpt / "tokenizer.model").read_bytes())
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(TokenizerError, match=r"tokenizer.model: .*needs the sentencepiece package"):

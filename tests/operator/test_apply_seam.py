@@ -42,9 +42,16 @@ class Stopped:
 @pytest.fixture
 async def world() -> AsyncIterator[tuple[Runtime, FakeKube, list[EngineStub]]]:
     kube = FakeKube()
-    kube.nodes = [{"metadata": {"name": f"n{i}", "labels": {"kascade.io/leaf": "l0", "kascade.io/nic-gbps": "100", "kascade.io/scaleup-domain": f"d{i}"}},
-                   "status": {"allocatable": {"nvidia.com/gpu": "8"}, "capacity": {"nvidia.com/gpu": "8"}}}
-                  for i in range(3)]
+    kube.nodes = [
+        {
+            "metadata": {
+                "name": f"n{i}",
+                "labels": {"kascade.io/leaf": "l0", "kascade.io/nic-gbps": "100", "kascade.io/scaleup-domain": f"d{i}"},
+            },
+            "status": {"allocatable": {"nvidia.com/gpu": "8"}, "capacity": {"nvidia.com/gpu": "8"}},
+        }
+        for i in range(3)
+    ]
     stubs = [EngineStub(f"e{i}", "tiny", TOKEN, auto_ready=False) for i in range(3)]
     for i, s in enumerate(stubs):
         kube.add_pool_pod(NS, s.instance, f"n{i}", s.endpoint, model="tiny")
@@ -152,9 +159,14 @@ async def test_events_are_rate_limited_per_object_and_reason(world: Any) -> None
 async def test_history_limit_keeps_the_newest_finished_plans(world: Any) -> None:
     rt, kube, _ = world
     for i in range(4):
-        await kube.create_scaleplan(NS, {"metadata": {"name": f"svc-old-{i}"},
-                                         "spec": {"modelServiceRef": {"name": "svc"}, "role": "colocated"},
-                                         "status": {"phase": "Succeeded", "completionTime": f"2026-01-0{i + 1}T00:00:00Z"}})
+        await kube.create_scaleplan(
+            NS,
+            {
+                "metadata": {"name": f"svc-old-{i}"},
+                "spec": {"modelServiceRef": {"name": "svc"}, "role": "colocated"},
+                "status": {"phase": "Succeeded", "completionTime": f"2026-01-0{i + 1}T00:00:00Z"},
+            },
+        )
     await reconcile_service(rt, service(scalePlanHistoryLimit=2), "create")
     names = sorted(n for (_, n) in kube.plans)
     assert "svc-old-0" not in names and "svc-old-1" not in names and {"svc-old-2", "svc-old-3"} <= set(names)

@@ -46,7 +46,9 @@ def test_fallback_pod_gets_the_service_capacity_over_the_installation() -> None:
     ann = pod["metadata"]["annotations"][L.ENGINE_CAPACITY]
     assert ann == "kvTokens=131072,maxBatchTokens=512,maxPromptTokens=8192,maxSeqs=64"
     # the pod it creates is one its own service may bind (and a capacity-free service too)
-    view = pod_view({"metadata": {"name": "f", "labels": {L.POOL: L.POOL_WARM}, "annotations": pod["metadata"]["annotations"]}})
+    view = pod_view(
+        {"metadata": {"name": "f", "labels": {L.POOL: L.POOL_WARM}, "annotations": pod["metadata"]["annotations"]}}
+    )
     assert can_serve(view, "m", "svc", EngineCapacity(max_prompt_tokens=8192, kv_tokens=131072))
 
 

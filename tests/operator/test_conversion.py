@@ -50,8 +50,15 @@ async def world() -> AsyncIterator[tuple[Runtime, FakeKube, dict[str, EngineStub
     stubs = {n: EngineStub(n, "tiny", TOKEN) for n in ROLES}
     for n, s in stubs.items():  # already bound and loaded: this test is about what happens next
         kube.add_pool_pod(NS, n, "n0", s.endpoint, model="tiny")
-        merge(kube.pods[(NS, n)], {"metadata": {"labels": {L.MODEL_SERVICE: "svc", L.ROLE: ROLES[n], L.POOL: L.POOL_BOUND},
-                                                "annotations": {L.LOADED: "true"}}})
+        merge(
+            kube.pods[(NS, n)],
+            {
+                "metadata": {
+                    "labels": {L.MODEL_SERVICE: "svc", L.ROLE: ROLES[n], L.POOL: L.POOL_BOUND},
+                    "annotations": {L.LOADED: "true"},
+                }
+            },
+        )
         s.model_service, s.role, s.phase = "svc", ROLES[n], "ready"
     rt = Runtime(OperatorSettings(engine_token=TOKEN), kube, EngineClient(TOKEN), Scraper(), None,
                  OperatorMetrics())

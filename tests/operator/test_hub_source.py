@@ -52,7 +52,12 @@ def test_hub_source_goes_to_the_bind_and_needs_no_host_path() -> None:
         assert env["HF_ENDPOINT"]["value"] == "http://mirror:8080"
         assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
     plain = fallback_pod(s, "svc", "engine-token", None)["spec"]["containers"][0]["env"]
-    assert {e["name"] for e in plain} == {"KASCADE_ENGINE_TOKEN", "KASCADE_LOG_FORMAT", "HOME", "HF_HOME"}  # no Secret the chart did not name
+    assert {e["name"] for e in plain} == {
+        "KASCADE_ENGINE_TOKEN",
+        "KASCADE_LOG_FORMAT",
+        "HOME",
+        "HF_HOME",
+    }  # no Secret the chart did not name
 
 
 async def test_engine_client_binds_a_hub_source_as_uri() -> None:
@@ -70,10 +75,15 @@ async def test_engine_client_binds_a_hub_source_as_uri() -> None:
 
 
 def _plan(name: str, phase: str, done: str, source: str, failed: str | None = None) -> dict[str, Any]:
-    return {"metadata": {"name": name, "creationTimestamp": done},
-            "spec": {"modelServiceRef": {"name": "svc"}, "sources": [{"instance": "t", "kind": "host", "path": source}]},
-            "status": {"phase": phase, "completionTime": done,
-                       "targets": [{"instance": "t", **({"failed": failed} if failed else {})}]}}
+    return {
+        "metadata": {"name": name, "creationTimestamp": done},
+        "spec": {"modelServiceRef": {"name": "svc"}, "sources": [{"instance": "t", "kind": "host", "path": source}]},
+        "status": {
+            "phase": phase,
+            "completionTime": done,
+            "targets": [{"instance": "t", **({"failed": failed} if failed else {})}],
+        },
+    }
 
 
 def test_a_failed_download_stalls_the_service_naming_the_field() -> None:

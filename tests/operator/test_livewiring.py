@@ -68,8 +68,12 @@ def test_chain_to_form_follows_the_engines_rules() -> None:
     assert LW.chain_to_form(ms, {"a": _st("embed", "layer.0", "layer.1", "layer.2"), "b": _st("layer.0"),
                                  "c": _st("layer.3", "head")}) == ("a", "c")
     # a gap (layer.2 nowhere in order) -> none; the head without embed -> none; unknown member -> none
-    assert LW.chain_to_form(ms, {"a": _st("embed", "layer.0"), "b": _st("layer.1"), "c": _st("layer.3", "head")}) is None
-    assert LW.chain_to_form(ms, {"a": _st("layer.0"), "b": _st("layer.1", "layer.2"), "c": _st("layer.3", "head")}) is None
+    assert (
+        LW.chain_to_form(ms, {"a": _st("embed", "layer.0"), "b": _st("layer.1"), "c": _st("layer.3", "head")}) is None
+    )
+    assert (
+        LW.chain_to_form(ms, {"a": _st("layer.0"), "b": _st("layer.1", "layer.2"), "c": _st("layer.3", "head")}) is None
+    )
     assert LW.chain_to_form(ms, {"a": _st("embed", "layer.0"), "b": None, "c": _st("layer.3", "head")}) is None
     # a complete head serves alone
     assert LW.chain_to_form(ms, {"a": _st("embed", "layer.0", "layer.1", "layer.2", "layer.3", "head"),

@@ -60,8 +60,9 @@ def events(cp: ControlPlane, ns: str) -> list[dict[str, Any]]:
     return get(cp, ns, "events")["items"]
 
 
-def test_invalid_modelservice_degraded_with_event_naming_field(control_plane: ControlPlane, namespace: str,
-                                                               op: OperatorProcess, kwok_nodes: Callable[..., list[str]]) -> None:
+def test_invalid_modelservice_degraded_with_event_naming_field(
+    control_plane: ControlPlane, namespace: str, op: OperatorProcess, kwok_nodes: Callable[..., list[str]]
+) -> None:
     kwok_nodes(1, gpus=8)
     op.start()
     doc = msvc("bad", 1, 2)

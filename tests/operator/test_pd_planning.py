@@ -17,8 +17,12 @@ NODES = [{"metadata": {"name": n, "labels": {"kascade.io/leaf": "l", "kascade.io
 
 
 def _pods() -> list:
-    return [pod("pre", "n0", ms="svc", role="prefill", ready=True), pod("dec", "n1", ms="svc", role="decode", ready=True),
-            pod("idle-a", "n2"), pod("idle-b", "n3")]
+    return [
+        pod("pre", "n0", ms="svc", role="prefill", ready=True),
+        pod("dec", "n1", ms="svc", role="decode", ready=True),
+        pod("idle-a", "n2"),
+        pod("idle-b", "n3"),
+    ]
 
 
 def test_prefill_scale_up_loads_from_the_decode_instance() -> None:
@@ -52,8 +56,13 @@ def test_colocated_sources_are_unchanged() -> None:
 
 def test_a_host_copy_is_kept_while_kv_carrying_prefillers_are_pruned() -> None:
     # an idle pod keeps the model in host memory: it serves nothing and carries no KV
-    pods = [pod("pre", "n0", ms="svc", role="prefill", ready=True), pod("dec", "n1", ms="svc", role="decode", ready=True),
-            dataclasses.replace(pod("hc", "n3"), host_copy="m"), pod("idle-a", "n2"), pod("idle-b", "n3")]
+    pods = [
+        pod("pre", "n0", ms="svc", role="prefill", ready=True),
+        pod("dec", "n1", ms="svc", role="decode", ready=True),
+        dataclasses.replace(pod("hc", "n3"), host_copy="m"),
+        pod("idle-a", "n2"),
+        pod("idle-b", "n3"),
+    ]
     res = reconcile("svc", spec("disaggregated", lo=1, hi=4), pods, [], {"prefill": 3})
     act = next(a for a in res.actions if isinstance(a, CreatePlan))
     assert act.role == "prefill" and act.targets == ("idle-a", "idle-b")

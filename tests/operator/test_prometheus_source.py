@@ -17,23 +17,31 @@ from kascade_planner.policies import MeasuredVelocity
 Held: TypeAlias = float | dict[str, float] | None
 
 # what the fake Prometheus holds per pod, by the metric a query reads (its answer for either pod)
-HELD: dict[str, tuple[Held, Held]] = {"kascade_prompt_tokens_total": (300.0, 100.0), "kascade_generation_tokens_total": (40.0, 60.0),
-        "kascade_num_requests_waiting": (2.0, 0.0), "kascade_num_requests_running": (3.0, 5.0),
-        "kascade_kv_cache_usage_perc": (0.5, 0.25),
-        "kascade_time_to_first_token_seconds_sum": (1.0, 3.0), "kascade_time_to_first_token_seconds_count": (4.0, 4.0),
-        "kascade_inter_token_latency_seconds_sum": (0.5, 0.5), "kascade_inter_token_latency_seconds_count": (10.0, 40.0),
-        "kascade_step_seconds_sum": (0.6, 1.8), "kascade_step_seconds_count": (60.0, 60.0),
-        # arrivals/s, and finished requests' output tokens (the same answer for the window and lifetime queries)
-        "kascade_requests_arrived_total": (4.0, 6.0),
-        "kascade_request_generation_tokens_sum": (300.0, 500.0), "kascade_request_generation_tokens_count": (10.0, 6.0),
-        # velocity gauges: d1 has measured nothing yet (Prometheus drops its 0s with `> 0`: no row)
-        "kascade_prefill_velocity_tokens_per_second": ({"512": 900.0}, None),
-        "kascade_prefill_velocity_floor_tokens_per_second": (300.0, None),  # d0 has a capacity: its floor is out
-        "kascade_decode_velocity_tokens_per_second": (120.0, None),
-        "kascade_kv_link_tokens_per_second": (5000.0, None),
-        "kascade_prefill_rate_tokens_per_second": (450.0, None),
-        # prompt tokens/s arriving per length bucket: none from these pods (older engines)
-        "kascade_prompt_tokens_arrived_total": (None, None)}
+HELD: dict[str, tuple[Held, Held]] = {
+    "kascade_prompt_tokens_total": (300.0, 100.0),
+    "kascade_generation_tokens_total": (40.0, 60.0),
+    "kascade_num_requests_waiting": (2.0, 0.0),
+    "kascade_num_requests_running": (3.0, 5.0),
+    "kascade_kv_cache_usage_perc": (0.5, 0.25),
+    "kascade_time_to_first_token_seconds_sum": (1.0, 3.0),
+    "kascade_time_to_first_token_seconds_count": (4.0, 4.0),
+    "kascade_inter_token_latency_seconds_sum": (0.5, 0.5),
+    "kascade_inter_token_latency_seconds_count": (10.0, 40.0),
+    "kascade_step_seconds_sum": (0.6, 1.8),
+    "kascade_step_seconds_count": (60.0, 60.0),
+    # arrivals/s, and finished requests' output tokens (the same answer for the window and lifetime queries)
+    "kascade_requests_arrived_total": (4.0, 6.0),
+    "kascade_request_generation_tokens_sum": (300.0, 500.0),
+    "kascade_request_generation_tokens_count": (10.0, 6.0),
+    # velocity gauges: d1 has measured nothing yet (Prometheus drops its 0s with `> 0`: no row)
+    "kascade_prefill_velocity_tokens_per_second": ({"512": 900.0}, None),
+    "kascade_prefill_velocity_floor_tokens_per_second": (300.0, None),  # d0 has a capacity: its floor is out
+    "kascade_decode_velocity_tokens_per_second": (120.0, None),
+    "kascade_kv_link_tokens_per_second": (5000.0, None),
+    "kascade_prefill_rate_tokens_per_second": (450.0, None),
+    # prompt tokens/s arriving per length bucket: none from these pods (older engines)
+    "kascade_prompt_tokens_arrived_total": (None, None),
+}
 
 
 def _prometheus(seen: list[str], held: dict[str, tuple[Held, Held]] = HELD) -> httpx.AsyncClient:

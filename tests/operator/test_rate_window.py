@@ -13,7 +13,18 @@ def feed(r: RateTracker, points: list[tuple[float, float]]) -> list[float]:
 
 def test_window_smooths_a_spike_that_the_last_two_scrapes_exaggerate() -> None:
     # 16 prompt tokens admitted at t=1.0, nothing else; scrapes every 0.25 s
-    pts = [(0.0, 0), (0.25, 0), (0.5, 0), (0.75, 0), (1.0, 16), (1.25, 16), (1.5, 16), (1.75, 16), (2.0, 16), (2.25, 16)]
+    pts = [
+        (0.0, 0),
+        (0.25, 0),
+        (0.5, 0),
+        (0.75, 0),
+        (1.0, 16),
+        (1.25, 16),
+        (1.5, 16),
+        (1.75, 16),
+        (2.0, 16),
+        (2.25, 16),
+    ]
     fast = feed(RateTracker(0.0), pts)
     slow = feed(RateTracker(1.0), pts)
     assert fast[4] == 64.0 and fast[5] == 0.0  # one interval sees 64 tok/s, the next 0

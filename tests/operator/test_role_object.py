@@ -31,7 +31,9 @@ from kascade_planner.policies import MetricsSnapshot
 TOKEN = "role-test-token"
 
 
-def obj(name: str, role: str, replicas: int | None, svc: str = "svc", created: str = "2026-01-01T00:00:00Z") -> RoleObject:
+def obj(
+    name: str, role: str, replicas: int | None, svc: str = "svc", created: str = "2026-01-01T00:00:00Z"
+) -> RoleObject:
     return RoleObject(name, svc, role, replicas, 1, created)
 
 

@@ -72,8 +72,9 @@ def test_pending_writes_only_differences_on_pods_that_declare_the_gate() -> None
 
 
 @pytest.mark.cluster
-async def test_operator_gate_decides_what_the_router_routes(control_plane: ControlPlane, crds: list[str],
-                                                            namespace: str, kwok_nodes: Callable[..., list[str]]) -> None:
+async def test_operator_gate_decides_what_the_router_routes(
+    control_plane: ControlPlane, crds: list[str], namespace: str, kwok_nodes: Callable[..., list[str]]
+) -> None:
     cp, ns = control_plane, namespace
     node = kwok_nodes(1)[0]
     eng = await StubEngine(name="e0").start()

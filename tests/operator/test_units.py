@@ -67,7 +67,10 @@ def test_snapshot_sums_rates_and_averages_kv() -> None:
     r = RateTracker()
     for i in ("a", "b"):
         r.update(i, InstanceSample(0.0))
-    loads = [r.update("a", InstanceSample(1.0, 100, 10, 1, 1, 0.2)), r.update("b", InstanceSample(1.0, 300, 30, 0, 2, 0.6))]
+    loads = [
+        r.update("a", InstanceSample(1.0, 100, 10, 1, 1, 0.2)),
+        r.update("b", InstanceSample(1.0, 300, 30, 0, 2, 0.6)),
+    ]
     s = snapshot(loads, 5.0)
     assert (s.input_tokens_per_s, s.output_tokens_per_s, s.in_flight, s.kv_usage) == (400, 40, 4, pytest.approx(0.4))
 
@@ -125,7 +128,9 @@ def test_scaleplan_spec_follows_topology_and_resumes() -> None:
     assert going["phase"] == "Transferring" and "t2: connection refused" in going["message"]
     row = {r["instance"]: r for r in going["targets"]}["t2"]
     assert row["failed"] == "connection refused" and row["ready"] is False
-    rest = progress(spec, {t: {"ready": True} for t in ("t1", "t2", "t3")}, {"t1", "t2", "t3"}, {"t2": "dead"}, 0.0, 2.0)
+    rest = progress(
+        spec, {t: {"ready": True} for t in ("t1", "t2", "t3")}, {"t1", "t2", "t3"}, {"t2": "dead"}, 0.0, 2.0
+    )
     assert rest["phase"] == "Succeeded" and rest["targetsReady"] == "2/3" and "t2: dead" in rest["message"]
     none = progress(spec, {}, {"t1"}, {t: "dead" for t in ("t1", "t2", "t3")}, 0.0, 1.0)
     assert none["phase"] == "Failed"
@@ -190,4 +195,7 @@ def test_plan_duration_series_exist_at_zero_before_the_first_plan_ends() -> None
     m.observe_service("ns", "svc", {}, [])
     text = generate_latest(m.registry).decode()
     for phase in ("Succeeded", "Failed"):
-        assert f'kascade_operator_plan_duration_seconds_count{{model_service="svc",namespace="ns",phase="{phase}"}} 0.0' in text
+        assert (
+            f'kascade_operator_plan_duration_seconds_count{{model_service="svc",namespace="ns",phase="{phase}"}} 0.0'
+            in text
+        )

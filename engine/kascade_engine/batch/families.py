@@ -10,7 +10,8 @@ they differ in a few switches:
   to layers >= `max_window_layers`, as transformers does)
 
 Data flow: config.json -> `family_of(cfg)` (an unsupported architecture or setting is refused, naming
-it) -> `sliding_windows(cfg)` (per layer: attention window or None) -> `expected_shapes(cfg)` (every tensor name with its shape; packing checks the checkpoint against
+it) -> `sliding_windows(cfg)` (per layer: attention window or None) -> `expected_shapes(cfg)` (every tensor name with
+its shape; packing checks the checkpoint against
 it) and `rope_params(cfg)` (rotary base and scaling, which the model turns into frequencies).
 """
 

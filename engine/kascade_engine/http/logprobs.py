@@ -26,8 +26,12 @@ class ChoiceLogprobs:
         logprob, alts = lp
         top = [(self.decode([t]), v) for t, v in alts]
         if self.chat:
-            e: dict[str, Any] = {"token": text, "logprob": logprob, "bytes": list(text.encode()),
-                                 "top_logprobs": [{"token": s, "logprob": v, "bytes": list(s.encode())} for s, v in top]}
+            e: dict[str, Any] = {
+                "token": text,
+                "logprob": logprob,
+                "bytes": list(text.encode()),
+                "top_logprobs": [{"token": s, "logprob": v, "bytes": list(s.encode())} for s, v in top],
+            }
         else:
             best: dict[str, float] = {}
             for t, v in top:  # tokens that decode alike share a key: the likelier one keeps it

@@ -6,7 +6,8 @@ Supported: `/v1/completions` (prompt: text, token ids, or a list of either) and 
 engine's --max-n), `stop` (up to 4 strings, matched on the decoded text, never streamed past),
 `max_tokens` / `max_completion_tokens` (chat default: whatever fits in the context), `seed`,
 `temperature`, `top_p`, `presence_penalty`, `frequency_penalty`, and vLLM's `top_k`, `min_tokens`,
-`ignore_eos`, `repetition_penalty`, `stop_token_ids`; `logprobs` (completions: int) or `logprobs` + `top_logprobs` (chat); `stream` with `stream_options.include_usage`. `usage` on every non-streamed
+`ignore_eos`, `repetition_penalty`, `stop_token_ids`; `logprobs` (completions: int) or `logprobs` + `top_logprobs`
+(chat); `stream` with `stream_options.include_usage`. `usage` on every non-streamed
 response. Fields that would change the result and are not implemented (tools,
 logit_bias, echo, best_of, suffix, non-text content, json response formats) are a 400 naming the field,
 never silently ignored.
@@ -131,7 +132,10 @@ def refused(body: _Common, max_n: int) -> tuple[str, str] | None:
             if not 0 <= body.top_logprobs <= MAX_LOGPROBS:
                 return "top_logprobs", f"an int in 0..{MAX_LOGPROBS}, got {body.top_logprobs}"
         if body.response_format and body.response_format.get("type", "text") != "text":
-            return "response_format", f"response_format {body.response_format.get('type')!r} is not supported (text only)"
+            return (
+                "response_format",
+                f"response_format {body.response_format.get('type')!r} is not supported (text only)",
+            )
         for i, m in enumerate(body.messages):
             if m.role == "tool" or m.tool_calls:
                 return (f"messages.{i}.role" if m.role == "tool" else f"messages.{i}.tool_calls",
@@ -139,7 +143,10 @@ def refused(body: _Common, max_n: int) -> tuple[str, str] | None:
             if isinstance(m.content, list):
                 for j, p in enumerate(m.content):
                     if p.type != "text" or p.text is None:
-                        return f"messages.{i}.content.{j}.type", f"content part type {p.type!r} is not supported (text only)"
+                        return (
+                            f"messages.{i}.content.{j}.type",
+                            f"content part type {p.type!r} is not supported (text only)",
+                        )
     return None
 
 

@@ -126,8 +126,20 @@ class Call:
         try:
             if self.chat:
                 for i in range(len(self.rids)):
-                    yield data({**self._head(True), "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                                 "finish_reason": None, "logprobs": None}], **extra})
+                    yield data(
+                        {
+                            **self._head(True),
+                            "choices": [
+                                {
+                                    "index": i,
+                                    "delta": {"role": "assistant", "content": ""},
+                                    "finish_reason": None,
+                                    "logprobs": None,
+                                }
+                            ],
+                            **extra,
+                        }
+                    )
             live = len(tasks)
             while live:
                 item = await q.get()

@@ -3,7 +3,8 @@
 
 Data flow: HTTP body -> pydantic request model (openai_api.py; 400 naming the field on failure, and
 for fields this engine does not implement) -> tokenizer -> context check -> `responder.Call` (one
-engine request per prompt x n via `EngineInstance.serving`) -> JSON or SSE chunks. Routes are thin: the instance owns all state. Nothing a client sends reaches the
+engine request per prompt x n via `EngineInstance.serving`) -> JSON or SSE chunks. Routes are thin: the instance owns
+all state. Nothing a client sends reaches the
 loop unchecked, and an exception while serving one request fails only that request.
 """
 
@@ -45,7 +46,9 @@ reqlog = logging.getLogger("kascade_engine.requests")  # one line per request: a
 
 
 def _err(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status_code=status)
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": param, "code": status}}, status_code=status
+    )
 
 
 def create_app(inst: EngineInstance) -> FastAPI:
@@ -92,7 +95,9 @@ def create_app(inst: EngineInstance) -> FastAPI:
 
     def check_model(model: str) -> None:
         if model != name:
-            raise RequestError(404, f"model '{model}' is not served here (serving '{name}')", "model", "model_not_found")
+            raise RequestError(
+                404, f"model '{model}' is not served here (serving '{name}')", "model", "model_not_found"
+            )
         try:
             inst.accepting()
         except InstanceError as e:
@@ -149,7 +154,10 @@ def create_app(inst: EngineInstance) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": created_at, "owned_by": "kascade"}]}
+        return {
+            "object": "list",
+            "data": [{"id": name, "object": "model", "created": created_at, "owned_by": "kascade"}],
+        }
 
     # Tokenizing runs in a worker thread: a large prompt must not stall /healthz and every stream.
     @app.post("/v1/completions")

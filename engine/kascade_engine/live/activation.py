@@ -15,7 +15,9 @@ from kascade_engine.net.transport import Header
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def encode_activation(req: str, start: int, layer: int, hidden: torch.Tensor, params: SamplingParams) -> tuple[Header, bytes]:
+def encode_activation(
+    req: str, start: int, layer: int, hidden: torch.Tensor, params: SamplingParams
+) -> tuple[Header, bytes]:
     name = str(hidden.dtype).removeprefix("torch.")
     if name not in DTYPES:
         raise ValueError(f"activation dtype {name} not supported")

@@ -287,8 +287,13 @@ class HostRows:
                 return self._accept(engine, late, accepted)
 
             pace(t0, staggered(m, engine.cache, rows, self.knee_tokens, join), self.layer_s)
-            timeline.mark("a-step", "-", own=sum(w.n for w in work), hosted=sum(r.n for _, mine in accepted for r, _ in mine),
-                          s=f"{time.perf_counter() - t0:.3f}")
+            timeline.mark(
+                "a-step",
+                "-",
+                own=sum(w.n for w in work),
+                hosted=sum(r.n for _, mine in accepted for r, _ in mine),
+                s=f"{time.perf_counter() - t0:.3f}",
+            )
             here: list[torch.Tensor] = [rows[i].x[-1:] for i in sampling]  # rows sampled on this engine
             slots: list[tuple[PairStep, int, str]] = []  # (step, index of its token, key) per pair row sampled here
             relay: list[tuple[PairStep, int, Row, list[Any]]] = []  # pair rows that go on down the pipeline

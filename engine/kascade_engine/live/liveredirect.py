@@ -1,6 +1,7 @@
 """Request redirection to a live replica (BlitzScale's redirection, applied to λScale pipelines): a serving
 source A hands requests still queued in its scheduler to a live engine H — the head of an execute-while-load
-pipeline, or any live or serving replica — that is not its pair (and H may hand its queue to A the same way). H runs them like its own requests (through
+pipeline, or any live or serving replica — that is not its pair (and H may hand its queue to A the same way). H runs
+them like its own requests (through
 the pipeline) and streams their tokens back; A streams them to its clients under the same request ids.
 
 Why: a pipeline forms seconds into a scale-up. Until then every request queues on the sources, and the router

@@ -154,17 +154,22 @@ class PairClient:
         rows, sampling = own_rows(engine, work, lambda rid: self.split[rid])
         t0 = time.perf_counter()
         self._pace_landing(engine, t0, staggered(m, engine.cache, rows, self.knee_tokens))
-        local = [i for i in sampling if self.split[work[i].id] == L and m.complete and work[i].id not in self.redirected]
+        local = [
+            i for i in sampling if self.split[work[i].id] == L and m.complete and work[i].id not in self.redirected
+        ]
         far = [i for i, w in enumerate(work) if not (self.split[w.id] == L and m.complete) or w.id in self.redirected]
         toks: dict[int, int | None] = {i: None for i in sampling}  # None: out on A, delivered when it lands
         if local:
             logits = m.logits(torch.cat([rows[i].x[-1:] for i in local]))
-            for i, tok in zip(local, pick(logits, [engine.requests[work[i].id] for i in local], engine.eos), strict=True):
+            for i, tok in zip(
+                local, pick(logits, [engine.requests[work[i].id] for i in local], engine.eos), strict=True
+            ):
                 toks[i] = tok
         move, self.moving = self.moving, []
         if far or ends or move or self.refused or (self.peer_queued and not self.inflight):
             self._send(engine, work, rows, far, set(sampling), ends, move)
-        # Pipelined (depth PIPELINE_DEPTH, a pipeline head more): B runs its next batch's prefix while A finishes the last one, so
+        # Pipelined (depth PIPELINE_DEPTH, a pipeline head more): B runs its next batch's prefix while A finishes the
+        # last one, so
         # B's step rate follows A's, not A's plus B's. Wait only when the pipe is full or B has nothing else.
         while self._steps_out() >= self.depth:
             self._land(engine, self.inflight.popleft())
@@ -301,7 +306,9 @@ class PairClient:
         from now on it runs here whole. A sequence A could not hand over stays split."""
         at, L = 0, self.model.shape.layers
         for item in moved:
-            rid, k, n, err, state = item if isinstance(item, list) and len(item) == 5 else ("?", 0, 0, "bad entry", None)
+            rid, k, n, err, state = (
+                item if isinstance(item, list) and len(item) == 5 else ("?", 0, 0, "bad entry", None)
+            )
             size = migration.kv_bytes(engine.cache, L - int(k), int(n)) if not err else 0
             chunk, at = payload[at:at + size], at + size
             s = engine.scheduler.parked.get(str(rid))

@@ -127,10 +127,16 @@ async def host_pair(host: HostRows, model: LlamaModel, conn: Connection, first: 
 
             waiting, refused, seen = header.get("waiting"), header.get("refused") or [], header.get("seen")
             migrate = header.get("migrate") or []
-            step = PairStep(pair, rows, hidden, done, waiting if isinstance(waiting, int) and waiting >= 0 else None,
-                            [r for r in refused if isinstance(r, list) and len(r) == 2] if isinstance(refused, list) else [],
-                            migrate=migrate if isinstance(migrate, list) else [],
-                            seen=seen if isinstance(seen, int) and seen >= 0 else None)
+            step = PairStep(
+                pair,
+                rows,
+                hidden,
+                done,
+                waiting if isinstance(waiting, int) and waiting >= 0 else None,
+                [r for r in refused if isinstance(r, list) and len(r) == 2] if isinstance(refused, list) else [],
+                migrate=migrate if isinstance(migrate, list) else [],
+                seen=seen if isinstance(seen, int) and seen >= 0 else None,
+            )
             timeline.mark("a-frame", "-", seq=header.get("seq"), rows=len(rows))
             host.submit(step, [str(r) for r in ends])
             wake()

@@ -12,7 +12,8 @@ Wire format (explicit, no pickle), one transport frame per step:
           whether A is idle (ZigZag: A takes a request over only when idle).
   A -> B  {"op": "token", "req", "token"}, {"op": "load", "idle"}  or  {"op": "error", "req", "message"}.
 A Finisher built with a token (every engine's: the control API token from the same Secret) first runs
-  `peerauth`'s mutual challenge–response (the token never crosses the wire); anything else closes the connection, so only
+  `peerauth`'s mutual challenge–response (the token never crosses the wire); anything else closes the connection, so
+  only
 engines of the same installation can make A run layers.
 Where the KV cache lives: layers 0..k-1 on B (`SplitClient`), layers k..L-1 on A (`Finisher`), keyed by
 request id. Decode continues with the same split: each new token is embedded on B, runs B's layers,
@@ -91,7 +92,9 @@ class Finisher:
                     raise ValueError(f"too many split requests in flight ({self.max_requests})")
                 p = header.get("params") or {}
                 seed = p.get("seed")
-                st = self.state[req] = _Remote(gen=torch.Generator(device="cpu").manual_seed(int(seed)) if seed is not None else None)
+                st = self.state[req] = _Remote(
+                    gen=torch.Generator(device="cpu").manual_seed(int(seed)) if seed is not None else None
+                )
             p = header.get("params") or {}
             params = SamplingParams(temperature=float(p.get("temperature", 0.0)), top_p=float(p.get("top_p", 1.0)))
             L = self.model.shape.layers

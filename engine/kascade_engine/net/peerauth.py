@@ -189,5 +189,7 @@ async def join(conn: Connection, token: str, context: str, timeout: float, **cla
         raise AuthError(f"{conn.peer} refused the hello: {reply.get('message')}")
     expected = proof(token, "server", context, challenge.nonce, mine, claims)
     if reply.get("op") != "welcome" or not hmac.compare_digest(expected, str(reply.get("proof", ""))):
-        raise AuthError(f"{conn.peer} could not prove it holds the token (not a Kascade peer of this {context} channel)")
+        raise AuthError(
+            f"{conn.peer} could not prove it holds the token (not a Kascade peer of this {context} channel)"
+        )
     return claims

@@ -134,7 +134,9 @@ class Recovery:
         for block in req["blocks"]:
             have = self.resident.get(str(block))
             if have is None:
-                await conn.send({"op": "error", "message": f"{self.me} does not hold {block!r}"}, timeout=self.spec.timeout_s)
+                await conn.send(
+                    {"op": "error", "message": f"{self.me} does not hold {block!r}"}, timeout=self.spec.timeout_s
+                )
                 return
             for off in range(0, have.nbytes, self.spec.chunk_bytes):
                 await conn.send({"op": "chunk", "block": have.id, "shard": None, "offset": off},

@@ -201,8 +201,10 @@ class TransferNode(Forwarding, Recovery):
                 await conn.send(admitted.welcome.header(), timeout=self.spec.timeout_s)
                 await self._serve_pull(conn)
             else:
-                await conn.send({"op": "error", "message": f"{peer or '?'} is not a {role} peer of {self.me} in this plan"},
-                                timeout=self.spec.timeout_s)
+                await conn.send(
+                    {"op": "error", "message": f"{peer or '?'} is not a {role} peer of {self.me} in this plan"},
+                    timeout=self.spec.timeout_s,
+                )
                 log.warning("%s: rejected %s from %r: not in the plan", self.me, role, peer)
         except (TransportError, KeyError, ValueError, TypeError) as e:
             log.warning("%s: connection %s failed: %s", self.me, conn.peer, e)
@@ -213,7 +215,11 @@ class TransferNode(Forwarding, Recovery):
         only for its own blocks. None for a hello without a valid index (then: all of them)."""
         k = hello.get("flow")
         flows = self.plan.flows
-        if isinstance(k, int) and 0 <= k < len(flows) and (flows[k].src, flows[k].dst, flows[k].shard) == (peer, self.me, shard):
+        if (
+            isinstance(k, int)
+            and 0 <= k < len(flows)
+            and (flows[k].src, flows[k].dst, flows[k].shard) == (peer, self.me, shard)
+        ):
             return flows[k]
         return None
 
@@ -310,7 +316,9 @@ class TransferNode(Forwarding, Recovery):
             self.faults["_corrupted"] = True
         if self.transport.hash_on_landing:
             self._landed(block, offset, len(payload))  # after the fault above: what is hashed is what stays
-        await self._forward_chunk({"op": "chunk", "block": block, "offset": offset}, payload, block, shard, lag=not pull)
+        await self._forward_chunk(
+            {"op": "chunk", "block": block, "offset": offset}, payload, block, shard, lag=not pull
+        )
 
     def _landed(self, block: str, offset: int, nbytes: int) -> None:
         """A chunk's bytes are in the block buffer: hash what that made contiguous, now. The socket read

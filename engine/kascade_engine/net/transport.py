@@ -188,7 +188,9 @@ class Transport(Protocol):
     async def connect(self, host: str, port: int, timeout: float = 10.0) -> Connection: ...
 
 
-async def read_frame(conn: Connection, timeout: float | None, max_payload: int = MAX_PAYLOAD) -> tuple[Header, bytearray]:
+async def read_frame(
+    conn: Connection, timeout: float | None, max_payload: int = MAX_PAYLOAD
+) -> tuple[Header, bytearray]:
     """A whole frame into a fresh buffer (for control messages; chunks go through `recv_into`)."""
     header, plen = await conn.recv_header(timeout)
     if plen > max_payload:

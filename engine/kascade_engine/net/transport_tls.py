@@ -95,7 +95,9 @@ def _why(e: Exception) -> str:
 
 
 class TlsConnection:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, traffic: Traffic | None = None) -> None:
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, traffic: Traffic | None = None
+    ) -> None:
         self.reader, self.writer = reader, writer
         self.traffic = traffic if traffic is not None else Traffic()
         addr = writer.get_extra_info("peername")

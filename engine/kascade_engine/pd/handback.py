@@ -25,13 +25,15 @@ is never touched again. The answer names who prefills the prompt (HANDED_BACK_HE
 hand-back's prefill op went out to the peer (a dead peer fails before: the prompt is prefilled here and the answer
 names none), else at its first token (Serving.decisions): the router counts and times the prompt there from then.
 
-The rule (`kascade_planner.conversion.hand_back_verdict`, pure, the simulator's too), at each check: no progress over the bound -> hand back; progress -> this engine's
+The rule (`kascade_planner.conversion.hand_back_verdict`, pure, the simulator's too), at each check: no progress over
+the bound -> hand back; progress -> this engine's
 predicted finish of the prompt's prefill (the tokens left / the rate it got over the last bound, i.e. what its
 step budget gives it now) against the remote path's (`RemotePrefill.took`: what a prefill on that peer took
 lately, queue included, for the whole prompt, since the partial prefill is dropped): hand back when the remote
 path finishes sooner (`RemotePrefill.expected_s`, `conversion.remote_prefill_s`: the oldest wait of this engine's
 prompts in flight at that peer plus their prompt tokens and this one's at the peer's reported pace, never under
-that average: a prompt sent now waits behind the ones queued before it); else check again after another bound. Without a measured remote path, progress keeps
+that average: a prompt sent now waits behind the ones queued before it); else check again after another bound. Without
+a measured remote path, progress keeps
 the prompt here. The handed-back prompt carries the time it waited here (kv_wire.PrefillOp.waited_s): the
 prefill engine queues it by its arrival, not behind prompts that reached the router after it.
 """

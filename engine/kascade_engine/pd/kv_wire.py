@@ -150,7 +150,9 @@ def check_kv(h: Header, shape: KVShape, prompt_len: int, payload: int) -> tuple[
     if h.get("dtype") != shape.dtype:
         raise KVWireError(f"kv frame field 'dtype' = {h.get('dtype')!r}: this engine's KV is {shape.dtype}")
     if h.get("shape") != [n, shape.kv_heads, shape.head_dim]:
-        raise KVWireError(f"kv frame field 'shape' = {h.get('shape')!r}: expected {[n, shape.kv_heads, shape.head_dim]}")
+        raise KVWireError(
+            f"kv frame field 'shape' = {h.get('shape')!r}: expected {[n, shape.kv_heads, shape.head_dim]}"
+        )
     if payload != shape.frame_bytes(n):
         raise KVWireError(f"kv frame payload is {payload} bytes; {n} positions need {shape.frame_bytes(n)}")
     return layer, start, n, str(part)

@@ -4,7 +4,8 @@ KV lands here layer by layer, and the sequence joins this engine's batch as a ru
 
 Data flow: `Serving.submit(..., prefill=peer)` -> `RemotePrefill.start` (a task) -> an authenticated
 data-plane connection from `PeerPool` over the engine's `--transport` (`EngineInstance.transport`: tcp,
-tcp with mutual TLS, or ucx; the same frames and checks on each) (hello; reused across requests) -> {"op": "prefill"} -> every kv
+tcp with mutual TLS, or ucx; the same frames and checks on each) (hello; reused across requests) -> {"op": "prefill"}
+-> every kv
 frame is checked (kv_wire.py) and received straight into a host staging tensor [layers, prompt, kv_heads,
 head_dim] (K and V) -> kv_done: coverage, byte count and digest verified -> `Engine.call_in_step(adopt)`:
 in the step thread, pages are allocated, the staged KV is copied into them, and the sequence enters the

@@ -64,7 +64,13 @@ class Block:
         """torch tensors viewing this block's buffer (no copy)."""
         import torch
 
-        tdt = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32}
+        tdt = {
+            "F32": torch.float32,
+            "F16": torch.float16,
+            "BF16": torch.bfloat16,
+            "I64": torch.int64,
+            "I32": torch.int32,
+        }
         buf = self.data if not self.data.readonly else memoryview(bytearray(self.data))
         flat = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
         return {m.name: flat[m.offset:m.offset + m.nbytes].view(tdt[m.dtype]).view(m.shape) for m in self.index}
@@ -238,7 +244,9 @@ def pack_checkpoint(directory: Path | str, model: str | None = None) -> BlockSet
         found[name] = e
     missing = [n for n in want if n not in found]
     if missing:
-        raise CheckpointError(f"missing tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        raise CheckpointError(
+            f"missing tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
     groups: dict[str, list[str]] = {b: [] for b in block_ids(int(cfg["num_hidden_layers"]))}
     for name in want:
         groups[block_of(name) or "head"].append(name)
