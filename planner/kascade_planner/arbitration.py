@@ -10,14 +10,16 @@ The rule, stated once:
 1. Supply is the idle engines plus what shrinking services give back (`desired < current`); every service that
    shrinks or holds gets its ask.
 2. Growth is handed out one replica at a time to the growing service ranked first by (priority class, higher
-   first; SLO pressure, pressured (>= 1) first, then higher; fair share: replicas held after the grant over its
-   weight, fewer first; name). Ties never depend on input order.
+   first; SLO pressure per replica held, `pressure x current / held`, pressured (>= 1) first and among those the
+   higher first, so a grant relieves it; fair share: replicas held after the grant over its weight, fewer first;
+   name). Ties never depend on input order.
 3. When supply runs out, the next replica for the first-ranked service may come from another service (a donor)
    that ranks below it (lower priority class; or the same class and not pressured while the taker is; or the
    same class and pressure band and holding more than the taker's fair share after the move) and holds more
-   than its `min` (never below it) and is not growing itself. The lowest priority class gives first; within it
-   the idle replica first, then the least loaded, then the one bound longest ago; a replica bound within
-   `hysteresis_s` is never taken (no oscillation, no pod storm: at most `max_preemptions` per call).
+   than its `min` (never below it) and, in the taker's own class, is not growing itself. The lowest priority
+   class gives first; within it the idle replica first, then the least loaded, then the one bound longest ago; a
+   replica bound within `hysteresis_s` is never taken (no oscillation, no pod storm: at most `max_preemptions`
+   per call).
 4. A service that gets less than it asked for says why: how many it asked, how many it got, who ranked above it.
 """
 
@@ -116,17 +118,24 @@ class ArbitrationConfig:
             raise ValueError(f"max_preemptions must be >= 0, got {self.max_preemptions}")
 
 
+def _pressure(a: ServiceAsk, held: int) -> float:
+    """`a`'s SLO pressure once it holds `held` replicas (its load spread over them)."""
+    return a.pressure * max(a.current, 1) / max(held, 1)
+
+
 def _rank(a: ServiceAsk, held: int) -> tuple[int, int, float, float, str]:
     """Sort key of the next replica for `a` (smaller first), holding `held` before it."""
-    return (-a.priority, 0 if a.pressured else 1, -a.pressure, (held + 1) / a.weight, a.name)
+    p = _pressure(a, held)
+    return (-a.priority, 0 if p >= 1 else 1, -p if p >= 1 else 0.0, (held + 1) / a.weight, a.name)
 
 
 def _outranks(taker: ServiceAsk, taker_held: int, donor: ServiceAsk, donor_held: int) -> str | None:
     """Why `taker` may take a replica from `donor` (None: it may not)."""
     if taker.priority != donor.priority:
         return f"priority {taker.priority} above {donor.priority}" if taker.priority > donor.priority else None
-    if taker.pressured != donor.pressured:
-        return f"SLO pressure {taker.pressure:.2f} while {donor.name} meets its SLO" if taker.pressured else None
+    tp, dp = _pressure(taker, taker_held), _pressure(donor, donor_held - 1)  # the donor after giving one
+    if (tp >= 1) != (dp >= 1):
+        return f"SLO pressure {tp:.2f} while {donor.name} meets its SLO ({dp:.2f})" if tp >= 1 else None
     # fair share: the donor keeps more than the taker would hold after the move (weighted)
     if (donor_held - 1) / donor.weight >= (taker_held + 1) / taker.weight:
         return (f"fair share: {donor.name} holds {donor_held} (weight {donor.weight:g}), "
@@ -204,8 +213,8 @@ def _victim(taker: ServiceAsk, held: dict[str, int], by_name: dict[str, ServiceA
     for name, donor in by_name.items():
         if name == taker.name or held[name] <= donor.min or held[name] < 1:
             continue
-        if donor.desired > donor.current:
-            continue  # a service still growing gives nothing
+        if donor.desired > donor.current and donor.priority >= taker.priority:
+            continue  # a service still growing gives nothing to its own class (a lower class still gives)
         why = _outranks(taker, held[taker.name], donor, held[name])
         if why is None:
             continue

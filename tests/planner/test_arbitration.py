@@ -30,9 +30,13 @@ def test_priority_class_wins_then_the_lower_class_says_why() -> None:
 
 
 def test_slo_pressure_before_fair_share_within_a_class() -> None:
-    asks = [ServiceAsk("calm", 0, 3, pressure=0.5), ServiceAsk("late", 0, 3, pressure=1.4)]
+    asks = [ServiceAsk("calm", 1, 4, pressure=0.5), ServiceAsk("late", 1, 4, pressure=2.5)]
     out = arbitrate(asks, [], free=3, now=0.0)
-    assert out.grant("late").granted == 3 and out.grant("calm").granted == 0
+    # late's pressure per replica: 2.5, 1.25 (pressured: it gets both), 0.83; then fair share (calm 1, late 3)
+    assert out.grant("late").granted == 3 and out.grant("calm").granted == 2
+    out = arbitrate(asks, [], free=2, now=0.0)
+    assert out.grant("late").granted == 3 and out.grant("calm").granted == 1
+    assert "ranked first: late" in out.grant("calm").reason
 
 
 def test_fair_share_by_weight_when_nothing_else_differs() -> None:
@@ -78,6 +82,13 @@ def test_a_growing_service_gives_nothing_and_higher_classes_are_never_donors() -
     out = arbitrate(asks, reps("a", 2) + reps("b", 2) + reps("vip", 2), free=0, now=100.0)
     assert out.preemptions == ()
     assert out.grant("a").granted == 2 and out.grant("vip").granted == 2
+
+
+def test_a_lower_class_gives_even_while_it_grows_down_to_its_min() -> None:
+    asks = [ServiceAsk("vip", 1, 3, priority=9), ServiceAsk("low", 3, 5, min=2)]
+    out = arbitrate(asks, reps("vip", 1) + reps("low", 3, load=2.0), free=0, now=100.0)
+    assert [p.donor for p in out.preemptions] == ["low"] and out.grant("low").granted == 2
+    assert out.grant("vip").granted == 2
 
 
 def test_preemptions_per_round_are_bounded() -> None:
