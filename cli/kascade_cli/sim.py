@@ -39,7 +39,8 @@ POS = click.FloatRange(0, min_open=True, max=1e12)
 )
 @click.option("--tp", type=click.IntRange(1, 64), help="GPUs per instance (default: the model preset's).")
 @click.option("--models", "n_models", type=click.IntRange(1, 64), default=1, show_default=True,
-              help="Models sharing the cluster; a trace is replayed for each, shifted in time.")
+              help="Models sharing the cluster; a trace is replayed for each, shifted in time. Colocated, the "
+                   "planner's arbitration decides who gets GPUs (docs/fleet.md).")
 @click.option("--rate", type=click.FloatRange(0, min_open=True, max=1e5), default=1.0, show_default=True,
               help="burstgpt-like: mean requests/s per model.")
 @click.option("--start", type=click.FloatRange(0, max=1e9), default=0.0, help="Window start (s).")

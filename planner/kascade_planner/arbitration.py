@@ -15,11 +15,14 @@ The rule, stated once:
    name). Ties never depend on input order.
 3. When supply runs out, the next replica for the first-ranked service may come from another service (a donor)
    that ranks below it (lower priority class; or the same class and not pressured while the taker is; or the
-   same class and pressure band and holding more than the taker's fair share after the move) and holds more
-   than its `min` (never below it) and, in the taker's own class, is not growing itself. The lowest priority
-   class gives first; within it the idle replica first, then the least loaded, then the one bound longest ago; a
-   replica bound within `hysteresis_s` is never taken (no oscillation, no pod storm: at most `max_preemptions`
-   per call).
+   same class, both unpressured, and the donor holding more than the taker's fair share after the move) and
+   holds more than its `min` (never below it); a busy donor of the taker's class (growing, or pressured once it
+   gives one) gives only to a service holding no replica, and only beyond its fair share (a move between busy
+   peers costs a load and gains nothing). The lowest priority class gives first; within it the idle replica
+   first, then the least loaded, then the one bound longest ago; a replica bound within `hysteresis_s` is not
+   taken (no oscillation, no pod storm: at most `max_preemptions` per call), unless the taker holds no replica
+   at all and the rule is a higher class or fair share (neither can move the replica back; SLO pressure can
+   flip, so it waits for the hysteresis).
 4. A service that gets less than it asked for says why: how many it asked, how many it got, who ranked above it.
 """
 
@@ -129,18 +132,28 @@ def _rank(a: ServiceAsk, held: int) -> tuple[int, int, float, float, str]:
     return (-a.priority, 0 if p >= 1 else 1, -p if p >= 1 else 0.0, (held + 1) / a.weight, a.name)
 
 
+def _fair(taker: ServiceAsk, taker_held: int, donor: ServiceAsk, donor_held: int) -> str | None:
+    """Fair share allows the move: the donor keeps at least what the taker holds after it (weighted). The rule is
+    antisymmetric, so a replica moved by it is never moved back by it."""
+    if (donor_held - 1) / donor.weight >= (taker_held + 1) / taker.weight:
+        return (f"fair share: {donor.name} holds {donor_held} (weight {donor.weight:g}), "
+                f"{taker.name} {taker_held} (weight {taker.weight:g})")
+    return None
+
+
 def _outranks(taker: ServiceAsk, taker_held: int, donor: ServiceAsk, donor_held: int) -> str | None:
     """Why `taker` may take a replica from `donor` (None: it may not)."""
     if taker.priority != donor.priority:
         return f"priority {taker.priority} above {donor.priority}" if taker.priority > donor.priority else None
     tp, dp = _pressure(taker, taker_held), _pressure(donor, donor_held - 1)  # the donor after giving one
-    if (tp >= 1) != (dp >= 1):
-        return f"SLO pressure {tp:.2f} while {donor.name} meets its SLO ({dp:.2f})" if tp >= 1 else None
-    # fair share: the donor keeps more than the taker would hold after the move (weighted)
-    if (donor_held - 1) / donor.weight >= (taker_held + 1) / taker.weight:
-        return (f"fair share: {donor.name} holds {donor_held} (weight {donor.weight:g}), "
-                f"{taker.name} {taker_held} (weight {taker.weight:g})")
-    return None
+    if donor.desired > donor.current or dp >= 1:
+        # a busy donor of the same class (growing, or pressured once it gives one) gives only to a service holding
+        # no replica at all, and only beyond its fair share: moving replicas between busy peers (each move a
+        # load) would only lose capacity
+        return _fair(taker, taker_held, donor, donor_held) if taker_held == 0 else None
+    if tp >= 1:
+        return f"SLO pressure {tp:.2f} while {donor.name} meets its SLO ({dp:.2f})"
+    return _fair(taker, taker_held, donor, donor_held)
 
 
 def arbitrate(asks: Sequence[ServiceAsk], replicas: Sequence[Replica], free: int, now: float,
@@ -213,13 +226,14 @@ def _victim(taker: ServiceAsk, held: dict[str, int], by_name: dict[str, ServiceA
     for name, donor in by_name.items():
         if name == taker.name or held[name] <= donor.min or held[name] < 1:
             continue
-        if donor.desired > donor.current and donor.priority >= taker.priority:
-            continue  # a service still growing gives nothing to its own class (a lower class still gives)
         why = _outranks(taker, held[taker.name], donor, held[name])
         if why is None:
             continue
+        # a taker holding nothing is not held back by hysteresis when the rule is fair share or a higher class: the
+        # donor keeps at least one, and neither rule can move the replica back (SLO pressure can flip: it waits)
+        starving = held[taker.name] == 0 and not why.startswith("SLO pressure")
         for r in mine[name]:
-            if r.id in taken[name] or now - r.bound_s < cfg.hysteresis_s:
+            if r.id in taken[name] or (now - r.bound_s < cfg.hysteresis_s and not starving):
                 continue
             key = (donor.priority, r.load, r.bound_s, r.id)
             if best is None or key < best[0]:

@@ -36,9 +36,10 @@ class SimConfig:
     pd_policy: str = "threshold"
     # Colocated mode, several models: the fleet's arbitration (kascade_planner.arbitration) decides every tick who
     # gets the free GPUs and whose idle replicas are preempted (priority, SLO pressure, fair share; never below a
-    # model's `min_instances`; a replica bound within `hysteresis_s` is kept). Off: each model scales in turn and
-    # a model with no instance preempts the longest-up idle one (`scaling._preempt_idle`).
-    arbitration: bool = False
+    # model's `min_instances`; a replica bound within `hysteresis_s` is kept). None (default): on for colocated runs
+    # of several models. Off (and in disaggregated mode): each model scales in turn and a model with no instance
+    # preempts the longest-up idle one (`scaling._preempt_idle`).
+    arbitration: bool | None = None
     hysteresis_s: float = 30.0
     priorities: tuple[int, ...] = ()  # per model index (missing: 0)
 

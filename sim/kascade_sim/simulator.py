@@ -134,8 +134,11 @@ class Simulation(Scaling, Serving, Autoscaler, Arbiter):
         self.cache_peak = 0
         self.loads = 0
         self._now = 0.0
+        self.arbitrated = cfg.arbitration if cfg.arbitration is not None else (
+            cfg.mode == "colocated" and wl.models > 1)
         self.short_reasons = {}  # arbiter: why a model got less than it asked
         self.preemptions = 0
+        self.reserved = {}  # arbiter: GPUs preempted for a model, still draining
 
     # ---- event plumbing
     def push(self, t: float, kind: int, obj: object) -> None:

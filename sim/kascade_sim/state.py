@@ -92,6 +92,7 @@ class SimState:
     hostmem: HostMemory
     cache_peak: int
     loads: int
+    arbitrated: bool  # the planner's arbitration decides across models (arbiter.Arbiter)
 
     if TYPE_CHECKING:  # defined by one mixin, called by another
         def push(self, t: float, kind: int, obj: object) -> None: ...

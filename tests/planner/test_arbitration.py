@@ -84,6 +84,15 @@ def test_a_growing_service_gives_nothing_and_higher_classes_are_never_donors() -
     assert out.grant("a").granted == 2 and out.grant("vip").granted == 2
 
 
+def test_busy_peers_do_not_trade_replicas_but_a_model_with_none_gets_one() -> None:
+    asks = [ServiceAsk("a", 1, 3, pressure=3.0), ServiceAsk("b", 3, 3, pressure=2.0)]
+    out = arbitrate(asks, reps("a", 1) + reps("b", 3), free=0, now=100.0)
+    assert out.preemptions == () and "asked 3, granted 1" in out.grant("a").reason
+    asks = [ServiceAsk("a", 0, 1, pressure=3.0), ServiceAsk("b", 3, 3, pressure=2.0)]
+    out = arbitrate(asks, reps("b", 3), free=0, now=100.0)
+    assert [p.donor for p in out.preemptions] == ["b"] and out.grant("a").granted == 1
+
+
 def test_a_lower_class_gives_even_while_it_grows_down_to_its_min() -> None:
     asks = [ServiceAsk("vip", 1, 3, priority=9), ServiceAsk("low", 3, 5, min=2)]
     out = arbitrate(asks, reps("vip", 1) + reps("low", 3, load=2.0), free=0, now=100.0)
@@ -95,6 +104,16 @@ def test_preemptions_per_round_are_bounded() -> None:
     asks = [ServiceAsk("hot", 0, 10, priority=1), ServiceAsk("cold", 10, 10)]
     out = arbitrate(asks, reps("cold", 10), free=0, now=100.0, cfg=ArbitrationConfig(max_preemptions=3))
     assert len(out.preemptions) == 3 and out.grant("hot").granted == 3 and out.grant("cold").granted == 7
+
+
+def test_a_model_with_no_replica_takes_one_by_fair_share_despite_hysteresis() -> None:
+    # b holds 2 (both bound a moment ago) and grows; a waits with none: fair share moves one, hysteresis or not
+    asks = [ServiceAsk("a", 0, 1, pressure=1.2), ServiceAsk("b", 2, 3, pressure=5.0)]
+    replicas = [Replica("b-0", "b", 3.0, 99.0), Replica("b-1", "b", 1.0, 99.5)]
+    out = arbitrate(asks, replicas, free=0, now=100.0, cfg=ArbitrationConfig(hysteresis_s=30.0))
+    assert [p.replica for p in out.preemptions] == ["b-1"] and "fair share" in out.preemptions[0].reason
+    assert out.grant("b").granted == 1  # and b, above its min, says why it got less
+    assert "asked 3, granted 1" in out.grant("b").reason
 
 
 def test_no_oscillation_the_taken_replica_is_not_taken_back_next_round() -> None:
