@@ -50,8 +50,8 @@ class Arbiter(SimState):
             decisions[m] = d
             self.states[g] = d.state
         # GPUs preempted for a model are its own: it binds them as they free (a draining replica finishes its
-        # batch first), and nobody else is granted them meanwhile; a model that no longer needs them gives them up
-        # never more reserved than the preempted replicas still draining and the free GPUs can give
+        # batch first), and nobody else is granted them meanwhile; a model that no longer needs them gives them up.
+        # Never more reserved than the preempted replicas still draining and the free GPUs can give.
         room = sum(1 for i in self.instances if i.state == "draining" and i.preempted) + self._free_slots()
         for m in sorted(self.reserved, key=lambda m: (-self.reserved[m], m)):
             over = sum(self.reserved.values()) - room
