@@ -96,3 +96,26 @@ def test_peak_gpus_counts_a_release_before_a_bind_at_one_instant() -> None:
     b = Instance("b", "n", 1, 5.0, 100, 0, "colocated", "serving")
     a.released_s = 5.0
     assert peak_gpus([a, b]) == 1
+
+
+def test_no_replica_is_preempted_within_the_hysteresis_unless_for_a_model_with_none() -> None:
+    # model 0 steady on every GPU, model 1 bursting three times: GPUs move both ways
+    reqs = [Request(0.05 * k, 1024, 4, 0) for k in range(1200)]
+    reqs += [Request(b + 0.02 * k, 1024, 4, 1) for b in (10, 25, 40) for k in range(150)]
+    wl = Workload("mix", tuple(sorted(reqs, key=lambda r: (r.arrival_s, r.model))))
+    cfg = replace(CFG, hysteresis_s=15.0)
+    s = Simulation(wl, hardware("a800", hosts=1, gpus_per_host=4), model("llama3-8b"), system("kascade"), cfg)
+    s.run()
+    by_id = {i.id: i for i in s.instances}
+    pre = [e for e in s.events if e.direction == "down" and " preempted for " in e.reason]
+    assert len(pre) >= 4 and s.preemptions == len(pre)
+    assert {e.model for e in pre} == {0, 1}  # both ways
+    for e in pre:
+        victim = by_id[e.reason.split(" ", 1)[0]]
+        # a replica bound within the hysteresis goes only to a model holding none, by fair share or class
+        assert e.time_s - victim.alloc_s >= cfg.hysteresis_s or "fair share" in e.reason, e
+    # no ping-pong on SLO pressure: a model does not take back, within the hysteresis, what it just lost
+    for e in pre:
+        taker = int(e.reason.split(" preempted for ", 1)[1].split(":", 1)[0])
+        assert not any(0 <= f.time_s - e.time_s < cfg.hysteresis_s and f.model == taker and "SLO pressure" in f.reason
+                       and f" preempted for {e.model}:" in f.reason for f in pre), e
