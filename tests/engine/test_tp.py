@@ -1,0 +1,150 @@
+"""Tensor-parallel instances (engine/kascade_engine/tp/): the split refuses what does not divide, naming the
+field; its slices reassemble every tensor; greedy tokens at tp 2 and 4 (real processes, gloo) equal the plain
+engine's at tp 1 for every family; a rank that dies fails the instance (the other side exits non-zero, no hang)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kascade_engine.batch.engine import Engine
+from kascade_engine.batch.model import LlamaModel
+from kascade_engine.batch.sampling import SamplingParams
+from kascade_engine.batch.scheduler import Limits
+from kascade_engine.tp.shard import TPError, TPLayout
+from kascade_engine.weights.blocks import pack_checkpoint
+from kascade_engine.weights.checkpoint import tiny_model
+
+PROMPTS = [[5, 9, 13, 200, 3], [77], list(range(100, 120))]
+TOKENS = 6
+
+
+def _tp1(ckpt: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    blocks = pack_checkpoint(ckpt)
+    m = LlamaModel(blocks.config)
+    for b in blocks.blocks.values():
+        m.add_block(b.id, b.tensors())
+    return Engine(m, Limits(kv_tokens=4096)).generate_many(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
+
+
+def _run_args(ckpt: Path, tp: int, prompts: list[list[int]], n: int) -> list[str]:
+    args = [sys.executable, "-m", "kascade_engine.tp.run", "--checkpoint", str(ckpt), "--tp", str(tp),
+            "--max-tokens", str(n)]
+    for p in prompts:
+        args += ["--prompt", ",".join(map(str, p))]
+    return args
+
+
+def _tp(ckpt: Path, tp: int, prompts: list[list[int]], n: int) -> list[list[int]]:
+    r = subprocess.run(_run_args(ckpt, tp, prompts, n), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out: list[list[int]] = json.loads(r.stdout.strip().splitlines()[-1])["tokens"]
+    return out
+
+
+def test_tp_that_does_not_divide_is_refused_naming_the_field() -> None:
+    smol = {"num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536, "hidden_size": 576}
+    with pytest.raises(TPError, match="tp: 2 does not divide num_attention_heads \\(9\\)"):
+        TPLayout.of(smol, 2)
+    assert TPLayout.of(smol, 3).local_kv_heads == 1
+    with pytest.raises(TPError, match="num_key_value_heads \\(3\\)"):
+        TPLayout.of({**smol, "num_attention_heads": 12}, 2)
+    with pytest.raises(TPError, match="intermediate_size \\(1537\\)"):
+        TPLayout.of({**smol, "intermediate_size": 1537}, 3)
+    with pytest.raises(TPError, match="tp: 0 must be"):
+        TPLayout.of(smol, 0)
+
+
+@pytest.mark.parametrize(("kv", "tp"), [(2, 2), (2, 4), (4, 4)])
+def test_slices_reassemble_every_tensor(tmp_path: Path, kv: int, tp: int) -> None:
+    blocks = pack_checkpoint(tiny_model(tmp_path / "m", "qwen2", layers=1, kv_heads=kv))
+    lay = TPLayout.of(blocks.config, tp)
+    layer = blocks.blocks["layer.0"].tensors()
+    parts = [lay.shard(r, "layer.0", layer) for r in range(tp)]
+    pre = "model.layers.0."
+    q, down = pre + "self_attn.q_proj.weight", pre + "mlp.down_proj.weight"
+    assert torch.equal(torch.cat([p[q] for p in parts]), layer[q])
+    assert torch.equal(torch.cat([p[down] for p in parts], 1), layer[down])
+    k = [p[pre + "self_attn.k_proj.bias"] for p in parts]
+    if kv >= tp:
+        assert torch.equal(torch.cat(k), layer[pre + "self_attn.k_proj.bias"])
+    else:  # replicated: ranks sharing a KV head hold the same copy
+        assert torch.equal(k[0], k[1]) and not torch.equal(k[0], k[-1])
+    head = blocks.blocks["head"].tensors()
+    assert "lm_head.weight" in lay.shard(0, "head", head) and "lm_head.weight" not in lay.shard(1, "head", head)
+
+
+@pytest.mark.parametrize(("family", "tp", "kv", "tie"), [
+    ("llama", 2, 2, False), ("llama", 4, 2, True), ("llama3", 2, 2, False), ("mistral", 2, 2, False),
+    ("qwen2", 2, 2, True), ("qwen3", 4, 4, False)])
+def test_tp_greedy_equals_tp1(tmp_path: Path, family: str, tp: int, kv: int, tie: bool) -> None:
+    window = 8 if family == "mistral" else None
+    ckpt = tiny_model(tmp_path / family, family, layers=2, kv_heads=kv, tie=tie, window=window)
+    want = _tp1(ckpt, PROMPTS, TOKENS)
+    assert _tp(ckpt, tp, PROMPTS, TOKENS) == want
+
+
+@pytest.mark.smollm
+def test_smollm_tp3_equals_tp1(smollm_ckpt: Path) -> None:
+    """SmolLM2-135M has 9 heads and 3 KV heads: tp 3 divides both, tp 2 and 4 do not (refused, named)."""
+    prompts = [[1, 504, 3458, 282, 4649, 314]]  # a short real-token prompt
+    want = _tp1(smollm_ckpt, prompts, 4)
+    assert _tp(smollm_ckpt, 3, prompts, 4) == want
+    r = subprocess.run(_run_args(smollm_ckpt, 2, prompts, 1), capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "tp: 2 does not divide num_attention_heads (9)" in r.stderr
+
+
+def _announced(tmp_path: Path, tp: int) -> tuple[subprocess.Popen[str], list[int]]:
+    ckpt = tiny_model(tmp_path / "m", "llama", layers=2)
+    leader = subprocess.Popen([*_run_args(ckpt, tp, [[1, 2, 3]], 2000), "--announce"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert leader.stdout is not None
+    line = leader.stdout.readline()
+    while line and not line.startswith("{"):  # gloo's own connection notes go to stdout too
+        line = leader.stdout.readline()
+    assert line, leader.stderr.read() if leader.stderr else ""
+    return leader, json.loads(line)["pids"]
+
+
+def test_follower_dying_fails_the_instance(tmp_path: Path) -> None:
+    leader, pids = _announced(tmp_path, 4)
+    os.kill(pids[0], signal.SIGKILL)
+    assert leader.stdin is not None
+    leader.stdin.write("go\n")
+    leader.stdin.flush()
+    _, err = leader.communicate(timeout=120)
+    assert leader.returncode == 3, err[-2000:]
+    assert "tensor-parallel instance failed" in err
+    for pid in pids[1:]:  # the surviving follower does not hang on: its collective fails when rank 0 exits
+        with pytest.raises(ProcessLookupError):
+            _wait_gone(pid)
+
+
+def _wait_gone(pid: int) -> None:
+    """Raises ProcessLookupError once `pid` is gone (a grandchild of this test: not ours to reap)."""
+    import time
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            raise ProcessLookupError(pid) from None
+        if state in ("Z", "X"):  # exited, not yet reaped by whoever inherited it
+            raise ProcessLookupError(pid)
+        time.sleep(0.2)  # polling another process's exit; not hiding a flake
+
+
+def test_leader_dying_ends_the_followers(tmp_path: Path) -> None:
+    leader, pids = _announced(tmp_path, 2)
+    leader.kill()
+    leader.communicate(timeout=30)
+    with pytest.raises(ProcessLookupError):
+        _wait_gone(pids[0])
