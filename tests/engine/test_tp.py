@@ -11,9 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
+from kascade_devcluster.localengine import EngineProc
 from kascade_engine.batch.engine import Engine
 from kascade_engine.batch.model import LlamaModel
 from kascade_engine.batch.sampling import SamplingParams
@@ -21,6 +23,8 @@ from kascade_engine.batch.scheduler import Limits
 from kascade_engine.tp.shard import TPError, TPLayout
 from kascade_engine.weights.blocks import pack_checkpoint
 from kascade_engine.weights.checkpoint import tiny_model
+
+from .conftest import start_engine
 
 PROMPTS = [[5, 9, 13, 200, 3], [77], list(range(100, 120))]
 TOKENS = 6
@@ -148,3 +152,21 @@ def test_leader_dying_ends_the_followers(tmp_path: Path) -> None:
     leader.communicate(timeout=30)
     with pytest.raises(ProcessLookupError):
         _wait_gone(pids[0])
+
+
+def test_tp2_engine_serves_tp1_text_and_exits_when_a_rank_dies(tiny_ckpt: Path, engine_a: EngineProc) -> None:
+    """`kascade engine serve --tp 2`: rank 0 serves HTTP with the text of the tp 1 engine; killing its follower
+    rank makes the engine process exit non-zero (the pod restarts), not answer with half a model."""
+    e = start_engine(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--max-prompt-tokens", "64",
+                      "--kv-tokens", "4096", "--tp", "2"])
+    try:
+        body = {"model": "tiny-llama", "prompt": "hello tensor parallel", "max_tokens": 8}
+        want = httpx.post(engine_a.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        got = httpx.post(e.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        assert got == want
+        kids = Path(f"/proc/{e.proc.pid}/task/{e.proc.pid}/children").read_text().split()
+        assert len(kids) == 1, kids  # the follower rank
+        os.kill(int(kids[0]), signal.SIGKILL)
+        assert e.proc.wait(60) == 3
+    finally:
+        e.stop()

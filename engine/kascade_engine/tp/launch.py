@@ -11,19 +11,22 @@ and kills whatever did not exit.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from kascade_engine.batch.scheduler import Limits
 from kascade_engine.tp.group import join
 from kascade_engine.tp.leader import TPEngine
+from kascade_engine.tp.rank import EXIT_LOST
 from kascade_engine.tp.rankmodel import RankModel
 from kascade_engine.tp.shard import TPLayout
 from kascade_engine.weights.blocks import BlockSet
@@ -77,10 +80,21 @@ class Ranks:
                 p.wait()
 
 
-def start(blocks: BlockSet, checkpoint: Path, tp: int, limits: Limits, device: torch.device,
-          dtype: torch.dtype, eos: int | None = None, threads: int = 1, timeout_s: float = 60.0) -> Ranks:
-    """Rank 0 here, ranks 1..tp-1 as children loading `checkpoint`; returns once every rank holds its weights."""
-    layout = TPLayout.of(blocks.config, tp)
+def exit_on_lost(why: str) -> None:
+    """The server's `on_lost`: a rank is gone, so the instance cannot compute; exit non-zero at once (no request
+    is answered with a partial model; the pod restarts and the operator replaces the replica)."""
+    log.error("%s: exiting", why)
+    logging.shutdown()
+    os._exit(EXIT_LOST)
+
+
+def start(model_cfg: Mapping[str, Any], checkpoint: Path, tp: int, limits: Limits, device: torch.device,
+          dtype: torch.dtype, eos: int | None = None, threads: int = 1, timeout_s: float = 60.0,
+          blocks: BlockSet | None = None, on_lost: Callable[[str], None] | None = None) -> Ranks:
+    """Rank 0 here, ranks 1..tp-1 as children loading `checkpoint`; returns once every rank is in and every
+    follower holds its weights (rank 0 its own too when `blocks` is given; else they arrive by `add_block`).
+    `on_lost(why)` runs once when a rank is gone (the server exits on it)."""
+    layout = TPLayout.of(model_cfg, tp)
     init = f"tcp://127.0.0.1:{_free_port()}"
     followers = [subprocess.Popen([
         sys.executable, "-m", "kascade_engine.tp.rank", "--rank", str(r), "--tp", str(tp), "--init", init,
@@ -89,8 +103,9 @@ def start(blocks: BlockSet, checkpoint: Path, tp: int, limits: Limits, device: t
         "--kv-tokens", str(limits.kv_tokens), "--page-size", str(limits.page_size), "--timeout-s", str(timeout_s),
     ], stdout=sys.stderr) for r in range(1, tp)]  # stdout stays rank 0's (run.py prints its result there)
     try:
-        model = RankModel(blocks.config, layout, 0, dtype=dtype, device=device)
-        model.add_blocks(blocks.blocks.values())
+        model = RankModel(model_cfg, layout, 0, dtype=dtype, device=device)
+        if blocks is not None:
+            model.add_blocks(blocks.blocks.values())
         group = join(0, tp, init, device, timeout_s)
         group.barrier()
     except BaseException:
@@ -98,7 +113,9 @@ def start(blocks: BlockSet, checkpoint: Path, tp: int, limits: Limits, device: t
             p.kill()
             p.wait()
         raise
-    ranks = Ranks(TPEngine(model, group, limits, eos), followers)
-    ranks.watch(ranks.engine.lost)
+    engine = TPEngine(model, group, limits, eos)
+    engine.on_lost = on_lost
+    ranks = Ranks(engine, followers)
+    ranks.watch(engine.lost)
     log.info("tensor-parallel instance up: %d ranks (followers %s)", tp, ranks.pids)
     return ranks

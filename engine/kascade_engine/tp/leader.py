@@ -11,6 +11,7 @@ and the server exits non-zero on it (the pod restarts; the operator replaces the
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 
@@ -32,12 +33,15 @@ class TPEngine(Engine):
         super().__init__(model, limits, eos)
         self.group = group
         self.failed: str | None = None
+        self.on_lost: Callable[[str], None] | None = None  # once, when a rank is gone (the server exits)
         model.reduce = group.reduce
 
     def lost(self, why: str) -> None:
         """A rank is gone (a collective failed here, or launch.py saw a follower exit)."""
         if self.failed is None:
             self.failed = why
+            if self.on_lost is not None:
+                self.on_lost(why)
 
     def step(self) -> list[Event]:
         if self.failed is not None:

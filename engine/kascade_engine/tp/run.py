@@ -47,8 +47,8 @@ def main(argv: list[str] | None = None) -> int:
             model.add_block(b.id, b.tensors())
         engine = Engine(model, limits)
     else:
-        ranks = launch.start(blocks, a.checkpoint, a.tp, limits, torch.device("cpu"), torch.float32,
-                             threads=a.threads)
+        ranks = launch.start(blocks.config, a.checkpoint, a.tp, limits, torch.device("cpu"), torch.float32,
+                             threads=a.threads, blocks=blocks)
         engine = ranks.engine
     if a.announce:
         print(json.dumps({"pids": ranks.pids if ranks else []}), flush=True)
