@@ -228,3 +228,13 @@ def test_sharded_parts_all_gather_into_verified_rank_slices(tmp_path: Path, tiny
             assert line.startswith("REFUSED block layer.1: digest mismatch") and line.endswith("resident 0")
         else:
             assert line == "OK"
+
+
+def test_tp_flags_refused_naming_the_flag(tmp_path: Path) -> None:
+    from kascade_engine.config import ConfigError, EngineConfig
+
+    with pytest.raises(ConfigError, match="--tp must be in \\[1, 64\\], got 0"):
+        EngineConfig(tmp_path, "m", "t", tp=0)
+    with pytest.raises(ConfigError, match="--tp > 1 loads every rank from --checkpoint at start; --empty"):
+        EngineConfig(tmp_path, "m", "t", tp=2, empty=True)
+    assert EngineConfig(tmp_path, "m", "t", tp=2).tp == 2
