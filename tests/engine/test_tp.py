@@ -21,7 +21,7 @@ from kascade_engine.batch.model import LlamaModel
 from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.batch.scheduler import Limits
 from kascade_engine.tp.shard import TPError, TPLayout
-from kascade_engine.weights.blocks import pack_checkpoint
+from kascade_engine.weights.blocks import BlockSet, pack_checkpoint
 from kascade_engine.weights.checkpoint import tiny_model
 
 from .conftest import start_engine
@@ -178,7 +178,7 @@ from kascade_engine.tp.gather import GatherError, gather_all, my_range
 from kascade_engine.tp.group import join
 from kascade_engine.tp.rankmodel import RankModel
 from kascade_engine.tp.shard import TPLayout
-from kascade_engine.weights.blocks import pack_checkpoint
+from kascade_engine.weights.blocks import BlockSet, pack_checkpoint
 
 rank, tp, init, ckpt, corrupt = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5] == "1"
 blocks = pack_checkpoint(ckpt)
@@ -238,3 +238,27 @@ def test_tp_flags_refused_naming_the_flag(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--tp > 1 loads every rank from --checkpoint at start; --empty"):
         EngineConfig(tmp_path, "m", "t", tp=2, empty=True)
     assert EngineConfig(tmp_path, "m", "t", tp=2).tp == 2
+
+
+def test_slice_blocks_for_matched_tp_verify_and_load(tiny_blocks: BlockSet) -> None:
+    """tp 2 -> tp 2: rank r receives a block of only its slices with its own digest; a flipped byte fails the
+    digest; the slices loaded as they are equal the slices the rank cuts from the whole block."""
+    from kascade_engine.tp.rankmodel import RankModel
+    from kascade_engine.tp.slices import slice_block
+
+    lay = TPLayout.of(tiny_blocks.config, 2)
+    for rank in range(2):
+        got = RankModel(tiny_blocks.config, lay, rank)
+        want = RankModel(tiny_blocks.config, lay, rank)
+        want.add_blocks(tiny_blocks.blocks.values())
+        for b in tiny_blocks.blocks.values():
+            s = slice_block(lay, rank, b)
+            assert s.verify()
+            assert s.nbytes < b.nbytes or b.id == "embed" or (b.id, rank) == ("head", 0)  # replicated, rank 0 head
+            got.add_sliced(s)
+        assert got.complete and all(torch.equal(got.weights[b][n], want.weights[b][n])
+                                    for b in want.weights for n in want.weights[b])
+    s = slice_block(lay, 1, tiny_blocks.blocks["layer.0"])
+    bad = bytearray(s.data)
+    bad[5] ^= 1
+    assert not type(s)(s.id, memoryview(bytes(bad)), s.index, s.digest).verify()

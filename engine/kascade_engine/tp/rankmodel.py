@@ -27,3 +27,7 @@ class RankModel(LlamaModel):
     def add_blocks(self, blocks: Iterable[Any]) -> None:
         for b in blocks:
             self.add_block(b.id, b.tensors())
+
+    def add_sliced(self, block: Any) -> None:
+        """A slice block (slices.py: already this rank's slices, digest checked by the caller) in, as is."""
+        LlamaModel.add_block(self, block.id.split("@", 1)[0], block.tensors())
