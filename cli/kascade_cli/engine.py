@@ -65,6 +65,9 @@ def engine() -> None:
     help="load only embed + this many leading layers (a load in progress: demos and tests of live cooperation)",
 )
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(1), help="torch CPU threads")
+@click.option("--tp", default=1, show_default=True, type=click.IntRange(1, 64), envvar="KASCADE_TP",
+              help="tensor-parallel ranks, one process each (this one is rank 0 and serves HTTP; on CUDA rank r "
+                   "uses the device after rank 0's by r); the model's heads and MLP width must divide by it")
 @click.option("--transport", type=click.Choice(["tcp", "ucx"]), default="tcp", show_default=True,
               help="data plane transport: load plans' weights, and the --act-port (activations, live pairs and "
                    "the KV of disaggregated serving). Peers must use the same one; TLS (--tls-*) is tcp only")
@@ -129,6 +132,7 @@ def serve(
     empty: bool,
     resident_layers: int | None,
     threads: int,
+    tp: int,
     transport: str,
     activation_dscp: int,
     transfer_max_mbps: float | None,
@@ -183,7 +187,7 @@ def serve(
                            transfer_bytes_per_s=transfer_max_mbps * 1e6 / 8 if transfer_max_mbps else None,
                            empty=empty, resident_layers=resident_layers, emulate_layer_ms=emulate_layer_ms,
                            emulate_knee_tokens=emulate_knee_tokens, tls=tls,
-                           host_cache_bytes=int(host_cache_gib * 2**30), activation_dscp=activation_dscp)
+                           host_cache_bytes=int(host_cache_gib * 2**30), activation_dscp=activation_dscp, tp=tp)
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
     try:

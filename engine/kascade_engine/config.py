@@ -62,6 +62,8 @@ class EngineConfig:
     # (the tokens streamed to clients), so a QoS fabric sends them ahead of weight streams (unmarked); 0: no
     # mark (transport.py, "Traffic classes")
     activation_dscp: int = AF41
+    # tensor parallel: ranks of this instance, one process each (tp/); rank 0 is this process and serves HTTP
+    tp: int = 1
 
     def __post_init__(self) -> None:
         if not _DEVICE.match(self.device):
@@ -80,6 +82,11 @@ class EngineConfig:
             raise ConfigError(f"--emulate-knee-tokens must be in [0, 1048576], got {self.emulate_knee_tokens}")
         if not 0 <= self.activation_dscp <= 63:
             raise ConfigError(f"--activation-dscp must be in [0, 63] (0: no mark), got {self.activation_dscp}")
+        if not 1 <= self.tp <= 64:
+            raise ConfigError(f"--tp must be in [1, 64], got {self.tp}")
+        if self.tp > 1 and (self.empty or self.resident_layers is not None):
+            raise ConfigError("--tp > 1 loads every rank from --checkpoint at start; --empty and --resident-layers "
+                              "(weights by load plan) are not supported with it yet")
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"--transport {self.transport!r}: unknown transport; use {' or '.join(TRANSPORTS)}")
         if self.tls is not None and self.transport != "tcp":

@@ -112,15 +112,25 @@ class EngineInstance:
 
         self.config = config
         self.dtype = config.torch_dtype(self.model_cfg)
-        self.model = LlamaModel(self.model_cfg, dtype=self.dtype, device=self.device)
         c = config
-        self.engine = Engine(self.model, Limits(c.max_batch_tokens, c.max_seqs, c.kv_tokens, c.page_size),
-                             eos=self.tokenizer.eos_token_id)
+        limits = Limits(c.max_batch_tokens, c.max_seqs, c.kv_tokens, c.page_size)
+        self.engine: Engine
+        if c.tp > 1:  # this process is rank 0 of a tensor-parallel instance (tp/launch.py)
+            if hasattr(self, "ranks"):
+                raise InstanceError(409, f"dtype: fixed at start for tp {c.tp} (its ranks run {self.dtype})", "dtype")
+            from kascade_engine.tp.launch import exit_on_lost, start
+
+            self.ranks = start(self.model_cfg, c.checkpoint, c.tp, limits, self.device, self.dtype,
+                               self.tokenizer.eos_token_id, c.threads, on_lost=exit_on_lost)
+            self.model, self.engine = self.ranks.engine.model, self.ranks.engine
+        else:
+            self.model = LlamaModel(self.model_cfg, dtype=self.dtype, device=self.device)
+            self.engine = Engine(self.model, limits, eos=self.tokenizer.eos_token_id)
         self.peers = PeerPool(self.transport, config.token)  # activation connections opened ahead
         self.host = HostRows(
             layer_s=config.emulate_layer_ms / 1e3, knee_tokens=config.emulate_knee_tokens
         )  # pair sessions (a loading peer's rows) join this engine's batch
-        self.engine.coop = self.host
+        self.engine.coop = self.host if c.tp == 1 else None  # live pairs host rows on one process only
         self.pair: PairClient | None = None  # while loading with a peer: our rows finish there
         self._warming: asyncio.Task[None] | None = None  # ZigZag plans computed in the background (livepolicy)
         self.downstream_peer: str | None = None  # pipeline: where hosted rows go on (status `pipelineDownstream`)
@@ -281,6 +291,9 @@ class EngineInstance:
         step of every request until the pair ends (cooperation.py)."""
         from kascade_engine.live.pairsession import form_pair
 
+        if self.config.tp > 1:
+            raise InstanceError(409, f"tp: live cooperation with a tensor-parallel instance (tp {self.config.tp}) "
+                                "is not supported", "tp")
         if req.mode == "standby":
             try:
                 await self.peers.warm(req.peer)
@@ -505,3 +518,5 @@ class EngineInstance:
         if self.loading is not None and not self.loading.done():
             self.loading.cancel()
         await self.serving.close()
+        if self.config.tp > 1:
+            self.ranks.stop()

@@ -13,7 +13,7 @@ Every tensor made here names the model's device.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +96,8 @@ class LlamaModel:
         self.weights: dict[str, dict[str, torch.Tensor]] = {}
         self._staging: torch.Tensor | None = None  # pinned host buffer for CUDA uploads
         self.inv_freq = rope_inv_freq(cfg, self.device)
+        # tensor parallel (tp/): sums a row-parallel projection's partial output over the ranks, in place
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     # -- residency -------------------------------------------------------------------------
     def add_block(self, block_id: str, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -201,10 +203,12 @@ class LlamaModel:
             k = k * cos + _rotate_half(k) * sin
             batch.cache.write(i, batch.slots, k, v)
             attn = self._attend(i, q, batch)
-            x = x + _linear(attn, w, "self_attn.o_proj")
+            o = _linear(attn, w, "self_attn.o_proj")
+            x = x + (o if self.reduce is None else self.reduce(o))
             h = _rms(x, w["post_attention_layernorm.weight"], s.eps)
-            x = x + F.linear(F.silu(F.linear(h, w["mlp.gate_proj.weight"])) * F.linear(h, w["mlp.up_proj.weight"]),
-                             w["mlp.down_proj.weight"])
+            m = F.linear(F.silu(F.linear(h, w["mlp.gate_proj.weight"])) * F.linear(h, w["mlp.up_proj.weight"]),
+                         w["mlp.down_proj.weight"])
+            x = x + (m if self.reduce is None else self.reduce(m))
         return x
 
     def _attend(self, layer: int, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

@@ -1,0 +1,74 @@
+"""Rank 0 of a tensor-parallel instance: the ordinary Engine (scheduler, page tables, sampling, HTTP above it)
+whose every forward is first announced to the follower ranks (step.py), then run over rank 0's own slices; the
+model's two all-reduces per layer meet the followers' running the same step.
+
+Failure: a follower that dies makes the next collective raise (gloo: connection closed) or time out; the
+instance is then broken for good, so `TPEngine` records it (`failed`), fails the step's requests, and raises
+`RankLost` from every later step; launch.py's watcher records a follower's exit the same way even between steps,
+and the server exits non-zero on it (the pod restarts; the operator replaces the replica).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+from kascade_engine.batch.engine import Engine, Event
+from kascade_engine.batch.kvcache import build_batch
+from kascade_engine.batch.model import LlamaModel
+from kascade_engine.batch.scheduler import Limits, Work
+from kascade_engine.tp import step as msg
+from kascade_engine.tp.group import RankGroup
+
+
+class RankLost(RuntimeError):
+    """A rank of this tensor-parallel instance is gone: the instance cannot compute any more."""
+
+
+class TPEngine(Engine):
+    def __init__(self, model: LlamaModel, group: RankGroup, limits: Limits | None = None,
+                 eos: int | None = None) -> None:
+        super().__init__(model, limits, eos)
+        self.group = group
+        self.failed: str | None = None
+        self.on_lost: Callable[[str], None] | None = None  # once, when a rank is gone (the server exits)
+        model.reduce = group.reduce
+
+    def lost(self, why: str) -> None:
+        """A rank is gone (a collective failed here, or launch.py saw a follower exit)."""
+        if self.failed is None:
+            self.failed = why
+            if self.on_lost is not None:
+                self.on_lost(why)
+
+    def step(self) -> list[Event]:
+        if self.failed is not None:
+            raise RankLost(self.failed)
+        return super().step()
+
+    def _logits(self, work: list[Work]) -> torch.Tensor:
+        m, pool = self.model, self.scheduler.pool
+        ids: list[int] = []
+        rows: list[int] = []
+        for w in work:
+            ids.extend(self.requests[w.id].tokens[w.start:w.end])
+            if w.end == len(self.requests[w.id].tokens):
+                rows.append(len(ids) - 1)
+        items = [(list(pool.tables[w.id]), w.start, w.n) for w in work]
+        try:
+            msg.send(msg.Step(ids, items), self.group.control)
+            batch = build_batch(self.cache, items)
+            h = m.run_layers(0, m.shape.layers, m.embed(torch.tensor(ids, dtype=torch.long, device=m.device)), batch)
+        except RuntimeError as e:  # gloo: a peer closed its connection; any rank's error breaks the instance
+            self.lost(f"a tensor-parallel rank failed during a step: {e}")
+            raise RankLost(str(self.failed)) from e
+        return m.logits(h[torch.tensor(rows, dtype=torch.long, device=m.device)])
+
+    def shutdown(self, reason: str = "shutdown") -> None:
+        """Tell the followers to exit (best effort: a broken instance has nobody to tell)."""
+        if self.failed is None:
+            with contextlib.suppress(RuntimeError):
+                msg.send(msg.Stop(reason), self.group.control)
+        self.group.close()

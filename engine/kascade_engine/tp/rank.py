@@ -1,0 +1,81 @@
+"""A follower rank's process (ranks 1..tp-1 of a tensor-parallel instance): `python -m kascade_engine.tp.rank`.
+
+Data flow: the checkpoint's blocks -> its slices (rankmodel.py) -> join the group (group.py; blocks until every
+rank is in) -> barrier (every rank loaded) -> loop: rank 0's step message (step.py) -> `build_batch` over its own
+paged KV cache with rank 0's page tables -> embed -> every layer (its heads and MLP slice, all-reducing with the
+other ranks) -> next message; no logits (only rank 0 samples). `Stop` ends it with 0; a failed collective (a rank
+or rank 0 gone) ends it with 3 and the reason on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from kascade_engine.batch.kvcache import KVCache, build_batch
+from kascade_engine.batch.scheduler import Limits
+from kascade_engine.tp import step as msg
+from kascade_engine.tp.group import RankGroup, join
+from kascade_engine.tp.rankmodel import RankModel
+from kascade_engine.tp.shard import TPLayout
+from kascade_engine.weights.blocks import pack_checkpoint
+
+log = logging.getLogger("kascade_engine.tp.rank")
+
+EXIT_LOST = 3  # a collective failed: another rank (or rank 0) is gone
+
+
+def follow(model: RankModel, cache: KVCache, group: RankGroup) -> str:
+    """Run rank 0's steps until it says stop; returns its reason."""
+    model.reduce = group.reduce
+    L = model.shape.layers
+    while True:
+        m = msg.receive(group.control)
+        if isinstance(m, msg.Stop):
+            return m.reason
+        batch = build_batch(cache, m.items)
+        model.run_layers(0, L, model.embed(torch.tensor(m.ids, dtype=torch.long, device=model.device)), batch)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kascade_engine.tp.rank")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--tp", type=int, required=True)
+    p.add_argument("--init", required=True, help="rendezvous, tcp://host:port (rank 0 listens)")
+    p.add_argument("--checkpoint", type=Path, required=True)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--kv-tokens", type=int, default=65536)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--timeout-s", type=float, default=60.0)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"rank {a.rank}: %(message)s")
+    torch.set_num_threads(a.threads)
+    device = torch.device(a.device)
+    blocks = pack_checkpoint(a.checkpoint)
+    layout = TPLayout.of(blocks.config, a.tp)
+    model = RankModel(blocks.config, layout, a.rank, dtype=getattr(torch, a.dtype), device=device)
+    model.add_blocks(blocks.blocks.values())
+    s = model.shape
+    limits = Limits(kv_tokens=a.kv_tokens, page_size=a.page_size)
+    cache = KVCache(s.layers, limits.pages, limits.page_size, s.kv_heads, s.head_dim, model.dtype, device,
+                    reuse_gather=True)
+    group = join(a.rank, a.tp, a.init, device, a.timeout_s)
+    try:
+        group.barrier()  # every rank holds its weights
+        reason = follow(model, cache, group)
+    except RuntimeError as e:
+        print(f"rank {a.rank}: tensor-parallel instance broken: {e}", file=sys.stderr, flush=True)
+        return EXIT_LOST
+    log.info("stopped: %s", reason)
+    group.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

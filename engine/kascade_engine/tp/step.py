@@ -1,0 +1,43 @@
+"""The step message rank 0 sends every other rank of a tensor-parallel instance, once per forward.
+
+Rank 0 owns the scheduler, the page tables and sampling; a follower rank owns only its slice of the weights and
+of the paged KV cache (same page geometry, so the same slot ids). To run the step's forward with rank 0 it needs
+exactly what `kvcache.build_batch` and `LlamaModel.embed` take: the step's token ids and, per sequence chunk,
+(block table, start position, token count). Both ends use these types; the wire is `broadcast_object_list` on
+the instance's gloo control group (pickle between processes of one pod that joined with one rendezvous).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Step:
+    ids: list[int]  # the step's tokens, flat, in row order
+    items: list[tuple[list[int], int, int]]  # per chunk: (block table, start position, new tokens)
+
+
+@dataclass(frozen=True)
+class Stop:
+    reason: str  # the instance is shutting down: followers exit 0
+
+
+Message = Step | Stop
+
+
+def send(msg: Message, group: dist.ProcessGroup | None) -> None:
+    """Rank 0: broadcast `msg` to every rank of `group`."""
+    dist.broadcast_object_list([msg], src=0, group=group)
+
+
+def receive(group: dist.ProcessGroup | None) -> Message:
+    """A follower: block until rank 0's next message."""
+    box: list[object] = [None]
+    dist.broadcast_object_list(box, src=0, group=group)
+    msg = box[0]
+    if not isinstance(msg, Step | Stop):
+        raise RuntimeError(f"tp step channel: expected a Step or Stop, got {type(msg).__name__}")
+    return msg
