@@ -1,0 +1,44 @@
+"""Issue 32, found by the kind story: how the chart's pods start and stop. The router drains before SIGTERM
+(preStop) and its grace period covers the drain; the operator has a startupProbe so liveness never kills a
+slow start."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CHART = Path(__file__).resolve().parents[2] / "charts" / "kascade"
+Helm = Callable[..., subprocess.CompletedProcess[str]]
+
+
+def render(helm: Helm, *sets: str) -> list[dict[str, Any]]:
+    args = [a for s in sets for a in ("--set", s)]
+    return [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), "-n", "ns", *args).stdout) if d]
+
+
+def pod_spec(docs: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    dep = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == name)
+    return dict(dep["spec"]["template"]["spec"])
+
+
+def test_router_sleeps_before_sigterm_and_its_grace_covers_the_drain(helm: Helm) -> None:
+    spec = pod_spec(render(helm), "rel-router")
+    (c,) = spec["containers"]
+    assert c["lifecycle"]["preStop"] == {"exec": {"command": ["sleep", "5"]}}
+    assert "--drain-timeout=60" in c["args"]
+    assert spec["terminationGracePeriodSeconds"] == 5 + 60 + 5
+    spec = pod_spec(render(helm, "router.preStopSeconds=0", "router.drainSeconds=10"), "rel-router")
+    assert "lifecycle" not in spec["containers"][0] and spec["terminationGracePeriodSeconds"] == 15
+    bad = helm("template", "rel", str(CHART), "--set", "router.preStopSeconds=-1", check=False)
+    assert bad.returncode != 0 and "preStopSeconds" in bad.stderr
+
+
+def test_operator_has_a_startup_probe_before_liveness(helm: Helm) -> None:
+    (c,) = pod_spec(render(helm), "rel-operator")["containers"]
+    assert c["startupProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 120
+    assert c["livenessProbe"]["httpGet"] == c["startupProbe"]["httpGet"]
