@@ -42,3 +42,27 @@ def test_operator_has_a_startup_probe_before_liveness(helm: Helm) -> None:
     assert c["startupProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 120
     assert c["livenessProbe"]["httpGet"] == c["startupProbe"]["httpGet"]
+
+
+def test_uninstall_hook_stops_the_operator_and_lets_modelservices_go(helm: Helm) -> None:
+    """`helm uninstall` runs `kascade operator uninstall` before deleting anything (a pre-delete hook Job with
+    the operator's account, labels and token settings); its Role may scale only the operator Deployment."""
+    docs = render(helm)
+    job = next(d for d in docs if d["kind"] == "Job" and d["metadata"]["name"] == "rel-operator-uninstall")
+    assert job["metadata"]["annotations"]["helm.sh/hook"] == "pre-delete"
+    spec = job["spec"]["template"]["spec"]
+    assert spec["serviceAccountName"] == "rel-operator" and spec["restartPolicy"] == "Never"
+    (c,) = spec["containers"]
+    assert c["args"][:3] == ["kascade", "operator", "uninstall"] and "--deployment=rel-operator" in c["args"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["KASCADE_OPERATOR_ENGINE_TOKEN_SECRET"] == "rel-engine-token"
+    assert env["KASCADE_OPERATOR_ENGINE_TOKEN_NAMESPACE"] == "ns"
+    assert job["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == "operator"
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    role = next(d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "rel-operator-token")
+    assert {"apiGroups": ["apps"], "resources": ["deployments", "deployments/scale"],
+            "resourceNames": ["rel-operator"], "verbs": ["get", "patch"]} in role["rules"]
+    off = render(helm, "operator.uninstallHook=false")
+    assert not [d for d in off if d["kind"] == "Job"]
+    role = next(d for d in off if d["kind"] == "Role" and d["metadata"]["name"] == "rel-operator-token")
+    assert all(r["apiGroups"] != ["apps"] for r in role["rules"])
