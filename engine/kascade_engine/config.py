@@ -62,6 +62,9 @@ class EngineConfig:
     # (the tokens streamed to clients), so a QoS fabric sends them ahead of weight streams (unmarked); 0: no
     # mark (transport.py, "Traffic classes")
     activation_dscp: int = AF41
+    # X-Kascade-Prefill(-Fallback) honoured only with the router's signature (X-Kascade-Prefill-Sig, keyed by
+    # `token`): a client reaching the HTTP port directly cannot make a decode engine dial any host:port
+    require_prefill_signature: bool = False
 
     def __post_init__(self) -> None:
         if not _DEVICE.match(self.device):

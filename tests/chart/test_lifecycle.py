@@ -66,3 +66,18 @@ def test_uninstall_hook_stops_the_operator_and_lets_modelservices_go(helm: Helm)
     assert not [d for d in off if d["kind"] == "Job"]
     role = next(d for d in off if d["kind"] == "Role" and d["metadata"]["name"] == "rel-operator-token")
     assert all(r["apiGroups"] != ["apps"] for r in role["rules"])
+
+
+def test_router_signs_prefill_peers_and_pool_engines_demand_it(helm: Helm) -> None:
+    """Issue 38: the router gets the engine token to sign X-Kascade-Prefill; pool engines dial no unsigned peer."""
+    docs = render(helm)
+    (router,) = pod_spec(docs, "rel-router")["containers"]
+    env = {e["name"]: e for e in router["env"]}
+    assert env["KASCADE_ROUTER_ENGINE_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "rel-engine-token",
+                                                                                 "key": "token"}
+    engine = next(c for c in pod_spec(docs, "rel-pool")["containers"] if c["name"] == "engine")
+    assert "--require-prefill-signature" in engine["args"]
+    off = render(helm, "router.signPrefillPeers=false")
+    assert "env" not in pod_spec(off, "rel-router")["containers"][0]
+    engine = next(c for c in pod_spec(off, "rel-pool")["containers"] if c["name"] == "engine")
+    assert "--require-prefill-signature" not in engine["args"]
