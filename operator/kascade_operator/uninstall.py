@@ -27,7 +27,7 @@ from kubernetes_asyncio.client.rest import ApiException
 from kascade_operator import enginetoken, plandriver
 from kascade_operator import labels as L
 from kascade_operator.engine_client import EngineClient
-from kascade_operator.kube import GROUP, VERSION, Kube
+from kascade_operator.kube import GROUP, MERGE, VERSION, Kube
 from kascade_operator.operator_metrics import OperatorMetrics
 from kascade_operator.runtime import Runtime
 from kascade_operator.settings import OperatorSettings
@@ -87,7 +87,7 @@ async def let_go(rt: Runtime, body: dict[str, Any]) -> None:
     patch = {"metadata": {"finalizers": left, "resourceVersion": meta.get("resourceVersion")}}
     try:
         await rt.kube.custom.patch_namespaced_custom_object(GROUP, VERSION, ns, "modelservices", name, patch,
-                                                           _request_timeout=rt.kube.t)
+                                                           _content_type=MERGE, _request_timeout=rt.kube.t)
         log.info("ModelService %s/%s: finalizer %s removed", ns, name, L.FINALIZER)
     except ApiException as e:
         log.warning("ModelService %s/%s: finalizer not removed: %s %s", ns, name, e.status, e.reason)

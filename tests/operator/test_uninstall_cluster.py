@@ -69,7 +69,7 @@ def test_uninstall_stops_the_operator_releases_engines_and_lets_modelservices_go
         assert "1 ModelService(s) let go" in out.stdout, out.stdout + out.stderr
         assert kget(cp, ns, "deployment", "rel-operator")["spec"]["replicas"] == 0
         assert not kget(cp, ns, "pods", "-l", "app=op")["items"]  # waited for
-        assert FINALIZER not in (kget(cp, ns, "msvc", "svc")["metadata"].get("finalizers") or [])
+        assert FINALIZER not in (kget(cp, ns, "msvc", "svc")["metadata"].get("finalizers") or []), out.stderr
         assert stub.count("release") == 1
         pod = kget(cp, ns, "pods", "e0")["metadata"]
         assert "kascade.io/model-service" not in (pod.get("labels") or {}) and not pod.get("ownerReferences")
