@@ -86,8 +86,9 @@ async def let_go(rt: Runtime, body: dict[str, Any]) -> None:
         return
     patch = {"metadata": {"finalizers": left, "resourceVersion": meta.get("resourceVersion")}}
     try:
-        await rt.kube.custom.patch_namespaced_custom_object(GROUP, VERSION, ns, "modelservices", name, patch,
-                                                           _content_type=MERGE, _request_timeout=rt.kube.t)
+        # a dict goes as a JSON patch by default (400): name the merge patch; the generated stub omits the kwarg
+        await rt.kube.custom.patch_namespaced_custom_object(  # type: ignore[call-arg]
+            GROUP, VERSION, ns, "modelservices", name, patch, _content_type=MERGE, _request_timeout=rt.kube.t)
         log.info("ModelService %s/%s: finalizer %s removed", ns, name, L.FINALIZER)
     except ApiException as e:
         log.warning("ModelService %s/%s: finalizer not removed: %s %s", ns, name, e.status, e.reason)
