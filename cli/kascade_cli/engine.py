@@ -112,6 +112,10 @@ def engine() -> None:
     default=lambda: os.environ.get("KASCADE_TLS_CA"),
     help="PEM CA every peer's certificate must chain to (env KASCADE_TLS_CA)",
 )
+@click.option("--require-prefill-signature", is_flag=True, envvar="KASCADE_ENGINE_REQUIRE_PREFILL_SIGNATURE",
+              help="dial the prefill peers a request names (X-Kascade-Prefill, -Fallback) only when a router holding "
+                   "the engine token signed them (X-Kascade-Prefill-Sig; kascade router --engine-token-file); an "
+                   "unsigned one is a 403")
 def serve(
     checkpoint: Path | None,
     smollm: bool,
@@ -144,6 +148,7 @@ def serve(
     tls_cert: Path | None = None,
     tls_key: Path | None = None,
     tls_ca: Path | None = None,
+    require_prefill_signature: bool = False,
 ) -> None:
     """Serve a model over HTTP (OpenAI-compatible) with the Kascade control API."""
     import json
@@ -187,7 +192,8 @@ def serve(
                            transfer_bytes_per_s=transfer_max_mbps * 1e6 / 8 if transfer_max_mbps else None,
                            empty=empty, resident_layers=resident_layers, emulate_layer_ms=emulate_layer_ms,
                            emulate_knee_tokens=emulate_knee_tokens, tls=tls,
-                           host_cache_bytes=int(host_cache_gib * 2**30), activation_dscp=activation_dscp, tp=tp)
+                           host_cache_bytes=int(host_cache_gib * 2**30), activation_dscp=activation_dscp,
+                           require_prefill_signature=require_prefill_signature, tp=tp)
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
     try:

@@ -132,6 +132,31 @@ def run(
         sys.exit(3)
 
 
+@operator.command("uninstall")
+@click.option("--deployment", help="the operator Deployment to scale to 0 first (the chart's pre-delete hook names it)")
+@click.option("--deployment-namespace", envvar="POD_NAMESPACE", default="default", show_default=True,
+              help="its namespace (env POD_NAMESPACE)")
+@click.option("--wait", "wait_s", type=click.FloatRange(0), default=60.0, show_default=True,
+              help="seconds to wait for the operator pods to be gone")
+def uninstall(deployment: str | None, deployment_namespace: str, wait_s: float) -> None:
+    """Before `helm uninstall`: stop the operator, return every ModelService's engines to the pool and remove
+    the operator's finalizer (the ModelServices stay). Settings from KASCADE_OPERATOR_* (watched namespaces,
+    pool namespace, engine token Secret). Best effort: always exits 0."""
+    import asyncio
+    import os
+
+    from kascade_operator.settings import OperatorSettings
+    from kascade_operator.uninstall import uninstall as run_uninstall
+
+    try:
+        n = asyncio.run(run_uninstall(OperatorSettings(), deployment, deployment_namespace, wait_s,
+                                      me=os.environ.get("HOSTNAME", "")))
+    except Exception as e:  # never block an uninstall: say why and let it go on
+        click.echo(f"kascade operator uninstall: {type(e).__name__}: {e}", err=True)
+        return
+    click.echo(f"kascade operator uninstall: {n} ModelService(s) let go")
+
+
 def _preflight(settings: OperatorSettings) -> OperatorSettings:
     """Before kopf starts: a cluster to talk to and the engine token, or one error line and exit 1 (kopf
     would print a traceback and retry forever). Returns the settings with the token resolved."""

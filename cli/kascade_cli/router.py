@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from pathlib import Path
 
 import click
 
@@ -70,13 +71,20 @@ import click
 @click.option("--api-keys-file", type=click.Path(dir_okay=False), default=None, envvar="KASCADE_ROUTER_API_KEYS_FILE",
               show_envvar=True, help="client API keys, one `KEY [MODEL,...]` a line (re-read when it changes); "
                                      "clients send Authorization: Bearer KEY; default: no authentication")
+@click.option("--engine-token-file", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="the engine token: the prefill peers the router names carry its signature, which engines started "
+                   "with --require-prefill-signature demand (default: $KASCADE_ROUTER_ENGINE_TOKEN, else none)")
+@click.option("--drain-timeout", type=click.FloatRange(min=0), default=60.0, show_default=True,
+              envvar="KASCADE_ROUTER_DRAIN_TIMEOUT", show_envvar=True,
+              help="seconds requests in flight get to finish after SIGTERM (the listeners close at once)")
 def router(host: str, port: int, namespace: str | None, kubeconfig: str | None, backends: tuple[str, ...],
            max_body_bytes: int, hold_timeout: float, max_queued: int, connect_timeout: float, read_timeout: float,
            attempts: int, live_share_refresh: float = 0.25, route: str = "ttft", engine_ca: str | None = None,
            header_timeout: float = 10.0, body_timeout: float = 30.0, max_connections: int = 8192,
            first_byte_timeout: float = 4.0, probe_timeout: float = 2.0, eject_after_failures: int = 3,
            max_backend_connections: int = 1000, admin_port: int | None = None,
-           api_keys_file: str | None = None) -> None:
+           api_keys_file: str | None = None, drain_timeout: float = 60.0,
+           engine_token_file: str | None = None) -> None:
     """Route OpenAI requests by `model` to the serving replicas of each ModelService."""
     from kascade_planner.engine_tls import engine_tls_context
     from kascade_router.server import Router, static_routes
@@ -89,7 +97,9 @@ def router(host: str, port: int, namespace: str | None, kubeconfig: str | None, 
                               max_connections=max_connections, first_byte_s=first_byte_timeout,
                               probe_timeout_s=probe_timeout, eject_after_failures=eject_after_failures,
                               max_backend_connections=max_backend_connections, admin_port=admin_port,
-                              api_keys_file=api_keys_file or "")
+                              api_keys_file=api_keys_file or "", drain_s=drain_timeout,
+                              engine_token=(Path(engine_token_file).read_text().strip() if engine_token_file
+                                            else os.environ.get("KASCADE_ROUTER_ENGINE_TOKEN", "").strip()))
     if settings.api_keys_file:
         from kascade_router.auth import ApiKeys
         try:

@@ -81,6 +81,7 @@ class DemoResult:
     requests_ok: int = 0
     requests_failed: int = 0
     ttft_p50_ms: float = 0.0
+    ttft_max_ms: float = 0.0  # the slowest first token of the run (issue 38: none above 5 s)
     plans: list[dict[str, Any]] = field(default_factory=list)
     plot: Path | None = None
     seconds: float = 0.0
@@ -283,15 +284,21 @@ class Demo:
         s = self.gen.summary()
         res = DemoResult(max_ready=max((x.ready for x in self.timeline.samples), default=0),
                          final_ready=self.ready_count(), requests_ok=int(s["ok"]), requests_failed=int(s["failed"]),
-                         ttft_p50_ms=s["ttft_p50_ms"], plans=self.kget("splan")["items"], seconds=self.now(),
+                         ttft_p50_ms=s["ttft_p50_ms"], ttft_max_ms=s["ttft_max_ms"],
+                         plans=self.kget("splan")["items"], seconds=self.now(),
                          events=list(self.timeline.events))
         res.plot = plot(self.timeline, out / "kascade-demo.png", f"Kascade demo: {self.m.name}")
         res.errors = sorted({r.error for r in self.gen.results if not r.ok})[:5]
         for e in res.errors:
             self.console.print(f"[red]failed request: {e}[/red]")
         self.console.print(f"[bold]requests[/bold] ok {res.requests_ok}, failed {res.requests_failed}, TTFT p50 "
-                           f"{res.ttft_p50_ms:.0f} ms; replicas 1 -> {res.max_ready} -> {res.final_ready}; "
+                           f"{res.ttft_p50_ms:.0f} ms, max {res.ttft_max_ms:.0f} ms; "
+                           f"replicas 1 -> {res.max_ready} -> {res.final_ready}; "
                            f"{len(res.plans)} ScalePlans; {res.seconds:.0f} s")
+        slow = sorted((r for r in self.gen.results if r.ok and r.ttft_s is not None), key=lambda r: -(r.ttft_s or 0))
+        for r in slow[:3]:  # where the slowest first tokens were: when (since the start) and on which replica
+            self.console.print(f"[dim]slow first token: {1000 * (r.ttft_s or 0):.0f} ms at {r.start - self.t0:.1f} s "
+                               f"on {r.endpoint or '?'}[/dim]")
         self.console.print(f"[bold]plot[/bold] {res.plot}   [bold]logs[/bold] {out / 'logs'}")
         if self.cfg.keep:
             self.console.print(f"cluster kept: export KUBECONFIG={self.cp.kubeconfig}  (stop: kascade cluster down "

@@ -107,4 +107,5 @@ class LoadGen:
             "failed": len(rs) - len(ok),
             "ttft_p50_ms": 1000 * ttfts[len(ttfts) // 2] if ttfts else 0.0,
             "ttft_p99_ms": 1000 * ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.99))] if ttfts else 0.0,
+            "ttft_max_ms": 1000 * ttfts[-1] if ttfts else 0.0,
         }

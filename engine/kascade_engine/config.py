@@ -64,6 +64,9 @@ class EngineConfig:
     activation_dscp: int = AF41
     # tensor parallel: ranks of this instance, one process each (tp/); rank 0 is this process and serves HTTP
     tp: int = 1
+    # X-Kascade-Prefill(-Fallback) honoured only with the router's signature (X-Kascade-Prefill-Sig, keyed by
+    # `token`): a client reaching the HTTP port directly cannot make a decode engine dial any host:port
+    require_prefill_signature: bool = False
 
     def __post_init__(self) -> None:
         if not _DEVICE.match(self.device):

@@ -213,8 +213,11 @@ class Kube:
         await self._done(await self.core.delete_namespaced_pod(name, ns, _preload_content=False,
                                                                _request_timeout=self.t), f"pod {ns}/{name}")
 
-    async def patch_scaleplan_status(self, ns: str, name: str, status: dict[str, Any]) -> None:
-        await self._patch_status("scaleplans", ns, name, status)
+    async def patch_scaleplan_status(self, ns: str, name: str, status: dict[str, Any],
+                                     resource_version: str | None = None) -> None:
+        """`resource_version`: write only if the plan is still at that version, else `Conflict` (a progress
+        write built from what was read must never replace a newer, terminal one)."""
+        await self._patch_status("scaleplans", ns, name, status, resource_version)
 
     async def patch_modelservice_status(self, ns: str, name: str, status: dict[str, Any]) -> None:
         await self._patch_status("modelservices", ns, name, status)
@@ -222,11 +225,14 @@ class Kube:
     async def patch_modelservicerole_status(self, ns: str, name: str, status: dict[str, Any]) -> None:
         await self._patch_status("modelserviceroles", ns, name, status)
 
-    async def _patch_status(self, plural: str, ns: str, name: str, status: dict[str, Any]) -> None:
+    async def _patch_status(self, plural: str, ns: str, name: str, status: dict[str, Any],
+                            resource_version: str | None = None) -> None:
+        body: dict[str, Any] = {"status": status}
+        if resource_version is not None:
+            body["metadata"] = {"resourceVersion": resource_version}
         try:
-            await self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, ns, plural, name,
-                                                                    {"status": status}, _content_type=MERGE,
-                                                                    _request_timeout=self.t)
+            await self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, ns, plural, name, body,
+                                                                    _content_type=MERGE, _request_timeout=self.t)
         except ApiException as e:
             _raise(e, f"{plural[:-1]} {ns}/{name} status")
 

@@ -136,8 +136,17 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
     (instance -> why: pod gone, bind refused, ...). A pod is labelled bound only after its engine
     accepted the bind."""
     ns, name = sp["metadata"]["namespace"], sp["metadata"]["name"]
-    spec, status = sp["spec"], sp.get("status") or {}
     done = rt.instructed.setdefault((ns, name), set())
+    if not [i for i in SP.to_instruct(sp["spec"], sp.get("status")) if i not in done and i not in skip]:
+        return {}
+    # what the caller holds may be old (the fast path holds the creation body, the driver the watch's copy):
+    # instruct from the plan as it is now, never a plan that has ended, never a target it dropped (issue 38 #2)
+    fresh = await _current(rt, ns, name)
+    if fresh is None or _ended(fresh):
+        return {}
+    sp = fresh
+    spec, status = sp["spec"], sp.get("status") or {}
+    skip = set(skip) | _failed(status).keys()
     pending = [i for i in SP.to_instruct(spec, status) if i not in done and i not in skip]
     if not pending:
         return {}
@@ -171,6 +180,7 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
     host_path = {src.get("node"): src.get("path") for src in spec["sources"] if src.get("kind") == "host"}
     host_copy_nodes = {src.get("node") for src in spec["sources"] if src.get("hostCopy")}
     retry: set[str] = set()
+    other_model: set[str] = set()
 
     async def one(iid: str) -> None:
         p = pods.get(pod_of[iid])
@@ -190,6 +200,10 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
             return
         try:
             st = await rt.engines.status(p.endpoint)
+            if st.get("model") and st["model"] != model:  # an engine binds only the model it was started for
+                drops[iid] = f"pod {p.pod_name}'s engine holds model '{st['model']}', not '{model}'"
+                other_model.add(p.pod_name)
+                return
             again = st.get("modelService") == key and st.get("phase") in ("loading", "live", "serving", "ready")
             if not again:  # else: instructed by an earlier incarnation of the operator
                 st = await rt.engines.bind(p.endpoint, model, key, role, path, dtype, host_copy=from_copy)
@@ -227,16 +241,73 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
         await livewiring.instructed(rt, pool_ns, spec, iid, p, by_inst)  # live pair or pipeline hop
 
     await asyncio.gather(*(one(i) for i in pending))
+    if other_model:  # a pool whose pods do not say their model: learn them all now, not one failed plan each
+        await _record_models(rt, pool_ns, [p for p in pods.values() if p.model is None and p.model_service is None])
     done.update(i for i in pending if i not in drops and i not in retry)
-    failed = {t["instance"]: t["failed"] for t in status.get("targets") or [] if t.get("failed")}
-    failed.update({i: why for i, why in drops.items() if i not in skip})
-    rows = [{"instance": t["instance"], "instructed": t["instance"] in done,
-             **({"failed": failed[t["instance"]][:500]} if t["instance"] in failed else {})} for t in spec["targets"]]
-    await rt.kube.patch_scaleplan_status(ns, name, {"phase": status.get("phase") or "Transferring",
-                                                    "observedGeneration": sp["metadata"].get("generation"),
-                                                    "startTime": status.get("startTime") or now_iso(),
-                                                    "targets": rows})
+    await _write_instructed(rt, sp, done, drops)
     return drops
+
+
+def _ended(sp: dict[str, Any]) -> bool:
+    return (sp.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+
+
+def _failed(status: dict[str, Any]) -> dict[str, str]:
+    """Targets the plan has dropped (instance -> why), as its status records them."""
+    return {t["instance"]: t["failed"] for t in status.get("targets") or [] if t.get("failed")}
+
+
+async def _current(rt: Runtime, ns: str, name: str) -> dict[str, Any] | None:
+    """The plan as the API server holds it now (None: deleted)."""
+    try:
+        return await rt.kube.get_scaleplan(ns, name)
+    except NotFound:
+        return None
+
+
+async def _write_instructed(rt: Runtime, sp: dict[str, Any], done: set[str], drops: dict[str, str]) -> None:
+    """Record which targets are instructed and which were dropped. The write is guarded by the version it was
+    built from: a conflict re-reads, and a plan that has ended meanwhile keeps its terminal status (an
+    unguarded write built from an older read landed after the driver's Failed and left the plan Transferring,
+    its daemon gone, its ModelService wedged: issue 38 defect 2)."""
+    ns, name = sp["metadata"]["namespace"], sp["metadata"]["name"]
+    for _ in range(GUARDED_TRIES):
+        status = sp.get("status") or {}
+        failed = _failed(status) | drops
+        rows = [{"instance": t["instance"], "instructed": t["instance"] in done,
+                 **({"failed": failed[t["instance"]][:500]} if t["instance"] in failed else {})}
+                for t in sp["spec"]["targets"]]
+        try:
+            await rt.kube.patch_scaleplan_status(ns, name, {"phase": status.get("phase") or "Transferring",
+                                                            "observedGeneration": sp["metadata"].get("generation"),
+                                                            "startTime": status.get("startTime") or now_iso(),
+                                                            "targets": rows},
+                                                 resource_version=sp["metadata"].get("resourceVersion"))
+            return
+        except Conflict:
+            fresh = await _current(rt, ns, name)
+            if fresh is None or _ended(fresh):
+                return
+            sp = fresh
+    log.warning("ScalePlan %s/%s: instructed targets not recorded, still conflicting after %d tries", ns, name,
+                GUARDED_TRIES)
+
+
+async def _record_models(rt: Runtime, pool_ns: str, pods: list[PodView]) -> None:
+    """Annotate idle pool pods that do not say their model (kascade.io/model) with the model their engine
+    holds (it binds no other): every later round picks only pods of its own model (pool.can_serve)."""
+
+    async def one(p: PodView) -> None:
+        try:
+            held = (await rt.engines.status(p.endpoint or "")).get("model") if p.endpoint else None
+        except EngineError:
+            return
+        if held:
+            with contextlib.suppress(Conflict, NotFound):
+                await rt.kube.patch_pod(pool_ns, p.pod_name, {"metadata": {"annotations": {L.MODEL: held}}})
+            log.info("pod %s: its engine holds model %s (recorded as %s)", p.pod_name, held, L.MODEL)
+
+    await asyncio.gather(*(one(p) for p in pods))
 
 
 async def _forget_stale_copy(rt: Runtime, pool_ns: str, p: PodView) -> None:

@@ -157,8 +157,8 @@ def reconcile(name: str, spec: ModelServiceSpec, pods: Sequence[PodView], plans:
         serving = [p for p in mine if not p.draining]
         ready = [p for p in serving if p.ready]
         want = (desired or {}).get(role)
+        fixed = role_want(spec, role, bounds)
         if want is None:
-            fixed = role_want(spec, role, bounds)
             want = fixed if fixed is not None else bounds.min
         want = max(bounds.min, min(bounds.max, want))
         roles[role] = RoleCount(want, len(ready), len(serving) - len(ready))
@@ -207,8 +207,10 @@ def reconcile(name: str, spec: ModelServiceSpec, pods: Sequence[PodView], plans:
                              + (f"; creating {create}" if create else "; waiting for the pods created for it"))
                 progressing = True
         elif len(serving) > want:
-            # never drain the last ready copy: choose_drain keeps at least one ready pod
-            for p in choose_drain(serving, len(serving) - want, keep_last=role not in release_last):
+            # never drain the last ready copy (choose_drain keeps one), unless the idle release allows it or
+            # the set desired count (scale subresource, kubectl scale --replicas=0 with min 0) asks for zero
+            last_may_go = role in release_last or (fixed == 0 and want == 0)
+            for p in choose_drain(serving, len(serving) - want, keep_last=not last_may_go):
                 actions.append(Drain(p.pod_name))
                 progressing = True
     available = all(r.desired == 0 or r.ready >= 1 for r in roles.values())

@@ -8,6 +8,8 @@ checks. Field names on the wire are camelCase as the operator has always sent th
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -38,6 +40,10 @@ PREFILL_FALLBACK_HEADER = "X-Kascade-Prefill-Fallback"
 # Request header from a router to a decode engine (disaggregated serving): host:port of the data port of the engine
 # that prefills the prompt (a prefill engine, or a converted decoder, which then comes with PREFILL_FALLBACK_HEADER).
 PREFILL_HEADER = "X-Kascade-Prefill"
+# Request header from a router that holds the engine token: `prefill_signature` over the PREFILL_HEADER and
+# PREFILL_FALLBACK_HEADER values it sends. An engine started with --require-prefill-signature dials only addresses
+# a router signed, so a client that reaches an engine's HTTP port cannot make it dial any host:port.
+PREFILL_SIG_HEADER = "X-Kascade-Prefill-Sig"
 # Response header on an answer whose prompt is prefilled elsewhere than the router said (`HandedBack`): a converted
 # decoder handed it to the fallback prefill engine, or a converted decoder named in PREFILL_HEADER declined it or
 # handed it back and the decode engine prefills it on the fallback or itself. An answer to a request that may be
@@ -46,6 +52,12 @@ PREFILL_HEADER = "X-Kascade-Prefill"
 # prompt on the engine that prefills it from then on (its PD accounting, first-token timing, X-Kascade-Prefilled-By).
 HANDED_BACK_HEADER = "X-Kascade-Handed-Back"
 HANDED_BACK_HERE = "here"  # HANDED_BACK_HEADER's value when the answering engine prefills the prompt itself
+
+
+def prefill_signature(token: str, prefill: str | None, fallback: str | None) -> str:
+    """PREFILL_SIG_HEADER's value: HMAC-SHA256 keyed by the engine token over the two peer headers' values."""
+    msg = f"kascade-prefill-v1\n{prefill or ''}\n{fallback or ''}".encode()
+    return hmac.new(token.encode(), msg, hashlib.sha256).hexdigest()
 
 
 @dataclass(frozen=True)

@@ -48,9 +48,11 @@ from kascade_planner.engine_api import (
     PREFILL_HEADER,
     PREFILL_RATE_HEADER,
     PREFILL_ROOM_HEADER,
+    PREFILL_SIG_HEADER,
     SERVING_SHARE_HEADER,
     HandedBack,
     WireError,
+    prefill_signature,
 )
 from kascade_router.auth import ApiKeys, Key
 from kascade_router.backends import Backend, Routes
@@ -296,6 +298,9 @@ class Proxy:
         if fallback is not None and fallback.data:  # a converted decoder prefills it: where to hand it back
             # (`pre` one: b names it in its prefill op); b answers once who prefills it is settled (HANDED_BACK_HEADER)
             send[PREFILL_FALLBACK_HEADER] = fallback.data
+        if self.s.engine_token and (PREFILL in send or PREFILL_FALLBACK_HEADER in send):
+            send[PREFILL_SIG_HEADER] = prefill_signature(self.s.engine_token, send.get(PREFILL),
+                                                         send.get(PREFILL_FALLBACK_HEADER))
         timeout = self.s.read_timeout_s
         try:
             try:

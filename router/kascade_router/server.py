@@ -132,7 +132,7 @@ class Router:
         self.shares = ShareRefresher(self.routes, self.s.live_share_refresh_s, tls, self.s.connect_timeout_s)
         self.shares.start()
         self.runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True,
-                                    **runner_kwargs(self.s.header_timeout_s))
+                                    shutdown_timeout=self.s.drain_s, **runner_kwargs(self.s.header_timeout_s))
         await self.runner.setup()
         loop = asyncio.get_running_loop()
         self.cap = CappedFactory(self.runner.server, fd_cap(self.s.max_connections), self.s.retry_after_s)

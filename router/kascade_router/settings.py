@@ -49,6 +49,12 @@ class RouterSettings:
     admin_port: int | None = None
     # client API keys (kascade_router.auth): a file of `KEY [MODEL,...]` lines; "" = no authentication
     api_keys_file: str = ""
+    # on SIGTERM (after the pod's preStop delay) the listeners close and requests in flight get this long to
+    # finish; the chart sizes terminationGracePeriodSeconds to preStop + this
+    drain_s: float = 60.0
+    # the engine token: the prefill peers the router names to an engine (X-Kascade-Prefill, -Fallback) carry its
+    # signature (X-Kascade-Prefill-Sig), which engines started with --require-prefill-signature demand; "" = none
+    engine_token: str = ""
 
     def __post_init__(self) -> None:
         if self.route not in ROUTE_RULES:

@@ -45,6 +45,7 @@ def test_template_renders_every_deployable(helm: Helm) -> None:
         ("ServiceAccount", "rel-router"), ("ClusterRole", "rel-router"), ("ClusterRoleBinding", "rel-router"),
         ("Deployment", "rel-router"), ("Service", "rel-router"), ("Service", "rel-router-pods"),
         ("PodDisruptionBudget", "rel-router"),
+        ("Job", "rel-operator-uninstall"),  # helm uninstall's pre-delete hook (tests/chart/test_lifecycle.py)
     ])
     op = by(docs, "Deployment", "rel-operator")
     assert op["spec"]["replicas"] == 2 and "strategy" not in op["spec"]  # HA: leader election, rolling updates
@@ -65,7 +66,9 @@ def test_template_renders_every_deployable(helm: Helm) -> None:
                              {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},  # once, when absent
                              {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
                              {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
-                              "resourceNames": ["rel-operator"], "verbs": ["get", "update", "patch"]}]
+                              "resourceNames": ["rel-operator"], "verbs": ["get", "update", "patch"]},
+                             {"apiGroups": ["apps"], "resources": ["deployments", "deployments/scale"],
+                              "resourceNames": ["rel-operator"], "verbs": ["get", "patch"]}]
 
 
 def test_every_object_and_pod_carries_the_standard_labels(helm: Helm) -> None:

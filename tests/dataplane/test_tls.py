@@ -128,41 +128,47 @@ async def test_plain_tcp_to_a_tls_listener_and_tls_to_a_plain_listener_both_fail
     assert "tls connect" in message
 
 
-async def test_connections_still_in_their_handshake_count_against_the_cap(pki: dict[str, Path],
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """Sockets that connect and never handshake hold the listener's connection slots: with the cap full of
-    them a real peer is refused, and once they leave it is served. (Counted only after the handshake, a
-    flood of silent sockets was unbounded for HANDSHAKE_TIMEOUT_S.)"""
+async def test_strangers_in_their_handshake_never_lock_a_peer_out(pki: dict[str, Path],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sockets that connect and never handshake are pending, with a cap of their own: a new connection evicts
+    the oldest instead of being refused, so a real peer always gets in (issue 38: counted against the one cap
+    of served connections, MAX_CONNECTIONS silent sockets refused every peer for HANDSHAKE_TIMEOUT_S, and a
+    reconnecting stranger kept it so). Authenticated connections keep their own cap."""
     import kascade_engine.net.transport_tls as tls
 
-    monkeypatch.setattr(tls, "MAX_CONNECTIONS", 2)
+    monkeypatch.setattr(tls, "MAX_PENDING", 2)
+    monkeypatch.setattr(tls, "MAX_CONNECTIONS", 1)
     served: list[Any] = []
+    hold = asyncio.Event()
 
     async def handler(conn: Any) -> None:
+        conn.admit()  # what peerauth.accept does once the peer proved the token
         served.append(conn)
         await conn.send({"op": "welcome"}, timeout=5)
+        await hold.wait()
 
     listener = await _tls(pki).listen("127.0.0.1", 0, handler)
-    silent = [await asyncio.open_connection("127.0.0.1", listener.port) for _ in range(2)]
+    silent = [await asyncio.open_connection("127.0.0.1", listener.port) for _ in range(10)]
+    peers: list[Any] = []
     try:
-        await asyncio.sleep(0.2)  # both accepted: they now sit in their handshake
-        with pytest.raises(TransportError):
-            conn = await _tls(pki).connect("127.0.0.1", listener.port, timeout=5)
-            try:
-                await conn.recv(timeout=5)
-            finally:
-                await conn.close()
-        assert served == []
-        for _, w in silent:
-            w.close()
-        await asyncio.sleep(0.2)
-        conn = await _tls(pki).connect("127.0.0.1", listener.port, timeout=5)
-        try:
-            header, _ = await conn.recv(timeout=5)
-        finally:
-            await conn.close()
+        await asyncio.sleep(0.3)  # all accepted: the last two sit in their handshake, the others evicted
+        evicted = 0
+        for r, _ in silent[:8]:
+            evicted += await asyncio.wait_for(r.read(), 2) == b""
+        assert evicted == 8
+        peer = await _tls(pki).connect("127.0.0.1", listener.port, timeout=5)
+        peers.append(peer)
+        header, _ = await peer.recv(timeout=5)
         assert header["op"] == "welcome" and len(served) == 1
+        with pytest.raises(TransportError):  # MAX_CONNECTIONS authenticated: the next is refused
+            other = await _tls(pki).connect("127.0.0.1", listener.port, timeout=5)
+            peers.append(other)
+            await other.recv(timeout=5)
+        assert len(served) == 1
     finally:
+        hold.set()
+        for p in peers:
+            await p.close()
         for _, w in silent:
             w.close()
         await listener.close()

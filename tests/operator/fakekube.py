@@ -127,11 +127,15 @@ class FakeKube:
         if self.plans.pop((ns, name), None) is None:
             raise NotFound(f"scaleplan {ns}/{name}: not found")
 
-    async def patch_scaleplan_status(self, ns: str, name: str, status: dict[str, Any]) -> None:
+    async def patch_scaleplan_status(self, ns: str, name: str, status: dict[str, Any],
+                                     resource_version: str | None = None) -> None:
         sp = self.plans.get((ns, name))
         if sp is None:
             raise NotFound(f"scaleplan {ns}/{name}: not found")
+        if resource_version is not None and resource_version != sp["metadata"]["resourceVersion"]:
+            raise Conflict(f"scaleplan {ns}/{name}: resourceVersion {resource_version} is stale")
         merge(sp.setdefault("status", {}), status)
+        sp["metadata"]["resourceVersion"] = str(next(self._rv))  # as the API server: every write is a version
 
     async def patch_modelservice_status(self, ns: str, name: str, status: dict[str, Any]) -> None:
         self.service_status = merge(getattr(self, "service_status", {}), status)

@@ -249,8 +249,9 @@ class CancelledByOwnWrite(FakeKube):
     """kopf stops a plan's daemon when the watch shows its phase terminal, often before the terminal write's
     own response is read: that await raises CancelledError in the driver."""
 
-    async def patch_scaleplan_status(self, ns: str, name: str, status: dict[str, Any]) -> None:
-        await super().patch_scaleplan_status(ns, name, status)
+    async def patch_scaleplan_status(self, ns: str, name: str, status: dict[str, Any],
+                                     resource_version: str | None = None) -> None:
+        await super().patch_scaleplan_status(ns, name, status, resource_version)
         if status.get("phase") in ("Succeeded", "Failed"):
             raise asyncio.CancelledError
 

@@ -177,3 +177,20 @@ def test_scale_subresource_is_the_one_writer_while_set(
                           "-p", json.dumps([{"op": "remove", "path": "/spec/replicas/desired"}]))
     wait_for(lambda: len(bound(control_plane, namespace, "svc")) == 1, timeout=40, what="policy back: down to min")
     assert sum(s.count("release") for s in stubs) == 2
+
+
+def test_scale_subresource_to_zero_releases_the_last_replica(
+        control_plane: ControlPlane, namespace: str, op: OperatorProcess, kwok_nodes: Callable[..., list[str]]) -> None:
+    """`kubectl scale --replicas=0` with min 0: every replica goes back to the pool, the last one included
+    (issue 32: the last ready copy was kept for ever)."""
+    stubs = pool(control_plane, namespace, kwok_nodes(2))
+    op.start()
+    doc = msvc("svc", 0, 2)
+    doc["spec"]["replicas"]["desired"] = 1
+    control_plane.kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(doc))
+    wait_for(lambda: len(bound(control_plane, namespace, "svc")) == 1, what="one replica by the scale subresource")
+    control_plane.kubectl("-n", namespace, "scale", "msvc", "svc", "--replicas=0")
+    wait_for(lambda: not bound(control_plane, namespace, "svc"), timeout=40, what="the last replica released")
+    assert sum(s.count("release") for s in stubs) == 1
+    st = get(control_plane, namespace, "msvc", "svc")["status"]
+    assert st.get("readyReplicas", 0) == 0

@@ -67,15 +67,17 @@ def msvc(name: str, lo: int, hi: int, model: str = "tiny", **spec: Any) -> dict[
 
 
 def add_pool(cp: ControlPlane, ns: str, stubs: list[EngineStub], nodes: list[str], n: int, model: str = "tiny",
-             auto_ready: bool = True) -> list[EngineStub]:
+             auto_ready: bool = True, annotate: bool = True) -> list[EngineStub]:
+    """`annotate` False: the pods do not say their model (kascade.io/model), as e2e's EnginePool pods."""
     new = []
     for i in range(n):
         s = EngineStub(f"{model}-{len(stubs)}", model, TOKEN, auto_ready)
         stubs.append(s)
         new.append(s)
+        said = {"kascade.io/model": model} if annotate else {}
         apply(cp, ns, {"apiVersion": "v1", "kind": "Pod",
                        "metadata": {"name": s.instance, "labels": {"kascade.io/pool": "warm"},
-                                    "annotations": {"kascade.io/endpoint": s.endpoint, "kascade.io/model": model,
+                                    "annotations": {"kascade.io/endpoint": s.endpoint, **said,
                                                     "kascade.io/data-endpoint": f"127.0.0.1:{21000 + len(stubs)}"}},
                        "spec": {"nodeName": nodes[i % len(nodes)], "tolerations": [KWOK_TOLERATION],
                                 "containers": [{"name": "engine", "image": "kascade:dev"}]}})
@@ -111,6 +113,29 @@ def test_two_models_in_one_namespace_scale_independently(
         assert all(p["metadata"]["annotations"]["kascade.io/model"] == model for p in bound(cp, ns, svc))
     assert sum(s.refused for s in stubs) == 0  # zero failed binds
     assert not [e for e in kget(cp, ns, "events")["items"] if e["reason"] == "TargetDropped"]
+
+
+def test_two_models_in_a_pool_that_does_not_say_its_models(
+        control_plane: ControlPlane, namespace: str, ops: Callable[..., OperatorProcess],
+        stubs: list[EngineStub], kwok_nodes: Callable[..., list[str]]) -> None:
+    """Issue 38 defect 2 (3 of 3 two-model runs): pool pods without kascade.io/model; a service picked an engine
+    of the other model, its plan failed at once and stayed Transferring for ever. Now no engine is asked to bind
+    a model it lacks, every plan ends, and both services serve."""
+    cp, ns = control_plane, namespace
+    nodes = kwok_nodes(2)
+    add_pool(cp, ns, stubs, nodes, 2, "tiny", annotate=False)
+    add_pool(cp, ns, stubs, nodes, 2, "qwen", annotate=False)
+    ops().start()
+    apply(cp, ns, msvc("a", 1, 2, "tiny"))
+    apply(cp, ns, msvc("b", 1, 2, "qwen"))
+    wait_for(lambda: len(bound(cp, ns, "a", True)) == 1 and len(bound(cp, ns, "b", True)) == 1, timeout=60,
+             what="both at min")
+    for svc, model in (("a", "tiny"), ("b", "qwen")):
+        for p in bound(cp, ns, svc):
+            assert next(s for s in stubs if s.instance == p["metadata"]["name"]).model == model
+    assert sum(s.refused for s in stubs) == 0  # no bind of a model an engine lacks
+    wait_for(lambda: all((p.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+                         for p in kget(cp, ns, "splan")["items"]), timeout=30, what="every plan ended")
 
 
 def test_exhausted_pool_creates_exactly_the_missing_pods_and_delete_cleans_up(

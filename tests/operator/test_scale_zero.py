@@ -43,6 +43,20 @@ def test_last_copy_drains_only_when_released() -> None:
     assert res.actions == (Drain("r1"),) and res.available  # desired 0: nothing is missing
 
 
+def test_scale_subresource_to_zero_releases_the_last_replica() -> None:
+    """`kubectl scale modelservice svc --replicas=0` (min 0) is an explicit ask for zero: the last ready copy
+    drains too (issue 32: it never did, the round kept one copy as for a policy's wish). A policy's wish of 0
+    without the idle release still keeps it."""
+    one = [pod("r1", ms="svc", role="colocated", ready=True)]
+    res = reconcile("svc", spec(lo=0, hi=2, desired=0), one, [])
+    assert res.actions == (Drain("r1"),) and res.available
+    pd = [pod("p1", ms="svc", role="prefill", ready=True), pod("d1", ms="svc", role="decode", ready=True)]
+    res = reconcile("svc", spec("disaggregated", lo=0, hi=2, desired=0), pd, [])
+    assert sorted(res.actions, key=str) == [Drain("d1"), Drain("p1")]
+    assert reconcile("svc", spec(lo=0, hi=2), one, [], {"colocated": 0}).actions == ()
+    assert reconcile("svc", spec(lo=0, hi=2, desired=1), one, []).actions == ()
+
+
 # -- demand from every router replica -----------------------------------------------------------------
 def test_aggregate_sums_replicas_and_keeps_the_shortest_idle() -> None:
     a = {"ns/svc": {"queued": 2, "inFlight": 1, "requestsPerSecond": 1.5, "tokensPerSecond": 10.0, "idleSeconds": 30.0}}

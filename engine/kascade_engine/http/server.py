@@ -11,6 +11,7 @@ loop unchecked, and an exception while serving one request fails only that reque
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import secrets
 import time
@@ -37,8 +38,10 @@ from kascade_planner.engine_api import (
     PREFILL_HEADER,
     PREFILL_RATE_HEADER,
     PREFILL_ROOM_HEADER,
+    PREFILL_SIG_HEADER,
     SERVING_SHARE_HEADER,
     HandedBack,
+    prefill_signature,
 )
 
 log = logging.getLogger(__name__)
@@ -133,7 +136,10 @@ def create_app(inst: EngineInstance) -> FastAPI:
         if longest + want > ctx:
             raise RequestError(400, f"prompt ({longest} tokens) + {field} ({want}) exceeds the context of {ctx} "
                                "tokens", field)
-        call = Call(inst, body, prompts, want, prefill_peer(request), peer_header(request, PREFILL_FALLBACK_HEADER))
+        pre, fallback = prefill_peer(request), peer_header(request, PREFILL_FALLBACK_HEADER)
+        if (pre or fallback) and inst.config.require_prefill_signature:
+            check_prefill_signature(request, inst.config.token, pre, fallback)
+        call = Call(inst, body, prompts, want, pre, fallback)
         watched = inst.serving.watched(call.rids)  # prompts that may be prefilled elsewhere than the router said
         if not body.stream:
             doc = await until_client_leaves(request, call.json())
@@ -286,6 +292,17 @@ def prefill_peer(request: Request) -> str | None:
     """The prefill engine the router chose for this request (disaggregated serving), if any. Only the
     router sets it (it never forwards clients' headers); the peer must still pass the data-port hello."""
     return peer_header(request, PREFILL_HEADER)
+
+
+def check_prefill_signature(request: Request, token: str, pre: str | None, fallback: str | None) -> None:
+    """--require-prefill-signature: the peers a request names must carry a router's signature (403 otherwise:
+    nothing is dialled)."""
+    sig = request.headers.get(PREFILL_SIG_HEADER, "")
+    if not hmac.compare_digest(sig.encode(), prefill_signature(token, pre, fallback).encode()):
+        name = PREFILL_HEADER if pre else PREFILL_FALLBACK_HEADER
+        raise RequestError(403, f"header '{name.lower()}': not signed by a router holding the engine token "
+                                f"('{PREFILL_SIG_HEADER.lower()}' {'wrong' if sig else 'missing'})", name.lower(),
+                           kind="permission_error")
 
 
 def peer_header(request: Request, name: str) -> str | None:

@@ -46,6 +46,12 @@ PIPELINE_DEPTH = 4  # B's steps out on A at once: B computes the next steps' pre
 # r8, a 1-layer stage: 4 frames out, then ~0.8 s for the oldest answer; 3 new prompts per frame).
 PIPELINE_DEPTH_PER_RECEIVER = 4
 IDLE_WAIT_S = 0.005  # with nothing else to run, B checks for new requests this often while a step is out
+# How long B waits for A's answer to a step, derived from what it measured: STEP_DEADLINE_FACTOR x the slowest of
+# the last STEP_WINDOW answers, at least STEP_DEADLINE_FLOOR_S, at most the pair's timeout (120 s, what it waited
+# on a hung peer before: every request on the pair stalled that long). Past it the step's requests fail.
+STEP_DEADLINE_FLOOR_S = 10.0
+STEP_DEADLINE_FACTOR = 10.0
+STEP_WINDOW = 32
 
 
 @dataclass
@@ -109,6 +115,12 @@ class PairClient:
         self.emit: Callable[[list[Event]], None] | None = None
         self._send_lock = asyncio.Lock()
         self._recv_lock = asyncio.Lock()
+        self.answer_s: deque[float] = deque(maxlen=STEP_WINDOW)  # A's recent answer times (each after the last)
+
+    def step_deadline(self) -> float:
+        """Seconds to wait for A's next answer (see STEP_DEADLINE_FLOOR_S)."""
+        measured = STEP_DEADLINE_FACTOR * max(self.answer_s, default=0.0)
+        return min(self.timeout, max(STEP_DEADLINE_FLOOR_S, measured))
 
     def pending(self) -> bool:
         # poll A while it reports a queue; keep stepping while a step is out (its answer delivers tokens)
@@ -126,8 +138,11 @@ class PairClient:
         # answers (A serves a pair's steps in order) are read in the same order. asyncio.Lock is FIFO.
         async with self._send_lock:
             await self.conn.send(header, raw)
-        async with self._recv_lock:
-            reply, payload = await self.conn.recv(timeout=self.timeout, max_payload=2 * migration.MIGRATE_BYTES)
+        async with self._recv_lock:  # A answers in order: from here it owes this step's answer within one step
+            t0 = time.monotonic()
+            reply, payload = await self.conn.recv(timeout=self.step_deadline(),
+                                                  max_payload=2 * migration.MIGRATE_BYTES)
+            self.answer_s.append(time.monotonic() - t0)
         return reply, payload
 
     def forward(self, engine: Engine, work: list[Work]) -> list[int | None]:

@@ -21,6 +21,7 @@ import contextlib
 import logging
 import socket
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,8 +40,14 @@ from kascade_engine.net.transport import (
     read_frame,
     serve,
 )
+from kascade_engine.net.transport_tcp import _RefusalLog
 
-MAX_CONNECTIONS = 256  # open at once per listener, handshaking or served; more are closed on accept
+# As on plain TCP (transport_tcp): at most MAX_CONNECTIONS authenticated connections per listener (more are
+# closed on accept), and connections still in their TLS handshake or peer hello (not yet `admit()`ted) have
+# a cap of their own, MAX_PENDING, beyond which a new connection evicts the oldest of them: strangers that
+# connect and never finish can never lock a plan participant out (counted together, they did).
+MAX_CONNECTIONS = 256
+MAX_PENDING = 64
 HANDSHAKE_TIMEOUT_S = 10.0
 STREAM_LIMIT = 4 * 1024 * 1024  # asyncio reader buffer; frames are read with readexactly
 log = logging.getLogger(__name__)
@@ -104,6 +111,13 @@ class TlsConnection:
         self.peer = f"{addr[0]}:{addr[1]}" if addr else "?"
         own = writer.get_extra_info("sockname")
         self.local: str | None = f"{own[0]}:{own[1]}" if own else None
+        self._on_admit: Callable[[], None] | None = None  # set by the listener that accepted it
+
+    def admit(self) -> None:
+        """The peer proved it holds the token (peerauth): it no longer counts as a pending stranger."""
+        if self._on_admit is not None:
+            self._on_admit()
+            self._on_admit = None
 
     async def send(self, header: Header, payload: bytes | bytearray | memoryview = b"",
                    timeout: float | None = None) -> None:
@@ -188,20 +202,31 @@ class TlsTransport:
         self.server_ctx, self.client_ctx = files.contexts()  # bad files fail here, at startup, by name
 
     async def listen(self, host: str, port: int, handler: Handler) -> TlsListener:
-        open_conns: set[asyncio.Task[None]] = set()
+        admitted: set[asyncio.Task[None]] = set()
+        pending: dict[asyncio.Task[None], asyncio.StreamWriter] = {}  # insertion-ordered: the oldest first
+        refusals = _RefusalLog(f"tls listener {host}:{port}")
+
+        def admit(task: asyncio.Task[None]) -> None:
+            if pending.pop(task, None) is not None:  # (an evicted stranger's late proof admits nothing)
+                admitted.add(task)
 
         async def serve_one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            # The cap counts a connection from accept, before its handshake: a flood of peers that never
-            # finish one holds no more than MAX_CONNECTIONS sockets (each for HANDSHAKE_TIMEOUT_S at most).
+            # Pending from accept, before the TLS handshake, until peerauth admits the connection: a flood of
+            # peers that never finish holds at most MAX_PENDING sockets, and each newcomer evicts the oldest.
             addr = writer.get_extra_info("peername")
             peer = f"{addr[0]}:{addr[1]}" if addr else "?"
             task = asyncio.current_task()
-            if len(open_conns) >= MAX_CONNECTIONS:
-                log.warning("tls listener %s:%s: %d connections open; refusing %s", host, port, len(open_conns), peer)
+            if task is None or len(admitted) >= MAX_CONNECTIONS:
+                refusals.note(f"{len(admitted)} authenticated connections open; refusing {peer}")
                 writer.transport.abort()
                 return
-            if task is not None:
-                open_conns.add(task)
+            if len(pending) >= MAX_PENDING:
+                oldest = next(iter(pending))
+                refusals.note(f"{MAX_PENDING} connections in their handshake; evicting "
+                              f"{pending.pop(oldest).get_extra_info('peername')}")
+                # cancelled, not aborted under it: an aborted TLS handshake "succeeds" with no transport
+                oldest.cancel()
+            pending[task] = writer
             try:
                 sock = writer.get_extra_info("socket")
                 if sock is not None:
@@ -210,14 +235,21 @@ class TlsTransport:
                 try:
                     await writer.start_tls(self.server_ctx, ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S)
                 except (ssl.SSLError, OSError, TimeoutError, ConnectionError) as e:
-                    log.warning("tls listener %s:%s: handshake with %s failed: %s", host, port, peer,
-                                getattr(e, "reason", None) or type(e).__name__)
+                    refusals.note(f"handshake with {peer} failed: {getattr(e, 'reason', None) or type(e).__name__}")
                     writer.transport.abort()
                     return
-                await serve(handler, TlsConnection(reader, writer, self.traffic), "tls connection")
+                if writer.transport is None:  # closed during the handshake
+                    return
+                conn = TlsConnection(reader, writer, self.traffic)
+                conn._on_admit = lambda: admit(task)
+                await serve(handler, conn, "tls connection")
+            except asyncio.CancelledError:  # evicted (or the listener closes): the socket goes now
+                with contextlib.suppress(Exception):
+                    writer.transport.abort()
+                raise
             finally:
-                if task is not None:
-                    open_conns.discard(task)
+                pending.pop(task, None)
+                admitted.discard(task)
 
         try:
             server = await asyncio.start_server(serve_one, host, port, limit=STREAM_LIMIT, reuse_address=True)

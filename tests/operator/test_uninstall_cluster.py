@@ -1,0 +1,80 @@
+"""Issue 32: after `helm uninstall` a ModelService kept the operator's finalizer with no operator left to remove
+it, so deleting it (or its namespace) hung for ever. The chart's pre-delete hook runs `kascade operator
+uninstall`: operator Deployment scaled to 0, engines released, finalizer removed. Here on the real API server
+(kube-controller-manager included), the operator a real process, engines loopback stubs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from enginestub import EngineStub
+
+from kascade_devcluster.controlplane import ControlPlane
+from kascade_devcluster.nodes import KWOK_TOLERATION
+from kascade_devcluster.operatorproc import OperatorProcess
+from kascade_devcluster.waiting import wait_for
+
+pytestmark = pytest.mark.cluster
+TOKEN = "uninstall-test-token"
+FINALIZER = "kascade.io/finalizer"
+
+
+def kget(cp: ControlPlane, ns: str, *what: str) -> Any:
+    return json.loads(cp.kubectl("-n", ns, "get", *what, "-o", "json").stdout)
+
+
+def apply(cp: ControlPlane, ns: str, doc: dict[str, Any]) -> None:
+    cp.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(doc))
+
+
+def test_uninstall_stops_the_operator_releases_engines_and_lets_modelservices_go(
+        control_plane: ControlPlane, namespace: str, op: OperatorProcess,
+        kwok_nodes: Callable[..., list[str]]) -> None:
+    cp, ns = control_plane, namespace
+    (node,) = kwok_nodes(1)
+    stub = EngineStub("e0", "tiny", TOKEN, auto_ready=True)
+    try:
+        apply(cp, ns, {"apiVersion": "v1", "kind": "Pod",
+                       "metadata": {"name": "e0", "labels": {"kascade.io/pool": "warm"},
+                                    "annotations": {"kascade.io/endpoint": stub.endpoint, "kascade.io/model": "tiny"}},
+                       "spec": {"nodeName": node, "tolerations": [KWOK_TOLERATION],
+                                "containers": [{"name": "engine", "image": "kascade:dev"}]}})
+        # stands for the chart's operator Deployment (its pods never schedule: the operator is the process)
+        apply(cp, ns, {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "rel-operator"},
+                       "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "op"}},
+                                "template": {"metadata": {"labels": {"app": "op"}},
+                                             "spec": {"nodeSelector": {"nowhere": "true"},
+                                                      "containers": [{"name": "c", "image": "x"}]}}}})
+        op.start()
+        apply(cp, ns, {"apiVersion": "kascade.io/v1alpha1", "kind": "ModelService", "metadata": {"name": "svc"},
+                       "spec": {"model": {"name": "tiny", "source": {"path": "/models/tiny"}, "layers": 2},
+                                "engine": {"image": "kascade:dev"}, "replicas": {"colocated": {"min": 1, "max": 1}}}})
+        wait_for(lambda: kget(cp, ns, "pods", "e0")["metadata"].get("labels", {}).get("kascade.io/model-service")
+                 == "svc", what="e0 bound")
+        assert FINALIZER in kget(cp, ns, "msvc", "svc")["metadata"]["finalizers"]
+        wait_for(lambda: kget(cp, ns, "pods", "-l", "app=op")["items"], what="the Deployment's pod")
+        op.stop()  # what the scale to 0 does to the chart's operator pods
+        env = {**os.environ, "KUBECONFIG": str(cp.kubeconfig), "KASCADE_OPERATOR_NAMESPACES": json.dumps([ns]),
+               "KASCADE_OPERATOR_ENGINE_TOKEN": TOKEN}
+        out = subprocess.run([sys.executable, "-m", "kascade_cli.main", "operator", "uninstall",
+                              "--deployment", "rel-operator", "--deployment-namespace", ns, "--wait", "30"],
+                             env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert "1 ModelService(s) let go" in out.stdout, out.stdout + out.stderr
+        assert kget(cp, ns, "deployment", "rel-operator")["spec"]["replicas"] == 0
+        assert not kget(cp, ns, "pods", "-l", "app=op")["items"]  # waited for
+        assert FINALIZER not in (kget(cp, ns, "msvc", "svc")["metadata"].get("finalizers") or []), out.stderr
+        assert stub.count("release") == 1
+        pod = kget(cp, ns, "pods", "e0")["metadata"]
+        assert "kascade.io/model-service" not in (pod.get("labels") or {}) and not pod.get("ownerReferences")
+        # no operator: the ModelService is deleted at once (it used to wait for ever)
+        cp.kubectl("-n", ns, "delete", "msvc", "svc", "--timeout=20s")
+        assert not kget(cp, ns, "msvc")["items"]
+    finally:
+        stub.close()
