@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kascade_engine.batch import attention
 from kascade_engine.batch.families import Family, family_of, head_dim, rope_params, sliding_windows
 from kascade_engine.batch.kvcache import ForwardBatch, SequenceKV
 
@@ -49,14 +50,11 @@ class LlamaShape:
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     dt = x.dtype
+    if dt == torch.float32 and w.dtype == dt:  # one fused op; the same formula as below in float32
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
     x32 = x.to(torch.float32)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return w * x32.to(dt)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
 
 
 def _linear(x: torch.Tensor, w: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -162,9 +160,14 @@ class LlamaModel:
         return F.linear(x, w).float()
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and the signed sin [N, 1, head_dim] of the step, once per step: x * cos + roll(x) * sin is
+        transformers' x * cos + rotate_half(x) * sin exactly (rotate_half(x) = roll(x, d/2) with the first half
+        negated; the sign sits in sin), in two ops fewer per tensor."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
+        sin = emb.sin()
+        sin[:, :freqs.shape[1]].neg_()
+        return emb.cos().to(self.dtype)[:, None, :], sin.to(self.dtype)[:, None, :]
 
     @torch.inference_mode()
     def run_layers(self, a: int, b: int, hidden: torch.Tensor, kv: ForwardBatch | SequenceKV,
@@ -187,6 +190,8 @@ class LlamaModel:
         N = x.shape[0]
         if batch.rope is None:
             batch.rope = self._rope(batch.positions)
+            if batch.decode is not None and attention.backend(self.device) == "flashinfer":
+                attention.plan_flashinfer(batch.decode, s.heads, s.kv_heads, s.head_dim, self.dtype, self.windows)
         cos, sin = batch.rope
         for i in range(a, b):
             w = self._need(f"layer.{i}")
@@ -197,37 +202,44 @@ class LlamaModel:
             if fam.qk_norm:
                 q = _rms(q, w["self_attn.q_norm.weight"], s.eps)
                 k = _rms(k, w["self_attn.k_norm.weight"], s.eps)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            half = s.head_dim // 2
+            q = q * cos + q.roll(half, -1) * sin
+            k = k * cos + k.roll(half, -1) * sin
             batch.cache.write(i, batch.slots, k, v)
-            attn = self._attend(i, q, batch)
+            attn = self._attend(i, q, k, v, batch)
             x = x + _linear(attn, w, "self_attn.o_proj")
             h = _rms(x, w["post_attention_layernorm.weight"], s.eps)
             x = x + F.linear(F.silu(F.linear(h, w["mlp.gate_proj.weight"])) * F.linear(h, w["mlp.up_proj.weight"]),
                              w["mlp.down_proj.weight"])
         return x
 
-    def _attend(self, layer: int, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        s = self.shape
+    def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        """q [N, heads, D] (k, v: this layer's new K/V, already in the cache) -> [N, heads * D] (attention.py)."""
+        s, window = self.shape, self.windows[layer]
+        if batch.fresh and window is None:
+            return attention.fresh(q, k, v)
         N, width = q.shape[0], s.heads * s.head_dim
-        gqa = s.heads != s.kv_heads
+        d = batch.decode
+        if d is not None and d.first == 0 and d.rows is None and d.batch == N:
+            return attention.decode(q, batch, d, layer, window)  # all decodes
+        out = torch.empty(N, width, dtype=q.dtype, device=q.device)
+        if d is not None:
+            o = attention.decode(q[d.first:d.first + d.batch] if d.rows is None else q.index_select(0, d.rows),
+                                 batch, d, layer, window)
+            if d.rows is None:
+                out[d.first:d.first + d.batch] = o
+            else:
+                out.index_copy_(0, d.rows, o)
         flat = q.reshape(N, width)
-        out: torch.Tensor | None = None
         for g in batch.groups:
-            k, v = batch.cache.gather(layer, g.index)
+            o = attention.padded(flat, batch, g, layer, window, s.heads)
             r0, r1 = g.rows
-            qg = flat[r0:r1] if g.src is None else flat.index_select(0, g.src)
-            qg = qg.view(g.batch, g.q_len, s.heads, s.head_dim).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask_for(self.windows[layer]), enable_gqa=gqa)
-            o = o.transpose(1, 2).reshape(g.batch * g.q_len, width)
             if g.src is None and r1 - r0 == N:
-                return o  # one group covers the whole step (all decodes, or one prefill)
-            if out is None:
-                out = torch.empty(N, width, dtype=o.dtype, device=o.device)
+                return o  # one group covers the whole step (one prefill chunk)
             if g.src is None:
                 out[r0:r1] = o
             else:
                 assert g.keep is not None and g.dest is not None
                 out.index_copy_(0, g.dest, o.index_select(0, g.keep))
-        assert out is not None, "a step with tokens has at least one attention group"
         return out
