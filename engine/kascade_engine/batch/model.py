@@ -93,6 +93,7 @@ class LlamaModel:
         self.device = torch.device(device)
         self.weights: dict[str, dict[str, torch.Tensor]] = {}
         self._staging: torch.Tensor | None = None  # pinned host buffer for CUDA uploads
+        self._upload: torch.cuda.Stream | None = None  # CUDA: the side stream blocks are uploaded on
         self.inv_freq = rope_inv_freq(cfg, self.device)
 
     # -- residency -------------------------------------------------------------------------
@@ -108,21 +109,28 @@ class LlamaModel:
 
     def _to_cuda(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Host block -> one pinned staging buffer (reused, grown to the largest block) -> device, copied
-        asynchronously and synchronized once per block; the host block can be dropped afterwards.
+        asynchronously on a side stream (`_upload`: the decode steps on the default stream do not wait behind
+        it) and synchronized once per block on that stream only; the default stream waits for it before the
+        block's first use. The host block can be dropped afterwards.
         UNVERIFIED on a GPU (no GPU in development): written so every tensor names its device."""
         total = sum(-(-v.numel() * v.element_size() // 64) * 64 for v in tensors.values())  # 64-byte aligned
         if self._staging is None or self._staging.numel() < total:
             self._staging = torch.empty(total, dtype=torch.uint8, device="cpu", pin_memory=True)
+        if self._upload is None:
+            self._upload = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
         out: dict[str, torch.Tensor] = {}
         off = 0
-        for name, v in tensors.items():
-            n = v.numel() * v.element_size()
-            host = self._staging[off:off + n]
-            host.copy_(v.contiguous().view(-1).view(torch.uint8))
-            dev = host.to(device=self.device, non_blocking=True).view(v.dtype).view(v.shape)
-            out[name] = dev.to(self.dtype)
-            off += -(-n // 64) * 64
-        torch.cuda.synchronize(self.device)  # the staging buffer is reused by the next block
+        with torch.cuda.stream(self._upload):
+            for name, v in tensors.items():
+                n = v.numel() * v.element_size()
+                host = self._staging[off:off + n]
+                host.copy_(v.contiguous().view(-1).view(torch.uint8))
+                dev = host.to(device=self.device, non_blocking=True).view(v.dtype).view(v.shape)
+                out[name] = dev.to(self.dtype)
+                off += -(-n // 64) * 64
+        self._upload.synchronize()  # the staging buffer is reused by the next block
+        for t in out.values():  # allocated on the side stream, used on the default one from now on
+            t.record_stream(torch.cuda.current_stream(self.device))
         return out
 
     def resident(self, block_id: str) -> bool:
