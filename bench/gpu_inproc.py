@@ -44,6 +44,7 @@ def attention_backends(ckpt: Path, device: torch.device, dtype: torch.dtype) -> 
     """Which SDPA backends accept the engine's actual attention calls (one decode and one prefill)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from kascade_engine.batch import attention
     from kascade_engine.batch.sampling import SamplingParams
 
     eng = make_engine(ckpt, device, dtype, max_seqs=4)
@@ -85,6 +86,8 @@ def attention_backends(ckpt: Path, device: torch.device, dtype: torch.dtype) -> 
         "engine_mask_dtype": None if mask is None else str(mask.dtype).removeprefix("torch."),
         "engine_attention_device": str(q.device), "engine_attention_dtype": str(q.dtype).removeprefix("torch."),
         "backends_accepting_engine_calls": accepted, "engine_backend_torch_would_pick": picked,
+        # the decode kernel: "flashinfer" (paged, CUDA, installed: its calls are not SDPA calls) or "torch" (SDPA)
+        "engine_decode_kernel": attention.backend(device),
     }
     if device.type == "cuda":
         b = torch.backends.cuda

@@ -42,12 +42,16 @@ def engine() -> None:
 @click.option("--act-port", type=click.IntRange(0, 65535), help="listen for split-execution activations on this port")
 @click.option("--token-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="control API bearer token (default: $KASCADE_ENGINE_TOKEN)")
-@click.option("--max-prompt-tokens", default=2048, show_default=True, type=click.IntRange(1))
+@click.option("--max-prompt-tokens", type=click.IntRange(1),
+              help="longest prompt accepted (default: the model's context, max_position_embeddings)")
 @click.option("--max-batch-tokens", default=512, show_default=True, type=click.IntRange(1),
               help="per-step token budget (decodes + chunked prefill)")
 @click.option("--max-seqs", default=64, show_default=True, type=click.IntRange(1), help="sequences per step")
-@click.option("--kv-tokens", default=65536, show_default=True, type=click.IntRange(1),
-              help="paged KV cache capacity in tokens (preallocated)")
+@click.option("--kv-tokens", type=click.IntRange(1),
+              help="paged KV cache capacity in tokens (preallocated; default: 65536 on CPU, on CUDA what "
+                   "--gpu-memory-utilization leaves after the weights)")
+@click.option("--gpu-memory-utilization", default=0.9, show_default=True, type=click.FloatRange(0, 1, min_open=True),
+              help="CUDA: share of the device's memory for weights + KV cache, when --kv-tokens is not given")
 @click.option("--max-waiting-tokens", default=65536, show_default=True, type=click.IntRange(1),
               help="load shedding: prompt tokens allowed to wait for their first step; beyond it a request is "
                    "refused with 503 + Retry-After")
@@ -124,10 +128,11 @@ def serve(
     port: int,
     act_port: int | None,
     token_file: Path | None,
-    max_prompt_tokens: int,
+    max_prompt_tokens: int | None,
     max_batch_tokens: int,
     max_seqs: int,
-    kv_tokens: int,
+    kv_tokens: int | None,
+    gpu_memory_utilization: float,
     max_waiting_tokens: int,
     max_n: int,
     page_size: int,
@@ -186,8 +191,9 @@ def serve(
         raise click.UsageError(str(e)) from None
     try:
         cfg = EngineConfig(checkpoint, model_name or checkpoint.name, token, device=device, dtype=dtype,
-                           max_prompt_tokens=max_prompt_tokens, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
-                           kv_tokens=kv_tokens, page_size=page_size, max_n=max_n, threads=threads, transport=transport,
+                           max_prompt_tokens=max_prompt_tokens or 0, max_batch_tokens=max_batch_tokens,
+                           max_seqs=max_seqs, kv_tokens=kv_tokens or 0, gpu_memory_utilization=gpu_memory_utilization,
+                           page_size=page_size, max_n=max_n, threads=threads, transport=transport,
                            max_waiting_tokens=max_waiting_tokens,
                            transfer_bytes_per_s=transfer_max_mbps * 1e6 / 8 if transfer_max_mbps else None,
                            empty=empty, resident_layers=resident_layers, emulate_layer_ms=emulate_layer_ms,

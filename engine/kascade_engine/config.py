@@ -8,6 +8,7 @@ reads it; the device string resolves once (`auto` -> `cuda` when torch sees a GP
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,9 @@ DTYPES = ("bfloat16", "float16", "float32")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
+CPU_KV_TOKENS = 65536  # the CPU's KV capacity when --kv-tokens is not given (memory mapped as it is used)
+
+
 class ConfigError(ValueError):
     """A bad engine setting; the message names the flag."""
 
@@ -39,10 +43,13 @@ class EngineConfig:
     token: str
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (float32 on CPU, the checkpoint's 16-bit type on CUDA) | bfloat16 | float16 | float32
-    max_prompt_tokens: int = 2048
+    max_prompt_tokens: int = 0  # 0: the model's context (max_position_embeddings), set by `resolved`
     max_batch_tokens: int = 512  # per-step token budget: decodes + prefill chunks
     max_seqs: int = 64
-    kv_tokens: int = 65536  # paged KV capacity in tokens (rounded up to whole pages)
+    # paged KV capacity in tokens (rounded up to whole pages); 0: CPU_KV_TOKENS on the CPU, on CUDA what
+    # --gpu-memory-utilization of the device leaves after the weights (kvcache.kv_tokens_for_memory); `resolved`
+    kv_tokens: int = 0
+    gpu_memory_utilization: float = 0.9
     page_size: int = 16
     max_n: int = 8  # OpenAI `n` limit
     # load shedding: prompt tokens that may wait for a first step; a request beyond it is a 503 + Retry-After
@@ -73,10 +80,15 @@ class EngineConfig:
             raise ConfigError(f"--device {self.device!r}: use auto, cpu, cuda or cuda:N")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ConfigError(f"--dtype {self.dtype!r}: use auto, {', '.join(DTYPES)}")
-        for name in ("max_prompt_tokens", "max_batch_tokens", "max_seqs", "kv_tokens", "page_size", "max_n", "threads",
-                     "max_waiting_tokens"):
+        for name in ("max_prompt_tokens", "kv_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1 (or 0: automatic), "
+                                  f"got {getattr(self, name)}")
+        for name in ("max_batch_tokens", "max_seqs", "page_size", "max_n", "threads", "max_waiting_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.host_cache_bytes < 0:
             raise ConfigError(f"--host-cache-gib must be >= 0, got {self.host_cache_bytes / 2**30:g}")
         if not 0 <= self.emulate_layer_ms <= 10_000:
@@ -111,6 +123,14 @@ class EngineConfig:
         """A load plan's transport (weight blocks, bulk): never marked, so a fabric that honours the
         activation class queues weights behind activations on a shared link."""
         return make_transport(self.transport, self.tls, None)
+
+    def resolved(self, model_cfg: dict[str, Any], kv_tokens_auto: Callable[[], int]) -> EngineConfig:
+        """This config with its automatic settings made concrete: the longest prompt is the model's context
+        (max_position_embeddings) unless --max-prompt-tokens says otherwise; the KV capacity --kv-tokens, else
+        CPU_KV_TOKENS on the CPU, else `kv_tokens_auto()` (CUDA: from the device's free memory)."""
+        prompt = self.max_prompt_tokens or int(model_cfg.get("max_position_embeddings") or 4096)
+        kv = self.kv_tokens or (CPU_KV_TOKENS if self.torch_device().type == "cpu" else kv_tokens_auto())
+        return replace(self, max_prompt_tokens=prompt, kv_tokens=kv)
 
     def with_dtype(self, dtype: str) -> EngineConfig:
         return replace(self, dtype=dtype)

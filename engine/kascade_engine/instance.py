@@ -25,10 +25,13 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import math
 from typing import Any
 
 from kascade_engine.batch.engine import Engine
-from kascade_engine.batch.model import LlamaModel
+from kascade_engine.batch.families import expected_shapes
+from kascade_engine.batch.kvcache import kv_tokens_for_memory
+from kascade_engine.batch.model import LlamaModel, LlamaShape
 from kascade_engine.batch.scheduler import Limits
 from kascade_engine.config import EngineConfig
 from kascade_engine.live.cooperation import HostRows
@@ -107,11 +110,24 @@ class EngineInstance:
         elif self.model.weights:
             self.phase = Phase.LOADING
 
+    def _kv_tokens_auto(self, config: EngineConfig) -> int:
+        """CUDA: the KV capacity --gpu-memory-utilization leaves after the weights (UNVERIFIED on a GPU)."""
+        import torch
+
+        dev = config.torch_device()
+        free, total = torch.cuda.mem_get_info(dev)
+        size = torch.empty((), dtype=self.dtype).element_size()
+        weights = sum(math.prod(shape) for shape in expected_shapes(self.model_cfg).values()) * size
+        s = LlamaShape.from_config(self.model_cfg)
+        return kv_tokens_for_memory(free, total, config.gpu_memory_utilization, weights,
+                                    2 * s.layers * s.kv_heads * s.head_dim * size, config.page_size)
+
     def _build(self, config: EngineConfig) -> None:
         from kascade_engine.serving import Serving
 
-        self.config = config
         self.dtype = config.torch_dtype(self.model_cfg)
+        config = config.resolved(self.model_cfg, lambda: self._kv_tokens_auto(config))
+        self.config = config
         c = config
         limits = Limits(c.max_batch_tokens, c.max_seqs, c.kv_tokens, c.page_size)
         self.engine: Engine

@@ -115,3 +115,34 @@ def test_wire_types_round_trip() -> None:
     assert CooperateRequest.from_dict(c.to_dict()) == c
     s = EngineStatus("e", "m", "serving", "colocated", "svc", {"embed": True}, 10, True, None, None, "cpu", "float32")
     assert EngineStatus.from_dict(s.to_dict()) == s
+
+
+def test_prompts_up_to_the_models_context_and_kv_capacity_resolved(tiny_ckpt: Path, tiny_blocks) -> None:
+    """By default a prompt may fill the model's context (max_position_embeddings) and the CPU's KV holds 65,536
+    tokens; flags given win; a negative one is refused by name."""
+    from kascade_engine.config import CPU_KV_TOKENS
+
+    inst = _empty(tiny_ckpt, tiny_blocks)
+    assert inst.config.max_prompt_tokens == tiny_blocks.config["max_position_embeddings"]
+    assert inst.config.kv_tokens == CPU_KV_TOKENS
+    inst = _empty(tiny_ckpt, tiny_blocks, max_prompt_tokens=64, kv_tokens=2048)
+    assert (inst.config.max_prompt_tokens, inst.config.kv_tokens) == (64, 2048)
+    with pytest.raises(ConfigError, match="--kv-tokens"):
+        EngineConfig(tiny_ckpt, "m", "t", kv_tokens=-1)
+    with pytest.raises(ConfigError, match="--gpu-memory-utilization"):
+        EngineConfig(tiny_ckpt, "m", "t", gpu_memory_utilization=1.5)
+
+
+def test_kv_tokens_from_device_memory() -> None:
+    """CUDA sizing (kvcache.kv_tokens_for_memory): the utilization share of the device minus what others hold and
+    the weights, in whole pages; never more than is free; nothing left is a clear error."""
+    from kascade_engine.batch.kvcache import kv_tokens_for_memory
+
+    gib = 1 << 30
+    # 80 GiB device, 78 free, 90 %: 72 GiB - 2 used by others - 16 weights = 54 GiB of KV at 128 KiB a token
+    assert kv_tokens_for_memory(78 * gib, 80 * gib, 0.9, 16 * gib, 128 << 10, 16) == 54 * gib // (128 << 10)
+    # the share is larger than what is free: only the free memory counts
+    assert kv_tokens_for_memory(10 * gib, 80 * gib, 1.0, 2 * gib, 1 << 20, 16) == 8 * 1024
+    assert kv_tokens_for_memory(gib, gib, 0.5, 0, 1000, 16) % 16 == 0
+    with pytest.raises(ValueError, match="no KV cache"):
+        kv_tokens_for_memory(10 * gib, 80 * gib, 0.9, 20 * gib, 1 << 20, 16)

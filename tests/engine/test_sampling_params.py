@@ -89,3 +89,20 @@ def test_extras_cross_the_wires() -> None:
     assert params_from_wire(entry)[2] == p
     with pytest.raises(ValueError, match="sampling extras"):
         params_from_wire([*entry[:7], {"logit_bias": 1}])
+
+
+def test_sample_rows_applies_each_rows_own_parameters_in_one_draw() -> None:
+    """Unseeded sampling rows are drawn together (sampling.sample_rows): top_k 1 or a tiny top_p is the argmax,
+    top_k 2 never leaves the two best, temperature spreads the draws; rows do not leak into each other."""
+    from kascade_engine.batch.sampling import sample_rows
+
+    torch.manual_seed(0)
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]] * 4)
+    ps = [SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1.0, top_p=0.01),
+          SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=5.0)]
+    draws = torch.stack([sample_rows(logits, ps) for _ in range(400)])  # [400, 4]
+    assert draws[:, 0].eq(1).all() and draws[:, 1].eq(1).all()
+    assert set(draws[:, 2].tolist()) == {1, 3}
+    assert set(draws[:, 3].tolist()) == {0, 1, 2, 3}
+    with pytest.raises(RuntimeError):  # a row with no mass cannot be drawn: the caller never builds one
+        sample_rows(torch.full((1, 4), float("-inf")), [SamplingParams(temperature=1.0)])

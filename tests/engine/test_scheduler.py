@@ -189,7 +189,7 @@ def test_no_tensor_lands_on_a_default_device(tiny_blocks) -> None:
 
 
 def test_prefill_chunks_of_a_step_share_one_attention_call(tiny_blocks) -> None:
-    """Prefill chunks of different lengths and starts (plus decodes) run as two SDPA groups per layer,
+    """Prefill chunks of different lengths and starts (plus decodes) run as two attention groups per layer,
     and every token's hidden state equals the one its sequence computes alone."""
     from kascade_engine.batch.kvcache import KVCache, build_batch
 
@@ -202,7 +202,7 @@ def test_prefill_chunks_of_a_step_share_one_attention_call(tiny_blocks) -> None:
     def run(c: KVCache, chunks: list[tuple[list[int], int, list[int]]]) -> tuple[torch.Tensor, int]:
         batch = build_batch(c, [(table, start, len(ids)) for table, start, ids in chunks])
         ids = torch.tensor([t for _, _, toks in chunks for t in toks], dtype=torch.long)
-        return m.run_layers(0, s.layers, m.embed(ids), batch), len(batch.groups)
+        return m.run_layers(0, s.layers, m.embed(ids), batch), len(batch.groups) + (batch.decode is not None)
 
     toks = {"a": list(range(10, 21)), "b": [5, 6, 7, 8, 9], "c": [300, 301, 302], "d": [7, 8]}
     tables = {"a": [1, 2, 3, 4], "b": [5, 6], "c": [7, 8], "d": [9, 10]}  # 4 slots per page

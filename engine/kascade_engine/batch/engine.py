@@ -47,6 +47,18 @@ class Request:
     def tokens(self) -> list[int]:
         return self.prompt + self.out
 
+    @property
+    def length(self) -> int:
+        """len(tokens), without building the list."""
+        return len(self.prompt) + len(self.out)
+
+    def span(self, a: int, b: int) -> list[int]:
+        """tokens[a:b], without copying the whole context (a decode's is one output token)."""
+        p = len(self.prompt)
+        if a >= p:
+            return self.out[a - p:b - p]
+        return self.prompt[a:b] + self.out[:max(0, b - p)]
+
 
 @dataclass(frozen=True)
 class Event:
@@ -173,7 +185,7 @@ class Engine:
         # which chunks sample, fixed before the forward: a live pair's answer to this very step can land inside
         # it (pairclient.PairClient lands every answer that is back), adding the token (len(tokens) grows) or
         # finishing the request (it leaves `requests`); the recorder's facts likewise
-        samples = [w.end == len(self.requests[w.id].tokens) for w in work]
+        samples = [w.end == self.requests[w.id].length for w in work]
         note = self.recorder.begin(work, self.requests, self.coop)
         t0 = time.perf_counter()
         try:
@@ -207,15 +219,16 @@ class Engine:
         ids: list[int] = []
         rows: list[int] = []
         for w in work:
-            ids.extend(self.requests[w.id].tokens[w.start:w.end])
-            if w.end == len(self.requests[w.id].tokens):
+            r = self.requests[w.id]
+            ids.extend(r.span(w.start, w.end))
+            if w.end == r.length:
                 rows.append(len(ids) - 1)
         batch = build_batch(self.cache, [(pool.tables[w.id], w.start, w.n) for w in work])
         h = m.run_layers(0, m.shape.layers, m.embed(torch.tensor(ids, dtype=torch.long, device=m.device)), batch)
         return m.logits(h[torch.tensor(rows, dtype=torch.long, device=m.device)])
 
     def _sample(self, work: list[Work], logits: torch.Tensor) -> list[int]:
-        return pick(logits, [self.requests[w.id] for w in work if w.end == len(self.requests[w.id].tokens)], self.eos)
+        return pick(logits, [self.requests[w.id] for w in work if w.end == self.requests[w.id].length], self.eos)
 
     def _fail(self, work: list[Work], e: Exception) -> list[Event]:
         log.warning("step failed for %d requests: %s", len(work), e, exc_info=log.isEnabledFor(logging.INFO))

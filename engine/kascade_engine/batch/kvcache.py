@@ -2,8 +2,9 @@
 model where each token's K/V goes and which slots each query attends to.
 
 Storage: `k`, `v` of shape [layers, pages * page_size, kv_heads, head_dim] (slot = page * page_size +
-offset; page tables come from pages.PagePool). Memory is `torch.empty` (the OS maps it as it is used)
-except slot 0, which stays zero: gathers pad with it, so padded keys are finite and masked out.
+offset; page tables come from pages.PagePool). Memory starts zero (`zeroed`: on the CPU the OS maps it as
+it is used); page 0 is never handed out and stays zero: gathers pad with it, so padded keys are finite
+and masked out.
 
 Data flow per step: block tables + (start, n) per sequence -> `build_batch` -> positions, write slots,
 attention groups (all decodes in one SDPA call, all prefill chunks padded into another)
@@ -14,11 +15,38 @@ loading engine B holds layers 0..k-1, the full engine A layers k..L-1, and neith
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
 
 from kascade_engine.batch.pages import PagePool
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor; on the CPU from calloc'd memory (numpy), so the OS maps pages only as they are written
+    (a large cache costs nothing until used). Zero K/V matter: decode attention reads whole pages, and a slot
+    not yet written must be finite (0 * NaN is NaN even under a -inf mask)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(n, dtype=np.uint8)).view(dtype).view(shape)
+
+
+def kv_tokens_for_memory(free: int, total: int, utilization: float, weight_bytes: int, bytes_per_token: int,
+                         page_size: int) -> int:
+    """KV capacity (tokens, whole pages) for a device with `free` of `total` bytes free now, of which
+    `utilization` may hold this engine's weights (`weight_bytes`, possibly not loaded yet) and KV cache; what
+    others use already is never counted on. ValueError when nothing is left for one page."""
+    budget = min(free, int(total * utilization) - (total - free)) - weight_bytes
+    tokens = budget // bytes_per_token // page_size * page_size
+    if tokens < page_size:
+        raise ValueError(f"--gpu-memory-utilization {utilization}: {free / 2**30:.2f} GiB free of "
+                         f"{total / 2**30:.2f} GiB leaves no KV cache after {weight_bytes / 2**30:.2f} GiB of weights")
+    return tokens
 
 
 class KVCache:
@@ -27,10 +55,9 @@ class KVCache:
         self.layers, self.page_size, self.kv_heads, self.head_dim = layers, page_size, kv_heads, head_dim
         self.dtype, self.device = dtype, device
         shape = (layers, pages * page_size, kv_heads, head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
-        self.k[:, 0].zero_()
-        self.v[:, 0].zero_()
+        self.k = zeroed(shape, dtype, device)
+        self.v = zeroed(shape, dtype, device)
+        self._views()
         # `gather` writes into one buffer kept across calls (the engine's cache: reuse_gather) instead of two fresh
         # tensors per call; the views it returns are valid until the next gather
         self.reuse_gather = reuse_gather
@@ -47,12 +74,21 @@ class KVCache:
     def grow(self, pages: int) -> None:
         """Append `pages` pages (private split caches only; the engine's cache never grows)."""
         extra = (self.layers, pages * self.page_size, self.kv_heads, self.head_dim)
-        self.k = torch.cat((self.k, torch.empty(extra, dtype=self.dtype, device=self.device)), dim=1)
-        self.v = torch.cat((self.v, torch.empty(extra, dtype=self.dtype, device=self.device)), dim=1)
+        self.k = torch.cat((self.k, zeroed(extra, self.dtype, self.device)), dim=1)
+        self.v = torch.cat((self.v, zeroed(extra, self.dtype, self.device)), dim=1)
+        self._views()
+
+    def _views(self) -> None:
+        """Per-layer views made once (a step indexes them instead of slicing the cache per layer and call): slot
+        rows [slots, kv_heads, head_dim] for writes, page rows [pages, page_size * kv_heads * head_dim] for reads."""
+        self._k, self._v = self.k.unbind(0), self.v.unbind(0)
+        width = self.page_size * self.kv_heads * self.head_dim
+        self._kp = tuple(x.view(-1, width) for x in self._k)
+        self._vp = tuple(x.view(-1, width) for x in self._v)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer].index_copy_(0, slots, k)
-        self.v[layer].index_copy_(0, slots, v)
+        self._k[layer].index_copy_(0, slots, k)
+        self._v[layer].index_copy_(0, slots, v)
 
     def gather(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`index` [B, C] slot ids -> K, V [B, kv_heads, C, head_dim].
@@ -69,13 +105,32 @@ class KVCache:
             k = self.k[layer].view(-1, width).index_select(0, flat).view(B, C, self.kv_heads, self.head_dim)
             v = self.v[layer].view(-1, width).index_select(0, flat).view(B, C, self.kv_heads, self.head_dim)
             return k.transpose(1, 2), v.transpose(1, 2)
-        if self._gathered is None or self._gathered.shape[1] < n:
-            self._gathered = torch.empty((2, n, width), dtype=self.dtype, device=self.device)
-        out = self._gathered[:, :n]
+        if self._gathered is None or self._gathered.numel() < 2 * n * width:
+            self._gathered = torch.empty((2, n * width), dtype=self.dtype, device=self.device)
+        out = self._gathered.view(-1)[:2 * n * width].view(2, n, width)
         torch.index_select(self.k[layer].view(-1, width), 0, flat, out=out[0])
         torch.index_select(self.v[layer].view(-1, width), 0, flat, out=out[1])
         k, v = (x.view(B, C, self.kv_heads, self.head_dim).transpose(1, 2) for x in out)
         return k, v
+
+    def gather_pages(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`tables` [B, P] page ids -> K, V [B, P * page_size, kv_heads, head_dim]: whole pages copied (one
+        contiguous run of page_size * kv_heads * head_dim values each, no per-token index), into the buffer
+        kept from call to call when `reuse_gather` (valid until the next gather)."""
+        B, P = tables.shape
+        flat = tables.reshape(-1)
+        width = self.page_size * self.kv_heads * self.head_dim
+        shape = (B, P * self.page_size, self.kv_heads, self.head_dim)
+        kp, vp = self._kp[layer], self._vp[layer]
+        if not self.reuse_gather:
+            return kp.index_select(0, flat).view(shape), vp.index_select(0, flat).view(shape)
+        n = flat.numel()
+        if self._gathered is None or self._gathered.numel() < 2 * n * width:
+            self._gathered = torch.empty((2, n * width), dtype=self.dtype, device=self.device)
+        buf = self._gathered.view(-1)[:2 * n * width].view(2, n, width)
+        torch.index_select(kp, 0, flat, out=buf[0])
+        torch.index_select(vp, 0, flat, out=buf[1])
+        return buf[0].view(shape), buf[1].view(shape)
 
 
 @dataclass
@@ -112,16 +167,48 @@ class AttnGroup:
 
 
 @dataclass
+class DecodeGroup:
+    """Every decode of the step (one query each) attending over whole pages of its block table, read
+    straight from the cache's page view: no per-token index, no boolean mask.
+
+    `rows` [B] are the decodes' rows in the step's flat tokens (None: rows `first..first+B-1` in order),
+    `tables` [B, P] their block tables (0: padding or a page dropped outside a sliding window; page 0 is
+    zero), `lens` [B] keys per sequence (its context including the new token). `bias_for(window)` is the
+    additive key mask [B, 1, 1, P * page_size] (0 visible, -inf hidden), built once per step and window."""
+
+    first: int
+    rows: torch.Tensor | None
+    tables: torch.Tensor
+    lens: torch.Tensor
+    page_size: int
+    _bias: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    flash: dict[int | None, Any] | None = None  # FlashInfer wrappers planned for this step, per window (CUDA)
+
+    @property
+    def batch(self) -> int:
+        return int(self.tables.shape[0])
+
+    def bias_for(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        b = self._bias.get(window)
+        if b is None:
+            keys = torch.arange(self.tables.shape[1] * self.page_size, dtype=torch.long, device=self.lens.device)
+            seen = keys[None, :] < self.lens[:, None]
+            if window is not None:  # query at lens - 1 sees keys in (lens - 1 - window, lens - 1]
+                seen &= keys[None, :] > (self.lens[:, None] - 1 - window)
+            b = torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, float("-inf"))
+            b = self._bias[window] = b[:, None, None, :]
+        return b
+
+
+@dataclass
 class ForwardBatch:
     cache: KVCache
     positions: torch.Tensor  # [N]
     slots: torch.Tensor  # [N] where each token's K/V is written
-    groups: list[AttnGroup] = field(default_factory=list)
+    groups: list[AttnGroup] = field(default_factory=list)  # prefill chunks (padded SDPA groups)
     rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [N, head_dim], filled by the model
-
-
-def _slots(table: list[int], start: int, n: int, page_size: int) -> list[int]:
-    return [table[p // page_size] * page_size + p % page_size for p in range(start, start + n)]
+    decode: DecodeGroup | None = None  # every decode of the step
+    fresh: bool = False  # the step is one prompt from position 0: causal attention over its own K/V
 
 
 def _group(members: list[tuple[int, list[int], int, int]], page_size: int, dev: torch.device) -> AttnGroup:
@@ -130,7 +217,7 @@ def _group(members: list[tuple[int, list[int], int, int]], page_size: int, dev: 
     B, Q = len(members), max(n for _, _, _, n in members)
     C = max(start + n for _, _, start, n in members)
     P = -(-C // page_size)
-    tables = torch.tensor([t[:P] + [0] * (P - len(t[:P])) for _, t, _, _ in members], dtype=torch.long, device=dev)
+    tables = _tables([t for _, t, _, _ in members], P, dev)
     starts = torch.tensor([start for _, _, start, _ in members], dtype=torch.long, device=dev)
     ns = torch.tensor([n for _, _, _, n in members], dtype=torch.long, device=dev)
     keys = torch.arange(C, dtype=torch.long, device=dev)
@@ -152,24 +239,50 @@ def _group(members: list[tuple[int, list[int], int, int]], page_size: int, dev: 
     return AttnGroup((first, first), B, Q, index, mask.view(B, 1, Q, C), qpos, src, keep, src.index_select(0, keep))
 
 
+def _tables(tables: list[list[int]], pages: int, dev: torch.device) -> torch.Tensor:
+    """Block tables cut or padded (page 0) to `pages` entries -> [B, pages] on `dev` (one list per sequence)."""
+    return torch.tensor([t[:pages] + [0] * (pages - len(t[:pages])) for t in tables], dtype=torch.long, device=dev)
+
+
 def build_batch(cache: KVCache, items: list[tuple[list[int], int, int]]) -> ForwardBatch:
-    """`items`: (block table, start position, new tokens) per sequence, in flat row order. Attention
-    runs as at most two SDPA calls per layer: every decode (n == 1) in one, every prefill chunk in
-    the other (padded to the longest chunk), so the call count does not grow with the batch."""
+    """`items`: (block table, start position, new tokens) per sequence, in flat row order.
+
+    Built once per step as tensors (no per-token Python lists): positions and write slots from the block
+    tables, every decode (n == 1) in one `DecodeGroup` over whole pages, every prefill chunk in one padded
+    SDPA group, so the attention call count does not grow with the batch. A step that is a single prompt from
+    position 0 is marked `fresh` (the model runs causal attention on the chunk's own K/V, nothing gathered)."""
     dev, ps = cache.device, cache.page_size
-    positions: list[int] = []
-    slots: list[int] = []
-    decodes: list[tuple[int, list[int], int, int]] = []
-    prefills: list[tuple[int, list[int], int, int]] = []
-    row = 0
-    for table, start, n in items:
-        positions.extend(range(start, start + n))
-        slots.extend(_slots(table, start, n, ps))
-        (decodes if n == 1 else prefills).append((row, table, start, n))
-        row += n
-    batch = ForwardBatch(cache, torch.tensor(positions, dtype=torch.long, device=dev),
-                         torch.tensor(slots, dtype=torch.long, device=dev))
-    batch.groups = [_group(g, ps, dev) for g in (decodes, prefills) if g]
+    starts_l = [start for _, start, _ in items]
+    ns_l = [n for _, _, n in items]
+    pages = max(-(-(s + n) // ps) for s, n in zip(starts_l, ns_l, strict=True))
+    tables = _tables([t for t, _, _ in items], pages, dev)
+    starts = torch.tensor(starts_l, dtype=torch.long, device=dev)
+    if max(ns_l) == 1:  # decodes only: one row per sequence
+        positions = starts
+        seq_tables = tables
+    else:
+        ns = torch.tensor(ns_l, dtype=torch.long, device=dev)
+        seq = torch.repeat_interleave(torch.arange(len(items), dtype=torch.long, device=dev), ns)
+        first = torch.cumsum(ns, 0) - ns
+        positions = starts[seq] + torch.arange(seq.numel(), dtype=torch.long, device=dev) - first[seq]
+        seq_tables = tables[seq]
+    page = seq_tables.gather(1, (positions // ps)[:, None])[:, 0]
+    batch = ForwardBatch(cache, positions, page * ps + positions % ps)
+    rows = list(itertools.accumulate(ns_l, initial=0))
+    dec = [i for i, n in enumerate(ns_l) if n == 1]
+    if dec:
+        if len(dec) == len(items):
+            batch.decode = DecodeGroup(0, None, tables, starts + 1, ps)
+        else:
+            idx = torch.tensor(dec, dtype=torch.long, device=dev)
+            d_pages = max(-(-(starts_l[i] + 1) // ps) for i in dec)
+            contiguous = dec == list(range(dec[0], dec[0] + len(dec)))
+            batch.decode = DecodeGroup(rows[dec[0]], None if contiguous else torch.tensor(
+                [rows[i] for i in dec], dtype=torch.long, device=dev), tables[idx, :d_pages], starts[idx] + 1, ps)
+    pre = [(rows[i], t, s, n) for i, (t, s, n) in enumerate(items) if n > 1]
+    if pre:
+        batch.groups = [_group(pre, ps, dev)]
+    batch.fresh = len(items) == 1 and starts_l[0] == 0
     return batch
 
 

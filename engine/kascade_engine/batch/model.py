@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kascade_engine.batch import attention
 from kascade_engine.batch.families import Family, family_of, head_dim, rope_params, sliding_windows
 from kascade_engine.batch.kvcache import ForwardBatch, SequenceKV
 
@@ -49,14 +50,11 @@ class LlamaShape:
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     dt = x.dtype
+    if dt == torch.float32 and w.dtype == dt:  # one fused op; the same formula as below in float32
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
     x32 = x.to(torch.float32)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return w * x32.to(dt)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
 
 
 def _linear(x: torch.Tensor, w: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -95,6 +93,7 @@ class LlamaModel:
         self.device = torch.device(device)
         self.weights: dict[str, dict[str, torch.Tensor]] = {}
         self._staging: torch.Tensor | None = None  # pinned host buffer for CUDA uploads
+        self._upload: torch.cuda.Stream | None = None  # CUDA: the side stream blocks are uploaded on
         self.inv_freq = rope_inv_freq(cfg, self.device)
         # tensor parallel (tp/): sums a row-parallel projection's partial output over the ranks, in place
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -112,21 +111,28 @@ class LlamaModel:
 
     def _to_cuda(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Host block -> one pinned staging buffer (reused, grown to the largest block) -> device, copied
-        asynchronously and synchronized once per block; the host block can be dropped afterwards.
+        asynchronously on a side stream (`_upload`: the decode steps on the default stream do not wait behind
+        it) and synchronized once per block on that stream only; the default stream waits for it before the
+        block's first use. The host block can be dropped afterwards.
         UNVERIFIED on a GPU (no GPU in development): written so every tensor names its device."""
         total = sum(-(-v.numel() * v.element_size() // 64) * 64 for v in tensors.values())  # 64-byte aligned
         if self._staging is None or self._staging.numel() < total:
             self._staging = torch.empty(total, dtype=torch.uint8, device="cpu", pin_memory=True)
+        if self._upload is None:
+            self._upload = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
         out: dict[str, torch.Tensor] = {}
         off = 0
-        for name, v in tensors.items():
-            n = v.numel() * v.element_size()
-            host = self._staging[off:off + n]
-            host.copy_(v.contiguous().view(-1).view(torch.uint8))
-            dev = host.to(device=self.device, non_blocking=True).view(v.dtype).view(v.shape)
-            out[name] = dev.to(self.dtype)
-            off += -(-n // 64) * 64
-        torch.cuda.synchronize(self.device)  # the staging buffer is reused by the next block
+        with torch.cuda.stream(self._upload):
+            for name, v in tensors.items():
+                n = v.numel() * v.element_size()
+                host = self._staging[off:off + n]
+                host.copy_(v.contiguous().view(-1).view(torch.uint8))
+                dev = host.to(device=self.device, non_blocking=True).view(v.dtype).view(v.shape)
+                out[name] = dev.to(self.dtype)
+                off += -(-n // 64) * 64
+        self._upload.synchronize()  # the staging buffer is reused by the next block
+        for t in out.values():  # allocated on the side stream, used on the default one from now on
+            t.record_stream(torch.cuda.current_stream(self.device))
         return out
 
     def resident(self, block_id: str) -> bool:
@@ -164,9 +170,14 @@ class LlamaModel:
         return F.linear(x, w).float()
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and the signed sin [N, 1, head_dim] of the step, once per step: x * cos + roll(x) * sin is
+        transformers' x * cos + rotate_half(x) * sin exactly (rotate_half(x) = roll(x, d/2) with the first half
+        negated; the sign sits in sin), in two ops fewer per tensor."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
+        sin = emb.sin()
+        sin[:, :freqs.shape[1]].neg_()
+        return emb.cos().to(self.dtype)[:, None, :], sin.to(self.dtype)[:, None, :]
 
     @torch.inference_mode()
     def run_layers(self, a: int, b: int, hidden: torch.Tensor, kv: ForwardBatch | SequenceKV,
@@ -189,6 +200,8 @@ class LlamaModel:
         N = x.shape[0]
         if batch.rope is None:
             batch.rope = self._rope(batch.positions)
+            if batch.decode is not None and attention.backend(self.device) == "flashinfer":
+                attention.plan_flashinfer(batch.decode, s.heads, s.kv_heads, s.head_dim, self.dtype, self.windows)
         cos, sin = batch.rope
         for i in range(a, b):
             w = self._need(f"layer.{i}")
@@ -199,10 +212,11 @@ class LlamaModel:
             if fam.qk_norm:
                 q = _rms(q, w["self_attn.q_norm.weight"], s.eps)
                 k = _rms(k, w["self_attn.k_norm.weight"], s.eps)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            half = s.head_dim // 2
+            q = q * cos + q.roll(half, -1) * sin
+            k = k * cos + k.roll(half, -1) * sin
             batch.cache.write(i, batch.slots, k, v)
-            attn = self._attend(i, q, batch)
+            attn = self._attend(i, q, k, v, batch)
             o = _linear(attn, w, "self_attn.o_proj")
             x = x + (o if self.reduce is None else self.reduce(o))
             h = _rms(x, w["post_attention_layernorm.weight"], s.eps)
@@ -211,27 +225,33 @@ class LlamaModel:
             x = x + (m if self.reduce is None else self.reduce(m))
         return x
 
-    def _attend(self, layer: int, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        s = self.shape
+    def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        """q [N, heads, D] (k, v: this layer's new K/V, already in the cache) -> [N, heads * D] (attention.py)."""
+        s, window = self.shape, self.windows[layer]
+        if batch.fresh and window is None:
+            return attention.fresh(q, k, v)
         N, width = q.shape[0], s.heads * s.head_dim
-        gqa = s.heads != s.kv_heads
+        d = batch.decode
+        if d is not None and d.first == 0 and d.rows is None and d.batch == N:
+            return attention.decode(q, batch, d, layer, window)  # all decodes
+        out = torch.empty(N, width, dtype=q.dtype, device=q.device)
+        if d is not None:
+            o = attention.decode(q[d.first:d.first + d.batch] if d.rows is None else q.index_select(0, d.rows),
+                                 batch, d, layer, window)
+            if d.rows is None:
+                out[d.first:d.first + d.batch] = o
+            else:
+                out.index_copy_(0, d.rows, o)
         flat = q.reshape(N, width)
-        out: torch.Tensor | None = None
         for g in batch.groups:
-            k, v = batch.cache.gather(layer, g.index)
+            o = attention.padded(flat, batch, g, layer, window, s.heads)
             r0, r1 = g.rows
-            qg = flat[r0:r1] if g.src is None else flat.index_select(0, g.src)
-            qg = qg.view(g.batch, g.q_len, s.heads, s.head_dim).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask_for(self.windows[layer]), enable_gqa=gqa)
-            o = o.transpose(1, 2).reshape(g.batch * g.q_len, width)
             if g.src is None and r1 - r0 == N:
-                return o  # one group covers the whole step (all decodes, or one prefill)
-            if out is None:
-                out = torch.empty(N, width, dtype=o.dtype, device=o.device)
+                return o  # one group covers the whole step (one prefill chunk)
             if g.src is None:
                 out[r0:r1] = o
             else:
                 assert g.keep is not None and g.dest is not None
                 out.index_copy_(0, g.dest, o.index_select(0, g.keep))
-        assert out is not None, "a step with tokens has at least one attention group"
         return out

@@ -4,7 +4,9 @@ clients send (repetition / frequency / presence penalties, min_tokens), applied 
 at once.
 
 Data flow: a step's logits [B, V] -> `adjust` (only rows whose request needs it: penalties over the
-tokens seen so far, stop tokens masked until min_tokens) -> argmax (greedy rows) or `sample` per row.
+tokens seen so far, stop tokens masked until min_tokens) -> argmax (greedy rows), `sample_rows` for every
+unseeded sampling row at once on the device, or `sample` per row with the request's seeded CPU generator
+-> one device -> host copy of the step's tokens.
 With default parameters no row is touched, so greedy output stays the model's own argmax.
 """
 
@@ -93,6 +95,22 @@ def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None 
     return int(torch.multinomial(probs, 1, generator=gen).item())
 
 
+def sample_rows(logits: torch.Tensor, ps: Sequence[SamplingParams]) -> torch.Tensor:
+    """`logits` [B, V] -> [B] token ids, each row with its own temperature, top-k and top-p, in a fixed number of
+    ops on the logits' device whatever B is (one sort; the device's default generator: rows without a seed).
+    Top-k keeps the k highest-ranked tokens, top-p the smallest prefix of them whose mass reaches p."""
+    dev = logits.device
+    v = logits.shape[-1]
+    temp = torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev)[:, None]
+    k = torch.tensor([p.top_k if 0 < p.top_k < v else v for p in ps], dtype=torch.long, device=dev)[:, None]
+    top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev)[:, None]
+    sv, si = torch.sort(logits.float() / temp, dim=-1, descending=True)
+    rank = torch.arange(v, device=dev)[None, :]
+    probs = torch.softmax(sv.masked_fill(rank >= k, float("-inf")), dim=-1)
+    probs = probs.masked_fill((torch.cumsum(probs, -1) - probs >= top_p) & (rank > 0), 0.0)
+    return si.gather(1, torch.multinomial(probs, 1))[:, 0]
+
+
 def stops_here(p: SamplingParams, tok: int, eos: int | None, generated: int) -> bool:
     """Whether `tok`, the request's `generated`-th token, ends it (EOS unless ignore_eos; a stop token id),
     never before min_tokens."""
@@ -145,11 +163,17 @@ def pick(logits: torch.Tensor, reqs: Sequence[Sampled | tuple[SamplingParams, to
         logits = logits.clone()
         rows = [(r.params, r.prompt, r.out) for r in (reqs[j] for j in fix) if not isinstance(r, tuple)]
         logits[fix] = adjust(logits[fix], rows, eos).to(logits.dtype)
-    greedy = logits.argmax(dim=-1).tolist()
-    out = []
-    for j, r in enumerate(reqs):
-        p, gen = r if isinstance(r, tuple) else (r.params, r.gen)
-        out.append(greedy[j] if p.temperature <= 0 else sample(logits[j].float().cpu(), p, gen))
+    params = [r[0] if isinstance(r, tuple) else r.params for r in reqs]
+    gens = [r[1] if isinstance(r, tuple) else r.gen for r in reqs]
+    picked = logits.argmax(dim=-1)
+    free = [j for j, p in enumerate(params) if p.temperature > 0 and gens[j] is None]
+    if free:  # unseeded sampling rows: one vectorised draw on the logits' device
+        idx = torch.tensor(free, dtype=torch.long, device=logits.device)
+        picked = picked.index_copy(0, idx, sample_rows(logits.index_select(0, idx), [params[j] for j in free]))
+    out: list[int] = picked.tolist()  # the step's one device -> host copy of tokens
+    for j, p in enumerate(params):
+        if p.temperature > 0 and gens[j] is not None:  # a seed: its own CPU generator, same tokens on any device
+            out[j] = sample(logits[j].float().cpu(), p, gens[j])
     want = [j for j, r in enumerate(reqs) if not isinstance(r, tuple) and r.params.logprobs is not None]
     if want:
         lps = torch.log_softmax(raw[want].float(), dim=-1).cpu()

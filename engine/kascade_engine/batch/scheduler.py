@@ -174,6 +174,7 @@ class Scheduler:
         work: list[Work] = []
         scheduled: set[str] = set()
         preempted: list[str] = []
+        dec_n = dec_keys = 0
         for s in sorted(self.running.values(), key=lambda s: s.total - s.computed > 1):  # decodes first
             if budget <= 0 or len(scheduled) >= self.limits.max_seqs:
                 break
@@ -181,6 +182,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             n = min(s.total - s.computed, budget)
             if n > 1:  # a prefill chunk (decodes are never capped)
+                b.shape, dec_n, dec_keys = b.shape.with_decodes(dec_n, dec_keys), 0, 0  # the decodes before it
                 n = b.timed(s.computed, min(n, b.prefill_left)) if b.prefill_left > 0 else 0
                 if n <= 0:
                     continue
@@ -199,7 +201,11 @@ class Scheduler:
             work.append(Work(s.id, s.computed, n))
             scheduled.add(s.id)
             budget -= n
-            b.shape = b.shape.with_decode(s.computed + 1) if n == 1 else b.shape.with_chunk(s.computed, n)
+            if n == 1:  # counted, and added to the step's shape in one go (64 decodes: one object, not 64)
+                dec_n, dec_keys = dec_n + 1, max(dec_keys, s.computed + 1)
+            else:
+                b.shape = b.shape.with_chunk(s.computed, n)
+        b.shape = b.shape.with_decodes(dec_n, dec_keys)
         while self.waiting and not preempted and budget > 0 and b.prefill_left > 0 and \
                 len(self.running) + len(self.parked) < self.limits.max_seqs:
             s = self.waiting[0]

@@ -55,6 +55,13 @@ class StepShape:
         return StepShape(self.decodes + 1, max(self.decode_key_max, keys), self.prompt_tokens, self.prefill_seqs,
                          self.prefill_key_max)
 
+    def with_decodes(self, count: int, keys: int) -> StepShape:
+        """This shape plus `count` decodes, the longest attending to `keys` positions (one object for a batch)."""
+        if not count:
+            return self
+        return StepShape(self.decodes + count, max(self.decode_key_max, keys), self.prompt_tokens, self.prefill_seqs,
+                         self.prefill_key_max)
+
     def with_chunk(self, start: int, n: int) -> StepShape:
         """This shape plus a prefill chunk of `n` tokens from position `start`."""
         return StepShape(self.decodes, self.decode_key_max, self.prompt_tokens + n, self.prefill_seqs + 1,
