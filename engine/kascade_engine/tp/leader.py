@@ -53,8 +53,9 @@ class TPEngine(Engine):
         ids: list[int] = []
         rows: list[int] = []
         for w in work:
-            ids.extend(self.requests[w.id].tokens[w.start:w.end])
-            if w.end == len(self.requests[w.id].tokens):
+            r = self.requests[w.id]
+            ids.extend(r.span(w.start, w.end))
+            if w.end == r.length:
                 rows.append(len(ids) - 1)
         items = [(list(pool.tables[w.id]), w.start, w.n) for w in work]
         try:
