@@ -83,7 +83,7 @@ COPY --from=project /opt/kascade-app /opt/kascade-app
 # emptyDir (caches: HF_HOME, torch); the .pyc files were compiled at install, none are written
 ENV PATH=/opt/kascade-app/bin:/opt/kascade/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HOME=/tmp
 # the project imports with the dependencies it was locked with
-RUN python -c 'import kascade_cli.main, kascade_engine.server'
+RUN python -c 'import kascade_cli.main, kascade_engine.http.server'
 ARG VERSION=dev
 ARG VARIANT=cuda
 LABEL org.opencontainers.image.title="kascade-engine" org.opencontainers.image.version="$VERSION" \

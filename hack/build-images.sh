@@ -13,7 +13,7 @@
 #   KASCADE_BUILD_CA_FILE=FILE      PEM certificates pip must trust in the build (default: the host's
 #                                   locally added CAs, /usr/local/share/ca-certificates/*.crt)
 # The dependency layer (each Dockerfile's `deps` stage: the base, the user, the locked venv) is built once per
-# key (a hash of the Dockerfile, requirements/ and the base image's ID), tagged kascade-cache/<image>-deps:<key>
+# key (a hash of the Dockerfile's stages up to `project`, requirements/ and the base image's ID), tagged kascade-cache/<image>-deps:<key>
 # and kept as a `docker save` tarball in $KASCADE_CACHE/images/deps: on a machine whose Docker store is gone
 # but whose ~/.cache is kept (CI), `docker load` brings it back and only the project layer is built.
 #   KASCADE_DEPS_CACHE=0            build every stage from the Dockerfile (no kept dependency layer)
@@ -79,7 +79,8 @@ mkdir -p "$DEPS_CACHE"
 # the image the final stage starts from (DEPS): kept, loaded, or built here and kept
 deps_image() {  # image, base, build args...
   local image=$1 base=$2 key tag tar t0; shift 2
-  key=$({ cat "${dockerfile[$image]}"; find requirements -type f | LC_ALL=C sort | xargs cat
+  # the Dockerfile up to the project stage (pybase, build, deps): a change below it keeps the layer
+  key=$({ sed '/^FROM .* AS project$/q' "${dockerfile[$image]}"; find requirements -type f | LC_ALL=C sort | xargs cat
           docker image inspect -f '{{.Id}}' "$base"; echo "${variant[$image]}"; } | sha256sum | cut -c1-16)
   tag=kascade-cache/$image-deps:$key
   tar=$DEPS_CACHE/$image-$key.tar

@@ -231,7 +231,7 @@ load_node() {
   node_current || log "$NODE_TAR did not hold $NODE_IMAGE with key $NODE_KEY: building it"
 }
 save_node() {
-  [ -s "$NODE_TAR" ] && return 0
+  [ "${FORCE:-}" != 1 ] && [ -s "$NODE_TAR" ] && return 0
   rm -f "$KC"/images/node-*.tar  # other keys
   docker save "$NODE_IMAGE" -o "$NODE_TAR.tmp" && mv "$NODE_TAR.tmp" "$NODE_TAR"
   log "saved $NODE_TAR ($(du -h "$NODE_TAR" | cut -f1))"

@@ -86,7 +86,7 @@ class Kind:
 
 
 def _tiny_model() -> None:
-    from kascade_engine.checkpoint import tiny_llama
+    from kascade_engine.weights.checkpoint import tiny_llama
 
     if not (MODELS / "tiny-kind" / "config.json").exists():
         MODELS.mkdir(parents=True, exist_ok=True)
