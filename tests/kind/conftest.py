@@ -143,7 +143,7 @@ def kind_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kind]:
     why = _docker_ok()
     if why:
         unavailable(why)
-    bins = CACHE / "bin" / "current"
+    bins = Path(os.environ.get("KASCADE_KIND_BINS", CACHE / "bin" / "current"))  # kubectl and helm
     for need, hint in ((KIND_BIN, "hack/build-kind.sh"), (bins / "helm", "hack/build-control-plane.sh")):
         if not need.exists():
             unavailable(f"{need} not built: run {hint} (make e2e-kind does)")
