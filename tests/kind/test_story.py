@@ -193,12 +193,13 @@ def test_helm_upgrade_with_unchanged_values_restarts_nothing(release: Kind) -> N
 
 
 def _snapshot(k: Kind) -> tuple[dict[str, int], dict[str, int], dict[str, str]]:
-    """Deployment generations, container restarts per pod, the engine token Secret's data."""
+    """Deployment generations, container restarts per pod, the engine token Secret's data (the operator
+    creates that Secret once; the chart does not render it)."""
     gens = {d["metadata"]["name"]: d["metadata"]["generation"] for d in k.get("-n", NS, "deploy")["items"]}
     restarts = {p["metadata"]["name"]: sum(c.get("restartCount", 0)
                                            for c in p.get("status", {}).get("containerStatuses", []))
                 for p in k.get("-n", NS, "pods")["items"]}
-    token = k.get("-n", NS, "secret", "-l", "app.kubernetes.io/instance=kascade")["items"][0]["data"]
+    token = k.get("-n", NS, "secret", "kascade-engine-token")["data"]  # created once by the operator
     return gens, restarts, token
 
 
@@ -220,7 +221,8 @@ def test_helm_rollback_restarts_nothing(release: Kind) -> None:
 
 
 def test_engine_pod_killed_mid_plan(release: Kind) -> None:
-    """A target engine pod is force-deleted while its ScalePlan runs, with requests flowing: the plan ends
+    """A target engine pod is force-deleted as soon as its ScalePlan names it, with requests flowing (the
+    tiny model's copy takes ~1 s: the kill lands before, during or just after it): the plan ends
     once (Succeeded, or Failed with a message, never both), the pool's Deployment replaces the pod, a new
     plan brings the service to the replicas asked for, and every request is answered."""
     k = release
@@ -268,6 +270,8 @@ def test_engine_pod_killed_mid_plan(release: Kind) -> None:
                if p["metadata"]["name"] not in before), [p.get("status") for p in plans(k)]
     assert target not in [p["metadata"]["name"] for p in pods(k, "app.kubernetes.io/component=engine")]
     assert s["failed"] == 0, gen.failures()[:5]
+    k.kubectl("-n", NS, "scale", "msvc", MSVC, "--replicas=1")  # what the next test scales up from
+    wait(lambda: ready(k) == 1, "back to 1 ready replica", 240, k)
 
 
 def test_operator_leader_killed_mid_plan(release: Kind) -> None:
