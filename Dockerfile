@@ -14,27 +14,35 @@
 # on use with a GPU (triton, cuSOLVER, NVRTC, cuDNN's engine libraries): ~2 GB less. The CUDA base adds
 # the driver-compat layer and NVIDIA_* environment the NVIDIA container toolkit reads.
 ARG BASE=nvidia/cuda:12.8.1-base-ubuntu24.04
+# the runtime dependencies the final stage starts from: the `deps` stage below, or an image of it
+# (hack/build-images.sh builds `--target deps` once per lock and base, keeps it, and passes it here: a code
+# change then builds the small project stage only, not the multi-GB dependency layer)
+ARG DEPS=deps
 
-FROM ${BASE} AS build
-# Python with venv from the base when it has one (python:*, kascade/base), else from the distribution
+# Python with venv from the base when it has one (python:*, kascade/base), else from the distribution;
+# the build venv /opt/build with the hashed build backend (setuptools, wheel)
+FROM ${BASE} AS pybase
 RUN python3 -m venv /opt/build 2>/dev/null || { rm -rf /opt/build && apt-get update \
       && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
       && rm -rf /var/lib/apt/lists/* && python3 -m venv /opt/build; }
 WORKDIR /src
 COPY requirements requirements
-# PEM certificates pip must trust on the way to PyPI (a TLS-intercepting proxy); build stage only
+# PEM certificates pip must trust on the way to PyPI (a TLS-intercepting proxy); build stages only: the
+# bundle pip uses is /opt/build/ca.pem, which no runtime stage copies
 ARG EXTRA_CA_CERTS=""
-# the runtime venv has no pip: the build venv's pip (hashed setuptools/wheel too) installs into it
+ENV PIP_CERT=/opt/build/ca.pem
+RUN cat /etc/ssl/certs/ca-certificates.crt > /opt/build/ca.pem \
+ && if [ -n "$EXTRA_CA_CERTS" ]; then printf '%s\n' "$EXTRA_CA_CERTS" >> /opt/build/ca.pem; fi \
+ && /opt/build/bin/pip install --no-cache-dir --disable-pip-version-check --require-hashes -r requirements/build.lock
+
+# the dependencies: a pip-less venv, installed by the build venv's pip
+FROM pybase AS build
 RUN set -eu; py=$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])'); \
     lock=requirements/py$py/engine.lock; \
     [ -f "$lock" ] || { echo "no $lock: this base has CPython $py; add it to LOCK_PYTHONS in hack/lock.sh" >&2; exit 1; }; \
-    if [ -n "$EXTRA_CA_CERTS" ]; then cat /etc/ssl/certs/ca-certificates.crt > /tmp/ca.pem; \
-      printf '%s\n' "$EXTRA_CA_CERTS" >> /tmp/ca.pem; export PIP_CERT=/tmp/ca.pem; fi; \
-    /opt/build/bin/pip install --no-cache-dir --disable-pip-version-check --require-hashes -r requirements/build.lock; \
     python3 -m venv --without-pip /opt/kascade; \
     /opt/build/bin/pip --python /opt/kascade/bin/python install --no-cache-dir --disable-pip-version-check \
-      --no-deps --only-binary :all: --require-hashes -r "$lock"; \
-    rm -f /tmp/ca.pem
+      --no-deps --only-binary :all: --require-hashes -r "$lock"
 ARG VARIANT=cuda
 RUN set -eu; case "$VARIANT" in \
       cuda) ;; \
@@ -44,32 +52,38 @@ RUN set -eu; case "$VARIANT" in \
         rm -f "$sp"/nvidia/cudnn/lib/libcudnn_*.so.9 ;; \
       *) echo "VARIANT=$VARIANT: cuda or cpu" >&2; exit 1 ;; \
     esac
-# the venv finds the project in /opt/kascade-app (a .pth): the project is its own small layer, so a
-# code change rebuilds seconds of the image, not the multi-GB dependency layer
+# the venv finds the project in /opt/kascade-app (a .pth): the project is its own small layer
 RUN sp=$(/opt/kascade/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
  && echo /opt/kascade-app > "$sp/kascade-app.pth"
 
-# the project itself, pure Python, --no-deps: the lock decided every dependency. The context is an
-# allowlist (.dockerignore): the package directories pyproject.toml names, nothing else.
-FROM build AS project
-COPY . .
-RUN /opt/build/bin/pip wheel --no-cache-dir --disable-pip-version-check --no-deps --no-build-isolation -w /tmp/wheels . \
- && /opt/build/bin/pip --python /opt/kascade/bin/python install --no-cache-dir --disable-pip-version-check \
-      --no-deps --no-compile --target /opt/kascade-app /tmp/wheels/kascade-*.whl \
- && /opt/kascade/bin/python -m compileall -q /opt/kascade-app \
- && PATH=/opt/kascade-app/bin:$PATH /opt/kascade/bin/python -c 'import kascade_cli.main, kascade_engine.server' \
- && rm -rf /tmp/wheels
-
-FROM ${BASE}
+# the runtime's dependency layer: the base, the user, the venv (no pip, no compiler, no build venv)
+FROM ${BASE} AS deps
 RUN { command -v python3 >/dev/null || { apt-get update \
       && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3 ca-certificates \
       && rm -rf /var/lib/apt/lists/*; }; } \
  && useradd --uid 65532 --user-group --no-create-home --home-dir /tmp --shell /usr/sbin/nologin kascade
 COPY --from=build /opt/kascade /opt/kascade
+
+# the project itself, pure Python, --no-deps: the lock decided every dependency. The context is an
+# allowlist (.dockerignore): the package directories pyproject.toml names, nothing else. It does not need
+# the dependencies (a code change builds this stage and the last one only); the empty venv /opt/kascade
+# gives the console scripts the runtime's interpreter.
+FROM pybase AS project
+COPY . .
+RUN python3 -m venv --without-pip /opt/kascade \
+ && /opt/build/bin/pip wheel --no-cache-dir --disable-pip-version-check --no-deps --no-build-isolation -w /tmp/wheels . \
+ && /opt/build/bin/pip --python /opt/kascade/bin/python install --no-cache-dir --disable-pip-version-check \
+      --no-deps --no-compile --target /opt/kascade-app /tmp/wheels/kascade-*.whl \
+ && /opt/kascade/bin/python -m compileall -q /opt/kascade-app \
+ && rm -rf /tmp/wheels
+
+FROM ${DEPS}
 COPY --from=project /opt/kascade-app /opt/kascade-app
 # HOME=/tmp: the chart runs every container as this user with a read-only root filesystem and a /tmp
 # emptyDir (caches: HF_HOME, torch); the .pyc files were compiled at install, none are written
 ENV PATH=/opt/kascade-app/bin:/opt/kascade/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HOME=/tmp
+# the project imports with the dependencies it was locked with
+RUN python -c 'import kascade_cli.main, kascade_engine.http.server'
 ARG VERSION=dev
 ARG VARIANT=cuda
 LABEL org.opencontainers.image.title="kascade-engine" org.opencontainers.image.version="$VERSION" \

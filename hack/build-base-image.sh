@@ -23,11 +23,18 @@ log() { echo "[build-base-image] $(date +%H:%M:%S) $*" >&2; }
 KEY=$(printf '%s\n' "$SUITE" "$MIRROR" "$SECURITY_MIRROR" "$INCLUDE" "$(sha256sum "$0" | cut -c1-64)" | sha256sum | cut -c1-16)
 TARBALL=$CACHE/rootfs-$SUITE-$KEY.tar
 
-if [ "${KASCADE_BASE_REFRESH:-0}" != 1 ] && \
-   [ "$(docker image inspect -f '{{index .Config.Labels "io.kascade.base.key"}}' "$NAME" 2>/dev/null)" = "$KEY" ]; then
-  log "$NAME is current (key $KEY)"
-  echo "$NAME"
-  exit 0
+# the imported image is also kept as a `docker save` tarball: loading it gives the same image ID every time
+# (a new `docker import` would not), so the images' dependency layers built on it stay valid (build-images.sh
+# keys them by the base's ID) when the Docker store is gone but ~/.cache is kept (CI)
+SAVED=$CACHE/base-$SUITE-$KEY.docker.tar
+current() { [ "$(docker image inspect -f '{{index .Config.Labels "io.kascade.base.key"}}' "$NAME" 2>/dev/null)" = "$KEY" ]; }
+if [ "${KASCADE_BASE_REFRESH:-0}" != 1 ]; then
+  current || { [ -s "$SAVED" ] && docker load -q -i "$SAVED" >/dev/null && log "$NAME loaded from $SAVED"; } || true
+  if current; then
+    log "$NAME is current (key $KEY)"
+    echo "$NAME"
+    exit 0
+  fi
 fi
 
 if [ "${KASCADE_BASE_REFRESH:-0}" = 1 ] || [ ! -s "$TARBALL" ]; then
@@ -66,4 +73,6 @@ docker import \
   --change 'CMD ["/bin/bash"]' \
   "$TARBALL" "$NAME" >/dev/null
 log "$NAME imported ($(docker image inspect -f '{{.Size}}' "$NAME" | awk '{printf "%.0f MB", $1/1e6}'))"
+rm -f "$CACHE"/base-"$SUITE"-*.docker.tar
+docker save "$NAME" -o "$SAVED.tmp" && mv "$SAVED.tmp" "$SAVED"
 echo "$NAME"

@@ -12,6 +12,11 @@
 #   --list                          print "<image> <name>" for each of IMAGES and build nothing
 #   KASCADE_BUILD_CA_FILE=FILE      PEM certificates pip must trust in the build (default: the host's
 #                                   locally added CAs, /usr/local/share/ca-certificates/*.crt)
+# The dependency layer (each Dockerfile's `deps` stage: the base, the user, the locked venv) is built once per
+# key (a hash of the Dockerfile's stages up to `project`, requirements/ and the base image's ID), tagged kascade-cache/<image>-deps:<key>
+# and kept as a `docker save` tarball in $KASCADE_CACHE/images/deps: on a machine whose Docker store is gone
+# but whose ~/.cache is kept (CI), `docker load` brings it back and only the project layer is built.
+#   KASCADE_DEPS_CACHE=0            build every stage from the Dockerfile (no kept dependency layer)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 log() { echo "[build-images] $(date +%H:%M:%S) $*" >&2; }
@@ -56,9 +61,45 @@ if [ -z "$ca_file" ] && compgen -G '/usr/local/share/ca-certificates/*.crt' >/de
 fi
 [ -n "$ca_file" ] && ca_args=(--build-arg "EXTRA_CA_CERTS=$(cat "$ca_file")")
 
-# the legacy builder when buildx is absent (a 23+ CLI refuses BuildKit without it; the 20.10 daemon's
-# BuildKit would also try to pull a frontend image)
-docker buildx version >/dev/null 2>&1 || export DOCKER_BUILDKIT=0
+# BuildKit (it skips the stages a build does not need, so a build from a kept dependency image never
+# touches the multi-GB `build` stage): through buildx when the CLI has it; else through a CLI that still
+# speaks BuildKit itself (Debian's docker.io 20.10, /usr/bin/docker, beside a newer static CLI without buildx);
+# else the legacy builder (every stage, cached by the daemon's layer cache only)
+DOCKER=docker
+if docker buildx version >/dev/null 2>&1; then
+  export DOCKER_BUILDKIT=1
+elif [ -x /usr/bin/docker ] && [ "$(/usr/bin/docker version -f '{{.Client.Version}}' 2>/dev/null | cut -d. -f1)" -lt 23 ] 2>/dev/null; then
+  DOCKER=/usr/bin/docker; export DOCKER_BUILDKIT=1
+else
+  export DOCKER_BUILDKIT=0
+fi
+DEPS_CACHE=${KASCADE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kascade}/images/deps
+mkdir -p "$DEPS_CACHE"
+
+# the image the final stage starts from (DEPS): kept, loaded, or built here and kept
+deps_image() {  # image, base, build args...
+  local image=$1 base=$2 key tag tar t0; shift 2
+  # the Dockerfile up to the project stage (pybase, build, deps): a change below it keeps the layer
+  key=$({ sed '/^FROM .* AS project$/q' "${dockerfile[$image]}"; find requirements -type f | LC_ALL=C sort | xargs cat
+          docker image inspect -f '{{.Id}}' "$base"; echo "${variant[$image]}"; } | sha256sum | cut -c1-16)
+  tag=kascade-cache/$image-deps:$key
+  tar=$DEPS_CACHE/$image-$key.tar
+  if docker image inspect "$tag" >/dev/null 2>&1; then echo "$tag"; return; fi
+  t0=$(date +%s)
+  if [ -s "$tar" ]; then
+    docker load -q -i "$tar" >/dev/null
+    log "$tag loaded from $tar in $(( $(date +%s) - t0 )) s"
+  else
+    log "building the dependency layer $tag (minutes: every locked wheel)"
+    $DOCKER build -f "${dockerfile[$image]}" --target deps -t "$tag" "$@" . >"$LOGS/$image-deps.log" 2>&1 || {
+      tail -n 40 "$LOGS/$image-deps.log" >&2; log "$tag failed (full log: $LOGS/$image-deps.log)"; exit 1; }
+    log "$tag built in $(( $(date +%s) - t0 )) s; saving it to $tar"
+    rm -f "$DEPS_CACHE/$image"-*.tar  # other keys
+    docker save "$tag" -o "$tar.tmp" && mv "$tar.tmp" "$tar"
+    log "$tar: $(du -h "$tar" | cut -f1) in $(( $(date +%s) - t0 )) s in all"
+  fi
+  echo "$tag"
+}
 
 for image in $IMAGES; do
   [ -n "${dockerfile[$image]:-}" ] || { log "unknown image $image (operator, engine, engine-cpu)"; exit 2; }
@@ -66,9 +107,12 @@ for image in $IMAGES; do
   args=(--build-arg "BASE=$base" --build-arg "VERSION=$TAG")
   [ -n "${variant[$image]}" ] && args+=(--build-arg "VARIANT=${variant[$image]}")
   t0=$(date +%s)
+  if [ "${KASCADE_DEPS_CACHE:-1}" != 0 ]; then
+    args+=(--build-arg "DEPS=$(deps_image "$image" "$base" "${args[@]}" "${ca_args[@]}")")
+  fi
   log "building ${name[$image]} from ${dockerfile[$image]} on $base"
   blog=$LOGS/$image.log
-  docker build -f "${dockerfile[$image]}" -t "${name[$image]}" "${args[@]}" "${ca_args[@]}" . >"$blog" 2>&1 || {
+  $DOCKER build -f "${dockerfile[$image]}" -t "${name[$image]}" "${args[@]}" "${ca_args[@]}" . >"$blog" 2>&1 || {
     tail -n 40 "$blog" >&2; log "${name[$image]} failed (full log: $blog)"; exit 1; }
   log "${name[$image]}: $(docker image inspect -f '{{.Size}}' "${name[$image]}" | awk '{printf "%.2f GB", $1/1e9}') in $(( $(date +%s) - t0 )) s"
 done

@@ -14,6 +14,9 @@
 #   node        the node image, assembled as `kind build node-image` does (binaries into /usr/bin, images
 #               imported into containerd's store, `docker commit`). kind's own builder cannot be used: it
 #               `ctr content fetch`es every image not among the tarball's four from the registry.
+#   cache       the node image is also kept as a `docker save` tarball ($KASCADE_CACHE/kind/images), keyed by
+#               a hash of these two scripts and the versions: with /var/lib/docker gone (a fresh CI machine
+#               that keeps ~/.cache) `docker load` brings it back in ~30 s and every other stage is skipped.
 # FORCE=1 rebuilds the images (not the Go binaries, which the Go build cache makes cheap anyway).
 set -euo pipefail
 
@@ -217,12 +220,25 @@ EOF
 
 source "$REPO/hack/build-kind-images.sh"
 
+# the node image is current when it carries NODE_KEY; else loaded from its tarball when that was saved
+node_current() {
+  [ "${FORCE:-}" != 1 ] && [ "$(docker image inspect -f '{{index .Config.Labels "kascade.key"}}' "$NODE_IMAGE" 2>/dev/null)" = "$NODE_KEY" ]
+}
+load_node() {
+  node_current && return 0
+  [ "${FORCE:-}" != 1 ] && [ -s "$NODE_TAR" ] || return 0
+  docker load -q -i "$NODE_TAR" >/dev/null
+  node_current || log "$NODE_TAR did not hold $NODE_IMAGE with key $NODE_KEY: building it"
+}
+save_node() {
+  [ "${FORCE:-}" != 1 ] && [ -s "$NODE_TAR" ] && return 0
+  rm -f "$KC"/images/node-*.tar  # other keys
+  docker save "$NODE_IMAGE" -o "$NODE_TAR.tmp" && mv "$NODE_TAR.tmp" "$NODE_TAR"
+  log "saved $NODE_TAR ($(du -h "$NODE_TAR" | cut -f1))"
+}
+
 build_node() {
-  # rebuilt when the base or any cluster image changed (their IDs are recorded in a label)
-  local inputs
-  inputs=$(docker image inspect -f '{{.Id}}' "$BASE_IMAGE" "${CLUSTER_IMAGES[@]}" | sha256sum | cut -c1-16)
-  [ "${FORCE:-}" != 1 ] && [ "$(docker image inspect -f '{{index .Config.Labels "kascade.inputs"}}' "$NODE_IMAGE" 2>/dev/null)" = "$inputs" ] \
-    && return 0
+  node_current && return 0
   local id
   id=$(docker run -d --entrypoint=sleep --security-opt seccomp=unconfined "$BASE_IMAGE" infinity)
   # shellcheck disable=SC2064
@@ -249,7 +265,7 @@ build_node() {
   done
   docker exec "$id" pkill containerd || true
   sleep 1
-  docker commit --change "LABEL kascade.inputs=$inputs" --change 'ENTRYPOINT [ "/usr/local/bin/entrypoint-unprivileged", "/sbin/init" ]' "$id" "$NODE_IMAGE" >/dev/null
+  docker commit --change "LABEL kascade.key=$NODE_KEY" --change 'ENTRYPOINT [ "/usr/local/bin/entrypoint-unprivileged", "/sbin/init" ]' "$id" "$NODE_IMAGE" >/dev/null
 }
 
 # What this needs from the system: Docker (a running daemon), debootstrap, libseccomp-dev (runc), a C
@@ -283,15 +299,24 @@ need_system() {
 # the whole script is read before it runs (editing it mid-build is then harmless)
 main() {
   BASE_IMAGE=$BASE_IMAGE-$(declare -f build_base | sha256sum | cut -c1-8)
+  NODE_KEY=$({ cat "$REPO/hack/build-kind.sh" "$REPO/hack/build-kind-images.sh"
+               echo "$K8S_VERSION $KIND_VERSION $CONTAINERD_VERSION $RUNC_VERSION $CRICTL_VERSION $CNI_VERSION"
+               echo "$COREDNS_VERSION $DEBIAN_SUITE"; } | sha256sum | cut -c1-16)
+  NODE_TAR=$KC/images/node-$K8S_VERSION-$NODE_KEY.tar
+  mkdir -p "$KC/images"
   T0=$SECONDS
   stage system need_system
   stage kind build_kind
-  stage node-tools build_node_tools
-  stage rootfs build_rootfs
-  stage base build_base
-  stage kube-node build_kube_node
-  stage images build_cluster_images
-  stage node build_node
+  stage node-cache load_node
+  if ! node_current; then
+    stage node-tools build_node_tools
+    stage rootfs build_rootfs
+    stage base build_base
+    stage kube-node build_kube_node
+    stage images build_cluster_images
+    stage node build_node
+    stage node-save save_node
+  fi
   log "all done in $((SECONDS - T0)) s; node image $NODE_IMAGE ($(docker image inspect -f '{{.Size}}' "$NODE_IMAGE" 2>/dev/null | awk '{printf "%.0f MB", $1/1e6}'))"
   echo "$NODE_IMAGE"
 }

@@ -69,11 +69,18 @@ fi
 # is checked against on the real API server (tests/router/test_inferencepool.py reads this version)
 log "fetching sigs.k8s.io/gateway-api-inference-extension (InferencePool CRD, Go module cache)"
 (cd / && GOFLAGS= go mod download sigs.k8s.io/gateway-api-inference-extension@v1.1.0)
-if [ "${KASCADE_CONTAINERS:-0}" = 1 ] || [ "${KASCADE_KIND_E2E:-0}" = 1 ]; then
-  # `make images` and the kind e2e: Docker and debootstrap from apt, dockerd started if none answers.
-  # Opt-in: `make check` runs neither by default (see check-kind in the Makefile for why)
+# the kind e2e runs in CI (make check-kind) or with KASCADE_KIND_E2E=1; KASCADE_KIND_E2E=0 turns it off
+kind_e2e=${KASCADE_KIND_E2E:-$([ "${CI:-}" = true ] && echo 1 || echo 0)}
+if [ "${KASCADE_CONTAINERS:-0}" = 1 ] || [ "$kind_e2e" = 1 ]; then
+  # `make images` and the kind e2e: Docker and debootstrap from apt, dockerd started if none answers
   log "containers: Docker and debootstrap (hack/docker-up.sh)"
   bash hack/docker-up.sh
+fi
+if [ "$kind_e2e" = 1 ]; then
+  # kind, containerd, runc, crictl, CNI plugins, kubelet, kubeadm, kube-proxy: Go builds sharing the control
+  # plane's build cache (before CI cleans it below); the node image itself is `make e2e-kind`'s first step
+  log "kind e2e: Go binaries for the kind node image (hack/build-kind.sh, cached after the first time)"
+  ONLY="system kind node-tools kube-node" bash hack/build-kind.sh >/dev/null
 fi
 if [ "${CI:-}" = true ]; then
   # the binaries are built; CI's machine never rebuilds them, so the Go build cache (GBs) goes

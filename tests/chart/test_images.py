@@ -48,6 +48,13 @@ def final_stage(dockerfile: Path) -> list[tuple[str, str]]:
     return ins[last:]
 
 
+def stage(dockerfile: Path, name: str) -> list[tuple[str, str]]:
+    ins = instructions(dockerfile)
+    first = next(i for i, (op, rest) in enumerate(ins) if op == "FROM" and rest.endswith(f" AS {name}"))
+    end = next((i for i in range(first + 1, len(ins)) if ins[i][0] == "FROM"), len(ins))
+    return ins[first:end]
+
+
 def exposed(dockerfile: Path) -> set[int]:
     return {int(p.split("/")[0]) for op, rest in final_stage(dockerfile) if op == "EXPOSE" for p in rest.split()}
 
@@ -79,10 +86,15 @@ def test_image_is_multi_stage_non_root_and_copies_what_exists(image: str) -> Non
     # it (else `kascade <cmd>` cannot import it) - test_dockerignore_* checks the allowlist
     copied = {rest.split()[0] for op, rest in ins if op == "COPY" and "--from" not in rest}
     assert "." in copied and "requirements" in copied, copied
-    # only the final stage's COPY --from brings anything from the build stages: the dependencies' venv,
-    # then the project (its own small layer: a code change does not rebuild the multi-GB one)
-    assert [rest for op, rest in final_stage(df) if op == "COPY"] == [
-        "--from=build /opt/kascade /opt/kascade", "--from=project /opt/kascade-app /opt/kascade-app"]
+    # what reaches the runtime from the build stages: the dependencies' venv into the `deps` stage (the
+    # layer hack/build-images.sh keeps per lock), the final stage from it (DEPS) with the project on top (its
+    # own small layer: a code change does not rebuild the multi-GB one)
+    assert [rest for op, rest in stage(df, "deps") if op == "COPY"] == ["--from=build /opt/kascade /opt/kascade"]
+    assert final_stage(df)[0] == ("FROM", "${DEPS}") and ("ARG", "DEPS=deps") in ins
+    project = "--from=project /opt/kascade-app /opt/kascade-app"
+    assert [rest for op, rest in final_stage(df) if op == "COPY"] == [project]
+    # the project stage does not start from the dependencies (else a code change would need them built)
+    assert [rest for op, rest in ins if op == "FROM" and rest.endswith(" AS project")] == ["pybase AS project"]
     pip = [rest for op, rest in ins if op == "RUN" and "pip" in rest and " install " in rest]
     # the lock is the base interpreter's: requirements/py<X.Y>/<image>.lock, hashes required
     assert any("--require-hashes" in r and f"lock=requirements/py$py/{image}.lock" in r and '-r "$lock"' in r

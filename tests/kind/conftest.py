@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,7 +86,7 @@ class Kind:
 
 
 def _tiny_model() -> None:
-    from kascade_engine.checkpoint import tiny_llama
+    from kascade_engine.weights.checkpoint import tiny_llama
 
     if not (MODELS / "tiny-kind" / "config.json").exists():
         MODELS.mkdir(parents=True, exist_ok=True)
@@ -142,7 +143,7 @@ def kind_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kind]:
     why = _docker_ok()
     if why:
         unavailable(why)
-    bins = CACHE / "bin" / "current"
+    bins = Path(os.environ.get("KASCADE_KIND_BINS", CACHE / "bin" / "current"))  # kubectl and helm
     for need, hint in ((KIND_BIN, "hack/build-kind.sh"), (bins / "helm", "hack/build-control-plane.sh")):
         if not need.exists():
             unavailable(f"{need} not built: run {hint} (make e2e-kind does)")
@@ -175,10 +176,13 @@ def kind_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kind]:
                       "-p", '[{"op":"add","path":"/status/capacity/nvidia.com~1gpu","value":"4"}]')
         t1 = time.monotonic()
         _run("docker", "tag", ENGINE_IMAGE, E2E_IMAGE)
-        workers = k.nodes()  # the control plane's taint keeps our pods off it
-        for node in workers:
-            load_image(OPERATOR_IMAGE, node)
-        k.no_engine = engine_load(E2E_IMAGE, ENGINE_NODE)
+        # all at once: each load is mostly the node's containerd writing and unpacking layers
+        with ThreadPoolExecutor() as pool:
+            ops = [pool.submit(load_image, OPERATOR_IMAGE, node) for node in k.nodes()]  # not the control plane
+            eng = pool.submit(engine_load, E2E_IMAGE, ENGINE_NODE)
+            for f in ops:
+                f.result()
+            k.no_engine = eng.result()
         print(f"kind: images loaded in {time.monotonic() - t1:.0f} s")
         yield k
     finally:

@@ -24,6 +24,13 @@ from .conftest import ENGINE_NODE, NS, OPERATOR_IMAGE, REPO, Kind
 
 pytestmark = [pytest.mark.kind, pytest.mark.slow, pytest.mark.timeout(1800)]
 MSVC, MODEL = "tiny", "tiny-kind"
+# every request the story sends, per test: answered, or failed (with its error); printed at the end
+TALLY: dict[str, dict[str, Any]] = {}
+
+
+def tally(test: str, gen: LoadGen) -> dict[str, float]:
+    TALLY[test] = {**gen.summary(), "errors": gen.failures()[:3]}
+    return gen.summary()
 
 
 def wait(pred: Callable[[], Any], what: str, timeout: float = 240, k: Kind | None = None) -> Any:
@@ -124,7 +131,7 @@ def test_burst_through_the_router_service(release: Kind) -> None:
         gen.set_load(0)
     finally:
         gen.stop()
-    s = gen.summary()
+    s = tally("burst_through_the_router_service", gen)
     print(f"kind: burst {s}")
     assert s["requests"] >= 20, s
     assert s["failed"] == 0, gen.failures()[:5]
@@ -165,7 +172,7 @@ def test_scale_down_to_zero_and_back(release: Kind) -> None:
     finally:
         gen.set_load(0)
         gen.stop()
-    s = gen.summary()
+    s = tally("scale_down_to_zero_and_back", gen)
     print(f"kind: back from zero in {time.monotonic() - t0:.1f} s; requests {s}")
     assert s["ok"] >= 1 and s["failed"] == 0, gen.failures()[:5]
 
@@ -174,25 +181,97 @@ def test_helm_upgrade_with_unchanged_values_restarts_nothing(release: Kind) -> N
     """Same values: no Deployment gets a new template (generation), no container restarts, the engine
     token Secret keeps its value (pool pods come and go on their own as the operator binds them)."""
     k = release
-
-    def snapshot() -> tuple[dict[str, int], dict[str, int]]:
-        gens = {d["metadata"]["name"]: d["metadata"]["generation"] for d in k.get("-n", NS, "deploy")["items"]}
-        restarts = {p["metadata"]["name"]: sum(c.get("restartCount", 0)
-                                               for c in p.get("status", {}).get("containerStatuses", []))
-                    for p in k.get("-n", NS, "pods")["items"]}
-        return gens, restarts
-
-    token = k.get("-n", NS, "secret", "-l", "app.kubernetes.io/instance=kascade")["items"]
-    gens, restarts = snapshot()
+    gens, restarts, token = _snapshot(k)
     k.helm("upgrade", "kascade", *helm_args(k))
     time.sleep(15)
-    gens2, restarts2 = snapshot()
+    gens2, restarts2, token2 = _snapshot(k)
     assert gens2 == gens, (gens, gens2)
     assert {n: r for n, r in restarts2.items() if n in restarts} == {
         n: r for n, r in restarts.items() if n in restarts2
     }
-    assert k.get("-n", NS, "secret", "-l", "app.kubernetes.io/instance=kascade")["items"][0]["data"] == \
-        token[0]["data"]
+    assert token2 == token
+
+
+def _snapshot(k: Kind) -> tuple[dict[str, int], dict[str, int], dict[str, str]]:
+    """Deployment generations, container restarts per pod, the engine token Secret's data (the operator
+    creates that Secret once; the chart does not render it)."""
+    gens = {d["metadata"]["name"]: d["metadata"]["generation"] for d in k.get("-n", NS, "deploy")["items"]}
+    restarts = {p["metadata"]["name"]: sum(c.get("restartCount", 0)
+                                           for c in p.get("status", {}).get("containerStatuses", []))
+                for p in k.get("-n", NS, "pods")["items"]}
+    token = k.get("-n", NS, "secret", "kascade-engine-token")["data"]  # created once by the operator
+    return gens, restarts, token
+
+
+def test_helm_rollback_restarts_nothing(release: Kind) -> None:
+    """`helm rollback` to the first revision (same chart, same values): a new revision, Deployed, and no
+    Deployment template, container or engine token changes."""
+    k = release
+    gens, restarts, token = _snapshot(k)
+    k.helm("rollback", "kascade", "1", "-n", NS, "--wait", "--timeout", "300s")
+    history = json.loads(k.helm("history", "kascade", "-n", NS, "-o", "json"))
+    print("kind: helm history", [(h["revision"], h["status"], h.get("description")) for h in history])
+    assert history[-1]["status"] == "deployed" and "Rollback to 1" in history[-1]["description"], history[-1]
+    time.sleep(15)
+    gens2, restarts2, token2 = _snapshot(k)
+    assert gens2 == gens, (gens, gens2)
+    assert {n: r for n, r in restarts2.items() if n in restarts} == {n: r for n, r in restarts.items()
+                                                                      if n in restarts2}
+    assert token2 == token
+
+
+def test_engine_pod_killed_mid_plan(release: Kind) -> None:
+    """A target engine pod is force-deleted as soon as its ScalePlan names it, with requests flowing (the
+    tiny model's copy takes ~1 s: the kill lands before, during or just after it): the plan ends
+    once (Succeeded, or Failed with a message, never both), the pool's Deployment replaces the pod, a new
+    plan brings the service to the replicas asked for, and every request is answered."""
+    k = release
+    need_engine(k)
+    k.kubectl("-n", NS, "scale", "msvc", MSVC, "--replicas=1")
+    wait(lambda: ready(k) == 1, "1 ready replica", 300, k)
+    before = {p["metadata"]["name"] for p in plans(k)}
+    gen = LoadGen(router_url(k), MODEL, prompt=list(range(1, 9)), max_tokens=4, timeout_s=180).start(2)
+    try:
+        gen.set_load(2, think_s=0.2)
+        k.kubectl("-n", NS, "scale", "msvc", MSVC, "--replicas=2")
+        end = time.monotonic() + 120
+        plan: dict = {}
+        while not plan and time.monotonic() < end:  # the first moment the new plan names its target
+            plan = next((p for p in plans(k) if p["metadata"]["name"] not in before and p["spec"].get("targets")), {})
+            time.sleep(0.2)
+        assert plan, "no new ScalePlan with a target"
+        target = plan["spec"]["targets"][0].get("pod") or plan["spec"]["targets"][0]["instance"]
+        phase_then = plan.get("status", {}).get("phase")
+        k.kubectl("-n", NS, "delete", "pod", target, "--grace-period=0", "--force", "--wait=false")
+        name = plan["metadata"]["name"]
+        phases: list[str] = []
+
+        def terminal() -> bool:
+            ph = k.get("-n", NS, "splan", name).get("status", {}).get("phase")
+            if ph and (not phases or phases[-1] != ph):
+                phases.append(ph)
+            return ph in ("Succeeded", "Failed")
+
+        wait(terminal, f"ScalePlan {name} to end", 240, k)
+        wait(lambda: ready(k) == 2, "2 ready replicas after the target pod was killed", 300, k)
+        time.sleep(3)
+        final = k.get("-n", NS, "splan", name)["status"]
+        time.sleep(5)
+        assert k.get("-n", NS, "splan", name)["status"]["phase"] == final["phase"], "the plan ended twice"
+        if final["phase"] == "Failed":
+            assert final.get("message"), final
+    finally:
+        gen.set_load(0)
+        gen.stop()
+    s = tally("engine_pod_killed_mid_plan", gen)
+    print(f"kind: killed {target} (plan {name} was {phase_then}); phases seen {phases}; final {final}; "
+          f"requests {s}")
+    assert all(p.get("status", {}).get("phase") in ("Succeeded", "Failed") for p in plans(k)
+               if p["metadata"]["name"] not in before), [p.get("status") for p in plans(k)]
+    assert target not in [p["metadata"]["name"] for p in pods(k, "app.kubernetes.io/component=engine")]
+    assert s["failed"] == 0, gen.failures()[:5]
+    k.kubectl("-n", NS, "scale", "msvc", MSVC, "--replicas=1")  # what the next test scales up from
+    wait(lambda: ready(k) == 1, "back to 1 ready replica", 240, k)
 
 
 def test_operator_leader_killed_mid_plan(release: Kind) -> None:
@@ -267,7 +346,7 @@ def test_drain_a_worker_loses_no_request(release: Kind) -> None:
         gen.set_load(0)
         gen.stop()
         k.kubectl("uncordon", node, check=False)
-    s = gen.summary()
+    s = tally("drain_a_worker_loses_no_request", gen)
     print(f"kind: drain of {node}: fewest Ready {low}; requests {s}")
     assert min(low.values()) >= 1, low
     assert s["failed"] == 0, gen.failures()[:5]
@@ -283,6 +362,8 @@ def test_helm_uninstall(release: Kind) -> None:
     crds = k.kubectl("get", "crd", "-o", "name")
     fin = k.get("-n", NS, "msvc", MSVC)["metadata"].get("finalizers")
     print(f"kind: after uninstall, in {NS}:\n{left}\nCRDs:\n{crds}\nModelService finalizers: {fin}")
+    total = {x: sum(int(t[x]) for t in TALLY.values()) for x in ("requests", "ok", "failed")}
+    print(f"kind: requests over the story: {total}; per test: {json.dumps(TALLY)}")
     assert "deployment.apps/" not in left
     for r in k.kubectl("-n", NS, "get", "msvc,splan", "-o", "name").split():
         k.kubectl("-n", NS, "patch", r, "--type=merge", "-p", '{"metadata":{"finalizers":null}}', check=False)
