@@ -23,7 +23,7 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
-from kascade_operator import converter, enginetoken, hostcopykeeper, plandriver, rolesync, serving_gate
+from kascade_operator import converter, enginetoken, hostcopykeeper, plandriver, rolesync, rounds, serving_gate
 from kascade_operator import labels as L
 from kascade_operator.api import ModelServiceSpec
 from kascade_operator.decide import RoleDecision, RoleInput, decide_roles
@@ -132,6 +132,7 @@ async def _reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) ->
         problems.append(field_errors(e))
     if problems:
         await _refuse(rt, body, problems)
+        rt.steady[(ns, name)] = (rt.settings.interval_seconds, True)  # a spec change (kopf update) retries
         return None
     rt.invalid_seen.pop((ns, name), None)
     # per-role scale handles (ModelServiceRole: HPA/KEDA per role) set the roles' desired counts
@@ -159,7 +160,9 @@ async def _reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) ->
         else:
             assert rt.scraper is not None
             ready = {p.instance: p.endpoint for p in serving if p.ready and p.endpoint}
-            snap = snapshot(await rt.scraper.collect(ready, rkey), now)
+            # the shared sweep's view (no HTTP when fresh); without one (rounds driven directly) a scrape now
+            loads = await (rt.view.collect(ready, rkey) if rt.view is not None else rt.scraper.collect(ready, rkey))
+            snap = snapshot(loads, now)
         inputs.append(RoleInput(role, len(serving), b.min, b.max, snap, rt.below_since.get(rkey)))
     rnd = decide_roles(spec, inputs, trigger, sources=role_sources)
     await converter.sync(rt, body, spec, key, pods, inputs)  # disaggregated: convertible decoders (TokenScale)
@@ -207,8 +210,15 @@ async def _reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) ->
     # never zero host copies of the model while it is served: ask one serving engine when the pool keeps none
     # (the pods this round drained count as draining: their releases keep one, next round)
     drains = {a.pod for a in res.actions if isinstance(a, Drain)}
-    await hostcopykeeper.ensure(rt, body, spec.model.name, key,
-                                [replace(p, draining=True) if p.pod_name in drains else p for p in pods], pool_ns)
+    asked = await hostcopykeeper.ensure(rt, body, spec.model.name, key,
+                                        [replace(p, draining=True) if p.pod_name in drains else p for p in pods],
+                                        pool_ns)
+    # steady: nothing moves until an input changes, so the next round waits for a change or the resync
+    rt.steady[(ns, name)] = (interval, not res.actions and not changes and not res.progressing and not res.short
+                             and asked is None and rt.view is not None and not release_last
+                             and all(b.min >= 1 and rt.below_since.get((ns, name, r)) is None
+                                     for r, b in bounds.items())
+                             and not any(p.model_service == key and p.draining for p in pods))
     await serving_gate.sync(rt.kube, pool_ns, await rt.pool_pods(pool_ns))  # readiness gate follows the binding
     # a source the engines cannot fetch (an hf:// download failed) is the cause to show first
     blocker = source_blocker(raw_plans, name, checkpoint_path(spec)) or blocker
@@ -350,6 +360,17 @@ async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods:
     return None
 
 
+async def queued_round(rt: Runtime, key: Any) -> None:
+    """A round the work queue asked for (rounds.py): the service as the watch last showed it."""
+    ns, name = key
+    body = next(iter((rt.service_index or {}).get(key, ())), None)
+    if body is None:
+        rounds.forget(rt, ns, name)  # deleted (or not ours any more)
+        return
+    await reconcile_service(rt, body, "timer")  # raising: the queue retries it with backoff
+    rounds.after_round(rt, ns, name)
+
+
 def _slim_pod(body: Any) -> dict[str, Any]:
     """What the operator reads of a pool pod (the index holds hundreds of them)."""
     meta, spec, status = body["metadata"], body.get("spec") or {}, body.get("status") or {}
@@ -408,12 +429,21 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
     # Watch-fed state (kopf indexes): reconcile rounds read pods, plans and nodes from memory, not from
     # the API server; kopf fills the indexes before any other handler runs.
     # (explicit ids: kopf passes each index to handlers as a kwarg named by its id)
+    # Every round after a service's first comes from the work queue (rounds.py); these indexers, which see
+    # every change of a pool pod and a ScalePlan anyway, wake the service a bound pod or a plan belongs to
+    # (kopf handlers per event would cost a handler invocation and an INFO line each).
     @kopf.index("pods", labels={L.POOL: kopf.PRESENT}, registry=reg, id="pool_pods")
-    def pool_pods(namespace: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
+    def pool_pods(namespace: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> dict[str, dict[str, Any]]:
+        svc = (body["metadata"].get("labels") or {}).get(L.MODEL_SERVICE)
+        if svc and getattr(memo, "rt", None) is not None:
+            rounds.wake(memo.rt, (body["metadata"].get("annotations") or {}).get(L.SERVICE_NS) or namespace, svc)
         return {namespace: _slim_pod(body)}
 
     @kopf.index(**splan, id="scaleplans")
-    def scaleplans(namespace: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
+    def scaleplans(namespace: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> dict[str, dict[str, Any]]:
+        ref = ((body.get("spec") or {}).get("modelServiceRef") or {}).get("name")
+        if ref and getattr(memo, "rt", None) is not None:
+            rounds.wake(memo.rt, namespace, ref)
         return {namespace: {"metadata": dict(body["metadata"]), "spec": dict(body.get("spec") or {}),
                             "status": dict(body.get("status") or {})}}
 
@@ -423,6 +453,10 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         return {ALL: {"metadata": {"name": meta["name"], "labels": dict(meta.get("labels") or {})},
                       "status": {"allocatable": dict(status.get("allocatable") or {}),
                                  "capacity": dict(status.get("capacity") or {})}}}
+
+    @kopf.index(**ms, id="modelservices")
+    def modelservices(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+        return {(namespace, name): dict(body)}  # what a queued round reconciles
 
     @kopf.index(**mrole, id="role_objects")
     def role_objects(namespace: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
@@ -435,29 +469,36 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
             if "pool_pods" not in kw:
                 raise kopf.PermanentError("kopf did not pass the pool_pods index; handlers cannot read state")
             rt.attach(kw["pool_pods"], kw["scaleplans"], kw["gpu_nodes"], kw.get("role_objects"))
+            rt.service_index = kw.get("modelservices")
+            rounds.start(rt, lambda key: queued_round(rt, key))  # the indexes the rounds read are filled now
         return rt
 
     @kopf.on.resume(**mrole)
     @kopf.on.create(**mrole)
     @kopf.on.update(**mrole)
     async def on_role_object(body: kopf.Body, memo: kopf.Memo, **kw: Any) -> None:
-        await rolesync.orphan(rt_of(memo, kw), dict(body))  # one whose ModelService exists: its rounds
+        rt = rt_of(memo, kw)
+        await rolesync.orphan(rt, dict(body))  # one whose ModelService exists: its rounds
+        ref = ((body.get("spec") or {}).get("modelServiceRef") or {}).get("name")
+        if ref:
+            rounds.wake(rt, body["metadata"]["namespace"], ref)
 
     @kopf.on.resume(**ms)
     @kopf.on.create(**ms)
     @kopf.on.update(**ms)
     async def on_service(body: kopf.Body, memo: kopf.Memo, reason: str, **kw: Any) -> None:
-        await reconcile_service(rt_of(memo, kw), dict(body), str(reason))
-
-    @kopf.timer(**ms, interval=settings.interval_seconds, sharp=True)
-    async def on_tick(body: kopf.Body, memo: kopf.Memo, **kw: Any) -> None:
-        await reconcile_service(rt_of(memo, kw), dict(body), "timer")
+        rt = rt_of(memo, kw)
+        try:
+            await reconcile_service(rt, dict(body), str(reason))
+        finally:
+            rounds.after_round(rt, body["metadata"]["namespace"], body["metadata"]["name"])
 
     @kopf.on.delete(**ms)
     async def on_delete(body: kopf.Body, memo: kopf.Memo, **kw: Any) -> None:
         rt = rt_of(memo, kw)
         async with rt.lock(body["metadata"]["namespace"], "modelservice/" + body["metadata"]["name"]):
             await plandriver.release_all(rt, dict(body))
+        rounds.forget(rt, body["metadata"]["namespace"], body["metadata"]["name"])
 
     # a plan's daemon stops when its phase turns terminal: signalled first (the driver returns on its own
     # within one poll), cancelled only after cancellation_backoff
