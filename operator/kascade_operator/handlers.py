@@ -214,12 +214,18 @@ async def _reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) ->
     asked = await hostcopykeeper.ensure(rt, body, spec.model.name, key,
                                         [replace(p, draining=True) if p.pod_name in drains else p for p in pods],
                                         pool_ns)
-    # steady: nothing moves until an input changes, so the next round waits for a change or the resync
-    rt.steady[(ns, name)] = (interval, not res.actions and not changes and not res.progressing and not res.short
-                             and asked is None and rt.view is not None and not release_last
-                             and all(b.min >= 1 and rt.below_since.get((ns, name, r)) is None
-                                     for r, b in bounds.items())
-                             and not any(p.model_service == key and p.draining for p in pods))
+    # steady: nothing moves until an input changes, so the next round waits for a change or the resync. A
+    # scale-down delay counting at min holds nothing back (min is never undercut); at min 0 the idle clock does.
+    moving = {
+        "actions": bool(res.actions), "changes": bool(changes), "progressing": res.progressing,
+        "short": bool(res.short), "hostCopyAsked": asked is not None, "noSweep": rt.view is None,
+        "releaseLast": bool(release_last), "draining": any(p.model_service == key and p.draining for p in pods),
+        "scaleDownDelay": any(rt.below_since.get((ns, name, i.role)) is not None and i.serving > i.lo
+                              for i in inputs),
+        "minZero": any(b.min < 1 for b in bounds.values()),
+    }
+    rt.steady[(ns, name)] = (interval, not any(moving.values()))
+    log.debug("%s/%s round: %s", ns, name, ", ".join(k for k, v in moving.items() if v) or "steady")
     await serving_gate.sync(rt.kube, pool_ns, await rt.pool_pods(pool_ns))  # readiness gate follows the binding
     # a source the engines cannot fetch (an hf:// download failed) is the cause to show first
     blocker = source_blocker(raw_plans, name, checkpoint_path(spec)) or blocker

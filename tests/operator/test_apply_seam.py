@@ -13,16 +13,18 @@ from enginestub import EngineStub
 from fakekube import FakeKube
 
 from kascade_operator import labels as L
-from kascade_operator import plandriver
+from kascade_operator import plandriver, rounds
 from kascade_operator.api import ModelServiceSpec
 from kascade_operator.engine_client import EngineClient
 from kascade_operator.handlers import apply, reconcile_service
 from kascade_operator.metrics import Scraper
+from kascade_operator.metricsview import MetricsView
 from kascade_operator.operator_metrics import OperatorMetrics
 from kascade_operator.pool import pod_view
 from kascade_operator.reconcile import Release
 from kascade_operator.runtime import Runtime
 from kascade_operator.settings import OperatorSettings
+from kascade_operator.workqueue import WorkQueue
 
 NS, TOKEN = "ns", "seam-token"
 
@@ -465,3 +467,30 @@ async def test_a_scale_down_after_the_keeper_ran_moves_the_copy_to_the_released_
     assert [b for v, b, _ in stubs[0].calls if v == "host-copy"] == [{"keep": True}, {"keep": False}]
     assert stubs[0].model_service == "svc"  # e0 serves on
     assert [e["reason"] for e in kube.events if e["reason"].startswith("HostCopy")] == ["HostCopy", "HostCopyDropped"]
+
+
+async def test_a_service_is_steady_only_once_nothing_moves_and_then_waits_for_the_resync(world: Any) -> None:
+    """Event-driven rounds (rounds.py): while a plan runs the next round is one interval away; once the
+    service holds its count with nothing in flight it is steady, and the next round waits for the resync
+    (or a change that wakes it)."""
+    rt, kube, stubs = world
+    rt.view = MetricsView(rt.scraper, max_age_s=1.0)  # as the operator runs: rounds read the sweep's view
+    rt.queue = WorkQueue(lambda key: asyncio.sleep(0))  # not started: only its due times are read
+    body = service(scaling={"policy": "threshold", "threshold": {"upper": 1000, "lower": 10}})
+    await reconcile_service(rt, body, "create")
+    assert rt.steady[(NS, "svc")][1] is False  # a plan was created
+    rounds.after_round(rt, NS, "svc")
+    assert (rt.queue.due_in((NS, "svc")) or 0) <= 1.0
+    (sp,) = kube.plans.values()
+    for s in stubs:
+        s.phase = "serving"
+    await asyncio.wait_for(plandriver.drive(rt, sp, Stopped()), 10)
+    for _ in range(2):  # the first round after the plan may still see it in flight
+        rt.last_round.clear()
+        await reconcile_service(rt, body, "timer")
+    assert rt.steady[(NS, "svc")][1] is True
+    rt.queue.forget((NS, "svc"))
+    rounds.after_round(rt, NS, "svc")
+    assert (rt.queue.due_in((NS, "svc")) or 0) > rt.settings.resync_seconds - 1
+    rounds.wake(rt, NS, "svc")  # e.g. its metrics changed: due within its interval, not at the resync
+    assert (rt.queue.due_in((NS, "svc")) or 99) <= 1.0
