@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from rich.progress import TaskID
+
+if TYPE_CHECKING:
+    from kascade_sim.hardware import Hardware, ModelSpec
+    from kascade_sim.simulator import SimConfig
+    from kascade_sim.workload import Workload
 
 SYSTEMS = ("kascade", "kascade-noconv", "serverlessllm", "allcache", "lambdascale", "static-peak", "static-average")
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s != "kascade-noconv")
@@ -33,7 +39,8 @@ POS = click.FloatRange(0, min_open=True, max=1e12)
 )
 @click.option("--tp", type=click.IntRange(1, 64), help="GPUs per instance (default: the model preset's).")
 @click.option("--models", "n_models", type=click.IntRange(1, 64), default=1, show_default=True,
-              help="Models sharing the cluster; a trace is replayed for each, shifted in time.")
+              help="Models sharing the cluster; a trace is replayed for each, shifted in time. Colocated, the "
+                   "planner's arbitration decides who gets GPUs (docs/fleet.md).")
 @click.option("--rate", type=click.FloatRange(0, min_open=True, max=1e5), default=1.0, show_default=True,
               help="burstgpt-like: mean requests/s per model.")
 @click.option("--start", type=click.FloatRange(0, max=1e9), default=0.0, help="Window start (s).")
@@ -65,6 +72,12 @@ POS = click.FloatRange(0, min_open=True, max=1e12)
                    "(default: the conversion policy's budget from the TBT SLO and the prefill velocity).")
 @click.option("--pd-policy", type=click.Choice(["threshold", "tokenVelocity"]), default="threshold", show_default=True,
               help="Disaggregated mode: threshold per role, or both counts from the operator's P:D ratio policy.")
+@click.option("--zipf", type=click.FloatRange(0, 8), default=0.0, show_default=True,
+              help="With --models: model k keeps each request with probability (k+1)^-zipf (Zipf popularity, as "
+                   "lambdaScale maps Azure Functions to models); 0: every model sees the whole trace.")
+@click.option("--fleet", is_flag=True,
+              help="Compare one shared fleet (the planner's arbitration across models) with per-model pools, and "
+                   "ServerlessLLM and AllCache on the fleet: GPU time, mean and p99 TTFT (colocated, --models >= 2).")
 @click.option("--seed", type=click.IntRange(0, 2**31), default=0, show_default=True)
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=Path("sim-result.json"), show_default=True)
 @click.option("--per-request", is_flag=True, help="Include every request's arrival, TTFT and TBT in the JSON.")
@@ -100,6 +113,8 @@ def sim(
     convertible: bool,
     convert_chunk_tokens: int | None,
     pd_policy: str,
+    zipf: float,
+    fleet: bool,
     seed: int,
     out: Path,
     per_request: bool,
@@ -126,7 +141,8 @@ def sim(
         if trace == "burstgpt-like":
             wl = burstgpt_like(duration or 600.0, rate, models=n_models, seed=seed)
         else:
-            wl = load(trace, start, duration).for_models(n_models)
+            base = load(trace, start, duration)
+            wl = base.for_models_zipf(n_models, zipf, seed) if zipf and n_models > 1 else base.for_models(n_models)
         if rate_scale != 1.0:
             wl = wl.scale_rate(rate_scale)
         if thin != 1.0:
@@ -149,6 +165,9 @@ def sim(
         raise click.ClickException(str(e)) from None
     if not wl.requests:
         raise click.ClickException(f"no requests in {wl.name}")
+    if fleet:
+        _fleet(wl, hw, spec, cfg, out)
+        return
     import time
 
     results = []
@@ -193,3 +212,30 @@ def sim(
         from kascade_sim.plots import plot
 
         console.print(f"wrote {plot(results, plot_path)}")
+
+
+def _fleet(wl: Workload, hw: Hardware, spec: ModelSpec, cfg: SimConfig, out: Path) -> None:
+    """`--fleet`: the shared fleet against per-model pools (kascade_sim.fleet)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from kascade_sim.fleet import fleet_comparison
+
+    try:
+        doc = fleet_comparison(wl, hw, spec, cfg)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    out.write_text(json.dumps(doc, indent=1, default=float))
+    table = Table(title=f"{wl.name}: {doc['requests']} requests, {doc['models']} models on {doc['cluster']} "
+                        f"(equal pools: {doc['per_model_pool']} each)")
+    for col in ("run", "pool GPU-s", "peak GPUs", "bound GPU-s", "TTFT mean", "TTFT p99", "preempted"):
+        table.add_column(col)
+    for name, r in doc["runs"].items():
+        table.add_row(name, f"{r['pool_gpu_seconds']:.0f}", str(r["peak_gpus"]), f"{r['gpu_seconds']:.0f}",
+                      f"{r['ttft_mean_s']:.3f}", f"{r['ttft_p99_s']:.3f}", str(r["preemptions"]))
+    console = Console()
+    console.print(table)
+    console.print(f"fleet_gpu_time_over_per_model_pools {doc['fleet_gpu_time_over_per_model_pools']:.3f} "
+                  f"(bound GPU-s: {doc['fleet_bound_gpu_time_over_per_model_pools']:.3f})")
+    console.print(f"what is simulated: {doc['simulated']}")
+    console.print(f"wrote {out}")

@@ -128,7 +128,9 @@ class Autoscaler(SimState):
         return MetricsSnapshot(now, kv_usage=mean, in_flight=len(self.queue[(m, role)]))
 
     def _tick(self, now: float, k: int) -> None:
-        if self.sys.static is None:
+        if self.sys.static is None and self.arbitrated:
+            self._arbitrated_tick(now, k)  # arbiter.Arbiter: the planner's arbitration across models
+        elif self.sys.static is None:
             # Models with no instance decide first: a GPU freed for them is not taken back by a model
             # that is merely growing.
             for m in sorted(range(self.models), key=lambda m: any(i.active for i in self.group[(m, self.roles[0])])):

@@ -34,6 +34,14 @@ class SimConfig:
     # Disaggregated mode: "threshold" scales each role on its own metric (`policy`, `decode_policy`);
     # "tokenVelocity" takes both counts from the operator's P:D ratio policy (kascade_planner.pdratio).
     pd_policy: str = "threshold"
+    # Colocated mode, several models: the fleet's arbitration (kascade_planner.arbitration) decides every tick who
+    # gets the free GPUs and whose idle replicas are preempted (priority, SLO pressure, fair share; never below a
+    # model's `min_instances`; a replica bound within `hysteresis_s` is kept). None (default): on for colocated runs
+    # of several models. Off (and in disaggregated mode): each model scales in turn and a model with no instance
+    # preempts the longest-up idle one (`scaling._preempt_idle`).
+    arbitration: bool | None = None
+    hysteresis_s: float = 30.0
+    priorities: tuple[int, ...] = ()  # per model index (missing: 0)
 
     def __post_init__(self) -> None:
         if self.pd_policy not in ("threshold", "tokenVelocity"):
@@ -51,6 +59,10 @@ class SimConfig:
             raise ValueError(f"target_utilization must be in (0, 1], got {self.target_utilization}")
         if not 0 <= self.decoders_per_prefiller <= 16:
             raise ValueError(f"decoders_per_prefiller must be in [0, 16], got {self.decoders_per_prefiller}")
+        if self.arbitration and self.mode != "colocated":
+            raise ValueError("arbitration: only colocated mode is arbitrated across models (mode is disaggregated)")
+        if not self.hysteresis_s >= 0:
+            raise ValueError(f"hysteresis_s must be >= 0, got {self.hysteresis_s}")
         if self.decode_policy.metric == "queueLength":
             raise ValueError(
                 "decode_policy: decode instances have no prefill queue (use kvCacheUsage or tokensPerSecond)"

@@ -130,7 +130,8 @@ class Scaling(SimState):
         keep = 1 if role == "prefill" and not any(d.active for d in self.group[(m, "decode")]) else 0
         for _ in range(count):
             node = self._pick_node(m) if self._free_slots() > keep else None
-            if node is None and not any(i.active for i in self.group[(m, role)]) and self._preempt_idle(now, m, role):
+            if node is None and not self.arbitrated and not any(i.active for i in self.group[(m, role)]) \
+                    and self._preempt_idle(now, m, role):
                 node = self._pick_node(m) if self._free_slots() > keep else None
             if node is None:
                 break

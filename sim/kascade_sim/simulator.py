@@ -29,6 +29,7 @@ from typing import cast
 from kascade_planner.conversion import chunk_budget, hand_back
 from kascade_planner.pdratio import PdVelocity
 from kascade_planner.policies import Bounds, ScaleState
+from kascade_sim.arbiter import Arbiter
 from kascade_sim.autoscaler import Autoscaler
 from kascade_sim.config import SimConfig
 from kascade_sim.events import ACCEPT, ITER, KV, READY, TICK
@@ -58,7 +59,7 @@ class SimulationStalled(RuntimeError):
         more = f"; and {len(stuck) - 5} more" if len(stuck) > 5 else ""
         super().__init__(f"simulation of {system} stalled with {len(stuck)} unfinished requests: {shown}{more}")
 
-class Simulation(Scaling, Serving, Autoscaler):
+class Simulation(Scaling, Serving, Autoscaler, Arbiter):
     def __init__(self, wl: Workload, hw: Hardware, spec: ModelSpec, sys: System, cfg: SimConfig = SimConfig(),
                  progress: Callable[[float], None] | None = None) -> None:
         if not wl.requests:
@@ -133,6 +134,11 @@ class Simulation(Scaling, Serving, Autoscaler):
         self.cache_peak = 0
         self.loads = 0
         self._now = 0.0
+        self.arbitrated = cfg.arbitration if cfg.arbitration is not None else (
+            cfg.mode == "colocated" and wl.models > 1)
+        self.short_reasons = {}  # arbiter: why a model got less than it asked
+        self.preemptions = 0
+        self.reserved = {}  # arbiter: GPUs preempted for a model, still draining
 
     # ---- event plumbing
     def push(self, t: float, kind: int, obj: object) -> None:

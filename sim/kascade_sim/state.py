@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from kascade_planner.pdratio import PdVelocity
 from kascade_planner.plan import ModelLayout
-from kascade_planner.policies import ScaleState, Threshold
+from kascade_planner.policies import MetricsSnapshot, ScaleState, Threshold
 from kascade_planner.topology import Topology
 from kascade_sim.config import SimConfig
 from kascade_sim.hardware import Hardware, ModelSpec
@@ -92,6 +92,7 @@ class SimState:
     hostmem: HostMemory
     cache_peak: int
     loads: int
+    arbitrated: bool  # the planner's arbitration decides across models (arbiter.Arbiter)
 
     if TYPE_CHECKING:  # defined by one mixin, called by another
         def push(self, t: float, kind: int, obj: object) -> None: ...
@@ -107,3 +108,6 @@ class SimState:
         def _new_prefiller_s(self, m: int, r: int) -> float | None: ...
         def _remote_s(self, m: int, r: int) -> float | None: ...
         def _kick(self, inst: Instance, now: float) -> None: ...
+        def _arbitrated_tick(self, now: float, k: int) -> None: ...
+        def _instances_for(self, m: int, role: str) -> int: ...
+        def _metric(self, m: int, role: str, k: int) -> MetricsSnapshot: ...

@@ -92,6 +92,22 @@ class Workload:
         out.sort(key=lambda r: (r.arrival_s, r.model))
         return Workload(f"{self.name}-{n}models", tuple(out))
 
+    def for_models_zipf(self, n: int, exponent: float = 1.0, seed: int = 0) -> Workload:
+        """Map the trace to `n` models of Zipf popularity, the way lambdaScale maps Azure Functions to models (each
+        function a model, a few popular, most rarely invoked): model k replays the trace shifted by k/n of the span
+        (its bursts do not coincide with the others') and keeps each request with probability (k+1)^-exponent
+        (seeded), so model 0 sees the whole trace and model k about 1/(k+1)^exponent of it."""
+        if n < 1 or n > 1024:
+            raise TraceError(f"number of models must be in 1..1024, got {n}")
+        if not 0 <= exponent <= 8:
+            raise TraceError(f"zipf exponent must be in [0, 8], got {exponent}")
+        rng = random.Random(seed)
+        span = self.duration_s + 1e-9
+        out = [Request((r.arrival_s + k * span / n) % span, r.input_tokens, r.output_tokens, k)
+               for k in range(n) for r in self.requests if rng.random() < (k + 1) ** -exponent]
+        out.sort(key=lambda r: (r.arrival_s, r.model))
+        return Workload(f"{self.name}-{n}models-zipf{exponent:g}", tuple(out))
+
     def rate_series(self, bucket_s: float = 1.0) -> list[int]:
         """Requests per bucket over the trace (for plots and provisioning)."""
         if not self.requests:

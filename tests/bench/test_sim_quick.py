@@ -37,6 +37,8 @@ def test_bench_sim_quick_runs_and_keeps_its_ratios(tmp_path: Path) -> None:
     assert 0.3 < paper["gpu_time_vs_full"] < 0.8, paper
     honest = doc["honest"]
     assert honest["acceptance_ok"] is True
+    # issue 35: one shared fleet holds fewer GPUs than per-model pools sized for each model's own peak
+    assert 0 < doc["fleet"]["fleet_gpu_time_over_per_model_pools"] < 1, doc["fleet"]
     traces = honest["traces"]
     assert {"generator", "long-prompt"} <= set(traces), set(traces)
     assert traces["long-prompt"]["mean_prompt_tokens"] > 9000

@@ -142,3 +142,18 @@ def test_sim_pd_policy_token_velocity(tmp_path: Path) -> None:
 def test_sim_bad_flags_are_clear_errors(tmp_path: Path, flags: list[str], named: str) -> None:
     res = CliRunner().invoke(sim, [str(DATA / "burstgpt_small.csv"), "-o", str(tmp_path / "r.json"), *flags])
     assert res.exit_code != 0 and named in res.output and "Traceback" not in res.output
+
+
+def test_sim_fleet_prints_what_is_simulated_and_the_ratio(tmp_path: Path) -> None:
+    out = tmp_path / "f.json"
+    res = CliRunner().invoke(sim, [f"azure:{DATA / 'azure_code_head300.csv'}", "--models", "2", "--zipf", "1",
+                                   "--rate-scale", "2", "--hosts", "2", "--gpus-per-host", "2", "--min-instances", "0",
+                                   "--fleet", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "what is simulated" in res.output and "fleet_gpu_time_over_per_model_pools" in res.output
+    doc = json.loads(out.read_text())
+    assert doc["models"] == 2 and doc["workload"].endswith("zipf1x2")
+    assert set(doc["runs"]) >= {"kascade-fleet", "kascade-per-model-pools", "serverlessllm-fleet", "allcache-fleet"}
+    assert doc["fleet_gpu_time_over_per_model_pools"] > 0
+    res = CliRunner().invoke(sim, [f"azure:{DATA / 'azure_code_head300.csv'}", "--fleet", "-o", str(out)])
+    assert res.exit_code != 0 and "at least 2 models" in res.output
