@@ -12,6 +12,7 @@ Used by bench/reaction.py, which puts these beside the reaction numbers in bench
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -29,17 +30,27 @@ from kascade_devcluster.waiting import wait_for
 NS = "scale"
 BUCKET = re.compile(r'^kascade_operator_reconcile_seconds_bucket\{le="([^"]+)",trigger="timer"\} (\S+)$')
 COUNT = re.compile(r'^kascade_operator_reconcile_seconds_count\{trigger="timer"\} (\S+)$')
+SWEEPS = re.compile(r'^kascade_operator_metric_sweep_seconds_count (\S+)$')
 
 
-def _histogram(port: int) -> tuple[dict[float, float], float]:
+def _histogram(port: int) -> tuple[dict[float, float], float, float]:
+    """The reconcile histogram's buckets, its count, and the shared metric sweeps done (0: no sweep)."""
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    buckets, count = {}, 0.0
+    buckets, count, sweeps = {}, 0.0, 0.0
     for line in text.splitlines():
         if m := BUCKET.match(line):
             buckets[float(m.group(1))] = float(m.group(2))
         elif m := COUNT.match(line):
             count = float(m.group(1))
-    return buckets, count
+        elif m := SWEEPS.match(line):
+            sweeps = float(m.group(1))
+    return buckets, count, sweeps
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _quantile_ms(before: dict[float, float], after: dict[float, float], q: float) -> float:
@@ -129,11 +140,16 @@ def run_scale(tmp: Path, stub_mod: Any, token: str, n_nodes: int, n_services: in
         t_ready = time.monotonic() - t0
         print(f"scale: {n_services} services each bound and loaded after {t_ready:.0f} s", flush=True)
         assert op.proc is not None
-        before, c0 = _histogram(metrics_port)
-        w0 = time.monotonic()
+        before, c0, s0 = _histogram(metrics_port)
+        w0, cpu0 = time.monotonic(), _cpu_s(op.proc.pid)
+        load0 = os.getloadavg()[0]
         time.sleep(steady_s)
-        after, c1 = _histogram(metrics_port)
-        rounds = (c1 - c0) / (time.monotonic() - w0) / n_services
+        after, c1, s1 = _histogram(metrics_port)
+        dt, cpu = time.monotonic() - w0, _cpu_s(op.proc.pid) - cpu0
+        rounds = (c1 - c0) / dt / n_services
+        # every service's metrics read once per interval: by its own round (a timer per service), or by the
+        # shared sweep that wakes a round only for services whose loads changed (event-driven rounds)
+        evaluated = s1 - s0 if s1 > s0 else (c1 - c0) / n_services
         rss, hwm = _rss_mb(op.proc.pid)
         # one scale-up under that load: 5000 tok/s on svc0's replica (upper 1000, window 1 s)
         src_name = json.loads(cp.kubectl("-n", NS, "get", "pods", "-l", "kascade.io/model-service=svc0",
@@ -153,6 +169,11 @@ def run_scale(tmp: Path, stub_mod: Any, token: str, n_nodes: int, n_services: in
                 "reconcile_ms_p90": _quantile_ms(before, after, 0.9),
                 "reconcile_ms_p99": _quantile_ms(before, after, 0.99),
                 "rounds_per_service_per_s": round(rounds, 3), "rounds_wanted_per_service_per_s": round(1 / interval, 3),
+                "metrics_evaluated_per_service_per_s": round(evaluated / dt, 3),
+                "operator_cpu_s_per_s": round(cpu / dt, 3),
+                "operator_cpu_ms_per_round": round(1000 * cpu / max(1.0, c1 - c0), 2),
+                "operator_cpu_ms_per_service_per_s": round(1000 * cpu / dt / n_services, 3),
+                "scale_loadavg_1m": round((load0 + os.getloadavg()[0]) / 2, 1),
                 "scale_reaction_ms": round((t_bind - (t_load + 1.0 * 1000 / 5000)) * 1000, 1),
                 "scale_setup_s": round(t_ready, 1)}
     finally:

@@ -199,19 +199,27 @@ def main() -> None:
     ap.add_argument("--rate-window", type=float, default=1.0, help="operator tokens/s window (s)")
     ap.add_argument("--scale-nodes", type=int, default=2000)
     ap.add_argument("--scale-services", type=int, default=200)
+    ap.add_argument("--scale", help="N,M: the scale run at N nodes and M ModelServices (sets --scale-nodes/-services)")
+    ap.add_argument("--steady", type=float, help="seconds of the scale run's steady window (default 30; --quick 10)")
     ap.add_argument("--scale-interval", type=float, default=1.0, help="operator interval in the scale run (s)")
     ap.add_argument("--no-scale", action="store_true", help="skip the scale run")
     ap.add_argument("--scale-only", action="store_true", help="only the scale run")
     ap.add_argument("--no-failover", action="store_true", help="skip the failover run")
     a = ap.parse_args()
+    if a.scale:
+        try:
+            a.scale_nodes, a.scale_services = (int(x) for x in a.scale.split(","))
+        except ValueError:
+            ap.error(f"--scale {a.scale!r}: expected N,M (nodes,services), e.g. 2000,200")
+    scale_nodes, scale_services = (200, 20) if a.quick and not a.scale else (a.scale_nodes, a.scale_services)
     out: dict[str, float | str] = {} if a.scale_only else run(4 if a.quick else a.rounds, a.interval, a.rate_window)
     if not a.scale_only and not a.no_failover:
         out.update(run_failover())
         out.update(run_peering(3))  # the same 3 s with kopf's peering instead of the Lease: which is faster
     if not a.no_scale:
         with tempfile.TemporaryDirectory(prefix="kascade-bench-scale-") as tmp:
-            out.update(run_scale(Path(tmp), _stub_module(), TOKEN, 200 if a.quick else a.scale_nodes,
-                                 20 if a.quick else a.scale_services, a.scale_interval, 10.0 if a.quick else 30.0))
+            out.update(run_scale(Path(tmp), _stub_module(), TOKEN, scale_nodes, scale_services, a.scale_interval,
+                                 a.steady or (10.0 if a.quick else 30.0)))
     if a.scale_only or a.no_scale:  # a partial run keeps the other part's numbers from the last run
         prev = REPO / "bench" / "results" / "operator.json"
         if prev.exists():

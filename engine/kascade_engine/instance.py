@@ -23,7 +23,6 @@ An engine started with a full checkpoint is `serving` at once (unbound); one sta
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import math
 from typing import Any
@@ -58,19 +57,10 @@ from kascade_planner.engine_api import (
     HostCopyAnswer,
     HostCopyRequest,
     LoadPlanRequest,
+    Phase,
 )
 
 log = logging.getLogger(__name__)
-
-
-class Phase(enum.Enum):
-    EMPTY = "empty"
-    BOUND = "bound"
-    LOADING = "loading"
-    LIVE = "live"
-    SERVING = "serving"
-    DRAINING = "draining"
-    RELEASED = "released"
 
 
 class EngineInstance:
@@ -497,7 +487,7 @@ class EngineInstance:
     def status(self) -> EngineStatus:
         m = self.model
         ids = ["embed", *(f"layer.{i}" for i in range(m.shape.layers)), "head"]
-        return EngineStatus(self.instance_id, self.config.model_name, self.phase.value, self.role, self.model_service,
+        return EngineStatus(self.instance_id, self.config.model_name, self.phase, self.role, self.model_service,
                             {b: m.resident(b) for b in ids}, self.bytes_received, self.ready,
                             self.cooperate or None, self.load_error, str(self.device),
                             str(self.dtype).removeprefix("torch."),

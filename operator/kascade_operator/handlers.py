@@ -23,30 +23,31 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
-from kascade_operator import converter, enginetoken, hostcopykeeper, plandriver, rolesync, serving_gate
+from kascade_operator import converter, enginetoken, hostcopykeeper, plandriver, rolesync, rounds, serving_gate
 from kascade_operator import labels as L
+from kascade_operator.actuator import apply
 from kascade_operator.api import ModelServiceSpec
 from kascade_operator.decide import RoleDecision, RoleInput, decide_roles
 from kascade_operator.demand import RouterDemand, zero_rule
-from kascade_operator.engine_client import EngineClient, EngineError
-from kascade_operator.kube import GROUP, VERSION, Conflict, Kube, NotFound, now_iso
+from kascade_operator.engine_client import EngineClient
+from kascade_operator.kube import GROUP, VERSION, Kube, NotFound, now_iso
 from kascade_operator.metrics import PrometheusSource, Scraper, snapshot
 from kascade_operator.operator_metrics import OperatorMetrics
-from kascade_operator.podtemplate import checkpoint_path, fallback_pod, refusals
-from kascade_operator.pool import PodView, drain_patch, keep_host_copy, owner_ref, service_key, unbind_patch
+from kascade_operator.podtemplate import checkpoint_path
+from kascade_operator.pool import PodView, service_key
 from kascade_operator.reconcile import (
     TERMINAL,
     CreatePlan,
-    CreatePods,
     Drain,
     PlanView,
-    Release,
     Result,
     reconcile,
     role_bounds,
     role_want,
 )
 from kascade_operator.runtime import ALL, Runtime
+
+__all__ = ["apply", "build_registry", "reconcile_service"]  # apply: the act step (actuator.py)
 from kascade_operator.settings import OperatorSettings
 from kascade_operator.sourcehealth import source_blocker
 from kascade_operator.status import Blocker, invalid_status, keep_transition_times, service_status
@@ -132,6 +133,7 @@ async def _reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) ->
         problems.append(field_errors(e))
     if problems:
         await _refuse(rt, body, problems)
+        rt.steady[(ns, name)] = (rt.settings.interval_seconds, True)  # a spec change (kopf update) retries
         return None
     rt.invalid_seen.pop((ns, name), None)
     # per-role scale handles (ModelServiceRole: HPA/KEDA per role) set the roles' desired counts
@@ -159,7 +161,9 @@ async def _reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) ->
         else:
             assert rt.scraper is not None
             ready = {p.instance: p.endpoint for p in serving if p.ready and p.endpoint}
-            snap = snapshot(await rt.scraper.collect(ready, rkey), now)
+            # the shared sweep's view (no HTTP when fresh); without one (rounds driven directly) a scrape now
+            loads = await (rt.view.collect(ready, rkey) if rt.view is not None else rt.scraper.collect(ready, rkey))
+            snap = snapshot(loads, now)
         inputs.append(RoleInput(role, len(serving), b.min, b.max, snap, rt.below_since.get(rkey)))
     rnd = decide_roles(spec, inputs, trigger, sources=role_sources)
     await converter.sync(rt, body, spec, key, pods, inputs)  # disaggregated: convertible decoders (TokenScale)
@@ -207,8 +211,21 @@ async def _reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) ->
     # never zero host copies of the model while it is served: ask one serving engine when the pool keeps none
     # (the pods this round drained count as draining: their releases keep one, next round)
     drains = {a.pod for a in res.actions if isinstance(a, Drain)}
-    await hostcopykeeper.ensure(rt, body, spec.model.name, key,
-                                [replace(p, draining=True) if p.pod_name in drains else p for p in pods], pool_ns)
+    asked = await hostcopykeeper.ensure(rt, body, spec.model.name, key,
+                                        [replace(p, draining=True) if p.pod_name in drains else p for p in pods],
+                                        pool_ns)
+    # steady: nothing moves until an input changes, so the next round waits for a change or the resync. A
+    # scale-down delay counting at min holds nothing back (min is never undercut); at min 0 the idle clock does.
+    moving = {
+        "actions": bool(res.actions), "changes": bool(changes), "progressing": res.progressing,
+        "short": bool(res.short), "hostCopyAsked": asked is not None, "noSweep": rt.view is None,
+        "releaseLast": bool(release_last), "draining": any(p.model_service == key and p.draining for p in pods),
+        "scaleDownDelay": any(rt.below_since.get((ns, name, i.role)) is not None and i.serving > i.lo
+                              for i in inputs),
+        "minZero": any(b.min < 1 for b in bounds.values()),
+    }
+    rt.steady[(ns, name)] = (interval, not any(moving.values()))
+    log.debug("%s/%s round: %s", ns, name, ", ".join(k for k, v in moving.items() if v) or "steady")
     await serving_gate.sync(rt.kube, pool_ns, await rt.pool_pods(pool_ns))  # readiness gate follows the binding
     # a source the engines cannot fetch (an hf:// download failed) is the cause to show first
     blocker = source_blocker(raw_plans, name, checkpoint_path(spec)) or blocker
@@ -265,89 +282,15 @@ async def prune_history(rt: Runtime, ns: str, name: str, raw_plans: list[dict[st
             await rt.kube.delete_scaleplan(ns, p["metadata"]["name"])
 
 
-async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods: list[PodView], action: Any,
-                decided_at: float) -> Blocker | None:
-    """Carry out one action; returns a Blocker when the operator refuses to (it then says why in Stalled)."""
-    meta = body["metadata"]
-    ns, name = meta["namespace"], meta["name"]
-    pool_ns = rt.pool_namespace(ns)
-    by_name = {p.pod_name: p for p in pods}
-    if isinstance(action, CreatePlan):
-        t0 = time.perf_counter()
-        try:
-            sp = await plandriver.new_scaleplan(rt, body, spec, action, by_name, await rt.nodes())
-        except ValueError as e:
-            rt.unreserve(pool_ns, (*action.targets, *action.sources))
-            await rt.event(ns, body, "ModelService", "Warning", "PlanFailed", str(e))
-            return None
-        rt.metrics.plan_generation.observe(time.perf_counter() - t0)
-        created = await rt.kube.create_scaleplan(ns, sp)
-        if not await rt.seen_plan(ns, created["metadata"]["name"]):
-            log.warning("ScalePlan %s/%s not in the watch after 2 s", ns, created["metadata"]["name"])
-        await rt.event(ns, body, "ModelService", "Normal", "ScaleUp",
-                       f"{action.role}: ScalePlan {created['metadata']['name']} binds "
-                       f"{', '.join(action.targets)} ({action.reason})")
-        # the fast path: instruct now instead of waiting for the ScalePlan daemon to start
-        await plandriver.start(rt, created, decided_at)
-    elif isinstance(action, CreatePods):
-        refused = refusals(spec, rt.settings)
-        if refused:
-            msg = f"{action.role}: warm pool short by {action.count}; not creating pods: " + "; ".join(refused)
-            await rt.event(ns, body, "ModelService", "Warning", "Forbidden", msg)
-            return Blocker("Forbidden", msg)
-        key = service_key(ns, name, pool_ns)
-        owner = owner_ref(meta) if pool_ns == ns else None
-        pod = fallback_pod(spec, key, rt.settings.engine_token_secret, owner,
-                           hf_endpoint=rt.settings.hf_endpoint, hf_token_secret=rt.settings.hf_token_secret,
-                           log_format=rt.settings.engine_log_format, tls_secret=rt.settings.engine_tls_secret,
-                           run_as_user=rt.settings.engine_run_as_user, transport=rt.settings.engine_transport,
-                           ucx_tcp_ports=rt.settings.engine_ucx_tcp_ports,
-                           activation_dscp=rt.settings.engine_activation_dscp,
-                           host_cache_gib=rt.settings.engine_host_cache_gib,
-                           installation_capacity=rt.settings.engine_capacity, dtype=rt.settings.engine_dtype,
-                           default_resources=rt.settings.engine_resources)
-        made = []
-        for _ in range(action.count):
-            made.append((await rt.kube.create_pod(pool_ns, pod))["metadata"]["name"])
-        rt.expect(pool_ns, key, made)
-        await rt.event(ns, body, "ModelService", "Warning", "PoolEmpty",
-                       f"{action.role}: warm pool short by {action.count}; created {', '.join(made)} (slow path)")
-    elif isinstance(action, Drain):
-        # routers stop sending to the pod first (they watch this annotation); the engine itself is drained
-        # a round later, with its release, so no request ever arrives at a draining engine
-        p = by_name[action.pod]
-        try:
-            await rt.kube.patch_pod(pool_ns, p.pod_name, drain_patch(p, now_iso()))
-        except (Conflict, NotFound):
-            return None  # re-read next round
-        await serving_gate.close(rt.kube, pool_ns, await rt.pool_pods(pool_ns), p.pod_name)  # Services too
-        await rt.event(ns, body, "ModelService", "Normal", "ScaleDown", f"draining {p.pod_name}")
-    elif isinstance(action, Release):
-        p = by_name[action.pod]
-        kept: str | None = None
-        if p.endpoint:
-            # O(1) host copies per model (issue 18): the first releases keep their weights in host memory
-            # (a scale-from-zero source); beyond host_copies_per_model they drop them
-            keep = keep_host_copy(pods, spec.model.name, p.pod_name, rt.settings.host_copies_per_model)
-            try:
-                await rt.engines.drain(p.endpoint)  # readiness drops; requests in flight finish
-                st = await rt.engines.release(p.endpoint, keep)
-                kept = spec.model.name if st.get("hostCopyBytes") else None
-            except EngineError as e:
-                if e.status == 409:
-                    return None  # requests still in flight: try again next round
-                log.warning("%s", e)
-        try:
-            await rt.kube.patch_pod(pool_ns, p.pod_name, unbind_patch(p, host_copy=kept))
-        except (Conflict, NotFound):
-            return None
-        if kept:
-            # the round's other releases must count this copy: they read the same pod snapshot, and without
-            # it every pod released in one round (a scale-down drains several at once) kept a copy
-            pods[pods.index(p)] = replace(p, model_service=None, role=None, host_copy=kept)
-        rt.unreserve(pool_ns, [p.pod_name])  # its claim was for the bind this release ends: it may serve again
-        await rt.event(ns, body, "ModelService", "Normal", "Released", f"{p.pod_name} returned to the pool")
-    return None
+async def queued_round(rt: Runtime, key: Any) -> None:
+    """A round the work queue asked for (rounds.py): the service as the watch last showed it."""
+    ns, name = key
+    body = next(iter((rt.service_index or {}).get(key, ())), None)
+    if body is None:
+        rounds.forget(rt, ns, name)  # deleted (or not ours any more)
+        return
+    await reconcile_service(rt, body, "timer")  # raising: the queue retries it with backoff
+    rounds.after_round(rt, ns, name)
 
 
 def _slim_pod(body: Any) -> dict[str, Any]:
@@ -408,12 +351,21 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
     # Watch-fed state (kopf indexes): reconcile rounds read pods, plans and nodes from memory, not from
     # the API server; kopf fills the indexes before any other handler runs.
     # (explicit ids: kopf passes each index to handlers as a kwarg named by its id)
+    # Every round after a service's first comes from the work queue (rounds.py); these indexers, which see
+    # every change of a pool pod and a ScalePlan anyway, wake the service a bound pod or a plan belongs to
+    # (kopf handlers per event would cost a handler invocation and an INFO line each).
     @kopf.index("pods", labels={L.POOL: kopf.PRESENT}, registry=reg, id="pool_pods")
-    def pool_pods(namespace: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
+    def pool_pods(namespace: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> dict[str, dict[str, Any]]:
+        svc = (body["metadata"].get("labels") or {}).get(L.MODEL_SERVICE)
+        if svc and getattr(memo, "rt", None) is not None:
+            rounds.wake(memo.rt, (body["metadata"].get("annotations") or {}).get(L.SERVICE_NS) or namespace, svc)
         return {namespace: _slim_pod(body)}
 
     @kopf.index(**splan, id="scaleplans")
-    def scaleplans(namespace: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
+    def scaleplans(namespace: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> dict[str, dict[str, Any]]:
+        ref = ((body.get("spec") or {}).get("modelServiceRef") or {}).get("name")
+        if ref and getattr(memo, "rt", None) is not None:
+            rounds.wake(memo.rt, namespace, ref)
         return {namespace: {"metadata": dict(body["metadata"]), "spec": dict(body.get("spec") or {}),
                             "status": dict(body.get("status") or {})}}
 
@@ -423,6 +375,10 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         return {ALL: {"metadata": {"name": meta["name"], "labels": dict(meta.get("labels") or {})},
                       "status": {"allocatable": dict(status.get("allocatable") or {}),
                                  "capacity": dict(status.get("capacity") or {})}}}
+
+    @kopf.index(**ms, id="modelservices")
+    def modelservices(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+        return {(namespace, name): dict(body)}  # what a queued round reconciles
 
     @kopf.index(**mrole, id="role_objects")
     def role_objects(namespace: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
@@ -435,29 +391,36 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
             if "pool_pods" not in kw:
                 raise kopf.PermanentError("kopf did not pass the pool_pods index; handlers cannot read state")
             rt.attach(kw["pool_pods"], kw["scaleplans"], kw["gpu_nodes"], kw.get("role_objects"))
+            rt.service_index = kw.get("modelservices")
+            rounds.start(rt, lambda key: queued_round(rt, key))  # the indexes the rounds read are filled now
         return rt
 
     @kopf.on.resume(**mrole)
     @kopf.on.create(**mrole)
     @kopf.on.update(**mrole)
     async def on_role_object(body: kopf.Body, memo: kopf.Memo, **kw: Any) -> None:
-        await rolesync.orphan(rt_of(memo, kw), dict(body))  # one whose ModelService exists: its rounds
+        rt = rt_of(memo, kw)
+        await rolesync.orphan(rt, dict(body))  # one whose ModelService exists: its rounds
+        ref = ((body.get("spec") or {}).get("modelServiceRef") or {}).get("name")
+        if ref:
+            rounds.wake(rt, body["metadata"]["namespace"], ref)
 
     @kopf.on.resume(**ms)
     @kopf.on.create(**ms)
     @kopf.on.update(**ms)
     async def on_service(body: kopf.Body, memo: kopf.Memo, reason: str, **kw: Any) -> None:
-        await reconcile_service(rt_of(memo, kw), dict(body), str(reason))
-
-    @kopf.timer(**ms, interval=settings.interval_seconds, sharp=True)
-    async def on_tick(body: kopf.Body, memo: kopf.Memo, **kw: Any) -> None:
-        await reconcile_service(rt_of(memo, kw), dict(body), "timer")
+        rt = rt_of(memo, kw)
+        try:
+            await reconcile_service(rt, dict(body), str(reason))
+        finally:
+            rounds.after_round(rt, body["metadata"]["namespace"], body["metadata"]["name"])
 
     @kopf.on.delete(**ms)
     async def on_delete(body: kopf.Body, memo: kopf.Memo, **kw: Any) -> None:
         rt = rt_of(memo, kw)
         async with rt.lock(body["metadata"]["namespace"], "modelservice/" + body["metadata"]["name"]):
             await plandriver.release_all(rt, dict(body))
+        rounds.forget(rt, body["metadata"]["namespace"], body["metadata"]["name"])
 
     # a plan's daemon stops when its phase turns terminal: signalled first (the driver returns on its own
     # within one poll), cancelled only after cancellation_backoff

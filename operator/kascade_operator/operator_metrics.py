@@ -18,6 +18,8 @@ class OperatorMetrics:
         r = self.registry = registry or CollectorRegistry()
         self.reconcile = Histogram("kascade_operator_reconcile_seconds", "ModelService reconcile latency",
                                    ["trigger"], registry=r, buckets=_FAST)
+        self.sweep = Histogram("kascade_operator_metric_sweep_seconds", "One scrape of every serving engine "
+                               "(the shared metric sweep)", registry=r, buckets=_FAST)
         self.plan_generation = Histogram("kascade_operator_plan_generation_seconds", "Planner time per ScalePlan",
                                          registry=r, buckets=_FAST)
         # per ModelService and role, like the replicas gauge (the dashboard is per model)

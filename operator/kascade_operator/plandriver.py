@@ -29,6 +29,9 @@ from kascade_operator.pool import PodView, bind_patch, host_copy_patch, pod_view
 from kascade_operator.reconcile import CreatePlan
 from kascade_operator.runtime import Runtime
 from kascade_operator.status import keep_transition_times, plan_conditions
+from kascade_planner.engine_api import BUSY
+
+BUSY_PHASES = frozenset(p.value for p in BUSY)  # an engine in one of these was bound and told to load already
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +207,7 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
                 drops[iid] = f"pod {p.pod_name}'s engine holds model '{st['model']}', not '{model}'"
                 other_model.add(p.pod_name)
                 return
-            again = st.get("modelService") == key and st.get("phase") in ("loading", "live", "serving", "ready")
+            again = st.get("modelService") == key and st.get("phase") in BUSY_PHASES
             if not again:  # else: instructed by an earlier incarnation of the operator
                 st = await rt.engines.bind(p.endpoint, model, key, role, path, dtype, host_copy=from_copy)
         except EngineError as e:

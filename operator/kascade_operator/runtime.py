@@ -12,6 +12,7 @@ stale read costs a 409 and a re-read, never a double binding.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -22,10 +23,12 @@ from kascade_operator.demand import RouterDemand
 from kascade_operator.engine_client import EngineClient
 from kascade_operator.kube import Kube
 from kascade_operator.metrics import PrometheusSource, Scraper
+from kascade_operator.metricsview import MetricsView
 from kascade_operator.operator_metrics import OperatorMetrics
 from kascade_operator.pool import PodView, pod_view
 from kascade_operator.settings import OperatorSettings
 from kascade_operator.validation import max_gpus
+from kascade_operator.workqueue import WorkQueue
 
 ALL = "*"  # the node index's one key
 RESERVE_S = 30.0  # a claim outlives any bind that is going to happen
@@ -64,6 +67,13 @@ class Runtime:
     router: RouterDemand | None = None  # the router's demand per ModelService (settings.router_url)
     last_busy: dict[tuple[str, str, str], float] = field(default_factory=dict)  # last request/token seen
     host_copy_checked: dict[tuple[str, str], float] = field(default_factory=dict)  # (pool ns, pod) -> when read
+    # event-driven rounds (handlers.py): the queue of services due a round, the shared metric sweep's view,
+    # and per service (ns, name) its interval and whether its last round left it steady (resync only)
+    queue: WorkQueue | None = None
+    view: MetricsView | None = None
+    steady: dict[tuple[str, str], tuple[float, bool]] = field(default_factory=dict)
+    service_index: Mapping[Any, Any] | None = None  # ModelService bodies by (namespace, name)
+    sweep_task: asyncio.Task[None] | None = None
 
     def attach(self, pods: Mapping[Any, Any] | None, plans: Mapping[Any, Any] | None,
                nodes: Mapping[Any, Any] | None, roles: Mapping[Any, Any] | None = None) -> None:
@@ -183,6 +193,12 @@ class Runtime:
             return list(self.role_index.get(ns, ()))
         return await self.kube.list_modelserviceroles(ns)
 
+    def pool_namespaces(self) -> list[str]:
+        """Namespaces holding warm-pool pods (from the index; empty without it)."""
+        if self.settings.pool_namespace:
+            return [self.settings.pool_namespace]
+        return [k for k in (self.pod_index or {}) if isinstance(k, str)]
+
     def plan_namespaces(self) -> list[str]:
         """Namespaces holding ScalePlans (from the index; empty without it)."""
         return [k for k in (self.plan_index or {}) if isinstance(k, str)]
@@ -203,6 +219,12 @@ class Runtime:
         return self.plan_locks.setdefault((ns, name), asyncio.Lock())
 
     async def close(self) -> None:
+        if self.sweep_task is not None:
+            self.sweep_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.sweep_task
+        if self.queue is not None:
+            await self.queue.stop()
         await self.engines.aclose()
         if self.scraper:
             await self.scraper.aclose()

@@ -26,6 +26,12 @@ class OperatorSettings(BaseSettings):
     prometheus_url: str | None = Field(default=None, pattern=r"^https?://")
     interval_seconds: float = Field(default=1.0, ge=0.05, le=3600, description="metric loop period (sub-second ok)")
     scrape_timeout_seconds: float = Field(default=0.5, gt=0, le=60)
+    scrape_concurrency: int = Field(default=32, ge=1, le=4096,
+                                    description="services' engines scraped at once by the shared metric sweep")
+    resync_seconds: float = Field(default=10.0, gt=0, le=3600,
+                                  description="a steady ModelService gets a round at least this often; rounds "
+                                  "otherwise run when its metrics, pods, plans or spec change")
+    round_workers: int = Field(default=8, ge=1, le=256, description="ModelService rounds run at once")
     rate_window_seconds: float = Field(default=1.0, ge=0, le=60,
                                        description="tokens/s over this sliding window of scrapes (0: last two)")
     engine_timeout_seconds: float = Field(default=2.0, gt=0, le=300)

@@ -8,6 +8,7 @@ checks. Field names on the wire are camelCase as the operator has always sent th
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import hmac
 import re
@@ -393,13 +394,36 @@ def _positive_ms(d: Mapping[str, Any], key: str) -> float | None:
     return None if ms is None else float(ms)
 
 
+class Phase(enum.StrEnum):
+    """An engine's phase, as `GET status` reports it (its value): the engine sets it, the operator reads it."""
+
+    EMPTY = "empty"  # started, bound to nothing (a warm-pool engine)
+    BOUND = "bound"
+    LOADING = "loading"
+    LIVE = "live"  # loading and serving the loaded layers live (paired with an overloaded instance)
+    SERVING = "serving"
+    DRAINING = "draining"
+    RELEASED = "released"
+
+    @staticmethod
+    def parse(value: object, where: str = "phase") -> Phase:
+        """`value` as a Phase; ValueError naming `where` and the phases otherwise."""
+        known = {p.value: p for p in Phase}
+        if isinstance(value, str) and value in known:
+            return known[value]
+        raise ValueError(f"{where}: {value!r} is not an engine phase ({', '.join(known)})")
+
+
+BUSY = frozenset({Phase.LOADING, Phase.LIVE, Phase.SERVING})  # bound and loading or holding the model
+
+
 @dataclass(frozen=True)
 class EngineStatus:
     """What `GET status` (and every control call) answers."""
 
     instance: str
     model: str
-    phase: str
+    phase: Phase
     role: str
     model_service: str | None
     blocks: Mapping[str, bool]
@@ -414,7 +438,7 @@ class EngineStatus:
 
     def to_dict(self) -> dict[str, Any]:
         return {"instance": self.instance, "model": self.model, "role": self.role, "modelService": self.model_service,
-                "phase": self.phase, "blocks": dict(self.blocks), "bytesReceived": self.bytes_received,
+                "phase": self.phase.value, "blocks": dict(self.blocks), "bytesReceived": self.bytes_received,
                 "ready": self.ready, "cooperate": dict(self.cooperate) if self.cooperate else None,
                 "loadError": self.load_error, "device": self.device, "dtype": self.dtype, **self.extra,
                 "hostCopyBytes": self.host_copy_bytes}
@@ -425,7 +449,7 @@ class EngineStatus:
         known = ("instance", "model", "role", "modelService", "phase", "blocks", "bytesReceived", "ready",
                  "cooperate", "loadError", "device", "dtype", "hostCopyBytes")
         blocks = _obj(d.get("blocks") or {}, "blocks")
-        return EngineStatus(str(d.get("instance", "")), str(d.get("model", "")), str(d.get("phase", "")),
+        return EngineStatus(str(d.get("instance", "")), str(d.get("model", "")), Phase.parse(d.get("phase")),
                             str(d.get("role", "")), d.get("modelService"), {str(k): bool(v) for k, v in blocks.items()},
                             int(d.get("bytesReceived") or 0), bool(d.get("ready")), d.get("cooperate"),
                             d.get("loadError"), str(d.get("device", "cpu")), str(d.get("dtype", "float32")),

@@ -11,10 +11,10 @@ import pytest
 
 from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.config import ConfigError, EngineConfig
-from kascade_engine.instance import EngineInstance, Phase
+from kascade_engine.instance import EngineInstance
 from kascade_engine.refusal import InstanceError
 from kascade_engine.tokenizer import ByteTokenizer
-from kascade_planner.engine_api import BindRequest, CooperateRequest, EngineStatus, LoadPlanRequest, WireError
+from kascade_planner.engine_api import BindRequest, CooperateRequest, EngineStatus, LoadPlanRequest, Phase, WireError
 
 
 def _empty(ckpt: Path, blocks, **kw) -> EngineInstance:
@@ -113,7 +113,8 @@ def test_wire_types_round_trip() -> None:
     assert LoadPlanRequest.from_dict(lp.to_dict()) == lp
     c = CooperateRequest("h:2", "zigzag")
     assert CooperateRequest.from_dict(c.to_dict()) == c
-    s = EngineStatus("e", "m", "serving", "colocated", "svc", {"embed": True}, 10, True, None, None, "cpu", "float32")
+    s = EngineStatus("e", "m", Phase.SERVING, "colocated", "svc", {"embed": True}, 10, True, None, None, "cpu",
+                     "float32")
     assert EngineStatus.from_dict(s.to_dict()) == s
 
 
@@ -146,3 +147,10 @@ def test_kv_tokens_from_device_memory() -> None:
     assert kv_tokens_for_memory(gib, gib, 0.5, 0, 1000, 16) % 16 == 0
     with pytest.raises(ValueError, match="no KV cache"):
         kv_tokens_for_memory(10 * gib, 80 * gib, 0.9, 20 * gib, 1 << 20, 16)
+
+
+def test_a_status_with_an_unknown_phase_is_refused_naming_the_field() -> None:
+    doc = EngineStatus("e", "m", Phase.SERVING, "colocated", None, {}, 0, True).to_dict()
+    assert doc["phase"] == "serving"
+    with pytest.raises(ValueError, match=r"phase: 'ready' is not an engine phase \(empty, bound, loading"):
+        EngineStatus.from_dict({**doc, "phase": "ready"})

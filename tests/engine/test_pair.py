@@ -15,11 +15,11 @@ from splitref import collect, unsplit
 
 from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.config import EngineConfig
-from kascade_engine.instance import EngineInstance, Phase
+from kascade_engine.instance import EngineInstance
 from kascade_engine.net.transport_tcp import TcpTransport
 from kascade_engine.refusal import InstanceError
 from kascade_engine.tokenizer import ByteTokenizer
-from kascade_planner.engine_api import CooperateRequest
+from kascade_planner.engine_api import CooperateRequest, Phase
 
 PROMPTS = [[11, 42, 7, 300, 5], [1, 2, 3], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 17], [100], [5, 6, 7, 8]]
 

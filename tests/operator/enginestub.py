@@ -18,7 +18,7 @@ class EngineStub:
     def __init__(self, instance: str, model: str, token: str, auto_ready: bool = True) -> None:
         self.instance, self.model, self.token = instance, model, token
         self.auto_ready = auto_ready  # bind/load-plan -> ready at once
-        self.phase, self.model_service, self.role = "idle", None, None
+        self.phase, self.model_service, self.role = "empty", None, None
         self.calls: list[tuple[str, dict[str, Any], float]] = []  # (verb, body, monotonic time)
         self.refused = 0  # binds answered 409 (wrong model, or bound to another service)
         # as the engine's --host-cache-gib: a release keeps a host copy of this many bytes unless told
@@ -74,22 +74,22 @@ class EngineStub:
                         return
                     if verb == "bind":
                         stub.model_service, stub.role = body["modelService"], body["role"]
-                        stub.phase = "ready" if stub.auto_ready else "loading"
+                        stub.phase = "serving" if stub.auto_ready else "loading"
                     elif verb == "load-plan":
-                        stub.phase = "ready" if stub.auto_ready else "loading"
+                        stub.phase = "serving" if stub.auto_ready else "loading"
                     elif verb == "drain":
                         stub.phase = "draining"
                     elif verb == "host-copy":  # as the real engine: a serving one keeps its copy within the budget
                         keep = body.get("keep", True) is not False
-                        ok = keep and stub.phase == "ready" and stub.host_cache_bytes > 0
+                        ok = keep and stub.phase == "serving" and stub.host_cache_bytes > 0
                         stub.host_copy_bytes = stub.host_cache_bytes if ok else 0
                         self._send(200, {"hostCopyBytes": stub.host_copy_bytes,
                                          **({} if ok or not keep else {"reason": "no --host-cache-gib budget"})})
                         return
                     elif verb == "release":
-                        keep = body.get("keepHostCopy") is not False and stub.phase in ("ready", "draining")
+                        keep = body.get("keepHostCopy") is not False and stub.phase in ("serving", "draining")
                         stub.host_copy_bytes = stub.host_cache_bytes if keep else 0
-                        stub.phase, stub.model_service = "idle", None
+                        stub.phase, stub.model_service = "empty", None
                 self._send(200, stub.status())
 
             def _auth(self) -> bool:
@@ -103,7 +103,7 @@ class EngineStub:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def status(self) -> dict[str, Any]:
-        ready = self.phase == "ready"
+        ready = self.phase == "serving"
         return {"instance": self.instance, "model": self.model, "role": self.role, "modelService": self.model_service,
                 "phase": self.phase, "blocks": {"embed": ready, "head": ready}, "bytesReceived": 0, "ready": ready,
                 "hostCopyBytes": self.host_copy_bytes}

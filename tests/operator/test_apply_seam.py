@@ -13,16 +13,18 @@ from enginestub import EngineStub
 from fakekube import FakeKube
 
 from kascade_operator import labels as L
-from kascade_operator import plandriver
+from kascade_operator import plandriver, rounds
 from kascade_operator.api import ModelServiceSpec
 from kascade_operator.engine_client import EngineClient
 from kascade_operator.handlers import apply, reconcile_service
 from kascade_operator.metrics import Scraper
+from kascade_operator.metricsview import MetricsView
 from kascade_operator.operator_metrics import OperatorMetrics
 from kascade_operator.pool import pod_view
 from kascade_operator.reconcile import Release
 from kascade_operator.runtime import Runtime
 from kascade_operator.settings import OperatorSettings
+from kascade_operator.workqueue import WorkQueue
 
 NS, TOKEN = "ns", "seam-token"
 
@@ -83,7 +85,7 @@ async def test_bind_labels_only_after_the_engine_accepted_and_owns_the_pod(world
 async def test_bind_refused_drops_the_target_and_leaves_the_pod_unlabelled(world: Any) -> None:
     rt, kube, stubs = world
     for s in stubs:  # every engine already belongs to another service (e.g. a second operator's)
-        s.model_service, s.phase = "other", "ready"
+        s.model_service, s.phase = "other", "serving"
     await reconcile_service(rt, service(), "create")
     assert bound_pods(kube) == []
     (sp,) = kube.plans.values()
@@ -222,7 +224,7 @@ async def test_a_lost_bind_label_is_written_again_and_the_plan_finishes(world: A
     kube.pods[(NS, pod["metadata"]["name"])]["metadata"]["labels"] = {**kept, L.POOL: "warm"}  # the write "lost"
     assert bound_pods(kube) == []
     stub = next(s for s in stubs if s.instance == pod["metadata"]["name"])
-    stub.phase = "ready"
+    stub.phase = "serving"
     await asyncio.wait_for(plandriver.drive(rt, sp, Stopped()), 10)
     assert [p["metadata"]["name"] for p in bound_pods(kube)] == [pod["metadata"]["name"]]
     assert kube.plans[(NS, sp["metadata"]["name"])]["status"]["phase"] == "Succeeded"
@@ -262,7 +264,7 @@ async def test_a_plan_records_its_outcome_even_when_its_terminal_write_cancels_t
     await reconcile_service(rt, service(), "create")
     (sp,) = kube.plans.values()
     for s in stubs:
-        s.phase = "ready"
+        s.phase = "serving"
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(plandriver.drive(rt, sp, Stopped()), 10)
     assert kube.plans[(NS, sp["metadata"]["name"])]["status"]["phase"] == "Succeeded"
@@ -281,7 +283,7 @@ async def test_pods_released_in_one_round_keep_one_host_copy_per_model(world: An
     body = service(lo=0)
     spec = ModelServiceSpec.model_validate(body["spec"])
     for s in stubs:
-        s.host_cache_bytes, s.model_service, s.phase = 1000, "svc", "ready"
+        s.host_cache_bytes, s.model_service, s.phase = 1000, "svc", "serving"
     pods = [dataclasses.replace(pod_view(kube.pods[(NS, s.instance)]), model_service="svc", role="colocated",
                                 draining=True, drained=True) for s in stubs]
     for p in list(pods):
@@ -358,7 +360,7 @@ async def test_a_scale_from_zero_keeps_the_host_copy_it_binds_from(world: Any) -
     assert bound["metadata"]["name"] == "e1"
     assert next(b for v, b, _ in e1.calls if v == "bind")["source"] == {"hostCopy": True}
     assert bound["metadata"]["annotations"].get(L.HOST_COPY) == "tiny"
-    e1.phase = "ready"
+    e1.phase = "serving"
     await reconcile_service(rt, service(), "update")
     assert [s.count("host-copy") for s in stubs] == [0, 0, 0]  # the pool keeps one: nobody is asked
 
@@ -369,7 +371,7 @@ async def test_a_service_with_no_host_copy_asks_one_serving_engine_once(world: A
     declines: its pod is marked and the next engine is asked, once."""
     rt, kube, stubs = world
     for s in stubs:
-        s.model_service, s.role, s.phase = "svc", "colocated", "ready"
+        s.model_service, s.role, s.phase = "svc", "colocated", "serving"
         meta = kube.pods[(NS, s.instance)]["metadata"]
         meta["labels"].update({L.MODEL_SERVICE: "svc", L.ROLE: "colocated", L.POOL: L.POOL_BOUND})
         meta["annotations"][L.LOADED] = "true"
@@ -392,7 +394,7 @@ async def test_a_copy_lost_with_its_engine_is_forgotten_and_made_again(world: An
     clears the record, and the next round asks a serving engine to keep one."""
     rt, kube, stubs = world
     for s in stubs[::2]:
-        s.model_service, s.role, s.phase, s.host_cache_bytes = "svc", "colocated", "ready", 1000
+        s.model_service, s.role, s.phase, s.host_cache_bytes = "svc", "colocated", "serving", 1000
         meta = kube.pods[(NS, s.instance)]["metadata"]
         meta["labels"].update({L.MODEL_SERVICE: "svc", L.ROLE: "colocated", L.POOL: L.POOL_BOUND})
         meta["annotations"][L.LOADED] = "true"
@@ -441,7 +443,7 @@ async def test_a_scale_down_keeps_its_host_copy_on_the_released_pod_not_the_serv
 def _serving(kube: FakeKube, stubs: list[EngineStub]) -> None:
     """These engines serve svc (loaded from the model source: no host copy), each with a host-cache budget."""
     for s in stubs:
-        s.model_service, s.role, s.phase, s.host_cache_bytes = "svc", "colocated", "ready", 1000
+        s.model_service, s.role, s.phase, s.host_cache_bytes = "svc", "colocated", "serving", 1000
         meta = kube.pods[(NS, s.instance)]["metadata"]
         meta["labels"].update({L.MODEL_SERVICE: "svc", L.ROLE: "colocated", L.POOL: L.POOL_BOUND})
         meta["annotations"][L.LOADED] = "true"
@@ -466,3 +468,30 @@ async def test_a_scale_down_after_the_keeper_ran_moves_the_copy_to_the_released_
     assert [b for v, b, _ in stubs[0].calls if v == "host-copy"] == [{"keep": True}, {"keep": False}]
     assert stubs[0].model_service == "svc"  # e0 serves on
     assert [e["reason"] for e in kube.events if e["reason"].startswith("HostCopy")] == ["HostCopy", "HostCopyDropped"]
+
+
+async def test_a_service_is_steady_only_once_nothing_moves_and_then_waits_for_the_resync(world: Any) -> None:
+    """Event-driven rounds (rounds.py): while a plan runs the next round is one interval away; once the
+    service holds its count with nothing in flight it is steady, and the next round waits for the resync
+    (or a change that wakes it)."""
+    rt, kube, stubs = world
+    rt.view = MetricsView(rt.scraper, max_age_s=1.0)  # as the operator runs: rounds read the sweep's view
+    rt.queue = WorkQueue(lambda key: asyncio.sleep(0))  # not started: only its due times are read
+    body = service(scaling={"policy": "threshold", "threshold": {"upper": 1000, "lower": 10}})
+    await reconcile_service(rt, body, "create")
+    assert rt.steady[(NS, "svc")][1] is False  # a plan was created
+    rounds.after_round(rt, NS, "svc")
+    assert (rt.queue.due_in((NS, "svc")) or 0) <= 1.0
+    (sp,) = kube.plans.values()
+    for s in stubs:
+        s.phase = "serving"
+    await asyncio.wait_for(plandriver.drive(rt, sp, Stopped()), 10)
+    for _ in range(2):  # the first round after the plan may still see it in flight
+        rt.last_round.clear()
+        await reconcile_service(rt, body, "timer")
+    assert rt.steady[(NS, "svc")][1] is True
+    rt.queue.forget((NS, "svc"))
+    rounds.after_round(rt, NS, "svc")
+    assert (rt.queue.due_in((NS, "svc")) or 0) > rt.settings.resync_seconds - 1
+    rounds.wake(rt, NS, "svc")  # e.g. its metrics changed: due within its interval, not at the resync
+    assert (rt.queue.due_in((NS, "svc")) or 99) <= 1.0

@@ -59,7 +59,7 @@ async def world() -> AsyncIterator[tuple[Runtime, FakeKube, dict[str, EngineStub
                 }
             },
         )
-        s.model_service, s.role, s.phase = "svc", ROLES[n], "ready"
+        s.model_service, s.role, s.phase = "svc", ROLES[n], "serving"
     rt = Runtime(OperatorSettings(engine_token=TOKEN), kube, EngineClient(TOKEN), Scraper(), None,
                  OperatorMetrics())
     yield rt, kube, stubs

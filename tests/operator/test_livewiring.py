@@ -26,7 +26,7 @@ from kascade_engine.batch.model import LlamaModel
 from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.config import EngineConfig
 from kascade_engine.http.server import create_app
-from kascade_engine.instance import EngineInstance, Phase
+from kascade_engine.instance import EngineInstance
 from kascade_engine.net.transport_tcp import TcpTransport
 from kascade_engine.tokenizer import ByteTokenizer
 from kascade_engine.weights.blocks import BlockSet, pack_checkpoint
@@ -39,6 +39,7 @@ from kascade_operator.operator_metrics import OperatorMetrics
 from kascade_operator.pool import PodView
 from kascade_operator.runtime import Runtime
 from kascade_operator.settings import OperatorSettings
+from kascade_planner.engine_api import Phase
 
 TOKEN = "live-wiring-token"
 NS = "pool"

@@ -148,7 +148,7 @@ def test_operator_sigkill_mid_plan_completes_exactly_once(
     for s in stubs:
         s.auto_ready = True
         if s.phase == "loading":
-            s.phase = "ready"
+            s.phase = "serving"
     op.start()
     wait_for(lambda: get(control_plane, namespace, "splan", sp["metadata"]["name"])["status"]["phase"] == "Succeeded",
              what="plan succeeded after restart")

@@ -200,7 +200,7 @@ def test_target_pod_deleted_mid_plan_is_dropped_and_replaced(
     for s in stubs:
         s.auto_ready = True
         if s.phase == "loading":
-            s.phase = "ready"
+            s.phase = "serving"
     (rep,) = wait_for(lambda: bound(cp, ns, "svc", True), what="a replacement loaded")
     assert rep["metadata"]["name"] != victim
 
@@ -249,7 +249,7 @@ def test_leader_sigkill_standby_resumes_the_plan_once(
     for s in stubs:
         s.auto_ready = True
         if s.phase == "loading":
-            s.phase = "ready"
+            s.phase = "serving"
     wait_for(lambda: kget(cp, ns, "splan", sp["metadata"]["name"])["status"]["phase"] == "Succeeded", timeout=30,
              what="the standby finishes the plan")
     failover = time.monotonic() - t_kill

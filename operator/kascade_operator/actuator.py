@@ -1,0 +1,111 @@
+"""The act step of a round: carry out one reconcile action through kube.py and the engine client.
+
+Data flow: `reconcile.reconcile` -> actions (CreatePlan, CreatePods, Drain, Release) -> `apply` -> a ScalePlan
+created and its targets instructed at once (plandriver.start), fallback pods created (refused by the pod
+template policy with a Blocker), a pod's drain annotated and its serving gate closed, a drained pod's engine
+released (keeping a host copy when the pool needs one) and the pod unbound.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import Any
+
+from kascade_operator import plandriver, serving_gate
+from kascade_operator.api import ModelServiceSpec
+from kascade_operator.engine_client import EngineError
+from kascade_operator.kube import Conflict, NotFound, now_iso
+from kascade_operator.podtemplate import fallback_pod, refusals
+from kascade_operator.pool import PodView, drain_patch, keep_host_copy, owner_ref, service_key, unbind_patch
+from kascade_operator.reconcile import CreatePlan, CreatePods, Drain, Release
+from kascade_operator.runtime import Runtime
+from kascade_operator.status import Blocker
+
+log = logging.getLogger(__name__)
+
+
+async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods: list[PodView], action: Any,
+                decided_at: float) -> Blocker | None:
+    """Carry out one action; returns a Blocker when the operator refuses to (it then says why in Stalled)."""
+    meta = body["metadata"]
+    ns, name = meta["namespace"], meta["name"]
+    pool_ns = rt.pool_namespace(ns)
+    by_name = {p.pod_name: p for p in pods}
+    if isinstance(action, CreatePlan):
+        t0 = time.perf_counter()
+        try:
+            sp = await plandriver.new_scaleplan(rt, body, spec, action, by_name, await rt.nodes())
+        except ValueError as e:
+            rt.unreserve(pool_ns, (*action.targets, *action.sources))
+            await rt.event(ns, body, "ModelService", "Warning", "PlanFailed", str(e))
+            return None
+        rt.metrics.plan_generation.observe(time.perf_counter() - t0)
+        created = await rt.kube.create_scaleplan(ns, sp)
+        if not await rt.seen_plan(ns, created["metadata"]["name"]):
+            log.warning("ScalePlan %s/%s not in the watch after 2 s", ns, created["metadata"]["name"])
+        await rt.event(ns, body, "ModelService", "Normal", "ScaleUp",
+                       f"{action.role}: ScalePlan {created['metadata']['name']} binds "
+                       f"{', '.join(action.targets)} ({action.reason})")
+        # the fast path: instruct now instead of waiting for the ScalePlan daemon to start
+        await plandriver.start(rt, created, decided_at)
+    elif isinstance(action, CreatePods):
+        refused = refusals(spec, rt.settings)
+        if refused:
+            msg = f"{action.role}: warm pool short by {action.count}; not creating pods: " + "; ".join(refused)
+            await rt.event(ns, body, "ModelService", "Warning", "Forbidden", msg)
+            return Blocker("Forbidden", msg)
+        key = service_key(ns, name, pool_ns)
+        owner = owner_ref(meta) if pool_ns == ns else None
+        pod = fallback_pod(spec, key, rt.settings.engine_token_secret, owner,
+                           hf_endpoint=rt.settings.hf_endpoint, hf_token_secret=rt.settings.hf_token_secret,
+                           log_format=rt.settings.engine_log_format, tls_secret=rt.settings.engine_tls_secret,
+                           run_as_user=rt.settings.engine_run_as_user, transport=rt.settings.engine_transport,
+                           ucx_tcp_ports=rt.settings.engine_ucx_tcp_ports,
+                           activation_dscp=rt.settings.engine_activation_dscp,
+                           host_cache_gib=rt.settings.engine_host_cache_gib,
+                           installation_capacity=rt.settings.engine_capacity, dtype=rt.settings.engine_dtype,
+                           default_resources=rt.settings.engine_resources)
+        made = []
+        for _ in range(action.count):
+            made.append((await rt.kube.create_pod(pool_ns, pod))["metadata"]["name"])
+        rt.expect(pool_ns, key, made)
+        await rt.event(ns, body, "ModelService", "Warning", "PoolEmpty",
+                       f"{action.role}: warm pool short by {action.count}; created {', '.join(made)} (slow path)")
+    elif isinstance(action, Drain):
+        # routers stop sending to the pod first (they watch this annotation); the engine itself is drained
+        # a round later, with its release, so no request ever arrives at a draining engine
+        p = by_name[action.pod]
+        try:
+            await rt.kube.patch_pod(pool_ns, p.pod_name, drain_patch(p, now_iso()))
+        except (Conflict, NotFound):
+            return None  # re-read next round
+        await serving_gate.close(rt.kube, pool_ns, await rt.pool_pods(pool_ns), p.pod_name)  # Services too
+        await rt.event(ns, body, "ModelService", "Normal", "ScaleDown", f"draining {p.pod_name}")
+    elif isinstance(action, Release):
+        p = by_name[action.pod]
+        kept: str | None = None
+        if p.endpoint:
+            # O(1) host copies per model (issue 18): the first releases keep their weights in host memory
+            # (a scale-from-zero source); beyond host_copies_per_model they drop them
+            keep = keep_host_copy(pods, spec.model.name, p.pod_name, rt.settings.host_copies_per_model)
+            try:
+                await rt.engines.drain(p.endpoint)  # readiness drops; requests in flight finish
+                st = await rt.engines.release(p.endpoint, keep)
+                kept = spec.model.name if st.get("hostCopyBytes") else None
+            except EngineError as e:
+                if e.status == 409:
+                    return None  # requests still in flight: try again next round
+                log.warning("%s", e)
+        try:
+            await rt.kube.patch_pod(pool_ns, p.pod_name, unbind_patch(p, host_copy=kept))
+        except (Conflict, NotFound):
+            return None
+        if kept:
+            # the round's other releases must count this copy: they read the same pod snapshot, and without
+            # it every pod released in one round (a scale-down drains several at once) kept a copy
+            pods[pods.index(p)] = replace(p, model_service=None, role=None, host_copy=kept)
+        rt.unreserve(pool_ns, [p.pod_name])  # its claim was for the bind this release ends: it may serve again
+        await rt.event(ns, body, "ModelService", "Normal", "Released", f"{p.pod_name} returned to the pool")
+    return None

@@ -1,0 +1,96 @@
+"""One metrics pipeline for every ModelService: a shared sweep scrapes each serving engine once per
+interval, with bounded concurrency, into an in-memory view that every service's round reads.
+
+Data flow: the watch-fed pod index -> `targets()` (group (namespace, service, role) -> instance ->
+endpoint; bound, ready, undrained pods) -> `MetricsView.sweep` (the `Scraper`, one RateTracker per
+group as before, at most `concurrency` groups in flight) -> per group the loads and when they were
+taken -> `changed` groups (their loads differ from the previous sweep's) -> the caller queues a round
+for those services (workqueue.py). A round reads `collect()`: the view's loads when they are fresh and
+cover the round's instances, else a scrape of just those instances now (a pod bound since the last
+sweep, or no sweep running: tests that drive rounds directly).
+
+Cost: a round reads its own groups only (no HTTP when the view is fresh), so its cost does not grow
+with the number of other services; the sweep is O(engines) per interval, as scraping must be.
+Idle engines report the same loads sweep after sweep, so an idle service gets no round from the sweep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from kascade_operator.metrics import InstanceLoad, Scraper
+from kascade_operator.pool import PodView
+
+Group = tuple[str, str, str]  # (service namespace, service name, role)
+
+
+def group_of(p: PodView, pool_ns: str) -> Group | None:
+    """The (namespace, service, role) whose load pod `p` carries, or None when it serves none now."""
+    if p.model_service is None or p.role is None or p.draining or not p.ready or not p.endpoint:
+        return None
+    ns, _, name = p.model_service.rpartition("/")  # pool.service_key: "ns/name" across namespaces
+    return (ns or pool_ns, name, p.role)
+
+
+def targets(pods_by_pool_ns: Mapping[str, Iterable[PodView]]) -> dict[Group, dict[str, str]]:
+    """Every serving engine, grouped as the rounds read them."""
+    out: dict[Group, dict[str, str]] = {}
+    for pool_ns, pods in pods_by_pool_ns.items():
+        for p in pods:
+            g = group_of(p, pool_ns)
+            if g is not None and p.endpoint:
+                out.setdefault(g, {})[p.instance] = p.endpoint
+    return out
+
+
+@dataclass(frozen=True)
+class Reading:
+    taken_s: float  # monotonic
+    endpoints: tuple[tuple[str, str], ...]  # sorted (instance, endpoint) scraped
+    loads: tuple[InstanceLoad, ...]
+
+
+class MetricsView:
+    def __init__(self, scraper: Scraper, max_age_s: float, concurrency: int = 32) -> None:
+        self.scraper = scraper
+        self.max_age_s = max_age_s
+        self._sem = asyncio.Semaphore(max(1, concurrency))
+        self._readings: dict[Group, Reading] = {}
+        self.sweeps = 0
+        self.last_sweep_s = 0.0  # seconds the last sweep took
+
+    def reading(self, group: Group) -> Reading | None:
+        return self._readings.get(group)
+
+    async def _scrape(self, group: Group, endpoints: Mapping[str, str]) -> Reading:
+        async with self._sem:
+            loads = await self.scraper.collect(endpoints, group)
+        r = Reading(time.monotonic(), tuple(sorted(endpoints.items())), tuple(loads))
+        self._readings[group] = r
+        return r
+
+    async def sweep(self, groups: Mapping[Group, Mapping[str, str]]) -> set[Group]:
+        """Scrape every group once; returns the groups whose loads changed since their previous reading
+        (new groups included). Groups no longer serving are forgotten."""
+        t0 = time.monotonic()
+        before = {g: r.loads for g, r in self._readings.items()}
+        got = await asyncio.gather(*(self._scrape(g, eps) for g, eps in groups.items()))
+        for g in [g for g in self._readings if g not in groups]:
+            del self._readings[g]
+            self.scraper.rates.pop(g, None)
+        self.sweeps += 1
+        self.last_sweep_s = time.monotonic() - t0
+        return {g for g, r in zip(groups, got, strict=True) if before.get(g) != r.loads}
+
+    async def collect(self, endpoints: Mapping[str, str], group: Group) -> list[InstanceLoad]:
+        """The group's loads for a round: the view's when fresh and over the same instances, else scraped now."""
+        r = self._readings.get(group)
+        if r is not None and time.monotonic() - r.taken_s <= self.max_age_s \
+                and r.endpoints == tuple(sorted(endpoints.items())):
+            return list(r.loads)
+        if not endpoints:
+            return []
+        return list((await self._scrape(group, endpoints)).loads)

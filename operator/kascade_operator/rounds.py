@@ -1,0 +1,90 @@
+"""When a ModelService gets a round: event-driven, through one work queue (workqueue.py), not a timer per
+service.
+
+Data flow:
+- inputs change -> `wake(ns, name)`: its spec (kopf change handlers run a round directly, then `after_round`),
+  a pod bound to it or one of its ScalePlans changed (kopf event handlers), its metrics changed (the shared
+  sweep, `sweep_forever` -> metricsview.py). A wake is due at once, but never sooner than 0.95 of the
+  service's interval after its last round (rate limit: the round itself skips ticks that come sooner).
+- after every round, `after_round` queues the next one: one interval later while the service is moving
+  (a plan runs, a pod drains, a scale-down delay or an idle-to-zero clock is counting, the pool is short,
+  or its metrics come from Prometheus, which the sweep does not watch), else after `resync_seconds`.
+- the queue's workers run `round_of(key)` (handlers.py: the service's body from the watch-fed index ->
+  `reconcile_service`); a round that raises is retried with backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Hashable
+
+from kascade_operator.metricsview import MetricsView, targets
+from kascade_operator.runtime import Runtime
+from kascade_operator.workqueue import WorkQueue
+
+log = logging.getLogger(__name__)
+
+Key = tuple[str, str]  # (namespace, name) of a ModelService
+
+
+def service_of(model_service: str, pool_ns: str) -> Key:
+    """A pod's kascade.io/model-service value (pool.service_key) -> the service's (namespace, name)."""
+    ns, _, name = model_service.rpartition("/")
+    return (ns or pool_ns, name)
+
+
+def wake(rt: Runtime, ns: str, name: str) -> None:
+    """Queue a round for the service: now, or once its rate limit allows."""
+    if rt.queue is None:
+        return
+    key = (ns, name)
+    interval, _ = rt.steady.get(key, (rt.settings.interval_seconds, False))
+    last = rt.last_round.get(key)
+    delay = 0.0 if last is None else max(0.0, last + 0.95 * interval - time.monotonic() + 0.001)
+    rt.queue.add(key, delay)
+
+
+def after_round(rt: Runtime, ns: str, name: str) -> None:
+    """Queue the service's next round: one interval on while it moves, `resync_seconds` when steady."""
+    if rt.queue is None:
+        return
+    interval, steady = rt.steady.get((ns, name), (rt.settings.interval_seconds, False))
+    rt.queue.add((ns, name), max(interval, rt.settings.resync_seconds) if steady else interval)
+
+
+def forget(rt: Runtime, ns: str, name: str) -> None:
+    if rt.queue is not None:
+        rt.queue.forget((ns, name))
+    rt.steady.pop((ns, name), None)
+
+
+async def sweep_forever(rt: Runtime, view: MetricsView) -> None:
+    """Scrape every serving engine once per interval; wake the services whose loads changed."""
+    period = rt.settings.interval_seconds
+    while True:
+        t0 = time.monotonic()
+        try:
+            leaf, _ = await rt.node_facts()
+            pods = {pns: rt.pod_views(await rt.pool_pods(pns), leaf) for pns in rt.pool_namespaces()}
+            for g in await view.sweep(targets(pods)):
+                wake(rt, g[0], g[1])
+            rt.metrics.sweep.observe(view.last_sweep_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("metric sweep failed")
+        await asyncio.sleep(max(0.0, period - (time.monotonic() - t0)))
+
+
+def start(rt: Runtime, round_of: Callable[[Hashable], Awaitable[None]]) -> None:
+    """Start the queue's workers and, when engines are scraped directly, the shared sweep (once)."""
+    if rt.queue is not None:
+        return
+    rt.queue = WorkQueue(round_of, workers=rt.settings.round_workers)
+    rt.queue.start()
+    if rt.scraper is not None and rt.prometheus is None:
+        rt.view = MetricsView(rt.scraper, max_age_s=rt.settings.interval_seconds,
+                              concurrency=rt.settings.scrape_concurrency)
+        rt.sweep_task = asyncio.create_task(sweep_forever(rt, rt.view), name="metric-sweep")

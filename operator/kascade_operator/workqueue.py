@@ -1,0 +1,128 @@
+"""A work queue keyed by ModelService (controller-runtime's workqueue model, in asyncio): rounds run when
+a service's inputs change or its resync period expires, never one timer per service.
+
+Semantics:
+- `add(key, delay)`: the key is due `delay` seconds from now. A key is queued at most once: adding it
+  again keeps the earlier due time (a burst of events is one round).
+- A key is never processed by two workers at once: added while its round runs, it is due again after
+  that round (the round may have read inputs from before the change).
+- `workers` tasks take due keys, earliest due first, and call `process(key)`. A round that raises is
+  retried after an exponential backoff per key (`base_backoff_s` doubling up to `max_backoff_s`), reset
+  by the key's next successful round.
+- `forget(key)` drops a key (its service was deleted).
+Busy services never wait behind idle ones: only due keys are taken, and idle services are not due.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import logging
+import time
+from collections.abc import Awaitable, Callable, Hashable
+
+log = logging.getLogger(__name__)
+
+
+class WorkQueue:
+    def __init__(self, process: Callable[[Hashable], Awaitable[None]], workers: int = 4,
+                 base_backoff_s: float = 0.1, max_backoff_s: float = 30.0) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self._process = process
+        self._n = workers
+        self._base, self._max = base_backoff_s, max_backoff_s
+        self._due: dict[Hashable, float] = {}  # key -> monotonic due time (queued, not running)
+        self._heap: list[tuple[float, int, Hashable]] = []  # (due, seq, key); stale entries skipped
+        self._seq = 0
+        self._running: set[Hashable] = set()
+        self._failures: dict[Hashable, int] = {}
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self.processed = 0
+
+    def add(self, key: Hashable, delay: float = 0.0) -> None:
+        due = time.monotonic() + max(0.0, delay)
+        old = self._due.get(key)
+        if old is not None and old <= due:
+            return
+        self._due[key] = due
+        self._seq += 1
+        heapq.heappush(self._heap, (due, self._seq, key))
+        self._wake.set()
+
+    def forget(self, key: Hashable) -> None:
+        self._due.pop(key, None)
+        self._failures.pop(key, None)
+
+    def due_in(self, key: Hashable) -> float | None:
+        """Seconds until the key is due (None: not queued)."""
+        due = self._due.get(key)
+        return None if due is None else due - time.monotonic()
+
+    def __len__(self) -> int:
+        return len(self._due)
+
+    def start(self) -> None:
+        if not self._tasks:
+            self._tasks = [asyncio.create_task(self._worker(), name=f"workqueue-{i}") for i in range(self._n)]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks = []
+
+    def _take(self) -> tuple[Hashable | None, float]:
+        """The earliest due key that is not running (removed from the queue), else (None, seconds to wait)."""
+        now = time.monotonic()
+        deferred: list[tuple[float, int, Hashable]] = []
+        got: Hashable | None = None
+        wait = 3600.0
+        while self._heap:
+            due, seq, key = self._heap[0]
+            if self._due.get(key) != due:
+                heapq.heappop(self._heap)  # stale: re-added earlier, forgotten, or taken
+                continue
+            if due > now:
+                wait = due - now
+                break
+            heapq.heappop(self._heap)
+            if key in self._running:
+                deferred.append((due, seq, key))  # due again once its running round ends
+                continue
+            del self._due[key]
+            got = key
+            break
+        for d in deferred:
+            heapq.heappush(self._heap, d)
+        return got, wait
+
+    async def _worker(self) -> None:
+        while True:
+            key, wait = self._take()
+            if key is None:
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=wait)
+                continue
+            self._running.add(key)
+            try:
+                await self._process(key)
+                self._failures.pop(key, None)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                n = self._failures.get(key, 0)
+                self._failures[key] = n + 1
+                delay = min(self._max, self._base * 2 ** n)
+                log.exception("round of %s failed (retry in %.1f s)", key, delay)
+                self.add(key, delay)
+            finally:
+                self._running.discard(key)
+                self.processed += 1
+                if key in self._due:
+                    self._wake.set()  # added while it ran: another worker may take it now

@@ -1,0 +1,152 @@
+"""The event-driven rounds' parts: the work queue (de-duplicated, one round per key at a time, backoff) and the
+shared metric sweep's view (a round reads it; a sweep reports only the groups whose loads changed)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Hashable
+
+import pytest
+from enginestub import EngineStub
+
+from kascade_operator.metrics import Scraper
+from kascade_operator.metricsview import MetricsView, group_of, targets
+from kascade_operator.pool import PodView
+from kascade_operator.workqueue import WorkQueue
+
+
+async def _until(cond: object, timeout: float = 5.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not cond():  # type: ignore[operator]
+            await asyncio.sleep(0.005)
+
+
+async def test_a_key_added_many_times_before_its_round_gets_one_round() -> None:
+    seen: list[Hashable] = []
+
+    async def process(key: Hashable) -> None:
+        seen.append(key)
+
+    q = WorkQueue(process, workers=2)
+    for _ in range(5):
+        q.add("a", 0.05)
+    q.add("b", 0.05)
+    q.start()
+    await _until(lambda: len(seen) >= 2)
+    await asyncio.sleep(0.1)
+    await q.stop()
+    assert sorted(map(str, seen)) == ["a", "b"]
+
+
+async def test_an_earlier_add_wins_and_a_later_one_does_not_postpone() -> None:
+    q = WorkQueue(lambda k: asyncio.sleep(0), workers=1)
+    q.add("a", 10.0)
+    q.add("a", 0.5)
+    q.add("a", 20.0)
+    due = q.due_in("a")
+    assert due is not None and 0.3 < due <= 0.5
+
+
+async def test_a_key_added_while_its_round_runs_runs_again_after_never_at_once() -> None:
+    running, rounds, overlap = 0, 0, False
+    release = asyncio.Event()
+
+    async def process(key: Hashable) -> None:
+        nonlocal running, rounds, overlap
+        running += 1
+        overlap = overlap or running > 1
+        rounds += 1
+        if rounds == 1:
+            await release.wait()
+        running -= 1
+
+    q = WorkQueue(process, workers=4)
+    q.start()
+    q.add("a")
+    await _until(lambda: rounds == 1)
+    q.add("a")  # the inputs changed while the round ran: it must see them in a second round
+    await asyncio.sleep(0.05)
+    assert rounds == 1  # not started beside the running one
+    release.set()
+    await _until(lambda: rounds == 2)
+    await q.stop()
+    assert not overlap
+
+
+async def test_a_busy_key_is_not_queued_behind_idle_ones() -> None:
+    seen: list[Hashable] = []
+
+    async def process(key: Hashable) -> None:
+        seen.append(key)
+
+    q = WorkQueue(process, workers=1)
+    for i in range(100):
+        q.add(f"idle{i}", 30.0)  # resync far away
+    q.start()
+    q.add("burst")
+    await _until(lambda: seen == ["burst"], 1.0)
+    await q.stop()
+
+
+async def test_a_failing_round_is_retried_with_growing_backoff() -> None:
+    times: list[float] = []
+    loop = asyncio.get_running_loop()
+
+    async def process(key: Hashable) -> None:
+        times.append(loop.time())
+        if len(times) < 3:
+            raise RuntimeError("apiserver said no")
+
+    q = WorkQueue(process, workers=1, base_backoff_s=0.05)
+    q.start()
+    q.add("a")
+    await _until(lambda: len(times) == 3)
+    await q.stop()
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert gaps[0] >= 0.045 and gaps[1] >= 0.095, gaps  # 0.05 then 0.1
+
+
+def test_bad_worker_count_is_refused() -> None:
+    with pytest.raises(ValueError, match="workers must be >= 1"):
+        WorkQueue(lambda k: asyncio.sleep(0), workers=0)
+
+
+def _pod(name: str, svc: str | None, endpoint: str, ready: bool = True, draining: bool = False) -> PodView:
+    return PodView(pod_name=name, node="n0", resource_version="1", pool=True, model_service=svc,
+                   role="colocated" if svc else None, ready=ready, draining=draining, endpoint=endpoint,
+                   instance=name)
+
+
+def test_only_bound_ready_undrained_engines_are_swept_grouped_as_rounds_read_them() -> None:
+    pods = [_pod("a", "svc", "h:1"), _pod("b", "other/svc", "h:2"), _pod("c", None, "h:3"),
+            _pod("d", "svc", "h:4", ready=False), _pod("e", "svc", "h:5", draining=True)]
+    assert targets({"pool": pods}) == {("pool", "svc", "colocated"): {"a": "h:1"},
+                                       ("other", "svc", "colocated"): {"b": "h:2"}}
+    assert group_of(pods[2], "pool") is None
+
+
+async def test_a_sweep_reports_changed_groups_and_rounds_read_its_view() -> None:
+    stubs = [EngineStub(f"e{i}", "tiny", "t") for i in range(2)]
+    view = MetricsView(Scraper(timeout_s=10.0, window_s=0.0), max_age_s=10.0, concurrency=1)  # loaded CI: no timeouts
+    try:
+        groups = {("ns", f"s{i}", "colocated"): {s.instance: s.endpoint} for i, s in enumerate(stubs)}
+        assert await view.sweep(groups) == set(groups)  # first readings: every group is new
+        await asyncio.sleep(0.05)
+        assert await view.sweep(groups) == set()  # idle engines: nothing changed, no round
+        stubs[1].tokens_per_s = 3000.0
+        await asyncio.sleep(0.1)
+        assert await view.sweep(groups) == {("ns", "s1", "colocated")}
+        before = view.reading(("ns", "s1", "colocated"))
+        loads = await view.collect(groups[("ns", "s1", "colocated")], ("ns", "s1", "colocated"))
+        assert loads[0].input_tokens_per_s > 0
+        assert view.reading(("ns", "s1", "colocated")) is before  # read from the view, not scraped again
+        # a round over an instance the view has not seen scrapes it now
+        extra = {**groups[("ns", "s1", "colocated")], stubs[0].instance: stubs[0].endpoint}
+        assert len(await view.collect(extra, ("ns", "s1", "colocated"))) == 2
+        # a group that stopped serving is forgotten
+        await view.sweep({("ns", "s0", "colocated"): groups[("ns", "s0", "colocated")]})
+        assert view.reading(("ns", "s1", "colocated")) is None
+    finally:
+        for s in stubs:
+            s.close()
