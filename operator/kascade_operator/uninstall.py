@@ -27,7 +27,7 @@ from kubernetes_asyncio.client.rest import ApiException
 from kascade_operator import enginetoken, plandriver
 from kascade_operator import labels as L
 from kascade_operator.engine_client import EngineClient
-from kascade_operator.kube import GROUP, MERGE, VERSION, Kube
+from kascade_operator.kube import GROUP, MERGE, VERSION, Kube, NotFound
 from kascade_operator.operator_metrics import OperatorMetrics
 from kascade_operator.runtime import Runtime
 from kascade_operator.settings import OperatorSettings
@@ -49,11 +49,16 @@ async def stop_operator(kube: Kube, ns: str, deployment: str, wait_s: float, me:
         log.warning("operator Deployment %s/%s not scaled to 0: %s %s", ns, deployment, e.status, e.reason)
         return False
     selector = ",".join(f"{k}={v}" for k, v in sorted((dep.spec.selector.match_labels or {}).items()))
+    return await operator_gone(kube, ns, selector, wait_s, me)
+
+
+async def operator_gone(kube: Kube, ns: str, selector: str, wait_s: float, me: str = "") -> bool:
+    """Wait (up to `wait_s`) until no pod of the operator's selector but `me` is left."""
     deadline = time.monotonic() + wait_s
     while True:
         left = [p["metadata"]["name"] for p in await kube.list_pods(ns, selector) if p["metadata"]["name"] != me]
         if not left:
-            log.info("operator Deployment %s/%s scaled to 0, no operator pod left", ns, deployment)
+            log.info("operator pods in %s (%s): none left", ns, selector)
             return True
         if time.monotonic() > deadline:
             log.warning("operator pods still running after %.0f s: %s", wait_s, ", ".join(left))
@@ -81,17 +86,36 @@ async def let_go(rt: Runtime, body: dict[str, Any]) -> None:
         await plandriver.release_all(rt, body)
     except Exception as e:  # best effort: the finalizer goes either way
         log.warning("ModelService %s/%s: releasing its pods: %s", ns, name, e)
-    left = [f for f in meta.get("finalizers") or [] if f != L.FINALIZER]
-    if left == list(meta.get("finalizers") or []):
-        return
-    patch = {"metadata": {"finalizers": left, "resourceVersion": meta.get("resourceVersion")}}
-    try:
-        # a dict goes as a JSON patch by default (400): name the merge patch; the generated stub omits the kwarg
-        await rt.kube.custom.patch_namespaced_custom_object(  # type: ignore[call-arg]
-            GROUP, VERSION, ns, "modelservices", name, patch, _content_type=MERGE, _request_timeout=rt.kube.t)
-        log.info("ModelService %s/%s: finalizer %s removed", ns, name, L.FINALIZER)
-    except ApiException as e:
-        log.warning("ModelService %s/%s: finalizer not removed: %s %s", ns, name, e.status, e.reason)
+    await drop_finalizer(rt.kube, ns, name)
+
+
+async def drop_finalizer(kube: Kube, ns: str, name: str, attempts: int = 5) -> bool:
+    """Remove the operator's finalizer from a fresh read of the ModelService (releasing its engines, or an
+    operator still stopping, changes it: a patch with the version listed before would conflict, 409)."""
+    for _ in range(attempts):
+        try:
+            meta = (await kube.get_modelservice(ns, name))["metadata"]
+        except NotFound:  # deleted meanwhile
+            return True
+        except ApiException as e:
+            log.warning("ModelService %s/%s: not read: %s %s", ns, name, e.status, e.reason)
+            return False
+        left = [f for f in meta.get("finalizers") or [] if f != L.FINALIZER]
+        if left == list(meta.get("finalizers") or []):
+            return True
+        patch = {"metadata": {"finalizers": left, "resourceVersion": meta.get("resourceVersion")}}
+        try:
+            # a dict goes as a JSON patch by default (400): name the merge patch; the generated stub omits the kwarg
+            await kube.custom.patch_namespaced_custom_object(  # type: ignore[call-arg]
+                GROUP, VERSION, ns, "modelservices", name, patch, _content_type=MERGE, _request_timeout=kube.t)
+            log.info("ModelService %s/%s: finalizer %s removed", ns, name, L.FINALIZER)
+            return True
+        except ApiException as e:
+            if e.status != 409:
+                log.warning("ModelService %s/%s: finalizer not removed: %s %s", ns, name, e.status, e.reason)
+                return False
+    log.warning("ModelService %s/%s: finalizer not removed: it changed on each of %d attempts", ns, name, attempts)
+    return False
 
 
 async def uninstall(settings: OperatorSettings, deployment: str | None, deployment_ns: str, wait_s: float,
@@ -99,8 +123,7 @@ async def uninstall(settings: OperatorSettings, deployment: str | None, deployme
     """Returns how many ModelServices were let go."""
     kube = await Kube.connect()
     try:
-        if deployment:
-            await stop_operator(kube, deployment_ns, deployment, wait_s, me)
+        stopped = await stop_operator(kube, deployment_ns, deployment, wait_s, me) if deployment else True
         try:
             token = settings.engine_token or await enginetoken.ensure(
                 kube, enginetoken.token_namespace(settings.engine_token_namespace), settings.engine_token_secret,
@@ -117,6 +140,12 @@ async def uninstall(settings: OperatorSettings, deployment: str | None, deployme
             services = await modelservices(kube, settings.namespaces)
             for body in services:
                 await let_go(rt, body)
+            if deployment and not stopped:
+                # an operator still stopping puts the finalizer back (kopf adds it to every ModelService it
+                # sees without one): once its pods are gone, take it off again
+                await stop_operator(kube, deployment_ns, deployment, wait_s, me)
+                for body in await modelservices(kube, settings.namespaces):
+                    await drop_finalizer(kube, body["metadata"]["namespace"], body["metadata"]["name"])
         finally:
             await engines.aclose()
         return len(services)

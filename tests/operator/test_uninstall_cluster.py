@@ -78,3 +78,40 @@ def test_uninstall_stops_the_operator_releases_engines_and_lets_modelservices_go
         assert not kget(cp, ns, "msvc")["items"]
     finally:
         stub.close()
+
+
+def test_the_finalizer_goes_even_when_the_modelservice_changed_since_it_was_listed(
+        control_plane: ControlPlane, namespace: str) -> None:
+    """Found by the kind story: releasing a ModelService's engines (or an operator still stopping) changes it
+    after the hook listed it, and a finalizer patch carrying the listed resourceVersion was refused (409), so
+    the finalizer stayed. The hook reads it again before each attempt."""
+    import asyncio
+
+    from kascade_operator.engine_client import EngineClient
+    from kascade_operator.kube import Kube
+    from kascade_operator.operator_metrics import OperatorMetrics
+    from kascade_operator.runtime import Runtime
+    from kascade_operator.settings import OperatorSettings
+    from kascade_operator.uninstall import let_go
+
+    cp, ns = control_plane, namespace
+    apply(cp, ns, {"apiVersion": "kascade.io/v1alpha1", "kind": "ModelService",
+                   "metadata": {"name": "svc", "finalizers": [FINALIZER]},
+                   "spec": {"model": {"name": "tiny", "source": {"path": "/models/tiny"}, "layers": 2},
+                            "engine": {"image": "kascade:dev"}, "replicas": {"colocated": {"min": 0, "max": 1}}}})
+    listed = kget(cp, ns, "msvc", "svc")
+    cp.kubectl("-n", ns, "annotate", "msvc", "svc", "example.com/touched=yes")  # a newer resourceVersion
+    assert kget(cp, ns, "msvc", "svc")["metadata"]["resourceVersion"] != listed["metadata"]["resourceVersion"]
+
+    async def run() -> None:
+        kube = await Kube.connect(str(cp.kubeconfig))
+        engines = EngineClient(TOKEN, 5.0)
+        try:
+            await let_go(Runtime(OperatorSettings(), kube, engines, None, None, OperatorMetrics()), listed)
+        finally:
+            await engines.aclose()
+            await kube.close()
+
+    asyncio.run(run())
+    assert FINALIZER not in (kget(cp, ns, "msvc", "svc")["metadata"].get("finalizers") or [])
+    cp.kubectl("-n", ns, "delete", "msvc", "svc", "--timeout=20s")
