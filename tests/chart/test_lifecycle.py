@@ -52,6 +52,8 @@ def test_uninstall_hook_stops_the_operator_and_lets_modelservices_go(helm: Helm)
     assert job["metadata"]["annotations"]["helm.sh/hook"] == "pre-delete"
     spec = job["spec"]["template"]["spec"]
     assert spec["serviceAccountName"] == "rel-operator" and spec["restartPolicy"] == "Never"
+    # found on kind: Service links put KASCADE_OPERATOR_METRICS_PORT=tcp://... into the settings' prefix
+    assert spec["enableServiceLinks"] is False
     (c,) = spec["containers"]
     assert c["args"][:3] == ["kascade", "operator", "uninstall"] and "--deployment=rel-operator" in c["args"]
     env = {e["name"]: e.get("value") for e in c["env"]}
