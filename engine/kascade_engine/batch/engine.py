@@ -223,9 +223,15 @@ class Engine:
             ids.extend(r.span(w.start, w.end))
             if w.end == r.length:
                 rows.append(len(ids) - 1)
-        batch = build_batch(self.cache, [(pool.tables[w.id], w.start, w.n) for w in work])
-        h = m.run_layers(0, m.shape.layers, m.embed(torch.tensor(ids, dtype=torch.long, device=m.device)), batch)
+        h = self._hidden(ids, [(pool.tables[w.id], w.start, w.n) for w in work])
         return m.logits(h[torch.tensor(rows, dtype=torch.long, device=m.device)])
+
+    def _hidden(self, ids: list[int], items: list[tuple[list[int], int, int]]) -> torch.Tensor:
+        """The last layer's hidden states over a step's tokens; items: (page table, start, tokens) per chunk
+        (tp/leader.py announces the step to the other ranks first)."""
+        m = self.model
+        batch = build_batch(self.cache, items)
+        return m.run_layers(0, m.shape.layers, m.embed(torch.tensor(ids, dtype=torch.long, device=m.device)), batch)
 
     def _sample(self, work: list[Work], logits: torch.Tensor) -> list[int]:
         return pick(logits, [self.requests[w.id] for w in work if w.end == self.requests[w.id].length], self.eos)

@@ -16,9 +16,8 @@ from collections.abc import Callable
 import torch
 
 from kascade_engine.batch.engine import Engine, Event
-from kascade_engine.batch.kvcache import build_batch
 from kascade_engine.batch.model import LlamaModel
-from kascade_engine.batch.scheduler import Limits, Work
+from kascade_engine.batch.scheduler import Limits
 from kascade_engine.tp import step as msg
 from kascade_engine.tp.group import RankGroup
 
@@ -48,24 +47,13 @@ class TPEngine(Engine):
             raise RankLost(self.failed)
         return super().step()
 
-    def _logits(self, work: list[Work]) -> torch.Tensor:
-        m, pool = self.model, self.scheduler.pool
-        ids: list[int] = []
-        rows: list[int] = []
-        for w in work:
-            r = self.requests[w.id]
-            ids.extend(r.span(w.start, w.end))
-            if w.end == r.length:
-                rows.append(len(ids) - 1)
-        items = [(list(pool.tables[w.id]), w.start, w.n) for w in work]
+    def _hidden(self, ids: list[int], items: list[tuple[list[int], int, int]]) -> torch.Tensor:
         try:
-            msg.send(msg.Step(ids, items), self.group.control)
-            batch = build_batch(self.cache, items)
-            h = m.run_layers(0, m.shape.layers, m.embed(torch.tensor(ids, dtype=torch.long, device=m.device)), batch)
+            msg.send(msg.Step(ids, [(list(t), start, n) for t, start, n in items]), self.group.control)
+            return super()._hidden(ids, items)
         except RuntimeError as e:  # gloo: a peer closed its connection; any rank's error breaks the instance
             self.lost(f"a tensor-parallel rank failed during a step: {e}")
             raise RankLost(str(self.failed)) from e
-        return m.logits(h[torch.tensor(rows, dtype=torch.long, device=m.device)])
 
     def shutdown(self, reason: str = "shutdown") -> None:
         """Tell the followers to exit (best effort: a broken instance has nobody to tell)."""
