@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import socket
 import subprocess
@@ -52,9 +53,9 @@ class KindDemo(Demo):
     def __init__(self, cfg: DemoConfig, cluster: str = "kascade-demo") -> None:
         super().__init__(cfg)
         self.m, self.ns = KIND_MODEL, NS
-        tag = _chart_tag()
-        self.operator_image = f"ghcr.io/kascade/kascade-operator:{tag}"
-        self.engine_image = f"ghcr.io/kascade/kascade-engine:{tag}-cpu"
+        tag = _chart_tag()  # what `make images` tags; the kind e2e's variables pick others (tests/kind)
+        self.operator_image = os.environ.get("KASCADE_KIND_OPERATOR_IMAGE", f"ghcr.io/kascade/kascade-operator:{tag}")
+        self.engine_image = os.environ.get("KASCADE_KIND_ENGINE_IMAGE", f"ghcr.io/kascade/kascade-engine:{tag}-cpu")
         self.kind = KindCluster(cluster, cfg.out.resolve() / "kubeconfig")
         self.forward: subprocess.Popen[str] | None = None
 
