@@ -46,6 +46,8 @@ def missing() -> list[str]:
         out.append("a running Docker daemon (hack/docker-up.sh)")
     if not KIND_BIN.exists():
         out.append(f"kind at {KIND_BIN} (hack/build-kind.sh)")
+    elif not image_present(NODE_IMAGE):
+        out.append(f"the node image {NODE_IMAGE} (hack/build-kind.sh)")
     for b in ("kubectl", "helm"):
         if not (CACHE / "bin" / "current" / b).exists():
             out.append(f"{b} in {CACHE / 'bin' / 'current'} (hack/build-control-plane.sh)")
