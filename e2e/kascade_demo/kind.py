@@ -129,18 +129,21 @@ class KindDemo(Demo):
         k.kubectl("label", "namespace", NS, "pod-security.kubernetes.io/enforce=restricted",
                   "pod-security.kubernetes.io/enforce-version=latest", "--overwrite")
         k.kubectl("apply", "-f", str(REPO / "e2e" / "kind" / "models-pv.yaml"))
-        orepo, _, otag = self.operator_image.rpartition(":")
-        erepo, _, etag = self.engine_image.rpartition(":")
         t0 = time.monotonic()
-        k.helm("upgrade", "--install", "kascade", str(REPO / "charts" / "kascade"), "-n", NS,
-               "-f", str(REPO / "e2e" / "kind" / "values.yaml"),
-               "--set", f"image.repository={orepo},image.tag={otag},pool.image.repository={erepo}",
-               "--set", f"pool.image.tag={etag},pool.model.name={self.m.name},pool.model.path=/models/{self.m.name}",
-               "--set", f"pool.nodeSelector.kubernetes\\.io/hostname={engine_node}",
-               "--set-json", f'pool.extraArgs=["--transfer-max-mbps={self.m.transfer_mbps:g}"]',
-               "--wait", "--timeout=600s")
+        k.helm("upgrade", "--install", "kascade", *self.chart_args(engine_node), "--wait", "--timeout=600s")
         self.step(f"    installed; every Deployment available in {time.monotonic() - t0:.0f} s")
         self.step("    " + k.kubectl("-n", NS, "get", "deploy").strip().replace("\n", "\n" + " " * 12))
+
+    def chart_args(self, engine_node: str) -> list[str]:
+        """The chart, its namespace and values: e2e/kind/values.yaml with our images, the pool on the node
+        that has the engine image, its engines pacing their weight sends."""
+        orepo, _, otag = self.operator_image.rpartition(":")
+        erepo, _, etag = self.engine_image.rpartition(":")
+        return [str(REPO / "charts" / "kascade"), "-n", NS, "-f", str(REPO / "e2e" / "kind" / "values.yaml"),
+                "--set", f"image.repository={orepo},image.tag={otag},pool.image.repository={erepo}",
+                "--set", f"pool.image.tag={etag},pool.model.name={self.m.name},pool.model.path=/models/{self.m.name}",
+                "--set", f"pool.nodeSelector.kubernetes\\.io/hostname={engine_node}",
+                "--set-json", f'pool.extraArgs=["--transfer-max-mbps={self.m.transfer_mbps:g}"]']
 
     @property
     def service(self) -> str:
