@@ -10,6 +10,7 @@ or rank 0 gone) ends it with 3 and the reason on stderr.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 
 from kascade_engine.batch.kvcache import KVCache, build_batch
 from kascade_engine.batch.scheduler import Limits
+from kascade_engine.tp import planes
 from kascade_engine.tp import step as msg
 from kascade_engine.tp.group import RankGroup, join
 from kascade_engine.tp.rankmodel import RankModel
@@ -53,20 +55,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-tokens", type=int, default=65536)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--timeout-s", type=float, default=60.0)
+    p.add_argument("--plane", type=Path, help="load by plan: this rank's plane spec (planes.py; JSON), not the "
+                   "checkpoint's weights (the checkpoint then gives the config only)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"rank {a.rank}: %(message)s")
     torch.set_num_threads(a.threads)
     device = torch.device(a.device)
-    blocks = pack_checkpoint(a.checkpoint)
-    layout = TPLayout.of(blocks.config, a.tp)
-    model = RankModel(blocks.config, layout, a.rank, dtype=getattr(torch, a.dtype), device=device)
-    model.add_blocks(blocks.blocks.values())
+    plane = planes.PlaneSpec.read(a.plane) if a.plane else None
+    got = planes.receive_plane_sync(plane) if plane else None  # this rank's link, before the group meets
+    cfg = json.loads((a.checkpoint / "config.json").read_text()) if plane else None
+    blocks = None if plane else pack_checkpoint(a.checkpoint)
+    cfg = cfg if blocks is None else blocks.config
+    layout = TPLayout.of(cfg, a.tp)
+    model = RankModel(cfg, layout, a.rank, dtype=getattr(torch, a.dtype), device=device)
+    if blocks is not None:
+        model.add_blocks(blocks.blocks.values())
     s = model.shape
     limits = Limits(kv_tokens=a.kv_tokens, page_size=a.page_size)
     cache = KVCache(s.layers, limits.pages, limits.page_size, s.kv_heads, s.head_dim, model.dtype, device,
                     reuse_gather=True)
     group = join(a.rank, a.tp, a.init, device, a.timeout_s)
     try:
+        if plane is not None and got is not None:
+            gather_s = planes.install(model, plane, got, device=device)  # parts: the all-gather with every rank
+            planes.exchange_stats(got, gather_s, a.rank, a.tp, group.control)
         group.barrier()  # every rank holds its weights
         reason = follow(model, cache, group)
     except RuntimeError as e:

@@ -1,0 +1,146 @@
+"""Loading a tensor-parallel instance by plan: each rank is its own data-plane participant (its own data port, its
+own link) and receives only its share of every block, in its rank plane (planner `tpgroup`: plane r of an
+instance plan is an ordinary plan over rank r's shares).
+
+Shares (planner `tpgroup` names them):
+  parts  `<block>#r/g`: bytes `part_range(size, r, g)` of the whole block, with their own digest (the relay
+         verifies every part as it verifies any block). After the transfer the ranks all-gather the parts
+         (gather.py: gloo on CPU, NCCL over NVLink on CUDA), check each whole block's digest and keep their slices.
+  slices `<block>@r/g`: rank r's slices packed (slices.py), verified by their own digest and loaded as they are.
+
+Data flow, source side: a whole `BlockSet` -> `share_blocks(blocks, rank, g, mode, layout)` -> the BlockSet a
+source's TransferNode for plane r sends from (parts are zero-copy views), and its manifest (`share_manifest`) is
+the plane's manifest.
+Data flow, rank side: a `PlaneSpec` (plane transfer spec + this rank's participant id + the whole manifest) ->
+`receive_plane` (a TransferNode on this rank's data port; returns the verified shares and the rank's bytes and
+seconds) -> `install` (parts: the all-gather, in manifest order on every rank; slices: as they are) ->
+`RankModel` complete -> `exchange_stats` gives rank 0 every rank's bytes and seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kascade_engine.net.relay import TransferNode
+from kascade_engine.net.transfer_spec import TransferSpec
+from kascade_engine.net.transports import make_transport
+from kascade_engine.tp.gather import gather_block
+from kascade_engine.tp.rankmodel import RankModel
+from kascade_engine.tp.shard import TPLayout
+from kascade_engine.tp.slices import slice_block
+from kascade_engine.weights.blocks import Block, BlockSet, digest_of
+from kascade_planner.tpgroup import Mode, part_id, part_range, slice_id
+
+
+def share_blocks(blocks: BlockSet, rank: int, g: int, mode: Mode, layout: TPLayout | None = None) -> BlockSet:
+    """Rank `rank`'s share of every block of `blocks`, as blocks of their own (empty parts are left out)."""
+    out: list[Block] = []
+    for b in blocks.blocks.values():
+        if mode == "slices":
+            if layout is None or layout.tp != g:
+                raise ValueError(f"layout: slices need the tp {g} layout")
+            out.append(slice_block(layout, rank, b))
+            continue
+        lo, hi = part_range(b.nbytes, rank, g)
+        if hi > lo:
+            view = memoryview(b.data)[lo:hi]
+            out.append(Block(part_id(b.id, rank, g), view, (), digest_of(view)))
+    return BlockSet(blocks.model, blocks.config, out)
+
+
+def share_manifest(blocks: BlockSet, rank: int, g: int, mode: Mode, layout: TPLayout | None = None
+                   ) -> dict[str, dict[str, Any]]:
+    return share_blocks(blocks, rank, g, mode, layout).manifest()
+
+
+@dataclass(frozen=True)
+class PlaneSpec:
+    """What one rank needs to load by plan: its plane's transfer spec, its participant id there, the share kind,
+    and the whole blocks' manifest (sizes, digests, tensor index: the gather checks and splits by it)."""
+
+    spec: TransferSpec
+    me: str
+    mode: Mode
+    whole: Mapping[str, Mapping[str, Any]]
+    transport: str = "tcp"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"spec": self.spec.to_dict(), "me": self.me, "mode": self.mode, "whole": dict(self.whole),
+                "transport": self.transport}
+
+    @staticmethod
+    def from_dict(doc: Mapping[str, Any]) -> PlaneSpec:
+        mode = str(doc.get("mode"))
+        if mode not in ("slices", "parts"):
+            raise ValueError(f"mode: expected slices or parts, got {mode!r}")
+        return PlaneSpec(TransferSpec.from_dict(doc["spec"]), str(doc["me"]), "slices" if mode == "slices" else
+                         "parts", dict(doc["whole"]), str(doc.get("transport", "tcp")))
+
+    @staticmethod
+    def read(path: Path) -> PlaneSpec:
+        return PlaneSpec.from_dict(json.loads(path.read_text()))
+
+
+@dataclass(frozen=True)
+class Received:
+    shares: Mapping[str, Block]
+    bytes_in: int
+    seconds: float  # first byte to the last share resident (the rank's own link), or wall time when none
+
+
+async def receive_plane(ps: PlaneSpec) -> Received:
+    """Run this rank's TransferNode for its plane (listening on its own data port) until every share is
+    resident and verified; a failed transfer raises TransferFailed naming what failed."""
+    node = TransferNode(ps.spec, ps.me, make_transport(ps.transport))
+    started = time.time()
+    await node.start()
+    try:
+        summary = await node.run()
+    finally:
+        await node.close()
+    first = summary.get("firstByteAt") or started
+    seconds = float((summary.get("doneAt") or time.time()) - first)
+    return Received(dict(node.resident), int(summary["bytesReceived"]), seconds)
+
+
+def receive_plane_sync(ps: PlaneSpec) -> Received:
+    return asyncio.run(receive_plane(ps))
+
+
+def install(model: RankModel, ps: PlaneSpec, got: Received, group: dist.ProcessGroup | None = None,
+            device: torch.device | None = None) -> float:
+    """Make `model` complete from this rank's shares; returns the seconds spent gathering (0 for slices).
+    Parts: every rank calls this (a collective per block, in the whole manifest's order); each block's digest is
+    checked after the gather (GatherError names it; nothing of it is added)."""
+    g, rank = model.layout.tp, model.rank
+    if ps.mode == "slices":
+        for bid in ps.whole:
+            sid = slice_id(bid, rank, g)
+            if sid not in got.shares:
+                raise ValueError(f"plane {ps.me}: slice {sid!r} never arrived")
+            model.add_sliced(got.shares[sid])
+        return 0.0
+    t0 = time.perf_counter()
+    for bid, entry in ps.whole.items():
+        part = got.shares.get(part_id(bid, rank, g))
+        whole = gather_block(bid, entry, part.data if part is not None else b"", rank, g, group, device)
+        model.add_block(bid, whole.tensors())
+    return time.perf_counter() - t0
+
+
+def exchange_stats(got: Received, gather_s: float, rank: int, tp: int,
+                   group: dist.ProcessGroup | None = None) -> Sequence[Mapping[str, float]]:
+    """Every rank's {rank, bytes, seconds, gatherSeconds}, on every rank (a collective)."""
+    mine = {"rank": float(rank), "bytes": float(got.bytes_in), "seconds": got.seconds, "gatherSeconds": gather_s}
+    out: list[Any] = [None] * tp
+    dist.all_gather_object(out, mine, group=group)
+    return [dict(x) for x in out]
