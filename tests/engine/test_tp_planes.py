@@ -11,6 +11,7 @@ import secrets
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -176,3 +177,76 @@ def test_parts_of_every_block_tile_it(tiny_blocks: BlockSet, g: int) -> None:
                           if f"{b.id}#{r}/{g}" in s.blocks)
         assert joined == bytes(b.data)
         assert all(s.blocks[k].verify() for s in shares for k in s.blocks)
+
+
+def _consecutive_ports(n: int, width: int) -> list[int]:
+    """n base ports, each with the `width - 1` ports after it free too (rank r listens on base + r)."""
+    import socket
+
+    out: list[int] = []
+    while len(out) < n:
+        base = free_ports(1)[0]
+        socks = []
+        try:
+            for k in range(width):
+                s = socket.socket()
+                s.bind(("127.0.0.1", base + k))
+                socks.append(s)
+            if all(base + k not in out for k in range(-width, width)):
+                out.append(base)
+        except OSError:
+            pass
+        finally:
+            for s in socks:
+                s.close()
+    return out
+
+
+def test_tp2_engine_loads_by_plan_over_rank_ports_and_serves_the_source_text(tiny_ckpt: Path,
+                                                                             tiny_blocks: BlockSet) -> None:
+    """`serve --tp 2 --empty` is the target of an ordinary load-plan (the instance plan, unsharded): each rank
+    receives its plane on the target's data port + rank, half the bytes each; then the instance serves exactly
+    the TP-1 source's text, and its manifest (rank 0 kept the gathered blocks) makes it the next plan's source."""
+    import httpx
+
+    from .conftest import start_engine
+
+    common = ["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--max-prompt-tokens", "64",
+              "--kv-tokens", "4096"]
+    src = start_engine(common)
+    dst = start_engine([*common, "--tp", "2", "--empty"])
+    h = {"Authorization": "Bearer test-token"}
+    try:
+        assert httpx.get(dst.url + "/kascade/v1/status", headers=h).json()["phase"] == "empty"
+        plan = _instance_plan(tiny_blocks, 2).to_dict()
+        pa, pb = _consecutive_ports(2, 2)
+        doc = {"plan": plan, "peers": {"s0": f"127.0.0.1:{pa}", "t0": f"127.0.0.1:{pb}"}, "planToken": "pt"}
+        whole = httpx.get(src.url + "/kascade/v1/manifest", headers=h).json()
+        bad = httpx.post(dst.url + "/kascade/v1/load-plan", json={**doc, "self": "t0", "manifest": whole}, headers=h)
+        assert bad.status_code == 400 and "manifest?parts=2" in bad.text, bad.text
+        manifest = httpx.get(src.url + "/kascade/v1/manifest?parts=2", headers=h).json()
+        assert "layer.0#1/2" in manifest and manifest["layer.0"] == whole["layer.0"]
+        ok = httpx.post(dst.url + "/kascade/v1/load-plan", json={**doc, "self": "t0", "manifest": manifest},
+                        headers=h)
+        assert ok.status_code == 200, ok.text
+        ok = httpx.post(src.url + "/kascade/v1/load-plan", json={**doc, "self": "s0"}, headers=h)
+        assert ok.status_code == 200, ok.text
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            st = httpx.get(dst.url + "/kascade/v1/status", headers=h).json()
+            if st["ready"] or st["loadError"]:
+                break
+            time.sleep(0.2)
+        assert st["ready"] and st["loadError"] is None, st
+        per_rank = sorted(st["tpLoad"], key=lambda s: s["rank"])
+        for r, s in enumerate(per_rank):
+            want = sum(hi - lo for b in tiny_blocks.blocks.values() for lo, hi in [part_range(b.nbytes, r, 2)])
+            assert int(s["bytes"]) == want
+        body = {"model": "tiny-llama", "prompt": "hello tensor parallel", "max_tokens": 8}
+        want_text = httpx.post(src.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        got_text = httpx.post(dst.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        assert got_text == want_text
+        assert httpx.get(dst.url + "/kascade/v1/manifest", headers=h).json() == whole
+    finally:
+        src.stop()
+        dst.stop()

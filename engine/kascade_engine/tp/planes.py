@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from kascade_engine.net.relay import TransferNode
-from kascade_engine.net.transfer_spec import TransferSpec
+from kascade_engine.net.transfer_spec import SpecError, TransferSpec
+from kascade_engine.net.transport import Transport
 from kascade_engine.net.transports import make_transport
 from kascade_engine.tp.gather import gather_block
 from kascade_engine.tp.rankmodel import RankModel
@@ -117,6 +118,40 @@ def build_planes(plan: Plan, blocks: BlockSet, g: int, mode: Mode, token: str,
     return out
 
 
+def derive_planes(spec: TransferSpec, g: int, manifests: Sequence[Mapping[str, Any]] | None = None
+                  ) -> list[TransferSpec]:
+    """The g "parts" planes of an instance plan's spec, as every participant derives them alike: plane r's plan
+    (`tpgroup.plane_plan`), each participant at its instance's data port + r (rank r of a TP instance listens
+    there; a TP-1 source feeding g planes listens once per plane), the same token, chunk size and timeouts.
+    Part digests come from `manifests[r]` (a source: its own shares) or from the spec's manifest, which then
+    holds the part entries (`GET manifest?parts=g` of the source). A missing part entry is a SpecError."""
+    out: list[TransferSpec] = []
+    for r in range(g):
+        rp = plane_plan(spec.plan, r, g, "parts")
+        src = manifests[r] if manifests is not None else spec.manifest
+        missing = [b for b in rp.model.block_ids if b not in src]
+        if missing:
+            raise SpecError(f"manifest: no entry for part {missing[0]!r} (ask the source for manifest?parts={g})")
+        peers: dict[str, tuple[str, int]] = {}
+        for i in (*rp.sources, *rp.targets):
+            base = i.id.removesuffix(f".r{r}") if i.id not in spec.peers else i.id
+            if base not in spec.peers:
+                raise SpecError(f"peers lacks an address for {base!r}")
+            host, port = spec.peers[base]
+            peers[i.id] = (host, port + r)
+        out.append(TransferSpec(rp, {b: src[b] for b in rp.model.block_ids}, peers, spec.token, spec.chunk_bytes,
+                                spec.timeout_s, spec.faults, spec.not_before))
+    return out
+
+
+def manifest_with_parts(blocks: BlockSet, g: int) -> dict[str, dict[str, Any]]:
+    """The whole blocks' manifest plus every part entry of every rank plane at `g` (what targets need)."""
+    out = blocks.manifest()
+    for r in range(g):
+        out.update(share_manifest(blocks, r, g, "parts"))
+    return out
+
+
 @dataclass(frozen=True)
 class Received:
     shares: Mapping[str, Block]
@@ -124,10 +159,10 @@ class Received:
     seconds: float  # first byte to the last share resident (the rank's own link), or wall time when none
 
 
-async def receive_plane(ps: PlaneSpec) -> Received:
+async def receive_plane(ps: PlaneSpec, transport: Transport | None = None) -> Received:
     """Run this rank's TransferNode for its plane (listening on its own data port) until every share is
     resident and verified; a failed transfer raises TransferFailed naming what failed."""
-    node = TransferNode(ps.spec, ps.me, make_transport(ps.transport))
+    node = TransferNode(ps.spec, ps.me, transport or make_transport(ps.transport))
     started = time.time()
     await node.start()
     try:
@@ -144,10 +179,11 @@ def receive_plane_sync(ps: PlaneSpec) -> Received:
 
 
 def install(model: RankModel, ps: PlaneSpec, got: Received, group: dist.ProcessGroup | None = None,
-            device: torch.device | None = None) -> float:
+            device: torch.device | None = None, keep: list[Block] | None = None) -> float:
     """Make `model` complete from this rank's shares; returns the seconds spent gathering (0 for slices).
     Parts: every rank calls this (a collective per block, in the whole manifest's order); each block's digest is
-    checked after the gather (GatherError names it; nothing of it is added)."""
+    checked after the gather (GatherError names it; nothing of it is added). `keep`: the gathered whole blocks
+    are appended to it (rank 0 keeps them: a source of the next plan)."""
     g, rank = model.layout.tp, model.rank
     if ps.mode == "slices":
         for bid in ps.whole:
@@ -161,7 +197,38 @@ def install(model: RankModel, ps: PlaneSpec, got: Received, group: dist.ProcessG
         part = got.shares.get(part_id(bid, rank, g))
         whole = gather_block(bid, entry, part.data if part is not None else b"", rank, g, group, device)
         model.add_block(bid, whole.tensors())
+        if keep is not None:
+            keep.append(whole)
     return time.perf_counter() - t0
+
+
+class PlaneFailed(RuntimeError):
+    """A rank's plane did not complete: the instance holds no weights from this plan (every rank raises it)."""
+
+
+def agree(error: str | None, rank: int, tp: int, group: dist.ProcessGroup | None = None) -> None:
+    """Every rank says whether its plane completed; if any did not, every rank raises PlaneFailed naming it
+    (before any collective of the gather, which would otherwise wait for the failed rank until it timed out)."""
+    said: list[Any] = [None] * tp
+    dist.all_gather_object(said, error, group=group)
+    bad = [(r, e) for r, e in enumerate(said) if e]
+    if bad:
+        raise PlaneFailed("; ".join(f"rank {r}: {e}" for r, e in bad))
+
+
+def load_rank(model: RankModel, ps: PlaneSpec, tp: int, group: dist.ProcessGroup | None = None,
+              device: torch.device | None = None) -> Sequence[Mapping[str, float]]:
+    """A follower's whole load by plan (its own asyncio loop): receive, agree, install, exchange stats."""
+    got: Received | None = None
+    error: str | None = None
+    try:
+        got = receive_plane_sync(ps)
+    except Exception as e:  # TransferFailed, a refused spec, a port in use: said to every rank below
+        error = f"{type(e).__name__}: {e}"
+    agree(error, model.rank, tp, group)
+    assert got is not None
+    gather_s = install(model, ps, got, device=device)
+    return exchange_stats(got, gather_s, model.rank, tp, group)
 
 
 def exchange_stats(got: Received, gather_s: float, rank: int, tp: int,

@@ -39,6 +39,10 @@ def follow(model: RankModel, cache: KVCache, group: RankGroup) -> str:
         m = msg.receive(group.control)
         if isinstance(m, msg.Stop):
             return m.reason
+        if isinstance(m, msg.Load):  # rank 0 got a load plan: this rank's plane, then the gather with every rank
+            planes.load_rank(model, planes.PlaneSpec.from_dict(m.planes[group.rank]), group.tp, group.control,
+                             model.device)
+            continue
         batch = build_batch(cache, m.items)
         model.run_layers(0, L, model.embed(torch.tensor(m.ids, dtype=torch.long, device=model.device)), batch)
 
@@ -57,14 +61,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout-s", type=float, default=60.0)
     p.add_argument("--plane", type=Path, help="load by plan: this rank's plane spec (planes.py; JSON), not the "
                    "checkpoint's weights (the checkpoint then gives the config only)")
+    p.add_argument("--empty", action="store_true", help="start with no weights: they arrive by plan (rank 0 sends "
+                   "this rank its plane spec; the checkpoint gives the config only)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"rank {a.rank}: %(message)s")
     torch.set_num_threads(a.threads)
     device = torch.device(a.device)
     plane = planes.PlaneSpec.read(a.plane) if a.plane else None
     got = planes.receive_plane_sync(plane) if plane else None  # this rank's link, before the group meets
-    cfg = json.loads((a.checkpoint / "config.json").read_text()) if plane else None
-    blocks = None if plane else pack_checkpoint(a.checkpoint)
+    by_plan = plane is not None or a.empty
+    cfg = json.loads((a.checkpoint / "config.json").read_text()) if by_plan else None
+    blocks = None if by_plan else pack_checkpoint(a.checkpoint)
     cfg = cfg if blocks is None else blocks.config
     layout = TPLayout.of(cfg, a.tp)
     model = RankModel(cfg, layout, a.rank, dtype=getattr(torch, a.dtype), device=device)
