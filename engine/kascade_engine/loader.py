@@ -41,6 +41,9 @@ class _LoadConfig(Protocol):
     @property
     def model_name(self) -> str: ...
 
+    @property
+    def tp(self) -> int: ...
+
     def weight_transport(self) -> Transport: ...
 
 
@@ -220,6 +223,9 @@ async def start_source_load(inst: LoadTarget, path: str | None = None, uri: str 
             d = Path(where) if uri is None else await asyncio.to_thread(resolve, uri)
             if uri is not None and not (d / "config.json").is_file():
                 raise CheckpointError(f"{d} is not a checkpoint directory (no config.json)")
+            from kascade_engine.tp.planload import followers_load_path
+
+            followers_load_path(inst, d)  # a tensor-parallel engine's other ranks pack it alongside (tp/rank.py)
             blocks = await asyncio.to_thread(pack_checkpoint, d, inst.config.model_name)
             if blocks.config.get("num_hidden_layers") != model.shape.layers:
                 raise CheckpointError(f"{where}: {blocks.config.get('num_hidden_layers')} layers, this engine "

@@ -250,3 +250,62 @@ def test_tp2_engine_loads_by_plan_over_rank_ports_and_serves_the_source_text(tin
     finally:
         src.stop()
         dst.stop()
+
+
+def test_a_rank_killed_mid_load_fails_the_instance_before_it_serves(tiny_ckpt: Path, tiny_blocks: BlockSet) -> None:
+    """A follower rank dies while its plane is loading: the engine exits 3 (the pod restarts, the operator
+    replaces the replica) and never reports ready with a rank missing."""
+    import os
+    import signal
+
+    import httpx
+
+    from .conftest import start_engine
+
+    dst = start_engine(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--max-prompt-tokens", "64",
+                        "--kv-tokens", "4096", "--tp", "2", "--empty"])
+    h = {"Authorization": "Bearer test-token"}
+    try:
+        pa, pb = _consecutive_ports(2, 2)  # nobody runs the source: the planes wait for it
+        doc = {"plan": _instance_plan(tiny_blocks, 2).to_dict(), "self": "t0", "planToken": "pt",
+               "peers": {"s0": f"127.0.0.1:{pa}", "t0": f"127.0.0.1:{pb}"}, "timeoutSeconds": 60,
+               "manifest": {**tiny_blocks.manifest(), **{k: v for r in range(2)
+                                                         for k, v in share_blocks(tiny_blocks, r, 2, "parts")
+                                                         .manifest().items()}}}
+        ok = httpx.post(dst.url + "/kascade/v1/load-plan", json=doc, headers=h)
+        assert ok.status_code == 200 and ok.json()["phase"] == "loading", ok.text
+        kids = Path(f"/proc/{dst.proc.pid}/task/{dst.proc.pid}/children").read_text().split()
+        assert len(kids) == 1, kids
+        os.kill(int(kids[0]), signal.SIGKILL)
+        assert dst.proc.wait(60) == 3
+    finally:
+        dst.stop()
+
+
+def test_tp2_engine_binds_its_first_copy_from_a_path_on_every_rank(tiny_ckpt: Path) -> None:
+    """The operator's first copy (`local` plan: bind with source.path) into `serve --tp 2 --empty`: every rank
+    packs the directory and keeps its slices; the text equals the plain engine's."""
+    import httpx
+
+    from .conftest import start_engine
+
+    common = ["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--max-prompt-tokens", "64",
+              "--kv-tokens", "4096"]
+    ref, dst = start_engine(common), start_engine([*common, "--tp", "2", "--empty"])
+    h = {"Authorization": "Bearer test-token"}
+    try:
+        bind = {"model": "tiny-llama", "modelService": "svc", "role": "colocated", "source": {"path": str(tiny_ckpt)}}
+        assert httpx.post(dst.url + "/kascade/v1/bind", json=bind, headers=h).status_code == 200
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            st = httpx.get(dst.url + "/kascade/v1/status", headers=h).json()
+            if st["ready"] or st["loadError"]:
+                break
+            time.sleep(0.2)
+        assert st["ready"], st
+        body = {"model": "tiny-llama", "prompt": "first copy from disk", "max_tokens": 8}
+        want = httpx.post(ref.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        assert httpx.post(dst.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"] == want
+    finally:
+        ref.stop()
+        dst.stop()

@@ -63,6 +63,12 @@ class TPEngine(Engine):
             raise RankLost(self.failed)
         msg.send(msg.Load(planes), self.group.control)
 
+    def load_path(self, path: str) -> None:
+        """Every follower packs checkpoint `path` and keeps its slices (rank 0 loads its own: loader.py)."""
+        if self.failed is not None:
+            raise RankLost(self.failed)
+        msg.send(msg.LoadPath(path), self.group.control)
+
     def shutdown(self, reason: str = "shutdown") -> None:
         """Tell the followers to exit (best effort: a broken instance has nobody to tell)."""
         if self.failed is None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 from kascade_engine.net.pacing import paced
@@ -45,6 +46,13 @@ def plane_width(spec: TransferSpec) -> int:
     if len(widths) != 1 or any(f.shard for f in spec.plan.flows):
         return 1
     return widths.pop()
+
+
+def followers_load_path(inst: Any, directory: Path) -> None:
+    """The first copy from a checkpoint directory into a TP engine: ranks 1..g-1 pack it too and keep their
+    slices (rank 0 packs it in the loader); a follower that cannot fails the instance (it exits 3)."""
+    if inst.config.tp > 1:
+        inst.ranks.engine.load_path(str(directory))
 
 
 def _me_in(plane: TransferSpec, me: str, rank: int) -> str:

@@ -43,6 +43,9 @@ def follow(model: RankModel, cache: KVCache, group: RankGroup) -> str:
             planes.load_rank(model, planes.PlaneSpec.from_dict(m.planes[group.rank]), group.tp, group.control,
                              model.device)
             continue
+        if isinstance(m, msg.LoadPath):  # the first copy, from the volume every rank of the pod mounts
+            model.add_blocks(pack_checkpoint(m.path).blocks.values())
+            continue
         batch = build_batch(cache, m.items)
         model.run_layers(0, L, model.embed(torch.tensor(m.ids, dtype=torch.long, device=model.device)), batch)
 

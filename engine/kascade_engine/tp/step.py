@@ -31,7 +31,12 @@ class Load:
     planes: list[dict[str, Any]]  # rank r loads planes[r] (planes.PlaneSpec documents), then gathers with all
 
 
-Message = Step | Stop | Load
+@dataclass(frozen=True)
+class LoadPath:
+    path: str  # the first copy: every rank packs this checkpoint directory and keeps its slices
+
+
+Message = Step | Stop | Load | LoadPath
 
 
 def send(msg: Message, group: dist.ProcessGroup | None) -> None:
@@ -44,6 +49,6 @@ def receive(group: dist.ProcessGroup | None) -> Message:
     box: list[object] = [None]
     dist.broadcast_object_list(box, src=0, group=group)
     msg = box[0]
-    if not isinstance(msg, Step | Stop | Load):
-        raise RuntimeError(f"tp step channel: expected a Step, Stop or Load, got {type(msg).__name__}")
+    if not isinstance(msg, Step | Stop | Load | LoadPath):
+        raise RuntimeError(f"tp step channel: expected a Step, Stop, Load or LoadPath, got {type(msg).__name__}")
     return msg
