@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from kascade_planner.plan import Flow, Instance, ModelLayout, Plan, PlanError
@@ -121,17 +121,33 @@ def plane_plan(plan: Plan, rank: int, g: int, mode: Mode, sizes: Mapping[str, in
     name = {i: rank_id(i, rank) if i in tp_ids else i for i in (*(s.id for s in plan.sources),
                                                                   *(t.id for t in plan.targets))}
     flows: list[Flow] = []
-    for f in plan.flows:
+    steps: list[tuple[int, ...]] = []
+    for k, f in enumerate(plan.flows):
         blocks = tuple(shares[b] for b in f.blocks if shares[b] in keep)
         if blocks:
             flows.append(Flow(name[f.src], name[f.dst], blocks))
+            if plan.steps:  # a step-scheduled plan (binomial): each plane keeps the instance plan's schedule
+                steps.append(tuple(st for b, st in zip(f.blocks, plan.steps[k], strict=True) if shares[b] in keep))
     out = Plan(plan.algorithm, ModelLayout(f"{plan.model.name}", tuple(ids), tuple(nbytes)),
                tuple(_rename(s, rank, tp_ids) for s in plan.sources),
                tuple(_rename(t, rank, tp_ids) for t in plan.targets), tuple(flows),
                chains=tuple(tuple(name.get(x, x) for x in c) for c in plan.chains),
                fallbacks=tuple((name[t], tuple(name.get(x, x) for x in fb)) for t, fb in plan.fallbacks),
-               notes=(*plan.notes, f"rank plane {rank} of {g} ({mode})"))
+               notes=(*plan.notes, f"rank plane {rank} of {g} ({mode})"), steps=tuple(steps))
     return out.validate()
+
+
+def unsharded(plan: Plan) -> Plan:
+    """The instance plan engines derive rank planes from, out of a plan sharded over GPU planes (`sharding.py`,
+    chains with `shard`): its plane 0, every flow carrying whole blocks. Planned sharded, so its predictions
+    (the cost model's, per GPU link plus the all-gather) are those of the rank planes; unsharded plans pass."""
+    if not any(f.shard for f in plan.flows):
+        return plan
+    keep = [k for k, f in enumerate(plan.flows) if f.shard is None or f.shard[0] == 0]
+    flows = tuple(Flow(plan.flows[k].src, plan.flows[k].dst, plan.flows[k].blocks) for k in keep)
+    steps = tuple(plan.steps[k] for k in keep) if plan.steps else ()
+    return replace(plan, flows=flows, steps=steps,
+                   notes=(*plan.notes, "engines run it as one rank plane per GPU (tpgroup.rank_planes)")).validate()
 
 
 def rank_planes(plan: Plan, g: int, mode: Mode, sizes: Mapping[str, int] | None = None) -> tuple[RankPlane, ...]:

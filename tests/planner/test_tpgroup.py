@@ -100,3 +100,23 @@ def test_ingest_arithmetic_sharded_is_g_times_faster_plus_the_gather() -> None:
     assert ingest_seconds(gb, 4, 8.0, 8.0, sharded=True) == pytest.approx(0.25 + 0.75)  # slow "NVLink": no win
     with pytest.raises(PlanError, match="must be positive"):
         ingest_seconds(gb, 2, 0.0, 1.0, sharded=True)
+
+
+@pytest.mark.parametrize("algorithm", ["chain", "binomial", "hybrid"])
+def test_a_sharded_plan_unshards_into_the_instance_plan_its_planes_come_from(algorithm: str) -> None:
+    from kascade_planner.tpgroup import unsharded
+
+    topo = leaf_spine(2, 3, 8)
+    nodes = [x.name for x in topo.nodes]
+    src = [Instance("s0", nodes[0], 2)]
+    tgts = [Instance(f"t{i}", nodes[i + 1], 2) for i in range(4)]
+    sharded = make_plan(topo, MODEL, src, tgts, algorithm)
+    assert any(f.shard for f in sharded.flows), sharded.notes
+    inst = unsharded(sharded)
+    assert not any(f.shard for f in inst.flows)
+    assert len(inst.flows) * 2 == len(sharded.flows)
+    assert inst.predicted == sharded.predicted  # the sharded transfer's prediction stays
+    for r in range(2):
+        p = plane_plan(inst, r, 2, "slices", {f"{b}@{r}/2": 10 for b in MODEL.block_ids})
+        assert {t.id for t in p.targets} == {f"t{i}.r{r}" for i in range(4)}
+        assert len(p.steps) == (len(p.flows) if inst.steps else 0)
