@@ -107,12 +107,15 @@ async def start_plan_load(inst: LoadTarget, req: LoadPlanRequest) -> None:
     involved = {i.id for i in (*spec.plan.sources, *spec.plan.targets)}
     if me not in involved:
         raise _fail(400, f"invalid field 'self': '{me}' is not a source or target of this plan", "self")
-    from kascade_engine.tp.planload import plane_width, start_tp_plan
+    from kascade_engine.tp.planload import PlanRefused, plane_width, start_tp_plan
 
     g = plane_width(spec)
     if g > 1:  # targets are tensor-parallel: every rank receives its own plane (tp/planload.py)
         source = blocks if blocks is not None and (inst.model.complete or blocks is inst.host_copy) else None
-        await start_tp_plan(inst, spec, me, g, target, source)
+        try:
+            await start_tp_plan(inst, spec, me, g, target, source)
+        except PlanRefused as e:
+            raise _fail(e.status, str(e), e.field) from None
         return
     model = inst.model
     started = time.monotonic()

@@ -9,7 +9,6 @@ import asyncio
 import json
 import secrets
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path

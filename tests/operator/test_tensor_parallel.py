@@ -75,7 +75,7 @@ def test_tp_pods_are_refused_where_their_planes_cannot_run_naming_the_field() ->
 
 def test_scaleplan_into_tp2_targets_is_an_instance_plan_every_engine_splits_alike() -> None:
     pods = {p.pod_name: p for p in (pod("s", "n0", "svc", "colocated", ready=True), pod("a", "n1"), pod("b", "n2"))}
-    built = SP.build(CreatePlan("colocated", ("s",), ("a", "b"), "up"), pods, NODES,  # type: ignore[arg-type]
+    built = SP.build(CreatePlan("colocated", ("s",), ("a", "b"), "up"), pods, NODES,
                      SP.layout("m", 4), "chain", 2)
     plan = built.plan
     assert [(t.id, t.gpus) for t in plan.targets] == [("a", 2), ("b", 2)]
@@ -87,6 +87,6 @@ def test_scaleplan_into_tp2_targets_is_an_instance_plan_every_engine_splits_alik
                          {f"{b}@{r}/2": 1 for r in range(2) for b in plan.model.block_ids})
     assert [[(f.src, f.dst) for f in p.plan.flows] for p in planes] == [
         [("s.r0", "a.r0"), ("a.r0", "b.r0")], [("s.r1", "a.r1"), ("a.r1", "b.r1")]]
-    one = SP.build(CreatePlan("colocated", ("s",), ("a",), "up"), pods, NODES,  # type: ignore[arg-type]
+    one = SP.build(CreatePlan("colocated", ("s",), ("a",), "up"), pods, NODES,
                    SP.layout("m", 4), "chain", 1)
     assert plan_tp(one.plan.to_dict()) == 1

@@ -8,7 +8,6 @@ Data flow: operator (`EngineClient`) -> bearer check -> JSON body -> the shared 
 from __future__ import annotations
 
 import asyncio
-
 import hmac
 import json
 from typing import Any

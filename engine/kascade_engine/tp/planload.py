@@ -23,7 +23,6 @@ from typing import Any
 from kascade_engine.net.pacing import paced
 from kascade_engine.net.relay import TransferNode
 from kascade_engine.net.transfer_spec import TransferSpec
-from kascade_engine.refusal import InstanceError
 from kascade_engine.tp.planes import (
     PlaneSpec,
     Received,
@@ -38,6 +37,14 @@ from kascade_engine.weights.blocks import Block, BlockSet
 from kascade_planner.tpgroup import rank_id
 
 log = logging.getLogger(__name__)
+
+
+class PlanRefused(ValueError):
+    """A load plan this engine cannot run as rank planes: the loader answers `status` naming `field`."""
+
+    def __init__(self, status: int, message: str, field: str) -> None:
+        super().__init__(message)
+        self.status, self.field = status, field
 
 
 def plane_width(spec: TransferSpec) -> int:
@@ -64,18 +71,20 @@ async def start_tp_plan(inst: Any, spec: TransferSpec, me: str, g: int, is_targe
                         blocks: BlockSet | None) -> None:
     """Start this engine's part of a plan into TP-g targets (see the module docstring); returns once listening."""
     if is_target and inst.config.tp != g:
-        raise InstanceError(409, f"tp: this engine runs {inst.config.tp} ranks, the plan's targets have {g} GPUs",
+        raise PlanRefused(409, f"tp: this engine runs {inst.config.tp} ranks, the plan's targets have {g} GPUs",
                             "plan.targets")
     try:
         if is_target:
             specs = derive_planes(spec, g)
         else:
             if blocks is None:
-                raise InstanceError(409, "this engine is a source of the plan but holds no complete copy", "plan")
+                raise PlanRefused(409, "this engine is a source of the plan but holds no complete copy", "plan")
             shares = [share_blocks(blocks, r, g, "parts") for r in range(g)]
             specs = derive_planes(spec, g, [s.manifest() for s in shares])
+    except PlanRefused:
+        raise
     except ValueError as e:  # SpecError, PlanError: the body is wrong, say which field
-        raise InstanceError(400, f"invalid load plan for tp {g}: {e}", "plan") from None
+        raise PlanRefused(400, f"invalid load plan for tp {g}: {e}", "plan") from None
     inst.instance_id = me
     if is_target:
         await _target(inst, spec, specs, me, g)

@@ -14,6 +14,7 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -73,9 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     plane = planes.PlaneSpec.read(a.plane) if a.plane else None
     got = planes.receive_plane_sync(plane) if plane else None  # this rank's link, before the group meets
     by_plan = plane is not None or a.empty
-    cfg = json.loads((a.checkpoint / "config.json").read_text()) if by_plan else None
     blocks = None if by_plan else pack_checkpoint(a.checkpoint)
-    cfg = cfg if blocks is None else blocks.config
+    cfg: dict[str, Any] = json.loads((a.checkpoint / "config.json").read_text()) if blocks is None else blocks.config
     layout = TPLayout.of(cfg, a.tp)
     model = RankModel(cfg, layout, a.rank, dtype=getattr(torch, a.dtype), device=device)
     if blocks is not None:
