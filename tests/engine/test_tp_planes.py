@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from kascade_devcluster.ports import free_ports
+from kascade_devcluster.ports import free_port_runs, free_ports
 from kascade_engine.net.relay import TransferNode
 from kascade_engine.net.transport_tcp import TcpTransport
 from kascade_engine.tp.planes import Plane, PlaneSpec, build_planes, share_blocks
@@ -180,25 +180,7 @@ def test_parts_of_every_block_tile_it(tiny_blocks: BlockSet, g: int) -> None:
 
 def _consecutive_ports(n: int, width: int) -> list[int]:
     """n base ports, each with the `width - 1` ports after it free too (rank r listens on base + r)."""
-    import socket
-
-    out: list[int] = []
-    while len(out) < n:
-        base = free_ports(1)[0]
-        socks = []
-        try:
-            for k in range(width):
-                s = socket.socket()
-                s.bind(("127.0.0.1", base + k))
-                socks.append(s)
-            if all(base + k not in out for k in range(-width, width)):
-                out.append(base)
-        except OSError:
-            pass
-        finally:
-            for s in socks:
-                s.close()
-    return out
+    return free_port_runs(n, width)
 
 
 def test_tp2_engine_loads_by_plan_over_rank_ports_and_serves_the_source_text(tiny_ckpt: Path,
