@@ -40,6 +40,11 @@ UNREACHABLE_LIMIT_S = 5.0  # an instructed target whose engine stays unreachable
 LABEL_LIMIT_S = 20.0  # an instructed target whose pod the watch never shows bound: re-read, relabel or drop
 
 
+def plan_tp(plan: dict[str, Any]) -> int:
+    """The GPUs of the plan's targets (engines run a plan into TP-g targets as g rank planes; 1: none)."""
+    return max((int(t.get("gpus", 1)) for t in plan.get("targets") or () if isinstance(t, dict)), default=1)
+
+
 async def source_manifest(rt: Runtime, sources: list[PodView]) -> dict[str, Any] | None:
     """The block manifest of the first source engine that offers one (real block ids and sizes)."""
     for p in sources:
@@ -171,7 +176,7 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
             src = by_inst.get(s["instance"])
             if src and src.endpoint and s["instance"] not in done:
                 try:
-                    manifest = manifest or await rt.engines.manifest(src.endpoint)
+                    manifest = manifest or await rt.engines.manifest(src.endpoint, plan_tp(plan))
                     await rt.engines.load_plan(src.endpoint, plan, s["instance"], peers, token)
                 except EngineError as e:
                     if e.status != 409:  # 409: this source already runs the plan
