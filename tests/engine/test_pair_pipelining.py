@@ -69,13 +69,16 @@ async def test_b_keeps_its_steps_out_and_stays_exact(tiny_ckpt: Path, tiny_block
         pc, parked = b.pair, b.engine.scheduler.parked
         assert pc is not None
         await until(lambda: not pc.pending(), "the pair's first poll answered")  # nothing of B's out
+
+        def sent_or_full(rids: list[str]) -> Callable[[], bool]:
+            return lambda: all(r in parked for r in rids) or pc.max_inflight >= PIPELINE_DEPTH
+
         held, runs = HeldSteps(a), []
         try:
             for wave in waves:
                 rids = [b.serving.submit(pr, params) for pr in wave]
                 runs += [asyncio.create_task(collect(b, r)) for r in rids]
-                await until(lambda rids=rids: all(r in parked for r in rids) or pc.max_inflight >= PIPELINE_DEPTH,
-                            "the wave out on A, or B's pipe full")
+                await until(sent_or_full(rids), "the wave out on A, or B's pipe full")
             assert pc.max_inflight == PIPELINE_DEPTH
             await until(lambda: len(held.held) == PIPELINE_DEPTH, "B's frames at A")  # one frame per step
             assert any(r not in parked for r in rids)  # the last wave waits: B waits for the oldest answer
@@ -252,7 +255,7 @@ def test_a_step_goes_out_as_one_frame_per_split_layer_highest_first(tiny_blocks)
     new = eng.submit([4, 5, 6, 7], SamplingParams(max_tokens=4), "new")
     work = eng.scheduler.schedule().work
     assert {(w.id, w.n) for w in work} == {(old, 1), (new, 4)}
-    pc.forward(eng, work)
+    pc.forward(eng, list(work))
     assert [[r[0] for r in meta] for meta, _, _, _ in sent] == [[new], [old]]  # highest split layer first
     assert [meta[0][3] for meta, _, _, _ in sent] == [3, 1] and [n for _, n, _, _ in sent] == [4, 1]
     assert "waiting" not in sent[0][3] and "waiting" in sent[1][3]  # the step's queue in its last frame
