@@ -23,8 +23,14 @@ from kascade_planner.builder import make_plan
 from kascade_planner.plan import Instance, ModelLayout
 from kascade_planner.topology import leaf_spine
 
-T = 2.0  # timeoutSeconds: each node's connect budget for its downstream
-LATE_S = 0.5  # how long after the others the late node starts listening (well inside T)
+T = 4.0  # timeoutSeconds: each node's connect budget for its downstream; a relay's lag limit is T / 2
+# how long after the others the late node starts listening: past the lag limit (the old rule dropped it as lagging
+# at ~T / 2 while it was still being dialled), inside the connect budget (the new rule waits for it)
+LATE_S = 0.75 * T
+# the source's pace, MB/s: the queue for a downstream not listening yet fills (1 MiB) within ~0.1 s, and one that
+# is connected keeps up with it, also on a loaded machine (unpaced, the three nodes share this one event loop and
+# a relay was kept waiting past its lag limit by a downstream that was listening: 1 of 5 runs at load 29)
+RATE_MBPS = 8.0
 NODES = ("s0", "t0", "t1")
 
 
@@ -38,7 +44,7 @@ def _chain_spec(blocks: BlockSet) -> TransferSpec:
                                                                enumerate(NODES[1:])], "chain")
     ports = dict(zip(NODES, free_ports(len(NODES)), strict=True))
     return TransferSpec(plan, blocks.manifest(), {k: ("127.0.0.1", v) for k, v in ports.items()},
-                        secrets.token_hex(16), 4096, T)
+                        secrets.token_hex(16), 4096, T, {"s0": {"rateMBps": RATE_MBPS}})
 
 
 async def _node(spec: TransferSpec, me: str, blocks: BlockSet, late_s: float) -> dict[str, Any]:
