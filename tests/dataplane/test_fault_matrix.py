@@ -188,9 +188,6 @@ def _identical(workdir: Path, target: str, blocks: BlockSet) -> bool:
     return got.ids == blocks.ids and all(bytes(got.blocks[b].data) == bytes(blocks.blocks[b].data) for b in blocks.ids)
 
 
-@pytest.mark.parametrize("transport", ["tcp", "ucx"])
-@pytest.mark.parametrize("position", list(POSITIONS))
-@pytest.mark.parametrize("fault", FAULTS)
 def _baseline(harness: ModuleType, workdir: Path, blocks: BlockSet, transport: str) -> tuple[float, float]:
     """A fault-free run: (seconds it took, the chain's rate in MB/s)."""
     fault_free: dict[str, dict[str, object]] = {}
@@ -200,6 +197,9 @@ def _baseline(harness: ModuleType, workdir: Path, blocks: BlockSet, transport: s
     return took, _chain_mbps(fault_free, blocks.total_bytes)
 
 
+@pytest.mark.parametrize("transport", ["tcp", "ucx"])
+@pytest.mark.parametrize("position", list(POSITIONS))
+@pytest.mark.parametrize("fault", FAULTS)
 def test_fault(tmp_path: Path, harness: ModuleType, chaos_blocks: BlockSet, baselines: dict[str, tuple[float, float]],
                transport: str, position: str, fault: str) -> None:
     need_transport(transport)
