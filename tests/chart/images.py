@@ -20,6 +20,10 @@ IMAGES = {"operator": REPO / "Dockerfile.operator", "engine": REPO / "Dockerfile
 # one lock directory per CPython an image's base can have (hack/lock.sh LOCK_PYTHONS)
 PYTHONS = sorted(p.name.removeprefix("py") for p in (REPO / "requirements").glob("py3.*"))
 LOCKS = {(image, py): REPO / "requirements" / f"py{py}" / f"{image}.lock" for image in IMAGES for py in PYTHONS}
+# `helm template` arguments that render the ServiceMonitor and the PodMonitor (their CRDs' API versions offered)
+MONITORS = ("--set", "monitoring.serviceMonitor.enabled=true",
+            "--api-versions", "monitoring.coreos.com/v1/ServiceMonitor",
+            "--set", "monitoring.podMonitor.enabled=true", "--api-versions", "monitoring.coreos.com/v1/PodMonitor")
 # the Python each base the images are built on carries (Dockerfile defaults, hack/build-images.sh's bases)
 BASE_PYTHON = {"nvidia/cuda:12.8.1-base-ubuntu24.04": "3.12", "ubuntu:24.04": "3.12",
                "python:3.12-slim-bookworm": "3.12", "kascade/base:bookworm": "3.11"}

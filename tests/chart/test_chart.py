@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
+from images import MONITORS
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "kascade"
@@ -275,14 +276,7 @@ def test_monitoring_pack_renders_when_enabled(helm: Helm) -> None:
     assert not [d for d in render(helm) if d["kind"] in {"ServiceMonitor", "PodMonitor", "PrometheusRule"}]
     docs = render(
         helm,
-        "--set",
-        "monitoring.serviceMonitor.enabled=true",
-        "--api-versions",
-        "monitoring.coreos.com/v1/ServiceMonitor",
-        "--set",
-        "monitoring.podMonitor.enabled=true",
-        "--api-versions",
-        "monitoring.coreos.com/v1/PodMonitor",
+        *MONITORS,
         "--set",
         "monitoring.prometheusRule.enabled=true",
         "--api-versions",

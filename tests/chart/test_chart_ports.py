@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from images import Helm, rendered
+from images import MONITORS, Helm, rendered
 
 
 def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
@@ -41,14 +41,7 @@ def test_every_port_the_chart_wires_is_declared_and_listened_on(helm: Helm, tmp_
     (tmp_path / "m").mkdir()  # click checks the checkpoint directory exists, as it would in the pod
     docs = rendered(
         helm,
-        "--set",
-        "monitoring.serviceMonitor.enabled=true",
-        "--api-versions",
-        "monitoring.coreos.com/v1/ServiceMonitor",
-        "--set",
-        "monitoring.podMonitor.enabled=true",
-        "--api-versions",
-        "monitoring.coreos.com/v1/PodMonitor",
+        *MONITORS,
         "--set",
         f"pool.model.mountPath={tmp_path}",
         "--set",
