@@ -126,7 +126,8 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
                  log_format: str = "text", tls_secret: str = "", run_as_user: int = 65532,
                  transport: str = "tcp", ucx_tcp_ports: str = "", activation_dscp: int = AF41,
                  host_cache_gib: float = 0.0, installation_capacity: Mapping[str, int] | None = None,
-                 dtype: str = "auto", default_resources: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                 dtype: str = "auto", default_resources: Mapping[str, Any] | None = None,
+                 require_prefill_signature: bool = False) -> dict[str, Any]:
     """A new warm-pool engine pod for this model, reserved for service `key` (annotation created-for):
     it joins the pool and is bound in a later round like any pool pod. Call only when `refusals()` is
     empty. An `hf://` source: an init container fetches config and tokenizer (what an empty engine is
@@ -139,7 +140,9 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
     `host_cache_gib`: the engine's --host-cache-gib, the pool's (a service on fallback pods keeps its host copy
     too; 0: it keeps none). Capacity flags: spec.engine.capacity over `installation_capacity` (the pool's),
     annotated like pool pods (capacity.py); `dtype`: the pool's --dtype (spec.model.dtype still wins at bind).
-    `default_resources`: the pool's container resources, for a spec without spec.engine.resources."""
+    `default_resources`: the pool's container resources, for a spec without spec.engine.resources.
+    `require_prefill_signature`: the engine's --require-prefill-signature, the pool's (it dials only prefill
+    peers a router signed; False: any peer a request names)."""
     e, src = spec.engine, spec.model.source
     cap = capacity.effective(e.capacity, installation_capacity or {})
     ckpt = checkpoint_path(spec)
@@ -220,6 +223,7 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
             f"--model-name={spec.model.name}",
             *capacity.args(cap),
             f"--dtype={dtype}",
+            *(["--require-prefill-signature"] if require_prefill_signature else []),
             *(tls_args() if tls_secret else []),
         ],
         "env": env,
