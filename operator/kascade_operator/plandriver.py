@@ -274,28 +274,35 @@ async def _finish(rt: Runtime, sp: dict[str, Any], phase: str, failed: dict[str,
     await rt.kube.patch_scaleplan_status(ns, name, status)
 
 
-async def release_all(rt: Runtime, body: dict[str, Any]) -> None:
+async def release_all(rt: Runtime, body: dict[str, Any]) -> list[str]:
     """On ModelService deletion: drain, release and unbind every bound pool pod (it goes back to the
     pool, without the service's ownerReference); delete the fallback pods created for the service and
     its ScalePlans (the garbage collector would too, through their ownerReferences, but only within one
-    namespace and only where kube-controller-manager runs)."""
+    namespace and only where kube-controller-manager runs). Each step is tried whatever the others did;
+    returns what could not be done, one line each (the pod and why), for the caller to report."""
     ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
     pool_ns = rt.pool_namespace(ns)
     key = service_key(ns, name, pool_ns)
+    problems: list[str] = []
     for raw in await rt.kube.list_pods(pool_ns, L.POOL):
         p = pod_view(raw)
         if p.model_service == key:
             if p.endpoint:
-                for call in (rt.engines.drain, lambda ep: rt.engines.release(ep, keep_host_copy=False)):
+                for verb, call in (("drained", rt.engines.drain),
+                                   ("released", lambda ep: rt.engines.release(ep, keep_host_copy=False))):
                     try:  # the service is gone: its engines keep no host copy
                         await call(p.endpoint)
                     except EngineError as e:
                         log.warning("%s", e)
+                        problems.append(f"pod {pool_ns}/{p.pod_name}: engine not {verb} ({e})")
             if p.created_for != key:
                 try:
                     await rt.kube.patch_pod(pool_ns, p.pod_name, unbind_patch(p))
-                except (Conflict, NotFound) as e:
+                except Conflict as e:
                     log.warning("unbinding %s: %s", p.pod_name, e)
+                    problems.append(f"pod {pool_ns}/{p.pod_name}: not unbound ({e})")
+                except NotFound:
+                    pass  # gone: nothing left bound
         if p.created_for == key:
             with contextlib.suppress(NotFound):
                 await rt.kube.delete_pod(pool_ns, p.pod_name)
@@ -303,3 +310,4 @@ async def release_all(rt: Runtime, body: dict[str, Any]) -> None:
         if (sp.get("spec") or {}).get("modelServiceRef", {}).get("name") == name:
             with contextlib.suppress(NotFound):
                 await rt.kube.delete_scaleplan(ns, sp["metadata"]["name"])
+    return problems

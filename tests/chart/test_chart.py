@@ -69,7 +69,8 @@ def test_template_renders_every_deployable(helm: Helm) -> None:
                              {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
                               "resourceNames": ["rel-operator"], "verbs": ["get", "update", "patch"]},
                              {"apiGroups": ["apps"], "resources": ["deployments", "deployments/scale"],
-                              "resourceNames": ["rel-operator"], "verbs": ["get", "patch"]}]
+                              "resourceNames": ["rel-operator"], "verbs": ["get", "patch"]},
+                             {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]
 
 
 def test_every_object_and_pod_carries_the_standard_labels(helm: Helm) -> None:
