@@ -81,7 +81,7 @@ def test_uninstall_stops_the_operator_releases_engines_and_lets_modelservices_go
 
 
 def test_the_finalizer_goes_even_when_the_modelservice_changed_since_it_was_listed(
-        control_plane: ControlPlane, namespace: str) -> None:
+        control_plane: ControlPlane, crds: list[str], namespace: str) -> None:
     """Found by the kind story: releasing a ModelService's engines (or an operator still stopping) changes it
     after the hook listed it, and a finalizer patch carrying the listed resourceVersion was refused (409), so
     the finalizer stayed. The hook reads it again before each attempt."""
@@ -118,7 +118,7 @@ def test_the_finalizer_goes_even_when_the_modelservice_changed_since_it_was_list
 
 
 def test_what_the_hook_cannot_clean_up_is_said_in_events_and_it_still_exits_0(
-        control_plane: ControlPlane, namespace: str, kwok_nodes: Callable[..., list[str]]) -> None:
+        control_plane: ControlPlane, crds: list[str], namespace: str, kwok_nodes: Callable[..., list[str]]) -> None:
     """The hook never blocks `helm uninstall` (exit 0), but what it leaves is not silent: a bound pod whose
     engine does not answer (not released) and an operator pod that will not go (a pod of the Deployment's
     selector it does not own) are named in a warning line and in Warning Events, reason UninstallIncomplete,
