@@ -9,10 +9,12 @@
 #   docker build --build-arg BASE=kascade/base:bookworm ...   # no registry: hack/build-base-image.sh
 #
 # Dependencies: requirements/py<X.Y>/engine.lock (hack/lock.sh, hashed, manylinux x86_64), the one for
-# the base's CPython (3.12 on the Ubuntu 24.04 bases, 3.11 on Debian bookworm). PyPI's Linux torch wheel
-# needs its CUDA 12 runtime wheels even to import on a CPU; VARIANT=cpu drops the parts torch loads only
-# on use with a GPU (triton, cuSOLVER, NVRTC, cuDNN's engine libraries): ~2 GB less. The CUDA base adds
-# the driver-compat layer and NVIDIA_* environment the NVIDIA container toolkit reads.
+# the base's CPython (3.12 on the Ubuntu 24.04 bases, 3.11 on Debian bookworm). PyPI's only Linux torch
+# wheel is the CUDA build, which needs ~4 GB of CUDA 12 wheels even to import on a CPU; VARIANT=cpu makes it
+# a CPU torch (hack/torch-cuda-stub.py: libtorch_cuda.so becomes a stub of the ~120 symbols the rest of torch
+# takes from it, the nvidia-* wheels but the CUDA runtime and triton are removed; docs/adr/0017): ~1.6 GB
+# instead of 5.8. The CUDA base adds the driver-compat layer and NVIDIA_* environment the NVIDIA container
+# toolkit reads.
 ARG BASE=nvidia/cuda:12.8.1-base-ubuntu24.04
 # the runtime dependencies the final stage starts from: the `deps` stage below, or an image of it
 # (hack/build-images.sh builds `--target deps` once per lock and base, keeps it, and passes it here: a code
@@ -44,12 +46,15 @@ RUN set -eu; py=$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])'
     /opt/build/bin/pip --python /opt/kascade/bin/python install --no-cache-dir --disable-pip-version-check \
       --no-deps --only-binary :all: --require-hashes -r "$lock"
 ARG VARIANT=cuda
+COPY hack/torch-cuda-stub.py hack/
 RUN set -eu; case "$VARIANT" in \
       cuda) ;; \
       cpu) sp=$(/opt/kascade/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
-        /opt/build/bin/pip --python /opt/kascade/bin/python uninstall -y -q \
-          triton nvidia-cusolver-cu12 nvidia-cuda-nvrtc-cu12; \
-        rm -f "$sp"/nvidia/cudnn/lib/libcudnn_*.so.9 ;; \
+        pip="/opt/build/bin/pip --python /opt/kascade/bin/python"; $pip uninstall -y -q triton; \
+        command -v gcc >/dev/null || { apt-get update \
+          && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev \
+          && rm -rf /var/lib/apt/lists/*; }; \
+        python3 hack/torch-cuda-stub.py "$sp" --pip "$pip" --check --python /opt/kascade/bin/python ;; \
       *) echo "VARIANT=$VARIANT: cuda or cpu" >&2; exit 1 ;; \
     esac
 # the venv finds the project in /opt/kascade-app (a .pth): the project is its own small layer

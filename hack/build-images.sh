@@ -81,6 +81,7 @@ deps_image() {  # image, base, build args...
   local image=$1 base=$2 key tag tar t0; shift 2
   # the Dockerfile up to the project stage (pybase, build, deps): a change below it keeps the layer
   key=$({ sed '/^FROM .* AS project$/q' "${dockerfile[$image]}"; find requirements -type f | LC_ALL=C sort | xargs cat
+          cat hack/torch-cuda-stub.py
           docker image inspect -f '{{.Id}}' "$base"; echo "${variant[$image]}"; } | sha256sum | cut -c1-16)
   tag=kascade-cache/$image-deps:$key
   tar=$DEPS_CACHE/$image-$key.tar
@@ -95,6 +96,11 @@ deps_image() {  # image, base, build args...
       tail -n 40 "$LOGS/$image-deps.log" >&2; log "$tag failed (full log: $LOGS/$image-deps.log)"; exit 1; }
     log "$tag built in $(( $(date +%s) - t0 )) s; saving it to $tar"
     rm -f "$DEPS_CACHE/$image"-*.tar  # other keys
+    # and their images, and BuildKit's cache of the build stage (the whole CUDA venv: GBs that CI's disk
+    # kept for nothing, since the dependency layer is kept as an image and a tarball)
+    docker image ls --format '{{.Repository}}:{{.Tag}}' "kascade-cache/$image-deps" | grep -vx "$tag" \
+      | xargs -r docker image rm >/dev/null 2>&1 || true
+    $DOCKER builder prune -f >/dev/null 2>&1 || true
     docker save "$tag" -o "$tar.tmp" && mv "$tar.tmp" "$tar"
     log "$tar: $(du -h "$tar" | cut -f1) in $(( $(date +%s) - t0 )) s in all"
   fi
@@ -112,7 +118,11 @@ for image in $IMAGES; do
   fi
   log "building ${name[$image]} from ${dockerfile[$image]} on $base"
   blog=$LOGS/$image.log
+  old_id=$(docker image inspect -f '{{.Id}}' "${name[$image]}" 2>/dev/null || true)
   $DOCKER build -f "${dockerfile[$image]}" -t "${name[$image]}" "${args[@]}" "${ca_args[@]}" . >"$blog" 2>&1 || {
     tail -n 40 "$blog" >&2; log "${name[$image]} failed (full log: $blog)"; exit 1; }
+  # the image this tag named before, untagged now (only if nothing else uses it)
+  [ -n "$old_id" ] && [ "$old_id" != "$(docker image inspect -f '{{.Id}}' "${name[$image]}")" ] \
+    && docker image rm "$old_id" >/dev/null 2>&1 || true
   log "${name[$image]}: $(docker image inspect -f '{{.Size}}' "${name[$image]}" | awk '{printf "%.2f GB", $1/1e9}') in $(( $(date +%s) - t0 )) s"
 done

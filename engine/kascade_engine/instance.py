@@ -76,6 +76,7 @@ class EngineInstance:
         self.role = "colocated"
         self.cooperate: dict[str, str] = {}
         self.blockset: Any = None  # a complete copy held here (sources send from it)
+        self.tp_load_stats: list[Any] = []  # per rank bytes/seconds of the last load by rank planes (tp/planload.py)
         self.host_copy: Any = None  # a BlockSet kept in host memory after release (None: none)
         self.host_feeding = False  # a plan load running only as a host source (the phase stays released)
         self.bytes_received = 0
@@ -128,7 +129,7 @@ class EngineInstance:
             from kascade_engine.tp.launch import exit_on_lost, start
 
             self.ranks = start(self.model_cfg, c.checkpoint, c.tp, limits, self.device, self.dtype,
-                               self.tokenizer.eos_token_id, c.threads, on_lost=exit_on_lost)
+                               self.tokenizer.eos_token_id, c.threads, on_lost=exit_on_lost, empty=c.empty)
             self.model, self.engine = self.ranks.engine.model, self.ranks.engine
         else:
             self.model = LlamaModel(self.model_cfg, dtype=self.dtype, device=self.device)
@@ -162,6 +163,10 @@ class EngineInstance:
         if phase is not self.phase:
             log.info("%s: %s -> %s", self.instance_id, self.phase.value, phase.value)
             self.phase = phase
+
+    def settle(self) -> None:
+        """`_settle` for the loaders outside this class (tp/planload.py: blocks installed all at once)."""
+        self._settle()
 
     def _settle(self) -> None:
         """After blocks arrive or cooperation changes: loading / live / serving follow residency."""
@@ -397,6 +402,7 @@ class EngineInstance:
                             self.cooperate or None, self.load_error, str(self.device),
                             str(self.dtype).removeprefix("torch."),
                             {"tensorDevices": self.tensor_devices(),
+                             **({"tpLoad": self.tp_load_stats} if self.tp_load_stats else {}),
                              **({"pipelineDownstream": self.downstream_peer} if self.downstream_peer else {}),
                              **({"redirect": sorted(self.forwarders)} if self.forwarders else {}),
                              **({"prefillChunkTokens": self.engine.limits.prefill_chunk_tokens}

@@ -31,6 +31,11 @@ BUSY_PHASES = frozenset(p.value for p in BUSY)  # an engine in one of these was 
 log = logging.getLogger(__name__)
 
 
+def plan_tp(plan: dict[str, Any]) -> int:
+    """The GPUs of the plan's targets (engines run a plan into TP-g targets as g rank planes; 1: none)."""
+    return max((int(t.get("gpus", 1)) for t in plan.get("targets") or () if isinstance(t, dict)), default=1)
+
+
 def plan_pool(rt: Runtime, sp: dict[str, Any]) -> tuple[str, str, str]:
     """(pool namespace, service name, service key) of a ScalePlan."""
     ns, svc = sp["metadata"]["namespace"], sp["spec"]["modelServiceRef"]["name"]
@@ -127,7 +132,7 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
             src = by_inst.get(s["instance"])
             if src and src.endpoint and s["instance"] not in done:
                 try:
-                    manifest = manifest or await rt.engines.manifest(src.endpoint)
+                    manifest = manifest or await rt.engines.manifest(src.endpoint, plan_tp(plan))
                     await rt.engines.load_plan(src.endpoint, plan, s["instance"], peers, token)
                 except EngineError as e:
                     if e.status != 409:  # 409: this source already runs the plan

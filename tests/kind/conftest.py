@@ -119,13 +119,14 @@ def load_image(image: str, node: str) -> None:
 
 
 def engine_load(image: str, node: str) -> str:
-    """Load the engine image onto `node` if the disk can take it; else say why not. Its peak on disk is
-    about twice its size (the daemon's export, then the node's blob and unpacked snapshot); the margin
-    leaves room for whatever else shares the disk."""
+    """Load the engine image onto `node` if the disk can take it; else say why not. `load_image` streams
+    the daemon's export into the node, so the peak on disk is twice the image (the node's blobs and its
+    unpacked snapshot, until the blobs are dropped); the margin (KASCADE_KIND_DISK_MARGIN_GB, 2) leaves
+    room for the story's logs and whatever else shares the disk."""
     size = json.loads(_run("docker", "image", "inspect", image))[0]["Size"]
     have = _run("docker", "exec", node, "ctr", "-n", "k8s.io", "images", "ls", "-q", check=False).split()
     free = shutil.disk_usage(_run("docker", "info", "-f", "{{.DockerRootDir}}").strip()).free
-    margin = int(os.environ.get("KASCADE_KIND_DISK_MARGIN_GB", "8")) * 2**30
+    margin = int(os.environ.get("KASCADE_KIND_DISK_MARGIN_GB", "2")) * 2**30
     if f"docker.io/library/{image}" not in have and free < 2 * size + margin:
         return (f"the engine image {ENGINE_IMAGE} ({size / 1e9:.2f} GB) was not loaded into {node}: that needs "
                 f"~{(2 * size + margin) / 1e9:.0f} GB free on Docker's disk, {free / 1e9:.1f} GB are")
