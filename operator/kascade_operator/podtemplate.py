@@ -133,7 +133,7 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
                  transport: str = "tcp", ucx_tcp_ports: str = "", activation_dscp: int = AF41,
                  host_cache_gib: float = 0.0, installation_capacity: Mapping[str, int] | None = None,
                  dtype: str = "auto", default_resources: Mapping[str, Any] | None = None,
-                 gpu_resource: str = "nvidia.com/gpu") -> dict[str, Any]:
+                 gpu_resource: str = "nvidia.com/gpu", require_prefill_signature: bool = False) -> dict[str, Any]:
     """A new warm-pool engine pod for this model, reserved for service `key` (annotation created-for):
     it joins the pool and is bound in a later round like any pool pod. Call only when `refusals()` is
     empty. An `hf://` source: an init container fetches config and tokenizer (what an empty engine is
@@ -148,7 +148,9 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
     annotated like pool pods (capacity.py); `dtype`: the pool's --dtype (spec.model.dtype still wins at bind).
     `default_resources`: the pool's container resources, for a spec without spec.engine.resources (with
     spec.engine.tp g > 1 its `gpu_resource` count becomes g). spec.engine.tp g > 1: the engine runs g ranks
-    (`--tp g`), rank r receiving its plane on dataPort + r (ports data-r1..), the act port past them."""
+    (`--tp g`), rank r receiving its plane on dataPort + r (ports data-r1..), the act port past them.
+    `require_prefill_signature`: the engine's --require-prefill-signature, the pool's (it dials only prefill
+    peers a router signed; False: any peer a request names)."""
     e, src = spec.engine, spec.model.source
     if e.data_port <= act_port < e.data_port + e.tp:  # rank r's data port is dataPort + r: the act port moves past
         act_port = e.data_port + e.tp
@@ -232,6 +234,7 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
             *capacity.args(cap),
             f"--dtype={dtype}",
             *([f"--tp={e.tp}"] if e.tp > 1 else []),  # rank r of the instance receives its plane on data port + r
+            *(["--require-prefill-signature"] if require_prefill_signature else []),
             *(tls_args() if tls_secret else []),
         ],
         "env": env,

@@ -12,7 +12,7 @@ from builders import pod
 from kascade_operator import labels as L
 from kascade_operator import scaleplan as SP
 from kascade_operator.api import ModelServiceSpec
-from kascade_operator.plandriver import plan_tp
+from kascade_operator.instruction import plan_tp
 from kascade_operator.podtemplate import fallback_pod, refusals
 from kascade_operator.pool import can_serve, pod_view
 from kascade_operator.reconcile import CreatePlan
