@@ -50,13 +50,11 @@ COPY hack/torch-cuda-stub.py hack/
 RUN set -eu; case "$VARIANT" in \
       cuda) ;; \
       cpu) sp=$(/opt/kascade/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
-        pip="/opt/build/bin/pip --python /opt/kascade/bin/python"; \
-        $pip uninstall -y -q triton $($pip list --format=freeze | sed -n 's/^\(nvidia-[^=]*\)==.*/\1/p' \
-          | grep -vx 'nvidia-cuda-runtime-cu12'); \
+        pip="/opt/build/bin/pip --python /opt/kascade/bin/python"; $pip uninstall -y -q triton; \
         command -v gcc >/dev/null || { apt-get update \
           && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev \
           && rm -rf /var/lib/apt/lists/*; }; \
-        python3 hack/torch-cuda-stub.py "$sp" --check --python /opt/kascade/bin/python ;; \
+        python3 hack/torch-cuda-stub.py "$sp" --pip "$pip" --check --python /opt/kascade/bin/python ;; \
       *) echo "VARIANT=$VARIANT: cuda or cpu" >&2; exit 1 ;; \
     esac
 # the venv finds the project in /opt/kascade-app (a .pth): the project is its own small layer

@@ -283,9 +283,10 @@ def main() -> None:
         "run swings 0.6-1.0 GB/s with whatever else runs, and 5 runs left the median at its mercy)",
     )
     ap.add_argument("--skip-loopback", action="store_true", help="only the emulated-link sections (2 and 3)")
-    ap.add_argument("--only", choices=("loopback", "emulated", "spine"), default=None,
+    ap.add_argument("--only", choices=("loopback", "emulated", "spine", "tp"), default=None,
                     help="run one section alone: loopback (1), emulated (2: chain/star/binomial/hybrid 1->8) "
-                         "or spine (3: the 2:1 spine); bars whose numbers were not measured are not checked")
+                         "or spine (3: the 2:1 spine), or tp (4: sharded into a TP-2 target, bench/tptransfer.py; "
+                         "only with --only); bars whose numbers were not measured are not checked")
     args = ap.parse_args()
     out: dict[str, float | str] = {}
     run = {"loopback", "emulated", "spine"} if args.only is None else {args.only}
@@ -345,6 +346,16 @@ def main() -> None:
             if "spine" in run:
                 print("2:1 spine: 2 groups of 4 namespaces, cross-group traffic capped at half of each link")
                 out.update(spine(net_blocks, 64 << 10, args.rate_mbit, work / "net"))
+        if "tp" in run:  # --only tp: sharded transfer into a TP-2 target (bench/tptransfer.py)
+            import tptransfer
+
+            why = netlab.available()
+            if why:
+                print(f"SKIPPED tp: cannot create network namespaces here ({why})")
+                out["tp_skipped"] = why
+            else:
+                (work / "tp").mkdir()
+                out.update(tptransfer.tp_section(synthetic_blocks(net_total, 12), 1 << 20, args.rate_mbit, work / "tp"))
     ratios = [float(v) for k, v in out.items() if k.startswith("measured_over_predicted_on_wire")]
     if ratios:  # every plan kind's measured/predicted within 0.9-1.1
         out["measured_over_predicted_max_deviation"] = max(abs(r - 1) for r in ratios)
@@ -352,7 +363,13 @@ def main() -> None:
     report("transfer" if args.only is None else f"transfer-{args.only}", out,
            {"chain8_over_chain1": ("<=", 1.15), "min_link_utilization": (">=", 0.90),
             "loopback_hop_over_raw": (">=", 0.80), "spine_striped_over_chain": ("<=", 0.9),
-            "measured_over_predicted_max_deviation": ("<=", 0.10)})
+            "measured_over_predicted_max_deviation": ("<=", 0.10), **tptransfer_targets()})
+
+def tptransfer_targets() -> dict[str, tuple[str, float]]:
+    import tptransfer
+
+    return dict(tptransfer.TARGETS)
+
 
 if __name__ == "__main__":
     main()

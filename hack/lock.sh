@@ -11,7 +11,7 @@
 # resolved on its own; another Python's first lock starts from the primary's pins (uv keeps them where
 # they support that interpreter, e.g. numpy 2.5 needs 3.12 so py3.11 gets the newest numpy that runs).
 # uv prefers the versions already in an output file: re-running changes nothing unless pyproject.toml
-# did; LOCK_UPGRADE=1 resolves the newest versions. tests/chart/test_images.py checks the locks.
+# did; LOCK_UPGRADE=1 resolves the newest versions. tests/chart/test_image_locks.py checks the locks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 UV=${UV:-.venv/bin/uv}

@@ -141,7 +141,8 @@ def run(
 def uninstall(deployment: str | None, deployment_namespace: str, wait_s: float) -> None:
     """Before `helm uninstall`: stop the operator, return every ModelService's engines to the pool and remove
     the operator's finalizer (the ModelServices stay). Settings from KASCADE_OPERATOR_* (watched namespaces,
-    pool namespace, engine token Secret). Best effort: always exits 0."""
+    pool namespace, engine token Secret). Best effort: always exits 0; what it could not clean up is printed
+    and posted as Warning Events (reason UninstallIncomplete) on the ModelServices and the operator Deployment."""
     import asyncio
     import os
 
@@ -149,12 +150,14 @@ def uninstall(deployment: str | None, deployment_namespace: str, wait_s: float) 
     from kascade_operator.uninstall import uninstall as run_uninstall
 
     try:
-        n = asyncio.run(run_uninstall(OperatorSettings(), deployment, deployment_namespace, wait_s,
-                                      me=os.environ.get("HOSTNAME", "")))
+        out = asyncio.run(run_uninstall(OperatorSettings(), deployment, deployment_namespace, wait_s,
+                                        me=os.environ.get("HOSTNAME", "")))
     except Exception as e:  # never block an uninstall: say why and let it go on
-        click.echo(f"kascade operator uninstall: {type(e).__name__}: {e}", err=True)
+        click.echo(f"kascade operator uninstall: nothing cleaned up: {type(e).__name__}: {e}", err=True)
         return
-    click.echo(f"kascade operator uninstall: {n} ModelService(s) let go")
+    click.echo(f"kascade operator uninstall: {out.let_go} ModelService(s) let go")
+    for line in out.left.lines():
+        click.echo(f"kascade operator uninstall: not cleaned up: {line}", err=True)
 
 
 def _preflight(settings: OperatorSettings) -> OperatorSettings:

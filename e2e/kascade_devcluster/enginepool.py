@@ -30,7 +30,7 @@ from pathlib import Path
 
 from kascade_devcluster import processes
 from kascade_devcluster.controlplane import ControlPlane
-from kascade_devcluster.ports import free_ports
+from kascade_devcluster.ports import free_port_runs, free_ports
 from kascade_devcluster.prober import ReadinessProber
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 READY = re.compile(r"KASCADE_ENGINE_READY http=(\d+)")
 POOL_LABEL, ENDPOINT, DATA_ENDPOINT = "kascade.io/pool", "kascade.io/endpoint", "kascade.io/data-endpoint"
 ACT_ENDPOINT = "kascade.io/act-endpoint"
+ENGINE_TP = "kascade.io/engine-tp"  # kascade_operator.labels.ENGINE_TP
 SERVING_GATE = "kascade.io/serving"  # kascade_operator.labels.SERVING_GATE (the harness imports no operator code)
 
 
@@ -61,11 +62,12 @@ class PoolEngine:
 
 class EnginePool:
     def __init__(self, cp: ControlPlane, namespace: str, checkpoint: Path, model_name: str, token: str,
-                 log_dir: Path, extra_args: tuple[str, ...] = (), readiness_gate: bool = True) -> None:
+                 log_dir: Path, extra_args: tuple[str, ...] = (), readiness_gate: bool = True, tp: int = 1) -> None:
         if not (checkpoint / "config.json").is_file():
             raise ValueError(f"checkpoint {checkpoint}: no config.json")
         self.cp, self.ns, self.checkpoint, self.model, self.token = cp, namespace, checkpoint, model_name, token
         self.log_dir, self.extra_args = log_dir, extra_args
+        self.tp = tp  # engines run `--tp tp` ranks: rank r listens on data_port + r; pods say kascade.io/engine-tp
         self.readiness_gate = readiness_gate  # the pods declare kascade.io/serving, as the chart's pool pods do
         self.engines: dict[str, PoolEngine] = {}
         # what a kubelet does with the pool pods' readinessProbe (GET /readyz), which KWOK does not run
@@ -76,11 +78,14 @@ class EnginePool:
         first = len(self.engines)
         started = []
         ports = free_ports(2 * len(nodes))
+        if self.tp > 1:  # data ports with room for every rank's
+            runs = free_port_runs(len(nodes), self.tp)
+            ports = [p for k in range(len(nodes)) for p in (ports[2 * k], runs[k])]
         for i, node in enumerate(nodes, start=first):
             name = f"{prefix}-{i}"
             argv = [sys.executable, "-m", "kascade_cli.main", "engine", "serve", "--checkpoint", str(self.checkpoint),
                     "--model-name", self.model, "--empty", "--port", "0", "--act-port", str(ports[2 * (i - first)]),
-                    *self.extra_args]
+                    *(["--tp", str(self.tp)] if self.tp > 1 else []), *self.extra_args]
             proc = processes.start(name, argv, self.log_dir, env={"KASCADE_ENGINE_TOKEN": self.token},
                                    die_with_parent=True)
             started.append((name, node, proc))
@@ -118,6 +123,7 @@ class EnginePool:
                     ENDPOINT: e.endpoint,
                     DATA_ENDPOINT: f"127.0.0.1:{e.data_port}",
                     ACT_ENDPOINT: f"127.0.0.1:{e.act_port}",
+                    **({ENGINE_TP: str(self.tp)} if self.tp > 1 else {}),
                 },
             },
             "spec": {
@@ -129,7 +135,7 @@ class EnginePool:
                     {
                         "name": "engine",
                         "image": "kascade:dev",
-                        "resources": {"limits": {"nvidia.com/gpu": "1"}},
+                        "resources": {"limits": {"nvidia.com/gpu": str(self.tp)}},
                         # named like the chart's pool pods (the PodMonitor keeps port http);
                         # the endpoint annotation still says where the process listens
                         "ports": [{"name": "http", "containerPort": int(e.endpoint.rsplit(":", 1)[1])}],

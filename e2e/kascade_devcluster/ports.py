@@ -48,3 +48,36 @@ def free_ports(n: int) -> list[int]:
     if len(out) < n:
         raise RuntimeError(f"found only {len(out)} of {n} free ports in [{_LOW}, {high})")
     return out
+
+
+def free_port_runs(n: int, width: int) -> list[int]:
+    """`n` base ports, each with the `width - 1` ports after it free too (a tensor-parallel engine's rank r
+    listens on its data port + r), all outside the ephemeral range and never returned before."""
+    if width < 1:
+        raise ValueError(f"width must be >= 1, got {width}")
+    high = _ephemeral_low()
+    rng = random.Random(os.getpid() ^ len(_handed_out) ^ width)
+    out: list[int] = []
+    for _ in range(50 * max(n, 1)):
+        if len(out) == n:
+            break
+        base = rng.randrange(_LOW, high - width)
+        run = range(base, base + width)
+        if any(p in _handed_out for p in run):
+            continue
+        socks = []
+        try:
+            for p in run:
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+        _handed_out.update(run)
+        out.append(base)
+    if len(out) < n:
+        raise RuntimeError(f"found only {len(out)} of {n} runs of {width} free ports in [{_LOW}, {high})")
+    return out

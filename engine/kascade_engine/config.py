@@ -99,9 +99,12 @@ class EngineConfig:
             raise ConfigError(f"--activation-dscp must be in [0, 63] (0: no mark), got {self.activation_dscp}")
         if not 1 <= self.tp <= 64:
             raise ConfigError(f"--tp must be in [1, 64], got {self.tp}")
-        if self.tp > 1 and (self.empty or self.resident_layers is not None):
-            raise ConfigError("--tp > 1 loads every rank from --checkpoint at start; --empty and --resident-layers "
-                              "(weights by load plan) are not supported with it yet")
+        if self.tp > 1 and self.resident_layers is not None:
+            raise ConfigError("--tp > 1 with --resident-layers: a tensor-parallel instance loads every rank whole, "
+                              "from --checkpoint at start or by load plan (--empty), not a layer prefix")
+        if self.tp > 1 and self.empty and self.tls is not None:
+            raise ConfigError("--tp > 1 with --empty and --tls-*: the ranks' plane transfers are plain TCP (TLS for "
+                              "them is not built yet)")
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"--transport {self.transport!r}: unknown transport; use {' or '.join(TRANSPORTS)}")
         if self.tls is not None and self.transport != "tcp":

@@ -3,7 +3,8 @@
 It owns the model (weights per block, on the configured device and dtype), the batching engine and its
 scheduler, the loader task (a plan's `TransferNode` or a checkpoint read), the live-split `Finisher`,
 the request streams (`Serving`) and the metrics. The HTTP layer (server.py, control.py) only parses
-and calls: bind / load_plan / load_source / cooperate / drain / release / status.
+and calls: bind / load_plan / load_source / cooperate / drain / release / status. Loading is loader.py's,
+cooperation with peers (pair, pipeline hop, standby, redirect) is peering.py's: both act on this instance.
 
 Phases (empty -> bound -> loading -> live -> serving -> draining -> released):
   empty     no service, no weights (a warm-pool engine)       bound    bound to a service, no weights yet
@@ -27,6 +28,7 @@ import logging
 import math
 from typing import Any
 
+from kascade_engine import peering
 from kascade_engine.batch.engine import Engine
 from kascade_engine.batch.families import expected_shapes
 from kascade_engine.batch.kvcache import kv_tokens_for_memory
@@ -40,7 +42,6 @@ from kascade_engine.live.split import Finisher
 from kascade_engine.metrics import EngineMetrics
 from kascade_engine.net.pacing import egress_bucket
 from kascade_engine.net.peerpool import PeerPool
-from kascade_engine.net.transport import TransportError
 from kascade_engine.pd.handback import DEFAULT_HAND_BACK_S, HandBack
 from kascade_engine.pd.metrics import PDMetrics
 from kascade_engine.pd.prefill_server import PrefillServer
@@ -75,6 +76,7 @@ class EngineInstance:
         self.role = "colocated"
         self.cooperate: dict[str, str] = {}
         self.blockset: Any = None  # a complete copy held here (sources send from it)
+        self.tp_load_stats: list[Any] = []  # per rank bytes/seconds of the last load by rank planes (tp/planload.py)
         self.host_copy: Any = None  # a BlockSet kept in host memory after release (None: none)
         self.host_feeding = False  # a plan load running only as a host source (the phase stays released)
         self.bytes_received = 0
@@ -127,7 +129,7 @@ class EngineInstance:
             from kascade_engine.tp.launch import exit_on_lost, start
 
             self.ranks = start(self.model_cfg, c.checkpoint, c.tp, limits, self.device, self.dtype,
-                               self.tokenizer.eos_token_id, c.threads, on_lost=exit_on_lost)
+                               self.tokenizer.eos_token_id, c.threads, on_lost=exit_on_lost, empty=c.empty)
             self.model, self.engine = self.ranks.engine.model, self.ranks.engine
         else:
             self.model = LlamaModel(self.model_cfg, dtype=self.dtype, device=self.device)
@@ -161,6 +163,10 @@ class EngineInstance:
         if phase is not self.phase:
             log.info("%s: %s -> %s", self.instance_id, self.phase.value, phase.value)
             self.phase = phase
+
+    def settle(self) -> None:
+        """`_settle` for the loaders outside this class (tp/planload.py: blocks installed all at once)."""
+        self._settle()
 
     def _settle(self) -> None:
         """After blocks arrive or cooperation changes: loading / live / serving follow residency."""
@@ -293,104 +299,8 @@ class EngineInstance:
         return self.status()
 
     async def set_cooperate(self, req: CooperateRequest) -> EngineStatus:
-        """Form (or end) the pair: one authenticated connection to the peer, opened now, reused by every
-        step of every request until the pair ends (cooperation.py)."""
-        from kascade_engine.live.pairsession import form_pair
-
-        if self.config.tp > 1:
-            raise InstanceError(409, f"tp: live cooperation with a tensor-parallel instance (tp {self.config.tp}) "
-                                "is not supported", "tp")
-        if req.mode == "standby":
-            try:
-                await self.peers.warm(req.peer)
-            except (OSError, RuntimeError, ValueError, TransportError, TimeoutError) as e:
-                raise InstanceError(502, f"cannot reach peer {req.peer}: {e}", "peer") from None
-            return self.status()
-        if req.mode == "redirect":  # queued requests may go to the engine at `peer` (liveredirect.py)
-            return await self._redirect_to(req.peer)
-        if req.mode == "off" and self.forwarders:
-            await self._redirect_to(None)
-        if req.mode == "pipeline":  # rows hosted here continue to `peer` after the layers held here
-            try:
-                down = await form_pair(self, req.peer)
-            except (OSError, RuntimeError, ValueError, TransportError, TimeoutError) as e:
-                raise InstanceError(502, f"cannot pair with peer {req.peer}: {e}", "peer") from None
-            old_down, self.host.downstream = self.host.downstream, down
-            self.downstream_peer = req.peer
-            if old_down is not None:
-                await old_down.close()
-            return self.status()
-        if req.mode != "off" and self.pair is not None and self.cooperate.get("peer") == req.peer:
-            pair: PairClient | None = self.pair  # same peer: keep the pair (and its split sequences)
-        elif req.mode != "off" and not self.model.complete:
-            try:
-                pair = await form_pair(self, req.peer)
-            except (OSError, RuntimeError, ValueError, TransportError, TimeoutError) as e:
-                raise InstanceError(502, f"cannot pair with peer {req.peer}: {e}", "peer") from None
-        else:
-            pair = None
-        if pair is not None and req.zigzag is not None:  # the operator's ZigZag setting: planner's schedule
-            from kascade_engine.live.livepolicy import ZigZagPolicy
-            from kascade_planner.zigzag import PairSetting
-
-            z = req.zigzag
-            setting = PairSetting(self.model.shape.layers, z.load_ratio, z.batches)
-            # the schedule's unit is one layer of one full batch: requests fill batches of this engine's budget
-            policy = ZigZagPolicy(setting, z.ilp, self.engine.limits.max_batch_tokens)
-            # the ILP can take a while: the full queue's plan now (off the loop), every other queue state's in a
-            # background thread; an admission before that is done plans its own state. Awaiting all of them
-            # (108 ILPs here) delayed the pair by seconds on a loaded 2-core box.
-            await asyncio.to_thread(lambda: policy.targets)
-            self._warming = asyncio.create_task(asyncio.to_thread(policy.warm))
-            pair.policy = policy
-        if req.mode == "off":  # off ends every cooperation, a pipeline hop included
-            await self._drop_downstream()
-        old, self.pair = self.pair, pair
-        self.engine.coop = pair if pair is not None else self.host
-        self.engine.scheduler.whole_prompts = pair is not None  # each step of a split prompt is a round trip
-        self.serving.wake.set()  # a new pair polls its peer once: it may hand us its queued requests
-        if old is not None and old is not pair:
-            await old.close()
-        self.cooperate = {} if req.mode == "off" else {"peer": req.peer, "mode": req.mode}
-        if not self.cooperate and self.phase is Phase.LIVE:
-            self._to(Phase.LOADING)
-        self._settle()
-        return self.status()
-
-    async def _redirect_to(self, peer: str | None) -> EngineStatus:
-        """Let requests queued here go to `peer` too (liveredirect.py: one session each, on a connection from the
-        PeerPool; a session to the same peer is replaced), or stop every session (None: mode off). What a closed
-        session's peer still runs comes back here. Status `redirect` lists the peers. It does not touch the pair
-        (`cooperate`): a pipeline head hands its queue to the sources while it stays the head."""
-        if peer is not None and not self.servable:
-            raise InstanceError(409, f"mode redirect: engine is {self.phase.value}, not serving or live with a peer",
-                                "mode")
-        olds = (
-            list(self.forwarders.values())
-            if peer is None
-            else [self.forwarders.pop(peer)]
-            if peer in self.forwarders
-            else []
-        )
-        if peer is None:
-            self.forwarders = {}
-        for old in olds:
-            await old.close()
-        if peer is None:
-            return self.status()
-        try:
-            conn, _ = await self.peers.take(peer)
-            fwd = Forwarder(self, peer, conn)
-            await fwd.start()
-        except (OSError, RuntimeError, ValueError, TransportError, TimeoutError) as e:
-            raise InstanceError(502, f"cannot open a redirect session to {peer}: {e}", "peer") from None
-        self.forwarders[peer] = fwd
-        return self.status()
-
-    async def _drop_downstream(self) -> None:
-        down, self.host.downstream, self.downstream_peer = self.host.downstream, None, None
-        if down is not None:
-            await down.close()
+        """Form, change or end cooperation with a peer: pair, pipeline hop, standby or redirect (peering.py)."""
+        return await peering.set_cooperate(self, req)
 
     def convert(self, req: ConvertRequest) -> EngineStatus:
         """Convertible decoder (TokenScale): prefill at most `prefill_chunk_tokens` prompt tokens per step
@@ -492,6 +402,7 @@ class EngineInstance:
                             self.cooperate or None, self.load_error, str(self.device),
                             str(self.dtype).removeprefix("torch."),
                             {"tensorDevices": self.tensor_devices(),
+                             **({"tpLoad": self.tp_load_stats} if self.tp_load_stats else {}),
                              **({"pipelineDownstream": self.downstream_peer} if self.downstream_peer else {}),
                              **({"redirect": sorted(self.forwarders)} if self.forwarders else {}),
                              **({"prefillChunkTokens": self.engine.limits.prefill_chunk_tokens}

@@ -41,6 +41,9 @@ class _LoadConfig(Protocol):
     @property
     def model_name(self) -> str: ...
 
+    @property
+    def tp(self) -> int: ...
+
     def weight_transport(self) -> Transport: ...
 
 
@@ -104,6 +107,16 @@ async def start_plan_load(inst: LoadTarget, req: LoadPlanRequest) -> None:
     involved = {i.id for i in (*spec.plan.sources, *spec.plan.targets)}
     if me not in involved:
         raise _fail(400, f"invalid field 'self': '{me}' is not a source or target of this plan", "self")
+    from kascade_engine.tp.planload import PlanRefused, plane_width, start_tp_plan
+
+    g = plane_width(spec)
+    if g > 1:  # targets are tensor-parallel: every rank receives its own plane (tp/planload.py)
+        source = blocks if blocks is not None and (inst.model.complete or blocks is inst.host_copy) else None
+        try:
+            await start_tp_plan(inst, spec, me, g, target, source)
+        except PlanRefused as e:
+            raise _fail(e.status, str(e), e.field) from None
+        return
     model = inst.model
     started = time.monotonic()
 
@@ -213,6 +226,9 @@ async def start_source_load(inst: LoadTarget, path: str | None = None, uri: str 
             d = Path(where) if uri is None else await asyncio.to_thread(resolve, uri)
             if uri is not None and not (d / "config.json").is_file():
                 raise CheckpointError(f"{d} is not a checkpoint directory (no config.json)")
+            from kascade_engine.tp.planload import followers_load_path
+
+            followers_load_path(inst, d)  # a tensor-parallel engine's other ranks pack it alongside (tp/rank.py)
             blocks = await asyncio.to_thread(pack_checkpoint, d, inst.config.model_name)
             if blocks.config.get("num_hidden_layers") != model.shape.layers:
                 raise CheckpointError(f"{where}: {blocks.config.get('num_hidden_layers')} layers, this engine "

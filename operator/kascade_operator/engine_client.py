@@ -157,11 +157,12 @@ class EngineClient:
         except WireError as e:
             raise EngineError(endpoint, "host-copy", f"bad answer: {e}", 502) from None
 
-    async def manifest(self, endpoint: str) -> dict[str, Any] | None:
+    async def manifest(self, endpoint: str, parts: int = 1) -> dict[str, Any] | None:
         """The block manifest (sizes, digests, index) a source holds, for loading targets; None when the
-        engine does not offer `GET manifest` (then targets must already know it)."""
+        engine does not offer `GET manifest` (then targets must already know it). `parts` g > 1: with the part
+        entries of every rank plane into TP-g targets (their digests: the source hashes its blocks' parts)."""
         try:
-            return await self._call(endpoint, "GET", "manifest")
+            return await self._call(endpoint, "GET", "manifest" if parts == 1 else f"manifest?parts={parts}")
         except EngineError as e:
             if e.status in (404, 405):
                 return None

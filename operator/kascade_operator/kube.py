@@ -236,12 +236,14 @@ class Kube:
         except ApiException as e:
             _raise(e, f"{plural[:-1]} {ns}/{name} status")
 
-    async def event(self, ns: str, obj: dict[str, Any], kind: str, etype: str, reason: str, message: str) -> None:
-        """A core/v1 Event on `obj` (ModelService or ScalePlan); failures are logged, never raised."""
+    async def event(self, ns: str, obj: dict[str, Any], kind: str, etype: str, reason: str, message: str,
+                    api_version: str = f"{GROUP}/{VERSION}") -> None:
+        """A core/v1 Event on `obj` (a ModelService or ScalePlan, or of `api_version`: the operator's Deployment);
+        failures are logged, never raised."""
         meta = obj.get("metadata") or {}
         t = now_iso()
         body = {"metadata": {"name": f"{meta.get('name')}.{uuid.uuid4().hex[:12]}", "namespace": ns},
-                "involvedObject": {"apiVersion": f"{GROUP}/{VERSION}", "kind": kind, "name": meta.get("name"),
+                "involvedObject": {"apiVersion": api_version, "kind": kind, "name": meta.get("name"),
                                    "namespace": ns, "uid": meta.get("uid")},
                 "type": etype, "reason": reason, "message": message[:1024], "firstTimestamp": t, "lastTimestamp": t,
                 "eventTime": t, "count": 1, "reportingComponent": "kascade-operator",

@@ -35,6 +35,7 @@ LOADED = "kascade.io/loaded"  # annotation "true": the engine reported every blo
 DRAINING = "kascade.io/draining"  # annotation: time a drain started (scale-down in progress)
 SERVING_GATE = "kascade.io/serving"  # pod readiness gate / condition: open while bound and loaded or live
 UNHEALTHY = "kascade.io/unhealthy"  # annotation: why the engine was dropped (never a scale-up target again)
+ENGINE_TP = "kascade.io/engine-tp"  # annotation on tensor-parallel engine pods: their --tp (absent: 1)
 ENGINE_CAPACITY = "kascade.io/engine-capacity"  # annotation on pool pods: their engine's capacity flags (capacity.py)
 MODEL = "kascade.io/model"  # annotation on pool pods: the spec.model.name their engine serves (absent: any)
 SERVICE_NS = "kascade.io/model-service-namespace"  # annotation: the bound service's namespace (pool elsewhere)

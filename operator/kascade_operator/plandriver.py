@@ -3,10 +3,10 @@ exactly once, track progress, mark loaded pods, finish the ModelService's scale-
 
 Data flow: `new_scaleplan` (CreatePlan -> planner -> ScalePlan body with an ownerReference to the
 ModelService) -> `start` (fast path, right after creation) and `drive` (kopf daemon; also what runs
-after an operator restart) -> `instruct_pending` under a per-plan lock -> engine control API;
-progress -> throttled ScalePlan status. Exactly once across restarts: a target counts as instructed
-when the status says so, or when its engine already reports being bound to this service and loading
-or ready (the operator may have died between the engine call and the status write).
+after an operator restart) -> `instruction.instruct_pending` under a per-plan lock (each participant told
+exactly once, across restarts too) -> engine statuses each round -> lost targets dropped, progress ->
+throttled ScalePlan status -> `_finish` (pods marked loaded, Event, terminal status). `release_all` undoes
+a ModelService's bindings when it is deleted.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 from kascade_operator import labels as L
@@ -23,15 +22,13 @@ from kascade_operator import livewiring
 from kascade_operator import scaleplan as SP
 from kascade_operator.api import ModelServiceSpec
 from kascade_operator.engine_client import EngineError
+from kascade_operator.instruction import instruct_pending, label_bound, patch_guarded, plan_pool
 from kascade_operator.kube import GROUP, VERSION, Conflict, NotFound, now_iso
 from kascade_operator.podtemplate import checkpoint_path
-from kascade_operator.pool import PodView, bind_patch, host_copy_patch, pod_view, service_key, unbind_patch
+from kascade_operator.pool import PodView, pod_view, service_key, unbind_patch
 from kascade_operator.reconcile import CreatePlan
 from kascade_operator.runtime import Runtime
 from kascade_operator.status import keep_transition_times, plan_conditions
-from kascade_planner.engine_api import BUSY
-
-BUSY_PHASES = frozenset(p.value for p in BUSY)  # an engine in one of these was bound and told to load already
 
 log = logging.getLogger(__name__)
 
@@ -75,257 +72,6 @@ async def new_scaleplan(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpe
                                   spec.model.dtype)}
 
 
-def _pool(rt: Runtime, sp: dict[str, Any]) -> tuple[str, str, str]:
-    """(pool namespace, service name, service key) of a ScalePlan."""
-    ns, svc = sp["metadata"]["namespace"], sp["spec"]["modelServiceRef"]["name"]
-    pool_ns = rt.pool_namespace(ns)
-    return pool_ns, svc, service_key(ns, svc, pool_ns)
-
-
-def _owner(sp: dict[str, Any], pool_ns: str) -> dict[str, Any] | None:
-    """The ModelService's controller reference for pods of this plan (same namespace only)."""
-    if pool_ns != sp["metadata"]["namespace"]:
-        return None
-    return next((dict(o) for o in sp["metadata"].get("ownerReferences") or [] if o.get("kind") == "ModelService"),
-                None)
-
-
-GUARDED_TRIES = 8
-
-
-async def _patch_guarded(rt: Runtime, pool_ns: str, p: PodView,
-                         patch_for: Callable[[PodView], dict[str, Any] | None]) -> PodView | None:
-    """Write `patch_for(pod)` (a resourceVersion-guarded patch) and return the pod as written. Pod status
-    writes (readiness) bump the version every few seconds, so a conflict is normal: re-read and ask
-    `patch_for` again, up to GUARDED_TRIES times. `patch_for` returns None when no write is wanted (any
-    more); the pod as last seen is returned then. None: the pod is gone."""
-    cur = p
-    for _ in range(GUARDED_TRIES):
-        patch = patch_for(cur)
-        if patch is None:
-            return cur
-        try:
-            return pod_view(await rt.kube.patch_pod(pool_ns, cur.pod_name, patch))
-        except Conflict:
-            try:
-                cur = pod_view(await rt.kube.get_pod(pool_ns, cur.pod_name))
-            except NotFound:
-                return None
-        except NotFound:
-            return None
-    log.warning("pod %s: still conflicting after %d tries", p.pod_name, GUARDED_TRIES)
-    return cur
-
-
-async def _label_bound(rt: Runtime, sp: dict[str, Any], p: PodView, role: str, host_copy: str | None = None) -> bool:
-    """Record a binding the engine accepted: label the pod bound. False when the pod is gone or taken
-    meanwhile (or the label could not be written)."""
-    ns, name = sp["metadata"]["namespace"], sp["metadata"]["name"]
-    pool_ns, svc, key = _pool(rt, sp)
-
-    def bind(cur: PodView) -> dict[str, Any] | None:
-        if cur.model_service is not None:  # already ours, or taken by another service
-            return None
-        return bind_patch(cur, svc, role, name, _owner(sp, pool_ns), ns if pool_ns != ns else None, host_copy)
-
-    cur = await _patch_guarded(rt, pool_ns, p, bind)
-    return cur is not None and cur.model_service == key and cur.plan == name
-
-
-async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | frozenset[str] = frozenset()
-                           ) -> dict[str, str]:
-    """Instruct every not-yet-instructed target (and, for transfer plans, the sources) exactly once;
-    `skip`: targets dropped from the plan (never bound again by it). Returns the targets to drop now
-    (instance -> why: pod gone, bind refused, ...). A pod is labelled bound only after its engine
-    accepted the bind."""
-    ns, name = sp["metadata"]["namespace"], sp["metadata"]["name"]
-    done = rt.instructed.setdefault((ns, name), set())
-    if not [i for i in SP.to_instruct(sp["spec"], sp.get("status")) if i not in done and i not in skip]:
-        return {}
-    # what the caller holds may be old (the fast path holds the creation body, the driver the watch's copy):
-    # instruct from the plan as it is now, never a plan that has ended, never a target it dropped (issue 38 #2)
-    fresh = await _current(rt, ns, name)
-    if fresh is None or _ended(fresh):
-        return {}
-    sp = fresh
-    spec, status = sp["spec"], sp.get("status") or {}
-    skip = set(skip) | _failed(status).keys()
-    pending = [i for i in SP.to_instruct(spec, status) if i not in done and i not in skip]
-    if not pending:
-        return {}
-    pool_ns, _, key = _pool(rt, sp)
-    pods = {p.pod_name: p for p in (pod_view(x) for x in await rt.kube.list_pods(pool_ns, L.POOL)
-                                    if not (x.get("metadata") or {}).get("deletionTimestamp"))}
-    role, plan = spec["role"], spec.get("plan") or {}
-    model = (plan.get("model") or {}).get("name", "")
-    dtype = spec.get("dtype")
-    by_inst = {p.instance: p for p in pods.values()}
-    pod_of = {t["instance"]: t.get("pod") or t["instance"] for t in spec["targets"]}
-    peers = {i: ep for i, p in by_inst.items() if (ep := p.data_endpoint)}
-    token = rt.engines.plan_secret(ns, name, str(sp["metadata"].get("uid", "")))  # never derivable from the CR
-    local = spec["algorithm"] == "local"
-    drops: dict[str, str] = {}
-    manifest = None
-    if not local:
-        for s in spec["sources"]:
-            src = by_inst.get(s["instance"])
-            if src and src.endpoint and s["instance"] not in done:
-                try:
-                    manifest = manifest or await rt.engines.manifest(src.endpoint)
-                    await rt.engines.load_plan(src.endpoint, plan, s["instance"], peers, token)
-                except EngineError as e:
-                    if e.status != 409:  # 409: this source already runs the plan
-                        log.warning("ScalePlan %s/%s: source %s: %s", ns, name, s["instance"], e)
-                        if s.get("hostCopy") and e.status is not None:
-                            await _forget_stale_copy(rt, pool_ns, src)
-                done.add(s["instance"])
-
-    host_path = {src.get("node"): src.get("path") for src in spec["sources"] if src.get("kind") == "host"}
-    host_copy_nodes = {src.get("node") for src in spec["sources"] if src.get("hostCopy")}
-    retry: set[str] = set()
-    other_model: set[str] = set()
-
-    async def one(iid: str) -> None:
-        p = pods.get(pod_of[iid])
-        if p is None:
-            drops[iid] = f"pod {pod_of[iid]} is gone"
-            return
-        if not p.endpoint:
-            drops[iid] = f"target {iid} has no engine endpoint (annotation {L.ENDPOINT})"
-            return
-        if p.model_service not in (None, key):
-            drops[iid] = f"pod {p.pod_name} is bound to {p.model_service}"
-            return
-        from_copy = local and p.node in host_copy_nodes
-        path = host_path.get(p.node) if local and not from_copy else None
-        if local and not path and not from_copy:
-            drops[iid] = "the first copy loads from spec.model.source (path, pvc or file:// uri); this plan names none"
-            return
-        try:
-            st = await rt.engines.status(p.endpoint)
-            if st.get("model") and st["model"] != model:  # an engine binds only the model it was started for
-                drops[iid] = f"pod {p.pod_name}'s engine holds model '{st['model']}', not '{model}'"
-                other_model.add(p.pod_name)
-                return
-            again = st.get("modelService") == key and st.get("phase") in BUSY_PHASES
-            if not again:  # else: instructed by an earlier incarnation of the operator
-                st = await rt.engines.bind(p.endpoint, model, key, role, path, dtype, host_copy=from_copy)
-        except EngineError as e:
-            if from_copy and e.status == 409:  # the engine no longer keeps it: never offered again
-                with contextlib.suppress(Conflict, NotFound):
-                    await rt.kube.patch_pod(pool_ns, p.pod_name, host_copy_patch(None))
-            if e.status is None:  # timed out or unreachable: retried next round; the driver drops the
-                retry.add(iid)    # target if its engine stays unreachable (UNREACHABLE_LIMIT_S)
-                log.warning("%s (will retry)", e)
-            else:
-                drops[iid] = f"bind refused: {e}"
-            return
-        if not await _label_bound(rt, sp, p, role, model if st.get("hostCopyBytes") else None):  # copy still kept
-            drops[iid] = f"pod {p.pod_name} changed or went away while binding"
-            log.warning("ScalePlan %s/%s: %s", ns, name, drops[iid])
-            try:
-                await rt.engines.release(p.endpoint)
-            except EngineError as e:
-                log.warning("%s", e)
-            return
-        log.info("ScalePlan %s/%s: target %s (pod %s) bound%s", ns, name, iid, p.pod_name,
-                 " (already, by an earlier operator)" if again else "")
-        if not local and not again:
-            try:
-                await rt.engines.load_plan(p.endpoint, plan, iid, peers, token, manifest)
-            except EngineError as e:
-                if e.status is None:
-                    retry.add(iid)
-                    log.warning("%s (will retry)", e)
-                elif e.status != 409:
-                    drops[iid] = f"load plan refused: {e}"
-                if e.status != 409:
-                    return
-        await livewiring.instructed(rt, pool_ns, spec, iid, p, by_inst)  # live pair or pipeline hop
-
-    await asyncio.gather(*(one(i) for i in pending))
-    if other_model:  # a pool whose pods do not say their model: learn them all now, not one failed plan each
-        await _record_models(rt, pool_ns, [p for p in pods.values() if p.model is None and p.model_service is None])
-    done.update(i for i in pending if i not in drops and i not in retry)
-    await _write_instructed(rt, sp, done, drops)
-    return drops
-
-
-def _ended(sp: dict[str, Any]) -> bool:
-    return (sp.get("status") or {}).get("phase") in ("Succeeded", "Failed")
-
-
-def _failed(status: dict[str, Any]) -> dict[str, str]:
-    """Targets the plan has dropped (instance -> why), as its status records them."""
-    return {t["instance"]: t["failed"] for t in status.get("targets") or [] if t.get("failed")}
-
-
-async def _current(rt: Runtime, ns: str, name: str) -> dict[str, Any] | None:
-    """The plan as the API server holds it now (None: deleted)."""
-    try:
-        return await rt.kube.get_scaleplan(ns, name)
-    except NotFound:
-        return None
-
-
-async def _write_instructed(rt: Runtime, sp: dict[str, Any], done: set[str], drops: dict[str, str]) -> None:
-    """Record which targets are instructed and which were dropped. The write is guarded by the version it was
-    built from: a conflict re-reads, and a plan that has ended meanwhile keeps its terminal status (an
-    unguarded write built from an older read landed after the driver's Failed and left the plan Transferring,
-    its daemon gone, its ModelService wedged: issue 38 defect 2)."""
-    ns, name = sp["metadata"]["namespace"], sp["metadata"]["name"]
-    for _ in range(GUARDED_TRIES):
-        status = sp.get("status") or {}
-        failed = _failed(status) | drops
-        rows = [{"instance": t["instance"], "instructed": t["instance"] in done,
-                 **({"failed": failed[t["instance"]][:500]} if t["instance"] in failed else {})}
-                for t in sp["spec"]["targets"]]
-        try:
-            await rt.kube.patch_scaleplan_status(ns, name, {"phase": status.get("phase") or "Transferring",
-                                                            "observedGeneration": sp["metadata"].get("generation"),
-                                                            "startTime": status.get("startTime") or now_iso(),
-                                                            "targets": rows},
-                                                 resource_version=sp["metadata"].get("resourceVersion"))
-            return
-        except Conflict:
-            fresh = await _current(rt, ns, name)
-            if fresh is None or _ended(fresh):
-                return
-            sp = fresh
-    log.warning("ScalePlan %s/%s: instructed targets not recorded, still conflicting after %d tries", ns, name,
-                GUARDED_TRIES)
-
-
-async def _record_models(rt: Runtime, pool_ns: str, pods: list[PodView]) -> None:
-    """Annotate idle pool pods that do not say their model (kascade.io/model) with the model their engine
-    holds (it binds no other): every later round picks only pods of its own model (pool.can_serve)."""
-
-    async def one(p: PodView) -> None:
-        try:
-            held = (await rt.engines.status(p.endpoint or "")).get("model") if p.endpoint else None
-        except EngineError:
-            return
-        if held:
-            with contextlib.suppress(Conflict, NotFound):
-                await rt.kube.patch_pod(pool_ns, p.pod_name, {"metadata": {"annotations": {L.MODEL: held}}})
-            log.info("pod %s: its engine holds model %s (recorded as %s)", p.pod_name, held, L.MODEL)
-
-    await asyncio.gather(*(one(p) for p in pods))
-
-
-async def _forget_stale_copy(rt: Runtime, pool_ns: str, p: PodView) -> None:
-    """A host-copy source refused its load plan: when its engine keeps no copy (restarted, or evicted),
-    clear the pod's record so no later plan names it (its targets re-fetch from a fallback source)."""
-    try:
-        if (await rt.engines.status(p.endpoint or "")).get("hostCopyBytes"):
-            return
-    except EngineError:
-        return
-    with contextlib.suppress(Conflict, NotFound):
-        await rt.kube.patch_pod(pool_ns, p.pod_name, host_copy_patch(None))
-    log.warning("pod %s keeps no host copy any more: record cleared", p.pod_name)
-
-
 async def start(rt: Runtime, sp: dict[str, Any], decided_at: float) -> None:
     ns, name = sp["metadata"]["namespace"], sp["metadata"]["name"]
     async with rt.lock(ns, name):
@@ -340,7 +86,7 @@ async def drive(rt: Runtime, sp: dict[str, Any], stopped: Any) -> None:
     its engine unreachable for UNREACHABLE_LIMIT_S or reporting a load error, its bind refused. The
     others go on; the plan fails only when no target is left, and the reconciler plans replacements."""
     ns, name = sp["metadata"]["namespace"], sp["metadata"]["name"]
-    pool_ns, _, key = _pool(rt, sp)
+    pool_ns, _, key = plan_pool(rt, sp)
     throttle = SP.Throttle(rt.settings.status_write_interval_seconds)
     started, unreachable_since = time.monotonic(), dict[str, float]()
     seen: dict[str, tuple[bool, str | None]] = {}  # per target: bound in the pod index, engine phase (logged on change)
@@ -439,7 +185,7 @@ async def _check_label(rt: Runtime, sp: dict[str, Any], p: PodView | None, instr
     """An instructed target whose pod the watch has not shown bound for LABEL_LIMIT_S: the watch lags,
     or the label write was lost. Re-read the pod; label it again, or return why the target is lost
     (the plan never waits forever on a label)."""
-    pool_ns, _, key = _pool(rt, sp)
+    pool_ns, _, key = plan_pool(rt, sp)
     if not instructed or p is None or p.model_service == key:
         since.pop(iid, None)
         return None
@@ -454,7 +200,7 @@ async def _check_label(rt: Runtime, sp: dict[str, Any], p: PodView | None, instr
         return None  # only the watch lags
     log.warning("ScalePlan %s/%s: pod %s not labelled bound %.0f s after its engine accepted; labelling again",
                 sp["metadata"]["namespace"], sp["metadata"]["name"], p.pod_name, LABEL_LIMIT_S)
-    if await _label_bound(rt, sp, fresh, sp["spec"]["role"]):
+    if await label_bound(rt, sp, fresh, sp["spec"]["role"]):
         return None
     return f"pod {p.pod_name} could not be labelled bound"
 
@@ -465,7 +211,7 @@ async def _drop(rt: Runtime, sp: dict[str, Any], p: PodView | None, reason: str,
     service (marked unhealthy when its engine is gone, so it is never chosen again); the reconciler
     plans a replacement."""
     ns, name = sp["metadata"]["namespace"], sp["metadata"]["name"]
-    pool_ns, svc, key = _pool(rt, sp)
+    pool_ns, svc, key = plan_pool(rt, sp)
     log.warning("ScalePlan %s/%s: dropping target %s (%s)", ns, name, p.pod_name if p else "?", reason)
     if p is not None:
         if not unreachable and p.endpoint:
@@ -492,14 +238,14 @@ async def _drop(rt: Runtime, sp: dict[str, Any], p: PodView | None, reason: str,
 async def _unbind_own(rt: Runtime, pool_ns: str, p: PodView, key: str, plan: str, unhealthy: str | None) -> None:
     """Unbind a pod this plan bound, retrying conflicts while the pod is still this plan's (a lost unbind
     left the pod bound to the service forever, and nothing replanned)."""
-    await _patch_guarded(rt, pool_ns, p, lambda cur: unbind_patch(cur, unhealthy)
+    await patch_guarded(rt, pool_ns, p, lambda cur: unbind_patch(cur, unhealthy)
                          if cur.model_service == key and cur.plan == plan else None)
 
 
 async def _finish(rt: Runtime, sp: dict[str, Any], phase: str, failed: dict[str, str], started: float,
                   st: dict[str, Any], pods: dict[str, PodView]) -> None:
     ns, name = sp["metadata"]["namespace"], sp["metadata"]["name"]
-    pool_ns, svc, key = _pool(rt, sp)
+    pool_ns, svc, key = plan_pool(rt, sp)
     status = dict(st)
     status["completionTime"] = now_iso()
     if phase == "Succeeded":
@@ -528,28 +274,35 @@ async def _finish(rt: Runtime, sp: dict[str, Any], phase: str, failed: dict[str,
     await rt.kube.patch_scaleplan_status(ns, name, status)
 
 
-async def release_all(rt: Runtime, body: dict[str, Any]) -> None:
+async def release_all(rt: Runtime, body: dict[str, Any]) -> list[str]:
     """On ModelService deletion: drain, release and unbind every bound pool pod (it goes back to the
     pool, without the service's ownerReference); delete the fallback pods created for the service and
     its ScalePlans (the garbage collector would too, through their ownerReferences, but only within one
-    namespace and only where kube-controller-manager runs)."""
+    namespace and only where kube-controller-manager runs). Each step is tried whatever the others did;
+    returns what could not be done, one line each (the pod and why), for the caller to report."""
     ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
     pool_ns = rt.pool_namespace(ns)
     key = service_key(ns, name, pool_ns)
+    problems: list[str] = []
     for raw in await rt.kube.list_pods(pool_ns, L.POOL):
         p = pod_view(raw)
         if p.model_service == key:
             if p.endpoint:
-                for call in (rt.engines.drain, lambda ep: rt.engines.release(ep, keep_host_copy=False)):
+                for verb, call in (("drained", rt.engines.drain),
+                                   ("released", lambda ep: rt.engines.release(ep, keep_host_copy=False))):
                     try:  # the service is gone: its engines keep no host copy
                         await call(p.endpoint)
                     except EngineError as e:
                         log.warning("%s", e)
+                        problems.append(f"pod {pool_ns}/{p.pod_name}: engine not {verb} ({e})")
             if p.created_for != key:
                 try:
                     await rt.kube.patch_pod(pool_ns, p.pod_name, unbind_patch(p))
-                except (Conflict, NotFound) as e:
+                except Conflict as e:
                     log.warning("unbinding %s: %s", p.pod_name, e)
+                    problems.append(f"pod {pool_ns}/{p.pod_name}: not unbound ({e})")
+                except NotFound:
+                    pass  # gone: nothing left bound
         if p.created_for == key:
             with contextlib.suppress(NotFound):
                 await rt.kube.delete_pod(pool_ns, p.pod_name)
@@ -557,3 +310,4 @@ async def release_all(rt: Runtime, body: dict[str, Any]) -> None:
         if (sp.get("spec") or {}).get("modelServiceRef", {}).get("name") == name:
             with contextlib.suppress(NotFound):
                 await rt.kube.delete_scaleplan(ns, sp["metadata"]["name"])
+    return problems

@@ -109,6 +109,12 @@ def refusals(spec: ModelServiceSpec, settings: OperatorSettings) -> list[str]:
             roots = ", ".join(settings.allowed_host_path_roots) or "none"
             out.append(f"{field}: hostPath {hp!r} is not under a root the installation allows ({roots}); "
                        f"the operator mounts no such hostPath")
+    if spec.engine.tp > 1 and settings.engine_tls_secret:
+        out.append(f"spec.engine.tp: {spec.engine.tp} ranks load their planes over plain TCP, and this installation "
+                   "runs the data plane over TLS (engineTlsSecret); tensor-parallel pods are not created with it")
+    if spec.engine.tp > 1 and spec.engine.data_port + spec.engine.tp - 1 > 65535:
+        out.append(f"spec.engine.dataPort: {spec.engine.data_port} + tp {spec.engine.tp} - 1 exceeds 65535 "
+                   "(rank r listens on dataPort + r)")
     return out
 
 
@@ -127,6 +133,7 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
                  transport: str = "tcp", ucx_tcp_ports: str = "", activation_dscp: int = AF41,
                  host_cache_gib: float = 0.0, installation_capacity: Mapping[str, int] | None = None,
                  dtype: str = "auto", default_resources: Mapping[str, Any] | None = None,
+                 gpu_resource: str = "nvidia.com/gpu", require_prefill_signature: bool = False,
                  extra_args: tuple[str, ...] | list[str] = ()) -> dict[str, Any]:
     """A new warm-pool engine pod for this model, reserved for service `key` (annotation created-for):
     it joins the pool and is bound in a later round like any pool pod. Call only when `refusals()` is
@@ -140,9 +147,15 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
     `host_cache_gib`: the engine's --host-cache-gib, the pool's (a service on fallback pods keeps its host copy
     too; 0: it keeps none). Capacity flags: spec.engine.capacity over `installation_capacity` (the pool's),
     annotated like pool pods (capacity.py); `dtype`: the pool's --dtype (spec.model.dtype still wins at bind).
-    `default_resources`: the pool's container resources, for a spec without spec.engine.resources. `extra_args`:
-    further engine flags after these, the pool's pool.extraArgs (settings.ENGINE_MANAGED_FLAGS refused there)."""
+    `default_resources`: the pool's container resources, for a spec without spec.engine.resources (with
+    spec.engine.tp g > 1 its `gpu_resource` count becomes g). spec.engine.tp g > 1: the engine runs g ranks
+    (`--tp g`), rank r receiving its plane on dataPort + r (ports data-r1..), the act port past them.
+    `require_prefill_signature`: the engine's --require-prefill-signature, the pool's (it dials only prefill
+    peers a router signed; False: any peer a request names). `extra_args`: further engine flags after these,
+    the pool's pool.extraArgs (settings.ENGINE_MANAGED_FLAGS refused there)."""
     e, src = spec.engine, spec.model.source
+    if e.data_port <= act_port < e.data_port + e.tp:  # rank r's data port is dataPort + r: the act port moves past
+        act_port = e.data_port + e.tp
     cap = capacity.effective(e.capacity, installation_capacity or {})
     ckpt = checkpoint_path(spec)
     hub = hub_uri(spec)
@@ -222,6 +235,8 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
             f"--model-name={spec.model.name}",
             *capacity.args(cap),
             f"--dtype={dtype}",
+            *([f"--tp={e.tp}"] if e.tp > 1 else []),  # rank r of the instance receives its plane on data port + r
+            *(["--require-prefill-signature"] if require_prefill_signature else []),
             *(tls_args() if tls_secret else []),
             *extra_args,
         ],
@@ -229,6 +244,7 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
         "ports": [
             {"containerPort": e.port, "name": "http"},
             {"containerPort": e.data_port, "name": "data"},
+            *({"containerPort": e.data_port + r, "name": f"data-r{r}"} for r in range(1, e.tp)),
             {"containerPort": act_port, "name": "act"},
         ],
         # Ready only while the engine can serve (/readyz) and the operator's serving gate is open (bound and
@@ -248,11 +264,17 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
         container["resources"] = e.resources.model_dump(exclude_none=True)
     elif default_resources:
         container["resources"] = {k: dict(v) for k, v in default_resources.items()}
+        if e.tp > 1:  # the pool's pods ask for GPUs: a TP-g pod asks for g (one per rank); CPU pools ask for none
+            for part in container["resources"].values():
+                if gpu_resource in part:
+                    part[gpu_resource] = e.tp
     meta: dict[str, Any] = {"generateName": "kascade-fallback-",
                             "labels": {L.POOL: L.POOL_WARM, L.MANAGED_BY: "kascade"},
                             "annotations": {L.MODEL: spec.model.name, L.CREATED_FOR: key}}
     if cap:
         meta["annotations"][L.ENGINE_CAPACITY] = capacity.annotation(cap)
+    if e.tp > 1:  # only services of this tp bind it (pool.can_serve); pods without the annotation run tp 1
+        meta["annotations"][L.ENGINE_TP] = str(e.tp)
     if owner is not None:
         meta["ownerReferences"] = [dict(owner)]
     pod: dict[str, Any] = {"apiVersion": "v1", "kind": "Pod", "metadata": meta,

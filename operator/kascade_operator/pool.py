@@ -47,6 +47,7 @@ class PodView:
     host_copy: str | None = None  # the model its engine keeps in host memory (annotation kascade.io/host-copy)
     host_copy_refused: str | None = None  # the model its engine declined to keep a copy of (its budget)
     capacity: str | None = None  # the engine's capacity flags (annotation kascade.io/engine-capacity)
+    tp: int = 1  # the engine's tensor-parallel ranks (annotation kascade.io/engine-tp; absent: 1)
 
 
 def service_key(namespace: str, name: str, pool_namespace: str) -> str:
@@ -95,14 +96,20 @@ def pod_view(pod: Mapping[str, Any], node_leaf: Mapping[str, str] | None = None)
         pod_ready=ready, unschedulable=unschedulable, namespace=ns,
         running=phase in (None, "Running") and started, convertible=ann.get(L.CONVERTIBLE) == "true",
         host_copy=ann.get(L.HOST_COPY) or None, host_copy_refused=ann.get(L.HOST_COPY_REFUSED) or None,
-        capacity=ann.get(L.ENGINE_CAPACITY))
+        capacity=ann.get(L.ENGINE_CAPACITY), tp=_tp(ann.get(L.ENGINE_TP)))
 
 
-def can_serve(p: PodView, model: str, service: str, cap: EngineCapacity | None = None) -> bool:
+def _tp(text: str | None) -> int:
+    """The engine's --tp from its pod's annotation (absent or malformed: 1, the pool's engines)."""
+    return int(text) if text and text.isdigit() and int(text) >= 1 else 1
+
+
+def can_serve(p: PodView, model: str, service: str, cap: EngineCapacity | None = None, tp: int = 1) -> bool:
     """An idle pool pod this service may bind: its engine serves this model (or any), it was not created
-    as a fallback for another service, and it was started with the capacity the service asks for."""
+    as a fallback for another service, it was started with the capacity the service asks for, and it runs
+    the service's tensor-parallel degree (spec.engine.tp: a TP-g service binds only pods started with --tp g)."""
     return ((p.model is None or p.model == model) and (p.created_for is None or p.created_for == service)
-            and capacity.matches(p.capacity, cap))
+            and capacity.matches(p.capacity, cap) and p.tp == tp)
 
 
 def choose_targets(idle: Sequence[PodView], k: int, source_leaves: Collection[str | None]) -> list[PodView]:

@@ -144,7 +144,7 @@ def reconcile(name: str, spec: ModelServiceSpec, pods: Sequence[PodView], plans:
     notes: list[str] = []
     active = [p for p in plans if p.phase not in TERMINAL]
     idle = [p for p in pods if p.model_service is None and p.pool and not p.draining
-            and can_serve(p, spec.model.name, name, spec.engine.capacity)]
+            and can_serve(p, spec.model.name, name, spec.engine.capacity, spec.engine.tp)]
     # created for us, not usable yet: they will be, and count against the deficit (expectations)
     pending = [p for p in idle if p.created_for == name and not usable_target(p) and not p.unhealthy]
     coming = len(pending) + max(0, expected)

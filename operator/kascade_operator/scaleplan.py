@@ -21,6 +21,7 @@ from kascade_operator.reconcile import CreatePlan
 from kascade_planner.builder import make_plan
 from kascade_planner.plan import Instance, ModelLayout, Plan
 from kascade_planner.topology import LabelKeys, topology_from_nodes
+from kascade_planner.tpgroup import unsharded
 
 DEFAULT_LAYERS = 32
 DEFAULT_BLOCK_BYTES = 64 << 20  # a planning estimate when the model size is unknown
@@ -70,6 +71,8 @@ def build(action: CreatePlan, pods: Mapping[str, PodView], nodes: Sequence[Mappi
                      live=live, kv_flows=flows, host_cached_nodes=cached)
     if not live:  # execution pipelines are live execution too (livewiring.py runs them only when asked)
         plan = replace(plan, pipelines=())
+    if tp > 1:  # engines run a plan into TP targets as one rank plane per GPU (tpgroup.py; tp/planload.py)
+        plan = unsharded(plan)
     by_id = {pods[n].instance: pods[n] for n in (*action.sources, *action.targets)}
     return Built(plan, by_id)
 

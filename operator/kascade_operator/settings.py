@@ -23,6 +23,7 @@ ENGINE_MANAGED_FLAGS = frozenset({
     "--empty", "--host", "--port", "--act-port", "--transport", "--activation-dscp", "--host-cache-gib",
     "--kv-tokens", "--max-prompt-tokens", "--max-seqs", "--max-batch-tokens", "--dtype", "--checkpoint",
     "--model-name", "--require-prefill-signature", "--tls-cert", "--tls-key", "--tls-ca", "--token-file", "--smollm",
+    "--tp",
 })
 EXTRA_ARG = re.compile(r"^--[a-z0-9][a-z0-9-]*(=.*)?$")
 
@@ -72,6 +73,10 @@ class OperatorSettings(BaseSettings):
     engine_host_cache_gib: float = Field(default=0.0, ge=0, le=1 << 20, description="host-memory budget (GiB) of "
                                          "the fallback pods' engines for a host copy of their model (engine "
                                          "--host-cache-gib), the pool's pool.hostCacheGiB; 0 = they keep none")
+    engine_require_prefill_signature: bool = Field(default=False, description="the fallback pods' engines dial "
+                                                   "only prefill peers a router signed with the engine token "
+                                                   "(engine --require-prefill-signature), as the pool's do when "
+                                                   "router.enabled and router.signPrefillPeers")
     engine_ucx_tcp_ports: str = Field(default="", pattern=r"^(\d{1,5}-\d{1,5})?$", description="UCX_TCP_PORT_RANGE "
                                       "(first-last) of the fallback pods with engine_transport ucx, the pool's "
                                       "pool.ucxTcpPorts (its NetworkPolicy admits that range); empty = UCX's default")

@@ -24,6 +24,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 
+def _check(what: str, *, name: tuple[str, str], memory_gib: tuple[str, float], gpus: tuple[str, int]) -> None:
+    """The shared checks of a node class and a model need: a name, a finite memory > 0, at least one GPU;
+    the error names the field and the value."""
+    if not name[1]:
+        raise ValueError(f"{name[0]} must be non-empty")
+    if not (memory_gib[1] > 0 and math.isfinite(memory_gib[1])):
+        raise ValueError(f"{what}: {memory_gib[0]} must be a finite number > 0, got {memory_gib[1]}")
+    if gpus[1] < 1:
+        raise ValueError(f"{what}: {gpus[0]} must be >= 1, got {gpus[1]}")
+
+
 @dataclass(frozen=True)
 class NodeClass:
     name: str
@@ -32,12 +43,8 @@ class NodeClass:
     gpus_per_engine: int = 1
 
     def __post_init__(self) -> None:
-        if not self.name:
-            raise ValueError("NodeClass.name must be non-empty")
-        if not (self.gpu_memory_gib > 0 and math.isfinite(self.gpu_memory_gib)):
-            raise ValueError(f"node class {self.name}: gpu_memory_gib must be a finite number > 0")
-        if self.gpus_per_engine < 1:
-            raise ValueError(f"node class {self.name}: gpus_per_engine must be >= 1, got {self.gpus_per_engine}")
+        _check(f"node class {self.name}", name=("NodeClass.name", self.name),
+               memory_gib=("gpu_memory_gib", self.gpu_memory_gib), gpus=("gpus_per_engine", self.gpus_per_engine))
 
     @property
     def memory_gib(self) -> float:
@@ -54,12 +61,8 @@ class ModelNeed:
     gpu_types: tuple[str, ...] = ()  # empty: any type
 
     def __post_init__(self) -> None:
-        if not self.model:
-            raise ValueError("ModelNeed.model must be non-empty")
-        if not (self.memory_gib > 0 and math.isfinite(self.memory_gib)):
-            raise ValueError(f"model {self.model}: memory_gib must be a finite number > 0, got {self.memory_gib}")
-        if self.gpus < 1:
-            raise ValueError(f"model {self.model}: gpus must be >= 1, got {self.gpus}")
+        _check(f"model {self.model}", name=("ModelNeed.model", self.model), memory_gib=("memory_gib", self.memory_gib),
+               gpus=("gpus", self.gpus))
 
 
 def fits(cls: NodeClass, need: ModelNeed) -> str | None:

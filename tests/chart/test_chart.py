@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
+from images import MONITORS
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "kascade"
@@ -68,7 +69,8 @@ def test_template_renders_every_deployable(helm: Helm) -> None:
                              {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
                               "resourceNames": ["rel-operator"], "verbs": ["get", "update", "patch"]},
                              {"apiGroups": ["apps"], "resources": ["deployments", "deployments/scale"],
-                              "resourceNames": ["rel-operator"], "verbs": ["get", "patch"]}]
+                              "resourceNames": ["rel-operator"], "verbs": ["get", "patch"]},
+                             {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]
 
 
 def test_every_object_and_pod_carries_the_standard_labels(helm: Helm) -> None:
@@ -275,14 +277,7 @@ def test_monitoring_pack_renders_when_enabled(helm: Helm) -> None:
     assert not [d for d in render(helm) if d["kind"] in {"ServiceMonitor", "PodMonitor", "PrometheusRule"}]
     docs = render(
         helm,
-        "--set",
-        "monitoring.serviceMonitor.enabled=true",
-        "--api-versions",
-        "monitoring.coreos.com/v1/ServiceMonitor",
-        "--set",
-        "monitoring.podMonitor.enabled=true",
-        "--api-versions",
-        "monitoring.coreos.com/v1/PodMonitor",
+        *MONITORS,
         "--set",
         "monitoring.prometheusRule.enabled=true",
         "--api-versions",

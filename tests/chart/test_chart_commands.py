@@ -442,3 +442,28 @@ def test_pool_host_cache_settings_reach_the_pool_engines_and_the_operator(
     for bad in ("pool.hostCopiesPerModel=65", "pool.hostCacheGiB=-1"):
         out = helm("template", "rel", str(CHART), "--set", bad, check=False)
         assert out.returncode != 0 and bad.split("=")[0].split(".")[1] in out.stderr, out.stderr
+
+
+def test_fallback_pods_require_prefill_signatures_exactly_when_pool_engines_do(
+        helm: Helm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """router.enabled and router.signPrefillPeers give the pool's engines --require-prefill-signature, and the
+    operator's setting that gives its fallback pods the same flag: a fallback engine must not dial a peer a
+    pool engine would refuse. Both sides' args parsed by the real CLI, for every combination."""
+    from kascade_operator.api import ModelServiceSpec
+    from kascade_operator.podtemplate import fallback_pod
+
+    (tmp_path / "m1").mkdir()  # click checks the checkpoint directory exists, as it would in the pod
+    model = {"name": "m1", "path": str(tmp_path / "m1"), "mountPath": str(tmp_path)}
+    spec = ModelServiceSpec.model_validate({"model": {"name": "m1", "source": {"path": str(tmp_path / "m1")}},
+                                            "engine": {"image": "img:1"}, "mode": "colocated",
+                                            "replicas": {"colocated": {"min": 1, "max": 2}}})
+    for enabled, sign in ((True, True), (True, False), (False, True)):
+        docs = _render(helm, tmp_path, {"pool": {"model": model},
+                                        "router": {"enabled": enabled, "signPrefillPeers": sign}})
+        pool = parse(_deployment(docs, "rel-pool")["args"])["require_prefill_signature"]
+        assert pool is (enabled and sign)
+        settings = _operator_settings(docs, monkeypatch)
+        assert settings.engine_require_prefill_signature is pool
+        fb = fallback_pod(spec, "svc", "tok", None,
+                          require_prefill_signature=settings.engine_require_prefill_signature)
+        assert parse(fb["spec"]["containers"][0]["args"])["require_prefill_signature"] is pool, (enabled, sign)

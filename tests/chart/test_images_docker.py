@@ -86,6 +86,29 @@ def test_no_build_tools_or_caches_in_the_image(image: Callable[[str], str], whic
     assert "EXTRA_CA_CERTS" not in history and "BEGIN CERTIFICATE" not in history
 
 
+def test_cpu_engine_image_is_a_cpu_torch_without_the_cuda_wheels(image: Callable[[str], str]) -> None:
+    """hack/torch-cuda-stub.py (ADR 17): libtorch_cuda.so is a stub, the nvidia-* wheels but the CUDA runtime
+    and CUPTI are gone (pip agrees), torch computes on the CPU and refuses a CUDA tensor with its own error."""
+    name = image("engine-cpu")
+    size = json.loads(docker("image", "inspect", name).stdout)[0]["Size"]
+    assert size < 2.5e9, f"{name} is {size / 1e9:.2f} GB: the CUDA libraries are back?"
+    script = (
+        "import importlib.metadata as md, os, pathlib, torch\n"
+        "lib = pathlib.Path(torch.__file__).parent / 'lib'\n"
+        "print(os.path.getsize(lib / 'libtorch_cuda.so'))\n"
+        "print(sorted(d.metadata['Name'] for d in md.distributions() if d.metadata['Name'].startswith('nvidia-')))\n"
+        "print(torch.cuda.is_available(), float((torch.ones(4, 4) @ torch.ones(4, 4)).sum()))\n"
+        "try:\n"
+        "    torch.zeros(1, device='cuda')\n"
+        "except RuntimeError as e:\n"
+        "    print('raises', 'ATen_cuda' in str(e))\n"
+    )
+    out = docker("run", "--rm", *RUN_AS_CHART, name, "python", "-c", script).stdout.splitlines()
+    assert int(out[0]) < 1 << 20, "libtorch_cuda.so is the real 1 GB library"
+    assert out[1] == "['nvidia-cuda-cupti-cu12', 'nvidia-cuda-runtime-cu12']", out[1]
+    assert out[2:] == ["False 64.0", "raises True"], out
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from kascade_engine.weights.checkpoint import tiny_llama

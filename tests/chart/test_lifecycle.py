@@ -64,10 +64,12 @@ def test_uninstall_hook_stops_the_operator_and_lets_modelservices_go(helm: Helm)
     role = next(d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "rel-operator-token")
     assert {"apiGroups": ["apps"], "resources": ["deployments", "deployments/scale"],
             "resourceNames": ["rel-operator"], "verbs": ["get", "patch"]} in role["rules"]
+    # its Events on that Deployment (what it could not clean up), even when the release namespace is not watched
+    assert {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]} in role["rules"]
     off = render(helm, "operator.uninstallHook=false")
     assert not [d for d in off if d["kind"] == "Job"]
     role = next(d for d in off if d["kind"] == "Role" and d["metadata"]["name"] == "rel-operator-token")
-    assert all(r["apiGroups"] != ["apps"] for r in role["rules"])
+    assert all(r["apiGroups"] != ["apps"] and r["resources"] != ["events"] for r in role["rules"])
 
 
 def test_router_signs_prefill_peers_and_pool_engines_demand_it(helm: Helm) -> None:

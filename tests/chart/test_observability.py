@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import yaml
+from images import MONITORS
 
 from kascade_devcluster.prometheus import MissingPrometheus, promtool_binary
 from kascade_devcluster.requirement import unavailable
@@ -252,14 +253,7 @@ def test_monitors_select_exactly_the_objects_that_export_metrics(helm: Helm) -> 
         str(CHART),
         "-n",
         "ns",
-        "--set",
-        "monitoring.serviceMonitor.enabled=true",
-        "--api-versions",
-        "monitoring.coreos.com/v1/ServiceMonitor",
-        "--set",
-        "monitoring.podMonitor.enabled=true",
-        "--api-versions",
-        "monitoring.coreos.com/v1/PodMonitor",
+        *MONITORS,
         "--set",
         "router.enabled=true",
     ).stdout

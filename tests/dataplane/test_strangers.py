@@ -12,9 +12,10 @@ import time
 from typing import Any
 
 from kascade_devcluster.ports import free_ports
+from kascade_engine.net.admission import MAX_CONNECTIONS
 from kascade_engine.net.relay import TransferNode
 from kascade_engine.net.transfer_spec import TransferSpec
-from kascade_engine.net.transport_tcp import MAX_CONNECTIONS, TcpTransport
+from kascade_engine.net.transport_tcp import TcpTransport
 from kascade_engine.weights.blocks import BlockSet
 from kascade_planner.builder import make_plan
 from kascade_planner.plan import Instance, ModelLayout
@@ -97,8 +98,8 @@ async def test_strangers_evict_only_strangers_never_an_admitted_peer() -> None:
     """MAX_PENDING + 10 strangers after a peer authenticated (through a paced listener, which must pass
     the admission on): the peer's connection still carries frames; the strangers were the ones evicted."""
     from kascade_engine.net import peerauth
+    from kascade_engine.net.admission import MAX_PENDING
     from kascade_engine.net.pacing import paced
-    from kascade_engine.net.transport_tcp import MAX_PENDING
 
     token = secrets.token_hex(16)
 

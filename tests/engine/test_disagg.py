@@ -20,6 +20,8 @@ from kascade_engine.net.transport import Connection
 from kascade_engine.net.transport_tcp import TcpTransport
 from kascade_engine.pd.kv_wire import KVShape, kv_header
 
+DEADLINE_S = 120.0  # the longest a test here waits for its requests (a loaded 2-core machine takes seconds)
+
 
 async def test_prefill_on_p_decode_on_d_equalsunsplit(tiny_ckpt, tiny_blocks) -> None:
     params = SamplingParams(max_tokens=8)
@@ -246,18 +248,27 @@ async def test_short_requests_finish_at_the_first_token(tiny_ckpt, tiny_blocks, 
         await pd.close()
 
 
-async def test_converted_decoder_prefills_for_another_decoder_within_its_chunk_budget(tiny_ckpt, tiny_blocks) -> None:
+@pytest.mark.parametrize("p_layer_ms", [0.0, 20.0], ids=["fast", "slow-steps"])
+async def test_converted_decoder_prefills_for_another_decoder_within_its_chunk_budget(tiny_ckpt, tiny_blocks,
+                                                                                       p_layer_ms: float) -> None:
     """TokenScale's convertible decoder: engine C (a decoder with its own decodes running) is converted with a
     prefill chunk budget of 8 tokens per step; decoder D's requests prefill on C over the data port; C never
-    schedules more than 8 prompt tokens in a step, and every output equals the colocated engine's."""
+    schedules more than 8 prompt tokens in a step, and every output equals the colocated engine's.
+
+    C keeps every prompt: the hand-back rule (test_handback.py) would give back a prompt that arrives before
+    its warm-up probe measured the prefill rate, or that waits in its FCFS queue (8 tokens a step, ~10 steps
+    for all) with no progress for the bound; how long that is in steps depends on the machine's speed (a slow
+    step handed back 2 of 5 under load, every one with 20 ms layers). So D sends once the probe is done, and
+    the bound is set past the test's own deadline."""
     from kascade_planner.engine_api import ConvertRequest, WireError
 
     params = SamplingParams(max_tokens=6)
     want = unsplit(tiny_blocks, PROMPTS, params)
-    pd = await pd_pair(tiny_ckpt, tiny_blocks)
+    pd = await pd_pair(tiny_ckpt, tiny_blocks, p_layer_ms=p_layer_ms)
     c = pd.p
-    st = c.convert(ConvertRequest(8, 1000.0)).extra  # the operator reads both back in status
+    st = c.convert(ConvertRequest(8, 1000.0, hand_back_ms=DEADLINE_S * 1e3)).extra  # the operator reads them back
     assert st["prefillChunkTokens"] == 8 and st["stepBudgetMs"] == 1000.0 and c.engine.limits.step_budget_s == 1.0
+    assert st["handBackMs"] == DEADLINE_S * 1e3
     chunks: list[int] = []
     schedule = c.engine.scheduler.schedule
 
@@ -269,10 +280,14 @@ async def test_converted_decoder_prefills_for_another_decoder_within_its_chunk_b
     c.engine.scheduler.schedule = spy
     try:
         own = [c.serving.submit(p, params) for p in PROMPTS[:2]]  # C's own traffic, decoding meanwhile
+        while c.probe.rid is not None:  # its warm-up: the prefill rate the arrival verdict reads
+            await asyncio.sleep(0.01)
+        assert c.probe.ended[-1][0] == "measured"
         rids = [pd.d.serving.submit(p, params, prefill=pd.peer) for p in PROMPTS]
         got = await asyncio.wait_for(asyncio.gather(*(collect(pd.d, r) for r in rids),
-                                                    *(collect(c, r) for r in own)), 120)
+                                                    *(collect(c, r) for r in own)), DEADLINE_S)
         assert got == want + want[:2]
+        assert (c.handback.handed, pd.d.remote_prefill.handed_back) == (0, 0)
         assert pd.d.remote_prefill.adopted == len(PROMPTS) and c.prefill_server.requests == len(PROMPTS)
         assert max(chunks) <= 8 and sum(chunks) >= sum(len(p) for p in PROMPTS)
         assert c.engine.cost.token_s is not None  # its own steps timed the cost of a prompt token

@@ -140,8 +140,10 @@ class FakeKube:
     async def patch_modelservice_status(self, ns: str, name: str, status: dict[str, Any]) -> None:
         self.service_status = merge(getattr(self, "service_status", {}), status)
 
-    async def event(self, ns: str, obj: dict[str, Any], kind: str, etype: str, reason: str, message: str) -> None:
+    async def event(self, ns: str, obj: dict[str, Any], kind: str, etype: str, reason: str, message: str,
+                    api_version: str = "kascade.io/v1alpha1") -> None:
         self.events.append({"namespace": ns, "name": (obj.get("metadata") or {}).get("name"), "kind": kind,
+                            "apiVersion": api_version, "uid": (obj.get("metadata") or {}).get("uid"),
                             "type": etype, "reason": reason, "message": message})
 
     async def close(self) -> None:

@@ -11,15 +11,13 @@ from typing import Any
 import pytest
 from enginestub import EngineStub
 from fakekube import FakeKube
+from stubruntime import Stopped, stub_runtime
 
 from kascade_operator import labels as L
 from kascade_operator import plandriver, rounds
 from kascade_operator.api import ModelServiceSpec
-from kascade_operator.engine_client import EngineClient
 from kascade_operator.handlers import apply, reconcile_service
-from kascade_operator.metrics import Scraper
 from kascade_operator.metricsview import MetricsView
-from kascade_operator.operator_metrics import OperatorMetrics
 from kascade_operator.pool import pod_view
 from kascade_operator.reconcile import Release
 from kascade_operator.runtime import Runtime
@@ -34,11 +32,6 @@ def service(name: str = "svc", model: str = "tiny", lo: int = 1, hi: int = 3, **
             "spec": {"model": {"name": model, "source": {"path": "/models/tiny"}, "layers": 2},
                      "engine": {"image": "kascade:dev"}, "replicas": {"colocated": {"min": lo, "max": hi}},
                      **spec}}
-
-
-class Stopped:
-    def __bool__(self) -> bool:
-        return False
 
 
 @pytest.fixture
@@ -57,12 +50,8 @@ async def world() -> AsyncIterator[tuple[Runtime, FakeKube, list[EngineStub]]]:
     stubs = [EngineStub(f"e{i}", "tiny", TOKEN, auto_ready=False) for i in range(3)]
     for i, s in enumerate(stubs):
         kube.add_pool_pod(NS, s.instance, f"n{i}", s.endpoint, model="tiny")
-    rt = Runtime(OperatorSettings(engine_token=TOKEN), kube, EngineClient(TOKEN), Scraper(), None,
-                 OperatorMetrics())
-    yield rt, kube, stubs
-    await rt.engines.aclose()
-    for s in stubs:
-        s.close()
+    async with stub_runtime(kube, stubs, TOKEN) as rt:
+        yield rt, kube, stubs
 
 
 def bound_pods(kube: FakeKube, svc: str = "svc") -> list[dict[str, Any]]:

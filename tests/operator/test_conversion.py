@@ -13,16 +13,13 @@ from typing import Any
 import pytest
 from enginestub import EngineStub
 from fakekube import FakeKube, merge
+from stubruntime import stub_runtime
 
 from kascade_operator import labels as L
 from kascade_operator.api import ModelServiceSpec
 from kascade_operator.decide import RoleInput, decide_roles
-from kascade_operator.engine_client import EngineClient
 from kascade_operator.handlers import reconcile_service
-from kascade_operator.metrics import Scraper
-from kascade_operator.operator_metrics import OperatorMetrics
 from kascade_operator.runtime import Runtime
-from kascade_operator.settings import OperatorSettings
 from kascade_planner.conversion import plan_conversions
 from kascade_planner.policies import MeasuredVelocity, MetricsSnapshot
 
@@ -60,12 +57,8 @@ async def world() -> AsyncIterator[tuple[Runtime, FakeKube, dict[str, EngineStub
             },
         )
         s.model_service, s.role, s.phase = "svc", ROLES[n], "serving"
-    rt = Runtime(OperatorSettings(engine_token=TOKEN), kube, EngineClient(TOKEN), Scraper(), None,
-                 OperatorMetrics())
-    yield rt, kube, stubs
-    await rt.engines.aclose()
-    for s in stubs.values():
-        s.close()
+    async with stub_runtime(kube, stubs.values(), TOKEN) as rt:
+        yield rt, kube, stubs
 
 
 def converted(kube: FakeKube) -> list[str]:

@@ -11,18 +11,15 @@ from typing import Any
 import pytest
 from enginestub import EngineStub
 from fakekube import FakeKube
+from stubruntime import Stopped, stub_runtime
 
 from kascade_operator import labels as L
 from kascade_operator import plandriver
 from kascade_operator.api import ModelServiceSpec
-from kascade_operator.engine_client import EngineClient
 from kascade_operator.handlers import observe, reconcile_service
 from kascade_operator.kube import Conflict
-from kascade_operator.metrics import Scraper
-from kascade_operator.operator_metrics import OperatorMetrics
 from kascade_operator.reconcile import CreatePlan
 from kascade_operator.runtime import Runtime
-from kascade_operator.settings import OperatorSettings
 
 NS, TOKEN = "ns", "plan-end-token"
 World = tuple[Runtime, FakeKube, dict[str, EngineStub]]
@@ -32,11 +29,6 @@ def service(name: str, model: str) -> dict[str, Any]:
     return {"metadata": {"name": name, "namespace": NS, "uid": f"uid-{name}", "generation": 1},
             "spec": {"model": {"name": model, "source": {"path": "/models/tiny"}, "layers": 2},
                      "engine": {"image": "kascade:dev"}, "replicas": {"colocated": {"min": 1, "max": 2}}}}
-
-
-class Stopped:
-    def __bool__(self) -> bool:
-        return False
 
 
 @pytest.fixture
@@ -51,12 +43,8 @@ async def world() -> AsyncIterator[World]:
                                                                        ("e2", "tiny"), ("q0", "qwen"))}
     for k, s in enumerate(stubs.values()):
         kube.add_pool_pod(NS, s.instance, f"n{k % 2}", s.endpoint)
-    rt = Runtime(OperatorSettings(engine_token=TOKEN), kube, EngineClient(TOKEN), Scraper(), None,
-                 OperatorMetrics())
-    yield rt, kube, stubs
-    await rt.engines.aclose()
-    for s in stubs.values():
-        s.close()
+    async with stub_runtime(kube, stubs.values(), TOKEN) as rt:
+        yield rt, kube, stubs
 
 
 def phase(kube: FakeKube, name: str) -> str:

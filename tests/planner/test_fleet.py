@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kascade_planner.fleet import EmptyEngine, ModelNeed, NodeClass, Want, choose_fleet_targets, fits
@@ -54,10 +56,18 @@ def test_unmet_says_why() -> None:
 
 
 def test_bad_input_names_the_field() -> None:
-    with pytest.raises(ValueError, match="gpu_memory_gib"):
+    with pytest.raises(ValueError, match=re.escape("node class x: gpu_memory_gib must be a finite number > 0, got 0")):
         NodeClass("x", "A100", 0.0)
-    with pytest.raises(ValueError, match="memory_gib"):
+    with pytest.raises(ValueError, match=re.escape("node class x: gpus_per_engine must be >= 1, got 0")):
+        NodeClass("x", "A100", 80.0, 0)
+    with pytest.raises(ValueError, match=re.escape("NodeClass.name must be non-empty")):
+        NodeClass("", "A100", 80.0)
+    with pytest.raises(ValueError, match=re.escape("model m: memory_gib must be a finite number > 0, got -1.0")):
         ModelNeed("m", -1.0)
+    with pytest.raises(ValueError, match=re.escape("model m: gpus must be >= 1, got 0")):
+        ModelNeed("m", 1.0, 0)
+    with pytest.raises(ValueError, match=re.escape("ModelNeed.model must be non-empty")):
+        ModelNeed("", 1.0)
     with pytest.raises(ValueError, match="node class 'nope'"):
         choose_fleet_targets([EmptyEngine("e", "n", "nope")], CLASSES, NEEDS, [])
     with pytest.raises(ValueError, match="no ModelNeed"):

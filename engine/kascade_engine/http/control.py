@@ -7,6 +7,7 @@ Data flow: operator (`EngineClient`) -> bearer check -> JSON body -> the shared 
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 from typing import Any
@@ -60,12 +61,18 @@ def add_control_routes(app: FastAPI, inst: EngineInstance) -> None:
         return (await inst.bind(parse(BindRequest.from_dict, await body(request)))).to_dict()
 
     @app.get("/kascade/v1/manifest", dependencies=guard)
-    async def manifest() -> dict[str, Any]:
-        if inst.blockset is not None and inst.model.complete:
-            return dict(inst.blockset.manifest())
-        if inst.host_copy is not None:  # released with a host copy: a host source
-            return dict(inst.host_copy.manifest())
-        raise InstanceError(404, "this engine holds no complete copy of the model")
+    async def manifest(parts: int = 1) -> dict[str, Any]:
+        """`?parts=g`: also every part entry of the g rank planes of a plan into TP-g targets (tp/planload.py)."""
+        if not 1 <= parts <= 64:
+            raise InstanceError(400, f"invalid field 'parts': {parts} outside 1..64", "parts")
+        held = inst.blockset if inst.blockset is not None and inst.model.complete else inst.host_copy
+        if held is None:  # (a released engine with a host copy is a host source)
+            raise InstanceError(404, "this engine holds no complete copy of the model")
+        if parts == 1:
+            return dict(held.manifest())
+        from kascade_engine.tp.planes import manifest_with_parts
+
+        return await asyncio.to_thread(manifest_with_parts, held, parts)  # hashes the parts: off the loop
 
     @app.post("/kascade/v1/load-plan", dependencies=guard)
     async def load_plan(request: Request) -> dict[str, Any]:

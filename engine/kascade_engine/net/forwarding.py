@@ -46,6 +46,7 @@ class Downstream:
     decay_at: float = 0.0
     abort: bool = False  # reset the connection when dropped: what it has buffered is not worth reading
     writer: asyncio.Task[None] | None = None
+    connected: bool = False  # its writer's connection is up and authenticated: only from then can it lag
 
 
 class Forwarding:
@@ -72,13 +73,27 @@ class Forwarding:
         that at a relay) is dropped; so is one that keeps a relay waiting more than half the time over the last
         `timeoutSeconds` (the relay's push upstream would otherwise be slowed to the laggard's pace). A
         source waits as long as its downstream makes progress: it always outruns its link; so does a
-        relay forwarding a re-fetch (`lag=False`): a fallback pull is a burst, and slows no chain."""
+        relay forwarding a re-fetch (`lag=False`): a fallback pull is a burst, and slows no chain.
+        A downstream not connected yet is not lagging: peers start concurrently, and its writer has
+        `timeoutSeconds` to connect (`_connect_retrying`) and as long again to authenticate. Until then a
+        full queue waits for it, and the lag rule's clock starts at the connection (a relay dropped a
+        downstream that began listening 0.3 s after it as lagging, counting the time it was still dialling:
+        the downstream re-fetched everything from a fallback). Past that budget it is dropped: by its
+        writer when the connect fails, here where no writer runs."""
         if not d.alive:
             return
         if not d.queue.full():
             d.queue.put_nowait(item)
             return
         t_out = self.spec.timeout_s
+        if not d.connected:
+            try:
+                async with asyncio.timeout(2 * t_out):
+                    await d.queue.put(item)
+            except TimeoutError:
+                self._drop(d, f"lost: not connected within {2 * t_out:.1f} s")
+            d.decay_at = time.monotonic()
+            return
         relay = lag and not self.is_source
         now = time.monotonic()
         d.waited_s *= math.exp(-(now - d.decay_at) / t_out)  # recent waiting counts, old waiting fades
@@ -170,6 +185,7 @@ class Forwarding:
             await peerauth.join(conn, self.spec.token, "transfer", self.spec.timeout_s, **{
                 "from": self.me, "role": "push", "shard": list(d.flow.shard) if d.flow.shard else None,
                 "flow": self.plan.flows.index(d.flow)})
+            d.connected = True
             while (item := await d.queue.get()) is not None:
                 header, payload = item
                 t0 = time.monotonic()

@@ -1,19 +1,19 @@
 """Plain asyncio TCP transport on raw non-blocking sockets (TCP_NODELAY, large buffers).
 
 Payloads can be received straight into a caller's buffer (`recv_into`), so a relay writes each chunk
-exactly once: from the socket into the block buffer.
+exactly once: from the socket into the block buffer. A listener admits connections under admission.py's caps.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 import struct
-import time
-from collections.abc import Callable
 
+from kascade_engine.net.admission import MAX_CONNECTIONS, MAX_PENDING, Admissible, RefusalLog
 from kascade_engine.net.transport import (
     MAX_PAYLOAD,
     PREFIX,
@@ -31,12 +31,6 @@ from kascade_engine.net.transport import (
 )
 
 BUF = 4 * 1024 * 1024
-MAX_CONNECTIONS = 256  # authenticated connections served at once per listener; more are closed on accept
-# Connections still in their handshake (not yet `admit()`ted by peerauth) have a smaller cap of their own.
-# A new connection beyond it evicts the oldest of them instead of being refused: idle strangers can never
-# lock a plan participant out (300 of them used to fill MAX_CONNECTIONS and fail a transfer; issue 38).
-MAX_PENDING = 64
-REFUSAL_LOG_EVERY_S = 10.0  # at most one warning per listener and interval for refusals/evictions
 log = logging.getLogger(__name__)
 
 
@@ -48,8 +42,9 @@ def _tune(sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, BUF)
 
 
-class TcpConnection:
+class TcpConnection(Admissible):
     def __init__(self, sock: socket.socket, traffic: Traffic | None = None) -> None:
+        super().__init__()
         self.sock = sock
         self.traffic = traffic if traffic is not None else Traffic()
         _tune(sock)
@@ -66,13 +61,6 @@ class TcpConnection:
         self.loop = asyncio.get_running_loop()
         self._busy = 0  # socket operations (sends, reads) awaiting the event loop right now
         self.closed = False
-        self._on_admit: Callable[[], None] | None = None  # set by the listener that accepted it
-
-    def admit(self) -> None:
-        """The peer proved it holds the token (peerauth): it no longer counts as a pending stranger."""
-        if self._on_admit is not None:
-            self._on_admit()
-            self._on_admit = None
 
     def _enter(self) -> None:
         self._busy += 1
@@ -156,21 +144,6 @@ class TcpConnection:
         await self.close()
 
 
-class _RefusalLog:
-    """One warning per REFUSAL_LOG_EVERY_S with the count since the last (a flood logged one line per
-    connection before)."""
-
-    def __init__(self, what: str) -> None:
-        self.what, self.count, self.last = what, 0, -REFUSAL_LOG_EVERY_S
-
-    def note(self, message: str) -> None:
-        self.count += 1
-        now = time.monotonic()
-        if now - self.last >= REFUSAL_LOG_EVERY_S:
-            log.warning("%s: %s (%d refused or evicted since the last report)", self.what, message, self.count)
-            self.last, self.count = now, 0
-
-
 class TcpListener:
     def __init__(self, sock: socket.socket, task: asyncio.Task[None]) -> None:
         self.sock, self.task = sock, task
@@ -206,7 +179,7 @@ class TcpTransport:
         admitted: set[TcpConnection] = set()
         pending: dict[TcpConnection, None] = {}  # insertion-ordered: the oldest stranger first
         tasks: set[asyncio.Task[None]] = set()  # strong references: a bare task may be collected mid-run
-        refusals = _RefusalLog(f"listener {host}:{port}")
+        refusals = RefusalLog(f"listener {host}:{port}")
 
         async def serve_one(conn: TcpConnection) -> None:
             try:
@@ -239,7 +212,7 @@ class TcpTransport:
                 except OSError:
                     sock.close()
                     continue
-                conn._on_admit = lambda c=conn: admit(c)
+                conn.on_admit(functools.partial(admit, conn))
                 pending[conn] = None
                 t = asyncio.create_task(serve_one(conn))
                 tasks.add(t)

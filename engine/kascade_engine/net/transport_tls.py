@@ -21,10 +21,10 @@ import contextlib
 import logging
 import socket
 import ssl
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kascade_engine.net.admission import MAX_CONNECTIONS, MAX_PENDING, Admissible, RefusalLog
 from kascade_engine.net.transport import (
     MAX_PAYLOAD,
     PREFIX,
@@ -40,14 +40,8 @@ from kascade_engine.net.transport import (
     read_frame,
     serve,
 )
-from kascade_engine.net.transport_tcp import _RefusalLog
 
-# As on plain TCP (transport_tcp): at most MAX_CONNECTIONS authenticated connections per listener (more are
-# closed on accept), and connections still in their TLS handshake or peer hello (not yet `admit()`ted) have
-# a cap of their own, MAX_PENDING, beyond which a new connection evicts the oldest of them: strangers that
-# connect and never finish can never lock a plan participant out (counted together, they did).
-MAX_CONNECTIONS = 256
-MAX_PENDING = 64
+# As on plain TCP: admission.py's caps, with the TLS handshake counted as pending (MAX_PENDING)
 HANDSHAKE_TIMEOUT_S = 10.0
 STREAM_LIMIT = 4 * 1024 * 1024  # asyncio reader buffer; frames are read with readexactly
 log = logging.getLogger(__name__)
@@ -101,23 +95,17 @@ def _why(e: Exception) -> str:
     return str(getattr(e, "reason", None) or getattr(e, "strerror", None) or e)
 
 
-class TlsConnection:
+class TlsConnection(Admissible):
     def __init__(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, traffic: Traffic | None = None
     ) -> None:
+        super().__init__()
         self.reader, self.writer = reader, writer
         self.traffic = traffic if traffic is not None else Traffic()
         addr = writer.get_extra_info("peername")
         self.peer = f"{addr[0]}:{addr[1]}" if addr else "?"
         own = writer.get_extra_info("sockname")
         self.local: str | None = f"{own[0]}:{own[1]}" if own else None
-        self._on_admit: Callable[[], None] | None = None  # set by the listener that accepted it
-
-    def admit(self) -> None:
-        """The peer proved it holds the token (peerauth): it no longer counts as a pending stranger."""
-        if self._on_admit is not None:
-            self._on_admit()
-            self._on_admit = None
 
     async def send(self, header: Header, payload: bytes | bytearray | memoryview = b"",
                    timeout: float | None = None) -> None:
@@ -204,7 +192,7 @@ class TlsTransport:
     async def listen(self, host: str, port: int, handler: Handler) -> TlsListener:
         admitted: set[asyncio.Task[None]] = set()
         pending: dict[asyncio.Task[None], asyncio.StreamWriter] = {}  # insertion-ordered: the oldest first
-        refusals = _RefusalLog(f"tls listener {host}:{port}")
+        refusals = RefusalLog(f"tls listener {host}:{port}")
 
         def admit(task: asyncio.Task[None]) -> None:
             if pending.pop(task, None) is not None:  # (an evicted stranger's late proof admits nothing)
@@ -241,7 +229,7 @@ class TlsTransport:
                 if writer.transport is None:  # closed during the handshake
                     return
                 conn = TlsConnection(reader, writer, self.traffic)
-                conn._on_admit = lambda: admit(task)
+                conn.on_admit(lambda: admit(task))
                 await serve(handler, conn, "tls connection")
             except asyncio.CancelledError:  # evicted (or the listener closes): the socket goes now
                 with contextlib.suppress(Exception):

@@ -9,8 +9,8 @@ concatenation trimmed to the block's size -> digest check (a mismatch raises `Ga
 no rank adds it: every rank computes the same verdict from the same gathered bytes) -> `Block` -> the rank's
 `RankModel.add_block` keeps its slices.
 
-When source and target TP match (a TP-g source sends each rank exactly its slices) no gather is needed; that path
-needs per-rank slice manifests (their own digests) in the plan and is not built yet.
+Where the parts come from: each rank's own plane of a plan (planes.py `install`, called by rank processes and by
+planload.py). When source and target TP match, slices (slices.py) need no gather.
 """
 
 from __future__ import annotations

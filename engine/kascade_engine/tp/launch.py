@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ import torch
 from kascade_engine.batch.scheduler import Limits
 from kascade_engine.tp.group import join
 from kascade_engine.tp.leader import TPEngine
+from kascade_engine.tp.planes import PlaneSpec, exchange_stats, install, receive_plane_sync
 from kascade_engine.tp.rank import EXIT_LOST
 from kascade_engine.tp.rankmodel import RankModel
 from kascade_engine.tp.shard import TPLayout
@@ -52,6 +53,7 @@ class Ranks:
     engine: TPEngine
     followers: list[subprocess.Popen[bytes]]
     stopping: bool = False
+    load_stats: list[Mapping[str, float]] = field(default_factory=list)  # per rank, when loaded by plan
     _watchers: list[threading.Thread] = field(default_factory=list)
 
     @property
@@ -90,10 +92,16 @@ def exit_on_lost(why: str) -> None:
 
 def start(model_cfg: Mapping[str, Any], checkpoint: Path, tp: int, limits: Limits, device: torch.device,
           dtype: torch.dtype, eos: int | None = None, threads: int = 1, timeout_s: float = 60.0,
-          blocks: BlockSet | None = None, on_lost: Callable[[str], None] | None = None) -> Ranks:
+          blocks: BlockSet | None = None, on_lost: Callable[[str], None] | None = None,
+          planes: Sequence[Path] | None = None, empty: bool = False) -> Ranks:
     """Rank 0 here, ranks 1..tp-1 as children loading `checkpoint`; returns once every rank is in and every
     follower holds its weights (rank 0 its own too when `blocks` is given; else they arrive by `add_block`).
+    `planes`: one plane spec file per rank (planes.py): every rank loads its share by plan over its own data
+    port instead (the checkpoint gives the config only); the ranks' bytes and seconds are `Ranks.load_stats`.
+    `empty`: the followers start with no weights; a load plan reaches them later (`TPEngine.load_planes`).
     `on_lost(why)` runs once when a rank is gone (the server exits on it)."""
+    if planes is not None and len(planes) != tp:
+        raise ValueError(f"planes: {len(planes)} plane specs for tp {tp} (one per rank)")
     layout = TPLayout.of(model_cfg, tp)
     init = f"tcp://127.0.0.1:{_free_port()}"
     followers = [subprocess.Popen([
@@ -101,12 +109,18 @@ def start(model_cfg: Mapping[str, Any], checkpoint: Path, tp: int, limits: Limit
         "--checkpoint", str(checkpoint), "--device", str(rank_device(device, r)),
         "--dtype", str(dtype).removeprefix("torch."), "--threads", str(threads),
         "--kv-tokens", str(limits.kv_tokens), "--page-size", str(limits.page_size), "--timeout-s", str(timeout_s),
+        *(["--plane", str(planes[r])] if planes is not None else []), *(["--empty"] if empty else []),
     ], stdout=sys.stderr) for r in range(1, tp)]  # stdout stays rank 0's (run.py prints its result there)
+    stats: Sequence[Mapping[str, float]] = ()
     try:
         model = RankModel(model_cfg, layout, 0, dtype=dtype, device=device)
-        if blocks is not None:
+        plane = PlaneSpec.read(planes[0]) if planes is not None else None
+        got = receive_plane_sync(plane) if plane is not None else None
+        if blocks is not None and plane is None:
             model.add_blocks(blocks.blocks.values())
         group = join(0, tp, init, device, timeout_s)
+        if plane is not None and got is not None:
+            stats = exchange_stats(got, install(model, plane, got, device=device), 0, tp, group.control)
         group.barrier()
     except BaseException:
         for p in followers:
@@ -116,6 +130,7 @@ def start(model_cfg: Mapping[str, Any], checkpoint: Path, tp: int, limits: Limit
     engine = TPEngine(model, group, limits, eos)
     engine.on_lost = on_lost
     ranks = Ranks(engine, followers)
+    ranks.load_stats = list(stats)
     ranks.watch(engine.lost)
     log.info("tensor-parallel instance up: %d ranks (followers %s)", tp, ranks.pids)
     return ranks

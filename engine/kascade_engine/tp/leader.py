@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -54,6 +55,19 @@ class TPEngine(Engine):
         except RuntimeError as e:  # gloo: a peer closed its connection; any rank's error breaks the instance
             self.lost(f"a tensor-parallel rank failed during a step: {e}")
             raise RankLost(str(self.failed)) from e
+
+    def load_planes(self, planes: list[dict[str, Any]]) -> None:
+        """Send every follower its plane (rank r loads planes[r]); rank 0 then loads planes[0] itself and meets
+        them in the gather (loader.py)."""
+        if self.failed is not None:
+            raise RankLost(self.failed)
+        msg.send(msg.Load(planes), self.group.control)
+
+    def load_path(self, path: str) -> None:
+        """Every follower packs checkpoint `path` and keeps its slices (rank 0 loads its own: loader.py)."""
+        if self.failed is not None:
+            raise RankLost(self.failed)
+        msg.send(msg.LoadPath(path), self.group.control)
 
     def shutdown(self, reason: str = "shutdown") -> None:
         """Tell the followers to exit (best effort: a broken instance has nobody to tell)."""

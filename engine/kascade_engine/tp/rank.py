@@ -10,14 +10,17 @@ or rank 0 gone) ends it with 3 and the reason on stderr.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from kascade_engine.batch.kvcache import KVCache, build_batch
 from kascade_engine.batch.scheduler import Limits
+from kascade_engine.tp import planes
 from kascade_engine.tp import step as msg
 from kascade_engine.tp.group import RankGroup, join
 from kascade_engine.tp.rankmodel import RankModel
@@ -37,6 +40,13 @@ def follow(model: RankModel, cache: KVCache, group: RankGroup) -> str:
         m = msg.receive(group.control)
         if isinstance(m, msg.Stop):
             return m.reason
+        if isinstance(m, msg.Load):  # rank 0 got a load plan: this rank's plane, then the gather with every rank
+            planes.load_rank(model, planes.PlaneSpec.from_dict(m.planes[group.rank]), group.tp, group.control,
+                             model.device)
+            continue
+        if isinstance(m, msg.LoadPath):  # the first copy, from the volume every rank of the pod mounts
+            model.add_blocks(pack_checkpoint(m.path).blocks.values())
+            continue
         batch = build_batch(cache, m.items)
         model.run_layers(0, L, model.embed(torch.tensor(m.ids, dtype=torch.long, device=model.device)), batch)
 
@@ -53,20 +63,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-tokens", type=int, default=65536)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--timeout-s", type=float, default=60.0)
+    p.add_argument("--plane", type=Path, help="load by plan: this rank's plane spec (planes.py; JSON), not the "
+                   "checkpoint's weights (the checkpoint then gives the config only)")
+    p.add_argument("--empty", action="store_true", help="start with no weights: they arrive by plan (rank 0 sends "
+                   "this rank its plane spec; the checkpoint gives the config only)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"rank {a.rank}: %(message)s")
     torch.set_num_threads(a.threads)
     device = torch.device(a.device)
-    blocks = pack_checkpoint(a.checkpoint)
-    layout = TPLayout.of(blocks.config, a.tp)
-    model = RankModel(blocks.config, layout, a.rank, dtype=getattr(torch, a.dtype), device=device)
-    model.add_blocks(blocks.blocks.values())
+    plane = planes.PlaneSpec.read(a.plane) if a.plane else None
+    got = planes.receive_plane_sync(plane) if plane else None  # this rank's link, before the group meets
+    by_plan = plane is not None or a.empty
+    blocks = None if by_plan else pack_checkpoint(a.checkpoint)
+    cfg: dict[str, Any] = json.loads((a.checkpoint / "config.json").read_text()) if blocks is None else blocks.config
+    layout = TPLayout.of(cfg, a.tp)
+    model = RankModel(cfg, layout, a.rank, dtype=getattr(torch, a.dtype), device=device)
+    if blocks is not None:
+        model.add_blocks(blocks.blocks.values())
     s = model.shape
     limits = Limits(kv_tokens=a.kv_tokens, page_size=a.page_size)
     cache = KVCache(s.layers, limits.pages, limits.page_size, s.kv_heads, s.head_dim, model.dtype, device,
                     reuse_gather=True)
     group = join(a.rank, a.tp, a.init, device, a.timeout_s)
     try:
+        if plane is not None and got is not None:
+            gather_s = planes.install(model, plane, got, device=device)  # parts: the all-gather with every rank
+            planes.exchange_stats(got, gather_s, a.rank, a.tp, group.control)
         group.barrier()  # every rank holds its weights
         reason = follow(model, cache, group)
     except RuntimeError as e:

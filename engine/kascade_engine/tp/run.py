@@ -33,10 +33,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--kv-tokens", type=int, default=4096)
+    p.add_argument("--plane-dir", type=Path, help="load by plan: rank<r>.json plane specs (planes.py), one per "
+                   "rank, each received over that rank's own data port")
     p.add_argument("--announce", action="store_true", help="print the follower pids first, then wait for a line")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    blocks = pack_checkpoint(a.checkpoint)
+    blocks = pack_checkpoint(a.checkpoint)  # tp 1, and the config of every tp
+    planes = [a.plane_dir / f"rank{r}.json" for r in range(a.tp)] if a.plane_dir else None
     limits = Limits(kv_tokens=a.kv_tokens)
     prompts = [[int(t) for t in s.split(",")] for s in a.prompt]
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)
@@ -48,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(model, limits)
     else:
         ranks = launch.start(blocks.config, a.checkpoint, a.tp, limits, torch.device("cpu"), torch.float32,
-                             threads=a.threads, blocks=blocks)
+                             threads=a.threads, blocks=blocks, planes=planes)
         engine = ranks.engine
     if a.announce:
         print(json.dumps({"pids": ranks.pids if ranks else []}), flush=True)
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         if ranks is not None and ranks.engine.failed is None:
             ranks.stop()
     print(json.dumps({"tp": a.tp, "tokens": out, "decode_tok_s": sum(map(len, out)) / dt,
-                      "pids": ranks.pids if ranks else []}), flush=True)
+                      "pids": ranks.pids if ranks else [], "load": ranks.load_stats if ranks else []}), flush=True)
     return 0
 
 

@@ -5,7 +5,8 @@ as for whole blocks.
 
 Data flow: a whole block -> `slice_block(layout, rank, block)` (on the source: its resident slices are exactly
 these) -> bytes + index + digest on the wire -> `Block.verify()` on the receiving rank -> `RankModel.add_sliced`.
-Not yet wired into load plans (per-rank participants are not built; docs/tp.md).
+Used by rank planes in "slices" mode (planes.py `share_blocks`; run by `tp.run --plane-dir`); the engine's
+load-plan (planload.py) still sends parts and gathers for matched TP too (docs/tp.md).
 """
 
 from __future__ import annotations

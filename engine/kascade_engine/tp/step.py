@@ -10,6 +10,7 @@ the instance's gloo control group (pickle between processes of one pod that join
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 
@@ -25,7 +26,17 @@ class Stop:
     reason: str  # the instance is shutting down: followers exit 0
 
 
-Message = Step | Stop
+@dataclass(frozen=True)
+class Load:
+    planes: list[dict[str, Any]]  # rank r loads planes[r] (planes.PlaneSpec documents), then gathers with all
+
+
+@dataclass(frozen=True)
+class LoadPath:
+    path: str  # the first copy: every rank packs this checkpoint directory and keeps its slices
+
+
+Message = Step | Stop | Load | LoadPath
 
 
 def send(msg: Message, group: dist.ProcessGroup | None) -> None:
@@ -38,6 +49,6 @@ def receive(group: dist.ProcessGroup | None) -> Message:
     box: list[object] = [None]
     dist.broadcast_object_list(box, src=0, group=group)
     msg = box[0]
-    if not isinstance(msg, Step | Stop):
-        raise RuntimeError(f"tp step channel: expected a Step or Stop, got {type(msg).__name__}")
+    if not isinstance(msg, Step | Stop | Load | LoadPath):
+        raise RuntimeError(f"tp step channel: expected a Step, Stop, Load or LoadPath, got {type(msg).__name__}")
     return msg

@@ -1,0 +1,152 @@
+"""A load plan whose targets are tensor-parallel (`gpus` g > 1) run as g rank planes (planes.py, planner `tpgroup`),
+on the engines the operator calls exactly as for any plan: the same `load-plan` body, the instance plan unsharded.
+
+Target (rank 0 of a TP-g engine started with `--tp g --empty`): derive the planes -> send every follower its plane
+(`TPEngine.load_planes`, the step channel) -> receive plane 0 on this process's data port + 0 while rank r receives
+plane r on data port + r -> every rank says whether its plane completed (`planes.agree`: one failed rank fails the
+instance, naming it; the followers exit, so the server exits 3 and the pod is replaced) -> the all-gather, each
+whole block's digest checked (gather.py) -> every rank keeps its slices; rank 0 also keeps the whole blocks as its
+`blockset`, so the instance can be the source of the next plan.
+Source (any engine holding the whole model, TP 1 or rank 0 of a TP-g instance): one TransferNode per plane, plane
+r on its data port + r, sending the parts of plane r (zero-copy views of its blocks, their digests computed here).
+The part digests targets verify come with the plan's manifest (`GET manifest?parts=g` of the source).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from kascade_engine.net.pacing import paced
+from kascade_engine.net.relay import TransferNode
+from kascade_engine.net.transfer_spec import TransferSpec
+from kascade_engine.tp.planes import (
+    PlaneSpec,
+    Received,
+    agree,
+    derive_planes,
+    exchange_stats,
+    install,
+    receive_plane,
+    share_blocks,
+)
+from kascade_engine.weights.blocks import Block, BlockSet
+from kascade_planner.tpgroup import rank_id
+
+log = logging.getLogger(__name__)
+
+
+class PlanRefused(ValueError):
+    """A load plan this engine cannot run as rank planes: the loader answers `status` naming `field`."""
+
+    def __init__(self, status: int, message: str, field: str) -> None:
+        super().__init__(message)
+        self.status, self.field = status, field
+
+
+def plane_width(spec: TransferSpec) -> int:
+    """g when the plan is an unsharded instance plan into TP-g targets (run as rank planes), else 1."""
+    widths = {t.gpus for t in spec.plan.targets if t.kind == "gpu"}
+    if len(widths) != 1 or any(f.shard for f in spec.plan.flows):
+        return 1
+    return widths.pop()
+
+
+def followers_load_path(inst: Any, directory: Path) -> None:
+    """The first copy from a checkpoint directory into a TP engine: ranks 1..g-1 pack it too and keep their
+    slices (rank 0 packs it in the loader); a follower that cannot fails the instance (it exits 3)."""
+    if inst.config.tp > 1:
+        inst.ranks.engine.load_path(str(directory))
+
+
+def _me_in(plane: TransferSpec, me: str, rank: int) -> str:
+    ids = {i.id for i in (*plane.plan.sources, *plane.plan.targets)}
+    return rank_id(me, rank) if rank_id(me, rank) in ids else me
+
+
+async def start_tp_plan(inst: Any, spec: TransferSpec, me: str, g: int, is_target: bool,
+                        blocks: BlockSet | None) -> None:
+    """Start this engine's part of a plan into TP-g targets (see the module docstring); returns once listening."""
+    if is_target and inst.config.tp != g:
+        raise PlanRefused(409, f"tp: this engine runs {inst.config.tp} ranks, the plan's targets have {g} GPUs",
+                            "plan.targets")
+    try:
+        if is_target:
+            specs = derive_planes(spec, g)
+        else:
+            if blocks is None:
+                raise PlanRefused(409, "this engine is a source of the plan but holds no complete copy", "plan")
+            shares = [share_blocks(blocks, r, g, "parts") for r in range(g)]
+            specs = derive_planes(spec, g, [s.manifest() for s in shares])
+    except PlanRefused:
+        raise
+    except ValueError as e:  # SpecError, PlanError: the body is wrong, say which field
+        raise PlanRefused(400, f"invalid load plan for tp {g}: {e}", "plan") from None
+    inst.instance_id = me
+    if is_target:
+        await _target(inst, spec, specs, me, g)
+    else:
+        await _source(inst, specs, me, shares)
+
+
+async def _source(inst: Any, specs: list[TransferSpec], me: str, shares: list[BlockSet]) -> None:
+    nodes = [TransferNode(s, _me_in(s, me, r), paced(inst.config.weight_transport(), inst.egress), blocks=shares[r])
+             for r, s in enumerate(specs)]
+    for n in nodes:
+        await n.start()
+
+    async def run() -> None:
+        try:
+            done = await asyncio.gather(*(n.run() for n in nodes))
+            log.info("%s: fed %d rank planes: %s", me, len(nodes), done)
+        except Exception as e:
+            log.error("rank planes from %s failed: %s", me, e)
+            inst.load_error = str(e)
+            inst.transfer_failures += 1
+        finally:
+            for n in nodes:
+                await n.close()
+
+    inst.loading = asyncio.create_task(run())
+
+
+async def _target(inst: Any, spec: TransferSpec, specs: list[TransferSpec], me: str, g: int) -> None:
+    whole = {b: spec.manifest[b] for b in spec.plan.model.block_ids}
+    docs = [PlaneSpec(specs[r], rank_id(me, r), "parts", whole, inst.config.transport) for r in range(g)]
+    engine, model = inst.ranks.engine, inst.model
+    control = engine.group.control
+    engine.load_planes([d.to_dict() for d in docs])
+    started = time.monotonic()
+
+    async def run() -> None:
+        got: Received | None = None
+        error: str | None = None
+        try:
+            got = await receive_plane(docs[0], inst.config.weight_transport())
+        except Exception as e:  # said to every rank: the instance fails as a whole
+            error = f"{type(e).__name__}: {e}"
+        try:
+            await asyncio.to_thread(agree, error, 0, g, control)
+            assert got is not None
+            keep: list[Block] = []
+            gather_s = await asyncio.to_thread(install, model, docs[0], got, None, model.device, keep)
+            stats = await asyncio.to_thread(exchange_stats, got, gather_s, 0, g, control)
+        except Exception as e:  # PlaneFailed, GatherError, a rank gone: nothing of this plan serves
+            log.error("tensor-parallel load into %s failed: %s", me, e)
+            inst.load_error = str(e)
+            inst.transfer_failures += 1
+            engine.lost(f"load plan failed: {e}")
+            return
+        inst.bytes_received = got.bytes_in
+        inst.transfer_bw = got.bytes_in / max(1e-6, time.monotonic() - started)
+        inst.tp_load_stats = list(stats)
+        inst.blockset = BlockSet(inst.config.model_name, model.full_cfg, keep)
+        inst.settle()
+        log.info("%s: %d ranks loaded by plan: %s", me, g, stats)
+
+    inst.loading = asyncio.create_task(run())
+    inst.plan = spec.to_dict()
+    inst.begin_loading()

@@ -1,0 +1,107 @@
+"""A `tp: 2` ModelService end to end on the real control plane with REAL engines (issue 34): KWOK nodes, pool
+pods backed by `kascade engine serve --empty --tp 2` processes (two ranks each, rank r on data port + r), the
+operator as a real process.
+
+Shown here: the first copy loads from the source path into both ranks; raising the minimum makes a chain
+ScalePlan whose plan is the unsharded instance plan into 2-GPU targets; the engines run it as two rank planes,
+each rank receiving half of every block over its own port, and the new replica answers exactly like the first.
+And the fault: a target's follower rank SIGKILLed mid-transfer takes its engine down (exit 3) and the service
+still reaches two replicas on another pod, every one answering like the first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kascade_devcluster.controlplane import ControlPlane
+from kascade_devcluster.enginepool import EnginePool
+from kascade_devcluster.operatorproc import OperatorProcess
+from kascade_devcluster.waiting import wait_for
+
+from .test_real_engines import MODEL, TOKEN, complete, engine_status, get, loaded, msvc, serve_first_copy
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kascade_engine.weights.checkpoint import tiny_llama
+
+    return tiny_llama(tmp_path_factory.mktemp("ckpt") / MODEL, layers=8, hidden=256, vocab=2048)
+
+
+@pytest.fixture
+def world(control_plane: ControlPlane, crds: list[str], namespace: str, kwok_nodes: Callable[..., list[str]],
+          ckpt: Path, tmp_path: Path) -> Iterator[tuple[EnginePool, OperatorProcess]]:
+    nodes = kwok_nodes(3, leaves=1)
+    pool = EnginePool(control_plane, namespace, ckpt, MODEL, TOKEN, tmp_path / "engines", tp=2,
+                      extra_args=("--transfer-max-mbps", "40", "--kv-tokens", "8192"))
+    op = OperatorProcess(control_plane, namespace, TOKEN, tmp_path / "operator.log")
+    try:
+        pool.start(nodes)
+        op.start()
+        yield pool, op
+    finally:
+        op.stop()
+        print(op.tail())
+        pool.stop()
+
+
+def tp_msvc(ckpt: Path, lo: int) -> dict[str, Any]:
+    doc = msvc(ckpt, lo, 3, upper=1e9, lower=0)
+    doc["spec"]["engine"]["tp"] = 2
+    return doc
+
+
+def scale_to_two(cp: ControlPlane, ns: str, pool: EnginePool, ckpt: Path) -> tuple[str, str, dict[str, Any]]:
+    src = serve_first_copy(cp, ns, tp_msvc(ckpt, 1))
+    assert engine_status(pool, src)["ready"]
+    want = complete(pool.engines[src].url)
+    cp.kubectl("-n", ns, "patch", "msvc", "svc", "--type=merge", "-p",
+               json.dumps({"spec": {"replicas": {"colocated": {"min": 2}}}}))
+    plan = wait_for(lambda: [p for p in get(cp, ns, "splan")["items"] if p["spec"]["algorithm"] == "chain"],
+                    60, "a chain ScalePlan")[0]
+    return src, want, plan
+
+
+def test_tp2_service_scales_by_rank_planes_and_serves_the_same_text(
+        control_plane: ControlPlane, namespace: str, world: tuple[EnginePool, OperatorProcess], ckpt: Path) -> None:
+    cp, ns = control_plane, namespace
+    pool, _ = world
+    _, want, plan = scale_to_two(cp, ns, pool, ckpt)
+    spec = plan["spec"]
+    assert [t["gpus"] for t in spec["plan"]["targets"]] == [2] and "shards" not in spec  # the engines shard it
+    wait_for(lambda: len(loaded(cp, ns)) == 2, 120, "2 ready replicas")
+    target = spec["targets"][0]["instance"]
+    st = engine_status(pool, target)
+    per_rank = sorted(st["tpLoad"], key=lambda s: s["rank"])
+    total = sum(per_rank[r]["bytes"] for r in range(2))
+    assert len(per_rank) == 2 and all(abs(s["bytes"] - total / 2) <= 64 for s in per_rank), per_rank
+    assert total > 20_000_000  # the whole model crossed, half over each rank's own port
+    for p in loaded(cp, ns):
+        assert complete(pool.engines[p["metadata"]["name"]].url) == want
+
+
+def test_tp2_target_rank_killed_mid_transfer_is_replaced(
+        control_plane: ControlPlane, namespace: str, world: tuple[EnginePool, OperatorProcess], ckpt: Path) -> None:
+    cp, ns = control_plane, namespace
+    pool, _ = world
+    src, want, plan = scale_to_two(cp, ns, pool, ckpt)
+    target = plan["spec"]["targets"][0]["instance"]
+    e = pool.engines[target]
+    wait_for(lambda: engine_status(pool, target)["phase"] == "loading", 30, "the target loading")
+    kids = Path(f"/proc/{e.proc.pid}/task/{e.proc.pid}/children").read_text().split()
+    assert len(kids) == 1, kids  # its follower rank
+    os.kill(int(kids[0]), signal.SIGKILL)
+    wait_for(lambda: len(loaded(cp, ns)) == 2, 180, "2 ready replicas again")
+    names = {p["metadata"]["name"] for p in loaded(cp, ns)}
+    assert target not in names and src in names
+    for n in names:  # never the dead instance's weights: every replica answers like the first copy
+        assert complete(pool.engines[n].url) == want
