@@ -14,7 +14,7 @@ IMAGES ?= operator engine-cpu engine
 export KUBECONFIG
 
 .PHONY: help install test chaos check check-kind lint typecheck bench e2e e2e-kind manifests chart-lint \
-        cluster-up cluster-down deploy undeploy images base-image lock demo clean flaky
+        cluster-up cluster-down deploy undeploy images base-image lock demo demo-kind clean flaky
 
 help: ## List targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -103,6 +103,9 @@ lock: ## Regenerate requirements/*.lock (the images' pinned dependencies) with u
 
 demo: ## The main job: local control plane, Kascade, real engines, a burst, scale up and down
 	$(KASCADE) demo
+
+demo-kind: ## The demo in pods on kind: builds what is missing (cached), the chart's own Deployments, a burst
+	bash hack/demo-kind.sh
 
 clean:
 	rm -rf .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info

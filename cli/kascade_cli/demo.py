@@ -50,3 +50,35 @@ def demo(model: str, nodes: int, out: Path, burst_seconds: float, keep: bool) ->
             f"demo finished but did not show a clean burst: max ready {res.max_ready}, "
             f"final {res.final_ready}, failed requests {res.requests_failed}"
         )
+
+
+@click.command("demo-kind")
+@click.option("--cluster", default="kascade-demo", show_default=True, help="kind cluster name (reused if it exists)")
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("kascade-demo-kind"),
+    show_default=True,
+    help="where the plot and the cluster's kubeconfig go",
+)
+@click.option("--burst-seconds", default=40.0, show_default=True, type=click.FloatRange(5, 600))
+def demo_kind(cluster: str, out: Path, burst_seconds: float) -> None:
+    """The demo on a kind cluster: the chart's own pods from images built here (`make demo-kind` builds
+    what is missing first; docs/kind.md). The cluster is kept; the end says how to remove it."""
+    from kascade_demo.kind import KindDemo
+    from kascade_demo.kindcluster import KindError
+    from kascade_demo.scenario import DemoConfig
+    from kascade_devcluster.waiting import Timeout
+
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        res = KindDemo(DemoConfig(out=out, burst_s=burst_seconds, calm_timeout_s=120.0), cluster).run()
+    except (KindError, Timeout, RuntimeError) as e:
+        raise click.ClickException(f"demo-kind failed: {e}") from None
+    except KeyboardInterrupt:
+        raise click.ClickException("interrupted; the kind cluster is kept (see above to remove it)") from None
+    if res.requests_failed or res.max_ready < 2 or res.final_ready != 1:
+        raise click.ClickException(
+            f"demo-kind finished but did not show a clean burst: max ready {res.max_ready}, "
+            f"final {res.final_ready}, failed requests {res.requests_failed}"
+        )

@@ -23,6 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "operator": ("kascade_cli.operator_cmd", "operator", "Run the Kubernetes operator."),
     "cluster": ("kascade_cli.cluster", "cluster", "Start or stop the local test control plane."),
     "demo": ("kascade_cli.demo", "demo", "Run the end-to-end demo on a local control plane."),
+    "demo-kind": ("kascade_cli.demo", "demo_kind", "Run the demo in pods on a kind cluster built here."),
     "sim": ("kascade_cli.sim", "sim", "Simulate a cluster on a workload trace."),
     "router": ("kascade_cli.router", "router", "Run the OpenAI-compatible front door (routes by model)."),
     "probe": ("kascade_cli.probe", "probe", "Check a running endpoint (helm test)."),

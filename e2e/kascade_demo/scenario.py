@@ -96,6 +96,7 @@ class Demo:
         if cfg.nodes < 3:
             raise ValueError(f"--nodes {cfg.nodes}: the demo needs at least 3 (one serving, two to scale onto)")
         self.cfg, self.m = cfg, MODELS[cfg.model]
+        self.ns = NS
         self.console = console or Console(soft_wrap=True)
         self.t0 = time.monotonic()
         self.timeline = Timeline()
@@ -112,9 +113,13 @@ class Demo:
     def step(self, text: str) -> None:
         self.console.print(f"[dim]{self.now():6.1f}s[/dim] [bold]{text}[/bold]")
 
-    def kget(self, *what: str) -> Any:
+    def kubectl(self, *args: str) -> str:
+        """kubectl against the demo's cluster; its stdout."""
         assert self.cp is not None
-        return json.loads(self.cp.kubectl("-n", NS, "get", *what, "-o", "json").stdout)
+        return str(self.cp.kubectl(*args).stdout)
+
+    def kget(self, *what: str) -> Any:
+        return json.loads(self.kubectl("-n", self.ns, "get", *what, "-o", "json"))
 
     # -- the story -------------------------------------------------------------------------------------
     def run(self) -> DemoResult:
@@ -277,9 +282,9 @@ class Demo:
 
     # -- the end ----------------------------------------------------------------------------------------
     def finish(self, out: Path) -> DemoResult:
-        assert self.cp is not None and self.gen is not None
+        assert self.gen is not None
         self.gen.set_load(0)
-        story = self.cp.kubectl("-n", NS, "get", "msvc,splan").stdout
+        story = self.kubectl("-n", self.ns, "get", "msvc,splan")
         self.console.print("\n[bold]$ kubectl get msvc,splan[/bold]\n" + story)
         s = self.gen.summary()
         res = DemoResult(max_ready=max((x.ready for x in self.timeline.samples), default=0),
@@ -300,7 +305,7 @@ class Demo:
             self.console.print(f"[dim]slow first token: {1000 * (r.ttft_s or 0):.0f} ms at {r.start - self.t0:.1f} s "
                                f"on {r.endpoint or '?'}[/dim]")
         self.console.print(f"[bold]plot[/bold] {res.plot}   [bold]logs[/bold] {out / 'logs'}")
-        if self.cfg.keep:
+        if self.cfg.keep and self.cp is not None:
             self.console.print(f"cluster kept: export KUBECONFIG={self.cp.kubeconfig}  (stop: kascade cluster down "
                                f"--state-dir {out / 'cluster'}; engines and operator have stopped)")
         return res

@@ -67,7 +67,8 @@ async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods:
                            host_cache_gib=rt.settings.engine_host_cache_gib,
                            installation_capacity=rt.settings.engine_capacity, dtype=rt.settings.engine_dtype,
                            default_resources=rt.settings.engine_resources, gpu_resource=rt.settings.gpu_resource,
-                           require_prefill_signature=rt.settings.engine_require_prefill_signature)
+                           require_prefill_signature=rt.settings.engine_require_prefill_signature,
+                           extra_args=rt.settings.engine_extra_args)
         made = []
         for _ in range(action.count):
             made.append((await rt.kube.create_pod(pool_ns, pod))["metadata"]["name"])

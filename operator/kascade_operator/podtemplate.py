@@ -133,7 +133,8 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
                  transport: str = "tcp", ucx_tcp_ports: str = "", activation_dscp: int = AF41,
                  host_cache_gib: float = 0.0, installation_capacity: Mapping[str, int] | None = None,
                  dtype: str = "auto", default_resources: Mapping[str, Any] | None = None,
-                 gpu_resource: str = "nvidia.com/gpu", require_prefill_signature: bool = False) -> dict[str, Any]:
+                 gpu_resource: str = "nvidia.com/gpu", require_prefill_signature: bool = False,
+                 extra_args: tuple[str, ...] | list[str] = ()) -> dict[str, Any]:
     """A new warm-pool engine pod for this model, reserved for service `key` (annotation created-for):
     it joins the pool and is bound in a later round like any pool pod. Call only when `refusals()` is
     empty. An `hf://` source: an init container fetches config and tokenizer (what an empty engine is
@@ -150,7 +151,8 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
     spec.engine.tp g > 1 its `gpu_resource` count becomes g). spec.engine.tp g > 1: the engine runs g ranks
     (`--tp g`), rank r receiving its plane on dataPort + r (ports data-r1..), the act port past them.
     `require_prefill_signature`: the engine's --require-prefill-signature, the pool's (it dials only prefill
-    peers a router signed; False: any peer a request names)."""
+    peers a router signed; False: any peer a request names). `extra_args`: further engine flags after these,
+    the pool's pool.extraArgs (settings.ENGINE_MANAGED_FLAGS refused there)."""
     e, src = spec.engine, spec.model.source
     if e.data_port <= act_port < e.data_port + e.tp:  # rank r's data port is dataPort + r: the act port moves past
         act_port = e.data_port + e.tp
@@ -236,6 +238,7 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
             *([f"--tp={e.tp}"] if e.tp > 1 else []),  # rank r of the instance receives its plane on data port + r
             *(["--require-prefill-signature"] if require_prefill_signature else []),
             *(tls_args() if tls_secret else []),
+            *extra_args,
         ],
         "env": env,
         "ports": [
@@ -276,6 +279,8 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
         meta["ownerReferences"] = [dict(owner)]
     pod: dict[str, Any] = {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
                            "spec": {"containers": [container], "automountServiceAccountToken": False,
+                                    # no Service environment variables: KASCADE_* ones could reach settings
+                                    "enableServiceLinks": False,
                                     "securityContext": pod_security(run_as_user),
                                     "readinessGates": [{"conditionType": L.SERVING_GATE}],
                                     "volumes": [volume, {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},

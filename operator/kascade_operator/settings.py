@@ -7,6 +7,7 @@ collector, engine client, pool. Nothing reads the environment anywhere else.
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -15,6 +16,16 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from kascade_planner.topology import LabelKeys
 
 AF41 = 34  # DSCP "assured forwarding 4": the engine's default --activation-dscp (kascade_engine.net.transport.AF41)
+# `kascade engine serve` flags a fallback pod (podtemplate.fallback_pod) and the chart's pool set from a setting or
+# value of their own: engine_extra_args may not repeat them (the CLI would take the last one, silently); the
+# chart refuses the same ones in pool.extraArgs (templates/validate.yaml; tests/chart checks both lists)
+ENGINE_MANAGED_FLAGS = frozenset({
+    "--empty", "--host", "--port", "--act-port", "--transport", "--activation-dscp", "--host-cache-gib",
+    "--kv-tokens", "--max-prompt-tokens", "--max-seqs", "--max-batch-tokens", "--dtype", "--checkpoint",
+    "--model-name", "--require-prefill-signature", "--tls-cert", "--tls-key", "--tls-ca", "--token-file", "--smollm",
+    "--tp",
+})
+EXTRA_ARG = re.compile(r"^--[a-z0-9][a-z0-9-]*(=.*)?$")
 
 
 class OperatorSettings(BaseSettings):
@@ -81,6 +92,10 @@ class OperatorSettings(BaseSettings):
                                                               "resources (JSON) of fallback pods whose "
                                                               "ModelService sets no spec.engine.resources: the "
                                                               "pool's pool.resources (and GPU limit); empty = none")
+    engine_extra_args: list[str] = Field(default_factory=list, description="further `kascade engine serve` flags "
+                                         "of the fallback pods, after their own (JSON list; the chart's "
+                                         "pool.extraArgs): each `--flag` or `--flag=value`, never one the "
+                                         "operator sets itself (ENGINE_MANAGED_FLAGS)")
     engine_ca_file: str = Field(default="", description="PEM CA the engines' HTTP port certificates chain to: "
                                 "with it the operator calls the control API and scrapes /metrics over HTTPS "
                                 "(names not checked: engines are pod IPs), as engines started with TLS files "
@@ -146,6 +161,16 @@ class OperatorSettings(BaseSettings):
         if bad:
             raise ValueError(f"KASCADE_OPERATOR_ENGINE_CAPACITY: {bad} (keys kvTokens, maxPromptTokens, maxSeqs, "
                              "maxBatchTokens; values >= 1)")
+        return self
+
+    @model_validator(mode="after")
+    def _extra_args(self) -> OperatorSettings:
+        for i, a in enumerate(self.engine_extra_args):
+            if not EXTRA_ARG.match(a):
+                raise ValueError(f"KASCADE_OPERATOR_ENGINE_EXTRA_ARGS[{i}]: {a!r} is not --flag or --flag=value")
+            if a.split("=", 1)[0] in ENGINE_MANAGED_FLAGS:
+                raise ValueError(f"KASCADE_OPERATOR_ENGINE_EXTRA_ARGS[{i}]: {a.split('=', 1)[0]} is set by the "
+                                 "operator from a setting of its own")
         return self
 
     @model_validator(mode="after")

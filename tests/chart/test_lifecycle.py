@@ -85,3 +85,24 @@ def test_router_signs_prefill_peers_and_pool_engines_demand_it(helm: Helm) -> No
     assert "env" not in pod_spec(off, "rel-router")["containers"][0]
     engine = next(c for c in pod_spec(off, "rel-pool")["containers"] if c["name"] == "engine")
     assert "--require-prefill-signature" not in engine["args"]
+
+
+def test_no_pod_gets_service_links(helm: Helm) -> None:
+    """Every pod the chart makes (Deployments, the uninstall Job, the `helm test` Pod) and the operator's
+    fallback pods run without Service environment variables: a Service named `<release>-operator-metrics`
+    makes KASCADE_OPERATOR_METRICS_PORT=tcp://... in every pod of its namespace, inside the operator's
+    settings prefix (found on kind); none of these processes reads Service variables (in-cluster clients use
+    KUBERNETES_SERVICE_HOST, which Kubernetes sets regardless)."""
+    from kascade_operator.api import ModelServiceSpec
+    from kascade_operator.podtemplate import fallback_pod
+
+    docs = render(helm, "tests.enabled=true", "operator.uninstallHook=true")
+    specs = {f"{d['kind']}/{d['metadata']['name']}": d["spec"] if d["kind"] == "Pod" else
+             d["spec"]["template"]["spec"] for d in docs if d["kind"] in ("Deployment", "Job", "Pod", "DaemonSet")}
+    assert {"Deployment/rel-operator", "Deployment/rel-router", "Deployment/rel-pool",
+            "Job/rel-operator-uninstall", "Pod/rel-test-models"} <= set(specs), sorted(specs)
+    assert {n: s.get("enableServiceLinks") for n, s in specs.items()} == dict.fromkeys(specs, False)
+    spec = ModelServiceSpec.model_validate({"model": {"name": "m1", "source": {"path": "/models/m1"}},
+                                            "engine": {"image": "img:1"}, "mode": "colocated",
+                                            "replicas": {"colocated": {"min": 1, "max": 2}}})
+    assert fallback_pod(spec, "svc", "tok", None)["spec"]["enableServiceLinks"] is False

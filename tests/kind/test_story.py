@@ -2,9 +2,9 @@
 
 The tests run in file order on one release (module fixture `release`): the first copy loads from the
 model volume, a burst goes through the router's Service, a chain ScalePlan copies between engine pods
-over pod IPs, scale down, scale to zero and back; then the faults (operator leader killed mid-plan, a
-`helm upgrade` with unchanged values, a drained worker) and `helm uninstall`. Every request sent is
-counted as answered or failed.
+over pod IPs, scale down, scale to zero and back; `helm upgrade` with unchanged values and `helm rollback`;
+then the faults (an engine pod killed mid-transfer, the operator's leader killed mid-plan, a drained worker)
+and `helm uninstall`. Every request sent is counted as answered or failed.
 """
 
 from __future__ import annotations
@@ -220,31 +220,44 @@ def test_helm_rollback_restarts_nothing(release: Kind) -> None:
     assert token2 == token
 
 
-def test_engine_pod_killed_mid_plan(release: Kind) -> None:
-    """A target engine pod is force-deleted as soon as its ScalePlan names it, with requests flowing (the
-    tiny model's copy takes ~1 s: the kill lands before, during or just after it): the plan ends
-    once (Succeeded, or Failed with a message, never both), the pool's Deployment replaces the pod, a new
-    plan brings the service to the replicas asked for, and every request is answered."""
+def test_engine_pod_killed_mid_transfer(release: Kind) -> None:
+    """A target engine pod is force-deleted while its weights are arriving, with requests flowing. The pool's
+    engines send at most 10 Mbit/s (pool.extraArgs --transfer-max-mbps in e2e/kind/values.yaml), so the
+    tiny model's copy takes seconds: the kill waits until the plan's status shows the target has received
+    some blocks but not all. Then: the plan ends once (Failed, its only target dropped with a message:
+    proof the kill landed before the copy completed), the pool's Deployment replaces the pod, a new plan
+    brings the service to the replicas asked for, and every request is answered."""
     k = release
     need_engine(k)
     k.kubectl("-n", NS, "scale", "msvc", MSVC, "--replicas=1")
     wait(lambda: ready(k) == 1, "1 ready replica", 300, k)
     before = {p["metadata"]["name"] for p in plans(k)}
     gen = LoadGen(router_url(k), MODEL, prompt=list(range(1, 9)), max_tokens=4, timeout_s=180).start(2)
+    name, target, t_transfer = "", "", 0.0
+    at_kill: dict = {}
+    final: dict = {}
+    phases: list[str] = []
     try:
         gen.set_load(2, think_s=0.2)
         k.kubectl("-n", NS, "scale", "msvc", MSVC, "--replicas=2")
-        end = time.monotonic() + 120
-        plan: dict = {}
-        while not plan and time.monotonic() < end:  # the first moment the new plan names its target
+        end = time.monotonic() + 180
+        while not at_kill and time.monotonic() < end:  # the first status showing part of the copy arrived
             plan = next((p for p in plans(k) if p["metadata"]["name"] not in before and p["spec"].get("targets")), {})
+            if plan:
+                name = plan["metadata"]["name"]
+                target = plan["spec"]["targets"][0].get("pod") or plan["spec"]["targets"][0]["instance"]
+                row = _target_row(plan, plan["spec"]["targets"][0]["instance"])
+                t_transfer = t_transfer or (time.monotonic() if row.get("instructed") else 0.0)
+                if 0 < row.get("blocksReceived", 0) < row.get("blocksTotal", 0):
+                    at_kill = row
+                    break
+                assert plan.get("status", {}).get("phase") not in ("Succeeded", "Failed"), (
+                    f"plan {name} ended before its status showed a partial copy (a copy faster than the "
+                    f"status writes, or no copy over the data plane): {plan.get('status')}")
             time.sleep(0.2)
-        assert plan, "no new ScalePlan with a target"
-        target = plan["spec"]["targets"][0].get("pod") or plan["spec"]["targets"][0]["instance"]
-        phase_then = plan.get("status", {}).get("phase")
+        assert at_kill, f"no partial copy seen in 180 s (plan {name or 'none'})"
         k.kubectl("-n", NS, "delete", "pod", target, "--grace-period=0", "--force", "--wait=false")
-        name = plan["metadata"]["name"]
-        phases: list[str] = []
+        print(f"kind: killed {target} {time.monotonic() - t_transfer:.1f} s into its transfer, at {at_kill}")
 
         def terminal() -> bool:
             ph = k.get("-n", NS, "splan", name).get("status", {}).get("phase")
@@ -258,20 +271,24 @@ def test_engine_pod_killed_mid_plan(release: Kind) -> None:
         final = k.get("-n", NS, "splan", name)["status"]
         time.sleep(5)
         assert k.get("-n", NS, "splan", name)["status"]["phase"] == final["phase"], "the plan ended twice"
-        if final["phase"] == "Failed":
-            assert final.get("message"), final
     finally:
         gen.set_load(0)
         gen.stop()
-    s = tally("engine_pod_killed_mid_plan", gen)
-    print(f"kind: killed {target} (plan {name} was {phase_then}); phases seen {phases}; final {final}; "
-          f"requests {s}")
+    s = tally("engine_pod_killed_mid_transfer", gen)
+    print(f"kind: plan {name} phases seen {phases}; final {json.dumps(final)[:800]}; requests {s}")
+    assert final["phase"] == "Failed" and final.get("message"), final  # the copy never completed
+    assert _target_row({"status": final}, at_kill["instance"]).get("failed"), final
+    assert phases.count("Failed") + phases.count("Succeeded") == 1, phases
     assert all(p.get("status", {}).get("phase") in ("Succeeded", "Failed") for p in plans(k)
                if p["metadata"]["name"] not in before), [p.get("status") for p in plans(k)]
     assert target not in [p["metadata"]["name"] for p in pods(k, "app.kubernetes.io/component=engine")]
     assert s["failed"] == 0, gen.failures()[:5]
     k.kubectl("-n", NS, "scale", "msvc", MSVC, "--replicas=1")  # what the next test scales up from
     wait(lambda: ready(k) == 1, "back to 1 ready replica", 240, k)
+
+
+def _target_row(plan: dict, instance: str) -> dict:
+    return next((r for r in plan.get("status", {}).get("targets") or [] if r.get("instance") == instance), {})
 
 
 def test_operator_leader_killed_mid_plan(release: Kind) -> None:
