@@ -117,20 +117,44 @@ class KVCache:
         """`tables` [B, P] page ids -> K, V [B, P * page_size, kv_heads, head_dim]: whole pages copied (one
         contiguous run of page_size * kv_heads * head_dim values each, no per-token index), into the buffer
         kept from call to call when `reuse_gather` (valid until the next gather)."""
+        pg = self.page_gather(tables)
+        self.gather_into(layer, pg)
+        return pg.k.view(pg.shape), pg.v.view(pg.shape)
+
+    def page_gather(self, tables: torch.Tensor) -> PageGather:
+        """The destination of a step's page gathers, made once per step and reused by every layer (`gather_into`):
+        the buffer kept from call to call when `reuse_gather`, else a fresh one."""
         B, P = tables.shape
         flat = tables.reshape(-1)
-        width = self.page_size * self.kv_heads * self.head_dim
-        shape = (B, P * self.page_size, self.kv_heads, self.head_dim)
-        kp, vp = self._kp[layer], self._vp[layer]
+        n, width = flat.numel(), self.page_size * self.kv_heads * self.head_dim
         if not self.reuse_gather:
-            return kp.index_select(0, flat).view(shape), vp.index_select(0, flat).view(shape)
-        n = flat.numel()
-        if self._gathered is None or self._gathered.numel() < 2 * n * width:
-            self._gathered = torch.empty((2, n * width), dtype=self.dtype, device=self.device)
-        buf = self._gathered.view(-1)[:2 * n * width].view(2, n, width)
-        torch.index_select(kp, 0, flat, out=buf[0])
-        torch.index_select(vp, 0, flat, out=buf[1])
-        return buf[0].view(shape), buf[1].view(shape)
+            buf = torch.empty((2, n, width), dtype=self.dtype, device=self.device)
+        else:
+            if self._gathered is None or self._gathered.numel() < 2 * n * width:
+                self._gathered = torch.empty((2, n * width), dtype=self.dtype, device=self.device)
+            buf = self._gathered.view(-1)[:2 * n * width].view(2, n, width)
+        shape = (B, P * self.page_size, self.kv_heads, self.head_dim)
+        k, v = buf.unbind(0)
+        return PageGather(flat, k, v, shape, k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2))
+
+    def gather_into(self, layer: int, pg: PageGather) -> None:
+        """Layer `layer`'s pages of `pg.flat` into `pg`'s buffers (two copies, nothing allocated)."""
+        torch.index_select(self._kp[layer], 0, pg.flat, out=pg.k)
+        torch.index_select(self._vp[layer], 0, pg.flat, out=pg.v)
+
+
+@dataclass(frozen=True)
+class PageGather:
+    """Where a step's decode pages land: `k`, `v` [B * P, page_size * kv_heads * head_dim] (one row per page),
+    seen as `kt`, `vt` [B, kv_heads, P * page_size, head_dim] (what SDPA reads). Valid until the cache's next
+    gather into the same buffer (the next step's `page_gather`, or a gather of a prefill group)."""
+
+    flat: torch.Tensor  # [B * P] page ids
+    k: torch.Tensor
+    v: torch.Tensor
+    shape: tuple[int, int, int, int]  # [B, P * page_size, kv_heads, head_dim]
+    kt: torch.Tensor
+    vt: torch.Tensor
 
 
 @dataclass
@@ -183,6 +207,7 @@ class DecodeGroup:
     page_size: int
     _bias: dict[int | None, torch.Tensor] = field(default_factory=dict)
     flash: dict[int | None, Any] | None = None  # FlashInfer wrappers planned for this step, per window (CUDA)
+    pages: PageGather | None = None  # the gather's destination, made at the step's first layer (torch path)
 
     @property
     def batch(self) -> int:
