@@ -3,8 +3,8 @@ model where each token's K/V goes and which slots each query attends to.
 
 Storage: `k`, `v` of shape [layers, pages * page_size, kv_heads, head_dim] (slot = page * page_size +
 offset; page tables come from pages.PagePool). Memory starts zero (`zeroed`: on the CPU the OS maps it as
-it is used); page 0 is never handed out and stays zero: gathers pad with it, so padded keys are finite
-and masked out.
+it is used); page 0 is never handed out and holds only finite values (zero, or the K/V of a CUDA graph's
+padding rows, graphs.py): gathers pad with it, and every read of it is masked out.
 
 Data flow per step: block tables + (start, n) per sequence -> `build_batch` -> positions, write slots,
 attention groups (all decodes in one SDPA call, all prefill chunks padded into another)
@@ -121,13 +121,13 @@ class KVCache:
         self.gather_into(layer, pg)
         return pg.k.view(pg.shape), pg.v.view(pg.shape)
 
-    def page_gather(self, tables: torch.Tensor) -> PageGather:
+    def page_gather(self, tables: torch.Tensor, private: bool = False) -> PageGather:
         """The destination of a step's page gathers, made once per step and reused by every layer (`gather_into`):
-        the buffer kept from call to call when `reuse_gather`, else a fresh one."""
+        the buffer kept from call to call when `reuse_gather`, else (or `private`: a CUDA graph's own) a fresh one."""
         B, P = tables.shape
         flat = tables.reshape(-1)
         n, width = flat.numel(), self.page_size * self.kv_heads * self.head_dim
-        if not self.reuse_gather:
+        if private or not self.reuse_gather:
             buf = torch.empty((2, n, width), dtype=self.dtype, device=self.device)
         else:
             if self._gathered is None or self._gathered.numel() < 2 * n * width:
