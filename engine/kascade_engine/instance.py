@@ -235,8 +235,11 @@ class EngineInstance:
         raise InstanceError(503, f"engine is {self.phase.value}; not accepting requests")
 
     # -- weights -------------------------------------------------------------------------------
-    def add_block(self, block: Any) -> None:
-        self.model.add_block(block.id, block.tensors())
+    def add_block(self, block: Any | None) -> None:
+        """Make `block` runnable (None: it was added to the model already, by an upload off the loop: loader.py)
+        and let the phase follow residency."""
+        if block is not None:
+            self.model.add_block(block.id, block.tensors())
         self._settle()
 
     def add_blockset(self, blocks: Any, resident_layers: int | None = None) -> None:
