@@ -10,8 +10,15 @@ import pytest
 import torch
 
 from kascade_engine.batch.engine import Engine
-from kascade_engine.batch.graphs import (DecodeGraphs, DecodeInputs, bucket_for, buckets, decode_forward,
-                                         page_bucket, pad_decode)
+from kascade_engine.batch.graphs import (
+    DecodeGraphs,
+    DecodeInputs,
+    bucket_for,
+    buckets,
+    decode_forward,
+    pad_decode,
+    page_bucket,
+)
 from kascade_engine.batch.model import LlamaModel
 from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.batch.scheduler import Limits

@@ -51,7 +51,8 @@ def decode(q: torch.Tensor, batch: ForwardBatch, g: DecodeGroup, layer: int, win
     kv = pg.kt.shape[1]
     # grouped-query attention folded into the query length: query heads kv*g..kv*g+g-1 share kv head kv
     # (transformers' repeat_interleave), so SDPA runs B * kv_heads items of g queries, not B * heads of one
-    o = F.scaled_dot_product_attention(q.reshape(B, kv, H // kv, D), pg.kt, pg.vt, attn_mask=g.bias_for(window, q.dtype))
+    o = F.scaled_dot_product_attention(q.reshape(B, kv, H // kv, D), pg.kt, pg.vt,
+                                       attn_mask=g.bias_for(window, q.dtype))
     return o.reshape(B, H * D)  # [B, kv_heads, g, D]: heads in order
 
 

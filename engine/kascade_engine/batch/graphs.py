@@ -119,7 +119,10 @@ class DecodeGraphs:
         self.max_pages = max_pages
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._version = model.version
-        self._pool: Any = None  # one memory pool shared by every graph (they never run at once)
+        # one memory pool shared by every graph: a graph's intermediates (and its output) may sit where another's
+        # were, which is safe because graphs never run at once and a replay's logits are read (Engine._sample)
+        # before the next replay; the static inputs are allocated outside the pool
+        self._pool: Any = None
 
     @classmethod
     def for_engine(cls, model: LlamaModel, cache: KVCache, max_seqs: int, max_pages: int,
@@ -166,18 +169,18 @@ class DecodeGraphs:
     def _capture(self, b: int, p: int) -> _Graph:
         dev = self.model.device
         pad = pad_decode([0], [([0], 0, 1)], self.cache.page_size, b, p)  # every row padding: writes page 0 only
-        static = DecodeInputs(*(t.to(device=dev) for t in (pad.ids, pad.positions, pad.slots, pad.lens,
-                                                            pad.tables)), n=b)
+        static = DecodeInputs(pad.ids.to(device=dev), pad.positions.to(device=dev), pad.slots.to(device=dev),
+                              pad.lens.to(device=dev), pad.tables.to(device=dev), n=b)
         side = torch.cuda.Stream(device=dev)  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):  # warm-up off the capture (allocator, lazy kernel loading)
             for _ in range(2):
                 decode_forward(self.model, self.cache, static)
         torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()  # type: ignore[no-untyped-call]
+        graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             out = decode_forward(self.model, self.cache, static)
-        self._pool = graph.pool()  # type: ignore[no-untyped-call]
+        self._pool = graph.pool()
         log.info("captured a decode CUDA graph: batch %d, %d pages", b, p)
         g = self._graphs[b, p] = _Graph(static, graph, out)
         return g
