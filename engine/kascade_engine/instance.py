@@ -131,7 +131,7 @@ class EngineInstance:
             self.model, self.engine = self.ranks.engine.model, self.ranks.engine
         else:
             self.model = LlamaModel(self.model_cfg, dtype=self.dtype, device=self.device)
-            self.engine = Engine(self.model, limits, eos=self.tokenizer.eos_token_id)
+            self.engine = Engine(self.model, limits, eos=self.tokenizer.eos_token_id, cuda_graphs=c.cuda_graphs)
         self.peers = PeerPool(self.transport, config.token)  # activation connections opened ahead
         self.host = HostRows(
             layer_s=config.emulate_layer_ms / 1e3, knee_tokens=config.emulate_knee_tokens
