@@ -9,12 +9,6 @@ cost of running it: Python, metadata, torch dispatch, sampling. Printed per engi
                      (ops of a 4-layer step - ops of a 2-layer step) / 2, so any engine version is counted alike
   ops_per_step_fixed torch ops per step outside the layers (metadata, embedding, head, sampling)
   decode_tps         generated tokens/s at batch 64 (= 64 / step time)
-  kernel_ms          the step's model arithmetic: self CPU time (torch.profiler, median of 3 profiled steps) of the
-                     matmul and attention kernels (aten mm, addmm, bmm, baddbmm, _softmax and the SDPA kernels), the
-                     ops every engine version must run; on a GPU this is device time
-  host_ms            step_cpu_ms - kernel_ms: everything else the host does per step (Python, scheduling,
-                     metadata, sampling, dispatch, and the small ops: norms, rotary, gathers, cache writes); on a GPU
-                     this is what the host spends per step while the device computes (before CUDA graphs)
 
 `--against REF` measures the engine of git REF (exported with `git archive` into /tmp) side by side with
 this tree: each tree runs in its own process, rounds alternate, the round with the lowest step_cpu_ms per
@@ -76,23 +70,6 @@ def _ops(e: Any) -> int:
                (ev.cpu_parent is None or not ev.cpu_parent.name.startswith("aten::")))
 
 
-KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_softmax")
-
-
-def _kernel_ms(e: Any) -> float:
-    """CPU ms of one step inside the matmul / attention kernels (median of 3 profiled steps)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    out = []
-    for _ in range(3):
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            e.step()
-        us = sum(ev.self_cpu_time_total for ev in prof.events()
-                 if ev.name in KERNELS or ev.name.startswith("aten::_scaled_dot_product"))
-        out.append(us / 1000)
-    return float(statistics.median(out))
-
-
 def worker(steps: int, batch: int) -> dict[str, float]:
     import torch
 
@@ -108,12 +85,9 @@ def worker(steps: int, batch: int) -> dict[str, float]:
             times.append(time.perf_counter() - t0)
             cpu.append(time.thread_time() - c0)
         o4, o2 = _ops(e4), _ops(e2)
-        kernel = _kernel_ms(e4)
     per_layer = (o4 - o2) / 2
     ms = 1000 * statistics.median(times)
-    cpu_ms = 1000 * statistics.median(cpu)
-    return {"step_ms": ms, "step_ms_min": 1000 * min(times), "step_cpu_ms": cpu_ms, "kernel_ms": kernel,
-            "host_ms": cpu_ms - kernel,
+    return {"step_ms": ms, "step_ms_min": 1000 * min(times), "step_cpu_ms": 1000 * statistics.median(cpu),
             "ops_per_layer": per_layer,
             "ops_per_step_fixed": o2 - 2 * per_layer, "decode_tps": batch / (ms / 1000)}
 
@@ -156,23 +130,20 @@ def main() -> None:
     load1 = os.getloadavg()
     best = {k: min(v, key=lambda r: r["step_cpu_ms"]) for k, v in rounds.items()}
     print(f"load average before {load0[0]:.2f}, after {load1[0]:.2f}; batch {a.batch}, fp32, CPU, 1 thread")
-    print(f"{'tree':>14} {'cpu_ms':>7} {'cpu_ms rounds':>22} {'kernel_ms':>9} {'host_ms':>8} {'wall_ms':>8} "
-          f"{'ops/layer':>10} {'ops/step fixed':>15}")
+    print(f"{'tree':>14} {'cpu_ms':>7} {'cpu_ms rounds':>22} {'wall_ms':>8} {'ops/layer':>10} {'ops/step fixed':>15}")
     for k, r in best.items():
         alls = " ".join(f"{x['step_cpu_ms']:.2f}" for x in rounds[k])
-        print(f"{k:>14} {r['step_cpu_ms']:7.2f} {alls:>22} {r['kernel_ms']:9.2f} {r['host_ms']:8.2f} "
-              f"{r['step_ms']:8.2f} {r['ops_per_layer']:10.1f} {r['ops_per_step_fixed']:15.1f}")
+        print(f"{k:>14} {r['step_cpu_ms']:7.2f} {alls:>22} {r['step_ms']:8.2f} {r['ops_per_layer']:10.1f} "
+              f"{r['ops_per_step_fixed']:15.1f}")
     result: dict[str, Any] = {"batch": a.batch, "load_before": load0, "load_after": load1, "best": best,
                               "rounds": rounds}
     if a.against:
         b, t = best[a.against], best["this"]
         result["overhead_before_over_after"] = b["step_cpu_ms"] / t["step_cpu_ms"]
-        result["host_before_over_after"] = b["host_ms"] / t["host_ms"]
         result["ops_before_over_after"] = (4 * b["ops_per_layer"] + b["ops_per_step_fixed"]) / (
             4 * t["ops_per_layer"] + t["ops_per_step_fixed"])
-        print(f"step cpu before/after: {result['overhead_before_over_after']:.2f}x; host (cpu - kernels) "
-              f"before/after: {result['host_before_over_after']:.2f}x; torch ops per step before/after: "
-              f"{result['ops_before_over_after']:.2f}x")
+        print(f"step cpu before/after: {result['overhead_before_over_after']:.2f}x; torch ops per step "
+              f"before/after: {result['ops_before_over_after']:.2f}x")
     out = ROOT / "bench" / "results" / "engine_overhead.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
