@@ -145,12 +145,20 @@ def step_times(ckpt: Path, device: torch.device, dtype: torch.dtype, batches: li
     engine_step_s(eng, 1, 2, device)  # warm-up
     hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).to(device).eval()
     hf_step_s(hf, 1, 2, device)  # warm-up
-    out: dict[str, Any] = {}
+    graphs = eng.graphs  # decode CUDA graphs (batch/graphs.py): None off CUDA or with FlashInfer
+    out: dict[str, Any] = {"engine_cuda_graphs": graphs is not None}
     for b in batches:
         e, h = engine_step_s(eng, b, new, device), hf_step_s(hf, b, new, device)
         out[f"engine_step_ms_b{b}"], out[f"hf_step_ms_b{b}"] = 1e3 * e, 1e3 * h
         out[f"engine_over_hf_step_time_b{b}"] = e / h if h > 0 else None
-        print(f"  decode step b{b}: engine {1e3 * e:.2f} ms, transformers {1e3 * h:.2f} ms", flush=True)
+        line = f"  decode step b{b}: engine {1e3 * e:.2f} ms, transformers {1e3 * h:.2f} ms"
+        if graphs is not None:  # the same steps eagerly: what the graphs save
+            eng.graphs = None
+            eager = engine_step_s(eng, b, new, device)
+            eng.graphs = graphs
+            out[f"engine_eager_step_ms_b{b}"] = 1e3 * eager
+            line += f", engine without CUDA graphs {1e3 * eager:.2f} ms"
+        print(line, flush=True)
     return out
 
 

@@ -52,6 +52,8 @@ def engine() -> None:
                    "--gpu-memory-utilization leaves after the weights)")
 @click.option("--gpu-memory-utilization", default=0.9, show_default=True, type=click.FloatRange(0, 1, min_open=True),
               help="CUDA: share of the device's memory for weights + KV cache, when --kv-tokens is not given")
+@click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
+              help="CUDA: replay decode steps as CUDA graphs per batch-size bucket (never on the CPU)")
 @click.option("--max-waiting-tokens", default=65536, show_default=True, type=click.IntRange(1),
               help="load shedding: prompt tokens allowed to wait for their first step; beyond it a request is "
                    "refused with 503 + Retry-After")
@@ -133,6 +135,7 @@ def serve(
     max_seqs: int,
     kv_tokens: int | None,
     gpu_memory_utilization: float,
+    cuda_graphs: bool,
     max_waiting_tokens: int,
     max_n: int,
     page_size: int,
@@ -193,7 +196,8 @@ def serve(
         cfg = EngineConfig(checkpoint, model_name or checkpoint.name, token, device=device, dtype=dtype,
                            max_prompt_tokens=max_prompt_tokens or 0, max_batch_tokens=max_batch_tokens,
                            max_seqs=max_seqs, kv_tokens=kv_tokens or 0, gpu_memory_utilization=gpu_memory_utilization,
-                           page_size=page_size, max_n=max_n, threads=threads, transport=transport,
+                           cuda_graphs=cuda_graphs, page_size=page_size, max_n=max_n, threads=threads,
+                           transport=transport,
                            max_waiting_tokens=max_waiting_tokens,
                            transfer_bytes_per_s=transfer_max_mbps * 1e6 / 8 if transfer_max_mbps else None,
                            empty=empty, resident_layers=resident_layers, emulate_layer_ms=emulate_layer_ms,

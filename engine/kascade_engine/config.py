@@ -50,6 +50,7 @@ class EngineConfig:
     # --gpu-memory-utilization of the device leaves after the weights (kvcache.kv_tokens_for_memory); `resolved`
     kv_tokens: int = 0
     gpu_memory_utilization: float = 0.9
+    cuda_graphs: bool = True  # CUDA: decode steps replayed as graphs per batch-size bucket (batch/graphs.py)
     page_size: int = 16
     max_n: int = 8  # OpenAI `n` limit
     # load shedding: prompt tokens that may wait for a first step; a request beyond it is a 503 + Retry-After

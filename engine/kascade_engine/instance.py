@@ -133,7 +133,7 @@ class EngineInstance:
             self.model, self.engine = self.ranks.engine.model, self.ranks.engine
         else:
             self.model = LlamaModel(self.model_cfg, dtype=self.dtype, device=self.device)
-            self.engine = Engine(self.model, limits, eos=self.tokenizer.eos_token_id)
+            self.engine = Engine(self.model, limits, eos=self.tokenizer.eos_token_id, cuda_graphs=c.cuda_graphs)
         self.peers = PeerPool(self.transport, config.token)  # activation connections opened ahead
         self.host = HostRows(
             layer_s=config.emulate_layer_ms / 1e3, knee_tokens=config.emulate_knee_tokens
@@ -241,8 +241,11 @@ class EngineInstance:
         raise InstanceError(503, f"engine is {self.phase.value}; not accepting requests")
 
     # -- weights -------------------------------------------------------------------------------
-    def add_block(self, block: Any) -> None:
-        self.model.add_block(block.id, block.tensors())
+    def add_block(self, block: Any | None) -> None:
+        """Make `block` runnable (None: it was added to the model already, by an upload off the loop: loader.py)
+        and let the phase follow residency."""
+        if block is not None:
+            self.model.add_block(block.id, block.tensors())
         self._settle()
 
     def add_blockset(self, blocks: Any, resident_layers: int | None = None) -> None:

@@ -6,7 +6,9 @@ land), or the first copy from a checkpoint directory (`bind` with a `source.path
 Data flow (plan): `LoadPlanRequest` {plan, self, peers, planToken, manifest?} -> `TransferSpec` (the
 data plane's wire type; a source uses its own manifest) -> `TransferNode.start()` listens on this
 instance's data address -> `run()` receives/forwards -> on each committed block: `model.add_block`
-(zero-copy views of the verified buffer), bytesReceived updated -> all resident: phase serving, and the
+(CPU: zero-copy views of the verified buffer, inline; CUDA: the host->device copy in a worker thread on the
+model's upload stream, blocks in commit order, so the relay's event loop goes on forwarding chunks down the
+chain meanwhile), bytesReceived updated -> all resident: phase serving, and the
 received blocks become this engine's `blockset`, so it can be a source of the next plan.
 Data flow (source): path (or uri -> `modelsource.resolve` -> snapshot dir) -> `pack_checkpoint` in a worker thread
 (hashes every block) -> blocks
@@ -75,7 +77,7 @@ class LoadTarget(Protocol):
     @property
     def busy_loading(self) -> bool: ...
 
-    def add_block(self, block: Any) -> None: ...
+    def add_block(self, block: Any | None) -> None: ...  # None: already added (an upload off the loop)
 
     def begin_loading(self) -> None: ...
 
@@ -120,13 +122,29 @@ async def start_plan_load(inst: LoadTarget, req: LoadPlanRequest) -> None:
     model = inst.model
     started = time.monotonic()
 
+    last: asyncio.Task[None] | None = None  # CUDA: the newest block's upload (blocks land in commit order)
+
     def on_progress(event: dict[str, Any]) -> None:
+        nonlocal last
         if event.get("event") != "block":
             return
         blk = node.resident[event["block"]]
         inst.bytes_received = int(event.get("bytes", inst.bytes_received))
         inst.transfer_bw = inst.bytes_received / max(1e-6, time.monotonic() - started)
-        inst.add_block(blk)
+        if model.device.type == "cuda":  # the host->device copy off this (the relay's) loop, in commit order
+            last = asyncio.get_running_loop().create_task(upload(blk, event, last))
+            return
+        inst.add_block(blk)  # CPU: zero-copy views, microseconds
+        landed(blk, event)
+
+    async def upload(blk: Any, event: dict[str, Any], prev: asyncio.Task[None] | None) -> None:
+        if prev is not None:
+            await prev  # a failed earlier upload fails this one too: the load fails, visible in status
+        await asyncio.to_thread(model.add_block, blk.id, blk.tensors())  # side stream; the loop forwards meanwhile
+        inst.add_block(None)  # uploaded: the phase follows residency
+        landed(blk, event)
+
+    def landed(blk: Any, event: dict[str, Any]) -> None:
         timeline.mark("block", blk.id, resident=event.get("resident"), of=event.get("total"), bytes=inst.bytes_received)
         if model.complete and inst.blockset is None:
             inst.blockset = BlockSet(name, model.cfg, (node.resident[b] for b in spec.plan.model.block_ids))
@@ -151,6 +169,8 @@ async def start_plan_load(inst: LoadTarget, req: LoadPlanRequest) -> None:
     async def run() -> None:
         try:
             summary = await node.run()
+            if last is not None:
+                await last  # the last blocks' uploads (CUDA)
             log.info("transfer done: %s", summary)
         except Exception as e:  # a failed transfer leaves the engine loading, visible in status
             log.error("transfer failed on %s: %s", me, e)
@@ -184,8 +204,12 @@ async def start_host_load(inst: LoadTarget) -> None:
         started = time.monotonic()
         for b in blocks.blocks.values():
             inst.bytes_received += b.nbytes
-            inst.add_block(b)
-            await asyncio.sleep(0)
+            if inst.model.device.type == "cuda":  # the host->device copy off the loop (upload stream)
+                await asyncio.to_thread(inst.model.add_block, b.id, b.tensors())
+                inst.add_block(None)
+            else:
+                inst.add_block(b)
+                await asyncio.sleep(0)
         # serving again, and the copy stays a host copy (issue 18: never zero while the service exists): the
         # blockset a source sends from IS the kept copy, so it costs nothing more. CPU: the model's weights are
         # views of these buffers; CUDA: the weights are device tensors and these stay in host memory beside them

@@ -157,7 +157,7 @@ def test_common_values_are_accepted_and_used(helm: Helm, tmp_path: Path) -> None
     # the pool's own: which model its engines serve (ModelServices of other models never bind them)
     assert pool["metadata"]["annotations"] == {"a": "1", "kascade.io/model": "HuggingFaceTB/SmolLM2-135M-Instruct",
                                                "kascade.io/engine-capacity": "kvTokens=65536,maxBatchTokens=512,"
-                                                                             "maxPromptTokens=2048,maxSeqs=64"}
+                                                                             "maxSeqs=64"}
     assert op["spec"]["imagePullSecrets"] == [{"name": "g-pull"}, {"name": "pull"}] == pool["spec"]["imagePullSecrets"]
     assert (
         op["spec"]["priorityClassName"] == "system-cluster-critical" and pool["spec"]["priorityClassName"] == "gpu-high"

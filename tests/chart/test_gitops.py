@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from kascade_operator import capacity
+from kascade_operator.api import EngineCapacity
 from kascade_operator.settings import OperatorSettings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -182,6 +183,22 @@ def test_engine_capacity_reaches_pool_args_annotation_and_fallback_settings(helm
     assert s.engine_capacity == want and s.engine_dtype == "bfloat16"
     bad = helm("template", "rel", str(CHART), "--set", "pool.engine.maxSeqs=0", check=False)
     assert bad.returncode != 0 and "maxSeqs" in bad.stderr
+
+
+def test_max_prompt_tokens_defaults_to_the_models_context(helm: Helm) -> None:
+    """pool.engine.maxPromptTokens 0 (the default): no flag, so the engine takes its model's context; left out of
+    the annotation (a service asking for a number binds only pods started with it) and of the fallback pods' flags."""
+    docs = render(helm)
+    pool = one(docs, "Deployment", "rel-pool")
+    args = container(pool, "engine")["args"]
+    assert not [a for a in args if a.startswith("--max-prompt-tokens")] and "--max-seqs=64" in args, args
+    ann = pool["spec"]["template"]["metadata"]["annotations"]["kascade.io/engine-capacity"]
+    assert capacity.parse(ann) == {"kvTokens": 65536, "maxSeqs": 64, "maxBatchTokens": 512}
+    e = env(one(docs, "Deployment", "rel-operator"))
+    s = OperatorSettings(engine_capacity=json.loads(e["KASCADE_OPERATOR_ENGINE_CAPACITY"]))
+    assert s.engine_capacity == {"kvTokens": 65536, "maxSeqs": 64, "maxBatchTokens": 512}
+    assert not capacity.matches(ann, EngineCapacity(max_prompt_tokens=2048))
+    assert capacity.matches(ann, EngineCapacity(kv_tokens=65536))
 
 
 def test_image_tags_default_to_the_app_version(helm: Helm) -> None:

@@ -157,11 +157,12 @@ Args: (list $ "group/version" "Kind" "the value" "what installs it").
 
 {{/*
 The pool engines' capacity as the annotation kascade.io/engine-capacity carries it (the operator's
-kascade_operator.capacity.annotation() writes the same form for fallback pods).
+kascade_operator.capacity.annotation() writes the same form for fallback pods). maxPromptTokens 0 (the model's
+context) is left out, as its flag is: a service asking for a number binds only pods started with that number.
 */}}
 {{- define "kascade.engineCapacity" -}}
 {{- with .Values.pool.engine -}}
-kvTokens={{ int .kvTokens }},maxBatchTokens={{ int .maxBatchTokens }},maxPromptTokens={{ int .maxPromptTokens }},maxSeqs={{ int .maxSeqs }}
+kvTokens={{ int .kvTokens }},maxBatchTokens={{ int .maxBatchTokens }},{{ if gt (int .maxPromptTokens) 0 }}maxPromptTokens={{ int .maxPromptTokens }},{{ end }}maxSeqs={{ int .maxSeqs }}
 {{- end -}}
 {{- end -}}
 

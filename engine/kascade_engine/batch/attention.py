@@ -2,7 +2,9 @@
 
 Three shapes of work, each with its kernel:
   decodes (one query per sequence)   `decode`: whole pages of each block table copied page by page (no
-                                     per-token index), SDPA with an additive key mask built once per step
+                                     per-token index) into buffers and views made once per step, SDPA with
+                                     the query heads of a KV head as its query length (GQA folded: B *
+                                     kv_heads items, not B * heads) and an additive key mask built once per step
                                      (measured on CPU: as fast as or faster than a per-token gather with a
                                      boolean mask, and far faster than matmul + softmax, which copies K to
                                      transpose it). On CUDA with FlashInfer importable, its paged decode
@@ -42,10 +44,16 @@ def decode(q: torch.Tensor, batch: ForwardBatch, g: DecodeGroup, layer: int, win
     B, H, D = q.shape
     if g.flash is not None:
         return flashinfer_decode(g, q, cache.k[layer], cache.v[layer], cache.page_size, window)
-    k, v = cache.gather_pages(layer, g.tables)  # [B, C, kv_heads, D]
-    o = F.scaled_dot_product_attention(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
-                                       attn_mask=g.bias_for(window, q.dtype), enable_gqa=k.shape[2] != H)
-    return o.reshape(B, H * D)  # [B, heads, 1, D]
+    if g.pages is None:  # once per step: every layer gathers into the same buffers and views
+        g.pages = cache.page_gather(g.tables)
+    pg = g.pages
+    cache.gather_into(layer, pg)
+    kv = pg.kt.shape[1]
+    # grouped-query attention folded into the query length: query heads kv*g..kv*g+g-1 share kv head kv
+    # (transformers' repeat_interleave), so SDPA runs B * kv_heads items of g queries, not B * heads of one
+    o = F.scaled_dot_product_attention(q.reshape(B, kv, H // kv, D), pg.kt, pg.vt,
+                                       attn_mask=g.bias_for(window, q.dtype))
+    return o.reshape(B, H * D)  # [B, kv_heads, g, D]: heads in order
 
 
 def fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
+from kascade_engine.batch.graphs import DecodeGraphs
 from kascade_engine.batch.kvcache import KVCache, build_batch
 from kascade_engine.batch.model import LlamaModel
 from kascade_engine.batch.recorder import StepRecorder
@@ -60,7 +61,9 @@ class Request:
         return self.prompt[a:b] + self.out[:max(0, b - p)]
 
 
-@dataclass(frozen=True)
+# slots, not frozen: a frozen dataclass sets every field through object.__setattr__ (3x the cost; a step makes one
+# Event per sequence). Treated as immutable all the same; hashable like a frozen one (unsafe_hash).
+@dataclass(slots=True, unsafe_hash=True)
 class Event:
     request: str
     token: int
@@ -95,7 +98,8 @@ class StepHooks(Protocol):
 
 
 class Engine:
-    def __init__(self, model: LlamaModel, limits: Limits | None = None, eos: int | None = None) -> None:
+    def __init__(self, model: LlamaModel, limits: Limits | None = None, eos: int | None = None,
+                 cuda_graphs: bool = True) -> None:
         self.model = model
         self.limits = limits or Limits()
         windows = model.windows
@@ -106,6 +110,9 @@ class Engine:
         self.cache = KVCache(s.layers, self.limits.pages, self.limits.page_size, s.kv_heads, s.head_dim,
                              model.dtype, model.device, reuse_gather=True)
         self.requests: dict[str, Request] = {}
+        # decode steps replayed as CUDA graphs per batch-size bucket (graphs.py); None off CUDA or when turned off
+        self.graphs = DecodeGraphs.for_engine(model, self.cache, self.limits.max_seqs, self.limits.pages - 1,
+                                              cuda_graphs)
         self.eos = eos
         self._ids = itertools.count()
         self._aborts: set[str] = set()
@@ -223,7 +230,14 @@ class Engine:
             ids.extend(r.span(w.start, w.end))
             if w.end == r.length:
                 rows.append(len(ids) - 1)
-        h = self._hidden(ids, [(pool.tables[w.id], w.start, w.n) for w in work])
+        items = [(pool.tables[w.id], w.start, w.n) for w in work]
+        if self.graphs is not None and len(rows) == len(ids) == len(items):  # all decodes: maybe a graph replay
+            out = self.graphs.logits(ids, items)
+            if out is not None:
+                return out
+        h = self._hidden(ids, items)
+        if len(rows) == len(ids):  # every token samples (all decodes): no row to pick
+            return m.logits(h)
         return m.logits(h[torch.tensor(rows, dtype=torch.long, device=m.device)])
 
     def _hidden(self, ids: list[int], items: list[tuple[list[int], int, int]]) -> torch.Tensor:

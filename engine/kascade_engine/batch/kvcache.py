@@ -3,8 +3,8 @@ model where each token's K/V goes and which slots each query attends to.
 
 Storage: `k`, `v` of shape [layers, pages * page_size, kv_heads, head_dim] (slot = page * page_size +
 offset; page tables come from pages.PagePool). Memory starts zero (`zeroed`: on the CPU the OS maps it as
-it is used); page 0 is never handed out and stays zero: gathers pad with it, so padded keys are finite
-and masked out.
+it is used); page 0 is never handed out and holds only finite values (zero, or the K/V of a CUDA graph's
+padding rows, graphs.py): gathers pad with it, and every read of it is masked out.
 
 Data flow per step: block tables + (start, n) per sequence -> `build_batch` -> positions, write slots,
 attention groups (all decodes in one SDPA call, all prefill chunks padded into another)
@@ -117,20 +117,44 @@ class KVCache:
         """`tables` [B, P] page ids -> K, V [B, P * page_size, kv_heads, head_dim]: whole pages copied (one
         contiguous run of page_size * kv_heads * head_dim values each, no per-token index), into the buffer
         kept from call to call when `reuse_gather` (valid until the next gather)."""
+        pg = self.page_gather(tables)
+        self.gather_into(layer, pg)
+        return pg.k.view(pg.shape), pg.v.view(pg.shape)
+
+    def page_gather(self, tables: torch.Tensor, private: bool = False) -> PageGather:
+        """The destination of a step's page gathers, made once per step and reused by every layer (`gather_into`):
+        the buffer kept from call to call when `reuse_gather`, else (or `private`: a CUDA graph's own) a fresh one."""
         B, P = tables.shape
         flat = tables.reshape(-1)
-        width = self.page_size * self.kv_heads * self.head_dim
+        n, width = flat.numel(), self.page_size * self.kv_heads * self.head_dim
+        if private or not self.reuse_gather:
+            buf = torch.empty((2, n, width), dtype=self.dtype, device=self.device)
+        else:
+            if self._gathered is None or self._gathered.numel() < 2 * n * width:
+                self._gathered = torch.empty((2, n * width), dtype=self.dtype, device=self.device)
+            buf = self._gathered.view(-1)[:2 * n * width].view(2, n, width)
         shape = (B, P * self.page_size, self.kv_heads, self.head_dim)
-        kp, vp = self._kp[layer], self._vp[layer]
-        if not self.reuse_gather:
-            return kp.index_select(0, flat).view(shape), vp.index_select(0, flat).view(shape)
-        n = flat.numel()
-        if self._gathered is None or self._gathered.numel() < 2 * n * width:
-            self._gathered = torch.empty((2, n * width), dtype=self.dtype, device=self.device)
-        buf = self._gathered.view(-1)[:2 * n * width].view(2, n, width)
-        torch.index_select(kp, 0, flat, out=buf[0])
-        torch.index_select(vp, 0, flat, out=buf[1])
-        return buf[0].view(shape), buf[1].view(shape)
+        k, v = buf.unbind(0)
+        return PageGather(flat, k, v, shape, k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2))
+
+    def gather_into(self, layer: int, pg: PageGather) -> None:
+        """Layer `layer`'s pages of `pg.flat` into `pg`'s buffers (two copies, nothing allocated)."""
+        torch.index_select(self._kp[layer], 0, pg.flat, out=pg.k)
+        torch.index_select(self._vp[layer], 0, pg.flat, out=pg.v)
+
+
+@dataclass(frozen=True)
+class PageGather:
+    """Where a step's decode pages land: `k`, `v` [B * P, page_size * kv_heads * head_dim] (one row per page),
+    seen as `kt`, `vt` [B, kv_heads, P * page_size, head_dim] (what SDPA reads). Valid until the cache's next
+    gather into the same buffer (the next step's `page_gather`, or a gather of a prefill group)."""
+
+    flat: torch.Tensor  # [B * P] page ids
+    k: torch.Tensor
+    v: torch.Tensor
+    shape: tuple[int, int, int, int]  # [B, P * page_size, kv_heads, head_dim]
+    kt: torch.Tensor
+    vt: torch.Tensor
 
 
 @dataclass
@@ -183,6 +207,7 @@ class DecodeGroup:
     page_size: int
     _bias: dict[int | None, torch.Tensor] = field(default_factory=dict)
     flash: dict[int | None, Any] | None = None  # FlashInfer wrappers planned for this step, per window (CUDA)
+    pages: PageGather | None = None  # the gather's destination, made at the step's first layer (torch path)
 
     @property
     def batch(self) -> int:

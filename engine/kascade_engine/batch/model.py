@@ -92,6 +92,7 @@ class LlamaModel:
         self.dtype = dtype
         self.device = torch.device(device)
         self.weights: dict[str, dict[str, torch.Tensor]] = {}
+        self.version = 0  # counts `add_block` calls: CUDA graphs captured at an older version are stale (graphs.py)
         self._staging: torch.Tensor | None = None  # pinned host buffer for CUDA uploads
         self._upload: torch.cuda.Stream | None = None  # CUDA: the side stream blocks are uploaded on
         self.inv_freq = rope_inv_freq(cfg, self.device)
@@ -104,6 +105,7 @@ class LlamaModel:
         if prefix is None:
             prefix = f"model.layers.{int(block_id.split('.')[1])}."
         names = {k: k[len(prefix):] if k.startswith(prefix) else k for k in tensors}
+        self.version += 1
         if self.device.type == "cuda":
             self.weights[block_id] = self._to_cuda({names[k]: v for k, v in tensors.items()})
         else:  # same device and dtype: a zero-copy view of the block's buffer

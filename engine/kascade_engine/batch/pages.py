@@ -46,6 +46,9 @@ class PagePool:
 
     def grow(self, seq: str, tokens: int) -> bool:
         """Give `seq` enough pages for `tokens` positions; all or nothing."""
+        table = self.tables.get(seq)
+        if table is not None and len(table) * self.page_size >= tokens:
+            return True  # most decode steps: the last page has room
         need = self.missing(seq, tokens)
         if need > len(self._free):
             return False

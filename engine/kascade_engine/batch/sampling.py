@@ -158,23 +158,37 @@ def pick(logits: torch.Tensor, reqs: Sequence[Sampled | tuple[SamplingParams, to
     pass over the rows that need it); a (params, generator) row (a live peer's: it keeps the history) only its
     temperature / top-k / top-p. Greedy rows take the argmax."""
     raw = logits  # logprobs are the model's own distribution (vLLM's default), before penalties
-    fix = [j for j, r in enumerate(reqs) if not isinstance(r, tuple) and needs_adjust(r.params, len(r.out))]
+    params: list[SamplingParams] = []
+    fix: list[int] = []  # rows whose logits pass `adjust`
+    free: list[int] = []  # unseeded sampling rows
+    seeded: list[tuple[int, torch.Generator]] = []  # sampling rows with their own generator
+    want: list[int] = []  # rows that report logprobs
+    for j, r in enumerate(reqs):  # one pass: a greedy batch of defaults costs a few checks per row
+        if isinstance(r, tuple):
+            p, gen = r
+        else:
+            p, gen = r.params, r.gen
+            if p.penalised or len(r.out) < p.min_tokens:  # needs_adjust
+                fix.append(j)
+            if p.logprobs is not None:
+                want.append(j)
+        params.append(p)
+        if p.temperature > 0:
+            if gen is None:
+                free.append(j)
+            else:
+                seeded.append((j, gen))
     if fix:
         logits = logits.clone()
         rows = [(r.params, r.prompt, r.out) for r in (reqs[j] for j in fix) if not isinstance(r, tuple)]
         logits[fix] = adjust(logits[fix], rows, eos).to(logits.dtype)
-    params = [r[0] if isinstance(r, tuple) else r.params for r in reqs]
-    gens = [r[1] if isinstance(r, tuple) else r.gen for r in reqs]
     picked = logits.argmax(dim=-1)
-    free = [j for j, p in enumerate(params) if p.temperature > 0 and gens[j] is None]
     if free:  # unseeded sampling rows: one vectorised draw on the logits' device
         idx = torch.tensor(free, dtype=torch.long, device=logits.device)
         picked = picked.index_copy(0, idx, sample_rows(logits.index_select(0, idx), [params[j] for j in free]))
     out: list[int] = picked.tolist()  # the step's one device -> host copy of tokens
-    for j, p in enumerate(params):
-        if p.temperature > 0 and gens[j] is not None:  # a seed: its own CPU generator, same tokens on any device
-            out[j] = sample(logits[j].float().cpu(), p, gens[j])
-    want = [j for j, r in enumerate(reqs) if not isinstance(r, tuple) and r.params.logprobs is not None]
+    for j, g in seeded:  # a seed: its own CPU generator, same tokens on any device
+        out[j] = sample(logits[j].float().cpu(), params[j], g)
     if want:
         lps = torch.log_softmax(raw[want].float(), dim=-1).cpu()
         for k, j in enumerate(want):

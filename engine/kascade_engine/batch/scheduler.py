@@ -41,7 +41,7 @@ class Seq:
         self.total = self.total or self.prompt_len
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, unsafe_hash=True)  # not frozen: one per sequence per step (see engine.Event)
 class Work:
     id: str
     start: int
