@@ -16,9 +16,10 @@ from kascade_operator import labels as L
 from kascade_operator import plandriver
 from kascade_operator.api import ModelServiceSpec
 from kascade_operator.engine_client import EngineClient
-from kascade_operator.handlers import observe, reconcile_service
+from kascade_operator.handlers import reconcile_service
 from kascade_operator.kube import Conflict
 from kascade_operator.metrics import Scraper
+from kascade_operator.observe import pool_views
 from kascade_operator.operator_metrics import OperatorMetrics
 from kascade_operator.reconcile import CreatePlan
 from kascade_operator.runtime import Runtime
@@ -65,7 +66,7 @@ def phase(kube: FakeKube, name: str) -> str:
 
 async def new_plan(rt: Runtime, body: dict[str, Any], target: str) -> dict[str, Any]:
     spec = ModelServiceSpec.model_validate(body["spec"])
-    pods, _ = await observe(rt, NS, NS)
+    pods, _ = await pool_views(rt, NS)
     sp = await plandriver.new_scaleplan(rt, body, spec, CreatePlan("colocated", (), (target,), "test"),
                                         {p.pod_name: p for p in pods}, await rt.nodes())
     return await rt.kube.create_scaleplan(NS, sp)
