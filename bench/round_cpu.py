@@ -2,7 +2,8 @@
 """CPU per reconcile round, in process, and how it grows with the number of ModelServices.
 
 Set-up per size N: the in-memory kube layer of the operator tests (tests/operator/fakekube.py) with 10 x N
-GPU nodes, N + 4 pool pods of which N are bound (loaded, Ready) one per ModelService, N ModelServices
+GPU nodes, N + 4 pool pods of which N are bound (loaded, Ready) one per ModelService and one idle pod keeps
+the model in host memory (the keeper's O(1) copies per model), N ModelServices
 (threshold policy, min 1 max 2) and a finished ScalePlan each; the pool and plans are handed to the
 Runtime as its watch indexes (what kopf gives the real operator). Metrics come from a source that answers
 at once (no HTTP: this measures the round, not the scrape). Then every service gets `--rounds` steady
@@ -22,12 +23,13 @@ import importlib.util
 import json
 import os
 import pstats
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from kascade_operator import actuator, decision, observe
 from kascade_operator import labels as L
 from kascade_operator.engine_client import EngineClient
 from kascade_operator.handlers import reconcile_service
@@ -68,12 +70,13 @@ def build(n: int) -> tuple[Runtime, list[dict[str, Any]]]:
         if i < n:
             meta = kube.pods[(NS, f"e{i}")]["metadata"]
             meta["labels"].update({L.MODEL_SERVICE: f"svc{i}", L.ROLE: "colocated", L.POOL: L.POOL_BOUND})
-            meta["annotations"].update({L.LOADED: "true", L.PLAN: f"svc{i}-p", L.HOST_COPY: "tiny"})
+            meta["annotations"].update({L.LOADED: "true", L.PLAN: f"svc{i}-p"})
             plans.append({"metadata": {"name": f"svc{i}-p", "namespace": NS,
                                        "creationTimestamp": "2026-12-06T07:00:00Z"},
                           "spec": {"modelServiceRef": {"name": f"svc{i}"}, "role": "colocated",
                                    "targets": [{"pod": f"e{i}", "instance": f"e{i}"}]},
                           "status": {"phase": "Succeeded", "completionTime": "2026-12-06T07:00:05Z"}})
+    kube.pods[(NS, f"e{n}")]["metadata"]["annotations"][L.HOST_COPY] = "tiny"  # the pool keeps one copy
     settings = OperatorSettings(engine_token=TOKEN, engine_image="x", allowed_host_path_roots=["/m"])
     rt = Runtime(settings, kube, EngineClient(TOKEN), Scraper(), None, OperatorMetrics())
     rt.prometheus = Instant()  # type: ignore[assignment]
@@ -107,13 +110,15 @@ async def measure(n: int, rounds: int, prof: cProfile.Profile | None = None) -> 
         return a if asyncio.iscoroutinefunction(fn) else s
 
     import kascade_operator.handlers as H
-    orig = H.observe, H.decide, H.act
-    H.observe, H.decide, H.act = timed("observe", observe.observe), timed("decide", decision.decide), \
-        timed("act", actuator.act)
+    split_known = all(hasattr(H, f) for f in ("observe", "decide", "act"))  # (a baseline tree may not split)
+    orig = (H.observe, H.decide, H.act) if split_known else None
+    if split_known:
+        H.observe, H.decide, H.act = timed("observe", H.observe), timed("decide", H.decide), timed("act", H.act)
     try:
         for b in bodies:  # the first round writes each status; the measured ones are steady
             await reconcile_service(rt, b, "update")
-            b["status"] = json.loads(json.dumps(rt.kube.service_status))  # as the watch would show it
+            written: dict[str, Any] = rt.kube.service_status  # type: ignore[attr-defined]  # (FakeKube's record)
+            b["status"] = json.loads(json.dumps(written))  # as the watch would show it
         for k in split:
             split[k] = 0.0
         if prof is not None:
@@ -126,7 +131,8 @@ async def measure(n: int, rounds: int, prof: cProfile.Profile | None = None) -> 
         if prof is not None:
             prof.disable()
     finally:
-        H.observe, H.decide, H.act = orig
+        if orig is not None:
+            H.observe, H.decide, H.act = orig
         await rt.engines.aclose()
     per = n * rounds
     return {"services": float(n), "cpu_ms_per_round": round(1000 * cpu / per, 3),
@@ -139,7 +145,16 @@ def main() -> None:
     ap.add_argument("--sizes", default="20,200,1000")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--compare", metavar="REF", help="git ref: the same sizes with its operator first (a child "
+                    "process on its unpacked tree), then this tree's, interleaved per size")
+    ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one size's row, for --compare
     a = ap.parse_args()
+    if a.json:
+        print(json.dumps(asyncio.run(measure(int(a.sizes), a.rounds))))
+        return
+    if a.compare:
+        compare(a.compare, [int(x) for x in a.sizes.split(",")], a.rounds)
+        return
     sizes = [int(x) for x in a.sizes.split(",")]
     rows = []
     print(f"load average {os.getloadavg()[0]:.1f}")
@@ -155,6 +170,32 @@ def main() -> None:
     print(f"load average {os.getloadavg()[0]:.1f}")
     out = REPO / "bench" / "results" / "round_cpu.json"
     out.write_text(json.dumps({"rows": rows, "loadavg_1m": os.getloadavg()[0]}, indent=1) + "\n")
+
+
+def compare(ref: str, sizes: list[int], rounds: int) -> None:
+    """Per size, REF's operator then this tree's, each in a fresh child process (same fake cluster)."""
+    with tempfile.TemporaryDirectory(prefix="kascade-round-cpu-") as tmp:
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", ref], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        dirs = ("planner", "cli", "operator", "engine", "sim", "e2e", "router")
+        trees = {ref: [f"{tmp}/{d}" for d in dirs], "this tree": [str(REPO / d) for d in dirs]}
+        print(f"load average {os.getloadavg()[0]:.1f}; CPU ms per steady round (observe -> decide -> act)")
+        print(f"{'services':>9} {ref:>14} {'this tree':>10} {'ratio':>6}")
+        rows = []
+        for n in sizes:
+            got = {}
+            for label, path in trees.items():
+                env = {**os.environ, "PYTHONPATH": ":".join(path)}
+                out = subprocess.run([sys.executable, str(REPO / "bench" / "round_cpu.py"), "--json", "--sizes",
+                                      str(n), "--rounds", str(rounds)], env=env, check=True, capture_output=True,
+                                     text=True, cwd=tmp if label == ref else REPO).stdout
+                got[label] = json.loads(out.strip().splitlines()[-1])["cpu_ms_per_round"]
+            rows.append({"services": n, "base_ms": got[ref], "ms": got["this tree"]})
+            print(f"{n:>9} {got[ref]:>14.3f} {got['this tree']:>10.3f} {got[ref] / got['this tree']:>5.1f}x",
+                  flush=True)
+        print(f"load average {os.getloadavg()[0]:.1f}")
+        out_file = REPO / "bench" / "results" / "round_cpu_compare.json"
+        out_file.write_text(json.dumps({"ref": ref, "rows": rows, "loadavg_1m": os.getloadavg()[0]}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -55,18 +55,6 @@ def plan_view(sp: Plan) -> PlanView:
                     tuple(t.get("pod") or t["instance"] for t in spec.get("targets") or []))
 
 
-def held_pods(sp: Plan) -> list[Mapping[str, Any]]:
-    """A ScalePlan's targets and its host-copy sources (idle pods it sends from): no other plan binds them."""
-    spec = sp.get("spec") or {}
-    return [*(spec.get("targets") or []), *(s for s in spec.get("sources") or [] if s.get("hostCopy") and s.get("pod"))]
-
-
-def held(plans: Iterable[Plan]) -> set[str]:
-    """Pods the unfinished plans hold (their binds may not be in the pod index yet)."""
-    return {t.get("pod") or t["instance"] for p in plans if (p.get("status") or {}).get("phase") not in TERMINAL
-            for t in held_pods(p)}
-
-
 def zero(spec: ModelServiceSpec, w: World, r: RoleWorld, serving: int, lo: int,
          d: RoleDecision) -> tuple[RoleDecision, bool, float]:
     """Scale from zero on the router's demand (no engine exists to be scraped) and to zero after an idle time
@@ -137,9 +125,10 @@ def decide(w: World) -> Decision:
         clocks[d.role] = (d.state.below_since_s, busy)
         decisions.append(d)
     changes = tuple(d for d in decisions if d.desired != d.current)
-    # pods other services' plans hold, here and (a shared pool) in other namespaces, and pods other rounds
-    # claimed: observe read the claims last, and act claims this round's targets before its first await
-    taken = held(w.plans) | held(w.plans_elsewhere) | w.reserved
+    # pods unfinished plans hold (their binds may not be in the pod index yet), here and (a shared pool) in
+    # other namespaces, and pods other rounds claimed: observe read the claims last, and act claims this
+    # round's targets before its first await
+    taken = w.held | w.reserved
     res = reconcile(key, spec, pods, plans, desired or None, "; ".join(d.reason for d in changes), taken,
                     w.expected, release_last)
     events: list[Event] = []

@@ -27,7 +27,7 @@ import kopf
 from kascade_operator import enginetoken, plandriver, rolesync, rounds
 from kascade_operator import labels as L
 from kascade_operator.actuator import act, apply
-from kascade_operator.decision import decide, held_pods
+from kascade_operator.decision import decide
 from kascade_operator.demand import RouterDemand
 from kascade_operator.engine_client import EngineClient
 from kascade_operator.kube import GROUP, VERSION, Kube
@@ -37,9 +37,10 @@ from kascade_operator.operator_metrics import OperatorMetrics
 from kascade_operator.reconcile import TERMINAL, Result
 from kascade_operator.runtime import ALL, Runtime
 from kascade_operator.settings import OperatorSettings
+from kascade_operator.snapshots import held_pods
 from kascade_planner.engine_tls import engine_tls_context
 
-__all__ = ["apply", "build_registry", "field_errors", "held_pods", "reconcile_service"]
+__all__ = ["act", "apply", "build_registry", "decide", "field_errors", "held_pods", "observe", "reconcile_service"]
 
 log = logging.getLogger(__name__)
 

@@ -12,6 +12,7 @@ claims its own targets before it first awaits, so two services never pick one po
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from dataclasses import replace
@@ -68,6 +69,30 @@ async def copy_checks(rt: Runtime, pods: list[PodView], model: str, pool_ns: str
     return out
 
 
+async def parse(rt: Runtime, body: dict[str, Any]) -> tuple[ModelServiceSpec | None, list[str]]:
+    """The validated spec and its problems (field errors, semantic ones against the nodes), parsed again
+    only when the spec or the nodes' largest GPU count changed (a steady round reads the same spec)."""
+    meta, raw = body["metadata"], body.get("spec") or {}
+    _, gpus = await rt.node_facts()
+    key = (meta["namespace"], meta["name"])
+    hit = rt.parsed.get(key)
+    if hit is not None and hit[0] == raw and hit[1] == gpus:
+        return hit[2], list(hit[3])
+    problems: list[str] = []
+    name = meta["name"]
+    if len(name) > MAX_NAME:
+        problems.append(f"metadata.name: {len(name)} characters; at most {MAX_NAME} (it is a label value on the "
+                        f"service's pods and ScalePlans)")
+    spec: ModelServiceSpec | None = None
+    try:
+        spec = ModelServiceSpec.model_validate(raw)
+        problems += semantic_errors(spec, gpus, rt.settings.gpu_resource)
+    except ValidationError as e:
+        problems.append(field_errors(e))
+    rt.parsed[key] = (copy.deepcopy(raw), gpus, spec, tuple(problems))
+    return spec, problems
+
+
 async def observe(rt: Runtime, body: dict[str, Any], trigger: str) -> World | None:
     """The round's World, or None when it is not due (a timer round sooner than 0.95 of the interval) or the
     service is being deleted (its delete handler releases everything)."""
@@ -76,16 +101,7 @@ async def observe(rt: Runtime, body: dict[str, Any], trigger: str) -> World | No
     now = time.monotonic()
     if meta.get("deletionTimestamp"):
         return None
-    problems: list[str] = []
-    if len(name) > MAX_NAME:
-        problems.append(f"metadata.name: {len(name)} characters; at most {MAX_NAME} (it is a label value on the "
-                        f"service's pods and ScalePlans)")
-    spec: ModelServiceSpec | None = None
-    try:
-        spec = ModelServiceSpec.model_validate(body.get("spec") or {})
-        problems += semantic_errors(spec, (await rt.node_facts())[1], rt.settings.gpu_resource)
-    except ValidationError as e:
-        problems.append(field_errors(e))
+    spec, problems = await parse(rt, body)
     if problems or spec is None:
         return World(body, trigger, now, now_iso(), rt.settings, None, tuple(problems),
                      invalid_reported=rt.invalid_seen.get((ns, name)) == meta.get("generation"))
@@ -99,8 +115,10 @@ async def observe(rt: Runtime, body: dict[str, Any], trigger: str) -> World | No
         return None  # this service's own spec.scaling.intervalSeconds: the queue may wake it sooner
     pool_ns = rt.pool_namespace(ns)
     key = service_key(ns, name, pool_ns)
-    pods, raw = await pool_views(rt, pool_ns)
-    plans = await rt.scaleplans(ns)
+    # the service's pods, the idle ones and the model's host copies (snapshots.py: grouped once per change)
+    pods, raw = (await rt.pool_snapshot(pool_ns)).select(key, spec.model.name)
+    own_plans = await rt.plan_snapshot(ns)
+    plans = own_plans.of(name)
     roles: list[RoleWorld] = []
     for role, b in role_bounds(spec).items():
         rkey = (ns, name, role)
@@ -118,10 +136,13 @@ async def observe(rt: Runtime, body: dict[str, Any], trigger: str) -> World | No
         roles.append(RoleWorld(role, snap, rt.below_since.get(rkey), rt.last_busy.get(rkey)))
     demand = await rt.router.get(ns, name) if rt.router is not None else None
     checks = await copy_checks(rt, pods, spec.model.name, pool_ns, now)
-    elsewhere = [p for n2 in rt.plan_namespaces() if n2 != ns for p in await rt.scaleplans(n2)] \
-        if pool_ns != ns else []
+    # pods unfinished plans hold: this namespace's, and every other's when the pool is shared
+    held = set(own_plans.held)
+    if pool_ns != ns:
+        for n2 in rt.plan_namespaces():
+            held |= (await rt.plan_snapshot(n2)).held if n2 != ns else set()
     # no await from here to act()'s claims
     return World(body, trigger, now, now_iso(), rt.settings, spec, (), False, sources, objs, resolution, pool_ns,
-                 key, tuple(pods), tuple(raw), tuple(plans), tuple(elsewhere), frozenset(rt.reserved(pool_ns)),
+                 key, tuple(pods), tuple(raw), tuple(plans), frozenset(held), frozenset(rt.reserved(pool_ns)),
                  rt.expected(pool_ns, key, (p.pod_name for p in pods)), tuple(roles), demand,
                  rt.router is not None, rt.view is not None and rt.prometheus is None, checks)

@@ -58,6 +58,7 @@ def forget(rt: Runtime, ns: str, name: str) -> None:
     if rt.queue is not None:
         rt.queue.forget((ns, name))
     rt.steady.pop((ns, name), None)
+    rt.parsed.pop((ns, name), None)
 
 
 async def sweep_forever(rt: Runtime, view: MetricsView) -> None:

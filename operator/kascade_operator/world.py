@@ -56,10 +56,12 @@ class World:
     resolution: Resolution = field(default_factory=lambda: Resolution({}, {}))
     pool_ns: str = ""
     key: str = ""  # the service key its pods carry (pool.service_key)
-    pods: tuple[PodView, ...] = ()  # the pool, a draining pod marked drained (its release is tried each round)
-    raw_pods: tuple[Mapping[str, Any], ...] = ()  # the same pods as the watch holds them (serving gate)
-    plans: tuple[Mapping[str, Any], ...] = ()  # every ScalePlan of the service's namespace
-    plans_elsewhere: tuple[Mapping[str, Any], ...] = ()  # other namespaces' plans, when the pool is shared
+    # the pool as this round needs it: the service's pods, the idle ones, the pods keeping its model in host
+    # memory (a draining pod is marked drained: its release is tried each round)
+    pods: tuple[PodView, ...] = ()
+    raw_pods: tuple[Mapping[str, Any], ...] = ()  # the same pods as the watch holds them (serving gates)
+    plans: tuple[Mapping[str, Any], ...] = ()  # the service's ScalePlans
+    held: frozenset[str] = frozenset()  # pods unfinished ScalePlans of any service hold (targets, host sources)
     reserved: frozenset[str] = frozenset()  # pool pods other rounds claimed for their plans (Runtime.reserve)
     expected: int = 0  # fallback pods created for the service that the watch does not show yet
     roles: tuple[RoleWorld, ...] = ()

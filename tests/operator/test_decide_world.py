@@ -66,9 +66,7 @@ def test_load_above_the_target_creates_one_plan_from_the_ready_copy() -> None:
 
 def test_pods_other_rounds_claimed_or_other_plans_hold_are_never_targets() -> None:
     s = spec(hi=4, scaling=CONC)
-    other = {"metadata": {"name": "other-colocated-x"}, "spec": {"modelServiceRef": {"name": "other"},
-                                                                 "targets": [{"pod": "i1"}]}, "status": {}}
-    d = decide(world(s, serving(1) + idle(3), P.MetricsSnapshot(NOW, in_flight=10), plans=(other,),
+    d = decide(world(s, serving(1) + idle(3), P.MetricsSnapshot(NOW, in_flight=10), held=frozenset({"i1"}),
                      reserved=frozenset({"i0"})))
     assert [a.targets for a in d.actions if isinstance(a, CreatePlan)] == [("i2",)]
     assert d.result is not None and d.result.short == 1
