@@ -134,15 +134,17 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
     # Every round after a service's first comes from the work queue (rounds.py); these indexers, which see
     # every change of a pool pod and a ScalePlan anyway, wake the service a bound pod or a plan belongs to
     # (kopf handlers per event would cost a handler invocation and an INFO line each).
+    # The indexers are coroutines: kopf runs a plain function in its thread pool, a thread hop per watch
+    # event (2,000 nodes' status updates), and rounds.wake would then touch the queue from another thread.
     @kopf.index("pods", labels={L.POOL: kopf.PRESENT}, registry=reg, id="pool_pods")
-    def pool_pods(namespace: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> dict[str, dict[str, Any]]:
+    async def pool_pods(namespace: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> dict[str, dict[str, Any]]:
         svc = (body["metadata"].get("labels") or {}).get(L.MODEL_SERVICE)
         if svc and getattr(memo, "rt", None) is not None:
             rounds.wake(memo.rt, (body["metadata"].get("annotations") or {}).get(L.SERVICE_NS) or namespace, svc)
         return {namespace: _slim_pod(body)}
 
     @kopf.index(**splan, id="scaleplans")
-    def scaleplans(namespace: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> dict[str, dict[str, Any]]:
+    async def scaleplans(namespace: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> dict[str, dict[str, Any]]:
         ref = ((body.get("spec") or {}).get("modelServiceRef") or {}).get("name")
         if ref and getattr(memo, "rt", None) is not None:
             rounds.wake(memo.rt, namespace, ref)
@@ -150,18 +152,19 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
                             "status": dict(body.get("status") or {})}}
 
     @kopf.index("nodes", registry=reg, id="gpu_nodes")
-    def gpu_nodes(body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
+    async def gpu_nodes(body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
         meta, status = body["metadata"], body.get("status") or {}
         return {ALL: {"metadata": {"name": meta["name"], "labels": dict(meta.get("labels") or {})},
                       "status": {"allocatable": dict(status.get("allocatable") or {}),
                                  "capacity": dict(status.get("capacity") or {})}}}
 
     @kopf.index(**ms, id="modelservices")
-    def modelservices(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    async def modelservices(namespace: str, name: str, body: kopf.Body,
+                            **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
         return {(namespace, name): dict(body)}  # what a queued round reconciles
 
     @kopf.index(**mrole, id="role_objects")
-    def role_objects(namespace: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
+    async def role_objects(namespace: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
         return {namespace: {"metadata": dict(body["metadata"]), "spec": dict(body.get("spec") or {}),
                             "status": dict(body.get("status") or {})}}
 
