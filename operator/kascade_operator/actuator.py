@@ -54,13 +54,14 @@ async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods:
             return None
         rt.metrics.plan_generation.observe(time.perf_counter() - t0)
         created = await rt.kube.create_scaleplan(ns, sp)
-        if not await rt.seen_plan(ns, created["metadata"]["name"]):
-            log.warning("ScalePlan %s/%s not in the watch after 2 s", ns, created["metadata"]["name"])
+        # the fast path: instruct now instead of waiting for the ScalePlan daemon to start; the Event and
+        # reading our own write back come after (both took an API round trip off every reaction)
+        await plandriver.start(rt, created, decided_at)
         await rt.event(ns, body, "ModelService", "Normal", "ScaleUp",
                        f"{action.role}: ScalePlan {created['metadata']['name']} binds "
                        f"{', '.join(action.targets)} ({action.reason})")
-        # the fast path: instruct now instead of waiting for the ScalePlan daemon to start
-        await plandriver.start(rt, created, decided_at)
+        if not await rt.seen_plan(ns, created["metadata"]["name"]):  # the next round must see it
+            log.warning("ScalePlan %s/%s not in the watch after 2 s", ns, created["metadata"]["name"])
     elif isinstance(action, CreatePods):
         refused = refusals(spec, rt.settings)
         if refused:
