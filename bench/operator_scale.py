@@ -98,8 +98,9 @@ def _percentile(xs: list[float], q: float) -> float:
 def run_scale(tmp: Path, stub_mod: Any, token: str, n_nodes: int, n_services: int, interval: float,
               steady_s: float, reactions: int = 5, compare: Path | None = None,
               profile: bool = False) -> dict[str, float | str]:
-    """Set up once; then per operator (`compare`: a baseline source tree first, this tree's second) a steady
-    window and `reactions` scale-ups, each on another service. The baseline's numbers get the prefix base_."""
+    """Set up once (this tree's operator binds every service); then per operator (`compare`: a baseline source
+    tree first, this tree's second), each started afresh on the bound cluster, a steady window and `reactions`
+    scale-ups, each on another service. The baseline's numbers get the prefix base_."""
     t0 = time.monotonic()
     cp = ControlPlane.create(tmp / "cp-scale").start()
     op: OperatorProcess | None = None
@@ -150,7 +151,7 @@ def run_scale(tmp: Path, stub_mod: Any, token: str, n_nodes: int, n_services: in
                                    extra_args=("--metrics-port", str(metrics_port), "--engine-image", "x",
                                                "--allowed-host-path-root", "/m"), env=env).start()
 
-        op = start(*phases[0])
+        op = start("setup_", None)  # this tree's operator binds every service; each phase then starts afresh
         services = [{"apiVersion": "kascade.io/v1alpha1", "kind": "ModelService", "metadata": {"name": f"svc{i}"},
                      "spec": {"model": {"name": "tiny", "source": {"path": "/m"}, "layers": 4},
                               "engine": {"image": "x"}, "replicas": {"colocated": {"min": 1, "max": 2}},
@@ -176,10 +177,9 @@ def run_scale(tmp: Path, stub_mod: Any, token: str, n_nodes: int, n_services: in
         out: dict[str, float | str] = {"scale_nodes": float(n_nodes), "scale_modelservices": float(n_services),
                                        "scale_setup_s": round(t_ready, 1)}
         for k, (prefix, src) in enumerate(phases):
-            if k:
-                op.stop()
-                op = start(prefix, src)
-                wait_for(lambda: _histogram(metrics_port)[1] >= n_services, 300, "every service's first round")
+            op.stop()
+            op = start(prefix, src)
+            wait_for(lambda: _histogram(metrics_port)[1] >= n_services, 300, "every service's first queued round")
             out.update({prefix + key: v for key, v in
                         _phase(op, metrics_port, stubs, bound_pods, n_services, interval, steady_s,
                                range(k * reactions, (k + 1) * reactions), gate).items()})
