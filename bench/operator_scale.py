@@ -73,12 +73,40 @@ def _rss_mb(pid: int) -> tuple[float, float]:
     return kb["VmRSS"] / 1024, kb["VmHWM"] / 1024
 
 
+SAMPLER = Path(__file__).resolve().parent / "opsampler"
+
+
+def _operator_env(src: Path | None, sample_out: Path | None, gate: Path) -> dict[str, str]:
+    """The operator's environment: another source tree's packages first (`src`, the baseline of a side-by-side
+    run), and the sampling profiler (opsampler/sitecustomize.py) when `sample_out` is set."""
+    path = os.environ.get("PYTHONPATH", "")
+    if src is not None:
+        path = ":".join(str(src / d) for d in ("planner", "cli", "operator", "engine", "sim", "e2e", "router")) \
+            + ":" + path
+    env = {"PYTHONPATH": path}
+    if sample_out is not None:
+        env.update({"PYTHONPATH": f"{SAMPLER}:{path}", "KASCADE_SAMPLE_OUT": str(sample_out),
+                    "KASCADE_SAMPLE_ON": str(gate)})
+    return env
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))] if xs else float("nan")
+
+
 def run_scale(tmp: Path, stub_mod: Any, token: str, n_nodes: int, n_services: int, interval: float,
-              steady_s: float) -> dict[str, float | str]:
+              steady_s: float, reactions: int = 5, compare: Path | None = None,
+              profile: bool = False) -> dict[str, float | str]:
+    """Set up once (this tree's operator binds every service); then per operator (`compare`: a baseline source
+    tree first, this tree's second), each started afresh on the bound cluster, a steady window and `reactions`
+    scale-ups, each on another service. The baseline's numbers get the prefix base_."""
     t0 = time.monotonic()
     cp = ControlPlane.create(tmp / "cp-scale").start()
     op: OperatorProcess | None = None
     stubs: list[Any] = []
+    phases: list[tuple[str, Path | None]] = ([("base_", compare)] if compare is not None else []) + [("", None)]
+    n_extra = 4 + reactions * len(phases)
     try:
         install_crds(cp)
         cp.kubectl("create", "namespace", NS)
@@ -103,8 +131,8 @@ def run_scale(tmp: Path, stub_mod: Any, token: str, n_nodes: int, n_services: in
         t_nodes = time.monotonic() - t0
         print(f"scale: {n_nodes} nodes Ready in {t_nodes:.0f} s", flush=True)
         pods = []
-        data_ports = free_ports(n_services + 4)
-        for i in range(n_services + 4):  # one engine per service, plus a few idle for a scale-up
+        data_ports = free_ports(n_services + n_extra)
+        for i in range(n_services + n_extra):  # one engine per service, plus idle ones for the scale-ups
             s = stub_mod.EngineStub(f"e{i}", "tiny", token)
             stubs.append(s)
             pods.append({"apiVersion": "v1", "kind": "Pod",
@@ -115,9 +143,15 @@ def run_scale(tmp: Path, stub_mod: Any, token: str, n_nodes: int, n_services: in
                                   "tolerations": [devnodes.KWOK_TOLERATION]}})
         cp.kubectl("-n", NS, "apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": pods}))
         (metrics_port,) = free_ports(1)
-        op = OperatorProcess(cp, NS, token, tmp / "operator-scale.log", interval=interval,
-                             extra_args=("--metrics-port", str(metrics_port), "--engine-image", "x",
-                                         "--allowed-host-path-root", "/m")).start()
+        gate = tmp / "sample-on"
+
+        def start(prefix: str, src: Path | None) -> OperatorProcess:
+            env = _operator_env(src, tmp / f"profile-{prefix or 'new_'}.json" if profile else None, gate)
+            return OperatorProcess(cp, NS, token, tmp / f"operator-scale-{prefix or 'new'}.log", interval=interval,
+                                   extra_args=("--metrics-port", str(metrics_port), "--engine-image", "x",
+                                               "--allowed-host-path-root", "/m"), env=env).start()
+
+        op = start("setup_", None)  # this tree's operator binds every service; each phase then starts afresh
         services = [{"apiVersion": "kascade.io/v1alpha1", "kind": "ModelService", "metadata": {"name": f"svc{i}"},
                      "spec": {"model": {"name": "tiny", "source": {"path": "/m"}, "layers": 4},
                               "engine": {"image": "x"}, "replicas": {"colocated": {"min": 1, "max": 2}},
@@ -126,59 +160,94 @@ def run_scale(tmp: Path, stub_mod: Any, token: str, n_nodes: int, n_services: in
         cp.kubectl("-n", NS, "apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List",
                                                                       "items": services}))
 
-        def bound() -> int:
-            items = json.loads(cp.kubectl("-n", NS, "get", "pods", "-l", "kascade.io/model-service",
-                                          "-o", "json").stdout)["items"]
-            return sum((p["metadata"].get("annotations") or {}).get("kascade.io/loaded") == "true" for p in items)
+        def bound_pods() -> list[dict[str, Any]]:
+            out = cp.kubectl("-n", NS, "get", "pods", "-l", "kascade.io/model-service", "-o", "json").stdout
+            items: list[dict[str, Any]] = json.loads(out)["items"]
+            return items
 
         def progress() -> bool:
-            n = bound()
+            loaded = [(p["metadata"].get("annotations") or {}).get("kascade.io/loaded") for p in bound_pods()]
+            n = loaded.count("true")
             print(f"scale: {n}/{n_services} services bound and loaded", flush=True)
             return n >= n_services
 
         wait_for(progress, 900, f"{n_services} services serving", poll=5.0)
         t_ready = time.monotonic() - t0
         print(f"scale: {n_services} services each bound and loaded after {t_ready:.0f} s", flush=True)
-        assert op.proc is not None
-        before, c0, s0 = _histogram(metrics_port)
-        w0, cpu0 = time.monotonic(), _cpu_s(op.proc.pid)
-        load0 = os.getloadavg()[0]
-        time.sleep(steady_s)
-        after, c1, s1 = _histogram(metrics_port)
-        dt, cpu = time.monotonic() - w0, _cpu_s(op.proc.pid) - cpu0
-        rounds = (c1 - c0) / dt / n_services
-        # every service's metrics read once per interval: by its own round (a timer per service), or by the
-        # shared sweep that wakes a round only for services whose loads changed (event-driven rounds)
-        evaluated = s1 - s0 if s1 > s0 else (c1 - c0) / n_services
-        rss, hwm = _rss_mb(op.proc.pid)
-        # one scale-up under that load: 5000 tok/s on svc0's replica (upper 1000, window 1 s)
-        src_name = json.loads(cp.kubectl("-n", NS, "get", "pods", "-l", "kascade.io/model-service=svc0",
-                                         "-o", "json").stdout)["items"][0]["metadata"]["name"]
-        src = next(s for s in stubs if s.instance == src_name)
-        t_load = time.monotonic()
-        src.tokens_per_s = 5000.0
-        t_bind = wait_for(lambda: [t for s in stubs for v, _, t in list(s.calls) if v == "bind" and t >= t_load],
-                          60, "the scale-up under load")[0]
-        # the pool (n_services + 4 pods) covers every service: any fallback pod is one too many
+        out: dict[str, float | str] = {"scale_nodes": float(n_nodes), "scale_modelservices": float(n_services),
+                                       "scale_setup_s": round(t_ready, 1)}
+        for k, (prefix, src) in enumerate(phases):
+            if compare is not None:  # each operator starts afresh (kopf's start alone took minutes at 2,000 nodes)
+                op.stop()
+                op = start(prefix, src)
+                wait_for(lambda: _histogram(metrics_port)[1] >= n_services, 900, "every service's first queued round")
+            out.update({prefix + key: v for key, v in
+                        _phase(op, metrics_port, stubs, bound_pods, n_services, interval, steady_s,
+                               range(k * reactions, (k + 1) * reactions), gate).items()})
+        # the pool (n_services + n_extra pods) covers every service: any fallback pod is one too many
         created = sum("kascade.io/created-for" in (p["metadata"].get("annotations") or {})
                       for p in json.loads(cp.kubectl("-n", NS, "get", "pods", "-o", "json").stdout)["items"])
-        return {"scale_nodes": float(n_nodes), "scale_modelservices": float(n_services),
-                "scale_pods_created_beyond_need": float(max(0, created - max(0, n_services - len(pods)))),
-                "operator_rss_mb": round(rss, 1), "operator_peak_rss_mb": round(hwm, 1),
-                "reconcile_ms_p50": _quantile_ms(before, after, 0.5),
-                "reconcile_ms_p90": _quantile_ms(before, after, 0.9),
-                "reconcile_ms_p99": _quantile_ms(before, after, 0.99),
-                "rounds_per_service_per_s": round(rounds, 3), "rounds_wanted_per_service_per_s": round(1 / interval, 3),
-                "metrics_evaluated_per_service_per_s": round(evaluated / dt, 3),
-                "operator_cpu_s_per_s": round(cpu / dt, 3),
-                "operator_cpu_ms_per_round": round(1000 * cpu / max(1.0, c1 - c0), 2),
-                "operator_cpu_ms_per_service_per_s": round(1000 * cpu / dt / n_services, 3),
-                "scale_loadavg_1m": round((load0 + os.getloadavg()[0]) / 2, 1),
-                "scale_reaction_ms": round((t_bind - (t_load + 1.0 * 1000 / 5000)) * 1000, 1),
-                "scale_setup_s": round(t_ready, 1)}
+        out["scale_pods_created_beyond_need"] = float(created)
+        if profile:
+            for prefix, _ in phases:
+                f = tmp / f"profile-{prefix or 'new_'}.json"
+                if f.exists():
+                    dest = Path(__file__).resolve().parent / "results" / f"operator-profile-{prefix or 'new_'}.json"
+                    dest.write_text(f.read_text())
+                    print(f"scale: profile written to {dest}", flush=True)
+        return out
     finally:
         if op is not None:
             op.stop()
         for s in stubs:
             s.close()
         cp.stop()
+
+
+def _phase(op: OperatorProcess, metrics_port: int, stubs: list[Any], bound_pods: Any, n_services: int,
+           interval: float, steady_s: float, svcs: range, gate: Path) -> dict[str, float | str]:
+    """One operator's steady window (rounds, CPU, RSS, reconcile quantiles) and its scale-ups under that load."""
+    assert op.proc is not None
+    gate.touch()
+    before, c0, s0 = _histogram(metrics_port)
+    w0, cpu0 = time.monotonic(), _cpu_s(op.proc.pid)
+    load0 = os.getloadavg()[0]
+    time.sleep(steady_s)
+    after, c1, s1 = _histogram(metrics_port)
+    dt, cpu = time.monotonic() - w0, _cpu_s(op.proc.pid) - cpu0
+    load1 = os.getloadavg()[0]
+    rounds = (c1 - c0) / dt / n_services
+    # every service's metrics read once per interval: by its own round (a timer per service), or by the
+    # shared sweep that wakes a round only for services whose loads changed (event-driven rounds)
+    evaluated = s1 - s0 if s1 > s0 else (c1 - c0) / n_services
+    rss, hwm = _rss_mb(op.proc.pid)
+    # scale-ups under that load: 5000 tok/s on one service's replica (upper 1000, window 1 s), one at a time
+    by_svc = {p["metadata"]["labels"]["kascade.io/model-service"]: p["metadata"]["name"] for p in bound_pods()}
+    reactions = []
+    for j in svcs:
+        src = next(s for s in stubs if s.instance == by_svc[f"svc{j}"])
+        t_load = time.monotonic()
+        src.tokens_per_s = 5000.0
+        def binds(t: float = t_load) -> list[float]:
+            return [t2 for s in stubs for v, _, t2 in list(s.calls) if v == "bind" and t2 >= t]
+
+        t_bind = wait_for(binds, 60, "the scale-up under load")[0]
+        reactions.append((t_bind - (t_load + 1.0 * 1000 / 5000)) * 1000)
+        src.tokens_per_s = 0.0
+        time.sleep(0.5)
+    gate.unlink(missing_ok=True)
+    print(f"scale: reactions {[round(r) for r in reactions]} ms", flush=True)
+    return {"operator_rss_mb": round(rss, 1), "operator_peak_rss_mb": round(hwm, 1),
+            "reconcile_ms_p50": _quantile_ms(before, after, 0.5),
+            "reconcile_ms_p90": _quantile_ms(before, after, 0.9),
+            "reconcile_ms_p99": _quantile_ms(before, after, 0.99),
+            "rounds_per_service_per_s": round(rounds, 3), "rounds_wanted_per_service_per_s": round(1 / interval, 3),
+            "metrics_evaluated_per_service_per_s": round(evaluated / dt, 3),
+            "operator_cpu_s_per_s": round(cpu / dt, 3),
+            "operator_cpu_ms_per_round": round(1000 * cpu / max(1.0, c1 - c0), 2),
+            "operator_cpu_ms_per_service_per_s": round(1000 * cpu / dt / n_services, 3),
+            "scale_loadavg_1m": round((load0 + load1) / 2, 1),
+            "scale_reaction_ms": round(_percentile(reactions, 0.5), 1),
+            "scale_reaction_ms_p50": round(_percentile(reactions, 0.5), 1),
+            "scale_reaction_ms_p99": round(_percentile(reactions, 0.99), 1),
+            "scale_reactions": float(len(reactions))}

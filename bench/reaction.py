@@ -205,6 +205,11 @@ def main() -> None:
     ap.add_argument("--no-scale", action="store_true", help="skip the scale run")
     ap.add_argument("--scale-only", action="store_true", help="only the scale run")
     ap.add_argument("--no-failover", action="store_true", help="skip the failover run")
+    ap.add_argument("--reactions", type=int, default=5, help="scale-ups measured under load in the scale run")
+    ap.add_argument("--compare", metavar="REF", help="git ref: its operator runs the scale run too, on the same "
+                    "cluster, before this tree's (numbers prefixed base_)")
+    ap.add_argument("--profile", action="store_true", help="sample the operator's main thread in the scale run "
+                    "(bench/opsampler; writes bench/results/operator-profile-*.json)")
     a = ap.parse_args()
     if a.scale:
         try:
@@ -218,8 +223,17 @@ def main() -> None:
         out.update(run_peering(3))  # the same 3 s with kopf's peering instead of the Lease: which is faster
     if not a.no_scale:
         with tempfile.TemporaryDirectory(prefix="kascade-bench-scale-") as tmp:
+            base = None
+            if a.compare:  # the ref's tree, unpacked beside (no worktree: the repository is not touched)
+                base = Path(tmp) / "base"
+                base.mkdir()
+                archive = subprocess.run(["git", "-C", str(REPO), "archive", a.compare], check=True,
+                                         capture_output=True).stdout
+                subprocess.run(["tar", "-x", "-C", str(base)], input=archive, check=True)
+                out["scale_compare_ref"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", a.compare],
+                                                          check=True, capture_output=True, text=True).stdout.strip()
             out.update(run_scale(Path(tmp), _stub_module(), TOKEN, scale_nodes, scale_services, a.scale_interval,
-                                 a.steady or (10.0 if a.quick else 30.0)))
+                                 a.steady or (10.0 if a.quick else 30.0), a.reactions, base, a.profile))
     if a.scale_only or a.no_scale:  # a partial run keeps the other part's numbers from the last run
         prev = REPO / "bench" / "results" / "operator.json"
         if prev.exists():

@@ -32,14 +32,16 @@ STARTUP_TIMEOUT_S = 180.0  # imports under heavy load; a healthy start is ~2 s o
 
 class OperatorProcess:
     def __init__(self, cp: ControlPlane, namespace: str, engine_token: str, log: Path, interval: float = 0.2,
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
+        """`env`: more environment for the process (a benchmark runs another source tree's operator through
+        PYTHONPATH, or a profiler)."""
         self.cp, self.ns, self.token, self.log = cp, namespace, engine_token, log
-        self.interval, self.extra_args = interval, extra_args
+        self.interval, self.extra_args, self.env = interval, extra_args, env or {}
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, wait: bool = True) -> OperatorProcess:
         """Spawn the operator; with `wait`, return once it answers its liveness endpoint or has exited."""
-        env = {**os.environ, "KUBECONFIG": str(self.cp.kubeconfig)}
+        env = {**os.environ, "KUBECONFIG": str(self.cp.kubeconfig), **self.env}
         self.log.parent.mkdir(parents=True, exist_ok=True)
         args = list(self.extra_args)
         if "--liveness" in args:

@@ -1,27 +1,38 @@
-"""The act step of a round: carry out one reconcile action through kube.py and the engine client.
+"""The act step of a round, the only one that writes: `act(rt, world, decision)` carries a Decision
+(decision.py) out through kube.py and the engine client, and records the round in the operator's memory.
 
-Data flow: `reconcile.reconcile` -> actions (CreatePlan, CreatePods, Drain, Release) -> `apply` -> a ScalePlan
-created and its targets instructed at once (plandriver.start), fallback pods created (refused by the pod
+Order: claim this round's plan targets (before the first await: observe read the other rounds' claims last) ->
+remember the round's clocks -> convert decoders -> the reconcile actions (`apply`, one each) -> host copies ->
+serving gates and labels -> the status (only when it changed) -> ModelServiceRole statuses -> prune finished
+plans -> operator metrics. A CreatePlan is built here from the decision with the real block manifest of its
+source engine (plandriver.new_scaleplan: the one read in act, and only a scale-up makes it).
+
+Data flow of one action: `reconcile.reconcile` -> actions (CreatePlan, CreatePods, Drain, Release) -> `apply` ->
+a ScalePlan created and its targets instructed at once (plandriver.start), fallback pods created (refused by the pod
 template policy with a Blocker), a pod's drain annotated and its serving gate closed, a drained pod's engine
 released (keeping a host copy when the pool needs one) and the pod unbound.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
+from datetime import UTC, datetime
 from typing import Any
 
-from kascade_operator import plandriver, serving_gate
+from kascade_operator import converter, hostcopykeeper, plandriver, serving_gate
 from kascade_operator.api import ModelServiceSpec
 from kascade_operator.engine_client import EngineError
 from kascade_operator.kube import Conflict, NotFound, now_iso
 from kascade_operator.podtemplate import fallback_pod, refusals
 from kascade_operator.pool import PodView, drain_patch, keep_host_copy, owner_ref, service_key, unbind_patch
-from kascade_operator.reconcile import CreatePlan, CreatePods, Drain, Release
+from kascade_operator.reconcile import TERMINAL, CreatePlan, CreatePods, Drain, Release
 from kascade_operator.runtime import Runtime
 from kascade_operator.status import Blocker
+from kascade_operator.world import Decision, World
 
 log = logging.getLogger(__name__)
 
@@ -43,13 +54,14 @@ async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods:
             return None
         rt.metrics.plan_generation.observe(time.perf_counter() - t0)
         created = await rt.kube.create_scaleplan(ns, sp)
-        if not await rt.seen_plan(ns, created["metadata"]["name"]):
-            log.warning("ScalePlan %s/%s not in the watch after 2 s", ns, created["metadata"]["name"])
+        # the fast path: instruct now instead of waiting for the ScalePlan daemon to start; the Event and
+        # reading our own write back come after (both took an API round trip off every reaction)
+        await plandriver.start(rt, created, decided_at)
         await rt.event(ns, body, "ModelService", "Normal", "ScaleUp",
                        f"{action.role}: ScalePlan {created['metadata']['name']} binds "
                        f"{', '.join(action.targets)} ({action.reason})")
-        # the fast path: instruct now instead of waiting for the ScalePlan daemon to start
-        await plandriver.start(rt, created, decided_at)
+        if not await rt.seen_plan(ns, created["metadata"]["name"]):  # the next round must see it
+            log.warning("ScalePlan %s/%s not in the watch after 2 s", ns, created["metadata"]["name"])
     elif isinstance(action, CreatePods):
         refused = refusals(spec, rt.settings)
         if refused:
@@ -111,3 +123,73 @@ async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods:
         rt.unreserve(pool_ns, [p.pod_name])  # its claim was for the bind this release ends: it may serve again
         await rt.event(ns, body, "ModelService", "Normal", "Released", f"{p.pod_name} returned to the pool")
     return None
+
+
+async def act(rt: Runtime, w: World, d: Decision) -> None:
+    """Carry out `d`, decided on `w`: every write of the round."""
+    ns, name, body = w.ns, w.name, dict(w.body)
+    key = (ns, name)
+    if w.spec is None:  # refused: reported once per generation; a spec change (kopf update) retries
+        if d.invalid_generation is not None:
+            rt.invalid_seen[key] = d.invalid_generation
+            for e in d.events:
+                await rt.event(ns, body, "ModelService", e.type, e.reason, e.message)
+            if d.status is not None:
+                await rt.kube.patch_modelservice_status(ns, name, dict(d.status))
+        rt.steady[key] = (d.interval, True)
+        return
+    for a in d.actions:  # no await before these claims (observe.py)
+        if isinstance(a, CreatePlan):
+            rt.reserve(w.pool_ns, (*a.targets, *a.sources))  # idle host-copy sources too (decision.held_pods)
+    rt.last_round[key] = w.now
+    rt.invalid_seen.pop(key, None)
+    for role, (below, busy) in d.clocks.items():
+        rt.below_since[(ns, name, role)] = below
+        if busy is not None:
+            rt.last_busy[(ns, name, role)] = busy
+    rt.host_copy_checked.update({(w.pool_ns, p): w.now for p in w.copy_checks})
+    rt.steady[key] = (d.interval, not d.moving)
+    rt.metrics.pool_size.labels(w.pool_ns).set(sum(1 for p in w.pods if p.model_service is None))
+    for c in d.changes:
+        rt.metrics.decisions.labels(ns, name, c.role, c.policy, "up" if c.desired > c.current else "down").inc()
+        log.info("%s/%s decision %s %d -> %d: %s", ns, name, c.role, c.current, c.desired, c.reason)
+    log.debug("%s/%s round: %s", ns, name, ", ".join(d.moving) or "steady")
+    assert d.result is not None
+    rt.metrics.observe_service(ns, name, d.result.roles, active_plan_ages(w.plans, name))
+    if d.conversions is not None:  # disaggregated: convertible decoders (TokenScale)
+        await converter.carry_out(rt, body, w.key, w.pods, d.conversions)
+    pods = list(w.pods)  # apply() records the round's host copies in it (one Release keeps, the next counts it)
+    decided_at = time.perf_counter()
+    for e in d.events:
+        await rt.event(ns, body, "ModelService", e.type, e.reason, e.message)
+    for a in d.actions:
+        await apply(rt, body, w.spec, pods, a, decided_at)
+    await hostcopykeeper.carry_out(rt, body, w.spec.model.name, d.copies, w.pods, w.pool_ns)
+    await write_gates(rt, w.pool_ns, d.gates, d.labels)
+    if d.status is not None:
+        # unchanged status is not written: at a sub-second interval every write is a watch event for
+        # every ModelService watcher, and the API server is the record, not the fast path
+        await rt.kube.patch_modelservice_status(ns, name, dict(d.status))
+    for oname, st in d.role_statuses:
+        with contextlib.suppress(NotFound):  # deleted meanwhile: nothing to report to
+            await rt.kube.patch_modelservicerole_status(ns, oname, dict(st))
+    for plan in d.prune:
+        with contextlib.suppress(NotFound):
+            await rt.kube.delete_scaleplan(ns, plan)
+
+
+async def write_gates(rt: Runtime, pool_ns: str, gates: Iterable[tuple[str, bool]],
+                      labels: Iterable[tuple[str, bool]]) -> None:
+    """The serving gates and labels that differ from the pods' bindings (serving_gate.py)."""
+    for pod, open_ in gates:
+        await serving_gate.write(rt.kube, pool_ns, pod, open_, "Serving" if open_ else "NotServing")
+    for pod, open_ in labels:
+        await serving_gate.write_label(rt.kube, pool_ns, pod, open_)
+
+
+def active_plan_ages(plans: Iterable[Mapping[str, Any]], service: str) -> list[float]:
+    """Seconds since creation of the service's unfinished ScalePlans (for the scale-up-stuck alert)."""
+    now = datetime.now(UTC)
+    return [(now - datetime.fromisoformat(p["metadata"]["creationTimestamp"].replace("Z", "+00:00"))).total_seconds()
+            for p in plans if ((p.get("spec") or {}).get("modelServiceRef") or {}).get("name") == service
+            and (p.get("status") or {}).get("phase") not in TERMINAL and p["metadata"].get("creationTimestamp")]

@@ -15,7 +15,7 @@ decoder as it was (logged, retried next round); an Event names every conversion 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kascade_operator import labels as L
@@ -54,13 +54,22 @@ async def _annotate(rt: Runtime, ns: str, p: PodView, key: str) -> None:
 
 async def sync(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, key: str, pods: Sequence[PodView],
                roles: Sequence[RoleInput]) -> Conversions | None:
-    """One round of conversions for one service; None when it is not disaggregated."""
+    """One round of conversions for one service, decided and carried out; None when it is not disaggregated.
+    (A reconcile round decides in decision.py and calls `carry_out`.)"""
     inp = conversion_input(spec, key, pods, roles)
     if inp is None:
         return None
     plan = plan_conversions(inp)
+    await carry_out(rt, body, key, pods, plan)
+    return plan
+
+
+async def carry_out(rt: Runtime, body: Mapping[str, Any], key: str, pods: Sequence[PodView],
+                    plan: Conversions) -> None:
+    """Convert and take back the decoders `plan` names (engine first, then the annotation; the other way
+    round when taking back); an Event names the round's conversions."""
     if not plan.changes:
-        return plan
+        return
     meta = body["metadata"]
     ns = meta["namespace"]
     by = {p.pod_name: p for p in pods}
@@ -87,6 +96,5 @@ async def sync(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, key: s
         done.append(name)
     if done:
         log.info("%s/%s %s", ns, meta["name"], plan.reason)
-        await rt.event(ns, body, "ModelService", "Normal", "ConvertDecoders" if plan.convert else "RevertDecoders",
-                       plan.reason[:1024])
-    return plan
+        why = "ConvertDecoders" if plan.convert else "RevertDecoders"
+        await rt.event(ns, dict(body), "ModelService", "Normal", why, plan.reason[:1024])

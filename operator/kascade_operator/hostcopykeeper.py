@@ -7,8 +7,8 @@ when no pool pod keeps a copy of the model, ask ONE of the service's ready servi
 blockset as a host copy (POST host-copy, within its --host-cache-gib; no extra bytes, it holds that blockset
 in host memory already).
 
-Data flow: the round's pool snapshot -> `surplus()` / `keeper()` (pure: which pods drop, which pod to ask)
--> `ensure()` ->
+Data flow: the round's pool snapshot (observe.py, with the engines' hostCopyBytes of recorded pods) ->
+`surplus()` / `keeper()` (pure: which pods drop, which pod to ask; decision.copy_work) -> `carry_out()` ->
 engine answer (`HostCopyAnswer`) -> the pod's annotation: kascade.io/host-copy = model when it keeps one (so
 the next round counts it: idempotent), kascade.io/host-copy-refused = model when it declined (its budget;
 the Event says why: it is never asked again for that model, the next round asks the next pod).
@@ -35,8 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kascade_operator.engine_client import EngineError
@@ -45,6 +44,7 @@ from kascade_operator.pool import PodView, host_copy_patch, keep_host_copy
 
 if TYPE_CHECKING:
     from kascade_operator.runtime import Runtime
+    from kascade_operator.world import CopyWork
 
 log = logging.getLogger(__name__)
 
@@ -91,37 +91,40 @@ def surplus(pods: Sequence[PodView], model: str, service: str, per_model: int) -
     return sorted((p for p in pods if p.model_service == service and p.host_copy == model), key=lambda p: p.pod_name)
 
 
-async def ensure(rt: Runtime, body: dict[str, Any], model: str, service: str, pods: Sequence[PodView],
-                 pool_ns: str) -> str | None:
-    """Ask the `keeper` (if any) to keep a host copy; record its answer on its pod. Returns the pod asked.
-    Before that, forget copies whose engines no longer keep them (`_lost`)."""
-    if await _lost(rt, body, model, pods, pool_ns):
-        return None  # counted again next round, from a snapshot without the record
-    for q in surplus(pods, model, service, rt.settings.host_copies_per_model):
-        await _drop(rt, body, model, q, pool_ns)
-    p = keeper(pods, model, service, rt.settings.host_copies_per_model)
+async def carry_out(rt: Runtime, body: Mapping[str, Any], model: str, work: CopyWork,
+                    pods: Sequence[PodView], pool_ns: str) -> None:
+    """The round's host-copy work (decision.copy_work decided it from this snapshot): clear the records of
+    lost copies, ask surplus serving copies to drop, ask the keeper to keep one and record its answer."""
+    by = {p.pod_name: p for p in pods}
+    for name in work.lost:
+        with contextlib.suppress(Conflict, NotFound):
+            await rt.kube.patch_pod(pool_ns, name, host_copy_patch(None))
+        msg = f"{name} no longer keeps its host copy of {model} (its engine reports none: restarted?)"
+        await rt.event(body["metadata"]["namespace"], dict(body), "ModelService", "Warning", "HostCopyLost", msg)
+        log.info("%s", msg)
+    for name in work.drop:
+        await _drop(rt, body, model, by[name], pool_ns)
+    p = by.get(work.ask or "")
     if p is None or p.endpoint is None:
-        return None
-    meta = body["metadata"]
+        return
     try:
         ans = await rt.engines.host_copy(p.endpoint)
     except EngineError as e:  # unreachable or refused: asked again next round
         log.warning("host copy of %s on %s: %s", model, p.pod_name, e)
-        return p.pod_name
+        return
     kept = ans.host_copy_bytes > 0
     with contextlib.suppress(Conflict, NotFound):
         await rt.kube.patch_pod(pool_ns, p.pod_name, host_copy_patch(model) if kept else host_copy_patch(None, model))
     if kept:
         msg = f"{p.pod_name} keeps a host copy of {model} while it serves ({ans.host_copy_bytes / 1e6:.1f} MB)"
-        await rt.event(meta["namespace"], body, "ModelService", "Normal", "HostCopy", msg)
+        await rt.event(body["metadata"]["namespace"], dict(body), "ModelService", "Normal", "HostCopy", msg)
     else:
         msg = f"{p.pod_name} keeps no host copy of {model}: {ans.reason or 'no reason given'}"
-        await rt.event(meta["namespace"], body, "ModelService", "Warning", "HostCopyRefused", msg)
+        await rt.event(body["metadata"]["namespace"], dict(body), "ModelService", "Warning", "HostCopyRefused", msg)
     log.info("%s", msg)
-    return p.pod_name
 
 
-async def _drop(rt: Runtime, body: dict[str, Any], model: str, p: PodView, pool_ns: str) -> None:
+async def _drop(rt: Runtime, body: Mapping[str, Any], model: str, p: PodView, pool_ns: str) -> None:
     """Ask a serving engine to drop its host copy (POST host-copy keep=false: it serves on) and clear its
     record. Unreachable: the record stays, and the next round asks again."""
     if not p.endpoint:
@@ -134,34 +137,5 @@ async def _drop(rt: Runtime, body: dict[str, Any], model: str, p: PodView, pool_
     with contextlib.suppress(Conflict, NotFound):
         await rt.kube.patch_pod(pool_ns, p.pod_name, host_copy_patch(None))
     msg = f"{p.pod_name} drops its host copy of {model} while it serves: a released pod keeps one"
-    await rt.event(body["metadata"]["namespace"], body, "ModelService", "Normal", "HostCopyDropped", msg)
+    await rt.event(body["metadata"]["namespace"], dict(body), "ModelService", "Normal", "HostCopyDropped", msg)
     log.info("%s", msg)
-
-
-async def _lost(rt: Runtime, body: dict[str, Any], model: str, pods: Sequence[PodView], pool_ns: str) -> bool:
-    """Read the engines of the pods recorded as keeping `model` (each at most every CHECK_S); clear the record
-    of any whose engine answers that it keeps none (it restarted: the copy went with the process). True when
-    one was cleared. An engine that does not answer keeps its record (it may be busy; the bind from it or its
-    load plan is refused later if the copy is gone, and plandriver clears the record then)."""
-    now, lost = time.monotonic(), False
-    for p in pods:
-        if p.host_copy != model or p.unhealthy or not p.endpoint:
-            continue
-        k = (pool_ns, p.pod_name)
-        if now - rt.host_copy_checked.get(k, -1e9) < CHECK_S:
-            continue
-        rt.host_copy_checked[k] = now
-        try:
-            st = await rt.engines.status(p.endpoint)
-        except EngineError as e:
-            log.debug("host copy of %s on %s not checked: %s", model, p.pod_name, e)
-            continue
-        if int(st.get("hostCopyBytes") or 0) > 0:
-            continue
-        with contextlib.suppress(Conflict, NotFound):
-            await rt.kube.patch_pod(pool_ns, p.pod_name, host_copy_patch(None))
-        msg = f"{p.pod_name} no longer keeps its host copy of {model} (its engine reports none: restarted?)"
-        await rt.event(body["metadata"]["namespace"], body, "ModelService", "Warning", "HostCopyLost", msg)
-        log.info("%s", msg)
-        lost = True
-    return lost

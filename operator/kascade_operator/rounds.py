@@ -58,6 +58,7 @@ def forget(rt: Runtime, ns: str, name: str) -> None:
     if rt.queue is not None:
         rt.queue.forget((ns, name))
     rt.steady.pop((ns, name), None)
+    rt.parsed.pop((ns, name), None)
 
 
 async def sweep_forever(rt: Runtime, view: MetricsView) -> None:
@@ -66,8 +67,7 @@ async def sweep_forever(rt: Runtime, view: MetricsView) -> None:
     while True:
         t0 = time.monotonic()
         try:
-            leaf, _ = await rt.node_facts()
-            pods = {pns: rt.pod_views(await rt.pool_pods(pns), leaf) for pns in rt.pool_namespaces()}
+            pods = {pns: (await rt.pool_snapshot(pns)).views.values() for pns in rt.pool_namespaces()}
             for g in await view.sweep(targets(pods)):
                 wake(rt, g[0], g[1])
             rt.metrics.sweep.observe(view.last_sweep_s)

@@ -27,6 +27,7 @@ from kascade_operator.metricsview import MetricsView
 from kascade_operator.operator_metrics import OperatorMetrics
 from kascade_operator.pool import PodView, pod_view
 from kascade_operator.settings import OperatorSettings
+from kascade_operator.snapshots import PlanSnapshot, PoolSnapshot, cached, group_plans, group_pool
 from kascade_operator.validation import max_gpus
 from kascade_operator.workqueue import WorkQueue
 
@@ -55,6 +56,8 @@ class Runtime:
     _facts: tuple[dict[str, str], int] | None = None
     _facts_t: float = -1e9
     _views: dict[tuple[str, str, str | None], PodView] = field(default_factory=dict)
+    _snaps: dict[Any, Any] = field(default_factory=dict)  # snapshots.cached: pool and plans per namespace
+    parsed: dict[tuple[str, str], Any] = field(default_factory=dict)  # observe.parse: the last spec parsed
     _reserved: dict[tuple[str, str], float] = field(default_factory=dict)  # (ns, pod) -> when claimed
     _expected: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)  # (pool ns, key) -> pod -> t
     _event_tokens: dict[tuple[str, str, str, str], tuple[float, float]] = field(default_factory=dict)
@@ -97,8 +100,28 @@ class Runtime:
             nodes = await self.nodes()
             leaf = {n["metadata"]["name"]: (n["metadata"].get("labels") or {}).get(self.settings.leaf_label, "")
                     for n in nodes}
+            if self._facts is not None and self._facts[0] == leaf:
+                leaf = self._facts[0]  # the same object while unchanged: the pool snapshot stays valid
             self._facts, self._facts_t = (leaf, max_gpus(nodes, self.settings.gpu_resource)), now
         return self._facts
+
+    async def pool_snapshot(self, ns: str) -> PoolSnapshot:
+        """The pool of `ns` grouped by service, rebuilt only when the index changed (snapshots.py)."""
+        leaf, _ = await self.node_facts()
+        raw = await self.pool_pods(ns)
+
+        def build() -> PoolSnapshot:
+            live = [p for p in raw if not (p.get("metadata") or {}).get("deletionTimestamp")]
+            by_raw = dict(zip(map(id, live), self.pod_views(raw, leaf), strict=True))  # deleted pods: no view
+            return group_pool(raw, [by_raw.get(id(p)) for p in raw])
+        snap: PoolSnapshot = cached(self._snaps, ("pool", ns), raw, leaf, build)
+        return snap
+
+    async def plan_snapshot(self, ns: str) -> PlanSnapshot:
+        """The ScalePlans of `ns` by service and the pods unfinished ones hold, rebuilt only on a change."""
+        plans = await self.scaleplans(ns)
+        snap: PlanSnapshot = cached(self._snaps, ("plans", ns), plans, None, lambda: group_plans(plans))
+        return snap
 
     def pod_views(self, raw: list[dict[str, Any]], leaf: Mapping[str, str]) -> list[PodView]:
         """PodViews of live pods, parsed once per pod version (each round sees every pool pod)."""

@@ -96,7 +96,7 @@ def gate_patch(open_: bool, reason: str) -> dict[str, Any]:
                                        "reason": reason, "lastTransitionTime": now_iso()}]}}
 
 
-async def _write(kube: _StatusPatcher, ns: str, name: str, open_: bool, reason: str) -> bool:
+async def write(kube: _StatusPatcher, ns: str, name: str, open_: bool, reason: str) -> bool:
     try:
         await kube.patch_pod_status(ns, name, gate_patch(open_, reason))
     except (Conflict, NotFound) as e:
@@ -109,7 +109,7 @@ async def _write(kube: _StatusPatcher, ns: str, name: str, open_: bool, reason: 
     return True
 
 
-async def _write_label(kube: _StatusPatcher, ns: str, name: str, open_: bool) -> bool:
+async def write_label(kube: _StatusPatcher, ns: str, name: str, open_: bool) -> bool:
     try:
         await kube.patch_pod(ns, name, label_patch(open_))
     except NotFound:
@@ -127,9 +127,9 @@ async def sync(kube: _StatusPatcher, ns: str, pods: Iterable[Mapping[str, Any]])
     pods = list(pods)
     n = 0
     for name, open_ in pending(pods):
-        n += await _write(kube, ns, name, open_, "Serving" if open_ else "NotServing")
+        n += await write(kube, ns, name, open_, "Serving" if open_ else "NotServing")
     for name, open_ in label_pending(pods):
-        n += await _write_label(kube, ns, name, open_)
+        n += await write_label(kube, ns, name, open_)
     return n
 
 
@@ -139,6 +139,6 @@ async def close(kube: _StatusPatcher, ns: str, pods: Iterable[Mapping[str, Any]]
     before the engine is drained)."""
     pod = next((p for p in pods if (p.get("metadata") or {}).get("name") == name), None)
     if pod is not None and labelled(pod):
-        await _write_label(kube, ns, name, False)
+        await write_label(kube, ns, name, False)
     if pod is not None and declares(pod) and current(pod) is not False:
-        await _write(kube, ns, name, False, reason)
+        await write(kube, ns, name, False, reason)

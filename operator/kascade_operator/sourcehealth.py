@@ -11,7 +11,7 @@ Data flow (pure): the service's raw ScalePlans + where its first copy comes from
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kascade_operator.status import Blocker
@@ -19,7 +19,7 @@ from kascade_operator.status import Blocker
 FIELD = "spec.model.source.uri"  # engines name it in their loadError when a download fails
 
 
-def source_blocker(plans: Iterable[dict[str, Any]], service: str, source: str) -> Blocker | None:
+def source_blocker(plans: Iterable[Mapping[str, Any]], service: str, source: str) -> Blocker | None:
     """`plans`: ScalePlans (any service); `source`: the path or URI the service's first copy loads from."""
     first_copies = [
         p

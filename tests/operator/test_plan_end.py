@@ -16,8 +16,9 @@ from stubruntime import Stopped, stub_runtime
 from kascade_operator import labels as L
 from kascade_operator import plandriver
 from kascade_operator.api import ModelServiceSpec
-from kascade_operator.handlers import observe, reconcile_service
+from kascade_operator.handlers import reconcile_service
 from kascade_operator.kube import Conflict
+from kascade_operator.observe import pool_views
 from kascade_operator.reconcile import CreatePlan
 from kascade_operator.runtime import Runtime
 
@@ -53,7 +54,7 @@ def phase(kube: FakeKube, name: str) -> str:
 
 async def new_plan(rt: Runtime, body: dict[str, Any], target: str) -> dict[str, Any]:
     spec = ModelServiceSpec.model_validate(body["spec"])
-    pods, _ = await observe(rt, NS, NS)
+    pods, _ = await pool_views(rt, NS)
     sp = await plandriver.new_scaleplan(rt, body, spec, CreatePlan("colocated", (), (target,), "test"),
                                         {p.pod_name: p for p in pods}, await rt.nodes())
     return await rt.kube.create_scaleplan(NS, sp)
