@@ -177,13 +177,16 @@ def kind_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kind]:
                       "-p", '[{"op":"add","path":"/status/capacity/nvidia.com~1gpu","value":"4"}]')
         t1 = time.monotonic()
         _run("docker", "tag", ENGINE_IMAGE, E2E_IMAGE)
-        # all at once: each load is mostly the node's containerd writing and unpacking layers
+        # the nodes at once (each load is mostly the node's containerd writing and unpacking layers), but one
+        # image after the other into a node: load_image drops an image's layer blobs once it is unpacked, and
+        # the images share their base layers, which another import into the same node may still be reading
+        def node_loads(node: str) -> str:
+            load_image(OPERATOR_IMAGE, node)  # not the control plane
+            return engine_load(E2E_IMAGE, node) if node == ENGINE_NODE else ""
+
         with ThreadPoolExecutor() as pool:
-            ops = [pool.submit(load_image, OPERATOR_IMAGE, node) for node in k.nodes()]  # not the control plane
-            eng = pool.submit(engine_load, E2E_IMAGE, ENGINE_NODE)
-            for f in ops:
-                f.result()
-            k.no_engine = eng.result()
+            why = [f.result() for f in [pool.submit(node_loads, node) for node in k.nodes()]]
+            k.no_engine = "".join(why)
         print(f"kind: images loaded in {time.monotonic() - t1:.0f} s")
         yield k
     finally:
