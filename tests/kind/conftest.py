@@ -185,8 +185,8 @@ def kind_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kind]:
             return engine_load(E2E_IMAGE, node) if node == ENGINE_NODE else ""
 
         with ThreadPoolExecutor() as pool:
-            why = [f.result() for f in [pool.submit(node_loads, node) for node in k.nodes()]]
-            k.no_engine = "".join(why)
+            reasons = [f.result() for f in [pool.submit(node_loads, node) for node in k.nodes()]]
+            k.no_engine = "".join(reasons)
         print(f"kind: images loaded in {time.monotonic() - t1:.0f} s")
         yield k
     finally:
