@@ -70,9 +70,11 @@ def test_pool_engine_args_parse_and_name_the_model(helm: Helm, tmp_path: Path) -
     assert params["empty"] and params["model_name"] == "m1" and params["host"] == "0.0.0.0"
     assert params["port"] == ports["http"] and params["act_port"] == ports["act"] and "data" in ports
     assert params["checkpoint"] == tmp_path / "m1"
-    # pool.engine: the capacity flags the real CLI takes (the engine's own defaults unless set)
+    # pool.engine: the capacity flags the real CLI takes (the engine's own defaults unless set); no
+    # --max-prompt-tokens by default (maxPromptTokens 0): the engine takes the model's context
     assert (params["kv_tokens"], params["max_prompt_tokens"], params["max_seqs"], params["max_batch_tokens"],
-            params["dtype"]) == (65536, 2048, 64, 512, "auto")
+            params["dtype"]) == (65536, None, 64, 512, "auto")
+    assert not [a for a in c["args"] if a.startswith("--max-prompt-tokens")]
 
 
 def test_pool_download_and_helm_test_commands_parse(helm: Helm, tmp_path: Path) -> None:
