@@ -148,6 +148,8 @@ def test_exhausted_pool_creates_exactly_the_missing_pods_and_delete_cleans_up(
                             "containers": [{"name": "c", "image": "x",
                                             "resources": {"limits": {"nvidia.com/gpu": 8}}}]}})
     add_pool(cp, ns, stubs, [node], 1)
+    # a TP-8 service binds only pool pods started with --tp 8 (their annotation says so)
+    cp.kubectl("-n", ns, "annotate", "pod", stubs[0].instance, "kascade.io/engine-tp=8")
     ops(*ALLOW).start()
     doc = msvc("svc", 3, 4)
     doc["spec"]["engine"].update({"tp": 8, "resources": {"limits": {"nvidia.com/gpu": 8}}})
