@@ -94,6 +94,7 @@ class KindDemo(Demo):
                                timeout_s=180).start(cfg.burst_workers)
             self.step("6/7 the first copy, from the model volume into a pool pod")
             self.watch_until(lambda: self.ready_count() >= 1, 300, leaf_of, "the first copy")
+            self.step("7/7 load through the router: steady, then a burst, then calm")
             self.phases(leaf_of)
             return self.finish(cfg.out.resolve())
         finally:
@@ -105,23 +106,6 @@ class KindDemo(Demo):
                 f"Clean up: helm uninstall first (its hook removes the ModelService's finalizer), then the cluster:\n"
                 f"  {k.bins}/helm --kubeconfig {k.kubeconfig} uninstall kascade -n {NS}\n"
                 f"  {Path.home()}/.cache/kascade/kind/bin/kind delete cluster --name {k.name}")
-
-    def phases(self, leaf_of: dict[str, str]) -> None:
-        assert self.gen is not None
-        cfg = self.cfg
-        self.step("7/7 load through the router: steady, then a burst, then calm")
-        self.gen.set_load(1, 0.5)
-        self.watch_for(cfg.steady_s, leaf_of)
-        ev = self.timeline.add(self.now(), "load", f"burst: {cfg.burst_workers} concurrent clients")
-        self.console.print(f"[bold red]{ev.t:6.1f}s {ev.text}[/bold red]")
-        self.gen.set_load(cfg.burst_workers)
-        self.watch_for(cfg.burst_s, leaf_of)
-        ev = self.timeline.add(self.now(), "load", "calm: 1 client, 0.5 s think time")
-        self.console.print(f"[bold blue]{ev.t:6.1f}s {ev.text}[/bold blue]")
-        self.gen.set_load(1, 0.5)
-        self.watch_until(lambda: len(self.kget("pods", "-l", f"kascade.io/model-service={self.service}")["items"]) == 1,
-                         cfg.calm_timeout_s, leaf_of, "scale-down to min")
-        self.watch_for(2.0, leaf_of)
 
     def install_release(self, engine_node: str) -> None:
         k = self.kind
@@ -144,10 +128,6 @@ class KindDemo(Demo):
                 "--set", f"pool.image.tag={etag},pool.model.name={self.m.name},pool.model.path=/models/{self.m.name}",
                 "--set", f"pool.nodeSelector.kubernetes\\.io/hostname={engine_node}",
                 "--set-json", f'pool.extraArgs=["--transfer-max-mbps={self.m.transfer_mbps:g}"]']
-
-    @property
-    def service(self) -> str:
-        return "chat"
 
     def modelservice(self, path: str) -> dict[str, Any]:
         ms = super().modelservice(path)

@@ -162,18 +162,7 @@ class Demo:
                 cfg.burst_workers)
             self.watch_until(lambda: self.ready_count() >= 1, 180, leaf_of, "the first copy")
             self.step("7/7 load: steady, then a burst, then calm")
-            self.gen.set_load(1, 0.5)
-            self.watch_for(cfg.steady_s, leaf_of)
-            ev = self.timeline.add(self.now(), "load", f"burst: {cfg.burst_workers} concurrent clients")
-            self.console.print(f"[bold red]{ev.t:6.1f}s {ev.text}[/bold red]")
-            self.gen.set_load(cfg.burst_workers)
-            self.watch_for(cfg.burst_s, leaf_of)
-            ev = self.timeline.add(self.now(), "load", "calm: 1 client, 0.5 s think time")
-            self.console.print(f"[bold blue]{ev.t:6.1f}s {ev.text}[/bold blue]")
-            self.gen.set_load(1, 0.5)
-            self.watch_until(lambda: len(self.kget("pods", "-l", f"kascade.io/model-service={SERVICE}")["items"]) == 1,
-                             cfg.calm_timeout_s, leaf_of, "scale-down to min")
-            self.watch_for(2.0, leaf_of)
+            self.phases(leaf_of)
             return self.finish(out)
         finally:
             self.teardown()
@@ -211,6 +200,27 @@ class Demo:
             self.step(f"    building a random {self.m.layers}-layer Llama (real safetensors) in {p}")
             tiny_llama(p, layers=self.m.layers, hidden=256, vocab=2048)
         return p
+
+    @property
+    def service(self) -> str:
+        return SERVICE
+
+    def phases(self, leaf_of: dict[str, str]) -> None:
+        """The load the demo drives through the router: steady, a burst, then calm until back at min."""
+        assert self.gen is not None
+        cfg = self.cfg
+        self.gen.set_load(1, 0.5)
+        self.watch_for(cfg.steady_s, leaf_of)
+        ev = self.timeline.add(self.now(), "load", f"burst: {cfg.burst_workers} concurrent clients")
+        self.console.print(f"[bold red]{ev.t:6.1f}s {ev.text}[/bold red]")
+        self.gen.set_load(cfg.burst_workers)
+        self.watch_for(cfg.burst_s, leaf_of)
+        ev = self.timeline.add(self.now(), "load", "calm: 1 client, 0.5 s think time")
+        self.console.print(f"[bold blue]{ev.t:6.1f}s {ev.text}[/bold blue]")
+        self.gen.set_load(1, 0.5)
+        self.watch_until(lambda: len(self.kget("pods", "-l", f"kascade.io/model-service={self.service}")["items"]) == 1,
+                         cfg.calm_timeout_s, leaf_of, "scale-down to min")
+        self.watch_for(2.0, leaf_of)
 
     def modelservice(self, path: str) -> dict[str, Any]:
         m = self.m
