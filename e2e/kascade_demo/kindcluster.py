@@ -58,6 +58,39 @@ def image_present(image: str) -> bool:
     return subprocess.run(["docker", "image", "inspect", image], capture_output=True).returncode == 0
 
 
+def has_image(image: str, node: str) -> bool:
+    ref = image if "/" in image.split(":")[0] else f"docker.io/library/{image}"
+    return ref in run("docker", "exec", node, "ctr", "-n", "k8s.io", "images", "ls", "-q", check=False).split()
+
+
+def load_image(image: str, node: str) -> None:
+    """Our image into one kind node's containerd, without keeping a second copy of its layers there:
+    `docker save` streams into the node's containerd, which unpacks it, and the layer blobs are then dropped
+    (the snapshots are what containers run from). Load one image after the other into a node: the images
+    share base layers, which another import into the same node may still be reading. KindError when
+    Docker's disk cannot take the node's blobs and unpacked snapshot at the peak, with a 2 GB margin
+    (KASCADE_KIND_DISK_MARGIN_GB)."""
+    if has_image(image, node):
+        return
+    size = json.loads(run("docker", "image", "inspect", image))[0]["Size"]
+    free = shutil.disk_usage(run("docker", "info", "-f", "{{.DockerRootDir}}").strip()).free
+    margin = int(os.environ.get("KASCADE_KIND_DISK_MARGIN_GB", "2")) * 2**30
+    if free < 2 * size + margin:
+        raise KindError(f"loading {image} ({size / 1e9:.2f} GB) into {node} needs ~{(2 * size + margin) / 1e9:.0f} GB "
+                        f"free on Docker's disk; {free / 1e9:.1f} GB are")
+    save = subprocess.Popen(["docker", "save", image], stdout=subprocess.PIPE)
+    try:
+        imp = subprocess.run(["docker", "exec", "-i", node, "ctr", "-n", "k8s.io", "images", "import",
+                              "--digests", "--snapshotter=overlayfs", "-"], stdin=save.stdout,
+                             capture_output=True, text=True, timeout=1800)
+    finally:
+        save.wait()
+    if imp.returncode != 0 or save.returncode != 0:
+        raise KindError(f"loading {image} into {node}: {imp.stderr[-1000:]}")
+    layers = json.loads(run("docker", "image", "inspect", image))[0]["RootFS"]["Layers"]
+    run("docker", "exec", node, "ctr", "-n", "k8s.io", "content", "rm", *layers, check=False)
+
+
 @dataclass
 class KindCluster:
     name: str
@@ -101,30 +134,8 @@ class KindCluster:
                          json.dumps([{"op": "add", "path": "/status/capacity/nvidia.com~1gpu", "value": str(gpus)}]))
         return leaf_of
 
-    def has_image(self, image: str, node: str) -> bool:
-        ref = image if "/" in image.split(":")[0] else f"docker.io/library/{image}"
-        return ref in run("docker", "exec", node, "ctr", "-n", "k8s.io", "images", "ls", "-q", check=False).split()
-
     def load(self, image: str, node: str) -> None:
-        """Our image into one node's containerd, without keeping a second copy of its layers there."""
-        if self.has_image(image, node):
-            return
-        size = json.loads(run("docker", "image", "inspect", image))[0]["Size"]
-        free = shutil.disk_usage(run("docker", "info", "-f", "{{.DockerRootDir}}").strip()).free
-        if free < 2 * size + (2 << 30):  # the node's blobs and unpacked snapshot at the peak, and a margin
-            raise KindError(f"loading {image} ({size / 1e9:.1f} GB) into {node} needs ~{(2 * size) / 1e9 + 2:.0f} GB "
-                            f"free on Docker's disk; {free / 1e9:.1f} GB are")
-        save = subprocess.Popen(["docker", "save", image], stdout=subprocess.PIPE)
-        try:
-            imp = subprocess.run(["docker", "exec", "-i", node, "ctr", "-n", "k8s.io", "images", "import",
-                                  "--digests", "--snapshotter=overlayfs", "-"], stdin=save.stdout,
-                                 capture_output=True, text=True, timeout=1800)
-        finally:
-            save.wait()
-        if imp.returncode != 0 or save.returncode != 0:
-            raise KindError(f"loading {image} into {node}: {imp.stderr[-1000:]}")
-        layers = json.loads(run("docker", "image", "inspect", image))[0]["RootFS"]["Layers"]
-        run("docker", "exec", node, "ctr", "-n", "k8s.io", "content", "rm", *layers, check=False)
+        load_image(image, node)
 
     def delete(self) -> None:
         run(str(KIND_BIN), "delete", "cluster", "--name", self.name, check=False)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from kascade_demo.kindcluster import KindError, load_image
 from kascade_devcluster.requirement import unavailable
 
 REPO = Path(__file__).resolve().parents[2]
@@ -95,42 +96,12 @@ def _tiny_model() -> None:
         p.chmod(0o755 if p.is_dir() else 0o644)
 
 
-def load_image(image: str, node: str) -> None:
-    """`kind load docker-image` for one node, without its copy of the image on disk: `docker save`
-    streams into the node's containerd, which unpacks it, and the layer blobs are then dropped (the
-    snapshots are what containers run from; containerd's CRI does the same for pulled images with
-    discard_unpacked_layers). The engine image is ~6 GB: a tar, a blob and a snapshot per node would
-    not fit on the dev machines' disks."""
-    have = _run("docker", "exec", node, "ctr", "-n", "k8s.io", "images", "ls", "-q", check=False)
-    ref = image if "/" in image.split(":")[0] else f"docker.io/library/{image}"
-    if ref in have.split():
-        return
-    save = subprocess.Popen(["docker", "save", image], stdout=subprocess.PIPE)
-    try:
-        imp = subprocess.run(["docker", "exec", "-i", node, "ctr", "-n", "k8s.io", "images", "import",
-                              "--digests", "--snapshotter=overlayfs", "-"], stdin=save.stdout,
-                             capture_output=True, text=True, timeout=1800)
-    finally:
-        save.wait()
-    if imp.returncode != 0 or save.returncode != 0:
-        raise RuntimeError(f"loading {image} into {node}: {imp.stderr[-1000:]}")
-    layers = json.loads(_run("docker", "image", "inspect", image))[0]["RootFS"]["Layers"]
-    _run("docker", "exec", node, "ctr", "-n", "k8s.io", "content", "rm", *layers, check=False)
-
-
 def engine_load(image: str, node: str) -> str:
-    """Load the engine image onto `node` if the disk can take it; else say why not. `load_image` streams
-    the daemon's export into the node, so the peak on disk is twice the image (the node's blobs and its
-    unpacked snapshot, until the blobs are dropped); the margin (KASCADE_KIND_DISK_MARGIN_GB, 2) leaves
-    room for the story's logs and whatever else shares the disk."""
-    size = json.loads(_run("docker", "image", "inspect", image))[0]["Size"]
-    have = _run("docker", "exec", node, "ctr", "-n", "k8s.io", "images", "ls", "-q", check=False).split()
-    free = shutil.disk_usage(_run("docker", "info", "-f", "{{.DockerRootDir}}").strip()).free
-    margin = int(os.environ.get("KASCADE_KIND_DISK_MARGIN_GB", "2")) * 2**30
-    if f"docker.io/library/{image}" not in have and free < 2 * size + margin:
-        return (f"the engine image {ENGINE_IMAGE} ({size / 1e9:.2f} GB) was not loaded into {node}: that needs "
-                f"~{(2 * size + margin) / 1e9:.0f} GB free on Docker's disk, {free / 1e9:.1f} GB are")
-    load_image(image, node)
+    """Load the engine image onto `node` if the disk can take it (kindcluster.load_image); else say why not."""
+    try:
+        load_image(image, node)
+    except KindError as e:
+        return f"the engine image {ENGINE_IMAGE} was not loaded: {e}"
     return ""
 
 
