@@ -70,7 +70,8 @@ async def test_a_converted_decoder_keeps_a_prompt_queued_prefills_at_p_would_del
     warm = list(range(1, 4 * KNEE + 1))  # 4 steps at P: enough for its meter (prefillrate.RATE_STEPS)
     one = SamplingParams(max_tokens=1)  # the queued prompts end as they land: D's batch stays the two streams
     try:
-        assert await collect(d, d.serving.submit(warm, params, prefill=pd.peer)) == unsplit(tiny_blocks, [warm], params)[0]
+        warmed = await collect(d, d.serving.submit(warm, params, prefill=pd.peer))
+        assert warmed == unsplit(tiny_blocks, [warm], params)[0]
         pace = d.remote_prefill.pace.get(pd.peer)
         assert pace is not None and pace == p.engine.meter.prefill_rate(), (pace, p.engine.meter.prefill_rate())
         assert pace < KNEE / (4 * LAYER_MS / 1e3) * 1.05, pace  # at most KNEE tokens per 4 emulated layers
