@@ -30,8 +30,11 @@ def s(t: float, ready: int) -> Sample:
 
 def test_plan_is_told_with_leaves_live_pair_and_prediction() -> None:
     text = describe_plan("up-1", CHAIN, LEAF)
-    assert text == ("ScalePlan up-1 (chain, predicted 4 ms at line rate): e0[leaf-0] -> e2[leaf-0] -> e1[leaf-1]; "
-                    "live: e2 with e0")
+    assert text == ("ScalePlan up-1 (chain, predicted 4.00 ms at the links' rates): e0[leaf-0] -> e2[leaf-0] -> "
+                    "e1[leaf-1]; live: e2 with e0")
+    # a tiny model's plan: well under a millisecond is said as such, never "0 ms"
+    for sec, said in ((0.00042, "0.42 ms"), (0.000003, "3 us"), (0.25, "250 ms"), (2.5, "2.50 s")):
+        assert f"predicted {said} at" in describe_plan("up-1", {**CHAIN, "predictedSeconds": sec}, LEAF), sec
     local = {"algorithm": "local", "sources": [{"instance": "h", "kind": "host", "path": "/models/m"}],
              "targets": [{"instance": "e0", "node": "n0"}]}
     assert describe_plan("p", local, LEAF) == "ScalePlan p (local): first copy from /models/m into e0[leaf-0]"
