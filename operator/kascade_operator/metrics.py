@@ -17,7 +17,7 @@ import logging
 import ssl
 import time
 from collections import deque
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -274,10 +274,12 @@ class Scraper:
     """Direct scrape of engine `/metrics` (instance -> "host:port"), concurrently, with a timeout."""
 
     def __init__(self, timeout_s: float = 0.5, client: httpx.AsyncClient | None = None, window_s: float = 0.0,
-                 tls: ssl.SSLContext | None = None) -> None:
-        """`tls`: engines serve HTTPS (engine_tls_context); None: plain HTTP."""
+                 tls: ssl.SSLContext | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        """`tls`: engines serve HTTPS (engine_tls_context); None: plain HTTP. `clock`: when a scrape's counters
+        were read (the rates divide by its differences); tests pass the clock their engine stubs count on."""
         self._http = HttpPool(timeout_s, client, tls)
         self.window_s = window_s
+        self.clock = clock
         # one tracker per group (a ModelService role): forgetting the instances a group no longer has
         # must not wipe another group's previous samples
         self.rates: dict[Hashable, RateTracker] = {}
@@ -289,7 +291,7 @@ class Scraper:
         try:
             r = await self._http.get(endpoint).get(self._http.url(endpoint, "/metrics"))
             r.raise_for_status()
-            return rates.update(instance, parse_engine_metrics(r.text, time.monotonic()))
+            return rates.update(instance, parse_engine_metrics(r.text, self.clock()))
         except (httpx.HTTPError, MetricsError) as e:
             log.warning("scrape of %s (%s) failed: %s", instance, endpoint, e)
             return None

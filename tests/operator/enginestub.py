@@ -10,12 +10,30 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 
+class FakeClock:
+    """A monotonic clock a test advances: the seconds a rate is measured over, without sleeping them."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.t = start
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
 class EngineStub:
-    def __init__(self, instance: str, model: str, token: str, auto_ready: bool = True) -> None:
+    def __init__(self, instance: str, model: str, token: str, auto_ready: bool = True,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock`: what its token counter counts on (a test's FakeClock makes the rates a scraper on the same
+        clock measures exact, whatever the machine's load)."""
+        self.clock = clock
         self.instance, self.model, self.token = instance, model, token
         self.auto_ready = auto_ready  # bind/load-plan -> ready at once
         self.phase, self.model_service, self.role = "empty", None, None
@@ -25,7 +43,7 @@ class EngineStub:
         # keepHostCopy false (0: no budget, nothing kept)
         self.host_cache_bytes, self.host_copy_bytes = 0, 0
         self.fail: dict[str, int] = {}  # verb -> HTTP status it is answered with (e.g. a load-plan refused)
-        self._rate, self._total, self._t = 0.0, 0.0, time.monotonic()
+        self._rate, self._total, self._t = 0.0, 0.0, clock()
         self._lock = threading.Lock()
         stub = self
 
@@ -109,7 +127,7 @@ class EngineStub:
                 "hostCopyBytes": self.host_copy_bytes}
 
     def _advance(self) -> float:
-        now = time.monotonic()
+        now = self.clock()
         self._total += self._rate * (now - self._t)
         self._t = now
         return self._total

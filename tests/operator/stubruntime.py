@@ -9,7 +9,8 @@ every stub's server are closed, in that order.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Iterable
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
 
 from enginestub import EngineStub
 from fakekube import FakeKube
@@ -29,9 +30,12 @@ class Stopped:
 
 
 @contextlib.asynccontextmanager
-async def stub_runtime(kube: FakeKube, stubs: Iterable[EngineStub], token: str) -> AsyncIterator[Runtime]:
-    """A Runtime over `kube` that reaches `stubs` with `token`; closes the client, then the stubs."""
-    rt = Runtime(OperatorSettings(engine_token=token), kube, EngineClient(token), Scraper(), None, OperatorMetrics())
+async def stub_runtime(kube: FakeKube, stubs: Iterable[EngineStub], token: str,
+                       clock: Callable[[], float] = time.monotonic) -> AsyncIterator[Runtime]:
+    """A Runtime over `kube` that reaches `stubs` with `token`, its scraper on `clock` (the stubs' FakeClock makes
+    measured rates exact); closes the client, then the stubs."""
+    rt = Runtime(OperatorSettings(engine_token=token), kube, EngineClient(token), Scraper(clock=clock), None,
+                 OperatorMetrics())
     try:
         yield rt
     finally:

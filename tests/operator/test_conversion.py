@@ -6,12 +6,11 @@ the capacity both are taken back. Also the P:D ratio policy through `decide_role
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from enginestub import EngineStub
+from enginestub import EngineStub, FakeClock
 from fakekube import FakeKube, merge
 from stubruntime import stub_runtime
 
@@ -19,6 +18,7 @@ from kascade_operator import labels as L
 from kascade_operator.api import ModelServiceSpec
 from kascade_operator.decide import RoleInput, decide_roles
 from kascade_operator.handlers import reconcile_service
+from kascade_operator.metrics import Scraper
 from kascade_operator.runtime import Runtime
 from kascade_planner.conversion import plan_conversions
 from kascade_planner.policies import MeasuredVelocity, MetricsSnapshot
@@ -44,7 +44,8 @@ async def world() -> AsyncIterator[tuple[Runtime, FakeKube, dict[str, EngineStub
     kube = FakeKube()
     kube.nodes = [{"metadata": {"name": "n0", "labels": {"kascade.io/leaf": "l0"}},
                    "status": {"allocatable": {"nvidia.com/gpu": "8"}, "capacity": {"nvidia.com/gpu": "8"}}}]
-    stubs = {n: EngineStub(n, "tiny", TOKEN) for n in ROLES}
+    clock = FakeClock()  # the stubs count tokens on it and the scraper reads it: rates are exact
+    stubs = {n: EngineStub(n, "tiny", TOKEN, clock=clock) for n in ROLES}
     for n, s in stubs.items():  # already bound and loaded: this test is about what happens next
         kube.add_pool_pod(NS, n, "n0", s.endpoint, model="tiny")
         merge(
@@ -57,7 +58,7 @@ async def world() -> AsyncIterator[tuple[Runtime, FakeKube, dict[str, EngineStub
             },
         )
         s.model_service, s.role, s.phase = "svc", ROLES[n], "serving"
-    async with stub_runtime(kube, stubs.values(), TOKEN) as rt:
+    async with stub_runtime(kube, stubs.values(), TOKEN, clock) as rt:
         yield rt, kube, stubs
 
 
@@ -70,9 +71,9 @@ def convert_calls(stub: EngineStub) -> list[Any]:
 
 
 async def rounds(rt: Runtime, n: int = 2) -> None:
-    for i in range(n):  # two scrapes make a rate: half a second apart, so scheduling jitter stays small in it
-        if i:
-            await asyncio.sleep(0.5)
+    assert isinstance(rt.scraper, Scraper) and isinstance(rt.scraper.clock, FakeClock)
+    for _ in range(n):  # two scrapes make a rate: each round half a second after the last on the stubs' clock
+        rt.scraper.clock.advance(0.5)
         rt.last_round.clear()
         await reconcile_service(rt, service(), "timer")
 

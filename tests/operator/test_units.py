@@ -3,8 +3,6 @@ progress, settings validation."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from builders import pod
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -167,19 +165,21 @@ def test_settings_errors_name_the_variable(monkeypatch: pytest.MonkeyPatch) -> N
 
 async def test_scraper_keeps_rates_per_group() -> None:
     """Scraping service B between two scrapes of service A must not reset A's rate (a real bug)."""
-    from enginestub import EngineStub
+    from enginestub import EngineStub, FakeClock
 
     from kascade_operator.metrics import Scraper
 
-    a, b = EngineStub("a", "m", "t"), EngineStub("b", "m", "t")
+    clock = FakeClock()
+    a, b = EngineStub("a", "m", "t", clock=clock), EngineStub("b", "m", "t", clock=clock)
     a.tokens_per_s = 1000.0
-    scraper = Scraper(timeout_s=2.0)
+    scraper = Scraper(timeout_s=2.0, clock=clock)
     try:
         await scraper.collect({"a": a.endpoint}, "A")
+        clock.advance(0.1)
         await scraper.collect({"b": b.endpoint}, "B")
-        await asyncio.sleep(0.2)
+        clock.advance(0.1)
         (load,) = await scraper.collect({"a": a.endpoint}, "A")
-        assert 500 < load.input_tokens_per_s < 2000
+        assert load.input_tokens_per_s == pytest.approx(1000.0)  # a reset by B's scrape would read 0 or none
     finally:
         await scraper.aclose()
         a.close()
