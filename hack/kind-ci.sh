@@ -12,7 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 budget=${KASCADE_CI_BUDGET_S:-5100}  # 85 min: CI's limit is 90
-test_s=${KASCADE_KIND_TEST_S:-1200}  # cluster, image loads and the story, warm: ~16 min measured, + margin
+test_s=${KASCADE_KIND_TEST_S:-1500}  # cluster, image loads, the story and the install walk, warm: ~20 min, + margin
 banner() { printf '\n######## check-kind: %s ########\n\n' "$*" >&2; }
 
 bash hack/build-control-plane.sh >/dev/null

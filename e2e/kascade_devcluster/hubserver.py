@@ -42,13 +42,23 @@ class HubServer:
         self.repos[repo] = HubRepo(files, sha, token)
         return self.repos[repo]
 
+    _advertise: str = "127.0.0.1"
+
     @property
     def url(self) -> str:
-        assert self._server is not None, "start() first"
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
+        """Where clients reach it: the address `start` was told to advertise (loopback by default)."""
+        return f"http://{self._advertise}:{self.port}"
 
-    def start(self) -> HubServer:
+    @property
+    def port(self) -> int:
+        assert self._server is not None, "start() first"
+        return int(self._server.server_address[1])
+
+    def start(self, host: str = "127.0.0.1", advertise: str | None = None) -> HubServer:
+        """Serve on `host` (e.g. 0.0.0.0 for pods of a kind cluster), advertised in `url` as `advertise` (the
+        address clients dial; default: `host`)."""
         hub = self
+        self._advertise = advertise or host
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *_: object) -> None:
@@ -105,7 +115,7 @@ class HubServer:
                                                   "Content-Type": "application/octet-stream"}, body)
                 return self._error(404, "EntryNotFound", f"{path} does not exist", body)
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = ThreadingHTTPServer((host, 0), Handler)
         threading.Thread(target=self._server.serve_forever, name="hubserver", daemon=True).start()
         return self
 
