@@ -4,7 +4,7 @@
 Order: claim this round's plan targets (before the first await: observe read the other rounds' claims last) ->
 remember the round's clocks -> convert decoders -> the reconcile actions (`apply`, one each) -> host copies ->
 serving gates and labels -> the status (only when it changed) -> ModelServiceRole statuses -> prune finished
-plans -> operator metrics. A CreatePlan is built here from the decision with the real block manifest of its
+plans -> the service's ask on its pool's fleet board, and a round for each donor preempted for it. A CreatePlan is built here from the decision with the real block manifest of its
 source engine (plandriver.new_scaleplan: the one read in act, and only a scale-up makes it).
 
 Data flow of one action: `reconcile.reconcile` -> actions (CreatePlan, CreatePods, Drain, Release) -> `apply` ->
@@ -23,7 +23,7 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
-from kascade_operator import converter, hostcopykeeper, plandriver, serving_gate
+from kascade_operator import converter, hostcopykeeper, plandriver, rounds, serving_gate
 from kascade_operator.api import ModelServiceSpec
 from kascade_operator.engine_client import EngineError
 from kascade_operator.kube import Conflict, NotFound, now_iso
@@ -92,11 +92,12 @@ async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods:
         # a round later, with its release, so no request ever arrives at a draining engine
         p = by_name[action.pod]
         try:
-            await rt.kube.patch_pod(pool_ns, p.pod_name, drain_patch(p, now_iso()))
+            await rt.kube.patch_pod(pool_ns, p.pod_name, drain_patch(p, now_iso(), action.preempted_for))
         except (Conflict, NotFound):
             return None  # re-read next round
         await serving_gate.close(rt.kube, pool_ns, await rt.pool_pods(pool_ns), p.pod_name)  # Services too
-        await rt.event(ns, body, "ModelService", "Normal", "ScaleDown", f"draining {p.pod_name}")
+        if action.preempted_for is None:  # a preemption has its own Event (decision: Preempted)
+            await rt.event(ns, body, "ModelService", "Normal", "ScaleDown", f"draining {p.pod_name}")
     elif isinstance(action, Release):
         p = by_name[action.pod]
         kept: str | None = None
@@ -137,6 +138,7 @@ async def act(rt: Runtime, w: World, d: Decision) -> None:
             if d.status is not None:
                 await rt.kube.patch_modelservice_status(ns, name, dict(d.status))
         rt.steady[key] = (d.interval, True)
+        rt.fleet_board(rt.pool_namespace(ns)).remove(service_key(ns, name, rt.pool_namespace(ns)))
         return
     for a in d.actions:  # no await before these claims (observe.py)
         if isinstance(a, CreatePlan):
@@ -176,6 +178,10 @@ async def act(rt: Runtime, w: World, d: Decision) -> None:
     for plan in d.prune:
         with contextlib.suppress(NotFound):
             await rt.kube.delete_scaleplan(ns, plan)
+    if d.post is not None:  # the ask the next arbitration of the pool reads (fleetboard.py)
+        rt.fleet_board(w.pool_ns).post(w.key, d.post)
+    for donor in d.wake:  # their rounds drain the replicas preempted for this service
+        rounds.wake(rt, *rounds.service_of(donor, w.pool_ns))
 
 
 async def write_gates(rt: Runtime, pool_ns: str, gates: Iterable[tuple[str, bool]],
