@@ -4,8 +4,9 @@
 Order: claim this round's plan targets (before the first await: observe read the other rounds' claims last) ->
 remember the round's clocks -> convert decoders -> the reconcile actions (`apply`, one each) -> host copies ->
 serving gates and labels -> the status (only when it changed) -> ModelServiceRole statuses -> prune finished
-plans -> the service's ask on its pool's fleet board, and a round for each donor preempted for it. A CreatePlan is built here from the decision with the real block manifest of its
-source engine (plandriver.new_scaleplan: the one read in act, and only a scale-up makes it).
+plans -> operator metrics -> the service's ask on its pool's fleet board (fleetboard.py) and a round for each
+donor preempted for it. A CreatePlan is built here from the decision with the real block manifest of its source
+engine (plandriver.new_scaleplan: the one read in act, and only a scale-up makes it).
 
 Data flow of one action: `reconcile.reconcile` -> actions (CreatePlan, CreatePods, Drain, Release) -> `apply` ->
 a ScalePlan created and its targets instructed at once (plandriver.start), fallback pods created (refused by the pod

@@ -59,7 +59,7 @@ class FleetRound:
     post: Post | None = None
     status: Mapping[str, Any] | None = None  # status.arbitration (None: got what it asked)
     events: tuple[Event, ...] = ()
-    capped: bool = False  # a role got less than it asked (the service stays moving: re-checked each interval)
+    capped: bool = False  # a role got less than it asked or waits for preempted replicas (re-checked each interval)
     wake: tuple[str, ...] = ()  # service keys of the donors whose replicas were preempted for this service
 
 
@@ -76,6 +76,7 @@ def apply_fleet(w: World, spec: ModelServiceSpec, bounds: Mapping[str, RoleRepli
     events: list[Event] = []
     shorts: list[tuple[Grant, list[str]]] = []
     wake: set[str] = set()
+    waiting = False
     mine = w.fleet.mine if w.fleet is not None else None
     roles = {r.role: r for r in w.roles}
     for d in decisions:
@@ -105,6 +106,7 @@ def apply_fleet(w: World, spec: ModelServiceSpec, bounds: Mapping[str, RoleRepli
         mine_pre = [pr for pr in arb.preemptions if pr.taker == n]
         wake.update(pr.donor.split("[", 1)[0] for pr in mine_pre)
         coming = len(mine_pre) + promised
+        waiting = waiting or coming > 0
         if (g.short and g.ranked_above) or coming or gone:
             # bind now only what is not coming from preempted replicas; never drain beyond the preempted
             cap = max(len(serving) - len(gone), g.granted - coming)
@@ -118,7 +120,8 @@ def apply_fleet(w: World, spec: ModelServiceSpec, bounds: Mapping[str, RoleRepli
     if status is not None and status.get("reason") and (old.get("asked"), old.get("granted")) != \
             (status["asked"], status["granted"]):
         events.append(Event("Normal", "Arbitrated", str(status["reason"])))
-    return FleetRound(desired, tuple(drains), post, status, tuple(events), bool(shorts), tuple(sorted(wake)))
+    return FleetRound(desired, tuple(drains), post, status, tuple(events), bool(shorts) or waiting,
+                      tuple(sorted(wake)))
 
 
 def arbitration_status(spec: ModelServiceSpec, shorts: Sequence[tuple[Grant, list[str]]]) -> dict[str, Any] | None:

@@ -5,10 +5,11 @@ Data flow (world.py has the types, observe.py fills the World, actuator.act carr
   spec refused -> the invalid status once per generation, steady
   else: per role the policy (decide.decide_roles) -> the zero rule (demand.zero_rule: from zero on the
   router's demand, to zero after the idle time) -> the fleet's arbitration when services share a short pool
-  (arbitrated.apply_fleet: growth capped at the grant, preempted replicas drained) -> the reconciler (reconcile.reconcile: plans, fallback pods,
-  drains, releases) -> convertible decoders (kascade_planner.conversion) -> host copies (hostcopykeeper's
-  pure rules) -> serving gates -> status, ModelServiceRole statuses, plans to prune, and whether the service
-  is steady (next round at the resync) or moving (next round one interval on).
+  (arbitrated.apply_fleet: growth capped at the grant, preempted replicas drained) -> the reconciler
+  (reconcile.reconcile: plans, fallback pods, drains, releases) -> convertible decoders
+  (kascade_planner.conversion) -> host copies (hostcopykeeper's pure rules) -> serving gates -> status,
+  ModelServiceRole statuses, plans to prune, and whether the service is steady (next round at the resync) or
+  moving (next round one interval on).
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from kascade_operator import labels as L
-from kascade_operator.arbitrated import FleetRound, apply_fleet, arbitrated_condition
 from kascade_operator import roleobject as R
 from kascade_operator import serving_gate
 from kascade_operator.api import ModelServiceSpec
+from kascade_operator.arbitrated import FleetRound, apply_fleet, arbitrated_condition
 from kascade_operator.decide import RoleDecision, RoleInput, decide_roles
 from kascade_operator.demand import zero_rule
 from kascade_operator.hostcopykeeper import keeper, surplus
