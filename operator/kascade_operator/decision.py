@@ -123,8 +123,10 @@ def decide(w: World) -> Decision:
             d, may_release_last, busy = zero(spec, w, r, inp.serving, inp.lo, d)
             if may_release_last:
                 release_last.add(d.role)
-            if w.trigger == "timer" or d.desired != d.current or d.role in desired:
-                desired[d.role] = d.desired  # the zero rule overrides the policy's wish, also back to current
+            # the zero rule overrides the policy's wish, also back to current; a hold is a wish too in every
+            # round (an update or resume round that left it out fell back to min: a spec edit, e.g. of
+            # spec.scaling.priority, or an operator restart drained a loaded service to its min)
+            desired[d.role] = d.desired
         clocks[d.role] = (d.state.below_since_s, busy)
         decisions.append(d)
     changes = tuple(d for d in decisions if d.desired != d.current)
