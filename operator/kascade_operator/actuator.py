@@ -180,9 +180,13 @@ async def act(rt: Runtime, w: World, d: Decision) -> None:
         with contextlib.suppress(NotFound):
             await rt.kube.delete_scaleplan(ns, plan)
     if d.post is not None:  # the ask the next arbitration of the pool reads (fleetboard.py)
-        rt.fleet_board(w.pool_ns).post(w.key, d.post)
-    for donor in d.wake:  # their rounds drain the replicas preempted for this service
-        rounds.wake(rt, *rounds.service_of(donor, w.pool_ns))
+        wake = set(d.wake)  # donors preempted for this service: their rounds drain the replicas
+        board = rt.fleet_board(w.pool_ns)
+        if board.post(w.key, d.post) and board.short(w.fleet.free if w.fleet is not None else 0):
+            # this ask made (or keeps) the pool short: the services that may give run their rounds now, on it
+            wake.update(board.donors(w.key))
+        for donor in sorted(wake):
+            rounds.wake(rt, *rounds.service_of(donor, w.pool_ns))
 
 
 async def write_gates(rt: Runtime, pool_ns: str, gates: Iterable[tuple[str, bool]],

@@ -70,14 +70,15 @@ class FleetBoard:
     _cache: tuple[tuple[int, int], float, Arbitration] | None = None
 
     def post(self, key: str, p: Post) -> bool:
-        """Record `key`'s ask; True when it changed the board."""
+        """Record `key`'s ask; True when it asks for more growth than before (the board changed either way)."""
         old = self.posts.get(key)
         if old == p:
             return False
+        grew = p.growth > (old.growth if old is not None else 0)
         self.growth += p.growth - (old.growth if old is not None else 0)
         self.posts[key] = p
         self.version += 1
-        return True
+        return grew
 
     def remove(self, key: str) -> None:
         old = self.posts.pop(key, None)
@@ -106,5 +107,6 @@ class FleetBoard:
         self._cache = (ck, now, arb)
         return FleetView(arb, mine, free)
 
-    def services(self) -> list[tuple[str, str]]:
-        return [(p.ns, p.name) for p in self.posts.values()]
+    def donors(self, taker: str) -> list[str]:
+        """Service keys other than `taker` holding more than their min in some role (they may give)."""
+        return [k for k, p in self.posts.items() if k != taker and any(e.current > e.min for e in p.entries)]

@@ -155,6 +155,6 @@ def test_the_arbitration_is_computed_once_per_version_of_the_board() -> None:
     assert board.view("b", 1, T0 + 60.5, CFG).arbitration is not v1  # the free engines changed
     version = board.version
     post_all(board, ("b", decide(world("b", b, pods, T0, 4, {"b0": 4.0}, None))))  # the same ask: no change
-    assert board.version == version
+    assert board.version == version and board.donors("a") == ["b"] and board.donors("b") == []
     board.remove("b")
     assert board.version == version + 1 and board.growth == 2 and not board.short(0)
