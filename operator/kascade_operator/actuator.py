@@ -29,7 +29,15 @@ from kascade_operator.api import ModelServiceSpec
 from kascade_operator.engine_client import EngineError
 from kascade_operator.kube import Conflict, NotFound, now_iso
 from kascade_operator.podtemplate import fallback_pod, refusals
-from kascade_operator.pool import PodView, drain_patch, keep_host_copy, owner_ref, service_key, unbind_patch
+from kascade_operator.pool import (
+    PodView,
+    drain_patch,
+    keep_host_copy,
+    owner_ref,
+    pod_view,
+    service_key,
+    unbind_patch,
+)
 from kascade_operator.reconcile import TERMINAL, CreatePlan, CreatePods, Drain, Release
 from kascade_operator.runtime import Runtime
 from kascade_operator.status import Blocker
@@ -114,9 +122,7 @@ async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods:
                 if e.status == 409:
                     return None  # requests still in flight: try again next round
                 log.warning("%s", e)
-        try:
-            await rt.kube.patch_pod(pool_ns, p.pod_name, unbind_patch(p, host_copy=kept))
-        except (Conflict, NotFound):
+        if not await unbind(rt, pool_ns, p, kept):
             return None
         if kept:
             # the round's other releases must count this copy: they read the same pod snapshot, and without
@@ -125,6 +131,28 @@ async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods:
         rt.unreserve(pool_ns, [p.pod_name])  # its claim was for the bind this release ends: it may serve again
         await rt.event(ns, body, "ModelService", "Normal", "Released", f"{p.pod_name} returned to the pool")
     return None
+
+
+async def unbind(rt: Runtime, pool_ns: str, p: PodView, kept: str | None) -> bool:
+    """Return a released pod to the pool. The round's view of a draining pod is often a version behind (its
+    serving gate and Ready condition change while it drains): on a 409 the pod is read again and, still bound
+    to the same service and draining, unbound at its current version (the engine is released already; waiting
+    a round per conflict kept a preempted engine from its taker for seconds under load)."""
+    try:
+        await rt.kube.patch_pod(pool_ns, p.pod_name, unbind_patch(p, host_copy=kept))
+        return True
+    except NotFound:
+        return False
+    except Conflict:
+        pass
+    try:
+        cur = pod_view(await rt.kube.get_pod(pool_ns, p.pod_name))
+        if cur.model_service != p.model_service or not cur.draining:
+            return False  # changed meanwhile: re-read next round
+        await rt.kube.patch_pod(pool_ns, p.pod_name, unbind_patch(cur, host_copy=kept))
+        return True
+    except (Conflict, NotFound):
+        return False
 
 
 async def act(rt: Runtime, w: World, d: Decision) -> None:

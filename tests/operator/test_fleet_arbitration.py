@@ -158,3 +158,25 @@ def test_the_arbitration_is_computed_once_per_version_of_the_board() -> None:
     assert board.version == version and board.donors("a") == ["b"] and board.donors("b") == []
     board.remove("b")
     assert board.version == version + 1 and board.growth == 2 and not board.short(0)
+
+
+async def test_a_release_behind_the_pods_version_unbinds_at_its_current_one() -> None:
+    """The round's view of a draining pod is a version behind (its gate and Ready changed): the unbind reads
+    it again and goes through, rather than waiting a round per 409; a pod that changed hands is left alone."""
+    from fakekube import FakeKube
+
+    from kascade_operator.actuator import unbind
+    from kascade_operator.kube import now_iso
+    from kascade_operator.pool import bind_patch, drain_patch, pod_view
+
+    kube = FakeKube()
+    kube.add_pool_pod("ns", "p", "n0", "127.0.0.1:1")
+    await kube.patch_pod("ns", "p", bind_patch(pod_view(kube.pods[("ns", "p")]), "b", "colocated", "plan-1"))
+    await kube.patch_pod("ns", "p", drain_patch(pod_view(kube.pods[("ns", "p")]), now_iso(), "a"))
+    stale = pod_view(kube.pods[("ns", "p")])
+    await kube.patch_pod("ns", "p", {"metadata": {"annotations": {"x": "1"}}})  # e.g. a gate write meanwhile
+    rt: Any = type("Rt", (), {"kube": kube})()
+    assert await unbind(rt, "ns", stale, None)
+    meta = kube.pods[("ns", "p")]["metadata"]
+    assert "kascade.io/model-service" not in meta["labels"] and "kascade.io/preempted-for" not in meta["annotations"]
+    assert not await unbind(rt, "ns", stale, None)  # no longer bound to b: nothing done
