@@ -104,7 +104,11 @@ class FleetBoard:
         except ValueError as e:  # a post out of step with another (a pod moved between them): next round
             log.warning("fleet arbitration skipped: %s", e)
             return FleetView(None, mine, free)
-        self._cache = (ck, now, arb)
+        last, self._cache = self._cache, (ck, now, arb)
+        if last is None or (last[2].grants, last[2].preemptions) != (arb.grants, arb.preemptions):
+            log.info("fleet arbitration (%d services, %d idle engines): %s%s", len(self.posts), free,
+                     "; ".join(f"{g.service} {g.granted}/{g.asked}" for g in arb.grants),
+                     "".join(f"; {p.reason}" for p in arb.preemptions))
         return FleetView(arb, mine, free)
 
     def donors(self, taker: str) -> list[str]:
