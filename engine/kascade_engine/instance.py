@@ -264,8 +264,11 @@ class EngineInstance:
             raise InstanceError(409, "source.hostCopy: this engine keeps no host copy (status hostCopyBytes is 0)",
                                 "source.hostCopy")
         if req.model != self.config.model_name:
-            raise InstanceError(409, f"cannot bind model '{req.model}': this engine holds '{self.config.model_name}'",
-                                "model")
+            if req.model_path is None:
+                raise InstanceError(409, f"cannot bind model '{req.model}': this engine holds "
+                                    f"'{self.config.model_name}' (modelPath switches an engine holding no weights)",
+                                    "model")
+            self.switch_model(req.model, req.model_path)
         if self.model_service not in (None, req.model_service):
             raise InstanceError(409, f"engine is bound to '{self.model_service}'; release it first", "modelService")
         if req.dtype is not None and str(self.dtype).removeprefix("torch.") != req.dtype:
@@ -286,6 +289,34 @@ class EngineInstance:
         elif has_source and not self.model.complete and (self.loading is None or self.loading.done()):
             await self.load_source(req.source_path, req.source_uri)
         return self.status()
+
+    def switch_model(self, name: str, path: str) -> None:
+        """Become an engine of model `name` (its config.json and tokenizer under `path`): only while bound to no
+        service, holding no weights and serving nothing. Another model's host copy goes (the host budget is the
+        new model's now). One process, one rank: a TP engine's ranks are fixed at start."""
+        if self.model_service is not None or self.phase not in (Phase.EMPTY, Phase.RELEASED) \
+                or self.model.weights or not self.serving.idle:
+            raise InstanceError(409, f"cannot switch to model '{name}': engine is {self.phase.value} with "
+                                f"'{self.config.model_name}' (release it first)", "model")
+        if self.config.tp > 1:
+            raise InstanceError(409, f"cannot switch to model '{name}': a tp {self.config.tp} engine's ranks are "
+                                "fixed at start", "model")
+        import json
+        from dataclasses import replace
+        from pathlib import Path
+
+        from kascade_engine.tokenizer import load_tokenizer
+
+        d = Path(path)
+        try:
+            cfg = json.loads((d / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise InstanceError(400, f"invalid field 'modelPath': no readable config.json in {path} ({e})",
+                                "modelPath") from e
+        old = self.config.model_name
+        self.tokenizer, self.model_cfg, self.host_copy = load_tokenizer(d), dict(cfg), None
+        self._build(replace(self.config, model_name=name, checkpoint=d))
+        log.info("%s: switched from model %s to %s (%s)", self.instance_id, old, name, path)
 
     async def load_plan(self, req: LoadPlanRequest) -> EngineStatus:
         from kascade_engine.loader import start_plan_load

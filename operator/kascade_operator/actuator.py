@@ -4,8 +4,9 @@
 Order: claim this round's plan targets (before the first await: observe read the other rounds' claims last) ->
 remember the round's clocks -> convert decoders -> the reconcile actions (`apply`, one each) -> host copies ->
 serving gates and labels -> the status (only when it changed) -> ModelServiceRole statuses -> prune finished
-plans -> operator metrics. A CreatePlan is built here from the decision with the real block manifest of its
-source engine (plandriver.new_scaleplan: the one read in act, and only a scale-up makes it).
+plans -> operator metrics -> the service's ask on its pool's fleet board (fleetboard.py) and a round for each
+donor preempted for it. A CreatePlan is built here from the decision with the real block manifest of its source
+engine (plandriver.new_scaleplan: the one read in act, and only a scale-up makes it).
 
 Data flow of one action: `reconcile.reconcile` -> actions (CreatePlan, CreatePods, Drain, Release) -> `apply` ->
 a ScalePlan created and its targets instructed at once (plandriver.start), fallback pods created (refused by the pod
@@ -23,12 +24,20 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
-from kascade_operator import converter, hostcopykeeper, plandriver, serving_gate
+from kascade_operator import converter, hostcopykeeper, plandriver, rounds, serving_gate
 from kascade_operator.api import ModelServiceSpec
 from kascade_operator.engine_client import EngineError
 from kascade_operator.kube import Conflict, NotFound, now_iso
 from kascade_operator.podtemplate import fallback_pod, refusals
-from kascade_operator.pool import PodView, drain_patch, keep_host_copy, owner_ref, service_key, unbind_patch
+from kascade_operator.pool import (
+    PodView,
+    drain_patch,
+    keep_host_copy,
+    owner_ref,
+    pod_view,
+    service_key,
+    unbind_patch,
+)
 from kascade_operator.reconcile import TERMINAL, CreatePlan, CreatePods, Drain, Release
 from kascade_operator.runtime import Runtime
 from kascade_operator.status import Blocker
@@ -92,11 +101,12 @@ async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods:
         # a round later, with its release, so no request ever arrives at a draining engine
         p = by_name[action.pod]
         try:
-            await rt.kube.patch_pod(pool_ns, p.pod_name, drain_patch(p, now_iso()))
+            await rt.kube.patch_pod(pool_ns, p.pod_name, drain_patch(p, now_iso(), action.preempted_for))
         except (Conflict, NotFound):
             return None  # re-read next round
         await serving_gate.close(rt.kube, pool_ns, await rt.pool_pods(pool_ns), p.pod_name)  # Services too
-        await rt.event(ns, body, "ModelService", "Normal", "ScaleDown", f"draining {p.pod_name}")
+        if action.preempted_for is None:  # a preemption has its own Event (decision: Preempted)
+            await rt.event(ns, body, "ModelService", "Normal", "ScaleDown", f"draining {p.pod_name}")
     elif isinstance(action, Release):
         p = by_name[action.pod]
         kept: str | None = None
@@ -112,9 +122,7 @@ async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods:
                 if e.status == 409:
                     return None  # requests still in flight: try again next round
                 log.warning("%s", e)
-        try:
-            await rt.kube.patch_pod(pool_ns, p.pod_name, unbind_patch(p, host_copy=kept))
-        except (Conflict, NotFound):
+        if not await unbind(rt, pool_ns, p, kept):
             return None
         if kept:
             # the round's other releases must count this copy: they read the same pod snapshot, and without
@@ -123,6 +131,28 @@ async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods:
         rt.unreserve(pool_ns, [p.pod_name])  # its claim was for the bind this release ends: it may serve again
         await rt.event(ns, body, "ModelService", "Normal", "Released", f"{p.pod_name} returned to the pool")
     return None
+
+
+async def unbind(rt: Runtime, pool_ns: str, p: PodView, kept: str | None) -> bool:
+    """Return a released pod to the pool. The round's view of a draining pod is often a version behind (its
+    serving gate and Ready condition change while it drains): on a 409 the pod is read again and, still bound
+    to the same service and draining, unbound at its current version (the engine is released already; waiting
+    a round per conflict kept a preempted engine from its taker for seconds under load)."""
+    try:
+        await rt.kube.patch_pod(pool_ns, p.pod_name, unbind_patch(p, host_copy=kept))
+        return True
+    except NotFound:
+        return False
+    except Conflict:
+        pass
+    try:
+        cur = pod_view(await rt.kube.get_pod(pool_ns, p.pod_name))
+        if cur.model_service != p.model_service or not cur.draining:
+            return False  # changed meanwhile: re-read next round
+        await rt.kube.patch_pod(pool_ns, p.pod_name, unbind_patch(cur, host_copy=kept))
+        return True
+    except (Conflict, NotFound):
+        return False
 
 
 async def act(rt: Runtime, w: World, d: Decision) -> None:
@@ -137,6 +167,7 @@ async def act(rt: Runtime, w: World, d: Decision) -> None:
             if d.status is not None:
                 await rt.kube.patch_modelservice_status(ns, name, dict(d.status))
         rt.steady[key] = (d.interval, True)
+        rt.fleet_board(rt.pool_namespace(ns)).remove(service_key(ns, name, rt.pool_namespace(ns)))
         return
     for a in d.actions:  # no await before these claims (observe.py)
         if isinstance(a, CreatePlan):
@@ -176,6 +207,14 @@ async def act(rt: Runtime, w: World, d: Decision) -> None:
     for plan in d.prune:
         with contextlib.suppress(NotFound):
             await rt.kube.delete_scaleplan(ns, plan)
+    if d.post is not None:  # the ask the next arbitration of the pool reads (fleetboard.py)
+        wake = set(d.wake)  # donors preempted for this service: their rounds drain the replicas
+        board = rt.fleet_board(w.pool_ns)
+        if board.post(w.key, d.post) and board.short(w.fleet.free if w.fleet is not None else 0):
+            # this ask made (or keeps) the pool short: the services that may give run their rounds now, on it
+            wake.update(board.donors(w.key))
+        for donor in sorted(wake):
+            rounds.wake(rt, *rounds.service_of(donor, w.pool_ns))
 
 
 async def write_gates(rt: Runtime, pool_ns: str, gates: Iterable[tuple[str, bool]],

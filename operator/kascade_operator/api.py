@@ -142,6 +142,8 @@ class Scaling(Model):
     interval_seconds: float = Field(default=1.0, ge=0.05, le=3600)
     scale_down_delay_seconds: float = Field(default=0.5, ge=0, le=86400)
     idle_release_seconds: float = Field(default=300.0, ge=0, le=604800)
+    # priority class across services sharing one warm pool (higher first; kascade_planner.arbitration)
+    priority: int = Field(default=0, ge=0, le=1_000_000_000)
     live: bool = True
     multicast: Literal["chain", "binomial", "star", "hybrid", "auto"] = "chain"
     token_velocity: TokenVelocity | None = None
@@ -217,6 +219,15 @@ class Decision(Model):
     metrics: dict[str, float] | None = None
 
 
+class ArbitrationStatus(Model):
+    asked: NonNegInt | None = None
+    granted: NonNegInt | None = None
+    priority: NonNegInt | None = None
+    ranked_above: list[str] | None = None
+    preempted: list[str] | None = None
+    reason: str | None = None
+
+
 class ModelServiceStatus(Model):
     observed_generation: int | None = None
     ready_replicas: NonNegInt | None = None
@@ -227,6 +238,7 @@ class ModelServiceStatus(Model):
     replicas: ReplicasStatus | None = None
     sources: list[PoolSource] | None = None
     last_decision: Decision | None = None
+    arbitration: ArbitrationStatus | None = None
     conditions: list[Condition] | None = None
 
 

@@ -4,10 +4,12 @@ the same Decision (the one clock it reads besides `world.now` is a changed condi
 Data flow (world.py has the types, observe.py fills the World, actuator.act carries the Decision out):
   spec refused -> the invalid status once per generation, steady
   else: per role the policy (decide.decide_roles) -> the zero rule (demand.zero_rule: from zero on the
-  router's demand, to zero after the idle time) -> the reconciler (reconcile.reconcile: plans, fallback pods,
-  drains, releases) -> convertible decoders (kascade_planner.conversion) -> host copies (hostcopykeeper's
-  pure rules) -> serving gates -> status, ModelServiceRole statuses, plans to prune, and whether the service
-  is steady (next round at the resync) or moving (next round one interval on).
+  router's demand, to zero after the idle time) -> the fleet's arbitration when services share a short pool
+  (arbitrated.apply_fleet: growth capped at the grant, preempted replicas drained) -> the reconciler
+  (reconcile.reconcile: plans, fallback pods, drains, releases) -> convertible decoders
+  (kascade_planner.conversion) -> host copies (hostcopykeeper's pure rules) -> serving gates -> status,
+  ModelServiceRole statuses, plans to prune, and whether the service is steady (next round at the resync) or
+  moving (next round one interval on).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from kascade_operator import labels as L
 from kascade_operator import roleobject as R
 from kascade_operator import serving_gate
 from kascade_operator.api import ModelServiceSpec
+from kascade_operator.arbitrated import FleetRound, apply_fleet, arbitrated_condition
 from kascade_operator.decide import RoleDecision, RoleInput, decide_roles
 from kascade_operator.demand import zero_rule
 from kascade_operator.hostcopykeeper import keeper, surplus
@@ -120,20 +123,27 @@ def decide(w: World) -> Decision:
             d, may_release_last, busy = zero(spec, w, r, inp.serving, inp.lo, d)
             if may_release_last:
                 release_last.add(d.role)
-            if w.trigger == "timer" or d.desired != d.current or d.role in desired:
-                desired[d.role] = d.desired  # the zero rule overrides the policy's wish, also back to current
+            # the zero rule overrides the policy's wish, also back to current; a hold is a wish too in every
+            # round (an update or resume round that left it out fell back to min: a spec edit, e.g. of
+            # spec.scaling.priority, or an operator restart drained a loaded service to its min)
+            desired[d.role] = d.desired
         clocks[d.role] = (d.state.below_since_s, busy)
         decisions.append(d)
     changes = tuple(d for d in decisions if d.desired != d.current)
+    # a shared pool short of engines: each role's grant caps its growth, its preempted replicas drain
+    fleet = apply_fleet(w, spec, bounds, decisions, desired, pods)
+    preempt = {a.pod for a in fleet.drains}
+    if fleet.desired != desired:
+        desired = dict(fleet.desired)
     # pods unfinished plans hold (their binds may not be in the pod index yet), here and (a shared pool) in
     # other namespaces, and pods other rounds claimed: observe read the claims last, and act claims this
     # round's targets before its first await
     taken = w.held | w.reserved
-    res = reconcile(key, spec, pods, plans, desired or None, "; ".join(d.reason for d in changes), taken,
-                    w.expected, release_last)
-    events: list[Event] = []
+    res = reconcile(key, spec, [dataclasses.replace(p, draining=True) if p.pod_name in preempt else p for p in pods],
+                    plans, desired or None, "; ".join(d.reason for d in changes), taken, w.expected, release_last)
+    events: list[Event] = list(fleet.events)
     blocker: Blocker | None = None
-    actions: list[Action] = []
+    actions: list[Action] = list(fleet.drains)
     for a in res.actions:
         why = refusals(spec, w.settings) if isinstance(a, CreatePods) else []
         if isinstance(a, CreatePods) and why:
@@ -143,7 +153,7 @@ def decide(w: World) -> Decision:
         else:
             actions.append(a)
     # the pods this round drains count as draining for the host-copy keeper (their releases keep one)
-    drains = {a.pod for a in res.actions if isinstance(a, Drain)}
+    drains = {a.pod for a in res.actions if isinstance(a, Drain)} | preempt
     copies = copy_work(w, spec.model.name, [dataclasses.replace(p, draining=True) if p.pod_name in drains else p
                                             for p in pods])
     moving = {
@@ -151,11 +161,11 @@ def decide(w: World) -> Decision:
         "short": bool(res.short), "hostCopyAsked": copies.ask is not None, "noSweep": not w.swept,
         "releaseLast": bool(release_last), "draining": any(p.model_service == key and p.draining for p in pods),
         "scaleDownDelay": any(clocks[i.role][0] is not None and i.serving > i.lo for i in inputs),
-        "minZero": any(b.min < 1 for b in bounds.values()),
+        "minZero": any(b.min < 1 for b in bounds.values()), "arbitrated": fleet.capped,
     }
     # a source the engines cannot fetch (an hf:// download failed) is the cause to show first
     blocker = source_blocker(mine, name, checkpoint_path(spec)) or blocker
-    status = new_status(w, spec, res, plans, changes, blocker)
+    status = new_status(w, spec, res, plans, changes, blocker, fleet)
     return Decision(
         status if any((w.body.get("status") or {}).get(k) != v for k, v in status.items()) else None,
         tuple(events), res, tuple(actions), blocker, tuple(decisions), changes, clocks,
@@ -163,12 +173,18 @@ def decide(w: World) -> Decision:
         tuple((p, o) for p, o in serving_gate.pending(w.raw_pods) if p not in drains),
         tuple((p, o) for p, o in serving_gate.label_pending(w.raw_pods) if p not in drains),
         role_statuses(w, spec, str(status["selector"]), res), prune(mine, spec.scale_plan_history_limit),
-        interval, tuple(k for k, v in moving.items() if v))
+        interval, tuple(k for k, v in moving.items() if v), post=fleet.post, wake=fleet.wake)
 
 
 def new_status(w: World, spec: ModelServiceSpec, res: Result, plans: Sequence[PlanView],
-               changes: Sequence[RoleDecision], blocker: Blocker | None) -> dict[str, Any]:
+               changes: Sequence[RoleDecision], blocker: Blocker | None,
+               fleet: FleetRound | None = None) -> dict[str, Any]:
     status = service_status(w.key, w.name, res, w.pods, plans, w.generation, blocker, spec.model.name)
+    arb = fleet.status if fleet is not None else None
+    status["arbitration"] = dict(arb) if arb is not None else None  # explicit null clears it (merge patch)
+    cond = arbitrated_condition(arb, w.generation, w.now_iso)
+    if cond is not None:
+        status["conditions"].append(cond)
     if w.settings.router_url:
         status["url"] = w.settings.router_url.rstrip("/") + "/v1"
     if changes:

@@ -109,15 +109,17 @@ class EngineClient:
 
     async def bind(self, endpoint: str, model: str, model_service: str, role: str,
                    source_path: str | None = None, dtype: str | None = None,
-                   host_copy: bool = False) -> dict[str, Any]:
+                   host_copy: bool = False, model_path: str | None = None) -> dict[str, Any]:
         """Bind the engine to a service; with `source_path` it also loads the first copy from that directory
         (an `hf://` URI, what a ScalePlan's host source carries for a Hub source, goes as `source.uri`);
-        with `host_copy` from the host copy the engine kept at its last release."""
+        with `host_copy` from the host copy the engine kept at its last release. `model_path`: the model's
+        checkpoint directory, for an engine started for another model (it switches, holding no weights)."""
         if host_copy:
-            req = BindRequest(model, model_service, cast(Role, role), None, dtype, None, True)
+            req = BindRequest(model, model_service, cast(Role, role), None, dtype, None, True, model_path)
             return await self._call(endpoint, "POST", "bind", req.to_dict())
         uri = source_path if source_path and source_path.startswith("hf://") else None
-        req = BindRequest(model, model_service, cast(Role, role), None if uri else (source_path or None), dtype, uri)
+        req = BindRequest(model, model_service, cast(Role, role), None if uri else (source_path or None), dtype, uri,
+                          False, model_path)
         return await self._call(endpoint, "POST", "bind", req.to_dict())
 
     async def load_plan(self, endpoint: str, plan: dict[str, Any], self_id: str, peers: dict[str, str],

@@ -27,6 +27,7 @@ from kascade_operator.runtime import Runtime
 from kascade_planner.engine_api import BUSY
 
 BUSY_PHASES = frozenset(p.value for p in BUSY)  # an engine in one of these was bound and told to load already
+SWITCHABLE = frozenset({"empty", "released"})  # an engine holding no weights may change model at its bind
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +146,7 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
     host_copy_nodes = {src.get("node") for src in spec["sources"] if src.get("hostCopy")}
     retry: set[str] = set()
     other_model: set[str] = set()
+    model_path = switch_path(rt, ns, spec["modelServiceRef"]["name"])
 
     async def one(iid: str) -> None:
         p = pods.get(pod_of[iid])
@@ -164,13 +166,20 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
             return
         try:
             st = await rt.engines.status(p.endpoint)
-            if st.get("model") and st["model"] != model:  # an engine binds only the model it was started for
-                drops[iid] = f"pod {p.pod_name}'s engine holds model '{st['model']}', not '{model}'"
-                other_model.add(p.pod_name)
-                return
+            switch = None
+            if st.get("model") and st["model"] != model:
+                # a released engine of another model changes model (the shared pool, issue 35): it reads the
+                # model's config and tokenizer from its checkpoint directory, the weights come by this plan
+                switch = model_path if st.get("phase") in SWITCHABLE else None
+                if switch is None:
+                    drops[iid] = f"pod {p.pod_name}'s engine holds model '{st['model']}', not '{model}'" + \
+                        ("" if model_path else " (no spec.model.source.path to switch it by)")
+                    other_model.add(p.pod_name)
+                    return
             again = st.get("modelService") == key and st.get("phase") in BUSY_PHASES
             if not again:  # else: instructed by an earlier incarnation of the operator
-                st = await rt.engines.bind(p.endpoint, model, key, role, path, dtype, host_copy=from_copy)
+                st = await rt.engines.bind(p.endpoint, model, key, role, path, dtype, host_copy=from_copy,
+                                           model_path=switch)
         except EngineError as e:
             if from_copy and e.status == 409:  # the engine no longer keeps it: never offered again
                 with contextlib.suppress(Conflict, NotFound):
@@ -210,6 +219,18 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
     done.update(i for i in pending if i not in drops and i not in retry)
     await _write_instructed(rt, sp, done, drops)
     return drops
+
+
+def switch_path(rt: Runtime, ns: str, service: str) -> str | None:
+    """The directory an engine of another model reads the service's model config from to switch to it: the
+    ModelService's spec.model.source.path (a hostPath on every node) or a file:// URI; None otherwise (a pvc
+    is mounted by fallback pods only, a Hub model is downloaded at bind: such targets are dropped as before)."""
+    body = next(iter((rt.service_index or {}).get((ns, service), ())), None)
+    src = (((body or {}).get("spec") or {}).get("model") or {}).get("source") or {}
+    if src.get("path"):
+        return str(src["path"])
+    uri = str(src.get("uri") or "")
+    return uri.removeprefix("file://") if uri.startswith("file:///") else None
 
 
 def _ended(sp: dict[str, Any]) -> bool:

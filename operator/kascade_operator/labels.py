@@ -44,6 +44,8 @@ HOST_COPY = "kascade.io/host-copy"  # annotation on a pool pod: the spec.model.n
 # serving engine keeps one on request (hostcopykeeper.py), cleared at any other bind
 HOST_COPY_REFUSED = "kascade.io/host-copy-refused"  # annotation: the model whose host copy this pod's engine
 # declined to keep (no or too small --host-cache-gib): never asked again for that model (the Event says why)
+PREEMPTED_FOR = "kascade.io/preempted-for"  # annotation on a draining pod: the arbitration entry (fleetboard.py)
+# it was preempted for; the taker counts it as coming while it drains, nobody else is granted it
 CREATED_FOR = "kascade.io/created-for"  # annotation: "ns/name" of the service a fallback pod was created for
 MANAGED_BY = "app.kubernetes.io/managed-by"
 FINALIZER = "kascade.io/finalizer"

@@ -6,7 +6,8 @@ World carries the field errors) -> its ModelServiceRoles (kopf index) -> whether
 role's engine metrics (the shared sweep's view, else a scrape or Prometheus) -> the router's demand ->
 the engines of pods recorded as keeping a host copy (each at most every hostcopykeeper.CHECK_S) -> the
 plans of other namespaces when the pool is shared -> LAST, with no await after it, the claims other
-rounds hold (Runtime.reserved) and the fallback pods still expected: decide() runs on them and act()
+rounds hold (Runtime.reserved), the fallback pods still expected and the pool's fleet arbitration
+(fleetboard.py, over the asks every service sharing the pool left): decide() runs on them and act()
 claims its own targets before it first awaits, so two services never pick one pod.
 """
 
@@ -25,7 +26,7 @@ from kascade_operator.api import ModelServiceSpec
 from kascade_operator.engine_client import EngineError
 from kascade_operator.hostcopykeeper import CHECK_S
 from kascade_operator.kube import now_iso
-from kascade_operator.metrics import snapshot
+from kascade_operator.metrics import InstanceLoad, snapshot
 from kascade_operator.pool import PodView, service_key
 from kascade_operator.reconcile import role_bounds, role_want
 from kascade_operator.runtime import Runtime
@@ -116,13 +117,15 @@ async def observe(rt: Runtime, body: dict[str, Any], trigger: str) -> World | No
     pool_ns = rt.pool_namespace(ns)
     key = service_key(ns, name, pool_ns)
     # the service's pods, the idle ones and the model's host copies (snapshots.py: grouped once per change)
-    pods, raw = (await rt.pool_snapshot(pool_ns)).select(key, spec.model.name)
+    pool = await rt.pool_snapshot(pool_ns)
+    pods, raw = pool.select(key, spec.model.name)
     own_plans = await rt.plan_snapshot(ns)
     plans = own_plans.of(name)
     roles: list[RoleWorld] = []
     for role, b in role_bounds(spec).items():
         rkey = (ns, name, role)
         serving = [p for p in pods if p.model_service == key and p.role == role and not p.draining]
+        loads: list[InstanceLoad] = []
         if role_want(spec, role, b) is not None:
             snap = P.MetricsSnapshot(now)  # the policy is off for this role: no scrape
         elif rt.prometheus is not None:
@@ -133,7 +136,8 @@ async def observe(rt: Runtime, body: dict[str, Any], trigger: str) -> World | No
             # the shared sweep's view (no HTTP when fresh); without one (rounds driven directly) a scrape now
             loads = await (rt.view.collect(ready, rkey) if rt.view is not None else rt.scraper.collect(ready, rkey))
             snap = snapshot(loads, now)
-        roles.append(RoleWorld(role, snap, rt.below_since.get(rkey), rt.last_busy.get(rkey)))
+        roles.append(RoleWorld(role, snap, rt.below_since.get(rkey), rt.last_busy.get(rkey),
+                               {x.instance: float(x.in_flight) + x.queue_length for x in loads}))
     demand = await rt.router.get(ns, name) if rt.router is not None else None
     checks = await copy_checks(rt, pods, spec.model.name, pool_ns, now)
     # pods unfinished plans hold: this namespace's, and every other's when the pool is shared
@@ -142,7 +146,10 @@ async def observe(rt: Runtime, body: dict[str, Any], trigger: str) -> World | No
         for n2 in rt.plan_namespaces():
             held |= (await rt.plan_snapshot(n2)).held if n2 != ns else set()
     # no await from here to act()'s claims
+    reserved = frozenset(rt.reserved(pool_ns))
+    # the shared pool's arbitration (fleetboard.py: cached on the board's version, None while nobody is short)
+    fleet = rt.fleet_board(pool_ns).view(key, pool.free_count(reserved | held), now, rt.arbitration)
     return World(body, trigger, now, now_iso(), rt.settings, spec, (), False, sources, objs, resolution, pool_ns,
-                 key, tuple(pods), tuple(raw), tuple(plans), frozenset(held), frozenset(rt.reserved(pool_ns)),
+                 key, tuple(pods), tuple(raw), tuple(plans), frozenset(held), reserved,
                  rt.expected(pool_ns, key, (p.pod_name for p in pods)), tuple(roles), demand,
-                 rt.router is not None, rt.view is not None and rt.prometheus is None, checks)
+                 rt.router is not None, rt.view is not None and rt.prometheus is None, checks, fleet, pool.preempted)

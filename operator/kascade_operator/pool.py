@@ -48,6 +48,7 @@ class PodView:
     host_copy_refused: str | None = None  # the model its engine declined to keep a copy of (its budget)
     capacity: str | None = None  # the engine's capacity flags (annotation kascade.io/engine-capacity)
     tp: int = 1  # the engine's tensor-parallel ranks (annotation kascade.io/engine-tp; absent: 1)
+    preempted_for: str | None = None  # draining for another service (annotation kascade.io/preempted-for)
 
 
 def service_key(namespace: str, name: str, pool_namespace: str) -> str:
@@ -96,7 +97,8 @@ def pod_view(pod: Mapping[str, Any], node_leaf: Mapping[str, str] | None = None)
         pod_ready=ready, unschedulable=unschedulable, namespace=ns,
         running=phase in (None, "Running") and started, convertible=ann.get(L.CONVERTIBLE) == "true",
         host_copy=ann.get(L.HOST_COPY) or None, host_copy_refused=ann.get(L.HOST_COPY_REFUSED) or None,
-        capacity=ann.get(L.ENGINE_CAPACITY), tp=_tp(ann.get(L.ENGINE_TP)))
+        capacity=ann.get(L.ENGINE_CAPACITY), tp=_tp(ann.get(L.ENGINE_TP)),
+        preempted_for=ann.get(L.PREEMPTED_FOR) or None)
 
 
 def _tp(text: str | None) -> int:
@@ -202,8 +204,10 @@ def owner_ref(service: Mapping[str, Any]) -> dict[str, Any]:
             "uid": service["uid"], "controller": True, "blockOwnerDeletion": True}
 
 
-def drain_patch(p: PodView, now_iso: str) -> dict[str, Any]:
-    return {"metadata": {"resourceVersion": p.resource_version, "annotations": {L.DRAINING: now_iso}}}
+def drain_patch(p: PodView, now_iso: str, preempted_for: str | None = None) -> dict[str, Any]:
+    """Start draining `p`; `preempted_for`: the arbitration entry it is drained for (its release goes there)."""
+    ann = {L.DRAINING: now_iso, **({L.PREEMPTED_FOR: preempted_for} if preempted_for else {})}
+    return {"metadata": {"resourceVersion": p.resource_version, "annotations": ann}}
 
 
 def drained_patch(p: PodView) -> dict[str, Any]:
@@ -220,7 +224,7 @@ def unbind_patch(p: PodView, unhealthy: str | None = None, host_copy: str | None
                             "labels": {L.MODEL_SERVICE: None, L.ROLE: None, L.POOL: L.POOL_WARM},
                             "annotations": {L.PLAN: None, L.LOADED: None, L.LIVE: None, L.DRAINING: None,
                                             L.DRAINING + "-done": None, L.SERVICE_NS: None,
-                                            L.CONVERTIBLE: None, L.HOST_COPY: host_copy,
+                                            L.CONVERTIBLE: None, L.HOST_COPY: host_copy, L.PREEMPTED_FOR: None,
                                             **({L.UNHEALTHY: unhealthy[:200]} if unhealthy else {})}}
     if p.created_for is None:
         meta["ownerReferences"] = None

@@ -54,6 +54,7 @@ class CreatePods:
 @dataclass(frozen=True)
 class Drain:
     pod: str
+    preempted_for: str | None = None  # drained for another service by the fleet's arbitration (fleetboard.py)
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,8 @@ def forget(rt: Runtime, ns: str, name: str) -> None:
         rt.queue.forget((ns, name))
     rt.steady.pop((ns, name), None)
     rt.parsed.pop((ns, name), None)
+    pool_ns = rt.pool_namespace(ns)
+    rt.fleet_board(pool_ns).remove(name if ns == pool_ns else f"{ns}/{name}")  # its ask leaves the arbitration
 
 
 async def sweep_forever(rt: Runtime, view: MetricsView) -> None:

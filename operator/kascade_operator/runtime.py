@@ -21,6 +21,7 @@ from typing import Any
 from kascade_operator import labels as L
 from kascade_operator.demand import RouterDemand
 from kascade_operator.engine_client import EngineClient
+from kascade_operator.fleetboard import FleetBoard
 from kascade_operator.kube import Kube
 from kascade_operator.metrics import PrometheusSource, Scraper
 from kascade_operator.metricsview import MetricsView
@@ -30,6 +31,7 @@ from kascade_operator.settings import OperatorSettings
 from kascade_operator.snapshots import PlanSnapshot, PoolSnapshot, cached, group_plans, group_pool
 from kascade_operator.validation import max_gpus
 from kascade_operator.workqueue import WorkQueue
+from kascade_planner.arbitration import ArbitrationConfig
 
 ALL = "*"  # the node index's one key
 RESERVE_S = 30.0  # a claim outlives any bind that is going to happen
@@ -77,6 +79,15 @@ class Runtime:
     steady: dict[tuple[str, str], tuple[float, bool]] = field(default_factory=dict)
     service_index: Mapping[Any, Any] | None = None  # ModelService bodies by (namespace, name)
     sweep_task: asyncio.Task[None] | None = None
+    fleet: dict[str, FleetBoard] = field(default_factory=dict)  # pool namespace -> its services' asks
+
+    def fleet_board(self, pool_ns: str) -> FleetBoard:
+        return self.fleet.setdefault(pool_ns, FleetBoard())
+
+    @property
+    def arbitration(self) -> ArbitrationConfig:
+        s = self.settings
+        return ArbitrationConfig(s.arbitration_hysteresis_seconds, s.arbitration_max_preemptions)
 
     def attach(self, pods: Mapping[Any, Any] | None, plans: Mapping[Any, Any] | None,
                nodes: Mapping[Any, Any] | None, roles: Mapping[Any, Any] | None = None) -> None:

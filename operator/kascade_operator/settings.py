@@ -137,6 +137,11 @@ class OperatorSettings(BaseSettings):
                                        "from them as chain sources, kind host, while they stay released); more "
                                        "releases drop their weights, 0 keeps none (each engine's --host-cache-gib "
                                        "bounds its own)")
+    arbitration_hysteresis_seconds: float = Field(default=30.0, ge=0, le=86400, description="services sharing a "
+                                                  "short pool: a replica bound more recently than this is not "
+                                                  "preempted for another service (no oscillation)")
+    arbitration_max_preemptions: int = Field(default=2, ge=0, le=64, description="replicas the fleet's arbitration "
+                                             "may preempt in one arbitration (no pod storm); 0: never preempt")
     live_layer_seconds: float = Field(default=0.002, gt=0, le=10, description="a serving engine's time for one "
                                       "layer of one batch; with the plan's predicted seconds per block it gives a "
                                       "live pair's ZigZag loadRatio")

@@ -18,10 +18,10 @@ ids) -> `PoolSnapshot.select(service key, model)` / `PlanSnapshot.of(service)`, 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kascade_operator.pool import PodView
+from kascade_operator.pool import PodView, usable_target
 from kascade_operator.reconcile import TERMINAL
 
 Raw = Mapping[str, Any]
@@ -34,11 +34,18 @@ class PoolSnapshot:
     by_service: Mapping[str, tuple[int, ...]]  # service key -> raw indexes of the pods bound to it
     unbound: tuple[int, ...]  # idle pods, and pods being deleted (their serving gate closes)
     copies: Mapping[str, tuple[int, ...]]  # model -> pods recorded as keeping it in host memory
+    # arbitration entry -> draining pods preempted for it (fleetboard.py), and the idle pods any service may bind
+    preempted: Mapping[str, int] = field(default_factory=dict)
+    free: tuple[int, ...] = ()
 
     def select(self, key: str, model: str) -> tuple[list[PodView], list[Raw]]:
         """What one service's round reads, in pool order: its pods, the idle ones, the model's host copies."""
         idx = sorted({*self.by_service.get(key, ()), *self.unbound, *self.copies.get(model, ())})
         return [self.views[i] for i in idx if i in self.views], [self.raw[i] for i in idx]
+
+    def free_count(self, taken: frozenset[str] | set[str]) -> int:
+        """Idle pool pods any service may bind (not a fallback pod of one), less those plans or claims hold."""
+        return sum(1 for i in self.free if self.views[i].pod_name not in taken)
 
 
 def group_pool(raw: Sequence[Raw], views: Sequence[PodView | None]) -> PoolSnapshot:
@@ -47,6 +54,8 @@ def group_pool(raw: Sequence[Raw], views: Sequence[PodView | None]) -> PoolSnaps
     unbound: list[int] = []
     copies: dict[str, list[int]] = {}
     out: dict[int, PodView] = {}
+    preempted: dict[str, int] = {}
+    free: list[int] = []
     for i, v in enumerate(views):
         if v is None:
             unbound.append(i)
@@ -54,12 +63,16 @@ def group_pool(raw: Sequence[Raw], views: Sequence[PodView | None]) -> PoolSnaps
         out[i] = replace(v, drained=True) if v.draining else v
         if v.model_service is None:
             unbound.append(i)
+            if v.pool and not v.draining and v.created_for is None and usable_target(v):
+                free.append(i)
         else:
             by.setdefault(v.model_service, []).append(i)
+            if v.draining and v.preempted_for:
+                preempted[v.preempted_for] = preempted.get(v.preempted_for, 0) + 1
         if v.host_copy:
             copies.setdefault(v.host_copy, []).append(i)
     return PoolSnapshot(tuple(raw), out, {k: tuple(v) for k, v in by.items()}, tuple(unbound),
-                        {k: tuple(v) for k, v in copies.items()})
+                        {k: tuple(v) for k, v in copies.items()}, preempted, tuple(free))
 
 
 @dataclass(frozen=True)

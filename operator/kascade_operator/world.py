@@ -20,6 +20,7 @@ from typing import Any
 from kascade_operator.api import ModelServiceSpec
 from kascade_operator.decide import RoleDecision
 from kascade_operator.demand import Demand
+from kascade_operator.fleetboard import FleetView, Post
 from kascade_operator.pool import PodView
 from kascade_operator.reconcile import Action, Result
 from kascade_operator.roleobject import Resolution
@@ -37,6 +38,7 @@ class RoleWorld:
     snap: P.MetricsSnapshot  # empty (MetricsSnapshot(now)) when a set desired count turns the policy off
     below_since_s: float | None = None  # the scale-down delay's clock (policies.ScaleState)
     last_busy_s: float | None = None  # last time a request or token was seen (idle-to-zero clock)
+    loads: Mapping[str, float] = field(default_factory=dict)  # instance -> requests in flight and queued
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,10 @@ class World:
     router: bool = False  # a router is configured (settings.router_url)
     swept: bool = True  # metrics come from the shared sweep (else the round itself scraped or asked Prometheus)
     copy_checks: Mapping[str, int | None] = field(default_factory=dict)  # pod -> hostCopyBytes read now
+    # the shared pool's arbitration (fleetboard.py; None: no board, a single-service pool) and, per arbitration
+    # entry, the pods draining in the pool preempted for it (coming to it)
+    fleet: FleetView | None = None
+    promised: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def ns(self) -> str:
@@ -121,3 +127,5 @@ class Decision:
     interval: float = 1.0  # the service's round interval (spec.scaling.intervalSeconds)
     moving: tuple[str, ...] = ()  # why the next round comes one interval on (empty: steady, resync only)
     invalid_generation: int | None = None  # a refusal reported now: the generation it was reported for
+    post: Post | None = None  # the ask this round leaves on its pool's fleet board (fleetboard.py)
+    wake: tuple[str, ...] = ()  # service keys of donors preempted for this service: their rounds are due now

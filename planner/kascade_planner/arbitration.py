@@ -90,6 +90,7 @@ class Grant:
     granted: int  # the count it may have after this round (preempted replicas already subtracted)
     preempted: tuple[str, ...]  # its replicas released for other services
     reason: str  # empty when it got what it asked for
+    ranked_above: tuple[str, ...] = ()  # services granted engines while it waited (sorted)
 
     @property
     def short(self) -> int:
@@ -207,14 +208,14 @@ def arbitrate(asks: Sequence[ServiceAsk], replicas: Sequence[Replica], free: int
     for a in sorted(asks, key=lambda x: x.name):
         got = held[a.name]
         reason = ""
+        ranked = sorted(n for n in above[a.name] if n != a.name) if got < a.desired else []
         if got < a.desired:
-            ranked = sorted(n for n in above[a.name] if n != a.name)
             who = f"; ranked first: {', '.join(ranked)}" if ranked else ""
             lost = f"; {len(taken[a.name])} replica(s) preempted" if taken[a.name] else ""
             floor = " (at its min)" if got <= a.min else ""
             reason = (f"asked {a.desired}, granted {got}{floor}: the fleet is short "
                       f"(priority {a.priority}, SLO pressure {a.pressure:.2f}){who}{lost}")
-        grants.append(Grant(a.name, a.desired, got, tuple(taken[a.name]), reason))
+        grants.append(Grant(a.name, a.desired, got, tuple(taken[a.name]), reason, tuple(ranked)))
     return Arbitration(tuple(grants), tuple(preemptions), supply)
 
 

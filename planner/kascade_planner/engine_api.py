@@ -144,7 +144,10 @@ class BindRequest:
     spec.model.source.uri), which the engine downloads first (kascade_engine.weights.modelsource). At most one.
     `dtype` is spec.model.dtype: the precision the engine computes in (None: the engine's own).
     `source_host_copy`: load from the host copy this engine kept when it was last released (`hostCopyBytes`
-    in its status): a memory copy, no disk or network."""
+    in its status): a memory copy, no disk or network. `model_path`: a directory holding `model`'s config.json
+    and tokenizer (its checkpoint as the pod mounts it): an engine started for another model and holding no
+    weights switches to `model` first (a GPU of the shared pool changes model; weights then come by plan or
+    source as usual)."""
 
     model: str
     model_service: str
@@ -153,6 +156,7 @@ class BindRequest:
     dtype: str | None = None
     source_uri: str | None = None
     source_host_copy: bool = False
+    model_path: str | None = None
 
     def __post_init__(self) -> None:
         if sum((self.source_path is not None, self.source_uri is not None, self.source_host_copy)) > 1:
@@ -168,12 +172,15 @@ class BindRequest:
             d["source"] = {"hostCopy": True}
         if self.dtype is not None:
             d["dtype"] = self.dtype
+        if self.model_path is not None:
+            d["modelPath"] = self.model_path
         return d
 
     @staticmethod
     def from_dict(doc: object) -> BindRequest:
         d = _obj(doc)
-        _only(d, ("model", "modelService", "role", "source", "dtype"))
+        _only(d, ("model", "modelService", "role", "source", "dtype", "modelPath"))
+        model_path = _str(d, "modelPath", required=False)
         src = d.get("source")
         path = uri = None
         if src is not None:
@@ -186,14 +193,14 @@ class BindRequest:
                     raise WireError("source.hostCopy", f"must be true, got {s['hostCopy']!r}")
                 return BindRequest(cast(str, _str(d, "model")), cast(str, _str(d, "modelService")),
                                    cast(Role, _choice(d, "role", ROLES)), None,
-                                   _choice(d, "dtype", DTYPES, required=False), None, True)
+                                   _choice(d, "dtype", DTYPES, required=False), None, True, model_path)
             path = _str(s, "path", "source.", required=False)
             uri = _str(s, "uri", "source.", required=False)
             if uri is not None and (not re.match(MODEL_URI_PATTERN, uri) or ".." in uri.split("/")):
                 raise WireError("source.uri", f"must be hf://OWNER/NAME[@REVISION] or file:///DIR, got {uri!r}")
         return BindRequest(cast(str, _str(d, "model")), cast(str, _str(d, "modelService")),
                            cast(Role, _choice(d, "role", ROLES)), path, _choice(d, "dtype", DTYPES, required=False),
-                           uri)
+                           uri, False, model_path)
 
 
 @dataclass(frozen=True)

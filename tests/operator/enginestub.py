@@ -39,6 +39,7 @@ class EngineStub:
         self.phase, self.model_service, self.role = "empty", None, None
         self.calls: list[tuple[str, dict[str, Any], float]] = []  # (verb, body, monotonic time)
         self.refused = 0  # binds answered 409 (wrong model, or bound to another service)
+        self.switched = 0  # binds that changed the engine's model (bind with modelPath while empty or released)
         # as the engine's --host-cache-gib: a release keeps a host copy of this many bytes unless told
         # keepHostCopy false (0: no budget, nothing kept)
         self.host_cache_bytes, self.host_copy_bytes = 0, 0
@@ -81,6 +82,10 @@ class EngineStub:
                     if verb in stub.fail:
                         self._send(stub.fail[verb], {"error": {"message": f"{verb} refused (stub)"}})
                         return
+                    if verb == "bind" and body.get("model") != stub.model and body.get("modelPath") \
+                            and stub.model_service is None and stub.phase in ("empty", "released"):
+                        # as the real engine (switch_model): one holding no weights changes model, its copy goes
+                        stub.model, stub.switched, stub.host_copy_bytes = body["model"], stub.switched + 1, 0
                     if verb == "bind" and body.get("model") != stub.model:  # as the real engine: 409
                         stub.refused += 1
                         self._send(409, {"error": {"message": f"cannot bind model '{body.get('model')}': this "

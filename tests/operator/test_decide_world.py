@@ -152,3 +152,12 @@ def test_the_serving_gate_follows_the_binding() -> None:
            "status": {"conditions": [{"type": "kascade.io/serving", "status": "False"}]}}
     d = decide(world(spec(scaling=CONC), serving(1), P.MetricsSnapshot(NOW, in_flight=2), raw_pods=(raw,)))
     assert d.gates == (("s0", True),) and d.labels == (("s0", True),)
+
+
+def test_a_spec_update_or_resume_round_holds_what_the_policy_holds() -> None:
+    """A round triggered by a spec edit (kopf update) or an operator restart (resume) keeps the replicas the
+    policy holds: it used to fall back to min and drain a loaded service."""
+    s = spec(lo=1, hi=4, scaling=CONC)
+    for trigger in ("timer", "update", "resume"):
+        d = decide(world(s, serving(3), P.MetricsSnapshot(NOW, in_flight=12), trigger=trigger))
+        assert [(c.current, c.desired) for c in d.decisions] == [(3, 3)] and d.actions == (), trigger

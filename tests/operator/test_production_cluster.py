@@ -119,8 +119,9 @@ def test_two_models_in_a_pool_that_does_not_say_its_models(
         control_plane: ControlPlane, namespace: str, ops: Callable[..., OperatorProcess],
         stubs: list[EngineStub], kwok_nodes: Callable[..., list[str]]) -> None:
     """Issue 38 defect 2 (3 of 3 two-model runs): pool pods without kascade.io/model; a service picked an engine
-    of the other model, its plan failed at once and stayed Transferring for ever. Now no engine is asked to bind
-    a model it lacks, every plan ends, and both services serve."""
+    of the other model, its plan failed at once and stayed Transferring for ever. Now no engine is refused a
+    bind: an empty engine of the other model switches to the service's model (bind with modelPath, issue 35),
+    every plan ends, and both services serve their own model."""
     cp, ns = control_plane, namespace
     nodes = kwok_nodes(2)
     add_pool(cp, ns, stubs, nodes, 2, "tiny", annotate=False)
@@ -133,7 +134,7 @@ def test_two_models_in_a_pool_that_does_not_say_its_models(
     for svc, model in (("a", "tiny"), ("b", "qwen")):
         for p in bound(cp, ns, svc):
             assert next(s for s in stubs if s.instance == p["metadata"]["name"]).model == model
-    assert sum(s.refused for s in stubs) == 0  # no bind of a model an engine lacks
+    assert sum(s.refused for s in stubs) == 0  # no bind of a model an engine lacks without switching it
     wait_for(lambda: all((p.get("status") or {}).get("phase") in ("Succeeded", "Failed")
                          for p in kget(cp, ns, "splan")["items"]), timeout=30, what="every plan ended")
 

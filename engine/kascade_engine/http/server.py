@@ -64,7 +64,6 @@ def create_app(inst: EngineInstance) -> FastAPI:
     # No /docs, /redoc or /openapi.json: they would publish the control API's schema without a token.
     app = FastAPI(title="kascade engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit)  # body size and time bounds before any route (httpguard.py)
-    name = inst.config.model_name
     created_at = int(time.time())
 
     @app.exception_handler(RequestValidationError)
@@ -97,6 +96,7 @@ def create_app(inst: EngineInstance) -> FastAPI:
         return _err(exc.status_code, str(exc.detail))
 
     def check_model(model: str) -> None:
+        name = inst.config.model_name  # read per request: a released engine may switch model (switch_model)
         if model != name:
             raise RequestError(
                 404, f"model '{model}' is not served here (serving '{name}')", "model", "model_not_found"
@@ -162,7 +162,7 @@ def create_app(inst: EngineInstance) -> FastAPI:
     async def models() -> dict[str, Any]:
         return {
             "object": "list",
-            "data": [{"id": name, "object": "model", "created": created_at, "owned_by": "kascade"}],
+            "data": [{"id": inst.config.model_name, "object": "model", "created": created_at, "owned_by": "kascade"}],
         }
 
     # Tokenizing runs in a worker thread: a large prompt must not stall /healthz and every stream.
