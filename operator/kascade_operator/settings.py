@@ -136,7 +136,11 @@ class OperatorSettings(BaseSettings):
                                        "in host memory, per model (scale from zero binds one; a scale-up also sends "
                                        "from them as chain sources, kind host, while they stay released); more "
                                        "releases drop their weights, 0 keeps none (each engine's --host-cache-gib "
-                                       "bounds its own)")
+                                       "bounds its own). With node_cache: nodes that keep one, not engines")
+    node_cache: bool = Field(default=False, description="the pool's engines share a node cache (chart "
+                             "pool.nodeCache, engine --node-cache-dir): the engines of a node map its one copy of a "
+                             "model, so host_copies_per_model counts nodes, and a release on a node whose copy is "
+                             "counted keeps it")
     live_layer_seconds: float = Field(default=0.002, gt=0, le=10, description="a serving engine's time for one "
                                       "layer of one batch; with the plan's predicted seconds per block it gives a "
                                       "live pair's ZigZag loadRatio")

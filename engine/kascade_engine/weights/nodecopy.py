@@ -110,8 +110,11 @@ class NodeCopies:
     def share(self, blocks: BlockSet) -> BlockSet:
         """The node's copy of `blocks` (published from them when the node has none), mapped and held; `blocks`
         themselves when the node cannot hold it or holds other bytes under the name (logged)."""
-        ok, why = self.cache.publish(blocks)
-        lease = self.cache.attach(blocks.model) if ok else None
+        try:
+            ok, why = self.cache.publish(blocks)
+            lease = self.cache.attach(blocks.model) if ok else None
+        except (OSError, CheckpointError) as e:  # not writable by this engine's user, the tmpfs full, ...
+            ok, why, lease = False, f"{type(e).__name__}: {e}", None
         if lease is None:
             log.info("node cache: keeping a private host copy of %s: %s", blocks.model, why or "evicted meanwhile")
             return blocks
@@ -141,8 +144,13 @@ def node_copies(config: Any) -> NodeCopies | None:
     """The engine's node cache from its EngineConfig (`node_cache_dir`, `node_cache_bytes`); None without one."""
     if config.node_cache_dir is None:
         return None
-    cache = NodeCache(config.node_cache_dir, config.node_cache_bytes)
-    cache.clean()  # a crashed writer's leftovers (a previous engine of this node)
+    try:
+        cache = NodeCache(config.node_cache_dir, config.node_cache_bytes)
+        cache.clean()  # a crashed writer's leftovers (a previous engine of this node)
+    except OSError as e:
+        log.error("--node-cache-dir %s is not usable (%s): this engine keeps private host copies",
+                  config.node_cache_dir, e)
+        return None
     return NodeCopies(cache)
 
 
