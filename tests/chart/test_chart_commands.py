@@ -466,7 +466,8 @@ def test_pool_node_cache_mounts_one_host_directory_and_counts_copies_per_node(
     vol = next(v for v in pod["spec"]["volumes"] if v["name"] == "node-cache")
     assert vol["hostPath"] == {"path": "/dev/shm/kc", "type": "DirectoryOrCreate"}
     assert _operator_settings(docs, monkeypatch).node_cache is True
-    for bad in ("pool.nodeCache.budgetGiB=-1", "pool.nodeCache.hostPath=relative", "pool.extraArgs={--node-cache-dir=/x}"):
+    for bad in ("pool.nodeCache.budgetGiB=-1", "pool.nodeCache.hostPath=relative",
+                "pool.extraArgs={--node-cache-dir=/x}"):
         out = helm("template", "rel", str(CHART), "--set", f"pool.model.name=m,pool.model.path=/m,{bad}", check=False)
         assert out.returncode != 0 and ("nodeCache" in out.stderr or "node-cache" in out.stderr), (bad, out.stderr)
 

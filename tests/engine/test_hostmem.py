@@ -98,7 +98,7 @@ def test_a_plan_loaded_replica_ends_on_the_node_copy_and_releases_it(tiny_ckpt, 
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             st = httpx.get(dst.url + "/kascade/v1/status", headers=_h(dst)).json()
-            if st["ready"] and st.get("nodeCopy") or st["loadError"]:
+            if (st["ready"] and st.get("nodeCopy")) or st["loadError"]:
                 break
             time.sleep(0.05)
         assert st["ready"] and st["loadError"] is None and st["nodeCopy"] == str(cache / "tiny-llama.kcache"), st

@@ -23,6 +23,7 @@ why). `load_checkpoint` is both for a checkpoint directory.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -66,10 +67,8 @@ def trim() -> None:
     """Give freed heap pages back to the system (glibc keeps large freed buffers otherwise): the private packed
     or received blocks an engine drops for the node's copy must leave its resident memory."""
     if sys.platform == "linux":
-        try:
+        with contextlib.suppress(OSError, AttributeError):  # another libc: its own policy
             ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):
-            pass  # another libc: its own policy
 
 
 class NodeCopies:
