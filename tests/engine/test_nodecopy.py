@@ -141,3 +141,36 @@ def test_a_crashed_writers_leftovers_are_removed_a_live_writers_are_not(tmp_path
     finally:
         os.close(fd)
     assert cache.clean() == ["live.kcache.tmp"]  # its writer is gone now
+
+
+def test_without_room_or_a_usable_directory_the_engine_keeps_a_private_copy_and_says_why(
+        tmp_path: Path, tiny_ckpt: Path, tiny_blocks: BlockSet, caplog: pytest.LogCaptureFixture) -> None:
+    from kascade_engine.config import ConfigError, EngineConfig
+    from kascade_engine.weights.nodecopy import node_copies
+
+    small = NodeCopies(NodeCache(tmp_path / "small", tiny_blocks.total_bytes // 2))
+    with caplog.at_level(logging.INFO, logger="kascade_engine.weights.nodecopy"):
+        got = load_checkpoint(small, tiny_ckpt, MODEL)
+    assert got.manifest() == tiny_blocks.manifest() and small.path is None and small.cache.entries() == []
+    assert any("keeping a private host copy" in r.getMessage() and "budget" in r.getMessage() for r in caplog.records)
+    # a damaged copy another engine still maps is neither removed nor used: the engine verifies what it maps
+    cache = NodeCache(tmp_path / "held", 1 << 30)
+    assert cache.publish(tiny_blocks)[0]
+    holder = cache.attach(MODEL)
+    assert holder is not None
+    _damage(cache.path(MODEL), cache.path(MODEL).stat().st_size - 10)
+    node = NodeCopies(cache)
+    got = load_checkpoint(node, tiny_ckpt, MODEL)
+    assert node.path is None and all(b.verify() for b in got.blocks.values()) and cache.path(MODEL).exists()
+    holder.close()
+    # a directory the engine cannot use: no node cache, said loudly
+    (tmp_path / "file").write_text("")
+    cfg = EngineConfig(tiny_ckpt, MODEL, "t", node_cache_dir=tmp_path / "file" / "sub")
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="kascade_engine.weights.nodecopy"):
+        assert node_copies(cfg) is None
+    assert "--node-cache-dir" in caplog.records[0].getMessage()
+    with pytest.raises(ConfigError, match="--node-cache-gib"):
+        EngineConfig(tiny_ckpt, MODEL, "t", node_cache_bytes=-1)
+    with pytest.raises(ConfigError, match="--node-cache-dir with --tp"):
+        EngineConfig(tiny_ckpt, MODEL, "t", node_cache_dir=tmp_path, tp=2)

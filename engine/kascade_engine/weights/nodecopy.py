@@ -111,7 +111,8 @@ class NodeCopies:
         themselves when the node cannot hold it or holds other bytes under the name (logged)."""
         try:
             ok, why = self.cache.publish(blocks)
-            lease = self.cache.attach(blocks.model) if ok else None
+            # verified: the copy may be another engine's (even a damaged one still mapped there, so not removed)
+            lease = self.cache.attach(blocks.model, verify=True) if ok else None
         except (OSError, CheckpointError) as e:  # not writable by this engine's user, the tmpfs full, ...
             ok, why, lease = False, f"{type(e).__name__}: {e}", None
         if lease is None:
