@@ -175,13 +175,13 @@ async def start_plan_load(inst: LoadTarget, req: LoadPlanRequest) -> None:
     inst.host_feeding = host_source
 
     async def run() -> None:
+        done = False
         try:
             summary = await node.run()
             if last is not None:
                 await last  # the last blocks' uploads (CUDA)
             log.info("transfer done: %s", summary)
-            if inst.node is not None and not host_source and inst.blockset is not None:
-                await share_landed(inst, inst.node)
+            done = True
         except Exception as e:  # a failed transfer leaves the engine loading, visible in status
             log.error("transfer failed on %s: %s", me, e)
             inst.load_error = str(e)
@@ -189,6 +189,12 @@ async def start_plan_load(inst: LoadTarget, req: LoadPlanRequest) -> None:
         finally:
             inst.host_feeding = False
             await node.close()
+        if done and inst.node is not None and not host_source and inst.blockset is not None:
+            if await share_landed(inst, inst.node):
+                # the closed node's references are the last to the received buffers (anonymous regions, freed
+                # with their last view): the engine's copy is the node's now
+                node.resident.clear()
+                node.buffers.clear()
 
     inst.loading = asyncio.create_task(run())
     if host_source:
@@ -197,15 +203,16 @@ async def start_plan_load(inst: LoadTarget, req: LoadPlanRequest) -> None:
         inst.begin_loading()
 
 
-async def share_landed(inst: LoadTarget, node: NodeCopies) -> None:
+async def share_landed(inst: LoadTarget, node: NodeCopies) -> bool:
     """After a plan load: the landed blocks become the node's copy (or the node's copy of the same blocks is
     mapped), and the engine drops its private received buffers: CPU weights become views of the node's copy (the
-    same bytes: the digests matched), CUDA weights stay on the device and only the host blocks are swapped."""
+    same bytes: the digests matched), CUDA weights stay on the device and only the host blocks are swapped.
+    False when the engine keeps its private copy (the node cannot hold it: share logged why)."""
     private = inst.blockset
     assert private is not None
     shared = await asyncio.to_thread(node.share, private)
     if shared is private:
-        return
+        return False
     model = inst.model
     if model.device.type == "cpu":
         for b in shared.blocks.values():
@@ -215,6 +222,7 @@ async def share_landed(inst: LoadTarget, node: NodeCopies) -> None:
         inst.host_copy = shared
     del private
     trim()
+    return True
 
 
 async def start_host_load(inst: LoadTarget) -> None:

@@ -51,17 +51,22 @@ def test_a_second_replica_adds_no_private_copy(mid_ckpt: Path, engine_starter, t
         engines.append(a)
         b = engine_starter([*args, "--node-cache-dir", str(cache)])  # maps it
         engines.append(b)
+        # a replica loaded by plan (the scale-up path) from a: it receives every block, then maps the node's copy
+        # and drops what it received
+        d = engine_starter([*args, "--empty", "--node-cache-dir", str(cache)])
+        engines.append(d)
+        _load_by_plan(a, d, pack_checkpoint(mid_ckpt, "m"))
         assert len({_answer(e) for e in engines}) == 1
-        st = [httpx.get(e.url + "/kascade/v1/status", headers=_h(e)).json() for e in (a, b)]
-        assert st[0]["nodeCopy"] == st[1]["nodeCopy"] == str(cache / "m.kcache")
+        st = [httpx.get(e.url + "/kascade/v1/status", headers=_h(e)).json() for e in (a, b, d)]
+        assert st[0]["nodeCopy"] == st[1]["nodeCopy"] == st[2]["nodeCopy"] == str(cache / "m.kcache")
         assert [p.name for p in cache.glob("*.kcache")] == ["m.kcache"]
         # the node holds one copy: the cache file, of the model's size (header and 4 KiB alignment: < 1 MiB)
         assert model_mib <= dir_mib(cache) < model_mib + 1
-        mp, ma, mb = (proc_mem(e.proc.pid) for e in engines)
+        mp, ma, mb, md = (proc_mem(e.proc.pid) for e in engines)
         # A private copy is the model's bytes of anonymous memory (RssAnon). Engines otherwise differ by allocator
         # and lazily grown buffers (a few MiB between runs here): half the model is the margin, far above that and
         # far below a copy. The writer (a) dropped its packed bytes for the mapping; the reader (b) never had any.
-        for who, m in (("writer", ma), ("reader", mb)):
+        for who, m in (("writer", ma), ("reader", mb), ("plan-loaded", md)):
             assert m["RssAnon"] < mp["RssAnon"] - model_mib / 2, (who, m, mp, model_mib)
         # the reader's weights are the node's pages: every layer and the head are read by a forward, the embedding
         # only at the prompt's rows, so at least half the model is mapped shared
@@ -77,6 +82,26 @@ def test_a_second_replica_adds_no_private_copy(mid_ckpt: Path, engine_starter, t
         cache.rmdir() if cache.exists() else None
 
 
+def _load_by_plan(src, dst, blocks) -> dict:
+    """`dst` loads every block from `src` by a one-hop plan; its status once ready on the node's copy."""
+    layout = ModelLayout(blocks.model, blocks.ids, tuple(b.nbytes for b in blocks.blocks.values()))
+    plan = build_star(layout, [Instance("a", "n0")], [Instance("b", "n0")]).to_dict()
+    pa, pb = free_ports(2)
+    doc = {"plan": plan, "peers": {"a": f"127.0.0.1:{pa}", "b": f"127.0.0.1:{pb}"}, "planToken": "pt"}
+    ok = httpx.post(dst.url + "/kascade/v1/load-plan", json={**doc, "self": "b", "manifest": blocks.manifest()},
+                    headers=_h(dst))
+    assert ok.status_code == 200, ok.text
+    ok = httpx.post(src.url + "/kascade/v1/load-plan", json={**doc, "self": "a"}, headers=_h(src))
+    assert ok.status_code == 200, ok.text
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        st = httpx.get(dst.url + "/kascade/v1/status", headers=_h(dst)).json()
+        if (st["ready"] and st.get("nodeCopy")) or st["loadError"]:
+            return dict(st)
+        time.sleep(0.05)
+    raise AssertionError(f"never ready on the node's copy: {st}")
+
+
 def test_a_plan_loaded_replica_ends_on_the_node_copy_and_releases_it(tiny_ckpt, tiny_blocks, engine_starter,
                                                                       tmp_path: Path) -> None:
     cache = tmp_path / "node"
@@ -86,21 +111,7 @@ def test_a_plan_loaded_replica_ends_on_the_node_copy_and_releases_it(tiny_ckpt, 
                           "--node-cache-dir", str(cache), "--host-cache-gib", "1"])
     body = {**BODY, "model": "tiny-llama"}
     try:
-        layout = ModelLayout("tiny-llama", tiny_blocks.ids, tuple(b.nbytes for b in tiny_blocks.blocks.values()))
-        plan = build_star(layout, [Instance("a", "n0")], [Instance("b", "n0")]).to_dict()
-        pa, pb = free_ports(2)
-        doc = {"plan": plan, "peers": {"a": f"127.0.0.1:{pa}", "b": f"127.0.0.1:{pb}"}, "planToken": "pt"}
-        ok = httpx.post(dst.url + "/kascade/v1/load-plan", json={**doc, "self": "b", "manifest":
-                                                                 tiny_blocks.manifest()}, headers=_h(dst))
-        assert ok.status_code == 200, ok.text
-        assert httpx.post(src.url + "/kascade/v1/load-plan", json={**doc, "self": "a"},
-                          headers=_h(src)).status_code == 200
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            st = httpx.get(dst.url + "/kascade/v1/status", headers=_h(dst)).json()
-            if (st["ready"] and st.get("nodeCopy")) or st["loadError"]:
-                break
-            time.sleep(0.05)
+        st = _load_by_plan(src, dst, tiny_blocks)
         assert st["ready"] and st["loadError"] is None and st["nodeCopy"] == str(cache / "tiny-llama.kcache"), st
         want = httpx.post(src.url + "/v1/completions", json=body).json()["choices"][0]["text"]
         assert httpx.post(dst.url + "/v1/completions", json=body).json()["choices"][0]["text"] == want
