@@ -9,11 +9,14 @@ completion (every layer's weights are read), and with all N holding their weight
 - `node-cache`: every engine has `--node-cache-dir` on one /dev/shm directory: the first packs the checkpoint and
   publishes the node's copy, the others map it; the node's host memory for weights is that one file.
 - `private`: no node cache: every engine packs the checkpoint into its own memory (one host copy per replica).
+`--load plan`: only the first engine reads the checkpoint; the others start `--empty` and load every block by a
+load plan from it (the scale-up path: received into private buffers, then, with the node cache, swapped for the
+node's copy).
 An `--empty` engine (no weights) gives each process's own memory (torch, interpreter, buffers): `weights` =
 node memory - N x that baseline, where node memory = sum of RssAnon + the node cache's bytes. `copies` =
 weights / the model's bytes: ~1 with the node cache whatever N, ~N without.
 
-Usage: python bench/nodecache.py [--layers 4 --hidden 1024 --vocab 16000] [--counts 1 2 4]
+Usage: python bench/nodecache.py [--layers 4 --hidden 1024 --vocab 16000] [--counts 1 2 4] [--load source|plan]
 Prints hostmem_<N>_replicas_over_1 per mode side by side; writes bench/results/nodecache.json.
 """
 
@@ -29,10 +32,39 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-sys.path[:0] = [str(ROOT / "tests" / "engine"), str(ROOT / "engine"), str(ROOT / "cli"), str(ROOT / "e2e")]
+sys.path[:0] = [str(ROOT / d) for d in ("tests/engine", "engine", "cli", "e2e", "planner")]
 
 
-def run(ckpt: Path, cache: Path | None, n: int) -> dict[str, Any]:
+def by_plan(src: Any, dst: Any, manifest: dict[str, Any]) -> None:
+    """`dst` (an --empty engine) loads every block from `src` by a one-hop load plan, until it serves."""
+    import time
+
+    import httpx
+
+    from kascade_devcluster.ports import free_ports
+    from kascade_planner.baselines import build_star
+    from kascade_planner.plan import Instance, ModelLayout
+
+    layout = ModelLayout("bench-llama", tuple(manifest), tuple(int(m["bytes"]) for m in manifest.values()))
+    plan = build_star(layout, [Instance("a", "n0")], [Instance("b", "n0")]).to_dict()
+    pa, pb = free_ports(2)
+    doc = {"plan": plan, "peers": {"a": f"127.0.0.1:{pa}", "b": f"127.0.0.1:{pb}"}, "planToken": "pt"}
+    h = {"Authorization": f"Bearer {dst.token}"}
+    httpx.post(dst.url + "/kascade/v1/load-plan", json={**doc, "self": "b", "manifest": manifest},
+               headers=h).raise_for_status()
+    httpx.post(src.url + "/kascade/v1/load-plan", json={**doc, "self": "a"}, headers=h).raise_for_status()
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        st = httpx.get(dst.url + "/kascade/v1/status", headers=h).json()
+        if st["loadError"]:
+            raise RuntimeError(st["loadError"])
+        if st["ready"] and (st.get("nodeCopy") or "--node-cache-dir" not in dst.proc.args):
+            return
+        time.sleep(0.05)
+    raise RuntimeError("the plan load never finished")
+
+
+def run(ckpt: Path, cache: Path | None, n: int, load: str = "source") -> dict[str, Any]:
     import httpx
     from conftest import start_engine  # the tests' real-engine starter
 
@@ -41,8 +73,17 @@ def run(ckpt: Path, cache: Path | None, n: int) -> dict[str, Any]:
     args = ["--checkpoint", str(ckpt), "--model-name", "bench-llama", "--kv-tokens", "1024", "--max-seqs", "4"]
     engines = []
     try:
-        for _ in range(n):  # one after another: the first publishes the node's copy, the next ones map it
-            engines.append(start_engine(args + (["--node-cache-dir", str(cache)] if cache else [])))
+        node = ["--node-cache-dir", str(cache)] if cache else []
+        manifest: dict[str, Any] = {}
+        for i in range(n):  # one after another: the first publishes the node's copy, the next ones map it
+            if i and load == "plan":
+                engines.append(start_engine([*args, "--empty", *node]))
+                by_plan(engines[0], engines[-1], manifest)
+                continue
+            engines.append(start_engine([*args, *node]))
+            if not manifest:
+                manifest = httpx.get(engines[0].url + "/kascade/v1/manifest",
+                                     headers={"Authorization": f"Bearer {engines[0].token}"}).json()
         texts = set()
         for e in engines:
             r = httpx.post(e.url + "/v1/completions", json={"model": "bench-llama", "prompt": [5, 6, 7],
@@ -79,7 +120,9 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=16000)
     ap.add_argument("--counts", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--out", type=Path, default=RESULTS / "nodecache.json")
+    ap.add_argument("--load", choices=("source", "plan"), default="source",
+                    help="how engines after the first get their weights: the checkpoint, or a load plan from the first")
+    ap.add_argument("--out", type=Path, default=None, help="default bench/results/nodecache[-plan].json")
     args = ap.parse_args()
     from kascade_engine.weights.blocks import pack_checkpoint
     from kascade_engine.weights.checkpoint import tiny_llama
@@ -89,14 +132,15 @@ def main() -> int:
         ckpt = tiny_llama(work / "ckpt", layers=args.layers, hidden=args.hidden, vocab=args.vocab)
         model_mib = pack_checkpoint(ckpt, "bench-llama").total_bytes / (1 << 20)
         base = baseline(ckpt)
-        print(f"model: {model_mib:.0f} MiB of weights; an engine without weights (--empty): RssAnon {base:.0f} MiB")
+        print(f"load: {args.load}; model: {model_mib:.0f} MiB of weights; an engine without weights (--empty): "
+              f"RssAnon {base:.0f} MiB")
         rows: dict[str, list[dict[str, Any]]] = {"node-cache": [], "private": []}
         for mode in rows:
             for n in args.counts:
                 cache = Path(tempfile.mkdtemp(prefix="kascade-nodecache-", dir="/dev/shm")) if mode == "node-cache" \
                     else None
                 try:
-                    r = run(ckpt, cache, n)
+                    r = run(ckpt, cache, n, args.load)
                 finally:
                     if cache is not None:
                         shutil.rmtree(cache, ignore_errors=True)
@@ -122,10 +166,12 @@ def main() -> int:
                 ratios[f"{mode}.weight_copies_{n}_replicas"] = this["copies"]
                 line.append(f"{key} {ratios[key]:.2f} (weight copies {this['copies']:.2f})")
             print("   ".join(line))
-        out = {"model_mib": model_mib, "empty_engine_rss_anon_mib": base, "runs": rows, "ratios": ratios}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(out, indent=1) + "\n")
-        print(f"wrote {args.out}")
+        out = {"load": args.load, "model_mib": model_mib, "empty_engine_rss_anon_mib": base, "runs": rows,
+               "ratios": ratios}
+        dest = args.out or RESULTS / ("nodecache.json" if args.load == "source" else "nodecache-plan.json")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {dest}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

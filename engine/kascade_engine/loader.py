@@ -189,7 +189,7 @@ async def start_plan_load(inst: LoadTarget, req: LoadPlanRequest) -> None:
         finally:
             inst.host_feeding = False
             await node.close()
-        if done and inst.node is not None and not host_source and inst.blockset is not None:
+        if done and target and inst.node is not None and inst.blockset is not None:
             if await share_landed(inst, inst.node):
                 # the closed node's references are the last to the received buffers (anonymous regions, freed
                 # with their last view): the engine's copy is the node's now
@@ -210,6 +210,8 @@ async def share_landed(inst: LoadTarget, node: NodeCopies) -> bool:
     False when the engine keeps its private copy (the node cannot hold it: share logged why)."""
     private = inst.blockset
     assert private is not None
+    if node.lease is not None and private is node.lease.blocks:
+        return False  # already the node's copy (a source of the plan, or loaded from it)
     shared = await asyncio.to_thread(node.share, private)
     if shared is private:
         return False

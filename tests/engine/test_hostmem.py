@@ -71,6 +71,10 @@ def test_a_second_replica_adds_no_private_copy(mid_ckpt: Path, engine_starter, t
         # the reader's weights are the node's pages: every layer and the head are read by a forward, the embedding
         # only at the prompt's rows, so at least half the model is mapped shared
         assert mb["RssShmem"] > model_mib / 2, (mb, model_mib)
+        # and every engine maps the copy once: its shared pages never exceed one copy (the plan's source went on
+        # serving from its mapping; it mapped the file again after the plan before this was fixed)
+        for m in (ma, mb, md):
+            assert m["RssShmem"] <= model_mib + 1, (m, model_mib)
         # Pss counts a shared page once over its mappers: two cache engines sum to less than two private ones by
         # at least half a copy (the same margin as above)
         assert ma["Pss"] + mb["Pss"] < 2 * mp["Pss"] - model_mib / 2, (ma, mb, mp)
