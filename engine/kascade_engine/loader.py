@@ -189,12 +189,12 @@ async def start_plan_load(inst: LoadTarget, req: LoadPlanRequest) -> None:
         finally:
             inst.host_feeding = False
             await node.close()
-        if done and target and inst.node is not None and inst.blockset is not None:
-            if await share_landed(inst, inst.node):
-                # the closed node's references are the last to the received buffers (anonymous regions, freed
-                # with their last view): the engine's copy is the node's now
-                node.resident.clear()
-                node.buffers.clear()
+        shared = done and target and inst.node is not None and inst.blockset is not None
+        if shared and inst.node is not None and await share_landed(inst, inst.node):
+            # the closed node's references are the last to the received buffers (anonymous regions, freed with
+            # their last view): the engine's copy is the node's now
+            node.resident.clear()
+            node.buffers.clear()
 
     inst.loading = asyncio.create_task(run())
     if host_source:
