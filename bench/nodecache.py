@@ -51,11 +51,12 @@ def by_plan(src: Any, dst: Any, manifest: dict[str, Any]) -> None:
     doc = {"plan": plan, "peers": {"a": f"127.0.0.1:{pa}", "b": f"127.0.0.1:{pb}"}, "planToken": "pt"}
     h = {"Authorization": f"Bearer {dst.token}"}
     httpx.post(dst.url + "/kascade/v1/load-plan", json={**doc, "self": "b", "manifest": manifest},
-               headers=h).raise_for_status()
-    httpx.post(src.url + "/kascade/v1/load-plan", json={**doc, "self": "a"}, headers=h).raise_for_status()
+               headers=h, timeout=60).raise_for_status()
+    httpx.post(src.url + "/kascade/v1/load-plan", json={**doc, "self": "a"}, headers=h,
+               timeout=60).raise_for_status()
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        st = httpx.get(dst.url + "/kascade/v1/status", headers=h).json()
+        st = httpx.get(dst.url + "/kascade/v1/status", headers=h, timeout=60).json()
         if st["loadError"]:
             raise RuntimeError(st["loadError"])
         if st["ready"] and (st.get("nodeCopy") or "--node-cache-dir" not in dst.proc.args):
@@ -82,7 +83,7 @@ def run(ckpt: Path, cache: Path | None, n: int, load: str = "source") -> dict[st
                 continue
             engines.append(start_engine([*args, *node]))
             if not manifest:
-                manifest = httpx.get(engines[0].url + "/kascade/v1/manifest",
+                manifest = httpx.get(engines[0].url + "/kascade/v1/manifest", timeout=60,
                                      headers={"Authorization": f"Bearer {engines[0].token}"}).json()
         texts = set()
         for e in engines:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -21,12 +22,20 @@ from kascade_planner.plan import Instance, ModelLayout
 BODY = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 4}
 
 
+def _get(url: str, **kw: Any) -> httpx.Response:
+    return httpx.get(url, timeout=60, **kw)  # engines answer slowly on shared cores under load
+
+
+def _post(url: str, **kw: Any) -> httpx.Response:
+    return httpx.post(url, timeout=120, **kw)
+
+
 def _h(e) -> dict[str, str]:
     return {"Authorization": f"Bearer {e.token}"}
 
 
 def _answer(e) -> str:
-    r = httpx.post(e.url + "/v1/completions", json=BODY, timeout=120)
+    r = _post(e.url + "/v1/completions", json=BODY)
     assert r.status_code == 200, r.text
     return str(r.json()["choices"][0]["text"])
 
@@ -57,7 +66,7 @@ def test_a_second_replica_adds_no_private_copy(mid_ckpt: Path, engine_starter, t
         engines.append(d)
         _load_by_plan(a, d, pack_checkpoint(mid_ckpt, "m"))
         assert len({_answer(e) for e in engines}) == 1
-        st = [httpx.get(e.url + "/kascade/v1/status", headers=_h(e)).json() for e in (a, b, d)]
+        st = [_get(e.url + "/kascade/v1/status", headers=_h(e)).json() for e in (a, b, d)]
         assert st[0]["nodeCopy"] == st[1]["nodeCopy"] == st[2]["nodeCopy"] == str(cache / "m.kcache")
         assert [p.name for p in cache.glob("*.kcache")] == ["m.kcache"]
         # the node holds one copy: the cache file, of the model's size (header and 4 KiB alignment: < 1 MiB)
@@ -92,14 +101,14 @@ def _load_by_plan(src, dst, blocks) -> dict:
     plan = build_star(layout, [Instance("a", "n0")], [Instance("b", "n0")]).to_dict()
     pa, pb = free_ports(2)
     doc = {"plan": plan, "peers": {"a": f"127.0.0.1:{pa}", "b": f"127.0.0.1:{pb}"}, "planToken": "pt"}
-    ok = httpx.post(dst.url + "/kascade/v1/load-plan", json={**doc, "self": "b", "manifest": blocks.manifest()},
+    ok = _post(dst.url + "/kascade/v1/load-plan", json={**doc, "self": "b", "manifest": blocks.manifest()},
                     headers=_h(dst))
     assert ok.status_code == 200, ok.text
-    ok = httpx.post(src.url + "/kascade/v1/load-plan", json={**doc, "self": "a"}, headers=_h(src))
+    ok = _post(src.url + "/kascade/v1/load-plan", json={**doc, "self": "a"}, headers=_h(src))
     assert ok.status_code == 200, ok.text
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        st = httpx.get(dst.url + "/kascade/v1/status", headers=_h(dst)).json()
+        st = _get(dst.url + "/kascade/v1/status", headers=_h(dst)).json()
         if (st["ready"] and st.get("nodeCopy")) or st["loadError"]:
             return dict(st)
         time.sleep(0.05)
@@ -117,17 +126,17 @@ def test_a_plan_loaded_replica_ends_on_the_node_copy_and_releases_it(tiny_ckpt, 
     try:
         st = _load_by_plan(src, dst, tiny_blocks)
         assert st["ready"] and st["loadError"] is None and st["nodeCopy"] == str(cache / "tiny-llama.kcache"), st
-        want = httpx.post(src.url + "/v1/completions", json=body).json()["choices"][0]["text"]
-        assert httpx.post(dst.url + "/v1/completions", json=body).json()["choices"][0]["text"] == want
+        want = _post(src.url + "/v1/completions", json=body).json()["choices"][0]["text"]
+        assert _post(dst.url + "/v1/completions", json=body).json()["choices"][0]["text"] == want
         node = NodeCache(cache, 1 << 30)
         assert [e.in_use for e in node.entries()] == [True]
         for e in (src, dst):
-            httpx.post(e.url + "/kascade/v1/drain", headers=_h(e))
-        assert httpx.post(src.url + "/kascade/v1/release", headers=_h(src)).json()["hostCopyBytes"] == 0
-        kept = httpx.post(dst.url + "/kascade/v1/release", headers=_h(dst)).json()  # its host copy: the node's
+            _post(e.url + "/kascade/v1/drain", headers=_h(e))
+        assert _post(src.url + "/kascade/v1/release", headers=_h(src)).json()["hostCopyBytes"] == 0
+        kept = _post(dst.url + "/kascade/v1/release", headers=_h(dst)).json()  # its host copy: the node's
         assert kept["hostCopyBytes"] == tiny_blocks.total_bytes and kept["nodeCopy"] == str(cache / "tiny-llama.kcache")
         assert [e.in_use for e in node.entries()] == [True]  # kept as dst's host copy: not evictable
-        assert httpx.post(dst.url + "/kascade/v1/release", json={"keepHostCopy": False},
+        assert _post(dst.url + "/kascade/v1/release", json={"keepHostCopy": False},
                           headers=_h(dst)).json()["hostCopyBytes"] == 0
         assert [e.in_use for e in node.entries()] == [False]  # nobody serves from it or keeps it
         assert node.evict(1 << 30) == ["tiny-llama.kcache"]
