@@ -1,95 +1,118 @@
 #!/usr/bin/env python3
-"""Host memory per node with 1, 2 and 4 engines of one model (issue 35 item 3, ADR 16), read from /proc.
+"""Host memory per node with 1, 2 and 4 real engine replicas of one model (issue 35 item 3, ADR 16), from /proc.
 
-One model (a random Llama checkpoint built here, packed into verified blocks by the engine's `pack_checkpoint`)
-is published once into a node cache on /dev/shm (`kascade_engine.weights.nodecache`). Then N engine processes
-each take the weights the way the engine does (`Block.tensors()`: torch views of the block buffers) and read
-every byte (a sum over every tensor), either
-- `node-cache`: from the node's copy, mapped (`NodeCache.attach`), or
-- `private`: each copying the blocks into its own memory first (one host copy per replica, as a serving engine
-  keeps its host buffers today).
-With every process holding its weights, the parent reads each one's /proc/<pid>/status (RssAnon: private memory,
-RssShmem: pages of the shared copy it maps) and smaps_rollup (Pss: its fair share), and /proc/meminfo Shmem
-(the node's shared memory, counted once). The processes are engine-like (the engine's weight path and torch),
-not engine servers: the HTTP server, KV cache and batcher add the same private memory in both cases.
+One "node" is this host. For each mode and replica count N, N real engine processes (`kascade engine serve
+--checkpoint <ckpt>`, as the tests start them) serve one model (a random Llama built here), each answers one
+completion (every layer's weights are read), and with all N holding their weights the bench reads
+/proc/<pid>/status (RssAnon, RssShmem) and smaps_rollup (Pss) of each, and the bytes of the node cache directory
+(a tmpfs: resident in full). Modes:
+- `node-cache`: every engine has `--node-cache-dir` on one /dev/shm directory: the first packs the checkpoint and
+  publishes the node's copy, the others map it; the node's host memory for weights is that one file.
+- `private`: no node cache: every engine packs the checkpoint into its own memory (one host copy per replica).
+`--load plan`: only the first engine reads the checkpoint; the others start `--empty` and load every block by a
+load plan from it (the scale-up path: received into private buffers, then, with the node cache, swapped for the
+node's copy).
+An `--empty` engine (no weights) gives each process's own memory (torch, interpreter, buffers): `weights` =
+node memory - N x that baseline, where node memory = sum of RssAnon + the node cache's bytes. `copies` =
+weights / the model's bytes: ~1 with the node cache whatever N, ~N without.
 
-Usage: python bench/nodecache.py [--layers 4 --hidden 1024 --vocab 16000] [--counts 1 2 4]
-Writes bench/results/nodecache.json.
+Usage: python bench/nodecache.py [--layers 4 --hidden 1024 --vocab 16000] [--counts 1 2 4] [--load source|plan]
+Prints hostmem_<N>_replicas_over_1 per mode side by side; writes bench/results/nodecache.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import textwrap
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results"
-WORKER = textwrap.dedent("""
-    import sys
-    import torch
-    from kascade_engine.weights.hostcache import open_cache
-    from kascade_engine.weights.nodecache import NodeCache
-    from kascade_engine.weights.blocks import Block
-    root, model, mode = sys.argv[1:4]
-    if mode == "node-cache":
-        lease = NodeCache(root, 1 << 40).attach(model)
-        blocks = list(lease.blocks.blocks.values())
-    else:  # private: this process's own copy of every block
-        cached = open_cache(NodeCache(root, 1 << 40).path(model))
-        blocks = [Block(b.id, memoryview(bytearray(b.data)), b.index, b.digest) for b in cached.blocks.values()]
-        del cached
-    total = 0.0
-    for b in blocks:
-        for t in b.tensors().values():
-            total += float(t.double().sum()) if t.is_floating_point() else float(t.sum())
-    print("ready", total, flush=True)
-    sys.stdin.read()
-""")
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+sys.path[:0] = [str(ROOT / d) for d in ("tests/engine", "engine", "cli", "e2e", "planner")]
 
 
-def _kib(text: str, key: str) -> int:
-    for line in text.splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    return 0
+def by_plan(src: Any, dst: Any, manifest: dict[str, Any]) -> None:
+    """`dst` (an --empty engine) loads every block from `src` by a one-hop load plan, until it serves."""
+    import time
+
+    import httpx
+
+    from kascade_devcluster.ports import free_ports
+    from kascade_planner.baselines import build_star
+    from kascade_planner.plan import Instance, ModelLayout
+
+    layout = ModelLayout("bench-llama", tuple(manifest), tuple(int(m["bytes"]) for m in manifest.values()))
+    plan = build_star(layout, [Instance("a", "n0")], [Instance("b", "n0")]).to_dict()
+    pa, pb = free_ports(2)
+    doc = {"plan": plan, "peers": {"a": f"127.0.0.1:{pa}", "b": f"127.0.0.1:{pb}"}, "planToken": "pt"}
+    h = {"Authorization": f"Bearer {dst.token}"}
+    httpx.post(dst.url + "/kascade/v1/load-plan", json={**doc, "self": "b", "manifest": manifest},
+               headers=h, timeout=60).raise_for_status()
+    httpx.post(src.url + "/kascade/v1/load-plan", json={**doc, "self": "a"}, headers=h,
+               timeout=60).raise_for_status()
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        st = httpx.get(dst.url + "/kascade/v1/status", headers=h, timeout=60).json()
+        if st["loadError"]:
+            raise RuntimeError(st["loadError"])
+        if st["ready"] and (st.get("nodeCopy") or "--node-cache-dir" not in dst.proc.args):
+            return
+        time.sleep(0.05)
+    raise RuntimeError("the plan load never finished")
 
 
-def measure(root: Path, model: str, mode: str, n: int) -> dict[str, Any]:
-    shmem0 = _kib(Path("/proc/meminfo").read_text(), "Shmem")
-    env = dict(os.environ)
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(root), model, mode], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, env=env) for _ in range(n)]
+def run(ckpt: Path, cache: Path | None, n: int, load: str = "source") -> dict[str, Any]:
+    import httpx
+    from conftest import start_engine  # the tests' real-engine starter
+
+    from kascade_devcluster.procmem import dir_mib, proc_mem
+
+    args = ["--checkpoint", str(ckpt), "--model-name", "bench-llama", "--kv-tokens", "1024", "--max-seqs", "4"]
+    engines = []
     try:
-        sums = set()
-        for p in procs:
-            assert p.stdout is not None
-            line = p.stdout.readline().split()
-            if not line or line[0] != "ready":
-                raise RuntimeError(f"worker {p.pid} failed (exit {p.poll()})")
-            sums.add(line[1])
-        per = []
-        for p in procs:
-            status = Path(f"/proc/{p.pid}/status").read_text()
-            rollup = Path(f"/proc/{p.pid}/smaps_rollup").read_text()
-            per.append({k: _kib(status, k) / 1024 for k in ("VmRSS", "RssAnon", "RssFile", "RssShmem")}
-                       | {"Pss": _kib(rollup, "Pss") / 1024})
-        shmem = _kib(Path("/proc/meminfo").read_text(), "Shmem")
+        node = ["--node-cache-dir", str(cache)] if cache else []
+        manifest: dict[str, Any] = {}
+        for i in range(n):  # one after another: the first publishes the node's copy, the next ones map it
+            if i and load == "plan":
+                engines.append(start_engine([*args, "--empty", *node]))
+                by_plan(engines[0], engines[-1], manifest)
+                continue
+            engines.append(start_engine([*args, *node]))
+            if not manifest:
+                manifest = httpx.get(engines[0].url + "/kascade/v1/manifest", timeout=60,
+                                     headers={"Authorization": f"Bearer {engines[0].token}"}).json()
+        texts = set()
+        for e in engines:
+            r = httpx.post(e.url + "/v1/completions", json={"model": "bench-llama", "prompt": [5, 6, 7],
+                                                             "max_tokens": 4}, timeout=120)
+            r.raise_for_status()
+            texts.add(r.json()["choices"][0]["text"])
+        per = [proc_mem(e.proc.pid) for e in engines]
     finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-    return {"mode": mode, "engines": n, "same_weights": len(sums) == 1, "per_engine_mib": per,
-            "rss_anon_total_mib": sum(x["RssAnon"] for x in per),
-            "rss_shmem_total_mib": sum(x["RssShmem"] for x in per),
-            "pss_total_mib": sum(x["Pss"] for x in per), "node_shmem_mib": shmem / 1024,
-            "node_shmem_delta_mib": (shmem - shmem0) / 1024}
+        for e in engines:
+            e.stop()
+    cache_mib = dir_mib(cache) if cache else 0.0
+    return {"engines": n, "same_answer": len(texts) == 1, "per_engine_mib": per, "cache_mib": cache_mib,
+            "rss_anon_sum": sum(p["RssAnon"] for p in per), "rss_shmem_sum": sum(p["RssShmem"] for p in per),
+            "pss_sum": sum(p["Pss"] for p in per),
+            "node_mib": sum(p["RssAnon"] for p in per) + cache_mib}
+
+
+def baseline(ckpt: Path) -> float:
+    from conftest import start_engine
+
+    from kascade_devcluster.procmem import proc_mem
+
+    e = start_engine(["--checkpoint", str(ckpt), "--model-name", "bench-llama", "--empty", "--kv-tokens", "1024",
+                      "--max-seqs", "4"])
+    try:
+        return proc_mem(e.proc.pid)["RssAnon"]
+    finally:
+        e.stop()
 
 
 def main() -> int:
@@ -98,43 +121,59 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=16000)
     ap.add_argument("--counts", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--out", type=Path, default=RESULTS / "nodecache.json")
+    ap.add_argument("--load", choices=("source", "plan"), default="source",
+                    help="how engines after the first get their weights: the checkpoint, or a load plan from the first")
+    ap.add_argument("--out", type=Path, default=None, help="default bench/results/nodecache[-plan].json")
     args = ap.parse_args()
     from kascade_engine.weights.blocks import pack_checkpoint
     from kascade_engine.weights.checkpoint import tiny_llama
-    from kascade_engine.weights.nodecache import NodeCache
 
     work = Path(tempfile.mkdtemp(prefix="kascade-nodecache-"))
-    root = Path(tempfile.mkdtemp(prefix="kascade-nodecache-", dir="/dev/shm"))
     try:
-        blocks = pack_checkpoint(tiny_llama(work / "ckpt", layers=args.layers, hidden=args.hidden, vocab=args.vocab),
-                                 "bench-llama")
-        model_mib = blocks.total_bytes / (1 << 20)
-        shmem_before = _kib(Path("/proc/meminfo").read_text(), "Shmem") / 1024
-        ok, why = NodeCache(root, 1 << 40).publish(blocks)
-        if not ok:
-            raise SystemExit(why)
-        del blocks
-        shmem_copy = _kib(Path("/proc/meminfo").read_text(), "Shmem") / 1024 - shmem_before
-        print(f"model: {model_mib:.0f} MiB of weights; the node copy added {shmem_copy:.0f} MiB of Shmem "
-              f"(/proc/meminfo)")
-        rows = []
-        print(f"{'mode':11s} {'engines':>7s} {'RssAnon sum':>11s} {'RssShmem sum':>12s} {'Pss sum':>8s} "
-              f"{'node Shmem':>10s}  (MiB, /proc)")
-        for mode in ("node-cache", "private"):
+        ckpt = tiny_llama(work / "ckpt", layers=args.layers, hidden=args.hidden, vocab=args.vocab)
+        model_mib = pack_checkpoint(ckpt, "bench-llama").total_bytes / (1 << 20)
+        base = baseline(ckpt)
+        print(f"load: {args.load}; model: {model_mib:.0f} MiB of weights; an engine without weights (--empty): "
+              f"RssAnon {base:.0f} MiB")
+        rows: dict[str, list[dict[str, Any]]] = {"node-cache": [], "private": []}
+        for mode in rows:
             for n in args.counts:
-                r = measure(root, "bench-llama", mode, n)
-                rows.append(r)
-                print(f"{mode:11s} {n:7d} {r['rss_anon_total_mib']:11.0f} {r['rss_shmem_total_mib']:12.0f} "
-                      f"{r['pss_total_mib']:8.0f} {r['node_shmem_mib']:10.0f}"
-                      + ("" if r["same_weights"] else "  (weights differ between engines!)"))
-        out = {"model_mib": model_mib, "node_copy_shmem_mib": shmem_copy, "runs": rows,
-               "note": "engine-like processes: the engine's Block.tensors() weight path under torch, not servers"}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(out, indent=1) + "\n")
-        print(f"wrote {args.out}")
+                cache = Path(tempfile.mkdtemp(prefix="kascade-nodecache-", dir="/dev/shm")) if mode == "node-cache" \
+                    else None
+                try:
+                    r = run(ckpt, cache, n, args.load)
+                finally:
+                    if cache is not None:
+                        shutil.rmtree(cache, ignore_errors=True)
+                r["weights_mib"] = r["node_mib"] - n * base
+                r["copies"] = r["weights_mib"] / model_mib
+                rows[mode].append(r)
+        print(f"\n{'mode':10s} {'N':>2s} {'RssAnon sum':>11s} {'RssShmem sum':>12s} {'Pss sum':>8s} {'cache':>6s} "
+              f"{'node':>6s} {'weights':>8s} {'copies':>6s}   (MiB; node = RssAnon sum + cache)")
+        for mode, rs in rows.items():
+            for r in rs:
+                print(f"{mode:10s} {r['engines']:2d} {r['rss_anon_sum']:11.0f} {r['rss_shmem_sum']:12.0f} "
+                      f"{r['pss_sum']:8.0f} {r['cache_mib']:6.0f} {r['node_mib']:6.0f} {r['weights_mib']:8.0f} "
+                      f"{r['copies']:6.2f}" + ("" if r["same_answer"] else "  (answers differ!)"))
+        print()
+        ratios: dict[str, float] = {}
+        for n in args.counts[1:]:
+            line = []
+            for mode, rs in rows.items():
+                one = next(r for r in rs if r["engines"] == args.counts[0])
+                this = next(r for r in rs if r["engines"] == n)
+                key = f"{mode}.hostmem_{n}_replicas_over_{args.counts[0]}"
+                ratios[key] = this["node_mib"] / one["node_mib"]
+                ratios[f"{mode}.weight_copies_{n}_replicas"] = this["copies"]
+                line.append(f"{key} {ratios[key]:.2f} (weight copies {this['copies']:.2f})")
+            print("   ".join(line))
+        out = {"load": args.load, "model_mib": model_mib, "empty_engine_rss_anon_mib": base, "runs": rows,
+               "ratios": ratios}
+        dest = args.out or RESULTS / ("nodecache.json" if args.load == "source" else "nodecache-plan.json")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {dest}")
     finally:
-        shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     return 0
 

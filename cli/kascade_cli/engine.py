@@ -100,6 +100,15 @@ def engine() -> None:
 @click.option("--host-cache-gib", default=0.0, show_default=True, type=click.FloatRange(0),
               help="a released engine keeps its model's weights in host memory up to this size, as a host copy the "
                    "operator uses as a chain source and to scale from zero (0: released engines drop them)")
+@click.option("--node-cache-dir", type=click.Path(file_okay=False, path_type=Path),
+              default=lambda: os.environ.get("KASCADE_NODE_CACHE_DIR"),
+              help="a memory-backed directory shared by the node's engines (/dev/shm/kascade, a hostPath): the node "
+                   "keeps one copy of each model there, which every engine maps instead of a private host copy "
+                   "(env KASCADE_NODE_CACHE_DIR; unset: each engine keeps its own)")
+@click.option("--node-cache-gib", default=16.0, show_default=True, type=click.FloatRange(0),
+              help="with --node-cache-dir: the node's host-memory budget for those copies; publishing one evicts "
+                   "copies no engine maps, least recently attached first, and keeps a private copy when the "
+                   "budget cannot hold it")
 @click.option(
     "--tls-cert",
     type=click.Path(dir_okay=False, path_type=Path),
@@ -153,6 +162,8 @@ def serve(
     emulate_layer_ms: float = 0.0,
     emulate_knee_tokens: int = 0,
     host_cache_gib: float = 0.0,
+    node_cache_dir: Path | None = None,
+    node_cache_gib: float = 16.0,
     tls_cert: Path | None = None,
     tls_key: Path | None = None,
     tls_ca: Path | None = None,
@@ -172,8 +183,9 @@ def serve(
     from kascade_engine.net.transport_tls import TlsError, TlsFiles
     from kascade_engine.net.transports import make_transport
     from kascade_engine.tokenizer import load_tokenizer
-    from kascade_engine.weights.blocks import CheckpointError, pack_checkpoint
+    from kascade_engine.weights.blocks import CheckpointError
     from kascade_engine.weights.checkpoint import smollm_checkpoint
+    from kascade_engine.weights.nodecopy import load_checkpoint, node_copies
 
     if (checkpoint is None) == (not smollm):
         raise click.UsageError("give exactly one of --checkpoint DIR or --smollm")
@@ -202,20 +214,22 @@ def serve(
                            transfer_bytes_per_s=transfer_max_mbps * 1e6 / 8 if transfer_max_mbps else None,
                            empty=empty, resident_layers=resident_layers, emulate_layer_ms=emulate_layer_ms,
                            emulate_knee_tokens=emulate_knee_tokens, tls=tls,
-                           host_cache_bytes=int(host_cache_gib * 2**30), activation_dscp=activation_dscp,
+                           host_cache_bytes=int(host_cache_gib * 2**30), node_cache_dir=node_cache_dir,
+                           node_cache_bytes=int(node_cache_gib * 2**30), activation_dscp=activation_dscp,
                            require_prefill_signature=require_prefill_signature, tp=tp)
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
     try:
+        node = node_copies(cfg)  # the node cache (None without --node-cache-dir)
         if empty:  # a warm-pool pod: only the architecture; weights arrive through load-plan or bind
             blocks, model_cfg = None, json.loads((checkpoint / "config.json").read_text())
-        else:
-            blocks = pack_checkpoint(checkpoint, model=cfg.model_name)
+        else:  # the node's copy when it has one, else packed (and published as the node's copy)
+            blocks = load_checkpoint(node, checkpoint, cfg.model_name)
             model_cfg = blocks.config
         n_layers = int(model_cfg.get("num_hidden_layers", 0))
         if blocks is not None and resident_layers is not None and resident_layers > n_layers:
             raise click.UsageError(f"--resident-layers {resident_layers} exceeds the model's {n_layers} layers")
-        inst = EngineInstance(cfg, model_cfg, load_tokenizer(checkpoint), blocks)
+        inst = EngineInstance(cfg, model_cfg, load_tokenizer(checkpoint), blocks, node=node)
     except (CheckpointError, ConfigError, ValueError, OSError) as e:
         raise click.UsageError(f"--checkpoint {checkpoint}: {e}") from None
 

@@ -66,6 +66,11 @@ class EngineConfig:
     emulate_knee_tokens: int = 0  # with it: a layer forward over more tokens than this costs proportionally more
     tls: TlsFiles | None = None  # mutual TLS for every data-plane TCP connection (weights, activations, KV)
     host_cache_bytes: int = 0  # a released engine keeps its weights in host memory up to this (0: never)
+    # the node cache (weights/nodecopy.py, ADR 16): a memory-backed directory shared by the node's engines, where
+    # the node keeps one copy per model that every engine maps (None: each engine holds its own host copy), and
+    # the node's budget for those copies (unused ones are evicted, least recently attached first, to fit it)
+    node_cache_dir: Path | None = None
+    node_cache_bytes: int = 16 << 30
     # DSCP class of the act port's TCP connections (activations, pair steps, PD KV) and of the HTTP port's
     # (the tokens streamed to clients), so a QoS fabric sends them ahead of weight streams (unmarked); 0: no
     # mark (transport.py, "Traffic classes")
@@ -92,6 +97,11 @@ class EngineConfig:
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.host_cache_bytes < 0:
             raise ConfigError(f"--host-cache-gib must be >= 0, got {self.host_cache_bytes / 2**30:g}")
+        if self.node_cache_bytes < 0:
+            raise ConfigError(f"--node-cache-gib must be >= 0, got {self.node_cache_bytes / 2**30:g}")
+        if self.node_cache_dir is not None and self.tp > 1:
+            raise ConfigError("--node-cache-dir with --tp > 1: a tensor-parallel instance's ranks hold weight planes, "
+                              "the node cache holds whole models (not built for tp yet)")
         if not 0 <= self.emulate_layer_ms <= 10_000:
             raise ConfigError(f"--emulate-layer-ms must be in [0, 10000], got {self.emulate_layer_ms}")
         if not 0 <= self.emulate_knee_tokens <= 1 << 20:

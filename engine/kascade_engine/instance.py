@@ -17,6 +17,9 @@ it (a memory copy). The copy stays kept while the engine serves from it (it is t
 engine holds in host memory anyway), and a serving engine asked to (`keep_copy`, POST host-copy) keeps its
 blockset as one, so a model's copy count is never zero while a service serves it. Releasing with
 keepHostCopy=false (or host-copy keep=false) ends the copy.
+With a node cache (--node-cache-dir, weights/nodecopy.py) the blockset and the host copy are the node's one mapped
+copy of the model, shared by every engine of the node (status `nodeCopy`): the engine holds its lease while it
+serves from it or keeps it as its host copy, and drops it when it does neither (the node may then evict it).
 An engine started with a full checkpoint is `serving` at once (unbound); one started with
 `--resident-layers` is `loading`.
 """
@@ -50,6 +53,7 @@ from kascade_engine.pd.remote_prefill import RemotePrefill
 from kascade_engine.refusal import InstanceError
 from kascade_engine.tokenizer import Tokenizer
 from kascade_engine.weights.hostcopy import keepable
+from kascade_engine.weights.nodecopy import NodeCopies
 from kascade_planner.engine_api import (
     BindRequest,
     ConvertRequest,
@@ -66,7 +70,7 @@ log = logging.getLogger(__name__)
 
 class EngineInstance:
     def __init__(self, config: EngineConfig, model_cfg: dict[str, Any], tokenizer: Tokenizer,
-                 blockset: Any = None) -> None:
+                 blockset: Any = None, node: NodeCopies | None = None) -> None:
         self.config = config
         self.model_cfg = dict(model_cfg)
         self.tokenizer = tokenizer
@@ -78,6 +82,7 @@ class EngineInstance:
         self.blockset: Any = None  # a complete copy held here (sources send from it)
         self.tp_load_stats: list[Any] = []  # per rank bytes/seconds of the last load by rank planes (tp/planload.py)
         self.host_copy: Any = None  # a BlockSet kept in host memory after release (None: none)
+        self.node = node  # the node cache (--node-cache-dir): blockset and host copy are its mapped copy
         self.host_feeding = False  # a plan load running only as a host source (the phase stays released)
         self.bytes_received = 0
         self.transfer_bw = 0.0
@@ -388,6 +393,7 @@ class EngineInstance:
         self.probe.stop()
         self.engine.reset()
         self.blockset, self.plan, self.load_error, self.bytes_received, self.transfer_bw = None, None, None, 0, 0.0
+        self._drop_node_copy()
         self._to(Phase.RELEASED)
         return self.status()
 
@@ -405,6 +411,11 @@ class EngineInstance:
             log.info("%s: keeping a host copy of %s (%.1f MB)", self.instance_id, self.config.model_name,
                      self.host_copy.total_bytes / 1e6)
 
+    def _drop_node_copy(self) -> None:
+        """Leave the node's copy evictable once this engine neither serves from it nor keeps it."""
+        if self.node is not None and self.blockset is None and self.host_copy is None:
+            self.node.drop()
+
     def keep_copy(self, req: HostCopyRequest) -> HostCopyAnswer:
         """POST host-copy: keep the complete copy this serving engine holds as its host copy when the
         --host-cache-gib budget holds it (hostcopy.keepable: no extra bytes), or drop the host copy (keep=false);
@@ -413,6 +424,7 @@ class EngineInstance:
             if self.host_copy is not None:
                 log.info("%s: dropping the host copy of %s on request", self.instance_id, self.config.model_name)
             self.host_copy = None
+            self._drop_node_copy()
             return HostCopyAnswer(0)
         if self.host_copy is not None:
             return HostCopyAnswer(self.host_copy.total_bytes)
@@ -436,6 +448,7 @@ class EngineInstance:
                             self.cooperate or None, self.load_error, str(self.device),
                             str(self.dtype).removeprefix("torch."),
                             {"tensorDevices": self.tensor_devices(),
+                             **({"nodeCopy": self.node.path} if self.node is not None and self.node.path else {}),
                              **({"tpLoad": self.tp_load_stats} if self.tp_load_stats else {}),
                              **({"pipelineDownstream": self.downstream_peer} if self.downstream_peer else {}),
                              **({"redirect": sorted(self.forwarders)} if self.forwarders else {}),

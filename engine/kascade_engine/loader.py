@@ -13,6 +13,11 @@ received blocks become this engine's `blockset`, so it can be a source of the ne
 Data flow (source): path (or uri -> `modelsource.resolve` -> snapshot dir) -> `pack_checkpoint` in a worker thread
 (hashes every block) -> blocks
 added in model order -> phase serving.
+Data flow (node cache, --node-cache-dir: weights/nodecopy.py): a source load maps the node's copy of the model
+instead of reading the source when the node has a valid one, else packs the source and publishes it as the
+node's copy; a plan load publishes the landed blocks (or maps the node's copy of them) once the transfer is
+over. Either way the engine's blockset (its chain-source buffers, its host copy) is the node's one mapped copy:
+CPU weights are views of it, CUDA weights are uploaded from it, and no private host copy remains.
 Data flow (host copy): a released engine's `host_copy` -> `bind` source.hostCopy adds its blocks again
 (no disk, no network; the copy stays kept while the engine serves from it), or a plan naming this released
 engine as a source sends from it (phase stays released: `host_feeding`).
@@ -33,7 +38,8 @@ from kascade_engine.net.relay import TransferNode
 from kascade_engine.net.transfer_spec import SpecError, TransferSpec
 from kascade_engine.net.transport import Transport, TransportError
 from kascade_engine.refusal import InstanceError
-from kascade_engine.weights.blocks import BlockSet, CheckpointError, pack_checkpoint
+from kascade_engine.weights.blocks import BlockSet, CheckpointError
+from kascade_engine.weights.nodecopy import NodeCopies, load_checkpoint, trim
 from kascade_planner.engine_api import LoadPlanRequest
 
 log = logging.getLogger(__name__)
@@ -64,6 +70,8 @@ class LoadTarget(Protocol):
     loading: asyncio.Task[None] | None
     plan: dict[str, Any] | None
     instance_id: str
+    node: NodeCopies | None  # the node cache (--node-cache-dir), or None
+
 
     @property
     def config(self) -> _LoadConfig: ...
@@ -167,11 +175,13 @@ async def start_plan_load(inst: LoadTarget, req: LoadPlanRequest) -> None:
     inst.host_feeding = host_source
 
     async def run() -> None:
+        done = False
         try:
             summary = await node.run()
             if last is not None:
                 await last  # the last blocks' uploads (CUDA)
             log.info("transfer done: %s", summary)
+            done = True
         except Exception as e:  # a failed transfer leaves the engine loading, visible in status
             log.error("transfer failed on %s: %s", me, e)
             inst.load_error = str(e)
@@ -179,12 +189,42 @@ async def start_plan_load(inst: LoadTarget, req: LoadPlanRequest) -> None:
         finally:
             inst.host_feeding = False
             await node.close()
+        shared = done and target and inst.node is not None and inst.blockset is not None
+        if shared and inst.node is not None and await share_landed(inst, inst.node):
+            # the closed node's references are the last to the received buffers (anonymous regions, freed with
+            # their last view): the engine's copy is the node's now
+            node.resident.clear()
+            node.buffers.clear()
 
     inst.loading = asyncio.create_task(run())
     if host_source:
         log.info("%s: feeding plan %s from the host copy", me, spec.plan.model.name)
     else:
         inst.begin_loading()
+
+
+async def share_landed(inst: LoadTarget, node: NodeCopies) -> bool:
+    """After a plan load: the landed blocks become the node's copy (or the node's copy of the same blocks is
+    mapped), and the engine drops its private received buffers: CPU weights become views of the node's copy (the
+    same bytes: the digests matched), CUDA weights stay on the device and only the host blocks are swapped.
+    False when the engine keeps its private copy (the node cannot hold it: share logged why)."""
+    private = inst.blockset
+    assert private is not None
+    if node.lease is not None and private is node.lease.blocks:
+        return False  # already the node's copy (a source of the plan, or loaded from it)
+    shared = await asyncio.to_thread(node.share, private)
+    if shared is private:
+        return False
+    model = inst.model
+    if model.device.type == "cpu":
+        for b in shared.blocks.values():
+            model.add_block(b.id, b.tensors())
+    inst.blockset = shared
+    if inst.host_copy is private:
+        inst.host_copy = shared
+    del private
+    trim()
+    return True
 
 
 async def start_host_load(inst: LoadTarget) -> None:
@@ -253,7 +293,8 @@ async def start_source_load(inst: LoadTarget, path: str | None = None, uri: str 
             from kascade_engine.tp.planload import followers_load_path
 
             followers_load_path(inst, d)  # a tensor-parallel engine's other ranks pack it alongside (tp/rank.py)
-            blocks = await asyncio.to_thread(pack_checkpoint, d, inst.config.model_name)
+            # the node's copy when it has one (--node-cache-dir), else packed from d (and published as the node's)
+            blocks = await asyncio.to_thread(load_checkpoint, inst.node, d, inst.config.model_name)
             if blocks.config.get("num_hidden_layers") != model.shape.layers:
                 raise CheckpointError(f"{where}: {blocks.config.get('num_hidden_layers')} layers, this engine "
                                       f"was started for {model.shape.layers}")

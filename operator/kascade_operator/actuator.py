@@ -113,7 +113,8 @@ async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods:
         if p.endpoint:
             # O(1) host copies per model (issue 18): the first releases keep their weights in host memory
             # (a scale-from-zero source); beyond host_copies_per_model they drop them
-            keep = keep_host_copy(pods, spec.model.name, p.pod_name, rt.settings.host_copies_per_model)
+            keep = keep_host_copy(pods, spec.model.name, p.pod_name, rt.settings.host_copies_per_model,
+                                  rt.settings.node_cache)
             try:
                 await rt.engines.drain(p.endpoint)  # readiness drops; requests in flight finish
                 st = await rt.engines.release(p.endpoint, keep)

@@ -85,8 +85,9 @@ def copy_work(w: World, model: str, pods: Sequence[PodView]) -> CopyWork:
     if lost:
         return CopyWork(lost=lost)
     per = w.settings.host_copies_per_model
-    ask = keeper(pods, model, w.key, per)
-    return CopyWork(drop=tuple(q.pod_name for q in surplus(pods, model, w.key, per) if q.endpoint),
+    nc = w.settings.node_cache
+    ask = keeper(pods, model, w.key, per, nc)
+    return CopyWork(drop=tuple(q.pod_name for q in surplus(pods, model, w.key, per, nc) if q.endpoint),
                     ask=ask.pod_name if ask is not None and ask.endpoint else None)
 
 

@@ -26,6 +26,10 @@ the service draining: its release comes a round or more later; the round that dr
 draining, its snapshot was read before the drain). Before both, which pod kept the model after a scale-down
 depended on whether a round had seen the replicas ready before the drain (issue 40).
 
+With the pool's node cache (settings.node_cache, chart pool.nodeCache) a copy is the node's, shared by its engines
+(ADR 16): `host_copies_per_model` counts nodes (`pool.copy_key`), and a release on a node whose copy is counted
+keeps it (no more bytes).
+
 Which engine: the oldest pod name among the ready, undrained, healthy ones not refused. A scale-down drains
 the newest names first (`pool.choose_drain`), so the keeper is the last to be released. The operator does not
 know the engines' free host budgets; an engine without room refuses and the next is asked.
@@ -40,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from kascade_operator.engine_client import EngineError
 from kascade_operator.kube import Conflict, NotFound
-from kascade_operator.pool import PodView, host_copy_patch, keep_host_copy
+from kascade_operator.pool import PodView, copy_key, host_copy_patch, keep_host_copy
 
 if TYPE_CHECKING:
     from kascade_operator.runtime import Runtime
@@ -56,21 +60,24 @@ def copies(pods: Sequence[PodView], model: str) -> int:
     return sum(1 for p in pods if p.host_copy == model and not p.unhealthy)
 
 
-def releasing(pods: Sequence[PodView], model: str, service: str, per_model: int) -> PodView | None:
+def releasing(pods: Sequence[PodView], model: str, service: str, per_model: int,
+              node_cache: bool = False) -> PodView | None:
     """A pod of `service` being drained whose release will keep a host copy of `model` (it is told to keep one,
     `pool.keep_host_copy`, and its engine answers, healthy and never refused one), or None."""
     return next((p for p in pods if p.model_service == service and p.draining and p.endpoint and not p.unhealthy
-                 and p.host_copy_refused != model and keep_host_copy(pods, model, p.pod_name, per_model) is None),
+                 and p.host_copy_refused != model
+                 and keep_host_copy(pods, model, p.pod_name, per_model, node_cache) is None),
                 None)
 
 
-def keeper(pods: Sequence[PodView], model: str, service: str, per_model: int) -> PodView | None:
+def keeper(pods: Sequence[PodView], model: str, service: str, per_model: int,
+           node_cache: bool = False) -> PodView | None:
     """The serving pod to ask for a host copy of `model`, or None: the pool keeps one already, the setting
     (`host_copies_per_model`) is 0, a release in flight will keep one (`releasing`), or no ready pod of
     `service` may be asked."""
     if per_model < 1 or copies(pods, model) > 0:
         return None
-    if releasing(pods, model, service, per_model) is not None:
+    if releasing(pods, model, service, per_model, node_cache) is not None:
         # a scale-down's drain and its release are rounds apart (and a release waits while requests are in
         # flight): asking now puts the copy on a replica that stays, and the release then drops its weights
         # (issue 40). Deferred, not skipped: a release that keeps none leaves the pool without one, and the
@@ -81,11 +88,14 @@ def keeper(pods: Sequence[PodView], model: str, service: str, per_model: int) ->
     return min(asked, key=lambda p: p.pod_name, default=None)
 
 
-def surplus(pods: Sequence[PodView], model: str, service: str, per_model: int) -> list[PodView]:
+def surplus(pods: Sequence[PodView], model: str, service: str, per_model: int,
+            node_cache: bool = False) -> list[PodView]:
     """The pods of `service` that keep a copy of `model` while they serve, once released pods keep `per_model`
-    copies (healthy ones): a release kept one (it does not count serving copies, `pool.keep_host_copy`), so the
-    stopgap copies on serving replicas are dropped and the pool keeps O(1) copies per model. [] otherwise."""
-    released = sum(1 for p in pods if p.model_service is None and p.host_copy == model and not p.unhealthy)
+    copies (healthy ones; per node with a node cache, `pool.copy_key`): a release kept one (it does not count
+    serving copies, `pool.keep_host_copy`), so the stopgap copies on serving replicas are dropped and the pool
+    keeps O(1) copies per model. [] otherwise."""
+    released = len({copy_key(p, node_cache) for p in pods
+                    if p.model_service is None and p.host_copy == model and not p.unhealthy})
     if per_model < 1 or released < per_model:
         return []
     return sorted((p for p in pods if p.model_service == service and p.host_copy == model), key=lambda p: p.pod_name)

@@ -133,16 +133,30 @@ def host_copies(idle: Sequence[PodView], model: str) -> list[PodView]:
     return sorted((p for p in idle if p.host_copy == model and usable_target(p)), key=lambda p: p.pod_name)
 
 
-def keep_host_copy(pods: Sequence[PodView], model: str, releasing: str, per_model: int) -> bool | None:
+def copy_key(p: PodView, node_cache: bool) -> str:
+    """What one host copy is per: the pod's node when the pool's engines share a node cache (`node_cache`: the
+    chart's pool.nodeCache; every engine of a node maps the node's one copy, ADR 16), else the pod itself. A
+    fallback pod (created for one service) has no node cache: its copy is its own."""
+    return f"node/{p.node}" if node_cache and p.node and p.created_for is None else f"pod/{p.pod_name}"
+
+
+def keep_host_copy(pods: Sequence[PodView], model: str, releasing: str, per_model: int,
+                   node_cache: bool = False) -> bool | None:
     """The `keepHostCopy` a release of pod `releasing` sends: None (the engine keeps a copy when its
     --host-cache-gib holds the model) while fewer than `per_model` other released pool pods keep `model`, False
     (drop the weights) beyond, so the pool holds O(1) host copies per model. A serving replica's copy does not
     count: it is the stopgap that keeps a served model from having none (hostcopykeeper), and it gives way to
     a released one (an extra scale-up source beside the serving replicas, on a pod that serves nothing), which
     the keeper then drops (`hostcopykeeper.surplus`). Counting it made the outcome of a scale-down depend on
-    whether the keeper had run before it (issue 40)."""
-    held = sum(1 for q in pods if q.host_copy == model and q.pod_name != releasing and q.model_service is None)
-    return None if held < per_model else False
+    whether the keeper had run before it (issue 40). With a node cache (`node_cache`) copies are counted per
+    node (`copy_key`): a release on a node whose copy is counted already keeps it (the same bytes, no more)."""
+    by = {p.pod_name: p for p in pods}
+    held = {copy_key(q, node_cache) for q in pods
+            if q.host_copy == model and q.pod_name != releasing and q.model_service is None}
+    me = by.get(releasing)
+    if me is not None and copy_key(me, node_cache) in held:
+        return None
+    return None if len(held) < per_model else False
 
 
 def host_copy_patch(model: str | None, refused: str | None = None) -> dict[str, Any]:

@@ -136,7 +136,11 @@ class OperatorSettings(BaseSettings):
                                        "in host memory, per model (scale from zero binds one; a scale-up also sends "
                                        "from them as chain sources, kind host, while they stay released); more "
                                        "releases drop their weights, 0 keeps none (each engine's --host-cache-gib "
-                                       "bounds its own)")
+                                       "bounds its own). With node_cache: nodes that keep one, not engines")
+    node_cache: bool = Field(default=False, description="the pool's engines share a node cache (chart "
+                             "pool.nodeCache, engine --node-cache-dir): the engines of a node map its one copy of a "
+                             "model, so host_copies_per_model counts nodes, and a release on a node whose copy is "
+                             "counted keeps it")
     arbitration_hysteresis_seconds: float = Field(default=30.0, ge=0, le=86400, description="services sharing a "
                                                   "short pool: a replica bound more recently than this is not "
                                                   "preempted for another service (no oscillation)")

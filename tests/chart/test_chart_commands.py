@@ -446,6 +446,32 @@ def test_pool_host_cache_settings_reach_the_pool_engines_and_the_operator(
         assert out.returncode != 0 and bad.split("=")[0].split(".")[1] in out.stderr, out.stderr
 
 
+def test_pool_node_cache_mounts_one_host_directory_and_counts_copies_per_node(
+        helm: Helm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pool.nodeCache.enabled: each pool engine gets --node-cache-dir on a hostPath mount of pool.nodeCache.hostPath
+    (the node's shared directory) and --node-cache-gib = budgetGiB, and the operator counts host copies per node
+    (settings.node_cache); off (the default): no flag, no hostPath, copies per engine. Bad values are refused."""
+    (tmp_path / "m1").mkdir()
+    model = {"name": "m1", "path": str(tmp_path / "m1"), "mountPath": str(tmp_path)}
+    docs = _render(helm, tmp_path, {"pool": {"model": model}})
+    args = parse(_deployment(docs, "rel-pool")["args"])
+    assert args["node_cache_dir"] is None and _operator_settings(docs, monkeypatch).node_cache is False
+    docs = _render(helm, tmp_path, {"pool": {"model": model, "nodeCache": {"enabled": True, "budgetGiB": 3.5,
+                                                                          "hostPath": "/dev/shm/kc"}}})
+    c = _deployment(docs, "rel-pool")
+    args = parse(c["args"])
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "node-cache")
+    assert str(args["node_cache_dir"]) == mount["mountPath"] and args["node_cache_gib"] == 3.5
+    pod = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-pool")["spec"]["template"]
+    vol = next(v for v in pod["spec"]["volumes"] if v["name"] == "node-cache")
+    assert vol["hostPath"] == {"path": "/dev/shm/kc", "type": "DirectoryOrCreate"}
+    assert _operator_settings(docs, monkeypatch).node_cache is True
+    for bad in ("pool.nodeCache.budgetGiB=-1", "pool.nodeCache.hostPath=relative",
+                "pool.extraArgs={--node-cache-dir=/x}"):
+        out = helm("template", "rel", str(CHART), "--set", f"pool.model.name=m,pool.model.path=/m,{bad}", check=False)
+        assert out.returncode != 0 and ("nodeCache" in out.stderr or "node-cache" in out.stderr), (bad, out.stderr)
+
+
 def test_fallback_pods_require_prefill_signatures_exactly_when_pool_engines_do(
         helm: Helm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """router.enabled and router.signPrefillPeers give the pool's engines --require-prefill-signature, and the

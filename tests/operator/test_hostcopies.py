@@ -184,3 +184,24 @@ def test_the_keeper_is_one_ready_serving_pod_and_only_while_no_copy_exists() -> 
     assert keeper(refusing, "m", "svc", 1).pod_name == "e0"  # type: ignore[union-attr]
     dead = [*ready, dataclasses.replace(in_flight[-1], unhealthy="unreachable")]  # released without its engine
     assert keeper(dead, "m", "svc", 1).pod_name == "e0"  # type: ignore[union-attr]
+
+
+def test_with_a_node_cache_copies_are_counted_per_node() -> None:
+    """pool.nodeCache (settings.node_cache): the engines of a node map its one copy (ADR 16), so
+    hostCopiesPerModel counts nodes: a release on a node whose copy is counted keeps it (no more bytes), a release
+    on another node beyond the budget drops its weights; without the node cache every engine's copy counts."""
+    a = dataclasses.replace(pod("a", "n1"), host_copy="m")  # released, keeps m on n1
+    b = pod("b", "n1", "svc", "colocated", ready=True)  # serving on n1
+    c = pod("c", "n2", "svc", "colocated", ready=True)  # serving on n2
+    assert keep_host_copy([a, b, c], "m", "b", 1, node_cache=True) is None  # n1's copy: b keeps it too
+    assert keep_host_copy([a, b, c], "m", "c", 1, node_cache=True) is False  # n2 would be a second copy
+    assert keep_host_copy([a, b, c], "m", "b", 1) is False  # private copies: b's would be a second one
+    assert keep_host_copy([a, b, c], "m", "c", 2, node_cache=True) is None  # room for two nodes
+    # two released pods of one node are one copy: a serving copy on n2 is not surplus under a budget of 2 nodes
+    a2 = dataclasses.replace(pod("a2", "n1"), host_copy="m")
+    served = dataclasses.replace(c, host_copy="m")
+    assert surplus([a, a2, served], "m", "svc", 2, node_cache=True) == []
+    assert surplus([a, a2, served], "m", "svc", 2) == [served]  # without: two released copies already
+    # a fallback pod (created for one service) has no node cache: its copy is its own even with node_cache
+    fb = dataclasses.replace(pod("f", "n1"), host_copy="m", created_for="svc")
+    assert keep_host_copy([fb, b], "m", "b", 1, node_cache=True) is False

@@ -213,6 +213,11 @@ def _entries(d: Path) -> dict[str, TensorEntry]:
     return found
 
 
+def tensor_dtypes(directory: Path | str) -> dict[str, str]:
+    """Each tensor's dtype code in the checkpoint at `directory`, from its headers alone (no tensor is read)."""
+    return {name: e.dtype for name, e in _entries(Path(directory)).items()}
+
+
 def pack_checkpoint(directory: Path | str, model: str | None = None) -> BlockSet:
     """A Hugging Face checkpoint directory -> blocks. Every header is checked (offsets vs shape x dtype
     vs file size), every tensor against the family's expected names and shapes, before any byte is

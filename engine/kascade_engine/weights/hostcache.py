@@ -3,6 +3,11 @@
 Layout: b"KASCADE1" | u64 header length | JSON header {model, config, blocks: [{id, offset, bytes,
 digest, index}]} | block data, each block 4 KiB aligned. `open_cache` maps the file and hands out
 blocks as zero-copy views; digests are checked on demand (`verify=True` checks all at open).
+
+Completion: the writer writes everything under a temporary name with zeros where the magic goes, syncs,
+then writes the magic (the completion marker), syncs again and renames the file into place. A reader
+never sees a half-written file under the final name, and a half-written one copied or left elsewhere has
+no magic: `open_cache` refuses it as incomplete. The block digests are the checksum of the data.
 """
 
 from __future__ import annotations
@@ -29,11 +34,15 @@ def write_cache(path: Path | str, blocks: BlockSet) -> None:
     data_start = (len(MAGIC) + 8 + len(header) + PAGE - 1) // PAGE * PAGE
     tmp = Path(f"{path}.tmp")
     with open(tmp, "wb") as f:
-        f.write(MAGIC + len(header).to_bytes(8, "little") + header)
+        f.write(bytes(len(MAGIC)) + len(header).to_bytes(8, "little") + header)
         for e in entries:
             f.seek(data_start + e["offset"])
             f.write(blocks.blocks[e["id"]].data)
         f.truncate(data_start + offset)
+        f.flush()
+        os.fsync(f.fileno())
+        f.seek(0)
+        f.write(MAGIC)  # the completion marker, written last
         f.flush()
         os.fsync(f.fileno())
     tmp.replace(path)  # atomic: a reader never sees a half-written cache
@@ -43,6 +52,9 @@ def open_cache(path: Path | str, verify: bool = False) -> BlockSet:
     p = Path(path)
     with open(p, "rb") as f:
         head = f.read(len(MAGIC) + 8)
+        if head[: len(MAGIC)] == bytes(len(MAGIC)):
+            raise CheckpointError(f"{p}: incomplete host-cache file (no completion marker: its writer never "
+                                  "finished)")
         if head[: len(MAGIC)] != MAGIC:
             raise CheckpointError(f"{p}: not a Kascade host-cache file (bad magic)")
         n = int.from_bytes(head[len(MAGIC):], "little")

@@ -12,6 +12,12 @@ Who may drop a copy is settled by `flock`: an engine holds a shared lock on the 
 engine's lock goes with its process (no reference count to repair). Eviction is by demand: under the node's
 budget, the copies no engine maps go first, least recently attached first.
 
+Writers: one per model per node (an exclusive `flock` on `.<file>.lock`, held while writing); the copy is
+written under `<file>.tmp` and renamed in place once complete (hostcache.py writes its completion marker last),
+so a reader never sees half a copy. A crashed writer's `.tmp` (its lock went with its process) is found and
+removed by the next `publish` or `clean` (`stale`). A damaged or mismatched copy is removed by `discard` when
+no engine maps it (the engine side, nodecopy.py, decides that it is damaged or mismatched).
+
 Data flow: an engine holding a verified `BlockSet` -> `publish` (once per model per node: written to a temporary
 name, renamed in place; evicts unused copies to fit the budget, or refuses with the reason) -> other engines
 `attach(model)` -> `Lease.blocks` (a `BlockSet` of zero-copy views; `Block.tensors()` views them) -> `Lease.close()`.
@@ -19,8 +25,10 @@ name, renamed in place; evicts unused copies to fit the budget, or refuses with 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
+import logging
 import os
 import re
 import time
@@ -30,7 +38,9 @@ from pathlib import Path
 from kascade_engine.weights.blocks import BlockSet
 from kascade_engine.weights.hostcache import open_cache, write_cache
 
+log = logging.getLogger(__name__)
 SUFFIX = ".kcache"
+TMP = ".tmp"  # hostcache.write_cache's temporary name: <file>.tmp
 
 
 def _file_name(model: str) -> str:
@@ -92,7 +102,55 @@ class NodeCache:
         return out
 
     def used_bytes(self) -> int:
-        return sum(e.bytes for e in self.entries())
+        """Bytes of the node's copies and of copies being written (both are host memory)."""
+        tmp = 0
+        for p in self.root.glob(f"*{SUFFIX}{TMP}"):
+            with contextlib.suppress(FileNotFoundError):
+                tmp += p.stat().st_size
+        return sum(e.bytes for e in self.entries()) + tmp
+
+    def _lock_path(self, model_file: str) -> Path:
+        return self.root / f".{model_file}.lock"
+
+    def stale(self) -> list[Path]:
+        """Temporary files no writer holds: left by a writer that crashed (its lock went with its process)."""
+        return self._sweep(remove=False)
+
+    def clean(self) -> list[str]:
+        """Remove crashed writers' leftovers (`stale`); names removed."""
+        return [p.name for p in self._sweep(remove=True)]
+
+    def _sweep(self, remove: bool) -> list[Path]:
+        out = []
+        for tmp in sorted(self.root.glob(f"*{SUFFIX}{TMP}")):
+            fd = os.open(self._lock_path(tmp.name.removesuffix(TMP)), os.O_CREAT | os.O_WRONLY, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if remove:  # under the writers' lock: no writer can start this file meanwhile
+                    tmp.unlink()
+                    log.warning("node cache: removed %s, left by a writer that did not finish", tmp)
+                out.append(tmp)
+            except (BlockingIOError, FileNotFoundError):
+                continue  # being written now, or removed by another engine
+            finally:
+                os.close(fd)
+        return out
+
+    def discard(self, model: str) -> bool:
+        """Remove the node's copy of `model` (damaged or not the model's: nodecopy.py) unless an engine maps it."""
+        p = self.path(model)
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            p.unlink()
+            return True
+        except (BlockingIOError, FileNotFoundError):
+            return False
+        finally:
+            os.close(fd)
 
     @staticmethod
     def _in_use(p: Path) -> bool:
@@ -157,6 +215,7 @@ class NodeCache:
         p = self.path(blocks.model)
         if p.exists():
             return True, ""
+        self.clean()
         size = blocks.total_bytes + 64 * 1024  # header and alignment
         self.evict(size, keep=blocks.model)
         if self.used_bytes() + size > self.budget:
@@ -164,7 +223,7 @@ class NodeCache:
                            f"({blocks.total_bytes / 1e6:.1f} MB) beside the copies in use "
                            f"({self.used_bytes() / 1e6:.1f} MB)")
         # one writer per model per node; the lock goes with its process (a crashed writer leaves no stale lock)
-        fd = os.open(self.root / f".{p.name}.lock", os.O_CREAT | os.O_WRONLY, 0o600)
+        fd = os.open(self._lock_path(p.name), os.O_CREAT | os.O_WRONLY, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
