@@ -51,7 +51,7 @@ class LlamaShape:
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     dt = x.dtype
     if dt == torch.float32 and w.dtype == dt:  # one fused op; the same formula as below in float32
-        return F.rms_norm(x, (x.shape[-1],), w, eps)
+        return torch.rms_norm(x, (x.shape[-1],), w, eps)  # F.rms_norm without its Python wrapper
     x32 = x.to(torch.float32)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return w * x32.to(dt)
@@ -96,6 +96,7 @@ class LlamaModel:
         self._staging: torch.Tensor | None = None  # pinned host buffer for CUDA uploads
         self._upload: torch.cuda.Stream | None = None  # CUDA: the side stream blocks are uploaded on
         self.inv_freq = rope_inv_freq(cfg, self.device)
+        self._rope_table: torch.Tensor | None = None  # [positions, 2, 1, head_dim]: cos, signed sin (`_rope_rows`)
         # tensor parallel (tp/): sums a row-parallel projection's partial output over the ranks, in place
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
@@ -181,6 +182,16 @@ class LlamaModel:
         sin[:, :freqs.shape[1]].neg_()
         return emb.cos().to(self.dtype)[:, None, :], sin.to(self.dtype)[:, None, :]
 
+    def _rope_rows(self, positions: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_rope(positions)` read from a table of every position up to `top` (made by `_rope` itself, grown to a
+        power of two when a step reaches past it): one index_select a step instead of ~13 ops."""
+        t = self._rope_table
+        if t is None or t.shape[0] <= top:
+            cos, sin = self._rope(torch.arange(max(256, 1 << top.bit_length()), dtype=torch.long, device=self.device))
+            t = self._rope_table = torch.stack((cos, sin), 1)
+        rows = t.index_select(0, positions)
+        return rows[:, 0], rows[:, 1]
+
     @torch.inference_mode()
     def run_layers(self, a: int, b: int, hidden: torch.Tensor, kv: ForwardBatch | SequenceKV,
                    start: int = 0) -> torch.Tensor:
@@ -201,7 +212,8 @@ class LlamaModel:
         s, fam = self.shape, self.family
         N = x.shape[0]
         if batch.rope is None:
-            batch.rope = self._rope(batch.positions)
+            top = batch.max_position
+            batch.rope = self._rope(batch.positions) if top is None else self._rope_rows(batch.positions, top)
             if batch.decode is not None and attention.backend(self.device) == "flashinfer":
                 attention.plan_flashinfer(batch.decode, s.heads, s.kv_heads, s.head_dim, self.dtype, self.windows)
         cos, sin = batch.rope
