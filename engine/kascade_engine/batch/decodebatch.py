@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from kascade_engine.batch.kvcache import DecodeGroup, ForwardBatch, KVCache, _tables
+from kascade_engine.batch.model import inference
 
 
 class DecodeBatch:
@@ -42,6 +43,7 @@ class DecodeBatch:
         if self._batch is not None:
             self._tables, self._ids, self._starts, self._batch = [], [], [], None
 
+    @inference  # its tensors are inference tensors, written in place: always under inference mode
     def forward_batch(self, items: list[tuple[list[int], int, int]]) -> ForwardBatch:
         """The step's batch for `items` (block table, start, 1) per decode row, in row order."""
         tables = [t for t, _, _ in items]

@@ -206,7 +206,11 @@ class Engine:
         note = self.recorder.begin(work, self.requests, self.coop)
         t0 = time.perf_counter()
         try:
-            toks = self._forward(work) if self.coop is None else self.coop.forward(self, work)
+            if self.coop is None:
+                with torch.inference_mode():  # once for the step's model calls (model.inference)
+                    toks = self._forward(work)
+            else:
+                toks = self.coop.forward(self, work)
         except (RuntimeError, ValueError, IndexError) as e:  # fails this step's requests, never the engine
             return events + self._fail(work, e)
         self.recorder.end(note, work, time.perf_counter() - t0)

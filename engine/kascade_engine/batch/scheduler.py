@@ -178,7 +178,22 @@ class Scheduler:
         dec_n = dec_keys = 0
         running, tables, ps = self.running, self.pool.tables, self.pool.page_size
         seqs = list(running.values())  # decodes first (a stable partition, no per-sequence key call)
-        order = [s for s in seqs if s.total - s.computed <= 1] + [s for s in seqs if s.total - s.computed > 1]
+        dec = [s for s in seqs if s.total - s.computed <= 1]
+        pre = [s for s in seqs if s.total - s.computed > 1]
+        order = dec + pre
+        if self.window is None and dec and len(dec) <= min(budget, self.limits.max_seqs) and \
+                all([s.total - s.computed == 1 for s in dec]):
+            # every decode fits the step: what the loop below does for them, in a few list passes, unless a page
+            # they need is not free (then the loop runs for them too and preempts)
+            short = [s for s in dec if len(tables.get(s.id, ())) * ps <= s.computed]  # the next token opens a page
+            if sum([self.pool.missing(s.id, s.computed + 1) for s in short]) <= self.pool.free_pages:
+                for s in short:
+                    self.pool.grow(s.id, s.computed + 1)
+                work = [Work(s.id, s.computed, 1) for s in dec]
+                scheduled = {s.id for s in dec}
+                budget -= len(dec)
+                dec_n, dec_keys = len(dec), max([s.computed + 1 for s in dec])
+                order = pre
         for s in order:
             if budget <= 0 or len(scheduled) >= self.limits.max_seqs:
                 break
