@@ -239,7 +239,8 @@ def main() -> None:
             print(f"{ref} -> this, {s}: host overhead (cpu_ms) before/after "
                   f"{ratios['host_overhead_before_over_after']:.2f}x; outside the model "
                   f"{ratios['outside_model_before_over_after']:.2f}x; py_calls "
-                  f"{ratios['py_calls_before_over_after']:.2f}x; torch_ops {ratios['torch_ops_before_over_after']:.2f}x")
+                  f"{ratios['py_calls_before_over_after']:.2f}x; "
+                  f"torch_ops {ratios['torch_ops_before_over_after']:.2f}x")
     out = ROOT / "bench" / "results" / "engine_overhead.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

@@ -25,7 +25,6 @@ from kascade_engine.batch import attention
 from kascade_engine.batch.families import Family, family_of, head_dim, rope_params, sliding_windows
 from kascade_engine.batch.kvcache import ForwardBatch, SequenceKV
 
-
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 

@@ -74,7 +74,8 @@ class StepShape:
         pre = [(s, n) for s, n in work if n > 1]
         if not pre:
             return StepShape(len(dec), max(dec, default=0))
-        return StepShape(len(dec), max(dec, default=0), sum([n for _, n in pre]), len(pre), max([s + n for s, n in pre]))
+        return StepShape(len(dec), max(dec, default=0), sum([n for _, n in pre]), len(pre),
+                         max([s + n for s, n in pre]))
 
 
 @dataclass
