@@ -181,7 +181,7 @@ def summarize(rounds: dict[str, list[dict[str, dict[str, float]]]], shapes: list
     for tree, rs in rounds.items():
         best[tree] = {}
         for s in shapes:
-            r = dict(min((x[s] for x in rs), key=lambda m: m["cpu_ms"]))
+            r: dict[str, Any] = dict(min((x[s] for x in rs), key=lambda m: m["cpu_ms"]))
             r["cpu_ms_rounds"] = [x[s]["cpu_ms"] for x in rs]
             best[tree][s] = r
     return best

@@ -75,7 +75,8 @@ def _engine(blocks: Any, persistent: bool) -> Engine:
 def test_an_engine_with_it_generates_the_tokens_of_one_rebuilding_every_step(tiny_blocks: Any) -> None:
     # different prompt and output lengths: rows join (prefills between decode steps) and leave at different steps
     prompts = [[(3 * i + j) % 400 + 1 for j in range(2 + 3 * i)] for i in range(6)]
-    want, got = [], []
+    want: list[list[int]] = []
+    got: list[list[int]] = []
     for persistent, out in ((False, want), (True, got)):
         e = _engine(tiny_blocks, persistent)
         rids = [e.submit(p, SamplingParams(max_tokens=5 + 3 * i, ignore_eos=True)) for i, p in enumerate(prompts)]

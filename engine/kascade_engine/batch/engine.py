@@ -205,6 +205,7 @@ class Engine:
         samples = [w.start + w.n == len(r.prompt) + len(r.out) for w, r in zip(work, rs, strict=True)]
         note = self.recorder.begin(work, self.requests, self.coop)
         t0 = time.perf_counter()
+        toks: Sequence[int | None]
         try:
             if self.coop is None:
                 with torch.inference_mode():  # once for the step's model calls (model.inference)
