@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 KASCADE := $(VENV)/bin/kascade
 QUICK ?=
-BENCHES ?= planner transfer live reaction sim router engine detok engine_keepalive pd hostcopy
+BENCHES ?= planner transfer live reaction sim router engine engine_overhead detok engine_keepalive pd hostcopy
 NAMESPACE ?= kascade-system
 KUBECONFIG ?= $(HOME)/.cache/kascade/cluster/kubeconfig
 # the images' tag is the chart's appVersion (the tag the chart pulls by default): hack/image-tag.sh

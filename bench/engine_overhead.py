@@ -1,23 +1,28 @@
-"""Host overhead of the engine's decode step: tiny random Llama, batch 64, fp32, CPU, in process.
+"""Host overhead of the engine's decode step, measured so that other tenants of the machine cannot fake it.
 
-On a model this small the arithmetic is next to nothing, so a decode step's wall time is the host's
-cost of running it: Python, metadata, torch dispatch, sampling. Printed per engine tree:
-  step_cpu_ms        median CPU time (this thread; torch runs 1 thread) of `Engine.step()` over decode-only steps at
-                     batch 64 (4 layers): the host's cost, and far less sensitive to other tenants than wall time
-  step_ms            median wall time of the same steps
-  ops_per_layer      torch ops per layer per decode step (torch.profiler, top-level aten ops):
-                     (ops of a 4-layer step - ops of a 2-layer step) / 2, so any engine version is counted alike
-  ops_per_step_fixed torch ops per step outside the layers (metadata, embedding, head, sampling)
-  decode_tps         generated tokens/s at batch 64 (= 64 / step time)
+A decode step's host overhead is everything outside the kernels' arithmetic: Python (schedule, metadata,
+sampling bookkeeping, events) and torch's per-op dispatch. Three measures, per engine tree and shape:
+  cpu_ms       median CPU time of this thread (`time.thread_time`; torch runs 1 thread) over decode-only
+               steps: time spent while preempted is not counted, so load shows up far less than in wall time
+  py_calls     Python function calls + builtin calls per decode step (`sys.setprofile` counts: deterministic)
+  torch_ops    aten ops dispatched per decode step (a counting `TorchDispatchMode`: deterministic)
+  outside_ms   median CPU ms per step outside the model's forward (embed, layers, head): the pure host part
+               (schedule, step metadata, sampling bookkeeping, events); the forward's share is cpu_ms - this
+at three shapes, all decode-only, fp32, CPU, 1 thread, tiny random Llama:
+  tiny-b64     1 layer, hidden 16, vocab 64, batch 64: the kernels' arithmetic is next to nothing, so the
+               step's CPU time IS the host overhead (the issue's "host overhead per decode step")
+  tiny-b1      the same at batch 1 (no per-sequence loops: torch dispatch and fixed Python per step)
+  small-b64    4 layers, hidden 64, vocab 512, batch 64 (the shape of earlier reports; kernels ~70% of it),
+               with torch ops per layer = (ops of the 4-layer step - ops of a 2-layer step) / 2
+`--against REF` (repeatable; default: 46e0de6 = main before this work, and 59a512f = the engine before any
+issue-36 hot-path work) exports REF's engine with `git archive` and measures it side by side with this tree:
+each tree runs in its own process, rounds alternate (REF, this, REF, this, ...), a tree's cpu_ms is the
+lowest of its round medians (the least disturbed), and the ratios before/after are printed with the load
+average: host_overhead_before_over_after (cpu_ms), py_calls and torch_ops before/after.
 
-`--against REF` measures the engine of git REF (exported with `git archive` into /tmp) side by side with
-this tree: each tree runs in its own process, rounds alternate, the round with the lowest step_cpu_ms per
-tree is kept, and the ratio before/after (of step_cpu_ms) is printed with the load average (2 shared
-cores: timings are noisy).
-
-Data flow: tiny_llama checkpoint -> pack_checkpoint -> LlamaModel + Engine(max_seqs 64) -> 64 prompts of
-16 tokens, prefilled -> timed decode steps -> profiled decode step at 4 and 2 layers -> one JSON line
-per worker -> the parent prints the table and writes bench/results/engine_overhead.json.
+Data flow: tiny_llama checkpoint -> pack_checkpoint -> LlamaModel + Engine(max_seqs = batch) -> batch prompts
+of 16 tokens, prefilled -> warm-up -> timed decode steps -> counted decode steps -> one JSON line per worker
+-> the parent prints the table and writes bench/results/engine_overhead.json.
 """
 
 from __future__ import annotations
@@ -35,9 +40,12 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 WINGS = ("planner", "cli", "operator", "engine", "sim", "e2e", "router")
+BEFORE = ("46e0de6", "59a512f")  # main before this work; the engine before any issue-36 hot-path work
+SHAPES = {"tiny-b64": (1, 16, 64, 64), "tiny-b1": (1, 16, 64, 1), "small-b64": (4, 64, 512, 64)}  # layers, hidden,
+# vocab, batch
 
 
-def _decode_engine(layers: int, batch: int, tmp: Path) -> Any:
+def _decode_engine(layers: int, hidden: int, vocab: int, batch: int, tmp: Path) -> Any:
     import torch
 
     from kascade_engine.batch.engine import Engine
@@ -48,48 +56,105 @@ def _decode_engine(layers: int, batch: int, tmp: Path) -> Any:
     from kascade_engine.weights.checkpoint import tiny_llama
 
     torch.manual_seed(0)
-    blocks = pack_checkpoint(tiny_llama(tmp / f"tiny-{layers}", layers=layers, hidden=64, vocab=512),
-                             model="tiny-llama")
+    ckpt = tiny_llama(tmp / f"tiny-{layers}-{hidden}-{vocab}", layers=layers, hidden=hidden, vocab=vocab)
+    blocks = pack_checkpoint(ckpt, model="tiny-llama")
     m = LlamaModel(blocks.config)
     e = Engine(m, Limits(max_batch_tokens=2048, max_seqs=batch, kv_tokens=batch * 1024, page_size=16))
     e.load_blocks(blocks.blocks.values())
     for i in range(batch):
-        e.submit([(7 * i + j) % 500 + 1 for j in range(16)], SamplingParams(max_tokens=1000, ignore_eos=True))
+        e.submit([(7 * i + j) % (vocab - 12) + 1 for j in range(16)],
+                 SamplingParams(max_tokens=1000, ignore_eos=True))
     while any(r.out == [] for r in e.requests.values()):  # prefill until every sequence decodes
         e.step()
     return e
 
 
-def _ops(e: Any) -> int:
-    """Top-level aten ops in one step."""
-    from torch.profiler import ProfilerActivity, profile
+def _count_calls(e: Any, steps: int) -> float:
+    """Python + builtin calls per step (sys.setprofile sees every call; deterministic)."""
+    n = 0
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    def prof(frame: Any, event: str, arg: Any) -> None:
+        nonlocal n
+        if event in ("call", "c_call"):
+            n += 1
+
+    sys.setprofile(prof)
+    try:
+        for _ in range(steps):
+            e.step()
+    finally:
+        sys.setprofile(None)
+    return n / steps
+
+
+def _count_ops(e: Any, steps: int) -> float:
+    """aten ops dispatched per step (a TorchDispatchMode sees each op once, after composite decomposition)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        for _ in range(steps):
+            e.step()
+    return Count.n / steps
+
+
+def _outside_model(e: Any, steps: int) -> float:
+    """Median CPU ms per step outside the model's forward (`LlamaModel.embed/run_layers/logits`, wrapped on the
+    instance: the same methods in every tree): schedule, step metadata, sampling bookkeeping, events."""
+    m, inside = e.model, [0.0]
+
+    def timed(f: Any) -> Any:
+        def run(*a: Any, **k: Any) -> Any:
+            c = time.thread_time()
+            try:
+                return f(*a, **k)
+            finally:
+                inside[0] += time.thread_time() - c
+        return run
+
+    for name in ("embed", "run_layers", "logits"):
+        setattr(m, name, timed(getattr(m, name)))
+    outside = []
+    for _ in range(steps):
+        inside[0] = 0.0
+        c0 = time.thread_time()
         e.step()
-    return sum(1 for ev in prof.events() if ev.name.startswith("aten::") and
-               (ev.cpu_parent is None or not ev.cpu_parent.name.startswith("aten::")))
+        outside.append(time.thread_time() - c0 - inside[0])
+    for name in ("embed", "run_layers", "logits"):
+        delattr(m, name)
+    return 1000 * statistics.median(outside)
 
 
-def worker(steps: int, batch: int) -> dict[str, float]:
+def measure(shape: str, steps: int, tmp: Path) -> dict[str, float]:
+    layers, hidden, vocab, batch = SHAPES[shape]
+    e = _decode_engine(layers, hidden, vocab, batch, tmp)
+    for _ in range(10):
+        e.step()
+    times, cpu = [], []
+    for _ in range(steps):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        e.step()
+        times.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
+    out = {"cpu_ms": 1000 * statistics.median(cpu), "wall_ms": 1000 * statistics.median(times),
+           "outside_ms": _outside_model(e, steps), "py_calls": _count_calls(e, 16), "torch_ops": _count_ops(e, 16)}
+    if shape == "small-b64":  # ops per layer: the difference to a 2-layer model of the same shape
+        out["ops_per_layer"] = (out["torch_ops"] - _count_ops(_decode_engine(2, hidden, vocab, batch, tmp), 16)) / 2
+    return out
+
+
+def worker(steps: int, shapes: list[str]) -> dict[str, dict[str, float]]:
     import torch
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="overhead-") as d:
-        e4, e2 = _decode_engine(4, batch, Path(d)), _decode_engine(2, batch, Path(d))
-        for _ in range(5):
-            e4.step()
-        times, cpu = [], []
-        for _ in range(steps):
-            t0, c0 = time.perf_counter(), time.thread_time()
-            e4.step()
-            times.append(time.perf_counter() - t0)
-            cpu.append(time.thread_time() - c0)
-        o4, o2 = _ops(e4), _ops(e2)
-    per_layer = (o4 - o2) / 2
-    ms = 1000 * statistics.median(times)
-    return {"step_ms": ms, "step_ms_min": 1000 * min(times), "step_cpu_ms": 1000 * statistics.median(cpu),
-            "ops_per_layer": per_layer,
-            "ops_per_step_fixed": o2 - 2 * per_layer, "decode_tps": batch / (ms / 1000)}
+        return {s: measure(s, steps, Path(d)) for s in shapes}
 
 
 def export(ref: str) -> Path:
@@ -100,50 +165,82 @@ def export(ref: str) -> Path:
     return out
 
 
-def run_tree(tree: Path, steps: int, batch: int) -> dict[str, float]:
+def run_tree(tree: Path, steps: int, shapes: list[str]) -> dict[str, dict[str, float]]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(tree / w) for w in WINGS if (tree / w).exists()) +
            os.pathsep + os.pathsep.join(str(ROOT / w) for w in WINGS)}
-    p = subprocess.run([sys.executable, __file__, "--worker", "--steps", str(steps), "--batch", str(batch)],
+    p = subprocess.run([sys.executable, __file__, "--worker", "--steps", str(steps), "--shapes", ",".join(shapes)],
                        env=env, capture_output=True, text=True, check=False)
     if p.returncode:
         raise RuntimeError(f"worker for {tree} failed:\n{p.stderr[-3000:]}")
     return dict(json.loads(p.stdout.strip().splitlines()[-1]))
 
 
+def summarize(rounds: dict[str, list[dict[str, dict[str, float]]]], shapes: list[str]) -> dict[str, Any]:
+    """Per tree and shape: the lowest round median of cpu_ms (and its rounds), the counts (equal every round)."""
+    best: dict[str, Any] = {}
+    for tree, rs in rounds.items():
+        best[tree] = {}
+        for s in shapes:
+            r: dict[str, Any] = dict(min((x[s] for x in rs), key=lambda m: m["cpu_ms"]))
+            r["cpu_ms_rounds"] = [x[s]["cpu_ms"] for x in rs]
+            best[tree][s] = r
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--against", help="git ref whose engine is measured side by side with this tree (before)")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--against", action="append",
+                    help=f"git ref whose engine is measured side by side with this tree (repeatable; default "
+                         f"{' and '.join(BEFORE)}; 'none': this tree alone)")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=300, help="timed decode steps per shape and round")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    ap.add_argument("--quick", action="store_true", help="2 rounds of 150 steps")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    shapes = [s for s in a.shapes.split(",") if s]
+    if unknown := [s for s in shapes if s not in SHAPES]:
+        ap.error(f"--shapes: unknown {', '.join(unknown)} (known: {', '.join(SHAPES)})")
     if a.worker:
-        print(json.dumps(worker(a.steps, a.batch)))
+        print(json.dumps(worker(a.steps, shapes)))
         return
-    trees = {"this": ROOT} if not a.against else {a.against: export(a.against), "this": ROOT}
+    if a.quick:
+        a.rounds, a.steps = 2, 150
+    refs = [r for r in (a.against or list(BEFORE)) if r != "none"]
+    trees = {**{r: export(r) for r in refs}, "this": ROOT}
     load0 = os.getloadavg()
-    rounds: dict[str, list[dict[str, float]]] = {k: [] for k in trees}
+    rounds: dict[str, list[dict[str, dict[str, float]]]] = {k: [] for k in trees}
     for _ in range(a.rounds):
         for name, tree in trees.items():
-            rounds[name].append(run_tree(tree, a.steps, a.batch))
+            rounds[name].append(run_tree(tree, a.steps, shapes))
     load1 = os.getloadavg()
-    best = {k: min(v, key=lambda r: r["step_cpu_ms"]) for k, v in rounds.items()}
-    print(f"load average before {load0[0]:.2f}, after {load1[0]:.2f}; batch {a.batch}, fp32, CPU, 1 thread")
-    print(f"{'tree':>14} {'cpu_ms':>7} {'cpu_ms rounds':>22} {'wall_ms':>8} {'ops/layer':>10} {'ops/step fixed':>15}")
-    for k, r in best.items():
-        alls = " ".join(f"{x['step_cpu_ms']:.2f}" for x in rounds[k])
-        print(f"{k:>14} {r['step_cpu_ms']:7.2f} {alls:>22} {r['step_ms']:8.2f} {r['ops_per_layer']:10.1f} "
-              f"{r['ops_per_step_fixed']:15.1f}")
-    result: dict[str, Any] = {"batch": a.batch, "load_before": load0, "load_after": load1, "best": best,
-                              "rounds": rounds}
-    if a.against:
-        b, t = best[a.against], best["this"]
-        result["overhead_before_over_after"] = b["step_cpu_ms"] / t["step_cpu_ms"]
-        result["ops_before_over_after"] = (4 * b["ops_per_layer"] + b["ops_per_step_fixed"]) / (
-            4 * t["ops_per_layer"] + t["ops_per_step_fixed"])
-        print(f"step cpu before/after: {result['overhead_before_over_after']:.2f}x; torch ops per step "
-              f"before/after: {result['ops_before_over_after']:.2f}x")
+    best = summarize(rounds, shapes)
+    print(f"load average before {load0[0]:.2f}, after {load1[0]:.2f}; decode steps, fp32, CPU, 1 thread; "
+          f"{a.rounds} rounds x {a.steps} steps")
+    print(f"{'shape':>10} {'tree':>8} {'cpu_ms':>7} {'cpu_ms rounds':>28} {'wall_ms':>8} {'outside':>8} "
+          f"{'py_calls':>9} {'torch_ops':>9} {'ops/layer':>9}")
+    for s in shapes:
+        for k in trees:
+            r = best[k][s]
+            alls = " ".join(f"{x:.3f}" for x in r["cpu_ms_rounds"])
+            print(f"{s:>10} {k:>8} {r['cpu_ms']:7.3f} {alls:>28} {r['wall_ms']:8.3f} {r['outside_ms']:8.3f} "
+                  f"{r['py_calls']:9.0f} "
+                  f"{r['torch_ops']:9.0f} {r.get('ops_per_layer', float('nan')):9.1f}")
+    result: dict[str, Any] = {"shapes": {s: SHAPES[s] for s in shapes}, "load_before": load0, "load_after": load1,
+                              "best": best, "rounds": rounds, "ratios": {}}
+    for ref in refs:
+        for s in shapes:
+            b, t = best[ref][s], best["this"][s]
+            ratios = {"host_overhead_before_over_after": b["cpu_ms"] / t["cpu_ms"],
+                      "outside_model_before_over_after": b["outside_ms"] / t["outside_ms"],
+                      "py_calls_before_over_after": b["py_calls"] / t["py_calls"],
+                      "torch_ops_before_over_after": b["torch_ops"] / t["torch_ops"]}
+            result["ratios"][f"{ref}/{s}"] = ratios
+            print(f"{ref} -> this, {s}: host overhead (cpu_ms) before/after "
+                  f"{ratios['host_overhead_before_over_after']:.2f}x; outside the model "
+                  f"{ratios['outside_model_before_over_after']:.2f}x; py_calls "
+                  f"{ratios['py_calls_before_over_after']:.2f}x; "
+                  f"torch_ops {ratios['torch_ops_before_over_after']:.2f}x")
     out = ROOT / "bench" / "results" / "engine_overhead.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

@@ -20,11 +20,12 @@ from typing import Any, Protocol
 
 import torch
 
+from kascade_engine.batch.decodebatch import DecodeBatch
 from kascade_engine.batch.graphs import DecodeGraphs
 from kascade_engine.batch.kvcache import KVCache, build_batch
 from kascade_engine.batch.model import LlamaModel
 from kascade_engine.batch.recorder import StepRecorder
-from kascade_engine.batch.sampling import SamplingParams, TokenLogprob, pick, stops_here
+from kascade_engine.batch.sampling import SamplingParams, TokenLogprob, pick
 from kascade_engine.batch.scheduler import Limits, Scheduler, Seq, Work
 from kascade_engine.batch.stepcost import StepCost
 from kascade_engine.batch.velocity import VelocityMeter
@@ -43,6 +44,12 @@ class Request:
     gen: torch.Generator | None = None
     scheduled_at: float | None = None  # its first chunk's step began (queue time = scheduled_at - arrival)
     lp: TokenLogprob | None = None  # the logprobs of the token just sampled (params.logprobs set)
+    # greedy with no logit processor and no logprobs: its token is the plain argmax (Engine._sample's fast path)
+    plain: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.plain = p.temperature <= 0 and not p.penalised and p.min_tokens == 0 and p.logprobs is None
 
     @property
     def tokens(self) -> list[int]:
@@ -113,6 +120,9 @@ class Engine:
         # decode steps replayed as CUDA graphs per batch-size bucket (graphs.py); None off CUDA or when turned off
         self.graphs = DecodeGraphs.for_engine(model, self.cache, self.limits.max_seqs, self.limits.pages - 1,
                                               cuda_graphs)
+        # an all-decode step's batch, advanced in place while the rows stay the same (not with page reclaim: dropped
+        # pages change a block table in place)
+        self.decoding = DecodeBatch(self.cache) if reclaim is None else None
         self.eos = eos
         self._ids = itertools.count()
         self._aborts: set[str] = set()
@@ -185,18 +195,23 @@ class Engine:
             return events
         self.steps += 1
         now = time.monotonic()
-        for w in work:
-            r = self.requests[w.id]
+        rs = [self.requests[w.id] for w in work]
+        for r in rs:
             if r.scheduled_at is None:
                 r.scheduled_at = now
         # which chunks sample, fixed before the forward: a live pair's answer to this very step can land inside
         # it (pairclient.PairClient lands every answer that is back), adding the token (len(tokens) grows) or
         # finishing the request (it leaves `requests`); the recorder's facts likewise
-        samples = [w.end == self.requests[w.id].length for w in work]
+        samples = [w.start + w.n == len(r.prompt) + len(r.out) for w, r in zip(work, rs, strict=True)]
         note = self.recorder.begin(work, self.requests, self.coop)
         t0 = time.perf_counter()
+        toks: Sequence[int | None]
         try:
-            toks = self._forward(work) if self.coop is None else self.coop.forward(self, work)
+            if self.coop is None:
+                with torch.inference_mode():  # once for the step's model calls (model.inference)
+                    toks = self._forward(work)
+            else:
+                toks = self.coop.forward(self, work)
         except (RuntimeError, ValueError, IndexError) as e:  # fails this step's requests, never the engine
             return events + self._fail(work, e)
         self.recorder.end(note, work, time.perf_counter() - t0)
@@ -213,8 +228,11 @@ class Engine:
         return events
 
     def _schedule(self) -> list[Work]:
-        batch = self.scheduler.schedule()
-        return sorted((w for w in batch.work if w.id in self.requests), key=lambda w: w.n > 1)  # decodes first
+        reqs = self.requests
+        work = [w for w in self.scheduler.schedule().work if w.id in reqs]
+        if max([w.n for w in work], default=1) == 1:
+            return work
+        return [w for w in work if w.n == 1] + [w for w in work if w.n > 1]  # decodes first (a stable partition)
 
     def _forward(self, work: list[Work]) -> list[int]:
         """One forward for the whole step; returns the sampled token per sampling chunk, in order."""
@@ -222,15 +240,20 @@ class Engine:
 
     def _logits(self, work: list[Work]) -> torch.Tensor:
         """The model over every chunk's tokens at once; logits only for chunks that reach their last token."""
-        m, pool = self.model, self.scheduler.pool
-        ids: list[int] = []
-        rows: list[int] = []
-        for w in work:
-            r = self.requests[w.id]
-            ids.extend(r.span(w.start, w.end))
-            if w.end == r.length:
-                rows.append(len(ids) - 1)
-        items = [(pool.tables[w.id], w.start, w.n) for w in work]
+        m, tables, reqs = self.model, self.scheduler.pool.tables, self.requests
+        items = [(tables[w.id], w.start, w.n) for w in work]
+        rs = [reqs[w.id] for w in work]
+        if max([w.n for w in work]) == 1:  # decodes: one token each (the last known one, nearly always an output)
+            ids = [r.out[w.start - p] if w.start >= (p := len(r.prompt)) else r.prompt[w.start]
+                   for w, r in zip(work, rs, strict=True)]
+            ends = [w.start + 1 == len(r.prompt) + len(r.out) for w, r in zip(work, rs, strict=True)]
+            rows = list(range(len(ids))) if all(ends) else [i for i, e in enumerate(ends) if e]
+        else:
+            ids, rows = [], []
+            for w, r in zip(work, rs, strict=True):
+                ids.extend(r.span(w.start, w.end))
+                if w.end == r.length:
+                    rows.append(len(ids) - 1)
         if self.graphs is not None and len(rows) == len(ids) == len(items):  # all decodes: maybe a graph replay
             out = self.graphs.logits(ids, items)
             if out is not None:
@@ -242,13 +265,24 @@ class Engine:
 
     def _hidden(self, ids: list[int], items: list[tuple[list[int], int, int]]) -> torch.Tensor:
         """The last layer's hidden states over a step's tokens; items: (page table, start, tokens) per chunk
-        (tp/leader.py announces the step to the other ranks first)."""
+        (tp/leader.py announces the step to the other ranks first). An all-decode step advances the persistent
+        decode batch (decodebatch.py); any other step builds its batch from the lists."""
         m = self.model
-        batch = build_batch(self.cache, items)
+        if self.decoding is not None and len(ids) == len(items):
+            batch = self.decoding.forward_batch(items)
+        else:
+            if self.decoding is not None:
+                self.decoding.reset()
+            batch = build_batch(self.cache, items)
         return m.run_layers(0, m.shape.layers, m.embed(torch.tensor(ids, dtype=torch.long, device=m.device)), batch)
 
     def _sample(self, work: list[Work], logits: torch.Tensor) -> list[int]:
-        return pick(logits, [self.requests[w.id] for w in work if w.end == self.requests[w.id].length], self.eos)
+        reqs = self.requests
+        rs = [r for w in work if w.start + w.n == len((r := reqs[w.id]).prompt) + len(r.out)]
+        if all([r.plain for r in rs]):  # greedy with default processors: the argmax is `pick`'s answer
+            out: list[int] = logits.argmax(dim=-1).tolist()
+            return out
+        return pick(logits, rs, self.eos)
 
     def _fail(self, work: list[Work], e: Exception) -> list[Event]:
         log.warning("step failed for %d requests: %s", len(work), e, exc_info=log.isEnabledFor(logging.INFO))
@@ -258,40 +292,46 @@ class Engine:
         return [Event(w.id, -1, True, f"error: {e}") for w in work]
 
     def _postprocess(self, work: list[Work], samples: list[bool], toks: Sequence[int | None]) -> list[Event]:
-        """Advance every chunk; a sampled token ends its request on stop/length."""
-        events: list[Event] = []
+        """Advance every chunk; a sampled token ends its request on stop/length. A chunk that samples takes the next
+        of `toks`; None there: still out on a live pair (cooperation.py parked it), delivered when it lands."""
         it = iter(toks)
-        now = time.monotonic()
-        for w, sampled in zip(work, samples, strict=True):
-            if not sampled:  # a prefill chunk that did not reach the end yet
-                self.scheduler.advance(w.id, w.n, False)
-                continue
-            tok = next(it)
-            if tok is None:  # still out on a live pair (cooperation.py parked it): delivered when it lands
-                self.scheduler.advance(w.id, w.n, False)
-                continue
-            self.scheduler.advance(w.id, w.n, True)
-            events.append(self.deliver(w.id, tok, now))
+        got = [next(it) if sampled else None for sampled in samples]
+        self.scheduler.advance_all(work, [t is not None for t in got])
+        events = self.deliver_all([(w.id, t) for w, t in zip(work, got, strict=True) if t is not None],
+                                  time.monotonic())
         if self.coop is not None:
             events.extend(self.coop.take_events())  # tokens that landed from a live pair (own or redirected)
         return events
 
     def deliver(self, rid: str, tok: int, now: float) -> Event:
         """`tok` is `rid`'s next token (its step's KV already counted): record it, finish on stop/length."""
-        r = self.requests[rid]
-        r.out.append(tok)
-        r.first_token_at = r.first_token_at or now
-        reason = None
-        if stops_here(r.params, tok, self.eos, len(r.out)):
-            reason = "stop"
-        elif len(r.out) >= r.params.max_tokens:
-            reason = "length"
-        if reason:
-            self.scheduler.finish(rid)
-            self.requests.pop(rid, None)
-        queued = r.scheduled_at - r.arrival if len(r.out) == 1 and r.scheduled_at is not None else None
-        lp, r.lp = r.lp, None
-        return Event(rid, tok, reason is not None, reason, queued_s=queued, logprob=lp)
+        return self.deliver_all([(rid, tok)], now)[0]
+
+    def deliver_all(self, toks: list[tuple[str, int]], now: float) -> list[Event]:
+        """`deliver` for each (request id, token), in one loop (a step's decodes)."""
+        events: list[Event] = []
+        reqs, eos = self.requests, self.eos
+        for rid, tok in toks:
+            r = reqs[rid]
+            out, p = r.out, r.params
+            out.append(tok)
+            n = len(out)
+            if r.first_token_at is None:
+                r.first_token_at = now
+            reason = None
+            if n >= p.min_tokens and ((tok == eos and not p.ignore_eos) or tok in p.stop_token_ids):  # stops_here
+                reason = "stop"
+            elif n >= p.max_tokens:
+                reason = "length"
+            if reason:
+                self.scheduler.finish(rid)
+                reqs.pop(rid, None)
+            queued = r.scheduled_at - r.arrival if n == 1 and r.scheduled_at is not None else None
+            lp = r.lp
+            if lp is not None:
+                r.lp = None
+            events.append(Event(rid, tok, reason is not None, reason, None, queued, lp))
+        return events
 
     def generate(self, prompt: list[int], params: SamplingParams) -> list[int]:
         """Run one request to completion (tests, benchmarks)."""

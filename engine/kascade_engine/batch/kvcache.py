@@ -234,6 +234,9 @@ class ForwardBatch:
     rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [N, head_dim], filled by the model
     decode: DecodeGroup | None = None  # every decode of the step
     fresh: bool = False  # the step is one prompt from position 0: causal attention over its own K/V
+    # the highest position of the step when known on the host (the model then reads rotary cos/sin from its
+    # table, grown to cover it); None: computed from `positions` on the device (a CUDA graph's batch)
+    max_position: int | None = None
 
 
 def _group(members: list[tuple[int, list[int], int, int]], page_size: int, dev: torch.device) -> AttnGroup:
@@ -292,7 +295,8 @@ def build_batch(cache: KVCache, items: list[tuple[list[int], int, int]]) -> Forw
         positions = starts[seq] + torch.arange(seq.numel(), dtype=torch.long, device=dev) - first[seq]
         seq_tables = tables[seq]
     page = seq_tables.gather(1, (positions // ps)[:, None])[:, 0]
-    batch = ForwardBatch(cache, positions, page * ps + positions % ps)
+    batch = ForwardBatch(cache, positions, page * ps + positions % ps,
+                         max_position=max(s + n for s, n in zip(starts_l, ns_l, strict=True)) - 1)
     rows = list(itertools.accumulate(ns_l, initial=0))
     dec = [i for i, n in enumerate(ns_l) if n == 1]
     if dec:

@@ -18,6 +18,7 @@ chunk go back to the pool before it grows, so a long generation holds about wind
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kascade_engine.batch.budget import PrefillBudget
@@ -175,10 +176,28 @@ class Scheduler:
         scheduled: set[str] = set()
         preempted: list[str] = []
         dec_n = dec_keys = 0
-        for s in sorted(self.running.values(), key=lambda s: s.total - s.computed > 1):  # decodes first
+        running, tables, ps = self.running, self.pool.tables, self.pool.page_size
+        seqs = list(running.values())  # decodes first (a stable partition, no per-sequence key call)
+        dec = [s for s in seqs if s.total - s.computed <= 1]
+        pre = [s for s in seqs if s.total - s.computed > 1]
+        order = dec + pre
+        if self.window is None and dec and len(dec) <= min(budget, self.limits.max_seqs) and \
+                all([s.total - s.computed == 1 for s in dec]):
+            # every decode fits the step: what the loop below does for them, in a few list passes, unless a page
+            # they need is not free (then the loop runs for them too and preempts)
+            short = [s for s in dec if len(tables.get(s.id, ())) * ps <= s.computed]  # the next token opens a page
+            if sum([self.pool.missing(s.id, s.computed + 1) for s in short]) <= self.pool.free_pages:
+                for s in short:
+                    self.pool.grow(s.id, s.computed + 1)
+                work = [Work(s.id, s.computed, 1) for s in dec]
+                scheduled = {s.id for s in dec}
+                budget -= len(dec)
+                dec_n, dec_keys = len(dec), max([s.computed + 1 for s in dec])
+                order = pre
+        for s in order:
             if budget <= 0 or len(scheduled) >= self.limits.max_seqs:
                 break
-            if s.id not in self.running:
+            if s.id not in running:
                 continue  # preempted earlier in this loop
             n = min(s.total - s.computed, budget)
             if n > 1:  # a prefill chunk (decodes are never capped)
@@ -189,7 +208,8 @@ class Scheduler:
                 b.prefill_left -= n
             if self.window is not None:  # queries at >= computed see keys > computed - window only
                 self.dropped_pages += self.pool.drop_before(s.id, s.computed - self.window + 1)
-            while not self.pool.grow(s.id, s.computed + n):
+            table = tables.get(s.id)
+            while (table is None or len(table) * ps < s.computed + n) and not self.pool.grow(s.id, s.computed + n):
                 victims = [v for v in self.running.values() if v.id not in scheduled and v is not s]
                 victim = victims[-1] if victims else s
                 self._preempt(victim)
@@ -249,6 +269,17 @@ class Scheduler:
                 s.total += 1
                 s.generated += 1
 
+    def advance_all(self, work: Sequence[Work], sampled: Sequence[bool]) -> None:
+        """`advance(w.id, w.n, took)` for every chunk of a step, in one call."""
+        running, parked = self.running, self.parked
+        for w, took in zip(work, sampled, strict=True):
+            s = running.get(w.id) or parked.get(w.id)
+            if s is not None:
+                s.computed += w.n
+                if took:
+                    s.total += 1
+                    s.generated += 1
+
     def park(self, seq_id: str) -> None:
         """Out of scheduling until `unpark` (its step's tokens are still on their way back)."""
         s = self.running.pop(seq_id, None)
@@ -301,7 +332,7 @@ class Scheduler:
         """Whether a prompt waits to be prefilled (queued, or admitted with prompt tokens not yet computed):
         a step now is one of those the prefill rate is measured over (velocity.VelocityMeter.observe_rate)."""
         queued, running = tuple(self.waiting), list(self.running.values())  # one C call each: the loop adds meanwhile
-        return any(s.computed < s.prompt_len for s in queued) or any(s.computed < s.prompt_len for s in running)
+        return any([s.computed < s.prompt_len for s in queued]) or any([s.computed < s.prompt_len for s in running])
 
     @property
     def idle(self) -> bool:

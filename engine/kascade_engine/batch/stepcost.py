@@ -72,8 +72,10 @@ class StepShape:
         """From a step's (start, n) per sequence: n == 1 a decode, n > 1 a prompt chunk."""
         dec = [s + n for s, n in work if n == 1]
         pre = [(s, n) for s, n in work if n > 1]
-        return StepShape(len(dec), max(dec, default=0), sum(n for _, n in pre), len(pre),
-                         max((s + n for s, n in pre), default=0))
+        if not pre:
+            return StepShape(len(dec), max(dec, default=0))
+        return StepShape(len(dec), max(dec, default=0), sum([n for _, n in pre]), len(pre),
+                         max([s + n for s, n in pre]))
 
 
 @dataclass
@@ -88,13 +90,16 @@ class StepCost:
         """One step's measured time: a recursive least squares update with forgetting."""
         if not seconds > 0 or not math.isfinite(seconds):
             return
-        x = shape.features()
-        px = [sum(self.cov[i][j] * x[j] for j in range(4)) for i in range(4)]
-        denom = FORGET + sum(x[i] * px[i] for i in range(4))
+        x0, x1, x2, x3 = shape.features()  # written out (4 features): once per step, on the step's thread
+        px = [r[0] * x0 + r[1] * x1 + r[2] * x2 + r[3] * x3 for r in self.cov]
+        p0, p1, p2, p3 = px
+        denom = FORGET + (x0 * p0 + x1 * p1 + x2 * p2 + x3 * p3)
         gain = [p / denom for p in px]
-        err = seconds - sum(t * f for t, f in zip(self.theta, x, strict=True))
-        self.theta = [t + g * err for t, g in zip(self.theta, gain, strict=True)]
-        self.cov = [[(self.cov[i][j] - gain[i] * px[j]) / FORGET for j in range(4)] for i in range(4)]
+        t = self.theta
+        err = seconds - (t[0] * x0 + t[1] * x1 + t[2] * x2 + t[3] * x3)
+        self.theta = [a + g * err for a, g in zip(t, gain, strict=True)]
+        self.cov = [[(r[0] - g * p0) / FORGET, (r[1] - g * p1) / FORGET, (r[2] - g * p2) / FORGET,
+                     (r[3] - g * p3) / FORGET] for r, g in zip(self.cov, gain, strict=True)]
         self.steps += 1
         self.prompt_steps += shape.prompt_tokens > 0
 
