@@ -1,7 +1,9 @@
 """The operator at scale on the real API server: many fake GPU nodes and many ModelServices, each with a
 bound replica whose engine is a loopback HTTP stand-in, the operator at its normal interval.
 
-Measured: `scale_nodes`, `scale_modelservices`, `operator_rss_mb` (VmRSS at the end) and
+Measured: `scale_nodes`, `scale_modelservices`, with `--compare` the start-up of each operator started
+afresh on the bound cluster (`operator_startup_first_round_s`: spawn -> its first round;
+`operator_startup_all_rounds_s`: -> every service's first queued round), `operator_rss_mb` (VmRSS at the end) and
 `operator_peak_rss_mb` (VmHWM), `reconcile_ms_p50/p90/p99` (from the operator's own histogram
 kascade_operator_reconcile_seconds over the steady window: the upper bound of the bucket holding the
 99th percentile), `rounds_per_service_per_s` against 1/interval (does it keep up?), and one scale-up
@@ -31,6 +33,28 @@ NS = "scale"
 BUCKET = re.compile(r'^kascade_operator_reconcile_seconds_bucket\{le="([^"]+)",trigger="timer"\} (\S+)$')
 COUNT = re.compile(r'^kascade_operator_reconcile_seconds_count\{trigger="timer"\} (\S+)$')
 SWEEPS = re.compile(r'^kascade_operator_metric_sweep_seconds_count (\S+)$')
+ANY_COUNT = re.compile(r'^kascade_operator_reconcile_seconds_count\{trigger="[^"]*"\} (\S+)$')
+
+
+def _rounds_so_far(port: int) -> tuple[float, float]:
+    """(rounds of any trigger, queued rounds) the operator has counted; (0, 0) while /metrics is not up."""
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return 0.0, 0.0
+    lines = text.splitlines()
+    return (sum(float(m.group(1)) for ln in lines if (m := ANY_COUNT.match(ln))),
+            sum(float(m.group(1)) for ln in lines if (m := COUNT.match(ln))))
+
+
+def _startup(port: int, n_services: int, t_spawn: float) -> dict[str, float]:
+    """Seconds from the operator's spawn to its first round, and to every service's first queued round."""
+    first = wait_for(lambda: _rounds_so_far(port)[0] >= 1 and time.monotonic(), 900, "the first round", poll=0.2)
+    wait_for(lambda: _rounds_so_far(port)[1] >= n_services, 900, "every service's first queued round", poll=0.2)
+    out = {"operator_startup_first_round_s": round(first - t_spawn, 1),
+           "operator_startup_all_rounds_s": round(time.monotonic() - t_spawn, 1)}
+    print(f"scale: start-up {out}", flush=True)
+    return out
 
 
 def _histogram(port: int) -> tuple[dict[float, float], float, float]:
@@ -179,8 +203,9 @@ def run_scale(tmp: Path, stub_mod: Any, token: str, n_nodes: int, n_services: in
         for k, (prefix, src) in enumerate(phases):
             if compare is not None:  # each operator starts afresh (kopf's start alone took minutes at 2,000 nodes)
                 op.stop()
+                t_spawn = time.monotonic()
                 op = start(prefix, src)
-                wait_for(lambda: _histogram(metrics_port)[1] >= n_services, 900, "every service's first queued round")
+                out.update({prefix + key: v for key, v in _startup(metrics_port, n_services, t_spawn).items()})
             out.update({prefix + key: v for key, v in
                         _phase(op, metrics_port, stubs, bound_pods, n_services, interval, steady_s,
                                range(k * reactions, (k + 1) * reactions), gate).items()})
