@@ -17,8 +17,8 @@ from typing import Any
 
 from kascade_operator.kube import Conflict, Gone, NotFound
 
-GONE = ("GONE", {})  # put on `node_events`: the watch answers 410 (its version expired)
-END = ("END", {})  # put on `node_events`: the server ends the watch (a new one starts from the last version)
+GONE: tuple[str, dict[str, Any]] = ("GONE", {})  # put on `node_events`: the watch answers 410 (its version expired)
+END: tuple[str, dict[str, Any]] = ("END", {})  # put on `node_events`: the server ends the watch
 
 
 def merge(dst: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:

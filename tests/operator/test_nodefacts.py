@@ -124,7 +124,7 @@ class SlowList(FakeKube):
 async def test_rounds_wait_for_the_first_list() -> None:
     kube = SlowList()
     kube.nodes = [node("a", "l0", gpus=4)]
-    rt = Runtime(OperatorSettings(engine_token="t"), kube, EngineClient("t"), Scraper(), None,  # type: ignore[arg-type]
+    rt = Runtime(OperatorSettings(engine_token="t"), kube, EngineClient("t"), Scraper(), None,
                  OperatorMetrics())
     try:
         rt.watch_nodes()
