@@ -14,6 +14,7 @@ Used by bench/reaction.py (`--failover-nodes N`).
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -88,5 +89,9 @@ def _one(cp: ControlPlane, tmp: Path, stub_mod: Any, token: str, ns: str, src: P
     finally:
         for o in ops:
             o.stop()
+        if keep := os.environ.get("KASCADE_BENCH_KEEP"):  # the replicas' logs outlive the run
+            Path(keep).mkdir(parents=True, exist_ok=True)
+            for o in ops:
+                (Path(keep) / o.log.name).write_bytes(o.log.read_bytes())
         for s in stubs:
             s.close()
