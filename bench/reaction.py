@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from failover_scale import run_failover_scale
 from operator_peering import run_peering
 from operator_scale import run_scale
 from report import report
@@ -191,6 +192,15 @@ def run_failover(lease_s: float = 3.0) -> dict[str, float | str]:
             cp.stop()
 
 
+def _unpack(ref: str, tmp: Path) -> Path:
+    """The ref's tree, unpacked beside (no worktree: the repository is not touched)."""
+    base = tmp / "base"
+    base.mkdir()
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", ref], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(base)], input=archive, check=True)
+    return base
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="few rounds (< 1 minute)")
@@ -205,6 +215,8 @@ def main() -> None:
     ap.add_argument("--no-scale", action="store_true", help="skip the scale run")
     ap.add_argument("--scale-only", action="store_true", help="only the scale run")
     ap.add_argument("--no-failover", action="store_true", help="skip the failover run")
+    ap.add_argument("--failover-nodes", type=int, metavar="N", help="only the failover of a standby on a cluster "
+                    "of N nodes (bench/failover_scale.py; with --compare: the ref's operator too)")
     ap.add_argument("--reactions", type=int, default=5, help="scale-ups measured under load in the scale run")
     ap.add_argument("--compare", metavar="REF", help="git ref: its operator runs the scale run too, on the same "
                     "cluster, before this tree's (numbers prefixed base_)")
@@ -216,6 +228,13 @@ def main() -> None:
             a.scale_nodes, a.scale_services = (int(x) for x in a.scale.split(","))
         except ValueError:
             ap.error(f"--scale {a.scale!r}: expected N,M (nodes,services), e.g. 2000,200")
+    if a.failover_nodes:
+        with tempfile.TemporaryDirectory(prefix="kascade-bench-failover-scale-") as tmp:
+            res = run_failover_scale(Path(tmp), _stub_module(), TOKEN, a.failover_nodes,
+                                     _unpack(a.compare, Path(tmp)) if a.compare else None)
+        prev = REPO / "bench" / "results" / "operator.json"
+        report("operator", {**(json.loads(prev.read_text()) if prev.exists() else {}), **res}, {})
+        return
     scale_nodes, scale_services = (200, 20) if a.quick and not a.scale else (a.scale_nodes, a.scale_services)
     out: dict[str, float | str] = {} if a.scale_only else run(4 if a.quick else a.rounds, a.interval, a.rate_window)
     if not a.scale_only and not a.no_failover:
@@ -224,12 +243,8 @@ def main() -> None:
     if not a.no_scale:
         with tempfile.TemporaryDirectory(prefix="kascade-bench-scale-") as tmp:
             base = None
-            if a.compare:  # the ref's tree, unpacked beside (no worktree: the repository is not touched)
-                base = Path(tmp) / "base"
-                base.mkdir()
-                archive = subprocess.run(["git", "-C", str(REPO), "archive", a.compare], check=True,
-                                         capture_output=True).stdout
-                subprocess.run(["tar", "-x", "-C", str(base)], input=archive, check=True)
+            if a.compare:
+                base = _unpack(a.compare, Path(tmp))
                 out["scale_compare_ref"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", a.compare],
                                                           check=True, capture_output=True, text=True).stdout.strip()
             out.update(run_scale(Path(tmp), _stub_module(), TOKEN, scale_nodes, scale_services, a.scale_interval,

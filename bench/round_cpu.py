@@ -31,11 +31,12 @@ from pathlib import Path
 from typing import Any
 
 from kascade_operator import labels as L
+from kascade_operator import runtime as runtime_mod
 from kascade_operator.engine_client import EngineClient
 from kascade_operator.handlers import reconcile_service
 from kascade_operator.metrics import InstanceLoad, Scraper
 from kascade_operator.operator_metrics import OperatorMetrics
-from kascade_operator.runtime import ALL, Runtime
+from kascade_operator.runtime import Runtime
 from kascade_operator.settings import OperatorSettings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,7 +81,14 @@ def build(n: int) -> tuple[Runtime, list[dict[str, Any]]]:
     settings = OperatorSettings(engine_token=TOKEN, engine_image="x", allowed_host_path_roots=["/m"])
     rt = Runtime(settings, kube, EngineClient(TOKEN), Scraper(), None, OperatorMetrics())
     rt.prometheus = Instant()  # type: ignore[assignment]
-    rt.attach({NS: list(kube.pods.values())}, {NS: plans}, {ALL: kube.nodes}, {})
+    if hasattr(rt, "node_watch"):  # nodes by list + watch (nodefacts.py), filled as its first list would
+        from kascade_operator.nodefacts import NodeFacts
+        rt.node_watch = NodeFacts(settings.leaf_label, settings.gpu_resource)
+        rt.node_watch.replace(kube.nodes, "1")
+        rt.attach({NS: list(kube.pods.values())}, {NS: plans}, {})
+    else:  # an older tree (--compare): nodes as a kopf index under one key
+        rt.attach({NS: list(kube.pods.values())}, {NS: plans}, {runtime_mod.ALL: kube.nodes}, {})  # type: ignore
+
     bodies = [{"metadata": {"name": f"svc{i}", "namespace": NS, "uid": f"u{i}", "generation": 1},
                "spec": {"model": {"name": "tiny", "source": {"path": "/m"}, "layers": 4}, "engine": {"image": "x"},
                         "replicas": {"colocated": {"min": 1, "max": 2}},

@@ -67,9 +67,11 @@ class ControlPlane:
         return cls(state_dir or default_state_dir(), bin_dir or find_bin_dir())
 
     def start(self, scheduling: bool = True, kwok: bool = True, timeout: float = 60.0,
-              detachable: bool = False) -> ControlPlane:
+              detachable: bool = False, node_grace_s: int = 40) -> ControlPlane:
         """Start and wait until ready. Unless `detachable`, the components die with this interpreter
-        even when it is killed (tests); `kascade cluster up` passes True and then calls detach()."""
+        even when it is killed (tests); `kascade cluster up` passes True and then calls detach().
+        `node_grace_s`: how long a node's heartbeat may be missing before the node controller marks it
+        and its pods NotReady (a benchmark with thousands of KWOK nodes on a loaded machine raises it)."""
         t0 = time.monotonic()
         self._detachable = detachable
         if (self.state_dir / STATE_FILE).exists():
@@ -115,7 +117,7 @@ class ControlPlane:
                     f"--service-account-private-key-file={pki.sa_key}", f"--root-ca-file={pki.ca_cert}",
                     "--use-service-account-credentials=false",
                     "--controllers=*,-nodeipam,-cloud-node-lifecycle,-serviceaccount-token",
-                    "--concurrent-deployment-syncs=10", "--node-monitor-grace-period=40s",
+                    "--concurrent-deployment-syncs=10", f"--node-monitor-grace-period={node_grace_s}s",
                 ], logs)
                 self._spawn("kube-scheduler", [
                     str(b / "kube-scheduler"), f"--kubeconfig={self.kubeconfig}",

@@ -35,7 +35,7 @@ from kascade_operator.metrics import PrometheusSource, Scraper
 from kascade_operator.observe import field_errors, observe
 from kascade_operator.operator_metrics import OperatorMetrics
 from kascade_operator.reconcile import TERMINAL, Result
-from kascade_operator.runtime import ALL, Runtime
+from kascade_operator.runtime import Runtime
 from kascade_operator.settings import OperatorSettings
 from kascade_operator.snapshots import held_pods
 from kascade_planner.engine_tls import engine_tls_context
@@ -114,6 +114,7 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
                                                                              tls=engine_tls),
                           PrometheusSource(s.prometheus_url) if s.metrics_source == "prometheus" and s.prometheus_url
                           else None, om)
+        memo.rt.watch_nodes()  # the nodes by list + watch, not a kopf index (nodefacts.py: start-up cost)
         if s.router_url:  # demand when no engine exists (scale from zero), and status.url
             memo.rt.router = RouterDemand(s.router_demand_url or s.router_url, s.scrape_timeout_seconds,
                                           max_age_s=s.interval_seconds / 2)  # summed over every router replica
@@ -128,8 +129,9 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         if getattr(memo, "rt", None):
             await memo.rt.close()
 
-    # Watch-fed state (kopf indexes): reconcile rounds read pods, plans and nodes from memory, not from
-    # the API server; kopf fills the indexes before any other handler runs.
+    # Watch-fed state (kopf indexes): reconcile rounds read pods and plans from memory, not from the API
+    # server; kopf fills the indexes before any other handler runs. Nodes are not a kopf index: kopf's
+    # readiness gate costs O(objects^2) at start-up, minutes at 2,000 nodes (Runtime.watch_nodes instead).
     # (explicit ids: kopf passes each index to handlers as a kwarg named by its id)
     # Every round after a service's first comes from the work queue (rounds.py); these indexers, which see
     # every change of a pool pod and a ScalePlan anyway, wake the service a bound pod or a plan belongs to
@@ -151,13 +153,6 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         return {namespace: {"metadata": dict(body["metadata"]), "spec": dict(body.get("spec") or {}),
                             "status": dict(body.get("status") or {})}}
 
-    @kopf.index("nodes", registry=reg, id="gpu_nodes")
-    async def gpu_nodes(body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
-        meta, status = body["metadata"], body.get("status") or {}
-        return {ALL: {"metadata": {"name": meta["name"], "labels": dict(meta.get("labels") or {})},
-                      "status": {"allocatable": dict(status.get("allocatable") or {}),
-                                 "capacity": dict(status.get("capacity") or {})}}}
-
     @kopf.index(**ms, id="modelservices")
     async def modelservices(namespace: str, name: str, body: kopf.Body,
                             **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
@@ -173,7 +168,7 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         if rt.pod_index is None:
             if "pool_pods" not in kw:
                 raise kopf.PermanentError("kopf did not pass the pool_pods index; handlers cannot read state")
-            rt.attach(kw["pool_pods"], kw["scaleplans"], kw["gpu_nodes"], kw.get("role_objects"))
+            rt.attach(kw["pool_pods"], kw["scaleplans"], kw.get("role_objects"))
             rt.service_index = kw.get("modelservices")
             rounds.start(rt, lambda key: queued_round(rt, key))  # the indexes the rounds read are filled now
         return rt

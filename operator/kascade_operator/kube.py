@@ -3,6 +3,8 @@
 Data flow: handlers / scaleplan driver -> `Kube` methods -> API server. Reads return plain dicts
 (raw JSON, no model objects: cheap at 2,000 nodes); writes use JSON merge patches. A 409 on a guarded
 patch (stale resourceVersion) becomes `Conflict`, so callers can re-read instead of double-binding.
+Nodes are also listed with their list's resourceVersion and watched from it (`list_nodes_at`,
+`watch_nodes`: nodefacts.py keeps them in memory); a 410 on the watch becomes `Gone` (list again).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import logging
 import os
 import uuid
+from collections.abc import AsyncGenerator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -33,6 +36,10 @@ class NotFound(RuntimeError):
     pass
 
 
+class Gone(RuntimeError):
+    """HTTP 410 on a watch: the resourceVersion is older than the API server still keeps; list again."""
+
+
 class NoCluster(RuntimeError):
     """Neither in a pod with a service account nor a usable kubeconfig: one line saying what was tried."""
 
@@ -49,6 +56,17 @@ def _raise(e: ApiException, what: str) -> None:
     raise e
 
 
+def _watch_event(ev: dict[str, Any], since: str) -> tuple[str, dict[str, Any]]:
+    """A watch line as (type, object); an ERROR event raises (`Gone` for 410: the version expired)."""
+    kind, obj = str(ev.get("type")), dict(ev.get("object") or {})
+    if kind == "ERROR":
+        if obj.get("code") == 410:
+            raise Gone(f"watch from {since}: {obj.get('message')}")
+        raise RuntimeError(f"watch from {since}: {obj.get('code')} {obj.get('message')}")
+    return kind, obj
+
+
+WATCH_TIMEOUT_S = 300  # the server ends a watch after this (a new one starts from the last resourceVersion)
 REQUEST_TIMEOUT_S = 30.0  # aiohttp's default is no timeout: one stuck call would wedge a plan's driver forever
 
 
@@ -109,6 +127,33 @@ class Kube:
     async def list_nodes(self) -> list[dict[str, Any]]:
         doc = await self._json(await self.core.list_node(_preload_content=False, _request_timeout=self.t), "list nodes")
         return list(doc.get("items") or [])
+
+    async def list_nodes_at(self) -> tuple[list[dict[str, Any]], str]:
+        """Every node and the list's resourceVersion (where a watch of the changes after it starts)."""
+        doc = await self._json(await self.core.list_node(_preload_content=False, _request_timeout=self.t), "list nodes")
+        return list(doc.get("items") or []), str((doc.get("metadata") or {}).get("resourceVersion") or "")
+
+    async def watch_nodes(self, resource_version: str,
+                          timeout_s: int = WATCH_TIMEOUT_S) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
+        """(type, node) for each change after `resource_version` (ADDED / MODIFIED / DELETED, and BOOKMARK:
+        only a newer resourceVersion) until the server ends the watch after `timeout_s`. `Gone` on 410."""
+        resp = await self.core.list_node(watch=True, resource_version=resource_version, allow_watch_bookmarks=True,
+                                         timeout_seconds=timeout_s, _preload_content=False,
+                                         _request_timeout=timeout_s + self.t)
+        try:
+            if resp.status == 410:
+                raise Gone(f"watch nodes from {resource_version}: {resp.reason}")
+            if not 200 <= resp.status <= 299:
+                _raise(ApiException(status=resp.status, reason=resp.reason), "watch nodes")
+            buf = b""  # lines split by hand: aiohttp's readline refuses lines over 128 KiB (a node's image list)
+            async for chunk in resp.content.iter_any():
+                buf += chunk
+                *lines, buf = buf.split(b"\n")
+                for line in lines:
+                    if line.strip():
+                        yield _watch_event(json.loads(line), resource_version)
+        finally:
+            resp.release()
 
     async def list_pods(self, ns: str, selector: str = "") -> list[dict[str, Any]]:
         resp = await self.core.list_namespaced_pod(

@@ -3,10 +3,11 @@ per-ModelService memory (scale-down timers), the cluster state kept current by w
 metrics.
 
 Data flow: created once in the kopf startup handler, stored in kopf's memo, closed at cleanup. Reads
-of pool pods, ScalePlans and Nodes come from kopf indexes (watch-fed, in memory) once `attach()` got
-them from the first handler call; before that (and in tests that call handlers directly) they are
-listed from the API server. Writes always go to the API server, guarded by resourceVersion, so a
-stale read costs a 409 and a re-read, never a double binding.
+of pool pods and ScalePlans come from kopf indexes (watch-fed, in memory) once `attach()` got
+them from the first handler call; nodes from nodefacts.NodeFacts (a list + watch of its own,
+started by `watch_nodes()` at start-up; readers wait for its first list). Without them (tests
+that call handlers directly) they are listed from the API server. Writes always go to the API
+server, guarded by resourceVersion, so a stale read costs a 409 and a re-read, never a double binding.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from kascade_operator.fleetboard import FleetBoard
 from kascade_operator.kube import Kube
 from kascade_operator.metrics import PrometheusSource, Scraper
 from kascade_operator.metricsview import MetricsView
+from kascade_operator.nodefacts import NodeFacts
 from kascade_operator.operator_metrics import OperatorMetrics
 from kascade_operator.pool import PodView, pod_view
 from kascade_operator.settings import OperatorSettings
@@ -33,11 +35,11 @@ from kascade_operator.validation import max_gpus
 from kascade_operator.workqueue import WorkQueue
 from kascade_planner.arbitration import ArbitrationConfig
 
-ALL = "*"  # the node index's one key
 RESERVE_S = 30.0  # a claim outlives any bind that is going to happen
 EXPECT_S = 60.0  # a created pod the watch has not shown after this long is no longer expected
 EVENT_BURST, EVENT_REFILL_S = 3, 30.0  # Events per (object, reason): a burst of 3, then one per 30 s
-NODE_CACHE_S = 2.0  # without the node index: node labels change rarely; listing 2,000 nodes each time would dominate
+NODE_CACHE_S = 2.0  # without the node watch: node labels change rarely; listing 2,000 nodes each time would dominate
+NODES_READY_S = 60.0  # a round waits this long for the node watch's first list, then fails (and is retried)
 
 
 @dataclass
@@ -64,10 +66,11 @@ class Runtime:
     _expected: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)  # (pool ns, key) -> pod -> t
     _event_tokens: dict[tuple[str, str, str, str], tuple[float, float]] = field(default_factory=dict)
     events_suppressed: int = 0
-    # kopf indexes (Mapping[key, Store]): pool pods and ScalePlans by namespace, nodes under ALL
+    # kopf indexes (Mapping[key, Store]): pool pods and ScalePlans by namespace
     pod_index: Mapping[Any, Any] | None = None
     plan_index: Mapping[Any, Any] | None = None
-    node_index: Mapping[Any, Any] | None = None
+    node_watch: NodeFacts | None = None  # the nodes (watch_nodes), else listed every NODE_CACHE_S
+    node_task: asyncio.Task[None] | None = None
     role_index: Mapping[Any, Any] | None = None  # ModelServiceRole objects by namespace
     router: RouterDemand | None = None  # the router's demand per ModelService (settings.router_url)
     last_busy: dict[tuple[str, str, str], float] = field(default_factory=dict)  # last request/token seen
@@ -90,14 +93,31 @@ class Runtime:
         return ArbitrationConfig(s.arbitration_hysteresis_seconds, s.arbitration_max_preemptions)
 
     def attach(self, pods: Mapping[Any, Any] | None, plans: Mapping[Any, Any] | None,
-               nodes: Mapping[Any, Any] | None, roles: Mapping[Any, Any] | None = None) -> None:
+               roles: Mapping[Any, Any] | None = None) -> None:
         """Adopt kopf's indexes (the same objects for the operator's lifetime)."""
         if self.pod_index is None:
-            self.pod_index, self.plan_index, self.node_index, self.role_index = pods, plans, nodes, roles
+            self.pod_index, self.plan_index, self.role_index = pods, plans, roles
+
+    def watch_nodes(self) -> NodeFacts:
+        """Start keeping the nodes by list + watch (nodefacts.py); stopped by close()."""
+        if self.node_watch is None:
+            self.node_watch = NodeFacts(self.settings.leaf_label, self.settings.gpu_resource)
+            self.node_task = asyncio.create_task(self.node_watch.run(self.kube), name="node-watch")
+        return self.node_watch
+
+    async def _nodes_ready(self, watch: NodeFacts) -> None:
+        if not watch.ready.is_set():
+            try:
+                await asyncio.wait_for(watch.ready.wait(), NODES_READY_S)
+            except TimeoutError:
+                raise RuntimeError(f"the nodes are not listed after {NODES_READY_S:.0f} s (see the node watch's "
+                                   "warnings: RBAC list/watch on nodes, the API server)") from None
 
     async def nodes(self) -> list[dict[str, Any]]:
-        if self.node_index is not None:
-            return list(self.node_index.get(ALL, ()))
+        """Every node (name, labels, allocatable, capacity); do not modify the list."""
+        if self.node_watch is not None:
+            await self._nodes_ready(self.node_watch)
+            return self.node_watch.node_list()
         now = time.monotonic()
         if now - self._nodes_t > NODE_CACHE_S:
             self._nodes, self._nodes_t = await self.kube.list_nodes(), now
@@ -105,7 +125,11 @@ class Runtime:
 
     async def node_facts(self) -> tuple[dict[str, str], int]:
         """(node -> leaf label, most GPUs on a node), recomputed at most every NODE_CACHE_S: every round
-        needs them, and walking 2,000 nodes per round would dominate."""
+        needs them, and walking 2,000 nodes per round would dominate. From the node watch: recomputed only
+        after a node changed."""
+        if self.node_watch is not None:
+            await self._nodes_ready(self.node_watch)
+            return self.node_watch.facts()
         now = time.monotonic()
         if self._facts is None or now - self._facts_t > NODE_CACHE_S:
             nodes = await self.nodes()
@@ -253,10 +277,11 @@ class Runtime:
         return self.plan_locks.setdefault((ns, name), asyncio.Lock())
 
     async def close(self) -> None:
-        if self.sweep_task is not None:
-            self.sweep_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.sweep_task
+        for task in (self.node_task, self.sweep_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self.queue is not None:
             await self.queue.stop()
         await self.engines.aclose()

@@ -9,11 +9,16 @@ validate schemas: the real-cluster tests cover those.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import itertools
+from collections.abc import AsyncGenerator
 from typing import Any
 
-from kascade_operator.kube import Conflict, NotFound
+from kascade_operator.kube import Conflict, Gone, NotFound
+
+GONE: tuple[str, dict[str, Any]] = ("GONE", {})  # put on `node_events`: the watch answers 410 (its version expired)
+END: tuple[str, dict[str, Any]] = ("END", {})  # put on `node_events`: the server ends the watch
 
 
 def merge(dst: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
@@ -42,6 +47,9 @@ class FakeKube:
         self.plans: dict[tuple[str, str], dict[str, Any]] = {}
         self.events: list[dict[str, Any]] = []
         self.nodes: list[dict[str, Any]] = []
+        self.node_events: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()  # what watch_nodes yields
+        self.node_lists = 0
+        self.node_watches: list[str] = []  # the resourceVersion each watch started from
         self._rv = itertools.count(1)
         self._names = itertools.count(1)
 
@@ -58,6 +66,21 @@ class FakeKube:
     # -- what Kube offers ------------------------------------------------------------------------
     async def list_nodes(self) -> list[dict[str, Any]]:
         return copy.deepcopy(self.nodes)
+
+    async def list_nodes_at(self) -> tuple[list[dict[str, Any]], str]:
+        self.node_lists += 1
+        return copy.deepcopy(self.nodes), str(next(self._rv))
+
+    async def watch_nodes(self, resource_version: str) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
+        """The events put on `node_events` (a test writes them, and `self.nodes` for the next list)."""
+        self.node_watches.append(resource_version)
+        while True:
+            kind, obj = await self.node_events.get()
+            if (kind, obj) == GONE:
+                raise Gone(f"watch nodes from {resource_version}: too old")
+            if (kind, obj) == END:
+                return
+            yield kind, copy.deepcopy(obj)
 
     async def list_pods(self, ns: str, selector: str = "") -> list[dict[str, Any]]:
         return [copy.deepcopy(p) for (n, _), p in self.pods.items() if n == ns and _matches(p, selector)]
