@@ -40,7 +40,7 @@ def download(repo: str, dest: Path, revision: str, config_only: bool) -> None:
     if repo.count("/") != 1 or not all(repo.split("/")):
         raise click.BadParameter(f"{repo!r}: expected OWNER/NAME", param_hint="REPO")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     dest.mkdir(parents=True, exist_ok=True)
     log.info("downloading %s@%s into %s", repo, revision, dest)
@@ -54,6 +54,11 @@ def download(repo: str, dest: Path, revision: str, config_only: bool) -> None:
         )  # read now, not at import
     except HfHubHTTPError as e:
         raise click.ClickException(f"{repo}@{revision}: {e}") from None
+    except LocalEntryNotFoundError as e:  # the Hub did not answer (and nothing was downloaded before)
+        hub = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+        cause = f"{type(e.__cause__).__name__}: {e.__cause__}" if e.__cause__ else str(e).splitlines()[0]
+        raise click.ClickException(f"{repo}@{revision}: the Hub at {hub} did not answer ({cause}); check "
+                                   "HF_ENDPOINT (chart: pool.model.download.endpoint) and the pod's egress") from None
     files = [p for p in dest.rglob("*") if p.is_file() and ".cache" not in p.parts]
     if not config_only and not any(p.suffix == ".safetensors" for p in files):
         raise click.ClickException(f"{repo}@{revision}: no .safetensors weights downloaded into {dest}")

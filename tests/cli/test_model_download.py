@@ -66,3 +66,19 @@ def test_config_only_from_a_hub_at_hf_endpoint(tmp_path: Path, monkeypatch: pyte
         assert r.exit_code == 1 and "org/nope@main" in r.output
     finally:
         hub.stop()
+
+
+def test_a_hub_that_does_not_answer_is_one_clear_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As a pool pod saw it on kind (its Hub unreachable): not a traceback, the endpoint and what to check."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", "2")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    r = CliRunner().invoke(cli, ["model", "download", "org/m", "--dest", str(tmp_path / "m")])
+    assert r.exit_code == 1, r.output
+    assert f"org/m@main: the Hub at http://127.0.0.1:{port} did not answer" in r.output, r.output
+    assert "pool.model.download.endpoint" in r.output and "Traceback" not in r.output

@@ -105,9 +105,18 @@ def engine_load(image: str, node: str) -> str:
     return ""
 
 
-def _host_routes(cp_ip: str, add: bool) -> None:
-    for cidr in (SERVICE_CIDR, POD_CIDR):
-        _run("ip", "route", "replace" if add else "del", cidr, *(["via", cp_ip] if add else []), check=add)
+def _host_routes(cp_ip: str, add: bool, node_cidrs: dict[str, str] | None = None) -> None:
+    """Services through the control-plane node (its kube-proxy), each node's pod CIDR through that node: a
+    pod's connection to this host (the install walk's Hub) is answered straight back to its node; through the
+    control plane, the reply met a conntrack with no SYN there (INVALID, dropped by kube-proxy's rules)."""
+    for cidr, via in ((SERVICE_CIDR, cp_ip), (POD_CIDR, cp_ip), *(node_cidrs or {}).items()):
+        _run("ip", "route", "replace" if add else "del", cidr, *(["via", via] if add else []), check=add)
+
+
+def _node_cidrs(k: Kind) -> dict[str, str]:
+    nodes = k.get("nodes")["items"]
+    return {n["spec"]["podCIDR"]: next(a["address"] for a in n["status"]["addresses"] if a["type"] == "InternalIP")
+            for n in nodes if n["spec"].get("podCIDR")}
 
 
 @pytest.fixture(scope="session")
@@ -139,7 +148,8 @@ def kind_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kind]:
     print(f"\nkind: cluster {CLUSTER} up in {time.monotonic() - t0:.0f} s")
     cp_ip = _run("docker", "inspect", "-f", "{{.NetworkSettings.Networks.kind.IPAddress}}",
                  f"{CLUSTER}-control-plane").strip()
-    _host_routes(cp_ip, add=True)
+    cidrs = _node_cidrs(k)
+    _host_routes(cp_ip, add=True, node_cidrs=cidrs)
     try:
         for i, node in enumerate(k.nodes()):
             k.kubectl("label", "node", node, f"kascade.io/leaf=leaf-{i % 2}", f"kascade.io/scaleup-domain={node}",
@@ -161,6 +171,6 @@ def kind_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kind]:
         print(f"kind: images loaded in {time.monotonic() - t1:.0f} s")
         yield k
     finally:
-        _host_routes(cp_ip, add=False)
+        _host_routes(cp_ip, add=False, node_cidrs=cidrs)
         if os.environ.get("KEEP") != "1":
             _run(str(KIND_BIN), "delete", "cluster", "--name", CLUSTER, check=False)
