@@ -113,8 +113,9 @@ def _faults(fault: str, victim: str, total: int, transport: str = "tcp",
 
 def _run(harness: ModuleType, workdir: Path, blocks: BlockSet, transport: str, fault: str | None,
          victim: str | None, summaries: dict[str, dict[str, object]],
-         chain_mbps: float | None = None) -> tuple[float, dict[str, int | None], object]:
-    """Run the chain with the fault; returns (seconds until the last process ended, exit codes, cluster)."""
+         chain_mbps: float | None = None, first_block_s: float = 30.0) -> tuple[float, dict[str, int | None], object]:
+    """Run the chain with the fault; returns (seconds until the last process ended, exit codes, cluster).
+    `first_block_s`: how long the watched node may take to log its first block before the fault is injected."""
     workdir.mkdir(parents=True, exist_ok=True)
     c = harness.make_cluster(
         workdir,
@@ -133,7 +134,7 @@ def _run(harness: ModuleType, workdir: Path, blocks: BlockSet, transport: str, f
     try:
         if fault in ("kill", "stop") and victim:
             watch = "t0" if victim == "s0" else victim  # mid-transfer: the watched node holds a first block
-            harness.wait_for(lambda: f'"instance": "{watch}", "block"' in c.log(watch), timeout=30)
+            harness.wait_for(lambda: f'"instance": "{watch}", "block"' in c.log(watch), timeout=first_block_s)
             if fault == "kill":
                 c.kill(victim)
             else:
@@ -208,7 +209,11 @@ def test_fault(tmp_path: Path, harness: ModuleType, chaos_blocks: BlockSet, base
     base_s, chain_mbps = baselines[transport]
     victim = POSITIONS[position]
     summaries: dict[str, dict[str, object]] = {}
-    took, codes, c = _run(harness, tmp_path / "run", chaos_blocks, transport, fault, victim, summaries, chain_mbps)
+    # the first block comes after the processes start and connect, which this run's fault-free baseline measured:
+    # a fixed 30 s was too short once for UCX on a loaded machine (its baseline took 18 s there)
+    first_block_s = max(30.0, 3 * base_s)
+    took, codes, c = _run(harness, tmp_path / "run", chaos_blocks, transport, fault, victim, summaries, chain_mbps,
+                          first_block_s)
     logs = {i: c.log(i) for i in ("s0", *TARGETS)}  # type: ignore[attr-defined]
     everything = "\n".join(logs.values())
     t_out = TIMEOUTS[transport]
