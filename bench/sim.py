@@ -23,6 +23,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import interpreter  # bench/interpreter.py: the checkout's .venv when it is not active
+
+interpreter.ensure()
+
 from kascade_planner.policies import Threshold
 from kascade_sim.compare import comparison, run_systems
 from kascade_sim.generators import burstgpt_like
