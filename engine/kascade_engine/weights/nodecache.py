@@ -32,6 +32,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,32 +140,38 @@ class NodeCache:
     def discard(self, model: str) -> bool:
         """Remove the node's copy of `model` (damaged or not the model's: nodecopy.py) unless an engine maps it."""
         p = self.path(model)
-        try:
-            fd = os.open(p, os.O_RDONLY)
-        except FileNotFoundError:
+        with self._exclusive(p) as free:
+            if not free:
+                return False
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+                return True
             return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            p.unlink()
-            return True
-        except (BlockingIOError, FileNotFoundError):
-            return False
-        finally:
-            os.close(fd)
+
+    @classmethod
+    def _in_use(cls, p: Path) -> bool:
+        with cls._exclusive(p) as free:
+            return free is False
 
     @staticmethod
-    def _in_use(p: Path) -> bool:
+    @contextlib.contextmanager
+    def _exclusive(p: Path) -> Iterator[bool | None]:
+        """Try `p`'s exclusive lock without waiting: None, no such file; False, an engine maps it (holds a shared
+        lock); True, held here until the block ends (closing the descriptor drops it)."""
         try:
             fd = os.open(p, os.O_RDONLY)
         except FileNotFoundError:
-            return False
+            yield None
+            return
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            yield True
         finally:
-            os.close(fd)  # closing drops a lock taken here
-        return False
+            os.close(fd)
 
     def attach(self, model: str, verify: bool = False) -> Lease | None:
         """Map the node's copy of `model` (None when the node has none)."""
