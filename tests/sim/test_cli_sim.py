@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -53,74 +54,33 @@ def test_sim_burstgpt_like_with_paper_flags(tmp_path: Path) -> None:
     assert doc["systems"]["kascade"]["models"] == 2 and doc["workload"].startswith("burstgpt-like")
 
 
+def _disaggregated(tmp_path: Path, name: str, *flags: str) -> dict[str, Any]:
+    """One `kascade sim burstgpt-like --mode disaggregated` run of Kascade alone; its JSON document."""
+    out = tmp_path / f"{name}.json"
+    res = CliRunner().invoke(sim, ["burstgpt-like", "--duration", "60", "--seed", "1", "-s", "kascade",
+                                   "--mode", "disaggregated", *flags, "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    return dict(json.loads(out.read_text()))
+
+
 def test_sim_convertible_flags(tmp_path: Path) -> None:
     """--no-convertible turns Kascade's convertible decoders off (disaggregated mode): no decoder prefills."""
-    got = {}
-    for flag in ("--convertible", "--no-convertible"):
-        out = tmp_path / f"{flag}.json"
-        res = CliRunner().invoke(
-            sim,
-            [
-                "burstgpt-like",
-                "--rate",
-                "1",
-                "--duration",
-                "60",
-                "--seed",
-                "1",
-                "-s",
-                "kascade",
-                "--mode",
-                "disaggregated",
-                "--min-instances",
-                "0",
-                "--hosts",
-                "1",
-                "--gpus-per-host",
-                "4",
-                flag,
-                "--convert-chunk-tokens",
-                "128",
-                "-o",
-                str(out),
-            ],
-        )
-        assert res.exit_code == 0, res.output
-        got[flag] = json.loads(out.read_text())["systems"]["kascade"]["converted_prefills"]
+    got = {
+        flag: _disaggregated(tmp_path, flag, "--rate", "1", "--min-instances", "0", "--hosts", "1",
+                             "--gpus-per-host", "4", flag, "--convert-chunk-tokens", "128")
+        ["systems"]["kascade"]["converted_prefills"]
+        for flag in ("--convertible", "--no-convertible")
+    }
     assert got["--convertible"] > 0 and got["--no-convertible"] == 0, got
 
 
 def test_sim_pd_policy_token_velocity(tmp_path: Path) -> None:
     """--pd-policy tokenVelocity: the disaggregated scale events are the operator's P:D ratio policy's."""
-    reasons = {}
-    for pol in ("threshold", "tokenVelocity"):
-        out = tmp_path / f"{pol}.json"
-        res = CliRunner().invoke(
-            sim,
-            [
-                "burstgpt-like",
-                "--rate",
-                "4",
-                "--duration",
-                "60",
-                "--seed",
-                "1",
-                "-s",
-                "kascade",
-                "--mode",
-                "disaggregated",
-                "--hosts",
-                "1",
-                "--gpus-per-host",
-                "8",
-                "--pd-policy",
-                pol,
-                "-o",
-                str(out),
-            ],
-        )
-        assert res.exit_code == 0, res.output
-        reasons[pol] = [e["reason"] for e in json.loads(out.read_text())["results"]["kascade"]["events"]]
+    reasons = {
+        pol: [e["reason"] for e in _disaggregated(tmp_path, pol, "--rate", "4", "--hosts", "1", "--gpus-per-host",
+                                                  "8", "--pd-policy", pol)["results"]["kascade"]["events"]]
+        for pol in ("threshold", "tokenVelocity")
+    }
     assert reasons["tokenVelocity"] and all(r.startswith("P:D ratio") for r in reasons["tokenVelocity"]), reasons
     assert not any(r.startswith("P:D ratio") for r in reasons["threshold"])
 
