@@ -40,10 +40,11 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-MODEL_LABEL = "model_name"
+from prometheus_client.metrics import MetricWrapperBase
 
 from kascade_engine.batch.velocity import PROMPT_BUCKETS, bucket
+
+MODEL_LABEL = "model_name"
 
 LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)  # vLLM's request_generation_tokens buckets
@@ -231,9 +232,11 @@ def relabel_model(registry: CollectorRegistry, old: str, new: str) -> int:
     if old == new:
         return 0
     moved = 0
-    families = {id(c): c for c in registry._collector_to_names}  # noqa: SLF001 (no public iterator of collectors)
+    families = {id(c): c for c in registry._collector_to_names}  # no public iterator of the collectors
     for c in families.values():
-        names = getattr(c, "_labelnames", ())
+        if not isinstance(c, MetricWrapperBase):
+            continue
+        names = c._labelnames
         if MODEL_LABEL not in names:
             continue
         i = names.index(MODEL_LABEL)

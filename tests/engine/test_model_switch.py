@@ -89,7 +89,7 @@ def test_a_switched_engine_reports_its_metrics_under_the_new_model_name(tiny_ckp
         serving_and_one_request("tiny-llama")
         before = httpx.get(e.url + "/metrics", timeout=30).text
         old = _series(before, "tiny-llama")
-        assert {"kascade_requests_arrived_total", "kascade_kv_link_bytes_per_second"} - old == {"kascade_kv_link_bytes_per_second"}
+        assert "kascade_requests_arrived_total" in old and "kascade_time_to_first_token_seconds_bucket" in old
         assert "kascade_decode_velocity_tokens_per_second" in old and "kascade_pd_prefills_served_total" in old
         assert httpx.post(e.url + "/kascade/v1/drain", headers=h, timeout=30).status_code == 200
         assert httpx.post(e.url + "/kascade/v1/release", headers=h, timeout=30).status_code == 200
