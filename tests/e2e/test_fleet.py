@@ -149,12 +149,21 @@ def test_three_models_on_six_engines_a_burst_takes_the_idle_model_down_to_its_mi
         gen_a.set_load(workers=8)  # A: the burst
         t_burst = time.monotonic()
         seen: list[dict[str, Any]] = []
+        planned: dict[str, float] = {}  # engine of B -> when the test first saw a plan of A binding it
+        served: dict[str, float] = {}  # engine of B -> when the test first saw it serving A
 
         def a_at_4() -> bool:
             arb = case.arbitration("model-b")
             if arb:
                 seen.append(arb)
-            return len(serving("model-a")) == 4
+            now = time.monotonic()
+            for p in case.plans_for("model-a", b_engines):
+                for t in p["spec"]["targets"]:
+                    planned.setdefault(t["pod"], now)
+            a = serving("model-a")
+            for name in set(a) & b_engines:
+                served.setdefault(name, time.monotonic())
+            return len(a) == 4
 
         wait_for(a_at_4, 240, "A at 4 replicas on B's engines", poll=0.05)
         t_up = time.monotonic()
@@ -175,6 +184,8 @@ def test_three_models_on_six_engines_a_burst_takes_the_idle_model_down_to_its_mi
         # from A's serving replicas (gpu) or a host copy of A: never from the model's files
         assert srcs and all((kind == "gpu" and pod in a_now) or host for kind, pod, host in srcs), srcs
         timed = switch_seconds(plans)
+        # decision -> serving per switched engine as this test saw it (polled, ~0.1-0.5 s per poll under load)
+        polled = {n: served[n] - planned[n] for n in sorted(served) if n in planned}
         during = gen_a.summary(since=t_burst)
         assert during["failed"] == 0 and during["ok"] > 20, during
 
@@ -194,6 +205,8 @@ def test_three_models_on_six_engines_a_burst_takes_the_idle_model_down_to_its_mi
     print(f"\nthree models, six engines: B's status.arbitration while preempted: {seen[:1]}\n"
           f"A 1 -> 4 on B's engines: {t_up - t_burst:.1f} s after the burst; decision (ScalePlan created) -> "
           f"serving A on a released engine of B: {', '.join(f'{a:.2f}' for a, _ in timed)} s "
-          f"(plan durationSeconds {', '.join(f'{d:.2f}' for _, d in timed)}); B 1 -> 4 again: {t_back - t_b:.1f} s\n"
+          f"(plan durationSeconds {', '.join(f'{d:.2f}' for _, d in timed)}); polled plan seen -> serving per "
+          f"engine: {', '.join(f'{n} {x:.2f}' for n, x in polled.items())} s (first plan seen "
+          f"{min(planned.values(), default=t_burst) - t_burst:.1f} s after the burst); B 1 -> 4 again: {t_back - t_b:.1f} s\n"
           + "\n".join(f"requests {m} {g.summary()}" for m, g in gens.items()))
     assert seen and seen[0]["rankedAbove"] == ["model-a"] and seen[0]["preempted"], seen
