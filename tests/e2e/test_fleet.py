@@ -207,6 +207,7 @@ def test_three_models_on_six_engines_a_burst_takes_the_idle_model_down_to_its_mi
           f"serving A on a released engine of B: {', '.join(f'{a:.2f}' for a, _ in timed)} s "
           f"(plan durationSeconds {', '.join(f'{d:.2f}' for _, d in timed)}); polled plan seen -> serving per "
           f"engine: {', '.join(f'{n} {x:.2f}' for n, x in polled.items())} s (first plan seen "
-          f"{min(planned.values(), default=t_burst) - t_burst:.1f} s after the burst); B 1 -> 4 again: {t_back - t_b:.1f} s\n"
+          f"{min(planned.values(), default=t_burst) - t_burst:.1f} s after the burst); "
+          f"B 1 -> 4 again: {t_back - t_b:.1f} s\n"
           + "\n".join(f"requests {m} {g.summary()}" for m, g in gens.items()))
     assert seen and seen[0]["rankedAbove"] == ["model-a"] and seen[0]["preempted"], seen
