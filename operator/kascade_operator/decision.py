@@ -144,7 +144,7 @@ def decide(w: World) -> Decision:
     taken = w.held | w.reserved
     # which idle engines: those whose node class fits the model, on a node keeping its host copy first
     targets = FleetTargets.of(spec.model.name, spec.engine.tp, spec.engine.node_selector, w.node_labels,
-                              w.settings.node_cache, pods)
+                              w.settings.node_cache, pods, spec.engine.gpu_memory_gib)
     res = reconcile(key, spec, [dataclasses.replace(p, draining=True) if p.pod_name in preempt else p for p in pods],
                     plans, desired or None, "; ".join(d.reason for d in changes), taken, w.expected, release_last,
                     targets.choose)

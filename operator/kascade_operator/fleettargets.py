@@ -19,8 +19,10 @@ Without the node cache a pod's host copy is its own: binding it as a chain targe
 keeping this model's copy is chosen last (it sends as a host source instead), as `pool.choose_targets` did.
 A node this operator does not know yet (not in its node list) fits no selector (a later round, once the node
 watch shows it, decides); one without the GPU labels is of class `unlabelled`.
-GPU memory needs are not stated on a ModelService yet: every class fits by memory, and the planner's best
-fit then prefers the smallest GPUs (the large ones stay free for whoever needs them).
+The model's GPU memory need is `spec.engine.gpuMemoryGiB` (over its tp GPUs): set, an engine on a node whose
+GPUs (`nvidia.com/gpu.memory` x tp) hold less, or whose node does not say, is not bound; unset, every class fits
+by memory. Either way the planner's best fit prefers the least memory left over (the large GPUs stay free for
+whoever needs them).
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from kascade_operator import labels as L
 from kascade_operator.pool import PodView, usable_target
 from kascade_planner.fleet import EmptyEngine, ModelNeed, NodeClass, Want, choose_fleet_targets
 
-ANY_MEMORY_GIB = 1e-3  # a model need that every class fits (no memory need stated)
-UNKNOWN_MEMORY_GIB = 1e-3  # a node that does not say its GPU memory
+ANY_MEMORY_GIB = 1e-6  # a model need that every class fits (no memory need stated; the CRD minimum is 0.001)
+UNKNOWN_MEMORY_GIB = 1e-6  # a node that does not say its GPU memory: fits only a need not stated
 
 
 def node_class(labels: Mapping[str, str], gpus: int = 1) -> NodeClass:
@@ -57,20 +59,21 @@ class FleetTargets:
     model: str
     tp: int = 1
     selector: Mapping[str, str] = field(default_factory=dict)  # spec.engine.nodeSelector
+    memory_gib: float | None = None  # spec.engine.gpuMemoryGiB (None: not stated, every class fits)
     node_labels: Mapping[str, Mapping[str, str]] = field(default_factory=dict)  # node -> labels (pods' nodes)
     node_cache: bool = False  # the pool's engines share one host copy per node (settings.node_cache)
     copies: Mapping[str, frozenset[str]] = field(default_factory=dict)  # node -> models kept there (node cache)
 
     @staticmethod
     def of(model: str, tp: int, selector: Mapping[str, str] | None, node_labels: Mapping[str, Mapping[str, str]],
-           node_cache: bool, pods: Sequence[PodView]) -> FleetTargets:
+           node_cache: bool, pods: Sequence[PodView], memory_gib: float | None = None) -> FleetTargets:
         """`pods`: the round's pool view; every pod recording a host copy counts for its node (node cache)."""
         copies: dict[str, set[str]] = {}
         if node_cache:
             for p in pods:
                 if p.host_copy and p.node and p.created_for is None:
                     copies.setdefault(p.node, set()).add(p.host_copy)
-        return FleetTargets(model, tp, dict(selector or {}), node_labels, node_cache,
+        return FleetTargets(model, tp, dict(selector or {}), memory_gib, node_labels, node_cache,
                             {n: frozenset(m) for n, m in copies.items()})
 
     def host_copy(self, p: PodView) -> str | None:
@@ -103,7 +106,7 @@ class FleetTargets:
             by_id[eid] = p
             engines.append(EmptyEngine(eid, p.node or "", cls.name, p.leaf, self.host_copy(p)))
         gpu = self.selector.get(L.GPU_PRODUCT)
-        need = ModelNeed(self.model, ANY_MEMORY_GIB, self.tp, (gpu,) if gpu else ())
+        need = ModelNeed(self.model, self.memory_gib or ANY_MEMORY_GIB, self.tp, (gpu,) if gpu else ())
         leaves = tuple(sorted({x for x in source_leaves if x is not None}))
         choice = choose_fleet_targets(engines, classes, {self.model: need}, [Want(self.model, k, leaves)])
         return [by_id[i] for i in choice.of(self.model)]

@@ -2,7 +2,8 @@
 Worlds in, the plan's targets out. An engine whose node's GPU type the service does not select is never bound;
 an engine on a node already keeping the model's host copy (node cache) comes first; one on a node keeping
 another model's copy comes last; without the node cache a pod keeping this model's own copy stays a host
-source; with no memory need stated the smallest GPUs go first."""
+source; a stated GPU memory need (spec.engine.gpuMemoryGiB) binds only engines whose GPUs hold it, the least
+left over first; with no memory need stated the smallest GPUs go first."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 import pytest
 from builders import pod, spec
+from pydantic import ValidationError
 from test_decide_world import CONC, NOW, world
 
 from kascade_operator.decision import decide
@@ -83,6 +85,24 @@ def test_with_no_memory_need_stated_the_smallest_gpus_go_first() -> None:
     labels = {"m0": {GPU: "H100", MEM: "81920"}, "m1": {GPU: "L4", MEM: "24576"}}
     d = decide(world(s, serving_and(pod("i0", "m0"), pod("i1", "m1")), LOAD, node_labels=labels))
     assert plan_of(d).targets == ("i1",)
+
+
+def test_a_stated_gpu_memory_need_binds_only_engines_whose_gpus_hold_it() -> None:
+    labels = {"m0": {GPU: "L4", MEM: "24576"}, "m1": {GPU: "H100", MEM: "81920"}, "m2": {GPU: "X"}}
+    pods = serving_and(pod("i0", "m0"), pod("i1", "m1"), pod("i2", "m2"))
+    s = spec(hi=4, scaling=CONC, engine={"gpuMemoryGiB": 40})
+    assert plan_of(decide(world(s, pods, LOAD, node_labels=labels))).targets == ("i1",)  # L4: 24 GiB < 40
+    small = spec(hi=4, scaling=CONC, engine={"gpuMemoryGiB": 20})
+    assert plan_of(decide(world(small, pods, LOAD, node_labels=labels))).targets == ("i0",)  # least left over
+    # a node that does not say its GPU memory is not bound for a stated need
+    d = decide(world(s, serving_and(pod("i2", "m2")), LOAD, node_labels=labels))
+    assert not [a for a in d.actions if isinstance(a, CreatePlan)] and d.result is not None and d.result.short == 1
+
+
+@pytest.mark.parametrize("bad", [0, -1, "40", True])
+def test_gpu_memory_need_is_a_positive_number_and_the_error_names_the_field(bad: Any) -> None:
+    with pytest.raises(ValidationError, match="gpuMemoryGiB"):
+        spec(engine={"gpuMemoryGiB": bad})
 
 
 def test_node_class_from_the_gpu_labels() -> None:
