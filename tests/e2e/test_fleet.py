@@ -13,6 +13,7 @@ binds a released engine of B for A) to that replica serving A is measured and pr
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -173,6 +174,10 @@ def test_three_models_on_six_engines_a_burst_takes_the_idle_model_down_to_its_mi
             st = httpx.get(f"{pool.engines[name].url}/kascade/v1/status", timeout=10,
                            headers={"Authorization": f"Bearer {TOKEN}"}).json()
             assert (st["model"], st["modelService"], st["phase"]) == ("model-a", "model-a", "serving"), st
+            # and so do its Prometheus series: started for C, switched to B, then to A
+            names = set(re.findall(r'model_name="([^"]+)"', httpx.get(f"{pool.engines[name].url}/metrics",
+                                                                       timeout=10).text))
+            assert names == {"model-a"}, (name, names)
         assert len(serving("model-b")) == 1  # B at its min
         assert serving("model-c") == [c0]  # C at its min: never preempted
         ev_b, ev_c = case.events("model-b"), case.events("model-c")
