@@ -10,7 +10,7 @@ model's scale-from-zero source, best left to it while others are free.
 
 Data flow: the World's idle pods (`PodView`: node, leaf, tp, host copy) + the labels of their nodes (node
 facts: `nvidia.com/gpu.product`, `nvidia.com/gpu.memory` in MiB, the selector's keys) + the service's model,
-tp and nodeSelector + the pods keeping host copies (per node with the node cache, per pod without) ->
+tp, nodeSelector and gpuMemoryGiB + the pods keeping host copies (per node with the node cache, per pod without) ->
 `EmptyEngine`s in `NodeClass`es and one `Want` (this service's, the leaves of its serving replicas as the
 chain's sources) -> `choose_fleet_targets` -> the pods, best first. The preference order is the planner's
 (kascade_planner/fleet.py); ties keep the pool's old order (leaf, node, name: a node's engines stay adjacent).
