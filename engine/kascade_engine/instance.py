@@ -321,7 +321,11 @@ class EngineInstance:
         old = self.config.model_name
         self.tokenizer, self.model_cfg, self.host_copy = load_tokenizer(d), dict(cfg), None
         self._build(replace(self.config, model_name=name, checkpoint=d))
-        log.info("%s: switched from model %s to %s (%s)", self.instance_id, old, name, path)
+        # its Prometheus series carry the model it serves now (the PD metrics share the registry)
+        moved = self.metrics.rename(name)
+        self.pd_metrics.model_name = name
+        log.info("%s: switched from model %s to %s (%s); %d metric series relabelled", self.instance_id, old, name,
+                 path, moved)
 
     async def load_plan(self, req: LoadPlanRequest) -> EngineStatus:
         from kascade_engine.loader import start_plan_load

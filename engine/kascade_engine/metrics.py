@@ -26,6 +26,11 @@ and the fitted `kascade_step_cost_prompt_token_seconds` (stepcost.py). Request r
 (liveredirect.py): `kascade_live_redirected_requests_total` and `kascade_live_redirect_taken_back_requests_total`
 on the source, `kascade_live_redirect_received_requests_total` on the replica.
 
+A released engine that switches model (`EngineInstance.switch_model`) calls `rename(new)`: every series labelled
+with the old `model_name` (this module's, the PD metrics', the velocity gauges') moves to the new name, each
+child with its value and callbacks (the attributes below keep counting, now under the new name; Prometheus
+sees the old series end and the new one start, so `rate()` is unaffected).
+
 Data flow: Serving calls `on_request` (prompt admitted), `observe_event` (every token), `observe_ttft`,
 `on_finish`; `update(instance)` samples the gauges before a scrape and after every step.
 """
@@ -35,8 +40,11 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 from kascade_engine.batch.velocity import PROMPT_BUCKETS, bucket
+
+MODEL_LABEL = "model_name"
 
 LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)  # vLLM's request_generation_tokens buckets
@@ -135,6 +143,13 @@ class EngineMetrics:
         self._last_token: dict[str, float] = {}
         self._preemptions_seen = 0
 
+    def rename(self, model_name: str) -> int:
+        """The engine serves `model_name` now: its series move to that label (module docstring). Returns the
+        series moved."""
+        moved = relabel_model(self.registry, self.model_name, model_name)
+        self.model_name = model_name
+        return moved
+
     def on_request(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
         self.request_prompt_tokens.observe(prompt_tokens)
@@ -207,3 +222,30 @@ class EngineMetrics:
         self.data_port_bytes.labels(t.name, "sent").inc(sent - self._data_port_seen[0])
         self.data_port_bytes.labels(t.name, "received").inc(received - self._data_port_seen[1])
         self._data_port_seen = (sent, received)
+
+
+def relabel_model(registry: CollectorRegistry, old: str, new: str) -> int:
+    """Move every child of `registry` labelled `model_name=old` to `model_name=new`, keeping the child object (its
+    value, a gauge's set_function, and every reference to it). prometheus_client has no public rename: this
+    re-keys each labelled family's children under its lock (`_labelnames`, `_metrics`, `_lock`: stable since
+    0.4; tests/engine/test_model_switch.py reads the real engine's /metrics after a switch)."""
+    if old == new:
+        return 0
+    moved = 0
+    families = {id(c): c for c in registry._collector_to_names}  # no public iterator of the collectors
+    for c in families.values():
+        if not isinstance(c, MetricWrapperBase):
+            continue
+        names = c._labelnames
+        if MODEL_LABEL not in names:
+            continue
+        i = names.index(MODEL_LABEL)
+        with c._lock:
+            children = list(c._metrics.items())
+            c._metrics.clear()
+            for key, child in children:
+                if key[i] == old:
+                    key = (*key[:i], new, *key[i + 1:])
+                    moved += 1
+                c._metrics[key] = child
+    return moved

@@ -78,6 +78,8 @@ class EngineSpec(Model):
     image: str = Field(min_length=1)
     capacity: EngineCapacity | None = None
     tp: int = Field(default=1, ge=1, le=64)
+    # GPU memory one replica needs (fleettargets.py: pool engines on nodes whose GPUs hold less are not bound)
+    gpu_memory_gib: float | None = Field(default=None, ge=0.001, le=1_000_000, alias="gpuMemoryGiB")
     port: int = Field(default=8000, ge=1, le=65535)
     data_port: int = Field(default=18515, ge=1, le=65535)
     resources: Resources | None = None

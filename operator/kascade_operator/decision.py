@@ -6,7 +6,8 @@ Data flow (world.py has the types, observe.py fills the World, actuator.act carr
   else: per role the policy (decide.decide_roles) -> the zero rule (demand.zero_rule: from zero on the
   router's demand, to zero after the idle time) -> the fleet's arbitration when services share a short pool
   (arbitrated.apply_fleet: growth capped at the grant, preempted replicas drained) -> the reconciler
-  (reconcile.reconcile: plans, fallback pods, drains, releases) -> convertible decoders
+  (reconcile.reconcile: plans, fallback pods, drains, releases; its targets chosen by node class and host copy,
+  fleettargets.py) -> convertible decoders
   (kascade_planner.conversion) -> host copies (hostcopykeeper's pure rules) -> serving gates -> status,
   ModelServiceRole statuses, plans to prune, and whether the service is steady (next round at the resync) or
   moving (next round one interval on).
@@ -25,6 +26,7 @@ from kascade_operator.api import ModelServiceSpec
 from kascade_operator.arbitrated import FleetRound, apply_fleet, arbitrated_condition
 from kascade_operator.decide import RoleDecision, RoleInput, decide_roles
 from kascade_operator.demand import zero_rule
+from kascade_operator.fleettargets import FleetTargets
 from kascade_operator.hostcopykeeper import keeper, surplus
 from kascade_operator.pdscaling import conversion_input
 from kascade_operator.podtemplate import checkpoint_path, refusals
@@ -140,8 +142,12 @@ def decide(w: World) -> Decision:
     # other namespaces, and pods other rounds claimed: observe read the claims last, and act claims this
     # round's targets before its first await
     taken = w.held | w.reserved
+    # which idle engines: those whose node class fits the model, on a node keeping its host copy first
+    targets = FleetTargets.of(spec.model.name, spec.engine.tp, spec.engine.node_selector, w.node_labels,
+                              w.settings.node_cache, pods, spec.engine.gpu_memory_gib)
     res = reconcile(key, spec, [dataclasses.replace(p, draining=True) if p.pod_name in preempt else p for p in pods],
-                    plans, desired or None, "; ".join(d.reason for d in changes), taken, w.expected, release_last)
+                    plans, desired or None, "; ".join(d.reason for d in changes), taken, w.expected, release_last,
+                    targets.choose)
     events: list[Event] = list(fleet.events)
     blocker: Blocker | None = None
     actions: list[Action] = list(fleet.drains)

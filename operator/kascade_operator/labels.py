@@ -48,4 +48,7 @@ PREEMPTED_FOR = "kascade.io/preempted-for"  # annotation on a draining pod: the 
 # it was preempted for; the taker counts it as coming while it drains, nobody else is granted it
 CREATED_FOR = "kascade.io/created-for"  # annotation: "ns/name" of the service a fallback pod was created for
 MANAGED_BY = "app.kubernetes.io/managed-by"
+# GPU Feature Discovery's node labels: the node class of the pool's engines (fleettargets.py)
+GPU_PRODUCT = "nvidia.com/gpu.product"  # the GPU type, e.g. NVIDIA-H100-80GB-HBM3
+GPU_MEMORY = "nvidia.com/gpu.memory"  # memory per GPU in MiB
 FINALIZER = "kascade.io/finalizer"

@@ -145,6 +145,7 @@ async def observe(rt: Runtime, body: dict[str, Any], trigger: str) -> World | No
     if pool_ns != ns:
         for n2 in rt.plan_namespaces():
             held |= (await rt.plan_snapshot(n2)).held if n2 != ns else set()
+    labels = await rt.node_labels()
     # no await from here to act()'s claims
     reserved = frozenset(rt.reserved(pool_ns))
     # the shared pool's arbitration (fleetboard.py: cached on the board's version, None while nobody is short)
@@ -152,4 +153,5 @@ async def observe(rt: Runtime, body: dict[str, Any], trigger: str) -> World | No
     return World(body, trigger, now, now_iso(), rt.settings, spec, (), False, sources, objs, resolution, pool_ns,
                  key, tuple(pods), tuple(raw), tuple(plans), frozenset(held), reserved,
                  rt.expected(pool_ns, key, (p.pod_name for p in pods)), tuple(roles), demand,
-                 rt.router is not None, rt.view is not None and rt.prometheus is None, checks, fleet, pool.preempted)
+                 rt.router is not None, rt.view is not None and rt.prometheus is None, checks, fleet, pool.preempted,
+                 {p.node: labels[p.node] for p in pods if p.node and p.node in labels})

@@ -14,13 +14,16 @@ not a storm; when the scheduler reports them Unschedulable the result says `exha
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kascade_operator.api import ModelServiceSpec, RoleReplicas
 from kascade_operator.pool import PodView, can_serve, choose_drain, choose_targets, host_copies, usable_target
 
 TERMINAL = ("Succeeded", "Failed")
+# (idle pods, how many, the leaves of the role's ready replicas) -> targets, best first (pool.choose_targets;
+# decide() passes the fleet's node-class and host-copy-aware choice, fleettargets.FleetTargets.choose)
+Chooser = Callable[[Sequence[PodView], int, Collection[str | None]], list[PodView]]
 
 
 @dataclass(frozen=True)
@@ -133,13 +136,14 @@ def pd_sources(pods: Sequence[PodView], name: str, role: str,
 
 def reconcile(name: str, spec: ModelServiceSpec, pods: Sequence[PodView], plans: Sequence[PlanView],
               desired: Mapping[str, int] | None = None, reason: str = "", unavailable: Collection[str] = (),
-              expected: int = 0, release_last: Collection[str] = ()) -> Result:
+              expected: int = 0, release_last: Collection[str] = (), choose: Chooser = choose_targets) -> Result:
     """`name`: the service key pods carry (pool.service_key). `desired`: the policy's wish per role
     (missing role -> the role's set desired count, else its min); it is clamped to the role's min..max
     here, so a bad policy output can never break bounds. `unavailable`: idle-looking pods that other
     services' plans have already taken (their bindings may not be visible yet); never chosen as
     targets. `expected`: fallback pods created for this service that the watch has not shown yet.
-    `release_last`: roles whose last ready copy may be drained (min 0 and idle: scale to zero)."""
+    `release_last`: roles whose last ready copy may be drained (min 0 and idle: scale to zero). `choose`: which
+    idle pods to bind (default: the pool's order, `pool.choose_targets`)."""
     actions: list[Action] = []
     roles: dict[str, RoleCount] = {}
     notes: list[str] = []
@@ -185,7 +189,7 @@ def reconcile(name: str, spec: ModelServiceSpec, pods: Sequence[PodView], plans:
             if not ready and spec.model.source.pvc is not None:
                 # the first copy of a pvc source loads where the claim is mounted: a pod created for it
                 free = [p for p in free if p.created_for == name]
-            targets = choose_targets(free, need, {p.leaf for p in ready})
+            targets = choose(free, need, {p.leaf for p in ready})
             taken.update(t.pod_name for t in targets)
             if targets:
                 srcs, flows = pd_sources(pods, name, role, ready)

@@ -58,6 +58,7 @@ class Runtime:
     _nodes: list[dict[str, Any]] = field(default_factory=list)
     _nodes_t: float = -1e9
     _facts: tuple[dict[str, str], int] | None = None
+    _labels: tuple[object, Mapping[str, Mapping[str, str]]] = (None, {})
     _facts_t: float = -1e9
     _views: dict[tuple[str, str, str | None], PodView] = field(default_factory=dict)
     _snaps: dict[Any, Any] = field(default_factory=dict)  # snapshots.cached: pool and plans per namespace
@@ -139,6 +140,14 @@ class Runtime:
                 leaf = self._facts[0]  # the same object while unchanged: the pool snapshot stays valid
             self._facts, self._facts_t = (leaf, max_gpus(nodes, self.settings.gpu_resource)), now
         return self._facts
+
+    async def node_labels(self) -> Mapping[str, Mapping[str, str]]:
+        """node -> its labels (the fleet's node classes, fleettargets.py), rebuilt only when the node list is a
+        new object (the node watch hands out the same list until a node changes)."""
+        nodes = await self.nodes()
+        if self._labels[0] is not nodes:
+            self._labels = (nodes, {n["metadata"]["name"]: dict(n["metadata"].get("labels") or {}) for n in nodes})
+        return self._labels[1]
 
     async def pool_snapshot(self, ns: str) -> PoolSnapshot:
         """The pool of `ns` grouped by service, rebuilt only when the index changed (snapshots.py)."""

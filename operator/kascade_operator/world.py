@@ -75,6 +75,9 @@ class World:
     # entry, the pods draining in the pool preempted for it (coming to it)
     fleet: FleetView | None = None
     promised: Mapping[str, int] = field(default_factory=dict)
+    # the labels of the nodes the round's pods run on (node facts: GPU type and memory, the selector's keys);
+    # the fleet's target choice reads them (fleettargets.py); a node missing here is not known to the operator
+    node_labels: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
     @property
     def ns(self) -> str:

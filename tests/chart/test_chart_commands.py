@@ -466,8 +466,18 @@ def test_pool_node_cache_mounts_one_host_directory_and_counts_copies_per_node(
     vol = next(v for v in pod["spec"]["volumes"] if v["name"] == "node-cache")
     assert vol["hostPath"] == {"path": "/dev/shm/kc", "type": "DirectoryOrCreate"}
     assert _operator_settings(docs, monkeypatch).node_cache is True
+    # the directory becomes pool.runAsUser's before the non-root engine starts (root with CHOWN, FOWNER only)
+    uid = pod["spec"]["securityContext"]["runAsUser"]
+    init = pod["spec"]["initContainers"][0]  # before the model download (the chart's default)
+    assert [c["name"] for c in pod["spec"]["initContainers"]] == ["node-cache-owner", "model-download"]
+    assert init["name"] == "node-cache-owner" and f"os.chown(d, {uid}, {uid})" in init["args"][-1]
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
+    assert init["volumeMounts"] == [{"name": "node-cache", "mountPath": "/kascade/node-cache"}]
+    docs = _render(helm, tmp_path, {"pool": {"model": model, "nodeCache": {"enabled": True, "setOwner": False}}})
+    pod = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-pool")["spec"]["template"]
+    assert [c["name"] for c in pod["spec"]["initContainers"]] == ["model-download"]
     for bad in ("pool.nodeCache.budgetGiB=-1", "pool.nodeCache.hostPath=relative",
-                "pool.extraArgs={--node-cache-dir=/x}"):
+                "pool.extraArgs={--node-cache-dir=/x}", "pool.nodeCache.setOwner=maybe"):
         out = helm("template", "rel", str(CHART), "--set", f"pool.model.name=m,pool.model.path=/m,{bad}", check=False)
         assert out.returncode != 0 and ("nodeCache" in out.stderr or "node-cache" in out.stderr), (bad, out.stderr)
 

@@ -1,12 +1,16 @@
 """A released engine changes model (issue 35: a GPU of the shared pool serves another model): bind with
 `modelPath` switches an engine holding no weights to that model's config and tokenizer, then it loads and
-serves the new model; an engine holding weights or bound refuses, and a bad path is refused by field name."""
+serves the new model; an engine holding weights or bound refuses, and a bad path is refused by field name. A
+switched engine's Prometheus series carry the new model's name (a real engine process's /metrics)."""
 
 from __future__ import annotations
 
 import asyncio
+import re
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from kascade_engine.batch.sampling import SamplingParams
@@ -59,3 +63,46 @@ def test_model_path_on_the_wire() -> None:
     assert req.to_dict()["modelPath"] == "/models/m" and BindRequest.from_dict(req.to_dict()) == req
     with pytest.raises(WireError, match="modelPath"):
         BindRequest.from_dict({"model": "m", "modelService": "svc", "modelPath": 3})
+
+
+def _series(text: str, model: str) -> set[str]:
+    return {m.group(1) for m in re.finditer(r'^(kascade_\w+)\{[^}]*model_name="' + re.escape(model) + '"', text, re.M)}
+
+
+def test_a_switched_engine_reports_its_metrics_under_the_new_model_name(tiny_ckpt: Path, tmp_path: Path,
+                                                                          engine_starter) -> None:
+    other = tiny_llama(tmp_path / "other", layers=3, hidden=96, vocab=384, seed=7)
+    e = engine_starter(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--empty"])
+    h = {"Authorization": f"Bearer {e.token}"}
+
+    def serving_and_one_request(model: str) -> None:
+        deadline = time.monotonic() + 120
+        while httpx.get(e.url + "/kascade/v1/status", headers=h, timeout=30).json()["phase"] != "serving":
+            assert time.monotonic() < deadline, f"{model} never served"
+            time.sleep(0.1)
+        r = httpx.post(e.url + "/v1/completions", json={"model": model, "prompt": [1, 2], "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200, r.text
+
+    try:
+        bind = {"model": "tiny-llama", "modelService": "b", "role": "colocated", "source": {"path": str(tiny_ckpt)}}
+        assert httpx.post(e.url + "/kascade/v1/bind", json=bind, headers=h, timeout=60).status_code == 200
+        serving_and_one_request("tiny-llama")
+        before = httpx.get(e.url + "/metrics", timeout=30).text
+        old = _series(before, "tiny-llama")
+        assert "kascade_requests_arrived_total" in old and "kascade_time_to_first_token_seconds_bucket" in old
+        assert "kascade_decode_velocity_tokens_per_second" in old and "kascade_pd_prefills_served_total" in old
+        assert httpx.post(e.url + "/kascade/v1/drain", headers=h, timeout=30).status_code == 200
+        assert httpx.post(e.url + "/kascade/v1/release", headers=h, timeout=30).status_code == 200
+        bind = {"model": "other", "modelService": "a", "role": "colocated", "source": {"path": str(other)},
+                "modelPath": str(other)}
+        r = httpx.post(e.url + "/kascade/v1/bind", json=bind, headers=h, timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == "other", r.text
+        serving_and_one_request("other")
+        after = httpx.get(e.url + "/metrics", timeout=30).text
+        assert not _series(after, "tiny-llama"), [x for x in after.splitlines() if "tiny-llama" in x][:5]
+        assert old <= _series(after, "other")  # every series moved to the new name
+        # one engine's counters stay monotonic across the switch: both requests count, under the new name
+        arrived = re.search(r'^kascade_requests_arrived_total\{model_name="other"\} (\S+)$', after, re.M)
+        assert arrived and float(arrived.group(1)) == 2.0, arrived
+    finally:
+        e.stop()

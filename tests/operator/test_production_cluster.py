@@ -139,6 +139,34 @@ def test_two_models_in_a_pool_that_does_not_say_its_models(
                          for p in kget(cp, ns, "splan")["items"]), timeout=30, what="every plan ended")
 
 
+def test_a_service_binds_only_engines_on_the_gpu_type_it_selects(
+        control_plane: ControlPlane, namespace: str, ops: Callable[..., OperatorProcess],
+        stubs: list[EngineStub], kwok_nodes: Callable[..., list[str]]) -> None:
+    """The fleet's target choice in the running operator (fleettargets.py): node labels from its node watch reach
+    decide(); a service selecting nvidia.com/gpu.product=H100 binds the engine on the H100 node, never the two
+    idle engines on the L4 node that come first by name; a service needing 40 GiB of GPU memory binds no L4."""
+    cp, ns = control_plane, namespace
+    l4, h100 = kwok_nodes(2)
+    cp.kubectl("label", "node", l4, "nvidia.com/gpu.product=L4", "nvidia.com/gpu.memory=23034")
+    cp.kubectl("label", "node", h100, "nvidia.com/gpu.product=H100", "nvidia.com/gpu.memory=81559")
+    on_l4 = add_pool(cp, ns, stubs, [l4], 2)
+    add_pool(cp, ns, stubs, [h100], 1)
+    ops(*ALLOW).start()
+    doc = msvc("a", 1, 2)
+    doc["spec"]["engine"]["nodeSelector"] = {"nvidia.com/gpu.product": "H100"}
+    apply(cp, ns, doc)
+    wait_for(lambda: len(bound(cp, ns, "a", True)) == 1, timeout=60, what="a's first copy")
+    assert [p["spec"]["nodeName"] for p in bound(cp, ns, "a")] == [h100]
+    # by memory, on the API server's schema: 40 GiB fits no L4 (22.5 GiB); a second service binds nothing
+    doc = msvc("b", 1, 2)
+    doc["spec"]["engine"]["gpuMemoryGiB"] = 40
+    apply(cp, ns, doc)
+    wait_for(lambda: (kget(cp, ns, "msvc", "b").get("status") or {}).get("observedGeneration"), timeout=30,
+             what="b's first round")
+    time.sleep(3.0)  # more rounds: the L4 engines stay idle (b's fallback pod, if any, is its own)
+    assert all(kget(cp, ns, "pod", s.instance)["metadata"]["labels"].get("kascade.io/pool") == "warm" for s in on_l4)
+
+
 def test_exhausted_pool_creates_exactly_the_missing_pods_and_delete_cleans_up(
         control_plane: ControlPlane, namespace: str, ops: Callable[..., OperatorProcess],
         stubs: list[EngineStub], kwok_nodes: Callable[..., list[str]]) -> None:
