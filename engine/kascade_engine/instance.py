@@ -81,6 +81,8 @@ class EngineInstance:
         self.cooperate: dict[str, str] = {}
         self.blockset: Any = None  # a complete copy held here (sources send from it)
         self.tp_load_stats: list[Any] = []  # per rank bytes/seconds of the last load by rank planes (tp/planload.py)
+        # a TP instance loaded by matched-TP slices holds no whole block: the whole blocks' manifest it loaded by
+        self.tp_whole_manifest: dict[str, Any] | None = None
         self.host_copy: Any = None  # a BlockSet kept in host memory after release (None: none)
         self.node = node  # the node cache (--node-cache-dir): blockset and host copy are its mapped copy
         self.host_feeding = False  # a plan load running only as a host source (the phase stays released)
@@ -393,6 +395,7 @@ class EngineInstance:
         self.probe.stop()
         self.engine.reset()
         self.blockset, self.plan, self.load_error, self.bytes_received, self.transfer_bw = None, None, None, 0, 0.0
+        self.tp_whole_manifest = None
         self._drop_node_copy()
         self._to(Phase.RELEASED)
         return self.status()
