@@ -267,6 +267,10 @@ class EngineInstance:
 
     # -- control calls -------------------------------------------------------------------------
     async def bind(self, req: BindRequest) -> EngineStatus:
+        if self.config.tp > 1 and req.role != "colocated":
+            raise InstanceError(409, f"tp: role {req.role!r} (prefill/decode disaggregation) with a tensor-parallel "
+                                f"instance (tp {self.config.tp}) is not supported: its KV is split over its ranks "
+                                "(docs/tp.md)", "tp")
         if req.source_host_copy and self.host_copy is None:
             raise InstanceError(409, "source.hostCopy: this engine keeps no host copy (status hostCopyBytes is 0)",
                                 "source.hostCopy")
@@ -349,6 +353,9 @@ class EngineInstance:
         in a step that decodes (scheduler.py, stepcost.py). The data port serves other decode engines' prefill whatever
         the role; the router
         sends it some once the pod is annotated convertible."""
+        if self.config.tp > 1:
+            raise InstanceError(409, f"tp: a convertible decoder (prefill/decode disaggregation) with a "
+                                f"tensor-parallel instance (tp {self.config.tp}) is not supported (docs/tp.md)", "tp")
         lim = self.engine.limits
         changed = (req.prefill_chunk_tokens, req.step_budget_ms) != (
             lim.prefill_chunk_tokens, None if lim.step_budget_s is None else lim.step_budget_s * 1e3)

@@ -7,10 +7,10 @@ instance is then broken for good, so `TPEngine` records it (`failed`), fails the
 `RankLost` from every later step; launch.py's watcher records a follower's exit the same way even between steps,
 and the server exits non-zero on it (the pod restarts; the operator replaces the replica).
 
-One channel, one user at a time: on CPU the step messages and the layers' all-reduces share one gloo group, so a
-message sent from another thread (a plan's `Serve`, a `Manifests` query, asked over HTTP while the instance serves)
-must never fall between a step's message and its all-reduces. `channel` (a lock) is held across each step's
-message and forward and across every other message with its collective.
+One channel, one user at a time: a message sent from another thread (a plan's `Serve`, a `Manifests` query, asked
+over HTTP while the instance serves) must never interleave with a step's message on the control group, nor fall
+between a step's message and its all-reduces. `channel` (a lock) is held across each step's message and forward and
+across every other message with its collective.
 """
 
 from __future__ import annotations
