@@ -123,7 +123,7 @@ def test_the_share_kind_follows_the_plans_sources(tiny_blocks: BlockSet) -> None
     refused naming `sources`."""
     assert instance_mode(_plan_obj(tiny_blocks, 2), 2) == "slices"
     assert instance_mode(_plan_obj(tiny_blocks, 1), 2) == "parts"
-    with pytest.raises(PlanError, match="sources: .* of 2 GPUs"):
+    with pytest.raises(PlanError, match=r"sources: .* of 2 GPUs"):
         instance_mode(_plan_obj(tiny_blocks, 2, g=4), 4)
 
 
