@@ -130,6 +130,7 @@ class EngineInstance:
         c = config
         limits = Limits(c.max_batch_tokens, c.max_seqs, c.kv_tokens, c.page_size)
         self.engine: Engine
+        self.model: LlamaModel  # a tp/RankModel on rank 0 of a tensor-parallel instance
         if c.tp > 1:  # this process is rank 0 of a tensor-parallel instance (tp/launch.py)
             if hasattr(self, "ranks"):
                 raise InstanceError(409, f"dtype: fixed at start for tp {c.tp} (its ranks run {self.dtype})", "dtype")
