@@ -81,6 +81,8 @@ class EngineInstance:
         self.cooperate: dict[str, str] = {}
         self.blockset: Any = None  # a complete copy held here (sources send from it)
         self.tp_load_stats: list[Any] = []  # per rank bytes/seconds of the last load by rank planes (tp/planload.py)
+        # a TP instance loaded by matched-TP slices holds no whole block: the whole blocks' manifest it loaded by
+        self.tp_whole_manifest: dict[str, Any] | None = None
         self.host_copy: Any = None  # a BlockSet kept in host memory after release (None: none)
         self.node = node  # the node cache (--node-cache-dir): blockset and host copy are its mapped copy
         self.host_feeding = False  # a plan load running only as a host source (the phase stays released)
@@ -128,6 +130,7 @@ class EngineInstance:
         c = config
         limits = Limits(c.max_batch_tokens, c.max_seqs, c.kv_tokens, c.page_size)
         self.engine: Engine
+        self.model: LlamaModel  # a tp/RankModel on rank 0 of a tensor-parallel instance
         if c.tp > 1:  # this process is rank 0 of a tensor-parallel instance (tp/launch.py)
             if hasattr(self, "ranks"):
                 raise InstanceError(409, f"dtype: fixed at start for tp {c.tp} (its ranks run {self.dtype})", "dtype")
@@ -265,6 +268,10 @@ class EngineInstance:
 
     # -- control calls -------------------------------------------------------------------------
     async def bind(self, req: BindRequest) -> EngineStatus:
+        if self.config.tp > 1 and req.role != "colocated":
+            raise InstanceError(409, f"tp: role {req.role!r} (prefill/decode disaggregation) with a tensor-parallel "
+                                f"instance (tp {self.config.tp}) is not supported: its KV is split over its ranks "
+                                "(docs/tp.md)", "tp")
         if req.source_host_copy and self.host_copy is None:
             raise InstanceError(409, "source.hostCopy: this engine keeps no host copy (status hostCopyBytes is 0)",
                                 "source.hostCopy")
@@ -351,6 +358,9 @@ class EngineInstance:
         in a step that decodes (scheduler.py, stepcost.py). The data port serves other decode engines' prefill whatever
         the role; the router
         sends it some once the pod is annotated convertible."""
+        if self.config.tp > 1:
+            raise InstanceError(409, f"tp: a convertible decoder (prefill/decode disaggregation) with a "
+                                f"tensor-parallel instance (tp {self.config.tp}) is not supported (docs/tp.md)", "tp")
         lim = self.engine.limits
         changed = (req.prefill_chunk_tokens, req.step_budget_ms) != (
             lim.prefill_chunk_tokens, None if lim.step_budget_s is None else lim.step_budget_s * 1e3)
@@ -397,6 +407,7 @@ class EngineInstance:
         self.probe.stop()
         self.engine.reset()
         self.blockset, self.plan, self.load_error, self.bytes_received, self.transfer_bw = None, None, None, 0, 0.0
+        self.tp_whole_manifest = None
         self._drop_node_copy()
         self._to(Phase.RELEASED)
         return self.status()

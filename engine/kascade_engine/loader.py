@@ -101,6 +101,8 @@ async def start_plan_load(inst: LoadTarget, req: LoadPlanRequest) -> None:
     # a released engine's host copy feeds plans it is a source of (it never becomes its own target's copy)
     blocks = inst.blockset if inst.blockset is not None or target else inst.host_copy
     manifest = req.manifest or (blocks.manifest() if blocks is not None else None)
+    if manifest is None and inst.config.tp > 1:  # a TP instance loaded by slices holds no whole blocks: its manifest
+        manifest = getattr(inst, "tp_whole_manifest", None)
     if manifest is None:
         raise _fail(400, "invalid field 'manifest': a loading target needs the block manifest", "manifest")
     if inst.busy_loading:

@@ -60,8 +60,10 @@ async def new_scaleplan(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpe
     holders = action.sources or (action.targets if action.host_copy else ())  # a host copy has the real blocks
     manifest = await source_manifest(rt, [pods[s] for s in holders if s in pods]) if holders else None
     model = SP.layout(spec.model.name, spec.model.layers, manifest=manifest)
+    # a tensor-parallel instance never pairs live (its engine refuses cooperation naming tp: docs/tp.md)
+    live = bool(spec.scaling and spec.scaling.live) and spec.engine.tp == 1
     built = SP.build(action, pods, nodes, model, algorithm, spec.engine.tp, rt.settings.label_keys,
-                     rt.settings.inter_leaf_ratio, live=spec.scaling.live if spec.scaling else False)
+                     rt.settings.inter_leaf_ratio, live=live)
     return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ScalePlan",
             "metadata": {"generateName": f"{meta['name']}-{action.role}-", "namespace": meta["namespace"],
                          "labels": {L.MODEL_SERVICE: meta["name"], L.ROLE: action.role},

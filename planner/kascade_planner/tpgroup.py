@@ -64,6 +64,19 @@ def plane_mode(source_tp: int, target_tp: int) -> Mode:
     return "slices" if source_tp == target_tp else "parts"
 
 
+def instance_mode(plan: Plan, g: int) -> Mode:
+    """How an instance plan into TP-`g` targets runs, as every participant decides it from the plan alone:
+    "slices" when every source is a TP-`g` GPU instance (matched TP: rank r of a source sends rank r of a target
+    its slices, nothing gathered), else "parts" (a TP-1 source, a host copy: 1/g of every block per rank, then the
+    all-gather). A source of another width (neither 1 nor g) is refused: PlanError naming `sources`."""
+    odd = sorted({s.gpus for s in plan.sources if s.kind == "gpu" and s.gpus not in (1, g)})
+    if odd:
+        raise PlanError(f"sources: a plan into TP-{g} targets from sources of {odd[0]} GPUs (only TP 1 or TP {g})")
+    if plan.sources and all(s.kind == "gpu" and s.gpus == g for s in plan.sources):
+        return "slices"
+    return "parts"
+
+
 def place_group(topo: Topology, tp: int, used: Mapping[str, int]) -> str:
     """The node a TP-`tp` replica's ranks go to: the first node (topology order) with `tp` free GPUs, so every
     rank shares its scale-up domain. A replica never spans nodes: PlanError naming `tp` when none fits."""

@@ -3,8 +3,9 @@ pods backed by `kascade engine serve --empty --tp 2` processes (two ranks each, 
 operator as a real process.
 
 Shown here: the first copy loads from the source path into both ranks; raising the minimum makes a chain
-ScalePlan whose plan is the unsharded instance plan into 2-GPU targets; the engines run it as two rank planes,
-each rank receiving half of every block over its own port, and the new replica answers exactly like the first.
+ScalePlan whose plan is the unsharded instance plan from a 2-GPU source into 2-GPU targets; the engines run it as
+two rank planes of slices (matched TP), each rank receiving exactly its slices from the source's same rank over its
+own port, and the new replica answers exactly like the first.
 And the fault: a target's follower rank SIGKILLed mid-transfer takes its engine down (exit 3) and the service
 still reaches two replicas on another pod, every one answering like the first.
 """
@@ -18,6 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from kascade_devcluster.controlplane import ControlPlane
@@ -82,9 +84,16 @@ def test_tp2_service_scales_by_rank_planes_and_serves_the_same_text(
     target = spec["targets"][0]["instance"]
     st = engine_status(pool, target)
     per_rank = sorted(st["tpLoad"], key=lambda s: s["rank"])
-    total = sum(per_rank[r]["bytes"] for r in range(2))
-    assert len(per_rank) == 2 and all(abs(s["bytes"] - total / 2) <= 64 for s in per_rank), per_rank
-    assert total > 20_000_000  # the whole model crossed, half over each rank's own port
+    # matched TP (a TP-2 source): each rank received exactly its slices from the source's same rank, no gather
+    source = pool.engines[spec["sources"][0]["instance"]]
+    manifest = httpx.get(source.url + "/kascade/v1/manifest?parts=2", headers={"Authorization": f"Bearer {TOKEN}"},
+                         timeout=60).json()
+    assert len(per_rank) == 2, per_rank
+    for r, s in enumerate(per_rank):
+        assert s["bytes"] == sum(e["bytes"] for k, e in manifest.items() if k.endswith(f"@{r}/2")), per_rank
+        assert s["gatherSeconds"] == 0
+    total = sum(s["bytes"] for s in per_rank)
+    assert total > 20_000_000  # the whole model crossed, each rank's slices over its own port
     for p in loaded(cp, ns):
         assert complete(pool.engines[p["metadata"]["name"]].url) == want
 

@@ -90,3 +90,18 @@ def test_scaleplan_into_tp2_targets_is_an_instance_plan_every_engine_splits_alik
     one = SP.build(CreatePlan("colocated", ("s",), ("a",), "up"), pods, NODES,
                    SP.layout("m", 4), "chain", 1)
     assert plan_tp(one.plan.to_dict()) == 1
+
+
+def test_tp_with_prefill_decode_disaggregation_is_refused_naming_tp() -> None:
+    from kascade_operator.validation import semantic_errors
+
+    def pd(tp: int) -> ModelServiceSpec:
+        return ModelServiceSpec.model_validate({
+            "model": {"name": "m", "source": {"path": "/models/m"}}, "mode": "disaggregated",
+            "engine": {"image": "img:1", "tp": tp},
+            "replicas": {"prefill": {"min": 0, "max": 2}, "decode": {"min": 0, "max": 2}}})
+
+    errs = semantic_errors(pd(2), 8)
+    assert any(e.startswith("spec.engine.tp: 2 with spec.mode disaggregated") for e in errs), errs
+    assert semantic_errors(pd(1), 8) == []
+    assert semantic_errors(spec(2), 8) == []

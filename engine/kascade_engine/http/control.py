@@ -66,6 +66,9 @@ def add_control_routes(app: FastAPI, inst: EngineInstance) -> None:
         if not 1 <= parts <= 64:
             raise InstanceError(400, f"invalid field 'parts': {parts} outside 1..64", "parts")
         held = inst.blockset if inst.blockset is not None and inst.model.complete else inst.host_copy
+        tp = inst.config.tp
+        if tp > 1 and inst.model.complete and (parts == tp or held is None):
+            return await _tp_manifest(parts)
         if held is None:  # (a released engine with a host copy is a host source)
             raise InstanceError(404, "this engine holds no complete copy of the model")
         if parts == 1:
@@ -73,6 +76,20 @@ def add_control_routes(app: FastAPI, inst: EngineInstance) -> None:
         from kascade_engine.tp.planes import manifest_with_parts
 
         return await asyncio.to_thread(manifest_with_parts, held, parts)  # hashes the parts: off the loop
+
+    async def _tp_manifest(parts: int) -> dict[str, Any]:
+        """A serving TP-g engine: the whole blocks' manifest and, for `parts=g` (a plan into TP-g targets, matched:
+        every rank sends its own slices), every rank's slice entries (`<block>@r/g`), asked of the ranks."""
+        whole = inst.blockset.manifest() if inst.blockset is not None else inst.tp_whole_manifest
+        if whole is None:
+            raise InstanceError(404, "this engine holds no manifest of the model's whole blocks")
+        if parts == 1:
+            return dict(whole)
+        if parts != inst.config.tp:
+            raise InstanceError(409, f"invalid field 'parts': this tp {inst.config.tp} engine holds only its ranks' "
+                                f"slices; it can source TP-{inst.config.tp} targets only", "parts")
+        slices = await asyncio.to_thread(inst.ranks.engine.slice_manifests, inst.config.model_name)
+        return {**whole, **slices}
 
     @app.post("/kascade/v1/load-plan", dependencies=guard)
     async def load_plan(request: Request) -> dict[str, Any]:

@@ -74,6 +74,9 @@ class _Limits(Protocol):
     @property
     def max_prompt_tokens(self) -> int: ...
 
+    @property
+    def tp(self) -> int: ...
+
 
 class _Requests(Protocol):
     def on_request(self, prompt_tokens: int) -> None: ...
@@ -250,6 +253,9 @@ class PrefillServer:
         try:
             if not inst.model.complete or inst.phase.value in ("draining", "released"):
                 raise KVWireError(f"engine is {inst.phase.value}; it prefills only while serving")
+            if inst.config.tp > 1:  # rank r's KV holds only its heads: nothing here ships a whole KV cache
+                raise KVWireError(f"tp: prefill for a decode engine from a tensor-parallel instance (tp "
+                                  f"{inst.config.tp}) is not supported (docs/tp.md)")
             shape = kv_shape(inst)
             bad = shape.mismatch(h)
             if bad is not None:

@@ -4,8 +4,10 @@ step message is a host object).
 
 Data flow: `join(rank, tp, init, device)` blocks until all `tp` ranks met at the rendezvous `init`
 (tcp://host:port, rank 0 listens) -> `RankGroup.reduce(t)` sums a row-parallel partial output across ranks in
-place (LlamaModel.reduce) -> `RankGroup.control` carries step.py's messages. A rank that dies closes its sockets:
-the others' next collective raises (gloo) or times out after `timeout_s`, and they fail (leader.py, rank.py).
+place (LlamaModel.reduce; the default group, `timeout_s`) -> `RankGroup.control` (a gloo group of its own whose
+timeout is days: an idle instance's followers wait there for the next message) carries step.py's messages. A
+rank that dies closes its sockets: the others' next collective raises (gloo) or times out after `timeout_s`, and
+they fail (leader.py, rank.py).
 UNVERIFIED without a GPU: the NCCL path (backend "nccl", one device per rank) is written but never ran here.
 """
 
@@ -23,7 +25,7 @@ class RankGroup:
     rank: int
     tp: int
     device: torch.device
-    control: dist.ProcessGroup | None  # None: the default group (gloo) carries control too
+    control: dist.ProcessGroup | None  # the step channel (gloo, CONTROL_TIMEOUT); None: the default group
 
     def reduce(self, t: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(t)
@@ -37,9 +39,16 @@ class RankGroup:
             dist.destroy_process_group()
 
 
+# How long a follower waits for rank 0's next message: an idle instance (no request) sends none, and a gloo receive
+# fails once it waited longer than its group's timeout, so the control group's is days, not the all-reduces' seconds.
+# A rank that dies still fails the others' pending receive at once (its sockets close); only a hung rank 0 is
+# waited on (its own step's collectives, on the default group, time out after `timeout_s`).
+CONTROL_TIMEOUT = datetime.timedelta(days=7)
+
+
 def join(rank: int, tp: int, init: str, device: torch.device, timeout_s: float = 60.0) -> RankGroup:
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=tp, timeout=timeout)
-    control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)  # every rank creates it, in the same order
     return RankGroup(rank, tp, device, control)

@@ -6,21 +6,28 @@ Failure: a follower that dies makes the next collective raise (gloo: connection 
 instance is then broken for good, so `TPEngine` records it (`failed`), fails the step's requests, and raises
 `RankLost` from every later step; launch.py's watcher records a follower's exit the same way even between steps,
 and the server exits non-zero on it (the pod restarts; the operator replaces the replica).
+
+One channel, one user at a time: a message sent from another thread (a plan's `Serve`, a `Manifests` query, asked
+over HTTP while the instance serves) must never interleave with a step's message on the control group, nor fall
+between a step's message and its all-reduces. `channel` (a lock) is held across each step's message and forward and
+across every other message with its collective.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from kascade_engine.batch.engine import Engine, Event
-from kascade_engine.batch.model import LlamaModel
 from kascade_engine.batch.scheduler import Limits
 from kascade_engine.tp import step as msg
 from kascade_engine.tp.group import RankGroup
+from kascade_engine.tp.rankmodel import RankModel
 
 
 class RankLost(RuntimeError):
@@ -28,12 +35,14 @@ class RankLost(RuntimeError):
 
 
 class TPEngine(Engine):
-    def __init__(self, model: LlamaModel, group: RankGroup, limits: Limits | None = None,
+    def __init__(self, model: RankModel, group: RankGroup, limits: Limits | None = None,
                  eos: int | None = None) -> None:
         super().__init__(model, limits, eos)
+        self.model: RankModel = model
         self.group = group
         self.failed: str | None = None
         self.on_lost: Callable[[str], None] | None = None  # once, when a rank is gone (the server exits)
+        self.channel = threading.Lock()  # the control group: one message (and its collectives) at a time
         model.reduce = group.reduce
 
     def lost(self, why: str) -> None:
@@ -50,8 +59,9 @@ class TPEngine(Engine):
 
     def _hidden(self, ids: list[int], items: list[tuple[list[int], int, int]]) -> torch.Tensor:
         try:
-            msg.send(msg.Step(ids, [(list(t), start, n) for t, start, n in items]), self.group.control)
-            return super()._hidden(ids, items)
+            with self.channel:
+                msg.send(msg.Step(ids, [(list(t), start, n) for t, start, n in items]), self.group.control)
+                return super()._hidden(ids, items)
         except RuntimeError as e:  # gloo: a peer closed its connection; any rank's error breaks the instance
             self.lost(f"a tensor-parallel rank failed during a step: {e}")
             raise RankLost(str(self.failed)) from e
@@ -61,17 +71,46 @@ class TPEngine(Engine):
         them in the gather (loader.py)."""
         if self.failed is not None:
             raise RankLost(self.failed)
-        msg.send(msg.Load(planes), self.group.control)
+        with self.channel:
+            msg.send(msg.Load(planes), self.group.control)
 
     def load_path(self, path: str) -> None:
         """Every follower packs checkpoint `path` and keeps its slices (rank 0 loads its own: loader.py)."""
         if self.failed is not None:
             raise RankLost(self.failed)
-        msg.send(msg.LoadPath(path), self.group.control)
+        with self.channel:
+            msg.send(msg.LoadPath(path), self.group.control)
+
+    def serve_planes(self, planes: list[dict[str, Any]]) -> None:
+        """Matched TP, this instance a source: every follower sends its slices in its plane (planes[r]) from its
+        own data port, in the background (rank 0 serves planes[0] itself: planload.py)."""
+        if self.failed is not None:
+            raise RankLost(self.failed)
+        with self.channel:
+            msg.send(msg.Serve(planes), self.group.control)
+
+    def slice_manifests(self, model: str) -> dict[str, dict[str, Any]]:
+        """Every rank's slice blocks' manifest (`<block>@r/tp` entries), merged: what a matched-TP target verifies.
+        A collective over the control group (blocking: call it off the event loop)."""
+        if self.failed is not None:
+            raise RankLost(self.failed)
+        mine = self.model.slice_set(model).manifest()
+        said: list[Any] = [None] * self.group.tp
+        try:
+            with self.channel:
+                msg.send(msg.Manifests(model), self.group.control)
+                dist.all_gather_object(said, mine, group=self.group.control)
+        except RuntimeError as e:
+            self.lost(f"a tensor-parallel rank failed answering its slice manifest: {e}")
+            raise RankLost(str(self.failed)) from e
+        out: dict[str, dict[str, Any]] = {}
+        for m in said:
+            out.update(m)
+        return out
 
     def shutdown(self, reason: str = "shutdown") -> None:
         """Tell the followers to exit (best effort: a broken instance has nobody to tell)."""
         if self.failed is None:
-            with contextlib.suppress(RuntimeError):
+            with contextlib.suppress(RuntimeError), self.channel:
                 msg.send(msg.Stop(reason), self.group.control)
         self.group.close()

@@ -11,6 +11,8 @@ Shares (planner `tpgroup` names them):
 Data flow, source side: a whole `BlockSet` -> `share_blocks(blocks, rank, g, mode, layout)` -> the BlockSet a
 source's TransferNode for plane r sends from (parts are zero-copy views), and its manifest (`share_manifest`) is
 the plane's manifest.
+Data flow, matched-TP source (a serving TP-g instance): rank r's `RankModel.slice_set` (the slice blocks it keeps)
+-> `serve_slices` (followers; rank 0 in planload.py) -> a TransferNode on rank r's data port for plane r.
 Data flow, rank side: a `PlaneSpec` (plane transfer spec + this rank's participant id + the whole manifest) ->
 `receive_plane` (a TransferNode on this rank's data port; returns the verified shares and the rank's bytes and
 seconds) -> `install` (parts: the all-gather, in manifest order on every rank; slices: as they are) ->
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -41,6 +45,8 @@ from kascade_engine.tp.slices import slice_block
 from kascade_engine.weights.blocks import Block, BlockSet, digest_of
 from kascade_planner.plan import Plan
 from kascade_planner.tpgroup import Mode, part_id, part_range, plane_plan, slice_id
+
+log = logging.getLogger(__name__)
 
 
 def share_blocks(blocks: BlockSet, rank: int, g: int, mode: Mode, layout: TPLayout | None = None) -> BlockSet:
@@ -118,17 +124,26 @@ def build_planes(plan: Plan, blocks: BlockSet, g: int, mode: Mode, token: str,
     return out
 
 
-def derive_planes(spec: TransferSpec, g: int, manifests: Sequence[Mapping[str, Any]] | None = None
-                  ) -> list[TransferSpec]:
-    """The g "parts" planes of an instance plan's spec, as every participant derives them alike: plane r's plan
+def derive_planes(spec: TransferSpec, g: int, manifests: Sequence[Mapping[str, Any]] | None = None,
+                  mode: Mode = "parts") -> list[TransferSpec]:
+    """The g planes of an instance plan's spec, as every participant derives them alike: plane r's plan
     (`tpgroup.plane_plan`), each participant at its instance's data port + r (rank r of a TP instance listens
     there; a TP-1 source feeding g planes listens once per plane), the same token, chunk size and timeouts.
-    Part digests come from `manifests[r]` (a source: its own shares) or from the spec's manifest, which then
-    holds the part entries (`GET manifest?parts=g` of the source). A missing part entry is a SpecError."""
+    Share digests (and, for slices, sizes) come from `manifests[r]` (a source: its own shares) or from the spec's
+    manifest, which then holds the share entries (`GET manifest?parts=g` of the source: parts from a source holding
+    whole blocks, every rank's slices from a TP-g source). A missing share entry is a SpecError."""
     out: list[TransferSpec] = []
     for r in range(g):
-        rp = plane_plan(spec.plan, r, g, "parts")
         src = manifests[r] if manifests is not None else spec.manifest
+        sizes = None
+        if mode == "slices":
+            want = [slice_id(b, r, g) for b in spec.plan.model.block_ids]
+            missing = [b for b in want if b not in src]
+            if missing:
+                raise SpecError(f"manifest: no entry for slice {missing[0]!r} (ask the TP-{g} source for "
+                                f"manifest?parts={g})")
+            sizes = {b: int(src[b]["bytes"]) for b in want}
+        rp = plane_plan(spec.plan, r, g, mode, sizes)
         missing = [b for b in rp.model.block_ids if b not in src]
         if missing:
             raise SpecError(f"manifest: no entry for part {missing[0]!r} (ask the source for manifest?parts={g})")
@@ -214,6 +229,32 @@ def agree(error: str | None, rank: int, tp: int, group: dist.ProcessGroup | None
     bad = [(r, e) for r, e in enumerate(said) if e]
     if bad:
         raise PlaneFailed("; ".join(f"rank {r}: {e}" for r, e in bad))
+
+
+def serve_slices(model: RankModel, ps: PlaneSpec) -> threading.Thread:
+    """A follower of a matched-TP source: send this rank's slice blocks in its plane from its own data port, in a
+    thread of its own (its own asyncio loop), while the rank goes on following rank 0's steps. A failure is logged
+    here; the plan's targets see it as a failed transfer (their own plane fails, so the whole target fails)."""
+    blocks = model.slice_set(ps.spec.plan.model.name)
+
+    async def run() -> None:
+        node = TransferNode(ps.spec, ps.me, make_transport(ps.transport), blocks=blocks)
+        await node.start()
+        try:
+            summary = await node.run()
+            log.info("%s: sent its slices: %s", ps.me, summary)
+        finally:
+            await node.close()
+
+    def main() -> None:
+        try:
+            asyncio.run(run())
+        except Exception as e:  # a target gone, the port in use: the targets' planes fail and say so
+            log.error("%s: sending its slices failed: %s", ps.me, e)
+
+    t = threading.Thread(target=main, daemon=True, name=f"tp-serve-{model.rank}")
+    t.start()
+    return t
 
 
 def load_rank(model: RankModel, ps: PlaneSpec, tp: int, group: dist.ProcessGroup | None = None,

@@ -1,15 +1,23 @@
 """A load plan whose targets are tensor-parallel (`gpus` g > 1) run as g rank planes (planes.py, planner `tpgroup`),
 on the engines the operator calls exactly as for any plan: the same `load-plan` body, the instance plan unsharded.
+Every participant decides the share kind from the plan alone (`tpgroup.instance_mode`): "slices" when every source
+is a TP-g GPU instance (matched TP), else "parts".
 
 Target (rank 0 of a TP-g engine started with `--tp g --empty`): derive the planes -> send every follower its plane
 (`TPEngine.load_planes`, the step channel) -> receive plane 0 on this process's data port + 0 while rank r receives
-plane r on data port + r -> every rank says whether its plane completed (`planes.agree`: one failed rank fails the
-instance, naming it; the followers exit, so the server exits 3 and the pod is replaced) -> the all-gather, each
-whole block's digest checked (gather.py) -> every rank keeps its slices; rank 0 also keeps the whole blocks as its
-`blockset`, so the instance can be the source of the next plan.
-Source (any engine holding the whole model, TP 1 or rank 0 of a TP-g instance): one TransferNode per plane, plane
-r on its data port + r, sending the parts of plane r (zero-copy views of its blocks, their digests computed here).
-The part digests targets verify come with the plan's manifest (`GET manifest?parts=g` of the source).
+plane r on data port + r (every share's digest verified by the relay before it is kept) -> every rank says whether
+its plane completed (`planes.agree`: one failed rank fails the instance, naming it; the followers exit, so the
+server exits 3 and the pod is replaced) -> parts: the all-gather, each whole block's digest checked (gather.py),
+every rank keeps its slices and rank 0 also keeps the whole blocks as its `blockset` (a source of any next plan);
+slices: every rank adds its verified slices as they are (no gather), rank 0 keeps the whole blocks' manifest only.
+Either way every rank keeps its slice blocks (`RankModel.slices`), so the instance can source a matched-TP plan.
+Source, parts (a TP-1 engine, or rank 0 of a TP-g instance holding whole blocks): one TransferNode per plane,
+plane r on its data port + r, sending the parts of plane r (zero-copy views of its blocks, digests computed here).
+Source, slices (a serving TP-g instance): rank 0 asks every rank's slice manifest (`TPEngine.slice_manifests`),
+derives the planes, sends the followers `Serve` (each sends its slice blocks in its plane from data port + r, in
+the background, while it goes on following steps) and sends plane 0 itself.
+Share digests targets verify come with the plan's manifest (`GET manifest?parts=g` of the source: part entries
+from a source of whole blocks, every rank's slice entries from a TP-g source).
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from kascade_engine.tp.planes import (
     share_blocks,
 )
 from kascade_engine.weights.blocks import Block, BlockSet
-from kascade_planner.tpgroup import rank_id
+from kascade_planner.tpgroup import Mode, instance_mode, rank_id
 
 log = logging.getLogger(__name__)
 
@@ -69,16 +77,29 @@ def _me_in(plane: TransferSpec, me: str, rank: int) -> str:
 
 async def start_tp_plan(inst: Any, spec: TransferSpec, me: str, g: int, is_target: bool,
                         blocks: BlockSet | None) -> None:
-    """Start this engine's part of a plan into TP-g targets (see the module docstring); returns once listening."""
-    if is_target and inst.config.tp != g:
-        raise PlanRefused(409, f"tp: this engine runs {inst.config.tp} ranks, the plan's targets have {g} GPUs",
-                            "plan.targets")
+    """Start this engine's part of a plan into TP-g targets (see the module docstring); returns once listening.
+    `blocks`: the whole blocks this engine holds (a TP-1 source, or rank 0 of a TP-g instance that kept them)."""
+    tp = inst.config.tp
+    if is_target and tp != g:
+        raise PlanRefused(409, f"tp: this engine runs {tp} ranks, the plan's targets have {g} GPUs",
+                          "plan.targets")
     try:
+        mode = instance_mode(spec.plan, g)
         if is_target:
-            specs = derive_planes(spec, g)
+            specs = derive_planes(spec, g, mode=mode)
+        elif mode == "slices":  # this engine is a TP-g source: rank r sends its own slices on data port + r
+            if tp != g:
+                raise PlanRefused(409, f"tp: the plan names this engine a source of {g} GPUs, it runs {tp} ranks",
+                                  "plan.sources")
+            if not inst.model.complete:
+                raise PlanRefused(409, "this engine is a source of the plan but holds no complete copy", "plan")
+            manifest = await asyncio.to_thread(inst.ranks.engine.slice_manifests, inst.config.model_name)
+            specs = derive_planes(spec, g, [manifest] * g, mode="slices")
         else:
             if blocks is None:
-                raise PlanRefused(409, "this engine is a source of the plan but holds no complete copy", "plan")
+                why = (f" (a TP-{tp} instance loaded from a TP-{tp} source holds only its ranks' slices: it can be "
+                       f"the source of TP-{tp} targets only)") if tp > 1 and inst.model.complete else ""
+                raise PlanRefused(409, f"this engine is a source of the plan but holds no complete copy{why}", "plan")
             shares = [share_blocks(blocks, r, g, "parts") for r in range(g)]
             specs = derive_planes(spec, g, [s.manifest() for s in shares])
     except PlanRefused:
@@ -87,9 +108,33 @@ async def start_tp_plan(inst: Any, spec: TransferSpec, me: str, g: int, is_targe
         raise PlanRefused(400, f"invalid load plan for tp {g}: {e}", "plan") from None
     inst.instance_id = me
     if is_target:
-        await _target(inst, spec, specs, me, g)
+        await _target(inst, spec, specs, me, g, mode)
+    elif mode == "slices":
+        await _source_slices(inst, specs, me)
     else:
         await _source(inst, specs, me, shares)
+
+
+async def _source_slices(inst: Any, specs: list[TransferSpec], me: str) -> None:
+    """Matched TP: every follower sends its slices in its plane (in the background: it goes on serving), rank 0
+    sends its own in plane 0 from here."""
+    docs = [PlaneSpec(s, _me_in(s, me, r), "slices", {}, inst.config.transport) for r, s in enumerate(specs)]
+    own = inst.model.slice_set(inst.config.model_name)
+    node = TransferNode(specs[0], docs[0].me, paced(inst.config.weight_transport(), inst.egress), blocks=own)
+    await node.start()
+    await asyncio.to_thread(inst.ranks.engine.serve_planes, [d.to_dict() for d in docs])
+
+    async def run() -> None:
+        try:
+            log.info("%s: sent its slices (rank 0): %s", me, await node.run())
+        except Exception as e:
+            log.error("rank 0's slices from %s failed: %s", me, e)
+            inst.load_error = str(e)
+            inst.transfer_failures += 1
+        finally:
+            await node.close()
+
+    inst.loading = asyncio.create_task(run())
 
 
 async def _source(inst: Any, specs: list[TransferSpec], me: str, shares: list[BlockSet]) -> None:
@@ -113,9 +158,10 @@ async def _source(inst: Any, specs: list[TransferSpec], me: str, shares: list[Bl
     inst.loading = asyncio.create_task(run())
 
 
-async def _target(inst: Any, spec: TransferSpec, specs: list[TransferSpec], me: str, g: int) -> None:
-    whole = {b: spec.manifest[b] for b in spec.plan.model.block_ids}
-    docs = [PlaneSpec(specs[r], rank_id(me, r), "parts", whole, inst.config.transport) for r in range(g)]
+async def _target(inst: Any, spec: TransferSpec, specs: list[TransferSpec], me: str, g: int, mode: Mode) -> None:
+    ids = spec.plan.model.block_ids
+    whole = {b: spec.manifest[b] for b in ids} if mode == "parts" else {b: spec.manifest.get(b, {}) for b in ids}
+    docs = [PlaneSpec(specs[r], rank_id(me, r), mode, whole, inst.config.transport) for r in range(g)]
     engine, model = inst.ranks.engine, inst.model
     control = engine.group.control
     engine.load_planes([d.to_dict() for d in docs])
@@ -143,7 +189,10 @@ async def _target(inst: Any, spec: TransferSpec, specs: list[TransferSpec], me: 
         inst.bytes_received = got.bytes_in
         inst.transfer_bw = got.bytes_in / max(1e-6, time.monotonic() - started)
         inst.tp_load_stats = list(stats)
-        inst.blockset = BlockSet(inst.config.model_name, model.full_cfg, keep)
+        # parts: rank 0 keeps the gathered whole blocks (a source of any next plan); slices: only its own slices
+        # (a source of matched-TP plans: every rank sends its own), and the whole blocks' manifest, if it came
+        inst.blockset = BlockSet(inst.config.model_name, model.full_cfg, keep) if keep else None
+        inst.tp_whole_manifest = {b: e for b, e in whole.items() if e} or None
         inst.settle()
         log.info("%s: %d ranks loaded by plan: %s", me, g, stats)
 

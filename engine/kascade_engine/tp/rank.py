@@ -3,8 +3,9 @@
 Data flow: the checkpoint's blocks -> its slices (rankmodel.py) -> join the group (group.py; blocks until every
 rank is in) -> barrier (every rank loaded) -> loop: rank 0's step message (step.py) -> `build_batch` over its own
 paged KV cache with rank 0's page tables -> embed -> every layer (its heads and MLP slice, all-reducing with the
-other ranks) -> next message; no logits (only rank 0 samples). `Stop` ends it with 0; a failed collective (a rank
-or rank 0 gone) ends it with 3 and the reason on stderr.
+other ranks) -> next message; no logits (only rank 0 samples). `Load`: receive this rank's plane of a plan;
+`Serve`: send this rank's slices in its plane (matched TP, a background thread); `Manifests`: say this rank's slice
+manifest. `Stop` ends it with 0; a failed collective (a rank or rank 0 gone) ends it with 3, the reason on stderr.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from kascade_engine.batch.kvcache import KVCache, build_batch
 from kascade_engine.batch.scheduler import Limits
@@ -46,6 +48,12 @@ def follow(model: RankModel, cache: KVCache, group: RankGroup) -> str:
             continue
         if isinstance(m, msg.LoadPath):  # the first copy, from the volume every rank of the pod mounts
             model.add_blocks(pack_checkpoint(m.path).blocks.values())
+            continue
+        if isinstance(m, msg.Manifests):  # rank 0 asks every rank's slice manifest (a matched-TP source's)
+            dist.all_gather_object([None] * group.tp, model.slice_set(m.model).manifest(), group=group.control)
+            continue
+        if isinstance(m, msg.Serve):  # matched TP, this instance a source: send this rank's slices, meanwhile follow
+            planes.serve_slices(model, planes.PlaneSpec.from_dict(m.planes[group.rank]))
             continue
         batch = build_batch(cache, m.items)
         model.run_layers(0, L, model.embed(torch.tensor(m.ids, dtype=torch.long, device=model.device)), batch)

@@ -5,11 +5,14 @@ as for whole blocks.
 
 Data flow: a whole block -> `slice_block(layout, rank, block)` (on the source: its resident slices are exactly
 these) -> bytes + index + digest on the wire -> `Block.verify()` on the receiving rank -> `RankModel.add_sliced`.
-Used by rank planes in "slices" mode (planes.py `share_blocks`; run by `tp.run --plane-dir`); the engine's
-load-plan (planload.py) still sends parts and gathers for matched TP too (docs/tp.md).
+Used by rank planes in "slices" mode (planes.py `share_blocks`, planload.py: a TP-g engine's load-plan from a
+TP-g source), and by `RankModel`, which keeps every rank's slices as slice blocks (`slice_tensors`), so each rank of
+a serving TP instance can send them as the source of the next matched plan.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 
@@ -21,7 +24,13 @@ _CODE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", tor
 
 def slice_block(layout: TPLayout, rank: int, block: Block) -> Block:
     """Rank `rank`'s slices of `block` as a block of their own (id `<block>@<rank>/<tp>`), digest computed here."""
-    parts = layout.shard(rank, block.id, block.tensors())
+    return slice_tensors(layout, rank, block.id, block.tensors())
+
+
+def slice_tensors(layout: TPLayout, rank: int, block_id: str, tensors: Mapping[str, torch.Tensor]) -> Block:
+    """Rank `rank`'s slices of one whole block's tensors, packed as the slice block `<block>@<rank>/<tp>` (its
+    buffer is writable, so the rank's model tensors can be views of it: one copy of the slices, not two)."""
+    parts = layout.shard(rank, block_id, tensors)
     index: list[TensorMeta] = []
     chunks: list[bytes] = []
     off = 0
@@ -30,8 +39,8 @@ def slice_block(layout: TPLayout, rank: int, block: Block) -> Block:
         index.append(TensorMeta(name, off, tuple(t.shape), _CODE[t.dtype]))
         chunks.append(raw)
         off += len(raw)
-    data = memoryview(b"".join(chunks))
-    return Block(f"{block.id}@{rank}/{layout.tp}", data, tuple(index), digest_of(data))
+    data = memoryview(bytearray(b"".join(chunks)))
+    return Block(f"{block_id}@{rank}/{layout.tp}", data, tuple(index), digest_of(data))
 
 
 def whole_id(slice_id: str) -> str:

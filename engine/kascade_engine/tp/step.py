@@ -36,7 +36,18 @@ class LoadPath:
     path: str  # the first copy: every rank packs this checkpoint directory and keeps its slices
 
 
-Message = Step | Stop | Load | LoadPath
+@dataclass(frozen=True)
+class Serve:
+    planes: list[dict[str, Any]]  # matched TP, this instance a source: rank r sends its slices in plane planes[r]
+    # (a TransferSpec document) from its own data port, in the background, and goes on following steps
+
+
+@dataclass(frozen=True)
+class Manifests:
+    model: str  # every rank answers its slice blocks' manifest (a collective: all_gather_object)
+
+
+Message = Step | Stop | Load | LoadPath | Serve | Manifests
 
 
 def send(msg: Message, group: dist.ProcessGroup | None) -> None:
@@ -49,6 +60,7 @@ def receive(group: dist.ProcessGroup | None) -> Message:
     box: list[object] = [None]
     dist.broadcast_object_list(box, src=0, group=group)
     msg = box[0]
-    if not isinstance(msg, Step | Stop | Load | LoadPath):
-        raise RuntimeError(f"tp step channel: expected a Step, Stop, Load or LoadPath, got {type(msg).__name__}")
+    if not isinstance(msg, Step | Stop | Load | LoadPath | Serve | Manifests):
+        raise RuntimeError(f"tp step channel: expected a Step, Stop, Load, LoadPath, Serve or Manifests, got "
+                           f"{type(msg).__name__}")
     return msg

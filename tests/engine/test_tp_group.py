@@ -1,0 +1,55 @@
+"""A tensor-parallel instance's process group (engine/kascade_engine/tp/group.py): an idle instance's followers wait
+for rank 0's next message longer than the all-reduces' timeout without failing (the control group's timeout is
+days), and a rank 0 that dies still fails their pending receive at once. Two real gloo processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+from kascade_devcluster.ports import free_ports
+
+RANK = textwrap.dedent("""
+    import sys, time, torch
+    from kascade_engine.tp import step as msg
+    from kascade_engine.tp.group import join
+    rank, init, idle, die = int(sys.argv[1]), sys.argv[2], float(sys.argv[3]), sys.argv[4] == "die"
+    g = join(rank, 2, init, torch.device("cpu"), timeout_s=1.0)  # all-reduces time out after 1 s
+    if rank == 0:
+        time.sleep(idle)  # idle: no request, no message
+        if die:
+            import os; os._exit(9)
+        msg.send(msg.Stop("done"), g.control)
+        print("sent", flush=True)
+    else:
+        t = time.monotonic()
+        try:
+            m = msg.receive(g.control)
+            print(f"got {type(m).__name__} after {time.monotonic() - t:.1f}", flush=True)
+        except RuntimeError as e:
+            print(f"failed after {time.monotonic() - t:.1f}: {e}", flush=True)
+            sys.exit(3)
+""")
+
+
+def _pair(idle: float, die: bool) -> tuple[subprocess.CompletedProcess[str], float]:
+    init = f"tcp://127.0.0.1:{free_ports(1)[0]}"
+    args = [str(idle), "die" if die else "live"]
+    zero = subprocess.Popen([sys.executable, "-c", RANK, "0", init, *args], stdout=subprocess.PIPE, text=True)
+    t = time.monotonic()
+    one = subprocess.run([sys.executable, "-c", RANK, "1", init, *args], capture_output=True, text=True, timeout=120)
+    zero.wait(60)
+    return one, time.monotonic() - t
+
+
+def test_an_idle_followers_receive_outlives_the_all_reduce_timeout() -> None:
+    one, _ = _pair(idle=4.0, die=False)  # 4x the group's 1 s timeout
+    assert one.returncode == 0 and "got Stop" in one.stdout, one.stdout + one.stderr[-2000:]
+
+
+def test_a_dead_rank0_fails_the_idle_followers_receive_at_once() -> None:
+    one, took = _pair(idle=2.0, die=True)
+    assert one.returncode == 3 and "failed after" in one.stdout, one.stdout + one.stderr[-2000:]
+    assert took < 60
