@@ -20,9 +20,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from kascade_operator import labels as L
-from kascade_operator import recovery
+from kascade_operator import recovery, serving_gate
 from kascade_operator import roleobject as R
-from kascade_operator import serving_gate
 from kascade_operator.api import ModelServiceSpec
 from kascade_operator.arbitrated import FleetRound, apply_fleet, arbitrated_condition
 from kascade_operator.decide import RoleDecision, RoleInput, decide_roles
@@ -188,7 +187,7 @@ def short_event(w: World, status: Mapping[str, Any]) -> list[Event]:
     """A Warning Event when the service turns short of pool pods, or the reason it is short changes (e.g. a
     failed ScalePlan's target is now held out as unhealthy): said once, while the condition says it each round."""
     def degraded(st: Mapping[str, Any]) -> tuple[str, str]:
-        c = next((c for c in st.get("conditions") or [] if c.get("type") == "Degraded"), {})
+        c: Mapping[str, Any] = next((c for c in st.get("conditions") or [] if c.get("type") == "Degraded"), {})
         return str(c.get("reason") or ""), str(c.get("message") or "")
 
     reason, msg = degraded(status)

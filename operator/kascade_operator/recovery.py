@@ -7,7 +7,8 @@ such drops the pool was short, the failed plan's service decided "0 -> 1" every 
 
 Data flow (one round, observe -> decide -> act):
 - observe (`checks`): the round's idle unhealthy pods whose retry time has come (the operator's memory
-  `Runtime.health_retry`, pool ns + pod -> (next check, backoff)) get one engine status read each;
+  `Runtime.health_retry`, pool ns + pod -> (next check, backoff)) get one engine status read each, the check
+  taken first (the next time pushed on) so that other services' rounds on the same pool do not ask too;
 - decide (`work`, pure): an engine that answered is healed (released first when it still says it is bound);
   one that did not is retried after twice the backoff (HEAL_FIRST_S .. HEAL_MAX_S); an unhealthy pod the memory
   does not know yet (just marked, or the operator restarted) is first checked HEAL_FIRST_S on;
@@ -61,6 +62,9 @@ async def checks(rt: Runtime, pods: Sequence[PodView], pool_ns: str,
         known[p.pod_name] = sched
         if now < sched[0]:
             continue
+        # taken before the await, as a claim: the other services' rounds sharing this pool do not ask the same
+        # engine meanwhile (this round's act doubles the backoff or heals the pod)
+        rt.health_retry[(pool_ns, p.pod_name)] = (now + sched[1], sched[1])
         assert p.endpoint is not None
         try:
             out[p.pod_name] = await rt.engines.status(p.endpoint)

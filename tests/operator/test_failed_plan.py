@@ -22,12 +22,14 @@ from test_decide_world import NOW, world
 from kascade_operator import labels as L
 from kascade_operator import plandriver, recovery
 from kascade_operator.handlers import reconcile_service
+from kascade_operator.observe import pool_views
 from kascade_operator.reconcile import CreatePlan
 from kascade_operator.runtime import Runtime
 
 WHY = "engine unreachable for 5 s"
 FAILED = {"metadata": {"name": "svc-colocated-x", "namespace": "ns"},
-          "spec": {"modelServiceRef": {"name": "svc"}, "role": "colocated", "targets": [{"instance": "e1", "pod": "e1"}]},
+          "spec": {"modelServiceRef": {"name": "svc"}, "role": "colocated",
+                   "targets": [{"instance": "e1", "pod": "e1"}]},
           "status": {"phase": "Failed", "message": "no target left"}}
 THRESHOLD = {"policy": "threshold", "threshold": {"upper": 1000, "lower": 10}}
 
@@ -139,7 +141,7 @@ async def test_the_loop_after_a_failed_plan_ends_in_a_new_plan(seam: Seam, monke
     assert said, [e["reason"] for e in kube.events]
     stalled = {c["type"]: c for c in kube.service_status["conditions"]}["Stalled"]
     assert stalled["status"] == "True" and "e0 (engine unreachable" in stalled["message"]
-    (at, delay), = rt.health_retry.values()
+    ((_, delay),) = rt.health_retry.values()
     assert delay == recovery.HEAL_FIRST_S
     # the check comes due while the engine is still silent: the backoff doubles
     rt.health_retry[(NS, "e0")] = (0.0, delay)
@@ -154,3 +156,14 @@ async def test_the_loop_after_a_failed_plan_ends_in_a_new_plan(seam: Seam, monke
     phases = sorted((p["metadata"]["name"], p["status"]["phase"]) for p in kube.plans.values())  # generated in order
     assert [ph for _, ph in phases] == ["Failed", "Succeeded"]
     assert (kube.pods[(NS, "e0")]["metadata"].get("labels") or {}).get(L.MODEL_SERVICE) == "a"
+
+
+async def test_a_due_check_is_taken_by_one_round_only(seam: Seam) -> None:
+    """200 services share one pool: the first round whose check is due asks the engine, the others skip it."""
+    rt, kube, _ = seam
+    kube.pods[(NS, "e0")]["metadata"]["annotations"][L.UNHEALTHY] = WHY
+    rt.health_retry[(NS, "e0")] = (0.0, 10.0)
+    pods, _ = await pool_views(rt, NS)
+    first = await recovery.checks(rt, pods, NS, 100.0)
+    second = await recovery.checks(rt, pods, NS, 100.0)
+    assert set(first[0]) == {"e0"} and second[0] == {} and rt.health_retry[(NS, "e0")] == (110.0, 10.0)
