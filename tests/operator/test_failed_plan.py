@@ -113,7 +113,7 @@ async def run_rounds(rt: Runtime, kube: FakeKube, n: int) -> None:
                 await asyncio.wait_for(plandriver.drive(rt, sp, Stopped()), 20)
 
 
-def annotations(kube: FakeKube) -> dict[str, str]:
+def pod_annotations(kube: FakeKube) -> dict[str, str]:
     return dict(kube.pods[(NS, "e0")]["metadata"].get("annotations") or {})
 
 
@@ -132,7 +132,7 @@ async def test_the_loop_after_a_failed_plan_ends_in_a_new_plan(seam: Seam, monke
     await run_rounds(rt, kube, 1)
     plans = list(kube.plans.values())
     assert [p["status"]["phase"] for p in plans] == ["Failed"]
-    assert annotations(kube).get(L.UNHEALTHY) == "engine unreachable for 0 s"
+    assert pod_annotations(kube).get(L.UNHEALTHY) == "engine unreachable for 0 s"
     # still silent: rounds decide 0 -> 1 with no pod to bind; they say why (once), and schedule a check
     await run_rounds(rt, kube, 3)
     assert len(kube.plans) == 1
@@ -146,12 +146,12 @@ async def test_the_loop_after_a_failed_plan_ends_in_a_new_plan(seam: Seam, monke
     # the check comes due while the engine is still silent: the backoff doubles
     rt.health_retry[(NS, "e0")] = (0.0, delay)
     await run_rounds(rt, kube, 1)
-    assert rt.health_retry[(NS, "e0")][1] == 2 * delay and L.UNHEALTHY in annotations(kube)
+    assert rt.health_retry[(NS, "e0")][1] == 2 * delay and L.UNHEALTHY in pod_annotations(kube)
     # the engine answers again: healed (released: it still said it was bound), then a new plan binds it
     stub.fail.pop("status")
     rt.health_retry[(NS, "e0")] = (0.0, 2 * delay)
     await run_rounds(rt, kube, 2)
-    assert L.UNHEALTHY not in annotations(kube)
+    assert L.UNHEALTHY not in pod_annotations(kube)
     assert any(e["reason"] == "Recovered" for e in kube.events)
     phases = sorted((p["metadata"]["name"], p["status"]["phase"]) for p in kube.plans.values())  # generated in order
     assert [ph for _, ph in phases] == ["Failed", "Succeeded"]
