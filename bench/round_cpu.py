@@ -44,7 +44,12 @@ NS, TOKEN = "scale", "t"
 
 
 def _fakekube() -> Any:
-    spec = importlib.util.spec_from_file_location("fakekube", REPO / "tests/operator/fakekube.py")
+    """The fake kube layer of the tree whose operator runs (`--compare`: an older tree's operator with this tree's
+    fake layer failed to import, the layer follows kube.py's API)."""
+    import kascade_operator
+
+    tree = Path(kascade_operator.__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("fakekube", tree / "tests/operator/fakekube.py")
     assert spec and spec.loader
     mod = importlib.util.module_from_spec(spec)
     sys.modules["fakekube"] = mod

@@ -3,6 +3,7 @@
 
 Order: claim this round's plan targets (before the first await: observe read the other rounds' claims last) ->
 remember the round's clocks -> convert decoders -> the reconcile actions (`apply`, one each) -> host copies ->
+unhealthy pods healed or checked later (recovery.py) ->
 serving gates and labels -> the status (only when it changed) -> ModelServiceRole statuses -> prune finished
 plans -> operator metrics -> the service's ask on its pool's fleet board (fleetboard.py) and a round for each
 donor preempted for it. A CreatePlan is built here from the decision with the real block manifest of its source
@@ -24,7 +25,7 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
-from kascade_operator import converter, hostcopykeeper, plandriver, rounds, serving_gate
+from kascade_operator import converter, hostcopykeeper, plandriver, recovery, rounds, serving_gate
 from kascade_operator.api import ModelServiceSpec
 from kascade_operator.engine_client import EngineError
 from kascade_operator.kube import Conflict, NotFound, now_iso
@@ -44,6 +45,8 @@ from kascade_operator.status import Blocker
 from kascade_operator.world import Decision, World
 
 log = logging.getLogger(__name__)
+
+DECISION_LOG_S = 60.0  # a decision repeated unchanged round after round is logged at INFO this often
 
 
 async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods: list[PodView], action: Any,
@@ -184,7 +187,13 @@ async def act(rt: Runtime, w: World, d: Decision) -> None:
     rt.metrics.pool_size.labels(w.pool_ns).set(sum(1 for p in w.pods if p.model_service is None))
     for c in d.changes:
         rt.metrics.decisions.labels(ns, name, c.role, c.policy, "up" if c.desired > c.current else "down").inc()
-        log.info("%s/%s decision %s %d -> %d: %s", ns, name, c.role, c.current, c.desired, c.reason)
+        # the same decision in every round of a wait (a short pool, a plan in flight) logs at INFO once a minute
+        last = rt.decision_logged.get((ns, name, c.role))
+        again = last is not None and last[:2] == (c.current, c.desired) and w.now - last[2] < DECISION_LOG_S
+        if not again:
+            rt.decision_logged[(ns, name, c.role)] = (c.current, c.desired, w.now)
+        log.log(logging.DEBUG if again else logging.INFO, "%s/%s decision %s %d -> %d: %s", ns, name, c.role,
+                c.current, c.desired, c.reason)
     log.debug("%s/%s round: %s", ns, name, ", ".join(d.moving) or "steady")
     assert d.result is not None
     rt.metrics.observe_service(ns, name, d.result.roles, active_plan_ages(w.plans, name))
@@ -197,6 +206,7 @@ async def act(rt: Runtime, w: World, d: Decision) -> None:
     for a in d.actions:
         await apply(rt, body, w.spec, pods, a, decided_at)
     await hostcopykeeper.carry_out(rt, body, w.spec.model.name, d.copies, w.pods, w.pool_ns)
+    await recovery.carry_out(rt, body, w.pool_ns, w.pods, d.health)
     await write_gates(rt, w.pool_ns, d.gates, d.labels)
     if d.status is not None:
         # unchanged status is not written: at a sub-second interval every write is a watch event for

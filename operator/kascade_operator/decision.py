@@ -8,7 +8,8 @@ Data flow (world.py has the types, observe.py fills the World, actuator.act carr
   (arbitrated.apply_fleet: growth capped at the grant, preempted replicas drained) -> the reconciler
   (reconcile.reconcile: plans, fallback pods, drains, releases; its targets chosen by node class and host copy,
   fleettargets.py) -> convertible decoders
-  (kascade_planner.conversion) -> host copies (hostcopykeeper's pure rules) -> serving gates -> status,
+  (kascade_planner.conversion) -> host copies (hostcopykeeper's pure rules) -> unhealthy pods healed or
+  checked later (recovery.work) -> serving gates -> status (a PoolShort Event when the reason is new),
   ModelServiceRole statuses, plans to prune, and whether the service is steady (next round at the resync) or
   moving (next round one interval on).
 """
@@ -20,8 +21,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from kascade_operator import labels as L
+from kascade_operator import recovery, serving_gate
 from kascade_operator import roleobject as R
-from kascade_operator import serving_gate
 from kascade_operator.api import ModelServiceSpec
 from kascade_operator.arbitrated import FleetRound, apply_fleet, arbitrated_condition
 from kascade_operator.decide import RoleDecision, RoleInput, decide_roles
@@ -38,6 +39,7 @@ from kascade_operator.reconcile import (
     Drain,
     PlanView,
     Result,
+    held_out,
     reconcile,
     role_bounds,
     role_want,
@@ -154,7 +156,8 @@ def decide(w: World) -> Decision:
     for a in res.actions:
         why = refusals(spec, w.settings) if isinstance(a, CreatePods) else []
         if isinstance(a, CreatePods) and why:
-            msg = f"{a.role}: warm pool short by {a.count}; not creating pods: " + "; ".join(why)
+            msg = (f"{a.role}: warm pool short by {a.count}; not creating pods: " + "; ".join(why)
+                   + held_out([p for p in pods if p.model_service is None]))
             events.append(Event("Warning", "Forbidden", msg))
             blocker = Blocker("Forbidden", msg)
         else:
@@ -173,6 +176,8 @@ def decide(w: World) -> Decision:
     # a source the engines cannot fetch (an hf:// download failed) is the cause to show first
     blocker = source_blocker(mine, name, checkpoint_path(spec)) or blocker
     status = new_status(w, spec, res, plans, changes, blocker, fleet)
+    if not any(isinstance(a, CreatePods) for a in actions):  # creating pods says so itself (PoolEmpty)
+        events += short_event(w, status)
     return Decision(
         status if any((w.body.get("status") or {}).get(k) != v for k, v in status.items()) else None,
         tuple(events), res, tuple(actions), blocker, tuple(decisions), changes, clocks,
@@ -180,7 +185,21 @@ def decide(w: World) -> Decision:
         tuple((p, o) for p, o in serving_gate.pending(w.raw_pods) if p not in drains),
         tuple((p, o) for p, o in serving_gate.label_pending(w.raw_pods) if p not in drains),
         role_statuses(w, spec, str(status["selector"]), res), prune(mine, spec.scale_plan_history_limit),
-        interval, tuple(k for k, v in moving.items() if v), post=fleet.post, wake=fleet.wake)
+        interval, tuple(k for k, v in moving.items() if v), post=fleet.post, wake=fleet.wake,
+        health=recovery.work(pods, w.health_checks, w.health_retry, w.now))
+
+
+def short_event(w: World, status: Mapping[str, Any]) -> list[Event]:
+    """A Warning Event when the service turns short of pool pods, or the reason it is short changes (e.g. a
+    failed ScalePlan's target is now held out as unhealthy): said once, while the condition says it each round."""
+    def degraded(st: Mapping[str, Any]) -> tuple[str, str]:
+        c: Mapping[str, Any] = next((c for c in st.get("conditions") or [] if c.get("type") == "Degraded"), {})
+        return str(c.get("reason") or ""), str(c.get("message") or "")
+
+    reason, msg = degraded(status)
+    if reason != "PoolShort" or (reason, msg) == degraded(w.body.get("status") or {}):
+        return []
+    return [Event("Warning", "PoolShort", msg)]
 
 
 def new_status(w: World, spec: ModelServiceSpec, res: Result, plans: Sequence[PlanView],

@@ -5,6 +5,7 @@ World carries the field errors) -> its ModelServiceRoles (kopf index) -> whether
 (`None` when not: nothing else is read) -> node facts, pool pods and ScalePlans (kopf indexes) -> each
 role's engine metrics (the shared sweep's view, else a scrape or Prometheus) -> the router's demand ->
 the engines of pods recorded as keeping a host copy (each at most every hostcopykeeper.CHECK_S) -> the
+engines of idle pods dropped as unhealthy whose retry time has come (recovery.py) -> the
 plans of other namespaces when the pool is shared -> LAST, with no await after it, the claims other
 rounds hold (Runtime.reserved), the fallback pods still expected and the pool's fleet arbitration
 (fleetboard.py, over the asks every service sharing the pool left): decide() runs on them and act()
@@ -21,6 +22,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from kascade_operator import recovery
 from kascade_operator import roleobject as R
 from kascade_operator.api import ModelServiceSpec
 from kascade_operator.engine_client import EngineError
@@ -140,6 +142,7 @@ async def observe(rt: Runtime, body: dict[str, Any], trigger: str) -> World | No
                                {x.instance: float(x.in_flight) + x.queue_length for x in loads}))
     demand = await rt.router.get(ns, name) if rt.router is not None else None
     checks = await copy_checks(rt, pods, spec.model.name, pool_ns, now)
+    health, retry = await recovery.checks(rt, pods, pool_ns, now)
     # pods unfinished plans hold: this namespace's, and every other's when the pool is shared
     held = set(own_plans.held)
     if pool_ns != ns:
@@ -154,4 +157,5 @@ async def observe(rt: Runtime, body: dict[str, Any], trigger: str) -> World | No
                  key, tuple(pods), tuple(raw), tuple(plans), frozenset(held), reserved,
                  rt.expected(pool_ns, key, (p.pod_name for p in pods)), tuple(roles), demand,
                  rt.router is not None, rt.view is not None and rt.prometheus is None, checks, fleet, pool.preempted,
-                 {p.node: labels[p.node] for p in pods if p.node and p.node in labels})
+                 {p.node: labels[p.node] for p in pods if p.node and p.node in labels},
+                 health, retry)

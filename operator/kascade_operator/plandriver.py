@@ -263,6 +263,9 @@ async def _finish(rt: Runtime, sp: dict[str, Any], phase: str, failed: dict[str,
         for p in pods.values():
             if p.plan == name and p.model_service == key and not p.ready and p.instance not in failed:
                 await _drop(rt, sp, p, "its ScalePlan failed", unreachable=False)
+        # and the claims its creating round took on them end with it: kept for RESERVE_S they kept a target
+        # released back to the pool (or healed, recovery.py) from the service's next plan for up to 30 s
+        rt.unreserve(pool_ns, [t.get("pod") or t["instance"] for t in sp["spec"].get("targets") or []])
     # the outcome is recorded (duration metric, Event) before the terminal status write, which must come
     # last: the daemon driving this plan runs only while the phase is not terminal, so kopf cancels it as
     # soon as the watch shows this write, often before the write's own response is read. Recorded after

@@ -134,6 +134,15 @@ def pd_sources(pods: Sequence[PodView], name: str, role: str,
     return tuple(sorted(p.pod_name for p in mine)), tuple((a, b) for a in pre for b in dec)
 
 
+def held_out(idle: Sequence[PodView]) -> str:
+    """The note's tail naming idle pods a ScalePlan dropped as unhealthy (recovery.py brings them back)."""
+    bad = sorted((p.pod_name, p.unhealthy) for p in idle if p.unhealthy)
+    if not bad:
+        return ""
+    named = ", ".join(f"{n} ({why})" for n, why in bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+    return f"; {len(bad)} pool pod(s) held out as unhealthy until their engines answer: {named}"
+
+
 def reconcile(name: str, spec: ModelServiceSpec, pods: Sequence[PodView], plans: Sequence[PlanView],
               desired: Mapping[str, int] | None = None, reason: str = "", unavailable: Collection[str] = (),
               expected: int = 0, release_last: Collection[str] = (), choose: Chooser = choose_targets) -> Result:
@@ -209,7 +218,8 @@ def reconcile(name: str, spec: ModelServiceSpec, pods: Sequence[PodView], plans:
                 if create:
                     actions.append(CreatePods(role, create))
                 notes.append(f"warm pool short by {short} pod(s) for {role}"
-                             + (f"; creating {create}" if create else "; waiting for the pods created for it"))
+                             + (f"; creating {create}" if create else "; waiting for the pods created for it")
+                             + held_out(idle))
                 progressing = True
         elif len(serving) > want:
             # never drain the last ready copy (choose_drain keeps one), unless the idle release allows it or

@@ -76,6 +76,10 @@ class Runtime:
     router: RouterDemand | None = None  # the router's demand per ModelService (settings.router_url)
     last_busy: dict[tuple[str, str, str], float] = field(default_factory=dict)  # last request/token seen
     host_copy_checked: dict[tuple[str, str], float] = field(default_factory=dict)  # (pool ns, pod) -> when read
+    # (pool ns, pod) -> (next check, backoff) of a pod dropped as unhealthy (recovery.py)
+    health_retry: dict[tuple[str, str], tuple[float, float]] = field(default_factory=dict)
+    # (ns, name, role) -> the (current, desired) last logged at INFO and when (a repeated decision logs at DEBUG)
+    decision_logged: dict[tuple[str, str, str], tuple[int, int, float]] = field(default_factory=dict)
     # event-driven rounds (handlers.py): the queue of services due a round, the shared metric sweep's view,
     # and per service (ns, name) its interval and whether its last round left it steady (resync only)
     queue: WorkQueue | None = None
@@ -196,7 +200,7 @@ class Runtime:
             self._reserved[(ns, p)] = now
 
     def unreserve(self, ns: str, pods: Iterable[str]) -> None:
-        """Give back claims of a plan that was never created."""
+        """Give back claims of a plan that was never created, or that failed (its targets went back to the pool)."""
         for p in pods:
             self._reserved.pop((ns, p), None)
 

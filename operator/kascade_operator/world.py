@@ -23,6 +23,7 @@ from kascade_operator.demand import Demand
 from kascade_operator.fleetboard import FleetView, Post
 from kascade_operator.pool import PodView
 from kascade_operator.reconcile import Action, Result
+from kascade_operator.recovery import HealthWork
 from kascade_operator.roleobject import Resolution
 from kascade_operator.settings import OperatorSettings
 from kascade_operator.status import Blocker
@@ -78,6 +79,10 @@ class World:
     # the labels of the nodes the round's pods run on (node facts: GPU type and memory, the selector's keys);
     # the fleet's target choice reads them (fleettargets.py); a node missing here is not known to the operator
     node_labels: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    # idle pods dropped as unhealthy (recovery.py): engine status read now (None: no answer), and the operator's
+    # (next check, backoff) for those it knows
+    health_checks: Mapping[str, Mapping[str, Any] | None] = field(default_factory=dict)
+    health_retry: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def ns(self) -> str:
@@ -132,3 +137,4 @@ class Decision:
     invalid_generation: int | None = None  # a refusal reported now: the generation it was reported for
     post: Post | None = None  # the ask this round leaves on its pool's fleet board (fleetboard.py)
     wake: tuple[str, ...] = ()  # service keys of donors preempted for this service: their rounds are due now
+    health: HealthWork = field(default_factory=HealthWork)  # unhealthy pods to heal or check later (recovery.py)

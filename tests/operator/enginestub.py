@@ -66,7 +66,9 @@ class EngineStub:
                 if self.path == "/metrics":
                     self._send(200, stub.metrics_text(), "text/plain; version=0.0.4")
                 elif self._auth():
-                    if self.path.endswith("/status"):
+                    if self.path.endswith("/status") and "status" in stub.fail:  # an engine that does not answer
+                        self._send(stub.fail["status"], {"error": {"message": "status refused (stub)"}})
+                    elif self.path.endswith("/status"):
                         self._send(200, stub.status())
                     else:
                         self._send(404, {"error": {"message": "not found"}})
