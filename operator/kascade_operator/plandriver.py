@@ -61,7 +61,8 @@ async def new_scaleplan(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpe
     manifest = await source_manifest(rt, [pods[s] for s in holders if s in pods]) if holders else None
     model = SP.layout(spec.model.name, spec.model.layers, manifest=manifest)
     built = SP.build(action, pods, nodes, model, algorithm, spec.engine.tp, rt.settings.label_keys,
-                     rt.settings.inter_leaf_ratio, live=spec.scaling.live if spec.scaling else False)
+                     rt.settings.inter_leaf_ratio, live=spec.scaling.live if spec.scaling else False,
+                     copy_nodes=SP.node_copy_nodes(pods.values(), spec.model.name, rt.settings.node_cache))
     return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ScalePlan",
             "metadata": {"generateName": f"{meta['name']}-{action.role}-", "namespace": meta["namespace"],
                          "labels": {L.MODEL_SERVICE: meta["name"], L.ROLE: action.role},
