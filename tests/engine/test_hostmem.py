@@ -160,7 +160,7 @@ def test_an_engine_binds_from_the_node_copy_with_nothing_over_the_network(tiny_c
                             "--node-cache-dir", str(cache)])
     private = engine_starter(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--empty"])
     body = {**BODY, "model": "tiny-llama"}
-    bind = {"model": "tiny-llama", "modelService": "ns/svc", "source": {"nodeCopy": True}}
+    bind = {"model": "tiny-llama", "modelService": "ns/svc", "role": "colocated", "source": {"nodeCopy": True}}
     try:
         want = _post(keeper.url + "/v1/completions", json=body).json()["choices"][0]["text"]
         os.kill(keeper.proc.pid, signal.SIGSTOP)
@@ -194,7 +194,7 @@ def test_an_engine_refuses_a_node_copy_its_node_does_not_hold(tiny_ckpt, engine_
                             "--node-cache-dir", str(tmp_path / "node")])
     try:
         r = _post(empty.url + "/kascade/v1/bind", headers=_h(empty),
-                  json={"model": "tiny-llama", "modelService": "ns/svc", "source": {"nodeCopy": True}})
+                  json={"model": "tiny-llama", "modelService": "ns/svc", "role": "colocated", "source": {"nodeCopy": True}})
         assert r.status_code == 409 and "no usable copy of tiny-llama" in r.text, r.text
     finally:
         empty.stop()
