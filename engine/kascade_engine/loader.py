@@ -245,11 +245,11 @@ async def start_node_copy_load(inst: LoadTarget) -> None:
 
 
 async def start_host_load(inst: LoadTarget, blocks: Any = None, what: str = "its host copy") -> None:
-    """Bind with source.hostCopy (or, with `blocks`, source.nodeCopy): the blocks the engine kept in host memory at its last release become its
-    model again (CPU: zero-copy views; CUDA: one host-to-device copy per block), in model order, yielding
-    to the event loop between blocks. The copy is this engine's blockset (a source) once all are resident,
-    and it stays the engine's host copy while it serves (status hostCopyBytes): zero extra bytes, since a
-    serving engine keeps its blockset in host memory anyway."""
+    """Bind with source.hostCopy (or, with `blocks`, source.nodeCopy): the blocks the engine kept in host memory at
+    its last release (or `blocks`) become its model again (CPU: zero-copy views; CUDA: one host-to-device copy per
+    block), in model order, yielding to the event loop between blocks. The copy is this engine's blockset (a
+    source) once all are resident; a kept host copy stays the engine's host copy while it serves (status
+    hostCopyBytes): zero extra bytes, since a serving engine keeps its blockset in host memory anyway."""
     blocks = inst.host_copy if blocks is None else blocks
     if blocks is None:
         raise _fail(409, "source.hostCopy: this engine keeps no host copy", "source.hostCopy")

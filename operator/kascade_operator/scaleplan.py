@@ -63,8 +63,9 @@ def build(action: CreatePlan, pods: Mapping[str, PodView], nodes: Sequence[Mappi
     """Plan `action` on the live topology. No sources -> each target loads from its own node (`local`).
     `live`: pair each target with a serving source to execute its loaded layers while it loads. `copy_nodes`:
     nodes whose cache keeps the model's copy (`node_copy_nodes`): a target there (tp 1, as the engine's node cache;
-    not a fallback pod; not keeping a copy itself, which binds from its own) loads from that copy and is no target of the transfer; its
-    predicted time is the copy's upload on its node. When every target does, the plan is `local`."""
+    not a fallback pod; not keeping a copy itself, which binds from its own) loads from that copy and is no target
+    of the transfer; its predicted time is the copy's upload on its node. When every target does, the plan is
+    `local`."""
     topo = topology_from_nodes(nodes, keys, inter_leaf_ratio)
 
     def inst(name: str, source: bool = False) -> Instance:

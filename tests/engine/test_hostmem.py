@@ -193,8 +193,8 @@ def test_an_engine_refuses_a_node_copy_its_node_does_not_hold(tiny_ckpt, engine_
     empty = engine_starter(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--empty",
                             "--node-cache-dir", str(tmp_path / "node")])
     try:
-        r = _post(empty.url + "/kascade/v1/bind", headers=_h(empty),
-                  json={"model": "tiny-llama", "modelService": "ns/svc", "role": "colocated", "source": {"nodeCopy": True}})
+        r = _post(empty.url + "/kascade/v1/bind", headers=_h(empty), json={
+            "model": "tiny-llama", "modelService": "ns/svc", "role": "colocated", "source": {"nodeCopy": True}})
         assert r.status_code == 409 and "no usable copy of tiny-llama" in r.text, r.text
     finally:
         empty.stop()

@@ -82,7 +82,7 @@ def test_the_bind_message_carries_the_node_copy_source_both_ways() -> None:
     req = BindRequest("m", "ns/svc", source_node_copy=True)
     assert req.to_dict()["source"] == {"nodeCopy": True}
     assert BindRequest.from_dict(req.to_dict()) == req
-    with pytest.raises(WireError, match="source.nodeCopy"):
+    with pytest.raises(WireError, match=r"source\.nodeCopy"):
         BindRequest.from_dict({"model": "m", "modelService": "s", "source": {"nodeCopy": 1}})
     with pytest.raises(WireError, match="'source'"):
         BindRequest.from_dict({"model": "m", "modelService": "s", "source": {"nodeCopy": True, "hostCopy": True}})
