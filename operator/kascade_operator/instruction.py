@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -183,6 +184,8 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
                 st = await rt.engines.bind(p.endpoint, model, key, role, path, dtype, host_copy=from_copy,
                                            model_path=switch, node_copy=from_node)
         except EngineError as e:
+            if from_node and e.status == 409:  # no usable copy there: the next plans stream to that node
+                rt.node_copy_refused[(p.node or "", model)] = time.monotonic()
             if from_copy and e.status == 409:  # the engine no longer keeps it: never offered again
                 with contextlib.suppress(Conflict, NotFound):
                     await rt.kube.patch_pod(pool_ns, p.pod_name, host_copy_patch(None))

@@ -76,6 +76,9 @@ class Runtime:
     router: RouterDemand | None = None  # the router's demand per ModelService (settings.router_url)
     last_busy: dict[tuple[str, str, str], float] = field(default_factory=dict)  # last request/token seen
     host_copy_checked: dict[tuple[str, str], float] = field(default_factory=dict)  # (pool ns, pod) -> when read
+    # (node, model) -> when an engine there refused bind source.nodeCopy (its node holds no usable copy, or it has no
+    # node cache): targets on that node stream again for a while (plandriver.NODE_COPY_RETRY_S)
+    node_copy_refused: dict[tuple[str, str], float] = field(default_factory=dict)
     # event-driven rounds (handlers.py): the queue of services due a round, the shared metric sweep's view,
     # and per service (ns, name) its interval and whether its last round left it steady (resync only)
     queue: WorkQueue | None = None
