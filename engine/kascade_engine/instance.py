@@ -275,6 +275,9 @@ class EngineInstance:
         if req.source_host_copy and self.host_copy is None:
             raise InstanceError(409, "source.hostCopy: this engine keeps no host copy (status hostCopyBytes is 0)",
                                 "source.hostCopy")
+        if req.source_node_copy and self.node is None:
+            raise InstanceError(409, "source.nodeCopy: this engine has no node cache (--node-cache-dir)",
+                                "source.nodeCopy")
         if req.model != self.config.model_name:
             if req.model_path is None:
                 raise InstanceError(409, f"cannot bind model '{req.model}': this engine holds "
@@ -297,6 +300,11 @@ class EngineInstance:
             from kascade_engine.loader import start_host_load
 
             await start_host_load(self)
+            self._settle()
+        elif req.source_node_copy and not self.model.complete:
+            from kascade_engine.loader import start_node_copy_load
+
+            await start_node_copy_load(self)
             self._settle()
         elif has_source and not self.model.complete and (self.loading is None or self.loading.done()):
             await self.load_source(req.source_path, req.source_uri)

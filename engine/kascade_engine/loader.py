@@ -229,13 +229,30 @@ async def share_landed(inst: LoadTarget, node: NodeCopies) -> bool:
     return True
 
 
-async def start_host_load(inst: LoadTarget) -> None:
-    """Bind with source.hostCopy: the blocks the engine kept in host memory at its last release become its
-    model again (CPU: zero-copy views; CUDA: one host-to-device copy per block), in model order, yielding
-    to the event loop between blocks. The copy is this engine's blockset (a source) once all are resident,
-    and it stays the engine's host copy while it serves (status hostCopyBytes): zero extra bytes, since a
-    serving engine keeps its blockset in host memory anyway."""
-    blocks = inst.host_copy
+async def start_node_copy_load(inst: LoadTarget) -> None:
+    """Bind with source.nodeCopy: the copy of the model the node cache holds (another engine of the node published
+    it) is mapped read-only, every block's digest verified and the copy checked against this engine's model
+    (`NodeCopies.find`), then uploaded like a host copy (`start_host_load`): no disk, no network, no data port.
+    A 409 naming the field when the node holds no usable copy (the operator then plans the target by transfer)."""
+    node = inst.node
+    if node is None:
+        raise _fail(409, "source.nodeCopy: this engine has no node cache (--node-cache-dir)", "source.nodeCopy")
+    if inst.busy_loading:
+        raise _fail(409, "a load is already running on this engine", "source")
+    found = await asyncio.to_thread(node.find, inst.config.model_name, dict(inst.model.cfg), None)
+    if found is None:
+        raise _fail(409, f"source.nodeCopy: the node cache holds no usable copy of {inst.config.model_name} "
+                    f"(see the engine log)", "source.nodeCopy")
+    await start_host_load(inst, found, "the node's copy")
+
+
+async def start_host_load(inst: LoadTarget, blocks: Any = None, what: str = "its host copy") -> None:
+    """Bind with source.hostCopy (or, with `blocks`, source.nodeCopy): the blocks the engine kept in host memory at
+    its last release (or `blocks`) become its model again (CPU: zero-copy views; CUDA: one host-to-device copy per
+    block), in model order, yielding to the event loop between blocks. The copy is this engine's blockset (a
+    source) once all are resident; a kept host copy stays the engine's host copy while it serves (status
+    hostCopyBytes): zero extra bytes, since a serving engine keeps its blockset in host memory anyway."""
+    blocks = inst.host_copy if blocks is None else blocks
     if blocks is None:
         raise _fail(409, "source.hostCopy: this engine keeps no host copy", "source.hostCopy")
     if inst.busy_loading:
@@ -257,7 +274,7 @@ async def start_host_load(inst: LoadTarget) -> None:
         # views of these buffers; CUDA: the weights are device tensors and these stay in host memory beside them
         inst.blockset = blocks
         inst.transfer_bw = blocks.total_bytes / max(1e-6, time.monotonic() - started)
-        log.info("loaded %s from its host copy: %d blocks, %.1f MB in %.3f s", inst.config.model_name,
+        log.info("loaded %s from %s: %d blocks, %.1f MB in %.3f s", inst.config.model_name, what,
                  len(blocks.blocks), blocks.total_bytes / 1e6, time.monotonic() - started)
 
     inst.loading = asyncio.create_task(run())

@@ -273,6 +273,7 @@ class PlanTarget(Model):
     node: str | None = None
     gpus: list[NonNegInt] | None = None
     predicted_seconds: float | None = Field(default=None, ge=0)
+    node_copy: bool | None = None  # loads from its node's cache (bind source.nodeCopy), in no flow of the plan
 
 
 class Shard(Model):

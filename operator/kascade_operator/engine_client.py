@@ -109,11 +109,16 @@ class EngineClient:
 
     async def bind(self, endpoint: str, model: str, model_service: str, role: str,
                    source_path: str | None = None, dtype: str | None = None,
-                   host_copy: bool = False, model_path: str | None = None) -> dict[str, Any]:
+                   host_copy: bool = False, model_path: str | None = None, node_copy: bool = False
+                   ) -> dict[str, Any]:
         """Bind the engine to a service; with `source_path` it also loads the first copy from that directory
         (an `hf://` URI, what a ScalePlan's host source carries for a Hub source, goes as `source.uri`);
         with `host_copy` from the host copy the engine kept at its last release. `model_path`: the model's
-        checkpoint directory, for an engine started for another model (it switches, holding no weights)."""
+        checkpoint directory, for an engine started for another model (it switches, holding no weights).
+        `node_copy`: from the copy its node's cache holds (a ScalePlan target marked nodeCopy)."""
+        if node_copy:
+            req = BindRequest(model, model_service, cast(Role, role), None, dtype, None, False, model_path, True)
+            return await self._call(endpoint, "POST", "bind", req.to_dict())
         if host_copy:
             req = BindRequest(model, model_service, cast(Role, role), None, dtype, None, True, model_path)
             return await self._call(endpoint, "POST", "bind", req.to_dict())

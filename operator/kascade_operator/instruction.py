@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -144,6 +145,7 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
 
     host_path = {src.get("node"): src.get("path") for src in spec["sources"] if src.get("kind") == "host"}
     host_copy_nodes = {src.get("node") for src in spec["sources"] if src.get("hostCopy")}
+    node_copy = {t["instance"] for t in spec["targets"] if t.get("nodeCopy")}  # load from their node's copy
     retry: set[str] = set()
     other_model: set[str] = set()
     model_path = switch_path(rt, ns, spec["modelServiceRef"]["name"])
@@ -159,9 +161,10 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
         if p.model_service not in (None, key):
             drops[iid] = f"pod {p.pod_name} is bound to {p.model_service}"
             return
-        from_copy = local and p.node in host_copy_nodes
-        path = host_path.get(p.node) if local and not from_copy else None
-        if local and not path and not from_copy:
+        from_node = iid in node_copy
+        from_copy = local and p.node in host_copy_nodes and not from_node
+        path = host_path.get(p.node) if local and not from_copy and not from_node else None
+        if local and not path and not from_copy and not from_node:
             drops[iid] = "the first copy loads from spec.model.source (path, pvc or file:// uri); this plan names none"
             return
         try:
@@ -179,8 +182,10 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
             again = st.get("modelService") == key and st.get("phase") in BUSY_PHASES
             if not again:  # else: instructed by an earlier incarnation of the operator
                 st = await rt.engines.bind(p.endpoint, model, key, role, path, dtype, host_copy=from_copy,
-                                           model_path=switch)
+                                           model_path=switch, node_copy=from_node)
         except EngineError as e:
+            if from_node and e.status == 409:  # no usable copy there: the next plans stream to that node
+                rt.node_copy_refused[(p.node or "", model)] = time.monotonic()
             if from_copy and e.status == 409:  # the engine no longer keeps it: never offered again
                 with contextlib.suppress(Conflict, NotFound):
                     await rt.kube.patch_pod(pool_ns, p.pod_name, host_copy_patch(None))
@@ -200,7 +205,7 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
             return
         log.info("ScalePlan %s/%s: target %s (pod %s) bound%s", ns, name, iid, p.pod_name,
                  " (already, by an earlier operator)" if again else "")
-        if not local and not again:
+        if not local and not again and not from_node:
             try:
                 await rt.engines.load_plan(p.endpoint, plan, iid, peers, token, manifest)
             except EngineError as e:

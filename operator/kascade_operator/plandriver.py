@@ -33,6 +33,7 @@ from kascade_operator.status import keep_transition_times, plan_conditions
 log = logging.getLogger(__name__)
 
 POLL_S = 0.2
+NODE_COPY_RETRY_S = 300.0  # a node whose engine refused source.nodeCopy: its targets stream this long
 UNREACHABLE_LIMIT_S = 5.0  # an instructed target whose engine stays unreachable this long fails the plan
 LABEL_LIMIT_S = 20.0  # an instructed target whose pod the watch never shows bound: re-read, relabel or drop
 
@@ -63,7 +64,10 @@ async def new_scaleplan(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpe
     # a tensor-parallel instance never pairs live (its engine refuses cooperation naming tp: docs/tp.md)
     live = bool(spec.scaling and spec.scaling.live) and spec.engine.tp == 1
     built = SP.build(action, pods, nodes, model, algorithm, spec.engine.tp, rt.settings.label_keys,
-                     rt.settings.inter_leaf_ratio, live=live)
+                     rt.settings.inter_leaf_ratio, live=live,
+                     copy_nodes=SP.node_copy_nodes(pods.values(), spec.model.name, rt.settings.node_cache)
+                     - {n for (n, m), t in rt.node_copy_refused.items()
+                        if m == spec.model.name and time.monotonic() - t < NODE_COPY_RETRY_S})
     return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ScalePlan",
             "metadata": {"generateName": f"{meta['name']}-{action.role}-", "namespace": meta["namespace"],
                          "labels": {L.MODEL_SERVICE: meta["name"], L.ROLE: action.role},

@@ -80,6 +80,9 @@ class Runtime:
     health_retry: dict[tuple[str, str], tuple[float, float]] = field(default_factory=dict)
     # (ns, name, role) -> the (current, desired) last logged at INFO and when (a repeated decision logs at DEBUG)
     decision_logged: dict[tuple[str, str, str], tuple[int, int, float]] = field(default_factory=dict)
+    # (node, model) -> when an engine there refused bind source.nodeCopy (its node holds no usable copy, or it has no
+    # node cache): targets on that node stream again for a while (plandriver.NODE_COPY_RETRY_S)
+    node_copy_refused: dict[tuple[str, str], float] = field(default_factory=dict)
     # event-driven rounds (handlers.py): the queue of services due a round, the shared metric sweep's view,
     # and per service (ns, name) its interval and whether its last round left it steady (resync only)
     queue: WorkQueue | None = None

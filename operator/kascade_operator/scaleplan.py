@@ -12,8 +12,8 @@ always go through). Resume after a restart: the status lists which targets were 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kascade_operator.pool import PodView
@@ -31,6 +31,17 @@ DEFAULT_BLOCK_BYTES = 64 << 20  # a planning estimate when the model size is unk
 class Built:
     plan: Plan
     pods: Mapping[str, PodView]  # instance id -> pod (sources and targets)
+    # targets that load from their node's copy (node cache), not by `plan`: instance -> predicted seconds (the
+    # local copy's upload time). In no flow of a transfer plan; in a `local` plan when no target is left to it.
+    node_copy: Mapping[str, float] = field(default_factory=dict)
+
+
+def node_copy_nodes(pods: Iterable[PodView], model: str, node_cache: bool) -> frozenset[str]:
+    """Nodes whose cache keeps `model`'s copy: a pool pod there records it (the rule fleettargets.FleetTargets
+    prefers targets by). Fallback pods have no node cache; without one (`node_cache` False) there are none."""
+    if not node_cache:
+        return frozenset()
+    return frozenset(p.node for p in pods if p.node and p.host_copy == model and p.created_for is None)
 
 
 def layout(model: str, layers: int | None, total_bytes: int | None = None,
@@ -48,9 +59,13 @@ def layout(model: str, layers: int | None, total_bytes: int | None = None,
 
 def build(action: CreatePlan, pods: Mapping[str, PodView], nodes: Sequence[Mapping[str, Any]], model: ModelLayout,
           algorithm: str, tp: int, keys: LabelKeys = LabelKeys(), inter_leaf_ratio: float = 1.0,
-          live: bool = False) -> Built:
+          live: bool = False, copy_nodes: Collection[str] = ()) -> Built:
     """Plan `action` on the live topology. No sources -> each target loads from its own node (`local`).
-    `live`: pair each target with a serving source to execute its loaded layers while it loads."""
+    `live`: pair each target with a serving source to execute its loaded layers while it loads. `copy_nodes`:
+    nodes whose cache keeps the model's copy (`node_copy_nodes`): a target there (tp 1, as the engine's node cache;
+    not a fallback pod; not keeping a copy itself, which binds from its own) loads from that copy and is no target
+    of the transfer; its predicted time is the copy's upload on its node. When every target does, the plan is
+    `local`."""
     topo = topology_from_nodes(nodes, keys, inter_leaf_ratio)
 
     def inst(name: str, source: bool = False) -> Instance:
@@ -62,6 +77,18 @@ def build(action: CreatePlan, pods: Mapping[str, PodView], nodes: Sequence[Mappi
         return Instance(p.instance, p.node, tp, kind="host" if host else "gpu")
 
     srcs, tgts = [inst(s, source=True) for s in action.sources], [inst(t) for t in action.targets]
+    by_copy = [t for n, t in zip(action.targets, tgts, strict=True) if tp == 1 and t.node in copy_nodes
+               and pods[n].created_for is None and pods[n].host_copy != model.name]
+    if by_copy:
+        local = make_plan(topo, model, (), by_copy, "local", host_cached_nodes={t.node for t in by_copy})
+        rest = [t for t in tgts if t not in by_copy]
+        if not rest:
+            return Built(local, {pods[n].instance: pods[n] for n in action.targets}, dict(local.predicted))
+        inner = build(replace(action, targets=tuple(n for n in action.targets if pods[n].instance in
+                                                    {t.id for t in rest})),
+                      pods, nodes, model, algorithm, tp, keys, inter_leaf_ratio, live)
+        by_id = {**inner.pods, **{t.id: pods[n] for n, t in zip(action.targets, tgts, strict=True) if t in by_copy}}
+        return Built(inner.plan, by_id, dict(local.predicted))
     flows = [(pods[a].instance, pods[b].instance) for a, b in action.kv_flows if a in pods and b in pods]
     if srcs and all(s.id in {a for a, _ in flows} for s in srcs):
         flows = []  # every source sends KV: one of them must still send weights (interference accepted)
@@ -99,8 +126,11 @@ def spec_dict(b: Built, model_service: str, role: str, reason: str, source_path:
         "modelServiceRef": {"name": model_service}, "role": role, "algorithm": p.algorithm,
         "reason": reason[:4096],
         "sources": [src(s) for s in p.sources],
-        "targets": [{"instance": t.id, "pod": pods[t.id].pod_name, "node": t.node,
-                     **({"predictedSeconds": round(pred[t.id], 6)} if t.id in pred else {})} for t in p.targets],
+        "targets": [*({"instance": t.id, "pod": pods[t.id].pod_name, "node": t.node,
+                       **({"nodeCopy": True} if t.id in b.node_copy else {}),
+                       **({"predictedSeconds": round(pred[t.id], 6)} if t.id in pred else {})} for t in p.targets),
+                    *({"instance": i, "pod": pods[i].pod_name, "node": pods[i].node, "nodeCopy": True,
+                       "predictedSeconds": round(s, 6)} for i, s in b.node_copy.items() if i not in pred)],
         "blockOrder": list(p.model.block_ids),
         "plan": p.to_dict(),
     }
@@ -115,8 +145,8 @@ def spec_dict(b: Built, model_service: str, role: str, reason: str, source_path:
         spec["shards"] = shards
     if p.live_pairs:
         spec["livePairs"] = [{"overloaded": a, "loading": b} for a, b in p.live_pairs]
-    if pred:
-        spec["predictedSeconds"] = round(p.completion, 6)
+    if pred or b.node_copy:
+        spec["predictedSeconds"] = round(max(p.completion, *b.node_copy.values(), 0.0), 6)
     return spec
 
 

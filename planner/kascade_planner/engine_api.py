@@ -144,7 +144,9 @@ class BindRequest:
     spec.model.source.uri), which the engine downloads first (kascade_engine.weights.modelsource). At most one.
     `dtype` is spec.model.dtype: the precision the engine computes in (None: the engine's own).
     `source_host_copy`: load from the host copy this engine kept when it was last released (`hostCopyBytes`
-    in its status): a memory copy, no disk or network. `model_path`: a directory holding `model`'s config.json
+    in its status): a memory copy, no disk or network. `source_node_copy`: load from the copy of `model` its node's
+    cache holds (--node-cache-dir; another engine of the node published it): mapped read-only, its digests
+    verified, no disk or network. `model_path`: a directory holding `model`'s config.json
     and tokenizer (its checkpoint as the pod mounts it): an engine started for another model and holding no
     weights switches to `model` first (a GPU of the shared pool changes model; weights then come by plan or
     source as usual)."""
@@ -157,10 +159,12 @@ class BindRequest:
     source_uri: str | None = None
     source_host_copy: bool = False
     model_path: str | None = None
+    source_node_copy: bool = False
 
     def __post_init__(self) -> None:
-        if sum((self.source_path is not None, self.source_uri is not None, self.source_host_copy)) > 1:
-            raise WireError("source", "give one of path, uri, hostCopy")
+        if sum((self.source_path is not None, self.source_uri is not None, self.source_host_copy,
+                self.source_node_copy)) > 1:
+            raise WireError("source", "give one of path, uri, hostCopy, nodeCopy")
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"model": self.model, "modelService": self.model_service, "role": self.role}
@@ -170,6 +174,8 @@ class BindRequest:
             d["source"] = {"uri": self.source_uri}
         if self.source_host_copy:
             d["source"] = {"hostCopy": True}
+        if self.source_node_copy:
+            d["source"] = {"nodeCopy": True}
         if self.dtype is not None:
             d["dtype"] = self.dtype
         if self.model_path is not None:
@@ -185,15 +191,17 @@ class BindRequest:
         path = uri = None
         if src is not None:
             s = _obj(src, "source")
-            _only(s, ("path", "uri", "hostCopy"), "source.")
+            _only(s, ("path", "uri", "hostCopy", "nodeCopy"), "source.")
             if len(s) != 1:
-                raise WireError("source", "give exactly one of path, uri, hostCopy")
-            if "hostCopy" in s:
-                if s["hostCopy"] is not True:
-                    raise WireError("source.hostCopy", f"must be true, got {s['hostCopy']!r}")
-                return BindRequest(cast(str, _str(d, "model")), cast(str, _str(d, "modelService")),
-                                   cast(Role, _choice(d, "role", ROLES)), None,
-                                   _choice(d, "dtype", DTYPES, required=False), None, True, model_path)
+                raise WireError("source", "give exactly one of path, uri, hostCopy, nodeCopy")
+            for flag in ("hostCopy", "nodeCopy"):
+                if flag in s:
+                    if s[flag] is not True:
+                        raise WireError(f"source.{flag}", f"must be true, got {s[flag]!r}")
+                    return BindRequest(cast(str, _str(d, "model")), cast(str, _str(d, "modelService")),
+                                       cast(Role, _choice(d, "role", ROLES)), None,
+                                       _choice(d, "dtype", DTYPES, required=False), None, flag == "hostCopy",
+                                       model_path, flag == "nodeCopy")
             path = _str(s, "path", "source.", required=False)
             uri = _str(s, "uri", "source.", required=False)
             if uri is not None and (not re.match(MODEL_URI_PATTERN, uri) or ".." in uri.split("/")):

@@ -143,3 +143,58 @@ def test_a_plan_loaded_replica_ends_on_the_node_copy_and_releases_it(tiny_ckpt, 
     finally:
         src.stop()
         dst.stop()
+
+
+def test_an_engine_binds_from_the_node_copy_with_nothing_over_the_network(tiny_ckpt, engine_starter,
+                                                                          tmp_path: Path) -> None:
+    """Bind source.nodeCopy (issue 35 item 3, a scale-up target on a node keeping the model's copy): the engine maps
+    the copy another engine of its node published, answers the same greedy text, and nothing reaches it over the
+    network: it is in no plan, and the keeper is SIGSTOPped while it loads (no engine could send it a byte)."""
+    import os
+    import signal
+
+    cache = tmp_path / "node"
+    keeper = engine_starter(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--node-cache-dir",
+                             str(cache)])
+    empty = engine_starter(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--empty",
+                            "--node-cache-dir", str(cache)])
+    private = engine_starter(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--empty"])
+    body = {**BODY, "model": "tiny-llama"}
+    bind = {"model": "tiny-llama", "modelService": "ns/svc", "role": "colocated", "source": {"nodeCopy": True}}
+    try:
+        want = _post(keeper.url + "/v1/completions", json=body).json()["choices"][0]["text"]
+        os.kill(keeper.proc.pid, signal.SIGSTOP)
+        try:
+            r = _post(empty.url + "/kascade/v1/bind", json=bind, headers=_h(empty))
+            assert r.status_code == 200, r.text
+            deadline = time.monotonic() + 120
+            while not (st := _get(empty.url + "/kascade/v1/status", headers=_h(empty)).json())["ready"]:
+                assert st["loadError"] is None and time.monotonic() < deadline, st
+                time.sleep(0.05)
+        finally:
+            os.kill(keeper.proc.pid, signal.SIGCONT)
+        assert st["phase"] == "serving" and st["nodeCopy"] == str(cache / "tiny-llama.kcache"), st
+        assert _post(empty.url + "/v1/completions", json=body).json()["choices"][0]["text"] == want
+        metrics = _get(empty.url + "/metrics").text
+        received = [ln for ln in metrics.splitlines() if ln.startswith("kascade_data_port_bytes_total")
+                    and 'direction="received"' in ln]
+        assert received and all(float(ln.rsplit(" ", 1)[1]) == 0 for ln in received), received
+        # an engine without a node cache refuses the source naming the field; so does one whose node holds none
+        r = _post(private.url + "/kascade/v1/bind", json=bind, headers=_h(private))
+        assert r.status_code == 409 and "source.nodeCopy" in r.text and "--node-cache-dir" in r.text, r.text
+        r = _post(empty.url + "/kascade/v1/bind", json={**bind, "source": {"nodeCopy": "yes"}}, headers=_h(empty))
+        assert r.status_code in (400, 422) and "source.nodeCopy" in r.text, r.text
+    finally:
+        for e in (keeper, empty, private):
+            e.stop()
+
+
+def test_an_engine_refuses_a_node_copy_its_node_does_not_hold(tiny_ckpt, engine_starter, tmp_path: Path) -> None:
+    empty = engine_starter(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--empty",
+                            "--node-cache-dir", str(tmp_path / "node")])
+    try:
+        r = _post(empty.url + "/kascade/v1/bind", headers=_h(empty), json={
+            "model": "tiny-llama", "modelService": "ns/svc", "role": "colocated", "source": {"nodeCopy": True}})
+        assert r.status_code == 409 and "no usable copy of tiny-llama" in r.text, r.text
+    finally:
+        empty.stop()
