@@ -122,7 +122,9 @@ async def test_the_router_learns_both_engines_prefill_rates_and_ranks_the_decode
             assert db.prefill_rate is not None and pb.prefill_rate is not None
             pb.in_flight = pb.prefilling = 2
             rng = random.Random(1)
-            assert all(pick_pd([db, pb], rng) == (db, pb) for _ in range(20))
+            seen = (db.prefill_rate, pb.prefill_rate, db.prefilling, db.prefill_room, db.in_flight, d_rate, p_rate)
+            picks = {tuple(x.pod if x else None for x in pick_pd([db, pb], rng)) for _ in range(20)}
+            assert picks == {("tiny-llama-0", "tiny-llama-1")}, (picks, seen)
             db.prefill_rate = None  # as the router stood before it learned D's rate: the constant share
             assert all(pick_pd([db, pb], rng) == (db, None) for _ in range(20))
             pb.in_flight = pb.prefilling = 0
