@@ -123,6 +123,12 @@ class Engine:
         # an all-decode step's batch, advanced in place while the rows stay the same (not with page reclaim: dropped
         # pages change a block table in place)
         self.decoding = DecodeBatch(self.cache) if reclaim is None else None
+        # the sampled ids of the last step, kept on the device when every row of an all-decode step took the plain
+        # argmax: the next step's input ids when the decode batch advanced in place (the same rows, in the same
+        # order, each one token on: row i's last token is its sampled id). `_fed`: the previous step's, read in
+        # this step's `_hidden`
+        self._carry: torch.Tensor | None = None
+        self._fed: torch.Tensor | None = None
         self.eos = eos
         self._ids = itertools.count()
         self._aborts: set[str] = set()
@@ -189,6 +195,7 @@ class Engine:
 
     def step(self) -> list[Event]:
         """schedule -> forward -> sample -> postprocess; the step's timing goes to the recorder."""
+        self._fed, self._carry = self._carry, None
         events = self._prepare()
         work = self._schedule()
         if not work and not (self.coop is not None and self.coop.pending()):
@@ -246,7 +253,7 @@ class Engine:
             samples = [w.start + w.n == len(r.prompt) + len(r.out) for w, r in zip(work, rs, strict=True)]
         every = all(samples)
         sampling = rs if every else [r for r, s in zip(rs, samples, strict=True) if s]
-        return self._sample(sampling, self._logits(work, rs, samples, every))
+        return self._sample(sampling, self._logits(work, rs, samples, every), every)
 
     def _logits(self, work: list[Work], rs: list[Request], samples: list[bool], every: bool) -> torch.Tensor:
         """The model over every chunk's tokens at once; logits only for chunks that reach their last token
@@ -276,19 +283,26 @@ class Engine:
         """The last layer's hidden states over a step's tokens; items: (page table, start, tokens) per chunk
         (tp/leader.py announces the step to the other ranks first). An all-decode step advances the persistent
         decode batch (decodebatch.py); any other step builds its batch from the lists."""
-        m = self.model
+        m, fed = self.model, self._fed
+        self._fed = None
         if self.decoding is not None and len(ids) == len(items):
             batch = self.decoding.forward_batch(items)
+            if fed is not None and self.decoding.advanced and fed.shape[0] == len(ids):
+                return m.run_layers(0, m.shape.layers, m.embed(fed), batch)  # last step's argmax: no ids copy
         else:
             if self.decoding is not None:
                 self.decoding.reset()
             batch = build_batch(self.cache, items)
         return m.run_layers(0, m.shape.layers, m.embed(torch.tensor(ids, dtype=torch.long, device=m.device)), batch)
 
-    def _sample(self, rs: list[Request], logits: torch.Tensor) -> list[int]:
-        """One token per row of `logits`; `rs`: the request of each row."""
+    def _sample(self, rs: list[Request], logits: torch.Tensor, every: bool = False) -> list[int]:
+        """One token per row of `logits`; `rs`: the request of each row; `every`: every chunk of the step samples
+        (an all-decode step's argmax can then feed the next step, `_carry`)."""
         if all([r.plain for r in rs]):  # greedy with default processors: the argmax is `pick`'s answer
-            out: list[int] = logits.argmax(dim=-1).tolist()
+            t = logits.argmax(dim=-1)
+            if every and self.coop is None and self.decoding is not None:
+                self._carry = t
+            out: list[int] = t.tolist()
             return out
         return pick(logits, rs, self.eos)
 
