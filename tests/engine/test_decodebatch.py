@@ -99,11 +99,11 @@ def test_the_sampled_ids_feed_the_next_step_on_the_device(tiny_blocks: Any) -> N
     carried: list[torch.Tensor | None] = [None]  # the argmax kept by the step before the one running
     for persistent in (False, True):
         e = _engine(tiny_blocks, persistent)
-        embed, fed = e.model.embed, []
+        embed, fed = e.model.embed, list[bool]()
 
         def spy(ids: torch.Tensor, embed: Any = embed, fed: list[bool] = fed) -> torch.Tensor:
             fed.append(ids is carried[0])  # _hidden took the previous step's argmax as this step's ids
-            return embed(ids)  # type: ignore[no-any-return]
+            return embed(ids)
 
         e.model.embed = spy  # type: ignore[method-assign]
         rids = [e.submit(p, SamplingParams(max_tokens=6 + 2 * i, ignore_eos=True)) for i, p in enumerate(prompts)]

@@ -246,18 +246,27 @@ class Engine:
                  samples: list[bool] | None = None) -> list[int]:
         """One forward for the whole step; returns the sampled token per sampling chunk, in order. `rs` (each
         chunk's request) and `samples` (which chunks sample), when the caller has them, save a pass each."""
+        rs, samples = self._rows(work, rs, samples)
+        every = all(samples)
+        sampling = rs if every else [r for r, s in zip(rs, samples, strict=True) if s]
+        return self._sample(sampling, self._logits(work, rs, samples), every)
+
+    def _rows(self, work: list[Work], rs: list[Request] | None,
+              samples: list[bool] | None) -> tuple[list[Request], list[bool]]:
+        """Each chunk's request and whether it samples (reaches its last known token), unless given."""
         if rs is None:
             reqs = self.requests
             rs = [reqs[w.id] for w in work]
         if samples is None:
             samples = [w.start + w.n == len(r.prompt) + len(r.out) for w, r in zip(work, rs, strict=True)]
-        every = all(samples)
-        sampling = rs if every else [r for r, s in zip(rs, samples, strict=True) if s]
-        return self._sample(sampling, self._logits(work, rs, samples, every), every)
+        return rs, samples
 
-    def _logits(self, work: list[Work], rs: list[Request], samples: list[bool], every: bool) -> torch.Tensor:
+    def _logits(self, work: list[Work], rs: list[Request] | None = None,
+                samples: list[bool] | None = None) -> torch.Tensor:
         """The model over every chunk's tokens at once; logits only for chunks that reach their last token
-        (`samples`; `every`: all of them)."""
+        (`samples`)."""
+        rs, samples = self._rows(work, rs, samples)
+        every = all(samples)
         m, tables = self.model, self.scheduler.pool.tables
         items = [(tables[w.id], w.start, w.n) for w in work]
         if max([w.n for w in work]) == 1:  # decodes: one token each (the last known one, nearly always an output)
