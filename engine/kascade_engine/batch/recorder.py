@@ -10,7 +10,7 @@ saturated, whether its budget could cut chunks yet, the room a converted decoder
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -52,9 +52,13 @@ class StepRecorder:
         self.prefill_step_max = 0
         self.budget_of_max: int | None = None
 
-    def begin(self, work: list[Work], requests: Mapping[str, _Prompted], hooks: _Pending | None) -> StepNote:
+    def begin(self, work: list[Work], requests: Mapping[str, _Prompted], hooks: _Pending | None,
+              rs: Sequence[_Prompted] | None = None) -> StepNote:
+        """`rs`: each chunk's request, when the caller has them (saves a lookup per chunk)."""
         sched = self.scheduler
-        prefill = [(w.n, len(requests[w.id].prompt)) for w in work if w.start < len(requests[w.id].prompt)]
+        if rs is None:
+            rs = [requests[w.id] for w in work]
+        prefill = [(w.n, p) for w, r in zip(work, rs, strict=True) if w.start < (p := len(r.prompt))]
         pending = sched.prompts_pending()  # before `advance`: this step's own prompt chunks count
         # its prompt tokens were limited by the step's token cap or budget while more waited: only such a step's
         # tokens/s is the engine's prefill capacity (velocity.py; read now: the next schedule overwrites it)
@@ -73,7 +77,12 @@ class StepRecorder:
         self.meter.observe(note.prefill, len(work) - len(note.prefill), secs, saturated=note.saturated)
         tokens = sum(n for n, _ in note.prefill)
         if note.own:
-            self.cost.observe(StepShape.of([(w.start, w.n) for w in work]), secs)
+            starts = [w.start for w in work if w.n == 1]
+            if len(starts) == len(work) and starts:  # decodes only: StepShape.of's answer in one pass
+                shape = StepShape(len(starts), max(starts) + 1)
+            else:
+                shape = StepShape.of([(w.start, w.n) for w in work])
+            self.cost.observe(shape, secs)
             if note.pending and note.budgeted:
                 self.meter.observe_rate(tokens, secs)
             elif note.room is not None:  # what a prompt would have got, the chunk's predicted time added to the step's

@@ -42,6 +42,8 @@ class StepShape:
     prefill_key_max: int = 0  # the longest chunk end (the prefill group gathers prefill_seqs x this)
 
     def __post_init__(self) -> None:
+        if min(self.decodes, self.decode_key_max, self.prompt_tokens, self.prefill_seqs, self.prefill_key_max) >= 0:
+            return  # one call per shape (a step makes a few): the named check below only when one is negative
         for name in ("decodes", "decode_key_max", "prompt_tokens", "prefill_seqs", "prefill_key_max"):
             if getattr(self, name) < 0:
                 raise ValueError(f"step shape field {name} must be >= 0, got {getattr(self, name)}")
