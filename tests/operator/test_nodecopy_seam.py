@@ -22,10 +22,10 @@ from kascade_operator.reconcile import CreatePlan
 world = seam.world  # the fixture: three engine stubs on n0..n2, the in-memory kube, a Runtime
 
 
-async def test_a_target_on_a_node_keeping_the_copy_binds_from_it_and_no_plan_streams(world: Any) -> None:
-    """Node cache on (issue 35 item 3): the serving replica's node keeps the model's copy, so the next replica goes
-    to an idle engine of that node (fleettargets) and binds from the copy (source.nodeCopy): the ScalePlan marks
-    it nodeCopy and no engine is sent a load plan."""
+async def _a_copy_node_with_an_idle_engine(world: Any) -> tuple[dict[str, Any], str, str, EngineStub]:
+    """One replica serving (its plan driven to the end) that maps its node's copy of the model (annotation and
+    engine status), an idle engine "e3" added on that node, the node cache on: (its plan, the serving pod, its
+    node, e3's stub; the caller closes it)."""
     rt, kube, stubs = world
     for s in stubs:
         s.auto_ready = True
@@ -37,9 +37,18 @@ async def test_a_target_on_a_node_keeping_the_copy_binds_from_it_and_no_plan_str
     await kube.patch_pod(NS, name, {"metadata": {"annotations": {L.HOST_COPY: "tiny"}}})  # it maps the node's copy
     next(s for s in stubs if s.instance == name).host_copy_bytes = 1000  # and its engine says so (status)
     extra = EngineStub("e3", "tiny", TOKEN)
+    kube.add_pool_pod(NS, "e3", node, extra.endpoint, model="tiny")
+    rt.settings = rt.settings.model_copy(update={"node_cache": True})
+    return first, name, node, extra
+
+
+async def test_a_target_on_a_node_keeping_the_copy_binds_from_it_and_no_plan_streams(world: Any) -> None:
+    """Node cache on (issue 35 item 3): the serving replica's node keeps the model's copy, so the next replica goes
+    to an idle engine of that node (fleettargets) and binds from the copy (source.nodeCopy): the ScalePlan marks
+    it nodeCopy and no engine is sent a load plan."""
+    rt, kube, stubs = world
+    first, name, _, extra = await _a_copy_node_with_an_idle_engine(world)
     try:
-        kube.add_pool_pod(NS, "e3", node, extra.endpoint, model="tiny")
-        rt.settings = rt.settings.model_copy(update={"node_cache": True})
         loads = sum(s.count("load-plan") for s in stubs)
         rt.last_round.clear()
         await reconcile_service(rt, service(lo=2), "update")
@@ -58,20 +67,9 @@ async def test_a_target_on_a_node_keeping_the_copy_binds_from_it_and_no_plan_str
 async def test_a_refused_node_copy_drops_the_target_and_the_next_plan_streams_to_it(world: Any) -> None:
     """The engine on the copy node answers 409 to source.nodeCopy (no usable copy there, or no node cache): the
     target is dropped and the next plan to a target on that node sends it the blocks, not nodeCopy again."""
-    rt, kube, stubs = world
-    for s in stubs:
-        s.auto_ready = True
-    await reconcile_service(rt, service(), "create")
-    (first,) = kube.plans.values()
-    await asyncio.wait_for(plandriver.drive(rt, first, Stopped()), 10)
-    (serving,) = bound_pods(kube)
-    name, node = serving["metadata"]["name"], serving["spec"]["nodeName"]
-    await kube.patch_pod(NS, name, {"metadata": {"annotations": {L.HOST_COPY: "tiny"}}})
-    next(s for s in stubs if s.instance == name).host_copy_bytes = 1000  # and its engine says so (status)
-    extra = EngineStub("e3", "tiny", TOKEN)
+    rt, kube, _ = world
+    first, name, node, extra = await _a_copy_node_with_an_idle_engine(world)
     try:
-        kube.add_pool_pod(NS, "e3", node, extra.endpoint, model="tiny")
-        rt.settings = rt.settings.model_copy(update={"node_cache": True})
         extra.fail["bind"] = 409
         rt.last_round.clear()
         await reconcile_service(rt, service(lo=2), "update")
