@@ -284,9 +284,9 @@ async def test_pods_released_in_one_round_keep_one_host_copy_per_model(world: An
     assert sent == [{}, {"keepHostCopy": False}, {"keepHostCopy": False}], sent
 
 
-async def _serving_and_a_copy(world: Any) -> tuple[dict[str, Any], dict[str, Any], str, str]:
-    """One replica serving (its plan driven to the end) and, of the two idle pods, the first recorded as keeping a
-    host copy of the model (as a release records it): (its plan, the serving pod, the copy's pod, the other)."""
+async def serving_one(world: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The service created with every engine stub answering ready, its first plan driven to the end: (that plan,
+    the one serving pod)."""
     rt, kube, stubs = world
     for s in stubs:
         s.auto_ready = True
@@ -294,6 +294,14 @@ async def _serving_and_a_copy(world: Any) -> tuple[dict[str, Any], dict[str, Any
     (first,) = kube.plans.values()
     await asyncio.wait_for(plandriver.drive(rt, first, Stopped()), 10)
     (serving,) = bound_pods(kube)
+    return first, serving
+
+
+async def _serving_and_a_copy(world: Any) -> tuple[dict[str, Any], dict[str, Any], str, str]:
+    """One replica serving (its plan driven to the end) and, of the two idle pods, the first recorded as keeping a
+    host copy of the model (as a release records it): (its plan, the serving pod, the copy's pod, the other)."""
+    _, kube, _ = world
+    first, serving = await serving_one(world)
     copy, other = sorted(n for (_, n) in kube.pods if n != serving["metadata"]["name"])
     await kube.patch_pod(NS, copy, {"metadata": {"annotations": {L.HOST_COPY: "tiny"}}})
     return first, serving, copy, other

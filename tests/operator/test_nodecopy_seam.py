@@ -27,12 +27,7 @@ async def _a_copy_node_with_an_idle_engine(world: Any) -> tuple[dict[str, Any], 
     engine status), an idle engine "e3" added on that node, the node cache on: (its plan, the serving pod, its
     node, e3's stub; the caller closes it)."""
     rt, kube, stubs = world
-    for s in stubs:
-        s.auto_ready = True
-    await reconcile_service(rt, service(), "create")
-    (first,) = kube.plans.values()
-    await asyncio.wait_for(plandriver.drive(rt, first, Stopped()), 10)
-    (serving,) = bound_pods(kube)
+    first, serving = await seam.serving_one(world)
     name, node = serving["metadata"]["name"], serving["spec"]["nodeName"]
     await kube.patch_pod(NS, name, {"metadata": {"annotations": {L.HOST_COPY: "tiny"}}})  # it maps the node's copy
     next(s for s in stubs if s.instance == name).host_copy_bytes = 1000  # and its engine says so (status)
