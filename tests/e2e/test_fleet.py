@@ -32,6 +32,13 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 PROMPT = list(range(3, 35))
 
 
+def _none_failed(gens: dict[str, LoadGen]) -> None:
+    """Each model's (stopped) load had answers and none of its requests failed."""
+    for name, g in gens.items():
+        s = g.summary()
+        assert s["failed"] == 0 and s["ok"] > 0, (name, s, g.failures()[:5])
+
+
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("fleet")
@@ -111,9 +118,7 @@ def test_a_burst_on_one_model_takes_the_idle_engines_of_another_and_gives_them_b
     finally:
         gen_a.stop()
         gen_b.stop()
-    for name, g in (("A", gen_a), ("B", gen_b)):
-        s = g.summary()
-        assert s["failed"] == 0 and s["ok"] > 0, (name, s, g.failures()[:5])
+    _none_failed({"A": gen_a, "B": gen_b})
     print(f"\nB's status.arbitration while preempted: {seen[:1]}\n"
           f"A 1 -> 3 on B's engines: {t_up - t_burst:.1f} s after the burst; decision (ScalePlan created) -> "
           f"serving A on a released engine of B: {', '.join(f'{x:.2f}' for x in switch_s)} s "
@@ -204,9 +209,7 @@ def test_three_models_on_six_engines_a_burst_takes_the_idle_model_down_to_its_mi
     finally:
         for g in gens.values():
             g.stop()
-    for name, g in gens.items():
-        s = g.summary()
-        assert s["failed"] == 0 and s["ok"] > 0, (name, s, g.failures()[:5])
+    _none_failed(gens)
     print(f"\nthree models, six engines: B's status.arbitration while preempted: {seen[:1]}\n"
           f"A 1 -> 4 on B's engines: {t_up - t_burst:.1f} s after the burst; decision (ScalePlan created) -> "
           f"serving A on a released engine of B: {', '.join(f'{a:.2f}' for a, _ in timed)} s "
