@@ -267,11 +267,16 @@ class EngineInstance:
         self._settle()
 
     # -- control calls -------------------------------------------------------------------------
+    def refuse_tp(self, what: str) -> None:
+        """409 naming `tp` when this is a tensor-parallel instance: `what` (PD roles, conversion, live cooperation)
+        needs KV and activations per rank, which are not built (docs/tp.md)."""
+        if self.config.tp > 1:
+            raise InstanceError(409, f"tp: {what} with a tensor-parallel instance (tp {self.config.tp}) is not "
+                                "supported: its KV is split over its ranks (docs/tp.md)", "tp")
+
     async def bind(self, req: BindRequest) -> EngineStatus:
-        if self.config.tp > 1 and req.role != "colocated":
-            raise InstanceError(409, f"tp: role {req.role!r} (prefill/decode disaggregation) with a tensor-parallel "
-                                f"instance (tp {self.config.tp}) is not supported: its KV is split over its ranks "
-                                "(docs/tp.md)", "tp")
+        if req.role != "colocated":
+            self.refuse_tp(f"role {req.role!r} (prefill/decode disaggregation)")
         if req.source_host_copy and self.host_copy is None:
             raise InstanceError(409, "source.hostCopy: this engine keeps no host copy (status hostCopyBytes is 0)",
                                 "source.hostCopy")
@@ -366,9 +371,7 @@ class EngineInstance:
         in a step that decodes (scheduler.py, stepcost.py). The data port serves other decode engines' prefill whatever
         the role; the router
         sends it some once the pod is annotated convertible."""
-        if self.config.tp > 1:
-            raise InstanceError(409, f"tp: a convertible decoder (prefill/decode disaggregation) with a "
-                                f"tensor-parallel instance (tp {self.config.tp}) is not supported (docs/tp.md)", "tp")
+        self.refuse_tp("a convertible decoder (prefill/decode disaggregation)")
         lim = self.engine.limits
         changed = (req.prefill_chunk_tokens, req.step_budget_ms) != (
             lim.prefill_chunk_tokens, None if lim.step_budget_s is None else lim.step_budget_s * 1e3)

@@ -57,6 +57,8 @@ class PeeringHost(RedirectHost, Protocol):
 
     def status(self) -> EngineStatus: ...
 
+    def refuse_tp(self, what: str) -> None: ...
+
     def _to(self, phase: Phase) -> None: ...
 
     def _settle(self) -> None: ...
@@ -67,9 +69,7 @@ async def set_cooperate(inst: PeeringHost, req: CooperateRequest) -> EngineStatu
     step of every request until the pair ends (cooperation.py)."""
     from kascade_engine.live.pairsession import form_pair
 
-    if inst.config.tp > 1:
-        raise InstanceError(409, f"tp: live cooperation with a tensor-parallel instance (tp {inst.config.tp}) "
-                            "is not supported", "tp")
+    inst.refuse_tp("live cooperation")
     if req.mode == "standby":
         try:
             await inst.peers.warm(req.peer)
