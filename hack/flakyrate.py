@@ -4,6 +4,9 @@ each test failed (`make flaky TESTS="tests/e2e/test_real_engines.py::test_x" N=1
 A fresh process per run, like a fresh CI run: module and session fixtures (control planes, engines, caches)
 are built again every time, so a test that depends on what an earlier test left behind shows up too.
 `--load K` adds K busy CPU processes for the duration (a loaded machine, which is where timing bugs show).
+Each run gets its own `--basetemp` under `--keep` (default a fresh /tmp/flakyrate-* directory): a passing run's is
+deleted, a failing run's is kept and named (its engine, operator and control-plane logs are what explain a flake;
+pytest's own rotation of three base temps would lose them to any other pytest on the machine).
 
 Data flow: `main()` -> N x `python -m pytest -p flakyrate <tests>` with FLAKYRATE_OUT naming a JSON-lines
 file -> this module, loaded as a pytest plugin, appends one line per test phase (`pytest_runtest_logreport`)
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -64,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-n", "--runs", type=int, default=10, help="pytest runs (default 10)")
     ap.add_argument("--load", type=int, default=0, help="busy CPU processes beside the runs (default 0)")
     ap.add_argument("--show-all", action="store_true", help="list tests that never failed too")
+    ap.add_argument("--keep", type=Path, default=None,
+                    help="directory for the runs' temp dirs; failing runs' are kept there (default /tmp/flakyrate-*)")
     ap.add_argument("tests", nargs=argparse.REMAINDER,
                     help="pytest arguments after these options (or after --): node ids, paths, -m/-k expressions")
     a = ap.parse_args(argv)
@@ -80,20 +86,31 @@ def main(argv: list[str] | None = None) -> int:
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.load)]
     runs: list[dict[str, str]] = []
     empty = 0
+    keep = a.keep or Path(tempfile.mkdtemp(prefix="flakyrate-"))
+    keep.mkdir(parents=True, exist_ok=True)
+    kept: list[Path] = []
     try:
-        with tempfile.TemporaryDirectory(prefix="flakyrate-") as tmp:
-            for i in range(a.runs):
-                out = Path(tmp) / f"run{i}.jsonl"
-                t0 = time.monotonic()
-                rc = subprocess.call([sys.executable, "-m", "pytest", "-p", "flakyrate", "-q", "--no-header",
-                                      "-p", "no:cacheprovider", *tests], cwd=root, env={**env, ENV_OUT: str(out)})
-                lines = [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
-                run = tally(lines)
-                runs.append(run)
-                failed = sorted(t for t, o in run.items() if o == "failed")
-                empty += not run
-                print(f"== flaky run {i + 1}/{a.runs}: rc {rc}, {len(run)} tests, {len(failed)} failed, "
-                      f"{time.monotonic() - t0:.0f} s" + "".join(f"\n   FAILED {t}" for t in failed), flush=True)
+        for i in range(a.runs):
+            base = keep / f"run{i + 1}"
+            shutil.rmtree(base, ignore_errors=True)
+            out = keep / f"run{i + 1}.jsonl"
+            out.unlink(missing_ok=True)
+            t0 = time.monotonic()
+            rc = subprocess.call([sys.executable, "-m", "pytest", "-p", "flakyrate", "-q", "--no-header",
+                                  "-p", "no:cacheprovider", f"--basetemp={base}", *tests], cwd=root,
+                                 env={**env, ENV_OUT: str(out)})
+            lines = [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
+            run = tally(lines)
+            runs.append(run)
+            failed = sorted(t for t, o in run.items() if o == "failed")
+            empty += not run
+            if failed or rc:
+                kept.append(base)
+            else:
+                shutil.rmtree(base, ignore_errors=True)
+            print(f"== flaky run {i + 1}/{a.runs}: rc {rc}, {len(run)} tests, {len(failed)} failed, "
+                  f"{time.monotonic() - t0:.0f} s" + "".join(f"\n   FAILED {t}" for t in failed)
+                  + (f"\n   logs kept: {base}" if failed or rc else ""), flush=True)
     finally:
         for b in burners:
             b.kill()
@@ -104,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{sum(1 for r in rows if r[2])} of {len(rows)} tests failed at least once")
     for t, ran, failed, skipped in shown:
         print(f"{failed:4d}/{ran:<4d} {100 * failed / ran:5.1f}%  {t}" + (f"  ({skipped} skipped)" if skipped else ""))
+    if kept:
+        print("logs of the failing runs: " + " ".join(map(str, kept)))
+    elif a.keep is None:
+        shutil.rmtree(keep, ignore_errors=True)
     if empty:
         print(f"{empty} run(s) collected no tests", file=sys.stderr)
     return 1 if empty or any(r[2] for r in rows) else 0
