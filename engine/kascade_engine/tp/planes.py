@@ -231,10 +231,14 @@ def agree(error: str | None, rank: int, tp: int, group: dist.ProcessGroup | None
         raise PlaneFailed("; ".join(f"rank {r}: {e}" for r, e in bad))
 
 
-def serve_slices(model: RankModel, ps: PlaneSpec) -> threading.Thread:
+def serve_slices(model: RankModel, ps: PlaneSpec, after: threading.Thread | None = None) -> threading.Thread:
     """A follower of a matched-TP source: send this rank's slice blocks in its plane from its own data port, in a
     thread of its own (its own asyncio loop), while the rank goes on following rank 0's steps. A failure is logged
-    here; the plan's targets see it as a failed transfer (their own plane fails, so the whole target fails)."""
+    here; the plan's targets see it as a failed transfer (their own plane fails, so the whole target fails).
+    `after`: this rank's previous serve. It may still hold the data port (rank 0 finished its own share of that plan
+    and took the next, while this rank still retries a target that died before it connected, for up to the plan's
+    timeout): the next serve waits for it to end rather than fail on a port in use; the next plan's targets wait
+    for their upstream and pull from it (their fallback) once it listens."""
     blocks = model.slice_set(ps.spec.plan.model.name)
 
     async def run() -> None:
@@ -247,6 +251,9 @@ def serve_slices(model: RankModel, ps: PlaneSpec) -> threading.Thread:
             await node.close()
 
     def main() -> None:
+        if after is not None and after.is_alive():
+            log.info("%s: waiting for this rank's previous serve to leave the data port", ps.me)
+            after.join()
         try:
             asyncio.run(run())
         except Exception as e:  # a target gone, the port in use: the targets' planes fail and say so

@@ -6,9 +6,11 @@ is a TP-g GPU instance (matched TP), else "parts".
 Target (rank 0 of a TP-g engine started with `--tp g --empty`): derive the planes -> send every follower its plane
 (`TPEngine.load_planes`, the step channel) -> receive plane 0 on this process's data port + 0 while rank r receives
 plane r on data port + r (every share's digest verified by the relay before it is kept) -> every rank says whether
-its plane completed (`planes.agree`: one failed rank fails the instance, naming it; the followers exit, so the
-server exits 3 and the pod is replaced) -> parts: the all-gather, each whole block's digest checked (gather.py),
-every rank keeps its slices and rank 0 also keeps the whole blocks as its `blockset` (a source of any next plan);
+its plane completed (`planes.agree`: one failed rank fails the load on every rank, naming it; nothing of it is
+kept, the instance stays up, empty, with the load error, and the operator releases it for the next plan; a rank
+that is gone, or a failed gather, fails the instance: it exits 3 and the pod is replaced) -> parts: the all-gather,
+each whole block's digest checked (gather.py), every rank keeps its slices and rank 0 also keeps the whole blocks as
+its `blockset` (a source of any next plan);
 slices: every rank adds its verified slices as they are (no gather), rank 0 keeps the whole blocks' manifest only.
 Either way every rank keeps its slice blocks (`RankModel.slices`), so the instance can source a matched-TP plan.
 Source, parts (a TP-1 engine, or rank 0 of a TP-g instance holding whole blocks): one TransferNode per plane,
@@ -32,6 +34,7 @@ from kascade_engine.net.pacing import paced
 from kascade_engine.net.relay import TransferNode
 from kascade_engine.net.transfer_spec import TransferSpec
 from kascade_engine.tp.planes import (
+    PlaneFailed,
     PlaneSpec,
     Received,
     agree,
@@ -180,7 +183,13 @@ async def _target(inst: Any, spec: TransferSpec, specs: list[TransferSpec], me: 
             keep: list[Block] = []
             gather_s = await asyncio.to_thread(install, model, docs[0], got, None, model.device, keep)
             stats = await asyncio.to_thread(exchange_stats, got, gather_s, 0, g, control)
-        except Exception as e:  # PlaneFailed, GatherError, a rank gone: nothing of this plan serves
+        except PlaneFailed as e:  # every rank agreed it failed and kept nothing: the instance is whole, the load
+            # failed (as a TP-1 target's: loadError, the operator drops and releases it, the pod stays for the next)
+            log.error("tensor-parallel load into %s failed on every rank, nothing kept: %s", me, e)
+            inst.load_error = str(e)
+            inst.transfer_failures += 1
+            return
+        except Exception as e:  # GatherError, a rank gone: the ranks may disagree on what they hold, so it exits
             log.error("tensor-parallel load into %s failed: %s", me, e)
             inst.load_error = str(e)
             inst.transfer_failures += 1

@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +39,17 @@ def follow(model: RankModel, cache: KVCache, group: RankGroup) -> str:
     """Run rank 0's steps until it says stop; returns its reason."""
     model.reduce = group.reduce
     L = model.shape.layers
+    serving: threading.Thread | None = None  # this rank's latest Serve (they take turns on its data port)
     while True:
         m = msg.receive(group.control)
         if isinstance(m, msg.Stop):
             return m.reason
         if isinstance(m, msg.Load):  # rank 0 got a load plan: this rank's plane, then the gather with every rank
-            planes.load_rank(model, planes.PlaneSpec.from_dict(m.planes[group.rank]), group.tp, group.control,
-                             model.device)
+            try:
+                planes.load_rank(model, planes.PlaneSpec.from_dict(m.planes[group.rank]), group.tp, group.control,
+                                 model.device)
+            except planes.PlaneFailed as e:  # every rank agreed the plan failed and installed nothing: follow on
+                log.warning("load plan failed on every rank, nothing of it kept: %s", e)
             continue
         if isinstance(m, msg.LoadPath):  # the first copy, from the volume every rank of the pod mounts
             model.add_blocks(pack_checkpoint(m.path).blocks.values())
@@ -53,7 +58,7 @@ def follow(model: RankModel, cache: KVCache, group: RankGroup) -> str:
             dist.all_gather_object([None] * group.tp, model.slice_set(m.model).manifest(), group=group.control)
             continue
         if isinstance(m, msg.Serve):  # matched TP, this instance a source: send this rank's slices, meanwhile follow
-            planes.serve_slices(model, planes.PlaneSpec.from_dict(m.planes[group.rank]))
+            serving = planes.serve_slices(model, planes.PlaneSpec.from_dict(m.planes[group.rank]), after=serving)
             continue
         batch = build_batch(cache, m.items)
         model.run_layers(0, L, model.embed(torch.tensor(m.ids, dtype=torch.long, device=model.device)), batch)
