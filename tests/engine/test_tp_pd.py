@@ -7,6 +7,7 @@ engines' /metrics show the KV moved (no local fallback)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -41,9 +42,18 @@ def _texts(d: EngineProc, p: EngineProc | None) -> list[str]:
         return list(pool.map(lambda q: _text(d, q, p), PROMPTS))
 
 
-def _metric(e: EngineProc, name: str) -> float:
+def _metric(e: EngineProc, name: str, **labels: str) -> float:
     text = httpx.get(e.url + "/metrics", timeout=30).text
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == name and labels.items() <= s.labels.items())
+
+
+def _kv_bytes(ckpt: Path) -> int:
+    """The whole model's K and V of every prompt (fp32): what crosses the wire whatever either engine's tp."""
+    cfg = json.loads((ckpt / "config.json").read_text())
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4
+    return sum(len(p) for p in PROMPTS) * per_token
 
 
 @pytest.fixture(scope="module")
@@ -62,16 +72,22 @@ def engines(tiny_ckpt: Path) -> Iterator[dict[str, EngineProc]]:
 
 
 @pytest.mark.parametrize(("p", "d"), [("tp2a", "tp1"), ("tp1", "tp2a"), ("tp2a", "tp2b")])
-def test_tp_prefill_and_decode_serve_the_tp1_text(engines: dict[str, EngineProc], p: str, d: str) -> None:
+def test_tp_prefill_and_decode_serve_the_tp1_text(engines: dict[str, EngineProc], tiny_ckpt: Path, p: str,
+                                                  d: str) -> None:
     want = _texts(engines["tp1"], None)  # the TP-1 engine alone: colocated, its own prefill
     P, D = engines[p], engines[d]
+    kv = "kascade_kv_transfer_bytes_total"
     served, remote, fallbacks = (_metric(P, "kascade_pd_prefills_served_total"),
                                  _metric(D, "kascade_pd_remote_prefills_total"),
                                  _metric(D, "kascade_pd_local_fallbacks_total"))
+    sent, received = _metric(P, kv, direction="sent"), _metric(D, kv, direction="received")
     assert _texts(D, P) == want
     assert _metric(P, "kascade_pd_prefills_served_total") - served == len(PROMPTS)
     assert _metric(D, "kascade_pd_remote_prefills_total") - remote == len(PROMPTS)  # every KV adopted on D
     assert _metric(D, "kascade_pd_local_fallbacks_total") == fallbacks
+    # the whole model's KV heads crossed, once: gathered from every rank of a TP prefill engine, not rank 0's alone
+    assert _metric(P, kv, direction="sent") - sent == _metric(D, kv, direction="received") - received == \
+        _kv_bytes(tiny_ckpt)
 
 
 def test_tp4_with_replicated_kv_heads_prefills_and_decodes(engines: dict[str, EngineProc], tiny_ckpt: Path) -> None:
