@@ -57,8 +57,8 @@ def test_tp2_pd_service_prefills_on_one_tp_instance_and_decodes_on_another(
         control_plane: ControlPlane, namespace: str, world: tuple[EnginePool, RouterProcess]) -> None:
     cp, ns = control_plane, namespace
     pool, router = world
-    (pre,) = wait_for(lambda: serving(cp, ns, "prefill") or None, 240, "the TP-2 prefill instance serving")
-    (dec,) = wait_for(lambda: serving(cp, ns, "decode") or None, 240, "the TP-2 decode instance serving")
+    (pre,) = wait_for(lambda: serving(cp, ns, "prefill"), 240, "the TP-2 prefill instance serving")
+    (dec,) = wait_for(lambda: serving(cp, ns, "decode"), 240, "the TP-2 decode instance serving")
     msvc_doc = json.loads(cp.kubectl("-n", ns, "get", "msvc", "svc", "-o", "json").stdout)
     assert not [c for c in msvc_doc["status"].get("conditions", [])
                 if c["type"] == "Degraded" and c["status"] == "True"], msvc_doc["status"]
@@ -71,6 +71,7 @@ def test_tp2_pd_service_prefills_on_one_tp_instance_and_decodes_on_another(
 
     wait_for(pd_routed, 60, "the router routing in PD mode (it has seen both roles)", poll=0.5)
     r = wait_for(pd_routed, 60, "a second answer routed prefill -> decode", poll=0.5)
+    assert r is not None
     for name in (pre, dec):  # both instances run two ranks
         assert len(Path(f"/proc/{pool.engines[name].proc.pid}/task/{pool.engines[name].proc.pid}/children")
                    .read_text().split()) == 1

@@ -5,7 +5,8 @@ rank is in) -> barrier (every rank loaded) -> loop: rank 0's step message (step.
 paged KV cache with rank 0's page tables -> embed -> every layer (its heads and MLP slice, all-reducing with the
 other ranks) -> next message; no logits (only rank 0 samples). `Load`: receive this rank's plane of a plan;
 `Serve`: send this rank's slices in its plane (matched TP, a background thread); `Manifests`: say this rank's slice
-manifest; `GatherKV` / `ScatterKV`: a request's KV heads of this rank to / from rank 0 (disaggregated serving, kv.py). `Stop` ends it with 0; a failed collective (a rank or rank 0 gone) ends it with 3, the reason on stderr.
+manifest; `GatherKV` / `ScatterKV`: a request's KV heads of this rank to / from rank 0 (disaggregated serving,
+kv.py). `Stop` ends it with 0; a failed collective (a rank or rank 0 gone) ends it with 3, the reason on stderr.
 """
 
 from __future__ import annotations
