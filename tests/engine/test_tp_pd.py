@@ -8,6 +8,8 @@ engines' /metrics show the KV moved (no local fallback)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -104,6 +106,27 @@ def test_tp4_with_replicated_kv_heads_prefills_and_decodes(engines: dict[str, En
         assert _metric(tp4, "kascade_pd_local_fallbacks_total") == 0
     finally:
         tp4.stop()
+
+
+def test_a_tp_prefill_engine_that_loses_a_rank_exits_and_its_prompts_are_prefilled_on_the_decoder(
+        engines: dict[str, EngineProc], tiny_ckpt: Path) -> None:
+    """A follower of a TP-2 prefill engine dies: the engine exits 3 (no KV from half a model), and the decode engine
+    that names it prefills the prompt itself, with the same text (PD never fails a request)."""
+    p = start_engine(["--checkpoint", str(tiny_ckpt), "--model-name", "tiny-llama", "--max-prompt-tokens", "128",
+                      "--kv-tokens", "4096", "--tp", "2"], timeout=300)
+    try:
+        d = engines["tp1"]
+        want = _text(d, PROMPTS[0])
+        assert _text(d, PROMPTS[0], p) == want  # served by P first
+        kids = Path(f"/proc/{p.proc.pid}/task/{p.proc.pid}/children").read_text().split()
+        assert len(kids) == 1, kids  # its follower rank
+        os.kill(int(kids[0]), signal.SIGKILL)
+        assert p.proc.wait(60) == 3
+        fallbacks = _metric(d, "kascade_pd_local_fallbacks_total")
+        assert _text(d, PROMPTS[0], p) == want
+        assert _metric(d, "kascade_pd_local_fallbacks_total") == fallbacks + 1
+    finally:
+        p.stop()
 
 
 def test_tp_engines_take_pd_roles_and_conversion(engines: dict[str, EngineProc]) -> None:
