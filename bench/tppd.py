@@ -7,9 +7,11 @@ Engines: real `kascade engine serve` processes on this machine (TP-2: two ranks,
 A request goes to the decode engine D with the router's `X-Kascade-Prefill` naming the prefill engine P's data port
 (streamed, max_tokens 2: the first token's time is P's prefill + the KV gather at P's rank 0 + the wire +
 D's checks + the scatter at D's rank 0). Colocated TTFT (no PD) of both widths is printed beside it.
--> `ttft_ms_<P>_to_<D>` (median over rounds) and `<pairing>_over_tp1_to_tp1`. The gather/scatter cost is what a
-TP-2 side adds over TP-1 on the same side; on a loaded 2-core machine the ranks share the cores, so the ratios say
-what the KV handling costs here, not what NVLink/NCCL would (docs/tp.md).
+-> `ttft_ms_<P>_to_<D>` (median over rounds) and `<pairing>_over_tp1_to_tp1`; then the gather and the scatter
+alone (`kv_gather_ms_tp2`, `kv_scatter_ms_tp2`: a TP-2 instance in this process, its read_kv / write_kv timed). A TTFT
+counts more than the KV handling: an adopted prompt's first token is delivered with D's next step (a decode step,
+dearer at TP-2 on CPU), and a TP prefill engine ships the KV after its step rather than layer by layer. On a loaded
+2-core machine the ranks share the cores: the numbers say what it costs here, not on GPUs (docs/tp.md).
 `python bench/tppd.py [--quick]` writes bench/results/tppd.json.
 """
 
@@ -52,6 +54,33 @@ def ttft_ms(d: EngineProc, p: EngineProc | None) -> float:
     return first
 
 
+def kv_ms(ckpt: Path, rounds: int) -> dict[str, float]:
+    """The gather and the scatter alone: a TP-2 instance started in this process (rank 0 here), `read_kv` and
+    `write_kv` of the prompt's slots timed directly, median ms."""
+    import torch
+
+    from kascade_engine.batch.scheduler import Limits
+    from kascade_engine.tp.launch import start
+    from kascade_engine.weights.blocks import pack_checkpoint
+
+    blocks = pack_checkpoint(ckpt)
+    ranks = start(blocks.config, ckpt, 2, Limits(kv_tokens=8192), torch.device("cpu"), torch.float32, blocks=blocks)
+    try:
+        eng, slots = ranks.engine, torch.arange(16, 16 + len(PROMPT))
+        k, v = eng.read_kv(slots)
+        out: dict[str, list[float]] = {"gather": [], "scatter": []}
+        for _ in range(4 * rounds):
+            t0 = time.perf_counter()
+            eng.read_kv(slots)
+            t1 = time.perf_counter()
+            eng.write_kv(slots, k, v)
+            out["gather"].append((t1 - t0) * 1e3)
+            out["scatter"].append((time.perf_counter() - t1) * 1e3)
+        return {f"kv_{name}_ms_tp2": statistics.median(ts) for name, ts in out.items()}
+    finally:
+        ranks.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -59,6 +88,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = tiny_llama(Path(tmp) / "m", layers=8, hidden=256, vocab=2048)
         common = ["--checkpoint", str(ckpt), "--model-name", "m", "--max-prompt-tokens", "256", "--kv-tokens", "8192"]
+        kv = kv_ms(ckpt, rounds)
         e: dict[str, EngineProc] = {}
         try:
             for name, tp in (("tp1", 1), ("tp1b", 1), ("tp2", 2), ("tp2b", 2)):
@@ -78,6 +108,7 @@ def main() -> None:
     for k in ("tp2_to_tp1", "tp1_to_tp2", "tp2_to_tp2"):
         out[f"{k}_over_tp1_to_tp1"] = med[k] / med["tp1_to_tp1"]
     out["colocated_tp2_over_tp1"] = med["colocated_tp2"] / med["colocated_tp1"]
+    out.update(kv)
     out["prompt_tokens"] = str(len(PROMPT))
     out["kv_bytes_per_prompt"] = str(len(PROMPT) * 2 * 8 * 2 * 64 * 4)  # fp32 K and V, 8 layers, 2 KV heads of 64
     report("tppd", out, {})
