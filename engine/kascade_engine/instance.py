@@ -268,15 +268,14 @@ class EngineInstance:
 
     # -- control calls -------------------------------------------------------------------------
     def refuse_tp(self, what: str) -> None:
-        """409 naming `tp` when this is a tensor-parallel instance: `what` (PD roles, conversion, live cooperation)
-        needs KV and activations per rank, which are not built (docs/tp.md)."""
+        """409 naming `tp` when this is a tensor-parallel instance: `what` (live cooperation) exchanges one
+        process's activations and KV rows with a peer, which is not built for an instance split over ranks
+        (docs/tp.md). Prefill/decode disaggregation works: a request's KV is gathered at, and scattered from, rank 0."""
         if self.config.tp > 1:
             raise InstanceError(409, f"tp: {what} with a tensor-parallel instance (tp {self.config.tp}) is not "
-                                "supported: its KV is split over its ranks (docs/tp.md)", "tp")
+                                "supported: its activations and KV are split over its ranks (docs/tp.md)", "tp")
 
     async def bind(self, req: BindRequest) -> EngineStatus:
-        if req.role != "colocated":
-            self.refuse_tp(f"role {req.role!r} (prefill/decode disaggregation)")
         if req.source_host_copy and self.host_copy is None:
             raise InstanceError(409, "source.hostCopy: this engine keeps no host copy (status hostCopyBytes is 0)",
                                 "source.hostCopy")
@@ -371,7 +370,6 @@ class EngineInstance:
         in a step that decodes (scheduler.py, stepcost.py). The data port serves other decode engines' prefill whatever
         the role; the router
         sends it some once the pod is annotated convertible."""
-        self.refuse_tp("a convertible decoder (prefill/decode disaggregation)")
         lim = self.engine.limits
         changed = (req.prefill_chunk_tokens, req.step_budget_ms) != (
             lim.prefill_chunk_tokens, None if lim.step_budget_s is None else lim.step_budget_s * 1e3)

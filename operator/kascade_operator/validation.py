@@ -27,9 +27,6 @@ def semantic_errors(spec: ModelServiceSpec, most_gpus: int, gpu_resource: str = 
     if most_gpus and spec.engine.tp > most_gpus:
         errs.append(f"spec.engine.tp: {spec.engine.tp} exceeds the most GPUs on any node ({most_gpus}); one "
                     f"instance must fit on one node")
-    if spec.mode == "disaggregated" and spec.engine.tp > 1:
-        errs.append(f"spec.engine.tp: {spec.engine.tp} with spec.mode disaggregated: prefill/decode disaggregation "
-                    "with tensor-parallel instances is not supported (their KV is split over the ranks; docs/tp.md)")
     limits = (spec.engine.resources.limits or {}) if spec.engine.resources else {}
     want = limits.get(gpu_resource)
     if want is not None and str(want) != str(spec.engine.tp):

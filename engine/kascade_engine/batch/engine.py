@@ -185,6 +185,30 @@ class Engine:
         """Run `fn(self)` in the step thread before the next schedule (safe from the event loop)."""
         self._inbox.append(fn)
 
+    # -- a request's KV between engines (disaggregated serving: pd/) ---------------------------------------------
+    # The whole model's KV heads in host memory, [layers, n, kv_heads, head_dim]: what a prefill engine ships and a
+    # decode engine installs, whatever the engines' tensor parallelism (tp/leader.py gathers it from, and scatters
+    # it to, the ranks of a tensor-parallel instance).
+    layerwise = True  # a step's layers can run one at a time in this process (not a TP instance: its ranks follow)
+
+    @property
+    def kv_heads(self) -> int:
+        """The whole model's KV heads (what `read_kv` returns and `write_kv` takes)."""
+        return self.cache.kv_heads
+
+    def read_kv(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of cache `slots` over every layer, [layers, n, kv_heads, head_dim] each, new host tensors (the
+        pages may be reused once the step ends). Called in the step thread, between forwards."""
+        c = self.cache
+        return c.k.index_select(1, slots).cpu(), c.v.index_select(1, slots).cpu()
+
+    def write_kv(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """`read_kv`'s inverse: K and V [layers, n, kv_heads, head_dim] (host) into cache `slots` of every layer."""
+        c = self.cache
+        for layer in range(c.layers):
+            c.k[layer].index_copy_(0, slots, k[layer].to(c.device))
+            c.v[layer].index_copy_(0, slots, v[layer].to(c.device))
+
     def _apply_aborts(self) -> None:
         while self._aborts:
             rid = self._aborts.pop()

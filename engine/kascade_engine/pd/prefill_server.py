@@ -10,6 +10,9 @@ copied to host memory and handed to the event loop -> `handle` sends them as kv 
 the step's sampled first token arrives as the request's `Event` -> {"op": "kv_done"} with the digest
 and this engine's measured prefill rate (the decode engine's pace for the prompts it queues here, remote_prefill.py).
 A failed step, an unknown shape, or a decode engine that goes away ends only that request.
+A tensor-parallel prefill engine (Engine.layerwise False: its followers run a step's layers as one message) runs the
+step whole, then reads every layer's new KV at once, gathered from its ranks at rank 0 (Engine.read_kv, tp/kv.py):
+the frames are the same whole-model KV a TP-1 engine sends, only none leaves before the step's last layer.
 A converted decoder serving here (the router may name one as another decoder's prefill engine) follows its
 hand-back rule for these prompts too (handback.HandBack.refuses / watch_served): it declines one on arrival, or
 gives it back after its bound, with {"op": "handback"}; the decode engine then prefills it on its fallback.
@@ -74,9 +77,6 @@ class _Limits(Protocol):
     @property
     def max_prompt_tokens(self) -> int: ...
 
-    @property
-    def tp(self) -> int: ...
-
 
 class _Requests(Protocol):
     def on_request(self, prompt_tokens: int) -> None: ...
@@ -109,8 +109,11 @@ class PrefillHost(KVHost, Protocol):
 
 
 def kv_shape(inst: KVHost) -> KVShape:
-    s, cache = inst.model.shape, inst.engine.cache
-    return KVShape(s.layers, s.kv_heads, s.head_dim, str(inst.dtype).removeprefix("torch."), cache.k.element_size())
+    """The KV this engine ships or takes: the whole model's KV heads, whatever its tensor parallelism (a TP
+    instance gathers and scatters its ranks' heads at rank 0: Engine.read_kv / write_kv, tp/kv.py)."""
+    s, eng = inst.model.shape, inst.engine
+    return KVShape(s.layers, eng.kv_heads, s.head_dim, str(inst.dtype).removeprefix("torch."),
+                   eng.cache.k.element_size())
 
 
 def host_bytes(t: torch.Tensor) -> memoryview:
@@ -158,23 +161,41 @@ class KVShipper:
         if self.inner is not None:
             self.inner.prepare(engine)
 
+    @staticmethod
+    def _slots(engine: Engine, w: Work) -> list[int]:
+        table, ps = engine.scheduler.pool.tables[w.id], engine.cache.page_size
+        return [table[p // ps] * ps + p % ps for p in range(w.start, w.end)]
+
     def _ship(self, engine: Engine, remote: list[Work], layer: int) -> None:
-        cache, pool, ps = engine.cache, engine.scheduler.pool, engine.cache.page_size
+        cache = engine.cache
         for w in remote:
-            table = pool.tables[w.id]
-            slots = torch.tensor([table[p // ps] * ps + p % ps for p in range(w.start, w.end)], dtype=torch.long,
-                                 device=cache.device)
+            slots = torch.tensor(self._slots(engine, w), dtype=torch.long, device=cache.device)
             k = cache.k[layer].index_select(0, slots).to("cpu").contiguous()  # a new host tensor: pages get reused
             v = cache.v[layer].index_select(0, slots).to("cpu").contiguous()
             self.sinks[w.id](KVPiece(layer, w.start, w.n, k, v))
 
+    def _ship_all(self, engine: Engine, remote: list[Work]) -> None:
+        """After the step: every layer's new KV of every remote sequence, read at once (`Engine.read_kv`: on a
+        tensor-parallel instance one gather of every rank's heads), shipped in layer order."""
+        slots = [self._slots(engine, w) for w in remote]
+        k, v = engine.read_kv(torch.tensor([s for ss in slots for s in ss], dtype=torch.long,
+                                           device=engine.cache.device))
+        for layer in range(k.shape[0]):
+            at = 0
+            for w in remote:
+                self.sinks[w.id](KVPiece(layer, w.start, w.n, k[layer, at:at + w.n].contiguous(),
+                                         v[layer, at:at + w.n].contiguous()))
+                at += w.n
+
     def forward(self, engine: Engine, work: list[Work]) -> Sequence[int | None]:
         remote = [w for w in work if w.id in self.sinks]
         L = engine.model.shape.layers
-        if not remote or self.pending():  # pair rows share this step: run it whole, then ship every layer
+        # pair rows share this step, or a tensor-parallel instance (its followers run the step's layers as one
+        # message): run it whole, then ship every layer
+        if not remote or self.pending() or not engine.layerwise:
             toks = self.inner.forward(engine, work) if self.inner is not None else engine._forward(work)
-            for layer in range(L) if remote else ():
-                self._ship(engine, remote, layer)
+            if remote:
+                self._ship_all(engine, remote)
             return toks
         m, pool = engine.model, engine.scheduler.pool
         ids: list[int] = []
@@ -253,9 +274,6 @@ class PrefillServer:
         try:
             if not inst.model.complete or inst.phase.value in ("draining", "released"):
                 raise KVWireError(f"engine is {inst.phase.value}; it prefills only while serving")
-            if inst.config.tp > 1:  # rank r's KV holds only its heads: nothing here ships a whole KV cache
-                raise KVWireError(f"tp: prefill for a decode engine from a tensor-parallel instance (tp "
-                                  f"{inst.config.tp}) is not supported (docs/tp.md)")
             shape = kv_shape(inst)
             bad = shape.mismatch(h)
             if bad is not None:

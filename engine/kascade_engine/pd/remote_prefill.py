@@ -8,7 +8,8 @@ tcp with mutual TLS, or ucx; the same frames and checks on each) (hello; reused 
 -> every kv
 frame is checked (kv_wire.py) and received straight into a host staging tensor [layers, prompt, kv_heads,
 head_dim] (K and V) -> kv_done: coverage, byte count and digest verified -> `Engine.call_in_step(adopt)`:
-in the step thread, pages are allocated, the staged KV is copied into them, and the sequence enters the
+in the step thread, pages are allocated, the staged KV is copied into them (Engine.write_kv: a tensor-parallel
+instance's rank 0 scatters every rank its KV heads, tp/kv.py), and the sequence enters the
 scheduler with its prompt computed and its first token known; that token is the request's first Event.
 Anything that goes wrong before adoption (peer unreachable, refused, a bad frame, a digest mismatch)
 falls back to a local prefill of the same request: PD never fails a request, it only moves work.
@@ -312,9 +313,7 @@ class RemotePrefill:
             return [Event(rid, token, True, done, prefilled_by=peer)]
         ps, table, cache = sched.pool.page_size, sched.pool.tables[rid], eng.cache
         slots = torch.tensor([table[p // ps] * ps + p % ps for p in range(n)], dtype=torch.long, device=cache.device)
-        for layer in range(cache.layers):
-            cache.k[layer].index_copy_(0, slots, k[layer].to(cache.device))
-            cache.v[layer].index_copy_(0, slots, v[layer].to(cache.device))
+        eng.write_kv(slots, k, v)  # a tensor-parallel instance hands every rank its KV heads (tp/kv.py)
         gen = None if params.seed is None else torch.Generator(device="cpu").manual_seed(params.seed)
         eng.requests[rid] = Request(rid, list(prompt), params, out=[token], first_token_at=time.monotonic(), gen=gen)
         sched.running[rid] = Seq(rid, n, params.max_tokens, total=n + 1, computed=n, generated=1)

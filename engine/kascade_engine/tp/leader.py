@@ -7,6 +7,10 @@ instance is then broken for good, so `TPEngine` records it (`failed`), fails the
 `RankLost` from every later step; launch.py's watcher records a follower's exit the same way even between steps,
 and the server exits non-zero on it (the pod restarts; the operator replaces the replica).
 
+Disaggregated serving, "gathered at rank 0" (kv.py): `read_kv` gathers every rank's KV heads of a request's slots
+into the whole model's layout (what a prefill engine ships), `write_kv` scatters a received whole KV to the ranks (a
+decode engine adopting a prompt); `layerwise` is False, so the prefill server runs the step whole and ships after it.
+
 One channel, one user at a time: a message sent from another thread (a plan's `Serve`, a `Manifests` query, asked
 over HTTP while the instance serves) must never interleave with a step's message on the control group, nor fall
 between a step's message and its all-reduces. `channel` (a lock) is held across each step's message and forward and
@@ -25,6 +29,7 @@ import torch.distributed as dist
 
 from kascade_engine.batch.engine import Engine, Event
 from kascade_engine.batch.scheduler import Limits
+from kascade_engine.tp import kv
 from kascade_engine.tp import step as msg
 from kascade_engine.tp.group import RankGroup
 from kascade_engine.tp.rankmodel import RankModel
@@ -64,6 +69,39 @@ class TPEngine(Engine):
                 return super()._hidden(ids, items)
         except RuntimeError as e:  # gloo: a peer closed its connection; any rank's error breaks the instance
             self.lost(f"a tensor-parallel rank failed during a step: {e}")
+            raise RankLost(str(self.failed)) from e
+
+    # -- a request's KV, gathered at rank 0 (disaggregated serving; kv.py) ----------------------------------------
+    layerwise = False  # the followers run a step's layers as one message: the KV leaves after the step
+
+    @property
+    def kv_heads(self) -> int:
+        return self.model.layout.kv_heads
+
+    def read_kv(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole model's K and V of `slots`: every rank's heads, gathered here (a collective)."""
+        if self.failed is not None:
+            raise RankLost(self.failed)
+        at = slots.tolist()
+        try:
+            with self.channel:
+                msg.send(msg.GatherKV(at), self.group.control)
+                return kv.gather(self.model.layout, self.cache, at, self.group.control)
+        except RuntimeError as e:
+            self.lost(f"a tensor-parallel rank failed gathering KV: {e}")
+            raise RankLost(str(self.failed)) from e
+
+    def write_kv(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The whole model's K and V of `slots` in: every rank gets its heads (a collective)."""
+        if self.failed is not None:
+            raise RankLost(self.failed)
+        at = slots.tolist()
+        try:
+            with self.channel:
+                msg.send(msg.ScatterKV(at), self.group.control)
+                kv.scatter(self.model.layout, self.cache, at, k, v, self.group.control)
+        except RuntimeError as e:
+            self.lost(f"a tensor-parallel rank failed receiving KV: {e}")
             raise RankLost(str(self.failed)) from e
 
     def load_planes(self, planes: list[dict[str, Any]]) -> None:

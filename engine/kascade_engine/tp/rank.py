@@ -5,7 +5,8 @@ rank is in) -> barrier (every rank loaded) -> loop: rank 0's step message (step.
 paged KV cache with rank 0's page tables -> embed -> every layer (its heads and MLP slice, all-reducing with the
 other ranks) -> next message; no logits (only rank 0 samples). `Load`: receive this rank's plane of a plan;
 `Serve`: send this rank's slices in its plane (matched TP, a background thread); `Manifests`: say this rank's slice
-manifest. `Stop` ends it with 0; a failed collective (a rank or rank 0 gone) ends it with 3, the reason on stderr.
+manifest; `GatherKV` / `ScatterKV`: a request's KV heads of this rank to / from rank 0 (disaggregated serving,
+kv.py). `Stop` ends it with 0; a failed collective (a rank or rank 0 gone) ends it with 3, the reason on stderr.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 from kascade_engine.batch.kvcache import KVCache, build_batch
 from kascade_engine.batch.scheduler import Limits
-from kascade_engine.tp import planes
+from kascade_engine.tp import kv, planes
 from kascade_engine.tp import step as msg
 from kascade_engine.tp.group import RankGroup, join
 from kascade_engine.tp.rankmodel import RankModel
@@ -59,6 +60,12 @@ def follow(model: RankModel, cache: KVCache, group: RankGroup) -> str:
             continue
         if isinstance(m, msg.Serve):  # matched TP, this instance a source: send this rank's slices, meanwhile follow
             serving = planes.serve_slices(model, planes.PlaneSpec.from_dict(m.planes[group.rank]), after=serving)
+            continue
+        if isinstance(m, msg.GatherKV):  # a prefill engine's KV leaves from rank 0: this rank's heads go there
+            kv.give(cache, m.slots, group.control)
+            continue
+        if isinstance(m, msg.ScatterKV):  # a decode engine's KV landed on rank 0: this rank's heads come here
+            kv.take(cache, m.slots, group.control)
             continue
         batch = build_batch(cache, m.items)
         model.run_layers(0, L, model.embed(torch.tensor(m.ids, dtype=torch.long, device=model.device)), batch)

@@ -83,6 +83,23 @@ class TPLayout:
                    intermediate_size=self.intermediate // self.tp, head_dim=self.head_dim)
         return out
 
+    def kv_of(self, rank: int, kv: torch.Tensor) -> torch.Tensor:
+        """Rank `rank`'s KV heads of a whole-model KV tensor (heads on dim -2: [..., kv_heads, head_dim]), a view."""
+        first = self.kv_first(rank)
+        return kv[..., first:first + self.local_kv_heads, :]
+
+    def whole_kv(self, per_rank: list[torch.Tensor]) -> torch.Tensor:
+        """Every rank's KV heads ([..., local_kv_heads, head_dim], rank order) -> the whole model's
+        [..., kv_heads, head_dim]; a KV head replicated on several ranks (tp > KV heads) is taken once."""
+        if len(per_rank) != self.tp:
+            raise TPError(f"tp: {len(per_rank)} ranks' KV for tp {self.tp}")
+        *lead, _, d = per_rank[0].shape
+        out = per_rank[0].new_empty((*lead, self.kv_heads, d))
+        for r, t in enumerate(per_rank):
+            if r == 0 or self.kv_first(r) != self.kv_first(r - 1):
+                self.kv_of(r, out).copy_(t)
+        return out
+
     def shard(self, rank: int, block_id: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Rank `rank`'s slices of one block's tensors (HF names), each a contiguous tensor."""
         if not 0 <= rank < self.tp:

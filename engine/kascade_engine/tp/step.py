@@ -47,7 +47,17 @@ class Manifests:
     model: str  # every rank answers its slice blocks' manifest (a collective: all_gather_object)
 
 
-Message = Step | Stop | Load | LoadPath | Serve | Manifests
+@dataclass(frozen=True)
+class GatherKV:
+    slots: list[int]  # every rank sends rank 0 its KV heads of these cache slots, every layer (kv.py; a gather)
+
+
+@dataclass(frozen=True)
+class ScatterKV:
+    slots: list[int]  # rank 0 sends every rank its KV heads for these cache slots, every layer (kv.py; a scatter)
+
+
+Message = Step | Stop | Load | LoadPath | Serve | Manifests | GatherKV | ScatterKV
 
 
 def send(msg: Message, group: dist.ProcessGroup | None) -> None:
@@ -60,7 +70,7 @@ def receive(group: dist.ProcessGroup | None) -> Message:
     box: list[object] = [None]
     dist.broadcast_object_list(box, src=0, group=group)
     msg = box[0]
-    if not isinstance(msg, Step | Stop | Load | LoadPath | Serve | Manifests):
-        raise RuntimeError(f"tp step channel: expected a Step, Stop, Load, LoadPath, Serve or Manifests, got "
-                           f"{type(msg).__name__}")
+    if not isinstance(msg, Step | Stop | Load | LoadPath | Serve | Manifests | GatherKV | ScatterKV):
+        raise RuntimeError(f"tp step channel: expected a Step, Stop, Load, LoadPath, Serve, Manifests, GatherKV or "
+                           f"ScatterKV, got {type(msg).__name__}")
     return msg

@@ -1,0 +1,81 @@
+"""A disaggregated `tp: 2` ModelService end to end on the real control plane with REAL engines (issue 34): KWOK
+nodes, pool pods backed by `kascade engine serve --empty --tp 2` processes (two ranks each), the operator and the
+router as real processes.
+
+Shown here: the operator accepts `tp: 2` with `mode: disaggregated`, loads a prefill and a decode instance (both
+TP-2), and the router serves in PD mode: the decode instance answers, the prefill instance prefilled, the prompt's KV
+moved between them gathered at the prefill instance's rank 0 and scattered from the decode instance's rank 0
+(docs/tp.md), no local fallback, and the greedy text equals the decode instance's own prefill.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kascade_devcluster.controlplane import ControlPlane
+from kascade_devcluster.enginepool import EnginePool
+from kascade_devcluster.operatorproc import OperatorProcess
+from kascade_devcluster.routerproc import RouterProcess
+from kascade_devcluster.waiting import wait_for
+from kascade_engine.weights.checkpoint import tiny_llama
+
+from .test_disaggregated import MODEL, PROMPT, TOKEN, complete, counter, msvc, serving
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+
+@pytest.fixture
+def world(control_plane: ControlPlane, crds: list[str], namespace: str, kwok_nodes: Callable[..., list[str]],
+          tmp_path: Path) -> Iterator[tuple[EnginePool, RouterProcess]]:
+    ckpt = tiny_llama(tmp_path / MODEL, layers=4, hidden=128, vocab=1024)
+    pool = EnginePool(control_plane, namespace, ckpt, MODEL, TOKEN, tmp_path / "engines", tp=2,
+                      extra_args=("--kv-tokens", "8192"))
+    op = OperatorProcess(control_plane, namespace, TOKEN, tmp_path / "operator.log")
+    router = RouterProcess(control_plane, namespace, tmp_path / "router.log")
+    doc = msvc(ckpt)
+    doc["spec"]["engine"]["tp"] = 2
+    doc["spec"]["replicas"] = {"prefill": {"min": 1, "max": 1}, "decode": {"min": 1, "max": 1}}
+    try:
+        pool.start(kwok_nodes(3, leaves=1))
+        op.start()
+        router.start()
+        control_plane.kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(doc))
+        yield pool, router
+    finally:
+        router.stop()
+        op.stop()
+        print(op.tail())
+        pool.stop()
+
+
+def test_tp2_pd_service_prefills_on_one_tp_instance_and_decodes_on_another(
+        control_plane: ControlPlane, namespace: str, world: tuple[EnginePool, RouterProcess]) -> None:
+    cp, ns = control_plane, namespace
+    pool, router = world
+    (pre,) = wait_for(lambda: serving(cp, ns, "prefill"), 240, "the TP-2 prefill instance serving")
+    (dec,) = wait_for(lambda: serving(cp, ns, "decode"), 240, "the TP-2 decode instance serving")
+    msvc_doc = json.loads(cp.kubectl("-n", ns, "get", "msvc", "svc", "-o", "json").stdout)
+    assert not [c for c in msvc_doc["status"].get("conditions", [])
+                if c["type"] == "Degraded" and c["status"] == "True"], msvc_doc["status"]
+
+    def pd_routed() -> httpx.Response | None:
+        r = httpx.post(f"{router.url}/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8},
+                       timeout=60)
+        ok = r.status_code == 200 and r.headers.get("x-kascade-prefilled-by") == pre
+        return r if ok and r.headers.get("x-kascade-replica") == dec else None
+
+    wait_for(pd_routed, 60, "the router routing in PD mode (it has seen both roles)", poll=0.5)
+    r = wait_for(pd_routed, 60, "a second answer routed prefill -> decode", poll=0.5)
+    assert r is not None
+    for name in (pre, dec):  # both instances run two ranks
+        assert len(Path(f"/proc/{pool.engines[name].proc.pid}/task/{pool.engines[name].proc.pid}/children")
+                   .read_text().split()) == 1
+    assert counter(pool, pre, "kascade_pd_prefills_served_total") >= 2
+    assert counter(pool, dec, "kascade_pd_remote_prefills_total") >= 2
+    assert counter(pool, dec, "kascade_pd_local_fallbacks_total") == 0
+    assert r.json()["choices"][0]["text"] == complete(pool.engines[dec].url).json()["choices"][0]["text"]
