@@ -3,7 +3,7 @@ all-reduces and the control channel) or NCCL on CUDA (the all-reduces; control s
 step message is a host object).
 
 Data flow: `join(rank, tp, init, device)` blocks until all `tp` ranks met at the rendezvous `init`
-(tcp://host:port, rank 0 listens) -> `RankGroup.reduce(t)` sums a row-parallel partial output across ranks in
+(tcp://host:port, rank 0 serves the store; up to RENDEZVOUS_TIMEOUT) -> `RankGroup.reduce(t)` sums a row-parallel partial output across ranks in
 place (LlamaModel.reduce; the default group, `timeout_s`) -> `RankGroup.control` (a gloo group of its own whose
 timeout is days: an idle instance's followers wait there for the next message) carries step.py's messages. A
 rank that dies closes its sockets: the others' next collective raises (gloo) or times out after `timeout_s`, and
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -46,9 +47,23 @@ class RankGroup:
 CONTROL_TIMEOUT = datetime.timedelta(days=7)
 
 
-def join(rank: int, tp: int, init: str, device: torch.device, timeout_s: float = 60.0) -> RankGroup:
+# How long the ranks wait for each other at the rendezvous. Each rank loads its share of the checkpoint before it
+# joins (minutes for a 70B model, longer on a busy host), so a rank arriving late is normal there and the wait is
+# not the all-reduces' `timeout_s` (with one timeout for both, a follower slower to start than 1 s timed out the
+# test's 1 s group). A rank that died while loading is waited on this long before the start fails.
+RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=5)
+
+
+def join(rank: int, tp: int, init: str, device: torch.device, timeout_s: float = 60.0,
+         rendezvous: datetime.timedelta = RENDEZVOUS_TIMEOUT) -> RankGroup:
+    """Meet the other ranks at `init` (tcp://host:port; rank 0 serves the store), waiting up to `rendezvous` for them;
+    the all-reduces then time out after `timeout_s`."""
     backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, init_method=init, rank=rank, world_size=tp, timeout=timeout)
+    url = urlsplit(init)
+    if url.scheme != "tcp" or not url.hostname or not url.port:
+        raise ValueError(f"init: {init!r} is not tcp://host:port")
+    store = dist.TCPStore(url.hostname, url.port, tp, is_master=rank == 0, timeout=rendezvous)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=tp,
+                            timeout=datetime.timedelta(seconds=timeout_s))
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)  # every rank creates it, in the same order
     return RankGroup(rank, tp, device, control)
