@@ -3,11 +3,11 @@ all-reduces and the control channel) or NCCL on CUDA (the all-reduces; control s
 step message is a host object).
 
 Data flow: `join(rank, tp, init, device)` blocks until all `tp` ranks met at the rendezvous `init`
-(tcp://host:port, rank 0 serves the store; up to RENDEZVOUS_TIMEOUT) -> `RankGroup.reduce(t)` sums a row-parallel partial output across ranks in
-place (LlamaModel.reduce; the default group, `timeout_s`) -> `RankGroup.control` (a gloo group of its own whose
-timeout is days: an idle instance's followers wait there for the next message) carries step.py's messages. A
-rank that dies closes its sockets: the others' next collective raises (gloo) or times out after `timeout_s`, and
-they fail (leader.py, rank.py).
+(tcp://host:port, rank 0 serves the store; up to RENDEZVOUS_TIMEOUT) -> `RankGroup.reduce(t)` sums a
+row-parallel partial output across ranks in place (LlamaModel.reduce; the default group, `timeout_s`) ->
+`RankGroup.control` (a gloo group of its own whose timeout is days: an idle instance's followers wait there for
+the next message) carries step.py's messages. A rank that dies closes its sockets: the others' next collective
+raises (gloo) or times out after `timeout_s`, and they fail (leader.py, rank.py).
 UNVERIFIED without a GPU: the NCCL path (backend "nccl", one device per rank) is written but never ran here.
 """
 
