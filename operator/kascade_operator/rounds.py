@@ -12,7 +12,8 @@ Data flow:
   (`Runtime.metric_woken`).
 - after every round, `after_round` queues the next one: one interval later while the service is moving
   (a plan runs, a pod drains, a scale-down delay or an idle-to-zero clock is counting, the pool is short,
-  or its metrics come from Prometheus, which the sweep does not watch), else after `resync_seconds`.
+  or its metrics come from Prometheus, which the sweep does not watch), else after `resync_seconds` (plus up to
+  10%: services started together spread their resyncs instead of one wave each period).
 - the queue's workers run `round_of(key)` (handlers.py: the service's body from the watch-fed index ->
   `reconcile_service`); a round that raises is retried with backoff.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable, Hashable
 
@@ -62,7 +64,9 @@ def after_round(rt: Runtime, ns: str, name: str) -> None:
     if rt.queue is None:
         return
     interval, steady = rt.steady.get((ns, name), (rt.settings.interval_seconds, False))
-    rt.queue.add((ns, name), max(interval, rt.settings.resync_seconds) if steady else interval)  # not urgent
+    # not urgent; a resync 0-10% later than its period, so services started together do not resync together
+    rt.queue.add((ns, name), max(interval, rt.settings.resync_seconds) * (1 + 0.1 * random.random()) if steady
+                 else interval)
 
 
 def forget(rt: Runtime, ns: str, name: str) -> None:

@@ -6,7 +6,9 @@ Semantics:
   it again keeps the earlier due time (a burst of events is one round) and stays urgent once made urgent.
 - Urgent keys (an input changed: a metric, a pod, a plan, the spec) are taken before every non-urgent one
   (a resync or the next tick of a moving service), earliest due first within each class: however many
-  resyncs are due, a service whose inputs changed waits only for a free worker.
+  resyncs are due, a service whose inputs changed waits only for a free worker. At most `background`
+  non-urgent rounds run at once (default half the workers): rounds share one event loop, so a wave
+  of resyncs running beside a crossing service's round would slow every await of it.
 - A key is never processed by two workers at once: added while its round runs, it is due again after
   that round (the round may have read inputs from before the change).
 - `workers` tasks take due keys, earliest due first, and call `process(key)`. A round that raises is
@@ -36,9 +38,14 @@ log = logging.getLogger(__name__)
 class WorkQueue:
     def __init__(self, process: Callable[[Hashable], Awaitable[None]], workers: int = 4,
                  base_backoff_s: float = 0.1, max_backoff_s: float = 30.0,
-                 on_take: Callable[[Hashable, float, bool], None] | None = None) -> None:
+                 on_take: Callable[[Hashable, float, bool], None] | None = None,
+                 background: int | None = None) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
+        self._background = max(1, workers // 2) if background is None else background
+        if self._background < 1:
+            raise ValueError(f"background must be >= 1, got {background}")
+        self._running_background: set[Hashable] = set()
         self._process = process
         self._n = workers
         self._base, self._max = base_backoff_s, max_backoff_s
@@ -103,8 +110,12 @@ class WorkQueue:
         non-urgent one; (None, seconds until one is due) when none is."""
         wait = 3600.0
         for urgent in (True, False):
+            if not urgent and len(self._running_background) >= self._background:
+                break  # woken again when a background round ends
             key, w = self._take_from(urgent)
             if key is not None:
+                if not urgent:
+                    self._running_background.add(key)
                 return key, 0.0
             wait = min(wait, w)
         return None, wait
@@ -158,6 +169,9 @@ class WorkQueue:
                 self.add(key, delay)
             finally:
                 self._running.discard(key)
+                if key in self._running_background:
+                    self._running_background.discard(key)
+                    self._wake.set()  # a background slot is free
                 self.processed += 1
                 if key in self._due:
                     self._wake.set()  # added while it ran: another worker may take it now

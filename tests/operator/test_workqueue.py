@@ -212,3 +212,33 @@ async def test_a_change_is_handed_on_before_a_slow_engine_of_the_same_sweep_answ
     gate.set()
     assert await sweep == set(groups)
     assert handed == [("ns", "fast", "colocated"), ("ns", "slow", "colocated")]
+
+
+async def test_resyncs_take_at_most_their_share_of_workers_and_a_change_gets_a_free_one() -> None:
+    running: set[Hashable] = set()
+    most = 0
+    release = asyncio.Event()
+
+    async def process(key: Hashable) -> None:
+        nonlocal most
+        running.add(key)
+        most = max(most, len({k for k in running if str(k).startswith("idle")}))
+        if str(key).startswith("idle"):
+            await release.wait()
+        running.discard(key)
+
+    q = WorkQueue(process, workers=4, background=2)
+    for i in range(10):
+        q.add(f"idle{i}")
+    q.start()
+    await _until(lambda: len(running) == 2, 1.0)
+    await asyncio.sleep(0.05)
+    assert most == 2 and len(q) == 8  # two resyncs run, the other eight wait although two workers are free
+    q.add("burst", urgent=True)
+    await _until(lambda: len(q) == 8 and "burst" not in running, 1.0)  # taken by a free worker and done
+    release.set()
+    await _until(lambda: len(q) == 0 and not running, 2.0)
+    assert most == 2
+    await q.stop()
+    with pytest.raises(ValueError, match="background"):
+        WorkQueue(process, workers=4, background=0)
