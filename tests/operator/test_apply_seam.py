@@ -498,7 +498,7 @@ async def test_a_service_is_steady_only_once_nothing_moves_and_then_waits_for_th
 async def test_a_metrics_wake_right_after_a_round_runs_a_round_at_once(world: Any) -> None:
     """The sweep saw the service's loads change just after a round: the round comes now (not after 0.95 of
     its interval, not skipped by observe); a pod wake at that moment still waits out the rate limit."""
-    rt, kube, stubs = world
+    rt, _kube, _stubs = world
     rt.view = MetricsView(rt.scraper, max_age_s=1.0)
     rt.queue = WorkQueue(lambda key: asyncio.sleep(0))  # not started: due times read, rounds run by hand
     body = service(scaling={"policy": "threshold", "threshold": {"upper": 1000, "lower": 10}})
