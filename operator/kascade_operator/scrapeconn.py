@@ -51,15 +51,15 @@ class ScrapeConns:
             for attempt in (0, 1):  # a kept-alive connection the server closed meanwhile: reopen once
                 fresh = c.writer is None
                 try:
-                    async with asyncio.timeout(self.timeout_s):
-                        if c.writer is None:
-                            host, _, port = endpoint.rpartition(":")
+                    if c.writer is None:  # each phase has the timeout (as httpx: connect, then each read)
+                        host, _, port = endpoint.rpartition(":")
+                        async with asyncio.timeout(self.timeout_s):
                             c.reader, c.writer = await asyncio.open_connection(
                                 host.strip("[]"), int(port), ssl=self._tls,
                                 server_hostname=host.strip("[]") if self._tls is not None else None)
-                        assert c.reader is not None
-                        c.writer.write(f"GET {path} HTTP/1.1\r\nHost: {endpoint}\r\nAccept: */*\r\n\r\n".encode())
-                        return await _response(c.reader)
+                    assert c.reader is not None
+                    c.writer.write(f"GET {path} HTTP/1.1\r\nHost: {endpoint}\r\nAccept: */*\r\n\r\n".encode())
+                    return await _response(c.reader, self.timeout_s)
                 except _Closed as e:
                     c.close()
                     return e.status, e.text
@@ -80,14 +80,23 @@ class ScrapeConns:
         self._conns.clear()
 
 
-async def _response(reader: asyncio.StreamReader) -> tuple[int, str]:
-    head = await reader.readuntil(b"\r\n\r\n")
+async def _response(reader: asyncio.StreamReader, timeout_s: float) -> tuple[int, str]:
+    async with asyncio.timeout(timeout_s):
+        head = await reader.readuntil(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     parts = lines[0].split(" ", 2)
     if len(parts) < 2 or not parts[0].startswith("HTTP/1."):
         raise ScrapeError(f"not an HTTP/1.x response: {lines[0][:80]!r}")
     status = int(parts[1])
     headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
+    async with asyncio.timeout(timeout_s):
+        data = await _body(reader, headers)
+    if headers.get("connection", "").lower() == "close":
+        raise _Closed(status, data.decode())
+    return status, data.decode()
+
+
+async def _body(reader: asyncio.StreamReader, headers: dict[str, str]) -> bytes:
     if headers.get("transfer-encoding", "").lower() == "chunked":
         body = bytearray()
         while True:
@@ -99,17 +108,13 @@ async def _response(reader: asyncio.StreamReader) -> tuple[int, str]:
                 raise ScrapeError("response too large")
             body += await reader.readexactly(size)
             await reader.readexactly(2)
-        data = bytes(body)
-    elif "content-length" in headers:
+        return bytes(body)
+    if "content-length" in headers:
         n = int(headers["content-length"])
         if n > MAX_BODY:
             raise ScrapeError("response too large")
-        data = await reader.readexactly(n)
-    else:
-        raise ScrapeError("response without a length (connection-delimited bodies are not kept alive)")
-    if headers.get("connection", "").lower() == "close":
-        raise _Closed(status, data.decode())
-    return status, data.decode()
+        return await reader.readexactly(n)
+    raise ScrapeError("response without a length (connection-delimited bodies are not kept alive)")
 
 
 class _Closed(ScrapeError):
