@@ -83,16 +83,23 @@ async def patch_guarded(rt: Runtime, pool_ns: str, p: PodView,
 async def label_bound(rt: Runtime, sp: dict[str, Any], p: PodView, role: str, host_copy: str | None = None) -> bool:
     """Record a binding the engine accepted: label the pod bound. False when the pod is gone or taken
     meanwhile (or the label could not be written)."""
+    _, _, key = plan_pool(rt, sp)
+    cur = await label_bound_view(rt, sp, p, role, host_copy)
+    return cur is not None and cur.model_service == key and cur.plan == sp["metadata"]["name"]
+
+
+async def label_bound_view(rt: Runtime, sp: dict[str, Any], p: PodView, role: str,
+                           host_copy: str | None = None) -> PodView | None:
+    """label_bound, returning the pod as last seen (None: gone)."""
     ns, name = sp["metadata"]["namespace"], sp["metadata"]["name"]
-    pool_ns, svc, key = plan_pool(rt, sp)
+    pool_ns, svc, _ = plan_pool(rt, sp)
 
     def bind(cur: PodView) -> dict[str, Any] | None:
         if cur.model_service is not None:  # already ours, or taken by another service
             return None
         return bind_patch(cur, svc, role, name, _owner(sp, pool_ns), ns if pool_ns != ns else None, host_copy)
 
-    cur = await patch_guarded(rt, pool_ns, p, bind)
-    return cur is not None and cur.model_service == key and cur.plan == name
+    return await patch_guarded(rt, pool_ns, p, bind)
 
 
 async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | frozenset[str] = frozenset(),
@@ -200,9 +207,16 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
             else:
                 drops[iid] = f"bind refused: {e}"
             return
-        if not await label_bound(rt, sp, p, role, model if st.get("hostCopyBytes") else None):  # copy still kept
+        cur = await label_bound_view(rt, sp, p, role, model if st.get("hostCopyBytes") else None)  # copy kept
+        if cur is None or cur.model_service != key or cur.plan != name:
             drops[iid] = f"pod {p.pod_name} changed or went away while binding"
             log.warning("ScalePlan %s/%s: %s", ns, name, drops[iid])
+            if cur is not None and cur.model_service == key and cur.plan:
+                # another plan of this service labelled it first (a duplicate plan made while the watch lagged):
+                # the engine is that plan's now; releasing it left that plan waiting for an empty engine forever
+                log.warning("ScalePlan %s/%s: %s is plan %s's; its engine is left bound", ns, name, p.pod_name,
+                            cur.plan)
+                return
             try:
                 await rt.engines.release(p.endpoint)
             except EngineError as e:
