@@ -256,7 +256,9 @@ def main() -> None:
         prev = REPO / "bench" / "results" / "operator.json"
         if prev.exists():
             out = {**json.loads(prev.read_text()), **out}
-    report("operator", out, {"reaction_ms_p99": ("<=", 300.0), "scale_pods_created_beyond_need": ("<=", 0.0)})
+    report("operator", out, {"reaction_ms_p99": ("<=", 300.0), "scale_pods_created_beyond_need": ("<=", 0.0),
+                             "scale_reaction_ms_p99": ("<=", 300.0), "reconcile_ms_p99": ("<=", 1000.0),
+                             "rounds_delivered_of_due": (">=", 0.95)})
 
 
 if __name__ == "__main__":

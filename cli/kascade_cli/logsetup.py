@@ -5,19 +5,23 @@ Elasticsearch or Cloud Logging).
 Data flow: `kascade --log-format json -v ...` (or $KASCADE_LOG_FORMAT) -> `configure()` -> one stderr
 handler on the root logger; library loggers (kopf, uvicorn when started with log_config=None, httpx)
 propagate to it. A JSON line carries `ts` (UTC, ISO 8601), `level`, `logger`, `msg`, the exception
-text under `exc`, and any `extra=` fields of the call.
+text under `exc`, and any `extra=` fields of the call. $KASCADE_DEBUG_LOGGERS (comma-separated logger
+names) puts those loggers at DEBUG whatever the level, e.g. `kascade_operator.trace` (a reaction's timestamps).
+httpx's line per request shows only at -vv (DEBUG): at -v it was one line per engine scrape.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from datetime import UTC, datetime
 from typing import Any, Literal
 
 LogFormat = Literal["text", "json"]
 FORMATS: tuple[LogFormat, ...] = ("text", "json")
+DEBUG_LOGGERS_ENV = "KASCADE_DEBUG_LOGGERS"  # comma-separated loggers to log at DEBUG whatever -v says
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # attributes every LogRecord has; anything else on a record came from `extra=`
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
@@ -70,4 +74,8 @@ def configure(level: int, fmt: LogFormat = "text", stream: Any = None) -> loggin
             root.removeHandler(h)
     root.addHandler(handler)
     root.setLevel(level)
+    # httpx logs every request at INFO: one line per engine scrape (hundreds a second at fleet scale) under -v
+    logging.getLogger("httpx").setLevel(logging.NOTSET if level <= logging.DEBUG else max(level, logging.WARNING))
+    for name in filter(None, (n.strip() for n in os.environ.get(DEBUG_LOGGERS_ENV, "").split(","))):
+        logging.getLogger(name).setLevel(logging.DEBUG)  # e.g. kascade_operator.trace (a reaction's timestamps)
     return handler

@@ -25,7 +25,7 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
-from kascade_operator import converter, hostcopykeeper, plandriver, recovery, rounds, serving_gate
+from kascade_operator import converter, hostcopykeeper, plandriver, recovery, rounds, serving_gate, trace
 from kascade_operator.api import ModelServiceSpec
 from kascade_operator.engine_client import EngineError
 from kascade_operator.kube import Conflict, NotFound, now_iso
@@ -65,10 +65,13 @@ async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods:
             await rt.event(ns, body, "ModelService", "Warning", "PlanFailed", str(e))
             return None
         rt.metrics.plan_generation.observe(time.perf_counter() - t0)
+        trace.event("planned", (ns, name))
         created = await rt.kube.create_scaleplan(ns, sp)
+        trace.event("plan", (ns, name), created["metadata"]["name"])
         # the fast path: instruct now instead of waiting for the ScalePlan daemon to start; the Event and
         # reading our own write back come after (both took an API round trip off every reaction)
         await plandriver.start(rt, created, decided_at)
+        trace.event("instructed", (ns, name))
         await rt.event(ns, body, "ModelService", "Normal", "ScaleUp",
                        f"{action.role}: ScalePlan {created['metadata']['name']} binds "
                        f"{', '.join(action.targets)} ({action.reason})")

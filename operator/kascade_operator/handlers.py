@@ -24,7 +24,7 @@ from typing import Any
 
 import kopf
 
-from kascade_operator import enginetoken, plandriver, rolesync, rounds
+from kascade_operator import enginetoken, plandriver, rolesync, rounds, trace
 from kascade_operator import labels as L
 from kascade_operator.actuator import act, apply
 from kascade_operator.decision import decide
@@ -45,17 +45,20 @@ __all__ = ["act", "apply", "build_registry", "decide", "field_errors", "held_pod
 log = logging.getLogger(__name__)
 
 
-async def reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str) -> Result | None:
+async def reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str, limit: bool = True) -> Result | None:
     """One round of one ModelService: observe -> decide -> act. kopf runs change handlers while the queue
     runs rounds: one round at a time per ModelService, or two rounds would both see "no plan yet" and
     create two ScalePlans."""
     meta = body["metadata"]
     async with rt.lock(meta["namespace"], "modelservice/" + meta["name"]):
         t0 = time.perf_counter()
-        world = await observe(rt, body, trigger)
+        world = await observe(rt, body, trigger, limit)
         if world is None:
             return None
         decision = decide(world)
+        if decision.actions:
+            trace.event("decided", (meta["namespace"], meta["name"]),
+                        ",".join(type(a).__name__ for a in decision.actions))
         await act(rt, world, decision)
         if decision.result is not None:
             rt.metrics.reconcile.labels(trigger).observe(time.perf_counter() - t0)
@@ -69,7 +72,10 @@ async def queued_round(rt: Runtime, key: Any) -> None:
     if body is None:
         rounds.forget(rt, ns, name)  # deleted (or not ours any more)
         return
-    await reconcile_service(rt, body, "timer")  # raising: the queue retries it with backoff
+    woken = key in rt.metric_woken  # its loads changed: not skipped by the 0.95-interval rate limit
+    rt.metric_woken.discard(key)
+    trace.event("start", key)
+    await reconcile_service(rt, body, "timer", limit=not woken)  # raising: the queue retries it with backoff
     rounds.after_round(rt, ns, name)
 
 

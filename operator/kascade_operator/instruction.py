@@ -83,31 +83,41 @@ async def patch_guarded(rt: Runtime, pool_ns: str, p: PodView,
 async def label_bound(rt: Runtime, sp: dict[str, Any], p: PodView, role: str, host_copy: str | None = None) -> bool:
     """Record a binding the engine accepted: label the pod bound. False when the pod is gone or taken
     meanwhile (or the label could not be written)."""
+    _, _, key = plan_pool(rt, sp)
+    cur = await label_bound_view(rt, sp, p, role, host_copy)
+    return cur is not None and cur.model_service == key and cur.plan == sp["metadata"]["name"]
+
+
+async def label_bound_view(rt: Runtime, sp: dict[str, Any], p: PodView, role: str,
+                           host_copy: str | None = None) -> PodView | None:
+    """label_bound, returning the pod as last seen (None: gone)."""
     ns, name = sp["metadata"]["namespace"], sp["metadata"]["name"]
-    pool_ns, svc, key = plan_pool(rt, sp)
+    pool_ns, svc, _ = plan_pool(rt, sp)
 
     def bind(cur: PodView) -> dict[str, Any] | None:
         if cur.model_service is not None:  # already ours, or taken by another service
             return None
         return bind_patch(cur, svc, role, name, _owner(sp, pool_ns), ns if pool_ns != ns else None, host_copy)
 
-    cur = await patch_guarded(rt, pool_ns, p, bind)
-    return cur is not None and cur.model_service == key and cur.plan == name
+    return await patch_guarded(rt, pool_ns, p, bind)
 
 
-async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | frozenset[str] = frozenset()
-                           ) -> dict[str, str]:
+async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | frozenset[str] = frozenset(),
+                           created: bool = False) -> dict[str, str]:
     """Instruct every not-yet-instructed target (and, for transfer plans, the sources) exactly once;
     `skip`: targets dropped from the plan (never bound again by it). Returns the targets to drop now
     (instance -> why: pod gone, bind refused, ...). A pod is labelled bound only after its engine
-    accepted the bind."""
+    accepted the bind. `created`: `sp` is the body the API server returned when this process created it."""
     ns, name = sp["metadata"]["namespace"], sp["metadata"]["name"]
+    untouched = (ns, name) not in rt.instructed  # nothing in this process instructed it or wrote its status yet
     done = rt.instructed.setdefault((ns, name), set())
     if not [i for i in SP.to_instruct(sp["spec"], sp.get("status")) if i not in done and i not in skip]:
         return {}
-    # what the caller holds may be old (the fast path holds the creation body, the driver the watch's copy):
-    # instruct from the plan as it is now, never a plan that has ended, never a target it dropped (issue 38 #2)
-    fresh = await _current(rt, ns, name)
+    # what the caller holds may be old (the driver holds the watch's copy): instruct from the plan as it is now,
+    # never a plan that has ended, never a target it dropped (issue 38 #2). The creation body of a plan nothing
+    # has instructed yet is how it is now (only this process's drivers write a new plan's status, and they
+    # instruct first): the fast path saves the GET (an API round trip on every scale-up).
+    fresh = sp if created and untouched else await _current(rt, ns, name)
     if fresh is None or _ended(fresh):
         return {}
     sp = fresh
@@ -117,7 +127,9 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
     if not pending:
         return {}
     pool_ns, _, key = plan_pool(rt, sp)
-    pods = {p.pod_name: p for p in (pod_view(x) for x in await rt.kube.list_pods(pool_ns, L.POOL)
+    # the pool from the watch-fed index (not a LIST of every pool pod per plan: O(pool) on each scale-up);
+    # a pod changed since is caught by the guarded label write (patch_guarded re-reads on a conflict)
+    pods = {p.pod_name: p for p in (pod_view(x) for x in await rt.pool_pods(pool_ns)
                                     if not (x.get("metadata") or {}).get("deletionTimestamp"))}
     role, plan = spec["role"], spec.get("plan") or {}
     model = (plan.get("model") or {}).get("name", "")
@@ -195,9 +207,16 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
             else:
                 drops[iid] = f"bind refused: {e}"
             return
-        if not await label_bound(rt, sp, p, role, model if st.get("hostCopyBytes") else None):  # copy still kept
+        cur = await label_bound_view(rt, sp, p, role, model if st.get("hostCopyBytes") else None)  # copy kept
+        if cur is None or cur.model_service != key or cur.plan != name:
             drops[iid] = f"pod {p.pod_name} changed or went away while binding"
             log.warning("ScalePlan %s/%s: %s", ns, name, drops[iid])
+            if cur is not None and cur.model_service == key and cur.plan:
+                # another plan of this service labelled it first (a duplicate plan made while the watch lagged):
+                # the engine is that plan's now; releasing it left that plan waiting for an empty engine forever
+                log.warning("ScalePlan %s/%s: %s is plan %s's; its engine is left bound", ns, name, p.pod_name,
+                            cur.plan)
+                return
             try:
                 await rt.engines.release(p.endpoint)
             except EngineError as e:

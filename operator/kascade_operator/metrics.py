@@ -25,6 +25,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kascade_operator.httppool import HttpPool
+from kascade_operator.scrapeconn import ScrapeConns, ScrapeError
 from kascade_planner.outputlength import OutputLength
 from kascade_planner.policies import MeasuredVelocity, MetricsSnapshot, PromptBuckets
 from kascade_planner.prefillvelocity import prefill_capacity, prefill_velocity
@@ -278,6 +279,9 @@ class Scraper:
         """`tls`: engines serve HTTPS (engine_tls_context); None: plain HTTP. `clock`: when a scrape's counters
         were read (the rates divide by its differences); tests pass the clock their engine stubs count on."""
         self._http = HttpPool(timeout_s, client, tls)
+        # the sweep's scrapes: a lean kept-alive GET per engine (scrapeconn.py: ~10x less CPU than httpx);
+        # an injected client (tests' mock transports) is used as given
+        self._conns = ScrapeConns(timeout_s, tls) if client is None else None
         self.window_s = window_s
         self.clock = clock
         # one tracker per group (a ModelService role): forgetting the instances a group no longer has
@@ -286,13 +290,21 @@ class Scraper:
 
     async def aclose(self) -> None:
         await self._http.aclose()
+        if self._conns is not None:
+            await self._conns.aclose()
 
     async def _one(self, rates: RateTracker, instance: str, endpoint: str) -> InstanceLoad | None:
         try:
-            r = await self._http.get(endpoint).get(self._http.url(endpoint, "/metrics"))
-            r.raise_for_status()
-            return rates.update(instance, parse_engine_metrics(r.text, self.clock()))
-        except (httpx.HTTPError, MetricsError) as e:
+            if self._conns is not None:
+                status, text = await self._conns.get(endpoint, "/metrics")
+                if status != 200:
+                    raise ScrapeError(f"HTTP {status}")
+            else:
+                r = await self._http.get(endpoint).get(self._http.url(endpoint, "/metrics"))
+                r.raise_for_status()
+                text = r.text
+            return rates.update(instance, parse_engine_metrics(text, self.clock()))
+        except (httpx.HTTPError, MetricsError, ScrapeError) as e:
             log.warning("scrape of %s (%s) failed: %s", instance, endpoint, e)
             return None
 

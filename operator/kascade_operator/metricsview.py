@@ -4,8 +4,9 @@ interval, with bounded concurrency, into an in-memory view that every service's 
 Data flow: the watch-fed pod index -> `targets()` (group (namespace, service, role) -> instance ->
 endpoint; bound, ready, undrained pods) -> `MetricsView.sweep` (the `Scraper`, one RateTracker per
 group as before, at most `concurrency` groups in flight) -> per group the loads and when they were
-taken -> `changed` groups (their loads differ from the previous sweep's) -> the caller queues a round
-for those services (workqueue.py). A round reads `collect()`: the view's loads when they are fresh and
+taken -> `changed` groups (their loads differ from the previous sweep's), each handed to `on_change` as
+soon as its own scrape is in -> the caller queues an urgent round for those services (workqueue.py).
+A round reads `collect()`: the view's loads when they are fresh and
 cover the round's instances, else a scrape of just those instances now (a pod bound since the last
 sweep, or no sweep running: tests that drive rounds directly).
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from kascade_operator.metrics import InstanceLoad, Scraper
@@ -72,12 +73,21 @@ class MetricsView:
         self._readings[group] = r
         return r
 
-    async def sweep(self, groups: Mapping[Group, Mapping[str, str]]) -> set[Group]:
+    async def sweep(self, groups: Mapping[Group, Mapping[str, str]],
+                    on_change: Callable[[Group], None] | None = None) -> set[Group]:
         """Scrape every group once; returns the groups whose loads changed since their previous reading
-        (new groups included). Groups no longer serving are forgotten."""
+        (new groups included), each also passed to `on_change` the moment its scrape is in (a crossing
+        is acted on without waiting for the rest of the sweep). Groups no longer serving are forgotten."""
         t0 = time.monotonic()
         before = {g: r.loads for g, r in self._readings.items()}
-        got = await asyncio.gather(*(self._scrape(g, eps) for g, eps in groups.items()))
+
+        async def one(g: Group, eps: Mapping[str, str]) -> Reading:
+            r = await self._scrape(g, eps)
+            if on_change is not None and before.get(g) != r.loads:
+                on_change(g)
+            return r
+
+        got = await asyncio.gather(*(one(g, eps) for g, eps in groups.items()))
         for g in [g for g in self._readings if g not in groups]:
             del self._readings[g]
             self.scraper.rates.pop(g, None)

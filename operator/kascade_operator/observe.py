@@ -96,9 +96,10 @@ async def parse(rt: Runtime, body: dict[str, Any]) -> tuple[ModelServiceSpec | N
     return spec, problems
 
 
-async def observe(rt: Runtime, body: dict[str, Any], trigger: str) -> World | None:
-    """The round's World, or None when it is not due (a timer round sooner than 0.95 of the interval) or the
-    service is being deleted (its delete handler releases everything)."""
+async def observe(rt: Runtime, body: dict[str, Any], trigger: str, limit: bool = True) -> World | None:
+    """The round's World, or None when it is not due (a timer round sooner than 0.95 of the interval, unless
+    `limit` is False: its metrics changed) or the service is being deleted (its delete handler releases
+    everything)."""
     meta = body["metadata"]
     ns, name = meta["namespace"], meta["name"]
     now = time.monotonic()
@@ -114,7 +115,7 @@ async def observe(rt: Runtime, body: dict[str, Any], trigger: str) -> World | No
     resolution = R.resolve(name, spec.mode, (R.RoleObject.of(b) for b in objs.values()))
     spec, sources = R.with_role_counts(spec, resolution)
     interval = spec.scaling.interval_seconds if spec.scaling else 1.0
-    if trigger == "timer" and now - rt.last_round.get((ns, name), -1e9) < interval * 0.95:
+    if limit and trigger == "timer" and now - rt.last_round.get((ns, name), -1e9) < interval * 0.95:
         return None  # this service's own spec.scaling.intervalSeconds: the queue may wake it sooner
     pool_ns = rt.pool_namespace(ns)
     key = service_key(ns, name, pool_ns)

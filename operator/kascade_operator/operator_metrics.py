@@ -5,7 +5,7 @@ Data flow: handlers observe durations and counts here -> `/metrics` on `settings
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -39,6 +39,19 @@ class OperatorMetrics:
         self.plan_age = Gauge("kascade_operator_scaleplan_oldest_active_seconds",
                               "Age of a ModelService's oldest unfinished ScalePlan (0: none)",
                               ["namespace", "model_service"], registry=r)
+
+        # rounds due vs delivered (bench/operator_scale.py): a round is due when its service's queued entry
+        # reaches its due time (an input change, or a resync / moving tick expiring); its lateness = start - due
+        self.queue_wait = Histogram("kascade_operator_round_lateness_seconds", "Start of a queued round minus "
+                                    "the time it was due, by why it was queued (change: an input changed; "
+                                    "resync: the resync period or a moving service's next tick)", ["kind"],
+                                    registry=r, buckets=_FAST)
+        self.overdue = Gauge("kascade_operator_rounds_overdue", "Queued rounds already more than one interval "
+                             "past their due time (due, not delivered)", registry=r)
+
+    def watch_queue(self, overdue: Callable[[], float]) -> None:
+        """The overdue gauge reads the work queue at scrape time."""
+        self.overdue.set_function(overdue)
 
     def observe_service(self, namespace: str, service: str, roles: Mapping[str, Any],
                         active_plan_ages_s: Iterable[float]) -> None:

@@ -81,7 +81,7 @@ async def new_scaleplan(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpe
 async def start(rt: Runtime, sp: dict[str, Any], decided_at: float) -> None:
     ns, name = sp["metadata"]["namespace"], sp["metadata"]["name"]
     async with rt.lock(ns, name):
-        drops = await instruct_pending(rt, sp)
+        drops = await instruct_pending(rt, sp, created=True)
     rt.metrics.instruct.observe(time.perf_counter() - decided_at)
     for iid, why in drops.items():  # nothing was labelled for these; the driver sees them in the status
         await _drop(rt, sp, None, f"{iid}: {why}", unreachable=False)

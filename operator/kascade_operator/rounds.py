@@ -2,13 +2,18 @@
 service.
 
 Data flow:
-- inputs change -> `wake(ns, name)`: its spec (kopf change handlers run a round directly, then `after_round`),
-  a pod bound to it or one of its ScalePlans changed (kopf event handlers), its metrics changed (the shared
-  sweep, `sweep_forever` -> metricsview.py). A wake is due at once, but never sooner than 0.95 of the
-  service's interval after its last round (rate limit: the round itself skips ticks that come sooner).
+- inputs change -> `wake(ns, name)`, queued as urgent (ahead of every resync, workqueue.py): its spec (kopf
+  change handlers run a round directly, then `after_round`), a pod bound to it or one of its ScalePlans
+  changed (kopf event handlers): due at once, but never sooner than 0.95 of the service's interval after
+  its last round (rate limit: its own writes come back as pod events; the round skips ticks that come
+  sooner). Its metrics changed (the shared sweep, `sweep_forever` -> metricsview.py, the moment that
+  engine's scrape is in, not after the whole sweep): `wake(..., metrics=True)`, due at once, no rate limit
+  (the sweep itself wakes a service at most once per interval), and its round is not skipped
+  (`Runtime.metric_woken`).
 - after every round, `after_round` queues the next one: one interval later while the service is moving
   (a plan runs, a pod drains, a scale-down delay or an idle-to-zero clock is counting, the pool is short,
-  or its metrics come from Prometheus, which the sweep does not watch), else after `resync_seconds`.
+  or its metrics come from Prometheus, which the sweep does not watch), else after `resync_seconds` (plus up to
+  10%: services started together spread their resyncs instead of one wave each period).
 - the queue's workers run `round_of(key)` (handlers.py: the service's body from the watch-fed index ->
   `reconcile_service`); a round that raises is retried with backoff.
 """
@@ -17,9 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable, Hashable
 
+from kascade_operator import trace
 from kascade_operator.metricsview import MetricsView, targets
 from kascade_operator.runtime import Runtime
 from kascade_operator.workqueue import WorkQueue
@@ -35,15 +42,21 @@ def service_of(model_service: str, pool_ns: str) -> Key:
     return (ns or pool_ns, name)
 
 
-def wake(rt: Runtime, ns: str, name: str) -> None:
-    """Queue a round for the service: now, or once its rate limit allows."""
+def wake(rt: Runtime, ns: str, name: str, metrics: bool = False) -> None:
+    """Queue an urgent round for the service: now when its metrics changed (`metrics`), else now or once its
+    rate limit allows."""
     if rt.queue is None:
         return
     key = (ns, name)
+    if metrics:
+        rt.metric_woken.add(key)
+        trace.event("wake", key)
+        rt.queue.add(key, 0.0, urgent=True)
+        return
     interval, _ = rt.steady.get(key, (rt.settings.interval_seconds, False))
     last = rt.last_round.get(key)
     delay = 0.0 if last is None else max(0.0, last + 0.95 * interval - time.monotonic() + 0.001)
-    rt.queue.add(key, delay)
+    rt.queue.add(key, delay, urgent=True)
 
 
 def after_round(rt: Runtime, ns: str, name: str) -> None:
@@ -51,27 +64,29 @@ def after_round(rt: Runtime, ns: str, name: str) -> None:
     if rt.queue is None:
         return
     interval, steady = rt.steady.get((ns, name), (rt.settings.interval_seconds, False))
-    rt.queue.add((ns, name), max(interval, rt.settings.resync_seconds) if steady else interval)
+    # not urgent; a resync 0-10% later than its period, so services started together do not resync together
+    rt.queue.add((ns, name), max(interval, rt.settings.resync_seconds) * (1 + 0.1 * random.random()) if steady
+                 else interval)
 
 
 def forget(rt: Runtime, ns: str, name: str) -> None:
     if rt.queue is not None:
         rt.queue.forget((ns, name))
     rt.steady.pop((ns, name), None)
+    rt.metric_woken.discard((ns, name))
     rt.parsed.pop((ns, name), None)
     pool_ns = rt.pool_namespace(ns)
     rt.fleet_board(pool_ns).remove(name if ns == pool_ns else f"{ns}/{name}")  # its ask leaves the arbitration
 
 
 async def sweep_forever(rt: Runtime, view: MetricsView) -> None:
-    """Scrape every serving engine once per interval; wake the services whose loads changed."""
+    """Scrape every serving engine once per interval; wake a service as soon as its loads are seen changed."""
     period = rt.settings.interval_seconds
     while True:
         t0 = time.monotonic()
         try:
             pods = {pns: (await rt.pool_snapshot(pns)).views.values() for pns in rt.pool_namespaces()}
-            for g in await view.sweep(targets(pods)):
-                wake(rt, g[0], g[1])
+            await view.sweep(targets(pods), lambda g: wake(rt, g[0], g[1], metrics=True))
             rt.metrics.sweep.observe(view.last_sweep_s)
         except asyncio.CancelledError:
             raise
@@ -84,7 +99,9 @@ def start(rt: Runtime, round_of: Callable[[Hashable], Awaitable[None]]) -> None:
     """Start the queue's workers and, when engines are scraped directly, the shared sweep (once)."""
     if rt.queue is not None:
         return
-    rt.queue = WorkQueue(round_of, workers=rt.settings.round_workers)
+    rt.queue = WorkQueue(round_of, workers=rt.settings.round_workers, on_take=lambda key, late, urgent:
+                         rt.metrics.queue_wait.labels("change" if urgent else "resync").observe(late))
+    rt.metrics.watch_queue(lambda: rt.queue.overdue(rt.settings.interval_seconds) if rt.queue else 0)
     rt.queue.start()
     if rt.scraper is not None and rt.prometheus is None:
         rt.view = MetricsView(rt.scraper, max_age_s=rt.settings.interval_seconds,

@@ -53,6 +53,8 @@ class Runtime:
     below_since: dict[tuple[str, str, str], float | None] = field(default_factory=dict)
     invalid_seen: dict[tuple[str, str], int] = field(default_factory=dict)  # (ns, name) -> generation reported
     last_round: dict[tuple[str, str], float] = field(default_factory=dict)  # (ns, name) -> monotonic time
+    # services the metric sweep woke (their loads changed): their next round runs even within 0.95 interval
+    metric_woken: set[tuple[str, str]] = field(default_factory=set)
     plan_locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
     instructed: dict[tuple[str, str], set[str]] = field(default_factory=dict)  # this process's record
     _nodes: list[dict[str, Any]] = field(default_factory=list)

@@ -2,15 +2,23 @@
 a service's inputs change or its resync period expires, never one timer per service.
 
 Semantics:
-- `add(key, delay)`: the key is due `delay` seconds from now. A key is queued at most once: adding it
-  again keeps the earlier due time (a burst of events is one round).
+- `add(key, delay, urgent)`: the key is due `delay` seconds from now. A key is queued at most once: adding
+  it again keeps the earlier due time (a burst of events is one round) and stays urgent once made urgent.
+- Urgent keys (an input changed: a metric, a pod, a plan, the spec) are taken before every non-urgent one
+  (a resync or the next tick of a moving service), earliest due first within each class: however many
+  resyncs are due, a service whose inputs changed waits only for a free worker. At most `background`
+  non-urgent rounds run at once (default half the workers): rounds share one event loop, so a wave
+  of resyncs running beside a crossing service's round would slow every await of it.
 - A key is never processed by two workers at once: added while its round runs, it is due again after
   that round (the round may have read inputs from before the change).
 - `workers` tasks take due keys, earliest due first, and call `process(key)`. A round that raises is
   retried after an exponential backoff per key (`base_backoff_s` doubling up to `max_backoff_s`), reset
   by the key's next successful round.
 - `forget(key)` drops a key (its service was deleted).
-Busy services never wait behind idle ones: only due keys are taken, and idle services are not due.
+Busy services never wait behind idle ones: only due keys are taken, idle services are not due, and an
+input change goes ahead of every due resync.
+Lateness: `on_take(key, late_s, urgent)` is told, for every round taken, how long after its due time it
+started; `overdue(tolerance_s)` counts queued keys already later than that (rounds due but not delivered).
 """
 
 from __future__ import annotations
@@ -22,19 +30,28 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Hashable
 
+Entry = tuple[float, int, Hashable]  # (due, seq, key) in a heap; stale entries are skipped
+
 log = logging.getLogger(__name__)
 
 
 class WorkQueue:
     def __init__(self, process: Callable[[Hashable], Awaitable[None]], workers: int = 4,
-                 base_backoff_s: float = 0.1, max_backoff_s: float = 30.0) -> None:
+                 base_backoff_s: float = 0.1, max_backoff_s: float = 30.0,
+                 on_take: Callable[[Hashable, float, bool], None] | None = None,
+                 background: int | None = None) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
+        self._background = max(1, workers // 2) if background is None else background
+        if self._background < 1:
+            raise ValueError(f"background must be >= 1, got {background}")
+        self._running_background: set[Hashable] = set()
         self._process = process
         self._n = workers
         self._base, self._max = base_backoff_s, max_backoff_s
-        self._due: dict[Hashable, float] = {}  # key -> monotonic due time (queued, not running)
-        self._heap: list[tuple[float, int, Hashable]] = []  # (due, seq, key); stale entries skipped
+        self._due: dict[Hashable, tuple[float, bool]] = {}  # key -> (monotonic due time, urgent); queued only
+        self._heaps: dict[bool, list[Entry]] = {True: [], False: []}  # urgent first
+        self._on_take = on_take
         self._seq = 0
         self._running: set[Hashable] = set()
         self._failures: dict[Hashable, int] = {}
@@ -42,14 +59,16 @@ class WorkQueue:
         self._tasks: list[asyncio.Task[None]] = []
         self.processed = 0
 
-    def add(self, key: Hashable, delay: float = 0.0) -> None:
+    def add(self, key: Hashable, delay: float = 0.0, urgent: bool = False) -> None:
         due = time.monotonic() + max(0.0, delay)
         old = self._due.get(key)
-        if old is not None and old <= due:
-            return
-        self._due[key] = due
+        if old is not None:
+            due, urgent = min(due, old[0]), urgent or old[1]
+            if (due, urgent) == old:
+                return
+        self._due[key] = (due, urgent)
         self._seq += 1
-        heapq.heappush(self._heap, (due, self._seq, key))
+        heapq.heappush(self._heaps[urgent], (due, self._seq, key))
         self._wake.set()
 
     def forget(self, key: Hashable) -> None:
@@ -58,8 +77,18 @@ class WorkQueue:
 
     def due_in(self, key: Hashable) -> float | None:
         """Seconds until the key is due (None: not queued)."""
-        due = self._due.get(key)
-        return None if due is None else due - time.monotonic()
+        entry = self._due.get(key)
+        return None if entry is None else entry[0] - time.monotonic()
+
+    def urgent(self, key: Hashable) -> bool:
+        """Whether the key is queued as an input change."""
+        entry = self._due.get(key)
+        return entry is not None and entry[1]
+
+    def overdue(self, tolerance_s: float) -> int:
+        """Queued keys (not running) whose due time passed more than `tolerance_s` ago."""
+        limit = time.monotonic() - tolerance_s
+        return sum(1 for due, _ in self._due.values() if due < limit)
 
     def __len__(self) -> int:
         return len(self._due)
@@ -77,28 +106,45 @@ class WorkQueue:
         self._tasks = []
 
     def _take(self) -> tuple[Hashable | None, float]:
-        """The earliest due key that is not running (removed from the queue), else (None, seconds to wait)."""
+        """The due key to run next (removed from the queue): urgent ones first, else the earliest due
+        non-urgent one; (None, seconds until one is due) when none is."""
+        wait = 3600.0
+        for urgent in (True, False):
+            if not urgent and len(self._running_background) >= self._background:
+                break  # woken again when a background round ends
+            key, w = self._take_from(urgent)
+            if key is not None:
+                if not urgent:
+                    self._running_background.add(key)
+                return key, 0.0
+            wait = min(wait, w)
+        return None, wait
+
+    def _take_from(self, urgent: bool) -> tuple[Hashable | None, float]:
+        heap = self._heaps[urgent]
         now = time.monotonic()
-        deferred: list[tuple[float, int, Hashable]] = []
+        deferred: list[Entry] = []
         got: Hashable | None = None
         wait = 3600.0
-        while self._heap:
-            due, seq, key = self._heap[0]
-            if self._due.get(key) != due:
-                heapq.heappop(self._heap)  # stale: re-added earlier, forgotten, or taken
+        while heap:
+            due, seq, key = heap[0]
+            if self._due.get(key) != (due, urgent):
+                heapq.heappop(heap)  # stale: re-added earlier or as urgent, forgotten, or taken
                 continue
             if due > now:
                 wait = due - now
                 break
-            heapq.heappop(self._heap)
+            heapq.heappop(heap)
             if key in self._running:
                 deferred.append((due, seq, key))  # due again once its running round ends
                 continue
             del self._due[key]
+            if self._on_take is not None:
+                self._on_take(key, now - due, urgent)
             got = key
             break
         for d in deferred:
-            heapq.heappush(self._heap, d)
+            heapq.heappush(heap, d)
         return got, wait
 
     async def _worker(self) -> None:
@@ -123,6 +169,9 @@ class WorkQueue:
                 self.add(key, delay)
             finally:
                 self._running.discard(key)
+                if key in self._running_background:
+                    self._running_background.discard(key)
+                    self._wake.set()  # a background slot is free
                 self.processed += 1
                 if key in self._due:
                     self._wake.set()  # added while it ran: another worker may take it now

@@ -192,3 +192,25 @@ def test_fallback_engine_pods_log_like_the_installation(monkeypatch: pytest.Monk
     monkeypatch.setenv("KASCADE_OPERATOR_ENGINE_LOG_FORMAT", "xml")
     with pytest.raises(ValueError, match="engine_log_format"):
         OperatorSettings()
+
+
+def test_named_loggers_at_debug_by_environment_and_httpx_requests_only_at_debug(
+        restore_root: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    trace, httpx_log = logging.getLogger("kascade_test.trace"), logging.getLogger("httpx")
+    levels = trace.level, httpx_log.level
+    try:
+        monkeypatch.setenv(logsetup.DEBUG_LOGGERS_ENV, "kascade_test.trace, ")
+        buf = io.StringIO()
+        logsetup.configure(logging.INFO, "text", stream=buf)
+        trace.debug("trace start ns/svc 1.0")
+        logging.getLogger("kascade_test.other").debug("not shown")
+        httpx_log.info("HTTP Request: GET http://e/metrics")  # one per scrape at -v: not shown
+        assert "trace start ns/svc" in buf.getvalue()
+        assert "not shown" not in buf.getvalue() and "HTTP Request" not in buf.getvalue()
+        monkeypatch.delenv(logsetup.DEBUG_LOGGERS_ENV)
+        logsetup.configure(logging.DEBUG, "text", stream=buf)  # -vv: httpx's lines again
+        httpx_log.info("HTTP Request: GET http://e/status")
+        assert "GET http://e/status" in buf.getvalue()
+    finally:
+        trace.setLevel(levels[0])
+        httpx_log.setLevel(levels[1])

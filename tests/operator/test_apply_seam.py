@@ -16,7 +16,7 @@ from stubruntime import Stopped, stub_runtime
 from kascade_operator import labels as L
 from kascade_operator import plandriver, rounds
 from kascade_operator.api import ModelServiceSpec
-from kascade_operator.handlers import apply, reconcile_service
+from kascade_operator.handlers import apply, queued_round, reconcile_service
 from kascade_operator.metricsview import MetricsView
 from kascade_operator.pool import pod_view
 from kascade_operator.reconcile import Release
@@ -490,5 +490,28 @@ async def test_a_service_is_steady_only_once_nothing_moves_and_then_waits_for_th
     rt.queue.forget((NS, "svc"))
     rounds.after_round(rt, NS, "svc")
     assert (rt.queue.due_in((NS, "svc")) or 0) > rt.settings.resync_seconds - 1
-    rounds.wake(rt, NS, "svc")  # e.g. its metrics changed: due within its interval, not at the resync
+    rounds.wake(rt, NS, "svc")  # e.g. a pod of it changed: due within its interval, not at the resync
     assert (rt.queue.due_in((NS, "svc")) or 99) <= 1.0
+    assert rt.queue.urgent((NS, "svc"))  # an input change: ahead of every due resync
+
+
+async def test_a_metrics_wake_right_after_a_round_runs_a_round_at_once(world: Any) -> None:
+    """The sweep saw the service's loads change just after a round: the round comes now (not after 0.95 of
+    its interval, not skipped by observe); a pod wake at that moment still waits out the rate limit."""
+    rt, _kube, _stubs = world
+    rt.view = MetricsView(rt.scraper, max_age_s=1.0)
+    rt.queue = WorkQueue(lambda key: asyncio.sleep(0))  # not started: due times read, rounds run by hand
+    body = service(scaling={"policy": "threshold", "threshold": {"upper": 1000, "lower": 10}})
+    rt.service_index = {(NS, "svc"): [body]}
+    await reconcile_service(rt, body, "create")
+    last = rt.last_round[(NS, "svc")]
+    rounds.wake(rt, NS, "svc")  # a pod event: rate-limited to 0.95 interval after the round
+    assert 0.5 < (rt.queue.due_in((NS, "svc")) or 0) <= 0.95
+    rounds.wake(rt, NS, "svc", metrics=True)  # the sweep: due now, and urgent
+    assert (rt.queue.due_in((NS, "svc")) or 99) <= 0 and rt.queue.urgent((NS, "svc"))
+    await queued_round(rt, (NS, "svc"))
+    assert rt.last_round[(NS, "svc")] > last  # it ran: observe did not skip it as a too-early tick
+    assert (NS, "svc") not in rt.metric_woken
+    last = rt.last_round[(NS, "svc")]
+    await queued_round(rt, (NS, "svc"))  # a plain queued tick this soon is still skipped
+    assert rt.last_round[(NS, "svc")] == last

@@ -126,3 +126,25 @@ async def test_two_models_unannotated_pool_never_binds_the_other_models_engine(w
     first = min(kube.plans.values(), key=lambda p: p["metadata"]["name"])
     assert first["status"]["phase"] == "Failed"
     assert "holds model 'tiny'" in first["status"]["targets"][0]["failed"]
+
+
+async def test_a_duplicate_plan_of_the_service_that_lost_the_label_leaves_the_engine_to_the_winner(
+        world: World) -> None:
+    """Two plans of one service on one target (the second made while the watch lagged and the first plan's claim
+    had expired, seen at 2,000 nodes under load): B labels the pod first, A's engine bind went through and its
+    label write finds the pod B's. A drops the target; it must not release the engine, or B waits for an
+    emptied engine forever (the service stuck moving, its pod never loaded)."""
+    rt, kube, stubs = world
+    body = service("a", "tiny")
+    first = await new_plan(rt, body, "e0")
+    second = await new_plan(rt, body, "e0")
+    await plandriver.start(rt, second, 0.0)  # B binds e0 and labels it
+    assert stubs["e0"].model_service == "a"
+    binds = stubs["e0"].count("bind")
+    await plandriver.start(rt, first, 0.0)  # A: its bind is answered "already bound" and its label is refused
+    pod = kube.pods[(NS, "e0")]
+    assert pod["metadata"]["annotations"][L.PLAN] == second["metadata"]["name"]
+    assert stubs["e0"].count("release") == 0 and stubs["e0"].model_service == "a"
+    assert stubs["e0"].count("bind") == binds  # the engine already runs this service's load: no second bind
+    await asyncio.wait_for(plandriver.drive(rt, second, Stopped()), 10)
+    assert phase(kube, second["metadata"]["name"]) == "Succeeded"

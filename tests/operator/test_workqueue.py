@@ -89,6 +89,39 @@ async def test_a_busy_key_is_not_queued_behind_idle_ones() -> None:
     await q.stop()
 
 
+async def test_an_input_change_goes_ahead_of_every_due_resync() -> None:
+    seen: list[Hashable] = []
+    late: dict[Hashable, tuple[float, bool]] = {}
+
+    async def process(key: Hashable) -> None:
+        seen.append(key)
+
+    q = WorkQueue(process, workers=1, on_take=lambda k, s, u: late.__setitem__(k, (s, u)))
+    for i in range(50):
+        q.add(f"idle{i}", 0.0)  # resyncs due now, earlier than the change below
+    await asyncio.sleep(0.02)
+    q.add("burst", urgent=True)
+    assert q.urgent("burst") and not q.urgent("idle0")
+    assert q.overdue(0.01) == 50  # the resyncs are more than 10 ms past due; the change is not yet
+    q.start()
+    await _until(lambda: len(seen) == 51, 2.0)
+    assert seen[0] == "burst"  # taken first although 50 keys were due before it
+    assert late["burst"][1] and not late["idle0"][1]
+    assert late["idle0"][0] >= 0.02 > late["burst"][0] >= 0.0  # lateness = start - due
+    assert q.overdue(0.0) == 0
+    await q.stop()
+
+
+async def test_a_queued_resync_made_urgent_keeps_its_earlier_due_time() -> None:
+    q = WorkQueue(lambda key: asyncio.sleep(0), workers=1)
+    q.add("a", 5.0)
+    q.add("a", 10.0, urgent=True)  # a later change: urgent now, still due in ~5 s, not 10
+    assert q.urgent("a") and 4.0 < (q.due_in("a") or 0) <= 5.0
+    q.add("a", 1.0)  # an earlier non-urgent add moves the time and keeps it urgent
+    assert q.urgent("a") and (q.due_in("a") or 9) <= 1.0
+    assert len(q) == 1
+
+
 async def test_a_failing_round_is_retried_with_growing_backoff() -> None:
     times: list[float] = []
     loop = asyncio.get_running_loop()
@@ -144,9 +177,68 @@ async def test_a_sweep_reports_changed_groups_and_rounds_read_its_view() -> None
         # a round over an instance the view has not seen scrapes it now
         extra = {**groups[("ns", "s1", "colocated")], stubs[0].instance: stubs[0].endpoint}
         assert len(await view.collect(extra, ("ns", "s1", "colocated"))) == 2
+        # each change is handed on the moment its own scrape is in, not after the whole sweep
+        stubs[0].tokens_per_s = 4000.0
+        handed: list[tuple[str, str, str]] = []
+        await asyncio.sleep(0.1)
+        assert await view.sweep(groups, handed.append) == {("ns", "s0", "colocated"), ("ns", "s1", "colocated")}
+        assert sorted(handed) == sorted(groups)
         # a group that stopped serving is forgotten
         await view.sweep({("ns", "s0", "colocated"): groups[("ns", "s0", "colocated")]})
         assert view.reading(("ns", "s1", "colocated")) is None
     finally:
         for s in stubs:
             s.close()
+
+
+async def test_a_change_is_handed_on_before_a_slow_engine_of_the_same_sweep_answers() -> None:
+    gate = asyncio.Event()
+
+    class Scraper:  # the slow group's engine answers only when the test says so
+        def __init__(self) -> None:
+            self.rates: dict[Hashable, object] = {}
+
+        async def collect(self, endpoints: dict[str, str], group: Hashable = None) -> list[object]:
+            if group == ("ns", "slow", "colocated"):
+                await gate.wait()
+            return []
+
+    view = MetricsView(Scraper(), max_age_s=10.0, concurrency=4)  # type: ignore[arg-type]
+    handed: list[tuple[str, str, str]] = []
+    groups = {("ns", "slow", "colocated"): {"e0": "x:1"}, ("ns", "fast", "colocated"): {"e1": "x:2"}}
+    sweep = asyncio.create_task(view.sweep(groups, handed.append))
+    await _until(lambda: handed == [("ns", "fast", "colocated")], 2.0)
+    assert not sweep.done()  # the fast group's round was queued while the sweep still waits
+    gate.set()
+    assert await sweep == set(groups)
+    assert handed == [("ns", "fast", "colocated"), ("ns", "slow", "colocated")]
+
+
+async def test_resyncs_take_at_most_their_share_of_workers_and_a_change_gets_a_free_one() -> None:
+    running: set[Hashable] = set()
+    most = 0
+    release = asyncio.Event()
+
+    async def process(key: Hashable) -> None:
+        nonlocal most
+        running.add(key)
+        most = max(most, len({k for k in running if str(k).startswith("idle")}))
+        if str(key).startswith("idle"):
+            await release.wait()
+        running.discard(key)
+
+    q = WorkQueue(process, workers=4, background=2)
+    for i in range(10):
+        q.add(f"idle{i}")
+    q.start()
+    await _until(lambda: len(running) == 2, 1.0)
+    await asyncio.sleep(0.05)
+    assert most == 2 and len(q) == 8  # two resyncs run, the other eight wait although two workers are free
+    q.add("burst", urgent=True)
+    await _until(lambda: len(q) == 8 and "burst" not in running, 1.0)  # taken by a free worker and done
+    release.set()
+    await _until(lambda: len(q) == 0 and not running, 2.0)
+    assert most == 2
+    await q.stop()
+    with pytest.raises(ValueError, match="background"):
+        WorkQueue(process, workers=4, background=0)
