@@ -62,7 +62,8 @@ def join(rank: int, tp: int, init: str, device: torch.device, timeout_s: float =
     url = urlsplit(init)
     if url.scheme != "tcp" or not url.hostname or not url.port:
         raise ValueError(f"init: {init!r} is not tcp://host:port")
-    store = dist.TCPStore(url.hostname, url.port, tp, is_master=rank == 0, timeout=rendezvous)
+    store = dist.TCPStore(  # type: ignore[attr-defined]  # exported at run time, not in the stubs
+        url.hostname, url.port, tp, is_master=rank == 0, timeout=rendezvous)
     dist.init_process_group(backend, store=store, rank=rank, world_size=tp,
                             timeout=datetime.timedelta(seconds=timeout_s))
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)  # every rank creates it, in the same order
