@@ -256,6 +256,9 @@ def fallback_pod(spec: ModelServiceSpec, key: str, token_secret: str, owner: Map
         "startupProbe": {"httpGet": probe("/healthz"), "periodSeconds": 1, "failureThreshold": 600},
         "securityContext": dict(CONTAINER_SECURITY),
         "volumeMounts": mounts,
+        # an engine that exits on a refused flag (a tp that does not divide the heads) says why on stderr: the
+        # kubelet keeps that tail in the pod's status, and the operator puts it in the ModelService's conditions
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     if tls_secret:
         mounts.append({"name": "data-plane-tls", "mountPath": TLS_MOUNT, "readOnly": True})

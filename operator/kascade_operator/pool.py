@@ -49,6 +49,7 @@ class PodView:
     capacity: str | None = None  # the engine's capacity flags (annotation kascade.io/engine-capacity)
     tp: int = 1  # the engine's tensor-parallel ranks (annotation kascade.io/engine-tp; absent: 1)
     preempted_for: str | None = None  # draining for another service (annotation kascade.io/preempted-for)
+    crashed: str | None = None  # its engine keeps exiting (CrashLoopBackOff): the last exit code and message
 
 
 def service_key(namespace: str, name: str, pool_namespace: str) -> str:
@@ -98,7 +99,23 @@ def pod_view(pod: Mapping[str, Any], node_leaf: Mapping[str, str] | None = None)
         running=phase in (None, "Running") and started, convertible=ann.get(L.CONVERTIBLE) == "true",
         host_copy=ann.get(L.HOST_COPY) or None, host_copy_refused=ann.get(L.HOST_COPY_REFUSED) or None,
         capacity=ann.get(L.ENGINE_CAPACITY), tp=_tp(ann.get(L.ENGINE_TP)),
-        preempted_for=ann.get(L.PREEMPTED_FOR) or None)
+        preempted_for=ann.get(L.PREEMPTED_FOR) or None, crashed=crash_loop(pod))
+
+
+def crash_loop(pod: Mapping[str, Any]) -> str | None:
+    """Why a pod's container keeps exiting, when the kubelet backs off restarting it (CrashLoopBackOff): "exit
+    <code>: <message>", the message being what the container left in its termination log (the engine's
+    containers say `terminationMessagePolicy: FallbackToLogsOnError`, so it is the tail of the engine's output: a
+    refused flag names the flag, e.g. `tp: 3 does not divide num_attention_heads (9)`). One exit is not a crash
+    loop: a pod restarted once (an OOM kill) is not reported."""
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") != "CrashLoopBackOff":
+            continue
+        last = (cs.get("lastState") or {}).get("terminated") or {}
+        text = " ".join(str(last.get("message") or last.get("reason") or waiting.get("message") or "").split())
+        return f"exit {last.get('exitCode', '?')}: {text[-400:]}" if text else f"exit {last.get('exitCode', '?')}"
+    return None
 
 
 def _tp(text: str | None) -> int:

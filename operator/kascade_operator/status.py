@@ -3,7 +3,9 @@
 Conditions follow the kstatus conventions (sigs.k8s.io/cli-utils kstatus, used by Flux, kpt, Argo CD
 health checks): `Ready` (True: at the desired replicas and serving), `Reconciling` (True: the operator
 is moving the service toward its spec: scaling, waiting for pods), `Stalled` (True: it cannot make
-progress without someone changing something: invalid or forbidden spec, no GPU for the pods it needs).
+progress without someone changing something: invalid or forbidden spec, no GPU for the pods it needs, engines
+that exit as they start with nothing serving: `EngineCrashLoop`, naming the pod, the engine's last words and the
+spec field they name).
 Each carries the full metav1.Condition fields (type, status, reason, message, lastTransitionTime,
 observedGeneration), and `status.observedGeneration` says which spec generation the status describes.
 The Deployment-style `Available` / `Progressing` / `Degraded` are kept for `kubectl get` and for
@@ -18,6 +20,7 @@ unchanged status compares equal and is not written.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -69,13 +72,35 @@ def invalid_status(message: str, gen: int | None, reason: str = "InvalidSpec") -
     return _dump(ModelServiceStatus(observed_generation=gen, conditions=[Condition.model_validate(c) for c in conds]))
 
 
+# An engine's refusal at start names its flag ("tp: 3 does not divide num_attention_heads (9)"); the field of the
+# ModelService that set that flag, so the condition names what to edit.
+ENGINE_FLAG_FIELDS = {"tp": "spec.engine.tp", "dtype": "spec.engine.dtype"}
+
+
+def crash_report(key: str, pods: Sequence[PodView]) -> str | None:
+    """The service's engine pods (bound to it, or fallback pods created for it) whose engine keeps exiting, said
+    once: the first pod's exit and message, the ModelService field its message names, how many more."""
+    bad = sorted((p for p in pods if p.crashed and (p.model_service == key or p.created_for == key)),
+                 key=lambda p: p.pod_name)
+    if not bad:
+        return None
+    first = str(bad[0].crashed)
+    fields = [f for flag, f in ENGINE_FLAG_FIELDS.items() if re.search(rf"(?<![\w-]){flag}: ", first)]
+    more = f" (and {len(bad) - 1} more pod(s))" if len(bad) > 1 else ""
+    return (f"the engine of pod {bad[0].pod_name} keeps exiting ({first}){more}"
+            + (f"; check {', '.join(fields)}" if fields else ""))
+
+
 def service_status(key: str, name: str, res: Result, pods: Sequence[PodView], plans: Sequence[PlanView],
                    gen: int | None, blocker: Blocker | None = None, model: str | None = None) -> dict[str, Any]:
     """The ModelService status after one round. `key`: the service key its pods carry; `name`: its name
     (the selector is a label selector: label values hold the name). `sources`: its ready engines (gpu) and
     the idle pool pods keeping `model` in host memory (host)."""
     summary = ", ".join(f"{k} {v.ready}/{v.desired}" for k, v in res.roles.items())
-    notes = "; ".join(res.notes)
+    crash = crash_report(key, pods)
+    notes = "; ".join([*res.notes, *([crash] if crash else [])])
+    if blocker is None and crash and not res.available:  # nothing serves, and its engines exit as they start
+        blocker = Blocker("EngineCrashLoop", crash)
     at_desired = all(r.ready == r.desired and r.loading == 0 for r in res.roles.values())
     if blocker is None and res.exhausted:
         blocker = Blocker("PoolExhausted", f"{notes}; {res.coming} pod(s) created for it cannot be scheduled "
@@ -93,8 +118,9 @@ def service_status(key: str, name: str, res: Result, pods: Sequence[PodView], pl
         ready = condition("Ready", True, "AtDesiredReplicas", summary, gen)
         reconciling = condition("Reconciling", False, "AtDesiredReplicas", summary, gen)
         stalled = condition("Stalled", False, "AtDesiredReplicas", summary, gen)
-    degraded = blocker is not None or bool(res.notes)
-    degraded_reason = blocker.reason if blocker else ("PoolShort" if res.notes else "AsExpected")
+    degraded = blocker is not None or bool(notes)
+    degraded_reason = blocker.reason if blocker else ("PoolShort" if res.notes else "EngineCrashLoop" if crash
+                                                      else "AsExpected")
     conds = [
         ready,
         reconciling,
