@@ -67,10 +67,14 @@ async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods:
         rt.metrics.plan_generation.observe(time.perf_counter() - t0)
         trace.event("planned", (ns, name))
         created = await rt.kube.create_scaleplan(ns, sp)
+        rt.created_plan(ns, created)  # the next round sees it even while the watch lags
         trace.event("plan", (ns, name), created["metadata"]["name"])
         # the fast path: instruct now instead of waiting for the ScalePlan daemon to start; the Event and
         # reading our own write back come after (both took an API round trip off every reaction)
         await plandriver.start(rt, created, decided_at)
+        # the claims count from now: an instruct that took longer than RESERVE_S under load (seen: 50 s) left
+        # its targets unclaimed while the watch had not shown them bound yet, and a round chose them again
+        rt.reserve(pool_ns, (*action.targets, *action.sources))
         trace.event("instructed", (ns, name))
         await rt.event(ns, body, "ModelService", "Normal", "ScaleUp",
                        f"{action.role}: ScalePlan {created['metadata']['name']} binds "

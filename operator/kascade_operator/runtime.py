@@ -37,6 +37,7 @@ from kascade_planner.arbitration import ArbitrationConfig
 
 RESERVE_S = 30.0  # a claim outlives any bind that is going to happen
 EXPECT_S = 60.0  # a created pod the watch has not shown after this long is no longer expected
+OWN_PLAN_S = 60.0  # a ScalePlan created here stands in for the index's copy until the watch shows it, this long
 EVENT_BURST, EVENT_REFILL_S = 3, 30.0  # Events per (object, reason): a burst of 3, then one per 30 s
 NODE_CACHE_S = 2.0  # without the node watch: node labels change rarely; listing 2,000 nodes each time would dominate
 NODES_READY_S = 60.0  # a round waits this long for the node watch's first list, then fails (and is retried)
@@ -67,6 +68,7 @@ class Runtime:
     parsed: dict[tuple[str, str], Any] = field(default_factory=dict)  # observe.parse: the last spec parsed
     _reserved: dict[tuple[str, str], float] = field(default_factory=dict)  # (ns, pod) -> when claimed
     _expected: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)  # (pool ns, key) -> pod -> t
+    _own_plans: dict[tuple[str, str], tuple[float, dict[str, Any]]] = field(default_factory=dict)  # not in the index
     _event_tokens: dict[tuple[str, str, str, str], tuple[float, float]] = field(default_factory=dict)
     events_suppressed: int = 0
     # kopf indexes (Mapping[key, Store]): pool pods and ScalePlans by namespace
@@ -259,9 +261,27 @@ class Runtime:
         return await self.kube.list_pods(ns, L.POOL)
 
     async def scaleplans(self, ns: str) -> list[dict[str, Any]]:
+        """The namespace's ScalePlans: the watch's, plus those this process created that the watch has not shown
+        yet (read your own writes: under load the watch lagged a created plan by tens of seconds, and the
+        service's next round, seeing neither the plan nor its target bound, planned the same scale-up again)."""
         if self.plan_index is not None:
-            return list(self.plan_index.get(ns, ()))
+            listed = list(self.plan_index.get(ns, ()))
+            return listed + self._unseen_own_plans(ns, {p["metadata"]["name"] for p in listed})
         return await self.kube.list_scaleplans(ns)
+
+    def created_plan(self, ns: str, body: dict[str, Any]) -> None:
+        """A ScalePlan this process just created (the API server's answer): in `scaleplans` until the watch
+        shows it, or OWN_PLAN_S."""
+        self._own_plans[(ns, body["metadata"]["name"])] = (time.monotonic(), body)
+
+    def _unseen_own_plans(self, ns: str, listed: set[str]) -> list[dict[str, Any]]:
+        now, out = time.monotonic(), []
+        for (n, name), (t, body) in list(self._own_plans.items()):
+            if now - t > OWN_PLAN_S or (n == ns and name in listed):
+                del self._own_plans[(n, name)]
+            elif n == ns:
+                out.append(body)
+        return out
 
     async def role_objects(self, ns: str) -> list[dict[str, Any]]:
         """The ModelServiceRole objects of the namespace (per-role scale handles)."""
