@@ -103,6 +103,27 @@ def complete(url: str) -> httpx.Response:
     return r
 
 
+def routed_pd(pool: EnginePool, router: RouterProcess, pre: str, dec: str) -> httpx.Response:
+    """Two answers through the router's PD path (the decoder `dec` answered, the prefiller `pre` prefilled, the KV
+    moved between them); the engines' counters agree and no prompt fell back to a local prefill. Returns the
+    second answer."""
+
+    def pd_routed() -> httpx.Response | None:
+        # while the router does not count the decoder as serving (not seen yet, or its Ready condition flapped
+        # on a loaded machine) the prefill engine answers alone, which is right but not what this waits for
+        r = httpx.post(f"{router.url}/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8},
+                       timeout=60)
+        ok = r.status_code == 200 and r.headers.get("x-kascade-prefilled-by") == pre
+        return r if ok and r.headers.get("x-kascade-replica") == dec else None
+
+    wait_for(pd_routed, 60, "the router routing in PD mode (it has seen both roles)", poll=0.5)
+    r: httpx.Response = wait_for(pd_routed, 60, "a second answer routed prefill -> decode", poll=0.5)
+    assert counter(pool, pre, "kascade_pd_prefills_served_total") >= 2
+    assert counter(pool, dec, "kascade_pd_remote_prefills_total") >= 2
+    assert counter(pool, dec, "kascade_pd_local_fallbacks_total") == 0
+    return r
+
+
 def test_pd_service_converts_its_decoder_on_a_burst_scales_prefill_from_it_and_takes_it_back(
         control_plane: ControlPlane, namespace: str, world: tuple[EnginePool, RouterProcess]) -> None:
     cp, ns = control_plane, namespace
@@ -111,20 +132,7 @@ def test_pd_service_converts_its_decoder_on_a_burst_scales_prefill_from_it_and_t
     (dec,) = wait_for(lambda: serving(cp, ns, "decode") or None, 180, "the decode instance serving")
 
     # PD through the router: the decoder answers, the prefiller prefilled, the KV moved between them
-    def pd_routed() -> httpx.Response | None:
-        # the decoder answers and the prefiller prefilled; while the router does not count the decoder as
-        # serving (not seen yet, or its Ready condition flapped on a loaded machine) the prefill engine
-        # answers alone, which is right but not what this waits for
-        r = httpx.post(f"{router.url}/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8},
-                       timeout=60)
-        ok = r.status_code == 200 and r.headers.get("x-kascade-prefilled-by") == pre
-        return r if ok and r.headers.get("x-kascade-replica") == dec else None
-
-    wait_for(pd_routed, 60, "the router routing in PD mode (it has seen both roles)", poll=0.5)
-    r = wait_for(pd_routed, 60, "a second answer routed prefill -> decode", poll=0.5)
-    assert counter(pool, pre, "kascade_pd_prefills_served_total") >= 2
-    assert counter(pool, dec, "kascade_pd_remote_prefills_total") >= 2
-    assert counter(pool, dec, "kascade_pd_local_fallbacks_total") == 0
+    r = routed_pd(pool, router, pre, dec)
     assert r.json()["choices"][0]["text"] == complete(pool.engines[dec].url).json()["choices"][0]["text"]
 
     assert not [e for e in get(cp, ns, "events")["items"] if e["reason"] == "ConvertDecoders"]

@@ -14,7 +14,6 @@ import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from kascade_devcluster.controlplane import ControlPlane
@@ -24,7 +23,7 @@ from kascade_devcluster.routerproc import RouterProcess
 from kascade_devcluster.waiting import wait_for
 from kascade_engine.weights.checkpoint import tiny_llama
 
-from .test_disaggregated import MODEL, PROMPT, TOKEN, complete, counter, msvc, serving
+from .test_disaggregated import MODEL, TOKEN, complete, msvc, routed_pd, serving
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -63,19 +62,8 @@ def test_tp2_pd_service_prefills_on_one_tp_instance_and_decodes_on_another(
     assert not [c for c in msvc_doc["status"].get("conditions", [])
                 if c["type"] == "Degraded" and c["status"] == "True"], msvc_doc["status"]
 
-    def pd_routed() -> httpx.Response | None:
-        r = httpx.post(f"{router.url}/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8},
-                       timeout=60)
-        ok = r.status_code == 200 and r.headers.get("x-kascade-prefilled-by") == pre
-        return r if ok and r.headers.get("x-kascade-replica") == dec else None
-
-    wait_for(pd_routed, 60, "the router routing in PD mode (it has seen both roles)", poll=0.5)
-    r = wait_for(pd_routed, 60, "a second answer routed prefill -> decode", poll=0.5)
-    assert r is not None
+    r = routed_pd(pool, router, pre, dec)
     for name in (pre, dec):  # both instances run two ranks
         assert len(Path(f"/proc/{pool.engines[name].proc.pid}/task/{pool.engines[name].proc.pid}/children")
                    .read_text().split()) == 1
-    assert counter(pool, pre, "kascade_pd_prefills_served_total") >= 2
-    assert counter(pool, dec, "kascade_pd_remote_prefills_total") >= 2
-    assert counter(pool, dec, "kascade_pd_local_fallbacks_total") == 0
     assert r.json()["choices"][0]["text"] == complete(pool.engines[dec].url).json()["choices"][0]["text"]
