@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -45,25 +46,35 @@ PROMPT = list(range(3, 35))  # 32 prompt tokens
 CALM_V, PREFILL_V, TBT_MS, CHUNK = 100_000, 8, 2000, 8
 
 
-@pytest.fixture
-def world(control_plane: ControlPlane, crds: list[str], namespace: str, kwok_nodes: Callable[..., list[str]],
-          tmp_path: Path) -> Iterator[tuple[EnginePool, RouterProcess]]:
+@contextmanager
+def pd_world(cp: ControlPlane, ns: str, nodes: list[str], tmp_path: Path, tp: int = 1,
+             edit: Callable[[dict[str, Any]], None] = lambda doc: None) -> Iterator[tuple[EnginePool, RouterProcess]]:
+    """A warm pool of `tp`-rank engines on `nodes`, the operator and the router as processes, and the PD
+    ModelService (`msvc`, changed by `edit`) applied; everything stopped after."""
     ckpt = tiny_llama(tmp_path / MODEL, layers=4, hidden=128, vocab=1024)
-    pool = EnginePool(control_plane, namespace, ckpt, MODEL, TOKEN, tmp_path / "engines",
-                      extra_args=("--kv-tokens", "8192"))
-    op = OperatorProcess(control_plane, namespace, TOKEN, tmp_path / "operator.log")
-    router = RouterProcess(control_plane, namespace, tmp_path / "router.log")
+    pool = EnginePool(cp, ns, ckpt, MODEL, TOKEN, tmp_path / "engines", tp=tp, extra_args=("--kv-tokens", "8192"))
+    op = OperatorProcess(cp, ns, TOKEN, tmp_path / "operator.log")
+    router = RouterProcess(cp, ns, tmp_path / "router.log")
+    doc = msvc(ckpt)
+    edit(doc)
     try:
-        pool.start(kwok_nodes(3, leaves=1))
+        pool.start(nodes)
         op.start()
         router.start()
-        control_plane.kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(msvc(ckpt)))
+        cp.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(doc))
         yield pool, router
     finally:
         router.stop()
         op.stop()
         print(op.tail())
         pool.stop()
+
+
+@pytest.fixture
+def world(control_plane: ControlPlane, crds: list[str], namespace: str, kwok_nodes: Callable[..., list[str]],
+          tmp_path: Path) -> Iterator[tuple[EnginePool, RouterProcess]]:
+    with pd_world(control_plane, namespace, kwok_nodes(3, leaves=1), tmp_path) as w:
+        yield w
 
 
 def msvc(ckpt: Path) -> dict[str, Any]:

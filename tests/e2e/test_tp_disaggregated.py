@@ -13,17 +13,16 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kascade_devcluster.controlplane import ControlPlane
 from kascade_devcluster.enginepool import EnginePool
-from kascade_devcluster.operatorproc import OperatorProcess
 from kascade_devcluster.routerproc import RouterProcess
 from kascade_devcluster.waiting import wait_for
-from kascade_engine.weights.checkpoint import tiny_llama
 
-from .test_disaggregated import MODEL, TOKEN, complete, msvc, routed_pd, serving
+from .test_disaggregated import complete, pd_world, routed_pd, serving
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -31,25 +30,12 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 @pytest.fixture
 def world(control_plane: ControlPlane, crds: list[str], namespace: str, kwok_nodes: Callable[..., list[str]],
           tmp_path: Path) -> Iterator[tuple[EnginePool, RouterProcess]]:
-    ckpt = tiny_llama(tmp_path / MODEL, layers=4, hidden=128, vocab=1024)
-    pool = EnginePool(control_plane, namespace, ckpt, MODEL, TOKEN, tmp_path / "engines", tp=2,
-                      extra_args=("--kv-tokens", "8192"))
-    op = OperatorProcess(control_plane, namespace, TOKEN, tmp_path / "operator.log")
-    router = RouterProcess(control_plane, namespace, tmp_path / "router.log")
-    doc = msvc(ckpt)
-    doc["spec"]["engine"]["tp"] = 2
-    doc["spec"]["replicas"] = {"prefill": {"min": 1, "max": 1}, "decode": {"min": 1, "max": 1}}
-    try:
-        pool.start(kwok_nodes(3, leaves=1))
-        op.start()
-        router.start()
-        control_plane.kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(doc))
-        yield pool, router
-    finally:
-        router.stop()
-        op.stop()
-        print(op.tail())
-        pool.stop()
+    def tp2(doc: dict[str, Any]) -> None:
+        doc["spec"]["engine"]["tp"] = 2
+        doc["spec"]["replicas"] = {"prefill": {"min": 1, "max": 1}, "decode": {"min": 1, "max": 1}}
+
+    with pd_world(control_plane, namespace, kwok_nodes(3, leaves=1), tmp_path, tp=2, edit=tp2) as w:
+        yield w
 
 
 def test_tp2_pd_service_prefills_on_one_tp_instance_and_decodes_on_another(
