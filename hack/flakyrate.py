@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -83,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(root / "hack"), os.environ.get("PYTHONPATH")])),
     }
+    # a SIGTERM (`pkill -f flakyrate`) must end the burners too: as SystemExit, the `finally` below kills them
+    # (left to the default action they outlived this process and kept two CPUs busy for hours)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.load)]
     runs: list[dict[str, str]] = []
     empty = 0
