@@ -88,8 +88,8 @@ def test_a_burst_on_one_model_takes_the_idle_engines_of_another_and_gives_them_b
         wait_for(a_at_3, 180, "A at 3 replicas on B's engines", poll=0.05)
         t_up = time.monotonic()
         if not seen:  # B's round that writes its arbitration may come after A's plans bound (B is still preempted)
-            seen.append(wait_for(lambda: case.arbitration("model-b"), 30, "B's status.arbitration while preempted",
-                                 poll=0.05))
+            seen.append(wait_for(lambda: case.arbitration("model-b") or {}, 30,
+                                 "B's status.arbitration while preempted", poll=0.05))
         a_now = set(serving("model-a"))
         assert a0 in a_now and len(a_now & b_engines) == 2  # two engines of B changed model
         for name in a_now & b_engines:  # the engines say so themselves
