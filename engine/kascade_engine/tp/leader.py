@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -62,14 +62,21 @@ class TPEngine(Engine):
             raise RankLost(self.failed)
         return super().step()
 
-    def _hidden(self, ids: list[int], items: list[tuple[list[int], int, int]]) -> torch.Tensor:
+    @contextlib.contextmanager
+    def _collective(self, what: str, m: Any) -> Iterator[None]:
+        """Send every follower `m` and run the collective it starts, holding the step channel; a gloo error (a
+        peer closed its connection: any rank's error breaks the instance) marks the instance lost, naming `what`."""
         try:
             with self.channel:
-                msg.send(msg.Step(ids, [(list(t), start, n) for t, start, n in items]), self.group.control)
-                return super()._hidden(ids, items)
-        except RuntimeError as e:  # gloo: a peer closed its connection; any rank's error breaks the instance
-            self.lost(f"a tensor-parallel rank failed during a step: {e}")
+                msg.send(m, self.group.control)
+                yield
+        except RuntimeError as e:
+            self.lost(f"a tensor-parallel rank failed {what}: {e}")
             raise RankLost(str(self.failed)) from e
+
+    def _hidden(self, ids: list[int], items: list[tuple[list[int], int, int]]) -> torch.Tensor:
+        with self._collective("during a step", msg.Step(ids, [(list(t), start, n) for t, start, n in items])):
+            return super()._hidden(ids, items)
 
     # -- a request's KV, gathered at rank 0 (disaggregated serving; kv.py) ----------------------------------------
     layerwise = False  # the followers run a step's layers as one message: the KV leaves after the step
@@ -83,26 +90,16 @@ class TPEngine(Engine):
         if self.failed is not None:
             raise RankLost(self.failed)
         at = slots.tolist()
-        try:
-            with self.channel:
-                msg.send(msg.GatherKV(at), self.group.control)
-                return kv.gather(self.model.layout, self.cache, at, self.group.control)
-        except RuntimeError as e:
-            self.lost(f"a tensor-parallel rank failed gathering KV: {e}")
-            raise RankLost(str(self.failed)) from e
+        with self._collective("gathering KV", msg.GatherKV(at)):
+            return kv.gather(self.model.layout, self.cache, at, self.group.control)
 
     def write_kv(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """The whole model's K and V of `slots` in: every rank gets its heads (a collective)."""
         if self.failed is not None:
             raise RankLost(self.failed)
         at = slots.tolist()
-        try:
-            with self.channel:
-                msg.send(msg.ScatterKV(at), self.group.control)
-                kv.scatter(self.model.layout, self.cache, at, k, v, self.group.control)
-        except RuntimeError as e:
-            self.lost(f"a tensor-parallel rank failed receiving KV: {e}")
-            raise RankLost(str(self.failed)) from e
+        with self._collective("receiving KV", msg.ScatterKV(at)):
+            kv.scatter(self.model.layout, self.cache, at, k, v, self.group.control)
 
     def load_planes(self, planes: list[dict[str, Any]]) -> None:
         """Send every follower its plane (rank r loads planes[r]); rank 0 then loads planes[0] itself and meets
