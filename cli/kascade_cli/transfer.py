@@ -49,6 +49,11 @@ def pack(checkpoint: Path, cache_file: Path) -> None:
 @click.option("--transport", "transport_name", type=click.Choice(["tcp", "ucx"]), default="tcp", show_default=True)
 @click.option("--linger", type=float, default=0.0, help="Keep serving pulls this many seconds after finishing.")
 @click.option(
+    "--start-when", type=click.Path(dir_okay=False, path_type=Path),
+    help="Listen at once, but start the plan (push; count the plan's timeout for a silent upstream) only once "
+         "this file exists: a launcher of separate processes creates it when every participant listens.",
+)
+@click.option(
     "--tls-cert", type=click.Path(dir_okay=False, path_type=Path), help="PEM certificate (mutual TLS, tcp only)"
 )
 @click.option("--tls-key", type=click.Path(dir_okay=False, path_type=Path), help="PEM private key of --tls-cert")
@@ -62,6 +67,7 @@ def run(
     out: Path | None,
     transport_name: str,
     linger: float,
+    start_when: Path | None,
     tls_cert: Path | None,
     tls_key: Path | None,
     tls_ca: Path | None,
@@ -102,6 +108,10 @@ def run(
         port = await node.start()
         print(json.dumps({"event": "listening", "instance": me, "port": port}), file=sys.stderr, flush=True)
         try:
+            # Participants started as processes come up seconds apart on a loaded machine (imports, UCX): a
+            # target's timer for a silent upstream must not count its source's start-up.
+            while start_when is not None and not start_when.exists():
+                await asyncio.sleep(0.01)
             summary = await node.run()
             if linger:
                 await asyncio.sleep(linger)

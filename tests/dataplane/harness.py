@@ -44,11 +44,13 @@ class Cluster:
     target_linger: float = 3.0
     tls: dict[str, Path] | None = None  # {"cert", "key", "ca"}: every participant runs mutual TLS
 
-    def start(self, me: str) -> subprocess.Popen[str]:
+    def start(self, me: str, start_when: Path | None = None) -> subprocess.Popen[str]:
         spec_file = self.workdir / "spec.json"
         spec_file.write_text(json.dumps(self.spec.to_dict()))
         args = [sys.executable, "-m", "kascade_cli.main", "transfer", "run", "--spec", str(spec_file), "--me", me,
                 "--transport", self.transport]
+        if start_when is not None:
+            args += ["--start-when", str(start_when)]
         if self.tls:
             args += [
                 "--tls-cert",
@@ -68,9 +70,22 @@ class Cluster:
         self.procs[me] = p
         return p
 
-    def start_all(self) -> None:
-        for i in (*self.spec.plan.sources, *self.spec.plan.targets):
-            self.start(i.id)
+    def start_all(self, listen_timeout: float = 180) -> None:
+        """Start every participant and begin the plan once all listen. Processes come up seconds apart on a
+        loaded machine (a 5 s spread at load 12): started free, a target's watchdog could fire before its
+        source had even imported, and a test of a mid-transfer fault would count that re-fetch too."""
+        go = self.workdir / "start-plan"
+        go.unlink(missing_ok=True)
+        ids = [i.id for i in (*self.spec.plan.sources, *self.spec.plan.targets)]
+        for me in ids:
+            self.start(me, start_when=go)
+        deadline = time.monotonic() + listen_timeout
+        for me in ids:  # one that exited before listening is the test's to report (wait() shows its log)
+            while '"listening"' not in self.log(me) and self.procs[me].poll() is None:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"{me} not listening after {listen_timeout} s: {self.log(me)[-2000:]}")
+                time.sleep(0.02)
+        go.touch()
 
     def wait(self, me: str, timeout: float = 60) -> dict[str, object]:
         p = self.procs[me]

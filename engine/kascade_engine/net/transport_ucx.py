@@ -43,6 +43,7 @@ import logging
 import os
 import secrets
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,7 @@ FAST_MIN = 64 * 1024
 CLOSE_TIMEOUT_S = 2.0
 CONNECT_POLL_S = 0.02  # how often a connecting endpoint is checked for a UCP error
 WILDCARD = ("", "0.0.0.0", "::")
+WARM_UP_S = 30.0  # the bound of the first-connection warm-up (it took up to 5.4 s at load 28)
 log = logging.getLogger(__name__)
 
 
@@ -250,6 +252,7 @@ class UcxTransport:
         self.fast_path = os.environ.get("KASCADE_UCX_FAST_PATH") == "1" if fast_path is None else fast_path
         self._fast_eps: dict[bytes, Any] = {}  # peer worker address -> its worker-address endpoint
         self.traffic = Traffic()
+        self._warm = False
 
     async def _handshake(self, ep: Any) -> Any:
         """Both ends send (locality, worker address); returns the worker-address endpoint to the peer
@@ -300,7 +303,37 @@ class UcxTransport:
         except Exception as e:
             raise TransportError(f"ucx listen on port {port}: {e}") from None
         bound.append(listener.port)
+        await self._warm_up()
         return listener
+
+    async def _warm_up(self) -> None:
+        """Pay UCX's first-connection cost now, not in a plan: a process's first endpoint (its first wireup
+        of UCP's transports) took 0.8-5.4 s at load 11-28 here, later ones 10-80 ms, so a source's first push
+        came 2-3.5 s after the plan began over UCX (10 ms over TCP) and a target's never-connected watchdog
+        could fire first. One loopback connection to a private listener, once per transport; a failure only
+        leaves the cost where it was."""
+        if self._warm:
+            return
+        self._warm = True
+
+        async def drop(ep: Any) -> None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._handshake(ep), WARM_UP_S)
+            with contextlib.suppress(Exception):
+                await ep.close()
+
+        t0 = time.monotonic()
+        private: UcxListener | None = None
+        try:
+            private = UcxListener(_ucxx().create_listener(drop))
+            conn = await self.connect("127.0.0.1", private.port, timeout=WARM_UP_S)
+            await conn.abort()
+            log.debug("ucx warm-up: first connection in %.3f s", time.monotonic() - t0)
+        except Exception as e:  # an optimisation: never fails the listener
+            log.info("ucx warm-up failed after %.1f s (the first plan pays the cost): %s", time.monotonic() - t0, e)
+        finally:
+            if private is not None:
+                await private.close()
 
     async def connect(self, host: str, port: int, timeout: float = 10.0) -> Connection:
         try:
