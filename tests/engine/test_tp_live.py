@@ -1,0 +1,149 @@
+"""Live pairing with tensor-parallel instances (docs/tp.md, "Live pairing: activations at rank 0, KV per rank"): a
+loading engine B (embed + 2 of the tiny Llama's 4 layers resident, `--resident-layers 2`) paired with a full engine A
+by `cooperate`. Either side may be TP-2: the activations cross between the two rank 0s, and every rank runs the rows'
+layer ranges (`Layers` messages, tp/leader.py `run_rows`) on its own heads and its own share of the pair's private KV
+pages. Real engine processes (`kascade engine serve --tp N`, gloo); greedy text equals the TP-1 engine's, for B's
+requests (split) and A's own requests sent at the same time (sharing A's forwards with B's rows). A rank dying fails
+its instance (exit 3): B's requests out on a dead A fail with an error naming the pair, and B pairs again; a dead B
+leaves A serving."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kascade_devcluster.localengine import EngineProc
+
+from .conftest import start_engine
+
+H = {"Authorization": "Bearer test-token"}
+# a long prompt (several 16-token chunks), short ones, one token
+PROMPTS = [list(range(5, 45)), [1, 2, 3], [300, 200, 100, 50, 7, 7, 7, 9], [42], list(range(400, 421))]
+COMMON = ["--model-name", "tiny-llama", "--max-prompt-tokens", "128", "--kv-tokens", "4096",
+          "--max-batch-tokens", "16"]
+
+
+def _ask(e: EngineProc, prompt: list[int], max_tokens: int = 10) -> httpx.Response:
+    body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    return httpx.post(e.url + "/v1/completions", json=body, timeout=300)
+
+
+def _text(e: EngineProc, prompt: list[int]) -> str:
+    r = _ask(e, prompt)
+    assert r.status_code == 200, r.text
+    return str(r.json()["choices"][0]["text"])
+
+
+def _texts(*engines: EngineProc) -> list[list[str]]:
+    """Every prompt at every engine, all at once (B's split rows and A's own rows share A's forwards)."""
+    with ThreadPoolExecutor(len(PROMPTS) * len(engines)) as pool:
+        futs = [[pool.submit(_text, e, q) for q in PROMPTS] for e in engines]
+        return [[f.result() for f in fs] for fs in futs]
+
+
+def _metric(e: EngineProc, name: str) -> float:
+    text = httpx.get(e.url + "/metrics", timeout=30).text
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
+
+
+def _cooperate(b: EngineProc, a: EngineProc | None, mode: str = "besteffort") -> httpx.Response:
+    peer = f"127.0.0.1:{a.act}" if a is not None else ""
+    return httpx.post(b.url + "/kascade/v1/cooperate", json={"peer": peer, "mode": mode if a else "off"},
+                      headers=H, timeout=60)
+
+
+def _follower(e: EngineProc) -> int:
+    kids = Path(f"/proc/{e.proc.pid}/task/{e.proc.pid}/children").read_text().split()
+    assert len(kids) == 1, kids  # its one follower rank
+    return int(kids[0])
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_ckpt: Path) -> Iterator[dict[str, EngineProc]]:
+    out: dict[str, EngineProc] = {}
+    try:
+        for name, tp, resident in (("tp1", 1, None), ("tp2", 2, None), ("b1", 1, 2), ("b2", 2, 2)):
+            out[name] = start_engine(["--checkpoint", str(tiny_ckpt), *COMMON, "--tp", str(tp),
+                                      *(["--resident-layers", str(resident)] if resident else [])], timeout=300)
+        yield out
+    finally:
+        for e in out.values():
+            e.stop()
+
+
+@pytest.mark.parametrize(("b", "a", "mode"), [("b2", "tp1", "besteffort"), ("b1", "tp2", "besteffort"),
+                                              ("b2", "tp2", "besteffort"), ("b2", "tp2", "zigzag")])
+def test_live_pair_with_tp_instances_serves_the_tp1_text(engines: dict[str, EngineProc], b: str, a: str,
+                                                         mode: str) -> None:
+    want = _texts(engines["tp1"])[0]  # the TP-1 engine alone
+    assert len({t for t in want}) > 2  # a degenerate model would make the comparison meaningless
+    B, A = engines[b], engines[a]
+    alone = _ask(B, PROMPTS[1])
+    assert alone.status_code == 503 and "2/4 layers resident" in alone.text, alone.text  # B cannot serve alone
+    r = _cooperate(B, A, mode)
+    assert r.status_code == 200 and r.json()["cooperate"]["mode"] == mode, r.text
+    try:
+        split = _metric(B, "kascade_live_split_requests_total")
+        got_b, got_a = _texts(B, A)
+        assert got_b == want  # B's requests: layers 0-1 on B's ranks, 2-3 on A's, sampled on A's rank 0
+        assert got_a == want  # A's own requests, in the same forwards as B's rows
+        assert _metric(B, "kascade_live_split_requests_total") == split + len(PROMPTS)
+    finally:
+        assert _cooperate(B, None).status_code == 200
+
+
+def test_a_tp_peer_that_loses_a_rank_exits_and_the_pairs_requests_fail_naming_it(
+        engines: dict[str, EngineProc], tiny_ckpt: Path) -> None:
+    """The serving peer is TP-2 and its follower dies mid-request: A exits 3 (no token from half a model); the pair's
+    requests on B fail with an error (B cannot finish them: their KV of layers 2-3 was on A's ranks), B stays up and
+    pairs with another peer, and serves the same text again."""
+    A = start_engine(["--checkpoint", str(tiny_ckpt), *COMMON, "--tp", "2"], timeout=300)
+    B = engines["b1"]
+    try:
+        want = _text(engines["tp1"], PROMPTS[0])
+        assert _cooperate(B, A).status_code == 200
+        assert _text(B, PROMPTS[0]) == want
+        with ThreadPoolExecutor(1) as pool:
+            long = pool.submit(_ask, B, PROMPTS[0], 2000)  # out on A while its rank dies
+            body = {"model": "tiny-llama", "prompt": PROMPTS[2], "max_tokens": 1, "temperature": 0}
+            assert httpx.post(B.url + "/v1/completions", json=body, timeout=300).status_code == 200  # pair busy
+            os.kill(_follower(A), signal.SIGKILL)
+            assert A.proc.wait(60) == 3
+            r = long.result(300)
+        assert r.status_code >= 500, r.text  # failed, not answered with a partial or wrong text
+        assert "pair" in r.text or "peer" in r.text, r.text
+        assert _cooperate(B, engines["tp2"]).status_code == 200  # B pairs again (another TP-2 peer)
+        assert _text(B, PROMPTS[0]) == want
+    finally:
+        _cooperate(B, None)
+        A.stop()
+
+
+def test_a_tp_loading_engine_that_loses_a_rank_exits_and_its_peer_serves_on(
+        engines: dict[str, EngineProc], tiny_ckpt: Path) -> None:
+    """The loading engine is TP-2 and its follower dies while paired: B exits 3 (its clients' connections close);
+    A's pair session ends and A keeps serving its own requests with the same text."""
+    B = start_engine(["--checkpoint", str(tiny_ckpt), *COMMON, "--tp", "2", "--resident-layers", "2"], timeout=300)
+    A = engines["tp2"]
+    try:
+        want = _text(engines["tp1"], PROMPTS[0])
+        assert _cooperate(B, A).status_code == 200
+        assert _text(B, PROMPTS[0]) == want
+        with ThreadPoolExecutor(1) as pool:
+            long = pool.submit(_ask, B, PROMPTS[0], 2000)
+            body = {"model": "tiny-llama", "prompt": PROMPTS[2], "max_tokens": 1, "temperature": 0}
+            assert httpx.post(B.url + "/v1/completions", json=body, timeout=300).status_code == 200
+            os.kill(_follower(B), signal.SIGKILL)
+            assert B.proc.wait(60) == 3
+            with pytest.raises(httpx.HTTPError):  # its client's connection closes: no answer from half a model
+                long.result(300)
+        assert _texts(A)[0] == _texts(engines["tp1"])[0]
+    finally:
+        B.stop()
