@@ -301,7 +301,8 @@ class PairClient:
                 if rid in engine.requests:
                     engine.scheduler.finish(rid)
                     engine.requests.pop(rid, None)
-                    self.events.append(Event(rid, -1, True, f"error: {e}"))
+                    # (the rows' later layers' KV is on the peer: the request cannot go on without it)
+                    self.events.append(Event(rid, -1, True, f"error: live pair step failed: {e}"))
             self.peer_queued = False
             return
         now = time.monotonic()
