@@ -61,7 +61,9 @@ async def new_scaleplan(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpe
     holders = action.sources or (action.targets if action.host_copy else ())  # a host copy has the real blocks
     manifest = await source_manifest(rt, [pods[s] for s in holders if s in pods]) if holders else None
     model = SP.layout(spec.model.name, spec.model.layers, manifest=manifest)
-    # a tensor-parallel instance never pairs live (its engine refuses cooperation naming tp: docs/tp.md)
+    # no live pairs into tensor-parallel targets: engines of any tp pair live (docs/tp.md), but a TP target loading by
+    # plan installs every block at once, after all its ranks' planes landed (tp/planload.py), and its followers follow
+    # no step until then, so it never has a resident prefix to serve: a pair would carry nothing
     live = bool(spec.scaling and spec.scaling.live) and spec.engine.tp == 1
     built = SP.build(action, pods, nodes, model, algorithm, spec.engine.tp, rt.settings.label_keys,
                      rt.settings.inter_leaf_ratio, live=live,

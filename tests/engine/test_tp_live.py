@@ -9,17 +9,29 @@ leaves A serving."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
+from splitref import collect, unsplit
 
 from kascade_devcluster.localengine import EngineProc
+from kascade_engine.batch.engine import Engine
+from kascade_engine.batch.model import LlamaModel
+from kascade_engine.batch.sampling import SamplingParams
+from kascade_engine.batch.scheduler import Limits
+from kascade_engine.config import EngineConfig
+from kascade_engine.instance import EngineInstance
+from kascade_engine.tokenizer import ByteTokenizer
+from kascade_planner.engine_api import CooperateRequest
 
 from .conftest import start_engine
 
@@ -161,3 +173,64 @@ def test_a_tp_loading_engine_that_loses_a_rank_exits_and_its_peer_serves_on(
         assert _texts(A)[0] == want
     finally:
         B.stop()
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=40),
+                                    SamplingParams(max_tokens=40, temperature=0.9, seed=11)], ids=["greedy", "seeded"])
+async def test_split_sequences_migrate_from_a_tp_peer(engines: dict[str, EngineProc], tiny_ckpt: Path,
+                                                      tiny_blocks: Any, params: SamplingParams) -> None:
+    """Decode-state migration off a TP-2 serving peer: B (in this process, 1 layer resident) runs split with the TP-2
+    engine, then its last blocks land; A's rank 0 gathers every rank's heads of the sequences' layers 1-3
+    (`TPEngine.read_kv`, migration.take_from) and B finishes them alone; outputs equal the unsplit engine's."""
+    want = unsplit(tiny_blocks, PROMPTS[:3], params)
+    cfg = EngineConfig(checkpoint=tiny_ckpt, model_name="tiny-llama", token="test-token", kv_tokens=2048,
+                       max_batch_tokens=64, instance="b", resident_layers=1)
+    b = EngineInstance(cfg, tiny_blocks.config, ByteTokenizer(), tiny_blocks)
+    b.serving.start()
+    try:
+        await b.set_cooperate(CooperateRequest(f"127.0.0.1:{engines['tp2'].act}", "besteffort"))
+        rids = [b.serving.submit(pr, params) for pr in PROMPTS[:3]]
+        runs = [asyncio.create_task(collect(b, r)) for r in rids]
+        pc = b.pair
+        assert pc is not None
+        while pc.steps_sent < 5:  # a few tokens generated split
+            await asyncio.sleep(0.005)
+        for i in (1, 2, 3):
+            b.add_block(tiny_blocks.blocks[f"layer.{i}"])
+        b.add_block(tiny_blocks.blocks["head"])
+        out = await asyncio.wait_for(asyncio.gather(*runs), 300)
+        assert out == want
+        assert pc.migrated == 3  # every split sequence moved off the TP peer
+        assert pc.steps_sent < 5 + params.max_tokens  # the rest of the decode ran on B alone
+    finally:
+        await b.close()
+
+
+def test_migration_through_read_kv_and_write_kv_equals_the_cache_path(tiny_blocks: Any) -> None:
+    """migration.take_from / put_into on an engine whose KV is split over ranks (tp > 1) go through `read_kv` /
+    `write_kv` (a TP engine's gather at / scatter from rank 0); the bytes and the slots written equal the direct
+    cache path's, and layers below k are kept."""
+    from kascade_engine.live import migration
+
+    class Split(Engine):  # read_kv / write_kv over the whole cache, as a TP engine's rank 0 sees them
+        tp = 2
+
+    m = LlamaModel(tiny_blocks.config)
+    src, dst = Split(m, Limits(kv_tokens=64, page_size=4)), Split(m, Limits(kv_tokens=64, page_size=4))
+    src.cache.k.normal_()
+    src.cache.v.normal_()
+    dst.cache.k.normal_()
+    dst.cache.v.normal_()
+    before = dst.cache.k.clone()
+    L = m.shape.layers
+    payload = migration.take_from(src, [3, 5], 1, 6)
+    assert payload == migration.take(src.cache, [3, 5], 1, 6)
+    assert len(payload) == migration.engine_kv_bytes(src, L - 1, 6) == migration.kv_bytes(src.cache, L - 1, 6)
+    migration.put_into(dst, [6, 2], 1, 6, memoryview(payload))
+    here, there = torch.tensor([24, 25, 26, 27, 8, 9]), torch.tensor([12, 13, 14, 15, 20, 21])
+    for layer in range(1, L):
+        assert torch.equal(dst.cache.k[layer][here], src.cache.k[layer][there])
+        assert torch.equal(dst.cache.v[layer][here], src.cache.v[layer][there])
+    assert torch.equal(dst.cache.k[0], before[0])  # layer 0 (B's own) untouched
+    with pytest.raises(ValueError, match="bytes"):
+        migration.put_into(dst, [6, 2], 1, 5, memoryview(payload))
