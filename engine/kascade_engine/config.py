@@ -111,8 +111,8 @@ class EngineConfig:
         if not 1 <= self.tp <= 64:
             raise ConfigError(f"--tp must be in [1, 64], got {self.tp}")
         if self.tp > 1 and self.resident_layers is not None and self.empty:
-            raise ConfigError("--tp > 1 with --resident-layers and --empty: the layer prefix is taken from --checkpoint "
-                              "at start (every rank keeps its slices of embed and those layers)")
+            raise ConfigError("--tp > 1 with --resident-layers and --empty: the layer prefix is taken from "
+                              "--checkpoint at start (every rank keeps its slices of embed and those layers)")
         if self.tp > 1 and self.empty and self.tls is not None:
             raise ConfigError("--tp > 1 with --empty and --tls-*: the ranks' plane transfers are plain TCP (TLS for "
                               "them is not built yet)")

@@ -190,7 +190,8 @@ class Engine:
     # decode engine installs, whatever the engines' tensor parallelism (tp/leader.py gathers it from, and scatters
     # it to, the ranks of a tensor-parallel instance).
     layerwise = True  # a step's layers can run one at a time in this process (not a TP instance: its ranks follow)
-    tp: int = 1  # processes this engine's heads are split over (tp/leader.py: read_kv / write_kv / run_rows are collectives)
+    # processes this engine's heads are split over (tp/leader.py: read_kv, write_kv and run_rows are collectives)
+    tp: int = 1
 
     def run_rows(self, first: int, last: int, x: torch.Tensor,
                  items: list[tuple[list[int], int, int]]) -> torch.Tensor:

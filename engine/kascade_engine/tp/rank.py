@@ -6,7 +6,8 @@ paged KV cache with rank 0's page tables -> embed -> every layer (its heads and 
 other ranks) -> next message; no logits (only rank 0 samples). `Load`: receive this rank's plane of a plan;
 `Serve`: send this rank's slices in its plane (matched TP, a background thread); `Manifests`: say this rank's slice
 manifest; `GatherKV` / `ScatterKV`: a request's KV heads of this rank to / from rank 0 (disaggregated serving,
-kv.py); `Layers`: a live pair's partial forward (a layer range over rank 0's hidden states, leader.py). `Stop` ends it with 0; a failed collective (a rank or rank 0 gone) ends it with 3, the reason on stderr.
+kv.py); `Layers`: a live pair's partial forward (a layer range over rank 0's hidden states, leader.py). `Stop`
+ends it with 0; a failed collective (a rank or rank 0 gone) ends it with 3, the reason on stderr.
 """
 
 from __future__ import annotations
