@@ -115,7 +115,7 @@ def _stream_until_killed(b: EngineProc, victim: EngineProc) -> tuple[list[str], 
     """Stream a long greedy request from B; after its first tokens, SIGKILL `victim`'s follower rank (the request is
     out on the pair then) and wait for `victim` to exit 3. Returns the tokens' text before the kill and what the rest
     of the stream said (its body, or the error reading it)."""
-    body = {"model": "tiny-llama", "prompt": PROMPTS[0], "max_tokens": 80, "temperature": 0, "stream": True}
+    body = {"model": "tiny-llama", "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0, "stream": True}
     before: list[str] = []
     with httpx.stream("POST", b.url + "/v1/completions", json=body, timeout=300) as r:
         assert r.status_code == 200
