@@ -110,9 +110,9 @@ class EngineConfig:
             raise ConfigError(f"--activation-dscp must be in [0, 63] (0: no mark), got {self.activation_dscp}")
         if not 1 <= self.tp <= 64:
             raise ConfigError(f"--tp must be in [1, 64], got {self.tp}")
-        if self.tp > 1 and self.resident_layers is not None:
-            raise ConfigError("--tp > 1 with --resident-layers: a tensor-parallel instance loads every rank whole, "
-                              "from --checkpoint at start or by load plan (--empty), not a layer prefix")
+        if self.tp > 1 and self.resident_layers is not None and self.empty:
+            raise ConfigError("--tp > 1 with --resident-layers and --empty: the layer prefix is taken from "
+                              "--checkpoint at start (every rank keeps its slices of embed and those layers)")
         if self.tp > 1 and self.empty and self.tls is not None:
             raise ConfigError("--tp > 1 with --empty and --tls-*: the ranks' plane transfers are plain TCP (TLS for "
                               "them is not built yet)")

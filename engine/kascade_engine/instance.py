@@ -137,7 +137,8 @@ class EngineInstance:
             from kascade_engine.tp.launch import exit_on_lost, start
 
             self.ranks = start(self.model_cfg, c.checkpoint, c.tp, limits, self.device, self.dtype,
-                               self.tokenizer.eos_token_id, c.threads, on_lost=exit_on_lost, empty=c.empty)
+                               self.tokenizer.eos_token_id, c.threads, on_lost=exit_on_lost, empty=c.empty,
+                               resident_layers=c.resident_layers)
             self.model, self.engine = self.ranks.engine.model, self.ranks.engine
         else:
             self.model = LlamaModel(self.model_cfg, dtype=self.dtype, device=self.device)
@@ -146,7 +147,7 @@ class EngineInstance:
         self.host = HostRows(
             layer_s=config.emulate_layer_ms / 1e3, knee_tokens=config.emulate_knee_tokens
         )  # pair sessions (a loading peer's rows) join this engine's batch
-        self.engine.coop = self.host if c.tp == 1 else None  # live pairs host rows on one process only
+        self.engine.coop = self.host  # a TP engine's ranks run hosted rows too (tp/leader.py `run_rows`)
         self.pair: PairClient | None = None  # while loading with a peer: our rows finish there
         self._warming: asyncio.Task[None] | None = None  # ZigZag plans computed in the background (livepolicy)
         self.downstream_peer: str | None = None  # pipeline: where hosted rows go on (status `pipelineDownstream`)
@@ -267,14 +268,6 @@ class EngineInstance:
         self._settle()
 
     # -- control calls -------------------------------------------------------------------------
-    def refuse_tp(self, what: str) -> None:
-        """409 naming `tp` when this is a tensor-parallel instance: `what` (live cooperation) exchanges one
-        process's activations and KV rows with a peer, which is not built for an instance split over ranks
-        (docs/tp.md). Prefill/decode disaggregation works: a request's KV is gathered at, and scattered from, rank 0."""
-        if self.config.tp > 1:
-            raise InstanceError(409, f"tp: {what} with a tensor-parallel instance (tp {self.config.tp}) is not "
-                                "supported: its activations and KV are split over its ranks (docs/tp.md)", "tp")
-
     async def bind(self, req: BindRequest) -> EngineStatus:
         if req.source_host_copy and self.host_copy is None:
             raise InstanceError(409, "source.hostCopy: this engine keeps no host copy (status hostCopyBytes is 0)",

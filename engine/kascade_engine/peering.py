@@ -57,8 +57,6 @@ class PeeringHost(RedirectHost, Protocol):
 
     def status(self) -> EngineStatus: ...
 
-    def refuse_tp(self, what: str) -> None: ...
-
     def _to(self, phase: Phase) -> None: ...
 
     def _settle(self) -> None: ...
@@ -69,7 +67,6 @@ async def set_cooperate(inst: PeeringHost, req: CooperateRequest) -> EngineStatu
     step of every request until the pair ends (cooperation.py)."""
     from kascade_engine.live.pairsession import form_pair
 
-    inst.refuse_tp("live cooperation")
     if req.mode == "standby":
         try:
             await inst.peers.warm(req.peer)

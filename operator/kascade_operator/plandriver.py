@@ -52,6 +52,14 @@ async def source_manifest(rt: Runtime, sources: list[PodView]) -> dict[str, Any]
     return None
 
 
+def plans_live(spec: ModelServiceSpec) -> bool:
+    """Whether the service's ScalePlans pair loading targets live (`spec.scaling.live`). Never into tensor-parallel
+    targets: engines of any tp pair live (docs/tp.md), but a TP target loading by plan installs every block at once,
+    after all its ranks' planes landed (engine tp/planload.py), and its followers follow no step until then, so it
+    never has a resident prefix to serve while it loads: a pair would carry nothing."""
+    return bool(spec.scaling and spec.scaling.live) and spec.engine.tp == 1
+
+
 async def new_scaleplan(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, action: CreatePlan,
                         pods: dict[str, PodView], nodes: list[dict[str, Any]]) -> dict[str, Any]:
     """The ScalePlan for `action`: planned on live node labels, over the real blocks of a source engine
@@ -61,8 +69,7 @@ async def new_scaleplan(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpe
     holders = action.sources or (action.targets if action.host_copy else ())  # a host copy has the real blocks
     manifest = await source_manifest(rt, [pods[s] for s in holders if s in pods]) if holders else None
     model = SP.layout(spec.model.name, spec.model.layers, manifest=manifest)
-    # a tensor-parallel instance never pairs live (its engine refuses cooperation naming tp: docs/tp.md)
-    live = bool(spec.scaling and spec.scaling.live) and spec.engine.tp == 1
+    live = plans_live(spec)
     built = SP.build(action, pods, nodes, model, algorithm, spec.engine.tp, rt.settings.label_keys,
                      rt.settings.inter_leaf_ratio, live=live,
                      copy_nodes=SP.node_copy_nodes(pods.values(), spec.model.name, rt.settings.node_cache)

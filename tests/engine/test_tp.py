@@ -241,8 +241,9 @@ def test_tp_flags_refused_naming_the_flag(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match="--tp must be in \\[1, 64\\], got 0"):
         EngineConfig(tmp_path, "m", "t", tp=0)
-    with pytest.raises(ConfigError, match="--tp > 1 with --resident-layers"):
-        EngineConfig(tmp_path, "m", "t", tp=2, resident_layers=1)
+    with pytest.raises(ConfigError, match="--tp > 1 with --resident-layers and --empty"):
+        EngineConfig(tmp_path, "m", "t", tp=2, resident_layers=1, empty=True)
+    assert EngineConfig(tmp_path, "m", "t", tp=2, resident_layers=1).resident_layers == 1  # live pairing's B
     assert EngineConfig(tmp_path, "m", "t", tp=2, empty=True).empty  # weights by load plan, one plane per rank
     assert EngineConfig(tmp_path, "m", "t", tp=2).tp == 2
 

@@ -101,9 +101,6 @@ def test_tp2_to_tp2_moves_each_ranks_slices_and_the_copy_sources_the_next(tiny_c
         assert httpx.get(dst.url + "/kascade/v1/manifest?parts=2", headers=H).json() == manifest
         bad = httpx.get(dst.url + "/kascade/v1/manifest?parts=4", headers=H)
         assert bad.status_code == 409 and "parts" in bad.text, bad.text
-        # live pairing is refused by a TP instance, naming tp (docs/tp.md; PD works: test_tp_pd.py)
-        no = httpx.post(f"{nxt.url}/kascade/v1/cooperate", json={"peer": "127.0.0.1:1", "mode": "standby"}, headers=H)
-        assert no.status_code == 409 and '"tp"' in no.text, no.text  # the field it names
         # ...and is the source of the next matched plan: each of its ranks sends its own slices
         st2 = _run_plan(dst.url, nxt.url, _plan(tiny_blocks, "t0", "t1"), ("t0", "t1"))
         assert st2["ready"] and st2["loadError"] is None, st2

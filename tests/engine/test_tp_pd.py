@@ -131,7 +131,7 @@ def test_a_tp_prefill_engine_that_loses_a_rank_exits_and_its_prompts_are_prefill
 
 def test_tp_engines_take_pd_roles_and_conversion(engines: dict[str, EngineProc]) -> None:
     """bind with role prefill/decode and convert are accepted by a TP instance now; a converted TP decoder keeps
-    serving the same text. Live cooperation is still refused, naming `tp`."""
+    serving the same text. Live cooperation is accepted too (test_tp_live.py): a dead peer is refused naming `peer`."""
     e = engines["tp2b"]
     want = _text(engines["tp1"], PROMPTS[0])
     ok = httpx.post(e.url + "/kascade/v1/convert", json={"prefillChunkTokens": 8, "stepBudgetMs": 500}, headers=H)
@@ -142,7 +142,7 @@ def test_tp_engines_take_pd_roles_and_conversion(engines: dict[str, EngineProc])
     finally:
         httpx.post(e.url + "/kascade/v1/convert", json={"prefillChunkTokens": None}, headers=H)
     no = httpx.post(e.url + "/kascade/v1/cooperate", json={"peer": "127.0.0.1:1", "mode": "standby"}, headers=H)
-    assert no.status_code == 409 and '"tp"' in no.text, no.text
+    assert no.status_code == 502 and '"peer"' in no.text, no.text
     ok = httpx.post(e.url + "/kascade/v1/bind", json={"model": "tiny-llama", "modelService": "svc", "role": "decode"},
                     headers=H)
     assert ok.status_code == 200 and ok.json()["role"] == "decode", ok.text

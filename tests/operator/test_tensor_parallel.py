@@ -106,3 +106,18 @@ def test_tp_with_prefill_decode_disaggregation_is_accepted() -> None:
     assert semantic_errors(pd(1), 8) == []
     assert any(e.startswith("spec.engine.tp: 16 exceeds") for e in semantic_errors(pd(16), 8))
     assert semantic_errors(spec(2), 8) == []
+
+
+def test_live_pairs_are_planned_for_tp1_services_only() -> None:
+    """Engines of any tp pair live (tests/engine/test_tp_live.py), but a TP target loading by plan holds no layer until
+    every rank's plane landed, so the operator plans no live pair into it (docs/tp.md): spec.scaling.live is ignored
+    for tp > 1, and still honoured at tp 1."""
+    from kascade_operator.plandriver import plans_live
+
+    def live(tp: int, on: bool) -> ModelServiceSpec:
+        return ModelServiceSpec.model_validate({**spec(tp).model_dump(by_alias=True, exclude_none=True),
+                                                "scaling": {"live": on}})
+
+    assert plans_live(live(1, True))
+    assert not plans_live(live(2, True))
+    assert not plans_live(live(1, False))

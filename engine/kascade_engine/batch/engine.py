@@ -190,6 +190,14 @@ class Engine:
     # decode engine installs, whatever the engines' tensor parallelism (tp/leader.py gathers it from, and scatters
     # it to, the ranks of a tensor-parallel instance).
     layerwise = True  # a step's layers can run one at a time in this process (not a TP instance: its ranks follow)
+    # processes this engine's heads are split over (tp/leader.py: read_kv, write_kv and run_rows are collectives)
+    tp: int = 1
+
+    def run_rows(self, first: int, last: int, x: torch.Tensor,
+                 items: list[tuple[list[int], int, int]]) -> torch.Tensor:
+        """Layers first..last-1 over hidden states `x` [N, H] whose chunks are `items` (page table, start, tokens):
+        a live pair's partial forward (live/cooperation.py `staggered`). tp/leader.py sends it to every rank first."""
+        return self.model.run_layers(first, last, x, build_batch(self.cache, items))
 
     @property
     def kv_heads(self) -> int:

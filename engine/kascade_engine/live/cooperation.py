@@ -81,8 +81,13 @@ class Row:
     x: torch.Tensor
 
 
+# runs layers first..last-1 over hidden states [N, H] of chunks (page table, start, tokens): Engine.run_rows (a
+# tensor-parallel engine sends every rank the segment first: tp/leader.py)
+RunRows = Callable[[int, int, torch.Tensor, list[tuple[list[int], int, int]]], torch.Tensor]
+
+
 def staggered(model: LlamaModel, cache: KVCache, rows: list[Row], knee_tokens: int = 0,
-              join: Callable[[int, float], list[Row]] | None = None) -> float:
+              join: Callable[[int, float], list[Row]] | None = None, run: RunRows | None = None) -> float:
     """Run every row through its own layer range in one tensor per layer segment: rows join at their
     first layer and leave after their last, so all rows present at a layer share its forward. Returns
     what the step costs on an accelerator, in layer forwards: one per layer run, or with `knee_tokens`
@@ -94,9 +99,15 @@ def staggered(model: LlamaModel, cache: KVCache, rows: list[Row], knee_tokens: i
     or below its split joins this forward instead of the next step. A joining row whose first layer is
     below u first catches up alone (its layers a..u-1, charged like any forward: the step gets longer by
     them) — the caller bounds how far back it lets rows join. With `join` the forward runs one layer at a
-    time (the same layer kernels, cut where rows may join)."""
+    time (the same layer kernels, cut where rows may join).
+
+    `run`: the engine's `run_rows` (default: `model` over `cache` here): a tensor-parallel engine's runs every
+    segment on all its ranks."""
+    if run is None:
+        def run(u: int, v: int, x: torch.Tensor, items: list[tuple[list[int], int, int]]) -> torch.Tensor:
+            return model.run_layers(u, v, x, build_batch(cache, items))
     if join is None:
-        return _segments(model, cache, rows, knee_tokens)
+        return _segments(run, rows, knee_tokens)
     cost = 0.0
     u = min((r.a for r in rows), default=0)
     while True:
@@ -106,7 +117,7 @@ def staggered(model: LlamaModel, cache: KVCache, rows: list[Row], knee_tokens: i
             ends = [r.b for r in behind]
             for r in behind:
                 r.b = min(r.b, u)
-            cost += _segments(model, cache, behind, knee_tokens)
+            cost += _segments(run, behind, knee_tokens)
             for r, b in zip(behind, ends, strict=True):  # (a row whose range ended below u is done: a = b)
                 r.a, r.b = min(u, b), b
         rows.extend(late)
@@ -115,19 +126,18 @@ def staggered(model: LlamaModel, cache: KVCache, rows: list[Row], knee_tokens: i
         present = sorted((r for r in rows if r.a <= u < r.b), key=lambda r: r.n > 1)  # decodes first
         if present:
             cost += layer_cost(sum(r.n for r in present), 1, knee_tokens)
-            _run(model, cache, present, u, u + 1)
+            _run(run, present, u, u + 1)
         u += 1
 
 
-def _run(model: LlamaModel, cache: KVCache, present: list[Row], u: int, v: int) -> None:
-    batch = build_batch(cache, [(r.table, r.start, r.n) for r in present])
-    x = model.run_layers(u, v, torch.cat([r.x for r in present]), batch)
+def _run(run: RunRows, present: list[Row], u: int, v: int) -> None:
+    x = run(u, v, torch.cat([r.x for r in present]), [(r.table, r.start, r.n) for r in present])
     at = 0
     for r in present:
         r.x, at = x[at:at + r.n], at + r.n
 
 
-def _segments(model: LlamaModel, cache: KVCache, rows: list[Row], knee_tokens: int) -> float:
+def _segments(run: RunRows, rows: list[Row], knee_tokens: int) -> float:
     bounds = sorted({r.a for r in rows} | {r.b for r in rows})
     cost = 0.0
     for u, v in itertools.pairwise(bounds):
@@ -135,7 +145,7 @@ def _segments(model: LlamaModel, cache: KVCache, rows: list[Row], knee_tokens: i
         if not present:
             continue
         cost += layer_cost(sum(r.n for r in present), v - u, knee_tokens)
-        _run(model, cache, present, u, v)
+        _run(run, present, u, v)
     return cost
 
 
@@ -248,6 +258,9 @@ class HostRows:
             self.inbox.clear()
             self.ends.clear()
             self.closed.clear()
+        if engine.tp > 1 and not (steps or ends or closed):  # no pair work: the ranks follow the plain `Step`
+            with torch.inference_mode():
+                return engine._forward(work)
         for key in ends:
             self.redirects.ended(engine, key, "the live peer ended it", self.gens.get(key))
             self._forget(pool, key)
@@ -286,7 +299,10 @@ class HostRows:
                 steps.extend(late)
                 return self._accept(engine, late, accepted)
 
-            pace(t0, staggered(m, engine.cache, rows, self.knee_tokens, join), self.layer_s)
+            # a tensor-parallel engine takes pair steps at step boundaries: a join point per layer would send its
+            # ranks every layer as a message of its own (tp/leader.py `run_rows`)
+            pace(t0, staggered(m, engine.cache, rows, self.knee_tokens, join if engine.tp == 1 else None,
+                               engine.run_rows), self.layer_s)
             timeline.mark(
                 "a-step",
                 "-",
@@ -412,7 +428,7 @@ class HostRows:
             if n is None or key in self.forwarded or self.stops.get(key, L) != L or not 0 <= k < L:
                 out.append([rid, k, 0, f"{rid} is not held here whole from layer {k}", None])
                 continue
-            parts.append(migration.take(engine.cache, engine.scheduler.pool.tables[key], k, n))
+            parts.append(migration.take_from(engine, engine.scheduler.pool.tables[key], k, n))
             out.append([rid, k, n, "", migration.gen_state(self.gens.get(key))])
             self._forget(engine.scheduler.pool, key)  # B holds it whole now
             self.migrated += 1

@@ -13,16 +13,21 @@ then on runs the sequence through every layer itself. An error (A does not hold 
 pipeline hop) leaves the sequence split; it finishes on A as before.
 
 Data flow: B `wanted` (which, within a byte budget) -> A `take` (cache -> bytes) -> B `put` (bytes ->
-cache). Pure torch on the caches; the frames are cooperation.py's.
+cache). Pure torch on the caches; the frames are cooperation.py's. `take_from` / `put_into` / `engine_kv_bytes`
+do the same on an engine, whose KV a tensor-parallel engine holds split over its ranks (gathered at rank 0).
 """
 
 from __future__ import annotations
 
 import base64
+from typing import TYPE_CHECKING
 
 import torch
 
 from kascade_engine.batch.kvcache import KVCache
+
+if TYPE_CHECKING:
+    from kascade_engine.batch.engine import Engine
 
 MIGRATE_BYTES = 64 << 20  # K/V bytes moved per step answer at most (at least one sequence): bounds the frame
 
@@ -55,6 +60,41 @@ def put(cache: KVCache, table: list[int], k: int, n: int, payload: memoryview) -
     slots = _slots(cache, table, n)
     for i, layer in enumerate(range(k, cache.layers)):
         cache.write(layer, slots, kv[i, 0], kv[i, 1])
+
+
+# -- an engine's sequence, whatever its tensor parallelism: a TP engine's KV heads are split over its ranks, so its
+# K/V go through `read_kv` / `write_kv` (gathered at / scattered from rank 0: tp/kv.py); the bytes are the whole
+# model's heads either way, so a TP-1 and a TP-g engine migrate to each other.
+def engine_kv_bytes(engine: Engine, layers: int, n: int) -> int:
+    """Bytes of `layers` layers of the whole model's K and V for `n` positions."""
+    c = engine.cache
+    return 2 * layers * n * engine.kv_heads * c.head_dim * c.k.element_size()
+
+
+def take_from(engine: Engine, table: list[int], k: int, n: int) -> bytes:
+    """`take` on `engine` (a TP engine gathers every rank's heads)."""
+    if engine.tp == 1:
+        return take(engine.cache, table, k, n)
+    kk, vv = engine.read_kv(_slots(engine.cache, table, n))  # [layers, n, kv_heads, head_dim] each
+    return torch.stack((kk[k:], vv[k:]), dim=1).contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def put_into(engine: Engine, table: list[int], k: int, n: int, payload: memoryview) -> None:
+    """`put` on `engine` (a TP engine: its KV of layers 0..k-1 read back, layers k.. replaced, every rank's heads
+    written)."""
+    if engine.tp == 1:
+        put(engine.cache, table, k, n, payload)
+        return
+    c, L = engine.cache, engine.cache.layers
+    want = engine_kv_bytes(engine, L - k, n)
+    if len(payload) != want:
+        raise ValueError(f"migrated K/V has {len(payload)} bytes, {want} expected for layers {k}.. x {n} positions")
+    kv = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(c.dtype).view(L - k, 2, n, engine.kv_heads,
+                                                                                   c.head_dim)
+    slots = _slots(c, table, n)
+    kk, vv = engine.read_kv(slots)
+    kk[k:], vv[k:] = kv[:, 0], kv[:, 1]
+    engine.write_kv(slots, kk, vv)
 
 
 def gen_state(gen: torch.Generator | None) -> str | None:

@@ -168,7 +168,8 @@ class PairClient:
                 self.history.append((w.id, self.split[w.id]))
         rows, sampling = own_rows(engine, work, lambda rid: self.split[rid])
         t0 = time.perf_counter()
-        self._pace_landing(engine, t0, staggered(m, engine.cache, rows, self.knee_tokens))
+        self._pace_landing(engine, t0, staggered(m, engine.cache, rows, self.knee_tokens,
+                                                         run=engine.run_rows))
         local = [
             i for i in sampling if self.split[work[i].id] == L and m.complete and work[i].id not in self.redirected
         ]
@@ -237,7 +238,7 @@ class PairClient:
             s = engine.scheduler.running.get(rid)
             if k >= L or s is None or rid in self.redirected or rid in self.stay_split:
                 continue
-            size += migration.kv_bytes(engine.cache, L - k, s.computed)
+            size += migration.engine_kv_bytes(engine, L - k, s.computed)
             if move and size > migration.MIGRATE_BYTES:
                 break
             move.append([rid, k])
@@ -300,7 +301,8 @@ class PairClient:
                 if rid in engine.requests:
                     engine.scheduler.finish(rid)
                     engine.requests.pop(rid, None)
-                    self.events.append(Event(rid, -1, True, f"error: {e}"))
+                    # (the rows' later layers' KV is on the peer: the request cannot go on without it)
+                    self.events.append(Event(rid, -1, True, f"error: live pair step failed: {e}"))
             self.peer_queued = False
             return
         now = time.monotonic()
@@ -324,7 +326,7 @@ class PairClient:
             rid, k, n, err, state = (
                 item if isinstance(item, list) and len(item) == 5 else ("?", 0, 0, "bad entry", None)
             )
-            size = migration.kv_bytes(engine.cache, L - int(k), int(n)) if not err else 0
+            size = migration.engine_kv_bytes(engine, L - int(k), int(n)) if not err else 0
             chunk, at = payload[at:at + size], at + size
             s = engine.scheduler.parked.get(str(rid))
             if err:
@@ -337,7 +339,7 @@ class PairClient:
                     if s.computed != n or self.split.get(str(rid)) != k:
                         raise ValueError(f"the pair held {n} positions from layer {k}, this engine "
                                          f"{s.computed} from {self.split.get(str(rid))}")
-                    migration.put(engine.cache, engine.scheduler.pool.tables[str(rid)], int(k), int(n), chunk)
+                    migration.put_into(engine, engine.scheduler.pool.tables[str(rid)], int(k), int(n), chunk)
                     migration.set_gen_state(engine.requests[str(rid)].gen, state)
                 except (ValueError, RuntimeError, TypeError) as e:  # A freed it: the request cannot go on
                     log.warning("migration of %s failed: %s", rid, e)

@@ -93,13 +93,16 @@ def exit_on_lost(why: str) -> None:
 def start(model_cfg: Mapping[str, Any], checkpoint: Path, tp: int, limits: Limits, device: torch.device,
           dtype: torch.dtype, eos: int | None = None, threads: int = 1, timeout_s: float = 60.0,
           blocks: BlockSet | None = None, on_lost: Callable[[str], None] | None = None,
-          planes: Sequence[Path] | None = None, empty: bool = False) -> Ranks:
+          planes: Sequence[Path] | None = None, empty: bool = False,
+          resident_layers: int | None = None) -> Ranks:
     """Rank 0 here, ranks 1..tp-1 as children loading `checkpoint`; returns once every rank is in and every
     follower holds its weights (rank 0 its own too when `blocks` is given; else they arrive by `add_block`).
     `planes`: one plane spec file per rank (planes.py): every rank loads its share by plan over its own data
     port instead (the checkpoint gives the config only); the ranks' bytes and seconds are `Ranks.load_stats`.
     `empty`: the followers start with no weights; a load plan reaches them later (`TPEngine.load_planes`).
-    `on_lost(why)` runs once when a rank is gone (the server exits on it)."""
+    `on_lost(why)` runs once when a rank is gone (the server exits on it). `resident_layers`: the followers keep
+    only embed and that many leading layers of the checkpoint (a load in progress, as `--resident-layers` at tp 1:
+    tests and demos of live pairing; rank 0 adds the same blocks itself)."""
     if planes is not None and len(planes) != tp:
         raise ValueError(f"planes: {len(planes)} plane specs for tp {tp} (one per rank)")
     layout = TPLayout.of(model_cfg, tp)
@@ -110,6 +113,7 @@ def start(model_cfg: Mapping[str, Any], checkpoint: Path, tp: int, limits: Limit
         "--dtype", str(dtype).removeprefix("torch."), "--threads", str(threads),
         "--kv-tokens", str(limits.kv_tokens), "--page-size", str(limits.page_size), "--timeout-s", str(timeout_s),
         *(["--plane", str(planes[r])] if planes is not None else []), *(["--empty"] if empty else []),
+        *(["--resident-layers", str(resident_layers)] if resident_layers is not None else []),
     ], stdout=sys.stderr) for r in range(1, tp)]  # stdout stays rank 0's (run.py prints its result there)
     stats: Sequence[Mapping[str, float]] = ()
     try:

@@ -15,6 +15,12 @@ One channel, one user at a time: a message sent from another thread (a plan's `S
 over HTTP while the instance serves) must never interleave with a step's message on the control group, nor fall
 between a step's message and its all-reduces. `channel` (a lock) is held across each step's message and forward and
 across every other message with its collective.
+
+Live pairing (live/cooperation.py): a live pair's forward runs rows over different layer ranges (`staggered`); each
+segment is `run_rows`, which sends the followers a `Layers` message carrying rank 0's hidden states of the rows (whole
+after each all-reduce) and the rows' page tables; every rank runs those layers on its heads and its pages (a pair's
+private pages included), so every rank holds its heads' share of the pair's KV. Activations cross to the peer at rank
+0 only; `read_kv` / `write_kv` move a migrated sequence's KV (live/migration.py) as they move PD's.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ class TPEngine(Engine):
         super().__init__(model, limits, eos)
         self.model: RankModel = model
         self.group = group
+        self.tp = group.tp
         self.failed: str | None = None
         self.on_lost: Callable[[str], None] | None = None  # once, when a rank is gone (the server exits)
         self.channel = threading.Lock()  # the control group: one message (and its collectives) at a time
@@ -77,6 +84,17 @@ class TPEngine(Engine):
     def _hidden(self, ids: list[int], items: list[tuple[list[int], int, int]]) -> torch.Tensor:
         with self._collective("during a step", msg.Step(ids, [(list(t), start, n) for t, start, n in items])):
             return super()._hidden(ids, items)
+
+    # -- a live pair's partial forwards (live/cooperation.py): the hidden states at rank 0, broadcast per segment ----
+    def run_rows(self, first: int, last: int, x: torch.Tensor,
+                 items: list[tuple[list[int], int, int]]) -> torch.Tensor:
+        """Every rank runs layers first..last-1 over rank 0's hidden states `x` (sent with the message) on its own
+        heads and its own pages at rank 0's slots; the all-reduces make the result whole here again."""
+        if self.failed is not None:
+            raise RankLost(self.failed)
+        m = msg.Layers(first, last, [(list(t), start, n) for t, start, n in items], x.detach().cpu())
+        with self._collective("during a live pair's layers", m):
+            return super().run_rows(first, last, x, items)
 
     # -- a request's KV, gathered at rank 0 (disaggregated serving; kv.py) ----------------------------------------
     layerwise = False  # the followers run a step's layers as one message: the KV leaves after the step

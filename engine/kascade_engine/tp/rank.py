@@ -6,7 +6,8 @@ paged KV cache with rank 0's page tables -> embed -> every layer (its heads and 
 other ranks) -> next message; no logits (only rank 0 samples). `Load`: receive this rank's plane of a plan;
 `Serve`: send this rank's slices in its plane (matched TP, a background thread); `Manifests`: say this rank's slice
 manifest; `GatherKV` / `ScatterKV`: a request's KV heads of this rank to / from rank 0 (disaggregated serving,
-kv.py). `Stop` ends it with 0; a failed collective (a rank or rank 0 gone) ends it with 3, the reason on stderr.
+kv.py); `Layers`: a live pair's partial forward (a layer range over rank 0's hidden states, leader.py). `Stop`
+ends it with 0; a failed collective (a rank or rank 0 gone) ends it with 3, the reason on stderr.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ def follow(model: RankModel, cache: KVCache, group: RankGroup) -> str:
         if isinstance(m, msg.ScatterKV):  # a decode engine's KV landed on rank 0: this rank's heads come here
             kv.take(cache, m.slots, group.control)
             continue
+        if isinstance(m, msg.Layers):  # a live pair's partial forward: rank 0's hidden states, a layer range
+            model.run_layers(m.first, m.last, m.hidden.to(model.device, model.dtype), build_batch(cache, m.items))
+            continue
         batch = build_batch(cache, m.items)
         model.run_layers(0, L, model.embed(torch.tensor(m.ids, dtype=torch.long, device=model.device)), batch)
 
@@ -85,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout-s", type=float, default=60.0)
     p.add_argument("--plane", type=Path, help="load by plan: this rank's plane spec (planes.py; JSON), not the "
                    "checkpoint's weights (the checkpoint then gives the config only)")
+    p.add_argument("--resident-layers", type=int, help="keep only embed and this many leading layers of the "
+                   "checkpoint (a load in progress: live pairing's tests and demos)")
     p.add_argument("--empty", action="store_true", help="start with no weights: they arrive by plan (rank 0 sends "
                    "this rank its plane spec; the checkpoint gives the config only)")
     a = p.parse_args(argv)
@@ -99,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     layout = TPLayout.of(cfg, a.tp)
     model = RankModel(cfg, layout, a.rank, dtype=getattr(torch, a.dtype), device=device)
     if blocks is not None:
-        model.add_blocks(blocks.blocks.values())
+        keep = None if a.resident_layers is None else {"embed", *(f"layer.{i}" for i in range(a.resident_layers))}
+        model.add_blocks(b for b in blocks.blocks.values() if keep is None or b.id in keep)
     s = model.shape
     limits = Limits(kv_tokens=a.kv_tokens, page_size=a.page_size)
     cache = KVCache(s.layers, limits.pages, limits.page_size, s.kv_heads, s.head_dim, model.dtype, device,

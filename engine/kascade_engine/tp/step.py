@@ -1,4 +1,5 @@
-"""The step message rank 0 sends every other rank of a tensor-parallel instance, once per forward.
+"""The step message rank 0 sends every other rank of a tensor-parallel instance, once per forward (`Layers` once
+per layer segment of a live pair's staggered forward).
 
 Rank 0 owns the scheduler, the page tables and sampling; a follower rank owns only its slice of the weights and
 of the paged KV cache (same page geometry, so the same slot ids). To run the step's forward with rank 0 it needs
@@ -12,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 
@@ -57,7 +59,19 @@ class ScatterKV:
     slots: list[int]  # rank 0 sends every rank its KV heads for these cache slots, every layer (kv.py; a scatter)
 
 
-Message = Step | Stop | Load | LoadPath | Serve | Manifests | GatherKV | ScatterKV
+@dataclass(frozen=True)
+class Layers:
+    """A live pair's partial forward (live/cooperation.py `staggered`): layers first..last-1 over `hidden`, the rows'
+    hidden states as rank 0 holds them (whole: after an all-reduce, or embedded, or a peer's activations), whose
+    chunks are `items` (block table, start, tokens; a pair's private pages are rank 0's page tables too)."""
+
+    first: int
+    last: int
+    items: list[tuple[list[int], int, int]]
+    hidden: torch.Tensor  # [N, H], host memory
+
+
+Message = Step | Stop | Load | LoadPath | Serve | Manifests | GatherKV | ScatterKV | Layers
 
 
 def send(msg: Message, group: dist.ProcessGroup | None) -> None:
@@ -70,7 +84,7 @@ def receive(group: dist.ProcessGroup | None) -> Message:
     box: list[object] = [None]
     dist.broadcast_object_list(box, src=0, group=group)
     msg = box[0]
-    if not isinstance(msg, Step | Stop | Load | LoadPath | Serve | Manifests | GatherKV | ScatterKV):
-        raise RuntimeError(f"tp step channel: expected a Step, Stop, Load, LoadPath, Serve, Manifests, GatherKV or "
-                           f"ScatterKV, got {type(msg).__name__}")
+    if not isinstance(msg, Step | Stop | Load | LoadPath | Serve | Manifests | GatherKV | ScatterKV | Layers):
+        raise RuntimeError(f"tp step channel: expected a Step, Stop, Load, LoadPath, Serve, Manifests, GatherKV, "
+                           f"ScatterKV or Layers, got {type(msg).__name__}")
     return msg
