@@ -316,6 +316,9 @@ class Scraper:
         return [x for x in got if x is not None]
 
 
+QUERY_LABEL = "kascade_query"  # tags each series of the combined query with its key
+
+
 class PrometheusSource:
     """Per-instance load through PromQL on Prometheus' HTTP API (`/api/v1/query`).
 
@@ -363,31 +366,38 @@ class PrometheusSource:
     async def aclose(self) -> None:
         await self._client.aclose()
 
-    async def _query_buckets(self, q: str) -> dict[str, dict[str, float]]:
-        """pod -> bucket label ("" when the query has none) -> value."""
+    def query(self, pods: Sequence[str]) -> str:
+        """Every query of a collect in one PromQL expression, each series tagged with its key: Prometheus
+        evaluates it at one instant over one view of its storage. Asked one by one, the queries straddled
+        scrapes under load (18 requests over a second at load 20), and a snapshot's prompt tokens/s and its
+        per-bucket split (two rates of counters incremented together) differed by 13 %."""
+        sel = "|".join(pods)
+        return " or ".join(f'label_replace({q.format(pods=sel, window=self._window)}, "{QUERY_LABEL}", "{k}", "", "")'
+                           for k, q in self.QUERIES.items())
+
+    async def _answer(self, q: str) -> dict[str, dict[str, dict[str, float]]]:
+        """query key -> pod -> bucket label ("" when the query has none) -> value."""
         try:
-            r = await self._client.get(f"{self._url}/api/v1/query", params={"query": q})
+            r = await self._client.post(f"{self._url}/api/v1/query", data={"query": q})
             doc = r.json()
         except (httpx.HTTPError, ValueError) as e:
             raise MetricsError(f"prometheus {self._url}: {e}") from None
         if r.status_code != 200 or doc.get("status") != "success":
-            raise MetricsError(f"prometheus {self._url}: query {q!r} failed: {doc.get('error', r.text[:200])}")
-        out: dict[str, dict[str, float]] = {}
+            raise MetricsError(f"prometheus {self._url}: query {q[:200]!r} failed: {doc.get('error', r.text[:200])}")
+        out: dict[str, dict[str, dict[str, float]]] = {k: {} for k in self.QUERIES}
         for row in doc.get("data", {}).get("result", []):
             labels = row.get("metric", {})
-            if labels.get("pod"):
-                out.setdefault(labels["pod"], {})[labels.get("bucket", "")] = float(row["value"][1])
+            key, pod = labels.get(QUERY_LABEL), labels.get("pod")
+            if pod and key in out:
+                out[key].setdefault(pod, {})[labels.get("bucket", "")] = float(row["value"][1])
         return out
 
     async def collect(self, pods: Sequence[str]) -> list[InstanceLoad]:
         if not pods:
             return []
-        sel = "|".join(pods)
-        keys = list(self.QUERIES)
-        res = await asyncio.gather(*(self._query_buckets(self.QUERIES[k].format(pods=sel, window=self._window))
-                                     for k in keys))
-        per = {k: r for k, r in zip(keys, res, strict=True) if k in self.BY_BUCKET}
-        by = {k: {pod: sum(v.values()) for pod, v in r.items()} for k, r in zip(keys, res, strict=True)}
+        res = await self._answer(self.query(pods))
+        per = {k: r for k, r in res.items() if k in self.BY_BUCKET}
+        by = {k: {pod: sum(v.values()) for pod, v in r.items()} for k, r in res.items()}
 
         def velocity(p: str) -> MeasuredVelocity | None:
             caps = per["prefill_v"].get(p, {})

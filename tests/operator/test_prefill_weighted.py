@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
 import pytest
 from builders import spec
 from prometheus_client import generate_latest
+from promfake import prometheus
 
 from kascade_engine.batch.velocity import VelocityMeter
 from kascade_engine.metrics import EngineMetrics
@@ -125,8 +125,7 @@ def _without_counter(m: EngineMetrics) -> str:
 
 async def test_prometheus_source_weights_the_same_way() -> None:
     """The same engine state through PromQL (per (pod, bucket) rows) gives the Scraper's weighted velocity."""
-    def answer(req: httpx.Request) -> httpx.Response:
-        q = req.url.params["query"]
+    def answer(q: str) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = []
         if "kascade_prefill_velocity_tokens_per_second{" in q:
             assert q.startswith("max by (pod, bucket)") and "> 0" in q
@@ -137,9 +136,9 @@ async def test_prometheus_source_weights_the_same_way() -> None:
                     for b, v in {"128": 1800.0, "512": 500.0, "2048": 1500.0, "inf": 0.0}.items()]
         elif "kascade_prompt_tokens_total{" in q:
             rows = [{"metric": {"pod": "p0"}, "value": [0, "3800"]}]
-        return httpx.Response(200, json={"status": "success", "data": {"result": rows}})
+        return rows
 
-    src = PrometheusSource("http://prom:9090", client=httpx.AsyncClient(transport=httpx.MockTransport(answer)))
+    src = PrometheusSource("http://prom:9090", client=prometheus(answer))
     try:
         loads = await src.collect(["p0"])
     finally:

@@ -9,6 +9,7 @@ from typing import Any, TypeAlias
 
 import httpx
 import pytest
+from promfake import prometheus
 
 from kascade_operator.metrics import MetricsError, PrometheusSource, measured, snapshot
 from kascade_planner.policies import MeasuredVelocity
@@ -45,12 +46,10 @@ HELD: dict[str, tuple[Held, Held]] = {
 
 
 def _prometheus(seen: list[str], held: dict[str, tuple[Held, Held]] = HELD) -> httpx.AsyncClient:
-    def answer(req: httpx.Request) -> httpx.Response:
-        q = req.url.params["query"]
-        seen.append(q)
+    def answer(q: str) -> list[dict[str, Any]]:
         (name,) = [n for n in held if f"{n}{{" in q]
         if name.startswith("kascade_step_seconds") and 'kind="decode"' not in q:
-            return httpx.Response(200, json={"status": "success", "data": {"result": []}})  # all kinds: wrong
+            return []  # all kinds: wrong
         if "velocity" in name or "link" in name or "rate" in name:
             assert "> 0" in q and q.startswith(("max by (pod, bucket)", "max by (pod)", "avg by (pod)")), q
         rows: list[dict[str, Any]] = []
@@ -60,9 +59,9 @@ def _prometheus(seen: list[str], held: dict[str, tuple[Held, Held]] = HELD) -> h
                 rows += [{"metric": {"pod": pod, "bucket": b}, "value": [0, str(x)]} for b, x in v.items()]
             elif v is not None:
                 rows.append({"metric": {"pod": pod}, "value": [0, str(v)]})
-        return httpx.Response(200, json={"status": "success", "data": {"result": rows}})
+        return rows
 
-    return httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    return prometheus(answer, seen)
 
 
 async def test_prometheus_gives_the_decode_only_step_time() -> None:
