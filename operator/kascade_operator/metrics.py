@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kascade_operator.httppool import HttpPool
 from kascade_operator.scrapeconn import ScrapeConns, ScrapeError
+from kascade_planner.loadwatch import LoadWatch
 from kascade_planner.outputlength import OutputLength
 from kascade_planner.policies import MeasuredVelocity, MetricsSnapshot, PromptBuckets
 from kascade_planner.prefillvelocity import prefill_capacity, prefill_velocity
@@ -288,10 +289,33 @@ class Scraper:
         # must not wipe another group's previous samples
         self.rates: dict[Hashable, RateTracker] = {}
 
+        self._tls, self._timeout_s = tls, timeout_s
+        self._watch_conns: ScrapeConns | None = None  # held load watches: a connection of their own per engine
+
+    @property
+    def can_watch(self) -> bool:
+        """Load watches need the lean GET (an injected client, tests' mock transports, has none)."""
+        return self._conns is not None
+
+    async def watch(self, endpoint: str, watch: LoadWatch) -> None:
+        """Hold `GET /metrics?<watch>` until the engine answers (its load left the band, or the wait is over).
+        Raises ScrapeError (an engine that is gone or slow, a refused query)."""
+        if self._watch_conns is None:  # every phase may take the whole wait (the head comes when the band is left)
+            self._watch_conns = ScrapeConns(watch.wait_s + self._timeout_s, self._tls)
+        status, text = await self._watch_conns.get(endpoint, f"/metrics?{watch.to_query()}")
+        if status != 200:
+            raise ScrapeError(f"load watch: HTTP {status}: {text[:200]}")
+
+    async def prune_watches(self, keep: Iterable[str]) -> None:
+        if self._watch_conns is not None:
+            await self._watch_conns.prune(keep)
+
     async def aclose(self) -> None:
         await self._http.aclose()
         if self._conns is not None:
             await self._conns.aclose()
+        if self._watch_conns is not None:
+            await self._watch_conns.aclose()
 
     async def _one(self, rates: RateTracker, instance: str, endpoint: str) -> InstanceLoad | None:
         try:

@@ -13,6 +13,8 @@ sweep, or no sweep running: tests that drive rounds directly).
 Cost: a round reads its own groups only (no HTTP when the view is fresh), so its cost does not grow
 with the number of other services; the sweep is O(engines) per interval, as scraping must be.
 Idle engines report the same loads sweep after sweep, so an idle service gets no round from the sweep.
+Between sweeps, a load watch (loadwatch.py) that an engine answers calls `refresh(group)`: the group is
+scraped at once and its round woken when its loads changed.
 """
 
 from __future__ import annotations
@@ -94,6 +96,13 @@ class MetricsView:
         self.sweeps += 1
         self.last_sweep_s = time.monotonic() - t0
         return {g for g, r in zip(groups, got, strict=True) if before.get(g) != r.loads}
+
+    async def refresh(self, group: Group) -> bool:
+        """Scrape the group's engines now (a load watch saw one leave its band); whether its loads changed."""
+        r = self._readings.get(group)
+        if r is None:
+            return False
+        return (await self._scrape(group, dict(r.endpoints))).loads != r.loads
 
     async def collect(self, endpoints: Mapping[str, str], group: Group) -> list[InstanceLoad]:
         """The group's loads for a round: the view's when fresh and over the same instances, else scraped now."""

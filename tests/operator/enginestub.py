@@ -13,6 +13,9 @@ import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import parse_qsl
+
+from kascade_planner.loadwatch import TICK_S, LoadWatch, WindowRate
 
 
 class FakeClock:
@@ -46,6 +49,8 @@ class EngineStub:
         self.fail: dict[str, int] = {}  # verb -> HTTP status it is answered with (e.g. a load-plan refused)
         self._rate, self._total, self._t = 0.0, 0.0, clock()
         self._lock = threading.Lock()
+        self._prompt_rate = WindowRate()  # sampled while a load watch is held, as the engine's
+        self.watches = 0  # load watches answered
         stub = self
 
         class H(BaseHTTPRequestHandler):
@@ -66,7 +71,15 @@ class EngineStub:
                 self.wfile.write(data)
 
             def do_GET(self) -> None:
-                if self.path == "/metrics":
+                path, _, query = self.path.partition("?")
+                if path == "/metrics":
+                    try:  # the engine's load watch (kascade_planner.loadwatch), as the real engine's /metrics
+                        watch = LoadWatch.from_query(dict(parse_qsl(query)))
+                    except ValueError as e:
+                        self._send(400, f"load watch: {e}\n", "text/plain")
+                        return
+                    if watch is not None:
+                        stub.hold(watch)
                     self._send(200, stub.metrics_text(), "text/plain; version=0.0.4")
                 elif self._auth():
                     if self.path.endswith("/status") and "status" in stub.fail:  # an engine that does not answer
@@ -152,6 +165,19 @@ class EngineStub:
         with self._lock:
             self._advance()
             self._rate = rate
+
+    def hold(self, watch: LoadWatch) -> None:
+        """As the engine's /metrics with a watch: until prompt tokens/s over its window leaves the band, or the wait."""
+        end = time.monotonic() + watch.wait_s
+        while True:
+            with self._lock:
+                self._prompt_rate.add(self.clock(), self._advance())
+                rate = self._prompt_rate.rate(watch.window_s)
+            if watch.left(rate) or time.monotonic() >= end:
+                break
+            time.sleep(TICK_S)
+        with self._lock:
+            self.watches += 1
 
     def metrics_text(self) -> str:
         with self._lock:
