@@ -5,7 +5,8 @@ crossing wakes its service's round within a tick of the engine, not up to one sw
 Data flow: the sweep (rounds.sweep_forever) passes every serving engine to `LoadWatchers.sync` -> one task
 per (group, instance, endpoint), ended when the engine stops serving the group -> `band_around(the
 instance's tokens/s in the view's reading)` -> `Scraper.watch` (held GET) -> answered before the wait
-ran out -> `on_left(group)` (rounds: scrape the group now, wake its round if its loads changed) ->
+ran out -> `on_left(group, instance, answer)` (rounds: the answer, a /metrics text, updates that engine's
+load in the view -> its round is woken if the group's loads changed) ->
 re-armed around the new reading. The sweep stays as the resync: a watch that fails, an engine that
 answers a watch at once (an older engine ignores the query) or a band left without the group's loads
 changing re-arms only after one interval, so a watch never costs more than the sweep's own rate.
@@ -17,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from kascade_operator.metrics import Scraper
 from kascade_operator.metricsview import Group, MetricsView
@@ -31,8 +32,9 @@ Watched = tuple[Group, str, str]  # (group, instance, endpoint)
 
 class LoadWatchers:
     def __init__(self, scraper: Scraper, view: MetricsView, wait_s: float, window_s: float, interval_s: float,
-                 on_left: Callable[[Group], Awaitable[bool]]) -> None:
-        """`on_left(group)`: scrape the group now and wake its round; True when its loads changed."""
+                 on_left: Callable[[Group, str, str], bool]) -> None:
+        """`on_left(group, instance, its /metrics text)`: take the answer into the view and wake the group's round
+        when its loads changed (returns whether they did)."""
         self.scraper, self.view = scraper, view
         self.wait_s, self.window_s, self.interval_s = wait_s, window_s, interval_s
         self.on_left = on_left
@@ -49,7 +51,7 @@ class LoadWatchers:
             band = band_around(self.tps(group, instance), max(self.window_s, 0.05), self.wait_s)
             t0 = time.monotonic()
             try:
-                await self.scraper.watch(endpoint, band)
+                text = await self.scraper.watch(endpoint, band)
             except ScrapeError as e:
                 log.debug("load watch of %s (%s): %s", instance, endpoint, e)
                 await asyncio.sleep(self.interval_s)
@@ -57,7 +59,7 @@ class LoadWatchers:
             if time.monotonic() - t0 >= self.wait_s:
                 continue  # the wait ran out: nothing moved
             self.answered += 1
-            if not await self.on_left(group):
+            if not self.on_left(group, instance, text):
                 await asyncio.sleep(self.interval_s)  # nothing the rounds read moved: not again before the sweep
 
     def sync(self, groups: Mapping[Group, Mapping[str, str]]) -> None:

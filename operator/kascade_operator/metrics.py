@@ -297,14 +297,25 @@ class Scraper:
         """Load watches need the lean GET (an injected client, tests' mock transports, has none)."""
         return self._conns is not None
 
-    async def watch(self, endpoint: str, watch: LoadWatch) -> None:
-        """Hold `GET /metrics?<watch>` until the engine answers (its load left the band, or the wait is over).
-        Raises ScrapeError (an engine that is gone or slow, a refused query)."""
+    async def watch(self, endpoint: str, watch: LoadWatch) -> str:
+        """Hold `GET /metrics?<watch>` until the engine answers (its load left the band, or the wait is over):
+        its /metrics text. Raises ScrapeError (an engine that is gone or slow, a refused query)."""
         if self._watch_conns is None:  # every phase may take the whole wait (the head comes when the band is left)
             self._watch_conns = ScrapeConns(watch.wait_s + self._timeout_s, self._tls)
         status, text = await self._watch_conns.get(endpoint, f"/metrics?{watch.to_query()}")
         if status != 200:
             raise ScrapeError(f"load watch: HTTP {status}: {text[:200]}")
+        return text
+
+    def load_of(self, group: Hashable, instance: str, text: str) -> InstanceLoad | None:
+        """The instance's load from /metrics `text` read now (a load watch's answer), counted in the group's
+        rates as a scrape is; None (logged) when the text does not parse."""
+        try:
+            sample = parse_engine_metrics(text, self.clock())
+        except MetricsError as e:
+            log.warning("load watch answer of %s: %s", instance, e)
+            return None
+        return self.rates.setdefault(group, RateTracker(self.window_s)).update(instance, sample)
 
     async def prune_watches(self, keep: Iterable[str]) -> None:
         if self._watch_conns is not None:

@@ -64,7 +64,7 @@ async def new_scaleplan(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpe
     # a tensor-parallel instance never pairs live (its engine refuses cooperation naming tp: docs/tp.md)
     live = bool(spec.scaling and spec.scaling.live) and spec.engine.tp == 1
     built = SP.build(action, pods, nodes, model, algorithm, spec.engine.tp, rt.settings.label_keys,
-                     rt.settings.inter_leaf_ratio, live=live,
+                     rt.settings.inter_leaf_ratio, live=live, topo=rt.topology(nodes),
                      copy_nodes=SP.node_copy_nodes(pods.values(), spec.model.name, rt.settings.node_cache)
                      - {n for (n, m), t in rt.node_copy_refused.items()
                         if m == spec.model.name and time.monotonic() - t < NODE_COPY_RETRY_S})

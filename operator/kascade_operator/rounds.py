@@ -88,8 +88,8 @@ async def sweep_forever(rt: Runtime, view: MetricsView) -> None:
     period = rt.settings.interval_seconds
     watchers = None
     if rt.scraper is not None and rt.scraper.can_watch and rt.settings.load_watch_seconds > 0:
-        async def left(g: Group) -> bool:
-            changed = await view.refresh(g)
+        def left(g: Group, instance: str, text: str) -> bool:
+            changed = view.answered(g, instance, text)
             if changed:
                 wake(rt, g[0], g[1], metrics=True)
             return changed

@@ -8,11 +8,11 @@ import asyncio
 import time
 
 import pytest
+from enginestub import EngineStub
 
 from kascade_operator.loadwatch import LoadWatchers
 from kascade_operator.metrics import Scraper
 from kascade_operator.metricsview import Group, MetricsView
-from tests.operator.enginestub import EngineStub
 
 G: Group = ("default", "svc", "colocated")
 
@@ -30,10 +30,10 @@ async def test_a_crossing_is_answered_within_ticks_without_a_sweep(stub: EngineS
     left: list[float] = []
     changed: list[bool] = []
 
-    async def on_left(g: Group) -> bool:
-        assert g == G
+    def on_left(g: Group, instance: str, text: str) -> bool:
+        assert (g, instance) == (G, "e0")
         left.append(time.monotonic())
-        changed.append(await view.refresh(g))
+        changed.append(view.answered(g, instance, text))
         return changed[-1]
 
     await view.sweep({G: {"e0": stub.endpoint}})  # the one sweep: a reading to put the band around
@@ -51,7 +51,8 @@ async def test_a_crossing_is_answered_within_ticks_without_a_sweep(stub: EngineS
     assert left[0] - t0 < 0.5  # ticks of 20 ms, not the 60 s interval
     assert changed[0] and w.answered >= 1
     r = view.reading(G)
-    assert r is not None and r.loads[0].input_tokens_per_s > 0
+    assert r is not None and r.loads[0].input_tokens_per_s > 0  # from the watch's answer: no scrape since
+    assert view.sweeps == 1
     w.sync({})  # the engine serves no group any more: its watch ends
     assert len(w) == 0
     await w.close()
@@ -62,7 +63,7 @@ async def test_an_idle_engine_answers_when_the_wait_runs_out(stub: EngineStub) -
     scraper = Scraper(2.0, window_s=1.0)
     view = MetricsView(scraper, max_age_s=60.0)
     await view.sweep({G: {"e0": stub.endpoint}})
-    w = LoadWatchers(scraper, view, wait_s=0.3, window_s=1.0, interval_s=60.0, on_left=lambda g: asyncio.sleep(0, True))
+    w = LoadWatchers(scraper, view, wait_s=0.3, window_s=1.0, interval_s=60.0, on_left=lambda g, i, t: True)
     w.sync({G: {"e0": stub.endpoint}})
     await asyncio.sleep(1.0)
     assert w.answered == 0 and stub.watches >= 2  # answered at the wait's end, re-armed, never "left"
@@ -76,3 +77,27 @@ async def test_a_bad_watch_query_is_refused_naming_the_field(stub: EngineStub) -
     status, text = await c.get(stub.endpoint, "/metrics?wait=5&above=1&below=0&window=-1")
     assert status == 400 and "window:" in text
     await c.aclose()
+
+
+async def test_an_answer_updates_its_engine_and_keeps_the_others_and_the_readings_age() -> None:
+    a, b = EngineStub("a", "m", "tok"), EngineStub("b", "m", "tok")
+    try:
+        scraper = Scraper(2.0, window_s=1.0)
+        view = MetricsView(scraper, max_age_s=60.0)
+        eps = {"a": a.endpoint, "b": b.endpoint}
+        await view.sweep({G: eps})
+        before = view.reading(G)
+        assert before is not None
+        b.tokens_per_s = 1e6
+        await asyncio.sleep(0.1)
+        assert not view.answered(G, "a", a.metrics_text())  # a is idle: nothing the rounds read moved
+        assert not view.answered(G, "zz", b.metrics_text())  # not one of the group's engines: ignored
+        assert view.answered(G, "b", b.metrics_text())
+        r = view.reading(G)
+        assert r is not None and r.taken_s == before.taken_s and r.endpoints == before.endpoints
+        by = {x.instance: x.input_tokens_per_s for x in r.loads}
+        assert by["a"] == 0.0 and by["b"] > 1000.0
+        await scraper.aclose()
+    finally:
+        a.close()
+        b.close()
