@@ -32,6 +32,9 @@ class FakeClock:
         self.t += seconds
 
 
+IDLE_TICK_S = 0.25  # a held load watch's sampling while the load cannot change (see EngineStub.hold)
+
+
 class _Server(ThreadingHTTPServer):
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A client that went while its call was answered (an operator stopped while holding a load watch) is
@@ -59,6 +62,8 @@ class EngineStub:
         self._rate, self._total, self._t = 0.0, 0.0, clock()
         self._lock = threading.Lock()
         self._prompt_rate = WindowRate()  # sampled while a load watch is held, as the engine's
+        self._rate_since = -1e18  # (stand-in clock) when the load was last set
+        self._load_set = threading.Condition(self._lock)  # notified when it is
         self.watches = 0  # load watches answered
         stub = self
 
@@ -173,7 +178,8 @@ class EngineStub:
         """Load from now on (the counter keeps what it counted so far)."""
         with self._lock:
             self._advance()
-            self._rate = rate
+            self._rate, self._rate_since = rate, self.clock()
+            self._load_set.notify_all()
 
     def hold(self, watch: LoadWatch) -> None:
         """As the engine's /metrics with a watch: until prompt tokens/s over its window leaves the band, or the wait."""
@@ -181,9 +187,14 @@ class EngineStub:
         while True:
             with self._lock:
                 self._prompt_rate.add(self.clock(), self._advance())
-                rate = self._prompt_rate.rate(watch.window_s)
-            if watch.left(rate) or time.monotonic() >= end:
-                break
+                if watch.left(self._prompt_rate.rate(watch.window_s)) or time.monotonic() >= end:
+                    break
+                # the load has been the same for a whole window: the windowed rate stays as it is until the load
+                # is set again (hundreds of stand-ins share a process and its interpreter lock: no 20 ms ticks
+                # while nothing can change; at most IDLE_TICK_S, for a FakeClock a test advances)
+                if self.clock() - self._rate_since >= watch.window_s:
+                    self._load_set.wait(min(IDLE_TICK_S, max(0.0, end - time.monotonic())))
+                    continue
             time.sleep(TICK_S)
         with self._lock:
             self.watches += 1
