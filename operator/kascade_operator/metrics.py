@@ -18,7 +18,7 @@ import ssl
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import ClassVar
 
 import httpx
@@ -158,13 +158,29 @@ def parse_engine_metrics(text: str, time_s: float) -> InstanceSample:
                           prompt_arrived=tuple(sorted(arrived.items())))
 
 
+_CUMULATIVE = tuple(f.name for f in fields(InstanceSample) if f.type == "float" and f.name not in
+                    ("time_s", "queue_length", "running", "kv_usage"))
+
+
+def _between(a: InstanceSample, b: InstanceSample, t: float) -> InstanceSample:
+    """The cumulative counters at `t` (a.time_s <= t <= b.time_s), linear between two samples: a rate's base at
+    exactly one window ago instead of the older sample (sweeps 1 s apart made a 1 s rate up to 2 s wide, and a
+    crossing was seen up to that much later)."""
+    f = (t - a.time_s) / (b.time_s - a.time_s)
+    vals = {k: getattr(a, k) + f * (getattr(b, k) - getattr(a, k)) for k in _CUMULATIVE}
+    was = dict(a.prompt_arrived)
+    buckets = tuple((k, was.get(k, 0.0) + f * (x - was.get(k, 0.0))) for k, x in b.prompt_arrived)
+    return InstanceSample(t, prompt_arrived=buckets, **vals)
+
+
 class RateTracker:
     """Per-second rates from cumulative counters over a short sliding window per instance.
 
     `window_s` = 0 compares each sample with the previous one (fastest, noisiest); a window of about a
     second smooths the bursts a slow model produces (a request's prompt tokens all count at admission)
-    so the policy neither scales down in the middle of a burst nor misses a calm. The base sample is
-    the newest one at least `window_s` old (or the oldest kept). A counter that went down was reset
+    so the policy neither scales down in the middle of a burst nor misses a calm. The base is the
+    counters exactly `window_s` ago, linear between the samples either side of that time (or the oldest
+    sample kept, when none is that old). A counter that went down was reset
     (engine restart): history is dropped and counting starts from zero.
     """
 
@@ -208,6 +224,8 @@ class RateTracker:
         while len(h) >= 2 and h[1].time_s <= cur.time_s - self.window_s:
             h.popleft()
         base = h[0] if h else None
+        if base is not None and len(h) >= 2 and base.time_s < cur.time_s - self.window_s:
+            base = _between(base, h[1], cur.time_s - self.window_s)  # the counters exactly one window ago
         h.append(cur)
         if base is None or cur.time_s <= base.time_s:
             return load(None, 0.0)
