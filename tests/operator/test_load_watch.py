@@ -101,3 +101,27 @@ async def test_an_answer_updates_its_engine_and_keeps_the_others_and_the_reading
     finally:
         a.close()
         b.close()
+
+
+async def test_an_engine_that_keeps_answering_is_re_armed_at_most_every_min_gap() -> None:
+    """An engine and the operator that disagree on the rate (another window) would answer every watch at once:
+    the rounds it wakes are capped at 1 / MIN_GAP_S a second; an answer without a change waits the interval."""
+    from kascade_operator.loadwatch import MIN_GAP_S
+
+    class AtOnce:
+        calls = 0
+
+        async def watch(self, endpoint: str, watch: object) -> str:
+            AtOnce.calls += 1
+            await asyncio.sleep(0)
+            return ""
+
+    for changed, most in ((True, 1.0 / MIN_GAP_S + 2), (False, 2)):
+        AtOnce.calls = 0
+        view = MetricsView(Scraper(1.0), max_age_s=60.0)
+        w = LoadWatchers(AtOnce(), view, wait_s=30.0, window_s=1.0, interval_s=5.0,  # type: ignore[arg-type]
+                         on_left=lambda g, i, t, c=changed: c)
+        w.sync({G: {"e0": "127.0.0.1:1"}})
+        await asyncio.sleep(1.0)
+        await w.close()
+        assert 1 <= AtOnce.calls <= most, (changed, AtOnce.calls)
