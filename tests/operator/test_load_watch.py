@@ -119,8 +119,11 @@ async def test_an_engine_that_keeps_answering_is_re_armed_at_most_every_min_gap(
     for changed, most in ((True, 1.0 / MIN_GAP_S + 2), (False, 2)):
         AtOnce.calls = 0
         view = MetricsView(Scraper(1.0), max_age_s=60.0)
+        def on_left(g: Group, i: str, t: str, c: bool = changed) -> bool:
+            return c
+
         w = LoadWatchers(AtOnce(), view, wait_s=30.0, window_s=1.0, interval_s=5.0,  # type: ignore[arg-type]
-                         on_left=lambda g, i, t, c=changed: c)
+                         on_left=on_left)
         w.sync({G: {"e0": "127.0.0.1:1"}})
         await asyncio.sleep(1.0)
         await w.close()
