@@ -69,6 +69,7 @@ class EngineMetrics:
         self.running = gauge("kascade_num_requests_running", "Requests in the running batch")
         self.kv_usage = gauge("kascade_kv_cache_usage_perc", "Fraction of KV cache pages in use (1 = full)")
         self.prompt_tokens = counter("kascade_prompt_tokens", "Prompt tokens accepted")
+        self.prompt_total = 0.0  # the same count, read by a held load watch every tick (loadwatch.py)
         self.generation_tokens = counter("kascade_generation_tokens", "Tokens generated")
         self.preemptions = counter("kascade_num_preemptions", "Sequences preempted (pages ran out)")
         self.arrived = counter("kascade_requests_arrived", "Requests accepted (counted with their prompt tokens)")
@@ -152,6 +153,7 @@ class EngineMetrics:
 
     def on_request(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
+        self.prompt_total += prompt_tokens
         self.request_prompt_tokens.observe(prompt_tokens)
         self._prompt_arrived.labels(self.model_name, bucket(prompt_tokens, PROMPT_BUCKETS)).inc(prompt_tokens)
         self.arrived.inc()

@@ -18,7 +18,7 @@ import ssl
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import ClassVar
 
 import httpx
@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kascade_operator.httppool import HttpPool
 from kascade_operator.scrapeconn import ScrapeConns, ScrapeError
+from kascade_planner.loadwatch import LoadWatch
 from kascade_planner.outputlength import OutputLength
 from kascade_planner.policies import MeasuredVelocity, MetricsSnapshot, PromptBuckets
 from kascade_planner.prefillvelocity import prefill_capacity, prefill_velocity
@@ -157,13 +158,29 @@ def parse_engine_metrics(text: str, time_s: float) -> InstanceSample:
                           prompt_arrived=tuple(sorted(arrived.items())))
 
 
+_CUMULATIVE = tuple(f.name for f in fields(InstanceSample) if f.type == "float" and f.name not in
+                    ("time_s", "queue_length", "running", "kv_usage"))
+
+
+def _between(a: InstanceSample, b: InstanceSample, t: float) -> InstanceSample:
+    """The cumulative counters at `t` (a.time_s <= t <= b.time_s), linear between two samples: a rate's base at
+    exactly one window ago instead of the older sample (sweeps 1 s apart made a 1 s rate up to 2 s wide, and a
+    crossing was seen up to that much later)."""
+    f = (t - a.time_s) / (b.time_s - a.time_s)
+    vals = {k: getattr(a, k) + f * (getattr(b, k) - getattr(a, k)) for k in _CUMULATIVE}
+    was = dict(a.prompt_arrived)
+    buckets = tuple((k, was.get(k, 0.0) + f * (x - was.get(k, 0.0))) for k, x in b.prompt_arrived)
+    return InstanceSample(t, prompt_arrived=buckets, **vals)
+
+
 class RateTracker:
     """Per-second rates from cumulative counters over a short sliding window per instance.
 
     `window_s` = 0 compares each sample with the previous one (fastest, noisiest); a window of about a
     second smooths the bursts a slow model produces (a request's prompt tokens all count at admission)
-    so the policy neither scales down in the middle of a burst nor misses a calm. The base sample is
-    the newest one at least `window_s` old (or the oldest kept). A counter that went down was reset
+    so the policy neither scales down in the middle of a burst nor misses a calm. The base is the
+    counters exactly `window_s` ago, linear between the samples either side of that time (or the oldest
+    sample kept, when none is that old). A counter that went down was reset
     (engine restart): history is dropped and counting starts from zero.
     """
 
@@ -207,6 +224,8 @@ class RateTracker:
         while len(h) >= 2 and h[1].time_s <= cur.time_s - self.window_s:
             h.popleft()
         base = h[0] if h else None
+        if base is not None and len(h) >= 2 and base.time_s < cur.time_s - self.window_s:
+            base = _between(base, h[1], cur.time_s - self.window_s)  # the counters exactly one window ago
         h.append(cur)
         if base is None or cur.time_s <= base.time_s:
             return load(None, 0.0)
@@ -288,10 +307,44 @@ class Scraper:
         # must not wipe another group's previous samples
         self.rates: dict[Hashable, RateTracker] = {}
 
+        self._tls, self._timeout_s = tls, timeout_s
+        self._watch_conns: ScrapeConns | None = None  # held load watches: a connection of their own per engine
+
+    @property
+    def can_watch(self) -> bool:
+        """Load watches need the lean GET (an injected client, tests' mock transports, has none)."""
+        return self._conns is not None
+
+    async def watch(self, endpoint: str, watch: LoadWatch) -> str:
+        """Hold `GET /metrics?<watch>` until the engine answers (its load left the band, or the wait is over):
+        its /metrics text. Raises ScrapeError (an engine that is gone or slow, a refused query)."""
+        if self._watch_conns is None:  # every phase may take the whole wait (the head comes when the band is left)
+            self._watch_conns = ScrapeConns(watch.wait_s + self._timeout_s, self._tls)
+        status, text = await self._watch_conns.get(endpoint, f"/metrics?{watch.to_query()}")
+        if status != 200:
+            raise ScrapeError(f"load watch: HTTP {status}: {text[:200]}")
+        return text
+
+    def load_of(self, group: Hashable, instance: str, text: str) -> InstanceLoad | None:
+        """The instance's load from /metrics `text` read now (a load watch's answer), counted in the group's
+        rates as a scrape is; None (logged) when the text does not parse."""
+        try:
+            sample = parse_engine_metrics(text, self.clock())
+        except MetricsError as e:
+            log.warning("load watch answer of %s: %s", instance, e)
+            return None
+        return self.rates.setdefault(group, RateTracker(self.window_s)).update(instance, sample)
+
+    async def prune_watches(self, keep: Iterable[str]) -> None:
+        if self._watch_conns is not None:
+            await self._watch_conns.prune(keep)
+
     async def aclose(self) -> None:
         await self._http.aclose()
         if self._conns is not None:
             await self._conns.aclose()
+        if self._watch_conns is not None:
+            await self._watch_conns.aclose()
 
     async def _one(self, rates: RateTracker, instance: str, endpoint: str) -> InstanceLoad | None:
         try:

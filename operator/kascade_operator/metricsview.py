@@ -13,6 +13,9 @@ sweep, or no sweep running: tests that drive rounds directly).
 Cost: a round reads its own groups only (no HTTP when the view is fresh), so its cost does not grow
 with the number of other services; the sweep is O(engines) per interval, as scraping must be.
 Idle engines report the same loads sweep after sweep, so an idle service gets no round from the sweep.
+Between sweeps, a load watch (loadwatch.py) that an engine answers hands its /metrics text to
+`answered(group, instance, text)`: that engine's load is updated at once and its round woken when the
+group's loads changed.
 """
 
 from __future__ import annotations
@@ -94,6 +97,22 @@ class MetricsView:
         self.sweeps += 1
         self.last_sweep_s = time.monotonic() - t0
         return {g for g, r in zip(groups, got, strict=True) if before.get(g) != r.loads}
+
+    def answered(self, group: Group, instance: str, text: str) -> bool:
+        """A load watch's answer (the /metrics text of one of the group's engines, read now) taken into the
+        group's reading; whether its loads changed. The reading keeps its time (the other engines' loads are
+        as old as they were)."""
+        r = self._readings.get(group)
+        if r is None or instance not in dict(r.endpoints):
+            return False
+        load = self.scraper.load_of(group, instance, text)
+        if load is None:
+            return False
+        loads = tuple(load if x.instance == instance else x for x in r.loads)
+        if load not in loads:  # its scrape had failed: it joins the reading
+            loads = (*loads, load)
+        self._readings[group] = Reading(r.taken_s, r.endpoints, loads)
+        return loads != r.loads
 
     async def collect(self, endpoints: Mapping[str, str], group: Group) -> list[InstanceLoad]:
         """The group's loads for a round: the view's when fresh and over the same instances, else scraped now."""

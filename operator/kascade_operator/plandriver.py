@@ -71,7 +71,7 @@ async def new_scaleplan(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpe
     model = SP.layout(spec.model.name, spec.model.layers, manifest=manifest)
     live = plans_live(spec)
     built = SP.build(action, pods, nodes, model, algorithm, spec.engine.tp, rt.settings.label_keys,
-                     rt.settings.inter_leaf_ratio, live=live,
+                     rt.settings.inter_leaf_ratio, live=live, topo=rt.topology(nodes),
                      copy_nodes=SP.node_copy_nodes(pods.values(), spec.model.name, rt.settings.node_cache)
                      - {n for (n, m), t in rt.node_copy_refused.items()
                         if m == spec.model.name and time.monotonic() - t < NODE_COPY_RETRY_S})

@@ -9,7 +9,8 @@ Data flow:
   sooner). Its metrics changed (the shared sweep, `sweep_forever` -> metricsview.py, the moment that
   engine's scrape is in, not after the whole sweep): `wake(..., metrics=True)`, due at once, no rate limit
   (the sweep itself wakes a service at most once per interval), and its round is not skipped
-  (`Runtime.metric_woken`).
+  (`Runtime.metric_woken`). Between sweeps, a held load watch per engine (loadwatch.py) that the engine
+  answers when its tokens/s leaves a band scrapes that group at once and wakes it the same way.
 - after every round, `after_round` queues the next one: one interval later while the service is moving
   (a plan runs, a pod drains, a scale-down delay or an idle-to-zero clock is counting, the pool is short,
   or its metrics come from Prometheus, which the sweep does not watch), else after `resync_seconds` (plus up to
@@ -27,7 +28,8 @@ import time
 from collections.abc import Awaitable, Callable, Hashable
 
 from kascade_operator import trace
-from kascade_operator.metricsview import MetricsView, targets
+from kascade_operator.loadwatch import LoadWatchers
+from kascade_operator.metricsview import Group, MetricsView, targets
 from kascade_operator.runtime import Runtime
 from kascade_operator.workqueue import WorkQueue
 
@@ -80,19 +82,39 @@ def forget(rt: Runtime, ns: str, name: str) -> None:
 
 
 async def sweep_forever(rt: Runtime, view: MetricsView) -> None:
-    """Scrape every serving engine once per interval; wake a service as soon as its loads are seen changed."""
+    """Scrape every serving engine once per interval; wake a service as soon as its loads are seen changed.
+    With `load_watch_seconds`, hold a load watch on each of those engines too (loadwatch.py): a crossing
+    between sweeps wakes its round at once."""
     period = rt.settings.interval_seconds
-    while True:
-        t0 = time.monotonic()
-        try:
-            pods = {pns: (await rt.pool_snapshot(pns)).views.values() for pns in rt.pool_namespaces()}
-            await view.sweep(targets(pods), lambda g: wake(rt, g[0], g[1], metrics=True))
-            rt.metrics.sweep.observe(view.last_sweep_s)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("metric sweep failed")
-        await asyncio.sleep(max(0.0, period - (time.monotonic() - t0)))
+    watchers = None
+    if rt.scraper is not None and rt.scraper.can_watch and rt.settings.load_watch_seconds > 0:
+        def left(g: Group, instance: str, text: str) -> bool:
+            changed = view.answered(g, instance, text)
+            if changed:
+                wake(rt, g[0], g[1], metrics=True)
+            return changed
+
+        watchers = LoadWatchers(rt.scraper, view, rt.settings.load_watch_seconds, rt.settings.rate_window_seconds,
+                                period, left)
+    try:
+        while True:
+            t0 = time.monotonic()
+            try:
+                pods = {pns: (await rt.pool_snapshot(pns)).views.values() for pns in rt.pool_namespaces()}
+                groups = targets(pods)
+                await view.sweep(groups, lambda g: wake(rt, g[0], g[1], metrics=True))
+                rt.metrics.sweep.observe(view.last_sweep_s)
+                if watchers is not None and rt.scraper is not None:
+                    watchers.sync(groups)
+                    await rt.scraper.prune_watches({ep for eps in groups.values() for ep in eps.values()})
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("metric sweep failed")
+            await asyncio.sleep(max(0.0, period - (time.monotonic() - t0)))
+    finally:
+        if watchers is not None:
+            await watchers.close()
 
 
 def start(rt: Runtime, round_of: Callable[[Hashable], Awaitable[None]]) -> None:

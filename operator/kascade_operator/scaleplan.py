@@ -20,7 +20,7 @@ from kascade_operator.pool import PodView
 from kascade_operator.reconcile import CreatePlan
 from kascade_planner.builder import make_plan
 from kascade_planner.plan import Instance, ModelLayout, Plan
-from kascade_planner.topology import LabelKeys, topology_from_nodes
+from kascade_planner.topology import LabelKeys, Topology, topology_from_nodes
 from kascade_planner.tpgroup import unsharded
 
 DEFAULT_LAYERS = 32
@@ -59,14 +59,15 @@ def layout(model: str, layers: int | None, total_bytes: int | None = None,
 
 def build(action: CreatePlan, pods: Mapping[str, PodView], nodes: Sequence[Mapping[str, Any]], model: ModelLayout,
           algorithm: str, tp: int, keys: LabelKeys = LabelKeys(), inter_leaf_ratio: float = 1.0,
-          live: bool = False, copy_nodes: Collection[str] = ()) -> Built:
+          live: bool = False, copy_nodes: Collection[str] = (), topo: Topology | None = None) -> Built:
     """Plan `action` on the live topology. No sources -> each target loads from its own node (`local`).
     `live`: pair each target with a serving source to execute its loaded layers while it loads. `copy_nodes`:
     nodes whose cache keeps the model's copy (`node_copy_nodes`): a target there (tp 1, as the engine's node cache;
     not a fallback pod; not keeping a copy itself, which binds from its own) loads from that copy and is no target
     of the transfer; its predicted time is the copy's upload on its node. When every target does, the plan is
-    `local`."""
-    topo = topology_from_nodes(nodes, keys, inter_leaf_ratio)
+    `local`. `topo`: the topology of `nodes` when the caller keeps one (Runtime.topology), else parsed here."""
+    if topo is None:
+        topo = topology_from_nodes(nodes, keys, inter_leaf_ratio)
 
     def inst(name: str, source: bool = False) -> Instance:
         p = pods[name]
@@ -86,7 +87,7 @@ def build(action: CreatePlan, pods: Mapping[str, PodView], nodes: Sequence[Mappi
             return Built(local, {pods[n].instance: pods[n] for n in action.targets}, dict(local.predicted))
         inner = build(replace(action, targets=tuple(n for n in action.targets if pods[n].instance in
                                                     {t.id for t in rest})),
-                      pods, nodes, model, algorithm, tp, keys, inter_leaf_ratio, live)
+                      pods, nodes, model, algorithm, tp, keys, inter_leaf_ratio, live, topo=topo)
         by_id = {**inner.pods, **{t.id: pods[n] for n, t in zip(action.targets, tgts, strict=True) if t in by_copy}}
         return Built(inner.plan, by_id, dict(local.predicted))
     flows = [(pods[a].instance, pods[b].instance) for a, b in action.kv_flows if a in pods and b in pods]

@@ -63,6 +63,9 @@ class ScrapeConns:
                 except _Closed as e:
                     c.close()
                     return e.status, e.text
+                except asyncio.CancelledError:  # mid-request: the connection's next bytes would be this answer
+                    c.close()
+                    raise
                 except (OSError, asyncio.IncompleteReadError, ValueError, TimeoutError, ScrapeError) as e:
                     c.close()
                     if fresh or attempt or isinstance(e, TimeoutError):

@@ -45,6 +45,12 @@ class OperatorSettings(BaseSettings):
     round_workers: int = Field(default=8, ge=1, le=256, description="ModelService rounds run at once")
     rate_window_seconds: float = Field(default=1.0, ge=0, le=60,
                                        description="tokens/s over this sliding window of scrapes (0: last two)")
+    load_watch_seconds: float = Field(default=10.0, ge=0, le=300,
+                                      description="hold a long-poll on each serving engine's /metrics for up to "
+                                      "this long, answered by the engine as soon as its prompt tokens/s over "
+                                      "rate_window_seconds leaves +-25% (at least +-100 tokens/s) of the last "
+                                      "reading; its service's round then runs without waiting for the sweep "
+                                      "(0: off, crossings are seen by the sweep every interval_seconds)")
     engine_timeout_seconds: float = Field(default=2.0, gt=0, le=300)
     engine_token: str | None = Field(default=None, min_length=1, description="bearer token for the engine control API")
     engine_token_secret: str = Field(default="kascade-engine-token", min_length=1, description="Secret (key "

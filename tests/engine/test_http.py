@@ -144,3 +144,32 @@ def test_smollm_chat_over_http(smollm_ckpt, engine_starter) -> None:
         assert "Paris" in r2.choices[0].text
     finally:
         e.stop()
+
+
+def test_a_load_watch_is_held_until_prompt_tokens_per_s_leave_the_band(engine_a) -> None:
+    """kascade_planner.loadwatch on the real engine: a band the engine is in holds /metrics until the wait; a
+    request's prompt tokens push the 1 s rate above it and the held answer comes at once; a bad query is a 400."""
+    import threading
+    import time
+
+    q = "/metrics?above=1&below=-1&window=1&wait="
+    t0 = time.monotonic()
+    assert httpx.get(engine_a.url + q + "0.5", timeout=30).status_code == 200
+    assert time.monotonic() - t0 >= 0.45  # idle: held for the whole wait
+    answered: list[float] = []
+
+    def watch() -> None:
+        r = httpx.get(engine_a.url + q + "60", timeout=90)
+        assert r.status_code == 200 and "kascade_prompt_tokens_total" in r.text
+        answered.append(time.monotonic())
+
+    t = threading.Thread(target=watch)
+    t.start()
+    time.sleep(0.5)
+    assert not answered
+    sent = time.monotonic()
+    _client(engine_a).completions.create(model="tiny-llama", prompt="hello", max_tokens=1)
+    t.join(30)
+    assert answered and answered[0] - sent < 10  # within ticks of the request, not the 60 s wait
+    bad = httpx.get(engine_a.url + "/metrics?above=1&below=2&window=1&wait=5", timeout=30)
+    assert bad.status_code == 400 and "below:" in bad.text

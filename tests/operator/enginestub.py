@@ -8,11 +8,15 @@ test controls when "loading" finishes and how much load the metrics report.
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import parse_qsl
+
+from kascade_planner.loadwatch import TICK_S, LoadWatch, WindowRate
 
 
 class FakeClock:
@@ -26,6 +30,17 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         self.t += seconds
+
+
+IDLE_TICK_S = 0.25  # a held load watch's sampling while the load cannot change (see EngineStub.hold)
+
+
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that went while its call was answered (an operator stopped while holding a load watch) is
+        no error of the stand-in: not printed. Anything else is, as the standard server does."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 class EngineStub:
@@ -46,6 +61,10 @@ class EngineStub:
         self.fail: dict[str, int] = {}  # verb -> HTTP status it is answered with (e.g. a load-plan refused)
         self._rate, self._total, self._t = 0.0, 0.0, clock()
         self._lock = threading.Lock()
+        self._prompt_rate = WindowRate()  # sampled while a load watch is held, as the engine's
+        self._rate_since = -1e18  # (stand-in clock) when the load was last set
+        self._load_set = threading.Condition(self._lock)  # notified when it is
+        self.watches = 0  # load watches answered
         stub = self
 
         class H(BaseHTTPRequestHandler):
@@ -66,7 +85,15 @@ class EngineStub:
                 self.wfile.write(data)
 
             def do_GET(self) -> None:
-                if self.path == "/metrics":
+                path, _, query = self.path.partition("?")
+                if path == "/metrics":
+                    try:  # the engine's load watch (kascade_planner.loadwatch), as the real engine's /metrics
+                        watch = LoadWatch.from_query(dict(parse_qsl(query)))
+                    except ValueError as e:
+                        self._send(400, f"load watch: {e}\n", "text/plain")
+                        return
+                    if watch is not None:
+                        stub.hold(watch)
                     self._send(200, stub.metrics_text(), "text/plain; version=0.0.4")
                 elif self._auth():
                     if self.path.endswith("/status") and "status" in stub.fail:  # an engine that does not answer
@@ -126,7 +153,7 @@ class EngineStub:
                     return False
                 return True
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.server = _Server(("127.0.0.1", 0), H)
         self.endpoint = f"127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
@@ -151,7 +178,26 @@ class EngineStub:
         """Load from now on (the counter keeps what it counted so far)."""
         with self._lock:
             self._advance()
-            self._rate = rate
+            self._rate, self._rate_since = rate, self.clock()
+            self._load_set.notify_all()
+
+    def hold(self, watch: LoadWatch) -> None:
+        """As the engine's /metrics with a watch: until prompt tokens/s over its window leaves the band, or the wait."""
+        end = time.monotonic() + watch.wait_s
+        while True:
+            with self._lock:
+                self._prompt_rate.add(self.clock(), self._advance())
+                if watch.left(self._prompt_rate.rate(watch.window_s)) or time.monotonic() >= end:
+                    break
+                # the load has been the same for a whole window: the windowed rate stays as it is until the load
+                # is set again (hundreds of stand-ins share a process and its interpreter lock: no 20 ms ticks
+                # while nothing can change; at most IDLE_TICK_S, for a FakeClock a test advances)
+                if self.clock() - self._rate_since >= watch.window_s:
+                    self._load_set.wait(min(IDLE_TICK_S, max(0.0, end - time.monotonic())))
+                    continue
+            time.sleep(TICK_S)
+        with self._lock:
+            self.watches += 1
 
     def metrics_text(self) -> str:
         with self._lock:

@@ -515,3 +515,41 @@ async def test_a_metrics_wake_right_after_a_round_runs_a_round_at_once(world: An
     last = rt.last_round[(NS, "svc")]
     await queued_round(rt, (NS, "svc"))  # a plain queued tick this soon is still skipped
     assert rt.last_round[(NS, "svc")] == last
+
+
+@pytest.mark.parametrize("watch_s", [30.0, 0.0])
+async def test_a_crossing_between_sweeps_wakes_the_round_through_the_load_watch(world: Any, watch_s: float) -> None:
+    """The sweep (rounds.sweep_forever) holds a load watch on each engine it scrapes: a load raised between
+    sweeps wakes the service (urgent, metrics) long before the next sweep; with load_watch_seconds 0 nothing
+    is held and the crossing waits for the sweep."""
+    rt, kube, stubs = world
+    rt.settings = rt.settings.model_copy(update={"interval_seconds": 60.0, "load_watch_seconds": watch_s,
+                                                 "pool_namespace": NS})
+    rt.queue = WorkQueue(lambda key: asyncio.sleep(0))  # not started: the wake is read from it
+    body = service(scaling={"policy": "threshold", "threshold": {"upper": 1000, "lower": 10}})
+    await reconcile_service(rt, body, "create")
+    (sp,) = kube.plans.values()
+    for s in stubs:
+        s.phase = "serving"
+    await asyncio.wait_for(plandriver.drive(rt, sp, Stopped()), 10)
+    (bound,) = [s for s in stubs if s.model_service]
+    view = rt.view = MetricsView(rt.scraper, max_age_s=60.0)
+    task = asyncio.create_task(rounds.sweep_forever(rt, view))
+    try:
+        for _ in range(100):  # the first sweep (it wakes the service: its group is new)
+            if view.sweeps:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)  # the watch is armed
+        rt.queue.forget((NS, "svc"))
+        rt.metric_woken.clear()
+        bound.tokens_per_s = 5000.0
+        await asyncio.sleep(1.5)
+        assert view.sweeps == 1  # no sweep since: only the watch can have seen it
+        woken = (NS, "svc") in rt.metric_woken and rt.queue.urgent((NS, "svc"))
+        assert woken is (watch_s > 0)
+        assert (rt.scraper._watch_conns is not None) is (watch_s > 0)
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task

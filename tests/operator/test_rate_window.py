@@ -62,3 +62,14 @@ def test_the_decode_step_time_is_the_windows_mean_of_decode_only_steps() -> None
     assert snapshot([load], 1.0).decode_step_s == pytest.approx(0.03)
     still = r.update("a", parse_engine_metrics(text(1.6, 70), 2.1))
     assert snapshot([still], 2.1).decode_step_s is None
+
+
+def test_the_base_is_exactly_one_window_ago_between_sparse_samples() -> None:
+    """Sweeps 1 s apart while idle, then a burst seen between them (a load watch's answer): the 1 s rate is over
+    1 s (the counters one window ago interpolated), not over the 1.5 s back to the older sweep."""
+    r = RateTracker(1.0)
+    feed(r, [(0.0, 0), (1.0, 0)])
+    (rate,) = feed(r, [(1.5, 1000)])  # 5000 tok/s since t = 1.3: 1000 tokens in the last second
+    assert rate == pytest.approx(1000.0)  # the older rule: 1000 / 1.5 = 667, under an upper bound of 1000
+    (rate,) = feed(r, [(2.25, 1000 + 5000 * 0.75)])  # base at 1.25, between the samples 1.0 and 1.5
+    assert rate == pytest.approx((4750 - 1000 * 0.25 / 0.5) / 1.0)

@@ -43,6 +43,7 @@ from kascade_planner.engine_api import (
     HandedBack,
     prefill_signature,
 )
+from kascade_planner.loadwatch import TICK_S, LoadWatch, WindowRate
 
 log = logging.getLogger(__name__)
 reqlog = logging.getLogger("kascade_engine.requests")  # one line per request: accepted (in which phase) or rejected
@@ -205,8 +206,21 @@ def create_app(inst: EngineInstance) -> FastAPI:
         return PlainTextResponse("ready" if ok else inst.phase.value, status_code=200 if ok else 503,
                                  headers={SERVING_SHARE_HEADER: f"{inst.serving_share:.4f}", **rate_header(inst)})
 
+    prompt_rate = WindowRate()  # sampled while a load watch is held (kascade_planner.loadwatch)
+
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        try:
+            watch = LoadWatch.from_query(request.query_params)
+        except ValueError as e:
+            return PlainTextResponse(f"load watch: {e}\n", status_code=400)
+        if watch is not None:  # held until prompt tokens/s leaves the band, or the wait is over
+            end = time.monotonic() + watch.wait_s
+            while True:
+                prompt_rate.add(time.monotonic(), inst.metrics.prompt_total)
+                if watch.left(prompt_rate.rate(watch.window_s)) or time.monotonic() >= end:
+                    break
+                await asyncio.sleep(TICK_S)
         inst.metrics.update(inst)
         return Response(generate_latest(inst.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
