@@ -128,6 +128,7 @@ def build_registry(settings: OperatorSettings, shards: ShardSet | None = None) -
         memo.rt.shards = shards
         if shards is not None:
             settings.persistence.diffbase_storage = shardhooks.OwnedDiffBase(memo.rt.owns)
+            settings.persistence.progress_storage = shardhooks.OwnedProgress(memo.rt.owns)
             shards.on_hold(lambda k: shardhooks.wake_shard(memo.rt, k))
         memo.rt.watch_nodes()  # the nodes by list + watch, not a kopf index (nodefacts.py: start-up cost)
         if s.router_url:  # demand when no engine exists (scale from zero), and status.url
@@ -212,7 +213,7 @@ def build_registry(settings: OperatorSettings, shards: ShardSet | None = None) -
         finally:
             rounds.after_round(rt, body["metadata"]["namespace"], body["metadata"]["name"])
 
-    @kopf.on.delete(**ms)
+    @kopf.on.delete(**ms, when=shardhooks.claims)
     async def on_delete(body: kopf.Body, memo: kopf.Memo, **kw: Any) -> None:
         rt = rt_of(memo, kw)
         await shardhooks.delete_guard(rt, body["metadata"]["namespace"])
@@ -223,7 +224,7 @@ def build_registry(settings: OperatorSettings, shards: ShardSet | None = None) -
     # a plan's daemon stops when its phase turns terminal: signalled first (the driver returns on its own
     # within one poll), cancelled only after cancellation_backoff
     @kopf.daemon(**splan, cancellation_backoff=5.0, cancellation_timeout=2.0,
-                 when=lambda status, **_: (status or {}).get("phase") not in TERMINAL)
+                 when=lambda status, **kw: (status or {}).get("phase") not in TERMINAL and shardhooks.claims(**kw))
     async def drive_plan(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **kw: Any) -> None:
         await shardhooks.drive_owned(rt_of(memo, kw), dict(body), stopped, plandriver.drive)
 

@@ -2,10 +2,10 @@
 
 Every replica runs kopf over every object (warm watches for a fast takeover), so each handler first asks whether
 the object's shard is held here (Runtime.owns), and:
-- ModelService / ModelServiceRole changes of another shard: the handler returns at once, and `OwnedDiffBase`
-  keeps kopf from writing its last-handled-configuration annotation for them (a non-owner writing it first
-  could hide a spec change from the owner's kopf; the owner writes it as before). Their rounds are dropped in
-  rounds.wake / the queue;
+- ModelService / ModelServiceRole changes of another shard: the handler returns at once, and `OwnedDiffBase` /
+  `OwnedProgress` keep kopf from reading or writing its last-handled-configuration annotation and its handler
+  progress for them (kopf instances share both: a non-owner's record of its handler's success made the owner's
+  kopf skip the handler, measured on the real API server). Their rounds are dropped in rounds.wake / the queue;
 - a shard taken over (ShardSet.on_hold) -> `wake_shard`: a round for each of its services (from the watch-fed
   index), as kopf's resume handlers give every service at start-up;
 - a ScalePlan's daemon (`drive_owned`): waits until the plan's shard is held here, re-reads the plan (the last
@@ -24,10 +24,22 @@ from typing import Any
 
 import kopf
 
+from kascade_operator import labels as L
 from kascade_operator import rounds
 from kascade_operator.kube import NotFound
 from kascade_operator.reconcile import TERMINAL
 from kascade_operator.runtime import Runtime
+
+
+def claims(body: kopf.Body, memo: kopf.Memo, **_: Any) -> bool:
+    """kopf `when` of the handlers that make kopf put its finalizer on an object (the delete handler, the plan
+    daemon): true in the replica holding the object's shard, and anywhere once the finalizer is on. Measured on the
+    real API server: two replicas adding the finalizer to a new object at once left the loser's kopf waiting for
+    an event that never came, so the owner never ran the create handler. So only the owner adds it; the others
+    match (and so never remove it) once it is there."""
+    rt: Runtime | None = getattr(memo, "rt", None)
+    meta = body.get("metadata", {})
+    return rt is None or rt.owns(str(meta.get("namespace") or "")) or L.FINALIZER in (meta.get("finalizers") or ())
 
 
 class OwnedDiffBase(kopf.AnnotationsDiffBaseStorage):
@@ -40,6 +52,34 @@ class OwnedDiffBase(kopf.AnnotationsDiffBaseStorage):
     def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: Any) -> None:
         if self._owns(str(body.get("metadata", {}).get("namespace") or "")):
             super().store(body=body, patch=patch, essence=essence)
+
+
+class OwnedProgress(kopf.SmartProgressStorage):
+    """kopf's handler progress (annotations + status), read and written only for objects whose shard this replica
+    holds: kopf instances share the record (same handler ids), and a non-owner's "succeeded" (its handler returned
+    at once) would make the owner's kopf skip the handler."""
+
+    def __init__(self, owns: Callable[[str], bool]) -> None:
+        super().__init__()
+        self._owns = owns
+
+    def _mine(self, body: kopf.Body) -> bool:
+        return self._owns(str(body.get("metadata", {}).get("namespace") or ""))
+
+    def fetch(self, *, key: Any, body: kopf.Body) -> Any:
+        return super().fetch(key=key, body=body) if self._mine(body) else None
+
+    def store(self, *, key: Any, record: Any, body: kopf.Body, patch: kopf.Patch) -> None:
+        if self._mine(body):
+            super().store(key=key, record=record, body=body, patch=patch)
+
+    def purge(self, *, key: Any, body: kopf.Body, patch: kopf.Patch) -> None:
+        if self._mine(body):
+            super().purge(key=key, body=body, patch=patch)
+
+    def touch(self, *, body: kopf.Body, patch: kopf.Patch, value: str | None) -> None:
+        if self._mine(body):
+            super().touch(body=body, patch=patch, value=value)
 
 
 @contextlib.asynccontextmanager
@@ -63,8 +103,10 @@ def wake_shard(rt: Runtime, k: int) -> None:
             rounds.wake(rt, key[0], key[1])
 
 
-async def drive_owned(rt: Runtime, body: dict[str, Any], stopped: kopf.DaemonStopped,
-                      drive: Callable[[Runtime, dict[str, Any], kopf.DaemonStopped], Coroutine[Any, Any, None]]) -> None:
+Driver = Callable[[Runtime, dict[str, Any], kopf.DaemonStopped], Coroutine[Any, Any, None]]
+
+
+async def drive_owned(rt: Runtime, body: dict[str, Any], stopped: kopf.DaemonStopped, drive: Driver) -> None:
     """Drive the plan while its shard is held here (module docstring); returns when the plan is done or stopped."""
     if rt.shards is None:
         await drive(rt, body, stopped)
