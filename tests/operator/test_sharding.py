@@ -10,8 +10,15 @@ from collections import Counter
 
 import pytest
 
-from kascade_operator.sharding import (LeaseState, campaign, fair_share, lease_name, member_lease_name, shard_of,
-                                       stable_hash)
+from kascade_operator.sharding import (
+    LeaseState,
+    campaign,
+    fair_share,
+    lease_name,
+    member_lease_name,
+    shard_of,
+    stable_hash,
+)
 
 
 def test_the_shard_is_the_same_in_every_process() -> None:
