@@ -91,7 +91,7 @@ def test_two_replicas_hold_a_shard_each_and_one_takes_over_when_the_other_dies(
     wait_for(lambda: len(bound(cp, ns1, "svc")) == 1 and len(bound(cp, ns2, "svc")) == 1, timeout=60,
              what="both shards' services bound")
     # every round ran where its shard is held: the other replica's log never names the service's namespace
-    owner2 = spread[shard_of(ns2, 2)]
+    owner2 = str(spread[shard_of(ns2, 2)])
     other = "b" if owner2 == "a" else "a"
     assert f"{ns2}/svc" not in ops[other].tail(200_000) or f"{ns1}/svc" not in ops[owner2].tail(200_000)
 
