@@ -288,6 +288,11 @@ class Kube:
                                                                  _request_timeout=self.t), f"list leases in {ns}")
         return list(doc.get("items") or [])
 
+    async def delete_lease(self, ns: str, name: str) -> None:
+        coord = client.CoordinationV1Api(self.api)
+        await self._done(await coord.delete_namespaced_lease(name, ns, _preload_content=False,
+                                                             _request_timeout=self.t), f"lease {ns}/{name}")
+
     async def write_lease(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
         """Create the Lease, or replace it when `body` carries the resourceVersion read (guarded: `Conflict` when
         someone wrote it since, or created it first)."""

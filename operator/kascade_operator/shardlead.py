@@ -40,6 +40,7 @@ from kascade_operator.shardset import ShardSet
 log = logging.getLogger(__name__)
 
 OWNER, ROLE, SHARD = "kascade.io/operator-lease", "kascade.io/lease-role", "kascade.io/shard"
+GC_LEASES = 10  # a member Lease unchanged for this many lease durations is deleted (its replica is gone)
 
 
 class ShardLeader:
@@ -51,6 +52,7 @@ class ShardLeader:
         self.last_renew: dict[int, float] = {}
         self.listed: dict[str, dict[str, Any]] = {}  # Lease name -> its body as last listed or written
         self.observed: dict[str, tuple[tuple[Any, Any], float]] = {}  # name -> (holder, renewTime), since when
+        self.stale: list[str] = []  # member Leases to delete
 
     def _labels(self, k: int | None) -> dict[str, str]:
         base = {OWNER: self.s.lease_name}
@@ -93,6 +95,8 @@ class ShardLeader:
             if labels.get(ROLE) == "member":
                 if rec[0] and not expired:
                     live.add(str(rec[0]))
+                elif now - self.observed[name][1] > GC_LEASES * self.duration and rec[0] != self.me:
+                    self.stale.append(name)  # a replica long gone (a new pod gets a new name): deleted
             elif (labels.get(SHARD) or "").isdigit():
                 states[int(labels[SHARD])] = LeaseState(rec[0] or None, expired)
         return live, states
@@ -110,6 +114,10 @@ class ShardLeader:
             elif await self._write(k):
                 self.last_renew[k] = now
         await self._write(None)
+        for name in self.stale:
+            with contextlib.suppress(NotFound, Conflict, ApiException, TimeoutError, OSError):
+                await self.kube.delete_lease(self.ns, name)
+        self.stale.clear()
         plan = campaign(self.me, self.set.shards, live, states, self.leased)
         for k in plan.release & self.set.held:
             log.warning("%s gives back shard %d: %d live replicas share %d shards", self.me, k,

@@ -502,6 +502,6 @@ def test_shards_need_a_pool_per_namespace_and_get_the_lease_rights_they_use(helm
     assert env["KASCADE_OPERATOR_SHARDS"] == "2" and env["KASCADE_OPERATOR_LEADER_ELECTION"] == "true"
     rules = by(docs, "Role", "rel-operator-token")["rules"]
     assert {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
-            "verbs": ["get", "list", "update", "patch"]} in rules  # shard and member Leases, listed by label
+            "verbs": ["get", "list", "update", "patch", "delete"]} in rules  # shard and member Leases, listed by label
     one = by(render(helm), "Role", "rel-operator-token")["rules"]  # one shard: only the leader's Lease, by name
     assert not any("list" in r["verbs"] for r in one if r["resources"] == ["leases"])
