@@ -7,7 +7,9 @@ sharding.py), chosen so each shard gets one; M ModelServices spread over them, e
 (one process, the leader of 1 shard). Then, per configuration, each started afresh on the bound cluster and
 once every service had a round there, a steady window: rounds run (all triggers), CPU
 seconds per second and RSS per operator process, and rounds per second in total. Then the K replicas: the
-holder of one shard is SIGKILLed and the time until a survivor holds it is printed (the chart's lease timings: 15 s, 10 s renew deadline, 2 s retry; a 5 s deadline starved at 2,000 nodes).
+holder of one shard is SIGKILLed and the time until a survivor holds it is printed (the chart's lease timings:
+15 s, 10 s renew deadline, 2 s retry; with a 5 s deadline a replica starting at 2,000 nodes missed its renewal
+and exited).
 Writes bench/results/shards.json.
 
     python bench/shards.py --scale 2000,200 --shards 2 --steady 30
@@ -153,7 +155,8 @@ def main() -> None:
             t_kill = time.monotonic()
             wait_for(lambda: holders().get(0) not in ("", victim), 120, "a survivor takes shard 0", poll=0.2)
             out["takeover_s"] = round(time.monotonic() - t_kill, 2)
-            print(f"shards: shard 0 taken over {out['takeover_s']} s after SIGKILL of {victim} (lease 15 s)", flush=True)
+            print(f"shards: shard 0 taken over {out['takeover_s']} s after SIGKILL of {victim} (lease 15 s)",
+                  flush=True)
         finally:
             for o, _ in ops:
                 o.stop()
