@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -51,6 +52,14 @@ def namespaces(k: int) -> list[str]:
     return [out[s] for s in range(k)]
 
 
+def _rss(pid: int) -> float:
+    """RSS in MB; 0 when the process has exited (a replica that lost its shards exits)."""
+    try:
+        return _rss_mb(pid)[0]
+    except (KeyError, OSError):
+        return 0.0
+
+
 def window(cp: ControlPlane, ops: list[tuple[OperatorProcess, int]], steady_s: float) -> dict[str, Any]:
     """Rounds, CPU and RSS of each operator process over a steady window."""
     pids = [o.proc.pid for o, _ in ops if o.proc is not None]
@@ -58,7 +67,7 @@ def window(cp: ControlPlane, ops: list[tuple[OperatorProcess, int]], steady_s: f
     time.sleep(steady_s)
     r1, c1, dt = [_rounds_so_far(p)[0] for _, p in ops], [_cpu_s(p) for p in pids], time.monotonic() - t0
     per = [{"rounds_per_s": round((b - a) / dt, 2), "cpu_s_per_s": round((d - c) / dt, 3),
-            "ms_cpu_per_round": round(1000 * (d - c) / max(1.0, b - a), 2), "rss_mb": round(_rss_mb(pid)[0])}
+            "ms_cpu_per_round": round(1000 * (d - c) / max(1.0, b - a), 2), "rss_mb": round(_rss(pid))}
            for a, b, c, d, pid in zip(r0, r1, c0, c1, pids, strict=True)]
     return {"processes": per, "rounds_per_s": round(sum(p["rounds_per_s"] for p in per), 2),
             "cpu_s_per_s": round(sum(p["cpu_s_per_s"] for p in per), 3),
@@ -160,6 +169,10 @@ def main() -> None:
         finally:
             for o, _ in ops:
                 o.stop()
+            if keep := os.environ.get("KASCADE_BENCH_KEEP"):  # the operators' logs outlive the run
+                Path(keep).mkdir(parents=True, exist_ok=True)
+                for f in tmp.glob("*.log"):
+                    (Path(keep) / f.name).write_bytes(f.read_bytes())
             if host is not None:
                 for s in host.stubs:
                     s.close()
