@@ -44,6 +44,8 @@ def operator() -> None:
 @click.option("--lease-renew-deadline", type=float, help="seconds a leader tries to renew before it steps down")
 @click.option("--lease-retry", type=float, help="seconds between Lease attempts")
 @click.option("--identity", help="this replica's name in the Lease (default: hostname-pid)")
+@click.option("--shards", type=int, help="split the services into this many shards held by the replicas, one Lease "
+              "each (with --leader-elect; default 1: one leader)")
 def run(
     namespaces: tuple[str, ...],
     interval: float | None,
@@ -64,6 +66,7 @@ def run(
     lease_retry: float | None,
     identity: str | None,
     router_url: str | None,
+    shards: int | None,
 ) -> None:
     """Reconcile ModelServices and ScalePlans until interrupted (`kascade -v operator run` logs decisions).
 
@@ -98,6 +101,7 @@ def run(
             "lease_renew_deadline_seconds": lease_renew_deadline,
             "lease_retry_seconds": lease_retry,
             "identity": identity,
+            "shards": shards,
         }.items()
         if v is not None
     }
@@ -115,7 +119,11 @@ def run(
     namespaces_watched = list(settings.namespaces)
     if namespaces_watched and settings.pool_namespace and settings.pool_namespace not in namespaces_watched:
         namespaces_watched.append(settings.pool_namespace)  # the pool's pods are read from a watch
-    kw = dict(registry=build_registry(settings), standalone=True, namespaces=namespaces_watched,
+    shard_set = None
+    if settings.shards > 1:
+        from kascade_operator.shardset import ShardSet
+        shard_set = ShardSet(settings.shards)
+    kw = dict(registry=build_registry(settings, shard_set), standalone=True, namespaces=namespaces_watched,
               clusterwide=not namespaces_watched, liveness_endpoint=liveness)
     if not settings.leader_election:
         kopf.run(**kw)  # type: ignore[arg-type]
@@ -126,7 +134,12 @@ def run(
     from kascade_operator.leader import LeadershipLost, lead_then_run
 
     try:
-        asyncio.run(lead_then_run(settings, lambda: kopf.operator(**kw), liveness))  # type: ignore[arg-type]
+        if shard_set is not None:
+            from kascade_operator.shardlead import lead_shards_then_run
+            run_kopf = lambda: kopf.operator(**kw)  # type: ignore[arg-type] # noqa: E731
+            asyncio.run(lead_shards_then_run(settings, shard_set, run_kopf))
+        else:
+            asyncio.run(lead_then_run(settings, lambda: kopf.operator(**kw), liveness))  # type: ignore[arg-type]
     except LeadershipLost as e:
         click.echo(f"kascade operator: {e}; exiting so a standby can lead", err=True)
         sys.exit(3)

@@ -24,7 +24,7 @@ from typing import Any
 
 import kopf
 
-from kascade_operator import enginetoken, plandriver, rolesync, rounds, trace
+from kascade_operator import enginetoken, plandriver, rolesync, rounds, shardhooks, trace
 from kascade_operator import labels as L
 from kascade_operator.actuator import act, apply
 from kascade_operator.decision import decide
@@ -37,6 +37,7 @@ from kascade_operator.operator_metrics import OperatorMetrics
 from kascade_operator.reconcile import TERMINAL, Result
 from kascade_operator.runtime import Runtime
 from kascade_operator.settings import OperatorSettings
+from kascade_operator.shardset import ShardSet
 from kascade_operator.snapshots import held_pods
 from kascade_planner.engine_tls import engine_tls_context
 
@@ -50,7 +51,10 @@ async def reconcile_service(rt: Runtime, body: dict[str, Any], trigger: str, lim
     runs rounds: one round at a time per ModelService, or two rounds would both see "no plan yet" and
     create two ScalePlans."""
     meta = body["metadata"]
-    async with rt.lock(meta["namespace"], "modelservice/" + meta["name"]):
+    lock = rt.lock(meta["namespace"], "modelservice/" + meta["name"])
+    async with lock, shardhooks.held(rt, meta["namespace"]) as ok:
+        if not ok:  # another shard's (given back while this round waited)
+            return None
         t0 = time.perf_counter()
         world = await observe(rt, body, trigger, limit)
         if world is None:
@@ -69,8 +73,8 @@ async def queued_round(rt: Runtime, key: Any) -> None:
     """A round the work queue asked for (rounds.py): the service as the watch last showed it."""
     ns, name = key
     body = next(iter((rt.service_index or {}).get(key, ())), None)
-    if body is None:
-        rounds.forget(rt, ns, name)  # deleted (or not ours any more)
+    if body is None or not rt.owns(ns):
+        rounds.forget(rt, ns, name)  # deleted (or not ours any more: another shard's)
         return
     woken = key in rt.metric_woken  # its loads changed: not skipped by the 0.95-interval rate limit
     rt.metric_woken.discard(key)
@@ -93,7 +97,8 @@ def _slim_pod(body: Any) -> dict[str, Any]:
                                              for c in status.get("containerStatuses") or []]}}
 
 
-def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
+def build_registry(settings: OperatorSettings, shards: ShardSet | None = None) -> kopf.OperatorRegistry:
+    """`shards`: the shards this replica holds (settings.shards > 1, shardlead.py); None: every service."""
     reg = kopf.OperatorRegistry()
     op_settings = settings  # kopf passes its own `settings` to the startup handler
     ms = dict(group=GROUP, version=VERSION, plural="modelservices", registry=reg)
@@ -120,6 +125,11 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
                                                                              tls=engine_tls),
                           PrometheusSource(s.prometheus_url) if s.metrics_source == "prometheus" and s.prometheus_url
                           else None, om)
+        memo.rt.shards = shards
+        if shards is not None:
+            settings.persistence.diffbase_storage = shardhooks.OwnedDiffBase(memo.rt.owns)
+            settings.persistence.progress_storage = shardhooks.OwnedProgress(memo.rt.owns)
+            shards.on_hold(lambda k: shardhooks.wake_shard(memo.rt, k))
         memo.rt.watch_nodes()  # the nodes by list + watch, not a kopf index (nodefacts.py: start-up cost)
         if s.router_url:  # demand when no engine exists (scale from zero), and status.url
             memo.rt.router = RouterDemand(s.router_demand_url or s.router_url, s.scrape_timeout_seconds,
@@ -184,6 +194,8 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
     @kopf.on.update(**mrole)
     async def on_role_object(body: kopf.Body, memo: kopf.Memo, **kw: Any) -> None:
         rt = rt_of(memo, kw)
+        if not rt.owns(body["metadata"]["namespace"]):
+            return
         await rolesync.orphan(rt, dict(body))  # one whose ModelService exists: its rounds
         ref = ((body.get("spec") or {}).get("modelServiceRef") or {}).get("name")
         if ref:
@@ -194,14 +206,17 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
     @kopf.on.update(**ms)
     async def on_service(body: kopf.Body, memo: kopf.Memo, reason: str, **kw: Any) -> None:
         rt = rt_of(memo, kw)
+        if not rt.owns(body["metadata"]["namespace"]):
+            return  # another shard's: its holder runs it (shardhooks.py)
         try:
             await reconcile_service(rt, dict(body), str(reason))
         finally:
             rounds.after_round(rt, body["metadata"]["namespace"], body["metadata"]["name"])
 
-    @kopf.on.delete(**ms)
+    @kopf.on.delete(**ms, when=shardhooks.claims)
     async def on_delete(body: kopf.Body, memo: kopf.Memo, **kw: Any) -> None:
         rt = rt_of(memo, kw)
+        await shardhooks.delete_guard(rt, body["metadata"]["namespace"])
         async with rt.lock(body["metadata"]["namespace"], "modelservice/" + body["metadata"]["name"]):
             await plandriver.release_all(rt, dict(body))
         rounds.forget(rt, body["metadata"]["namespace"], body["metadata"]["name"])
@@ -209,8 +224,8 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
     # a plan's daemon stops when its phase turns terminal: signalled first (the driver returns on its own
     # within one poll), cancelled only after cancellation_backoff
     @kopf.daemon(**splan, cancellation_backoff=5.0, cancellation_timeout=2.0,
-                 when=lambda status, **_: (status or {}).get("phase") not in TERMINAL)
+                 when=lambda status, **kw: (status or {}).get("phase") not in TERMINAL and shardhooks.claims(**kw))
     async def drive_plan(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **kw: Any) -> None:
-        await plandriver.drive(rt_of(memo, kw), dict(body), stopped)
+        await shardhooks.drive_owned(rt_of(memo, kw), dict(body), stopped, plandriver.drive)
 
     return reg

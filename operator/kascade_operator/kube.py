@@ -281,6 +281,29 @@ class Kube:
         except ApiException as e:
             _raise(e, f"{plural[:-1]} {ns}/{name} status")
 
+    # -- Leases (shardlead.py: one per shard, one per replica) ------------------------------------
+    async def list_leases(self, ns: str, selector: str) -> list[dict[str, Any]]:
+        coord = client.CoordinationV1Api(self.api)
+        doc = await self._json(await coord.list_namespaced_lease(ns, label_selector=selector, _preload_content=False,
+                                                                 _request_timeout=self.t), f"list leases in {ns}")
+        return list(doc.get("items") or [])
+
+    async def delete_lease(self, ns: str, name: str) -> None:
+        coord = client.CoordinationV1Api(self.api)
+        await self._done(await coord.delete_namespaced_lease(name, ns, _preload_content=False,
+                                                             _request_timeout=self.t), f"lease {ns}/{name}")
+
+    async def write_lease(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Create the Lease, or replace it when `body` carries the resourceVersion read (guarded: `Conflict` when
+        someone wrote it since, or created it first)."""
+        coord, name = client.CoordinationV1Api(self.api), body["metadata"]["name"]
+        if body["metadata"].get("resourceVersion"):
+            resp = await coord.replace_namespaced_lease(name, ns, body, _preload_content=False,
+                                                        _request_timeout=self.t)
+        else:
+            resp = await coord.create_namespaced_lease(ns, body, _preload_content=False, _request_timeout=self.t)
+        return dict(await self._json(resp, f"lease {ns}/{name}"))
+
     async def event(self, ns: str, obj: dict[str, Any], kind: str, etype: str, reason: str, message: str,
                     api_version: str = f"{GROUP}/{VERSION}") -> None:
         """A core/v1 Event on `obj` (a ModelService or ScalePlan, or of `api_version`: the operator's Deployment);

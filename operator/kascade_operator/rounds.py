@@ -47,7 +47,7 @@ def service_of(model_service: str, pool_ns: str) -> Key:
 def wake(rt: Runtime, ns: str, name: str, metrics: bool = False) -> None:
     """Queue an urgent round for the service: now when its metrics changed (`metrics`), else now or once its
     rate limit allows."""
-    if rt.queue is None:
+    if rt.queue is None or not rt.owns(ns):  # another shard's service (shardset.py): dropped here
         return
     key = (ns, name)
     if metrics:
@@ -63,7 +63,7 @@ def wake(rt: Runtime, ns: str, name: str, metrics: bool = False) -> None:
 
 def after_round(rt: Runtime, ns: str, name: str) -> None:
     """Queue the service's next round: one interval on while it moves, `resync_seconds` when steady."""
-    if rt.queue is None:
+    if rt.queue is None or not rt.owns(ns):
         return
     interval, steady = rt.steady.get((ns, name), (rt.settings.interval_seconds, False))
     # not urgent; a resync 0-10% later than its period, so services started together do not resync together
@@ -100,7 +100,8 @@ async def sweep_forever(rt: Runtime, view: MetricsView) -> None:
         while True:
             t0 = time.monotonic()
             try:
-                pods = {pns: (await rt.pool_snapshot(pns)).views.values() for pns in rt.pool_namespaces()}
+                pods = {pns: (await rt.pool_snapshot(pns)).views.values() for pns in rt.pool_namespaces()
+                        if rt.shards is None or rt.shards.owns(pns)}  # the engines of the shards held here
                 groups = targets(pods)
                 await view.sweep(groups, lambda g: wake(rt, g[0], g[1], metrics=True))
                 rt.metrics.sweep.observe(view.last_sweep_s)

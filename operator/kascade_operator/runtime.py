@@ -30,6 +30,7 @@ from kascade_operator.nodefacts import NodeFacts
 from kascade_operator.operator_metrics import OperatorMetrics
 from kascade_operator.pool import PodView, pod_view
 from kascade_operator.settings import OperatorSettings
+from kascade_operator.shardset import ShardSet
 from kascade_operator.snapshots import PlanSnapshot, PoolSnapshot, cached, group_plans, group_pool
 from kascade_operator.validation import max_gpus
 from kascade_operator.workqueue import WorkQueue
@@ -97,6 +98,11 @@ class Runtime:
     service_index: Mapping[Any, Any] | None = None  # ModelService bodies by (namespace, name)
     sweep_task: asyncio.Task[None] | None = None
     fleet: dict[str, FleetBoard] = field(default_factory=dict)  # pool namespace -> its services' asks
+    shards: ShardSet | None = None  # settings.shards > 1: the shards held here (shardlead.py); None: every service
+
+    def owns(self, ns: str) -> bool:
+        """Services of namespace `ns` get rounds here: always with one shard, else when their pool's shard is held."""
+        return self.shards is None or self.shards.owns(self.pool_namespace(ns))
 
     def fleet_board(self, pool_ns: str) -> FleetBoard:
         return self.fleet.setdefault(pool_ns, FleetBoard())

@@ -168,6 +168,10 @@ class OperatorSettings(BaseSettings):
     lease_renew_deadline_seconds: float = Field(default=10.0, gt=1, le=300)
     lease_retry_seconds: float = Field(default=2.0, ge=1, le=60)
     identity: str = Field(default="", description="this replica's name in the Lease (default: hostname + pid)")
+    shards: int = Field(default=1, ge=1, le=256, description="replicas split the services into this many shards, "
+                        "one Lease each (`<lease_name>-<k>`); a service's shard is a stable hash of its warm pool's "
+                        "namespace mod shards (sharding.py). 1: one leader runs every service (the Lease "
+                        "`<lease_name>`)")
 
     @model_validator(mode="after")
     def _capacity_keys(self) -> OperatorSettings:
@@ -209,6 +213,17 @@ class OperatorSettings(BaseSettings):
             raise ValueError("KASCADE_OPERATOR_LEASE_*: need lease duration > renew deadline > 1.2 x retry period "
                              f"(got {self.lease_duration_seconds}, {self.lease_renew_deadline_seconds}, "
                              f"{self.lease_retry_seconds})")
+        return self
+
+    @model_validator(mode="after")
+    def _shards_need_pools(self) -> OperatorSettings:
+        if self.shards > 1 and not self.leader_election:
+            raise ValueError(f"KASCADE_OPERATOR_SHARDS {self.shards} needs KASCADE_OPERATOR_LEADER_ELECTION: "
+                             "shards are held on Leases")
+        if self.shards > 1 and self.pool_namespace:
+            raise ValueError(f"KASCADE_OPERATOR_SHARDS {self.shards} with KASCADE_OPERATOR_POOL_NAMESPACE "
+                             f"{self.pool_namespace!r}: every service shares that one pool (one fleet arbitration), "
+                             "which one shard must own; shard with a pool per namespace")
         return self
 
     @property

@@ -490,3 +490,18 @@ def test_router_api_keys_come_from_a_secret(helm: Helm) -> None:
     assert mounts["router-auth"] == "/etc/kascade/router-auth" and len(mounts) == 2  # beside the engine CA
     vols = {v["name"]: v for v in spec["volumes"]}
     assert vols["router-auth"]["secret"]["secretName"] == "keys"
+
+
+def test_shards_need_a_pool_per_namespace_and_get_the_lease_rights_they_use(helm: Helm) -> None:
+    with pytest.raises(subprocess.CalledProcessError) as e:
+        render(helm, "--set", "operator.shards=2")  # one pool for every service: one shard must own it
+    assert "operator.shards 2 needs a pool per namespace" in str(e.value.stderr)
+    docs = render(helm, "--set", "operator.shards=2", "--set", "pool.enabled=false")
+    env = {x["name"]: x.get("value") for x in
+           by(docs, "Deployment", "rel-operator")["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["KASCADE_OPERATOR_SHARDS"] == "2" and env["KASCADE_OPERATOR_LEADER_ELECTION"] == "true"
+    rules = by(docs, "Role", "rel-operator-token")["rules"]
+    assert {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+            "verbs": ["get", "list", "update", "patch", "delete"]} in rules  # shard and member Leases, listed by label
+    one = by(render(helm), "Role", "rel-operator-token")["rules"]  # one shard: only the leader's Lease, by name
+    assert not any("list" in r["verbs"] for r in one if r["resources"] == ["leases"])
