@@ -159,8 +159,10 @@ async def test_a_middle_receiver_runs_its_next_step_while_rows_are_downstream(ti
     params = SamplingParams(max_tokens=6)
     prompts = PROMPTS * 3
     want = unsplit(tiny_blocks, prompts, params)
-    # the last stage's steps take a while: earlier stages have time to go on
-    async with _pipeline(tiny_ckpt, tiny_blocks, last_layer_s=0.05) as pl:
+    # the last stage's steps take a while: earlier stages have time to go on. 0.15 s a layer, not 0.05: at load
+    # 20 the head's own steps (and the 10 ms between submissions) stretched enough that only 3 were out while
+    # r3 ran one (a CI-style run failed on `max_inflight > PIPELINE_DEPTH`); the property is the same.
+    async with _pipeline(tiny_ckpt, tiny_blocks, last_layer_s=0.15) as pl:
         r1, r2, r3 = pl.r1, pl.r2, pl.r3
         # the head of a pipeline loads no source: routers weigh it by the pipeline's capacity, not by its 2 of 4
         # layers nor as one replica: three receivers (r1, r2, r3), but its 2-layer steps admit 4 / 2 times as
