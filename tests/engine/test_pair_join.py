@@ -87,10 +87,13 @@ async def test_b_rows_join_a_running_step_at_their_layer(tiny_ckpt, tiny_blocks,
     p = await _pair(tiny_ckpt, tiny_blocks, resident=2)
     try:
         a, b = p.a, p.b
-        a.host.layer_s = 0.08  # A's step: 4 layers x 80 ms; B's rows start at layer 2 (160 ms into it)
+        # A's step: 4 layers x 200 ms; B's rows start at layer 2 (400 ms into it). At 80 ms a layer, a CI-style
+        # run at load 20 delivered an instant B frame after A had passed layer 2 (caught up, not joined).
+        layer_s = 0.2
+        a.host.layer_s = layer_s
         await b.set_cooperate(CooperateRequest(p.peer, "besteffort"))
         assert b.pair is not None
-        b.pair.layer_s = 0.08 if b_paced else 0.0  # paced: B's 2-layer prefix takes as long as A's layers 0-1
+        b.pair.layer_s = layer_s if b_paced else 0.0  # paced: B's 2-layer prefix takes as long as A's layers 0-1
         long = a.serving.submit(PROMPTS[3], SamplingParams(max_tokens=400))  # keeps A stepping throughout
         a_run = asyncio.create_task(collect(a, a.serving.submit(PROMPTS[1], params)))
         while a.engine.steps < 2:
