@@ -164,6 +164,7 @@ def test_tp2_live_service_scales_and_the_new_replica_serves_split_while_it_loads
             assert complete(url) == want  # layers it holds on its two ranks, the rest on the source
             while_loading += 0 if engine_status(pool, target)["ready"] else 1
         assert while_loading > 0, "the target completed before it answered a request while loading"
+        print(f"{while_loading} requests answered split by the TP-2 target while it loaded")
         assert live_split(pool, target) >= while_loading
         wait_for(lambda: len(loaded(cp, ns)) == 2, 180, "2 ready replicas")
         for p in loaded(cp, ns):

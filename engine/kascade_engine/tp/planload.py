@@ -4,14 +4,14 @@ Every participant decides the share kind from the plan alone (`tpgroup.instance_
 is a TP-g GPU instance (matched TP), else "parts".
 
 Target (rank 0 of a TP-g engine started with `--tp g --empty`): derive the planes -> send every follower its plane
-(`TPEngine.load_planes`, the step channel) -> receive plane 0 on this process's data port + 0 while rank r receives
-plane r on data port + r (every share's digest verified by the relay before it is kept) -> every rank says whether
-its plane completed (`planes.agree`: one failed rank fails the load on every rank, naming it; nothing of it is
-kept, the instance stays up, empty, with the load error, and the operator releases it for the next plan; a rank
-that is gone, or a failed gather, fails the instance: it exits 3 and the pod is replaced) -> parts: the all-gather,
-each whole block's digest checked (gather.py), every rank keeps its slices and rank 0 also keeps the whole blocks as
-its `blockset` (a source of any next plan);
-slices: every rank adds its verified slices as they are (no gather), rank 0 keeps the whole blocks' manifest only.
+(`TPEngine.load_planes`, the step channel; it receives it on data port + r in the background and goes on following
+steps) -> receive plane 0 on this process's data port + 0 (every share's digest verified by the relay before it is
+kept) -> layer by layer (progressive.py): poll every rank's verified shares, install the blocks every rank holds on
+every rank at once (parts: the all-gather, each whole block's digest checked, gather.py; slices: as they are), so the
+instance serves its resident prefix (with a live pair) while it loads. A failed plane on any rank fails the load on
+every rank, naming it (the instance stays up with the load error, the operator releases it for the next plan); a
+rank that is gone, or a failed gather, fails the instance: it exits 3 and the pod is replaced. Parts: rank 0 also
+keeps the whole blocks as its `blockset` (a source of any next plan); slices: only the whole blocks' manifest.
 Either way every rank keeps its slice blocks (`RankModel.slices`), so the instance can source a matched-TP plan.
 Source, parts (a TP-1 engine, or rank 0 of a TP-g instance holding whole blocks): one TransferNode per plane,
 plane r on its data port + r, sending the parts of plane r (zero-copy views of its blocks, digests computed here).
