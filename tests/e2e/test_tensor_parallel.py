@@ -121,7 +121,8 @@ def test_tp2_target_rank_killed_mid_transfer_is_replaced(
     src, want, plan = scale_to_two(cp, ns, pool, ckpt)
     target = plan["spec"]["targets"][0]["instance"]
     e = pool.engines[target]
-    wait_for(lambda: engine_status(pool, target)["phase"] == "loading", 30, "the target loading")
+    # loading, or live (paired with the source, serving its installed layers: the plan is live by default)
+    wait_for(lambda: engine_status(pool, target)["phase"] in ("loading", "live"), 30, "the target loading")
     kids = Path(f"/proc/{e.proc.pid}/task/{e.proc.pid}/children").read_text().split()
     assert len(kids) == 1, kids  # its follower rank
     os.kill(int(kids[0]), signal.SIGKILL)
