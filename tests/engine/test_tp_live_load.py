@@ -105,3 +105,51 @@ def test_a_tp2_target_serves_split_with_its_source_while_it_loads(wide_ckpt: Pat
     finally:
         for e in (a, b):
             e.stop()
+
+
+def test_a_plan_failing_mid_load_fails_the_load_keeps_the_installed_layers_and_the_next_plan_loads(
+        wide_ckpt: Path) -> None:
+    """The source dies after B installed its first layers on both ranks: the load fails on every rank (loadError
+    names the planes), the instance stays up with both ranks and the layers it had installed (as a TP-1 target keeps
+    its verified blocks), every rank stops receiving (their data ports are free), and after a release the next plan
+    over the same ports loads B whole, serving the TP-1 text."""
+    import os
+    import signal
+
+    blocks: BlockSet = pack_checkpoint(wide_ckpt, model="tiny-llama")
+    a = start_engine(["--checkpoint", str(wide_ckpt), *COMMON, "--transfer-max-mbps", "0.5"], timeout=300)
+    b = start_engine(["--checkpoint", str(wide_ckpt), *COMMON, "--tp", "2", "--empty"], timeout=300)
+    a2: EngineProc | None = None
+    try:
+        want = _texts(a)
+        sp, tp_ = free_port_runs(2, 2)
+        doc = {"plan": _instance_plan(blocks, 2).to_dict(), "planToken": "dies",
+               "peers": {"s0": f"127.0.0.1:{sp}", "t0": f"127.0.0.1:{tp_}"}, "timeoutSeconds": 15}
+        manifest = httpx.get(a.url + "/kascade/v1/manifest?parts=2", headers=H).json()
+        assert httpx.post(b.url + "/kascade/v1/load-plan", json={**doc, "self": "t0", "manifest": manifest},
+                          headers=H).status_code == 200
+        assert httpx.post(a.url + "/kascade/v1/load-plan", json={**doc, "self": "s0"}, headers=H).status_code == 200
+        _wait(b, lambda s: s["blocks"]["layer.0"], "B's first layer on both ranks")
+        os.kill(a.proc.pid, signal.SIGKILL)
+        a.proc.wait(30)
+        deadline = time.monotonic() + 120
+        while not (st := _status(b))["loadError"]:
+            assert time.monotonic() < deadline, st
+            time.sleep(0.2)
+        assert "rank" in st["loadError"] and not st["ready"], st
+        assert st["blocks"]["embed"] and st["blocks"]["layer.0"] and _prefix(st) < 6, st  # kept, as at tp 1
+        assert b.proc.poll() is None and len(Path(f"/proc/{b.proc.pid}/task/{b.proc.pid}/children").read_text()
+                                              .split()) == 1  # the instance, both ranks, is up
+        assert httpx.post(b.url + "/kascade/v1/release", headers=H, json={}).status_code == 200
+        a2 = start_engine(["--checkpoint", str(wide_ckpt), *COMMON], timeout=300)
+        doc = {**doc, "planToken": "next", "timeoutSeconds": 60}
+        assert httpx.post(b.url + "/kascade/v1/load-plan", json={**doc, "self": "t0", "manifest": manifest},
+                          headers=H).status_code == 200
+        assert httpx.post(a2.url + "/kascade/v1/load-plan", json={**doc, "self": "s0"}, headers=H).status_code == 200
+        done = _wait(b, lambda s: bool(s["ready"]), "B's next load", timeout=180)
+        assert sorted(int(s["rank"]) for s in done["tpLoad"]) == [0, 1]
+        assert _texts(b) == want
+    finally:
+        for e in (a, b, a2):
+            if e is not None:
+                e.stop()
