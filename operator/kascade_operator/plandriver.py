@@ -53,11 +53,12 @@ async def source_manifest(rt: Runtime, sources: list[PodView]) -> dict[str, Any]
 
 
 def plans_live(spec: ModelServiceSpec) -> bool:
-    """Whether the service's ScalePlans pair loading targets live (`spec.scaling.live`). Never into tensor-parallel
-    targets: engines of any tp pair live (docs/tp.md), but a TP target loading by plan installs every block at once,
-    after all its ranks' planes landed (engine tp/planload.py), and its followers follow no step until then, so it
-    never has a resident prefix to serve while it loads: a pair would carry nothing."""
-    return bool(spec.scaling and spec.scaling.live) and spec.engine.tp == 1
+    """Whether the service's ScalePlans pair loading targets live (`spec.scaling.live`), at any tp: a TP target
+    loading by plan installs each block on all its ranks as soon as every rank holds its share (engine
+    tp/progressive.py), so it serves its resident prefix with its pair while it loads, as a TP-1 target does
+    (docs/tp.md). Execution pipelines stay TP-1 only (scaleplan.py `build`): a TP engine as a pipeline hop is
+    untested."""
+    return bool(spec.scaling and spec.scaling.live)
 
 
 async def new_scaleplan(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, action: CreatePlan,

@@ -97,8 +97,8 @@ def build(action: CreatePlan, pods: Mapping[str, PodView], nodes: Sequence[Mappi
     serving = [s.id for s in srcs if s.kind == "gpu"]  # host sources serve nothing: never overloaded
     plan = make_plan(topo, model, srcs, tgts, algorithm if srcs else "local", overloaded=serving,
                      live=live, kv_flows=flows, host_cached_nodes=cached)
-    if not live:  # execution pipelines are live execution too (livewiring.py runs them only when asked)
-        plan = replace(plan, pipelines=())
+    if not live or tp > 1:  # execution pipelines are live execution too (livewiring.py runs them only when asked);
+        plan = replace(plan, pipelines=())  # a TP engine as a pipeline hop is untested: TP services get pairs only
     if tp > 1:  # engines run a plan into TP targets as one rank plane per GPU (tpgroup.py; tp/planload.py)
         plan = unsharded(plan)
     by_id = {pods[n].instance: pods[n] for n in (*action.sources, *action.targets)}

@@ -108,10 +108,9 @@ def test_tp_with_prefill_decode_disaggregation_is_accepted() -> None:
     assert semantic_errors(spec(2), 8) == []
 
 
-def test_live_pairs_are_planned_for_tp1_services_only() -> None:
-    """Engines of any tp pair live (tests/engine/test_tp_live.py), but a TP target loading by plan holds no layer until
-    every rank's plane landed, so the operator plans no live pair into it (docs/tp.md): spec.scaling.live is ignored
-    for tp > 1, and still honoured at tp 1."""
+def test_live_pairs_are_planned_for_services_of_any_tp() -> None:
+    """A TP target loading by plan serves its resident prefix with a live pair (tests/engine/test_tp_live_load.py), so
+    spec.scaling.live plans pairs at tp 2 as at tp 1; off is off."""
     from kascade_operator.plandriver import plans_live
 
     def live(tp: int, on: bool) -> ModelServiceSpec:
@@ -119,5 +118,19 @@ def test_live_pairs_are_planned_for_tp1_services_only() -> None:
                                                 "scaling": {"live": on}})
 
     assert plans_live(live(1, True))
-    assert not plans_live(live(2, True))
+    assert plans_live(live(2, True))
+    assert not plans_live(live(2, False))
     assert not plans_live(live(1, False))
+
+
+def test_a_live_scaleplan_into_tp2_targets_pairs_them_with_no_execution_pipeline() -> None:
+    """Live at tp 2: the loading target is paired with the serving source (it serves its resident prefix split), but
+    no execution pipeline is planned (a TP engine as a pipeline hop is untested); at tp 1 binomial plans keep theirs."""
+    pods = {p.pod_name: p for p in (pod("s", "n0", "svc", "colocated", ready=True), pod("a", "n1"), pod("b", "n2"))}
+    act = CreatePlan("colocated", ("s",), ("a", "b"), "up")
+    two = SP.build(act, pods, NODES, SP.layout("m", 4), "binomial", 2, live=True).plan
+    assert two.live_pairs and {t for _, t in two.live_pairs} <= {"a", "b"}
+    assert two.pipelines == ()
+    one = SP.build(act, pods, NODES, SP.layout("m", 4), "binomial", 1, live=True).plan
+    assert one.live_pairs and one.pipelines  # (λScale's receivers; livewiring forms those of two or more)
+    assert SP.build(act, pods, NODES, SP.layout("m", 4), "binomial", 2, live=False).plan.live_pairs == ()

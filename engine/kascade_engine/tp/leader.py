@@ -55,6 +55,7 @@ class TPEngine(Engine):
         self.failed: str | None = None
         self.on_lost: Callable[[str], None] | None = None  # once, when a rank is gone (the server exits)
         self.channel = threading.Lock()  # the control group: one message (and its collectives) at a time
+        self.loads = 0  # Load messages sent (the followers count them too: an Abort names its load)
         model.reduce = group.reduce
 
     def lost(self, why: str) -> None:
@@ -119,13 +120,40 @@ class TPEngine(Engine):
         with self._collective("receiving KV", msg.ScatterKV(at)):
             kv.scatter(self.model.layout, self.cache, at, k, v, self.group.control)
 
-    def load_planes(self, planes: list[dict[str, Any]]) -> None:
-        """Send every follower its plane (rank r loads planes[r]); rank 0 then loads planes[0] itself and meets
-        them in the gather (loader.py)."""
+    def load_planes(self, planes: list[dict[str, Any]]) -> int:
+        """Send every follower its plane (rank r receives planes[r] in the background and goes on following steps);
+        rank 0 receives planes[0] itself, then polls `load_progress` and installs by `install_blocks`
+        (progressive.py, planload.py). Returns the load's number (`abort_load` names it)."""
         if self.failed is not None:
             raise RankLost(self.failed)
         with self.channel:
             msg.send(msg.Load(planes), self.group.control)
+            self.loads += 1
+            return self.loads
+
+    def load_progress(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every rank's report of its plane (rank 0's is `mine`), in rank order: a collective (call it off the loop)."""
+        if self.failed is not None:
+            raise RankLost(self.failed)
+        said: list[Any] = [None] * self.group.tp
+        with self._collective("reporting its load", msg.Progress()):
+            dist.all_gather_object(said, mine, group=self.group.control)
+        return [dict(x) for x in said]
+
+    def install_blocks(self, blocks: list[str], here: Callable[[], None]) -> None:
+        """Every rank installs `blocks` from its verified shares; `here` installs rank 0's (parts: the all-gather
+        with the followers, a collective; a digest that fails after it fails the instance)."""
+        if self.failed is not None:
+            raise RankLost(self.failed)
+        with self._collective("installing blocks", msg.Install(list(blocks))):
+            here()
+
+    def abort_load(self, reason: str, load: int) -> None:
+        """Every follower stops receiving its plane of load number `load` (one it received a later Load after
+        ignores it); best effort: a broken instance has nobody to tell."""
+        if self.failed is None:
+            with contextlib.suppress(RuntimeError), self.channel:
+                msg.send(msg.Abort(reason, load), self.group.control)
 
     def load_path(self, path: str) -> None:
         """Every follower packs checkpoint `path` and keeps its slices (rank 0 loads its own: loader.py)."""

@@ -218,17 +218,7 @@ def install(model: RankModel, ps: PlaneSpec, got: Received, group: dist.ProcessG
 
 
 class PlaneFailed(RuntimeError):
-    """A rank's plane did not complete: the instance holds no weights from this plan (every rank raises it)."""
-
-
-def agree(error: str | None, rank: int, tp: int, group: dist.ProcessGroup | None = None) -> None:
-    """Every rank says whether its plane completed; if any did not, every rank raises PlaneFailed naming it
-    (before any collective of the gather, which would otherwise wait for the failed rank until it timed out)."""
-    said: list[Any] = [None] * tp
-    dist.all_gather_object(said, error, group=group)
-    bad = [(r, e) for r, e in enumerate(said) if e]
-    if bad:
-        raise PlaneFailed("; ".join(f"rank {r}: {e}" for r, e in bad))
+    """A rank's plane did not complete: the load failed (progressive.py), the instance is whole."""
 
 
 def serve_slices(model: RankModel, ps: PlaneSpec, after: threading.Thread | None = None) -> threading.Thread:
@@ -262,21 +252,6 @@ def serve_slices(model: RankModel, ps: PlaneSpec, after: threading.Thread | None
     t = threading.Thread(target=main, daemon=True, name=f"tp-serve-{model.rank}")
     t.start()
     return t
-
-
-def load_rank(model: RankModel, ps: PlaneSpec, tp: int, group: dist.ProcessGroup | None = None,
-              device: torch.device | None = None) -> Sequence[Mapping[str, float]]:
-    """A follower's whole load by plan (its own asyncio loop): receive, agree, install, exchange stats."""
-    got: Received | None = None
-    error: str | None = None
-    try:
-        got = receive_plane_sync(ps)
-    except Exception as e:  # TransferFailed, a refused spec, a port in use: said to every rank below
-        error = f"{type(e).__name__}: {e}"
-    agree(error, model.rank, tp, group)
-    assert got is not None
-    gather_s = install(model, ps, got, device=device)
-    return exchange_stats(got, gather_s, model.rank, tp, group)
 
 
 def exchange_stats(got: Received, gather_s: float, rank: int, tp: int,

@@ -4,14 +4,14 @@ Every participant decides the share kind from the plan alone (`tpgroup.instance_
 is a TP-g GPU instance (matched TP), else "parts".
 
 Target (rank 0 of a TP-g engine started with `--tp g --empty`): derive the planes -> send every follower its plane
-(`TPEngine.load_planes`, the step channel) -> receive plane 0 on this process's data port + 0 while rank r receives
-plane r on data port + r (every share's digest verified by the relay before it is kept) -> every rank says whether
-its plane completed (`planes.agree`: one failed rank fails the load on every rank, naming it; nothing of it is
-kept, the instance stays up, empty, with the load error, and the operator releases it for the next plan; a rank
-that is gone, or a failed gather, fails the instance: it exits 3 and the pod is replaced) -> parts: the all-gather,
-each whole block's digest checked (gather.py), every rank keeps its slices and rank 0 also keeps the whole blocks as
-its `blockset` (a source of any next plan);
-slices: every rank adds its verified slices as they are (no gather), rank 0 keeps the whole blocks' manifest only.
+(`TPEngine.load_planes`, the step channel; it receives it on data port + r in the background and goes on following
+steps) -> receive plane 0 on this process's data port + 0 (every share's digest verified by the relay before it is
+kept) -> layer by layer (progressive.py): poll every rank's verified shares, install the blocks every rank holds on
+every rank at once (parts: the all-gather, each whole block's digest checked, gather.py; slices: as they are), so the
+instance serves its resident prefix (with a live pair) while it loads. A failed plane on any rank fails the load on
+every rank, naming it (the instance stays up with the load error, the operator releases it for the next plan); a
+rank that is gone, or a failed gather, fails the instance: it exits 3 and the pod is replaced. Parts: rank 0 also
+keeps the whole blocks as its `blockset` (a source of any next plan); slices: only the whole blocks' manifest.
 Either way every rank keeps its slice blocks (`RankModel.slices`), so the instance can source a matched-TP plan.
 Source, parts (a TP-1 engine, or rank 0 of a TP-g instance holding whole blocks): one TransferNode per plane,
 plane r on its data port + r, sending the parts of plane r (zero-copy views of its blocks, digests computed here).
@@ -26,24 +26,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from kascade_engine.net.pacing import paced
 from kascade_engine.net.relay import TransferNode
 from kascade_engine.net.transfer_spec import TransferSpec
-from kascade_engine.tp.planes import (
-    PlaneFailed,
-    PlaneSpec,
-    Received,
-    agree,
-    derive_planes,
-    exchange_stats,
-    install,
-    receive_plane,
-    share_blocks,
-)
+from kascade_engine.tp.planes import PlaneFailed, PlaneSpec, derive_planes, share_blocks
+from kascade_engine.tp.progressive import PlaneReceiver, common_ready, failures, install_ready
 from kascade_engine.weights.blocks import Block, BlockSet
 from kascade_planner.tpgroup import Mode, instance_mode, rank_id
 
@@ -161,43 +154,69 @@ async def _source(inst: Any, specs: list[TransferSpec], me: str, shares: list[Bl
     inst.loading = asyncio.create_task(run())
 
 
+POLL_S = 0.1  # how often rank 0 asks every rank how far its plane got while a load runs (one small collective)
+
+
 async def _target(inst: Any, spec: TransferSpec, specs: list[TransferSpec], me: str, g: int, mode: Mode) -> None:
     ids = spec.plan.model.block_ids
     whole = {b: spec.manifest[b] for b in ids} if mode == "parts" else {b: spec.manifest.get(b, {}) for b in ids}
     docs = [PlaneSpec(specs[r], rank_id(me, r), mode, whole, inst.config.transport) for r in range(g)]
     engine, model = inst.ranks.engine, inst.model
     control = engine.group.control
-    engine.load_planes([d.to_dict() for d in docs])
+    load = engine.load_planes([d.to_dict() for d in docs])  # the followers receive theirs beside their step loop
+    rx = PlaneReceiver(docs[0], 0, g)
     started = time.monotonic()
 
     async def run() -> None:
-        got: Received | None = None
-        error: str | None = None
+        receiving = asyncio.create_task(rx.run(inst.config.weight_transport()))
+        keep: list[Block] = []
+        installed: set[str] = set()
         try:
-            got = await receive_plane(docs[0], inst.config.weight_transport())
-        except Exception as e:  # said to every rank: the instance fails as a whole
-            error = f"{type(e).__name__}: {e}"
-        try:
-            await asyncio.to_thread(agree, error, 0, g, control)
-            assert got is not None
-            keep: list[Block] = []
-            gather_s = await asyncio.to_thread(install, model, docs[0], got, None, model.device, keep)
-            stats = await asyncio.to_thread(exchange_stats, got, gather_s, 0, g, control)
-        except PlaneFailed as e:  # every rank agreed it failed and kept nothing: the instance is whole, the load
-            # failed (as a TP-1 target's: loadError, the operator drops and releases it, the pod stays for the next)
-            log.error("tensor-parallel load into %s failed on every rank, nothing kept: %s", me, e)
+            while True:
+                if receiving.done():
+                    await asyncio.sleep(POLL_S)
+                else:  # rank 0's own plane may end first: then poll at once
+                    await asyncio.wait([receiving], timeout=POLL_S)
+                reports = await asyncio.to_thread(engine.load_progress, rx.report())
+                bad = failures(reports)
+                if bad is not None:
+                    raise PlaneFailed(bad)
+                ready = common_ready(reports, ids, installed)
+                if ready:  # every rank holds its share of these: install them everywhere, now
+                    here = partial(install_ready, model, rx, ready, control, model.device,
+                                   keep if mode == "parts" else None)
+                    await asyncio.to_thread(engine.install_blocks, ready, here)
+                    installed.update(ready)
+                    inst.bytes_received = rx.bytes_in
+                    if len(installed) < len(ids):  # the phase follows residency (live: it serves its prefix); the
+                        inst.add_block(None)  # last blocks' settle comes below, with the blockset a source needs
+                if len(installed) == len(ids) and all(r["done"] for r in reports):
+                    break
+            reports = await asyncio.to_thread(engine.load_progress, rx.report())  # the last installs' gather time
+        except PlaneFailed as e:  # a rank's plane failed: every rank stops; the instance is whole, the load failed
+            # (as a TP-1 target's: loadError, the blocks installed so far stay, the operator drops and releases it)
+            log.error("tensor-parallel load into %s failed (%d of %d blocks installed): %s", me, len(installed),
+                      len(ids), e)
+            receiving.cancel()
+            await asyncio.to_thread(engine.abort_load, str(e), load)
             inst.load_error = str(e)
             inst.transfer_failures += 1
             return
+        except asyncio.CancelledError:  # released while loading: the followers stop receiving too
+            receiving.cancel()  # (a thread: this task is cancelled; the next Load cancels it anyway)
+            threading.Thread(target=engine.abort_load, args=("the load was cancelled", load), daemon=True,
+                             name="tp-abort").start()
+            raise
         except Exception as e:  # GatherError, a rank gone: the ranks may disagree on what they hold, so it exits
             log.error("tensor-parallel load into %s failed: %s", me, e)
             inst.load_error = str(e)
             inst.transfer_failures += 1
             engine.lost(f"load plan failed: {e}")
             return
-        inst.bytes_received = got.bytes_in
-        inst.transfer_bw = got.bytes_in / max(1e-6, time.monotonic() - started)
-        inst.tp_load_stats = list(stats)
+        stats = [{k: float(r[k]) for k in ("rank", "bytes", "seconds", "gatherSeconds")} for r in reports]
+        inst.bytes_received = rx.bytes_in
+        inst.transfer_bw = rx.bytes_in / max(1e-6, time.monotonic() - started)
+        inst.tp_load_stats = stats
         # parts: rank 0 keeps the gathered whole blocks (a source of any next plan); slices: only its own slices
         # (a source of matched-TP plans: every rank sends its own), and the whole blocks' manifest, if it came
         inst.blockset = BlockSet(inst.config.model_name, model.full_cfg, keep) if keep else None
@@ -208,3 +227,4 @@ async def _target(inst: Any, spec: TransferSpec, specs: list[TransferSpec], me: 
     inst.loading = asyncio.create_task(run())
     inst.plan = spec.to_dict()
     inst.begin_loading()
+

@@ -3,8 +3,10 @@
 Data flow: the checkpoint's blocks -> its slices (rankmodel.py) -> join the group (group.py; blocks until every
 rank is in) -> barrier (every rank loaded) -> loop: rank 0's step message (step.py) -> `build_batch` over its own
 paged KV cache with rank 0's page tables -> embed -> every layer (its heads and MLP slice, all-reducing with the
-other ranks) -> next message; no logits (only rank 0 samples). `Load`: receive this rank's plane of a plan;
-`Serve`: send this rank's slices in its plane (matched TP, a background thread); `Manifests`: say this rank's slice
+other ranks) -> next message; no logits (only rank 0 samples). `Load`: receive this rank's plane of a plan, in the
+background (progressive.py: the rank goes on following steps); `Progress` / `Install` / `Abort`: rank 0 asks how far
+it got, installs the blocks every rank holds, gives the load up; `Serve`: send this rank's slices in its plane
+(matched TP, a background thread); `Manifests`: say this rank's slice
 manifest; `GatherKV` / `ScatterKV`: a request's KV heads of this rank to / from rank 0 (disaggregated serving,
 kv.py); `Layers`: a live pair's partial forward (a layer range over rank 0's hidden states, leader.py). `Stop`
 ends it with 0; a failed collective (a rank or rank 0 gone) ends it with 3, the reason on stderr.
@@ -25,7 +27,7 @@ import torch.distributed as dist
 
 from kascade_engine.batch.kvcache import KVCache, build_batch
 from kascade_engine.batch.scheduler import Limits
-from kascade_engine.tp import kv, planes
+from kascade_engine.tp import kv, planes, progressive
 from kascade_engine.tp import step as msg
 from kascade_engine.tp.group import RankGroup, join
 from kascade_engine.tp.rankmodel import RankModel
@@ -42,16 +44,35 @@ def follow(model: RankModel, cache: KVCache, group: RankGroup) -> str:
     model.reduce = group.reduce
     L = model.shape.layers
     serving: threading.Thread | None = None  # this rank's latest Serve (they take turns on its data port)
+    loading: progressive.PlaneReceiver | None = None  # this rank's latest plane received by plan
+    loads = 0  # Load messages received (an Abort names the one it gives up)
     while True:
         m = msg.receive(group.control)
         if isinstance(m, msg.Stop):
             return m.reason
-        if isinstance(m, msg.Load):  # rank 0 got a load plan: this rank's plane, then the gather with every rank
-            try:
-                planes.load_rank(model, planes.PlaneSpec.from_dict(m.planes[group.rank]), group.tp, group.control,
-                                 model.device)
-            except planes.PlaneFailed as e:  # every rank agreed the plan failed and installed nothing: follow on
-                log.warning("load plan failed on every rank, nothing of it kept: %s", e)
+        if isinstance(m, msg.Load):  # rank 0 got a load plan: this rank's plane, received beside the step loop
+            if loading is not None:  # the previous plan's receive leaves the data port first (it ended or was aborted)
+                loading.cancel()
+                if loading.thread is not None:
+                    loading.thread.join()
+            loading = progressive.PlaneReceiver(planes.PlaneSpec.from_dict(m.planes[group.rank]), group.rank,
+                                                group.tp)
+            loading.start_thread()
+            loads += 1
+            continue
+        if isinstance(m, msg.Progress):  # rank 0 asks how far every rank's plane got
+            report = loading.report() if loading is not None else {"rank": group.rank, "ready": [],
+                                                                    "error": "no load plan here", "done": False}
+            dist.all_gather_object([None] * group.tp, report, group=group.control)
+            continue
+        if isinstance(m, msg.Install):  # blocks every rank holds its share of: install them (parts: the gather)
+            assert loading is not None, "Install without a load plan"
+            progressive.install_ready(model, loading, m.blocks, group.control, model.device)
+            continue
+        if isinstance(m, msg.Abort):  # the load failed on some rank: stop receiving (what was installed stays)
+            if loading is not None and m.load == loads:
+                loading.cancel()
+                log.warning("load plan given up: %s", m.reason)
             continue
         if isinstance(m, msg.LoadPath):  # the first copy, from the volume every rank of the pod mounts
             model.add_blocks(pack_checkpoint(m.path).blocks.values())

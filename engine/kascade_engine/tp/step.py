@@ -30,7 +30,25 @@ class Stop:
 
 @dataclass(frozen=True)
 class Load:
-    planes: list[dict[str, Any]]  # rank r loads planes[r] (planes.PlaneSpec documents), then gathers with all
+    planes: list[dict[str, Any]]  # rank r receives planes[r] (planes.PlaneSpec documents) in the background and
+    # goes on following; rank 0 then polls (`Progress`) and installs (`Install`) block by block (progressive.py)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A load in progress: every rank answers its plane's report (progressive.py; a collective: all_gather_object)."""
+
+
+@dataclass(frozen=True)
+class Install:
+    blocks: list[str]  # every rank installs these whole blocks from its verified shares, in this order (parts: the
+    # all-gather per block, a collective)
+
+
+@dataclass(frozen=True)
+class Abort:
+    reason: str  # the load failed on some rank (or was given up): every rank stops receiving its plane
+    load: int  # of the load-th Load message (a follower that got a later Load since ignores it)
 
 
 @dataclass(frozen=True)
@@ -71,7 +89,8 @@ class Layers:
     hidden: torch.Tensor  # [N, H], host memory
 
 
-Message = Step | Stop | Load | LoadPath | Serve | Manifests | GatherKV | ScatterKV | Layers
+Message = (Step | Stop | Load | Progress | Install | Abort | LoadPath | Serve | Manifests | GatherKV | ScatterKV
+           | Layers)
 
 
 def send(msg: Message, group: dist.ProcessGroup | None) -> None:
@@ -84,7 +103,6 @@ def receive(group: dist.ProcessGroup | None) -> Message:
     box: list[object] = [None]
     dist.broadcast_object_list(box, src=0, group=group)
     msg = box[0]
-    if not isinstance(msg, Step | Stop | Load | LoadPath | Serve | Manifests | GatherKV | ScatterKV | Layers):
-        raise RuntimeError(f"tp step channel: expected a Step, Stop, Load, LoadPath, Serve, Manifests, GatherKV, "
-                           f"ScatterKV or Layers, got {type(msg).__name__}")
+    if not isinstance(msg, Message):
+        raise RuntimeError(f"tp step channel: expected a step message ({Message}), got {type(msg).__name__}")
     return msg
