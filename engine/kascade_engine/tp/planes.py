@@ -174,10 +174,18 @@ class Received:
     seconds: float  # first byte to the last share resident (the rank's own link), or wall time when none
 
 
-async def receive_plane(ps: PlaneSpec, transport: Transport | None = None) -> Received:
+async def receive_plane(ps: PlaneSpec, transport: Transport | None = None,
+                        on_event: Callable[[dict[str, Any], Mapping[str, Block]], None] | None = None) -> Received:
     """Run this rank's TransferNode for its plane (listening on its own data port) until every share is
-    resident and verified; a failed transfer raises TransferFailed naming what failed."""
-    node = TransferNode(ps.spec, ps.me, transport or make_transport(ps.transport))
+    resident and verified; a failed transfer raises TransferFailed naming what failed. `on_event`: each
+    progress event with the shares resident so far (a layer-by-layer load installs them as they land)."""
+    node: TransferNode | None = None
+
+    def progress(event: dict[str, Any]) -> None:
+        if on_event is not None and node is not None:
+            on_event(event, node.resident)
+
+    node = TransferNode(ps.spec, ps.me, transport or make_transport(ps.transport), on_progress=progress)
     started = time.time()
     await node.start()
     try:

@@ -29,11 +29,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kascade_engine.net.relay import TransferNode
 from kascade_engine.net.transport import Transport
-from kascade_engine.net.transports import make_transport
 from kascade_engine.tp.gather import gather_block
-from kascade_engine.tp.planes import PlaneSpec
+from kascade_engine.tp.planes import PlaneSpec, receive_plane
 from kascade_engine.tp.rankmodel import RankModel
 from kascade_engine.weights.blocks import Block, digest_of
 from kascade_planner.tpgroup import share_id
@@ -64,26 +62,16 @@ class PlaneReceiver:
     async def run(self, transport: Transport | None = None) -> None:
         """Receive the plane until every share is verified (or it fails: `error`); never raises but cancellation."""
         self._loop, self._task = asyncio.get_running_loop(), asyncio.current_task()
-        node: TransferNode | None = None
 
-        def landed(event: dict[str, Any]) -> None:
-            if event.get("event") == "block" and node is not None:
+        def landed(event: dict[str, Any], resident: Mapping[str, Block]) -> None:
+            if event.get("event") == "block":
                 with self._lock:
-                    self.shares[event["block"]] = node.resident[event["block"]]
+                    self.shares[event["block"]] = resident[event["block"]]
                     self.bytes_in = int(event.get("bytes", self.bytes_in))
 
-        started = time.time()
         try:
-            node = TransferNode(self.ps.spec, self.ps.me, transport or make_transport(self.ps.transport),
-                                on_progress=landed)
-            await node.start()
-            try:
-                summary = await node.run()
-            finally:
-                await node.close()
-            first = summary.get("firstByteAt") or started
-            self.seconds = float((summary.get("doneAt") or time.time()) - first)
-            self.bytes_in = int(summary["bytesReceived"])
+            got = await receive_plane(self.ps, transport, landed)
+            self.seconds, self.bytes_in = got.seconds, got.bytes_in
             self.done = True
         except Exception as e:  # TransferFailed, a refused spec, a port in use: the load fails on every rank
             self.error = f"{type(e).__name__}: {e}"
