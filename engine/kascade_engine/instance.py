@@ -43,6 +43,7 @@ from kascade_engine.live.liveredirect import Forwarder, ForwardHost
 from kascade_engine.live.pairclient import PairClient
 from kascade_engine.live.split import Finisher
 from kascade_engine.metrics import EngineMetrics
+from kascade_engine.modelswitch import switch_model
 from kascade_engine.net.pacing import egress_bucket
 from kascade_engine.net.peerpool import PeerPool
 from kascade_engine.pd.handback import DEFAULT_HAND_BACK_S, HandBack
@@ -100,7 +101,7 @@ class EngineInstance:
         self.transport = config.activation_transport()
         # one egress budget for the data plane (--transfer-max-mbps): weight plans wait on it, KV frames charge it
         self.egress = egress_bucket(config.transfer_bytes_per_s)
-        self._build(config)
+        self.rebuild(config)
         self.phase = Phase.EMPTY
         if blockset is not None:
             self.add_blockset(blockset, config.resident_layers)
@@ -121,7 +122,9 @@ class EngineInstance:
         return kv_tokens_for_memory(free, total, config.gpu_memory_utilization, weights,
                                     2 * s.layers * s.kv_heads * s.head_dim * size, config.page_size)
 
-    def _build(self, config: EngineConfig) -> None:
+    def rebuild(self, config: EngineConfig) -> None:
+        """(Re)make the model, the batching engine and what hangs on them for `config` (at start, on a dtype
+        change at bind, on a model switch: modelswitch.py); the request side survives a rebuild."""
         from kascade_engine.serving import Serving
 
         self.dtype = config.torch_dtype(self.model_cfg)
@@ -280,14 +283,14 @@ class EngineInstance:
                 raise InstanceError(409, f"cannot bind model '{req.model}': this engine holds "
                                     f"'{self.config.model_name}' (modelPath switches an engine holding no weights)",
                                     "model")
-            self.switch_model(req.model, req.model_path)
+            switch_model(self, req.model, req.model_path)
         if self.model_service not in (None, req.model_service):
             raise InstanceError(409, f"engine is bound to '{self.model_service}'; release it first", "modelService")
         if req.dtype is not None and str(self.dtype).removeprefix("torch.") != req.dtype:
             if self.model.weights or not self.serving.idle:
                 raise InstanceError(409, f"engine holds {self.dtype} weights; cannot switch to {req.dtype} "
                                     "(release it first)", "dtype")
-            self._build(self.config.with_dtype(req.dtype))
+            self.rebuild(self.config.with_dtype(req.dtype))
         self.model_service, self.role = req.model_service, req.role
         if self.phase in (Phase.EMPTY, Phase.RELEASED):
             self._to(Phase.BOUND)
@@ -306,38 +309,6 @@ class EngineInstance:
         elif has_source and not self.model.complete and (self.loading is None or self.loading.done()):
             await self.load_source(req.source_path, req.source_uri)
         return self.status()
-
-    def switch_model(self, name: str, path: str) -> None:
-        """Become an engine of model `name` (its config.json and tokenizer under `path`): only while bound to no
-        service, holding no weights and serving nothing. Another model's host copy goes (the host budget is the
-        new model's now). One process, one rank: a TP engine's ranks are fixed at start."""
-        if self.model_service is not None or self.phase not in (Phase.EMPTY, Phase.RELEASED) \
-                or self.model.weights or not self.serving.idle:
-            raise InstanceError(409, f"cannot switch to model '{name}': engine is {self.phase.value} with "
-                                f"'{self.config.model_name}' (release it first)", "model")
-        if self.config.tp > 1:
-            raise InstanceError(409, f"cannot switch to model '{name}': a tp {self.config.tp} engine's ranks are "
-                                "fixed at start", "model")
-        import json
-        from dataclasses import replace
-        from pathlib import Path
-
-        from kascade_engine.tokenizer import load_tokenizer
-
-        d = Path(path)
-        try:
-            cfg = json.loads((d / "config.json").read_text())
-        except (OSError, ValueError) as e:
-            raise InstanceError(400, f"invalid field 'modelPath': no readable config.json in {path} ({e})",
-                                "modelPath") from e
-        old = self.config.model_name
-        self.tokenizer, self.model_cfg, self.host_copy = load_tokenizer(d), dict(cfg), None
-        self._build(replace(self.config, model_name=name, checkpoint=d))
-        # its Prometheus series carry the model it serves now (the PD metrics share the registry)
-        moved = self.metrics.rename(name)
-        self.pd_metrics.model_name = name
-        log.info("%s: switched from model %s to %s (%s); %d metric series relabelled", self.instance_id, old, name,
-                 path, moved)
 
     async def load_plan(self, req: LoadPlanRequest) -> EngineStatus:
         from kascade_engine.loader import start_plan_load
