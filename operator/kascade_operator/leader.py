@@ -12,8 +12,10 @@ algorithm: resourceVersion-guarded Lease updates). kopf's own peering was measur
 (bench/operator_peering.py, docs/operator.md): about as fast at equal timings, but replicas with one
 priority (one Deployment template) all pause, and a kopf leader is never fenced.
 
-Data flow: OperatorSettings (lease name/namespace/timings, identity) -> `lead_then_run(run)` ->
-waits for the Lease -> `run()` (kopf.operator) until the Lease is lost -> `LeadershipLost`.
+Data flow: OperatorSettings (lease name/namespace/timings, identity) -> `lead_then_run(run)` -> the election
+in its own thread and event loop (`ElectionThread`: renewals never wait on kopf's loop) -> leading: `run()`
+(kopf.operator) in the operator's loop until the Lease is lost -> `LeadershipLost` (or, when the operator's
+loop is too busy to stop in time, the thread's fence ends the process).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from kubernetes_asyncio.leaderelection import electionconfig, leaderelection
 from kubernetes_asyncio.leaderelection.resourcelock.leaselock import LeaseLock
 
 from kascade_operator.kube import Kube
+from kascade_operator.leasethread import LeaseThread
 from kascade_operator.settings import OperatorSettings
 
 log = logging.getLogger(__name__)
@@ -87,55 +90,103 @@ async def release_lease(kube: Kube, name: str, ns: str, me: str) -> bool:
     return True
 
 
-async def lead_then_run(settings: OperatorSettings, run: Callable[[], Coroutine[Any, Any, None]],
-                        liveness: str | None = None, kubeconfig: str | None = None) -> None:
-    """Wait for the Lease, then `run()` while holding it; raises LeadershipLost when it is lost (or
-    returns when `run()` returns)."""
-    kube = await Kube.connect(kubeconfig)
-    me, ns = identity(settings), lease_namespace(settings)
-    lock = LeaseLock(settings.lease_name, ns, me, kube.api)
-    standby = await _standby_liveness(liveness)
-    done = asyncio.Event()
-    lost: list[bool] = []
-    leading: list[bool] = []
+class ElectionThread(LeaseThread):
+    """The official client's election (one Lease) in its own thread (leasethread.py); `on_lead()` is told once
+    this replica leads."""
 
-    async def started() -> None:
-        leading.append(True)
-        log.warning("%s leads (Lease %s/%s) at %.3f: starting the operator", me, ns, settings.lease_name, time.time())
+    def __init__(self, settings: OperatorSettings, kubeconfig: str | None, on_lead: Callable[[], None],
+                 on_end: Callable[[str], None], fence: Callable[[int], None] = os._exit) -> None:
+        super().__init__("lease-election", settings, kubeconfig, identity(settings), on_end, fence)
+        self.ns, self.on_lead = lease_namespace(settings), on_lead
+        self._leading = self._lost = False
+
+    @property
+    def leading(self) -> bool:
+        return self._leading  # also once the Lease is lost: the operator acted until now (the fence's question)
+
+    async def hold(self, kube: Kube, halt: asyncio.Event) -> str | None:
+        async def lead() -> None:
+            self._leading = True
+            self.on_lead()
+
+        async def end() -> None:
+            self._lost = True
+
+        # the Lease stores whole seconds (the client writes str(duration) and reads it back with int())
+        cfg = electionconfig.Config(LeaseLock(self.s.lease_name, self.ns, self.me, kube.api),
+                                    max(2, round(self.s.lease_duration_seconds)), self.s.lease_renew_deadline_seconds,
+                                    self.s.lease_retry_seconds, lead, end)
+        election = asyncio.create_task(leaderelection.LeaderElection(cfg).run())
+        stop = asyncio.create_task(halt.wait())
+        try:
+            await asyncio.wait({election, stop}, return_when=asyncio.FIRST_COMPLETED)
+            ended = election.done()  # on its own: the Lease lost, or the election failed
+        finally:
+            for t in (election, stop):
+                if not t.done():
+                    t.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await t
+        if not ended:
+            return None
+        failure = None if election.cancelled() else election.exception()
+        if failure is not None:
+            return f"leader election failed: {failure!r}"
+        return f"could not renew Lease {self.ns}/{self.s.lease_name} within {self.s.lease_renew_deadline_seconds} s"
+
+    async def release(self, kube: Kube) -> None:
+        if self._leading and not self._lost:  # hand over now, not after the duration
+            await release_lease(kube, self.s.lease_name, self.ns, self.me)
+
+
+async def lead_then_run(settings: OperatorSettings, run: Callable[[], Coroutine[Any, Any, None]],
+                        liveness: str | None = None, kubeconfig: str | None = None,
+                        fence: Callable[[int], None] = os._exit) -> None:
+    """Wait for the Lease, then `run()` while holding it; raises LeadershipLost when it is lost (or
+    returns when `run()` returns). The election runs in its own thread (ElectionThread)."""
+    loop = asyncio.get_running_loop()
+    leads, ended = asyncio.Event(), asyncio.Event()
+    why: list[str] = []
+
+    def on_end(reason: str) -> None:
+        why.append(reason)
+        loop.call_soon_threadsafe(ended.set)
+
+    def on_lead() -> None:
+        loop.call_soon_threadsafe(leads.set)
+
+    election = ElectionThread(settings, kubeconfig, on_lead, on_end, fence)
+    standby = await _standby_liveness(liveness)
+    log.warning("%s: standby, waiting for Lease %s/%s", election.me, election.ns, settings.lease_name)
+    await asyncio.to_thread(election.start_and_wait)
+    try:
+        waits = {asyncio.create_task(leads.wait()), asyncio.create_task(ended.wait())}
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for t in waits:
+            t.cancel()
+        if ended.is_set():
+            raise LeadershipLost(f"{election.me}: {why[0] if why else 'leader election ended'}")
+        log.warning("%s leads (Lease %s/%s) at %.3f: starting the operator", election.me, election.ns,
+                    settings.lease_name, time.time())
         if standby is not None:
             standby.close()
             await standby.wait_closed()
+            standby = None
+        running = asyncio.create_task(run())
+        lost = asyncio.create_task(ended.wait())
         try:
-            await run()
+            await asyncio.wait({running, lost}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            done.set()
-
-    async def stopped() -> None:
-        lost.append(True)
-        done.set()
-
-    # the Lease stores whole seconds (the client writes str(duration) and reads it back with int())
-    cfg = electionconfig.Config(lock, max(2, round(settings.lease_duration_seconds)),
-                                settings.lease_renew_deadline_seconds, settings.lease_retry_seconds, started, stopped)
-    log.warning("%s: standby, waiting for Lease %s/%s", me, ns, settings.lease_name)
-    election = asyncio.create_task(leaderelection.LeaderElection(cfg).run())
-    election.add_done_callback(lambda _: done.set())  # an election that dies must not leave us waiting
-    try:
-        await done.wait()
+            lost.cancel()
+            running.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await running
+            election.stopped()
+        if ended.is_set():
+            raise LeadershipLost(f"{election.me}: {why[0] if why else 'leader election ended'}")
+        running.result()  # run() raised: re-raised here (after the Lease is handed over below)
     finally:
-        election.cancel()
-        failure: BaseException | None = None
-        try:
-            await election
-        except asyncio.CancelledError:
-            pass
-        except Exception as e:  # re-raised below as what it means to the caller
-            failure = e
-        if leading and not lost:  # a clean stop (or run() ended): hand over now, not after the duration
-            await release_lease(kube, settings.lease_name, ns, me)
-        await kube.close()
-    if failure is not None:
-        raise LeadershipLost(f"{me}: leader election failed: {failure!r}") from failure
-    if lost:
-        raise LeadershipLost(f"{me} could not renew Lease {ns}/{settings.lease_name} within "
-                             f"{settings.lease_renew_deadline_seconds} s")
+        if standby is not None:
+            standby.close()
+        # a clean stop (or run() ended) hands the Lease over now, not after the duration
+        await asyncio.to_thread(election.stop, election.leading and not ended.is_set())

@@ -16,8 +16,13 @@ A held shard Lease not renewed within the renew deadline, or one that names anot
 `LeadershipLost` (crash-only, as with one leader: the process exits and the Deployment restarts it). A clean stop
 (SIGTERM) releases every held Lease, so the others take its shards within a retry period.
 
+The campaign runs in a thread of its own (leasethread.py: its own loop and API client, so renewals never wait on
+kopf's loop, and a replica whose loop is blocked when it loses a shard is fenced); ShardSet changes are carried
+into kopf's loop (`ThreadShards`).
+
 Data flow: OperatorSettings -> `lead_shards_then_run(settings, shards, run)` -> kopf `run()` beside
-`ShardLeader.run_forever()` -> ShardSet.hold/drop -> handlers and rounds.
+`ShardThread` (`ShardLeader.run_forever()`) -> ThreadShards -> ShardSet.hold/drop in kopf's loop -> handlers and
+rounds.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -33,6 +39,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from kascade_operator.kube import Conflict, Kube, NotFound, now_iso
 from kascade_operator.leader import LeadershipLost, identity, lease_namespace
+from kascade_operator.leasethread import LeaseThread
 from kascade_operator.settings import OperatorSettings
 from kascade_operator.sharding import LeaseState, campaign, lease_name, member_lease_name
 from kascade_operator.shardset import ShardSet
@@ -44,7 +51,7 @@ GC_LEASES = 10  # a member Lease unchanged for this many lease durations is dele
 
 
 class ShardLeader:
-    def __init__(self, settings: OperatorSettings, kube: Kube, shards: ShardSet) -> None:
+    def __init__(self, settings: OperatorSettings, kube: Kube, shards: ThreadShards) -> None:
         self.s, self.kube, self.set = settings, kube, shards
         self.me, self.ns = identity(settings), lease_namespace(settings)
         self.duration = max(2, round(settings.lease_duration_seconds))  # the Lease stores whole seconds
@@ -160,28 +167,102 @@ class ShardLeader:
         log.warning("%s released its shards %s", self.me, sorted(self.leased))
 
 
-async def lead_shards_then_run(settings: OperatorSettings, shards: ShardSet,
-                               run: Callable[[], Coroutine[Any, Any, None]], kubeconfig: str | None = None) -> None:
-    """kopf (`run()`) beside the shard campaign; raises LeadershipLost when a held shard is lost."""
-    kube = await Kube.connect(kubeconfig)
-    leader = ShardLeader(settings, kube, shards)
-    log.warning("%s: campaigning for %d shards (Leases %s/%s-*)", leader.me, shards.shards, leader.ns,
-                settings.lease_name)
-    tasks = {asyncio.create_task(leader.run_forever(), name="shard-leases"), asyncio.create_task(run(), name="kopf")}
-    lost: BaseException | None = None
-    try:
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        for t in done:
-            if not t.cancelled() and isinstance(t.exception(), LeadershipLost):
-                lost = t.exception()
-    finally:
-        for t in tasks:
-            t.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-        if lost is None:
+class ThreadShards:
+    """The ShardSet as the Lease thread sees it (leasethread.py). `held` is the thread's own record, so a shard
+    it just took or gave back counts at once; `hold`/`drop` run in the operator's loop (its events, waiters and
+    wake-ups live there); a shard given back is busy until the loop has dropped it (no round of it starts
+    after that), then as busy as the loop counts it (a plain int read)."""
+
+    def __init__(self, shards: ShardSet, loop: asyncio.AbstractEventLoop) -> None:
+        self._set, self._loop = shards, loop
+        self.shards = shards.shards
+        self.held: set[int] = set(shards.held)
+        self._dropped: set[int] = set()  # drops the operator's loop has carried out
+
+    def hold(self, k: int) -> None:
+        self.held.add(k)
+        self._dropped.discard(k)
+        self._loop.call_soon_threadsafe(self._set.hold, k)
+
+    def drop(self, k: int) -> None:
+        self.held.discard(k)
+
+        def dropped() -> None:
+            self._set.drop(k)
+            if k not in self.held:  # not taken again meanwhile
+                self._dropped.add(k)
+
+        self._loop.call_soon_threadsafe(dropped)
+
+    def busy(self, k: int) -> int:
+        return self._set.busy(k) if k in self._dropped else 1
+
+
+class ShardThread(LeaseThread):
+    """`ShardLeader.run_forever` in its own thread (leasethread.py)."""
+
+    def __init__(self, settings: OperatorSettings, kubeconfig: str | None, shards: ThreadShards,
+                 on_end: Callable[[str], None], fence: Callable[[int], None] = os._exit) -> None:
+        super().__init__("shard-leases", settings, kubeconfig, identity(settings), on_end, fence)
+        self.shards = shards
+        self.leader: ShardLeader | None = None
+
+    @property
+    def leading(self) -> bool:
+        return bool(self.leader is not None and self.leader.leased)
+
+    async def hold(self, kube: Kube, halt: asyncio.Event) -> str | None:
+        self.leader = ShardLeader(self.s, kube, self.shards)
+        log.warning("%s: campaigning for %d shards (Leases %s/%s-*)", self.me, self.shards.shards, self.leader.ns,
+                    self.s.lease_name)
+        campaign_task = asyncio.create_task(self.leader.run_forever())
+        stop = asyncio.create_task(halt.wait())
+        try:
+            await asyncio.wait({campaign_task, stop}, return_when=asyncio.FIRST_COMPLETED)
+            ended = campaign_task.done()
+        finally:
+            for t in (campaign_task, stop):
+                if not t.done():
+                    t.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await t
+        if not ended:
+            return None
+        failure = None if campaign_task.cancelled() else campaign_task.exception()
+        return str(failure) if failure is not None else f"{self.me}: the shard campaign ended"
+
+    async def release(self, kube: Kube) -> None:
+        if self.leader is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(leader.release_all(), 10)
-        await kube.close()
-    if lost is not None:
-        raise lost
+                await asyncio.wait_for(self.leader.release_all(), 10)
+
+
+async def lead_shards_then_run(settings: OperatorSettings, shards: ShardSet,
+                               run: Callable[[], Coroutine[Any, Any, None]], kubeconfig: str | None = None,
+                               fence: Callable[[int], None] = os._exit) -> None:
+    """kopf (`run()`) beside the shard campaign, which runs in its own thread (ShardThread); raises LeadershipLost
+    when a held shard is lost."""
+    loop = asyncio.get_running_loop()
+    ended = asyncio.Event()
+    why: list[str] = []
+
+    def on_end(reason: str) -> None:
+        why.append(reason)
+        loop.call_soon_threadsafe(ended.set)
+
+    leases = ShardThread(settings, kubeconfig, ThreadShards(shards, loop), on_end, fence)
+    await asyncio.to_thread(leases.start_and_wait)
+    running = asyncio.create_task(run(), name="kopf")
+    lost = asyncio.create_task(ended.wait())
+    try:
+        await asyncio.wait({running, lost}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        lost.cancel()
+        running.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await running
+        leases.stopped()
+        await asyncio.to_thread(leases.stop, not ended.is_set())  # a clean stop gives every Lease back
+    if ended.is_set():
+        raise LeadershipLost(why[0] if why else f"{leases.me}: shard Leases lost")
+    running.result()
