@@ -122,8 +122,11 @@ def start(rt: Runtime, round_of: Callable[[Hashable], Awaitable[None]]) -> None:
     """Start the queue's workers and, when engines are scraped directly, the shared sweep (once)."""
     if rt.queue is not None:
         return
-    rt.queue = WorkQueue(round_of, workers=rt.settings.round_workers, on_take=lambda key, late, urgent:
-                         rt.metrics.queue_wait.labels("change" if urgent else "resync").observe(late))
+    def took(key: Hashable, late: float, urgent: bool) -> None:
+        rt.metrics.queue_wait.labels("change" if urgent else "resync").observe(late)
+        trace.event("take", key, f"{late:.3f} {'change' if urgent else 'resync'}")  # type: ignore[arg-type]
+
+    rt.queue = WorkQueue(round_of, workers=rt.settings.round_workers, on_take=took)
     rt.metrics.watch_queue(lambda: rt.queue.overdue(rt.settings.interval_seconds) if rt.queue else 0)
     rt.queue.start()
     if rt.scraper is not None and rt.prometheus is None:
