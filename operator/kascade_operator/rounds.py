@@ -22,10 +22,11 @@ Data flow:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable, Iterator
 
 from kascade_operator import trace
 from kascade_operator.loadwatch import LoadWatchers
@@ -69,6 +70,17 @@ def after_round(rt: Runtime, ns: str, name: str) -> None:
     # not urgent; a resync 0-10% later than its period, so services started together do not resync together
     rt.queue.add((ns, name), max(interval, rt.settings.resync_seconds) * (1 + 0.1 * random.random()) if steady
                  else interval)
+
+
+@contextlib.contextmanager
+def held(rt: Runtime, ns: str, name: str) -> Iterator[None]:
+    """A round of the service that runs outside the queue (a kopf change handler's): the queue's workers leave
+    it meanwhile (WorkQueue.held) instead of one of them waiting on the service's lock."""
+    if rt.queue is None:
+        yield
+        return
+    with rt.queue.held((ns, name)):
+        yield
 
 
 def forget(rt: Runtime, ns: str, name: str) -> None:
