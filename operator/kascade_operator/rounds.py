@@ -27,6 +27,7 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Hashable, Iterator
+from typing import cast
 
 from kascade_operator import trace
 from kascade_operator.loadwatch import LoadWatchers
@@ -136,7 +137,7 @@ def start(rt: Runtime, round_of: Callable[[Hashable], Awaitable[None]]) -> None:
         return
     def took(key: Hashable, late: float, urgent: bool) -> None:
         rt.metrics.queue_wait.labels("change" if urgent else "resync").observe(late)
-        trace.event("take", key, f"{late:.3f} {'change' if urgent else 'resync'}")  # type: ignore[arg-type]
+        trace.event("take", cast(Key, key), f"{late:.3f} {'change' if urgent else 'resync'}")
 
     rt.queue = WorkQueue(round_of, workers=rt.settings.round_workers, on_take=took)
     rt.metrics.watch_queue(lambda: rt.queue.overdue(rt.settings.interval_seconds) if rt.queue else 0)
