@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from roundstats import delivered_of_due, lateness, path, show
+from roundstats import delivered_of_due, lateness, path, settle, show
 from stubhost import StubHost
 
 from kascade_devcluster import nodes as devnodes
@@ -266,6 +266,8 @@ def _phase(op: OperatorProcess, metrics_port: int, stubs: list[Any], bound_pods:
            interval: float, steady_s: float, svcs: range, gate: Path) -> dict[str, float | str]:
     """One operator's steady window (rounds, CPU, RSS, reconcile quantiles) and its scale-ups under that load."""
     assert op.proc is not None
+    settled = settle(metrics_port, interval)
+    print(f"scale: operator settled (no round late over {2 * interval:g} s) after {settled:.1f} s", flush=True)
     gate.touch()
     before, c0, s0 = _histogram(metrics_port)
     late0, _ = lateness(metrics_port)
@@ -317,7 +319,8 @@ def _phase(op: OperatorProcess, metrics_port: int, stubs: list[Any], bound_pods:
         time.sleep(0.5)
     gate.unlink(missing_ok=True)
     print(f"scale: reactions {[f'{r:.0f}' for r in reactions]} ms", flush=True)
-    return {"operator_rss_mb": round(rss, 1), "operator_peak_rss_mb": round(hwm, 1),
+    return {"operator_settle_s": round(settled, 1),
+            "operator_rss_mb": round(rss, 1), "operator_peak_rss_mb": round(hwm, 1),
             "reconcile_ms_p50": _quantile_ms(before, after, 0.5),
             "reconcile_ms_p90": _quantile_ms(before, after, 0.9),
             "reconcile_ms_p99": _quantile_ms(before, after, 0.99),

@@ -9,7 +9,8 @@ interval tick) expired. It is *delivered* when it starts within one metric inter
 the steady window: due = rounds started (the operator's `kascade_operator_round_lateness_seconds` count)
 + the queued rounds already more than one interval overdue at the end (`kascade_operator_rounds_overdue`);
 delivered = the started ones whose lateness is <= one interval (the histogram's bucket at that bound).
-An operator without these metrics (an older tree in `--compare`) gets NaN.
+An operator without these metrics (an older tree in `--compare`) gets NaN. The window starts once the operator
+has settled (`settle`: the rounds a set-up queued are delivered).
 
 The reaction's path, from the operator's `kascade_operator.trace` DEBUG lines (trace.py; the bench turns
 them on with KASCADE_DEBUG_LOGGERS) and the stand-in's bind time, all on this host's monotonic clock:
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from pathlib import Path
 
 import httpx
@@ -78,6 +80,26 @@ def delivered_of_due(before: Lateness, after: Lateness, overdue_end: float, inte
         }
     )
     return out
+
+
+def settle(port: int, interval: float, limit_s: float = 180.0) -> float:
+    """Seconds until the operator has delivered the rounds a set-up queued: over a span of two intervals no round
+    started more than one interval late and none is overdue (NaN: not within `limit_s`, or an operator without the
+    metrics). The steady window starts then: right after the set-up, the setup operator (no --compare) was still
+    taking the change rounds its 200 creations had queued, each late by its own creating round (issue 33: 0.41
+    delivered/due in a window that was no steady state)."""
+    t0 = time.monotonic()
+    before, _ = lateness(port)
+    while time.monotonic() - t0 < limit_s:
+        time.sleep(2 * interval)
+        after, overdue = lateness(port)
+        due = delivered_of_due(before, after, overdue, interval)
+        if math.isnan(due["rounds_due"]):
+            return math.nan
+        if due["rounds_due"] == due["rounds_delivered"]:
+            return time.monotonic() - t0
+        before = after
+    return math.nan
 
 
 def path(log: Path, service: str, t_cross: float, t_bind: float) -> dict[str, float]:

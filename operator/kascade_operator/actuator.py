@@ -28,6 +28,7 @@ from typing import Any
 from kascade_operator import converter, hostcopykeeper, plandriver, recovery, rounds, serving_gate, trace
 from kascade_operator.api import ModelServiceSpec
 from kascade_operator.engine_client import EngineError
+from kascade_operator.instruction import Manifests
 from kascade_operator.kube import Conflict, NotFound, now_iso
 from kascade_operator.podtemplate import fallback_pod, refusals
 from kascade_operator.pool import (
@@ -58,8 +59,9 @@ async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods:
     by_name = {p.pod_name: p for p in pods}
     if isinstance(action, CreatePlan):
         t0 = time.perf_counter()
+        manifests: Manifests = {}  # the sources' manifests the build reads; the instruct reuses them
         try:
-            sp = await plandriver.new_scaleplan(rt, body, spec, action, by_name, await rt.nodes())
+            sp = await plandriver.new_scaleplan(rt, body, spec, action, by_name, await rt.nodes(), manifests)
         except ValueError as e:
             rt.unreserve(pool_ns, (*action.targets, *action.sources))
             await rt.event(ns, body, "ModelService", "Warning", "PlanFailed", str(e))
@@ -67,11 +69,14 @@ async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods:
         rt.metrics.plan_generation.observe(time.perf_counter() - t0)
         trace.event("planned", (ns, name))
         created = await rt.kube.create_scaleplan(ns, sp)
-        rt.created_plan(ns, created)  # the next round sees it even while the watch lags
+        # the next round sees it even while the watch lags (Runtime.scaleplans: until the watch shows it, or
+        # 60 s): the round does not wait for the watch. It used to poll it for up to 2 s here, holding the
+        # service's key: the service's next change round started that much late (issue 33)
+        rt.created_plan(ns, created)
         trace.event("plan", (ns, name), created["metadata"]["name"])
-        # the fast path: instruct now instead of waiting for the ScalePlan daemon to start; the Event and
-        # reading our own write back come after (both took an API round trip off every reaction)
-        await plandriver.start(rt, created, decided_at)
+        # the fast path: instruct now instead of waiting for the ScalePlan daemon to start; the Event comes
+        # after (an API round trip off every reaction)
+        await plandriver.start(rt, created, decided_at, manifests)
         # the claims count from now: an instruct that took longer than RESERVE_S under load (seen: 50 s) left
         # its targets unclaimed while the watch had not shown them bound yet, and a round chose them again
         rt.reserve(pool_ns, (*action.targets, *action.sources))
@@ -79,8 +84,6 @@ async def apply(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, pods:
         await rt.event(ns, body, "ModelService", "Normal", "ScaleUp",
                        f"{action.role}: ScalePlan {created['metadata']['name']} binds "
                        f"{', '.join(action.targets)} ({action.reason})")
-        if not await rt.seen_plan(ns, created["metadata"]["name"]):  # the next round must see it
-            log.warning("ScalePlan %s/%s not in the watch after 2 s", ns, created["metadata"]["name"])
     elif isinstance(action, CreatePods):
         refused = refusals(spec, rt.settings)
         if refused:

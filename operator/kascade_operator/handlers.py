@@ -209,7 +209,8 @@ def build_registry(settings: OperatorSettings, shards: ShardSet | None = None) -
         if not rt.owns(body["metadata"]["namespace"]):
             return  # another shard's: its holder runs it (shardhooks.py)
         try:
-            await reconcile_service(rt, dict(body), str(reason))
+            with rounds.held(rt, body["metadata"]["namespace"], body["metadata"]["name"]):  # no worker waits on it
+                await reconcile_service(rt, dict(body), str(reason))
         finally:
             rounds.after_round(rt, body["metadata"]["namespace"], body["metadata"]["name"])
 
@@ -217,8 +218,9 @@ def build_registry(settings: OperatorSettings, shards: ShardSet | None = None) -
     async def on_delete(body: kopf.Body, memo: kopf.Memo, **kw: Any) -> None:
         rt = rt_of(memo, kw)
         await shardhooks.delete_guard(rt, body["metadata"]["namespace"])
-        async with rt.lock(body["metadata"]["namespace"], "modelservice/" + body["metadata"]["name"]):
-            await plandriver.release_all(rt, dict(body))
+        with rounds.held(rt, body["metadata"]["namespace"], body["metadata"]["name"]):
+            async with rt.lock(body["metadata"]["namespace"], "modelservice/" + body["metadata"]["name"]):
+                await plandriver.release_all(rt, dict(body))
         rounds.forget(rt, body["metadata"]["namespace"], body["metadata"]["name"])
 
     # a plan's daemon stops when its phase turns terminal: signalled first (the driver returns on its own

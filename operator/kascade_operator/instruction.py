@@ -2,9 +2,10 @@
 bound only after the engine accepted, and send the load plan to the sources and the targets.
 
 Data flow: the plan as the API server holds it now (never an ended one, never a dropped target) + the pool's
-pods -> engine control API (manifest and load-plan to the sources; status, bind, load-plan to each target;
-livewiring for a live pair or pipeline hop) -> pod labels (resourceVersion-guarded patches) -> the plan's
-status `targets` (instructed / failed, a guarded write) -> the targets to drop, with why. Exactly once across
+pods -> engine control API (manifest and load-plan to the sources; beside them status and bind to each target,
+then its load-plan once the sources have theirs; livewiring for a live pair or pipeline hop) -> pod labels
+(resourceVersion-guarded patches) -> the plan's status `targets` (instructed / failed, a guarded write) -> the
+targets to drop, with why. Exactly once across
 restarts: a target counts as instructed when the status says so, or when its engine already reports being
 bound to this service and loading or ready. plandriver.py calls `instruct_pending` every round.
 """
@@ -31,6 +32,8 @@ BUSY_PHASES = frozenset(p.value for p in BUSY)  # an engine in one of these was 
 SWITCHABLE = frozenset({"empty", "released"})  # an engine holding no weights may change model at its bind
 
 log = logging.getLogger(__name__)
+
+Manifests = dict[str, dict[str, Any] | None]  # source endpoint -> its block manifest (tp 1; None: it offers none)
 
 
 def plan_tp(plan: dict[str, Any]) -> int:
@@ -103,11 +106,14 @@ async def label_bound_view(rt: Runtime, sp: dict[str, Any], p: PodView, role: st
 
 
 async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | frozenset[str] = frozenset(),
-                           created: bool = False) -> dict[str, str]:
+                           created: bool = False, manifests: Manifests | None = None) -> dict[str, str]:
     """Instruct every not-yet-instructed target (and, for transfer plans, the sources) exactly once;
     `skip`: targets dropped from the plan (never bound again by it). Returns the targets to drop now
     (instance -> why: pod gone, bind refused, ...). A pod is labelled bound only after its engine
-    accepted the bind. `created`: `sp` is the body the API server returned when this process created it."""
+    accepted the bind. `created`: `sp` is the body the API server returned when this process created it.
+    `manifests`: source manifests read for this plan's build a moment ago (plandriver.source_manifest), used
+    instead of asking those sources again; only for a plan into TP-1 targets (TP-g targets get the manifest
+    with the part entries, `manifest?parts=g`, which the build does not read)."""
     ns, name = sp["metadata"]["namespace"], sp["metadata"]["name"]
     untouched = (ns, name) not in rt.instructed  # nothing in this process instructed it or wrote its status yet
     done = rt.instructed.setdefault((ns, name), set())
@@ -140,20 +146,31 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
     token = rt.engines.plan_secret(ns, name, str(sp["metadata"].get("uid", "")))  # never derivable from the CR
     local = spec["algorithm"] == "local"
     drops: dict[str, str] = {}
-    manifest = None
-    if not local:
-        for s in spec["sources"]:
-            src = by_inst.get(s["instance"])
-            if src and src.endpoint and s["instance"] not in done:
-                try:
-                    manifest = manifest or await rt.engines.manifest(src.endpoint, plan_tp(plan))
-                    await rt.engines.load_plan(src.endpoint, plan, s["instance"], peers, token)
-                except EngineError as e:
-                    if e.status != 409:  # 409: this source already runs the plan
-                        log.warning("ScalePlan %s/%s: source %s: %s", ns, name, s["instance"], e)
-                        if s.get("hostCopy") and e.status is not None:
-                            await _forget_stale_copy(rt, pool_ns, src)
-                done.add(s["instance"])
+    tp = plan_tp(plan)
+    known = manifests if manifests is not None and tp == 1 else {}
+    manifest: dict[str, Any] | None = None
+    sources_told = asyncio.Event()
+
+    async def sources() -> None:
+        """Each source: the manifest (the first that offers one, for the targets' load plans), its load plan."""
+        nonlocal manifest
+        try:
+            for s in () if local else spec["sources"]:
+                src = by_inst.get(s["instance"])
+                if src and src.endpoint and s["instance"] not in done:
+                    try:
+                        if not manifest:
+                            manifest = known[src.endpoint] if src.endpoint in known else \
+                                await rt.engines.manifest(src.endpoint, tp)
+                        await rt.engines.load_plan(src.endpoint, plan, s["instance"], peers, token)
+                    except EngineError as e:
+                        if e.status != 409:  # 409: this source already runs the plan
+                            log.warning("ScalePlan %s/%s: source %s: %s", ns, name, s["instance"], e)
+                            if s.get("hostCopy") and e.status is not None:
+                                await _forget_stale_copy(rt, pool_ns, src)
+                    done.add(s["instance"])
+        finally:
+            sources_told.set()
 
     host_path = {src.get("node"): src.get("path") for src in spec["sources"] if src.get("kind") == "host"}
     host_copy_nodes = {src.get("node") for src in spec["sources"] if src.get("hostCopy")}
@@ -225,6 +242,12 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
         log.info("ScalePlan %s/%s: target %s (pod %s) bound%s", ns, name, iid, p.pod_name,
                  " (already, by an earlier operator)" if again else "")
         if not local and not again and not from_node:
+            # a target's status, bind and label do not depend on the sources and run beside their load plans (a
+            # scale-up's bind came after the source's manifest and load-plan round trips); its own load plan
+            # waits for them: it carries the manifest a source gave, and the sources keep getting their load
+            # plans first, as before (each source then pushes at the plan's notBefore; a target not listening
+            # yet is retried, docs/dataplane.md)
+            await sources_told.wait()
             try:
                 await rt.engines.load_plan(p.endpoint, plan, iid, peers, token, manifest)
             except EngineError as e:
@@ -237,7 +260,7 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
                     return
         await livewiring.instructed(rt, pool_ns, spec, iid, p, by_inst)  # live pair or pipeline hop
 
-    await asyncio.gather(*(one(i) for i in pending))
+    await asyncio.gather(sources(), *(one(i) for i in pending))
     if other_model:  # a pool whose pods do not say their model: learn them all now, not one failed plan each
         await _record_models(rt, pool_ns, [p for p in pods.values() if p.model is None and p.model_service is None])
     done.update(i for i in pending if i not in drops and i not in retry)

@@ -22,7 +22,7 @@ from kascade_operator import livewiring
 from kascade_operator import scaleplan as SP
 from kascade_operator.api import ModelServiceSpec
 from kascade_operator.engine_client import EngineError
-from kascade_operator.instruction import instruct_pending, label_bound, patch_guarded, plan_pool
+from kascade_operator.instruction import Manifests, instruct_pending, label_bound, patch_guarded, plan_pool
 from kascade_operator.kube import GROUP, VERSION, Conflict, NotFound, now_iso
 from kascade_operator.podtemplate import checkpoint_path
 from kascade_operator.pool import PodView, pod_view, service_key, unbind_patch
@@ -38,8 +38,10 @@ UNREACHABLE_LIMIT_S = 5.0  # an instructed target whose engine stays unreachable
 LABEL_LIMIT_S = 20.0  # an instructed target whose pod the watch never shows bound: re-read, relabel or drop
 
 
-async def source_manifest(rt: Runtime, sources: list[PodView]) -> dict[str, Any] | None:
-    """The block manifest of the first source engine that offers one (real block ids and sizes)."""
+async def source_manifest(rt: Runtime, sources: list[PodView], seen: Manifests | None = None) -> dict[str, Any] | None:
+    """The block manifest of the first source engine that offers one (real block ids and sizes). `seen`: every
+    answer read on the way is recorded in it (endpoint -> manifest, None: that engine offers none), for the
+    instruct of the plan built on it (instruction.py: the same GET, not asked again)."""
     for p in sources:
         if p.endpoint:
             try:
@@ -47,6 +49,8 @@ async def source_manifest(rt: Runtime, sources: list[PodView]) -> dict[str, Any]
             except EngineError as e:
                 log.warning("manifest of %s: %s", p.pod_name, e)
                 continue
+            if seen is not None:
+                seen[p.endpoint] = m
             if m:
                 return m
     return None
@@ -62,13 +66,15 @@ def plans_live(spec: ModelServiceSpec) -> bool:
 
 
 async def new_scaleplan(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpec, action: CreatePlan,
-                        pods: dict[str, PodView], nodes: list[dict[str, Any]]) -> dict[str, Any]:
+                        pods: dict[str, PodView], nodes: list[dict[str, Any]],
+                        manifests: Manifests | None = None) -> dict[str, Any]:
     """The ScalePlan for `action`: planned on live node labels, over the real blocks of a source engine
-    when there is one (raises ValueError when the plan cannot be built)."""
+    when there is one (raises ValueError when the plan cannot be built). `manifests`: filled with the source
+    manifests read (source_manifest), for `start`."""
     meta = body["metadata"]
     algorithm = spec.scaling.multicast if spec.scaling else "chain"
     holders = action.sources or (action.targets if action.host_copy else ())  # a host copy has the real blocks
-    manifest = await source_manifest(rt, [pods[s] for s in holders if s in pods]) if holders else None
+    manifest = await source_manifest(rt, [pods[s] for s in holders if s in pods], manifests) if holders else None
     model = SP.layout(spec.model.name, spec.model.layers, manifest=manifest)
     live = plans_live(spec)
     built = SP.build(action, pods, nodes, model, algorithm, spec.engine.tp, rt.settings.label_keys,
@@ -86,10 +92,12 @@ async def new_scaleplan(rt: Runtime, body: dict[str, Any], spec: ModelServiceSpe
                                   spec.model.dtype)}
 
 
-async def start(rt: Runtime, sp: dict[str, Any], decided_at: float) -> None:
+async def start(rt: Runtime, sp: dict[str, Any], decided_at: float, manifests: Manifests | None = None) -> None:
+    """The fast path: instruct the plan this process just created (`sp`: the API server's answer) at once.
+    `manifests`: the source manifests its build read a moment ago (new_scaleplan), not fetched again."""
     ns, name = sp["metadata"]["namespace"], sp["metadata"]["name"]
     async with rt.lock(ns, name):
-        drops = await instruct_pending(rt, sp, created=True)
+        drops = await instruct_pending(rt, sp, created=True, manifests=manifests)
     rt.metrics.instruct.observe(time.perf_counter() - decided_at)
     for iid, why in drops.items():  # nothing was labelled for these; the driver sees them in the status
         await _drop(rt, sp, None, f"{iid}: {why}", unreachable=False)

@@ -22,10 +22,12 @@ Data flow:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable, Iterator
+from typing import cast
 
 from kascade_operator import trace
 from kascade_operator.loadwatch import LoadWatchers
@@ -69,6 +71,17 @@ def after_round(rt: Runtime, ns: str, name: str) -> None:
     # not urgent; a resync 0-10% later than its period, so services started together do not resync together
     rt.queue.add((ns, name), max(interval, rt.settings.resync_seconds) * (1 + 0.1 * random.random()) if steady
                  else interval)
+
+
+@contextlib.contextmanager
+def held(rt: Runtime, ns: str, name: str) -> Iterator[None]:
+    """A round of the service that runs outside the queue (a kopf change handler's): the queue's workers leave
+    it meanwhile (WorkQueue.held) instead of one of them waiting on the service's lock."""
+    if rt.queue is None:
+        yield
+        return
+    with rt.queue.held((ns, name)):
+        yield
 
 
 def forget(rt: Runtime, ns: str, name: str) -> None:
@@ -122,8 +135,11 @@ def start(rt: Runtime, round_of: Callable[[Hashable], Awaitable[None]]) -> None:
     """Start the queue's workers and, when engines are scraped directly, the shared sweep (once)."""
     if rt.queue is not None:
         return
-    rt.queue = WorkQueue(round_of, workers=rt.settings.round_workers, on_take=lambda key, late, urgent:
-                         rt.metrics.queue_wait.labels("change" if urgent else "resync").observe(late))
+    def took(key: Hashable, late: float, urgent: bool) -> None:
+        rt.metrics.queue_wait.labels("change" if urgent else "resync").observe(late)
+        trace.event("take", cast(Key, key), f"{late:.3f} {'change' if urgent else 'resync'}")
+
+    rt.queue = WorkQueue(round_of, workers=rt.settings.round_workers, on_take=took)
     rt.metrics.watch_queue(lambda: rt.queue.overdue(rt.settings.interval_seconds) if rt.queue else 0)
     rt.queue.start()
     if rt.scraper is not None and rt.prometheus is None:

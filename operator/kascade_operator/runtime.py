@@ -316,18 +316,6 @@ class Runtime:
         """Namespaces holding ScalePlans (from the index; empty without it)."""
         return [k for k in (self.plan_index or {}) if isinstance(k, str)]
 
-    async def seen_plan(self, ns: str, name: str, timeout_s: float = 2.0) -> bool:
-        """Wait until a ScalePlan this process created is in the index (read your own write), so the
-        next round does not plan the same scale-up again from a view that predates it."""
-        if self.plan_index is None:
-            return True
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            if any(p["metadata"]["name"] == name for p in self.plan_index.get(ns, ())):
-                return True
-            await asyncio.sleep(0.005)
-        return False
-
     def lock(self, ns: str, name: str) -> asyncio.Lock:
         return self.plan_locks.setdefault((ns, name), asyncio.Lock())
 

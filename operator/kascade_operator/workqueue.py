@@ -15,6 +15,11 @@ Semantics:
   retried after an exponential backoff per key (`base_backoff_s` doubling up to `max_backoff_s`), reset
   by the key's next successful round.
 - `forget(key)` drops a key (its service was deleted).
+- `held(key)`: a round of that key runs outside the queue (a kopf change handler's, under the service's lock):
+  meanwhile the workers leave the key queued, as while one of them runs it, and take other keys. A worker
+  taking it instead waited on that lock for the handler's whole round (a creating round's instruct: 10 s and
+  more while 200 services were created at once), and with every worker so blocked no other service's round
+  started: rounds 5-37 s late at 2,000 nodes / 200 services (issue 33).
 Busy services never wait behind idle ones: only due keys are taken, idle services are not due, and an
 input change goes ahead of every due resync.
 Lateness: `on_take(key, late_s, urgent)` is told, for every round taken, how long after its due time it
@@ -28,7 +33,7 @@ import contextlib
 import heapq
 import logging
 import time
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable, Iterator
 
 Entry = tuple[float, int, Hashable]  # (due, seq, key) in a heap; stale entries are skipped
 
@@ -54,6 +59,7 @@ class WorkQueue:
         self._on_take = on_take
         self._seq = 0
         self._running: set[Hashable] = set()
+        self._held: dict[Hashable, int] = {}  # key -> rounds of it running outside the queue (`held`)
         self._failures: dict[Hashable, int] = {}
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -74,6 +80,20 @@ class WorkQueue:
     def forget(self, key: Hashable) -> None:
         self._due.pop(key, None)
         self._failures.pop(key, None)
+
+    @contextlib.contextmanager
+    def held(self, key: Hashable) -> Iterator[None]:
+        """While the block runs (a round of `key` outside the queue), no worker takes `key`; due meanwhile, it
+        is taken after the block."""
+        self._held[key] = self._held.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            n = self._held.pop(key) - 1
+            if n:
+                self._held[key] = n
+            elif key in self._due:
+                self._wake.set()
 
     def due_in(self, key: Hashable) -> float | None:
         """Seconds until the key is due (None: not queued)."""
@@ -135,7 +155,7 @@ class WorkQueue:
                 wait = due - now
                 break
             heapq.heappop(heap)
-            if key in self._running:
+            if key in self._running or key in self._held:
                 deferred.append((due, seq, key))  # due again once its running round ends
                 continue
             del self._due[key]

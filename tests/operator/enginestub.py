@@ -59,6 +59,10 @@ class EngineStub:
         # keepHostCopy false (0: no budget, nothing kept)
         self.host_cache_bytes, self.host_copy_bytes = 0, 0
         self.fail: dict[str, int] = {}  # verb -> HTTP status it is answered with (e.g. a load-plan refused)
+        self.delay: dict[str, float] = {}  # verb -> seconds its answer takes (e.g. a slow source's load-plan)
+        # GET manifest: this answer (recorded in `calls` as ("manifest", {"parts": g}, t)); None: 404, an engine
+        # offering none (the operator then plans on spec.model.layers)
+        self.manifest: dict[str, Any] | None = None
         self._rate, self._total, self._t = 0.0, 0.0, clock()
         self._lock = threading.Lock()
         self._prompt_rate = WindowRate()  # sampled while a load watch is held, as the engine's
@@ -100,6 +104,14 @@ class EngineStub:
                         self._send(stub.fail["status"], {"error": {"message": "status refused (stub)"}})
                     elif self.path.endswith("/status"):
                         self._send(200, stub.status())
+                    elif path.endswith("/manifest"):
+                        with stub._lock:
+                            stub.calls.append(("manifest", {"parts": int(dict(parse_qsl(query)).get("parts", 1))},
+                                               time.monotonic()))
+                        if stub.manifest is None:
+                            self._send(404, {"error": {"message": "not found"}})
+                        else:
+                            self._send(200, stub.manifest)
                     else:
                         self._send(404, {"error": {"message": "not found"}})
 
@@ -111,6 +123,9 @@ class EngineStub:
                 verb = self.path.rsplit("/", 1)[-1]
                 with stub._lock:
                     stub.calls.append((verb, body, time.monotonic()))
+                if verb in stub.delay:  # each request has its own thread: the others are answered meanwhile
+                    time.sleep(stub.delay[verb])
+                with stub._lock:
                     if verb in stub.fail:
                         self._send(stub.fail[verb], {"error": {"message": f"{verb} refused (stub)"}})
                         return

@@ -242,3 +242,44 @@ async def test_resyncs_take_at_most_their_share_of_workers_and_a_change_gets_a_f
     await q.stop()
     with pytest.raises(ValueError, match="background"):
         WorkQueue(process, workers=4, background=0)
+
+
+async def test_a_key_whose_round_runs_outside_the_queue_is_left_to_it_and_the_others_go_on() -> None:
+    """A kopf change handler's round holds the service's lock: a worker that took that key waited on it for the
+    handler's whole round (a creating round's instruct) and, all workers so blocked, no other round started."""
+    seen: list[Hashable] = []
+    handler_done = asyncio.Event()
+
+    async def process(key: Hashable) -> None:
+        seen.append(key)
+        if key == "busy":  # as queued_round: the service's lock, held by the handler until its round ends
+            await handler_done.wait()
+
+    q = WorkQueue(process, workers=1)
+    q.start()
+    with q.held("busy"):
+        q.add("busy")  # its pod changed while the handler's round runs
+        q.add("other", 0.01)
+        await _until(lambda: "other" in seen)  # the one worker was waiting on "busy" (it never came)
+        assert seen == ["other"]
+    handler_done.set()
+    await _until(lambda: "busy" in seen)  # taken once the handler's round is over
+    await q.stop()
+    assert seen == ["other", "busy"]
+
+
+async def test_held_twice_the_key_waits_for_both() -> None:
+    seen: list[Hashable] = []
+
+    async def process(key: Hashable) -> None:
+        seen.append(key)
+
+    q = WorkQueue(process, workers=1)
+    q.start()
+    with q.held("a"):
+        with q.held("a"):
+            q.add("a")
+        await asyncio.sleep(0.05)
+        assert seen == []
+    await _until(lambda: seen == ["a"])
+    await q.stop()
