@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from roundstats import delivered_of_due, lateness, path, show
+from roundstats import METRICS_TIMEOUT_S, delivered_of_due, lateness, path, show
 from stubhost import StubHost
 
 from kascade_devcluster import nodes as devnodes
@@ -47,7 +47,7 @@ ANY_COUNT = re.compile(r'^kascade_operator_reconcile_seconds_count\{trigger="[^"
 def _rounds_so_far(port: int) -> tuple[float, float]:
     """(rounds of any trigger, queued rounds) the operator has counted; (0, 0) while /metrics is not up."""
     try:
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=METRICS_TIMEOUT_S).text
     except httpx.HTTPError:
         return 0.0, 0.0
     lines = text.splitlines()
@@ -67,7 +67,7 @@ def _startup(port: int, n_services: int, t_spawn: float) -> dict[str, float]:
 
 def _histogram(port: int) -> tuple[dict[float, float], float, float]:
     """The reconcile histogram's buckets, its count, and the shared metric sweeps done (0: no sweep)."""
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=METRICS_TIMEOUT_S).text
     buckets, count, sweeps = {}, 0.0, 0.0
     for line in text.splitlines():
         if m := BUCKET.match(line):
