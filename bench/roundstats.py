@@ -36,13 +36,15 @@ LATE = re.compile(
 OVERDUE = re.compile(r"^kascade_operator_rounds_overdue (\S+)$")
 TRACE = re.compile(r"trace (\w+) (\S+) (\d+\.\d+)")
 STEPS = ("wake", "start", "decided", "planned", "plan", "instructed")
+# the operator's /metrics at 10,000 nodes on a loaded machine took over 10 s to answer (a busy event loop)
+METRICS_TIMEOUT_S = 60.0
 
 Lateness = dict[str, dict[float, float]]  # kind -> bucket bound (inf: the count) -> rounds
 
 
 def lateness(port: int) -> tuple[Lateness, float]:
     """The lateness histogram's cumulative buckets per kind, and the overdue gauge (NaN: not exported)."""
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=METRICS_TIMEOUT_S).text
     out: Lateness = {}
     overdue = math.nan
     for line in text.splitlines():

@@ -67,11 +67,19 @@ class ControlPlane:
         return cls(state_dir or default_state_dir(), bin_dir or find_bin_dir())
 
     def start(self, scheduling: bool = True, kwok: bool = True, timeout: float = 60.0,
-              detachable: bool = False, node_grace_s: int = 40) -> ControlPlane:
+              detachable: bool = False, node_grace_s: int = 40, node_lease_s: int = 40) -> ControlPlane:
         """Start and wait until ready. Unless `detachable`, the components die with this interpreter
         even when it is killed (tests); `kascade cluster up` passes True and then calls detach().
         `node_grace_s`: how long a node's heartbeat may be missing before the node controller marks it
-        and its pods NotReady (a benchmark with thousands of KWOK nodes on a loaded machine raises it)."""
+        and its pods NotReady (a benchmark with thousands of KWOK nodes on a loaded machine raises it).
+        `node_lease_s`: KWOK's node Lease duration; it renews each node's Lease every quarter of it (as a
+        kubelet does), so 40 s (the kubelet default) is 10,000 nodes x 1 write / 10 s = 1,000 Lease writes per
+        second on the API server. A fleet-scale benchmark relaxes it and says so; its renewal period must stay
+        below `node_grace_s` or the node controller marks the nodes NotReady between two renewals."""
+        if node_lease_s < 1 or node_lease_s / 4 >= node_grace_s:
+            raise ValueError(f"node_lease_s ({node_lease_s}): needs >= 1 and its renewal period (a quarter) below "
+                             f"node_grace_s ({node_grace_s}), or the node controller marks nodes NotReady "
+                             "between two renewals")
         t0 = time.monotonic()
         self._detachable = detachable
         if (self.state_dir / STATE_FILE).exists():
@@ -128,7 +136,7 @@ class ControlPlane:
                 self._spawn("kwok", [
                     str(b / "kwok"), f"--kubeconfig={self.kubeconfig}", f"--config={b / 'kwok-stages.yaml'}",
                     "--manage-all-nodes=false", "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
-                    "--node-lease-duration-seconds=40", f"--server-address=127.0.0.1:{kwok_port}",
+                    f"--node-lease-duration-seconds={node_lease_s}", f"--server-address=127.0.0.1:{kwok_port}",
                     "--cidr=10.0.0.1/16", "--node-ip=10.0.0.1",
                 ], logs)
                 self._wait("kwok", lambda: _http_ok(f"http://127.0.0.1:{kwok_port}/healthz"), timeout)

@@ -19,12 +19,13 @@ Handlers keep no state of their own; everything lives in `Runtime` (kopf memo) o
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
 import kopf
 
-from kascade_operator import enginetoken, plandriver, rolesync, rounds, shardhooks, trace
+from kascade_operator import enginetoken, memtrace, plandriver, rolesync, rounds, shardhooks, trace
 from kascade_operator import labels as L
 from kascade_operator.actuator import act, apply
 from kascade_operator.decision import decide
@@ -83,11 +84,28 @@ async def queued_round(rt: Runtime, key: Any) -> None:
     rounds.after_round(rt, ns, name)
 
 
+DROPPED_META = ("managedFields",)  # server-side bookkeeping no round reads: most of a small object's bytes
+DROPPED_ANNOTATIONS = ("kubectl.kubernetes.io/last-applied-configuration",)  # a copy of the whole object
+
+
+def index_entry(body: Any) -> dict[str, Any]:
+    """A watched object as the indexes keep it (ScalePlans, ModelServices, roles): the whole object but its
+    managedFields and kubectl's last-applied copy, which would double or triple what each entry holds."""
+    out = dict(body)
+    meta = {k: v for k, v in (body.get("metadata") or {}).items() if k not in DROPPED_META}
+    ann = meta.get("annotations")
+    if ann and any(k in ann for k in DROPPED_ANNOTATIONS):
+        meta["annotations"] = {k: v for k, v in ann.items() if k not in DROPPED_ANNOTATIONS}
+    out["metadata"] = meta
+    return out
+
+
 def _slim_pod(body: Any) -> dict[str, Any]:
     """What the operator reads of a pool pod (the index holds hundreds of them)."""
     meta, spec, status = body["metadata"], body.get("spec") or {}, body.get("status") or {}
-    return {"metadata": {k: meta[k] for k in ("name", "namespace", "labels", "annotations", "resourceVersion",
-                                               "deletionTimestamp", "uid") if k in meta},
+    return {"metadata": index_entry({"metadata": {k: meta[k] for k in ("name", "namespace", "labels", "annotations",
+                                                                        "resourceVersion", "deletionTimestamp", "uid")
+                                                  if k in meta}})["metadata"],
             "spec": {"nodeName": spec.get("nodeName"), "readinessGates": list(spec.get("readinessGates") or []),
                      "containers": [{"name": c.get("name"), "ports": list(c.get("ports") or [])}
                                     for c in spec.get("containers") or []]},
@@ -111,6 +129,7 @@ def build_registry(settings: OperatorSettings, shards: ShardSet | None = None) -
         settings.posting.level = logging.WARNING
         settings.watching.server_timeout = 60
         s = op_settings
+        memtrace.start_from_env(os.environ)  # opt-in diagnostics (KASCADE_MEMTRACE_DUMP)
         kube = await Kube.connect()
         # the CLI resolves the token before kopf starts (a clear exit when it cannot); others get it here
         token = s.engine_token or await enginetoken.ensure(kube, enginetoken.token_namespace(s.engine_token_namespace),
@@ -166,17 +185,17 @@ def build_registry(settings: OperatorSettings, shards: ShardSet | None = None) -
         ref = ((body.get("spec") or {}).get("modelServiceRef") or {}).get("name")
         if ref and getattr(memo, "rt", None) is not None:
             rounds.wake(memo.rt, namespace, ref)
-        return {namespace: {"metadata": dict(body["metadata"]), "spec": dict(body.get("spec") or {}),
+        return {namespace: {"metadata": index_entry(body)["metadata"], "spec": dict(body.get("spec") or {}),
                             "status": dict(body.get("status") or {})}}
 
     @kopf.index(**ms, id="modelservices")
     async def modelservices(namespace: str, name: str, body: kopf.Body,
                             **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
-        return {(namespace, name): dict(body)}  # what a queued round reconciles
+        return {(namespace, name): index_entry(body)}  # what a queued round reconciles
 
     @kopf.index(**mrole, id="role_objects")
     async def role_objects(namespace: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
-        return {namespace: {"metadata": dict(body["metadata"]), "spec": dict(body.get("spec") or {}),
+        return {namespace: {"metadata": index_entry(body)["metadata"], "spec": dict(body.get("spec") or {}),
                             "status": dict(body.get("status") or {})}}
 
     def rt_of(memo: kopf.Memo, kw: dict[str, Any]) -> Runtime:

@@ -3,7 +3,7 @@
 Data flow: handlers / scaleplan driver -> `Kube` methods -> API server. Reads return plain dicts
 (raw JSON, no model objects: cheap at 2,000 nodes); writes use JSON merge patches. A 409 on a guarded
 patch (stale resourceVersion) becomes `Conflict`, so callers can re-read instead of double-binding.
-Nodes are also listed with their list's resourceVersion and watched from it (`list_nodes_at`,
+Nodes are also listed with their list's resourceVersion and watched from it (`list_nodes_page`,
 `watch_nodes`: nodefacts.py keeps them in memory); a 410 on the watch becomes `Gone` (list again).
 """
 
@@ -128,10 +128,18 @@ class Kube:
         doc = await self._json(await self.core.list_node(_preload_content=False, _request_timeout=self.t), "list nodes")
         return list(doc.get("items") or [])
 
-    async def list_nodes_at(self) -> tuple[list[dict[str, Any]], str]:
-        """Every node and the list's resourceVersion (where a watch of the changes after it starts)."""
-        doc = await self._json(await self.core.list_node(_preload_content=False, _request_timeout=self.t), "list nodes")
-        return list(doc.get("items") or []), str((doc.get("metadata") or {}).get("resourceVersion") or "")
+    async def list_nodes_page(self, limit: int, cont: str = "") -> tuple[list[dict[str, Any]], str, str]:
+        """One page of at most `limit` nodes: (items, the list's resourceVersion, continue token; "" on the
+        last page). Pages, not one list: at 10,000 nodes one list is ~50 MB of JSON and several hundred MB
+        of dicts at once, a peak the process keeps as RSS. A continue token that expired raises `Gone`."""
+        resp = await self.core.list_node(limit=limit, _continue=cont or None, _preload_content=False,
+                                         _request_timeout=self.t)
+        if resp.status == 410:
+            body = await resp.read()
+            raise Gone(f"list nodes (continue): {resp.reason} {body[:200]!r}")
+        doc = await self._json(resp, "list nodes")
+        meta = doc.get("metadata") or {}
+        return list(doc.get("items") or []), str(meta.get("resourceVersion") or ""), str(meta.get("continue") or "")
 
     async def watch_nodes(self, resource_version: str,
                           timeout_s: int = WATCH_TIMEOUT_S) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:

@@ -12,7 +12,8 @@ heartbeat) changes nothing here. `facts()` is (node -> leaf label, most GPUs on 
 a change; its leaf dict is the same object while the leaves are unchanged, which the pool snapshot
 (snapshots.cached) relies on to stay valid.
 
-Data flow: `run(kube)`: `kube.list_nodes_at()` -> `replace()` (sets `ready`) -> `kube.watch_nodes(rv)` ->
+Data flow: `run(kube)`: `kube.list_nodes_page()` page by page, each page slimmed before the next is read
+(`list_all`) -> `replace()` (sets `ready`) -> `kube.watch_nodes(rv)` ->
 `apply()` per event, the resourceVersion advancing with each (bookmarks too); a watch the server ends is
 started again from the last version; `Gone` (410: that version expired) -> list again; any other failure
 -> wait (backoff) and go on from the last version. Readers: Runtime.nodes() / Runtime.node_facts(), which
@@ -33,13 +34,14 @@ from kascade_operator.validation import max_gpus
 
 log = logging.getLogger(__name__)
 
+LIST_PAGE = 500  # nodes per list request (kube.list_nodes_page: the full bodies of one page at a time)
 BACKOFF_S, BACKOFF_MAX_S = 0.5, 30.0  # after a failed list or watch: doubled per failure, reset by a good one
 
 
 class NodeSource(Protocol):
     """What of `kube.Kube` the node facts use (the test seam's FakeKube has the same two)."""
 
-    async def list_nodes_at(self) -> tuple[list[dict[str, Any]], str]: ...
+    async def list_nodes_page(self, limit: int, cont: str = "") -> tuple[list[dict[str, Any]], str, str]: ...
 
     def watch_nodes(self, resource_version: str) -> AsyncGenerator[tuple[str, dict[str, Any]], None]: ...
 
@@ -64,9 +66,9 @@ class NodeFacts:
         self._leaf: dict[str, str] = {}
 
     # -- writes (from the list and the watch) --------------------------------------------------------
-    def replace(self, items: list[dict[str, Any]], resource_version: str) -> None:
-        """A complete list: nodes not in it are gone."""
-        nodes = {n["metadata"]["name"]: n for n in map(slim, items)}
+    def replace(self, items: list[dict[str, Any]], resource_version: str, slimmed: bool = False) -> None:
+        """A complete list (`slimmed`: already `slim`): nodes not in it are gone."""
+        nodes = {n["metadata"]["name"]: n for n in (items if slimmed else map(slim, items))}
         if nodes != self.nodes:
             self.nodes = nodes
             self._changed()
@@ -112,14 +114,27 @@ class NodeFacts:
         return self._facts
 
     # -- the loop ------------------------------------------------------------------------------------
+    async def list_all(self, kube: NodeSource) -> str:
+        """List every node page by page, keeping only each page's slim nodes (a full page is dropped before
+        the next is read); then `replace` with them. Returns the list's resourceVersion."""
+        slimmed: list[dict[str, Any]] = []
+        cont, rv = "", ""
+        while True:
+            items, rv, cont = await kube.list_nodes_page(LIST_PAGE, cont)
+            slimmed.extend(map(slim, items))
+            del items
+            if not cont:
+                break
+        self.replace(slimmed, rv, slimmed=True)
+        return rv
+
     async def run(self, kube: NodeSource) -> None:
         """List, then watch from the list's version, for ever (cancel to stop)."""
         backoff = BACKOFF_S
         while True:
             try:
                 if not self.resource_version:
-                    items, rv = await kube.list_nodes_at()
-                    self.replace(items, rv)
+                    rv = await self.list_all(kube)
                     log.info("nodes listed: %d at resourceVersion %s", len(self.nodes), rv)
                 t0, seen = time.monotonic(), 0
                 async with contextlib.aclosing(kube.watch_nodes(self.resource_version)) as events:

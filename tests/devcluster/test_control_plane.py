@@ -138,3 +138,38 @@ def _cmdline(proc_dir: Path) -> str:
         return (proc_dir / "cmdline").read_text().replace("\0", " ")
     except OSError:
         return ""
+
+
+def _renew_times(cp: ControlPlane, node: str, seconds: float) -> list[str]:
+    """The distinct renewTimes of the node's Lease seen over `seconds`."""
+    seen: list[str] = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        out = cp.kubectl("-n", "kube-node-lease", "get", "lease", node, "-o", "jsonpath={.spec.renewTime}",
+                         check=False).stdout
+        if out and out not in seen:
+            seen.append(out)
+        time.sleep(0.5)
+    return seen
+
+
+def test_node_lease_duration_sets_how_often_kwok_renews(tmp_path: Path) -> None:
+    """The knob a fleet-scale benchmark relaxes (KWOK renews every quarter of the Lease duration, like a kubelet):
+    with 8 s a node's Lease is renewed every ~2 s, with 120 s not once in the same 9 s."""
+    try:
+        bins = bin_dir()
+    except MissingBinaries as e:
+        unavailable(str(e))
+    counts = {}
+    for lease in (8, 120):
+        cp = ControlPlane(tmp_path / f"l{lease}", bins).start(scheduling=False, node_lease_s=lease, node_grace_s=900)
+        try:
+            from kascade_devcluster.nodes import NodeSpec, create_nodes
+
+            (name,) = create_nodes(cp, [NodeSpec(f"lease-{lease}")], "lease")
+            _renew_times(cp, name, 3)  # the Lease exists and has its first renewal
+            counts[lease] = len(_renew_times(cp, name, 9))
+        finally:
+            cp.stop()
+    assert counts[8] >= 3, counts  # ~4 renewals in 9 s
+    assert counts[120] <= 1, counts  # the value seen at the start only

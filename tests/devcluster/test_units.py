@@ -200,3 +200,12 @@ def test_the_readiness_prober_folds_readiness_gates_into_ready_like_a_kubelet() 
     assert not gates_open(gated)
     gated["status"]["conditions"][-1]["status"] = "True"
     assert gates_open(gated)
+
+
+@pytest.mark.parametrize("lease, grace", [(0, 40), (160, 40), (4000, 900)])
+def test_a_node_lease_renewed_slower_than_the_grace_is_refused(tmp_path: Path, lease: int, grace: int) -> None:
+    """KWOK renews a node's Lease every quarter of its duration: a renewal period at or past the node controller's
+    grace would mark every node NotReady between renewals."""
+    with pytest.raises(ValueError, match=r"node_lease_s \(\d+\).*node_grace_s"):
+        ControlPlane(tmp_path, tmp_path).start(node_lease_s=lease, node_grace_s=grace)
+    assert not (tmp_path / "etcd").exists()  # refused before anything started

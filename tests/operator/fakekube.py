@@ -51,6 +51,7 @@ class FakeKube:
         self.node_lists = 0
         self.node_watches: list[str] = []  # the resourceVersion each watch started from
         self._rv = itertools.count(1)
+        self._list_rv = ""  # the resourceVersion of the node list being paged
         self._names = itertools.count(1)
 
     def _stamp(self, obj: dict[str, Any], ns: str) -> dict[str, Any]:
@@ -67,9 +68,14 @@ class FakeKube:
     async def list_nodes(self) -> list[dict[str, Any]]:
         return copy.deepcopy(self.nodes)
 
-    async def list_nodes_at(self) -> tuple[list[dict[str, Any]], str]:
-        self.node_lists += 1
-        return copy.deepcopy(self.nodes), str(next(self._rv))
+    async def list_nodes_page(self, limit: int, cont: str = "") -> tuple[list[dict[str, Any]], str, str]:
+        """As the API server pages: the continue token is the next item's index; one resourceVersion per list."""
+        start = int(cont or 0)
+        if not start:
+            self.node_lists += 1
+            self._list_rv = str(next(self._rv))
+        end = start + limit
+        return copy.deepcopy(self.nodes[start:end]), self._list_rv, str(end) if end < len(self.nodes) else ""
 
     async def watch_nodes(self, resource_version: str) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
         """The events put on `node_events` (a test writes them, and `self.nodes` for the next list)."""

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
 from fakekube import END, GONE, FakeKube
 
+from kascade_operator import nodefacts
 from kascade_operator.engine_client import EngineClient
 from kascade_operator.kube import Gone, _watch_event
 from kascade_operator.metrics import Scraper
@@ -116,9 +119,9 @@ class SlowList(FakeKube):
         super().__init__()
         self.release = asyncio.Event()
 
-    async def list_nodes_at(self) -> tuple[list[dict[str, Any]], str]:
+    async def list_nodes_page(self, limit: int, cont: str = "") -> tuple[list[dict[str, Any]], str, str]:
         await self.release.wait()
-        return await super().list_nodes_at()
+        return await super().list_nodes_page(limit, cont)
 
 
 async def test_rounds_wait_for_the_first_list() -> None:
@@ -146,3 +149,43 @@ def test_watch_lines_an_expired_version_is_gone_and_other_errors_raise() -> None
         _watch_event({"type": "ERROR", "object": {"code": 410, "message": "too old resource version"}}, "1")
     with pytest.raises(RuntimeError, match="500"):
         _watch_event({"type": "ERROR", "object": {"code": 500, "message": "boom"}}, "1")
+
+
+class Body(dict[str, Any]):
+    """A node body a weak reference can follow (a plain dict cannot)."""
+
+
+class Pages(FakeKube):
+    """Pages of full node bodies (with managedFields, as the API server sends them); when asked for the next
+    page, records how many bodies of the pages handed out before are still alive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.handed: list[weakref.ref[Body]] = []
+        self.alive_when_asked: list[int] = []
+
+    async def list_nodes_page(self, limit: int, cont: str = "") -> tuple[list[dict[str, Any]], str, str]:
+        gc.collect()
+        self.alive_when_asked.append(sum(r() is not None for r in self.handed))
+        items, rv, nxt = await super().list_nodes_page(limit, cont)
+        bodies = [Body(n, metadata={**n["metadata"], "managedFields": [{"manager": "kwok", "fieldsV1": {}}]})
+                  for n in items]
+        self.handed += [weakref.ref(b) for b in bodies]
+        return list(bodies), rv, nxt
+
+
+async def test_the_list_is_read_in_pages_and_only_slim_nodes_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 10,000 nodes one unpaged list held every full body at once (hundreds of MB of dicts, kept as RSS):
+    a page's full bodies must be gone before the next page is read, and none is kept after the list."""
+    monkeypatch.setattr(nodefacts, "LIST_PAGE", 3)
+    kube = Pages()
+    kube.nodes = [node(f"n{i}", f"l{i % 2}") for i in range(8)]
+    async with running(kube) as facts:
+        await until(lambda: facts.ready.is_set(), "the first list")
+        gc.collect()
+        assert kube.alive_when_asked == [0, 0, 0]  # three pages (3 + 3 + 2), each asked with none alive
+        assert not any(r() is not None for r in kube.handed)
+        assert len(facts.nodes) == 8 and facts.resource_version
+        assert all("managedFields" not in n["metadata"] and "conditions" not in n["status"]
+                   for n in facts.nodes.values())
+        assert facts.facts() == ({f"n{i}": f"l{i % 2}" for i in range(8)}, 8)
