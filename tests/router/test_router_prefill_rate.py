@@ -3,7 +3,7 @@
 - The rule (pure): the balancer counts a converted decoder's prompt as 1 / share of a prefill engine's, share =
   the decoder's reported prefill rate over the prefill engines' (kascade_planner.conversion.converted_share),
   the constant CONVERTED_SHARE only while either is unreported; the engine's header parses as the room's does.
-- On REAL engine processes (a tiny random Llama on CPU, each step at least 2 ms a layer: an emulated
+- On REAL engine processes (a tiny random Llama on CPU, each step at least 10 ms a layer: an emulated
   accelerator, so a step's time hardly depends on its tokens): D converted with a 2-token chunk cap prefills its
   own prompts at a small share of what P, at 32 tokens a step, does. Both report it (PREFILL_RATE_HEADER) on
   /readyz, D also on its answers; the router learns P's by its poll (it never hears P's answers in PD serving)
@@ -70,9 +70,12 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Engi
     ckpt = tiny_llama(tmp_path_factory.mktemp("rate") / "tiny-llama", layers=4, hidden=64, vocab=512)
     procs: dict[str, EngineProc] = {}
     try:
+        # 10 ms a layer: the emulated accelerator's floor (40 ms a step) must dwarf the step's CPU work, which
+        # CPU contention stretches. At 2 ms a layer (8 ms a step beside ~3 ms of compute for P's 32 tokens, 0.3 ms
+        # for D's 2) a CI run at load 4-8 made P's steps 6x slower and D's 1.8x: D's share read 0.28, not ~0.08
         for role in ("prefill", "decode"):
             procs[role] = start_engine(["--checkpoint", str(ckpt), "--model-name", "tiny-llama", "--kv-tokens",
-                                        "4096", "--max-batch-tokens", "32", "--emulate-layer-ms", "2"], TOKEN)
+                                        "4096", "--max-batch-tokens", "32", "--emulate-layer-ms", "10"], TOKEN)
         yield procs
     finally:
         for e in procs.values():
