@@ -36,7 +36,7 @@ from kubernetes_asyncio.leaderelection import electionconfig, leaderelection
 from kubernetes_asyncio.leaderelection.resourcelock.leaselock import LeaseLock
 
 from kascade_operator.kube import Kube
-from kascade_operator.leasethread import LeaseThread
+from kascade_operator.leasethread import LeaseThread, run_until
 from kascade_operator.settings import OperatorSettings
 
 log = logging.getLogger(__name__)
@@ -116,20 +116,9 @@ class ElectionThread(LeaseThread):
         cfg = electionconfig.Config(LeaseLock(self.s.lease_name, self.ns, self.me, kube.api),
                                     max(2, round(self.s.lease_duration_seconds)), self.s.lease_renew_deadline_seconds,
                                     self.s.lease_retry_seconds, lead, end)
-        election = asyncio.create_task(leaderelection.LeaderElection(cfg).run())
-        stop = asyncio.create_task(halt.wait())
-        try:
-            await asyncio.wait({election, stop}, return_when=asyncio.FIRST_COMPLETED)
-            ended = election.done()  # on its own: the Lease lost, or the election failed
-        finally:
-            for t in (election, stop):
-                if not t.done():
-                    t.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await t
+        ended, failure = await run_until(leaderelection.LeaderElection(cfg).run(), halt)
         if not ended:
             return None
-        failure = None if election.cancelled() else election.exception()
         if failure is not None:
             return f"leader election failed: {failure!r}"
         return f"could not renew Lease {self.ns}/{self.s.lease_name} within {self.s.lease_renew_deadline_seconds} s"

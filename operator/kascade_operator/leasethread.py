@@ -22,7 +22,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from kascade_operator.kube import Kube
 from kascade_operator.settings import OperatorSettings
@@ -102,3 +102,18 @@ class LeaseThread(threading.Thread):
             log.critical("%s: %s, and the operator did not stop within %.1f s: exiting before another replica "
                          "may act", self.me, why, grace)
             self.fence(3)
+
+
+async def run_until(work: Awaitable[None], halt: asyncio.Event) -> tuple[bool, BaseException | None]:
+    """Run `work` until it ends on its own or `halt` is set; returns (ended on its own, what it raised)."""
+    task, stop = asyncio.ensure_future(work), asyncio.create_task(halt.wait())
+    try:
+        await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        ended = task.done()
+    finally:
+        for t in (task, stop):
+            if not t.done():
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+    return ended, None if not ended or task.cancelled() else task.exception()

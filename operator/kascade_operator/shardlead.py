@@ -39,7 +39,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from kascade_operator.kube import Conflict, Kube, NotFound, now_iso
 from kascade_operator.leader import LeadershipLost, identity, lease_namespace
-from kascade_operator.leasethread import LeaseThread
+from kascade_operator.leasethread import LeaseThread, run_until
 from kascade_operator.settings import OperatorSettings
 from kascade_operator.sharding import LeaseState, campaign, lease_name, member_lease_name
 from kascade_operator.shardset import ShardSet
@@ -215,20 +215,9 @@ class ShardThread(LeaseThread):
         self.leader = ShardLeader(self.s, kube, self.shards)
         log.warning("%s: campaigning for %d shards (Leases %s/%s-*)", self.me, self.shards.shards, self.leader.ns,
                     self.s.lease_name)
-        campaign_task = asyncio.create_task(self.leader.run_forever())
-        stop = asyncio.create_task(halt.wait())
-        try:
-            await asyncio.wait({campaign_task, stop}, return_when=asyncio.FIRST_COMPLETED)
-            ended = campaign_task.done()
-        finally:
-            for t in (campaign_task, stop):
-                if not t.done():
-                    t.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await t
+        ended, failure = await run_until(self.leader.run_forever(), halt)
         if not ended:
             return None
-        failure = None if campaign_task.cancelled() else campaign_task.exception()
         return str(failure) if failure is not None else f"{self.me}: the shard campaign ended"
 
     async def release(self, kube: Kube) -> None:
