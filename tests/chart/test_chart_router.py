@@ -3,39 +3,14 @@ template`, no cluster)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import yaml
-from images import Helm
-
-REPO = Path(__file__).resolve().parents[2]
-CHART = REPO / "charts" / "kascade"
+from images import Helm, rendered
 
 
 def test_router_is_a_read_only_watcher_behind_a_service(helm: Helm) -> None:
-    docs = [
-        d
-        for d in yaml.safe_load_all(
-            helm(
-                "template",
-                "rel",
-                str(CHART),
-                "-n",
-                "ns",
-                "--set",
-                "router.enabled=true",
-                "--set",
-                "router.replicas=3",
-                "--set",
-                "router.inferencePool.pools[0].modelService=chat",
-                "--api-versions",
-                "inference.networking.k8s.io/v1/InferencePool",
-                "--set",
-                "router.inferencePool.pools[0].endpointPicker.name=chat-epp",
-            ).stdout
-        )
-        if d
-    ]
+    docs = rendered(helm, "-n", "ns", "--set", "router.enabled=true", "--set", "router.replicas=3",
+                    "--set", "router.inferencePool.pools[0].modelService=chat",
+                    "--api-versions", "inference.networking.k8s.io/v1/InferencePool",
+                    "--set", "router.inferencePool.pools[0].endpointPicker.name=chat-epp")
     by = {(d["kind"], d["metadata"]["name"]): d for d in docs}
     role = by[("ClusterRole", "rel-router")]
     assert {v for r in role["rules"] for v in r["verbs"]} == {"get", "list", "watch"}
@@ -46,9 +21,7 @@ def test_router_is_a_read_only_watcher_behind_a_service(helm: Helm) -> None:
     assert svc["spec"]["ports"][0]["port"] == 8080
     # the routing rule: ttft unless the values say share
     assert "--route=ttft" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
-    share = [
-        d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), "--set", "router.route=share").stdout) if d
-    ]
+    share = rendered(helm, "--set", "router.route=share")
     assert (
         "--route=share"
         in next(d for d in share if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-router")["spec"][
@@ -83,17 +56,15 @@ def test_router_is_a_read_only_watcher_behind_a_service(helm: Helm) -> None:
         k for k, n in by if n == "rel-router"}
     pdb = by[("PodDisruptionBudget", "rel-router")]
     assert pdb["spec"] == {"minAvailable": 1, "selector": dep["spec"]["selector"]}
-    one = [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), "--set", "router.replicas=1",
-                                              "--set", "router.priorityClassName=hi",
-                                              "--set", "router.affinity.nodeAffinity.x=1").stdout) if d]
+    one = rendered(helm, "--set", "router.replicas=1", "--set", "router.priorityClassName=hi",
+                   "--set", "router.affinity.nodeAffinity.x=1")
     assert not [d for d in one if d["kind"] == "PodDisruptionBudget" and d["metadata"]["name"] == "rel-router"]
     spec1 = next(d for d in one if d["metadata"]["name"] == "rel-router" and d["kind"] == "Deployment")["spec"][
         "template"
     ]["spec"]
     assert spec1["priorityClassName"] == "hi" and spec1["affinity"] == {"nodeAffinity": {"x": 1}}
     assert {k for k, n in by if n == "rel-router-pods"} == {"Service"}
-    off = [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), "-n", "ns",
-                                              "--set", "router.enabled=false").stdout) if d]
+    off = rendered(helm, "-n", "ns", "--set", "router.enabled=false")
     assert not [d for d in off if d["metadata"]["name"].endswith("-router")]
     # without the router, helm test's front door is the engines Service and the operator has no router URL
     test_args = next(d for d in off if d["kind"] == "Pod")["spec"]["containers"][0]["args"]
@@ -111,8 +82,7 @@ def test_router_api_keys_come_from_a_secret(helm: Helm) -> None:
     """router.auth.existingSecret mounts the Secret and points --api-keys-file at its key; unset: no auth."""
 
     def router_pod(*sets: str) -> dict:
-        args = [a for s in sets for a in ("--set", s)]
-        docs = [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), *args).stdout) if d]
+        docs = rendered(helm, *(a for s in sets for a in ("--set", s)))
         return next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-router")["spec"][
             "template"
         ]["spec"]
