@@ -88,24 +88,26 @@ DROPPED_META = ("managedFields",)  # server-side bookkeeping no round reads: mos
 DROPPED_ANNOTATIONS = ("kubectl.kubernetes.io/last-applied-configuration",)  # a copy of the whole object
 
 
-def index_entry(body: Any) -> dict[str, Any]:
-    """A watched object as the indexes keep it (ScalePlans, ModelServices, roles): the whole object but its
-    managedFields and kubectl's last-applied copy, which would double or triple what each entry holds."""
-    out = dict(body)
-    meta = {k: v for k, v in (body.get("metadata") or {}).items() if k not in DROPPED_META}
+def slim_meta(metadata: Any) -> dict[str, Any]:
+    """Object metadata without its managedFields and kubectl's last-applied copy, which would double or triple
+    what each index entry holds."""
+    meta = {k: v for k, v in (metadata or {}).items() if k not in DROPPED_META}
     ann = meta.get("annotations")
     if ann and any(k in ann for k in DROPPED_ANNOTATIONS):
         meta["annotations"] = {k: v for k, v in ann.items() if k not in DROPPED_ANNOTATIONS}
-    out["metadata"] = meta
-    return out
+    return meta
+
+
+def index_entry(body: Any) -> dict[str, Any]:
+    """A watched object as the indexes keep it (ScalePlans, ModelServices, roles): the whole object, slim_meta."""
+    return {**dict(body), "metadata": slim_meta(body.get("metadata"))}
 
 
 def _slim_pod(body: Any) -> dict[str, Any]:
     """What the operator reads of a pool pod (the index holds hundreds of them)."""
     meta, spec, status = body["metadata"], body.get("spec") or {}, body.get("status") or {}
-    return {"metadata": index_entry({"metadata": {k: meta[k] for k in ("name", "namespace", "labels", "annotations",
-                                                                        "resourceVersion", "deletionTimestamp", "uid")
-                                                  if k in meta}})["metadata"],
+    return {"metadata": slim_meta({k: meta[k] for k in ("name", "namespace", "labels", "annotations", "resourceVersion",
+                                                         "deletionTimestamp", "uid") if k in meta}),
             "spec": {"nodeName": spec.get("nodeName"), "readinessGates": list(spec.get("readinessGates") or []),
                      "containers": [{"name": c.get("name"), "ports": list(c.get("ports") or [])}
                                     for c in spec.get("containers") or []]},
@@ -185,7 +187,7 @@ def build_registry(settings: OperatorSettings, shards: ShardSet | None = None) -
         ref = ((body.get("spec") or {}).get("modelServiceRef") or {}).get("name")
         if ref and getattr(memo, "rt", None) is not None:
             rounds.wake(memo.rt, namespace, ref)
-        return {namespace: {"metadata": index_entry(body)["metadata"], "spec": dict(body.get("spec") or {}),
+        return {namespace: {"metadata": slim_meta(body.get("metadata")), "spec": dict(body.get("spec") or {}),
                             "status": dict(body.get("status") or {})}}
 
     @kopf.index(**ms, id="modelservices")
@@ -195,7 +197,7 @@ def build_registry(settings: OperatorSettings, shards: ShardSet | None = None) -
 
     @kopf.index(**mrole, id="role_objects")
     async def role_objects(namespace: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
-        return {namespace: {"metadata": index_entry(body)["metadata"], "spec": dict(body.get("spec") or {}),
+        return {namespace: {"metadata": slim_meta(body.get("metadata")), "spec": dict(body.get("spec") or {}),
                             "status": dict(body.get("status") or {})}}
 
     def rt_of(memo: kopf.Memo, kw: dict[str, Any]) -> Runtime:
