@@ -415,7 +415,7 @@ def test_scale_up_sends_from_a_host_copy_beside_the_serving_replica(
         def released_copy() -> tuple[str, str] | None:
             # whether a round saw both replicas ready before the drain (the keeper then had the serving one keep
             # a stopgap copy, dropped once the release keeps one) is timing: wait for the state both orders
-            # reach, one copy, on the released pod (tests/operator/test_apply_seam.py has both orders)
+            # reach, one copy, on the released pod (tests/operator/test_hostcopy_seam.py has both orders)
             up, kept = loaded(cp, ns), host_copies()
             if len(up) != 1 or len(kept) != 1 or kept[0] == up[0]["metadata"]["name"]:
                 return None
