@@ -202,24 +202,26 @@ class ControlPlane:
             raise StateError(f"{path}: malformed state, field {e!s}") from None
 
     # -- tools -----------------------------------------------------------------------------
-    def kubectl(self, *args: str, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess[str]:
-        return self._tool("kubectl", args, check, input)
+    def kubectl(
+        self, *args: str, check: bool = True, input: str | None = None, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
+        return self._tool("kubectl", args, check, input, timeout)
 
     def helm(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return self._tool("helm", args, check, None)
+        return self._tool("helm", args, check, None, 120)
 
     def running(self) -> dict[str, bool]:
         return {n: processes.alive(p, self.starts.get(n)) for n, p in self.pids.items()}
 
     def _tool(
-        self, tool: str, args: tuple[str, ...], check: bool, input: str | None
+        self, tool: str, args: tuple[str, ...], check: bool, input: str | None, timeout: float
     ) -> subprocess.CompletedProcess[str]:
         proc = subprocess.run(
             [str(self.bin_dir / tool), f"--kubeconfig={self.kubeconfig}", *args],
             capture_output=True,
             text=True,
             input=input,
-            timeout=120,
+            timeout=timeout,
         )
         if check and proc.returncode != 0:
             raise ToolError(

@@ -26,6 +26,7 @@ engine as a source sends from it (phase stays released: `host_feeding`).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from pathlib import Path
@@ -94,7 +95,15 @@ def _fail(status: int, message: str, field: str | None = None) -> Exception:
     return InstanceError(status, message, field)
 
 
+def _running(inst: LoadTarget, req: LoadPlanRequest) -> bool:
+    """Whether the plan running here is `req`'s (the same plan's secret token, this engine the same participant)."""
+    held = str((inst.plan or {}).get("token") or "")
+    return bool(held) and hmac.compare_digest(held, req.plan_token) and inst.instance_id == req.self_id
+
+
 async def start_plan_load(inst: LoadTarget, req: LoadPlanRequest) -> None:
+    """Take part in `req`'s plan. Asked again for the plan already running here, a no-op (idempotent); a
+    different plan while one runs is refused (409)."""
     me = req.self_id
     target = any(t.get("id", t.get("instance")) == me for t in req.plan.get("targets") or ()
                  if isinstance(t, dict))
@@ -106,7 +115,10 @@ async def start_plan_load(inst: LoadTarget, req: LoadPlanRequest) -> None:
     if manifest is None:
         raise _fail(400, "invalid field 'manifest': a loading target needs the block manifest", "manifest")
     if inst.busy_loading:
-        raise _fail(409, "a load plan is already running on this engine", "plan")
+        if _running(inst, req):  # the operator asking again (a restart, a lost answer): it runs already
+            return
+        raise _fail(409, "a load plan is already running on this engine (another plan: wait for it or pick "
+                         "another source)", "plan")
     doc = {"plan": dict(req.plan), "manifest": dict(manifest), "peers": dict(req.peers), "token": req.plan_token,
            "chunkBytes": req.chunk_bytes, "timeoutSeconds": req.timeout_seconds}
     try:

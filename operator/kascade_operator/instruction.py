@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kascade_operator import labels as L
@@ -123,10 +123,11 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
     # never a plan that has ended, never a target it dropped (issue 38 #2). The creation body of a plan nothing
     # has instructed yet is how it is now (only this process's drivers write a new plan's status, and they
     # instruct first): the fast path saves the GET (an API round trip on every scale-up).
-    fresh = sp if created and untouched else await _current(rt, ns, name)
-    if fresh is None or _ended(fresh):
+    fresh = created and untouched
+    current = sp if fresh else await _current(rt, ns, name)
+    if current is None or _ended(current):
         return {}
-    sp = fresh
+    sp = current
     spec, status = sp["spec"], sp.get("status") or {}
     skip = set(skip) | _failed(status).keys()
     pending = [i for i in SP.to_instruct(spec, status) if i not in done and i not in skip]
@@ -164,10 +165,11 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
                                 await rt.engines.manifest(src.endpoint, tp)
                         await rt.engines.load_plan(src.endpoint, plan, s["instance"], peers, token)
                     except EngineError as e:
-                        if e.status != 409:  # 409: this source already runs the plan
-                            log.warning("ScalePlan %s/%s: source %s: %s", ns, name, s["instance"], e)
-                            if s.get("hostCopy") and e.status is not None:
-                                await _forget_stale_copy(rt, pool_ns, src)
+                        # the engine answers the plan it runs again with 200 (idempotent), so a 409 is ANOTHER
+                        # plan on that source: it will not send this one; its targets take their fallback
+                        log.warning("ScalePlan %s/%s: source %s does not send: %s", ns, name, s["instance"], e)
+                        if s.get("hostCopy") and e.status not in (None, 409):  # its copy is gone (not just busy)
+                            await _forget_stale_copy(rt, pool_ns, src)
                     done.add(s["instance"])
         finally:
             sources_told.set()
@@ -178,6 +180,38 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
     retry: set[str] = set()
     other_model: set[str] = set()
     model_path = switch_path(rt, ns, spec["modelServiceRef"]["name"])
+
+    async def engage(iid: str, p: PodView, path: str | None, from_copy: bool,
+                     from_node: bool) -> tuple[dict[str, Any] | None, bool]:
+        """Bind a target's engine: (its status, whether an earlier incarnation of the operator had bound it
+        already). (None, False): dropped, `drops` says why."""
+        def bind(switch: str | None = None) -> Awaitable[dict[str, Any]]:
+            return rt.engines.bind(p.endpoint or "", model, key, role, path, dtype, host_copy=from_copy,
+                                   model_path=switch, node_copy=from_node)
+
+        if fresh and p.model == model and p.model_service is None:
+            # a plan this process just made, into a free pod whose engine (its pod says) holds this model: bind at
+            # once, no status read first (a round trip on every scale-up). A 409: the engine is not as its pod
+            # says (another model, bound meanwhile, no copy): read its status and decide as below
+            try:
+                return await bind(), False
+            except EngineError as e:
+                if e.status != 409:
+                    raise
+        st = await rt.engines.status(p.endpoint or "")
+        switch = None
+        if st.get("model") and st["model"] != model:
+            # a released engine of another model changes model (the shared pool, issue 35): it reads the
+            # model's config and tokenizer from its checkpoint directory, the weights come by this plan
+            switch = model_path if st.get("phase") in SWITCHABLE else None
+            if switch is None:
+                drops[iid] = f"pod {p.pod_name}'s engine holds model '{st['model']}', not '{model}'" + \
+                    ("" if model_path else " (no spec.model.source.path to switch it by)")
+                other_model.add(p.pod_name)
+                return None, False
+        if st.get("modelService") == key and st.get("phase") in BUSY_PHASES:
+            return st, True  # instructed by an earlier incarnation of the operator
+        return await bind(switch), False
 
     async def one(iid: str) -> None:
         p = pods.get(pod_of[iid])
@@ -197,21 +231,9 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
             drops[iid] = "the first copy loads from spec.model.source (path, pvc or file:// uri); this plan names none"
             return
         try:
-            st = await rt.engines.status(p.endpoint)
-            switch = None
-            if st.get("model") and st["model"] != model:
-                # a released engine of another model changes model (the shared pool, issue 35): it reads the
-                # model's config and tokenizer from its checkpoint directory, the weights come by this plan
-                switch = model_path if st.get("phase") in SWITCHABLE else None
-                if switch is None:
-                    drops[iid] = f"pod {p.pod_name}'s engine holds model '{st['model']}', not '{model}'" + \
-                        ("" if model_path else " (no spec.model.source.path to switch it by)")
-                    other_model.add(p.pod_name)
-                    return
-            again = st.get("modelService") == key and st.get("phase") in BUSY_PHASES
-            if not again:  # else: instructed by an earlier incarnation of the operator
-                st = await rt.engines.bind(p.endpoint, model, key, role, path, dtype, host_copy=from_copy,
-                                           model_path=switch, node_copy=from_node)
+            st, again = await engage(iid, p, path, from_copy, from_node)
+            if st is None:
+                return  # dropped: engage said why
         except EngineError as e:
             if from_node and e.status == 409:  # no usable copy there: the next plans stream to that node
                 rt.node_copy_refused[(p.node or "", model)] = time.monotonic()

@@ -39,6 +39,14 @@ def test_empty_engine_loads_by_plan_and_matches(tiny_ckpt, tiny_blocks, engine_s
         )
         assert ok.status_code == 200, ok.text
         assert ok.json()["phase"] == "loading"
+        # asked again for the plan it runs (the source has not sent yet): a no-op; another plan: refused, said so
+        again = httpx.post(dst.url + "/kascade/v1/load-plan",
+                           json={**doc, "self": "b", "manifest": tiny_blocks.manifest()}, headers=_h(dst))
+        assert again.status_code == 200 and again.json()["phase"] == "loading", again.text
+        other = httpx.post(dst.url + "/kascade/v1/load-plan",
+                           json={**doc, "self": "b", "planToken": "other", "manifest": tiny_blocks.manifest()},
+                           headers=_h(dst))
+        assert other.status_code == 409 and "another plan" in other.json()["error"]["message"], other.text
         ok = httpx.post(src.url + "/kascade/v1/load-plan", json={**doc, "self": "a"}, headers=_h(src))
         assert ok.status_code == 200, ok.text
         deadline = time.monotonic() + 60

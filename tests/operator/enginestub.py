@@ -100,6 +100,9 @@ class EngineStub:
                         stub.hold(watch)
                     self._send(200, stub.metrics_text(), "text/plain; version=0.0.4")
                 elif self._auth():
+                    if path.endswith("/status"):
+                        with stub._lock:
+                            stub.calls.append(("status", {}, time.monotonic()))
                     if self.path.endswith("/status") and "status" in stub.fail:  # an engine that does not answer
                         self._send(stub.fail["status"], {"error": {"message": "status refused (stub)"}})
                     elif self.path.endswith("/status"):

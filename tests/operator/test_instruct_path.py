@@ -1,6 +1,7 @@
 """The scale-up's instruct path (issue 33: the reaction's round trips): the manifest the plan's build read is not
 asked again, the targets' status and bind run beside the sources' load plans (each target's load plan after
-them), and the creating round does not wait for the watch to show its plan.
+them), a new plan's free target whose pod names its model is bound without a status read first, and the
+creating round does not wait for the watch to show its plan.
 
 Real-HTTP engine stand-ins (enginestub.py) and the in-memory kube layer (fakekube.py); every assertion is on
 what the stand-ins received."""
@@ -119,3 +120,31 @@ async def test_the_creating_round_does_not_wait_for_the_watch_and_makes_no_secon
         rt.last_round.clear()
         await reconcile_service(rt, service(lo=1), "timer")
     assert len(kube.plans) == 1
+
+
+async def test_a_new_plans_target_is_bound_without_reading_its_status_first(world: Any) -> None:
+    rt, kube, stubs = world
+    sp = await plan(kube)
+    await instruct_pending(rt, sp, created=True, manifests={stubs[0].endpoint: None})
+    assert verbs(stubs[1], "status") == [] and len(verbs(stubs[1], "bind")) == 1  # was: status, then bind
+    assert kube.plans[(NS, "svc-colocated-x")]["status"]["targets"] == [{"instance": "e1", "instructed": True}]
+
+
+async def test_a_target_whose_engine_is_not_as_its_pod_says_is_read_and_switched(world: Any) -> None:
+    rt, kube, stubs = world
+    stubs[1].model = "other"  # its pod still says tiny: the first bind is refused, the status shows why
+    sp = await plan(kube)
+    rt.service_index = {(NS, "svc"): [service(lo=1)]}  # spec.model.source.path: the switch's checkpoint
+    await instruct_pending(rt, sp, created=True, manifests={stubs[0].endpoint: None})
+    binds = [b for b, _ in verbs(stubs[1], "bind")]
+    assert len(binds) == 2 and "modelPath" not in binds[0] and binds[1]["modelPath"] == "/models/tiny"
+    assert len(verbs(stubs[1], "status")) == 1 and stubs[1].model == "tiny" and stubs[1].switched == 1
+    assert kube.plans[(NS, "svc-colocated-x")]["status"]["targets"] == [{"instance": "e1", "instructed": True}]
+
+
+async def test_a_plan_made_elsewhere_still_reads_the_targets_status_first(world: Any) -> None:
+    rt, kube, stubs = world
+    sp = await plan(kube)
+    await instruct_pending(rt, sp, created=False, manifests={stubs[0].endpoint: None})  # another operator's plan
+    (t_status,), (t_bind,) = [t for _, t in verbs(stubs[1], "status")], [t for _, t in verbs(stubs[1], "bind")]
+    assert t_status <= t_bind  # an earlier incarnation may have bound it: the status says so
