@@ -6,9 +6,9 @@ endpoint; bound, ready, undrained pods) -> `MetricsView.sweep` (the `Scraper`, o
 group as before, at most `concurrency` groups in flight) -> per group the loads and when they were
 taken -> `changed` groups (their loads differ from the previous sweep's), each handed to `on_change` as
 soon as its own scrape is in -> the caller queues an urgent round for those services (workqueue.py).
-A round reads `collect()`: the view's loads when they are fresh and
-cover the round's instances, else a scrape of just those instances now (a pod bound since the last
-sweep, or no sweep running: tests that drive rounds directly).
+A round reads `collect()`: the view's loads when they are fresh (within a period plus the last sweep's
+length) and cover the round's instances, else a scrape of just those instances now (a pod bound since the
+last sweep, or no sweep running: tests that drive rounds directly).
 
 Cost: a round reads its own groups only (no HTTP when the view is fresh), so its cost does not grow
 with the number of other services; the sweep is O(engines) per interval, as scraping must be.
@@ -114,11 +114,18 @@ class MetricsView:
         self._readings[group] = Reading(r.taken_s, r.endpoints, loads)
         return loads != r.loads
 
+    def fresh(self, r: Reading, now: float) -> bool:
+        """Whether a reading is as fresh as the sweep keeps it: taken within `max_age_s` (the sweep's period) plus
+        the last sweep's length. A sweep that takes longer (1,000 engines, a slow engine, a loaded machine) then
+        does not turn every round into a scrape of its own: at 1,000 services on slow engines those scrapes
+        doubled the traffic to them and held the queue's workers until they timed out (rounds started 200 s
+        late). A change still wakes its round the moment the sweep or a load watch sees it."""
+        return now - r.taken_s <= self.max_age_s + self.last_sweep_s
+
     async def collect(self, endpoints: Mapping[str, str], group: Group) -> list[InstanceLoad]:
         """The group's loads for a round: the view's when fresh and over the same instances, else scraped now."""
         r = self._readings.get(group)
-        if r is not None and time.monotonic() - r.taken_s <= self.max_age_s \
-                and r.endpoints == tuple(sorted(endpoints.items())):
+        if r is not None and self.fresh(r, time.monotonic()) and r.endpoints == tuple(sorted(endpoints.items())):
             return list(r.loads)
         if not endpoints:
             return []

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Hashable
+from dataclasses import replace
 
 import pytest
 from enginestub import EngineStub
@@ -283,3 +284,29 @@ async def test_held_twice_the_key_waits_for_both() -> None:
         assert seen == []
     await _until(lambda: seen == ["a"])
     await q.stop()
+
+
+async def test_a_reading_within_a_period_plus_the_last_sweeps_length_is_not_scraped_again() -> None:
+    class Counting:  # every scrape counted; its engine answers at once
+        def __init__(self) -> None:
+            self.rates: dict[Hashable, object] = {}
+            self.scrapes = 0
+
+        async def collect(self, endpoints: dict[str, str], group: Hashable = None) -> list[object]:
+            self.scrapes += 1
+            return []
+
+    scraper = Counting()
+    view = MetricsView(scraper, max_age_s=1.0)  # type: ignore[arg-type]
+    g, eps = ("ns", "s", "colocated"), {"e0": "x:1"}
+    await view.sweep({g: eps})
+    r = view.reading(g)
+    assert r is not None and scraper.scrapes == 1
+    view.last_sweep_s = 3.0  # sweeps take 3 s now (1,000 engines, or slow ones)
+    assert view.fresh(r, r.taken_s + 3.9) and not view.fresh(r, r.taken_s + 4.1)
+    view._readings[g] = replace(r, taken_s=r.taken_s - 2.5)  # older than the period, within period + sweep
+    await view.collect(eps, g)
+    assert scraper.scrapes == 1  # the view's reading: no scrape of its own (was: one per round)
+    view._readings[g] = replace(r, taken_s=r.taken_s - 4.5)  # the sweep has fallen behind even that
+    await view.collect(eps, g)
+    assert scraper.scrapes == 2
