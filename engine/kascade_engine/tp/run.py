@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -22,6 +23,7 @@ from kascade_engine.batch.model import LlamaModel
 from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.batch.scheduler import Limits
 from kascade_engine.tp import launch
+from kascade_engine.tp.rank import EXIT_LOST
 from kascade_engine.weights.blocks import pack_checkpoint
 
 
@@ -65,7 +67,11 @@ def main(argv: list[str] | None = None) -> int:
         if ranks is None or ranks.engine.failed is None:
             raise
         print(f"tensor-parallel instance failed: {ranks.engine.failed} ({e})", file=sys.stderr, flush=True)
-        return 3
+        # out at once, as the server (launch.exit_on_lost): a normal interpreter exit tears down a gloo group whose
+        # peer died, and now and then its threads abort the process ("terminate called without an active
+        # exception", exit -6 instead of 3: once in a CI-style run under load)
+        sys.stdout.flush()
+        os._exit(EXIT_LOST)
     finally:
         if ranks is not None and ranks.engine.failed is None:
             ranks.stop()
