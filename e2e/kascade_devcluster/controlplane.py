@@ -34,6 +34,9 @@ class StateError(RuntimeError):
     pass
 
 
+TOOL_TIMEOUT_S = 120.0  # a kubectl or helm call's limit unless its caller gives another
+
+
 class ToolError(RuntimeError):
     """kubectl or helm failed; the message carries its stderr."""
 
@@ -203,12 +206,12 @@ class ControlPlane:
 
     # -- tools -----------------------------------------------------------------------------
     def kubectl(
-        self, *args: str, check: bool = True, input: str | None = None, timeout: float = 120
+        self, *args: str, check: bool = True, input: str | None = None, timeout: float = TOOL_TIMEOUT_S
     ) -> subprocess.CompletedProcess[str]:
         return self._tool("kubectl", args, check, input, timeout)
 
     def helm(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return self._tool("helm", args, check, None, 120)
+        return self._tool("helm", args, check, None, TOOL_TIMEOUT_S)
 
     def running(self) -> dict[str, bool]:
         return {n: processes.alive(p, self.starts.get(n)) for n, p in self.pids.items()}
