@@ -210,6 +210,11 @@ class ControlPlane:
     ) -> subprocess.CompletedProcess[str]:
         return self._tool("kubectl", args, check, input, timeout)
 
+    def kubectl_stream(self, *args: str) -> subprocess.Popen[str]:
+        """kubectl left running (`get -w`), its stdout a pipe of text; the caller ends it."""
+        return subprocess.Popen([str(self.bin_dir / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
     def helm(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return self._tool("helm", args, check, None, TOOL_TIMEOUT_S)
 

@@ -276,10 +276,10 @@ async def instruct_pending(rt: Runtime, sp: dict[str, Any], skip: set[str] | fro
                 if e.status is None:
                     retry.add(iid)
                     log.warning("%s (will retry)", e)
-                elif e.status != 409:
+                else:  # a 409 too: the engine answers the same plan asked again with 200 (idempotent), so a
+                    # 409 is another plan's load running there or another model: this plan gets nothing from it
                     drops[iid] = f"load plan refused: {e}"
-                if e.status != 409:
-                    return
+                return
         await livewiring.instructed(rt, pool_ns, spec, iid, p, by_inst)  # live pair or pipeline hop
 
     await asyncio.gather(sources(), *(one(i) for i in pending))

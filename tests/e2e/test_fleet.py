@@ -25,6 +25,7 @@ import pytest
 from kascade_devcluster.controlplane import ControlPlane
 from kascade_devcluster.fleetcase import TOKEN, FleetCase, msvc, switch_seconds
 from kascade_devcluster.loadgen import LoadGen
+from kascade_devcluster.objectwatch import ObjectWatch
 from kascade_devcluster.waiting import wait_for
 from kascade_engine.weights.checkpoint import tiny_llama
 
@@ -68,6 +69,7 @@ def test_a_burst_on_one_model_takes_the_idle_engines_of_another_and_gives_them_b
     wait_for(lambda: serving("model-b"), 180, "B's first copy")
     gen_a = LoadGen(router.url, "model-a", PROMPT, max_tokens=8).start()
     gen_b = LoadGen(router.url, "model-b", PROMPT, max_tokens=8).start()
+    b_watch: ObjectWatch | None = None
     try:
         # B's burst takes the free engines, then B idles on them (a long scale-down delay keeps them)
         gen_b.set_load(workers=6)
@@ -75,21 +77,15 @@ def test_a_burst_on_one_model_takes_the_idle_engines_of_another_and_gives_them_b
         gen_b.set_load(workers=1, think_s=1.0)  # B: a trickle, far below its lower bound
         b_engines = set(serving("model-b"))
         time.sleep(case.hysteresis_s + 1)  # B's replicas leave the hysteresis
+        # B's status.arbitration lasts from the round that drains its preempted replicas until its next rounds
+        # ask only for what it holds (a second or so): watched, not polled
+        b_watch = ObjectWatch(case.cp, case.ns, "msvc", "model-b")
         gen_a.set_load(workers=6)  # A: the burst
         t_burst = time.monotonic()
-        seen: list[dict[str, Any]] = []  # B's status.arbitration while A takes its engines
-
-        def a_at_3() -> bool:
-            arb = case.arbitration("model-b")
-            if arb:
-                seen.append(arb)
-            return len(serving("model-a")) == 3
-
-        wait_for(a_at_3, 180, "A at 3 replicas on B's engines", poll=0.05)
+        wait_for(lambda: len(serving("model-a")) == 3, 180, "A at 3 replicas on B's engines", poll=0.05)
         t_up = time.monotonic()
-        if not seen:  # B's round that writes its arbitration may come after A's plans bound (B is still preempted)
-            seen.append(wait_for(lambda: case.arbitration("model-b") or {}, 30,
-                                 "B's status.arbitration while preempted", poll=0.05))
+        seen: list[dict[str, Any]] = wait_for(lambda: b_watch.values("status", "arbitration"), 30,
+                                              "B's status.arbitration while preempted (watched)")
         a_now = set(serving("model-a"))
         assert a0 in a_now and len(a_now & b_engines) == 2  # two engines of B changed model
         for name in a_now & b_engines:  # the engines say so themselves
@@ -121,6 +117,8 @@ def test_a_burst_on_one_model_takes_the_idle_engines_of_another_and_gives_them_b
     finally:
         gen_a.stop()
         gen_b.stop()
+        if b_watch is not None:
+            b_watch.stop()
     _none_failed({"A": gen_a, "B": gen_b})
     print(f"\nB's status.arbitration while preempted: {seen[:1]}\n"
           f"A 1 -> 3 on B's engines: {t_up - t_burst:.1f} s after the burst; decision (ScalePlan created) -> "
@@ -148,6 +146,7 @@ def test_three_models_on_six_engines_a_burst_takes_the_idle_model_down_to_its_mi
     wait_for(lambda: serving("model-b"), 180, "B's first copy")
     gens = {m: LoadGen(router.url, m, PROMPT, max_tokens=8).start() for m in ("model-a", "model-b", "model-c")}
     gen_a, gen_b, gen_c = gens["model-a"], gens["model-b"], gens["model-c"]
+    b_watch: ObjectWatch | None = None
     try:
         gen_c.set_load(workers=1, think_s=1.5)  # C: steady, between its bounds (it holds its one replica)
         gen_b.set_load(workers=6)  # B's burst takes the three free engines, then B idles on them
@@ -155,16 +154,13 @@ def test_three_models_on_six_engines_a_burst_takes_the_idle_model_down_to_its_mi
         gen_b.set_load(workers=1, think_s=2.0)  # B: a trickle, far below its lower bound (delay 600 s holds it)
         b_engines = set(serving("model-b"))
         time.sleep(case.hysteresis_s + 1)  # B's replicas leave the hysteresis
+        b_watch = ObjectWatch(case.cp, case.ns, "msvc", "model-b")  # B's status.arbitration: watched (test above)
         gen_a.set_load(workers=8)  # A: the burst
         t_burst = time.monotonic()
-        seen: list[dict[str, Any]] = []
         planned: dict[str, float] = {}  # engine of B -> when the test first saw a plan of A binding it
         served: dict[str, float] = {}  # engine of B -> when the test first saw it serving A
 
         def a_at_4() -> bool:
-            arb = case.arbitration("model-b")
-            if arb:
-                seen.append(arb)
             now = time.monotonic()
             for p in case.plans_for("model-a", b_engines):
                 for t in p["spec"]["targets"]:
@@ -176,6 +172,8 @@ def test_three_models_on_six_engines_a_burst_takes_the_idle_model_down_to_its_mi
 
         wait_for(a_at_4, 240, "A at 4 replicas on B's engines", poll=0.05)
         t_up = time.monotonic()
+        seen: list[dict[str, Any]] = wait_for(lambda: b_watch.values("status", "arbitration"), 30,
+                                              "B's status.arbitration while preempted (watched)")
         a_now = set(serving("model-a"))
         assert a0 in a_now and len(a_now & b_engines) == 3, (a_now, b_engines)  # three engines of B changed model
         for name in a_now & b_engines:  # the engines say so themselves
@@ -212,6 +210,8 @@ def test_three_models_on_six_engines_a_burst_takes_the_idle_model_down_to_its_mi
     finally:
         for g in gens.values():
             g.stop()
+        if b_watch is not None:
+            b_watch.stop()
     _none_failed(gens)
     print(f"\nthree models, six engines: B's status.arbitration while preempted: {seen[:1]}\n"
           f"A 1 -> 4 on B's engines: {t_up - t_burst:.1f} s after the burst; decision (ScalePlan created) -> "

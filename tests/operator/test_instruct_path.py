@@ -148,3 +148,12 @@ async def test_a_plan_made_elsewhere_still_reads_the_targets_status_first(world:
     await instruct_pending(rt, sp, created=False, manifests={stubs[0].endpoint: None})  # another operator's plan
     (t_status,), (t_bind,) = [t for _, t in verbs(stubs[1], "status")], [t for _, t in verbs(stubs[1], "bind")]
     assert t_status <= t_bind  # an earlier incarnation may have bound it: the status says so
+
+
+async def test_a_target_that_refuses_its_load_plan_with_409_is_dropped_not_counted_instructed(world: Any) -> None:
+    rt, kube, stubs = world
+    stubs[1].fail["load-plan"] = 409  # another plan's load runs there (the same plan again would be a 200)
+    sp = await plan(kube)
+    drops = await instruct_pending(rt, sp, created=True, manifests={stubs[0].endpoint: None})
+    assert set(drops) == {"e1"} and "load plan refused" in drops["e1"] and "409" in drops["e1"], drops
+    assert {"instance": "e1", "instructed": True} not in kube.plans[(NS, "svc-colocated-x")]["status"]["targets"]
