@@ -89,6 +89,14 @@ def get(cp: ControlPlane, ns: str, *what: str) -> Any:
     return json.loads(cp.kubectl("-n", ns, "get", *what, "-o", "json").stdout)
 
 
+def trouble(logs: list[Path], limit: int = 60) -> str:
+    """The warning, error and traceback lines of process logs (the last `limit`), for an assertion message."""
+    marks = (" WARNING ", " ERROR ", "Traceback", "Error:", "Exception")
+    lines = [f"{p.name}: {line}" for p in logs if p.exists()
+             for line in p.read_text(errors="replace").splitlines() if any(m in line for m in marks)]
+    return "\n".join(lines[-limit:])
+
+
 def loaded(cp: ControlPlane, ns: str) -> list[dict[str, Any]]:
     return [p for p in get(cp, ns, "pods", "-l", "kascade.io/model-service=svc")["items"]
             if p["metadata"]["annotations"].get("kascade.io/loaded") == "true"
@@ -292,9 +300,11 @@ def test_replica_killed_mid_stream_fails_only_its_requests(
         gen.stop()
     failed = [r for r in gen.results if not r.ok]
     after = [r for r in gen.results if r.start > t_kill]
-    assert all(r.endpoint == victim and r.start < t_kill for r in failed), [r.error for r in failed]
+    why = trouble([router.log, *(e.proc.log for e in pool.engines.values())])  # what a failure here needs
+    assert all(r.endpoint == victim and r.start < t_kill for r in failed), \
+        ([(r.error, r.endpoint, round(r.start - t_kill, 2)) for r in failed], why)
     assert len(failed) <= 6  # at most the streams that were on it
-    assert after and all(r.ok and r.endpoint != victim for r in after), [r.error for r in after if not r.ok]
+    assert after and all(r.ok and r.endpoint != victim for r in after), ([r.error for r in after if not r.ok], why)
     print(f"killed {victim} mid-stream: {len(failed)} requests on it failed, {len(after)} after it all ok")
 
 
