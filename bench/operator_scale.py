@@ -153,11 +153,14 @@ def fleet(cp: ControlPlane, n_nodes: int) -> list[devnodes.NodeSpec]:
 
 def run_scale(tmp: Path, stub_mod: Any, token: str, n_nodes: int, n_services: int, interval: float,
               steady_s: float, reactions: int = 5, compare: Path | None = None,
-              profile: bool = False, fresh: bool = False) -> dict[str, float | str]:
+              profile: bool = False, fresh: bool = False, nice: int = 0) -> dict[str, float | str]:
     """Set up once (this tree's operator binds every service); then per operator (`compare`: a baseline source
     tree first, this tree's second), each started afresh on the bound cluster, a steady window and `reactions`
     scale-ups, each on another service. The baseline's numbers get the prefix base_. `fresh`: this tree's
     operator starts afresh after the set-up too (its RSS is then the steady state's, not the set-up's peak).
+    `nice` (negative): one more phase, this tree's operator afresh at that niceness (prefix nice_): the CPU weight
+    its pod's request gives it on a real node, where here it shares 2 cores with the API server, etcd, KWOK and
+    every engine stand-in.
     KASCADE_BENCH_MEMTRACE=1: the set-up operator traces its memory (memtrace.py; dump kept with the logs)."""
     t0 = time.monotonic()
     # thousands of KWOK nodes on a loaded machine: KWOK's lease renewals lag, and with the default 40 s grace
@@ -172,7 +175,8 @@ def run_scale(tmp: Path, stub_mod: Any, token: str, n_nodes: int, n_services: in
     cp = ControlPlane.create(tmp / "cp-scale").start(node_grace_s=900, node_lease_s=lease_s)
     op: OperatorProcess | None = None
     stubs: list[Any] = []
-    phases: list[tuple[str, Path | None]] = ([("base_", compare)] if compare is not None else []) + [("", None)]
+    phases: list[tuple[str, Path | None]] = [("base_", compare)] if compare is not None else []
+    phases += [("", None), *([("nice_", None)] if nice else [])]
     n_extra = 4 + reactions * len(phases)
     try:
         install_crds(cp)
@@ -205,7 +209,8 @@ def run_scale(tmp: Path, stub_mod: Any, token: str, n_nodes: int, n_services: in
                 env["KASCADE_MEMTRACE_DUMP"] = str(tmp / "memtrace-setup.log")
             return OperatorProcess(cp, NS, token, tmp / f"operator-scale-{prefix or 'new'}.log", interval=interval,
                                    extra_args=("--metrics-port", str(metrics_port), "--engine-image", "x",
-                                               "--allowed-host-path-root", "/m"), env=env).start()
+                                               "--allowed-host-path-root", "/m"), env=env,
+                                   nice=nice if prefix == "nice_" else 0).start()
 
         op = start("setup_", None)  # this tree's operator binds every service; each phase then starts afresh
         services = [{"apiVersion": "kascade.io/v1alpha1", "kind": "ModelService", "metadata": {"name": f"svc{i}"},
@@ -256,7 +261,11 @@ def run_scale(tmp: Path, stub_mod: Any, token: str, n_nodes: int, n_services: in
                                        "scale_setup_operator_peak_rss_mb": round(setup_hwm, 1),
                                        "scale_setup_unhealthy_at_end": float(len(unhealthy()))}
         for k, (prefix, src) in enumerate(phases):
-            if compare is not None or fresh:  # each operator starts afresh (kopf's start took minutes at 2,000 nodes)
+            if compare is not None or fresh or prefix == "nice_":  # each operator starts afresh (kopf's start took
+                # minutes at 2,000 nodes)
+                if prefix == "nice_":
+                    print(f"scale: emulated: the operator at nice {nice} (its CPU request's weight on a shared "
+                          f"node); the API server, etcd, KWOK and the stand-ins at 0", flush=True)
                 op.stop()
                 t_spawn = time.monotonic()
                 op = start(prefix, src)

@@ -32,11 +32,12 @@ STARTUP_TIMEOUT_S = 180.0  # imports under heavy load; a healthy start is ~2 s o
 
 class OperatorProcess:
     def __init__(self, cp: ControlPlane, namespace: str, engine_token: str, log: Path, interval: float = 0.2,
-                 extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
+                 extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None, nice: int = 0) -> None:
         """`env`: more environment for the process (a benchmark runs another source tree's operator through
-        PYTHONPATH, or a profiler)."""
+        PYTHONPATH, or a profiler). `nice`: its scheduling niceness (negative: more CPU weight, root only; a
+        benchmark gives it the share its pod's CPU request would on a node it shares)."""
         self.cp, self.ns, self.token, self.log = cp, namespace, engine_token, log
-        self.interval, self.extra_args, self.env = interval, extra_args, env or {}
+        self.interval, self.extra_args, self.env, self.nice = interval, extra_args, env or {}, nice
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, wait: bool = True) -> OperatorProcess:
@@ -53,10 +54,15 @@ class OperatorProcess:
             self.proc = subprocess.Popen([*KASCADE, "-v", "operator", "run", "--namespace", self.ns, "--interval",
                                           str(self.interval), "--engine-token", self.token, *args],
                                          env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         preexec_fn=die_with_parent_preexec if sys.platform == "linux" else None)
+                                         preexec_fn=self._preexec if sys.platform == "linux" else None)
         if wait:
             self._wait_alive(liveness.replace("0.0.0.0", "127.0.0.1"))
         return self
+
+    def _preexec(self) -> None:
+        die_with_parent_preexec()
+        if self.nice:
+            os.nice(self.nice)  # every thread the operator starts inherits it
 
     def _wait_alive(self, url: str) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
