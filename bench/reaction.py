@@ -63,6 +63,10 @@ def _kubectl_json(cp: ControlPlane, *args: str) -> Any:
 UPPER, LOAD = 1000.0, 5000.0  # threshold upper bound and the burst (tokens/s)
 
 
+# the scale run's numbers (run_scale): every key starts so; the 20-service run and the failover write none of them
+SCALE_KEYS = ("scale_", "base_", "nice_", "operator_", "reconcile_", "rounds_", "metrics_evaluated_")
+
+
 def run(rounds: int, interval: float, window: float) -> dict[str, float | str]:
     stub_mod = _stub_module()
     with tempfile.TemporaryDirectory(prefix="kascade-bench-op-") as tmp:
@@ -266,9 +270,9 @@ def main() -> None:
         prev = REPO / "bench" / "results" / "operator.json"
         if prev.exists():
             kept = json.loads(prev.read_text())
-            if a.scale_only:  # the scale part is measured anew: an earlier --compare's side (base_*) is not this run's
-                kept = {k: v for k, v in kept.items()
-                        if not k.startswith(("base_", "nice_")) and k != "scale_compare_ref"}
+            if a.scale_only:  # the scale part is measured anew: none of an earlier scale run's numbers (its
+                # --compare side, a --fresh start-up, another size's) is reported as this run's
+                kept = {k: v for k, v in kept.items() if not k.startswith(SCALE_KEYS)}
             out = {**kept, **out}
     # issue 33's bars: 300 ms at 2,000 nodes / 200 services; at 10,000 / 1,000 (KWOK) 1 s and RSS <= 1 GB
     fleet = scale_nodes >= 10000 and not a.no_scale
