@@ -57,6 +57,12 @@ class ModelChoice:
 # thresholds fit what one CPU engine behind the router carries on a shared 2-core machine (~300-400 tok/s)
 # tiny: 30 Mbit/s makes a hop take ~3 s, long enough for the timeline (it polls the API every ~0.5-1 s on a
 # loaded machine) to show the weights in flight; at 60 it sometimes saw the plan only before and after
+MAX_TOKENS = 8  # per demo request
+# The calm phase's one client sends at most (prompt_tokens + MAX_TOKENS) / CALM_THINK_S tokens/s however fast
+# the machine answers: with 1 s that is at most lower / 2 per replica at 2 replicas (tiny 40 tok/s vs 2 x 40,
+# smollm 24 vs 2 x 15), so the service always reaches its min. With 0.5 s a fast machine (answers in ~10 ms) sent
+# tiny's 79-80 tok/s: 40 per replica at 2 replicas, on the lower bound, and the demo stayed at 2 (a CI failure).
+CALM_THINK_S = 1.0
 MODELS = {"tiny": ModelChoice("tiny-demo", 8, upper=150, lower=40, transfer_mbps=30),
           "smollm": ModelChoice("smollm2-135m", 30, upper=60, lower=15, transfer_mbps=800, prompt_tokens=16,
                                  scale_down_s=8.0)}
@@ -158,7 +164,8 @@ class Demo:
             self.step(f"6/7 kubectl apply ModelService '{SERVICE}' (min 1, max {cfg.nodes - 1}, threshold "
                       f"{m.lower:g}..{m.upper:g} tokens/s per replica, chain multicast, live)")
             self.cp.kubectl("-n", NS, "apply", "-f", "-", input=json.dumps(self.modelservice(str(ckpt))))
-            self.gen = LoadGen(self.router.url, m.name, list(range(3, 3 + m.prompt_tokens)), max_tokens=8).start(
+            self.gen = LoadGen(self.router.url, m.name, list(range(3, 3 + m.prompt_tokens)),
+                               max_tokens=MAX_TOKENS).start(
                 cfg.burst_workers)
             self.watch_until(lambda: self.ready_count() >= 1, 180, leaf_of, "the first copy")
             self.step("7/7 load: steady, then a burst, then calm")
@@ -215,9 +222,9 @@ class Demo:
         self.console.print(f"[bold red]{ev.t:6.1f}s {ev.text}[/bold red]")
         self.gen.set_load(cfg.burst_workers)
         self.watch_for(cfg.burst_s, leaf_of)
-        ev = self.timeline.add(self.now(), "load", "calm: 1 client, 0.5 s think time")
+        ev = self.timeline.add(self.now(), "load", f"calm: 1 client, {CALM_THINK_S:g} s think time")
         self.console.print(f"[bold blue]{ev.t:6.1f}s {ev.text}[/bold blue]")
-        self.gen.set_load(1, 0.5)
+        self.gen.set_load(1, CALM_THINK_S)
         self.watch_until(lambda: len(self.kget("pods", "-l", f"kascade.io/model-service={self.service}")["items"]) == 1,
                          cfg.calm_timeout_s, leaf_of, "scale-down to min")
         self.watch_for(2.0, leaf_of)
