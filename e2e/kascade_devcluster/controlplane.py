@@ -212,8 +212,8 @@ class ControlPlane:
 
     def kubectl_stream(self, *args: str) -> subprocess.Popen[str]:
         """kubectl left running (`get -w`), its stdout a pipe of text; the caller ends it."""
-        return subprocess.Popen([str(self.bin_dir / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args],
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        return subprocess.Popen(self._argv("kubectl", args), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                text=True)
 
     def helm(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return self._tool("helm", args, check, None, TOOL_TIMEOUT_S)
@@ -221,11 +221,14 @@ class ControlPlane:
     def running(self) -> dict[str, bool]:
         return {n: processes.alive(p, self.starts.get(n)) for n, p in self.pids.items()}
 
+    def _argv(self, tool: str, args: tuple[str, ...]) -> list[str]:
+        return [str(self.bin_dir / tool), f"--kubeconfig={self.kubeconfig}", *args]
+
     def _tool(
         self, tool: str, args: tuple[str, ...], check: bool, input: str | None, timeout: float
     ) -> subprocess.CompletedProcess[str]:
         proc = subprocess.run(
-            [str(self.bin_dir / tool), f"--kubeconfig={self.kubeconfig}", *args],
+            self._argv(tool, args),
             capture_output=True,
             text=True,
             input=input,

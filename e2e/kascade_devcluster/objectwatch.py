@@ -25,12 +25,6 @@ class ObjectWatch:
         self._thread = threading.Thread(target=self._read, name=f"watch {kind}/{name}", daemon=True)
         self._thread.start()
 
-    def __enter__(self) -> ObjectWatch:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
     @property
     def versions(self) -> list[dict[str, Any]]:
         with self._lock:
