@@ -19,41 +19,46 @@ RANK = textwrap.dedent("""
     rank, init, idle, die = int(sys.argv[1]), sys.argv[2], float(sys.argv[3]), sys.argv[4] == "die"
     time.sleep(float(sys.argv[5]) if rank == 1 else 0)  # a follower late to the rendezvous
     g = join(rank, 2, init, torch.device("cpu"), timeout_s=1.0)  # all-reduces time out after 1 s
-    if rank == 0:
-        time.sleep(idle)  # idle: no request, no message
-        if die:
-            import os; os._exit(9)
-        msg.send(msg.Stop("done"), g.control)
-        print("sent", flush=True)
-    else:
-        t = time.monotonic()
-        try:
-            m = msg.receive(g.control)
-            print(f"got {type(m).__name__} after {time.monotonic() - t:.1f}", flush=True)
-        except RuntimeError as e:
-            print(f"failed after {time.monotonic() - t:.1f}: {e}", flush=True)
-            sys.exit(3)
+    try:  # the group is closed on every way out, as rank.py's and leader.py's are (else exit may abort)
+        if rank == 0:
+            time.sleep(idle)  # idle: no request, no message
+            if die:
+                import os; os._exit(9)
+            msg.send(msg.Stop("done"), g.control)
+            print("sent", flush=True)
+        else:
+            t = time.monotonic()
+            try:
+                m = msg.receive(g.control)
+                print(f"got {type(m).__name__} after {time.monotonic() - t:.1f}", flush=True)
+            except RuntimeError as e:
+                print(f"failed after {time.monotonic() - t:.1f}: {e}", flush=True)
+                sys.exit(3)
+    finally:
+        g.close()
 """)
 
 
-def _pair(idle: float, die: bool, late: float = 0.0) -> tuple[subprocess.CompletedProcess[str], float]:
+def _pair(idle: float, die: bool, late: float = 0.0) -> tuple[subprocess.CompletedProcess[str], int, float]:
+    """Rank 0 and rank 1; returns rank 1's run, rank 0's exit code and rank 1's seconds."""
     init = f"tcp://127.0.0.1:{free_ports(1)[0]}"
     args = [str(idle), "die" if die else "live", str(late)]
     zero = subprocess.Popen([sys.executable, "-c", RANK, "0", init, *args], stdout=subprocess.PIPE, text=True)
     t = time.monotonic()
     one = subprocess.run([sys.executable, "-c", RANK, "1", init, *args], capture_output=True, text=True, timeout=120)
-    zero.wait(60)
-    return one, time.monotonic() - t
+    took = time.monotonic() - t
+    return one, zero.wait(60), took
 
 
 def test_an_idle_followers_receive_outlives_the_all_reduce_timeout() -> None:
     # 4x the group's 1 s timeout, and the follower reaches the rendezvous 3 s after rank 0 (it used to need < 1 s:
     # one timeout for both; under load a process's `import torch` alone took longer)
-    one, _ = _pair(idle=4.0, die=False, late=3.0)
+    one, zero, _ = _pair(idle=4.0, die=False, late=3.0)
     assert one.returncode == 0 and "got Stop" in one.stdout, one.stdout + one.stderr[-2000:]
+    assert zero == 0  # both ranks exit cleanly (no SIGABRT from a group left open at exit)
 
 
 def test_a_dead_rank0_fails_the_idle_followers_receive_at_once() -> None:
-    one, took = _pair(idle=2.0, die=True)
+    one, _, took = _pair(idle=2.0, die=True)
     assert one.returncode == 3 and "failed after" in one.stdout, one.stdout + one.stderr[-2000:]
     assert took < 60

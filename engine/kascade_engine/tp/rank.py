@@ -142,8 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:
         print(f"rank {a.rank}: tensor-parallel instance broken: {e}", file=sys.stderr, flush=True)
         return EXIT_LOST
+    finally:
+        # on every way out: a gloo group still alive at interpreter exit may abort the process (SIGABRT,
+        # "terminate called without an active exception") once its peers are gone, losing the exit code
+        group.close()
     log.info("stopped: %s", reason)
-    group.close()
     return 0
 
 
