@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import threading
 from pathlib import Path
@@ -141,12 +142,13 @@ def main(argv: list[str] | None = None) -> int:
         reason = follow(model, cache, group)
     except RuntimeError as e:
         print(f"rank {a.rank}: tensor-parallel instance broken: {e}", file=sys.stderr, flush=True)
-        return EXIT_LOST
-    finally:
-        # on every way out: a gloo group still alive at interpreter exit may abort the process (SIGABRT,
-        # "terminate called without an active exception") once its peers are gone, losing the exit code
-        group.close()
+        # out at once, as launch.exit_on_lost: the interpreter's teardown of a gloo group whose peer died may abort
+        # the process (SIGABRT, "terminate called without an active exception") and lose this exit code, and a
+        # plane receiver's thread may still wait on its data port
+        logging.shutdown()
+        os._exit(EXIT_LOST)
     log.info("stopped: %s", reason)
+    group.close()  # before the interpreter's teardown, which may abort on a group still alive (as above)
     return 0
 
 
