@@ -20,6 +20,7 @@ import json
 import os
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,15 @@ COUNT = re.compile(r'^kascade_operator_reconcile_seconds_count\{trigger="timer"\
 SWEEPS = re.compile(r'^kascade_operator_metric_sweep_seconds_count (\S+)$')
 ANY_COUNT = re.compile(r'^kascade_operator_reconcile_seconds_count\{trigger="[^"]*"\} (\S+)$')
 
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One operator run of the scale bench: its numbers' key prefix, the tree it runs (None: this one; --compare)
+    and its niceness (0, or --operator-nice's: the CPU weight its pod's request gives it)."""
+    prefix: str
+    src: Path | None
+    nice: int = 0
 
 def _rounds_so_far(port: int) -> tuple[float, float]:
     """(rounds of any trigger, queued rounds) the operator has counted; (0, 0) while /metrics is not up."""
@@ -175,8 +185,8 @@ def run_scale(tmp: Path, stub_mod: Any, token: str, n_nodes: int, n_services: in
     cp = ControlPlane.create(tmp / "cp-scale").start(node_grace_s=900, node_lease_s=lease_s)
     op: OperatorProcess | None = None
     stubs: list[Any] = []
-    phases: list[tuple[str, Path | None]] = [("base_", compare)] if compare is not None else []
-    phases += [("", None), *([("nice_", None)] if nice else [])]
+    phases = [Phase("base_", compare)] if compare is not None else []
+    phases += [Phase("", None), *([Phase("nice_", None, nice)] if nice else [])]
     n_extra = 4 + reactions * len(phases)
     try:
         install_crds(cp)
@@ -203,16 +213,15 @@ def run_scale(tmp: Path, stub_mod: Any, token: str, n_nodes: int, n_services: in
         (metrics_port,) = free_ports(1)
         gate = tmp / "sample-on"
 
-        def start(prefix: str, src: Path | None) -> OperatorProcess:
-            env = _operator_env(src, tmp / f"profile-{prefix or 'new_'}.json" if profile else None, gate)
-            if prefix == "setup_" and os.environ.get("KASCADE_BENCH_MEMTRACE") == "1":
+        def start(ph: Phase) -> OperatorProcess:
+            env = _operator_env(ph.src, tmp / f"profile-{ph.prefix or 'new_'}.json" if profile else None, gate)
+            if ph.prefix == "setup_" and os.environ.get("KASCADE_BENCH_MEMTRACE") == "1":
                 env["KASCADE_MEMTRACE_DUMP"] = str(tmp / "memtrace-setup.log")
-            return OperatorProcess(cp, NS, token, tmp / f"operator-scale-{prefix or 'new'}.log", interval=interval,
+            return OperatorProcess(cp, NS, token, tmp / f"operator-scale-{ph.prefix or 'new'}.log", interval=interval,
                                    extra_args=("--metrics-port", str(metrics_port), "--engine-image", "x",
-                                               "--allowed-host-path-root", "/m"), env=env,
-                                   nice=nice if prefix == "nice_" else 0).start()
+                                               "--allowed-host-path-root", "/m"), env=env, nice=ph.nice).start()
 
-        op = start("setup_", None)  # this tree's operator binds every service; each phase then starts afresh
+        op = start(Phase("setup_", None))  # this tree's operator binds every service; each phase then starts afresh
         services = [{"apiVersion": "kascade.io/v1alpha1", "kind": "ModelService", "metadata": {"name": f"svc{i}"},
                      "spec": {"model": {"name": "tiny", "source": {"path": "/m"}, "layers": 4},
                               "engine": {"image": "x"}, "replicas": {"colocated": {"min": 1, "max": 2}},
@@ -260,17 +269,17 @@ def run_scale(tmp: Path, stub_mod: Any, token: str, n_nodes: int, n_services: in
                                        "scale_setup_operator_rss_mb": round(setup_rss, 1),
                                        "scale_setup_operator_peak_rss_mb": round(setup_hwm, 1),
                                        "scale_setup_unhealthy_at_end": float(len(unhealthy()))}
-        for k, (prefix, src) in enumerate(phases):
-            if compare is not None or fresh or prefix == "nice_":  # each operator starts afresh (kopf's start took
-                # minutes at 2,000 nodes)
-                if prefix == "nice_":
+        for k, ph in enumerate(phases):
+            if compare is not None or fresh or ph.nice:  # each operator starts afresh (kopf's start took minutes
+                # at 2,000 nodes)
+                if ph.nice:
                     print(f"scale: emulated: the operator at nice {nice} (its CPU request's weight on a shared "
                           f"node); the API server, etcd, KWOK and the stand-ins at 0", flush=True)
                 op.stop()
                 t_spawn = time.monotonic()
-                op = start(prefix, src)
-                out.update({prefix + key: v for key, v in _startup(metrics_port, n_services, t_spawn).items()})
-            out.update({prefix + key: v for key, v in
+                op = start(ph)
+                out.update({ph.prefix + key: v for key, v in _startup(metrics_port, n_services, t_spawn).items()})
+            out.update({ph.prefix + key: v for key, v in
                         _phase(op, metrics_port, stubs, bound_pods, n_services, interval, steady_s,
                                range(k * reactions, (k + 1) * reactions), gate).items()})
         # the pool (n_services + n_extra pods) covers every service: any fallback pod is one too many
@@ -278,10 +287,10 @@ def run_scale(tmp: Path, stub_mod: Any, token: str, n_nodes: int, n_services: in
                       for p in json.loads(cp.kubectl("-n", NS, "get", "pods", "-o", "json").stdout)["items"])
         out["scale_pods_created_beyond_need"] = float(created)
         if profile:
-            for prefix, _ in phases:
-                f = tmp / f"profile-{prefix or 'new_'}.json"
+            for ph in phases:
+                f = tmp / f"profile-{ph.prefix or 'new_'}.json"
                 if f.exists():
-                    dest = Path(__file__).resolve().parent / "results" / f"operator-profile-{prefix or 'new_'}.json"
+                    dest = Path(__file__).resolve().parent / "results" / f"operator-profile-{ph.prefix or 'new_'}.json"
                     dest.write_text(f.read_text())
                     print(f"scale: profile written to {dest}", flush=True)
         return out
