@@ -45,7 +45,6 @@ SWEEPS = re.compile(r'^kascade_operator_metric_sweep_seconds_count (\S+)$')
 ANY_COUNT = re.compile(r'^kascade_operator_reconcile_seconds_count\{trigger="[^"]*"\} (\S+)$')
 
 
-
 @dataclass(frozen=True)
 class Phase:
     """One operator run of the scale bench: its numbers' key prefix, the tree it runs (None: this one; --compare)
@@ -53,6 +52,7 @@ class Phase:
     prefix: str
     src: Path | None
     nice: int = 0
+
 
 def _rounds_so_far(port: int) -> tuple[float, float]:
     """(rounds of any trigger, queued rounds) the operator has counted; (0, 0) while /metrics is not up."""
@@ -273,7 +273,7 @@ def run_scale(tmp: Path, stub_mod: Any, token: str, n_nodes: int, n_services: in
             if compare is not None or fresh or ph.nice:  # each operator starts afresh (kopf's start took minutes
                 # at 2,000 nodes)
                 if ph.nice:
-                    print(f"scale: emulated: the operator at nice {nice} (its CPU request's weight on a shared "
+                    print(f"scale: emulated: the operator at nice {ph.nice} (its CPU request's weight on a shared "
                           f"node); the API server, etcd, KWOK and the stand-ins at 0", flush=True)
                 op.stop()
                 t_spawn = time.monotonic()

@@ -11,7 +11,6 @@ and kills whatever did not exit.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from kascade_engine.batch.scheduler import Limits
 from kascade_engine.tp.group import join
 from kascade_engine.tp.leader import TPEngine
 from kascade_engine.tp.planes import PlaneSpec, exchange_stats, install, receive_plane_sync
-from kascade_engine.tp.rank import EXIT_LOST
+from kascade_engine.tp.rank import exit_lost
 from kascade_engine.tp.rankmodel import RankModel
 from kascade_engine.tp.shard import TPLayout
 from kascade_engine.weights.blocks import BlockSet
@@ -86,8 +85,7 @@ def exit_on_lost(why: str) -> None:
     """The server's `on_lost`: a rank is gone, so the instance cannot compute; exit non-zero at once (no request
     is answered with a partial model; the pod restarts and the operator replaces the replica)."""
     log.error("%s: exiting", why)
-    logging.shutdown()
-    os._exit(EXIT_LOST)
+    exit_lost()
 
 
 def start(model_cfg: Mapping[str, Any], checkpoint: Path, tp: int, limits: Limits, device: torch.device,

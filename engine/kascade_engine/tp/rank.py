@@ -21,7 +21,7 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,16 @@ from kascade_engine.weights.blocks import pack_checkpoint
 log = logging.getLogger("kascade_engine.tp.rank")
 
 EXIT_LOST = 3  # a collective failed: another rank (or rank 0) is gone
+
+
+def exit_lost() -> NoReturn:
+    """Every rank's way out once another is gone (rank 0: launch.exit_on_lost, run.py; a follower: main): at once,
+    with EXIT_LOST. The interpreter's teardown of a gloo group whose peer died may abort the process (SIGABRT,
+    "terminate called without an active exception": exit -6, not 3, once in a CI run under load) and a thread may
+    still wait on a collective or a data port."""
+    logging.shutdown()
+    sys.stdout.flush()
+    os._exit(EXIT_LOST)
 
 
 def follow(model: RankModel, cache: KVCache, group: RankGroup) -> str:
@@ -142,13 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         reason = follow(model, cache, group)
     except RuntimeError as e:
         print(f"rank {a.rank}: tensor-parallel instance broken: {e}", file=sys.stderr, flush=True)
-        # out at once, as launch.exit_on_lost: the interpreter's teardown of a gloo group whose peer died may abort
-        # the process (SIGABRT, "terminate called without an active exception") and lose this exit code, and a
-        # plane receiver's thread may still wait on its data port
-        logging.shutdown()
-        os._exit(EXIT_LOST)
+        exit_lost()
     log.info("stopped: %s", reason)
-    group.close()  # before the interpreter's teardown, which may abort on a group still alive (as above)
+    group.close()  # before the interpreter's teardown, which may abort on a group still alive (exit_lost)
     return 0
 
 

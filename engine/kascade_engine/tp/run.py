@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ from kascade_engine.batch.model import LlamaModel
 from kascade_engine.batch.sampling import SamplingParams
 from kascade_engine.batch.scheduler import Limits
 from kascade_engine.tp import launch
-from kascade_engine.tp.rank import EXIT_LOST
+from kascade_engine.tp.rank import exit_lost
 from kascade_engine.weights.blocks import pack_checkpoint
 
 
@@ -67,11 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         if ranks is None or ranks.engine.failed is None:
             raise
         print(f"tensor-parallel instance failed: {ranks.engine.failed} ({e})", file=sys.stderr, flush=True)
-        # out at once, as the server (launch.exit_on_lost): a normal interpreter exit tears down a gloo group whose
-        # peer died, and now and then its threads abort the process ("terminate called without an active
-        # exception", exit -6 instead of 3: once in a CI-style run under load)
-        sys.stdout.flush()
-        os._exit(EXIT_LOST)
+        exit_lost()  # as the server (launch.exit_on_lost)
     finally:
         if ranks is not None and ranks.engine.failed is None:
             ranks.stop()
