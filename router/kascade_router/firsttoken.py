@@ -16,7 +16,9 @@ Measured per backend (`FirstTokens`, fed by whoever sees a request's first token
 kascade_router.proxy, through one `Waiting` per request):
 - rate: first tokens per second of busy time, a clock that runs only while the backend has at least one of our
   requests waiting for its first token (idle time never dilutes it), from its first token in the last
-  RATE_SPAN_S of busy time to now (a stall while busy lowers it), and only once that spans MIN_SPAN_S: first
+  RATE_SPAN_S of busy time to now (a stall while busy lowers it), or from its MIN_TOKENS-th last when fewer
+  came in that span (a backend slower than MIN_TOKENS first tokens per RATE_SPAN_S never had a rate: a 2 s
+  prefill engine took half the prompts under load), and only once that spans MIN_SPAN_S: first
   tokens come in batches (one step starts several prompts), and a rate over a few of one batch's was 100x too
   high (bench pipe4: a source measured that way took every request for a second, TTFT 7 s);
 - latency: the TTFT of requests sent while nothing of ours was ahead there (moving average), lowered by any
@@ -25,6 +27,7 @@ A backend we have left idle for STALE_S (nothing of ours waiting, no first token
 what it measured then (its batch, its load from other routers, its role: a pipeline member since became a
 replica) is no longer evidence, and without this a backend once measured slow would be sent requests only when
 the others' queues made its old estimate competitive. It counts as unmeasured (priors) until measured again.
+With nothing of ours waiting there the expected TTFT is its latency, rate or not (nothing is ahead to divide).
 A backend with no measurement yet gets priors from the others (`Priors`): rate = its weight x the median rate
 per unit of weight of the measured ones, latency = their median latency. With no measurement anywhere there
 is no estimate (None), and the caller ranks by (in flight + 1) / weight as before.
@@ -122,14 +125,17 @@ class FirstTokens:
         self.waiting = max(0, self.waiting - 1)
 
     def rate_per_s(self, now: float) -> float | None:
-        """First tokens per second of busy time, from the first of them in the last RATE_SPAN_S busy seconds to
-        now; None with fewer than MIN_TOKENS of them or less than MIN_SPAN_S of busy time since the first."""
+        """First tokens per second of busy time, from the first of them in the last RATE_SPAN_S busy seconds (or the
+        MIN_TOKENS-th last, when fewer came in that span) to now; None with fewer than MIN_TOKENS first tokens or
+        less than MIN_SPAN_S of busy time since the first counted."""
         if self.stale(now):
             return None
         busy = self.busy_at(now)
-        recent = [b for b in self._tokens if b >= busy - RATE_SPAN_S]
-        if len(recent) < MIN_TOKENS:
+        if len(self._tokens) < MIN_TOKENS:
             return None
+        recent = [b for b in self._tokens if b >= busy - RATE_SPAN_S]
+        if len(recent) < MIN_TOKENS:  # a slow backend: its last MIN_TOKENS, however much busy time they took
+            recent = list(self._tokens)[-MIN_TOKENS:]
         span = busy - recent[0]
         return (len(recent) - 1) / span if span >= MIN_SPAN_S else None
 
@@ -179,7 +185,10 @@ def priors(measured: Iterable[tuple[FirstTokens, float]], now: float) -> Priors:
 
 def estimate(ft: FirstTokens, weight: float, prior: Priors, now: float) -> float | None:
     """The expected TTFT of one more request there, measured where it can be, from `prior` where not; None
-    when neither gives a rate and a latency."""
+    when neither gives a latency, or nothing gives a rate while requests of ours wait there."""
+    if ft.waiting == 0:  # nothing ahead: the rate does not enter (sequential requests measure no rate for long)
+        latency = ft.latency(now)
+        return latency if latency is not None else prior.latency_s
     rate = ft.rate_per_s(now)
     if rate is None and prior.rate_per_weight is not None and weight > 0:
         rate = prior.rate_per_weight * weight

@@ -113,6 +113,33 @@ def test_fewer_first_tokens_than_the_minimum_measure_no_rate() -> None:
     assert ft.rate_per_s(NOW) is None and ft.latency_s == pytest.approx(0.5)
 
 
+def test_a_backend_slower_than_min_tokens_a_rate_span_is_rated_by_its_last_min_tokens() -> None:
+    """Under load the slow prefill engine of test_router_ttft.py gave a first token every ~2 s of busy time: never
+    MIN_TOKENS of them within RATE_SPAN_S, so it never had a rate (and took 19-27 of 48 prompts in 3 of 4 runs at
+    load ~9, where 10 is the bound)."""
+    ft = FirstTokens()
+    end = _served(ft, 6, 2.0, 2.0)  # first tokens at 2, 4, ... 12 s of busy time
+    assert ft.rate_per_s(end) == pytest.approx((MIN_TOKENS - 1) / ((MIN_TOKENS - 1) * 2.0))
+    assert ft.rate_per_s(end + 3.0) == pytest.approx(ft.rate_per_s(end))  # idle: busy time stands still
+    ft.sent(end + 3.0)
+    assert ft.rate_per_s(end + 5.0) < ft.rate_per_s(end)  # busy and no first token: a stall lowers it
+
+
+def test_with_nothing_ahead_the_latency_alone_ranks_and_needs_no_rate() -> None:
+    """Requests one at a time: nothing of ours is ever ahead, so the expected TTFT is the latency. Needing a rate
+    too, the rule fell back to the share rule (a coin toss) until the fast backend had MIN_SPAN_S of busy
+    time: 20 first tokens of 50 ms."""
+    fast, slow = Backend("fast", "fast:8000"), Backend("slow", "slow:8000")
+    _served(fast.first_tokens, 2, 0.05, 0.05)
+    _served(slow.first_tokens, 2, 1.8, 1.8)
+    assert fast.first_tokens.rate_per_s(NOW) is None and slow.first_tokens.rate_per_s(NOW) is None
+    assert expected_ttfts([fast, slow], now=NOW) == pytest.approx([0.05, 1.8])
+    rng = random.Random(0)
+    assert all(pick_by_ttft([fast, slow], rng, now=NOW) is fast for _ in range(20))
+    slow.first_tokens.sent(NOW)  # one of ours waits there now: how long it is ahead needs a rate nobody has
+    assert expected_ttfts([fast, slow], now=NOW) is None
+
+
 def test_a_request_that_ends_without_a_first_token_stops_counting_as_ahead() -> None:
     ft = FirstTokens()
     ft.sent(0.0)

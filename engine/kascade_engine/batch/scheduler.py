@@ -13,10 +13,15 @@ in flight); `unpark(id, sampled)` brings it back when that step's answer lands. 
 its pages and its seat (max_seqs) and is never preempted. With `window` set (a model whose every
 layer attends only to the last `window` positions), pages wholly before the window of a sequence's next
 chunk go back to the pool before it grows, so a long generation holds about window/page_size pages.
+
+Threads: the event loop queues (`add`) while the step thread schedules, preempts and finishes. Every change
+of `waiting` holds `_queue_lock` (an `add` beside a `finish` that rebuilt the queue lost the request or failed
+the whole step with "deque mutated during iteration"); readers take one `tuple(waiting)` (a single C call).
 """
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -117,6 +122,7 @@ class Scheduler:
 
     def __post_init__(self) -> None:
         self.pool = PagePool(self.limits.pages, self.limits.page_size)
+        self._queue_lock = threading.Lock()  # held by every change of `waiting` (see the module docstring)
 
     @property
     def last_cap(self) -> int | None:
@@ -140,23 +146,20 @@ class Scheduler:
     def add(self, seq: Seq, front: bool = False) -> None:
         """Queue `seq` by its arrival (last unless a waiting prompt arrived after it: a handed-back prompt goes
         ahead of those), or first (`front`: it has waited longest, e.g. taken back from a live pair).
-        One deque operation either way: the event loop adds while the step thread schedules. The place is
-        found on a copy; if the step thread admits the head meanwhile, it lands one place later, never lost."""
+        Called from the event loop while the step thread schedules: under `_queue_lock`."""
         need = seq.prompt_len + seq.max_tokens
         if self.resident(need) > self.pool.capacity_tokens:
             raise ValueError(f"prompt_len + max_tokens = {need} exceeds the KV capacity of "
                              f"{self.pool.capacity_tokens} tokens")
-        if front:
-            self.waiting.appendleft(seq)
-            return
-        queued = tuple(self.waiting)  # one C call: the step thread may pop meanwhile
-        i = len(queued)
-        while i > 0 and queued[i - 1].arrived > seq.arrived:
-            i -= 1
-        if i == len(queued):
-            self.waiting.append(seq)
-        else:
-            self.waiting.insert(i, seq)
+        with self._queue_lock:
+            if front:
+                self.waiting.appendleft(seq)
+                return
+            q = self.waiting
+            i = len(q)
+            while i > 0 and q[i - 1].arrived > seq.arrived:
+                i -= 1
+            q.insert(i, seq)
 
     def kv_usage(self) -> float:
         return self.pool.usage
@@ -165,7 +168,8 @@ class Scheduler:
         self.pool.free(s.id)
         s.computed = 0
         del self.running[s.id]
-        self.waiting.appendleft(s)
+        with self._queue_lock:
+            self.waiting.appendleft(s)
         self.preemptions += 1
 
     def schedule(self) -> Batch:
@@ -228,16 +232,18 @@ class Scheduler:
         b.shape = b.shape.with_decodes(dec_n, dec_keys)
         while self.waiting and not preempted and budget > 0 and b.prefill_left > 0 and \
                 len(self.running) + len(self.parked) < self.limits.max_seqs:
-            s = self.waiting[0]
-            if self.pool.pages_for(self.resident(s.total)) > self.pool.free_pages:
-                break  # FCFS: never let a later, smaller request overtake the head
-            if self.whole_prompts and min(budget, b.prefill_left) < s.total <= min(
-                    self.limits.max_batch_tokens, self.limits.prefill_chunk_tokens or self.limits.max_batch_tokens):
-                break  # it fits a later step whole: start it there rather than split across two
-            n = b.timed(0, min(s.total, budget, b.prefill_left))
-            if n <= 0:
-                break  # no time left in this step: the head starts in a later one
-            self.waiting.popleft()
+            with self._queue_lock:  # the head read is the head popped (an `add(front=True)` may come between)
+                s = self.waiting[0]
+                if self.pool.pages_for(self.resident(s.total)) > self.pool.free_pages:
+                    break  # FCFS: never let a later, smaller request overtake the head
+                if self.whole_prompts and min(budget, b.prefill_left) < s.total <= min(
+                        self.limits.max_batch_tokens,
+                        self.limits.prefill_chunk_tokens or self.limits.max_batch_tokens):
+                    break  # it fits a later step whole: start it there rather than split across two
+                n = b.timed(0, min(s.total, budget, b.prefill_left))
+                if n <= 0:
+                    break  # no time left in this step: the head starts in a later one
+                self.waiting.popleft()
             b.prefill_left -= n
             b.shape = b.shape.with_chunk(0, n)
             self.pool.grow(s.id, n)
@@ -293,9 +299,14 @@ class Scheduler:
 
     def finish(self, seq_id: str) -> None:
         self.pool.free(seq_id)
-        self.running.pop(seq_id, None)
-        self.parked.pop(seq_id, None)
-        self.waiting = deque(s for s in self.waiting if s.id != seq_id)
+        ran = self.running.pop(seq_id, None) is not None
+        if self.parked.pop(seq_id, None) is not None or ran:
+            return  # never queued at the same time (a preempted sequence leaves `running`)
+        with self._queue_lock:  # in place: a rebuilt deque lost what the event loop added to the old one
+            for i, s in enumerate(self.waiting):
+                if s.id == seq_id:
+                    del self.waiting[i]
+                    break
 
     def prefill_room(self) -> int | None:
         """The prompt tokens a chunk would get beside the current decodes and the ones about to join (`joining`):
