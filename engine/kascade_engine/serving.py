@@ -192,7 +192,7 @@ class Serving:
 
     def waiting_tokens(self) -> int:
         """Prompt tokens queued for a first step (the scheduler's waiting queue)."""
-        return sum(s.prompt_len - s.computed for s in tuple(self.inst.engine.scheduler.waiting))
+        return sum(s.prompt_len - s.computed for s in self.inst.engine.scheduler.queued())
 
     def shed_check(self, prompt_tokens: int) -> None:
         """Refuse (503 + Retry-After) a prompt that would take the waiting queue past --max-waiting-tokens."""

@@ -16,7 +16,10 @@ chunk go back to the pool before it grows, so a long generation holds about wind
 
 Threads: the event loop queues (`add`) while the step thread schedules, preempts and finishes. Every change
 of `waiting` holds `_queue_lock` (an `add` beside a `finish` that rebuilt the queue lost the request or failed
-the whole step with "deque mutated during iteration"); readers take one `tuple(waiting)` (a single C call).
+the whole step with "deque mutated during iteration"), and so does every read of more than its length or
+head: `queued()`. A `tuple(waiting)` is one C call but not atomic: the tuple's allocation may run the cyclic GC,
+whose finalizers may let the other thread run and change the queue mid-copy (a request's handler then raised
+"deque mutated during iteration": an HTTP 500).
 """
 
 from __future__ import annotations
@@ -160,6 +163,11 @@ class Scheduler:
             while i > 0 and q[i - 1].arrived > seq.arrived:
                 i -= 1
             q.insert(i, seq)
+
+    def queued(self) -> tuple[Seq, ...]:
+        """The waiting queue as it is now, from either thread."""
+        with self._queue_lock:
+            return tuple(self.waiting)
 
     def kv_usage(self) -> float:
         return self.pool.usage
@@ -342,7 +350,7 @@ class Scheduler:
     def prompts_pending(self) -> bool:
         """Whether a prompt waits to be prefilled (queued, or admitted with prompt tokens not yet computed):
         a step now is one of those the prefill rate is measured over (velocity.VelocityMeter.observe_rate)."""
-        queued, running = tuple(self.waiting), list(self.running.values())  # one C call each: the loop adds meanwhile
+        queued, running = self.queued(), list(self.running.values())  # the step thread alone changes `running`
         return any([s.computed < s.prompt_len for s in queued]) or any([s.computed < s.prompt_len for s in running])
 
     @property

@@ -216,7 +216,7 @@ class Forwarder:
             self._kept.intersection_update(engine.requests)
             h_queue, taken = self.waiting + self.in_transit, self.inst.forward_host.taken
             mine, theirs = max(self.inst.serving_share, 1e-6), max(self.share, 1e-6)
-            for s in reversed(tuple(sch.waiting)):  # tuple: the event loop may append meanwhile
+            for s in reversed(sch.queued()):  # a snapshot: the event loop may add meanwhile
                 if (len(sch.waiting) - 1) / mine <= (h_queue + len(out) + 1) / theirs:
                     break  # the queues are even, in each engine's own serving share
                 r = engine.requests.get(s.id)

@@ -174,9 +174,8 @@ class HandBack:
         loop, once it left this engine), or check again later."""
         r = eng.requests.get(rid)
         sched = eng.scheduler
-        # tuple(): copied in one C call; a generator over the deque itself could meet the event loop's
-        # Serving.submit appending meanwhile ("deque mutated during iteration", failing the step)
-        s = sched.running.get(rid) or next((x for x in tuple(sched.waiting) if x.id == rid), None)
+        # a snapshot (Scheduler.queued): the event loop's Serving.submit may add to the queue meanwhile
+        s = sched.running.get(rid) or next((x for x in sched.queued() if x.id == rid), None)
         if r is None or r.out or s is None:
             return []  # gone, or a token is out (the client may have it): it stays here
         now = time.monotonic()
