@@ -96,6 +96,13 @@ def create_app(inst: EngineInstance) -> FastAPI:
                         "method_not_allowed")
         return _err(exc.status_code, str(exc.detail))
 
+    @app.exception_handler(Exception)
+    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # a bug, not the client's fault: starlette still logs its traceback (and re-raises it past this answer to
+        # the server); the client, and the router relaying the answer, get an OpenAI-shaped error naming it, not
+        # a plain-text "Internal Server Error" that every OpenAI client reports as a bare "Error code: 500"
+        return _err(500, f"engine failed on this request: {type(exc).__name__}: {exc}", None, "server_error")
+
     def check_model(model: str) -> None:
         name = inst.config.model_name  # read per request: a released engine may switch model (switch_model)
         if model != name:
