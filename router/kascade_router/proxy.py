@@ -66,6 +66,7 @@ from kascade_router.upstream import Answer, UpstreamError, Upstreams
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 REQUEST_ID = "X-Request-Id"
+_STARTED = "kascade.answer-started"  # request-storage key: the client's answer's headers went out
 REPLICA = "X-Kascade-Replica"  # which pod answered (clients, tests and logs can tell)
 PREFILL = PREFILL_HEADER  # to a decode engine: host:port of the prefill engine's data port (PD)
 PREFILLED_BY = "X-Kascade-Prefilled-By"  # to the client: which prefill pod the router chose
@@ -214,6 +215,12 @@ class Proxy:
         except ConnectionError:
             status = 499  # the client went away while we wrote to it
             return web.Response(status=499)
+        except Exception as e:  # a bug: answered in OpenAI's shape, naming it (aiohttp's HTML page read as a bare
+            # "Error code: 500" in every OpenAI client), unless the answer is under way (then the connection is cut)
+            if request.get(_STARTED):
+                raise
+            log.exception("request %s: the router failed", rid)
+            return error(500, f"router failed on this request: {type(e).__name__}: {e}", None, "server_error", rid)
         finally:
             d.in_flight -= 1
             d.finished(status, prompt_tokens(doc), out_tokens, time.monotonic())
@@ -367,6 +374,7 @@ class Proxy:
             if framed:
                 resp.enable_chunked_encoding()
             await resp.prepare(request)  # a StreamResponse sends its headers now: raw bytes may follow
+            request[_STARTED] = True
             client = request.transport
             if client is None or client.is_closing():
                 raise ConnectionError("the client went away")
@@ -437,6 +445,7 @@ class Proxy:
         elif framed:
             resp.enable_chunked_encoding()
         await resp.prepare(request)
+        request[_STARTED] = True
         client = request.transport
         if client is None or client.is_closing():
             raise ConnectionError("the client went away")

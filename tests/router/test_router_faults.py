@@ -215,3 +215,26 @@ async def test_a_client_that_reads_nothing_holds_the_engine_back_not_the_routers
         tail = (tail + piece)[-16:]
     w.close()
     assert got > len(big) and eng.sent == len(big)
+
+
+async def test_a_router_bug_answers_an_openai_error_naming_it(world: Callable[..., Any]) -> None:
+    """aiohttp's own answer to a handler's exception is an HTML page, which OpenAI clients report as a bare
+    "Error code: 500" (stop 46's killed-replica failure said no more than that); the router's is OpenAI-shaped,
+    names the exception and the request id, and the next request is served."""
+    eng = RawEngine()
+    r, url = await world([eng])
+    route = r.proxy._route
+
+    async def broken(*args: Any, **kw: Any) -> Any:
+        raise RuntimeError("deque mutated during iteration")
+
+    r.proxy._route = broken
+    st, h, body = await post(url, {"model": "m", "prompt": "x"})
+    assert st == 500 and h["Content-Type"].startswith("application/json"), body
+    err = json.loads(body)["error"]
+    assert err["message"] == "router failed on this request: RuntimeError: deque mutated during iteration"
+    assert err["type"] == "server_error" and len({k.lower(): v for k, v in h.items()}["x-request-id"]) == 32, h
+    assert r.demand.models[("static", "m")].requests == {500: 1} and r.demand.models[("static", "m")].in_flight == 0
+    r.proxy._route = route
+    st, _, _ = await post(url, {"model": "m", "prompt": "x"})
+    assert st == 200
