@@ -186,14 +186,13 @@ def priors(measured: Iterable[tuple[FirstTokens, float]], now: float) -> Priors:
 def estimate(ft: FirstTokens, weight: float, prior: Priors, now: float) -> float | None:
     """The expected TTFT of one more request there, measured where it can be, from `prior` where not; None
     when neither gives a latency, or nothing gives a rate while requests of ours wait there."""
+    latency = ft.latency(now)
+    latency = latency if latency is not None else prior.latency_s
     if ft.waiting == 0:  # nothing ahead: the rate does not enter (sequential requests measure no rate for long)
-        latency = ft.latency(now)
-        return latency if latency is not None else prior.latency_s
+        return latency
     rate = ft.rate_per_s(now)
     if rate is None and prior.rate_per_weight is not None and weight > 0:
         rate = prior.rate_per_weight * weight
-    latency = ft.latency(now)
-    latency = latency if latency is not None else prior.latency_s
     if rate is None or latency is None:
         return None
     return expected_ttft(ft.waiting, latency, rate)
