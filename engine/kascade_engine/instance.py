@@ -165,7 +165,6 @@ class EngineInstance:
             self.forward_host = ForwardHost(self)  # sources hand us their queued requests (liveredirect.py)
             # peers our queued requests may go to (a source: the pipeline head; a head: the sources), one session each
             self.forwarders: dict[str, Forwarder] = {}
-        self.engine.scheduler.joining = self.remote_prefill.joining  # its room counts decodes about to land
         self.finisher = Finisher(self.model, busy=lambda: not self.engine.scheduler.idle, token=config.token,
                                  host=self.host, wake=lambda: self.serving.wake.set(), prefill=self.prefill_server,
                                  forward=self.forward_host)

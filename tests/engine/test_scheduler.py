@@ -300,9 +300,11 @@ def test_a_converted_decoder_reports_the_prefill_room_its_step_budget_leaves() -
     assert 9 <= (s.prefill_room() or 0) <= 11
     # 4 prompts a prefill engine prefills for it now join as decodes when their KV lands: 4 ms less room (the
     # schedule of this step is unchanged: they are not in it)
-    s.joining.update({f"j{i}": 12 for i in range(4)})
-    assert 5 <= (s.prefill_room() or 0) <= 7
-    s.joining.clear()
+    for i in range(4):
+        s.expect(f"j{i}", 12)
+    assert 5 <= (s.prefill_room() or 0) <= 7 and s.decodes() == 8 + 4
+    for i in range(4):
+        s.landed(f"j{i}")
     s.limits.step_budget_s = 0.005  # the decodes alone fill it
     assert s.prefill_room() == 0
 
@@ -403,6 +405,42 @@ def test_a_snapshot_of_the_queue_is_whole_while_the_step_thread_changes_it() -> 
                 errors.append(e)
                 break
             assert [s.id for s in snap[:50]] == [f"q{i}" for i in range(50)]
+    finally:
+        done.set()
+        t.join()
+    assert errors == []
+
+
+def test_the_joining_prompts_are_copied_whole_while_the_event_loop_changes_them() -> None:
+    """The recorder reads `prefill_room` in the step thread while remote prefills start and land on the event loop.
+    `tuple(joining.values())` without the lock raised "dictionary changed size during iteration" 25 times in
+    20,000 here (a failed step: every request on the engine gets an error)."""
+    sched = Scheduler(Limits(max_batch_tokens=64, max_seqs=8, kv_tokens=512, page_size=16, prefill_chunk_tokens=32))
+    for i in range(50):
+        sched.expect(f"j{i}", 12)
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def event_loop() -> None:
+        k = 0
+        while not done.is_set():
+            sched.expect(f"n{k}", 4)
+            k += 1
+            if k % 1000 == 0:  # a size that keeps changing: a copy the other thread interrupts sees it
+                for j in range(k - 1000, k):
+                    sched.landed(f"n{j}")
+
+    t = threading.Thread(target=event_loop)
+    t.start()
+    try:
+        for _ in range(20000):
+            _Finalized()
+            try:
+                room = sched.prefill_room()
+            except RuntimeError as e:
+                errors.append(e)
+                break
+            assert room == 32  # the cap: no step budget cuts it
     finally:
         done.set()
         t.join()

@@ -19,7 +19,8 @@ of `waiting` holds `_queue_lock` (an `add` beside a `finish` that rebuilt the qu
 the whole step with "deque mutated during iteration"), and so does every read of more than its length or
 head: `queued()`. A `tuple(waiting)` is one C call but not atomic: the tuple's allocation may run the cyclic GC,
 whose finalizers may let the other thread run and change the queue mid-copy (a request's handler then raised
-"deque mutated during iteration": an HTTP 500).
+"deque mutated during iteration": an HTTP 500). The same holds the other way for `joining` (the event loop changes
+it, the step thread copies it): `_joining_lock`, `expect` / `landed` / `joining_prompts()`.
 """
 
 from __future__ import annotations
@@ -118,14 +119,16 @@ class Scheduler:
     # engine sustains when busy, not the load (velocity.VelocityMeter.observe: only such steps count as capacity).
     # A step held back by max_seqs, KV pages or a whole-prompt rule is not: it had room it could not fill
     last_saturated: bool = False
-    # prompt lengths of this engine's requests a prefill engine prefills now (remote_prefill.RemotePrefill.joining,
-    # the same dict): each joins the batch as a decode when its KV lands, within about the time a prompt started
-    # here now would take to prefill, so `prefill_room` counts them (read as one snapshot: the loop writes it)
+    # prompt lengths of this engine's requests a prefill engine prefills now (remote_prefill.RemotePrefill adds and
+    # drops them: `expect`, `landed`): each joins the batch as a decode when its KV lands, within about the time a
+    # prompt started here now would take to prefill, so `prefill_room` counts them. The event loop changes it, the
+    # step thread reads it (the recorder's `known_room`): both under `_joining_lock`
     joining: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.pool = PagePool(self.limits.pages, self.limits.page_size)
         self._queue_lock = threading.Lock()  # held by every change of `waiting` (see the module docstring)
+        self._joining_lock = threading.Lock()  # held by every change and copy of `joining`
 
     @property
     def last_cap(self) -> int | None:
@@ -326,7 +329,7 @@ class Scheduler:
         if cap is None:
             return None
         dec = [s.computed + 1 for s in list(self.running.values()) if s.total - s.computed <= 1]
-        dec += [n + 1 for n in tuple(self.joining.values())]
+        dec += [n + 1 for n in self.joining_prompts()]
         if budget_s is None or self.cost is None or not dec:
             return cap
         fit = self.cost.chunk_fits(budget_s, StepShape(len(dec), max(dec)), 0, cap)
@@ -335,8 +338,24 @@ class Scheduler:
     def decodes(self) -> int:
         """Sequences decoding now plus those about to join as decodes (`joining`): what a step budget protects.
         A snapshot (read from the event loop while the step thread runs)."""
-        running, joining = list(self.running.values()), len(tuple(self.joining))
-        return sum(1 for s in running if s.total - s.computed <= 1) + joining
+        running = list(self.running.values())
+        return sum(1 for s in running if s.total - s.computed <= 1) + len(self.joining)
+
+    def expect(self, seq_id: str, prompt_len: int) -> None:
+        """`seq_id`'s prompt is prefilled elsewhere: it joins as a decode when its KV lands (`joining`)."""
+        with self._joining_lock:
+            self.joining[seq_id] = prompt_len
+
+    def landed(self, seq_id: str) -> None:
+        """`seq_id` no longer joins from elsewhere (its KV landed, or it is prefilled here after all)."""
+        with self._joining_lock:
+            self.joining.pop(seq_id, None)
+
+    def joining_prompts(self) -> tuple[int, ...]:
+        """The prompt lengths in `joining` now, from either thread (a `tuple(joining.values())` is not atomic: see
+        the module docstring; 25 of 20,000 such copies raised "dictionary changed size during iteration")."""
+        with self._joining_lock:
+            return tuple(self.joining.values())
 
     def known_room(self) -> int | None:
         """`prefill_room` where it is known: a converted decoder's cap alone (no step budget), or cut by a step cost

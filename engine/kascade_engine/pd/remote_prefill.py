@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Protocol
@@ -110,9 +111,9 @@ class RemotePrefill:
         # peer -> its measured prefill rate, prompt tokens/s, from its last kv_done (kv_wire.pace): how fast it works
         # through that queue
         self.pace: dict[str, float] = {}
-        # rid -> prompt length of the same: they join the batch as decodes when their KV lands (the scheduler's
-        # prefill room counts them: Scheduler.joining is this dict)
-        self.joining: dict[str, int] = {}
+        # changed on the event loop, copied by `expected_s` in the step thread too (the hand-back's check): every change
+        # and copy holds it (a `tuple(d.values())` is not atomic: batch/scheduler.py's module docstring)
+        self._pending_lock = threading.Lock()
         # how long a connection to a peer and each of its KV frames may take before the prompt is prefilled here
         self.deadline = PrefillDeadline()
         self.suspects: dict[str, float] = {}  # peer -> monotonic time until which it gets no prompts (it hung)
@@ -141,8 +142,10 @@ class RemotePrefill:
         hand-back sends it (it will not hand it back again): once the prefill op is sent, `peer` prefills it."""
         # in flight from now, not from when the task first runs: a prompt judged right after this one (the same tick)
         # sees it queued ahead at `peer` (expected_s)
-        self.pending[rid] = (peer, time.monotonic(), len(prompt))
-        self.joining[rid] = len(prompt)
+        with self._pending_lock:
+            self.pending[rid] = (peer, time.monotonic(), len(prompt))
+        # it joins the batch as a decode when its KV lands: the scheduler's prefill room counts it until then
+        self.inst.engine.scheduler.expect(rid, len(prompt))
         task = asyncio.get_running_loop().create_task(
             self._run(rid, prompt, params, peer, local, arrived, fallback, settles))
         self.tasks.add(task)
@@ -179,9 +182,12 @@ class RemotePrefill:
                 here()
             return
         finally:
-            if self.pending.get(rid) is mine:  # not a hand-back's next remote prefill, started above
-                self.pending.pop(rid, None)
-                self.joining.pop(rid, None)
+            with self._pending_lock:
+                ended = self.pending.get(rid) is mine  # not a hand-back's next remote prefill, started above
+                if ended:
+                    del self.pending[rid]
+            if ended:
+                self.inst.engine.scheduler.landed(rid)
         dt = time.monotonic() - t0
         old = self.took.get(peer)
         self.took[peer] = dt if old is None else old + TOOK_WEIGHT * (dt - old)
@@ -190,7 +196,7 @@ class RemotePrefill:
         self.inst.engine.call_in_step(lambda eng: self._adopt(eng, rid, prompt, params, token, k, v, peer))
         self.inst.serving.wake.set()
 
-    def expected_s(self, peer: str, prompt_tokens: int = 0) -> float | None:
+    def expected_s(self, peer: str, prompt_tokens: int = 0, without: str | None = None) -> float | None:
         """What a prompt of `prompt_tokens` sent to `peer` now takes there (`conversion.remote_prefill_s`): the oldest
         wait of this engine's prompts in flight there plus their prompt tokens and this one's at `peer`'s reported
         pace (its kv_done's rate), never less than the moving average of those that landed (`took`). What it counts
@@ -200,7 +206,8 @@ class RemotePrefill:
         before the burst said 0.3 s while P's queue held 1-2 s, bench/pd.py). None: nothing
         measured yet."""
         now = time.monotonic()
-        mine = [(now - t, n) for p, t, n in tuple(self.pending.values()) if p == peer]
+        with self._pending_lock:
+            mine = [(now - t, n) for r, (p, t, n) in self.pending.items() if p == peer and r != without]
         return remote_prefill_s(self.took.get(peer), [w for w, _ in mine], sum(n for _, n in mine) + prompt_tokens,
                                 self.pace.get(peer))
 
@@ -210,11 +217,8 @@ class RemotePrefill:
         shape = kv_shape(self.inst)
         if self.suspect_s(peer) > 0:
             raise RemotePrefillError(f"{peer} is suspect for {self.suspect_s(peer):.1f} s more (it missed a deadline)")
-        # measured before this prompt counts as pending (start put it there): the queue ahead of it plus itself
-        mine = self.pending.pop(rid, None)
-        limit = self.deadline.seconds(self.expected_s(peer, len(prompt)))
-        if mine is not None:
-            self.pending[rid] = mine
+        # the queue ahead of it (not itself, which start put there) plus itself
+        limit = self.deadline.seconds(self.expected_s(peer, len(prompt), without=rid))
         try:
             conn, _ = await asyncio.wait_for(self.pool.take(peer), limit)
         except TimeoutError as e:
