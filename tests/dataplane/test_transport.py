@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from kascade_devcluster.ports import free_ports
 from kascade_engine.net.transport import Transport, TransportError
 from kascade_engine.net.transport_tcp import TcpTransport
 
@@ -49,6 +50,23 @@ async def test_a_peer_that_reads_nothing_fails_the_send_at_its_timeout(name: str
     finally:
         await conn.close()
         await listener.close()
+
+
+@pytest.mark.parametrize("name", ["tcp", "ucx"])
+async def test_a_connect_nobody_answers_fails_at_once_not_at_its_timeout(name: str) -> None:
+    """Peers start concurrently: a source dials its downstream before that one listens and retries until the
+    plan's timeout (forwarding.py `_connect_retrying`). `ucxx.create_endpoint` waits out its peer-info timeout
+    (5 s by default, the caller's when given) even after UCP reported the refusal, so one attempt spent the
+    source's whole budget (a clean 1->1 UCX transfer re-fetched everything). A refusal must fail in a blink:
+    1-23 ms here at load 5-12 (a process's first UCX endpoint took 0.8 s to create at load 28), 5.0 s through
+    ucxx's own call: 2.5 s tells them apart under any load seen here."""
+    transport = _transport(name)
+    port = free_ports(1)[0]
+    for _ in range(2):  # the first connect of a process also pays UCX's first wireup: both must be quick
+        t0 = time.monotonic()
+        with pytest.raises(TransportError, match=f"127.0.0.1:{port}"):
+            await transport.connect("127.0.0.1", port, timeout=30.0)
+        assert time.monotonic() - t0 < 2.5
 
 
 async def test_ucx_fast_path_connections_share_one_endpoint_and_outlive_each_other() -> None:
