@@ -454,7 +454,12 @@ class EngineInstance:
         tensor actually is, for checks that a model loaded onto the device it was asked for."""
         out: dict[str, int] = {}
         cache = self.engine.cache
-        for t in [*(v for w in self.model.weights.values() for v in w.values()), cache.k, cache.v]:
+        # a snapshot first: a load adds blocks from a worker thread (loader.py on CUDA, tp/planload.py), and a
+        # Python-level loop over the dict itself may see it grow ("dictionary changed size": a 500 on status).
+        # list() of a dict view allocates no GC object mid-copy, so no other thread runs inside it; a block's own
+        # dict never changes once added
+        blocks = list(self.model.weights.values())
+        for t in [*(v for w in blocks for v in w.values()), cache.k, cache.v]:
             out[str(t.device)] = out.get(str(t.device), 0) + 1
         return out
 

@@ -336,7 +336,8 @@ class HostRows:
                 self.redirects.token(key, tok, engine.eos)
             relayed: Future[tuple[dict[str, Any], bytearray]] | None = None
             if relay or down_ends:
-                if self.downstream is None:
+                down = self.downstream  # read once: the event loop may drop it meanwhile (peering.py)
+                if down is None:
                     raise RuntimeError("pair rows need layers this engine does not hold and it has no downstream")
                 meta = [[f"pair{st.pair}/{mt[0]}", row.start, row.n, row.b, *mt[4:]] for st, _, row, mt in relay]
                 self.forwarded.update(str(x[0]) for x in meta)
@@ -345,7 +346,7 @@ class HostRows:
                 # not awaited here: this hop's next step runs while the rows go on down the pipeline (λScale's
                 # pipelining: every stage busy with a different step). The steps that relayed rows are answered
                 # when the downstream's tokens come back (`_answer_relayed`), in frame order by the session.
-                relayed = self.downstream.relay_async(meta, hidden, down_ends)
+                relayed = down.relay_async(meta, hidden, down_ends)
                 with self._lock:
                     self.relays_out += 1
                     self.max_relays_out = max(self.max_relays_out, self.relays_out)

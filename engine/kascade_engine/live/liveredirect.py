@@ -52,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -158,6 +159,9 @@ class Forwarder:
         self.waiting, self.share = 0, 0.0  # H's last reported state
         self.state_at = 0.0
         self.in_transit = 0  # handed over, not yet acknowledged ("taken") by H
+        # the step thread adds to `in_transit` (_pick), the event loop takes from it: a `+=` is a read and a write,
+        # and one thread's change landing between the other's lost it for good (H's queue misjudged from then on)
+        self._transit_lock = threading.Lock()
         self.total = 0  # metric: requests forwarded
         self.taken_back = 0  # metric: forwarded requests H refused or dropped unfinished, queued here again
         self._kept: set[str] = set()  # taken back: stay here
@@ -234,7 +238,8 @@ class Forwarder:
                 out.append([r.id, r.prompt, p.max_tokens, p.temperature, p.top_p, p.seed, list(p.stop_token_ids)]
                            + ([extras(p)] if extras(p) else []))
             if out:
-                self.in_transit += len(out)
+                with self._transit_lock:
+                    self.in_transit += len(out)
                 q = len(sch.waiting)
                 loop.call_soon_threadsafe(lambda: loop.create_task(self._take(out, q, mine)))
         finally:
@@ -245,7 +250,8 @@ class Forwarder:
         try:
             await self._send({"op": "take", "requests": entries, "queue": queue, "share": round(share, 4)})
         except TransportError as e:
-            self.in_transit -= len(entries)
+            with self._transit_lock:
+                self.in_transit -= len(entries)
             for entry in entries:
                 self._take_back(str(entry[0]), f"the redirect session to {self.peer} broke: {e}")
 
@@ -258,7 +264,8 @@ class Forwarder:
                 if op == "taken":
                     n = frame.get("n")
                     n = n if isinstance(n, int) else 0
-                    self.in_transit = max(0, self.in_transit - n)
+                    with self._transit_lock:
+                        self.in_transit = max(0, self.in_transit - n)
                     refused = [x for x in frame.get("refused") or [] if isinstance(x, list) and len(x) == 2]
                     declined = [str(x) for x in frame.get("declined") or []]
                     for rid in reversed(declined):  # newest first on the wire: back in arrival order

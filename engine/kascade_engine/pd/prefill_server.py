@@ -139,13 +139,16 @@ class KVPiece:
     v: torch.Tensor
 
 
+Sink = Callable[[KVPiece], None]  # where a remote sequence's KV pieces go (PrefillServer._one's queue)
+
+
 @dataclass
 class KVShipper:
     """The prefill engine's step hook (Engine.coop): runs the batch layer by layer and hands each layer's
     new KV of remote sequences to their sinks. Wraps the hook it replaced (live pair rows)."""
 
     inner: StepHooks | None
-    sinks: dict[str, Callable[[KVPiece], None]] = field(default_factory=dict)
+    sinks: dict[str, Sink] = field(default_factory=dict)
 
     def pending(self) -> bool:
         return self.inner is not None and self.inner.pending()
@@ -166,29 +169,32 @@ class KVShipper:
         table, ps = engine.scheduler.pool.tables[w.id], engine.cache.page_size
         return [table[p // ps] * ps + p % ps for p in range(w.start, w.end)]
 
-    def _ship(self, engine: Engine, remote: list[Work], layer: int) -> None:
+    def _ship(self, engine: Engine, remote: list[tuple[Work, Sink]], layer: int) -> None:
         cache = engine.cache
-        for w in remote:
+        for w, sink in remote:
             slots = torch.tensor(self._slots(engine, w), dtype=torch.long, device=cache.device)
             k = cache.k[layer].index_select(0, slots).to("cpu").contiguous()  # a new host tensor: pages get reused
             v = cache.v[layer].index_select(0, slots).to("cpu").contiguous()
-            self.sinks[w.id](KVPiece(layer, w.start, w.n, k, v))
+            sink(KVPiece(layer, w.start, w.n, k, v))
 
-    def _ship_all(self, engine: Engine, remote: list[Work]) -> None:
+    def _ship_all(self, engine: Engine, remote: list[tuple[Work, Sink]]) -> None:
         """After the step: every layer's new KV of every remote sequence, read at once (`Engine.read_kv`: on a
         tensor-parallel instance one gather of every rank's heads), shipped in layer order."""
-        slots = [self._slots(engine, w) for w in remote]
+        slots = [self._slots(engine, w) for w, _ in remote]
         k, v = engine.read_kv(torch.tensor([s for ss in slots for s in ss], dtype=torch.long,
                                            device=engine.cache.device))
         for layer in range(k.shape[0]):
             at = 0
-            for w in remote:
-                self.sinks[w.id](KVPiece(layer, w.start, w.n, k[layer, at:at + w.n].contiguous(),
-                                         v[layer, at:at + w.n].contiguous()))
+            for w, sink in remote:
+                sink(KVPiece(layer, w.start, w.n, k[layer, at:at + w.n].contiguous(),
+                             v[layer, at:at + w.n].contiguous()))
                 at += w.n
 
     def forward(self, engine: Engine, work: list[Work]) -> Sequence[int | None]:
-        remote = [w for w in work if w.id in self.sinks]
+        # each sink read once, here: the event loop drops a request's sink while this step runs (its decode engine
+        # went away, PrefillServer._one); a later `sinks[id]` raised KeyError and failed the step, so every request
+        # on this engine. A dropped request's KV still goes to its old sink, which nobody reads, until the step ends
+        remote = [(w, sink) for w in work if (sink := self.sinks.get(w.id)) is not None]
         L = engine.model.shape.layers
         # pair rows share this step, or a tensor-parallel instance (its followers run the step's layers as one
         # message): run it whole, then ship every layer
