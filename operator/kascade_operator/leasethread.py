@@ -83,9 +83,17 @@ class LeaseThread(threading.Thread):
     async def _main(self) -> None:
         self._own_loop, self._halt = asyncio.get_running_loop(), asyncio.Event()
         self._ready.set()
-        kube = await Kube.connect(self.kubeconfig)
         try:
-            why = await self.hold(kube, self._halt)
+            kube = await Kube.connect(self.kubeconfig)
+        except Exception as e:  # no kubeconfig, no in-cluster config: the operator's loop waited forever for news
+            self.on_end(f"{self.me}: cannot reach the API server for the Lease: {e}")
+            return
+        try:
+            try:
+                why = await self.hold(kube, self._halt)
+            except Exception as e:  # a bug here must end the replica, as a lost Lease does, not the thread alone
+                log.exception("%s: the Lease thread failed", self.me)
+                why = f"{self.me}: the Lease thread failed: {type(e).__name__}: {e}"
             if why is not None:
                 leading = self.leading
                 self.on_end(why)

@@ -106,9 +106,12 @@ class WorkQueue:
         return entry is not None and entry[1]
 
     def overdue(self, tolerance_s: float) -> int:
-        """Queued keys (not running) whose due time passed more than `tolerance_s` ago."""
+        """Queued keys (not running) whose due time passed more than `tolerance_s` ago. Read by a gauge, so from the
+        metrics server's thread while the loop changes the queue: over a snapshot (a loop over the dict itself
+        raised "dictionary changed size during iteration" and lost the whole scrape). list() of a dict view
+        allocates no GC object mid-copy, so no other thread runs inside it."""
         limit = time.monotonic() - tolerance_s
-        return sum(1 for due, _ in self._due.values() if due < limit)
+        return sum(1 for due, _ in list(self._due.values()) if due < limit)
 
     def __len__(self) -> int:
         return len(self._due)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 from collections.abc import Hashable
 from dataclasses import replace
 
@@ -310,3 +311,29 @@ async def test_a_reading_within_a_period_plus_the_last_sweeps_length_is_not_scra
     view._readings[g] = replace(r, taken_s=r.taken_s - 4.5)  # the sweep has fallen behind even that
     await view.collect(eps, g)
     assert scraper.scrapes == 2
+
+
+def test_overdue_is_counted_whole_while_another_thread_changes_the_queue() -> None:
+    """`overdue` is a gauge's function: the metrics server's thread calls it while the loop adds and forgets keys.
+    Counted over the dict itself it raised "dictionary changed size during iteration" (a lost scrape)."""
+    q = WorkQueue(lambda k: asyncio.sleep(0), workers=1)
+    for i in range(500):
+        q.add(f"old{i}")  # due now
+    done = threading.Event()
+
+    def loop_side() -> None:
+        for k in itertools.count():
+            if done.is_set():
+                return
+            q.add(f"k{k}", delay=60.0)
+            q.forget(f"k{k - 200}")
+
+    t = threading.Thread(target=loop_side)
+    t.start()
+    try:
+        # a negative tolerance counts the keys due within 30 s from now: the 500, not the thread's (due in 60 s)
+        counts = [q.overdue(-30.0) for _ in range(3000)]
+    finally:
+        done.set()
+        t.join()
+    assert set(counts) == {500}
