@@ -177,5 +177,6 @@ async def lead_then_run(settings: OperatorSettings, run: Callable[[], Coroutine[
     finally:
         if standby is not None:
             standby.close()
-        # a clean stop (or run() ended) hands the Lease over now, not after the duration
-        await asyncio.to_thread(election.stop, election.leading and not ended.is_set())
+        # a clean stop (or run() ended) hands the Lease over now, not after the duration; whether it holds one is
+        # decided in the election's thread (`release`): read here, a Lease won meanwhile was kept to its duration
+        await asyncio.to_thread(election.stop, not ended.is_set())
