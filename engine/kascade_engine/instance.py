@@ -367,7 +367,8 @@ class EngineInstance:
         self.model_service, self.role, self.cooperate = None, "colocated", {}
         if self.pair is not None:
             asyncio.get_running_loop().create_task(self.pair.close())
-            self.pair, self.engine.coop = None, self.host
+            self.pair = None
+            self.engine.set_hook(self.host)
             self.engine.scheduler.whole_prompts = False
         down, self.host.downstream, self.downstream_peer = self.host.downstream, None, None
         if down is not None:

@@ -114,7 +114,7 @@ async def set_cooperate(inst: PeeringHost, req: CooperateRequest) -> EngineStatu
     if req.mode == "off":  # off ends every cooperation, a pipeline hop included
         await drop_downstream(inst)
     old, inst.pair = inst.pair, pair
-    inst.engine.coop = pair if pair is not None else inst.host
+    inst.engine.set_hook(pair if pair is not None else inst.host)
     inst.engine.scheduler.whole_prompts = pair is not None  # each step of a split prompt is a round trip
     inst.serving.wake.set()  # a new pair polls its peer once: it may hand us its queued requests
     if old is not None and old is not pair:

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -104,6 +105,17 @@ class StepHooks(Protocol):
     def take_events(self) -> list[Event]: ...
 
 
+@runtime_checkable
+class WrappingHooks(StepHooks, Protocol):
+    """A hook that runs another one (`inner`) and adds to it (pd/prefill_server.py `KVShipper`): installed once
+    (`Engine.wrap_hook`), it stays when the hook it wraps is replaced (`Engine.set_hook`, `Engine.step_down`)."""
+
+    inner: StepHooks | None
+
+
+W = TypeVar("W", bound=WrappingHooks)
+
+
 class Engine:
     def __init__(self, model: LlamaModel, limits: Limits | None = None, eos: int | None = None,
                  cuda_graphs: bool = True) -> None:
@@ -143,11 +155,42 @@ class Engine:
         # the step's bookkeeping: velocity, step cost, the budget's record (recorder.py; metrics.py reads it)
         self.recorder = StepRecorder(self.scheduler, self.meter, self.cost)
         self.coop: StepHooks | None = None  # live split hook (cooperation.py): hosts or sends pair rows
+        # `coop` changes in the event loop (a new pair, a KV shipper) and in the step thread (a pair stepping down):
+        # each change is a read-then-write under this lock, so one never undoes the other (a step reads it once)
+        self._coop_lock = threading.Lock()
+
+    def set_hook(self, hook: StepHooks | None) -> None:
+        """Make `hook` the step hook (a new live pair, or the hosted rows again), under a wrapper if one is
+        installed: a prefill engine's KV shipper stays, and so do the sinks its remote prompts wait on."""
+        with self._coop_lock:
+            if isinstance(self.coop, WrappingHooks):
+                self.coop.inner = hook
+            else:
+                self.coop = hook
+
+    def step_down(self, hook: StepHooks, to: StepHooks | None) -> bool:
+        """`hook` hands the step over to `to` (a live pair once nothing runs split), if it still is the step hook
+        (itself or under a wrapper); False: it was replaced meanwhile, and that replacement stays."""
+        with self._coop_lock:
+            if self.coop is hook:
+                self.coop = to
+            elif isinstance(self.coop, WrappingHooks) and self.coop.inner is hook:
+                self.coop.inner = to
+            else:
+                return False
+            return True
+
+    def wrap_hook(self, kind: type[W], wrap: Callable[[StepHooks | None], W]) -> W:
+        """The installed wrapper of type `kind`, or `wrap(current hook)` installed now (once)."""
+        with self._coop_lock:
+            if not isinstance(self.coop, kind):
+                self.coop = wrap(self.coop)
+            return self.coop
 
     @property
     def idle(self) -> bool:
         """Nothing to step: no sequences and no pair rows waiting."""
-        return self.scheduler.idle and not self._inbox and not (self.coop is not None and self.coop.pending())
+        return self.scheduler.idle and not self._inbox and not ((c := self.coop) is not None and c.pending())
 
     def reset(self) -> None:
         """Forget every request (release: the instance holds nothing afterwards)."""
@@ -217,20 +260,24 @@ class Engine:
             c.k[layer].index_copy_(0, slots, k[layer].to(c.device))
             c.v[layer].index_copy_(0, slots, v[layer].to(c.device))
 
-    def _apply_aborts(self) -> None:
+    def _apply_aborts(self, coop: StepHooks | None) -> None:
         while self._aborts:
             rid = self._aborts.pop()
             self.scheduler.finish(rid)
             self.requests.pop(rid, None)
-            if self.coop is not None:  # a request handed to a live pair (redirect.py): abort it there
-                self.coop.abort(rid)
+            if coop is not None:  # a request handed to a live pair (redirect.py): abort it there
+                coop.abort(rid)
 
     def step(self) -> list[Event]:
         """schedule -> forward -> sample -> postprocess; the step's timing goes to the recorder."""
         self._fed, self._carry = self._carry, None
-        events = self._prepare()
+        # the step's hook, read once: the event loop may replace `coop` meanwhile (peering.py: a new pair), and the
+        # hook itself may step down inside its forward (pairclient.py: a plain engine again); the hook that ran the
+        # step prepares it and hands over the tokens that landed in it (reading `self.coop` again lost them)
+        coop = self.coop
+        events = self._prepare(coop)
         work = self._schedule()
-        if not work and not (self.coop is not None and self.coop.pending()):
+        if not work and not (coop is not None and coop.pending()):
             return events
         self.steps += 1
         now = time.monotonic()
@@ -243,28 +290,28 @@ class Engine:
         # it (pairclient.PairClient lands every answer that is back), adding the token (len(tokens) grows) or
         # finishing the request (it leaves `requests`); the recorder's facts likewise
         samples = [w.start + w.n == len(r.prompt) + len(r.out) for w, r in zip(work, rs, strict=True)]
-        note = self.recorder.begin(work, self.requests, self.coop, rs)
+        note = self.recorder.begin(work, self.requests, coop, rs)
         t0 = time.perf_counter()
         toks: Sequence[int | None]
         try:
-            if self.coop is None:
+            if coop is None:
                 with torch.inference_mode():  # once for the step's model calls (model.inference)
                     toks = self._forward(work, rs, samples)
             else:
-                toks = self.coop.forward(self, work)
+                toks = coop.forward(self, work)
         except (RuntimeError, ValueError, IndexError) as e:  # fails this step's requests, never the engine
             return events + self._fail(work, e)
         self.recorder.end(note, work, time.perf_counter() - t0)
-        return events + self._postprocess(work, samples, toks)
+        return events + self._postprocess(work, samples, toks, coop)
 
-    def _prepare(self) -> list[Event]:
+    def _prepare(self, coop: StepHooks | None) -> list[Event]:
         """Aborts, work handed over by the event loop, and the step hook's turn, before the schedule."""
-        self._apply_aborts()
+        self._apply_aborts(coop)
         events: list[Event] = []
         while self._inbox:
             events.extend(self._inbox.popleft()(self))
-        if self.coop is not None:
-            self.coop.prepare(self)
+        if coop is not None:
+            coop.prepare(self)
         return events
 
     def _schedule(self) -> list[Work]:
@@ -354,10 +401,11 @@ class Engine:
             self.requests.pop(w.id, None)
         return [Event(w.id, -1, True, f"error: {e}") for w in work]
 
-    def _postprocess(self, work: list[Work], samples: list[bool], toks: Sequence[int | None]) -> list[Event]:
+    def _postprocess(self, work: list[Work], samples: list[bool], toks: Sequence[int | None],
+                     coop: StepHooks | None) -> list[Event]:
         """Advance every chunk; a sampled token ends its request on stop/length. A chunk that samples takes the next
         of `toks`; None there: still out on a live pair (cooperation.py parked it), delivered when it lands."""
-        if len(toks) == len(work) and self.coop is None:  # every chunk sampled here (an all-decode step)
+        if len(toks) == len(work) and coop is None:  # every chunk sampled here (an all-decode step)
             self.scheduler.advance_all(work, samples)
             return self.deliver_all([w.id for w in work], toks, time.monotonic())  # type: ignore[arg-type]
         it = iter(toks)
@@ -365,8 +413,8 @@ class Engine:
         self.scheduler.advance_all(work, [t is not None for t in got])
         kept = [(w.id, t) for w, t in zip(work, got, strict=True) if t is not None]
         events = self.deliver_all([rid for rid, _ in kept], [t for _, t in kept], time.monotonic())
-        if self.coop is not None:
-            events.extend(self.coop.take_events())  # tokens that landed from a live pair (own or redirected)
+        if coop is not None:
+            events.extend(coop.take_events())  # tokens that landed from a live pair (own or redirected)
         return events
 
     def deliver(self, rid: str, tok: int, now: float) -> Event:

@@ -195,9 +195,9 @@ class PairClient:
             self._land(engine, self.inflight.popleft())
         # fully loaded, no split sequence left and nothing A handed us still here (one still queued would
         # otherwise run as ours and its tokens never reach A's client): a plain engine again
+        # (unless the event loop replaced this pair meanwhile: that one stays)
         if m.complete and not self.remote and not self.redirected and not self.inflight and \
-                all(k == L for k in self.split.values()):
-            engine.coop = self.fallback
+                all(k == L for k in self.split.values()) and engine.step_down(self, self.fallback):
             engine.scheduler.whole_prompts = False  # alone again: chunked prefill as usual
         return [toks[i] for i in sampling]
 

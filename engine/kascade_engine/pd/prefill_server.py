@@ -145,24 +145,31 @@ Sink = Callable[[KVPiece], None]  # where a remote sequence's KV pieces go (Pref
 @dataclass
 class KVShipper:
     """The prefill engine's step hook (Engine.coop): runs the batch layer by layer and hands each layer's
-    new KV of remote sequences to their sinks. Wraps the hook it replaced (live pair rows)."""
+    new KV of remote sequences to their sinks. Wraps the hook it was installed over (live pair rows), and stays
+    when that one is replaced (Engine.wrap_hook): the sinks of prompts being prefilled stay with it."""
 
-    inner: StepHooks | None
+    inner: StepHooks | None  # replaced under it (Engine.set_hook, Engine.step_down), even while a step runs
     sinks: dict[str, Sink] = field(default_factory=dict)
+    _ran: StepHooks | None = field(default=None, repr=False)  # the inner hook that ran the last step
 
     def pending(self) -> bool:
-        return self.inner is not None and self.inner.pending()
+        return (inner := self.inner) is not None and inner.pending()
 
     def abort(self, rid: str) -> None:
-        if self.inner is not None:
-            self.inner.abort(rid)
+        if (inner := self.inner) is not None:
+            inner.abort(rid)
 
     def take_events(self) -> list[Event]:
-        return self.inner.take_events() if self.inner is not None else []
+        # the tokens that landed in the step's inner hook too, if it was replaced during the step (a live pair
+        # stepping down inside its forward): asking only the new one lost them
+        ran, self._ran = self._ran, None
+        inner = self.inner
+        out = ran.take_events() if ran is not None and ran is not inner else []
+        return out + (inner.take_events() if inner is not None else [])
 
     def prepare(self, engine: Engine) -> None:
-        if self.inner is not None:
-            self.inner.prepare(engine)
+        if (inner := self.inner) is not None:
+            inner.prepare(engine)
 
     @staticmethod
     def _slots(engine: Engine, w: Work) -> list[int]:
@@ -196,10 +203,11 @@ class KVShipper:
         # on this engine. A dropped request's KV still goes to its old sink, which nobody reads, until the step ends
         remote = [(w, sink) for w in work if (sink := self.sinks.get(w.id)) is not None]
         L = engine.model.shape.layers
+        self._ran = inner = self.inner
         # pair rows share this step, or a tensor-parallel instance (its followers run the step's layers as one
         # message): run it whole, then ship every layer
-        if not remote or self.pending() or not engine.layerwise:
-            toks = self.inner.forward(engine, work) if self.inner is not None else engine._forward(work)
+        if not remote or (inner is not None and inner.pending()) or not engine.layerwise:
+            toks = inner.forward(engine, work) if inner is not None else engine._forward(work)
             if remote:
                 self._ship_all(engine, remote)
             return toks
@@ -215,8 +223,8 @@ class KVShipper:
         # an emulated accelerator (--emulate-layer-ms, the hook's HostRows.layer_s): a layer takes at least that
         # here too, past the knee (--emulate-knee-tokens) in proportion to its tokens, as `staggered` charges every
         # other step; without it a prefill engine that ships KV ran at the host CPU's pace whatever the setting
-        layer_s, t0 = getattr(self.inner, "layer_s", 0.0), time.perf_counter()
-        per_layer = layer_cost(len(ids), 1, getattr(self.inner, "knee_tokens", 0))
+        layer_s, t0 = getattr(inner, "layer_s", 0.0), time.perf_counter()
+        per_layer = layer_cost(len(ids), 1, getattr(inner, "knee_tokens", 0))
         for layer in range(L):  # one layer for the whole batch, then its KV leaves while the next computes
             h = m.run_layers(layer, layer + 1, h, batch)
             pace(t0, (layer + 1) * per_layer, layer_s)
@@ -256,10 +264,8 @@ class PrefillServer:
         self.refused = 0
 
     def _shipper(self) -> KVShipper:
-        eng = self.inst.engine
-        if not isinstance(eng.coop, KVShipper):  # installed on first use; set_cooperate may replace it
-            eng.coop = KVShipper(eng.coop)
-        return eng.coop
+        # installed on first use, over the hook then (a live pair's), and it stays: a new pair goes under it
+        return self.inst.engine.wrap_hook(KVShipper, KVShipper)
 
     async def handle(self, conn: Connection, first: Header) -> None:
         header: Header | None = first
