@@ -249,9 +249,14 @@ def build_registry(settings: OperatorSettings, shards: ShardSet | None = None) -
     @kopf.on.delete(**ms, when=shardhooks.claims)
     async def on_delete(body: kopf.Body, memo: kopf.Memo, **kw: Any) -> None:
         rt = rt_of(memo, kw)
-        await shardhooks.delete_guard(rt, body["metadata"]["namespace"])
-        with rounds.held(rt, body["metadata"]["namespace"], body["metadata"]["name"]):
-            async with rt.lock(body["metadata"]["namespace"], "modelservice/" + body["metadata"]["name"]):
+        ns = body["metadata"]["namespace"]
+        await shardhooks.delete_guard(rt, ns)
+        with rounds.held(rt, ns, body["metadata"]["name"]):
+            async with rt.lock(ns, "modelservice/" + body["metadata"]["name"]), shardhooks.held(rt, ns) as ok:
+                if not ok:  # given back while the lock was awaited: kopf retries, and delete_guard decides again
+                    raise kopf.TemporaryError("the service's shard was given back before its pods were released",
+                                              delay=rt.settings.lease_retry_seconds)
+                # counted as running (ShardSet.busy): a shard is given back only once the release is done
                 await plandriver.release_all(rt, dict(body))
         rounds.forget(rt, body["metadata"]["namespace"], body["metadata"]["name"])
 

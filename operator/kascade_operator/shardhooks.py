@@ -127,6 +127,7 @@ async def drive_owned(rt: Runtime, body: dict[str, Any], stopped: kopf.DaemonSto
                 return
             if (body.get("status") or {}).get("phase") in TERMINAL:
                 return
+            continue  # held still? The shard may have been given back while the plan was read
         with rt.shards.running(pool_ns):
             run = asyncio.create_task(drive(rt, body, stopped))
             lost = asyncio.create_task(rt.shards.wait_dropped(pool_ns))
