@@ -190,7 +190,11 @@ async def test_fig15_engine_follows_the_planners_zigzag(fig15_blocks, ilp: bool)
         await b.set_cooperate(CooperateRequest(p.peer, "zigzag"))
         assert b.pair is not None
         b.pair.policy = ZigZagPolicy(setting, ilp=ilp)
-        unit = 0.03  # one layer computation of one batch, in s (generous: the tiny model takes less)
+        # one layer computation of one batch, in s (the tiny model takes well under 1 ms). The schedule is
+        # emulated on the wall clock, so a process starved of the CPU skews it: at 30 ms a unit, the whole
+        # schedule took 1.3 s, and one 0.5 s stall beside a CI run plus 2 busy CPUs (load ~8 on 2 cores) moved
+        # 5 batches' finishes to the same moment (1 of 6 runs); at 100 ms a stall that long is 5 units
+        unit = 0.1
         loop = asyncio.get_running_loop()
         t0 = loop.time()
 
