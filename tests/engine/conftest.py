@@ -9,6 +9,9 @@ import pytest
 
 from kascade_devcluster import localengine
 from kascade_devcluster.localengine import EngineProc
+from kascade_engine.batch.engine import Engine
+from kascade_engine.batch.model import LlamaModel
+from kascade_engine.batch.scheduler import Limits
 from kascade_engine.weights.blocks import pack_checkpoint
 from kascade_engine.weights.checkpoint import tiny_llama
 
@@ -26,6 +29,15 @@ def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_blocks(tiny_ckpt: Path):
     return pack_checkpoint(tiny_ckpt, model="tiny-llama")
+
+
+@pytest.fixture
+def tiny_engine(tiny_blocks) -> Engine:
+    """An in-process engine over every block of the tiny model: 64-token steps, 256 KV tokens in 4-token pages."""
+    m = LlamaModel(tiny_blocks.config)
+    for b in tiny_blocks.blocks.values():
+        m.add_block(b.id, b.tensors())
+    return Engine(m, Limits(max_batch_tokens=64, kv_tokens=256, page_size=4))
 
 
 @pytest.fixture(scope="session")

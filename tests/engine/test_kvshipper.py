@@ -4,21 +4,12 @@ mid-step: its decode engine went away (PrefillServer._one's `finally`), and the 
 from __future__ import annotations
 
 from kascade_engine.batch.engine import Engine
-from kascade_engine.batch.model import LlamaModel
 from kascade_engine.batch.sampling import SamplingParams
-from kascade_engine.batch.scheduler import Limits
 from kascade_engine.pd.prefill_server import KVPiece, KVShipper
 
 
-def _engine(blocks) -> Engine:
-    m = LlamaModel(blocks.config)
-    for b in blocks.blocks.values():
-        m.add_block(b.id, b.tensors())
-    return Engine(m, Limits(max_batch_tokens=64, kv_tokens=256, page_size=4))
-
-
-def test_a_sink_dropped_during_the_step_fails_neither_the_step_nor_the_other_requests(tiny_blocks) -> None:
-    eng = _engine(tiny_blocks)
+def test_a_sink_dropped_during_the_step_fails_neither_the_step_nor_the_other_requests(tiny_engine: Engine) -> None:
+    eng = tiny_engine
     shipper = KVShipper(None)
     eng.coop = shipper
     params = SamplingParams(max_tokens=1)

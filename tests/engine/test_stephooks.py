@@ -8,9 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from kascade_engine.batch.engine import Engine, Event, StepHooks
-from kascade_engine.batch.model import LlamaModel
 from kascade_engine.batch.sampling import SamplingParams
-from kascade_engine.batch.scheduler import Limits, Work
+from kascade_engine.batch.scheduler import Work
 from kascade_engine.pd.prefill_server import KVPiece, KVShipper
 
 
@@ -50,15 +49,8 @@ def _hook(eng: Engine) -> StepHooks | None:  # (typed as the engine's, whatever 
     return eng.coop
 
 
-def _engine(blocks) -> Engine:
-    m = LlamaModel(blocks.config)
-    for b in blocks.blocks.values():
-        m.add_block(b.id, b.tensors())
-    return Engine(m, Limits(max_batch_tokens=64, kv_tokens=256, page_size=4))
-
-
-def test_a_hook_replaced_mid_step_still_ends_the_step_it_began(tiny_blocks) -> None:
-    eng = _engine(tiny_blocks)
+def test_a_hook_replaced_mid_step_still_ends_the_step_it_began(tiny_engine: Engine) -> None:
+    eng = tiny_engine
     new = Landing("new")
     old = Landing("old", inside=lambda e: setattr(e, "coop", new))  # the loop's set_cooperate, mid-forward
     eng.coop = old
@@ -71,8 +63,8 @@ def test_a_hook_replaced_mid_step_still_ends_the_step_it_began(tiny_blocks) -> N
     assert new.calls == ["prepare", "forward", "take_events"] and old.calls.count("forward") == 1
 
 
-def test_a_hook_stepping_down_inside_its_forward_hands_over_what_landed_there(tiny_blocks) -> None:
-    eng = _engine(tiny_blocks)
+def test_a_hook_stepping_down_inside_its_forward_hands_over_what_landed_there(tiny_engine: Engine) -> None:
+    eng = tiny_engine
     pair = Landing("pair")
 
     def plain(e: Engine) -> None:  # PairClient: a plain engine again
@@ -96,8 +88,8 @@ def _shipping(eng: Engine, shipper: KVShipper) -> tuple[str, list[KVPiece]]:
     return rid, got
 
 
-def test_a_pair_stepping_down_under_the_kv_shipper_leaves_the_shipper_and_its_sinks(tiny_blocks) -> None:
-    eng = _engine(tiny_blocks)
+def test_a_pair_stepping_down_under_the_kv_shipper_leaves_the_shipper_and_its_sinks(tiny_engine: Engine) -> None:
+    eng = tiny_engine
     host = Landing("host")
     pair = Landing("pair")
     pair.busy = True
@@ -123,8 +115,9 @@ def test_a_pair_stepping_down_under_the_kv_shipper_leaves_the_shipper_and_its_si
     assert [(p.layer, p.n) for p in more] == [(layer, 5) for layer in range(eng.model.shape.layers)]
 
 
-def test_the_loop_replacing_the_pair_wins_over_the_pair_stepping_down_and_keeps_the_shipper(tiny_blocks) -> None:
-    eng = _engine(tiny_blocks)
+def test_the_loop_replacing_the_pair_wins_over_the_pair_stepping_down_and_keeps_the_shipper(
+        tiny_engine: Engine) -> None:
+    eng = tiny_engine
     host, new = Landing("host"), Landing("new")
     pair = Landing("pair")
     pair.busy = True
