@@ -249,16 +249,16 @@ def build_registry(settings: OperatorSettings, shards: ShardSet | None = None) -
     @kopf.on.delete(**ms, when=shardhooks.claims)
     async def on_delete(body: kopf.Body, memo: kopf.Memo, **kw: Any) -> None:
         rt = rt_of(memo, kw)
-        ns = body["metadata"]["namespace"]
+        ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
         await shardhooks.delete_guard(rt, ns)
-        with rounds.held(rt, ns, body["metadata"]["name"]):
-            async with rt.lock(ns, "modelservice/" + body["metadata"]["name"]), shardhooks.held(rt, ns) as ok:
+        with rounds.held(rt, ns, name):
+            async with rt.lock(ns, "modelservice/" + name), shardhooks.held(rt, ns) as ok:
                 if not ok:  # given back while the lock was awaited: kopf retries, and delete_guard decides again
                     raise kopf.TemporaryError("the service's shard was given back before its pods were released",
                                               delay=rt.settings.lease_retry_seconds)
                 # counted as running (ShardSet.busy): a shard is given back only once the release is done
                 await plandriver.release_all(rt, dict(body))
-        rounds.forget(rt, body["metadata"]["namespace"], body["metadata"]["name"])
+        rounds.forget(rt, ns, name)
 
     # a plan's daemon stops when its phase turns terminal: signalled first (the driver returns on its own
     # within one poll), cancelled only after cancellation_backoff
